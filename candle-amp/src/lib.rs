@@ -1,0 +1,1 @@
+//! candle-amp (work in progress)

@@ -1,0 +1,1 @@
+//! candle-pipeline (work in progress)

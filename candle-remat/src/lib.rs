@@ -1,0 +1,1 @@
+//! candle-remat (work in progress)
