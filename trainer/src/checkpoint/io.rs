@@ -1,0 +1,108 @@
+//! Atomic file writes and checked safetensors reads.
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+
+use crate::{Error, Result};
+
+/// Writes `bytes` to `path` atomically: a temporary file in the same directory is written,
+/// fsynced and renamed over `path`, then the directory is fsynced. A crash leaves either the old
+/// file or the new one, never a torn one.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "file".into());
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| -> std::io::Result<()> {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        drop(f);
+        fs::rename(&tmp, path)?;
+        sync_dir(dir)
+    })();
+    if let Err(e) = result {
+        let _ = fs::remove_file(&tmp);
+        return Err(Error::io(path, e));
+    }
+    Ok(())
+}
+
+/// fsyncs a directory so that renames inside it are durable (no-op where unsupported).
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        File::open(dir)?.sync_all()?;
+    }
+    #[cfg(not(unix))]
+    let _ = dir;
+    Ok(())
+}
+
+/// Serialises named tensors (and string metadata) in the safetensors format and writes the
+/// file atomically.
+pub fn save_safetensors(
+    path: &Path,
+    tensors: &[(String, Tensor)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
+    // safetensors needs contiguous data; `View` for Tensor handles the copy to the host.
+    let mut items = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        items.push((name.as_str(), t.contiguous()?));
+    }
+    let bytes = safetensors::serialize(items, metadata)
+        .map_err(|e| Error::checkpoint(path, format!("cannot serialise: {e}")))?;
+    write_atomic(path, &bytes)
+}
+
+/// A safetensors file read and validated: tensors on `device` and the metadata.
+pub struct Loaded {
+    /// The tensors by name.
+    pub tensors: HashMap<String, Tensor>,
+    /// The string metadata of the header (empty if none).
+    pub metadata: HashMap<String, String>,
+}
+
+/// Reads a safetensors file, turning a missing, truncated or corrupt file into an error that
+/// names the file and the problem.
+pub fn load_safetensors(path: &Path, device: &Device) -> Result<Loaded> {
+    let bytes = fs::read(path).map_err(|e| Error::io(path, e))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
+        Error::checkpoint(
+            path,
+            format!("not a valid safetensors file (truncated or corrupt?): {e}"),
+        )
+    })?;
+    let metadata = safetensors::SafeTensors::read_metadata(&bytes)
+        .ok()
+        .and_then(|(_, m)| m.metadata().clone())
+        .unwrap_or_default();
+    let mut tensors = HashMap::new();
+    for (name, view) in st.tensors() {
+        let t = candle_core::safetensors::Load::load(&view, device)
+            .map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
+        tensors.insert(name, t);
+    }
+    Ok(Loaded { tensors, metadata })
+}
+
+/// Reads a JSON file into `T`, naming the file on error.
+pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::checkpoint(path, format!("invalid JSON: {e}")))
+}
+
+/// Writes `value` as pretty JSON, atomically.
+pub fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> Result<()> {
+    let text = serde_json::to_string_pretty(value)
+        .map_err(|e| Error::checkpoint(path, format!("cannot serialise: {e}")))?;
+    write_atomic(path, text.as_bytes())
+}

@@ -1,0 +1,212 @@
+//! Checkpoints that resume bit-exactly, written atomically.
+//!
+//! A run directory looks like this:
+//!
+//! ```text
+//! runs/addition/
+//!   run.toml                      the run's config
+//!   metrics.jsonl                 one JSON object per step and per evaluation
+//!   loss.svg                      train/val loss curve, refreshed at each evaluation
+//!   checkpoints/
+//!     latest                      name of the newest complete checkpoint
+//!     step-0001000/
+//!       model.safetensors         weights under Hugging Face GPT-2 names
+//!       config.json               Hugging Face GPT-2 config
+//!       optimizer.safetensors     AdamW moments; step count in the metadata
+//!       trainer_state.json        step, RNG state, best val loss, run config
+//! ```
+//!
+//! A checkpoint is first written to a hidden temporary directory (every file fsynced), which is
+//! then renamed into place; `latest` is replaced atomically afterwards. A killed run therefore
+//! leaves the previous checkpoint intact, and a half-written one is never picked up.
+
+pub mod io;
+mod state;
+
+use std::collections::HashMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+
+pub use state::{RngState, TrainerState};
+
+use crate::model::{GptConfig, Params};
+use crate::optim::AdamW;
+use crate::{Error, Result};
+
+/// File names inside a checkpoint directory.
+pub const MODEL_FILE: &str = "model.safetensors";
+/// Hugging Face config file name.
+pub const CONFIG_FILE: &str = "config.json";
+/// Optimiser state file name.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// Trainer state file name.
+pub const STATE_FILE: &str = "trainer_state.json";
+
+/// The directory holding a run's checkpoints.
+pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("checkpoints")
+}
+
+/// Finds the checkpoint directory meant by `path`: a checkpoint directory itself (it has a
+/// `trainer_state.json` or a `model.safetensors`), or a run directory (its latest checkpoint).
+pub fn resolve(path: &Path) -> Result<PathBuf> {
+    if !path.exists() {
+        return Err(Error::checkpoint(path, "no such file or directory"));
+    }
+    if path.join(STATE_FILE).is_file() || path.join(MODEL_FILE).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    let ckpts = checkpoints_dir(path);
+    let latest = ckpts.join("latest");
+    if latest.is_file() {
+        let name = fs::read_to_string(&latest).map_err(|e| Error::io(&latest, e))?;
+        let dir = ckpts.join(name.trim());
+        if dir.join(STATE_FILE).is_file() {
+            return Ok(dir);
+        }
+        return Err(Error::checkpoint(
+            &latest,
+            format!("points to `{}`, which is not a complete checkpoint", name.trim()),
+        ));
+    }
+    Err(Error::checkpoint(
+        path,
+        "neither a checkpoint directory (no trainer_state.json / model.safetensors) nor a run \
+         directory with checkpoints/latest",
+    ))
+}
+
+/// Saves a complete checkpoint for `state.step` under `run_dir/checkpoints/`, atomically,
+/// points `latest` at it and returns its directory.
+pub fn save(
+    run_dir: &Path,
+    config: &GptConfig,
+    params: &Params,
+    optimizer: &AdamW,
+    state: &TrainerState,
+) -> Result<PathBuf> {
+    let ckpts = checkpoints_dir(run_dir);
+    fs::create_dir_all(&ckpts).map_err(|e| Error::io(&ckpts, e))?;
+    let name = format!("step-{:07}", state.step);
+    let final_dir = ckpts.join(&name);
+    let tmp = ckpts.join(format!(".tmp-{name}-{}", std::process::id()));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    let written = (|| -> Result<()> {
+        save_model(&tmp, config, params)?;
+        let (opt_tensors, opt_step) = optimizer.state_tensors();
+        let meta = HashMap::from([("step".to_string(), opt_step.to_string())]);
+        io::save_safetensors(&tmp.join(OPTIMIZER_FILE), &opt_tensors, Some(meta))?;
+        io::write_json(&tmp.join(STATE_FILE), state)?;
+        io::sync_dir(&tmp).map_err(|e| Error::io(&tmp, e))
+    })();
+    if let Err(e) = written {
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if final_dir.exists() {
+        // Re-saving the same step (e.g. after a resume): move the old one aside first, so
+        // that a complete checkpoint exists at every moment.
+        let old = ckpts.join(format!(".old-{name}-{}", std::process::id()));
+        fs::rename(&final_dir, &old).map_err(|e| Error::io(&final_dir, e))?;
+        fs::rename(&tmp, &final_dir).map_err(|e| Error::io(&final_dir, e))?;
+        let _ = fs::remove_dir_all(&old);
+    } else {
+        fs::rename(&tmp, &final_dir).map_err(|e| Error::io(&final_dir, e))?;
+    }
+    io::sync_dir(&ckpts).map_err(|e| Error::io(&ckpts, e))?;
+    io::write_atomic(&ckpts.join("latest"), name.as_bytes())?;
+    Ok(final_dir)
+}
+
+/// Writes `model.safetensors` (HF names, f32) and `config.json` into `dir`.
+pub fn save_model(dir: &Path, config: &GptConfig, params: &Params) -> Result<()> {
+    let tensors: Vec<(String, Tensor)> = params
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+        .collect();
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    io::save_safetensors(&dir.join(MODEL_FILE), &tensors, Some(meta))?;
+    let json = serde_json::to_string_pretty(&config.to_hf_json())
+        .map_err(|e| Error::checkpoint(dir, e.to_string()))?;
+    io::write_atomic(&dir.join(CONFIG_FILE), json.as_bytes())
+}
+
+/// Loads a model directory (`config.json` + `model.safetensors`, as written by this crate or
+/// by Hugging Face `transformers` for GPT-2) onto `device`.
+///
+/// Names without the `transformer.` prefix (GPT2Model checkpoints, e.g. `openai-community/gpt2`)
+/// are accepted, the non-trainable `attn.bias` / `attn.masked_bias` buffers and a separate
+/// `lm_head.weight` equal to the tied embedding are dropped, and f16/bf16 weights are widened
+/// to f32. Missing, extra or mis-shaped tensors are an error naming the file.
+pub fn load_model(dir: &Path, device: &Device) -> Result<(GptConfig, Params)> {
+    let config = GptConfig::from_hf_json_file(&dir.join(CONFIG_FILE))?;
+    let path = dir.join(MODEL_FILE);
+    let params = load_params(&path, &config, device)?;
+    Ok((config, params))
+}
+
+/// Loads `model.safetensors` at `path` and checks it against `config`.
+pub fn load_params(path: &Path, config: &GptConfig, device: &Device) -> Result<Params> {
+    let loaded = io::load_safetensors(path, device)?;
+    let mut tensors = Vec::with_capacity(loaded.tensors.len());
+    for (name, t) in loaded.tensors {
+        if name.ends_with(".attn.bias") && t.rank() == 4 || name.ends_with(".attn.masked_bias") {
+            continue; // HF's causal-mask buffers, not parameters
+        }
+        if name == "lm_head.weight" {
+            continue; // tied to transformer.wte.weight
+        }
+        let name = if name.starts_with("transformer.") {
+            name
+        } else {
+            format!("transformer.{name}")
+        };
+        tensors.push((name, t.to_dtype(candle_core::DType::F32)?));
+    }
+    let params = Params::from_tensors(tensors)?;
+    params
+        .check_gpt(config)
+        .map_err(|e| Error::checkpoint(path, e.to_string().replace("checkpoint <params>: ", "")))?;
+    Ok(params)
+}
+
+/// Loads the optimiser state of checkpoint `dir` into `optimizer`.
+pub fn load_optimizer(dir: &Path, optimizer: &mut AdamW, device: &Device) -> Result<()> {
+    let path = dir.join(OPTIMIZER_FILE);
+    let loaded = io::load_safetensors(&path, device)?;
+    let step = loaded
+        .metadata
+        .get("step")
+        .and_then(|s| s.parse::<usize>().ok())
+        .ok_or_else(|| Error::checkpoint(&path, "metadata has no valid `step`"))?;
+    optimizer
+        .load_state_tensors(&loaded.tensors, step)
+        .map_err(|e| Error::checkpoint(&path, e.to_string()))
+}
+
+/// Deletes old checkpoints, keeping the newest `keep_last` and the one named `keep` (the best).
+pub fn prune(run_dir: &Path, keep_last: usize, keep: Option<&str>) -> Result<()> {
+    let ckpts = checkpoints_dir(run_dir);
+    let mut names: Vec<String> = fs::read_dir(&ckpts)
+        .map_err(|e| Error::io(&ckpts, e))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    names.sort();
+    let n = names.len();
+    for (i, name) in names.iter().enumerate() {
+        let newest = i + keep_last.max(1) >= n;
+        if newest || Some(name.as_str()) == keep {
+            continue;
+        }
+        let dir = ckpts.join(name);
+        fs::remove_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+    }
+    Ok(())
+}

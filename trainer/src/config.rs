@@ -1,0 +1,221 @@
+//! The run configuration: defaults, a TOML file, and `--key value` overrides from the CLI.
+//!
+//! One list of fields (in the `train_config!` invocation below) generates the config struct, its
+//! defaults, and the matching clap overrides, so a new option is added in one place and shows up
+//! in `trainer train --help` with its documentation.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::GptConfig;
+use crate::optim::AdamWConfig;
+use crate::schedule::LrSchedule;
+use crate::{Error, Result};
+
+macro_rules! train_config {
+    ($( $(#[doc = $doc:literal])* $name:ident : $ty:ty = $default:expr ),* $(,)?) => {
+        /// Everything a training run needs. Load with [`TrainConfig::from_toml_file`], override
+        /// with [`Overrides`], check with [`TrainConfig::validate`].
+        #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+        #[serde(default, deny_unknown_fields)]
+        pub struct TrainConfig {
+            $( $(#[doc = $doc])* pub $name: $ty, )*
+        }
+
+        impl Default for TrainConfig {
+            fn default() -> Self {
+                TrainConfig { $( $name: $default, )* }
+            }
+        }
+
+        /// Command-line overrides of [`TrainConfig`] fields (`--n-layer 6`, `--lr 3e-4`, ...).
+        #[derive(Clone, Debug, Default, clap::Args)]
+        pub struct Overrides {
+            $(
+                $(#[doc = $doc])*
+                #[arg(long, help_heading = "Config (overrides the --config file)")]
+                pub $name: Option<$ty>,
+            )*
+        }
+
+        impl Overrides {
+            /// Writes every given override into `cfg`.
+            pub fn apply(&self, cfg: &mut TrainConfig) {
+                $( if let Some(v) = &self.$name { cfg.$name = v.clone(); } )*
+            }
+
+            /// Names of the fields that were given.
+            pub fn given(&self) -> Vec<&'static str> {
+                let mut v = Vec::new();
+                $( if self.$name.is_some() { v.push(stringify!($name)); } )*
+                v
+            }
+        }
+    };
+}
+
+train_config! {
+    /// Run directory: checkpoints, metrics.jsonl, loss.svg.
+    out_dir: PathBuf = PathBuf::from("runs/addition"),
+    /// Seed of initialisation, data sampling and dropout.
+    seed: u64 = 1337,
+    /// Device: `cpu`, `cuda`, `cuda:N` or `metal` (GPU ones need the matching cargo feature).
+    device: String = "cpu".into(),
+    /// Data source: `addition` (embedded, no file), `char`, `byte` or `tokenizer`.
+    data: String = "addition".into(),
+    /// Text corpus for `char`, `byte` and `tokenizer` data.
+    data_path: Option<PathBuf> = None,
+    /// A Hugging Face `tokenizer.json` for `tokenizer` data.
+    tokenizer_path: Option<PathBuf> = None,
+    /// Fraction of the corpus held out for validation (the end of the file).
+    val_fraction: f32 = 0.1,
+    /// Where tokenised corpora are cached (default: `.cache/candle-train`).
+    cache_dir: Option<PathBuf> = None,
+    /// Digits per operand of the embedded addition task.
+    digits: usize = 3,
+    /// Start from pretrained weights: a directory with config.json + model.safetensors, or a
+    /// Hugging Face model id found in the local hub cache (HF_HOME). Model shape options are
+    /// then taken from its config.
+    init_from: Option<String> = None,
+    /// Transformer blocks.
+    n_layer: usize = 4,
+    /// Attention heads.
+    n_head: usize = 4,
+    /// Embedding width.
+    n_embd: usize = 128,
+    /// Context length.
+    block_size: usize = 64,
+    /// Dropout probability.
+    dropout: f32 = 0.0,
+    /// Biases in linear layers and LayerNorms.
+    bias: bool = true,
+    /// Sequences per micro-batch.
+    batch_size: usize = 32,
+    /// Micro-batches accumulated per optimiser step.
+    grad_accum: usize = 1,
+    /// Optimiser steps in the run.
+    max_iters: usize = 1500,
+    /// Peak learning rate.
+    lr: f64 = 1e-3,
+    /// Final learning rate of the cosine decay.
+    min_lr: f64 = 1e-4,
+    /// Linear warm-up steps.
+    warmup_iters: usize = 100,
+    /// Step at which the cosine decay reaches min_lr (default: max_iters).
+    lr_decay_iters: Option<usize> = None,
+    /// AdamW decoupled weight decay (2-D weights only).
+    weight_decay: f64 = 0.1,
+    /// AdamW beta1.
+    beta1: f64 = 0.9,
+    /// AdamW beta2.
+    beta2: f64 = 0.99,
+    /// Clip the global gradient norm to this value (0 disables).
+    grad_clip: f32 = 1.0,
+    /// Evaluate (and checkpoint) every this many steps.
+    eval_interval: usize = 250,
+    /// Batches averaged per evaluation loss.
+    eval_iters: usize = 20,
+    /// Held-out problems scored per evaluation (tasks with a score only).
+    eval_problems: usize = 500,
+    /// Checkpoints kept besides the best one.
+    keep_last: usize = 2,
+    /// Tokens sampled at each evaluation (0: none).
+    sample_tokens: usize = 0,
+}
+
+impl TrainConfig {
+    /// Reads a TOML file of config fields (unknown keys are an error naming the file).
+    pub fn from_toml_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        toml::from_str(&text).map_err(|e| Error::Config(format!("{}: {e}", path.display())))
+    }
+
+    /// The config as TOML.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_default()
+    }
+
+    /// The model shape, with `vocab_size` from the data.
+    pub fn gpt_config(&self, vocab_size: usize) -> GptConfig {
+        GptConfig {
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            n_embd: self.n_embd,
+            block_size: self.block_size,
+            vocab_size,
+            dropout: self.dropout,
+            bias: self.bias,
+        }
+    }
+
+    /// The optimiser's hyper-parameters.
+    pub fn adamw_config(&self) -> AdamWConfig {
+        AdamWConfig {
+            lr: self.lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: 1e-8,
+            weight_decay: self.weight_decay,
+        }
+    }
+
+    /// The learning-rate schedule.
+    pub fn lr_schedule(&self) -> LrSchedule {
+        LrSchedule {
+            lr: self.lr,
+            min_lr: self.min_lr,
+            warmup_iters: self.warmup_iters,
+            decay_iters: self.lr_decay_iters.unwrap_or(self.max_iters),
+        }
+    }
+
+    /// Checks every value that can be checked without the data or a checkpoint.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(m));
+        self.gpt_config(1).validate()?;
+        if !["addition", "char", "byte", "tokenizer"].contains(&self.data.as_str()) {
+            return bad(format!(
+                "data must be addition, char, byte or tokenizer, not `{}`",
+                self.data
+            ));
+        }
+        if self.data != "addition" && self.data_path.is_none() {
+            return bad(format!("data `{}` needs --data-path", self.data));
+        }
+        if self.data == "tokenizer" && self.tokenizer_path.is_none() {
+            return bad("data `tokenizer` needs --tokenizer-path".into());
+        }
+        if self.batch_size == 0 || self.grad_accum == 0 {
+            return bad("batch_size and grad_accum must be at least 1".into());
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return bad(format!("lr must be positive, got {}", self.lr));
+        }
+        if !(self.min_lr >= 0.0 && self.min_lr <= self.lr) {
+            return bad(format!(
+                "min_lr ({}) must be in [0, lr = {}]",
+                self.min_lr, self.lr
+            ));
+        }
+        if !(0.0..1.0).contains(&self.beta1) || !(0.0..1.0).contains(&self.beta2) {
+            return bad("beta1 and beta2 must be in [0, 1)".into());
+        }
+        if self.weight_decay < 0.0 || self.grad_clip < 0.0 {
+            return bad("weight_decay and grad_clip must be >= 0".into());
+        }
+        if self.eval_interval == 0 || self.eval_iters == 0 {
+            return bad("eval_interval and eval_iters must be at least 1".into());
+        }
+        if !(self.val_fraction > 0.0 && self.val_fraction < 1.0) {
+            return bad(format!(
+                "val_fraction must be in (0, 1), got {}",
+                self.val_fraction
+            ));
+        }
+        if self.data == "addition" && !(1..=9).contains(&self.digits) {
+            return bad(format!("digits must be in 1..=9, got {}", self.digits));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,81 @@
+//! The trainer library's error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in the trainer library.
+///
+/// Each variant names the file (when there is one) and the problem, so that the CLI can print
+/// one clear line.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A tensor operation failed.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory concerned.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A configuration value is impossible or inconsistent.
+    #[error("invalid config: {0}")]
+    Config(String),
+    /// A data file or data source is unusable (empty, too short, unreadable...).
+    #[error("data {path}: {msg}")]
+    Data {
+        /// The data file (or a description of the source).
+        path: PathBuf,
+        /// What is wrong with it.
+        msg: String,
+    },
+    /// A checkpoint file is missing, corrupt or does not match the model.
+    #[error("checkpoint {path}: {msg}")]
+    Checkpoint {
+        /// The checkpoint file or directory.
+        path: PathBuf,
+        /// What is wrong with it.
+        msg: String,
+    },
+    /// A tokenizer could not be loaded or failed to encode/decode.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// Training produced a non-finite loss.
+    #[error("non-finite loss {loss} at step {step}")]
+    NonFiniteLoss {
+        /// The step at which the loss was observed.
+        step: usize,
+        /// The loss value.
+        loss: f32,
+    },
+}
+
+impl Error {
+    /// Builds an [`Error::Io`] for `path`.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    /// Builds an [`Error::Data`] for `path`.
+    pub fn data(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        Error::Data {
+            path: path.into(),
+            msg: msg.into(),
+        }
+    }
+
+    /// Builds an [`Error::Checkpoint`] for `path`.
+    pub fn checkpoint(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        Error::Checkpoint {
+            path: path.into(),
+            msg: msg.into(),
+        }
+    }
+}
+
+/// Result with the trainer's [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;

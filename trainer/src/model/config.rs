@@ -1,0 +1,188 @@
+//! GPT hyper-parameters, validated, and their Hugging Face `config.json` form.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// The shape of a GPT-2 style model.
+///
+/// Field names follow nanoGPT's `GPTConfig`; [`GptConfig::to_hf_json`] writes the same values
+/// under Hugging Face's GPT-2 names (`n_positions`, `n_ctx`, `resid_pdrop`, ...).
+///
+/// ```
+/// use trainer::model::GptConfig;
+/// let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, vocab_size: 50, dropout: 0.0, bias: true };
+/// cfg.validate().unwrap();
+/// assert!(GptConfig { n_head: 3, ..cfg }.validate().is_err()); // 32 is not divisible by 3
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GptConfig {
+    /// Number of transformer blocks.
+    pub n_layer: usize,
+    /// Attention heads per block; must divide `n_embd`.
+    pub n_head: usize,
+    /// Width of the residual stream.
+    pub n_embd: usize,
+    /// Maximum sequence length (number of learned positions).
+    pub block_size: usize,
+    /// Vocabulary size (rows of the token embedding, which the head shares).
+    pub vocab_size: usize,
+    /// Dropout probability used after embeddings, attention probabilities and residual branches.
+    pub dropout: f32,
+    /// Whether linear layers and LayerNorms have biases (GPT-2: true).
+    pub bias: bool,
+}
+
+impl Default for GptConfig {
+    /// A small model that learns the embedded addition task in a couple of minutes on a CPU.
+    fn default() -> Self {
+        GptConfig {
+            n_layer: 4,
+            n_head: 4,
+            n_embd: 128,
+            block_size: 64,
+            vocab_size: 16,
+            dropout: 0.0,
+            bias: true,
+        }
+    }
+}
+
+impl GptConfig {
+    /// GPT-2 small (124M) as published by OpenAI.
+    pub fn gpt2() -> Self {
+        GptConfig {
+            n_layer: 12,
+            n_head: 12,
+            n_embd: 768,
+            block_size: 1024,
+            vocab_size: 50257,
+            dropout: 0.0,
+            bias: true,
+        }
+    }
+
+    /// Checks that the values describe a model that can be built.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(Error::Config(msg));
+        if self.n_layer == 0 {
+            return bad("n_layer must be at least 1".into());
+        }
+        if self.n_head == 0 || self.n_embd == 0 {
+            return bad(format!(
+                "n_head ({}) and n_embd ({}) must be positive",
+                self.n_head, self.n_embd
+            ));
+        }
+        if self.n_embd % self.n_head != 0 {
+            return bad(format!(
+                "n_embd ({}) must be divisible by n_head ({})",
+                self.n_embd, self.n_head
+            ));
+        }
+        if self.block_size == 0 {
+            return bad("block_size must be at least 1".into());
+        }
+        if self.vocab_size == 0 {
+            return bad("vocab_size must be at least 1".into());
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return bad(format!("dropout ({}) must be in [0, 1)", self.dropout));
+        }
+        Ok(())
+    }
+
+    /// Number of parameters (the tied head counted once).
+    pub fn num_params(&self) -> usize {
+        let (c, l) = (self.n_embd, self.n_layer);
+        let b = usize::from(self.bias);
+        let ln = c + b * c;
+        let block = 2 * ln + (c * 3 * c + b * 3 * c) + (c * c + b * c) // attention
+            + (c * 4 * c + b * 4 * c) + (4 * c * c + b * c); // mlp
+        self.vocab_size * c + self.block_size * c + l * block + ln
+    }
+
+    /// The Hugging Face GPT-2 `config.json` for this model.
+    pub fn to_hf_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "activation_function": "gelu_new",
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "n_embd": self.n_embd,
+            "n_positions": self.block_size,
+            "n_ctx": self.block_size,
+            "n_inner": null,
+            "vocab_size": self.vocab_size,
+            "embd_pdrop": self.dropout,
+            "attn_pdrop": self.dropout,
+            "resid_pdrop": self.dropout,
+            "layer_norm_epsilon": super::LN_EPS,
+            "initializer_range": 0.02,
+            "tie_word_embeddings": true,
+            "scale_attn_weights": true,
+            "bias": self.bias,
+            "torch_dtype": "float32",
+        })
+    }
+
+    /// Reads a Hugging Face GPT-2 `config.json` (as written by [`GptConfig::to_hf_json`] or by
+    /// `transformers`). Unsupported variants (other activations, `n_inner` != 4 * n_embd) are
+    /// rejected with an error naming the file.
+    pub fn from_hf_json_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::checkpoint(path, format!("not valid JSON: {e}")))?;
+        let get = |k: &str| -> Result<usize> {
+            v.get(k)
+                .and_then(|x| x.as_u64())
+                .map(|x| x as usize)
+                .ok_or_else(|| Error::checkpoint(path, format!("missing integer field `{k}`")))
+        };
+        if let Some(mt) = v.get("model_type").and_then(|x| x.as_str()) {
+            if mt != "gpt2" {
+                return Err(Error::checkpoint(
+                    path,
+                    format!("model_type is `{mt}`, only `gpt2` is supported"),
+                ));
+            }
+        }
+        if let Some(act) = v.get("activation_function").and_then(|x| x.as_str()) {
+            if act != "gelu_new" && act != "gelu_pytorch_tanh" {
+                return Err(Error::checkpoint(
+                    path,
+                    format!("activation_function `{act}` is not supported (gelu_new only)"),
+                ));
+            }
+        }
+        let n_embd = get("n_embd")?;
+        if let Some(inner) = v.get("n_inner").and_then(|x| x.as_u64()) {
+            if inner as usize != 4 * n_embd {
+                return Err(Error::checkpoint(
+                    path,
+                    format!("n_inner {inner} != 4 * n_embd is not supported"),
+                ));
+            }
+        }
+        let dropout = v
+            .get("resid_pdrop")
+            .and_then(|x| x.as_f64())
+            .unwrap_or(0.0) as f32;
+        let cfg = GptConfig {
+            n_layer: get("n_layer")?,
+            n_head: get("n_head")?,
+            n_embd,
+            block_size: get("n_positions")?,
+            vocab_size: get("vocab_size")?,
+            dropout,
+            bias: v.get("bias").and_then(|x| x.as_bool()).unwrap_or(true),
+        };
+        cfg.validate()
+            .map_err(|e| Error::checkpoint(path, e.to_string()))?;
+        Ok(cfg)
+    }
+}

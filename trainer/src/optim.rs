@@ -1,0 +1,256 @@
+//! AdamW with state the trainer owns (so it can be checkpointed), global-norm clipping and
+//! gradient accumulation over Candle's [`GradStore`].
+//!
+//! candle-nn's `AdamW` keeps its moments and step count private, so a run using it cannot be
+//! resumed exactly. [`AdamW`] here has the same update rule (Loshchilov & Hutter's decoupled
+//! weight decay, as in PyTorch) and exposes its state through [`AdamW::state_tensors`] /
+//! [`AdamW::load_state_tensors`]. It implements [`candle_nn::Optimizer`], so other crates
+//! (e.g. `candle-amp`) can drive it.
+
+use std::collections::HashMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+use crate::model::Params;
+use crate::{Error, Result};
+
+/// AdamW hyper-parameters (PyTorch's names and defaults, except `weight_decay`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdamWConfig {
+    /// Learning rate (the schedule overrides it every step).
+    pub lr: f64,
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Denominator epsilon.
+    pub eps: f64,
+    /// Decoupled weight decay, applied to parameters of rank >= 2 only (matmul and embedding
+    /// weights; not biases or LayerNorm scales), as nanoGPT does.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        AdamWConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }
+    }
+}
+
+struct Slot {
+    name: String,
+    var: Var,
+    m: Tensor,
+    v: Tensor,
+    decay: bool,
+}
+
+/// AdamW over named f32 parameters.
+///
+/// ```
+/// use candle_core::{Device, Tensor, Var};
+/// use candle_nn::Optimizer;
+/// use trainer::model::Params;
+/// use trainer::optim::{AdamW, AdamWConfig};
+/// let w = Var::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu)?;
+/// let params = Params::from_vars([("w".to_string(), w.clone())]);
+/// let mut opt = AdamW::new(&params, AdamWConfig { lr: 0.1, ..Default::default() })?;
+/// let loss = w.as_tensor().sqr()?.sum_all()?;
+/// opt.step(&loss.backward()?)?;
+/// assert_eq!(opt.step_count(), 1);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct AdamW {
+    config: AdamWConfig,
+    slots: Vec<Slot>,
+    step: usize,
+}
+
+impl AdamW {
+    /// An optimiser for every parameter in `params`, with zero moments.
+    pub fn new(params: &Params, config: AdamWConfig) -> Result<Self> {
+        let mut slots = Vec::with_capacity(params.len());
+        for (name, var) in params.iter() {
+            if var.dtype() != DType::F32 {
+                return Err(Error::Config(format!(
+                    "AdamW keeps f32 state: parameter `{name}` is {:?}",
+                    var.dtype()
+                )));
+            }
+            let zeros = var.zeros_like()?;
+            slots.push(Slot {
+                name: name.clone(),
+                var: var.clone(),
+                m: zeros.clone(),
+                v: zeros,
+                decay: var.rank() >= 2,
+            });
+        }
+        Ok(AdamW {
+            config,
+            slots,
+            step: 0,
+        })
+    }
+
+    /// Number of updates applied so far.
+    pub fn step_count(&self) -> usize {
+        self.step
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> &AdamWConfig {
+        &self.config
+    }
+
+    /// Applies one AdamW update from `grads`. Parameters without a gradient are left alone
+    /// (their moments do not decay), like PyTorch.
+    pub fn apply(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        self.step += 1;
+        let c = &self.config;
+        let t = self.step as i32;
+        let bc1 = 1.0 - c.beta1.powi(t);
+        let bc2 = 1.0 - c.beta2.powi(t);
+        let step_size = c.lr / bc1;
+        for slot in self.slots.iter_mut() {
+            let Some(g) = grads.get(&slot.var) else {
+                continue;
+            };
+            let g = g.to_dtype(DType::F32)?;
+            slot.m = ((&slot.m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
+            slot.v = ((&slot.v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
+            let denom = ((&slot.v / bc2)?.sqrt()? + c.eps)?;
+            let update = ((&slot.m / &denom)? * step_size)?;
+            let p = slot.var.as_tensor();
+            let p = if slot.decay && c.weight_decay != 0.0 {
+                (p * (1.0 - c.lr * c.weight_decay))?
+            } else {
+                p.clone()
+            };
+            slot.var.set(&(p - update)?)?;
+        }
+        Ok(())
+    }
+
+    /// The state as named tensors: `{name}.exp_avg`, `{name}.exp_avg_sq`, plus the step count
+    /// (returned separately so it can be stored as metadata).
+    pub fn state_tensors(&self) -> (Vec<(String, Tensor)>, usize) {
+        let mut out = Vec::with_capacity(2 * self.slots.len());
+        for s in &self.slots {
+            out.push((format!("{}.exp_avg", s.name), s.m.clone()));
+            out.push((format!("{}.exp_avg_sq", s.name), s.v.clone()));
+        }
+        (out, self.step)
+    }
+
+    /// Restores state saved by [`AdamW::state_tensors`]; every moment must be present with
+    /// the parameter's shape.
+    pub fn load_state_tensors(
+        &mut self,
+        tensors: &HashMap<String, Tensor>,
+        step: usize,
+    ) -> Result<()> {
+        for s in self.slots.iter_mut() {
+            for (suffix, dst) in [("exp_avg", &mut s.m), ("exp_avg_sq", &mut s.v)] {
+                let key = format!("{}.{suffix}", s.name);
+                let t = tensors.get(&key).ok_or_else(|| {
+                    Error::checkpoint("optimizer state", format!("missing `{key}`"))
+                })?;
+                if t.dims() != s.var.dims() {
+                    return Err(Error::checkpoint(
+                        "optimizer state",
+                        format!(
+                            "`{key}` has shape {:?}, parameter has {:?}",
+                            t.dims(),
+                            s.var.dims()
+                        ),
+                    ));
+                }
+                *dst = t.to_dtype(DType::F32)?.to_device(s.var.device())?;
+            }
+        }
+        self.step = step;
+        Ok(())
+    }
+}
+
+impl candle_nn::Optimizer for AdamW {
+    type Config = AdamWConfig;
+
+    fn new(vars: Vec<Var>, config: AdamWConfig) -> candle_core::Result<Self> {
+        let params = Params::from_vars(
+            vars.into_iter()
+                .enumerate()
+                .map(|(i, v)| (format!("param.{i:05}"), v)),
+        );
+        AdamW::new(&params, config).map_err(candle_core::Error::wrap)
+    }
+
+    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        self.apply(grads)
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.config.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.config.lr = lr;
+    }
+}
+
+/// The global L2 norm of the gradients of `vars` (missing gradients count as zero), computed
+/// in f32 with one host sync.
+pub fn grad_norm(grads: &GradStore, vars: &[Var]) -> candle_core::Result<f32> {
+    let mut total: Option<Tensor> = None;
+    for v in vars {
+        if let Some(g) = grads.get(v) {
+            let s = g.to_dtype(DType::F32)?.sqr()?.sum_all()?;
+            total = Some(match total {
+                None => s,
+                Some(t) => (t + s)?,
+            });
+        }
+    }
+    match total {
+        None => Ok(0.0),
+        Some(t) => Ok(t.to_scalar::<f32>()?.sqrt()),
+    }
+}
+
+/// Scales every gradient so that the global norm is at most `max_norm`; returns the norm
+/// before clipping (PyTorch's `clip_grad_norm_`).
+pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f32) -> candle_core::Result<f32> {
+    let norm = grad_norm(grads, vars)?;
+    if max_norm > 0.0 && norm.is_finite() && norm > max_norm {
+        let scale = (max_norm / (norm + 1e-6)) as f64;
+        for v in vars {
+            if let Some(g) = grads.remove(v) {
+                grads.insert(v, (g * scale)?);
+            }
+        }
+    }
+    Ok(norm)
+}
+
+/// Adds the gradients of `from` into `into` (gradient accumulation across micro-batches).
+pub fn accumulate(into: &mut GradStore, from: GradStore, vars: &[Var]) -> candle_core::Result<()> {
+    let mut from = from;
+    for v in vars {
+        if let Some(g) = from.remove(v) {
+            let sum = match into.remove(v) {
+                Some(acc) => (acc + g)?,
+                None => g,
+            };
+            into.insert(v, sum);
+        }
+    }
+    Ok(())
+}
