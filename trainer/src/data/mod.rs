@@ -1,0 +1,418 @@
+//! Training data: where the token batches come from.
+//!
+//! A [`DataSource`] turns a corpus (or a generated task) into `[B, T]` batches of input and
+//! target token ids. Sampling is driven only by the [`ChaCha8Rng`] the caller passes in, so saving
+//! that generator's state is enough to resume a run bit-exactly.
+//!
+//! Sources, chosen by [`DataSpec::kind`] and built with [`open`]:
+//! - [`DataKind::Addition`] (the default): multi-digit addition generated on the fly, no file
+//!   needed, with an exact-match [`Task`] on held-out problems (see [`Addition`]).
+//! - [`DataKind::Char`]: a UTF-8 text file with a character vocabulary (the sorted unique
+//!   characters of the file, as in nanoGPT's `shakespeare_char`).
+//! - [`DataKind::Byte`]: any file, one token per byte (vocabulary 256).
+//! - [`DataKind::Tokenizer`]: a UTF-8 text file encoded with a Hugging Face `tokenizer.json`.
+//!
+//! Text sources split the token stream into the first `1 - val_fraction` (train) and the last
+//! `val_fraction` (validation) and sample random windows of `block_size + 1` tokens. Char and
+//! tokenizer encodings are cached on disk (see [`default_cache_dir`]), so a second run starts
+//! without re-tokenising.
+//!
+//! ```
+//! use trainer::data::{open, DataSpec, Split};
+//! use rand_chacha::{rand_core::SeedableRng, ChaCha8Rng};
+//!
+//! let source = open(&DataSpec::default())?; // the embedded addition task
+//! let mut rng = ChaCha8Rng::seed_from_u64(0);
+//! let batch = source.batch(Split::Train, 4, 32, &mut rng, &candle_core::Device::Cpu)?;
+//! assert_eq!(batch.x.dims(), &[4, 32]);
+//! assert!(batch.mask.is_some()); // only answer tokens count in the loss
+//! # Ok::<(), trainer::Error>(())
+//! ```
+
+mod addition;
+mod cache;
+mod text;
+
+use std::path::PathBuf;
+
+use candle_core::{Device, Tensor};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+pub use addition::Addition;
+pub use cache::default_cache_dir;
+pub use text::TextSource;
+
+/// Which part of the data a batch is drawn from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Split {
+    /// The training split.
+    Train,
+    /// The held-out validation split.
+    Val,
+}
+
+/// One batch of training windows.
+///
+/// `x` and `y` are `u32` tensors of shape `[B, T]` on the requested device; `y` is `x` shifted
+/// left by one token (row `i` of `y` is the continuation of row `i` of `x`).
+#[derive(Clone, Debug)]
+pub struct Batch {
+    /// Input token ids, `u32 [B, T]`.
+    pub x: Tensor,
+    /// Target token ids, `u32 [B, T]`: `y[i, j]` is the token that follows `x[i, j]`.
+    pub y: Tensor,
+    /// Loss weights, `f32 [B, T]`: 1.0 where the target `y[i, j]` counts in the loss, 0.0
+    /// elsewhere. `None` means every target counts.
+    pub mask: Option<Tensor>,
+}
+
+/// A source of training batches plus the vocabulary that goes with it.
+///
+/// Implementations must draw all randomness from the `rng` argument of [`DataSource::batch`]
+/// (never `thread_rng` or Candle's RNG), so that the same generator state gives the same batch.
+pub trait DataSource: Send + Sync {
+    /// Number of token ids the model must be able to embed (every id is `< vocab_size()`).
+    fn vocab_size(&self) -> usize;
+
+    /// One line for logs, e.g.
+    /// `tinyshakespeare.txt: 1.1M chars, char vocab 65, 1003854 train / 111540 val tokens`.
+    fn describe(&self) -> String;
+
+    /// Samples `batch_size` windows of `block_size` inputs (and their shifted targets) from
+    /// `split`, using only `rng` for randomness, and uploads them to `device`.
+    ///
+    /// Fails with a clear error if the split is too short for `block_size + 1` tokens (see
+    /// [`DataSource::check_block_size`]) or if `batch_size` or `block_size` is zero.
+    fn batch(
+        &self,
+        split: Split,
+        batch_size: usize,
+        block_size: usize,
+        rng: &mut ChaCha8Rng,
+        device: &Device,
+    ) -> Result<Batch>;
+
+    /// Encodes text into token ids (errors on text the vocabulary cannot represent).
+    fn encode(&self, text: &str) -> Result<Vec<u32>>;
+
+    /// Decodes token ids into text (errors on ids outside the vocabulary).
+    fn decode(&self, ids: &[u32]) -> Result<String>;
+
+    /// Checks up front that both splits can serve windows of `block_size + 1` tokens, so that a
+    /// misconfigured run fails before the model is built. [`DataSource::batch`] performs the
+    /// same check.
+    fn check_block_size(&self, block_size: usize) -> Result<()> {
+        let _ = block_size;
+        Ok(())
+    }
+
+    /// A task with an exact-match score, if this source has one.
+    fn task(&self) -> Option<&dyn Task> {
+        None
+    }
+}
+
+/// Held-out problems for exact-match evaluation by greedy decoding.
+///
+/// The caller feeds each prompt (starting at position 0), greedily generates
+/// `answer.len()` tokens and counts the problem as solved when the generated tokens equal the
+/// expected answer exactly, token by token.
+pub trait Task: Send + Sync {
+    /// Name of the score for logs, e.g. `"addition accuracy"`.
+    fn name(&self) -> &str;
+
+    /// `n` held-out problems: (prompt tokens, expected answer tokens). All prompts have the same
+    /// length and all answers the same length, so the caller can decode them as one batch. The
+    /// list is deterministic: the same `n` always gives the same problems, and a smaller `n`
+    /// gives a prefix of a larger one.
+    fn eval_problems(&self, n: usize) -> Vec<(Vec<u32>, Vec<u32>)>;
+}
+
+/// Kind of data source; serialised in lowercase (`"addition"`, `"char"`, `"byte"`,
+/// `"tokenizer"`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataKind {
+    /// The embedded multi-digit addition task (no file).
+    #[default]
+    Addition,
+    /// Character-level vocabulary built from a UTF-8 text file.
+    Char,
+    /// Byte-level vocabulary (256 tokens) over any file.
+    Byte,
+    /// A Hugging Face `tokenizer.json` applied to a UTF-8 text file.
+    Tokenizer,
+}
+
+impl DataKind {
+    /// The lowercase name used in configs.
+    pub fn name(self) -> &'static str {
+        match self {
+            DataKind::Addition => "addition",
+            DataKind::Char => "char",
+            DataKind::Byte => "byte",
+            DataKind::Tokenizer => "tokenizer",
+        }
+    }
+}
+
+impl std::fmt::Display for DataKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Configuration of the data source (the `[data]` section of a run config).
+///
+/// Every field has a default, so a config may give only the ones it changes; the default is
+/// the embedded 3-digit addition task.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataSpec {
+    /// Which source to build.
+    pub kind: DataKind,
+    /// The text (or binary, for `byte`) file; required for `char`, `byte` and `tokenizer`,
+    /// must be unset for `addition`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// A Hugging Face `tokenizer.json`; required for `tokenizer`, unused otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
+    /// Fraction held out for validation, strictly between 0 and 1: the last part of a text
+    /// corpus, or the fraction of (unordered) operand pairs held out for `addition`.
+    pub val_fraction: f32,
+    /// Where tokenised corpora are cached; `None` means [`default_cache_dir`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_dir: Option<PathBuf>,
+    /// `addition`: number of digits of each operand (1 to 9).
+    pub digits: usize,
+    /// `addition`: seed of the train/held-out split and of the evaluation problems.
+    pub seed: u64,
+}
+
+impl Default for DataSpec {
+    fn default() -> Self {
+        DataSpec {
+            kind: DataKind::Addition,
+            path: None,
+            tokenizer: None,
+            val_fraction: 0.1,
+            cache_dir: None,
+            digits: Addition::DEFAULT_DIGITS,
+            seed: 1337,
+        }
+    }
+}
+
+impl DataSpec {
+    /// Checks the fields that do not need the file system: `val_fraction` range and which paths
+    /// each kind needs.
+    pub fn validate(&self) -> Result<()> {
+        let vf = self.val_fraction;
+        if !(vf > 0.0 && vf < 1.0) {
+            let subject = match &self.path {
+                Some(p) => format!(" for {}", p.display()),
+                None => String::new(),
+            };
+            return Err(Error::Config(format!(
+                "data.val_fraction = {vf}{subject} must be strictly between 0 and 1"
+            )));
+        }
+        match self.kind {
+            DataKind::Addition => {
+                if let Some(p) = &self.path {
+                    return Err(Error::Config(format!(
+                        "data.path = {} is set but data.kind = addition (which needs no file); \
+                         set data.kind to char, byte or tokenizer",
+                        p.display()
+                    )));
+                }
+                if !(1..=Addition::MAX_DIGITS).contains(&self.digits) {
+                    return Err(Error::Config(format!(
+                        "data.digits = {} must be between 1 and {}",
+                        self.digits,
+                        Addition::MAX_DIGITS
+                    )));
+                }
+            }
+            DataKind::Char | DataKind::Byte | DataKind::Tokenizer => {
+                if self.path.is_none() {
+                    return Err(Error::Config(format!(
+                        "data.kind = {} needs data.path (a text file)",
+                        self.kind
+                    )));
+                }
+                if self.kind == DataKind::Tokenizer && self.tokenizer.is_none() {
+                    return Err(Error::Config(
+                        "data.kind = tokenizer needs data.tokenizer (a tokenizer.json file)".into(),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Builds the data source described by `spec`.
+///
+/// Text sources read (or load from the cache) and tokenise the whole file here; errors name the
+/// file and the problem (missing, empty, invalid UTF-8 for `char`/`tokenizer`, bad
+/// `tokenizer.json`...). The block size is not known yet: call
+/// [`DataSource::check_block_size`] once it is.
+pub fn open(spec: &DataSpec) -> Result<Box<dyn DataSource>> {
+    spec.validate()?;
+    match spec.kind {
+        DataKind::Addition => Ok(Box::new(Addition::new(
+            spec.digits,
+            spec.val_fraction,
+            spec.seed,
+        )?)),
+        DataKind::Char | DataKind::Byte | DataKind::Tokenizer => {
+            Ok(Box::new(TextSource::open(spec)?))
+        }
+    }
+}
+
+/// Errors unless `batch_size` and `block_size` are both positive.
+pub(crate) fn check_shape(batch_size: usize, block_size: usize) -> Result<()> {
+    if batch_size == 0 || block_size == 0 {
+        return Err(Error::Config(format!(
+            "batch_size ({batch_size}) and block_size ({block_size}) must both be positive"
+        )));
+    }
+    Ok(())
+}
+
+/// Builds a [`Batch`] from `batch_size` rows of `block_size + 1` tokens laid end to end.
+///
+/// `target_mask`, if given, has one weight per target, `batch_size * block_size` values.
+pub(crate) fn rows_to_batch(
+    rows: &[u32],
+    target_mask: Option<Vec<f32>>,
+    batch_size: usize,
+    block_size: usize,
+    device: &Device,
+) -> Result<Batch> {
+    let w = block_size + 1;
+    debug_assert_eq!(rows.len(), batch_size * w);
+    let mut x = Vec::with_capacity(batch_size * block_size);
+    let mut y = Vec::with_capacity(batch_size * block_size);
+    for row in rows.chunks_exact(w) {
+        x.extend_from_slice(&row[..block_size]);
+        y.extend_from_slice(&row[1..]);
+    }
+    let shape = (batch_size, block_size);
+    let mask = match target_mask {
+        Some(m) => Some(Tensor::from_vec(m, shape, device)?),
+        None => None,
+    };
+    Ok(Batch {
+        x: Tensor::from_vec(x, shape, device)?,
+        y: Tensor::from_vec(y, shape, device)?,
+        mask,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_spec_is_addition_and_valid() {
+        let spec = DataSpec::default();
+        assert_eq!(spec.kind, DataKind::Addition);
+        spec.validate().unwrap();
+        let src = open(&spec).unwrap();
+        assert!(src.task().is_some());
+    }
+
+    #[test]
+    fn spec_serde_round_trip_and_lowercase_kinds() {
+        for kind in [
+            DataKind::Addition,
+            DataKind::Char,
+            DataKind::Byte,
+            DataKind::Tokenizer,
+        ] {
+            let json = serde_json::to_string(&kind).unwrap();
+            assert_eq!(json, format!("\"{}\"", kind.name()));
+        }
+        let spec = DataSpec {
+            kind: DataKind::Char,
+            path: Some("a.txt".into()),
+            ..DataSpec::default()
+        };
+        let json = serde_json::to_string(&spec).unwrap();
+        let back: DataSpec = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, spec);
+        // Missing fields take their defaults.
+        let partial: DataSpec = serde_json::from_str(r#"{"kind":"byte","path":"x"}"#).unwrap();
+        assert_eq!(partial.val_fraction, DataSpec::default().val_fraction);
+        assert!(serde_json::from_str::<DataSpec>(r#"{"knd":"byte"}"#).is_err());
+    }
+
+    #[test]
+    fn val_fraction_outside_open_interval_is_rejected() {
+        for vf in [0.0, 1.0, -0.1, 1.5, f32::NAN] {
+            let spec = DataSpec {
+                kind: DataKind::Char,
+                path: Some("corpus.txt".into()),
+                val_fraction: vf,
+                ..DataSpec::default()
+            };
+            let err = open(&spec).err().expect("must fail").to_string();
+            assert!(err.contains("val_fraction"), "{err}");
+            assert!(err.contains("corpus.txt"), "{err}");
+        }
+    }
+
+    #[test]
+    fn missing_paths_are_config_errors() {
+        let no_path = DataSpec {
+            kind: DataKind::Byte,
+            ..DataSpec::default()
+        };
+        assert!(open(&no_path)
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("data.path"));
+        let no_tok = DataSpec {
+            kind: DataKind::Tokenizer,
+            path: Some("a.txt".into()),
+            ..DataSpec::default()
+        };
+        let err = open(&no_tok).err().unwrap().to_string();
+        assert!(err.contains("data.tokenizer"), "{err}");
+        let addition_with_path = DataSpec {
+            path: Some("a.txt".into()),
+            ..DataSpec::default()
+        };
+        let err = open(&addition_with_path).err().unwrap().to_string();
+        assert!(err.contains("a.txt"), "{err}");
+        let zero_digits = DataSpec {
+            digits: 0,
+            ..DataSpec::default()
+        };
+        assert!(open(&zero_digits).is_err());
+    }
+
+    #[test]
+    fn rows_to_batch_shifts_by_one() {
+        let rows: Vec<u32> = (0..2 * 5).collect();
+        let b = rows_to_batch(&rows, None, 2, 4, &Device::Cpu).unwrap();
+        assert_eq!(
+            b.x.to_vec2::<u32>().unwrap(),
+            vec![vec![0, 1, 2, 3], vec![5, 6, 7, 8]]
+        );
+        assert_eq!(
+            b.y.to_vec2::<u32>().unwrap(),
+            vec![vec![1, 2, 3, 4], vec![6, 7, 8, 9]]
+        );
+        assert!(b.mask.is_none());
+    }
+}
