@@ -1,1 +1,25 @@
-//! candle-pipeline (work in progress)
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
+
+pub mod balance;
+pub mod error;
+pub mod executor;
+pub mod microbatch;
+pub mod report;
+pub mod schedule;
+pub mod simulator;
+pub mod stage;
+pub mod transport;
+
+pub use balance::{
+    balance_by_cost, balance_by_params, balance_by_time, measure_layer_times, split_by_params,
+    split_layers,
+};
+pub use error::{PipelineError, Result};
+pub use executor::{LossFn, Pipeline, StepOutput};
+pub use microbatch::{chunk_sizes, even_sizes, LossReduction, Microbatches};
+pub use report::{Span, Timeline};
+pub use schedule::{Action, Schedule};
+pub use simulator::{simulate, Costs, Prediction};
+pub use stage::{vars_with_prefix, ForwardHook, Hooked, Layer, Sequential, Stage};
+pub use transport::{Envelope, InProcess, Message, Payload, Transport};

@@ -1,0 +1,131 @@
+//! Moving activations and gradients between workers.
+//!
+//! The executor only talks to a [`Transport`] endpoint per worker, so a multi-process transport
+//! (MPI between CPU hosts, NCCL between GPUs) can replace [`InProcess`] without touching the
+//! schedules or the executor.
+
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
+
+use candle_core::Tensor;
+
+use crate::error::{PipelineError, Result};
+
+/// What a [`Message`] carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Payload {
+    /// Output of a forward, input of the next stage's forward.
+    Activation,
+    /// Gradient of the loss with respect to a stage's output.
+    Gradient,
+}
+
+/// A tensor sent from one worker to another.
+#[derive(Debug, Clone)]
+pub struct Message {
+    /// Activation or gradient.
+    pub payload: Payload,
+    /// Microbatch index.
+    pub mb: usize,
+    /// Virtual stage that consumes the tensor.
+    pub stage: usize,
+    /// The data (the receiver moves it to its own device).
+    pub tensor: Tensor,
+}
+
+/// What a worker can receive.
+#[derive(Debug, Clone)]
+pub enum Envelope {
+    /// A tensor.
+    Data(Message),
+    /// Worker `from` failed: stop.
+    Abort {
+        /// The failed worker.
+        from: usize,
+    },
+}
+
+/// One worker's endpoint of the communication between pipeline workers.
+pub trait Transport: Send {
+    /// Index of this worker.
+    fn rank(&self) -> usize;
+    /// Number of workers connected.
+    fn size(&self) -> usize;
+    /// Sends `msg` to worker `to` without waiting for it to be received.
+    fn send(&self, to: usize, msg: Message) -> Result<()>;
+    /// Blocks until a message for this worker arrives.
+    fn recv(&self) -> Result<Envelope>;
+    /// Returns a message if one is already waiting.
+    fn try_recv(&self) -> Result<Option<Envelope>>;
+    /// Tells every other worker to stop (best effort, never blocks).
+    fn abort(&self);
+}
+
+/// In-process transport over `std::sync::mpsc` channels (unbounded, so sends never block).
+#[derive(Debug)]
+pub struct InProcess {
+    rank: usize,
+    peers: Vec<Sender<Envelope>>,
+    inbox: Receiver<Envelope>,
+}
+
+impl InProcess {
+    /// Connected endpoints for `n` workers; endpoint `w` belongs to worker `w`.
+    pub fn endpoints(n: usize) -> Vec<InProcess> {
+        let (senders, receivers): (Vec<_>, Vec<_>) = (0..n).map(|_| channel()).unzip();
+        receivers
+            .into_iter()
+            .enumerate()
+            .map(|(rank, inbox)| InProcess {
+                rank,
+                peers: senders.clone(),
+                inbox,
+            })
+            .collect()
+    }
+
+    fn closed(&self, what: &str) -> PipelineError {
+        PipelineError::Transport {
+            worker: self.rank,
+            message: format!("channel closed ({what})"),
+        }
+    }
+}
+
+impl Transport for InProcess {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.peers.len()
+    }
+
+    fn send(&self, to: usize, msg: Message) -> Result<()> {
+        let peer = self.peers.get(to).ok_or_else(|| PipelineError::Transport {
+            worker: self.rank,
+            message: format!("no worker {to}"),
+        })?;
+        peer.send(Envelope::Data(msg))
+            .map_err(|_| self.closed(&format!("worker {to} is gone")))
+    }
+
+    fn recv(&self) -> Result<Envelope> {
+        self.inbox.recv().map_err(|_| self.closed("no sender left"))
+    }
+
+    fn try_recv(&self) -> Result<Option<Envelope>> {
+        match self.inbox.try_recv() {
+            Ok(e) => Ok(Some(e)),
+            Err(TryRecvError::Empty) => Ok(None),
+            Err(TryRecvError::Disconnected) => Err(self.closed("no sender left")),
+        }
+    }
+
+    fn abort(&self) {
+        for (w, p) in self.peers.iter().enumerate() {
+            if w != self.rank {
+                let _ = p.send(Envelope::Abort { from: self.rank });
+            }
+        }
+    }
+}
