@@ -1,0 +1,209 @@
+//! Scaler state and its safetensors round trip.
+//!
+//! The state is stored twice in a file written by [`ScalerState::save`]: as tensors
+//! (`<prefix>scale`, an `f64` tensor of shape `[1]`, and `<prefix>counters`, an `i64` tensor)
+//! and as string metadata (`<prefix>scale`, `<prefix>steps`, ...). Both encodings are exact:
+//! the tensor holds the `f64` bits and the metadata uses Rust's shortest round-trip float
+//! formatting. [`ScalerState::load`] reads the tensors and falls back to the metadata.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{AmpError, Result};
+
+/// Default key prefix used by [`ScalerState::save`] and [`ScalerState::load`].
+pub const DEFAULT_PREFIX: &str = "amp.";
+
+/// Names of the counters, in the order they are stored in the `counters` tensor.
+const COUNTERS: [&str; 9] = [
+    "growth_tracker",
+    "hysteresis_left",
+    "steps",
+    "applied",
+    "skipped",
+    "overflows",
+    "consecutive_skips",
+    "backoffs",
+    "growths",
+];
+
+/// Everything a loss scaler needs to resume bit-exactly, plus step counters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScalerState {
+    /// Current loss scale.
+    pub scale: f64,
+    /// Consecutive clean steps since the last growth or overflow.
+    pub growth_tracker: u64,
+    /// Remaining hysteresis budget (overflows tolerated before a backoff).
+    pub hysteresis_left: u32,
+    /// Steps attempted.
+    pub steps: u64,
+    /// Steps whose update was applied.
+    pub applied: u64,
+    /// Steps whose update was skipped.
+    pub skipped: u64,
+    /// Overflow detections, including recompute retries.
+    pub overflows: u64,
+    /// Skipped steps since the last applied one.
+    pub consecutive_skips: u64,
+    /// Number of times the scale backed off.
+    pub backoffs: u64,
+    /// Number of times the scale grew.
+    pub growths: u64,
+}
+
+impl ScalerState {
+    /// The state of a fresh scaler.
+    pub fn initial(scale: f64, hysteresis: u32) -> Self {
+        Self {
+            scale,
+            growth_tracker: 0,
+            hysteresis_left: hysteresis,
+            steps: 0,
+            applied: 0,
+            skipped: 0,
+            overflows: 0,
+            consecutive_skips: 0,
+            backoffs: 0,
+            growths: 0,
+        }
+    }
+
+    fn counters(&self) -> [u64; 9] {
+        [
+            self.growth_tracker,
+            u64::from(self.hysteresis_left),
+            self.steps,
+            self.applied,
+            self.skipped,
+            self.overflows,
+            self.consecutive_skips,
+            self.backoffs,
+            self.growths,
+        ]
+    }
+
+    fn from_parts(scale: f64, c: &[u64]) -> Result<Self> {
+        if c.len() != COUNTERS.len() {
+            return Err(AmpError::State(format!(
+                "expected {} counters, found {}",
+                COUNTERS.len(),
+                c.len()
+            )));
+        }
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(AmpError::State(format!("scale {scale} is not positive")));
+        }
+        let hysteresis_left = u32::try_from(c[1])
+            .map_err(|_| AmpError::State(format!("hysteresis_left {} too large", c[1])))?;
+        Ok(Self {
+            scale,
+            growth_tracker: c[0],
+            hysteresis_left,
+            steps: c[2],
+            applied: c[3],
+            skipped: c[4],
+            overflows: c[5],
+            consecutive_skips: c[6],
+            backoffs: c[7],
+            growths: c[8],
+        })
+    }
+
+    /// The state as tensors named `<prefix>scale` (f64, `[1]`) and `<prefix>counters`
+    /// (i64), ready to be merged into a checkpoint's tensor map.
+    pub fn to_tensors(&self, prefix: &str, device: &Device) -> Result<HashMap<String, Tensor>> {
+        let scale = Tensor::from_vec(vec![self.scale], 1, device)?;
+        let counters: Vec<i64> = self
+            .counters()
+            .iter()
+            .map(|&c| i64::try_from(c).map_err(|_| AmpError::State(format!("counter {c} too large"))))
+            .collect::<Result<_>>()?;
+        let counters = Tensor::from_vec(counters, COUNTERS.len(), device)?;
+        Ok(HashMap::from([
+            (format!("{prefix}scale"), scale),
+            (format!("{prefix}counters"), counters),
+        ]))
+    }
+
+    /// Reads the state written by [`to_tensors`](Self::to_tensors).
+    pub fn from_tensors(tensors: &HashMap<String, Tensor>, prefix: &str) -> Result<Self> {
+        let get = |name: &str| {
+            tensors
+                .get(&format!("{prefix}{name}"))
+                .ok_or_else(|| AmpError::State(format!("missing tensor `{prefix}{name}`")))
+        };
+        let scale = get("scale")?.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+        let [scale] = scale[..] else {
+            return Err(AmpError::State("`scale` must hold one value".into()));
+        };
+        let counters = get("counters")?;
+        if counters.dtype() != DType::I64 {
+            return Err(AmpError::State(format!("`counters` has dtype {:?}", counters.dtype())));
+        }
+        let counters: Vec<u64> = counters
+            .flatten_all()?
+            .to_vec1::<i64>()?
+            .into_iter()
+            .map(|c| u64::try_from(c).map_err(|_| AmpError::State(format!("negative counter {c}"))))
+            .collect::<Result<_>>()?;
+        Self::from_parts(scale, &counters)
+    }
+
+    /// The state as string metadata (`<prefix>scale`, `<prefix>steps`, ...), exact.
+    pub fn to_metadata(&self, prefix: &str) -> HashMap<String, String> {
+        let mut m: HashMap<String, String> = COUNTERS
+            .iter()
+            .zip(self.counters())
+            .map(|(n, c)| (format!("{prefix}{n}"), c.to_string()))
+            .collect();
+        m.insert(format!("{prefix}scale"), self.scale.to_string());
+        m
+    }
+
+    /// Reads the state written by [`to_metadata`](Self::to_metadata).
+    pub fn from_metadata(meta: &HashMap<String, String>, prefix: &str) -> Result<Self> {
+        let get = |name: &str| {
+            meta.get(&format!("{prefix}{name}"))
+                .ok_or_else(|| AmpError::State(format!("missing metadata `{prefix}{name}`")))
+        };
+        let scale: f64 = get("scale")?
+            .parse()
+            .map_err(|e| AmpError::State(format!("bad scale: {e}")))?;
+        let counters = COUNTERS
+            .iter()
+            .map(|n| {
+                get(n)?
+                    .parse::<u64>()
+                    .map_err(|e| AmpError::State(format!("bad `{n}`: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Self::from_parts(scale, &counters)
+    }
+
+    /// Writes the state to a safetensors file, as tensors and as metadata, under
+    /// [`DEFAULT_PREFIX`].
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let tensors = self.to_tensors(DEFAULT_PREFIX, &Device::Cpu)?;
+        let meta = self.to_metadata(DEFAULT_PREFIX);
+        safetensors::serialize_to_file(tensors, Some(meta), path.as_ref())?;
+        Ok(())
+    }
+
+    /// Reads a file written by [`save`](Self::save) (or any safetensors file holding the
+    /// tensors or the metadata under [`DEFAULT_PREFIX`]).
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let bytes = std::fs::read(path)?;
+        let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)?;
+        if tensors.contains_key(&format!("{DEFAULT_PREFIX}scale")) {
+            return Self::from_tensors(&tensors, DEFAULT_PREFIX);
+        }
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)?;
+        match header.metadata() {
+            Some(meta) => Self::from_metadata(meta, DEFAULT_PREFIX),
+            None => Err(AmpError::State("file holds neither amp tensors nor metadata".into())),
+        }
+    }
+}
