@@ -5,7 +5,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::cache::splitmix64;
-use super::{check_shape, rows_to_batch, Batch, DataSource, Split, Task};
+use super::{check_shape, decimal_f64, rows_to_batch, Batch, DataSource, Split, Task};
 use crate::error::{Error, Result};
 
 /// Token id of `+`.
@@ -79,7 +79,7 @@ impl Addition {
         let task = Addition {
             digits,
             modulus,
-            val_fraction: f64::from(val_fraction),
+            val_fraction: decimal_f64(val_fraction),
             seed,
             split_key: splitmix64(seed),
         };
@@ -258,8 +258,9 @@ impl DataSource for Addition {
         rng: &mut ChaCha8Rng,
         device: &Device,
     ) -> Result<Batch> {
+        // Any block size works here (a short one just cuts problems, e.g. to make a prompt);
+        // `check_block_size` is what rejects one too short to train on.
         check_shape(batch_size, block_size)?;
-        self.check_block(block_size)?;
         let w = block_size + 1;
         let mut rows = Vec::with_capacity(batch_size * w);
         let mut mask = Vec::with_capacity(batch_size * block_size);
@@ -480,11 +481,15 @@ mod tests {
         let err = Addition::new(1, 0.001, 0).unwrap_err().to_string();
         assert!(err.contains("empty"), "{err}");
         let t = Addition::new(3, 0.1, 0).unwrap();
-        let err = t
-            .batch(Split::Train, 2, 8, &mut rng(0), &Device::Cpu)
-            .unwrap_err()
-            .to_string();
+        let err = t.check_block_size(8).unwrap_err().to_string();
         assert!(err.contains("block_size 8"), "{err}");
+        // A short batch is still served (e.g. a sampling prompt): the first prompt, cut.
+        let short = t
+            .batch(Split::Val, 1, 8, &mut rng(0), &Device::Cpu)
+            .unwrap();
+        let x = short.x.to_vec2::<u32>().unwrap().remove(0);
+        assert_eq!((x[3], x[7]), (PLUS, EQUALS));
+        assert_eq!(short.mask.unwrap().to_vec2::<f32>().unwrap()[0][7], 1.0);
         assert!(t.check_block_size(11).is_ok());
         assert!(t.check_block_size(10).is_err());
         assert!(t

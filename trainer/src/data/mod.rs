@@ -85,8 +85,9 @@ pub trait DataSource: Send + Sync {
     /// Samples `batch_size` windows of `block_size` inputs (and their shifted targets) from
     /// `split`, using only `rng` for randomness, and uploads them to `device`.
     ///
-    /// Fails with a clear error if the split is too short for `block_size + 1` tokens (see
-    /// [`DataSource::check_block_size`]) or if `batch_size` or `block_size` is zero.
+    /// Fails with a clear error if `batch_size` or `block_size` is zero, or if a text split is
+    /// shorter than `block_size + 1` tokens. The batch and the state `rng` is left in depend
+    /// only on the arguments and the state `rng` was in.
     fn batch(
         &self,
         split: Split,
@@ -102,9 +103,10 @@ pub trait DataSource: Send + Sync {
     /// Decodes token ids into text (errors on ids outside the vocabulary).
     fn decode(&self, ids: &[u32]) -> Result<String>;
 
-    /// Checks up front that both splits can serve windows of `block_size + 1` tokens, so that a
-    /// misconfigured run fails before the model is built. [`DataSource::batch`] performs the
-    /// same check.
+    /// Checks up front that `block_size` is usable for training, so that a misconfigured run
+    /// fails before the model is built: text sources need `block_size + 1` tokens in each split;
+    /// the addition task needs room for one whole problem's answer. ([`DataSource::batch`]
+    /// still serves shorter blocks of the addition task, e.g. as sampling prompts.)
     fn check_block_size(&self, block_size: usize) -> Result<()> {
         let _ = block_size;
         Ok(())
@@ -275,6 +277,12 @@ pub fn open(spec: &DataSpec) -> Result<Box<dyn DataSource>> {
             Ok(Box::new(TextSource::open(spec)?))
         }
     }
+}
+
+/// `v` as the `f64` nearest to its shortest decimal form, so that `0.1f32` means 0.1 (and
+/// `int(n * 0.9)` splits as in nanoGPT), not 0.10000000149.
+pub(crate) fn decimal_f64(v: f32) -> f64 {
+    v.to_string().parse().unwrap_or(f64::from(v))
 }
 
 /// Errors unless `batch_size` and `block_size` are both positive.

@@ -9,7 +9,9 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 use super::cache::{self, CacheKey, Cached};
-use super::{check_shape, rows_to_batch, Batch, DataKind, DataSource, DataSpec, Split};
+use super::{
+    check_shape, decimal_f64, rows_to_batch, Batch, DataKind, DataSource, DataSpec, Split,
+};
 use crate::error::{Error, Result};
 
 /// Text is handed to the tokenizer in pieces of about this many bytes (cut before a line that
@@ -243,14 +245,8 @@ impl TextSource {
             Vocab::Tokenizer { tokenizer, .. } => vocab_size_of(tokenizer, &tokens),
         };
         let n = tokens.len();
-        // Through the shortest decimal form so that 0.1f32 means 0.1, as in nanoGPT's
-        // `int(n * 0.9)`, not 0.100000001.
-        let vf: f64 = spec
-            .val_fraction
-            .to_string()
-            .parse()
-            .unwrap_or(f64::from(spec.val_fraction));
-        let n_train = ((n as f64) * (1.0 - vf)).floor() as usize;
+        // nanoGPT's `int(n * 0.9)` for val_fraction 0.1.
+        let n_train = ((n as f64) * (1.0 - decimal_f64(spec.val_fraction))).floor() as usize;
         let size = if spec.kind == DataKind::Char {
             n
         } else {

@@ -356,3 +356,33 @@ fn human_sizes() {
     assert_eq!(human(12_345), "12.3k");
     assert_eq!(human(1_115_394), "1.1M");
 }
+
+/// The real corpus of the "baby GPT" run, if the shared data is present.
+#[test]
+fn tinyshakespeare_matches_nanogpt_split() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/tinyshakespeare.txt");
+    if !path.exists() {
+        eprintln!("SKIP: {} not present", path.display());
+        return;
+    }
+    let fx = Fixture::new();
+    let spec = fx.spec(DataKind::Char, &path);
+    let src = TextSource::open(&spec).unwrap();
+    // nanoGPT's shakespeare_char/prepare.py: 65 chars, 1003854 train / 111540 val tokens.
+    assert_eq!(src.vocab_size(), 65);
+    assert_eq!(src.tokens(Split::Train).len(), 1_003_854);
+    assert_eq!(src.tokens(Split::Val).len(), 111_540);
+    let d = src.describe();
+    assert!(
+        d.starts_with("tinyshakespeare.txt: 1.1M chars, char vocab 65, 1003854 train / 111540 val"),
+        "{d}"
+    );
+    let again = TextSource::open(&spec).unwrap();
+    assert!(again.describe().contains("cache hit"));
+    assert_eq!(again.tokens, src.tokens);
+    let text = fs::read_to_string(&path).unwrap();
+    assert_eq!(
+        src.decode(&src.tokens[..1000]).unwrap(),
+        text.chars().take(1000).collect::<String>()
+    );
+}
