@@ -8,8 +8,13 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod hub;
+pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod plot;
+pub mod sample;
 pub mod schedule;
+pub mod train;
 
 pub use error::{Error, Result};

@@ -1,0 +1,375 @@
+//! Subcommands of the `trainer` binary.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::SeedableRng;
+use trainer::checkpoint::{self, TrainerState};
+use trainer::config::{Overrides, TrainConfig};
+use trainer::model::Params;
+use trainer::sample::{generate, SamplingConfig};
+use trainer::train::{parse_device, Event, Observer, Summary, Trainer};
+
+/// Train GPT-2 style transformers on Candle.
+///
+/// `trainer train` with no arguments trains a small GPT on an embedded multi-digit addition
+/// task (no download) and reports exact-match accuracy on held-out problems as it learns.
+#[derive(Parser, Debug)]
+#[command(name = "trainer", version, about, long_about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Train a model (defaults < --config file < --key value flags).
+    Train(TrainArgs),
+    /// Generate text from a checkpoint.
+    Sample(SampleArgs),
+    /// Measure train/val loss (and the task score) of a checkpoint.
+    Eval(EvalArgs),
+    /// Show a checkpoint's tensors, shapes, dtypes, parameter count, config and step.
+    Inspect(InspectArgs),
+}
+
+#[derive(Args, Debug)]
+struct TrainArgs {
+    /// A TOML file of config fields (see `--print-config` for every field).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Continue the run in this run or checkpoint directory, bit-exactly.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Print the resolved config as TOML and exit.
+    #[arg(long)]
+    print_config: bool,
+    #[command(flatten)]
+    overrides: Overrides,
+}
+
+#[derive(Args, Debug)]
+struct SampleArgs {
+    /// A run directory (its latest checkpoint) or a checkpoint directory.
+    checkpoint: PathBuf,
+    /// Text to continue (default: the first token of the vocabulary's newline or id 0).
+    #[arg(long, default_value = "\n")]
+    prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 200)]
+    max_new_tokens: usize,
+    /// Softmax temperature (0: greedy).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    /// Sample among the k most likely tokens only.
+    #[arg(long, default_value_t = 200)]
+    top_k: usize,
+    /// Number of samples.
+    #[arg(long, default_value_t = 1)]
+    num_samples: usize,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Device (cpu, cuda, cuda:N, metal).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+#[derive(Args, Debug)]
+struct EvalArgs {
+    /// A run directory (its latest checkpoint) or a checkpoint directory.
+    checkpoint: PathBuf,
+    /// Batches averaged per loss (default: the run's eval_iters).
+    #[arg(long)]
+    eval_iters: Option<usize>,
+    /// Held-out problems scored (tasks with a score only).
+    #[arg(long)]
+    eval_problems: Option<usize>,
+    /// Device (cpu, cuda, cuda:N, metal).
+    #[arg(long)]
+    device: Option<String>,
+}
+
+#[derive(Args, Debug)]
+struct InspectArgs {
+    /// A run directory, a checkpoint directory, or a `.safetensors` file.
+    checkpoint: PathBuf,
+}
+
+/// Runs the parsed command.
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Train(a) => train(a),
+        Command::Sample(a) => sample(a),
+        Command::Eval(a) => eval(a),
+        Command::Inspect(a) => inspect(a),
+    }
+}
+
+fn train(args: TrainArgs) -> Result<()> {
+    let mut trainer = if let Some(dir) = &args.resume {
+        if args.config.is_some() {
+            bail!("--resume uses the run's saved config; pass changes as --key value flags");
+        }
+        let t = Trainer::resume(dir, |c| args.overrides.apply(c))
+            .with_context(|| format!("cannot resume from {}", dir.display()))?;
+        eprintln!("resuming {} at step {}", dir.display(), t.step());
+        t
+    } else {
+        let mut config = match &args.config {
+            Some(path) => TrainConfig::from_toml_file(path)?,
+            None => TrainConfig::default(),
+        };
+        args.overrides.apply(&mut config);
+        if args.print_config {
+            print!("{}", config.to_toml());
+            return Ok(());
+        }
+        Trainer::new(config).context("cannot start the run")?
+    };
+    let cfg = &trainer.config;
+    eprintln!(
+        "data: {}\nmodel: {} layers, {} heads, {} embd, block {} | {:.2}M parameters | device {}\n\
+         run: {} steps of {} x {} x {} tokens -> {}",
+        trainer.data.describe(),
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_embd,
+        cfg.block_size,
+        trainer.params.num_elements() as f64 / 1e6,
+        cfg.device,
+        cfg.max_iters,
+        cfg.grad_accum,
+        cfg.batch_size,
+        cfg.block_size,
+        cfg.out_dir.display(),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = stop.clone();
+        ctrlc::set_handler(move || {
+            if stop.swap(true, Ordering::SeqCst) {
+                eprintln!("\nsecond interrupt: exiting without a checkpoint");
+                std::process::exit(130);
+            }
+            eprintln!("\ninterrupt: finishing this step and saving a checkpoint (Ctrl-C again to abort)");
+        })
+        .context("cannot install the Ctrl-C handler")?;
+    }
+    let mut progress = Progress::new(trainer.config.max_iters, trainer.step());
+    let summary = trainer.run(&mut progress, &stop);
+    progress.bar.finish_and_clear();
+    let summary = summary.with_context(|| {
+        format!(
+            "training failed; the last good checkpoint (if any) is intact in {}",
+            checkpoint::checkpoints_dir(&trainer.config.out_dir).display()
+        )
+    })?;
+    print_summary(&trainer, &summary);
+    Ok(())
+}
+
+struct Progress {
+    bar: ProgressBar,
+}
+
+impl Progress {
+    fn new(total: usize, start: usize) -> Self {
+        let bar = ProgressBar::new(total as u64);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{bar:30.cyan/blue} {pos:>5}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        bar.set_position(start as u64);
+        bar.reset_eta();
+        bar.enable_steady_tick(Duration::from_millis(500));
+        Progress { bar }
+    }
+
+    fn line(&self, text: &str) {
+        if self.bar.is_hidden() {
+            eprintln!("{text}");
+        } else {
+            self.bar.println(text);
+        }
+    }
+}
+
+impl Observer for Progress {
+    fn on_event(&mut self, event: Event<'_>) {
+        match event {
+            Event::Step(s) => {
+                self.bar.set_position(s.step as u64);
+                self.bar.set_message(format!(
+                    "loss {:.4} | lr {:.2e} | gnorm {:.3} | {:.0} tok/s",
+                    s.loss, s.lr, s.grad_norm, s.tokens_per_sec
+                ));
+                if self.bar.is_hidden() && (s.step % 50 == 0 || s.step == 1) {
+                    eprintln!(
+                        "step {:>6} | loss {:.4} | lr {:.2e} | gnorm {:.3} | {:.0} tok/s",
+                        s.step, s.loss, s.lr, s.grad_norm, s.tokens_per_sec
+                    );
+                }
+            }
+            Event::Eval(e) => {
+                let score = match (&e.score, &e.score_name) {
+                    (Some(s), Some(n)) => format!(" | {n} {:.1}%", 100.0 * s),
+                    _ => String::new(),
+                };
+                self.line(&format!(
+                    "eval step {:>6} | train {:.4} | val {:.4}{score}",
+                    e.step, e.train_loss, e.val_loss
+                ));
+            }
+            Event::Sample(text) => self.line(&format!("--- sample ---\n{text}\n--------------")),
+            Event::Checkpoint(dir) => self.line(&format!("checkpoint {}", dir.display())),
+        }
+    }
+}
+
+fn print_summary(trainer: &Trainer, s: &Summary) {
+    let out = &trainer.config.out_dir;
+    println!(
+        "{}",
+        if s.interrupted {
+            "== interrupted =="
+        } else {
+            "== done =="
+        }
+    );
+    println!("steps          {}", s.step);
+    println!(
+        "time           {:.1} s ({:.0} tokens/s)",
+        s.elapsed_secs,
+        s.tokens_seen as f64 / s.elapsed_secs.max(1e-9)
+    );
+    if let Some(e) = &s.last_eval {
+        println!("train loss     {:.4}", e.train_loss);
+        println!("val loss       {:.4}", e.val_loss);
+        if let (Some(score), Some(name)) = (e.score, &e.score_name) {
+            println!("{name:<14} {:.1}%", 100.0 * score);
+        }
+    }
+    if let Some(b) = s.best_val_loss {
+        println!("best val loss  {b:.4}");
+    }
+    if let Some(c) = &s.checkpoint {
+        println!("checkpoint     {}", c.display());
+    }
+    println!("metrics        {}", out.join("metrics.jsonl").display());
+    println!("loss curve     {}", out.join("loss.svg").display());
+}
+
+fn sample(args: SampleArgs) -> Result<()> {
+    let dir = checkpoint::resolve(&args.checkpoint)?;
+    let state: TrainerState = checkpoint::io::read_json(&dir.join(checkpoint::STATE_FILE))
+        .with_context(|| format!("{} has no trainer state to find its data", dir.display()))?;
+    let device = parse_device(&args.device)?;
+    let data = trainer::train::open_data_for(&state.config)?;
+    let (config, params) = checkpoint::load_model(&dir, &device)?;
+    let model = trainer::model::Gpt::from_params(&config, &params)?;
+    let prompt = data
+        .encode(&args.prompt)
+        .with_context(|| format!("cannot encode the prompt {:?}", args.prompt))?;
+    let prompt = if prompt.is_empty() { vec![0] } else { prompt };
+    let sampling = SamplingConfig {
+        temperature: args.temperature,
+        top_k: Some(args.top_k),
+    };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
+    for i in 0..args.num_samples {
+        let out = generate(&model, &prompt, args.max_new_tokens, sampling, &mut rng, &device)?;
+        if i > 0 {
+            println!("---------------");
+        }
+        println!("{}", data.decode(&out)?);
+    }
+    Ok(())
+}
+
+fn eval(args: EvalArgs) -> Result<()> {
+    let t = Trainer::resume(&args.checkpoint, |c| {
+        if let Some(n) = args.eval_iters {
+            c.eval_iters = n;
+        }
+        if let Some(n) = args.eval_problems {
+            c.eval_problems = n;
+        }
+        if let Some(d) = &args.device {
+            c.device = d.clone();
+        }
+    })
+    .with_context(|| format!("cannot load {}", args.checkpoint.display()))?;
+    let e = t.evaluate()?;
+    println!("step        {}", e.step);
+    println!("train loss  {:.4}", e.train_loss);
+    println!("val loss    {:.4}", e.val_loss);
+    if let (Some(s), Some(n)) = (e.score, &e.score_name) {
+        println!("{n}  {:.1}%", 100.0 * s);
+    }
+    Ok(())
+}
+
+fn inspect(args: InspectArgs) -> Result<()> {
+    let path = &args.checkpoint;
+    let (model_file, dir) = if path.is_file() {
+        (path.clone(), None)
+    } else {
+        let dir = checkpoint::resolve(path)?;
+        (dir.join(checkpoint::MODEL_FILE), Some(dir))
+    };
+    let loaded = checkpoint::io::load_safetensors(&model_file, &candle_core::Device::Cpu)?;
+    let mut names: Vec<_> = loaded.tensors.keys().cloned().collect();
+    names.sort();
+    println!("file        {}", model_file.display());
+    let mut total = 0usize;
+    for n in &names {
+        let t = &loaded.tensors[n];
+        total += t.elem_count();
+        println!("  {n:<44} {:<14} {:?}", format!("{:?}", t.dims()), t.dtype());
+    }
+    println!("tensors     {}", names.len());
+    println!("parameters  {total} ({:.2}M)", total as f64 / 1e6);
+    if let Some(dir) = dir {
+        inspect_dir(&dir, &loaded.tensors)?;
+    }
+    Ok(())
+}
+
+fn inspect_dir(
+    dir: &Path,
+    tensors: &std::collections::HashMap<String, candle_core::Tensor>,
+) -> Result<()> {
+    let cfg_path = dir.join(checkpoint::CONFIG_FILE);
+    if cfg_path.is_file() {
+        let cfg = trainer::model::GptConfig::from_hf_json_file(&cfg_path)?;
+        println!(
+            "config      n_layer {} n_head {} n_embd {} block_size {} vocab_size {} dropout {} bias {}",
+            cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.vocab_size, cfg.dropout, cfg.bias
+        );
+        let params = Params::from_tensors(tensors.iter().map(|(n, t)| (n.clone(), t.clone())))?;
+        match params.check_gpt(&cfg) {
+            Ok(()) => println!("check       weights match the config"),
+            Err(e) => println!("check       MISMATCH: {e}"),
+        }
+    }
+    let state_path = dir.join(checkpoint::STATE_FILE);
+    if state_path.is_file() {
+        let state: TrainerState = checkpoint::io::read_json(&state_path)?;
+        println!("step        {}", state.step);
+        println!("tokens      {}", state.tokens_seen);
+        if let Some(b) = state.best_val_loss {
+            println!("best val    {b:.4} ({})", state.best_checkpoint.unwrap_or_default());
+        }
+        println!("--- run config ---\n{}", state.config.to_toml());
+    }
+    Ok(())
+}

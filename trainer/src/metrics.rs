@@ -1,0 +1,129 @@
+//! The run's metrics: one JSON object per line in `metrics.jsonl`, for steps and evaluations.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// What one optimiser step did.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepStats {
+    /// Steps completed after this one (1-based).
+    pub step: usize,
+    /// Mean training loss over the step's micro-batches.
+    pub loss: f32,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f32,
+    /// Training tokens processed per second in this step.
+    pub tokens_per_sec: f64,
+    /// Wall time of the step in milliseconds.
+    pub step_ms: f64,
+    /// Tokens consumed since the start of the run.
+    pub tokens_seen: u64,
+}
+
+/// What one evaluation measured.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EvalStats {
+    /// Steps completed when evaluated.
+    pub step: usize,
+    /// Mean loss over `eval_iters` training batches.
+    pub train_loss: f32,
+    /// Mean loss over `eval_iters` validation batches.
+    pub val_loss: f32,
+    /// Task score (e.g. exact-match accuracy in [0, 1]) when the data has a task.
+    pub score: Option<f32>,
+    /// Name of the score.
+    pub score_name: Option<String>,
+}
+
+/// One line of `metrics.jsonl`, tagged by `"kind"`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Record {
+    /// A training step.
+    Step(StepStats),
+    /// An evaluation.
+    Eval(EvalStats),
+}
+
+impl Record {
+    /// The step the record belongs to.
+    pub fn step(&self) -> usize {
+        match self {
+            Record::Step(s) => s.step,
+            Record::Eval(e) => e.step,
+        }
+    }
+}
+
+/// Appends records to `metrics.jsonl` and keeps them for the loss curve.
+pub struct MetricsLog {
+    path: PathBuf,
+    file: File,
+    /// Every record of the run so far (including those read back on resume).
+    pub records: Vec<Record>,
+}
+
+impl MetricsLog {
+    /// Opens `path` for a run that has completed `resume_step` steps: records after that step
+    /// (written by a run killed after its last checkpoint) are dropped, so the file describes
+    /// exactly the run that continues.
+    pub fn open(path: &Path, resume_step: usize) -> Result<Self> {
+        let mut records = Vec::new();
+        if resume_step > 0 && path.exists() {
+            let f = File::open(path).map_err(|e| Error::io(path, e))?;
+            for line in BufReader::new(f).lines() {
+                let line = line.map_err(|e| Error::io(path, e))?;
+                match serde_json::from_str::<Record>(&line) {
+                    Ok(r) if r.step() <= resume_step => records.push(r),
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!("{}: skipping unreadable line: {e}", path.display()),
+                }
+            }
+        }
+        let mut text = String::new();
+        for r in &records {
+            text.push_str(&serde_json::to_string(r).unwrap_or_default());
+            text.push('\n');
+        }
+        crate::checkpoint::io::write_atomic(path, text.as_bytes())?;
+        let file = OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map_err(|e| Error::io(path, e))?;
+        Ok(MetricsLog {
+            path: path.to_path_buf(),
+            file,
+            records,
+        })
+    }
+
+    /// Appends a record (one line, flushed).
+    pub fn push(&mut self, record: Record) -> Result<()> {
+        let line = serde_json::to_string(&record).unwrap_or_default();
+        writeln!(self.file, "{line}").map_err(|e| Error::io(&self.path, e))?;
+        self.file.flush().map_err(|e| Error::io(&self.path, e))?;
+        self.records.push(record);
+        Ok(())
+    }
+
+    /// The file being written.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Reads every record of a metrics file.
+pub fn read(path: &Path) -> Result<Vec<Record>> {
+    let text = fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    Ok(text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect())
+}

@@ -1,0 +1,138 @@
+//! Text generation: temperature and top-k sampling, and batched greedy decoding.
+
+use candle_core::{DType, Device, IndexOp, Tensor, D};
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::model::{Ctx, Gpt};
+use crate::{Error, Result};
+
+/// How to pick the next token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingConfig {
+    /// Softmax temperature; 0 means greedy (argmax).
+    pub temperature: f64,
+    /// Keep only the `top_k` most likely tokens (None: all).
+    pub top_k: Option<usize>,
+}
+
+impl Default for SamplingConfig {
+    fn default() -> Self {
+        SamplingConfig {
+            temperature: 0.8,
+            top_k: Some(200),
+        }
+    }
+}
+
+/// Continues `prompt` by `max_new_tokens` tokens, feeding at most `block_size` tokens of context
+/// to the model at each step. Randomness comes from `rng` only.
+///
+/// ```
+/// use candle_core::Device;
+/// use rand::SeedableRng;
+/// use trainer::model::{Gpt, GptConfig};
+/// use trainer::sample::{generate, SamplingConfig};
+/// let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 8, block_size: 4, vocab_size: 10, dropout: 0.0, bias: true };
+/// let (model, _) = Gpt::new(&cfg, 0, &Device::Cpu)?;
+/// let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+/// let out = generate(&model, &[1, 2, 3], 6, SamplingConfig::default(), &mut rng, &Device::Cpu)?;
+/// assert_eq!(out.len(), 9);
+/// assert!(out.iter().all(|&t| t < 10));
+/// # Ok::<(), trainer::Error>(())
+/// ```
+pub fn generate(
+    model: &Gpt,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    sampling: SamplingConfig,
+    rng: &mut ChaCha8Rng,
+    device: &Device,
+) -> Result<Vec<u32>> {
+    if prompt.is_empty() {
+        return Err(Error::Config("the prompt must hold at least one token".into()));
+    }
+    let block = model.config.block_size;
+    let mut tokens = prompt.to_vec();
+    for _ in 0..max_new_tokens {
+        let ctx_start = tokens.len().saturating_sub(block);
+        let ctx = &tokens[ctx_start..];
+        let idx = Tensor::new(ctx, device)?.unsqueeze(0)?;
+        let logits = model.forward(&idx, &Ctx::eval())?;
+        let last = logits.i((0, ctx.len() - 1))?.to_dtype(DType::F32)?;
+        let logits: Vec<f32> = last.to_vec1()?;
+        tokens.push(pick(&logits, sampling, rng));
+    }
+    Ok(tokens)
+}
+
+/// Chooses one token from `logits` according to `sampling`.
+fn pick(logits: &[f32], sampling: SamplingConfig, rng: &mut ChaCha8Rng) -> u32 {
+    let argmax = || {
+        logits
+            .iter()
+            .enumerate()
+            .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
+                if v > best.1 {
+                    (i, v)
+                } else {
+                    best
+                }
+            })
+            .0 as u32
+    };
+    if sampling.temperature <= 0.0 {
+        return argmax();
+    }
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    let k = sampling.top_k.unwrap_or(logits.len()).clamp(1, logits.len());
+    order.truncate(k);
+    let max = logits[order[0]] as f64;
+    let weights: Vec<f64> = order
+        .iter()
+        .map(|&i| ((logits[i] as f64 - max) / sampling.temperature).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut u = rng.random::<f64>() * total;
+    for (w, &i) in weights.iter().zip(&order) {
+        if u < *w {
+            return i as u32;
+        }
+        u -= w;
+    }
+    order[order.len() - 1] as u32
+}
+
+/// Greedily decodes `answer_len` tokens after each of `prompts` (all of the same length), as
+/// one batch; returns the generated tokens per prompt.
+pub fn greedy_batch(
+    model: &Gpt,
+    prompts: &[Vec<u32>],
+    answer_len: usize,
+    device: &Device,
+) -> Result<Vec<Vec<u32>>> {
+    let Some(first) = prompts.first() else {
+        return Ok(Vec::new());
+    };
+    let p = first.len();
+    if prompts.iter().any(|x| x.len() != p) {
+        return Err(Error::Config("greedy_batch needs prompts of equal length".into()));
+    }
+    if p + answer_len > model.config.block_size + 1 {
+        return Err(Error::Config(format!(
+            "prompt ({p}) + answer ({answer_len}) tokens exceed the model's block_size {}",
+            model.config.block_size
+        )));
+    }
+    let flat: Vec<u32> = prompts.iter().flatten().copied().collect();
+    let mut idx = Tensor::from_vec(flat, (prompts.len(), p), device)?;
+    for _ in 0..answer_len {
+        let logits = model.forward(&idx, &Ctx::eval())?;
+        let t = idx.dim(1)?;
+        let next = logits.i((.., t - 1))?.argmax(D::Minus1)?.unsqueeze(1)?;
+        idx = Tensor::cat(&[&idx, &next.to_dtype(DType::U32)?], 1)?;
+    }
+    let out = idx.narrow(1, p, answer_len)?.to_vec2::<u32>()?;
+    Ok(out)
+}

@@ -1,0 +1,371 @@
+//! The training loop: micro-batches, gradient accumulation, clipping, AdamW, evaluation,
+//! checkpoints and exact resume.
+
+mod eval;
+mod init;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Var};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+pub use eval::{estimate_loss, task_score};
+pub use init::{open_data as open_data_for, parse_device};
+
+use crate::checkpoint::{self, RngState, TrainerState};
+use crate::config::TrainConfig;
+use crate::data::{DataSource, Split};
+use crate::metrics::{EvalStats, MetricsLog, Record, StepStats};
+use crate::model::{cross_entropy, Ctx, Gpt, Params};
+use crate::optim::{accumulate, clip_grad_norm, AdamW};
+use crate::schedule::LrSchedule;
+use crate::{Error, Result};
+
+/// Something that happened during [`Trainer::run`], for progress display.
+#[derive(Debug)]
+pub enum Event<'a> {
+    /// An optimiser step finished.
+    Step(&'a StepStats),
+    /// An evaluation finished.
+    Eval(&'a EvalStats),
+    /// A text sample was generated at an evaluation.
+    Sample(&'a str),
+    /// A checkpoint was written.
+    Checkpoint(&'a Path),
+}
+
+/// Receives [`Event`]s (the CLI draws a progress bar; tests ignore them).
+pub trait Observer {
+    /// Called for every event.
+    fn on_event(&mut self, event: Event<'_>);
+}
+
+impl Observer for () {
+    fn on_event(&mut self, _: Event<'_>) {}
+}
+
+/// How [`Trainer::run`] ended.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Summary {
+    /// Steps completed.
+    pub step: usize,
+    /// Whether the run stopped early on request (Ctrl-C).
+    pub interrupted: bool,
+    /// The last evaluation.
+    pub last_eval: Option<EvalStats>,
+    /// The best validation loss seen.
+    pub best_val_loss: Option<f32>,
+    /// Training seconds (across resumes).
+    pub elapsed_secs: f64,
+    /// Tokens consumed.
+    pub tokens_seen: u64,
+    /// The newest checkpoint.
+    pub checkpoint: Option<PathBuf>,
+}
+
+/// A training run: model, optimiser, data and the position in the run.
+pub struct Trainer {
+    /// The run's config.
+    pub config: TrainConfig,
+    /// Where tensors live.
+    pub device: Device,
+    /// The data source.
+    pub data: Box<dyn DataSource>,
+    /// The model.
+    pub model: Gpt,
+    /// Its parameters.
+    pub params: Params,
+    /// The optimiser.
+    pub optimizer: AdamW,
+    vars: Vec<Var>,
+    schedule: LrSchedule,
+    rng: ChaCha8Rng,
+    step: usize,
+    tokens_seen: u64,
+    best_val_loss: Option<f32>,
+    best_checkpoint: Option<String>,
+    elapsed_secs: f64,
+    last_checkpoint: Option<PathBuf>,
+}
+
+impl Trainer {
+    /// Starts a new run from `config` (fresh weights, or `init_from` pretrained ones).
+    pub fn new(config: TrainConfig) -> Result<Self> {
+        config.validate()?;
+        let device = parse_device(&config.device)?;
+        let data = init::open_data(&config)?;
+        let (model, params) = init::build_model(&config, data.as_ref(), &device)?;
+        let optimizer = AdamW::new(&params, config.adamw_config())?;
+        let rng = ChaCha8Rng::seed_from_u64(config.seed);
+        Ok(Self::assemble(config, device, data, model, params, optimizer, rng))
+    }
+
+    /// Continues the run saved in `path` (a run directory or a checkpoint directory).
+    ///
+    /// `adjust` may change the saved config (e.g. a longer `max_iters`); fields that define
+    /// the model or the data cannot change, and an attempt is an error.
+    pub fn resume(path: &Path, adjust: impl FnOnce(&mut TrainConfig)) -> Result<Self> {
+        let dir = checkpoint::resolve(path)?;
+        let state: TrainerState = checkpoint::io::read_json(&dir.join(checkpoint::STATE_FILE))?;
+        let mut config = state.config.clone();
+        adjust(&mut config);
+        init::check_resume_compatible(&state.config, &config, &dir)?;
+        config.validate()?;
+        let device = parse_device(&config.device)?;
+        let data = init::open_data(&config)?;
+        let (gpt_config, params) = checkpoint::load_model(&dir, &device)?;
+        let model = Gpt::from_params(&gpt_config, &params)?;
+        let mut optimizer = AdamW::new(&params, config.adamw_config())?;
+        checkpoint::load_optimizer(&dir, &mut optimizer, &device)?;
+        let rng = state.rng.restore()?;
+        let mut t = Self::assemble(config, device, data, model, params, optimizer, rng);
+        t.step = state.step;
+        t.tokens_seen = state.tokens_seen;
+        t.best_val_loss = state.best_val_loss;
+        t.best_checkpoint = state.best_checkpoint;
+        t.elapsed_secs = state.elapsed_secs;
+        t.last_checkpoint = Some(dir);
+        Ok(t)
+    }
+
+    fn assemble(
+        config: TrainConfig,
+        device: Device,
+        data: Box<dyn DataSource>,
+        model: Gpt,
+        params: Params,
+        optimizer: AdamW,
+        rng: ChaCha8Rng,
+    ) -> Self {
+        Trainer {
+            schedule: config.lr_schedule(),
+            vars: params.vars(),
+            config,
+            device,
+            data,
+            model,
+            params,
+            optimizer,
+            rng,
+            step: 0,
+            tokens_seen: 0,
+            best_val_loss: None,
+            best_checkpoint: None,
+            elapsed_secs: 0.0,
+            last_checkpoint: None,
+        }
+    }
+
+    /// Optimiser steps completed.
+    pub fn step(&self) -> usize {
+        self.step
+    }
+
+    /// The dropout seed of micro-batch `micro` of step `step`: a pure function of the run seed,
+    /// so a resumed run draws the same masks and needs no dropout RNG state.
+    fn dropout_seed(&self, micro: usize) -> u64 {
+        let mut z = self.config.seed ^ 0x9E37_79B9_7F4A_7C15;
+        for v in [self.step as u64, micro as u64] {
+            z = (z ^ v).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z ^= z >> 31;
+        }
+        z
+    }
+
+    /// Runs one optimiser step (`grad_accum` micro-batches) and returns its statistics.
+    ///
+    /// A non-finite loss or gradient norm is an error and leaves the weights untouched.
+    pub fn train_step(&mut self) -> Result<StepStats> {
+        let start = Instant::now();
+        let cfg = &self.config;
+        let lr = self.schedule.at(self.step);
+        let mut grads = GradStore::default();
+        let mut loss_sum = 0f32;
+        let accum = cfg.grad_accum;
+        for micro in 0..accum {
+            let batch = self.data.batch(
+                Split::Train,
+                cfg.batch_size,
+                cfg.block_size,
+                &mut self.rng,
+                &self.device,
+            )?;
+            let ctx = Ctx::train(self.dropout_seed(micro));
+            let logits = self.model.forward(&batch.x, &ctx)?;
+            let loss = cross_entropy(&logits, &batch.y, batch.mask.as_ref())?;
+            loss_sum += loss.to_scalar::<f32>()?;
+            let g = (loss / accum as f64)?.backward()?;
+            accumulate(&mut grads, g, &self.vars)?;
+        }
+        let loss = loss_sum / accum as f32;
+        if !loss.is_finite() {
+            return Err(Error::NonFiniteLoss {
+                step: self.step + 1,
+                loss,
+            });
+        }
+        let grad_norm = clip_grad_norm(&mut grads, &self.vars, cfg.grad_clip)?;
+        if !grad_norm.is_finite() {
+            return Err(Error::NonFiniteLoss {
+                step: self.step + 1,
+                loss: grad_norm,
+            });
+        }
+        candle_nn::Optimizer::set_learning_rate(&mut self.optimizer, lr);
+        self.optimizer.apply(&grads)?;
+        self.step += 1;
+        let tokens = (accum * cfg.batch_size * cfg.block_size) as u64;
+        self.tokens_seen += tokens;
+        let secs = start.elapsed().as_secs_f64();
+        self.elapsed_secs += secs;
+        Ok(StepStats {
+            step: self.step,
+            loss,
+            lr,
+            grad_norm,
+            tokens_per_sec: tokens as f64 / secs.max(1e-9),
+            step_ms: secs * 1e3,
+            tokens_seen: self.tokens_seen,
+        })
+    }
+
+    /// Measures train and val loss (and the task score, if any) without touching the training
+    /// RNG: evaluation batches come from a generator seeded by the run seed, so every
+    /// evaluation sees the same batches.
+    pub fn evaluate(&self) -> Result<EvalStats> {
+        let cfg = &self.config;
+        let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0xE7A1);
+        let train_loss = estimate_loss(self, Split::Train, &mut rng)?;
+        let val_loss = estimate_loss(self, Split::Val, &mut rng)?;
+        let (score, score_name) = match self.data.task() {
+            Some(task) if cfg.eval_problems > 0 => (
+                Some(task_score(&self.model, task, cfg.eval_problems, &self.device)?),
+                Some(task.name().to_string()),
+            ),
+            _ => (None, None),
+        };
+        Ok(EvalStats {
+            step: self.step,
+            train_loss,
+            val_loss,
+            score,
+            score_name,
+        })
+    }
+
+    /// The state saved with a checkpoint.
+    pub fn state(&self) -> TrainerState {
+        TrainerState {
+            step: self.step,
+            rng: RngState::capture(&self.rng),
+            tokens_seen: self.tokens_seen,
+            best_val_loss: self.best_val_loss,
+            best_checkpoint: self.best_checkpoint.clone(),
+            elapsed_secs: self.elapsed_secs,
+            config: self.config.clone(),
+        }
+    }
+
+    /// Writes a checkpoint of the current step into the run directory and prunes old ones.
+    pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
+        let dir = checkpoint::save(
+            &self.config.out_dir,
+            &self.model.config,
+            &self.params,
+            &self.optimizer,
+            &self.state(),
+        )?;
+        checkpoint::prune(
+            &self.config.out_dir,
+            self.config.keep_last,
+            self.best_checkpoint.as_deref(),
+        )?;
+        self.last_checkpoint = Some(dir.clone());
+        Ok(dir)
+    }
+
+    /// Tracks the best validation loss; called for evaluations that are checkpointed.
+    fn record_eval(&mut self, eval: &EvalStats) {
+        if self.best_val_loss.is_none_or(|b| eval.val_loss < b) {
+            self.best_val_loss = Some(eval.val_loss);
+            self.best_checkpoint = Some(format!("step-{:07}", self.step));
+        }
+    }
+
+    /// Trains until `max_iters` steps or until `stop` is set (Ctrl-C), evaluating and
+    /// checkpointing every `eval_interval` steps and at the end. An interrupted run saves a
+    /// checkpoint before returning.
+    pub fn run(&mut self, observer: &mut dyn Observer, stop: &AtomicBool) -> Result<Summary> {
+        let out = self.config.out_dir.clone();
+        std::fs::create_dir_all(&out).map_err(|e| Error::io(&out, e))?;
+        checkpoint::io::write_atomic(&out.join("run.toml"), self.config.to_toml().as_bytes())?;
+        let mut metrics = MetricsLog::open(&out.join("metrics.jsonl"), self.step)?;
+        let mut last_eval = None;
+        let mut interrupted = false;
+        if self.step == 0 {
+            last_eval = Some(self.eval_and_log(&mut metrics, observer)?);
+        }
+        while self.step < self.config.max_iters {
+            if stop.load(Ordering::SeqCst) {
+                interrupted = true;
+                break;
+            }
+            let stats = self.train_step()?;
+            observer.on_event(Event::Step(&stats));
+            metrics.push(Record::Step(stats))?;
+            let at_end = self.step == self.config.max_iters;
+            if self.step % self.config.eval_interval == 0 || at_end {
+                let eval = self.eval_and_log(&mut metrics, observer)?;
+                self.record_eval(&eval);
+                last_eval = Some(eval);
+                let dir = self.save_checkpoint()?;
+                observer.on_event(Event::Checkpoint(&dir));
+            }
+        }
+        let already_saved = self
+            .last_checkpoint
+            .as_ref()
+            .is_some_and(|d| d.ends_with(format!("step-{:07}", self.step)));
+        if !already_saved {
+            let dir = self.save_checkpoint()?;
+            observer.on_event(Event::Checkpoint(&dir));
+        }
+        Ok(Summary {
+            step: self.step,
+            interrupted,
+            last_eval,
+            best_val_loss: self.best_val_loss,
+            elapsed_secs: self.elapsed_secs,
+            tokens_seen: self.tokens_seen,
+            checkpoint: self.last_checkpoint.clone(),
+        })
+    }
+
+    fn eval_and_log(
+        &mut self,
+        metrics: &mut MetricsLog,
+        observer: &mut dyn Observer,
+    ) -> Result<EvalStats> {
+        let eval = self.evaluate()?;
+        observer.on_event(Event::Eval(&eval));
+        metrics.push(Record::Eval(eval.clone()))?;
+        let title = format!("{} ({})", self.config.out_dir.display(), self.data.describe());
+        if let Err(e) = crate::plot::loss_curve(
+            &self.config.out_dir.join("loss.svg"),
+            &title,
+            &metrics.records,
+        ) {
+            tracing::warn!("could not draw the loss curve: {e}");
+        }
+        if self.config.sample_tokens > 0 {
+            if let Some(text) = eval::sample_text(self)? {
+                observer.on_event(Event::Sample(&text));
+            }
+        }
+        Ok(eval)
+    }
+}
