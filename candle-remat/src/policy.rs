@@ -1,0 +1,437 @@
+//! Checkpointing policies for a sequential chain of blocks, and the budget planner.
+//!
+//! # Plan space and cost model
+//!
+//! A [`Plan`] partitions the chain into consecutive segments; each segment is either *stored*
+//! (run as plain Candle code, its activations live until its backward) or *checkpointed* (run
+//! through [`Tape::checkpoint`]: only its input is kept, plus a copy of its output; it is re-run
+//! once in backward). With per-block activation bytes `a_i`, output bytes `o_i` and forward time
+//! `t_i` ([`BlockCost`]) and chain-input bytes `x`, the model is:
+//!
+//! * memory held by segment `s` after its forward: `A_s = Σ a_i` if stored, `o_last` if
+//!   checkpointed;
+//! * while segment `s` runs its forward or (re)computes for its backward, everything held by
+//!   the segments before it is alive plus its own activations: `x + Σ_{r<s} mem_r + A_s`
+//!   (`+ o_last` for a checkpointed one: its leaf copy);
+//! * predicted peak = the maximum of that over segments; recompute time = `Σ t_i` over
+//!   checkpointed blocks (each is re-run exactly once).
+//!
+//! [`Policy::Budget`] solves `min recompute s.t. peak <= budget` exactly over that space with a
+//! dynamic program over segment boundaries whose states are the Pareto front of
+//! (bytes held so far, recompute so far), in the spirit of Revolve / rotor restricted to one
+//! level of recomputation (which is what the tape executes). Because [`Policy::EveryK`],
+//! [`Policy::SqrtN`] and [`Policy::None`] are points of the same space, the budget plan is never
+//! worse than them at the same budget (tested on random chains). Times are integers
+//! (nanoseconds) so that comparisons are exact.
+
+use crate::error::{RematError, Result};
+use crate::tape::Tape;
+use candle_core::Tensor;
+use std::fmt;
+use std::rc::Rc;
+
+/// Measured or estimated cost of one block of the chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockCost {
+    /// Bytes the block's autodiff graph keeps alive when run normally (its activations,
+    /// including its output).
+    pub act_bytes: u64,
+    /// Bytes of the block's output (the boundary kept when a checkpoint ends here).
+    pub out_bytes: u64,
+    /// Forward time of the block in nanoseconds (any consistent unit works).
+    pub fwd_ns: u64,
+}
+
+/// Costs of a whole chain: the chain input and each block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChainCosts {
+    /// Bytes of the chain input (always alive).
+    pub input_bytes: u64,
+    /// One entry per block, in order.
+    pub blocks: Vec<BlockCost>,
+}
+
+impl ChainCosts {
+    /// `n` identical blocks, with the chain input as large as one block output.
+    pub fn uniform(n: usize, block: BlockCost) -> Self {
+        Self {
+            input_bytes: block.out_bytes,
+            blocks: vec![block; n],
+        }
+    }
+
+    /// Number of blocks.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// True for an empty chain.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+}
+
+/// How to checkpoint a chain of `N` blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// No checkpointing: plain Candle memory and speed.
+    None,
+    /// Checkpoint segments of `k` consecutive blocks (a boundary is kept every `k` blocks);
+    /// `EveryK(1)` checkpoints every block on its own.
+    EveryK(usize),
+    /// `ceil(sqrt(N))` blocks per checkpointed segment (Chen et al. 2016).
+    SqrtN,
+    /// The plan with the least recompute whose predicted activation peak is at most this
+    /// many bytes (dynamic program over the chain).
+    Budget(u64),
+}
+
+/// One segment of a [`Plan`]: blocks `start..end`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanSegment {
+    /// First block (inclusive).
+    pub start: usize,
+    /// Last block (exclusive).
+    pub end: usize,
+    /// Whether the segment is checkpointed (recomputed in backward) or stored.
+    pub checkpointed: bool,
+}
+
+/// A checkpointing plan for a chain, with its predicted cost. Printable with `{}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// The policy that produced the plan.
+    pub policy: Policy,
+    /// Segments covering `0..n` in order.
+    pub segments: Vec<PlanSegment>,
+    /// Predicted activation peak in bytes (see the module docs for the model).
+    pub predicted_peak_bytes: u64,
+    /// Predicted peak of the same chain without checkpointing.
+    pub unchecked_peak_bytes: u64,
+    /// Forward time re-run in backward (ns).
+    pub recompute_ns: u64,
+    /// Forward time of the whole chain (ns).
+    pub forward_ns: u64,
+}
+
+impl Plan {
+    /// Number of blocks covered.
+    pub fn len(&self) -> usize {
+        self.segments.last().map_or(0, |s| s.end)
+    }
+
+    /// True for an empty plan.
+    pub fn is_empty(&self) -> bool {
+        self.segments.is_empty()
+    }
+
+    /// Whether block `i` is inside a checkpointed segment.
+    pub fn is_checkpointed(&self, i: usize) -> bool {
+        self.segments
+            .iter()
+            .any(|s| s.checkpointed && s.start <= i && i < s.end)
+    }
+
+    /// Recompute as a fraction of the chain's forward time.
+    pub fn recompute_fraction(&self) -> f64 {
+        if self.forward_ns == 0 {
+            0.0
+        } else {
+            self.recompute_ns as f64 / self.forward_ns as f64
+        }
+    }
+
+    /// Runs the chain `x -> f(0, x) -> f(1, ..) -> ...` on `tape` following the plan. Each block
+    /// runs inside [`Tape::scope`]`(i, ..)`, so [`crate::dropout`] masks depend only on the tape
+    /// seed and the block index: every policy computes the same function.
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor, Var};
+    /// use candle_remat::{ChainCosts, BlockCost, Policy, Tape};
+    /// let dev = Device::Cpu;
+    /// let ws: Vec<Var> = (0..4).map(|_| Var::randn(0f32, 0.3, (8, 8), &dev)).collect::<Result<_, _>>()?;
+    /// let plan = Policy::EveryK(2).plan(&ChainCosts::uniform(4, BlockCost { act_bytes: 512, out_bytes: 128, fwd_ns: 1 }))?;
+    /// let tape = Tape::new(0);
+    /// let x = Tensor::randn(0f32, 1.0, (4, 8), &dev)?;
+    /// let y = plan.forward(&tape, &x, |i, h| h.matmul(ws[i].as_tensor())?.tanh())?;
+    /// let grads = tape.backward(&y.sum_all()?)?;
+    /// assert!(ws.iter().all(|w| grads.get(w).is_some()));
+    /// # Ok::<(), candle_remat::RematError>(())
+    /// ```
+    pub fn forward<'a, F>(&self, tape: &Tape<'a>, x: &Tensor, f: F) -> Result<Tensor>
+    where
+        F: Fn(usize, &Tensor) -> candle_core::Result<Tensor> + 'a,
+    {
+        let f = Rc::new(f);
+        let mut h = x.clone();
+        for seg in &self.segments {
+            let (start, end) = (seg.start, seg.end);
+            if seg.checkpointed {
+                let f = f.clone();
+                let mut ys = tape.checkpoint_nested(&[&h], move |t, xs| {
+                    let mut h = xs[0].clone();
+                    for i in start..end {
+                        h = t.scope(i as u64, || Ok(f(i, &h)?))?;
+                    }
+                    Ok(vec![h])
+                })?;
+                h = ys.pop().ok_or_else(|| RematError::InvalidPlan("no output".into()))?;
+            } else {
+                for i in start..end {
+                    h = tape.scope(i as u64, || Ok(f(i, &h)?))?;
+                }
+            }
+        }
+        Ok(h)
+    }
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "plan {:?} over {} blocks:", self.policy, self.len())?;
+        let segs: Vec<String> = self
+            .segments
+            .iter()
+            .map(|s| {
+                let r = if s.end - s.start == 1 {
+                    format!("{}", s.start)
+                } else {
+                    format!("{}-{}", s.start, s.end - 1)
+                };
+                if s.checkpointed {
+                    format!("[ckpt {r}]")
+                } else {
+                    format!("[store {r}]")
+                }
+            })
+            .collect();
+        writeln!(f, "  segments: {}", segs.join(" "))?;
+        let ck: Vec<String> = (0..self.len())
+            .filter(|&i| self.is_checkpointed(i))
+            .map(|i| i.to_string())
+            .collect();
+        writeln!(f, "  checkpointed blocks: {{{}}}", ck.join(", "))?;
+        writeln!(
+            f,
+            "  predicted activation peak: {:.2} MiB ({:.1}% of {:.2} MiB unchecked)",
+            self.predicted_peak_bytes as f64 / 1048576.0,
+            100.0 * self.predicted_peak_bytes as f64 / self.unchecked_peak_bytes.max(1) as f64,
+            self.unchecked_peak_bytes as f64 / 1048576.0
+        )?;
+        write!(
+            f,
+            "  predicted recompute: {:.1}% of forward (~{:.1}% of a step if backward = 2x forward)",
+            100.0 * self.recompute_fraction(),
+            100.0 * self.recompute_fraction() / 3.0
+        )
+    }
+}
+
+fn seg_sum(c: &ChainCosts, s: &PlanSegment) -> (u64, u64) {
+    let blocks = &c.blocks[s.start..s.end];
+    (
+        blocks.iter().map(|b| b.act_bytes).sum(),
+        blocks.iter().map(|b| b.fwd_ns).sum(),
+    )
+}
+
+/// Predicted (peak bytes, recompute ns) of `segments` under the module's cost model.
+pub fn predict(costs: &ChainCosts, segments: &[PlanSegment]) -> (u64, u64) {
+    let mut held = costs.input_bytes;
+    let mut peak = held;
+    let mut rec = 0;
+    for s in segments {
+        let (a, t) = seg_sum(costs, s);
+        let out = costs.blocks[s.end - 1].out_bytes;
+        if s.checkpointed {
+            peak = peak.max(held + a + out);
+            held += out;
+            rec += t;
+        } else {
+            peak = peak.max(held + a);
+            held += a;
+        }
+    }
+    (peak, rec)
+}
+
+fn uniform_segments(n: usize, k: usize) -> Vec<PlanSegment> {
+    (0..n)
+        .step_by(k)
+        .map(|start| PlanSegment {
+            start,
+            end: (start + k).min(n),
+            checkpointed: true,
+        })
+        .collect()
+}
+
+impl Policy {
+    /// Turns the policy into a plan for a chain with the given costs (costs only matter for
+    /// the predictions, except for [`Policy::Budget`]).
+    pub fn plan(&self, costs: &ChainCosts) -> Result<Plan> {
+        let n = costs.len();
+        if n == 0 {
+            return Err(RematError::InvalidPlan("empty chain".into()));
+        }
+        let segments = match *self {
+            Policy::None => vec![PlanSegment {
+                start: 0,
+                end: n,
+                checkpointed: false,
+            }],
+            Policy::EveryK(0) => return Err(RematError::InvalidPlan("EveryK(0)".into())),
+            Policy::EveryK(k) => uniform_segments(n, k),
+            Policy::SqrtN => uniform_segments(n, (n as f64).sqrt().ceil() as usize),
+            Policy::Budget(b) => budget_segments(costs, b)?,
+        };
+        Ok(self.finish(costs, segments))
+    }
+
+    fn finish(&self, costs: &ChainCosts, segments: Vec<PlanSegment>) -> Plan {
+        let (peak, rec) = predict(costs, &segments);
+        let all = [PlanSegment {
+            start: 0,
+            end: costs.len(),
+            checkpointed: false,
+        }];
+        Plan {
+            policy: *self,
+            predicted_peak_bytes: peak,
+            unchecked_peak_bytes: predict(costs, &all).0,
+            recompute_ns: rec,
+            forward_ns: costs.blocks.iter().map(|b| b.fwd_ns).sum(),
+            segments,
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct State {
+    held: u64,
+    cost: u64,
+    prev: Option<(usize, usize)>, // (position, index in that position's front)
+    seg: Option<PlanSegment>,
+}
+
+/// Exact DP; `None` when no plan fits `budget`.
+fn dp(costs: &ChainCosts, budget: u64) -> Option<Vec<PlanSegment>> {
+    let n = costs.len();
+    let mut fronts: Vec<Vec<State>> = vec![Vec::new(); n + 1];
+    if costs.input_bytes > budget {
+        return None;
+    }
+    fronts[0].push(State {
+        held: costs.input_bytes,
+        cost: 0,
+        prev: None,
+        seg: None,
+    });
+    for i in 0..n {
+        let front = std::mem::take(&mut fronts[i]);
+        for (si, st) in front.iter().enumerate() {
+            let (mut a, mut t) = (0u64, 0u64);
+            for j in i + 1..=n {
+                a += costs.blocks[j - 1].act_bytes;
+                t += costs.blocks[j - 1].fwd_ns;
+                let out = costs.blocks[j - 1].out_bytes;
+                if st.held + a > budget {
+                    break;
+                }
+                // stored single block (longer stored segments are equivalent to runs of these)
+                if j == i + 1 {
+                    push_pareto(
+                        &mut fronts[j],
+                        State {
+                            held: st.held + a,
+                            cost: st.cost,
+                            prev: Some((i, si)),
+                            seg: Some(PlanSegment {
+                                start: i,
+                                end: j,
+                                checkpointed: false,
+                            }),
+                        },
+                    );
+                }
+                if st.held + a + out <= budget {
+                    push_pareto(
+                        &mut fronts[j],
+                        State {
+                            held: st.held + out,
+                            cost: st.cost + t,
+                            prev: Some((i, si)),
+                            seg: Some(PlanSegment {
+                                start: i,
+                                end: j,
+                                checkpointed: true,
+                            }),
+                        },
+                    );
+                }
+            }
+        }
+        fronts[i] = front;
+    }
+    let best = fronts[n]
+        .iter()
+        .enumerate()
+        .min_by_key(|(_, s)| (s.cost, s.held))?
+        .0;
+    let mut segs = Vec::new();
+    let mut cur = (n, best);
+    while let Some(seg) = fronts[cur.0][cur.1].seg {
+        segs.push(seg);
+        match fronts[cur.0][cur.1].prev {
+            Some(p) => cur = p,
+            None => break,
+        }
+    }
+    segs.reverse();
+    Some(merge_stored(segs))
+}
+
+fn merge_stored(segs: Vec<PlanSegment>) -> Vec<PlanSegment> {
+    let mut out: Vec<PlanSegment> = Vec::new();
+    for s in segs {
+        match out.last_mut() {
+            Some(l) if !l.checkpointed && !s.checkpointed => l.end = s.end,
+            _ => out.push(s),
+        }
+    }
+    out
+}
+
+fn push_pareto(front: &mut Vec<State>, s: State) {
+    if front.iter().any(|o| o.held <= s.held && o.cost <= s.cost) {
+        return;
+    }
+    front.retain(|o| !(s.held <= o.held && s.cost <= o.cost));
+    front.push(s);
+}
+
+/// Smallest predicted peak any plan of the space reaches (binary search on the DP).
+pub fn min_peak_bytes(costs: &ChainCosts) -> u64 {
+    let all = [PlanSegment {
+        start: 0,
+        end: costs.len(),
+        checkpointed: false,
+    }];
+    let (mut lo, mut hi) = (0u64, predict(costs, &all).0);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if dp(costs, mid).is_some() {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    hi
+}
+
+fn budget_segments(costs: &ChainCosts, budget: u64) -> Result<Vec<PlanSegment>> {
+    dp(costs, budget).ok_or_else(|| RematError::ImpossibleBudget {
+        budget,
+        min_bytes: min_peak_bytes(costs),
+    })
+}

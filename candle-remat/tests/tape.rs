@@ -1,0 +1,321 @@
+//! Exactness of checkpointed gradients against plain `loss.backward()`.
+//!
+//! Tolerance: none. Every gradient is compared bit for bit (f32 and f64 on CPU), because the
+//! recompute runs the same ops on the same values and the tape continues Candle's own gradient
+//! accumulation order (see `candle_remat::tape`). The one documented exception has its own test.
+
+mod common;
+
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_remat::{BlockCost, ChainCosts, Policy, RematError, Tape};
+use common::*;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+fn compare_stores(
+    vars: &[&Var],
+    plain: &candle_core::backprop::GradStore,
+    ours: &candle_core::backprop::GradStore,
+    what: &str,
+) {
+    for (i, v) in vars.iter().enumerate() {
+        match (plain.get(v), ours.get(v)) {
+            (Some(a), Some(b)) => assert_bits_eq(b, a, &format!("{what}: var {i}")),
+            (None, None) => {}
+            (a, b) => panic!("{what}: var {i}: plain has grad {} / tape has grad {}", a.is_some(), b.is_some()),
+        }
+    }
+    // No extra entries (boundary leaves are removed; junk zero grads of constants mirror plain).
+    assert!(
+        ours.get_ids().count() <= plain.get_ids().count(),
+        "{what}: tape store has {} entries, plain {}",
+        ours.get_ids().count(),
+        plain.get_ids().count()
+    );
+}
+
+fn policies(n: usize, costs: &ChainCosts) -> Vec<Policy> {
+    let mid = {
+        let lo = candle_remat::policy::min_peak_bytes(costs);
+        let hi = Policy::None.plan(costs).unwrap().predicted_peak_bytes;
+        lo + (hi - lo) / 3
+    };
+    let mut p = vec![Policy::None, Policy::SqrtN, Policy::Budget(mid)];
+    for k in 1..=n.min(3) {
+        p.push(Policy::EveryK(k));
+    }
+    p
+}
+
+fn run_gpt(cfg: Cfg, dtype: DType, b: usize, t: usize, seed: u64) {
+    let dev = Device::Cpu;
+    let gpt = Gpt::new(seed, cfg, dtype, &dev).unwrap();
+    let (idx, tgt) = tokens(seed + 1, b, t, cfg.vocab, &dev).unwrap();
+    let vars = gpt.vars();
+    let costs = ChainCosts::uniform(
+        cfg.n_layer,
+        BlockCost { act_bytes: 1000, out_bytes: 100, fwd_ns: 10 },
+    );
+    // Plain reference: the same model (same dropout masks, keyed by the tape seed and block
+    // index) without any checkpoint, differentiated by Candle's own backward.
+    let tape = Tape::new(99);
+    let loss_plain = gpt.loss(&tape, &Policy::None.plan(&costs).unwrap(), &idx, &tgt).unwrap();
+    let plain = loss_plain.backward().unwrap();
+    for policy in policies(cfg.n_layer, &costs) {
+        let plan = policy.plan(&costs).unwrap();
+        let tape = Tape::new(99).with_verify(true);
+        let loss = gpt.loss(&tape, &plan, &idx, &tgt).unwrap();
+        assert_bits_eq(&loss, &loss_plain, "loss");
+        let grads = tape.backward(&loss).unwrap();
+        compare_stores(&vars, &plain, &grads, &format!("{policy:?} {cfg:?}"));
+    }
+}
+
+#[test]
+fn gpt_every_policy_bit_identical_with_dropout_f32() {
+    run_gpt(Cfg::tiny(16, 2, 4, 8), DType::F32, 2, 8, 1);
+    run_gpt(Cfg::tiny(12, 3, 5, 6), DType::F32, 3, 5, 2);
+    run_gpt(Cfg::tiny(8, 1, 3, 7), DType::F32, 1, 7, 3);
+}
+
+#[test]
+fn gpt_every_policy_bit_identical_with_dropout_f64() {
+    run_gpt(Cfg::tiny(16, 4, 4, 8), DType::F64, 2, 6, 4);
+}
+
+#[test]
+fn gpt_with_lean_ops_bit_identical_under_checkpointing() {
+    let mut cfg = Cfg::tiny(16, 2, 4, 8);
+    cfg.lean_attention = true;
+    cfg.lean_ln = true;
+    run_gpt(cfg, DType::F32, 2, 8, 5);
+}
+
+#[test]
+fn nested_checkpoints_bit_identical() {
+    let dev = Device::Cpu;
+    for (seed, (c, h, n, t)) in [(16, 2, 4, 8), (8, 2, 6, 5)].into_iter().enumerate() {
+        let cfg = Cfg::tiny(c, h, n, t);
+        let gpt = Gpt::new(seed as u64, cfg, DType::F32, &dev).unwrap();
+        let (idx, tgt) = tokens(7, 2, t, cfg.vocab, &dev).unwrap();
+        let tape = Tape::new(5);
+        let mut x = gpt.embed(&tape, &idx).unwrap();
+        for i in 0..n {
+            x = tape.scope(i as u64, || Ok(gpt.blocks[i].forward(&x)?)).unwrap();
+        }
+        let plain = gpt.head_loss(&x, &tgt).unwrap().backward().unwrap();
+
+        // Outer checkpoints over pairs of blocks; inside, every block is checkpointed again,
+        // and inside each block the MLP is checkpointed a third time.
+        let tape = Tape::new(5).with_verify(true);
+        let gpt_ref = &gpt;
+        let mut x = gpt.embed(&tape, &idx).unwrap();
+        for pair in (0..n).step_by(2) {
+            let end = (pair + 2).min(n);
+            x = tape
+                .checkpoint_nested(&[&x], move |t, xs| {
+                    let mut h = xs[0].clone();
+                    for i in pair..end {
+                        let blk = &gpt_ref.blocks[i];
+                        h = t
+                            .checkpoint_nested(&[&h], move |t2, ys| {
+                                t2.scope(i as u64, || {
+                                    let x = (&ys[0] + blk.attn(&ys[0])?)?;
+                                    let m = t2.checkpoint1(&x, move |x| blk.mlp(x))?;
+                                    Ok(vec![(x + m)?])
+                                })
+                                .map_err(Into::into)
+                            })?
+                            .remove(0);
+                    }
+                    Ok(vec![h])
+                })
+                .unwrap()
+                .remove(0);
+        }
+        let loss = gpt.head_loss(&x, &tgt).unwrap();
+        let grads = tape.backward(&loss).unwrap();
+        compare_stores(&gpt.vars(), &plain, &grads, "nested");
+    }
+}
+
+/// f(x, y, mask, ids) -> (a, b, ids_out): several inputs (one float without grad, one int),
+/// several outputs (one integer), `a` consumed twice downstream.
+#[test]
+fn multi_input_multi_output_and_reused_output() {
+    let dev = Device::Cpu;
+    for (seed, (r, c)) in [(3usize, 4usize), (5, 7), (1, 9)].into_iter().enumerate() {
+        let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(seed as u64);
+        let w1 = var(&mut rng, &[c, c], 0.5, DType::F32, &dev).unwrap();
+        let w2 = var(&mut rng, &[c, c], 0.5, DType::F32, &dev).unwrap();
+        let x0 = var(&mut rng, &[r, c], 1.0, DType::F32, &dev).unwrap();
+        let y0 = var(&mut rng, &[r, c], 1.0, DType::F32, &dev).unwrap();
+        let mask = randn(&mut rng, &[r, c], 1.0, DType::F32, &dev).unwrap().ge(0.0).unwrap().to_dtype(DType::F32).unwrap();
+        let ids = Tensor::from_vec((0..r as u32).rev().collect::<Vec<_>>(), r, &dev).unwrap();
+        let seg = |xs: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
+            let h = xs[0].matmul(w1.as_tensor())?.tanh()?;
+            let h = (h * &xs[2])?; // mask: no grad
+            let a = (h.matmul(w2.as_tensor())? + &xs[1])?;
+            let b = (xs[1].matmul(w1.as_tensor())? * h)?.index_select(&xs[3], 0)?;
+            Ok(vec![a, b, xs[3].clone()])
+        };
+        // glue before: inputs carry graph
+        let x = x0.as_tensor().exp().unwrap();
+        let y = (y0.as_tensor() * 2.0).unwrap();
+        let after = |o: &[Tensor]| -> Tensor {
+            let a = &o[0];
+            let u = (a.sqr().unwrap() + a.sin().unwrap()).unwrap(); // a used twice
+            let v = o[1].index_select(&o[2], 0).unwrap();
+            (u.sum_all().unwrap() + (v * a).unwrap().mean_all().unwrap()).unwrap()
+        };
+        let plain = after(&seg(&[x.clone(), y.clone(), mask.clone(), ids.clone()]).unwrap()).backward().unwrap();
+        let tape = Tape::new(0).with_verify(true);
+        let outs = tape.checkpoint(&[&x, &y, &mask, &ids], seg).unwrap();
+        assert_eq!(outs[2].dtype(), DType::U32);
+        let grads = tape.backward(&after(&outs)).unwrap();
+        compare_stores(&[&w1, &w2, &x0, &y0], &plain, &grads, "multi-io");
+    }
+}
+
+/// Residual adds outside the checkpointed function, and a tied weight used in glue before,
+/// inside and after the segments (three or more contributions across passes).
+#[test]
+fn glue_residuals_and_shared_weights_bit_identical() {
+    let dev = Device::Cpu;
+    for (seed, (r, c, n)) in [(4usize, 6usize, 3usize), (2, 5, 5), (6, 3, 4)].into_iter().enumerate() {
+        let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(10 + seed as u64);
+        let shared = var(&mut rng, &[c, c], 0.4, DType::F32, &dev).unwrap();
+        let ws: Vec<Var> = (0..n).map(|_| var(&mut rng, &[c, c], 0.4, DType::F32, &dev).unwrap()).collect();
+        let x0 = var(&mut rng, &[r, c], 1.0, DType::F32, &dev).unwrap();
+        let block = |i: usize, h: &Tensor| -> candle_core::Result<Tensor> {
+            let a = h.matmul(ws[i].as_tensor())?.tanh()?;
+            let b = h.matmul(shared.as_tensor())?.sin()?;
+            (a * b)? + h.matmul(shared.as_tensor())?
+        };
+        let head = |h: &Tensor| h.matmul(shared.as_tensor()).unwrap().sqr().unwrap().mean_all().unwrap();
+        let mut h = x0.as_tensor().matmul(shared.as_tensor()).unwrap();
+        for i in 0..n {
+            h = (&h + block(i, &h).unwrap()).unwrap();
+        }
+        let plain = head(&h).backward().unwrap();
+
+        let tape = Tape::new(1);
+        let mut h = x0.as_tensor().matmul(shared.as_tensor()).unwrap();
+        for i in 0..n {
+            let o = tape.checkpoint1(&h, move |x| block(i, x)).unwrap();
+            h = (&h + o).unwrap(); // residual outside: h is a boundary leaf for i > 0
+        }
+        let grads = tape.backward(&head(&h)).unwrap();
+        let mut vars: Vec<&Var> = ws.iter().collect();
+        vars.push(&shared);
+        vars.push(&x0);
+        compare_stores(&vars, &plain, &grads, "glue/shared");
+    }
+}
+
+/// The documented exception: a *non-leaf* glue tensor that is both a segment input and used
+/// outside it. Its two contributions are propagated separately through the op that made it,
+/// so the result may differ by float reassociation; it must still be correct to ~1e-6.
+#[test]
+fn non_leaf_glue_input_shared_outside_is_close() {
+    let dev = Device::Cpu;
+    let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(3);
+    let w = var(&mut rng, &[8, 8], 0.4, DType::F32, &dev).unwrap();
+    let x0 = var(&mut rng, &[5, 8], 1.0, DType::F32, &dev).unwrap();
+    let f = |x: &Tensor| x.matmul(w.as_tensor())?.tanh();
+    let x = x0.as_tensor().sin().unwrap().exp().unwrap();
+    let plain = (f(&x).unwrap() + &x).unwrap().sqr().unwrap().sum_all().unwrap().backward().unwrap();
+    let tape = Tape::new(0);
+    let x = x0.as_tensor().sin().unwrap().exp().unwrap();
+    let y = tape.checkpoint1(&x, f).unwrap();
+    let grads = tape.backward(&(y + &x).unwrap().sqr().unwrap().sum_all().unwrap()).unwrap();
+    for v in [&w, &x0] {
+        let e = rel_err(grads.get(v).unwrap(), plain.get(v).unwrap());
+        assert!(e < 1e-6, "relative error {e}");
+    }
+}
+
+#[test]
+fn offloaded_boundaries_bit_identical() {
+    let dev = Device::Cpu;
+    let cfg = Cfg::tiny(16, 2, 4, 8);
+    let gpt = Gpt::new(8, cfg, DType::F32, &dev).unwrap();
+    let (idx, tgt) = tokens(9, 2, 8, cfg.vocab, &dev).unwrap();
+    let costs = ChainCosts::uniform(4, BlockCost { act_bytes: 10, out_bytes: 1, fwd_ns: 1 });
+    let tape = Tape::new(3);
+    let plain = gpt.loss(&tape, &Policy::None.plan(&costs).unwrap(), &idx, &tgt).unwrap().backward().unwrap();
+    for verify in [false, true] {
+        let tape = Tape::new(3).with_offload(Device::Cpu).with_verify(verify);
+        let loss = gpt.loss(&tape, &Policy::EveryK(1).plan(&costs).unwrap(), &idx, &tgt).unwrap();
+        let grads = tape.backward(&loss).unwrap();
+        compare_stores(&gpt.vars(), &plain, &grads, "offload");
+    }
+}
+
+#[test]
+fn verify_mode_names_the_nondeterministic_segment() {
+    let dev = Device::Cpu;
+    let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(1);
+    let w = var(&mut rng, &[6, 6], 0.5, DType::F32, &dev).unwrap();
+    let x = randn(&mut rng, &[3, 6], 1.0, DType::F32, &dev).unwrap();
+    let calls = AtomicU64::new(0);
+    let tape = Tape::new(0).with_verify(true);
+    let h = tape.checkpoint1(&x, |x| x.matmul(w.as_tensor())?.tanh()).unwrap();
+    // Segment "1" is not deterministic: it adds a per-call offset.
+    let h = tape
+        .checkpoint1(&h, |x| {
+            let k = calls.fetch_add(1, Ordering::SeqCst) as f64;
+            (x.matmul(w.as_tensor())? + k * 1e-3)?.tanh()
+        })
+        .unwrap();
+    let h = tape.checkpoint1(&h, |x| x.matmul(w.as_tensor())?.tanh()).unwrap();
+    let err = tape.backward(&h.sum_all().unwrap()).unwrap_err();
+    match &err {
+        RematError::RecomputeMismatch { segment, output, mismatches, .. } => {
+            assert_eq!(segment, "1");
+            assert_eq!(*output, 0);
+            assert!(*mismatches > 0);
+        }
+        e => panic!("unexpected error {e}"),
+    }
+    assert!(err.to_string().contains("segment 1"), "{err}");
+
+    // Candle's own (unseeded) dropout is caught too; ours is not flagged.
+    let tape = Tape::new(0).with_verify(true);
+    let h = tape.checkpoint1(&x, |x| candle_nn::ops::dropout(&x.matmul(w.as_tensor())?, 0.5)).unwrap();
+    assert!(matches!(tape.backward(&h.sum_all().unwrap()), Err(RematError::RecomputeMismatch { .. })));
+    let tape = Tape::new(0).with_verify(true);
+    let h = tape
+        .checkpoint1(&x, |x| Ok(candle_remat::dropout(&x.matmul(w.as_tensor())?, 0.5)?))
+        .unwrap();
+    tape.backward(&h.sum_all().unwrap()).unwrap();
+}
+
+#[test]
+fn dropout_needs_a_scope_and_is_seeded() {
+    let x = Tensor::ones((16, 16), DType::F32, &Device::Cpu).unwrap();
+    assert!(matches!(candle_remat::dropout(&x, 0.5), Err(RematError::NoSeedContext)));
+    let a = Tape::new(1).scope(0, || candle_remat::dropout(&x, 0.5)).unwrap();
+    let b = Tape::new(1).scope(0, || candle_remat::dropout(&x, 0.5)).unwrap();
+    let c = Tape::new(2).scope(0, || candle_remat::dropout(&x, 0.5)).unwrap();
+    assert_bits_eq(&a, &b, "same seed");
+    let diff = a.ne(&c).unwrap().to_dtype(DType::F32).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+    assert!(diff > 0.0, "different seeds gave the same mask");
+    let kept = a.ne(0.0).unwrap().to_dtype(DType::F32).unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap();
+    assert!((kept - 0.5).abs() < 0.1, "keep rate {kept}");
+}
+
+#[test]
+fn segment_without_grad_is_skipped_and_store_has_no_leaves() {
+    let dev = Device::Cpu;
+    let w = Var::new(&[[1f32, 2.], [3., 4.]], &dev).unwrap();
+    let x = Tensor::new(&[[1f32, -1.]], &dev).unwrap();
+    let tape = Tape::new(0);
+    let unused = tape.checkpoint1(&x, |x| x.matmul(w.as_tensor())).unwrap();
+    let used = tape.checkpoint1(&x, |x| x.matmul(w.as_tensor())?.sqr()).unwrap();
+    assert_eq!(tape.num_segments(), 2);
+    let grads = tape.backward(&used.sum_all().unwrap()).unwrap();
+    assert!(grads.get(&unused).is_none() && grads.get(&used).is_none());
+    let plain = x.matmul(w.as_tensor()).unwrap().sqr().unwrap().sum_all().unwrap().backward().unwrap();
+    assert_bits_eq(grads.get(&w).unwrap(), plain.get(&w).unwrap(), "w");
+    assert_eq!(tape.num_segments(), 0);
+}
