@@ -324,6 +324,14 @@ fn bad_inputs_give_clear_errors_naming_the_file() {
     let mut spec = fx.spec(DataKind::Tokenizer, &text);
     spec.tokenizer = Some(fx.dir.path().join("missing.json"));
     assert!(err_of(&spec).contains("missing.json"));
+    // A tokenizer that yields nothing for this text (whitespace only).
+    spec.tokenizer = Some(fx.tokenizer());
+    spec.path = Some(fx.file("blank.txt", b"   \n\t\n"));
+    let err = err_of(&spec);
+    assert!(
+        err.contains("blank.txt") && err.contains("no tokens"),
+        "{err}"
+    );
     let bad = fx.file("bad.json", b"{\"model\": 42}");
     spec.tokenizer = Some(bad);
     let err = err_of(&spec);
