@@ -23,7 +23,9 @@ pub fn balance_by_cost(costs: &[f64], parts: usize) -> Result<Vec<Range<usize>>>
         )));
     }
     if costs.iter().any(|c| !c.is_finite() || *c < 0.0) {
-        return Err(PipelineError::Config("layer costs must be finite and >= 0".into()));
+        return Err(PipelineError::Config(
+            "layer costs must be finite and >= 0".into(),
+        ));
     }
     let prefix: Vec<f64> = std::iter::once(0.0)
         .chain(costs.iter().scan(0.0, |s, c| {

@@ -37,7 +37,14 @@ impl std::fmt::Debug for Pipeline {
         f.debug_struct("Pipeline")
             .field("stages", &self.stages.len())
             .field("devices", &self.devices)
-            .field("pools", &self.pools.iter().map(|p| p.as_ref().map(|p| p.current_num_threads())).collect::<Vec<_>>())
+            .field(
+                "pools",
+                &self
+                    .pools
+                    .iter()
+                    .map(|p| p.as_ref().map(|p| p.current_num_threads()))
+                    .collect::<Vec<_>>(),
+            )
             .finish()
     }
 }
@@ -77,7 +84,13 @@ impl StepOutput {
     /// Text report: busy / idle time per worker, measured bubble and the ASCII timeline.
     pub fn report(&self, width: usize) -> String {
         let mut s = String::new();
-        for (w, (b, i)) in self.timeline.busy().iter().zip(self.timeline.idle()).enumerate() {
+        for (w, (b, i)) in self
+            .timeline
+            .busy()
+            .iter()
+            .zip(self.timeline.idle())
+            .enumerate()
+        {
             s.push_str(&format!(
                 "worker {w}: busy {:.4}s idle {:.4}s peak in flight {}\n",
                 b, i, self.peak_in_flight[w]
@@ -226,16 +239,20 @@ impl Pipeline {
     }
 
     fn merge(&self, results: Vec<Result<WorkerOut>>) -> Result<StepOutput> {
+        // Report the root cause: a stage failure before transport errors before aborts.
+        let rank = |e: &PipelineError| match e {
+            PipelineError::Stage { .. } | PipelineError::Panic { .. } => 0,
+            PipelineError::Aborted { .. } => 3,
+            PipelineError::Transport { .. } => 2,
+            _ => 1,
+        };
         let mut outs = Vec::with_capacity(results.len());
         let mut first_err: Option<PipelineError> = None;
         for r in results {
             match r {
                 Ok(o) => outs.push(o),
                 Err(e) => {
-                    let primary = !matches!(e, PipelineError::Aborted { .. });
-                    let have_primary =
-                        matches!(&first_err, Some(p) if !matches!(p, PipelineError::Aborted { .. }));
-                    if first_err.is_none() || (primary && !have_primary) {
+                    if first_err.as_ref().is_none_or(|f| rank(&e) < rank(f)) {
                         first_err = Some(e);
                     }
                 }
@@ -355,20 +372,31 @@ impl<T: Transport> Worker<'_, T> {
         let r = catch_unwind(AssertUnwindSafe(|| self.compute(action, received)));
         let sends = match r {
             Ok(Ok(s)) => s,
-            Ok(Err(source)) => return Err(PipelineError::Stage { worker: w, action, source }),
+            Ok(Err(source)) => {
+                return Err(PipelineError::Stage {
+                    worker: w,
+                    action,
+                    source,
+                })
+            }
             Err(p) => {
                 let message = p
                     .downcast_ref::<&str>()
                     .map(|s| s.to_string())
                     .or_else(|| p.downcast_ref::<String>().cloned())
                     .unwrap_or_else(|| "non-string panic".into());
-                return Err(PipelineError::Panic { worker: w, action, message });
+                return Err(PipelineError::Panic {
+                    worker: w,
+                    action,
+                    message,
+                });
             }
         };
         if let Some(msg) = sends {
             let to = self.schedule.worker_of(msg.stage);
             if to == self.w {
-                self.mailbox.insert((msg.payload, msg.mb, msg.stage), msg.tensor);
+                self.mailbox
+                    .insert((msg.payload, msg.mb, msg.stage), msg.tensor);
             } else {
                 self.transport.send(to, msg)?;
             }
@@ -379,7 +407,9 @@ impl<T: Transport> Worker<'_, T> {
             start: start.duration_since(t0).as_secs_f64(),
             end: end.duration_since(t0).as_secs_f64(),
         });
-        self.out.times.push((action, end.duration_since(start).as_secs_f64()));
+        self.out
+            .times
+            .push((action, end.duration_since(start).as_secs_f64()));
         Ok(())
     }
 
@@ -389,7 +419,10 @@ impl<T: Transport> Worker<'_, T> {
                 self.mailbox.insert((m.payload, m.mb, m.stage), m.tensor);
                 Ok(())
             }
-            Envelope::Abort { from } => Err(PipelineError::Aborted { worker: self.w, cause: from }),
+            Envelope::Abort { from } => Err(PipelineError::Aborted {
+                worker: self.w,
+                cause: from,
+            }),
         }
     }
 

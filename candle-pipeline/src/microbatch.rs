@@ -113,7 +113,11 @@ impl Microbatches {
 
     /// Builds microbatches from explicit parts and loss weights (e.g. `tokens_k / tokens_total`
     /// for a token-mean loss with padding).
-    pub fn with_weights(inputs: Vec<Tensor>, targets: Vec<Tensor>, weights: Vec<f64>) -> Result<Self> {
+    pub fn with_weights(
+        inputs: Vec<Tensor>,
+        targets: Vec<Tensor>,
+        weights: Vec<f64>,
+    ) -> Result<Self> {
         if inputs.is_empty() || inputs.len() != targets.len() || inputs.len() != weights.len() {
             return Err(PipelineError::Config(format!(
                 "need the same non-zero number of inputs ({}), targets ({}) and weights ({})",

@@ -36,7 +36,11 @@ impl Timeline {
 
     /// Time from 0 to the end of the last action.
     pub fn makespan(&self) -> f64 {
-        self.spans.iter().flatten().map(|s| s.end).fold(0.0, f64::max)
+        self.spans
+            .iter()
+            .flatten()
+            .map(|s| s.end)
+            .fold(0.0, f64::max)
     }
 
     /// Busy time (sum of action durations) per worker.
@@ -155,5 +159,7 @@ impl Timeline {
 }
 
 fn escape(x: &str) -> String {
-    x.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    x.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }

@@ -55,7 +55,9 @@ impl Action {
 impl fmt::Display for Action {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Action::Forward { mb, stage } => write!(f, "forward of microbatch {mb} on stage {stage}"),
+            Action::Forward { mb, stage } => {
+                write!(f, "forward of microbatch {mb} on stage {stage}")
+            }
             Action::Backward { mb, stage } => {
                 write!(f, "backward of microbatch {mb} on stage {stage}")
             }
@@ -145,7 +147,15 @@ impl Schedule {
         // A partial last group can need a longer warm-up: grow it until the schedule is valid
         // (warm-up = total is the circular schedule, which is always valid).
         loop {
-            let s = Self::interleave("interleaved", workers, workers * v, m, &fwd, &bwd, warmups.clone())?;
+            let s = Self::interleave(
+                "interleaved",
+                workers,
+                workers * v,
+                m,
+                &fwd,
+                &bwd,
+                warmups.clone(),
+            )?;
             match s.validate() {
                 Ok(()) => return Ok(s),
                 Err(e) => {
@@ -166,7 +176,15 @@ impl Schedule {
     pub fn circular(workers: usize, v: usize, m: usize) -> Result<Self> {
         check_args(workers, v, m)?;
         let (fwd, bwd) = chunk_orders(workers, v, m);
-        Self::interleave("circular", workers, workers * v, m, &fwd, &bwd, vec![m * v; workers])
+        Self::interleave(
+            "circular",
+            workers,
+            workers * v,
+            m,
+            &fwd,
+            &bwd,
+            vec![m * v; workers],
+        )
     }
 
     /// Builds a schedule from explicit per-worker lists and validates it.
@@ -200,8 +218,12 @@ impl Schedule {
     ) -> Result<Self> {
         let mut actions = Vec::with_capacity(workers);
         for w in 0..workers {
-            let mut f = fwd[w].iter().map(|&(mb, stage)| Action::Forward { mb, stage });
-            let mut b = bwd[w].iter().map(|&(mb, stage)| Action::Backward { mb, stage });
+            let mut f = fwd[w]
+                .iter()
+                .map(|&(mb, stage)| Action::Forward { mb, stage });
+            let mut b = bwd[w]
+                .iter()
+                .map(|&(mb, stage)| Action::Backward { mb, stage });
             let mut list: Vec<Action> = f.by_ref().take(warmups[w]).collect();
             for a in f {
                 list.push(a);
@@ -252,7 +274,10 @@ impl Schedule {
                     return bad(format!("worker {w}: {a} is out of range"));
                 }
                 if self.worker_of(st) != w {
-                    return bad(format!("worker {w}: {a} belongs to worker {}", self.worker_of(st)));
+                    return bad(format!(
+                        "worker {w}: {a} belongs to worker {}",
+                        self.worker_of(st)
+                    ));
                 }
                 let i = mb * n + st;
                 if a.is_forward() {
@@ -270,14 +295,22 @@ impl Schedule {
             }
         }
         if let Some(i) = seen_b.iter().position(|b| !b) {
-            return bad(format!("microbatch {} on stage {} is missing", i / n, i % n));
+            return bad(format!(
+                "microbatch {} on stage {} is missing",
+                i / n,
+                i % n
+            ));
         }
         Ok(())
     }
 }
 
 /// Megatron's interleaved orders of `(mb, virtual stage)` per worker: forward and backward.
-fn chunk_orders(workers: usize, v: usize, m: usize) -> (Vec<Vec<(usize, usize)>>, Vec<Vec<(usize, usize)>>) {
+fn chunk_orders(
+    workers: usize,
+    v: usize,
+    m: usize,
+) -> (Vec<Vec<(usize, usize)>>, Vec<Vec<(usize, usize)>>) {
     let groups: Vec<Vec<usize>> = (0..m)
         .step_by(workers)
         .map(|g| (g..(g + workers).min(m)).collect())

@@ -78,13 +78,23 @@ pub fn simulate(schedule: &Schedule, costs: &Costs) -> Result<Prediction> {
                 let (mb, st) = (a.mb(), a.stage());
                 let dep = match a {
                     Action::Forward { .. } if st == 0 => Some(0.0),
-                    Action::Forward { .. } => ready(&f_end, mb * n + st - 1, schedule, st - 1, w, costs),
+                    Action::Forward { .. } => {
+                        ready(&f_end, mb * n + st - 1, schedule, st - 1, w, costs)
+                    }
                     Action::Backward { .. } if st + 1 == n => Some(f_end[mb * n + st]),
-                    Action::Backward { .. } => ready(&b_end, mb * n + st + 1, schedule, st + 1, w, costs),
+                    Action::Backward { .. } => {
+                        ready(&b_end, mb * n + st + 1, schedule, st + 1, w, costs)
+                    }
                 };
-                let Some(dep) = dep.filter(|d| !d.is_nan()) else { break };
+                let Some(dep) = dep.filter(|d| !d.is_nan()) else {
+                    break;
+                };
                 let start = free[w].max(dep);
-                let cost = if a.is_forward() { costs.forward[st] } else { costs.backward[st] };
+                let cost = if a.is_forward() {
+                    costs.forward[st]
+                } else {
+                    costs.backward[st]
+                };
                 let end = start + cost;
                 let bytes = costs.activation_bytes[st];
                 if a.is_forward() {
@@ -98,7 +108,11 @@ pub fn simulate(schedule: &Schedule, costs: &Costs) -> Result<Prediction> {
                     held[w].0 -= 1;
                     held[w].1 -= bytes;
                 }
-                spans[w].push(Span { action: a, start, end });
+                spans[w].push(Span {
+                    action: a,
+                    start,
+                    end,
+                });
                 free[w] = end;
                 next[w] += 1;
                 done += 1;
@@ -107,7 +121,11 @@ pub fn simulate(schedule: &Schedule, costs: &Costs) -> Result<Prediction> {
         }
         if !progressed {
             let stuck: Vec<String> = (0..workers)
-                .filter_map(|w| schedule.actions[w].get(next[w]).map(|a| format!("worker {w}: {a}")))
+                .filter_map(|w| {
+                    schedule.actions[w]
+                        .get(next[w])
+                        .map(|a| format!("worker {w}: {a}"))
+                })
                 .collect();
             return Err(PipelineError::InvalidSchedule(format!(
                 "{} deadlocks; waiting: {}",
@@ -128,5 +146,9 @@ fn ready(ends: &[f64], i: usize, s: &Schedule, from: usize, w: usize, c: &Costs)
     if t.is_nan() {
         return None;
     }
-    Some(if s.worker_of(from) == w { t } else { t + c.comm })
+    Some(if s.worker_of(from) == w {
+        t
+    } else {
+        t + c.comm
+    })
 }

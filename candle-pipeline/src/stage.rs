@@ -113,7 +113,10 @@ impl Stage for Sequential {
         Ok(h)
     }
     fn vars(&self) -> Vec<Var> {
-        self.layers.iter().flat_map(|l| l.vars.iter().cloned()).collect()
+        self.layers
+            .iter()
+            .flat_map(|l| l.vars.iter().cloned())
+            .collect()
     }
 }
 
