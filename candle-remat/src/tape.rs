@@ -479,13 +479,17 @@ fn pass(root: Tensor, m: &mut Grads, skip: &HashSet<TensorId>) -> Result<()> {
             continue;
         }
         if let Some(t) = g.get_id(id) {
+            // Candle leaves the gradients of leaves undetached (they may carry the graph of
+            // the backward computation, e.g. through the forward activations): detach, or the
+            // next pass would differentiate through them.
+            let t = t.detach();
             match m.get(&id) {
                 Some(prev) => {
-                    let s = prev.add(t)?.detach();
+                    let s = prev.add(&t)?.detach();
                     m.insert(id, s);
                 }
                 None => {
-                    m.insert(id, t.clone());
+                    m.insert(id, t);
                 }
             }
         }
