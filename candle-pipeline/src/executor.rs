@@ -490,11 +490,14 @@ impl<T: Transport> Worker<'_, T> {
                 };
                 let grads = surrogate.backward()?;
                 drop(surrogate);
+                // Candle's backward leaves op graphs on parameter gradients (e.g. `grad * x`
+                // records `x` when `x` is tracked), which keep this microbatch's activations
+                // alive: detach before storing, or every microbatch's graph stays in memory.
                 for v in self.stage_vars(st).to_vec() {
                     if let Some(g) = grads.get(v.as_tensor()) {
                         let acc = match self.out.grads.get(v.as_tensor()) {
-                            Some(prev) => (prev + g)?,
-                            None => g.clone(),
+                            Some(prev) => (prev + g)?.detach(),
+                            None => g.detach(),
                         };
                         self.out.grads.insert(v.as_tensor(), acc);
                     }
@@ -502,7 +505,7 @@ impl<T: Transport> Worker<'_, T> {
                 Ok(match leaf {
                     Some(leaf) => {
                         let g = match grads.get(leaf.as_tensor()) {
-                            Some(g) => g.clone(),
+                            Some(g) => g.detach(),
                             None => leaf.as_tensor().zeros_like()?,
                         };
                         Some(Message {
