@@ -1,1 +1,229 @@
-fn main() {}
+//! Memory/time benchmark of checkpointing policies on a 12-block GPT
+//! (n_embd 256, n_head 8, block 256, batch 8, vocab 256, f32, CPU).
+//!
+//! Run: `cargo bench -p candle-remat --bench remat` (add `-- --quick` for 1 timed step).
+//! Every case runs in its own child process (the same binary), because dhat's peak counter
+//! cannot be reset: peak = dhat `max_bytes` during warm-up + timed steps minus the heap in use
+//! before them (parameters, tokens). "act peak" subtracts the parameter-gradient bytes, which
+//! every policy holds at the end of backward. Step = forward + loss + `Tape::backward`.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use candle_core::{DType, Device, Module};
+use candle_remat::{measure_chain, BlockCost, ChainCosts, Policy, Tape};
+use common::{tokens, Cfg, Gpt};
+use std::process::Command;
+use std::time::Instant;
+
+#[global_allocator]
+static ALLOC: dhat::Alloc = dhat::Alloc;
+
+const B: usize = 8;
+const T: usize = 256;
+
+fn cfg(lean_attention: bool, lean_ln: bool) -> Cfg {
+    Cfg {
+        vocab: 256,
+        n_embd: 256,
+        n_head: 8,
+        n_layer: 12,
+        block: T,
+        dropout: 0.0,
+        lean_attention,
+        lean_ln,
+    }
+}
+
+fn curr() -> u64 {
+    dhat::HeapStats::get().curr_bytes as u64
+}
+
+fn costs_to_string(c: &ChainCosts) -> String {
+    let blocks: Vec<String> =
+        c.blocks.iter().map(|b| format!("{}:{}:{}", b.act_bytes, b.out_bytes, b.fwd_ns)).collect();
+    format!("{};{};{}", c.input_bytes, c.overhead_bytes, blocks.join(","))
+}
+
+fn costs_from_string(s: &str) -> ChainCosts {
+    let mut it = s.trim().split(';');
+    let input_bytes = it.next().unwrap().parse().unwrap();
+    let overhead_bytes = it.next().unwrap().parse().unwrap();
+    let blocks = it
+        .next()
+        .unwrap()
+        .split(',')
+        .map(|b| {
+            let v: Vec<u64> = b.split(':').map(|x| x.parse().unwrap()).collect();
+            BlockCost { act_bytes: v[0], out_bytes: v[1], fwd_ns: v[2] }
+        })
+        .collect();
+    ChainCosts { input_bytes, overhead_bytes, blocks }
+}
+
+fn parse_policy(s: &str) -> Policy {
+    match s {
+        "none" => Policy::None,
+        "sqrt" => Policy::SqrtN,
+        _ if s.starts_with('k') => Policy::EveryK(s[1..].parse().unwrap()),
+        _ if s.starts_with('b') => Policy::Budget(s[1..].parse().unwrap()),
+        _ => panic!("bad policy {s}"),
+    }
+}
+
+/// Child: measure per-block costs (one block's graph alive at a time).
+fn child_measure() -> anyhow::Result<()> {
+    let _prof = dhat::Profiler::builder().testing().trim_backtraces(Some(1)).build();
+    let dev = Device::Cpu;
+    let gpt = Gpt::new(0, cfg(false, false), DType::F32, &dev)?;
+    let (idx, _) = tokens(1, B, T, 256, &dev)?;
+    let tape = Tape::new(0);
+    let x = gpt.embed(&tape, &idx)?.detach();
+    let costs = measure_chain(&x, 12, &curr, |i, h| gpt.blocks[i].forward(h))?;
+    println!("COSTS {}", costs_to_string(&costs));
+    Ok(())
+}
+
+/// Child: run warm-up + timed steps of one case and print its figures.
+fn child_case(policy: &str, lean_attention: bool, lean_ln: bool, costs: &ChainCosts, steps: usize) -> anyhow::Result<()> {
+    let _prof = dhat::Profiler::builder().testing().trim_backtraces(Some(1)).build();
+    let dev = Device::Cpu;
+    let gpt = Gpt::new(0, cfg(lean_attention, lean_ln), DType::F32, &dev)?;
+    let (idx, tgt) = tokens(1, B, T, 256, &dev)?;
+    let plan = parse_policy(policy).plan(costs)?;
+    let param_bytes: u64 = gpt.vars().iter().map(|v| (v.elem_count() * 4) as u64).sum();
+    let base = curr();
+    let mut times = Vec::new();
+    let mut loss_val = 0f32;
+    for step in 0..=steps {
+        let t0 = Instant::now();
+        let tape = Tape::new(step as u64);
+        let loss = gpt.loss(&tape, &plan, &idx, &tgt)?;
+        let grads = tape.backward(&loss)?;
+        loss_val = loss.to_scalar::<f32>()?;
+        drop((grads, loss));
+        if step > 0 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    let peak = dhat::HeapStats::get().max_bytes as u64 - base;
+    let t = times.iter().sum::<f64>() / times.len() as f64;
+    println!(
+        "CASE {peak} {t} {param_bytes} {} {} {loss_val}",
+        plan.predicted_peak_bytes,
+        plan.segments.iter().filter(|s| s.checkpointed).count()
+    );
+    Ok(())
+}
+
+struct Row {
+    name: String,
+    peak: u64,
+    time: f64,
+    grads: u64,
+    predicted: u64,
+    loss: f32,
+}
+
+fn run_child(args: &[String]) -> anyhow::Result<String> {
+    let exe = std::env::current_exe()?;
+    let out = Command::new(exe).args(args).output()?;
+    if !out.status.success() {
+        anyhow::bail!("child {:?} failed: {}", args, String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+fn run_case(name: &str, policy: &str, la: bool, ll: bool, costs: &ChainCosts, steps: usize) -> anyhow::Result<Row> {
+    let out = run_child(&[
+        "--child-case".into(),
+        policy.into(),
+        la.to_string(),
+        ll.to_string(),
+        costs_to_string(costs),
+        steps.to_string(),
+    ])?;
+    let line = out.lines().find(|l| l.starts_with("CASE ")).ok_or_else(|| anyhow::anyhow!("no CASE line"))?;
+    let v: Vec<&str> = line.split_whitespace().collect();
+    let row = Row {
+        name: name.to_string(),
+        peak: v[1].parse()?,
+        time: v[2].parse()?,
+        grads: v[3].parse()?,
+        predicted: v[4].parse()?,
+        loss: v[6].parse()?,
+    };
+    eprintln!("  done: {name}: peak {:.1} MiB, {:.2} s/step", mib(row.peak), row.time);
+    Ok(row)
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / 1048576.0
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--child-measure") {
+        return child_measure();
+    }
+    if args.get(1).map(String::as_str) == Some("--child-case") {
+        let costs = costs_from_string(&args[5]);
+        return child_case(&args[2], args[3] == "true", args[4] == "true", &costs, args[6].parse()?);
+    }
+    let steps = if args.iter().any(|a| a == "--quick") { 1 } else { 2 };
+    println!("GPT: 12 blocks, n_embd 256, n_head 8, T {T}, B {B}, vocab 256, f32, CPU; {steps} timed step(s) after 1 warm-up");
+    let out = run_child(&["--child-measure".into()])?;
+    let line = out.lines().find(|l| l.starts_with("COSTS ")).ok_or_else(|| anyhow::anyhow!("no COSTS"))?;
+    let mut costs = costs_from_string(&line[6..]);
+    let b0 = costs.blocks[0];
+    println!(
+        "measured per block: activations {:.1} MiB, output {:.2} MiB, forward {:.0} ms",
+        mib(b0.act_bytes),
+        mib(b0.out_bytes),
+        b0.fwd_ns as f64 / 1e6
+    );
+
+    let mut rows = vec![
+        run_case("none", "none", false, false, &costs, steps)?,
+        run_case("lean attention op only", "none", true, false, &costs, steps)?,
+        run_case("ckpt every block (EveryK(1))", "k1", false, false, &costs, steps)?,
+        run_case("ckpt every 2 blocks (EveryK(2))", "k2", false, false, &costs, steps)?,
+        run_case("sqrt(N) (4 blocks/segment)", "sqrt", false, false, &costs, steps)?,
+        run_case("EveryK(1) + lean attention + lean LN", "k1", true, true, &costs, steps)?,
+    ];
+    // Calibrate the plan-independent overhead (parameter gradients, backward workspace, head)
+    // on the EveryK(1) run, then plan for a budget of 40% of the unchecked peak.
+    let k1 = &rows[2];
+    let k1_pred = Policy::EveryK(1).plan(&costs)?.predicted_peak_bytes;
+    costs.overhead_bytes = k1.peak.saturating_sub(k1_pred);
+    let budget = rows[0].peak * 2 / 5;
+    let plan = Policy::Budget(budget).plan(&costs)?;
+    println!("calibrated overhead: {:.1} MiB (EveryK(1) measured {:.1} MiB - predicted {:.1} MiB)", mib(costs.overhead_bytes), mib(k1.peak), mib(k1_pred));
+    println!("{plan}");
+    rows.push(run_case(&format!("Budget({:.0} MiB = 40% of none)", mib(budget)), &format!("b{budget}"), false, false, &costs, steps)?);
+
+    let none_peak = rows[0].peak as f64;
+    let none_act = (rows[0].peak - rows[0].grads) as f64;
+    let none_t = rows[0].time;
+    println!();
+    println!("| case | peak step heap (MiB) | act peak = peak - grads (MiB) | act memory ratio (none/x) | step time (s) | time ratio (x/none) | predicted peak (MiB) | loss |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &rows {
+        let act = (r.peak - r.grads) as f64;
+        println!(
+            "| {} | {:.1} | {:.1} | {:.2}x | {:.2} | {:.2}x | {:.1} | {:.6} |",
+            r.name,
+            mib(r.peak),
+            act / 1048576.0,
+            none_act / act,
+            r.time,
+            r.time / none_t,
+            mib(r.predicted),
+            r.loss
+        );
+    }
+    let b = rows.last().map(|r| r.peak as f64).unwrap_or(0.0);
+    println!();
+    println!("budget plan: measured peak {:.1} MiB = {:.1}% of its {:.1} MiB budget; peak-heap ratio none/ckpt-every-block = {:.2}x", b / 1048576.0, 100.0 * b / budget as f64, mib(budget), none_peak / rows[2].peak as f64);
+    Ok(())
+}

@@ -13,8 +13,9 @@
 //! * while segment `s` runs its forward or (re)computes for its backward, everything held by
 //!   the segments before it is alive plus its own activations: `x + Σ_{r<s} mem_r + A_s`
 //!   (`+ o_last` for a checkpointed one: its leaf copy);
-//! * predicted peak = the maximum of that over segments; recompute time = `Σ t_i` over
-//!   checkpointed blocks (each is re-run exactly once).
+//! * predicted peak = the maximum of that over segments, plus a plan-independent
+//!   [`ChainCosts::overhead_bytes`]; recompute time = `Σ t_i` over checkpointed blocks (each is
+//!   re-run exactly once).
 //!
 //! [`Policy::Budget`] solves `min recompute s.t. peak <= budget` exactly over that space with a
 //! dynamic program over segment boundaries whose states are the Pareto front of
@@ -42,11 +43,16 @@ pub struct BlockCost {
     pub fwd_ns: u64,
 }
 
-/// Costs of a whole chain: the chain input and each block.
+/// Costs of a whole chain: the chain input, a fixed overhead and each block.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChainCosts {
     /// Bytes of the chain input (always alive).
     pub input_bytes: u64,
+    /// Bytes added to every prediction regardless of the plan: parameter gradients, the
+    /// backward workspace of one segment, the head's activations... Use 0 to budget the chain's
+    /// activations only; measure it (peak of a known plan minus its prediction) to budget a
+    /// whole training step.
+    pub overhead_bytes: u64,
     /// One entry per block, in order.
     pub blocks: Vec<BlockCost>,
 }
@@ -56,6 +62,7 @@ impl ChainCosts {
     pub fn uniform(n: usize, block: BlockCost) -> Self {
         Self {
             input_bytes: block.out_bytes,
+            overhead_bytes: 0,
             blocks: vec![block; n],
         }
     }
@@ -252,7 +259,7 @@ pub fn predict(costs: &ChainCosts, segments: &[PlanSegment]) -> (u64, u64) {
             held += a;
         }
     }
-    (peak, rec)
+    (peak + costs.overhead_bytes, rec)
 }
 
 fn uniform_segments(n: usize, k: usize) -> Vec<PlanSegment> {
@@ -315,8 +322,10 @@ struct State {
 }
 
 /// Exact DP; `None` when no plan fits `budget`.
+#[allow(clippy::needless_range_loop)]
 fn dp(costs: &ChainCosts, budget: u64) -> Option<Vec<PlanSegment>> {
     let n = costs.len();
+    let budget = budget.checked_sub(costs.overhead_bytes)?;
     let mut fronts: Vec<Vec<State>> = vec![Vec::new(); n + 1];
     if costs.input_bytes > budget {
         return None;

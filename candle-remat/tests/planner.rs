@@ -9,6 +9,7 @@ use rand_chacha::ChaCha8Rng;
 fn random_chain(rng: &mut ChaCha8Rng, n: usize) -> ChainCosts {
     ChainCosts {
         input_bytes: rng.random_range(1..200),
+        overhead_bytes: rng.random_range(0..3) * rng.random_range(0..1000),
         blocks: (0..n)
             .map(|_| {
                 let out = rng.random_range(1..300u64);
@@ -117,7 +118,7 @@ fn impossible_budget_is_a_clear_error() {
         }
     }
     assert!(matches!(Policy::EveryK(0).plan(&random_chain(&mut rng, 3)), Err(RematError::InvalidPlan(_))));
-    assert!(matches!(Policy::SqrtN.plan(&ChainCosts { input_bytes: 1, blocks: vec![] }), Err(RematError::InvalidPlan(_))));
+    assert!(matches!(Policy::SqrtN.plan(&ChainCosts { input_bytes: 1, overhead_bytes: 0, blocks: vec![] }), Err(RematError::InvalidPlan(_))));
 }
 
 #[test]

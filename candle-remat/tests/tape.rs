@@ -6,7 +6,7 @@
 
 mod common;
 
-use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_remat::{BlockCost, ChainCosts, Policy, RematError, Tape};
 use common::*;
 use std::sync::atomic::{AtomicU64, Ordering};

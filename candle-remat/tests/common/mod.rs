@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var, D};
-use candle_remat::ops::{attention, gelu, layer_norm};
+use candle_remat::ops::{attention, layer_norm};
 use candle_remat::{Plan, Tape};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
