@@ -119,7 +119,7 @@ impl Schedule {
     /// holds at most `min(S - s, m)` microbatches of activations. Works for any `m >= 1`.
     pub fn one_f_one_b(workers: usize, m: usize) -> Result<Self> {
         check_args(workers, 1, m)?;
-        let orders: Vec<Vec<(usize, usize)>> = (0..workers)
+        let orders: Orders = (0..workers)
             .map(|s| (0..m).map(|mb| (mb, s)).collect())
             .collect();
         let warmups = (0..workers).map(|s| (workers - s - 1).min(m)).collect();
@@ -212,8 +212,8 @@ impl Schedule {
         workers: usize,
         stages: usize,
         m: usize,
-        fwd: &[Vec<(usize, usize)>],
-        bwd: &[Vec<(usize, usize)>],
+        fwd: &Orders,
+        bwd: &Orders,
         warmups: Vec<usize>,
     ) -> Result<Self> {
         let mut actions = Vec::with_capacity(workers);
@@ -305,12 +305,11 @@ impl Schedule {
     }
 }
 
+/// Per worker, a sequence of `(microbatch, virtual stage)`.
+type Orders = Vec<Vec<(usize, usize)>>;
+
 /// Megatron's interleaved orders of `(mb, virtual stage)` per worker: forward and backward.
-fn chunk_orders(
-    workers: usize,
-    v: usize,
-    m: usize,
-) -> (Vec<Vec<(usize, usize)>>, Vec<Vec<(usize, usize)>>) {
+fn chunk_orders(workers: usize, v: usize, m: usize) -> (Orders, Orders) {
     let groups: Vec<Vec<usize>> = (0..m)
         .step_by(workers)
         .map(|g| (g..(g + workers).min(m)).collect())
