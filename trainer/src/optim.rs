@@ -123,7 +123,10 @@ impl AdamW {
             let Some(g) = grads.get(&slot.var) else {
                 continue;
             };
-            let g = g.to_dtype(DType::F32)?;
+            // A variable's gradient can still carry the backward graph (Candle detaches the
+            // gradients of intermediate nodes, not the sums it stores for variables): without
+            // this detach the moments would keep every step's activations alive forever.
+            let g = g.detach().to_dtype(DType::F32)?;
             slot.m = ((&slot.m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
             slot.v = ((&slot.v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
             let denom = ((&slot.v / bc2)?.sqrt()? + c.eps)?;
@@ -245,6 +248,7 @@ pub fn accumulate(into: &mut GradStore, from: GradStore, vars: &[Var]) -> candle
     let mut from = from;
     for v in vars {
         if let Some(g) = from.remove(v) {
+            let g = g.detach();
             let sum = match into.remove(v) {
                 Some(acc) => (acc + g)?,
                 None => g,
