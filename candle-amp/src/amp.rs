@@ -25,7 +25,10 @@ use crate::state::ScalerState;
 /// let dev = Device::Cpu;
 /// let w = Var::from_tensor(&Tensor::new(&[1f32, -2.0], &dev)?)?;
 /// let weights = MasterWeights::new([("w".into(), w.clone())], DType::F16, WeightMode::Cast)?;
-/// let mut amp = Amp::new(weights, ScalerConfig::dynamic())?.with_clip_norm(Some(1.0))?;
+/// // The default initial scale 2^16 would overflow this f16 loss's own gradient (1 * scale
+/// // > 65504) and skip the first step; start lower.
+/// let cfg = ScalerConfig::dynamic().init_scale(1024.0);
+/// let mut amp = Amp::new(weights, cfg)?.with_clip_norm(Some(1.0))?;
 /// let mut opt = candle_nn::SGD::new(amp.master_vars(), 0.1)?;
 /// let loss = w.as_tensor().to_dtype(DType::F16)?.sqr()?.sum_all()?; // forward in f16
 /// let grads = amp.backward(&loss)?; // loss upcast to f32, multiplied by the scale

@@ -93,7 +93,11 @@ pub(crate) fn check(weights: &MasterWeights, grads: &GradStore, scale: f64) -> R
             });
         } else if max_abs > 0.0 {
             let m = f64::from(max_abs);
-            let s = g.affine(1.0 / m, 0.0)?.sqr()?.sum_all()?.to_scalar::<f32>()?;
+            let s = g
+                .affine(1.0 / m, 0.0)?
+                .sqr()?
+                .sum_all()?
+                .to_scalar::<f32>()?;
             sq_norm += m * m * f64::from(s);
         }
     }

@@ -104,7 +104,11 @@ impl MasterWeights {
                 WeightMode::Cast => None,
                 WeightMode::Copies => {
                     let t = master.as_tensor().detach().to_dtype(compute_dtype)?;
-                    let t = if compute_dtype == DType::F32 { t.copy()? } else { t };
+                    let t = if compute_dtype == DType::F32 {
+                        t.copy()?
+                    } else {
+                        t
+                    };
                     Some(Var::from_tensor(&t)?)
                 }
             };

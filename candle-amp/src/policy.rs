@@ -164,11 +164,15 @@ impl PrecisionPolicy {
 
     /// Sum over `dim` keeping it (f32 inside if `reductions_f32`), in `x`'s dtype.
     pub fn sum_keepdim<I: candle_core::shape::Dim>(&self, x: &Tensor, dim: I) -> Result<Tensor> {
-        Self::up(x, self.reductions_f32)?.sum_keepdim(dim)?.to_dtype(x.dtype())
+        Self::up(x, self.reductions_f32)?
+            .sum_keepdim(dim)?
+            .to_dtype(x.dtype())
     }
 
     /// Mean over `dim` keeping it (f32 inside if `reductions_f32`), in `x`'s dtype.
     pub fn mean_keepdim<I: candle_core::shape::Dim>(&self, x: &Tensor, dim: I) -> Result<Tensor> {
-        Self::up(x, self.reductions_f32)?.mean_keepdim(dim)?.to_dtype(x.dtype())
+        Self::up(x, self.reductions_f32)?
+            .mean_keepdim(dim)?
+            .to_dtype(x.dtype())
     }
 }

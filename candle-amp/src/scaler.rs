@@ -161,16 +161,25 @@ impl ScalerConfig {
         let bad = |msg: String| Err(AmpError::Config(msg));
         let pos = |x: f64| x.is_finite() && x > 0.0;
         if !pos(self.init_scale) {
-            return bad(format!("init_scale must be finite and > 0, got {}", self.init_scale));
+            return bad(format!(
+                "init_scale must be finite and > 0, got {}",
+                self.init_scale
+            ));
         }
         if self.kind == ScalerKind::Static {
             return Ok(());
         }
         if !(self.growth_factor.is_finite() && self.growth_factor >= 1.0) {
-            return bad(format!("growth_factor must be >= 1, got {}", self.growth_factor));
+            return bad(format!(
+                "growth_factor must be >= 1, got {}",
+                self.growth_factor
+            ));
         }
         if !(self.backoff_factor > 0.0 && self.backoff_factor < 1.0) {
-            return bad(format!("backoff_factor must be in (0, 1), got {}", self.backoff_factor));
+            return bad(format!(
+                "backoff_factor must be in (0, 1), got {}",
+                self.backoff_factor
+            ));
         }
         if self.growth_interval == 0 {
             return bad("growth_interval must be >= 1".into());
@@ -260,7 +269,10 @@ impl LossScaler {
     /// Replaces the state, e.g. after loading a checkpoint.
     pub fn set_state(&mut self, state: ScalerState) -> Result<()> {
         if !(state.scale.is_finite() && state.scale > 0.0) {
-            return Err(AmpError::State(format!("scale {} is not positive", state.scale)));
+            return Err(AmpError::State(format!(
+                "scale {} is not positive",
+                state.scale
+            )));
         }
         self.state = state;
         Ok(())

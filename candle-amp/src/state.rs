@@ -119,7 +119,9 @@ impl ScalerState {
         let counters: Vec<i64> = self
             .counters()
             .iter()
-            .map(|&c| i64::try_from(c).map_err(|_| AmpError::State(format!("counter {c} too large"))))
+            .map(|&c| {
+                i64::try_from(c).map_err(|_| AmpError::State(format!("counter {c} too large")))
+            })
             .collect::<Result<_>>()?;
         let counters = Tensor::from_vec(counters, COUNTERS.len(), device)?;
         Ok(HashMap::from([
@@ -135,13 +137,19 @@ impl ScalerState {
                 .get(&format!("{prefix}{name}"))
                 .ok_or_else(|| AmpError::State(format!("missing tensor `{prefix}{name}`")))
         };
-        let scale = get("scale")?.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+        let scale = get("scale")?
+            .to_dtype(DType::F64)?
+            .flatten_all()?
+            .to_vec1::<f64>()?;
         let [scale] = scale[..] else {
             return Err(AmpError::State("`scale` must hold one value".into()));
         };
         let counters = get("counters")?;
         if counters.dtype() != DType::I64 {
-            return Err(AmpError::State(format!("`counters` has dtype {:?}", counters.dtype())));
+            return Err(AmpError::State(format!(
+                "`counters` has dtype {:?}",
+                counters.dtype()
+            )));
         }
         let counters: Vec<u64> = counters
             .flatten_all()?
@@ -203,7 +211,9 @@ impl ScalerState {
         let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)?;
         match header.metadata() {
             Some(meta) => Self::from_metadata(meta, DEFAULT_PREFIX),
-            None => Err(AmpError::State("file holds neither amp tensors nor metadata".into())),
+            None => Err(AmpError::State(
+                "file holds neither amp tensors nor metadata".into(),
+            )),
         }
     }
 }

@@ -1,0 +1,290 @@
+//! Scale dynamics: injected overflow, growth, hysteresis, collapse, static scaling.
+
+mod common;
+
+use candle_amp::{
+    Amp, AmpError, CollapsePolicy, LossScaler, MasterWeights, ScaleChange, ScalerConfig,
+    SkipReason, StepOutcome, WeightMode,
+};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::Optimizer;
+use common::{flat, poisoned, uniform, var};
+
+/// Two parameters: `a` gets gradient `x` (small), `b` gets gradient `k` everywhere, both
+/// computed in f16, so `b`'s scaled gradient `k * scale` overflows f16 (max 65504) when
+/// `k * scale > 65504`.
+fn model(dev: &Device, k: f32) -> (Var, Var, Tensor, f32) {
+    let a = var(1, &[3, 4], dev);
+    let b = var(2, &[5], dev);
+    let x = uniform(3, &[3, 4], 0.0, 0.5, dev);
+    (a, b, x, k)
+}
+
+fn loss(a: &Var, b: &Var, x: &Tensor, k: f32) -> anyhow::Result<Tensor> {
+    let a16 = a.as_tensor().to_dtype(DType::F16)?;
+    let b16 = b.as_tensor().to_dtype(DType::F16)?;
+    let la = (a16 * x.to_dtype(DType::F16)?)?.sum_all()?;
+    let lb = b16.affine(f64::from(k), 0.0)?.sum_all()?;
+    Ok((la.to_dtype(DType::F32)? + lb.to_dtype(DType::F32)?)?)
+}
+
+fn amp_for(a: &Var, b: &Var, cfg: ScalerConfig) -> anyhow::Result<Amp> {
+    let w = MasterWeights::new(
+        [("a".to_string(), a.clone()), ("b".to_string(), b.clone())],
+        DType::F16,
+        WeightMode::Cast,
+    )?;
+    Ok(Amp::new(w, cfg)?)
+}
+
+#[test]
+fn injected_overflow_skips_backs_off_and_reports() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    // k = 4: scaled gradient 4 * scale overflows f16 for scale >= 16384 (65536 > 65504).
+    // Start at 2^15: at 2^16 the upstream gradient of `a`'s f16 branch (= scale) overflows too.
+    let (a, b, x, k) = model(&dev, 4.0);
+    let mut amp = amp_for(&a, &b, ScalerConfig::dynamic().init_scale(32768.0))?;
+    let mut opt = candle_nn::SGD::new(amp.master_vars(), 0.1)?;
+    let (a0, b0) = (flat(a.as_tensor()), flat(b.as_tensor()));
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let grads = amp.backward(&loss(&a, &b, &x, k)?)?;
+        seen.push(amp.step(&mut opt, &grads)?);
+        if seen.len() < 3 {
+            // Skipped steps leave the weights bit-identical.
+            assert_eq!(flat(a.as_tensor()), a0);
+            assert_eq!(flat(b.as_tensor()), b0);
+        }
+    }
+    for (i, o) in seen.iter().take(2).enumerate() {
+        let before = 32768.0 / f64::from(1u32 << i);
+        assert_eq!(
+            o,
+            &StepOutcome::Skipped {
+                step: i as u64,
+                reason: SkipReason::NonFiniteGradients,
+                scale_before: before,
+                scale_after: before / 2.0,
+                change: ScaleChange::BackedOff,
+                nonfinite_params: vec!["b".to_string()],
+                retries: 0,
+            }
+        );
+    }
+    match &seen[2] {
+        StepOutcome::Applied { scale, .. } => assert_eq!(*scale, 8192.0),
+        o => panic!("expected applied, got {o:?}"),
+    }
+    // b's unscaled gradient is exactly k, so SGD moved it by exactly 0.1 * 4 (in f32).
+    let b1 = flat(b.as_tensor());
+    for (x0, x1) in b0.iter().zip(&b1) {
+        assert_eq!(*x1, x0 - 0.1f32 * 4.0);
+    }
+    let st = amp.state();
+    assert_eq!(
+        (st.steps, st.applied, st.skipped, st.backoffs),
+        (3, 1, 2, 2)
+    );
+    assert_eq!(st.consecutive_skips, 0);
+    Ok(())
+}
+
+#[test]
+fn nan_and_inf_are_detected_and_named() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let (a, b) = (var(1, &[2, 3], &dev), var(2, &[4], &dev));
+    let amp = amp_for(&a, &b, ScalerConfig::none())?;
+    for (bad, nan, inf) in [(f32::NAN, true, false), (f32::INFINITY, false, true)] {
+        let mut g = GradStore::default();
+        g.insert(a.as_tensor(), Tensor::zeros((2, 3), DType::F32, &dev)?);
+        g.insert(b.as_tensor(), poisoned(&[4], 1.0, bad, &dev));
+        let c = amp.check_grads(&g)?;
+        assert!(!c.finite);
+        assert_eq!(c.nonfinite.len(), 1);
+        assert_eq!(c.nonfinite[0].name, "b");
+        assert_eq!((c.nonfinite[0].has_nan, c.nonfinite[0].has_inf), (nan, inf));
+    }
+    // -inf in one and +inf in another: still caught (squares are +inf).
+    let mut g = GradStore::default();
+    g.insert(
+        a.as_tensor(),
+        poisoned(&[2, 3], 0.0, f32::NEG_INFINITY, &dev),
+    );
+    g.insert(b.as_tensor(), poisoned(&[4], 0.0, f32::INFINITY, &dev));
+    assert_eq!(amp.check_grads(&g)?.nonfinite.len(), 2);
+    // Huge but finite gradients overflow the f32 sum of squares but are not an overflow.
+    let mut g = GradStore::default();
+    g.insert(a.as_tensor(), Tensor::full(3e30f32, (2, 3), &dev)?);
+    let c = amp.check_grads(&g)?;
+    assert!(c.finite);
+    let expect = 6.0f64 * 3e30f64 * 3e30f64;
+    assert!(
+        (c.sq_norm - expect).abs() / expect < 1e-5,
+        "{} vs {expect}",
+        c.sq_norm
+    );
+    Ok(())
+}
+
+#[test]
+fn growth_after_interval_and_max_scale() -> anyhow::Result<()> {
+    let mut s = LossScaler::new(
+        ScalerConfig::dynamic()
+            .growth_interval(3)
+            .max_scale(262144.0),
+    )?;
+    let mut scales = Vec::new();
+    for overflow in [
+        false, false, false, false, true, false, false, false, false, false, false,
+    ] {
+        scales.push(s.update(overflow).after);
+    }
+    let k = 65536.0;
+    let expect = [
+        k,
+        k,
+        2. * k,
+        2. * k,
+        k,
+        k,
+        k,
+        2. * k,
+        2. * k,
+        2. * k,
+        4. * k,
+    ];
+    assert_eq!(scales, expect);
+    // Capped at max_scale.
+    for _ in 0..3 {
+        s.update(false);
+    }
+    assert_eq!(s.scale(), 262144.0);
+    assert_eq!(s.state().growths, 3);
+    // The PyTorch defaults: 2000 clean steps.
+    let mut d = LossScaler::new(ScalerConfig::dynamic())?;
+    for _ in 0..1999 {
+        d.update(false);
+    }
+    assert_eq!(d.scale(), 65536.0);
+    assert_eq!(d.update(false).change, ScaleChange::Grew);
+    assert_eq!(d.scale(), 131072.0);
+    Ok(())
+}
+
+#[test]
+fn hysteresis_delays_backoff() -> anyhow::Result<()> {
+    let cfg = ScalerConfig::dynamic().hysteresis(3).growth_interval(2);
+    let mut s = LossScaler::new(cfg.clone())?;
+    let ch: Vec<ScaleChange> = (0..4).map(|_| s.update(true).change).collect();
+    use ScaleChange::*;
+    assert_eq!(
+        ch,
+        [HysteresisAbsorbed, HysteresisAbsorbed, BackedOff, BackedOff]
+    );
+    assert_eq!(s.scale(), 16384.0);
+    // Non-consecutive: a clean step does not refill, a growth does.
+    assert_eq!(s.update(false).change, Unchanged);
+    assert_eq!(s.update(true).change, BackedOff);
+    assert_eq!(s.update(false).change, Unchanged);
+    assert_eq!(s.update(false).change, Grew);
+    assert_eq!(s.state().hysteresis_left, 3);
+    assert_eq!(s.update(true).change, HysteresisAbsorbed);
+    // Consecutive: one clean step refills.
+    let mut c = LossScaler::new(cfg.consecutive_hysteresis(true))?;
+    for _ in 0..3 {
+        c.update(true);
+    }
+    assert_eq!(c.scale(), 32768.0);
+    c.update(false);
+    assert_eq!(c.update(true).change, HysteresisAbsorbed);
+    // Every overflow is a skipped step even when the scale holds.
+    assert_eq!(c.state().skipped, 4);
+    Ok(())
+}
+
+#[test]
+fn collapse_errors_with_diagnosis_or_continues() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let (a, b) = (var(1, &[2, 2], &dev), var(2, &[3], &dev));
+    let bad = |dev: &Device| -> anyhow::Result<GradStore> {
+        let mut g = GradStore::default();
+        g.insert(a.as_tensor(), Tensor::ones((2, 2), DType::F32, dev)?);
+        g.insert(b.as_tensor(), poisoned(&[3], 1.0, f32::NAN, dev));
+        Ok(g)
+    };
+    let cfg = ScalerConfig::dynamic().init_scale(8.0).min_scale(4.0);
+    let mut amp = amp_for(&a, &b, cfg.clone())?;
+    let noop = |_: &GradStore| -> candle_core::Result<()> { panic!("must not step") };
+    let o = amp.step_with(&bad(&dev)?, noop)?;
+    assert_eq!(o.next_scale(), 4.0);
+    match amp.step_with(&bad(&dev)?, noop) {
+        Err(AmpError::ScaleCollapse {
+            step,
+            scale,
+            min_scale,
+            consecutive_skips,
+            nonfinite_params,
+            diagnosis,
+        }) => {
+            assert_eq!(
+                (step, scale, min_scale, consecutive_skips),
+                (1, 4.0, 4.0, 2)
+            );
+            assert_eq!(nonfinite_params, ["b"]);
+            assert!(
+                diagnosis.contains("NaN") && diagnosis.contains('b'),
+                "{diagnosis}"
+            );
+        }
+        other => panic!("expected collapse error, got {other:?}"),
+    }
+    assert_eq!(amp.state().skipped, 2);
+    // Continue: keeps the minimum scale and reports.
+    let mut amp = amp_for(&a, &b, cfg.collapse_policy(CollapsePolicy::Continue))?;
+    amp.step_with(&bad(&dev)?, noop)?;
+    for step in 1..3 {
+        let o = amp.step_with(&bad(&dev)?, noop)?;
+        assert!(matches!(
+            o,
+            StepOutcome::Skipped { reason: SkipReason::ScaleCollapsed, scale_before: 4.0, scale_after: 4.0, step: s, .. } if s == step
+        ));
+    }
+    Ok(())
+}
+
+#[test]
+fn static_scaler_skips_without_changing_scale() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let (a, b, x, _) = model(&dev, 0.0);
+    let mut amp = amp_for(&a, &b, ScalerConfig::static_scale(16384.0))?;
+    let mut opt = candle_nn::SGD::new(amp.master_vars(), 0.1)?;
+    let o = amp.step(&mut opt, &amp.backward(&loss(&a, &b, &x, 4.0)?)?)?;
+    assert!(matches!(
+        o,
+        StepOutcome::Skipped {
+            scale_after: 16384.0,
+            change: ScaleChange::Unchanged,
+            ..
+        }
+    ));
+    let o = amp.step(&mut opt, &amp.backward(&loss(&a, &b, &x, 0.5)?)?)?;
+    assert!(o.is_applied());
+    assert_eq!(amp.scale(), 16384.0);
+    Ok(())
+}
+
+#[test]
+fn invalid_configs_are_rejected() {
+    for cfg in [
+        ScalerConfig::dynamic().init_scale(0.0),
+        ScalerConfig::dynamic().backoff_factor(1.0),
+        ScalerConfig::dynamic().growth_factor(0.5),
+        ScalerConfig::dynamic().growth_interval(0),
+        ScalerConfig::dynamic().hysteresis(0),
+        ScalerConfig::dynamic().min_scale(10.0).init_scale(2.0),
+        ScalerConfig::dynamic().max_scale(f64::INFINITY),
+    ] {
+        assert!(matches!(LossScaler::new(cfg), Err(AmpError::Config(_))));
+    }
+}
