@@ -157,7 +157,9 @@ fn train(args: TrainArgs) -> Result<()> {
                 eprintln!("\nsecond interrupt: exiting without a checkpoint");
                 std::process::exit(130);
             }
-            eprintln!("\ninterrupt: finishing this step and saving a checkpoint (Ctrl-C again to abort)");
+            eprintln!(
+                "\ninterrupt: finishing this step and saving a checkpoint (Ctrl-C again to abort)"
+            );
         })
         .context("cannot install the Ctrl-C handler")?;
     }
@@ -286,7 +288,14 @@ fn sample(args: SampleArgs) -> Result<()> {
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
     for i in 0..args.num_samples {
-        let out = generate(&model, &prompt, args.max_new_tokens, sampling, &mut rng, &device)?;
+        let out = generate(
+            &model,
+            &prompt,
+            args.max_new_tokens,
+            sampling,
+            &mut rng,
+            &device,
+        )?;
         if i > 0 {
             println!("---------------");
         }
@@ -334,7 +343,11 @@ fn inspect(args: InspectArgs) -> Result<()> {
     for n in &names {
         let t = &loaded.tensors[n];
         total += t.elem_count();
-        println!("  {n:<44} {:<14} {:?}", format!("{:?}", t.dims()), t.dtype());
+        println!(
+            "  {n:<44} {:<14} {:?}",
+            format!("{:?}", t.dims()),
+            t.dtype()
+        );
     }
     println!("tensors     {}", names.len());
     println!("parameters  {total} ({:.2}M)", total as f64 / 1e6);
@@ -367,7 +380,10 @@ fn inspect_dir(
         println!("step        {}", state.step);
         println!("tokens      {}", state.tokens_seen);
         if let Some(b) = state.best_val_loss {
-            println!("best val    {b:.4} ({})", state.best_checkpoint.unwrap_or_default());
+            println!(
+                "best val    {b:.4} ({})",
+                state.best_checkpoint.unwrap_or_default()
+            );
         }
         println!("--- run config ---\n{}", state.config.to_toml());
     }

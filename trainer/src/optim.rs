@@ -230,7 +230,11 @@ pub fn grad_norm(grads: &GradStore, vars: &[Var]) -> candle_core::Result<f32> {
 
 /// Scales every gradient so that the global norm is at most `max_norm`; returns the norm
 /// before clipping (PyTorch's `clip_grad_norm_`).
-pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f32) -> candle_core::Result<f32> {
+pub fn clip_grad_norm(
+    grads: &mut GradStore,
+    vars: &[Var],
+    max_norm: f32,
+) -> candle_core::Result<f32> {
     let norm = grad_norm(grads, vars)?;
     if max_norm > 0.0 && norm.is_finite() && norm > max_norm {
         let scale = (max_norm / (norm + 1e-6)) as f64;

@@ -50,7 +50,9 @@ pub fn generate(
     device: &Device,
 ) -> Result<Vec<u32>> {
     if prompt.is_empty() {
-        return Err(Error::Config("the prompt must hold at least one token".into()));
+        return Err(Error::Config(
+            "the prompt must hold at least one token".into(),
+        ));
     }
     let block = model.config.block_size;
     let mut tokens = prompt.to_vec();
@@ -86,7 +88,10 @@ fn pick(logits: &[f32], sampling: SamplingConfig, rng: &mut ChaCha8Rng) -> u32 {
     }
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-    let k = sampling.top_k.unwrap_or(logits.len()).clamp(1, logits.len());
+    let k = sampling
+        .top_k
+        .unwrap_or(logits.len())
+        .clamp(1, logits.len());
     order.truncate(k);
     let max = logits[order[0]] as f64;
     let weights: Vec<f64> = order
@@ -117,7 +122,9 @@ pub fn greedy_batch(
     };
     let p = first.len();
     if prompts.iter().any(|x| x.len() != p) {
-        return Err(Error::Config("greedy_batch needs prompts of equal length".into()));
+        return Err(Error::Config(
+            "greedy_batch needs prompts of equal length".into(),
+        ));
     }
     if p + answer_len > model.config.block_size + 1 {
         return Err(Error::Config(format!(

@@ -100,7 +100,10 @@ fn block_size_beyond_loaded_positions_is_rejected() {
         block_size: 32,
         ..tiny_config(&tmp.path().join("finetune"))
     }));
-    assert!(e.contains("block_size 32") && e.contains("16 positions"), "{e}");
+    assert!(
+        e.contains("block_size 32") && e.contains("16 positions"),
+        "{e}"
+    );
     // A smaller block size crops the position embedding and trains.
     let mut t = Trainer::new(TrainConfig {
         init_from: Some(ckpt.display().to_string()),
@@ -124,7 +127,10 @@ fn truncated_and_corrupt_safetensors_are_named() {
 
     fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
     let e = err_of(Trainer::resume(&run, |_| {}));
-    assert!(e.contains("model.safetensors") && e.contains("truncated"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("truncated"),
+        "{e}"
+    );
 
     let mut garbage = bytes.clone();
     garbage[..8].copy_from_slice(&u64::MAX.to_le_bytes());
@@ -149,7 +155,10 @@ fn checkpoint_not_matching_its_config_is_named() {
     let text = fs::read_to_string(&cfg_path).unwrap();
     fs::write(&cfg_path, text.replace("\"n_embd\": 32", "\"n_embd\": 64")).unwrap();
     let e = err_of(Trainer::resume(&run, |_| {}));
-    assert!(e.contains("model.safetensors") && e.contains("shape"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("shape"),
+        "{e}"
+    );
 
     let e = err_of(Trainer::resume(&run, |c| c.n_layer = 3));
     assert!(e.contains("cannot change n_layer"), "{e}");

@@ -12,7 +12,9 @@ use rand_chacha::ChaCha8Rng;
 use trainer::model::{cross_entropy, Ctx, Gpt, GptConfig, Params};
 
 fn random_tokens(rng: &mut ChaCha8Rng, b: usize, t: usize, vocab: usize) -> Tensor {
-    let ids: Vec<u32> = (0..b * t).map(|_| rng.random_range(0..vocab as u32)).collect();
+    let ids: Vec<u32> = (0..b * t)
+        .map(|_| rng.random_range(0..vocab as u32))
+        .collect();
     Tensor::from_vec(ids, (b, t), &Device::Cpu).unwrap()
 }
 
@@ -40,7 +42,9 @@ fn check(cfg: GptConfig, b: usize, t: usize, seed: u64, train: bool, with_mask: 
     let x = random_tokens(&mut rng, b, t, cfg.vocab_size);
     let y = random_tokens(&mut rng, b, t, cfg.vocab_size);
     let mask = with_mask.then(|| {
-        let m: Vec<f64> = (0..b * t).map(|i| if i % 3 == 0 { 0.0 } else { 1.0 }).collect();
+        let m: Vec<f64> = (0..b * t)
+            .map(|i| if i % 3 == 0 { 0.0 } else { 1.0 })
+            .collect();
         Tensor::from_vec(m, (b, t), &dev).unwrap()
     });
     let ctx = if train {
@@ -61,7 +65,12 @@ fn check(cfg: GptConfig, b: usize, t: usize, seed: u64, train: bool, with_mask: 
             .unwrap();
         let gnorm: f64 = g.iter().map(|v| v * v).sum::<f64>().sqrt();
         assert!(gnorm > 0.0, "`{name}` got an all-zero gradient");
-        let base = var.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let base = var
+            .as_tensor()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
         // Check up to 24 entries per tensor, spread over it.
         let n = base.len();
         let picks: Vec<usize> = if n <= 24 {
@@ -124,8 +133,16 @@ fn fp32_model_gives_every_parameter_a_gradient() {
     let loss = loss_of(&model, &x, &x, None, &Ctx::train(1));
     let grads = loss.backward().unwrap();
     for (name, var) in params.iter() {
-        let g = grads.get(var).unwrap_or_else(|| panic!("`{name}` got no gradient"));
-        let norm = g.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+        let g = grads
+            .get(var)
+            .unwrap_or_else(|| panic!("`{name}` got no gradient"));
+        let norm = g
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
         // wpe rows past T=16 get no gradient; every tensor as a whole must.
         assert!(norm > 0.0, "`{name}` has an all-zero gradient");
     }

@@ -48,8 +48,18 @@ fn resume_is_bit_exact() {
     assert_eq!(split_steps.len(), 8);
     for (a, b) in rec_full.steps.iter().zip(split_steps) {
         assert_eq!(a.step, b.step);
-        assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "loss differs at step {}", a.step);
-        assert_eq!(a.grad_norm.to_bits(), b.grad_norm.to_bits(), "grad norm at step {}", a.step);
+        assert_eq!(
+            a.loss.to_bits(),
+            b.loss.to_bits(),
+            "loss differs at step {}",
+            a.step
+        );
+        assert_eq!(
+            a.grad_norm.to_bits(),
+            b.grad_norm.to_bits(),
+            "grad norm at step {}",
+            a.step
+        );
         assert_eq!(a.lr, b.lr);
     }
     assert_eq!(weights(&full), weights(&second), "final weights differ");
@@ -83,7 +93,9 @@ fn interrupted_run_saves_and_resumes_exactly() {
     let summary = t.run(&mut rec, &stop).unwrap();
     assert!(summary.interrupted);
     assert_eq!(summary.step, 3);
-    assert!(dir.join("checkpoints/step-0000003/model.safetensors").is_file());
+    assert!(dir
+        .join("checkpoints/step-0000003/model.safetensors")
+        .is_file());
     drop(t);
     let mut resumed = Trainer::resume(&dir, |_| {}).unwrap();
     assert_eq!(resumed.step(), 3);

@@ -68,7 +68,10 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         }
         return Err(Error::checkpoint(
             &latest,
-            format!("points to `{}`, which is not a complete checkpoint", name.trim()),
+            format!(
+                "points to `{}`, which is not a complete checkpoint",
+                name.trim()
+            ),
         ));
     }
     Err(Error::checkpoint(

@@ -168,10 +168,7 @@ impl GptConfig {
                 ));
             }
         }
-        let dropout = v
-            .get("resid_pdrop")
-            .and_then(|x| x.as_f64())
-            .unwrap_or(0.0) as f32;
+        let dropout = v.get("resid_pdrop").and_then(|x| x.as_f64()).unwrap_or(0.0) as f32;
         let cfg = GptConfig {
             n_layer: get("n_layer")?,
             n_head: get("n_head")?,

@@ -56,7 +56,9 @@ impl LayerNorm {
         let mean = x.mean_keepdim(D::Minus1)?;
         let xc = x.broadcast_sub(&mean)?;
         let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-        let xhat = xc.broadcast_div(&(var + self.eps)?.sqrt()?)?.to_dtype(dtype)?;
+        let xhat = xc
+            .broadcast_div(&(var + self.eps)?.sqrt()?)?
+            .to_dtype(dtype)?;
         let y = xhat.broadcast_mul(&self.weight.to_dtype(ctx.dtype)?)?;
         match &self.bias {
             Some(b) => y.broadcast_add(&b.to_dtype(ctx.dtype)?),

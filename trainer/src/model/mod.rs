@@ -320,10 +320,7 @@ pub fn cross_entropy(
         .reshape(((), v))?;
     let targets = targets.flatten_all()?;
     let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-    let nll = logp
-        .gather(&targets.unsqueeze(1)?, 1)?
-        .squeeze(1)?
-        .neg()?;
+    let nll = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?.neg()?;
     match mask {
         None => nll.mean_all(),
         Some(mask) => {

@@ -92,7 +92,12 @@ impl Params {
         add("transformer.wte.weight".into(), vec![config.vocab_size, c]);
         add("transformer.wpe.weight".into(), vec![config.block_size, c]);
         let lns = (0..config.n_layer)
-            .flat_map(|i| [format!("transformer.h.{i}.ln_1"), format!("transformer.h.{i}.ln_2")])
+            .flat_map(|i| {
+                [
+                    format!("transformer.h.{i}.ln_1"),
+                    format!("transformer.h.{i}.ln_2"),
+                ]
+            })
             .chain(std::iter::once("transformer.ln_f".to_string()));
         for ln in lns {
             add(format!("{ln}.weight"), vec![c]);

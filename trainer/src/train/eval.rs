@@ -14,9 +14,10 @@ pub fn estimate_loss(trainer: &Trainer, split: Split, rng: &mut ChaCha8Rng) -> R
     let cfg = &trainer.config;
     let mut total = 0f64;
     for _ in 0..cfg.eval_iters {
-        let batch = trainer
-            .data
-            .batch(split, cfg.batch_size, cfg.block_size, rng, &trainer.device)?;
+        let batch =
+            trainer
+                .data
+                .batch(split, cfg.batch_size, cfg.block_size, rng, &trainer.device)?;
         let logits = trainer.model.forward(&batch.x, &Ctx::eval())?;
         let loss = cross_entropy(&logits, &batch.y, batch.mask.as_ref())?;
         total += loss.to_scalar::<f32>()? as f64;
@@ -25,7 +26,12 @@ pub fn estimate_loss(trainer: &Trainer, split: Split, rng: &mut ChaCha8Rng) -> R
 }
 
 /// Exact-match score of greedy decoding on `n` held-out problems of `task`, in [0, 1].
-pub fn task_score(model: &Gpt, task: &dyn Task, n: usize, device: &candle_core::Device) -> Result<f32> {
+pub fn task_score(
+    model: &Gpt,
+    task: &dyn Task,
+    n: usize,
+    device: &candle_core::Device,
+) -> Result<f32> {
     let problems = task.eval_problems(n);
     if problems.is_empty() {
         return Ok(0.0);
@@ -48,9 +54,13 @@ pub fn task_score(model: &Gpt, task: &dyn Task, n: usize, device: &candle_core::
 pub(super) fn sample_text(trainer: &Trainer) -> Result<Option<String>> {
     let cfg = &trainer.config;
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x5A3B);
-    let batch = trainer
-        .data
-        .batch(Split::Val, 1, cfg.block_size.min(8), &mut rng, &trainer.device)?;
+    let batch = trainer.data.batch(
+        Split::Val,
+        1,
+        cfg.block_size.min(8),
+        &mut rng,
+        &trainer.device,
+    )?;
     let prompt: Vec<u32> = batch.x.flatten_all()?.to_vec1()?;
     let tokens = generate(
         &trainer.model,

@@ -105,7 +105,11 @@ fn crop_positions(params: Params, block_size: usize) -> Result<Params> {
     }
     let cropped = Var::from_tensor(&wpe.narrow(0, 0, block_size)?)?;
     Ok(Params::from_vars(params.iter().map(|(n, v)| {
-        let v = if n == name { cropped.clone() } else { v.clone() };
+        let v = if n == name {
+            cropped.clone()
+        } else {
+            v.clone()
+        };
         (n.clone(), v)
     })))
 }
@@ -126,7 +130,11 @@ pub fn check_resume_compatible(saved: &TrainConfig, new: &TrainConfig, dir: &Pat
         ("seed", saved.seed == new.seed),
         ("batch_size", saved.batch_size == new.batch_size),
     ];
-    let changed: Vec<&str> = fixed.iter().filter(|(_, same)| !same).map(|(n, _)| *n).collect();
+    let changed: Vec<&str> = fixed
+        .iter()
+        .filter(|(_, same)| !same)
+        .map(|(n, _)| *n)
+        .collect();
     if changed.is_empty() {
         return Ok(());
     }

@@ -101,7 +101,9 @@ impl Trainer {
         let (model, params) = init::build_model(&config, data.as_ref(), &device)?;
         let optimizer = AdamW::new(&params, config.adamw_config())?;
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
-        Ok(Self::assemble(config, device, data, model, params, optimizer, rng))
+        Ok(Self::assemble(
+            config, device, data, model, params, optimizer, rng,
+        ))
     }
 
     /// Continues the run saved in `path` (a run directory or a checkpoint directory).
@@ -243,7 +245,12 @@ impl Trainer {
         let val_loss = estimate_loss(self, Split::Val, &mut rng)?;
         let (score, score_name) = match self.data.task() {
             Some(task) if cfg.eval_problems > 0 => (
-                Some(task_score(&self.model, task, cfg.eval_problems, &self.device)?),
+                Some(task_score(
+                    &self.model,
+                    task,
+                    cfg.eval_problems,
+                    &self.device,
+                )?),
                 Some(task.name().to_string()),
             ),
             _ => (None, None),
@@ -353,7 +360,11 @@ impl Trainer {
         let eval = self.evaluate()?;
         observer.on_event(Event::Eval(&eval));
         metrics.push(Record::Eval(eval.clone()))?;
-        let title = format!("{} ({})", self.config.out_dir.display(), self.data.describe());
+        let title = format!(
+            "{} ({})",
+            self.config.out_dir.display(),
+            self.data.describe()
+        );
         if let Err(e) = crate::plot::loss_curve(
             &self.config.out_dir.join("loss.svg"),
             &title,

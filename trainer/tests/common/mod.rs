@@ -54,7 +54,11 @@ pub fn weights(t: &trainer::train::Trainer) -> Vec<(String, Vec<f32>)> {
         .map(|(n, v)| {
             (
                 n.clone(),
-                v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                v.as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap(),
             )
         })
         .collect()

@@ -1,0 +1,133 @@
+//! Hugging Face compatibility: GPT-2 parameter names, loading GPT2Model-style files, and
+//! finding a model in a local hub cache that the test builds (no network).
+
+use std::collections::HashMap;
+use std::fs;
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+use trainer::checkpoint::{self, io};
+use trainer::model::{Gpt, GptConfig, Params};
+
+/// The 148 tensor names of Hugging Face's `GPT2LMHeadModel` for GPT-2 small (its
+/// `state_dict()` minus the `attn.bias` buffers and the tied `lm_head.weight`), with shapes.
+fn hf_gpt2_small() -> HashMap<String, Vec<usize>> {
+    let mut m = HashMap::new();
+    m.insert("transformer.wte.weight".to_string(), vec![50257, 768]);
+    m.insert("transformer.wpe.weight".to_string(), vec![1024, 768]);
+    m.insert("transformer.ln_f.weight".to_string(), vec![768]);
+    m.insert("transformer.ln_f.bias".to_string(), vec![768]);
+    for i in 0..12 {
+        let p = format!("transformer.h.{i}");
+        for (n, s) in [
+            ("ln_1.weight", vec![768]),
+            ("ln_1.bias", vec![768]),
+            ("attn.c_attn.weight", vec![768, 2304]),
+            ("attn.c_attn.bias", vec![2304]),
+            ("attn.c_proj.weight", vec![768, 768]),
+            ("attn.c_proj.bias", vec![768]),
+            ("ln_2.weight", vec![768]),
+            ("ln_2.bias", vec![768]),
+            ("mlp.c_fc.weight", vec![768, 3072]),
+            ("mlp.c_fc.bias", vec![3072]),
+            ("mlp.c_proj.weight", vec![3072, 768]),
+            ("mlp.c_proj.bias", vec![768]),
+        ] {
+            m.insert(format!("{p}.{n}"), s);
+        }
+    }
+    m
+}
+
+#[test]
+fn names_and_shapes_are_those_of_hf_gpt2() {
+    let ours: HashMap<String, Vec<usize>> =
+        Params::gpt_shapes(&GptConfig::gpt2()).into_iter().collect();
+    assert_eq!(ours, hf_gpt2_small());
+    let n: usize = ours.values().map(|s| s.iter().product::<usize>()).sum();
+    assert_eq!(n, 124_439_808); // GPT-2 small, tied head counted once
+    assert_eq!(GptConfig::gpt2().num_params(), n);
+}
+
+fn tiny() -> GptConfig {
+    GptConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 8,
+        block_size: 8,
+        vocab_size: 11,
+        dropout: 0.0,
+        bias: true,
+    }
+}
+
+/// Rewrites a model directory the way `GPT2Model.save_pretrained` names tensors (no
+/// `transformer.` prefix, with the causal-mask buffers) and as f16.
+fn write_transformers_style(src: &Path, dst: &Path) {
+    fs::create_dir_all(dst).unwrap();
+    let loaded = io::load_safetensors(&src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut tensors: Vec<(String, Tensor)> = Vec::new();
+    for (name, t) in loaded.tensors {
+        let short = name.trim_start_matches("transformer.").to_string();
+        tensors.push((short, t.to_dtype(candle_core::DType::F16).unwrap()));
+    }
+    for i in 0..2 {
+        let mask = Tensor::ones((1, 1, 8, 8), candle_core::DType::F32, &Device::Cpu).unwrap();
+        tensors.push((format!("h.{i}.attn.bias"), mask));
+    }
+    io::save_safetensors(&dst.join("model.safetensors"), &tensors, None).unwrap();
+    fs::copy(src.join("config.json"), dst.join("config.json")).unwrap();
+}
+
+#[test]
+fn loads_transformers_style_files_and_matches_outputs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (model, params) = Gpt::new(&tiny(), 3, &Device::Cpu).unwrap();
+    let ours = tmp.path().join("ours");
+    checkpoint::save_model(&ours, &tiny(), &params).unwrap();
+    let hf = tmp.path().join("hf");
+    write_transformers_style(&ours, &hf);
+
+    let (cfg, loaded) = checkpoint::load_model(&hf, &Device::Cpu).unwrap();
+    assert_eq!(cfg, tiny());
+    let reloaded = Gpt::from_params(&cfg, &loaded).unwrap();
+    let idx = Tensor::new(&[[1u32, 5, 7, 2]], &Device::Cpu).unwrap();
+    let a = model.forward(&idx, &trainer::model::Ctx::eval()).unwrap();
+    let b = reloaded
+        .forward(&idx, &trainer::model::Ctx::eval())
+        .unwrap();
+    // The f16 round trip loses ~3 decimal digits of the weights.
+    let diff = (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(diff < 1e-2, "max logit difference {diff}");
+}
+
+#[test]
+fn finds_models_in_a_local_hub_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, params) = Gpt::new(&tiny(), 4, &Device::Cpu).unwrap();
+    // The hub cache layout: models--org--name/{refs/main, snapshots/<commit>/files}.
+    let hub = tmp.path().join("hub");
+    let repo = hub.join("models--test-org--tiny-gpt2");
+    let commit = "0123456789abcdef0123456789abcdef01234567";
+    let snap = repo.join("snapshots").join(commit);
+    checkpoint::save_model(&snap, &tiny(), &params).unwrap();
+    fs::create_dir_all(repo.join("refs")).unwrap();
+    fs::write(repo.join("refs/main"), commit).unwrap();
+
+    let cache = hf_hub::Cache::new(hub.clone());
+    let dir = trainer::hub::snapshot_dir(&cache, "test-org/tiny-gpt2").unwrap();
+    assert_eq!(dir, snap);
+    let (cfg, loaded) = checkpoint::load_model(&dir, &Device::Cpu).unwrap();
+    assert_eq!(cfg, tiny());
+    assert_eq!(loaded.len(), params.len());
+
+    let err = trainer::hub::snapshot_dir(&cache, "test-org/other").unwrap_err();
+    assert!(err.to_string().contains("test-org/other"), "{err}");
+}
