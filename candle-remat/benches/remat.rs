@@ -40,9 +40,17 @@ fn curr() -> u64 {
 }
 
 fn costs_to_string(c: &ChainCosts) -> String {
-    let blocks: Vec<String> =
-        c.blocks.iter().map(|b| format!("{}:{}:{}", b.act_bytes, b.out_bytes, b.fwd_ns)).collect();
-    format!("{};{};{}", c.input_bytes, c.overhead_bytes, blocks.join(","))
+    let blocks: Vec<String> = c
+        .blocks
+        .iter()
+        .map(|b| format!("{}:{}:{}", b.act_bytes, b.out_bytes, b.fwd_ns))
+        .collect();
+    format!(
+        "{};{};{}",
+        c.input_bytes,
+        c.overhead_bytes,
+        blocks.join(",")
+    )
 }
 
 fn costs_from_string(s: &str) -> ChainCosts {
@@ -55,10 +63,18 @@ fn costs_from_string(s: &str) -> ChainCosts {
         .split(',')
         .map(|b| {
             let v: Vec<u64> = b.split(':').map(|x| x.parse().unwrap()).collect();
-            BlockCost { act_bytes: v[0], out_bytes: v[1], fwd_ns: v[2] }
+            BlockCost {
+                act_bytes: v[0],
+                out_bytes: v[1],
+                fwd_ns: v[2],
+            }
         })
         .collect();
-    ChainCosts { input_bytes, overhead_bytes, blocks }
+    ChainCosts {
+        input_bytes,
+        overhead_bytes,
+        blocks,
+    }
 }
 
 fn parse_policy(s: &str) -> Policy {
@@ -73,7 +89,10 @@ fn parse_policy(s: &str) -> Policy {
 
 /// Child: measure per-block costs (one block's graph alive at a time).
 fn child_measure() -> anyhow::Result<()> {
-    let _prof = dhat::Profiler::builder().testing().trim_backtraces(Some(1)).build();
+    let _prof = dhat::Profiler::builder()
+        .testing()
+        .trim_backtraces(Some(1))
+        .build();
     let dev = Device::Cpu;
     let gpt = Gpt::new(0, cfg(false, false), DType::F32, &dev)?;
     let (idx, _) = tokens(1, B, T, 256, &dev)?;
@@ -85,8 +104,17 @@ fn child_measure() -> anyhow::Result<()> {
 }
 
 /// Child: run warm-up + timed steps of one case and print its figures.
-fn child_case(policy: &str, lean_attention: bool, lean_ln: bool, costs: &ChainCosts, steps: usize) -> anyhow::Result<()> {
-    let _prof = dhat::Profiler::builder().testing().trim_backtraces(Some(1)).build();
+fn child_case(
+    policy: &str,
+    lean_attention: bool,
+    lean_ln: bool,
+    costs: &ChainCosts,
+    steps: usize,
+) -> anyhow::Result<()> {
+    let _prof = dhat::Profiler::builder()
+        .testing()
+        .trim_backtraces(Some(1))
+        .build();
     let dev = Device::Cpu;
     let gpt = Gpt::new(0, cfg(lean_attention, lean_ln), DType::F32, &dev)?;
     let (idx, tgt) = tokens(1, B, T, 256, &dev)?;
@@ -129,12 +157,23 @@ fn run_child(args: &[String]) -> anyhow::Result<String> {
     let exe = std::env::current_exe()?;
     let out = Command::new(exe).args(args).output()?;
     if !out.status.success() {
-        anyhow::bail!("child {:?} failed: {}", args, String::from_utf8_lossy(&out.stderr));
+        anyhow::bail!(
+            "child {:?} failed: {}",
+            args,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     Ok(String::from_utf8(out.stdout)?)
 }
 
-fn run_case(name: &str, policy: &str, la: bool, ll: bool, costs: &ChainCosts, steps: usize) -> anyhow::Result<Row> {
+fn run_case(
+    name: &str,
+    policy: &str,
+    la: bool,
+    ll: bool,
+    costs: &ChainCosts,
+    steps: usize,
+) -> anyhow::Result<Row> {
     let out = run_child(&[
         "--child-case".into(),
         policy.into(),
@@ -143,7 +182,10 @@ fn run_case(name: &str, policy: &str, la: bool, ll: bool, costs: &ChainCosts, st
         costs_to_string(costs),
         steps.to_string(),
     ])?;
-    let line = out.lines().find(|l| l.starts_with("CASE ")).ok_or_else(|| anyhow::anyhow!("no CASE line"))?;
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("CASE "))
+        .ok_or_else(|| anyhow::anyhow!("no CASE line"))?;
     let v: Vec<&str> = line.split_whitespace().collect();
     let row = Row {
         name: name.to_string(),
@@ -153,7 +195,11 @@ fn run_case(name: &str, policy: &str, la: bool, ll: bool, costs: &ChainCosts, st
         predicted: v[4].parse()?,
         loss: v[6].parse()?,
     };
-    eprintln!("  done: {name}: peak {:.1} MiB, {:.2} s/step", mib(row.peak), row.time);
+    eprintln!(
+        "  done: {name}: peak {:.1} MiB, {:.2} s/step",
+        mib(row.peak),
+        row.time
+    );
     Ok(row)
 }
 
@@ -168,12 +214,25 @@ fn main() -> anyhow::Result<()> {
     }
     if args.get(1).map(String::as_str) == Some("--child-case") {
         let costs = costs_from_string(&args[5]);
-        return child_case(&args[2], args[3] == "true", args[4] == "true", &costs, args[6].parse()?);
+        return child_case(
+            &args[2],
+            args[3] == "true",
+            args[4] == "true",
+            &costs,
+            args[6].parse()?,
+        );
     }
-    let steps = if args.iter().any(|a| a == "--quick") { 1 } else { 2 };
+    let steps = if args.iter().any(|a| a == "--quick") {
+        1
+    } else {
+        2
+    };
     println!("GPT: 12 blocks, n_embd 256, n_head 8, T {T}, B {B}, vocab 256, f32, CPU; {steps} timed step(s) after 1 warm-up");
     let out = run_child(&["--child-measure".into()])?;
-    let line = out.lines().find(|l| l.starts_with("COSTS ")).ok_or_else(|| anyhow::anyhow!("no COSTS"))?;
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("COSTS "))
+        .ok_or_else(|| anyhow::anyhow!("no COSTS"))?;
     let mut costs = costs_from_string(&line[6..]);
     let b0 = costs.blocks[0];
     println!(
@@ -186,10 +245,38 @@ fn main() -> anyhow::Result<()> {
     let mut rows = vec![
         run_case("none", "none", false, false, &costs, steps)?,
         run_case("lean attention op only", "none", true, false, &costs, steps)?,
-        run_case("ckpt every block (EveryK(1))", "k1", false, false, &costs, steps)?,
-        run_case("ckpt every 2 blocks (EveryK(2))", "k2", false, false, &costs, steps)?,
-        run_case("sqrt(N) (4 blocks/segment)", "sqrt", false, false, &costs, steps)?,
-        run_case("EveryK(1) + lean attention + lean LN", "k1", true, true, &costs, steps)?,
+        run_case(
+            "ckpt every block (EveryK(1))",
+            "k1",
+            false,
+            false,
+            &costs,
+            steps,
+        )?,
+        run_case(
+            "ckpt every 2 blocks (EveryK(2))",
+            "k2",
+            false,
+            false,
+            &costs,
+            steps,
+        )?,
+        run_case(
+            "sqrt(N) (4 blocks/segment)",
+            "sqrt",
+            false,
+            false,
+            &costs,
+            steps,
+        )?,
+        run_case(
+            "EveryK(1) + lean attention + lean LN",
+            "k1",
+            true,
+            true,
+            &costs,
+            steps,
+        )?,
     ];
     // Calibrate the plan-independent overhead (parameter gradients, backward workspace, head)
     // on the EveryK(1) run, then plan for a budget of 40% of the unchecked peak.
@@ -198,9 +285,21 @@ fn main() -> anyhow::Result<()> {
     costs.overhead_bytes = k1.peak.saturating_sub(k1_pred);
     let budget = rows[0].peak * 2 / 5;
     let plan = Policy::Budget(budget).plan(&costs)?;
-    println!("calibrated overhead: {:.1} MiB (EveryK(1) measured {:.1} MiB - predicted {:.1} MiB)", mib(costs.overhead_bytes), mib(k1.peak), mib(k1_pred));
+    println!(
+        "calibrated overhead: {:.1} MiB (EveryK(1) measured {:.1} MiB - predicted {:.1} MiB)",
+        mib(costs.overhead_bytes),
+        mib(k1.peak),
+        mib(k1_pred)
+    );
     println!("{plan}");
-    rows.push(run_case(&format!("Budget({:.0} MiB = 40% of none)", mib(budget)), &format!("b{budget}"), false, false, &costs, steps)?);
+    rows.push(run_case(
+        &format!("Budget({:.0} MiB = 40% of none)", mib(budget)),
+        &format!("b{budget}"),
+        false,
+        false,
+        &costs,
+        steps,
+    )?);
 
     let none_peak = rows[0].peak as f64;
     let none_act = (rows[0].peak - rows[0].grads) as f64;

@@ -32,7 +32,9 @@ pub enum RematError {
     },
 
     /// A recompute returned a different number of outputs than the forward did.
-    #[error("segment {segment}: forward returned {forward} outputs, recompute returned {recompute}")]
+    #[error(
+        "segment {segment}: forward returned {forward} outputs, recompute returned {recompute}"
+    )]
     OutputCountMismatch {
         /// Path of the segment.
         segment: String,

@@ -12,7 +12,9 @@
 //!   checkpointed;
 //! * while segment `s` runs its forward or (re)computes for its backward, everything held by
 //!   the segments before it is alive plus its own activations: `x + Σ_{r<s} mem_r + A_s`
-//!   (`+ o_last` for a checkpointed one: its leaf copy);
+//!   (`+ o_last` for a checkpointed one: its leaf copy); stored segments *after the last
+//!   checkpointed one* belong to the loss's graph, which the caller holds during
+//!   [`Tape::backward`], so their bytes are added to every earlier segment's term;
 //! * predicted peak = the maximum of that over segments, plus a plan-independent
 //!   [`ChainCosts::overhead_bytes`]; recompute time = `Σ t_i` over checkpointed blocks (each is
 //!   re-run exactly once).
@@ -182,7 +184,9 @@ impl Plan {
                     }
                     Ok(vec![h])
                 })?;
-                h = ys.pop().ok_or_else(|| RematError::InvalidPlan("no output".into()))?;
+                h = ys
+                    .pop()
+                    .ok_or_else(|| RematError::InvalidPlan("no output".into()))?;
             } else {
                 for i in start..end {
                     h = tape.scope(i as u64, || Ok(f(i, &h)?))?;
@@ -243,19 +247,32 @@ fn seg_sum(c: &ChainCosts, s: &PlanSegment) -> (u64, u64) {
 }
 
 /// Predicted (peak bytes, recompute ns) of `segments` under the module's cost model.
+///
+/// Stored segments after the last checkpointed one are owned by the loss, which the caller
+/// holds during [`Tape::backward`], so they count in every checkpointed segment's peak.
 pub fn predict(costs: &ChainCosts, segments: &[PlanSegment]) -> (u64, u64) {
+    let last_ckpt = segments.iter().rposition(|s| s.checkpointed);
+    let tail: u64 = match last_ckpt {
+        Some(l) => segments[l + 1..].iter().map(|s| seg_sum(costs, s).0).sum(),
+        None => 0,
+    };
     let mut held = costs.input_bytes;
     let mut peak = held;
     let mut rec = 0;
-    for s in segments {
+    for (k, s) in segments.iter().enumerate() {
         let (a, t) = seg_sum(costs, s);
         let out = costs.blocks[s.end - 1].out_bytes;
+        let extra = if last_ckpt.is_some_and(|l| k <= l) {
+            tail
+        } else {
+            0
+        };
         if s.checkpointed {
-            peak = peak.max(held + a + out);
+            peak = peak.max(held + a + out + extra);
             held += out;
             rec += t;
         } else {
-            peak = peak.max(held + a);
+            peak = peak.max(held + a + extra);
             held += a;
         }
     }
@@ -321,14 +338,13 @@ struct State {
     seg: Option<PlanSegment>,
 }
 
-/// Exact DP; `None` when no plan fits `budget`.
+/// Pareto fronts of (bytes held, recompute) at every boundary `0..upto`, every segment term
+/// bounded by `budget`.
 #[allow(clippy::needless_range_loop)]
-fn dp(costs: &ChainCosts, budget: u64) -> Option<Vec<PlanSegment>> {
-    let n = costs.len();
-    let budget = budget.checked_sub(costs.overhead_bytes)?;
-    let mut fronts: Vec<Vec<State>> = vec![Vec::new(); n + 1];
-    if costs.input_bytes > budget {
-        return None;
+fn fronts(costs: &ChainCosts, upto: usize, budget: u64) -> Vec<Vec<State>> {
+    let mut fronts: Vec<Vec<State>> = vec![Vec::new(); upto];
+    if upto == 0 || costs.input_bytes > budget {
+        return fronts;
     }
     fronts[0].push(State {
         held: costs.input_bytes,
@@ -336,68 +352,120 @@ fn dp(costs: &ChainCosts, budget: u64) -> Option<Vec<PlanSegment>> {
         prev: None,
         seg: None,
     });
-    for i in 0..n {
+    for i in 0..upto {
         let front = std::mem::take(&mut fronts[i]);
         for (si, st) in front.iter().enumerate() {
             let (mut a, mut t) = (0u64, 0u64);
-            for j in i + 1..=n {
+            for j in i + 1..upto {
                 a += costs.blocks[j - 1].act_bytes;
                 t += costs.blocks[j - 1].fwd_ns;
                 let out = costs.blocks[j - 1].out_bytes;
                 if st.held + a > budget {
                     break;
                 }
-                // stored single block (longer stored segments are equivalent to runs of these)
+                let prev = Some((i, si));
                 if j == i + 1 {
-                    push_pareto(
-                        &mut fronts[j],
-                        State {
-                            held: st.held + a,
-                            cost: st.cost,
-                            prev: Some((i, si)),
-                            seg: Some(PlanSegment {
-                                start: i,
-                                end: j,
-                                checkpointed: false,
-                            }),
-                        },
-                    );
+                    // stored single block (longer stored runs are sequences of these)
+                    let seg = PlanSegment {
+                        start: i,
+                        end: j,
+                        checkpointed: false,
+                    };
+                    let s = State {
+                        held: st.held + a,
+                        cost: st.cost,
+                        prev,
+                        seg: Some(seg),
+                    };
+                    push_pareto(&mut fronts[j], s);
                 }
                 if st.held + a + out <= budget {
-                    push_pareto(
-                        &mut fronts[j],
-                        State {
-                            held: st.held + out,
-                            cost: st.cost + t,
-                            prev: Some((i, si)),
-                            seg: Some(PlanSegment {
-                                start: i,
-                                end: j,
-                                checkpointed: true,
-                            }),
-                        },
-                    );
+                    let seg = PlanSegment {
+                        start: i,
+                        end: j,
+                        checkpointed: true,
+                    };
+                    let s = State {
+                        held: st.held + out,
+                        cost: st.cost + t,
+                        prev,
+                        seg: Some(seg),
+                    };
+                    push_pareto(&mut fronts[j], s);
                 }
             }
         }
         fronts[i] = front;
     }
-    let best = fronts[n]
-        .iter()
-        .enumerate()
-        .min_by_key(|(_, s)| (s.cost, s.held))?
-        .0;
+    fronts
+}
+
+fn backtrack(fronts: &[Vec<State>], mut cur: (usize, usize)) -> Vec<PlanSegment> {
     let mut segs = Vec::new();
-    let mut cur = (n, best);
-    while let Some(seg) = fronts[cur.0][cur.1].seg {
-        segs.push(seg);
-        match fronts[cur.0][cur.1].prev {
-            Some(p) => cur = p,
-            None => break,
+    while let Some(st) = fronts.get(cur.0).and_then(|f| f.get(cur.1)) {
+        match (st.seg, st.prev) {
+            (Some(seg), Some(p)) => {
+                segs.push(seg);
+                cur = p;
+            }
+            _ => break,
         }
     }
     segs.reverse();
-    Some(merge_stored(segs))
+    segs
+}
+
+/// Exact DP; `None` when no plan fits `budget`. The plan is a prefix ending with a
+/// checkpointed segment followed by a stored tail `p..n` (owned by the loss, alive during the
+/// whole backward): for each `p`, the prefix is solved with the budget reduced by the tail.
+#[allow(clippy::needless_range_loop)]
+fn dp(costs: &ChainCosts, budget: u64) -> Option<Vec<PlanSegment>> {
+    let n = costs.len();
+    let budget = budget.checked_sub(costs.overhead_bytes)?;
+    let mut tail = vec![0u64; n + 1];
+    for p in (0..n).rev() {
+        tail[p] = tail[p + 1] + costs.blocks[p].act_bytes;
+    }
+    let stored_tail = |p: usize| PlanSegment {
+        start: p,
+        end: n,
+        checkpointed: false,
+    };
+    let mut best: Option<(u64, u64, Vec<PlanSegment>)> = None;
+    if costs.input_bytes + tail[0] <= budget {
+        best = Some((0, 0, vec![stored_tail(0)]));
+    }
+    for p in 1..=n {
+        let Some(b) = budget.checked_sub(tail[p]) else {
+            continue;
+        };
+        let fr = fronts(costs, p, b);
+        for (i, front) in fr.iter().enumerate() {
+            let a: u64 = costs.blocks[i..p].iter().map(|c| c.act_bytes).sum();
+            let t: u64 = costs.blocks[i..p].iter().map(|c| c.fwd_ns).sum();
+            let out = costs.blocks[p - 1].out_bytes;
+            for (si, st) in front.iter().enumerate() {
+                if st.held + a + out > b {
+                    continue;
+                }
+                let key = (st.cost + t, st.held + out);
+                if best.as_ref().is_some_and(|(c, h, _)| (*c, *h) <= key) {
+                    continue;
+                }
+                let mut segs = backtrack(&fr, (i, si));
+                segs.push(PlanSegment {
+                    start: i,
+                    end: p,
+                    checkpointed: true,
+                });
+                if p < n {
+                    segs.push(stored_tail(p));
+                }
+                best = Some((key.0, key.1, segs));
+            }
+        }
+    }
+    best.map(|(_, _, segs)| merge_stored(segs))
 }
 
 fn merge_stored(segs: Vec<PlanSegment>) -> Vec<PlanSegment> {

@@ -80,7 +80,10 @@ pub(crate) fn child_of_current() -> Option<(u64, String)> {
         let top = s.last_mut()?;
         let idx = top.children;
         top.children += 1;
-        Some((mix(top.seed, mix(0xC41D_0000, idx)), format!("{}/{}", top.path, idx)))
+        Some((
+            mix(top.seed, mix(0xC41D_0000, idx)),
+            format!("{}/{}", top.path, idx),
+        ))
     })
 }
 

@@ -307,7 +307,10 @@ impl<'a> Tape<'a> {
                     Some(dev) if self.verify => Some(leaf.to_device(dev)?),
                     Some(_) => None,
                 };
-                leaves.push(Some(OutLeaf { id: leaf.id(), keep }));
+                leaves.push(Some(OutLeaf {
+                    id: leaf.id(),
+                    keep,
+                }));
                 outs.push(leaf);
             } else {
                 leaves.push(None);

@@ -16,7 +16,11 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 fn tol(dtype: DType) -> f64 {
-    if dtype == DType::F64 { 1e-12 } else { 1e-5 }
+    if dtype == DType::F64 {
+        1e-12
+    } else {
+        1e-5
+    }
 }
 
 #[test]
@@ -25,7 +29,12 @@ fn attention_matches_composite() {
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     for dtype in [DType::F32, DType::F64] {
         for _ in 0..6 {
-            let (b, h, t, d) = (rng.random_range(1..3), rng.random_range(1..4), rng.random_range(1..12), rng.random_range(1..9));
+            let (b, h, t, d) = (
+                rng.random_range(1..3),
+                rng.random_range(1..4),
+                rng.random_range(1..12),
+                rng.random_range(1..9),
+            );
             let tk = t + rng.random_range(0..3);
             for causal in [true, false] {
                 let q = var(&mut rng, &[b, h, t, d], 1.0, dtype, &dev).unwrap();
@@ -33,14 +42,31 @@ fn attention_matches_composite() {
                 let v = var(&mut rng, &[b, h, tk, d + 1], 1.0, dtype, &dev).unwrap();
                 let g = randn(&mut rng, &[b, h, t, d + 1], 1.0, dtype, &dev).unwrap();
                 let scale = 1.0 / (d as f64).sqrt();
-                let ours = attention::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, causal).unwrap();
-                let refr = attention::attention_composite(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, causal).unwrap();
+                let ours = attention::attention(
+                    q.as_tensor(),
+                    k.as_tensor(),
+                    v.as_tensor(),
+                    scale,
+                    causal,
+                )
+                .unwrap();
+                let refr = attention::attention_composite(
+                    q.as_tensor(),
+                    k.as_tensor(),
+                    v.as_tensor(),
+                    scale,
+                    causal,
+                )
+                .unwrap();
                 assert_bits_eq(&ours, &refr, "attention values");
                 let go = (ours * &g).unwrap().sum_all().unwrap().backward().unwrap();
                 let gr = (refr * &g).unwrap().sum_all().unwrap().backward().unwrap();
                 for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
                     let e = rel_err(go.get(x).unwrap(), gr.get(x).unwrap());
-                    assert!(e < tol(dtype), "{dtype:?} causal={causal} d{name}: rel err {e}");
+                    assert!(
+                        e < tol(dtype),
+                        "{dtype:?} causal={causal} d{name}: rel err {e}"
+                    );
                 }
             }
         }
@@ -64,8 +90,15 @@ fn layer_norm_matches_composite() {
             let w = var(&mut rng, &[c], 1.0, dtype, &dev).unwrap();
             let bb = var(&mut rng, &[c], 1.0, dtype, &dev).unwrap();
             let g = randn(&mut rng, &shape, 1.0, dtype, &dev).unwrap();
-            let ours = layer_norm::layer_norm(x.as_tensor(), w.as_tensor(), bb.as_tensor(), 1e-5).unwrap();
-            let refr = layer_norm::layer_norm_composite(x.as_tensor(), w.as_tensor(), bb.as_tensor(), 1e-5).unwrap();
+            let ours =
+                layer_norm::layer_norm(x.as_tensor(), w.as_tensor(), bb.as_tensor(), 1e-5).unwrap();
+            let refr = layer_norm::layer_norm_composite(
+                x.as_tensor(),
+                w.as_tensor(),
+                bb.as_tensor(),
+                1e-5,
+            )
+            .unwrap();
             assert_bits_eq(&ours, &refr, "layer norm values");
             let go = (ours * &g).unwrap().sum_all().unwrap().backward().unwrap();
             let gr = (refr * &g).unwrap().sum_all().unwrap().backward().unwrap();

@@ -34,7 +34,10 @@ fn budget_plan_meets_budget_and_beats_fixed_policies() {
         for p in fixed {
             let fp = p.plan(&c).unwrap();
             let bp = Policy::Budget(fp.predicted_peak_bytes).plan(&c).unwrap();
-            assert!(bp.predicted_peak_bytes <= fp.predicted_peak_bytes, "trial {trial}: {bp}");
+            assert!(
+                bp.predicted_peak_bytes <= fp.predicted_peak_bytes,
+                "trial {trial}: {bp}"
+            );
             assert!(
                 bp.recompute_ns <= fp.recompute_ns,
                 "trial {trial}: budget plan recomputes {} > {:?} {}\n{bp}\n{fp}",
@@ -51,7 +54,10 @@ fn budget_plan_meets_budget_and_beats_fixed_policies() {
             let plan = Policy::Budget(b).plan(&c).unwrap();
             assert!(plan.predicted_peak_bytes <= b);
             assert_eq!(plan.len(), n);
-            assert_eq!(predict(&c, &plan.segments), (plan.predicted_peak_bytes, plan.recompute_ns));
+            assert_eq!(
+                predict(&c, &plan.segments),
+                (plan.predicted_peak_bytes, plan.recompute_ns)
+            );
         }
         // the whole budget -> no recompute at all
         assert_eq!(Policy::Budget(hi).plan(&c).unwrap().recompute_ns, 0);
@@ -73,7 +79,11 @@ fn all_plans(n: usize) -> Vec<Vec<PlanSegment>> {
         for flags in 0u32..(1 << m) {
             out.push(
                 (0..m)
-                    .map(|s| PlanSegment { start: bounds[s], end: bounds[s + 1], checkpointed: flags & (1 << s) != 0 })
+                    .map(|s| PlanSegment {
+                        start: bounds[s],
+                        end: bounds[s + 1],
+                        checkpointed: flags & (1 << s) != 0,
+                    })
                     .collect(),
             );
         }
@@ -94,7 +104,13 @@ fn budget_plan_is_optimal_by_brute_force() {
         let hi = Policy::None.plan(&c).unwrap().predicted_peak_bytes;
         for _ in 0..8 {
             let b = rng.random_range(lo..=hi);
-            let best = plans.iter().map(|p| predict(&c, p)).filter(|(pk, _)| *pk <= b).map(|(_, r)| r).min().unwrap();
+            let best = plans
+                .iter()
+                .map(|p| predict(&c, p))
+                .filter(|(pk, _)| *pk <= b)
+                .map(|(_, r)| r)
+                .min()
+                .unwrap();
             assert_eq!(Policy::Budget(b).plan(&c).unwrap().recompute_ns, best);
         }
     }
@@ -112,18 +128,38 @@ fn impossible_budget_is_a_clear_error() {
             Err(RematError::ImpossibleBudget { budget, min_bytes }) => {
                 assert_eq!((budget, min_bytes), (lo - 1, lo));
                 let msg = RematError::ImpossibleBudget { budget, min_bytes }.to_string();
-                assert!(msg.contains(&lo.to_string()) && msg.contains("impossible"), "{msg}");
+                assert!(
+                    msg.contains(&lo.to_string()) && msg.contains("impossible"),
+                    "{msg}"
+                );
             }
             other => panic!("expected ImpossibleBudget, got {other:?}"),
         }
     }
-    assert!(matches!(Policy::EveryK(0).plan(&random_chain(&mut rng, 3)), Err(RematError::InvalidPlan(_))));
-    assert!(matches!(Policy::SqrtN.plan(&ChainCosts { input_bytes: 1, overhead_bytes: 0, blocks: vec![] }), Err(RematError::InvalidPlan(_))));
+    assert!(matches!(
+        Policy::EveryK(0).plan(&random_chain(&mut rng, 3)),
+        Err(RematError::InvalidPlan(_))
+    ));
+    assert!(matches!(
+        Policy::SqrtN.plan(&ChainCosts {
+            input_bytes: 1,
+            overhead_bytes: 0,
+            blocks: vec![]
+        }),
+        Err(RematError::InvalidPlan(_))
+    ));
 }
 
 #[test]
 fn fixed_policies_have_the_expected_shape_and_print() {
-    let c = ChainCosts::uniform(12, BlockCost { act_bytes: 100 << 20, out_bytes: 2 << 20, fwd_ns: 1_000_000 });
+    let c = ChainCosts::uniform(
+        12,
+        BlockCost {
+            act_bytes: 100 << 20,
+            out_bytes: 2 << 20,
+            fwd_ns: 1_000_000,
+        },
+    );
     let sq = Policy::SqrtN.plan(&c).unwrap();
     assert_eq!(sq.segments.len(), 3); // ceil(sqrt 12) = 4 blocks per segment
     assert!((0..12).all(|i| sq.is_checkpointed(i)));
@@ -133,10 +169,18 @@ fn fixed_policies_have_the_expected_shape_and_print() {
     assert_eq!(none.predicted_peak_bytes, (2 << 20) + 12 * (100 << 20));
     let k1 = Policy::EveryK(1).plan(&c).unwrap();
     // input + 11 boundaries + the last block's activations and its leaf copy
-    assert_eq!(k1.predicted_peak_bytes, (2 << 20) + 11 * (2 << 20) + (100 << 20) + (2 << 20));
+    assert_eq!(
+        k1.predicted_peak_bytes,
+        (2 << 20) + 11 * (2 << 20) + (100 << 20) + (2 << 20)
+    );
     let b = Policy::Budget(400 << 20).plan(&c).unwrap();
     let text = b.to_string();
-    assert!(text.contains("checkpointed blocks") && text.contains("predicted activation peak") && text.contains("recompute"), "{text}");
+    assert!(
+        text.contains("checkpointed blocks")
+            && text.contains("predicted activation peak")
+            && text.contains("recompute"),
+        "{text}"
+    );
     assert!(b.predicted_peak_bytes <= 400 << 20);
     assert!(b.recompute_ns < sq.recompute_ns);
 }

@@ -21,7 +21,11 @@ fn compare_stores(
         match (plain.get(v), ours.get(v)) {
             (Some(a), Some(b)) => assert_bits_eq(b, a, &format!("{what}: var {i}")),
             (None, None) => {}
-            (a, b) => panic!("{what}: var {i}: plain has grad {} / tape has grad {}", a.is_some(), b.is_some()),
+            (a, b) => panic!(
+                "{what}: var {i}: plain has grad {} / tape has grad {}",
+                a.is_some(),
+                b.is_some()
+            ),
         }
     }
     // No extra entries (boundary leaves are removed; junk zero grads of constants mirror plain).
@@ -53,12 +57,18 @@ fn run_gpt(cfg: Cfg, dtype: DType, b: usize, t: usize, seed: u64) {
     let vars = gpt.vars();
     let costs = ChainCosts::uniform(
         cfg.n_layer,
-        BlockCost { act_bytes: 1000, out_bytes: 100, fwd_ns: 10 },
+        BlockCost {
+            act_bytes: 1000,
+            out_bytes: 100,
+            fwd_ns: 10,
+        },
     );
     // Plain reference: the same model (same dropout masks, keyed by the tape seed and block
     // index) without any checkpoint, differentiated by Candle's own backward.
     let tape = Tape::new(99);
-    let loss_plain = gpt.loss(&tape, &Policy::None.plan(&costs).unwrap(), &idx, &tgt).unwrap();
+    let loss_plain = gpt
+        .loss(&tape, &Policy::None.plan(&costs).unwrap(), &idx, &tgt)
+        .unwrap();
     let plain = loss_plain.backward().unwrap();
     for policy in policies(cfg.n_layer, &costs) {
         let plan = policy.plan(&costs).unwrap();
@@ -159,7 +169,12 @@ fn multi_input_multi_output_and_reused_output() {
         let w2 = var(&mut rng, &[c, c], 0.5, DType::F32, &dev).unwrap();
         let x0 = var(&mut rng, &[r, c], 1.0, DType::F32, &dev).unwrap();
         let y0 = var(&mut rng, &[r, c], 1.0, DType::F32, &dev).unwrap();
-        let mask = randn(&mut rng, &[r, c], 1.0, DType::F32, &dev).unwrap().ge(0.0).unwrap().to_dtype(DType::F32).unwrap();
+        let mask = randn(&mut rng, &[r, c], 1.0, DType::F32, &dev)
+            .unwrap()
+            .ge(0.0)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
         let ids = Tensor::from_vec((0..r as u32).rev().collect::<Vec<_>>(), r, &dev).unwrap();
         let seg = |xs: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
             let h = xs[0].matmul(w1.as_tensor())?.tanh()?;
@@ -177,7 +192,9 @@ fn multi_input_multi_output_and_reused_output() {
             let v = o[1].index_select(&o[2], 0).unwrap();
             (u.sum_all().unwrap() + (v * a).unwrap().mean_all().unwrap()).unwrap()
         };
-        let plain = after(&seg(&[x.clone(), y.clone(), mask.clone(), ids.clone()]).unwrap()).backward().unwrap();
+        let plain = after(&seg(&[x.clone(), y.clone(), mask.clone(), ids.clone()]).unwrap())
+            .backward()
+            .unwrap();
         let tape = Tape::new(0).with_verify(true);
         let outs = tape.checkpoint(&[&x, &y, &mask, &ids], seg).unwrap();
         assert_eq!(outs[2].dtype(), DType::U32);
@@ -191,10 +208,16 @@ fn multi_input_multi_output_and_reused_output() {
 #[test]
 fn glue_residuals_and_shared_weights_bit_identical() {
     let dev = Device::Cpu;
-    for (seed, (r, c, n)) in [(4usize, 6usize, 3usize), (2, 5, 5), (6, 3, 4)].into_iter().enumerate() {
-        let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(10 + seed as u64);
+    for (seed, (r, c, n)) in [(4usize, 6usize, 3usize), (2, 5, 5), (6, 3, 4)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut rng =
+            <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(10 + seed as u64);
         let shared = var(&mut rng, &[c, c], 0.4, DType::F32, &dev).unwrap();
-        let ws: Vec<Var> = (0..n).map(|_| var(&mut rng, &[c, c], 0.4, DType::F32, &dev).unwrap()).collect();
+        let ws: Vec<Var> = (0..n)
+            .map(|_| var(&mut rng, &[c, c], 0.4, DType::F32, &dev).unwrap())
+            .collect();
         let x0 = var(&mut rng, &[r, c], 1.0, DType::F32, &dev).unwrap();
         // residual inside the block; `shared` is used twice per block, in the glue before the
         // first block and in the head: contributions to it come from every pass.
@@ -203,7 +226,14 @@ fn glue_residuals_and_shared_weights_bit_identical() {
             let b = h.matmul(shared.as_tensor())?.sin()?;
             h + ((a * b)? + h.matmul(shared.as_tensor())?)?
         };
-        let head = |h: &Tensor| h.matmul(shared.as_tensor()).unwrap().sqr().unwrap().mean_all().unwrap();
+        let head = |h: &Tensor| {
+            h.matmul(shared.as_tensor())
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .mean_all()
+                .unwrap()
+        };
         let mut h = x0.as_tensor().matmul(shared.as_tensor()).unwrap();
         for i in 0..n {
             h = block(i, &h).unwrap().affine(0.9, 0.1).unwrap(); // glue between blocks
@@ -236,17 +266,28 @@ fn non_leaf_glue_input_shared_outside_is_close() {
     let x0 = var(&mut rng, &[5, 8], 1.0, DType::F32, &dev).unwrap();
     let f = |x: &Tensor| x.matmul(w.as_tensor())?.tanh();
     let x = x0.as_tensor().sin().unwrap().exp().unwrap();
-    let plain = (f(&x).unwrap() + &x).unwrap().sqr().unwrap().sum_all().unwrap().backward().unwrap();
+    let plain = (f(&x).unwrap() + &x)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     let tape = Tape::new(0);
     let x = x0.as_tensor().sin().unwrap().exp().unwrap();
     let y = tape.checkpoint1(&x, f).unwrap();
-    let grads = tape.backward(&(y + &x).unwrap().sqr().unwrap().sum_all().unwrap()).unwrap();
+    let grads = tape
+        .backward(&(y + &x).unwrap().sqr().unwrap().sum_all().unwrap())
+        .unwrap();
     for v in [&w, &x0] {
         let e = rel_err(grads.get(v).unwrap(), plain.get(v).unwrap());
         assert!(e < 1e-6, "relative error {e}");
     }
     // The same with a chain of residual adds outside the checkpoints.
-    let ws: Vec<Var> = (0..4).map(|_| var(&mut rng, &[8, 8], 0.4, DType::F32, &dev).unwrap()).collect();
+    let ws: Vec<Var> = (0..4)
+        .map(|_| var(&mut rng, &[8, 8], 0.4, DType::F32, &dev).unwrap())
+        .collect();
     let blk = |i: usize, h: &Tensor| h.matmul(ws[i].as_tensor())?.tanh();
     let mut h = x0.as_tensor().exp().unwrap();
     for i in 0..4 {
@@ -258,7 +299,9 @@ fn non_leaf_glue_input_shared_outside_is_close() {
     for i in 0..4 {
         h = (&h + tape.checkpoint1(&h, move |x| blk(i, x)).unwrap()).unwrap();
     }
-    let grads = tape.backward(&h.sqr().unwrap().mean_all().unwrap()).unwrap();
+    let grads = tape
+        .backward(&h.sqr().unwrap().mean_all().unwrap())
+        .unwrap();
     for v in ws.iter().chain([&x0]) {
         let e = rel_err(grads.get(v).unwrap(), plain.get(v).unwrap());
         assert!(e < 1e-6, "relative error {e}");
@@ -271,12 +314,25 @@ fn offloaded_boundaries_bit_identical() {
     let cfg = Cfg::tiny(16, 2, 4, 8);
     let gpt = Gpt::new(8, cfg, DType::F32, &dev).unwrap();
     let (idx, tgt) = tokens(9, 2, 8, cfg.vocab, &dev).unwrap();
-    let costs = ChainCosts::uniform(4, BlockCost { act_bytes: 10, out_bytes: 1, fwd_ns: 1 });
+    let costs = ChainCosts::uniform(
+        4,
+        BlockCost {
+            act_bytes: 10,
+            out_bytes: 1,
+            fwd_ns: 1,
+        },
+    );
     let tape = Tape::new(3);
-    let plain = gpt.loss(&tape, &Policy::None.plan(&costs).unwrap(), &idx, &tgt).unwrap().backward().unwrap();
+    let plain = gpt
+        .loss(&tape, &Policy::None.plan(&costs).unwrap(), &idx, &tgt)
+        .unwrap()
+        .backward()
+        .unwrap();
     for verify in [false, true] {
         let tape = Tape::new(3).with_offload(Device::Cpu).with_verify(verify);
-        let loss = gpt.loss(&tape, &Policy::EveryK(1).plan(&costs).unwrap(), &idx, &tgt).unwrap();
+        let loss = gpt
+            .loss(&tape, &Policy::EveryK(1).plan(&costs).unwrap(), &idx, &tgt)
+            .unwrap();
         let grads = tape.backward(&loss).unwrap();
         compare_stores(&gpt.vars(), &plain, &grads, "offload");
     }
@@ -290,7 +346,9 @@ fn verify_mode_names_the_nondeterministic_segment() {
     let x = randn(&mut rng, &[3, 6], 1.0, DType::F32, &dev).unwrap();
     let calls = AtomicU64::new(0);
     let tape = Tape::new(0).with_verify(true);
-    let h = tape.checkpoint1(&x, |x| x.matmul(w.as_tensor())?.tanh()).unwrap();
+    let h = tape
+        .checkpoint1(&x, |x| x.matmul(w.as_tensor())?.tanh())
+        .unwrap();
     // Segment "1" is not deterministic: it adds a per-call offset.
     let h = tape
         .checkpoint1(&h, |x| {
@@ -298,10 +356,17 @@ fn verify_mode_names_the_nondeterministic_segment() {
             (x.matmul(w.as_tensor())? + k * 1e-3)?.tanh()
         })
         .unwrap();
-    let h = tape.checkpoint1(&h, |x| x.matmul(w.as_tensor())?.tanh()).unwrap();
+    let h = tape
+        .checkpoint1(&h, |x| x.matmul(w.as_tensor())?.tanh())
+        .unwrap();
     let err = tape.backward(&h.sum_all().unwrap()).unwrap_err();
     match &err {
-        RematError::RecomputeMismatch { segment, output, mismatches, .. } => {
+        RematError::RecomputeMismatch {
+            segment,
+            output,
+            mismatches,
+            ..
+        } => {
             assert_eq!(segment, "1");
             assert_eq!(*output, 0);
             assert!(*mismatches > 0);
@@ -312,11 +377,20 @@ fn verify_mode_names_the_nondeterministic_segment() {
 
     // Candle's own (unseeded) dropout is caught too; ours is not flagged.
     let tape = Tape::new(0).with_verify(true);
-    let h = tape.checkpoint1(&x, |x| candle_nn::ops::dropout(&x.matmul(w.as_tensor())?, 0.5)).unwrap();
-    assert!(matches!(tape.backward(&h.sum_all().unwrap()), Err(RematError::RecomputeMismatch { .. })));
+    let h = tape
+        .checkpoint1(&x, |x| {
+            candle_nn::ops::dropout(&x.matmul(w.as_tensor())?, 0.5)
+        })
+        .unwrap();
+    assert!(matches!(
+        tape.backward(&h.sum_all().unwrap()),
+        Err(RematError::RecomputeMismatch { .. })
+    ));
     let tape = Tape::new(0).with_verify(true);
     let h = tape
-        .checkpoint1(&x, |x| Ok(candle_remat::dropout(&x.matmul(w.as_tensor())?, 0.5)?))
+        .checkpoint1(&x, |x| {
+            Ok(candle_remat::dropout(&x.matmul(w.as_tensor())?, 0.5)?)
+        })
         .unwrap();
     tape.backward(&h.sum_all().unwrap()).unwrap();
 }
@@ -324,14 +398,39 @@ fn verify_mode_names_the_nondeterministic_segment() {
 #[test]
 fn dropout_needs_a_scope_and_is_seeded() {
     let x = Tensor::ones((16, 16), DType::F32, &Device::Cpu).unwrap();
-    assert!(matches!(candle_remat::dropout(&x, 0.5), Err(RematError::NoSeedContext)));
-    let a = Tape::new(1).scope(0, || candle_remat::dropout(&x, 0.5)).unwrap();
-    let b = Tape::new(1).scope(0, || candle_remat::dropout(&x, 0.5)).unwrap();
-    let c = Tape::new(2).scope(0, || candle_remat::dropout(&x, 0.5)).unwrap();
+    assert!(matches!(
+        candle_remat::dropout(&x, 0.5),
+        Err(RematError::NoSeedContext)
+    ));
+    let a = Tape::new(1)
+        .scope(0, || candle_remat::dropout(&x, 0.5))
+        .unwrap();
+    let b = Tape::new(1)
+        .scope(0, || candle_remat::dropout(&x, 0.5))
+        .unwrap();
+    let c = Tape::new(2)
+        .scope(0, || candle_remat::dropout(&x, 0.5))
+        .unwrap();
     assert_bits_eq(&a, &b, "same seed");
-    let diff = a.ne(&c).unwrap().to_dtype(DType::F32).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+    let diff = a
+        .ne(&c)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
     assert!(diff > 0.0, "different seeds gave the same mask");
-    let kept = a.ne(0.0).unwrap().to_dtype(DType::F32).unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap();
+    let kept = a
+        .ne(0.0)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .mean_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
     assert!((kept - 0.5).abs() < 0.1, "keep rate {kept}");
 }
 
@@ -342,11 +441,21 @@ fn segment_without_grad_is_skipped_and_store_has_no_leaves() {
     let x = Tensor::new(&[[1f32, -1.]], &dev).unwrap();
     let tape = Tape::new(0);
     let unused = tape.checkpoint1(&x, |x| x.matmul(w.as_tensor())).unwrap();
-    let used = tape.checkpoint1(&x, |x| x.matmul(w.as_tensor())?.sqr()).unwrap();
+    let used = tape
+        .checkpoint1(&x, |x| x.matmul(w.as_tensor())?.sqr())
+        .unwrap();
     assert_eq!(tape.num_segments(), 2);
     let grads = tape.backward(&used.sum_all().unwrap()).unwrap();
     assert!(grads.get(&unused).is_none() && grads.get(&used).is_none());
-    let plain = x.matmul(w.as_tensor()).unwrap().sqr().unwrap().sum_all().unwrap().backward().unwrap();
+    let plain = x
+        .matmul(w.as_tensor())
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     assert_bits_eq(grads.get(&w).unwrap(), plain.get(&w).unwrap(), "w");
     assert_eq!(tape.num_segments(), 0);
 }

@@ -69,6 +69,8 @@ pub fn gelu(x: &Tensor) -> candle_core::Result<Tensor> {
 
 /// The composite reference: the tanh-GELU formula with plain differentiable Candle ops.
 pub fn gelu_composite(x: &Tensor) -> candle_core::Result<Tensor> {
-    let inner = ((x.sqr()? * C)? + 1.0)?.mul(x)?.affine(SQRT_2_OVER_PI, 0.0)?;
+    let inner = ((x.sqr()? * C)? + 1.0)?
+        .mul(x)?
+        .affine(SQRT_2_OVER_PI, 0.0)?;
     ((inner.tanh()? + 1.0)? * 0.5)?.mul(x)
 }

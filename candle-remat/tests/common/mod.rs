@@ -8,7 +8,13 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// Random tensor from a seeded host RNG (Candle's CPU RNG cannot be seeded).
-pub fn randn(rng: &mut ChaCha8Rng, shape: &[usize], std: f64, dtype: DType, dev: &Device) -> Result<Tensor> {
+pub fn randn(
+    rng: &mut ChaCha8Rng,
+    shape: &[usize],
+    std: f64,
+    dtype: DType,
+    dev: &Device,
+) -> Result<Tensor> {
     let n: usize = shape.iter().product();
     let v: Vec<f64> = (0..n)
         .map(|_| {
@@ -21,7 +27,13 @@ pub fn randn(rng: &mut ChaCha8Rng, shape: &[usize], std: f64, dtype: DType, dev:
     Tensor::from_vec(v, shape, dev)?.to_dtype(dtype)
 }
 
-pub fn var(rng: &mut ChaCha8Rng, shape: &[usize], std: f64, dtype: DType, dev: &Device) -> Result<Var> {
+pub fn var(
+    rng: &mut ChaCha8Rng,
+    shape: &[usize],
+    std: f64,
+    dtype: DType,
+    dev: &Device,
+) -> Result<Var> {
     Var::from_tensor(&randn(rng, shape, std, dtype, dev)?)
 }
 
@@ -42,7 +54,16 @@ pub struct Cfg {
 
 impl Cfg {
     pub fn tiny(n_embd: usize, n_head: usize, n_layer: usize, block: usize) -> Self {
-        Self { vocab: 11, n_embd, n_head, n_layer, block, dropout: 0.1, lean_attention: false, lean_ln: false }
+        Self {
+            vocab: 11,
+            n_embd,
+            n_head,
+            n_layer,
+            block,
+            dropout: 0.1,
+            lean_attention: false,
+            lean_ln: false,
+        }
     }
 }
 
@@ -70,7 +91,10 @@ fn ln(x: &Tensor, p: &(Var, Var), lean: bool) -> Result<Tensor> {
 
 fn linear(x: &Tensor, w: &Var, b: &Var) -> Result<Tensor> {
     let (bsz, t, c) = x.dims3()?;
-    let y = x.reshape((bsz * t, c))?.matmul(w.as_tensor())?.broadcast_add(b.as_tensor())?;
+    let y = x
+        .reshape((bsz * t, c))?
+        .matmul(w.as_tensor())?
+        .broadcast_add(b.as_tensor())?;
     y.reshape((bsz, t, w.dim(1)?))
 }
 
@@ -87,12 +111,20 @@ impl Block {
         let c = cfg.n_embd;
         let s = 0.02 * 4.0;
         Ok(Self {
-            ln1: (var(rng, &[c], 0.1, dtype, dev).and_then(|v| Var::from_tensor(&(v.as_tensor() + 1.0)?))?, var(rng, &[c], 0.1, dtype, dev)?),
+            ln1: (
+                var(rng, &[c], 0.1, dtype, dev)
+                    .and_then(|v| Var::from_tensor(&(v.as_tensor() + 1.0)?))?,
+                var(rng, &[c], 0.1, dtype, dev)?,
+            ),
             attn_w: var(rng, &[c, 3 * c], s, dtype, dev)?,
             attn_b: var(rng, &[3 * c], s, dtype, dev)?,
             proj_w: var(rng, &[c, c], s, dtype, dev)?,
             proj_b: var(rng, &[c], s, dtype, dev)?,
-            ln2: (var(rng, &[c], 0.1, dtype, dev).and_then(|v| Var::from_tensor(&(v.as_tensor() + 1.0)?))?, var(rng, &[c], 0.1, dtype, dev)?),
+            ln2: (
+                var(rng, &[c], 0.1, dtype, dev)
+                    .and_then(|v| Var::from_tensor(&(v.as_tensor() + 1.0)?))?,
+                var(rng, &[c], 0.1, dtype, dev)?,
+            ),
             fc_w: var(rng, &[c, 4 * c], s, dtype, dev)?,
             fc_b: var(rng, &[4 * c], s, dtype, dev)?,
             fc2_w: var(rng, &[4 * c, c], s, dtype, dev)?,
@@ -103,8 +135,18 @@ impl Block {
 
     pub fn vars(&self) -> Vec<&Var> {
         vec![
-            &self.ln1.0, &self.ln1.1, &self.attn_w, &self.attn_b, &self.proj_w, &self.proj_b,
-            &self.ln2.0, &self.ln2.1, &self.fc_w, &self.fc_b, &self.fc2_w, &self.fc2_b,
+            &self.ln1.0,
+            &self.ln1.1,
+            &self.attn_w,
+            &self.attn_b,
+            &self.proj_w,
+            &self.proj_b,
+            &self.ln2.0,
+            &self.ln2.1,
+            &self.fc_w,
+            &self.fc_b,
+            &self.fc2_w,
+            &self.fc2_b,
         ]
     }
 
@@ -112,9 +154,16 @@ impl Block {
         let (b, t, c) = x.dims3()?;
         let h = self.cfg.n_head;
         let hd = c / h;
-        let qkv = linear(&ln(x, &self.ln1, self.cfg.lean_ln)?, &self.attn_w, &self.attn_b)?;
+        let qkv = linear(
+            &ln(x, &self.ln1, self.cfg.lean_ln)?,
+            &self.attn_w,
+            &self.attn_b,
+        )?;
         let split = |i: usize| -> Result<Tensor> {
-            qkv.narrow(D::Minus1, i * c, c)?.reshape((b, t, h, hd))?.transpose(1, 2)?.contiguous()
+            qkv.narrow(D::Minus1, i * c, c)?
+                .reshape((b, t, h, hd))?
+                .transpose(1, 2)?
+                .contiguous()
         };
         let (q, k, v) = (split(0)?, split(1)?, split(2)?);
         let scale = 1.0 / (hd as f64).sqrt();
@@ -155,8 +204,14 @@ impl Gpt {
         Ok(Self {
             wte: var(&mut rng, &[cfg.vocab, c], 0.3, dtype, dev)?,
             wpe: var(&mut rng, &[cfg.block, c], 0.1, dtype, dev)?,
-            blocks: (0..cfg.n_layer).map(|_| Block::new(&mut rng, cfg, dtype, dev)).collect::<Result<_>>()?,
-            ln_f: (var(&mut rng, &[c], 0.1, dtype, dev).and_then(|v| Var::from_tensor(&(v.as_tensor() + 1.0)?))?, var(&mut rng, &[c], 0.1, dtype, dev)?),
+            blocks: (0..cfg.n_layer)
+                .map(|_| Block::new(&mut rng, cfg, dtype, dev))
+                .collect::<Result<_>>()?,
+            ln_f: (
+                var(&mut rng, &[c], 0.1, dtype, dev)
+                    .and_then(|v| Var::from_tensor(&(v.as_tensor() + 1.0)?))?,
+                var(&mut rng, &[c], 0.1, dtype, dev)?,
+            ),
             cfg,
         })
     }
@@ -172,7 +227,8 @@ impl Gpt {
     /// Embedding glue (with tape-seeded dropout on the embeddings).
     pub fn embed(&self, tape: &Tape<'_>, idx: &Tensor) -> Result<Tensor> {
         let (_b, t) = idx.dims2()?;
-        let tok = candle_nn::Embedding::new(self.wte.as_tensor().clone(), self.cfg.n_embd).forward(idx)?;
+        let tok = candle_nn::Embedding::new(self.wte.as_tensor().clone(), self.cfg.n_embd)
+            .forward(idx)?;
         let pos = self.wpe.as_tensor().narrow(0, 0, t)?;
         let x = tok.broadcast_add(&pos)?;
         Ok(tape.dropout(&x, self.cfg.dropout)?)
@@ -187,16 +243,30 @@ impl Gpt {
     }
 
     /// Full loss with the blocks run according to `plan`.
-    pub fn loss<'a>(&'a self, tape: &Tape<'a>, plan: &Plan, idx: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    pub fn loss<'a>(
+        &'a self,
+        tape: &Tape<'a>,
+        plan: &Plan,
+        idx: &Tensor,
+        targets: &Tensor,
+    ) -> Result<Tensor> {
         let x = self.embed(tape, idx)?;
         let x = plan.forward(tape, &x, |i, h| self.blocks[i].forward(h))?;
         self.head_loss(&x, targets)
     }
 }
 
-pub fn tokens(seed: u64, b: usize, t: usize, vocab: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+pub fn tokens(
+    seed: u64,
+    b: usize,
+    t: usize,
+    vocab: usize,
+    dev: &Device,
+) -> Result<(Tensor, Tensor)> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let v: Vec<u32> = (0..b * (t + 1)).map(|_| rng.random_range(0..vocab as u32)).collect();
+    let v: Vec<u32> = (0..b * (t + 1))
+        .map(|_| rng.random_range(0..vocab as u32))
+        .collect();
     let all = Tensor::from_vec(v, (b, t + 1), dev)?;
     Ok((all.narrow(1, 0, t)?, all.narrow(1, 1, t)?.contiguous()?))
 }
@@ -204,16 +274,46 @@ pub fn tokens(seed: u64, b: usize, t: usize, vocab: usize, dev: &Device) -> Resu
 /// Bitwise comparison of two gradients (f32 or f64), with a readable failure message.
 pub fn assert_bits_eq(a: &Tensor, b: &Tensor, what: &str) {
     assert_eq!(a.dims(), b.dims(), "{what}: shapes differ");
-    let fa: Vec<f64> = a.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap();
-    let fb: Vec<f64> = b.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap();
+    let fa: Vec<f64> = a
+        .flatten_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let fb: Vec<f64> = b
+        .flatten_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     for (i, (x, y)) in fa.iter().zip(&fb).enumerate() {
-        assert!(x.to_bits() == y.to_bits(), "{what}: element {i} differs: {x:e} vs {y:e}");
+        assert!(
+            x.to_bits() == y.to_bits(),
+            "{what}: element {i} differs: {x:e} vs {y:e}"
+        );
     }
 }
 
 /// max |a-b| / (max |b| + tiny)
 pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
-    let m = b.to_dtype(DType::F64).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+    let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    let m = b
+        .to_dtype(DType::F64)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
     d / (m + 1e-30)
 }
