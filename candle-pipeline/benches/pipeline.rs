@@ -141,6 +141,38 @@ struct Run {
     svg: String,
     fwd: Vec<f64>,
     bwd: Vec<f64>,
+    /// Per worker: thread CPU time / busy wall time over the timed steps (1.0 = the worker's
+    /// thread was on a core whenever it had work; less = descheduled by other load).
+    cpu_over_busy: Vec<f64>,
+}
+
+/// CPU seconds per worker of the pool threads named `pipeline-w{w}-*` (Linux `/proc`).
+fn worker_cpu(workers: usize) -> Vec<f64> {
+    let mut v = vec![0.0; workers];
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return v;
+    };
+    for e in dir.flatten() {
+        let Ok(s) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        let (Some(a), Some(b)) = (s.find('('), s.rfind(')')) else {
+            continue;
+        };
+        let Some(w) = s[a + 1..b]
+            .strip_prefix("pipeline-w")
+            .and_then(|r| r.split('-').next())
+            .and_then(|w| w.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        let f: Vec<&str> = s[b + 1..].split_whitespace().collect();
+        let t = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
+        if w < workers {
+            v[w] += (t(11) + t(12)) / 100.0;
+        }
+    }
+    v
 }
 
 fn run(
@@ -154,6 +186,8 @@ fn run(
     let mut best: Option<Run> = None;
     let mut total = 0.0;
     let c0 = cpu_seconds();
+    let w0 = worker_cpu(sched.workers);
+    let mut busy = vec![0.0; sched.workers];
     for _ in 0..steps {
         PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
         let t = Instant::now();
@@ -161,6 +195,9 @@ fn run(
         let secs = t.elapsed().as_secs_f64();
         total += secs;
         let peak_heap = PEAK.load(Ordering::Relaxed).saturating_sub(base);
+        for (b, x) in busy.iter_mut().zip(out.timeline.busy()) {
+            *b += x;
+        }
         let r = Run {
             secs,
             cpu_util: 0.0,
@@ -175,6 +212,7 @@ fn run(
             )),
             fwd: out.forward_time.clone(),
             bwd: out.backward_time.clone(),
+            cpu_over_busy: vec![],
         };
         if best.as_ref().is_none_or(|b| r.secs < b.secs) {
             best = Some(r);
@@ -182,6 +220,12 @@ fn run(
     }
     let mut r = best.ok_or_else(|| anyhow::anyhow!("no steps"))?;
     r.cpu_util = (cpu_seconds() - c0) / total;
+    r.cpu_over_busy = worker_cpu(sched.workers)
+        .into_iter()
+        .zip(w0)
+        .zip(busy)
+        .map(|((a, b), busy)| (a - b) / busy)
+        .collect();
     Ok(r)
 }
 
@@ -258,8 +302,8 @@ fn main() -> anyhow::Result<()> {
         "# {BLOCKS} blocks, d_model {D_MODEL}, heads {HEADS}, seq {SEQ}, batch {BATCH}; {steps} timed steps (best shown); load avg: {}",
         std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
     );
-    println!("| m | 1 stage s/step | cpu util | 2 stages | schedule | s/step | cpu util | speedup vs 1 stage same m | vs 1 stage m=1 | bubble measured | bubble predicted | peak in flight | peak heap (MB) | est. activations per stage (MB) |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| m | 1 stage s/step | cpu/wall | 2-stage schedule | s/step | cpu/wall | worker cpu/busy | speedup vs 1 stage same m | vs 1 stage m=1 | bubble measured | predicted (measured costs) | (S-1)/(m+S-1) | peak in flight | peak heap MB | est. activations per stage MB |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut base_m1 = None;
     let mut probe_line = None;
     let mut svgs = vec![];
@@ -287,9 +331,12 @@ fn main() -> anyhow::Result<()> {
                 .map(|b| format!("{:.1}", b / 1e6))
                 .collect();
             println!(
-                "| {m} | {:.3} | {:.2} | | {} | {:.3} | {:.2} | {:.2}x | {:.2}x | {:.1}% | {:.1}% | {:?} | {:.1} | {} |",
-                r1.secs, r1.cpu_util, sched.name, r2.secs, r2.cpu_util, r1.secs / r2.secs, b1 / r2.secs,
-                100.0 * r2.bubble, 100.0 * r2.predicted, r2.peak_in_flight, r2.peak_heap as f64 / 1e6, est.join(" / ")
+                "| {m} | {:.3} | {:.2} | {} | {:.3} | {:.2} | {} | {:.2}x | {:.2}x | {:.1}% | {:.1}% | {:.1}% | {:?} | {:.1} | {} |",
+                r1.secs, r1.cpu_util, sched.name, r2.secs, r2.cpu_util,
+                r2.cpu_over_busy.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" / "),
+                r1.secs / r2.secs, b1 / r2.secs,
+                100.0 * r2.bubble, 100.0 * r2.predicted, 100.0 / (m as f64 + 1.0),
+                r2.peak_in_flight, r2.peak_heap as f64 / 1e6, est.join(" / ")
             );
             if m == 8 {
                 svgs.push((sched.name.clone(), r2.ascii.clone(), r2.svg.clone()));

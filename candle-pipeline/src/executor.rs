@@ -181,6 +181,8 @@ impl Pipeline {
     }
 
     /// Runs one step with the given transport endpoints (endpoint `w` for worker `w`).
+    ///
+    /// The schedule is validated first (a schedule that could deadlock is an error, not a hang).
     pub fn step_with<T: Transport>(
         &self,
         schedule: &Schedule,
@@ -204,6 +206,8 @@ impl Pipeline {
                 batch.len()
             )));
         }
+        // The fields of a schedule are public: re-check it so a hand-made one cannot hang.
+        schedule.validate()?;
         let t0 = Instant::now();
         let results: Vec<Result<WorkerOut>> = std::thread::scope(|scope| {
             let handles: Vec<_> = transports

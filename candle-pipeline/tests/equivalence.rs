@@ -42,6 +42,7 @@ fn every_schedule_matches_full_batch() {
     let t = randn(&mut rng, &[11, DIM], 1.0, &dev);
     let (ref_loss, ref_grads) = reference(&layers, &x, &t, mse);
     let mut checked = 0;
+    let mut worst = (0.0f64, 0.0f64);
     for s in [1, 2, 4] {
         for m in [1, 3, 8] {
             for (sched, v) in schedules(s, m) {
@@ -68,6 +69,13 @@ fn every_schedule_matches_full_batch() {
                     vars.len(),
                     "only parameter grads"
                 );
+                let want_peak: Vec<usize> = match sched.name.as_str() {
+                    "gpipe" => vec![m; s],
+                    "1f1b" => (0..s).map(|st| (s - st).min(m)).collect(),
+                    _ => out.peak_in_flight.clone(),
+                };
+                assert_eq!(out.peak_in_flight, want_peak, "{} S={s} m={m}", sched.name);
+                worst = (worst.0.max(lerr), worst.1.max(gerr));
                 assert_eq!(
                     out.timeline.spans.iter().map(Vec::len).sum::<usize>(),
                     2 * m * s * v
@@ -77,6 +85,10 @@ fn every_schedule_matches_full_batch() {
         }
     }
     assert_eq!(checked, 36);
+    println!(
+        "worst relative error over 36 runs: loss {:e}, gradients {:e}",
+        worst.0, worst.1
+    );
 }
 
 #[test]
@@ -172,4 +184,41 @@ fn forward_hook_wraps_every_stage_forward() {
         .unwrap();
     assert_eq!(calls.load(Ordering::SeqCst), 6);
     assert!(max_rel_err(&vars, &out.grads, &ref_grads) <= TOL);
+}
+
+#[test]
+fn parameter_shared_across_stages_gets_the_summed_gradient() {
+    // Tied weights (e.g. embedding and head) on two different workers.
+    let dev = Device::Cpu;
+    let (mut layers, mut vars) = mlp(4, 13, &dev);
+    let mut rng = ChaCha8Rng::seed_from_u64(14);
+    let tied = candle_core::Var::from_tensor(&randn(&mut rng, &[DIM, DIM], 0.5, &dev)).unwrap();
+    let (a, b) = (tied.as_tensor().clone(), tied.as_tensor().clone());
+    layers.insert(
+        0,
+        candle_pipeline::Layer::new(vec![tied.clone()], move |x| x.matmul(&a)),
+    );
+    layers.push(candle_pipeline::Layer::new(vec![tied.clone()], move |x| {
+        x.matmul(&b.t()?)
+    }));
+    vars.push(tied);
+    let x = randn(&mut rng, &[5, DIM], 1.0, &dev);
+    let t = randn(&mut rng, &[5, DIM], 1.0, &dev);
+    let (ref_loss, ref_grads) = reference(&layers, &x, &t, mse);
+    for (s, sched) in [
+        (2, Schedule::one_f_one_b(2, 3).unwrap()),
+        (3, Schedule::gpipe(3, 3).unwrap()),
+    ] {
+        let ranges = candle_pipeline::balance_by_params(&layers, s).unwrap();
+        let stages: Vec<Box<dyn Stage>> = split_layers(layers.clone(), &ranges)
+            .unwrap()
+            .into_iter()
+            .map(|st| Box::new(st) as Box<dyn Stage>)
+            .collect();
+        let pipe = Pipeline::new(stages, vec![dev.clone(); s], mse).unwrap();
+        let batch = Microbatches::split(&x, &t, 3, LossReduction::Mean).unwrap();
+        let out = pipe.step(&sched, &batch).unwrap();
+        assert!((out.loss - ref_loss).abs() / ref_loss <= TOL);
+        assert!(max_rel_err(&vars, &out.grads, &ref_grads) <= TOL, "S={s}");
+    }
 }

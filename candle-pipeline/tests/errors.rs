@@ -141,3 +141,31 @@ fn mismatched_schedule_is_rejected() {
         .unwrap_err();
     assert!(matches!(e, PipelineError::Config(_)), "{e}");
 }
+
+#[test]
+fn hand_made_deadlocking_schedule_is_an_error_not_a_hang() {
+    let dev = Device::Cpu;
+    let (layers, _) = mlp(2, 6, &dev);
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let x = randn(&mut rng, &[4, DIM], 1.0, &dev);
+    let stages = candle_pipeline::split_by_params(layers, 2).unwrap();
+    let pipe = Pipeline::new(stages, vec![dev.clone(); 2], mse).unwrap();
+    let batch = Microbatches::split(&x, &x, 2, LossReduction::Mean).unwrap();
+    // Fields are public: swap worker 1's microbatch order so it waits for microbatch 1 while
+    // worker 0 waits for the gradient of microbatch 0.
+    let mut sched = Schedule::one_f_one_b(2, 2).unwrap();
+    sched.actions[1] = vec![
+        Action::Forward { mb: 1, stage: 1 },
+        Action::Backward { mb: 1, stage: 1 },
+        Action::Forward { mb: 0, stage: 1 },
+        Action::Backward { mb: 0, stage: 1 },
+    ];
+    sched.actions[0] = vec![
+        Action::Forward { mb: 0, stage: 0 },
+        Action::Backward { mb: 0, stage: 0 },
+        Action::Forward { mb: 1, stage: 0 },
+        Action::Backward { mb: 1, stage: 0 },
+    ];
+    let e = pipe.step(&sched, &batch).unwrap_err();
+    assert!(matches!(e, PipelineError::InvalidSchedule(_)), "{e}");
+}
