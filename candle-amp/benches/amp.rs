@@ -21,18 +21,19 @@ fn config(data: &Data) -> TrainConfig {
     let steps = std::env::var("AMP_BENCH_STEPS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(300);
+        .unwrap_or(200);
     TrainConfig {
         gpt: GptConfig {
             vocab: data.vocab,
             block: 64,
-            n_embd: 128,
+            n_embd: 64,
             n_head: 4,
             n_layer: 2,
         },
-        batch: 16,
+        batch: 8,
         steps,
         lr: 3e-3,
+        clip: 1.0,
         seed: 42,
         eval_batches: 8,
         warmup: PROFILED_STEPS,

@@ -263,7 +263,7 @@ impl Data {
 /// How to train.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
-    /// Plain f32, candle-nn AdamW.
+    /// f32 weights and compute, candle-nn AdamW (through `Amp` with scale 1 for clipping).
     F32,
     /// f32 masters, f16 compute, dynamic loss scaling (candle-amp).
     F16Amp,
@@ -297,6 +297,8 @@ pub struct TrainConfig {
     pub batch: usize,
     pub steps: u64,
     pub lr: f64,
+    /// Global-norm clipping of every mode except pure f16.
+    pub clip: f64,
     pub seed: u64,
     pub eval_batches: u64,
     /// Steps excluded from the timing (warm-up, profiling).
@@ -361,8 +363,11 @@ pub fn train(
         weight_decay: 0.0,
         ..Default::default()
     };
+    // f32 also goes through Amp (f32 compute, scale 1) so that every mode clips the same way;
+    // tests/step.rs checks that Amp with f32 compute equals a plain f32 step.
     let mut amp = match mode {
-        Mode::F16Amp | Mode::Bf16Amp => {
+        Mode::PureF16 => None,
+        _ => {
             let mw =
                 MasterWeights::new(model.params.clone(), policy.compute_dtype, WeightMode::Cast)?;
             let cfg = if mode == Mode::F16Amp {
@@ -370,9 +375,8 @@ pub fn train(
             } else {
                 ScalerConfig::none()
             };
-            Some(Amp::new(mw, cfg)?.with_clip_norm(Some(1.0))?)
+            Some(Amp::new(mw, cfg)?.with_clip_norm(Some(tc.clip))?)
         }
-        _ => None,
     };
     let mut opt = AdamW::new(model.vars(), params)?;
     let mut losses = Vec::new();
