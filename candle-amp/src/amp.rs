@@ -58,13 +58,24 @@ impl Amp {
     /// Enables (`Some(max_norm)`) or disables global-norm clipping of the unscaled gradients
     /// (PyTorch's `clip_grad_norm_`: multiply by `min(1, max_norm / (norm + 1e-6))`).
     pub fn with_clip_norm(mut self, max_norm: Option<f64>) -> Result<Self> {
+        self.set_clip_norm(max_norm)?;
+        Ok(self)
+    }
+
+    /// Changes the clipping threshold (`None` disables clipping).
+    pub fn set_clip_norm(&mut self, max_norm: Option<f64>) -> Result<()> {
         if let Some(m) = max_norm {
             if !(m.is_finite() && m > 0.0) {
                 return Err(AmpError::Config(format!("clip norm must be > 0, got {m}")));
             }
         }
         self.clip_norm = max_norm;
-        Ok(self)
+        Ok(())
+    }
+
+    /// The clipping threshold, if clipping is enabled.
+    pub fn clip_norm(&self) -> Option<f64> {
+        self.clip_norm
     }
 
     /// The registered weights.

@@ -53,7 +53,9 @@ pub struct ScalerConfig {
     /// If true, every clean step refills the hysteresis budget; otherwise only a growth
     /// does (DeepSpeed's `consecutive_hysteresis`). Default `false`.
     pub consecutive_hysteresis: bool,
-    /// Smallest allowed scale. Default `1.0`.
+    /// Smallest allowed scale. Default `1.0`. A backoff that would go below it is clamped to
+    /// it; an overflow while the scale is already at the minimum is a collapse (see
+    /// [`CollapsePolicy`]).
     pub min_scale: f64,
     /// Largest allowed scale. Default `2^24`.
     pub max_scale: f64,
