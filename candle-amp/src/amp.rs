@@ -1,5 +1,6 @@
 //! [`Amp`]: master weights + loss scaler + the overflow-checked optimiser step.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -13,6 +14,9 @@ use crate::master::MasterWeights;
 use crate::outcome::{SkipReason, StepOutcome};
 use crate::scaler::{CollapsePolicy, LossScaler, ScaleChange, ScaleUpdate, ScalerConfig};
 use crate::state::ScalerState;
+
+/// Metadata key under which [`Amp::save_state`] records the configuration.
+const CONFIG_KEY: &str = "amp.config";
 
 /// Mixed-precision training driver: owns the [`MasterWeights`] and a [`LossScaler`], scales
 /// the loss, checks and unscales gradients, optionally clips them, and steps any optimiser
@@ -108,14 +112,31 @@ impl Amp {
         self.scaler.set_state(state)
     }
 
-    /// Saves the scaler state to a safetensors file (see [`ScalerState::save`]).
+    /// Saves the scaler state to a safetensors file (see [`ScalerState::save`]), with the
+    /// scaler configuration and clipping threshold as informational metadata
+    /// (`amp.config`).
     pub fn save_state(&self, path: impl AsRef<Path>) -> Result<()> {
-        self.scaler.state().save(path)
+        let extra = HashMap::from([(CONFIG_KEY.to_string(), self.config_string())]);
+        self.scaler.state().save_with_metadata(path, extra)
     }
 
-    /// Loads the scaler state from a safetensors file (see [`ScalerState::load`]).
+    /// Loads the scaler state from a safetensors file (see [`ScalerState::load`]). The state
+    /// resumes bit-exactly under the same configuration; if the file records a different
+    /// configuration, a `tracing` warning is emitted (the current configuration is kept).
     pub fn load_state(&mut self, path: impl AsRef<Path>) -> Result<()> {
-        self.scaler.set_state(ScalerState::load(path)?)
+        let path = path.as_ref();
+        let state = ScalerState::load(path)?;
+        if let Some(saved) = ScalerState::read_file_metadata(path)?.get(CONFIG_KEY) {
+            let current = self.config_string();
+            if *saved != current {
+                tracing::warn!(%saved, %current, "resuming amp state under a different configuration");
+            }
+        }
+        self.scaler.set_state(state)
+    }
+
+    fn config_string(&self) -> String {
+        format!("{:?}; clip_norm={:?}", self.scaler.config(), self.clip_norm)
     }
 
     /// Wall time of the last step's overflow check (gradient upcast, one fused reduction,

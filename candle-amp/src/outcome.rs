@@ -100,3 +100,55 @@ impl StepOutcome {
         }
     }
 }
+
+impl std::fmt::Display for StepOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Applied {
+                step,
+                grad_norm,
+                clip_coef,
+                scale,
+                next_scale,
+                retries,
+                ..
+            } => {
+                write!(
+                    f,
+                    "step {step}: applied, grad norm {grad_norm:.4e}, scale {scale}"
+                )?;
+                if *clip_coef < 1.0 {
+                    write!(f, ", clipped x{clip_coef:.4}")?;
+                }
+                if next_scale != scale {
+                    write!(f, ", next scale {next_scale}")?;
+                }
+                if *retries > 0 {
+                    write!(f, ", after {retries} recompute(s)")?;
+                }
+                Ok(())
+            }
+            Self::Skipped {
+                step,
+                reason,
+                scale_before,
+                scale_after,
+                nonfinite_params,
+                ..
+            } => {
+                write!(
+                    f,
+                    "step {step}: skipped ({reason:?}), scale {scale_before} -> {scale_after}"
+                )?;
+                if !nonfinite_params.is_empty() {
+                    write!(
+                        f,
+                        ", non-finite gradients in {}",
+                        nonfinite_params.join(", ")
+                    )?;
+                }
+                Ok(())
+            }
+        }
+    }
+}

@@ -194,10 +194,27 @@ impl ScalerState {
     /// Writes the state to a safetensors file, as tensors and as metadata, under
     /// [`DEFAULT_PREFIX`].
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        self.save_with_metadata(path, HashMap::new())
+    }
+
+    /// Like [`save`](Self::save), adding `extra` string metadata (keys must not collide
+    /// with the state's own `amp.*` keys, which win).
+    pub fn save_with_metadata(
+        &self,
+        path: impl AsRef<Path>,
+        mut extra: HashMap<String, String>,
+    ) -> Result<()> {
         let tensors = self.to_tensors(DEFAULT_PREFIX, &Device::Cpu)?;
-        let meta = self.to_metadata(DEFAULT_PREFIX);
-        safetensors::serialize_to_file(tensors, Some(meta), path.as_ref())?;
+        extra.extend(self.to_metadata(DEFAULT_PREFIX));
+        safetensors::serialize_to_file(tensors, Some(extra), path.as_ref())?;
         Ok(())
+    }
+
+    /// The string metadata of a safetensors file (empty if it has none).
+    pub fn read_file_metadata(path: impl AsRef<Path>) -> Result<HashMap<String, String>> {
+        let bytes = std::fs::read(path)?;
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)?;
+        Ok(header.metadata().clone().unwrap_or_default())
     }
 
     /// Reads a file written by [`save`](Self::save) (or any safetensors file holding the

@@ -72,6 +72,10 @@ fn injected_overflow_skips_backs_off_and_reports() -> anyhow::Result<()> {
             }
         );
     }
+    assert_eq!(
+        seen[0].to_string(),
+        "step 0: skipped (NonFiniteGradients), scale 32768 -> 16384, non-finite gradients in b"
+    );
     match &seen[2] {
         StepOutcome::Applied { scale, .. } => assert_eq!(*scale, 8192.0),
         o => panic!("expected applied, got {o:?}"),

@@ -107,6 +107,8 @@ fn resumed_run_equals_uninterrupted_run() -> anyhow::Result<()> {
     }
     let path = tmp("resume.safetensors");
     first.amp.save_state(&path)?;
+    let meta = ScalerState::read_file_metadata(&path)?;
+    assert!(meta["amp.config"].contains("growth_interval: 3"));
     let w_saved = first.w.as_tensor().copy()?;
     drop(first);
     let mut second = fresh(&w_saved)?;
