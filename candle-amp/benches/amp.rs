@@ -159,7 +159,7 @@ fn main() -> anyhow::Result<()> {
         );
     }
     println!();
-    for f in &rows[1..3] {
+    for f in rows.iter().filter(|f| f[0].contains("amp")) {
         let eval: f64 = f[1].parse()?;
         let r = eval / f32_eval;
         let step_ms: f64 = f[3].parse()?;
@@ -172,7 +172,10 @@ fn main() -> anyhow::Result<()> {
             100.0 * check_ms / step_ms
         );
     }
-    let pure = &rows[3];
+    let pure = rows
+        .iter()
+        .find(|f| f[0] == Mode::PureF16.name())
+        .ok_or_else(|| anyhow::anyhow!("no pure f16 row"))?;
     println!(
         "pure f16 diverged: {} (first non-finite loss at step {}, eval loss {})",
         pure[1] == "NaN" || pure[8] != "-",

@@ -122,6 +122,15 @@ impl Gpt {
         Ok(Self { cfg, params, mask })
     }
 
+    /// The same architecture over other variables (e.g. compute copies).
+    pub fn with_params(&self, params: Vec<(String, Var)>) -> Self {
+        Self {
+            cfg: self.cfg,
+            params,
+            mask: self.mask.clone(),
+        }
+    }
+
     pub fn vars(&self) -> Vec<Var> {
         self.params.iter().map(|p| p.1.clone()).collect()
     }
@@ -267,6 +276,8 @@ pub enum Mode {
     F32,
     /// f32 masters, f16 compute, dynamic loss scaling (candle-amp).
     F16Amp,
+    /// As `F16Amp` with separate f16 compute copies (`WeightMode::Copies`).
+    F16AmpCopies,
     /// f32 masters, bf16 compute, no loss scaling (candle-amp).
     Bf16Amp,
     /// Everything f16 (weights, AdamW state, softmax, norms, loss), no crate.
@@ -274,12 +285,19 @@ pub enum Mode {
 }
 
 impl Mode {
-    pub const ALL: [Mode; 4] = [Mode::F32, Mode::F16Amp, Mode::Bf16Amp, Mode::PureF16];
+    pub const ALL: [Mode; 5] = [
+        Mode::F32,
+        Mode::F16Amp,
+        Mode::F16AmpCopies,
+        Mode::Bf16Amp,
+        Mode::PureF16,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Mode::F32 => "f32",
             Mode::F16Amp => "f16 + amp",
+            Mode::F16AmpCopies => "f16 + amp (copies)",
             Mode::Bf16Amp => "bf16 + amp",
             Mode::PureF16 => "pure f16",
         }
@@ -354,7 +372,7 @@ pub fn train(
     let model = Gpt::new(tc.gpt, tc.seed, dtype, dev)?;
     let policy = match mode {
         Mode::F32 => PrecisionPolicy::full_f32(),
-        Mode::F16Amp => PrecisionPolicy::mixed(DType::F16),
+        Mode::F16Amp | Mode::F16AmpCopies => PrecisionPolicy::mixed(DType::F16),
         Mode::Bf16Amp => PrecisionPolicy::mixed(DType::BF16),
         Mode::PureF16 => PrecisionPolicy::pure(DType::F16),
     };
@@ -365,18 +383,34 @@ pub fn train(
     };
     // f32 also goes through Amp (f32 compute, scale 1) so that every mode clips the same way;
     // tests/step.rs checks that Amp with f32 compute equals a plain f32 step.
+    let wmode = if mode == Mode::F16AmpCopies {
+        WeightMode::Copies
+    } else {
+        WeightMode::Cast
+    };
     let mut amp = match mode {
         Mode::PureF16 => None,
         _ => {
-            let mw =
-                MasterWeights::new(model.params.clone(), policy.compute_dtype, WeightMode::Cast)?;
-            let cfg = if mode == Mode::F16Amp {
+            let mw = MasterWeights::new(model.params.clone(), policy.compute_dtype, wmode)?;
+            let cfg = if matches!(mode, Mode::F16Amp | Mode::F16AmpCopies) {
                 ScalerConfig::dynamic()
             } else {
                 ScalerConfig::none()
             };
             Some(Amp::new(mw, cfg)?.with_clip_norm(Some(tc.clip))?)
         }
+    };
+    // In copies mode the forward runs on the f16 compute variables; the optimiser and the
+    // evaluation use the f32 masters.
+    let fwd = match &amp {
+        Some(a) if wmode == WeightMode::Copies => model.with_params(
+            a.weights()
+                .params()
+                .iter()
+                .filter_map(|p| Some((p.name().to_string(), p.compute()?.clone())))
+                .collect(),
+        ),
+        _ => model.with_params(model.params.clone()),
     };
     let mut opt = AdamW::new(model.vars(), params)?;
     let mut losses = Vec::new();
@@ -386,7 +420,7 @@ pub fn train(
     for i in 0..tc.steps {
         let (x, y) = data.batch(tc.seed, i, tc.batch, tc.gpt.block, dev)?;
         let t0 = Instant::now();
-        let loss = model.loss(&policy, &x, &y)?;
+        let loss = fwd.loss(&policy, &x, &y)?;
         let outcome = match amp.as_mut() {
             Some(amp) => {
                 let grads = amp.backward(&loss)?;
