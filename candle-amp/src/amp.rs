@@ -165,8 +165,10 @@ impl Amp {
     /// `opt.step` on the f32 masters, or skips the update and backs off.
     ///
     /// `grads` must come from the backward of [`scale_loss`](Self::scale_loss) at the
-    /// current scale. Returns [`AmpError::ScaleCollapse`] if the scale cannot back off any
-    /// further and the policy is [`CollapsePolicy::Error`].
+    /// current scale; `opt` must have been built over the master variables
+    /// ([`master_vars`](Self::master_vars), or the same `Var`s from the `VarMap`). Returns
+    /// [`AmpError::ScaleCollapse`] if the scale cannot back off any further and the policy is
+    /// [`CollapsePolicy::Error`].
     pub fn step<O: Optimizer>(&mut self, opt: &mut O, grads: &GradStore) -> Result<StepOutcome> {
         self.step_with(grads, |g| opt.step(g))
     }
@@ -207,6 +209,18 @@ impl Amp {
         G: FnMut(f64) -> candle_core::Result<GradStore>,
     {
         self.step_recompute_with(max_retries, backward, |g| opt.step(g))
+    }
+
+    /// [`step_recompute`](Self::step_recompute) for an already computed loss: re-runs
+    /// `(loss_f32 * scale).backward()` on the same graph (no new forward).
+    pub fn step_recompute_loss<O: Optimizer>(
+        &mut self,
+        opt: &mut O,
+        loss: &Tensor,
+        max_retries: u32,
+    ) -> Result<StepOutcome> {
+        let loss = loss.to_dtype(DType::F32)?;
+        self.step_recompute(opt, max_retries, |s| loss.affine(s, 0.0)?.backward())
     }
 
     /// [`step_recompute`](Self::step_recompute) with an update closure.

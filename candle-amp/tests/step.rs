@@ -207,35 +207,41 @@ fn clipping_on_unscaled_grads_equals_plain_clipping() -> anyhow::Result<()> {
 #[test]
 fn recompute_until_finite() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let run = |retries: u32, init: f64| -> anyhow::Result<(StepOutcome, Vec<f32>, Amp)> {
-        let a = var(1, &[3, 4], &dev);
-        let b = var(2, &[5], &dev);
-        let x = uniform(3, &[3, 4], -0.5, 0.5, &dev);
-        let named = [("a".to_string(), a.clone()), ("b".to_string(), b.clone())];
-        let mw = MasterWeights::new(named, DType::F16, WeightMode::Cast)?;
-        let mut amp = Amp::new(mw, ScalerConfig::dynamic().init_scale(init))?;
-        let mut opt = candle_nn::SGD::new(amp.master_vars(), 0.1)?;
-        // One forward; the graph stays alive, the closure only re-runs the backward.
-        let la = (a.as_tensor().to_dtype(DType::F16)? * x.to_dtype(DType::F16)?)?.sum_all()?;
-        let lb = b
-            .as_tensor()
-            .to_dtype(DType::F16)?
-            .affine(4.0, 0.0)?
-            .sum_all()?;
-        let loss = (la.to_dtype(DType::F32)? + lb.to_dtype(DType::F32)?)?;
-        let mut scales = Vec::new();
-        let o = amp.step_recompute(&mut opt, retries, |s| {
-            scales.push(s);
-            loss.affine(s, 0.0)?.backward()
-        })?;
-        let mut w = flat(a.as_tensor());
-        w.extend(flat(b.as_tensor()));
-        if retries == 5 {
-            assert_eq!(scales, [65536.0, 32768.0, 16384.0, 8192.0]);
-        }
-        Ok((o, w, amp))
-    };
-    let (o, w, amp) = run(5, 65536.0)?;
+    let run =
+        |retries: u32, init: f64, loss_api: bool| -> anyhow::Result<(StepOutcome, Vec<f32>, Amp)> {
+            let a = var(1, &[3, 4], &dev);
+            let b = var(2, &[5], &dev);
+            let x = uniform(3, &[3, 4], -0.5, 0.5, &dev);
+            let named = [("a".to_string(), a.clone()), ("b".to_string(), b.clone())];
+            let mw = MasterWeights::new(named, DType::F16, WeightMode::Cast)?;
+            let mut amp = Amp::new(mw, ScalerConfig::dynamic().init_scale(init))?;
+            let mut opt = candle_nn::SGD::new(amp.master_vars(), 0.1)?;
+            // One forward; the graph stays alive, the closure only re-runs the backward.
+            let la = (a.as_tensor().to_dtype(DType::F16)? * x.to_dtype(DType::F16)?)?.sum_all()?;
+            let lb = b
+                .as_tensor()
+                .to_dtype(DType::F16)?
+                .affine(4.0, 0.0)?
+                .sum_all()?;
+            let loss = (la.to_dtype(DType::F32)? + lb.to_dtype(DType::F32)?)?;
+            let mut scales = Vec::new();
+            let o = if loss_api {
+                scales = vec![65536.0, 32768.0, 16384.0, 8192.0];
+                amp.step_recompute_loss(&mut opt, &loss, retries)?
+            } else {
+                amp.step_recompute(&mut opt, retries, |s| {
+                    scales.push(s);
+                    loss.affine(s, 0.0)?.backward()
+                })?
+            };
+            let mut w = flat(a.as_tensor());
+            w.extend(flat(b.as_tensor()));
+            if retries == 5 {
+                assert_eq!(scales, [65536.0, 32768.0, 16384.0, 8192.0]);
+            }
+            Ok((o, w, amp))
+        };
+    let (o, w, amp) = run(5, 65536.0, false)?;
     assert!(
         matches!(
             o,
@@ -253,12 +259,16 @@ fn recompute_until_finite() -> anyhow::Result<()> {
         (st.steps, st.applied, st.skipped, st.overflows),
         (1, 1, 0, 3)
     );
+    // The loss-based API does the same.
+    let (o4, w4, _) = run(5, 65536.0, true)?;
+    assert_eq!(o4, o);
+    assert_eq!(w4, w);
     // Same result as a plain step started at the scale that worked.
-    let (o2, w2, _) = run(0, 8192.0)?;
+    let (o2, w2, _) = run(0, 8192.0, false)?;
     assert!(o2.is_applied());
     assert_eq!(w, w2);
     // Bounded retries.
-    let (o3, _, amp3) = run(1, 65536.0)?;
+    let (o3, _, amp3) = run(1, 65536.0, false)?;
     match o3 {
         StepOutcome::Skipped {
             reason,
