@@ -141,35 +141,42 @@ struct Run {
     svg: String,
     fwd: Vec<f64>,
     bwd: Vec<f64>,
-    /// Per worker: thread CPU time / busy wall time over the timed steps (1.0 = the worker's
-    /// thread was on a core whenever it had work; less = descheduled by other load).
-    cpu_over_busy: Vec<f64>,
+    /// Per worker, over the timed steps: (time on a CPU, time runnable but waiting for a CPU),
+    /// both as fractions of the worker's busy wall time. On an idle machine (1.0, 0.0); the
+    /// rest of 1.0 is time blocked (locks, I/O) inside a busy span.
+    cpu_over_busy: Vec<(f64, f64)>,
 }
 
-/// CPU seconds per worker of the pool threads named `pipeline-w{w}-*` (Linux `/proc`).
-fn worker_cpu(workers: usize) -> Vec<f64> {
-    let mut v = vec![0.0; workers];
+/// Per worker, (seconds on a CPU, seconds runnable but waiting for a CPU) of the pool threads
+/// named `pipeline-w{w}-*`, from Linux `/proc/self/task/*/schedstat`.
+fn worker_sched(workers: usize) -> Vec<(f64, f64)> {
+    let mut v = vec![(0.0, 0.0); workers];
     let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
         return v;
     };
     for e in dir.flatten() {
-        let Ok(s) = std::fs::read_to_string(e.path().join("stat")) else {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
             continue;
         };
-        let (Some(a), Some(b)) = (s.find('('), s.rfind(')')) else {
+        let (Some(a), Some(b)) = (stat.find('('), stat.rfind(')')) else {
             continue;
         };
-        let Some(w) = s[a + 1..b]
+        let Some(w) = stat[a + 1..b]
             .strip_prefix("pipeline-w")
             .and_then(|r| r.split('-').next())
             .and_then(|w| w.parse::<usize>().ok())
+            .filter(|w| *w < workers)
         else {
             continue;
         };
-        let f: Vec<&str> = s[b + 1..].split_whitespace().collect();
-        let t = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
-        if w < workers {
-            v[w] += (t(11) + t(12)) / 100.0;
+        let sched = std::fs::read_to_string(e.path().join("schedstat")).unwrap_or_default();
+        let f: Vec<f64> = sched
+            .split_whitespace()
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        if f.len() >= 2 {
+            v[w].0 += f[0] / 1e9;
+            v[w].1 += f[1] / 1e9;
         }
     }
     v
@@ -186,7 +193,7 @@ fn run(
     let mut best: Option<Run> = None;
     let mut total = 0.0;
     let c0 = cpu_seconds();
-    let w0 = worker_cpu(sched.workers);
+    let w0 = worker_sched(sched.workers);
     let mut busy = vec![0.0; sched.workers];
     for _ in 0..steps {
         PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
@@ -220,11 +227,11 @@ fn run(
     }
     let mut r = best.ok_or_else(|| anyhow::anyhow!("no steps"))?;
     r.cpu_util = (cpu_seconds() - c0) / total;
-    r.cpu_over_busy = worker_cpu(sched.workers)
+    r.cpu_over_busy = worker_sched(sched.workers)
         .into_iter()
         .zip(w0)
         .zip(busy)
-        .map(|((a, b), busy)| (a - b) / busy)
+        .map(|((a, b), busy)| ((a.0 - b.0) / busy, (a.1 - b.1) / busy))
         .collect();
     Ok(r)
 }
@@ -302,8 +309,8 @@ fn main() -> anyhow::Result<()> {
         "# {BLOCKS} blocks, d_model {D_MODEL}, heads {HEADS}, seq {SEQ}, batch {BATCH}; {steps} timed steps (best shown); load avg: {}",
         std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
     );
-    println!("| m | 1 stage s/step | cpu/wall | 2-stage schedule | s/step | cpu/wall | worker cpu/busy | speedup vs 1 stage same m | vs 1 stage m=1 | bubble measured | predicted (measured costs) | (S-1)/(m+S-1) | peak in flight | peak heap MB | est. activations per stage MB |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| m | 1 stage s/step | cpu/wall | on-cpu + runqueue-wait | 2-stage schedule | s/step | cpu/wall | per worker: on-cpu + runqueue-wait, fraction of busy | speedup vs 1 stage same m | vs 1 stage m=1 | bubble measured | predicted (measured costs) | (S-1)/(m+S-1) | peak in flight | peak heap MB | est. activations per stage MB |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut base_m1 = None;
     let mut probe_line = None;
     let mut svgs = vec![];
@@ -331,9 +338,13 @@ fn main() -> anyhow::Result<()> {
                 .map(|b| format!("{:.1}", b / 1e6))
                 .collect();
             println!(
-                "| {m} | {:.3} | {:.2} | {} | {:.3} | {:.2} | {} | {:.2}x | {:.2}x | {:.1}% | {:.1}% | {:.1}% | {:?} | {:.1} | {} |",
-                r1.secs, r1.cpu_util, sched.name, r2.secs, r2.cpu_util,
-                r2.cpu_over_busy.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" / "),
+                "| {m} | {:.3} | {:.2} | {:.2}+{:.2} | {} | {:.3} | {:.2} | {} | {:.2}x | {:.2}x | {:.1}% | {:.1}% | {:.1}% | {:?} | {:.1} | {} |",
+                r1.secs, r1.cpu_util, r1.cpu_over_busy[0].0, r1.cpu_over_busy[0].1, sched.name, r2.secs, r2.cpu_util,
+                r2.cpu_over_busy
+                    .iter()
+                    .map(|(c, w)| format!("{c:.2}+{w:.2}"))
+                    .collect::<Vec<_>>()
+                    .join(" / "),
                 r1.secs / r2.secs, b1 / r2.secs,
                 100.0 * r2.bubble, 100.0 * r2.predicted, 100.0 / (m as f64 + 1.0),
                 r2.peak_in_flight, r2.peak_heap as f64 / 1e6, est.join(" / ")
