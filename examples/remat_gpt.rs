@@ -11,7 +11,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use candle_remat::ops::{attention::attention, layer_norm::layer_norm};
-use candle_remat::{BlockCost, ChainCosts, Policy, Tape};
+use candle_remat::{BlockCost, ChainCosts, Plan, Policy, Tape};
 
 const VOCAB: usize = 64;
 const C: usize = 64;
@@ -82,25 +82,54 @@ impl Block {
     }
 }
 
+struct Model {
+    wte: candle_nn::Embedding,
+    wpe: Tensor,
+    blocks: Vec<Block>,
+    ln_f: Ln,
+    head: candle_nn::Linear,
+}
+
+impl Model {
+    /// The tape borrows the model for `'a`: segment closures keep `&self.blocks[i]`.
+    fn loss<'a>(
+        &'a self,
+        tape: &Tape<'a>,
+        plan: &Plan,
+        idx: &Tensor,
+        tgt: &Tensor,
+    ) -> Result<Tensor> {
+        let h = self.wte.forward(idx)?.broadcast_add(&self.wpe)?;
+        let h = plan.forward(tape, &h, |i, x| self.blocks[i].forward(x))?;
+        let logits = self
+            .head
+            .forward(&self.ln_f.forward(&h)?)?
+            .reshape((B * T, VOCAB))?;
+        Ok(candle_nn::loss::cross_entropy(&logits, tgt)?)
+    }
+}
+
 fn main() -> Result<()> {
     let dev = Device::Cpu;
     let arg = std::env::args().nth(1).unwrap_or_else(|| "sqrt".into());
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
-    let wte = candle_nn::embedding(VOCAB, C, vb.pp("wte"))?;
-    let wpe = vb.get_with_hints(
-        (T, C),
-        "wpe",
-        candle_nn::Init::Randn {
-            mean: 0.,
-            stdev: 0.02,
-        },
-    )?;
-    let blocks: Vec<Block> = (0..LAYERS)
-        .map(|i| Block::new(vb.pp(format!("h{i}"))))
-        .collect::<Result<_>>()?;
-    let ln_f = Ln::new(vb.pp("ln_f"))?;
-    let head = candle_nn::linear_no_bias(C, VOCAB, vb.pp("head"))?;
+    let model = Model {
+        wte: candle_nn::embedding(VOCAB, C, vb.pp("wte"))?,
+        wpe: vb.get_with_hints(
+            (T, C),
+            "wpe",
+            candle_nn::Init::Randn {
+                mean: 0.,
+                stdev: 0.02,
+            },
+        )?,
+        blocks: (0..LAYERS)
+            .map(|i| Block::new(vb.pp(format!("h{i}"))))
+            .collect::<Result<_>>()?,
+        ln_f: Ln::new(vb.pp("ln_f"))?,
+        head: candle_nn::linear_no_bias(C, VOCAB, vb.pp("head"))?,
+    };
 
     // Per-block costs: here estimated by hand (candle_remat::measure_chain measures them).
     let act = (B * T * C * 4 * 20 + B * H * T * T * 4 * 4) as u64;
@@ -132,8 +161,16 @@ fn main() -> Result<()> {
         B * T,
         &dev,
     )?;
-    let mut vars = varmap.all_vars();
-    vars.sort_by_key(|v| v.id()); // deterministic order (HashMap order otherwise)
+    let vars: Vec<candle_core::Var> = {
+        // sorted by name: all_vars() comes in HashMap order
+        let data = varmap
+            .data()
+            .lock()
+            .map_err(|_| anyhow::anyhow!("poisoned varmap"))?;
+        let mut named: Vec<_> = data.iter().collect();
+        named.sort_by(|a, b| a.0.cmp(b.0));
+        named.into_iter().map(|(_, v)| v.clone()).collect()
+    };
     let mut opt = candle_nn::AdamW::new(
         vars.clone(),
         candle_nn::ParamsAdamW {
@@ -143,18 +180,14 @@ fn main() -> Result<()> {
     )?;
 
     for step in 0..20u64 {
-        let loss_of = |tape: &Tape<'_>, plan: &candle_remat::Plan| -> Result<Tensor> {
-            let h = (wte.forward(&idx)?.broadcast_add(&wpe))?;
-            let h = plan.forward(tape, &h, |i, x| blocks[i].forward(x))?;
-            let logits = head.forward(&ln_f.forward(&h)?)?.reshape((B * T, VOCAB))?;
-            Ok(candle_nn::loss::cross_entropy(&logits, &tgt)?)
-        };
         let tape = Tape::new(step); // per-step seed: dropout masks are reproduced on recompute
-        let loss = loss_of(&tape, &plan)?;
+        let loss = model.loss(&tape, &plan, &idx, &tgt)?;
         let grads = tape.backward(&loss)?;
         if step == 0 {
             let plain_tape = Tape::new(step);
-            let plain = loss_of(&plain_tape, &Policy::None.plan(&costs)?)?.backward()?;
+            let plain = model
+                .loss(&plain_tape, &Policy::None.plan(&costs)?, &idx, &tgt)?
+                .backward()?;
             let identical = vars.iter().all(|v| match (grads.get(v), plain.get(v)) {
                 (Some(a), Some(b)) => a
                     .eq(b)

@@ -224,7 +224,7 @@ impl fmt::Display for Plan {
         writeln!(f, "  checkpointed blocks: {{{}}}", ck.join(", "))?;
         writeln!(
             f,
-            "  predicted activation peak: {:.2} MiB ({:.1}% of {:.2} MiB unchecked)",
+            "  predicted peak: {:.2} MiB ({:.1}% of {:.2} MiB unchecked)",
             self.predicted_peak_bytes as f64 / 1048576.0,
             100.0 * self.predicted_peak_bytes as f64 / self.unchecked_peak_bytes.max(1) as f64,
             self.unchecked_peak_bytes as f64 / 1048576.0

@@ -177,7 +177,7 @@ fn fixed_policies_have_the_expected_shape_and_print() {
     let text = b.to_string();
     assert!(
         text.contains("checkpointed blocks")
-            && text.contains("predicted activation peak")
+            && text.contains("predicted peak")
             && text.contains("recompute"),
         "{text}"
     );
