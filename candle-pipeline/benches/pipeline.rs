@@ -145,6 +145,8 @@ struct Run {
     /// both as fractions of the worker's busy wall time. On an idle machine (1.0, 0.0); the
     /// rest of 1.0 is time blocked (locks, I/O) inside a busy span.
     cpu_over_busy: Vec<(f64, f64)>,
+    /// Per worker, seconds on a CPU per step (mean over the timed steps).
+    cpu_per_step: Vec<f64>,
 }
 
 /// Per worker, (seconds on a CPU, seconds runnable but waiting for a CPU) of the pool threads
@@ -220,6 +222,7 @@ fn run(
             fwd: out.forward_time.clone(),
             bwd: out.backward_time.clone(),
             cpu_over_busy: vec![],
+            cpu_per_step: vec![],
         };
         if best.as_ref().is_none_or(|b| r.secs < b.secs) {
             best = Some(r);
@@ -227,7 +230,13 @@ fn run(
     }
     let mut r = best.ok_or_else(|| anyhow::anyhow!("no steps"))?;
     r.cpu_util = (cpu_seconds() - c0) / total;
-    r.cpu_over_busy = worker_sched(sched.workers)
+    let w1 = worker_sched(sched.workers);
+    r.cpu_per_step = w1
+        .iter()
+        .zip(&w0)
+        .map(|(a, b)| (a.0 - b.0) / steps as f64)
+        .collect();
+    r.cpu_over_busy = w1
         .into_iter()
         .zip(w0)
         .zip(busy)
@@ -309,8 +318,8 @@ fn main() -> anyhow::Result<()> {
         "# {BLOCKS} blocks, d_model {D_MODEL}, heads {HEADS}, seq {SEQ}, batch {BATCH}; {steps} timed steps (best shown); load avg: {}",
         std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
     );
-    println!("| m | 1 stage s/step | cpu/wall | on-cpu + runqueue-wait | 2-stage schedule | s/step | cpu/wall | per worker: on-cpu + runqueue-wait, fraction of busy | speedup vs 1 stage same m | vs 1 stage m=1 | bubble measured | predicted (measured costs) | (S-1)/(m+S-1) | peak in flight | peak heap MB | est. activations per stage MB |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| m | 1 stage s/step | cpu/wall | on-cpu + runqueue-wait | 2-stage schedule | s/step | cpu/wall | per worker: on-cpu + runqueue-wait, fraction of busy | speedup vs 1 stage same m | vs 1 stage m=1 | bubble measured | predicted (measured costs) | (S-1)/(m+S-1) | projected speedup, 1 free core per worker | peak in flight | peak heap MB | est. activations per stage MB |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut base_m1 = None;
     let mut probe_line = None;
     let mut svgs = vec![];
@@ -332,13 +341,17 @@ fn main() -> anyhow::Result<()> {
             costs.backward = r2.bwd.clone();
             costs.activation_bytes = act.clone();
             let pred = simulate(&sched, &costs)?;
+            // If each worker had a core of its own: the step would take the busiest worker's
+            // CPU time stretched by the predicted bubble (an estimate, not a measurement).
+            let worst_cpu = r2.cpu_per_step.iter().cloned().fold(0.0, f64::max);
+            let projected = r1.cpu_per_step[0] / (worst_cpu / (1.0 - pred.bubble()));
             let est: Vec<String> = pred
                 .peak_activation_bytes
                 .iter()
                 .map(|b| format!("{:.1}", b / 1e6))
                 .collect();
             println!(
-                "| {m} | {:.3} | {:.2} | {:.2}+{:.2} | {} | {:.3} | {:.2} | {} | {:.2}x | {:.2}x | {:.1}% | {:.1}% | {:.1}% | {:?} | {:.1} | {} |",
+                "| {m} | {:.3} | {:.2} | {:.2}+{:.2} | {} | {:.3} | {:.2} | {} | {:.2}x | {:.2}x | {:.1}% | {:.1}% | {:.1}% | {:.2}x | {:?} | {:.1} | {} |",
                 r1.secs, r1.cpu_util, r1.cpu_over_busy[0].0, r1.cpu_over_busy[0].1, sched.name, r2.secs, r2.cpu_util,
                 r2.cpu_over_busy
                     .iter()
@@ -346,7 +359,7 @@ fn main() -> anyhow::Result<()> {
                     .collect::<Vec<_>>()
                     .join(" / "),
                 r1.secs / r2.secs, b1 / r2.secs,
-                100.0 * r2.bubble, 100.0 * r2.predicted, 100.0 / (m as f64 + 1.0),
+                100.0 * r2.bubble, 100.0 * r2.predicted, 100.0 / (m as f64 + 1.0), projected,
                 r2.peak_in_flight, r2.peak_heap as f64 / 1e6, est.join(" / ")
             );
             if m == 8 {
