@@ -110,6 +110,14 @@ train_config! {
     beta1: f64 = 0.9,
     /// AdamW beta2.
     beta2: f64 = 0.99,
+    /// Activation checkpointing of the blocks: none, all, every:K, sqrt or budget:BYTES
+    /// (e.g. budget:256MiB; planned from an estimate of each block's activation bytes).
+    remat: String = "none".into(),
+    /// Compute dtype: f32, or f16/bf16 with f32 master weights and optimiser state.
+    dtype: String = "f32".into(),
+    /// Loss scaling for f16/bf16: auto (dynamic for f16, none for bf16), dynamic, none, or a
+    /// static scale.
+    loss_scale: String = "auto".into(),
     /// Clip the global gradient norm to this value (0 disables).
     grad_clip: f32 = 1.0,
     /// Evaluate (and checkpoint) every this many steps.
@@ -213,6 +221,11 @@ impl TrainConfig {
                 self.val_fraction
             ));
         }
+        crate::train::compose::parse_remat(&self.remat)?;
+        crate::train::compose::scaler_config(
+            &self.loss_scale,
+            crate::train::compose::parse_dtype(&self.dtype)?,
+        )?;
         if self.data == "addition" && !(1..=9).contains(&self.digits) {
             return bad(format!("digits must be in 1..=9, got {}", self.digits));
         }

@@ -38,6 +38,12 @@ pub enum Error {
         /// What is wrong with it.
         msg: String,
     },
+    /// Activation checkpointing failed (`candle-remat`).
+    #[error(transparent)]
+    Remat(#[from] candle_remat::RematError),
+    /// Mixed precision failed (`candle-amp`), e.g. the loss scale collapsed.
+    #[error(transparent)]
+    Amp(#[from] candle_amp::AmpError),
     /// A tokenizer could not be loaded or failed to encode/decode.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

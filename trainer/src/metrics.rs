@@ -25,6 +25,12 @@ pub struct StepStats {
     pub step_ms: f64,
     /// Tokens consumed since the start of the run.
     pub tokens_seen: u64,
+    /// Loss scale used (mixed precision only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    /// Whether the update was skipped because of an inf/NaN gradient (mixed precision only).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
 }
 
 /// What one evaluation measured.

@@ -82,13 +82,15 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
 }
 
 /// Saves a complete checkpoint for `state.step` under `run_dir/checkpoints/`, atomically,
-/// points `latest` at it and returns its directory.
+/// points `latest` at it and returns its directory. `extra` may write more files into the
+/// checkpoint's temporary directory before it is renamed into place.
 pub fn save(
     run_dir: &Path,
     config: &GptConfig,
     params: &Params,
     optimizer: &AdamW,
     state: &TrainerState,
+    extra: &dyn Fn(&Path) -> Result<()>,
 ) -> Result<PathBuf> {
     let ckpts = checkpoints_dir(run_dir);
     fs::create_dir_all(&ckpts).map_err(|e| Error::io(&ckpts, e))?;
@@ -105,6 +107,7 @@ pub fn save(
         let meta = HashMap::from([("step".to_string(), opt_step.to_string())]);
         io::save_safetensors(&tmp.join(OPTIMIZER_FILE), &opt_tensors, Some(meta))?;
         io::write_json(&tmp.join(STATE_FILE), state)?;
+        extra(&tmp)?;
         io::sync_dir(&tmp).map_err(|e| Error::io(&tmp, e))
     })();
     if let Err(e) = written {

@@ -1,6 +1,7 @@
 //! The training loop: micro-batches, gradient accumulation, clipping, AdamW, evaluation,
 //! checkpoints and exact resume.
 
+pub mod compose;
 mod eval;
 mod init;
 
@@ -8,8 +9,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use candle_amp::{Amp, StepOutcome};
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Var};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_remat::{Plan, Tape};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -24,6 +27,9 @@ use crate::model::{cross_entropy, Ctx, Gpt, Params};
 use crate::optim::{accumulate, clip_grad_norm, AdamW};
 use crate::schedule::LrSchedule;
 use crate::{Error, Result};
+
+/// Loss-scaler state file in a checkpoint of a mixed-precision run.
+pub const AMP_FILE: &str = "amp.safetensors";
 
 /// Something that happened during [`Trainer::run`], for progress display.
 #[derive(Debug)]
@@ -82,6 +88,9 @@ pub struct Trainer {
     /// The optimiser.
     pub optimizer: AdamW,
     vars: Vec<Var>,
+    dtype: DType,
+    plan: Option<Plan>,
+    amp: Option<Amp>,
     schedule: LrSchedule,
     rng: ChaCha8Rng,
     step: usize,
@@ -101,9 +110,7 @@ impl Trainer {
         let (model, params) = init::build_model(&config, data.as_ref(), &device)?;
         let optimizer = AdamW::new(&params, config.adamw_config())?;
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
-        Ok(Self::assemble(
-            config, device, data, model, params, optimizer, rng,
-        ))
+        Self::assemble(config, device, data, model, params, optimizer, rng)
     }
 
     /// Continues the run saved in `path` (a run directory or a checkpoint directory).
@@ -124,7 +131,12 @@ impl Trainer {
         let mut optimizer = AdamW::new(&params, config.adamw_config())?;
         checkpoint::load_optimizer(&dir, &mut optimizer, &device)?;
         let rng = state.rng.restore()?;
-        let mut t = Self::assemble(config, device, data, model, params, optimizer, rng);
+        let mut t = Self::assemble(config, device, data, model, params, optimizer, rng)?;
+        if let Some(amp) = &mut t.amp {
+            let path = dir.join(AMP_FILE);
+            amp.load_state(&path)
+                .map_err(|e| Error::checkpoint(&path, e.to_string()))?;
+        }
         t.step = state.step;
         t.tokens_seen = state.tokens_seen;
         t.best_val_loss = state.best_val_loss;
@@ -142,10 +154,14 @@ impl Trainer {
         params: Params,
         optimizer: AdamW,
         rng: ChaCha8Rng,
-    ) -> Self {
-        Trainer {
+    ) -> Result<Self> {
+        let dtype = compose::parse_dtype(&config.dtype)?;
+        Ok(Trainer {
             schedule: config.lr_schedule(),
             vars: params.vars(),
+            plan: compose::remat_plan(&config, &model.config, dtype)?,
+            amp: compose::build_amp(&config, &params)?,
+            dtype,
             config,
             device,
             data,
@@ -159,7 +175,53 @@ impl Trainer {
             best_checkpoint: None,
             elapsed_secs: 0.0,
             last_checkpoint: None,
+        })
+    }
+
+    /// The activation-checkpointing plan, if `remat` is on.
+    pub fn remat_plan(&self) -> Option<&Plan> {
+        self.plan.as_ref()
+    }
+
+    /// The mixed-precision state, if `dtype` is f16/bf16.
+    pub fn amp(&self) -> Option<&Amp> {
+        self.amp.as_ref()
+    }
+
+    /// Forward and backward of one micro-batch, through the remat tape and the loss scaler
+    /// when they are on. Returns the (unscaled) loss and the gradients of `loss * weight`
+    /// (times the loss scale with mixed precision).
+    fn forward_backward(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        mask: Option<&Tensor>,
+        ctx: &Ctx,
+        weight: f64,
+    ) -> Result<(f32, GradStore)> {
+        let model = &self.model;
+        let tape = Tape::new(ctx.seed);
+        let mut h = model.embed.forward(x, ctx)?;
+        match &self.plan {
+            Some(plan) => h = plan.forward(&tape, &h, |i, h| model.blocks[i].forward(h, ctx))?,
+            None => {
+                for block in &model.blocks {
+                    h = block.forward(&h, ctx)?;
+                }
+            }
         }
+        let logits = model.head.forward(&h, ctx)?;
+        let loss = cross_entropy(&logits, y, mask)?;
+        let value = loss.to_scalar::<f32>()?;
+        let mut objective = (loss * weight)?;
+        if let Some(amp) = &self.amp {
+            objective = amp.scale_loss(&objective)?;
+        }
+        let grads = match &self.plan {
+            Some(_) => tape.backward(&objective)?,
+            None => objective.backward()?,
+        };
+        Ok((value, grads))
     }
 
     /// Optimiser steps completed.
@@ -196,11 +258,15 @@ impl Trainer {
                 &mut self.rng,
                 &self.device,
             )?;
-            let ctx = Ctx::train(self.dropout_seed(micro));
-            let logits = self.model.forward(&batch.x, &ctx)?;
-            let loss = cross_entropy(&logits, &batch.y, batch.mask.as_ref())?;
-            loss_sum += loss.to_scalar::<f32>()?;
-            let g = (loss / accum as f64)?.backward()?;
+            let ctx = Ctx::train(self.dropout_seed(micro)).with_dtype(self.dtype);
+            let (loss, g) = self.forward_backward(
+                &batch.x,
+                &batch.y,
+                batch.mask.as_ref(),
+                &ctx,
+                1.0 / accum as f64,
+            )?;
+            loss_sum += loss;
             accumulate(&mut grads, g, &self.vars)?;
         }
         let loss = loss_sum / accum as f32;
@@ -210,15 +276,40 @@ impl Trainer {
                 loss,
             });
         }
-        let grad_norm = clip_grad_norm(&mut grads, &self.vars, cfg.grad_clip)?;
-        if !grad_norm.is_finite() {
-            return Err(Error::NonFiniteLoss {
-                step: self.step + 1,
-                loss: grad_norm,
-            });
-        }
         candle_nn::Optimizer::set_learning_rate(&mut self.optimizer, lr);
-        self.optimizer.apply(&grads)?;
+        let (grad_norm, loss_scale, skipped) = match &mut self.amp {
+            Some(amp) => match amp.step(&mut self.optimizer, &grads)? {
+                StepOutcome::Applied {
+                    grad_norm, scale, ..
+                } => (grad_norm as f32, Some(scale), false),
+                StepOutcome::Skipped {
+                    scale_before,
+                    scale_after,
+                    nonfinite_params,
+                    ..
+                } => {
+                    tracing::warn!(
+                        "step {}: inf/NaN gradients (in {} parameters, first: {:?}) at loss \
+                         scale {scale_before}: update skipped, scale now {scale_after}",
+                        self.step + 1,
+                        nonfinite_params.len(),
+                        nonfinite_params.first()
+                    );
+                    (f32::NAN, Some(scale_before), true)
+                }
+            },
+            None => {
+                let norm = clip_grad_norm(&mut grads, &self.vars, cfg.grad_clip)?;
+                if !norm.is_finite() {
+                    return Err(Error::NonFiniteLoss {
+                        step: self.step + 1,
+                        loss: norm,
+                    });
+                }
+                self.optimizer.apply(&grads)?;
+                (norm, None, false)
+            }
+        };
         self.step += 1;
         let tokens = (accum * cfg.batch_size * cfg.block_size) as u64;
         self.tokens_seen += tokens;
@@ -232,6 +323,8 @@ impl Trainer {
             tokens_per_sec: tokens as f64 / secs.max(1e-9),
             step_ms: secs * 1e3,
             tokens_seen: self.tokens_seen,
+            loss_scale,
+            skipped,
         })
     }
 
@@ -279,12 +372,19 @@ impl Trainer {
 
     /// Writes a checkpoint of the current step into the run directory and prunes old ones.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
+        let amp = self.amp.as_ref();
         let dir = checkpoint::save(
             &self.config.out_dir,
             &self.model.config,
             &self.params,
             &self.optimizer,
             &self.state(),
+            &|tmp: &Path| -> Result<()> {
+                if let Some(amp) = amp {
+                    amp.save_state(tmp.join(AMP_FILE))?;
+                }
+                Ok(())
+            },
         )?;
         checkpoint::prune(
             &self.config.out_dir,
