@@ -457,7 +457,9 @@ fn pass(root: Tensor, m: &mut Grads, skip: &HashSet<TensorId>) -> Result<()> {
         for v in &vars {
             if let Some(prev) = m.remove(&v.id()) {
                 skip.insert(prev.id());
-                let t = v.mul(&prev)?.sum_all()?;
+                // Summed in f32: segments may mix dtypes (f16/bf16 activations, f32 master
+                // weights). Only the gradient of this term matters (it is exactly `prev`).
+                let t = v.mul(&prev)?.sum_all()?.to_dtype(DType::F32)?;
                 inj = Some(match inj {
                     None => t,
                     Some(a) => a.add(&t)?,
@@ -468,7 +470,8 @@ fn pass(root: Tensor, m: &mut Grads, skip: &HashSet<TensorId>) -> Result<()> {
             root
         } else {
             root.sum_all()?
-        };
+        }
+        .to_dtype(DType::F32)?;
         match inj {
             Some(inj) => base.add(&inj)?,
             None => base,

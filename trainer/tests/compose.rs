@@ -89,3 +89,29 @@ fn mixed_precision_trains_and_resumes_exactly() {
         assert_eq!(full_w, weights(&t), "{dtype}: weights after resume");
     }
 }
+
+#[test]
+fn remat_and_mixed_precision_compose_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    for dtype in ["f16", "bf16"] {
+        let cfg = |remat: &str| TrainConfig {
+            n_layer: 3,
+            dtype: dtype.into(),
+            remat: remat.into(),
+            dropout: 0.1,
+            max_iters: 3,
+            ..tiny_config(&tmp.path().join(format!("{dtype}-{remat}")))
+        };
+        let (a, wa) = run(cfg("none"));
+        let (b, wb) = run(cfg("all"));
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!(
+                x.loss.to_bits(),
+                y.loss.to_bits(),
+                "{dtype}: loss at {}",
+                x.step
+            );
+        }
+        assert_eq!(wa, wb, "{dtype}: weights differ with remat");
+    }
+}
