@@ -149,6 +149,21 @@ fn train(args: TrainArgs) -> Result<()> {
         cfg.block_size,
         cfg.out_dir.display(),
     );
+    if let Some(plan) = trainer.remat_plan() {
+        eprintln!("activation checkpointing ({}):\n{plan}", cfg.remat);
+    }
+    if cfg.dtype != "f32" {
+        eprintln!(
+            "mixed precision: {} compute, f32 master weights, loss scale {}",
+            cfg.dtype, cfg.loss_scale
+        );
+    }
+    if cfg.pipeline_stages > 1 {
+        eprintln!(
+            "pipeline: {} stages, {} microbatches, schedule {}",
+            cfg.pipeline_stages, cfg.microbatches, cfg.schedule
+        );
+    }
     let stop = Arc::new(AtomicBool::new(false));
     {
         let stop = stop.clone();

@@ -118,6 +118,15 @@ train_config! {
     /// Loss scaling for f16/bf16: auto (dynamic for f16, none for bf16), dynamic, none, or a
     /// static scale.
     loss_scale: String = "auto".into(),
+    /// Pipeline parallelism: number of stages (threads or devices) the model is cut into
+    /// (1: off).
+    pipeline_stages: usize = 1,
+    /// Pipeline microbatches each micro-batch is split into.
+    microbatches: usize = 4,
+    /// Pipeline schedule: gpipe, 1f1b or interleaved:V.
+    schedule: String = "1f1b".into(),
+    /// CPU threads per pipeline stage (0: cores / stages).
+    pipeline_threads: usize = 0,
     /// Clip the global gradient norm to this value (0 disables).
     grad_clip: f32 = 1.0,
     /// Evaluate (and checkpoint) every this many steps.
@@ -226,6 +235,22 @@ impl TrainConfig {
             &self.loss_scale,
             crate::train::compose::parse_dtype(&self.dtype)?,
         )?;
+        if self.pipeline_stages == 0 || self.microbatches == 0 {
+            return bad("pipeline_stages and microbatches must be at least 1".into());
+        }
+        if self.pipeline_stages > 1 {
+            crate::train::pipeline::parse_schedule(
+                &self.schedule,
+                self.pipeline_stages,
+                self.microbatches,
+            )?;
+            if self.batch_size < self.microbatches {
+                return bad(format!(
+                    "batch_size ({}) must be at least microbatches ({})",
+                    self.batch_size, self.microbatches
+                ));
+            }
+        }
         if self.data == "addition" && !(1..=9).contains(&self.digits) {
             return bad(format!("digits must be in 1..=9, got {}", self.digits));
         }

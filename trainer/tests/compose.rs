@@ -115,3 +115,52 @@ fn remat_and_mixed_precision_compose_exactly() {
         assert_eq!(wa, wb, "{dtype}: weights differ with remat");
     }
 }
+
+#[test]
+fn pipeline_training_matches_plain_training() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = |name: &str| TrainConfig {
+        n_layer: 3,
+        batch_size: 6,
+        grad_accum: 2,
+        max_iters: 3,
+        ..tiny_config(&tmp.path().join(name))
+    };
+    let (plain, plain_w) = run(cfg("plain"));
+    for (stages, m, schedule) in [
+        (2, 3, "gpipe"),
+        (2, 6, "1f1b"),
+        (2, 2, "interleaved:2"),
+        (4, 3, "1f1b"),
+    ] {
+        let (steps, w) = run(TrainConfig {
+            pipeline_stages: stages,
+            microbatches: m,
+            schedule: schedule.into(),
+            ..cfg(&format!("{schedule}-{stages}-{m}"))
+        });
+        for (a, b) in plain.iter().zip(&steps) {
+            let rel = (a.loss - b.loss).abs() / a.loss.abs();
+            assert!(
+                rel <= 1e-5,
+                "{schedule} S={stages} m={m}: loss {} vs {}",
+                a.loss,
+                b.loss
+            );
+        }
+        // A few f32 ulps of gradient difference move AdamW's update by about as much.
+        for ((name, a), (_, b)) in plain_w.iter().zip(&w) {
+            for (x, y) in a.iter().zip(b) {
+                assert!((x - y).abs() <= 1e-4, "{schedule}: {name}: {x} vs {y}");
+            }
+        }
+    }
+    let e = Trainer::new(TrainConfig {
+        pipeline_stages: 2,
+        dropout: 0.1,
+        ..cfg("dropout")
+    })
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("dropout"), "{e}");
+}

@@ -4,6 +4,7 @@
 pub mod compose;
 mod eval;
 mod init;
+pub mod pipeline;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -91,6 +92,7 @@ pub struct Trainer {
     dtype: DType,
     plan: Option<Plan>,
     amp: Option<Amp>,
+    pipeline: Option<pipeline::PipelineRun>,
     schedule: LrSchedule,
     rng: ChaCha8Rng,
     step: usize,
@@ -161,6 +163,7 @@ impl Trainer {
             vars: params.vars(),
             plan: compose::remat_plan(&config, &model.config, dtype)?,
             amp: compose::build_amp(&config, &params)?,
+            pipeline: pipeline::PipelineRun::build(&config, &model, &params, &device, dtype)?,
             dtype,
             config,
             device,
@@ -199,6 +202,10 @@ impl Trainer {
         ctx: &Ctx,
         weight: f64,
     ) -> Result<(f32, GradStore)> {
+        if let Some(pipe) = &self.pipeline {
+            let scale = self.amp.as_ref().map_or(1.0, |a| a.scale());
+            return pipe.forward_backward(x, y, mask, ctx.seed, weight * scale);
+        }
         let model = &self.model;
         let tape = Tape::new(ctx.seed);
         let mut h = model.embed.forward(x, ctx)?;
