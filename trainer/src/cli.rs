@@ -29,7 +29,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Train a model (defaults < --config file < --key value flags).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Generate text from a checkpoint.
     Sample(SampleArgs),
     /// Measure train/val loss (and the task score) of a checkpoint.
@@ -104,7 +104,7 @@ struct InspectArgs {
 /// Runs the parsed command.
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train(a) => train(a),
+        Command::Train(a) => train(*a),
         Command::Sample(a) => sample(a),
         Command::Eval(a) => eval(a),
         Command::Inspect(a) => inspect(a),
