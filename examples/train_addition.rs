@@ -16,7 +16,10 @@ impl Observer for Print {
     fn on_event(&mut self, event: Event<'_>) {
         match event {
             Event::Step(s) if s.step % 20 == 0 => {
-                println!("step {:>4} loss {:.4} ({:.0} tok/s)", s.step, s.loss, s.tokens_per_sec)
+                println!(
+                    "step {:>4} loss {:.4} ({:.0} tok/s)",
+                    s.step, s.loss, s.tokens_per_sec
+                )
             }
             Event::Eval(e) => println!(
                 "eval {:>4} val {:.4} accuracy {:.1}%",
@@ -39,7 +42,7 @@ fn main() -> anyhow::Result<()> {
         lr_decay_iters: Some(100), // the schedule of the whole 100-step run
         eval_interval: 30,
         eval_problems: 100,
-        remat: "all".into(), // recompute every block in backward
+        remat: "all".into(),  // recompute every block in backward
         dtype: "bf16".into(), // bf16 compute, f32 master weights
         ..TrainConfig::default()
     };
