@@ -90,7 +90,7 @@ pub enum Policy {
     EveryK(usize),
     /// `ceil(sqrt(N))` blocks per checkpointed segment (Chen et al. 2016).
     SqrtN,
-    /// The plan with the least recompute whose predicted activation peak is at most this
+    /// The plan with the least recompute whose predicted peak is at most this
     /// many bytes (dynamic program over the chain).
     Budget(u64),
 }
