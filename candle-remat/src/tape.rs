@@ -38,8 +38,8 @@
 //! known exception: a segment input that is a *non-leaf* glue tensor also consumed outside that
 //! segment (e.g. `x = a + b; y = x + ckpt(x)`) gets its two gradient contributions propagated
 //! separately through the ops that produced it, so results differ by float reassociation
-//! (relative error ~1e-7 in f32). Make such inputs boundary outputs of a checkpoint, or move the
-//! glue inside the segment, to stay bit-exact.
+//! (relative error ~1e-7 in f32). Wrap such inputs in [`Tape::boundary`], or move the glue
+//! inside the segment, to stay bit-exact.
 
 use crate::error::{RematError, Result};
 use crate::seed::{self, mix, Ctx};
@@ -257,6 +257,18 @@ impl<'a> Tape<'a> {
         let mut ys = self.checkpoint_nested(&[x], move |_, xs| Ok(vec![f(&xs[0])?]))?;
         ys.pop()
             .ok_or_else(|| RematError::InvalidPlan("checkpoint1: no output".into()))
+    }
+
+    /// Turns a glue tensor into a boundary: returns a leaf copy of `x` whose gradient is
+    /// accumulated over *all* its consumers before being pushed back through `x`'s own graph.
+    ///
+    /// Use it on a non-leaf tensor that feeds a checkpoint **and** other code, e.g. a residual
+    /// add written outside the checkpointed function:
+    /// `let h = tape.boundary(&h)?; let h = (&h + tape.checkpoint1(&h, f)?)?;`. Without it the
+    /// gradients are still correct but only equal to plain Candle's up to float reassociation
+    /// (see the module docs); with it they are bit-identical. Costs one copy of `x`.
+    pub fn boundary(&self, x: &Tensor) -> Result<Tensor> {
+        self.checkpoint1(x, |x| Ok(x.clone()))
     }
 
     /// [`Tape::checkpoint`] when `enabled`; otherwise runs `f` inline (plain Candle graph) in the

@@ -306,6 +306,18 @@ fn non_leaf_glue_input_shared_outside_is_close() {
         let e = rel_err(grads.get(v).unwrap(), plain.get(v).unwrap());
         assert!(e < 1e-6, "relative error {e}");
     }
+    // Tape::boundary makes the same program bit-identical.
+    let tape = Tape::new(0);
+    let mut h = x0.as_tensor().exp().unwrap();
+    for i in 0..4 {
+        h = tape.boundary(&h).unwrap();
+        h = (&h + tape.checkpoint1(&h, move |x| blk(i, x)).unwrap()).unwrap();
+    }
+    let grads = tape
+        .backward(&h.sqr().unwrap().mean_all().unwrap())
+        .unwrap();
+    let vars: Vec<&Var> = ws.iter().chain([&x0]).collect();
+    compare_stores(&vars, &plain, &grads, "outside residuals with boundary()");
 }
 
 #[test]
