@@ -430,7 +430,9 @@ impl<'a> Tape<'a> {
             let mut skip = HashSet::new();
             for (j, g) in out_grads {
                 skip.insert(g.id());
-                let t = ys[j].mul(&g)?.sum_all()?;
+                // Scalar terms summed in f32 so outputs of different dtypes can be mixed; the
+                // cast's backward hands exactly `g` to `ys[j]` (1.0 is exact in every dtype).
+                let t = ys[j].mul(&g)?.sum_all()?.to_dtype(DType::F32)?;
                 root = Some(match root {
                     None => t,
                     Some(a) => a.add(&t)?,

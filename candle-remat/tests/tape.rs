@@ -471,3 +471,35 @@ fn segment_without_grad_is_skipped_and_store_has_no_leaves() {
     assert_bits_eq(grads.get(&w).unwrap(), plain.get(&w).unwrap(), "w");
     assert_eq!(tape.num_segments(), 0);
 }
+
+/// Outputs of different dtypes (f32 and f64) from one segment.
+#[test]
+fn mixed_dtype_outputs_bit_identical() {
+    let dev = Device::Cpu;
+    let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(21);
+    let w = var(&mut rng, &[5, 5], 0.5, DType::F32, &dev).unwrap();
+    let x = randn(&mut rng, &[3, 5], 1.0, DType::F32, &dev).unwrap();
+    let seg = |xs: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
+        let a = xs[0].matmul(w.as_tensor())?.tanh()?;
+        let b = (a.to_dtype(DType::F64)?.sqr()? * 3.0)?;
+        Ok(vec![a, b])
+    };
+    let after = |o: &[Tensor]| -> Tensor {
+        let s = o[1]
+            .sin()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        (o[0].exp().unwrap().sum_all().unwrap() + s).unwrap()
+    };
+    let plain = after(&seg(std::slice::from_ref(&x)).unwrap())
+        .backward()
+        .unwrap();
+    let tape = Tape::new(0).with_verify(true);
+    let outs = tape.checkpoint(&[&x], seg).unwrap();
+    assert_eq!(outs[1].dtype(), DType::F64);
+    let grads = tape.backward(&after(&outs)).unwrap();
+    compare_stores(&[&w], &plain, &grads, "mixed dtypes");
+}
