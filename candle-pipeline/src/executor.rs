@@ -137,7 +137,9 @@ impl Pipeline {
     ///
     /// Candle's element-wise kernels use a separate, process-wide pool sized by the environment
     /// variable `CANDLE_NUM_THREADS` (default: physical cores) which no rayon pool bounds: set
-    /// `CANDLE_NUM_THREADS=1` before the first Candle op when workers share the cores.
+    /// `CANDLE_NUM_THREADS=1` before the first Candle op when workers share the cores. This
+    /// function initialises that pool (`candle_core::utils::barrier_pool`) to check its size and
+    /// logs a warning when it has extra threads and there are several CPU workers.
     pub fn with_cpu_threads(mut self, threads: usize) -> Result<Self> {
         let cpu_workers = self.devices.iter().filter(|d| d.is_cpu()).count();
         for (w, d) in self.devices.iter().enumerate() {
