@@ -36,6 +36,17 @@ enum Command {
     Eval(EvalArgs),
     /// Show a checkpoint's tensors, shapes, dtypes, parameter count, config and step.
     Inspect(InspectArgs),
+    /// Redraw a run's loss curve (loss.svg) from its metrics.jsonl.
+    Plot(PlotArgs),
+}
+
+#[derive(Args, Debug)]
+struct PlotArgs {
+    /// The run directory.
+    run: PathBuf,
+    /// Output file (default: RUN/loss.svg).
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -108,7 +119,21 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Sample(a) => sample(a),
         Command::Eval(a) => eval(a),
         Command::Inspect(a) => inspect(a),
+        Command::Plot(a) => plot(a),
     }
+}
+
+fn plot(args: PlotArgs) -> Result<()> {
+    let records = trainer::metrics::read(&args.run.join("metrics.jsonl"))?;
+    let out = args.out.unwrap_or_else(|| args.run.join("loss.svg"));
+    let name = args
+        .run
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    trainer::plot::loss_curve(&out, &name, &records)?;
+    println!("{}", out.display());
+    Ok(())
 }
 
 fn train(args: TrainArgs) -> Result<()> {

@@ -70,7 +70,8 @@ train_config! {
     tokenizer_path: Option<PathBuf> = None,
     /// Fraction of the corpus held out for validation (the end of the file).
     val_fraction: f32 = 0.1,
-    /// Where tokenised corpora are cached (default: `.cache/candle-train`).
+    /// Where tokenised corpora are cached (default: `$XDG_CACHE_HOME/candle-train`, else
+    /// `~/.cache/candle-train`).
     cache_dir: Option<PathBuf> = None,
     /// Digits per operand of the embedded addition task.
     digits: usize = 3,

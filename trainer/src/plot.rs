@@ -45,6 +45,7 @@ pub fn loss_curve(path: &Path, title: &str, records: &[Record]) -> Result<()> {
         chart
             .configure_mesh()
             .x_desc("step")
+            .x_label_formatter(&|x| format!("{x:.0}"))
             .y_desc("loss")
             .draw()
             .map_err(|e| err(&e))?;

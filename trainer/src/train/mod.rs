@@ -467,11 +467,15 @@ impl Trainer {
         let eval = self.evaluate()?;
         observer.on_event(Event::Eval(&eval));
         metrics.push(Record::Eval(eval.clone()))?;
-        let title = format!(
-            "{} ({})",
-            self.config.out_dir.display(),
-            self.data.describe()
-        );
+        let run_name = self
+            .config
+            .out_dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let describe = self.data.describe();
+        let source = describe.split(':').next().unwrap_or_default();
+        let title = format!("{run_name}: {source}");
         if let Err(e) = crate::plot::loss_curve(
             &self.config.out_dir.join("loss.svg"),
             &title,
