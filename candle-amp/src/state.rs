@@ -197,7 +197,7 @@ impl ScalerState {
         self.save_with_metadata(path, HashMap::new())
     }
 
-    /// Like [`save`](Self::save), adding `extra` string metadata (keys must not collide
+    /// Like [`save`](Self::save) (written atomically: temporary file, fsync, rename), adding `extra` string metadata (keys must not collide
     /// with the state's own `amp.*` keys, which win).
     pub fn save_with_metadata(
         &self,
@@ -206,7 +206,8 @@ impl ScalerState {
     ) -> Result<()> {
         let tensors = self.to_tensors(DEFAULT_PREFIX, &Device::Cpu)?;
         extra.extend(self.to_metadata(DEFAULT_PREFIX));
-        safetensors::serialize_to_file(tensors, Some(extra), path.as_ref())?;
+        let bytes = safetensors::serialize(tensors, Some(extra))?;
+        write_atomic(path.as_ref(), &bytes)?;
         Ok(())
     }
 
@@ -233,4 +234,31 @@ impl ScalerState {
             )),
         }
     }
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory that is fsynced and
+/// then renamed over `path`, so a crash leaves the old file or the new one, never a torn one.
+fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        name.unwrap_or_else(|| "amp-state".into()),
+        std::process::id()
+    ));
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        drop(f);
+        std::fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
 }

@@ -112,10 +112,14 @@ impl Stage for Sequential {
         }
         Ok(h)
     }
+    /// The layers' variables, each once (a weight shared by two layers of the stage, e.g. a
+    /// tied embedding, must not have its gradient counted twice).
     fn vars(&self) -> Vec<Var> {
+        let mut seen = std::collections::HashSet::new();
         self.layers
             .iter()
             .flat_map(|l| l.vars.iter().cloned())
+            .filter(|v| seen.insert(v.id()))
             .collect()
     }
 }

@@ -96,7 +96,8 @@ train_config! {
     bias: bool = true,
     /// Sequences per micro-batch.
     batch_size: usize = 128,
-    /// Micro-batches accumulated per optimiser step.
+    /// Micro-batches accumulated per optimiser step (each micro-batch's mean loss weighted
+    /// 1/grad_accum, nanoGPT's convention).
     grad_accum: usize = 1,
     /// Optimiser steps in the run.
     max_iters: usize = 600,

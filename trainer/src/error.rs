@@ -47,6 +47,15 @@ pub enum Error {
     /// A tokenizer could not be loaded or failed to encode/decode.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// Training produced a non-finite gradient norm (without mixed precision, which skips
+    /// such steps instead).
+    #[error("non-finite gradient norm {norm} at step {step}")]
+    NonFiniteGradient {
+        /// The step at which the gradients were computed.
+        step: usize,
+        /// The global gradient norm.
+        norm: f32,
+    },
     /// Training produced a non-finite loss.
     #[error("non-finite loss {loss} at step {step}")]
     NonFiniteLoss {

@@ -4,6 +4,8 @@
 //! ([`model`]), data sources ([`data`]), AdamW with owned state ([`optim`]), checkpoints that
 //! resume bit-exactly ([`checkpoint`]) and the training loop ([`train`]).
 
+#![warn(missing_docs)]
+
 pub mod checkpoint;
 pub mod config;
 pub mod data;

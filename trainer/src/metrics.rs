@@ -17,7 +17,9 @@ pub struct StepStats {
     pub loss: f32,
     /// Learning rate used.
     pub lr: f64,
-    /// Global gradient norm before clipping.
+    /// Global gradient norm before clipping (NaN for a step skipped by the loss scaler; JSON
+    /// stores it as `null`).
+    #[serde(deserialize_with = "null_as_nan")]
     pub grad_norm: f32,
     /// Training tokens processed per second in this step.
     pub tokens_per_sec: f64,
@@ -31,6 +33,11 @@ pub struct StepStats {
     /// Whether the update was skipped because of an inf/NaN gradient (mixed precision only).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub skipped: bool,
+}
+
+/// JSON has no NaN: serde_json writes it as `null`; read `null` back as NaN.
+fn null_as_nan<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f32, D::Error> {
+    Ok(Option::<f32>::deserialize(d)?.unwrap_or(f32::NAN))
 }
 
 /// What one evaluation measured.
@@ -132,4 +139,38 @@ pub fn read(path: &Path) -> Result<Vec<Record>> {
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn skipped_steps_survive_a_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let mut log = MetricsLog::open(&path, 0).unwrap();
+        for step in 1..=3 {
+            log.push(Record::Step(StepStats {
+                step,
+                loss: 1.0,
+                lr: 1e-3,
+                grad_norm: if step == 2 { f32::NAN } else { 0.5 },
+                tokens_per_sec: 1.0,
+                step_ms: 1.0,
+                tokens_seen: step as u64,
+                loss_scale: Some(65536.0),
+                skipped: step == 2,
+            }))
+            .unwrap();
+        }
+        drop(log);
+        let log = MetricsLog::open(&path, 3).unwrap();
+        assert_eq!(log.records.len(), 3);
+        match &log.records[1] {
+            Record::Step(s) => assert!(s.skipped && s.grad_norm.is_nan()),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(read(&path).unwrap().len(), 3);
+    }
 }

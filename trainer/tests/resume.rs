@@ -139,3 +139,56 @@ fn keeps_last_n_plus_best() {
         "step-0000008"
     );
 }
+
+#[test]
+fn resuming_with_more_steps_continues_the_schedule() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let cfg = trainer::config::TrainConfig {
+        max_iters: 4,
+        lr_decay_iters: None, // decay ends at max_iters = 4
+        ..tiny_config(&dir)
+    };
+    let min_lr = cfg.min_lr;
+    let mut t = Trainer::new(cfg).unwrap();
+    t.run(&mut Recorder::default(), &AtomicBool::new(false))
+        .unwrap();
+    let mut more = Trainer::resume(&dir, |c| c.max_iters = 7).unwrap();
+    let mut rec = Recorder::default();
+    more.run(&mut rec, &AtomicBool::new(false)).unwrap();
+    assert_eq!(rec.steps.len(), 3);
+    for s in &rec.steps {
+        assert_eq!(s.lr, min_lr, "step {} jumped to lr {}", s.step, s.lr);
+    }
+}
+
+#[test]
+fn resuming_from_an_older_checkpoint_keeps_the_new_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let mut t = Trainer::new(trainer::config::TrainConfig {
+        max_iters: 8,
+        eval_interval: 4,
+        keep_last: 2,
+        ..tiny_config(&dir)
+    })
+    .unwrap();
+    t.run(&mut Recorder::default(), &AtomicBool::new(false))
+        .unwrap();
+    // Roll back to step 4 (e.g. after a divergence) while step 8 exists, keep only 1, and
+    // save step 6: the checkpoint just written must survive pruning.
+    let older = dir.join("checkpoints/step-0000004");
+    assert!(older.join("trainer_state.json").is_file());
+    let mut back = Trainer::resume(&older, |c| {
+        c.max_iters = 6;
+        c.keep_last = 1;
+    })
+    .unwrap();
+    back.run(&mut Recorder::default(), &AtomicBool::new(false))
+        .unwrap();
+    assert!(dir
+        .join("checkpoints/step-0000006/trainer_state.json")
+        .is_file());
+    let resumed = Trainer::resume(&dir, |_| {}).unwrap();
+    assert_eq!(resumed.step(), 6);
+}

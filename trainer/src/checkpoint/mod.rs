@@ -160,12 +160,14 @@ pub fn load_model(dir: &Path, device: &Device) -> Result<(GptConfig, Params)> {
 pub fn load_params(path: &Path, config: &GptConfig, device: &Device) -> Result<Params> {
     let loaded = io::load_safetensors(path, device)?;
     let mut tensors = Vec::with_capacity(loaded.tensors.len());
+    let mut lm_head = None;
     for (name, t) in loaded.tensors {
         if name.ends_with(".attn.bias") && t.rank() == 4 || name.ends_with(".attn.masked_bias") {
             continue; // HF's causal-mask buffers, not parameters
         }
         if name == "lm_head.weight" {
-            continue; // tied to transformer.wte.weight
+            lm_head = Some(t);
+            continue; // tied to transformer.wte.weight (checked below)
         }
         let name = if name.starts_with("transformer.") {
             name
@@ -175,6 +177,20 @@ pub fn load_params(path: &Path, config: &GptConfig, device: &Device) -> Result<P
         tensors.push((name, t.to_dtype(candle_core::DType::F32)?));
     }
     let params = Params::from_tensors(tensors)?;
+    if let (Some(head), Ok(wte)) = (lm_head, params.tensor("transformer.wte.weight")) {
+        let same = head.dims() == wte.dims()
+            && (head.to_dtype(candle_core::DType::F32)? - &wte)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?
+                == 0.0;
+        if !same {
+            return Err(Error::checkpoint(
+                path,
+                "lm_head.weight differs from transformer.wte.weight: untied heads are not supported",
+            ));
+        }
+    }
     params
         .check_gpt(config)
         .map_err(|e| Error::checkpoint(path, e.to_string().replace("checkpoint <params>: ", "")))?;
@@ -195,8 +211,10 @@ pub fn load_optimizer(dir: &Path, optimizer: &mut AdamW, device: &Device) -> Res
         .map_err(|e| Error::checkpoint(&path, e.to_string()))
 }
 
-/// Deletes old checkpoints, keeping the newest `keep_last` and the one named `keep` (the best).
-pub fn prune(run_dir: &Path, keep_last: usize, keep: Option<&str>) -> Result<()> {
+/// Deletes old checkpoints, keeping the newest `keep_last` and those named in `keep` (the best
+/// one and the one just written, which after resuming from an older checkpoint may not be the
+/// newest by name).
+pub fn prune(run_dir: &Path, keep_last: usize, keep: &[&str]) -> Result<()> {
     let ckpts = checkpoints_dir(run_dir);
     let mut names: Vec<String> = fs::read_dir(&ckpts)
         .map_err(|e| Error::io(&ckpts, e))?
@@ -208,7 +226,7 @@ pub fn prune(run_dir: &Path, keep_last: usize, keep: Option<&str>) -> Result<()>
     let n = names.len();
     for (i, name) in names.iter().enumerate() {
         let newest = i + keep_last.max(1) >= n;
-        if newest || Some(name.as_str()) == keep {
+        if newest || keep.contains(&name.as_str()) {
             continue;
         }
         let dir = ckpts.join(name);

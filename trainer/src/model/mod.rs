@@ -325,7 +325,8 @@ pub fn cross_entropy(
         None => nll.mean_all(),
         Some(mask) => {
             let mask = mask.flatten_all()?.to_dtype(logp.dtype())?;
-            let count = mask.sum_all()?;
+            // An all-zero mask gives loss 0 (and zero gradients), not 0/0.
+            let count = mask.sum_all()?.maximum(1.0)?;
             (nll * &mask)?.sum_all()?.broadcast_div(&count)
         }
     }

@@ -29,7 +29,8 @@ pub fn parse_bytes(s: &str) -> Result<u64> {
             )))
         }
     };
-    Ok(n * mult)
+    n.checked_mul(mult)
+        .ok_or_else(|| Error::Config(format!("byte count `{s}` is too large")))
 }
 
 /// The checkpointing policy named by the `remat` config value: `none`, `all` (every block),

@@ -123,6 +123,12 @@ impl Trainer {
         let dir = checkpoint::resolve(path)?;
         let state: TrainerState = checkpoint::io::read_json(&dir.join(checkpoint::STATE_FILE))?;
         let mut config = state.config.clone();
+        // The cosine decay ends at max_iters unless lr_decay_iters is set: pin it to the saved
+        // run's end, so that resuming with a larger max_iters continues the same schedule
+        // (constant min_lr after the old end) instead of jumping back up.
+        if config.lr_decay_iters.is_none() {
+            config.lr_decay_iters = Some(state.config.max_iters);
+        }
         adjust(&mut config);
         init::check_resume_compatible(&state.config, &config, &dir)?;
         config.validate()?;
@@ -136,8 +142,16 @@ impl Trainer {
         let mut t = Self::assemble(config, device, data, model, params, optimizer, rng)?;
         if let Some(amp) = &mut t.amp {
             let path = dir.join(AMP_FILE);
-            amp.load_state(&path)
-                .map_err(|e| Error::checkpoint(&path, e.to_string()))?;
+            if path.exists() {
+                amp.load_state(&path)
+                    .map_err(|e| Error::checkpoint(&path, e.to_string()))?;
+            } else {
+                tracing::warn!(
+                    "{} has no loss-scaler state (saved as {}): starting a fresh scaler",
+                    dir.display(),
+                    state.config.dtype
+                );
+            }
         }
         t.step = state.step;
         t.tokens_seen = state.tokens_seen;
@@ -308,9 +322,9 @@ impl Trainer {
             None => {
                 let norm = clip_grad_norm(&mut grads, &self.vars, cfg.grad_clip)?;
                 if !norm.is_finite() {
-                    return Err(Error::NonFiniteLoss {
+                    return Err(Error::NonFiniteGradient {
                         step: self.step + 1,
-                        loss: norm,
+                        norm,
                     });
                 }
                 self.optimizer.apply(&grads)?;
@@ -393,11 +407,15 @@ impl Trainer {
                 Ok(())
             },
         )?;
-        checkpoint::prune(
-            &self.config.out_dir,
-            self.config.keep_last,
-            self.best_checkpoint.as_deref(),
-        )?;
+        let saved = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let keep: Vec<&str> = [Some(saved.as_str()), self.best_checkpoint.as_deref()]
+            .into_iter()
+            .flatten()
+            .collect();
+        checkpoint::prune(&self.config.out_dir, self.config.keep_last, &keep)?;
         self.last_checkpoint = Some(dir.clone());
         Ok(dir)
     }
