@@ -23,6 +23,8 @@ pub fn tiny_config(out_dir: &Path) -> TrainConfig {
         eval_iters: 2,
         eval_problems: 16,
         digits: 2,
+        // Tokenised corpora are cached next to the run, not in the user's cache directory.
+        cache_dir: Some(out_dir.join("cache")),
         ..TrainConfig::default()
     }
 }
