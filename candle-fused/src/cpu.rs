@@ -1,0 +1,314 @@
+//! Shared plumbing of the CPU kernels: element types, slices out of Candle storages, and a
+//! parallel-for that does not wake the thread pool for small work.
+//!
+//! Kernels are written once, generic over [`Elem`]: the storage type (`f32`, `f64`, `bf16`,
+//! `f16`) and the accumulation type [`Elem::Acc`] (`f64` for `f64`, `f32` otherwise), so a
+//! half-precision tensor is read and written in its own dtype while every sum, exponential and
+//! square root runs in f32.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Layout, Tensor};
+use half::{bf16, f16};
+
+/// Arithmetic of the accumulation types (`f32`, `f64`).
+pub trait Real:
+    Copy
+    + Send
+    + Sync
+    + PartialOrd
+    + std::fmt::Debug
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::ops::Neg<Output = Self>
+    + std::ops::AddAssign
+    + std::ops::SubAssign
+    + std::ops::MulAssign
+    + 'static
+{
+    /// 0.
+    const ZERO: Self;
+    /// 1.
+    const ONE: Self;
+    /// -inf.
+    const NEG_INFINITY: Self;
+    /// From an f64 constant.
+    fn c(v: f64) -> Self;
+    /// To f64.
+    fn f64(self) -> f64;
+    /// e^x.
+    fn exp(self) -> Self;
+    /// ln x.
+    fn ln(self) -> Self;
+    /// sqrt x.
+    fn sqrt(self) -> Self;
+    /// tanh x.
+    fn tanh(self) -> Self;
+    /// max (NaN-propagating: a NaN in either argument gives NaN).
+    fn max_nan(self, o: Self) -> Self;
+    /// Whether finite.
+    fn is_finite(self) -> bool;
+}
+
+macro_rules! real {
+    ($t:ty) => {
+        impl Real for $t {
+            const ZERO: Self = 0.0;
+            const ONE: Self = 1.0;
+            const NEG_INFINITY: Self = <$t>::NEG_INFINITY;
+            #[inline(always)]
+            fn c(v: f64) -> Self {
+                v as $t
+            }
+            #[inline(always)]
+            fn f64(self) -> f64 {
+                self as f64
+            }
+            #[inline(always)]
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            #[inline(always)]
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            #[inline(always)]
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            #[inline(always)]
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
+            }
+            #[inline(always)]
+            fn max_nan(self, o: Self) -> Self {
+                if self.is_nan() || o.is_nan() {
+                    <$t>::NAN
+                } else if o > self {
+                    o
+                } else {
+                    self
+                }
+            }
+            #[inline(always)]
+            fn is_finite(self) -> bool {
+                <$t>::is_finite(self)
+            }
+        }
+    };
+}
+real!(f32);
+real!(f64);
+
+/// A floating-point storage type with its accumulation type.
+pub trait Elem: Copy + Send + Sync + 'static {
+    /// The type sums and transcendental functions run in.
+    type Acc: Real;
+    /// Candle's dtype of this storage type.
+    const DTYPE: DType;
+    /// Widens to the accumulation type.
+    fn acc(self) -> Self::Acc;
+    /// Rounds from the accumulation type.
+    fn from_acc(v: Self::Acc) -> Self;
+    /// The slice of this type in a CPU storage (error if the dtype differs).
+    fn slice(s: &CpuStorage) -> candle_core::Result<&[Self]>;
+    /// Wraps a vector as a CPU storage.
+    fn storage(v: Vec<Self>) -> CpuStorage;
+}
+
+macro_rules! elem {
+    ($t:ty, $acc:ty, $dt:ident, $var:ident, $to:expr, $from:expr) => {
+        impl Elem for $t {
+            type Acc = $acc;
+            const DTYPE: DType = DType::$dt;
+            #[inline(always)]
+            fn acc(self) -> $acc {
+                $to(self)
+            }
+            #[inline(always)]
+            fn from_acc(v: $acc) -> Self {
+                $from(v)
+            }
+            fn slice(s: &CpuStorage) -> candle_core::Result<&[Self]> {
+                match s {
+                    CpuStorage::$var(v) => Ok(v),
+                    other => candle_core::bail!(
+                        "candle-fused: expected {:?} storage, got {:?}",
+                        DType::$dt,
+                        other.dtype()
+                    ),
+                }
+            }
+            fn storage(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$var(v)
+            }
+        }
+    };
+}
+elem!(f32, f32, F32, F32, |x| x, |x| x);
+elem!(f64, f64, F64, F64, |x| x, |x| x);
+elem!(bf16, f32, BF16, BF16, bf16::to_f32, bf16::from_f32);
+elem!(f16, f32, F16, F16, f16::to_f32, f16::from_f32);
+
+/// The contiguous elements of `layout` in `s` (error if the layout is strided).
+pub fn contiguous<'a, T: Elem>(s: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((a, b)) => Ok(&T::slice(s)?[a..b]),
+        None => candle_core::bail!("candle-fused: kernel input must be contiguous"),
+    }
+}
+
+/// Runs `f` on the contiguous f32/f64/bf16/f16 data of `t` (a CPU tensor).
+pub fn with_slice<T: Elem, R>(
+    t: &Tensor,
+    f: impl FnOnce(&[T]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let (s, l) = t.storage_and_layout();
+    match &*s {
+        candle_core::Storage::Cpu(c) => f(contiguous::<T>(c, l)?),
+        _ => candle_core::bail!("candle-fused: expected a CPU tensor"),
+    }
+}
+
+/// A CPU tensor of `shape` over `data`.
+pub fn tensor<T: Elem>(data: Vec<T>, shape: impl Into<candle_core::Shape>) -> candle_core::Result<Tensor>
+where
+    T: candle_core::WithDType,
+{
+    Tensor::from_vec(data, shape, &candle_core::Device::Cpu)
+}
+
+/// Work (in elements touched) below which a kernel runs on the calling thread: waking
+/// Candle's rayon pool costs more than it saves on small tensors.
+pub const PAR_MIN_WORK: usize = 1 << 15;
+
+/// Calls `f(row_index, row)` for every `row_len`-long row of `out`, in parallel when
+/// `rows * work_per_row` is large enough, on the calling thread otherwise. Rows are handed out
+/// in contiguous chunks, one per thread, so results do not depend on scheduling.
+pub fn for_rows<T: Send>(
+    out: &mut [T],
+    row_len: usize,
+    work_per_row: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
+    use rayon::prelude::*;
+    if row_len == 0 {
+        return;
+    }
+    let rows = out.len() / row_len;
+    let threads = rayon::current_num_threads().max(1);
+    if rows < 2 || threads == 1 || rows.saturating_mul(work_per_row.max(1)) < PAR_MIN_WORK {
+        for (i, r) in out.chunks_mut(row_len).enumerate() {
+            f(i, r);
+        }
+        return;
+    }
+    let per = rows.div_ceil(threads);
+    out.par_chunks_mut(per * row_len)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            for (j, r) in chunk.chunks_mut(row_len).enumerate() {
+                f(c * per + j, r);
+            }
+        });
+}
+
+/// Maps `0..n` in parallel chunks (when large enough) and returns the per-chunk results in
+/// order: the building block for deterministic reductions (the chunking depends only on `n`
+/// and the thread count, and results are combined in chunk order).
+pub fn map_chunks<R: Send>(
+    n: usize,
+    work_per_item: usize,
+    f: impl Fn(std::ops::Range<usize>) -> R + Sync,
+) -> Vec<R> {
+    use rayon::prelude::*;
+    let threads = rayon::current_num_threads().max(1);
+    if n < 2 || threads == 1 || n.saturating_mul(work_per_item.max(1)) < PAR_MIN_WORK {
+        return vec![f(0..n)];
+    }
+    let per = n.div_ceil(threads);
+    (0..threads)
+        .into_par_iter()
+        .map(|c| f((c * per).min(n)..((c + 1) * per).min(n)))
+        .collect()
+}
+
+/// `sum_i a[i] * b[i]` with 8 independent accumulators, so the loop vectorises without
+/// fast-math (the summation order is fixed: the same result on every run and thread count).
+#[inline(always)]
+pub fn dot<A: Real>(a: &[A], b: &[A]) -> A {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [A::ZERO; 8];
+    let mut ca = a.chunks_exact(8);
+    let mut cb = b.chunks_exact(8);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        s += *x * *y;
+    }
+    s
+}
+
+/// `y += alpha * x`.
+#[inline(always)]
+pub fn axpy<A: Real>(alpha: A, x: &[A], y: &mut [A]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi += alpha * *xi;
+    }
+}
+
+thread_local! {
+    static FORCE_FALLBACK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Makes the ops on this thread take the composite fallback even on the CPU (for testing the
+/// path other devices take). Returns the previous setting.
+#[doc(hidden)]
+pub fn force_fallback(on: bool) -> bool {
+    FORCE_FALLBACK.with(|c| c.replace(on))
+}
+
+/// Whether the tensor lives on the CPU and has a dtype the CPU kernels handle (and the
+/// fallback is not forced on this thread).
+pub fn has_kernel(t: &Tensor) -> bool {
+    !FORCE_FALLBACK.with(|c| c.get())
+        && t.device().is_cpu()
+        && matches!(
+            t.dtype(),
+            DType::F32 | DType::F64 | DType::BF16 | DType::F16
+        )
+}
+
+/// Dispatches a generic kernel on a dtype: `dispatch!(dtype, T => expr)` runs `expr` with `T`
+/// bound to the storage type.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! dispatch {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            candle_core::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            candle_core::DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            candle_core::DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            candle_core::DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            other => candle_core::bail!("candle-fused: no kernel for dtype {other:?}"),
+        }
+    };
+}

@@ -1,0 +1,29 @@
+#![doc = include_str!("../README.md")]
+//!
+//! # Crate layout
+//!
+//! * [`attention`]: causal self-attention, flash-style (online softmax over key blocks, saves
+//!   the output and the log-sum-exp, recomputes scores in backward), mask and dropout;
+//! * [`norm`]: LayerNorm (optional bias) and RMSNorm, saving mean / rstd;
+//! * [`gelu`]: bias add + tanh GELU (GPT-2's) in one op;
+//! * [`cross_entropy`]: softmax cross-entropy over the vocabulary with mask / ignore index;
+//! * [`dropout`]: dropout from the counter-based [`philox`] generator;
+//! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync;
+//! * [`cpu`]: what the CPU kernels share; [`fallback`]: the composite path for other devices.
+//!
+//! Every op has a CPU kernel for f32, f64, bf16 and f16 (16-bit types accumulate in f32) and,
+//! on devices without a kernel yet, computes the composite Candle expression inside the same
+//! op, so it works everywhere with the same backward.
+#![warn(missing_docs)]
+
+pub mod adamw;
+pub mod attention;
+pub mod cpu;
+pub mod cross_entropy;
+pub mod dropout;
+pub mod fallback;
+pub mod gelu;
+pub mod norm;
+pub mod philox;
+
+pub use philox::RngKey;
