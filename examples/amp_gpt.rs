@@ -2,7 +2,7 @@
 //! and in pure f16 without it, on the same data from the same seed.
 //!
 //! `cargo run --release --example amp_gpt -- [steps]` (default 60). Uses
-//! `../shared/data/tinyshakespeare.txt` if present, else a synthetic token task.
+//! `data/tinyshakespeare.txt` if present, else a synthetic token task.
 //! The full comparison with timings and peak heap is `cargo bench -p candle-amp --bench amp`.
 
 #[path = "../candle-amp/benches/common/mod.rs"]
@@ -18,7 +18,7 @@ fn main() -> anyhow::Result<()> {
         .and_then(|s| s.parse().ok())
         .unwrap_or(60);
     let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tinyshakespeare.txt");
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tinyshakespeare.txt");
     let data = Data::load(&path);
     println!("data: {}", data.source);
     let dev = Device::Cpu;

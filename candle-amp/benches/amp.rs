@@ -44,7 +44,7 @@ fn data_path() -> PathBuf {
     std::env::var("AMP_BENCH_DATA")
         .map(PathBuf::from)
         .unwrap_or_else(|_| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/tinyshakespeare.txt")
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data/tinyshakespeare.txt")
         })
 }
 

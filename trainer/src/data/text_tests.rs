@@ -365,14 +365,11 @@ fn human_sizes() {
     assert_eq!(human(1_115_394), "1.1M");
 }
 
-/// The real corpus of the "baby GPT" run, if the shared data is present.
+/// The real corpus of the "baby GPT" recipe, shipped in the repository's `data/`.
 #[test]
 fn tinyshakespeare_matches_nanogpt_split() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/tinyshakespeare.txt");
-    if !path.exists() {
-        eprintln!("SKIP: {} not present", path.display());
-        return;
-    }
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/tinyshakespeare.txt");
+    assert!(path.exists(), "{} is shipped with the repository", path.display());
     let fx = Fixture::new();
     let spec = fx.spec(DataKind::Char, &path);
     let src = TextSource::open(&spec).unwrap();
