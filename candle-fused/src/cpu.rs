@@ -172,10 +172,10 @@ pub fn with_slice<T: Elem, R>(
 }
 
 /// A CPU tensor of `shape` over `data`.
-pub fn tensor<T: Elem>(data: Vec<T>, shape: impl Into<candle_core::Shape>) -> candle_core::Result<Tensor>
-where
-    T: candle_core::WithDType,
-{
+pub fn tensor<T: Elem + candle_core::WithDType>(
+    data: Vec<T>,
+    shape: impl Into<candle_core::Shape>,
+) -> candle_core::Result<Tensor> {
     Tensor::from_vec(data, shape, &candle_core::Device::Cpu)
 }
 
@@ -234,6 +234,46 @@ pub fn map_chunks<R: Send>(
         .collect()
 }
 
+/// Rows per block of [`for_row_blocks`]: a function of the row count only (never of the thread
+/// count), so per-block partial results summed in block order are the same on any number of
+/// threads. At least 16 rows (a partial of one row's length costs at most 1/16 of the block's
+/// work) and at most 256 blocks.
+pub fn row_block(rows: usize) -> usize {
+    rows.div_ceil(256).max(16)
+}
+
+/// Calls `f(first_row, block)` on consecutive blocks of [`row_block`]`(rows)` rows of `out`
+/// (`row_len` elements each; the last block may be shorter) and returns the results in block
+/// order: the building block of deterministic reductions across rows (a weight gradient summed
+/// over the batch: per-block partials, then summed in order). Parallel when
+/// `rows * work_per_row >= PAR_MIN_WORK`, on the calling thread otherwise; the blocks, and so
+/// the results, are the same either way.
+pub fn for_row_blocks<T: Send, R: Send>(
+    out: &mut [T],
+    row_len: usize,
+    work_per_row: usize,
+    f: impl Fn(usize, &mut [T]) -> R + Sync,
+) -> Vec<R> {
+    use rayon::prelude::*;
+    if row_len == 0 {
+        return Vec::new();
+    }
+    let rows = out.len() / row_len;
+    let rb = row_block(rows);
+    let threads = rayon::current_num_threads().max(1);
+    if rows <= rb || threads == 1 || rows.saturating_mul(work_per_row.max(1)) < PAR_MIN_WORK {
+        return out
+            .chunks_mut(rb * row_len)
+            .enumerate()
+            .map(|(b, c)| f(b * rb, c))
+            .collect();
+    }
+    out.par_chunks_mut(rb * row_len)
+        .enumerate()
+        .map(|(b, c)| f(b * rb, c))
+        .collect()
+}
+
 /// `sum_i a[i] * b[i]` with 8 independent accumulators, so the loop vectorises without
 /// fast-math (the summation order is fixed: the same result on every run and thread count).
 #[inline(always)]
@@ -251,6 +291,24 @@ pub fn dot<A: Real>(a: &[A], b: &[A]) -> A {
     let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
         s += *x * *y;
+    }
+    s
+}
+
+/// `sum_i f(x[i])` with 8 independent accumulators, like [`dot`] (vectorises without fast-math;
+/// fixed summation order).
+#[inline(always)]
+pub fn sum_map<T: Copy, A: Real>(x: &[T], f: impl Fn(T) -> A) -> A {
+    let mut acc = [A::ZERO; 8];
+    let mut cx = x.chunks_exact(8);
+    for c in &mut cx {
+        for l in 0..8 {
+            acc[l] += f(c[l]);
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for v in cx.remainder() {
+        s += f(*v);
     }
     s
 }

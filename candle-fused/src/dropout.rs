@@ -1,1 +1,242 @@
-//! TODO
+//! Inverted dropout from the counter-based [`philox`](crate::philox) generator.
+//!
+//! Element `index` (the flat row-major index of the tensor being dropped) is dropped iff
+//! `key.uniform(index) < p`; kept elements are scaled by `1 / (1 - p)`. The mask is a pure
+//! function of the [`RngKey`], the shape and `p`, so:
+//!
+//! * the CPU kernel draws the uniforms inside the kernel, chunk by chunk, and the result is
+//!   identical for any thread count;
+//! * the backward regenerates the mask from the key: the graph saves nothing but the key
+//!   (no mask tensor is kept alive between forward and backward);
+//! * a recomputed forward (activation checkpointing) with the same key drops the same elements.
+//!
+//! The output is `x * mask` with `mask` in `{0, 1/(1-p)}` (the scale rounded to `x`'s dtype),
+//! exactly what the composite [`dropout_composite`] computes, bit for bit. Like PyTorch, the op
+//! **multiplies** by the mask, so a NaN (or an infinity) in a dropped position stays NaN in the
+//! output (`NaN * 0 = NaN`), and a dropped `-x` gives `-0.0`.
+//!
+//! On devices without a kernel (CUDA and Metal for now), the op multiplies by a mask built by
+//! [`dropout_mask`], which draws the mask **on the host** and copies it to the device: a host
+//! round trip per call, slow on a GPU, until a device kernel exists.
+
+use crate::cpu::{self, Elem, Real};
+use crate::fallback::{self, Precomputed};
+use crate::philox::RngKey;
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
+
+/// Elements per chunk: each chunk draws its uniforms into a stack buffer and applies them.
+const CHUNK: usize = 1024;
+/// Cost of one element relative to a plain elementwise op (Philox rounds dominate), for the
+/// parallelism threshold.
+const WORK_PER_ELEM: usize = 16;
+
+fn check_p(p: f32) -> Result<()> {
+    if !(0.0..1.0).contains(&p) {
+        candle_core::bail!("candle-fused dropout: p must be in [0, 1), got {p}")
+    }
+    Ok(())
+}
+
+/// The keep scale `1 / (1 - p)` in the storage type (computed in f64, rounded via the
+/// accumulation type, so every path rounds it the same way).
+fn keep_scale<T: Elem>(p: f32) -> T {
+    T::from_acc(<T::Acc as Real>::c(1.0 / (1.0 - p as f64)))
+}
+
+/// Multiplies `data` (element 0 = flat index 0 of the dropped tensor) in place by the mask of
+/// `(p, key)`, in parallel chunks whose uniforms depend only on their position.
+fn apply_mask<T: Elem>(data: &mut [T], p: f32, key: RngKey) {
+    let scale: T = keep_scale(p);
+    let zero = T::from_acc(<T::Acc as Real>::ZERO);
+    cpu::for_rows(data, CHUNK, CHUNK * WORK_PER_ELEM, |c, row| {
+        let mut buf = [0f32; CHUNK];
+        let u = &mut buf[..row.len()];
+        key.fill_uniform((c * CHUNK) as u64, u);
+        for (x, &u) in row.iter_mut().zip(u.iter()) {
+            let m = if u < p { zero } else { scale };
+            // The same rounding as Candle's `x * mask` in this dtype.
+            *x = T::from_acc(x.acc() * m.acc());
+        }
+    });
+}
+
+/// The masked copy of a contiguous slice.
+fn masked<T: Elem>(x: &[T], p: f32, key: RngKey) -> Vec<T> {
+    let mut out = x.to_vec();
+    apply_mask(&mut out, p, key);
+    out
+}
+
+/// The scaled keep mask of a tensor of `shape`: element `i` is `0` if `key.uniform(i) < p`,
+/// `1 / (1 - p)` (rounded to `dtype`) otherwise.
+///
+/// The mask is drawn on the host (in parallel, identical for any thread count) and copied to
+/// `device`: on a GPU that is a host round trip, the fallback's cost until a device kernel
+/// exists. `dtype` must be a float type; `p` must be in `[0, 1)`.
+///
+/// ```
+/// use candle_core::{DType, Device};
+/// use candle_fused::{dropout::dropout_mask, RngKey};
+/// let m = dropout_mask((2, 3), 0.5, RngKey::new(1, 0), DType::F32, &Device::Cpu)?;
+/// for v in m.flatten_all()?.to_vec1::<f32>()? {
+///     assert!(v == 0.0 || v == 2.0);
+/// }
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn dropout_mask(
+    shape: impl Into<Shape>,
+    p: f32,
+    key: RngKey,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    check_p(p)?;
+    let shape: Shape = shape.into();
+    let n = shape.elem_count();
+    fn host<T: Elem + candle_core::WithDType>(
+        n: usize,
+        p: f32,
+        key: RngKey,
+        shape: Shape,
+        device: &Device,
+    ) -> Result<Tensor> {
+        // 1 * m == m exactly in every dtype, so the mask is the kernel applied to ones.
+        let mut v = vec![T::from_acc(<T::Acc as Real>::ONE); n];
+        apply_mask(&mut v, p, key);
+        Tensor::from_vec(v, shape, device)
+    }
+    match dtype {
+        DType::F32 | DType::F64 | DType::BF16 | DType::F16 => {
+            crate::dispatch!(dtype, T => host::<T>(n, p, key, shape, device))
+        }
+        other => {
+            candle_core::bail!("candle-fused dropout: mask dtype must be a float, got {other:?}")
+        }
+    }
+}
+
+/// The composite reference: `x * dropout_mask(x.shape(), p, key, ..)` with plain Candle ops
+/// (`x` itself when `p == 0`). The fused [`dropout`] gives the same bits.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_fused::{dropout::{dropout, dropout_composite}, RngKey};
+/// let x = Tensor::randn(0f32, 1., (4, 5), &Device::Cpu)?;
+/// let key = RngKey::new(7, 1);
+/// let a = dropout(&x, 0.3, key)?.flatten_all()?.to_vec1::<f32>()?;
+/// let b = dropout_composite(&x, 0.3, key)?.flatten_all()?.to_vec1::<f32>()?;
+/// assert_eq!(a, b);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn dropout_composite(x: &Tensor, p: f32, key: RngKey) -> Result<Tensor> {
+    check_p(p)?;
+    if p == 0.0 {
+        return Ok(x.clone());
+    }
+    x * dropout_mask(x.shape(), p, key, x.dtype(), x.device())?
+}
+
+/// Inverted dropout: `x * mask`, each element dropped with probability `p` (iff
+/// `key.uniform(flat index) < p`) and the kept ones scaled by `1 / (1 - p)`.
+///
+/// `p` must be in `[0, 1)`; `p == 0` returns `x` unchanged. Differentiable: the backward
+/// regenerates the mask from `key` (nothing else is saved). NaN stays NaN even where dropped
+/// (the mask is multiplied, as in PyTorch). Use a distinct `key.site` per dropout location and
+/// a fresh `key.seed` per forward pass; reuse the same key to recompute the same mask.
+///
+/// ```
+/// use candle_core::{Device, Tensor, Var};
+/// use candle_fused::{dropout::dropout, RngKey};
+/// let x = Var::new(&[1f32, 2., 3., 4.], &Device::Cpu)?;
+/// let y = dropout(&x, 0.5, RngKey::new(42, 0))?;
+/// let g = y.sum_all()?.backward()?;
+/// // d y / d x is the mask: 0 where dropped, 2 where kept.
+/// let mask = g.get(&x).unwrap().to_vec1::<f32>()?;
+/// let (x, y) = (x.to_vec1::<f32>()?, y.to_vec1::<f32>()?);
+/// for i in 0..4 {
+///     assert_eq!(y[i], x[i] * mask[i]);
+/// }
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn dropout(x: &Tensor, p: f32, key: RngKey) -> Result<Tensor> {
+    check_p(p)?;
+    if p == 0.0 {
+        return Ok(x.clone());
+    }
+    if cpu::has_kernel(x) {
+        let x = x.contiguous()?;
+        x.apply_op1(Dropout { p, key, pre: None })
+    } else {
+        let out = dropout_composite(&x.detach(), p, key)?;
+        if !fallback::tracks(&[x]) {
+            return Ok(out);
+        }
+        x.apply_op1(Dropout {
+            p,
+            key,
+            pre: Some(Precomputed::new(out)?),
+        })
+    }
+}
+
+/// The dropout op: the kernel (`pre == None`) or the composite output computed beforehand.
+struct Dropout {
+    p: f32,
+    key: RngKey,
+    pre: Option<Precomputed>,
+}
+
+impl Dropout {
+    fn pre(&self) -> Result<&Precomputed> {
+        self.pre.as_ref().ok_or_else(|| {
+            candle_core::Error::Msg("candle-fused dropout: no kernel for this device".into())
+        })
+    }
+}
+
+impl CustomOp1 for Dropout {
+    fn name(&self) -> &'static str {
+        "candle-fused-dropout"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        if let Some(pre) = &self.pre {
+            return pre.cpu();
+        }
+        crate::dispatch!(s.dtype(), T => {
+            let x = cpu::contiguous::<T>(s, l)?;
+            Ok((T::storage(masked(x, self.p, self.key)), l.shape().clone()))
+        })
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.pre()?.cuda()
+    }
+
+    fn metal_fwd(
+        &self,
+        _: &candle_core::MetalStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        self.pre()?.metal()
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        // d(x * m)/dx = m: the gradient is the upstream gradient times the regenerated mask.
+        let g = if cpu::has_kernel(grad) {
+            let g = grad.contiguous()?;
+            crate::dispatch!(g.dtype(), T => cpu::with_slice::<T, _>(&g, |s| {
+                cpu::tensor(masked(s, self.p, self.key), g.shape())
+            })?)
+        } else {
+            (grad.detach()
+                * dropout_mask(grad.shape(), self.p, self.key, grad.dtype(), grad.device())?)?
+        };
+        Ok(Some(g))
+    }
+}

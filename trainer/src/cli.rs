@@ -251,13 +251,24 @@ impl Observer for Progress {
             Event::Step(s) => {
                 self.bar.set_position(s.step as u64);
                 self.bar.set_message(format!(
-                    "loss {:.4} | lr {:.2e} | gnorm {:.3} | {:.0} tok/s",
-                    s.loss, s.lr, s.grad_norm, s.tokens_per_sec
+                    "loss {:.4} | lr {:.2e} | gnorm {:.3} | {:.0} tok/s | {:.1} ms | MFU {:.1}%",
+                    s.loss,
+                    s.lr,
+                    s.grad_norm,
+                    s.tokens_per_sec,
+                    s.step_ms,
+                    100.0 * s.mfu
                 ));
                 if self.bar.is_hidden() && (s.step % 50 == 0 || s.step == 1) {
                     eprintln!(
-                        "step {:>6} | loss {:.4} | lr {:.2e} | gnorm {:.3} | {:.0} tok/s",
-                        s.step, s.loss, s.lr, s.grad_norm, s.tokens_per_sec
+                        "step {:>6} | loss {:.4} | lr {:.2e} | gnorm {:.3} | {:.0} tok/s | {:.1} ms | MFU {:.1}%",
+                        s.step,
+                        s.loss,
+                        s.lr,
+                        s.grad_norm,
+                        s.tokens_per_sec,
+                        s.step_ms,
+                        100.0 * s.mfu
                     );
                 }
             }
@@ -292,6 +303,22 @@ fn print_summary(trainer: &Trainer, s: &Summary) {
         "time           {:.1} s ({:.0} tokens/s)",
         s.elapsed_secs,
         s.tokens_seen as f64 / s.elapsed_secs.max(1e-9)
+    );
+    let cfg = &trainer.config;
+    let mfu = trainer::mfu::flops_per_token(&trainer.model.config, cfg.block_size)
+        * s.tokens_seen as f64
+        / s.elapsed_secs.max(1e-9)
+        / trainer.peak_flops();
+    println!(
+        "MFU            {:.1}% of {:.1} GFLOP/s ({}, kernels {})",
+        100.0 * mfu,
+        trainer.peak_flops() / 1e9,
+        if cfg.peak_flops > 0.0 {
+            "--peak-flops"
+        } else {
+            "measured matmul ceiling"
+        },
+        cfg.kernels
     );
     if let Some(e) = &s.last_eval {
         println!("train loss     {:.4}", e.train_loss);

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::GptConfig;
+use crate::model::{GptConfig, Kernels};
 use crate::optim::AdamWConfig;
 use crate::schedule::LrSchedule;
 use crate::{Error, Result};
@@ -132,6 +132,11 @@ train_config! {
     schedule: String = "1f1b".into(),
     /// CPU threads per pipeline stage (0: cores / stages).
     pipeline_threads: usize = 0,
+    /// Op implementations: `fused` (candle-fused kernels) or `reference` (the composite Candle
+    /// ops, for debugging and comparison).
+    kernels: Kernels = Kernels::Fused,
+    /// Peak FLOP/s of the device for the MFU in logs (0: measure a matmul ceiling at start-up).
+    peak_flops: f64 = 0.0,
     /// Clip the global gradient norm to this value (0 disables).
     grad_clip: f32 = 1.0,
     /// Evaluate (and checkpoint) every this many steps.
@@ -225,6 +230,12 @@ impl TrainConfig {
         }
         if self.weight_decay < 0.0 || self.grad_clip < 0.0 {
             return bad("weight_decay and grad_clip must be >= 0".into());
+        }
+        if !(self.peak_flops >= 0.0 && self.peak_flops.is_finite()) {
+            return bad(format!(
+                "peak_flops must be a finite number >= 0, got {}",
+                self.peak_flops
+            ));
         }
         if self.eval_interval == 0 || self.eval_iters == 0 {
             return bad("eval_interval and eval_iters must be at least 1".into());

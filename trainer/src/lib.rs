@@ -12,11 +12,13 @@ pub mod data;
 pub mod error;
 pub mod hub;
 pub mod metrics;
+pub mod mfu;
 pub mod model;
 pub mod optim;
 pub mod plot;
 pub mod sample;
 pub mod schedule;
+pub mod threads;
 pub mod train;
 
 pub use error::{Error, Result};

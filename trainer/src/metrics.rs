@@ -27,6 +27,9 @@ pub struct StepStats {
     pub step_ms: f64,
     /// Tokens consumed since the start of the run.
     pub tokens_seen: u64,
+    /// Model FLOPs utilisation of this step (see [`crate::mfu`]).
+    #[serde(default)]
+    pub mfu: f64,
     /// Loss scale used (mixed precision only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
@@ -159,6 +162,7 @@ mod tests {
                 tokens_per_sec: 1.0,
                 step_ms: 1.0,
                 tokens_seen: step as u64,
+                mfu: 0.1,
                 loss_scale: Some(65536.0),
                 skipped: step == 2,
             }))

@@ -13,7 +13,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
-use crate::model::Params;
+use crate::model::{Kernels, Params};
 use crate::{Error, Result};
 
 /// AdamW hyper-parameters (PyTorch's names and defaults, except `weight_decay`).
@@ -71,6 +71,7 @@ pub struct AdamW {
     config: AdamWConfig,
     slots: Vec<Slot>,
     step: usize,
+    kernels: Kernels,
 }
 
 impl AdamW {
@@ -84,12 +85,12 @@ impl AdamW {
                     var.dtype()
                 )));
             }
-            let zeros = var.zeros_like()?;
+            // Two buffers of their own: the fused update writes them in place.
             slots.push(Slot {
                 name: name.clone(),
                 var: var.clone(),
-                m: zeros.clone(),
-                v: zeros,
+                m: var.zeros_like()?,
+                v: var.zeros_like()?,
                 decay: var.rank() >= 2,
             });
         }
@@ -97,7 +98,16 @@ impl AdamW {
             config,
             slots,
             step: 0,
+            kernels: Kernels::Fused,
         })
+    }
+
+    /// The same optimiser updating with other kernels: `Fused` (default) updates each
+    /// parameter and its moments in place in one kernel per tensor; `Reference` composes
+    /// ~15 Candle ops per parameter.
+    pub fn with_kernels(mut self, kernels: Kernels) -> Self {
+        self.kernels = kernels;
+        self
     }
 
     /// Number of updates applied so far.
@@ -113,9 +123,33 @@ impl AdamW {
     /// Applies one AdamW update from `grads`. Parameters without a gradient are left alone
     /// (their moments do not decay), like PyTorch.
     pub fn apply(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        self.apply_scaled(grads, 1.0)
+    }
+
+    /// Applies one AdamW update from `grad_scale * grads` (the clipping coefficient, see
+    /// [`clip_coefficient`]): clipping costs no pass over the gradients of its own.
+    pub fn apply_scaled(&mut self, grads: &GradStore, grad_scale: f64) -> candle_core::Result<()> {
         self.step += 1;
         let c = &self.config;
         let t = self.step as i32;
+        if self.kernels == Kernels::Fused {
+            for slot in &self.slots {
+                let Some(g) = grads.get(&slot.var) else {
+                    continue;
+                };
+                let step = candle_fused::adamw::AdamWStep {
+                    lr: c.lr,
+                    beta1: c.beta1,
+                    beta2: c.beta2,
+                    eps: c.eps,
+                    weight_decay: if slot.decay { c.weight_decay } else { 0.0 },
+                    step: self.step,
+                    grad_scale,
+                };
+                candle_fused::adamw::adamw_update(&slot.var, &g.detach(), &slot.m, &slot.v, &step)?;
+            }
+            return Ok(());
+        }
         let bc1 = 1.0 - c.beta1.powi(t);
         let bc2 = 1.0 - c.beta2.powi(t);
         let step_size = c.lr / bc1;
@@ -126,7 +160,10 @@ impl AdamW {
             // A variable's gradient can still carry the backward graph (Candle detaches the
             // gradients of intermediate nodes, not the sums it stores for variables): without
             // this detach the moments would keep every step's activations alive forever.
-            let g = g.detach().to_dtype(DType::F32)?;
+            let mut g = g.detach().to_dtype(DType::F32)?;
+            if grad_scale != 1.0 {
+                g = (g * grad_scale)?;
+            }
             slot.m = ((&slot.m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
             slot.v = ((&slot.v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
             let denom = ((&slot.v / bc2)?.sqrt()? + c.eps)?;
@@ -176,7 +213,12 @@ impl AdamW {
                         ),
                     ));
                 }
-                *dst = t.to_dtype(DType::F32)?.to_device(s.var.device())?;
+                // A buffer of its own (the fused update writes it in place).
+                *dst = t
+                    .to_dtype(DType::F32)?
+                    .to_device(s.var.device())?
+                    .force_contiguous()?
+                    .copy()?;
             }
         }
         self.step = step;
@@ -209,8 +251,30 @@ impl candle_nn::Optimizer for AdamW {
     }
 }
 
+/// The global L2 norm of the gradients of `vars` (missing gradients count as zero) with one
+/// host sync, using `kernels` (the fused one reads each gradient once).
+pub fn global_grad_norm(
+    grads: &GradStore,
+    vars: &[Var],
+    kernels: Kernels,
+) -> candle_core::Result<f32> {
+    match kernels {
+        Kernels::Fused => {
+            let gs: Vec<&Tensor> = vars.iter().filter_map(|v| grads.get(v)).collect();
+            candle_fused::adamw::global_norm(&gs)
+        }
+        Kernels::Reference => grad_norm(grads, vars),
+    }
+}
+
+/// PyTorch's `clip_grad_norm_` coefficient: `max_norm / (norm + 1e-6)` when the norm is
+/// larger than `max_norm > 0`, else 1.
+pub fn clip_coefficient(norm: f32, max_norm: f32) -> f64 {
+    candle_fused::adamw::clip_coefficient(norm, max_norm)
+}
+
 /// The global L2 norm of the gradients of `vars` (missing gradients count as zero), computed
-/// in f32 with one host sync.
+/// in f32 with Candle ops and one host sync.
 pub fn grad_norm(grads: &GradStore, vars: &[Var]) -> candle_core::Result<f32> {
     let mut total: Option<Tensor> = None;
     for v in vars {

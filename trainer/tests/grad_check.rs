@@ -1,5 +1,5 @@
 //! Every parameter of the GPT receives a non-zero gradient, and that gradient matches central
-//! finite differences in f64.
+//! finite differences in f64, with the fused kernels and with the reference composite ops.
 //!
 //! Tolerance: with step h = 1e-5 in f64 the truncation error of a central difference is
 //! O(h^2 * f''') ~ 1e-10 and the rounding error O(eps_f64 * |loss| / h) ~ 1e-11, so analytic and
@@ -9,7 +9,7 @@
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use trainer::model::{cross_entropy, Ctx, Gpt, GptConfig, Params};
+use trainer::model::{Ctx, Gpt, GptConfig, Kernels, Params};
 
 fn random_tokens(rng: &mut ChaCha8Rng, b: usize, t: usize, vocab: usize) -> Tensor {
     let ids: Vec<u32> = (0..b * t)
@@ -20,10 +20,24 @@ fn random_tokens(rng: &mut ChaCha8Rng, b: usize, t: usize, vocab: usize) -> Tens
 
 fn loss_of(model: &Gpt, x: &Tensor, y: &Tensor, mask: Option<&Tensor>, ctx: &Ctx) -> Tensor {
     let logits = model.forward(x, ctx).unwrap();
-    cross_entropy(&logits, y, mask).unwrap()
+    ctx.kernels.cross_entropy(&logits, y, mask).unwrap()
 }
 
 fn check(cfg: GptConfig, b: usize, t: usize, seed: u64, train: bool, with_mask: bool) {
+    for kernels in [Kernels::Fused, Kernels::Reference] {
+        check_with(cfg.clone(), b, t, seed, train, with_mask, kernels);
+    }
+}
+
+fn check_with(
+    cfg: GptConfig,
+    b: usize,
+    t: usize,
+    seed: u64,
+    train: bool,
+    with_mask: bool,
+    kernels: Kernels,
+) {
     let dev = Device::Cpu;
     let (_, params32) = Gpt::new(&cfg, seed, &dev).unwrap();
     // Bigger-than-default weights so that every path carries a signal well above rounding.
@@ -51,7 +65,8 @@ fn check(cfg: GptConfig, b: usize, t: usize, seed: u64, train: bool, with_mask: 
         Ctx::train(seed + 2).with_dtype(DType::F64)
     } else {
         Ctx::eval().with_dtype(DType::F64)
-    };
+    }
+    .with_kernels(kernels);
     let loss = loss_of(&model, &x, &y, mask.as_ref(), &ctx);
     let grads = loss.backward().unwrap();
     let h = 1e-5;
@@ -95,7 +110,7 @@ fn check(cfg: GptConfig, b: usize, t: usize, seed: u64, train: bool, with_mask: 
             let analytic = g[i];
             assert!(
                 (analytic - numeric).abs() <= 1e-7 + 1e-5 * numeric.abs(),
-                "`{name}`[{i}]: analytic {analytic:e} vs finite difference {numeric:e}"
+                "{kernels} kernels: `{name}`[{i}]: analytic {analytic:e} vs finite difference {numeric:e}"
             );
         }
     }

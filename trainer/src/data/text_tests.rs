@@ -369,7 +369,11 @@ fn human_sizes() {
 #[test]
 fn tinyshakespeare_matches_nanogpt_split() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/tinyshakespeare.txt");
-    assert!(path.exists(), "{} is shipped with the repository", path.display());
+    assert!(
+        path.exists(),
+        "{} is shipped with the repository",
+        path.display()
+    );
     let fx = Fixture::new();
     let spec = fx.spec(DataKind::Char, &path);
     let src = TextSource::open(&spec).unwrap();

@@ -1,6 +1,6 @@
 //! Differentiable building blocks: Conv1D, LayerNorm, seeded dropout and the causal mask.
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -23,17 +23,33 @@ impl Conv1D {
 
     /// `[.., in] -> [.., out]`, computing in `ctx.dtype`.
     pub fn forward_ctx(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        let y = x.broadcast_matmul(&self.weight.to_dtype(ctx.dtype)?)?;
-        match &self.bias {
-            Some(b) => y.broadcast_add(&b.to_dtype(ctx.dtype)?),
-            None => Ok(y),
-        }
+        let (w, b) = self.cast(ctx)?;
+        ctx.kernels.linear(x, &w, b.as_ref())
+    }
+
+    /// `gelu([.., in] W + b)` (tanh GELU), the bias and activation fused.
+    pub fn forward_gelu(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        let (w, b) = self.cast(ctx)?;
+        ctx.kernels.linear_gelu(x, &w, b.as_ref())
+    }
+
+    /// Weight and bias in the compute dtype (free when they already are: the trainer casts
+    /// the whole model once per step, [`super::Gpt::to_dtype`]).
+    fn cast(&self, ctx: &Ctx) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+        let w = self.weight.to_dtype(ctx.dtype)?;
+        let b = self
+            .bias
+            .as_ref()
+            .map(|b| b.to_dtype(ctx.dtype))
+            .transpose()?;
+        Ok((w, b))
     }
 }
 
-/// Layer normalisation over the last dimension, written from primitive ops so it has a
-/// backward (Candle's fused `layer_norm` has none). Statistics are computed in at least f32
-/// (see [`stat_dtype`]); the output has the input's dtype.
+/// Layer normalisation over the last dimension, with `candle-fused`'s kernel (or, with
+/// `--kernels reference`, written from primitive ops; Candle's own fused `layer_norm` has no
+/// backward). Statistics are computed in at least f32 (see [`stat_dtype`]); the output has the
+/// input's dtype.
 #[derive(Clone, Debug)]
 pub struct LayerNorm {
     /// Scale `[C]`.
@@ -49,21 +65,20 @@ impl LayerNorm {
         LayerNorm { weight, bias, eps }
     }
 
+    /// The epsilon added to the variance.
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+
     /// Normalises `x` and applies the affine transform, computing in `ctx.dtype`.
     pub fn forward_ctx(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        let dtype = x.dtype();
-        let x = x.to_dtype(stat_dtype(dtype))?;
-        let mean = x.mean_keepdim(D::Minus1)?;
-        let xc = x.broadcast_sub(&mean)?;
-        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-        let xhat = xc
-            .broadcast_div(&(var + self.eps)?.sqrt()?)?
-            .to_dtype(dtype)?;
-        let y = xhat.broadcast_mul(&self.weight.to_dtype(ctx.dtype)?)?;
-        match &self.bias {
-            Some(b) => y.broadcast_add(&b.to_dtype(ctx.dtype)?),
-            None => Ok(y),
-        }
+        let w = self.weight.to_dtype(x.dtype())?;
+        let b = self
+            .bias
+            .as_ref()
+            .map(|b| b.to_dtype(x.dtype()))
+            .transpose()?;
+        ctx.kernels.layer_norm(x, &w, b.as_ref(), self.eps)
     }
 }
 
@@ -84,15 +99,19 @@ pub fn causal_mask(t: usize, device: &Device) -> candle_core::Result<Tensor> {
     Tensor::from_vec(mask, (t, t), device)
 }
 
-/// Inverted dropout with a mask drawn from a host RNG seeded by `(ctx.seed, site)`.
+/// Inverted dropout at dropout site `site`, with the kernels of `ctx` (Philox masks for the
+/// fused kernels, ChaCha host masks for the reference ones).
 ///
-/// The same `(seed, site)` and shape always give the same mask, on every device. Returns `x`
-/// unchanged when not training or when `p == 0`.
+/// The same `(ctx.seed, site)` and shape always give the same mask, on every device. Returns
+/// `x` unchanged when not training or when `p == 0`.
 pub fn dropout(x: &Tensor, p: f32, ctx: &Ctx, site: u64) -> candle_core::Result<Tensor> {
-    if !ctx.train || p == 0.0 {
-        return Ok(x.clone());
-    }
-    let mut rng = ChaCha8Rng::seed_from_u64(ctx.seed);
+    ctx.kernels.dropout(x, p, ctx, site)
+}
+
+/// The reference path's dropout: a mask drawn element by element from a host ChaCha8 stream
+/// seeded by `(seed, site)`.
+pub fn chacha_dropout(x: &Tensor, p: f32, seed: u64, site: u64) -> candle_core::Result<Tensor> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
     rng.set_stream(site);
     let keep = 1.0 / (1.0 - p);
     let n = x.elem_count();

@@ -10,13 +10,15 @@
 //! a recomputed block (activation checkpointing) sees the same masks as the forward pass.
 
 mod config;
+mod kernels;
 mod layers;
 mod params;
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 
 pub use config::GptConfig;
-pub use layers::{causal_mask, dropout, stat_dtype, Conv1D, LayerNorm};
+pub use kernels::Kernels;
+pub use layers::{causal_mask, chacha_dropout, dropout, stat_dtype, Conv1D, LayerNorm};
 pub use params::Params;
 
 use crate::Result;
@@ -24,7 +26,7 @@ use crate::Result;
 /// LayerNorm epsilon of GPT-2.
 pub const LN_EPS: f64 = 1e-5;
 
-/// Per-call forward context: training mode, dropout seed and compute dtype.
+/// Per-call forward context: training mode, dropout seed, compute dtype and kernels.
 ///
 /// Dropout masks are a pure function of `(seed, site)`, where the site is fixed per dropout
 /// location in the network. The trainer derives `seed` from the run seed and the step, so a run
@@ -39,6 +41,8 @@ pub struct Ctx {
     /// Dtype of the computation (weights are cast to it at use, so f32 master weights receive
     /// f32 gradients). Softmax, LayerNorm statistics and the loss always run in f32.
     pub dtype: DType,
+    /// Which implementation of the ops runs (fused kernels by default).
+    pub kernels: Kernels,
 }
 
 impl Ctx {
@@ -48,6 +52,7 @@ impl Ctx {
             train: false,
             seed: 0,
             dtype: DType::F32,
+            kernels: Kernels::Fused,
         }
     }
 
@@ -57,12 +62,18 @@ impl Ctx {
             train: true,
             seed,
             dtype: DType::F32,
+            kernels: Kernels::Fused,
         }
     }
 
     /// The same context with another compute dtype.
     pub fn with_dtype(self, dtype: DType) -> Self {
         Ctx { dtype, ..self }
+    }
+
+    /// The same context with other kernels.
+    pub fn with_kernels(self, kernels: Kernels) -> Self {
+        Ctx { kernels, ..self }
     }
 }
 
@@ -88,7 +99,7 @@ impl Embed {
         let tok = wte.embedding(&idx.flatten_all()?)?.reshape((b, t, ()))?;
         let pos = self.wpe.narrow(0, 0, t)?.to_dtype(ctx.dtype)?;
         let x = tok.broadcast_add(&pos)?;
-        dropout(&x, self.dropout, ctx, 0)
+        ctx.kernels.dropout(&x, self.dropout, ctx, 0)
     }
 }
 
@@ -107,26 +118,12 @@ pub struct CausalSelfAttention {
 impl CausalSelfAttention {
     /// `[B, T, C] -> [B, T, C]`.
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        let (b, t, c) = x.dims3()?;
-        let hd = c / self.n_head;
         let qkv = self.c_attn.forward_ctx(x, ctx)?;
-        let heads = |i: usize| -> candle_core::Result<Tensor> {
-            qkv.narrow(D::Minus1, i * c, c)?
-                .reshape((b, t, self.n_head, hd))?
-                .transpose(1, 2)?
-                .contiguous()
-        };
-        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let att = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-        let sd = stat_dtype(att.dtype());
-        let att = att
-            .to_dtype(sd)?
-            .broadcast_add(&causal_mask(t, x.device())?.to_dtype(sd)?)?;
-        let att = candle_nn::ops::softmax(&att, D::Minus1)?.to_dtype(ctx.dtype)?;
-        let att = dropout(&att, self.dropout, ctx, self.site)?;
-        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?;
+        let y = ctx
+            .kernels
+            .causal_attention(&qkv, self.n_head, self.dropout, ctx, self.site)?;
         let y = self.c_proj.forward_ctx(&y, ctx)?;
-        dropout(&y, self.dropout, ctx, self.site + 1)
+        ctx.kernels.dropout(&y, self.dropout, ctx, self.site + 1)
     }
 }
 
@@ -144,9 +141,9 @@ pub struct Mlp {
 impl Mlp {
     /// `[B, T, C] -> [B, T, C]`.
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        let h = self.c_fc.forward_ctx(x, ctx)?.gelu()?;
+        let h = self.c_fc.forward_gelu(x, ctx)?;
         let y = self.c_proj.forward_ctx(&h, ctx)?;
-        dropout(&y, self.dropout, ctx, self.site)
+        ctx.kernels.dropout(&y, self.dropout, ctx, self.site)
     }
 }
 
@@ -185,7 +182,7 @@ impl Head {
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         let x = self.ln_f.forward_ctx(x, ctx)?;
         let w = self.wte.to_dtype(ctx.dtype)?;
-        let logits = x.broadcast_matmul(&w.t()?)?;
+        let logits = ctx.kernels.linear(&x, &w.t()?, None)?;
         logits.to_dtype(stat_dtype(logits.dtype()))
     }
 }
@@ -294,6 +291,57 @@ impl Gpt {
         })
     }
 
+    /// The model with every weight cast to `dtype` (differentiably: gradients flow back to the
+    /// original, e.g. f32 master, weights). The trainer calls this once per step, so the
+    /// forward and a remat recompute use the cast weights instead of casting at every use.
+    /// Free (a clone of the handles) when the weights already have `dtype`.
+    pub fn to_dtype(&self, dtype: DType) -> candle_core::Result<Self> {
+        let ln = |l: &LayerNorm| -> candle_core::Result<LayerNorm> {
+            Ok(LayerNorm::new(
+                l.weight.to_dtype(dtype)?,
+                l.bias.as_ref().map(|b| b.to_dtype(dtype)).transpose()?,
+                l.eps(),
+            ))
+        };
+        let conv = |c: &Conv1D| -> candle_core::Result<Conv1D> {
+            Ok(Conv1D::new(
+                c.weight.to_dtype(dtype)?,
+                c.bias.as_ref().map(|b| b.to_dtype(dtype)).transpose()?,
+            ))
+        };
+        let wte = self.embed.wte.to_dtype(dtype)?;
+        let mut blocks = Vec::with_capacity(self.blocks.len());
+        for b in &self.blocks {
+            blocks.push(Block {
+                ln_1: ln(&b.ln_1)?,
+                attn: CausalSelfAttention {
+                    c_attn: conv(&b.attn.c_attn)?,
+                    c_proj: conv(&b.attn.c_proj)?,
+                    ..b.attn.clone()
+                },
+                ln_2: ln(&b.ln_2)?,
+                mlp: Mlp {
+                    c_fc: conv(&b.mlp.c_fc)?,
+                    c_proj: conv(&b.mlp.c_proj)?,
+                    ..b.mlp.clone()
+                },
+            });
+        }
+        Ok(Gpt {
+            config: self.config.clone(),
+            embed: Embed {
+                wte: wte.clone(),
+                wpe: self.embed.wpe.to_dtype(dtype)?,
+                dropout: self.embed.dropout,
+            },
+            blocks,
+            head: Head {
+                ln_f: ln(&self.head.ln_f)?,
+                wte,
+            },
+        })
+    }
+
     /// Token ids `[B, T]` (u32, `T <= block_size`) to logits `[B, T, vocab_size]` (f32).
     pub fn forward(&self, idx: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         let mut x = self.embed.forward(idx, ctx)?;
@@ -305,31 +353,16 @@ impl Gpt {
 }
 
 /// Mean cross-entropy of `logits [B, T, V]` against `targets [B, T]` (u32), computed in at
-/// least f32.
+/// least f32, with the fused kernel (see [`Kernels::cross_entropy`] for the choice).
 ///
 /// With a `mask [B, T]` (1.0 where the target counts, 0.0 elsewhere) the mean runs over the
-/// counted positions only.
+/// counted positions only; an all-zero mask gives 0.
 pub fn cross_entropy(
     logits: &Tensor,
     targets: &Tensor,
     mask: Option<&Tensor>,
 ) -> candle_core::Result<Tensor> {
-    let v = logits.dim(D::Minus1)?;
-    let logits = logits
-        .to_dtype(stat_dtype(logits.dtype()))?
-        .reshape(((), v))?;
-    let targets = targets.flatten_all()?;
-    let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-    let nll = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?.neg()?;
-    match mask {
-        None => nll.mean_all(),
-        Some(mask) => {
-            let mask = mask.flatten_all()?.to_dtype(logp.dtype())?;
-            // An all-zero mask gives loss 0 (and zero gradients), not 0/0.
-            let count = mask.sum_all()?.maximum(1.0)?;
-            (nll * &mask)?.sum_all()?.broadcast_div(&count)
-        }
-    }
+    Kernels::Fused.cross_entropy(logits, targets, mask)
 }
 
 impl Module for Gpt {

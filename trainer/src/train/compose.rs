@@ -6,7 +6,7 @@ use candle_core::DType;
 use candle_remat::{BlockCost, ChainCosts, Plan, Policy};
 
 use crate::config::TrainConfig;
-use crate::model::{GptConfig, Params};
+use crate::model::{GptConfig, Kernels, Params};
 use crate::{Error, Result};
 
 /// Parses a byte count: `1048576`, `512KiB`, `64MiB`, `2GiB` (also `K`, `M`, `G`, `KB`, ...,
@@ -57,10 +57,21 @@ pub fn parse_remat(s: &str) -> Result<Policy> {
 }
 
 /// Estimated costs of the GPT's block chain for one micro-batch, for the planner: the bytes
-/// Candle keeps alive for a block's backward (counted from the ops in [`crate::model::Block`]:
-/// about 16 `[B, T, C]` tensors incl. the 4x MLP, and 3-4 `[B, H, T, T]` attention tensors),
-/// its output, and a relative compute cost proportional to its FLOPs.
-pub fn gpt_chain_costs(cfg: &GptConfig, batch: usize, dtype: DType) -> ChainCosts {
+/// Candle keeps alive for a block's backward, its output, and a relative compute cost
+/// proportional to its FLOPs.
+///
+/// Counted from the ops in [`crate::model::Block`]. Reference kernels: about 16 `[B, T, C]`
+/// tensors incl. the 4x MLP, and 3-4 `[B, H, T, T]` attention tensors (scores, mask-add and
+/// softmax in f32, a dropout mask). Fused kernels: about 14 `[B, T, C]` tensors (LayerNorm
+/// inputs and outputs, qkv, attention output, the MLP's pre- and post-GELU activations,
+/// residuals) plus the attention's log-sum-exp, `[B, H, T]` f32; dropout masks are
+/// regenerated, not stored.
+pub fn gpt_chain_costs(
+    cfg: &GptConfig,
+    batch: usize,
+    dtype: DType,
+    kernels: Kernels,
+) -> ChainCosts {
     let (b, t, c, h) = (
         batch as u64,
         cfg.block_size as u64,
@@ -69,13 +80,18 @@ pub fn gpt_chain_costs(cfg: &GptConfig, batch: usize, dtype: DType) -> ChainCost
     );
     let size = dtype.size_in_bytes() as u64;
     let btc = b * t * c * size;
-    let att = b * h * t * t * 4; // scores, mask-add and softmax run in f32
-    let dropout_att = if cfg.dropout > 0.0 {
-        b * h * t * t * size
-    } else {
-        0
+    let act = match kernels {
+        Kernels::Reference => {
+            let att = b * h * t * t * 4; // scores, mask-add and softmax run in f32
+            let dropout_att = if cfg.dropout > 0.0 {
+                b * h * t * t * size
+            } else {
+                0
+            };
+            16 * btc + 3 * att + dropout_att
+        }
+        Kernels::Fused => 14 * btc + b * h * t * 4,
     };
-    let act = 16 * btc + 3 * att + dropout_att;
     let flops = 24 * b * t * c * c + 4 * b * t * t * c;
     let block = BlockCost {
         act_bytes: act,
@@ -91,7 +107,7 @@ pub fn remat_plan(config: &TrainConfig, gpt: &GptConfig, dtype: DType) -> Result
     if policy == Policy::None {
         return Ok(None);
     }
-    let costs = gpt_chain_costs(gpt, config.batch_size, dtype);
+    let costs = gpt_chain_costs(gpt, config.batch_size, dtype, config.kernels);
     let plan = policy
         .plan(&costs)
         .map_err(|e| Error::Config(format!("remat `{}`: {e}", config.remat)))?;

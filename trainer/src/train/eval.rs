@@ -5,7 +5,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::Trainer;
 use crate::data::{Split, Task};
-use crate::model::{cross_entropy, Ctx, Gpt};
+use crate::model::{Ctx, Gpt};
 use crate::sample::{generate, greedy_batch, SamplingConfig};
 use crate::Result;
 
@@ -18,8 +18,11 @@ pub fn estimate_loss(trainer: &Trainer, split: Split, rng: &mut ChaCha8Rng) -> R
             trainer
                 .data
                 .batch(split, cfg.batch_size, cfg.block_size, rng, &trainer.device)?;
-        let logits = trainer.model.forward(&batch.x, &Ctx::eval())?;
-        let loss = cross_entropy(&logits, &batch.y, batch.mask.as_ref())?;
+        let ctx = Ctx::eval().with_kernels(trainer.config.kernels);
+        let logits = trainer.model.forward(&batch.x, &ctx)?;
+        let loss = ctx
+            .kernels
+            .cross_entropy(&logits, &batch.y, batch.mask.as_ref())?;
         total += loss.to_scalar::<f32>()? as f64;
     }
     Ok((total / cfg.eval_iters as f64) as f32)

@@ -24,8 +24,8 @@ use crate::checkpoint::{self, RngState, TrainerState};
 use crate::config::TrainConfig;
 use crate::data::{DataSource, Split};
 use crate::metrics::{EvalStats, MetricsLog, Record, StepStats};
-use crate::model::{cross_entropy, Ctx, Gpt, Params};
-use crate::optim::{accumulate, clip_grad_norm, AdamW};
+use crate::model::{Ctx, Gpt, Params};
+use crate::optim::{accumulate, clip_coefficient, global_grad_norm, AdamW};
 use crate::schedule::LrSchedule;
 use crate::{Error, Result};
 
@@ -94,6 +94,7 @@ pub struct Trainer {
     amp: Option<Amp>,
     pipeline: Option<pipeline::PipelineRun>,
     schedule: LrSchedule,
+    peak_flops: f64,
     rng: ChaCha8Rng,
     step: usize,
     tokens_seen: u64,
@@ -110,7 +111,7 @@ impl Trainer {
         let device = parse_device(&config.device)?;
         let data = init::open_data(&config)?;
         let (model, params) = init::build_model(&config, data.as_ref(), &device)?;
-        let optimizer = AdamW::new(&params, config.adamw_config())?;
+        let optimizer = AdamW::new(&params, config.adamw_config())?.with_kernels(config.kernels);
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
         Self::assemble(config, device, data, model, params, optimizer, rng)
     }
@@ -136,7 +137,8 @@ impl Trainer {
         let data = init::open_data(&config)?;
         let (gpt_config, params) = checkpoint::load_model(&dir, &device)?;
         let model = Gpt::from_params(&gpt_config, &params)?;
-        let mut optimizer = AdamW::new(&params, config.adamw_config())?;
+        let mut optimizer =
+            AdamW::new(&params, config.adamw_config())?.with_kernels(config.kernels);
         checkpoint::load_optimizer(&dir, &mut optimizer, &device)?;
         let rng = state.rng.restore()?;
         let mut t = Self::assemble(config, device, data, model, params, optimizer, rng)?;
@@ -172,7 +174,15 @@ impl Trainer {
         rng: ChaCha8Rng,
     ) -> Result<Self> {
         let dtype = compose::parse_dtype(&config.dtype)?;
+        let peak_flops = if config.peak_flops > 0.0 {
+            config.peak_flops
+        } else {
+            // On a CPU, Candle's f16/bf16 GEMMs are not faster than f32: measure f32.
+            let peak_dtype = if device.is_cpu() { DType::F32 } else { dtype };
+            crate::mfu::measure_matmul_flops(&device, peak_dtype)?
+        };
         Ok(Trainer {
+            peak_flops,
             schedule: config.lr_schedule(),
             vars: params.vars(),
             plan: compose::remat_plan(&config, &model.config, dtype)?,
@@ -200,6 +210,11 @@ impl Trainer {
         self.plan.as_ref()
     }
 
+    /// The peak FLOP/s MFU is measured against (`peak_flops`, or a measured matmul ceiling).
+    pub fn peak_flops(&self) -> f64 {
+        self.peak_flops
+    }
+
     /// The mixed-precision state, if `dtype` is f16/bf16.
     pub fn amp(&self) -> Option<&Amp> {
         self.amp.as_ref()
@@ -220,7 +235,14 @@ impl Trainer {
             let scale = self.amp.as_ref().map_or(1.0, |a| a.scale());
             return pipe.forward_backward(x, y, mask, ctx.seed, weight * scale);
         }
-        let model = &self.model;
+        // Cast the weights to the compute dtype once per micro-batch, not at every use.
+        let cast;
+        let model = if ctx.dtype == DType::F32 {
+            &self.model
+        } else {
+            cast = self.model.to_dtype(ctx.dtype)?;
+            &cast
+        };
         let tape = Tape::new(ctx.seed);
         let mut h = model.embed.forward(x, ctx)?;
         match &self.plan {
@@ -232,7 +254,7 @@ impl Trainer {
             }
         }
         let logits = model.head.forward(&h, ctx)?;
-        let loss = cross_entropy(&logits, y, mask)?;
+        let loss = ctx.kernels.cross_entropy(&logits, y, mask)?;
         let value = loss.to_scalar::<f32>()?;
         let mut objective = (loss * weight)?;
         if let Some(amp) = &self.amp {
@@ -279,7 +301,9 @@ impl Trainer {
                 &mut self.rng,
                 &self.device,
             )?;
-            let ctx = Ctx::train(self.dropout_seed(micro)).with_dtype(self.dtype);
+            let ctx = Ctx::train(self.dropout_seed(micro))
+                .with_dtype(self.dtype)
+                .with_kernels(cfg.kernels);
             let (loss, g) = self.forward_backward(
                 &batch.x,
                 &batch.y,
@@ -320,14 +344,15 @@ impl Trainer {
                 }
             },
             None => {
-                let norm = clip_grad_norm(&mut grads, &self.vars, cfg.grad_clip)?;
+                let norm = global_grad_norm(&grads, &self.vars, cfg.kernels)?;
                 if !norm.is_finite() {
                     return Err(Error::NonFiniteGradient {
                         step: self.step + 1,
                         norm,
                     });
                 }
-                self.optimizer.apply(&grads)?;
+                let coef = clip_coefficient(norm, cfg.grad_clip);
+                self.optimizer.apply_scaled(&grads, coef)?;
                 (norm, None, false)
             }
         };
@@ -336,6 +361,13 @@ impl Trainer {
         self.tokens_seen += tokens;
         let secs = start.elapsed().as_secs_f64();
         self.elapsed_secs += secs;
+        let mfu = crate::mfu::mfu(
+            &self.model.config,
+            cfg.block_size,
+            tokens,
+            secs,
+            self.peak_flops,
+        );
         Ok(StepStats {
             step: self.step,
             loss,
@@ -344,6 +376,7 @@ impl Trainer {
             tokens_per_sec: tokens as f64 / secs.max(1e-9),
             step_ms: secs * 1e3,
             tokens_seen: self.tokens_seen,
+            mfu,
             loss_scale,
             skipped,
         })

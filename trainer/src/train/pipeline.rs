@@ -16,7 +16,7 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_pipeline::{split_by_params, Layer, Microbatches, Pipeline, Schedule};
 
 use crate::config::TrainConfig;
-use crate::model::{cross_entropy, Ctx, Gpt, Params};
+use crate::model::{Ctx, Gpt, Params};
 use crate::{Error, Result};
 
 /// A pipeline over the trainer's model, with its schedule.
@@ -79,10 +79,12 @@ impl PipelineRun {
         }
         let (schedule, v) = parse_schedule(&config.schedule, stages, config.microbatches)?;
         let seed = Arc::new(AtomicU64::new(0));
+        let kernels = config.kernels;
         let ctx_of = move |seed: &Arc<AtomicU64>| Ctx {
             train: true,
             seed: seed.load(Ordering::SeqCst),
             dtype,
+            kernels,
         };
         let mut layers = Vec::with_capacity(model.blocks.len() + 2);
         {
@@ -118,11 +120,15 @@ impl PipelineRun {
         }
         let perr = |e: candle_pipeline::PipelineError| Error::Config(format!("pipeline: {e}"));
         let stage_list = split_by_params(layers, virtual_stages).map_err(perr)?;
-        let mut pipe = Pipeline::new(stage_list, vec![device.clone(); stages], |logits, t| {
-            let y = t.i((.., .., 0))?.to_dtype(DType::U32)?;
-            let mask = t.i((.., .., 1))?;
-            cross_entropy(logits, &y, Some(&mask))
-        })
+        let mut pipe = Pipeline::new(
+            stage_list,
+            vec![device.clone(); stages],
+            move |logits, t| {
+                let y = t.i((.., .., 0))?.to_dtype(DType::U32)?;
+                let mask = t.i((.., .., 1))?;
+                kernels.cross_entropy(logits, &y, Some(&mask))
+            },
+        )
         .map_err(perr)?;
         if device.is_cpu() {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

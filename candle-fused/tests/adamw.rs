@@ -1,0 +1,335 @@
+//! Fused AdamW against the composite reference, fallback, thread independence, NaN handling,
+//! sum of squares / global norm / clip coefficient.
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_fused::adamw::{
+    adamw_composite, adamw_update, clip_coefficient, global_norm, sum_of_squares, AdamWStep,
+};
+use candle_fused::cpu;
+
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn normal_vec(&mut self, n: usize, std: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let s: f64 = (0..12)
+                    .map(|_| self.next() as f64 / (1u64 << 31) as f64)
+                    .sum();
+                (s - 6.0) as f32 * std
+            })
+            .collect()
+    }
+}
+
+fn randn(rng: &mut Lcg, shape: &[usize], std: f32) -> Result<Tensor> {
+    let n = shape.iter().product();
+    Ok(Tensor::from_vec(
+        rng.normal_vec(n, std),
+        shape,
+        &Device::Cpu,
+    )?)
+}
+
+fn v32(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+}
+
+/// |a - b| <= rel * |b| + rel * max|b| elementwise (NaN-aware: NaN only matches NaN).
+fn assert_close(a: &Tensor, b: &Tensor, rel: f32, what: &str) -> Result<()> {
+    let (a, b) = (v32(a)?, v32(b)?);
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        let ok = (x.is_nan() && y.is_nan()) || (x - y).abs() <= rel * (y.abs() + scale);
+        assert!(ok, "{what}: element {i}: {x} vs {y}");
+    }
+    Ok(())
+}
+
+fn step(step: usize, wd: f64, gs: f64) -> AdamWStep {
+    AdamWStep {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: wd,
+        step,
+        grad_scale: gs,
+    }
+}
+
+/// Runs `steps` fused steps and the composite reference side by side from the same start,
+/// comparing param, exp_avg and exp_avg_sq after every step.
+fn run_vs_composite(shape: &[usize], gdtype: DType, wd: f64, gs: f64, seed: u64) -> Result<()> {
+    let mut rng = Lcg(seed);
+    let p0 = randn(&mut rng, shape, 1.0)?;
+    let param = Var::from_tensor(&p0)?;
+    let m = p0.zeros_like()?;
+    let v = p0.zeros_like()?;
+    let (mut rp, mut rm, mut rv) = (p0.clone(), p0.zeros_like()?, p0.zeros_like()?);
+    // A second handle to the moments' storage: must see the in-place update.
+    let m_alias = m.clone();
+    for t in 1..=5 {
+        let g = randn(&mut rng, shape, 0.1)?.to_dtype(gdtype)?;
+        let s = step(t, wd, gs);
+        adamw_update(&param, &g, &m, &v, &s)?;
+        (rp, rm, rv) = adamw_composite(&rp, &g, &rm, &rv, &s)?;
+        // f32 rounding: the kernel performs the composite's operations in the same order, so
+        // it agrees to ~1 ulp; allow 1e-6 relative (plus 1e-6 of the tensor's max for values
+        // near 0).
+        let what = format!("{shape:?} {gdtype:?} wd={wd} gs={gs} step {t}");
+        assert_close(param.as_tensor(), &rp, 1e-6, &format!("param {what}"))?;
+        assert_close(&m, &rm, 1e-6, &format!("exp_avg {what}"))?;
+        assert_close(&v, &rv, 1e-6, &format!("exp_avg_sq {what}"))?;
+    }
+    assert_eq!(v32(&m_alias)?, v32(&m)?, "exp_avg updated in place");
+    assert!(v32(param.as_tensor())? != v32(&p0)?, "param changed");
+    Ok(())
+}
+
+#[test]
+fn fused_matches_composite() -> Result<()> {
+    let shapes: &[&[usize]] = &[&[1], &[7], &[33, 65], &[127, 3], &[4099], &[3, 5, 7]];
+    let mut seed = 1;
+    for shape in shapes {
+        for (wd, gs) in [(0.0, 1.0), (0.1, 1.0), (0.1, 0.37), (0.0, 2.5)] {
+            seed += 1;
+            run_vs_composite(shape, DType::F32, wd, gs, seed)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn low_and_high_precision_gradients() -> Result<()> {
+    for (i, dt) in [DType::BF16, DType::F16, DType::F64]
+        .into_iter()
+        .enumerate()
+    {
+        run_vs_composite(&[33, 65], dt, 0.1, 0.5, 100 + i as u64)?;
+        run_vs_composite(&[7], dt, 0.0, 1.0, 200 + i as u64)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn large_tensor_matches_composite() -> Result<()> {
+    // Crosses the parallel threshold.
+    run_vs_composite(&[3 * cpu::PAR_MIN_WORK + 7], DType::F32, 0.1, 0.8, 9)
+}
+
+#[test]
+fn fallback_matches_kernel() -> Result<()> {
+    let mut rng = Lcg(42);
+    let shape = [65, 33];
+    let p0 = randn(&mut rng, &shape, 1.0)?;
+    let grads: Vec<Tensor> = (0..3)
+        .map(|_| Ok(randn(&mut rng, &shape, 0.1)?.to_dtype(DType::BF16)?))
+        .collect::<Result<_>>()?;
+    let run = |force: bool| -> Result<Vec<Vec<f32>>> {
+        let prev = cpu::force_fallback(force);
+        let p = Var::from_tensor(&p0)?;
+        let (m, v) = (p0.zeros_like()?, p0.zeros_like()?);
+        for (t, g) in grads.iter().enumerate() {
+            adamw_update(&p, g, &m, &v, &step(t + 1, 0.1, 0.7))?;
+        }
+        cpu::force_fallback(prev);
+        Ok(vec![v32(p.as_tensor())?, v32(&m)?, v32(&v)?])
+    };
+    let (k, f) = (run(false)?, run(true)?);
+    for (a, b) in k.iter().zip(&f) {
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() <= 1e-6 * (1.0 + y.abs()), "{x} vs {y}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn identical_for_any_thread_count() -> Result<()> {
+    let n = 3 * cpu::PAR_MIN_WORK + 4097;
+    let mut rng = Lcg(7);
+    let p0 = randn(&mut rng, &[n], 1.0)?;
+    let g = randn(&mut rng, &[n], 0.1)?;
+    let g2 = randn(&mut rng, &[n], 0.1)?.to_dtype(DType::F16)?;
+    let mut results = Vec::new();
+    for threads in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()?;
+        results.push(pool.install(|| -> Result<_> {
+            let p = Var::from_tensor(&p0)?;
+            let (m, v) = (p0.zeros_like()?, p0.zeros_like()?);
+            adamw_update(&p, &g, &m, &v, &step(1, 0.1, 0.9))?;
+            adamw_update(&p, &g2, &m, &v, &step(2, 0.1, 0.9))?;
+            let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                Ok(v32(t)?.into_iter().map(f32::to_bits).collect())
+            };
+            let ss = sum_of_squares(&g)?.to_scalar::<f32>()?.to_bits();
+            Ok((bits(p.as_tensor())?, bits(&m)?, bits(&v)?, ss))
+        })?);
+    }
+    assert!(results[0] == results[1], "1 vs 2 threads");
+    assert!(results[0] == results[2], "1 vs 3 threads");
+    Ok(())
+}
+
+#[test]
+fn nan_gradient_poisons_only_its_element() -> Result<()> {
+    // A NaN gradient element makes m, v and the parameter NaN at that index only (every
+    // element is updated independently); +inf gives NaN there too (inf / inf).
+    let mut rng = Lcg(11);
+    let n = 1000;
+    for bad in [f32::NAN, f32::INFINITY] {
+        let i = 1 + rng.below(n - 1);
+        let p = Var::from_tensor(&randn(&mut rng, &[n], 1.0)?)?;
+        let (m, v) = (p.zeros_like()?, p.zeros_like()?);
+        let mut g = rng.normal_vec(n, 0.1);
+        g[i] = bad;
+        let g = Tensor::from_vec(g, n, &Device::Cpu)?;
+        adamw_update(&p, &g, &m, &v, &step(1, 0.1, 1.0))?;
+        let nan_at = |t: &Tensor| -> Result<Vec<usize>> {
+            Ok(v32(t)?
+                .iter()
+                .enumerate()
+                .filter(|(_, x)| !x.is_finite())
+                .map(|(j, _)| j)
+                .collect())
+        };
+        assert_eq!(nan_at(p.as_tensor())?, vec![i], "param, bad={bad}");
+        assert_eq!(nan_at(&m)?, vec![i], "exp_avg, bad={bad}");
+        assert_eq!(nan_at(&v)?, vec![i], "exp_avg_sq, bad={bad}");
+        assert!(v32(p.as_tensor())?[i].is_nan());
+    }
+    Ok(())
+}
+
+/// Asserts that `r` is an error whose message contains `what`.
+fn fails_with(r: candle_core::Result<()>, what: &str) {
+    match r {
+        Ok(()) => panic!("expected an error about {what:?}"),
+        Err(e) => assert!(e.to_string().contains(what), "{what:?} not in {e}"),
+    }
+}
+
+#[test]
+fn argument_errors() -> Result<()> {
+    let dev = Device::Cpu;
+    let p = Var::zeros((2, 3), DType::F32, &dev)?;
+    let z = p.zeros_like()?;
+    let fresh = || p.zeros_like();
+    let ok = step(1, 0.0, 1.0);
+    adamw_update(&p, &z, &fresh()?, &fresh()?, &ok)?;
+    // Operands sharing storage are rejected before anything is written.
+    let m = Tensor::ones((2, 3), DType::F32, &dev)?;
+    fails_with(adamw_update(&p, &z, &m, &m.clone(), &ok), "share storage");
+    fails_with(adamw_update(&p, &z, &z.clone(), &m, &ok), "share storage");
+    assert_eq!(v32(&m)?, vec![1.0; 6], "nothing written");
+    let g_bad = Tensor::zeros((3, 2), DType::F32, &dev)?;
+    fails_with(
+        adamw_update(&p, &g_bad, &m, &fresh()?, &ok),
+        "grad has shape",
+    );
+    let m64 = Tensor::zeros((2, 3), DType::F64, &dev)?;
+    fails_with(
+        adamw_update(&p, &z, &m64, &fresh()?, &ok),
+        "exp_avg must be f32",
+    );
+    let p64 = Var::zeros((2, 3), DType::F64, &dev)?;
+    fails_with(
+        adamw_update(&p64, &m64, &m, &fresh()?, &ok),
+        "param must be f32",
+    );
+    let gi = Tensor::zeros((2, 3), DType::U32, &dev)?;
+    fails_with(
+        adamw_update(&p, &gi, &m, &fresh()?, &ok),
+        "grad must be a float",
+    );
+    let mt = Tensor::zeros((3, 2), DType::F32, &dev)?.t()?;
+    fails_with(adamw_update(&p, &z, &mt, &fresh()?, &ok), "contiguous");
+    for (bad, msg) in [
+        (AdamWStep { step: 0, ..ok }, "1-based"),
+        (AdamWStep { beta1: 1.0, ..ok }, "betas"),
+        (AdamWStep { beta2: -0.1, ..ok }, "betas"),
+        (AdamWStep { lr: f64::NAN, ..ok }, ">= 0"),
+        (AdamWStep { eps: -1.0, ..ok }, ">= 0"),
+    ] {
+        fails_with(adamw_update(&p, &z, &m, &fresh()?, &bad), msg);
+    }
+    // A strided gradient is accepted (copied first).
+    let gt = Tensor::ones((3, 2), DType::F32, &dev)?.t()?;
+    let (m, v) = (fresh()?, fresh()?);
+    adamw_update(&p, &gt, &m, &v, &ok)?;
+    assert!(v32(&m)?.iter().all(|&x| (x - 0.1).abs() < 1e-7));
+    Ok(())
+}
+
+#[test]
+fn sum_of_squares_and_global_norm() -> Result<()> {
+    let mut rng = Lcg(5);
+    let a = randn(&mut rng, &[33, 65], 1.0)?;
+    let b = randn(&mut rng, &[3 * cpu::PAR_MIN_WORK + 5], 0.5)?;
+    let c = randn(&mut rng, &[7], 2.0)?.to_dtype(DType::BF16)?;
+    let exact =
+        |t: &Tensor| -> Result<f64> { Ok(v32(t)?.iter().map(|&x| (x as f64) * (x as f64)).sum()) };
+    // f64 accumulation, rounded once to f32: ~1e-7 relative (allow 1e-6).
+    for t in [&a, &b, &c] {
+        let s = sum_of_squares(t)?;
+        assert_eq!(s.dtype(), DType::F32);
+        assert_eq!(s.rank(), 0);
+        let (got, want) = (s.to_scalar::<f32>()? as f64, exact(t)?);
+        assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
+    }
+    let f64t = a.to_dtype(DType::F64)?;
+    let got = sum_of_squares(&f64t)?.to_scalar::<f32>()? as f64;
+    assert!((got - exact(&a)?).abs() <= 1e-6 * got);
+    // Fallback path.
+    let prev = cpu::force_fallback(true);
+    let fb = sum_of_squares(&b)?.to_scalar::<f32>()? as f64;
+    cpu::force_fallback(prev);
+    assert!((fb - exact(&b)?).abs() <= 1e-5 * fb, "fallback {fb}");
+
+    let want = (exact(&a)? + exact(&b)? + exact(&c)?).sqrt();
+    let got = global_norm(&[&a, &b, &c])? as f64;
+    assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
+    assert_eq!(global_norm(&[])?, 0.0);
+
+    // NaN or +inf at a random index of the second tensor: a non-finite norm.
+    let n = b.elem_count();
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut vals = v32(&b)?;
+        let i = 1 + rng.below(n - 1);
+        vals[i] = bad;
+        let bb = Tensor::from_vec(vals, n, &Device::Cpu)?;
+        let norm = global_norm(&[&a, &bb, &c])?;
+        assert!(!norm.is_finite(), "bad={bad}: {norm}");
+        if bad.is_nan() {
+            assert!(norm.is_nan());
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn clip_coefficient_like_pytorch() {
+    assert_eq!(clip_coefficient(0.5, 1.0), 1.0);
+    // Like PyTorch, the 1e-6 makes a norm equal to max_norm clip very slightly.
+    assert_eq!(clip_coefficient(1.0, 1.0), 1.0 / (1.0 + 1e-6));
+    let c = clip_coefficient(10.0, 1.0);
+    assert!((c - 1.0 / (10.0 + 1e-6)).abs() < 1e-15, "{c}");
+    assert_eq!(clip_coefficient(10.0, 0.0), 1.0);
+    assert_eq!(clip_coefficient(10.0, -1.0), 1.0);
+    assert_eq!(clip_coefficient(f32::INFINITY, 1.0), 0.0);
+    assert!(clip_coefficient(f32::NAN, 1.0).is_nan());
+}

@@ -1,0 +1,337 @@
+//! Dropout: kernel vs composite (bit for bit), fallback, thread independence, backward,
+//! statistics, key handling, NaN, 16-bit types.
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_fused::cpu;
+use candle_fused::dropout::{dropout, dropout_composite, dropout_mask};
+use candle_fused::RngKey;
+
+/// A seeded LCG (no global RNG state, reproducible).
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn normal_vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let s: f64 = (0..12)
+                    .map(|_| self.next() as f64 / (1u64 << 31) as f64)
+                    .sum();
+                (s - 6.0) as f32
+            })
+            .collect()
+    }
+}
+
+fn rand_tensor(rng: &mut Lcg, shape: &[usize], dtype: DType) -> Result<Tensor> {
+    let n = shape.iter().product();
+    Ok(Tensor::from_vec(rng.normal_vec(n), shape, &Device::Cpu)?.to_dtype(dtype)?)
+}
+
+/// The bits of every element, widened to f64 (exact for every float dtype, keeps -0 and
+/// NaN distinct from 0).
+fn bits(t: &Tensor) -> Result<Vec<u64>> {
+    Ok(t.flatten_all()?
+        .to_dtype(DType::F64)?
+        .to_vec1::<f64>()?
+        .into_iter()
+        .map(|v| if v.is_nan() { u64::MAX } else { v.to_bits() })
+        .collect())
+}
+
+/// Values widened to f64, compared with `==` except that NaN equals NaN (for gradients:
+/// Candle accumulates gradients onto zeros, which turns -0 into +0).
+fn same_values(a: &Tensor, b: &Tensor, what: &str) -> Result<()> {
+    let a = a.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+    let b = b.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    if let Some(i) = (0..a.len()).find(|&i| !(a[i] == b[i] || (a[i].is_nan() && b[i].is_nan()))) {
+        panic!("{what}: element {i}: {} vs {}", a[i], b[i]);
+    }
+    Ok(())
+}
+
+/// Bitwise equality with the first mismatch reported.
+fn same_bits(a: &Tensor, b: &Tensor, what: &str) -> Result<()> {
+    let (a, b) = (bits(a)?, bits(b)?);
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i]) {
+        panic!("{what}: element {i}: bits {:#x} vs {:#x}", a[i], b[i]);
+    }
+    Ok(())
+}
+
+fn f32s(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+}
+
+const SHAPES: &[&[usize]] = &[&[1], &[3, 7], &[33, 65], &[127, 3], &[2, 5, 129], &[4099]];
+
+#[test]
+fn kernel_equals_composite_bitwise() -> Result<()> {
+    // Both compute x * mask in x's dtype with the same scale: no tolerance at all.
+    let mut rng = Lcg(1);
+    for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+        for (si, shape) in SHAPES.iter().enumerate() {
+            for p in [0.1f32, 0.5, 0.9] {
+                let x = rand_tensor(&mut rng, shape, dtype)?;
+                let key = RngKey::new(0xfeed + si as u64, 3);
+                let a = dropout(&x, p, key)?;
+                let b = dropout_composite(&x, p, key)?;
+                assert_eq!(a.dtype(), dtype);
+                assert_eq!(a.dims(), x.dims());
+                same_bits(&a, &b, &format!("{dtype:?} {shape:?} p={p}"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn strided_input_uses_logical_indices() -> Result<()> {
+    let mut rng = Lcg(2);
+    let x = rand_tensor(&mut rng, &[17, 31], DType::F32)?.t()?;
+    assert!(!x.is_contiguous());
+    let key = RngKey::new(5, 5);
+    let a = dropout(&x, 0.3, key)?;
+    let b = dropout_composite(&x.contiguous()?, 0.3, key)?;
+    same_bits(&a, &b, "strided")?;
+    Ok(())
+}
+
+#[test]
+fn fallback_matches_kernel_values_and_grads() -> Result<()> {
+    let mut rng = Lcg(3);
+    for dtype in [DType::F32, DType::F64, DType::BF16] {
+        for shape in [&[7usize, 33][..], &[65, 127]] {
+            let x0 = rand_tensor(&mut rng, shape, dtype)?;
+            let w = rand_tensor(&mut rng, shape, dtype)?;
+            let key = RngKey::new(99, 1);
+            let run = |force: bool| -> Result<(Vec<u64>, Vec<u64>)> {
+                let prev = cpu::force_fallback(force);
+                let x = Var::from_tensor(&x0)?;
+                let y = dropout(&x, 0.25, key)?;
+                let g = (&y * &w)?.sum_all()?.backward()?;
+                let gx = g.get(&x).expect("grad of x").clone();
+                cpu::force_fallback(prev);
+                Ok((bits(&y)?, bits(&gx)?))
+            };
+            let (yk, gk) = run(false)?;
+            let (yf, gf) = run(true)?;
+            assert_eq!(yk, yf, "values {dtype:?} {shape:?}");
+            assert_eq!(gk, gf, "grads {dtype:?} {shape:?}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn identical_for_any_thread_count() -> Result<()> {
+    // Large enough for several parallel chunks (cpu::PAR_MIN_WORK is counted in elements x 16).
+    let n = 3 * cpu::PAR_MIN_WORK + 123;
+    let mut rng = Lcg(4);
+    let x = Var::from_tensor(&rand_tensor(&mut rng, &[n], DType::F32)?)?;
+    let key = RngKey::new(0x1234, 9);
+    let mut results = Vec::new();
+    for threads in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()?;
+        let (y, m, g) = pool.install(|| -> Result<_> {
+            let y = dropout(&x, 0.4, key)?;
+            let m = dropout_mask(n, 0.4, key, DType::F32, &Device::Cpu)?;
+            let g = y.sum_all()?.backward()?.get(&x).expect("grad").clone();
+            Ok((bits(&y)?, bits(&m)?, bits(&g)?))
+        })?;
+        results.push((y, m, g));
+    }
+    assert!(results[0] == results[1], "1 vs 2 threads");
+    assert!(results[0] == results[2], "1 vs 3 threads");
+    Ok(())
+}
+
+#[test]
+fn backward_is_the_mask() -> Result<()> {
+    let mut rng = Lcg(5);
+    for dtype in [DType::F32, DType::F64, DType::F16] {
+        let shape = [33, 65];
+        let x = Var::from_tensor(&rand_tensor(&mut rng, &shape, dtype)?)?;
+        let up = rand_tensor(&mut rng, &shape, dtype)?;
+        let key = RngKey::new(11, 2);
+        let y = dropout(&x, 0.3, key)?;
+        let grads = (&y * &up)?.sum_all()?.backward()?;
+        let gx = grads.get(&x).expect("grad");
+        assert_eq!(gx.dtype(), dtype);
+        let mask = dropout_mask(&shape, 0.3, key, dtype, &Device::Cpu)?;
+        // Exactly upstream * mask: the backward regenerates the forward's mask (up to the sign
+        // of zero, which Candle's gradient accumulation normalises).
+        same_values(gx, &(&up * &mask)?, &format!("{dtype:?}"))?;
+        // And the plain gradient of sum(y) is the mask itself.
+        let g1 = dropout(&x, 0.3, key)?.sum_all()?.backward()?;
+        same_bits(g1.get(&x).expect("grad"), &mask, "grad of sum")?;
+    }
+    Ok(())
+}
+
+#[test]
+fn finite_differences_f64() -> Result<()> {
+    // The op is linear in x, so central differences of a random functional are exact up to
+    // f64 rounding: tolerance 1e-8 relative.
+    let mut rng = Lcg(6);
+    let shape = [7, 13];
+    let x0 = rand_tensor(&mut rng, &shape, DType::F64)?;
+    let w = rand_tensor(&mut rng, &shape, DType::F64)?;
+    let key = RngKey::new(3, 3);
+    let f = |x: &Tensor| -> Result<f64> {
+        Ok((dropout(x, 0.5, key)? * &w)?
+            .sum_all()?
+            .to_scalar::<f64>()?)
+    };
+    let x = Var::from_tensor(&x0)?;
+    let g = f64s(
+        (dropout(&x, 0.5, key)? * &w)?
+            .sum_all()?
+            .backward()?
+            .get(&x)
+            .expect("grad"),
+    )?;
+    let n = shape.iter().product::<usize>();
+    let h = 1e-4;
+    for _ in 0..10 {
+        let i = rng.below(n);
+        let mut e = vec![0f64; n];
+        e[i] = h;
+        let e = Tensor::from_vec(e, &shape, &Device::Cpu)?;
+        let fd = (f(&(&x0 + &e)?)? - f(&(&x0 - &e)?)?) / (2.0 * h);
+        assert!(
+            (fd - g[i]).abs() <= 1e-8 * (1.0 + g[i].abs()),
+            "{fd} vs {}",
+            g[i]
+        );
+    }
+    Ok(())
+}
+
+fn f64s(t: &Tensor) -> Result<Vec<f64>> {
+    Ok(t.flatten_all()?.to_vec1::<f64>()?)
+}
+
+#[test]
+fn drop_rate_and_scale() -> Result<()> {
+    // 100k Bernoulli(p) draws: standard deviation of the rate <= 0.0016, tolerance 0.008 (5 sd).
+    let n = 100_000;
+    for p in [0.1f32, 0.5] {
+        let m = f32s(&dropout_mask(
+            n,
+            p,
+            RngKey::new(2024, 4),
+            DType::F32,
+            &Device::Cpu,
+        )?)?;
+        let scale = (1.0 / (1.0 - p as f64)) as f32;
+        let dropped = m.iter().filter(|&&v| v == 0.0).count();
+        assert_eq!(
+            m.iter().filter(|&&v| v == scale).count(),
+            n - dropped,
+            "values are 0 or 1/(1-p)"
+        );
+        let rate = dropped as f64 / n as f64;
+        assert!((rate - p as f64).abs() < 0.008, "p={p}: drop rate {rate}");
+        // Mean of the mask ~ 1 (inverted dropout keeps the expectation).
+        let mean = m.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
+        assert!((mean - 1.0).abs() < 0.02, "p={p}: mean {mean}");
+    }
+    Ok(())
+}
+
+#[test]
+fn same_key_recomputes_other_keys_differ() -> Result<()> {
+    let mut rng = Lcg(7);
+    let x = rand_tensor(&mut rng, &[64, 64], DType::F32)?;
+    let key = RngKey::new(77, 5);
+    let a = bits(&dropout(&x, 0.5, key)?)?;
+    // A "recompute" (e.g. activation checkpointing) with the same key: the same mask.
+    assert_eq!(a, bits(&dropout(&x, 0.5, key)?)?);
+    let differ = |other: Vec<u64>| a.iter().zip(&other).filter(|(u, v)| u != v).count();
+    let d_site = differ(bits(&dropout(&x, 0.5, RngKey::new(77, 6))?)?);
+    let d_seed = differ(bits(&dropout(&x, 0.5, RngKey::new(78, 5))?)?);
+    // Independent masks with p = 0.5 differ at ~half the 4096 positions.
+    assert!(d_site > 1500 && d_seed > 1500, "{d_site} {d_seed}");
+    Ok(())
+}
+
+#[test]
+fn nan_propagates_even_where_dropped() -> Result<()> {
+    let mut rng = Lcg(8);
+    let shape = [37, 41];
+    let n = 37 * 41;
+    let key = RngKey::new(8, 8);
+    let mask = f32s(&dropout_mask(&shape, 0.5, key, DType::F32, &Device::Cpu)?)?;
+    // One index that is kept and one that is dropped (both away from 0).
+    let pick = |rng: &mut Lcg, keep: bool| loop {
+        let i = 1 + rng.below(n - 1);
+        if (mask[i] != 0.0) == keep {
+            break i;
+        }
+    };
+    for keep in [true, false] {
+        let i = pick(&mut rng, keep);
+        let mut v = rng.normal_vec(n);
+        v[i] = f32::NAN;
+        let x = Var::from_tensor(&Tensor::from_vec(v, &shape, &Device::Cpu)?)?;
+        let y = dropout(&x, 0.5, key)?;
+        let out = f32s(&y)?;
+        // PyTorch semantics: x * mask, so NaN * 0 = NaN.
+        let nans: Vec<usize> = (0..n).filter(|&j| out[j].is_nan()).collect();
+        assert_eq!(nans, vec![i], "keep={keep}");
+        // The gradient wrt x is the mask: finite everywhere.
+        let g = f32s(y.sum_all()?.backward()?.get(&x).expect("grad"))?;
+        assert_eq!(g.iter().filter(|v| v.is_nan()).count(), 0);
+        assert_eq!(g, mask);
+    }
+    Ok(())
+}
+
+#[test]
+fn half_types_close_to_f32() -> Result<()> {
+    // 16-bit output = round(x16 * round(scale)): within 2 ulps of the f32 composite of the
+    // same 16-bit input (relative 2^-7 for bf16, 2^-10 for f16).
+    let mut rng = Lcg(9);
+    for (dtype, tol) in [(DType::BF16, 1.6e-2), (DType::F16, 2e-3)] {
+        let x = rand_tensor(&mut rng, &[65, 33], dtype)?;
+        let key = RngKey::new(1, 1);
+        let y = f32s(&dropout(&x, 0.3, key)?)?;
+        let r = f32s(&dropout_composite(&x.to_dtype(DType::F32)?, 0.3, key)?)?;
+        for (a, b) in y.iter().zip(&r) {
+            assert!((a - b).abs() <= tol * b.abs(), "{dtype:?}: {a} vs {b}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn p_validation_and_identity() -> Result<()> {
+    let x = Tensor::new(&[1f32, -2., 3.], &Device::Cpu)?;
+    let key = RngKey::new(0, 0);
+    for p in [1.0f32, 1.5, -0.1, f32::NAN] {
+        assert!(dropout(&x, p, key).is_err(), "p={p}");
+        assert!(
+            dropout_mask(3, p, key, DType::F32, &Device::Cpu).is_err(),
+            "p={p}"
+        );
+    }
+    assert!(dropout_mask(3, 0.5, key, DType::U32, &Device::Cpu).is_err());
+    // p == 0: x itself.
+    let y = dropout(&x, 0.0, key)?;
+    assert_eq!(y.id(), x.id());
+    Ok(())
+}
