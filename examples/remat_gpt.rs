@@ -1,4 +1,5 @@
-//! Training a small GPT with activation checkpointing (`candle-remat`).
+//! Training a small GPT with activation checkpointing (`candle-remat`) over fused attention and
+//! LayerNorm (`candle-fused`).
 //!
 //! `cargo run --release --example remat_gpt -- [none|sqrt|k<K>|budget<MiB>]`
 //!
@@ -9,8 +10,9 @@
 
 use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor, D};
+use candle_fused::attention::{attention, AttentionConfig};
+use candle_fused::norm::layer_norm;
 use candle_nn::{Optimizer, VarBuilder, VarMap};
-use candle_remat::ops::{attention::attention, layer_norm::layer_norm};
 use candle_remat::{BlockCost, ChainCosts, Plan, Policy, Tape};
 
 const VOCAB: usize = 64;
@@ -33,7 +35,7 @@ impl Ln {
         })
     }
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        layer_norm(x, &self.w, &self.b, 1e-5) // memory-lean LayerNorm (saves mean/rstd)
+        layer_norm(x, &self.w, Some(&self.b), 1e-5) // fused LayerNorm: saves mean/rstd
     }
 }
 
@@ -67,14 +69,10 @@ impl Block {
                 .transpose(1, 2)?
                 .contiguous()
         };
-        // memory-lean causal attention: keeps q, k, v and row statistics, not T x T
-        let y = attention(
-            &head(0)?,
-            &head(1)?,
-            &head(2)?,
-            1.0 / ((C / H) as f64).sqrt(),
-            true,
-        )?;
+        // fused causal attention (candle-fused): keeps q, k, v, the output and the row
+        // log-sum-exp, not T x T; its recompute under checkpointing is bit-identical
+        let att = AttentionConfig::causal().with_scale(1.0 / ((C / H) as f64).sqrt());
+        let y = attention(&head(0)?, &head(1)?, &head(2)?, &att)?;
         let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, C))?;
         let x = (x + candle_remat::dropout(&self.proj.forward(&y)?, 0.1)?)?;
         let h = self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?;

@@ -6,9 +6,11 @@
 //! - [`remat`]: activation checkpointing (`candle-remat`);
 //! - [`amp`]: mixed precision with loss scaling (`candle-amp`);
 //! - [`pipeline`]: pipeline parallelism (`candle-pipeline`);
+//! - [`fused`]: fused differentiable transformer ops (`candle-fused`);
 //! - [`trainer`]: models, data, optimiser, checkpoints and the `trainer` CLI.
 
 pub use candle_amp as amp;
+pub use candle_fused as fused;
 pub use candle_pipeline as pipeline;
 pub use candle_remat as remat;
 pub use trainer;

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_train::amp::{Amp, MasterWeights, ScalerConfig, WeightMode};
 use candle_train::pipeline::{Layer, LossReduction, Microbatches, Pipeline, Schedule, Stage};
 use candle_train::remat::{Policy, Tape};
-use candle_train::trainer::model::{cross_entropy, Ctx, Gpt, GptConfig, Params};
+use candle_train::trainer::model::{cross_entropy, Ctx, Gpt, GptConfig, Kernels, Params};
 use candle_train::trainer::optim::{AdamW, AdamWConfig};
 
 fn config(n_layer: usize, n_embd: usize) -> GptConfig {
@@ -146,20 +146,41 @@ fn remat_gpt_gradients_are_bit_identical_and_amp_steps_them() {
     let (model, params) = Gpt::new(&cfg, 7, &Device::Cpu).unwrap();
     let x = tokens(3, 8, cfg.vocab_size, 3);
     let y = tokens(3, 8, cfg.vocab_size, 4);
-    let ctx = Ctx::train(11);
-    let plain = cross_entropy(&model.forward(&x, &ctx).unwrap(), &y, None)
+    for kernels in [Kernels::Fused, Kernels::Reference] {
+        remat_is_bit_identical(&cfg, &model, &params, &x, &y, kernels);
+    }
+    amp_steps_remat_grads(&cfg, &model, &params, &x, &y);
+}
+
+/// Remat with dropout (fused: Philox masks regenerated in the recompute; reference: ChaCha)
+/// gives the gradients of plain backward bit for bit.
+fn remat_is_bit_identical(
+    cfg: &GptConfig,
+    model: &Gpt,
+    params: &Params,
+    x: &Tensor,
+    y: &Tensor,
+    kernels: Kernels,
+) {
+    let (x, y) = (x.clone(), y.clone());
+    let ctx = Ctx::train(11).with_kernels(kernels);
+    let plain = kernels
+        .cross_entropy(&model.forward(&x, &ctx).unwrap(), &y, None)
         .unwrap()
         .backward()
         .unwrap();
     for policy in [Policy::EveryK(1), Policy::EveryK(3), Policy::SqrtN] {
-        let costs = candle_train::trainer::train::compose::gpt_chain_costs(&cfg, 3, DType::F32);
+        let costs =
+            candle_train::trainer::train::compose::gpt_chain_costs(cfg, 3, DType::F32, kernels);
         let plan = policy.plan(&costs).unwrap();
         let tape = Tape::new(11);
         let h = model.embed.forward(&x, &ctx).unwrap();
         let h = plan
             .forward(&tape, &h, |i, h| model.blocks[i].forward(h, &ctx))
             .unwrap();
-        let loss = cross_entropy(&model.head.forward(&h, &ctx).unwrap(), &y, None).unwrap();
+        let loss = kernels
+            .cross_entropy(&model.head.forward(&h, &ctx).unwrap(), &y, None)
+            .unwrap();
         let grads = tape.backward(&loss).unwrap();
         for (name, var) in params.iter() {
             let a: Vec<f32> = plain
@@ -176,9 +197,12 @@ fn remat_gpt_gradients_are_bit_identical_and_amp_steps_them() {
                 .unwrap()
                 .to_vec1()
                 .unwrap();
-            assert_eq!(a, b, "{policy:?}: gradient of {name}");
+            assert_eq!(a, b, "{kernels} kernels, {policy:?}: gradient of {name}");
         }
     }
+}
+
+fn amp_steps_remat_grads(cfg: &GptConfig, model: &Gpt, params: &Params, x: &Tensor, y: &Tensor) {
     // candle-amp drives the trainer's AdamW (a candle_nn::Optimizer) from a remat GradStore.
     let weights = MasterWeights::new(
         params.iter().map(|(n, v)| (n.clone(), v.clone())),
@@ -187,7 +211,7 @@ fn remat_gpt_gradients_are_bit_identical_and_amp_steps_them() {
     )
     .unwrap();
     let mut amp = Amp::new(weights, ScalerConfig::none()).unwrap();
-    let mut opt = AdamW::new(&params, AdamWConfig::default()).unwrap();
+    let mut opt = AdamW::new(params, AdamWConfig::default()).unwrap();
     let before = params
         .tensor("transformer.h.0.mlp.c_fc.weight")
         .unwrap()
@@ -195,17 +219,18 @@ fn remat_gpt_gradients_are_bit_identical_and_amp_steps_them() {
         .unwrap();
     let ctx16 = Ctx::train(11).with_dtype(DType::BF16);
     let tape = Tape::new(11);
-    let h = model.embed.forward(&x, &ctx16).unwrap();
+    let h = model.embed.forward(x, &ctx16).unwrap();
     let h = Policy::SqrtN
         .plan(&candle_train::trainer::train::compose::gpt_chain_costs(
-            &cfg,
+            cfg,
             3,
             DType::BF16,
+            Kernels::Fused,
         ))
         .unwrap()
         .forward(&tape, &h, |i, h| model.blocks[i].forward(h, &ctx16))
         .unwrap();
-    let loss = cross_entropy(&model.head.forward(&h, &ctx16).unwrap(), &y, None).unwrap();
+    let loss = cross_entropy(&model.head.forward(&h, &ctx16).unwrap(), y, None).unwrap();
     let grads = tape.backward(&amp.scale_loss(&loss).unwrap()).unwrap();
     let outcome = amp.step(&mut opt, &grads).unwrap();
     assert!(outcome.is_applied(), "{outcome}");

@@ -24,7 +24,7 @@ static ALLOC: dhat::Alloc = dhat::Alloc;
 const B: usize = 8;
 const T: usize = 256;
 
-fn cfg(lean_attention: bool, lean_ln: bool) -> Cfg {
+fn cfg(fused_attention: bool, fused_ln: bool) -> Cfg {
     Cfg {
         vocab: 256,
         n_embd: 256,
@@ -32,8 +32,8 @@ fn cfg(lean_attention: bool, lean_ln: bool) -> Cfg {
         n_layer: 12,
         block: T,
         dropout: 0.0,
-        lean_attention,
-        lean_ln,
+        fused_attention,
+        fused_ln,
     }
 }
 
@@ -108,8 +108,8 @@ fn child_measure() -> anyhow::Result<()> {
 /// Child: run warm-up + timed steps of one case and print its figures.
 fn child_case(
     policy: &str,
-    lean_attention: bool,
-    lean_ln: bool,
+    fused_attention: bool,
+    fused_ln: bool,
     costs: &ChainCosts,
     steps: usize,
 ) -> anyhow::Result<()> {
@@ -118,7 +118,7 @@ fn child_case(
         .trim_backtraces(Some(1))
         .build();
     let dev = Device::Cpu;
-    let gpt = Gpt::new(0, cfg(lean_attention, lean_ln), DType::F32, &dev)?;
+    let gpt = Gpt::new(0, cfg(fused_attention, fused_ln), DType::F32, &dev)?;
     let (idx, tgt) = tokens(1, B, T, 256, &dev)?;
     let plan = parse_policy(policy).plan(costs)?;
     let param_bytes: u64 = gpt.vars().iter().map(|v| (v.elem_count() * 4) as u64).sum();
@@ -248,7 +248,14 @@ fn main() -> anyhow::Result<()> {
 
     let mut rows = vec![
         run_case("none", "none", false, false, &costs, steps)?,
-        run_case("lean attention op only", "none", true, false, &costs, steps)?,
+        run_case(
+            "fused attention op only",
+            "none",
+            true,
+            false,
+            &costs,
+            steps,
+        )?,
         run_case(
             "ckpt every block (EveryK(1))",
             "k1",
@@ -274,7 +281,7 @@ fn main() -> anyhow::Result<()> {
             steps,
         )?,
         run_case(
-            "EveryK(1) + lean attention + lean LN",
+            "EveryK(1) + fused attention + fused LN",
             "k1",
             true,
             true,

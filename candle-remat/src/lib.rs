@@ -6,13 +6,14 @@
 //!   as a tape: Candle's graph is private);
 //! * [`seed`]: deterministic recompute: per-segment seeds, [`dropout`], [`seeded_rng`];
 //! * [`policy`]: [`Policy`] (none, every-k, sqrt(N), byte budget), the DP planner and [`Plan`];
-//! * [`measure`]: [`measure_chain`], per-block costs for the planner;
-//! * [`ops`]: memory-lean attention, LayerNorm and GELU with their own backward.
+//! * [`measure`]: [`measure_chain`], per-block costs for the planner.
+//!
+//! Fused, memory-lean attention, LayerNorm and GELU (with their own backward) live in the
+//! `candle-fused` crate; they compose with checkpointing (their recompute is bit-identical).
 #![warn(missing_docs)]
 
 pub mod error;
 pub mod measure;
-pub mod ops;
 pub mod policy;
 pub mod seed;
 pub mod tape;

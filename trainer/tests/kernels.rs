@@ -2,7 +2,9 @@
 //! the same weights and tokens give the same logits, loss and parameter gradients.
 //!
 //! Tolerances: in f64 both paths compute the same function with different summation orders,
-//! so they agree to ~1e-12 relative (checked at 1e-9); in f32 the reordering costs a few ulps
+//! which alone agree to ~1e-13, but the reference path's GELU is Candle's `Tensor::gelu`, whose
+//! backward uses 6-digit constants (0.0356774, 0.797885): a relative error ~1e-7 in GELU's
+//! derivative, ~2e-9 in the gradients after it (checked at 1e-7); in f32 the reordering costs a few ulps
 //! per op through 2 blocks and the loss (checked at 2e-4 relative to each tensor's max). A
 //! missing or wrong backward term is off by O(1) and fails. Dropout is 0 here: the two paths
 //! draw their masks from different generators (Philox vs ChaCha), each tested on its own.
@@ -111,8 +113,8 @@ fn cfg(
 
 #[test]
 fn fused_equals_reference_f64() {
-    compare(&cfg(2, 2, 16, 7, 11, true), DType::F64, false, 1e-9);
-    compare(&cfg(1, 4, 32, 33, 65, false), DType::F64, true, 1e-9);
+    compare(&cfg(2, 2, 16, 7, 11, true), DType::F64, false, 1e-7);
+    compare(&cfg(1, 4, 32, 33, 65, false), DType::F64, true, 1e-7);
 }
 
 #[test]

@@ -1,8 +1,10 @@
-//! Test and bench support: a compact GPT written only with differentiable Candle ops.
+//! Test and bench support: a compact GPT written with differentiable Candle ops (optionally
+//! with candle-fused's fused attention and LayerNorm).
 #![allow(dead_code)]
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var, D};
-use candle_remat::ops::{attention, layer_norm};
+use candle_fused::attention::{attention, attention_composite, AttentionConfig};
+use candle_fused::norm::{layer_norm, layer_norm_composite};
 use candle_remat::{Plan, Tape};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -46,10 +48,10 @@ pub struct Cfg {
     pub block: usize,
     /// Dropout on attention output and MLP output (inside blocks) and on the embeddings (glue).
     pub dropout: f64,
-    /// Use the memory-lean attention op instead of the composite expression.
-    pub lean_attention: bool,
-    /// Use the memory-lean LayerNorm op.
-    pub lean_ln: bool,
+    /// Use candle-fused's fused attention op instead of its composite expression.
+    pub fused_attention: bool,
+    /// Use candle-fused's fused LayerNorm op instead of its composite expression.
+    pub fused_ln: bool,
 }
 
 impl Cfg {
@@ -61,8 +63,8 @@ impl Cfg {
             n_layer,
             block,
             dropout: 0.1,
-            lean_attention: false,
-            lean_ln: false,
+            fused_attention: false,
+            fused_ln: false,
         }
     }
 }
@@ -81,11 +83,11 @@ pub struct Block {
     pub cfg: Cfg,
 }
 
-fn ln(x: &Tensor, p: &(Var, Var), lean: bool) -> Result<Tensor> {
-    if lean {
-        layer_norm::layer_norm(x, p.0.as_tensor(), p.1.as_tensor(), 1e-5)
+fn ln(x: &Tensor, p: &(Var, Var), fused: bool) -> Result<Tensor> {
+    if fused {
+        layer_norm(x, p.0.as_tensor(), Some(p.1.as_tensor()), 1e-5)
     } else {
-        layer_norm::layer_norm_composite(x, p.0.as_tensor(), p.1.as_tensor(), 1e-5)
+        layer_norm_composite(x, p.0.as_tensor(), Some(p.1.as_tensor()), 1e-5)
     }
 }
 
@@ -155,7 +157,7 @@ impl Block {
         let h = self.cfg.n_head;
         let hd = c / h;
         let qkv = linear(
-            &ln(x, &self.ln1, self.cfg.lean_ln)?,
+            &ln(x, &self.ln1, self.cfg.fused_ln)?,
             &self.attn_w,
             &self.attn_b,
         )?;
@@ -166,18 +168,23 @@ impl Block {
                 .contiguous()
         };
         let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-        let scale = 1.0 / (hd as f64).sqrt();
-        let y = if self.cfg.lean_attention {
-            attention::attention(&q, &k, &v, scale, true)?
+        let att = AttentionConfig::causal().with_scale(1.0 / (hd as f64).sqrt());
+        let y = if self.cfg.fused_attention {
+            attention(&q, &k, &v, &att)?
         } else {
-            attention::attention_composite(&q, &k, &v, scale, true)?
+            attention_composite(&q, &k, &v, &att)?
         };
         let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, c))?;
         drop_in_block(&linear(&y, &self.proj_w, &self.proj_b)?, self.cfg.dropout)
     }
 
     pub fn mlp(&self, x: &Tensor) -> Result<Tensor> {
-        let h = linear(&ln(x, &self.ln2, self.cfg.lean_ln)?, &self.fc_w, &self.fc_b)?.gelu()?;
+        let h = linear(
+            &ln(x, &self.ln2, self.cfg.fused_ln)?,
+            &self.fc_w,
+            &self.fc_b,
+        )?
+        .gelu()?;
         drop_in_block(&linear(&h, &self.fc2_w, &self.fc2_b)?, self.cfg.dropout)
     }
 }

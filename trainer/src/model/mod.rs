@@ -309,7 +309,9 @@ impl Gpt {
                 c.bias.as_ref().map(|b| b.to_dtype(dtype)).transpose()?,
             ))
         };
-        let wte = self.embed.wte.to_dtype(dtype)?;
+        // The tied embedding is cast once per link (embed, head): each link owns its cast, so
+        // the two gradient contributions reach the f32 weight as two f32 terms, in the same
+        // order in a plain backward and in a remat tape's separate passes (bit-identical).
         let mut blocks = Vec::with_capacity(self.blocks.len());
         for b in &self.blocks {
             blocks.push(Block {
@@ -330,14 +332,14 @@ impl Gpt {
         Ok(Gpt {
             config: self.config.clone(),
             embed: Embed {
-                wte: wte.clone(),
+                wte: self.embed.wte.to_dtype(dtype)?,
                 wpe: self.embed.wpe.to_dtype(dtype)?,
                 dropout: self.embed.dropout,
             },
             blocks,
             head: Head {
                 ln_f: ln(&self.head.ln_f)?,
-                wte,
+                wte: self.head.wte.to_dtype(dtype)?,
             },
         })
     }
