@@ -17,8 +17,7 @@ fn main() -> anyhow::Result<()> {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(60);
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tinyshakespeare.txt");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tinyshakespeare.txt");
     let data = Data::load(&path);
     println!("data: {}", data.source);
     let dev = Device::Cpu;
