@@ -9,8 +9,8 @@ as nanoGPT), the same data (bytes or characters of data/tinyshakespeare.txt), th
 
 Prints, per config, the median step time after warm-up, tokens/s, MFU (nanoGPT's FLOP count
 over a matmul ceiling measured here the same way as the Rust bench: f32 1024^3) and the peak
-memory of live tensors during a step (PyTorch's profiler memory events, plus the tensors alive
-before the step: weights and optimiser state).
+memory of live tensors during a step (PyTorch's profiler memory timeline: weights, gradients,
+optimiser state, activations), and the process's peak RSS so far (cumulative over configs).
 
     python3 bench/torch_step.py                  # every config
     python3 bench/torch_step.py --only baby-gpt --steps 20
@@ -111,21 +111,24 @@ def load(kind):
 
 
 def peak_step_bytes(step):
-    """Highest sum of live tensor bytes during `step()`, from the profiler's memory events."""
+    """Highest sum of live tensor bytes during `step()`, from the profiler's memory timeline
+    (every tensor the step touches: weights, gradients, optimiser state, activations)."""
+    import json
+    import tempfile
+    import warnings
+
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
         step()
-    events = [
-        (e.time_range.start, e.cpu_memory_usage)
-        for e in prof.events()
-        if e.name == "[memory]"
-    ]
-    run = peak = 0
-    for _, delta in sorted(events, key=lambda e: e[0]):
-        run += delta
-        peak = max(peak, run)
-    return peak
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = os.path.join(d, "timeline.json")
+        prof.export_memory_timeline(path, device="cpu")
+        _, sizes = json.load(open(path))
+    return max(sum(s) for s in sizes)
 
 
 def main():
@@ -141,8 +144,8 @@ def main():
         f"{peak_flops / 1e9:.1f} GFLOP/s (f32 1024^3) | {args.steps} timed steps after 3 warm-up"
     )
     print()
-    print("| config | dtype | step (median) | step (mean) | tokens/s | MFU | peak tensors |")
-    print("|---|---|---|---|---|---|---|")
+    print("| config | dtype | step (median) | step (mean) | tokens/s | MFU | peak tensors | peak RSS (process, so far) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, (n_layer, n_head, n_embd, block, batch, kind) in CASES.items():
         if args.only and args.only not in name:
             continue
@@ -178,21 +181,16 @@ def main():
         med, mean = statistics.median(times), statistics.mean(times)
         tokens = batch * block
         mfu = flops_per_token(model, n_layer, n_head, n_embd, block) * tokens / med / peak_flops
-        live = sum(p.numel() * p.element_size() for p in model.parameters())
-        live += sum(
-            v.numel() * v.element_size()
-            for st in opt.state.values()
-            for v in st.values()
-            if torch.is_tensor(v)
-        )
         try:
-            peak = live + peak_step_bytes(step)
-            peak_s = f"{peak / 2**20:.1f} MiB"
+            peak_s = f"{peak_step_bytes(step) / 2**20:.1f} MiB"
         except Exception as e:  # profiler API differences across versions
             peak_s = f"n/a ({e})"
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(
             f"| {name} | {args.dtype} | {med * 1e3:.1f} ms | {mean * 1e3:.1f} ms | "
-            f"{tokens / med:.0f} | {100 * mfu:.1f}% | {peak_s} |"
+            f"{tokens / med:.0f} | {100 * mfu:.1f}% | {peak_s} | {rss:.0f} MiB |"
         )
 
 

@@ -148,8 +148,28 @@ macro_rules! elem {
 }
 elem!(f32, f32, F32, F32, |x| x, |x| x);
 elem!(f64, f64, F64, F64, |x| x, |x| x);
-elem!(bf16, f32, BF16, BF16, bf16::to_f32, bf16::from_f32);
+elem!(bf16, f32, BF16, BF16, bf16_to_f32, f32_to_bf16);
 elem!(f16, f32, F16, F16, f16::to_f32, f16::from_f32);
+
+/// bf16 to f32: exact, a shift (inlined, so loops over it vectorise; `half`'s conversion is
+/// an out-of-line call per element on CPUs with AVX512-BF16).
+#[inline(always)]
+pub fn bf16_to_f32(x: bf16) -> f32 {
+    f32::from_bits((x.to_bits() as u32) << 16)
+}
+
+/// f32 to bf16, rounding to nearest even (NaN stays a quiet NaN), bit for bit what
+/// `half::bf16::from_f32` gives, inlined.
+#[inline(always)]
+pub fn f32_to_bf16(x: f32) -> bf16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        bf16::from_bits(((b >> 16) | 0x0040) as u16)
+    } else {
+        let round = 0x7FFF + ((b >> 16) & 1);
+        bf16::from_bits((b.wrapping_add(round) >> 16) as u16)
+    }
+}
 
 /// The contiguous elements of `layout` in `s` (error if the layout is strided).
 pub fn contiguous<'a, T: Elem>(s: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [T]> {
@@ -369,4 +389,45 @@ macro_rules! dispatch {
             other => candle_core::bail!("candle-fused: no kernel for dtype {other:?}"),
         }
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_conversions_match_half() {
+        // Every bf16 widens exactly; f32s around every rounding case round like `half`.
+        for bits in 0..=u16::MAX {
+            let h = bf16::from_bits(bits);
+            let w = bf16_to_f32(h);
+            if h.is_nan() {
+                assert!(w.is_nan(), "{bits:#x}");
+            } else {
+                assert_eq!(w.to_bits(), h.to_f32().to_bits(), "{bits:#x}");
+            }
+        }
+        let mut x = 0x1234_5678u32;
+        for i in 0..2_000_000u32 {
+            x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            // Half the samples sit exactly on a tie (low 16 bits = 0x8000).
+            let v = if i % 2 == 0 {
+                x
+            } else {
+                (x & 0xFFFF_0000) | 0x8000
+            };
+            let f = f32::from_bits(v);
+            let (a, b) = (f32_to_bf16(f), bf16::from_f32(f));
+            if f.is_nan() {
+                assert!(a.is_nan() && b.is_nan());
+            } else {
+                assert_eq!(a.to_bits(), b.to_bits(), "{v:#x}");
+            }
+        }
+        assert_eq!(
+            f32_to_bf16(f32::INFINITY).to_bits(),
+            bf16::INFINITY.to_bits()
+        );
+        assert_eq!(f32_to_bf16(f32::MAX).to_bits(), bf16::INFINITY.to_bits());
+    }
 }

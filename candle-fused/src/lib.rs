@@ -6,6 +6,7 @@
 //!   the output and the log-sum-exp, recomputes scores in backward), mask and dropout;
 //! * [`norm`]: LayerNorm (optional bias) and RMSNorm, saving mean / rstd;
 //! * [`gelu`]: bias add + tanh GELU (GPT-2's) in one op;
+//! * [`linear`]: `x W + b` in one op (one GEMM forward, two and a column sum backward);
 //! * [`cross_entropy`]: softmax cross-entropy over the vocabulary with mask / ignore index;
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
 //! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync;
@@ -23,6 +24,7 @@ pub mod cross_entropy;
 pub mod dropout;
 pub mod fallback;
 pub mod gelu;
+pub mod linear;
 pub mod norm;
 pub mod philox;
 

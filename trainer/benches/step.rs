@@ -217,7 +217,7 @@ fn run_child(mode: &str, extra: &[String]) -> anyhow::Result<Vec<f64>> {
 }
 
 fn main() -> anyhow::Result<()> {
-    trainer::threads::single_pool();
+    trainer::runtime::init();
     let args = Args::parse();
     if args.child.is_some() {
         return child(&args);

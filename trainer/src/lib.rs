@@ -16,9 +16,9 @@ pub mod mfu;
 pub mod model;
 pub mod optim;
 pub mod plot;
+pub mod runtime;
 pub mod sample;
 pub mod schedule;
-pub mod threads;
 pub mod train;
 
 pub use error::{Error, Result};

@@ -52,31 +52,11 @@ impl fmt::Display for Kernels {
 
 type R = candle_core::Result<Tensor>;
 
-/// `x [.., in] @ w [in, out]` as one 2-D matmul (so the weight gradient is one GEMM, not a
-/// batch of them summed).
-fn matmul_2d(x: &Tensor, w: &Tensor) -> R {
-    let dims = x.dims();
-    let (n_in, n_out) = w.dims2()?;
-    let x2 = x.reshape(((), n_in))?;
-    let y = x2.matmul(w)?;
-    let mut out = dims.to_vec();
-    if let Some(last) = out.last_mut() {
-        *last = n_out;
-    }
-    y.reshape(out)
-}
-
 impl Kernels {
     /// GPT-2's Conv1D: `x W + b` with `W: [in, out]`.
     pub fn linear(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> R {
         match self {
-            Kernels::Fused => {
-                let y = matmul_2d(x, w)?;
-                match b {
-                    Some(b) => y.broadcast_add(b),
-                    None => Ok(y),
-                }
-            }
+            Kernels::Fused => candle_fused::linear::linear(x, w, b),
             Kernels::Reference => {
                 let y = x.broadcast_matmul(w)?;
                 match b {
@@ -90,7 +70,9 @@ impl Kernels {
     /// `gelu(x W + b)` (tanh GELU): the MLP's first layer, bias and activation in one kernel.
     pub fn linear_gelu(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> R {
         match self {
-            Kernels::Fused => candle_fused::gelu::bias_gelu(&matmul_2d(x, w)?, b),
+            Kernels::Fused => {
+                candle_fused::gelu::bias_gelu(&candle_fused::linear::linear(x, w, None)?, b)
+            }
             Kernels::Reference => self.linear(x, w, b)?.gelu(),
         }
     }

@@ -1,0 +1,517 @@
+//! A linear layer `y = x W + b` as one differentiable op.
+//!
+//! Composed from Candle primitives, a biased linear layer materialises `x W` and then `x W + b`
+//! (both stay alive until the backward ends: Candle keeps every node of the graph), its weight
+//! gradient is a batch of GEMMs summed when `x` has leading dims, and the bias gradient is a
+//! strided reduction on one thread. Here the forward is one GEMM that starts from the bias rows,
+//! and the backward is two GEMMs (`dx = dy Wᵀ`, `dW = xᵀ dy`) plus a column sum over fixed row
+//! blocks (the same on any thread count). The weight may be any 2-D view, e.g. `w.t()` of a
+//! `[out, in]` candle-nn weight or of a tied embedding: it is read in place through its strides.
+//!
+//! 16-bit inputs are widened to f32 for the GEMMs and the result rounded back (Candle's CPU
+//! GEMM has no bf16 kernel), so bf16 costs about what f32 costs.
+
+use std::borrow::Cow;
+
+use crate::cpu::{self, Elem, Real};
+use crate::fallback::Precomputed;
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp2, CustomOp3, Layout, MetalStorage, Result, Shape,
+    Tensor,
+};
+
+/// `x [.., in] · w [in, out] + b [out]` (b optional), `[.., out]`.
+///
+/// ```
+/// use candle_core::{Device, Tensor, Var};
+/// let dev = Device::Cpu;
+/// let x = Var::randn(0f32, 1.0, (2, 3, 4), &dev)?;
+/// let w = Var::randn(0f32, 1.0, (5, 4), &dev)?; // candle-nn layout [out, in]
+/// let b = Var::zeros(5, candle_core::DType::F32, &dev)?;
+/// let y = candle_fused::linear::linear(&x, &w.t()?, Some(&b))?;
+/// assert_eq!(y.dims(), &[2, 3, 5]);
+/// let g = y.sum_all()?.backward()?;
+/// assert_eq!(g.get(&w).unwrap().dims(), &[5, 4]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let (n_in, n_out) = check(x, w, b)?;
+    let x = x.contiguous()?;
+    if !cpu::has_kernel(&x) {
+        let y = linear_composite(&x.detach(), &w.detach(), b.map(|b| b.detach()).as_ref())?;
+        let tracked: Vec<&Tensor> = [Some(&x), Some(w), b].into_iter().flatten().collect();
+        if !crate::fallback::tracks(&tracked) {
+            return Ok(y);
+        }
+        let op = LinearOp {
+            pre: Some(Precomputed::new(y)?),
+            n_in,
+            n_out,
+        };
+        return match b {
+            Some(b) => x.apply_op3(w, b, op),
+            None => x.apply_op2(w, op),
+        };
+    }
+    let op = LinearOp {
+        pre: None,
+        n_in,
+        n_out,
+    };
+    match b {
+        Some(b) => x.apply_op3(w, &b.contiguous()?, op),
+        None => x.apply_op2(w, op),
+    }
+}
+
+/// The composite reference: `x` flattened to 2-D, Candle's `matmul`, `broadcast_add`.
+pub fn linear_composite(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let (n_in, n_out) = w.dims2()?;
+    let mut dims = x.dims().to_vec();
+    let y = x.reshape(((), n_in))?.matmul(w)?;
+    let y = match b {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    if let Some(l) = dims.last_mut() {
+        *l = n_out;
+    }
+    y.reshape(dims)
+}
+
+fn check(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(usize, usize)> {
+    let (n_in, n_out) = match w.dims() {
+        [i, o] => (*i, *o),
+        d => bail!("candle-fused linear: the weight must be 2-D [in, out], got {d:?}"),
+    };
+    if x.rank() == 0 || x.dim(x.rank() - 1)? != n_in {
+        bail!(
+            "candle-fused linear: input {:?} does not end in the weight's in-features {n_in}",
+            x.dims()
+        );
+    }
+    if let Some(b) = b {
+        if b.dims() != [n_out] {
+            bail!(
+                "candle-fused linear: bias {:?} must be [{n_out}] (the weight's out-features)",
+                b.dims()
+            );
+        }
+        if b.dtype() != x.dtype() {
+            bail!(
+                "candle-fused linear: bias dtype {:?} differs from input {:?}",
+                b.dtype(),
+                x.dtype()
+            );
+        }
+    }
+    if w.dtype() != x.dtype() {
+        bail!(
+            "candle-fused linear: weight dtype {:?} differs from input {:?}",
+            w.dtype(),
+            x.dtype()
+        );
+    }
+    if !w.device().same_device(x.device()) {
+        bail!("candle-fused linear: weight and input are on different devices");
+    }
+    Ok((n_in, n_out))
+}
+
+struct LinearOp {
+    pre: Option<Precomputed>,
+    n_in: usize,
+    n_out: usize,
+}
+
+/// A 2-D operand: element `(r, c)` at `r * rs + c * cs` of its slice.
+#[derive(Clone, Copy)]
+struct Strided {
+    rs: usize,
+    cs: usize,
+}
+
+/// The slice a strided 2-D `layout` reads in `s` (from its start offset) and its strides.
+fn strided<'a, T: Elem>(s: &'a CpuStorage, l: &Layout) -> Result<(&'a [T], Strided)> {
+    let st = l.stride();
+    if st.len() != 2 {
+        bail!("candle-fused linear: the weight must be 2-D");
+    }
+    let data = &T::slice(s)?[l.start_offset()..];
+    let (r, c) = (l.dims()[0], l.dims()[1]);
+    let need = if r * c == 0 {
+        0
+    } else {
+        (r - 1) * st[0] + (c - 1) * st[1] + 1
+    };
+    if data.len() < need {
+        bail!("candle-fused linear: weight storage too short for its layout");
+    }
+    Ok((
+        data,
+        Strided {
+            rs: st[0],
+            cs: st[1],
+        },
+    ))
+}
+
+/// The data as the accumulation type: borrowed when `T` is it (f32, f64), widened otherwise.
+fn widen<T: Elem>(s: &[T]) -> Cow<'_, [T::Acc]> {
+    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<T::Acc>() {
+        // SAFETY: `T` and `T::Acc` are the same type (checked above), so the slice is valid
+        // as `[T::Acc]` with the same length and alignment.
+        Cow::Borrowed(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const T::Acc, s.len()) })
+    } else {
+        Cow::Owned(s.iter().map(|v| v.acc()).collect())
+    }
+}
+
+/// Rounds back to `T` (moves the buffer when `T` is the accumulation type).
+fn narrow<T: Elem>(v: Vec<T::Acc>) -> Vec<T> {
+    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<T::Acc>() {
+        let mut v = std::mem::ManuallyDrop::new(v);
+        // SAFETY: same type (checked above): pointer, length and capacity stay valid, and the
+        // original vector is not dropped.
+        unsafe { Vec::from_raw_parts(v.as_mut_ptr() as *mut T, v.len(), v.capacity()) }
+    } else {
+        v.into_iter().map(T::from_acc).collect()
+    }
+}
+
+/// `dst [m x n] (row-major) = acc * dst + lhs [m x k] · rhs [k x n]`, on rayon's threads when
+/// large (the split is over rows and columns of `dst`, never over `k`, so the sums do not
+/// depend on the thread count).
+#[allow(clippy::too_many_arguments)]
+fn gemm<A: Real>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [A],
+    acc: bool,
+    lhs: (&[A], Strided),
+    rhs: (&[A], Strided),
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(dst.len() >= m * n, "candle-fused linear: output too short");
+    if k == 0 {
+        if !acc {
+            dst[..m * n].fill(A::ZERO);
+        }
+        return;
+    }
+    let last =
+        |(s, st): (&[A], Strided), r: usize, c: usize| (r - 1) * st.rs + (c - 1) * st.cs < s.len();
+    assert!(
+        last(lhs, m, k) && last(rhs, k, n),
+        "candle-fused linear: operand out of bounds"
+    );
+    let threads = rayon::current_num_threads();
+    let par = if threads > 1 && m * n * k >= 1 << 18 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: `dst` holds m x n elements and both operands cover every indexed element
+    // (asserted above); `dst` is exclusively borrowed.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            acc,
+            lhs.0.as_ptr(),
+            lhs.1.cs as isize,
+            lhs.1.rs as isize,
+            rhs.0.as_ptr(),
+            rhs.1.cs as isize,
+            rhs.1.rs as isize,
+            A::ONE,
+            A::ONE,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+fn fwd_kernel<T: Elem>(
+    x: &[T],
+    (w, ws): (&[T], Strided),
+    b: Option<&[T]>,
+    n_in: usize,
+    n_out: usize,
+) -> Vec<T> {
+    let rows = if n_in == 0 { 0 } else { x.len() / n_in };
+    let xa = widen(x);
+    let wa = widen(w);
+    let mut out = vec![T::Acc::ZERO; rows * n_out];
+    if let Some(b) = b {
+        let ba = widen(b);
+        cpu::for_rows(&mut out, n_out, n_out, |_, row| row.copy_from_slice(&ba));
+    }
+    gemm(
+        rows,
+        n_out,
+        n_in,
+        &mut out,
+        b.is_some(),
+        (&xa, Strided { rs: n_in, cs: 1 }),
+        (&wa, ws),
+    );
+    narrow(out)
+}
+
+struct Grads<T> {
+    dx: Option<Vec<T>>,
+    dw: Option<Vec<T>>,
+    db: Option<Vec<T>>,
+}
+
+fn bwd_kernel<T: Elem>(
+    x: &[T],
+    (w, ws): (&[T], Strided),
+    dy: &[T],
+    n_in: usize,
+    n_out: usize,
+    need: [bool; 3],
+) -> Grads<T> {
+    let rows = if n_out == 0 { 0 } else { dy.len() / n_out };
+    let g = widen(dy);
+    let gs = Strided { rs: n_out, cs: 1 };
+    let dx = need[0].then(|| {
+        let wa = widen(w);
+        let mut dx = vec![T::Acc::ZERO; rows * n_in];
+        // dx = dy Wᵀ: (r, i) = Σ_o dy[r, o] w[i, o].
+        gemm(
+            rows,
+            n_in,
+            n_out,
+            &mut dx,
+            false,
+            (&g, gs),
+            (
+                &wa,
+                Strided {
+                    rs: ws.cs,
+                    cs: ws.rs,
+                },
+            ),
+        );
+        narrow(dx)
+    });
+    let dw = need[1].then(|| {
+        let xa = widen(x);
+        let mut dw = vec![T::Acc::ZERO; n_in * n_out];
+        // dW = xᵀ dy: (i, o) = Σ_r x[r, i] dy[r, o].
+        gemm(
+            n_in,
+            n_out,
+            rows,
+            &mut dw,
+            false,
+            (&xa, Strided { rs: 1, cs: n_in }),
+            (&g, gs),
+        );
+        narrow(dw)
+    });
+    let db = need[2].then(|| {
+        // Column sums as partials over fixed row blocks, added in block order.
+        use rayon::prelude::*;
+        let rb = cpu::row_block(rows);
+        let part = |bi: usize| {
+            let mut s = vec![T::Acc::ZERO; n_out];
+            for r in bi * rb..((bi + 1) * rb).min(rows) {
+                for (a, v) in s.iter_mut().zip(&g[r * n_out..(r + 1) * n_out]) {
+                    *a += *v;
+                }
+            }
+            s
+        };
+        let blocks = rows.div_ceil(rb);
+        let parts: Vec<Vec<T::Acc>> = if rows * n_out >= cpu::PAR_MIN_WORK {
+            (0..blocks).into_par_iter().map(part).collect()
+        } else {
+            (0..blocks).map(part).collect()
+        };
+        let mut db = vec![T::Acc::ZERO; n_out];
+        for p in parts {
+            for (a, v) in db.iter_mut().zip(p) {
+                *a += v;
+            }
+        }
+        narrow(db)
+    });
+    Grads { dx, dw, db }
+}
+
+impl LinearOp {
+    fn fwd_cpu(
+        &self,
+        (sx, lx): (&CpuStorage, &Layout),
+        (sw, lw): (&CpuStorage, &Layout),
+        b: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        if let Some(p) = &self.pre {
+            return p.cpu();
+        }
+        let mut dims = lx.dims().to_vec();
+        if let Some(l) = dims.last_mut() {
+            *l = self.n_out;
+        }
+        crate::dispatch!(sx.dtype(), T => {
+            let xs = cpu::contiguous::<T>(sx, lx)?;
+            let w = strided::<T>(sw, lw)?;
+            let bs = b.map(|(s, l)| cpu::contiguous::<T>(s, l)).transpose()?;
+            let y = fwd_kernel(xs, w, bs, self.n_in, self.n_out);
+            Ok((T::storage(y), Shape::from(dims)))
+        })
+    }
+
+    fn backward(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let need = [x.track_op(), w.track_op(), b.is_some_and(Tensor::track_op)];
+        let (n_in, n_out) = (self.n_in, self.n_out);
+        if !(cpu::has_kernel(x) && dy.device().is_cpu()) {
+            // Composite gradients on detached tensors (devices without a kernel).
+            let (x2, w) = (x.detach().reshape(((), n_in))?, w.detach());
+            let g = dy.to_dtype(x.dtype())?.reshape(((), n_out))?;
+            let dx = need[0]
+                .then(|| g.matmul(&w.t()?)?.reshape(x.shape()))
+                .transpose()?;
+            let dw = need[1].then(|| x2.t()?.matmul(&g)).transpose()?;
+            let db = need[2].then(|| g.sum(0)).transpose()?;
+            return Ok((dx, dw, db));
+        }
+        let x = x.contiguous()?;
+        let dy = dy.to_dtype(x.dtype())?.contiguous()?;
+        crate::dispatch!(x.dtype(), T => {
+            cpu::with_slice::<T, _>(&x, |xs| {
+                cpu::with_slice::<T, _>(&dy, |dys| {
+                    let (sw, lw) = w.storage_and_layout();
+                    let candle_core::Storage::Cpu(sw) = &*sw else {
+                        bail!("candle-fused linear: weight not on the CPU");
+                    };
+                    let ws = strided::<T>(sw, lw)?;
+                    let g = bwd_kernel(xs, ws, dys, n_in, n_out, need);
+                    let dx = g.dx.map(|v| cpu::tensor(v, x.shape())).transpose()?;
+                    let dw = g.dw.map(|v| cpu::tensor(v, (n_in, n_out))).transpose()?;
+                    let db = g.db.map(|v| cpu::tensor(v, n_out)).transpose()?;
+                    Ok((dx, dw, db))
+                })
+            })
+        })
+    }
+
+    fn pre(&self) -> Result<&Precomputed> {
+        match &self.pre {
+            Some(p) => Ok(p),
+            None => bail!("candle-fused linear: no kernel for this device"),
+        }
+    }
+}
+
+impl CustomOp2 for LinearOp {
+    fn name(&self) -> &'static str {
+        "candle-fused-linear"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.fwd_cpu((s1, l1), (s2, l2), None)
+    }
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        self.pre()?.cuda()
+    }
+    fn metal_fwd(
+        &self,
+        _: &MetalStorage,
+        _: &Layout,
+        _: &MetalStorage,
+        _: &Layout,
+    ) -> Result<(MetalStorage, Shape)> {
+        self.pre()?.metal()
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = self.backward(x, w, None, dy)?;
+        Ok((dx, dw))
+    }
+}
+
+impl CustomOp3 for LinearOp {
+    fn name(&self) -> &'static str {
+        "candle-fused-linear"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.fwd_cpu((s1, l1), (s2, l2), Some((s3, l3)))
+    }
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        self.pre()?.cuda()
+    }
+    fn metal_fwd(
+        &self,
+        _: &MetalStorage,
+        _: &Layout,
+        _: &MetalStorage,
+        _: &Layout,
+        _: &MetalStorage,
+        _: &Layout,
+    ) -> Result<(MetalStorage, Shape)> {
+        self.pre()?.metal()
+    }
+    #[allow(clippy::type_complexity)]
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        self.backward(x, w, Some(b), dy)
+    }
+}

@@ -1,0 +1,260 @@
+//! `linear`: values and gradients against the composite (`matmul` + `broadcast_add`), with and
+//! without bias, with a transposed (strided) weight, leading dims; the fallback path; 16-bit
+//! dtypes; f64 finite differences; NaN propagation; thread-count independence.
+//!
+//! Tolerances (relative to the largest reference magnitude): f64 1e-12 (the same sums, GEMM
+//! blocking vs Candle's GEMM order); f32 1e-5 (a few ulps of reordering over k <= 130 terms);
+//! bf16 / f16 2e-2 / 4e-3 (the kernel rounds once after an f32 GEMM; the composite rounds
+//! products in Candle's own way); finite differences (f64, h = 1e-6) 1e-7: the op is bilinear,
+//! so central differences are exact up to rounding.
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_fused::cpu;
+use candle_fused::linear::{linear, linear_composite};
+
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> f64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((self.0 >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        ((self.next() + 1.0) * 0.5 * n as f64) as usize % n.max(1)
+    }
+}
+
+fn rand(shape: &[usize], dt: DType, rng: &mut Lcg) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f64> = (0..n).map(|_| rng.next()).collect();
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dt)?)
+}
+
+fn f64s(t: &Tensor) -> Result<Vec<f64>> {
+    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
+}
+
+fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) -> Result<()> {
+    assert_eq!(a.dims(), b.dims(), "{what}: shapes");
+    let (a, b) = (f64s(a)?, f64s(b)?);
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-3);
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(x.is_nan(), y.is_nan(), "{what}: NaN mismatch at {i}");
+        if !x.is_nan() {
+            let d = (x - y).abs() / scale;
+            assert!(
+                d <= tol,
+                "{what}: element {i}: {x} vs {y} (rel {d:e} > {tol:e})"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// (output, dx, dw, db) of `f` with a random upstream gradient (a linear functional).
+type Run = (Tensor, Tensor, Tensor, Option<Tensor>);
+
+fn run(
+    f: impl Fn(&Tensor, &Tensor, Option<&Tensor>) -> candle_core::Result<Tensor>,
+    x: &Tensor,
+    w_t: bool,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    up: &Tensor,
+) -> Result<Run> {
+    let xv = Var::from_tensor(x)?;
+    let wv = Var::from_tensor(w)?;
+    let bv = b.map(Var::from_tensor).transpose()?;
+    let wuse = if w_t { wv.t()? } else { wv.as_tensor().clone() };
+    let y = f(xv.as_tensor(), &wuse, bv.as_ref().map(|b| b.as_tensor()))?;
+    let g = (y.to_dtype(DType::F64)? * up)?.sum_all()?.backward()?;
+    let get = |v: &Var| g.get(v).cloned().expect("gradient");
+    Ok((y, get(&xv), get(&wv), bv.as_ref().map(get)))
+}
+
+fn compare(dt: DType, tol: f64, rng: &mut Lcg) -> Result<()> {
+    for &(lead, n_in, n_out) in &[
+        (&[1usize][..], 1usize, 1usize),
+        (&[3, 5], 7, 33),
+        (&[2, 65], 64, 130),
+        (&[127], 33, 1),
+    ] {
+        for w_t in [false, true] {
+            for bias in [false, true] {
+                let mut xs = lead.to_vec();
+                xs.push(n_in);
+                let x = rand(&xs, dt, rng)?;
+                let w = if w_t {
+                    rand(&[n_out, n_in], dt, rng)?
+                } else {
+                    rand(&[n_in, n_out], dt, rng)?
+                };
+                let b = bias.then(|| rand(&[n_out], dt, rng)).transpose()?;
+                let mut ys = lead.to_vec();
+                ys.push(n_out);
+                let up = rand(&ys, DType::F64, rng)?;
+                let what = format!("{dt:?} {xs:?}x[{n_in},{n_out}] w_t={w_t} bias={bias}");
+                let k = run(linear, &x, w_t, &w, b.as_ref(), &up)?;
+                let c = if matches!(dt, DType::BF16 | DType::F16) {
+                    // The reference in f32, rounded to the dtype at the end.
+                    let up32 = up.clone();
+                    let r = run(
+                        linear_composite,
+                        &x.to_dtype(DType::F32)?,
+                        w_t,
+                        &w.to_dtype(DType::F32)?,
+                        b.as_ref()
+                            .map(|b| b.to_dtype(DType::F32))
+                            .transpose()?
+                            .as_ref(),
+                        &up32,
+                    )?;
+                    (r.0.to_dtype(dt)?, r.1, r.2, r.3)
+                } else {
+                    run(linear_composite, &x, w_t, &w, b.as_ref(), &up)?
+                };
+                assert_close(&k.0, &c.0, tol, &format!("{what}: y"))?;
+                assert_close(&k.1, &c.1, tol, &format!("{what}: dx"))?;
+                assert_close(&k.2, &c.2, tol, &format!("{what}: dw"))?;
+                if let (Some(a), Some(b)) = (&k.3, &c.3) {
+                    assert_close(a, b, tol, &format!("{what}: db"))?;
+                }
+                // The fallback path gives the same values and gradients.
+                let prev = cpu::force_fallback(true);
+                let fb = run(linear, &x, w_t, &w, b.as_ref(), &up);
+                cpu::force_fallback(prev);
+                let fb = fb?;
+                if !matches!(dt, DType::BF16 | DType::F16) {
+                    assert_close(&fb.0, &k.0, tol, &format!("{what}: fallback y"))?;
+                    assert_close(&fb.1, &k.1, tol, &format!("{what}: fallback dx"))?;
+                    assert_close(&fb.2, &k.2, tol, &format!("{what}: fallback dw"))?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn matches_composite_f64_f32() -> Result<()> {
+    let mut rng = Lcg(1);
+    compare(DType::F64, 1e-12, &mut rng)?;
+    compare(DType::F32, 1e-5, &mut rng)
+}
+
+#[test]
+fn half_precision_close_to_f32() -> Result<()> {
+    let mut rng = Lcg(2);
+    compare(DType::BF16, 2e-2, &mut rng)?;
+    compare(DType::F16, 4e-3, &mut rng)
+}
+
+#[test]
+fn finite_differences_f64() -> Result<()> {
+    let mut rng = Lcg(3);
+    let (x, w, b) = (
+        rand(&[2, 3, 4], DType::F64, &mut rng)?,
+        rand(&[4, 5], DType::F64, &mut rng)?,
+        rand(&[5], DType::F64, &mut rng)?,
+    );
+    let up = rand(&[2, 3, 5], DType::F64, &mut rng)?;
+    let (_, dx, dw, db) = run(linear, &x, false, &w, Some(&b), &up)?;
+    let f = |x: &Tensor, w: &Tensor, b: &Tensor| -> Result<f64> {
+        Ok((linear(x, w, Some(b))? * &up)?
+            .sum_all()?
+            .to_scalar::<f64>()?)
+    };
+    let h = 1e-6;
+    for (which, t, g) in [(0, &x, &dx), (1, &w, &dw), (2, &b, &db.expect("db"))] {
+        let base = f64s(t)?;
+        let ga = f64s(g)?;
+        for i in 0..base.len() {
+            let at = |d: f64| -> Result<f64> {
+                let mut v = base.clone();
+                v[i] += d;
+                let p = Tensor::from_vec(v, t.shape(), &Device::Cpu)?;
+                match which {
+                    0 => f(&p, &w, &b),
+                    1 => f(&x, &p, &b),
+                    _ => f(&x, &w, &p),
+                }
+            };
+            let num = (at(h)? - at(-h)?) / (2.0 * h);
+            assert!(
+                (num - ga[i]).abs() <= 1e-7 * (1.0 + num.abs()),
+                "input {which}[{i}]: {} vs {num}",
+                ga[i]
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn nan_propagates_from_a_random_index() -> Result<()> {
+    let mut rng = Lcg(4);
+    let (rows, n_in, n_out) = (9, 6, 5);
+    let mut xv = f64s(&rand(&[rows, n_in], DType::F32, &mut rng)?)?;
+    let idx = 1 + rng.below(rows * n_in - 1);
+    xv[idx] = f64::NAN;
+    let x = Tensor::from_vec(xv, (rows, n_in), &Device::Cpu)?.to_dtype(DType::F32)?;
+    let w = rand(&[n_in, n_out], DType::F32, &mut rng)?;
+    let b = rand(&[n_out], DType::F32, &mut rng)?;
+    let up = rand(&[rows, n_out], DType::F64, &mut rng)?;
+    let (y, dx, dw, db) = run(linear, &x, false, &w, Some(&b), &up)?;
+    let (r, c) = (idx / n_in, idx % n_in);
+    let yv = f64s(&y)?;
+    for (i, v) in yv.iter().enumerate() {
+        assert_eq!(v.is_nan(), i / n_out == r, "y[{i}] (NaN input at row {r})");
+    }
+    // dW row c sums x[:, c] * dy: NaN; dx and db do not read x.
+    let dwv = f64s(&dw)?;
+    for (i, v) in dwv.iter().enumerate() {
+        assert_eq!(
+            v.is_nan(),
+            i / n_out == c,
+            "dw[{i}] (NaN input at column {c})"
+        );
+    }
+    assert!(f64s(&dx)?.iter().all(|v| v.is_finite()));
+    assert!(f64s(&db.expect("db"))?.iter().all(|v| v.is_finite()));
+    Ok(())
+}
+
+#[test]
+fn identical_for_any_thread_count() -> Result<()> {
+    let mut rng = Lcg(5);
+    let x = rand(&[4, 100, 96], DType::F32, &mut rng)?;
+    let w = rand(&[160, 96], DType::F32, &mut rng)?;
+    let b = rand(&[160], DType::F32, &mut rng)?;
+    let up = rand(&[4, 100, 160], DType::F64, &mut rng)?;
+    let mut outs = Vec::new();
+    for n in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(n).build()?;
+        let r = pool.install(|| run(linear, &x, true, &w, Some(&b), &up))?;
+        let vals: Vec<Vec<f64>> = [&r.0, &r.1, &r.2, r.3.as_ref().expect("db")]
+            .iter()
+            .map(|t| f64s(t))
+            .collect::<Result<_>>()?;
+        outs.push(vals);
+    }
+    assert_eq!(outs[0], outs[1], "1 vs 2 threads");
+    assert_eq!(outs[0], outs[2], "1 vs 3 threads");
+    Ok(())
+}
+
+#[test]
+fn rejects_bad_shapes() -> Result<()> {
+    let dev = Device::Cpu;
+    let x = Tensor::zeros((2, 3), DType::F32, &dev)?;
+    assert!(linear(&x, &Tensor::zeros((4, 5), DType::F32, &dev)?, None).is_err());
+    assert!(linear(&x, &Tensor::zeros(3, DType::F32, &dev)?, None).is_err());
+    let w = Tensor::zeros((3, 5), DType::F32, &dev)?;
+    assert!(linear(&x, &w, Some(&Tensor::zeros(4, DType::F32, &dev)?)).is_err());
+    assert!(linear(&x, &w.to_dtype(DType::F64)?, None).is_err());
+    Ok(())
+}

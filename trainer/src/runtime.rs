@@ -1,0 +1,35 @@
+//! Process-wide settings for a fast CPU step, applied once at start-up by [`init`].
+//!
+//! Both were found with `perf` on the step bench (`cargo bench -p trainer --bench step`), 2
+//! cores, GPT 4/4/256:
+//!
+//! * **Short spins in Candle's pool.** Candle 0.11 runs element-wise ops on 64K+ elements on a
+//!   pool of its own (`candle-bp-*` threads, one fewer than the cores), beside rayon's pool,
+//!   which runs its GEMMs and every `candle-fused` kernel. Its workers spin ~25 000 times
+//!   before they park, holding a core that a rayon thread needs: with the default, the main
+//!   thread spent 30% of the fused step in the barrier pool's wait (`BarrierGuard::drop`).
+//!   With 2 000 spins (`CANDLE_BARRIER_POOL_SPIN_LIMIT`, unless the user set it) the workers
+//!   park soon after their op and both pools keep all cores (the barrier pool off,
+//!   `CANDLE_NUM_THREADS=1`, measured ~5% slower: Candle's element-wise ops then run on one
+//!   core).
+//! * **Freed memory is reused, not returned.** Every tensor is a fresh allocation, and glibc
+//!   serves large ones with `mmap` and gives them back on free, so each step page-faults its
+//!   activations and gradients in again: 13% of the step's samples were in the kernel's page
+//!   fault handler. With the mmap and trim thresholds raised, freed buffers stay in the heap
+//!   and the next step reuses them (as PyTorch's CPU caching allocator does).
+
+/// Applies both settings. Call at the start of `main`, before any tensor op and before other
+/// threads start (Candle's pool reads its variable once, when it is first created).
+pub fn init() {
+    if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
+        std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", "2000");
+    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `mallopt` only changes glibc's allocation thresholds; called before any other
+    // thread exists.
+    unsafe {
+        // 1 GiB: above every tensor of the models the trainer runs on a CPU.
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}
