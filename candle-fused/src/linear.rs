@@ -249,7 +249,7 @@ fn fwd_kernel<T: Elem>(
     n_in: usize,
     n_out: usize,
 ) -> Vec<T> {
-    let rows = if n_in == 0 { 0 } else { x.len() / n_in };
+    let rows = x.len().checked_div(n_in).unwrap_or(0);
     let xa = widen(x);
     let wa = widen(w);
     let mut out = vec![T::Acc::ZERO; rows * n_out];
@@ -283,7 +283,7 @@ fn bwd_kernel<T: Elem>(
     n_out: usize,
     need: [bool; 3],
 ) -> Grads<T> {
-    let rows = if n_out == 0 { 0 } else { dy.len() / n_out };
+    let rows = dy.len().checked_div(n_out).unwrap_or(0);
     let g = widen(dy);
     let gs = Strided { rs: n_out, cs: 1 };
     let dx = need[0].then(|| {
