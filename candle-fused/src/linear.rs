@@ -180,8 +180,8 @@ fn narrow<T: Elem>(v: Vec<T::Acc>) -> Vec<T> {
     }
 }
 
-/// `dst [m x n] (row-major) = acc * dst + lhs [m x k] · rhs [k x n]`, on rayon's threads when
-/// large (the split is over rows and columns of `dst`, never over `k`, so the sums do not
+/// `dst [m x n] (row-major) = acc * dst + lhs [m x k] · rhs [k x n]`, on `threads` of rayon's
+/// threads when large (the split is over rows and columns of `dst`, never over `k`, so the sums do not
 /// depend on the thread count).
 #[allow(clippy::too_many_arguments)]
 fn gemm<A: Real>(
@@ -192,6 +192,7 @@ fn gemm<A: Real>(
     acc: bool,
     lhs: (&[A], Strided),
     rhs: (&[A], Strided),
+    threads: usize,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -209,7 +210,6 @@ fn gemm<A: Real>(
         last(lhs, m, k) && last(rhs, k, n),
         "candle-fused linear: operand out of bounds"
     );
-    let threads = rayon::current_num_threads();
     let par = if threads > 1 && m * n * k >= 1 << 18 {
         gemm::Parallelism::Rayon(threads)
     } else {
@@ -265,8 +265,38 @@ fn fwd_kernel<T: Elem>(
         b.is_some(),
         (&xa, Strided { rs: n_in, cs: 1 }),
         (&wa, ws),
+        rayon::current_num_threads(),
     );
     narrow(out)
+}
+
+/// Column sums of `g [rows, n]` as partials over fixed row blocks added in block order (the
+/// same for any thread count).
+fn column_sums<A: Real>(g: &[A], rows: usize, n: usize) -> Vec<A> {
+    use rayon::prelude::*;
+    let rb = cpu::row_block(rows);
+    let part = |bi: usize| {
+        let mut s = vec![A::ZERO; n];
+        for r in bi * rb..((bi + 1) * rb).min(rows) {
+            for (a, v) in s.iter_mut().zip(&g[r * n..(r + 1) * n]) {
+                *a += *v;
+            }
+        }
+        s
+    };
+    let blocks = rows.div_ceil(rb);
+    let parts: Vec<Vec<A>> = if rows * n >= cpu::PAR_MIN_WORK {
+        (0..blocks).into_par_iter().map(part).collect()
+    } else {
+        (0..blocks).map(part).collect()
+    };
+    let mut out = vec![A::ZERO; n];
+    for p in parts {
+        for (a, v) in out.iter_mut().zip(p) {
+            *a += v;
+        }
+    }
+    out
 }
 
 struct Grads<T> {
@@ -286,69 +316,48 @@ fn bwd_kernel<T: Elem>(
     let rows = dy.len().checked_div(n_out).unwrap_or(0);
     let g = widen(dy);
     let gs = Strided { rs: n_out, cs: 1 };
-    let dx = need[0].then(|| {
-        let wa = widen(w);
-        let mut dx = vec![T::Acc::ZERO; rows * n_in];
-        // dx = dy Wᵀ: (r, i) = Σ_o dy[r, o] w[i, o].
-        gemm(
-            rows,
-            n_in,
-            n_out,
-            &mut dx,
-            false,
-            (&g, gs),
-            (
-                &wa,
-                Strided {
-                    rs: ws.cs,
-                    cs: ws.rs,
-                },
-            ),
-        );
-        narrow(dx)
-    });
-    let dw = need[1].then(|| {
-        let xa = widen(x);
-        let mut dw = vec![T::Acc::ZERO; n_in * n_out];
-        // dW = xᵀ dy: (i, o) = Σ_r x[r, i] dy[r, o].
-        gemm(
-            n_in,
-            n_out,
-            rows,
-            &mut dw,
-            false,
-            (&xa, Strided { rs: 1, cs: n_in }),
-            (&g, gs),
-        );
-        narrow(dw)
-    });
-    let db = need[2].then(|| {
-        // Column sums as partials over fixed row blocks, added in block order.
-        use rayon::prelude::*;
-        let rb = cpu::row_block(rows);
-        let part = |bi: usize| {
-            let mut s = vec![T::Acc::ZERO; n_out];
-            for r in bi * rb..((bi + 1) * rb).min(rows) {
-                for (a, v) in s.iter_mut().zip(&g[r * n_out..(r + 1) * n_out]) {
-                    *a += *v;
-                }
-            }
-            s
-        };
-        let blocks = rows.div_ceil(rb);
-        let parts: Vec<Vec<T::Acc>> = if rows * n_out >= cpu::PAR_MIN_WORK {
-            (0..blocks).into_par_iter().map(part).collect()
-        } else {
-            (0..blocks).map(part).collect()
-        };
-        let mut db = vec![T::Acc::ZERO; n_out];
-        for p in parts {
-            for (a, v) in db.iter_mut().zip(p) {
-                *a += v;
-            }
-        }
-        narrow(db)
-    });
+    // dx and (dW, db) are independent: for small GEMMs they run side by side, each on its share
+    // of the threads (small GEMMs scale poorly across threads; two at once keep every core busy
+    // with less synchronisation). The split never changes a sum (see `gemm`).
+    let threads = rayon::current_num_threads();
+    // Measured on 2 cores: worth it below ~64M multiply-adds per GEMM (the baby GPT's layers),
+    // a loss above (GPT 4/4/256's 200M+), where one GEMM on all threads is already efficient.
+    let small = rows * n_in * n_out < 1 << 26;
+    let both = need[0] && (need[1] || need[2]) && threads > 1 && small;
+    let (t_dx, t_dw) = if both {
+        (threads / 2, threads - threads / 2)
+    } else {
+        (threads, threads)
+    };
+    let dx_job = || {
+        need[0].then(|| {
+            let wa = widen(w);
+            let mut dx = vec![T::Acc::ZERO; rows * n_in];
+            // dx = dy Wᵀ: (r, i) = Σ_o dy[r, o] w[i, o].
+            let wt = Strided {
+                rs: ws.cs,
+                cs: ws.rs,
+            };
+            gemm(rows, n_in, n_out, &mut dx, false, (&g, gs), (&wa, wt), t_dx);
+            narrow(dx)
+        })
+    };
+    let dwb_job = || {
+        let dw = need[1].then(|| {
+            let xa = widen(x);
+            let mut dw = vec![T::Acc::ZERO; n_in * n_out];
+            // dW = xᵀ dy: (i, o) = Σ_r x[r, i] dy[r, o].
+            let xt = Strided { rs: 1, cs: n_in };
+            gemm(n_in, n_out, rows, &mut dw, false, (&xa, xt), (&g, gs), t_dw);
+            narrow(dw)
+        });
+        (dw, need[2].then(|| narrow(column_sums(&g, rows, n_out))))
+    };
+    let (dx, (dw, db)) = if both {
+        rayon::join(dx_job, dwb_job)
+    } else {
+        (dx_job(), dwb_job())
+    };
     Grads { dx, dw, db }
 }
 
