@@ -10,7 +10,7 @@ as nanoGPT), the same data (bytes or characters of data/tinyshakespeare.txt), th
 Prints, per config, the median step time after warm-up, tokens/s, MFU (nanoGPT's FLOP count
 over a matmul ceiling measured here the same way as the Rust bench: f32 1024^3) and the peak
 memory of live tensors during a step (PyTorch's profiler memory timeline: weights, gradients,
-optimiser state, activations), and the process's peak RSS so far (cumulative over configs).
+optimiser state, activations).
 
     python3 bench/torch_step.py                  # every config
     python3 bench/torch_step.py --only baby-gpt --steps 20
@@ -35,7 +35,7 @@ CASES = {
     # name: (n_layer, n_head, n_embd, block, batch, data)
     "gpt-4-4-256": (4, 4, 256, 128, 8, "byte"),
     "baby-gpt": (4, 4, 128, 64, 12, "char"),
-    "addition": (2, 4, 128, 9, 128, "char"),
+    "addition": (3, 4, 128, 9, 128, "char"),
 }
 
 
@@ -93,7 +93,7 @@ def flops_per_token(model, n_layer, n_head, n_embd, block):
 def matmul_ceiling():
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     best = math.inf
-    for i in range(4):
+    for i in range(11):
         s = time.perf_counter()
         a @ b
         if i:
@@ -144,8 +144,8 @@ def main():
         f"{peak_flops / 1e9:.1f} GFLOP/s (f32 1024^3) | {args.steps} timed steps after 3 warm-up"
     )
     print()
-    print("| config | dtype | step (median) | step (mean) | tokens/s | MFU | peak tensors | peak RSS (process, so far) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| config | dtype | step (median) | step (mean) | tokens/s | MFU | peak tensors |")
+    print("|---|---|---|---|---|---|---|")
     for name, (n_layer, n_head, n_embd, block, batch, kind) in CASES.items():
         if args.only and args.only not in name:
             continue
@@ -185,12 +185,9 @@ def main():
             peak_s = f"{peak_step_bytes(step) / 2**20:.1f} MiB"
         except Exception as e:  # profiler API differences across versions
             peak_s = f"n/a ({e})"
-        import resource
-
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(
             f"| {name} | {args.dtype} | {med * 1e3:.1f} ms | {mean * 1e3:.1f} ms | "
-            f"{tokens / med:.0f} | {100 * mfu:.1f}% | {peak_s} | {rss:.0f} MiB |"
+            f"{tokens / med:.0f} | {100 * mfu:.1f}% | {peak_s} |"
         )
 
 

@@ -115,7 +115,7 @@ const CASES: &[Case] = &[
     },
     Case {
         name: "addition",
-        about: "the default run: 2-digit addition, 2/4/128, block 9, batch 128",
+        about: "the default run: 2-digit addition, 3/4/128, block 9, batch 128",
         config: base,
         dtypes: &["f32"],
     },

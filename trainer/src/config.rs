@@ -55,9 +55,12 @@ macro_rules! train_config {
     };
 }
 
-// The defaults train the embedded 2-digit addition task to ~94% exact-match accuracy on
-// held-out problems in 600 steps (about 2.5 minutes on 2 CPU cores): one problem per row
+// The defaults train the embedded 2-digit addition task to ~100% exact-match accuracy on
+// held-out problems in 600 steps (about 30 s on 2 CPU cores): one problem per row
 // (block_size = 3 * digits + 3 covers `ab+cd=` and the reversed 3-digit sum), batch 128.
+// 3 layers at lr 2e-3 learn the carries from every seed tried (1337, 1, 2, 3, 4); 2 layers at
+// 3e-3 sometimes stall at loss ~0.58 (~9% accuracy: carries not learned), depending on
+// rounding and seed.
 train_config! {
     /// Run directory: checkpoints, metrics.jsonl, loss.svg.
     out_dir: PathBuf = PathBuf::from("runs/addition"),
@@ -83,7 +86,7 @@ train_config! {
     /// then taken from its config.
     init_from: Option<String> = None,
     /// Transformer blocks.
-    n_layer: usize = 2,
+    n_layer: usize = 3,
     /// Attention heads.
     n_head: usize = 4,
     /// Embedding width.

@@ -32,13 +32,13 @@ pub fn flops_per_token(cfg: &GptConfig, seq_len: usize) -> f64 {
 
 /// The FLOP/s a large matmul reaches on `device` in `dtype`: the ceiling MFU is measured
 /// against when no peak is given (on a CPU this is the honest peak: what Candle's GEMM reaches
-/// with the threads it has). Best of a few 1024³ products after a warm-up.
+/// with the threads it has). Best of ten 1024³ products after a warm-up.
 pub fn measure_matmul_flops(device: &Device, dtype: DType) -> candle_core::Result<f64> {
     let n = 1024;
     let a = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(dtype)?;
     let b = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(dtype)?;
     let mut best = f64::INFINITY;
-    for i in 0..4 {
+    for i in 0..11 {
         let start = Instant::now();
         let c = a.matmul(&b)?;
         // Reading one element waits for the device.
