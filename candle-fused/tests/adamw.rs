@@ -1,53 +1,19 @@
 //! Fused AdamW against the composite reference, fallback, thread independence, NaN handling,
 //! sum of squares / global norm / clip coefficient.
 
+mod common;
+
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::adamw::{
     adamw_composite, adamw_update, clip_coefficient, global_norm, sum_of_squares, AdamWStep,
 };
 use candle_fused::cpu;
-
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn normal_vec(&mut self, n: usize, std: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                let s: f64 = (0..12)
-                    .map(|_| self.next() as f64 / (1u64 << 31) as f64)
-                    .sum();
-                (s - 6.0) as f32 * std
-            })
-            .collect()
-    }
-}
-
-fn randn(rng: &mut Lcg, shape: &[usize], std: f32) -> Result<Tensor> {
-    let n = shape.iter().product();
-    Ok(Tensor::from_vec(
-        rng.normal_vec(n, std),
-        shape,
-        &Device::Cpu,
-    )?)
-}
-
-fn v32(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
-}
+use common::{f32s, randn, Lcg31};
 
 /// |a - b| <= rel * |b| + rel * max|b| elementwise (NaN-aware: NaN only matches NaN).
 fn assert_close(a: &Tensor, b: &Tensor, rel: f32, what: &str) -> Result<()> {
-    let (a, b) = (v32(a)?, v32(b)?);
+    let (a, b) = (f32s(a)?, f32s(b)?);
     assert_eq!(a.len(), b.len());
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
@@ -72,8 +38,8 @@ fn step(step: usize, wd: f64, gs: f64) -> AdamWStep {
 /// Runs `steps` fused steps and the composite reference side by side from the same start,
 /// comparing param, exp_avg and exp_avg_sq after every step.
 fn run_vs_composite(shape: &[usize], gdtype: DType, wd: f64, gs: f64, seed: u64) -> Result<()> {
-    let mut rng = Lcg(seed);
-    let p0 = randn(&mut rng, shape, 1.0)?;
+    let mut rng = Lcg31(seed);
+    let p0 = randn(shape, DType::F32, &mut rng, 1.0)?;
     let param = Var::from_tensor(&p0)?;
     let m = p0.zeros_like()?;
     let v = p0.zeros_like()?;
@@ -81,7 +47,7 @@ fn run_vs_composite(shape: &[usize], gdtype: DType, wd: f64, gs: f64, seed: u64)
     // A second handle to the moments' storage: must see the in-place update.
     let m_alias = m.clone();
     for t in 1..=5 {
-        let g = randn(&mut rng, shape, 0.1)?.to_dtype(gdtype)?;
+        let g = randn(shape, gdtype, &mut rng, 0.1)?;
         let s = step(t, wd, gs);
         adamw_update(&param, &g, &m, &v, &s)?;
         (rp, rm, rv) = adamw_composite(&rp, &g, &rm, &rv, &s)?;
@@ -93,8 +59,8 @@ fn run_vs_composite(shape: &[usize], gdtype: DType, wd: f64, gs: f64, seed: u64)
         assert_close(&m, &rm, 1e-6, &format!("exp_avg {what}"))?;
         assert_close(&v, &rv, 1e-6, &format!("exp_avg_sq {what}"))?;
     }
-    assert_eq!(v32(&m_alias)?, v32(&m)?, "exp_avg updated in place");
-    assert!(v32(param.as_tensor())? != v32(&p0)?, "param changed");
+    assert_eq!(f32s(&m_alias)?, f32s(&m)?, "exp_avg updated in place");
+    assert!(f32s(param.as_tensor())? != f32s(&p0)?, "param changed");
     Ok(())
 }
 
@@ -131,11 +97,11 @@ fn large_tensor_matches_composite() -> Result<()> {
 
 #[test]
 fn fallback_matches_kernel() -> Result<()> {
-    let mut rng = Lcg(42);
+    let mut rng = Lcg31(42);
     let shape = [65, 33];
-    let p0 = randn(&mut rng, &shape, 1.0)?;
+    let p0 = randn(&shape, DType::F32, &mut rng, 1.0)?;
     let grads: Vec<Tensor> = (0..3)
-        .map(|_| Ok(randn(&mut rng, &shape, 0.1)?.to_dtype(DType::BF16)?))
+        .map(|_| randn(&shape, DType::BF16, &mut rng, 0.1))
         .collect::<Result<_>>()?;
     let run = |force: bool| -> Result<Vec<Vec<f32>>> {
         let prev = cpu::force_fallback(force);
@@ -145,7 +111,7 @@ fn fallback_matches_kernel() -> Result<()> {
             adamw_update(&p, g, &m, &v, &step(t + 1, 0.1, 0.7))?;
         }
         cpu::force_fallback(prev);
-        Ok(vec![v32(p.as_tensor())?, v32(&m)?, v32(&v)?])
+        Ok(vec![f32s(p.as_tensor())?, f32s(&m)?, f32s(&v)?])
     };
     let (k, f) = (run(false)?, run(true)?);
     for (a, b) in k.iter().zip(&f) {
@@ -159,10 +125,10 @@ fn fallback_matches_kernel() -> Result<()> {
 #[test]
 fn identical_for_any_thread_count() -> Result<()> {
     let n = 3 * cpu::PAR_MIN_WORK + 4097;
-    let mut rng = Lcg(7);
-    let p0 = randn(&mut rng, &[n], 1.0)?;
-    let g = randn(&mut rng, &[n], 0.1)?;
-    let g2 = randn(&mut rng, &[n], 0.1)?.to_dtype(DType::F16)?;
+    let mut rng = Lcg31(7);
+    let p0 = randn(&[n], DType::F32, &mut rng, 1.0)?;
+    let g = randn(&[n], DType::F32, &mut rng, 0.1)?;
+    let g2 = randn(&[n], DType::F16, &mut rng, 0.1)?;
     let mut results = Vec::new();
     for threads in [1, 2, 3] {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -174,7 +140,7 @@ fn identical_for_any_thread_count() -> Result<()> {
             adamw_update(&p, &g, &m, &v, &step(1, 0.1, 0.9))?;
             adamw_update(&p, &g2, &m, &v, &step(2, 0.1, 0.9))?;
             let bits = |t: &Tensor| -> Result<Vec<u32>> {
-                Ok(v32(t)?.into_iter().map(f32::to_bits).collect())
+                Ok(f32s(t)?.into_iter().map(f32::to_bits).collect())
             };
             let ss = sum_of_squares(&g)?.to_scalar::<f32>()?.to_bits();
             Ok((bits(p.as_tensor())?, bits(&m)?, bits(&v)?, ss))
@@ -189,18 +155,18 @@ fn identical_for_any_thread_count() -> Result<()> {
 fn nan_gradient_poisons_only_its_element() -> Result<()> {
     // A NaN gradient element makes m, v and the parameter NaN at that index only (every
     // element is updated independently); +inf gives NaN there too (inf / inf).
-    let mut rng = Lcg(11);
+    let mut rng = Lcg31(11);
     let n = 1000;
     for bad in [f32::NAN, f32::INFINITY] {
         let i = 1 + rng.below(n - 1);
-        let p = Var::from_tensor(&randn(&mut rng, &[n], 1.0)?)?;
+        let p = Var::from_tensor(&randn(&[n], DType::F32, &mut rng, 1.0)?)?;
         let (m, v) = (p.zeros_like()?, p.zeros_like()?);
         let mut g = rng.normal_vec(n, 0.1);
         g[i] = bad;
         let g = Tensor::from_vec(g, n, &Device::Cpu)?;
         adamw_update(&p, &g, &m, &v, &step(1, 0.1, 1.0))?;
         let nan_at = |t: &Tensor| -> Result<Vec<usize>> {
-            Ok(v32(t)?
+            Ok(f32s(t)?
                 .iter()
                 .enumerate()
                 .filter(|(_, x)| !x.is_finite())
@@ -210,7 +176,7 @@ fn nan_gradient_poisons_only_its_element() -> Result<()> {
         assert_eq!(nan_at(p.as_tensor())?, vec![i], "param, bad={bad}");
         assert_eq!(nan_at(&m)?, vec![i], "exp_avg, bad={bad}");
         assert_eq!(nan_at(&v)?, vec![i], "exp_avg_sq, bad={bad}");
-        assert!(v32(p.as_tensor())?[i].is_nan());
+        assert!(f32s(p.as_tensor())?[i].is_nan());
     }
     Ok(())
 }
@@ -235,7 +201,7 @@ fn argument_errors() -> Result<()> {
     let m = Tensor::ones((2, 3), DType::F32, &dev)?;
     fails_with(adamw_update(&p, &z, &m, &m.clone(), &ok), "share storage");
     fails_with(adamw_update(&p, &z, &z.clone(), &m, &ok), "share storage");
-    assert_eq!(v32(&m)?, vec![1.0; 6], "nothing written");
+    assert_eq!(f32s(&m)?, vec![1.0; 6], "nothing written");
     let g_bad = Tensor::zeros((3, 2), DType::F32, &dev)?;
     fails_with(
         adamw_update(&p, &g_bad, &m, &fresh()?, &ok),
@@ -271,18 +237,18 @@ fn argument_errors() -> Result<()> {
     let gt = Tensor::ones((3, 2), DType::F32, &dev)?.t()?;
     let (m, v) = (fresh()?, fresh()?);
     adamw_update(&p, &gt, &m, &v, &ok)?;
-    assert!(v32(&m)?.iter().all(|&x| (x - 0.1).abs() < 1e-7));
+    assert!(f32s(&m)?.iter().all(|&x| (x - 0.1).abs() < 1e-7));
     Ok(())
 }
 
 #[test]
 fn sum_of_squares_and_global_norm() -> Result<()> {
-    let mut rng = Lcg(5);
-    let a = randn(&mut rng, &[33, 65], 1.0)?;
-    let b = randn(&mut rng, &[3 * cpu::PAR_MIN_WORK + 5], 0.5)?;
-    let c = randn(&mut rng, &[7], 2.0)?.to_dtype(DType::BF16)?;
+    let mut rng = Lcg31(5);
+    let a = randn(&[33, 65], DType::F32, &mut rng, 1.0)?;
+    let b = randn(&[3 * cpu::PAR_MIN_WORK + 5], DType::F32, &mut rng, 0.5)?;
+    let c = randn(&[7], DType::BF16, &mut rng, 2.0)?;
     let exact =
-        |t: &Tensor| -> Result<f64> { Ok(v32(t)?.iter().map(|&x| (x as f64) * (x as f64)).sum()) };
+        |t: &Tensor| -> Result<f64> { Ok(f32s(t)?.iter().map(|&x| (x as f64) * (x as f64)).sum()) };
     // f64 accumulation, rounded once to f32: ~1e-7 relative (allow 1e-6).
     for t in [&a, &b, &c] {
         let s = sum_of_squares(t)?;
@@ -308,7 +274,7 @@ fn sum_of_squares_and_global_norm() -> Result<()> {
     // NaN or +inf at a random index of the second tensor: a non-finite norm.
     let n = b.elem_count();
     for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-        let mut vals = v32(&b)?;
+        let mut vals = f32s(&b)?;
         let i = 1 + rng.below(n - 1);
         vals[i] = bad;
         let bb = Tensor::from_vec(vals, n, &Device::Cpu)?;

@@ -7,7 +7,6 @@
 //! <2e-15); f32 1e-5 for values and 2e-5 for gradients, the same rounding differences at ~6e-8
 //! per op over up to 129 keys and the longer backward chains (observed <8e-7).
 
-#[path = "attention/common.rs"]
 mod common;
 
 use anyhow::Result;
@@ -60,7 +59,7 @@ fn qkv_matches_composite() -> Result<()> {
     for dt in [DType::F32, DType::F64] {
         let (tv, tg) = tols(dt);
         for (n, &(b, t, h, d)) in shapes.iter().enumerate() {
-            let qkv = rand(10 + n as u64, &[b, t, 3 * h * d], 1.5, dt)?;
+            let qkv = rand_seeded(10 + n as u64, &[b, t, 3 * h * d], 1.5, dt)?;
             for (name, cfg) in configs(t, t, dt, 7 + n as u64)? {
                 let what = format!("{dt:?} {:?} {name}", (b, t, h, d));
                 let (y, g) = grads(
@@ -96,9 +95,9 @@ fn general_matches_composite() -> Result<()> {
         let (tv, tg) = tols(dt);
         for (n, &(b, h, tq, tk, d, dv)) in shapes.iter().enumerate() {
             let s = 20 + 3 * n as u64;
-            let q = rand(s, &[b, h, tq, d], 1.5, dt)?;
-            let k = rand(s + 1, &[b, h, tk, d], 1.5, dt)?;
-            let v = rand(s + 2, &[b, h, tk, dv], 1.0, dt)?;
+            let q = rand_seeded(s, &[b, h, tq, d], 1.5, dt)?;
+            let k = rand_seeded(s + 1, &[b, h, tk, d], 1.5, dt)?;
+            let v = rand_seeded(s + 2, &[b, h, tk, dv], 1.0, dt)?;
             let ins = [q, k, v];
             for (name, cfg) in configs(tq, tk, dt, s)? {
                 if cfg.causal && tq > tk {
@@ -136,7 +135,7 @@ fn qkv_equals_attention_on_split_heads() -> Result<()> {
     // The same kernel over other strides: bit-identical values and gradients.
     let (b, t, h, d) = (2, 37, 3, 8);
     for dt in [DType::F32, DType::BF16] {
-        let qkv = rand(1, &[b, t, 3 * h * d], 1.5, dt)?;
+        let qkv = rand_seeded(1, &[b, t, 3 * h * d], 1.5, dt)?;
         let m = mask(2, t, t, DType::F32)?;
         let cfg = AttentionConfig::causal()
             .with_dropout(0.2, RngKey::new(4, 1))
@@ -163,7 +162,7 @@ fn fallback_matches_kernel() -> Result<()> {
     for dt in [DType::F32, DType::F64] {
         let (tv, tg) = tols(dt);
         let (b, t, h, d) = (2, 33, 2, 8);
-        let qkv = rand(3, &[b, t, 3 * h * d], 1.5, dt)?;
+        let qkv = rand_seeded(3, &[b, t, 3 * h * d], 1.5, dt)?;
         for (name, cfg) in configs(t, t, dt, 4)? {
             let f = |x: &[Tensor]| attention_qkv(&x[0], h, &cfg);
             let (y, g) = grads(&f, std::slice::from_ref(&qkv), 8)?;
@@ -186,9 +185,9 @@ fn fallback_matches_kernel() -> Result<()> {
         }
         let (tq, tk, dv) = (9, 40, 5);
         let ins = [
-            rand(5, &[b, h, tq, d], 1.5, dt)?,
-            rand(6, &[b, h, tk, d], 1.5, dt)?,
-            rand(7, &[b, h, tk, dv], 1.0, dt)?,
+            rand_seeded(5, &[b, h, tq, d], 1.5, dt)?,
+            rand_seeded(6, &[b, h, tk, d], 1.5, dt)?,
+            rand_seeded(7, &[b, h, tk, dv], 1.0, dt)?,
         ];
         for (name, cfg) in configs(tq, tk, dt, 9)? {
             let f = |x: &[Tensor]| attention(&x[0], &x[1], &x[2], &cfg);
@@ -216,7 +215,7 @@ fn half_precision_close_to_f32_composite() -> Result<()> {
     // output in D_i = <dO_i, O_i>.
     let (b, t, h, d) = (2, 33, 2, 16);
     for (dt, tv, tg) in [(DType::BF16, 1e-2, 1.5e-2), (DType::F16, 2e-3, 2e-3)] {
-        let qkv = rand(11, &[b, t, 3 * h * d], 1.5, dt)?;
+        let qkv = rand_seeded(11, &[b, t, 3 * h * d], 1.5, dt)?;
         let qkv32 = qkv.to_dtype(DType::F32)?;
         let m = mask(12, t, t, DType::F32)?;
         let cfgs = [
@@ -226,17 +225,17 @@ fn half_precision_close_to_f32_composite() -> Result<()> {
                 .with_dropout(0.1, RngKey::new(5, 5)),
         ];
         for cfg in &cfgs {
-            let g16 = rand(13, &[b, t, h * d], 1.0, dt)?;
+            let g16 = rand_seeded(13, &[b, t, h * d], 1.0, dt)?;
             let g32 = g16.to_dtype(DType::F32)?;
-            let (y, g) = grads_g(
+            let (y, g) = value_and_grads(
                 &|x| attention_qkv(&x[0], h, cfg),
                 std::slice::from_ref(&qkv),
-                &|_, _| Ok(g16.clone()),
+                &g16,
             )?;
-            let (yr, gr) = grads_g(
+            let (yr, gr) = value_and_grads(
                 &|x| attention_qkv_composite(&x[0], h, cfg),
                 std::slice::from_ref(&qkv32),
-                &|_, _| Ok(g32.clone()),
+                &g32,
             )?;
             assert_eq!(y.dtype(), dt);
             assert_eq!(g[0].dtype(), dt);
@@ -255,19 +254,19 @@ fn rows_without_keys_give_zero() -> Result<()> {
     let (b, h, tq, tk, d) = (1, 2, 9, 4, 3);
     let dt = DType::F64;
     let ins = [
-        rand(1, &[b, h, tq, d], 1.5, dt)?,
-        rand(2, &[b, h, tk, d], 1.5, dt)?,
-        rand(3, &[b, h, tk, d], 1.0, dt)?,
+        rand_seeded(1, &[b, h, tq, d], 1.5, dt)?,
+        rand_seeded(2, &[b, h, tk, d], 1.5, dt)?,
+        rand_seeded(3, &[b, h, tk, d], 1.0, dt)?,
     ];
-    let g = rand(4, &[b, h, tq, d], 1.0, dt)?;
+    let g = rand_seeded(4, &[b, h, tq, d], 1.0, dt)?;
     let cfg = AttentionConfig::causal();
     let f = |x: &[Tensor]| attention(&x[0], &x[1], &x[2], &cfg);
-    let (y, gk) = grads_g(&f, &ins, &|_, _| Ok(g.clone()))?;
-    let (yf, gf) = with_fallback(|| grads_g(&f, &ins, &|_, _| Ok(g.clone())))?;
+    let (y, gk) = value_and_grads(&f, &ins, &g)?;
+    let (yf, gf) = with_fallback(|| value_and_grads(&f, &ins, &g))?;
     let skip = tq - tk;
     let f_rows = |x: &[Tensor]| attention_composite(&x[0].narrow(2, skip, tk)?, &x[1], &x[2], &cfg);
-    let (yr, gr) = grads_g(&f_rows, &ins, &|_, _| Ok(g.narrow(2, skip, tk)?))?;
-    assert!(vals(&y.narrow(2, 0, skip)?)?.iter().all(|&x| x == 0.0));
+    let (yr, gr) = value_and_grads(&f_rows, &ins, &g.narrow(2, skip, tk)?)?;
+    assert!(f64s(&y.narrow(2, 0, skip)?)?.iter().all(|&x| x == 0.0));
     close(&y.narrow(2, skip, tk)?, &yr, 1e-12, "causal Tq > Tk rows")?;
     close(&yf, &y, 1e-12, "causal Tq > Tk fallback")?;
     for i in 0..3 {
@@ -285,7 +284,7 @@ fn rows_without_keys_give_zero() -> Result<()> {
 
     // A mask row of only -inf (non-causal): same, comparing with the composite without it.
     let (tq, r) = (7, 3);
-    let q = rand(5, &[b, h, tq, d], 1.5, dt)?;
+    let q = rand_seeded(5, &[b, h, tq, d], 1.5, dt)?;
     let ins = [q, ins[1].clone(), ins[2].clone()];
     let m = mask(6, tq, tk, dt)?;
     let minf = Tensor::full(f64::NEG_INFINITY, (1, tk), &candle_core::Device::Cpu)?;
@@ -302,13 +301,13 @@ fn rows_without_keys_give_zero() -> Result<()> {
         )
     };
     let cfg_r = AttentionConfig::full().with_mask(drop_row(&m, 0)?);
-    let g = rand(7, &[b, h, tq, d], 1.0, dt)?;
+    let g = rand_seeded(7, &[b, h, tq, d], 1.0, dt)?;
     let f = |x: &[Tensor]| attention(&x[0], &x[1], &x[2], &cfg);
-    let (y, gk) = grads_g(&f, &ins, &|_, _| Ok(g.clone()))?;
-    let (yf, gf) = with_fallback(|| grads_g(&f, &ins, &|_, _| Ok(g.clone())))?;
+    let (y, gk) = value_and_grads(&f, &ins, &g)?;
+    let (yf, gf) = with_fallback(|| value_and_grads(&f, &ins, &g))?;
     let f_rows = |x: &[Tensor]| attention_composite(&drop_row(&x[0], 2)?, &x[1], &x[2], &cfg_r);
-    let (yr, gr) = grads_g(&f_rows, &ins, &|_, _| Ok(drop_row(&g, 2)?))?;
-    assert!(vals(&y.narrow(2, r, 1)?)?.iter().all(|&x| x == 0.0));
+    let (yr, gr) = value_and_grads(&f_rows, &ins, &drop_row(&g, 2)?)?;
+    assert!(f64s(&y.narrow(2, r, 1)?)?.iter().all(|&x| x == 0.0));
     close(&drop_row(&y, 2)?, &yr, 1e-12, "masked row")?;
     close(&yf, &y, 1e-12, "masked row fallback")?;
     for i in 0..3 {
@@ -330,32 +329,13 @@ fn finite_differences(
     f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
     ins: &[Tensor],
 ) -> Result<()> {
-    let (y, an) = grads(f, ins, 77)?;
-    let g = rand(77, y.dims(), 1.0, DType::F64)?;
-    let loss =
-        |xs: &[Tensor]| -> Result<f64> { Ok(f(xs)?.mul(&g)?.sum_all()?.to_scalar::<f64>()?) };
-    let eps = 1e-5;
-    for (i, x) in ins.iter().enumerate() {
-        let base = vals(x)?;
-        let a = vals(&an[i])?;
-        let scale = a.iter().fold(1f64, |m, v| m.max(v.abs()));
-        for e in 0..base.len() {
-            let at = |delta: f64| -> Result<f64> {
-                let mut v = base.clone();
-                v[e] += delta;
-                let mut xs = ins.to_vec();
-                xs[i] = Tensor::from_vec(v, x.dims(), x.device())?;
-                loss(&xs)
-            };
-            let fd = (at(eps)? - at(-eps)?) / (2.0 * eps);
-            assert!(
-                (fd - a[e]).abs() <= 1e-7 * scale,
-                "input {i} element {e}: finite difference {fd} vs gradient {}",
-                a[e]
-            );
-        }
-    }
-    Ok(())
+    let g = rand_seeded(77, f(ins)?.dims(), 1.0, DType::F64)?;
+    compare_fd(f, ins, &g, 1e-5, &|i, e, fd, a, scale| {
+        assert!(
+            (fd - a).abs() <= 1e-7 * scale,
+            "input {i} element {e}: finite difference {fd} vs gradient {a}"
+        );
+    })
 }
 
 #[test]
@@ -363,9 +343,9 @@ fn finite_differences_f64() -> Result<()> {
     let dt = DType::F64;
     let (b, h, tq, tk, d, dv) = (1, 2, 3, 5, 3, 2);
     let ins = [
-        rand(31, &[b, h, tq, d], 1.5, dt)?,
-        rand(32, &[b, h, tk, d], 1.5, dt)?,
-        rand(33, &[b, h, tk, dv], 1.0, dt)?,
+        rand_seeded(31, &[b, h, tq, d], 1.5, dt)?,
+        rand_seeded(32, &[b, h, tk, d], 1.5, dt)?,
+        rand_seeded(33, &[b, h, tk, dv], 1.0, dt)?,
     ];
     for (name, cfg) in configs(tq, tk, dt, 34)? {
         let f = |x: &[Tensor]| attention(&x[0], &x[1], &x[2], &cfg);
@@ -374,7 +354,7 @@ fn finite_differences_f64() -> Result<()> {
         finite_differences(&f, &ins).map_err(|e| e.context(format!("fallback {name}")))?;
     }
     let (t, h, d) = (4, 2, 2);
-    let qkv = rand(35, &[1, t, 3 * h * d], 1.5, dt)?;
+    let qkv = rand_seeded(35, &[1, t, 3 * h * d], 1.5, dt)?;
     for (name, cfg) in configs(t, t, dt, 36)? {
         let f = |x: &[Tensor]| attention_qkv(&x[0], h, &cfg);
         finite_differences(&f, std::slice::from_ref(&qkv))
@@ -389,15 +369,15 @@ fn nan_propagates() -> Result<()> {
     let mut rng = Lcg(123);
     for causal in [false, true] {
         let cfg = AttentionConfig::causal().with_causal(causal);
-        let mut qv = vals(&rand(41, &[b, h, t, d], 1.5, DType::F32)?)?;
+        let mut qv = f64s(&rand_seeded(41, &[b, h, t, d], 1.5, DType::F32)?)?;
         let at = 1 + rng.below(qv.len() - 1);
         qv[at] = f64::NAN;
         let q =
             Tensor::from_vec(qv, (b, h, t, d), &candle_core::Device::Cpu)?.to_dtype(DType::F32)?;
         let ins = [
             q,
-            rand(42, &[b, h, t, d], 1.5, DType::F32)?,
-            rand(43, &[b, h, t, d], 1.0, DType::F32)?,
+            rand_seeded(42, &[b, h, t, d], 1.5, DType::F32)?,
+            rand_seeded(43, &[b, h, t, d], 1.0, DType::F32)?,
         ];
         let (y, g) = grads(&|x| attention(&x[0], &x[1], &x[2], &cfg), &ins, 44)?;
         let (yr, gr) = grads(
@@ -427,7 +407,7 @@ fn nan_propagates() -> Result<()> {
             }
         }
         // The fused projection: NaN in a random q column of a random row.
-        let mut xv = vals(&rand(45, &[b, t, 3 * h * d], 1.5, DType::F32)?)?;
+        let mut xv = f64s(&rand_seeded(45, &[b, t, 3 * h * d], 1.5, DType::F32)?)?;
         let (row, col) = (1 + rng.below(t - 1), rng.below(h * d));
         xv[row * 3 * h * d + col] = f64::NAN;
         let qkv = Tensor::from_vec(xv, (b, t, 3 * h * d), &candle_core::Device::Cpu)?;
@@ -457,15 +437,15 @@ fn nan_propagates() -> Result<()> {
 #[test]
 fn identical_for_any_thread_count() -> Result<()> {
     let (b, t, h, d) = (2, 70, 2, 32);
-    let qkv = rand(51, &[b, t, 3 * h * d], 1.5, DType::F32)?;
+    let qkv = rand_seeded(51, &[b, t, 3 * h * d], 1.5, DType::F32)?;
     let cfg = AttentionConfig::causal()
         .with_mask(mask(52, t, t, DType::F32)?)
         .with_dropout(0.1, RngKey::new(53, 2));
     let (tq, tk, dv) = (40, 70, 24);
     let ins = [
-        rand(54, &[1, 2, tq, 16], 1.5, DType::F32)?,
-        rand(55, &[1, 2, tk, 16], 1.5, DType::F32)?,
-        rand(56, &[1, 2, tk, dv], 1.0, DType::F32)?,
+        rand_seeded(54, &[1, 2, tq, 16], 1.5, DType::F32)?,
+        rand_seeded(55, &[1, 2, tk, 16], 1.5, DType::F32)?,
+        rand_seeded(56, &[1, 2, tk, dv], 1.0, DType::F32)?,
     ];
     let cfg2 = AttentionConfig::full().with_dropout(0.5, RngKey::new(57, 0));
     let run = |n: usize| -> Result<Vec<Tensor>> {
@@ -493,17 +473,17 @@ fn identical_for_any_thread_count() -> Result<()> {
 
 #[test]
 fn rejects_bad_arguments() -> Result<()> {
-    let x = rand(1, &[1, 4, 12], 1.0, DType::F32)?;
+    let x = rand_seeded(1, &[1, 4, 12], 1.0, DType::F32)?;
     assert!(attention_qkv(&x, 5, &AttentionConfig::causal()).is_err());
     assert!(attention_qkv(&x, 0, &AttentionConfig::causal()).is_err());
-    let bad_mask = AttentionConfig::causal().with_mask(rand(2, &[4, 5], 1.0, DType::F32)?);
+    let bad_mask = AttentionConfig::causal().with_mask(rand_seeded(2, &[4, 5], 1.0, DType::F32)?);
     assert!(attention_qkv(&x, 2, &bad_mask).is_err());
     let bad_p = AttentionConfig::causal().with_dropout(1.0, RngKey::new(0, 0));
     assert!(attention_qkv(&x, 2, &bad_p).is_err());
-    let q = rand(3, &[1, 2, 3, 4], 1.0, DType::F32)?;
-    let k = rand(4, &[1, 2, 5, 3], 1.0, DType::F32)?;
+    let q = rand_seeded(3, &[1, 2, 3, 4], 1.0, DType::F32)?;
+    let k = rand_seeded(4, &[1, 2, 5, 3], 1.0, DType::F32)?;
     assert!(attention(&q, &k, &k, &AttentionConfig::full()).is_err());
-    let k64 = rand(4, &[1, 2, 5, 4], 1.0, DType::F64)?;
+    let k64 = rand_seeded(4, &[1, 2, 5, 4], 1.0, DType::F64)?;
     assert!(attention(&q, &k64, &k64, &AttentionConfig::full()).is_err());
     Ok(())
 }

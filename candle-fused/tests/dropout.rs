@@ -1,41 +1,14 @@
 //! Dropout: kernel vs composite (bit for bit), fallback, thread independence, backward,
 //! statistics, key handling, NaN, 16-bit types.
 
+mod common;
+
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::cpu;
 use candle_fused::dropout::{dropout, dropout_composite, dropout_mask};
 use candle_fused::RngKey;
-
-/// A seeded LCG (no global RNG state, reproducible).
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn normal_vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                let s: f64 = (0..12)
-                    .map(|_| self.next() as f64 / (1u64 << 31) as f64)
-                    .sum();
-                (s - 6.0) as f32
-            })
-            .collect()
-    }
-}
-
-fn rand_tensor(rng: &mut Lcg, shape: &[usize], dtype: DType) -> Result<Tensor> {
-    let n = shape.iter().product();
-    Ok(Tensor::from_vec(rng.normal_vec(n), shape, &Device::Cpu)?.to_dtype(dtype)?)
-}
+use common::{f32s, f64s, randn, same_bits, Lcg31};
 
 /// The bits of every element, widened to f64 (exact for every float dtype, keeps -0 and
 /// NaN distinct from 0).
@@ -60,30 +33,16 @@ fn same_values(a: &Tensor, b: &Tensor, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// Bitwise equality with the first mismatch reported.
-fn same_bits(a: &Tensor, b: &Tensor, what: &str) -> Result<()> {
-    let (a, b) = (bits(a)?, bits(b)?);
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i]) {
-        panic!("{what}: element {i}: bits {:#x} vs {:#x}", a[i], b[i]);
-    }
-    Ok(())
-}
-
-fn f32s(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
-}
-
 const SHAPES: &[&[usize]] = &[&[1], &[3, 7], &[33, 65], &[127, 3], &[2, 5, 129], &[4099]];
 
 #[test]
 fn kernel_equals_composite_bitwise() -> Result<()> {
     // Both compute x * mask in x's dtype with the same scale: no tolerance at all.
-    let mut rng = Lcg(1);
+    let mut rng = Lcg31(1);
     for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
         for (si, shape) in SHAPES.iter().enumerate() {
             for p in [0.1f32, 0.5, 0.9] {
-                let x = rand_tensor(&mut rng, shape, dtype)?;
+                let x = randn(shape, dtype, &mut rng, 1.0)?;
                 let key = RngKey::new(0xfeed + si as u64, 3);
                 let a = dropout(&x, p, key)?;
                 let b = dropout_composite(&x, p, key)?;
@@ -98,8 +57,8 @@ fn kernel_equals_composite_bitwise() -> Result<()> {
 
 #[test]
 fn strided_input_uses_logical_indices() -> Result<()> {
-    let mut rng = Lcg(2);
-    let x = rand_tensor(&mut rng, &[17, 31], DType::F32)?.t()?;
+    let mut rng = Lcg31(2);
+    let x = randn(&[17, 31], DType::F32, &mut rng, 1.0)?.t()?;
     assert!(!x.is_contiguous());
     let key = RngKey::new(5, 5);
     let a = dropout(&x, 0.3, key)?;
@@ -110,11 +69,11 @@ fn strided_input_uses_logical_indices() -> Result<()> {
 
 #[test]
 fn fallback_matches_kernel_values_and_grads() -> Result<()> {
-    let mut rng = Lcg(3);
+    let mut rng = Lcg31(3);
     for dtype in [DType::F32, DType::F64, DType::BF16] {
         for shape in [&[7usize, 33][..], &[65, 127]] {
-            let x0 = rand_tensor(&mut rng, shape, dtype)?;
-            let w = rand_tensor(&mut rng, shape, dtype)?;
+            let x0 = randn(shape, dtype, &mut rng, 1.0)?;
+            let w = randn(shape, dtype, &mut rng, 1.0)?;
             let key = RngKey::new(99, 1);
             let run = |force: bool| -> Result<(Vec<u64>, Vec<u64>)> {
                 let prev = cpu::force_fallback(force);
@@ -138,8 +97,8 @@ fn fallback_matches_kernel_values_and_grads() -> Result<()> {
 fn identical_for_any_thread_count() -> Result<()> {
     // Large enough for several parallel chunks (cpu::PAR_MIN_WORK is counted in elements x 16).
     let n = 3 * cpu::PAR_MIN_WORK + 123;
-    let mut rng = Lcg(4);
-    let x = Var::from_tensor(&rand_tensor(&mut rng, &[n], DType::F32)?)?;
+    let mut rng = Lcg31(4);
+    let x = Var::from_tensor(&randn(&[n], DType::F32, &mut rng, 1.0)?)?;
     let key = RngKey::new(0x1234, 9);
     let mut results = Vec::new();
     for threads in [1, 2, 3] {
@@ -161,11 +120,11 @@ fn identical_for_any_thread_count() -> Result<()> {
 
 #[test]
 fn backward_is_the_mask() -> Result<()> {
-    let mut rng = Lcg(5);
+    let mut rng = Lcg31(5);
     for dtype in [DType::F32, DType::F64, DType::F16] {
         let shape = [33, 65];
-        let x = Var::from_tensor(&rand_tensor(&mut rng, &shape, dtype)?)?;
-        let up = rand_tensor(&mut rng, &shape, dtype)?;
+        let x = Var::from_tensor(&randn(&shape, dtype, &mut rng, 1.0)?)?;
+        let up = randn(&shape, dtype, &mut rng, 1.0)?;
         let key = RngKey::new(11, 2);
         let y = dropout(&x, 0.3, key)?;
         let grads = (&y * &up)?.sum_all()?.backward()?;
@@ -186,10 +145,10 @@ fn backward_is_the_mask() -> Result<()> {
 fn finite_differences_f64() -> Result<()> {
     // The op is linear in x, so central differences of a random functional are exact up to
     // f64 rounding: tolerance 1e-8 relative.
-    let mut rng = Lcg(6);
+    let mut rng = Lcg31(6);
     let shape = [7, 13];
-    let x0 = rand_tensor(&mut rng, &shape, DType::F64)?;
-    let w = rand_tensor(&mut rng, &shape, DType::F64)?;
+    let x0 = randn(&shape, DType::F64, &mut rng, 1.0)?;
+    let w = randn(&shape, DType::F64, &mut rng, 1.0)?;
     let key = RngKey::new(3, 3);
     let f = |x: &Tensor| -> Result<f64> {
         Ok((dropout(x, 0.5, key)? * &w)?
@@ -219,10 +178,6 @@ fn finite_differences_f64() -> Result<()> {
         );
     }
     Ok(())
-}
-
-fn f64s(t: &Tensor) -> Result<Vec<f64>> {
-    Ok(t.flatten_all()?.to_vec1::<f64>()?)
 }
 
 #[test]
@@ -255,8 +210,8 @@ fn drop_rate_and_scale() -> Result<()> {
 
 #[test]
 fn same_key_recomputes_other_keys_differ() -> Result<()> {
-    let mut rng = Lcg(7);
-    let x = rand_tensor(&mut rng, &[64, 64], DType::F32)?;
+    let mut rng = Lcg31(7);
+    let x = randn(&[64, 64], DType::F32, &mut rng, 1.0)?;
     let key = RngKey::new(77, 5);
     let a = bits(&dropout(&x, 0.5, key)?)?;
     // A "recompute" (e.g. activation checkpointing) with the same key: the same mask.
@@ -271,13 +226,13 @@ fn same_key_recomputes_other_keys_differ() -> Result<()> {
 
 #[test]
 fn nan_propagates_even_where_dropped() -> Result<()> {
-    let mut rng = Lcg(8);
+    let mut rng = Lcg31(8);
     let shape = [37, 41];
     let n = 37 * 41;
     let key = RngKey::new(8, 8);
     let mask = f32s(&dropout_mask(&shape, 0.5, key, DType::F32, &Device::Cpu)?)?;
     // One index that is kept and one that is dropped (both away from 0).
-    let pick = |rng: &mut Lcg, keep: bool| loop {
+    let pick = |rng: &mut Lcg31, keep: bool| loop {
         let i = 1 + rng.below(n - 1);
         if (mask[i] != 0.0) == keep {
             break i;
@@ -285,7 +240,7 @@ fn nan_propagates_even_where_dropped() -> Result<()> {
     };
     for keep in [true, false] {
         let i = pick(&mut rng, keep);
-        let mut v = rng.normal_vec(n);
+        let mut v = rng.normal_vec(n, 1.0);
         v[i] = f32::NAN;
         let x = Var::from_tensor(&Tensor::from_vec(v, &shape, &Device::Cpu)?)?;
         let y = dropout(&x, 0.5, key)?;
@@ -305,9 +260,9 @@ fn nan_propagates_even_where_dropped() -> Result<()> {
 fn half_types_close_to_f32() -> Result<()> {
     // 16-bit output = round(x16 * round(scale)): within 2 ulps of the f32 composite of the
     // same 16-bit input (relative 2^-7 for bf16, 2^-10 for f16).
-    let mut rng = Lcg(9);
+    let mut rng = Lcg31(9);
     for (dtype, tol) in [(DType::BF16, 1.6e-2), (DType::F16, 2e-3)] {
-        let x = rand_tensor(&mut rng, &[65, 33], dtype)?;
+        let x = randn(&[65, 33], dtype, &mut rng, 1.0)?;
         let key = RngKey::new(1, 1);
         let y = f32s(&dropout(&x, 0.3, key)?)?;
         let r = f32s(&dropout_composite(&x.to_dtype(DType::F32)?, 0.3, key)?)?;

@@ -8,52 +8,13 @@
 //! products in Candle's own way); finite differences (f64, h = 1e-6) 1e-7: the op is bilinear,
 //! so central differences are exact up to rounding.
 
+mod common;
+
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::cpu;
 use candle_fused::linear::{linear, linear_composite};
-
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> f64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        ((self.0 >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        ((self.next() + 1.0) * 0.5 * n as f64) as usize % n.max(1)
-    }
-}
-
-fn rand(shape: &[usize], dt: DType, rng: &mut Lcg) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let v: Vec<f64> = (0..n).map(|_| rng.next()).collect();
-    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dt)?)
-}
-
-fn f64s(t: &Tensor) -> Result<Vec<f64>> {
-    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
-}
-
-fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) -> Result<()> {
-    assert_eq!(a.dims(), b.dims(), "{what}: shapes");
-    let (a, b) = (f64s(a)?, f64s(b)?);
-    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-3);
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert_eq!(x.is_nan(), y.is_nan(), "{what}: NaN mismatch at {i}");
-        if !x.is_nan() {
-            let d = (x - y).abs() / scale;
-            assert!(
-                d <= tol,
-                "{what}: element {i}: {x} vs {y} (rel {d:e} > {tol:e})"
-            );
-        }
-    }
-    Ok(())
-}
+use common::*;
 
 /// (output, dx, dw, db) of `f` with a random upstream gradient (a linear functional).
 type Run = (Tensor, Tensor, Tensor, Option<Tensor>);
@@ -87,16 +48,18 @@ fn compare(dt: DType, tol: f64, rng: &mut Lcg) -> Result<()> {
             for bias in [false, true] {
                 let mut xs = lead.to_vec();
                 xs.push(n_in);
-                let x = rand(&xs, dt, rng)?;
+                let x = rand(&xs, dt, rng, 1.0, 0.0)?;
                 let w = if w_t {
-                    rand(&[n_out, n_in], dt, rng)?
+                    rand(&[n_out, n_in], dt, rng, 1.0, 0.0)?
                 } else {
-                    rand(&[n_in, n_out], dt, rng)?
+                    rand(&[n_in, n_out], dt, rng, 1.0, 0.0)?
                 };
-                let b = bias.then(|| rand(&[n_out], dt, rng)).transpose()?;
+                let b = bias
+                    .then(|| rand(&[n_out], dt, rng, 1.0, 0.0))
+                    .transpose()?;
                 let mut ys = lead.to_vec();
                 ys.push(n_out);
-                let up = rand(&ys, DType::F64, rng)?;
+                let up = rand(&ys, DType::F64, rng, 1.0, 0.0)?;
                 let what = format!("{dt:?} {xs:?}x[{n_in},{n_out}] w_t={w_t} bias={bias}");
                 let k = run(linear, &x, w_t, &w, b.as_ref(), &up)?;
                 let c = if matches!(dt, DType::BF16 | DType::F16) {
@@ -157,11 +120,11 @@ fn half_precision_close_to_f32() -> Result<()> {
 fn finite_differences_f64() -> Result<()> {
     let mut rng = Lcg(3);
     let (x, w, b) = (
-        rand(&[2, 3, 4], DType::F64, &mut rng)?,
-        rand(&[4, 5], DType::F64, &mut rng)?,
-        rand(&[5], DType::F64, &mut rng)?,
+        rand(&[2, 3, 4], DType::F64, &mut rng, 1.0, 0.0)?,
+        rand(&[4, 5], DType::F64, &mut rng, 1.0, 0.0)?,
+        rand(&[5], DType::F64, &mut rng, 1.0, 0.0)?,
     );
-    let up = rand(&[2, 3, 5], DType::F64, &mut rng)?;
+    let up = rand(&[2, 3, 5], DType::F64, &mut rng, 1.0, 0.0)?;
     let (_, dx, dw, db) = run(linear, &x, false, &w, Some(&b), &up)?;
     let f = |x: &Tensor, w: &Tensor, b: &Tensor| -> Result<f64> {
         Ok((linear(x, w, Some(b))? * &up)?
@@ -198,13 +161,13 @@ fn finite_differences_f64() -> Result<()> {
 fn nan_propagates_from_a_random_index() -> Result<()> {
     let mut rng = Lcg(4);
     let (rows, n_in, n_out) = (9, 6, 5);
-    let mut xv = f64s(&rand(&[rows, n_in], DType::F32, &mut rng)?)?;
+    let mut xv = f64s(&rand(&[rows, n_in], DType::F32, &mut rng, 1.0, 0.0)?)?;
     let idx = 1 + rng.below(rows * n_in - 1);
     xv[idx] = f64::NAN;
     let x = Tensor::from_vec(xv, (rows, n_in), &Device::Cpu)?.to_dtype(DType::F32)?;
-    let w = rand(&[n_in, n_out], DType::F32, &mut rng)?;
-    let b = rand(&[n_out], DType::F32, &mut rng)?;
-    let up = rand(&[rows, n_out], DType::F64, &mut rng)?;
+    let w = rand(&[n_in, n_out], DType::F32, &mut rng, 1.0, 0.0)?;
+    let b = rand(&[n_out], DType::F32, &mut rng, 1.0, 0.0)?;
+    let up = rand(&[rows, n_out], DType::F64, &mut rng, 1.0, 0.0)?;
     let (y, dx, dw, db) = run(linear, &x, false, &w, Some(&b), &up)?;
     let (r, c) = (idx / n_in, idx % n_in);
     let yv = f64s(&y)?;
@@ -228,10 +191,10 @@ fn nan_propagates_from_a_random_index() -> Result<()> {
 #[test]
 fn identical_for_any_thread_count() -> Result<()> {
     let mut rng = Lcg(5);
-    let x = rand(&[4, 100, 96], DType::F32, &mut rng)?;
-    let w = rand(&[160, 96], DType::F32, &mut rng)?;
-    let b = rand(&[160], DType::F32, &mut rng)?;
-    let up = rand(&[4, 100, 160], DType::F64, &mut rng)?;
+    let x = rand(&[4, 100, 96], DType::F32, &mut rng, 1.0, 0.0)?;
+    let w = rand(&[160, 96], DType::F32, &mut rng, 1.0, 0.0)?;
+    let b = rand(&[160], DType::F32, &mut rng, 1.0, 0.0)?;
+    let up = rand(&[4, 100, 160], DType::F64, &mut rng, 1.0, 0.0)?;
     let mut outs = Vec::new();
     for n in [1, 2, 3] {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(n).build()?;

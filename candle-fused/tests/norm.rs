@@ -12,128 +12,13 @@
 //!   same f32 value, which can straddle a rounding boundary).
 //! * finite differences (f64, h = 1e-5): 1e-6 (truncation ~h^2, roundoff ~1e-16/h).
 
+mod common;
+
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::cpu;
 use candle_fused::norm::{layer_norm, layer_norm_composite, rms_norm, rms_norm_composite};
-
-// ---- shared helpers (each test file is its own crate) ----
-
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> f64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        ((self.0 >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        ((self.next() + 1.0) * 0.5 * n as f64) as usize % n.max(1)
-    }
-}
-
-fn rand(shape: &[usize], dt: DType, rng: &mut Lcg, scale: f64, shift: f64) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let v: Vec<f64> = (0..n).map(|_| rng.next() * scale + shift).collect();
-    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dt)?)
-}
-
-fn f64s(t: &Tensor) -> Result<Vec<f64>> {
-    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
-}
-
-/// Max |a - b| / max(max |b|, 1e-3), NaN-aware (a NaN on one side only fails). The floor: with
-/// one column, RMSNorm's dx is O(eps) and comes out of a cancellation `g (1 - xhat^2)` that no
-/// f32 formula computes to more than a few digits; relative to O(1) gradients it is exact.
-fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) -> Result<()> {
-    assert_eq!(a.dims(), b.dims(), "{what}: shapes");
-    let (a, b) = (f64s(a)?, f64s(b)?);
-    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-3);
-    let mut worst = 0f64;
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert_eq!(
-            x.is_nan(),
-            y.is_nan(),
-            "{what}: NaN mismatch at {i}: {x} vs {y}"
-        );
-        if !x.is_nan() {
-            worst = worst.max((x - y).abs() / scale);
-        }
-    }
-    assert!(
-        worst <= tol,
-        "{what}: max relative error {worst:e} > {tol:e}"
-    );
-    Ok(())
-}
-
-fn nan_count(t: &Tensor) -> Result<usize> {
-    Ok(f64s(t)?.iter().filter(|v| v.is_nan()).count())
-}
-
-/// `y = f(inputs)` and the gradients of `sum(y * probe)` for every input.
-fn value_and_grads(
-    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
-    inputs: &[Tensor],
-    probe: &Tensor,
-) -> Result<(Tensor, Vec<Tensor>)> {
-    let vars: Vec<Var> = inputs
-        .iter()
-        .map(Var::from_tensor)
-        .collect::<candle_core::Result<_>>()?;
-    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let y = f(&ts)?;
-    let loss = (y.to_dtype(probe.dtype())? * probe)?.sum_all()?;
-    let g = loss.backward()?;
-    let grads = ts
-        .iter()
-        .map(|t| {
-            g.get(t)
-                .cloned()
-                .ok_or_else(|| anyhow::anyhow!("missing gradient"))
-        })
-        .collect::<Result<_>>()?;
-    Ok((y.detach(), grads))
-}
-
-/// Central differences of `sum(f(inputs) * probe)` (f64) against the backward.
-fn check_fd(
-    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
-    inputs: &[Tensor],
-    seed: u64,
-) -> Result<()> {
-    let mut rng = Lcg(seed);
-    let y0 = f(inputs)?;
-    let probe = rand(y0.dims(), DType::F64, &mut rng, 1.0, 0.0)?;
-    let (_, grads) = value_and_grads(f, inputs, &probe)?;
-    let h = 1e-5;
-    for (k, (inp, g)) in inputs.iter().zip(&grads).enumerate() {
-        let base = f64s(inp)?;
-        let g = f64s(g)?;
-        let scale = g.iter().fold(1f64, |m, v| m.max(v.abs()));
-        for e in 0..base.len() {
-            let eval = |d: f64| -> Result<f64> {
-                let mut v = base.clone();
-                v[e] += d;
-                let mut ins = inputs.to_vec();
-                ins[k] = Tensor::from_vec(v, inp.dims(), &Device::Cpu)?;
-                Ok((f(&ins)? * &probe)?.sum_all()?.to_scalar::<f64>()?)
-            };
-            let fd = (eval(h)? - eval(-h)?) / (2.0 * h);
-            let err = (fd - g[e]).abs() / scale;
-            assert!(
-                err < 1e-6,
-                "input {k} elem {e}: fd {fd} vs backward {}",
-                g[e]
-            );
-        }
-    }
-    Ok(())
-}
-
-// ---- the ops under test ----
+use common::*;
 
 #[derive(Clone, Copy, Debug)]
 enum Case {
@@ -215,19 +100,8 @@ fn fallback_matches_kernel() -> Result<()> {
             for shape in [&[3usize, 7][..], &[2, 5, 33], &[127, 65]] {
                 let ins = inputs(case, shape, dt, &mut rng)?;
                 let probe = rand(shape, dt, &mut rng, 1.0, 0.0)?;
-                let (y, g) = value_and_grads(&fused(case), &ins, &probe)?;
-                let prev = cpu::force_fallback(true);
-                let fb = value_and_grads(&fused(case), &ins, &probe);
-                // Untracked inputs take the composite directly.
-                let plain = fused(case)(&ins);
-                cpu::force_fallback(prev);
-                let ((yf, gf), plain) = (fb?, plain?);
                 let what = format!("fallback {case:?} {dt:?} {shape:?}");
-                assert_close(&yf, &y, tol, &format!("{what} y"))?;
-                assert_close(&plain, &y, tol, &format!("{what} y (untracked)"))?;
-                for (k, (a, b)) in gf.iter().zip(&g).enumerate() {
-                    assert_close(a, b, tol, &format!("{what} grad {k}"))?;
-                }
+                assert_fallback_matches(&fused(case), &ins, &probe, tol, &what)?;
             }
         }
     }
@@ -313,10 +187,6 @@ fn nan_propagates() -> Result<()> {
     Ok(())
 }
 
-fn bits(t: &Tensor) -> Result<Vec<u64>> {
-    Ok(f64s(t)?.iter().map(|v| v.to_bits()).collect())
-}
-
 #[test]
 fn same_bits_on_any_thread_count() -> Result<()> {
     let mut rng = Lcg(6);
@@ -327,23 +197,8 @@ fn same_bits_on_any_thread_count() -> Result<()> {
         for case in CASES {
             let ins = inputs(case, &shape, dt, &mut rng)?;
             let probe = rand(&shape, dt, &mut rng, 1.0, 0.0)?;
-            let mut runs = Vec::new();
-            for n in [1, 2, 3] {
-                let pool = rayon::ThreadPoolBuilder::new().num_threads(n).build()?;
-                let r = pool.install(|| -> Result<Vec<Vec<u64>>> {
-                    let (y, g) = value_and_grads(&fused(case), &ins, &probe)?;
-                    let mut out = vec![bits(&y)?];
-                    for t in &g {
-                        out.push(bits(t)?);
-                    }
-                    Ok(out)
-                })?;
-                runs.push(r);
-            }
-            assert!(
-                runs[0] == runs[1] && runs[1] == runs[2],
-                "{case:?} {dt:?}: results depend on the thread count"
-            );
+            let what = format!("{case:?} {dt:?}");
+            assert_same_bits_on_thread_counts(&fused(case), &ins, &probe, &what)?;
         }
     }
     Ok(())

@@ -1,0 +1,351 @@
+//! Helpers shared by the integration tests (each file under `tests/` is its own crate and
+//! includes this module with `mod common;`): seeded random data, element extraction, NaN-aware
+//! comparisons, gradients and finite differences, and the attention tests' masks and
+//! comparisons.
+#![allow(dead_code)]
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor, Var};
+
+// ---- seeded random data ----
+
+/// One step of the 64-bit LCG (Knuth's MMIX constants); returns the new state.
+fn lcg_step(state: &mut u64) -> u64 {
+    *state = state
+        .wrapping_mul(6_364_136_223_846_793_005)
+        .wrapping_add(1_442_695_040_888_963_407);
+    *state
+}
+
+/// A seeded LCG with uniform `f64` outputs (no global RNG state, reproducible).
+pub struct Lcg(pub u64);
+
+impl Lcg {
+    /// Uniform in [-1, 1) (the top 53 bits of the state).
+    pub fn next(&mut self) -> f64 {
+        ((lcg_step(&mut self.0) >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+    }
+
+    /// Uniform in 0..n (0 for n = 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        ((self.next() + 1.0) * 0.5 * n as f64) as usize % n.max(1)
+    }
+}
+
+/// The same generator with 31-bit integer outputs (the top 31 bits of the state), and
+/// approximately normal values built from them.
+pub struct Lcg31(pub u64);
+
+impl Lcg31 {
+    /// Uniform in 0..2^31.
+    pub fn next(&mut self) -> u64 {
+        lcg_step(&mut self.0) >> 33
+    }
+
+    /// Uniform in 0..n (up to the modulo bias).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    /// `n` values of mean 0 and standard deviation `std` (the sum of 12 uniforms, minus 6).
+    pub fn normal_vec(&mut self, n: usize, std: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let s: f64 = (0..12)
+                    .map(|_| self.next() as f64 / (1u64 << 31) as f64)
+                    .sum();
+                (s - 6.0) as f32 * std
+            })
+            .collect()
+    }
+}
+
+/// A tensor of `dt` with values uniform in [-1, 1) times `scale`, plus `shift`.
+pub fn rand(shape: &[usize], dt: DType, rng: &mut Lcg, scale: f64, shift: f64) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f64> = (0..n).map(|_| rng.next() * scale + shift).collect();
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dt)?)
+}
+
+/// [`rand`] from a fresh generator seeded with `seed`, values in [-1, 1) times `amp`.
+pub fn rand_seeded(seed: u64, shape: &[usize], amp: f64, dt: DType) -> Result<Tensor> {
+    rand(shape, dt, &mut Lcg(seed), amp, 0.0)
+}
+
+/// A tensor of `dt` with approximately normal values of standard deviation `std` (drawn in f32).
+pub fn randn(shape: &[usize], dt: DType, rng: &mut Lcg31, std: f32) -> Result<Tensor> {
+    let n = shape.iter().product();
+    Ok(Tensor::from_vec(rng.normal_vec(n, std), shape, &Device::Cpu)?.to_dtype(dt)?)
+}
+
+// ---- elements ----
+
+/// All elements as f64.
+pub fn f64s(t: &Tensor) -> Result<Vec<f64>> {
+    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
+}
+
+/// All elements as f32.
+pub fn f32s(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+}
+
+/// The bits of every element widened to f64.
+pub fn bits(t: &Tensor) -> Result<Vec<u64>> {
+    Ok(f64s(t)?.iter().map(|v| v.to_bits()).collect())
+}
+
+/// The number of NaNs.
+pub fn nan_count(t: &Tensor) -> Result<usize> {
+    Ok(f64s(t)?.iter().filter(|v| v.is_nan()).count())
+}
+
+/// Positions of the NaNs.
+pub fn nans(t: &Tensor) -> Result<Vec<bool>> {
+    Ok(f64s(t)?.iter().map(|x| x.is_nan()).collect())
+}
+
+// ---- comparisons ----
+
+/// Max |a - b| / max(max |b|, 1e-3) <= `tol`, NaN-aware (a NaN on one side only fails, as does
+/// an element whose relative error is NaN, e.g. infinities on both sides). The floor: with one
+/// column, RMSNorm's dx is O(eps) and comes out of a cancellation `g (1 - xhat^2)` that no f32
+/// formula computes to more than a few digits; relative to O(1) gradients it is exact.
+pub fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) -> Result<()> {
+    assert_eq!(a.dims(), b.dims(), "{what}: shapes");
+    let (a, b) = (f64s(a)?, f64s(b)?);
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-3);
+    let mut worst = 0f64;
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(
+            x.is_nan(),
+            y.is_nan(),
+            "{what}: NaN mismatch at {i}: {x} vs {y}"
+        );
+        if !x.is_nan() {
+            let d = (x - y).abs() / scale;
+            assert!(!d.is_nan(), "{what}: element {i}: {x} vs {y}");
+            worst = worst.max(d);
+        }
+    }
+    assert!(
+        worst <= tol,
+        "{what}: max relative error {worst:e} > {tol:e}"
+    );
+    Ok(())
+}
+
+/// Asserts `a` and `b` have the same shape, NaNs at the same places and
+/// `max |a - b| <= tol * max(|b|)` over the rest (infinities must match exactly).
+pub fn close(a: &Tensor, b: &Tensor, tol: f64, what: &str) -> Result<()> {
+    if a.dims() != b.dims() {
+        bail!("{what}: shapes {:?} vs {:?}", a.dims(), b.dims())
+    }
+    let (va, vb) = (f64s(a)?, f64s(b)?);
+    let mut scale = 0f64;
+    let mut err = 0f64;
+    for (i, (&x, &y)) in va.iter().zip(&vb).enumerate() {
+        if x.is_nan() != y.is_nan() {
+            bail!("{what}: NaN mismatch at {i}: {x} vs {y}")
+        }
+        if x.is_infinite() || y.is_infinite() {
+            if x != y {
+                bail!("{what}: {x} vs {y} at {i}")
+            }
+            continue;
+        }
+        if !x.is_nan() {
+            scale = scale.max(y.abs());
+            err = err.max((x - y).abs());
+        }
+    }
+    if err > tol * scale.max(1e-30) {
+        bail!("{what}: max abs err {err:e} > {tol:e} * {scale:e}")
+    }
+    Ok(())
+}
+
+/// Asserts bit-identical values (NaN equal to NaN) and the same shape.
+pub fn same_bits(a: &Tensor, b: &Tensor, what: &str) -> Result<()> {
+    let (va, vb) = (f64s(a)?, f64s(b)?);
+    if a.dims() != b.dims() {
+        bail!("{what}: shapes {:?} vs {:?}", a.dims(), b.dims())
+    }
+    for (i, (x, y)) in va.iter().zip(&vb).enumerate() {
+        if x.to_bits() != y.to_bits() && !(x.is_nan() && y.is_nan()) {
+            bail!("{what}: differs at {i}: {x} vs {y}")
+        }
+    }
+    Ok(())
+}
+
+// ---- gradients ----
+
+/// `y = f(inputs)` and the gradients of `sum(y * probe)` for every input.
+pub fn value_and_grads(
+    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+    inputs: &[Tensor],
+    probe: &Tensor,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    value_and_grads_with(f, inputs, &|_| Ok(probe.clone()))
+}
+
+/// `y = f(inputs)` and the gradients of `sum(y * probe(y))` for every input.
+pub fn value_and_grads_with(
+    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+    inputs: &[Tensor],
+    probe: &dyn Fn(&Tensor) -> Result<Tensor>,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(Var::from_tensor)
+        .collect::<candle_core::Result<_>>()?;
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = f(&ts)?;
+    let probe = probe(&y)?;
+    let loss = (y.to_dtype(probe.dtype())? * probe)?.sum_all()?;
+    let g = loss.backward()?;
+    let grads = ts
+        .iter()
+        .map(|t| {
+            g.get(t)
+                .cloned()
+                .ok_or_else(|| anyhow::anyhow!("missing gradient"))
+        })
+        .collect::<Result<_>>()?;
+    Ok((y.detach(), grads))
+}
+
+/// `f(inputs)` and the gradients of `sum(f(inputs) * g)` for a random `g` (of the output's
+/// shape and dtype, [`rand_seeded`] with seed `gseed`) with respect to every input.
+pub fn grads(
+    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+    inputs: &[Tensor],
+    gseed: u64,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    value_and_grads_with(f, inputs, &|y| rand_seeded(gseed, y.dims(), 1.0, y.dtype()))
+}
+
+/// Asserts that the fallback path (forced on this thread) gives `f`'s value and gradients
+/// ([`value_and_grads`] with `probe`), and the value for untracked inputs (which take the
+/// composite directly), within `tol` ([`assert_close`]).
+pub fn assert_fallback_matches(
+    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+    inputs: &[Tensor],
+    probe: &Tensor,
+    tol: f64,
+    what: &str,
+) -> Result<()> {
+    let (y, g) = value_and_grads(f, inputs, probe)?;
+    let (fb, plain) = with_fallback(|| (value_and_grads(f, inputs, probe), f(inputs)));
+    let ((yf, gf), plain) = (fb?, plain?);
+    assert_close(&yf, &y, tol, &format!("{what} y"))?;
+    assert_close(&plain, &y, tol, &format!("{what} y (untracked)"))?;
+    for (k, (a, b)) in gf.iter().zip(&g).enumerate() {
+        assert_close(a, b, tol, &format!("{what} grad {k}"))?;
+    }
+    Ok(())
+}
+
+/// Asserts that `f`'s value and gradients ([`value_and_grads`] with `probe`) have the same bits
+/// on 1, 2 and 3 threads.
+pub fn assert_same_bits_on_thread_counts(
+    f: &(dyn Fn(&[Tensor]) -> candle_core::Result<Tensor> + Sync),
+    inputs: &[Tensor],
+    probe: &Tensor,
+    what: &str,
+) -> Result<()> {
+    let mut runs = Vec::new();
+    for n in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(n).build()?;
+        let r = pool.install(|| -> Result<Vec<Vec<u64>>> {
+            let (y, g) = value_and_grads(f, inputs, probe)?;
+            let mut out = vec![bits(&y)?];
+            for t in &g {
+                out.push(bits(t)?);
+            }
+            Ok(out)
+        })?;
+        runs.push(r);
+    }
+    assert!(
+        runs[0] == runs[1] && runs[1] == runs[2],
+        "{what}: results depend on the thread count"
+    );
+    Ok(())
+}
+
+/// Central differences (step `h`) of `sum(f(inputs) * probe)` (f64), for every element of
+/// every input, against the backward: calls `check(input, element, fd, grad, scale)`, `scale`
+/// being max(1, the largest gradient magnitude of that input).
+pub fn compare_fd(
+    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+    inputs: &[Tensor],
+    probe: &Tensor,
+    h: f64,
+    check: &dyn Fn(usize, usize, f64, f64, f64),
+) -> Result<()> {
+    let (_, grads) = value_and_grads(f, inputs, probe)?;
+    for (k, (inp, g)) in inputs.iter().zip(&grads).enumerate() {
+        let base = f64s(inp)?;
+        let g = f64s(g)?;
+        let scale = g.iter().fold(1f64, |m, v| m.max(v.abs()));
+        for e in 0..base.len() {
+            let eval = |d: f64| -> Result<f64> {
+                let mut v = base.clone();
+                v[e] += d;
+                let mut ins = inputs.to_vec();
+                ins[k] = Tensor::from_vec(v, inp.dims(), &Device::Cpu)?;
+                Ok((f(&ins)? * probe)?.sum_all()?.to_scalar::<f64>()?)
+            };
+            let fd = (eval(h)? - eval(-h)?) / (2.0 * h);
+            check(k, e, fd, g[e], scale);
+        }
+    }
+    Ok(())
+}
+
+/// Central differences (h = 1e-5) of `sum(f(inputs) * probe)` (f64, a random probe from
+/// `seed`) against the backward: within 1e-6 of the largest gradient magnitude (at least 1).
+pub fn check_fd(
+    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+    inputs: &[Tensor],
+    seed: u64,
+) -> Result<()> {
+    let mut rng = Lcg(seed);
+    let y0 = f(inputs)?;
+    let probe = rand(y0.dims(), DType::F64, &mut rng, 1.0, 0.0)?;
+    compare_fd(f, inputs, &probe, 1e-5, &|k, e, fd, g, scale| {
+        let err = (fd - g).abs() / scale;
+        assert!(err < 1e-6, "input {k} elem {e}: fd {fd} vs backward {g}");
+    })
+}
+
+// ---- attention ----
+
+/// An additive `[tq, tk]` mask: random finite values plus `-inf` at ~20% of the entries, but
+/// never at the causal diagonal `j = i + tk - tq` (so no row is fully masked).
+pub fn mask(seed: u64, tq: usize, tk: usize, dt: DType) -> Result<Tensor> {
+    let mut rng = Lcg(seed);
+    let mut v = vec![0f64; tq * tk];
+    for i in 0..tq {
+        let diag = (i + tk).saturating_sub(tq).min(tk - 1);
+        for j in 0..tk {
+            let x = rng.next();
+            v[i * tk + j] = if j != diag && rng.next() < -0.6 {
+                f64::NEG_INFINITY
+            } else {
+                x
+            };
+        }
+    }
+    Ok(Tensor::from_vec(v, (tq, tk), &Device::Cpu)?.to_dtype(dt)?)
+}
+
+/// Runs `f` with the composite fallback forced on this thread.
+pub fn with_fallback<R>(f: impl FnOnce() -> R) -> R {
+    let prev = candle_fused::cpu::force_fallback(true);
+    let r = f();
+    candle_fused::cpu::force_fallback(prev);
+    r
+}
