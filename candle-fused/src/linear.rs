@@ -181,14 +181,19 @@ fn narrow<T: Elem>(v: Vec<T::Acc>) -> Vec<T> {
 }
 
 /// `dst [m x n] (row-major) = acc * dst + lhs [m x k] · rhs [k x n]`, on `threads` of rayon's
-/// threads when large (the split is over rows and columns of `dst`, never over `k`, so the sums do not
-/// depend on the thread count).
+/// threads when large (the split is over rows and columns of `dst`, never over `k`, so the sums
+/// do not depend on the thread count).
+///
+/// # Safety
+/// `dst` is valid for writes of `m * n` elements (and initialised when `acc`); nothing else
+/// accesses them during the call. With `acc == false` the elements are only written, never
+/// read (`gemm` treats a zero `alpha` as "overwrite"), so they may be uninitialised.
 #[allow(clippy::too_many_arguments)]
-fn gemm<A: Real>(
+unsafe fn gemm_raw<A: Real>(
     m: usize,
     n: usize,
     k: usize,
-    dst: &mut [A],
+    dst: *mut A,
     acc: bool,
     lhs: (&[A], Strided),
     rhs: (&[A], Strided),
@@ -197,10 +202,12 @@ fn gemm<A: Real>(
     if m == 0 || n == 0 {
         return;
     }
-    assert!(dst.len() >= m * n, "candle-fused linear: output too short");
     if k == 0 {
         if !acc {
-            dst[..m * n].fill(A::ZERO);
+            for i in 0..m * n {
+                // SAFETY: in bounds by the caller's contract.
+                unsafe { dst.add(i).write(A::ZERO) };
+            }
         }
         return;
     }
@@ -215,14 +222,14 @@ fn gemm<A: Real>(
     } else {
         gemm::Parallelism::None
     };
-    // SAFETY: `dst` holds m x n elements and both operands cover every indexed element
-    // (asserted above); `dst` is exclusively borrowed.
+    // SAFETY: `dst` covers m x n elements (caller); both operands cover every indexed element
+    // (asserted above).
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
             n as isize,
             acc,
@@ -242,6 +249,25 @@ fn gemm<A: Real>(
     }
 }
 
+/// A new `m x n` matrix `lhs · rhs`, written once by the GEMM (no zero-fill first).
+fn gemm_new<A: Real>(
+    m: usize,
+    n: usize,
+    k: usize,
+    lhs: (&[A], Strided),
+    rhs: (&[A], Strided),
+    threads: usize,
+) -> Vec<A> {
+    let mut out = Vec::with_capacity(m * n);
+    // SAFETY: the buffer has capacity m x n, is written in full by `gemm_raw` (acc = false) and
+    // only then given its length.
+    unsafe {
+        gemm_raw(m, n, k, out.as_mut_ptr(), false, lhs, rhs, threads);
+        out.set_len(m * n);
+    }
+    out
+}
+
 fn fwd_kernel<T: Elem>(
     x: &[T],
     (w, ws): (&[T], Strided),
@@ -252,21 +278,34 @@ fn fwd_kernel<T: Elem>(
     let rows = x.len().checked_div(n_in).unwrap_or(0);
     let xa = widen(x);
     let wa = widen(w);
-    let mut out = vec![T::Acc::ZERO; rows * n_out];
-    if let Some(b) = b {
-        let ba = widen(b);
-        cpu::for_rows(&mut out, n_out, n_out, |_, row| row.copy_from_slice(&ba));
-    }
-    gemm(
-        rows,
-        n_out,
-        n_in,
-        &mut out,
-        b.is_some(),
-        (&xa, Strided { rs: n_in, cs: 1 }),
-        (&wa, ws),
-        rayon::current_num_threads(),
-    );
+    let x2 = (&xa[..], Strided { rs: n_in, cs: 1 });
+    let threads = rayon::current_num_threads();
+    let out = match b {
+        Some(b) => {
+            // Start from the bias rows, accumulate the product into them.
+            let ba = widen(b);
+            let mut out = Vec::with_capacity(rows * n_out);
+            for _ in 0..rows {
+                out.extend_from_slice(&ba);
+            }
+            assert_eq!(out.len(), rows * n_out);
+            // SAFETY: `out` holds rows x n_out initialised elements, exclusively borrowed.
+            unsafe {
+                gemm_raw(
+                    rows,
+                    n_out,
+                    n_in,
+                    out.as_mut_ptr(),
+                    true,
+                    x2,
+                    (&wa, ws),
+                    threads,
+                )
+            };
+            out
+        }
+        None => gemm_new(rows, n_out, n_in, x2, (&wa, ws), threads),
+    };
     narrow(out)
 }
 
@@ -332,24 +371,20 @@ fn bwd_kernel<T: Elem>(
     let dx_job = || {
         need[0].then(|| {
             let wa = widen(w);
-            let mut dx = vec![T::Acc::ZERO; rows * n_in];
             // dx = dy Wᵀ: (r, i) = Σ_o dy[r, o] w[i, o].
             let wt = Strided {
                 rs: ws.cs,
                 cs: ws.rs,
             };
-            gemm(rows, n_in, n_out, &mut dx, false, (&g, gs), (&wa, wt), t_dx);
-            narrow(dx)
+            narrow(gemm_new(rows, n_in, n_out, (&g, gs), (&wa, wt), t_dx))
         })
     };
     let dwb_job = || {
         let dw = need[1].then(|| {
             let xa = widen(x);
-            let mut dw = vec![T::Acc::ZERO; n_in * n_out];
             // dW = xᵀ dy: (i, o) = Σ_r x[r, i] dy[r, o].
             let xt = Strided { rs: 1, cs: n_in };
-            gemm(n_in, n_out, rows, &mut dw, false, (&xa, xt), (&g, gs), t_dw);
-            narrow(dw)
+            narrow(gemm_new(n_in, n_out, rows, (&xa, xt), (&g, gs), t_dw))
         });
         (dw, need[2].then(|| narrow(column_sums(&g, rows, n_out))))
     };
