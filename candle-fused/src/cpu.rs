@@ -334,14 +334,6 @@ pub fn sum_map<T: Copy, A: Real>(x: &[T], f: impl Fn(T) -> A) -> A {
     s
 }
 
-/// `y += alpha * x`.
-#[inline(always)]
-pub fn axpy<A: Real>(alpha: A, x: &[A], y: &mut [A]) {
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += alpha * *xi;
-    }
-}
-
 thread_local! {
     static FORCE_FALLBACK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }

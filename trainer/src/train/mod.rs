@@ -225,6 +225,7 @@ impl Trainer {
     /// (times the loss scale with mixed precision).
     fn forward_backward(
         &self,
+        model: &Gpt,
         x: &Tensor,
         y: &Tensor,
         mask: Option<&Tensor>,
@@ -235,14 +236,6 @@ impl Trainer {
             let scale = self.amp.as_ref().map_or(1.0, |a| a.scale());
             return pipe.forward_backward(x, y, mask, ctx.seed, weight * scale);
         }
-        // Cast the weights to the compute dtype once per micro-batch, not at every use.
-        let cast;
-        let model = if ctx.dtype == DType::F32 {
-            &self.model
-        } else {
-            cast = self.model.to_dtype(ctx.dtype)?;
-            &cast
-        };
         let tape = Tape::new(ctx.seed);
         let mut h = model.embed.forward(x, ctx)?;
         match &self.plan {
@@ -292,6 +285,9 @@ impl Trainer {
         let lr = self.schedule.at(self.step);
         let mut grads = GradStore::default();
         let mut loss_sum = 0f32;
+        // The weights in the compute dtype, cast once per step (not at every use, not per
+        // micro-batch); free in f32.
+        let model = self.model.to_dtype(self.dtype)?;
         let accum = cfg.grad_accum;
         for micro in 0..accum {
             let batch = self.data.batch(
@@ -305,6 +301,7 @@ impl Trainer {
                 .with_dtype(self.dtype)
                 .with_kernels(cfg.kernels);
             let (loss, g) = self.forward_backward(
+                &model,
                 &batch.x,
                 &batch.y,
                 batch.mask.as_ref(),
