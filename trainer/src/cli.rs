@@ -60,6 +60,10 @@ struct TrainArgs {
     /// Print the resolved config as TOML and exit.
     #[arg(long)]
     print_config: bool,
+    /// Replace the run already in --out-dir (its checkpoints, metrics and loss curve are
+    /// deleted) instead of refusing to start.
+    #[arg(long)]
+    overwrite: bool,
     #[command(flatten)]
     overrides: Overrides,
 }
@@ -142,21 +146,44 @@ fn train(args: TrainArgs) -> Result<()> {
             bail!("--resume uses the run's saved config; pass changes as --key value flags");
         }
         let t = Trainer::resume(dir, |c| args.overrides.apply(c))
-            .with_context(|| format!("cannot resume from {}", dir.display()))?;
-        eprintln!("resuming {} at step {}", dir.display(), t.step());
+            .with_context(|| format!("cannot resume from {}", dir.display()))?
+            .overwrite(args.overwrite);
+        eprintln!(
+            "resuming {} at step {} in {}",
+            dir.display(),
+            t.step(),
+            t.config.out_dir.display()
+        );
         t
     } else {
-        let mut config = match &args.config {
-            Some(path) => TrainConfig::from_toml_file(path)?,
-            None => TrainConfig::default(),
+        let (mut config, file_keys) = match &args.config {
+            Some(path) => TrainConfig::from_toml_file_with_keys(path)?,
+            None => (TrainConfig::default(), Vec::new()),
         };
         args.overrides.apply(&mut config);
         if args.print_config {
             print!("{}", config.to_toml());
             return Ok(());
         }
-        Trainer::new(config).context("cannot start the run")?
+        let chosen = args.overrides.out_dir.is_some() || file_keys.iter().any(|k| k == "out_dir");
+        if !chosen && !args.overwrite {
+            // The default run directory gets a fresh name per run, so that running the
+            // README's first command twice just works and keeps both runs.
+            let fresh = trainer::run_dir::fresh_name(&config.out_dir);
+            if fresh != config.out_dir {
+                eprintln!(
+                    "{} holds an earlier run: this one goes to {}",
+                    config.out_dir.display(),
+                    fresh.display()
+                );
+                config.out_dir = fresh;
+            }
+        }
+        Trainer::new(config)
+            .context("cannot start the run")?
+            .overwrite(args.overwrite)
     };
+    trainer.claim_run_dir().context("cannot start the run")?;
     let cfg = &trainer.config;
     eprintln!(
         "data: {}\nmodel: {} layers, {} heads, {} embd, block {} | {:.2}M parameters | device {}\n\
@@ -192,16 +219,20 @@ fn train(args: TrainArgs) -> Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
     {
         let stop = stop.clone();
+        // SIGINT, SIGTERM and SIGHUP (the crate's `termination` feature): finish the step,
+        // checkpoint, exit. A second signal exits at once; the last checkpoint stays intact
+        // because checkpoints are written atomically.
         ctrlc::set_handler(move || {
             if stop.swap(true, Ordering::SeqCst) {
-                eprintln!("\nsecond interrupt: exiting without a checkpoint");
+                eprintln!("\nsecond signal: exiting without a checkpoint");
                 std::process::exit(130);
             }
             eprintln!(
-                "\ninterrupt: finishing this step and saving a checkpoint (Ctrl-C again to abort)"
+                "\nstop requested (signal): finishing this step and saving a checkpoint \
+                 (send it again to exit at once)"
             );
         })
-        .context("cannot install the Ctrl-C handler")?;
+        .context("cannot install the signal handler")?;
     }
     let mut progress = Progress::new(trainer.config.max_iters, trainer.step());
     let summary = trainer.run(&mut progress, &stop);
@@ -343,6 +374,7 @@ fn sample(args: SampleArgs) -> Result<()> {
         .with_context(|| format!("{} has no trainer state to find its data", dir.display()))?;
     let device = parse_device(&args.device)?;
     let data = trainer::train::open_data_for(&state.config)?;
+    trainer::train::check_fingerprint(state.data.as_ref(), data.as_ref(), &dir, false)?;
     let (config, params) = checkpoint::load_model(&dir, &device)?;
     let model = trainer::model::Gpt::from_params(&config, &params)?;
     let prompt = data

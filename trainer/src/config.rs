@@ -157,8 +157,18 @@ train_config! {
 impl TrainConfig {
     /// Reads a TOML file of config fields (unknown keys are an error naming the file).
     pub fn from_toml_file(path: &Path) -> Result<Self> {
+        Self::from_toml_file_with_keys(path).map(|(c, _)| c)
+    }
+
+    /// Reads a TOML file of config fields, and the names of the fields it sets (the rest keep
+    /// their defaults).
+    pub fn from_toml_file_with_keys(path: &Path) -> Result<(Self, Vec<String>)> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        toml::from_str(&text).map_err(|e| Error::Config(format!("{}: {e}", path.display())))
+        let bad = |e: toml::de::Error| Error::Config(format!("{}: {e}", path.display()));
+        let table: toml::Table = toml::from_str(&text).map_err(bad)?;
+        let keys = table.keys().cloned().collect();
+        let config = table.try_into().map_err(bad)?;
+        Ok((config, keys))
     }
 
     /// The config as TOML.
@@ -215,6 +225,20 @@ impl TrainConfig {
         }
         if self.data == "tokenizer" && self.tokenizer_path.is_none() {
             return bad("data `tokenizer` needs --tokenizer-path".into());
+        }
+        let floats = [
+            ("lr", self.lr),
+            ("min_lr", self.min_lr),
+            ("weight_decay", self.weight_decay),
+            ("beta1", self.beta1),
+            ("beta2", self.beta2),
+            ("grad_clip", f64::from(self.grad_clip)),
+            ("dropout", f64::from(self.dropout)),
+            ("val_fraction", f64::from(self.val_fraction)),
+            ("peak_flops", self.peak_flops),
+        ];
+        if let Some((name, v)) = floats.iter().find(|(_, v)| !v.is_finite()) {
+            return bad(format!("{name} must be a finite number, got {v}"));
         }
         if self.batch_size == 0 || self.grad_accum == 0 {
             return bad("batch_size and grad_accum must be at least 1".into());

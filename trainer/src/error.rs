@@ -11,13 +11,14 @@ pub enum Error {
     /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
-    /// Reading or writing a file failed.
-    #[error("{path}: {source}")]
+    /// Reading or writing a file failed. The OS error is part of the message and is not
+    /// repeated as a separate cause (so `{:#}` prints it once).
+    #[error("{}: {error}", path.display())]
     Io {
         /// The file or directory concerned.
         path: PathBuf,
         /// The underlying error.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A configuration value is impossible or inconsistent.
     #[error("invalid config: {0}")]
@@ -37,6 +38,23 @@ pub enum Error {
         path: PathBuf,
         /// What is wrong with it.
         msg: String,
+    },
+    /// A fresh run was pointed at a directory that already holds a run.
+    #[error(
+        "{} already holds a run (run.toml, metrics.jsonl or checkpoints/): continue it with \
+         `--resume {}`, replace it with `--overwrite`, or choose another --out-dir",
+        path.display(),
+        path.display()
+    )]
+    RunDirExists {
+        /// The run directory.
+        path: PathBuf,
+    },
+    /// Another process holds the run directory's lock.
+    #[error("{} is in use by another process (its .lock is held); wait for it to finish or stop it", path.display())]
+    RunDirBusy {
+        /// The run directory.
+        path: PathBuf,
     },
     /// Activation checkpointing failed (`candle-remat`).
     #[error(transparent)]
@@ -68,10 +86,10 @@ pub enum Error {
 
 impl Error {
     /// Builds an [`Error::Io`] for `path`.
-    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            error,
         }
     }
 

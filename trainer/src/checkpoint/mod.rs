@@ -20,6 +20,7 @@
 //! then renamed into place; `latest` is replaced atomically afterwards. A killed run therefore
 //! leaves the previous checkpoint intact, and a half-written one is never picked up.
 
+pub mod finite;
 pub mod io;
 mod state;
 
@@ -60,6 +61,23 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
     }
     let ckpts = checkpoints_dir(path);
     let latest = ckpts.join("latest");
+    if latest.is_dir() {
+        // `latest` as a symlink to the checkpoint directory (a common convention).
+        if latest.join(STATE_FILE).is_file() {
+            return fs::canonicalize(&latest).map_err(|e| Error::io(&latest, e));
+        }
+        return Err(Error::checkpoint(
+            &latest,
+            "links to a directory that is not a complete checkpoint (no trainer_state.json)",
+        ));
+    }
+    if latest.is_symlink() && !latest.exists() {
+        let target = fs::read_link(&latest).map_err(|e| Error::io(&latest, e))?;
+        return Err(Error::checkpoint(
+            &latest,
+            format!("is a dangling symlink (to {})", target.display()),
+        ));
+    }
     if latest.is_file() {
         let name = fs::read_to_string(&latest).map_err(|e| Error::io(&latest, e))?;
         let dir = ckpts.join(name.trim());
@@ -93,8 +111,29 @@ pub fn save(
     extra: &dyn Fn(&Path) -> Result<()>,
 ) -> Result<PathBuf> {
     let ckpts = checkpoints_dir(run_dir);
-    fs::create_dir_all(&ckpts).map_err(|e| Error::io(&ckpts, e))?;
     let name = format!("step-{:07}", state.step);
+    // A diverged run must not replace the last good checkpoint with garbage.
+    let (opt_tensors, opt_step) = optimizer.state_tensors();
+    let target = ckpts.join(&name);
+    let refuse = |e: Error| {
+        Error::checkpoint(
+            &target,
+            format!("not saved, the previous checkpoint stays `latest`: {e}"),
+        )
+    };
+    finite::check_tensors(
+        &target.join(MODEL_FILE),
+        "weight",
+        params.iter().map(|(n, v)| (n.as_str(), v.as_tensor())),
+    )
+    .map_err(refuse)?;
+    finite::check_tensors(
+        &target.join(OPTIMIZER_FILE),
+        "optimiser",
+        opt_tensors.iter().map(|(n, t)| (n.as_str(), t)),
+    )
+    .map_err(refuse)?;
+    fs::create_dir_all(&ckpts).map_err(|e| Error::io(&ckpts, e))?;
     let final_dir = ckpts.join(&name);
     let tmp = ckpts.join(format!(".tmp-{name}-{}", std::process::id()));
     if tmp.exists() {
@@ -103,7 +142,6 @@ pub fn save(
     fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let written = (|| -> Result<()> {
         save_model(&tmp, config, params)?;
-        let (opt_tensors, opt_step) = optimizer.state_tensors();
         let meta = HashMap::from([("step".to_string(), opt_step.to_string())]);
         io::save_safetensors(&tmp.join(OPTIMIZER_FILE), &opt_tensors, Some(meta))?;
         io::write_json(&tmp.join(STATE_FILE), state)?;
@@ -169,6 +207,7 @@ pub fn load_params(path: &Path, config: &GptConfig, device: &Device) -> Result<P
             lm_head = Some(t);
             continue; // tied to transformer.wte.weight (checked below)
         }
+        finite::check_float(path, &name, &t)?;
         let name = if name.starts_with("transformer.") {
             name
         } else {
@@ -176,6 +215,7 @@ pub fn load_params(path: &Path, config: &GptConfig, device: &Device) -> Result<P
         };
         tensors.push((name, t.to_dtype(candle_core::DType::F32)?));
     }
+    finite::check_tensors(path, "weight", tensors.iter().map(|(n, t)| (n.as_str(), t)))?;
     let params = Params::from_tensors(tensors)?;
     if let (Some(head), Ok(wte)) = (lm_head, params.tensor("transformer.wte.weight")) {
         let same = head.dims() == wte.dims()
@@ -201,6 +241,11 @@ pub fn load_params(path: &Path, config: &GptConfig, device: &Device) -> Result<P
 pub fn load_optimizer(dir: &Path, optimizer: &mut AdamW, device: &Device) -> Result<()> {
     let path = dir.join(OPTIMIZER_FILE);
     let loaded = io::load_safetensors(&path, device)?;
+    finite::check_tensors(
+        &path,
+        "optimiser",
+        loaded.tensors.iter().map(|(n, t)| (n.as_str(), t)),
+    )?;
     let step = loaded
         .metadata
         .get("step")

@@ -5,6 +5,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::config::TrainConfig;
+use crate::data::Fingerprint;
 use crate::{Error, Result};
 
 /// The exact position of a ChaCha8 generator (seed, stream, word position), so that sampling
@@ -63,6 +64,10 @@ pub struct TrainerState {
     pub elapsed_secs: f64,
     /// The run's config.
     pub config: TrainConfig,
+    /// Identity of the data and vocabulary the run trains on (absent in checkpoints written
+    /// before fingerprints existed).
+    #[serde(default)]
+    pub data: Option<Fingerprint>,
 }
 
 #[cfg(test)]

@@ -116,6 +116,39 @@ pub trait DataSource: Send + Sync {
     fn task(&self) -> Option<&dyn Task> {
         None
     }
+
+    /// Identity of the token stream and the vocabulary, stored with a run's checkpoints so
+    /// that a changed corpus or vocabulary is caught before it silently shifts token ids.
+    fn fingerprint(&self) -> Fingerprint;
+}
+
+/// Identity of a data source: stable 64-bit hashes (hex) of its token stream and of its
+/// vocabulary. Not cryptographic; it detects edits, not tampering.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fingerprint {
+    /// Hash of every token id in order (both splits) and of the split point.
+    pub tokens: String,
+    /// Hash of the vocabulary (characters, the byte vocabulary, or the tokenizer file).
+    pub vocab: String,
+}
+
+impl Fingerprint {
+    /// The fingerprint of `tokens` split after `n_train`, under the vocabulary hashed as
+    /// `vocab`.
+    pub(crate) fn of_tokens(tokens: &[u32], n_train: usize, vocab: u64) -> Self {
+        let mut h = cache::Hasher64::new();
+        h.update(&(n_train as u64).to_le_bytes());
+        let mut buf = Vec::with_capacity(4 * 4096);
+        for chunk in tokens.chunks(4096) {
+            buf.clear();
+            buf.extend(chunk.iter().flat_map(|t| t.to_le_bytes()));
+            h.update(&buf);
+        }
+        Fingerprint {
+            tokens: format!("{:016x}", h.finish()),
+            vocab: format!("{vocab:016x}"),
+        }
+    }
 }
 
 /// Held-out problems for exact-match evaluation by greedy decoding.
@@ -221,21 +254,21 @@ impl DataSpec {
                 None => String::new(),
             };
             return Err(Error::Config(format!(
-                "data.val_fraction = {vf}{subject} must be strictly between 0 and 1"
+                "val_fraction = {vf}{subject} must be strictly between 0 and 1"
             )));
         }
         match self.kind {
             DataKind::Addition => {
                 if let Some(p) = &self.path {
                     return Err(Error::Config(format!(
-                        "data.path = {} is set but data.kind = addition (which needs no file); \
-                         set data.kind to char, byte or tokenizer",
+                        "data_path = {} is set but data = addition (which needs no file); \
+                         set --data to char, byte or tokenizer",
                         p.display()
                     )));
                 }
                 if !(1..=Addition::MAX_DIGITS).contains(&self.digits) {
                     return Err(Error::Config(format!(
-                        "data.digits = {} must be between 1 and {}",
+                        "digits = {} must be between 1 and {}",
                         self.digits,
                         Addition::MAX_DIGITS
                     )));
@@ -244,13 +277,14 @@ impl DataSpec {
             DataKind::Char | DataKind::Byte | DataKind::Tokenizer => {
                 if self.path.is_none() {
                     return Err(Error::Config(format!(
-                        "data.kind = {} needs data.path (a text file)",
+                        "data = {} needs --data-path (data_path, a text file)",
                         self.kind
                     )));
                 }
                 if self.kind == DataKind::Tokenizer && self.tokenizer.is_none() {
                     return Err(Error::Config(
-                        "data.kind = tokenizer needs data.tokenizer (a tokenizer.json file)".into(),
+                        "data = tokenizer needs --tokenizer-path (tokenizer_path, a tokenizer.json file)"
+                            .into(),
                     ));
                 }
             }
@@ -388,14 +422,14 @@ mod tests {
             .err()
             .unwrap()
             .to_string()
-            .contains("data.path"));
+            .contains("data_path"));
         let no_tok = DataSpec {
             kind: DataKind::Tokenizer,
             path: Some("a.txt".into()),
             ..DataSpec::default()
         };
         let err = open(&no_tok).err().unwrap().to_string();
-        assert!(err.contains("data.tokenizer"), "{err}");
+        assert!(err.contains("tokenizer_path"), "{err}");
         let addition_with_path = DataSpec {
             path: Some("a.txt".into()),
             ..DataSpec::default()

@@ -10,7 +10,8 @@ use rand_chacha::ChaCha8Rng;
 
 use super::cache::{self, CacheKey, Cached};
 use super::{
-    check_shape, decimal_f64, rows_to_batch, Batch, DataKind, DataSource, DataSpec, Split,
+    check_shape, decimal_f64, rows_to_batch, Batch, DataKind, DataSource, DataSpec, Fingerprint,
+    Split,
 };
 use crate::error::{Error, Result};
 
@@ -49,6 +50,7 @@ pub struct TextSource {
     n_train: usize,
     val_fraction: f32,
     description: String,
+    fingerprint: Fingerprint,
 }
 
 /// `1234567` -> `"1.2M"`, for log lines.
@@ -68,7 +70,7 @@ fn read_utf8(path: &Path) -> Result<String> {
         Error::data(
             path,
             format!(
-                "not valid UTF-8 (first invalid byte at offset {}); use data.kind = \"byte\" for \
+                "not valid UTF-8 (first invalid byte at offset {}); use --data byte (data = \"byte\") for \
                  binary or non-UTF-8 files",
                 e.utf8_error().valid_up_to()
             ),
@@ -116,7 +118,7 @@ impl TextSource {
         let path = spec
             .path
             .clone()
-            .ok_or_else(|| Error::Config("data.path is required".into()))?;
+            .ok_or_else(|| Error::Config("--data-path (data_path) is required".into()))?;
         let meta = fs::metadata(&path).map_err(|e| Error::io(&path, e))?;
         if meta.is_dir() {
             return Err(Error::data(&path, "is a directory, expected a text file"));
@@ -173,7 +175,7 @@ impl TextSource {
             }
             DataKind::Tokenizer => {
                 let tok_path = spec.tokenizer.clone().ok_or_else(|| {
-                    Error::Config("data.kind = tokenizer needs data.tokenizer".into())
+                    Error::Config("data `tokenizer` needs --tokenizer-path (tokenizer_path)".into())
                 })?;
                 let tok_bytes = fs::read(&tok_path).map_err(|e| Error::io(&tok_path, e))?;
                 let tokenizer = tokenizers::Tokenizer::from_bytes(&tok_bytes).map_err(|e| {
@@ -267,6 +269,18 @@ impl TextSource {
             human(size),
             n - n_train
         );
+        let vocab_hash = match &vocab {
+            Vocab::Char { chars, .. } => {
+                cache::hash_bytes(chars.iter().collect::<String>().as_bytes())
+            }
+            Vocab::Byte => cache::hash_bytes(b"byte vocabulary"),
+            Vocab::Tokenizer { tokenizer, .. } => {
+                // The tokenizer's identity as it encodes (model, vocab, merges, added tokens),
+                // independent of the JSON's formatting.
+                cache::hash_bytes(tokenizer.to_string(false).unwrap_or_default().as_bytes())
+            }
+        };
+        let fingerprint = Fingerprint::of_tokens(&tokens, n_train, vocab_hash);
         Ok(TextSource {
             path,
             vocab,
@@ -275,6 +289,7 @@ impl TextSource {
             n_train,
             val_fraction: spec.val_fraction,
             description,
+            fingerprint,
         })
     }
 
@@ -313,6 +328,10 @@ fn save(dir: &Path, key: &CacheKey, cached: &Cached) -> String {
 }
 
 impl DataSource for TextSource {
+    fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint.clone()
+    }
+
     fn vocab_size(&self) -> usize {
         self.vocab_size
     }

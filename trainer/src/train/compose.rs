@@ -107,12 +107,89 @@ pub fn remat_plan(config: &TrainConfig, gpt: &GptConfig, dtype: DType) -> Result
     if policy == Policy::None {
         return Ok(None);
     }
-    let costs = gpt_chain_costs(gpt, config.batch_size, dtype, config.kernels);
+    // Activations are sized by the training context, which may be shorter than the model's
+    // positions (fine-tuning a pretrained model on short blocks).
+    let train = GptConfig {
+        block_size: config.block_size,
+        ..gpt.clone()
+    };
+    let costs = gpt_chain_costs(&train, config.batch_size, dtype, config.kernels);
     let plan = policy
         .plan(&costs)
         .map_err(|e| Error::Config(format!("remat `{}`: {e}", config.remat)))?;
     tracing::info!("activation checkpointing plan:\n{plan}");
     Ok(Some(plan))
+}
+
+/// Estimated peak bytes of one training step: f32 weights, gradients and both AdamW moments
+/// (plus a compute-dtype copy of the weights in mixed precision), the activations of one
+/// micro-batch as the remat planner models them (`plan`'s predicted peak, or every block's
+/// activations without checkpointing), and the f32 logits with their gradient.
+///
+/// A lower bound more than a prediction: it is used to refuse runs that cannot fit (e.g. a
+/// `block_size` of 100000) before they allocate, not to size runs that can.
+pub fn estimate_step_bytes(
+    config: &TrainConfig,
+    gpt: &GptConfig,
+    dtype: DType,
+    plan: Option<&Plan>,
+) -> u64 {
+    let n_params = gpt.num_params() as u64;
+    let cast_copy = if dtype == DType::F32 {
+        0
+    } else {
+        n_params * dtype.size_in_bytes() as u64
+    };
+    let train = GptConfig {
+        block_size: config.block_size,
+        ..gpt.clone()
+    };
+    let activations = match plan {
+        Some(p) => p.predicted_peak_bytes,
+        None => {
+            let costs = gpt_chain_costs(&train, config.batch_size, dtype, config.kernels);
+            costs
+                .blocks
+                .iter()
+                .map(|b| b.act_bytes)
+                .fold(costs.input_bytes, u64::saturating_add)
+        }
+    };
+    let tokens = (config.batch_size as u64).saturating_mul(config.block_size as u64);
+    let logits = tokens
+        .saturating_mul(gpt.vocab_size as u64)
+        .saturating_mul(4 * 2);
+    (n_params * 4 * 4 + cast_copy)
+        .saturating_add(activations)
+        .saturating_add(logits)
+}
+
+/// Errors if the estimate of [`estimate_step_bytes`] exceeds the memory available to this
+/// process (RAM, or the cgroup's limit in a container). Only checked on the CPU.
+pub fn check_memory_fits(config: &TrainConfig, estimate: u64) -> Result<()> {
+    use sysinfo::{MemoryRefreshKind, RefreshKind, System};
+    let sys = System::new_with_specifics(
+        RefreshKind::nothing().with_memory(MemoryRefreshKind::nothing().with_ram()),
+    );
+    let mut available = sys.available_memory();
+    if let Some(cg) = sys.cgroup_limits() {
+        available = available.min(cg.free_memory);
+    }
+    if available == 0 || estimate <= available {
+        return Ok(()); // unknown (0), or it fits
+    }
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    Err(Error::Config(format!(
+        "this run needs at least an estimated {:.1} GiB per step (batch_size {} x block_size {}, \
+         {} layers of width {}) but only {:.1} GiB of memory is available: lower batch_size or \
+         block_size, or use --remat",
+        gib(estimate),
+        config.batch_size,
+        config.block_size,
+        config.n_layer,
+        config.n_embd,
+        gib(available)
+    )))
 }
 
 /// The compute dtype named by the `dtype` config value.

@@ -5,7 +5,7 @@ use std::path::Path;
 use candle_core::{Device, Var};
 
 use crate::config::TrainConfig;
-use crate::data::{self, DataKind, DataSource, DataSpec};
+use crate::data::{self, DataKind, DataSource, DataSpec, Fingerprint};
 use crate::model::{Gpt, GptConfig, Params};
 use crate::{checkpoint, hub, Error, Result};
 
@@ -143,4 +143,90 @@ pub fn check_resume_compatible(saved: &TrainConfig, new: &TrainConfig, dir: &Pat
         changed.join(", "),
         dir.display()
     )))
+}
+
+/// Checks that `data` is the data a checkpoint in `dir` was trained on (`saved`): the same
+/// vocabulary always, and the same token stream too when `tokens` is set (resuming). A changed
+/// vocabulary would silently shift token ids; a changed corpus would break exact resume.
+pub fn check_fingerprint(
+    saved: Option<&Fingerprint>,
+    data: &dyn DataSource,
+    dir: &Path,
+    tokens: bool,
+) -> Result<()> {
+    let Some(saved) = saved else {
+        tracing::warn!(
+            "{} records no data fingerprint (an older checkpoint): cannot check that the data \
+             and vocabulary are unchanged",
+            dir.display()
+        );
+        return Ok(());
+    };
+    let now = data.fingerprint();
+    let what = if saved.vocab != now.vocab {
+        "vocabulary"
+    } else if tokens && saved.tokens != now.tokens {
+        "corpus (token stream)"
+    } else {
+        return Ok(());
+    };
+    Err(Error::data(
+        data.describe().split(':').next().unwrap_or_default(),
+        format!(
+            "the {what} differs from the one the checkpoint {} was trained on (fingerprint \
+             tokens {} vocab {} then, tokens {} vocab {} now); restore the original data, or \
+             start a new run from these weights with --init-from",
+            dir.display(),
+            saved.tokens,
+            saved.vocab,
+            now.tokens,
+            now.vocab
+        ),
+    ))
+}
+
+/// Checks that a checkpoint's `config.json` (`model`) agrees with its run config: the shape
+/// the run trains, room for its context, and an embedding for every token id of the data.
+pub fn check_model_matches(
+    model: &GptConfig,
+    config: &TrainConfig,
+    data: &dyn DataSource,
+    dir: &Path,
+) -> Result<()> {
+    let mut wrong = Vec::new();
+    for (name, in_model, in_run) in [
+        ("n_layer", model.n_layer, config.n_layer),
+        ("n_head", model.n_head, config.n_head),
+        ("n_embd", model.n_embd, config.n_embd),
+    ] {
+        if in_model != in_run {
+            wrong.push(format!("{name} {in_model} (trainer_state.json: {in_run})"));
+        }
+    }
+    if model.bias != config.bias {
+        wrong.push(format!(
+            "bias {} (trainer_state.json: {})",
+            model.bias, config.bias
+        ));
+    }
+    if model.block_size < config.block_size {
+        wrong.push(format!(
+            "n_positions {} < the run's block_size {}",
+            model.block_size, config.block_size
+        ));
+    }
+    if model.vocab_size < data.vocab_size() {
+        wrong.push(format!(
+            "vocab_size {} < the data's {} token ids",
+            model.vocab_size,
+            data.vocab_size()
+        ));
+    }
+    if wrong.is_empty() {
+        return Ok(());
+    }
+    Err(Error::checkpoint(
+        dir.join(checkpoint::CONFIG_FILE),
+        format!("disagrees with the run it belongs to: {}", wrong.join(", ")),
+    ))
 }

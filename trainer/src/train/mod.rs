@@ -18,7 +18,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 pub use eval::{estimate_loss, task_score};
-pub use init::{open_data as open_data_for, parse_device};
+pub use init::{check_fingerprint, open_data as open_data_for, parse_device};
 
 use crate::checkpoint::{self, RngState, TrainerState};
 use crate::config::TrainConfig;
@@ -26,6 +26,7 @@ use crate::data::{DataSource, Split};
 use crate::metrics::{EvalStats, MetricsLog, Record, StepStats};
 use crate::model::{Ctx, Gpt, Params};
 use crate::optim::{accumulate, clip_coefficient, global_grad_norm, AdamW};
+use crate::run_dir::{self, Claim, RunDir};
 use crate::schedule::LrSchedule;
 use crate::{Error, Result};
 
@@ -102,6 +103,8 @@ pub struct Trainer {
     best_checkpoint: Option<String>,
     elapsed_secs: f64,
     last_checkpoint: Option<PathBuf>,
+    claim: Claim,
+    run_dir: Option<RunDir>,
 }
 
 impl Trainer {
@@ -111,6 +114,13 @@ impl Trainer {
         let device = parse_device(&config.device)?;
         let data = init::open_data(&config)?;
         let (model, params) = init::build_model(&config, data.as_ref(), &device)?;
+        // A pretrained model brings its own shape: record it, so that run.toml and the saved
+        // trainer state describe the model that is trained.
+        let mut config = config;
+        config.n_layer = model.config.n_layer;
+        config.n_head = model.config.n_head;
+        config.n_embd = model.config.n_embd;
+        config.bias = model.config.bias;
         let optimizer = AdamW::new(&params, config.adamw_config())?.with_kernels(config.kernels);
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
         Self::assemble(config, device, data, model, params, optimizer, rng)
@@ -118,12 +128,17 @@ impl Trainer {
 
     /// Continues the run saved in `path` (a run directory or a checkpoint directory).
     ///
-    /// `adjust` may change the saved config (e.g. a longer `max_iters`); fields that define
-    /// the model or the data cannot change, and an attempt is an error.
+    /// The run continues in the run directory that holds the checkpoint (`RUN` for
+    /// `RUN/checkpoints/step-N`), whatever `out_dir` the checkpoint recorded. `adjust` may
+    /// change the saved config (e.g. a longer `max_iters`); setting `out_dir` to another
+    /// directory forks the run there (which must not hold a run). Fields that define the model
+    /// or the data cannot change, and an attempt is an error.
     pub fn resume(path: &Path, adjust: impl FnOnce(&mut TrainConfig)) -> Result<Self> {
         let dir = checkpoint::resolve(path)?;
         let state: TrainerState = checkpoint::io::read_json(&dir.join(checkpoint::STATE_FILE))?;
         let mut config = state.config.clone();
+        let home = run_dir::run_dir_of(&dir);
+        config.out_dir = home.clone().unwrap_or_default();
         // The cosine decay ends at max_iters unless lr_decay_iters is set: pin it to the saved
         // run's end, so that resuming with a larger max_iters continues the same schedule
         // (constant min_lr after the old end) instead of jumping back up.
@@ -131,11 +146,30 @@ impl Trainer {
             config.lr_decay_iters = Some(state.config.max_iters);
         }
         adjust(&mut config);
+        if config.out_dir.as_os_str().is_empty() {
+            return Err(Error::Config(format!(
+                "{} is not inside a run directory (RUN/checkpoints/step-N): choose the run \
+                 directory to continue in with --out-dir",
+                dir.display()
+            )));
+        }
+        let same_dir = |d: &Path| {
+            home.as_deref()
+                .zip(std::fs::canonicalize(d).ok())
+                .is_some_and(|(h, d)| h == d)
+        };
+        let claim = if same_dir(&config.out_dir) {
+            Claim::Continue
+        } else {
+            Claim::Fresh
+        };
         init::check_resume_compatible(&state.config, &config, &dir)?;
         config.validate()?;
         let device = parse_device(&config.device)?;
         let data = init::open_data(&config)?;
+        init::check_fingerprint(state.data.as_ref(), data.as_ref(), &dir, true)?;
         let (gpt_config, params) = checkpoint::load_model(&dir, &device)?;
+        init::check_model_matches(&gpt_config, &config, data.as_ref(), &dir)?;
         let model = Gpt::from_params(&gpt_config, &params)?;
         let mut optimizer =
             AdamW::new(&params, config.adamw_config())?.with_kernels(config.kernels);
@@ -161,6 +195,7 @@ impl Trainer {
         t.best_checkpoint = state.best_checkpoint;
         t.elapsed_secs = state.elapsed_secs;
         t.last_checkpoint = Some(dir);
+        t.claim = claim;
         Ok(t)
     }
 
@@ -174,6 +209,13 @@ impl Trainer {
         rng: ChaCha8Rng,
     ) -> Result<Self> {
         let dtype = compose::parse_dtype(&config.dtype)?;
+        let plan = compose::remat_plan(&config, &model.config, dtype)?;
+        if device.is_cpu() {
+            // Refuse before allocating what cannot fit (a GPU reports its own out-of-memory
+            // errors; the CPU allocator aborts the process).
+            let need = compose::estimate_step_bytes(&config, &model.config, dtype, plan.as_ref());
+            compose::check_memory_fits(&config, need)?;
+        }
         let peak_flops = if config.peak_flops > 0.0 {
             config.peak_flops
         } else {
@@ -185,7 +227,7 @@ impl Trainer {
             peak_flops,
             schedule: config.lr_schedule(),
             vars: params.vars(),
-            plan: compose::remat_plan(&config, &model.config, dtype)?,
+            plan,
             amp: compose::build_amp(&config, &params)?,
             pipeline: pipeline::PipelineRun::build(&config, &model, &params, &device, dtype)?,
             dtype,
@@ -202,7 +244,29 @@ impl Trainer {
             best_checkpoint: None,
             elapsed_secs: 0.0,
             last_checkpoint: None,
+            claim: Claim::Fresh,
+            run_dir: None,
         })
+    }
+
+    /// Lets a new run replace the run already in its `out_dir` (its checkpoints, metrics and
+    /// loss curve are deleted when the run starts) instead of refusing to start. No effect on a
+    /// resumed run, which continues its own directory.
+    pub fn overwrite(mut self, yes: bool) -> Self {
+        if self.claim != Claim::Continue {
+            self.claim = if yes { Claim::Overwrite } else { Claim::Fresh };
+        }
+        self
+    }
+
+    /// Claims the run directory on first use (see [`crate::run_dir`]): refuses to start a
+    /// fresh run over an existing one, locks it, and cleans a killed writer's leftovers.
+    pub fn claim_run_dir(&mut self) -> Result<()> {
+        if self.run_dir.is_none() {
+            self.run_dir = Some(RunDir::claim(&self.config.out_dir, self.claim)?);
+            self.claim = Claim::Continue;
+        }
+        Ok(())
     }
 
     /// The activation-checkpointing plan, if `remat` is on.
@@ -418,11 +482,22 @@ impl Trainer {
             best_checkpoint: self.best_checkpoint.clone(),
             elapsed_secs: self.elapsed_secs,
             config: self.config.clone(),
+            data: Some(self.data.fingerprint()),
         }
     }
 
     /// Writes a checkpoint of the current step into the run directory and prunes old ones.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
+        let held = self.run_dir.is_some();
+        self.claim_run_dir()?;
+        let saved = self.save_claimed();
+        if !held {
+            self.run_dir = None;
+        }
+        saved
+    }
+
+    fn save_claimed(&mut self) -> Result<PathBuf> {
         let amp = self.amp.as_ref();
         let dir = checkpoint::save(
             &self.config.out_dir,
@@ -461,9 +536,18 @@ impl Trainer {
     /// Trains until `max_iters` steps or until `stop` is set (Ctrl-C), evaluating and
     /// checkpointing every `eval_interval` steps and at the end. An interrupted run saves a
     /// checkpoint before returning.
+    ///
+    /// The run directory is claimed (see [`Trainer::claim_run_dir`]) for the duration of the
+    /// call and released when it returns.
     pub fn run(&mut self, observer: &mut dyn Observer, stop: &AtomicBool) -> Result<Summary> {
+        self.claim_run_dir()?;
+        let result = self.run_claimed(observer, stop);
+        self.run_dir = None;
+        result
+    }
+
+    fn run_claimed(&mut self, observer: &mut dyn Observer, stop: &AtomicBool) -> Result<Summary> {
         let out = self.config.out_dir.clone();
-        std::fs::create_dir_all(&out).map_err(|e| Error::io(&out, e))?;
         checkpoint::io::write_atomic(&out.join("run.toml"), self.config.to_toml().as_bytes())?;
         let mut metrics = MetricsLog::open(&out.join("metrics.jsonl"), self.step)?;
         let mut last_eval = None;
