@@ -1,0 +1,109 @@
+//! The CLI keeps runs apart: the README's first command can run twice (the default run
+//! directory gets a fresh name), an explicit `--out-dir` holding a run is refused unless
+//! `--overwrite`, and an I/O error prints the OS text once.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn trainer(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_trainer"))
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("run the trainer binary")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+const QUICK: &[&str] = &[
+    "--max-iters",
+    "2",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "16",
+    "--eval-iters",
+    "1",
+    "--eval-problems",
+    "4",
+];
+
+#[test]
+fn the_default_command_twice_keeps_both_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = vec!["train"];
+    args.extend_from_slice(QUICK);
+    let first = trainer(&args, tmp.path());
+    assert!(first.status.success(), "{}", text(&first));
+    let metrics = tmp.path().join("runs/addition/metrics.jsonl");
+    let before = std::fs::read(&metrics).unwrap();
+    let second = trainer(&args, tmp.path());
+    assert!(second.status.success(), "{}", text(&second));
+    assert!(
+        text(&second).contains("runs/addition-2"),
+        "{}",
+        text(&second)
+    );
+    assert_eq!(std::fs::read(&metrics).unwrap(), before);
+    assert!(tmp
+        .path()
+        .join("runs/addition-2/checkpoints/step-0000002")
+        .is_dir());
+}
+
+#[test]
+fn an_explicit_run_directory_is_never_overwritten_silently() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = vec!["train", "--out-dir", "mine"];
+    args.extend_from_slice(QUICK);
+    assert!(trainer(&args, tmp.path()).status.success());
+    let refused = trainer(&args, tmp.path());
+    let out = text(&refused);
+    assert!(!refused.status.success(), "{out}");
+    assert!(
+        out.contains("--resume mine") && out.contains("--overwrite"),
+        "{out}"
+    );
+    args.push("--overwrite");
+    let replaced = trainer(&args, tmp.path());
+    assert!(replaced.status.success(), "{}", text(&replaced));
+
+    // Resuming into another directory forks the run there; the original is untouched.
+    let before = std::fs::read(tmp.path().join("mine/metrics.jsonl")).unwrap();
+    let fork = trainer(
+        &[
+            "train",
+            "--resume",
+            "mine",
+            "--out-dir",
+            "fork",
+            "--max-iters",
+            "3",
+        ],
+        tmp.path(),
+    );
+    assert!(fork.status.success(), "{}", text(&fork));
+    assert!(tmp.path().join("fork/checkpoints/step-0000003").is_dir());
+    assert_eq!(
+        std::fs::read(tmp.path().join("mine/metrics.jsonl")).unwrap(),
+        before
+    );
+}
+
+#[test]
+fn io_errors_print_the_os_text_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = trainer(&["train", "--config", "missing.toml"], tmp.path());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("missing.toml"), "{err}");
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+}

@@ -1,0 +1,124 @@
+//! Real signals to a real `trainer` process: SIGTERM (what schedulers and `docker stop` send)
+//! and SIGINT finish the step and save a checkpoint that resumes; a second signal exits at once.
+#![cfg(unix)]
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use trainer::train::Trainer;
+
+/// A run far longer than the test: it only ends by a signal.
+fn spawn(dir: &Path) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_trainer"))
+        .args([
+            "train",
+            "--out-dir",
+            "run",
+            "--max-iters",
+            "1000000",
+            "--eval-interval",
+            "1000000",
+            "--n-layer",
+            "1",
+            "--n-embd",
+            "32",
+            "--n-head",
+            "2",
+            "--batch-size",
+            "8",
+            "--eval-problems",
+            "8",
+            "--eval-iters",
+            "1",
+        ])
+        .current_dir(dir)
+        // Files, not pipes: a pipe nobody reads could fill and block the trainer.
+        .stdout(Stdio::from(
+            std::fs::File::create(dir.join("out.txt")).unwrap(),
+        ))
+        .stderr(Stdio::from(
+            std::fs::File::create(dir.join("err.txt")).unwrap(),
+        ))
+        .spawn()
+        .expect("start the trainer binary")
+}
+
+/// Waits until the run has logged `n` steps (so the signal lands mid-training).
+fn wait_for_steps(dir: &Path, n: usize, child: &mut Child) {
+    let metrics = dir.join("run/metrics.jsonl");
+    let start = Instant::now();
+    loop {
+        let steps = std::fs::read_to_string(&metrics)
+            .map(|t| t.lines().filter(|l| l.contains("\"loss\"")).count())
+            .unwrap_or(0);
+        if steps >= n {
+            return;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the trainer exited early: {status}");
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no progress in 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn signal(child: &Child, sig: libc::c_int) {
+    // SAFETY: kill(2) on the pid of a child this test owns; no memory is involved.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+    assert_eq!(rc, 0, "kill failed");
+}
+
+/// Waits for the child to exit (at most 120 s) and returns its status and output.
+fn finish(child: Child, dir: &Path) -> (std::process::ExitStatus, String) {
+    let start = Instant::now();
+    let mut child = child;
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("the trainer did not exit within 120 s of the signal");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let status = child.wait().unwrap();
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+    (status, format!("{}{}", read("out.txt"), read("err.txt")))
+}
+
+#[test]
+fn sigterm_and_sigint_checkpoint_and_resume() {
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut child = spawn(tmp.path());
+        wait_for_steps(tmp.path(), 3, &mut child);
+        signal(&child, sig);
+        let (status, out) = finish(child, tmp.path());
+        assert!(status.success(), "signal {sig}: {status}\n{out}");
+        assert!(out.contains("== interrupted =="), "{out}");
+        let run = tmp.path().join("run");
+        let t = Trainer::resume(&run, |_| {}).unwrap();
+        assert!(
+            t.step() >= 3,
+            "signal {sig}: checkpoint at step {}",
+            t.step()
+        );
+        let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+        assert!(metrics.contains(&format!("\"step\":{}", t.step())));
+    }
+}
+
+#[test]
+fn a_second_signal_exits_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut child = spawn(tmp.path());
+    wait_for_steps(tmp.path(), 2, &mut child);
+    // Two different signals: two of the same kind may merge into one before delivery.
+    signal(&child, libc::SIGTERM);
+    signal(&child, libc::SIGINT);
+    let (status, out) = finish(child, tmp.path());
+    assert_eq!(status.code(), Some(130), "{out}");
+    assert!(out.contains("second signal"), "{out}");
+}
