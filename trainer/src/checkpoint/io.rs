@@ -11,17 +11,26 @@ use crate::{Error, Result};
 
 /// Writes `bytes` to `path` atomically: a temporary file in the same directory is written,
 /// fsynced and renamed over `path`, then the directory is fsynced. A crash leaves either the old
-/// file or the new one, never a torn one.
+/// file or the new one, never a torn one. Concurrent writers (threads or processes) each use a
+/// temporary file of their own; the last rename wins.
+///
+/// The trainer's one atomic writer: checkpoints, metrics, `latest`, run configs and the token
+/// cache all go through it.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
     fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "file".into());
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(".{name}.tmp-{}-{n}", std::process::id()));
     let result = (|| -> std::io::Result<()> {
-        let mut f = File::create(&tmp)?;
+        let mut f = File::create_new(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
         drop(f);

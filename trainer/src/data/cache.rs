@@ -24,7 +24,6 @@
 //! same directory, are fsynced, then renamed over the target.
 
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
 
@@ -313,31 +312,8 @@ pub(crate) fn load(dir: &Path, key: &CacheKey) -> Option<Cached> {
 /// Writes the cache entry for `key` into `dir` atomically (temporary file in the same
 /// directory, fsync, rename, then fsync of the directory where supported).
 pub(crate) fn store(dir: &Path, key: &CacheKey, cached: &Cached) -> Result<PathBuf> {
-    fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let path = dir.join(&key.file_name);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}-{nanos}",
-        key.file_name,
-        std::process::id()
-    ));
-    let write = || -> std::io::Result<()> {
-        let mut f = fs::File::create_new(&tmp)?;
-        f.write_all(&to_bytes(key, cached))?;
-        f.sync_all()?;
-        drop(f);
-        fs::rename(&tmp, &path)
-    };
-    if let Err(e) = write() {
-        let _ = fs::remove_file(&tmp);
-        return Err(Error::io(&path, e));
-    }
-    // Make the rename durable; not every platform can open a directory, so this is best effort.
-    if let Ok(d) = fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
+    crate::checkpoint::io::write_atomic(&path, &to_bytes(key, cached))?;
     Ok(path)
 }
 
