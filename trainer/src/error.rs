@@ -59,6 +59,10 @@ pub enum Error {
     /// Activation checkpointing failed (`candle-remat`).
     #[error(transparent)]
     Remat(#[from] candle_remat::RematError),
+    /// The pipeline failed (`candle-pipeline`): the error names the worker and the action
+    /// (microbatch and stage) where it happened.
+    #[error("pipeline: {0}")]
+    Pipeline(#[from] candle_pipeline::PipelineError),
     /// Mixed precision failed (`candle-amp`), e.g. the loss scale collapsed.
     #[error(transparent)]
     Amp(#[from] candle_amp::AmpError),

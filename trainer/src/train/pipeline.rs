@@ -118,8 +118,7 @@ impl PipelineRun {
                 model.blocks.len()
             )));
         }
-        let perr = |e: candle_pipeline::PipelineError| Error::Config(format!("pipeline: {e}"));
-        let stage_list = split_by_params(layers, virtual_stages).map_err(perr)?;
+        let stage_list = split_by_params(layers, virtual_stages)?;
         let mut pipe = Pipeline::new(
             stage_list,
             vec![device.clone(); stages],
@@ -128,15 +127,14 @@ impl PipelineRun {
                 let mask = t.i((.., .., 1))?;
                 kernels.cross_entropy(logits, &y, Some(&mask))
             },
-        )
-        .map_err(perr)?;
+        )?;
         if device.is_cpu() {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             let threads = match config.pipeline_threads {
                 0 => (cores / stages).max(1),
                 n => n,
             };
-            pipe = pipe.with_cpu_threads(threads).map_err(perr)?;
+            pipe = pipe.with_cpu_threads(threads)?;
         }
         Ok(Some(PipelineRun {
             pipe,
@@ -186,9 +184,8 @@ impl PipelineRun {
             ws.push(weight * (count / total) as f64);
             start += rows;
         }
-        let perr = |e: candle_pipeline::PipelineError| Error::Config(format!("pipeline: {e}"));
-        let mbs = Microbatches::with_weights(xs, ts, ws).map_err(perr)?;
-        let out = self.pipe.step(&self.schedule, &mbs).map_err(perr)?;
+        let mbs = Microbatches::with_weights(xs, ts, ws)?;
+        let out = self.pipe.step(&self.schedule, &mbs)?;
         Ok(((out.loss / weight) as f32, out.grads))
     }
 }
