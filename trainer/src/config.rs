@@ -176,6 +176,7 @@ impl TrainConfig {
             vocab_size,
             dropout: self.dropout,
             bias: self.bias,
+            ..GptConfig::default()
         }
     }
 
