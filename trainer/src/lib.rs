@@ -16,6 +16,7 @@ pub mod mfu;
 pub mod model;
 pub mod optim;
 pub mod plot;
+pub mod pretrained;
 pub mod runtime;
 pub mod sample;
 pub mod schedule;

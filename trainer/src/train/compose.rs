@@ -102,12 +102,19 @@ pub fn gpt_chain_costs(
 }
 
 /// The checkpoint plan for this run, or `None` for plain backward.
+///
+/// Costs are counted at the run's context (`config.block_size`), which may be shorter than
+/// the model's positions (`gpt.block_size`) when fine-tuning a pretrained model.
 pub fn remat_plan(config: &TrainConfig, gpt: &GptConfig, dtype: DType) -> Result<Option<Plan>> {
     let policy = parse_remat(&config.remat)?;
     if policy == Policy::None {
         return Ok(None);
     }
-    let costs = gpt_chain_costs(gpt, config.batch_size, dtype, config.kernels);
+    let at_context = GptConfig {
+        block_size: config.block_size,
+        ..gpt.clone()
+    };
+    let costs = gpt_chain_costs(&at_context, config.batch_size, dtype, config.kernels);
     let plan = policy
         .plan(&costs)
         .map_err(|e| Error::Config(format!("remat `{}`: {e}", config.remat)))?;
