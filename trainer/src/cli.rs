@@ -11,7 +11,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rand::SeedableRng;
 use trainer::checkpoint::{self, TrainerState};
 use trainer::config::{Overrides, TrainConfig};
-use trainer::model::Params;
 use trainer::sample::{generate, SamplingConfig};
 use trainer::train::{parse_device, Event, Observer, Summary, Trainer};
 
@@ -34,7 +33,8 @@ enum Command {
     Sample(SampleArgs),
     /// Measure train/val loss (and the task score) of a checkpoint.
     Eval(EvalArgs),
-    /// Show a checkpoint's tensors, shapes, dtypes, parameter count, config and step.
+    /// Show a model's tensors, shapes, dtypes, parameter count, config and step; fail when the
+    /// weights do not match its config.json.
     Inspect(InspectArgs),
     /// Redraw a run's loss curve (loss.svg) from its metrics.jsonl.
     Plot(PlotArgs),
@@ -108,8 +108,9 @@ struct EvalArgs {
 
 #[derive(Args, Debug)]
 struct InspectArgs {
-    /// A run directory, a checkpoint directory, or a `.safetensors` file.
-    checkpoint: PathBuf,
+    /// A run or checkpoint directory, a Hugging Face model directory, a hub model id, or a
+    /// `.safetensors` file. Exits non-zero when the weights do not match config.json.
+    checkpoint: String,
 }
 
 /// Runs the parsed command.
@@ -395,11 +396,11 @@ fn eval(args: EvalArgs) -> Result<()> {
 }
 
 fn inspect(args: InspectArgs) -> Result<()> {
-    let path = &args.checkpoint;
-    let (model_file, dir) = if path.is_file() {
-        (path.clone(), None)
+    let spec = &args.checkpoint;
+    let (model_file, dir) = if Path::new(spec).is_file() {
+        (PathBuf::from(spec), None)
     } else {
-        let dir = checkpoint::resolve(path)?;
+        let dir = trainer::pretrained::resolve(spec)?;
         (dir.join(checkpoint::MODEL_FILE), Some(dir))
     };
     let loaded = checkpoint::io::load_safetensors(&model_file, &candle_core::Device::Cpu)?;
@@ -418,27 +419,41 @@ fn inspect(args: InspectArgs) -> Result<()> {
     }
     println!("tensors     {}", names.len());
     println!("parameters  {total} ({:.2}M)", total as f64 / 1e6);
+    drop(loaded);
     if let Some(dir) = dir {
-        inspect_dir(&dir, &loaded.tensors)?;
+        inspect_dir(&dir, &model_file)?;
     }
     Ok(())
 }
 
-fn inspect_dir(
-    dir: &Path,
-    tensors: &std::collections::HashMap<String, candle_core::Tensor>,
-) -> Result<()> {
+/// Prints the config, the weight check and the trainer state of checkpoint or model directory
+/// `dir`; weights that do not match `config.json` are an error (after the report).
+fn inspect_dir(dir: &Path, model_file: &Path) -> Result<()> {
     let cfg_path = dir.join(checkpoint::CONFIG_FILE);
+    let mut mismatch = None;
     if cfg_path.is_file() {
         let cfg = trainer::model::GptConfig::from_hf_json_file(&cfg_path)?;
         println!(
             "config      n_layer {} n_head {} n_embd {} block_size {} vocab_size {} dropout {} bias {}",
             cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.vocab_size, cfg.dropout, cfg.bias
         );
-        let params = Params::from_tensors(tensors.iter().map(|(n, t)| (n.clone(), t.clone())))?;
-        match params.check_gpt(&cfg) {
-            Ok(()) => println!("check       weights match the config"),
-            Err(e) => println!("check       MISMATCH: {e}"),
+        let id = |t: Option<u32>| t.map_or("none".to_string(), |t| t.to_string());
+        println!(
+            "special     bos {} eos {}",
+            id(cfg.bos_token_id),
+            id(cfg.eos_token_id)
+        );
+        // The loader's own check: Hugging Face names (no `transformer.` prefix, mask buffers,
+        // a tied lm_head) are accepted as they are when training.
+        match checkpoint::load_params(model_file, &cfg, &candle_core::Device::Cpu) {
+            Ok(_) => println!("check       weights match the config"),
+            Err(e) => {
+                println!("check       MISMATCH");
+                mismatch = Some(
+                    anyhow::Error::new(e)
+                        .context(format!("the weights do not match {}", cfg_path.display())),
+                );
+            }
         }
     }
     let state_path = dir.join(checkpoint::STATE_FILE);
@@ -454,5 +469,5 @@ fn inspect_dir(
         }
         println!("--- run config ---\n{}", state.config.to_toml());
     }
-    Ok(())
+    mismatch.map_or(Ok(()), Err)
 }
