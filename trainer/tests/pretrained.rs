@@ -13,6 +13,7 @@ use common::{tiny_config, weights, Recorder};
 use trainer::checkpoint;
 use trainer::config::TrainConfig;
 use trainer::model::GptConfig;
+use trainer::pretrained::{EvalRequest, ModelDir};
 use trainer::train::compose::gpt_chain_costs;
 use trainer::train::Trainer;
 
@@ -194,3 +195,55 @@ fn config_json_names_the_vocabularys_special_tokens() {
     }
 }
 
+#[test]
+fn eval_of_a_checkpoint_is_the_runs_own_evaluation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let t = run(TrainConfig {
+        max_iters: 2,
+        eval_interval: 2,
+        ..tiny_config(&out)
+    });
+    let want = t.evaluate().unwrap();
+    let ckpt = checkpoint::resolve(&out).unwrap();
+    for spec in [&out, &ckpt] {
+        let model = ModelDir::open(&spec.display().to_string()).unwrap();
+        assert_eq!(EvalRequest::default().evaluate(&model).unwrap(), want);
+    }
+    // Flags replace single settings of the run.
+    let model = ModelDir::open(&out.display().to_string()).unwrap();
+    let shorter = EvalRequest {
+        block_size: Some(12),
+        eval_problems: Some(0),
+        ..EvalRequest::default()
+    };
+    let got = shorter.evaluate(&model).unwrap();
+    assert_eq!((got.step, got.score), (2, None));
+    assert_ne!(got.val_loss, want.val_loss);
+
+    // The same weights without the trainer state: a bare model, which needs its data given.
+    let bare = tmp.path().join("bare");
+    std::fs::create_dir_all(&bare).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(ckpt.join(f), bare.join(f)).unwrap();
+    }
+    let model = ModelDir::open(&bare.display().to_string()).unwrap();
+    assert!(model.run.is_none());
+    let e = EvalRequest::default().evaluate(&model).unwrap_err();
+    assert!(e.to_string().contains("--data-path"), "{e}");
+    // The run's data, given by flags, gives the run's numbers again (same seed and batches).
+    let as_run = EvalRequest {
+        data: Some("addition".into()),
+        block_size: Some(16),
+        batch_size: Some(4),
+        eval_iters: Some(2),
+        eval_problems: Some(16),
+        ..EvalRequest::default()
+    };
+    let got = as_run.evaluate(&model).unwrap();
+    assert_eq!(
+        (got.train_loss, got.val_loss, got.score),
+        (want.train_loss, want.val_loss, want.score)
+    );
+    assert_eq!(got.step, 0);
+}

@@ -11,14 +11,17 @@
 //!   nothing is downloaded).
 //!
 //! A bare model has no run config to say how text becomes tokens: its directory's
-//! `tokenizer.json` ([`TokenizerFile`]) does.
+//! `tokenizer.json` ([`TokenizerFile`]) does. [`EvalRequest`] evaluates any of them on data
+//! given by flags or by the run's config.
 
+mod eval;
 mod tokenizer;
 
 use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 
+pub use eval::{evaluate, mean_loss, EvalRequest};
 pub use tokenizer::{SpecialTokens, TokenizerFile, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
 
 use crate::checkpoint::{self, TrainerState, CONFIG_FILE, MODEL_FILE, STATE_FILE};
