@@ -23,6 +23,7 @@ fn config(n_layer: usize, n_embd: usize) -> GptConfig {
         vocab_size: 13,
         dropout: 0.0,
         bias: true,
+        ..GptConfig::default()
     }
 }
 

@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rand::SeedableRng;
 use trainer::checkpoint::{self, TrainerState};
 use trainer::config::{Overrides, TrainConfig};
-use trainer::model::Params;
+use trainer::pretrained::{EvalRequest, ModelDir, TokenizerFile};
 use trainer::sample::{generate, SamplingConfig};
 use trainer::train::{parse_device, Event, Observer, Summary, Trainer};
 
@@ -30,11 +30,28 @@ pub struct Cli {
 enum Command {
     /// Train a model (defaults < --config file < --key value flags).
     Train(Box<TrainArgs>),
-    /// Generate text from a checkpoint.
+    /// Generate text from a trainer checkpoint or a Hugging Face model.
+    ///
+    /// MODEL is a trainer run directory (its latest checkpoint), a checkpoint directory, a
+    /// Hugging Face model directory (config.json + model.safetensors) or a model id in the
+    /// local hub cache (HF_HOME; nothing is downloaded). Text is encoded with --tokenizer-path,
+    /// else the run's data (trainer checkpoints), else the tokenizer.json next to the weights.
     Sample(SampleArgs),
-    /// Measure train/val loss (and the task score) of a checkpoint.
+    /// Measure train/val loss (and the task score) of a trainer checkpoint or a Hugging Face
+    /// model.
+    ///
+    /// MODEL is a trainer run directory (its latest checkpoint), a checkpoint directory, a
+    /// Hugging Face model directory (config.json + model.safetensors) or a model id in the
+    /// local hub cache (HF_HOME; nothing is downloaded).
+    ///
+    /// A trainer checkpoint is evaluated as its run evaluates itself (same data, block size,
+    /// batch size and batches); the flags below replace single settings. A bare Hugging Face
+    /// model has no run config: give the text with --data-path FILE, tokenised with the
+    /// model's own tokenizer.json (or --data / --tokenizer-path), in batches of
+    /// min(n_positions, 256) tokens (or --block-size).
     Eval(EvalArgs),
-    /// Show a checkpoint's tensors, shapes, dtypes, parameter count, config and step.
+    /// Show a model's tensors, shapes, dtypes, parameter count, config and step; fail when the
+    /// weights do not match its config.json.
     Inspect(InspectArgs),
     /// Redraw a run's loss curve (loss.svg) from its metrics.jsonl.
     Plot(PlotArgs),
@@ -70,9 +87,12 @@ struct TrainArgs {
 
 #[derive(Args, Debug)]
 struct SampleArgs {
-    /// A run directory (its latest checkpoint) or a checkpoint directory.
-    checkpoint: PathBuf,
-    /// Text to continue (default: the first token of the vocabulary's newline or id 0).
+    /// A run or checkpoint directory, a Hugging Face model directory, or a hub model id.
+    model: String,
+    /// A tokenizer.json to encode the prompt and decode the samples with.
+    #[arg(long)]
+    tokenizer_path: Option<PathBuf>,
+    /// Text to continue (if it encodes to no token: the model's bos token, else id 0).
     #[arg(long, default_value = "\n")]
     prompt: String,
     /// Tokens to generate.
@@ -97,23 +117,17 @@ struct SampleArgs {
 
 #[derive(Args, Debug)]
 struct EvalArgs {
-    /// A run directory (its latest checkpoint) or a checkpoint directory.
-    checkpoint: PathBuf,
-    /// Batches averaged per loss (default: the run's eval_iters).
-    #[arg(long)]
-    eval_iters: Option<usize>,
-    /// Held-out problems scored (tasks with a score only).
-    #[arg(long)]
-    eval_problems: Option<usize>,
-    /// Device (cpu, cuda, cuda:N, metal).
-    #[arg(long)]
-    device: Option<String>,
+    /// A run or checkpoint directory, a Hugging Face model directory, or a hub model id.
+    model: String,
+    #[command(flatten)]
+    request: EvalRequest,
 }
 
 #[derive(Args, Debug)]
 struct InspectArgs {
-    /// A run directory, a checkpoint directory, or a `.safetensors` file.
-    checkpoint: PathBuf,
+    /// A run or checkpoint directory, a Hugging Face model directory, a hub model id, or a
+    /// `.safetensors` file. Exits non-zero when the weights do not match config.json.
+    checkpoint: String,
 }
 
 /// Runs the parsed command.
@@ -368,19 +382,63 @@ fn print_summary(trainer: &Trainer, s: &Summary) {
     println!("loss curve     {}", out.join("loss.svg").display());
 }
 
+/// How `sample` turns text into tokens and back.
+enum Codec {
+    /// A run's data source (trainer checkpoints).
+    Data(Box<dyn trainer::data::DataSource>),
+    /// A tokenizer.json.
+    Tokenizer(Box<TokenizerFile>),
+}
+
+impl Codec {
+    /// `--tokenizer-path`, else the run's data, else the model directory's tokenizer.json.
+    fn for_model(model: &ModelDir, tokenizer: Option<&Path>) -> Result<Self> {
+        if let Some(path) = tokenizer {
+            return Ok(Codec::Tokenizer(Box::new(TokenizerFile::open(path)?)));
+        }
+        if let Some(run) = model.run_config() {
+            let data = trainer::train::open_data_for(run).with_context(|| {
+                format!(
+                    "cannot open the data of the run of {} to encode the prompt (or give \
+                     --tokenizer-path)",
+                    model.dir.display()
+                )
+            })?;
+            let state = model.run.as_ref().map(|r| r.data.as_ref());
+            trainer::train::check_fingerprint(state.flatten(), data.as_ref(), &model.dir, false)?;
+            return Ok(Codec::Data(data));
+        }
+        Ok(Codec::Tokenizer(Box::new(model.tokenizer()?)))
+    }
+
+    fn encode(&self, text: &str) -> trainer::Result<Vec<u32>> {
+        match self {
+            Codec::Data(d) => d.encode(text),
+            Codec::Tokenizer(t) => t.encode(text),
+        }
+    }
+
+    fn decode(&self, ids: &[u32]) -> trainer::Result<String> {
+        match self {
+            Codec::Data(d) => d.decode(ids),
+            Codec::Tokenizer(t) => t.decode(ids),
+        }
+    }
+}
+
 fn sample(args: SampleArgs) -> Result<()> {
-    let dir = checkpoint::resolve(&args.checkpoint)?;
-    let state: TrainerState = checkpoint::io::read_json(&dir.join(checkpoint::STATE_FILE))
-        .with_context(|| format!("{} has no trainer state to find its data", dir.display()))?;
+    let model_dir = ModelDir::open(&args.model)?;
     let device = parse_device(&args.device)?;
-    let data = trainer::train::open_data_for(&state.config)?;
-    trainer::train::check_fingerprint(state.data.as_ref(), data.as_ref(), &dir, false)?;
-    let (config, params) = checkpoint::load_model(&dir, &device)?;
-    let model = trainer::model::Gpt::from_params(&config, &params)?;
-    let prompt = data
+    let codec = Codec::for_model(&model_dir, args.tokenizer_path.as_deref())?;
+    let model = model_dir.load_model(&device)?;
+    let prompt = codec
         .encode(&args.prompt)
         .with_context(|| format!("cannot encode the prompt {:?}", args.prompt))?;
-    let prompt = if prompt.is_empty() { vec![0] } else { prompt };
+    let prompt = if prompt.is_empty() {
+        vec![model.config.bos_token_id.unwrap_or(0)]
+    } else {
+        prompt
+    };
     let sampling = SamplingConfig {
         temperature: args.temperature,
         top_k: Some(args.top_k),
@@ -398,25 +456,17 @@ fn sample(args: SampleArgs) -> Result<()> {
         if i > 0 {
             println!("---------------");
         }
-        println!("{}", data.decode(&out)?);
+        println!("{}", codec.decode(&out)?);
     }
     Ok(())
 }
 
 fn eval(args: EvalArgs) -> Result<()> {
-    let t = Trainer::resume(&args.checkpoint, |c| {
-        if let Some(n) = args.eval_iters {
-            c.eval_iters = n;
-        }
-        if let Some(n) = args.eval_problems {
-            c.eval_problems = n;
-        }
-        if let Some(d) = &args.device {
-            c.device = d.clone();
-        }
-    })
-    .with_context(|| format!("cannot load {}", args.checkpoint.display()))?;
-    let e = t.evaluate()?;
+    let model = ModelDir::open(&args.model)?;
+    let e = args
+        .request
+        .evaluate(&model)
+        .with_context(|| format!("cannot evaluate {}", model.dir.display()))?;
     println!("step        {}", e.step);
     println!("train loss  {:.4}", e.train_loss);
     println!("val loss    {:.4}", e.val_loss);
@@ -427,11 +477,11 @@ fn eval(args: EvalArgs) -> Result<()> {
 }
 
 fn inspect(args: InspectArgs) -> Result<()> {
-    let path = &args.checkpoint;
-    let (model_file, dir) = if path.is_file() {
-        (path.clone(), None)
+    let spec = &args.checkpoint;
+    let (model_file, dir) = if Path::new(spec).is_file() {
+        (PathBuf::from(spec), None)
     } else {
-        let dir = checkpoint::resolve(path)?;
+        let dir = trainer::pretrained::resolve(spec)?;
         (dir.join(checkpoint::MODEL_FILE), Some(dir))
     };
     let loaded = checkpoint::io::load_safetensors(&model_file, &candle_core::Device::Cpu)?;
@@ -450,27 +500,41 @@ fn inspect(args: InspectArgs) -> Result<()> {
     }
     println!("tensors     {}", names.len());
     println!("parameters  {total} ({:.2}M)", total as f64 / 1e6);
+    drop(loaded);
     if let Some(dir) = dir {
-        inspect_dir(&dir, &loaded.tensors)?;
+        inspect_dir(&dir, &model_file)?;
     }
     Ok(())
 }
 
-fn inspect_dir(
-    dir: &Path,
-    tensors: &std::collections::HashMap<String, candle_core::Tensor>,
-) -> Result<()> {
+/// Prints the config, the weight check and the trainer state of checkpoint or model directory
+/// `dir`; weights that do not match `config.json` are an error (after the report).
+fn inspect_dir(dir: &Path, model_file: &Path) -> Result<()> {
     let cfg_path = dir.join(checkpoint::CONFIG_FILE);
+    let mut mismatch = None;
     if cfg_path.is_file() {
         let cfg = trainer::model::GptConfig::from_hf_json_file(&cfg_path)?;
         println!(
             "config      n_layer {} n_head {} n_embd {} block_size {} vocab_size {} dropout {} bias {}",
             cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.vocab_size, cfg.dropout, cfg.bias
         );
-        let params = Params::from_tensors(tensors.iter().map(|(n, t)| (n.clone(), t.clone())))?;
-        match params.check_gpt(&cfg) {
-            Ok(()) => println!("check       weights match the config"),
-            Err(e) => println!("check       MISMATCH: {e}"),
+        let id = |t: Option<u32>| t.map_or("none".to_string(), |t| t.to_string());
+        println!(
+            "special     bos {} eos {}",
+            id(cfg.bos_token_id),
+            id(cfg.eos_token_id)
+        );
+        // The loader's own check: Hugging Face names (no `transformer.` prefix, mask buffers,
+        // a tied lm_head) are accepted as they are when training.
+        match checkpoint::load_params(model_file, &cfg, &candle_core::Device::Cpu) {
+            Ok(_) => println!("check       weights match the config"),
+            Err(e) => {
+                println!("check       MISMATCH");
+                mismatch = Some(
+                    anyhow::Error::new(e)
+                        .context(format!("the weights do not match {}", cfg_path.display())),
+                );
+            }
         }
     }
     let state_path = dir.join(checkpoint::STATE_FILE);
@@ -486,5 +550,5 @@ fn inspect_dir(
         }
         println!("--- run config ---\n{}", state.config.to_toml());
     }
-    Ok(())
+    mismatch.map_or(Ok(()), Err)
 }

@@ -81,9 +81,11 @@ train_config! {
     cache_dir: Option<PathBuf> = None,
     /// Digits per operand of the embedded addition task.
     digits: usize = 2,
-    /// Start from pretrained weights: a directory with config.json + model.safetensors, or a
-    /// Hugging Face model id found in the local hub cache (HF_HOME). Model shape options are
-    /// then taken from its config.
+    /// Start from pretrained weights: a directory with config.json + model.safetensors (a
+    /// Hugging Face model or a trainer checkpoint), a trainer run directory (its latest
+    /// checkpoint), or a Hugging Face model id found in the local hub cache (HF_HOME). Model
+    /// shape options are then taken from its config; block_size (at most its n_positions) is
+    /// the training context only, the model keeps all its positions.
     init_from: Option<String> = None,
     /// Transformer blocks.
     n_layer: usize = 3,
@@ -186,6 +188,7 @@ impl TrainConfig {
             vocab_size,
             dropout: self.dropout,
             bias: self.bias,
+            ..GptConfig::default()
         }
     }
 

@@ -16,6 +16,7 @@ pub mod mfu;
 pub mod model;
 pub mod optim;
 pub mod plot;
+pub mod pretrained;
 pub mod run_dir;
 pub mod runtime;
 pub mod sample;

@@ -18,7 +18,7 @@ use crate::model::GptConfig;
 /// ```
 /// use trainer::model::GptConfig;
 /// // GPT-2 small at T = 1024: the 124M model, ~0.855 GFLOPs per token (nanoGPT's figure).
-/// let cfg = GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab_size: 50257, dropout: 0.0, bias: true };
+/// let cfg = GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab_size: 50257, ..GptConfig::default() };
 /// let f = trainer::mfu::flops_per_token(&cfg, 1024);
 /// assert!((f / 1e9 - 0.8552).abs() < 1e-3, "{f}");
 /// ```

@@ -33,7 +33,7 @@ impl Default for SamplingConfig {
 /// use rand::SeedableRng;
 /// use trainer::model::{Gpt, GptConfig};
 /// use trainer::sample::{generate, SamplingConfig};
-/// let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 8, block_size: 4, vocab_size: 10, dropout: 0.0, bias: true };
+/// let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 8, block_size: 4, vocab_size: 10, ..GptConfig::default() };
 /// let (model, _) = Gpt::new(&cfg, 0, &Device::Cpu)?;
 /// let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
 /// let out = generate(&model, &[1, 2, 3], 6, SamplingConfig::default(), &mut rng, &Device::Cpu)?;

@@ -125,6 +125,7 @@ fn tiny(n_layer: usize, n_head: usize, n_embd: usize, bias: bool, dropout: f32) 
         vocab_size: 7,
         dropout,
         bias,
+        ..GptConfig::default()
     }
 }
 

@@ -58,6 +58,7 @@ fn tiny() -> GptConfig {
         vocab_size: 11,
         dropout: 0.0,
         bias: true,
+        ..GptConfig::default()
     }
 }
 
@@ -130,4 +131,50 @@ fn finds_models_in_a_local_hub_cache() {
 
     let err = trainer::hub::snapshot_dir(&cache, "test-org/other").unwrap_err();
     assert!(err.to_string().contains("test-org/other"), "{err}");
+}
+
+#[test]
+fn special_token_ids_are_read_and_written_as_transformers_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("config.json");
+    let read = |json: serde_json::Value| {
+        fs::write(&path, json.to_string()).unwrap();
+        GptConfig::from_hf_json_file(&path).unwrap()
+    };
+    let mut json = tiny().to_hf_json();
+    // Written explicitly, as null when the vocabulary has no such token.
+    assert_eq!(json["eos_token_id"], serde_json::Value::Null);
+    assert_eq!(read(json.clone()), tiny());
+    json["bos_token_id"] = 3.into();
+    json["eos_token_id"] = 4.into();
+    let cfg = read(json.clone());
+    assert_eq!((cfg.bos_token_id, cfg.eos_token_id), (Some(3), Some(4)));
+    assert_eq!(cfg.to_hf_json()["eos_token_id"], 4);
+    // Missing: transformers' GPT2Config default, 50256, where the vocabulary has that id.
+    let obj = json.as_object_mut().unwrap();
+    obj.remove("bos_token_id");
+    obj.remove("eos_token_id");
+    assert_eq!(read(json.clone()).eos_token_id, None); // 11 ids
+    json["vocab_size"] = 50257.into();
+    let cfg = read(json.clone());
+    assert_eq!(
+        (cfg.bos_token_id, cfg.eos_token_id),
+        (Some(50256), Some(50256))
+    );
+    // Outside the vocabulary, or not a single id: no such token.
+    json["vocab_size"] = 11.into();
+    json["eos_token_id"] = 11.into();
+    json["bos_token_id"] = serde_json::json!([1, 2]);
+    let cfg = read(json);
+    assert_eq!((cfg.bos_token_id, cfg.eos_token_id), (None, None));
+    // A config that names an id outside its vocabulary cannot be built.
+    let bad = GptConfig {
+        eos_token_id: Some(11),
+        ..tiny()
+    };
+    assert!(bad
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("eos_token_id 11"));
 }

@@ -108,6 +108,7 @@ fn cfg(
         vocab_size: vocab,
         dropout: 0.0,
         bias,
+        ..GptConfig::default()
     }
 }
 

@@ -23,6 +23,7 @@ fn live_heap_is_flat_across_steps() {
         vocab_size: 20,
         dropout: 0.1,
         bias: true,
+        ..GptConfig::default()
     };
     let dev = Device::Cpu;
     let (model, params) = Gpt::new(&cfg, 0, &dev).unwrap();

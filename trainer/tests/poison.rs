@@ -211,6 +211,12 @@ fn changed_data_or_vocabulary_is_caught_by_the_fingerprint() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("vocabulary"), "{err}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_trainer"))
+        .args(["eval", dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("vocabulary"), "{err}");
 
     fs::write(&data, corpus("")).unwrap();
     Trainer::resume(&dir, |_| {}).unwrap();

@@ -6,6 +6,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
+/// GPT-2's `<|endoftext|>`, its `bos_token_id` and `eos_token_id` (and `transformers`' default
+/// for both when a GPT-2 `config.json` omits them).
+pub const GPT2_ENDOFTEXT: u32 = 50256;
+
 /// The shape of a GPT-2 style model.
 ///
 /// Field names follow nanoGPT's `GPTConfig`; [`GptConfig::to_hf_json`] writes the same values
@@ -13,7 +17,7 @@ use crate::{Error, Result};
 ///
 /// ```
 /// use trainer::model::GptConfig;
-/// let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, vocab_size: 50, dropout: 0.0, bias: true };
+/// let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, vocab_size: 50, ..GptConfig::default() };
 /// cfg.validate().unwrap();
 /// assert!(GptConfig { n_head: 3, ..cfg }.validate().is_err()); // 32 is not divisible by 3
 /// ```
@@ -34,6 +38,14 @@ pub struct GptConfig {
     pub dropout: f32,
     /// Whether linear layers and LayerNorms have biases (GPT-2: true).
     pub bias: bool,
+    /// Id of the vocabulary's beginning-of-text token, if it has one (GPT-2: 50256,
+    /// `<|endoftext|>`); `bos_token_id` in `config.json`.
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+    /// Id of the vocabulary's end-of-text token, if it has one (GPT-2: 50256);
+    /// `eos_token_id` in `config.json`.
+    #[serde(default)]
+    pub eos_token_id: Option<u32>,
 }
 
 impl Default for GptConfig {
@@ -47,6 +59,8 @@ impl Default for GptConfig {
             vocab_size: 16,
             dropout: 0.0,
             bias: true,
+            bos_token_id: None,
+            eos_token_id: None,
         }
     }
 }
@@ -62,6 +76,8 @@ impl GptConfig {
             vocab_size: 50257,
             dropout: 0.0,
             bias: true,
+            bos_token_id: Some(GPT2_ENDOFTEXT),
+            eos_token_id: Some(GPT2_ENDOFTEXT),
         }
     }
 
@@ -92,6 +108,17 @@ impl GptConfig {
         if !(0.0..1.0).contains(&self.dropout) {
             return bad(format!("dropout ({}) must be in [0, 1)", self.dropout));
         }
+        for (name, id) in [
+            ("bos_token_id", self.bos_token_id),
+            ("eos_token_id", self.eos_token_id),
+        ] {
+            if let Some(id) = id.filter(|&id| id as usize >= self.vocab_size) {
+                return bad(format!(
+                    "{name} {id} is outside the vocabulary of {} ids",
+                    self.vocab_size
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -106,6 +133,10 @@ impl GptConfig {
     }
 
     /// The Hugging Face GPT-2 `config.json` for this model.
+    ///
+    /// `bos_token_id` and `eos_token_id` are always written, as `null` when the vocabulary has
+    /// no such token: `transformers`' `GPT2Config` defaults a missing one to GPT-2's 50256,
+    /// which would name an arbitrary token (or none at all) of another vocabulary.
     pub fn to_hf_json(&self) -> serde_json::Value {
         serde_json::json!({
             "architectures": ["GPT2LMHeadModel"],
@@ -126,13 +157,17 @@ impl GptConfig {
             "tie_word_embeddings": true,
             "scale_attn_weights": true,
             "bias": self.bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
             "torch_dtype": "float32",
         })
     }
 
     /// Reads a Hugging Face GPT-2 `config.json` (as written by [`GptConfig::to_hf_json`] or by
     /// `transformers`). Unsupported variants (other activations, `n_inner` != 4 * n_embd) are
-    /// rejected with an error naming the file.
+    /// rejected with an error naming the file. A missing `bos_token_id` / `eos_token_id` means
+    /// GPT-2's 50256 (as in `transformers`) when the vocabulary has that id; `null`, a list or
+    /// an id outside the vocabulary is read as no such token.
     pub fn from_hf_json_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let v: serde_json::Value = serde_json::from_str(&text)
@@ -169,14 +204,24 @@ impl GptConfig {
             }
         }
         let dropout = v.get("resid_pdrop").and_then(|x| x.as_f64()).unwrap_or(0.0) as f32;
+        let vocab_size = get("vocab_size")?;
+        let token = |k: &str| -> Option<u32> {
+            let id = match v.get(k) {
+                None => Some(GPT2_ENDOFTEXT),
+                Some(x) => x.as_u64().and_then(|x| u32::try_from(x).ok()),
+            };
+            id.filter(|&id| (id as usize) < vocab_size)
+        };
         let cfg = GptConfig {
             n_layer: get("n_layer")?,
             n_head: get("n_head")?,
             n_embd,
             block_size: get("n_positions")?,
-            vocab_size: get("vocab_size")?,
+            vocab_size,
             dropout,
             bias: v.get("bias").and_then(|x| x.as_bool()).unwrap_or(true),
+            bos_token_id: token("bos_token_id"),
+            eos_token_id: token("eos_token_id"),
         };
         cfg.validate()
             .map_err(|e| Error::checkpoint(path, e.to_string()))?;

@@ -16,7 +16,7 @@ mod params;
 
 use candle_core::{DType, Device, Module, Tensor};
 
-pub use config::GptConfig;
+pub use config::{GptConfig, GPT2_ENDOFTEXT};
 pub use kernels::Kernels;
 pub use layers::{causal_mask, chacha_dropout, dropout, stat_dtype, Conv1D, LayerNorm};
 pub use params::Params;
@@ -192,7 +192,7 @@ impl Head {
 /// ```
 /// use candle_core::{Device, Tensor};
 /// use trainer::model::{Ctx, Gpt, GptConfig};
-/// let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab_size: 11, dropout: 0.1, bias: true };
+/// let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab_size: 11, dropout: 0.1, ..GptConfig::default() };
 /// let (model, params) = Gpt::new(&cfg, 42, &Device::Cpu)?;
 /// let idx = Tensor::new(&[[1u32, 2, 3], [4, 5, 6]], &Device::Cpu)?;
 /// let logits = model.forward(&idx, &Ctx::train(7))?;

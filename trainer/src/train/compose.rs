@@ -102,6 +102,9 @@ pub fn gpt_chain_costs(
 }
 
 /// The checkpoint plan for this run, or `None` for plain backward.
+///
+/// Costs are counted at the run's context (`config.block_size`), which may be shorter than
+/// the model's positions (`gpt.block_size`) when fine-tuning a pretrained model.
 pub fn remat_plan(config: &TrainConfig, gpt: &GptConfig, dtype: DType) -> Result<Option<Plan>> {
     let policy = parse_remat(&config.remat)?;
     if policy == Policy::None {

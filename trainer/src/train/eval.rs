@@ -5,27 +5,21 @@ use rand_chacha::ChaCha8Rng;
 
 use super::Trainer;
 use crate::data::{Split, Task};
-use crate::model::{Ctx, Gpt};
+use crate::model::Gpt;
 use crate::sample::{generate, greedy_batch, SamplingConfig};
 use crate::Result;
 
-/// Mean loss of the trainer's model over `eval_iters` batches of `split` drawn from `rng`.
+/// Mean loss of the trainer's model over `eval_iters` batches of `split` drawn from `rng`
+/// (see [`crate::pretrained::mean_loss`], which `trainer eval` shares).
 pub fn estimate_loss(trainer: &Trainer, split: Split, rng: &mut ChaCha8Rng) -> Result<f32> {
-    let cfg = &trainer.config;
-    let mut total = 0f64;
-    for _ in 0..cfg.eval_iters {
-        let batch =
-            trainer
-                .data
-                .batch(split, cfg.batch_size, cfg.block_size, rng, &trainer.device)?;
-        let ctx = Ctx::eval().with_kernels(trainer.config.kernels);
-        let logits = trainer.model.forward(&batch.x, &ctx)?;
-        let loss = ctx
-            .kernels
-            .cross_entropy(&logits, &batch.y, batch.mask.as_ref())?;
-        total += loss.to_scalar::<f32>()? as f64;
-    }
-    Ok((total / cfg.eval_iters as f64) as f32)
+    crate::pretrained::mean_loss(
+        &trainer.model,
+        trainer.data.as_ref(),
+        split,
+        &trainer.config,
+        rng,
+        &trainer.device,
+    )
 }
 
 /// Exact-match score of greedy decoding on `n` held-out problems of `task`, in [0, 1].

@@ -2,12 +2,13 @@
 
 use std::path::Path;
 
-use candle_core::{Device, Var};
+use candle_core::Device;
 
 use crate::config::TrainConfig;
 use crate::data::{self, DataKind, DataSource, DataSpec, Fingerprint};
 use crate::model::{Gpt, GptConfig, Params};
-use crate::{checkpoint, hub, Error, Result};
+use crate::pretrained::{self, SpecialTokens};
+use crate::{checkpoint, Error, Result};
 
 /// Parses `cpu`, `cuda`, `cuda:N` or `metal` (GPU devices need the crate's matching feature).
 pub fn parse_device(name: &str) -> Result<Device> {
@@ -54,21 +55,28 @@ pub fn open_data(config: &TrainConfig) -> Result<Box<dyn DataSource>> {
     Ok(source)
 }
 
-/// Fresh weights, or the pretrained ones named by `init_from` (cropped to `block_size`).
+/// Fresh weights, or the pretrained ones named by `init_from` (see
+/// [`crate::pretrained::resolve`]: a model directory, a trainer checkpoint or run directory, or
+/// a hub model id).
+///
+/// A pretrained model keeps all its positions (`wpe` rows, `n_positions`): the run's
+/// `block_size` is only the length of its training batches and may be shorter. The special
+/// token ids are those of the run's vocabulary ([`pretrained::data_special_tokens`]).
 pub fn build_model(
     config: &TrainConfig,
     data: &dyn DataSource,
     device: &Device,
 ) -> Result<(Gpt, Params)> {
     let Some(from) = &config.init_from else {
-        let gpt = config.gpt_config(data.vocab_size());
+        let tokens = pretrained::data_special_tokens(config, SpecialTokens::default())?;
+        let gpt = GptConfig {
+            bos_token_id: tokens.bos,
+            eos_token_id: tokens.eos,
+            ..config.gpt_config(data.vocab_size())
+        };
         return Gpt::new(&gpt, config.seed, device);
     };
-    let dir = if Path::new(from).is_dir() {
-        Path::new(from).to_path_buf()
-    } else {
-        hub::snapshot_dir(&hub::default_cache(), from)?
-    };
+    let dir = pretrained::resolve(from)?;
     let (loaded, params) = checkpoint::load_model(&dir, device)?;
     if config.block_size > loaded.block_size {
         return Err(Error::Config(format!(
@@ -86,32 +94,19 @@ pub fn build_model(
             loaded.vocab_size
         )));
     }
+    let own = SpecialTokens {
+        bos: loaded.bos_token_id,
+        eos: loaded.eos_token_id,
+    };
+    let tokens = pretrained::data_special_tokens(config, own)?;
     let gpt = GptConfig {
-        block_size: config.block_size,
         dropout: config.dropout,
+        bos_token_id: tokens.bos,
+        eos_token_id: tokens.eos,
         ..loaded
     };
-    let params = crop_positions(params, config.block_size)?;
     let model = Gpt::from_params(&gpt, &params)?;
     Ok((model, params))
-}
-
-/// Keeps the first `block_size` rows of the position embedding (nanoGPT's `crop_block_size`).
-fn crop_positions(params: Params, block_size: usize) -> Result<Params> {
-    let name = "transformer.wpe.weight";
-    let wpe = params.tensor(name)?;
-    if wpe.dim(0)? == block_size {
-        return Ok(params);
-    }
-    let cropped = Var::from_tensor(&wpe.narrow(0, 0, block_size)?)?;
-    Ok(Params::from_vars(params.iter().map(|(n, v)| {
-        let v = if n == name {
-            cropped.clone()
-        } else {
-            v.clone()
-        };
-        (n.clone(), v)
-    })))
 }
 
 /// A resumed run may change how long it trains and how it reports, not what it trains.
