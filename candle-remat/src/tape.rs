@@ -159,7 +159,12 @@ impl<'a> Tape<'a> {
     /// Verification mode: on recompute, compare every output with the value the forward
     /// produced (kept anyway as the segment's boundary leaf, so this costs no memory unless
     /// boundaries are offloaded) and fail with [`RematError::RecomputeMismatch`] naming the
-    /// first segment whose recompute differs.
+    /// first segment, in forward order, whose recompute differs.
+    ///
+    /// The backward recomputes segments last to first, so it finishes the backward before
+    /// reporting, then names the mismatching segment whose outputs the forward produced
+    /// first: the lowest top-level index, and a nested segment before the segment that
+    /// contains it (its outputs are complete before the outer segment's are).
     pub fn with_verify(mut self, verify: bool) -> Self {
         self.verify = verify;
         self
@@ -367,8 +372,15 @@ impl<'a> Tape<'a> {
             .unwrap_or_default();
         let mut m: Grads = HashMap::new();
         pass(loss.clone(), &mut m, &HashSet::new())?;
-        self.process(records, &mut m)?;
+        let mut mismatches = Vec::new();
+        let done = self.process(records, &mut m, &mut mismatches);
         let leaf_ids = std::mem::take(&mut *self.leaf_ids.borrow_mut());
+        // A mismatch is the root cause of any later failure (e.g. a recompute of another
+        // shape): report it first.
+        if let Some(e) = first_in_forward_order(mismatches) {
+            return Err(e);
+        }
+        done?;
         let mut out = GradStore::default();
         for (id, g) in m {
             if !leaf_ids.contains(&id) {
@@ -378,7 +390,15 @@ impl<'a> Tape<'a> {
         Ok(out)
     }
 
-    fn process(&self, records: Vec<Record<'a>>, m: &mut Grads) -> Result<()> {
+    /// Recomputes `records` last to first and backpropagates through them. In verify mode,
+    /// every segment whose recompute differs is pushed on `mismatches` (and the backward goes
+    /// on, so that the caller can name the first one in forward order).
+    fn process(
+        &self,
+        records: Vec<Record<'a>>,
+        m: &mut Grads,
+        mismatches: &mut Vec<RematError>,
+    ) -> Result<()> {
         for rec in records.into_iter().rev() {
             let mut out_grads = Vec::new();
             for (j, o) in rec.outputs.iter().enumerate() {
@@ -422,7 +442,10 @@ impl<'a> Tape<'a> {
             if self.verify {
                 for (j, o) in rec.outputs.iter().enumerate() {
                     if let Some(keep) = o.as_ref().and_then(|o| o.keep.as_ref()) {
-                        verify_same(&rec.path, j, &ys[j], keep)?;
+                        if let Some(e) = verify_same(&rec.path, j, &ys[j], keep)? {
+                            mismatches.push(e);
+                            break;
+                        }
                     }
                 }
             }
@@ -442,7 +465,7 @@ impl<'a> Tape<'a> {
             if let Some(root) = root {
                 pass(root, m, &skip)?;
             }
-            self.process(inner, m)?;
+            self.process(inner, m, mismatches)?;
             for (orig, fresh) in remap {
                 if let Some(g) = m.remove(&fresh) {
                     m.insert(orig, g);
@@ -517,17 +540,52 @@ fn pass(root: Tensor, m: &mut Grads, skip: &HashSet<TensorId>) -> Result<()> {
     Ok(())
 }
 
-fn verify_same(path: &str, output: usize, recomputed: &Tensor, kept: &Tensor) -> Result<()> {
+/// The position of a segment path (`"3"`, `"3/1"`) in forward order: compared component by
+/// component, and a nested segment (longer path) before the segment containing it.
+fn forward_order(a: &str, b: &str) -> std::cmp::Ordering {
+    let parse = |p: &str| -> Vec<u64> {
+        p.split('/')
+            .map(|c| c.parse().unwrap_or(u64::MAX))
+            .collect()
+    };
+    let (a, b) = (parse(a), parse(b));
+    for (x, y) in a.iter().zip(&b) {
+        if x != y {
+            return x.cmp(y);
+        }
+    }
+    b.len().cmp(&a.len())
+}
+
+/// The mismatch of the segment that comes first in forward order (see [`forward_order`]).
+fn first_in_forward_order(mismatches: Vec<RematError>) -> Option<RematError> {
+    let path = |e: &RematError| match e {
+        RematError::RecomputeMismatch { segment, .. } => segment.clone(),
+        _ => String::new(),
+    };
+    mismatches
+        .into_iter()
+        .min_by(|a, b| forward_order(&path(a), &path(b)))
+}
+
+/// Compares a recomputed output with the kept forward value: `Some` mismatch error if they
+/// are not bit-identical (a NaN counts as a mismatch).
+fn verify_same(
+    path: &str,
+    output: usize,
+    recomputed: &Tensor,
+    kept: &Tensor,
+) -> Result<Option<RematError>> {
     let elements = kept.elem_count();
     let r = recomputed.to_device(kept.device())?;
     if r.shape() != kept.shape() || r.dtype() != kept.dtype() {
-        return Err(RematError::RecomputeMismatch {
+        return Ok(Some(RematError::RecomputeMismatch {
             segment: path.to_string(),
             output,
             mismatches: elements,
             elements,
             max_abs_diff: f64::INFINITY,
-        });
+        }));
     }
     let mismatches = r
         .ne(kept)?
@@ -535,17 +593,25 @@ fn verify_same(path: &str, output: usize, recomputed: &Tensor, kept: &Tensor) ->
         .sum_all()?
         .to_scalar::<f32>()? as usize;
     if mismatches > 0 {
-        let max_abs_diff = (r.to_dtype(DType::F64)? - kept.to_dtype(DType::F64)?)?
+        // Read back on the host: Candle's `max_all` drops a NaN that is not at element 0.
+        let diffs = (r.to_dtype(DType::F64)? - kept.to_dtype(DType::F64)?)?
             .abs()?
-            .max_all()?
-            .to_scalar::<f64>()?;
-        return Err(RematError::RecomputeMismatch {
+            .flatten_all()?
+            .to_vec1::<f64>()?;
+        let max_abs_diff = diffs.iter().fold(0.0f64, |m, &d| {
+            if m.is_nan() || d.is_nan() {
+                f64::NAN
+            } else {
+                m.max(d)
+            }
+        });
+        return Ok(Some(RematError::RecomputeMismatch {
             segment: path.to_string(),
             output,
             mismatches,
             elements,
             max_abs_diff,
-        });
+        }));
     }
-    Ok(())
+    Ok(None)
 }
