@@ -43,6 +43,7 @@
 
 use crate::error::{RematError, Result};
 use crate::seed::{self, mix, Ctx};
+use crate::verify::{first_in_forward_order, verify_same};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, TensorId, Var};
 use std::cell::{Cell, RefCell};
@@ -538,80 +539,4 @@ fn pass(root: Tensor, m: &mut Grads, skip: &HashSet<TensorId>) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// The position of a segment path (`"3"`, `"3/1"`) in forward order: compared component by
-/// component, and a nested segment (longer path) before the segment containing it.
-fn forward_order(a: &str, b: &str) -> std::cmp::Ordering {
-    let parse = |p: &str| -> Vec<u64> {
-        p.split('/')
-            .map(|c| c.parse().unwrap_or(u64::MAX))
-            .collect()
-    };
-    let (a, b) = (parse(a), parse(b));
-    for (x, y) in a.iter().zip(&b) {
-        if x != y {
-            return x.cmp(y);
-        }
-    }
-    b.len().cmp(&a.len())
-}
-
-/// The mismatch of the segment that comes first in forward order (see [`forward_order`]).
-fn first_in_forward_order(mismatches: Vec<RematError>) -> Option<RematError> {
-    let path = |e: &RematError| match e {
-        RematError::RecomputeMismatch { segment, .. } => segment.clone(),
-        _ => String::new(),
-    };
-    mismatches
-        .into_iter()
-        .min_by(|a, b| forward_order(&path(a), &path(b)))
-}
-
-/// Compares a recomputed output with the kept forward value: `Some` mismatch error if they
-/// are not bit-identical (a NaN counts as a mismatch).
-fn verify_same(
-    path: &str,
-    output: usize,
-    recomputed: &Tensor,
-    kept: &Tensor,
-) -> Result<Option<RematError>> {
-    let elements = kept.elem_count();
-    let r = recomputed.to_device(kept.device())?;
-    if r.shape() != kept.shape() || r.dtype() != kept.dtype() {
-        return Ok(Some(RematError::RecomputeMismatch {
-            segment: path.to_string(),
-            output,
-            mismatches: elements,
-            elements,
-            max_abs_diff: f64::INFINITY,
-        }));
-    }
-    let mismatches = r
-        .ne(kept)?
-        .to_dtype(DType::F32)?
-        .sum_all()?
-        .to_scalar::<f32>()? as usize;
-    if mismatches > 0 {
-        // Read back on the host: Candle's `max_all` drops a NaN that is not at element 0.
-        let diffs = (r.to_dtype(DType::F64)? - kept.to_dtype(DType::F64)?)?
-            .abs()?
-            .flatten_all()?
-            .to_vec1::<f64>()?;
-        let max_abs_diff = diffs.iter().fold(0.0f64, |m, &d| {
-            if m.is_nan() || d.is_nan() {
-                f64::NAN
-            } else {
-                m.max(d)
-            }
-        });
-        return Ok(Some(RematError::RecomputeMismatch {
-            segment: path.to_string(),
-            output,
-            mismatches,
-            elements,
-            max_abs_diff,
-        }));
-    }
-    Ok(None)
 }
