@@ -9,7 +9,7 @@ use candle_amp::{
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::Optimizer;
-use common::{flat, poisoned, uniform, var};
+use common::{flat, poisoned, uniform, var, with_bad};
 
 /// Two parameters: `a` gets gradient `x` (small), `b` gets gradient `k` everywhere, both
 /// computed in f16, so `b`'s scaled gradient `k * scale` overflows f16 (max 65504) when
@@ -99,24 +99,44 @@ fn nan_and_inf_are_detected_and_named() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let (a, b) = (var(1, &[2, 3], &dev), var(2, &[4], &dev));
     let amp = amp_for(&a, &b, ScalerConfig::none())?;
-    for (bad, nan, inf) in [(f32::NAN, true, false), (f32::INFINITY, false, true)] {
+    // The bad value sits at a seeded random index other than 0 (see `poisoned`).
+    for seed in 0..8 {
+        for (bad, nan, inf) in [(f32::NAN, true, false), (f32::INFINITY, false, true)] {
+            let mut g = GradStore::default();
+            g.insert(a.as_tensor(), Tensor::zeros((2, 3), DType::F32, &dev)?);
+            g.insert(b.as_tensor(), poisoned(&[4], 1.0, bad, seed, &dev));
+            let c = amp.check_grads(&g)?;
+            assert!(!c.finite, "{bad} (seed {seed}) not detected");
+            assert_eq!(c.nonfinite.len(), 1);
+            assert_eq!(c.nonfinite[0].name, "b");
+            assert_eq!((c.nonfinite[0].has_nan, c.nonfinite[0].has_inf), (nan, inf));
+        }
+        // -inf in one and +inf in another: still caught (squares are +inf).
         let mut g = GradStore::default();
-        g.insert(a.as_tensor(), Tensor::zeros((2, 3), DType::F32, &dev)?);
-        g.insert(b.as_tensor(), poisoned(&[4], 1.0, bad, &dev));
-        let c = amp.check_grads(&g)?;
-        assert!(!c.finite);
-        assert_eq!(c.nonfinite.len(), 1);
-        assert_eq!(c.nonfinite[0].name, "b");
-        assert_eq!((c.nonfinite[0].has_nan, c.nonfinite[0].has_inf), (nan, inf));
+        g.insert(
+            a.as_tensor(),
+            poisoned(&[2, 3], 0.0, f32::NEG_INFINITY, seed, &dev),
+        );
+        g.insert(
+            b.as_tensor(),
+            poisoned(&[4], 0.0, f32::INFINITY, seed, &dev),
+        );
+        assert_eq!(amp.check_grads(&g)?.nonfinite.len(), 2);
     }
-    // -inf in one and +inf in another: still caught (squares are +inf).
-    let mut g = GradStore::default();
-    g.insert(
-        a.as_tensor(),
-        poisoned(&[2, 3], 0.0, f32::NEG_INFINITY, &dev),
-    );
-    g.insert(b.as_tensor(), poisoned(&[4], 0.0, f32::INFINITY, &dev));
-    assert_eq!(amp.check_grads(&g)?.nonfinite.len(), 2);
+    // NaN and inf in the same gradient are both named, wherever they are (a NaN at element 0
+    // hides every infinity from `abs().max_all()`).
+    for (i_nan, i_inf) in [(0, 3), (2, 1), (3, 0), (1, 2)] {
+        let mut g = GradStore::default();
+        let bad = [(i_nan, f32::NAN), (i_inf, f32::NEG_INFINITY)];
+        g.insert(b.as_tensor(), with_bad(&[4], 0.5, &bad, &dev));
+        let c = amp.check_grads(&g)?;
+        assert_eq!(c.nonfinite.len(), 1);
+        let nf = &c.nonfinite[0];
+        assert!(
+            nf.has_nan && nf.has_inf,
+            "NaN at {i_nan}, -inf at {i_inf}: {nf:?}"
+        );
+    }
     // Huge but finite gradients overflow the f32 sum of squares but are not an overflow.
     let mut g = GradStore::default();
     g.insert(a.as_tensor(), Tensor::full(3e30f32, (2, 3), &dev)?);
@@ -214,7 +234,7 @@ fn collapse_errors_with_diagnosis_or_continues() -> anyhow::Result<()> {
     let bad = |dev: &Device| -> anyhow::Result<GradStore> {
         let mut g = GradStore::default();
         g.insert(a.as_tensor(), Tensor::ones((2, 2), DType::F32, dev)?);
-        g.insert(b.as_tensor(), poisoned(&[3], 1.0, f32::NAN, dev));
+        g.insert(b.as_tensor(), poisoned(&[3], 1.0, f32::NAN, 7, dev));
         Ok(g)
     };
     let cfg = ScalerConfig::dynamic().init_scale(8.0).min_scale(4.0);

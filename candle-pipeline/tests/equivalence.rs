@@ -32,6 +32,28 @@ fn stages_for(layers: &[candle_pipeline::Layer], n_stages: usize) -> Vec<Box<dyn
         .collect()
 }
 
+/// Per worker, the most `(microbatch, stage)` activations held at once by definition of the
+/// schedule: each forward keeps one until its backward. Counted here from the action lists,
+/// independently of the executor's stash and of the simulator.
+fn held_peak(sched: &Schedule) -> Vec<usize> {
+    sched
+        .actions
+        .iter()
+        .map(|list| {
+            let (mut held, mut peak) = (0usize, 0usize);
+            for a in list {
+                if a.is_forward() {
+                    held += 1;
+                    peak = peak.max(held);
+                } else {
+                    held -= 1;
+                }
+            }
+            peak
+        })
+        .collect()
+}
+
 #[test]
 fn every_schedule_matches_full_batch() {
     let dev = Device::Cpu;
@@ -69,12 +91,29 @@ fn every_schedule_matches_full_batch() {
                     vars.len(),
                     "only parameter grads"
                 );
+                // The executor's peak (its stash of kept activations) against the schedule's
+                // definition: closed forms where there is one, the running count of the
+                // worker's action list always.
                 let want_peak: Vec<usize> = match sched.name.as_str() {
                     "gpipe" => vec![m; s],
                     "1f1b" => (0..s).map(|st| (s - st).min(m)).collect(),
-                    _ => out.peak_in_flight.clone(),
+                    // Every forward (m microbatches through v chunks) before any backward.
+                    "circular" => vec![m * v; s],
+                    // Full groups of S microbatches: Megatron's warm-up 2 (S - w - 1) + (v - 1) S,
+                    // then one more forward before the first backward.
+                    "interleaved" if m % s == 0 => (0..s)
+                        .map(|w| (2 * (s - w - 1) + (v - 1) * s + 1).min(m * v))
+                        .collect(),
+                    // A partial last group lengthens the warm-up (see Schedule::interleaved).
+                    _ => held_peak(&sched),
                 };
                 assert_eq!(out.peak_in_flight, want_peak, "{} S={s} m={m}", sched.name);
+                assert_eq!(
+                    out.peak_in_flight,
+                    held_peak(&sched),
+                    "{} S={s} m={m}",
+                    sched.name
+                );
                 worst = (worst.0.max(lerr), worst.1.max(gerr));
                 assert_eq!(
                     out.timeline.spans.iter().map(Vec::len).sum::<usize>(),
@@ -220,5 +259,40 @@ fn parameter_shared_across_stages_gets_the_summed_gradient() {
         let out = pipe.step(&sched, &batch).unwrap();
         assert!((out.loss - ref_loss).abs() / ref_loss <= TOL);
         assert!(max_rel_err(&vars, &out.grads, &ref_grads) <= TOL, "S={s}");
+    }
+}
+
+#[test]
+fn gradient_comparison_catches_nan_and_inf_anywhere() {
+    // Candle's `abs().max_all()` keeps its running max when it meets a NaN, so only a NaN at
+    // element 0 would surface through it: poison other places, chosen by a seeded RNG.
+    use rand::Rng;
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    let dev = Device::Cpu;
+    let (layers, vars) = mlp(3, 5, &dev);
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let x = randn(&mut rng, &[4, DIM], 1.0, &dev);
+    let t = randn(&mut rng, &[4, DIM], 1.0, &dev);
+    let (_, want) = reference(&layers, &x, &t, mse);
+    assert_eq!(max_rel_err(&vars, &want, &want), 0.0);
+    for trial in 0..12 {
+        let which = rng.random_range(0..vars.len());
+        let g = want.get(vars[which].as_tensor()).unwrap();
+        let n = g.elem_count();
+        let at = rng.random_range(1..n);
+        let bad = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][trial % 3];
+        let mut v: Vec<f32> = g.flatten_all().unwrap().to_vec1().unwrap();
+        v[at] = bad;
+        let poisoned = Tensor::from_vec(v, g.shape(), &dev).unwrap();
+        let mut got = candle_core::backprop::GradStore::default();
+        for var in &vars {
+            got.insert(var.as_tensor(), want.get(var.as_tensor()).unwrap().clone());
+        }
+        got.insert(vars[which].as_tensor(), poisoned);
+        // Either side: the pipeline's gradients, or the reference.
+        for (a, b) in [(&got, &want), (&want, &got)] {
+            let r = catch_unwind(AssertUnwindSafe(|| max_rel_err(&vars, a, b)));
+            assert!(r.is_err(), "{bad} at element {at} of var {which} passed");
+        }
     }
 }

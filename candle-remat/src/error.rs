@@ -27,7 +27,7 @@ pub enum RematError {
         mismatches: usize,
         /// Number of elements of the output.
         elements: usize,
-        /// Largest absolute difference found.
+        /// Largest absolute difference found (NaN if either side holds a NaN).
         max_abs_diff: f64,
     },
 

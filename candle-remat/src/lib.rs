@@ -17,6 +17,7 @@ pub mod measure;
 pub mod policy;
 pub mod seed;
 pub mod tape;
+mod verify;
 
 pub use error::{RematError, Result};
 pub use measure::measure_chain;

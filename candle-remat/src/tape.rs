@@ -43,6 +43,7 @@
 
 use crate::error::{RematError, Result};
 use crate::seed::{self, mix, Ctx};
+use crate::verify::{first_in_forward_order, verify_same};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, TensorId, Var};
 use std::cell::{Cell, RefCell};
@@ -159,7 +160,12 @@ impl<'a> Tape<'a> {
     /// Verification mode: on recompute, compare every output with the value the forward
     /// produced (kept anyway as the segment's boundary leaf, so this costs no memory unless
     /// boundaries are offloaded) and fail with [`RematError::RecomputeMismatch`] naming the
-    /// first segment whose recompute differs.
+    /// first segment, in forward order, whose recompute differs.
+    ///
+    /// The backward recomputes segments last to first, so it finishes the backward before
+    /// reporting, then names the mismatching segment whose outputs the forward produced
+    /// first: the lowest top-level index, and a nested segment before the segment that
+    /// contains it (its outputs are complete before the outer segment's are).
     pub fn with_verify(mut self, verify: bool) -> Self {
         self.verify = verify;
         self
@@ -367,8 +373,15 @@ impl<'a> Tape<'a> {
             .unwrap_or_default();
         let mut m: Grads = HashMap::new();
         pass(loss.clone(), &mut m, &HashSet::new())?;
-        self.process(records, &mut m)?;
+        let mut mismatches = Vec::new();
+        let done = self.process(records, &mut m, &mut mismatches);
         let leaf_ids = std::mem::take(&mut *self.leaf_ids.borrow_mut());
+        // A mismatch is the root cause of any later failure (e.g. a recompute of another
+        // shape): report it first.
+        if let Some(e) = first_in_forward_order(mismatches) {
+            return Err(e);
+        }
+        done?;
         let mut out = GradStore::default();
         for (id, g) in m {
             if !leaf_ids.contains(&id) {
@@ -378,7 +391,15 @@ impl<'a> Tape<'a> {
         Ok(out)
     }
 
-    fn process(&self, records: Vec<Record<'a>>, m: &mut Grads) -> Result<()> {
+    /// Recomputes `records` last to first and backpropagates through them. In verify mode,
+    /// every segment whose recompute differs is pushed on `mismatches` (and the backward goes
+    /// on, so that the caller can name the first one in forward order).
+    fn process(
+        &self,
+        records: Vec<Record<'a>>,
+        m: &mut Grads,
+        mismatches: &mut Vec<RematError>,
+    ) -> Result<()> {
         for rec in records.into_iter().rev() {
             let mut out_grads = Vec::new();
             for (j, o) in rec.outputs.iter().enumerate() {
@@ -422,7 +443,10 @@ impl<'a> Tape<'a> {
             if self.verify {
                 for (j, o) in rec.outputs.iter().enumerate() {
                     if let Some(keep) = o.as_ref().and_then(|o| o.keep.as_ref()) {
-                        verify_same(&rec.path, j, &ys[j], keep)?;
+                        if let Some(e) = verify_same(&rec.path, j, &ys[j], keep)? {
+                            mismatches.push(e);
+                            break;
+                        }
                     }
                 }
             }
@@ -442,7 +466,7 @@ impl<'a> Tape<'a> {
             if let Some(root) = root {
                 pass(root, m, &skip)?;
             }
-            self.process(inner, m)?;
+            self.process(inner, m, mismatches)?;
             for (orig, fresh) in remap {
                 if let Some(g) = m.remove(&fresh) {
                     m.insert(orig, g);
@@ -513,39 +537,6 @@ fn pass(root: Tensor, m: &mut Grads, skip: &HashSet<TensorId>) -> Result<()> {
                 }
             }
         }
-    }
-    Ok(())
-}
-
-fn verify_same(path: &str, output: usize, recomputed: &Tensor, kept: &Tensor) -> Result<()> {
-    let elements = kept.elem_count();
-    let r = recomputed.to_device(kept.device())?;
-    if r.shape() != kept.shape() || r.dtype() != kept.dtype() {
-        return Err(RematError::RecomputeMismatch {
-            segment: path.to_string(),
-            output,
-            mismatches: elements,
-            elements,
-            max_abs_diff: f64::INFINITY,
-        });
-    }
-    let mismatches = r
-        .ne(kept)?
-        .to_dtype(DType::F32)?
-        .sum_all()?
-        .to_scalar::<f32>()? as usize;
-    if mismatches > 0 {
-        let max_abs_diff = (r.to_dtype(DType::F64)? - kept.to_dtype(DType::F64)?)?
-            .abs()?
-            .max_all()?
-            .to_scalar::<f64>()?;
-        return Err(RematError::RecomputeMismatch {
-            segment: path.to_string(),
-            output,
-            mismatches,
-            elements,
-            max_abs_diff,
-        });
     }
     Ok(())
 }

@@ -105,6 +105,92 @@ fn interrupted_run_saves_and_resumes_exactly() {
     assert_eq!(weights(&full), weights(&resumed));
 }
 
+/// An uninterrupted run of `cfg` and one stopped after step `k` (not an eval step: it
+/// checkpoints on its way out) then resumed from its run directory, each run in a fresh
+/// directory: the same losses, gradient norms, learning rates and final weights, bit for bit.
+fn assert_stop_and_resume_is_exact(
+    tmp: &std::path::Path,
+    name: &str,
+    cfg: impl Fn(&std::path::Path) -> trainer::config::TrainConfig,
+    k: usize,
+) {
+    let never = AtomicBool::new(false);
+    let mut full = Trainer::new(cfg(&tmp.join(format!("{name}-full")))).unwrap();
+    let mut rec_full = Recorder::default();
+    full.run(&mut rec_full, &never).unwrap();
+    let n = full.config.max_iters;
+    assert_eq!(rec_full.steps.len(), n);
+
+    let dir = tmp.join(format!("{name}-stopped"));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut first = Trainer::new(cfg(&dir)).unwrap();
+    let mut rec_first = Recorder {
+        stop_after: Some((k, stop.clone())),
+        ..Default::default()
+    };
+    let summary = first.run(&mut rec_first, &stop).unwrap();
+    assert!(
+        summary.interrupted && summary.step == k,
+        "{name}: {summary:?}"
+    );
+    drop(first);
+    let mut second = Trainer::resume(&dir, |_| {}).unwrap();
+    assert_eq!(second.step(), k);
+    assert_eq!(second.config, cfg(&dir), "{name}: config changed on resume");
+    let mut rec_second = Recorder::default();
+    second.run(&mut rec_second, &never).unwrap();
+
+    let split: Vec<_> = rec_first.steps.iter().chain(&rec_second.steps).collect();
+    assert_eq!(split.len(), n, "{name}");
+    for (a, b) in rec_full.steps.iter().zip(split) {
+        assert_eq!(a.step, b.step);
+        let s = a.step;
+        assert_eq!(
+            a.loss.to_bits(),
+            b.loss.to_bits(),
+            "{name}: loss at step {s}"
+        );
+        assert_eq!(
+            a.grad_norm.to_bits(),
+            b.grad_norm.to_bits(),
+            "{name}: grad norm at step {s}"
+        );
+        assert_eq!(a.lr, b.lr, "{name}: lr at step {s}");
+    }
+    assert!(
+        weights(&full) == weights(&second),
+        "{name}: final weights differ"
+    );
+}
+
+#[test]
+fn remat_run_stopped_and_resumed_is_bit_exact() {
+    // Checkpointing every block, with dropout (masks regenerated in the recompute) and
+    // gradient accumulation.
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = |dir: &std::path::Path| trainer::config::TrainConfig {
+        remat: "every:1".into(),
+        ..config(dir)
+    };
+    let t = Trainer::new(cfg(&tmp.path().join("probe"))).unwrap();
+    assert!(t.remat_plan().is_some());
+    drop(t);
+    assert_stop_and_resume_is_exact(tmp.path(), "remat", cfg, 3);
+}
+
+#[test]
+fn pipeline_run_stopped_and_resumed_is_bit_exact() {
+    // Two stages (no dropout: the pipeline refuses it), two microbatches, accumulation.
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = |dir: &std::path::Path| trainer::config::TrainConfig {
+        pipeline_stages: 2,
+        microbatches: 2,
+        dropout: 0.0,
+        ..config(dir)
+    };
+    assert_stop_and_resume_is_exact(tmp.path(), "pipeline", cfg, 3);
+}
+
 #[test]
 fn keeps_last_n_plus_best() {
     let tmp = tempfile::tempdir().unwrap();

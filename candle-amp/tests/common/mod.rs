@@ -28,10 +28,23 @@ pub fn flat(t: &Tensor) -> Vec<f32> {
         .expect("to_vec")
 }
 
-/// A tensor of the given shape filled with `v` except element 0, which is `bad`.
-pub fn poisoned(shape: &[usize], v: f32, bad: f32, dev: &Device) -> Tensor {
+/// A tensor of the given shape filled with `v` except one element, which is `bad`: an index
+/// other than 0 drawn from `seed` (Candle's `max_all` keeps a NaN only at element 0, so a
+/// check built on it would pass a test that poisons element 0 only).
+pub fn poisoned(shape: &[usize], v: f32, bad: f32, seed: u64, dev: &Device) -> Tensor {
+    let n: usize = shape.iter().product();
+    assert!(n >= 2, "poisoned needs at least 2 elements");
+    let mut data = vec![v; n];
+    data[ChaCha8Rng::seed_from_u64(seed).random_range(1..n)] = bad;
+    Tensor::from_vec(data, shape, dev).expect("tensor")
+}
+
+/// A tensor filled with `v`, with each `(index, value)` of `bad` written in.
+pub fn with_bad(shape: &[usize], v: f32, bad: &[(usize, f32)], dev: &Device) -> Tensor {
     let n: usize = shape.iter().product();
     let mut data = vec![v; n];
-    data[0] = bad;
+    for &(i, b) in bad {
+        data[i] = b;
+    }
     Tensor::from_vec(data, shape, dev).expect("tensor")
 }

@@ -64,7 +64,44 @@ pub fn reference(
     (v, l.backward().unwrap())
 }
 
-/// Max |a - b| / max |b| over every var; panics if a var lacks a gradient.
+/// The values of a tensor (any float dtype) as a flat f64 vector.
+pub fn values(t: &Tensor) -> Vec<f64> {
+    t.flatten_all()
+        .and_then(|t| t.to_dtype(DType::F64))
+        .and_then(|t| t.to_vec1::<f64>())
+        .expect("tensor values")
+}
+
+/// NaN-aware comparison of `a` with the reference `b`, element by element on the host:
+/// `(max |a - b|, max |b|)` over the finite values, or a description of the first bad element.
+///
+/// A NaN on either side is an error, and so is a non-finite value the other side does not
+/// hold (an infinity against a finite value or the opposite infinity). Candle's
+/// `abs().max_all()` cannot do this: its max keeps the running value when it meets a NaN, so
+/// a NaN anywhere but at element 0 vanishes.
+pub fn compare_finite(a: &[f64], b: &[f64]) -> Result<(f64, f64), String> {
+    if a.len() != b.len() {
+        return Err(format!("lengths differ: {} vs {}", a.len(), b.len()));
+    }
+    let (mut diff, mut scale) = (0.0f64, 0.0f64);
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        if x.is_nan() || y.is_nan() {
+            return Err(format!("NaN at element {i}: {x:e} vs {y:e}"));
+        }
+        if x.is_finite() && y.is_finite() {
+            diff = diff.max((x - y).abs());
+            scale = scale.max(y.abs());
+        } else if x != y {
+            return Err(format!(
+                "non-finite mismatch at element {i}: {x:e} vs {y:e}"
+            ));
+        }
+    }
+    Ok((diff, scale))
+}
+
+/// Max |a - b| / max |b| over every var; panics if a var lacks a gradient, or on a NaN or a
+/// non-finite mismatch anywhere in a gradient (see [`compare_finite`]).
 pub fn max_rel_err(vars: &[Var], got: &GradStore, want: &GradStore) -> f64 {
     let mut worst: f64 = 0.0;
     for (i, v) in vars.iter().enumerate() {
@@ -74,22 +111,9 @@ pub fn max_rel_err(vars: &[Var], got: &GradStore, want: &GradStore) -> f64 {
         let r = want
             .get(v.as_tensor())
             .unwrap_or_else(|| panic!("var {i}: no reference"));
-        let diff = (g - r)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap() as f64;
-        let scale = r
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap() as f64;
-        assert!(diff.is_finite(), "var {i}: non-finite gradient");
+        assert_eq!(g.dims(), r.dims(), "var {i}: shapes differ");
+        let (diff, scale) = compare_finite(&values(g), &values(r))
+            .unwrap_or_else(|e| panic!("var {i}: non-finite gradient: {e}"));
         worst = worst.max(diff / scale.max(1e-12));
     }
     worst

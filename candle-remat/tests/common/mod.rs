@@ -278,24 +278,52 @@ pub fn tokens(
     Ok((all.narrow(1, 0, t)?, all.narrow(1, 1, t)?.contiguous()?))
 }
 
-/// Bitwise comparison of two gradients (f32 or f64), with a readable failure message.
+/// The values of a tensor (any float dtype) as a flat f64 vector.
+pub fn values(t: &Tensor) -> Vec<f64> {
+    t.flatten_all()
+        .and_then(|t| t.to_dtype(DType::F64))
+        .and_then(|t| t.to_vec1::<f64>())
+        .expect("tensor values")
+}
+
+/// NaN-aware comparison of `a` with the reference `b`, element by element on the host:
+/// `(max |a - b|, max |b|)` over the finite values, or a description of the first bad element.
+///
+/// A NaN on either side is an error, and so is a non-finite value that the other side does not
+/// hold (an infinity against a finite value or the opposite infinity); equal infinities are
+/// not compared further. Candle's `abs().max_all()` cannot do this: its max keeps the running
+/// value when it meets a NaN, so a NaN anywhere but at element 0 vanishes.
+pub fn compare_finite(a: &[f64], b: &[f64]) -> std::result::Result<(f64, f64), String> {
+    if a.len() != b.len() {
+        return Err(format!("lengths differ: {} vs {}", a.len(), b.len()));
+    }
+    let (mut diff, mut scale) = (0.0f64, 0.0f64);
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        if x.is_nan() || y.is_nan() {
+            return Err(format!("NaN at element {i}: {x:e} vs {y:e}"));
+        }
+        if x.is_finite() && y.is_finite() {
+            diff = diff.max((x - y).abs());
+            scale = scale.max(y.abs());
+        } else if x != y {
+            return Err(format!(
+                "non-finite mismatch at element {i}: {x:e} vs {y:e}"
+            ));
+        }
+    }
+    Ok((diff, scale))
+}
+
+/// Bitwise comparison of two gradients (f32 or f64), with a readable failure message. A NaN
+/// on either side fails too, even where both sides hold the same NaN bits.
 pub fn assert_bits_eq(a: &Tensor, b: &Tensor, what: &str) {
     assert_eq!(a.dims(), b.dims(), "{what}: shapes differ");
-    let fa: Vec<f64> = a
-        .flatten_all()
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    let fb: Vec<f64> = b
-        .flatten_all()
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let (fa, fb) = (values(a), values(b));
     for (i, (x, y)) in fa.iter().zip(&fb).enumerate() {
+        assert!(
+            !x.is_nan() && !y.is_nan(),
+            "{what}: NaN at element {i}: {x:e} vs {y:e}"
+        );
         assert!(
             x.to_bits() == y.to_bits(),
             "{what}: element {i} differs: {x:e} vs {y:e}"
@@ -303,24 +331,12 @@ pub fn assert_bits_eq(a: &Tensor, b: &Tensor, what: &str) {
     }
 }
 
-/// max |a-b| / (max |b| + tiny)
+/// max |a-b| / (max |b| + tiny) over the finite values; panics on a NaN on either side or a
+/// non-finite mismatch (see [`compare_finite`]).
 pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-    let m = b
-        .to_dtype(DType::F64)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-    d / (m + 1e-30)
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    match compare_finite(&values(a), &values(b)) {
+        Ok((d, m)) => d / (m + 1e-30),
+        Err(e) => panic!("{e}"),
+    }
 }
