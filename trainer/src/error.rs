@@ -62,7 +62,7 @@ pub enum Error {
     /// The pipeline failed (`candle-pipeline`): the error names the worker and the action
     /// (microbatch and stage) where it happened.
     #[error("pipeline: {0}")]
-    Pipeline(#[from] candle_pipeline::PipelineError),
+    Pipeline(Box<candle_pipeline::PipelineError>),
     /// Mixed precision failed (`candle-amp`), e.g. the loss scale collapsed.
     #[error(transparent)]
     Amp(#[from] candle_amp::AmpError),
@@ -111,6 +111,12 @@ impl Error {
             path: path.into(),
             msg: msg.into(),
         }
+    }
+}
+
+impl From<candle_pipeline::PipelineError> for Error {
+    fn from(e: candle_pipeline::PipelineError) -> Self {
+        Error::Pipeline(Box::new(e)) // boxed: it carries an action and a Candle error
     }
 }
 

@@ -564,7 +564,7 @@ impl Trainer {
             observer.on_event(Event::Step(&stats));
             metrics.push(Record::Step(stats))?;
             let at_end = self.step == self.config.max_iters;
-            if self.step % self.config.eval_interval == 0 || at_end {
+            if self.step.is_multiple_of(self.config.eval_interval) || at_end {
                 let eval = self.eval_and_log(&mut metrics, observer)?;
                 self.record_eval(&eval);
                 last_eval = Some(eval);
