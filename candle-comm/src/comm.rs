@@ -83,7 +83,9 @@ pub trait Communicator {
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor>;
 
     /// Sends `tensor` to rank `to` with `tag` (at most [`MAX_TAG`]). The shape and dtype travel
-    /// with it. It may return before the peer receives it (the data is copied).
+    /// with it. Returns once the data has left `tensor`: the thread backend never waits for the
+    /// receiver; MPI may wait until the receiver posts its `recv` for large messages (bounded by
+    /// the timeout), so pair sends and receives in an order that cannot deadlock.
     fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()>;
 
     /// Receives the tensor sent by rank `from` with `tag` and places it on `device`. Messages

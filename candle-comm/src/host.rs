@@ -1,6 +1,6 @@
 //! Staging tensors through host buffers, and the reductions the in-process backends run on them.
 
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{DType, Device, Shape, Storage, Tensor};
 
 use crate::comm::ReduceOp;
 use crate::error::{CandleContext, CommError, Op, Result};
@@ -134,6 +134,49 @@ pub(crate) fn stage(tensor: &Tensor, rank: usize, op: Op) -> Result<HostBuf> {
             Ok(HostBuf::F32(flat.to_vec1::<f32>().at(rank, op)?))
         }
     }
+}
+
+/// A tensor's elements borrowed (or staged) on the host, in the type they travel as.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum HostSlice<'a> {
+    /// f32, bf16 and f16 tensors.
+    F32(&'a [f32]),
+    /// f64 tensors.
+    F64(&'a [f64]),
+}
+
+/// Runs `f` on `tensor`'s elements: borrowed in place for a contiguous f32/f64 CPU tensor (no
+/// copy; the storage stays read-locked while `f` runs), staged through [`stage`] otherwise.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) fn with_host<R>(
+    tensor: &Tensor,
+    rank: usize,
+    op: Op,
+    f: impl FnOnce(HostSlice<'_>) -> R,
+) -> Result<R> {
+    if tensor.device().is_cpu() && tensor.is_contiguous() {
+        let (storage, layout) = tensor.storage_and_layout();
+        if let Storage::Cpu(cpu) = &*storage {
+            let range = layout.start_offset()..layout.start_offset() + tensor.elem_count();
+            match tensor.dtype() {
+                DType::F32 => {
+                    let all = cpu.as_slice::<f32>().at(rank, op)?;
+                    return Ok(f(HostSlice::F32(&all[range])));
+                }
+                DType::F64 => {
+                    let all = cpu.as_slice::<f64>().at(rank, op)?;
+                    return Ok(f(HostSlice::F64(&all[range])));
+                }
+                _ => {}
+            }
+        }
+    }
+    let buf = stage(tensor, rank, op)?;
+    Ok(match &buf {
+        HostBuf::F32(v) => f(HostSlice::F32(v)),
+        HostBuf::F64(v) => f(HostSlice::F64(v)),
+    })
 }
 
 /// Builds a tensor of `shape` and `dtype` on `device` from host elements.

@@ -24,7 +24,9 @@ use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Root,
 
 use crate::comm::{check_peer, check_tag, scatter_rows, Communicator, ReduceOp};
 use crate::error::{CommError, Op, Result};
-use crate::host::{dtype_code, dtype_from_code, gathered_shape, stage, unstage, HostBuf};
+use crate::host::{
+    dtype_code, dtype_from_code, gathered_shape, stage, unstage, with_host, HostBuf, HostSlice,
+};
 
 /// Default time a rank waits for an MPI operation before aborting the job.
 pub const DEFAULT_MPI_TIMEOUT: Duration = Duration::from_secs(300);
@@ -36,7 +38,7 @@ const ABORT_CODE: i32 = 3;
 const MAX_DIMS: usize = 8;
 
 /// Time a rank polls without sleeping before it sleeps between polls.
-const SPIN: Duration = Duration::from_millis(20);
+const SPIN: Duration = Duration::from_secs(1);
 
 /// This process's rank of `MPI_COMM_WORLD` (see the [module documentation](self)).
 ///
@@ -133,34 +135,27 @@ impl MpiComm {
             if waited < SPIN {
                 std::thread::yield_now();
             } else {
-                std::thread::sleep(Duration::from_micros(50));
+                std::thread::sleep(Duration::from_micros(100));
             }
         }
     }
 
-    fn reduce_host(&self, buf: &HostBuf, op: ReduceOp, what: Op) -> HostBuf {
-        let sys = match op {
-            ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
-            ReduceOp::Max => SystemOperation::max(),
-            ReduceOp::Min => SystemOperation::min(),
-        };
+    /// All-reduce of host elements into a new buffer (divided by the world size for Mean).
+    fn reduce_host(&self, buf: HostSlice<'_>, op: ReduceOp, what: Op) -> HostBuf {
+        let sys = system_op(op);
         let mut out = match buf {
-            HostBuf::F32(v) => {
+            HostSlice::F32(v) => {
                 let mut r = vec![0f32; v.len()];
                 mpi::request::scope(|sc| {
-                    let req = self
-                        .world
-                        .immediate_all_reduce_into(sc, &v[..], &mut r[..], sys);
+                    let req = self.world.immediate_all_reduce_into(sc, v, &mut r[..], sys);
                     self.complete(req, what, "all ranks");
                 });
                 HostBuf::F32(r)
             }
-            HostBuf::F64(v) => {
+            HostSlice::F64(v) => {
                 let mut r = vec![0f64; v.len()];
                 mpi::request::scope(|sc| {
-                    let req = self
-                        .world
-                        .immediate_all_reduce_into(sc, &v[..], &mut r[..], sys);
+                    let req = self.world.immediate_all_reduce_into(sc, v, &mut r[..], sys);
                     self.complete(req, what, "all ranks");
                 });
                 HostBuf::F64(r)
@@ -168,6 +163,15 @@ impl MpiComm {
         };
         out.finish(op, self.size);
         out
+    }
+}
+
+/// The MPI operation of a reduction (Mean reduces as Sum, then divides).
+fn system_op(op: ReduceOp) -> SystemOperation {
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
+        ReduceOp::Max => SystemOperation::max(),
+        ReduceOp::Min => SystemOperation::min(),
     }
 }
 
@@ -193,50 +197,47 @@ impl Communicator for MpiComm {
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let buf = stage(tensor, self.rank, Op::AllReduce)?;
-        let out = self.reduce_host(&buf, op, Op::AllReduce);
+        let what = Op::AllReduce;
+        let out = with_host(tensor, self.rank, what, |buf| {
+            self.reduce_host(buf, op, what)
+        })?;
         unstage(
             out,
             tensor.shape(),
             tensor.dtype(),
             tensor.device(),
             self.rank,
-            Op::AllReduce,
+            what,
         )
     }
 
     fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let what = Op::ReduceScatter;
         let rows = scatter_rows(self.rank, self.size, tensor)?;
-        let buf = stage(tensor, self.rank, what)?;
-        let block = buf.len() / self.size;
-        let sys = match op {
-            ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
-            ReduceOp::Max => SystemOperation::max(),
-            ReduceOp::Min => SystemOperation::min(),
-        };
-        let mut out = match &buf {
-            HostBuf::F32(v) => {
+        let block = tensor.elem_count() / self.size;
+        let sys = system_op(op);
+        let mut out = with_host(tensor, self.rank, what, |buf| match buf {
+            HostSlice::F32(v) => {
                 let mut r = vec![0f32; block];
                 mpi::request::scope(|sc| {
                     let req =
                         self.world
-                            .immediate_reduce_scatter_block_into(sc, &v[..], &mut r[..], sys);
+                            .immediate_reduce_scatter_block_into(sc, v, &mut r[..], sys);
                     self.complete(req, what, "all ranks");
                 });
                 HostBuf::F32(r)
             }
-            HostBuf::F64(v) => {
+            HostSlice::F64(v) => {
                 let mut r = vec![0f64; block];
                 mpi::request::scope(|sc| {
                     let req =
                         self.world
-                            .immediate_reduce_scatter_block_into(sc, &v[..], &mut r[..], sys);
+                            .immediate_reduce_scatter_block_into(sc, v, &mut r[..], sys);
                     self.complete(req, what, "all ranks");
                 });
                 HostBuf::F64(r)
             }
-        };
+        })?;
         out.finish(op, self.size);
         let mut dims = tensor.dims().to_vec();
         dims[0] = rows;
@@ -245,25 +246,25 @@ impl Communicator for MpiComm {
 
     fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
         let what = Op::AllGather;
-        let buf = stage(tensor, self.rank, what)?;
-        let out = match &buf {
-            HostBuf::F32(v) => {
-                let mut r = vec![0f32; v.len() * self.size];
+        let n = tensor.elem_count() * self.size;
+        let out = with_host(tensor, self.rank, what, |buf| match buf {
+            HostSlice::F32(v) => {
+                let mut r = vec![0f32; n];
                 mpi::request::scope(|sc| {
-                    let req = self.world.immediate_all_gather_into(sc, &v[..], &mut r[..]);
+                    let req = self.world.immediate_all_gather_into(sc, v, &mut r[..]);
                     self.complete(req, what, "all ranks");
                 });
                 HostBuf::F32(r)
             }
-            HostBuf::F64(v) => {
-                let mut r = vec![0f64; v.len() * self.size];
+            HostSlice::F64(v) => {
+                let mut r = vec![0f64; n];
                 mpi::request::scope(|sc| {
-                    let req = self.world.immediate_all_gather_into(sc, &v[..], &mut r[..]);
+                    let req = self.world.immediate_all_gather_into(sc, v, &mut r[..]);
                     self.complete(req, what, "all ranks");
                 });
                 HostBuf::F64(r)
             }
-        };
+        })?;
         let dims = gathered_shape(tensor.dims(), self.size);
         unstage(out, dims, tensor.dtype(), tensor.device(), self.rank, what)
     }
@@ -312,7 +313,6 @@ impl Communicator for MpiComm {
                 message: format!("{} dimensions, at most {MAX_DIMS} can be sent", dims.len()),
             });
         }
-        let buf = stage(tensor, self.rank, what)?;
         let mut header = [0u64; MAX_DIMS + 2];
         header[0] = dtype_code(tensor.dtype());
         header[1] = dims.len() as u64;
@@ -321,30 +321,20 @@ impl Communicator for MpiComm {
         }
         let process = self.world.process_at_rank(to as i32);
         let (tag, peer) = (tag as i32, format!("rank {to}"));
+        // Dtype checked before the header goes out, so that the peer never waits for data.
+        crate::host::wire_dtype(tensor.dtype(), self.rank, what)?;
         mpi::request::scope(|sc| {
-            self.complete(
-                process.immediate_send_with_tag(sc, &header[..], tag),
-                what,
-                &peer,
-            )
+            let req = process.immediate_send_with_tag(sc, &header[..], tag);
+            self.complete(req, what, &peer)
         });
-        match &buf {
-            HostBuf::F32(v) => mpi::request::scope(|sc| {
-                self.complete(
-                    process.immediate_send_with_tag(sc, &v[..], tag),
-                    what,
-                    &peer,
-                )
+        with_host(tensor, self.rank, what, |buf| match buf {
+            HostSlice::F32(v) => mpi::request::scope(|sc| {
+                self.complete(process.immediate_send_with_tag(sc, v, tag), what, &peer)
             }),
-            HostBuf::F64(v) => mpi::request::scope(|sc| {
-                self.complete(
-                    process.immediate_send_with_tag(sc, &v[..], tag),
-                    what,
-                    &peer,
-                )
+            HostSlice::F64(v) => mpi::request::scope(|sc| {
+                self.complete(process.immediate_send_with_tag(sc, v, tag), what, &peer)
             }),
-        }
-        Ok(())
+        })
     }
 
     fn recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {

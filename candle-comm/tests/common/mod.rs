@@ -51,6 +51,20 @@ pub fn check_collectives<C: Communicator + ?Sized>(comm: &C, dtype: DType) -> Re
         "rank {r}: min {dtype:?}"
     );
 
+    // Views: a row range (contiguous, at an offset into its storage) and a transpose (strided).
+    let want: Vec<f64> = idx[cols..].iter().map(|i| i * tri).collect();
+    let view = comm.all_reduce_sum(&t.narrow(0, 1, rows - 1)?)?;
+    ensure!(
+        values(&view)? == want,
+        "rank {r}: all_reduce of a narrowed view {dtype:?}"
+    );
+    let tr = comm.all_reduce_sum(&t.t()?)?;
+    ensure!(tr.dims() == [cols, rows], "rank {r}: transposed shape");
+    ensure!(
+        values(&tr)? == values(&sum.t()?)?,
+        "rank {r}: all_reduce of a transpose {dtype:?}"
+    );
+
     let block = comm.reduce_scatter(&t, ReduceOp::Sum)?;
     ensure!(
         block.dims() == [2, cols],
