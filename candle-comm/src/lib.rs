@@ -1,0 +1,23 @@
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
+
+mod comm;
+mod dp;
+mod error;
+mod host;
+mod local;
+#[cfg(feature = "mpi")]
+mod mpi;
+mod sync;
+mod threads;
+
+pub use comm::{or_abort, Communicator, ReduceOp, MAX_TAG};
+pub use dp::{all_reduce_gradients, GradBuckets, ReduceStats, DEFAULT_BUCKET_BYTES};
+pub use error::{CommError, Op, Result};
+pub use local::Local;
+#[cfg(feature = "mpi")]
+pub use mpi::{MpiComm, DEFAULT_MPI_TIMEOUT};
+pub use sync::{
+    broadcast_vars, check_in_sync, ensure_in_sync, fingerprint, sorted_vars, SyncReport,
+};
+pub use threads::{run_threads, ThreadComm, DEFAULT_THREAD_TIMEOUT};

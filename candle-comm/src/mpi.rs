@@ -1,0 +1,394 @@
+//! The MPI backend (feature `mpi`, on rsmpi): one process per rank, started by `mpirun`.
+//!
+//! Tensors are staged through host buffers (f32 for f32/bf16/f16, f64 for f64) and handed to
+//! MPI's non-blocking collectives (`MPI_Iallreduce`, `MPI_Ireduce_scatter_block`,
+//! `MPI_Iallgather`, `MPI_Ibcast`, `MPI_Ibarrier`, `MPI_Isend`/`MPI_Irecv`), which this rank
+//! polls until they complete. Polling is what bounds every wait:
+//!
+//! - a rank that fails calls [`Communicator::abort`] (or [`or_abort`](crate::or_abort)): it
+//!   writes `candle-comm: rank R of N failed: <reason>` to stderr and calls `MPI_Abort`, and
+//!   `mpirun` terminates every process of the job, which exits non-zero;
+//! - a rank that panics while it owns the [`MpiComm`] does the same from `Drop`;
+//! - a rank that waits longer than its timeout (a peer hung, or died without aborting) writes
+//!   `candle-comm: rank R of N: <op> timed out after <t> ...` and calls `MPI_Abort`. It cannot
+//!   return an error instead: MPI still owns the buffers of the unfinished operation.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use mpi::collective::SystemOperation;
+use mpi::request::{Request, Scope};
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Root, Source};
+
+use crate::comm::{check_peer, check_tag, scatter_rows, Communicator, ReduceOp};
+use crate::error::{CommError, Op, Result};
+use crate::host::{
+    dtype_code, dtype_from_code, gathered_shape, stage, unstage, with_host, HostBuf, HostSlice,
+};
+
+/// Default time a rank waits for an MPI operation before aborting the job.
+pub const DEFAULT_MPI_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Exit code passed to `MPI_Abort`.
+const ABORT_CODE: i32 = 3;
+
+/// Most dimensions a tensor sent with [`Communicator::send`] may have.
+const MAX_DIMS: usize = 8;
+
+/// Time a rank polls without sleeping before it sleeps between polls.
+const SPIN: Duration = Duration::from_secs(1);
+
+/// This process's rank of `MPI_COMM_WORLD` (see the [module documentation](self)).
+///
+/// Create one per process with [`MpiComm::init`]; MPI is finalized when it is dropped.
+pub struct MpiComm {
+    world: SimpleCommunicator,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+    // Dropped last: finalizes MPI.
+    _universe: mpi::environment::Universe,
+}
+
+impl std::fmt::Debug for MpiComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiComm")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl MpiComm {
+    /// Initialises MPI (rank and size come from the MPI environment set up by `mpirun`; a
+    /// process started without it is rank 0 of 1). Fails if MPI was already initialised.
+    pub fn init() -> Result<Self> {
+        let universe = mpi::initialize().ok_or_else(|| CommError::Init {
+            op: Op::Init,
+            message: "MPI is already initialised in this process".to_string(),
+        })?;
+        let world = universe.world();
+        let (rank, size) = (world.rank(), world.size());
+        let bad = |what: &str, v: i32| CommError::Init {
+            op: Op::Init,
+            message: format!("MPI returned {what} {v}"),
+        };
+        Ok(Self {
+            rank: usize::try_from(rank).map_err(|_| bad("rank", rank))?,
+            size: usize::try_from(size).map_err(|_| bad("size", size))?,
+            world,
+            timeout: DEFAULT_MPI_TIMEOUT,
+            _universe: universe,
+        })
+    }
+
+    /// Sets how long an operation may wait for its peers before the job is aborted
+    /// (default [`DEFAULT_MPI_TIMEOUT`]).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The timeout after which a waiting operation aborts the job.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The underlying rsmpi `MPI_COMM_WORLD`, for MPI calls this crate does not wrap (calls made
+    /// through it are not bounded by this communicator's timeout).
+    pub fn raw(&self) -> &SimpleCommunicator {
+        &self.world
+    }
+
+    /// Writes the reason to stderr and aborts the whole MPI job.
+    fn fatal(&self, reason: &str) -> ! {
+        let line = format!(
+            "candle-comm: rank {} of {} failed: {reason}; calling MPI_Abort\n",
+            self.rank, self.size
+        );
+        let mut err = std::io::stderr().lock();
+        let _ = err.write_all(line.as_bytes());
+        let _ = err.flush();
+        self.world.abort(ABORT_CODE)
+    }
+
+    /// Polls `req` until it completes; aborts the job after the timeout.
+    fn complete<'a, D: ?Sized, S: Scope<'a>>(&self, req: Request<'a, D, S>, op: Op, peer: &str) {
+        let start = Instant::now();
+        let mut req = req;
+        loop {
+            match req.test() {
+                Ok(_) => return,
+                Err(r) => req = r,
+            }
+            let waited = start.elapsed();
+            if waited > self.timeout {
+                self.fatal(&format!(
+                    "{op} timed out after {:?} waiting for {peer} (a peer is hung, or died \
+                     without aborting)",
+                    self.timeout
+                ));
+            }
+            if waited < SPIN {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+    }
+
+    /// All-reduce of host elements into a new buffer (divided by the world size for Mean).
+    fn reduce_host(&self, buf: HostSlice<'_>, op: ReduceOp, what: Op) -> HostBuf {
+        let sys = system_op(op);
+        let mut out = match buf {
+            HostSlice::F32(v) => {
+                let mut r = vec![0f32; v.len()];
+                mpi::request::scope(|sc| {
+                    let req = self.world.immediate_all_reduce_into(sc, v, &mut r[..], sys);
+                    self.complete(req, what, "all ranks");
+                });
+                HostBuf::F32(r)
+            }
+            HostSlice::F64(v) => {
+                let mut r = vec![0f64; v.len()];
+                mpi::request::scope(|sc| {
+                    let req = self.world.immediate_all_reduce_into(sc, v, &mut r[..], sys);
+                    self.complete(req, what, "all ranks");
+                });
+                HostBuf::F64(r)
+            }
+        };
+        out.finish(op, self.size);
+        out
+    }
+}
+
+/// The MPI operation of a reduction (Mean reduces as Sum, then divides).
+fn system_op(op: ReduceOp) -> SystemOperation {
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
+        ReduceOp::Max => SystemOperation::max(),
+        ReduceOp::Min => SystemOperation::min(),
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.fatal("panicked");
+        }
+    }
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn backend(&self) -> &'static str {
+        "mpi"
+    }
+
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let what = Op::AllReduce;
+        let out = with_host(tensor, self.rank, what, |buf| {
+            self.reduce_host(buf, op, what)
+        })?;
+        unstage(
+            out,
+            tensor.shape(),
+            tensor.dtype(),
+            tensor.device(),
+            self.rank,
+            what,
+        )
+    }
+
+    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let what = Op::ReduceScatter;
+        let rows = scatter_rows(self.rank, self.size, tensor)?;
+        let block = tensor.elem_count() / self.size;
+        let sys = system_op(op);
+        let mut out = with_host(tensor, self.rank, what, |buf| match buf {
+            HostSlice::F32(v) => {
+                let mut r = vec![0f32; block];
+                mpi::request::scope(|sc| {
+                    let req =
+                        self.world
+                            .immediate_reduce_scatter_block_into(sc, v, &mut r[..], sys);
+                    self.complete(req, what, "all ranks");
+                });
+                HostBuf::F32(r)
+            }
+            HostSlice::F64(v) => {
+                let mut r = vec![0f64; block];
+                mpi::request::scope(|sc| {
+                    let req =
+                        self.world
+                            .immediate_reduce_scatter_block_into(sc, v, &mut r[..], sys);
+                    self.complete(req, what, "all ranks");
+                });
+                HostBuf::F64(r)
+            }
+        })?;
+        out.finish(op, self.size);
+        let mut dims = tensor.dims().to_vec();
+        dims[0] = rows;
+        unstage(out, dims, tensor.dtype(), tensor.device(), self.rank, what)
+    }
+
+    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
+        let what = Op::AllGather;
+        let n = tensor.elem_count() * self.size;
+        let out = with_host(tensor, self.rank, what, |buf| match buf {
+            HostSlice::F32(v) => {
+                let mut r = vec![0f32; n];
+                mpi::request::scope(|sc| {
+                    let req = self.world.immediate_all_gather_into(sc, v, &mut r[..]);
+                    self.complete(req, what, "all ranks");
+                });
+                HostBuf::F32(r)
+            }
+            HostSlice::F64(v) => {
+                let mut r = vec![0f64; n];
+                mpi::request::scope(|sc| {
+                    let req = self.world.immediate_all_gather_into(sc, v, &mut r[..]);
+                    self.complete(req, what, "all ranks");
+                });
+                HostBuf::F64(r)
+            }
+        })?;
+        let dims = gathered_shape(tensor.dims(), self.size);
+        unstage(out, dims, tensor.dtype(), tensor.device(), self.rank, what)
+    }
+
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
+        let what = Op::Broadcast;
+        check_peer(self.rank, self.size, root, what)?;
+        let mut buf = stage(tensor, self.rank, what)?;
+        let process = self.world.process_at_rank(root as i32);
+        let peer = format!("rank {root}");
+        match &mut buf {
+            HostBuf::F32(v) => mpi::request::scope(|sc| {
+                self.complete(
+                    process.immediate_broadcast_into(sc, &mut v[..]),
+                    what,
+                    &peer,
+                )
+            }),
+            HostBuf::F64(v) => mpi::request::scope(|sc| {
+                self.complete(
+                    process.immediate_broadcast_into(sc, &mut v[..]),
+                    what,
+                    &peer,
+                )
+            }),
+        }
+        unstage(
+            buf,
+            tensor.shape(),
+            tensor.dtype(),
+            tensor.device(),
+            self.rank,
+            what,
+        )
+    }
+
+    fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
+        let what = Op::Send;
+        check_peer(self.rank, self.size, to, what)?;
+        check_tag(self.rank, tag, what)?;
+        let dims = tensor.dims();
+        if dims.len() > MAX_DIMS {
+            return Err(CommError::InvalidArgument {
+                rank: self.rank,
+                op: what,
+                message: format!("{} dimensions, at most {MAX_DIMS} can be sent", dims.len()),
+            });
+        }
+        let mut header = [0u64; MAX_DIMS + 2];
+        header[0] = dtype_code(tensor.dtype());
+        header[1] = dims.len() as u64;
+        for (h, &d) in header[2..].iter_mut().zip(dims) {
+            *h = d as u64;
+        }
+        let process = self.world.process_at_rank(to as i32);
+        let (tag, peer) = (tag as i32, format!("rank {to}"));
+        // Dtype checked before the header goes out, so that the peer never waits for data.
+        crate::host::wire_dtype(tensor.dtype(), self.rank, what)?;
+        mpi::request::scope(|sc| {
+            let req = process.immediate_send_with_tag(sc, &header[..], tag);
+            self.complete(req, what, &peer)
+        });
+        with_host(tensor, self.rank, what, |buf| match buf {
+            HostSlice::F32(v) => mpi::request::scope(|sc| {
+                self.complete(process.immediate_send_with_tag(sc, v, tag), what, &peer)
+            }),
+            HostSlice::F64(v) => mpi::request::scope(|sc| {
+                self.complete(process.immediate_send_with_tag(sc, v, tag), what, &peer)
+            }),
+        })
+    }
+
+    fn recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
+        let what = Op::Recv;
+        check_peer(self.rank, self.size, from, what)?;
+        check_tag(self.rank, tag, what)?;
+        let process = self.world.process_at_rank(from as i32);
+        let (tag, peer) = (tag as i32, format!("rank {from}"));
+        let mut header = [0u64; MAX_DIMS + 2];
+        mpi::request::scope(|sc| {
+            let req = process.immediate_receive_into_with_tag(sc, &mut header[..], tag);
+            self.complete(req, what, &peer)
+        });
+        let bad = |message: String| CommError::Mismatch {
+            rank: self.rank,
+            op: what,
+            peer: from,
+            message,
+        };
+        let dtype = dtype_from_code(header[0])
+            .ok_or_else(|| bad(format!("unknown dtype code {} in the header", header[0])))?;
+        let ndim = usize::try_from(header[1]).unwrap_or(usize::MAX);
+        if ndim > MAX_DIMS {
+            return Err(bad(format!("{ndim} dimensions in the header")));
+        }
+        let dims: Vec<usize> = header[2..2 + ndim].iter().map(|&d| d as usize).collect();
+        let n: usize = dims.iter().product();
+        let buf = match crate::host::wire_dtype(dtype, self.rank, what)? {
+            candle_core::DType::F64 => {
+                let mut v = vec![0f64; n];
+                mpi::request::scope(|sc| {
+                    let req = process.immediate_receive_into_with_tag(sc, &mut v[..], tag);
+                    self.complete(req, what, &peer)
+                });
+                HostBuf::F64(v)
+            }
+            _ => {
+                let mut v = vec![0f32; n];
+                mpi::request::scope(|sc| {
+                    let req = process.immediate_receive_into_with_tag(sc, &mut v[..], tag);
+                    self.complete(req, what, &peer)
+                });
+                HostBuf::F32(v)
+            }
+        };
+        unstage(buf, dims, dtype, device, self.rank, what)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.complete(self.world.immediate_barrier(), Op::Barrier, "all ranks");
+        Ok(())
+    }
+
+    fn abort(&self, reason: &str) {
+        self.fatal(reason)
+    }
+}
