@@ -155,19 +155,24 @@ fn plot(args: PlotArgs) -> Result<()> {
 }
 
 fn train(args: TrainArgs) -> Result<()> {
-    let mut trainer = if let Some(dir) = &args.resume {
+    // `mpirun -np N trainer train ...`: this process is one data-parallel rank.
+    let comm = trainer::train::parallel::communicator_from_env()?;
+    let main = comm.rank() == 0;
+    let trainer = if let Some(dir) = &args.resume {
         if args.config.is_some() {
             bail!("--resume uses the run's saved config; pass changes as --key value flags");
         }
         let t = Trainer::resume(dir, |c| args.overrides.apply(c))
             .with_context(|| format!("cannot resume from {}", dir.display()))?
             .overwrite(args.overwrite);
-        eprintln!(
-            "resuming {} at step {} in {}",
-            dir.display(),
-            t.step(),
-            t.config.out_dir.display()
-        );
+        if main {
+            eprintln!(
+                "resuming {} at step {} in {}",
+                dir.display(),
+                t.step(),
+                t.config.out_dir.display()
+            );
+        }
         t
     } else {
         let (mut config, file_keys) = match &args.config {
@@ -184,7 +189,7 @@ fn train(args: TrainArgs) -> Result<()> {
             // The default run directory gets a fresh name per run, so that running the
             // README's first command twice just works and keeps both runs.
             let fresh = trainer::run_dir::fresh_name(&config.out_dir);
-            if fresh != config.out_dir {
+            if fresh != config.out_dir && main {
                 eprintln!(
                     "{} holds an earlier run: this one goes to {}",
                     config.out_dir.display(),
@@ -197,8 +202,40 @@ fn train(args: TrainArgs) -> Result<()> {
             .context("cannot start the run")?
             .overwrite(args.overwrite)
     };
+    let mut trainer = trainer.with_comm(comm).context("cannot start the run")?;
     trainer.claim_run_dir().context("cannot start the run")?;
+    if main {
+        print_banner(&trainer);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    install_signal_handler(stop.clone())?;
+    let summary = if main {
+        let mut progress = Progress::new(trainer.config.max_iters, trainer.step());
+        let summary = trainer.run(&mut progress, &stop);
+        progress.bar.finish_and_clear();
+        summary
+    } else {
+        trainer.run(&mut (), &stop)
+    };
+    if let Err(e) = &summary {
+        // The other ranks would wait for this one until their timeout: stop them now.
+        trainer.data_parallel().abort(e);
+    }
+    let summary = summary.with_context(|| {
+        format!(
+            "training failed; the last good checkpoint (if any) is intact in {}",
+            checkpoint::checkpoints_dir(&trainer.config.out_dir).display()
+        )
+    })?;
+    if main {
+        print_summary(&trainer, &summary);
+    }
+    Ok(())
+}
+
+fn print_banner(trainer: &Trainer) {
     let cfg = &trainer.config;
+    let dp = trainer.data_parallel();
     eprintln!(
         "data: {}\nmodel: {} layers, {} heads, {} embd, block {} | {:.2}M parameters | device {}\n\
          run: {} steps of {} x {} x {} tokens -> {}",
@@ -230,9 +267,19 @@ fn train(args: TrainArgs) -> Result<()> {
             cfg.pipeline_stages, cfg.microbatches, cfg.schedule
         );
     }
-    let stop = Arc::new(AtomicBool::new(false));
+    if dp.world_size() > 1 {
+        eprintln!(
+            "data parallel: {} ranks ({}), {} rows per rank, global batch {} rows",
+            dp.world_size(),
+            dp.comm().backend(),
+            cfg.batch_size,
+            dp.world_size() * cfg.batch_size
+        );
+    }
+}
+
+fn install_signal_handler(stop: Arc<AtomicBool>) -> Result<()> {
     {
-        let stop = stop.clone();
         // SIGINT, SIGTERM and SIGHUP (the crate's `termination` feature): finish the step,
         // checkpoint, exit. A second signal exits at once; the last checkpoint stays intact
         // because checkpoints are written atomically.
@@ -248,16 +295,6 @@ fn train(args: TrainArgs) -> Result<()> {
         })
         .context("cannot install the signal handler")?;
     }
-    let mut progress = Progress::new(trainer.config.max_iters, trainer.step());
-    let summary = trainer.run(&mut progress, &stop);
-    progress.bar.finish_and_clear();
-    let summary = summary.with_context(|| {
-        format!(
-            "training failed; the last good checkpoint (if any) is intact in {}",
-            checkpoint::checkpoints_dir(&trainer.config.out_dir).display()
-        )
-    })?;
-    print_summary(&trainer, &summary);
     Ok(())
 }
 

@@ -63,6 +63,10 @@ pub enum Error {
     /// (microbatch and stage) where it happened.
     #[error("pipeline: {0}")]
     Pipeline(Box<candle_pipeline::PipelineError>),
+    /// Communication between data-parallel ranks failed (`candle-comm`): the error names the
+    /// rank, the operation and, when another rank caused it, that rank.
+    #[error("data parallel: {0}")]
+    Comm(Box<candle_comm::CommError>),
     /// Mixed precision failed (`candle-amp`), e.g. the loss scale collapsed.
     #[error(transparent)]
     Amp(#[from] candle_amp::AmpError),
@@ -117,6 +121,12 @@ impl Error {
 impl From<candle_pipeline::PipelineError> for Error {
     fn from(e: candle_pipeline::PipelineError) -> Self {
         Error::Pipeline(Box::new(e)) // boxed: it carries an action and a Candle error
+    }
+}
+
+impl From<candle_comm::CommError> for Error {
+    fn from(e: candle_comm::CommError) -> Self {
+        Error::Comm(Box::new(e))
     }
 }
 

@@ -81,7 +81,8 @@ impl Record {
 /// Appends records to `metrics.jsonl` and keeps them for the loss curve.
 pub struct MetricsLog {
     path: PathBuf,
-    file: File,
+    /// `None` for a log kept in memory only (data-parallel ranks other than 0).
+    file: Option<File>,
     /// Every record of the run so far (including those read back on resume).
     pub records: Vec<Record>,
 }
@@ -115,16 +116,28 @@ impl MetricsLog {
             .map_err(|e| Error::io(path, e))?;
         Ok(MetricsLog {
             path: path.to_path_buf(),
-            file,
+            file: Some(file),
             records,
         })
     }
 
+    /// A log that keeps records in memory and writes nothing (for ranks that do not own the
+    /// run directory).
+    pub fn in_memory() -> Self {
+        MetricsLog {
+            path: PathBuf::new(),
+            file: None,
+            records: Vec::new(),
+        }
+    }
+
     /// Appends a record (one line, flushed).
     pub fn push(&mut self, record: Record) -> Result<()> {
-        let line = serde_json::to_string(&record).unwrap_or_default();
-        writeln!(self.file, "{line}").map_err(|e| Error::io(&self.path, e))?;
-        self.file.flush().map_err(|e| Error::io(&self.path, e))?;
+        if let Some(file) = &mut self.file {
+            let line = serde_json::to_string(&record).unwrap_or_default();
+            writeln!(file, "{line}").map_err(|e| Error::io(&self.path, e))?;
+            file.flush().map_err(|e| Error::io(&self.path, e))?;
+        }
         self.records.push(record);
         Ok(())
     }

@@ -68,6 +68,13 @@ pub struct TrainerState {
     /// before fingerprints existed).
     #[serde(default)]
     pub data: Option<Fingerprint>,
+    /// Data-parallel ranks of the run (the global batch is `world_size · batch_size` rows).
+    #[serde(default = "one")]
+    pub world_size: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 pub mod compose;
 mod eval;
 mod init;
+pub mod parallel;
 pub mod pipeline;
 
 use std::path::{Path, PathBuf};
@@ -11,6 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use candle_amp::{Amp, StepOutcome};
+use candle_comm::Communicator;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_remat::{Plan, Tape};
@@ -19,6 +21,7 @@ use rand_chacha::ChaCha8Rng;
 
 pub use eval::{estimate_loss, task_score};
 pub use init::{check_fingerprint, open_data as open_data_for, parse_device};
+pub use parallel::DataParallel;
 
 use crate::checkpoint::{self, RngState, TrainerState};
 use crate::config::TrainConfig;
@@ -105,6 +108,9 @@ pub struct Trainer {
     last_checkpoint: Option<PathBuf>,
     claim: Claim,
     run_dir: Option<RunDir>,
+    dp: DataParallel,
+    /// The world size of the checkpoint this run resumed from.
+    resumed_world: Option<usize>,
 }
 
 impl Trainer {
@@ -196,6 +202,7 @@ impl Trainer {
         t.elapsed_secs = state.elapsed_secs;
         t.last_checkpoint = Some(dir);
         t.claim = claim;
+        t.resumed_world = Some(state.world_size);
         Ok(t)
     }
 
@@ -246,6 +253,8 @@ impl Trainer {
             last_checkpoint: None,
             claim: Claim::Fresh,
             run_dir: None,
+            dp: DataParallel::single(),
+            resumed_world: None,
         })
     }
 
@@ -259,10 +268,46 @@ impl Trainer {
         self
     }
 
+    /// Makes this trainer rank `comm.rank()` of `comm.world_size()` data-parallel replicas
+    /// (see [`parallel`]): every rank must build its trainer from the same config (or resume
+    /// the same checkpoint) and call this. Rank 0's weights are broadcast to the others; rank 0
+    /// alone writes the run directory. A resumed run must keep its world size.
+    pub fn with_comm(mut self, comm: Box<dyn Communicator>) -> Result<Self> {
+        let world = comm.world_size();
+        if world > 1 && self.pipeline.is_some() {
+            return Err(Error::Config(
+                "pipeline stages across data-parallel ranks (2D parallelism) are not supported \
+                 yet: use pipeline_stages = 1 with data parallel"
+                    .into(),
+            ));
+        }
+        self.check_world(world)?;
+        self.dp = DataParallel::new(comm, self.vars.clone())?;
+        self.dp.broadcast_from_main(&self.vars)?;
+        self.dp.ensure_in_sync(&self.vars)?;
+        Ok(self)
+    }
+
+    /// The data-parallel group this trainer belongs to (a world of one by default).
+    pub fn data_parallel(&self) -> &DataParallel {
+        &self.dp
+    }
+
+    fn check_world(&self, world: usize) -> Result<()> {
+        match self.resumed_world {
+            Some(saved) if saved != world => Err(Error::Config(format!(
+                "the checkpoint was written by {saved} data-parallel rank(s) and this run has \
+                 {world}: resume with the same number of processes (the global batch and the \
+                 data stream depend on it)"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// Claims the run directory on first use (see [`crate::run_dir`]): refuses to start a
     /// fresh run over an existing one, locks it, and cleans a killed writer's leftovers.
     pub fn claim_run_dir(&mut self) -> Result<()> {
-        if self.run_dir.is_none() {
+        if self.run_dir.is_none() && self.dp.is_main() {
             self.run_dir = Some(RunDir::claim(&self.config.out_dir, self.claim)?);
             self.claim = Claim::Continue;
         }
@@ -329,11 +374,12 @@ impl Trainer {
         self.step
     }
 
-    /// The dropout seed of micro-batch `micro` of step `step`: a pure function of the run seed,
-    /// so a resumed run draws the same masks and needs no dropout RNG state.
+    /// The dropout seed of micro-batch `micro` of step `step`: a pure function of the run seed
+    /// (and the data-parallel rank, so that replicas draw different masks), so a resumed run
+    /// draws the same masks and needs no dropout RNG state.
     fn dropout_seed(&self, micro: usize) -> u64 {
         let mut z = self.config.seed ^ 0x9E37_79B9_7F4A_7C15;
-        for v in [self.step as u64, micro as u64] {
+        for v in [self.step as u64, micro as u64, self.dp.rank() as u64] {
             z = (z ^ v).wrapping_mul(0xBF58_476D_1CE4_E5B9);
             z ^= z >> 31;
         }
@@ -353,14 +399,17 @@ impl Trainer {
         // micro-batch); free in f32.
         let model = self.model.to_dtype(self.dtype)?;
         let accum = cfg.grad_accum;
+        let world = self.dp.world_size();
         for micro in 0..accum {
-            let batch = self.data.batch(
+            // Every rank draws the global batch and trains on its shard (a world of one: all).
+            let global = self.data.batch(
                 Split::Train,
-                cfg.batch_size,
+                world * cfg.batch_size,
                 cfg.block_size,
                 &mut self.rng,
                 &self.device,
             )?;
+            let (batch, shard_weight) = self.dp.shard(global, cfg.batch_size)?;
             let ctx = Ctx::train(self.dropout_seed(micro))
                 .with_dtype(self.dtype)
                 .with_kernels(cfg.kernels);
@@ -370,12 +419,12 @@ impl Trainer {
                 &batch.y,
                 batch.mask.as_ref(),
                 &ctx,
-                1.0 / accum as f64,
+                shard_weight / accum as f64,
             )?;
-            loss_sum += loss;
+            loss_sum += loss * shard_weight as f32;
             accumulate(&mut grads, g, &self.vars)?;
         }
-        let loss = loss_sum / accum as f32;
+        let loss = self.dp.reduce(&mut grads, loss_sum / accum as f32)?;
         if !loss.is_finite() {
             return Err(Error::NonFiniteLoss {
                 step: self.step + 1,
@@ -418,7 +467,7 @@ impl Trainer {
             }
         };
         self.step += 1;
-        let tokens = (accum * cfg.batch_size * cfg.block_size) as u64;
+        let tokens = (world * accum * cfg.batch_size * cfg.block_size) as u64;
         self.tokens_seen += tokens;
         let secs = start.elapsed().as_secs_f64();
         self.elapsed_secs += secs;
@@ -483,11 +532,21 @@ impl Trainer {
             elapsed_secs: self.elapsed_secs,
             config: self.config.clone(),
             data: Some(self.data.fingerprint()),
+            world_size: self.dp.world_size(),
         }
     }
 
     /// Writes a checkpoint of the current step into the run directory and prunes old ones.
+    ///
+    /// With data parallelism only rank 0 writes; the other ranks return the directory rank 0
+    /// writes.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
+        if !self.dp.is_main() {
+            let dir = checkpoint::checkpoints_dir(&self.config.out_dir)
+                .join(format!("step-{:07}", self.step));
+            self.last_checkpoint = Some(dir.clone());
+            return Ok(dir);
+        }
         let held = self.run_dir.is_some();
         self.claim_run_dir()?;
         let saved = self.save_claimed();
@@ -540,6 +599,7 @@ impl Trainer {
     /// The run directory is claimed (see [`Trainer::claim_run_dir`]) for the duration of the
     /// call and released when it returns.
     pub fn run(&mut self, observer: &mut dyn Observer, stop: &AtomicBool) -> Result<Summary> {
+        self.check_world(self.dp.world_size())?;
         self.claim_run_dir()?;
         let result = self.run_claimed(observer, stop);
         self.run_dir = None;
@@ -548,15 +608,20 @@ impl Trainer {
 
     fn run_claimed(&mut self, observer: &mut dyn Observer, stop: &AtomicBool) -> Result<Summary> {
         let out = self.config.out_dir.clone();
-        checkpoint::io::write_atomic(&out.join("run.toml"), self.config.to_toml().as_bytes())?;
-        let mut metrics = MetricsLog::open(&out.join("metrics.jsonl"), self.step)?;
+        let mut metrics = if self.dp.is_main() {
+            checkpoint::io::write_atomic(&out.join("run.toml"), self.config.to_toml().as_bytes())?;
+            MetricsLog::open(&out.join("metrics.jsonl"), self.step)?
+        } else {
+            MetricsLog::in_memory()
+        };
         let mut last_eval = None;
         let mut interrupted = false;
         if self.step == 0 {
             last_eval = Some(self.eval_and_log(&mut metrics, observer)?);
         }
         while self.step < self.config.max_iters {
-            if stop.load(Ordering::SeqCst) {
+            // Data-parallel ranks see a signal at different moments: they stop together.
+            if self.dp.any(stop.load(Ordering::SeqCst))? {
                 interrupted = true;
                 break;
             }
@@ -570,6 +635,8 @@ impl Trainer {
                 last_eval = Some(eval);
                 let dir = self.save_checkpoint()?;
                 observer.on_event(Event::Checkpoint(&dir));
+                // Replicas must hold the same weights; a drift is a bug, reported, not ignored.
+                self.dp.ensure_in_sync(&self.vars)?;
             }
         }
         let already_saved = self
@@ -599,6 +666,9 @@ impl Trainer {
         let eval = self.evaluate()?;
         observer.on_event(Event::Eval(&eval));
         metrics.push(Record::Eval(eval.clone()))?;
+        if !self.dp.is_main() {
+            return Ok(eval);
+        }
         let run_name = self
             .config
             .out_dir
