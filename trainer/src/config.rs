@@ -137,6 +137,9 @@ train_config! {
     schedule: String = "1f1b".into(),
     /// CPU threads per pipeline stage (0: cores / stages).
     pipeline_threads: usize = 0,
+    /// ZeRO stage with data parallelism: 0 (every rank keeps the whole AdamW state) or 1 (the
+    /// AdamW state and update are sharded across ranks, updated weights are all-gathered).
+    zero: usize = 0,
     /// Op implementations: `fused` (candle-fused kernels) or `reference` (the composite Candle
     /// ops, for debugging and comparison).
     kernels: Kernels = Kernels::Fused,
@@ -281,6 +284,9 @@ impl TrainConfig {
             &self.loss_scale,
             crate::train::compose::parse_dtype(&self.dtype)?,
         )?;
+        if self.zero > 1 {
+            return bad(format!("zero must be 0 or 1 (ZeRO-1), got {}", self.zero));
+        }
         if self.pipeline_stages == 0 || self.microbatches == 0 {
             return bad("pipeline_stages and microbatches must be at least 1".into());
         }

@@ -110,6 +110,22 @@ impl AdamW {
         self
     }
 
+    /// Keeps the state and the updates of the parameters whose name satisfies `keep` only, and
+    /// frees the rest (ZeRO-1: each data-parallel rank updates its shard of the parameters).
+    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        self.slots.retain(|s| keep(&s.name));
+    }
+
+    /// f32 elements of optimiser state held (both moments of every parameter kept).
+    pub fn state_elements(&self) -> usize {
+        self.slots.iter().map(|s| 2 * s.var.elem_count()).sum()
+    }
+
+    /// The kernels the update runs on.
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
+    }
+
     /// Number of updates applied so far.
     pub fn step_count(&self) -> usize {
         self.step

@@ -166,3 +166,50 @@ fn a_failing_rank_stops_the_other_with_its_name() {
     let e = outcomes[0].clone().unwrap_err();
     assert!(e.contains("rank 1") && e.contains("out of data"), "{e}");
 }
+
+#[test]
+fn zero1_shards_the_optimiser_and_trains_like_plain_data_parallel() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (plain_dir, zero_dir) = (tmp.path().join("plain"), tmp.path().join("zero"));
+    let plain = two_ranks(move |comm| {
+        run(Trainer::new(config(&plain_dir, 4))
+            .unwrap()
+            .with_comm(Box::new(comm))
+            .unwrap())
+    });
+    let zdir = zero_dir.clone();
+    let sharded = two_ranks(move |comm| {
+        let t = Trainer::new(TrainConfig {
+            zero: 1,
+            ..config(&zdir, 4)
+        })
+        .unwrap()
+        .with_comm(Box::new(comm))
+        .unwrap();
+        let held = t.optimizer.state_elements();
+        (run(t), held)
+    });
+    // Same arithmetic for every update, only split across ranks: bit-identical.
+    for ((z, _), p) in sharded.iter().zip(&plain) {
+        assert_eq!(z.1, p.1, "ZeRO-1 weights differ from plain data parallel");
+        for (a, b) in z.0.iter().zip(&p.0) {
+            assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "step {}", a.step);
+        }
+    }
+    // Each rank holds part of the state; together exactly all of it, each part at most 60%.
+    let total: usize = plain[0].1.iter().map(|(_, w)| 2 * w.len()).sum();
+    let held: Vec<usize> = sharded.iter().map(|(_, h)| *h).collect();
+    assert_eq!(held.iter().sum::<usize>(), total, "{held:?}");
+    assert!(
+        held.iter().all(|&h| h * 10 <= total * 6),
+        "{held:?} of {total}"
+    );
+    // The checkpoint holds the whole optimiser state, byte for byte as without ZeRO.
+    for f in ["optimizer.safetensors", "model.safetensors"] {
+        let read = |d: &Path| std::fs::read(d.join("checkpoints/step-0000006").join(f)).unwrap();
+        assert!(
+            read(&tmp.path().join("plain")) == read(&zero_dir),
+            "{f} differs"
+        );
+    }
+}

@@ -6,6 +6,7 @@ mod eval;
 mod init;
 pub mod parallel;
 pub mod pipeline;
+pub mod zero;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -109,6 +110,7 @@ pub struct Trainer {
     claim: Claim,
     run_dir: Option<RunDir>,
     dp: DataParallel,
+    shards: zero::Shards,
     /// The world size of the checkpoint this run resumed from.
     resumed_world: Option<usize>,
 }
@@ -254,6 +256,7 @@ impl Trainer {
             claim: Claim::Fresh,
             run_dir: None,
             dp: DataParallel::single(),
+            shards: zero::Shards::none(),
             resumed_world: None,
         })
     }
@@ -285,6 +288,12 @@ impl Trainer {
         self.dp = DataParallel::new(comm, self.vars.clone())?;
         self.dp.broadcast_from_main(&self.vars)?;
         self.dp.ensure_in_sync(&self.vars)?;
+        if self.config.zero == 1 && world > 1 {
+            // ZeRO-1: keep (and update) this rank's shard of the AdamW state only.
+            self.shards = zero::Shards::balanced(&self.params, world);
+            let (shards, rank) = (&self.shards, self.dp.rank());
+            self.optimizer.retain(|name| shards.owner(name) == rank);
+        }
         Ok(self)
     }
 
@@ -466,6 +475,10 @@ impl Trainer {
                 (norm, None, false)
             }
         };
+        if !skipped {
+            // ZeRO-1: each rank updated its shard; hand the new weights around.
+            self.shards.share_updated_weights(self.dp.comm())?;
+        }
         self.step += 1;
         let tokens = (world * accum * cfg.batch_size * cfg.block_size) as u64;
         self.tokens_seen += tokens;
@@ -541,6 +554,16 @@ impl Trainer {
     /// With data parallelism only rank 0 writes; the other ranks return the directory rank 0
     /// writes.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
+        // With ZeRO-1, the whole optimiser state is gathered (every rank takes part).
+        let gathered = if self.shards.is_sharded() {
+            let comm = self.dp.comm();
+            Some(
+                self.shards
+                    .gather_optimizer(comm, &self.optimizer, &self.params)?,
+            )
+        } else {
+            None
+        };
         if !self.dp.is_main() {
             let dir = checkpoint::checkpoints_dir(&self.config.out_dir)
                 .join(format!("step-{:07}", self.step));
@@ -549,20 +572,20 @@ impl Trainer {
         }
         let held = self.run_dir.is_some();
         self.claim_run_dir()?;
-        let saved = self.save_claimed();
+        let saved = self.save_claimed(gathered.as_ref());
         if !held {
             self.run_dir = None;
         }
         saved
     }
 
-    fn save_claimed(&mut self) -> Result<PathBuf> {
+    fn save_claimed(&mut self, gathered: Option<&AdamW>) -> Result<PathBuf> {
         let amp = self.amp.as_ref();
         let dir = checkpoint::save(
             &self.config.out_dir,
             &self.model.config,
             &self.params,
-            &self.optimizer,
+            gathered.unwrap_or(&self.optimizer),
             &self.state(),
             &|tmp: &Path| -> Result<()> {
                 if let Some(amp) = amp {
