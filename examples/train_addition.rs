@@ -7,7 +7,8 @@
 
 use std::sync::atomic::AtomicBool;
 
-use candle_train::trainer::config::TrainConfig;
+use candle_train::remat::Policy;
+use candle_train::trainer::config::{Precision, TrainConfig};
 use candle_train::trainer::train::{Event, Observer, Trainer};
 
 struct Print;
@@ -42,8 +43,8 @@ fn main() -> anyhow::Result<()> {
         lr_decay_iters: Some(100), // the schedule of the whole 100-step run
         eval_interval: 30,
         eval_problems: 100,
-        remat: "all".into(),  // recompute every block in backward
-        dtype: "bf16".into(), // bf16 compute, f32 master weights
+        remat: Policy::EveryK(1), // recompute every block in backward
+        dtype: Precision::Bf16,   // bf16 compute, f32 master weights
         ..TrainConfig::default()
     };
     let stop = AtomicBool::new(false);

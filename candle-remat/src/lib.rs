@@ -14,6 +14,7 @@
 
 pub mod error;
 pub mod measure;
+mod parse;
 pub mod policy;
 pub mod seed;
 pub mod tape;
@@ -21,6 +22,7 @@ mod verify;
 
 pub use error::{RematError, Result};
 pub use measure::measure_chain;
+pub use parse::parse_bytes;
 pub use policy::{BlockCost, ChainCosts, Plan, PlanSegment, Policy};
 pub use seed::{dropout, seeded_rng};
 pub use tape::Tape;

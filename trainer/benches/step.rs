@@ -26,6 +26,7 @@ use anyhow::{bail, Context};
 use candle_core::{DType, Device};
 use clap::Parser;
 use trainer::config::TrainConfig;
+use trainer::data::DataKind;
 use trainer::model::Kernels;
 use trainer::train::Trainer;
 
@@ -87,7 +88,7 @@ const CASES: &[Case] = &[
         name: "gpt-4-4-256",
         about: "GPT 4/4/256, block 128, batch 8, vocab 256 (bytes of tinyshakespeare)",
         config: || TrainConfig {
-            data: "byte".into(),
+            data: DataKind::Byte,
             data_path: Some(corpus()),
             n_layer: 4,
             n_head: 4,
@@ -102,7 +103,7 @@ const CASES: &[Case] = &[
         name: "baby-gpt",
         about: "nanoGPT's CPU baby GPT: 4/4/128, block 64, batch 12, char vocab 65",
         config: || TrainConfig {
-            data: "char".into(),
+            data: DataKind::Char,
             data_path: Some(corpus()),
             n_layer: 4,
             n_head: 4,
@@ -128,7 +129,7 @@ fn mib(b: f64) -> f64 {
 fn build(case: &Case, kernels: Kernels, dtype: &str, peak: f64) -> anyhow::Result<Trainer> {
     let mut cfg = (case.config)();
     cfg.kernels = kernels;
-    cfg.dtype = dtype.into();
+    cfg.dtype = dtype.parse().map_err(anyhow::Error::msg)?;
     cfg.peak_flops = peak;
     Trainer::new(cfg).context("building the trainer")
 }

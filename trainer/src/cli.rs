@@ -255,7 +255,7 @@ fn print_banner(trainer: &Trainer) {
     if let Some(plan) = trainer.remat_plan() {
         eprintln!("activation checkpointing ({}):\n{plan}", cfg.remat);
     }
-    if cfg.dtype != "f32" {
+    if cfg.dtype != trainer::config::Precision::F32 {
         eprintln!(
             "mixed precision: {} compute, f32 master weights, loss scale {}",
             cfg.dtype, cfg.loss_scale

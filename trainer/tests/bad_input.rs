@@ -34,7 +34,7 @@ fn missing_data_file_is_named() {
     let tmp = tempfile::tempdir().unwrap();
     let missing = tmp.path().join("nope.txt");
     let e = err_of(Trainer::new(TrainConfig {
-        data: "char".into(),
+        data: "char".parse().unwrap(),
         data_path: Some(missing.clone()),
         ..tiny_config(tmp.path())
     }));
@@ -47,7 +47,7 @@ fn empty_and_too_short_corpora_are_rejected() {
     let empty = tmp.path().join("empty.txt");
     fs::write(&empty, "").unwrap();
     let e = err_of(Trainer::new(TrainConfig {
-        data: "char".into(),
+        data: "char".parse().unwrap(),
         data_path: Some(empty),
         ..tiny_config(tmp.path())
     }));
@@ -56,7 +56,7 @@ fn empty_and_too_short_corpora_are_rejected() {
     let short = tmp.path().join("short.txt");
     fs::write(&short, "hello world, this is short").unwrap();
     let e = err_of(Trainer::new(TrainConfig {
-        data: "char".into(),
+        data: "char".parse().unwrap(),
         data_path: Some(short),
         block_size: 64,
         ..tiny_config(tmp.path())
@@ -77,11 +77,20 @@ fn impossible_configs_are_rejected() {
         ..tiny_config(tmp.path())
     }));
     assert!(e.contains("min_lr"), "{e}");
-    let e = err_of(Trainer::new(TrainConfig {
-        data: "words".into(),
-        ..tiny_config(tmp.path())
-    }));
-    assert!(e.contains("words"), "{e}");
+    // Text-valued fields are typed: a bad value is an error where it is read, naming it.
+    let bad = tmp.path().join("bad.toml");
+    for (line, word) in [
+        ("data = \"words\"", "words"),
+        ("dtype = \"f8\"", "f8"),
+        ("remat = \"every:0\"", "every:0"),
+        ("schedule = \"zigzag\"", "zigzag"),
+        ("device = \"tpu\"", "tpu"),
+        ("loss_scale = \"-4\"", "-4"),
+    ] {
+        fs::write(&bad, line).unwrap();
+        let e = err_of(TrainConfig::from_toml_file(&bad));
+        assert!(e.contains("bad.toml") && e.contains(word), "{e}");
+    }
 
     let toml = tmp.path().join("run.toml");
     fs::write(&toml, "n_layer = 2\nn_layers = 4\n").unwrap();

@@ -28,7 +28,7 @@ fn remat_policies_give_bit_identical_training() {
         dropout: 0.1,
         grad_accum: 2,
         max_iters: 3,
-        remat: remat.into(),
+        remat: remat.parse().unwrap(),
         ..tiny_config(&tmp.path().join(name))
     };
     let (plain_steps, plain_w) = run(base("plain", "none"));
@@ -58,7 +58,7 @@ fn mixed_precision_trains_and_resumes_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     for dtype in ["f16", "bf16"] {
         let cfg = |name: &str, max_iters| TrainConfig {
-            dtype: dtype.into(),
+            dtype: dtype.parse().unwrap(),
             max_iters,
             ..tiny_config(&tmp.path().join(format!("{dtype}-{name}")))
         };
@@ -104,8 +104,8 @@ fn f16_overflow_skips_the_step_and_backs_off() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("f16-overflow");
     let mut t = Trainer::new(TrainConfig {
-        dtype: "f16".into(),
-        loss_scale: "dynamic".into(),
+        dtype: "f16".parse().unwrap(),
+        loss_scale: "dynamic".parse().unwrap(),
         ..tiny_config(&dir)
     })
     .unwrap();
@@ -168,8 +168,8 @@ fn remat_and_mixed_precision_compose_exactly() {
     for dtype in ["f16", "bf16"] {
         let cfg = |remat: &str| TrainConfig {
             n_layer: 3,
-            dtype: dtype.into(),
-            remat: remat.into(),
+            dtype: dtype.parse().unwrap(),
+            remat: remat.parse().unwrap(),
             dropout: 0.1,
             max_iters: 3,
             ..tiny_config(&tmp.path().join(format!("{dtype}-{remat}")))
@@ -225,7 +225,7 @@ fn pipeline_training_matches_plain_training() {
         batch_size: 6,
         grad_accum: 2,
         max_iters: 3,
-        dtype: dtype.into(),
+        dtype: dtype.parse().unwrap(),
         ..tiny_config(&tmp.path().join(format!("{dtype}-{name}")))
     };
     let f32_runs = [
@@ -246,7 +246,7 @@ fn pipeline_training_matches_plain_training() {
             let (steps, w) = run(TrainConfig {
                 pipeline_stages: stages,
                 microbatches: m,
-                schedule: schedule.into(),
+                schedule: schedule.parse().unwrap(),
                 ..cfg(&format!("{schedule}-{stages}-{m}"), dtype)
             });
             let loss = worst_rel(&plain, &steps, |s| s.loss);
@@ -333,8 +333,8 @@ fn pipeline_gradients_match_plain_backward() {
             batch_size: 5,
             pipeline_stages: 2,
             microbatches: 3,
-            schedule: "1f1b".into(),
-            dtype: name.into(),
+            schedule: "1f1b".parse().unwrap(),
+            dtype: name.parse().unwrap(),
             ..tiny_config(&tmp.path().join(name))
         };
         let t = Trainer::new(cfg.clone()).unwrap();

@@ -68,21 +68,21 @@ fn live_heap_is_flat_across_train_steps_in_every_mode() {
         (
             "remat every:1",
             TrainConfig {
-                remat: "every:1".into(),
+                remat: "every:1".parse().unwrap(),
                 ..base("remat")
             },
         ),
         (
             "amp bf16",
             TrainConfig {
-                dtype: "bf16".into(),
+                dtype: "bf16".parse().unwrap(),
                 ..base("bf16")
             },
         ),
         (
             "amp f16",
             TrainConfig {
-                dtype: "f16".into(),
+                dtype: "f16".parse().unwrap(),
                 ..base("f16")
             },
         ),

@@ -189,7 +189,7 @@ fn changed_data_or_vocabulary_is_caught_by_the_fingerprint() {
     fs::write(&data, corpus("")).unwrap();
     let dir = tmp.path().join("run");
     train(TrainConfig {
-        data: "char".into(),
+        data: "char".parse().unwrap(),
         data_path: Some(data.clone()),
         max_iters: 4,
         ..tiny_config(&dir)

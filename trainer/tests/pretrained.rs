@@ -71,7 +71,7 @@ fn init_from_accepts_run_and_checkpoint_directories() {
 fn finetune(out: &Path, from: &Path, data: &Path) -> TrainConfig {
     TrainConfig {
         init_from: Some(from.display().to_string()),
-        data: "tokenizer".into(),
+        data: "tokenizer".parse().unwrap(),
         data_path: Some(data.join("corpus.txt")),
         tokenizer_path: Some(from.join("tokenizer.json")),
         block_size: 8,
@@ -134,7 +134,7 @@ fn shorter_context_trains_with_remat_and_pipeline() {
     let data = tmp.path().join("data");
     let plain = run(finetune(&tmp.path().join("plain"), &hf, &data));
     let remat = run(TrainConfig {
-        remat: "all".into(),
+        remat: "all".parse().unwrap(),
         ..finetune(&tmp.path().join("remat"), &hf, &data)
     });
     // Recomputation is bit-exact: the same weights as the plain run.
@@ -169,7 +169,7 @@ fn config_json_names_the_vocabularys_special_tokens() {
     // A fresh model over the tiny tokenizer: `<|endoftext|>` is id 9, not GPT-2's 50256.
     let out = tmp.path().join("tok");
     run(TrainConfig {
-        data: "tokenizer".into(),
+        data: "tokenizer".parse().unwrap(),
         data_path: Some(corpus.clone()),
         tokenizer_path: Some(tok),
         block_size: 8,
@@ -183,7 +183,7 @@ fn config_json_names_the_vocabularys_special_tokens() {
     // GPT2Config would otherwise default them to 50256).
     let out = tmp.path().join("char");
     run(TrainConfig {
-        data: "char".into(),
+        data: "char".parse().unwrap(),
         data_path: Some(corpus),
         block_size: 8,
         max_iters: 1,
@@ -233,7 +233,7 @@ fn eval_of_a_checkpoint_is_the_runs_own_evaluation() {
     assert!(e.to_string().contains("--data-path"), "{e}");
     // The run's data, given by flags, gives the run's numbers again (same seed and batches).
     let as_run = EvalRequest {
-        data: Some("addition".into()),
+        data: Some("addition".parse().unwrap()),
         block_size: Some(16),
         batch_size: Some(4),
         eval_iters: Some(2),

@@ -169,7 +169,7 @@ fn remat_run_stopped_and_resumed_is_bit_exact() {
     // gradient accumulation.
     let tmp = tempfile::tempdir().unwrap();
     let cfg = |dir: &std::path::Path| trainer::config::TrainConfig {
-        remat: "every:1".into(),
+        remat: "every:1".parse().unwrap(),
         ..config(dir)
     };
     let t = Trainer::new(cfg(&tmp.path().join("probe"))).unwrap();

@@ -183,6 +183,21 @@ pub enum DataKind {
     Tokenizer,
 }
 
+impl std::str::FromStr for DataKind {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "addition" => Ok(DataKind::Addition),
+            "char" => Ok(DataKind::Char),
+            "byte" => Ok(DataKind::Byte),
+            "tokenizer" => Ok(DataKind::Tokenizer),
+            other => Err(format!(
+                "data must be addition, char, byte or tokenizer, not `{other}`"
+            )),
+        }
+    }
+}
+
 impl DataKind {
     /// The lowercase name used in configs.
     pub fn name(self) -> &'static str {

@@ -8,11 +8,12 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use super::{ModelDir, TOKENIZER_FILE};
+use crate::config::DeviceSpec;
 use crate::config::TrainConfig;
-use crate::data::{DataSource, Split};
+use crate::data::{DataKind, DataSource, Split};
 use crate::metrics::EvalStats;
 use crate::model::{Ctx, Gpt, GptConfig};
-use crate::train::{open_data_for, parse_device, task_score};
+use crate::train::{open_data_for, task_score};
 use crate::{checkpoint, Error, Result};
 
 /// Context length of a bare model's evaluation batches, unless the model has fewer positions.
@@ -35,7 +36,7 @@ const HEADING: &str =
 pub struct EvalRequest {
     /// Data kind: tokenizer, char, byte or addition [default: the run's, else tokenizer].
     #[arg(long, value_name = "KIND", help_heading = HEADING)]
-    pub data: Option<String>,
+    pub data: Option<DataKind>,
     /// Text file to measure the loss on: its first 1 - val_fraction is the train split, the
     /// rest the val split. Required for a bare model (unless --data addition).
     #[arg(long, value_name = "FILE", help_heading = HEADING)]
@@ -65,7 +66,7 @@ pub struct EvalRequest {
     pub eval_problems: Option<usize>,
     /// Device (cpu, cuda, cuda:N, metal) [default: the run's, else cpu].
     #[arg(long)]
-    pub device: Option<String>,
+    pub device: Option<DeviceSpec>,
 }
 
 impl EvalRequest {
@@ -91,7 +92,7 @@ impl EvalRequest {
                     )));
                 }
                 TrainConfig {
-                    data: "tokenizer".into(),
+                    data: DataKind::Tokenizer,
                     block_size: n_positions.min(BARE_BLOCK_SIZE),
                     batch_size: BARE_BATCH_SIZE,
                     eval_iters: BARE_EVAL_ITERS,
@@ -105,7 +106,7 @@ impl EvalRequest {
             }
         };
         if let Some(d) = &self.data {
-            cfg.data.clone_from(d);
+            cfg.data = *d;
         }
         set(&mut cfg.data_path, &self.data_path);
         set(&mut cfg.tokenizer_path, &self.tokenizer_path);
@@ -116,9 +117,9 @@ impl EvalRequest {
         cfg.eval_iters = self.eval_iters.unwrap_or(cfg.eval_iters);
         cfg.eval_problems = self.eval_problems.unwrap_or(cfg.eval_problems);
         if let Some(d) = &self.device {
-            cfg.device.clone_from(d);
+            cfg.device = *d;
         }
-        if cfg.data == "tokenizer" && cfg.tokenizer_path.is_none() {
+        if cfg.data == DataKind::Tokenizer && cfg.tokenizer_path.is_none() {
             let own = model.dir.join(TOKENIZER_FILE);
             if !own.is_file() {
                 return Err(Error::Config(format!(
@@ -128,7 +129,7 @@ impl EvalRequest {
             }
             cfg.tokenizer_path = Some(own);
         }
-        if cfg.data != "addition" && cfg.data_path.is_none() {
+        if cfg.data != DataKind::Addition && cfg.data_path.is_none() {
             return Err(Error::Config(format!(
                 "`{}` data needs --data-path FILE",
                 cfg.data
@@ -149,7 +150,7 @@ impl EvalRequest {
     pub fn evaluate(&self, model: &ModelDir) -> Result<EvalStats> {
         let gpt = GptConfig::from_hf_json_file(&model.dir.join(checkpoint::CONFIG_FILE))?;
         let cfg = self.config(model, &gpt)?;
-        let device = parse_device(&cfg.device)?;
+        let device = cfg.device.open()?;
         let data = open_data_for(&cfg)?;
         if let Some(run) = &model.run {
             // The ids must mean what they meant in training (a rebuilt character vocabulary

@@ -148,8 +148,8 @@ impl ModelDir {
 /// `tokenizer` data (each falling back to `fallback`, the pretrained model's), none for the
 /// character, byte and addition vocabularies.
 pub fn data_special_tokens(config: &TrainConfig, fallback: SpecialTokens) -> Result<SpecialTokens> {
-    match (&config.tokenizer_path, config.data.as_str()) {
-        (Some(path), "tokenizer") => {
+    match (&config.tokenizer_path, config.data) {
+        (Some(path), crate::data::DataKind::Tokenizer) => {
             let own = TokenizerFile::open(path)?.special_tokens();
             Ok(SpecialTokens {
                 bos: own.bos.or(fallback.bos),

@@ -4,41 +4,22 @@ use std::path::Path;
 
 use candle_core::Device;
 
-use crate::config::TrainConfig;
-use crate::data::{self, DataKind, DataSource, DataSpec, Fingerprint};
+use crate::config::{DeviceSpec, TrainConfig};
+use crate::data::{self, DataSource, DataSpec, Fingerprint};
 use crate::model::{Gpt, GptConfig, Params};
 use crate::pretrained::{self, SpecialTokens};
 use crate::{checkpoint, Error, Result};
 
-/// Parses `cpu`, `cuda`, `cuda:N` or `metal` (GPU devices need the crate's matching feature).
+/// Parses `cpu`, `cuda`, `cuda:N` or `metal` and opens the device (GPU devices need the
+/// crate's matching feature).
 pub fn parse_device(name: &str) -> Result<Device> {
-    let dev = match name {
-        "cpu" => Device::Cpu,
-        "cuda" => Device::new_cuda(0)?,
-        "metal" => Device::new_metal(0)?,
-        other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
-            Some(Ok(i)) => Device::new_cuda(i)?,
-            _ => {
-                return Err(Error::Config(format!(
-                    "device must be cpu, cuda, cuda:N or metal, not `{other}`"
-                )))
-            }
-        },
-    };
-    Ok(dev)
+    name.parse::<DeviceSpec>().map_err(Error::Config)?.open()
 }
 
 /// The data spec a run config describes.
 pub fn data_spec(config: &TrainConfig) -> Result<DataSpec> {
-    let kind = match config.data.as_str() {
-        "addition" => DataKind::Addition,
-        "char" => DataKind::Char,
-        "byte" => DataKind::Byte,
-        "tokenizer" => DataKind::Tokenizer,
-        other => return Err(Error::Config(format!("unknown data kind `{other}`"))),
-    };
     Ok(DataSpec {
-        kind,
+        kind: config.data,
         path: config.data_path.clone(),
         tokenizer: config.tokenizer_path.clone(),
         val_fraction: config.val_fraction,

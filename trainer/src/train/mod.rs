@@ -119,7 +119,7 @@ impl Trainer {
     /// Starts a new run from `config` (fresh weights, or `init_from` pretrained ones).
     pub fn new(config: TrainConfig) -> Result<Self> {
         config.validate()?;
-        let device = parse_device(&config.device)?;
+        let device = config.device.open()?;
         let data = init::open_data(&config)?;
         let (model, params) = init::build_model(&config, data.as_ref(), &device)?;
         // A pretrained model brings its own shape: record it, so that run.toml and the saved
@@ -173,7 +173,7 @@ impl Trainer {
         };
         init::check_resume_compatible(&state.config, &config, &dir)?;
         config.validate()?;
-        let device = parse_device(&config.device)?;
+        let device = config.device.open()?;
         let data = init::open_data(&config)?;
         init::check_fingerprint(state.data.as_ref(), data.as_ref(), &dir, true)?;
         let (gpt_config, params) = checkpoint::load_model(&dir, &device)?;
@@ -217,7 +217,7 @@ impl Trainer {
         optimizer: AdamW,
         rng: ChaCha8Rng,
     ) -> Result<Self> {
-        let dtype = compose::parse_dtype(&config.dtype)?;
+        let dtype = config.dtype.dtype();
         let plan = compose::remat_plan(&config, &model.config, dtype)?;
         if device.is_cpu() {
             // Refuse before allocating what cannot fit (a GPU reports its own out-of-memory

@@ -27,21 +27,6 @@ pub struct PipelineRun {
     seed: Arc<AtomicU64>,
 }
 
-/// The schedule named by `schedule`: `gpipe`, `1f1b` or `interleaved:V`.
-pub fn parse_schedule(s: &str, stages: usize, m: usize) -> Result<(Schedule, usize)> {
-    let err = |e: candle_pipeline::PipelineError| Error::Config(format!("schedule `{s}`: {e}"));
-    match s {
-        "gpipe" => Ok((Schedule::gpipe(stages, m).map_err(err)?, 1)),
-        "1f1b" => Ok((Schedule::one_f_one_b(stages, m).map_err(err)?, 1)),
-        _ => match s.strip_prefix("interleaved:").map(str::parse::<usize>) {
-            Some(Ok(v)) if v >= 1 => Ok((Schedule::interleaved(stages, v, m).map_err(err)?, v)),
-            _ => Err(Error::Config(format!(
-                "schedule must be gpipe, 1f1b or interleaved:V, not `{s}`"
-            ))),
-        },
-    }
-}
-
 fn vars_where(params: &Params, pred: impl Fn(&str) -> bool) -> Vec<candle_core::Var> {
     params
         .iter()
@@ -70,14 +55,15 @@ impl PipelineRun {
                     .into(),
             ));
         }
-        if config.remat != "none" {
+        if config.remat != candle_remat::Policy::None {
             return Err(Error::Config(
                 "remat inside pipeline stages is not supported by the trainer yet: the \
                  pipeline runs its own backward, which a candle-remat tape cannot join"
                     .into(),
             ));
         }
-        let (schedule, v) = parse_schedule(&config.schedule, stages, config.microbatches)?;
+        let schedule = config.schedule.build(stages, config.microbatches)?;
+        let v = config.schedule.virtual_stages();
         let seed = Arc::new(AtomicU64::new(0));
         let kernels = config.kernels;
         let ctx_of = move |seed: &Arc<AtomicU64>| Ctx {

@@ -2,12 +2,19 @@
 //!
 //! One list of fields (in the `train_config!` invocation below) generates the config struct, its
 //! defaults, and the matching clap overrides, so a new option is added in one place and shows up
-//! in `trainer train --help` with its documentation.
+//! in `trainer train --help` with its documentation. Values written as text (`--dtype bf16`,
+//! `--remat every:2`) are typed ([`types`]): parsed once, when the config is read.
+
+mod types;
 
 use std::path::{Path, PathBuf};
 
+use candle_remat::Policy;
 use serde::{Deserialize, Serialize};
 
+pub use types::{DeviceSpec, LossScale, Precision, ScheduleKind};
+
+use crate::data::DataKind;
 use crate::model::{GptConfig, Kernels};
 use crate::optim::AdamWConfig;
 use crate::schedule::LrSchedule;
@@ -67,9 +74,9 @@ train_config! {
     /// Seed of initialisation, data sampling and dropout.
     seed: u64 = 1337,
     /// Device: `cpu`, `cuda`, `cuda:N` or `metal` (GPU ones need the matching cargo feature).
-    device: String = "cpu".into(),
+    device: DeviceSpec = DeviceSpec::Cpu,
     /// Data source: `addition` (embedded, no file), `char`, `byte` or `tokenizer`.
-    data: String = "addition".into(),
+    data: DataKind = DataKind::Addition,
     /// Text corpus for `char`, `byte` and `tokenizer` data.
     data_path: Option<PathBuf> = None,
     /// A Hugging Face `tokenizer.json` for `tokenizer` data.
@@ -122,19 +129,19 @@ train_config! {
     beta2: f64 = 0.99,
     /// Activation checkpointing of the blocks: none, all, every:K, sqrt or budget:BYTES
     /// (e.g. budget:256MiB; planned from an estimate of each block's activation bytes).
-    remat: String = "none".into(),
+    remat: Policy = Policy::None,
     /// Compute dtype: f32, or f16/bf16 with f32 master weights and optimiser state.
-    dtype: String = "f32".into(),
+    dtype: Precision = Precision::F32,
     /// Loss scaling for f16/bf16: auto (dynamic for f16, none for bf16), dynamic, none, or a
     /// static scale.
-    loss_scale: String = "auto".into(),
+    loss_scale: LossScale = LossScale::Auto,
     /// Pipeline parallelism: number of stages (threads or devices) the model is cut into
     /// (1: off).
     pipeline_stages: usize = 1,
     /// Pipeline microbatches each micro-batch is split into.
     microbatches: usize = 4,
     /// Pipeline schedule: gpipe, 1f1b or interleaved:V.
-    schedule: String = "1f1b".into(),
+    schedule: ScheduleKind = ScheduleKind::OneFOneB,
     /// CPU threads per pipeline stage (0: cores / stages).
     pipeline_threads: usize = 0,
     /// ZeRO stage with data parallelism: 0 (every rank keeps the whole AdamW state) or 1 (the
@@ -220,16 +227,10 @@ impl TrainConfig {
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
         self.gpt_config(1).validate()?;
-        if !["addition", "char", "byte", "tokenizer"].contains(&self.data.as_str()) {
-            return bad(format!(
-                "data must be addition, char, byte or tokenizer, not `{}`",
-                self.data
-            ));
-        }
-        if self.data != "addition" && self.data_path.is_none() {
+        if self.data != DataKind::Addition && self.data_path.is_none() {
             return bad(format!("data `{}` needs --data-path", self.data));
         }
-        if self.data == "tokenizer" && self.tokenizer_path.is_none() {
+        if self.data == DataKind::Tokenizer && self.tokenizer_path.is_none() {
             return bad("data `tokenizer` needs --tokenizer-path".into());
         }
         let floats = [
@@ -279,11 +280,6 @@ impl TrainConfig {
                 self.val_fraction
             ));
         }
-        crate::train::compose::parse_remat(&self.remat)?;
-        crate::train::compose::scaler_config(
-            &self.loss_scale,
-            crate::train::compose::parse_dtype(&self.dtype)?,
-        )?;
         if self.zero > 1 {
             return bad(format!("zero must be 0 or 1 (ZeRO-1), got {}", self.zero));
         }
@@ -291,11 +287,8 @@ impl TrainConfig {
             return bad("pipeline_stages and microbatches must be at least 1".into());
         }
         if self.pipeline_stages > 1 {
-            crate::train::pipeline::parse_schedule(
-                &self.schedule,
-                self.pipeline_stages,
-                self.microbatches,
-            )?;
+            self.schedule
+                .build(self.pipeline_stages, self.microbatches)?;
             if self.batch_size < self.microbatches {
                 return bad(format!(
                     "batch_size ({}) must be at least microbatches ({})",
@@ -303,7 +296,7 @@ impl TrainConfig {
                 ));
             }
         }
-        if self.data == "addition" && !(1..=9).contains(&self.digits) {
+        if self.data == DataKind::Addition && !(1..=9).contains(&self.digits) {
             return bad(format!("digits must be in 1..=9, got {}", self.digits));
         }
         Ok(())

@@ -1,0 +1,285 @@
+//! The typed values of [`TrainConfig`](super::TrainConfig) fields that are written as text in
+//! TOML files and on the command line (`--dtype bf16`, `--schedule interleaved:2`): each is
+//! parsed once, by `FromStr` (clap) or serde (TOML, JSON), and printed back by `Display`.
+
+use std::fmt;
+use std::str::FromStr;
+
+use candle_amp::ScalerConfig;
+use candle_core::{DType, Device};
+use candle_pipeline::Schedule;
+
+use crate::{Error, Result};
+
+/// Serde through `Display` / `FromStr`, so a field reads and writes as the same text as its flag.
+macro_rules! serde_as_text {
+    ($t:ty) => {
+        impl serde::Serialize for $t {
+            fn serialize<S: serde::Serializer>(
+                &self,
+                s: S,
+            ) -> std::result::Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+        impl<'de> serde::Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(
+                d: D,
+            ) -> std::result::Result<Self, D::Error> {
+                let text = String::deserialize(d)?;
+                text.parse().map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+
+/// The compute dtype: `f32`, or `bf16` / `f16` with f32 master weights and optimiser state.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// Everything in f32.
+    #[default]
+    F32,
+    /// bf16 compute (f32's range: no loss scaling needed by default).
+    Bf16,
+    /// f16 compute (dynamic loss scaling by default).
+    F16,
+}
+
+impl Precision {
+    /// The Candle dtype the model computes in.
+    pub fn dtype(self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
+            Precision::F16 => DType::F16,
+        }
+    }
+}
+
+impl FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            "f16" => Ok(Precision::F16),
+            other => Err(format!("dtype must be f32, f16 or bf16, not `{other}`")),
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::F16 => "f16",
+        })
+    }
+}
+serde_as_text!(Precision);
+
+/// Loss scaling: `auto` (dynamic for f16, none otherwise), `dynamic`, `none`, or a static
+/// positive scale.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum LossScale {
+    /// Dynamic for f16, none for bf16 and f32.
+    #[default]
+    Auto,
+    /// Grow and back off with overflows (PyTorch's `GradScaler`).
+    Dynamic,
+    /// No scaling.
+    None,
+    /// A fixed scale.
+    Static(f64),
+}
+
+impl LossScale {
+    /// The scaler for `precision` (in f32 it scales nothing: a disabled scaler).
+    pub fn scaler(self, precision: Precision) -> ScalerConfig {
+        match self {
+            LossScale::Auto if precision == Precision::F16 => ScalerConfig::dynamic(),
+            LossScale::Auto | LossScale::None => ScalerConfig::none(),
+            LossScale::Dynamic => ScalerConfig::dynamic(),
+            LossScale::Static(v) => ScalerConfig::static_scale(v),
+        }
+    }
+}
+
+impl FromStr for LossScale {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Ok(match s {
+            "auto" => LossScale::Auto,
+            "dynamic" => LossScale::Dynamic,
+            "none" => LossScale::None,
+            s => match s.parse::<f64>() {
+                Ok(v) if v > 0.0 && v.is_finite() => LossScale::Static(v),
+                _ => {
+                    return Err(format!(
+                        "loss_scale must be auto, dynamic, none or a positive number, not `{s}`"
+                    ))
+                }
+            },
+        })
+    }
+}
+
+impl fmt::Display for LossScale {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LossScale::Auto => f.write_str("auto"),
+            LossScale::Dynamic => f.write_str("dynamic"),
+            LossScale::None => f.write_str("none"),
+            LossScale::Static(v) => write!(f, "{v}"),
+        }
+    }
+}
+serde_as_text!(LossScale);
+
+/// The pipeline schedule: `gpipe`, `1f1b` or `interleaved:V` (V virtual stages per worker).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ScheduleKind {
+    /// All forwards, then all backwards.
+    GPipe,
+    /// One forward, one backward in the steady state.
+    #[default]
+    OneFOneB,
+    /// 1F1B over `V` virtual stages per worker.
+    Interleaved(usize),
+}
+
+impl ScheduleKind {
+    /// Virtual stages per worker.
+    pub fn virtual_stages(self) -> usize {
+        match self {
+            ScheduleKind::Interleaved(v) => v,
+            _ => 1,
+        }
+    }
+
+    /// The schedule for `stages` workers and `m` microbatches.
+    pub fn build(self, stages: usize, m: usize) -> Result<Schedule> {
+        let s = match self {
+            ScheduleKind::GPipe => Schedule::gpipe(stages, m),
+            ScheduleKind::OneFOneB => Schedule::one_f_one_b(stages, m),
+            ScheduleKind::Interleaved(v) => Schedule::interleaved(stages, v, m),
+        };
+        s.map_err(|e| Error::Config(format!("schedule `{self}`: {e}")))
+    }
+}
+
+impl FromStr for ScheduleKind {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "gpipe" => Ok(ScheduleKind::GPipe),
+            "1f1b" => Ok(ScheduleKind::OneFOneB),
+            _ => match s.strip_prefix("interleaved:").map(str::parse::<usize>) {
+                Some(Ok(v)) if v >= 1 => Ok(ScheduleKind::Interleaved(v)),
+                _ => Err(format!(
+                    "schedule must be gpipe, 1f1b or interleaved:V, not `{s}`"
+                )),
+            },
+        }
+    }
+}
+
+impl fmt::Display for ScheduleKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ScheduleKind::GPipe => f.write_str("gpipe"),
+            ScheduleKind::OneFOneB => f.write_str("1f1b"),
+            ScheduleKind::Interleaved(v) => write!(f, "interleaved:{v}"),
+        }
+    }
+}
+serde_as_text!(ScheduleKind);
+
+/// Where tensors live: `cpu`, `cuda` (= `cuda:0`), `cuda:N` or `metal`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DeviceSpec {
+    /// The host.
+    #[default]
+    Cpu,
+    /// CUDA device N (needs the `cuda` feature).
+    Cuda(usize),
+    /// The Metal device (needs the `metal` feature).
+    Metal,
+}
+
+impl DeviceSpec {
+    /// Opens the device (GPU devices need the crate's matching feature).
+    pub fn open(self) -> Result<Device> {
+        Ok(match self {
+            DeviceSpec::Cpu => Device::Cpu,
+            DeviceSpec::Cuda(i) => Device::new_cuda(i)?,
+            DeviceSpec::Metal => Device::new_metal(0)?,
+        })
+    }
+}
+
+impl FromStr for DeviceSpec {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" => Ok(DeviceSpec::Cuda(0)),
+            "metal" => Ok(DeviceSpec::Metal),
+            other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(i)) => Ok(DeviceSpec::Cuda(i)),
+                _ => Err(format!(
+                    "device must be cpu, cuda, cuda:N or metal, not `{other}`"
+                )),
+            },
+        }
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceSpec::Cpu => f.write_str("cpu"),
+            DeviceSpec::Cuda(i) => write!(f, "cuda:{i}"),
+            DeviceSpec::Metal => f.write_str("metal"),
+        }
+    }
+}
+serde_as_text!(DeviceSpec);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip<T>(values: &[T])
+    where
+        T: FromStr + fmt::Display + PartialEq + fmt::Debug,
+        <T as FromStr>::Err: fmt::Debug,
+    {
+        for v in values {
+            assert_eq!(&v.to_string().parse::<T>().unwrap(), v);
+        }
+    }
+
+    #[test]
+    fn text_round_trips_and_bad_text_is_named() {
+        round_trip(&[Precision::F32, Precision::Bf16, Precision::F16]);
+        round_trip(&[
+            LossScale::Auto,
+            LossScale::Dynamic,
+            LossScale::None,
+            LossScale::Static(1024.0),
+        ]);
+        round_trip(&[
+            ScheduleKind::GPipe,
+            ScheduleKind::OneFOneB,
+            ScheduleKind::Interleaved(2),
+        ]);
+        round_trip(&[DeviceSpec::Cpu, DeviceSpec::Cuda(1), DeviceSpec::Metal]);
+        assert_eq!("cuda".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(0)));
+        assert!("f8".parse::<Precision>().unwrap_err().contains("f8"));
+        assert!("-1".parse::<LossScale>().is_err());
+        assert!("interleaved:0".parse::<ScheduleKind>().is_err());
+        assert!("tpu".parse::<DeviceSpec>().unwrap_err().contains("tpu"));
+    }
+}
