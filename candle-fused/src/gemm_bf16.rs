@@ -66,12 +66,6 @@ impl Mat<'_> {
     fn covers(&self, rows: usize, cols: usize) -> bool {
         rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
     }
-
-    /// The bits of element `(r, c)`.
-    #[inline(always)]
-    fn bits(&self, r: usize, c: usize) -> u32 {
-        self.data[r * self.rs + c * self.cs].to_bits() as u32
-    }
 }
 
 /// Which micro-kernel runs the tiles.
@@ -210,17 +204,13 @@ fn pair(lo: u32, hi: u32) -> u32 {
 fn pack_a(a: Mat<'_>, m: usize, k: usize, par: bool) -> Vec<u32> {
     let kp = k.div_ceil(2);
     pack(m.div_ceil(MR) * kp * MR, kp * MR, par, |ip, panel| {
-        for r in 0..MR.min(m - ip * MR) {
-            let row = ip * MR + r;
-            for p in 0..kp {
-                let hi = if 2 * p + 1 < k {
-                    a.bits(row, 2 * p + 1)
-                } else {
-                    0
-                };
-                panel[p * MR + r] = pair(a.bits(row, 2 * p), hi);
-            }
-        }
+        let lines = Lines {
+            data: a.data,
+            first: ip * MR * a.rs,
+            step: a.rs,
+            ks: a.cs,
+        };
+        lines.pack(panel, MR, MR.min(m - ip * MR), k);
     })
 }
 
@@ -229,20 +219,72 @@ fn pack_a(a: Mat<'_>, m: usize, k: usize, par: bool) -> Vec<u32> {
 fn pack_b(b: Mat<'_>, k: usize, n: usize, par: bool) -> Vec<u32> {
     let kp = k.div_ceil(2);
     pack(n.div_ceil(NR) * kp * NR, kp * NR, par, |jp, panel| {
-        let cols = NR.min(n - jp * NR);
-        for p in 0..kp {
-            let dst = &mut panel[p * NR..p * NR + cols];
-            for (j, d) in dst.iter_mut().enumerate() {
-                let col = jp * NR + j;
-                let hi = if 2 * p + 1 < k {
-                    b.bits(2 * p + 1, col)
+        let lines = Lines {
+            data: b.data,
+            first: jp * NR * b.cs,
+            step: b.cs,
+            ks: b.rs,
+        };
+        lines.pack(panel, NR, NR.min(n - jp * NR), k);
+    })
+}
+
+/// The lines (rows of A, columns of B) of one panel, each `k` long: element `kk` of line `i`
+/// is `data[first + i * step + kk * ks]`.
+struct Lines<'a> {
+    data: &'a [bf16],
+    first: usize,
+    step: usize,
+    ks: usize,
+}
+
+impl Lines<'_> {
+    /// Writes the pairs of `count` lines into a zeroed panel `width` lanes wide (lane
+    /// `p * width + i`: the pair `p` of line `i`). Two layouts are read with unit strides: a
+    /// pair that is two neighbours of one line (`ks == 1`: row-major A, a `w.t()` weight as B)
+    /// and a pair that is the same place of two rows (`step == 1`: `xᵀ` as A, row-major B).
+    fn pack(&self, panel: &mut [u32], width: usize, count: usize, k: usize) {
+        let bits = |i: usize| self.data[i].to_bits() as u32;
+        if self.ks == 1 {
+            for i in 0..count {
+                let line = &self.data[self.first + i * self.step..][..k];
+                let mut pairs = line.chunks_exact(2);
+                for (p, two) in (&mut pairs).enumerate() {
+                    panel[p * width + i] = pair(two[0].to_bits() as u32, two[1].to_bits() as u32);
+                }
+                if let [last] = pairs.remainder() {
+                    panel[(k / 2) * width + i] = last.to_bits() as u32;
+                }
+            }
+        } else if self.step == 1 {
+            for (p, dst) in panel.chunks_exact_mut(width).enumerate() {
+                let lo = &self.data[self.first + 2 * p * self.ks..][..count];
+                if 2 * p + 1 < k {
+                    let hi = &self.data[self.first + (2 * p + 1) * self.ks..][..count];
+                    for ((d, l), h) in dst.iter_mut().zip(lo).zip(hi) {
+                        *d = pair(l.to_bits() as u32, h.to_bits() as u32);
+                    }
                 } else {
-                    0
-                };
-                *d = pair(b.bits(2 * p, col), hi);
+                    for (d, l) in dst.iter_mut().zip(lo) {
+                        *d = l.to_bits() as u32;
+                    }
+                }
+            }
+        } else {
+            for i in 0..count {
+                let line = self.first + i * self.step;
+                for p in 0..k.div_ceil(2) {
+                    let lo = bits(line + 2 * p * self.ks);
+                    let hi = if 2 * p + 1 < k {
+                        bits(line + (2 * p + 1) * self.ks)
+                    } else {
+                        0
+                    };
+                    panel[p * width + i] = pair(lo, hi);
+                }
             }
         }
-    })
+    }
 }
 
 /// A zeroed buffer of `len` lanes, `fill(panel_index, panel)` called on each `panel`-long chunk

@@ -46,6 +46,8 @@ enum Store {
     Cols,
     /// Row-major inside a wider buffer (row stride `cols + 3`), starting 5 elements in.
     Padded,
+    /// Every other element of a row-major buffer (no unit stride: packing's general path).
+    Sparse,
 }
 
 /// A `rows x cols` matrix with values from `gen`, stored as `store`: the buffer, the offset of
@@ -67,6 +69,7 @@ impl Operand {
             Store::Rows => (0, cols, 1, rows * cols),
             Store::Cols => (0, 1, rows, rows * cols),
             Store::Padded => (5, cols + 3, 1, 5 + rows * (cols + 3)),
+            Store::Sparse => (0, 2 * cols, 2, 2 * rows * cols),
         };
         let mut buf = vec![bf16::from_f32(f32::NAN); len.max(1)];
         for r in 0..rows {
@@ -154,6 +157,7 @@ fn check(kernel: Kernel, (m, n, k): (usize, usize, usize), exact: bool, rng: &mu
         (Store::Cols, Store::Cols),
         (Store::Padded, Store::Cols),
         (Store::Cols, Store::Padded),
+        (Store::Sparse, Store::Sparse),
     ] {
         let a = Operand::new(m, k, sa, || gen(exact));
         let b = Operand::new(k, n, sb, || gen(exact));
