@@ -18,9 +18,9 @@
 //!
 //! The micro-kernel keeps an `MR x NR` tile of C in 24 zmm registers; per `k`-pair it loads
 //! `NR / 16` vectors of B, broadcasts each row's A pair and issues `MR * NR / 16` `vdpbf16ps`.
-//! Cache blocking: the tile loop runs over `KC`-long slices of `k`, and within one slice over
-//! B panels, then A panels, so one B panel slice (`KC x NR` bf16, 16 KiB) stays in L1 while the
-//! task's A panels stream from L2. Work is split over tiles of C (rows x columns), never over
+//! Cache blocking: the tile loop runs over slices of 256 `k`, and within one slice over B
+//! panels, then A panels, so one B panel slice (256 `k` x 64 columns of bf16, 32 KiB) is reused
+//! from L1 / L2 by every A panel of the task, whose A block (48 rows x 256 `k`) stays in L2. Work is split over tiles of C (rows x columns), never over
 //! `k`: every element is the same sum, in the same order, on any number of threads.
 //!
 //! Operands are read through row and column strides ([`Mat`]), so transposed and sliced views
