@@ -7,6 +7,7 @@
 //! * [`norm`]: LayerNorm (optional bias) and RMSNorm, saving mean / rstd;
 //! * [`gelu`]: bias add + tanh GELU (GPT-2's) in one op;
 //! * [`linear`]: `x W + b` in one op (one GEMM forward, two and a column sum backward);
+//! * [`gemm_bf16`]: the bf16 GEMM `linear` runs on CPUs with AVX512-BF16;
 //! * [`cross_entropy`]: softmax cross-entropy over the vocabulary with mask / ignore index;
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
 //! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync;
@@ -24,6 +25,7 @@ pub mod cross_entropy;
 pub mod dropout;
 pub mod fallback;
 pub mod gelu;
+pub mod gemm_bf16;
 pub mod linear;
 pub mod norm;
 pub mod philox;

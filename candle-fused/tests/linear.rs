@@ -116,6 +116,52 @@ fn half_precision_close_to_f32() -> Result<()> {
     compare(DType::F16, 4e-3, &mut rng)
 }
 
+/// bf16 (the AVX512-BF16 GEMM where the CPU has it, the widening path elsewhere) against the
+/// same op in f32 on the same values, with an upstream gradient that bf16 holds exactly: both
+/// compute exact products and f32 sums in different orders (off by ~sqrt(k) f32 ulps of
+/// Σ|a||b|), then bf16 rounds once, so every bf16 output is within one bf16 ulp (2^-8
+/// relative) of the f32 one, plus the reordering. Shapes above the parallel threshold, odd
+/// sizes, a transposed weight.
+#[test]
+fn bf16_matches_f32_of_the_same_values() -> Result<()> {
+    if !candle_fused::gemm_bf16::available() {
+        eprintln!("linear: no AVX512-BF16 on this CPU: bf16 runs the widening path here");
+    }
+    let mut rng = Lcg(8);
+    for &(lead, n_in, n_out) in &[(&[3usize, 100][..], 257usize, 129usize), (&[7], 9, 65)] {
+        for w_t in [false, true] {
+            let mut xs = lead.to_vec();
+            xs.push(n_in);
+            let mut ys = lead.to_vec();
+            ys.push(n_out);
+            let x = rand(&xs, DType::BF16, &mut rng, 1.0, 0.0)?;
+            let ws = if w_t { [n_out, n_in] } else { [n_in, n_out] };
+            let w = rand(&ws, DType::BF16, &mut rng, 1.0, 0.0)?;
+            let b = rand(&[n_out], DType::BF16, &mut rng, 1.0, 0.0)?;
+            let up = rand(&ys, DType::BF16, &mut rng, 1.0, 0.0)?.to_dtype(DType::F64)?;
+            let h = run(linear, &x, w_t, &w, Some(&b), &up)?;
+            let f = |t: &Tensor| t.to_dtype(DType::F32);
+            let r = run(linear, &f(&x)?, w_t, &f(&w)?, Some(&f(&b)?), &up)?;
+            let what = format!("{xs:?}x{ws:?} w_t={w_t}");
+            let pairs = [
+                (&h.0, &r.0, "y"),
+                (&h.1, &r.1, "dx"),
+                (&h.2, &r.2, "dw"),
+                (h.3.as_ref().expect("db"), r.3.as_ref().expect("db"), "db"),
+            ];
+            for (a, b, name) in pairs {
+                let (a, b) = (f64s(a)?, f64s(b)?);
+                let scale = b.iter().fold(0f64, |m, v| m.max(v.abs()));
+                for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                    let tol = y.abs() / 256.0 + 1e-5 * scale;
+                    assert!((x - y).abs() <= tol, "{what} {name}[{i}]: {x} vs f32 {y}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn finite_differences_f64() -> Result<()> {
     let mut rng = Lcg(3);
