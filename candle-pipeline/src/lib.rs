@@ -10,6 +10,7 @@ pub mod schedule;
 pub mod simulator;
 pub mod stage;
 pub mod transport;
+pub mod worker;
 
 pub use balance::{
     balance_by_cost, balance_by_params, balance_by_time, measure_layer_times, split_by_params,
@@ -22,4 +23,5 @@ pub use report::{Span, Timeline};
 pub use schedule::{Action, Schedule};
 pub use simulator::{simulate, Costs, Prediction};
 pub use stage::{vars_with_prefix, ForwardHook, Hooked, Layer, Sequential, Stage};
-pub use transport::{Envelope, InProcess, Message, Payload, Transport};
+pub use transport::{Envelope, Expected, InProcess, Message, Payload, Transport};
+pub use worker::{PipelineWorker, WorkerStep};

@@ -2,7 +2,9 @@
 //!
 //! The executor only talks to a [`Transport`] endpoint per worker, so a multi-process transport
 //! (MPI between CPU hosts, NCCL between GPUs) can replace [`InProcess`] without touching the
-//! schedules or the executor.
+//! schedules or the executor. When it waits, the executor says what it waits for
+//! ([`Transport::recv_expected`]): transports whose receives must name the sender and the message
+//! (tagged point-to-point, MPI) need no receive-from-any.
 
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 
@@ -44,8 +46,27 @@ pub enum Envelope {
     },
 }
 
+/// The message a worker waits for, known from its action list: the input activation of
+/// `Forward { mb, stage }` comes from the worker of `stage - 1`, the output gradient of
+/// `Backward { mb, stage }` from the worker of `stage + 1`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Expected {
+    /// The worker that sends it.
+    pub from: usize,
+    /// Activation or gradient.
+    pub payload: Payload,
+    /// Microbatch index.
+    pub mb: usize,
+    /// Virtual stage that consumes it (the receiver's stage).
+    pub stage: usize,
+}
+
 /// One worker's endpoint of the communication between pipeline workers.
-pub trait Transport: Send {
+///
+/// Endpoints need not be `Send`: [`Pipeline::step_with`](crate::Pipeline::step_with) (which moves
+/// each into a thread) asks for it, [`PipelineWorker::step`](crate::PipelineWorker::step) (one
+/// worker per process) does not.
+pub trait Transport {
     /// Index of this worker.
     fn rank(&self) -> usize;
     /// Number of workers connected.
@@ -58,6 +79,24 @@ pub trait Transport: Send {
     fn try_recv(&self) -> Result<Option<Envelope>>;
     /// Tells every other worker to stop (best effort, never blocks).
     fn abort(&self);
+
+    /// Blocks until a message arrives, knowing that the executor waits for `expected`.
+    ///
+    /// The executor keeps any other message that arrives first for later, so a transport may
+    /// return any message; one whose receives must name the sender (tagged send / recv) returns
+    /// exactly `expected`. Aborts must still come through (as [`Envelope::Abort`] or an error).
+    /// The default calls [`Transport::recv`].
+    fn recv_expected(&self, expected: &Expected) -> Result<Envelope> {
+        let _ = expected;
+        self.recv()
+    }
+
+    /// [`Transport::abort`] with the reason (the failing worker's error), for transports that
+    /// can report it. The default calls [`Transport::abort`].
+    fn abort_with(&self, reason: &str) {
+        let _ = reason;
+        self.abort()
+    }
 }
 
 /// In-process transport over `std::sync::mpsc` channels (unbounded, so sends never block).
