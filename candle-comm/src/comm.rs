@@ -83,9 +83,9 @@ pub trait Communicator {
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor>;
 
     /// Sends `tensor` to rank `to` with `tag` (at most [`MAX_TAG`]). The shape and dtype travel
-    /// with it. Returns once the data has left `tensor`: the thread backend never waits for the
-    /// receiver; MPI may wait until the receiver posts its `recv` for large messages (bounded by
-    /// the timeout), so pair sends and receives in an order that cannot deadlock.
+    /// with it. Returns without waiting for the receiver (the thread backend queues the message;
+    /// MPI sends a copy with `MPI_Isend` and completes it later), so two ranks may send to each
+    /// other before either receives, whatever the message size.
     fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()>;
 
     /// Receives the tensor sent by rank `from` with `tag` and places it on `device`. Messages

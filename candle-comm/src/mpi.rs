@@ -13,12 +13,13 @@
 //!   `candle-comm: rank R of N: <op> timed out after <t> ...` and calls `MPI_Abort`. It cannot
 //!   return an error instead: MPI still owns the buffers of the unfinished operation.
 
+use std::cell::RefCell;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use mpi::collective::SystemOperation;
-use mpi::request::{Request, Scope};
+use mpi::request::{Request, Scope, StaticScope};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Root, Source};
 
@@ -48,8 +49,69 @@ pub struct MpiComm {
     rank: usize,
     size: usize,
     timeout: Duration,
+    /// Sends not yet matched by their receiver (see [`InFlight`]).
+    in_flight: RefCell<Vec<InFlight>>,
     // Dropped last: finalizes MPI.
     _universe: mpi::environment::Universe,
+}
+
+/// A send that has left [`Communicator::send`] but not yet reached its receiver, with the copy
+/// of the data it reads (owned here until MPI is done with it).
+///
+/// `send` does not wait for the receiver: two neighbours that send to each other before
+/// receiving (1F1B pipelines do) would otherwise both block once a message is larger than MPI's
+/// eager limit. Completed sends are reaped at every later call, and all of them before MPI is
+/// finalised; one that stays pending past the timeout aborts the job like any other wait.
+enum InFlight {
+    Header(Request<'static, [u64], StaticScope>, *mut [u64], Instant),
+    F32(Request<'static, [f32], StaticScope>, *mut [f32], Instant),
+    F64(Request<'static, [f64], StaticScope>, *mut [f64], Instant),
+}
+
+impl InFlight {
+    /// `None` once the send is complete (its buffer freed), else the send itself.
+    fn test(self) -> Option<Self> {
+        // SAFETY (each arm): `test` returned `Ok`, so the request is complete and MPI no longer
+        // reads the buffer `leak` made for it; nothing else holds the pointer.
+        match self {
+            InFlight::Header(r, p, t) => match r.test() {
+                Ok(_) => unsafe { reclaim(p) },
+                Err(r) => return Some(InFlight::Header(r, p, t)),
+            },
+            InFlight::F32(r, p, t) => match r.test() {
+                Ok(_) => unsafe { reclaim(p) },
+                Err(r) => return Some(InFlight::F32(r, p, t)),
+            },
+            InFlight::F64(r, p, t) => match r.test() {
+                Ok(_) => unsafe { reclaim(p) },
+                Err(r) => return Some(InFlight::F64(r, p, t)),
+            },
+        }
+        None
+    }
+
+    /// When the send started.
+    fn since(&self) -> Instant {
+        match self {
+            InFlight::Header(.., t) | InFlight::F32(.., t) | InFlight::F64(.., t) => *t,
+        }
+    }
+}
+
+/// Leaks a copy of `data` for a request with the static scope; [`reclaim`] frees it.
+fn leak<T: Copy>(data: &[T]) -> (&'static [T], *mut [T]) {
+    let ptr = Box::into_raw(data.to_vec().into_boxed_slice());
+    // SAFETY: `ptr` comes from `Box::into_raw` and is freed only by `reclaim`, after MPI has
+    // completed the one request that reads it.
+    (unsafe { &*ptr }, ptr)
+}
+
+/// Frees a buffer made by [`leak`].
+///
+/// # Safety
+/// `ptr` must come from [`leak`], its request must be complete, and it must not be used again.
+unsafe fn reclaim<T>(ptr: *mut [T]) {
+    drop(Box::from_raw(ptr));
 }
 
 impl std::fmt::Debug for MpiComm {
@@ -81,6 +143,7 @@ impl MpiComm {
             size: usize::try_from(size).map_err(|_| bad("size", size))?,
             world,
             timeout: DEFAULT_MPI_TIMEOUT,
+            in_flight: RefCell::new(Vec::new()),
             _universe: universe,
         })
     }
@@ -175,11 +238,42 @@ fn system_op(op: ReduceOp) -> SystemOperation {
     }
 }
 
+impl MpiComm {
+    /// Frees the buffers of completed sends; with `wait`, waits for every pending send first.
+    /// A send pending longer than the timeout aborts the job.
+    fn reap(&self, wait: bool) {
+        loop {
+            let pending = std::mem::take(&mut *self.in_flight.borrow_mut());
+            let mut still = Vec::with_capacity(pending.len());
+            for f in pending {
+                match f.test() {
+                    None => {}
+                    Some(f) if f.since().elapsed() > self.timeout => self.fatal(&format!(
+                        "{} timed out after {:?}: a message was never received (a peer is \
+                         hung, or died without aborting)",
+                        Op::Send,
+                        self.timeout
+                    )),
+                    Some(f) => still.push(f),
+                }
+            }
+            let done = still.is_empty();
+            self.in_flight.borrow_mut().extend(still);
+            if done || !wait {
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
 impl Drop for MpiComm {
     fn drop(&mut self) {
         if std::thread::panicking() {
             self.fatal("panicked");
         }
+        // MPI must not be finalised while a send still reads its buffer.
+        self.reap(true);
     }
 }
 
@@ -320,20 +414,36 @@ impl Communicator for MpiComm {
             *h = d as u64;
         }
         let process = self.world.process_at_rank(to as i32);
-        let (tag, peer) = (tag as i32, format!("rank {to}"));
+        let tag = tag as i32;
         // Dtype checked before the header goes out, so that the peer never waits for data.
         crate::host::wire_dtype(tensor.dtype(), self.rank, what)?;
-        mpi::request::scope(|sc| {
-            let req = process.immediate_send_with_tag(sc, &header[..], tag);
-            self.complete(req, what, &peer)
-        });
-        with_host(tensor, self.rank, what, |buf| match buf {
-            HostSlice::F32(v) => mpi::request::scope(|sc| {
-                self.complete(process.immediate_send_with_tag(sc, v, tag), what, &peer)
-            }),
-            HostSlice::F64(v) => mpi::request::scope(|sc| {
-                self.complete(process.immediate_send_with_tag(sc, v, tag), what, &peer)
-            }),
+        self.reap(false);
+        let now = Instant::now();
+        let (h, hp) = leak(&header[..]);
+        let req = process.immediate_send_with_tag(StaticScope, h, tag);
+        self.in_flight
+            .borrow_mut()
+            .push(InFlight::Header(req, hp, now));
+        with_host(tensor, self.rank, what, |buf| {
+            let sent = match buf {
+                HostSlice::F32(v) => {
+                    let (d, dp) = leak(v);
+                    InFlight::F32(
+                        process.immediate_send_with_tag(StaticScope, d, tag),
+                        dp,
+                        now,
+                    )
+                }
+                HostSlice::F64(v) => {
+                    let (d, dp) = leak(v);
+                    InFlight::F64(
+                        process.immediate_send_with_tag(StaticScope, d, tag),
+                        dp,
+                        now,
+                    )
+                }
+            };
+            self.in_flight.borrow_mut().push(sent);
         })
     }
 

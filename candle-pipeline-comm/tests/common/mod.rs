@@ -13,7 +13,7 @@ use candle_pipeline::{
 };
 
 /// Width of every layer.
-pub const DIM: usize = 8;
+pub const DIM: usize = 512;
 /// Rows of the batch.
 pub const ROWS: usize = 12;
 /// Microbatches per step.
