@@ -13,7 +13,7 @@ use trainer::checkpoint::{self, TrainerState};
 use trainer::config::{Overrides, TrainConfig};
 use trainer::pretrained::{EvalRequest, ModelDir, TokenizerFile};
 use trainer::sample::{generate, SamplingConfig};
-use trainer::train::{parse_device, Event, Observer, Summary, Trainer};
+use trainer::train::{Event, Observer, Summary, Trainer};
 
 /// Train GPT-2 style transformers on Candle.
 ///
@@ -112,7 +112,7 @@ struct SampleArgs {
     seed: u64,
     /// Device (cpu, cuda, cuda:N, metal).
     #[arg(long, default_value = "cpu")]
-    device: String,
+    device: trainer::config::DeviceSpec,
 }
 
 #[derive(Args, Debug)]
@@ -465,7 +465,7 @@ impl Codec {
 
 fn sample(args: SampleArgs) -> Result<()> {
     let model_dir = ModelDir::open(&args.model)?;
-    let device = parse_device(&args.device)?;
+    let device = args.device.open()?;
     let codec = Codec::for_model(&model_dir, args.tokenizer_path.as_deref())?;
     let model = model_dir.load_model(&device)?;
     let prompt = codec

@@ -1,23 +1,8 @@
 //! The `trainer` binary end to end: train, inspect, eval, sample, resume, and its errors.
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod common;
 
-fn trainer(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_trainer"))
-        .args(args)
-        .current_dir(cwd)
-        .output()
-        .expect("run the trainer binary")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use common::{output_text as text, run_cli as trainer};
 
 const TINY: &[&str] = &[
     "--n-layer",

@@ -4,17 +4,11 @@ use std::path::Path;
 
 use candle_core::Device;
 
-use crate::config::{DeviceSpec, TrainConfig};
+use crate::config::TrainConfig;
 use crate::data::{self, DataSource, DataSpec, Fingerprint};
 use crate::model::{Gpt, GptConfig, Params};
 use crate::pretrained::{self, SpecialTokens};
 use crate::{checkpoint, Error, Result};
-
-/// Parses `cpu`, `cuda`, `cuda:N` or `metal` and opens the device (GPU devices need the
-/// crate's matching feature).
-pub fn parse_device(name: &str) -> Result<Device> {
-    name.parse::<DeviceSpec>().map_err(Error::Config)?.open()
-}
 
 /// The data spec a run config describes.
 pub fn data_spec(config: &TrainConfig) -> Result<DataSpec> {

@@ -21,7 +21,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 pub use eval::{estimate_loss, task_score};
-pub use init::{check_fingerprint, open_data as open_data_for, parse_device};
+pub use init::{check_fingerprint, open_data as open_data_for};
 pub use parallel::DataParallel;
 
 use crate::checkpoint::{self, RngState, TrainerState};

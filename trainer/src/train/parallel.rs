@@ -93,8 +93,13 @@ impl DataParallel {
         let weight = match &global.mask {
             None => 1.0,
             Some(mask) => {
-                let total = f64::from(mask.sum_all()?.to_scalar::<f32>()?);
-                let mine = f64::from(rows(mask)?.sum_all()?.to_scalar::<f32>()?);
+                // Counted tokens per row, read back once.
+                let per_row: Vec<f32> = mask.sum(1)?.to_vec1()?;
+                let total: f64 = per_row.iter().map(|&c| f64::from(c)).sum();
+                let mine: f64 = per_row[start..start + per_rank]
+                    .iter()
+                    .map(|&c| f64::from(c))
+                    .sum();
                 if total > 0.0 {
                     w as f64 * mine / total
                 } else {

@@ -85,3 +85,21 @@ pub fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
     out.sort();
     out
 }
+
+/// Runs the `trainer` binary with `args` in `cwd`.
+pub fn run_cli(args: &[&str], cwd: &Path) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_trainer"))
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("run the trainer binary")
+}
+
+/// stdout followed by stderr of a finished command.
+pub fn output_text(o: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
