@@ -50,15 +50,36 @@ pub struct RngKey {
     pub seed: u64,
     /// The dropout location.
     pub site: u64,
+    /// Index of this tensor's first element in a larger tensor the mask is drawn for: element
+    /// `i` draws the uniform of element `offset + i`. A slice of rows (a pipeline microbatch)
+    /// then gets exactly the rows of the whole batch's mask.
+    pub offset: u64,
 }
 
 impl RngKey {
     /// A key for `seed` at `site`.
     pub fn new(seed: u64, site: u64) -> Self {
-        RngKey { seed, site }
+        RngKey {
+            seed,
+            site,
+            offset: 0,
+        }
     }
 
-    /// The 4 words of block `block` (elements `4 * block .. 4 * block + 4`).
+    /// The same key for a tensor whose first element is element `offset` of the tensor the
+    /// mask is drawn for (e.g. rows `r..` of a `[B, ...]` batch: `offset = r * row_len`).
+    ///
+    /// ```
+    /// use candle_fused::RngKey;
+    /// let key = RngKey::new(3, 1);
+    /// assert_eq!(key.with_offset(10).uniform(2), key.uniform(12));
+    /// ```
+    pub fn with_offset(self, offset: u64) -> Self {
+        RngKey { offset, ..self }
+    }
+
+    /// The 4 words of block `block` (elements `4 * block .. 4 * block + 4` of the whole
+    /// tensor: the offset is not applied).
     #[inline(always)]
     pub fn block(&self, block: u64) -> [u32; 4] {
         philox4x32_10(
@@ -75,6 +96,7 @@ impl RngKey {
     /// The uniform number in `[0, 1)` of element `index` (24 random bits, exact in f32).
     #[inline(always)]
     pub fn uniform(&self, index: u64) -> f32 {
+        let index = self.offset + index;
         to_unit(self.block(index / 4)[(index % 4) as usize])
     }
 
@@ -82,7 +104,7 @@ impl RngKey {
     pub fn fill_uniform(&self, start: u64, out: &mut [f32]) {
         let mut i = 0usize;
         while i < out.len() {
-            let idx = start + i as u64;
+            let idx = self.offset + start + i as u64;
             let lane = (idx % 4) as usize;
             let words = self.block(idx / 4);
             let take = (4 - lane).min(out.len() - i);

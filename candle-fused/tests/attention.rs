@@ -487,3 +487,38 @@ fn rejects_bad_arguments() -> Result<()> {
     assert!(attention(&q, &k64, &k64, &AttentionConfig::full()).is_err());
     Ok(())
 }
+
+#[test]
+fn offset_key_gives_the_rows_of_the_whole_batch() -> Result<()> {
+    // Attention over a slice of batch rows, keyed with the offset of its first probability
+    // (`row * H * T * T`), equals those rows of the whole batch's attention: values and
+    // gradients bit for bit (pipeline microbatches with dropout).
+    let (b, t, h, d) = (5, 19, 2, 4);
+    let qkv = rand_seeded(8, &[b, t, 3 * h * d], 1.0, DType::F32)?;
+    let key = RngKey::new(21, 3);
+    let cfg = AttentionConfig::causal().with_dropout(0.3, key);
+    let probe = rand_seeded(9, &[b, t, h * d], 1.0, DType::F32)?;
+    let (y, g) = value_and_grads(
+        &|x| attention_qkv(&x[0], h, &cfg),
+        std::slice::from_ref(&qkv),
+        &probe,
+    )?;
+    let mut ys = Vec::new();
+    let mut gs = Vec::new();
+    for (start, rows) in [(0usize, 2usize), (2, 2), (4, 1)] {
+        let part = qkv.narrow(0, start, rows)?;
+        let cfg = AttentionConfig::causal()
+            .with_dropout(0.3, key.with_offset((start * h * t * t) as u64));
+        // The same upstream gradient rows as the whole-batch call.
+        let (yp, gp) = value_and_grads(
+            &|x| attention_qkv(&x[0], h, &cfg),
+            std::slice::from_ref(&part),
+            &probe.narrow(0, start, rows)?,
+        )?;
+        ys.push(yp);
+        gs.push(gp[0].clone());
+    }
+    same_bits(&Tensor::cat(&ys, 0)?, &y, "value")?;
+    same_bits(&Tensor::cat(&gs, 0)?, &g[0], "dqkv")?;
+    Ok(())
+}

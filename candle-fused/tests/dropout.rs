@@ -290,3 +290,26 @@ fn p_validation_and_identity() -> Result<()> {
     assert_eq!(y.id(), x.id());
     Ok(())
 }
+
+#[test]
+fn offset_key_gives_the_rows_of_the_whole_mask() -> Result<()> {
+    // A slice of rows (a pipeline microbatch) keyed with its first element's index draws
+    // exactly those rows of the mask of the whole batch, in the kernel and the composite.
+    let mut rng = Lcg31(91);
+    let (b, row) = (7usize, 3 * 37usize);
+    let x = randn(&[b, 3, 37], DType::F32, &mut rng, 1.0)?;
+    let key = RngKey::new(11, 4);
+    let whole = dropout(&x, 0.3, key)?;
+    for (start, rows) in [(0usize, 2usize), (2, 3), (5, 2), (6, 1)] {
+        let part = x.narrow(0, start, rows)?;
+        let keyed = key.with_offset((start * row) as u64);
+        let want = whole.narrow(0, start, rows)?;
+        same_bits(&dropout(&part, 0.3, keyed)?, &want, "kernel")?;
+        same_bits(&dropout_composite(&part, 0.3, keyed)?, &want, "composite")?;
+        // Without the offset the slice draws the first rows' mask instead.
+        if start > 0 {
+            assert_ne!(bits(&dropout(&part, 0.3, key)?)?, bits(&want)?);
+        }
+    }
+    Ok(())
+}
