@@ -22,6 +22,9 @@ pub use microbatch::{chunk_sizes, even_sizes, LossReduction, Microbatches};
 pub use report::{Span, Timeline};
 pub use schedule::{Action, Schedule};
 pub use simulator::{simulate, Costs, Prediction};
-pub use stage::{vars_with_prefix, ForwardHook, Hooked, Layer, Sequential, Stage};
+pub use stage::{
+    vars_with_prefix, Call, ForwardHook, Hooked, Layer, Sequential, Stage, StageBackward,
+    StageForward,
+};
 pub use transport::{Envelope, Expected, InProcess, Message, Payload, Transport};
 pub use worker::{PipelineWorker, WorkerStep};

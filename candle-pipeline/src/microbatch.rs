@@ -63,6 +63,9 @@ pub struct Microbatches {
     inputs: Vec<Tensor>,
     targets: Vec<Tensor>,
     weights: Vec<f64>,
+    /// First row of each microbatch in the whole batch.
+    rows: Vec<usize>,
+    key: u64,
 }
 
 impl Microbatches {
@@ -126,11 +129,37 @@ impl Microbatches {
                 weights.len()
             )));
         }
+        let mut rows = Vec::with_capacity(inputs.len());
+        let mut row = 0;
+        for x in &inputs {
+            rows.push(row);
+            row += x.dim(0)?;
+        }
         Ok(Self {
             inputs,
             targets,
             weights,
+            rows,
+            key: 0,
         })
+    }
+
+    /// Attaches a key the stages receive in every [`Call`](crate::stage::Call) of this batch
+    /// (e.g. the step's dropout seed); 0 by default.
+    pub fn with_key(mut self, key: u64) -> Self {
+        self.key = key;
+        self
+    }
+
+    /// The batch's key (see [`Microbatches::with_key`]).
+    pub fn key(&self) -> u64 {
+        self.key
+    }
+
+    /// Index of microbatch `k`'s first row in the whole batch (the sum of the earlier
+    /// microbatches' sizes).
+    pub fn row(&self, k: usize) -> usize {
+        self.rows[k]
     }
 
     /// Number of microbatches.

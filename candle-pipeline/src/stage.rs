@@ -1,8 +1,92 @@
 //! Stages: the unit of model a pipeline worker runs, and adapters from a plain layer chain.
 
+use std::ops::Range;
 use std::sync::Arc;
 
+use candle_core::backprop::GradStore;
 use candle_core::{Module, Result as CResult, Tensor, Var};
+
+use crate::error::{PipelineError, Result};
+
+/// Which forward call a stage is running: the microbatch, the (virtual) stage, the
+/// microbatch's first row in the whole batch and the batch's key (see
+/// [`Microbatches::with_key`](crate::Microbatches::with_key)).
+///
+/// A stage that draws random numbers (dropout) derives them from the call, so that a
+/// microbatch's masks are the same in its forward and in a recompute, and, keyed by `row`, the
+/// same rows of the mask the whole batch would draw in one process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Call {
+    /// The microbatch.
+    pub mb: usize,
+    /// The (virtual) stage.
+    pub stage: usize,
+    /// Index of the microbatch's first row in the whole batch.
+    pub row: usize,
+    /// The batch's key (e.g. a dropout seed for this step), the same for every microbatch.
+    pub key: u64,
+}
+
+/// Backward of a stage forward that does not keep its whole graph: given the scalar the
+/// pipeline backpropagates (built on the stage output), the gradients of every tensor the
+/// stage's plain backward would reach (at least its parameters and its input).
+pub type StageBackward = dyn FnOnce(&Tensor) -> CResult<GradStore> + Send;
+
+/// The result of [`Stage::forward_call`]: the output, and how to backpropagate it when the
+/// stage recomputes activations instead of keeping them (plain `backward()` otherwise).
+pub struct StageForward {
+    output: Tensor,
+    backward: Option<Box<StageBackward>>,
+}
+
+impl std::fmt::Debug for StageForward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StageForward")
+            .field("output", &self.output.shape())
+            .field("own_backward", &self.backward.is_some())
+            .finish()
+    }
+}
+
+impl StageForward {
+    /// An output whose graph is kept: the pipeline runs Candle's `backward()` on it.
+    pub fn new(output: Tensor) -> Self {
+        Self {
+            output,
+            backward: None,
+        }
+    }
+
+    /// An output with its own backward (e.g. recomputing checkpointed layers).
+    pub fn with_backward(
+        output: Tensor,
+        backward: impl FnOnce(&Tensor) -> CResult<GradStore> + Send + 'static,
+    ) -> Self {
+        Self {
+            output,
+            backward: Some(Box::new(backward)),
+        }
+    }
+
+    /// The stage output.
+    pub fn output(&self) -> &Tensor {
+        &self.output
+    }
+
+    /// Splits into the output and the backward (`None`: plain `backward()`).
+    pub fn into_parts(self) -> (Tensor, Option<Box<StageBackward>>) {
+        (self.output, self.backward)
+    }
+
+    /// Gradients of `root` (a scalar built on the output): the stage's own backward, or
+    /// Candle's.
+    pub fn backward(backward: Option<Box<StageBackward>>, root: &Tensor) -> CResult<GradStore> {
+        match backward {
+            Some(b) => b(root),
+            None => root.backward(),
+        }
+    }
+}
 
 /// One (virtual) pipeline stage: a differentiable function of its input activation, with the
 /// parameters it owns.
@@ -15,6 +99,13 @@ pub trait Stage: Send + Sync {
     fn forward(&self, x: &Tensor) -> CResult<Tensor>;
     /// The parameters of the stage. Only gradients of these are kept in the returned `GradStore`.
     fn vars(&self) -> Vec<Var>;
+    /// The forward pass the pipeline runs: told which microbatch it is for, and free to keep
+    /// less than its whole graph by returning its own backward (see [`StageForward`]).
+    /// Defaults to [`Stage::forward`] with the plain backward.
+    fn forward_call(&self, x: &Tensor, call: &Call) -> CResult<StageForward> {
+        let _ = call;
+        Ok(StageForward::new(self.forward(x)?))
+    }
 }
 
 impl<S: Stage + ?Sized> Stage for Box<S> {
@@ -23,6 +114,9 @@ impl<S: Stage + ?Sized> Stage for Box<S> {
     }
     fn vars(&self) -> Vec<Var> {
         (**self).vars()
+    }
+    fn forward_call(&self, x: &Tensor, call: &Call) -> CResult<StageForward> {
+        (**self).forward_call(x, call)
     }
 }
 
@@ -33,9 +127,12 @@ impl<S: Stage + ?Sized> Stage for Arc<S> {
     fn vars(&self) -> Vec<Var> {
         (**self).vars()
     }
+    fn forward_call(&self, x: &Tensor, call: &Call) -> CResult<StageForward> {
+        (**self).forward_call(x, call)
+    }
 }
 
-type LayerFn = dyn Fn(&Tensor) -> CResult<Tensor> + Send + Sync;
+type LayerFn = dyn Fn(&Tensor, &Call) -> CResult<Tensor> + Send + Sync;
 
 /// One link of a sequential model (embedding, block, head ...) with its parameters.
 #[derive(Clone)]
@@ -59,6 +156,15 @@ impl Layer {
     where
         F: Fn(&Tensor) -> CResult<Tensor> + Send + Sync + 'static,
     {
+        Self::with_call(vars, move |x, _| f(x))
+    }
+
+    /// A layer that is told which [`Call`] it runs for (e.g. to key its dropout masks by the
+    /// microbatch), e.g. `Layer::with_call(vars, move |x, call| block.forward(x, call.key))`.
+    pub fn with_call<F>(vars: Vec<Var>, f: F) -> Self
+    where
+        F: Fn(&Tensor, &Call) -> CResult<Tensor> + Send + Sync + 'static,
+    {
         Self {
             f: Arc::new(f),
             vars,
@@ -70,9 +176,14 @@ impl Layer {
         Self::new(vars, move |x| module.forward(x))
     }
 
-    /// Runs the layer.
+    /// Runs the layer (for the default [`Call`]).
     pub fn forward(&self, x: &Tensor) -> CResult<Tensor> {
-        (self.f)(x)
+        (self.f)(x, &Call::default())
+    }
+
+    /// Runs the layer for `call`.
+    pub fn forward_call(&self, x: &Tensor, call: &Call) -> CResult<Tensor> {
+        (self.f)(x, call)
     }
 
     /// The parameters of the layer.
@@ -86,31 +197,120 @@ impl Layer {
     }
 }
 
-/// A stage made of consecutive [`Layer`]s, applied in order.
+/// A stage made of consecutive [`Layer`]s, applied in order; optionally some runs of layers
+/// are recomputed in backward instead of keeping their activations
+/// ([`Sequential::with_recompute`]).
 #[derive(Clone, Debug, Default)]
 pub struct Sequential {
     layers: Vec<Layer>,
+    /// Ranges of layers recomputed in backward (sorted, disjoint).
+    recompute: Vec<Range<usize>>,
+}
+
+fn run_layers(layers: &[Layer], x: &Tensor, call: &Call) -> CResult<Tensor> {
+    let mut h = x.clone();
+    for l in layers {
+        h = l.forward_call(&h, call)?;
+    }
+    Ok(h)
+}
+
+/// Adds the gradients of `part` into `total` (a tensor reached by both gets the sum).
+fn merge_grads(total: &mut GradStore, part: GradStore) -> CResult<()> {
+    for &id in part.get_ids() {
+        let Some(g) = part.get_id(id).cloned() else {
+            continue;
+        };
+        let sum = match total.get_id(id) {
+            Some(prev) => (prev + &g)?,
+            None => g,
+        };
+        total.insert_id(id, sum);
+    }
+    Ok(())
 }
 
 impl Sequential {
     /// A stage running `layers` one after the other.
     pub fn new(layers: Vec<Layer>) -> Self {
-        Self { layers }
+        Self {
+            layers,
+            recompute: Vec::new(),
+        }
+    }
+
+    /// Activation checkpointing inside the stage: each range of layers in `ranges` keeps only
+    /// its input in the forward pass and is recomputed (for the same [`Call`], so with the same
+    /// dropout masks) when the backward reaches it. The other layers keep their graph.
+    ///
+    /// Gradients equal the plain backward's up to the order of float additions where a tensor
+    /// gets contributions from two passes (none for a chain of layers with distinct
+    /// parameters). Fails if the ranges are empty, overlap, are unsorted or exceed the layers.
+    pub fn with_recompute(mut self, ranges: Vec<Range<usize>>) -> Result<Self> {
+        let mut end = 0;
+        for r in &ranges {
+            if r.start < end || r.start >= r.end || r.end > self.layers.len() {
+                return Err(PipelineError::Config(format!(
+                    "recompute ranges {ranges:?} must be sorted, disjoint, non-empty and within \
+                     the stage's {} layers",
+                    self.layers.len()
+                )));
+            }
+            end = r.end;
+        }
+        self.recompute = ranges;
+        Ok(self)
     }
 
     /// The layers of the stage.
     pub fn layers(&self) -> &[Layer] {
         &self.layers
     }
+
+    /// The ranges of layers recomputed in backward.
+    pub fn recomputed(&self) -> &[Range<usize>] {
+        &self.recompute
+    }
 }
 
 impl Stage for Sequential {
     fn forward(&self, x: &Tensor) -> CResult<Tensor> {
-        let mut h = x.clone();
-        for l in &self.layers {
-            h = l.forward(&h)?;
+        run_layers(&self.layers, x, &Call::default())
+    }
+
+    fn forward_call(&self, x: &Tensor, call: &Call) -> CResult<StageForward> {
+        if self.recompute.is_empty() {
+            return Ok(StageForward::new(run_layers(&self.layers, x, call)?));
         }
-        Ok(h)
+        // (layers, input with its graph, output leaf) of each recomputed range.
+        let mut saved: Vec<(Range<usize>, Tensor, Var)> = Vec::new();
+        let mut h = x.clone();
+        let mut at = 0;
+        for r in &self.recompute {
+            h = run_layers(&self.layers[at..r.start], &h, call)?;
+            // Run on a detached input and keep a copy of the output as a fresh leaf: the
+            // range's activations are owned by `out` alone and freed with it.
+            let out = run_layers(&self.layers[r.clone()], &h.detach(), call)?;
+            let leaf = Var::from_tensor(&out.detach())?;
+            drop(out);
+            saved.push((r.clone(), h, leaf.clone()));
+            h = leaf.as_tensor().clone();
+            at = r.end;
+        }
+        let y = run_layers(&self.layers[at..], &h, call)?;
+        let (layers, call) = (self.layers.clone(), *call);
+        Ok(StageForward::with_backward(y, move |root| {
+            let mut total = root.backward()?;
+            for (r, input, leaf) in saved.into_iter().rev() {
+                let Some(g) = total.remove(leaf.as_tensor()) else {
+                    continue; // no gradient reaches this range
+                };
+                let out = run_layers(&layers[r], &input, &call)?;
+                let part = (out * g.detach())?.sum_all()?.backward()?;
+                merge_grads(&mut total, part)?;
+            }
+            Ok(total)
+        }))
     }
     /// The layers' variables, each once (a weight shared by two layers of the stage, e.g. a
     /// tied embedding, must not have its gradient counted twice).
@@ -166,6 +366,24 @@ impl<S: Stage> Hooked<S> {
 impl<S: Stage> Stage for Hooked<S> {
     fn forward(&self, x: &Tensor) -> CResult<Tensor> {
         self.hook.run(&|x| self.stage.forward(x), x)
+    }
+    /// The hook wraps the inner stage's call; an inner stage with its own backward (recomputed
+    /// layers) cannot be wrapped, since the hook only returns a tensor.
+    fn forward_call(&self, x: &Tensor, call: &Call) -> CResult<StageForward> {
+        let y = self.hook.run(
+            &|x| {
+                let (y, own) = self.stage.forward_call(x, call)?.into_parts();
+                if own.is_some() {
+                    candle_core::bail!(
+                        "a ForwardHook cannot wrap a stage with its own backward (recomputed \
+                         layers): checkpoint inside the stage or in the hook, not both"
+                    );
+                }
+                Ok(y)
+            },
+            x,
+        )?;
+        Ok(StageForward::new(y))
     }
     fn vars(&self) -> Vec<Var> {
         self.stage.vars()

@@ -19,7 +19,7 @@ use crate::executor::LossFn;
 use crate::microbatch::Microbatches;
 use crate::report::Span;
 use crate::schedule::{Action, Schedule};
-use crate::stage::Stage;
+use crate::stage::{Call, Stage, StageBackward, StageForward};
 use crate::transport::{Envelope, Expected, Message, Payload, Transport};
 
 /// One worker of a pipeline: the virtual stages it hosts (`worker, worker + workers, ...`), its
@@ -264,6 +264,10 @@ impl PipelineWorker {
     }
 }
 
+/// What a forward keeps for its backward: the input leaf (none on the first stage), the stage
+/// output (the weighted loss on the last stage) and the stage's own backward, if any.
+type Stashed = (Option<Var>, Tensor, Option<Box<StageBackward>>);
+
 /// One worker during one step: its transport endpoint and its state.
 struct Run<'a, T: Transport + ?Sized> {
     transport: &'a T,
@@ -276,8 +280,8 @@ struct State<'a> {
     schedule: &'a Schedule,
     batch: &'a Microbatches,
     mailbox: HashMap<(Payload, usize, usize), Tensor>,
-    /// `(mb, stage)` -> (input leaf, stage output or weighted loss).
-    stash: HashMap<(usize, usize), (Option<Var>, Tensor)>,
+    /// `(mb, stage)` -> (input leaf, stage output or weighted loss, the stage's own backward).
+    stash: HashMap<(usize, usize), Stashed>,
     vars: HashMap<usize, Vec<Var>>,
     out: WorkerStep,
 }
@@ -416,7 +420,13 @@ impl State<'_> {
                         (Some(v), t)
                     }
                 };
-                let y = stage.forward(&x)?;
+                let call = Call {
+                    mb,
+                    stage: st,
+                    row: self.batch.row(mb),
+                    key: self.batch.key(),
+                };
+                let (y, own_backward) = stage.forward_call(&x, &call)?.into_parts();
                 let mut msg = None;
                 let kept = if st + 1 == n {
                     let target = self.batch.target(mb).to_device(dev)?;
@@ -438,19 +448,19 @@ impl State<'_> {
                     });
                     y
                 };
-                self.stash.insert((mb, st), (leaf, kept));
+                self.stash.insert((mb, st), (leaf, kept, own_backward));
                 self.out.peak_in_flight = self.out.peak_in_flight.max(self.stash.len());
                 Ok(msg)
             }
             Action::Backward { .. } => {
-                let Some((leaf, out)) = self.stash.remove(&(mb, st)) else {
+                let Some((leaf, out, own_backward)) = self.stash.remove(&(mb, st)) else {
                     candle_core::bail!("no stored forward for microbatch {mb} on stage {st}");
                 };
                 let surrogate = match received {
                     None => out,
                     Some(g) => (out * g.to_device(dev)?.detach())?.sum_all()?,
                 };
-                let grads = surrogate.backward()?;
+                let grads = StageForward::backward(own_backward, &surrogate)?;
                 drop(surrogate);
                 // Candle's backward leaves op graphs on parameter gradients (e.g. `grad * x`
                 // records `x` when `x` is tracked), which keep this microbatch's activations
