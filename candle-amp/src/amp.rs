@@ -191,6 +191,91 @@ impl Amp {
         self.skip(step, upd, check, 0, SkipReason::NonFiniteGradients)
     }
 
+    /// The overflow-checked step for an update that applies a gradient coefficient itself
+    /// (e.g. a fused AdamW that multiplies each gradient as it reads it), so that no
+    /// unscaled or clipped copy of the gradients is made.
+    ///
+    /// `scaled_norm` is the global L2 norm of `grads` as they are (at the current scale),
+    /// computed by the caller (one fused reduction). When it is finite, `apply(coef)` must
+    /// update the masters with `coef * grad` (`coef` folds unscaling and clipping); otherwise
+    /// the gradients are scanned to name the non-finite parameters, the update is skipped and
+    /// the scale backs off, as in [`step`](Self::step).
+    ///
+    /// With [`ScalerConfig::none`] in f32 this is a plain clipped step: the scaler is a no-op
+    /// (PyTorch's `GradScaler(enabled=False)`) and `coef` is the clip coefficient.
+    ///
+    /// ```
+    /// use candle_amp::{Amp, MasterWeights, ScalerConfig, WeightMode};
+    /// use candle_core::{DType, Device, Tensor, Var};
+    /// let dev = Device::Cpu;
+    /// let w = Var::from_tensor(&Tensor::new(&[3f32, 4.0], &dev)?)?;
+    /// let weights = MasterWeights::new([("w".into(), w.clone())], DType::F32, WeightMode::Cast)?;
+    /// let mut amp = Amp::new(weights, ScalerConfig::none())?.with_clip_norm(Some(1.0))?;
+    /// let grads = w.as_tensor().sqr()?.sum_all()?.affine(0.5, 0.0)?.backward()?; // grad = w
+    /// let norm = 5.0; // |(3, 4)|
+    /// let mut used = 0.0;
+    /// let outcome = amp.step_fused(&grads, norm, |coef| {
+    ///     used = coef;
+    ///     Ok(())
+    /// })?;
+    /// assert!(outcome.is_applied());
+    /// assert!((used - 1.0 / (5.0 + 1e-6)).abs() < 1e-12); // clipped to norm 1
+    /// # Ok::<(), candle_amp::AmpError>(())
+    /// ```
+    pub fn step_fused<F>(
+        &mut self,
+        grads: &GradStore,
+        scaled_norm: f32,
+        apply: F,
+    ) -> Result<StepOutcome>
+    where
+        F: FnOnce(f64) -> candle_core::Result<()>,
+    {
+        let step = self.scaler.state().steps;
+        let scale = self.scale();
+        if scaled_norm.is_finite() {
+            let grad_norm = f64::from(scaled_norm) / scale;
+            let clip_coef = self.clip_coefficient(grad_norm);
+            apply(clip_coef / scale)?;
+            return self.finish_applied(step, scale, grad_norm, clip_coef, 0);
+        }
+        let t0 = Instant::now();
+        let check = check::check(&self.weights, grads, scale)?;
+        self.last_check = t0.elapsed();
+        let upd = self.scaler.on_overflow(false);
+        self.skip(step, upd, check, 0, SkipReason::NonFiniteGradients)
+    }
+
+    fn clip_coefficient(&self, grad_norm: f64) -> f64 {
+        match self.clip_norm {
+            Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
+            None => 1.0,
+        }
+    }
+
+    fn finish_applied(
+        &mut self,
+        step: u64,
+        scale: f64,
+        grad_norm: f64,
+        clip_coef: f64,
+        retries: u32,
+    ) -> Result<StepOutcome> {
+        self.weights.refresh()?;
+        let upd = self.scaler.on_clean();
+        self.scaler.finish_step(true);
+        tracing::trace!(step, grad_norm, scale, "amp step applied");
+        Ok(StepOutcome::Applied {
+            step,
+            grad_norm,
+            clip_coef,
+            scale,
+            next_scale: upd.after,
+            change: upd.change,
+            retries,
+        })
+    }
+
     /// Recompute-until-finite (TF's `LossScaleGradientTape`): `backward(scale)` must return
     /// the gradients of the same batch's loss multiplied by `scale`; on overflow the scale
     /// backs off (hysteresis is bypassed: the same scale would overflow again) and the
@@ -272,10 +357,7 @@ impl Amp {
         F: FnOnce(&GradStore) -> candle_core::Result<()>,
     {
         let grad_norm = check.sq_norm.sqrt();
-        let clip_coef = match self.clip_norm {
-            Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
-            None => 1.0,
-        };
+        let clip_coef = self.clip_coefficient(grad_norm);
         let coef = clip_coef / scale;
         let mut store = GradStore::default();
         for (i, g) in &check.grads {
@@ -287,19 +369,7 @@ impl Amp {
             store.insert(self.weights.params()[*i].master(), g);
         }
         apply(&store)?;
-        self.weights.refresh()?;
-        let upd = self.scaler.on_clean();
-        self.scaler.finish_step(true);
-        tracing::trace!(step, grad_norm, scale, "amp step applied");
-        Ok(StepOutcome::Applied {
-            step,
-            grad_norm,
-            clip_coef,
-            scale,
-            next_scale: upd.after,
-            change: upd.change,
-            retries,
-        })
+        self.finish_applied(step, scale, grad_norm, clip_coef, retries)
     }
 
     fn skip(
@@ -337,7 +407,8 @@ impl Amp {
         } else {
             reason
         };
-        tracing::warn!(
+        // Reported in the returned outcome; the caller decides how loudly.
+        tracing::debug!(
             step,
             ?reason,
             scale_before = upd.before,

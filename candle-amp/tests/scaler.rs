@@ -312,3 +312,79 @@ fn invalid_configs_are_rejected() {
         assert!(matches!(LossScaler::new(cfg), Err(AmpError::Config(_))));
     }
 }
+
+/// `step_fused` (caller's norm, coefficient applied by the caller) makes the same decisions
+/// and the same update as `step` with SGD: a clean step applies `lr * coef * grad`, an
+/// overflow skips, names the parameter and backs off.
+#[test]
+fn step_fused_matches_step() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let (a, b, x, k) = model(&dev, 4.0);
+    let (a2, b2) = (
+        Var::from_tensor(&a.as_tensor().copy()?)?,
+        Var::from_tensor(&b.as_tensor().copy()?)?,
+    );
+    let cfg = ScalerConfig::dynamic().init_scale(32768.0);
+    let mut amp = amp_for(&a, &b, cfg.clone())?.with_clip_norm(Some(0.5))?;
+    let mut fused = amp_for(&a2, &b2, cfg)?.with_clip_norm(Some(0.5))?;
+    let mut opt = candle_nn::SGD::new(amp.master_vars(), 0.1)?;
+    for step in 0..4 {
+        let grads = amp.backward(&loss(&a, &b, &x, k)?)?;
+        let want = amp.step(&mut opt, &grads)?;
+        let g2 = fused.backward(&loss(&a2, &b2, &x, k)?)?;
+        let parts: Vec<Tensor> = [&a2, &b2]
+            .iter()
+            .filter_map(|v| g2.get(v.as_tensor()))
+            .map(|g| g.to_dtype(DType::F32)?.sqr()?.sum_all())
+            .collect::<candle_core::Result<_>>()?;
+        let norm = Tensor::stack(&parts, 0)?
+            .sum_all()?
+            .sqrt()?
+            .to_scalar::<f32>()?;
+        let got = fused.step_fused(&g2, norm, |coef| {
+            for v in [&a2, &b2] {
+                if let Some(g) = g2.get(v.as_tensor()) {
+                    let upd = g.to_dtype(DType::F32)?.affine(0.1 * coef, 0.0)?;
+                    v.set(&v.as_tensor().sub(&upd)?)?;
+                }
+            }
+            Ok(())
+        })?;
+        assert_eq!(want.is_applied(), got.is_applied(), "step {step}");
+        match (&want, &got) {
+            (
+                StepOutcome::Skipped {
+                    nonfinite_params: n1,
+                    scale_after: s1,
+                    ..
+                },
+                StepOutcome::Skipped {
+                    nonfinite_params: n2,
+                    scale_after: s2,
+                    ..
+                },
+            ) => assert_eq!((n1, s1), (n2, s2), "step {step}"),
+            (
+                StepOutcome::Applied { grad_norm: n1, .. },
+                StepOutcome::Applied { grad_norm: n2, .. },
+            ) => {
+                assert!(
+                    (n1 - n2).abs() <= 1e-5 * n1,
+                    "step {step}: norm {n1} vs {n2}"
+                )
+            }
+            _ => unreachable!(),
+        }
+        for (p, q) in [(&a, &a2), (&b, &b2)] {
+            let (p, q) = (flat(p.as_tensor()), flat(q.as_tensor()));
+            for (u, v) in p.iter().zip(&q) {
+                assert!(
+                    (u - v).abs() <= 1e-6 * u.abs().max(1.0),
+                    "step {step}: {u} vs {v}"
+                );
+            }
+        }
+    }
+    assert!(fused.state().skipped > 0 && fused.state().applied > 0);
+    Ok(())
+}
