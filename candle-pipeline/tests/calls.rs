@@ -1,4 +1,5 @@
 //! Stages told which microbatch they run for ([`Call`]), and layers recomputed inside a stage
+#![allow(clippy::single_range_in_vec_init)] // ranges of layers, as `with_recompute` takes
 //! ([`Sequential::with_recompute`]).
 //!
 //! A "dropout" layer keyed by `call.key` and the global row (`call.row + r`) draws the same mask
