@@ -1,5 +1,4 @@
 //! Stages told which microbatch they run for ([`Call`]), and layers recomputed inside a stage
-#![allow(clippy::single_range_in_vec_init)] // ranges of layers, as `with_recompute` takes
 //! ([`Sequential::with_recompute`]).
 //!
 //! A "dropout" layer keyed by `call.key` and the global row (`call.row + r`) draws the same mask
@@ -7,6 +6,8 @@
 //! in one go with the same per-row masks. Tolerance 1e-5 relative, as in `equivalence.rs`
 //! (only the order of f32 sums differs); recomputed stages are compared with the same pipeline
 //! without recompute bit for bit (the same ops on the same values, one pass per range).
+
+#![allow(clippy::single_range_in_vec_init)] // ranges of layers, as `with_recompute` takes
 
 mod common;
 

@@ -73,14 +73,21 @@ pub enum Error {
     /// A tokenizer could not be loaded or failed to encode/decode.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
-    /// Training produced a non-finite gradient norm (without mixed precision, which skips
-    /// such steps instead).
-    #[error("non-finite gradient norm {norm} at step {step}")]
+    /// Training produced non-finite gradients where skipping the step could not help (no
+    /// dynamic loss scale to back off: f32, bf16, a static scale).
+    #[error(
+        "non-finite gradient norm {norm} at step {step} (in {}: {}); the weights were not \
+         updated. Lower the learning rate or resume from an earlier checkpoint",
+        params.len(),
+        params.iter().take(5).cloned().collect::<Vec<_>>().join(", ")
+    )]
     NonFiniteGradient {
         /// The step at which the gradients were computed.
         step: usize,
-        /// The global gradient norm.
+        /// The global gradient norm (at the loss scale).
         norm: f32,
+        /// The parameters whose gradients hold inf or NaN.
+        params: Vec<String>,
     },
     /// Training produced a non-finite loss.
     #[error("non-finite loss {loss} at step {step}")]

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use candle_remat::Policy;
 use serde::{Deserialize, Serialize};
 
-pub use types::{DeviceSpec, LossScale, Precision, ScheduleKind};
+pub use types::{DeviceList, DeviceSpec, LossScale, Precision, ScheduleKind};
 
 use crate::data::DataKind;
 use crate::model::{GptConfig, Kernels};
@@ -144,6 +144,10 @@ train_config! {
     schedule: ScheduleKind = ScheduleKind::OneFOneB,
     /// CPU threads per pipeline stage (0: cores / stages).
     pipeline_threads: usize = 0,
+    /// Device of each pipeline stage, comma-separated (`cpu,cpu`, `cuda:0,cuda:1`; empty:
+    /// every stage on `device`). Weights stay on `device` and are copied to a stage's device
+    /// at use, differentiably.
+    pipeline_devices: DeviceList = DeviceList::default(),
     /// ZeRO stage with data parallelism: 0 (every rank keeps the whole AdamW state) or 1 (the
     /// AdamW state and update are sharded across ranks, updated weights are all-gathered).
     zero: usize = 0,
@@ -289,6 +293,13 @@ impl TrainConfig {
         if self.pipeline_stages > 1 {
             self.schedule
                 .build(self.pipeline_stages, self.microbatches)?;
+            let devices = self.pipeline_devices.0.len();
+            if devices != 0 && devices != self.pipeline_stages {
+                return bad(format!(
+                    "pipeline_devices names {devices} device(s) for {} pipeline stages",
+                    self.pipeline_stages
+                ));
+            }
             if self.batch_size < self.microbatches {
                 return bad(format!(
                     "batch_size ({}) must be at least microbatches ({})",

@@ -247,6 +247,32 @@ impl fmt::Display for DeviceSpec {
 }
 serde_as_text!(DeviceSpec);
 
+/// Devices of the pipeline stages, comma-separated (`cpu,cpu`, `cuda:0,cuda:1`); empty: every
+/// stage on the run's device.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct DeviceList(pub Vec<DeviceSpec>);
+
+impl FromStr for DeviceList {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if s.trim().is_empty() {
+            return Ok(DeviceList::default());
+        }
+        s.split(',')
+            .map(|d| d.trim().parse())
+            .collect::<std::result::Result<_, _>>()
+            .map(DeviceList)
+    }
+}
+
+impl fmt::Display for DeviceList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<String> = self.0.iter().map(ToString::to_string).collect();
+        f.write_str(&names.join(","))
+    }
+}
+serde_as_text!(DeviceList);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -276,6 +302,11 @@ mod tests {
             ScheduleKind::Interleaved(2),
         ]);
         round_trip(&[DeviceSpec::Cpu, DeviceSpec::Cuda(1), DeviceSpec::Metal]);
+        round_trip(&[
+            DeviceList::default(),
+            DeviceList(vec![DeviceSpec::Cpu, DeviceSpec::Cuda(1)]),
+        ]);
+        assert!("cpu,gpu".parse::<DeviceList>().unwrap_err().contains("gpu"));
         assert_eq!("cuda".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(0)));
         assert!("f8".parse::<Precision>().unwrap_err().contains("f8"));
         assert!("-1".parse::<LossScale>().is_err());

@@ -107,7 +107,9 @@ impl Kernels {
             Kernels::Fused => {
                 let mut cfg = AttentionConfig::causal();
                 if p > 0.0 {
-                    cfg = cfg.with_dropout(p, RngKey::new(ctx.seed, site));
+                    // Keyed by the global row, like `dropout` (probabilities are [B, H, T, T]).
+                    let offset = (ctx.row * n_head * t * t) as u64;
+                    cfg = cfg.with_dropout(p, RngKey::new(ctx.seed, site).with_offset(offset));
                 }
                 attention_qkv(qkv, n_head, &cfg)
             }
@@ -133,14 +135,21 @@ impl Kernels {
     }
 
     /// Inverted dropout with a mask that is a pure function of `(ctx.seed, site)` and the
-    /// element index; `x` itself when not training or `p == 0`.
+    /// element's index in the whole batch (`x`'s rows are rows `ctx.row..` of it, see
+    /// [`Ctx::row`]); `x` itself when not training or `p == 0`.
     pub fn dropout(self, x: &Tensor, p: f32, ctx: &Ctx, site: u64) -> R {
         if !ctx.train || p == 0.0 {
             return Ok(x.clone());
         }
+        let row_len = x.elem_count() / x.dim(0)?.max(1);
+        let offset = (ctx.row * row_len) as u64;
         match self {
-            Kernels::Fused => candle_fused::dropout::dropout(x, p, RngKey::new(ctx.seed, site)),
-            Kernels::Reference => chacha_dropout(x, p, ctx.seed, site),
+            Kernels::Fused => candle_fused::dropout::dropout(
+                x,
+                p,
+                RngKey::new(ctx.seed, site).with_offset(offset),
+            ),
+            Kernels::Reference => chacha_dropout(x, p, ctx.seed, site, offset),
         }
     }
 

@@ -4,7 +4,9 @@ use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::scope::Builder;
 use super::Ctx;
+use crate::Result;
 
 /// GPT-2's "Conv1D": a linear layer whose weight is stored `[in, out]` (`y = x W + b`).
 #[derive(Clone, Debug)]
@@ -19,6 +21,30 @@ impl Conv1D {
     /// Wraps a weight `[in, out]` and an optional bias `[out]`.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
         Conv1D { weight, bias }
+    }
+
+    /// The layer `b.weight [fan_in, fan_out]` (and `b.bias [fan_out]` if `bias`).
+    pub fn build(b: &Builder, fan_in: usize, fan_out: usize, bias: bool) -> Result<Self> {
+        Ok(Conv1D::new(
+            b.get(&[fan_in, fan_out], "weight")?,
+            b.get_if(bias, &[fan_out], "bias")?,
+        ))
+    }
+
+    /// The same layer with its tensors mapped by `f` (e.g. cast to a dtype).
+    pub fn map(
+        &self,
+        f: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Self> {
+        Ok(Conv1D::new(
+            f(&self.weight)?,
+            self.bias.as_ref().map(&f).transpose()?,
+        ))
+    }
+
+    /// The weight and the bias, if any.
+    pub fn weights(&self) -> impl Iterator<Item = &Tensor> {
+        std::iter::once(&self.weight).chain(&self.bias)
     }
 
     /// `[.., in] -> [.., out]`, computing in `ctx.dtype`.
@@ -65,6 +91,32 @@ impl LayerNorm {
         LayerNorm { weight, bias, eps }
     }
 
+    /// The LayerNorm `b.weight [c]` (and `b.bias [c]` if `bias`).
+    pub fn build(b: &Builder, c: usize, bias: bool, eps: f64) -> Result<Self> {
+        Ok(LayerNorm::new(
+            b.get(&[c], "weight")?,
+            b.get_if(bias, &[c], "bias")?,
+            eps,
+        ))
+    }
+
+    /// The same LayerNorm with its tensors mapped by `f` (e.g. cast to a dtype).
+    pub fn map(
+        &self,
+        f: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Self> {
+        Ok(LayerNorm::new(
+            f(&self.weight)?,
+            self.bias.as_ref().map(&f).transpose()?,
+            self.eps,
+        ))
+    }
+
+    /// The scale and the shift, if any.
+    pub fn weights(&self) -> impl Iterator<Item = &Tensor> {
+        std::iter::once(&self.weight).chain(&self.bias)
+    }
+
     /// The epsilon added to the variance.
     pub fn eps(&self) -> f64 {
         self.eps
@@ -109,10 +161,18 @@ pub fn dropout(x: &Tensor, p: f32, ctx: &Ctx, site: u64) -> candle_core::Result<
 }
 
 /// The reference path's dropout: a mask drawn element by element from a host ChaCha8 stream
-/// seeded by `(seed, site)`.
-pub fn chacha_dropout(x: &Tensor, p: f32, seed: u64, site: u64) -> candle_core::Result<Tensor> {
+/// seeded by `(seed, site)`, starting at word `offset` of the stream (element `i` draws word
+/// `offset + i`, so rows `r..` of a batch draw exactly those rows of the whole batch's mask).
+pub fn chacha_dropout(
+    x: &Tensor,
+    p: f32,
+    seed: u64,
+    site: u64,
+    offset: u64,
+) -> candle_core::Result<Tensor> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     rng.set_stream(site);
+    rng.set_word_pos(u128::from(offset));
     let keep = 1.0 / (1.0 - p);
     let n = x.elem_count();
     let mask: Vec<f32> = (0..n)

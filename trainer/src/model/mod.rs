@@ -4,15 +4,23 @@
 //! (`transformer.h.{i}.attn.c_attn.weight` is a Conv1D weight of shape `[in, out]`), so a real
 //! GPT-2 `model.safetensors` loads without renaming (see [`crate::checkpoint`]).
 //!
-//! Every operation has a backward in Candle: LayerNorm and softmax are written from primitive ops
-//! because Candle's fused `layer_norm` / `softmax_last_dim` return detached outputs. Dropout draws
-//! its masks from a seeded host RNG ([`Ctx`]) so that training is reproducible on every device and
-//! a recomputed block (activation checkpointing) sees the same masks as the forward pass.
+//! Parameter names come from the structure ([`Builder::pp`], as in candle-nn's `VarBuilder`),
+//! and the model exposes its chain as [`Link`]s ([`Gpt::links`]), each with the weights it
+//! reads: the plain forward, activation-checkpointing plans and pipeline stages all run that one
+//! list.
+//!
+//! Every operation has a backward: the ops come from `candle-fused` (or, with
+//! `--kernels reference`, from primitive Candle ops; Candle's own fused `layer_norm` /
+//! `softmax_last_dim` return detached outputs). Dropout masks are a pure function of a seed, a
+//! site and the element's index in the batch ([`Ctx`]), so training is reproducible on every
+//! device and a recomputed block or a pipeline microbatch sees the same masks as the plain
+//! forward pass.
 
 mod config;
 mod kernels;
 mod layers;
 mod params;
+mod scope;
 
 use candle_core::{DType, Device, Module, Tensor};
 
@@ -20,6 +28,7 @@ pub use config::{GptConfig, GPT2_ENDOFTEXT};
 pub use kernels::Kernels;
 pub use layers::{causal_mask, chacha_dropout, dropout, stat_dtype, Conv1D, LayerNorm};
 pub use params::Params;
+pub use scope::{Builder, Source};
 
 use crate::Result;
 
@@ -28,16 +37,20 @@ pub const LN_EPS: f64 = 1e-5;
 
 /// Per-call forward context: training mode, dropout seed, compute dtype and kernels.
 ///
-/// Dropout masks are a pure function of `(seed, site)`, where the site is fixed per dropout
-/// location in the network. The trainer derives `seed` from the run seed and the step, so a run
-/// is reproducible, a resumed run needs no RNG state for dropout, and a recomputed block gets
-/// the same masks.
+/// Dropout masks are a pure function of `(seed, site)` and the element's index in the batch,
+/// where the site is fixed per dropout location in the network. The trainer derives `seed`
+/// from the run seed and the step, so a run is reproducible, a resumed run needs no RNG state
+/// for dropout, a recomputed block gets the same masks, and a slice of the batch's rows (a
+/// pipeline microbatch, a data-parallel shard) gets exactly those rows of the batch's masks.
 #[derive(Clone, Copy, Debug)]
 pub struct Ctx {
     /// Apply dropout (training) or not (evaluation).
     pub train: bool,
     /// Seed of this forward pass's dropout masks.
     pub seed: u64,
+    /// Index of the input's first row in the batch the masks are drawn for (0 for a whole
+    /// batch; `r` for rows `r..` of it).
+    pub row: usize,
     /// Dtype of the computation (weights are cast to it at use, so f32 master weights receive
     /// f32 gradients). Softmax, LayerNorm statistics and the loss always run in f32.
     pub dtype: DType,
@@ -51,6 +64,7 @@ impl Ctx {
         Ctx {
             train: false,
             seed: 0,
+            row: 0,
             dtype: DType::F32,
             kernels: Kernels::Fused,
         }
@@ -61,8 +75,7 @@ impl Ctx {
         Ctx {
             train: true,
             seed,
-            dtype: DType::F32,
-            kernels: Kernels::Fused,
+            ..Ctx::eval()
         }
     }
 
@@ -74,6 +87,11 @@ impl Ctx {
     /// The same context with other kernels.
     pub fn with_kernels(self, kernels: Kernels) -> Self {
         Ctx { kernels, ..self }
+    }
+
+    /// The same context for rows `row..` of the batch (see [`Ctx::row`]).
+    pub fn with_row(self, row: usize) -> Self {
+        Ctx { row, ..self }
     }
 }
 
@@ -88,6 +106,15 @@ pub struct Embed {
 }
 
 impl Embed {
+    /// `b.wte.weight` and `b.wpe.weight` (`b` is the `transformer` path).
+    pub fn build(b: &Builder, cfg: &GptConfig) -> Result<Self> {
+        Ok(Embed {
+            wte: b.pp("wte").get(&[cfg.vocab_size, cfg.n_embd], "weight")?,
+            wpe: b.pp("wpe").get(&[cfg.block_size, cfg.n_embd], "weight")?,
+            dropout: cfg.dropout,
+        })
+    }
+
     /// Maps token ids `[B, T]` (u32) to the residual stream `[B, T, n_embd]`.
     pub fn forward(&self, idx: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         let (b, t) = idx.dims2()?;
@@ -161,10 +188,68 @@ pub struct Block {
 }
 
 impl Block {
+    /// Block `i` (`b` is the `transformer.h.{i}` path). Its dropout sites are `1 + 3i ..= 3 + 3i`
+    /// (site 0 is the embedding's).
+    pub fn build(b: &Builder, cfg: &GptConfig, i: usize) -> Result<Self> {
+        let (c, bias) = (cfg.n_embd, cfg.bias);
+        let site = 1 + 3 * i as u64;
+        let (attn, mlp) = (b.pp("attn"), b.pp("mlp"));
+        Ok(Block {
+            ln_1: LayerNorm::build(&b.pp("ln_1"), c, bias, LN_EPS)?,
+            attn: CausalSelfAttention {
+                c_attn: Conv1D::build(&attn.pp("c_attn"), c, 3 * c, bias)?,
+                c_proj: Conv1D::build(&attn.pp("c_proj"), c, c, bias)?,
+                n_head: cfg.n_head,
+                dropout: cfg.dropout,
+                site,
+            },
+            ln_2: LayerNorm::build(&b.pp("ln_2"), c, bias, LN_EPS)?,
+            mlp: Mlp {
+                c_fc: Conv1D::build(&mlp.pp("c_fc"), c, 4 * c, bias)?,
+                c_proj: Conv1D::build(&mlp.pp("c_proj"), 4 * c, c, bias)?,
+                dropout: cfg.dropout,
+                site: site + 2,
+            },
+        })
+    }
+
     /// `[B, T, C] -> [B, T, C]`.
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         let x = (x + self.attn.forward(&self.ln_1.forward_ctx(x, ctx)?, ctx)?)?;
         &x + self.mlp.forward(&self.ln_2.forward_ctx(&x, ctx)?, ctx)?
+    }
+
+    /// The same block with its weights mapped by `f` (cast, copied to a device).
+    pub fn map(
+        &self,
+        f: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Self> {
+        Ok(Block {
+            ln_1: self.ln_1.map(f)?,
+            attn: CausalSelfAttention {
+                c_attn: self.attn.c_attn.map(f)?,
+                c_proj: self.attn.c_proj.map(f)?,
+                ..self.attn.clone()
+            },
+            ln_2: self.ln_2.map(f)?,
+            mlp: Mlp {
+                c_fc: self.mlp.c_fc.map(f)?,
+                c_proj: self.mlp.c_proj.map(f)?,
+                ..self.mlp.clone()
+            },
+        })
+    }
+
+    fn weights(&self) -> Vec<Tensor> {
+        self.ln_1
+            .weights()
+            .chain(self.attn.c_attn.weights())
+            .chain(self.attn.c_proj.weights())
+            .chain(self.ln_2.weights())
+            .chain(self.mlp.c_fc.weights())
+            .chain(self.mlp.c_proj.weights())
+            .cloned()
+            .collect()
     }
 }
 
@@ -178,12 +263,78 @@ pub struct Head {
 }
 
 impl Head {
+    /// `b.ln_f` over the tied embedding `wte` (`b` is the `transformer` path).
+    pub fn build(b: &Builder, cfg: &GptConfig, wte: Tensor) -> Result<Self> {
+        Ok(Head {
+            ln_f: LayerNorm::build(&b.pp("ln_f"), cfg.n_embd, cfg.bias, LN_EPS)?,
+            wte,
+        })
+    }
+
     /// `[B, T, C] -> logits [B, T, vocab_size]` in f32 (f64 when computing in f64).
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         let x = self.ln_f.forward_ctx(x, ctx)?;
         let w = self.wte.to_dtype(ctx.dtype)?;
         let logits = ctx.kernels.linear(&x, &w.t()?, None)?;
         logits.to_dtype(stat_dtype(logits.dtype()))
+    }
+}
+
+/// One link of the model's chain `embed -> blocks -> head`: the unit that remat plans
+/// checkpoint and pipeline stages are cut from.
+#[derive(Clone, Debug)]
+pub enum Link {
+    /// Token ids `[B, T]` to the residual stream.
+    Embed(Embed),
+    /// A transformer block, `[B, T, C] -> [B, T, C]`.
+    Block(Block),
+    /// The residual stream to logits.
+    Head(Head),
+}
+
+impl Link {
+    /// Runs the link.
+    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        match self {
+            Link::Embed(e) => e.forward(x, ctx),
+            Link::Block(b) => b.forward(x, ctx),
+            Link::Head(h) => h.forward(x, ctx),
+        }
+    }
+
+    /// The weights the link reads (the tied embedding is read by the embedding and the head,
+    /// and listed by both). [`Params::vars_of`] maps them to the parameters.
+    pub fn weights(&self) -> Vec<Tensor> {
+        match self {
+            Link::Embed(e) => vec![e.wte.clone(), e.wpe.clone()],
+            Link::Block(b) => b.weights(),
+            Link::Head(h) => h.ln_f.weights().chain([&h.wte]).cloned().collect(),
+        }
+    }
+
+    /// The same link with its weights mapped by `f` (e.g. cast to a dtype or copied to a
+    /// device, differentiably).
+    pub fn map(
+        &self,
+        f: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Link> {
+        Ok(match self {
+            Link::Embed(e) => Link::Embed(Embed {
+                wte: f(&e.wte)?,
+                wpe: f(&e.wpe)?,
+                dropout: e.dropout,
+            }),
+            Link::Block(b) => Link::Block(b.map(f)?),
+            Link::Head(h) => Link::Head(Head {
+                ln_f: h.ln_f.map(f)?,
+                wte: f(&h.wte)?,
+            }),
+        })
+    }
+
+    /// Whether the link is a transformer block (what activation checkpointing plans over).
+    pub fn is_block(&self) -> bool {
+        matches!(self, Link::Block(_))
     }
 }
 
@@ -200,6 +351,10 @@ impl Head {
 /// let loss = trainer::model::cross_entropy(&logits, &idx, None)?;
 /// let grads = loss.backward()?;
 /// assert!(params.iter().all(|(_, v)| grads.get(v).is_some()));
+/// // The chain: embedding, 2 blocks, head; each link knows the parameters it reads.
+/// let links = model.links();
+/// assert_eq!(links.len(), 4);
+/// assert_eq!(params.vars_of(&links[0].weights()).len(), 2); // wte, wpe
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Debug)]
@@ -224,65 +379,15 @@ impl Gpt {
         Ok((model, params))
     }
 
-    /// Builds the model over existing parameters (which must have the HF names and shapes
-    /// for `config`; see [`Params::check_gpt`]).
-    pub fn from_params(config: &GptConfig, params: &Params) -> Result<Self> {
-        config.validate()?;
-        params.check_gpt(config)?;
-        let p = |name: &str| params.tensor(name);
-        let ln = |prefix: &str| -> Result<LayerNorm> {
-            Ok(LayerNorm::new(
-                p(&format!("{prefix}.weight"))?,
-                if config.bias {
-                    Some(p(&format!("{prefix}.bias"))?)
-                } else {
-                    None
-                },
-                LN_EPS,
-            ))
-        };
-        let conv = |prefix: &str| -> Result<Conv1D> {
-            Ok(Conv1D::new(
-                p(&format!("{prefix}.weight"))?,
-                if config.bias {
-                    Some(p(&format!("{prefix}.bias"))?)
-                } else {
-                    None
-                },
-            ))
-        };
-        let wte = p("transformer.wte.weight")?;
-        let embed = Embed {
-            wte: wte.clone(),
-            wpe: p("transformer.wpe.weight")?,
-            dropout: config.dropout,
-        };
-        let mut blocks = Vec::with_capacity(config.n_layer);
-        for i in 0..config.n_layer {
-            let h = format!("transformer.h.{i}");
-            let site = 1 + 3 * i as u64;
-            blocks.push(Block {
-                ln_1: ln(&format!("{h}.ln_1"))?,
-                attn: CausalSelfAttention {
-                    c_attn: conv(&format!("{h}.attn.c_attn"))?,
-                    c_proj: conv(&format!("{h}.attn.c_proj"))?,
-                    n_head: config.n_head,
-                    dropout: config.dropout,
-                    site,
-                },
-                ln_2: ln(&format!("{h}.ln_2"))?,
-                mlp: Mlp {
-                    c_fc: conv(&format!("{h}.mlp.c_fc"))?,
-                    c_proj: conv(&format!("{h}.mlp.c_proj"))?,
-                    dropout: config.dropout,
-                    site: site + 2,
-                },
-            });
-        }
-        let head = Head {
-            ln_f: ln("transformer.ln_f")?,
-            wte,
-        };
+    /// Builds the model's structure, taking every tensor from `b` by its Hugging Face name
+    /// (`transformer.h.{i}.attn.c_attn.weight`, ...), derived from the structure itself.
+    pub fn build(config: &GptConfig, b: &Builder) -> Result<Self> {
+        let t = b.pp("transformer");
+        let embed = Embed::build(&t, config)?;
+        let blocks = (0..config.n_layer)
+            .map(|i| Block::build(&t.pp("h").pp(i), config, i))
+            .collect::<Result<Vec<_>>>()?;
+        let head = Head::build(&t, config, embed.wte.clone())?;
         Ok(Gpt {
             config: config.clone(),
             embed,
@@ -291,66 +396,55 @@ impl Gpt {
         })
     }
 
+    /// Builds the model over existing parameters (which must have the HF names and shapes
+    /// for `config`; see [`Params::check_gpt`]).
+    pub fn from_params(config: &GptConfig, params: &Params) -> Result<Self> {
+        config.validate()?;
+        params.check_gpt(config)?;
+        Self::build(config, &Builder::root(&|name, _| params.tensor(name)))
+    }
+
+    /// The chain: the embedding, every block, the head (clones of the handles).
+    pub fn links(&self) -> Vec<Link> {
+        std::iter::once(Link::Embed(self.embed.clone()))
+            .chain(self.blocks.iter().cloned().map(Link::Block))
+            .chain([Link::Head(self.head.clone())])
+            .collect()
+    }
+
     /// The model with every weight cast to `dtype` (differentiably: gradients flow back to the
     /// original, e.g. f32 master, weights). The trainer calls this once per step, so the
     /// forward and a remat recompute use the cast weights instead of casting at every use.
     /// Free (a clone of the handles) when the weights already have `dtype`.
     pub fn to_dtype(&self, dtype: DType) -> candle_core::Result<Self> {
-        let ln = |l: &LayerNorm| -> candle_core::Result<LayerNorm> {
-            Ok(LayerNorm::new(
-                l.weight.to_dtype(dtype)?,
-                l.bias.as_ref().map(|b| b.to_dtype(dtype)).transpose()?,
-                l.eps(),
-            ))
-        };
-        let conv = |c: &Conv1D| -> candle_core::Result<Conv1D> {
-            Ok(Conv1D::new(
-                c.weight.to_dtype(dtype)?,
-                c.bias.as_ref().map(|b| b.to_dtype(dtype)).transpose()?,
-            ))
-        };
+        let cast = |t: &Tensor| t.to_dtype(dtype);
         // The tied embedding is cast once per link (embed, head): each link owns its cast, so
         // the two gradient contributions reach the f32 weight as two f32 terms, in the same
         // order in a plain backward and in a remat tape's separate passes (bit-identical).
-        let mut blocks = Vec::with_capacity(self.blocks.len());
-        for b in &self.blocks {
-            blocks.push(Block {
-                ln_1: ln(&b.ln_1)?,
-                attn: CausalSelfAttention {
-                    c_attn: conv(&b.attn.c_attn)?,
-                    c_proj: conv(&b.attn.c_proj)?,
-                    ..b.attn.clone()
-                },
-                ln_2: ln(&b.ln_2)?,
-                mlp: Mlp {
-                    c_fc: conv(&b.mlp.c_fc)?,
-                    c_proj: conv(&b.mlp.c_proj)?,
-                    ..b.mlp.clone()
-                },
-            });
-        }
         Ok(Gpt {
             config: self.config.clone(),
             embed: Embed {
-                wte: self.embed.wte.to_dtype(dtype)?,
-                wpe: self.embed.wpe.to_dtype(dtype)?,
+                wte: cast(&self.embed.wte)?,
+                wpe: cast(&self.embed.wpe)?,
                 dropout: self.embed.dropout,
             },
-            blocks,
+            blocks: self
+                .blocks
+                .iter()
+                .map(|b| b.map(&cast))
+                .collect::<candle_core::Result<_>>()?,
             head: Head {
-                ln_f: ln(&self.head.ln_f)?,
-                wte: self.head.wte.to_dtype(dtype)?,
+                ln_f: self.head.ln_f.map(cast)?,
+                wte: cast(&self.head.wte)?,
             },
         })
     }
 
     /// Token ids `[B, T]` (u32, `T <= block_size`) to logits `[B, T, vocab_size]` (f32).
     pub fn forward(&self, idx: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        let mut x = self.embed.forward(idx, ctx)?;
-        for block in &self.blocks {
-            x = block.forward(&x, ctx)?;
-        }
-        self.head.forward(&x, ctx)
+        self.links()
+            .iter()
+            .try_fold(idx.clone(), |x, link| link.forward(&x, ctx))
     }
 }
 

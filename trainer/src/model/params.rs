@@ -1,13 +1,14 @@
 //! Named trainable parameters in a deterministic (sorted) order.
 
-use std::collections::BTreeMap;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashSet};
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, TensorId, Var};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
-use super::GptConfig;
+use super::{Builder, GptConfig};
 use crate::{Error, Result};
 
 /// Trainable parameters by Hugging Face name, iterated in sorted name order (unlike
@@ -82,44 +83,29 @@ impl Params {
         self.vars.values().map(|v| v.elem_count()).sum()
     }
 
-    /// Names and shapes a GPT with `config` has, in sorted order.
+    /// Names and shapes a GPT with `config` has, in sorted order: the names the model's
+    /// structure asks for ([`Gpt::build`](super::Gpt::build)).
     pub fn gpt_shapes(config: &GptConfig) -> BTreeMap<String, Vec<usize>> {
-        let c = config.n_embd;
-        let mut s = BTreeMap::new();
-        let mut add = |n: String, shape: Vec<usize>| {
-            s.insert(n, shape);
+        let shapes = RefCell::new(BTreeMap::new());
+        let record = |name: &str, shape: &[usize]| -> Result<Tensor> {
+            shapes.borrow_mut().insert(name.to_string(), shape.to_vec());
+            // A stand-in that allocates nothing: only the names and shapes are wanted.
+            Ok(Tensor::zeros((), DType::F32, &Device::Cpu)?.broadcast_as(shape)?)
         };
-        add("transformer.wte.weight".into(), vec![config.vocab_size, c]);
-        add("transformer.wpe.weight".into(), vec![config.block_size, c]);
-        let lns = (0..config.n_layer)
-            .flat_map(|i| {
-                [
-                    format!("transformer.h.{i}.ln_1"),
-                    format!("transformer.h.{i}.ln_2"),
-                ]
-            })
-            .chain(std::iter::once("transformer.ln_f".to_string()));
-        for ln in lns {
-            add(format!("{ln}.weight"), vec![c]);
-            if config.bias {
-                add(format!("{ln}.bias"), vec![c]);
-            }
-        }
-        for i in 0..config.n_layer {
-            let h = format!("transformer.h.{i}");
-            for (name, fan_in, fan_out) in [
-                ("attn.c_attn", c, 3 * c),
-                ("attn.c_proj", c, c),
-                ("mlp.c_fc", c, 4 * c),
-                ("mlp.c_proj", 4 * c, c),
-            ] {
-                add(format!("{h}.{name}.weight"), vec![fan_in, fan_out]);
-                if config.bias {
-                    add(format!("{h}.{name}.bias"), vec![fan_out]);
-                }
-            }
-        }
-        s
+        // Building only fails if the source does, and this one does not.
+        let _ = super::Gpt::build(config, &Builder::root(&record));
+        shapes.into_inner()
+    }
+
+    /// The variables whose tensors are among `weights` (e.g. a [`Link`](super::Link)'s
+    /// weights), in sorted name order.
+    pub fn vars_of(&self, weights: &[Tensor]) -> Vec<Var> {
+        let ids: HashSet<TensorId> = weights.iter().map(|t| t.id()).collect();
+        self.vars
+            .values()
+            .filter(|v| ids.contains(&v.as_tensor().id()))
+            .cloned()
+            .collect()
     }
 
     /// GPT-2 initialisation: weights ~ N(0, 0.02), residual projections (`c_proj`) scaled by

@@ -148,18 +148,16 @@ pub fn check_memory_fits(config: &TrainConfig, estimate: u64) -> Result<()> {
     )))
 }
 
-/// Mixed precision over the model's f32 parameters (the masters), when `dtype` is f16/bf16.
+/// The loss scaler over the model's f32 parameters (the masters), for every precision: a no-op
+/// scaler in f32 (and bf16 by default), dynamic scaling for f16 by default, as `loss_scale`
+/// says. Clipping at `grad_clip` is part of its step.
 ///
 /// The model casts each master weight at use (`WeightMode::Cast`), so the optimiser's state
 /// stays in f32 and gradients arrive in f32 through `to_dtype`'s backward.
-pub fn build_amp(config: &TrainConfig, params: &Params) -> Result<Option<Amp>> {
-    let dtype = config.dtype.dtype();
-    if dtype == DType::F32 {
-        return Ok(None);
-    }
+pub fn build_amp(config: &TrainConfig, params: &Params) -> Result<Amp> {
     let named = params.iter().map(|(n, v)| (n.clone(), v.clone()));
-    let weights = MasterWeights::new(named, dtype, WeightMode::Cast)?;
+    let weights = MasterWeights::new(named, config.dtype.dtype(), WeightMode::Cast)?;
     let clip = (config.grad_clip > 0.0).then_some(config.grad_clip as f64);
     let amp = Amp::new(weights, config.loss_scale.scaler(config.dtype))?.with_clip_norm(clip)?;
-    Ok(Some(amp))
+    Ok(amp)
 }

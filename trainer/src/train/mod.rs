@@ -6,6 +6,7 @@ mod eval;
 mod init;
 pub mod parallel;
 pub mod pipeline;
+pub mod step;
 pub mod zero;
 
 use std::path::{Path, PathBuf};
@@ -15,21 +16,22 @@ use std::time::Instant;
 use candle_amp::{Amp, StepOutcome};
 use candle_comm::Communicator;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
-use candle_remat::{Plan, Tape};
+use candle_core::{DType, Device, Var};
+use candle_remat::Plan;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 pub use eval::{estimate_loss, task_score};
 pub use init::{check_fingerprint, open_data as open_data_for};
 pub use parallel::DataParallel;
+pub use step::Executor;
 
 use crate::checkpoint::{self, RngState, TrainerState};
-use crate::config::TrainConfig;
+use crate::config::{Precision, TrainConfig};
 use crate::data::{DataSource, Split};
 use crate::metrics::{EvalStats, MetricsLog, Record, StepStats};
 use crate::model::{Ctx, Gpt, Params};
-use crate::optim::{accumulate, clip_coefficient, global_grad_norm, AdamW};
+use crate::optim::{accumulate, global_grad_norm, AdamW};
 use crate::run_dir::{self, Claim, RunDir};
 use crate::schedule::LrSchedule;
 use crate::{Error, Result};
@@ -95,9 +97,8 @@ pub struct Trainer {
     pub optimizer: AdamW,
     vars: Vec<Var>,
     dtype: DType,
-    plan: Option<Plan>,
-    amp: Option<Amp>,
-    pipeline: Option<pipeline::PipelineRun>,
+    executor: Executor,
+    amp: Amp,
     schedule: LrSchedule,
     peak_flops: f64,
     rng: ChaCha8Rng,
@@ -184,18 +185,17 @@ impl Trainer {
         checkpoint::load_optimizer(&dir, &mut optimizer, &device)?;
         let rng = state.rng.restore()?;
         let mut t = Self::assemble(config, device, data, model, params, optimizer, rng)?;
-        if let Some(amp) = &mut t.amp {
-            let path = dir.join(AMP_FILE);
-            if path.exists() {
-                amp.load_state(&path)
-                    .map_err(|e| Error::checkpoint(&path, e.to_string()))?;
-            } else {
-                tracing::warn!(
-                    "{} has no loss-scaler state (saved as {}): starting a fresh scaler",
-                    dir.display(),
-                    state.config.dtype
-                );
-            }
+        let path = dir.join(AMP_FILE);
+        if path.exists() {
+            t.amp
+                .load_state(&path)
+                .map_err(|e| Error::checkpoint(&path, e.to_string()))?;
+        } else if t.config.dtype != Precision::F32 {
+            tracing::warn!(
+                "{} has no loss-scaler state (saved as {}): starting a fresh scaler",
+                dir.display(),
+                state.config.dtype
+            );
         }
         t.step = state.step;
         t.tokens_seen = state.tokens_seen;
@@ -218,11 +218,11 @@ impl Trainer {
         rng: ChaCha8Rng,
     ) -> Result<Self> {
         let dtype = config.dtype.dtype();
-        let plan = compose::remat_plan(&config, &model.config, dtype)?;
+        let executor = Executor::build(&config, &model, &params, &device, dtype)?;
         if device.is_cpu() {
             // Refuse before allocating what cannot fit (a GPU reports its own out-of-memory
             // errors; the CPU allocator aborts the process).
-            let need = compose::estimate_step_bytes(&config, &model.config, dtype, plan.as_ref());
+            let need = compose::estimate_step_bytes(&config, &model.config, dtype, executor.plan());
             compose::check_memory_fits(&config, need)?;
         }
         let peak_flops = if config.peak_flops > 0.0 {
@@ -236,9 +236,8 @@ impl Trainer {
             peak_flops,
             schedule: config.lr_schedule(),
             vars: params.vars(),
-            plan,
+            executor,
             amp: compose::build_amp(&config, &params)?,
-            pipeline: pipeline::PipelineRun::build(&config, &model, &params, &device, dtype)?,
             dtype,
             config,
             device,
@@ -277,7 +276,7 @@ impl Trainer {
     /// alone writes the run directory. A resumed run must keep its world size.
     pub fn with_comm(mut self, comm: Box<dyn Communicator>) -> Result<Self> {
         let world = comm.world_size();
-        if world > 1 && self.pipeline.is_some() {
+        if world > 1 && matches!(self.executor, Executor::Pipeline(_)) {
             return Err(Error::Config(
                 "pipeline stages across data-parallel ranks (2D parallelism) are not supported \
                  yet: use pipeline_stages = 1 with data parallel"
@@ -323,9 +322,10 @@ impl Trainer {
         Ok(())
     }
 
-    /// The activation-checkpointing plan, if `remat` is on.
+    /// The activation-checkpointing plan of the whole chain, if `remat` is on (a pipeline
+    /// plans per stage).
     pub fn remat_plan(&self) -> Option<&Plan> {
-        self.plan.as_ref()
+        self.executor.plan()
     }
 
     /// The peak FLOP/s MFU is measured against (`peak_flops`, or a measured matmul ceiling).
@@ -333,49 +333,9 @@ impl Trainer {
         self.peak_flops
     }
 
-    /// The mixed-precision state, if `dtype` is f16/bf16.
-    pub fn amp(&self) -> Option<&Amp> {
-        self.amp.as_ref()
-    }
-
-    /// Forward and backward of one micro-batch, through the remat tape and the loss scaler
-    /// when they are on. Returns the (unscaled) loss and the gradients of `loss * weight`
-    /// (times the loss scale with mixed precision).
-    fn forward_backward(
-        &self,
-        model: &Gpt,
-        x: &Tensor,
-        y: &Tensor,
-        mask: Option<&Tensor>,
-        ctx: &Ctx,
-        weight: f64,
-    ) -> Result<(f32, GradStore)> {
-        if let Some(pipe) = &self.pipeline {
-            let scale = self.amp.as_ref().map_or(1.0, |a| a.scale());
-            return pipe.forward_backward(x, y, mask, ctx.seed, weight * scale);
-        }
-        let tape = Tape::new(ctx.seed);
-        let mut h = model.embed.forward(x, ctx)?;
-        match &self.plan {
-            Some(plan) => h = plan.forward(&tape, &h, |i, h| model.blocks[i].forward(h, ctx))?,
-            None => {
-                for block in &model.blocks {
-                    h = block.forward(&h, ctx)?;
-                }
-            }
-        }
-        let logits = model.head.forward(&h, ctx)?;
-        let loss = ctx.kernels.cross_entropy(&logits, y, mask)?;
-        let value = loss.to_scalar::<f32>()?;
-        let mut objective = (loss * weight)?;
-        if let Some(amp) = &self.amp {
-            objective = amp.scale_loss(&objective)?;
-        }
-        let grads = match &self.plan {
-            Some(_) => tape.backward(&objective)?,
-            None => objective.backward()?,
-        };
-        Ok((value, grads))
+    /// The loss scaler and its state (a no-op scaler in f32).
+    pub fn amp(&self) -> &Amp {
+        &self.amp
     }
 
     /// Optimiser steps completed.
@@ -383,12 +343,13 @@ impl Trainer {
         self.step
     }
 
-    /// The dropout seed of micro-batch `micro` of step `step`: a pure function of the run seed
-    /// (and the data-parallel rank, so that replicas draw different masks), so a resumed run
-    /// draws the same masks and needs no dropout RNG state.
+    /// The dropout seed of micro-batch `micro` of step `step`: a pure function of the run seed,
+    /// so a resumed run draws the same masks and needs no dropout RNG state. Data-parallel
+    /// ranks share it and key their masks by their rows of the global batch ([`Ctx::row`]):
+    /// together they draw the masks one process would.
     fn dropout_seed(&self, micro: usize) -> u64 {
         let mut z = self.config.seed ^ 0x9E37_79B9_7F4A_7C15;
-        for v in [self.step as u64, micro as u64, self.dp.rank() as u64] {
+        for v in [self.step as u64, micro as u64] {
             z = (z ^ v).wrapping_mul(0xBF58_476D_1CE4_E5B9);
             z ^= z >> 31;
         }
@@ -397,7 +358,13 @@ impl Trainer {
 
     /// Runs one optimiser step (`grad_accum` micro-batches) and returns its statistics.
     ///
-    /// A non-finite loss or gradient norm is an error and leaves the weights untouched.
+    /// One path for every precision and executor. The loss is scaled by the loss scaler (a
+    /// no-op in f32, as PyTorch's `GradScaler(enabled=False)`); the update is `candle-amp`'s
+    /// overflow-checked step over the fused gradient norm, with unscaling and clipping folded
+    /// into AdamW's gradient coefficient. The non-finite policy: a non-finite loss is an
+    /// error; non-finite gradients skip the step when the scaler can back off (dynamic
+    /// scaling), and are an error otherwise (f32, bf16, a static scale), where retrying
+    /// could not help. Either way the weights are untouched.
     pub fn train_step(&mut self) -> Result<StepStats> {
         let start = Instant::now();
         let cfg = &self.config;
@@ -409,6 +376,7 @@ impl Trainer {
         let model = self.model.to_dtype(self.dtype)?;
         let accum = cfg.grad_accum;
         let world = self.dp.world_size();
+        let scale = self.amp.scale();
         for micro in 0..accum {
             // Every rank draws the global batch and trains on its shard (a world of one: all).
             let global = self.data.batch(
@@ -420,16 +388,13 @@ impl Trainer {
             )?;
             let (batch, shard_weight) = self.dp.shard(global, cfg.batch_size)?;
             let ctx = Ctx::train(self.dropout_seed(micro))
+                .with_row(self.dp.rank() * cfg.batch_size)
                 .with_dtype(self.dtype)
                 .with_kernels(cfg.kernels);
-            let (loss, g) = self.forward_backward(
-                &model,
-                &batch.x,
-                &batch.y,
-                batch.mask.as_ref(),
-                &ctx,
-                shard_weight / accum as f64,
-            )?;
+            let weight = shard_weight / accum as f64 * scale;
+            let (loss, g) = self
+                .executor
+                .forward_backward(&model, &batch, &ctx, weight)?;
             loss_sum += loss * shard_weight as f32;
             accumulate(&mut grads, g, &self.vars)?;
         }
@@ -441,40 +406,42 @@ impl Trainer {
             });
         }
         candle_nn::Optimizer::set_learning_rate(&mut self.optimizer, lr);
-        let (grad_norm, loss_scale, skipped) = match &mut self.amp {
-            Some(amp) => match amp.step(&mut self.optimizer, &grads)? {
-                StepOutcome::Applied {
-                    grad_norm, scale, ..
-                } => (grad_norm as f32, Some(scale), false),
-                StepOutcome::Skipped {
-                    scale_before,
-                    scale_after,
-                    nonfinite_params,
-                    ..
-                } => {
-                    tracing::warn!(
-                        "step {}: inf/NaN gradients (in {} parameters, first: {:?}) at loss \
-                         scale {scale_before}: update skipped, scale now {scale_after}",
-                        self.step + 1,
-                        nonfinite_params.len(),
-                        nonfinite_params.first()
-                    );
-                    (f32::NAN, Some(scale_before), true)
-                }
-            },
-            None => {
-                let norm = global_grad_norm(&grads, &self.vars, cfg.kernels)?;
-                if !norm.is_finite() {
+        let scaled_norm = global_grad_norm(&grads, &self.vars, cfg.kernels)?;
+        let optimizer = &mut self.optimizer;
+        let outcome = self.amp.step_fused(&grads, scaled_norm, |coef| {
+            optimizer
+                .apply_scaled(&grads, coef)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))
+        })?;
+        let (grad_norm, skipped) = match outcome {
+            StepOutcome::Applied { grad_norm, .. } => (grad_norm as f32, false),
+            StepOutcome::Skipped {
+                scale_before,
+                scale_after,
+                change,
+                nonfinite_params,
+                ..
+            } => {
+                if change != candle_amp::ScaleChange::BackedOff
+                    && change != candle_amp::ScaleChange::HysteresisAbsorbed
+                {
                     return Err(Error::NonFiniteGradient {
                         step: self.step + 1,
-                        norm,
+                        norm: scaled_norm,
+                        params: nonfinite_params,
                     });
                 }
-                let coef = clip_coefficient(norm, cfg.grad_clip);
-                self.optimizer.apply_scaled(&grads, coef)?;
-                (norm, None, false)
+                tracing::warn!(
+                    "step {}: inf/NaN gradients (in {} parameters, first: {:?}) at loss scale \
+                     {scale_before}: update skipped, scale now {scale_after}",
+                    self.step + 1,
+                    nonfinite_params.len(),
+                    nonfinite_params.first()
+                );
+                (f32::NAN, true)
             }
         };
+        let loss_scale = (cfg.dtype != Precision::F32).then_some(scale);
         if !skipped {
             // ZeRO-1: each rank updated its shard; hand the new weights around.
             self.shards.share_updated_weights(self.dp.comm())?;
@@ -580,7 +547,7 @@ impl Trainer {
     }
 
     fn save_claimed(&mut self, gathered: Option<&AdamW>) -> Result<PathBuf> {
-        let amp = self.amp.as_ref();
+        let amp = &self.amp;
         let dir = checkpoint::save(
             &self.config.out_dir,
             &self.model.config,
@@ -588,9 +555,7 @@ impl Trainer {
             gathered.unwrap_or(&self.optimizer),
             &self.state(),
             &|tmp: &Path| -> Result<()> {
-                if let Some(amp) = amp {
-                    amp.save_state(tmp.join(AMP_FILE))?;
-                }
+                amp.save_state(tmp.join(AMP_FILE))?;
                 Ok(())
             },
         )?;

@@ -1,38 +1,88 @@
-//! Pipeline-parallel steps with `candle-pipeline`: the GPT chain `embed -> blocks -> head` is
-//! cut into stages that run on their own threads, and each micro-batch of the trainer is split
-//! again into pipeline microbatches.
+//! Pipeline-parallel steps with `candle-pipeline`: the model's chain ([`Gpt::links`]) is cut
+//! into stages that run on their own threads (and devices), and each micro-batch of the trainer
+//! is split again into pipeline microbatches.
 //!
-//! The loss stays the trainer's masked token mean: pipeline microbatch `k` is weighted by its
-//! share of the counted target tokens, so the accumulated `GradStore` equals the full-batch one
-//! (up to f32 summation order). The targets and the loss mask travel together to the last
-//! stage as one f32 tensor `[b, T, 2]` (token id, mask), since the pipeline hands its loss
-//! function one target tensor.
-
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+//! Everything the plain step does composes here:
+//! - **the loss** stays the trainer's masked token mean: targets travel with the loss mask
+//!   folded in as an ignore index, and microbatch `k` is weighted by its share of the counted
+//!   target tokens, so the accumulated gradients equal the full batch's (up to f32 summation
+//!   order);
+//! - **dropout**: each stage is told its microbatch ([`Call`]); the masks are keyed by the
+//!   step's seed (the batch key) and the microbatch's first row, so every row draws the mask it
+//!   draws in the plain step, in its forward and in a recompute;
+//! - **remat**: the run's policy plans over each stage's blocks, and the checkpointed ones are
+//!   recomputed inside the stage ([`Sequential::with_recompute`]);
+//! - **devices**: stage `s` runs on `pipeline_devices[s]`; weights stay on the run's device
+//!   and are copied to the stage's at use (differentiably, so gradients come home).
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, IndexOp, Tensor};
-use candle_pipeline::{split_by_params, Layer, Microbatches, Pipeline, Schedule};
+use candle_core::{DType, Device, Tensor};
+use candle_pipeline::{
+    balance_by_params, Call, Layer, Microbatches, Pipeline, Schedule, Sequential, Stage,
+};
+use candle_remat::Policy;
 
+use super::compose;
 use crate::config::TrainConfig;
-use crate::model::{Ctx, Gpt, Params};
+use crate::data::Batch;
+use crate::model::{Ctx, Gpt, GptConfig, Kernels, Link, Params};
 use crate::{Error, Result};
+
+/// Target id of a position that does not count in the loss (the mask, folded in).
+const IGNORE: u32 = u32::MAX;
 
 /// A pipeline over the trainer's model, with its schedule.
 pub struct PipelineRun {
     pipe: Pipeline,
     schedule: Schedule,
     microbatches: usize,
-    seed: Arc<AtomicU64>,
 }
 
-fn vars_where(params: &Params, pred: impl Fn(&str) -> bool) -> Vec<candle_core::Var> {
-    params
+/// A link as a pipeline layer on `device`: its parameters, and a forward that builds the
+/// step's context from the [`Call`] (seed = the batch key, row = the microbatch's first row).
+fn layer(link: Link, params: &Params, base: Ctx, device: &Device, home: &Device) -> Layer {
+    let vars = params.vars_of(&link.weights());
+    let (device, remote) = (device.clone(), !device.same_device(home));
+    Layer::with_call(vars, move |x, call: &Call| {
+        let ctx = Ctx {
+            seed: call.key,
+            row: call.row,
+            ..base
+        };
+        if remote {
+            // Copied at use, differentiably: the gradients flow back to the masters at home.
+            let here = link.map(&|w| w.to_device(&device))?;
+            here.forward(&x.to_device(&device)?, &ctx)
+        } else {
+            link.forward(x, &ctx)
+        }
+    })
+}
+
+/// Ranges of a stage's layers to recompute: the run's policy planned over the stage's blocks
+/// (a budget applies per stage: each stage holds its own activations).
+fn stage_recompute(
+    links: &[Link],
+    policy: Policy,
+    costs_of: &dyn Fn(usize) -> candle_remat::ChainCosts,
+) -> Result<Vec<std::ops::Range<usize>>> {
+    let first = links.iter().position(Link::is_block);
+    let Some(first) = first else {
+        return Ok(Vec::new());
+    };
+    let blocks = links.iter().filter(|l| l.is_block()).count();
+    if policy == Policy::None || blocks == 0 {
+        return Ok(Vec::new());
+    }
+    let plan = policy
+        .plan(&costs_of(blocks))
+        .map_err(|e| Error::Config(format!("remat `{policy}` in a pipeline stage: {e}")))?;
+    Ok(plan
+        .segments
         .iter()
-        .filter(|(n, _)| pred(n))
-        .map(|(_, v)| v.clone())
-        .collect()
+        .filter(|s| s.checkpointed)
+        .map(|s| first + s.start..first + s.end)
+        .collect())
 }
 
 impl PipelineRun {
@@ -48,72 +98,58 @@ impl PipelineRun {
         if stages <= 1 {
             return Ok(None);
         }
-        if config.dropout > 0.0 {
-            return Err(Error::Config(
-                "pipeline_stages > 1 needs dropout = 0 (stage closures cannot tell microbatches \
-                 apart to draw distinct dropout masks)"
-                    .into(),
-            ));
-        }
-        if config.remat != candle_remat::Policy::None {
-            return Err(Error::Config(
-                "remat inside pipeline stages is not supported by the trainer yet: the \
-                 pipeline runs its own backward, which a candle-remat tape cannot join"
-                    .into(),
-            ));
-        }
         let schedule = config.schedule.build(stages, config.microbatches)?;
-        let v = config.schedule.virtual_stages();
-        let seed = Arc::new(AtomicU64::new(0));
-        let kernels = config.kernels;
-        let ctx_of = move |seed: &Arc<AtomicU64>| Ctx {
-            train: true,
-            seed: seed.load(Ordering::SeqCst),
-            dtype,
-            kernels,
+        let virtual_stages = stages * config.schedule.virtual_stages();
+        let devices = match config.pipeline_devices.0.as_slice() {
+            [] => vec![device.clone(); stages],
+            specs => specs.iter().map(|d| d.open()).collect::<Result<Vec<_>>>()?,
         };
-        let mut layers = Vec::with_capacity(model.blocks.len() + 2);
-        {
-            let (embed, s) = (model.embed.clone(), seed.clone());
-            layers.push(Layer::new(
-                vars_where(params, |n| n.contains(".wte.") || n.contains(".wpe.")),
-                move |ids| embed.forward(ids, &ctx_of(&s)),
-            ));
-        }
-        for (i, block) in model.blocks.iter().enumerate() {
-            let (block, s) = (block.clone(), seed.clone());
-            let prefix = format!("transformer.h.{i}.");
-            layers.push(Layer::new(
-                vars_where(params, |n| n.starts_with(&prefix)),
-                move |x| block.forward(x, &ctx_of(&s)),
-            ));
-        }
-        {
-            // The head is tied to wte, so it lists wte too: both uses contribute gradients.
-            let (head, s) = (model.head.clone(), seed.clone());
-            layers.push(Layer::new(
-                vars_where(params, |n| n.contains(".ln_f.") || n.contains(".wte.")),
-                move |x| head.forward(x, &ctx_of(&s)),
-            ));
-        }
-        let virtual_stages = stages * v;
-        if layers.len() < virtual_stages {
+        let links = model.links();
+        if links.len() < virtual_stages {
             return Err(Error::Config(format!(
-                "{} layers (embed, {} blocks, head) cannot fill {virtual_stages} pipeline stages",
-                layers.len(),
+                "{} links (embed, {} blocks, head) cannot fill {virtual_stages} pipeline stages",
+                links.len(),
                 model.blocks.len()
             )));
         }
-        let stage_list = split_by_params(layers, virtual_stages)?;
-        let mut pipe = Pipeline::new(
-            stage_list,
-            vec![device.clone(); stages],
-            move |logits, t| {
-                let y = t.i((.., .., 0))?.to_dtype(DType::U32)?;
-                let mask = t.i((.., .., 1))?;
-                kernels.cross_entropy(logits, &y, Some(&mask))
-            },
-        )?;
+        // Balance by parameters over plain layers, then build each stage on its device.
+        let base = Ctx::train(0).with_dtype(dtype).with_kernels(config.kernels);
+        let probe: Vec<Layer> = links
+            .iter()
+            .map(|l| layer(l.clone(), params, base, device, device))
+            .collect();
+        let ranges = balance_by_params(&probe, virtual_stages)?;
+        let per_stage = GptConfig {
+            block_size: config.block_size,
+            ..model.config.clone()
+        };
+        let rows = config.batch_size.div_ceil(config.microbatches);
+        let costs_of = |n: usize| {
+            compose::gpt_chain_costs(
+                &GptConfig {
+                    n_layer: n,
+                    ..per_stage.clone()
+                },
+                rows,
+                dtype,
+                config.kernels,
+            )
+        };
+        let mut stage_list: Vec<Box<dyn Stage>> = Vec::with_capacity(virtual_stages);
+        for (s, range) in ranges.iter().enumerate() {
+            let dev = &devices[schedule.worker_of(s)];
+            let stage_links = &links[range.clone()];
+            let layers = stage_links
+                .iter()
+                .map(|l| layer(l.clone(), params, base, dev, device))
+                .collect();
+            let recompute = stage_recompute(stage_links, config.remat, &costs_of)?;
+            stage_list.push(Box::new(Sequential::new(layers).with_recompute(recompute)?));
+        }
+        let kernels = config.kernels;
+        let mut pipe = Pipeline::new(stage_list, devices, move |logits, targets| {
+            kernels.cross_entropy_ignoring(logits, targets, IGNORE)
+        })?;
         if device.is_cpu() {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             let threads = match config.pipeline_threads {
@@ -126,28 +162,27 @@ impl PipelineRun {
             pipe,
             schedule,
             microbatches: config.microbatches,
-            seed,
         }))
     }
 
-    /// One forward and backward of a trainer micro-batch through the pipeline. Returns the
-    /// (unscaled) loss and the gradients of `loss * weight`.
+    /// One forward and backward of a trainer micro-batch through the pipeline, with dropout
+    /// seeded by `ctx.seed`. Returns the loss and the gradients of `loss * weight`.
     pub fn forward_backward(
         &self,
-        x: &Tensor,
-        y: &Tensor,
-        mask: Option<&Tensor>,
-        seed: u64,
+        batch: &Batch,
+        ctx: &Ctx,
         weight: f64,
     ) -> Result<(f32, GradStore)> {
-        self.seed.store(seed, Ordering::SeqCst);
-        let (b, t) = x.dims2()?;
-        let mask = match mask {
-            Some(m) => m.to_dtype(DType::F32)?,
-            None => Tensor::ones((b, t), DType::F32, x.device())?,
+        let (b, t) = batch.x.dims2()?;
+        let (y, counts) = match &batch.mask {
+            Some(mask) => {
+                let keep = mask.ne(0f32)?;
+                let ignore = Tensor::full(IGNORE, (b, t), batch.y.device())?;
+                let counts: Vec<f32> = mask.to_dtype(DType::F32)?.sum(1)?.to_vec1()?;
+                (keep.where_cond(&batch.y, &ignore)?, counts)
+            }
+            None => (batch.y.clone(), vec![t as f32; b]),
         };
-        let targets = Tensor::stack(&[&y.to_dtype(DType::F32)?, &mask], 2)?;
-        let counts: Vec<f32> = mask.sum(1)?.to_vec1()?;
         let total: f32 = counts.iter().sum();
         if total <= 0.0 {
             return Err(Error::Config(
@@ -155,23 +190,40 @@ impl PipelineRun {
             ));
         }
         let m = self.microbatches;
-        if b < m {
-            return Err(Error::Config(format!(
-                "a batch of {b} rows cannot be split into {m} microbatches"
-            )));
-        }
-        let (mut xs, mut ts, mut ws) = (Vec::new(), Vec::new(), Vec::new());
+        let sizes = candle_pipeline::even_sizes(b, m)?;
+        let (mut xs, mut ys, mut ws) = (Vec::new(), Vec::new(), Vec::new());
         let mut start = 0;
-        for k in 0..m {
-            let rows = b / m + usize::from(k < b % m);
+        for rows in sizes {
             let count: f32 = counts[start..start + rows].iter().sum();
-            xs.push(x.narrow(0, start, rows)?);
-            ts.push(targets.narrow(0, start, rows)?);
-            ws.push(weight * (count / total) as f64);
+            xs.push(batch.x.narrow(0, start, rows)?);
+            ys.push(y.narrow(0, start, rows)?);
+            ws.push(weight * f64::from(count / total));
             start += rows;
         }
-        let mbs = Microbatches::with_weights(xs, ts, ws)?;
+        let mbs = Microbatches::with_weights(xs, ys, ws)?.with_key(ctx.seed);
         let out = self.pipe.step(&self.schedule, &mbs)?;
         Ok(((out.loss / weight) as f32, out.grads))
+    }
+}
+
+impl Kernels {
+    /// [`Kernels::cross_entropy`] over the targets that are not `ignore` (the loss mask folded
+    /// into the targets, as PyTorch's `ignore_index`).
+    pub fn cross_entropy_ignoring(
+        self,
+        logits: &Tensor,
+        targets: &Tensor,
+        ignore: u32,
+    ) -> candle_core::Result<Tensor> {
+        match self {
+            Kernels::Fused => {
+                candle_fused::cross_entropy::cross_entropy(logits, targets, None, Some(ignore))
+            }
+            Kernels::Reference => {
+                let keep = targets.ne(ignore)?;
+                let safe = keep.where_cond(targets, &targets.zeros_like()?)?;
+                self.cross_entropy(logits, &safe, Some(&keep.to_dtype(DType::F32)?))
+            }
+        }
     }
 }

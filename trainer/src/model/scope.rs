@@ -1,0 +1,54 @@
+//! Parameter names derived from the model's structure, the way candle-nn's `VarBuilder::pp`
+//! derives them: each module asks its [`Builder`] for its tensors by leaf name, and a parent
+//! hands each child a builder one path component deeper (`transformer` -> `h` -> `3` ->
+//! `attn` -> `c_attn` -> `weight`). Building, shape listing and loading all walk this one
+//! structure ([`super::Gpt::build`]), so no name is assembled anywhere else.
+
+use std::fmt::Display;
+
+use candle_core::Tensor;
+
+use crate::Result;
+
+/// Where a module's tensors come from: `(full name, shape) -> tensor`.
+pub type Source<'a> = &'a dyn Fn(&str, &[usize]) -> Result<Tensor>;
+
+/// A path in the parameter namespace and the source of its tensors.
+#[derive(Clone)]
+pub struct Builder<'a> {
+    prefix: String,
+    source: Source<'a>,
+}
+
+impl<'a> Builder<'a> {
+    /// The root of the namespace.
+    pub fn root(source: Source<'a>) -> Self {
+        Builder {
+            prefix: String::new(),
+            source,
+        }
+    }
+
+    /// The builder one component deeper (`pp` as in "push prefix").
+    pub fn pp(&self, component: impl Display) -> Self {
+        let prefix = if self.prefix.is_empty() {
+            component.to_string()
+        } else {
+            format!("{}.{component}", self.prefix)
+        };
+        Builder {
+            prefix,
+            source: self.source,
+        }
+    }
+
+    /// The tensor `leaf` of this path, of `shape`.
+    pub fn get(&self, shape: &[usize], leaf: &str) -> Result<Tensor> {
+        (self.source)(&self.pp(leaf).prefix, shape)
+    }
+
+    /// The tensor `leaf` if `present` (an optional bias).
+    pub fn get_if(&self, present: bool, shape: &[usize], leaf: &str) -> Result<Option<Tensor>> {
+        present.then(|| self.get(shape, leaf)).transpose()
+    }
+}
