@@ -333,6 +333,11 @@ impl Trainer {
         self.peak_flops
     }
 
+    /// How a micro-batch's forward and backward run (plain, remat plan or pipeline).
+    pub fn executor(&self) -> &Executor {
+        &self.executor
+    }
+
     /// The loss scaler and its state (a no-op scaler in f32).
     pub fn amp(&self) -> &Amp {
         &self.amp
