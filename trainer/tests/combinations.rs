@@ -28,7 +28,7 @@
 mod common;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::DType;
 use common::tiny_config;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
