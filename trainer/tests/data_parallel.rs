@@ -21,6 +21,9 @@ fn config(dir: &Path, batch_size: usize) -> TrainConfig {
     TrainConfig {
         batch_size,
         grad_accum: 2,
+        // Dropout masks are keyed by the row's place in the global batch, so the ranks
+        // together draw the masks one process draws.
+        dropout: 0.1,
         max_iters: 6,
         eval_interval: 3,
         ..tiny_config(dir)

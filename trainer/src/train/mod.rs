@@ -6,11 +6,13 @@ mod eval;
 mod init;
 pub mod parallel;
 pub mod pipeline;
+mod run;
+mod save;
 pub mod step;
 pub mod zero;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+
 use std::time::Instant;
 
 use candle_amp::{Amp, StepOutcome};
@@ -24,12 +26,13 @@ use rand_chacha::ChaCha8Rng;
 pub use eval::{estimate_loss, task_score};
 pub use init::{check_fingerprint, open_data as open_data_for};
 pub use parallel::DataParallel;
+pub use run::{Event, Observer, Summary};
 pub use step::Executor;
 
-use crate::checkpoint::{self, RngState, TrainerState};
+use crate::checkpoint::{self, TrainerState};
 use crate::config::{Precision, TrainConfig};
 use crate::data::{DataSource, Split};
-use crate::metrics::{EvalStats, MetricsLog, Record, StepStats};
+use crate::metrics::{EvalStats, StepStats};
 use crate::model::{Ctx, Gpt, Params};
 use crate::optim::{accumulate, global_grad_norm, AdamW};
 use crate::run_dir::{self, Claim, RunDir};
@@ -38,48 +41,6 @@ use crate::{Error, Result};
 
 /// Loss-scaler state file in a checkpoint of a mixed-precision run.
 pub const AMP_FILE: &str = "amp.safetensors";
-
-/// Something that happened during [`Trainer::run`], for progress display.
-#[derive(Debug)]
-pub enum Event<'a> {
-    /// An optimiser step finished.
-    Step(&'a StepStats),
-    /// An evaluation finished.
-    Eval(&'a EvalStats),
-    /// A text sample was generated at an evaluation.
-    Sample(&'a str),
-    /// A checkpoint was written.
-    Checkpoint(&'a Path),
-}
-
-/// Receives [`Event`]s (the CLI draws a progress bar; tests ignore them).
-pub trait Observer {
-    /// Called for every event.
-    fn on_event(&mut self, event: Event<'_>);
-}
-
-impl Observer for () {
-    fn on_event(&mut self, _: Event<'_>) {}
-}
-
-/// How [`Trainer::run`] ended.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Summary {
-    /// Steps completed.
-    pub step: usize,
-    /// Whether the run stopped early on request (Ctrl-C).
-    pub interrupted: bool,
-    /// The last evaluation.
-    pub last_eval: Option<EvalStats>,
-    /// The best validation loss seen.
-    pub best_val_loss: Option<f32>,
-    /// Training seconds (across resumes).
-    pub elapsed_secs: f64,
-    /// Tokens consumed.
-    pub tokens_seen: u64,
-    /// The newest checkpoint.
-    pub checkpoint: Option<PathBuf>,
-}
 
 /// A training run: model, optimiser, data and the position in the run.
 pub struct Trainer {
@@ -504,185 +465,5 @@ impl Trainer {
             score,
             score_name,
         })
-    }
-
-    /// The state saved with a checkpoint.
-    pub fn state(&self) -> TrainerState {
-        TrainerState {
-            step: self.step,
-            rng: RngState::capture(&self.rng),
-            tokens_seen: self.tokens_seen,
-            best_val_loss: self.best_val_loss,
-            best_checkpoint: self.best_checkpoint.clone(),
-            elapsed_secs: self.elapsed_secs,
-            config: self.config.clone(),
-            data: Some(self.data.fingerprint()),
-            world_size: self.dp.world_size(),
-        }
-    }
-
-    /// Writes a checkpoint of the current step into the run directory and prunes old ones.
-    ///
-    /// With data parallelism only rank 0 writes; the other ranks return the directory rank 0
-    /// writes.
-    pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
-        // With ZeRO-1, the whole optimiser state is gathered (every rank takes part).
-        let gathered = if self.shards.is_sharded() {
-            let comm = self.dp.comm();
-            Some(
-                self.shards
-                    .gather_optimizer(comm, &self.optimizer, &self.params)?,
-            )
-        } else {
-            None
-        };
-        if !self.dp.is_main() {
-            let dir = checkpoint::checkpoints_dir(&self.config.out_dir)
-                .join(format!("step-{:07}", self.step));
-            self.last_checkpoint = Some(dir.clone());
-            return Ok(dir);
-        }
-        let held = self.run_dir.is_some();
-        self.claim_run_dir()?;
-        let saved = self.save_claimed(gathered.as_ref());
-        if !held {
-            self.run_dir = None;
-        }
-        saved
-    }
-
-    fn save_claimed(&mut self, gathered: Option<&AdamW>) -> Result<PathBuf> {
-        let amp = &self.amp;
-        let dir = checkpoint::save(
-            &self.config.out_dir,
-            &self.model.config,
-            &self.params,
-            gathered.unwrap_or(&self.optimizer),
-            &self.state(),
-            &|tmp: &Path| -> Result<()> {
-                amp.save_state(tmp.join(AMP_FILE))?;
-                Ok(())
-            },
-        )?;
-        let saved = dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let keep: Vec<&str> = [Some(saved.as_str()), self.best_checkpoint.as_deref()]
-            .into_iter()
-            .flatten()
-            .collect();
-        checkpoint::prune(&self.config.out_dir, self.config.keep_last, &keep)?;
-        self.last_checkpoint = Some(dir.clone());
-        Ok(dir)
-    }
-
-    /// Tracks the best validation loss; called for evaluations that are checkpointed.
-    fn record_eval(&mut self, eval: &EvalStats) {
-        if self.best_val_loss.is_none_or(|b| eval.val_loss < b) {
-            self.best_val_loss = Some(eval.val_loss);
-            self.best_checkpoint = Some(format!("step-{:07}", self.step));
-        }
-    }
-
-    /// Trains until `max_iters` steps or until `stop` is set (Ctrl-C), evaluating and
-    /// checkpointing every `eval_interval` steps and at the end. An interrupted run saves a
-    /// checkpoint before returning.
-    ///
-    /// The run directory is claimed (see [`Trainer::claim_run_dir`]) for the duration of the
-    /// call and released when it returns.
-    pub fn run(&mut self, observer: &mut dyn Observer, stop: &AtomicBool) -> Result<Summary> {
-        self.check_world(self.dp.world_size())?;
-        self.claim_run_dir()?;
-        let result = self.run_claimed(observer, stop);
-        self.run_dir = None;
-        result
-    }
-
-    fn run_claimed(&mut self, observer: &mut dyn Observer, stop: &AtomicBool) -> Result<Summary> {
-        let out = self.config.out_dir.clone();
-        let mut metrics = if self.dp.is_main() {
-            checkpoint::io::write_atomic(&out.join("run.toml"), self.config.to_toml().as_bytes())?;
-            MetricsLog::open(&out.join("metrics.jsonl"), self.step)?
-        } else {
-            MetricsLog::in_memory()
-        };
-        let mut last_eval = None;
-        let mut interrupted = false;
-        if self.step == 0 {
-            last_eval = Some(self.eval_and_log(&mut metrics, observer)?);
-        }
-        while self.step < self.config.max_iters {
-            // Data-parallel ranks see a signal at different moments: they stop together.
-            if self.dp.any(stop.load(Ordering::SeqCst))? {
-                interrupted = true;
-                break;
-            }
-            let stats = self.train_step()?;
-            observer.on_event(Event::Step(&stats));
-            metrics.push(Record::Step(stats))?;
-            let at_end = self.step == self.config.max_iters;
-            if self.step.is_multiple_of(self.config.eval_interval) || at_end {
-                let eval = self.eval_and_log(&mut metrics, observer)?;
-                self.record_eval(&eval);
-                last_eval = Some(eval);
-                let dir = self.save_checkpoint()?;
-                observer.on_event(Event::Checkpoint(&dir));
-                // Replicas must hold the same weights; a drift is a bug, reported, not ignored.
-                self.dp.ensure_in_sync(&self.vars)?;
-            }
-        }
-        let already_saved = self
-            .last_checkpoint
-            .as_ref()
-            .is_some_and(|d| d.ends_with(format!("step-{:07}", self.step)));
-        if !already_saved {
-            let dir = self.save_checkpoint()?;
-            observer.on_event(Event::Checkpoint(&dir));
-        }
-        Ok(Summary {
-            step: self.step,
-            interrupted,
-            last_eval,
-            best_val_loss: self.best_val_loss,
-            elapsed_secs: self.elapsed_secs,
-            tokens_seen: self.tokens_seen,
-            checkpoint: self.last_checkpoint.clone(),
-        })
-    }
-
-    fn eval_and_log(
-        &mut self,
-        metrics: &mut MetricsLog,
-        observer: &mut dyn Observer,
-    ) -> Result<EvalStats> {
-        let eval = self.evaluate()?;
-        observer.on_event(Event::Eval(&eval));
-        metrics.push(Record::Eval(eval.clone()))?;
-        if !self.dp.is_main() {
-            return Ok(eval);
-        }
-        let run_name = self
-            .config
-            .out_dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let describe = self.data.describe();
-        let source = describe.split(':').next().unwrap_or_default();
-        let title = format!("{run_name}: {source}");
-        if let Err(e) = crate::plot::loss_curve(
-            &self.config.out_dir.join("loss.svg"),
-            &title,
-            &metrics.records,
-        ) {
-            tracing::warn!("could not draw the loss curve: {e}");
-        }
-        if self.config.sample_tokens > 0 {
-            if let Some(text) = eval::sample_text(self)? {
-                observer.on_event(Event::Sample(&text));
-            }
-        }
-        Ok(eval)
     }
 }

@@ -1,0 +1,236 @@
+//! Subcommands of the `trainer` binary.
+
+mod models;
+mod progress;
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use trainer::checkpoint;
+use trainer::config::{Overrides, TrainConfig};
+use trainer::pretrained::EvalRequest;
+use trainer::train::Trainer;
+
+use models::{eval, inspect, sample};
+use progress::{install_signal_handler, print_banner, print_summary, Progress};
+
+/// Train GPT-2 style transformers on Candle.
+///
+/// `trainer train` with no arguments trains a small GPT on an embedded multi-digit addition
+/// task (no download) and reports exact-match accuracy on held-out problems as it learns.
+#[derive(Parser, Debug)]
+#[command(name = "trainer", version, about, long_about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Train a model (defaults < --config file < --key value flags).
+    Train(Box<TrainArgs>),
+    /// Generate text from a trainer checkpoint or a Hugging Face model.
+    ///
+    /// MODEL is a trainer run directory (its latest checkpoint), a checkpoint directory, a
+    /// Hugging Face model directory (config.json + model.safetensors) or a model id in the
+    /// local hub cache (HF_HOME; nothing is downloaded). Text is encoded with --tokenizer-path,
+    /// else the run's data (trainer checkpoints), else the tokenizer.json next to the weights.
+    Sample(SampleArgs),
+    /// Measure train/val loss (and the task score) of a trainer checkpoint or a Hugging Face
+    /// model.
+    ///
+    /// MODEL is a trainer run directory (its latest checkpoint), a checkpoint directory, a
+    /// Hugging Face model directory (config.json + model.safetensors) or a model id in the
+    /// local hub cache (HF_HOME; nothing is downloaded).
+    ///
+    /// A trainer checkpoint is evaluated as its run evaluates itself (same data, block size,
+    /// batch size and batches); the flags below replace single settings. A bare Hugging Face
+    /// model has no run config: give the text with --data-path FILE, tokenised with the
+    /// model's own tokenizer.json (or --data / --tokenizer-path), in batches of
+    /// min(n_positions, 256) tokens (or --block-size).
+    Eval(EvalArgs),
+    /// Show a model's tensors, shapes, dtypes, parameter count, config and step; fail when the
+    /// weights do not match its config.json.
+    Inspect(InspectArgs),
+    /// Redraw a run's loss curve (loss.svg) from its metrics.jsonl.
+    Plot(PlotArgs),
+}
+
+#[derive(Args, Debug)]
+struct PlotArgs {
+    /// The run directory.
+    run: PathBuf,
+    /// Output file (default: RUN/loss.svg).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+struct TrainArgs {
+    /// A TOML file of config fields (see `--print-config` for every field).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Continue the run in this run or checkpoint directory, bit-exactly.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Print the resolved config as TOML and exit.
+    #[arg(long)]
+    print_config: bool,
+    /// Replace the run already in --out-dir (its checkpoints, metrics and loss curve are
+    /// deleted) instead of refusing to start.
+    #[arg(long)]
+    overwrite: bool,
+    #[command(flatten)]
+    overrides: Overrides,
+}
+
+#[derive(Args, Debug)]
+struct SampleArgs {
+    /// A run or checkpoint directory, a Hugging Face model directory, or a hub model id.
+    model: String,
+    /// A tokenizer.json to encode the prompt and decode the samples with.
+    #[arg(long)]
+    tokenizer_path: Option<PathBuf>,
+    /// Text to continue (if it encodes to no token: the model's bos token, else id 0).
+    #[arg(long, default_value = "\n")]
+    prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 200)]
+    max_new_tokens: usize,
+    /// Softmax temperature (0: greedy).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    /// Sample among the k most likely tokens only.
+    #[arg(long, default_value_t = 200)]
+    top_k: usize,
+    /// Number of samples.
+    #[arg(long, default_value_t = 1)]
+    num_samples: usize,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Device (cpu, cuda, cuda:N, metal).
+    #[arg(long, default_value = "cpu")]
+    device: trainer::config::DeviceSpec,
+}
+
+#[derive(Args, Debug)]
+struct EvalArgs {
+    /// A run or checkpoint directory, a Hugging Face model directory, or a hub model id.
+    model: String,
+    #[command(flatten)]
+    request: EvalRequest,
+}
+
+#[derive(Args, Debug)]
+struct InspectArgs {
+    /// A run or checkpoint directory, a Hugging Face model directory, a hub model id, or a
+    /// `.safetensors` file. Exits non-zero when the weights do not match config.json.
+    checkpoint: String,
+}
+
+/// Runs the parsed command.
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Train(a) => train(*a),
+        Command::Sample(a) => sample(a),
+        Command::Eval(a) => eval(a),
+        Command::Inspect(a) => inspect(a),
+        Command::Plot(a) => plot(a),
+    }
+}
+
+fn plot(args: PlotArgs) -> Result<()> {
+    let records = trainer::metrics::read(&args.run.join("metrics.jsonl"))?;
+    let out = args.out.unwrap_or_else(|| args.run.join("loss.svg"));
+    let name = args
+        .run
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    trainer::plot::loss_curve(&out, &name, &records)?;
+    println!("{}", out.display());
+    Ok(())
+}
+
+fn train(args: TrainArgs) -> Result<()> {
+    // `mpirun -np N trainer train ...`: this process is one data-parallel rank.
+    let comm = trainer::train::parallel::communicator_from_env()?;
+    let main = comm.rank() == 0;
+    let trainer = if let Some(dir) = &args.resume {
+        if args.config.is_some() {
+            bail!("--resume uses the run's saved config; pass changes as --key value flags");
+        }
+        let t = Trainer::resume(dir, |c| args.overrides.apply(c))
+            .with_context(|| format!("cannot resume from {}", dir.display()))?
+            .overwrite(args.overwrite);
+        if main {
+            eprintln!(
+                "resuming {} at step {} in {}",
+                dir.display(),
+                t.step(),
+                t.config.out_dir.display()
+            );
+        }
+        t
+    } else {
+        let (mut config, file_keys) = match &args.config {
+            Some(path) => TrainConfig::from_toml_file_with_keys(path)?,
+            None => (TrainConfig::default(), Vec::new()),
+        };
+        args.overrides.apply(&mut config);
+        if args.print_config {
+            print!("{}", config.to_toml());
+            return Ok(());
+        }
+        let chosen = args.overrides.out_dir.is_some() || file_keys.iter().any(|k| k == "out_dir");
+        if !chosen && !args.overwrite {
+            // The default run directory gets a fresh name per run, so that running the
+            // README's first command twice just works and keeps both runs.
+            let fresh = trainer::run_dir::fresh_name(&config.out_dir);
+            if fresh != config.out_dir && main {
+                eprintln!(
+                    "{} holds an earlier run: this one goes to {}",
+                    config.out_dir.display(),
+                    fresh.display()
+                );
+                config.out_dir = fresh;
+            }
+        }
+        Trainer::new(config)
+            .context("cannot start the run")?
+            .overwrite(args.overwrite)
+    };
+    let mut trainer = trainer.with_comm(comm).context("cannot start the run")?;
+    trainer.claim_run_dir().context("cannot start the run")?;
+    if main {
+        print_banner(&trainer);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    install_signal_handler(stop.clone())?;
+    let summary = if main {
+        let mut progress = Progress::new(trainer.config.max_iters, trainer.step());
+        let summary = trainer.run(&mut progress, &stop);
+        progress.finish();
+        summary
+    } else {
+        trainer.run(&mut (), &stop)
+    };
+    if let Err(e) = &summary {
+        // The other ranks would wait for this one until their timeout: stop them now.
+        trainer.data_parallel().abort(e);
+    }
+    let summary = summary.with_context(|| {
+        format!(
+            "training failed; the last good checkpoint (if any) is intact in {}",
+            checkpoint::checkpoints_dir(&trainer.config.out_dir).display()
+        )
+    })?;
+    if main {
+        print_summary(&trainer, &summary);
+    }
+    Ok(())
+}

@@ -1,0 +1,211 @@
+//! What `trainer train` prints: the banner, the progress bar, the summary; and the signal
+//! handler that turns Ctrl-C / SIGTERM / SIGHUP into a checkpointed stop.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use trainer::train::{Event, Observer, Summary, Trainer};
+
+pub(super) fn print_banner(trainer: &Trainer) {
+    let cfg = &trainer.config;
+    let dp = trainer.data_parallel();
+    eprintln!(
+        "data: {}\nmodel: {} layers, {} heads, {} embd, block {} | {:.2}M parameters | device {}\n\
+         run: {} steps of {} x {} x {} tokens -> {}",
+        trainer.data.describe(),
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_embd,
+        cfg.block_size,
+        trainer.params.num_elements() as f64 / 1e6,
+        cfg.device,
+        cfg.max_iters,
+        cfg.grad_accum,
+        cfg.batch_size,
+        cfg.block_size,
+        cfg.out_dir.display(),
+    );
+    if let Some(plan) = trainer.remat_plan() {
+        eprintln!("activation checkpointing ({}):\n{plan}", cfg.remat);
+    }
+    if cfg.dtype != trainer::config::Precision::F32 {
+        eprintln!(
+            "mixed precision: {} compute, f32 master weights, loss scale {}",
+            cfg.dtype, cfg.loss_scale
+        );
+    }
+    if cfg.pipeline_stages > 1 {
+        let devices = if cfg.pipeline_devices.0.is_empty() {
+            cfg.device.to_string()
+        } else {
+            cfg.pipeline_devices.to_string()
+        };
+        let remat = if cfg.remat == candle_remat::Policy::None {
+            String::new()
+        } else {
+            format!(", remat {} inside each stage", cfg.remat)
+        };
+        eprintln!(
+            "pipeline: {} stages on {devices}, {} microbatches, schedule {}{remat}",
+            cfg.pipeline_stages, cfg.microbatches, cfg.schedule
+        );
+    }
+    if dp.world_size() > 1 {
+        eprintln!(
+            "data parallel: {} ranks ({}), {} rows per rank, global batch {} rows",
+            dp.world_size(),
+            dp.comm().backend(),
+            cfg.batch_size,
+            dp.world_size() * cfg.batch_size
+        );
+    }
+}
+
+pub(super) fn install_signal_handler(stop: Arc<AtomicBool>) -> Result<()> {
+    {
+        // SIGINT, SIGTERM and SIGHUP (the crate's `termination` feature): finish the step,
+        // checkpoint, exit. A second signal exits at once; the last checkpoint stays intact
+        // because checkpoints are written atomically.
+        ctrlc::set_handler(move || {
+            if stop.swap(true, Ordering::SeqCst) {
+                eprintln!("\nsecond signal: exiting without a checkpoint");
+                std::process::exit(130);
+            }
+            eprintln!(
+                "\nstop requested (signal): finishing this step and saving a checkpoint \
+                 (send it again to exit at once)"
+            );
+        })
+        .context("cannot install the signal handler")?;
+    }
+    Ok(())
+}
+
+pub(super) struct Progress {
+    bar: ProgressBar,
+}
+
+impl Progress {
+    /// Removes the bar (before the summary is printed).
+    pub(super) fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+
+    pub(super) fn new(total: usize, start: usize) -> Self {
+        let bar = ProgressBar::new(total as u64);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{bar:30.cyan/blue} {pos:>5}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        bar.set_position(start as u64);
+        bar.reset_eta();
+        bar.enable_steady_tick(Duration::from_millis(500));
+        Progress { bar }
+    }
+
+    fn line(&self, text: &str) {
+        if self.bar.is_hidden() {
+            eprintln!("{text}");
+        } else {
+            self.bar.println(text);
+        }
+    }
+}
+
+impl Observer for Progress {
+    fn on_event(&mut self, event: Event<'_>) {
+        match event {
+            Event::Step(s) => {
+                self.bar.set_position(s.step as u64);
+                self.bar.set_message(format!(
+                    "loss {:.4} | lr {:.2e} | gnorm {:.3} | {:.0} tok/s | {:.1} ms | MFU {:.1}%",
+                    s.loss,
+                    s.lr,
+                    s.grad_norm,
+                    s.tokens_per_sec,
+                    s.step_ms,
+                    100.0 * s.mfu
+                ));
+                if self.bar.is_hidden() && (s.step % 50 == 0 || s.step == 1) {
+                    eprintln!(
+                        "step {:>6} | loss {:.4} | lr {:.2e} | gnorm {:.3} | {:.0} tok/s | {:.1} ms | MFU {:.1}%",
+                        s.step,
+                        s.loss,
+                        s.lr,
+                        s.grad_norm,
+                        s.tokens_per_sec,
+                        s.step_ms,
+                        100.0 * s.mfu
+                    );
+                }
+            }
+            Event::Eval(e) => {
+                let score = match (&e.score, &e.score_name) {
+                    (Some(s), Some(n)) => format!(" | {n} {:.1}%", 100.0 * s),
+                    _ => String::new(),
+                };
+                self.line(&format!(
+                    "eval step {:>6} | train {:.4} | val {:.4}{score}",
+                    e.step, e.train_loss, e.val_loss
+                ));
+            }
+            Event::Sample(text) => self.line(&format!("--- sample ---\n{text}\n--------------")),
+            Event::Checkpoint(dir) => self.line(&format!("checkpoint {}", dir.display())),
+        }
+    }
+}
+
+pub(super) fn print_summary(trainer: &Trainer, s: &Summary) {
+    let out = &trainer.config.out_dir;
+    println!(
+        "{}",
+        if s.interrupted {
+            "== interrupted =="
+        } else {
+            "== done =="
+        }
+    );
+    println!("steps          {}", s.step);
+    println!(
+        "time           {:.1} s ({:.0} tokens/s)",
+        s.elapsed_secs,
+        s.tokens_seen as f64 / s.elapsed_secs.max(1e-9)
+    );
+    let cfg = &trainer.config;
+    let mfu = trainer::mfu::flops_per_token(&trainer.model.config, cfg.block_size)
+        * s.tokens_seen as f64
+        / s.elapsed_secs.max(1e-9)
+        / trainer.peak_flops();
+    println!(
+        "MFU            {:.1}% of {:.1} GFLOP/s ({}, kernels {})",
+        100.0 * mfu,
+        trainer.peak_flops() / 1e9,
+        if cfg.peak_flops > 0.0 {
+            "--peak-flops"
+        } else {
+            "measured matmul ceiling"
+        },
+        cfg.kernels
+    );
+    if let Some(e) = &s.last_eval {
+        println!("train loss     {:.4}", e.train_loss);
+        println!("val loss       {:.4}", e.val_loss);
+        if let (Some(score), Some(name)) = (e.score, &e.score_name) {
+            println!("{name:<14} {:.1}%", 100.0 * score);
+        }
+    }
+    if let Some(b) = s.best_val_loss {
+        println!("best val loss  {b:.4}");
+    }
+    if let Some(c) = &s.checkpoint {
+        println!("checkpoint     {}", c.display());
+    }
+    println!("metrics        {}", out.join("metrics.jsonl").display());
+    println!("loss curve     {}", out.join("loss.svg").display());
+}
