@@ -142,8 +142,9 @@ impl AdamW {
         self.apply_scaled(grads, 1.0)
     }
 
-    /// Applies one AdamW update from `grad_scale * grads` (the clipping coefficient, see
-    /// [`clip_coefficient`]): clipping costs no pass over the gradients of its own.
+    /// Applies one AdamW update from `grad_scale * grads` (`grad_scale` folds unscaling and
+    /// clipping, as `candle_amp::Amp::step_fused` hands it over): neither costs a pass over the
+    /// gradients of its own.
     pub fn apply_scaled(&mut self, grads: &GradStore, grad_scale: f64) -> candle_core::Result<()> {
         self.step += 1;
         let c = &self.config;
@@ -281,12 +282,6 @@ pub fn global_grad_norm(
         }
         Kernels::Reference => grad_norm(grads, vars),
     }
-}
-
-/// PyTorch's `clip_grad_norm_` coefficient: `max_norm / (norm + 1e-6)` when the norm is
-/// larger than `max_norm > 0`, else 1.
-pub fn clip_coefficient(norm: f32, max_norm: f32) -> f64 {
-    candle_fused::adamw::clip_coefficient(norm, max_norm)
 }
 
 /// The global L2 norm of the gradients of `vars` (missing gradients count as zero), computed

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use trainer::config::Parallelism;
 use trainer::train::{Event, Observer, Summary, Trainer};
 
 pub(super) fn print_banner(trainer: &Trainer) {
@@ -37,11 +38,18 @@ pub(super) fn print_banner(trainer: &Trainer) {
             cfg.dtype, cfg.loss_scale
         );
     }
-    if cfg.pipeline_stages > 1 {
-        let devices = if cfg.pipeline_devices.0.is_empty() {
+    if let Parallelism::Pipeline {
+        stages,
+        microbatches,
+        schedule,
+        devices,
+        ..
+    } = cfg.parallelism()
+    {
+        let devices = if devices.0.is_empty() {
             cfg.device.to_string()
         } else {
-            cfg.pipeline_devices.to_string()
+            devices.to_string()
         };
         let remat = if cfg.remat == candle_remat::Policy::None {
             String::new()
@@ -49,8 +57,8 @@ pub(super) fn print_banner(trainer: &Trainer) {
             format!(", remat {} inside each stage", cfg.remat)
         };
         eprintln!(
-            "pipeline: {} stages on {devices}, {} microbatches, schedule {}{remat}",
-            cfg.pipeline_stages, cfg.microbatches, cfg.schedule
+            "pipeline: {stages} stages on {devices}, {microbatches} microbatches, schedule \
+             {schedule}{remat}"
         );
     }
     if dp.world_size() > 1 {

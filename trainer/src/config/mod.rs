@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use candle_remat::Policy;
 use serde::{Deserialize, Serialize};
 
-pub use types::{DeviceList, DeviceSpec, LossScale, Precision, ScheduleKind};
+pub use types::{DeviceList, DeviceSpec, LossScale, Parallelism, Precision, ScheduleKind};
 
 use crate::data::DataKind;
 use crate::model::{GptConfig, Kernels};
@@ -203,6 +203,20 @@ impl TrainConfig {
             dropout: self.dropout,
             bias: self.bias,
             ..GptConfig::default()
+        }
+    }
+
+    /// How a step is spread over stages.
+    pub fn parallelism(&self) -> Parallelism {
+        if self.pipeline_stages <= 1 {
+            return Parallelism::None;
+        }
+        Parallelism::Pipeline {
+            stages: self.pipeline_stages,
+            microbatches: self.microbatches,
+            schedule: self.schedule,
+            devices: self.pipeline_devices.clone(),
+            threads: self.pipeline_threads,
         }
     }
 

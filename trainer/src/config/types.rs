@@ -273,6 +273,27 @@ impl fmt::Display for DeviceList {
 }
 serde_as_text!(DeviceList);
 
+/// How a step is spread over stages, read from the config's pipeline fields
+/// ([`super::TrainConfig::parallelism`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Parallelism {
+    /// The whole model runs in one place.
+    None,
+    /// Pipeline stages on threads or devices.
+    Pipeline {
+        /// Pipeline workers (threads or devices).
+        stages: usize,
+        /// Microbatches each micro-batch is split into.
+        microbatches: usize,
+        /// The schedule.
+        schedule: ScheduleKind,
+        /// Each worker's device (empty: the run's device).
+        devices: DeviceList,
+        /// CPU threads per worker (0: cores / stages).
+        threads: usize,
+    },
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

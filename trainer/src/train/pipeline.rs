@@ -23,7 +23,7 @@ use candle_pipeline::{
 use candle_remat::Policy;
 
 use super::compose;
-use crate::config::TrainConfig;
+use crate::config::{Parallelism, TrainConfig};
 use crate::data::Batch;
 use crate::model::{Ctx, Gpt, GptConfig, Kernels, Link, Params};
 use crate::{Error, Result};
@@ -94,13 +94,19 @@ impl PipelineRun {
         device: &Device,
         dtype: DType,
     ) -> Result<Option<Self>> {
-        let stages = config.pipeline_stages;
-        if stages <= 1 {
+        let Parallelism::Pipeline {
+            stages,
+            microbatches,
+            schedule: kind,
+            devices,
+            threads,
+        } = config.parallelism()
+        else {
             return Ok(None);
-        }
-        let schedule = config.schedule.build(stages, config.microbatches)?;
-        let virtual_stages = stages * config.schedule.virtual_stages();
-        let devices = match config.pipeline_devices.0.as_slice() {
+        };
+        let schedule = kind.build(stages, microbatches)?;
+        let virtual_stages = stages * kind.virtual_stages();
+        let devices = match devices.0.as_slice() {
             [] => vec![device.clone(); stages],
             specs => specs.iter().map(|d| d.open()).collect::<Result<Vec<_>>>()?,
         };
@@ -123,7 +129,7 @@ impl PipelineRun {
             block_size: config.block_size,
             ..model.config.clone()
         };
-        let rows = config.batch_size.div_ceil(config.microbatches);
+        let rows = config.batch_size.div_ceil(microbatches);
         let costs_of = |n: usize| {
             compose::gpt_chain_costs(
                 &GptConfig {
@@ -152,7 +158,7 @@ impl PipelineRun {
         })?;
         if device.is_cpu() {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let threads = match config.pipeline_threads {
+            let threads = match threads {
                 0 => (cores / stages).max(1),
                 n => n,
             };
@@ -161,7 +167,7 @@ impl PipelineRun {
         Ok(Some(PipelineRun {
             pipe,
             schedule,
-            microbatches: config.microbatches,
+            microbatches,
         }))
     }
 
