@@ -65,6 +65,8 @@ pub struct Microbatches {
     weights: Vec<f64>,
     /// First row of each microbatch in the whole batch.
     rows: Vec<usize>,
+    /// The first row of this batch in a larger one ([`Microbatches::with_first_row`]).
+    first_row: usize,
     key: u64,
 }
 
@@ -140,6 +142,7 @@ impl Microbatches {
             targets,
             weights,
             rows,
+            first_row: 0,
             key: 0,
         })
     }
@@ -151,15 +154,23 @@ impl Microbatches {
         self
     }
 
+    /// Shifts every microbatch's first row by `first`: for a batch that is itself rows
+    /// `first..` of a larger one (a data-parallel shard), so that [`Microbatches::row`] (and
+    /// a stage's [`Call::row`](crate::stage::Call::row)) index the larger batch.
+    pub fn with_first_row(mut self, first: usize) -> Self {
+        self.first_row = first;
+        self
+    }
+
     /// The batch's key (see [`Microbatches::with_key`]).
     pub fn key(&self) -> u64 {
         self.key
     }
 
     /// Index of microbatch `k`'s first row in the whole batch (the sum of the earlier
-    /// microbatches' sizes).
+    /// microbatches' sizes, plus [`Microbatches::with_first_row`]'s offset).
     pub fn row(&self, k: usize) -> usize {
-        self.rows[k]
+        self.first_row + self.rows[k]
     }
 
     /// Number of microbatches.

@@ -54,18 +54,8 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
         .fold(0f32, f32::max)
 }
 
-#[test]
-fn two_ranks_train_like_one_rank_with_twice_the_batch() {
-    let tmp = tempfile::tempdir().unwrap();
-    let single = run(Trainer::new(config(&tmp.path().join("one"), 8)).unwrap());
-    let dir = tmp.path().join("two");
-    let ranks = two_ranks(move |comm| {
-        let t = Trainer::new(config(&dir, 4))
-            .unwrap()
-            .with_comm(Box::new(comm))
-            .unwrap();
-        run(t)
-    });
+/// 2 ranks' runs against one process with the whole batch.
+fn assert_like_one_process(single: &Run, ranks: &[Run]) {
     // Replicas are bit-identical: same reduced gradients, same update.
     assert_eq!(ranks[0].1, ranks[1].1, "rank weights differ");
     // Against one process with the whole batch, only the order of f32 sums differs (per-shard
@@ -99,6 +89,21 @@ fn two_ranks_train_like_one_rank_with_twice_the_batch() {
         let err = max_abs(a, b);
         assert!(err < 0.05 * lr, "{name}: weights differ by {err:e}");
     }
+}
+
+#[test]
+fn two_ranks_train_like_one_rank_with_twice_the_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let single = run(Trainer::new(config(&tmp.path().join("one"), 8)).unwrap());
+    let dir = tmp.path().join("two");
+    let ranks = two_ranks(move |comm| {
+        let t = Trainer::new(config(&dir, 4))
+            .unwrap()
+            .with_comm(Box::new(comm))
+            .unwrap();
+        run(t)
+    });
+    assert_like_one_process(&single, &ranks);
     // Rank 0 wrote the run; the checkpoint records the world size.
     let state = std::fs::read_to_string(
         tmp.path()
@@ -215,4 +220,28 @@ fn zero1_shards_the_optimiser_and_trains_like_plain_data_parallel() {
             "{f} differs"
         );
     }
+}
+
+#[test]
+fn pipeline_stages_within_each_rank_train_like_one_process() {
+    // 2D: each of the 2 ranks runs a 2-stage 1F1B pipeline (threads) that recomputes its
+    // blocks, on its shard; together they train like one plain process with the whole batch
+    // (dropout 0.1: every row draws the mask it draws there).
+    let tmp = tempfile::tempdir().unwrap();
+    let single = run(Trainer::new(config(&tmp.path().join("one"), 8)).unwrap());
+    let dir = tmp.path().join("grid");
+    let ranks = two_ranks(move |comm| {
+        let cfg = TrainConfig {
+            pipeline_stages: 2,
+            microbatches: 2,
+            pipeline_threads: 1,
+            remat: "every:1".parse().unwrap(),
+            ..config(&dir, 4)
+        };
+        run(Trainer::new(cfg)
+            .unwrap()
+            .with_comm(Box::new(comm))
+            .unwrap())
+    });
+    assert_like_one_process(&single, &ranks);
 }

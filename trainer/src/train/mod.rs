@@ -237,13 +237,6 @@ impl Trainer {
     /// alone writes the run directory. A resumed run must keep its world size.
     pub fn with_comm(mut self, comm: Box<dyn Communicator>) -> Result<Self> {
         let world = comm.world_size();
-        if world > 1 && matches!(self.executor, Executor::Pipeline(_)) {
-            return Err(Error::Config(
-                "pipeline stages across data-parallel ranks (2D parallelism) are not supported \
-                 yet: use pipeline_stages = 1 with data parallel"
-                    .into(),
-            ));
-        }
         self.check_world(world)?;
         self.dp = DataParallel::new(comm, self.vars.clone())?;
         self.dp.broadcast_from_main(&self.vars)?;

@@ -172,7 +172,8 @@ impl PipelineRun {
     }
 
     /// One forward and backward of a trainer micro-batch through the pipeline, with dropout
-    /// seeded by `ctx.seed`. Returns the loss and the gradients of `loss * weight`.
+    /// seeded by `ctx.seed` and keyed by rows from `ctx.row` on (a data-parallel shard's place
+    /// in the global batch). Returns the loss and the gradients of `loss * weight`.
     pub fn forward_backward(
         &self,
         batch: &Batch,
@@ -206,7 +207,9 @@ impl PipelineRun {
             ws.push(weight * f64::from(count / total));
             start += rows;
         }
-        let mbs = Microbatches::with_weights(xs, ys, ws)?.with_key(ctx.seed);
+        let mbs = Microbatches::with_weights(xs, ys, ws)?
+            .with_key(ctx.seed)
+            .with_first_row(ctx.row);
         let out = self.pipe.step(&self.schedule, &mbs)?;
         Ok(((out.loss / weight) as f32, out.grads))
     }
