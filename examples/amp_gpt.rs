@@ -1,72 +1,149 @@
-//! Train a small GPT in f32, f16 and bf16 with `candle-amp` master weights and loss scaling,
-//! and in pure f16 without it, on the same data from the same seed.
+//! Train the trainer's GPT in f32, bf16 and f16 with `candle-amp` (f32 master weights, loss
+//! scaling for f16) on the same data from the same seed, and compare the eval losses.
 //!
-//! `cargo run --release --example amp_gpt -- [steps]` (default 60). Uses
-//! `data/tinyshakespeare.txt` if present, else a synthetic token task.
-//! The full comparison with timings and peak heap is `cargo bench -p candle-amp --bench amp`.
+//! ```text
+//! cargo run --release --example amp_gpt -- [steps]
+//! ```
+//!
+//! (default 60 steps) on `data/tinyshakespeare.txt`, char-level (the trainer's data module).
+//! The model casts its f32 parameters to the compute dtype at use (`WeightMode::Cast`), so
+//! gradients arrive in f32; `Amp` checks them for overflow, unscales and clips them in one
+//! coefficient handed to the trainer's fused AdamW (`Amp::step_fused`). f16 uses a dynamic
+//! loss scale; bf16 and f32 need none. The full comparison with timings and peak heap is
+//! `cargo bench -p candle-amp --bench amp`.
 
-#[path = "../candle-amp/benches/common/mod.rs"]
-mod common;
+use std::time::Instant;
 
-use candle_amp::StepOutcome;
-use candle_core::Device;
-use common::{train, Data, GptConfig, Mode, TrainConfig};
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::Optimizer as _;
+use candle_train::amp::{Amp, MasterWeights, ScalerConfig, StepOutcome, WeightMode};
+use candle_train::trainer::data::{DataKind, DataSource, DataSpec, Split, TextSource};
+use candle_train::trainer::model::{cross_entropy, Ctx, Gpt, GptConfig, Kernels};
+use candle_train::trainer::optim::{global_grad_norm, AdamW, AdamWConfig};
 
-fn main() -> anyhow::Result<()> {
-    let steps = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(60);
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tinyshakespeare.txt");
-    let data = Data::load(&path);
-    println!("data: {}", data.source);
-    let dev = Device::Cpu;
-    let tc = TrainConfig {
-        gpt: GptConfig {
-            vocab: data.vocab,
-            block: 32,
-            n_embd: 64,
-            n_head: 4,
-            n_layer: 2,
-        },
-        batch: 8,
-        steps,
-        lr: 3e-3,
-        clip: 1.0,
-        seed: 7,
-        eval_batches: 4,
-        warmup: 1,
-    };
-    let mut results = Vec::new();
-    for mode in Mode::ALL {
-        let r = train(mode, &tc, &data, &dev, |i, loss, outcome| {
-            match outcome {
-                Some(StepOutcome::Skipped { reason, scale_before, scale_after, nonfinite_params, .. }) => println!(
-                    "  [{}] step {i}: skipped ({reason:?}), scale {scale_before} -> {scale_after}, non-finite: {nonfinite_params:?}",
-                    mode.name()
-                ),
-                _ if i % 20 == 0 => println!("  [{}] step {i}: loss {loss:.4}", mode.name()),
-                _ => {}
-            }
-        })?;
-        println!(
-            "{:>10}: eval loss {:.4}, {:.1} ms/step, skipped {}, final scale {}, first non-finite loss: {:?}",
-            mode.name(),
-            r.eval_loss,
-            r.step_time.as_secs_f64() * 1e3,
-            r.skipped,
-            r.final_scale,
-            r.first_nonfinite
-        );
-        results.push(r);
+const BATCH: usize = 8;
+const EVAL_BATCHES: u64 = 4;
+
+/// Batch `k` of `split`: `BATCH` windows at fixed pseudo-random offsets (the same in every
+/// mode), as inputs and next-token targets.
+fn batch(tokens: &[u32], t: usize, k: u64, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let mut rows = Vec::with_capacity(BATCH * (t + 1));
+    for r in 0..BATCH as u64 {
+        let h = (k * BATCH as u64 + r + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 16;
+        let at = (h % (tokens.len() - t) as u64) as usize;
+        rows.extend_from_slice(&tokens[at..at + t + 1]);
     }
-    let base = results[0].eval_loss;
-    for r in &results[1..] {
+    let rows = Tensor::from_vec(rows, (BATCH, t + 1), dev)?;
+    Ok((rows.narrow(1, 0, t)?, rows.narrow(1, 1, t)?))
+}
+
+struct Run {
+    eval_loss: f32,
+    ms_per_step: f64,
+    skipped: usize,
+    final_scale: f64,
+}
+
+fn train(dtype: DType, cfg: &GptConfig, data: &TextSource, steps: u64) -> Result<Run> {
+    let dev = Device::Cpu;
+    let (model, params) = Gpt::new(cfg, 7, &dev)?;
+    let named = params.iter().map(|(n, v)| (n.clone(), v.clone()));
+    let weights = MasterWeights::new(named, dtype, WeightMode::Cast)?;
+    let scaler = match dtype {
+        DType::F16 => ScalerConfig::dynamic(),
+        _ => ScalerConfig::none(),
+    };
+    let mut amp = Amp::new(weights, scaler)?.with_clip_norm(Some(1.0))?;
+    let mut opt = AdamW::new(&params, AdamWConfig::default())?;
+    opt.set_learning_rate(3e-3);
+    let (vars, train) = (params.vars(), data.tokens(Split::Train));
+    let (mut skipped, start) = (0, Instant::now());
+    for step in 0..steps {
+        let (x, y) = batch(train, cfg.block_size, step, &dev)?;
+        let ctx = Ctx::train(step).with_dtype(dtype);
+        let loss = cross_entropy(&model.to_dtype(dtype)?.forward(&x, &ctx)?, &y, None)?;
+        let grads = amp.backward(&loss)?; // of the loss times the current scale
+        let norm = global_grad_norm(&grads, &vars, Kernels::Fused)?;
+        match amp.step_fused(&grads, norm, |coef| opt.apply_scaled(&grads, coef))? {
+            StepOutcome::Skipped {
+                scale_before,
+                scale_after,
+                nonfinite_params,
+                ..
+            } => {
+                skipped += 1;
+                println!(
+                    "  [{}] step {step}: skipped, scale {scale_before} -> {scale_after}, \
+                     non-finite: {nonfinite_params:?}",
+                    dtype.as_str()
+                );
+            }
+            _ if step % 20 == 0 => {
+                println!(
+                    "  [{}] step {step}: loss {:.4}",
+                    dtype.as_str(),
+                    loss.to_scalar::<f32>()?
+                )
+            }
+            _ => {}
+        }
+    }
+    let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / steps.max(1) as f64;
+    let eval = model.to_dtype(dtype)?;
+    let mut total = 0.0;
+    for k in 0..EVAL_BATCHES {
+        let (x, y) = batch(data.tokens(Split::Val), cfg.block_size, k, &dev)?;
+        let logits = eval.forward(&x, &Ctx::eval().with_dtype(dtype))?;
+        total += cross_entropy(&logits, &y, None)?.to_scalar::<f32>()?;
+    }
+    Ok(Run {
+        eval_loss: total / EVAL_BATCHES as f32,
+        ms_per_step,
+        skipped,
+        final_scale: amp.scale(),
+    })
+}
+
+fn main() -> Result<()> {
+    let steps = match std::env::args().nth(1) {
+        Some(s) => s
+            .parse()
+            .with_context(|| format!("steps must be a number, not `{s}`"))?,
+        None => 60,
+    };
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tinyshakespeare.txt");
+    let spec = DataSpec {
+        kind: DataKind::Char,
+        path: Some(path),
+        ..DataSpec::default()
+    };
+    let data = TextSource::open(&spec)?;
+    println!("data: {}", data.describe());
+    let cfg = GptConfig {
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 64,
+        block_size: 32,
+        vocab_size: data.vocab_size(),
+        dropout: 0.0,
+        ..GptConfig::default()
+    };
+    let mut base = None;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let r = train(dtype, &cfg, &data, steps)?;
+        let ratio = base.map_or(String::new(), |b| {
+            format!(", ratio to f32 {:.4}", r.eval_loss / b)
+        });
         println!(
-            "{:>10}: ratio to f32 {:.4}",
-            r.mode.name(),
-            r.eval_loss / base
+            "{:>5}: eval loss {:.4}, {:.1} ms/step, skipped {}, final scale {}{ratio}",
+            dtype.as_str(),
+            r.eval_loss,
+            r.ms_per_step,
+            r.skipped,
+            r.final_scale
         );
+        base = base.or(Some(r.eval_loss));
     }
     Ok(())
 }

@@ -1,97 +1,92 @@
-//! Pipeline-parallel training of a small GPT-like chain (embed -> blocks -> head) on CPU threads.
+//! Pipeline-parallel training of the trainer's GPT on CPU threads: the model's chain
+//! (`Gpt::links`: embedding, blocks, head) cut into `candle-pipeline` stages.
 //!
-//! Run: `cargo run --release --example pipeline_gpt`
+//! ```text
+//! cargo run --release --example pipeline_gpt -- [--recompute]
+//! ```
 //!
-//! Shows the path from a model written as plain structs with `forward(&self, x)` and a `VarMap`
-//! to a pipeline step: wrap each link as a `Layer` with its variables, split by parameter count,
-//! run a 1F1B schedule on 2 worker threads, apply the returned `GradStore` with AdamW.
+//! Each link becomes a `Layer` with the parameters it reads (`Params::vars_of`), told which
+//! microbatch it runs for (`Layer::with_call`): dropout is keyed by the step (`call.key`) and
+//! the microbatch's first row (`call.row`), so every row draws the mask the whole batch would.
+//! The layers are split into 2 stages balanced by parameter count (with `--recompute`, each
+//! block keeps only its input and is recomputed in backward), run by a 1F1B schedule on 2
+//! worker threads; the trainer's AdamW applies the returned gradients.
 
-use candle_core::{DType, Device, Module, Result, Tensor, D};
-use candle_nn::{Embedding, Linear, Optimizer, VarBuilder, VarMap};
-use candle_pipeline::{
-    split_by_params, vars_with_prefix, Layer, LossReduction, Microbatches, Pipeline, Schedule,
+use anyhow::{bail, Result};
+use candle_core::{Device, Tensor};
+use candle_nn::Optimizer as _;
+use candle_train::pipeline::{
+    balance_by_params, split_layers, Call, Layer, LossReduction, Microbatches, Pipeline, Schedule,
+    Stage,
 };
+use candle_train::trainer::model::{cross_entropy, Ctx, Gpt, GptConfig};
+use candle_train::trainer::optim::{AdamW, AdamWConfig};
 
-const VOCAB: usize = 16;
-const D_MODEL: usize = 64;
 const SEQ: usize = 32;
 const BATCH: usize = 8;
+const STEPS: usize = 30;
 
-/// A residual MLP block (pre-norm with a differentiable RMS norm).
-struct Block {
-    up: Linear,
-    down: Linear,
-}
-
-impl Block {
-    fn new(vb: VarBuilder) -> Result<Self> {
-        Ok(Self {
-            up: candle_nn::linear(D_MODEL, 4 * D_MODEL, vb.pp("up"))?,
-            down: candle_nn::linear(4 * D_MODEL, D_MODEL, vb.pp("down"))?,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let rms = x
-            .sqr()?
-            .mean_keepdim(D::Minus1)?
-            .affine(1.0, 1e-5)?
-            .sqrt()?;
-        let h = x.broadcast_div(&rms)?;
-        x + self.down.forward(&self.up.forward(&h)?.gelu()?)?
-    }
-}
-
-fn main() -> anyhow::Result<()> {
-    let dev = Device::Cpu;
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
-
-    // The model as a chain of plain structs.
-    let embed = candle_nn::embedding(VOCAB, D_MODEL, vb.pp("embed"))?;
-    let blocks = (0..4)
-        .map(|i| Block::new(vb.pp(format!("blocks.{i}"))))
-        .collect::<Result<Vec<_>>>()?;
-    let head = candle_nn::linear(D_MODEL, VOCAB, vb.pp("head"))?;
-
-    // Chain -> layers with their variables -> 2 stages balanced by parameter count.
-    let mut layers = vec![Layer::new(
-        vars_with_prefix(&varmap, "embed."),
-        move |x: &Tensor| Embedding::forward(&embed, x),
-    )];
-    for (i, b) in blocks.into_iter().enumerate() {
-        layers.push(Layer::new(
-            vars_with_prefix(&varmap, &format!("blocks.{i}.")),
-            move |x: &Tensor| b.forward(x),
-        ));
-    }
-    layers.push(Layer::new(
-        vars_with_prefix(&varmap, "head."),
-        move |x: &Tensor| head.forward(x),
-    ));
-    let stages = split_by_params(layers, 2)?;
-    let loss = |logits: &Tensor, targets: &Tensor| {
-        candle_nn::loss::cross_entropy(&logits.flatten_to(1)?, &targets.flatten_all()?)
+fn main() -> Result<()> {
+    let recompute = match std::env::args().nth(1).as_deref() {
+        None => false,
+        Some("--recompute") => true,
+        Some(other) => bail!("unknown argument `{other}` (expected --recompute or nothing)"),
     };
+    let dev = Device::Cpu;
+    let cfg = GptConfig {
+        n_layer: 4,
+        n_head: 4,
+        n_embd: 64,
+        block_size: SEQ,
+        vocab_size: 16,
+        dropout: 0.1,
+        ..GptConfig::default()
+    };
+    let (model, params) = Gpt::new(&cfg, 7, &dev)?;
+
+    // The chain as layers (dropout keyed by the call), balanced into 2 stages.
+    let links = model.links();
+    let layers: Vec<Layer> = (links.iter().cloned())
+        .map(|link| {
+            Layer::with_call(params.vars_of(&link.weights()), move |x, call: &Call| {
+                link.forward(x, &Ctx::train(call.key).with_row(call.row))
+            })
+        })
+        .collect();
+    let ranges = balance_by_params(&layers, 2)?;
+    let mut stages: Vec<Box<dyn Stage>> = Vec::new();
+    for (stage, range) in split_layers(layers, &ranges)?.into_iter().zip(&ranges) {
+        // With --recompute, each block keeps only its input and is recomputed in backward.
+        let blocks = (0..range.len()).filter(|&i| recompute && links[range.start + i].is_block());
+        let stage = stage.with_recompute(blocks.map(|i| i..i + 1).collect())?;
+        println!(
+            "stage: links {range:?}, recomputed {:?}",
+            stage.recomputed()
+        );
+        stages.push(Box::new(stage));
+    }
+    let loss = |logits: &Tensor, targets: &Tensor| cross_entropy(logits, targets, None);
     let pipe = Pipeline::new(stages, vec![dev.clone(); 2], loss)?.with_cpu_threads(1)?;
 
-    // Toy task: predict the next token of `t -> (3t + 1) mod VOCAB` sequences.
+    // Toy task: predict the next token of `t -> (3t + 1) mod 16` sequences.
     let seqs: Vec<u32> = (0..BATCH * (SEQ + 1))
         .map(|i| {
             let (row, pos) = (i / (SEQ + 1), i % (SEQ + 1));
-            (0..pos).fold(row as u32, |t, _| (3 * t + 1) % VOCAB as u32)
+            (0..pos).fold(row as u32, |t, _| (3 * t + 1) % cfg.vocab_size as u32)
         })
         .collect();
     let data = Tensor::from_vec(seqs, (BATCH, SEQ + 1), &dev)?;
     let (x, y) = (data.narrow(1, 0, SEQ)?, data.narrow(1, 1, SEQ)?);
-    let batch = Microbatches::split(&x, &y, 4, LossReduction::Mean)?;
     let schedule = Schedule::one_f_one_b(2, 4)?;
+    let mut opt = AdamW::new(&params, AdamWConfig::default())?;
+    opt.set_learning_rate(3e-3);
 
-    let mut opt = candle_nn::AdamW::new_lr(varmap.all_vars(), 3e-3)?;
     let mut last = None;
-    for step in 0..30 {
+    for step in 0..STEPS {
+        // 4 microbatches; the step is the dropout key.
+        let batch = Microbatches::split(&x, &y, 4, LossReduction::Mean)?.with_key(step as u64);
         let out = pipe.step(&schedule, &batch)?;
-        opt.step(&out.grads)?;
+        opt.apply(&out.grads)?;
         if step % 10 == 0 {
             println!("step {step:2}: loss {:.4}", out.loss);
         }

@@ -7,12 +7,14 @@
 //! tests: microbatching changes the order of the f32 sums over the batch (per-microbatch means
 //! weighted and added), which moves results by a few ulps.
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor};
 use candle_train::amp::{Amp, MasterWeights, ScalerConfig, WeightMode};
 use candle_train::pipeline::{Layer, LossReduction, Microbatches, Pipeline, Schedule, Stage};
 use candle_train::remat::{Policy, Tape};
 use candle_train::trainer::model::{cross_entropy, Ctx, Gpt, GptConfig, Kernels, Params};
 use candle_train::trainer::optim::{AdamW, AdamWConfig};
+use candle_train::trainer::train::{compose::gpt_chain_costs, step::run_chain};
 
 fn config(n_layer: usize, n_embd: usize) -> GptConfig {
     GptConfig {
@@ -41,38 +43,19 @@ fn tokens(b: usize, t: usize, vocab: usize, seed: u64) -> Tensor {
     Tensor::from_vec(ids, (b, t), &Device::Cpu).unwrap()
 }
 
-fn vars_named(params: &Params, pred: impl Fn(&str) -> bool) -> Vec<Var> {
-    params
-        .iter()
-        .filter(|(n, _)| pred(n))
-        .map(|(_, v)| v.clone())
-        .collect()
-}
-
-/// The GPT as pipeline layers: embed, each block, head.
+/// The GPT's chain as pipeline layers: each link (embed, each block, head) with the parameters
+/// it reads. The head lists the tied `wte` too, so its gradient contribution is kept.
 fn layers(model: &Gpt, params: &Params) -> Vec<Layer> {
     let ctx = Ctx::eval();
-    let mut out = Vec::new();
-    let embed = model.embed.clone();
-    out.push(Layer::new(
-        vars_named(params, |n| n.contains(".wte.") || n.contains(".wpe.")),
-        move |ids| embed.forward(ids, &ctx),
-    ));
-    for (i, block) in model.blocks.iter().enumerate() {
-        let block = block.clone();
-        let prefix = format!("transformer.h.{i}.");
-        out.push(Layer::new(
-            vars_named(params, |n| n.starts_with(&prefix)),
-            move |x| block.forward(x, &ctx),
-        ));
-    }
-    let head = model.head.clone();
-    // The head is tied to wte: it lists wte too, so its gradient contribution is kept.
-    out.push(Layer::new(
-        vars_named(params, |n| n.contains(".ln_f.") || n.contains(".wte.")),
-        move |x| head.forward(x, &ctx),
-    ));
-    out
+    model
+        .links()
+        .into_iter()
+        .map(|link| {
+            Layer::new(params.vars_of(&link.weights()), move |x| {
+                link.forward(x, &ctx)
+            })
+        })
+        .collect()
 }
 
 fn assert_close(name: &str, a: &Tensor, b: &Tensor) {
@@ -171,33 +154,22 @@ fn remat_is_bit_identical(
         .backward()
         .unwrap();
     for policy in [Policy::EveryK(1), Policy::EveryK(3), Policy::SqrtN] {
-        let costs =
-            candle_train::trainer::train::compose::gpt_chain_costs(cfg, 3, DType::F32, kernels);
+        let costs = gpt_chain_costs(cfg, 3, DType::F32, kernels);
         let plan = policy.plan(&costs).unwrap();
-        let tape = Tape::new(11);
-        let h = model.embed.forward(&x, &ctx).unwrap();
-        let h = plan
-            .forward(&tape, &h, |i, h| model.blocks[i].forward(h, &ctx))
-            .unwrap();
-        let loss = kernels
-            .cross_entropy(&model.head.forward(&h, &ctx).unwrap(), &y, None)
-            .unwrap();
+        let (links, tape) = (model.links(), Tape::new(11));
+        let logits = run_chain(&links, &x, &ctx, Some((&tape, &plan))).unwrap();
+        let loss = kernels.cross_entropy(&logits, &y, None).unwrap();
         let grads = tape.backward(&loss).unwrap();
         for (name, var) in params.iter() {
-            let a: Vec<f32> = plain
-                .get(var)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let b: Vec<f32> = grads
-                .get(var)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let values = |g: &GradStore| -> Vec<f32> {
+                g.get(var)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            };
+            let (a, b) = (values(&plain), values(&grads));
             assert_eq!(a, b, "{kernels} kernels, {policy:?}: gradient of {name}");
         }
     }
@@ -219,19 +191,12 @@ fn amp_steps_remat_grads(cfg: &GptConfig, model: &Gpt, params: &Params, x: &Tens
         .copy()
         .unwrap();
     let ctx16 = Ctx::train(11).with_dtype(DType::BF16);
-    let tape = Tape::new(11);
-    let h = model.embed.forward(x, &ctx16).unwrap();
-    let h = Policy::SqrtN
-        .plan(&candle_train::trainer::train::compose::gpt_chain_costs(
-            cfg,
-            3,
-            DType::BF16,
-            Kernels::Fused,
-        ))
-        .unwrap()
-        .forward(&tape, &h, |i, h| model.blocks[i].forward(h, &ctx16))
+    let plan = Policy::SqrtN
+        .plan(&gpt_chain_costs(cfg, 3, DType::BF16, Kernels::Fused))
         .unwrap();
-    let loss = cross_entropy(&model.head.forward(&h, &ctx16).unwrap(), y, None).unwrap();
+    let (links, tape) = (model.links(), Tape::new(11));
+    let logits = run_chain(&links, x, &ctx16, Some((&tape, &plan))).unwrap();
+    let loss = cross_entropy(&logits, y, None).unwrap();
     let grads = tape.backward(&amp.scale_loss(&loss).unwrap()).unwrap();
     let outcome = amp.step(&mut opt, &grads).unwrap();
     assert!(outcome.is_applied(), "{outcome}");
