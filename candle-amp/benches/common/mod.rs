@@ -1,5 +1,5 @@
-//! A compact GPT and a training loop for the candle-amp bench and the root example
-//! `examples/amp_gpt.rs` (which includes this file with `#[path]`).
+//! A compact GPT and a training loop for the candle-amp bench (a model of the bench's own, so
+//! that candle-amp's figures do not depend on the trainer).
 //!
 //! Only differentiable ops: a layer norm and softmax from [`PrecisionPolicy`], matmuls,
 //! `index_select` embeddings, GELU. Initialisation is seeded on the host (SplitMix64 +
