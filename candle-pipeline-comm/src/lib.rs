@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
+pub mod cost;
 pub mod grid;
 
 pub use grid::{Grid2D, GridError, Topology};
