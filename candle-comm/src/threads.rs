@@ -179,19 +179,39 @@ impl ThreadComm {
         s
     }
 
+    /// Sends to `to`. If its endpoint is gone, a failure some rank reported before (an abort
+    /// message already in this rank's inbox) is returned in preference: a rank that aborts and
+    /// then ends is reported with its reason, whichever this rank notices first.
     fn post(&self, to: usize, key: Key, body: Body, op: Op) -> Result<()> {
-        self.peers[to]
-            .send(Msg {
-                from: self.rank,
-                key,
-                body,
-            })
-            .map_err(|_| CommError::PeerFailed {
-                rank: self.rank,
-                op,
-                peer: to,
-                message: "its endpoint is gone (the rank's thread ended)".to_string(),
-            })
+        let msg = Msg {
+            from: self.rank,
+            key,
+            body,
+        };
+        if self.peers[to].send(msg).is_ok() {
+            return Ok(());
+        }
+        while let Ok(m) = self.inbox.try_recv() {
+            match m.body {
+                Body::Abort(message) => {
+                    self.failed.borrow_mut().get_or_insert((m.from, message));
+                }
+                Body::Gone => self.gone.borrow_mut()[m.from] = true,
+                _ => self.pending.borrow_mut().push(m),
+            }
+        }
+        let (peer, message) = self.failed.borrow().clone().unwrap_or_else(|| {
+            (
+                to,
+                "its endpoint is gone (the rank's thread ended)".to_string(),
+            )
+        });
+        Err(CommError::PeerFailed {
+            rank: self.rank,
+            op,
+            peer,
+            message,
+        })
     }
 
     /// Waits for the tensor `key` from `from`, keeping other messages for later.
