@@ -95,6 +95,31 @@ pub trait Communicator {
     /// Returns once every rank has called `barrier`.
     fn barrier(&self) -> Result<()>;
 
+    /// Splits the ranks of this communicator into disjoint groups, one sub-communicator per group
+    /// (`MPI_Comm_split`): ranks that pass the same `color` form a group, ordered by `key`, then
+    /// by their rank here. Every rank must call it (it is a collective) and gets the
+    /// communicator of its own group; colors and keys are at most [`MAX_COLOR`](crate::MAX_COLOR).
+    ///
+    /// Errors of the sub-communicator are [`CommError::InGroup`]: they name this rank in the
+    /// world (the communicator first split) and in the group, and the world rank of a peer they
+    /// name. [`split_named`](Communicator::split_named) names the kind of group in them.
+    ///
+    /// Backends without sub-communicators return [`CommError::Unsupported`] (the default).
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
+        self.split_named("group", color, key)
+    }
+
+    /// [`split`](Communicator::split), naming the kind of group (`"pipeline"`, `"dp"`, ...) in the
+    /// sub-communicator's errors and abort lines: `world rank 3 of 4 (rank 1 of 2 in dp 1)`.
+    fn split_named(&self, name: &str, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
+        let _ = (name, color, key);
+        Err(CommError::Unsupported {
+            rank: self.rank(),
+            op: Op::Split,
+            backend: self.backend(),
+        })
+    }
+
     /// Tells every rank to stop because this rank failed with `reason`.
     ///
     /// - `mpi`: writes `candle-comm: rank R failed: <reason>` to stderr and calls `MPI_Abort`,
@@ -102,7 +127,92 @@ pub trait Communicator {
     /// - `threads`: the other ranks' pending and next operations return
     ///   [`CommError::PeerFailed`] naming this rank;
     /// - `local`: nothing to tell.
+    ///
+    /// On a sub-communicator (see [`split`](Communicator::split)): MPI still ends the whole job
+    /// (the line names the rank in the world and in the group); threads tell the group's ranks.
     fn abort(&self, reason: &str);
+}
+
+/// Forwards every method, so that `Box<dyn Communicator>` (what
+/// [`split`](Communicator::split) returns) and boxed backends are communicators.
+impl<C: Communicator + ?Sized> Communicator for Box<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn backend(&self) -> &'static str {
+        (**self).backend()
+    }
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        (**self).all_reduce(tensor, op)
+    }
+    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        (**self).reduce_scatter(tensor, op)
+    }
+    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
+        (**self).all_gather(tensor)
+    }
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
+        (**self).broadcast(tensor, root)
+    }
+    fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
+        (**self).send(tensor, to, tag)
+    }
+    fn recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
+        (**self).recv(from, tag, device)
+    }
+    fn barrier(&self) -> Result<()> {
+        (**self).barrier()
+    }
+    fn split_named(&self, name: &str, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
+        (**self).split_named(name, color, key)
+    }
+    fn abort(&self, reason: &str) {
+        (**self).abort(reason)
+    }
+}
+
+/// Forwards every method, so that a borrowed communicator can be lent to code that takes one by
+/// value (e.g. a transport that owns its communicator).
+impl<C: Communicator + ?Sized> Communicator for &C {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn backend(&self) -> &'static str {
+        (**self).backend()
+    }
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        (**self).all_reduce(tensor, op)
+    }
+    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        (**self).reduce_scatter(tensor, op)
+    }
+    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
+        (**self).all_gather(tensor)
+    }
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
+        (**self).broadcast(tensor, root)
+    }
+    fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
+        (**self).send(tensor, to, tag)
+    }
+    fn recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
+        (**self).recv(from, tag, device)
+    }
+    fn barrier(&self) -> Result<()> {
+        (**self).barrier()
+    }
+    fn split_named(&self, name: &str, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
+        (**self).split_named(name, color, key)
+    }
+    fn abort(&self, reason: &str) {
+        (**self).abort(reason)
+    }
 }
 
 /// Passes `result` through, calling [`Communicator::abort`] with the error's text first when it

@@ -164,6 +164,27 @@ impl GradBuckets {
         comm: &C,
         grads: &mut GradStore,
     ) -> Result<ReduceStats> {
+        self.all_reduce(comm, grads, ReduceOp::Mean)
+    }
+
+    /// Like [`all_reduce_mean`](GradBuckets::all_reduce_mean), but replaces each gradient by its
+    /// sum over all ranks: for ranks whose losses are already weighted by their share of the
+    /// global batch (e.g. a token-mean loss over replicas of different sizes), the sum is the
+    /// global gradient.
+    pub fn all_reduce_sum<C: Communicator + ?Sized>(
+        &self,
+        comm: &C,
+        grads: &mut GradStore,
+    ) -> Result<ReduceStats> {
+        self.all_reduce(comm, grads, ReduceOp::Sum)
+    }
+
+    fn all_reduce<C: Communicator + ?Sized>(
+        &self,
+        comm: &C,
+        grads: &mut GradStore,
+        reduce: ReduceOp,
+    ) -> Result<ReduceStats> {
         let mut stats = ReduceStats::default();
         if comm.world_size() == 1 || self.vars.is_empty() {
             return Ok(stats);
@@ -203,7 +224,7 @@ impl GradBuckets {
             }
             let flat = Tensor::cat(&parts, 0).at(rank, op)?;
             drop(parts);
-            let avg = comm.all_reduce(&flat, ReduceOp::Mean)?;
+            let avg = comm.all_reduce(&flat, reduce)?;
             stats.calls += 1;
             let mut offset = 0;
             for &i in &members {

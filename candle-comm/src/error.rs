@@ -28,6 +28,8 @@ pub enum Op {
     GradAllReduce,
     /// Weight fingerprint comparison ([`check_in_sync`](crate::check_in_sync)).
     SyncCheck,
+    /// [`Communicator::split`](crate::Communicator::split) into sub-communicators.
+    Split,
 }
 
 impl fmt::Display for Op {
@@ -43,6 +45,7 @@ impl fmt::Display for Op {
             Op::Barrier => "barrier",
             Op::GradAllReduce => "gradient all_reduce",
             Op::SyncCheck => "weight sync check",
+            Op::Split => "split",
         };
         f.write_str(s)
     }
@@ -134,6 +137,28 @@ pub enum CommError {
         /// Ranks whose parameter fingerprint differs from rank 0's.
         differing: Vec<usize>,
     },
+    /// The backend does not implement this operation (e.g. sub-communicators).
+    #[error("rank {rank}, {op}: not supported by the {backend} backend")]
+    Unsupported {
+        /// Rank that observed the error.
+        rank: usize,
+        /// The operation.
+        op: Op,
+        /// Name of the backend ([`Communicator::backend`](crate::Communicator::backend)).
+        backend: &'static str,
+    },
+    /// An error on a sub-communicator (made by [`Communicator::split`](crate::Communicator::split)):
+    /// `source` names this rank, and any peer, by their ranks in the group; `group` adds this
+    /// rank's place in the world, and `peer_world` the world rank of the peer `source` names.
+    #[error("{group}: {source}{}", peer_note(.source, .peer_world))]
+    InGroup {
+        /// This rank in the world and in the group.
+        group: GroupRank,
+        /// World rank of the peer named by `source` (when it names one).
+        peer_world: Option<usize>,
+        /// The error, with ranks of the group.
+        source: Box<CommError>,
+    },
     /// The communicator could not be created.
     #[error("{op}: {message}")]
     Init {
@@ -154,8 +179,47 @@ impl CommError {
             | CommError::Mismatch { rank, .. }
             | CommError::PeerFailed { rank, .. }
             | CommError::Timeout { rank, .. }
-            | CommError::WeightDrift { rank, .. } => Some(*rank),
+            | CommError::WeightDrift { rank, .. }
+            | CommError::Unsupported { rank, .. } => Some(*rank),
+            CommError::InGroup { source, .. } => source.rank(),
             CommError::Init { .. } => None,
+        }
+    }
+
+    /// The rank of the world (the communicator that was split) that observed the error: for an
+    /// error of a sub-communicator its world rank, otherwise [`CommError::rank`].
+    pub fn world_rank(&self) -> Option<usize> {
+        match self {
+            CommError::InGroup { group, .. } => Some(group.world_rank),
+            e => e.rank(),
+        }
+    }
+
+    /// Where the rank that observed the error sits in the world and in its group, for an error of
+    /// a sub-communicator.
+    pub fn group(&self) -> Option<&GroupRank> {
+        match self {
+            CommError::InGroup { group, .. } => Some(group),
+            _ => None,
+        }
+    }
+
+    /// The error without its group context ([`CommError::InGroup`]'s `source`; ranks in it are
+    /// ranks of the group), e.g. to match [`CommError::PeerFailed`] on any communicator.
+    pub fn inner(&self) -> &CommError {
+        match self {
+            CommError::InGroup { source, .. } => source.inner(),
+            e => e,
+        }
+    }
+
+    /// The peer another rank's failure or input came from, in the communicator's numbering.
+    pub fn peer(&self) -> Option<usize> {
+        match self.inner() {
+            CommError::Mismatch { peer, .. }
+            | CommError::PeerFailed { peer, .. }
+            | CommError::Timeout { peer, .. } => Some(*peer),
+            _ => None,
         }
     }
 
@@ -169,8 +233,50 @@ impl CommError {
             | CommError::PeerFailed { op, .. }
             | CommError::Timeout { op, .. }
             | CommError::WeightDrift { op, .. }
+            | CommError::Unsupported { op, .. }
             | CommError::Init { op, .. } => *op,
+            CommError::InGroup { source, .. } => source.op(),
         }
+    }
+}
+
+/// Where one rank of a sub-communicator sits: its rank in the world (the communicator first
+/// split, e.g. `MPI_COMM_WORLD`) and in its group.
+///
+/// Displayed as `world rank 3 of 4 (rank 1 of 2 in pipeline 1)`: `pipeline` is the name given to
+/// [`Communicator::split_named`](crate::Communicator::split_named) (`group` for
+/// [`split`](crate::Communicator::split)) and `1` the color.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct GroupRank {
+    /// This rank in the world.
+    pub world_rank: usize,
+    /// Number of ranks of the world.
+    pub world_size: usize,
+    /// Name of the kind of group (`"group"`, `"pipeline"`, `"dp"`, ...).
+    pub name: String,
+    /// The color the group was split with.
+    pub color: usize,
+    /// This rank in the group.
+    pub rank: usize,
+    /// Number of ranks of the group.
+    pub size: usize,
+}
+
+impl fmt::Display for GroupRank {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "world rank {} of {} (rank {} of {} in {} {})",
+            self.world_rank, self.world_size, self.rank, self.size, self.name, self.color
+        )
+    }
+}
+
+/// `" [group rank P is world rank W]"` when `source` names a peer and its world rank is known.
+fn peer_note(source: &CommError, peer_world: &Option<usize>) -> String {
+    match (source.peer(), *peer_world) {
+        (Some(p), Some(w)) => format!(" [group rank {p} is world rank {w}]"),
+        _ => String::new(),
     }
 }
 

@@ -4,6 +4,7 @@
 mod comm;
 mod dp;
 mod error;
+mod group;
 mod host;
 mod local;
 #[cfg(feature = "mpi")]
@@ -13,7 +14,8 @@ mod threads;
 
 pub use comm::{or_abort, Communicator, ReduceOp, MAX_TAG};
 pub use dp::{all_reduce_gradients, GradBuckets, ReduceStats, DEFAULT_BUCKET_BYTES};
-pub use error::{CommError, Op, Result};
+pub use error::{CommError, GroupRank, Op, Result};
+pub use group::MAX_COLOR;
 pub use local::Local;
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, DEFAULT_MPI_TIMEOUT};

@@ -12,19 +12,25 @@
 //! - a rank that waits longer than its timeout (a peer hung, or died without aborting) writes
 //!   `candle-comm: rank R of N: <op> timed out after <t> ...` and calls `MPI_Abort`. It cannot
 //!   return an error instead: MPI still owns the buffers of the unfinished operation.
+//!
+//! [`MpiComm::split_group`] makes sub-communicators with `MPI_Comm_split`. Each is an `MpiComm`
+//! sharing the MPI environment (finalised when the last one is dropped); its abort and timeout
+//! lines name the rank in the world and in the group, and `MPI_Abort` still ends the whole job.
 
 use std::cell::RefCell;
 use std::io::Write;
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use mpi::collective::SystemOperation;
 use mpi::request::{Request, Scope, StaticScope};
-use mpi::topology::SimpleCommunicator;
+use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Root, Source};
 
 use crate::comm::{check_peer, check_tag, scatter_rows, Communicator, ReduceOp};
 use crate::error::{CommError, Op, Result};
+use crate::group::{plan, Membership};
 use crate::host::{
     dtype_code, dtype_from_code, gathered_shape, stage, unstage, with_host, HostBuf, HostSlice,
 };
@@ -41,18 +47,23 @@ const MAX_DIMS: usize = 8;
 /// Time a rank polls without sleeping before it sleeps between polls.
 const SPIN: Duration = Duration::from_secs(1);
 
-/// This process's rank of `MPI_COMM_WORLD` (see the [module documentation](self)).
+/// This process's rank of `MPI_COMM_WORLD`, or of a sub-communicator (see the
+/// [module documentation](self)).
 ///
-/// Create one per process with [`MpiComm::init`]; MPI is finalized when it is dropped.
+/// Create one per process with [`MpiComm::init`]; MPI is finalized when it and every
+/// sub-communicator made from it ([`MpiComm::split_group`]) are dropped.
 pub struct MpiComm {
-    world: SimpleCommunicator,
+    /// `MPI_COMM_WORLD`, or the communicator of this rank's group.
+    comm: SimpleCommunicator,
     rank: usize,
     size: usize,
     timeout: Duration,
     /// Sends not yet matched by their receiver (see [`InFlight`]).
     in_flight: RefCell<Vec<InFlight>>,
-    // Dropped last: finalizes MPI.
-    _universe: mpi::environment::Universe,
+    /// Empty for the world; the world ranks of the group for a sub-communicator.
+    group: Membership,
+    // Dropped last (after `comm` is freed): the last owner finalizes MPI.
+    _universe: Rc<mpi::environment::Universe>,
 }
 
 /// A send that has left [`Communicator::send`] but not yet reached its receiver, with the copy
@@ -119,6 +130,7 @@ impl std::fmt::Debug for MpiComm {
         f.debug_struct("MpiComm")
             .field("rank", &self.rank)
             .field("size", &self.size)
+            .field("group", &self.group.label())
             .field("timeout", &self.timeout)
             .finish()
     }
@@ -141,10 +153,57 @@ impl MpiComm {
         Ok(Self {
             rank: usize::try_from(rank).map_err(|_| bad("rank", rank))?,
             size: usize::try_from(size).map_err(|_| bad("size", size))?,
-            world,
+            comm: world,
             timeout: DEFAULT_MPI_TIMEOUT,
             in_flight: RefCell::new(Vec::new()),
-            _universe: universe,
+            group: Membership::default(),
+            _universe: Rc::new(universe),
+        })
+    }
+
+    /// [`Communicator::split_named`] as an `MpiComm`: one all-gather in which the ranks agree on
+    /// the groups (and check colors and keys), then `MPI_Comm_split` (which, unlike the other
+    /// operations, is not bounded by the timeout: every rank has reached the split by then). The
+    /// new communicator has this one's timeout.
+    pub fn split_group(&self, name: &str, color: usize, key: usize) -> Result<MpiComm> {
+        self.group.wrap(self.raw_split(name, color, key))
+    }
+
+    fn raw_split(&self, name: &str, color: usize, key: usize) -> Result<MpiComm> {
+        let (rank, op) = (self.rank, Op::Split);
+        let gather = |t: &Tensor| self.raw_all_gather(t);
+        let p = plan(rank, self.size, &self.group, name, color, key, gather)?;
+        let group_size = p.groups[p.mine].len();
+        // `plan` checked that color and key fit an i32 on every rank.
+        let (c, k) = (color as i32, key as i32);
+        let comm = self
+            .comm
+            .split_by_color_with_key(Color::with_value(c), k)
+            .ok_or_else(|| CommError::InvalidArgument {
+                rank,
+                op,
+                message: format!("MPI_Comm_split gave no communicator for color {color}"),
+            })?;
+        let (r, n) = (comm.rank(), comm.size());
+        if usize::try_from(r) != Ok(p.rank) || usize::try_from(n) != Ok(group_size) {
+            return Err(CommError::InvalidArgument {
+                rank,
+                op,
+                message: format!(
+                    "MPI_Comm_split made rank {r} of {n}, the agreed group has rank {} of \
+                     {group_size}",
+                    p.rank
+                ),
+            });
+        }
+        Ok(MpiComm {
+            comm,
+            rank: p.rank,
+            size: group_size,
+            timeout: self.timeout,
+            in_flight: RefCell::new(Vec::new()),
+            group: p.membership,
+            _universe: Rc::clone(&self._universe),
         })
     }
 
@@ -160,22 +219,25 @@ impl MpiComm {
         self.timeout
     }
 
-    /// The underlying rsmpi `MPI_COMM_WORLD`, for MPI calls this crate does not wrap (calls made
-    /// through it are not bounded by this communicator's timeout).
+    /// The underlying rsmpi communicator (`MPI_COMM_WORLD`, or the group's), for MPI calls this
+    /// crate does not wrap (calls made through it are not bounded by this communicator's
+    /// timeout).
     pub fn raw(&self) -> &SimpleCommunicator {
-        &self.world
+        &self.comm
     }
 
-    /// Writes the reason to stderr and aborts the whole MPI job.
+    /// Writes the reason to stderr and aborts the whole MPI job: `candle-comm: rank R of N
+    /// failed: ...`, or `candle-comm: world rank W of N (rank R of n in NAME COLOR) failed: ...`
+    /// on a sub-communicator.
     fn fatal(&self, reason: &str) -> ! {
         let line = format!(
-            "candle-comm: rank {} of {} failed: {reason}; calling MPI_Abort\n",
-            self.rank, self.size
+            "candle-comm: {} failed: {reason}; calling MPI_Abort\n",
+            self.group.describe(self.rank, self.size)
         );
         let mut err = std::io::stderr().lock();
         let _ = err.write_all(line.as_bytes());
         let _ = err.flush();
-        self.world.abort(ABORT_CODE)
+        SimpleCommunicator::world().abort(ABORT_CODE)
     }
 
     /// Polls `req` until it completes; aborts the job after the timeout.
@@ -210,7 +272,7 @@ impl MpiComm {
             HostSlice::F32(v) => {
                 let mut r = vec![0f32; v.len()];
                 mpi::request::scope(|sc| {
-                    let req = self.world.immediate_all_reduce_into(sc, v, &mut r[..], sys);
+                    let req = self.comm.immediate_all_reduce_into(sc, v, &mut r[..], sys);
                     self.complete(req, what, "all ranks");
                 });
                 HostBuf::F32(r)
@@ -218,7 +280,7 @@ impl MpiComm {
             HostSlice::F64(v) => {
                 let mut r = vec![0f64; v.len()];
                 mpi::request::scope(|sc| {
-                    let req = self.world.immediate_all_reduce_into(sc, v, &mut r[..], sys);
+                    let req = self.comm.immediate_all_reduce_into(sc, v, &mut r[..], sys);
                     self.complete(req, what, "all ranks");
                 });
                 HostBuf::F64(r)
@@ -277,20 +339,9 @@ impl Drop for MpiComm {
     }
 }
 
-impl Communicator for MpiComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.size
-    }
-
-    fn backend(&self) -> &'static str {
-        "mpi"
-    }
-
-    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+/// The collectives without group context (the trait methods add it).
+impl MpiComm {
+    fn raw_all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let what = Op::AllReduce;
         let out = with_host(tensor, self.rank, what, |buf| {
             self.reduce_host(buf, op, what)
@@ -305,7 +356,7 @@ impl Communicator for MpiComm {
         )
     }
 
-    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+    fn raw_reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let what = Op::ReduceScatter;
         let rows = scatter_rows(self.rank, self.size, tensor)?;
         let block = tensor.elem_count() / self.size;
@@ -314,9 +365,9 @@ impl Communicator for MpiComm {
             HostSlice::F32(v) => {
                 let mut r = vec![0f32; block];
                 mpi::request::scope(|sc| {
-                    let req =
-                        self.world
-                            .immediate_reduce_scatter_block_into(sc, v, &mut r[..], sys);
+                    let req = self
+                        .comm
+                        .immediate_reduce_scatter_block_into(sc, v, &mut r[..], sys);
                     self.complete(req, what, "all ranks");
                 });
                 HostBuf::F32(r)
@@ -324,9 +375,9 @@ impl Communicator for MpiComm {
             HostSlice::F64(v) => {
                 let mut r = vec![0f64; block];
                 mpi::request::scope(|sc| {
-                    let req =
-                        self.world
-                            .immediate_reduce_scatter_block_into(sc, v, &mut r[..], sys);
+                    let req = self
+                        .comm
+                        .immediate_reduce_scatter_block_into(sc, v, &mut r[..], sys);
                     self.complete(req, what, "all ranks");
                 });
                 HostBuf::F64(r)
@@ -338,14 +389,14 @@ impl Communicator for MpiComm {
         unstage(out, dims, tensor.dtype(), tensor.device(), self.rank, what)
     }
 
-    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
+    fn raw_all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
         let what = Op::AllGather;
         let n = tensor.elem_count() * self.size;
         let out = with_host(tensor, self.rank, what, |buf| match buf {
             HostSlice::F32(v) => {
                 let mut r = vec![0f32; n];
                 mpi::request::scope(|sc| {
-                    let req = self.world.immediate_all_gather_into(sc, v, &mut r[..]);
+                    let req = self.comm.immediate_all_gather_into(sc, v, &mut r[..]);
                     self.complete(req, what, "all ranks");
                 });
                 HostBuf::F32(r)
@@ -353,7 +404,7 @@ impl Communicator for MpiComm {
             HostSlice::F64(v) => {
                 let mut r = vec![0f64; n];
                 mpi::request::scope(|sc| {
-                    let req = self.world.immediate_all_gather_into(sc, v, &mut r[..]);
+                    let req = self.comm.immediate_all_gather_into(sc, v, &mut r[..]);
                     self.complete(req, what, "all ranks");
                 });
                 HostBuf::F64(r)
@@ -363,11 +414,11 @@ impl Communicator for MpiComm {
         unstage(out, dims, tensor.dtype(), tensor.device(), self.rank, what)
     }
 
-    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
+    fn raw_broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
         let what = Op::Broadcast;
         check_peer(self.rank, self.size, root, what)?;
         let mut buf = stage(tensor, self.rank, what)?;
-        let process = self.world.process_at_rank(root as i32);
+        let process = self.comm.process_at_rank(root as i32);
         let peer = format!("rank {root}");
         match &mut buf {
             HostBuf::F32(v) => mpi::request::scope(|sc| {
@@ -395,7 +446,7 @@ impl Communicator for MpiComm {
         )
     }
 
-    fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
+    fn raw_send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
         let what = Op::Send;
         check_peer(self.rank, self.size, to, what)?;
         check_tag(self.rank, tag, what)?;
@@ -413,7 +464,7 @@ impl Communicator for MpiComm {
         for (h, &d) in header[2..].iter_mut().zip(dims) {
             *h = d as u64;
         }
-        let process = self.world.process_at_rank(to as i32);
+        let process = self.comm.process_at_rank(to as i32);
         let tag = tag as i32;
         // Dtype checked before the header goes out, so that the peer never waits for data.
         crate::host::wire_dtype(tensor.dtype(), self.rank, what)?;
@@ -447,11 +498,11 @@ impl Communicator for MpiComm {
         })
     }
 
-    fn recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
+    fn raw_recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
         let what = Op::Recv;
         check_peer(self.rank, self.size, from, what)?;
         check_tag(self.rank, tag, what)?;
-        let process = self.world.process_at_rank(from as i32);
+        let process = self.comm.process_at_rank(from as i32);
         let (tag, peer) = (tag as i32, format!("rank {from}"));
         let mut header = [0u64; MAX_DIMS + 2];
         mpi::request::scope(|sc| {
@@ -492,10 +543,52 @@ impl Communicator for MpiComm {
         };
         unstage(buf, dims, dtype, device, self.rank, what)
     }
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn backend(&self) -> &'static str {
+        "mpi"
+    }
+
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.group.wrap(self.raw_all_reduce(tensor, op))
+    }
+
+    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.group.wrap(self.raw_reduce_scatter(tensor, op))
+    }
+
+    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
+        self.group.wrap(self.raw_all_gather(tensor))
+    }
+
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
+        self.group.wrap(self.raw_broadcast(tensor, root))
+    }
+
+    fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
+        self.group.wrap(self.raw_send(tensor, to, tag))
+    }
+
+    fn recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
+        self.group.wrap(self.raw_recv(from, tag, device))
+    }
 
     fn barrier(&self) -> Result<()> {
-        self.complete(self.world.immediate_barrier(), Op::Barrier, "all ranks");
+        self.complete(self.comm.immediate_barrier(), Op::Barrier, "all ranks");
         Ok(())
+    }
+
+    fn split_named(&self, name: &str, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
+        Ok(Box::new(self.split_group(name, color, key)?))
     }
 
     fn abort(&self, reason: &str) {

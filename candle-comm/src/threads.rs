@@ -3,6 +3,9 @@
 //! Collectives gather to rank 0 (or from the broadcast root), which reduces in rank order and
 //! sends the result back, so every rank gets bit-identical results. It exists to test algorithms
 //! built on [`Communicator`] in a plain `cargo test`; it is not fast.
+//!
+//! [`ThreadComm::split_group`] makes sub-communicators: rank 0 of the split communicator creates
+//! a fresh set of channels for every group and hands each rank its endpoint in a message.
 
 use std::cell::{Cell, RefCell};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
@@ -12,6 +15,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::comm::{check_peer, check_tag, scatter_rows, Communicator, ReduceOp};
 use crate::error::{CandleContext, CommError, Op, Result};
+use crate::group::{plan, Membership};
 use crate::host::{gathered_shape, stage, unstage, HostBuf};
 
 /// Default time a rank waits for a peer before [`CommError::Timeout`].
@@ -33,6 +37,15 @@ enum Body {
     Abort(String),
     /// The sender's endpoint was dropped: nothing more will come from it.
     Gone,
+    /// The receiver's endpoint of a sub-communicator ([`ThreadComm::split_group`]).
+    Endpoint(Endpoint),
+}
+
+/// The channels of one rank of a sub-communicator.
+#[derive(Debug)]
+struct Endpoint {
+    peers: Vec<Sender<Msg>>,
+    inbox: Receiver<Msg>,
 }
 
 #[derive(Debug)]
@@ -52,7 +65,9 @@ struct Part {
 /// One rank of an in-process world (see the [module documentation](self)).
 ///
 /// Endpoints are `Send`: move each into its own thread, e.g. with [`run_threads`]. Dropping an
-/// endpoint while its thread panics tells the other ranks that this one failed.
+/// endpoint while its thread panics tells the other ranks that this one failed. A
+/// sub-communicator ([`ThreadComm::split_group`]) is a `ThreadComm` with its own channels; its
+/// errors name the rank in the world and in the group ([`CommError::InGroup`]).
 #[derive(Debug)]
 pub struct ThreadComm {
     rank: usize,
@@ -63,6 +78,7 @@ pub struct ThreadComm {
     gone: RefCell<Vec<bool>>,
     seq: Cell<u64>,
     timeout: Duration,
+    group: Membership,
 }
 
 impl ThreadComm {
@@ -82,8 +98,73 @@ impl ThreadComm {
                 gone: RefCell::new(vec![false; n]),
                 seq: Cell::new(0),
                 timeout: DEFAULT_THREAD_TIMEOUT,
+                group: Membership::default(),
             })
             .collect()
+    }
+
+    /// [`Communicator::split_named`] as a `ThreadComm` (which, unlike the boxed result, is
+    /// `Send`): every rank calls it; ranks with the same `color` form a group ordered by `key`,
+    /// then by rank. The new communicator waits as long as this one.
+    pub fn split_group(&self, name: &str, color: usize, key: usize) -> Result<ThreadComm> {
+        self.group.wrap(self.raw_split(name, color, key))
+    }
+
+    fn raw_split(&self, name: &str, color: usize, key: usize) -> Result<ThreadComm> {
+        let (rank, op) = (self.rank, Op::Split);
+        let gather = |t: &Tensor| self.raw_all_gather(t);
+        let p = plan(
+            rank,
+            self.world_size(),
+            &self.group,
+            name,
+            color,
+            key,
+            gather,
+        )?;
+        let seq = self.next_seq();
+        let endpoint = if rank == 0 {
+            let mut mine = None;
+            for members in &p.groups {
+                let (senders, inboxes): (Vec<_>, Vec<_>) =
+                    members.iter().map(|_| channel()).unzip();
+                for (&r, inbox) in members.iter().zip(inboxes) {
+                    let ep = Endpoint {
+                        peers: senders.clone(),
+                        inbox,
+                    };
+                    if r == rank {
+                        mine = Some(ep);
+                    } else {
+                        self.post(r, Key::Collective(seq), Body::Endpoint(ep), op)?;
+                    }
+                }
+            }
+            mine
+        } else {
+            match self.wait_body(0, Key::Collective(seq), op)? {
+                Body::Endpoint(ep) => Some(ep),
+                _ => None,
+            }
+        };
+        let Endpoint { peers, inbox } = endpoint.ok_or_else(|| CommError::Mismatch {
+            rank,
+            op,
+            peer: 0,
+            message: "no sub-communicator endpoint arrived for this rank".to_string(),
+        })?;
+        let size = peers.len();
+        Ok(ThreadComm {
+            rank: p.rank,
+            peers,
+            inbox,
+            pending: RefCell::new(Vec::new()),
+            failed: RefCell::new(None),
+            gone: RefCell::new(vec![false; size]),
+            seq: Cell::new(0),
+            timeout: self.timeout,
+            group: p.membership,
+        })
     }
 
     /// Sets how long this rank waits for a peer before [`CommError::Timeout`].
@@ -98,23 +179,56 @@ impl ThreadComm {
         s
     }
 
+    /// Sends to `to`. If its endpoint is gone, a failure some rank reported before (an abort
+    /// message already in this rank's inbox) is returned in preference: a rank that aborts and
+    /// then ends is reported with its reason, whichever this rank notices first.
     fn post(&self, to: usize, key: Key, body: Body, op: Op) -> Result<()> {
-        self.peers[to]
-            .send(Msg {
-                from: self.rank,
-                key,
-                body,
-            })
-            .map_err(|_| CommError::PeerFailed {
+        let msg = Msg {
+            from: self.rank,
+            key,
+            body,
+        };
+        if self.peers[to].send(msg).is_ok() {
+            return Ok(());
+        }
+        while let Ok(m) = self.inbox.try_recv() {
+            match m.body {
+                Body::Abort(message) => {
+                    self.failed.borrow_mut().get_or_insert((m.from, message));
+                }
+                Body::Gone => self.gone.borrow_mut()[m.from] = true,
+                _ => self.pending.borrow_mut().push(m),
+            }
+        }
+        let (peer, message) = self.failed.borrow().clone().unwrap_or_else(|| {
+            (
+                to,
+                "its endpoint is gone (the rank's thread ended)".to_string(),
+            )
+        });
+        Err(CommError::PeerFailed {
+            rank: self.rank,
+            op,
+            peer,
+            message,
+        })
+    }
+
+    /// Waits for the tensor `key` from `from`, keeping other messages for later.
+    fn wait(&self, from: usize, key: Key, op: Op) -> Result<Part> {
+        match self.wait_body(from, key, op)? {
+            Body::Data { buf, dims, dtype } => Ok(Part { buf, dims, dtype }),
+            _ => Err(CommError::Mismatch {
                 rank: self.rank,
                 op,
-                peer: to,
-                message: "its endpoint is gone (the rank's thread ended)".to_string(),
-            })
+                peer: from,
+                message: "a communicator endpoint arrived where a tensor was expected".to_string(),
+            }),
+        }
     }
 
     /// Waits for the message `key` from `from`, keeping the others for later.
-    fn wait(&self, from: usize, key: Key, op: Op) -> Result<Part> {
+    fn wait_body(&self, from: usize, key: Key, op: Op) -> Result<Body> {
         let deadline = Instant::now() + self.timeout;
         loop {
             if let Some((peer, message)) = self.failed.borrow().clone() {
@@ -130,12 +244,8 @@ impl ThreadComm {
                 let pos = pending.iter().position(|m| m.from == from && m.key == key);
                 pos.map(|p| pending.remove(p))
             };
-            if let Some(Msg {
-                body: Body::Data { buf, dims, dtype },
-                ..
-            }) = found
-            {
-                return Ok(Part { buf, dims, dtype });
+            if let Some(msg) = found {
+                return Ok(msg.body);
             }
             if self.gone.borrow()[from] {
                 return Err(CommError::PeerFailed {
@@ -277,20 +387,9 @@ impl Drop for ThreadComm {
     }
 }
 
-impl Communicator for ThreadComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.peers.len()
-    }
-
-    fn backend(&self) -> &'static str {
-        "threads"
-    }
-
-    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+/// The collectives without group context (the trait methods add it).
+impl ThreadComm {
+    fn raw_all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let buf = self.reduce(tensor, op, Op::AllReduce)?;
         unstage(
             buf,
@@ -302,7 +401,7 @@ impl Communicator for ThreadComm {
         )
     }
 
-    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+    fn raw_reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let rows = scatter_rows(self.rank, self.world_size(), tensor)?;
         let full = self.reduce(tensor, op, Op::ReduceScatter)?;
         let block = full.len() / self.world_size();
@@ -319,7 +418,7 @@ impl Communicator for ThreadComm {
         )
     }
 
-    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
+    fn raw_all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
         let mine = self.part(tensor, Op::AllGather)?;
         let seq = self.next_seq();
         let gathered = self
@@ -337,7 +436,7 @@ impl Communicator for ThreadComm {
         )
     }
 
-    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
+    fn raw_broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
         check_peer(self.rank, self.world_size(), root, Op::Broadcast)?;
         let seq = self.next_seq();
         if self.rank == root {
@@ -374,7 +473,7 @@ impl Communicator for ThreadComm {
         )
     }
 
-    fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
+    fn raw_send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
         check_peer(self.rank, self.world_size(), to, Op::Send)?;
         check_tag(self.rank, tag, Op::Send)?;
         let Part { buf, dims, dtype } = self.part(tensor, Op::Send)?;
@@ -386,14 +485,14 @@ impl Communicator for ThreadComm {
         )
     }
 
-    fn recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
+    fn raw_recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
         check_peer(self.rank, self.world_size(), from, Op::Recv)?;
         check_tag(self.rank, tag, Op::Recv)?;
         let Part { buf, dims, dtype } = self.wait(from, Key::Tagged(tag), Op::Recv)?;
         unstage(buf, dims, dtype, device, self.rank, Op::Recv)
     }
 
-    fn barrier(&self) -> Result<()> {
+    fn raw_barrier(&self) -> Result<()> {
         let seq = self.next_seq();
         let mine = Part {
             buf: HostBuf::F32(Vec::new()),
@@ -404,6 +503,52 @@ impl Communicator for ThreadComm {
             .gather(seq, mine, Op::Barrier)?
             .map(|_| HostBuf::F32(Vec::new()));
         self.bcast(seq, 0, done, Op::Barrier).map(|_| ())
+    }
+}
+
+impl Communicator for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.peers.len()
+    }
+
+    fn backend(&self) -> &'static str {
+        "threads"
+    }
+
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.group.wrap(self.raw_all_reduce(tensor, op))
+    }
+
+    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.group.wrap(self.raw_reduce_scatter(tensor, op))
+    }
+
+    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
+        self.group.wrap(self.raw_all_gather(tensor))
+    }
+
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
+        self.group.wrap(self.raw_broadcast(tensor, root))
+    }
+
+    fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
+        self.group.wrap(self.raw_send(tensor, to, tag))
+    }
+
+    fn recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
+        self.group.wrap(self.raw_recv(from, tag, device))
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.group.wrap(self.raw_barrier())
+    }
+
+    fn split_named(&self, name: &str, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
+        Ok(Box::new(self.split_group(name, color, key)?))
     }
 
     fn abort(&self, reason: &str) {

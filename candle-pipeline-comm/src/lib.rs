@@ -1,6 +1,11 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
+pub mod cost;
+pub mod grid;
+
+pub use grid::{Grid2D, GridError, Topology};
+
 use candle_comm::{CommError, Communicator, MAX_TAG};
 use candle_core::Device;
 use candle_pipeline::{
@@ -74,14 +79,16 @@ impl<C: Communicator> CommTransport<C> {
 
     /// A failed peer becomes [`PipelineError::Aborted`] naming it; other errors are transport
     /// errors.
+    /// A failed peer (also on a sub-communicator, [`CommError::inner`]) is the pipeline worker
+    /// of its rank.
     fn error(&self, e: CommError) -> PipelineError {
-        match e {
+        match e.inner() {
             // The failed peer reports its own error (with MPI, its line on stderr).
             CommError::PeerFailed { peer, .. } => PipelineError::Aborted {
                 worker: self.comm.rank(),
-                cause: peer,
+                cause: *peer,
             },
-            e => PipelineError::Transport {
+            _ => PipelineError::Transport {
                 worker: self.comm.rank(),
                 message: e.to_string(),
             },

@@ -276,3 +276,87 @@ pub fn check_data_parallel<C: Communicator + ?Sized>(
     }
     Ok(())
 }
+
+/// Sub-communicators of `comm` (any world size): groups by parity of the rank, ordered by
+/// decreasing rank (`key = n - r`); every collective inside each group with exact values; the
+/// world still works between group operations; a nested split; errors name both ranks; a color
+/// above `MAX_COLOR` on one rank fails the split on every rank.
+pub fn check_split<C: Communicator + ?Sized>(comm: &C) -> Result<()> {
+    let (r, n) = (comm.rank(), comm.world_size());
+    let color = r % 2;
+    let sub = comm.split_named("parity", color, n - r)?;
+    // Members of this rank's group in group-rank order: same parity, decreasing world rank.
+    let members: Vec<usize> = (0..n).rev().filter(|p| p % 2 == color).collect();
+    let want_rank = members.iter().position(|&p| p == r).unwrap_or(usize::MAX);
+    ensure!(
+        sub.rank() == want_rank && sub.world_size() == members.len(),
+        "rank {r}: sub-communicator rank {} of {}, expected {want_rank} of {}",
+        sub.rank(),
+        sub.world_size(),
+        members.len()
+    );
+    // The group sums world ranks of its members only.
+    let mine = Tensor::new(&[r as f32, 1.0], &Device::Cpu)?;
+    let got = sub.all_reduce(&mine, ReduceOp::Sum)?.to_vec1::<f32>()?;
+    let want = [members.iter().sum::<usize>() as f32, members.len() as f32];
+    ensure!(
+        got == want,
+        "rank {r}: group all_reduce {got:?}, expected {want:?}"
+    );
+    // The world in between: all ranks.
+    let got = comm.all_reduce(&mine, ReduceOp::Sum)?.to_vec1::<f32>()?;
+    ensure!(
+        got[1] == n as f32,
+        "rank {r}: world all_reduce after split {got:?}"
+    );
+    check_collectives(sub.as_ref(), DType::F32)?;
+    // All-gather returns world ranks in group-rank order.
+    let ids = sub.all_gather(&Tensor::new(r as f32, &Device::Cpu)?)?;
+    let want: Vec<f32> = members.iter().map(|&p| p as f32).collect();
+    ensure!(ids.to_vec1::<f32>()? == want, "rank {r}: group all_gather");
+    // A ring of sends inside the group (tags repeat what the world might use: separate spaces).
+    let (gr, gs) = (sub.rank(), sub.world_size());
+    sub.send(&mine, (gr + 1) % gs, 7)?;
+    let from = sub
+        .recv((gr + gs - 1) % gs, 7, &Device::Cpu)?
+        .to_vec1::<f32>()?;
+    ensure!(
+        from[0] as usize == members[(gr + gs - 1) % gs],
+        "rank {r}: ring recv {from:?}"
+    );
+    // A nested split into singletons: ranks still named in the first world.
+    let single = sub.split_named("single", gr, 0)?;
+    ensure!(
+        single.world_size() == 1 && single.rank() == 0,
+        "nested split"
+    );
+    let e = single.send(&mine, 1, 0).err().map(|e| e.to_string());
+    let want = format!("world rank {r} of {n} (rank 0 of 1 in single {gr}): rank 0, send:");
+    ensure!(
+        e.as_deref().is_some_and(|e| e.starts_with(&want)),
+        "rank {r}: nested split error {e:?}, expected it to start with {want:?}"
+    );
+    // Errors of the group name the world rank and the group rank.
+    let e = sub.broadcast(&mine, gs).err().map(|e| e.to_string());
+    let want = format!(
+        "world rank {r} of {n} (rank {gr} of {gs} in parity {color}): rank {gr}, broadcast:"
+    );
+    ensure!(
+        e.as_deref().is_some_and(|e| e.starts_with(&want)),
+        "rank {r}: group error {e:?}, expected it to start with {want:?}"
+    );
+    // A color out of range on rank 0 fails the split everywhere, naming rank 0.
+    let bad = if r == 0 {
+        candle_comm::MAX_COLOR + 1
+    } else {
+        0
+    };
+    let e = comm.split(bad, 0).err().map(|e| e.to_string());
+    ensure!(
+        e.as_deref()
+            .is_some_and(|e| e.contains("rank 0 passed a color or key above")),
+        "rank {r}: bad color gave {e:?}"
+    );
+    comm.barrier()?;
+    Ok(())
+}

@@ -3,6 +3,8 @@
 //! reference.
 #![allow(dead_code)]
 
+pub mod grid;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -103,9 +105,14 @@ pub fn pipeline(
     v: usize,
     fail_at: Option<(usize, usize)>,
 ) -> anyhow::Result<Pipeline> {
-    let n = workers * v;
-    let (layers, _) = mlp(n, fail_at)?;
-    let ranges: Vec<_> = (0..n).map(|i| i..i + 1).collect();
+    let (layers, _) = mlp(workers * v, fail_at)?;
+    pipeline_of(layers, workers)
+}
+
+/// A pipeline of `workers` CPU workers over `layers`, one layer per virtual stage (the layers
+/// keep their variables: the pipeline and the layers share them).
+pub fn pipeline_of(layers: Vec<Layer>, workers: usize) -> anyhow::Result<Pipeline> {
+    let ranges: Vec<_> = (0..layers.len()).map(|i| i..i + 1).collect();
     let stages = split_layers(layers, &ranges)?
         .into_iter()
         .map(|s| Box::new(s) as Box<dyn Stage>)
