@@ -8,6 +8,8 @@ mod host;
 mod local;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod sync;
 mod threads;
 
@@ -17,6 +19,8 @@ pub use error::{CommError, Op, Result};
 pub use local::Local;
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, DEFAULT_MPI_TIMEOUT};
+#[cfg(feature = "nccl")]
+pub use nccl::{nccl_version, NcclBuilder, NcclComm, DEFAULT_NCCL_TIMEOUT};
 pub use sync::{
     broadcast_vars, check_in_sync, ensure_in_sync, fingerprint, sorted_vars, SyncReport,
 };
