@@ -9,6 +9,8 @@ mod host;
 mod local;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod sync;
 mod threads;
 
@@ -19,6 +21,8 @@ pub use group::MAX_COLOR;
 pub use local::Local;
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, DEFAULT_MPI_TIMEOUT};
+#[cfg(feature = "nccl")]
+pub use nccl::{nccl_version, NcclBuilder, NcclComm, DEFAULT_NCCL_TIMEOUT};
 pub use sync::{
     broadcast_vars, check_in_sync, ensure_in_sync, fingerprint, sorted_vars, SyncReport,
 };
