@@ -242,6 +242,14 @@ impl Amp {
         let t0 = Instant::now();
         let check = check::check(&self.weights, grads, scale)?;
         self.last_check = t0.elapsed();
+        if check.finite {
+            // Every gradient is finite, only the caller's norm overflowed (squares past the
+            // f32 range): the check's norm is computed scaled down, so it is finite.
+            let grad_norm = check.sq_norm.sqrt();
+            let clip_coef = self.clip_coefficient(grad_norm);
+            apply(clip_coef / scale)?;
+            return self.finish_applied(step, scale, grad_norm, clip_coef, 0);
+        }
         let upd = self.scaler.on_overflow(false);
         self.skip(step, upd, check, 0, SkipReason::NonFiniteGradients)
     }

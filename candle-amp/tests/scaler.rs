@@ -388,3 +388,32 @@ fn step_fused_matches_step() -> anyhow::Result<()> {
     assert!(fused.state().skipped > 0 && fused.state().applied > 0);
     Ok(())
 }
+
+/// A caller's norm can overflow f32 (squares past 3.4e38) while every gradient is finite:
+/// `step_fused` then applies the step with the check's norm (computed scaled down) instead of
+/// skipping it as non-finite.
+#[test]
+fn step_fused_applies_when_only_the_norm_overflows() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let w = Var::from_tensor(&Tensor::new(&[0f32, 0.0, 0.0], &dev)?)?;
+    let weights = MasterWeights::new([("w".into(), w.clone())], DType::F32, WeightMode::Cast)?;
+    let mut amp = Amp::new(weights, ScalerConfig::none())?.with_clip_norm(Some(1.0))?;
+    // grad = (0, 3e20, 4e20): finite, its norm 5e20 is too, but its square is not.
+    let g = Tensor::new(&[0f32, 3e20, 4e20], &dev)?;
+    let grads = (w.as_tensor() * &g)?.sum_all()?.backward()?;
+    let naive = g.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?;
+    assert!(naive.is_infinite());
+    let mut coef = 0.0;
+    let out = amp.step_fused(&grads, naive, |c| {
+        coef = c;
+        Ok(())
+    })?;
+    match out {
+        StepOutcome::Applied { grad_norm, .. } => {
+            assert!((grad_norm / 5e20 - 1.0).abs() < 1e-5, "norm {grad_norm}")
+        }
+        other => panic!("skipped a finite step: {other:?}"),
+    }
+    assert!((coef * 5e20 - 1.0).abs() < 1e-5, "clip coefficient {coef}");
+    Ok(())
+}

@@ -30,10 +30,11 @@ pub struct StepStats {
     /// Model FLOPs utilisation of this step (see [`crate::mfu`]).
     #[serde(default)]
     pub mfu: f64,
-    /// Loss scale used (mixed precision only).
+    /// Loss scale used (mixed precision, or f32 with an explicit `loss_scale`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
-    /// Whether the update was skipped because of an inf/NaN gradient (mixed precision only).
+    /// Whether the update was skipped because of an inf/NaN gradient (only a dynamic loss scale
+    /// skips; otherwise such a step is an error).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub skipped: bool,
 }

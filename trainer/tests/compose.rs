@@ -405,6 +405,19 @@ fn pipeline_gradients_match_plain_backward() {
             (loss_p - loss).abs() <= 1e-6 * loss.abs(),
             "{name}: loss {loss_p} vs {loss}"
         );
+        // A batch with no counted target (a data-parallel shard may get one): loss 0 and zero
+        // gradients, as in the plain step, not an error.
+        let none = Batch {
+            mask: Some(mask.zeros_like().unwrap()),
+            ..batch
+        };
+        let (l0, g0) = pipe.forward_backward(&none, &ctx, weight).unwrap();
+        assert_eq!(l0, 0.0, "{name}");
+        for (pname, var) in t.params.iter() {
+            if let Some(g) = g0.get(var) {
+                assert!(values(g).iter().all(|&v| v == 0.0), "{name}: {pname}");
+            }
+        }
     }
 }
 
@@ -416,4 +429,36 @@ fn values(t: &Tensor) -> Vec<f64> {
         .unwrap()
         .to_vec1()
         .unwrap()
+}
+
+#[test]
+fn resuming_in_another_precision_starts_a_fresh_scaler() {
+    // Every checkpoint holds the scaler's state (f32's is the no-op scale 1). Resumed in f16,
+    // the run must start f16's dynamic scaler at 2^16, not continue at 1 (f16's minimum);
+    // resumed back in f32, the f16 run's 2^16 must not stay on.
+    let tmp = tempfile::tempdir().unwrap();
+    let f32_run = tmp.path().join("f32");
+    run(TrainConfig {
+        max_iters: 2,
+        ..tiny_config(&f32_run)
+    });
+    let mut t = Trainer::resume(&f32_run, |c| {
+        c.max_iters = 4;
+        c.dtype = "f16".parse().unwrap();
+    })
+    .unwrap();
+    assert_eq!(t.amp().scale(), 65536.0);
+    let mut rec = Recorder::default();
+    t.run(&mut rec, &AtomicBool::new(false)).unwrap();
+    assert_eq!(rec.steps[0].loss_scale, Some(65536.0));
+    let t = Trainer::resume(&f32_run, |c| {
+        c.max_iters = 6;
+        c.dtype = "f32".parse().unwrap();
+    })
+    .unwrap();
+    assert_eq!(t.amp().scale(), 1.0);
+    // The same precision and loss scale continue the saved state (the f16 run's 2 steps).
+    let t = Trainer::resume(&f32_run, |c| c.max_iters = 6).unwrap();
+    assert_eq!(t.config.dtype.to_string(), "f16");
+    assert_eq!(t.amp().state().steps, 2);
 }

@@ -180,12 +180,12 @@ fn remat_run_stopped_and_resumed_is_bit_exact() {
 
 #[test]
 fn pipeline_run_stopped_and_resumed_is_bit_exact() {
-    // Two stages (no dropout: the pipeline refuses it), two microbatches, accumulation.
+    // Two stages, two microbatches, accumulation, dropout (keyed by the microbatches' rows).
     let tmp = tempfile::tempdir().unwrap();
     let cfg = |dir: &std::path::Path| trainer::config::TrainConfig {
         pipeline_stages: 2,
         microbatches: 2,
-        dropout: 0.0,
+        dropout: 0.1,
         ..config(dir)
     };
     assert_stop_and_resume_is_exact(tmp.path(), "pipeline", cfg, 3);

@@ -154,8 +154,9 @@ pub fn causal_mask(t: usize, device: &Device) -> candle_core::Result<Tensor> {
 /// Inverted dropout at dropout site `site`, with the kernels of `ctx` (Philox masks for the
 /// fused kernels, ChaCha host masks for the reference ones).
 ///
-/// The same `(ctx.seed, site)` and shape always give the same mask, on every device. Returns
-/// `x` unchanged when not training or when `p == 0`.
+/// The same `(ctx.seed, site, ctx.row)` and shape always give the same mask, on every device
+/// (`ctx.row` places `x`'s rows in the whole batch). Returns `x` unchanged when not training or
+/// when `p == 0`.
 pub fn dropout(x: &Tensor, p: f32, ctx: &Ctx, site: u64) -> candle_core::Result<Tensor> {
     ctx.kernels.dropout(x, p, ctx, site)
 }

@@ -146,8 +146,21 @@ impl Trainer {
         checkpoint::load_optimizer(&dir, &mut optimizer, &device)?;
         let rng = state.rng.restore()?;
         let mut t = Self::assemble(config, device, data, model, params, optimizer, rng)?;
+        // The scaler's state continues only under the same scaler: a run resumed in another
+        // precision or with another loss_scale starts a fresh one (an f32 run's scale 1 would
+        // be f16's minimum scale; an f16 run's 2^16 would stay on in f32).
         let path = dir.join(AMP_FILE);
-        if path.exists() {
+        let saved = state.config.loss_scale.scaler(state.config.dtype);
+        if saved != t.config.loss_scale.scaler(t.config.dtype) {
+            tracing::warn!(
+                "the checkpoint's loss scaler ({} with loss_scale {}) differs from this run's \
+                 ({} with loss_scale {}): starting a fresh scaler",
+                state.config.dtype,
+                state.config.loss_scale,
+                t.config.dtype,
+                t.config.loss_scale
+            );
+        } else if path.exists() {
             t.amp
                 .load_state(&path)
                 .map_err(|e| Error::checkpoint(&path, e.to_string()))?;
@@ -331,8 +344,11 @@ impl Trainer {
         let mut grads = GradStore::default();
         let mut loss_sum = 0f32;
         // The weights in the compute dtype, cast once per step (not at every use, not per
-        // micro-batch); free in f32.
-        let model = self.model.to_dtype(self.dtype)?;
+        // micro-batch); free in f32. Pipeline stages hold the master weights and cast at use.
+        let model = match self.executor {
+            Executor::Pipeline(_) => self.model.clone(),
+            _ => self.model.to_dtype(self.dtype)?,
+        };
         let accum = cfg.grad_accum;
         let world = self.dp.world_size();
         let scale = self.amp.scale();
@@ -400,7 +416,9 @@ impl Trainer {
                 (f32::NAN, true)
             }
         };
-        let loss_scale = (cfg.dtype != Precision::F32).then_some(scale);
+        // Reported in mixed precision, and in f32 when the loss is scaled explicitly.
+        let scaled = cfg.loss_scale.scaler(cfg.dtype) != candle_amp::ScalerConfig::none();
+        let loss_scale = (cfg.dtype != Precision::F32 || scaled).then_some(scale);
         if !skipped {
             // ZeRO-1: each rank updated its shard; hand the new weights around.
             self.shards.share_updated_weights(self.dp.comm())?;

@@ -59,8 +59,9 @@ fn layer(link: Link, params: &Params, base: Ctx, device: &Device, home: &Device)
     })
 }
 
-/// Ranges of a stage's layers to recompute: the run's policy planned over the stage's blocks
-/// (a budget applies per stage: each stage holds its own activations).
+/// Ranges of a stage's layers to recompute: the run's policy planned over the stage's blocks,
+/// for one microbatch (a budget bounds one microbatch's activations in the stage; a schedule
+/// keeps up to its in-flight count of microbatches at once, e.g. up to `stages` under 1F1B).
 fn stage_recompute(
     links: &[Link],
     policy: Policy,
@@ -108,7 +109,18 @@ impl PipelineRun {
         let virtual_stages = stages * kind.virtual_stages();
         let devices = match devices.0.as_slice() {
             [] => vec![device.clone(); stages],
-            specs => specs.iter().map(|d| d.open()).collect::<Result<Vec<_>>>()?,
+            // The run's own device is reused, not opened again (a second `Device::new_cuda(0)`
+            // is a different device to Candle, and its stage would copy weights at every use).
+            specs => specs
+                .iter()
+                .map(|d| {
+                    if *d == config.device {
+                        Ok(device.clone())
+                    } else {
+                        d.open()
+                    }
+                })
+                .collect::<Result<Vec<_>>>()?,
         };
         let links = model.links();
         if links.len() < virtual_stages {
@@ -190,12 +202,9 @@ impl PipelineRun {
             }
             None => (batch.y.clone(), vec![t as f32; b]),
         };
+        // With no counted target at all the loss is 0 with zero gradients, as in the plain
+        // step (a data-parallel shard may hold none).
         let total: f32 = counts.iter().sum();
-        if total <= 0.0 {
-            return Err(Error::Config(
-                "a batch has no target token to learn from".into(),
-            ));
-        }
         let m = self.microbatches;
         let sizes = candle_pipeline::even_sizes(b, m)?;
         let (mut xs, mut ys, mut ws) = (Vec::new(), Vec::new(), Vec::new());
@@ -204,7 +213,8 @@ impl PipelineRun {
             let count: f32 = counts[start..start + rows].iter().sum();
             xs.push(batch.x.narrow(0, start, rows)?);
             ys.push(y.narrow(0, start, rows)?);
-            ws.push(weight * f64::from(count / total));
+            let share = if total > 0.0 { count / total } else { 0.0 };
+            ws.push(weight * f64::from(share));
             start += rows;
         }
         let mbs = Microbatches::with_weights(xs, ys, ws)?
