@@ -5,7 +5,7 @@ use candle_amp::{Amp, MasterWeights, WeightMode};
 use candle_core::DType;
 use candle_remat::{BlockCost, ChainCosts, Plan, Policy};
 
-use crate::config::TrainConfig;
+use crate::config::{Parallelism, TrainConfig};
 use crate::model::{GptConfig, Kernels, Params};
 use crate::{Error, Result};
 
@@ -80,7 +80,8 @@ pub fn remat_plan(config: &TrainConfig, gpt: &GptConfig, dtype: DType) -> Result
 /// Estimated peak bytes of one training step: f32 weights, gradients and both AdamW moments
 /// (plus a compute-dtype copy of the weights in mixed precision), the activations of one
 /// micro-batch as the remat planner models them (`plan`'s predicted peak, or every block's
-/// activations without checkpointing), and the f32 logits with their gradient.
+/// activations without checkpointing; with pipeline stages, the microbatches a stage holds at
+/// once, or nothing when stages recompute), and the f32 logits with their gradient.
 ///
 /// A lower bound more than a prediction: it is used to refuse runs that cannot fit (e.g. a
 /// `block_size` of 100000) before they allocate, not to size runs that can.
@@ -100,16 +101,30 @@ pub fn estimate_step_bytes(
         block_size: config.block_size,
         ..gpt.clone()
     };
-    let activations = match plan {
-        Some(p) => p.predicted_peak_bytes,
-        None => {
-            let costs = gpt_chain_costs(&train, config.batch_size, dtype, config.kernels);
-            costs
-                .blocks
-                .iter()
-                .map(|b| b.act_bytes)
-                .fold(costs.input_bytes, u64::saturating_add)
-        }
+    let all_blocks = |rows: usize| {
+        let costs = gpt_chain_costs(&train, rows, dtype, config.kernels);
+        costs
+            .blocks
+            .iter()
+            .map(|b| b.act_bytes)
+            .fold(costs.input_bytes, u64::saturating_add)
+    };
+    let activations = match (plan, config.parallelism()) {
+        (Some(p), _) => p.predicted_peak_bytes,
+        // Stages recompute their blocks: at least nothing (a lower bound).
+        (None, Parallelism::Pipeline { .. }) if config.remat != Policy::None => 0,
+        // Every block holds up to min(microbatches, stages) microbatches at once (1F1B's
+        // first worker; GPipe holds more).
+        (
+            None,
+            Parallelism::Pipeline {
+                stages,
+                microbatches,
+                ..
+            },
+        ) => all_blocks(config.batch_size.div_ceil(microbatches))
+            .saturating_mul(microbatches.min(stages) as u64),
+        (None, Parallelism::None) => all_blocks(config.batch_size),
     };
     let tokens = (config.batch_size as u64).saturating_mul(config.block_size as u64);
     let logits = tokens
@@ -160,4 +175,37 @@ pub fn build_amp(config: &TrainConfig, params: &Params) -> Result<Amp> {
     let clip = (config.grad_clip > 0.0).then_some(config.grad_clip as f64);
     let amp = Amp::new(weights, config.loss_scale.scaler(config.dtype))?.with_clip_norm(clip)?;
     Ok(amp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pipeline_stages_hold_fewer_activations() {
+        let config = TrainConfig {
+            n_layer: 8,
+            block_size: 256,
+            batch_size: 32,
+            ..TrainConfig::default()
+        };
+        let gpt = config.gpt_config(64);
+        let est = |c: &TrainConfig| estimate_step_bytes(c, &gpt, DType::F32, None);
+        let plain = est(&config);
+        let piped = TrainConfig {
+            pipeline_stages: 2,
+            microbatches: 8,
+            ..config.clone()
+        };
+        let recompute = TrainConfig {
+            remat: Policy::EveryK(1),
+            ..piped.clone()
+        };
+        let (p, r) = (est(&piped), est(&recompute));
+        // 2 of 8 microbatches in flight: a quarter of the activations (plus the same weights
+        // and logits); recomputing stages: none.
+        assert!(r < p && p < plain, "{r} {p} {plain}");
+        let acts = |x: u64| x - r;
+        assert_eq!(acts(p) * 4, acts(plain));
+    }
 }
