@@ -86,7 +86,8 @@ impl Topology {
     /// batch. With [`LossReduction::Mean`] microbatch `k` of `rows_k` rows gets `rows_k / total
     /// rows`, so that losses and gradients summed over replicas are those of the global batch;
     /// with `Sum` every weight is 1. For a token mean with padding, build the microbatches with
-    /// [`Microbatches::with_weights`] and weights `tokens_k / global tokens` instead.
+    /// [`Microbatches::with_weights`] and weights `tokens_k / global tokens` instead. Its
+    /// microbatches' rows are numbered in the global batch ([`Microbatches::with_first_row`]).
     pub fn replica_batch(
         &self,
         replica: usize,
@@ -115,7 +116,8 @@ impl Topology {
             });
             at += n;
         }
-        Microbatches::with_weights(xs, ts, ws)
+        // Stages see the global batch's row numbers (`Call::row`), as one process would.
+        Ok(Microbatches::with_weights(xs, ts, ws)?.with_first_row(start))
     }
 }
 
