@@ -133,87 +133,66 @@ pub trait Communicator {
     fn abort(&self, reason: &str);
 }
 
-/// Forwards every method, so that `Box<dyn Communicator>` (what
-/// [`split`](Communicator::split) returns) and boxed backends are communicators.
-impl<C: Communicator + ?Sized> Communicator for Box<C> {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
-    fn backend(&self) -> &'static str {
-        (**self).backend()
-    }
-    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        (**self).all_reduce(tensor, op)
-    }
-    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        (**self).reduce_scatter(tensor, op)
-    }
-    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
-        (**self).all_gather(tensor)
-    }
-    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
-        (**self).broadcast(tensor, root)
-    }
-    fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
-        (**self).send(tensor, to, tag)
-    }
-    fn recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
-        (**self).recv(from, tag, device)
-    }
-    fn barrier(&self) -> Result<()> {
-        (**self).barrier()
-    }
-    fn split_named(&self, name: &str, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
-        (**self).split_named(name, color, key)
-    }
-    fn abort(&self, reason: &str) {
-        (**self).abort(reason)
-    }
+/// Implements [`Communicator`] for a pointer type by forwarding every method to its target.
+macro_rules! forward_communicator {
+    ($(#[$doc:meta])* $ty:ty) => {
+        $(#[$doc])*
+        impl<C: Communicator + ?Sized> Communicator for $ty {
+            fn rank(&self) -> usize {
+                (**self).rank()
+            }
+            fn world_size(&self) -> usize {
+                (**self).world_size()
+            }
+            fn backend(&self) -> &'static str {
+                (**self).backend()
+            }
+            fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+                (**self).all_reduce(tensor, op)
+            }
+            fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+                (**self).reduce_scatter(tensor, op)
+            }
+            fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
+                (**self).all_gather(tensor)
+            }
+            fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
+                (**self).broadcast(tensor, root)
+            }
+            fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
+                (**self).send(tensor, to, tag)
+            }
+            fn recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
+                (**self).recv(from, tag, device)
+            }
+            fn barrier(&self) -> Result<()> {
+                (**self).barrier()
+            }
+            fn split_named(
+                &self,
+                name: &str,
+                color: usize,
+                key: usize,
+            ) -> Result<Box<dyn Communicator>> {
+                (**self).split_named(name, color, key)
+            }
+            fn abort(&self, reason: &str) {
+                (**self).abort(reason)
+            }
+        }
+    };
 }
 
-/// Forwards every method, so that a borrowed communicator can be lent to code that takes one by
-/// value (e.g. a transport that owns its communicator).
-impl<C: Communicator + ?Sized> Communicator for &C {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
-    fn backend(&self) -> &'static str {
-        (**self).backend()
-    }
-    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        (**self).all_reduce(tensor, op)
-    }
-    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        (**self).reduce_scatter(tensor, op)
-    }
-    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
-        (**self).all_gather(tensor)
-    }
-    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
-        (**self).broadcast(tensor, root)
-    }
-    fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
-        (**self).send(tensor, to, tag)
-    }
-    fn recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
-        (**self).recv(from, tag, device)
-    }
-    fn barrier(&self) -> Result<()> {
-        (**self).barrier()
-    }
-    fn split_named(&self, name: &str, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
-        (**self).split_named(name, color, key)
-    }
-    fn abort(&self, reason: &str) {
-        (**self).abort(reason)
-    }
-}
+forward_communicator!(
+    /// Forwards every method, so that `Box<dyn Communicator>` (what
+    /// [`split`](Communicator::split) returns) and boxed backends are communicators.
+    Box<C>
+);
+forward_communicator!(
+    /// Forwards every method, so that a borrowed communicator can be lent to code that takes
+    /// one by value (e.g. a transport that owns its communicator).
+    &C
+);
 
 /// Passes `result` through, calling [`Communicator::abort`] with the error's text first when it
 /// is an error, so that no other rank waits for this one forever.

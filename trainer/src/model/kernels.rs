@@ -9,7 +9,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 use candle_fused::attention::{attention_qkv, AttentionConfig};
 use candle_fused::RngKey;
 use serde::{Deserialize, Serialize};
@@ -177,6 +177,21 @@ impl Kernels {
                         (nll * &mask)?.sum_all()?.broadcast_div(&count)
                     }
                 }
+            }
+        }
+    }
+
+    /// [`Kernels::cross_entropy`] over the targets that are not `ignore` (the loss mask folded
+    /// into the targets, as PyTorch's `ignore_index`).
+    pub fn cross_entropy_ignoring(self, logits: &Tensor, targets: &Tensor, ignore: u32) -> R {
+        match self {
+            Kernels::Fused => {
+                candle_fused::cross_entropy::cross_entropy(logits, targets, None, Some(ignore))
+            }
+            Kernels::Reference => {
+                let keep = targets.ne(ignore)?;
+                let safe = keep.where_cond(targets, &targets.zeros_like()?)?;
+                self.cross_entropy(logits, &safe, Some(&keep.to_dtype(DType::F32)?))
             }
         }
     }

@@ -115,6 +115,18 @@ impl Embed {
         })
     }
 
+    /// The same embedding with its tables mapped by `f` (cast, copied to a device).
+    pub fn map(
+        &self,
+        f: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Self> {
+        Ok(Embed {
+            wte: f(&self.wte)?,
+            wpe: f(&self.wpe)?,
+            dropout: self.dropout,
+        })
+    }
+
     /// Maps token ids `[B, T]` (u32) to the residual stream `[B, T, n_embd]`.
     pub fn forward(&self, idx: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         let (b, t) = idx.dims2()?;
@@ -271,6 +283,17 @@ impl Head {
         })
     }
 
+    /// The same head with its weights mapped by `f` (cast, copied to a device).
+    pub fn map(
+        &self,
+        f: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Self> {
+        Ok(Head {
+            ln_f: self.ln_f.map(f)?,
+            wte: f(&self.wte)?,
+        })
+    }
+
     /// `[B, T, C] -> logits [B, T, vocab_size]` in f32 (f64 when computing in f64).
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         let x = self.ln_f.forward_ctx(x, ctx)?;
@@ -319,16 +342,9 @@ impl Link {
         f: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<Link> {
         Ok(match self {
-            Link::Embed(e) => Link::Embed(Embed {
-                wte: f(&e.wte)?,
-                wpe: f(&e.wpe)?,
-                dropout: e.dropout,
-            }),
+            Link::Embed(e) => Link::Embed(e.map(f)?),
             Link::Block(b) => Link::Block(b.map(f)?),
-            Link::Head(h) => Link::Head(Head {
-                ln_f: h.ln_f.map(f)?,
-                wte: f(&h.wte)?,
-            }),
+            Link::Head(h) => Link::Head(h.map(f)?),
         })
     }
 
@@ -423,20 +439,13 @@ impl Gpt {
         // order in a plain backward and in a remat tape's separate passes (bit-identical).
         Ok(Gpt {
             config: self.config.clone(),
-            embed: Embed {
-                wte: cast(&self.embed.wte)?,
-                wpe: cast(&self.embed.wpe)?,
-                dropout: self.embed.dropout,
-            },
+            embed: self.embed.map(&cast)?,
             blocks: self
                 .blocks
                 .iter()
                 .map(|b| b.map(&cast))
                 .collect::<candle_core::Result<_>>()?,
-            head: Head {
-                ln_f: self.head.ln_f.map(cast)?,
-                wte: cast(&self.head.wte)?,
-            },
+            head: self.head.map(&cast)?,
         })
     }
 

@@ -18,14 +18,14 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use candle_pipeline::{
-    balance_by_params, Call, Layer, Microbatches, Pipeline, Schedule, Sequential, Stage,
+    balance_by_cost, Call, Layer, Microbatches, Pipeline, Schedule, Sequential, Stage,
 };
 use candle_remat::Policy;
 
 use super::compose;
 use crate::config::{Parallelism, TrainConfig};
 use crate::data::Batch;
-use crate::model::{Ctx, Gpt, GptConfig, Kernels, Link, Params};
+use crate::model::{Ctx, Gpt, GptConfig, Link, Params};
 use crate::{Error, Result};
 
 /// Target id of a position that does not count in the loss (the mask, folded in).
@@ -67,14 +67,13 @@ fn stage_recompute(
     policy: Policy,
     costs_of: &dyn Fn(usize) -> candle_remat::ChainCosts,
 ) -> Result<Vec<std::ops::Range<usize>>> {
-    let first = links.iter().position(Link::is_block);
-    let Some(first) = first else {
+    let Some(first) = links.iter().position(Link::is_block) else {
         return Ok(Vec::new());
     };
-    let blocks = links.iter().filter(|l| l.is_block()).count();
-    if policy == Policy::None || blocks == 0 {
+    if policy == Policy::None {
         return Ok(Vec::new());
     }
+    let blocks = links.iter().filter(|l| l.is_block()).count();
     let plan = policy
         .plan(&costs_of(blocks))
         .map_err(|e| Error::Config(format!("remat `{policy}` in a pipeline stage: {e}")))?;
@@ -130,13 +129,13 @@ impl PipelineRun {
                 model.blocks.len()
             )));
         }
-        // Balance by parameters over plain layers, then build each stage on its device.
-        let base = Ctx::train(0).with_dtype(dtype).with_kernels(config.kernels);
-        let probe: Vec<Layer> = links
+        // Balance by the parameters each link reads, then build each stage on its device.
+        let sizes: Vec<f64> = links
             .iter()
-            .map(|l| layer(l.clone(), params, base, device, device))
+            .map(|l| l.weights().iter().map(|w| w.elem_count() as f64).sum())
             .collect();
-        let ranges = balance_by_params(&probe, virtual_stages)?;
+        let ranges = balance_by_cost(&sizes, virtual_stages)?;
+        let base = Ctx::train(0).with_dtype(dtype).with_kernels(config.kernels);
         let per_stage = GptConfig {
             block_size: config.block_size,
             ..model.config.clone()
@@ -222,27 +221,5 @@ impl PipelineRun {
             .with_first_row(ctx.row);
         let out = self.pipe.step(&self.schedule, &mbs)?;
         Ok(((out.loss / weight) as f32, out.grads))
-    }
-}
-
-impl Kernels {
-    /// [`Kernels::cross_entropy`] over the targets that are not `ignore` (the loss mask folded
-    /// into the targets, as PyTorch's `ignore_index`).
-    pub fn cross_entropy_ignoring(
-        self,
-        logits: &Tensor,
-        targets: &Tensor,
-        ignore: u32,
-    ) -> candle_core::Result<Tensor> {
-        match self {
-            Kernels::Fused => {
-                candle_fused::cross_entropy::cross_entropy(logits, targets, None, Some(ignore))
-            }
-            Kernels::Reference => {
-                let keep = targets.ne(ignore)?;
-                let safe = keep.where_cond(targets, &targets.zeros_like()?)?;
-                self.cross_entropy(logits, &safe, Some(&keep.to_dtype(DType::F32)?))
-            }
-        }
     }
 }
