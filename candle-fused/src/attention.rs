@@ -41,6 +41,7 @@ use composite::{fallback_backward, fallback_forward, merge_heads, split_heads};
 
 use crate::cpu::{self, Elem};
 use crate::fallback::{self, Precomputed, Saved};
+use crate::gelu::FastMath;
 use crate::RngKey;
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -240,7 +241,7 @@ fn kernel_fwd<T>(
 ) -> Result<CpuStorage>
 where
     T: Elem,
-    T::Acc: Elem + WithDType,
+    T::Acc: Elem + WithDType + FastMath,
 {
     let len = g.b * g.h * g.tq * g.dv;
     let (out, lse) = match &r.mask {
@@ -265,7 +266,7 @@ fn kernel_bwd<T>(
 ) -> Result<Vec<Vec<T>>>
 where
     T: Elem,
-    T::Acc: Elem + WithDType,
+    T::Acc: Elem + WithDType + FastMath,
 {
     let dout = dout.contiguous()?;
     let lse = lse.to_dtype(<T::Acc as Elem>::DTYPE)?.contiguous()?;

@@ -48,13 +48,15 @@ fn configs(tq: usize, tk: usize, dt: DType, seed: u64) -> Result<Vec<(String, At
 
 #[test]
 fn qkv_matches_composite() -> Result<()> {
-    // (B, T, H, D): T not a multiple of the 32 / 64 blocks, head dims 1, 8, 32, 64.
+    // (B, T, H, D): T not a multiple of the kernel's 32-row / 256-key tiles, and 300 keys for
+    // the online softmax across key tiles; head dims 1, 8, 32, 64.
     let shapes = [
         (1, 1, 2, 8),
         (2, 5, 3, 1),
         (1, 33, 2, 8),
         (2, 70, 2, 32),
         (1, 129, 1, 64),
+        (1, 300, 1, 8),
     ];
     for dt in [DType::F32, DType::F64] {
         let (tv, tg) = tols(dt);
@@ -88,6 +90,7 @@ fn general_matches_composite() -> Result<()> {
         (1, 2, 5, 33, 8, 3),
         (2, 1, 33, 5, 1, 4),
         (1, 2, 70, 129, 32, 64),
+        (1, 1, 40, 300, 8, 8),
         (1, 1, 1, 7, 64, 8),
         (2, 2, 65, 65, 8, 8),
     ];

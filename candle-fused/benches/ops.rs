@@ -1,0 +1,201 @@
+//! Per-op times of candle-fused's CPU kernels at the shapes of the trainer's two benchmark
+//! models, forward alone and forward + backward, each next to the composite Candle expression
+//! it replaces.
+//!
+//! ```sh
+//! cargo bench -p candle-fused --bench ops                 # every op, both models
+//! cargo bench -p candle-fused --bench ops -- attention    # ops whose name contains a filter
+//! ```
+//!
+//! Each cell is the median of `--iters` timed calls (default 30) after 5 warm-up calls, in one
+//! process, so the ratios in a row are measured in the same minutes. Nothing here is asserted:
+//! the numbers go to `BENCHMARKS.md`.
+//!
+//! A step of a model keeps its buffers' pages mapped from one step to the next; a loop that
+//! frees everything after each call does not, and with glibc's default thresholds the page
+//! faults and TLB shootdowns of returning large blocks to the OS and mapping them again then
+//! cost more than the kernels (3-6x on the backward columns here). So the bench first raises
+//! glibc's mmap and trim thresholds, as a long-running trainer effectively has them.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_fused::attention::{attention_qkv, attention_qkv_composite, AttentionConfig};
+use candle_fused::{cross_entropy, gelu, linear, norm};
+
+/// A model's shapes: batch, sequence, width, heads, vocabulary.
+struct Shapes {
+    name: &'static str,
+    b: usize,
+    t: usize,
+    c: usize,
+    h: usize,
+    v: usize,
+}
+
+const MODELS: [Shapes; 2] = [
+    Shapes {
+        name: "baby GPT 4/4/128, T 64, B 12",
+        b: 12,
+        t: 64,
+        c: 128,
+        h: 4,
+        v: 65,
+    },
+    Shapes {
+        name: "GPT 4/4/256, T 128, B 8",
+        b: 8,
+        t: 128,
+        c: 256,
+        h: 4,
+        v: 256,
+    },
+];
+
+/// Median wall time of `f` in milliseconds.
+fn median_ms(iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..5 {
+        f()?;
+    }
+    let mut ts = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t0 = Instant::now();
+        f()?;
+        ts.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    ts.sort_by(f64::total_cmp);
+    Ok(ts[ts.len() / 2])
+}
+
+/// Times `op` on `inputs` forward, then forward + backward of the sum of the output (gradients
+/// of every input; the cotangent is all ones, which costs the kernels what any other does).
+fn time_op(
+    iters: usize,
+    inputs: &[Var],
+    op: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+) -> Result<(f64, f64)> {
+    let xs: Vec<Tensor> = inputs.iter().map(|v| v.as_tensor().clone()).collect();
+    let fwd = median_ms(iters, || op(&xs).map(|_| ()))?;
+    let both = median_ms(iters, || {
+        let y = op(&xs)?;
+        let g = y.sum_all()?.backward()?;
+        std::hint::black_box(g);
+        Ok(())
+    })?;
+    Ok((fwd, both))
+}
+
+type OpFn = Box<dyn Fn(&[Tensor]) -> Result<Tensor>>;
+
+/// One row of the table: a name, its inputs and the fused and composite versions.
+struct Case {
+    name: &'static str,
+    inputs: Vec<Var>,
+    fused: OpFn,
+    composite: OpFn,
+}
+
+fn cases(s: &Shapes, dev: &Device) -> Result<Vec<Case>> {
+    let (n, c) = (s.b * s.t, s.c);
+    let randn = |shape: &[usize], std: f64| Var::randn(0f32, std as f32, shape, dev);
+    let h = s.h;
+    let targets = Tensor::rand(0f32, s.v as f32, n, dev)?
+        .floor()?
+        .to_dtype(DType::U32)?;
+    let t2 = targets.clone();
+    Ok(vec![
+        Case {
+            name: "attention (causal, qkv)",
+            inputs: vec![randn(&[s.b, s.t, 3 * c], 1.0)?],
+            fused: Box::new(move |x| attention_qkv(&x[0], h, &AttentionConfig::causal())),
+            composite: Box::new(move |x| {
+                attention_qkv_composite(&x[0], h, &AttentionConfig::causal())
+            }),
+        },
+        Case {
+            name: "layer_norm",
+            inputs: vec![randn(&[n, c], 1.0)?, randn(&[c], 1.0)?, randn(&[c], 1.0)?],
+            fused: Box::new(|x| norm::layer_norm(&x[0], &x[1], Some(&x[2]), 1e-5)),
+            composite: Box::new(|x| norm::layer_norm_composite(&x[0], &x[1], Some(&x[2]), 1e-5)),
+        },
+        Case {
+            name: "bias_gelu",
+            inputs: vec![randn(&[n, 4 * c], 1.0)?, randn(&[4 * c], 1.0)?],
+            fused: Box::new(|x| gelu::bias_gelu(&x[0], Some(&x[1]))),
+            composite: Box::new(|x| gelu::bias_gelu_composite(&x[0], Some(&x[1]))),
+        },
+        Case {
+            name: "linear c -> 4c",
+            inputs: vec![
+                randn(&[n, c], 1.0)?,
+                randn(&[c, 4 * c], 0.02)?,
+                randn(&[4 * c], 0.02)?,
+            ],
+            fused: Box::new(|x| linear::linear(&x[0], &x[1], Some(&x[2]))),
+            composite: Box::new(|x| linear::linear_composite(&x[0], &x[1], Some(&x[2]))),
+        },
+        Case {
+            name: "cross_entropy",
+            inputs: vec![randn(&[n, s.v], 1.0)?],
+            fused: Box::new(move |x| cross_entropy::cross_entropy(&x[0], &targets, None, None)),
+            composite: Box::new(move |x| {
+                cross_entropy::cross_entropy_composite(&x[0], &t2, None, None)
+            }),
+        },
+    ])
+}
+
+/// Keeps freed blocks of up to 64 MiB in the heap instead of returning them to the OS (glibc).
+fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `mallopt` only changes allocator parameters; called before any other thread runs.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
+    }
+}
+
+fn main() -> Result<()> {
+    keep_freed_memory();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut iters = 30;
+    let mut filters = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--bench" => {}
+            "--iters" => {
+                iters = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .ok_or_else(|| candle_core::Error::Msg("--iters needs a number".into()))?;
+            }
+            f => filters.push(f.to_string()),
+        }
+    }
+    let dev = Device::Cpu;
+    println!(
+        "candle-fused ops, CPU, {} threads, median of {iters} after 5 warm-up (ms)",
+        rayon::current_num_threads()
+    );
+    for s in &MODELS {
+        println!("\n{}", s.name);
+        println!(
+            "| op | fused fwd | fused fwd+bwd | composite fwd | composite fwd+bwd | speed-up fwd+bwd |"
+        );
+        println!("|---|---|---|---|---|---|");
+        for case in cases(s, &dev)? {
+            if !filters.is_empty() && !filters.iter().any(|f| case.name.contains(f.as_str())) {
+                continue;
+            }
+            let (ff, fb) = time_op(iters, &case.inputs, &case.fused)?;
+            let (cf, cb) = time_op(iters, &case.inputs, &case.composite)?;
+            println!(
+                "| {} | {ff:.3} | {fb:.3} | {cf:.3} | {cb:.3} | {:.2}x |",
+                case.name,
+                cb / fb
+            );
+        }
+    }
+    Ok(())
+}
