@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_fused::attention::{attention_qkv, attention_qkv_composite, AttentionConfig};
-use candle_fused::{cross_entropy, gelu, linear, norm};
+use candle_fused::{cross_entropy, gelu, linear, linear_gelu, norm};
 
 /// A model's shapes: batch, sequence, width, heads, vocabulary.
 struct Shapes {
@@ -133,6 +133,21 @@ fn cases(s: &Shapes, dev: &Device) -> Result<Vec<Case>> {
             ],
             fused: Box::new(|x| linear::linear(&x[0], &x[1], Some(&x[2]))),
             composite: Box::new(|x| linear::linear_composite(&x[0], &x[1], Some(&x[2]))),
+        },
+        Case {
+            name: "linear_gelu c -> 4c",
+            inputs: vec![
+                randn(&[n, c], 1.0)?,
+                randn(&[c, 4 * c], 0.02)?,
+                randn(&[4 * c], 0.02)?,
+            ],
+            fused: Box::new(|x| linear_gelu::linear_gelu(&x[0], &x[1], Some(&x[2]))),
+            composite: Box::new(|x| {
+                gelu::bias_gelu_composite(
+                    &linear::linear_composite(&x[0], &x[1], None)?,
+                    Some(&x[2]),
+                )
+            }),
         },
         Case {
             name: "cross_entropy",

@@ -370,7 +370,7 @@ fn composite_bwd(
     Ok((dx, db))
 }
 
-fn fwd_kernel<T: Elem>(x: &[T], b: Option<&[T]>, c: usize) -> Vec<T>
+pub(crate) fn fwd_kernel<T: Elem>(x: &[T], b: Option<&[T]>, c: usize) -> Vec<T>
 where
     T::Acc: FastMath,
 {
@@ -396,7 +396,7 @@ where
 }
 
 /// `(dx, db)`; `db` (when `need_b`) sums the unrounded `dx` over fixed row blocks, in order.
-fn bwd_kernel<T: Elem>(
+pub(crate) fn bwd_kernel<T: Elem>(
     x: &[T],
     b: Option<&[T]>,
     dy: &[T],

@@ -7,6 +7,8 @@
 //! * [`norm`]: LayerNorm (optional bias) and RMSNorm, saving mean / rstd;
 //! * [`gelu`]: bias add + tanh GELU (GPT-2's) in one op;
 //! * [`linear`]: `x W + b` in one op (one GEMM forward, two and a column sum backward);
+//! * [`linear_gelu`]: `gelu(x W + b)` in one op (the MLP's up-projection, no graph node for
+//!   the pre-activation);
 //! * [`gemm_bf16`]: the bf16 GEMM `linear` runs on CPUs with AVX512-BF16;
 //! * [`cross_entropy`]: softmax cross-entropy over the vocabulary with mask / ignore index;
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
@@ -27,6 +29,7 @@ pub mod fallback;
 pub mod gelu;
 pub mod gemm_bf16;
 pub mod linear;
+pub mod linear_gelu;
 pub mod norm;
 pub mod philox;
 

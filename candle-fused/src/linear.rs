@@ -84,7 +84,7 @@ pub fn linear_composite(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Te
     y.reshape(dims)
 }
 
-fn check(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(usize, usize)> {
+pub(crate) fn check(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(usize, usize)> {
     let (n_in, n_out) = match w.dims() {
         [i, o] => (*i, *o),
         d => bail!("candle-fused linear: the weight must be 2-D [in, out], got {d:?}"),
@@ -131,13 +131,13 @@ struct LinearOp {
 
 /// A 2-D operand: element `(r, c)` at `r * rs + c * cs` of its slice.
 #[derive(Clone, Copy)]
-struct Strided {
+pub(crate) struct Strided {
     rs: usize,
     cs: usize,
 }
 
 /// The slice a strided 2-D `layout` reads in `s` (from its start offset) and its strides.
-fn strided<'a, T: Elem>(s: &'a CpuStorage, l: &Layout) -> Result<(&'a [T], Strided)> {
+pub(crate) fn strided<'a, T: Elem>(s: &'a CpuStorage, l: &Layout) -> Result<(&'a [T], Strided)> {
     let st = l.stride();
     if st.len() != 2 {
         bail!("candle-fused linear: the weight must be 2-D");
@@ -322,7 +322,7 @@ fn gemm_new<A: Real>(
     out
 }
 
-fn fwd_kernel<T: Elem>(
+pub(crate) fn fwd_kernel<T: Elem>(
     x: &[T],
     (w, ws): (&[T], Strided),
     b: Option<&[T]>,
@@ -392,13 +392,13 @@ fn column_sums<T: Elem>(g: &[T], rows: usize, n: usize) -> Vec<T::Acc> {
     out
 }
 
-struct Grads<T> {
-    dx: Option<Vec<T>>,
-    dw: Option<Vec<T>>,
-    db: Option<Vec<T>>,
+pub(crate) struct Grads<T> {
+    pub dx: Option<Vec<T>>,
+    pub dw: Option<Vec<T>>,
+    pub db: Option<Vec<T>>,
 }
 
-fn bwd_kernel<T: Elem>(
+pub(crate) fn bwd_kernel<T: Elem>(
     x: &[T],
     (w, ws): (&[T], Strided),
     dy: &[T],

@@ -70,9 +70,7 @@ impl Kernels {
     /// `gelu(x W + b)` (tanh GELU): the MLP's first layer, bias and activation in one kernel.
     pub fn linear_gelu(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> R {
         match self {
-            Kernels::Fused => {
-                candle_fused::gelu::bias_gelu(&candle_fused::linear::linear(x, w, None)?, b)
-            }
+            Kernels::Fused => candle_fused::linear_gelu::linear_gelu(x, w, b),
             Kernels::Reference => self.linear(x, w, b)?.gelu(),
         }
     }

@@ -1,0 +1,228 @@
+//! `gelu(x W + b)`: GPT-2's MLP up-projection and its activation as one differentiable op.
+//!
+//! As two ops ([`crate::linear::linear`], then [`crate::gelu::bias_gelu`]) the pre-activation
+//! `x W` is a graph node of its own, and Candle's backward gives every node a zeroed gradient
+//! buffer and adds into it: a `[N, 4C]` memset and add per layer that nothing needs. Here one op
+//! runs the GEMM, keeps `x W` for its backward (the two ops kept it too, as that node) and
+//! applies bias + GELU; the backward turns the upstream gradient into the GELU's input
+//! gradient and hands it straight to the two GEMMs.
+//!
+//! The arithmetic is that of the two ops, step for step: the same GEMM without the bias, the
+//! same rounding to the storage type, `gelu(z + b)` and its gradient from the same kernels, the
+//! bias gradient over the same row blocks. So values and gradients are bit-identical to
+//! `bias_gelu(&linear(x, w, None)?, b)` (checked by the tests), on every thread count. Devices
+//! without a kernel compute exactly that pair of ops.
+
+use crate::cpu::{self, Elem};
+use crate::fallback::Saved;
+use crate::{gelu, linear};
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp2, CustomOp3, Layout, MetalStorage, Result, Shape,
+    Tensor,
+};
+
+/// `gelu(x [.., in] · w [in, out] + b [out])` (tanh GELU; `b` optional), `[.., out]`.
+///
+/// `w` may be any 2-D view (e.g. `w.t()` of a `[out, in]` weight), as for
+/// [`linear`](crate::linear::linear).
+///
+/// ```
+/// use candle_core::{Device, Tensor, Var};
+/// use candle_fused::{gelu::bias_gelu, linear::linear, linear_gelu::linear_gelu};
+/// let dev = Device::Cpu;
+/// let x = Var::randn(0f32, 1.0, (2, 3, 4), &dev)?;
+/// let w = Var::randn(0f32, 1.0, (4, 16), &dev)?;
+/// let b = Var::randn(0f32, 1.0, 16, &dev)?;
+/// let y = linear_gelu(&x, &w, Some(&b))?;
+/// let two_ops = bias_gelu(&linear(&x, &w, None)?, Some(&b))?;
+/// assert_eq!(y.flatten_all()?.to_vec1::<f32>()?, two_ops.flatten_all()?.to_vec1::<f32>()?);
+/// let g = y.sum_all()?.backward()?;
+/// assert_eq!(g.get(&w).unwrap().dims(), &[4, 16]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn linear_gelu(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let (n_in, n_out) = linear::check(x, w, b)?;
+    let x = x.contiguous()?;
+    if !cpu::has_kernel(&x) || x.elem_count() == 0 || n_out == 0 {
+        return gelu::bias_gelu(&linear::linear(&x, w, None)?, b);
+    }
+    let op = LinearGeluOp {
+        n_in,
+        n_out,
+        z: Saved::default(),
+    };
+    match b {
+        Some(b) => x.apply_op3(w, &b.contiguous()?, op),
+        None => x.apply_op2(w, op),
+    }
+}
+
+/// `(x, w)` or `(x, w, b)`; `z` holds `x W` (storage type, no bias) for the backward.
+struct LinearGeluOp {
+    n_in: usize,
+    n_out: usize,
+    z: Saved,
+}
+
+impl LinearGeluOp {
+    fn fwd_cpu(
+        &self,
+        (sx, lx): (&CpuStorage, &Layout),
+        (sw, lw): (&CpuStorage, &Layout),
+        b: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let mut dims = lx.dims().to_vec();
+        if let Some(l) = dims.last_mut() {
+            *l = self.n_out;
+        }
+        crate::dispatch!(sx.dtype(), T => {
+            let xs = cpu::contiguous::<T>(sx, lx)?;
+            let w = linear::strided::<T>(sw, lw)?;
+            let z = linear::fwd_kernel(xs, w, None, self.n_in, self.n_out);
+            let bs = b.map(|(s, l)| cpu::contiguous::<T>(s, l)).transpose()?;
+            let y = gelu::fwd_kernel(&z, bs, self.n_out);
+            self.z.set(cpu::tensor(z, dims.clone())?);
+            Ok((T::storage(y), Shape::from(dims)))
+        })
+    }
+
+    fn backward(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let need = [x.track_op(), w.track_op(), b.is_some_and(Tensor::track_op)];
+        let (n_in, n_out) = (self.n_in, self.n_out);
+        let z = self.z.get()?;
+        let x = x.contiguous()?;
+        let dy = dy.to_dtype(x.dtype())?.contiguous()?;
+        let b = b.map(Tensor::contiguous).transpose()?;
+        crate::dispatch!(x.dtype(), T => {
+            cpu::with_slice::<T, _>(&x, |xs| {
+                cpu::with_slice::<T, _>(&z, |zs| {
+                    cpu::with_slice::<T, _>(&dy, |dys| {
+                        // The GELU's input gradient (and the bias's), as `bias_gelu` computes it.
+                        let (dz, db) = match &b {
+                            Some(b) => cpu::with_slice::<T, _>(b, |bs| {
+                                Ok(gelu::bwd_kernel(zs, Some(bs), dys, n_out, need[2]))
+                            })?,
+                            None => gelu::bwd_kernel(zs, None, dys, n_out, false),
+                        };
+                        let (sw, lw) = w.storage_and_layout();
+                        let candle_core::Storage::Cpu(sw) = &*sw else {
+                            bail!("candle-fused linear_gelu: weight not on the CPU");
+                        };
+                        let ws = linear::strided::<T>(sw, lw)?;
+                        let g = linear::bwd_kernel(xs, ws, &dz, n_in, n_out, [need[0], need[1], false]);
+                        let dx = g.dx.map(|v| cpu::tensor(v, x.shape())).transpose()?;
+                        let dw = g.dw.map(|v| cpu::tensor(v, (n_in, n_out))).transpose()?;
+                        let db = db.map(|v| cpu::tensor(v, n_out)).transpose()?;
+                        Ok((dx, dw, db))
+                    })
+                })
+            })
+        })
+    }
+}
+
+/// The op runs only where [`cpu::has_kernel`] holds (other devices take the two-op path), so
+/// these are unreachable.
+fn no_kernel<S>() -> Result<(S, Shape)> {
+    bail!("candle-fused linear_gelu: no kernel for this device")
+}
+
+impl CustomOp2 for LinearGeluOp {
+    fn name(&self) -> &'static str {
+        "candle-fused-linear-gelu"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.fwd_cpu((s1, l1), (s2, l2), None)
+    }
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        no_kernel()
+    }
+    fn metal_fwd(
+        &self,
+        _: &MetalStorage,
+        _: &Layout,
+        _: &MetalStorage,
+        _: &Layout,
+    ) -> Result<(MetalStorage, Shape)> {
+        no_kernel()
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = self.backward(x, w, None, dy)?;
+        Ok((dx, dw))
+    }
+}
+
+impl CustomOp3 for LinearGeluOp {
+    fn name(&self) -> &'static str {
+        "candle-fused-linear-gelu"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.fwd_cpu((s1, l1), (s2, l2), Some((s3, l3)))
+    }
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        no_kernel()
+    }
+    fn metal_fwd(
+        &self,
+        _: &MetalStorage,
+        _: &Layout,
+        _: &MetalStorage,
+        _: &Layout,
+        _: &MetalStorage,
+        _: &Layout,
+    ) -> Result<(MetalStorage, Shape)> {
+        no_kernel()
+    }
+    #[allow(clippy::type_complexity)]
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        self.backward(x, w, Some(b), dy)
+    }
+}
