@@ -6,6 +6,7 @@
 //! half-precision tensor is read and written in its own dtype while every sum, exponential and
 //! square root runs in f32.
 
+use crate::pool;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Tensor};
 use half::{bf16, f16};
@@ -199,8 +200,8 @@ pub fn tensor<T: Elem + candle_core::WithDType>(
     Tensor::from_vec(data, shape, &candle_core::Device::Cpu)
 }
 
-/// Work (in elements touched) below which a kernel runs on the calling thread: waking rayon's
-/// pool costs more than it saves on small tensors. 256K: measured on the baby-GPT step bench
+/// Work (in elements touched) below which a kernel runs on the calling thread: waking the
+/// pool's threads costs more than it saves on small tensors. 256K: measured on the baby-GPT step bench
 /// (2 cores), faster than 32K at every rank of 6 alternating runs (by 4-18%, 5-7% mid-ranks).
 pub const PAR_MIN_WORK: usize = 1 << 18;
 
@@ -213,12 +214,11 @@ pub fn for_rows<T: Send>(
     work_per_row: usize,
     f: impl Fn(usize, &mut [T]) + Sync,
 ) {
-    use rayon::prelude::*;
     if row_len == 0 {
         return;
     }
     let rows = out.len() / row_len;
-    let threads = rayon::current_num_threads().max(1);
+    let threads = pool::parts();
     if rows < 2 || threads == 1 || rows.saturating_mul(work_per_row.max(1)) < PAR_MIN_WORK {
         for (i, r) in out.chunks_mut(row_len).enumerate() {
             f(i, r);
@@ -226,13 +226,11 @@ pub fn for_rows<T: Send>(
         return;
     }
     let per = rows.div_ceil(threads);
-    out.par_chunks_mut(per * row_len)
-        .enumerate()
-        .for_each(|(c, chunk)| {
-            for (j, r) in chunk.chunks_mut(row_len).enumerate() {
-                f(c * per + j, r);
-            }
-        });
+    pool::map_chunks_mut(out, per * row_len, |c, chunk| {
+        for (j, r) in chunk.chunks_mut(row_len).enumerate() {
+            f(c * per + j, r);
+        }
+    });
 }
 
 /// Maps `0..n` in parallel chunks (when large enough) and returns the per-chunk results in
@@ -243,16 +241,12 @@ pub fn map_chunks<R: Send>(
     work_per_item: usize,
     f: impl Fn(std::ops::Range<usize>) -> R + Sync,
 ) -> Vec<R> {
-    use rayon::prelude::*;
-    let threads = rayon::current_num_threads().max(1);
+    let threads = pool::parts();
     if n < 2 || threads == 1 || n.saturating_mul(work_per_item.max(1)) < PAR_MIN_WORK {
         return vec![f(0..n)];
     }
     let per = n.div_ceil(threads);
-    (0..threads)
-        .into_par_iter()
-        .map(|c| f((c * per).min(n)..((c + 1) * per).min(n)))
-        .collect()
+    pool::map(threads, |c| f((c * per).min(n)..((c + 1) * per).min(n)))
 }
 
 /// Rows per block of [`for_row_blocks`]: a function of the row count only (never of the thread
@@ -275,13 +269,12 @@ pub fn for_row_blocks<T: Send, R: Send>(
     work_per_row: usize,
     f: impl Fn(usize, &mut [T]) -> R + Sync,
 ) -> Vec<R> {
-    use rayon::prelude::*;
     if row_len == 0 {
         return Vec::new();
     }
     let rows = out.len() / row_len;
     let rb = row_block(rows);
-    let threads = rayon::current_num_threads().max(1);
+    let threads = pool::parts();
     if rows <= rb || threads == 1 || rows.saturating_mul(work_per_row.max(1)) < PAR_MIN_WORK {
         return out
             .chunks_mut(rb * row_len)
@@ -289,10 +282,7 @@ pub fn for_row_blocks<T: Send, R: Send>(
             .map(|(b, c)| f(b * rb, c))
             .collect();
     }
-    out.par_chunks_mut(rb * row_len)
-        .enumerate()
-        .map(|(b, c)| f(b * rb, c))
-        .collect()
+    pool::map_chunks_mut(out, rb * row_len, |b, c| f(b * rb, c))
 }
 
 /// `sum_i a[i] * b[i]` with 8 independent accumulators, so the loop vectorises without

@@ -44,7 +44,7 @@ const KC: usize = 128;
 const MC: usize = 8 * MR;
 /// Columns of C per task (4 B panels).
 const NC: usize = 4 * NR;
-/// Multiply-adds (`m * n * k`) from which the work is spread over rayon's threads (the
+/// Multiply-adds (`m * n * k`) from which the work is spread over the pool's threads (the
 /// threshold `linear` uses for the f32 GEMM).
 const PAR_MIN_MACS: usize = 1 << 18;
 /// Elements from which the packing runs in parallel ([`crate::cpu::PAR_MIN_WORK`]).
@@ -127,7 +127,7 @@ pub fn matmul_acc(
     unsafe { gemm(kernel, (m, n, k), c.as_mut_ptr(), true, a, b, parallel) }
 }
 
-/// `c (m x n, row-major, row stride n) = (acc ? c : 0) + a · b`, on rayon's threads when
+/// `c (m x n, row-major, row stride n) = (acc ? c : 0) + a · b`, on Candle's threads when
 /// `parallel` and the product is large enough.
 ///
 /// Panics if `kernel` is [`Kernel::Avx512Bf16`] and not [`available`], or if a view does not
@@ -163,7 +163,7 @@ pub unsafe fn gemm(
         a.covers(m, k) && b.covers(k, n),
         "candle-fused gemm_bf16: operand out of bounds"
     );
-    let par = parallel && rayon::current_num_threads() > 1 && m * n * k >= PAR_MIN_MACS;
+    let par = parallel && crate::pool::parts() > 1 && m * n * k >= PAR_MIN_MACS;
     let kp = k.div_ceil(2);
     let ap = pack_a(a, m, k, par);
     let bp = pack_b(b, k, n, par);
@@ -177,8 +177,7 @@ pub unsafe fn gemm(
         unsafe { tile(kernel, &ap, &bp, kp, (r0, r1), (c0, c1), (n, acc), c) };
     };
     if par {
-        use rayon::prelude::*;
-        (0..tm * tn).into_par_iter().for_each(task);
+        crate::pool::for_each(tm * tn, task);
     } else {
         (0..tm * tn).for_each(task);
     }
@@ -290,12 +289,9 @@ impl Lines<'_> {
 /// A zeroed buffer of `len` lanes, `fill(panel_index, panel)` called on each `panel`-long chunk
 /// (in parallel when `par` and large).
 fn pack(len: usize, panel: usize, par: bool, fill: impl Fn(usize, &mut [u32]) + Sync) -> Vec<u32> {
-    use rayon::prelude::*;
     let mut buf = vec![0u32; len];
     if par && len >= PAR_MIN_PACK {
-        buf.par_chunks_mut(panel)
-            .enumerate()
-            .for_each(|(i, p)| fill(i, p));
+        crate::pool::map_chunks_mut(&mut buf, panel, fill);
     } else {
         buf.chunks_mut(panel)
             .enumerate()

@@ -13,7 +13,8 @@
 //! * [`cross_entropy`]: softmax cross-entropy over the vocabulary with mask / ignore index;
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
 //! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync;
-//! * [`cpu`]: what the CPU kernels share; [`fallback`]: the composite path for other devices.
+//! * [`cpu`]: what the CPU kernels share; [`pool`]: where they run in parallel (Candle's own
+//!   CPU threads); [`fallback`]: the composite path for other devices.
 //!
 //! Every op has a CPU kernel for f32, f64, bf16 and f16 (16-bit types accumulate in f32) and,
 //! on devices without a kernel yet, computes the composite Candle expression inside the same
@@ -32,5 +33,6 @@ pub mod linear;
 pub mod linear_gelu;
 pub mod norm;
 pub mod philox;
+pub mod pool;
 
 pub use philox::RngKey;

@@ -19,6 +19,7 @@ use std::borrow::Cow;
 use crate::cpu::{self, Elem, Real};
 use crate::fallback::Precomputed;
 use crate::gemm_bf16;
+use crate::pool;
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CudaStorage, CustomOp2, CustomOp3, Layout, MetalStorage, Result, Shape,
@@ -204,9 +205,9 @@ fn narrow<T: Elem>(v: Vec<T::Acc>) -> Vec<T> {
     }
 }
 
-/// `dst [m x n] (row-major) = acc * dst + lhs [m x k] · rhs [k x n]`, on `threads` of rayon's
-/// threads when large (the split is over rows and columns of `dst`, never over `k`, so the sums
-/// do not depend on the thread count). Two bf16 operands run [`gemm_bf16`], two in the
+/// `dst [m x n] (row-major) = acc * dst + lhs [m x k] · rhs [k x n]`, split into `threads`
+/// bands run on [`pool`] when large (the split is over rows or columns of `dst`, never over
+/// `k`, so the sums do not depend on the thread count). Two bf16 operands run [`gemm_bf16`], two in the
 /// accumulation type Candle's `gemm` crate.
 ///
 /// # Safety
@@ -271,37 +272,70 @@ unsafe fn gemm_raw<A: Real>(
         last(lhs, m, k) && last(rhs, k, n),
         "candle-fused linear: operand out of bounds"
     );
-    let par = if threads > 1 && m * n * k >= 1 << 18 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
+    // One block of dst: rows r0..r1, columns c0..c1, on the calling thread.
+    let block = |dst: Out<A>, (r0, r1): (usize, usize), (c0, c1): (usize, usize)| {
+        // SAFETY: the block lies inside dst (m x n, row stride n, valid per the caller) and
+        // inside both operands (asserted above); blocks of one call are disjoint.
+        unsafe {
+            gemm::gemm(
+                r1 - r0,
+                c1 - c0,
+                k,
+                dst.0.add(r0 * n + c0),
+                1,
+                n as isize,
+                acc,
+                lhs.0.as_ptr().add(r0 * lhs.1.rs),
+                lhs.1.cs as isize,
+                lhs.1.rs as isize,
+                rhs.0.as_ptr().add(c0 * rhs.1.cs),
+                rhs.1.cs as isize,
+                rhs.1.rs as isize,
+                A::ONE,
+                A::ONE,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
     };
-    // SAFETY: `dst` covers m x n elements (caller); both operands cover every indexed element
-    // (asserted above).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            n as isize,
-            acc,
-            lhs.0.as_ptr(),
-            lhs.1.cs as isize,
-            lhs.1.rs as isize,
-            rhs.0.as_ptr(),
-            rhs.1.cs as isize,
-            rhs.1.rs as isize,
-            A::ONE,
-            A::ONE,
-            false,
-            false,
-            false,
-            par,
-        )
+    let dst = Out(dst);
+    if threads < 2 || m * n * k < 1 << 18 {
+        block(dst, (0, m), (0, n));
+        return;
+    }
+    // Split dst into `threads` bands of rows or of columns (whichever dimension is longer, in
+    // multiples of 16 so every band keeps the full micro-kernel): each element is the same
+    // k-long sum in the same order whichever band and thread computes it (`gemm` blocks `k` by
+    // `k` and the cache sizes alone).
+    let along_rows = m >= n;
+    let len = if along_rows { m } else { n };
+    let band = len.div_ceil(threads).next_multiple_of(16);
+    pool::for_each(len.div_ceil(band), |i| {
+        let (lo, hi) = (i * band, ((i + 1) * band).min(len));
+        if along_rows {
+            block(dst, (lo, hi), (0, n));
+        } else {
+            block(dst, (0, m), (lo, hi));
+        }
+    });
+}
+
+/// The destination of [`gemm_raw`], shared by bands that write disjoint blocks.
+struct Out<A>(*mut A);
+
+impl<A> Clone for Out<A> {
+    fn clone(&self) -> Self {
+        *self
     }
 }
+
+impl<A> Copy for Out<A> {}
+
+// SAFETY: only used to write disjoint blocks of a buffer the caller keeps alive.
+unsafe impl<A: Send> Send for Out<A> {}
+unsafe impl<A: Send> Sync for Out<A> {}
 
 /// A new `m x n` matrix `lhs · rhs`, written once by the GEMM (no zero-fill first).
 fn gemm_new<A: Real>(
@@ -333,7 +367,7 @@ pub(crate) fn fwd_kernel<T: Elem>(
     let xa = operand(x);
     let wa = operand(w);
     let x2 = (&xa, Strided { rs: n_in, cs: 1 });
-    let threads = rayon::current_num_threads();
+    let threads = pool::parts();
     let out = match b {
         Some(b) => {
             // Start from the bias rows, accumulate the product into them.
@@ -366,7 +400,6 @@ pub(crate) fn fwd_kernel<T: Elem>(
 /// Column sums of `g [rows, n]` as partials over fixed row blocks added in block order (the
 /// same for any thread count).
 fn column_sums<T: Elem>(g: &[T], rows: usize, n: usize) -> Vec<T::Acc> {
-    use rayon::prelude::*;
     let rb = cpu::row_block(rows);
     let part = |bi: usize| {
         let mut s = vec![T::Acc::ZERO; n];
@@ -379,7 +412,7 @@ fn column_sums<T: Elem>(g: &[T], rows: usize, n: usize) -> Vec<T::Acc> {
     };
     let blocks = rows.div_ceil(rb);
     let parts: Vec<Vec<T::Acc>> = if rows * n >= cpu::PAR_MIN_WORK {
-        (0..blocks).into_par_iter().map(part).collect()
+        pool::map(blocks, part)
     } else {
         (0..blocks).map(part).collect()
     };
@@ -412,7 +445,7 @@ pub(crate) fn bwd_kernel<T: Elem>(
     // dx and (dW, db) are independent: for small GEMMs they run side by side, each on its share
     // of the threads (small GEMMs scale poorly across threads; two at once keep every core busy
     // with less synchronisation). The split never changes a sum (see `gemm`).
-    let threads = rayon::current_num_threads();
+    let threads = pool::parts();
     // Measured on 2 cores: worth it below ~64M multiply-adds per GEMM (the baby GPT's layers),
     // a loss above (GPT 4/4/256's 200M+), where one GEMM on all threads is already efficient.
     let small = rows * n_in * n_out < 1 << 26;
@@ -443,7 +476,7 @@ pub(crate) fn bwd_kernel<T: Elem>(
         (dw, need[2].then(|| narrow(column_sums(dy, rows, n_out))))
     };
     let (dx, (dw, db)) = if both {
-        rayon::join(dx_job, dwb_job)
+        pool::join(dx_job, dwb_job)
     } else {
         (dx_job(), dwb_job())
     };

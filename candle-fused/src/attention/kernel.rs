@@ -12,8 +12,8 @@
 
 use crate::cpu::{dot, sum_map, Elem, Real, PAR_MIN_WORK};
 use crate::gelu::FastMath;
+use crate::pool;
 use crate::RngKey;
-use rayon::prelude::*;
 
 /// Query rows per tile. Small, so that a causal strip of rows stops at its last row's keys (at
 /// T = 128 the strips read 10/16 of the score matrix, one 128-row tile all of it); the GEMMs
@@ -153,13 +153,21 @@ fn run_tasks<S: Send>(
     init: impl Fn() -> S + Sync,
     f: impl Fn(usize, &mut S) + Sync,
 ) {
-    if n < 2 || rayon::current_num_threads() <= 1 || n.saturating_mul(work.max(1)) < PAR_MIN_WORK {
+    let parts = pool::parts();
+    if n < 2 || parts <= 1 || n.saturating_mul(work.max(1)) < PAR_MIN_WORK {
         let mut s = init();
         for t in 0..n {
             f(t, &mut s);
         }
     } else {
-        (0..n).into_par_iter().for_each_init(&init, |s, t| f(t, s));
+        // Contiguous groups of tasks, one scratch per group.
+        let per = n.div_ceil(parts);
+        pool::for_each(n.div_ceil(per), |g| {
+            let mut s = init();
+            for t in g * per..((g + 1) * per).min(n) {
+                f(t, &mut s);
+            }
+        });
     }
 }
 

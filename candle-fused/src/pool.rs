@@ -1,0 +1,140 @@
+//! Where the CPU kernels run in parallel: on Candle's own CPU thread pool.
+//!
+//! Candle runs its element-wise ops (among them every gradient sum of a backward pass) on a pool
+//! of its own threads, `candle_core::utils::barrier_pool`, whose workers spin for a while after
+//! each op before they sleep. A training step interleaves those ops with this crate's kernels.
+//! Were the kernels on rayon's pool, two sets of threads would take turns on the same cores,
+//! each spinning while the other works. So the kernels run on Candle's pool too: one set of
+//! threads, the calling thread working as one of them, as a PyTorch step runs on one OpenMP
+//! team.
+//!
+//! How work is **split** is separate from which threads run it: kernels split into [`parts`]
+//! pieces (the rayon thread count of the calling context, so a caller's
+//! `ThreadPool::install` still chooses it), and every piece computes the same bits whichever
+//! thread takes it. Calls from inside a parallel section run on the calling thread (no nesting).
+
+use std::cell::Cell;
+use std::sync::Mutex;
+
+thread_local! {
+    static INSIDE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks this thread as running a piece of a parallel section while alive.
+struct Inside(bool);
+
+impl Inside {
+    fn enter() -> Self {
+        Inside(INSIDE.with(|c| c.replace(true)))
+    }
+}
+
+impl Drop for Inside {
+    fn drop(&mut self) {
+        INSIDE.with(|c| c.set(self.0));
+    }
+}
+
+/// How many pieces parallel work is split into: rayon's thread count in the calling context.
+pub fn parts() -> usize {
+    rayon::current_num_threads().max(1)
+}
+
+/// Runs `f(i)` for every `i in 0..n`, spread over Candle's CPU threads (the calling thread
+/// among them); on the calling thread alone when `n < 2` or inside another parallel section.
+pub fn for_each(n: usize, f: impl Fn(usize) + Sync) {
+    if n < 2 || INSIDE.with(Cell::get) {
+        let _inside = Inside::enter();
+        (0..n).for_each(f);
+        return;
+    }
+    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+        let _inside = Inside::enter();
+        range.for_each(&f);
+    });
+}
+
+/// A pointer shared by pieces that write disjoint elements.
+struct Shared<T>(*mut T);
+
+impl<T> Clone for Shared<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Shared<T> {}
+
+impl<T> Shared<T> {
+    /// The pointer (a method, so closures capture the whole `Shared`, which is `Sync`).
+    fn at(self, i: usize) -> *mut T {
+        // SAFETY (of callers): `i` is inside the buffer.
+        self.0.wrapping_add(i)
+    }
+}
+
+// SAFETY: only used to write disjoint elements (each index by one piece) of a buffer that
+// outlives the parallel section.
+unsafe impl<T: Send> Send for Shared<T> {}
+unsafe impl<T: Send> Sync for Shared<T> {}
+
+/// `[f(0), .., f(n - 1)]`, computed as [`for_each`] does.
+pub fn map<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
+    let p = Shared(out.as_mut_ptr());
+    for_each(n, |i| {
+        // SAFETY: index i < n is written by this piece only; `out` outlives the section.
+        unsafe { *p.at(i) = Some(f(i)) };
+    });
+    out.into_iter()
+        .map(|r| r.expect("candle-fused pool: every piece ran"))
+        .collect()
+}
+
+/// `f(i, chunk_i)` for the consecutive `chunk`-long pieces of `out` (the last may be shorter),
+/// results in order, computed as [`for_each`] does.
+pub fn map_chunks_mut<T: Send, R: Send>(
+    out: &mut [T],
+    chunk: usize,
+    f: impl Fn(usize, &mut [T]) -> R + Sync,
+) -> Vec<R> {
+    let (len, chunk) = (out.len(), chunk.max(1));
+    let p = Shared(out.as_mut_ptr());
+    map(len.div_ceil(chunk), |i| {
+        let (lo, hi) = (i * chunk, ((i + 1) * chunk).min(len));
+        // SAFETY: the pieces [lo, hi) are disjoint and inside `out`, which outlives the section.
+        f(i, unsafe {
+            std::slice::from_raw_parts_mut(p.at(lo), hi - lo)
+        })
+    })
+}
+
+/// `(a(), b())`, the two run side by side on Candle's threads.
+pub fn join<A: Send, B: Send>(
+    a: impl FnOnce() -> A + Send,
+    b: impl FnOnce() -> B + Send,
+) -> (A, B) {
+    let (fa, fb) = (Mutex::new(Some(a)), Mutex::new(Some(b)));
+    let (ra, rb) = (Mutex::new(None), Mutex::new(None));
+    for_each(2, |i| {
+        if i == 0 {
+            if let Some(f) = fa.lock().ok().and_then(|mut g| g.take()) {
+                let v = f();
+                if let Ok(mut r) = ra.lock() {
+                    *r = Some(v);
+                }
+            }
+        } else if let Some(f) = fb.lock().ok().and_then(|mut g| g.take()) {
+            let v = f();
+            if let Ok(mut r) = rb.lock() {
+                *r = Some(v);
+            }
+        }
+    });
+    let ra = ra.into_inner().ok().flatten();
+    let rb = rb.into_inner().ok().flatten();
+    match (ra, rb) {
+        (Some(a), Some(b)) => (a, b),
+        _ => unreachable!("candle-fused pool: both halves of a join ran"),
+    }
+}
