@@ -5,13 +5,14 @@
 //!
 //! * **Short spins in Candle's pool.** Candle 0.11 runs element-wise ops on 64K+ elements on a
 //!   pool of its own (`candle-bp-*` threads, one fewer than the cores), beside rayon's pool,
-//!   which runs its GEMMs and every `candle-fused` kernel. Its workers spin ~25 000 times
-//!   before they park, holding a core that a rayon thread needs: with the default, the main
-//!   thread spent 30% of the fused step in the barrier pool's wait (`BarrierGuard::drop`).
-//!   With 2 000 spins (`CANDLE_BARRIER_POOL_SPIN_LIMIT`, unless the user set it) the workers
-//!   park soon after their op and both pools keep all cores (the barrier pool off,
-//!   `CANDLE_NUM_THREADS=1`, measured ~5% slower: Candle's element-wise ops then run on one
-//!   core).
+//!   which runs Candle's own matmul (the `--kernels reference` path). Its workers spin ~25 000
+//!   times before they park, holding a core that a rayon thread needs: with the default, the
+//!   main thread spent 30% of the fused step in the barrier pool's wait (`BarrierGuard::drop`)
+//!   while `candle-fused` still ran on rayon. With 2 000 spins
+//!   (`CANDLE_BARRIER_POOL_SPIN_LIMIT`, unless the user set it) the workers park soon after
+//!   their op. Since `candle-fused`'s kernels run on Candle's pool too (`candle_fused::pool`),
+//!   the limit hardly matters for the fused step (2 000, 25 000 and 100 000 were within the
+//!   noise of alternating runs); it is kept for the reference path.
 //! * **Freed memory is reused, not returned.** Every tensor is a fresh allocation, and glibc
 //!   serves large ones with `mmap` and gives them back on free, so each step page-faults its
 //!   activations and gradients in again: 13% of the step's samples were in the kernel's page
