@@ -13,7 +13,9 @@
 //! `ThreadPool::install` still chooses it), and every piece computes the same bits whichever
 //! thread takes it. Calls from inside a parallel section run on the calling thread (no nesting).
 
+use std::any::Any;
 use std::cell::Cell;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::Mutex;
 
 thread_local! {
@@ -42,16 +44,37 @@ pub fn parts() -> usize {
 
 /// Runs `f(i)` for every `i in 0..n`, spread over Candle's CPU threads (the calling thread
 /// among them); on the calling thread alone when `n < 2` or inside another parallel section.
+/// A panic in `f` reaches the caller (after every piece has finished), and the pool stays
+/// usable.
+///
+/// ```
+/// use std::sync::atomic::{AtomicUsize, Ordering};
+/// let sum = AtomicUsize::new(0);
+/// candle_fused::pool::for_each(100, |i| {
+///     sum.fetch_add(i, Ordering::Relaxed);
+/// });
+/// assert_eq!(sum.into_inner(), 4950);
+/// ```
 pub fn for_each(n: usize, f: impl Fn(usize) + Sync) {
     if n < 2 || INSIDE.with(Cell::get) {
         let _inside = Inside::enter();
         (0..n).for_each(f);
         return;
     }
+    // A panic must not unwind through Candle's pool: it would poison the pool's lock, and every
+    // later Candle op of the process would fail. Pieces catch it; the caller re-raises it.
+    let failed: Mutex<Option<Box<dyn Any + Send>>> = Mutex::new(None);
     candle_core::utils::barrier_pool().execute_chunked(n, |range| {
         let _inside = Inside::enter();
-        range.for_each(&f);
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| range.for_each(&f))) {
+            if let Ok(mut first) = failed.lock() {
+                first.get_or_insert(p);
+            }
+        }
     });
+    if let Some(p) = failed.into_inner().ok().flatten() {
+        resume_unwind(p);
+    }
 }
 
 /// A pointer shared by pieces that write disjoint elements.
