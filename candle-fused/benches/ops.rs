@@ -190,8 +190,9 @@ fn main() -> Result<()> {
     }
     let dev = Device::Cpu;
     println!(
-        "candle-fused ops, CPU, {} threads, median of {iters} after 5 warm-up (ms)",
-        rayon::current_num_threads()
+        "candle-fused ops, CPU, work split {} ways on Candle's pool of {} threads, median of {iters} after 5 warm-up (ms)",
+        candle_fused::pool::parts(),
+        candle_core::utils::barrier_pool().n_workers() + 1
     );
     for s in &MODELS {
         println!("\n{}", s.name);

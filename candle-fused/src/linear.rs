@@ -272,47 +272,57 @@ unsafe fn gemm_raw<A: Real>(
         last(lhs, m, k) && last(rhs, k, n),
         "candle-fused linear: operand out of bounds"
     );
-    // One block of dst: rows r0..r1, columns c0..c1, on the calling thread.
+    // One block of dst (rows r0..r1, columns c0..c1) on the calling thread, `k` summed in
+    // fixed chunks of at most KC, accumulated in order. `gemm` itself blocks `k` by rules that
+    // depend on the output's size (outputs up to 64 x 64 in 512-long blocks, larger ones in
+    // equal blocks of about 512): with every call's `k` at most 512 both rules give one block,
+    // so an element's sum is the same whichever band computes it.
+    let kc = k.div_ceil(k.div_ceil(KC));
     let block = |dst: Out<A>, (r0, r1): (usize, usize), (c0, c1): (usize, usize)| {
-        // SAFETY: the block lies inside dst (m x n, row stride n, valid per the caller) and
-        // inside both operands (asserted above); blocks of one call are disjoint.
-        unsafe {
-            gemm::gemm(
-                r1 - r0,
-                c1 - c0,
-                k,
-                dst.0.add(r0 * n + c0),
-                1,
-                n as isize,
-                acc,
-                lhs.0.as_ptr().add(r0 * lhs.1.rs),
-                lhs.1.cs as isize,
-                lhs.1.rs as isize,
-                rhs.0.as_ptr().add(c0 * rhs.1.cs),
-                rhs.1.cs as isize,
-                rhs.1.rs as isize,
-                A::ONE,
-                A::ONE,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            )
+        for (i, k0) in (0..k).step_by(kc).enumerate() {
+            // SAFETY: the block lies inside dst (m x n, row stride n, valid per the caller)
+            // and, with rows k0..k0 + kc, inside both operands (asserted above); blocks of one
+            // call are disjoint.
+            unsafe {
+                gemm::gemm(
+                    r1 - r0,
+                    c1 - c0,
+                    kc.min(k - k0),
+                    dst.0.add(r0 * n + c0),
+                    1,
+                    n as isize,
+                    acc || i > 0,
+                    lhs.0.as_ptr().add(r0 * lhs.1.rs + k0 * lhs.1.cs),
+                    lhs.1.cs as isize,
+                    lhs.1.rs as isize,
+                    rhs.0.as_ptr().add(c0 * rhs.1.cs + k0 * rhs.1.rs),
+                    rhs.1.cs as isize,
+                    rhs.1.rs as isize,
+                    A::ONE,
+                    A::ONE,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                )
+            }
         }
     };
     let dst = Out(dst);
-    if threads < 2 || m * n * k < 1 << 18 {
+    // Split dst into `threads` bands of rows or of columns (whichever dimension is longer, in
+    // multiples of 16 so every band keeps the full micro-kernel). Outputs of at most 256
+    // elements take another `gemm` kernel (dot products), so no band may be that small unless
+    // the whole output is (then it is not split).
+    let along_rows = m >= n;
+    let (len, other) = if along_rows { (m, n) } else { (n, m) };
+    let band = len.div_ceil(threads.max(1)).next_multiple_of(16);
+    let bands = len.div_ceil(band);
+    let smallest = len - (bands - 1) * band;
+    if threads < 2 || bands < 2 || m * n * k < 1 << 18 || smallest * other <= 256 {
         block(dst, (0, m), (0, n));
         return;
     }
-    // Split dst into `threads` bands of rows or of columns (whichever dimension is longer, in
-    // multiples of 16 so every band keeps the full micro-kernel): each element is the same
-    // k-long sum in the same order whichever band and thread computes it (`gemm` blocks `k` by
-    // `k` and the cache sizes alone).
-    let along_rows = m >= n;
-    let len = if along_rows { m } else { n };
-    let band = len.div_ceil(threads).next_multiple_of(16);
-    pool::for_each(len.div_ceil(band), |i| {
+    pool::for_each(bands, |i| {
         let (lo, hi) = (i * band, ((i + 1) * band).min(len));
         if along_rows {
             block(dst, (lo, hi), (0, n));
@@ -321,6 +331,9 @@ unsafe fn gemm_raw<A: Real>(
         }
     });
 }
+
+/// The longest `k` one `gemm` call sums (see [`gemm_raw`]).
+const KC: usize = 512;
 
 /// The destination of [`gemm_raw`], shared by bands that write disjoint blocks.
 struct Out<A>(*mut A);
@@ -442,19 +455,17 @@ pub(crate) fn bwd_kernel<T: Elem>(
     let rows = dy.len().checked_div(n_out).unwrap_or(0);
     let g = operand(dy);
     let gs = Strided { rs: n_out, cs: 1 };
-    // dx and (dW, db) are independent: for small GEMMs they run side by side, each on its share
-    // of the threads (small GEMMs scale poorly across threads; two at once keep every core busy
-    // with less synchronisation). The split never changes a sum (see `gemm`).
+    // dx and (dW, db) are independent: on two threads, small GEMMs run side by side, one per
+    // thread (small GEMMs scale poorly across threads; two at once keep both cores busy with
+    // less synchronisation). With more threads each runs on all of them in turn (the two
+    // halves of a `pool::join` cannot split further). The split never changes a sum (see
+    // `gemm_raw`).
     let threads = pool::parts();
     // Measured on 2 cores: worth it below ~64M multiply-adds per GEMM (the baby GPT's layers),
     // a loss above (GPT 4/4/256's 200M+), where one GEMM on all threads is already efficient.
     let small = rows * n_in * n_out < 1 << 26;
-    let both = need[0] && (need[1] || need[2]) && threads > 1 && small;
-    let (t_dx, t_dw) = if both {
-        (threads / 2, threads - threads / 2)
-    } else {
-        (threads, threads)
-    };
+    let both = need[0] && (need[1] || need[2]) && threads == 2 && small;
+    let (t_dx, t_dw) = if both { (1, 1) } else { (threads, threads) };
     let dx_job = || {
         need[0].then(|| {
             let wa = operand(w);

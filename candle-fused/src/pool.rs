@@ -12,6 +12,11 @@
 //! pieces (the rayon thread count of the calling context, so a caller's
 //! `ThreadPool::install` still chooses it), and every piece computes the same bits whichever
 //! thread takes it. Calls from inside a parallel section run on the calling thread (no nesting).
+//!
+//! Callers on several threads at once (pipeline stages, data-parallel ranks as threads) take
+//! turns: Candle's pool runs one section at a time. A piece must not call Candle tensor ops
+//! itself (nor start threads that call this module): on the calling thread, which holds the
+//! pool for the section, that would wait for the pool forever. No kernel of this crate does.
 
 use std::any::Any;
 use std::cell::Cell;

@@ -237,24 +237,38 @@ fn nan_propagates_from_a_random_index() -> Result<()> {
 #[test]
 fn identical_for_any_thread_count() -> Result<()> {
     let mut rng = Lcg(5);
-    // 2000 rows: the bias gradient (2000 x 160 elements) crosses PAR_MIN_WORK too.
-    let x = rand(&[4, 500, 96], DType::F32, &mut rng, 1.0, 0.0)?;
-    assert!(x.elem_count() / 96 * 160 > cpu::PAR_MIN_WORK);
-    let w = rand(&[160, 96], DType::F32, &mut rng, 1.0, 0.0)?;
-    let b = rand(&[160], DType::F32, &mut rng, 1.0, 0.0)?;
-    let up = rand(&[4, 500, 160], DType::F64, &mut rng, 1.0, 0.0)?;
-    let mut outs = Vec::new();
-    for n in [1, 2, 3] {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(n).build()?;
-        let r = pool.install(|| run(linear, &x, true, &w, Some(&b), &up))?;
-        let vals: Vec<Vec<f64>> = [&r.0, &r.1, &r.2, r.3.as_ref().expect("db")]
-            .iter()
-            .map(|t| f64s(t))
-            .collect::<Result<_>>()?;
-        outs.push(vals);
+    // (rows, in, out). 2000 rows: the bias gradient (2000 x 160 elements) crosses PAR_MIN_WORK
+    // too. k = 768 and 1024 > 512: `gemm` blocks k differently for outputs of at most 64 x 64
+    // (the 64-row bands of 128 rows) than for larger ones, and runs a dot-product kernel for
+    // outputs of at most 256 elements (the 16-row bands of 48 rows x 16 on 3 threads).
+    for (rows, n_in, n_out) in [(2000, 96, 160), (128, 768, 64), (48, 1024, 16)] {
+        let x = rand(&[rows, n_in], DType::F32, &mut rng, 1.0, 0.0)?;
+        let w = rand(&[n_out, n_in], DType::F32, &mut rng, 1.0, 0.0)?;
+        let b = rand(&[n_out], DType::F32, &mut rng, 1.0, 0.0)?;
+        let up = rand(&[rows, n_out], DType::F64, &mut rng, 1.0, 0.0)?;
+        let mut outs = Vec::new();
+        for n in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(n).build()?;
+            let r = pool.install(|| run(linear, &x, true, &w, Some(&b), &up))?;
+            let vals: Vec<Vec<f64>> = [&r.0, &r.1, &r.2, r.3.as_ref().expect("db")]
+                .iter()
+                .map(|t| f64s(t))
+                .collect::<Result<_>>()?;
+            outs.push(vals);
+        }
+        for (t, o) in [(2, &outs[1]), (3, &outs[2])] {
+            for (k, (a, b)) in outs[0].iter().zip(o.iter()).enumerate() {
+                let diff = a
+                    .iter()
+                    .zip(b)
+                    .position(|(x, y)| x.to_bits() != y.to_bits());
+                assert!(
+                    diff.is_none(),
+                    "{rows} x {n_in} -> {n_out}: output {k} differs between 1 and {t} threads at {diff:?}"
+                );
+            }
+        }
     }
-    assert_eq!(outs[0], outs[1], "1 vs 2 threads");
-    assert_eq!(outs[0], outs[2], "1 vs 3 threads");
     Ok(())
 }
 

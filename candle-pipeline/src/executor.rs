@@ -125,8 +125,10 @@ impl Pipeline {
     /// runs its parallel loops in the current rayon pool, so this bounds it per worker.
     ///
     /// Candle's element-wise kernels use a separate, process-wide pool sized by the environment
-    /// variable `CANDLE_NUM_THREADS` (default: physical cores) which no rayon pool bounds: set
-    /// `CANDLE_NUM_THREADS=1` before the first Candle op when workers share the cores. This
+    /// variable `CANDLE_NUM_THREADS` (default: physical cores) which no rayon pool bounds, and
+    /// which runs one parallel section at a time for all workers (so do kernels built on it,
+    /// such as `candle-fused`'s): set `CANDLE_NUM_THREADS=1` before the first Candle op when
+    /// workers share the cores, and each worker runs those kernels on its own thread. This
     /// function initialises that pool (`candle_core::utils::barrier_pool`) to check its size and
     /// logs a warning when it has extra threads and there are several CPU workers.
     pub fn with_cpu_threads(self, threads: usize) -> Result<Self> {
