@@ -19,7 +19,7 @@ use std::borrow::Cow;
 use crate::cpu::{self, Elem, Real};
 use crate::fallback::Precomputed;
 use crate::gemm_bf16;
-use crate::pool;
+use crate::pool::{self, Shared};
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CudaStorage, CustomOp2, CustomOp3, Layout, MetalStorage, Result, Shape,
@@ -278,7 +278,7 @@ unsafe fn gemm_raw<A: Real>(
     // equal blocks of about 512): with every call's `k` at most 512 both rules give one block,
     // so an element's sum is the same whichever band computes it.
     let kc = k.div_ceil(k.div_ceil(KC));
-    let block = |dst: Out<A>, (r0, r1): (usize, usize), (c0, c1): (usize, usize)| {
+    let block = |dst: Shared<A>, (r0, r1): (usize, usize), (c0, c1): (usize, usize)| {
         for (i, k0) in (0..k).step_by(kc).enumerate() {
             // SAFETY: the block lies inside dst (m x n, row stride n, valid per the caller)
             // and, with rows k0..k0 + kc, inside both operands (asserted above); blocks of one
@@ -288,7 +288,7 @@ unsafe fn gemm_raw<A: Real>(
                     r1 - r0,
                     c1 - c0,
                     kc.min(k - k0),
-                    dst.0.add(r0 * n + c0),
+                    dst.at(r0 * n + c0),
                     1,
                     n as isize,
                     acc || i > 0,
@@ -308,7 +308,7 @@ unsafe fn gemm_raw<A: Real>(
             }
         }
     };
-    let dst = Out(dst);
+    let dst = Shared(dst);
     // Split dst into `threads` bands of rows or of columns (whichever dimension is longer, in
     // multiples of 16 so every band keeps the full micro-kernel). Outputs of at most 256
     // elements take another `gemm` kernel (dot products), so no band may be that small unless
@@ -334,21 +334,6 @@ unsafe fn gemm_raw<A: Real>(
 
 /// The longest `k` one `gemm` call sums (see [`gemm_raw`]).
 const KC: usize = 512;
-
-/// The destination of [`gemm_raw`], shared by bands that write disjoint blocks.
-struct Out<A>(*mut A);
-
-impl<A> Clone for Out<A> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<A> Copy for Out<A> {}
-
-// SAFETY: only used to write disjoint blocks of a buffer the caller keeps alive.
-unsafe impl<A: Send> Send for Out<A> {}
-unsafe impl<A: Send> Sync for Out<A> {}
 
 /// A new `m x n` matrix `lhs · rhs`, written once by the GEMM (no zero-fill first).
 fn gemm_new<A: Real>(

@@ -83,7 +83,7 @@ pub fn for_each(n: usize, f: impl Fn(usize) + Sync) {
 }
 
 /// A pointer shared by pieces that write disjoint elements.
-struct Shared<T>(*mut T);
+pub(crate) struct Shared<T>(pub(crate) *mut T);
 
 impl<T> Clone for Shared<T> {
     fn clone(&self) -> Self {
@@ -94,8 +94,9 @@ impl<T> Clone for Shared<T> {
 impl<T> Copy for Shared<T> {}
 
 impl<T> Shared<T> {
-    /// The pointer (a method, so closures capture the whole `Shared`, which is `Sync`).
-    fn at(self, i: usize) -> *mut T {
+    /// The pointer to element `i` (a method, so closures capture the whole `Shared`, which is
+    /// `Sync`, not its raw pointer).
+    pub(crate) fn at(self, i: usize) -> *mut T {
         // SAFETY (of callers): `i` is inside the buffer.
         self.0.wrapping_add(i)
     }
