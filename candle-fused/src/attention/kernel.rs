@@ -324,7 +324,8 @@ impl<A: Real> Scratch<A> {
 }
 
 /// Scores of tile (rows `i0..i0 + nq`, keys `j0..j0 + nk`) into `s` (`nq x nk`): scaled `q kᵀ`,
-/// plus the mask, `-inf` beyond each row's causal limit.
+/// plus the mask. Entries past a row's causal limit are not meaningful: both callers read only
+/// each row's keys below [`Geom::lim`] and set the rest of the row to 0.
 #[allow(clippy::too_many_arguments)]
 fn tile_scores<A: Real>(
     g: &Geom,
@@ -355,10 +356,6 @@ fn tile_scores<A: Real>(
             for (x, m) in row.iter_mut().zip(&mk[i * g.tk + j0..i * g.tk + j0 + nk]) {
                 *x += *m;
             }
-        }
-        let lim = g.lim(p.causal, i);
-        if lim < j0 + nk {
-            row[lim.saturating_sub(j0)..].fill(A::NEG_INFINITY);
         }
     }
 }

@@ -130,8 +130,7 @@ impl Observer for Progress {
     fn on_event(&mut self, event: Event<'_>) {
         match event {
             Event::Step(s) => {
-                self.bar.set_position(s.step as u64);
-                self.bar.set_message(format!(
+                let line = format!(
                     "loss {:.4} | lr {:.2e} | gnorm {:.3} | {:.0} tok/s | {:.1} ms | MFU {:.1}%",
                     s.loss,
                     s.lr,
@@ -139,19 +138,12 @@ impl Observer for Progress {
                     s.tokens_per_sec,
                     s.step_ms,
                     100.0 * s.mfu
-                ));
+                );
                 if self.bar.is_hidden() && (s.step % 50 == 0 || s.step == 1) {
-                    eprintln!(
-                        "step {:>6} | loss {:.4} | lr {:.2e} | gnorm {:.3} | {:.0} tok/s | {:.1} ms | MFU {:.1}%",
-                        s.step,
-                        s.loss,
-                        s.lr,
-                        s.grad_norm,
-                        s.tokens_per_sec,
-                        s.step_ms,
-                        100.0 * s.mfu
-                    );
+                    eprintln!("step {:>6} | {line}", s.step);
                 }
+                self.bar.set_position(s.step as u64);
+                self.bar.set_message(line);
             }
             Event::Eval(e) => {
                 let score = match (&e.score, &e.score_name) {
