@@ -19,7 +19,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::Optimizer as _;
 use candle_train::amp::{Amp, MasterWeights, ScalerConfig, StepOutcome, WeightMode};
 use candle_train::trainer::data::{DataKind, DataSource, DataSpec, Split, TextSource};
-use candle_train::trainer::model::{cross_entropy, Ctx, Gpt, GptConfig, Kernels};
+use candle_train::trainer::model::gpt2::{Gpt, GptConfig};
+use candle_train::trainer::model::{cross_entropy, Ctx, Kernels};
 use candle_train::trainer::optim::{global_grad_norm, AdamW, AdamWConfig};
 
 const BATCH: usize = 8;

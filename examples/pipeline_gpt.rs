@@ -19,7 +19,8 @@ use candle_train::pipeline::{
     balance_by_params, split_layers, Call, Layer, LossReduction, Microbatches, Pipeline, Schedule,
     Stage,
 };
-use candle_train::trainer::model::{cross_entropy, Ctx, Gpt, GptConfig};
+use candle_train::trainer::model::gpt2::{Gpt, GptConfig};
+use candle_train::trainer::model::{cross_entropy, Ctx, Model};
 use candle_train::trainer::optim::{AdamW, AdamWConfig};
 
 const SEQ: usize = 32;

@@ -6,7 +6,7 @@
 //!
 //! (default `sqrt`; a budget takes units, e.g. `budget:8MiB`). The model runs fused attention
 //! and LayerNorm (`candle-fused`) with dropout 0.1. The only changes to an ordinary training
-//! step are running the chain (`Gpt::links`) through the plan (`run_chain` with a `Tape`) and
+//! step are running the chain (`Model::links`) through the plan (`run_chain` with a `Tape`) and
 //! `tape.backward(&loss)` instead of `loss.backward()`. The first step also checks that the
 //! checkpointed gradients are bit-identical to plain Candle's backward of `Gpt::forward`.
 
@@ -14,9 +14,11 @@ use anyhow::{anyhow, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Optimizer as _;
 use candle_train::remat::{Policy, Tape};
-use candle_train::trainer::model::{cross_entropy, Ctx, Gpt, GptConfig, Kernels};
+use candle_train::trainer::model::gpt2::{Gpt, GptConfig};
+use candle_train::trainer::model::ModelConfig;
+use candle_train::trainer::model::{cross_entropy, Ctx, Kernels, Model};
 use candle_train::trainer::optim::{AdamW, AdamWConfig};
-use candle_train::trainer::train::{compose::gpt_chain_costs, step::run_chain};
+use candle_train::trainer::train::executor::run_chain;
 
 const B: usize = 4;
 const STEPS: u64 = 20;
@@ -37,7 +39,7 @@ fn main() -> Result<()> {
     let (model, params) = Gpt::new(&cfg, 7, &dev)?;
     // Per-block costs: the trainer's estimate for this batch (candle_remat::measure_chain
     // would measure them instead).
-    let plan = policy.plan(&gpt_chain_costs(&cfg, B, DType::F32, Kernels::Fused))?;
+    let plan = policy.plan(&cfg.chain_costs(B, cfg.block_size, DType::F32, Kernels::Fused))?;
     println!("{plan}");
 
     // A learnable toy task: predict (token + 1) mod vocab.
@@ -52,8 +54,7 @@ fn main() -> Result<()> {
     for step in 0..STEPS {
         let (links, ctx) = (model.links(), Ctx::train(step)); // dropout seeded by the step
         let tape = Tape::new(step);
-        let logits = run_chain(&links, &x, &ctx, Some((&tape, &plan)))?;
-        let loss = cross_entropy(&logits, &y, None)?;
+        let loss = run_chain(&links, &x, &y, &ctx, Some((&tape, &plan)))?.mean;
         let grads = tape.backward(&loss)?;
         if step == 0 {
             let plain = cross_entropy(&model.forward(&x, &ctx)?, &y, None)?.backward()?;

@@ -12,9 +12,11 @@ use candle_core::{DType, Device, Tensor};
 use candle_train::amp::{Amp, MasterWeights, ScalerConfig, WeightMode};
 use candle_train::pipeline::{Layer, LossReduction, Microbatches, Pipeline, Schedule, Stage};
 use candle_train::remat::{Policy, Tape};
-use candle_train::trainer::model::{cross_entropy, Ctx, Gpt, GptConfig, Kernels, Params};
+use candle_train::trainer::model::gpt2::{Gpt, GptConfig};
+use candle_train::trainer::model::ModelConfig;
+use candle_train::trainer::model::{cross_entropy, Ctx, Kernels, Model, Params};
 use candle_train::trainer::optim::{AdamW, AdamWConfig};
-use candle_train::trainer::train::{compose::gpt_chain_costs, step::run_chain};
+use candle_train::trainer::train::executor::run_chain;
 
 fn config(n_layer: usize, n_embd: usize) -> GptConfig {
     GptConfig {
@@ -51,6 +53,7 @@ fn layers(model: &Gpt, params: &Params) -> Vec<Layer> {
         .links()
         .into_iter()
         .map(|link| {
+            let ctx = ctx.clone();
             Layer::new(params.vars_of(&link.weights()), move |x| {
                 link.forward(x, &ctx)
             })
@@ -148,18 +151,14 @@ fn remat_is_bit_identical(
 ) {
     let (x, y) = (x.clone(), y.clone());
     let ctx = Ctx::train(11).with_kernels(kernels);
-    let plain = kernels
-        .cross_entropy(&model.forward(&x, &ctx).unwrap(), &y, None)
-        .unwrap()
-        .backward()
-        .unwrap();
+    let model: &dyn Model = model;
+    let plain = model.loss(&x, &y, &ctx).unwrap().mean.backward().unwrap();
     for policy in [Policy::EveryK(1), Policy::EveryK(3), Policy::SqrtN] {
-        let costs = gpt_chain_costs(cfg, 3, DType::F32, kernels);
+        let costs = cfg.chain_costs(3, cfg.block_size, DType::F32, kernels);
         let plan = policy.plan(&costs).unwrap();
         let (links, tape) = (model.links(), Tape::new(11));
-        let logits = run_chain(&links, &x, &ctx, Some((&tape, &plan))).unwrap();
-        let loss = kernels.cross_entropy(&logits, &y, None).unwrap();
-        let grads = tape.backward(&loss).unwrap();
+        let loss = run_chain(&links, &x, &y, &ctx, Some((&tape, &plan))).unwrap();
+        let grads = tape.backward(&loss.mean).unwrap();
         for (name, var) in params.iter() {
             let values = |g: &GradStore| -> Vec<f32> {
                 g.get(var)
@@ -192,11 +191,12 @@ fn amp_steps_remat_grads(cfg: &GptConfig, model: &Gpt, params: &Params, x: &Tens
         .unwrap();
     let ctx16 = Ctx::train(11).with_dtype(DType::BF16);
     let plan = Policy::SqrtN
-        .plan(&gpt_chain_costs(cfg, 3, DType::BF16, Kernels::Fused))
+        .plan(&cfg.chain_costs(3, cfg.block_size, DType::BF16, Kernels::Fused))
         .unwrap();
     let (links, tape) = (model.links(), Tape::new(11));
-    let logits = run_chain(&links, x, &ctx16, Some((&tape, &plan))).unwrap();
-    let loss = cross_entropy(&logits, y, None).unwrap();
+    let loss = run_chain(&links, x, y, &ctx16, Some((&tape, &plan)))
+        .unwrap()
+        .mean;
     let grads = tape.backward(&amp.scale_loss(&loss).unwrap()).unwrap();
     let outcome = amp.step(&mut opt, &grads).unwrap();
     assert!(outcome.is_applied(), "{outcome}");

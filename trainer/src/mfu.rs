@@ -1,33 +1,31 @@
 //! Model FLOPs utilisation: the FLOPs a step must do, counted as nanoGPT and llm.c count them,
 //! over the FLOP/s the device can reach.
 //!
-//! Per token, a forward and backward pass of a GPT costs `6 N + 12 L H Q T` FLOPs (PaLM
-//! appendix B; nanoGPT's `estimate_mfu`): `N` parameters excluding the position embeddings
-//! (each weight does a multiply-add in the forward and two in the backward), plus the
-//! attention's `Q Kᵀ` and `P V` products over a context of `T`, with `L` layers, `H` heads of
-//! size `Q`. Recomputation (activation checkpointing) is not counted: MFU measures useful work.
+//! Per token, a forward and backward pass of a transformer costs `6 N + 12 L H Q T` FLOPs
+//! (PaLM appendix B; nanoGPT's `estimate_mfu`): `N` parameters excluding the position
+//! embeddings (each weight does a multiply-add in the forward and two in the backward), plus
+//! the attention's `Q Kᵀ` and `P V` products over a context of `T`, with `L` layers, `H` heads
+//! of size `Q`; each architecture counts its own ([`ModelConfig::flops_per_token`]).
+//! Recomputation (activation checkpointing) is not counted: MFU measures useful work.
 
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::model::GptConfig;
+use crate::model::ModelConfig;
 
-/// FLOPs of one forward + backward pass over one token, at context length `seq_len`.
+/// FLOPs of one forward + backward pass over one token, at context length `seq_len`
+/// (each architecture counts its own: [`ModelConfig::flops_per_token`]).
 ///
 /// ```
-/// use trainer::model::GptConfig;
+/// use trainer::model::gpt2::GptConfig;
 /// // GPT-2 small at T = 1024: the 124M model, ~0.855 GFLOPs per token (nanoGPT's figure).
 /// let cfg = GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab_size: 50257, ..GptConfig::default() };
 /// let f = trainer::mfu::flops_per_token(&cfg, 1024);
 /// assert!((f / 1e9 - 0.8552).abs() < 1e-3, "{f}");
 /// ```
-pub fn flops_per_token(cfg: &GptConfig, seq_len: usize) -> f64 {
-    let (l, c, v) = (cfg.n_layer as f64, cfg.n_embd as f64, cfg.vocab_size as f64);
-    let per_block = 12.0 * c * c + if cfg.bias { 13.0 * c } else { 4.0 * c };
-    let n = v * c + l * per_block + if cfg.bias { 2.0 * c } else { c };
-    let (h, q, t) = (cfg.n_head as f64, c / cfg.n_head as f64, seq_len as f64);
-    6.0 * n + 12.0 * l * h * q * t
+pub fn flops_per_token(cfg: &dyn ModelConfig, seq_len: usize) -> f64 {
+    cfg.flops_per_token(seq_len)
 }
 
 /// The FLOP/s a large matmul reaches on `device` in `dtype`: the ceiling MFU is measured
@@ -56,6 +54,6 @@ pub fn measure_matmul_flops(device: &Device, dtype: DType) -> candle_core::Resul
 
 /// Model FLOPs utilisation of a step that processed `tokens` tokens of context `seq_len` in
 /// `secs`, against `peak` FLOP/s.
-pub fn mfu(cfg: &GptConfig, seq_len: usize, tokens: u64, secs: f64, peak: f64) -> f64 {
+pub fn mfu(cfg: &dyn ModelConfig, seq_len: usize, tokens: u64, secs: f64, peak: f64) -> f64 {
     flops_per_token(cfg, seq_len) * tokens as f64 / secs.max(1e-12) / peak.max(1.0)
 }

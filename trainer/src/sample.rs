@@ -4,7 +4,7 @@ use candle_core::{DType, Device, IndexOp, Tensor, D};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::model::{Ctx, Gpt};
+use crate::model::{KvCache, Model};
 use crate::{Error, Result};
 
 /// How to pick the next token.
@@ -25,24 +25,25 @@ impl Default for SamplingConfig {
     }
 }
 
-/// Continues `prompt` by `max_new_tokens` tokens, feeding at most `block_size` tokens of context
-/// to the model at each step. Randomness comes from `rng` only.
+/// Continues `prompt` by `max_new_tokens` tokens with the model's KV cache (the prompt in one
+/// forward, then one token at a time); past the model's positions, each step feeds the last
+/// `max_positions` tokens afresh. Randomness comes from `rng` only.
 ///
 /// ```
 /// use candle_core::Device;
 /// use rand::SeedableRng;
-/// use trainer::model::{Gpt, GptConfig};
+/// use trainer::model::gpt2::GptConfig;
 /// use trainer::sample::{generate, SamplingConfig};
 /// let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 8, block_size: 4, vocab_size: 10, ..GptConfig::default() };
-/// let (model, _) = Gpt::new(&cfg, 0, &Device::Cpu)?;
+/// let (model, _) = trainer::model::init(&cfg, 0, &Device::Cpu)?;
 /// let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
-/// let out = generate(&model, &[1, 2, 3], 6, SamplingConfig::default(), &mut rng, &Device::Cpu)?;
+/// let out = generate(model.as_ref(), &[1, 2, 3], 6, SamplingConfig::default(), &mut rng, &Device::Cpu)?;
 /// assert_eq!(out.len(), 9);
 /// assert!(out.iter().all(|&t| t < 10));
 /// # Ok::<(), trainer::Error>(())
 /// ```
 pub fn generate(
-    model: &Gpt,
+    model: &dyn Model,
     prompt: &[u32],
     max_new_tokens: usize,
     sampling: SamplingConfig,
@@ -54,14 +55,21 @@ pub fn generate(
             "the prompt must hold at least one token".into(),
         ));
     }
-    let block = model.config.block_size;
+    let block = model.config().max_positions();
     let mut tokens = prompt.to_vec();
+    let mut cache = KvCache::new();
+    let mut fed = 0; // tokens[..fed] are in the cache
     for _ in 0..max_new_tokens {
-        let ctx_start = tokens.len().saturating_sub(block);
-        let ctx = &tokens[ctx_start..];
-        let idx = Tensor::new(ctx, device)?.unsqueeze(0)?;
-        let logits = model.forward(&idx, &Ctx::eval())?;
-        let last = logits.i((0, ctx.len() - 1))?.to_dtype(DType::F32)?;
+        if tokens.len() > block {
+            // Past the model's positions: the last `block` tokens, afresh (a sliding window).
+            cache = KvCache::new();
+            fed = tokens.len() - block;
+        }
+        let new = &tokens[fed..];
+        let idx = Tensor::new(new, device)?.unsqueeze(0)?;
+        let logits = model.forward_cached(&idx, &mut cache)?;
+        fed = tokens.len();
+        let last = logits.i((0, new.len() - 1))?.to_dtype(DType::F32)?;
         let logits: Vec<f32> = last.to_vec1()?;
         tokens.push(pick(&logits, sampling, rng));
     }
@@ -112,7 +120,7 @@ fn pick(logits: &[f32], sampling: SamplingConfig, rng: &mut ChaCha8Rng) -> u32 {
 /// Greedily decodes `answer_len` tokens after each of `prompts` (all of the same length), as
 /// one batch; returns the generated tokens per prompt.
 pub fn greedy_batch(
-    model: &Gpt,
+    model: &dyn Model,
     prompts: &[Vec<u32>],
     answer_len: usize,
     device: &Device,
@@ -126,20 +134,28 @@ pub fn greedy_batch(
             "greedy_batch needs prompts of equal length".into(),
         ));
     }
-    if p + answer_len > model.config.block_size + 1 {
+    let block = model.config().max_positions();
+    if p + answer_len > block + 1 {
         return Err(Error::Config(format!(
-            "prompt ({p}) + answer ({answer_len}) tokens exceed the model's block_size {}",
-            model.config.block_size
+            "prompt ({p}) + answer ({answer_len}) tokens exceed the model's {block} positions"
         )));
     }
     let flat: Vec<u32> = prompts.iter().flatten().copied().collect();
     let mut idx = Tensor::from_vec(flat, (prompts.len(), p), device)?;
+    let mut cache = KvCache::new();
+    let mut answer = Vec::with_capacity(answer_len);
     for _ in 0..answer_len {
-        let logits = model.forward(&idx, &Ctx::eval())?;
+        let logits = model.forward_cached(&idx, &mut cache)?;
         let t = idx.dim(1)?;
-        let next = logits.i((.., t - 1))?.argmax(D::Minus1)?.unsqueeze(1)?;
-        idx = Tensor::cat(&[&idx, &next.to_dtype(DType::U32)?], 1)?;
+        idx = logits
+            .i((.., t - 1))?
+            .argmax(D::Minus1)?
+            .unsqueeze(1)?
+            .to_dtype(DType::U32)?;
+        answer.push(idx.clone());
     }
-    let out = idx.narrow(1, p, answer_len)?.to_vec2::<u32>()?;
-    Ok(out)
+    if answer.is_empty() {
+        return Ok(vec![Vec::new(); prompts.len()]);
+    }
+    Ok(Tensor::cat(&answer, 1)?.to_vec2::<u32>()?)
 }

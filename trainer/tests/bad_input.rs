@@ -121,7 +121,7 @@ fn block_size_beyond_loaded_positions_is_rejected() {
         ..tiny_config(&tmp.path().join("finetune"))
     })
     .unwrap();
-    assert_eq!(t.model.config.block_size, 16);
+    assert_eq!(t.model.config().max_positions(), 16);
     t.train_step().unwrap();
 }
 

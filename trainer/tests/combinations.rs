@@ -141,9 +141,9 @@ fn gradients(t: &mut Trainer, accum: usize) -> (f64, Vec<(String, Vec<f64>)>) {
             .with_dtype(dtype)
             .with_kernels(t.config.kernels);
         let weight = scale / accum as f64;
-        let (l, g) = t
+        let (l, _, g) = t
             .executor()
-            .forward_backward(&model, batch, &ctx, weight)
+            .forward_backward(model.as_ref(), batch, &ctx, weight)
             .unwrap();
         loss += f64::from(l) / accum as f64;
         for (_, v) in t.params.iter() {

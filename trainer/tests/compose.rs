@@ -332,10 +332,10 @@ fn pipeline_gradients_match_plain_backward() {
             ..tiny_config(&tmp.path().join(format!("{name}-{kernels}")))
         };
         let t = Trainer::new(cfg.clone()).unwrap();
-        let pipe = PipelineRun::build(&cfg, &t.model, &t.params, &dev, dtype)
+        let pipe = PipelineRun::build(&cfg, t.model.as_ref(), &t.params, &dev, dtype)
             .unwrap()
             .unwrap();
-        let (b, tt, vocab) = (5, cfg.block_size, t.model.config.vocab_size);
+        let (b, tt, vocab) = (5, cfg.block_size, t.model.config().vocab_size());
         let (x, y) = (ids(b, tt, vocab, 1, &dev), ids(b, tt, vocab, 2, &dev));
         let mask: Vec<f32> = (0..b * tt)
             .map(|i| f32::from(i % tt >= 3 * (i / tt)))
@@ -345,18 +345,16 @@ fn pipeline_gradients_match_plain_backward() {
         let weight = 0.5 * 256.0;
         let (seed, kernels) = (9, cfg.kernels);
         let ctx = Ctx::train(seed).with_dtype(dtype).with_kernels(kernels);
-        let batch = Batch {
-            x: x.clone(),
-            y: y.clone(),
-            mask: Some(mask.clone()),
-        };
-        let (loss_p, got) = pipe.forward_backward(&batch, &ctx, weight).unwrap();
+        let batch = Batch::new(x.clone(), y.clone()).with_mask(Some(mask.clone()));
+        let (loss_p, count, got) = pipe.forward_backward(&batch, &ctx, weight).unwrap();
         // As Trainer::train_step does it: the weights cast once, then one forward/backward.
         let model = t.model.to_dtype(dtype).unwrap();
         let logits = model.forward(&x, &ctx).unwrap();
         let loss = kernels.cross_entropy(&logits, &y, Some(&mask)).unwrap();
         let want = (&loss * weight).unwrap().backward().unwrap();
         let loss = loss.to_scalar::<f32>().unwrap();
+        let counted = mask.sum_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(count, counted as usize, "{name}: counted targets");
         let mut worst = (0f64, String::new());
         let (mut sq_got, mut sq_want) = (0f64, 0f64);
         for (pname, var) in t.params.iter() {
@@ -411,8 +409,8 @@ fn pipeline_gradients_match_plain_backward() {
             mask: Some(mask.zeros_like().unwrap()),
             ..batch
         };
-        let (l0, g0) = pipe.forward_backward(&none, &ctx, weight).unwrap();
-        assert_eq!(l0, 0.0, "{name}");
+        let (l0, c0, g0) = pipe.forward_backward(&none, &ctx, weight).unwrap();
+        assert_eq!((l0, c0), (0.0, 0), "{name}");
         for (pname, var) in t.params.iter() {
             if let Some(g) = g0.get(var) {
                 assert!(values(g).iter().all(|&v| v == 0.0), "{name}: {pname}");

@@ -9,7 +9,8 @@
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use trainer::model::{Ctx, Gpt, GptConfig, Kernels, Params};
+use trainer::model::gpt2::{Gpt, GptConfig};
+use trainer::model::{Ctx, Kernels, ModelConfig, Params};
 
 fn random_tokens(rng: &mut ChaCha8Rng, b: usize, t: usize, vocab: usize) -> Tensor {
     let ids: Vec<u32> = (0..b * t)
@@ -162,5 +163,5 @@ fn fp32_model_gives_every_parameter_a_gradient() {
         // wpe rows past T=16 get no gradient; every tensor as a whole must.
         assert!(norm > 0.0, "`{name}` has an all-zero gradient");
     }
-    assert_eq!(params.len(), Params::gpt_shapes(&cfg).len());
+    assert_eq!(params.len(), cfg.shapes().len());
 }

@@ -7,7 +7,8 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor};
 use trainer::checkpoint::{self, io};
-use trainer::model::{Gpt, GptConfig, Params};
+use trainer::model::gpt2::{Gpt, GptConfig};
+use trainer::model::ModelConfig;
 
 /// The 148 tensor names of Hugging Face's `GPT2LMHeadModel` for GPT-2 small (its
 /// `state_dict()` minus the `attn.bias` buffers and the tied `lm_head.weight`), with shapes.
@@ -41,8 +42,7 @@ fn hf_gpt2_small() -> HashMap<String, Vec<usize>> {
 
 #[test]
 fn names_and_shapes_are_those_of_hf_gpt2() {
-    let ours: HashMap<String, Vec<usize>> =
-        Params::gpt_shapes(&GptConfig::gpt2()).into_iter().collect();
+    let ours: HashMap<String, Vec<usize>> = GptConfig::gpt2().shapes().into_iter().collect();
     assert_eq!(ours, hf_gpt2_small());
     let n: usize = ours.values().map(|s| s.iter().product::<usize>()).sum();
     assert_eq!(n, 124_439_808); // GPT-2 small, tied head counted once
@@ -90,8 +90,8 @@ fn loads_transformers_style_files_and_matches_outputs() {
     write_transformers_style(&ours, &hf);
 
     let (cfg, loaded) = checkpoint::load_model(&hf, &Device::Cpu).unwrap();
-    assert_eq!(cfg, tiny());
-    let reloaded = Gpt::from_params(&cfg, &loaded).unwrap();
+    assert_eq!(cfg.to_hf_json(), tiny().to_hf_json());
+    let reloaded = trainer::model::build(cfg.as_ref(), &loaded).unwrap();
     let idx = Tensor::new(&[[1u32, 5, 7, 2]], &Device::Cpu).unwrap();
     let a = model.forward(&idx, &trainer::model::Ctx::eval()).unwrap();
     let b = reloaded
@@ -127,7 +127,7 @@ fn finds_models_in_a_local_hub_cache() {
     let dir = trainer::hub::snapshot_dir(&cache, "test-org/tiny-gpt2").unwrap();
     assert_eq!(dir, snap);
     let (cfg, loaded) = checkpoint::load_model(&dir, &Device::Cpu).unwrap();
-    assert_eq!(cfg, tiny());
+    assert_eq!(cfg.to_hf_json(), tiny().to_hf_json());
     assert_eq!(loaded.len(), params.len());
 
     let err = trainer::hub::snapshot_dir(&cache, "test-org/other").unwrap_err();

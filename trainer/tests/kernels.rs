@@ -10,7 +10,8 @@
 //! draw their masks from different generators (Philox vs ChaCha), each tested on its own.
 
 use candle_core::{DType, Device, Tensor};
-use trainer::model::{Ctx, Gpt, GptConfig, Kernels, Params};
+use trainer::model::gpt2::{Gpt, GptConfig};
+use trainer::model::{Ctx, Kernels, Params};
 
 fn max_rel_diff(a: &Tensor, b: &Tensor) -> f64 {
     let a = a

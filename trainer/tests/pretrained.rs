@@ -12,9 +12,7 @@ use candle_core::{DType, Device, IndexOp};
 use common::{tiny_config, weights, Recorder};
 use trainer::checkpoint;
 use trainer::config::TrainConfig;
-use trainer::model::GptConfig;
 use trainer::pretrained::{EvalRequest, ModelDir};
-use trainer::train::compose::gpt_chain_costs;
 use trainer::train::Trainer;
 
 fn run(config: TrainConfig) -> Trainer {
@@ -90,7 +88,7 @@ fn finetuning_at_a_shorter_context_keeps_the_pretrained_positions() {
     support::corpus(&tmp.path().join("data"));
     let out = tmp.path().join("ft");
     let t = run(finetune(&out, &hf, &tmp.path().join("data")));
-    assert_eq!(t.model.config.block_size, 32);
+    assert_eq!(t.model.config().max_positions(), 32);
     let ckpt = checkpoint::resolve(&out).unwrap();
     let cfg = support::config_json(&ckpt);
     assert_eq!(cfg["n_positions"], 32, "{cfg}");
@@ -109,7 +107,7 @@ fn finetuning_at_a_shorter_context_keeps_the_pretrained_positions() {
     let mut resumed = Trainer::resume(&out, |c| c.max_iters = 4).unwrap();
     assert_eq!(resumed.step(), 2);
     assert_eq!(resumed.config.block_size, 8);
-    assert_eq!(resumed.model.config.block_size, 32);
+    assert_eq!(resumed.model.config().max_positions(), 32);
     resumed
         .run(&mut Recorder::default(), &AtomicBool::new(false))
         .unwrap();
@@ -140,11 +138,10 @@ fn shorter_context_trains_with_remat_and_pipeline() {
     // Recomputation is bit-exact: the same weights as the plain run.
     assert_eq!(weights(&plain), weights(&remat));
     // The plan is costed at the training context (8 tokens), not the model's 32 positions.
-    let at_context = GptConfig {
-        block_size: 8,
-        ..remat.model.config.clone()
-    };
-    let costs = gpt_chain_costs(&at_context, 4, DType::F32, remat.config.kernels);
+    let costs = remat
+        .model
+        .config()
+        .chain_costs(4, 8, DType::F32, remat.config.kernels);
     let want = candle_remat::Policy::EveryK(1).plan(&costs).unwrap();
     assert_eq!(remat.remat_plan(), Some(&want));
     let pipe = run(TrainConfig {
@@ -153,7 +150,7 @@ fn shorter_context_trains_with_remat_and_pipeline() {
         sample_tokens: 0,
         ..finetune(&tmp.path().join("pipe"), &hf, &data)
     });
-    assert_eq!(pipe.model.config.block_size, 32);
+    assert_eq!(pipe.model.config().max_positions(), 32);
     let w = pipe.params.tensor("transformer.wpe.weight").unwrap();
     assert_eq!(w.dims(), &[32, 16]);
     let row: Vec<f32> = w.i(31).unwrap().to_vec1().unwrap();

@@ -32,7 +32,7 @@ use candle_core::{Device, Tensor};
 
 pub use state::{RngState, TrainerState};
 
-use crate::model::{GptConfig, Params};
+use crate::model::{CheckpointTensor, ModelConfig, Params};
 use crate::optim::AdamW;
 use crate::{Error, Result};
 
@@ -104,7 +104,7 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
 /// checkpoint's temporary directory before it is renamed into place.
 pub fn save(
     run_dir: &Path,
-    config: &GptConfig,
+    config: &dyn ModelConfig,
     params: &Params,
     optimizer: &AdamW,
     state: &TrainerState,
@@ -168,7 +168,7 @@ pub fn save(
 }
 
 /// Writes `model.safetensors` (HF names, f32) and `config.json` into `dir`.
-pub fn save_model(dir: &Path, config: &GptConfig, params: &Params) -> Result<()> {
+pub fn save_model(dir: &Path, config: &dyn ModelConfig, params: &Params) -> Result<()> {
     let tensors: Vec<(String, Tensor)> = params
         .iter()
         .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
@@ -181,45 +181,45 @@ pub fn save_model(dir: &Path, config: &GptConfig, params: &Params) -> Result<()>
 }
 
 /// Loads a model directory (`config.json` + `model.safetensors`, as written by this crate or
-/// by Hugging Face `transformers` for GPT-2) onto `device`.
+/// by Hugging Face `transformers`) onto `device`, for any known architecture
+/// ([`crate::model::config_from_hf_json_file`]).
 ///
-/// Names without the `transformer.` prefix (GPT2Model checkpoints, e.g. `openai-community/gpt2`)
-/// are accepted, the non-trainable `attn.bias` / `attn.masked_bias` buffers and a separate
-/// `lm_head.weight` equal to the tied embedding are dropped, and f16/bf16 weights are widened
-/// to f32. Missing, extra or mis-shaped tensors are an error naming the file.
-pub fn load_model(dir: &Path, device: &Device) -> Result<(GptConfig, Params)> {
-    let config = GptConfig::from_hf_json_file(&dir.join(CONFIG_FILE))?;
+/// What the architecture says of each tensor holds ([`ModelConfig::checkpoint_tensor`]:
+/// GPT-2's causal-mask buffers are skipped, a separate `lm_head.weight` must equal the tied
+/// embedding), and f16/bf16 weights are widened to f32. Missing, extra or mis-shaped tensors
+/// are an error naming the file.
+pub fn load_model(dir: &Path, device: &Device) -> Result<(Box<dyn ModelConfig>, Params)> {
+    let config = crate::model::config_from_hf_json_file(&dir.join(CONFIG_FILE))?;
     let path = dir.join(MODEL_FILE);
-    let params = load_params(&path, &config, device)?;
+    let params = load_params(&path, config.as_ref(), device)?;
     Ok((config, params))
 }
 
 /// Loads `model.safetensors` at `path` and checks it against `config`.
-pub fn load_params(path: &Path, config: &GptConfig, device: &Device) -> Result<Params> {
+pub fn load_params(path: &Path, config: &dyn ModelConfig, device: &Device) -> Result<Params> {
     let loaded = io::load_safetensors(path, device)?;
     let mut tensors = Vec::with_capacity(loaded.tensors.len());
-    let mut lm_head = None;
+    let mut copies = Vec::new();
     for (name, t) in loaded.tensors {
-        if name.ends_with(".attn.bias") && t.rank() == 4 || name.ends_with(".attn.masked_bias") {
-            continue; // HF's causal-mask buffers, not parameters
-        }
-        if name == "lm_head.weight" {
-            lm_head = Some(t);
-            continue; // tied to transformer.wte.weight (checked below)
-        }
-        finite::check_float(path, &name, &t)?;
-        let name = if name.starts_with("transformer.") {
-            name
-        } else {
-            format!("transformer.{name}")
+        let name = match config.checkpoint_tensor(&name) {
+            CheckpointTensor::Buffer => continue,
+            CheckpointTensor::TiedCopy(of) => {
+                copies.push((name, of, t));
+                continue;
+            }
+            CheckpointTensor::Param(name) => name,
         };
+        finite::check_float(path, &name, &t)?;
         tensors.push((name, t.to_dtype(candle_core::DType::F32)?));
     }
     finite::check_tensors(path, "weight", tensors.iter().map(|(n, t)| (n.as_str(), t)))?;
     let params = Params::from_tensors(tensors)?;
-    if let (Some(head), Ok(wte)) = (lm_head, params.tensor("transformer.wte.weight")) {
-        let same = head.dims() == wte.dims()
-            && (head.to_dtype(candle_core::DType::F32)? - &wte)?
+    for (name, of, copy) in copies {
+        let Ok(tied) = params.tensor(&of) else {
+            continue; // reported as missing by the check below
+        };
+        let same = copy.dims() == tied.dims()
+            && (copy.to_dtype(candle_core::DType::F32)? - &tied)?
                 .abs()?
                 .max_all()?
                 .to_scalar::<f32>()?
@@ -227,12 +227,12 @@ pub fn load_params(path: &Path, config: &GptConfig, device: &Device) -> Result<P
         if !same {
             return Err(Error::checkpoint(
                 path,
-                "lm_head.weight differs from transformer.wte.weight: untied heads are not supported",
+                format!("{name} differs from {of}: untied heads are not supported"),
             ));
         }
     }
     params
-        .check_gpt(config)
+        .check(config)
         .map_err(|e| Error::checkpoint(path, e.to_string().replace("checkpoint <params>: ", "")))?;
     Ok(params)
 }

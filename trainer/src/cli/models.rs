@@ -25,7 +25,7 @@ impl Codec {
             return Ok(Codec::Tokenizer(Box::new(TokenizerFile::open(path)?)));
         }
         if let Some(run) = model.run_config() {
-            let data = trainer::train::open_data_for(run).with_context(|| {
+            let data = trainer::data::open_for_run(run).with_context(|| {
                 format!(
                     "cannot open the data of the run of {} to encode the prompt (or give \
                      --tokenizer-path)",
@@ -33,7 +33,7 @@ impl Codec {
                 )
             })?;
             let state = model.run.as_ref().map(|r| r.data.as_ref());
-            trainer::train::check_fingerprint(state.flatten(), data.as_ref(), &model.dir, false)?;
+            trainer::data::check_fingerprint(state.flatten(), data.as_ref(), &model.dir, false)?;
             return Ok(Codec::Data(data));
         }
         Ok(Codec::Tokenizer(Box::new(model.tokenizer()?)))
@@ -63,7 +63,7 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
         .encode(&args.prompt)
         .with_context(|| format!("cannot encode the prompt {:?}", args.prompt))?;
     let prompt = if prompt.is_empty() {
-        vec![model.config.bos_token_id.unwrap_or(0)]
+        vec![model.config().special_tokens().0.unwrap_or(0)]
     } else {
         prompt
     };
@@ -74,7 +74,7 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
     for i in 0..args.num_samples {
         let out = generate(
-            &model,
+            model.as_ref(),
             &prompt,
             args.max_new_tokens,
             sampling,
@@ -141,20 +141,24 @@ fn inspect_dir(dir: &Path, model_file: &Path) -> Result<()> {
     let cfg_path = dir.join(checkpoint::CONFIG_FILE);
     let mut mismatch = None;
     if cfg_path.is_file() {
-        let cfg = trainer::model::GptConfig::from_hf_json_file(&cfg_path)?;
+        let cfg = trainer::model::config_from_hf_json_file(&cfg_path)?;
+        let shape = cfg.shape();
         println!(
-            "config      n_layer {} n_head {} n_embd {} block_size {} vocab_size {} dropout {} bias {}",
-            cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.vocab_size, cfg.dropout, cfg.bias
+            "config      {} n_layer {} n_head {} n_embd {} block_size {} vocab_size {} bias {}",
+            cfg.architecture(),
+            shape.n_layer,
+            shape.n_head,
+            shape.n_embd,
+            cfg.max_positions(),
+            cfg.vocab_size(),
+            shape.bias
         );
         let id = |t: Option<u32>| t.map_or("none".to_string(), |t| t.to_string());
-        println!(
-            "special     bos {} eos {}",
-            id(cfg.bos_token_id),
-            id(cfg.eos_token_id)
-        );
+        let (bos, eos) = cfg.special_tokens();
+        println!("special     bos {} eos {}", id(bos), id(eos));
         // The loader's own check: Hugging Face names (no `transformer.` prefix, mask buffers,
         // a tied lm_head) are accepted as they are when training.
-        match checkpoint::load_params(model_file, &cfg, &candle_core::Device::Cpu) {
+        match checkpoint::load_params(model_file, cfg.as_ref(), &candle_core::Device::Cpu) {
             Ok(_) => println!("check       weights match the config"),
             Err(e) => {
                 println!("check       MISMATCH");

@@ -178,7 +178,7 @@ pub(super) fn print_summary(trainer: &Trainer, s: &Summary) {
         s.tokens_seen as f64 / s.elapsed_secs.max(1e-9)
     );
     let cfg = &trainer.config;
-    let mfu = trainer::mfu::flops_per_token(&trainer.model.config, cfg.block_size)
+    let mfu = trainer::mfu::flops_per_token(trainer.model.config(), cfg.block_size)
         * s.tokens_seen as f64
         / s.elapsed_secs.max(1e-9)
         / trainer.peak_flops();

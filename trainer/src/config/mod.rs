@@ -15,7 +15,8 @@ use serde::{Deserialize, Serialize};
 pub use types::{DeviceList, DeviceSpec, LossScale, Parallelism, Precision, ScheduleKind};
 
 use crate::data::DataKind;
-use crate::model::{GptConfig, Kernels};
+use crate::model::gpt2::GptConfig;
+use crate::model::{Kernels, ModelConfig};
 use crate::optim::AdamWConfig;
 use crate::schedule::LrSchedule;
 use crate::{Error, Result};
@@ -204,6 +205,13 @@ impl TrainConfig {
             bias: self.bias,
             ..GptConfig::default()
         }
+    }
+
+    /// The configuration of a fresh model for this run (today always GPT-2, the architecture
+    /// whose shape the run's `n_layer` / `n_head` / `n_embd` / `bias` describe), with
+    /// `vocab_size` from the data.
+    pub fn model_config(&self, vocab_size: usize) -> Box<dyn ModelConfig> {
+        Box::new(self.gpt_config(vocab_size))
     }
 
     /// How a step is spread over stages.

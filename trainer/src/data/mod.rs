@@ -31,6 +31,7 @@
 
 mod addition;
 mod cache;
+mod open;
 mod text;
 
 use std::path::PathBuf;
@@ -40,9 +41,11 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::model::{Rows, IGNORE};
 
 pub use addition::Addition;
 pub use cache::default_cache_dir;
+pub use open::{check_fingerprint, data_spec, open_for_run};
 pub use text::TextSource;
 
 /// Which part of the data a batch is drawn from.
@@ -68,6 +71,48 @@ pub struct Batch {
     /// Loss weights, `f32 [B, T]`: 1.0 where the target `y[i, j]` counts in the loss, 0.0
     /// elsewhere. `None` means every target counts.
     pub mask: Option<Tensor>,
+    /// Positions and document ids of the rows' tokens (default: `0..T`, one document a row).
+    pub rows: Rows,
+}
+
+impl Batch {
+    /// A batch of inputs and targets in which every target counts.
+    pub fn new(x: Tensor, y: Tensor) -> Self {
+        Batch {
+            x,
+            y,
+            mask: None,
+            rows: Rows::default(),
+        }
+    }
+
+    /// The same batch with a loss mask.
+    pub fn with_mask(self, mask: Option<Tensor>) -> Self {
+        Batch { mask, ..self }
+    }
+
+    /// The targets with the mask folded in: [`IGNORE`] where a target does not count (what a
+    /// model's head takes, as PyTorch's `ignore_index`).
+    pub fn targets(&self) -> candle_core::Result<Tensor> {
+        match &self.mask {
+            None => Ok(self.y.clone()),
+            Some(mask) => {
+                let ignore = Tensor::full(IGNORE, self.y.shape(), self.y.device())?;
+                mask.ne(0f32)?.where_cond(&self.y, &ignore)
+            }
+        }
+    }
+
+    /// Rows `start..start + len` of the batch (inputs, targets, mask and the rows' context).
+    pub fn narrow(&self, start: usize, len: usize) -> candle_core::Result<Batch> {
+        let rows = |t: &Tensor| t.narrow(0, start, len);
+        Ok(Batch {
+            x: rows(&self.x)?,
+            y: rows(&self.y)?,
+            mask: self.mask.as_ref().map(rows).transpose()?,
+            rows: self.rows.narrow(start, len)?,
+        })
+    }
 }
 
 /// A source of training batches plus the vocabulary that goes with it.
@@ -367,11 +412,11 @@ pub(crate) fn rows_to_batch(
         Some(m) => Some(Tensor::from_vec(m, shape, device)?),
         None => None,
     };
-    Ok(Batch {
-        x: Tensor::from_vec(x, shape, device)?,
-        y: Tensor::from_vec(y, shape, device)?,
-        mask,
-    })
+    Ok(Batch::new(
+        Tensor::from_vec(x, shape, device)?,
+        Tensor::from_vec(y, shape, device)?,
+    )
+    .with_mask(mask))
 }
 
 #[cfg(test)]

@@ -1,76 +1,12 @@
-//! Differentiable building blocks: Conv1D, LayerNorm, seeded dropout and the causal mask.
+//! Differentiable building blocks: LayerNorm, seeded dropout and the causal mask.
 
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::scope::Builder;
+use super::Builder;
 use super::Ctx;
 use crate::Result;
-
-/// GPT-2's "Conv1D": a linear layer whose weight is stored `[in, out]` (`y = x W + b`).
-#[derive(Clone, Debug)]
-pub struct Conv1D {
-    /// `[in, out]`.
-    pub weight: Tensor,
-    /// `[out]`, if the layer has a bias.
-    pub bias: Option<Tensor>,
-}
-
-impl Conv1D {
-    /// Wraps a weight `[in, out]` and an optional bias `[out]`.
-    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Conv1D { weight, bias }
-    }
-
-    /// The layer `b.weight [fan_in, fan_out]` (and `b.bias [fan_out]` if `bias`).
-    pub fn build(b: &Builder, fan_in: usize, fan_out: usize, bias: bool) -> Result<Self> {
-        Ok(Conv1D::new(
-            b.get(&[fan_in, fan_out], "weight")?,
-            b.get_if(bias, &[fan_out], "bias")?,
-        ))
-    }
-
-    /// The same layer with its tensors mapped by `f` (e.g. cast to a dtype).
-    pub fn map(
-        &self,
-        f: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
-    ) -> candle_core::Result<Self> {
-        Ok(Conv1D::new(
-            f(&self.weight)?,
-            self.bias.as_ref().map(&f).transpose()?,
-        ))
-    }
-
-    /// The weight and the bias, if any.
-    pub fn weights(&self) -> impl Iterator<Item = &Tensor> {
-        std::iter::once(&self.weight).chain(&self.bias)
-    }
-
-    /// `[.., in] -> [.., out]`, computing in `ctx.dtype`.
-    pub fn forward_ctx(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        let (w, b) = self.cast(ctx)?;
-        ctx.kernels.linear(x, &w, b.as_ref())
-    }
-
-    /// `gelu([.., in] W + b)` (tanh GELU), the bias and activation fused.
-    pub fn forward_gelu(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        let (w, b) = self.cast(ctx)?;
-        ctx.kernels.linear_gelu(x, &w, b.as_ref())
-    }
-
-    /// Weight and bias in the compute dtype (free when they already are: the trainer casts
-    /// the whole model once per step, [`super::Gpt::to_dtype`]).
-    fn cast(&self, ctx: &Ctx) -> candle_core::Result<(Tensor, Option<Tensor>)> {
-        let w = self.weight.to_dtype(ctx.dtype)?;
-        let b = self
-            .bias
-            .as_ref()
-            .map(|b| b.to_dtype(ctx.dtype))
-            .transpose()?;
-        Ok((w, b))
-    }
-}
 
 /// Layer normalisation over the last dimension, with `candle-fused`'s kernel (or, with
 /// `--kernels reference`, written from primitive ops; Candle's own fused `layer_norm` has no

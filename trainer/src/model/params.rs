@@ -1,14 +1,12 @@
 //! Named trainable parameters in a deterministic (sorted) order.
 
-use std::cell::RefCell;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use candle_core::{DType, Device, Tensor, TensorId, Var};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, Normal};
 
-use super::{Builder, GptConfig};
+use super::{Link, ModelConfig};
 use crate::{Error, Result};
 
 /// Trainable parameters by Hugging Face name, iterated in sorted name order (unlike
@@ -83,23 +81,7 @@ impl Params {
         self.vars.values().map(|v| v.elem_count()).sum()
     }
 
-    /// Names and shapes a GPT with `config` has, in sorted order: the names the model's
-    /// structure asks for ([`Gpt::build`](super::Gpt::build)).
-    pub fn gpt_shapes(config: &GptConfig) -> BTreeMap<String, Vec<usize>> {
-        let shapes = RefCell::new(BTreeMap::new());
-        let record = |name: &str, shape: &[usize]| -> Result<Tensor> {
-            shapes.borrow_mut().insert(name.to_string(), shape.to_vec());
-            // A stand-in that allocates nothing: only the names and shapes are wanted.
-            Ok(Tensor::zeros((), DType::F32, &Device::Cpu)?.broadcast_as(shape)?)
-        };
-        // Building only fails if the source does, and this one does not.
-        if let Err(e) = super::Gpt::build(config, &Builder::root(&record)) {
-            unreachable!("recording names and shapes cannot fail: {e}");
-        }
-        shapes.into_inner()
-    }
-
-    /// The variables whose tensors are among `weights` (e.g. a [`Link`](super::Link)'s
+    /// The variables whose tensors are among `weights` (e.g. a [`Link`]'s
     /// weights), in sorted name order.
     pub fn vars_of(&self, weights: &[Tensor]) -> Vec<Var> {
         let ids: HashSet<TensorId> = weights.iter().map(|t| t.id()).collect();
@@ -110,40 +92,74 @@ impl Params {
             .collect()
     }
 
-    /// GPT-2 initialisation: weights ~ N(0, 0.02), residual projections (`c_proj`) scaled by
-    /// `1/sqrt(2 n_layer)`, biases 0, LayerNorm scales 1. Numbers come from a ChaCha RNG seeded
-    /// with `seed`, so the result is the same on every device.
-    pub fn init_gpt(config: &GptConfig, seed: u64, device: &Device) -> Result<Self> {
+    /// Fresh parameters for `config`: [`ModelConfig::init`] over its parameters in sorted
+    /// name order, from a ChaCha RNG seeded with `seed` (the same on every device).
+    pub fn init(config: &dyn ModelConfig, seed: u64, device: &Device) -> Result<Self> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let proj_std = 0.02 / (2.0 * config.n_layer as f64).sqrt();
         let mut vars = BTreeMap::new();
-        for (name, shape) in Self::gpt_shapes(config) {
-            let n: usize = shape.iter().product();
-            let is_ln = name.contains(".ln_");
-            let data: Vec<f32> = if name.ends_with(".bias") {
-                vec![0.0; n]
-            } else if is_ln {
-                vec![1.0; n]
-            } else {
-                let std = if name.ends_with("c_proj.weight") {
-                    proj_std
-                } else {
-                    0.02
-                };
-                let normal = Normal::new(0.0f32, std as f32)
-                    .map_err(|e| Error::Config(format!("init std {std}: {e}")))?;
-                (0..n).map(|_| normal.sample(&mut rng)).collect()
-            };
+        for (name, shape) in config.shapes() {
+            let data = config.init(&name, &shape, &mut rng)?;
             let t = Tensor::from_vec(data, shape, device)?;
             vars.insert(name, Var::from_tensor(&t)?);
         }
         Ok(Params { vars })
     }
 
-    /// Checks that the parameters are exactly those of a GPT with `config` (names and shapes),
-    /// listing what is missing, unexpected or mis-shaped.
-    pub fn check_gpt(&self, config: &GptConfig) -> Result<()> {
-        let want = Self::gpt_shapes(config);
+    /// Checks that every parameter is owned by exactly one link of `links`, and that every
+    /// weight a link declares tied is owned by another link: no parameter is lost by a link
+    /// list, a pipeline stage or a data-parallel bucket, and none is counted twice.
+    pub fn check_ownership(&self, links: &[Link]) -> Result<()> {
+        let mut owner: HashMap<TensorId, usize> = HashMap::new();
+        let mut problems = Vec::new();
+        let name_of = |id: TensorId| {
+            self.vars
+                .iter()
+                .find(|(_, v)| v.as_tensor().id() == id)
+                .map_or_else(|| "<not a parameter>".to_string(), |(n, _)| n.clone())
+        };
+        for (i, link) in links.iter().enumerate() {
+            for w in link.params() {
+                if let Some(j) = owner.insert(w.id(), i) {
+                    problems.push(format!(
+                        "`{}` is owned by links {j} and {i}",
+                        name_of(w.id())
+                    ));
+                }
+            }
+        }
+        for (i, link) in links.iter().enumerate() {
+            for w in link.tied() {
+                match owner.get(&w.id()) {
+                    None => problems.push(format!(
+                        "link {i} ties `{}`, which no link owns",
+                        name_of(w.id())
+                    )),
+                    Some(&j) if j == i => problems.push(format!(
+                        "link {i} ties `{}`, which it owns itself",
+                        name_of(w.id())
+                    )),
+                    _ => {}
+                }
+            }
+        }
+        for (name, v) in &self.vars {
+            if !owner.contains_key(&v.as_tensor().id()) {
+                problems.push(format!("`{name}` is owned by no link"));
+            }
+        }
+        if problems.is_empty() {
+            return Ok(());
+        }
+        Err(Error::Config(format!(
+            "the model's links do not partition its parameters: {}",
+            problems.join("; ")
+        )))
+    }
+
+    /// Checks that the parameters are exactly those of a model with `config` (names and
+    /// shapes), listing what is missing, unexpected or mis-shaped.
+    pub fn check(&self, config: &dyn ModelConfig) -> Result<()> {
+        let want = config.shapes();
         let mut problems = Vec::new();
         for (name, shape) in &want {
             match self.vars.get(name) {

@@ -10,10 +10,11 @@ use rand_chacha::ChaCha8Rng;
 use super::{ModelDir, TOKENIZER_FILE};
 use crate::config::DeviceSpec;
 use crate::config::TrainConfig;
+use crate::data;
 use crate::data::{DataKind, DataSource, Split};
 use crate::metrics::EvalStats;
-use crate::model::{Ctx, Gpt, GptConfig};
-use crate::train::{open_data_for, task_score};
+use crate::model::{Ctx, Model, ModelConfig};
+use crate::train::task_score;
 use crate::{checkpoint, Error, Result};
 
 /// Context length of a bare model's evaluation batches, unless the model has fewer positions.
@@ -75,10 +76,10 @@ impl EvalRequest {
         self.data.is_some() || self.data_path.is_some() || self.tokenizer_path.is_some()
     }
 
-    /// The evaluation settings for `model` (whose config is `gpt`), as a run config: the run's
-    /// (or a bare model's defaults) with the given flags applied.
-    pub fn config(&self, model: &ModelDir, gpt: &GptConfig) -> Result<TrainConfig> {
-        let n_positions = gpt.block_size;
+    /// The evaluation settings for `model` (whose config is `model_config`), as a run config:
+    /// the run's (or a bare model's defaults) with the given flags applied.
+    pub fn config(&self, model: &ModelDir, model_config: &dyn ModelConfig) -> Result<TrainConfig> {
+        let n_positions = model_config.max_positions();
         let mut cfg = match model.run_config() {
             Some(run) => run.clone(),
             None => {
@@ -148,33 +149,34 @@ impl EvalRequest {
 
     /// Loads `model`, opens the evaluation data and measures the losses (and the task score).
     pub fn evaluate(&self, model: &ModelDir) -> Result<EvalStats> {
-        let gpt = GptConfig::from_hf_json_file(&model.dir.join(checkpoint::CONFIG_FILE))?;
-        let cfg = self.config(model, &gpt)?;
+        let model_config =
+            crate::model::config_from_hf_json_file(&model.dir.join(checkpoint::CONFIG_FILE))?;
+        let cfg = self.config(model, model_config.as_ref())?;
         let device = cfg.device.open()?;
-        let data = open_data_for(&cfg)?;
+        let data = data::open_for_run(&cfg)?;
         if let Some(run) = &model.run {
             // The ids must mean what they meant in training (a rebuilt character vocabulary
             // would shift them); the corpus itself may differ (evaluating on other text).
-            crate::train::check_fingerprint(run.data.as_ref(), data.as_ref(), &model.dir, false)?;
+            data::check_fingerprint(run.data.as_ref(), data.as_ref(), &model.dir, false)?;
         }
-        if data.vocab_size() > gpt.vocab_size {
+        if data.vocab_size() > model_config.vocab_size() {
             return Err(Error::Config(format!(
                 "the data has {} token ids but the model in {} embeds only {}",
                 data.vocab_size(),
                 model.dir.display(),
-                gpt.vocab_size
+                model_config.vocab_size()
             )));
         }
-        let gpt = model.load_model(&device)?;
+        let loaded = model.load_model(&device)?;
         let step = model.run.as_ref().map_or(0, |s| s.step);
-        evaluate(&gpt, data.as_ref(), &cfg, step, &device)
+        evaluate(loaded.as_ref(), data.as_ref(), &cfg, step, &device)
     }
 }
 
 /// Mean loss of `model` over `config.eval_iters` batches of `split` (`config.batch_size` rows
 /// of `config.block_size` tokens) drawn from `rng`, without dropout.
 pub fn mean_loss(
-    model: &Gpt,
+    model: &dyn Model,
     data: &dyn DataSource,
     split: Split,
     config: &TrainConfig,
@@ -184,12 +186,11 @@ pub fn mean_loss(
     let mut total = 0f64;
     for _ in 0..config.eval_iters {
         let batch = data.batch(split, config.batch_size, config.block_size, rng, device)?;
-        let ctx = Ctx::eval().with_kernels(config.kernels);
-        let logits = model.forward(&batch.x, &ctx)?;
-        let loss = ctx
-            .kernels
-            .cross_entropy(&logits, &batch.y, batch.mask.as_ref())?;
-        total += loss.to_scalar::<f32>()? as f64;
+        let ctx = Ctx::eval()
+            .with_kernels(config.kernels)
+            .with_rows(batch.rows.clone());
+        let loss = model.loss(&batch.x, &batch.targets()?, &ctx)?;
+        total += loss.mean.to_scalar::<f32>()? as f64;
     }
     Ok((total / config.eval_iters.max(1) as f64) as f32)
 }
@@ -198,7 +199,7 @@ pub fn mean_loss(
 /// batches a run with `config` evaluates on (a generator seeded by the run seed), reported as
 /// step `step`.
 pub fn evaluate(
-    model: &Gpt,
+    model: &dyn Model,
     data: &dyn DataSource,
     config: &TrainConfig,
     step: usize,

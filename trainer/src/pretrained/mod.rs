@@ -26,7 +26,7 @@ pub use tokenizer::{SpecialTokens, TokenizerFile, TOKENIZER_CONFIG_FILE, TOKENIZ
 
 use crate::checkpoint::{self, TrainerState, CONFIG_FILE, MODEL_FILE, STATE_FILE};
 use crate::config::TrainConfig;
-use crate::model::{Gpt, GptConfig, Params};
+use crate::model::{Model, ModelConfig, Params};
 use crate::{hub, Error, Result};
 
 /// The model directory `spec` names, looking hub ids up in the default cache (`HF_HOME`).
@@ -121,14 +121,14 @@ impl ModelDir {
     }
 
     /// The model's config and weights on `device`.
-    pub fn load(&self, device: &Device) -> Result<(GptConfig, Params)> {
+    pub fn load(&self, device: &Device) -> Result<(Box<dyn ModelConfig>, Params)> {
         checkpoint::load_model(&self.dir, device)
     }
 
     /// The model on `device`, ready for inference.
-    pub fn load_model(&self, device: &Device) -> Result<Gpt> {
+    pub fn load_model(&self, device: &Device) -> Result<Box<dyn Model>> {
         let (config, params) = self.load(device)?;
-        Gpt::from_params(&config, &params)
+        crate::model::build(config.as_ref(), &params)
     }
 
     /// The `tokenizer.json` next to the weights, or an error naming where it was looked for.

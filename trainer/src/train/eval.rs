@@ -5,7 +5,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::Trainer;
 use crate::data::{Split, Task};
-use crate::model::Gpt;
+use crate::model::Model;
 use crate::sample::{generate, greedy_batch, SamplingConfig};
 use crate::Result;
 
@@ -13,7 +13,7 @@ use crate::Result;
 /// (see [`crate::pretrained::mean_loss`], which `trainer eval` shares).
 pub fn estimate_loss(trainer: &Trainer, split: Split, rng: &mut ChaCha8Rng) -> Result<f32> {
     crate::pretrained::mean_loss(
-        &trainer.model,
+        trainer.model.as_ref(),
         trainer.data.as_ref(),
         split,
         &trainer.config,
@@ -24,7 +24,7 @@ pub fn estimate_loss(trainer: &Trainer, split: Split, rng: &mut ChaCha8Rng) -> R
 
 /// Exact-match score of greedy decoding on `n` held-out problems of `task`, in [0, 1].
 pub fn task_score(
-    model: &Gpt,
+    model: &dyn Model,
     task: &dyn Task,
     n: usize,
     device: &candle_core::Device,
@@ -60,7 +60,7 @@ pub(super) fn sample_text(trainer: &Trainer) -> Result<Option<String>> {
     )?;
     let prompt: Vec<u32> = batch.x.flatten_all()?.to_vec1()?;
     let tokens = generate(
-        &trainer.model,
+        trainer.model.as_ref(),
         &prompt,
         cfg.sample_tokens,
         SamplingConfig::default(),

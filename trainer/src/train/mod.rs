@@ -1,40 +1,38 @@
 //! The training loop: micro-batches, gradient accumulation, clipping, AdamW, evaluation,
 //! checkpoints and exact resume.
 
-pub mod compose;
 mod eval;
+pub mod executor;
 mod init;
+pub mod memory;
 pub mod parallel;
 pub mod pipeline;
 mod run;
 mod save;
-pub mod step;
+mod step;
 pub mod zero;
 
 use std::path::{Path, PathBuf};
 
-use std::time::Instant;
-
-use candle_amp::{Amp, StepOutcome};
+use candle_amp::Amp;
 use candle_comm::Communicator;
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Var};
 use candle_remat::Plan;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 pub use eval::{estimate_loss, task_score};
-pub use init::{check_fingerprint, open_data as open_data_for};
+pub use executor::Executor;
 pub use parallel::DataParallel;
 pub use run::{Event, Observer, Summary};
-pub use step::Executor;
+pub use step::build_amp;
 
 use crate::checkpoint::{self, TrainerState};
 use crate::config::{Precision, TrainConfig};
-use crate::data::{DataSource, Split};
-use crate::metrics::{EvalStats, StepStats};
-use crate::model::{Ctx, Gpt, Params};
-use crate::optim::{accumulate, global_grad_norm, AdamW};
+use crate::data::{self, DataSource, Split};
+use crate::metrics::EvalStats;
+use crate::model::{self, Model, Params};
+use crate::optim::AdamW;
 use crate::run_dir::{self, Claim, RunDir};
 use crate::schedule::LrSchedule;
 use crate::{Error, Result};
@@ -51,7 +49,7 @@ pub struct Trainer {
     /// The data source.
     pub data: Box<dyn DataSource>,
     /// The model.
-    pub model: Gpt,
+    pub model: Box<dyn Model>,
     /// Its parameters.
     pub params: Params,
     /// The optimiser.
@@ -82,15 +80,35 @@ impl Trainer {
     pub fn new(config: TrainConfig) -> Result<Self> {
         config.validate()?;
         let device = config.device.open()?;
-        let data = init::open_data(&config)?;
+        let data = data::open_for_run(&config)?;
         let (model, params) = init::build_model(&config, data.as_ref(), &device)?;
+        Self::start(config, device, data, model, params)
+    }
+
+    /// Starts a new run of a model the caller built (any [`Model`]: the trainer knows it only
+    /// through that interface), over its parameters on `config.device`. Its architecture must
+    /// be known to the loading paths ([`crate::model::register`]) for checkpoints to resume.
+    pub fn with_model(config: TrainConfig, model: Box<dyn Model>, params: Params) -> Result<Self> {
+        config.validate()?;
+        let device = config.device.open()?;
+        let data = data::open_for_run(&config)?;
+        Self::start(config, device, data, model, params)
+    }
+
+    fn start(
+        mut config: TrainConfig,
+        device: Device,
+        data: Box<dyn DataSource>,
+        model: Box<dyn Model>,
+        params: Params,
+    ) -> Result<Self> {
         // A pretrained model brings its own shape: record it, so that run.toml and the saved
         // trainer state describe the model that is trained.
-        let mut config = config;
-        config.n_layer = model.config.n_layer;
-        config.n_head = model.config.n_head;
-        config.n_embd = model.config.n_embd;
-        config.bias = model.config.bias;
+        let shape = model.config().shape();
+        config.n_layer = shape.n_layer;
+        config.n_head = shape.n_head;
+        config.n_embd = shape.n_embd;
+        config.bias = shape.bias;
         let optimizer = AdamW::new(&params, config.adamw_config())?.with_kernels(config.kernels);
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
         Self::assemble(config, device, data, model, params, optimizer, rng)
@@ -136,11 +154,11 @@ impl Trainer {
         init::check_resume_compatible(&state.config, &config, &dir)?;
         config.validate()?;
         let device = config.device.open()?;
-        let data = init::open_data(&config)?;
-        init::check_fingerprint(state.data.as_ref(), data.as_ref(), &dir, true)?;
-        let (gpt_config, params) = checkpoint::load_model(&dir, &device)?;
-        init::check_model_matches(&gpt_config, &config, data.as_ref(), &dir)?;
-        let model = Gpt::from_params(&gpt_config, &params)?;
+        let data = data::open_for_run(&config)?;
+        data::check_fingerprint(state.data.as_ref(), data.as_ref(), &dir, true)?;
+        let (model_config, params) = checkpoint::load_model(&dir, &device)?;
+        init::check_model_matches(model_config.as_ref(), &config, data.as_ref(), &dir)?;
+        let model = model::build(model_config.as_ref(), &params)?;
         let mut optimizer =
             AdamW::new(&params, config.adamw_config())?.with_kernels(config.kernels);
         checkpoint::load_optimizer(&dir, &mut optimizer, &device)?;
@@ -186,18 +204,19 @@ impl Trainer {
         config: TrainConfig,
         device: Device,
         data: Box<dyn DataSource>,
-        model: Gpt,
+        model: Box<dyn Model>,
         params: Params,
         optimizer: AdamW,
         rng: ChaCha8Rng,
     ) -> Result<Self> {
         let dtype = config.dtype.dtype();
-        let executor = Executor::build(&config, &model, &params, &device, dtype)?;
+        params.check_ownership(&model.links())?;
+        let executor = Executor::build(&config, model.as_ref(), &params, &device, dtype)?;
         if device.is_cpu() {
             // Refuse before allocating what cannot fit (a GPU reports its own out-of-memory
             // errors; the CPU allocator aborts the process).
-            let need = compose::estimate_step_bytes(&config, &model.config, dtype, executor.plan());
-            compose::check_memory_fits(&config, need)?;
+            let need = memory::estimate_step_bytes(&config, model.config(), dtype, executor.plan());
+            memory::check_memory_fits(&config, model.config(), need)?;
         }
         let peak_flops = if config.peak_flops > 0.0 {
             config.peak_flops
@@ -211,7 +230,7 @@ impl Trainer {
             schedule: config.lr_schedule(),
             vars: params.vars(),
             executor,
-            amp: compose::build_amp(&config, &params)?,
+            amp: build_amp(&config, &params)?,
             dtype,
             config,
             device,
@@ -315,140 +334,6 @@ impl Trainer {
         self.step
     }
 
-    /// The dropout seed of micro-batch `micro` of step `step`: a pure function of the run seed,
-    /// so a resumed run draws the same masks and needs no dropout RNG state. Data-parallel
-    /// ranks share it and key their masks by their rows of the global batch ([`Ctx::row`]):
-    /// together they draw the masks one process would.
-    fn dropout_seed(&self, micro: usize) -> u64 {
-        let mut z = self.config.seed ^ 0x9E37_79B9_7F4A_7C15;
-        for v in [self.step as u64, micro as u64] {
-            z = (z ^ v).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z ^= z >> 31;
-        }
-        z
-    }
-
-    /// Runs one optimiser step (`grad_accum` micro-batches) and returns its statistics.
-    ///
-    /// One path for every precision and executor. The loss is scaled by the loss scaler (a
-    /// no-op in f32, as PyTorch's `GradScaler(enabled=False)`); the update is `candle-amp`'s
-    /// overflow-checked step over the fused gradient norm, with unscaling and clipping folded
-    /// into AdamW's gradient coefficient. The non-finite policy: a non-finite loss is an
-    /// error; non-finite gradients skip the step when the scaler can back off (dynamic
-    /// scaling), and are an error otherwise (f32, bf16, a static scale), where retrying
-    /// could not help. Either way the weights are untouched.
-    pub fn train_step(&mut self) -> Result<StepStats> {
-        let start = Instant::now();
-        let cfg = &self.config;
-        let lr = self.schedule.at(self.step);
-        let mut grads = GradStore::default();
-        let mut loss_sum = 0f32;
-        // The weights in the compute dtype, cast once per step (not at every use, not per
-        // micro-batch); free in f32. Pipeline stages hold the master weights and cast at use.
-        let model = match self.executor {
-            Executor::Pipeline(_) => self.model.clone(),
-            _ => self.model.to_dtype(self.dtype)?,
-        };
-        let accum = cfg.grad_accum;
-        let world = self.dp.world_size();
-        let scale = self.amp.scale();
-        for micro in 0..accum {
-            // Every rank draws the global batch and trains on its shard (a world of one: all).
-            let global = self.data.batch(
-                Split::Train,
-                world * cfg.batch_size,
-                cfg.block_size,
-                &mut self.rng,
-                &self.device,
-            )?;
-            let (batch, shard_weight) = self.dp.shard(global, cfg.batch_size)?;
-            let ctx = Ctx::train(self.dropout_seed(micro))
-                .with_row(self.dp.rank() * cfg.batch_size)
-                .with_dtype(self.dtype)
-                .with_kernels(cfg.kernels);
-            let weight = shard_weight / accum as f64 * scale;
-            let (loss, g) = self
-                .executor
-                .forward_backward(&model, &batch, &ctx, weight)?;
-            loss_sum += loss * shard_weight as f32;
-            accumulate(&mut grads, g, &self.vars)?;
-        }
-        let loss = self.dp.reduce(&mut grads, loss_sum / accum as f32)?;
-        if !loss.is_finite() {
-            return Err(Error::NonFiniteLoss {
-                step: self.step + 1,
-                loss,
-            });
-        }
-        candle_nn::Optimizer::set_learning_rate(&mut self.optimizer, lr);
-        let scaled_norm = global_grad_norm(&grads, &self.vars, cfg.kernels)?;
-        let optimizer = &mut self.optimizer;
-        let outcome = self.amp.step_fused(&grads, scaled_norm, |coef| {
-            optimizer
-                .apply_scaled(&grads, coef)
-                .map_err(|e| candle_core::Error::Msg(e.to_string()))
-        })?;
-        let (grad_norm, skipped) = match outcome {
-            StepOutcome::Applied { grad_norm, .. } => (grad_norm as f32, false),
-            StepOutcome::Skipped {
-                scale_before,
-                scale_after,
-                change,
-                nonfinite_params,
-                ..
-            } => {
-                if change != candle_amp::ScaleChange::BackedOff
-                    && change != candle_amp::ScaleChange::HysteresisAbsorbed
-                {
-                    return Err(Error::NonFiniteGradient {
-                        step: self.step + 1,
-                        norm: scaled_norm,
-                        params: nonfinite_params,
-                    });
-                }
-                tracing::warn!(
-                    "step {}: inf/NaN gradients (in {} parameters, first: {:?}) at loss scale \
-                     {scale_before}: update skipped, scale now {scale_after}",
-                    self.step + 1,
-                    nonfinite_params.len(),
-                    nonfinite_params.first()
-                );
-                (f32::NAN, true)
-            }
-        };
-        // Reported in mixed precision, and in f32 when the loss is scaled explicitly.
-        let scaled = cfg.loss_scale.scaler(cfg.dtype) != candle_amp::ScalerConfig::none();
-        let loss_scale = (cfg.dtype != Precision::F32 || scaled).then_some(scale);
-        if !skipped {
-            // ZeRO-1: each rank updated its shard; hand the new weights around.
-            self.shards.share_updated_weights(self.dp.comm())?;
-        }
-        self.step += 1;
-        let tokens = (world * accum * cfg.batch_size * cfg.block_size) as u64;
-        self.tokens_seen += tokens;
-        let secs = start.elapsed().as_secs_f64();
-        self.elapsed_secs += secs;
-        let mfu = crate::mfu::mfu(
-            &self.model.config,
-            cfg.block_size,
-            tokens,
-            secs,
-            self.peak_flops,
-        );
-        Ok(StepStats {
-            step: self.step,
-            loss,
-            lr,
-            grad_norm,
-            tokens_per_sec: tokens as f64 / secs.max(1e-9),
-            step_ms: secs * 1e3,
-            tokens_seen: self.tokens_seen,
-            mfu,
-            loss_scale,
-            skipped,
-        })
-    }
-
     /// Measures train and val loss (and the task score, if any) without touching the training
     /// RNG: evaluation batches come from a generator seeded by the run seed, so every
     /// evaluation sees the same batches.
@@ -460,7 +345,7 @@ impl Trainer {
         let (score, score_name) = match self.data.task() {
             Some(task) if cfg.eval_problems > 0 => (
                 Some(task_score(
-                    &self.model,
+                    self.model.as_ref(),
                     task,
                     cfg.eval_problems,
                     &self.device,

@@ -89,7 +89,6 @@ impl DataParallel {
             return Ok((global, 1.0));
         }
         let start = self.rank() * per_rank;
-        let rows = |t: &Tensor| t.narrow(0, start, per_rank);
         let weight = match &global.mask {
             None => 1.0,
             Some(mask) => {
@@ -107,12 +106,7 @@ impl DataParallel {
                 }
             }
         };
-        let batch = Batch {
-            x: rows(&global.x)?,
-            y: rows(&global.y)?,
-            mask: global.mask.as_ref().map(rows).transpose()?,
-        };
-        Ok((batch, weight))
+        Ok((global.narrow(start, per_rank)?, weight))
     }
 
     /// Averages `grads` over the ranks and returns the global loss from this rank's
@@ -219,11 +213,7 @@ mod tests {
             .unwrap()
             .reshape((4, 3))
             .unwrap();
-        let global = Batch {
-            x: x.clone(),
-            y: x,
-            mask: Some(mask),
-        };
+        let global = Batch::new(x.clone(), x).with_mask(Some(mask));
         for (comm, want_weight, want_rows) in ThreadComm::world(2)
             .into_iter()
             .zip([0.75, 1.25])

@@ -1,12 +1,15 @@
-//! Pipeline-parallel steps with `candle-pipeline`: the model's chain ([`Gpt::links`]) is cut
+//! Pipeline-parallel steps with `candle-pipeline`: the model's chain ([`Model::links`]) is cut
 //! into stages that run on their own threads (and devices), and each micro-batch of the trainer
 //! is split again into pipeline microbatches.
 //!
 //! Everything the plain step does composes here:
-//! - **the loss** stays the trainer's masked token mean: targets travel with the loss mask
-//!   folded in as an ignore index, and microbatch `k` is weighted by its share of the counted
-//!   target tokens, so the accumulated gradients equal the full batch's (up to f32 summation
-//!   order);
+//! - **the loss** is the head link's ([`Link::loss`], run by the pipeline's loss function on
+//!   the last stage, whose last layer lists the head's parameters): targets travel with the
+//!   loss mask folded in as an ignore index, and microbatch `k` is weighted by its share of
+//!   the counted target tokens, so the accumulated gradients equal the full batch's (up to
+//!   f32 summation order);
+//! - **the rows' context** (positions, document ids) of the trainer's micro-batch is handed
+//!   to every stage for its microbatch's rows;
 //! - **dropout**: each stage is told its microbatch ([`Call`]); the masks are keyed by the
 //!   step's seed (the batch key) and the microbatch's first row, so every row draws the mask it
 //!   draws in the plain step, in its forward and in a recompute;
@@ -15,39 +18,69 @@
 //! - **devices**: stage `s` runs on `pipeline_devices[s]`; weights stay on the run's device
 //!   and are copied to the stage's at use (differentiably, so gradients come home).
 
+use std::sync::{Arc, Mutex};
+
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use candle_pipeline::{
     balance_by_cost, Call, Layer, Microbatches, Pipeline, Schedule, Sequential, Stage,
 };
 use candle_remat::Policy;
 
-use super::compose;
 use crate::config::{Parallelism, TrainConfig};
 use crate::data::Batch;
-use crate::model::{Ctx, Gpt, GptConfig, Link, Params};
+use crate::model::{Ctx, Link, Model, Params, Role, Rows, IGNORE};
 use crate::{Error, Result};
-
-/// Target id of a position that does not count in the loss (the mask, folded in).
-const IGNORE: u32 = u32::MAX;
 
 /// A pipeline over the trainer's model, with its schedule.
 pub struct PipelineRun {
     pipe: Pipeline,
     schedule: Schedule,
     microbatches: usize,
+    rows: Arc<Mutex<RowsOfStep>>,
+}
+
+/// The rows' context of the micro-batch in flight, and the row key of its first row: each
+/// stage takes its microbatch's rows of it.
+#[derive(Default)]
+struct RowsOfStep {
+    first: usize,
+    rows: Rows,
 }
 
 /// A link as a pipeline layer on `device`: its parameters, and a forward that builds the
-/// step's context from the [`Call`] (seed = the batch key, row = the microbatch's first row).
-fn layer(link: Link, params: &Params, base: Ctx, device: &Device, home: &Device) -> Layer {
+/// step's context from the [`Call`] (seed = the batch key, row = the microbatch's first row,
+/// the rows' context = the microbatch's rows of the micro-batch's). The head is the last
+/// layer of the last stage and passes its input through: the pipeline's loss function runs
+/// it ([`Link::loss`]).
+fn layer(
+    link: Link,
+    params: &Params,
+    base: &Ctx,
+    device: &Device,
+    home: &Device,
+    step_rows: &Arc<Mutex<RowsOfStep>>,
+) -> Layer {
     let vars = params.vars_of(&link.weights());
+    if link.role() == Role::Head {
+        return Layer::new(vars, |x| Ok(x.clone()));
+    }
     let (device, remote) = (device.clone(), !device.same_device(home));
+    let (base, step_rows) = (base.clone(), step_rows.clone());
     Layer::with_call(vars, move |x, call: &Call| {
+        let rows = {
+            let s = step_rows.lock().unwrap_or_else(|e| e.into_inner());
+            if s.rows.is_empty() {
+                Rows::default()
+            } else {
+                s.rows.narrow(call.row - s.first, x.dim(0)?)?
+            }
+        };
         let ctx = Ctx {
             seed: call.key,
             row: call.row,
-            ..base
+            rows,
+            ..base.clone()
         };
         if remote {
             // Copied at use, differentiably: the gradients flow back to the masters at home.
@@ -89,7 +122,7 @@ impl PipelineRun {
     /// Builds the pipeline when `pipeline_stages > 1`.
     pub fn build(
         config: &TrainConfig,
-        model: &Gpt,
+        model: &dyn Model,
         params: &Params,
         device: &Device,
         dtype: DType,
@@ -126,7 +159,7 @@ impl PipelineRun {
             return Err(Error::Config(format!(
                 "{} links (embed, {} blocks, head) cannot fill {virtual_stages} pipeline stages",
                 links.len(),
-                model.blocks.len()
+                links.iter().filter(|l| l.is_block()).count()
             )));
         }
         // Balance by the parameters each link reads, then build each stage on its device.
@@ -136,36 +169,38 @@ impl PipelineRun {
             .collect();
         let ranges = balance_by_cost(&sizes, virtual_stages)?;
         let base = Ctx::train(0).with_dtype(dtype).with_kernels(config.kernels);
-        let per_stage = GptConfig {
-            block_size: config.block_size,
-            ..model.config.clone()
-        };
         let rows = config.batch_size.div_ceil(microbatches);
-        let costs_of = |n: usize| {
-            compose::gpt_chain_costs(
-                &GptConfig {
-                    n_layer: n,
-                    ..per_stage.clone()
-                },
-                rows,
-                dtype,
-                config.kernels,
-            )
+        // The planner sees a stage's blocks: the first `n` of the model's (blocks cost the
+        // same in every architecture the trainer has; a stage plans over its own count).
+        let all = model
+            .config()
+            .chain_costs(rows, config.block_size, dtype, config.kernels);
+        let costs_of = |n: usize| candle_remat::ChainCosts {
+            blocks: all.blocks[..n.min(all.blocks.len())].to_vec(),
+            ..all.clone()
         };
+        let step_rows = Arc::new(Mutex::new(RowsOfStep::default()));
         let mut stage_list: Vec<Box<dyn Stage>> = Vec::with_capacity(virtual_stages);
         for (s, range) in ranges.iter().enumerate() {
             let dev = &devices[schedule.worker_of(s)];
             let stage_links = &links[range.clone()];
             let layers = stage_links
                 .iter()
-                .map(|l| layer(l.clone(), params, base, dev, device))
+                .map(|l| layer(l.clone(), params, &base, dev, device, &step_rows))
                 .collect();
             let recompute = stage_recompute(stage_links, config.remat, &costs_of)?;
             stage_list.push(Box::new(Sequential::new(layers).with_recompute(recompute)?));
         }
-        let kernels = config.kernels;
-        let mut pipe = Pipeline::new(stage_list, devices, move |logits, targets| {
-            kernels.cross_entropy_ignoring(logits, targets, IGNORE)
+        let head = links[links.len() - 1].clone();
+        let home = device.clone();
+        let mut pipe = Pipeline::new(stage_list, devices, move |h, targets| {
+            if h.device().same_device(&home) {
+                Ok(head.loss(h, targets, &base)?.mean)
+            } else {
+                // Copied at use, differentiably (see `layer`).
+                let here = head.map(&|w| w.to_device(h.device()))?;
+                Ok(here.loss(h, targets, &base)?.mean)
+            }
         })?;
         if device.is_cpu() {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -179,28 +214,23 @@ impl PipelineRun {
             pipe,
             schedule,
             microbatches,
+            rows: step_rows,
         }))
     }
 
     /// One forward and backward of a trainer micro-batch through the pipeline, with dropout
     /// seeded by `ctx.seed` and keyed by rows from `ctx.row` on (a data-parallel shard's place
-    /// in the global batch). Returns the loss and the gradients of `loss * weight`.
+    /// in the global batch). Returns the loss (mean over the counted targets), their count and
+    /// the gradients of `loss * weight`.
     pub fn forward_backward(
         &self,
         batch: &Batch,
         ctx: &Ctx,
         weight: f64,
-    ) -> Result<(f32, GradStore)> {
-        let (b, t) = batch.x.dims2()?;
-        let (y, counts) = match &batch.mask {
-            Some(mask) => {
-                let keep = mask.ne(0f32)?;
-                let ignore = Tensor::full(IGNORE, (b, t), batch.y.device())?;
-                let counts: Vec<f32> = mask.to_dtype(DType::F32)?.sum(1)?.to_vec1()?;
-                (keep.where_cond(&batch.y, &ignore)?, counts)
-            }
-            None => (batch.y.clone(), vec![t as f32; b]),
-        };
+    ) -> Result<(f32, usize, GradStore)> {
+        let b = batch.x.dim(0)?;
+        let y = batch.targets()?;
+        let counts: Vec<f32> = y.ne(IGNORE)?.to_dtype(DType::F32)?.sum(1)?.to_vec1()?;
         // With no counted target at all the loss is 0 with zero gradients, as in the plain
         // step (a data-parallel shard may hold none).
         let total: f32 = counts.iter().sum();
@@ -216,10 +246,14 @@ impl PipelineRun {
             ws.push(weight * f64::from(share));
             start += rows;
         }
+        *self.rows.lock().unwrap_or_else(|e| e.into_inner()) = RowsOfStep {
+            first: ctx.row,
+            rows: batch.rows.clone(),
+        };
         let mbs = Microbatches::with_weights(xs, ys, ws)?
             .with_key(ctx.seed)
             .with_first_row(ctx.row);
         let out = self.pipe.step(&self.schedule, &mbs)?;
-        Ok(((out.loss / weight) as f32, out.grads))
+        Ok(((out.loss / weight) as f32, total as usize, out.grads))
     }
 }

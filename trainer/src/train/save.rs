@@ -59,7 +59,7 @@ impl Trainer {
         let amp = &self.amp;
         let dir = checkpoint::save(
             &self.config.out_dir,
-            &self.model.config,
+            self.model.config(),
             &self.params,
             gathered.unwrap_or(&self.optimizer),
             &self.state(),

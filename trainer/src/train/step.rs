@@ -1,110 +1,168 @@
-//! One training step's math, chosen once from the config.
-//!
-//! The [`Executor`] runs the forward and backward of a micro-batch: plainly, through a remat
-//! plan (`candle-remat`'s tape over the blocks), or through a pipeline (`candle-pipeline`,
-//! which can itself recompute blocks inside its stages). All three walk the model's one chain,
-//! [`Gpt::links`]. The update that follows is the same for every precision: `candle-amp`'s
-//! overflow-checked step, whose scaler is a no-op in f32 (see [`super::Trainer::train_step`]).
+//! One training step: `grad_accum` micro-batches through the executor, the data-parallel
+//! reduction, then the update (the loss scaler's overflow-checked step over the fused
+//! gradient norm, with clipping and AdamW), the same for every precision and executor.
 
+use std::time::Instant;
+
+use candle_amp::{Amp, MasterWeights, StepOutcome, WeightMode};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor};
-use candle_remat::{Plan, Tape};
 
-use super::compose;
-use super::pipeline::PipelineRun;
-use crate::config::TrainConfig;
-use crate::data::Batch;
-use crate::model::{Ctx, Gpt, Link, Params};
-use crate::Result;
+use super::{Executor, Trainer};
+use crate::config::{Precision, TrainConfig};
+use crate::data::Split;
+use crate::metrics::StepStats;
+use crate::model::{Ctx, Params};
+use crate::optim::{accumulate, global_grad_norm};
+use crate::{Error, Result};
 
-/// How a micro-batch's forward and backward run.
-pub enum Executor {
-    /// Candle's backward over the whole graph.
-    Plain,
-    /// The blocks go through an activation-checkpointing plan; backward recomputes them.
-    Remat(Plan),
-    /// Stages on threads or devices, microbatched by a schedule.
-    Pipeline(Box<PipelineRun>),
-}
-
-impl Executor {
-    /// The executor the config asks for.
-    pub fn build(
-        config: &TrainConfig,
-        model: &Gpt,
-        params: &Params,
-        device: &Device,
-        dtype: DType,
-    ) -> Result<Self> {
-        if let Some(pipe) = PipelineRun::build(config, model, params, device, dtype)? {
-            return Ok(Executor::Pipeline(Box::new(pipe)));
+impl Trainer {
+    /// The dropout seed of micro-batch `micro` of step `step`: a pure function of the run seed,
+    /// so a resumed run draws the same masks and needs no dropout RNG state. Data-parallel
+    /// ranks share it and key their masks by their rows of the global batch ([`Ctx::row`]):
+    /// together they draw the masks one process would.
+    fn dropout_seed(&self, micro: usize) -> u64 {
+        let mut z = self.config.seed ^ 0x9E37_79B9_7F4A_7C15;
+        for v in [self.step as u64, micro as u64] {
+            z = (z ^ v).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z ^= z >> 31;
         }
-        Ok(match compose::remat_plan(config, &model.config, dtype)? {
-            Some(plan) => Executor::Remat(plan),
-            None => Executor::Plain,
+        z
+    }
+
+    /// Runs one optimiser step (`grad_accum` micro-batches) and returns its statistics.
+    ///
+    /// One path for every precision and executor. The loss is scaled by the loss scaler (a
+    /// no-op in f32, as PyTorch's `GradScaler(enabled=False)`); the update is `candle-amp`'s
+    /// overflow-checked step over the fused gradient norm, with unscaling and clipping folded
+    /// into AdamW's gradient coefficient. The non-finite policy: a non-finite loss is an
+    /// error; non-finite gradients skip the step when the scaler can back off (dynamic
+    /// scaling), and are an error otherwise (f32, bf16, a static scale), where retrying
+    /// could not help. Either way the weights are untouched.
+    pub fn train_step(&mut self) -> Result<StepStats> {
+        let start = Instant::now();
+        let cfg = &self.config;
+        let lr = self.schedule.at(self.step);
+        let mut grads = GradStore::default();
+        let mut loss_sum = 0f32;
+        // The weights in the compute dtype, cast once per step (not at every use, not per
+        // micro-batch); free in f32. Pipeline stages hold the master weights and cast at use.
+        let model = match self.executor {
+            Executor::Pipeline(_) => None,
+            _ => Some(self.model.to_dtype(self.dtype)?),
+        };
+        let model = model.as_deref().unwrap_or(self.model.as_ref());
+        let accum = cfg.grad_accum;
+        let world = self.dp.world_size();
+        let scale = self.amp.scale();
+        for micro in 0..accum {
+            // Every rank draws the global batch and trains on its shard (a world of one: all).
+            let global = self.data.batch(
+                Split::Train,
+                world * cfg.batch_size,
+                cfg.block_size,
+                &mut self.rng,
+                &self.device,
+            )?;
+            let (batch, shard_weight) = self.dp.shard(global, cfg.batch_size)?;
+            let ctx = Ctx::train(self.dropout_seed(micro))
+                .with_row(self.dp.rank() * cfg.batch_size)
+                .with_dtype(self.dtype)
+                .with_kernels(cfg.kernels)
+                .with_rows(batch.rows.clone());
+            let weight = shard_weight / accum as f64 * scale;
+            let (loss, _count, g) = self
+                .executor
+                .forward_backward(model, &batch, &ctx, weight)?;
+            loss_sum += loss * shard_weight as f32;
+            accumulate(&mut grads, g, &self.vars)?;
+        }
+        let loss = self.dp.reduce(&mut grads, loss_sum / accum as f32)?;
+        if !loss.is_finite() {
+            return Err(Error::NonFiniteLoss {
+                step: self.step + 1,
+                loss,
+            });
+        }
+        candle_nn::Optimizer::set_learning_rate(&mut self.optimizer, lr);
+        let scaled_norm = global_grad_norm(&grads, &self.vars, cfg.kernels)?;
+        let optimizer = &mut self.optimizer;
+        let outcome = self.amp.step_fused(&grads, scaled_norm, |coef| {
+            optimizer
+                .apply_scaled(&grads, coef)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))
+        })?;
+        let (grad_norm, skipped) = match outcome {
+            StepOutcome::Applied { grad_norm, .. } => (grad_norm as f32, false),
+            StepOutcome::Skipped {
+                scale_before,
+                scale_after,
+                change,
+                nonfinite_params,
+                ..
+            } => {
+                if change != candle_amp::ScaleChange::BackedOff
+                    && change != candle_amp::ScaleChange::HysteresisAbsorbed
+                {
+                    return Err(Error::NonFiniteGradient {
+                        step: self.step + 1,
+                        norm: scaled_norm,
+                        params: nonfinite_params,
+                    });
+                }
+                tracing::warn!(
+                    "step {}: inf/NaN gradients (in {} parameters, first: {:?}) at loss scale \
+                     {scale_before}: update skipped, scale now {scale_after}",
+                    self.step + 1,
+                    nonfinite_params.len(),
+                    nonfinite_params.first()
+                );
+                (f32::NAN, true)
+            }
+        };
+        // Reported in mixed precision, and in f32 when the loss is scaled explicitly.
+        let scaled = cfg.loss_scale.scaler(cfg.dtype) != candle_amp::ScalerConfig::none();
+        let loss_scale = (cfg.dtype != Precision::F32 || scaled).then_some(scale);
+        if !skipped {
+            // ZeRO-1: each rank updated its shard; hand the new weights around.
+            self.shards.share_updated_weights(self.dp.comm())?;
+        }
+        self.step += 1;
+        let tokens = (world * accum * cfg.batch_size * cfg.block_size) as u64;
+        self.tokens_seen += tokens;
+        let secs = start.elapsed().as_secs_f64();
+        self.elapsed_secs += secs;
+        let mfu = crate::mfu::mfu(
+            self.model.config(),
+            cfg.block_size,
+            tokens,
+            secs,
+            self.peak_flops,
+        );
+        Ok(StepStats {
+            step: self.step,
+            loss,
+            lr,
+            grad_norm,
+            tokens_per_sec: tokens as f64 / secs.max(1e-9),
+            step_ms: secs * 1e3,
+            tokens_seen: self.tokens_seen,
+            mfu,
+            loss_scale,
+            skipped,
         })
     }
-
-    /// The activation-checkpointing plan of the whole chain, if any.
-    pub fn plan(&self) -> Option<&Plan> {
-        match self {
-            Executor::Remat(plan) => Some(plan),
-            _ => None,
-        }
-    }
-
-    /// Forward and backward of one micro-batch. Returns the loss and the gradients of
-    /// `loss * weight` (the weight includes the loss scale).
-    ///
-    /// `model` is the step's model in the compute dtype (the pipeline keeps its own stages,
-    /// built from the master weights, which it casts at use).
-    pub fn forward_backward(
-        &self,
-        model: &Gpt,
-        batch: &Batch,
-        ctx: &Ctx,
-        weight: f64,
-    ) -> Result<(f32, GradStore)> {
-        let plan = match self {
-            Executor::Pipeline(pipe) => return pipe.forward_backward(batch, ctx, weight),
-            Executor::Remat(plan) => Some(plan),
-            Executor::Plain => None,
-        };
-        let links = model.links();
-        let tape = Tape::new(ctx.seed);
-        let logits = run_chain(&links, &batch.x, ctx, plan.map(|p| (&tape, p)))?;
-        let loss = ctx
-            .kernels
-            .cross_entropy(&logits, &batch.y, batch.mask.as_ref())?;
-        let value = loss.to_scalar::<f32>()?;
-        let objective = (loss * weight)?;
-        let grads = match plan {
-            Some(_) => tape.backward(&objective)?,
-            None => objective.backward()?,
-        };
-        Ok((value, grads))
-    }
 }
 
-/// Runs a chain of links; with a remat plan, the blocks (plan index `i` = the `i`-th block of
-/// the chain) go through it.
-pub fn run_chain<'a>(
-    links: &'a [Link],
-    x: &Tensor,
-    ctx: &'a Ctx,
-    remat: Option<(&Tape<'a>, &Plan)>,
-) -> Result<Tensor> {
-    let first = links.iter().position(Link::is_block).unwrap_or(links.len());
-    let end = links
-        .iter()
-        .rposition(Link::is_block)
-        .map_or(first, |i| i + 1);
-    let run = |h: Tensor, links: &[Link]| links.iter().try_fold(h, |h, l| l.forward(&h, ctx));
-    let h = run(x.clone(), &links[..first])?;
-    let blocks = &links[first..end];
-    let h = match remat {
-        Some((tape, plan)) => plan.forward(tape, &h, move |i, h| blocks[i].forward(h, ctx))?,
-        None => run(h, blocks)?,
-    };
-    Ok(run(h, &links[end..])?)
+/// The loss scaler over the model's f32 parameters (the masters), for every precision: a no-op
+/// scaler in f32 (and bf16 by default), dynamic scaling for f16 by default, as `loss_scale`
+/// says. Clipping at `grad_clip` is part of its step.
+///
+/// The model casts each master weight at use (`WeightMode::Cast`), so the optimiser's state
+/// stays in f32 and gradients arrive in f32 through `to_dtype`'s backward.
+pub fn build_amp(config: &TrainConfig, params: &Params) -> Result<Amp> {
+    let named = params.iter().map(|(n, v)| (n.clone(), v.clone()));
+    let weights = MasterWeights::new(named, config.dtype.dtype(), WeightMode::Cast)?;
+    let clip = (config.grad_clip > 0.0).then_some(config.grad_clip as f64);
+    let amp = Amp::new(weights, config.loss_scale.scaler(config.dtype))?.with_clip_norm(clip)?;
+    Ok(amp)
 }

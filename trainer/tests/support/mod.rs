@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 use trainer::checkpoint;
-use trainer::model::{Gpt, GptConfig};
+use trainer::model::gpt2::{Gpt, GptConfig};
 
 /// The tiny vocabulary: ids 0..=9, with GPT-2's `<|endoftext|>` as the last one (id 9), so a
 /// config that still says 50256 is caught.

@@ -1,9 +1,17 @@
-//! GPT hyper-parameters, validated, and their Hugging Face `config.json` form.
+//! GPT-2's hyper-parameters, validated, their Hugging Face `config.json` form, and what the
+//! trainer derives from them before building anything (parameter count, initialisation,
+//! activation memory, FLOPs).
 
 use std::path::Path;
 
+use candle_core::DType;
+use candle_remat::{BlockCost, ChainCosts};
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
 use serde::{Deserialize, Serialize};
 
+use super::super::{Builder, CheckpointTensor, Kernels, Model, ModelConfig, Shape};
+use super::{Gpt, LN_EPS};
 use crate::{Error, Result};
 
 /// GPT-2's `<|endoftext|>`, its `bos_token_id` and `eos_token_id` (and `transformers`' default
@@ -16,7 +24,7 @@ pub const GPT2_ENDOFTEXT: u32 = 50256;
 /// under Hugging Face's GPT-2 names (`n_positions`, `n_ctx`, `resid_pdrop`, ...).
 ///
 /// ```
-/// use trainer::model::GptConfig;
+/// use trainer::model::gpt2::GptConfig;
 /// let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, vocab_size: 50, ..GptConfig::default() };
 /// cfg.validate().unwrap();
 /// assert!(GptConfig { n_head: 3, ..cfg }.validate().is_err()); // 32 is not divisible by 3
@@ -152,7 +160,7 @@ impl GptConfig {
             "embd_pdrop": self.dropout,
             "attn_pdrop": self.dropout,
             "resid_pdrop": self.dropout,
-            "layer_norm_epsilon": super::LN_EPS,
+            "layer_norm_epsilon": LN_EPS,
             "initializer_range": 0.02,
             "tie_word_embeddings": true,
             "scale_attn_weights": true,
@@ -163,15 +171,21 @@ impl GptConfig {
         })
     }
 
-    /// Reads a Hugging Face GPT-2 `config.json` (as written by [`GptConfig::to_hf_json`] or by
-    /// `transformers`). Unsupported variants (other activations, `n_inner` != 4 * n_embd) are
-    /// rejected with an error naming the file. A missing `bos_token_id` / `eos_token_id` means
-    /// GPT-2's 50256 (as in `transformers`) when the vocabulary has that id; `null`, a list or
-    /// an id outside the vocabulary is read as no such token.
+    /// Reads a Hugging Face GPT-2 `config.json` file (see [`GptConfig::from_hf_json`]).
     pub fn from_hf_json_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let v: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| Error::checkpoint(path, format!("not valid JSON: {e}")))?;
+        Self::from_hf_json(&v, path)
+    }
+
+    /// Reads a Hugging Face GPT-2 `config.json` (as written by [`GptConfig::to_hf_json`] or by
+    /// `transformers`; `path` names it in errors). Unsupported variants (other activations,
+    /// `n_inner` != 4 * n_embd) are rejected with an error naming the file. A missing
+    /// `bos_token_id` / `eos_token_id` means GPT-2's 50256 (as in `transformers`) when the
+    /// vocabulary has that id; `null`, a list or an id outside the vocabulary is read as no
+    /// such token.
+    pub fn from_hf_json(v: &serde_json::Value, path: &Path) -> Result<Self> {
         let get = |k: &str| -> Result<usize> {
             v.get(k)
                 .and_then(|x| x.as_u64())
@@ -226,5 +240,166 @@ impl GptConfig {
         cfg.validate()
             .map_err(|e| Error::checkpoint(path, e.to_string()))?;
         Ok(cfg)
+    }
+}
+
+impl ModelConfig for GptConfig {
+    fn architecture(&self) -> &'static str {
+        "gpt2"
+    }
+
+    fn clone_box(&self) -> Box<dyn ModelConfig> {
+        Box::new(self.clone())
+    }
+
+    fn validate(&self) -> Result<()> {
+        GptConfig::validate(self)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn max_positions(&self) -> usize {
+        self.block_size
+    }
+
+    fn shape(&self) -> Shape {
+        Shape {
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            n_embd: self.n_embd,
+            bias: self.bias,
+        }
+    }
+
+    fn special_tokens(&self) -> (Option<u32>, Option<u32>) {
+        (self.bos_token_id, self.eos_token_id)
+    }
+
+    fn with_run_settings(
+        &self,
+        dropout: f32,
+        bos: Option<u32>,
+        eos: Option<u32>,
+    ) -> Box<dyn ModelConfig> {
+        Box::new(GptConfig {
+            dropout,
+            bos_token_id: bos,
+            eos_token_id: eos,
+            ..self.clone()
+        })
+    }
+
+    fn build(&self, b: &Builder) -> Result<Box<dyn Model>> {
+        Ok(Box::new(Gpt::build(self, b)?))
+    }
+
+    /// GPT-2 initialisation: weights ~ N(0, 0.02), residual projections (`c_proj`) scaled by
+    /// `1/sqrt(2 n_layer)`, biases 0, LayerNorm scales 1.
+    fn init(&self, name: &str, shape: &[usize], rng: &mut ChaCha8Rng) -> Result<Vec<f32>> {
+        let n: usize = shape.iter().product();
+        if name.ends_with(".bias") {
+            return Ok(vec![0.0; n]);
+        }
+        if name.contains(".ln_") {
+            return Ok(vec![1.0; n]);
+        }
+        let std = if name.ends_with("c_proj.weight") {
+            0.02 / (2.0 * self.n_layer as f64).sqrt()
+        } else {
+            0.02
+        };
+        let normal = Normal::new(0.0f32, std as f32)
+            .map_err(|e| Error::Config(format!("init std {std}: {e}")))?;
+        Ok((0..n).map(|_| normal.sample(rng)).collect())
+    }
+
+    fn num_params(&self) -> usize {
+        GptConfig::num_params(self)
+    }
+
+    /// `6 N + 12 L H Q T` (PaLM appendix B; nanoGPT's `estimate_mfu`): `N` parameters
+    /// excluding the position embeddings, plus the attention's `Q Kᵀ` and `P V` products over
+    /// a context of `T`, with `L` layers, `H` heads of size `Q`.
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        let (l, c, v) = (
+            self.n_layer as f64,
+            self.n_embd as f64,
+            self.vocab_size as f64,
+        );
+        let per_block = 12.0 * c * c + if self.bias { 13.0 * c } else { 4.0 * c };
+        let n = v * c + l * per_block + if self.bias { 2.0 * c } else { c };
+        let (h, q, t) = (self.n_head as f64, c / self.n_head as f64, seq_len as f64);
+        6.0 * n + 12.0 * l * h * q * t
+    }
+
+    /// Counted from the ops of a [`super::Block`]. Reference kernels: about 16 `[B, T, C]`
+    /// tensors incl. the 4x MLP, and 3-4 `[B, H, T, T]` attention tensors (scores, mask-add
+    /// and softmax in f32, a dropout mask). Fused kernels: about 14 `[B, T, C]` tensors
+    /// (LayerNorm inputs and outputs, qkv, attention output, the MLP's pre- and post-GELU
+    /// activations, residuals) plus the attention's log-sum-exp, `[B, H, T]` f32; dropout
+    /// masks are regenerated, not stored. Compute is proportional to the block's FLOPs.
+    fn chain_costs(
+        &self,
+        batch: usize,
+        seq_len: usize,
+        dtype: DType,
+        kernels: Kernels,
+    ) -> ChainCosts {
+        let (b, t, c, h) = (
+            batch as u64,
+            seq_len as u64,
+            self.n_embd as u64,
+            self.n_head as u64,
+        );
+        let size = dtype.size_in_bytes() as u64;
+        let btc = b * t * c * size;
+        let act = match kernels {
+            Kernels::Reference => {
+                let att = b * h * t * t * 4; // scores, mask-add and softmax run in f32
+                let dropout_att = if self.dropout > 0.0 {
+                    b * h * t * t * size
+                } else {
+                    0
+                };
+                16 * btc + 3 * att + dropout_att
+            }
+            Kernels::Fused => 14 * btc + b * h * t * 4,
+        };
+        let flops = 24 * b * t * c * c + 4 * b * t * t * c;
+        let block = BlockCost {
+            act_bytes: act,
+            out_bytes: btc,
+            fwd_ns: flops / 1000 + 1,
+        };
+        ChainCosts::uniform(self.n_layer, block)
+    }
+
+    /// Names without the `transformer.` prefix (`GPT2Model` checkpoints, e.g.
+    /// `openai-community/gpt2`) are accepted, the `attn.bias` / `attn.masked_bias` causal-mask
+    /// buffers are skipped, and `lm_head.weight` is a copy of the tied embedding.
+    fn checkpoint_tensor(&self, name: &str) -> CheckpointTensor {
+        if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") {
+            return CheckpointTensor::Buffer;
+        }
+        if name == "lm_head.weight" {
+            return CheckpointTensor::TiedCopy("transformer.wte.weight".into());
+        }
+        match name.starts_with("transformer.") {
+            true => CheckpointTensor::Param(name.to_string()),
+            false => CheckpointTensor::Param(format!("transformer.{name}")),
+        }
+    }
+
+    fn to_hf_json(&self) -> serde_json::Value {
+        GptConfig::to_hf_json(self)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "gpt2, {} layers x {} wide, {} heads",
+            self.n_layer, self.n_embd, self.n_head
+        )
     }
 }

@@ -2,7 +2,7 @@
 //! derives them: each module asks its [`Builder`] for its tensors by leaf name, and a parent
 //! hands each child a builder one path component deeper (`transformer` -> `h` -> `3` ->
 //! `attn` -> `c_attn` -> `weight`). Building, shape listing and loading all walk this one
-//! structure ([`super::Gpt::build`]), so no name is assembled anywhere else.
+//! structure ([`super::ModelConfig::build`]), so no name is assembled anywhere else.
 
 use std::fmt::Display;
 
@@ -40,6 +40,11 @@ impl<'a> Builder<'a> {
             prefix,
             source: self.source,
         }
+    }
+
+    /// This builder's path (`transformer.h.3.attn`; empty at the root).
+    pub fn path(&self) -> &str {
+        &self.prefix
     }
 
     /// The tensor `leaf` of this path, of `shape`.

@@ -1,0 +1,164 @@
+//! A model as one chain of links, `embed -> blocks -> head`: the unit every executor runs
+//! (plain backward, activation-checkpointing plans, pipeline stages, data parallel).
+//!
+//! Each link owns its parameters; a link may also read a parameter another link owns only
+//! when it declares it tied ([`LinkOps::tied`]; GPT-2's head reads the token embedding). The
+//! executors never see an architecture: they call [`Link::forward`] on every link but the last
+//! and [`Link::loss`] on the last, and map parameters through [`Link::weights`].
+
+use std::fmt;
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+
+use super::Ctx;
+
+/// Target id of a position that does not count in the loss (PyTorch's `ignore_index`; the
+/// loss mask of a batch is folded into its targets as this id).
+pub const IGNORE: u32 = u32::MAX;
+
+/// A weight map: cast to a dtype, copy to a device (differentiably).
+pub type WeightMap<'a> = &'a dyn Fn(&Tensor) -> candle_core::Result<Tensor>;
+
+/// What a link of the chain is: activation checkpointing plans over the blocks; the head ends
+/// the chain and computes the loss.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Token ids `[B, T]` to the residual stream (the first link).
+    Embed,
+    /// A transformer block, `[B, T, C] -> [B, T, C]`.
+    Block,
+    /// The residual stream to logits, and to the loss (the last link).
+    Head,
+}
+
+/// The loss of a batch's counted targets: their mean (a scalar tensor, differentiable; 0 when
+/// none counts) and how many there are, so that the mean over several batches (accumulated
+/// micro-batches, pipeline microbatches, data-parallel shards) weighs each by its count.
+#[derive(Clone, Debug)]
+pub struct Loss {
+    /// Mean loss over the counted targets, f32 (f64 when computing in f64).
+    pub mean: Tensor,
+    /// Number of counted targets (those not [`IGNORE`]).
+    pub count: usize,
+}
+
+impl Loss {
+    /// The sum of the counted targets' losses.
+    pub fn sum(&self) -> candle_core::Result<Tensor> {
+        &self.mean * self.count as f64
+    }
+}
+
+/// What an architecture implements for each kind of link.
+pub trait LinkOps: Send + Sync + fmt::Debug {
+    /// Runs the link (for the head: hidden states to logits, f32).
+    fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor>;
+
+    /// The parameters this link owns (in the order its structure declares them).
+    fn params(&self) -> Vec<Tensor>;
+
+    /// Parameters owned by another link that this link also reads (declared ties).
+    fn tied(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
+
+    /// The same link with every weight (owned and tied) mapped by `f`.
+    fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinkOps>>;
+
+    /// The head's loss of hidden states `h` against `targets` (u32, [`IGNORE`] where a target
+    /// does not count). The default computes the logits and the cross-entropy; an
+    /// architecture may chunk the projection and the loss instead.
+    fn loss(&self, h: &Tensor, targets: &Tensor, ctx: &Ctx) -> candle_core::Result<Loss> {
+        let logits = self.forward(h, ctx)?;
+        let mean = ctx
+            .kernels
+            .cross_entropy_ignoring(&logits, targets, IGNORE)?;
+        Ok(Loss {
+            mean,
+            count: count_targets(targets)?,
+        })
+    }
+}
+
+/// The number of targets that count (are not [`IGNORE`]).
+pub fn count_targets(targets: &Tensor) -> candle_core::Result<usize> {
+    let n = targets
+        .ne(IGNORE)?
+        .to_dtype(DType::F32)?
+        .sum_all()?
+        .to_scalar::<f32>()?;
+    Ok(n as usize)
+}
+
+/// One link of a model's chain: its role and its operations.
+#[derive(Clone, Debug)]
+pub struct Link {
+    role: Role,
+    ops: Arc<dyn LinkOps>,
+}
+
+impl Link {
+    /// A link of `role` running `ops`.
+    pub fn new(role: Role, ops: Arc<dyn LinkOps>) -> Self {
+        Link { role, ops }
+    }
+
+    /// The link's role in the chain.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// Whether the link is a transformer block (what activation checkpointing plans over).
+    pub fn is_block(&self) -> bool {
+        self.role == Role::Block
+    }
+
+    /// Runs the link.
+    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        self.ops.forward(x, ctx)
+    }
+
+    /// The head's loss (see [`LinkOps::loss`]); an error for other links.
+    pub fn loss(&self, h: &Tensor, targets: &Tensor, ctx: &Ctx) -> candle_core::Result<Loss> {
+        if self.role != Role::Head {
+            candle_core::bail!(
+                "the loss is computed by the head, not by a {:?} link",
+                self.role
+            );
+        }
+        self.ops.loss(h, targets, ctx)
+    }
+
+    /// The parameters the link owns.
+    pub fn params(&self) -> Vec<Tensor> {
+        self.ops.params()
+    }
+
+    /// The parameters the link reads but another link owns (declared ties).
+    pub fn tied(&self) -> Vec<Tensor> {
+        self.ops.tied()
+    }
+
+    /// Every weight the link reads: owned, then tied. [`super::Params::vars_of`] maps them to
+    /// the parameters; a tied parameter's gradient is the sum over the links that read it.
+    pub fn weights(&self) -> Vec<Tensor> {
+        let mut w = self.ops.params();
+        w.extend(self.ops.tied());
+        w
+    }
+
+    /// The same link with its weights mapped by `f` (e.g. cast to a dtype or copied to a
+    /// device, differentiably).
+    pub fn map(&self, f: WeightMap) -> candle_core::Result<Link> {
+        Ok(Link {
+            role: self.role,
+            ops: self.ops.map(f)?,
+        })
+    }
+}
+
+/// Runs `links` in order (no loss).
+pub fn run_links(links: &[Link], x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+    links.iter().try_fold(x.clone(), |h, l| l.forward(&h, ctx))
+}

@@ -1,0 +1,476 @@
+//! GPT-2, written as a chain `embed -> blocks -> head` of plain structs.
+//!
+//! The names and layouts of the parameters are those of Hugging Face's `GPT2LMHeadModel`
+//! (`transformer.h.{i}.attn.c_attn.weight` is a Conv1D weight of shape `[in, out]`), so a real
+//! GPT-2 `model.safetensors` loads without renaming. The head reads the token embedding, which
+//! the embedding link owns (a declared tie).
+
+mod config;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{IndexOp, Tensor, D};
+
+pub use config::{GptConfig, GPT2_ENDOFTEXT};
+
+use super::{
+    causal_mask, run_links, stat_dtype, Architecture, Builder, Ctx, KvCache, LayerNorm, Layout,
+    Linear, Link, LinkOps, Model, ModelConfig, Params, Role, WeightMap,
+};
+use crate::Result;
+
+/// LayerNorm epsilon of GPT-2.
+pub const LN_EPS: f64 = 1e-5;
+
+/// The GPT-2 architecture (`model_type` `gpt2`).
+pub struct Gpt2;
+
+impl Architecture for Gpt2 {
+    fn name(&self) -> &'static str {
+        "gpt2"
+    }
+
+    fn config_from_hf_json(
+        &self,
+        json: &serde_json::Value,
+        path: &Path,
+    ) -> Result<Box<dyn ModelConfig>> {
+        Ok(Box::new(GptConfig::from_hf_json(json, path)?))
+    }
+}
+
+/// Token and position embeddings (`transformer.wte`, `transformer.wpe`) plus embedding dropout.
+#[derive(Clone, Debug)]
+pub struct Embed {
+    /// Token embedding `[vocab_size, n_embd]`, read by the head too.
+    pub wte: Tensor,
+    /// Position embedding `[block_size, n_embd]`.
+    pub wpe: Tensor,
+    dropout: f32,
+}
+
+impl Embed {
+    /// `b.wte.weight` and `b.wpe.weight` (`b` is the `transformer` path).
+    pub fn build(b: &Builder, cfg: &GptConfig) -> Result<Self> {
+        Ok(Embed {
+            wte: b.pp("wte").get(&[cfg.vocab_size, cfg.n_embd], "weight")?,
+            wpe: b.pp("wpe").get(&[cfg.block_size, cfg.n_embd], "weight")?,
+            dropout: cfg.dropout,
+        })
+    }
+
+    /// The same embedding with its tables mapped by `f`.
+    fn mapped(&self, f: WeightMap) -> candle_core::Result<Self> {
+        Ok(Embed {
+            wte: f(&self.wte)?,
+            wpe: f(&self.wpe)?,
+            dropout: self.dropout,
+        })
+    }
+
+    /// Token ids `[B, T]` at positions `pos` (`[B, T]`, or `None` for `offset..offset + T`)
+    /// to the residual stream.
+    fn embed(
+        &self,
+        idx: &Tensor,
+        pos: Option<&Tensor>,
+        offset: usize,
+        ctx: &Ctx,
+    ) -> candle_core::Result<Tensor> {
+        let (b, t) = idx.dims2()?;
+        let block_size = self.wpe.dim(0)?;
+        let wte = self.wte.to_dtype(ctx.dtype)?;
+        let tok = wte.embedding(&idx.flatten_all()?)?.reshape((b, t, ()))?;
+        let x = match pos {
+            None => {
+                if offset + t > block_size {
+                    candle_core::bail!(
+                        "sequence length {} exceeds block_size {block_size}",
+                        offset + t
+                    );
+                }
+                let pos = self.wpe.narrow(0, offset, t)?.to_dtype(ctx.dtype)?;
+                tok.broadcast_add(&pos)?
+            }
+            Some(pos) => {
+                let pe = self.wpe.to_dtype(ctx.dtype)?;
+                let pos = pe.embedding(&pos.flatten_all()?)?.reshape((b, t, ()))?;
+                (tok + pos)?
+            }
+        };
+        ctx.kernels.dropout(&x, self.dropout, ctx, 0)
+    }
+}
+
+impl LinkOps for Embed {
+    fn forward(&self, idx: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        self.embed(idx, ctx.rows.positions.as_ref(), 0, ctx)
+    }
+
+    fn params(&self) -> Vec<Tensor> {
+        vec![self.wte.clone(), self.wpe.clone()]
+    }
+
+    fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinkOps>> {
+        Ok(Arc::new(self.mapped(f)?))
+    }
+}
+
+/// Causal multi-head self-attention (`attn.c_attn`, `attn.c_proj`).
+#[derive(Clone, Debug)]
+pub struct CausalSelfAttention {
+    /// Fused q, k, v projection, Conv1D `[n_embd, 3 n_embd]`.
+    pub c_attn: Linear,
+    /// Output projection, Conv1D `[n_embd, n_embd]`.
+    pub c_proj: Linear,
+    n_head: usize,
+    dropout: f32,
+    site: u64,
+}
+
+impl CausalSelfAttention {
+    /// `[B, T, C] -> [B, T, C]`.
+    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        if ctx.rows.doc_ids.is_some() {
+            candle_core::bail!("GPT-2's attention does not take per-token document ids yet");
+        }
+        let qkv = self.c_attn.forward(x, ctx)?;
+        let y = ctx
+            .kernels
+            .causal_attention(&qkv, self.n_head, self.dropout, ctx, self.site)?;
+        let y = self.c_proj.forward(&y, ctx)?;
+        ctx.kernels.dropout(&y, self.dropout, ctx, self.site + 1)
+    }
+
+    /// Attention of new tokens over the cached ones and themselves (evaluation, f32).
+    fn forward_cached(
+        &self,
+        x: &Tensor,
+        cache: &mut KvCache,
+        i: usize,
+    ) -> candle_core::Result<Tensor> {
+        let ctx = Ctx::eval();
+        let (b, t, c) = x.dims3()?;
+        let hd = c / self.n_head;
+        let qkv = self.c_attn.forward(x, &ctx)?;
+        let heads = |j: usize| -> candle_core::Result<Tensor> {
+            qkv.narrow(D::Minus1, j * c, c)?
+                .reshape((b, t, self.n_head, hd))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+        let past = cache.len;
+        let (k, v) = cache.append(i, &k, &v)?;
+        let att = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+        // Query j (at position past + j) sees keys 0..=past + j.
+        let mask = causal_mask(past + t, x.device())?.i((past.., ..))?;
+        let att = att
+            .to_dtype(stat_dtype(att.dtype()))?
+            .broadcast_add(&mask)?;
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?.to_dtype(v.dtype())?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?;
+        self.c_proj.forward(&y, &ctx)
+    }
+}
+
+/// The 4x feed-forward network with GELU (tanh approximation), `mlp.c_fc`, `mlp.c_proj`.
+#[derive(Clone, Debug)]
+pub struct Mlp {
+    /// Conv1D `[n_embd, 4 n_embd]`.
+    pub c_fc: Linear,
+    /// Conv1D `[4 n_embd, n_embd]`.
+    pub c_proj: Linear,
+    dropout: f32,
+    site: u64,
+}
+
+impl Mlp {
+    /// `[B, T, C] -> [B, T, C]`.
+    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        let h = self.c_fc.forward_gelu(x, ctx)?;
+        let y = self.c_proj.forward(&h, ctx)?;
+        ctx.kernels.dropout(&y, self.dropout, ctx, self.site)
+    }
+}
+
+/// A pre-LayerNorm transformer block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
+#[derive(Clone, Debug)]
+pub struct Block {
+    /// LayerNorm before attention.
+    pub ln_1: LayerNorm,
+    /// Causal self-attention.
+    pub attn: CausalSelfAttention,
+    /// LayerNorm before the MLP.
+    pub ln_2: LayerNorm,
+    /// Feed-forward network.
+    pub mlp: Mlp,
+    index: usize,
+}
+
+impl Block {
+    /// Block `i` (`b` is the `transformer.h.{i}` path). Its dropout sites are `1 + 3i ..= 3 + 3i`
+    /// (site 0 is the embedding's).
+    pub fn build(b: &Builder, cfg: &GptConfig, i: usize) -> Result<Self> {
+        let (c, bias) = (cfg.n_embd, cfg.bias);
+        let site = 1 + 3 * i as u64;
+        let (attn, mlp) = (b.pp("attn"), b.pp("mlp"));
+        let conv1d =
+            |b: &Builder, fan_in, fan_out| Linear::build(b, fan_in, fan_out, bias, Layout::InOut);
+        Ok(Block {
+            ln_1: LayerNorm::build(&b.pp("ln_1"), c, bias, LN_EPS)?,
+            attn: CausalSelfAttention {
+                c_attn: conv1d(&attn.pp("c_attn"), c, 3 * c)?,
+                c_proj: conv1d(&attn.pp("c_proj"), c, c)?,
+                n_head: cfg.n_head,
+                dropout: cfg.dropout,
+                site,
+            },
+            ln_2: LayerNorm::build(&b.pp("ln_2"), c, bias, LN_EPS)?,
+            mlp: Mlp {
+                c_fc: conv1d(&mlp.pp("c_fc"), c, 4 * c)?,
+                c_proj: conv1d(&mlp.pp("c_proj"), 4 * c, c)?,
+                dropout: cfg.dropout,
+                site: site + 2,
+            },
+            index: i,
+        })
+    }
+
+    /// The same block with its weights mapped by `f`.
+    fn mapped(&self, f: WeightMap) -> candle_core::Result<Self> {
+        Ok(Block {
+            ln_1: self.ln_1.map(f)?,
+            attn: CausalSelfAttention {
+                c_attn: self.attn.c_attn.map(f)?,
+                c_proj: self.attn.c_proj.map(f)?,
+                ..self.attn.clone()
+            },
+            ln_2: self.ln_2.map(f)?,
+            mlp: Mlp {
+                c_fc: self.mlp.c_fc.map(f)?,
+                c_proj: self.mlp.c_proj.map(f)?,
+                ..self.mlp.clone()
+            },
+            index: self.index,
+        })
+    }
+
+    fn forward_cached(&self, x: &Tensor, cache: &mut KvCache) -> candle_core::Result<Tensor> {
+        let ctx = Ctx::eval();
+        let a = self
+            .attn
+            .forward_cached(&self.ln_1.forward_ctx(x, &ctx)?, cache, self.index)?;
+        let x = (x + a)?;
+        &x + self.mlp.forward(&self.ln_2.forward_ctx(&x, &ctx)?, &ctx)?
+    }
+}
+
+impl LinkOps for Block {
+    fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        let x = (x + self.attn.forward(&self.ln_1.forward_ctx(x, ctx)?, ctx)?)?;
+        &x + self.mlp.forward(&self.ln_2.forward_ctx(&x, ctx)?, ctx)?
+    }
+
+    fn params(&self) -> Vec<Tensor> {
+        self.ln_1
+            .weights()
+            .chain(self.attn.c_attn.weights())
+            .chain(self.attn.c_proj.weights())
+            .chain(self.ln_2.weights())
+            .chain(self.mlp.c_fc.weights())
+            .chain(self.mlp.c_proj.weights())
+            .cloned()
+            .collect()
+    }
+
+    fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinkOps>> {
+        Ok(Arc::new(self.mapped(f)?))
+    }
+}
+
+/// Final LayerNorm and the language-model head, tied to the token embedding.
+#[derive(Clone, Debug)]
+pub struct Head {
+    /// `transformer.ln_f`.
+    pub ln_f: LayerNorm,
+    /// The token embedding `[vocab_size, n_embd]` (tied: `lm_head.weight == wte`), owned by
+    /// the embedding link.
+    pub wte: Tensor,
+}
+
+impl Head {
+    /// `b.ln_f` over the tied embedding `wte` (`b` is the `transformer` path).
+    pub fn build(b: &Builder, cfg: &GptConfig, wte: Tensor) -> Result<Self> {
+        Ok(Head {
+            ln_f: LayerNorm::build(&b.pp("ln_f"), cfg.n_embd, cfg.bias, LN_EPS)?,
+            wte,
+        })
+    }
+
+    /// The same head with its weights mapped by `f`.
+    fn mapped(&self, f: WeightMap) -> candle_core::Result<Self> {
+        Ok(Head {
+            ln_f: self.ln_f.map(f)?,
+            wte: f(&self.wte)?,
+        })
+    }
+}
+
+impl LinkOps for Head {
+    /// `[B, T, C] -> logits [B, T, vocab_size]` in f32 (f64 when computing in f64).
+    fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        let x = self.ln_f.forward_ctx(x, ctx)?;
+        let w = self.wte.to_dtype(ctx.dtype)?;
+        let logits = ctx.kernels.linear(&x, &w.t()?, None)?;
+        logits.to_dtype(stat_dtype(logits.dtype()))
+    }
+
+    fn params(&self) -> Vec<Tensor> {
+        self.ln_f.weights().cloned().collect()
+    }
+
+    fn tied(&self) -> Vec<Tensor> {
+        vec![self.wte.clone()]
+    }
+
+    fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinkOps>> {
+        Ok(Arc::new(self.mapped(f)?))
+    }
+}
+
+/// A GPT-2 language model.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use trainer::model::gpt2::GptConfig;
+/// use trainer::model::{self, Ctx};
+/// let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab_size: 11, dropout: 0.1, ..GptConfig::default() };
+/// let (model, params) = model::init(&cfg, 42, &Device::Cpu)?;
+/// let idx = Tensor::new(&[[1u32, 2, 3], [4, 5, 6]], &Device::Cpu)?;
+/// let logits = model.forward(&idx, &Ctx::train(7))?;
+/// assert_eq!(logits.dims(), &[2, 3, 11]);
+/// let loss = trainer::model::cross_entropy(&logits, &idx, None)?;
+/// let grads = loss.backward()?;
+/// assert!(params.iter().all(|(_, v)| grads.get(v).is_some()));
+/// // The chain: embedding, 2 blocks, head; each link owns its parameters, the head ties wte.
+/// let links = model.links();
+/// assert_eq!(links.len(), 4);
+/// assert_eq!(params.vars_of(&links[0].params()).len(), 2); // wte, wpe
+/// params.check_ownership(&links)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct Gpt {
+    /// The model's hyper-parameters.
+    pub config: GptConfig,
+    /// Embeddings (first link of the chain).
+    pub embed: Embed,
+    /// Transformer blocks (`transformer.h.{i}`).
+    pub blocks: Vec<Block>,
+    /// Final LayerNorm and tied head (last link of the chain).
+    pub head: Head,
+}
+
+impl Gpt {
+    /// Builds the model's structure, taking every tensor from `b` by its Hugging Face name
+    /// (`transformer.h.{i}.attn.c_attn.weight`, ...), derived from the structure itself.
+    pub fn build(config: &GptConfig, b: &Builder) -> Result<Self> {
+        let t = b.pp("transformer");
+        let embed = Embed::build(&t, config)?;
+        let blocks = (0..config.n_layer)
+            .map(|i| Block::build(&t.pp("h").pp(i), config, i))
+            .collect::<Result<Vec<_>>>()?;
+        let head = Head::build(&t, config, embed.wte.clone())?;
+        Ok(Gpt {
+            config: config.clone(),
+            embed,
+            blocks,
+            head,
+        })
+    }
+
+    /// A freshly initialised model and its parameters ([`crate::model::init`], typed).
+    pub fn new(
+        config: &GptConfig,
+        seed: u64,
+        device: &candle_core::Device,
+    ) -> Result<(Self, Params)> {
+        config.validate()?;
+        let params = Params::init(config, seed, device)?;
+        Ok((Self::from_params(config, &params)?, params))
+    }
+
+    /// Token ids `[B, T]` (u32, `T <= block_size`) to logits `[B, T, vocab_size]` (f32).
+    pub fn forward(&self, idx: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        run_links(&self.links(), idx, ctx)
+    }
+
+    /// The same model with every weight mapped by `f` (see [`Model::map`]). Each link maps
+    /// its own reads: the tied embedding is mapped once for the embedding and once for the
+    /// head, so the two gradient contributions reach the f32 weight as two terms, in the same
+    /// order in a plain backward and in a remat tape's separate passes.
+    pub fn map_weights(&self, f: WeightMap) -> candle_core::Result<Self> {
+        Ok(Gpt {
+            config: self.config.clone(),
+            embed: self.embed.mapped(f)?,
+            blocks: self
+                .blocks
+                .iter()
+                .map(|b| b.mapped(f))
+                .collect::<candle_core::Result<Vec<_>>>()?,
+            head: self.head.mapped(f)?,
+        })
+    }
+
+    /// The model with every weight cast to `dtype`, differentiably (see [`Gpt::map_weights`]).
+    pub fn to_dtype(&self, dtype: candle_core::DType) -> candle_core::Result<Self> {
+        self.map_weights(&|t: &Tensor| t.to_dtype(dtype))
+    }
+
+    /// Builds the model over existing parameters (names and shapes checked).
+    pub fn from_params(config: &GptConfig, params: &Params) -> Result<Self> {
+        config.validate()?;
+        params.check(config)?;
+        Self::build(config, &Builder::root(&|name, _| params.tensor(name)))
+    }
+}
+
+impl Model for Gpt {
+    fn config(&self) -> &dyn ModelConfig {
+        &self.config
+    }
+
+    fn links(&self) -> Vec<Link> {
+        std::iter::once(Link::new(Role::Embed, Arc::new(self.embed.clone())))
+            .chain(
+                self.blocks
+                    .iter()
+                    .map(|b| Link::new(Role::Block, Arc::new(b.clone()))),
+            )
+            .chain([Link::new(Role::Head, Arc::new(self.head.clone()))])
+            .collect()
+    }
+
+    fn map(&self, f: WeightMap) -> candle_core::Result<Box<dyn Model>> {
+        Ok(Box::new(self.map_weights(f)?))
+    }
+
+    fn forward_cached(&self, idx: &Tensor, cache: &mut KvCache) -> candle_core::Result<Tensor> {
+        let ctx = Ctx::eval();
+        let t = idx.dim(1)?;
+        let mut x = self.embed.embed(idx, None, cache.len, &ctx)?;
+        for b in &self.blocks {
+            x = b.forward_cached(&x, cache)?;
+        }
+        cache.len += t;
+        self.head.forward(&x, &ctx)
+    }
+}
+
+impl candle_core::Module for Gpt {
+    fn forward(&self, idx: &Tensor) -> candle_core::Result<Tensor> {
+        Gpt::forward(self, idx, &Ctx::eval())
+    }
+}

@@ -1,0 +1,116 @@
+//! The one linear type every projection goes through, addressed by its Hugging Face module
+//! path (`transformer.h.0.attn.c_attn`), so that tools (an adapter, a report) can find and
+//! wrap any projection of any architecture by name.
+
+use candle_core::Tensor;
+
+use super::{Builder, Ctx, WeightMap};
+use crate::Result;
+
+/// How the weight is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// `[in, out]`, `y = x W + b` (GPT-2's `Conv1D`).
+    InOut,
+    /// `[out, in]`, `y = x Wᵀ + b` (`torch.nn.Linear`).
+    OutIn,
+}
+
+/// A linear layer `[.., in] -> [.., out]` with an optional bias, computing in the context's
+/// dtype with the context's kernels.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use trainer::model::{Builder, Ctx, Layout, Linear};
+/// let w = Tensor::new(&[[1f32, 2.0], [3.0, 4.0], [5.0, 6.0]], &Device::Cpu)?; // [in 3, out 2]
+/// let lin = Linear::build(&Builder::root(&|_, _| Ok(w.clone())).pp("proj"), 3, 2, false, Layout::InOut)?;
+/// assert_eq!(lin.path(), "proj");
+/// let y = lin.forward(&Tensor::new(&[[1f32, 0.0, 1.0]], &Device::Cpu)?, &Ctx::eval())?;
+/// assert_eq!(y.to_vec2::<f32>()?, [[6.0, 8.0]]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct Linear {
+    path: String,
+    /// The weight, `[in, out]` or `[out, in]` as [`Linear::layout`] says.
+    pub weight: Tensor,
+    /// `[out]`, if the layer has a bias.
+    pub bias: Option<Tensor>,
+    layout: Layout,
+}
+
+impl Linear {
+    /// The layer at `b`'s path: `b.weight` (shaped as `layout` says) and `b.bias [fan_out]`
+    /// if `bias`.
+    pub fn build(
+        b: &Builder,
+        fan_in: usize,
+        fan_out: usize,
+        bias: bool,
+        layout: Layout,
+    ) -> Result<Self> {
+        let shape = match layout {
+            Layout::InOut => [fan_in, fan_out],
+            Layout::OutIn => [fan_out, fan_in],
+        };
+        Ok(Linear {
+            path: b.path().to_string(),
+            weight: b.get(&shape, "weight")?,
+            bias: b.get_if(bias, &[fan_out], "bias")?,
+            layout,
+        })
+    }
+
+    /// The Hugging Face module path (`transformer.h.0.attn.c_attn`).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// How the weight is stored.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// The same layer with its tensors mapped by `f` (e.g. cast to a dtype).
+    pub fn map(&self, f: WeightMap) -> candle_core::Result<Self> {
+        Ok(Linear {
+            path: self.path.clone(),
+            weight: f(&self.weight)?,
+            bias: self.bias.as_ref().map(f).transpose()?,
+            layout: self.layout,
+        })
+    }
+
+    /// The weight and the bias, if any.
+    pub fn weights(&self) -> impl Iterator<Item = &Tensor> {
+        std::iter::once(&self.weight).chain(&self.bias)
+    }
+
+    /// `[.., in] -> [.., out]`, computing in `ctx.dtype`.
+    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        let (w, b) = self.cast(ctx)?;
+        ctx.kernels.linear(x, &w, b.as_ref())
+    }
+
+    /// `gelu([.., in] W + b)` (tanh GELU), the bias and activation fused.
+    pub fn forward_gelu(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        let (w, b) = self.cast(ctx)?;
+        ctx.kernels.linear_gelu(x, &w, b.as_ref())
+    }
+
+    /// The `[in, out]` weight and the bias in the compute dtype (free when they already are:
+    /// the trainer casts the whole model once per step).
+    fn cast(&self, ctx: &Ctx) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+        let w = self.weight.to_dtype(ctx.dtype)?;
+        let w = match self.layout {
+            Layout::InOut => w,
+            Layout::OutIn => w.t()?,
+        };
+        let b = self
+            .bias
+            .as_ref()
+            .map(|b| b.to_dtype(ctx.dtype))
+            .transpose()?;
+        Ok((w, b))
+    }
+}

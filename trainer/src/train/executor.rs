@@ -1,0 +1,138 @@
+//! How a micro-batch's forward and backward run, chosen once from the config.
+//!
+//! The [`Executor`] runs plainly, through a remat plan (`candle-remat`'s tape over the blocks),
+//! or through a pipeline (`candle-pipeline`, which can itself recompute blocks inside its
+//! stages). All three walk the model's one chain ([`Model::links`]): every link's forward,
+//! then the last link's loss. None knows the architecture.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor};
+use candle_remat::{Plan, Policy, Tape};
+
+use super::pipeline::PipelineRun;
+use crate::config::TrainConfig;
+use crate::data::Batch;
+use crate::model::{Ctx, Link, Loss, Model, ModelConfig, Params};
+use crate::{Error, Result};
+
+/// How a micro-batch's forward and backward run.
+pub enum Executor {
+    /// Candle's backward over the whole graph.
+    Plain,
+    /// The blocks go through an activation-checkpointing plan; backward recomputes them.
+    Remat(Plan),
+    /// Stages on threads or devices, microbatched by a schedule.
+    Pipeline(Box<PipelineRun>),
+}
+
+impl Executor {
+    /// The executor the config asks for.
+    pub fn build(
+        config: &TrainConfig,
+        model: &dyn Model,
+        params: &Params,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Self> {
+        if let Some(pipe) = PipelineRun::build(config, model, params, device, dtype)? {
+            return Ok(Executor::Pipeline(Box::new(pipe)));
+        }
+        Ok(match remat_plan(config, model.config(), dtype)? {
+            Some(plan) => Executor::Remat(plan),
+            None => Executor::Plain,
+        })
+    }
+
+    /// The activation-checkpointing plan of the whole chain, if any.
+    pub fn plan(&self) -> Option<&Plan> {
+        match self {
+            Executor::Remat(plan) => Some(plan),
+            _ => None,
+        }
+    }
+
+    /// Forward and backward of one micro-batch. Returns the loss (the mean over its counted
+    /// targets, and their count) and the gradients of `loss.mean * weight` (the weight
+    /// includes the loss scale).
+    ///
+    /// `model` is the step's model in the compute dtype (the pipeline keeps its own stages,
+    /// built from the master weights, which it casts at use). `ctx.rows` must be the batch's.
+    pub fn forward_backward(
+        &self,
+        model: &dyn Model,
+        batch: &Batch,
+        ctx: &Ctx,
+        weight: f64,
+    ) -> Result<(f32, usize, GradStore)> {
+        let plan = match self {
+            Executor::Pipeline(pipe) => return pipe.forward_backward(batch, ctx, weight),
+            Executor::Remat(plan) => Some(plan),
+            Executor::Plain => None,
+        };
+        let links = model.links();
+        let tape = Tape::new(ctx.seed);
+        let Loss { mean, count } = run_chain(
+            &links,
+            &batch.x,
+            &batch.targets()?,
+            ctx,
+            plan.map(|p| (&tape, p)),
+        )?;
+        let value = mean.to_scalar::<f32>()?;
+        let objective = (mean * weight)?;
+        let grads = match plan {
+            Some(_) => tape.backward(&objective)?,
+            None => objective.backward()?,
+        };
+        Ok((value, count, grads))
+    }
+}
+
+/// Runs a chain of links to the loss of `targets`; with a remat plan, the blocks (plan index
+/// `i` = the `i`-th block of the chain) go through it.
+pub fn run_chain<'a>(
+    links: &'a [Link],
+    x: &Tensor,
+    targets: &Tensor,
+    ctx: &'a Ctx,
+    remat: Option<(&Tape<'a>, &Plan)>,
+) -> Result<Loss> {
+    let Some((head, body)) = links.split_last() else {
+        return Err(Error::Config("a model needs at least one link".into()));
+    };
+    let first = body.iter().position(Link::is_block).unwrap_or(body.len());
+    let end = body
+        .iter()
+        .rposition(Link::is_block)
+        .map_or(first, |i| i + 1);
+    let run = |h: Tensor, links: &[Link]| links.iter().try_fold(h, |h, l| l.forward(&h, ctx));
+    let h = run(x.clone(), &body[..first])?;
+    let blocks = &body[first..end];
+    let h = match remat {
+        Some((tape, plan)) => plan.forward(tape, &h, move |i, h| blocks[i].forward(h, ctx))?,
+        None => run(h, blocks)?,
+    };
+    let h = run(h, &body[end..])?;
+    Ok(head.loss(&h, targets, ctx)?)
+}
+
+/// The checkpoint plan for this run, or `None` for plain backward.
+///
+/// Costs are counted at the run's context (`config.block_size`), which may be shorter than
+/// the model's positions when fine-tuning a pretrained model.
+pub fn remat_plan(
+    config: &TrainConfig,
+    model: &dyn ModelConfig,
+    dtype: DType,
+) -> Result<Option<Plan>> {
+    let policy = config.remat;
+    if policy == Policy::None {
+        return Ok(None);
+    }
+    let costs = model.chain_costs(config.batch_size, config.block_size, dtype, config.kernels);
+    let plan = policy
+        .plan(&costs)
+        .map_err(|e| Error::Config(format!("remat `{policy}`: {e}")))?;
+    tracing::info!("activation checkpointing plan:\n{plan}");
+    Ok(Some(plan))
+}
