@@ -1,5 +1,8 @@
-//! The training loop: micro-batches, gradient accumulation, clipping, AdamW, evaluation,
-//! checkpoints and exact resume.
+//! Training a model: building a run ([`Trainer::new`], [`Trainer::resume`],
+//! [`Trainer::with_model`], here), the loop with evaluation and checkpoints (`run.rs`), one
+//! step (`step.rs`: micro-batches, accumulation, the data-parallel reduction, the scaler's
+//! step with clipping and AdamW), and how a micro-batch's forward and backward run
+//! ([`executor`]: plain, remat or [`pipeline`]).
 
 mod eval;
 pub mod executor;
@@ -102,9 +105,26 @@ impl Trainer {
         model: Box<dyn Model>,
         params: Params,
     ) -> Result<Self> {
+        let mc = model.config();
+        if config.block_size > mc.max_positions() {
+            return Err(Error::Config(format!(
+                "block_size {} exceeds the model's {} positions ({})",
+                config.block_size,
+                mc.max_positions(),
+                mc.describe()
+            )));
+        }
+        if data.vocab_size() > mc.vocab_size() {
+            return Err(Error::Config(format!(
+                "the data has {} token ids but the model ({}) embeds only {}",
+                data.vocab_size(),
+                mc.describe(),
+                mc.vocab_size()
+            )));
+        }
         // A pretrained model brings its own shape: record it, so that run.toml and the saved
         // trainer state describe the model that is trained.
-        let shape = model.config().shape();
+        let shape = mc.shape();
         config.n_layer = shape.n_layer;
         config.n_head = shape.n_head;
         config.n_embd = shape.n_embd;
