@@ -59,6 +59,27 @@ pub enum Error {
     /// Activation checkpointing failed (`candle-remat`).
     #[error(transparent)]
     Remat(#[from] candle_remat::RematError),
+    /// No activation-checkpointing plan satisfies the policy (e.g. a budget below the
+    /// smallest possible peak).
+    #[error("remat `{policy}`{where_}: {source}")]
+    RematPlan {
+        /// The policy as configured (`budget:2GiB`, ...).
+        policy: String,
+        /// Where the plan was made (empty for the whole chain, " in a pipeline stage").
+        where_: &'static str,
+        /// The planner's error.
+        #[source]
+        source: Box<candle_remat::RematError>,
+    },
+    /// A checkpoint's loss-scaler state could not be loaded.
+    #[error("checkpoint {}: {source}", path.display())]
+    AmpState {
+        /// The scaler state file.
+        path: PathBuf,
+        /// candle-amp's error.
+        #[source]
+        source: Box<candle_amp::AmpError>,
+    },
     /// The pipeline failed (`candle-pipeline`): the error names the worker and the action
     /// (microbatch and stage) where it happened.
     #[error("pipeline: {0}")]

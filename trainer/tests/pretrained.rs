@@ -3,7 +3,6 @@
 //! training context; `config.json` names the vocabulary's own special tokens.
 
 mod common;
-mod support;
 
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
@@ -84,13 +83,13 @@ fn finetune(out: &Path, from: &Path, data: &Path) -> TrainConfig {
 #[test]
 fn finetuning_at_a_shorter_context_keeps_the_pretrained_positions() {
     let tmp = tempfile::tempdir().unwrap();
-    let hf = support::hf_model_dir(&tmp.path().join("hf"), 32);
-    support::corpus(&tmp.path().join("data"));
+    let hf = common::hf::hf_model_dir(&tmp.path().join("hf"), 32);
+    common::hf::corpus(&tmp.path().join("data"));
     let out = tmp.path().join("ft");
     let t = run(finetune(&out, &hf, &tmp.path().join("data")));
     assert_eq!(t.model.config().max_positions(), 32);
     let ckpt = checkpoint::resolve(&out).unwrap();
-    let cfg = support::config_json(&ckpt);
+    let cfg = common::hf::config_json(&ckpt);
     assert_eq!(cfg["n_positions"], 32, "{cfg}");
     assert_eq!(cfg["n_ctx"], 32, "{cfg}");
     let (before, after) = (wpe_rows(&hf), wpe_rows(&ckpt));
@@ -113,7 +112,7 @@ fn finetuning_at_a_shorter_context_keeps_the_pretrained_positions() {
         .unwrap();
     let ckpt = checkpoint::resolve(&out).unwrap();
     assert!(ckpt.ends_with("step-0000004"), "{}", ckpt.display());
-    assert_eq!(support::config_json(&ckpt)["n_positions"], 32);
+    assert_eq!(common::hf::config_json(&ckpt)["n_positions"], 32);
     assert!(resumed.evaluate().unwrap().val_loss.is_finite());
     // The whole pretrained context is usable after fine-tuning.
     let idx = candle_core::Tensor::zeros((1, 32), DType::U32, &Device::Cpu).unwrap();
@@ -121,14 +120,14 @@ fn finetuning_at_a_shorter_context_keeps_the_pretrained_positions() {
         .model
         .forward(&idx, &trainer::model::Ctx::eval())
         .unwrap();
-    assert_eq!(logits.dims(), &[1, 32, support::WORDS.len()]);
+    assert_eq!(logits.dims(), &[1, 32, common::hf::WORDS.len()]);
 }
 
 #[test]
 fn shorter_context_trains_with_remat_and_pipeline() {
     let tmp = tempfile::tempdir().unwrap();
-    let hf = support::hf_model_dir(&tmp.path().join("hf"), 32);
-    support::corpus(&tmp.path().join("data"));
+    let hf = common::hf::hf_model_dir(&tmp.path().join("hf"), 32);
+    common::hf::corpus(&tmp.path().join("data"));
     let data = tmp.path().join("data");
     let plain = run(finetune(&tmp.path().join("plain"), &hf, &data));
     let remat = run(TrainConfig {
@@ -161,8 +160,8 @@ fn shorter_context_trains_with_remat_and_pipeline() {
 fn config_json_names_the_vocabularys_special_tokens() {
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data");
-    let corpus = support::corpus(&data);
-    let tok = support::tokenizer(&data);
+    let corpus = common::hf::corpus(&data);
+    let tok = common::hf::tokenizer(&data);
     // A fresh model over the tiny tokenizer: `<|endoftext|>` is id 9, not GPT-2's 50256.
     let out = tmp.path().join("tok");
     run(TrainConfig {
@@ -173,9 +172,9 @@ fn config_json_names_the_vocabularys_special_tokens() {
         max_iters: 1,
         ..tiny_config(&out)
     });
-    let cfg = support::config_json(&checkpoint::resolve(&out).unwrap());
-    assert_eq!(cfg["eos_token_id"], support::ENDOFTEXT, "{cfg}");
-    assert_eq!(cfg["bos_token_id"], support::ENDOFTEXT, "{cfg}");
+    let cfg = common::hf::config_json(&checkpoint::resolve(&out).unwrap());
+    assert_eq!(cfg["eos_token_id"], common::hf::ENDOFTEXT, "{cfg}");
+    assert_eq!(cfg["bos_token_id"], common::hf::ENDOFTEXT, "{cfg}");
     // A character vocabulary has no such token: the ids are written as null (transformers'
     // GPT2Config would otherwise default them to 50256).
     let out = tmp.path().join("char");
@@ -186,7 +185,7 @@ fn config_json_names_the_vocabularys_special_tokens() {
         max_iters: 1,
         ..tiny_config(&out)
     });
-    let cfg = support::config_json(&checkpoint::resolve(&out).unwrap());
+    let cfg = common::hf::config_json(&checkpoint::resolve(&out).unwrap());
     for key in ["eos_token_id", "bos_token_id"] {
         assert_eq!(cfg.get(key), Some(&serde_json::Value::Null), "{key}: {cfg}");
     }

@@ -3,7 +3,7 @@
 //! `inspect` failing on weights that do not match their config. Nothing is downloaded: the
 //! tests build the model directories and the hub cache themselves.
 
-mod support;
+mod common;
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -46,9 +46,9 @@ fn sample_and_eval_bare_hf_models() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let home = dir.join("home");
-    support::hf_model_dir(&dir.join("hf"), 32);
-    support::hub_cache(&home.join("hf"), ID, &dir.join("hf"));
-    support::corpus(dir);
+    common::hf::hf_model_dir(&dir.join("hf"), 32);
+    common::hf::hub_cache(&home.join("hf"), ID, &dir.join("hf"));
+    common::hf::corpus(dir);
 
     for model in ["hf", ID] {
         let out = ok(trainer(
@@ -129,9 +129,9 @@ fn train_init_from_a_hub_id_then_sample_and_eval_the_run() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let home = dir.join("home");
-    support::hf_model_dir(&dir.join("hf"), 32);
-    support::hub_cache(&home.join("hf"), ID, &dir.join("hf"));
-    support::corpus(dir);
+    common::hf::hf_model_dir(&dir.join("hf"), 32);
+    common::hf::hub_cache(&home.join("hf"), ID, &dir.join("hf"));
+    common::hf::corpus(dir);
     ok(trainer(
         &[
             "train",
@@ -204,12 +204,12 @@ fn train_init_from_a_hub_id_then_sample_and_eval_the_run() {
 fn inspect_fails_on_weights_that_do_not_match_the_config() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let hf = support::hf_model_dir(&dir.join("hf"), 16);
+    let hf = common::hf::hf_model_dir(&dir.join("hf"), 16);
     let out = ok(trainer(&["inspect", "hf"], dir, dir));
     assert!(out.contains("weights match the config"), "{out}");
 
     // config.json claims 3 layers; the weights have 2.
-    let mut cfg = support::config_json(&hf);
+    let mut cfg = common::hf::config_json(&hf);
     cfg["n_layer"] = 3.into();
     std::fs::write(hf.join("config.json"), cfg.to_string()).unwrap();
     let err = fails(trainer(&["inspect", "hf"], dir, dir));

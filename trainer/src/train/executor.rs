@@ -130,9 +130,11 @@ pub fn remat_plan(
         return Ok(None);
     }
     let costs = model.chain_costs(config.batch_size, config.block_size, dtype, config.kernels);
-    let plan = policy
-        .plan(&costs)
-        .map_err(|e| Error::Config(format!("remat `{policy}`: {e}")))?;
+    let plan = policy.plan(&costs).map_err(|e| Error::RematPlan {
+        policy: policy.to_string(),
+        where_: "",
+        source: Box::new(e),
+    })?;
     tracing::info!("activation checkpointing plan:\n{plan}");
     Ok(Some(plan))
 }

@@ -199,9 +199,10 @@ impl Trainer {
                 t.config.loss_scale
             );
         } else if path.exists() {
-            t.amp
-                .load_state(&path)
-                .map_err(|e| Error::checkpoint(&path, e.to_string()))?;
+            t.amp.load_state(&path).map_err(|e| Error::AmpState {
+                path: path.clone(),
+                source: Box::new(e),
+            })?;
         } else if t.config.dtype != Precision::F32 {
             tracing::warn!(
                 "{} has no loss-scaler state (saved as {}): starting a fresh scaler",

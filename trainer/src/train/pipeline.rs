@@ -109,7 +109,11 @@ fn stage_recompute(
     let blocks = links.iter().filter(|l| l.is_block()).count();
     let plan = policy
         .plan(&costs_of(blocks))
-        .map_err(|e| Error::Config(format!("remat `{policy}` in a pipeline stage: {e}")))?;
+        .map_err(|e| Error::RematPlan {
+            policy: policy.to_string(),
+            where_: " in a pipeline stage",
+            source: Box::new(e),
+        })?;
     Ok(plan
         .segments
         .iter()

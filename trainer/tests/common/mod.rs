@@ -1,6 +1,8 @@
 //! Shared helpers for the trainer's integration tests.
 #![allow(dead_code)]
 
+pub mod hf;
+
 use std::path::Path;
 
 use trainer::config::TrainConfig;

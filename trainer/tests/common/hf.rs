@@ -1,7 +1,6 @@
 //! Hugging Face-style fixtures built by the tests themselves (nothing is downloaded): a tiny
 //! word-level `tokenizer.json`, a corpus in its words, model directories (`config.json` +
 //! `model.safetensors` + `tokenizer.json`) and a local hub cache.
-#![allow(dead_code)]
 
 use std::fs;
 use std::path::{Path, PathBuf};
