@@ -14,3 +14,8 @@ pub use candle_fused as fused;
 pub use candle_pipeline as pipeline;
 pub use candle_remat as remat;
 pub use trainer;
+
+// The workspace README's code blocks compile as doctests (`cargo test --doc -p candle-train`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme {}

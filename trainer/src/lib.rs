@@ -31,3 +31,8 @@ pub mod schedule;
 pub mod train;
 
 pub use error::{Error, Result};
+
+// The README's code blocks compile as doctests (`cargo test --doc -p trainer`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme {}
