@@ -270,16 +270,11 @@ mod tests {
 
     fn sample() -> ScalerState {
         ScalerState {
-            scale: 0.1f64 * 3.0, // not a power of two: exercises exact float formatting
-            growth_tracker: 17,
-            hysteresis_left: 2,
-            steps: 1 << 40,
-            applied: 123,
-            skipped: 45,
-            overflows: 46,
-            consecutive_skips: 3,
-            backoffs: 7,
-            growths: 8,
+            scale: 0.1f64 * 7.0, // not a power of two: exercises exact float formatting
+            steps: (1 << 50) + 3,
+            skipped: 9,
+            overflows: 9,
+            ..ScalerState::initial(1.0, 4)
         }
     }
 
