@@ -7,8 +7,8 @@
 //!
 //! (default 60 steps) on `data/tinyshakespeare.txt`, char-level (the trainer's data module).
 //! The model casts its f32 parameters to the compute dtype at use (`WeightMode::Cast`), so
-//! gradients arrive in f32; `Amp` checks them for overflow, unscales and clips them in one
-//! coefficient handed to the trainer's fused AdamW (`Amp::step_fused`). f16 uses a dynamic
+//! gradients arrive in f32; `Amp::step` checks them for overflow with the trainer's fused AdamW's
+//! own norm, and hands that AdamW one coefficient that unscales and clips them. f16 uses a dynamic
 //! loss scale; bf16 and f32 need none. The full comparison with timings and peak heap is
 //! `cargo bench -p candle-amp --bench amp`.
 
@@ -20,8 +20,8 @@ use candle_nn::Optimizer as _;
 use candle_train::amp::{Amp, MasterWeights, ScalerConfig, StepOutcome, WeightMode};
 use candle_train::trainer::data::{DataKind, DataSource, DataSpec, Split, TextSource};
 use candle_train::trainer::model::gpt2::{Gpt, GptConfig};
-use candle_train::trainer::model::{cross_entropy, Ctx, Kernels};
-use candle_train::trainer::optim::{global_grad_norm, AdamW, AdamWConfig};
+use candle_train::trainer::model::{cross_entropy, Ctx};
+use candle_train::trainer::optim::{AdamW, AdamWConfig};
 
 const BATCH: usize = 8;
 const EVAL_BATCHES: u64 = 4;
@@ -58,15 +58,14 @@ fn train(dtype: DType, cfg: &GptConfig, data: &TextSource, steps: u64) -> Result
     let mut amp = Amp::new(weights, scaler)?.with_clip_norm(Some(1.0))?;
     let mut opt = AdamW::new(&params, AdamWConfig::default())?;
     opt.set_learning_rate(3e-3);
-    let (vars, train) = (params.vars(), data.tokens(Split::Train));
+    let train = data.tokens(Split::Train);
     let (mut skipped, start) = (0, Instant::now());
     for step in 0..steps {
         let (x, y) = batch(train, cfg.block_size, step, &dev)?;
         let ctx = Ctx::train(step).with_dtype(dtype);
         let loss = cross_entropy(&model.to_dtype(dtype)?.forward(&x, &ctx)?, &y, None)?;
         let grads = amp.backward(&loss)?; // of the loss times the current scale
-        let norm = global_grad_norm(&grads, &vars, Kernels::Fused)?;
-        match amp.step_fused(&grads, norm, |coef| opt.apply_scaled(&grads, coef))? {
+        match amp.step(&grads, &mut opt)? {
             StepOutcome::Skipped {
                 scale_before,
                 scale_after,

@@ -198,7 +198,7 @@ fn amp_steps_remat_grads(cfg: &GptConfig, model: &Gpt, params: &Params, x: &Tens
         .unwrap()
         .mean;
     let grads = tape.backward(&amp.scale_loss(&loss).unwrap()).unwrap();
-    let outcome = amp.step(&mut opt, &grads).unwrap();
+    let outcome = amp.step(&grads, &mut opt).unwrap();
     assert!(outcome.is_applied(), "{outcome}");
     let after = params.tensor("transformer.h.0.mlp.c_fc.weight").unwrap();
     let moved = (after - before).unwrap().abs().unwrap().sum_all().unwrap();

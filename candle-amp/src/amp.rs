@@ -2,99 +2,82 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::time::{Duration, Instant};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
-use candle_nn::Optimizer;
 
 use crate::check::{self, GradCheck};
 use crate::error::{AmpError, Result};
-use crate::master::MasterWeights;
+use crate::master::{MasterWeights, WeightMode};
 use crate::outcome::{SkipReason, StepOutcome};
-use crate::scaler::{CollapsePolicy, LossScaler, ScaleChange, ScaleUpdate, ScalerConfig};
+use crate::scaler::{CollapsePolicy, LossScaler, ScaleChange, ScalerConfig};
 use crate::state::ScalerState;
+use crate::update::ScaledUpdate;
 
 /// Metadata key under which [`Amp::save_state`] records the configuration.
 const CONFIG_KEY: &str = "amp.config";
 
-/// Mixed-precision training driver: owns the [`MasterWeights`] and a [`LossScaler`], scales
-/// the loss, checks and unscales gradients, optionally clips them, and steps any optimiser
-/// over the f32 masters, returning a [`StepOutcome`] every step.
+/// Mixed-precision training driver (PyTorch's `GradScaler`, plus the f32 master weights):
+/// owns the [`MasterWeights`] and the loss scaler, scales the loss, and runs the
+/// overflow-checked optimiser step, returning a [`StepOutcome`] every step.
+///
+/// With [`ScalerConfig::none`] in f32 it is a no-op scaler (PyTorch's
+/// `GradScaler(enabled=False)`) that still clips and still refuses non-finite gradients, so
+/// one training step serves every precision.
 ///
 /// ```
-/// use candle_amp::{Amp, MasterWeights, ScalerConfig, WeightMode};
+/// use candle_amp::{Amp, MasterWeights, Plain, ScalerConfig, WeightMode};
 /// use candle_core::{DType, Device, Tensor, Var};
-/// use candle_nn::Optimizer;
-/// let dev = Device::Cpu;
-/// let w = Var::from_tensor(&Tensor::new(&[1f32, -2.0], &dev)?)?;
+/// use candle_nn::Optimizer as _;
+/// let w = Var::from_tensor(&Tensor::new(&[1f32, -2.0], &Device::Cpu)?)?;
 /// let weights = MasterWeights::new([("w".into(), w.clone())], DType::F16, WeightMode::Cast)?;
 /// // The default initial scale 2^16 would overflow this f16 loss's own gradient (1 * scale
 /// // > 65504) and skip the first step; start lower.
 /// let cfg = ScalerConfig::dynamic().init_scale(1024.0);
 /// let mut amp = Amp::new(weights, cfg)?.with_clip_norm(Some(1.0))?;
-/// let mut opt = candle_nn::SGD::new(amp.master_vars(), 0.1)?;
+/// let mut opt = candle_nn::SGD::new(amp.weights().master_vars(), 0.1)?;
 /// let loss = w.as_tensor().to_dtype(DType::F16)?.sqr()?.sum_all()?; // forward in f16
 /// let grads = amp.backward(&loss)?; // loss upcast to f32, multiplied by the scale
-/// let outcome = amp.step(&mut opt, &grads)?;
+/// let outcome = amp.step(&grads, &mut Plain(&mut opt))?;
 /// assert!(outcome.is_applied());
 /// # Ok::<(), candle_amp::AmpError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct Amp {
     weights: MasterWeights,
+    /// The master variables, in registration order (what the update steps).
+    masters: Vec<Var>,
     scaler: LossScaler,
     clip_norm: Option<f64>,
-    last_check: Duration,
 }
 
 impl Amp {
     /// Creates the driver; fails if the scaler configuration is invalid.
     pub fn new(weights: MasterWeights, config: ScalerConfig) -> Result<Self> {
         Ok(Self {
+            masters: weights.master_vars(),
             weights,
             scaler: LossScaler::new(config)?,
             clip_norm: None,
-            last_check: Duration::ZERO,
         })
     }
 
     /// Enables (`Some(max_norm)`) or disables global-norm clipping of the unscaled gradients
     /// (PyTorch's `clip_grad_norm_`: multiply by `min(1, max_norm / (norm + 1e-6))`).
     pub fn with_clip_norm(mut self, max_norm: Option<f64>) -> Result<Self> {
-        self.set_clip_norm(max_norm)?;
-        Ok(self)
-    }
-
-    /// Changes the clipping threshold (`None` disables clipping).
-    pub fn set_clip_norm(&mut self, max_norm: Option<f64>) -> Result<()> {
         if let Some(m) = max_norm {
             if !(m.is_finite() && m > 0.0) {
                 return Err(AmpError::Config(format!("clip norm must be > 0, got {m}")));
             }
         }
         self.clip_norm = max_norm;
-        Ok(())
+        Ok(self)
     }
 
-    /// The clipping threshold, if clipping is enabled.
-    pub fn clip_norm(&self) -> Option<f64> {
-        self.clip_norm
-    }
-
-    /// The registered weights.
+    /// The registered weights (their f32 masters build the optimiser; in
+    /// [`WeightMode::Copies`] their compute copies build the model).
     pub fn weights(&self) -> &MasterWeights {
         &self.weights
-    }
-
-    /// Clones of the f32 master variables, to build the optimiser with.
-    pub fn master_vars(&self) -> Vec<Var> {
-        self.weights.master_vars()
-    }
-
-    /// The loss scaler.
-    pub fn scaler(&self) -> &LossScaler {
-        &self.scaler
     }
 
     /// The current loss scale.
@@ -107,7 +90,7 @@ impl Amp {
         self.scaler.state()
     }
 
-    /// Restores a saved scaler state.
+    /// Restores a saved scaler state (e.g. one read with [`ScalerState::from_tensors`]).
     pub fn set_state(&mut self, state: ScalerState) -> Result<()> {
         self.scaler.set_state(state)
     }
@@ -139,12 +122,6 @@ impl Amp {
         format!("{:?}; clip_norm={:?}", self.scaler.config(), self.clip_norm)
     }
 
-    /// Wall time of the last step's overflow check (gradient upcast, one fused reduction,
-    /// one host sync; plus the per-parameter scan on the failure path).
-    pub fn last_check_time(&self) -> Duration {
-        self.last_check
-    }
-
     /// The loss upcast to f32 and multiplied by the current scale.
     pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
         Ok(loss.to_dtype(DType::F32)?.affine(self.scale(), 0.0)?)
@@ -155,120 +132,57 @@ impl Amp {
         Ok(self.scale_loss(loss)?.backward()?)
     }
 
-    /// Checks gradients (computed at the current scale) without touching any state: one
-    /// reduction and one host sync; on failure, names the non-finite parameters.
-    pub fn check_grads(&self, grads: &GradStore) -> Result<GradCheck> {
-        check::check(&self.weights, grads, self.scale())
-    }
-
-    /// Checks the gradients, then either unscales (and clips) them and calls
-    /// `opt.step` on the f32 masters, or skips the update and backs off.
+    /// The overflow-checked optimiser step: asks `update` for the global norm of the scaled
+    /// gradients (one reduction); if it is finite, calls `update.apply(grads, masters, coef)`
+    /// once, with `coef` folding unscaling and clipping, so no unscaled or clipped copy of
+    /// the gradients is made; otherwise scans the gradients to name the non-finite
+    /// parameters, skips the update and backs the scale off. A non-finite norm of finite
+    /// gradients (squares past the f32 range) is recomputed exactly and the step applied.
     ///
     /// `grads` must come from the backward of [`scale_loss`](Self::scale_loss) at the
-    /// current scale; `opt` must have been built over the master variables
-    /// ([`master_vars`](Self::master_vars), or the same `Var`s from the `VarMap`). Returns
+    /// current scale. The update steps the f32 master variables, in registration order; it
+    /// receives the gradients keyed by them (in [`WeightMode::Copies`], the compute copies'
+    /// gradients upcast to f32). Use [`Plain`](crate::Plain) for any `candle_nn::Optimizer`.
+    ///
+    /// A caller that wants to retry a skipped step calls `backward` again (at the new scale)
+    /// and `step` again: Candle keeps the graph alive while the loss lives.
+    ///
+    /// Errors: [`AmpError::Update`] if the update fails (the step is then not counted), and
     /// [`AmpError::ScaleCollapse`] if the scale cannot back off any further and the policy is
     /// [`CollapsePolicy::Error`].
-    pub fn step<O: Optimizer>(&mut self, opt: &mut O, grads: &GradStore) -> Result<StepOutcome> {
-        self.step_with(grads, |g| opt.step(g))
-    }
-
-    /// Like [`step`](Self::step) with any update closure: it receives a `GradStore` holding
-    /// the unscaled, clipped f32 gradients keyed by the master variables.
-    pub fn step_with<F>(&mut self, grads: &GradStore, apply: F) -> Result<StepOutcome>
-    where
-        F: FnOnce(&GradStore) -> candle_core::Result<()>,
-    {
-        let step = self.scaler.state().steps;
-        let scale = self.scale();
-        let t0 = Instant::now();
-        let check = check::check(&self.weights, grads, scale)?;
-        self.last_check = t0.elapsed();
-        if check.finite {
-            return self.apply(step, scale, &check, 0, apply);
-        }
-        let upd = self.scaler.on_overflow(false);
-        self.skip(step, upd, check, 0, SkipReason::NonFiniteGradients)
-    }
-
-    /// The overflow-checked step for an update that applies a gradient coefficient itself
-    /// (e.g. a fused AdamW that multiplies each gradient as it reads it), so that no
-    /// unscaled or clipped copy of the gradients is made.
-    ///
-    /// `scaled_norm` is the global L2 norm of `grads` as they are (at the current scale),
-    /// computed by the caller (one fused reduction). When it is finite, `apply(coef)` must
-    /// update the masters with `coef * grad` (`coef` folds unscaling and clipping); otherwise
-    /// the gradients are scanned to name the non-finite parameters, the update is skipped and
-    /// the scale backs off, as in [`step`](Self::step).
-    ///
-    /// With [`ScalerConfig::none`] in f32 this is a plain clipped step: the scaler is a no-op
-    /// (PyTorch's `GradScaler(enabled=False)`) and `coef` is the clip coefficient.
-    ///
-    /// ```
-    /// use candle_amp::{Amp, MasterWeights, ScalerConfig, WeightMode};
-    /// use candle_core::{DType, Device, Tensor, Var};
-    /// let dev = Device::Cpu;
-    /// let w = Var::from_tensor(&Tensor::new(&[3f32, 4.0], &dev)?)?;
-    /// let weights = MasterWeights::new([("w".into(), w.clone())], DType::F32, WeightMode::Cast)?;
-    /// let mut amp = Amp::new(weights, ScalerConfig::none())?.with_clip_norm(Some(1.0))?;
-    /// let grads = w.as_tensor().sqr()?.sum_all()?.affine(0.5, 0.0)?.backward()?; // grad = w
-    /// let norm = 5.0; // |(3, 4)|
-    /// let mut used = 0.0;
-    /// let outcome = amp.step_fused(&grads, norm, |coef| {
-    ///     used = coef;
-    ///     Ok(())
-    /// })?;
-    /// assert!(outcome.is_applied());
-    /// assert!((used - 1.0 / (5.0 + 1e-6)).abs() < 1e-12); // clipped to norm 1
-    /// # Ok::<(), candle_amp::AmpError>(())
-    /// ```
-    pub fn step_fused<F>(
+    pub fn step<U: ScaledUpdate + ?Sized>(
         &mut self,
         grads: &GradStore,
-        scaled_norm: f32,
-        apply: F,
-    ) -> Result<StepOutcome>
-    where
-        F: FnOnce(f64) -> candle_core::Result<()>,
-    {
+        update: &mut U,
+    ) -> Result<StepOutcome> {
         let step = self.scaler.state().steps;
         let scale = self.scale();
-        if scaled_norm.is_finite() {
-            let grad_norm = f64::from(scaled_norm) / scale;
-            let clip_coef = self.clip_coefficient(grad_norm);
-            apply(clip_coef / scale)?;
-            return self.finish_applied(step, scale, grad_norm, clip_coef, 0);
-        }
-        let t0 = Instant::now();
-        let check = check::check(&self.weights, grads, scale)?;
-        self.last_check = t0.elapsed();
-        if check.finite {
-            // Every gradient is finite, only the caller's norm overflowed (squares past the
-            // f32 range): the check's norm is computed scaled down, so it is finite.
-            let grad_norm = check.sq_norm.sqrt();
-            let clip_coef = self.clip_coefficient(grad_norm);
-            apply(clip_coef / scale)?;
-            return self.finish_applied(step, scale, grad_norm, clip_coef, 0);
-        }
-        let upd = self.scaler.on_overflow(false);
-        self.skip(step, upd, check, 0, SkipReason::NonFiniteGradients)
-    }
-
-    fn clip_coefficient(&self, grad_norm: f64) -> f64 {
-        match self.clip_norm {
-            Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
-            None => 1.0,
-        }
-    }
-
-    fn finish_applied(
-        &mut self,
-        step: u64,
-        scale: f64,
-        grad_norm: f64,
-        clip_coef: f64,
-        retries: u32,
-    ) -> Result<StepOutcome> {
+        let rekeyed;
+        let master_grads = match self.weights.mode() {
+            WeightMode::Cast => grads,
+            WeightMode::Copies => {
+                rekeyed = self.weights.master_grads(grads)?;
+                &rekeyed
+            }
+        };
+        let scaled_norm = update
+            .grad_norm(master_grads, &self.masters)
+            .map_err(AmpError::update)?;
+        let grad_norm = if scaled_norm.is_finite() {
+            scaled_norm / scale
+        } else {
+            let check = check::scan(&self.weights, grads, scale)?;
+            if !check.finite {
+                return self.skip(step, check);
+            }
+            // Every gradient is finite, only the f32 sum of squares overflowed: the scan's
+            // norm is computed scaled down, so it is finite.
+            check.sq_norm.sqrt()
+        };
+        let clip_coef = self.clip_coefficient(grad_norm);
+        update
+            .apply(master_grads, &self.masters, clip_coef / scale)
+            .map_err(AmpError::update)?;
         self.weights.refresh()?;
         let upd = self.scaler.on_clean();
         self.scaler.finish_step(true);
@@ -280,114 +194,18 @@ impl Amp {
             scale,
             next_scale: upd.after,
             change: upd.change,
-            retries,
         })
     }
 
-    /// Recompute-until-finite (TF's `LossScaleGradientTape`): `backward(scale)` must return
-    /// the gradients of the same batch's loss multiplied by `scale`; on overflow the scale
-    /// backs off (hysteresis is bypassed: the same scale would overflow again) and the
-    /// backward is re-run, at most `max_retries` times. Counts as one step.
-    ///
-    /// Candle keeps the graph alive while the loss lives, so the closure can be
-    /// `|s| Ok((loss.to_dtype(DType::F32)? * s)?.backward()?)` without a new forward.
-    pub fn step_recompute<O, G>(
-        &mut self,
-        opt: &mut O,
-        max_retries: u32,
-        backward: G,
-    ) -> Result<StepOutcome>
-    where
-        O: Optimizer,
-        G: FnMut(f64) -> candle_core::Result<GradStore>,
-    {
-        self.step_recompute_with(max_retries, backward, |g| opt.step(g))
-    }
-
-    /// [`step_recompute`](Self::step_recompute) for an already computed loss: re-runs
-    /// `(loss_f32 * scale).backward()` on the same graph (no new forward).
-    pub fn step_recompute_loss<O: Optimizer>(
-        &mut self,
-        opt: &mut O,
-        loss: &Tensor,
-        max_retries: u32,
-    ) -> Result<StepOutcome> {
-        let loss = loss.to_dtype(DType::F32)?;
-        self.step_recompute(opt, max_retries, |s| loss.affine(s, 0.0)?.backward())
-    }
-
-    /// [`step_recompute`](Self::step_recompute) with an update closure.
-    pub fn step_recompute_with<F, G>(
-        &mut self,
-        max_retries: u32,
-        mut backward: G,
-        apply: F,
-    ) -> Result<StepOutcome>
-    where
-        F: FnOnce(&GradStore) -> candle_core::Result<()>,
-        G: FnMut(f64) -> candle_core::Result<GradStore>,
-    {
-        let step = self.scaler.state().steps;
-        let mut retries = 0;
-        loop {
-            let scale = self.scale();
-            let grads = backward(scale)?;
-            let t0 = Instant::now();
-            let check = check::check(&self.weights, &grads, scale)?;
-            self.last_check = t0.elapsed();
-            if check.finite {
-                return self.apply(step, scale, &check, retries, apply);
-            }
-            let upd = self.scaler.on_overflow(true);
-            let can_retry = upd.change == ScaleChange::BackedOff;
-            if !can_retry || retries >= max_retries {
-                let reason = if can_retry {
-                    SkipReason::RetriesExhausted
-                } else {
-                    SkipReason::NonFiniteGradients
-                };
-                return self.skip(step, upd, check, retries, reason);
-            }
-            tracing::debug!(step, scale, next = upd.after, "overflow, recomputing");
-            retries += 1;
+    fn clip_coefficient(&self, grad_norm: f64) -> f64 {
+        match self.clip_norm {
+            Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
+            None => 1.0,
         }
     }
 
-    fn apply<F>(
-        &mut self,
-        step: u64,
-        scale: f64,
-        check: &GradCheck,
-        retries: u32,
-        apply: F,
-    ) -> Result<StepOutcome>
-    where
-        F: FnOnce(&GradStore) -> candle_core::Result<()>,
-    {
-        let grad_norm = check.sq_norm.sqrt();
-        let clip_coef = self.clip_coefficient(grad_norm);
-        let coef = clip_coef / scale;
-        let mut store = GradStore::default();
-        for (i, g) in &check.grads {
-            let g = if coef == 1.0 {
-                g.clone()
-            } else {
-                g.affine(coef, 0.0)?
-            };
-            store.insert(self.weights.params()[*i].master(), g);
-        }
-        apply(&store)?;
-        self.finish_applied(step, scale, grad_norm, clip_coef, retries)
-    }
-
-    fn skip(
-        &mut self,
-        step: u64,
-        upd: ScaleUpdate,
-        check: GradCheck,
-        retries: u32,
-        reason: SkipReason,
-    ) -> Result<StepOutcome> {
+    fn skip(&mut self, step: u64, check: GradCheck) -> Result<StepOutcome> {
+        let upd = self.scaler.on_overflow();
         self.scaler.finish_step(false);
         let names: Vec<String> = check.nonfinite.iter().map(|n| n.name.clone()).collect();
         let reason = if upd.change == ScaleChange::Collapsed {
@@ -413,7 +231,7 @@ impl Amp {
                 CollapsePolicy::Continue => SkipReason::ScaleCollapsed,
             }
         } else {
-            reason
+            SkipReason::NonFiniteGradients
         };
         // Reported in the returned outcome; the caller decides how loudly.
         tracing::debug!(
@@ -431,7 +249,6 @@ impl Amp {
             scale_after: upd.after,
             change: upd.change,
             nonfinite_params: names,
-            retries,
         })
     }
 }

@@ -4,9 +4,16 @@
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum AmpError {
-    /// An error from a Candle operation (including the user's optimiser or closure).
+    /// An error from a Candle operation of the crate's own.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+
+    /// The optimiser update ([`ScaledUpdate`](crate::ScaledUpdate)) failed, computing the
+    /// gradient norm or applying the update; its error is the cause. The step was not
+    /// counted (the scaler state is unchanged), but an update that failed midway may have
+    /// changed some weights.
+    #[error("the optimiser update failed")]
+    Update(#[source] Box<dyn std::error::Error + Send + Sync>),
 
     /// The dynamic loss scale had to back off below its minimum while gradients were still
     /// non-finite, and the [`CollapsePolicy`](crate::CollapsePolicy) is `Error`.
@@ -53,6 +60,13 @@ pub enum AmpError {
     /// An I/O error while reading or writing state.
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
+}
+
+impl AmpError {
+    /// Wraps an error of the optimiser update.
+    pub(crate) fn update(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self::Update(Box::new(e))
+    }
 }
 
 /// Result alias using [`AmpError`].

@@ -12,7 +12,7 @@ use crate::error::{AmpError, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightMode {
     /// The model uses the f32 master `Var`s and casts them in its forward
-    /// (`w.to_dtype(F16)`, or [`PrecisionPolicy::weight`](crate::PrecisionPolicy::weight)).
+    /// (`w.to_dtype(F16)`).
     /// `to_dtype`'s backward casts the gradient back, so gradients arrive on the masters in
     /// f32. Nothing to refresh; one cast per weight per forward.
     Cast,
@@ -24,7 +24,7 @@ pub enum WeightMode {
 
 /// One registered parameter.
 #[derive(Debug, Clone)]
-pub struct MasterParam {
+pub(crate) struct MasterParam {
     name: String,
     master: Var,
     compute: Option<Var>,
@@ -34,16 +34,6 @@ impl MasterParam {
     /// The registered name.
     pub fn name(&self) -> &str {
         &self.name
-    }
-
-    /// The f32 master variable (what the optimiser steps).
-    pub fn master(&self) -> &Var {
-        &self.master
-    }
-
-    /// The compute copy, in [`WeightMode::Copies`].
-    pub fn compute(&self) -> Option<&Var> {
-        self.compute.as_ref()
     }
 
     /// The variable the model differentiates against.
@@ -140,7 +130,7 @@ impl MasterWeights {
     }
 
     /// The registered parameters, in registration order.
-    pub fn params(&self) -> &[MasterParam] {
+    pub(crate) fn params(&self) -> &[MasterParam] {
         &self.params
     }
 
@@ -184,18 +174,6 @@ impl MasterWeights {
         self.find(name).and_then(|p| p.compute.as_ref())
     }
 
-    /// The weight as the model should use it: the compute copy, or the master cast to the
-    /// compute dtype (a differentiable cast) in [`WeightMode::Cast`].
-    pub fn compute(&self, name: &str) -> Result<Option<Tensor>> {
-        match self.find(name) {
-            None => Ok(None),
-            Some(p) => match &p.compute {
-                Some(c) => Ok(Some(c.as_tensor().clone())),
-                None => Ok(Some(p.master.as_tensor().to_dtype(self.compute_dtype)?)),
-            },
-        }
-    }
-
     /// A `VarMap` holding the variables the model should be built from: the compute copies
     /// in [`WeightMode::Copies`], the masters in [`WeightMode::Cast`]. The variables are
     /// shared, not copied, so a `VarBuilder::from_varmap(&map, dtype, &device)` model trains
@@ -215,8 +193,8 @@ impl MasterWeights {
     }
 
     /// Copies the masters into the compute copies (no-op in [`WeightMode::Cast`]).
-    /// Called by [`Amp`](crate::Amp) after every applied step; call it yourself after
-    /// changing the masters by other means (e.g. loading a checkpoint).
+    /// Called by [`Amp::step`](crate::Amp::step) after every applied step; call it yourself
+    /// after changing the masters by other means (e.g. loading a checkpoint).
     pub fn refresh(&self) -> Result<()> {
         for p in &self.params {
             if let Some(c) = &p.compute {
@@ -229,6 +207,18 @@ impl MasterWeights {
     /// The gradient of parameter `i` in a store produced by the model's backward.
     pub(crate) fn grad<'a>(&self, i: usize, grads: &'a GradStore) -> Option<&'a Tensor> {
         grads.get(self.params[i].grad_key())
+    }
+
+    /// The gradients of the compute copies ([`WeightMode::Copies`]) upcast to f32 and keyed
+    /// by the masters, for the optimiser (the upcast is free for f32 copies).
+    pub(crate) fn master_grads(&self, grads: &GradStore) -> Result<GradStore> {
+        let mut out = GradStore::default();
+        for (i, p) in self.params.iter().enumerate() {
+            if let Some(g) = self.grad(i, grads) {
+                out.insert(&p.master, g.to_dtype(DType::F32)?);
+            }
+        }
+        Ok(out)
     }
 
     fn find(&self, name: &str) -> Option<&MasterParam> {

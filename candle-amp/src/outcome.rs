@@ -11,11 +11,9 @@ pub enum SkipReason {
     /// Gradients held inf or NaN while the scale was already at its minimum and
     /// [`CollapsePolicy::Continue`](crate::CollapsePolicy::Continue) is set.
     ScaleCollapsed,
-    /// In recompute mode: every retry at a lower scale still overflowed.
-    RetriesExhausted,
 }
 
-/// The result of [`Amp::step`](crate::Amp::step) and friends: every step says what happened.
+/// The result of [`Amp::step`](crate::Amp::step): every step says what happened.
 ///
 /// ```
 /// # use candle_amp::StepOutcome;
@@ -44,8 +42,6 @@ pub enum StepOutcome {
         next_scale: f64,
         /// Change of the scale made by this step (`Grew` or `Unchanged`).
         change: ScaleChange,
-        /// Recompute retries needed before the gradients were finite (0 normally).
-        retries: u32,
     },
     /// The update was skipped: no weight or optimiser state changed.
     Skipped {
@@ -53,7 +49,7 @@ pub enum StepOutcome {
         step: u64,
         /// Why.
         reason: SkipReason,
-        /// Loss scale the (last) failing backward used.
+        /// Loss scale the failing backward used.
         scale_before: f64,
         /// Loss scale for the next step.
         scale_after: f64,
@@ -61,8 +57,6 @@ pub enum StepOutcome {
         change: ScaleChange,
         /// Names of the parameters whose gradients held inf/NaN (registration order).
         nonfinite_params: Vec<String>,
-        /// Recompute retries attempted.
-        retries: u32,
     },
 }
 
@@ -110,7 +104,6 @@ impl std::fmt::Display for StepOutcome {
                 clip_coef,
                 scale,
                 next_scale,
-                retries,
                 ..
             } => {
                 write!(
@@ -122,9 +115,6 @@ impl std::fmt::Display for StepOutcome {
                 }
                 if next_scale != scale {
                     write!(f, ", next scale {next_scale}")?;
-                }
-                if *retries > 0 {
-                    write!(f, ", after {retries} recompute(s)")?;
                 }
                 Ok(())
             }

@@ -23,7 +23,7 @@ pub enum ScalerKind {
     Dynamic,
 }
 
-/// Configuration of a [`LossScaler`], built with chained setters.
+/// Configuration of the loss scaler of an [`Amp`](crate::Amp), built with chained setters.
 ///
 /// ```
 /// use candle_amp::{CollapsePolicy, ScalerConfig};
@@ -159,7 +159,7 @@ impl ScalerConfig {
     }
 
     /// Checks that the values are usable.
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         let bad = |msg: String| Err(AmpError::Config(msg));
         let pos = |x: f64| x.is_finite() && x > 0.0;
         if !pos(self.init_scale) {
@@ -222,7 +222,7 @@ pub enum ScaleChange {
 
 /// The scale before and after one update.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ScaleUpdate {
+pub(crate) struct ScaleUpdate {
     /// Scale used for the step.
     pub before: f64,
     /// Scale for the next step.
@@ -231,21 +231,11 @@ pub struct ScaleUpdate {
     pub change: ScaleChange,
 }
 
-/// A loss scaler: its [`ScalerConfig`] plus the mutable [`ScalerState`].
-///
-/// Usually driven by [`Amp`](crate::Amp); it can also be used alone:
-///
-/// ```
-/// use candle_amp::{LossScaler, ScalerConfig, ScaleChange};
-/// let mut s = LossScaler::new(ScalerConfig::dynamic().growth_interval(2))?;
-/// assert_eq!(s.update(true).change, ScaleChange::BackedOff); // overflow: 65536 -> 32768
-/// s.update(false);
-/// assert_eq!(s.update(false).after, 65536.0); // two clean steps: grow
-/// assert_eq!((s.state().applied, s.state().skipped), (2, 1));
-/// # Ok::<(), candle_amp::AmpError>(())
-/// ```
+/// A loss scaler: its [`ScalerConfig`] plus the mutable [`ScalerState`]. [`Amp`](crate::Amp)
+/// drives it: [`on_overflow`](Self::on_overflow) or [`on_clean`](Self::on_clean), then
+/// [`finish_step`](Self::finish_step), once per step (PyTorch's `GradScaler.update`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct LossScaler {
+pub(crate) struct LossScaler {
     config: ScalerConfig,
     state: ScalerState,
 }
@@ -285,29 +275,17 @@ impl LossScaler {
         self.state.scale
     }
 
-    /// Records one complete step (PyTorch's `GradScaler.update`): `found_nonfinite` says
-    /// whether the gradients held inf/NaN (the step is then counted as skipped).
-    /// A collapse is reported in the returned change; the policy is applied by the caller.
-    pub fn update(&mut self, found_nonfinite: bool) -> ScaleUpdate {
-        let upd = if found_nonfinite {
-            self.on_overflow(false)
-        } else {
-            self.on_clean()
-        };
-        self.finish_step(!found_nonfinite);
-        upd
-    }
-
     /// Registers an overflow: resets the growth tracker and backs off unless hysteresis
-    /// absorbs it (`force_backoff` bypasses hysteresis, used by recompute retries).
-    pub fn on_overflow(&mut self, force_backoff: bool) -> ScaleUpdate {
+    /// absorbs it. A collapse is reported in the returned change; the policy is applied by
+    /// the caller.
+    pub fn on_overflow(&mut self) -> ScaleUpdate {
         let st = &mut self.state;
         let before = st.scale;
         st.overflows += 1;
         st.growth_tracker = 0;
         let change = match self.config.kind {
             ScalerKind::Static => ScaleChange::Unchanged,
-            ScalerKind::Dynamic if !force_backoff && st.hysteresis_left > 1 => {
+            ScalerKind::Dynamic if st.hysteresis_left > 1 => {
                 st.hysteresis_left -= 1;
                 ScaleChange::HysteresisAbsorbed
             }

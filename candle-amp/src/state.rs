@@ -13,8 +13,8 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{AmpError, Result};
 
-/// Default key prefix used by [`ScalerState::save`] and [`ScalerState::load`].
-pub const DEFAULT_PREFIX: &str = "amp.";
+/// Key prefix used by [`ScalerState::save`] and [`ScalerState::load`].
+pub(crate) const DEFAULT_PREFIX: &str = "amp.";
 
 /// Names of the counters, in the order they are stored in the `counters` tensor.
 const COUNTERS: [&str; 9] = [
@@ -44,7 +44,7 @@ pub struct ScalerState {
     pub applied: u64,
     /// Steps whose update was skipped.
     pub skipped: u64,
-    /// Overflow detections, including recompute retries.
+    /// Overflow detections (one per skipped step).
     pub overflows: u64,
     /// Skipped steps since the last applied one.
     pub consecutive_skips: u64,
@@ -161,7 +161,7 @@ impl ScalerState {
     }
 
     /// The state as string metadata (`<prefix>scale`, `<prefix>steps`, ...), exact.
-    pub fn to_metadata(&self, prefix: &str) -> HashMap<String, String> {
+    pub(crate) fn to_metadata(&self, prefix: &str) -> HashMap<String, String> {
         let mut m: HashMap<String, String> = COUNTERS
             .iter()
             .zip(self.counters())
@@ -172,7 +172,7 @@ impl ScalerState {
     }
 
     /// Reads the state written by [`to_metadata`](Self::to_metadata).
-    pub fn from_metadata(meta: &HashMap<String, String>, prefix: &str) -> Result<Self> {
+    pub(crate) fn from_metadata(meta: &HashMap<String, String>, prefix: &str) -> Result<Self> {
         let get = |name: &str| {
             meta.get(&format!("{prefix}{name}"))
                 .ok_or_else(|| AmpError::State(format!("missing metadata `{prefix}{name}`")))
@@ -191,15 +191,16 @@ impl ScalerState {
         Self::from_parts(scale, &counters)
     }
 
-    /// Writes the state to a safetensors file, as tensors and as metadata, under
-    /// [`DEFAULT_PREFIX`].
+    /// Writes the state to a safetensors file, as tensors and as metadata, under the prefix
+    /// `amp.`.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         self.save_with_metadata(path, HashMap::new())
     }
 
-    /// Like [`save`](Self::save) (written atomically: temporary file, fsync, rename), adding `extra` string metadata (keys must not collide
-    /// with the state's own `amp.*` keys, which win).
-    pub fn save_with_metadata(
+    /// Like [`save`](Self::save) (written atomically: temporary file, fsync, rename), adding
+    /// `extra` string metadata (keys must not collide with the state's own `amp.*` keys,
+    /// which win).
+    pub(crate) fn save_with_metadata(
         &self,
         path: impl AsRef<Path>,
         mut extra: HashMap<String, String>,
@@ -212,14 +213,14 @@ impl ScalerState {
     }
 
     /// The string metadata of a safetensors file (empty if it has none).
-    pub fn read_file_metadata(path: impl AsRef<Path>) -> Result<HashMap<String, String>> {
+    pub(crate) fn read_file_metadata(path: impl AsRef<Path>) -> Result<HashMap<String, String>> {
         let bytes = std::fs::read(path)?;
         let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)?;
         Ok(header.metadata().clone().unwrap_or_default())
     }
 
     /// Reads a file written by [`save`](Self::save) (or any safetensors file holding the
-    /// tensors or the metadata under [`DEFAULT_PREFIX`]).
+    /// tensors or the metadata under the prefix `amp.`).
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let bytes = std::fs::read(path)?;
         let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)?;
@@ -261,4 +262,41 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> ScalerState {
+        ScalerState {
+            scale: 0.1f64 * 7.0, // not a power of two: exercises exact float formatting
+            steps: (1 << 50) + 3,
+            skipped: 9,
+            overflows: 9,
+            ..ScalerState::initial(1.0, 4)
+        }
+    }
+
+    /// The metadata encoding alone is exact, and `load` falls back to it when a file holds
+    /// no amp tensors (e.g. the state embedded in someone's checkpoint header).
+    #[test]
+    fn metadata_round_trips_and_is_the_fallback() -> Result<()> {
+        let st = sample();
+        assert_eq!(ScalerState::from_metadata(&st.to_metadata("y/"), "y/")?, st);
+        let path = std::env::temp_dir().join(format!(
+            "candle-amp-{}-meta-only.safetensors",
+            std::process::id()
+        ));
+        let none: HashMap<String, Tensor> = HashMap::new();
+        let bytes = safetensors::serialize(none, Some(st.to_metadata(DEFAULT_PREFIX)))?;
+        std::fs::write(&path, bytes)?;
+        assert_eq!(ScalerState::load(&path)?, st);
+        std::fs::remove_file(path)?;
+        // Missing fields are an error, not a panic.
+        let mut m = st.to_metadata(DEFAULT_PREFIX);
+        m.remove("amp.skipped");
+        assert!(ScalerState::from_metadata(&m, DEFAULT_PREFIX).is_err());
+        Ok(())
+    }
 }

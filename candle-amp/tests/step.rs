@@ -2,11 +2,15 @@
 
 mod common;
 
-use candle_amp::{Amp, MasterWeights, ScalerConfig, SkipReason, StepOutcome, WeightMode};
+use std::fmt;
+
+use candle_amp::{
+    Amp, AmpError, MasterWeights, Plain, ScaledUpdate, ScalerConfig, StepOutcome, WeightMode,
+};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use common::{flat, uniform, var};
+use common::{flat, uniform, var, Record};
 
 /// A two-layer MLP with a softmax cross-entropy loss; weights cast to `dt` in the forward.
 struct Mlp {
@@ -84,11 +88,12 @@ fn master_step_equals_plain_f32_step() -> anyhow::Result<()> {
         let mut opt_p = AdamW::new(vec![plain.w1.clone(), plain.w2.clone()], params.clone())?;
         let mw = MasterWeights::new(mixed.named(), DType::F32, WeightMode::Cast)?;
         let mut amp = Amp::new(mw, ScalerConfig::dynamic().growth_interval(2))?;
-        let mut opt_m = AdamW::new(amp.master_vars(), params)?;
+        let mut opt_m = AdamW::new(amp.weights().master_vars(), params)?;
         for step in 0..5 {
             let (x, y) = data(seed + step, *n, *d_in, *d_out, &dev);
             opt_p.backward_step(&plain.loss(DType::F32, &x, &y)?)?;
-            let o = amp.step(&mut opt_m, &amp.backward(&mixed.loss(DType::F32, &x, &y)?)?)?;
+            let grads = amp.backward(&mixed.loss(DType::F32, &x, &y)?)?;
+            let o = amp.step(&grads, &mut Plain(&mut opt_m))?;
             assert!(o.is_applied());
         }
         assert!(amp.scale() > 65536.0, "growth happened");
@@ -117,13 +122,16 @@ fn copies_equal_casts_in_f16_and_bf16() -> anyhow::Result<()> {
             wb.compute_var("w2").expect("c").clone(),
         );
         let mut amp_b = Amp::new(wb, ScalerConfig::dynamic())?;
-        let mut opt_a = AdamW::new_lr(amp_a.master_vars(), 1e-2)?;
-        let mut opt_b = AdamW::new_lr(amp_b.master_vars(), 1e-2)?;
+        let mut opt_a = AdamW::new_lr(amp_a.weights().master_vars(), 1e-2)?;
+        let mut opt_b = AdamW::new_lr(amp_b.weights().master_vars(), 1e-2)?;
         for step in 0..4 {
             let (x, y) = data(step, n, d_in, d_out, &dev);
-            let oa = amp_a.step(&mut opt_a, &amp_a.backward(&a.loss(dt, &x, &y)?)?)?;
+            let oa = amp_a.step(
+                &amp_a.backward(&a.loss(dt, &x, &y)?)?,
+                &mut Plain(&mut opt_a),
+            )?;
             let lb = b.loss_with(c1.as_tensor(), c2.as_tensor(), &x, &y)?;
-            let ob = amp_b.step(&mut opt_b, &amp_b.backward(&lb)?)?;
+            let ob = amp_b.step(&amp_b.backward(&lb)?, &mut Plain(&mut opt_b))?;
             assert_eq!(oa, ob);
         }
         assert_eq!(flat(a.w1.as_tensor()), flat(b.w1.as_tensor()));
@@ -175,8 +183,9 @@ fn clipping_on_unscaled_grads_equals_plain_clipping() -> anyhow::Result<()> {
         let mw = MasterWeights::new(mixed.named(), DType::F32, WeightMode::Cast)?;
         let mut amp =
             Amp::new(mw, ScalerConfig::static_scale(1024.0))?.with_clip_norm(Some(max_norm))?;
-        let mut opt = candle_nn::SGD::new(amp.master_vars(), lr)?;
-        let o = amp.step(&mut opt, &amp.backward(&mixed.loss(DType::F32, &x, &y)?)?)?;
+        let mut opt = candle_nn::SGD::new(amp.weights().master_vars(), lr)?;
+        let grads = amp.backward(&mixed.loss(DType::F32, &x, &y)?)?;
+        let o = amp.step(&grads, &mut Plain(&mut opt))?;
         let StepOutcome::Applied {
             grad_norm,
             clip_coef,
@@ -202,93 +211,54 @@ fn clipping_on_unscaled_grads_equals_plain_clipping() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Recompute-until-finite: the same batch's backward is re-run at lower scales until finite.
-/// `b`'s f16 gradient is `4 * scale`, finite only for scale <= 8192 (f16 max 65504).
+/// A caller retries a skipped step by running the backward of the same loss again at the new
+/// scale (Candle keeps the graph alive while the loss lives): the retried step equals a step
+/// started at the scale that worked, bit for bit. `b`'s f16 gradient is `4 * scale`, finite
+/// only for scale <= 8192 (f16 max 65504).
 #[test]
-fn recompute_until_finite() -> anyhow::Result<()> {
+fn retry_after_a_skip_equals_a_step_at_the_lower_scale() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let run =
-        |retries: u32, init: f64, loss_api: bool| -> anyhow::Result<(StepOutcome, Vec<f32>, Amp)> {
-            let a = var(1, &[3, 4], &dev);
-            let b = var(2, &[5], &dev);
-            let x = uniform(3, &[3, 4], -0.5, 0.5, &dev);
-            let named = [("a".to_string(), a.clone()), ("b".to_string(), b.clone())];
-            let mw = MasterWeights::new(named, DType::F16, WeightMode::Cast)?;
-            let mut amp = Amp::new(mw, ScalerConfig::dynamic().init_scale(init))?;
-            let mut opt = candle_nn::SGD::new(amp.master_vars(), 0.1)?;
-            // One forward; the graph stays alive, the closure only re-runs the backward.
-            let la = (a.as_tensor().to_dtype(DType::F16)? * x.to_dtype(DType::F16)?)?.sum_all()?;
-            let lb = b
-                .as_tensor()
-                .to_dtype(DType::F16)?
-                .affine(4.0, 0.0)?
-                .sum_all()?;
-            let loss = (la.to_dtype(DType::F32)? + lb.to_dtype(DType::F32)?)?;
-            let mut scales = Vec::new();
-            let o = if loss_api {
-                scales = vec![65536.0, 32768.0, 16384.0, 8192.0];
-                amp.step_recompute_loss(&mut opt, &loss, retries)?
-            } else {
-                amp.step_recompute(&mut opt, retries, |s| {
-                    scales.push(s);
-                    loss.affine(s, 0.0)?.backward()
-                })?
-            };
-            let mut w = flat(a.as_tensor());
-            w.extend(flat(b.as_tensor()));
-            if retries == 5 {
-                assert_eq!(scales, [65536.0, 32768.0, 16384.0, 8192.0]);
-            }
-            Ok((o, w, amp))
-        };
-    let (o, w, amp) = run(5, 65536.0, false)?;
-    assert!(
-        matches!(
-            o,
-            StepOutcome::Applied {
-                retries: 3,
-                scale: 8192.0,
-                step: 0,
-                ..
-            }
-        ),
-        "{o:?}"
-    );
-    let st = amp.state();
-    assert_eq!(
-        (st.steps, st.applied, st.skipped, st.overflows),
-        (1, 1, 0, 3)
-    );
-    // The loss-based API does the same.
-    let (o4, w4, _) = run(5, 65536.0, true)?;
-    assert_eq!(o4, o);
-    assert_eq!(w4, w);
-    // Same result as a plain step started at the scale that worked.
-    let (o2, w2, _) = run(0, 8192.0, false)?;
-    assert!(o2.is_applied());
-    assert_eq!(w, w2);
-    // Bounded retries.
-    let (o3, _, amp3) = run(1, 65536.0, false)?;
-    match o3 {
-        StepOutcome::Skipped {
-            reason,
-            scale_before,
-            scale_after,
-            retries,
-            nonfinite_params,
-            ..
-        } => {
-            assert_eq!(reason, SkipReason::RetriesExhausted);
-            assert_eq!((scale_before, scale_after, retries), (32768.0, 16384.0, 1));
-            assert_eq!(nonfinite_params, ["b"]);
+    let run = |init: f64| -> anyhow::Result<(Vec<StepOutcome>, Vec<f32>)> {
+        let (a, b) = (var(1, &[3, 4], &dev), var(2, &[5], &dev));
+        let x = uniform(3, &[3, 4], -0.5, 0.5, &dev);
+        let named = [("a".to_string(), a.clone()), ("b".to_string(), b.clone())];
+        let mw = MasterWeights::new(named, DType::F16, WeightMode::Cast)?;
+        let mut amp = Amp::new(mw, ScalerConfig::dynamic().init_scale(init))?;
+        let mut opt = candle_nn::SGD::new(amp.weights().master_vars(), 0.1)?;
+        let la = (a.as_tensor().to_dtype(DType::F16)? * x.to_dtype(DType::F16)?)?.sum_all()?;
+        let lb = b.as_tensor().to_dtype(DType::F16)?.affine(4.0, 0.0)?;
+        let loss = (la.to_dtype(DType::F32)? + lb.sum_all()?.to_dtype(DType::F32)?)?;
+        let mut outcomes = Vec::new();
+        while outcomes.last().is_none_or(StepOutcome::is_skipped) {
+            outcomes.push(amp.step(&amp.backward(&loss)?, &mut Plain(&mut opt))?);
         }
-        o => panic!("{o:?}"),
-    }
-    assert_eq!(amp3.state().skipped, 1);
+        let mut w = flat(a.as_tensor());
+        w.extend(flat(b.as_tensor()));
+        Ok((outcomes, w))
+    };
+    let (retried, w) = run(65536.0)?;
+    let scales: Vec<f64> = retried.iter().map(StepOutcome::next_scale).collect();
+    assert_eq!(scales, [32768.0, 16384.0, 8192.0, 8192.0]);
+    let (direct, w2) = run(8192.0)?;
+    assert_eq!(direct.len(), 1);
+    assert_eq!(w, w2);
     Ok(())
 }
 
-/// Parameters without a gradient are simply not handed to the optimiser.
+/// An update that records which variables had a gradient.
+struct Seen(Vec<bool>);
+
+impl ScaledUpdate for Seen {
+    type Error = candle_core::Error;
+
+    fn apply(&mut self, grads: &GradStore, vars: &[Var], _: f64) -> candle_core::Result<()> {
+        self.0 = vars.iter().map(|v| grads.get(v).is_some()).collect();
+        Ok(())
+    }
+}
+
+/// Parameters without a gradient are handed to the update without one (it leaves them
+/// alone), in registration order.
 #[test]
 fn params_without_grad_are_left_alone() -> anyhow::Result<()> {
     let dev = Device::Cpu;
@@ -300,13 +270,145 @@ fn params_without_grad_are_left_alone() -> anyhow::Result<()> {
         cfg,
     )?;
     let loss = a.as_tensor().to_dtype(DType::F16)?.sum_all()?;
-    let mut keys = 0;
-    let o = amp.step_with(&amp.backward(&loss)?, |g: &GradStore| {
-        keys = g.get_ids().count();
-        assert!(g.get(b.as_tensor()).is_none());
+    let mut seen = Seen(Vec::new());
+    assert!(amp.step(&amp.backward(&loss)?, &mut seen)?.is_applied());
+    assert_eq!(seen.0, [true, false]);
+    Ok(())
+}
+
+/// An update that checks it is handed the backward's own gradient (not a copy).
+struct Same(Tensor, Vec<f64>);
+
+impl ScaledUpdate for Same {
+    type Error = candle_core::Error;
+
+    fn apply(&mut self, grads: &GradStore, vars: &[Var], coef: f64) -> candle_core::Result<()> {
+        let g = grads.get(&vars[0]).expect("gradient");
+        assert_eq!(g.id(), self.0.id(), "the update got a copy");
+        self.1.push(coef);
         Ok(())
-    })?;
-    assert!(o.is_applied());
-    assert_eq!(keys, 1);
+    }
+}
+
+/// f32 with `ScalerConfig::none()` is a no-op scaler (PyTorch's `GradScaler(enabled=False)`):
+/// the update gets the backward's gradients themselves with coefficient exactly 1 (or exactly
+/// the clip coefficient), and Amp with `Plain(AdamW)` equals plain AdamW bit for bit.
+#[test]
+fn f32_without_scaling_is_a_no_op() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let (n, d_in, d_hid, d_out) = SHAPES[2];
+    let plain = Mlp::new(5, d_in, d_hid, d_out, &dev);
+    let mixed = plain.copy()?;
+    let mut opt_p = AdamW::new_lr(vec![plain.w1.clone(), plain.w2.clone()], 1e-2)?;
+    let mw = MasterWeights::new(mixed.named(), DType::F32, WeightMode::Cast)?;
+    let mut amp = Amp::new(mw, ScalerConfig::none())?;
+    let mut opt_m = AdamW::new_lr(amp.weights().master_vars(), 1e-2)?;
+    for step in 0..4 {
+        let (x, y) = data(step, n, d_in, d_out, &dev);
+        opt_p.backward_step(&plain.loss(DType::F32, &x, &y)?)?;
+        let grads = amp.backward(&mixed.loss(DType::F32, &x, &y)?)?;
+        let mut same = Same(grads.get(mixed.w1.as_tensor()).expect("g").clone(), vec![]);
+        let o = amp.clone().step(&grads, &mut same)?;
+        assert_eq!((o.next_scale(), same.1.as_slice()), (1.0, &[1.0][..]));
+        assert!(amp.step(&grads, &mut Plain(&mut opt_m))?.is_applied());
+    }
+    assert_eq!(flat(mixed.w1.as_tensor()), flat(plain.w1.as_tensor()));
+    assert_eq!(flat(mixed.w2.as_tensor()), flat(plain.w2.as_tensor()));
+    // With clipping, the coefficient is exactly the clip coefficient.
+    let mut clipped = amp.with_clip_norm(Some(1e-3))?;
+    let (x, y) = data(9, n, d_in, d_out, &dev);
+    let grads = clipped.backward(&mixed.loss(DType::F32, &x, &y)?)?;
+    let mut same = Same(grads.get(mixed.w1.as_tensor()).expect("g").clone(), vec![]);
+    let StepOutcome::Applied { clip_coef, .. } = clipped.step(&grads, &mut same)? else {
+        panic!("skipped")
+    };
+    assert!(clip_coef < 1.0);
+    assert_eq!(same.1, [clip_coef]);
+    Ok(())
+}
+
+/// A norm can overflow f32 (squares past 3.4e38) while every gradient is finite: the step is
+/// then applied with the norm recomputed scaled down, not skipped as non-finite.
+#[test]
+fn applies_when_only_the_norm_overflows() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let w = Var::from_tensor(&Tensor::new(&[0f32, 0.0, 0.0], &dev)?)?;
+    let weights = MasterWeights::new([("w".into(), w.clone())], DType::F32, WeightMode::Cast)?;
+    let mut amp = Amp::new(weights, ScalerConfig::none())?.with_clip_norm(Some(1.0))?;
+    // grad = (0, 3e20, 4e20): finite, its norm 5e20 is too, but its square is not.
+    let g = Tensor::new(&[0f32, 3e20, 4e20], &dev)?;
+    let grads = (w.as_tensor() * &g)?.sum_all()?.backward()?;
+    assert!(g.sqr()?.sum_all()?.to_scalar::<f32>()?.is_infinite());
+    let mut rec = Record::default();
+    match amp.step(&grads, &mut rec)? {
+        StepOutcome::Applied { grad_norm, .. } => {
+            assert!((grad_norm / 5e20 - 1.0).abs() < 1e-5, "norm {grad_norm}")
+        }
+        other => panic!("skipped a finite step: {other:?}"),
+    }
+    let [coef] = rec.coefs[..] else {
+        panic!("{:?}", rec.coefs)
+    };
+    assert!((coef * 5e20 - 1.0).abs() < 1e-5, "clip coefficient {coef}");
+    Ok(())
+}
+
+/// An update's own error type.
+#[derive(Debug)]
+enum UpdateError {
+    Candle(candle_core::Error),
+    OutOfMemory { needed: usize },
+}
+
+impl fmt::Display for UpdateError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Candle(e) => e.fmt(f),
+            Self::OutOfMemory { needed } => write!(f, "out of memory ({needed} bytes needed)"),
+        }
+    }
+}
+
+impl std::error::Error for UpdateError {}
+
+impl From<candle_core::Error> for UpdateError {
+    fn from(e: candle_core::Error) -> Self {
+        Self::Candle(e)
+    }
+}
+
+/// Computes the norm (the default), then fails to apply.
+struct Failing;
+
+impl ScaledUpdate for Failing {
+    type Error = UpdateError;
+
+    fn apply(&mut self, _: &GradStore, _: &[Var], _: f64) -> Result<(), UpdateError> {
+        Err(UpdateError::OutOfMemory { needed: 42 })
+    }
+}
+
+/// An update's error reaches the caller as `AmpError::Update` with the update's own error
+/// as its cause (not formatted into a string), and the failed step is not counted.
+#[test]
+fn update_errors_keep_their_cause() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let w = var(1, &[3], &dev);
+    let weights = MasterWeights::new([("w".into(), w.clone())], DType::F32, WeightMode::Cast)?;
+    let mut amp = Amp::new(weights, ScalerConfig::none())?;
+    let grads = amp.backward(&w.as_tensor().sum_all()?)?;
+    let err = amp
+        .step(&grads, &mut Failing)
+        .expect_err("the update fails");
+    let cause = std::error::Error::source(&err).expect("a cause");
+    assert!(
+        matches!(
+            cause.downcast_ref::<UpdateError>(),
+            Some(UpdateError::OutOfMemory { needed: 42 })
+        ),
+        "{err:?}"
+    );
+    assert!(matches!(err, AmpError::Update(_)));
+    assert_eq!(amp.state().steps, 0);
     Ok(())
 }

@@ -2,7 +2,7 @@
 
 mod common;
 
-use candle_amp::{Amp, MasterWeights, ScalerConfig, WeightMode};
+use candle_amp::{Amp, MasterWeights, ScaledUpdate, ScalerConfig, WeightMode};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use common::{flat, uniform, var};
@@ -15,18 +15,28 @@ fn loss(w: &Var, a: &Tensor, mode_dtype: DType) -> candle_core::Result<Tensor> {
     h.to_dtype(DType::F32)?.affine(1e-5, 0.0)?.sum_all()
 }
 
-/// Runs one Amp step and returns the f32 gradient handed to the optimiser.
+/// Keeps the gradient the optimiser would apply: `coef * grad` of the first variable.
+#[derive(Default)]
+struct Keep(Option<Tensor>);
+
+impl ScaledUpdate for Keep {
+    type Error = candle_core::Error;
+
+    fn apply(&mut self, grads: &GradStore, vars: &[Var], coef: f64) -> candle_core::Result<()> {
+        let g = grads.get(&vars[0]).expect("gradient");
+        self.0 = Some(g.affine(coef, 0.0)?);
+        Ok(())
+    }
+}
+
+/// Runs one Amp step and returns the f32 gradient the optimiser applies.
 fn amp_grad(w: &Var, a: &Tensor, cfg: ScalerConfig) -> anyhow::Result<Vec<f32>> {
     let mw = MasterWeights::new([("w".to_string(), w.clone())], DType::F16, WeightMode::Cast)?;
     let mut amp = Amp::new(mw, cfg)?;
     let grads = amp.backward(&loss(w, a, DType::F16)?)?;
-    let mut got = None;
-    let outcome = amp.step_with(&grads, |g: &GradStore| {
-        got = g.get(w.as_tensor()).cloned();
-        Ok(())
-    })?;
-    assert!(outcome.is_applied());
-    Ok(flat(&got.expect("gradient")))
+    let mut keep = Keep::default();
+    assert!(amp.step(&grads, &mut keep)?.is_applied());
+    Ok(flat(&keep.0.expect("gradient")))
 }
 
 #[test]

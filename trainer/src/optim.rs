@@ -4,11 +4,13 @@
 //! candle-nn's `AdamW` keeps its moments and step count private, so a run using it cannot be
 //! resumed exactly. [`AdamW`] here has the same update rule (Loshchilov & Hutter's decoupled
 //! weight decay, as in PyTorch) and exposes its state through [`AdamW::state_tensors`] /
-//! [`AdamW::load_state_tensors`]. It implements [`candle_nn::Optimizer`], so other crates
-//! (e.g. `candle-amp`) can drive it.
+//! [`AdamW::load_state_tensors`]. It implements `candle-amp`'s [`ScaledUpdate`] (the fused
+//! norm and the `coef * grad` update, so mixed-precision steps copy no gradient) and
+//! [`candle_nn::Optimizer`].
 
 use std::collections::HashMap;
 
+use candle_amp::ScaledUpdate;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
@@ -143,7 +145,7 @@ impl AdamW {
     }
 
     /// Applies one AdamW update from `grad_scale * grads` (`grad_scale` folds unscaling and
-    /// clipping, as `candle_amp::Amp::step_fused` hands it over): neither costs a pass over the
+    /// clipping, as `candle_amp::Amp::step` hands it over): neither costs a pass over the
     /// gradients of its own.
     pub fn apply_scaled(&mut self, grads: &GradStore, grad_scale: f64) -> candle_core::Result<()> {
         self.step += 1;
@@ -265,6 +267,20 @@ impl candle_nn::Optimizer for AdamW {
 
     fn set_learning_rate(&mut self, lr: f64) {
         self.config.lr = lr;
+    }
+}
+
+/// What `candle_amp::Amp::step` drives: the norm is [`global_grad_norm`] with this
+/// optimiser's kernels (one fused reduction), the update [`AdamW::apply_scaled`].
+impl ScaledUpdate for AdamW {
+    type Error = candle_core::Error;
+
+    fn grad_norm(&mut self, grads: &GradStore, vars: &[Var]) -> candle_core::Result<f64> {
+        Ok(f64::from(global_grad_norm(grads, vars, self.kernels)?))
+    }
+
+    fn apply(&mut self, grads: &GradStore, _: &[Var], coef: f64) -> candle_core::Result<()> {
+        self.apply_scaled(grads, coef)
     }
 }
 

@@ -1,7 +1,7 @@
 //! A compact GPT and a training loop for the candle-amp bench (a model of the bench's own, so
 //! that candle-amp's figures do not depend on the trainer).
 //!
-//! Only differentiable ops: a layer norm and softmax from [`PrecisionPolicy`], matmuls,
+//! Only differentiable ops: a layer norm and softmax computed as [`Precision`] says, matmuls,
 //! `index_select` embeddings, GELU. Initialisation is seeded on the host (SplitMix64 +
 //! Box-Muller, so the root example needs no extra dependency) and uploaded, which makes
 //! every mode start from the same f32 weights.
@@ -9,9 +9,96 @@
 
 use std::time::{Duration, Instant};
 
-use candle_amp::{Amp, MasterWeights, PrecisionPolicy, ScalerConfig, StepOutcome, WeightMode};
+use candle_amp::{Amp, MasterWeights, Plain, ScaledUpdate, ScalerConfig, StepOutcome, WeightMode};
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+
+/// How the bench model computes: matmuls and elementwise ops in `compute`; softmax,
+/// layer-norm statistics and the loss in f32 when `f32_islands` (mixed precision), or in
+/// `compute` too (pure low precision, the naive baseline that diverges in f16).
+#[derive(Debug, Clone, Copy)]
+pub struct Precision {
+    pub compute: DType,
+    pub f32_islands: bool,
+}
+
+impl Precision {
+    pub fn mixed(compute: DType) -> Self {
+        Self {
+            compute,
+            f32_islands: true,
+        }
+    }
+
+    pub fn pure(compute: DType) -> Self {
+        Self {
+            compute,
+            f32_islands: false,
+        }
+    }
+
+    pub fn full_f32() -> Self {
+        Self::mixed(DType::F32)
+    }
+
+    fn up(&self, x: &Tensor) -> Result<Tensor> {
+        if self.f32_islands {
+            x.to_dtype(DType::F32)
+        } else {
+            Ok(x.clone())
+        }
+    }
+
+    /// A (master) weight cast to the compute dtype (differentiable).
+    fn weight(&self, w: &Tensor) -> Result<Tensor> {
+        w.to_dtype(self.compute)
+    }
+
+    /// Softmax over `dim`, returned in `x`'s dtype.
+    fn softmax(&self, x: &Tensor, dim: D) -> Result<Tensor> {
+        candle_nn::ops::softmax(&self.up(x)?, dim)?.to_dtype(x.dtype())
+    }
+
+    /// `(x - mean) / sqrt(var + eps) * gamma + beta` over the last dimension, in `x`'s dtype.
+    fn layer_norm(&self, x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> Result<Tensor> {
+        let xs = self.up(x)?;
+        let dt = xs.dtype();
+        let mean = xs.mean_keepdim(D::Minus1)?;
+        let xc = xs.broadcast_sub(&mean)?;
+        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+        let y = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
+        let y = y.broadcast_mul(&gamma.to_dtype(dt)?)?;
+        y.broadcast_add(&beta.to_dtype(dt)?)?.to_dtype(x.dtype())
+    }
+
+    /// Mean cross-entropy of `logits` `(N, C)` against `targets` `(N,)`.
+    fn cross_entropy(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        candle_nn::loss::cross_entropy(&self.up(logits)?, targets)
+    }
+}
+
+/// [`Plain`] that also times the overflow check (the gradient norm: one reduction, one
+/// host sync).
+struct Timed<'a, O> {
+    inner: Plain<'a, O>,
+    check: Duration,
+}
+
+impl<O: Optimizer> ScaledUpdate for Timed<'_, O> {
+    type Error = candle_core::Error;
+
+    fn grad_norm(&mut self, grads: &GradStore, vars: &[Var]) -> Result<f64> {
+        let t0 = Instant::now();
+        let norm = self.inner.grad_norm(grads, vars);
+        self.check += t0.elapsed();
+        norm
+    }
+
+    fn apply(&mut self, grads: &GradStore, vars: &[Var], coef: f64) -> Result<()> {
+        self.inner.apply(grads, vars, coef)
+    }
+}
 
 /// SplitMix64: a tiny seeded generator.
 pub struct Rng(u64);
@@ -57,7 +144,7 @@ pub struct GptConfig {
 }
 
 /// Parameters as named variables (sorted by name); the forward reads them through a
-/// [`PrecisionPolicy`], so the same model runs in f32, mixed or pure low precision.
+/// [`Precision`], so the same model runs in f32, mixed or pure low precision.
 pub struct Gpt {
     pub cfg: GptConfig,
     pub params: Vec<(String, Var)>,
@@ -135,7 +222,7 @@ impl Gpt {
         self.params.iter().map(|p| p.1.clone()).collect()
     }
 
-    fn w(&self, p: &PrecisionPolicy, name: &str) -> Result<Tensor> {
+    fn w(&self, p: &Precision, name: &str) -> Result<Tensor> {
         let v = self
             .params
             .iter()
@@ -144,21 +231,21 @@ impl Gpt {
         p.weight(v.1.as_tensor())
     }
 
-    fn linear(&self, p: &PrecisionPolicy, x: &Tensor, name: &str) -> Result<Tensor> {
+    fn linear(&self, p: &Precision, x: &Tensor, name: &str) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let w = self.w(p, name)?;
         let out = w.dim(1)?;
         x.reshape((b * t, c))?.matmul(&w)?.reshape((b, t, out))
     }
 
-    fn ln(&self, p: &PrecisionPolicy, x: &Tensor, name: &str) -> Result<Tensor> {
+    fn ln(&self, p: &Precision, x: &Tensor, name: &str) -> Result<Tensor> {
         let g = self.w(p, &format!("{name}.g"))?;
         let b = self.w(p, &format!("{name}.b"))?;
-        p.layer_norm(x, &g, Some(&b), 1e-5)
+        p.layer_norm(x, &g, &b, 1e-5)
     }
 
     /// Mean next-token cross-entropy of `x` `(B, T)` u32 against `y` `(B, T)`.
-    pub fn loss(&self, p: &PrecisionPolicy, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    pub fn loss(&self, p: &Precision, x: &Tensor, y: &Tensor) -> Result<Tensor> {
         let cfg = self.cfg;
         let (b, t) = x.dims2()?;
         let (c, nh) = (cfg.n_embd, cfg.n_head);
@@ -339,7 +426,7 @@ pub struct Report {
 
 /// f32 evaluation of the (master) weights on fixed batches.
 pub fn evaluate(model: &Gpt, data: &Data, tc: &TrainConfig, dev: &Device) -> Result<f32> {
-    let p = PrecisionPolicy::full_f32();
+    let p = Precision::full_f32();
     let mut total = 0.0;
     for i in 0..tc.eval_batches {
         let (x, y) = data.batch(tc.seed + 1_000_003, i, tc.batch, tc.gpt.block, dev)?;
@@ -348,7 +435,7 @@ pub fn evaluate(model: &Gpt, data: &Data, tc: &TrainConfig, dev: &Device) -> Res
     Ok(total / tc.eval_batches as f32)
 }
 
-fn p_loss(model: &Gpt, p: &PrecisionPolicy, x: &Tensor, y: &Tensor) -> Result<f32> {
+fn p_loss(model: &Gpt, p: &Precision, x: &Tensor, y: &Tensor) -> Result<f32> {
     model
         .loss(p, x, y)?
         .to_dtype(DType::F32)?
@@ -371,10 +458,10 @@ pub fn train(
     };
     let model = Gpt::new(tc.gpt, tc.seed, dtype, dev)?;
     let policy = match mode {
-        Mode::F32 => PrecisionPolicy::full_f32(),
-        Mode::F16Amp | Mode::F16AmpCopies => PrecisionPolicy::mixed(DType::F16),
-        Mode::Bf16Amp => PrecisionPolicy::mixed(DType::BF16),
-        Mode::PureF16 => PrecisionPolicy::pure(DType::F16),
+        Mode::F32 => Precision::full_f32(),
+        Mode::F16Amp | Mode::F16AmpCopies => Precision::mixed(DType::F16),
+        Mode::Bf16Amp => Precision::mixed(DType::BF16),
+        Mode::PureF16 => Precision::pure(DType::F16),
     };
     let params = ParamsAdamW {
         lr: tc.lr,
@@ -391,7 +478,7 @@ pub fn train(
     let mut amp = match mode {
         Mode::PureF16 => None,
         _ => {
-            let mw = MasterWeights::new(model.params.clone(), policy.compute_dtype, wmode)?;
+            let mw = MasterWeights::new(model.params.clone(), policy.compute, wmode)?;
             let cfg = if matches!(mode, Mode::F16Amp | Mode::F16AmpCopies) {
                 ScalerConfig::dynamic()
             } else {
@@ -403,13 +490,14 @@ pub fn train(
     // In copies mode the forward runs on the f16 compute variables; the optimiser and the
     // evaluation use the f32 masters.
     let fwd = match &amp {
-        Some(a) if wmode == WeightMode::Copies => model.with_params(
-            a.weights()
-                .params()
-                .iter()
-                .filter_map(|p| Some((p.name().to_string(), p.compute()?.clone())))
-                .collect(),
-        ),
+        Some(a) if wmode == WeightMode::Copies => {
+            let w = a.weights();
+            model.with_params(
+                w.names()
+                    .filter_map(|n| Some((n.to_string(), w.compute_var(n)?.clone())))
+                    .collect(),
+            )
+        }
         _ => model.with_params(model.params.clone()),
     };
     let mut opt = AdamW::new(model.vars(), params)?;
@@ -424,9 +512,13 @@ pub fn train(
         let outcome = match amp.as_mut() {
             Some(amp) => {
                 let grads = amp.backward(&loss)?;
-                let o = amp.step(&mut opt, &grads)?;
+                let mut update = Timed {
+                    inner: Plain(&mut opt),
+                    check: Duration::ZERO,
+                };
+                let o = amp.step(&grads, &mut update)?;
                 if i >= tc.warmup {
-                    check_time += amp.last_check_time();
+                    check_time += update.check;
                 }
                 Some(o)
             }

@@ -39,12 +39,23 @@ pub fn poisoned(shape: &[usize], v: f32, bad: f32, seed: u64, dev: &Device) -> T
     Tensor::from_vec(data, shape, dev).expect("tensor")
 }
 
-/// A tensor filled with `v`, with each `(index, value)` of `bad` written in.
-pub fn with_bad(shape: &[usize], v: f32, bad: &[(usize, f32)], dev: &Device) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut data = vec![v; n];
-    for &(i, b) in bad {
-        data[i] = b;
+/// A [`candle_amp::ScaledUpdate`] that changes nothing and records the coefficients it was
+/// applied with (its norm is the trait's default).
+#[derive(Debug, Default)]
+pub struct Record {
+    pub coefs: Vec<f64>,
+}
+
+impl candle_amp::ScaledUpdate for Record {
+    type Error = candle_core::Error;
+
+    fn apply(
+        &mut self,
+        _: &candle_core::backprop::GradStore,
+        _: &[Var],
+        coef: f64,
+    ) -> candle_core::Result<()> {
+        self.coefs.push(coef);
+        Ok(())
     }
-    Tensor::from_vec(data, shape, dev).expect("tensor")
 }

@@ -84,13 +84,7 @@ impl Trainer {
             });
         }
         candle_nn::Optimizer::set_learning_rate(&mut self.optimizer, lr);
-        let scaled_norm = global_grad_norm(&grads, &self.vars, cfg.kernels)?;
-        let optimizer = &mut self.optimizer;
-        let outcome = self.amp.step_fused(&grads, scaled_norm, |coef| {
-            optimizer
-                .apply_scaled(&grads, coef)
-                .map_err(|e| candle_core::Error::Msg(e.to_string()))
-        })?;
+        let outcome = self.amp.step(&grads, &mut self.optimizer)?;
         let (grad_norm, skipped) = match outcome {
             StepOutcome::Applied { grad_norm, .. } => (grad_norm as f32, false),
             StepOutcome::Skipped {
@@ -105,7 +99,8 @@ impl Trainer {
                 {
                     return Err(Error::NonFiniteGradient {
                         step: self.step + 1,
-                        norm: scaled_norm,
+                        // Computed again on this failure path only.
+                        norm: global_grad_norm(&grads, &self.vars, cfg.kernels)?,
                         params: nonfinite_params,
                     });
                 }
