@@ -16,8 +16,9 @@ use crate::{checkpoint, Error, Result};
 /// a hub model id).
 ///
 /// A pretrained model keeps all its positions (`wpe` rows, `n_positions`): the run's
-/// `block_size` is only the length of its training batches and may be shorter. The special
-/// token ids are those of the run's vocabulary ([`pretrained::data_special_tokens`]).
+/// `block_size` is only the length of its training batches and may be shorter (the trainer
+/// checks it fits, and that the model embeds the data's vocabulary, for every model). The
+/// special token ids are those of the run's vocabulary ([`pretrained::data_special_tokens`]).
 pub fn build_model(
     config: &TrainConfig,
     data: &dyn DataSource,
@@ -34,22 +35,6 @@ pub fn build_model(
     };
     let dir = pretrained::resolve(from)?;
     let (loaded, params) = checkpoint::load_model(&dir, device)?;
-    if config.block_size > loaded.max_positions() {
-        return Err(Error::Config(format!(
-            "block_size {} exceeds the {} positions of the model loaded from {}",
-            config.block_size,
-            loaded.max_positions(),
-            dir.display()
-        )));
-    }
-    if data.vocab_size() > loaded.vocab_size() {
-        return Err(Error::Config(format!(
-            "the data has {} token ids but the model loaded from {} embeds only {}",
-            data.vocab_size(),
-            dir.display(),
-            loaded.vocab_size()
-        )));
-    }
     let (bos, eos) = loaded.special_tokens();
     let tokens = pretrained::data_special_tokens(config, SpecialTokens { bos, eos })?;
     let cfg = loaded.with_run_settings(config.dropout, tokens.bos, tokens.eos);
