@@ -13,14 +13,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_comm::{run_threads, ThreadComm};
-use candle_core::{Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use common::tiny::{TinyArch, TinyConfig};
 use common::{tiny_config, weights, Recorder};
 use trainer::config::TrainConfig;
 use trainer::data::Batch;
 use trainer::metrics::StepStats;
 use trainer::model::gpt2::{Gpt, GptConfig};
-use trainer::model::{self, Ctx, Link, LinkOps, Model, Params, Role, Rows, WeightMap};
+use trainer::model::{
+    self, Builder, Ctx, LinearDelta, Link, LinkOps, Model, ModelConfig, Params, Role, Rows,
+    WeightMap,
+};
 use trainer::train::Trainer;
 
 // ---------------------------------------------------------------------------------------
@@ -360,4 +363,93 @@ fn every_link_owns_and_reads_exactly_the_parameters_it_lists() {
         e.contains("tiny.tok") && e.contains("owned by links 0 and 3"),
         "{e}"
     );
+}
+
+/// A low-rank delta `x A B` (A `[in, r]`, B `[r, out]`), as an adapter adds it.
+#[derive(Debug)]
+struct LowRank {
+    a: Tensor,
+    b: Tensor,
+}
+
+impl LinearDelta for LowRank {
+    fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        let a = self.a.to_dtype(ctx.dtype)?;
+        let b = self.b.to_dtype(ctx.dtype)?;
+        x.broadcast_matmul(&a)?.broadcast_matmul(&b)
+    }
+    fn params(&self) -> Vec<Tensor> {
+        vec![self.a.clone(), self.b.clone()]
+    }
+    fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinearDelta>> {
+        Ok(Arc::new(LowRank {
+            a: f(&self.a)?,
+            b: f(&self.b)?,
+        }))
+    }
+}
+
+#[test]
+fn an_adapter_wraps_any_projection_by_its_module_path() {
+    let dev = Device::Cpu;
+    let cfg = GptConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        block_size: 8,
+        vocab_size: 11,
+        ..GptConfig::default()
+    };
+    let (plain, params) = Gpt::new(&cfg, 1, &dev).unwrap();
+    let a = Var::from_tensor(&Tensor::randn(0f32, 0.1, (16, 4), &dev).unwrap()).unwrap();
+    let b = Var::from_tensor(&Tensor::zeros((4, 48), DType::F32, &dev).unwrap()).unwrap();
+    let seen = std::sync::Mutex::new(Vec::new());
+    let wrap = |path: &str| -> trainer::Result<Option<Arc<dyn LinearDelta>>> {
+        seen.lock().unwrap().push(path.to_string());
+        Ok((path == "transformer.h.1.attn.c_attn").then(|| {
+            Arc::new(LowRank {
+                a: a.as_tensor().clone(),
+                b: b.as_tensor().clone(),
+            }) as Arc<dyn LinearDelta>
+        }))
+    };
+    let src = |name: &str, _: &[usize]| params.tensor(name);
+    let wrapped = cfg.build(&Builder::root(&src).with_wrap(&wrap)).unwrap();
+    // Every projection is offered, by its Hugging Face module path.
+    let seen = seen.into_inner().unwrap();
+    assert_eq!(seen.len(), 2 * 4, "{seen:?}");
+    assert!(
+        seen.contains(&"transformer.h.0.mlp.c_fc".to_string()),
+        "{seen:?}"
+    );
+    // B = 0: the same function as the plain model; A and B get gradients, through the step's
+    // cast copy too.
+    let x = ids(&dev);
+    let ctx = Ctx::eval();
+    let (p, w) = (
+        plain.forward(&x, &ctx).unwrap(),
+        wrapped.forward(&x, &ctx).unwrap(),
+    );
+    let diff = (p - w)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    assert!(diff.iter().all(|&d| d == 0.0));
+    let cast = wrapped.to_dtype(DType::F32).unwrap();
+    let g = cast.loss(&x, &x, &ctx).unwrap().mean.backward().unwrap();
+    let gb = g
+        .get(&b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(gb > 0.0, "the delta's B gets a gradient");
+    assert!(g.get(&a).is_some());
 }

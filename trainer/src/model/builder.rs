@@ -5,19 +5,26 @@
 //! structure ([`super::ModelConfig::build`]), so no name is assembled anywhere else.
 
 use std::fmt::Display;
+use std::sync::Arc;
 
 use candle_core::Tensor;
 
+use super::LinearDelta;
 use crate::Result;
 
 /// Where a module's tensors come from: `(full name, shape) -> tensor`.
 pub type Source<'a> = &'a dyn Fn(&str, &[usize]) -> Result<Tensor>;
 
-/// A path in the parameter namespace and the source of its tensors.
+/// What wraps the linear layer at a module path, if anything (see [`Builder::with_wrap`]).
+pub type Wrap<'a> = &'a dyn Fn(&str) -> Result<Option<Arc<dyn LinearDelta>>>;
+
+/// A path in the parameter namespace, the source of its tensors and, optionally, what wraps
+/// the linear layers built under it.
 #[derive(Clone)]
 pub struct Builder<'a> {
     prefix: String,
     source: Source<'a>,
+    wrap: Option<Wrap<'a>>,
 }
 
 impl<'a> Builder<'a> {
@@ -26,7 +33,22 @@ impl<'a> Builder<'a> {
         Builder {
             prefix: String::new(),
             source,
+            wrap: None,
         }
+    }
+
+    /// The same builder, asking `wrap` for every linear layer it builds (by module path,
+    /// `model.layers.0.self_attn.q_proj`) whether a delta (an adapter) is added to its output.
+    pub fn with_wrap(self, wrap: Wrap<'a>) -> Self {
+        Builder {
+            wrap: Some(wrap),
+            ..self
+        }
+    }
+
+    /// The delta that wraps the linear layer at this path, if any.
+    pub fn wrap(&self) -> Result<Option<Arc<dyn LinearDelta>>> {
+        self.wrap.map_or(Ok(None), |w| w(&self.prefix))
     }
 
     /// The builder one component deeper (`pp` as in "push prefix").
@@ -39,6 +61,7 @@ impl<'a> Builder<'a> {
         Builder {
             prefix,
             source: self.source,
+            wrap: self.wrap,
         }
     }
 

@@ -2,10 +2,25 @@
 //! path (`transformer.h.0.attn.c_attn`), so that tools (an adapter, a report) can find and
 //! wrap any projection of any architecture by name.
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
 use super::{Builder, Ctx, WeightMap};
 use crate::Result;
+
+/// Something added to a linear layer's output, `y = x W + b + delta(x)`: what an adapter (a
+/// LoRA, for instance) computes. It owns its own parameters, which are not the model's.
+pub trait LinearDelta: Send + Sync + std::fmt::Debug {
+    /// `delta(x)`, `[.., in] -> [.., out]`, in `ctx.dtype`.
+    fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor>;
+
+    /// The delta's own parameters.
+    fn params(&self) -> Vec<Tensor>;
+
+    /// The same delta with its parameters mapped by `f` (cast, copied to a device).
+    fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinearDelta>>;
+}
 
 /// How the weight is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,11 +52,12 @@ pub struct Linear {
     /// `[out]`, if the layer has a bias.
     pub bias: Option<Tensor>,
     layout: Layout,
+    delta: Option<Arc<dyn LinearDelta>>,
 }
 
 impl Linear {
     /// The layer at `b`'s path: `b.weight` (shaped as `layout` says) and `b.bias [fan_out]`
-    /// if `bias`.
+    /// if `bias`, wrapped by the delta `b` has for this path, if any ([`Builder::with_wrap`]).
     pub fn build(
         b: &Builder,
         fan_in: usize,
@@ -58,6 +74,7 @@ impl Linear {
             weight: b.get(&shape, "weight")?,
             bias: b.get_if(bias, &[fan_out], "bias")?,
             layout,
+            delta: b.wrap()?,
         })
     }
 
@@ -78,22 +95,37 @@ impl Linear {
             weight: f(&self.weight)?,
             bias: self.bias.as_ref().map(f).transpose()?,
             layout: self.layout,
+            delta: self.delta.as_ref().map(|d| d.map(f)).transpose()?,
         })
     }
 
-    /// The weight and the bias, if any.
+    /// The weight and the bias, if any (the layer's own parameters; a delta's are
+    /// [`Linear::delta`]'s).
     pub fn weights(&self) -> impl Iterator<Item = &Tensor> {
         std::iter::once(&self.weight).chain(&self.bias)
+    }
+
+    /// The delta added to the output, if the layer is wrapped.
+    pub fn delta(&self) -> Option<&Arc<dyn LinearDelta>> {
+        self.delta.as_ref()
     }
 
     /// `[.., in] -> [.., out]`, computing in `ctx.dtype`.
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         let (w, b) = self.cast(ctx)?;
-        ctx.kernels.linear(x, &w, b.as_ref())
+        let y = ctx.kernels.linear(x, &w, b.as_ref())?;
+        match &self.delta {
+            None => Ok(y),
+            Some(d) => y + d.forward(x, ctx)?,
+        }
     }
 
-    /// `gelu([.., in] W + b)` (tanh GELU), the bias and activation fused.
+    /// `gelu([.., in] W + b)` (tanh GELU), the bias and activation fused (after the delta,
+    /// when the layer is wrapped).
     pub fn forward_gelu(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        if self.delta.is_some() {
+            return self.forward(x, ctx)?.gelu();
+        }
         let (w, b) = self.cast(ctx)?;
         ctx.kernels.linear_gelu(x, &w, b.as_ref())
     }

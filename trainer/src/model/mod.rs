@@ -31,12 +31,12 @@ pub use arch::{
     architecture, build, config_from_hf_json_file, init, register, Architecture, CheckpointTensor,
     KvCache, Model, ModelConfig, Shape, BUILTIN,
 };
-pub use builder::{Builder, Source};
+pub use builder::{Builder, Source, Wrap};
 pub use chain::{count_targets, run_links, Link, LinkOps, Loss, Role, WeightMap, IGNORE};
 pub use ctx::{Ctx, Rows};
 pub use kernels::Kernels;
 pub use layers::{causal_mask, chacha_dropout, dropout, stat_dtype, LayerNorm};
-pub use linear::{Layout, Linear};
+pub use linear::{Layout, Linear, LinearDelta};
 pub use params::Params;
 
 /// Mean cross-entropy of `logits [B, T, V]` against `targets [B, T]` (u32), computed in at
