@@ -16,8 +16,9 @@ use candle_comm::{run_threads, ThreadComm};
 use candle_core::{DType, Device, Tensor, Var};
 use common::tiny::{TinyArch, TinyConfig};
 use common::{tiny_config, weights, Recorder};
+use rand_chacha::ChaCha8Rng;
 use trainer::config::TrainConfig;
-use trainer::data::Batch;
+use trainer::data::{Batch, DataSource, Fingerprint, Split};
 use trainer::metrics::StepStats;
 use trainer::model::gpt2::{Gpt, GptConfig};
 use trainer::model::{
@@ -452,4 +453,78 @@ fn an_adapter_wraps_any_projection_by_its_module_path() {
         .unwrap();
     assert!(gb > 0.0, "the delta's B gets a gradient");
     assert!(g.get(&a).is_some());
+}
+
+/// A data source whose rows count different numbers of targets: row `r` of a batch masks its
+/// first `x[r, 0] % 7` targets (a function of the row's content, so a row is masked alike in
+/// whichever batch it comes).
+struct Ragged(Box<dyn DataSource>);
+
+impl DataSource for Ragged {
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn batch(
+        &self,
+        split: Split,
+        batch_size: usize,
+        block_size: usize,
+        rng: &mut ChaCha8Rng,
+        device: &Device,
+    ) -> trainer::Result<Batch> {
+        let b = self.0.batch(split, batch_size, block_size, rng, device)?;
+        let first: Vec<u32> = b.x.narrow(1, 0, 1)?.flatten_all()?.to_vec1()?;
+        let mask: Vec<f32> = (0..batch_size * block_size)
+            .map(|i| f32::from((i % block_size) as u32 >= first[i / block_size] % 7))
+            .collect();
+        let mask = Tensor::from_vec(mask, (batch_size, block_size), device)?;
+        Ok(Batch::new(b.x, b.y).with_mask(Some(mask)))
+    }
+    fn encode(&self, text: &str) -> trainer::Result<Vec<u32>> {
+        self.0.encode(text)
+    }
+    fn decode(&self, ids: &[u32]) -> trainer::Result<String> {
+        self.0.decode(ids)
+    }
+    fn fingerprint(&self) -> Fingerprint {
+        self.0.fingerprint()
+    }
+}
+
+#[test]
+fn an_accumulated_step_is_the_token_mean_of_the_whole_step() {
+    // Two micro-batches of 4 rows train like one batch of the same 8 rows (the data stream
+    // draws rows one after another, so both see the same rows), although the rows count
+    // different numbers of targets.
+    let (_t, dir) = tmp("accum");
+    let run = |accum: usize, batch_size: usize, name: &str| {
+        let cfg = TrainConfig {
+            data: "char".parse().unwrap(),
+            data_path: Some(dir.join("corpus.txt")),
+            grad_accum: accum,
+            batch_size,
+            dropout: 0.0,
+            max_iters: 3,
+            eval_problems: 0,
+            sample_tokens: 0,
+            ..tiny_config(&dir.join(name))
+        };
+        let data = trainer::data::open_for_run(&cfg).unwrap();
+        let mut t = Trainer::new(cfg).unwrap();
+        t.data = Box::new(Ragged(data));
+        finish(t)
+    };
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("corpus.txt"),
+        "the quick brown fox jumps over the lazy dog. ".repeat(60),
+    )
+    .unwrap();
+    let (two, one) = (run(2, 4, "two"), run(1, 8, "one"));
+    let (steps, w) = compare(&one, &two);
+    // f32 summation order only.
+    assert!(steps < 1e-5 && w < 5e-5, "{steps:e} {w:e}");
 }

@@ -103,6 +103,14 @@ impl Batch {
         }
     }
 
+    /// The number of targets that count in the loss (the mask's sum, or every target).
+    pub fn counted(&self) -> candle_core::Result<f64> {
+        match &self.mask {
+            None => Ok(self.y.elem_count() as f64),
+            Some(mask) => Ok(f64::from(mask.sum_all()?.to_scalar::<f32>()?)),
+        }
+    }
+
     /// Rows `start..start + len` of the batch (inputs, targets, mask and the rows' context).
     pub fn narrow(&self, start: usize, len: usize) -> candle_core::Result<Batch> {
         let rows = |t: &Tensor| t.narrow(0, start, len);

@@ -9,7 +9,7 @@ use candle_core::backprop::GradStore;
 
 use super::{Executor, Trainer};
 use crate::config::{Precision, TrainConfig};
-use crate::data::Split;
+use crate::data::{Batch, Split};
 use crate::metrics::StepStats;
 use crate::model::{Ctx, Params};
 use crate::optim::{accumulate, global_grad_norm};
@@ -54,29 +54,46 @@ impl Trainer {
         let accum = cfg.grad_accum;
         let world = self.dp.world_size();
         let scale = self.amp.scale();
-        for micro in 0..accum {
-            // Every rank draws the global batch and trains on its shard (a world of one: all).
-            let global = self.data.batch(
-                Split::Train,
-                world * cfg.batch_size,
-                cfg.block_size,
-                &mut self.rng,
-                &self.device,
-            )?;
+        // Every rank draws the step's global batches and trains on its shard of each (a world
+        // of one: all of it). The loss is the token mean over the whole step: a micro-batch
+        // weighs its share of the step's counted targets (and a shard its share of the
+        // micro-batch's), so micro-batches with fewer counted targets count less.
+        let globals = (0..accum)
+            .map(|_| {
+                self.data.batch(
+                    Split::Train,
+                    world * cfg.batch_size,
+                    cfg.block_size,
+                    &mut self.rng,
+                    &self.device,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let counts = globals
+            .iter()
+            .map(Batch::counted)
+            .collect::<candle_core::Result<Vec<f64>>>()?;
+        let total: f64 = counts.iter().sum();
+        for (micro, (global, count)) in globals.into_iter().zip(counts).enumerate() {
             let (batch, shard_weight) = self.dp.shard(global, cfg.batch_size)?;
+            let share = if total > 0.0 {
+                count / total
+            } else {
+                1.0 / accum as f64
+            };
             let ctx = Ctx::train(self.dropout_seed(micro))
                 .with_row(self.dp.rank() * cfg.batch_size)
                 .with_dtype(self.dtype)
                 .with_kernels(cfg.kernels)
                 .with_rows(batch.rows.clone());
-            let weight = shard_weight / accum as f64 * scale;
-            let (loss, _count, g) = self
+            let weight = shard_weight * share;
+            let (loss, _, g) = self
                 .executor
-                .forward_backward(model, &batch, &ctx, weight)?;
-            loss_sum += loss * shard_weight as f32;
+                .forward_backward(model, &batch, &ctx, weight * scale)?;
+            loss_sum += loss * weight as f32;
             accumulate(&mut grads, g, &self.vars)?;
         }
-        let loss = self.dp.reduce(&mut grads, loss_sum / accum as f32)?;
+        let loss = self.dp.reduce(&mut grads, loss_sum)?;
         if !loss.is_finite() {
             return Err(Error::NonFiniteLoss {
                 step: self.step + 1,
