@@ -26,7 +26,7 @@ use candle_core::{DType, Device, Module, Tensor};
 
 pub use config::{GptConfig, GPT2_ENDOFTEXT};
 pub use kernels::Kernels;
-pub use layers::{causal_mask, chacha_dropout, dropout, stat_dtype, Conv1D, LayerNorm};
+pub use layers::{dropout, stat_dtype, Conv1D, LayerNorm};
 pub use params::Params;
 pub use scope::{Builder, Source};
 
