@@ -9,7 +9,7 @@
 //! `[out, in]` candle-nn weight or of a tied embedding: it is read in place through its strides.
 //!
 //! bf16 runs its GEMMs on the bf16 data itself where the CPU has AVX512-BF16
-//! ([`crate::gemm_bf16`]: `vdpbf16ps`, products exact in f32, f32 sums), so it reads half the
+//! (`gemm_bf16`: `vdpbf16ps`, products exact in f32, f32 sums), so it reads half the
 //! bytes and does twice the multiply-adds per instruction of f32. Elsewhere, and for f16, the
 //! 16-bit inputs are widened to f32 for Candle's GEMM (which has no 16-bit CPU kernel). Either
 //! way the GEMM accumulates in f32 and the result is rounded to the storage type once.
@@ -20,7 +20,7 @@ use crate::cpu::{self, Elem, Real};
 use crate::op::{self, cpu_of, Grads, In, Kernel};
 use crate::pool;
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, Layout, Result, Shape, Tensor};
 use gemm::{gemm_new, gemm_raw, narrow, operand, widen};
 pub(crate) use gemm::{strided, Strided};
 
@@ -105,6 +105,15 @@ pub(crate) fn check(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(usize
     Ok((n_in, n_out))
 }
 
+/// The shape of the output for an input of layout `lx`: its last dim becomes `n_out`.
+pub(crate) fn out_shape(lx: &Layout, n_out: usize) -> Shape {
+    let mut dims = lx.dims().to_vec();
+    if let Some(l) = dims.last_mut() {
+        *l = n_out;
+    }
+    Shape::from(dims)
+}
+
 /// The op: `(x, w)` or `(x, w, b)`.
 struct LinearOp {
     n_in: usize,
@@ -118,16 +127,13 @@ impl Kernel for LinearOp {
 
     fn cpu_fwd(&self, ins: &[In<'_>]) -> Result<(CpuStorage, Shape)> {
         let ((sx, lx), (sw, lw), b) = (ins[0], ins[1], ins.get(2));
-        let mut dims = lx.dims().to_vec();
-        if let Some(l) = dims.last_mut() {
-            *l = self.n_out;
-        }
+        let shape = out_shape(lx, self.n_out);
         cpu::dispatch!(sx.dtype(), T => {
             let xs = cpu::contiguous::<T>(sx, lx)?;
             let w = strided::<T>(sw, lw)?;
             let bs = b.map(|(s, l)| cpu::contiguous::<T>(s, l)).transpose()?;
             let y = fwd_kernel(xs, w, bs, self.n_in, self.n_out);
-            Ok((T::storage(y), Shape::from(dims)))
+            Ok((T::storage(y), shape))
         })
     }
 

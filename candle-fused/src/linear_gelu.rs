@@ -86,18 +86,15 @@ impl Kernel for LinearGeluOp {
 
     fn cpu_fwd(&self, ins: &[In<'_>]) -> Result<(CpuStorage, Shape)> {
         let ((sx, lx), (sw, lw), b) = (ins[0], ins[1], ins.get(2));
-        let mut dims = lx.dims().to_vec();
-        if let Some(l) = dims.last_mut() {
-            *l = self.n_out;
-        }
+        let shape = linear::out_shape(lx, self.n_out);
         cpu::dispatch!(sx.dtype(), T => {
             let xs = cpu::contiguous::<T>(sx, lx)?;
             let w = linear::strided::<T>(sw, lw)?;
             let z = linear::fwd_kernel(xs, w, None, self.n_in, self.n_out);
             let bs = b.map(|(s, l)| cpu::contiguous::<T>(s, l)).transpose()?;
             let y = gelu::fwd_kernel(&z, bs, self.n_out);
-            self.z.set(cpu::tensor(z, dims.clone())?);
-            Ok((T::storage(y), Shape::from(dims)))
+            self.z.set(cpu::tensor(z, shape.clone())?);
+            Ok((T::storage(y), shape))
         })
     }
 

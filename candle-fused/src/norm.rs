@@ -9,7 +9,7 @@
 //! * RMSNorm: `dx = rstd * (g - xhat * mean(g * xhat))`, with `xhat = x * rstd`,
 //!
 //! where `g = dy * w`, and `dw = sum_rows dy * xhat`, `db = sum_rows dy` as partial sums over
-//! fixed blocks of rows ([`crate::cpu::for_row_blocks`]) added in block order, so gradients are
+//! fixed blocks of rows (`cpu::for_row_blocks`) added in block order, so gradients are
 //! bit-for-bit the same on any number of threads. 16-bit inputs are widened to f32 for all the
 //! arithmetic and rounded once.
 
