@@ -97,7 +97,7 @@ pub(super) fn merge_heads(y: &Tensor) -> Result<Tensor> {
     y.transpose(1, 2)?.reshape((b, t, h * d))
 }
 
-/// [`attention_qkv`] with plain differentiable Candle ops (splits the heads with
+/// [`attention_qkv`](super::attention_qkv) with plain differentiable Candle ops (splits the heads with
 /// narrow / reshape / transpose and calls [`attention_composite`]).
 ///
 /// ```
