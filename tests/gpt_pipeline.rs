@@ -139,8 +139,8 @@ fn remat_gpt_gradients_are_bit_identical_and_amp_steps_them() {
     amp_steps_remat_grads(&cfg, &model, &params, &x, &y);
 }
 
-/// Remat with dropout (fused: Philox masks regenerated in the recompute; reference: ChaCha)
-/// gives the gradients of plain backward bit for bit.
+/// Remat with dropout (Philox masks regenerated in the recompute: in the kernel for fused, on
+/// the host for reference) gives the gradients of plain backward bit for bit.
 fn remat_is_bit_identical(
     cfg: &GptConfig,
     model: &Gpt,

@@ -191,7 +191,7 @@ fn main() -> Result<()> {
     let dev = Device::Cpu;
     println!(
         "candle-fused ops, CPU, work split {} ways on Candle's pool of {} threads, median of {iters} after 5 warm-up (ms)",
-        candle_fused::pool::parts(),
+        rayon::current_num_threads(),
         candle_core::utils::barrier_pool().n_workers() + 1
     );
     for s in &MODELS {

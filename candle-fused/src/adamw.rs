@@ -354,7 +354,7 @@ impl InplaceOp2 for Moment {
         l2: &Layout,
     ) -> Result<()> {
         let d = dst_f32(s1, l1)?;
-        crate::dispatch!(s2.dtype(), T => {
+        cpu::dispatch!(s2.dtype(), T => {
             let g = cpu::contiguous::<T>(s2, l2)?;
             if g.len() != d.len() {
                 candle_core::bail!("candle-fused adamw: grad/state size mismatch")
@@ -445,22 +445,35 @@ fn sumsq<T: Elem>(x: &[T]) -> f64 {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn sum_of_squares(t: &Tensor) -> Result<Tensor> {
-    if cpu::has_kernel(t) {
-        let t = t.contiguous()?;
-        let s = crate::dispatch!(t.dtype(), T => cpu::with_slice::<T, _>(&t, |x| Ok(sumsq(x)))?);
-        Tensor::new(s as f32, &Device::Cpu)
-    } else {
-        let t = t.detach();
-        match t.dtype() {
-            DType::F64 => t.sqr()?.sum_all()?.to_dtype(DType::F32),
-            _ => t.to_dtype(DType::F32)?.sqr()?.sum_all(),
-        }
+    if !cpu::has_kernel(t) {
+        return sum_of_squares_composite(&t.detach());
+    }
+    let t = t.contiguous()?;
+    let s = cpu::dispatch!(t.dtype(), T => cpu::with_slice::<T, _>(&t, |x| Ok(sumsq(x)))?);
+    Tensor::new(s as f32, &Device::Cpu)
+}
+
+/// The composite reference of [`sum_of_squares`]: `sum(t^2)` with Candle ops, in f32 (f64 for
+/// f64 inputs, then rounded to f32), as a scalar f32 tensor.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let t = Tensor::new(&[3f32, -4.], &Device::Cpu)?;
+/// let s = candle_fused::adamw::sum_of_squares_composite(&t)?;
+/// assert_eq!(s.to_scalar::<f32>()?, 25.0);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn sum_of_squares_composite(t: &Tensor) -> Result<Tensor> {
+    match t.dtype() {
+        DType::F64 => t.sqr()?.sum_all()?.to_dtype(DType::F32),
+        _ => t.to_dtype(DType::F32)?.sqr()?.sum_all(),
     }
 }
 
 /// The global L2 norm of all `grads`, `sqrt(sum_i sum(g_i^2))`, with exactly one host sync:
-/// the per-tensor sums are added on the device and read back once. All tensors must be on
-/// one device. A NaN or infinity anywhere gives a non-finite norm (0 for no tensors).
+/// the per-tensor sums ([`sum_of_squares`]) are added on the device and read back once. All
+/// tensors must be on one device. A NaN or infinity anywhere gives a non-finite norm (0 for
+/// no tensors).
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -470,9 +483,28 @@ pub fn sum_of_squares(t: &Tensor) -> Result<Tensor> {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn global_norm(grads: &[&Tensor]) -> Result<f32> {
+    norm_of_sums(grads, sum_of_squares)
+}
+
+/// The composite reference of [`global_norm`]: the per-tensor sums from
+/// [`sum_of_squares_composite`], added on the device, one host sync.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let a = Tensor::new(&[3f32], &Device::Cpu)?;
+/// let b = Tensor::new(&[[4f32]], &Device::Cpu)?;
+/// assert_eq!(candle_fused::adamw::global_norm_composite(&[&a, &b])?, 5.0);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn global_norm_composite(grads: &[&Tensor]) -> Result<f32> {
+    norm_of_sums(grads, sum_of_squares_composite)
+}
+
+/// `sqrt` of the sum of `sumsq(g)` over `grads`, added on the device, read back once.
+fn norm_of_sums(grads: &[&Tensor], sumsq: fn(&Tensor) -> Result<Tensor>) -> Result<f32> {
     let mut total: Option<Tensor> = None;
     for g in grads {
-        let s = sum_of_squares(g)?;
+        let s = sumsq(g)?;
         total = Some(match total {
             None => s,
             Some(t) => (t + s)?,

@@ -28,7 +28,7 @@
 //! row. The plain-softmax [`attention_composite`] gives NaN there (`-inf - -inf`). NaN in the
 //! inputs propagates (the running max propagates NaN).
 //!
-//! On devices without a kernel (or with [`crate::cpu::force_fallback`]) the op computes the
+//! On devices without a kernel (or inside [`crate::with_composite_fallback`]) the op computes the
 //! same output and log-sum-exp with composite Candle ops on detached inputs and its backward
 //! recomputes `P` from the log-sum-exp with composite ops (the `T x T` tensors exist only
 //! transiently inside forward and backward).
@@ -40,13 +40,12 @@ pub use composite::{attention_composite, attention_qkv_composite};
 use composite::{fallback_backward, fallback_forward, merge_heads, split_heads};
 
 use crate::cpu::{self, Elem};
-use crate::fallback::{self, Precomputed, Saved};
 use crate::gelu::FastMath;
+use crate::op::{self, Grads, In, Kernel, Saved};
 use crate::RngKey;
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    bail, CpuStorage, CudaStorage, DType, Device, Layout, MetalStorage, Result, Shape, Storage,
-    Tensor, WithDType,
+    bail, CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor, WithDType,
 };
 use kernel::{BwdInputs, Geom, Params, Ptr, View};
 
@@ -326,55 +325,45 @@ fn bwd_kernel(ts: &[&Tensor]) -> bool {
 struct QkvOp {
     g: Geom,
     r: Resolved,
-    fallback: bool,
-    pre: Precomputed,
     saved: Saved,
 }
 
-impl candle_core::CustomOp1 for QkvOp {
+impl Kernel for QkvOp {
     fn name(&self) -> &'static str {
         "candle-fused-attention-qkv"
     }
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        if self.fallback {
-            return self.pre.cpu();
-        }
+    fn cpu_fwd(&self, ins: &[In<'_>]) -> Result<(CpuStorage, Shape)> {
+        let (s, l) = ins[0];
         let g = &self.g;
-        let out = crate::dispatch!(s.dtype(), T => {
+        let out = cpu::dispatch!(s.dtype(), T => {
             let x = cpu::contiguous::<T>(s, l)?;
             kernel_fwd::<T>(g, &self.r, (x, x, x), &self.saved)?
         });
         Ok((out, Shape::from((g.b, g.tq, g.h * g.dv))))
     }
 
-    fn cuda_fwd(&self, _: &CudaStorage, _: &Layout) -> Result<(CudaStorage, Shape)> {
-        self.pre.cuda()
-    }
-
-    fn metal_fwd(&self, _: &MetalStorage, _: &Layout) -> Result<(MetalStorage, Shape)> {
-        self.pre.metal()
-    }
-
-    fn bwd(&self, qkv: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+    fn bwd(&self, ins: &[&Tensor], res: &Tensor, grad: &Tensor) -> Result<Grads> {
+        let qkv = ins[0];
         let lse = self.saved.get()?;
         let g = &self.g;
         if bwd_kernel(&[qkv, res, grad]) {
             let qkv = qkv.contiguous()?;
-            let dqkv = crate::dispatch!(qkv.dtype(), T => {
+            let dqkv = cpu::dispatch!(qkv.dtype(), T => {
                 let mut gs = kernel_bwd::<T>(g, &self.r, &[&qkv], res, grad, &lse)?;
                 cpu::tensor(gs.remove(0), qkv.shape())?
             });
-            return Ok(Some(dqkv));
+            return Ok([Some(dqkv), None, None]);
         }
         let (q, k, v) = split_heads(qkv, g.h)?;
         let split = |t: &Tensor| t.reshape((g.b, g.tq, g.h, g.dv))?.transpose(1, 2);
         let (dq, dk, dv) =
             fallback_backward((&q, &k, &v), &split(res)?, &split(grad)?, &lse, &self.r)?;
-        Ok(Some(Tensor::cat(
+        let dqkv = Tensor::cat(
             &[merge_heads(&dq)?, merge_heads(&dk)?, merge_heads(&dv)?],
             2,
-        )?))
+        )?;
+        Ok([Some(dqkv), None, None])
     }
 }
 
@@ -382,32 +371,18 @@ impl candle_core::CustomOp1 for QkvOp {
 struct BhtdOp {
     g: Geom,
     r: Resolved,
-    fallback: bool,
-    pre: Precomputed,
     saved: Saved,
 }
 
-type Grads3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
-
-impl candle_core::CustomOp3 for BhtdOp {
+impl Kernel for BhtdOp {
     fn name(&self) -> &'static str {
         "candle-fused-attention"
     }
 
-    fn cpu_fwd(
-        &self,
-        sq: &CpuStorage,
-        lq: &Layout,
-        sk: &CpuStorage,
-        lk: &Layout,
-        sv: &CpuStorage,
-        lv: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        if self.fallback {
-            return self.pre.cpu();
-        }
+    fn cpu_fwd(&self, ins: &[In<'_>]) -> Result<(CpuStorage, Shape)> {
+        let ((sq, lq), (sk, lk), (sv, lv)) = (ins[0], ins[1], ins[2]);
         let g = &self.g;
-        let out = crate::dispatch!(sq.dtype(), T => {
+        let out = cpu::dispatch!(sq.dtype(), T => {
             let q = cpu::contiguous::<T>(sq, lq)?;
             let k = cpu::contiguous::<T>(sk, lk)?;
             let v = cpu::contiguous::<T>(sv, lv)?;
@@ -416,42 +391,12 @@ impl candle_core::CustomOp3 for BhtdOp {
         Ok((out, Shape::from((g.b, g.h, g.tq, g.dv))))
     }
 
-    fn cuda_fwd(
-        &self,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        self.pre.cuda()
-    }
-
-    fn metal_fwd(
-        &self,
-        _: &MetalStorage,
-        _: &Layout,
-        _: &MetalStorage,
-        _: &Layout,
-        _: &MetalStorage,
-        _: &Layout,
-    ) -> Result<(MetalStorage, Shape)> {
-        self.pre.metal()
-    }
-
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<Grads3> {
+    fn bwd(&self, ins: &[&Tensor], res: &Tensor, grad: &Tensor) -> Result<Grads> {
+        let (q, k, v) = (ins[0], ins[1], ins[2]);
         let lse = self.saved.get()?;
         if bwd_kernel(&[q, k, v, res, grad]) {
             let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-            let (dq, dk, dv) = crate::dispatch!(q.dtype(), T => {
+            let (dq, dk, dv) = cpu::dispatch!(q.dtype(), T => {
                 let ins = [&q, &k, &v];
                 let mut gs = kernel_bwd::<T>(&self.g, &self.r, &ins, res, grad, &lse)?.into_iter();
                 let mut next = |t: &Tensor| match gs.next() {
@@ -460,10 +405,10 @@ impl candle_core::CustomOp3 for BhtdOp {
                 };
                 (next(&q)?, next(&k)?, next(&v)?)
             });
-            return Ok((Some(dq), Some(dk), Some(dv)));
+            return Ok([Some(dq), Some(dk), Some(dv)]);
         }
         let (dq, dk, dv) = fallback_backward((q, k, v), res, grad, &lse, &self.r)?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+        Ok([Some(dq), Some(dk), Some(dv)])
     }
 }
 
@@ -499,26 +444,18 @@ pub fn attention_qkv(qkv: &Tensor, n_head: usize, cfg: &AttentionConfig) -> Resu
         v: View::interleaved(2 * c, t, 3 * c, d),
         o: View::interleaved(0, t, c, d),
     };
-    let mut op = QkvOp {
+    let op = QkvOp {
         g,
         r,
-        fallback: false,
-        pre: Precomputed::none(),
         saved: Saved::default(),
     };
     if cpu::has_kernel(qkv) {
-        return qkv.contiguous()?.apply_op1(op);
+        return op::apply(op, &[&qkv.contiguous()?], None, None);
     }
     let (q, k, v) = split_heads(&qkv.detach(), n_head)?;
     let (out, lse) = fallback_forward(&q, &k, &v, &op.r)?;
-    let out = merge_heads(&out)?;
-    if !fallback::tracks(&[qkv]) {
-        return Ok(out);
-    }
     op.saved.set(lse);
-    op.pre = Precomputed::new(out)?;
-    op.fallback = true;
-    qkv.apply_op1(op)
+    op::apply(op, &[qkv], None, Some(merge_heads(&out)?))
 }
 
 /// Fused scaled dot-product attention on `q` `[B, H, Tq, D]`, `k` `[B, H, Tk, D]`, `v`
@@ -551,24 +488,16 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttentionConfig) -> R
         v: View::bhtd(h, tk, dv),
         o: View::bhtd(h, tq, dv),
     };
-    let mut op = BhtdOp {
+    let op = BhtdOp {
         g,
         r,
-        fallback: false,
-        pre: Precomputed::none(),
         saved: Saved::default(),
     };
     if cpu::has_kernel(q) && cpu::has_kernel(k) && cpu::has_kernel(v) {
-        return q
-            .contiguous()?
-            .apply_op3(&k.contiguous()?, &v.contiguous()?, op);
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        return op::apply(op, &[&q, &k, &v], None, None);
     }
     let (out, lse) = fallback_forward(q, k, v, &op.r)?;
-    if !fallback::tracks(&[q, k, v]) {
-        return Ok(out);
-    }
     op.saved.set(lse);
-    op.pre = Precomputed::new(out)?;
-    op.fallback = true;
-    q.apply_op3(k, v, op)
+    op::apply(op, &[q, k, v], None, Some(out))
 }

@@ -12,7 +12,7 @@ use candle_core::{CpuStorage, DType, Layout, Tensor};
 use half::{bf16, f16};
 
 /// Arithmetic of the accumulation types (`f32`, `f64`).
-pub trait Real:
+pub(crate) trait Real:
     Copy
     + Send
     + Sync
@@ -38,18 +38,12 @@ pub trait Real:
     fn c(v: f64) -> Self;
     /// To f64.
     fn f64(self) -> f64;
-    /// e^x.
-    fn exp(self) -> Self;
     /// ln x.
     fn ln(self) -> Self;
     /// sqrt x.
     fn sqrt(self) -> Self;
-    /// tanh x.
-    fn tanh(self) -> Self;
     /// max (NaN-propagating: a NaN in either argument gives NaN).
     fn max_nan(self, o: Self) -> Self;
-    /// Whether finite.
-    fn is_finite(self) -> bool;
 }
 
 macro_rules! real {
@@ -67,20 +61,12 @@ macro_rules! real {
                 self as f64
             }
             #[inline(always)]
-            fn exp(self) -> Self {
-                <$t>::exp(self)
-            }
-            #[inline(always)]
             fn ln(self) -> Self {
                 <$t>::ln(self)
             }
             #[inline(always)]
             fn sqrt(self) -> Self {
                 <$t>::sqrt(self)
-            }
-            #[inline(always)]
-            fn tanh(self) -> Self {
-                <$t>::tanh(self)
             }
             #[inline(always)]
             fn max_nan(self, o: Self) -> Self {
@@ -92,10 +78,6 @@ macro_rules! real {
                     self
                 }
             }
-            #[inline(always)]
-            fn is_finite(self) -> bool {
-                <$t>::is_finite(self)
-            }
         }
     };
 }
@@ -103,7 +85,7 @@ real!(f32);
 real!(f64);
 
 /// A floating-point storage type with its accumulation type.
-pub trait Elem: Copy + Send + Sync + 'static {
+pub(crate) trait Elem: Copy + Send + Sync + 'static {
     /// The type sums and transcendental functions run in.
     type Acc: Real;
     /// Candle's dtype of this storage type.
@@ -155,14 +137,14 @@ elem!(f16, f32, F16, F16, f16::to_f32, f16::from_f32);
 /// bf16 to f32: exact, a shift (inlined, so loops over it vectorise; `half`'s conversion is
 /// an out-of-line call per element on CPUs with AVX512-BF16).
 #[inline(always)]
-pub fn bf16_to_f32(x: bf16) -> f32 {
+pub(crate) fn bf16_to_f32(x: bf16) -> f32 {
     f32::from_bits((x.to_bits() as u32) << 16)
 }
 
 /// f32 to bf16, rounding to nearest even (NaN stays a quiet NaN), bit for bit what
 /// `half::bf16::from_f32` gives, inlined.
 #[inline(always)]
-pub fn f32_to_bf16(x: f32) -> bf16 {
+pub(crate) fn f32_to_bf16(x: f32) -> bf16 {
     let b = x.to_bits();
     if x.is_nan() {
         bf16::from_bits(((b >> 16) | 0x0040) as u16)
@@ -173,7 +155,10 @@ pub fn f32_to_bf16(x: f32) -> bf16 {
 }
 
 /// The contiguous elements of `layout` in `s` (error if the layout is strided).
-pub fn contiguous<'a, T: Elem>(s: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [T]> {
+pub(crate) fn contiguous<'a, T: Elem>(
+    s: &'a CpuStorage,
+    layout: &Layout,
+) -> candle_core::Result<&'a [T]> {
     match layout.contiguous_offsets() {
         Some((a, b)) => Ok(&T::slice(s)?[a..b]),
         None => candle_core::bail!("candle-fused: kernel input must be contiguous"),
@@ -181,7 +166,7 @@ pub fn contiguous<'a, T: Elem>(s: &'a CpuStorage, layout: &Layout) -> candle_cor
 }
 
 /// Runs `f` on the contiguous f32/f64/bf16/f16 data of `t` (a CPU tensor).
-pub fn with_slice<T: Elem, R>(
+pub(crate) fn with_slice<T: Elem, R>(
     t: &Tensor,
     f: impl FnOnce(&[T]) -> candle_core::Result<R>,
 ) -> candle_core::Result<R> {
@@ -193,7 +178,7 @@ pub fn with_slice<T: Elem, R>(
 }
 
 /// A CPU tensor of `shape` over `data`.
-pub fn tensor<T: Elem + candle_core::WithDType>(
+pub(crate) fn tensor<T: Elem + candle_core::WithDType>(
     data: Vec<T>,
     shape: impl Into<candle_core::Shape>,
 ) -> candle_core::Result<Tensor> {
@@ -203,12 +188,12 @@ pub fn tensor<T: Elem + candle_core::WithDType>(
 /// Work (in elements touched) below which a kernel runs on the calling thread: waking the
 /// pool's threads costs more than it saves on small tensors. 256K: measured on the baby-GPT step bench
 /// (2 cores), faster than 32K at every rank of 6 alternating runs (by 4-18%, 5-7% mid-ranks).
-pub const PAR_MIN_WORK: usize = 1 << 18;
+pub(crate) const PAR_MIN_WORK: usize = 1 << 18;
 
 /// Calls `f(row_index, row)` for every `row_len`-long row of `out`, in parallel when
 /// `rows * work_per_row` is large enough, on the calling thread otherwise. Rows are handed out
 /// in contiguous chunks, one per thread, so results do not depend on scheduling.
-pub fn for_rows<T: Send>(
+pub(crate) fn for_rows<T: Send>(
     out: &mut [T],
     row_len: usize,
     work_per_row: usize,
@@ -236,7 +221,7 @@ pub fn for_rows<T: Send>(
 /// Maps `0..n` in parallel chunks (when large enough) and returns the per-chunk results in
 /// order: the building block for deterministic reductions (the chunking depends only on `n`
 /// and the thread count, and results are combined in chunk order).
-pub fn map_chunks<R: Send>(
+pub(crate) fn map_chunks<R: Send>(
     n: usize,
     work_per_item: usize,
     f: impl Fn(std::ops::Range<usize>) -> R + Sync,
@@ -253,7 +238,7 @@ pub fn map_chunks<R: Send>(
 /// count), so per-block partial results summed in block order are the same on any number of
 /// threads. At least 16 rows (a partial of one row's length costs at most 1/16 of the block's
 /// work) and at most 256 blocks.
-pub fn row_block(rows: usize) -> usize {
+pub(crate) fn row_block(rows: usize) -> usize {
     rows.div_ceil(256).max(16)
 }
 
@@ -263,7 +248,7 @@ pub fn row_block(rows: usize) -> usize {
 /// over the batch: per-block partials, then summed in order). Parallel when
 /// `rows * work_per_row >= PAR_MIN_WORK`, on the calling thread otherwise; the blocks, and so
 /// the results, are the same either way.
-pub fn for_row_blocks<T: Send, R: Send>(
+pub(crate) fn for_row_blocks<T: Send, R: Send>(
     out: &mut [T],
     row_len: usize,
     work_per_row: usize,
@@ -288,7 +273,7 @@ pub fn for_row_blocks<T: Send, R: Send>(
 /// `sum_i a[i] * b[i]` with 8 independent accumulators, so the loop vectorises without
 /// fast-math (the summation order is fixed: the same result on every run and thread count).
 #[inline(always)]
-pub fn dot<A: Real>(a: &[A], b: &[A]) -> A {
+pub(crate) fn dot<A: Real>(a: &[A], b: &[A]) -> A {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
     let mut acc = [A::ZERO; 8];
@@ -309,7 +294,7 @@ pub fn dot<A: Real>(a: &[A], b: &[A]) -> A {
 /// `sum_i f(x[i])` with 8 independent accumulators, like [`dot`] (vectorises without fast-math;
 /// fixed summation order).
 #[inline(always)]
-pub fn sum_map<T: Copy, A: Real>(x: &[T], f: impl Fn(T) -> A) -> A {
+pub(crate) fn sum_map<T: Copy, A: Real>(x: &[T], f: impl Fn(T) -> A) -> A {
     let mut acc = [A::ZERO; 8];
     let mut cx = x.chunks_exact(8);
     for c in &mut cx {
@@ -328,16 +313,25 @@ thread_local! {
     static FORCE_FALLBACK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Makes the ops on this thread take the composite fallback even on the CPU (for testing the
-/// path other devices take). Returns the previous setting.
-#[doc(hidden)]
-pub fn force_fallback(on: bool) -> bool {
-    FORCE_FALLBACK.with(|c| c.replace(on))
+/// Restores the previous fallback setting of this thread when dropped (also on a panic).
+struct Restore(bool);
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        FORCE_FALLBACK.with(|c| c.set(self.0));
+    }
+}
+
+/// Runs `f` with every op of this crate on this thread taking the composite fallback (see
+/// [`crate::with_composite_fallback`]).
+pub(crate) fn with_fallback<R>(f: impl FnOnce() -> R) -> R {
+    let _restore = Restore(FORCE_FALLBACK.with(|c| c.replace(true)));
+    f()
 }
 
 /// Whether the tensor lives on the CPU and has a dtype the CPU kernels handle (and the
 /// fallback is not forced on this thread).
-pub fn has_kernel(t: &Tensor) -> bool {
+pub(crate) fn has_kernel(t: &Tensor) -> bool {
     !FORCE_FALLBACK.with(|c| c.get())
         && t.device().is_cpu()
         && matches!(
@@ -347,9 +341,7 @@ pub fn has_kernel(t: &Tensor) -> bool {
 }
 
 /// Dispatches a generic kernel on a dtype: `dispatch!(dtype, T => expr)` runs `expr` with `T`
-/// bound to the storage type.
-#[macro_export]
-#[doc(hidden)]
+/// bound to the storage type (f32, f64, bf16, f16; other dtypes are an error).
 macro_rules! dispatch {
     ($dtype:expr, $t:ident => $body:expr) => {
         match $dtype {
@@ -373,10 +365,20 @@ macro_rules! dispatch {
         }
     };
 }
+pub(crate) use dispatch;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parallel_threshold_is_what_the_tests_assume() {
+        assert_eq!(
+            PAR_MIN_WORK,
+            1 << 18,
+            "tests/common/mod.rs sizes its parallel cases from PAR_MIN_WORK: update it there too"
+        );
+    }
 
     #[test]
     fn bf16_conversions_match_half() {

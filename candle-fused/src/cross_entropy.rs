@@ -14,12 +14,10 @@
 //! NaN loss.
 
 use crate::cpu::{self, Elem, Real};
-use crate::fallback::{Precomputed, Saved};
 use crate::gelu::FastMath;
+use crate::op::{self, Grads, In, Kernel, Saved};
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    bail, CpuStorage, CudaStorage, DType, Layout, MetalStorage, Result, Shape, Storage, Tensor, D,
-};
+use candle_core::{bail, CpuStorage, DType, Result, Shape, Storage, Tensor, D};
 
 /// Mean softmax cross-entropy of `logits: [.., V]` (f32, f64, bf16, f16) against `targets`
 /// (u32, the leading shape of `logits`), optionally weighted by `mask` (float, the leading
@@ -52,26 +50,21 @@ pub fn cross_entropy(
         Some(m) => Some(m.detach().flatten_all()?.to_dtype(acc)?.contiguous()?),
         None => None,
     };
-    let mut op = CeOp {
+    let op = CeOp {
         targets,
         mask,
         ignore: ignore_index,
         v,
-        pre: None,
         lse: Saved::default(),
         count: Saved::default(),
     };
     if cpu::has_kernel(logits) {
-        return logits.contiguous()?.apply_op1(op);
+        return op::apply(op, &[&logits.contiguous()?], None, None);
     }
     let (loss, lse, count) = op.composite_fwd(&logits.detach())?;
-    if !logits.track_op() {
-        return Ok(loss);
-    }
     op.lse.set(lse);
     op.count.set(count);
-    op.pre = Some(Precomputed::new(loss)?);
-    logits.apply_op1(op)
+    op::apply(op, &[logits], None, Some(loss))
 }
 
 /// The reference cross-entropy from plain differentiable Candle ops
@@ -239,8 +232,6 @@ struct CeOp {
     mask: Option<Tensor>,
     ignore: Option<u32>,
     v: usize,
-    /// `Some` on the fallback path: the loss, computed with composite ops.
-    pre: Option<Precomputed>,
     /// Per-row log-sum-exp, `[N]`, f32 (f64 for f64).
     lse: Saved,
     /// `max(sum w, 1)`, a scalar in the same dtype.
@@ -346,13 +337,6 @@ where
 }
 
 impl CeOp {
-    fn pre(&self) -> Result<&Precomputed> {
-        match &self.pre {
-            Some(p) => Ok(p),
-            None => bail!("candle-fused-cross-entropy: no kernel for this device"),
-        }
-    }
-
     /// `(loss, lse [N], count)` from plain ops on detached logits (devices without a kernel).
     fn composite_fwd(&self, logits: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let acc = acc_dtype(logits.dtype());
@@ -392,17 +376,15 @@ impl CeOp {
     }
 }
 
-impl candle_core::CustomOp1 for CeOp {
+impl Kernel for CeOp {
     fn name(&self) -> &'static str {
         "candle-fused-cross-entropy"
     }
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        if let Some(p) = &self.pre {
-            return p.cpu();
-        }
+    fn cpu_fwd(&self, ins: &[In<'_>]) -> Result<(CpuStorage, Shape)> {
+        let (s, l) = ins[0];
         let v = self.v;
-        crate::dispatch!(s.dtype(), T => {
+        cpu::dispatch!(s.dtype(), T => {
             let ls = cpu::contiguous::<T>(s, l)?;
             with_u32(&self.targets, |ts| {
                 let run = |mask: Option<&[<T as Elem>::Acc]>| -> Result<(CpuStorage, Shape)> {
@@ -421,18 +403,11 @@ impl candle_core::CustomOp1 for CeOp {
         })
     }
 
-    fn cuda_fwd(&self, _: &CudaStorage, _: &Layout) -> Result<(CudaStorage, Shape)> {
-        self.pre()?.cuda()
-    }
-
-    fn metal_fwd(&self, _: &MetalStorage, _: &Layout) -> Result<(MetalStorage, Shape)> {
-        self.pre()?.metal()
-    }
-
-    fn bwd(&self, logits: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+    fn bwd(&self, ins: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Grads> {
+        let logits = ins[0];
         let lse = self.lse.get()?;
         if !(cpu::has_kernel(logits) && g.device().is_cpu() && lse.device().is_cpu()) {
-            return Ok(Some(self.composite_bwd(logits, g)?));
+            return Ok([Some(self.composite_bwd(logits, g)?), None, None]);
         }
         let logits = logits.contiguous()?;
         let lse = lse.contiguous()?;
@@ -440,7 +415,7 @@ impl candle_core::CustomOp1 for CeOp {
         let g = g.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let scale = g / count;
         let v = self.v;
-        crate::dispatch!(logits.dtype(), T => {
+        cpu::dispatch!(logits.dtype(), T => {
             cpu::with_slice::<T, _>(&logits, |ls| {
                 cpu::with_slice::<<T as Elem>::Acc, _>(&lse, |ss| {
                     with_u32(&self.targets, |ts| {
@@ -450,7 +425,7 @@ impl candle_core::CustomOp1 for CeOp {
                             })?,
                             None => bwd_kernel::<T>(ls, v, ts, None, self.ignore, ss, scale),
                         };
-                        Ok(Some(cpu::tensor(d, logits.shape())?))
+                        Ok([Some(cpu::tensor(d, logits.shape())?), None, None])
                     })
                 })
             })

@@ -20,10 +20,10 @@
 //! round trip per call, slow on a GPU, until a device kernel exists.
 
 use crate::cpu::{self, Elem, Real};
-use crate::fallback::{self, Precomputed};
+use crate::op::{self, Grads, In, Kernel};
 use crate::philox::RngKey;
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, DType, Device, Result, Shape, Tensor};
 
 /// Elements per chunk: each chunk draws its uniforms into a stack buffer and applies them.
 const CHUNK: usize = 1024;
@@ -106,14 +106,7 @@ pub fn dropout_mask(
         apply_mask(&mut v, p, key);
         Tensor::from_vec(v, shape, device)
     }
-    match dtype {
-        DType::F32 | DType::F64 | DType::BF16 | DType::F16 => {
-            crate::dispatch!(dtype, T => host::<T>(n, p, key, shape, device))
-        }
-        other => {
-            candle_core::bail!("candle-fused dropout: mask dtype must be a float, got {other:?}")
-        }
-    }
+    cpu::dispatch!(dtype, T => host::<T>(n, p, key, shape, device))
 }
 
 /// The composite reference: `x * dropout_mask(x.shape(), p, key, ..)` with plain Candle ops
@@ -164,79 +157,44 @@ pub fn dropout(x: &Tensor, p: f32, key: RngKey) -> Result<Tensor> {
     if p == 0.0 {
         return Ok(x.clone());
     }
+    let op = Dropout { p, key };
     if cpu::has_kernel(x) {
-        let x = x.contiguous()?;
-        x.apply_op1(Dropout { p, key, pre: None })
-    } else {
-        let out = dropout_composite(&x.detach(), p, key)?;
-        if !fallback::tracks(&[x]) {
-            return Ok(out);
-        }
-        x.apply_op1(Dropout {
-            p,
-            key,
-            pre: Some(Precomputed::new(out)?),
-        })
+        return op::apply(op, &[&x.contiguous()?], None, None);
     }
+    let y = dropout_composite(&x.detach(), p, key)?;
+    op::apply(op, &[x], None, Some(y))
 }
 
-/// The dropout op: the kernel (`pre == None`) or the composite output computed beforehand.
+/// The dropout op on `(x)`.
 struct Dropout {
     p: f32,
     key: RngKey,
-    pre: Option<Precomputed>,
 }
 
-impl Dropout {
-    fn pre(&self) -> Result<&Precomputed> {
-        self.pre.as_ref().ok_or_else(|| {
-            candle_core::Error::Msg("candle-fused dropout: no kernel for this device".into())
-        })
-    }
-}
-
-impl CustomOp1 for Dropout {
+impl Kernel for Dropout {
     fn name(&self) -> &'static str {
         "candle-fused-dropout"
     }
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        if let Some(pre) = &self.pre {
-            return pre.cpu();
-        }
-        crate::dispatch!(s.dtype(), T => {
+    fn cpu_fwd(&self, ins: &[In<'_>]) -> Result<(CpuStorage, Shape)> {
+        let (s, l) = ins[0];
+        cpu::dispatch!(s.dtype(), T => {
             let x = cpu::contiguous::<T>(s, l)?;
             Ok((T::storage(masked(x, self.p, self.key)), l.shape().clone()))
         })
     }
 
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.pre()?.cuda()
-    }
-
-    fn metal_fwd(
-        &self,
-        _: &candle_core::MetalStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::MetalStorage, Shape)> {
-        self.pre()?.metal()
-    }
-
-    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+    fn bwd(&self, _ins: &[&Tensor], _y: &Tensor, grad: &Tensor) -> Result<Grads> {
         // d(x * m)/dx = m: the gradient is the upstream gradient times the regenerated mask.
         let g = if cpu::has_kernel(grad) {
             let g = grad.contiguous()?;
-            crate::dispatch!(g.dtype(), T => cpu::with_slice::<T, _>(&g, |s| {
+            cpu::dispatch!(g.dtype(), T => cpu::with_slice::<T, _>(&g, |s| {
                 cpu::tensor(masked(s, self.p, self.key), g.shape())
             })?)
         } else {
             (grad.detach()
                 * dropout_mask(grad.shape(), self.p, self.key, grad.dtype(), grad.device())?)?
         };
-        Ok(Some(g))
+        Ok([Some(g), None, None])
     }
 }

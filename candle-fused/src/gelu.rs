@@ -10,11 +10,9 @@
 //! (std's `tanhf` is a libm call per element); the f64 kernel uses std's `tanh`.
 
 use crate::cpu::{self, Elem, Real};
-use crate::fallback::Precomputed;
+use crate::op::{self, Grads, In, Kernel};
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    bail, CpuStorage, CudaStorage, DType, Layout, MetalStorage, Result, Shape, Tensor,
-};
+use candle_core::{bail, CpuStorage, DType, Result, Shape, Tensor};
 
 /// `sqrt(2 / pi)`.
 const K0: f64 = 0.797_884_560_802_865_4;
@@ -154,26 +152,15 @@ fn gelu_grad<A: FastMath>(z: A) -> A {
 /// ```
 pub fn bias_gelu(x: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let c = check("bias_gelu", x, b)?;
+    let op = GeluOp { c };
     if cpu::has_kernel(x) && x.elem_count() > 0 {
         let x = x.contiguous()?;
-        return match b {
-            Some(b) => x.apply_op2(&b.contiguous()?, GeluOp { pre: None, c }),
-            None => x.apply_op1(GeluOp { pre: None, c }),
-        };
+        let b = b.map(Tensor::contiguous).transpose()?;
+        return op::apply(op, &[&x], b.as_ref(), None);
     }
     let bd = b.map(Tensor::detach);
     let y = composite(&x.detach(), bd.as_ref())?;
-    if !x.track_op() && !b.is_some_and(Tensor::track_op) {
-        return Ok(y);
-    }
-    let op = GeluOp {
-        pre: Some(Precomputed::new(y)?),
-        c,
-    };
-    match b {
-        Some(b) => x.apply_op2(b, op),
-        None => x.apply_op1(op),
-    }
+    op::apply(op, &[x], b, Some(y))
 }
 
 /// Tanh GELU (GPT-2's): [`bias_gelu`] without a bias.
@@ -265,59 +252,44 @@ fn composite(x: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
         Some(b) => z.broadcast_add(&b.to_dtype(acc)?)?,
         None => z,
     };
-    let inner = ((z.sqr()? * &z)?.affine(K1, 0.0)? + &z)?.affine(K0, 0.0)?;
-    let y = ((inner.tanh()? + 1.0)? * &z)?.affine(0.5, 0.0)?;
+    // K0 (z + K1 z^3) = z (K0 + K0 K1 z^2), and 0.5 z (1 + t) = z (0.5 + 0.5 t): six ops.
+    let inner = (z.sqr()?.affine(K0 * K1, K0)? * &z)?;
+    let y = (inner.tanh()?.affine(0.5, 0.5)? * &z)?;
     y.to_dtype(dt)
 }
 
 /// `(x)` or `(x, b)`; `c` is the kernel's row length.
 struct GeluOp {
-    pre: Option<Precomputed>,
     c: usize,
 }
 
-impl GeluOp {
-    fn pre(&self) -> Result<&Precomputed> {
-        match &self.pre {
-            Some(p) => Ok(p),
-            None => bail!("candle-fused-gelu: no kernel for this device"),
-        }
+impl Kernel for GeluOp {
+    fn name(&self) -> &'static str {
+        "candle-fused-bias-gelu"
     }
 
-    fn fwd_cpu(
-        &self,
-        (sx, lx): (&CpuStorage, &Layout),
-        b: Option<(&CpuStorage, &Layout)>,
-    ) -> Result<(CpuStorage, Shape)> {
-        if let Some(p) = &self.pre {
-            return p.cpu();
-        }
-        crate::dispatch!(sx.dtype(), T => {
+    fn cpu_fwd(&self, ins: &[In<'_>]) -> Result<(CpuStorage, Shape)> {
+        let ((sx, lx), b) = (ins[0], ins.get(1));
+        cpu::dispatch!(sx.dtype(), T => {
             let xs = cpu::contiguous::<T>(sx, lx)?;
             let bs = b.map(|(s, l)| cpu::contiguous::<T>(s, l)).transpose()?;
             Ok((T::storage(fwd_kernel(xs, bs, self.c)), lx.shape().clone()))
         })
     }
 
-    fn backward(
-        &self,
-        x: &Tensor,
-        b: Option<&Tensor>,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, ins: &[&Tensor], _y: &Tensor, dy: &Tensor) -> Result<Grads> {
+        let (x, b) = (ins[0], ins.get(1).copied());
         let need_x = x.track_op();
         let need_b = b.is_some_and(Tensor::track_op);
         if !(cpu::has_kernel(x) && dy.device().is_cpu()) {
-            return composite_bwd(x, b, dy, need_x, need_b);
+            let (dx, db) = composite_bwd(x, b, dy, need_x, need_b)?;
+            return Ok([dx, db, None]);
         }
         let x = x.contiguous()?;
         let dy = dy.to_dtype(x.dtype())?.contiguous()?;
-        let b = match b {
-            Some(b) => Some(b.contiguous()?),
-            None => None,
-        };
+        let b = b.map(Tensor::contiguous).transpose()?;
         let c = self.c;
-        crate::dispatch!(x.dtype(), T => {
+        cpu::dispatch!(x.dtype(), T => {
             cpu::with_slice::<T, _>(&x, |xs| {
                 cpu::with_slice::<T, _>(&dy, |dys| {
                     let (dx, db) = match &b {
@@ -328,7 +300,7 @@ impl GeluOp {
                     };
                     let dx = need_x.then(|| cpu::tensor(dx, x.shape())).transpose()?;
                     let db = db.map(|v| cpu::tensor(v, c)).transpose()?;
-                    Ok((dx, db))
+                    Ok([dx, db, None])
                 })
             })
         })
@@ -449,72 +421,4 @@ where
         s.into_iter().map(T::from_acc).collect()
     });
     (dx, db)
-}
-
-impl candle_core::CustomOp1 for GeluOp {
-    fn name(&self) -> &'static str {
-        "candle-fused-gelu"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        self.fwd_cpu((s, l), None)
-    }
-
-    fn cuda_fwd(&self, _: &CudaStorage, _: &Layout) -> Result<(CudaStorage, Shape)> {
-        self.pre()?.cuda()
-    }
-
-    fn metal_fwd(&self, _: &MetalStorage, _: &Layout) -> Result<(MetalStorage, Shape)> {
-        self.pre()?.metal()
-    }
-
-    fn bwd(&self, x: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        Ok(self.backward(x, None, dy)?.0)
-    }
-}
-
-impl candle_core::CustomOp2 for GeluOp {
-    fn name(&self) -> &'static str {
-        "candle-fused-bias-gelu"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.fwd_cpu((s1, l1), Some((s2, l2)))
-    }
-
-    fn cuda_fwd(
-        &self,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        self.pre()?.cuda()
-    }
-
-    fn metal_fwd(
-        &self,
-        _: &MetalStorage,
-        _: &Layout,
-        _: &MetalStorage,
-        _: &Layout,
-    ) -> Result<(MetalStorage, Shape)> {
-        self.pre()?.metal()
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        b: &Tensor,
-        _res: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        self.backward(x, Some(b), dy)
-    }
 }

@@ -35,9 +35,9 @@
 use half::bf16;
 
 /// Rows of the micro-kernel's C tile.
-pub const MR: usize = 6;
+pub(crate) const MR: usize = 6;
 /// Columns of the micro-kernel's C tile: 4 vectors of 16 f32 lanes.
-pub const NR: usize = 64;
+pub(crate) const NR: usize = 64;
 /// `k`-pairs per cache block (256 values of `k`).
 const KC: usize = 128;
 /// Rows of C per task (8 A panels).
@@ -52,7 +52,7 @@ const PAR_MIN_PACK: usize = crate::cpu::PAR_MIN_WORK;
 
 /// A read-only bf16 matrix view: element `(r, c)` is `data[r * rs + c * cs]`.
 #[derive(Clone, Copy, Debug)]
-pub struct Mat<'a> {
+pub(crate) struct Mat<'a> {
     /// The elements, from the view's first one.
     pub data: &'a [bf16],
     /// Row stride (elements).
@@ -70,7 +70,7 @@ impl Mat<'_> {
 
 /// Which micro-kernel runs the tiles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kernel {
+pub(crate) enum Kernel {
     /// `vdpbf16ps` on zmm registers (needs [`available`]).
     Avx512Bf16,
     /// Scalar f32 pair sums over the same packed panels: slow, for testing the packing and the
@@ -80,7 +80,7 @@ pub enum Kernel {
 
 /// Whether this CPU runs [`Kernel::Avx512Bf16`] (AVX512F and AVX512-BF16, detected at run
 /// time once and cached by the standard library).
-pub fn available() -> bool {
+pub(crate) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f")
@@ -96,7 +96,8 @@ pub fn available() -> bool {
 ///
 /// Panics if `kernel` is [`Kernel::Avx512Bf16`] and not [`available`], or if a view does not
 /// fit its data.
-pub fn matmul(
+#[cfg(test)]
+pub(crate) fn matmul(
     kernel: Kernel,
     (m, n, k): (usize, usize, usize),
     a: Mat<'_>,
@@ -114,7 +115,8 @@ pub fn matmul(
 }
 
 /// `c (m x n, row-major) += a · b`. Panics like [`matmul`] and if `c` is not `m * n` long.
-pub fn matmul_acc(
+#[cfg(test)]
+pub(crate) fn matmul_acc(
     kernel: Kernel,
     (m, n, k): (usize, usize, usize),
     c: &mut [f32],
@@ -136,7 +138,7 @@ pub fn matmul_acc(
 /// # Safety
 /// `c` is valid for writes of `m * n` f32 (and initialised when `acc`), and nothing else
 /// accesses them during the call. With `acc == false` they are only written, never read.
-pub unsafe fn gemm(
+pub(crate) unsafe fn gemm(
     kernel: Kernel,
     (m, n, k): (usize, usize, usize),
     c: *mut f32,
@@ -477,3 +479,6 @@ mod avx512 {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -6,33 +6,65 @@
 //!   the output and the log-sum-exp, recomputes scores in backward), mask and dropout;
 //! * [`norm`]: LayerNorm (optional bias) and RMSNorm, saving mean / rstd;
 //! * [`gelu`]: bias add + tanh GELU (GPT-2's) in one op;
-//! * [`linear`]: `x W + b` in one op (one GEMM forward, two and a column sum backward);
+//! * [`linear`]: `x W + b` in one op (one GEMM forward, two and a column sum backward; bf16
+//!   GEMMs on AVX512-BF16 where the CPU has it);
 //! * [`linear_gelu`]: `gelu(x W + b)` in one op (the MLP's up-projection, no graph node for
 //!   the pre-activation);
-//! * [`gemm_bf16`]: the bf16 GEMM `linear` runs on CPUs with AVX512-BF16;
 //! * [`cross_entropy`]: softmax cross-entropy over the vocabulary with mask / ignore index;
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
-//! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync;
-//! * [`cpu`]: what the CPU kernels share; [`pool`]: where they run in parallel (Candle's own
-//!   CPU threads); [`fallback`]: the composite path for other devices.
+//! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync.
+//!
+//! # Each op and its reference
+//!
+//! Every module exposes its op, `op(..)` (the fused kernel, differentiable), next to
+//! `op_composite(..)`: the same function written with plain differentiable Candle ops, the
+//! reference the op is tested against (and what a caller that wants the unfused computation,
+//! e.g. for comparison or debugging, calls): [`linear::linear_composite`],
+//! [`linear_gelu::linear_gelu_composite`], [`norm::layer_norm_composite`],
+//! [`norm::rms_norm_composite`], [`gelu::bias_gelu_composite`], [`gelu::gelu_composite`],
+//! [`attention::attention_composite`], [`attention::attention_qkv_composite`],
+//! [`cross_entropy::cross_entropy_composite`], [`dropout::dropout_composite`] (the same
+//! Philox mask, drawn on the host), [`adamw::adamw_composite`] (returns the new tensors
+//! instead of updating in place), [`adamw::sum_of_squares_composite`] and
+//! [`adamw::global_norm_composite`].
 //!
 //! Every op has a CPU kernel for f32, f64, bf16 and f16 (16-bit types accumulate in f32) and,
 //! on devices without a kernel yet, computes the composite Candle expression inside the same
-//! op, so it works everywhere with the same backward.
+//! op, so it works everywhere with the same backward ([`with_composite_fallback`] takes that
+//! path on the CPU too).
 #![warn(missing_docs)]
 
 pub mod adamw;
 pub mod attention;
-pub mod cpu;
+mod cpu;
 pub mod cross_entropy;
 pub mod dropout;
-pub mod fallback;
 pub mod gelu;
-pub mod gemm_bf16;
+mod gemm_bf16;
 pub mod linear;
 pub mod linear_gelu;
 pub mod norm;
+mod op;
 pub mod philox;
-pub mod pool;
+mod pool;
 
 pub use philox::RngKey;
+
+/// Runs `f` with every op of this crate, on the calling thread, taking the path devices
+/// without a kernel take (CUDA and Metal today) also on the CPU: the output computed by the
+/// op's composite expression inside the op, the backward by composite ops. For testing a model
+/// on that path without such a device. The previous setting comes back when `f` returns or
+/// panics; other threads are not affected.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_fused::{gelu::gelu, with_composite_fallback};
+/// let x = Tensor::new(&[0.5f64, -1.0], &Device::Cpu)?;
+/// let kernel = gelu(&x)?.to_vec1::<f64>()?;
+/// let composite = with_composite_fallback(|| gelu(&x))?.to_vec1::<f64>()?;
+/// assert!(kernel.iter().zip(&composite).all(|(a, b)| (a - b).abs() < 1e-15));
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn with_composite_fallback<R>(f: impl FnOnce() -> R) -> R {
+    cpu::with_fallback(f)
+}

@@ -14,13 +14,10 @@
 //! without a kernel compute exactly that pair of ops.
 
 use crate::cpu::{self, Elem};
-use crate::fallback::Saved;
+use crate::op::{self, cpu_of, Grads, In, Kernel, Saved};
 use crate::{gelu, linear};
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    bail, CpuStorage, CudaStorage, CustomOp2, CustomOp3, Layout, MetalStorage, Result, Shape,
-    Tensor,
-};
+use candle_core::{CpuStorage, Result, Shape, Tensor};
 
 /// `gelu(x [.., in] · w [in, out] + b [out])` (tanh GELU; `b` optional), `[.., out]`.
 ///
@@ -52,55 +49,64 @@ pub fn linear_gelu(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor>
         n_out,
         z: Saved::default(),
     };
-    match b {
-        Some(b) => x.apply_op3(w, &b.contiguous()?, op),
-        None => x.apply_op2(w, op),
-    }
+    let b = b.map(Tensor::contiguous).transpose()?;
+    op::apply(op, &[&x, w], b.as_ref(), None)
 }
 
-/// `(x, w)` or `(x, w, b)`; `z` holds `x W` (storage type, no bias) for the backward.
+/// The composite reference of [`linear_gelu`]: [`gelu::bias_gelu_composite`] of
+/// [`linear::linear_composite`] without the bias.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_fused::linear_gelu::{linear_gelu, linear_gelu_composite};
+/// let x = Tensor::randn(0f64, 1.0, (3, 4), &Device::Cpu)?;
+/// let w = Tensor::randn(0f64, 1.0, (4, 8), &Device::Cpu)?;
+/// let b = Tensor::randn(0f64, 1.0, 8, &Device::Cpu)?;
+/// let d = (linear_gelu(&x, &w, Some(&b))? - linear_gelu_composite(&x, &w, Some(&b))?)?;
+/// assert!(d.abs()?.max_all()?.to_scalar::<f64>()? < 1e-12);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn linear_gelu_composite(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    linear::check(x, w, b)?;
+    gelu::bias_gelu_composite(&linear::linear_composite(x, w, None)?, b)
+}
+
+/// `(x, w)` or `(x, w, b)`; `z` holds `x W` (storage type, no bias) for the backward. It runs
+/// only where [`cpu::has_kernel`] holds (other devices take the two-op path).
 struct LinearGeluOp {
     n_in: usize,
     n_out: usize,
     z: Saved,
 }
 
-impl LinearGeluOp {
-    fn fwd_cpu(
-        &self,
-        (sx, lx): (&CpuStorage, &Layout),
-        (sw, lw): (&CpuStorage, &Layout),
-        b: Option<(&CpuStorage, &Layout)>,
-    ) -> Result<(CpuStorage, Shape)> {
-        let mut dims = lx.dims().to_vec();
-        if let Some(l) = dims.last_mut() {
-            *l = self.n_out;
-        }
-        crate::dispatch!(sx.dtype(), T => {
+impl Kernel for LinearGeluOp {
+    fn name(&self) -> &'static str {
+        "candle-fused-linear-gelu"
+    }
+
+    fn cpu_fwd(&self, ins: &[In<'_>]) -> Result<(CpuStorage, Shape)> {
+        let ((sx, lx), (sw, lw), b) = (ins[0], ins[1], ins.get(2));
+        let shape = linear::out_shape(lx, self.n_out);
+        cpu::dispatch!(sx.dtype(), T => {
             let xs = cpu::contiguous::<T>(sx, lx)?;
             let w = linear::strided::<T>(sw, lw)?;
             let z = linear::fwd_kernel(xs, w, None, self.n_in, self.n_out);
             let bs = b.map(|(s, l)| cpu::contiguous::<T>(s, l)).transpose()?;
             let y = gelu::fwd_kernel(&z, bs, self.n_out);
-            self.z.set(cpu::tensor(z, dims.clone())?);
-            Ok((T::storage(y), Shape::from(dims)))
+            self.z.set(cpu::tensor(z, shape.clone())?);
+            Ok((T::storage(y), shape))
         })
     }
 
-    fn backward(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        b: Option<&Tensor>,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let need = [x.track_op(), w.track_op(), b.is_some_and(Tensor::track_op)];
+    fn bwd(&self, ins: &[&Tensor], _y: &Tensor, dy: &Tensor) -> Result<Grads> {
+        let (x, w, b) = (ins[0], ins[1], ins.get(2));
+        let need = [x.track_op(), w.track_op(), b.is_some_and(|b| b.track_op())];
         let (n_in, n_out) = (self.n_in, self.n_out);
         let z = self.z.get()?;
         let x = x.contiguous()?;
         let dy = dy.to_dtype(x.dtype())?.contiguous()?;
-        let b = b.map(Tensor::contiguous).transpose()?;
-        crate::dispatch!(x.dtype(), T => {
+        let b = b.map(|b| b.contiguous()).transpose()?;
+        cpu::dispatch!(x.dtype(), T => {
             cpu::with_slice::<T, _>(&x, |xs| {
                 cpu::with_slice::<T, _>(&z, |zs| {
                     cpu::with_slice::<T, _>(&dy, |dys| {
@@ -112,117 +118,15 @@ impl LinearGeluOp {
                             None => gelu::bwd_kernel(zs, None, dys, n_out, false),
                         };
                         let (sw, lw) = w.storage_and_layout();
-                        let candle_core::Storage::Cpu(sw) = &*sw else {
-                            bail!("candle-fused linear_gelu: weight not on the CPU");
-                        };
-                        let ws = linear::strided::<T>(sw, lw)?;
+                        let ws = linear::strided::<T>(cpu_of(&sw)?, lw)?;
                         let g = linear::bwd_kernel(xs, ws, &dz, n_in, n_out, [need[0], need[1], false]);
                         let dx = g.dx.map(|v| cpu::tensor(v, x.shape())).transpose()?;
                         let dw = g.dw.map(|v| cpu::tensor(v, (n_in, n_out))).transpose()?;
                         let db = db.map(|v| cpu::tensor(v, n_out)).transpose()?;
-                        Ok((dx, dw, db))
+                        Ok([dx, dw, db])
                     })
                 })
             })
         })
-    }
-}
-
-/// The op runs only where [`cpu::has_kernel`] holds (other devices take the two-op path), so
-/// these are unreachable.
-fn no_kernel<S>() -> Result<(S, Shape)> {
-    bail!("candle-fused linear_gelu: no kernel for this device")
-}
-
-impl CustomOp2 for LinearGeluOp {
-    fn name(&self) -> &'static str {
-        "candle-fused-linear-gelu"
-    }
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.fwd_cpu((s1, l1), (s2, l2), None)
-    }
-    fn cuda_fwd(
-        &self,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        no_kernel()
-    }
-    fn metal_fwd(
-        &self,
-        _: &MetalStorage,
-        _: &Layout,
-        _: &MetalStorage,
-        _: &Layout,
-    ) -> Result<(MetalStorage, Shape)> {
-        no_kernel()
-    }
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = self.backward(x, w, None, dy)?;
-        Ok((dx, dw))
-    }
-}
-
-impl CustomOp3 for LinearGeluOp {
-    fn name(&self) -> &'static str {
-        "candle-fused-linear-gelu"
-    }
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.fwd_cpu((s1, l1), (s2, l2), Some((s3, l3)))
-    }
-    fn cuda_fwd(
-        &self,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        no_kernel()
-    }
-    fn metal_fwd(
-        &self,
-        _: &MetalStorage,
-        _: &Layout,
-        _: &MetalStorage,
-        _: &Layout,
-        _: &MetalStorage,
-        _: &Layout,
-    ) -> Result<(MetalStorage, Shape)> {
-        no_kernel()
-    }
-    #[allow(clippy::type_complexity)]
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        b: &Tensor,
-        _res: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        self.backward(x, w, Some(b), dy)
     }
 }

@@ -43,7 +43,7 @@ impl Drop for Inside {
 }
 
 /// How many pieces parallel work is split into: rayon's thread count in the calling context.
-pub fn parts() -> usize {
+pub(crate) fn parts() -> usize {
     rayon::current_num_threads().max(1)
 }
 
@@ -51,16 +51,7 @@ pub fn parts() -> usize {
 /// among them); on the calling thread alone when `n < 2` or inside another parallel section.
 /// A panic in `f` reaches the caller (after every piece has finished), and the pool stays
 /// usable.
-///
-/// ```
-/// use std::sync::atomic::{AtomicUsize, Ordering};
-/// let sum = AtomicUsize::new(0);
-/// candle_fused::pool::for_each(100, |i| {
-///     sum.fetch_add(i, Ordering::Relaxed);
-/// });
-/// assert_eq!(sum.into_inner(), 4950);
-/// ```
-pub fn for_each(n: usize, f: impl Fn(usize) + Sync) {
+pub(crate) fn for_each(n: usize, f: impl Fn(usize) + Sync) {
     if n < 2 || INSIDE.with(Cell::get) {
         let _inside = Inside::enter();
         (0..n).for_each(f);
@@ -108,7 +99,7 @@ unsafe impl<T: Send> Send for Shared<T> {}
 unsafe impl<T: Send> Sync for Shared<T> {}
 
 /// `[f(0), .., f(n - 1)]`, computed as [`for_each`] does.
-pub fn map<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+pub(crate) fn map<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
     let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
     let p = Shared(out.as_mut_ptr());
     for_each(n, |i| {
@@ -122,7 +113,7 @@ pub fn map<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
 
 /// `f(i, chunk_i)` for the consecutive `chunk`-long pieces of `out` (the last may be shorter),
 /// results in order, computed as [`for_each`] does.
-pub fn map_chunks_mut<T: Send, R: Send>(
+pub(crate) fn map_chunks_mut<T: Send, R: Send>(
     out: &mut [T],
     chunk: usize,
     f: impl Fn(usize, &mut [T]) -> R + Sync,
@@ -139,7 +130,7 @@ pub fn map_chunks_mut<T: Send, R: Send>(
 }
 
 /// `(a(), b())`, the two run side by side on Candle's threads.
-pub fn join<A: Send, B: Send>(
+pub(crate) fn join<A: Send, B: Send>(
     a: impl FnOnce() -> A + Send,
     b: impl FnOnce() -> B + Send,
 ) -> (A, B) {
@@ -165,5 +156,121 @@ pub fn join<A: Send, B: Send>(
     match (ra, rb) {
         (Some(a), Some(b)) => (a, b),
         _ => unreachable!("candle-fused pool: both halves of a join ran"),
+    }
+}
+
+// `pool`: every piece runs exactly once and results come back in order, for any size; nested
+// and concurrent calls (pipeline stages on threads, tests on rayon pools) neither deadlock nor
+// lose work; a panicking piece reaches the caller and leaves the pool usable.
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn map_returns_every_result_in_order() {
+        for n in [0usize, 1, 2, 3, 17, 1000] {
+            let v = super::map(n, |i| i * i);
+            assert_eq!(v, (0..n).map(|i| i * i).collect::<Vec<_>>(), "n = {n}");
+        }
+    }
+
+    #[test]
+    fn map_chunks_mut_visits_each_element_once() {
+        for (len, chunk) in [
+            (0usize, 4usize),
+            (1, 4),
+            (10, 3),
+            (64, 16),
+            (1001, 7),
+            (5, 0),
+        ] {
+            let mut v = vec![0u32; len];
+            let starts = super::map_chunks_mut(&mut v, chunk, |i, c| {
+                for x in c.iter_mut() {
+                    *x += 1;
+                }
+                (i, c.len())
+            });
+            assert!(v.iter().all(|&x| x == 1), "len {len} chunk {chunk}");
+            let chunk = chunk.max(1);
+            assert_eq!(starts.len(), len.div_ceil(chunk));
+            for (k, &(i, n)) in starts.iter().enumerate() {
+                assert_eq!(i, k);
+                assert_eq!(n, chunk.min(len - k * chunk));
+            }
+        }
+    }
+
+    #[test]
+    fn join_returns_both_halves() {
+        let (a, b) = super::join(|| (0..100u64).sum::<u64>(), || "right".to_string());
+        assert_eq!((a, b.as_str()), (4950, "right"));
+    }
+
+    #[test]
+    fn nested_calls_run_inline() {
+        let count = AtomicUsize::new(0);
+        super::for_each(8, |_| {
+            super::for_each(8, |_| {
+                count.fetch_add(1, Ordering::Relaxed);
+            });
+            let (x, y) = super::join(|| 1, || 2);
+            assert_eq!(x + y, 3);
+        });
+        assert_eq!(count.into_inner(), 64);
+    }
+
+    #[test]
+    fn concurrent_callers_all_complete() {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|t| {
+                    s.spawn(move || {
+                        (0..50)
+                            .map(|r| super::map(33, |i| i + t + r).iter().sum::<usize>())
+                            .sum::<usize>()
+                    })
+                })
+                .collect();
+            for (t, h) in handles.into_iter().enumerate() {
+                let want: usize = (0..50)
+                    .map(|r| (0..33).map(|i| i + t + r).sum::<usize>())
+                    .sum();
+                assert_eq!(h.join().expect("caller thread"), want);
+            }
+        });
+    }
+
+    #[test]
+    fn a_panicking_piece_reaches_the_caller_and_the_pool_still_works() {
+        let r = std::panic::catch_unwind(|| {
+            super::for_each(16, |i| {
+                if i == 11 {
+                    panic!("piece 11 fails");
+                }
+            })
+        });
+        assert!(r.is_err());
+        assert_eq!(super::map(5, |i| i + 1), vec![1, 2, 3, 4, 5]);
+    }
+
+    #[test]
+    fn parts_follow_the_callers_rayon_pool() {
+        for n in [1, 3] {
+            let p = rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .expect("rayon pool");
+            assert_eq!(p.install(super::parts), n);
+        }
+    }
+
+    #[test]
+    fn for_each_visits_every_index_once() {
+        let sum = AtomicUsize::new(0);
+        super::for_each(100, |i| {
+            sum.fetch_add(i, Ordering::Relaxed);
+        });
+        assert_eq!(sum.into_inner(), 4950);
     }
 }

@@ -8,8 +8,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::adamw::{
     adamw_composite, adamw_update, clip_coefficient, global_norm, sum_of_squares, AdamWStep,
 };
-use candle_fused::cpu;
-use common::{f32s, randn, Lcg31};
+use common::{f32s, fallback_if, randn, with_fallback, Lcg31, PAR_MIN_WORK};
 
 /// |a - b| <= rel * |b| + rel * max|b| elementwise (NaN-aware: NaN only matches NaN).
 fn assert_close(a: &Tensor, b: &Tensor, rel: f32, what: &str) -> Result<()> {
@@ -92,7 +91,7 @@ fn low_and_high_precision_gradients() -> Result<()> {
 #[test]
 fn large_tensor_matches_composite() -> Result<()> {
     // Crosses the parallel threshold.
-    run_vs_composite(&[3 * cpu::PAR_MIN_WORK + 7], DType::F32, 0.1, 0.8, 9)
+    run_vs_composite(&[3 * PAR_MIN_WORK + 7], DType::F32, 0.1, 0.8, 9)
 }
 
 #[test]
@@ -104,14 +103,14 @@ fn fallback_matches_kernel() -> Result<()> {
         .map(|_| randn(&shape, DType::BF16, &mut rng, 0.1))
         .collect::<Result<_>>()?;
     let run = |force: bool| -> Result<Vec<Vec<f32>>> {
-        let prev = cpu::force_fallback(force);
-        let p = Var::from_tensor(&p0)?;
-        let (m, v) = (p0.zeros_like()?, p0.zeros_like()?);
-        for (t, g) in grads.iter().enumerate() {
-            adamw_update(&p, g, &m, &v, &step(t + 1, 0.1, 0.7))?;
-        }
-        cpu::force_fallback(prev);
-        Ok(vec![f32s(p.as_tensor())?, f32s(&m)?, f32s(&v)?])
+        fallback_if(force, || {
+            let p = Var::from_tensor(&p0)?;
+            let (m, v) = (p0.zeros_like()?, p0.zeros_like()?);
+            for (t, g) in grads.iter().enumerate() {
+                adamw_update(&p, g, &m, &v, &step(t + 1, 0.1, 0.7))?;
+            }
+            Ok(vec![f32s(p.as_tensor())?, f32s(&m)?, f32s(&v)?])
+        })
     };
     let (k, f) = (run(false)?, run(true)?);
     for (a, b) in k.iter().zip(&f) {
@@ -124,7 +123,7 @@ fn fallback_matches_kernel() -> Result<()> {
 
 #[test]
 fn identical_for_any_thread_count() -> Result<()> {
-    let n = 3 * cpu::PAR_MIN_WORK + 4097;
+    let n = 3 * PAR_MIN_WORK + 4097;
     let mut rng = Lcg31(7);
     let p0 = randn(&[n], DType::F32, &mut rng, 1.0)?;
     let g = randn(&[n], DType::F32, &mut rng, 0.1)?;
@@ -245,7 +244,7 @@ fn argument_errors() -> Result<()> {
 fn sum_of_squares_and_global_norm() -> Result<()> {
     let mut rng = Lcg31(5);
     let a = randn(&[33, 65], DType::F32, &mut rng, 1.0)?;
-    let b = randn(&[3 * cpu::PAR_MIN_WORK + 5], DType::F32, &mut rng, 0.5)?;
+    let b = randn(&[3 * PAR_MIN_WORK + 5], DType::F32, &mut rng, 0.5)?;
     let c = randn(&[7], DType::BF16, &mut rng, 2.0)?;
     let exact =
         |t: &Tensor| -> Result<f64> { Ok(f32s(t)?.iter().map(|&x| (x as f64) * (x as f64)).sum()) };
@@ -261,9 +260,7 @@ fn sum_of_squares_and_global_norm() -> Result<()> {
     let got = sum_of_squares(&f64t)?.to_scalar::<f32>()? as f64;
     assert!((got - exact(&a)?).abs() <= 1e-6 * got);
     // Fallback path.
-    let prev = cpu::force_fallback(true);
-    let fb = sum_of_squares(&b)?.to_scalar::<f32>()? as f64;
-    cpu::force_fallback(prev);
+    let fb = with_fallback(|| sum_of_squares(&b))?.to_scalar::<f32>()? as f64;
     assert!((fb - exact(&b)?).abs() <= 1e-5 * fb, "fallback {fb}");
 
     let want = (exact(&a)? + exact(&b)? + exact(&c)?).sqrt();

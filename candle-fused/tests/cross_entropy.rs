@@ -14,7 +14,6 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
-use candle_fused::cpu;
 use candle_fused::cross_entropy::{cross_entropy, cross_entropy_composite};
 use common::*;
 
@@ -182,12 +181,11 @@ fn all_zero_weights_give_zero_loss_and_gradient() -> Result<()> {
     for fallback in [false, true] {
         for (targets, mask, ignore) in [(&t, Some(&zeros), None), (&all_ignored, None, Some(7u32))]
         {
-            let prev = cpu::force_fallback(fallback);
             let xv = Var::from_tensor(&x)?;
-            let loss = cross_entropy(xv.as_tensor(), targets, mask, ignore);
-            let r = loss.and_then(|l| Ok((l.to_scalar::<f32>()?, l.backward()?)));
-            cpu::force_fallback(prev);
-            let (l, g) = r?;
+            let (l, g) = fallback_if(fallback, || -> Result<_> {
+                let l = cross_entropy(xv.as_tensor(), targets, mask, ignore)?;
+                Ok((l.to_scalar::<f32>()?, l.backward()?))
+            })?;
             assert_eq!(l, 0.0, "fallback {fallback}");
             let g = f64s(g.get(xv.as_tensor()).expect("gradient"))?;
             assert!(
@@ -221,7 +219,6 @@ fn nan_propagates_from_counted_rows_only() -> Result<()> {
             xv[idx] = f64::NAN;
             let dirty = Tensor::from_vec(xv, (rows, v), &Device::Cpu)?.to_dtype(dt)?;
             let what = format!("{dt:?} fallback {fallback} NaN at {idx}, ignored row {other}");
-            let prev = cpu::force_fallback(fallback);
             let run = |x: &Tensor| -> Result<(f64, Vec<f64>)> {
                 let xv = Var::from_tensor(x)?;
                 let loss = cross_entropy(xv.as_tensor(), &targets, None, Some(99))?;
@@ -231,8 +228,7 @@ fn nan_propagates_from_counted_rows_only() -> Result<()> {
                     f64s(g.get(xv.as_tensor()).expect("gradient"))?,
                 ))
             };
-            let (r_clean, r_dirty) = (run(&clean), run(&dirty));
-            cpu::force_fallback(prev);
+            let (r_clean, r_dirty) = fallback_if(fallback, || (run(&clean), run(&dirty)));
             let ((l_clean, g_clean), (l_dirty, g_dirty)) = (r_clean?, r_dirty?);
             // The NaN in the ignored row is skipped...
             assert!(l_clean.is_finite(), "{what}: loss {l_clean}");
@@ -265,10 +261,12 @@ fn rejects_bad_targets_and_shapes() -> Result<()> {
     let x = Tensor::zeros((3, 5), DType::F32, &Device::Cpu)?;
     let bad = Tensor::new(&[0u32, 5, 1], &Device::Cpu)?;
     for fallback in [false, true] {
-        let prev = cpu::force_fallback(fallback);
-        let e = cross_entropy(&x, &bad, None, None);
-        let ok = cross_entropy(&x, &bad, None, Some(5));
-        cpu::force_fallback(prev);
+        let (e, ok) = fallback_if(fallback, || {
+            (
+                cross_entropy(&x, &bad, None, None),
+                cross_entropy(&x, &bad, None, Some(5)),
+            )
+        });
         let e = e.unwrap_err().to_string();
         assert!(
             e.contains("target 5 (row 1) is out of range for 5 classes"),
@@ -294,7 +292,7 @@ fn same_bits_on_any_thread_count() -> Result<()> {
     let mut rng = Lcg(7);
     // 320 rows of 1000 logits: 320,000 elements, over PAR_MIN_WORK.
     let shape = [4usize, 80, 1000];
-    assert!(shape.iter().product::<usize>() > cpu::PAR_MIN_WORK);
+    assert!(shape.iter().product::<usize>() > PAR_MIN_WORK);
     for dt in [DType::F32, DType::BF16, DType::F64] {
         for (mask, ignore) in options(1000) {
             let lab = Labels::new(&shape, mask, ignore, &mut rng)?;

@@ -5,10 +5,9 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
-use candle_fused::cpu;
 use candle_fused::dropout::{dropout, dropout_composite, dropout_mask};
 use candle_fused::RngKey;
-use common::{f32s, f64s, randn, same_bits, Lcg31};
+use common::{f32s, f64s, fallback_if, randn, same_bits, Lcg31, PAR_MIN_WORK};
 
 /// The bits of every element, widened to f64 (exact for every float dtype, keeps -0 and
 /// NaN distinct from 0).
@@ -76,13 +75,13 @@ fn fallback_matches_kernel_values_and_grads() -> Result<()> {
             let w = randn(shape, dtype, &mut rng, 1.0)?;
             let key = RngKey::new(99, 1);
             let run = |force: bool| -> Result<(Vec<u64>, Vec<u64>)> {
-                let prev = cpu::force_fallback(force);
-                let x = Var::from_tensor(&x0)?;
-                let y = dropout(&x, 0.25, key)?;
-                let g = (&y * &w)?.sum_all()?.backward()?;
-                let gx = g.get(&x).expect("grad of x").clone();
-                cpu::force_fallback(prev);
-                Ok((bits(&y)?, bits(&gx)?))
+                fallback_if(force, || {
+                    let x = Var::from_tensor(&x0)?;
+                    let y = dropout(&x, 0.25, key)?;
+                    let g = (&y * &w)?.sum_all()?.backward()?;
+                    let gx = g.get(&x).expect("grad of x").clone();
+                    Ok((bits(&y)?, bits(&gx)?))
+                })
             };
             let (yk, gk) = run(false)?;
             let (yf, gf) = run(true)?;
@@ -95,8 +94,8 @@ fn fallback_matches_kernel_values_and_grads() -> Result<()> {
 
 #[test]
 fn identical_for_any_thread_count() -> Result<()> {
-    // Large enough for several parallel chunks (cpu::PAR_MIN_WORK is counted in elements x 16).
-    let n = 3 * cpu::PAR_MIN_WORK + 123;
+    // Large enough for several parallel chunks (PAR_MIN_WORK is counted in elements x 16).
+    let n = 3 * PAR_MIN_WORK + 123;
     let mut rng = Lcg31(4);
     let x = Var::from_tensor(&randn(&[n], DType::F32, &mut rng, 1.0)?)?;
     let key = RngKey::new(0x1234, 9);

@@ -15,7 +15,6 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_fused::cpu;
 use candle_fused::gelu::{bias_gelu, bias_gelu_composite, exp_f32, gelu, gelu_composite, tanh_f32};
 use common::*;
 
@@ -240,7 +239,7 @@ fn same_bits_on_any_thread_count() -> Result<()> {
     // 2100 rows of 128 (268,800 elements, over PAR_MIN_WORK; 17 row blocks for db), and a flat
     // tensor for the bias-free path.
     for shape in [&[3usize, 700, 128][..], &[270_001]] {
-        assert!(shape.iter().product::<usize>() > cpu::PAR_MIN_WORK);
+        assert!(shape.iter().product::<usize>() > PAR_MIN_WORK);
         for dt in [DType::F32, DType::BF16, DType::F64] {
             for bias in [false, true] {
                 let ins = inputs(shape, bias, dt, &mut rng)?;

@@ -12,7 +12,6 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
-use candle_fused::cpu;
 use candle_fused::linear::{linear, linear_composite};
 use common::*;
 
@@ -87,10 +86,7 @@ fn compare(dt: DType, tol: f64, rng: &mut Lcg) -> Result<()> {
                     assert_close(a, b, tol, &format!("{what}: db"))?;
                 }
                 // The fallback path gives the same values and gradients.
-                let prev = cpu::force_fallback(true);
-                let fb = run(linear, &x, w_t, &w, b.as_ref(), &up);
-                cpu::force_fallback(prev);
-                let fb = fb?;
+                let fb = with_fallback(|| run(linear, &x, w_t, &w, b.as_ref(), &up))?;
                 if !matches!(dt, DType::BF16 | DType::F16) {
                     assert_close(&fb.0, &k.0, tol, &format!("{what}: fallback y"))?;
                     assert_close(&fb.1, &k.1, tol, &format!("{what}: fallback dx"))?;
@@ -124,9 +120,6 @@ fn half_precision_close_to_f32() -> Result<()> {
 /// sizes, a transposed weight.
 #[test]
 fn bf16_matches_f32_of_the_same_values() -> Result<()> {
-    if !candle_fused::gemm_bf16::available() {
-        eprintln!("linear: no AVX512-BF16 on this CPU: bf16 runs the widening path here");
-    }
     let mut rng = Lcg(8);
     for &(lead, n_in, n_out) in &[(&[3usize, 100][..], 257usize, 129usize), (&[7], 9, 65)] {
         for w_t in [false, true] {

@@ -16,7 +16,6 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
-use candle_fused::cpu;
 use candle_fused::norm::{layer_norm, layer_norm_composite, rms_norm, rms_norm_composite};
 use common::*;
 
@@ -192,7 +191,7 @@ fn same_bits_on_any_thread_count() -> Result<()> {
     let mut rng = Lcg(6);
     // 2100 rows of 128: 268,800 elements (over PAR_MIN_WORK), 17 row blocks.
     let shape = [3usize, 700, 128];
-    assert!(shape.iter().product::<usize>() > cpu::PAR_MIN_WORK);
+    assert!(shape.iter().product::<usize>() > PAR_MIN_WORK);
     for dt in [DType::F32, DType::BF16] {
         for case in CASES {
             let ins = inputs(case, &shape, dt, &mut rng)?;

@@ -1,5 +1,6 @@
-//! AdamW with state the trainer owns (so it can be checkpointed), global-norm clipping and
-//! gradient accumulation over Candle's [`GradStore`].
+//! AdamW with state the trainer owns (so it can be checkpointed), the global gradient norm
+//! and gradient accumulation over Candle's [`GradStore`]; the update and the norm are
+//! `candle-fused`'s (fused or composite, as [`Kernels`] says).
 //!
 //! candle-nn's `AdamW` keeps its moments and step count private, so a run using it cannot be
 //! resumed exactly. [`AdamW`] here has the same update rule (Loshchilov & Hutter's decoupled
@@ -13,6 +14,9 @@ use std::collections::HashMap;
 use candle_amp::ScaledUpdate;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
+use candle_fused::adamw::{
+    adamw_composite, adamw_update, global_norm, global_norm_composite, AdamWStep,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::model::{Kernels, Params};
@@ -105,8 +109,8 @@ impl AdamW {
     }
 
     /// The same optimiser updating with other kernels: `Fused` (default) updates each
-    /// parameter and its moments in place in one kernel per tensor; `Reference` composes
-    /// ~15 Candle ops per parameter.
+    /// parameter and its moments in place (`candle_fused::adamw::adamw_update`); `Reference`
+    /// runs its composite of ~15 Candle ops per parameter (`adamw_composite`).
     pub fn with_kernels(mut self, kernels: Kernels) -> Self {
         self.kernels = kernels;
         self
@@ -150,28 +154,6 @@ impl AdamW {
     pub fn apply_scaled(&mut self, grads: &GradStore, grad_scale: f64) -> candle_core::Result<()> {
         self.step += 1;
         let c = &self.config;
-        let t = self.step as i32;
-        if self.kernels == Kernels::Fused {
-            for slot in &self.slots {
-                let Some(g) = grads.get(&slot.var) else {
-                    continue;
-                };
-                let step = candle_fused::adamw::AdamWStep {
-                    lr: c.lr,
-                    beta1: c.beta1,
-                    beta2: c.beta2,
-                    eps: c.eps,
-                    weight_decay: if slot.decay { c.weight_decay } else { 0.0 },
-                    step: self.step,
-                    grad_scale,
-                };
-                candle_fused::adamw::adamw_update(&slot.var, &g.detach(), &slot.m, &slot.v, &step)?;
-            }
-            return Ok(());
-        }
-        let bc1 = 1.0 - c.beta1.powi(t);
-        let bc2 = 1.0 - c.beta2.powi(t);
-        let step_size = c.lr / bc1;
         for slot in self.slots.iter_mut() {
             let Some(g) = grads.get(&slot.var) else {
                 continue;
@@ -179,21 +161,25 @@ impl AdamW {
             // A variable's gradient can still carry the backward graph (Candle detaches the
             // gradients of intermediate nodes, not the sums it stores for variables): without
             // this detach the moments would keep every step's activations alive forever.
-            let mut g = g.detach().to_dtype(DType::F32)?;
-            if grad_scale != 1.0 {
-                g = (g * grad_scale)?;
-            }
-            slot.m = ((&slot.m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
-            slot.v = ((&slot.v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
-            let denom = ((&slot.v / bc2)?.sqrt()? + c.eps)?;
-            let update = ((&slot.m / &denom)? * step_size)?;
-            let p = slot.var.as_tensor();
-            let p = if slot.decay && c.weight_decay != 0.0 {
-                (p * (1.0 - c.lr * c.weight_decay))?
-            } else {
-                p.clone()
+            let g = g.detach();
+            let step = AdamWStep {
+                lr: c.lr,
+                beta1: c.beta1,
+                beta2: c.beta2,
+                eps: c.eps,
+                weight_decay: if slot.decay { c.weight_decay } else { 0.0 },
+                step: self.step,
+                grad_scale,
             };
-            slot.var.set(&(p - update)?)?;
+            match self.kernels {
+                Kernels::Fused => adamw_update(&slot.var, &g, &slot.m, &slot.v, &step)?,
+                Kernels::Reference => {
+                    let p = slot.var.as_tensor().detach();
+                    let (p, m, v) = adamw_composite(&p, &g, &slot.m, &slot.v, &step)?;
+                    slot.var.set(&p)?;
+                    (slot.m, slot.v) = (m, v);
+                }
+            }
         }
         Ok(())
     }
@@ -291,51 +277,11 @@ pub fn global_grad_norm(
     vars: &[Var],
     kernels: Kernels,
 ) -> candle_core::Result<f32> {
+    let gs: Vec<&Tensor> = vars.iter().filter_map(|v| grads.get(v)).collect();
     match kernels {
-        Kernels::Fused => {
-            let gs: Vec<&Tensor> = vars.iter().filter_map(|v| grads.get(v)).collect();
-            candle_fused::adamw::global_norm(&gs)
-        }
-        Kernels::Reference => grad_norm(grads, vars),
+        Kernels::Fused => global_norm(&gs),
+        Kernels::Reference => global_norm_composite(&gs),
     }
-}
-
-/// The global L2 norm of the gradients of `vars` (missing gradients count as zero), computed
-/// in f32 with Candle ops and one host sync.
-pub fn grad_norm(grads: &GradStore, vars: &[Var]) -> candle_core::Result<f32> {
-    let mut total: Option<Tensor> = None;
-    for v in vars {
-        if let Some(g) = grads.get(v) {
-            let s = g.to_dtype(DType::F32)?.sqr()?.sum_all()?;
-            total = Some(match total {
-                None => s,
-                Some(t) => (t + s)?,
-            });
-        }
-    }
-    match total {
-        None => Ok(0.0),
-        Some(t) => Ok(t.to_scalar::<f32>()?.sqrt()),
-    }
-}
-
-/// Scales every gradient so that the global norm is at most `max_norm`; returns the norm
-/// before clipping (PyTorch's `clip_grad_norm_`).
-pub fn clip_grad_norm(
-    grads: &mut GradStore,
-    vars: &[Var],
-    max_norm: f32,
-) -> candle_core::Result<f32> {
-    let norm = grad_norm(grads, vars)?;
-    if max_norm > 0.0 && norm.is_finite() && norm > max_norm {
-        let scale = (max_norm / (norm + 1e-6)) as f64;
-        for v in vars {
-            if let Some(g) = grads.remove(v) {
-                grads.insert(v, (g * scale)?);
-            }
-        }
-    }
-    Ok(norm)
 }
 
 /// Adds the gradients of `from` into `into` (gradient accumulation across micro-batches).

@@ -10,7 +10,7 @@
 //!   main thread spent 30% of the fused step in the barrier pool's wait (`BarrierGuard::drop`)
 //!   while `candle-fused` still ran on rayon. With 2 000 spins
 //!   (`CANDLE_BARRIER_POOL_SPIN_LIMIT`, unless the user set it) the workers park soon after
-//!   their op. Since `candle-fused`'s kernels run on Candle's pool too (`candle_fused::pool`),
+//!   their op. Since `candle-fused`'s kernels run on Candle's pool too,
 //!   the limit hardly matters for the fused step (2 000, 25 000 and 100 000 were within the
 //!   noise of alternating runs); it is kept for the reference path.
 //! * **Freed memory is reused, not returned.** Every tensor is a fresh allocation, and glibc

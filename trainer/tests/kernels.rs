@@ -1,13 +1,14 @@
 //! The fused kernels (`candle-fused`) against the reference composite ops on the whole model:
 //! the same weights and tokens give the same logits, loss and parameter gradients.
 //!
+//! The reference path is `candle-fused`'s composite expressions, with the same Philox dropout
+//! masks (drawn on the host), so the two paths agree with dropout as without it.
+//!
 //! Tolerances: in f64 both paths compute the same function with different summation orders,
-//! which alone agree to ~1e-13, but the reference path's GELU is Candle's `Tensor::gelu`, whose
-//! backward uses 6-digit constants (0.0356774, 0.797885): a relative error ~1e-7 in GELU's
-//! derivative, ~2e-9 in the gradients after it (checked at 1e-7); in f32 the reordering costs a few ulps
-//! per op through 2 blocks and the loss (checked at 2e-4 relative to each tensor's max). A
-//! missing or wrong backward term is off by O(1) and fails. Dropout is 0 here: the two paths
-//! draw their masks from different generators (Philox vs ChaCha), each tested on its own.
+//! which alone agree to ~1e-13 (checked at 1e-7); in f32 the reordering costs a few ulps per
+//! op through 2 blocks and the loss (checked at 2e-4 relative to each tensor's max). A
+//! missing or wrong backward term is off by O(1) and fails, and so does a dropout mask that
+//! differs in one element (it zeroes or keeps an activation of O(1)).
 
 use candle_core::{DType, Device, Tensor};
 use trainer::model::gpt2::{Gpt, GptConfig};
@@ -123,4 +124,13 @@ fn fused_equals_reference_f64() {
 fn fused_equals_reference_f32() {
     compare(&cfg(2, 4, 64, 65, 67, true), DType::F32, true, 2e-4);
     compare(&cfg(2, 2, 32, 9, 13, false), DType::F32, false, 2e-4);
+}
+
+/// With dropout (on the embeddings, the attention probabilities and the residual branches),
+/// at the tolerances of the runs without it: both paths draw the same masks.
+#[test]
+fn fused_equals_reference_with_dropout() {
+    let drop = |c: GptConfig| GptConfig { dropout: 0.2, ..c };
+    compare(&drop(cfg(2, 4, 64, 65, 67, true)), DType::F32, true, 2e-4);
+    compare(&drop(cfg(2, 2, 16, 7, 11, true)), DType::F64, false, 1e-7);
 }

@@ -49,8 +49,9 @@ fn scores(q: &Tensor, k: &Tensor, r: &Resolved) -> Result<Tensor> {
 }
 
 /// Attention with plain differentiable Candle ops (`candle_nn::ops::softmax`): the reference
-/// the fused op is tested against. Materialises the `[B, H, Tq, Tk]` scores and, with dropout,
-/// draws the whole mask on the host. Rows that see no key give NaN.
+/// the fused op is tested against (in f32 for 16-bit inputs, the output rounded once).
+/// Materialises the `[B, H, Tq, Tk]` scores and, with dropout, draws the whole mask on the
+/// host (the same Philox mask as the fused op). Rows that see no key give NaN.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -68,13 +69,15 @@ pub fn attention_composite(
 ) -> Result<Tensor> {
     let (b, h, tq, tk, d, _) = check_bhtd(q, k, v)?;
     let r = resolve(cfg, d, tq, tk, q)?;
-    let p = candle_nn::ops::softmax(&scores(q, k, &r)?, D::Minus1)?;
+    let (dt, adt) = (q.dtype(), acc_dtype(q.dtype()));
+    let (q, k, v) = (q.to_dtype(adt)?, k.to_dtype(adt)?, v.to_dtype(adt)?);
+    let p = candle_nn::ops::softmax(&scores(&q, &k, &r)?, D::Minus1)?;
     let p = if r.dropout > 0.0 {
-        p.mul(&dropout_factors((b, h, tq, tk), &r, p.dtype(), p.device())?)?
+        p.mul(&dropout_factors((b, h, tq, tk), &r, adt, p.device())?)?
     } else {
         p
     };
-    p.matmul(&v.contiguous()?)
+    p.matmul(&v.contiguous()?)?.to_dtype(dt)
 }
 
 /// `q`, `k`, `v` `[B, H, T, D]` views of a `[B, T, 3C]` projection.
@@ -94,7 +97,7 @@ pub(super) fn merge_heads(y: &Tensor) -> Result<Tensor> {
     y.transpose(1, 2)?.reshape((b, t, h * d))
 }
 
-/// [`attention_qkv`] with plain differentiable Candle ops (splits the heads with
+/// [`attention_qkv`](super::attention_qkv) with plain differentiable Candle ops (splits the heads with
 /// narrow / reshape / transpose and calls [`attention_composite`]).
 ///
 /// ```

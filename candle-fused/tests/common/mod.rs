@@ -344,8 +344,19 @@ pub fn mask(seed: u64, tq: usize, tk: usize, dt: DType) -> Result<Tensor> {
 
 /// Runs `f` with the composite fallback forced on this thread.
 pub fn with_fallback<R>(f: impl FnOnce() -> R) -> R {
-    let prev = candle_fused::cpu::force_fallback(true);
-    let r = f();
-    candle_fused::cpu::force_fallback(prev);
-    r
+    candle_fused::with_composite_fallback(f)
 }
+
+/// Runs `f`, with the composite fallback forced on this thread when `on`.
+pub fn fallback_if<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    if on {
+        with_fallback(f)
+    } else {
+        f()
+    }
+}
+
+/// `candle_fused`'s parallel threshold (work in elements below which a kernel runs on the
+/// calling thread; a unit test in its `cpu` module checks this copy): tests of the parallel
+/// paths size their inputs above it.
+pub const PAR_MIN_WORK: usize = 1 << 18;

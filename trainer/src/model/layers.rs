@@ -1,8 +1,6 @@
-//! Differentiable building blocks: LayerNorm, seeded dropout and the causal mask.
+//! Differentiable building blocks: LayerNorm, seeded dropout and the statistics dtype.
 
-use candle_core::{DType, Device, Tensor};
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use candle_core::{DType, Tensor};
 
 use super::Builder;
 use super::Ctx;
@@ -79,42 +77,12 @@ pub fn stat_dtype(dtype: DType) -> DType {
     }
 }
 
-/// Additive causal mask `[T, T]` in f32: 0 on and below the diagonal, -inf above.
-pub fn causal_mask(t: usize, device: &Device) -> candle_core::Result<Tensor> {
-    let mask: Vec<f32> = (0..t)
-        .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
-        .collect();
-    Tensor::from_vec(mask, (t, t), device)
-}
-
-/// Inverted dropout at dropout site `site`, with the kernels of `ctx` (Philox masks for the
-/// fused kernels, ChaCha host masks for the reference ones).
+/// Inverted dropout at dropout site `site`, with the kernels of `ctx` (the same Philox mask
+/// on both: drawn in the kernel, or on the host for the reference).
 ///
 /// The same `(ctx.seed, site, ctx.row)` and shape always give the same mask, on every device
 /// (`ctx.row` places `x`'s rows in the whole batch). Returns `x` unchanged when not training or
 /// when `p == 0`.
 pub fn dropout(x: &Tensor, p: f32, ctx: &Ctx, site: u64) -> candle_core::Result<Tensor> {
     ctx.kernels.dropout(x, p, ctx, site)
-}
-
-/// The reference path's dropout: a mask drawn element by element from a host ChaCha8 stream
-/// seeded by `(seed, site)`, starting at word `offset` of the stream (element `i` draws word
-/// `offset + i`, so rows `r..` of a batch draw exactly those rows of the whole batch's mask).
-pub fn chacha_dropout(
-    x: &Tensor,
-    p: f32,
-    seed: u64,
-    site: u64,
-    offset: u64,
-) -> candle_core::Result<Tensor> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    rng.set_stream(site);
-    rng.set_word_pos(u128::from(offset));
-    let keep = 1.0 / (1.0 - p);
-    let n = x.elem_count();
-    let mask: Vec<f32> = (0..n)
-        .map(|_| if rng.random::<f32>() < p { 0.0 } else { keep })
-        .collect();
-    let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
-    x * mask
 }

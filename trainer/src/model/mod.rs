@@ -35,7 +35,7 @@ pub use builder::{Builder, Source, Wrap};
 pub use chain::{count_targets, run_links, Link, LinkOps, Loss, Role, WeightMap, IGNORE};
 pub use ctx::{Ctx, Rows};
 pub use kernels::Kernels;
-pub use layers::{causal_mask, chacha_dropout, dropout, stat_dtype, LayerNorm};
+pub use layers::{dropout, stat_dtype, LayerNorm};
 pub use linear::{Layout, Linear, LinearDelta};
 pub use params::Params;
 

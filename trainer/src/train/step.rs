@@ -87,9 +87,9 @@ impl Trainer {
                 .with_kernels(cfg.kernels)
                 .with_rows(batch.rows.clone());
             let weight = shard_weight * share;
-            let (loss, _, g) = self
-                .executor
-                .forward_backward(model, &batch, &ctx, weight * scale)?;
+            let (loss, _, g) =
+                self.executor
+                    .forward_backward(model, &batch, &ctx, weight * scale)?;
             loss_sum += loss * weight as f32;
             accumulate(&mut grads, g, &self.vars)?;
         }

@@ -10,13 +10,14 @@ mod config;
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::{IndexOp, Tensor, D};
+use candle_core::{Tensor, D};
+use candle_fused::attention::{attention, AttentionConfig};
 
 pub use config::{GptConfig, GPT2_ENDOFTEXT};
 
 use super::{
-    causal_mask, run_links, stat_dtype, Architecture, Builder, Ctx, KvCache, LayerNorm, Layout,
-    Linear, Link, LinkOps, Model, ModelConfig, Params, Role, WeightMap,
+    run_links, stat_dtype, Architecture, Builder, Ctx, KvCache, LayerNorm, Layout, Linear, Link,
+    LinkOps, Model, ModelConfig, Params, Role, WeightMap,
 };
 use crate::Result;
 
@@ -161,16 +162,12 @@ impl CausalSelfAttention {
                 .contiguous()
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let past = cache.len;
         let (k, v) = cache.append(i, &k, &v)?;
-        let att = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-        // Query j (at position past + j) sees keys 0..=past + j.
-        let mask = causal_mask(past + t, x.device())?.i((past.., ..))?;
-        let att = att
-            .to_dtype(stat_dtype(att.dtype()))?
-            .broadcast_add(&mask)?;
-        let att = candle_nn::ops::softmax(&att, D::Minus1)?.to_dtype(v.dtype())?;
-        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?;
+        // Causal with the queries at the end: query j (at position len + j) sees keys
+        // 0..=len + j.
+        let y = attention(&q, &k, &v, &AttentionConfig::causal())?
+            .transpose(1, 2)?
+            .reshape((b, t, c))?;
         self.c_proj.forward(&y, &ctx)
     }
 }

@@ -18,11 +18,22 @@
 //! allowed. Small-integer inputs, whose sums are exact in f32 in any order, must match
 //! exactly.
 
-use candle_fused::gemm_bf16::{self, Kernel, Mat};
+use super::{self as gemm_bf16, Kernel, Mat};
 use half::bf16;
 
-mod common;
-use common::Lcg;
+/// A 64-bit LCG (Knuth's MMIX constants): uniform values in [-1, 1).
+struct Lcg(u64);
+
+impl Lcg {
+    /// Uniform in [-1, 1) (the top 53 bits of the state).
+    fn next(&mut self) -> f64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((self.0 >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+    }
+}
 
 /// The kernels this machine runs (and says so when AVX512-BF16 is missing).
 fn kernels() -> Vec<Kernel> {

@@ -1,0 +1,300 @@
+//! How every op of this crate becomes a Candle graph node, written once.
+//!
+//! An op is a [`Kernel`]: a CPU forward over the input storages and a backward over the input
+//! tensors. [`apply`] wraps it in [`Fused`], which implements Candle's `CustomOp1/2/3` for one,
+//! two or three inputs (an optional bias is the third input, or the second) by delegating to it.
+//!
+//! **The composite fallback.** On a device with no kernel (CUDA and Metal until their kernels
+//! land), an op computes its output with its composite Candle expression on **detached**
+//! inputs, so no intermediate is recorded, and hands it to [`apply`], which attaches it to the
+//! graph through the op itself: the op's `cuda_fwd` / `metal_fwd` (and `cpu_fwd`, when the
+//! fallback is forced on the CPU) hands back that precomputed storage ([`Precomputed`]). The
+//! op's backward is the same on every device, so the graph keeps only the op's inputs, its
+//! output and small statistics ([`Saved`]), as with the kernel.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, Layout, MetalStorage, Result,
+    Shape, Storage, Tensor,
+};
+use std::sync::Mutex;
+
+/// The gradients of an op's inputs, in input order (`None` past the op's arity, or where an
+/// input needs none).
+pub(crate) type Grads = [Option<Tensor>; 3];
+
+/// A CPU storage of one input and its layout.
+pub(crate) type In<'a> = (&'a CpuStorage, &'a Layout);
+
+/// One differentiable op: what its `CustomOp` implementations delegate to.
+pub(crate) trait Kernel: Send + Sync + 'static {
+    /// The op's name in Candle's graph.
+    fn name(&self) -> &'static str;
+
+    /// The output of the CPU kernel for the inputs `ins` (as many as the op was applied to).
+    fn cpu_fwd(&self, ins: &[In<'_>]) -> Result<(CpuStorage, Shape)>;
+
+    /// The inputs' gradients for the upstream gradient `dy` of the output `y`.
+    fn bwd(&self, ins: &[&Tensor], y: &Tensor, dy: &Tensor) -> Result<Grads>;
+}
+
+/// A [`Kernel`] as a Candle custom op, with the fallback's precomputed output if any.
+pub(crate) struct Fused<K> {
+    kernel: K,
+    pre: Option<Precomputed>,
+}
+
+impl<K: Kernel> Fused<K> {
+    fn cpu(&self, ins: &[In<'_>]) -> Result<(CpuStorage, Shape)> {
+        match &self.pre {
+            Some(p) => p.cpu(),
+            None => self.kernel.cpu_fwd(ins),
+        }
+    }
+
+    fn pre(&self) -> Result<&Precomputed> {
+        match &self.pre {
+            Some(p) => Ok(p),
+            None => bail!("{}: no kernel for this device", self.kernel.name()),
+        }
+    }
+}
+
+/// Runs `kernel` as a graph node over the inputs `ins` followed by `opt` when given (an
+/// optional bias): one to three tensors in all, the op's `CustomOp1/2/3`.
+///
+/// `pre`: the output computed beforehand by the op's composite expression (devices without a
+/// kernel); returned as it is when no input records a graph (no node is needed).
+pub(crate) fn apply<K: Kernel>(
+    kernel: K,
+    ins: &[&Tensor],
+    opt: Option<&Tensor>,
+    pre: Option<Tensor>,
+) -> Result<Tensor> {
+    let (n, first) = match ins.first() {
+        Some(&t) if ins.len() + usize::from(opt.is_some()) <= 3 => (ins.len(), t),
+        _ => bail!("{}: takes one to three inputs", kernel.name()),
+    };
+    let mut all = [first; 3];
+    all[..n].copy_from_slice(ins);
+    let all = match opt {
+        Some(t) => {
+            all[n] = t;
+            &all[..n + 1]
+        }
+        None => &all[..n],
+    };
+    let pre = match pre {
+        Some(y) if !all.iter().any(|t| t.track_op()) => return Ok(y),
+        Some(y) => Some(Precomputed::new(y)?),
+        None => None,
+    };
+    let op = Fused { kernel, pre };
+    match all {
+        [a] => a.apply_op1(op),
+        [a, b] => a.apply_op2(b, op),
+        [a, b, c] => a.apply_op3(b, c, op),
+        _ => bail!("{}: takes one to three inputs", op.kernel.name()),
+    }
+}
+
+impl<K: Kernel> CustomOp1 for Fused<K> {
+    fn name(&self) -> &'static str {
+        self.kernel.name()
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.cpu(&[(s, l)])
+    }
+    fn cuda_fwd(&self, _: &CudaStorage, _: &Layout) -> Result<(CudaStorage, Shape)> {
+        self.pre()?.cuda()
+    }
+    fn metal_fwd(&self, _: &MetalStorage, _: &Layout) -> Result<(MetalStorage, Shape)> {
+        self.pre()?.metal()
+    }
+    fn bwd(&self, a: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        let [da, _, _] = self.kernel.bwd(&[a], y, dy)?;
+        Ok(da)
+    }
+}
+
+impl<K: Kernel> CustomOp2 for Fused<K> {
+    fn name(&self) -> &'static str {
+        self.kernel.name()
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.cpu(&[(s1, l1), (s2, l2)])
+    }
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        self.pre()?.cuda()
+    }
+    fn metal_fwd(
+        &self,
+        _: &MetalStorage,
+        _: &Layout,
+        _: &MetalStorage,
+        _: &Layout,
+    ) -> Result<(MetalStorage, Shape)> {
+        self.pre()?.metal()
+    }
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let [da, db, _] = self.kernel.bwd(&[a, b], y, dy)?;
+        Ok((da, db))
+    }
+}
+
+impl<K: Kernel> CustomOp3 for Fused<K> {
+    fn name(&self) -> &'static str {
+        self.kernel.name()
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.cpu(&[(s1, l1), (s2, l2), (s3, l3)])
+    }
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        self.pre()?.cuda()
+    }
+    fn metal_fwd(
+        &self,
+        _: &MetalStorage,
+        _: &Layout,
+        _: &MetalStorage,
+        _: &Layout,
+        _: &MetalStorage,
+        _: &Layout,
+    ) -> Result<(MetalStorage, Shape)> {
+        self.pre()?.metal()
+    }
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let [da, db, dc] = self.kernel.bwd(&[a, b, c], y, dy)?;
+        Ok((da, db, dc))
+    }
+}
+
+/// An output computed outside the op, waiting for the op's forward to take it.
+struct Precomputed(Mutex<Option<Tensor>>);
+
+impl Precomputed {
+    /// Holds `t` (made contiguous from offset 0, so the storage clone matches the shape).
+    fn new(t: Tensor) -> Result<Self> {
+        let t = if t.is_contiguous() && t.layout().start_offset() == 0 {
+            t
+        } else {
+            t.force_contiguous()?
+        };
+        Ok(Self(Mutex::new(Some(t.detach()))))
+    }
+
+    /// The output's storage (of the device `pick` selects) and shape.
+    fn take<S>(
+        &self,
+        pick: impl FnOnce(&Storage, &Layout) -> Option<Result<S>>,
+    ) -> Result<(S, Shape)> {
+        let t = self
+            .0
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("candle-fused: poisoned lock".into()))?
+            .take()
+            .ok_or_else(|| {
+                candle_core::Error::Msg(
+                    "candle-fused: no precomputed output (op forward run twice?)".into(),
+                )
+            })?;
+        let (s, l) = t.storage_and_layout();
+        match pick(&s, l) {
+            Some(storage) => Ok((storage?, l.shape().clone())),
+            None => bail!("candle-fused: device mismatch in precomputed output"),
+        }
+    }
+
+    fn cpu(&self) -> Result<(CpuStorage, Shape)> {
+        self.take(|s, l| match s {
+            Storage::Cpu(c) => Some(c.try_clone(l)),
+            _ => None,
+        })
+    }
+
+    fn cuda(&self) -> Result<(CudaStorage, Shape)> {
+        self.take(|s, l| match s {
+            Storage::Cuda(c) => Some(c.try_clone(l)),
+            _ => None,
+        })
+    }
+
+    fn metal(&self) -> Result<(MetalStorage, Shape)> {
+        self.take(|s, l| match s {
+            Storage::Metal(c) => Some(c.try_clone(l)),
+            _ => None,
+        })
+    }
+}
+
+/// A slot for statistics a forward computes and its backward reads (row max / log-sum-exp,
+/// LayerNorm mean and rstd).
+#[derive(Default)]
+pub(crate) struct Saved(Mutex<Option<Tensor>>);
+
+impl Saved {
+    /// Stores `t`.
+    pub(crate) fn set(&self, t: Tensor) {
+        if let Ok(mut g) = self.0.lock() {
+            *g = Some(t);
+        }
+    }
+
+    /// The stored tensor.
+    pub(crate) fn get(&self) -> Result<Tensor> {
+        self.0
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("candle-fused: poisoned lock".into()))?
+            .clone()
+            .ok_or_else(|| candle_core::Error::Msg("candle-fused: statistics missing".into()))
+    }
+}
+
+/// The CPU storage of a tensor's storage guard.
+pub(crate) fn cpu_of(s: &Storage) -> Result<&CpuStorage> {
+    match s {
+        Storage::Cpu(c) => Ok(c),
+        _ => bail!("candle-fused: expected a CPU tensor"),
+    }
+}
