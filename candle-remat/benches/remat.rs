@@ -89,12 +89,17 @@ fn parse_policy(s: &str) -> Policy {
     }
 }
 
-/// Child: measure per-block costs (one block's graph alive at a time).
-fn child_measure() -> anyhow::Result<()> {
-    let _prof = dhat::Profiler::builder()
+/// dhat's heap profiler in testing mode (its statistics, no report file).
+fn profiler() -> dhat::Profiler {
+    dhat::Profiler::builder()
         .testing()
         .trim_backtraces(Some(1))
-        .build();
+        .build()
+}
+
+/// Child: measure per-block costs (one block's graph alive at a time).
+fn child_measure() -> anyhow::Result<()> {
+    let _prof = profiler();
     let dev = Device::Cpu;
     let gpt = Gpt::new(0, cfg(false, false), DType::F32, &dev)?;
     let (idx, _) = tokens(1, B, T, 256, &dev)?;
@@ -113,10 +118,7 @@ fn child_case(
     costs: &ChainCosts,
     steps: usize,
 ) -> anyhow::Result<()> {
-    let _prof = dhat::Profiler::builder()
-        .testing()
-        .trim_backtraces(Some(1))
-        .build();
+    let _prof = profiler();
     let dev = Device::Cpu;
     let gpt = Gpt::new(0, cfg(fused_attention, fused_ln), DType::F32, &dev)?;
     let (idx, tgt) = tokens(1, B, T, 256, &dev)?;
