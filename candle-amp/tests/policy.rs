@@ -4,15 +4,9 @@ mod common;
 
 use candle_amp::PrecisionPolicy;
 use candle_core::{DType, Device, Tensor, Var, D};
-use common::{flat, uniform, var};
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    flat(a)
-        .iter()
-        .zip(flat(b))
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
+use common::seeded_var;
+use test_support::compare::{tensor_diff, values};
+use test_support::random::{rng, uniform};
 
 const SHAPES: [&[usize]; 3] = [&[4, 8], &[2, 3, 16], &[1, 5, 7, 33]];
 
@@ -26,21 +20,21 @@ fn f32_helpers_match_candle_reference_ops() -> anyhow::Result<()> {
     for (i, shape) in SHAPES.iter().enumerate() {
         let s = i as u64 * 10;
         let c = *shape.last().expect("dim");
-        let x = uniform(s, shape, -3.0, 3.0, &dev);
-        let g = uniform(s + 1, &[c], 0.5, 1.5, &dev);
-        let b = uniform(s + 2, &[c], -0.5, 0.5, &dev);
+        let x = uniform(&mut rng(s), shape, -3.0, 3.0, &dev);
+        let g = uniform(&mut rng(s + 1), &[c], 0.5, 1.5, &dev);
+        let b = uniform(&mut rng(s + 2), &[c], -0.5, 0.5, &dev);
         let ln = p.layer_norm(&x, &g, Some(&b), 1e-5)?;
         let reference = candle_nn::ops::layer_norm_slow(&x, &g, &b, 1e-5)?;
-        assert!(max_abs_diff(&ln, &reference) < 1e-5);
+        assert!(tensor_diff(&ln, &reference).max_abs < 1e-5);
         let rms = p.rms_norm(&x, &g, 1e-6)?;
         let reference = candle_nn::ops::rms_norm_slow(&x, &g, 1e-6)?;
-        assert!(max_abs_diff(&rms, &reference) < 1e-5);
+        assert!(tensor_diff(&rms, &reference).max_abs < 1e-5);
         let sm = p.softmax(&x, D::Minus1)?;
         let reference = candle_nn::ops::softmax(&x, D::Minus1)?;
-        assert_eq!(flat(&sm), flat(&reference));
+        assert_eq!(values(&sm), values(&reference));
     }
     // Cross-entropy equals candle-nn's on the same f32 logits.
-    let logits = uniform(5, &[6, 9], -2.0, 2.0, &dev);
+    let logits = uniform(&mut rng(5), &[6, 9], -2.0, 2.0, &dev);
     let y = Tensor::new(&[0u32, 3, 8, 1, 1, 5], &dev)?;
     let ce = p.cross_entropy(&logits, &y)?;
     let reference = candle_nn::loss::cross_entropy(&logits, &y)?;
@@ -60,7 +54,7 @@ fn mixed_policy_keeps_f32_islands() -> anyhow::Result<()> {
         let s = 100 + i as u64;
         let c = *shape.last().expect("dim");
         // Large offset: variance in f16 suffers from cancellation.
-        let x = (uniform(s, shape, -1.0, 1.0, &dev) + 200.0)?;
+        let x = (uniform(&mut rng(s), shape, -1.0, 1.0, &dev) + 200.0)?;
         let g = Tensor::ones(c, DType::F32, &dev)?;
         let b = Tensor::zeros(c, DType::F32, &dev)?;
         let x16 = x.to_dtype(DType::F16)?;
@@ -69,7 +63,10 @@ fn mixed_policy_keeps_f32_islands() -> anyhow::Result<()> {
         let m = mixed.layer_norm(&x16, &g, Some(&b), 1e-5)?;
         let p = pure.layer_norm(&x16, &g, Some(&b), 1e-5)?;
         assert_eq!(m.dtype(), DType::F16);
-        let (em, ep) = (max_abs_diff(&m, &want16), max_abs_diff(&p, &want16));
+        let (em, ep) = (
+            tensor_diff(&m, &want16).max_abs,
+            tensor_diff(&p, &want16).max_abs,
+        );
         // Mixed: only the final f16 rounding of O(1) outputs (2^-11 * 4).
         assert!(em < 2e-3, "mixed error {em}");
         assert!(
@@ -98,9 +95,9 @@ fn helpers_are_differentiable_to_f32_masters() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     for dt in [DType::F16, DType::BF16, DType::F32] {
         let p = PrecisionPolicy::mixed(dt);
-        let w: Var = var(1, &[8, 8], &dev);
+        let w: Var = seeded_var(1, &[8, 8], &dev);
         let g: Var = Var::from_tensor(&Tensor::ones(8, DType::F32, &dev)?)?;
-        let x = p.cast(&uniform(2, &[4, 8], -1.0, 1.0, &dev))?;
+        let x = p.cast(&uniform(&mut rng(2), &[4, 8], -1.0, 1.0, &dev))?;
         let h = x.matmul(&p.weight(w.as_tensor())?)?;
         let h = p.layer_norm(&h, &p.weight(g.as_tensor())?, None, 1e-5)?;
         let h = p.rms_norm(&h, &p.weight(g.as_tensor())?, 1e-6)?;
@@ -115,7 +112,10 @@ fn helpers_are_differentiable_to_f32_masters() -> anyhow::Result<()> {
                 .get(v.as_tensor())
                 .expect("gradient reaches the master");
             assert_eq!(gr.dtype(), DType::F32);
-            assert!(flat(gr).iter().any(|x| *x != 0.0), "{dt:?}: zero gradient");
+            assert!(
+                values(gr).iter().any(|x| *x != 0.0),
+                "{dt:?}: zero gradient"
+            );
         }
     }
     Ok(())

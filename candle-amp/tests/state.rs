@@ -7,11 +7,9 @@ use std::collections::HashMap;
 use candle_amp::{Amp, MasterWeights, ScalerConfig, ScalerState, StepOutcome, WeightMode};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::Optimizer;
-use common::{flat, uniform};
-
-fn tmp(name: &str) -> std::path::PathBuf {
-    std::env::temp_dir().join(format!("candle-amp-{}-{name}", std::process::id()))
-}
+use test_support::compare::values;
+use test_support::fs::TempDir;
+use test_support::random::{rng, uniform};
 
 #[test]
 fn state_round_trips_through_tensors_metadata_and_files() -> anyhow::Result<()> {
@@ -33,11 +31,12 @@ fn state_round_trips_through_tensors_metadata_and_files() -> anyhow::Result<()> 
         st
     );
     assert_eq!(ScalerState::from_metadata(&st.to_metadata("y/"), "y/")?, st);
-    let path = tmp("roundtrip.safetensors");
+    let dir = TempDir::new("candle-amp-state");
+    let path = dir.join("roundtrip.safetensors");
     st.save(&path)?;
     assert_eq!(ScalerState::load(&path)?, st);
     // A file holding only the metadata (e.g. embedded in someone's checkpoint header).
-    let meta_only = tmp("meta.safetensors");
+    let meta_only = dir.join("meta.safetensors");
     let none: HashMap<String, Tensor> = HashMap::new();
     safetensors::serialize_to_file(none, Some(st.to_metadata("amp.")), &meta_only)?;
     assert_eq!(ScalerState::load(&meta_only)?, st);
@@ -45,8 +44,6 @@ fn state_round_trips_through_tensors_metadata_and_files() -> anyhow::Result<()> 
     let mut m = st.to_metadata("amp.");
     m.remove("amp.skipped");
     assert!(ScalerState::from_metadata(&m, "amp.").is_err());
-    std::fs::remove_file(path)?;
-    std::fs::remove_file(meta_only)?;
     Ok(())
 }
 
@@ -71,8 +68,8 @@ fn fresh(w0: &Tensor) -> anyhow::Result<Run> {
 
 fn step(run: &mut Run, i: u64, dev: &Device) -> anyhow::Result<StepOutcome> {
     let big = if [2, 3, 8].contains(&i) { 1e4 } else { 1.0 };
-    let x = (uniform(i, &[4, 6], -1.0, 1.0, dev) * big)?;
-    let y = uniform(i + 1000, &[4, 2], -1.0, 1.0, dev);
+    let x = (uniform(&mut rng(i), &[4, 6], -1.0, 1.0, dev) * big)?;
+    let y = uniform(&mut rng(i + 1000), &[4, 2], -1.0, 1.0, dev);
     let pred = x
         .to_dtype(DType::F16)?
         .matmul(&run.w.as_tensor().to_dtype(DType::F16)?)?;
@@ -84,7 +81,7 @@ fn step(run: &mut Run, i: u64, dev: &Device) -> anyhow::Result<StepOutcome> {
 #[test]
 fn resumed_run_equals_uninterrupted_run() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let w0 = uniform(7, &[6, 2], -0.5, 0.5, &dev);
+    let w0 = uniform(&mut rng(7), &[6, 2], -0.5, 0.5, &dev);
     let n = 12;
     let mut full = fresh(&w0)?;
     let mut outcomes = Vec::new();
@@ -105,7 +102,8 @@ fn resumed_run_equals_uninterrupted_run() -> anyhow::Result<()> {
     for i in 0..n / 2 {
         resumed_outcomes.push(step(&mut first, i, &dev)?);
     }
-    let path = tmp("resume.safetensors");
+    let dir = TempDir::new("candle-amp-resume");
+    let path = dir.join("resume.safetensors");
     first.amp.save_state(&path)?;
     let meta = ScalerState::read_file_metadata(&path)?;
     assert!(meta["amp.config"].contains("growth_interval: 3"));
@@ -118,7 +116,6 @@ fn resumed_run_equals_uninterrupted_run() -> anyhow::Result<()> {
     }
     assert_eq!(resumed_outcomes, outcomes);
     assert_eq!(second.amp.state(), full.amp.state());
-    assert_eq!(flat(second.w.as_tensor()), flat(full.w.as_tensor()));
-    std::fs::remove_file(path)?;
+    assert_eq!(values(second.w.as_tensor()), values(full.w.as_tensor()));
     Ok(())
 }
