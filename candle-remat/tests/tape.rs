@@ -254,29 +254,23 @@ fn glue_residuals_and_shared_weights_bit_identical() {
 /// separately through the op that made it, so the result may differ by float reassociation;
 /// it must still agree to 1e-6 relative (f32 rounding of a handful of additions).
 #[test]
-fn non_leaf_glue_input_shared_outside_is_close() {
+fn non_leaf_glue_input_shared_outside_is_close() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let mut rng = rng(3);
     let w = param(&mut rng, &[8, 8], 0.4, DType::F32, &dev);
     let x0 = param(&mut rng, &[5, 8], 1.0, DType::F32, &dev);
     let f = |x: &Tensor| x.matmul(w.as_tensor())?.tanh();
-    let x = x0.as_tensor().sin().unwrap().exp().unwrap();
-    let plain = (f(&x).unwrap() + &x)
-        .unwrap()
-        .sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
+    let x = x0.as_tensor().sin()?.exp()?;
+    let plain = (f(&x)? + &x)?.sqr()?.sum_all()?.backward()?;
     let tape = Tape::new(0);
-    let x = x0.as_tensor().sin().unwrap().exp().unwrap();
-    let y = tape.checkpoint1(&x, f).unwrap();
-    let grads = tape
-        .backward(&(y + &x).unwrap().sqr().unwrap().sum_all().unwrap())
-        .unwrap();
+    let x = x0.as_tensor().sin()?.exp()?;
+    let y = tape.checkpoint1(&x, f)?;
+    let grads = tape.backward(&(y + &x)?.sqr()?.sum_all()?)?;
     for v in [&w, &x0] {
-        let e = rel_err(grads.get(v).unwrap(), plain.get(v).unwrap());
+        let e = rel_err(
+            grads.get(v).expect("gradient"),
+            plain.get(v).expect("gradient"),
+        );
         assert!(e < 1e-6, "relative error {e}");
     }
     // The same with a chain of residual adds outside the checkpoints.
@@ -284,35 +278,35 @@ fn non_leaf_glue_input_shared_outside_is_close() {
         .map(|_| param(&mut rng, &[8, 8], 0.4, DType::F32, &dev))
         .collect();
     let blk = |i: usize, h: &Tensor| h.matmul(ws[i].as_tensor())?.tanh();
-    let mut h = x0.as_tensor().exp().unwrap();
+    let mut h = x0.as_tensor().exp()?;
     for i in 0..4 {
-        h = (&h + blk(i, &h).unwrap()).unwrap();
+        h = (&h + blk(i, &h)?)?;
     }
-    let plain = h.sqr().unwrap().mean_all().unwrap().backward().unwrap();
+    let plain = h.sqr()?.mean_all()?.backward()?;
     let tape = Tape::new(0);
-    let mut h = x0.as_tensor().exp().unwrap();
+    let mut h = x0.as_tensor().exp()?;
     for i in 0..4 {
-        h = (&h + tape.checkpoint1(&h, move |x| blk(i, x)).unwrap()).unwrap();
+        h = (&h + tape.checkpoint1(&h, move |x| blk(i, x))?)?;
     }
-    let grads = tape
-        .backward(&h.sqr().unwrap().mean_all().unwrap())
-        .unwrap();
+    let grads = tape.backward(&h.sqr()?.mean_all()?)?;
     for v in ws.iter().chain([&x0]) {
-        let e = rel_err(grads.get(v).unwrap(), plain.get(v).unwrap());
+        let e = rel_err(
+            grads.get(v).expect("gradient"),
+            plain.get(v).expect("gradient"),
+        );
         assert!(e < 1e-6, "relative error {e}");
     }
     // Tape::boundary makes the same program bit-identical.
     let tape = Tape::new(0);
-    let mut h = x0.as_tensor().exp().unwrap();
+    let mut h = x0.as_tensor().exp()?;
     for i in 0..4 {
-        h = tape.boundary(&h).unwrap();
-        h = (&h + tape.checkpoint1(&h, move |x| blk(i, x)).unwrap()).unwrap();
+        h = tape.boundary(&h)?;
+        h = (&h + tape.checkpoint1(&h, move |x| blk(i, x))?)?;
     }
-    let grads = tape
-        .backward(&h.sqr().unwrap().mean_all().unwrap())
-        .unwrap();
+    let grads = tape.backward(&h.sqr()?.mean_all()?)?;
     let vars: Vec<&Var> = ws.iter().chain([&x0]).collect();
     compare_stores(&vars, &plain, &grads, "outside residuals with boundary()");
+    Ok(())
 }
 
 #[test]
@@ -435,29 +429,24 @@ fn dropout_needs_a_scope_and_is_seeded() {
 }
 
 #[test]
-fn segment_without_grad_is_skipped_and_store_has_no_leaves() {
+fn segment_without_grad_is_skipped_and_store_has_no_leaves() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let w = Var::new(&[[1f32, 2.], [3., 4.]], &dev).unwrap();
-    let x = Tensor::new(&[[1f32, -1.]], &dev).unwrap();
+    let w = Var::new(&[[1f32, 2.], [3., 4.]], &dev)?;
+    let x = Tensor::new(&[[1f32, -1.]], &dev)?;
     let tape = Tape::new(0);
-    let unused = tape.checkpoint1(&x, |x| x.matmul(w.as_tensor())).unwrap();
-    let used = tape
-        .checkpoint1(&x, |x| x.matmul(w.as_tensor())?.sqr())
-        .unwrap();
+    let unused = tape.checkpoint1(&x, |x| x.matmul(w.as_tensor()))?;
+    let used = tape.checkpoint1(&x, |x| x.matmul(w.as_tensor())?.sqr())?;
     assert_eq!(tape.num_segments(), 2);
-    let grads = tape.backward(&used.sum_all().unwrap()).unwrap();
+    let grads = tape.backward(&used.sum_all()?)?;
     assert!(grads.get(&unused).is_none() && grads.get(&used).is_none());
-    let plain = x
-        .matmul(w.as_tensor())
-        .unwrap()
-        .sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
-    assert_bits_eq(grads.get(&w).unwrap(), plain.get(&w).unwrap(), "w");
+    let plain = x.matmul(w.as_tensor())?.sqr()?.sum_all()?.backward()?;
+    assert_bits_eq(
+        grads.get(&w).expect("gradient"),
+        plain.get(&w).expect("gradient"),
+        "w",
+    );
     assert_eq!(tape.num_segments(), 0);
+    Ok(())
 }
 
 /// Outputs of different dtypes (f32 and f64) from one segment.
