@@ -11,11 +11,12 @@ mod common;
 use std::time::Duration;
 
 use candle_comm::{or_abort, Communicator, MpiComm};
+use candle_core::Device;
 
 fn main() -> anyhow::Result<()> {
     let comm = MpiComm::init()?.with_timeout(Duration::from_secs(60));
     for dtype in common::DTYPES {
-        or_abort(&comm, common::check_collectives(&comm, dtype))?;
+        or_abort(&comm, common::check_collectives(&comm, &Device::Cpu, dtype))?;
     }
     or_abort(&comm, common::check_split(&comm))?;
     if comm.rank() == 0 {

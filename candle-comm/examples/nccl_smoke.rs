@@ -17,14 +17,12 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
-#[path = "../tests/common/gpu.rs"]
-mod gpu;
 
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use candle_comm::{nccl_version, or_abort, Communicator, NcclComm};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -61,10 +59,10 @@ fn main() -> Result<()> {
         bail!("rank {rank}: still running after rank 1 failed");
     }
     for dtype in common::DTYPES {
-        or_abort(&comm, gpu::check_device_collectives(&comm, &dev, dtype))?;
-        or_abort(&comm, common::check_collectives(&comm, dtype))?;
+        or_abort(&comm, common::check_collectives(&comm, &dev, dtype))?;
+        or_abort(&comm, common::check_collectives(&comm, &Device::Cpu, dtype))?;
     }
-    or_abort(&comm, gpu::check_device_buckets(&comm, &dev))?;
+    or_abort(&comm, common::check_buckets(&comm, &dev))?;
     or_abort(&comm, common::check_data_parallel(&comm, 4, 600))?;
 
     let n = 16 << 20; // 64 MiB of f32

@@ -209,6 +209,11 @@ pub(crate) fn unstage(
     host.to_device(device).at(rank, op)
 }
 
+/// [`unstage`] into the shape, dtype and device of `like`.
+pub(crate) fn unstage_like(buf: HostBuf, like: &Tensor, rank: usize, op: Op) -> Result<Tensor> {
+    unstage(buf, like.shape(), like.dtype(), like.device(), rank, op)
+}
+
 /// Stable numeric code of a communicable dtype (sent in point-to-point headers).
 pub(crate) fn dtype_code(dtype: DType) -> u64 {
     match dtype {

@@ -237,7 +237,7 @@ impl NcclComm {
     /// rank's GPU, usually its node-local rank. The [`MpiComm`](crate::MpiComm) is only used
     /// during setup and may be dropped afterwards.
     #[cfg(feature = "mpi")]
-    pub fn from_mpi(mpi: &crate::MpiComm, ordinal: usize) -> Result<Self> {
+    pub fn from_mpi(mpi: &crate::mpi::MpiComm, ordinal: usize) -> Result<Self> {
         Self::builder(ordinal).connect_with(mpi)
     }
 

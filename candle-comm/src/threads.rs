@@ -16,7 +16,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::comm::{check_peer, check_tag, scatter_rows, Communicator, ReduceOp};
 use crate::error::{CandleContext, CommError, Op, Result};
 use crate::group::{plan, Membership};
-use crate::host::{gathered_shape, stage, unstage, HostBuf};
+use crate::host::{gathered_shape, stage, unstage, unstage_like, HostBuf};
 
 /// Default time a rank waits for a peer before [`CommError::Timeout`].
 pub const DEFAULT_THREAD_TIMEOUT: Duration = Duration::from_secs(60);
@@ -391,14 +391,7 @@ impl Drop for ThreadComm {
 impl ThreadComm {
     fn raw_all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let buf = self.reduce(tensor, op, Op::AllReduce)?;
-        unstage(
-            buf,
-            tensor.shape(),
-            tensor.dtype(),
-            tensor.device(),
-            self.rank,
-            Op::AllReduce,
-        )
+        unstage_like(buf, tensor, self.rank, Op::AllReduce)
     }
 
     fn raw_reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -463,14 +456,7 @@ impl ThreadComm {
                 ),
             });
         }
-        unstage(
-            buf,
-            tensor.shape(),
-            tensor.dtype(),
-            tensor.device(),
-            self.rank,
-            Op::Broadcast,
-        )
+        unstage_like(buf, tensor, self.rank, Op::Broadcast)
     }
 
     fn raw_send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {

@@ -25,7 +25,7 @@ fn on_threads(n: usize, f: impl Fn(&ThreadComm) -> Result<()> + Sync) {
 #[test]
 fn local_collectives() -> Result<()> {
     for dtype in common::DTYPES {
-        common::check_collectives(&Local::new(), dtype)?;
+        common::check_collectives(&Local::new(), &Device::Cpu, dtype)?;
     }
     Ok(())
 }
@@ -35,7 +35,7 @@ fn thread_collectives() {
     for n in [1, 2, 3, 4] {
         on_threads(n, |c| {
             for dtype in common::DTYPES {
-                common::check_collectives(c, dtype)?;
+                common::check_collectives(c, &Device::Cpu, dtype)?;
             }
             Ok(())
         });

@@ -4,8 +4,6 @@
 #![cfg(feature = "nccl")]
 
 mod common;
-#[path = "common/gpu.rs"]
-mod gpu;
 
 use std::time::Duration;
 
@@ -49,7 +47,7 @@ fn one_rank_device_collectives() -> Result<()> {
     );
     println!("NCCL version {:?}", candle_comm::nccl_version());
     for dtype in common::DTYPES {
-        gpu::check_device_collectives(&comm, &dev, dtype)?;
+        common::check_collectives(&comm, &dev, dtype)?;
     }
     Ok(())
 }
@@ -61,7 +59,7 @@ fn one_rank_host_tensors() -> Result<()> {
     }
     let comm = NcclComm::from_communicator(&Local::new(), 0)?;
     for dtype in common::DTYPES {
-        common::check_collectives(&comm, dtype)?;
+        common::check_collectives(&comm, &Device::Cpu, dtype)?;
     }
     Ok(())
 }
@@ -70,7 +68,7 @@ fn one_rank_host_tensors() -> Result<()> {
 fn one_rank_data_parallel() -> Result<()> {
     let Some(dev) = gpu0() else { return Ok(()) };
     let comm = NcclComm::from_communicator(&Local::new(), 0)?;
-    gpu::check_device_buckets(&comm, &dev)?;
+    common::check_buckets(&comm, &dev)?;
     common::check_data_parallel(&comm, 6, 600)?;
     Ok(())
 }
@@ -130,10 +128,10 @@ fn two_gpus_in_threads() {
             .connect_with(&c)?;
         let dev = comm.device().clone();
         for dtype in common::DTYPES {
-            gpu::check_device_collectives(&comm, &dev, dtype)?;
-            common::check_collectives(&comm, dtype)?;
+            common::check_collectives(&comm, &dev, dtype)?;
+            common::check_collectives(&comm, &Device::Cpu, dtype)?;
         }
-        gpu::check_device_buckets(&comm, &dev)?;
+        common::check_buckets(&comm, &dev)?;
         common::check_data_parallel(&comm, 3, 600)?;
         Ok(())
     });

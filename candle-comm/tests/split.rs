@@ -18,7 +18,7 @@ fn ones() -> Tensor {
 fn local_split() -> Result<()> {
     common::check_split(&Local::new())?;
     let sub = Local::new().split_group("pipeline", 3, 0)?;
-    common::check_collectives(&sub, DType::F32)?;
+    common::check_collectives(&sub, &Device::Cpu, DType::F32)?;
     Ok(())
 }
 

@@ -110,10 +110,7 @@ impl Topology {
         for n in even_sizes(rows, microbatches)? {
             xs.push(x.narrow(0, at, n)?);
             ts.push(t.narrow(0, at, n)?);
-            ws.push(match reduction {
-                LossReduction::Mean => n as f64 / total as f64,
-                LossReduction::Sum => 1.0,
-            });
+            ws.push(reduction.weight(n, total));
             at += n;
         }
         // Stages see the global batch's row numbers (`Call::row`), as one process would.

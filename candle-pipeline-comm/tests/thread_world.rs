@@ -45,9 +45,7 @@ fn run_ranks(
 #[test]
 fn ranks_match_single_process_and_plain_model() -> anyhow::Result<()> {
     for (sched, v) in schedules(WORKERS)? {
-        let single = pipeline(WORKERS, v, None)?;
-        let (_, _, batch) = batch()?;
-        let reference = single.step(&sched, &batch)?;
+        let (single, reference) = single_process(WORKERS, v, &sched)?;
         let (plain_loss, plain_grads) = plain(WORKERS * v)?;
         let ranks = run_ranks(&sched, v, None);
         for (rank, r) in ranks.into_iter().enumerate() {
@@ -93,9 +91,8 @@ fn ranks_match_single_process_and_plain_model() -> anyhow::Result<()> {
 #[test]
 fn step_with_over_a_thread_world_matches_in_process() -> anyhow::Result<()> {
     for (sched, v) in schedules(WORKERS)? {
-        let pipe = pipeline(WORKERS, v, None)?;
+        let (pipe, reference) = single_process(WORKERS, v, &sched)?;
         let (_, _, batch) = batch()?;
-        let reference = pipe.step(&sched, &batch)?;
         let transports: Vec<_> = ThreadComm::world(WORKERS)
             .into_iter()
             .map(|c| CommTransport::new(c, pipe.stages(), candle_core::Device::Cpu))

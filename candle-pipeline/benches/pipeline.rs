@@ -5,39 +5,19 @@
 //! `CANDLE_NUM_THREADS=1` (unless set) so Candle's process-wide element-wise pool does not add
 //! threads beyond the per-worker rayon pools.
 
-use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
+use candle_nn::loss::mse;
 use candle_pipeline::{
     simulate, Costs, Layer, LossReduction, Microbatches, Pipeline, Schedule, Sequential, Stage,
 };
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use test_support::alloc::{self, CountingAlloc};
+use test_support::random::{rng, uniform, var, ChaCha8Rng};
 
-/// Counts live heap bytes and their peak (global; reset between measurements).
-struct Counting;
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: AllocLayout) -> *mut u8 {
-        let p = System.alloc(l);
-        if !p.is_null() {
-            let now = CURRENT.fetch_add(l.size(), Ordering::Relaxed) + l.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: AllocLayout) {
-        System.dealloc(p, l);
-        CURRENT.fetch_sub(l.size(), Ordering::Relaxed);
-    }
-}
-
+/// Counts live heap bytes and their peak (reset between measurements).
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: CountingAlloc = CountingAlloc;
 
 const D_MODEL: usize = 128;
 const HEADS: usize = 4;
@@ -45,12 +25,8 @@ const SEQ: usize = 64;
 const BATCH: usize = 16;
 const BLOCKS: usize = 8;
 
-fn param(rng: &mut ChaCha8Rng, shape: &[usize], scale: f32, dev: &Device) -> Result<Var> {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|_| rng.random_range(-1.0f32..1.0) * scale)
-        .collect();
-    Var::from_tensor(&Tensor::from_vec(v, shape, dev)?)
+fn param(rng: &mut ChaCha8Rng, shape: &[usize], scale: f32, dev: &Device) -> Var {
+    var(&uniform(rng, shape, -scale, scale, dev))
 }
 
 /// Layer norm from differentiable ops (the fused candle-nn one has no backward).
@@ -71,10 +47,10 @@ fn block(rng: &mut ChaCha8Rng, mask: &Tensor, dev: &Device) -> Result<Layer> {
     let b1 = Var::from_tensor(&Tensor::zeros(d, DType::F32, dev)?)?;
     let g2 = Var::from_tensor(&Tensor::ones(d, DType::F32, dev)?)?;
     let b2 = Var::from_tensor(&Tensor::zeros(d, DType::F32, dev)?)?;
-    let wqkv = param(rng, &[d, 3 * d], s, dev)?;
-    let wo = param(rng, &[d, d], s, dev)?;
-    let w1 = param(rng, &[d, 4 * d], s, dev)?;
-    let w2 = param(rng, &[4 * d, d], s / 2.0, dev)?;
+    let wqkv = param(rng, &[d, 3 * d], s, dev);
+    let wo = param(rng, &[d, d], s, dev);
+    let w1 = param(rng, &[d, 4 * d], s, dev);
+    let w2 = param(rng, &[4 * d, d], s / 2.0, dev);
     let vars = vec![
         g1.clone(),
         b1.clone(),
@@ -109,16 +85,12 @@ fn block(rng: &mut ChaCha8Rng, mask: &Tensor, dev: &Device) -> Result<Layer> {
 }
 
 fn model(dev: &Device) -> Result<Vec<Layer>> {
-    let mut rng = ChaCha8Rng::seed_from_u64(42);
+    let mut rng = rng(42);
     let mask: Vec<f32> = (0..SEQ * SEQ)
         .map(|i| if i % SEQ > i / SEQ { -1e9 } else { 0.0 })
         .collect();
     let mask = Tensor::from_vec(mask, (SEQ, SEQ), dev)?;
     (0..BLOCKS).map(|_| block(&mut rng, &mask, dev)).collect()
-}
-
-fn mse(y: &Tensor, t: &Tensor) -> Result<Tensor> {
-    (y - t)?.sqr()?.mean_all()
 }
 
 fn cpu_seconds() -> f64 {
@@ -191,19 +163,19 @@ fn run(
     steps: usize,
 ) -> anyhow::Result<Run> {
     pipe.step(sched, batch)?; // warm-up
-    let base = CURRENT.load(Ordering::Relaxed);
+    let base = alloc::current_bytes();
     let mut best: Option<Run> = None;
     let mut total = 0.0;
     let c0 = cpu_seconds();
     let w0 = worker_sched(sched.workers);
     let mut busy = vec![0.0; sched.workers];
     for _ in 0..steps {
-        PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
+        alloc::reset_peak();
         let t = Instant::now();
         let out = pipe.step(sched, batch)?;
         let secs = t.elapsed().as_secs_f64();
         total += secs;
-        let peak_heap = PEAK.load(Ordering::Relaxed).saturating_sub(base);
+        let peak_heap = alloc::peak_bytes().saturating_sub(base);
         for (b, x) in busy.iter_mut().zip(out.timeline.busy()) {
             *b += x;
         }
@@ -251,9 +223,9 @@ fn activation_bytes(stages: &[Sequential], x: &Tensor) -> anyhow::Result<Vec<f64
     let mut h = x.clone();
     for s in stages {
         let input = Var::from_tensor(&h)?;
-        let before = CURRENT.load(Ordering::Relaxed);
+        let before = alloc::current_bytes();
         let y = s.forward(input.as_tensor())?;
-        let after = CURRENT.load(Ordering::Relaxed);
+        let after = alloc::current_bytes();
         out.push(after.saturating_sub(before) as f64);
         h = y.detach();
         drop(y);
@@ -272,22 +244,9 @@ fn main() -> anyhow::Result<()> {
     let probe = std::env::args().any(|a| a == "--probe");
     let dev = Device::Cpu;
     let layers = model(&dev)?;
-    let mut rng = ChaCha8Rng::seed_from_u64(7);
-    let n = BATCH * SEQ * D_MODEL;
-    let x = Tensor::from_vec(
-        (0..n)
-            .map(|_| rng.random_range(-1.0f32..1.0))
-            .collect::<Vec<_>>(),
-        (BATCH, SEQ, D_MODEL),
-        &dev,
-    )?;
-    let t = Tensor::from_vec(
-        (0..n)
-            .map(|_| rng.random_range(-1.0f32..1.0))
-            .collect::<Vec<_>>(),
-        (BATCH, SEQ, D_MODEL),
-        &dev,
-    )?;
+    let mut rng = rng(7);
+    let x = uniform(&mut rng, &[BATCH, SEQ, D_MODEL], -1.0, 1.0, &dev);
+    let t = uniform(&mut rng, &[BATCH, SEQ, D_MODEL], -1.0, 1.0, &dev);
     let one: Vec<Box<dyn Stage>> = vec![Box::new(Sequential::new(layers.clone()))];
     let one = Pipeline::new(one, vec![dev.clone()], mse)?.with_cpu_threads(1)?;
     let halves = candle_pipeline::split_layers(

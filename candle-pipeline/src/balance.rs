@@ -6,7 +6,7 @@ use std::time::Instant;
 use candle_core::{Tensor, Var};
 
 use crate::error::{PipelineError, Result};
-use crate::stage::{Layer, Sequential};
+use crate::stage::{Layer, Sequential, Stage};
 
 /// Splits `costs` (one per layer, in order) into `parts` contiguous, non-empty ranges minimising
 /// the largest range sum (exact dynamic programme, `O(parts * n^2)`).
@@ -134,10 +134,10 @@ pub fn split_layers(layers: Vec<Layer>, ranges: &[Range<usize>]) -> Result<Vec<S
 
 /// Splits `layers` into `parts` stages balanced by parameter count, boxed for
 /// [`crate::Pipeline::new`].
-pub fn split_by_params(layers: Vec<Layer>, parts: usize) -> Result<Vec<Box<dyn crate::Stage>>> {
+pub fn split_by_params(layers: Vec<Layer>, parts: usize) -> Result<Vec<Box<dyn Stage>>> {
     let ranges = balance_by_params(&layers, parts)?;
     Ok(split_layers(layers, &ranges)?
         .into_iter()
-        .map(|s| Box::new(s) as Box<dyn crate::Stage>)
+        .map(|s| Box::new(s) as Box<dyn Stage>)
         .collect())
 }

@@ -1,6 +1,6 @@
 //! Error type of the crate.
 
-use crate::schedule::Action;
+use crate::action::Action;
 
 /// Errors raised while building or running a pipeline.
 #[derive(Debug, thiserror::Error)]

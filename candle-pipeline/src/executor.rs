@@ -14,11 +14,7 @@ use crate::schedule::Schedule;
 use crate::simulator::{simulate, Costs, Prediction};
 use crate::stage::Stage;
 use crate::transport::{InProcess, Transport};
-use crate::worker::{PipelineWorker, WorkerStep};
-
-/// Loss function evaluated on the worker of the last stage: `(output, target) -> scalar`.
-/// It should reduce as declared in [`crate::LossReduction`] (mean or sum over the microbatch).
-pub type LossFn = dyn Fn(&Tensor, &Tensor) -> CResult<Tensor> + Send + Sync;
+use crate::worker::{LossFn, PipelineWorker, WorkerStep};
 
 /// A model split into virtual stages placed on workers, with the loss of the last stage.
 ///

@@ -22,6 +22,17 @@ pub enum LossReduction {
     Sum,
 }
 
+impl LossReduction {
+    /// The loss weight of a microbatch of `rows` rows of a batch of `total` rows: `rows / total`
+    /// for [`LossReduction::Mean`], 1 for [`LossReduction::Sum`].
+    pub fn weight(self, rows: usize, total: usize) -> f64 {
+        match self {
+            LossReduction::Mean => rows as f64 / total as f64,
+            LossReduction::Sum => 1.0,
+        }
+    }
+}
+
 /// Sizes of `m` contiguous microbatches covering `total` rows as evenly as possible
 /// (the first `total % m` microbatches get one more row).
 ///
@@ -107,10 +118,7 @@ impl Microbatches {
         for &n in sizes {
             xs.push(inputs.narrow(0, start, n)?);
             ys.push(targets.narrow(0, start, n)?);
-            ws.push(match reduction {
-                LossReduction::Mean => n as f64 / total as f64,
-                LossReduction::Sum => 1.0,
-            });
+            ws.push(reduction.weight(n, total));
             start += n;
         }
         Self::with_weights(xs, ys, ws)

@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use crate::schedule::Action;
+use crate::action::Action;
 
 /// One action of one worker on a timeline (seconds for measured timelines, cost units for
 /// predicted ones).

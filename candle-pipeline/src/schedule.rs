@@ -7,63 +7,8 @@
 //! `stage + 1`, the input gradient of `Backward { mb, stage }` to the worker of `stage - 1`.
 //! A new schedule is a function returning a [`Schedule`]; [`Schedule::validate`] checks it.
 
-use std::fmt;
-
+use crate::action::Action;
 use crate::error::{PipelineError, Result};
-use crate::simulator::{simulate, Costs};
-
-/// One unit of work of a worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Action {
-    /// Forward pass of microbatch `mb` through virtual stage `stage`.
-    Forward {
-        /// Microbatch index.
-        mb: usize,
-        /// Virtual stage index.
-        stage: usize,
-    },
-    /// Backward pass of microbatch `mb` through virtual stage `stage`.
-    Backward {
-        /// Microbatch index.
-        mb: usize,
-        /// Virtual stage index.
-        stage: usize,
-    },
-}
-
-impl Action {
-    /// Microbatch of the action.
-    pub fn mb(&self) -> usize {
-        match *self {
-            Action::Forward { mb, .. } | Action::Backward { mb, .. } => mb,
-        }
-    }
-
-    /// Virtual stage of the action.
-    pub fn stage(&self) -> usize {
-        match *self {
-            Action::Forward { stage, .. } | Action::Backward { stage, .. } => stage,
-        }
-    }
-
-    /// True for [`Action::Forward`].
-    pub fn is_forward(&self) -> bool {
-        matches!(self, Action::Forward { .. })
-    }
-}
-
-impl fmt::Display for Action {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Action::Forward { mb, stage } => {
-                write!(f, "forward of microbatch {mb} on stage {stage}")
-            }
-            Action::Backward { mb, stage } => {
-                write!(f, "backward of microbatch {mb} on stage {stage}")
-            }
-        }
-    }
-}
 
 /// A complete pipeline schedule: per-worker action lists for one training step.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -244,14 +189,9 @@ impl Schedule {
     }
 
     /// Checks that every `(microbatch, stage)` has exactly one forward and one backward, on the
-    /// worker of the stage, forward first, and that the lists cannot deadlock (a dependency
-    /// simulation with unbounded message buffers completes).
-    pub fn validate(&self) -> Result<()> {
-        self.check_complete()?;
-        simulate(self, &Costs::uniform(self.stages, 1.0, 2.0)).map(|_| ())
-    }
-
-    fn check_complete(&self) -> Result<()> {
+    /// worker of the stage, forward first (the deadlock check is [`Schedule::validate`], in the
+    /// simulator).
+    pub(crate) fn check_complete(&self) -> Result<()> {
         let bad = |m: String| Err(PipelineError::InvalidSchedule(m));
         if self.workers == 0 || self.stages == 0 || self.microbatches == 0 {
             return bad("empty schedule".into());

@@ -1,8 +1,9 @@
 //! Predicting a schedule's timeline, bubble and activation memory from per-stage costs.
 
+use crate::action::Action;
 use crate::error::{PipelineError, Result};
 use crate::report::{Span, Timeline};
-use crate::schedule::{Action, Schedule};
+use crate::schedule::Schedule;
 
 /// Per-virtual-stage costs (any time unit) used by [`simulate`].
 #[derive(Debug, Clone, PartialEq)]
@@ -151,4 +152,14 @@ fn ready(ends: &[f64], i: usize, s: &Schedule, from: usize, w: usize, c: &Costs)
     } else {
         t + c.comm
     })
+}
+
+impl Schedule {
+    /// Checks that every `(microbatch, stage)` has exactly one forward and one backward, on the
+    /// worker of the stage, forward first, and that the lists cannot deadlock (a dependency
+    /// simulation with unbounded message buffers completes).
+    pub fn validate(&self) -> Result<()> {
+        self.check_complete()?;
+        simulate(self, &Costs::uniform(self.stages, 1.0, 2.0)).map(|_| ())
+    }
 }

@@ -108,29 +108,23 @@ pub trait Stage: Send + Sync {
     }
 }
 
-impl<S: Stage + ?Sized> Stage for Box<S> {
-    fn forward(&self, x: &Tensor) -> CResult<Tensor> {
-        (**self).forward(x)
-    }
-    fn vars(&self) -> Vec<Var> {
-        (**self).vars()
-    }
-    fn forward_call(&self, x: &Tensor, call: &Call) -> CResult<StageForward> {
-        (**self).forward_call(x, call)
-    }
+/// A boxed or shared stage is a stage.
+macro_rules! stage_through_pointer {
+    ($($ptr:ident),*) => {$(
+        impl<S: Stage + ?Sized> Stage for $ptr<S> {
+            fn forward(&self, x: &Tensor) -> CResult<Tensor> {
+                (**self).forward(x)
+            }
+            fn vars(&self) -> Vec<Var> {
+                (**self).vars()
+            }
+            fn forward_call(&self, x: &Tensor, call: &Call) -> CResult<StageForward> {
+                (**self).forward_call(x, call)
+            }
+        }
+    )*};
 }
-
-impl<S: Stage + ?Sized> Stage for Arc<S> {
-    fn forward(&self, x: &Tensor) -> CResult<Tensor> {
-        (**self).forward(x)
-    }
-    fn vars(&self) -> Vec<Var> {
-        (**self).vars()
-    }
-    fn forward_call(&self, x: &Tensor, call: &Call) -> CResult<StageForward> {
-        (**self).forward_call(x, call)
-    }
-}
+stage_through_pointer!(Box, Arc);
 
 type LayerFn = dyn Fn(&Tensor, &Call) -> CResult<Tensor> + Send + Sync;
 

@@ -14,13 +14,17 @@ use std::time::Instant;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result as CResult, Tensor, Var};
 
+use crate::action::Action;
 use crate::error::{PipelineError, Result};
-use crate::executor::LossFn;
 use crate::microbatch::Microbatches;
 use crate::report::Span;
-use crate::schedule::{Action, Schedule};
+use crate::schedule::Schedule;
 use crate::stage::{Call, Stage, StageBackward, StageForward};
 use crate::transport::{Envelope, Expected, Message, Payload, Transport};
+
+/// Loss function evaluated on the worker of the last stage: `(output, target) -> scalar`.
+/// It should reduce as declared in [`crate::LossReduction`] (mean or sum over the microbatch).
+pub type LossFn = dyn Fn(&Tensor, &Tensor) -> CResult<Tensor> + Send + Sync;
 
 /// One worker of a pipeline: the virtual stages it hosts (`worker, worker + workers, ...`), its
 /// device, its optional rayon pool and the loss (evaluated only when it hosts the last stage).

@@ -4,8 +4,8 @@ use candle_core::{Device, Tensor};
 use candle_pipeline::{
     balance_by_cost, balance_by_params, measure_layer_times, split_layers, Stage,
 };
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use rand::Rng;
+use test_support::random::rng;
 
 mod common;
 
@@ -24,7 +24,7 @@ fn brute_force(costs: &[f64], parts: usize) -> f64 {
 
 #[test]
 fn balance_by_cost_is_optimal() {
-    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let mut rng = rng(3);
     for _ in 0..200 {
         let n = rng.random_range(1..9usize);
         let parts = rng.random_range(1..=n);

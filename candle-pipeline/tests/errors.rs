@@ -6,12 +6,11 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor, Var};
+use candle_nn::loss::mse;
 use candle_pipeline::{
     Action, LossReduction, Microbatches, Pipeline, PipelineError, Schedule, Stage,
 };
 use common::*;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 
 /// Doubles its input; fails (or panics) on the microbatch whose first element is 2.
 struct Faulty {
@@ -127,15 +126,22 @@ fn failing_loss_on_last_worker_surfaces() {
     }
 }
 
-#[test]
-fn mismatched_schedule_is_rejected() {
+/// A two-layer MLP on two workers, and a batch of 4 rows from `seed` in 2 microbatches.
+fn two_workers(seed: u64) -> (Pipeline, Microbatches) {
     let dev = Device::Cpu;
     let (layers, _) = mlp(2, 6, &dev);
-    let mut rng = ChaCha8Rng::seed_from_u64(1);
-    let x = randn(&mut rng, &[4, DIM], 1.0, &dev);
+    let (x, _) = batch(seed, 4, &dev);
     let stages = candle_pipeline::split_by_params(layers, 2).unwrap();
     let pipe = Pipeline::new(stages, vec![dev.clone(); 2], mse).unwrap();
-    let batch = Microbatches::split(&x, &x, 2, LossReduction::Mean).unwrap();
+    (
+        pipe,
+        Microbatches::split(&x, &x, 2, LossReduction::Mean).unwrap(),
+    )
+}
+
+#[test]
+fn mismatched_schedule_is_rejected() {
+    let (pipe, batch) = two_workers(1);
     let e = pipe
         .step(&Schedule::gpipe(2, 3).unwrap(), &batch)
         .unwrap_err();
@@ -144,13 +150,7 @@ fn mismatched_schedule_is_rejected() {
 
 #[test]
 fn hand_made_deadlocking_schedule_is_an_error_not_a_hang() {
-    let dev = Device::Cpu;
-    let (layers, _) = mlp(2, 6, &dev);
-    let mut rng = ChaCha8Rng::seed_from_u64(2);
-    let x = randn(&mut rng, &[4, DIM], 1.0, &dev);
-    let stages = candle_pipeline::split_by_params(layers, 2).unwrap();
-    let pipe = Pipeline::new(stages, vec![dev.clone(); 2], mse).unwrap();
-    let batch = Microbatches::split(&x, &x, 2, LossReduction::Mean).unwrap();
+    let (pipe, batch) = two_workers(2);
     // Fields are public: swap worker 1's microbatch order so it waits for microbatch 1 while
     // worker 0 waits for the gradient of microbatch 0.
     let mut sched = Schedule::one_f_one_b(2, 2).unwrap();

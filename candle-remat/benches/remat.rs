@@ -89,12 +89,17 @@ fn parse_policy(s: &str) -> Policy {
     }
 }
 
-/// Child: measure per-block costs (one block's graph alive at a time).
-fn child_measure() -> anyhow::Result<()> {
-    let _prof = dhat::Profiler::builder()
+/// dhat's heap profiler in testing mode (its statistics, no report file).
+fn profiler() -> dhat::Profiler {
+    dhat::Profiler::builder()
         .testing()
         .trim_backtraces(Some(1))
-        .build();
+        .build()
+}
+
+/// Child: measure per-block costs (one block's graph alive at a time).
+fn child_measure() -> anyhow::Result<()> {
+    let _prof = profiler();
     let dev = Device::Cpu;
     let gpt = Gpt::new(0, cfg(false, false), DType::F32, &dev)?;
     let (idx, _) = tokens(1, B, T, 256, &dev)?;
@@ -113,10 +118,7 @@ fn child_case(
     costs: &ChainCosts,
     steps: usize,
 ) -> anyhow::Result<()> {
-    let _prof = dhat::Profiler::builder()
-        .testing()
-        .trim_backtraces(Some(1))
-        .build();
+    let _prof = profiler();
     let dev = Device::Cpu;
     let gpt = Gpt::new(0, cfg(fused_attention, fused_ln), DType::F32, &dev)?;
     let (idx, tgt) = tokens(1, B, T, 256, &dev)?;
@@ -246,49 +248,19 @@ fn main() -> anyhow::Result<()> {
         b0.fwd_ns as f64 / 1e6
     );
 
-    let mut rows = vec![
-        run_case("none", "none", false, false, &costs, steps)?,
-        run_case(
-            "fused attention op only",
-            "none",
-            true,
-            false,
-            &costs,
-            steps,
-        )?,
-        run_case(
-            "ckpt every block (EveryK(1))",
-            "k1",
-            false,
-            false,
-            &costs,
-            steps,
-        )?,
-        run_case(
-            "ckpt every 2 blocks (EveryK(2))",
-            "k2",
-            false,
-            false,
-            &costs,
-            steps,
-        )?,
-        run_case(
-            "sqrt(N) (4 blocks/segment)",
-            "sqrt",
-            false,
-            false,
-            &costs,
-            steps,
-        )?,
-        run_case(
-            "EveryK(1) + fused attention + fused LN",
-            "k1",
-            true,
-            true,
-            &costs,
-            steps,
-        )?,
+    // (name, policy, fused attention, fused LayerNorm)
+    let cases = [
+        ("none", "none", false, false),
+        ("fused attention op only", "none", true, false),
+        ("ckpt every block (EveryK(1))", "k1", false, false),
+        ("ckpt every 2 blocks (EveryK(2))", "k2", false, false),
+        ("sqrt(N) (4 blocks/segment)", "sqrt", false, false),
+        ("EveryK(1) + fused attention + fused LN", "k1", true, true),
     ];
+    let mut rows = Vec::new();
+    for (name, policy, la, ll) in cases {
+        rows.push(run_case(name, policy, la, ll, &costs, steps)?);
+    }
     // Calibrate the plan-independent overhead (parameter gradients, backward workspace, head)
     // on the EveryK(1) run, then plan for budgets of 30/40/50% of the unchecked peak.
     let k1_pred = Policy::EveryK(1).plan(&costs)?.predicted_peak_bytes;

@@ -4,8 +4,8 @@
 mod common;
 
 use candle_core::{DType, Device};
-use candle_remat::{BlockCost, ChainCosts, Policy, Tape};
-use common::{tokens, Cfg, Gpt};
+use candle_remat::{Policy, Tape};
+use common::{tokens, uniform_costs, Cfg, Gpt};
 
 #[global_allocator]
 static ALLOC: dhat::Alloc = dhat::Alloc;
@@ -14,16 +14,7 @@ fn step_peak(gpt: &Gpt, policy: Policy, t: usize) -> u64 {
     let dev = Device::Cpu;
     let (idx, tgt) = tokens(1, 4, t, gpt.cfg.vocab, &dev).unwrap();
     let n = gpt.blocks.len();
-    let plan = policy
-        .plan(&ChainCosts::uniform(
-            n,
-            BlockCost {
-                act_bytes: 10,
-                out_bytes: 1,
-                fwd_ns: 1,
-            },
-        ))
-        .unwrap();
+    let plan = policy.plan(&uniform_costs(n, 10, 1, 1)).unwrap();
     let base = dhat::HeapStats::get().curr_bytes as u64;
     let before_max = dhat::HeapStats::get().max_bytes as u64;
     let tape = Tape::new(0);

@@ -3,8 +3,8 @@
 
 use candle_remat::policy::{min_peak_bytes, predict};
 use candle_remat::{BlockCost, ChainCosts, PlanSegment, Policy, RematError};
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use rand::Rng;
+use test_support::random::{rng, ChaCha8Rng};
 
 fn random_chain(rng: &mut ChaCha8Rng, n: usize) -> ChainCosts {
     ChainCosts {
@@ -25,7 +25,7 @@ fn random_chain(rng: &mut ChaCha8Rng, n: usize) -> ChainCosts {
 
 #[test]
 fn budget_plan_meets_budget_and_beats_fixed_policies() {
-    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let mut rng = rng(0);
     for trial in 0..300 {
         let n = rng.random_range(1..=16);
         let c = random_chain(&mut rng, n);
@@ -93,7 +93,7 @@ fn all_plans(n: usize) -> Vec<Vec<PlanSegment>> {
 
 #[test]
 fn budget_plan_is_optimal_by_brute_force() {
-    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let mut rng = rng(1);
     for _ in 0..60 {
         let n = rng.random_range(1..=7);
         let c = random_chain(&mut rng, n);
@@ -118,7 +118,7 @@ fn budget_plan_is_optimal_by_brute_force() {
 
 #[test]
 fn impossible_budget_is_a_clear_error() {
-    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let mut rng = rng(2);
     for _ in 0..50 {
         let n = rng.random_range(1..=12);
         let c = random_chain(&mut rng, n);

@@ -7,9 +7,11 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
-use candle_remat::{BlockCost, ChainCosts, Policy, RematError, Tape};
+use candle_remat::{ChainCosts, Policy, RematError, Tape};
 use common::*;
 use std::sync::atomic::{AtomicU64, Ordering};
+use test_support::compare::{assert_bits_eq, rel_err};
+use test_support::random::{normal, rng};
 
 fn compare_stores(
     vars: &[&Var],
@@ -55,14 +57,7 @@ fn run_gpt(cfg: Cfg, dtype: DType, b: usize, t: usize, seed: u64) {
     let gpt = Gpt::new(seed, cfg, dtype, &dev).unwrap();
     let (idx, tgt) = tokens(seed + 1, b, t, cfg.vocab, &dev).unwrap();
     let vars = gpt.vars();
-    let costs = ChainCosts::uniform(
-        cfg.n_layer,
-        BlockCost {
-            act_bytes: 1000,
-            out_bytes: 100,
-            fwd_ns: 10,
-        },
-    );
+    let costs = uniform_costs(cfg.n_layer, 1000, 100, 10);
     // Plain reference: the same model (same dropout masks, keyed by the tape seed and block
     // index) without any checkpoint, differentiated by Candle's own backward.
     let tape = Tape::new(99);
@@ -166,13 +161,12 @@ fn nested_checkpoints_bit_identical() {
 fn multi_input_multi_output_and_reused_output() {
     let dev = Device::Cpu;
     for (seed, (r, c)) in [(3usize, 4usize), (5, 7), (1, 9)].into_iter().enumerate() {
-        let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(seed as u64);
-        let w1 = var(&mut rng, &[c, c], 0.5, DType::F32, &dev).unwrap();
-        let w2 = var(&mut rng, &[c, c], 0.5, DType::F32, &dev).unwrap();
-        let x0 = var(&mut rng, &[r, c], 1.0, DType::F32, &dev).unwrap();
-        let y0 = var(&mut rng, &[r, c], 1.0, DType::F32, &dev).unwrap();
-        let mask = randn(&mut rng, &[r, c], 1.0, DType::F32, &dev)
-            .unwrap()
+        let mut rng = rng(seed as u64);
+        let w1 = param(&mut rng, &[c, c], 0.5, DType::F32, &dev);
+        let w2 = param(&mut rng, &[c, c], 0.5, DType::F32, &dev);
+        let x0 = param(&mut rng, &[r, c], 1.0, DType::F32, &dev);
+        let y0 = param(&mut rng, &[r, c], 1.0, DType::F32, &dev);
+        let mask = normal(&mut rng, &[r, c], 1.0, DType::F32, &dev)
             .ge(0.0)
             .unwrap()
             .to_dtype(DType::F32)
@@ -214,13 +208,12 @@ fn glue_residuals_and_shared_weights_bit_identical() {
         .into_iter()
         .enumerate()
     {
-        let mut rng =
-            <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(10 + seed as u64);
-        let shared = var(&mut rng, &[c, c], 0.4, DType::F32, &dev).unwrap();
+        let mut rng = rng(10 + seed as u64);
+        let shared = param(&mut rng, &[c, c], 0.4, DType::F32, &dev);
         let ws: Vec<Var> = (0..n)
-            .map(|_| var(&mut rng, &[c, c], 0.4, DType::F32, &dev).unwrap())
+            .map(|_| param(&mut rng, &[c, c], 0.4, DType::F32, &dev))
             .collect();
-        let x0 = var(&mut rng, &[r, c], 1.0, DType::F32, &dev).unwrap();
+        let x0 = param(&mut rng, &[r, c], 1.0, DType::F32, &dev);
         // residual inside the block; `shared` is used twice per block, in the glue before the
         // first block and in the head: contributions to it come from every pass.
         let block = |i: usize, h: &Tensor| -> candle_core::Result<Tensor> {
@@ -261,65 +254,59 @@ fn glue_residuals_and_shared_weights_bit_identical() {
 /// separately through the op that made it, so the result may differ by float reassociation;
 /// it must still agree to 1e-6 relative (f32 rounding of a handful of additions).
 #[test]
-fn non_leaf_glue_input_shared_outside_is_close() {
+fn non_leaf_glue_input_shared_outside_is_close() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(3);
-    let w = var(&mut rng, &[8, 8], 0.4, DType::F32, &dev).unwrap();
-    let x0 = var(&mut rng, &[5, 8], 1.0, DType::F32, &dev).unwrap();
+    let mut rng = rng(3);
+    let w = param(&mut rng, &[8, 8], 0.4, DType::F32, &dev);
+    let x0 = param(&mut rng, &[5, 8], 1.0, DType::F32, &dev);
     let f = |x: &Tensor| x.matmul(w.as_tensor())?.tanh();
-    let x = x0.as_tensor().sin().unwrap().exp().unwrap();
-    let plain = (f(&x).unwrap() + &x)
-        .unwrap()
-        .sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
+    let x = x0.as_tensor().sin()?.exp()?;
+    let plain = (f(&x)? + &x)?.sqr()?.sum_all()?.backward()?;
     let tape = Tape::new(0);
-    let x = x0.as_tensor().sin().unwrap().exp().unwrap();
-    let y = tape.checkpoint1(&x, f).unwrap();
-    let grads = tape
-        .backward(&(y + &x).unwrap().sqr().unwrap().sum_all().unwrap())
-        .unwrap();
+    let x = x0.as_tensor().sin()?.exp()?;
+    let y = tape.checkpoint1(&x, f)?;
+    let grads = tape.backward(&(y + &x)?.sqr()?.sum_all()?)?;
     for v in [&w, &x0] {
-        let e = rel_err(grads.get(v).unwrap(), plain.get(v).unwrap());
+        let e = rel_err(
+            grads.get(v).expect("gradient"),
+            plain.get(v).expect("gradient"),
+        );
         assert!(e < 1e-6, "relative error {e}");
     }
     // The same with a chain of residual adds outside the checkpoints.
     let ws: Vec<Var> = (0..4)
-        .map(|_| var(&mut rng, &[8, 8], 0.4, DType::F32, &dev).unwrap())
+        .map(|_| param(&mut rng, &[8, 8], 0.4, DType::F32, &dev))
         .collect();
     let blk = |i: usize, h: &Tensor| h.matmul(ws[i].as_tensor())?.tanh();
-    let mut h = x0.as_tensor().exp().unwrap();
+    let mut h = x0.as_tensor().exp()?;
     for i in 0..4 {
-        h = (&h + blk(i, &h).unwrap()).unwrap();
+        h = (&h + blk(i, &h)?)?;
     }
-    let plain = h.sqr().unwrap().mean_all().unwrap().backward().unwrap();
+    let plain = h.sqr()?.mean_all()?.backward()?;
     let tape = Tape::new(0);
-    let mut h = x0.as_tensor().exp().unwrap();
+    let mut h = x0.as_tensor().exp()?;
     for i in 0..4 {
-        h = (&h + tape.checkpoint1(&h, move |x| blk(i, x)).unwrap()).unwrap();
+        h = (&h + tape.checkpoint1(&h, move |x| blk(i, x))?)?;
     }
-    let grads = tape
-        .backward(&h.sqr().unwrap().mean_all().unwrap())
-        .unwrap();
+    let grads = tape.backward(&h.sqr()?.mean_all()?)?;
     for v in ws.iter().chain([&x0]) {
-        let e = rel_err(grads.get(v).unwrap(), plain.get(v).unwrap());
+        let e = rel_err(
+            grads.get(v).expect("gradient"),
+            plain.get(v).expect("gradient"),
+        );
         assert!(e < 1e-6, "relative error {e}");
     }
     // Tape::boundary makes the same program bit-identical.
     let tape = Tape::new(0);
-    let mut h = x0.as_tensor().exp().unwrap();
+    let mut h = x0.as_tensor().exp()?;
     for i in 0..4 {
-        h = tape.boundary(&h).unwrap();
-        h = (&h + tape.checkpoint1(&h, move |x| blk(i, x)).unwrap()).unwrap();
+        h = tape.boundary(&h)?;
+        h = (&h + tape.checkpoint1(&h, move |x| blk(i, x))?)?;
     }
-    let grads = tape
-        .backward(&h.sqr().unwrap().mean_all().unwrap())
-        .unwrap();
+    let grads = tape.backward(&h.sqr()?.mean_all()?)?;
     let vars: Vec<&Var> = ws.iter().chain([&x0]).collect();
     compare_stores(&vars, &plain, &grads, "outside residuals with boundary()");
+    Ok(())
 }
 
 #[test]
@@ -328,14 +315,7 @@ fn offloaded_boundaries_bit_identical() {
     let cfg = Cfg::tiny(16, 2, 4, 8);
     let gpt = Gpt::new(8, cfg, DType::F32, &dev).unwrap();
     let (idx, tgt) = tokens(9, 2, 8, cfg.vocab, &dev).unwrap();
-    let costs = ChainCosts::uniform(
-        4,
-        BlockCost {
-            act_bytes: 10,
-            out_bytes: 1,
-            fwd_ns: 1,
-        },
-    );
+    let costs = uniform_costs(4, 10, 1, 1);
     let tape = Tape::new(3);
     let plain = gpt
         .loss(&tape, &Policy::None.plan(&costs).unwrap(), &idx, &tgt)
@@ -355,9 +335,9 @@ fn offloaded_boundaries_bit_identical() {
 #[test]
 fn verify_mode_names_the_nondeterministic_segment() {
     let dev = Device::Cpu;
-    let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(1);
-    let w = var(&mut rng, &[6, 6], 0.5, DType::F32, &dev).unwrap();
-    let x = randn(&mut rng, &[3, 6], 1.0, DType::F32, &dev).unwrap();
+    let mut rng = rng(1);
+    let w = param(&mut rng, &[6, 6], 0.5, DType::F32, &dev);
+    let x = normal(&mut rng, &[3, 6], 1.0, DType::F32, &dev);
     let calls = AtomicU64::new(0);
     let tape = Tape::new(0).with_verify(true);
     let h = tape
@@ -449,38 +429,33 @@ fn dropout_needs_a_scope_and_is_seeded() {
 }
 
 #[test]
-fn segment_without_grad_is_skipped_and_store_has_no_leaves() {
+fn segment_without_grad_is_skipped_and_store_has_no_leaves() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let w = Var::new(&[[1f32, 2.], [3., 4.]], &dev).unwrap();
-    let x = Tensor::new(&[[1f32, -1.]], &dev).unwrap();
+    let w = Var::new(&[[1f32, 2.], [3., 4.]], &dev)?;
+    let x = Tensor::new(&[[1f32, -1.]], &dev)?;
     let tape = Tape::new(0);
-    let unused = tape.checkpoint1(&x, |x| x.matmul(w.as_tensor())).unwrap();
-    let used = tape
-        .checkpoint1(&x, |x| x.matmul(w.as_tensor())?.sqr())
-        .unwrap();
+    let unused = tape.checkpoint1(&x, |x| x.matmul(w.as_tensor()))?;
+    let used = tape.checkpoint1(&x, |x| x.matmul(w.as_tensor())?.sqr())?;
     assert_eq!(tape.num_segments(), 2);
-    let grads = tape.backward(&used.sum_all().unwrap()).unwrap();
+    let grads = tape.backward(&used.sum_all()?)?;
     assert!(grads.get(&unused).is_none() && grads.get(&used).is_none());
-    let plain = x
-        .matmul(w.as_tensor())
-        .unwrap()
-        .sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
-    assert_bits_eq(grads.get(&w).unwrap(), plain.get(&w).unwrap(), "w");
+    let plain = x.matmul(w.as_tensor())?.sqr()?.sum_all()?.backward()?;
+    assert_bits_eq(
+        grads.get(&w).expect("gradient"),
+        plain.get(&w).expect("gradient"),
+        "w",
+    );
     assert_eq!(tape.num_segments(), 0);
+    Ok(())
 }
 
 /// Outputs of different dtypes (f32 and f64) from one segment.
 #[test]
 fn mixed_dtype_outputs_bit_identical() {
     let dev = Device::Cpu;
-    let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(21);
-    let w = var(&mut rng, &[5, 5], 0.5, DType::F32, &dev).unwrap();
-    let x = randn(&mut rng, &[3, 5], 1.0, DType::F32, &dev).unwrap();
+    let mut rng = rng(21);
+    let w = param(&mut rng, &[5, 5], 0.5, DType::F32, &dev);
+    let x = normal(&mut rng, &[3, 5], 1.0, DType::F32, &dev);
     let seg = |xs: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
         let a = xs[0].matmul(w.as_tensor())?.tanh()?;
         let b = (a.to_dtype(DType::F64)?.sqr()? * 3.0)?;

@@ -16,9 +16,10 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
 use candle_pipeline::{Layer, LossReduction, Schedule};
 use candle_pipeline_comm::{Grid2D, GridError, Topology};
 
+use candle_nn::loss::mse;
+
 use super::{
-    mlp, mse, pipeline, pipeline_of, plain_for_worker, values, worker_grads, DIM, MICROBATCHES,
-    ROWS,
+    mlp, pipeline, pipeline_of, plain_for_worker, values, worker_grads, DIM, MICROBATCHES, ROWS,
 };
 
 /// Optimizer steps per run.

@@ -10,9 +10,12 @@ use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::loss::mse;
 use candle_pipeline::{
     split_layers, Layer, LossReduction, Microbatches, Pipeline, PipelineWorker, Schedule, Stage,
+    StepOutput,
 };
+use test_support::compare::diff;
 
 /// Width of every layer.
 pub const DIM: usize = 512;
@@ -77,11 +80,6 @@ pub fn mlp(
     Ok((layers, all))
 }
 
-/// Mean squared error.
-pub fn mse(y: &Tensor, t: &Tensor) -> candle_core::Result<Tensor> {
-    (y - t)?.sqr()?.mean_all()
-}
-
 /// The batch: inputs and targets, split into [`MICROBATCHES`] microbatches.
 pub fn batch() -> anyhow::Result<(Tensor, Tensor, Microbatches)> {
     let x = tensor(1, &[ROWS, DIM], 1.0)?;
@@ -97,6 +95,19 @@ pub fn schedules(workers: usize) -> anyhow::Result<Vec<(Schedule, usize)>> {
         (Schedule::one_f_one_b(workers, MICROBATCHES)?, 1),
         (Schedule::interleaved(workers, 2, MICROBATCHES)?, 2),
     ])
+}
+
+/// The whole pipeline of `workers` workers with `v` stages each, and its step in this process
+/// on [`batch`] under `sched`.
+pub fn single_process(
+    workers: usize,
+    v: usize,
+    sched: &Schedule,
+) -> anyhow::Result<(Pipeline, StepOutput)> {
+    let pipe = pipeline(workers, v, None)?;
+    let (_, _, batch) = batch()?;
+    let out = pipe.step(sched, &batch)?;
+    Ok((pipe, out))
 }
 
 /// The whole pipeline: one layer per virtual stage, `workers * v` stages on CPU workers.
@@ -171,16 +182,12 @@ pub fn plain_for_worker(plain: &[Vec<f32>], worker: &PipelineWorker) -> Vec<Vec<
         .collect()
 }
 
-/// Max |a - b| / max |b| over all tensors.
+/// Max |a - b| / max |b| over all tensors together (NaN-aware: test-support's `diff`).
 pub fn rel_err(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
-    let (mut diff, mut scale) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        assert_eq!(x.len(), y.len());
-        for (&p, &q) in x.iter().zip(y) {
-            diff = diff.max((p as f64 - q as f64).abs());
-            scale = scale.max((q as f64).abs());
-        }
-    }
     assert_eq!(a.len(), b.len());
-    diff / scale.max(1e-12)
+    assert!(a.iter().zip(b).all(|(x, y)| x.len() == y.len()));
+    let flat = |v: &[Vec<f32>]| -> Vec<f64> { v.iter().flatten().map(|&x| f64::from(x)).collect() };
+    diff(&flat(a), &flat(b))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .rel()
 }

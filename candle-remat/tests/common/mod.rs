@@ -5,38 +5,19 @@
 use candle_core::{DType, Device, Module, Result, Tensor, Var, D};
 use candle_fused::attention::{attention, attention_composite, AttentionConfig};
 use candle_fused::norm::{layer_norm, layer_norm_composite};
-use candle_remat::{Plan, Tape};
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use candle_remat::{BlockCost, ChainCosts, Plan, Tape};
+use rand::Rng;
+use test_support::random::{normal, rng, var, ChaCha8Rng};
 
-/// Random tensor from a seeded host RNG (Candle's CPU RNG cannot be seeded).
-pub fn randn(
-    rng: &mut ChaCha8Rng,
-    shape: &[usize],
-    std: f64,
-    dtype: DType,
-    dev: &Device,
-) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let v: Vec<f64> = (0..n)
-        .map(|_| {
-            // Box-Muller
-            let u1: f64 = rng.random::<f64>().max(1e-12);
-            let u2: f64 = rng.random();
-            std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-        })
-        .collect();
-    Tensor::from_vec(v, shape, dev)?.to_dtype(dtype)
+/// A parameter of `shape` with normal values of standard deviation `std`.
+pub fn param(rng: &mut ChaCha8Rng, shape: &[usize], std: f64, dtype: DType, dev: &Device) -> Var {
+    var(&normal(rng, shape, std, dtype, dev))
 }
 
-pub fn var(
-    rng: &mut ChaCha8Rng,
-    shape: &[usize],
-    std: f64,
-    dtype: DType,
-    dev: &Device,
-) -> Result<Var> {
-    Var::from_tensor(&randn(rng, shape, std, dtype, dev)?)
+/// A LayerNorm (gain around 1, bias around 0) of width `c`.
+fn ln_params(rng: &mut ChaCha8Rng, c: usize, dtype: DType, dev: &Device) -> Result<(Var, Var)> {
+    let gain = Var::from_tensor(&(normal(rng, &[c], 0.1, dtype, dev) + 1.0)?)?;
+    Ok((gain, param(rng, &[c], 0.1, dtype, dev)))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -113,24 +94,16 @@ impl Block {
         let c = cfg.n_embd;
         let s = 0.02 * 4.0;
         Ok(Self {
-            ln1: (
-                var(rng, &[c], 0.1, dtype, dev)
-                    .and_then(|v| Var::from_tensor(&(v.as_tensor() + 1.0)?))?,
-                var(rng, &[c], 0.1, dtype, dev)?,
-            ),
-            attn_w: var(rng, &[c, 3 * c], s, dtype, dev)?,
-            attn_b: var(rng, &[3 * c], s, dtype, dev)?,
-            proj_w: var(rng, &[c, c], s, dtype, dev)?,
-            proj_b: var(rng, &[c], s, dtype, dev)?,
-            ln2: (
-                var(rng, &[c], 0.1, dtype, dev)
-                    .and_then(|v| Var::from_tensor(&(v.as_tensor() + 1.0)?))?,
-                var(rng, &[c], 0.1, dtype, dev)?,
-            ),
-            fc_w: var(rng, &[c, 4 * c], s, dtype, dev)?,
-            fc_b: var(rng, &[4 * c], s, dtype, dev)?,
-            fc2_w: var(rng, &[4 * c, c], s, dtype, dev)?,
-            fc2_b: var(rng, &[c], s, dtype, dev)?,
+            ln1: ln_params(rng, c, dtype, dev)?,
+            attn_w: param(rng, &[c, 3 * c], s, dtype, dev),
+            attn_b: param(rng, &[3 * c], s, dtype, dev),
+            proj_w: param(rng, &[c, c], s, dtype, dev),
+            proj_b: param(rng, &[c], s, dtype, dev),
+            ln2: ln_params(rng, c, dtype, dev)?,
+            fc_w: param(rng, &[c, 4 * c], s, dtype, dev),
+            fc_b: param(rng, &[4 * c], s, dtype, dev),
+            fc2_w: param(rng, &[4 * c, c], s, dtype, dev),
+            fc2_b: param(rng, &[c], s, dtype, dev),
             cfg,
         })
     }
@@ -206,19 +179,15 @@ pub struct Gpt {
 
 impl Gpt {
     pub fn new(seed: u64, cfg: Cfg, dtype: DType, dev: &Device) -> Result<Self> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut rng = rng(seed);
         let c = cfg.n_embd;
         Ok(Self {
-            wte: var(&mut rng, &[cfg.vocab, c], 0.3, dtype, dev)?,
-            wpe: var(&mut rng, &[cfg.block, c], 0.1, dtype, dev)?,
+            wte: param(&mut rng, &[cfg.vocab, c], 0.3, dtype, dev),
+            wpe: param(&mut rng, &[cfg.block, c], 0.1, dtype, dev),
             blocks: (0..cfg.n_layer)
                 .map(|_| Block::new(&mut rng, cfg, dtype, dev))
                 .collect::<Result<_>>()?,
-            ln_f: (
-                var(&mut rng, &[c], 0.1, dtype, dev)
-                    .and_then(|v| Var::from_tensor(&(v.as_tensor() + 1.0)?))?,
-                var(&mut rng, &[c], 0.1, dtype, dev)?,
-            ),
+            ln_f: ln_params(&mut rng, c, dtype, dev)?,
             cfg,
         })
     }
@@ -270,7 +239,7 @@ pub fn tokens(
     vocab: usize,
     dev: &Device,
 ) -> Result<(Tensor, Tensor)> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut rng = rng(seed);
     let v: Vec<u32> = (0..b * (t + 1))
         .map(|_| rng.random_range(0..vocab as u32))
         .collect();
@@ -278,65 +247,14 @@ pub fn tokens(
     Ok((all.narrow(1, 0, t)?, all.narrow(1, 1, t)?.contiguous()?))
 }
 
-/// The values of a tensor (any float dtype) as a flat f64 vector.
-pub fn values(t: &Tensor) -> Vec<f64> {
-    t.flatten_all()
-        .and_then(|t| t.to_dtype(DType::F64))
-        .and_then(|t| t.to_vec1::<f64>())
-        .expect("tensor values")
-}
-
-/// NaN-aware comparison of `a` with the reference `b`, element by element on the host:
-/// `(max |a - b|, max |b|)` over the finite values, or a description of the first bad element.
-///
-/// A NaN on either side is an error, and so is a non-finite value that the other side does not
-/// hold (an infinity against a finite value or the opposite infinity); equal infinities are
-/// not compared further. Candle's `abs().max_all()` cannot do this: its max keeps the running
-/// value when it meets a NaN, so a NaN anywhere but at element 0 vanishes.
-pub fn compare_finite(a: &[f64], b: &[f64]) -> std::result::Result<(f64, f64), String> {
-    if a.len() != b.len() {
-        return Err(format!("lengths differ: {} vs {}", a.len(), b.len()));
-    }
-    let (mut diff, mut scale) = (0.0f64, 0.0f64);
-    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
-        if x.is_nan() || y.is_nan() {
-            return Err(format!("NaN at element {i}: {x:e} vs {y:e}"));
-        }
-        if x.is_finite() && y.is_finite() {
-            diff = diff.max((x - y).abs());
-            scale = scale.max(y.abs());
-        } else if x != y {
-            return Err(format!(
-                "non-finite mismatch at element {i}: {x:e} vs {y:e}"
-            ));
-        }
-    }
-    Ok((diff, scale))
-}
-
-/// Bitwise comparison of two gradients (f32 or f64), with a readable failure message. A NaN
-/// on either side fails too, even where both sides hold the same NaN bits.
-pub fn assert_bits_eq(a: &Tensor, b: &Tensor, what: &str) {
-    assert_eq!(a.dims(), b.dims(), "{what}: shapes differ");
-    let (fa, fb) = (values(a), values(b));
-    for (i, (x, y)) in fa.iter().zip(&fb).enumerate() {
-        assert!(
-            !x.is_nan() && !y.is_nan(),
-            "{what}: NaN at element {i}: {x:e} vs {y:e}"
-        );
-        assert!(
-            x.to_bits() == y.to_bits(),
-            "{what}: element {i} differs: {x:e} vs {y:e}"
-        );
-    }
-}
-
-/// max |a-b| / (max |b| + tiny) over the finite values; panics on a NaN on either side or a
-/// non-finite mismatch (see [`compare_finite`]).
-pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.dims(), b.dims(), "shapes differ");
-    match compare_finite(&values(a), &values(b)) {
-        Ok((d, m)) => d / (m + 1e-30),
-        Err(e) => panic!("{e}"),
-    }
+/// Costs of a chain of `n` identical blocks (for planning in tests, not measured).
+pub fn uniform_costs(n: usize, act_bytes: u64, out_bytes: u64, fwd_ns: u64) -> ChainCosts {
+    ChainCosts::uniform(
+        n,
+        BlockCost {
+            act_bytes,
+            out_bytes,
+            fwd_ns,
+        },
+    )
 }
