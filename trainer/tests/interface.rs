@@ -8,19 +8,17 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
 use candle_comm::{run_threads, ThreadComm};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_remat::{BlockCost, ChainCosts};
-use common::{tiny_config, weights, Recorder};
+use common::{finish, tiny_config, values, Run};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use trainer::config::TrainConfig;
 use trainer::data::Batch;
-use trainer::metrics::StepStats;
 use trainer::model::gpt2::{Gpt, GptConfig};
 use trainer::model::{
     self, Architecture, Builder, Ctx, Kernels, KvCache, Layout, Linear, Link, LinkOps, Model,
@@ -181,16 +179,7 @@ impl Model for Tiny {
         links
     }
     fn map(&self, f: WeightMap) -> candle_core::Result<Box<dyn Model>> {
-        // Each link maps its own reads (the tied embedding once per link that reads it).
-        let links: Vec<Link> = self
-            .links()
-            .iter()
-            .map(|l| l.map(f))
-            .collect::<candle_core::Result<_>>()?;
-        Ok(Box::new(Mapped {
-            config: self.config.clone(),
-            links,
-        }))
+        Mapped::of(&self.config, &self.links(), f)
     }
     /// No real cache: recomputes the whole sequence, kept in the cache's first slot.
     fn forward_cached(&self, idx: &Tensor, cache: &mut KvCache) -> candle_core::Result<Tensor> {
@@ -215,6 +204,25 @@ struct Mapped {
     links: Vec<Link>,
 }
 
+impl Mapped {
+    /// `links` with their weights mapped by `f`. Each link maps its own reads (the tied
+    /// embedding once per link that reads it).
+    fn of(
+        config: &TinyConfig,
+        links: &[Link],
+        f: WeightMap,
+    ) -> candle_core::Result<Box<dyn Model>> {
+        let links = links
+            .iter()
+            .map(|l| l.map(f))
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Box::new(Mapped {
+            config: config.clone(),
+            links,
+        }))
+    }
+}
+
 impl Model for Mapped {
     fn config(&self) -> &dyn ModelConfig {
         &self.config
@@ -223,15 +231,7 @@ impl Model for Mapped {
         self.links.clone()
     }
     fn map(&self, f: WeightMap) -> candle_core::Result<Box<dyn Model>> {
-        let links = self
-            .links
-            .iter()
-            .map(|l| l.map(f))
-            .collect::<candle_core::Result<_>>()?;
-        Ok(Box::new(Mapped {
-            config: self.config.clone(),
-            links,
-        }))
+        Mapped::of(&self.config, &self.links, f)
     }
     fn forward_cached(&self, _: &Tensor, _: &mut KvCache) -> candle_core::Result<Tensor> {
         candle_core::bail!("the mapped copy is for training only")
@@ -388,19 +388,11 @@ fn config(dir: &Path) -> TrainConfig {
     }
 }
 
-type Run = (Vec<StepStats>, Vec<(String, Vec<f32>)>);
-
 fn trainer_for(cfg: TrainConfig) -> Trainer {
     model::register(&TinyArch);
     let tc = tiny(cfg.dropout);
     let (m, params) = model::init(&tc, 7, &Device::Cpu).unwrap();
     Trainer::with_model(cfg, m, params).unwrap()
-}
-
-fn finish(mut t: Trainer) -> Run {
-    let mut rec = Recorder::default();
-    t.run(&mut rec, &AtomicBool::new(false)).unwrap();
-    (rec.steps, weights(&t))
 }
 
 fn train(cfg: TrainConfig) -> Run {
@@ -550,11 +542,7 @@ fn positions_travel_with_the_rows_to_every_executor() {
             .forward_backward(t.model.as_ref(), batch, ctx, 1.0)
             .unwrap();
         let gw = g.get(t.params.get("tiny.pos").unwrap()).unwrap().clone();
-        (
-            loss,
-            count,
-            gw.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-        )
+        (loss, count, values::<f32>(&gw))
     };
     let (l_plain, c_plain, g_plain) = run(&plain, &batch, &ctx);
     let (l_pipe, c_pipe, g_pipe) = run(&pipe, &batch, &ctx);

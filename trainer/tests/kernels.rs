@@ -9,25 +9,15 @@
 //! missing or wrong backward term is off by O(1) and fails. Dropout is 0 here: the two paths
 //! draw their masks from different generators (Philox vs ChaCha), each tested on its own.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
+use common::values;
 use trainer::model::gpt2::{Gpt, GptConfig};
 use trainer::model::{Ctx, Kernels, Params};
 
 fn max_rel_diff(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a
-        .to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap();
-    let b = b
-        .to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap();
+    let (a, b) = (values::<f64>(a), values::<f64>(b));
     assert_eq!(a.len(), b.len());
     let scale = a.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
     let mut worst = 0f64;
