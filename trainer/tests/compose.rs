@@ -5,8 +5,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{
-    assert_same_losses, assert_same_steps, finish, run_to_end, tiny_config, tiny_run, values,
-    weights, Run,
+    assert_same_losses, assert_same_steps, finish, run_to_end, tiny_config, tiny_run, weights, Run,
 };
 use trainer::config::TrainConfig;
 use trainer::data::Batch;
@@ -326,11 +325,11 @@ fn pipeline_gradients_match_plain_backward() {
         let mut worst = (0f64, String::new());
         let (mut sq_got, mut sq_want) = (0f64, 0f64);
         for (pname, var) in t.params.iter() {
-            let g: Vec<f64> = values(
+            let g = values(
                 got.get(var)
                     .unwrap_or_else(|| panic!("{name}: no grad {pname}")),
             );
-            let r: Vec<f64> = values(want.get(var).unwrap());
+            let r = values(want.get(var).unwrap());
             let (mut d2, mut r2) = (0f64, 0f64);
             for (a, b) in g.iter().zip(&r) {
                 assert!(a.is_finite() && b.is_finite(), "{name} {pname}: {a} vs {b}");
@@ -381,13 +380,15 @@ fn pipeline_gradients_match_plain_backward() {
         assert_eq!((l0, c0), (0.0, 0), "{name}");
         for (pname, var) in t.params.iter() {
             if let Some(g) = g0.get(var) {
-                assert!(
-                    values::<f64>(g).iter().all(|&v| v == 0.0),
-                    "{name}: {pname}"
-                );
+                assert!(values(g).iter().all(|&v| v == 0.0), "{name}: {pname}");
             }
         }
     }
+}
+
+/// A gradient's values as f64.
+fn values(t: &Tensor) -> Vec<f64> {
+    common::values(t)
 }
 
 #[test]
