@@ -4,10 +4,11 @@
 mod common;
 
 use std::fs;
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 
-use common::{snapshot, tiny_config, Recorder};
+use common::{snapshot, tiny_config, tiny_run, Recorder};
+use tempfile::TempDir;
 use trainer::config::TrainConfig;
 use trainer::train::Trainer;
 
@@ -18,15 +19,11 @@ fn err_of<T>(r: trainer::Result<T>) -> String {
     }
 }
 
-fn trained_run(dir: &Path) -> Trainer {
-    let mut t = Trainer::new(TrainConfig {
-        max_iters: 4,
-        ..tiny_config(dir)
-    })
-    .unwrap();
-    t.run(&mut Recorder::default(), &AtomicBool::new(false))
-        .unwrap();
-    t
+/// A finished 4-step run: its temporary directory, run directory and latest checkpoint.
+fn trained_run() -> (TempDir, PathBuf, PathBuf) {
+    let (tmp, run, _) = tiny_run(|c| c.max_iters = 4);
+    let ckpt = trainer::checkpoint::resolve(&run).unwrap();
+    (tmp, run, ckpt)
 }
 
 #[test]
@@ -100,10 +97,7 @@ fn impossible_configs_are_rejected() {
 
 #[test]
 fn block_size_beyond_loaded_positions_is_rejected() {
-    let tmp = tempfile::tempdir().unwrap();
-    let run = tmp.path().join("run");
-    trained_run(&run);
-    let ckpt = trainer::checkpoint::resolve(&run).unwrap();
+    let (tmp, _, ckpt) = trained_run();
     let e = err_of(Trainer::new(TrainConfig {
         init_from: Some(ckpt.display().to_string()),
         block_size: 32,
@@ -127,10 +121,7 @@ fn block_size_beyond_loaded_positions_is_rejected() {
 
 #[test]
 fn truncated_and_corrupt_safetensors_are_named() {
-    let tmp = tempfile::tempdir().unwrap();
-    let run = tmp.path().join("run");
-    trained_run(&run);
-    let ckpt = trainer::checkpoint::resolve(&run).unwrap();
+    let (_tmp, run, ckpt) = trained_run();
     let model = ckpt.join("model.safetensors");
     let bytes = fs::read(&model).unwrap();
 
@@ -156,10 +147,7 @@ fn truncated_and_corrupt_safetensors_are_named() {
 
 #[test]
 fn checkpoint_not_matching_its_config_is_named() {
-    let tmp = tempfile::tempdir().unwrap();
-    let run = tmp.path().join("run");
-    trained_run(&run);
-    let ckpt = trainer::checkpoint::resolve(&run).unwrap();
+    let (_tmp, run, ckpt) = trained_run();
     let cfg_path = ckpt.join("config.json");
     let text = fs::read_to_string(&cfg_path).unwrap();
     fs::write(&cfg_path, text.replace("\"n_embd\": 32", "\"n_embd\": 64")).unwrap();
@@ -184,9 +172,7 @@ fn missing_checkpoint_is_named() {
 
 #[test]
 fn non_finite_loss_stops_without_touching_the_good_checkpoint() {
-    let tmp = tempfile::tempdir().unwrap();
-    let run = tmp.path().join("run");
-    trained_run(&run);
+    let (_tmp, run, _) = trained_run();
     let before = snapshot(&run.join("checkpoints"));
     // An absurd learning rate blows the weights up within a few steps.
     let mut t = Trainer::resume(&run, |c| {

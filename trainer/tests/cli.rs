@@ -2,37 +2,14 @@
 
 mod common;
 
-use common::{output_text as text, run_cli as trainer};
-
-const TINY: &[&str] = &[
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "16",
-    "--block-size",
-    "16",
-    "--batch-size",
-    "4",
-    "--digits",
-    "2",
-    "--eval-iters",
-    "1",
-    "--eval-problems",
-    "8",
-    "--eval-interval",
-    "3",
-    "--warmup-iters",
-    "1",
-];
+use common::{output_text as text, run_cli as trainer, TINY_ARGS};
 
 #[test]
 fn train_inspect_eval_sample_resume() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let mut args = vec!["train", "--out-dir", "run", "--max-iters", "3"];
-    args.extend_from_slice(TINY);
+    args.extend_from_slice(TINY_ARGS);
     let o = trainer(&args, dir);
     assert!(o.status.success(), "{}", text(&o));
     let out = text(&o);

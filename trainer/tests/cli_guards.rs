@@ -4,28 +4,13 @@
 
 mod common;
 
-use common::{output_text as text, run_cli as trainer};
-
-const QUICK: &[&str] = &[
-    "--max-iters",
-    "2",
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "16",
-    "--eval-iters",
-    "1",
-    "--eval-problems",
-    "4",
-];
+use common::{output_text as text, run_cli as trainer, TINY_ARGS};
 
 #[test]
 fn the_default_command_twice_keeps_both_runs() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut args = vec!["train"];
-    args.extend_from_slice(QUICK);
+    let mut args = vec!["train", "--max-iters", "2"];
+    args.extend_from_slice(TINY_ARGS);
     let first = trainer(&args, tmp.path());
     assert!(first.status.success(), "{}", text(&first));
     let metrics = tmp.path().join("runs/addition/metrics.jsonl");
@@ -47,8 +32,8 @@ fn the_default_command_twice_keeps_both_runs() {
 #[test]
 fn an_explicit_run_directory_is_never_overwritten_silently() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut args = vec!["train", "--out-dir", "mine"];
-    args.extend_from_slice(QUICK);
+    let mut args = vec!["train", "--out-dir", "mine", "--max-iters", "2"];
+    args.extend_from_slice(TINY_ARGS);
     assert!(trainer(&args, tmp.path()).status.success());
     let refused = trainer(&args, tmp.path());
     let out = text(&refused);

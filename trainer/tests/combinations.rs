@@ -28,8 +28,7 @@
 mod common;
 
 use candle_core::backprop::GradStore;
-use candle_core::DType;
-use common::tiny_config;
+use common::{tiny_config, values};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use trainer::config::TrainConfig;
@@ -163,13 +162,7 @@ fn gradients(t: &mut Trainer, accum: usize) -> (f64, Vec<(String, Vec<f64>)>) {
             let g = total
                 .get(v)
                 .unwrap_or_else(|| panic!("no gradient for {name}"));
-            let g: Vec<f64> = g
-                .to_dtype(DType::F64)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let g: Vec<f64> = values(g);
             (name.clone(), g.into_iter().map(|x| x / scale).collect())
         })
         .collect();

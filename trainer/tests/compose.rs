@@ -3,10 +3,10 @@
 
 mod common;
 
-use std::sync::atomic::AtomicBool;
-
 use candle_core::{DType, Device, Tensor};
-use common::{tiny_config, weights, Recorder};
+use common::{
+    assert_same_losses, assert_same_steps, finish, run_to_end, tiny_config, tiny_run, weights, Run,
+};
 use trainer::config::TrainConfig;
 use trainer::data::Batch;
 use trainer::metrics::StepStats;
@@ -14,11 +14,8 @@ use trainer::model::Ctx;
 use trainer::train::pipeline::PipelineRun;
 use trainer::train::Trainer;
 
-fn run(cfg: TrainConfig) -> (Vec<StepStats>, Vec<(String, Vec<f32>)>) {
-    let mut t = Trainer::new(cfg).unwrap();
-    let mut rec = Recorder::default();
-    t.run(&mut rec, &AtomicBool::new(false)).unwrap();
-    (rec.steps, weights(&t))
+fn run(cfg: TrainConfig) -> Run {
+    finish(Trainer::new(cfg).unwrap())
 }
 
 #[test]
@@ -35,19 +32,7 @@ fn remat_policies_give_bit_identical_training() {
     let (plain_steps, plain_w) = run(base("plain", "none"));
     for remat in ["all", "every:2", "sqrt", "budget:400KiB"] {
         let (steps, w) = run(base(remat, remat));
-        for (a, b) in plain_steps.iter().zip(&steps) {
-            assert_eq!(
-                a.loss.to_bits(),
-                b.loss.to_bits(),
-                "{remat}: loss at {}",
-                a.step
-            );
-            assert_eq!(
-                a.grad_norm.to_bits(),
-                b.grad_norm.to_bits(),
-                "{remat}: norm"
-            );
-        }
+        assert_same_steps(&plain_steps, &steps, remat);
         assert_eq!(plain_w, w, "{remat}: weights differ");
     }
     let e = Trainer::new(base("bad", "budget:1")).err().unwrap();
@@ -79,18 +64,7 @@ fn mixed_precision_trains_and_resumes_exactly() {
             .join("checkpoints/step-0000004/amp.safetensors")
             .is_file());
         let mut t = Trainer::resume(&split, |c| c.max_iters = 8).unwrap();
-        let mut rec = Recorder::default();
-        t.run(&mut rec, &AtomicBool::new(false)).unwrap();
-        for (a, b) in full[4..].iter().zip(&rec.steps) {
-            assert_eq!(
-                a.loss.to_bits(),
-                b.loss.to_bits(),
-                "{dtype}: loss at {}",
-                a.step
-            );
-            assert_eq!(a.loss_scale, b.loss_scale);
-            assert_eq!(a.skipped, b.skipped);
-        }
+        assert_same_losses(&full[4..], &run_to_end(&mut t), dtype);
         assert_eq!(full_w, weights(&t), "{dtype}: weights after resume");
     }
 }
@@ -173,14 +147,7 @@ fn remat_and_mixed_precision_compose_exactly() {
         };
         let (a, wa) = run(cfg("none"));
         let (b, wb) = run(cfg("all"));
-        for (x, y) in a.iter().zip(&b) {
-            assert_eq!(
-                x.loss.to_bits(),
-                y.loss.to_bits(),
-                "{dtype}: loss at {}",
-                x.step
-            );
-        }
+        assert_same_losses(&a, &b, dtype);
         assert_eq!(wa, wb, "{dtype}: weights differ with remat");
     }
 }
@@ -422,12 +389,7 @@ fn pipeline_gradients_match_plain_backward() {
 
 /// A gradient's values as f64.
 fn values(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
+    common::values(t)
 }
 
 #[test]
@@ -435,21 +397,14 @@ fn resuming_in_another_precision_starts_a_fresh_scaler() {
     // Every checkpoint holds the scaler's state (f32's is the no-op scale 1). Resumed in f16,
     // the run must start f16's dynamic scaler at 2^16, not continue at 1 (f16's minimum);
     // resumed back in f32, the f16 run's 2^16 must not stay on.
-    let tmp = tempfile::tempdir().unwrap();
-    let f32_run = tmp.path().join("f32");
-    run(TrainConfig {
-        max_iters: 2,
-        ..tiny_config(&f32_run)
-    });
+    let (_tmp, f32_run, _) = tiny_run(|c| c.max_iters = 2);
     let mut t = Trainer::resume(&f32_run, |c| {
         c.max_iters = 4;
         c.dtype = "f16".parse().unwrap();
     })
     .unwrap();
     assert_eq!(t.amp().scale(), 65536.0);
-    let mut rec = Recorder::default();
-    t.run(&mut rec, &AtomicBool::new(false)).unwrap();
-    assert_eq!(rec.steps[0].loss_scale, Some(65536.0));
+    assert_eq!(run_to_end(&mut t)[0].loss_scale, Some(65536.0));
     let t = Trainer::resume(&f32_run, |c| {
         c.max_iters = 6;
         c.dtype = "f32".parse().unwrap();

@@ -10,12 +10,9 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use candle_comm::{run_threads, ThreadComm};
-use common::{tiny_config, weights, Recorder};
+use common::{assert_same_losses, finish, tiny_config, Recorder, Run};
 use trainer::config::TrainConfig;
-use trainer::metrics::StepStats;
 use trainer::train::Trainer;
-
-type Run = (Vec<StepStats>, Vec<(String, Vec<f32>)>);
 
 fn config(dir: &Path, batch_size: usize) -> TrainConfig {
     TrainConfig {
@@ -30,18 +27,22 @@ fn config(dir: &Path, batch_size: usize) -> TrainConfig {
     }
 }
 
-fn run(mut t: Trainer) -> Run {
-    let mut rec = Recorder::default();
-    t.run(&mut rec, &AtomicBool::new(false)).unwrap();
-    (rec.steps, weights(&t))
-}
-
 /// Runs `make` on 2 thread ranks and returns each rank's result.
 fn two_ranks<T: Send>(make: impl Fn(ThreadComm) -> T + Sync) -> Vec<T> {
     run_threads(2, Duration::from_secs(60), make)
         .into_iter()
         .map(|r| r.unwrap_or_else(|_| panic!("a rank panicked")))
         .collect()
+}
+
+/// `t` as one rank of `comm`'s world.
+fn joined(t: trainer::Result<Trainer>, comm: ThreadComm) -> Trainer {
+    t.unwrap().with_comm(Box::new(comm)).unwrap()
+}
+
+/// Trains `cfg` on 2 thread ranks; each rank's steps and weights.
+fn train_two_ranks(cfg: TrainConfig) -> Vec<Run> {
+    two_ranks(move |comm| finish(joined(Trainer::new(cfg.clone()), comm)))
 }
 
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
@@ -67,21 +68,13 @@ fn assert_like_one_process(single: &Run, ranks: &[Run]) {
     let (steps, w) = &ranks[0];
     assert_eq!(steps.len(), single.0.len());
     for (a, b) in single.0.iter().zip(steps) {
-        let rel = |x: f32, y: f32| (x - y).abs() / x.abs().max(1e-6);
-        assert!(
-            rel(a.loss, b.loss) < 1e-5,
-            "step {}: loss {} vs {}",
-            a.step,
-            a.loss,
-            b.loss
-        );
-        assert!(
-            rel(a.grad_norm, b.grad_norm) < 1e-5,
-            "step {}: grad norm {} vs {}",
-            a.step,
-            a.grad_norm,
-            b.grad_norm
-        );
+        for (what, x, y) in [
+            ("loss", a.loss, b.loss),
+            ("grad norm", a.grad_norm, b.grad_norm),
+        ] {
+            let rel = (x - y).abs() / x.abs().max(1e-6);
+            assert!(rel < 1e-5, "step {}: {what} {x} vs {y}", a.step);
+        }
         assert_eq!(a.tokens_seen, b.tokens_seen);
     }
     let lr = config(Path::new("."), 4).lr as f32;
@@ -94,15 +87,8 @@ fn assert_like_one_process(single: &Run, ranks: &[Run]) {
 #[test]
 fn two_ranks_train_like_one_rank_with_twice_the_batch() {
     let tmp = tempfile::tempdir().unwrap();
-    let single = run(Trainer::new(config(&tmp.path().join("one"), 8)).unwrap());
-    let dir = tmp.path().join("two");
-    let ranks = two_ranks(move |comm| {
-        let t = Trainer::new(config(&dir, 4))
-            .unwrap()
-            .with_comm(Box::new(comm))
-            .unwrap();
-        run(t)
-    });
+    let single = finish(Trainer::new(config(&tmp.path().join("one"), 8)).unwrap());
+    let ranks = train_two_ranks(config(&tmp.path().join("two"), 4));
     assert_like_one_process(&single, &ranks);
     // Rank 0 wrote the run; the checkpoint records the world size.
     let state = std::fs::read_to_string(
@@ -116,23 +102,11 @@ fn two_ranks_train_like_one_rank_with_twice_the_batch() {
 #[test]
 fn resume_is_exact_and_needs_the_same_world_size() {
     let tmp = tempfile::tempdir().unwrap();
-    let (straight, stopped) = (tmp.path().join("straight"), tmp.path().join("stopped"));
-    let whole = two_ranks(move |comm| {
-        run(Trainer::new(config(&straight, 4))
-            .unwrap()
-            .with_comm(Box::new(comm))
-            .unwrap())
-    });
-    let first = stopped.clone();
-    two_ranks(move |comm| {
-        let cfg = TrainConfig {
-            max_iters: 3, // lr_decay_iters stays tiny_config's, as in the straight run
-            ..config(&first, 4)
-        };
-        run(Trainer::new(cfg)
-            .unwrap()
-            .with_comm(Box::new(comm))
-            .unwrap())
+    let stopped = tmp.path().join("stopped");
+    let whole = train_two_ranks(config(&tmp.path().join("straight"), 4));
+    train_two_ranks(TrainConfig {
+        max_iters: 3, // lr_decay_iters stays tiny_config's, as in the straight run
+        ..config(&stopped, 4)
     });
     let e = Trainer::resume(&stopped, |c| c.max_iters = 6)
         .unwrap()
@@ -140,16 +114,9 @@ fn resume_is_exact_and_needs_the_same_world_size() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("2 data-parallel rank"), "{e}");
-    let again = stopped.clone();
-    let resumed = two_ranks(move |comm| {
-        run(Trainer::resume(&again, |c| c.max_iters = 6)
-            .unwrap()
-            .with_comm(Box::new(comm))
-            .unwrap())
-    });
-    for (a, b) in whole[0].0[3..].iter().zip(&resumed[0].0) {
-        assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "step {}", a.step);
-    }
+    let resumed =
+        two_ranks(|comm| finish(joined(Trainer::resume(&stopped, |c| c.max_iters = 6), comm)));
+    assert_same_losses(&whole[0].0[3..], &resumed[0].0, "resumed");
     assert_eq!(whole[0].1, resumed[0].1);
 }
 
@@ -158,10 +125,7 @@ fn a_failing_rank_stops_the_other_with_its_name() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("run");
     let outcomes = two_ranks(move |comm| {
-        let mut t = Trainer::new(config(&dir, 4))
-            .unwrap()
-            .with_comm(Box::new(comm))
-            .unwrap();
+        let mut t = joined(Trainer::new(config(&dir, 4)), comm);
         if t.data_parallel().rank() == 1 {
             let e = trainer::Error::Config("out of data at step 1".into());
             t.data_parallel().abort(&e);
@@ -178,31 +142,21 @@ fn a_failing_rank_stops_the_other_with_its_name() {
 #[test]
 fn zero1_shards_the_optimiser_and_trains_like_plain_data_parallel() {
     let tmp = tempfile::tempdir().unwrap();
-    let (plain_dir, zero_dir) = (tmp.path().join("plain"), tmp.path().join("zero"));
-    let plain = two_ranks(move |comm| {
-        run(Trainer::new(config(&plain_dir, 4))
-            .unwrap()
-            .with_comm(Box::new(comm))
-            .unwrap())
-    });
-    let zdir = zero_dir.clone();
-    let sharded = two_ranks(move |comm| {
-        let t = Trainer::new(TrainConfig {
+    let zero_dir = tmp.path().join("zero");
+    let plain = train_two_ranks(config(&tmp.path().join("plain"), 4));
+    let sharded = two_ranks(|comm| {
+        let zero = TrainConfig {
             zero: 1,
-            ..config(&zdir, 4)
-        })
-        .unwrap()
-        .with_comm(Box::new(comm))
-        .unwrap();
+            ..config(&zero_dir, 4)
+        };
+        let t = joined(Trainer::new(zero), comm);
         let held = t.optimizer.state_elements();
-        (run(t), held)
+        (finish(t), held)
     });
     // Same arithmetic for every update, only split across ranks: bit-identical.
     for ((z, _), p) in sharded.iter().zip(&plain) {
         assert_eq!(z.1, p.1, "ZeRO-1 weights differ from plain data parallel");
-        for (a, b) in z.0.iter().zip(&p.0) {
-            assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "step {}", a.step);
-        }
+        assert_same_losses(&z.0, &p.0, "ZeRO-1");
     }
     // Each rank holds part of the state; together exactly all of it, each part at most 60%.
     let total: usize = plain[0].1.iter().map(|(_, w)| 2 * w.len()).sum();
@@ -228,20 +182,13 @@ fn pipeline_stages_within_each_rank_train_like_one_process() {
     // blocks, on its shard; together they train like one plain process with the whole batch
     // (dropout 0.1: every row draws the mask it draws there).
     let tmp = tempfile::tempdir().unwrap();
-    let single = run(Trainer::new(config(&tmp.path().join("one"), 8)).unwrap());
-    let dir = tmp.path().join("grid");
-    let ranks = two_ranks(move |comm| {
-        let cfg = TrainConfig {
-            pipeline_stages: 2,
-            microbatches: 2,
-            pipeline_threads: 1,
-            remat: "every:1".parse().unwrap(),
-            ..config(&dir, 4)
-        };
-        run(Trainer::new(cfg)
-            .unwrap()
-            .with_comm(Box::new(comm))
-            .unwrap())
+    let single = finish(Trainer::new(config(&tmp.path().join("one"), 8)).unwrap());
+    let ranks = train_two_ranks(TrainConfig {
+        pipeline_stages: 2,
+        microbatches: 2,
+        pipeline_threads: 1,
+        remat: "every:1".parse().unwrap(),
+        ..config(&tmp.path().join("grid"), 4)
     });
     assert_like_one_process(&single, &ranks);
 }

@@ -6,7 +6,10 @@
 //! numeric derivatives must agree to |a - n| <= 1e-7 + 1e-5 |n|: a wrong or missing backward
 //! (e.g. a detached fused LayerNorm or softmax) is off by O(|n|) and fails.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
+use common::values;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use trainer::model::gpt2::{Gpt, GptConfig};
@@ -72,21 +75,14 @@ fn check_with(
     let grads = loss.backward().unwrap();
     let h = 1e-5;
     for (name, var) in params.iter() {
-        let g = grads
-            .get(var)
-            .unwrap_or_else(|| panic!("`{name}` got no gradient"))
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap();
+        let g: Vec<f64> = values(
+            grads
+                .get(var)
+                .unwrap_or_else(|| panic!("`{name}` got no gradient")),
+        );
         let gnorm: f64 = g.iter().map(|v| v * v).sum::<f64>().sqrt();
         assert!(gnorm > 0.0, "`{name}` got an all-zero gradient");
-        let base = var
-            .as_tensor()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap();
+        let base: Vec<f64> = values(var.as_tensor());
         // Check up to 24 entries per tensor, spread over it.
         let n = base.len();
         let picks: Vec<usize> = if n <= 24 {
@@ -150,16 +146,12 @@ fn fp32_model_gives_every_parameter_a_gradient() {
     let loss = loss_of(&model, &x, &x, None, &Ctx::train(1));
     let grads = loss.backward().unwrap();
     for (name, var) in params.iter() {
-        let g = grads
-            .get(var)
-            .unwrap_or_else(|| panic!("`{name}` got no gradient"));
-        let norm = g
-            .sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let g: Vec<f32> = values(
+            grads
+                .get(var)
+                .unwrap_or_else(|| panic!("`{name}` got no gradient")),
+        );
+        let norm: f32 = g.iter().map(|v| v * v).sum();
         // wpe rows past T=16 get no gradient; every tensor as a whole must.
         assert!(norm > 0.0, "`{name}` has an all-zero gradient");
     }

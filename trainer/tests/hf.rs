@@ -1,14 +1,17 @@
 //! Hugging Face compatibility: GPT-2 parameter names, loading GPT2Model-style files, and
 //! finding a model in a local hub cache that the test builds (no network).
 
+mod common;
+
 use std::collections::HashMap;
 use std::fs;
 use std::path::Path;
 
 use candle_core::{Device, Tensor};
+use common::values;
 use trainer::checkpoint::{self, io};
 use trainer::model::gpt2::{Gpt, GptConfig};
-use trainer::model::ModelConfig;
+use trainer::model::{ModelConfig, Params};
 
 /// The 148 tensor names of Hugging Face's `GPT2LMHeadModel` for GPT-2 small (its
 /// `state_dict()` minus the `attn.bias` buffers and the tied `lm_head.weight`), with shapes.
@@ -16,25 +19,23 @@ fn hf_gpt2_small() -> HashMap<String, Vec<usize>> {
     let mut m = HashMap::new();
     m.insert("transformer.wte.weight".to_string(), vec![50257, 768]);
     m.insert("transformer.wpe.weight".to_string(), vec![1024, 768]);
-    m.insert("transformer.ln_f.weight".to_string(), vec![768]);
-    m.insert("transformer.ln_f.bias".to_string(), vec![768]);
+    // Every other module has a weight and a bias as long as the weight's last dimension
+    // (LayerNorm: its scale; `Conv1D`: stored `[in, out]`).
+    let mut module = |name: String, weight: Vec<usize>| {
+        m.insert(format!("{name}.bias"), vec![weight[weight.len() - 1]]);
+        m.insert(format!("{name}.weight"), weight);
+    };
+    module("transformer.ln_f".into(), vec![768]);
     for i in 0..12 {
-        let p = format!("transformer.h.{i}");
-        for (n, s) in [
-            ("ln_1.weight", vec![768]),
-            ("ln_1.bias", vec![768]),
-            ("attn.c_attn.weight", vec![768, 2304]),
-            ("attn.c_attn.bias", vec![2304]),
-            ("attn.c_proj.weight", vec![768, 768]),
-            ("attn.c_proj.bias", vec![768]),
-            ("ln_2.weight", vec![768]),
-            ("ln_2.bias", vec![768]),
-            ("mlp.c_fc.weight", vec![768, 3072]),
-            ("mlp.c_fc.bias", vec![3072]),
-            ("mlp.c_proj.weight", vec![3072, 768]),
-            ("mlp.c_proj.bias", vec![768]),
+        for (n, weight) in [
+            ("ln_1", vec![768]),
+            ("attn.c_attn", vec![768, 2304]),
+            ("attn.c_proj", vec![768, 768]),
+            ("ln_2", vec![768]),
+            ("mlp.c_fc", vec![768, 3072]),
+            ("mlp.c_proj", vec![3072, 768]),
         ] {
-            m.insert(format!("{p}.{n}"), s);
+            module(format!("transformer.h.{i}.{n}"), weight);
         }
     }
     m
@@ -80,12 +81,18 @@ fn write_transformers_style(src: &Path, dst: &Path) {
     fs::copy(src.join("config.json"), dst.join("config.json")).unwrap();
 }
 
+/// A fresh [`tiny`] GPT (initialised with `seed`) saved as a model directory at `dir`.
+fn saved_tiny(dir: &Path, seed: u64) -> (Gpt, Params) {
+    let (model, params) = Gpt::new(&tiny(), seed, &Device::Cpu).unwrap();
+    checkpoint::save_model(dir, &tiny(), &params).unwrap();
+    (model, params)
+}
+
 #[test]
 fn loads_transformers_style_files_and_matches_outputs() {
     let tmp = tempfile::tempdir().unwrap();
-    let (model, params) = Gpt::new(&tiny(), 3, &Device::Cpu).unwrap();
     let ours = tmp.path().join("ours");
-    checkpoint::save_model(&ours, &tiny(), &params).unwrap();
+    let (model, _) = saved_tiny(&ours, 3);
     let hf = tmp.path().join("hf");
     write_transformers_style(&ours, &hf);
 
@@ -99,8 +106,7 @@ fn loads_transformers_style_files_and_matches_outputs() {
         .unwrap();
     // The f16 round trip loses ~3 decimal digits of the weights. Compared on the host: a NaN
     // anywhere but element 0 would vanish in Candle's `abs().max_all()`.
-    let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let (a, b) = (flat(a), flat(b));
+    let (a, b) = (values::<f32>(&a), values::<f32>(&b));
     assert_eq!(a.len(), b.len());
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
         assert!(
@@ -113,17 +119,11 @@ fn loads_transformers_style_files_and_matches_outputs() {
 #[test]
 fn finds_models_in_a_local_hub_cache() {
     let tmp = tempfile::tempdir().unwrap();
-    let (_, params) = Gpt::new(&tiny(), 4, &Device::Cpu).unwrap();
-    // The hub cache layout: models--org--name/{refs/main, snapshots/<commit>/files}.
-    let hub = tmp.path().join("hub");
-    let repo = hub.join("models--test-org--tiny-gpt2");
-    let commit = "0123456789abcdef0123456789abcdef01234567";
-    let snap = repo.join("snapshots").join(commit);
-    checkpoint::save_model(&snap, &tiny(), &params).unwrap();
-    fs::create_dir_all(repo.join("refs")).unwrap();
-    fs::write(repo.join("refs/main"), commit).unwrap();
+    let model = tmp.path().join("model");
+    let (_, params) = saved_tiny(&model, 4);
+    let snap = common::hf::hub_cache(tmp.path(), "test-org/tiny-gpt2", &model);
 
-    let cache = hf_hub::Cache::new(hub.clone());
+    let cache = hf_hub::Cache::new(tmp.path().join("hub"));
     let dir = trainer::hub::snapshot_dir(&cache, "test-org/tiny-gpt2").unwrap();
     assert_eq!(dir, snap);
     let (cfg, loaded) = checkpoint::load_model(&dir, &Device::Cpu).unwrap();

@@ -8,18 +8,16 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
 use candle_comm::{run_threads, ThreadComm};
 use candle_core::{DType, Device, Tensor, Var};
 use common::tiny::{TinyArch, TinyConfig};
-use common::{tiny_config, weights, Recorder};
+use common::{finish, tiny_config, Run};
 use rand_chacha::ChaCha8Rng;
 use trainer::config::TrainConfig;
 use trainer::data::{Batch, DataSource, Fingerprint, Split};
-use trainer::metrics::StepStats;
 use trainer::model::gpt2::{Gpt, GptConfig};
 use trainer::model::{
     self, Builder, Ctx, KvCache, LinearDelta, Link, LinkOps, Model, ModelConfig, Params, Role,
@@ -53,8 +51,6 @@ fn config(dir: &Path) -> TrainConfig {
     }
 }
 
-type Run = (Vec<StepStats>, Vec<(String, Vec<f32>)>);
-
 fn trainer_for(cfg: TrainConfig) -> Trainer {
     model::register(&TinyArch);
     let tc = tiny(cfg.dropout);
@@ -62,13 +58,7 @@ fn trainer_for(cfg: TrainConfig) -> Trainer {
     Trainer::with_model(cfg, m, params).unwrap()
 }
 
-fn finish(mut t: Trainer) -> Run {
-    let mut rec = Recorder::default();
-    t.run(&mut rec, &AtomicBool::new(false)).unwrap();
-    (rec.steps, weights(&t))
-}
-
-fn train(cfg: TrainConfig) -> Run {
+fn train_tiny(cfg: TrainConfig) -> Run {
     finish(trainer_for(cfg))
 }
 
@@ -103,11 +93,11 @@ fn tmp(name: &str) -> (tempfile::TempDir, PathBuf) {
 #[test]
 fn a_model_of_its_own_trains_through_every_executor_like_the_plain_step() {
     let (_t, dir) = tmp("runs");
-    let plain = train(config(&dir.join("plain")));
+    let plain = train_tiny(config(&dir.join("plain")));
     assert!(plain.0.last().unwrap().loss < plain.0[0].loss, "it learns");
     // Remat recomputes the blocks with the same dropout masks: bit-identical.
     for remat in ["every:1", "sqrt"] {
-        let r = train(TrainConfig {
+        let r = train_tiny(TrainConfig {
             remat: remat.parse().unwrap(),
             ..config(&dir.join(format!("remat-{remat}")))
         });
@@ -117,7 +107,7 @@ fn a_model_of_its_own_trains_through_every_executor_like_the_plain_step() {
     // 1e-5 relative; AdamW moves every weight by about lr per step whatever the gradient's
     // scale, so the weights are compared against 5% of one update (lr 1e-3 here).
     for (schedule, stages, mbs) in [("1f1b", 2, 2), ("gpipe", 2, 4), ("interleaved:2", 2, 2)] {
-        let p = train(TrainConfig {
+        let p = train_tiny(TrainConfig {
             pipeline_stages: stages,
             microbatches: mbs,
             schedule: schedule.parse().unwrap(),
@@ -130,7 +120,7 @@ fn a_model_of_its_own_trains_through_every_executor_like_the_plain_step() {
         );
     }
     // Remat inside pipeline stages.
-    let p = train(TrainConfig {
+    let p = train_tiny(TrainConfig {
         pipeline_stages: 2,
         microbatches: 2,
         remat: "every:1".parse().unwrap(),
@@ -146,7 +136,7 @@ fn a_model_of_its_own_trains_through_every_executor_like_the_plain_step() {
 #[test]
 fn a_model_of_its_own_trains_data_parallel_like_one_process() {
     let (_t, dir) = tmp("dp");
-    let single = train(TrainConfig {
+    let single = train_tiny(TrainConfig {
         batch_size: 8,
         ..config(&dir.join("single"))
     });
@@ -168,9 +158,9 @@ fn a_model_of_its_own_trains_data_parallel_like_one_process() {
 #[test]
 fn a_model_of_its_own_resumes_bit_exactly() {
     let (_t, dir) = tmp("resume");
-    let whole = train(config(&dir.join("whole")));
+    let whole = train_tiny(config(&dir.join("whole")));
     let part = dir.join("part");
-    let first = train(TrainConfig {
+    let first = train_tiny(TrainConfig {
         max_iters: 3,
         ..config(&part)
     });

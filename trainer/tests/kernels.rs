@@ -10,25 +10,15 @@
 //! missing or wrong backward term is off by O(1) and fails, and so does a dropout mask that
 //! differs in one element (it zeroes or keeps an activation of O(1)).
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
+use common::values;
 use trainer::model::gpt2::{Gpt, GptConfig};
 use trainer::model::{Ctx, Kernels, Params};
 
 fn max_rel_diff(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a
-        .to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap();
-    let b = b
-        .to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap();
+    let (a, b) = (values::<f64>(a), values::<f64>(b));
     assert_eq!(a.len(), b.len());
     let scale = a.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
     let mut worst = 0f64;

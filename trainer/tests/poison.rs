@@ -8,21 +8,13 @@ mod common;
 use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
 
 use candle_core::{DType, Device, Tensor};
-use common::{snapshot, tiny_config, Recorder};
+use common::{run_cli, snapshot, tiny_config, tiny_run, train, values};
 use rand::{Rng, SeedableRng};
 use trainer::checkpoint::io;
 use trainer::config::TrainConfig;
 use trainer::train::Trainer;
-
-fn train(cfg: TrainConfig) -> Trainer {
-    let mut t = Trainer::new(cfg).unwrap();
-    t.run(&mut Recorder::default(), &AtomicBool::new(false))
-        .unwrap();
-    t
-}
 
 fn resume_err(dir: &Path) -> String {
     match Trainer::resume(dir, |_| {}) {
@@ -34,13 +26,7 @@ fn resume_err(dir: &Path) -> String {
 /// `t` with `value` written at a random flat index other than 0 (Candle's `max_all` happens to
 /// see a NaN at index 0, so that is where a careless check would still pass).
 fn poisoned(t: &Tensor, value: f32, rng: &mut impl Rng) -> (Tensor, usize) {
-    let mut v = t
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+    let mut v: Vec<f32> = values(t);
     let i = rng.random_range(1..v.len());
     v[i] = value;
     let out = Tensor::from_vec(v, t.dims(), t.device())
@@ -92,12 +78,7 @@ fn non_finite_options_are_refused() {
 
 #[test]
 fn a_non_finite_checkpoint_is_never_saved() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
-    let mut t = train(TrainConfig {
-        max_iters: 4,
-        ..tiny_config(&dir)
-    });
+    let (_tmp, dir, mut t) = tiny_run(|c| c.max_iters = 4);
     let before = snapshot(&dir.join("checkpoints"));
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
     let name = "transformer.h.1.mlp.c_fc.weight";
@@ -115,12 +96,7 @@ fn a_non_finite_checkpoint_is_never_saved() {
 
 #[test]
 fn non_finite_or_non_float_tensors_in_a_checkpoint_are_named() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
-    train(TrainConfig {
-        max_iters: 4,
-        ..tiny_config(&dir)
-    });
+    let (_tmp, dir, _) = tiny_run(|c| c.max_iters = 4);
     let ck = checkpoint_of(&dir, 4);
     let model = ck.join("model.safetensors");
     let optim = ck.join("optimizer.safetensors");
@@ -157,12 +133,7 @@ fn non_finite_or_non_float_tensors_in_a_checkpoint_are_named() {
 
 #[test]
 fn a_config_json_that_disagrees_with_the_run_is_refused() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
-    train(TrainConfig {
-        max_iters: 4,
-        ..tiny_config(&dir)
-    });
+    let (_tmp, dir, _) = tiny_run(|c| c.max_iters = 4);
     let path = checkpoint_of(&dir, 4).join("config.json");
     let text = fs::read_to_string(&path).unwrap();
     let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -205,18 +176,15 @@ fn changed_data_or_vocabulary_is_caught_by_the_fingerprint() {
     fs::write(&data, corpus("Zebra!")).unwrap();
     let e = resume_err(&dir);
     assert!(e.contains("vocabulary"), "{e}");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_trainer"))
-        .args(["sample", dir.to_str().unwrap(), "--max-new-tokens", "5"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("vocabulary"), "{err}");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_trainer"))
-        .args(["eval", dir.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("vocabulary"), "{err}");
+    let run = dir.to_str().unwrap();
+    for args in [
+        &["sample", run, "--max-new-tokens", "5"][..],
+        &["eval", run],
+    ] {
+        let out = run_cli(args, tmp.path());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("vocabulary"), "{err}");
+    }
 
     fs::write(&data, corpus("")).unwrap();
     Trainer::resume(&dir, |_| {}).unwrap();

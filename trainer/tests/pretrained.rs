@@ -4,22 +4,15 @@
 
 mod common;
 
-use std::path::Path;
-use std::sync::atomic::AtomicBool;
+use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, IndexOp};
-use common::{tiny_config, weights, Recorder};
+use common::{run_to_end, tiny_config, tiny_run, train, weights};
+use tempfile::TempDir;
 use trainer::checkpoint;
 use trainer::config::TrainConfig;
 use trainer::pretrained::{EvalRequest, ModelDir};
 use trainer::train::Trainer;
-
-fn run(config: TrainConfig) -> Trainer {
-    let mut t = Trainer::new(config).unwrap();
-    t.run(&mut Recorder::default(), &AtomicBool::new(false))
-        .unwrap();
-    t
-}
 
 /// The rows of `transformer.wpe.weight` in checkpoint or model directory `dir`.
 fn wpe_rows(dir: &Path) -> Vec<Vec<f32>> {
@@ -32,15 +25,15 @@ fn wpe_rows(dir: &Path) -> Vec<Vec<f32>> {
         .unwrap()
 }
 
+/// Two steps, evaluated (and checkpointed) at the second.
+fn two_steps(c: &mut TrainConfig) {
+    c.max_iters = 2;
+    c.eval_interval = 2;
+}
+
 #[test]
 fn init_from_accepts_run_and_checkpoint_directories() {
-    let tmp = tempfile::tempdir().unwrap();
-    let first = tmp.path().join("first");
-    run(TrainConfig {
-        max_iters: 2,
-        eval_interval: 2,
-        ..tiny_config(&first)
-    });
+    let (tmp, first, _) = tiny_run(two_steps);
     let latest = checkpoint::resolve(&first).unwrap();
     let want = Trainer::resume(&latest, |_| {}).unwrap();
     for from in [&first, &latest] {
@@ -63,6 +56,16 @@ fn init_from_accepts_run_and_checkpoint_directories() {
     assert!(e.to_string().contains("empty"), "{e}");
 }
 
+/// A Hugging Face model directory (`hf/`, 32 positions) and the tiny corpus (`data/`) in a
+/// fresh temporary directory.
+fn pretrained() -> (TempDir, PathBuf, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = common::hf::hf_model_dir(&tmp.path().join("hf"), 32);
+    let data = tmp.path().join("data");
+    common::hf::corpus(&data);
+    (tmp, hf, data)
+}
+
 /// Fine-tuning config: the tiny tokenizer corpus at a context of 8, from a model with 32
 /// positions, no weight decay (so positions 8.. receive no update at all).
 fn finetune(out: &Path, from: &Path, data: &Path) -> TrainConfig {
@@ -82,11 +85,9 @@ fn finetune(out: &Path, from: &Path, data: &Path) -> TrainConfig {
 
 #[test]
 fn finetuning_at_a_shorter_context_keeps_the_pretrained_positions() {
-    let tmp = tempfile::tempdir().unwrap();
-    let hf = common::hf::hf_model_dir(&tmp.path().join("hf"), 32);
-    common::hf::corpus(&tmp.path().join("data"));
+    let (tmp, hf, data) = pretrained();
     let out = tmp.path().join("ft");
-    let t = run(finetune(&out, &hf, &tmp.path().join("data")));
+    let t = train(finetune(&out, &hf, &data));
     assert_eq!(t.model.config().max_positions(), 32);
     let ckpt = checkpoint::resolve(&out).unwrap();
     let cfg = common::hf::config_json(&ckpt);
@@ -107,9 +108,7 @@ fn finetuning_at_a_shorter_context_keeps_the_pretrained_positions() {
     assert_eq!(resumed.step(), 2);
     assert_eq!(resumed.config.block_size, 8);
     assert_eq!(resumed.model.config().max_positions(), 32);
-    resumed
-        .run(&mut Recorder::default(), &AtomicBool::new(false))
-        .unwrap();
+    run_to_end(&mut resumed);
     let ckpt = checkpoint::resolve(&out).unwrap();
     assert!(ckpt.ends_with("step-0000004"), "{}", ckpt.display());
     assert_eq!(common::hf::config_json(&ckpt)["n_positions"], 32);
@@ -125,12 +124,9 @@ fn finetuning_at_a_shorter_context_keeps_the_pretrained_positions() {
 
 #[test]
 fn shorter_context_trains_with_remat_and_pipeline() {
-    let tmp = tempfile::tempdir().unwrap();
-    let hf = common::hf::hf_model_dir(&tmp.path().join("hf"), 32);
-    common::hf::corpus(&tmp.path().join("data"));
-    let data = tmp.path().join("data");
-    let plain = run(finetune(&tmp.path().join("plain"), &hf, &data));
-    let remat = run(TrainConfig {
+    let (tmp, hf, data) = pretrained();
+    let plain = train(finetune(&tmp.path().join("plain"), &hf, &data));
+    let remat = train(TrainConfig {
         remat: "all".parse().unwrap(),
         ..finetune(&tmp.path().join("remat"), &hf, &data)
     });
@@ -143,7 +139,7 @@ fn shorter_context_trains_with_remat_and_pipeline() {
         .chain_costs(4, 8, DType::F32, remat.config.kernels);
     let want = candle_remat::Policy::EveryK(1).plan(&costs).unwrap();
     assert_eq!(remat.remat_plan(), Some(&want));
-    let pipe = run(TrainConfig {
+    let pipe = train(TrainConfig {
         pipeline_stages: 2,
         microbatches: 2,
         sample_tokens: 0,
@@ -164,7 +160,7 @@ fn config_json_names_the_vocabularys_special_tokens() {
     let tok = common::hf::tokenizer(&data);
     // A fresh model over the tiny tokenizer: `<|endoftext|>` is id 9, not GPT-2's 50256.
     let out = tmp.path().join("tok");
-    run(TrainConfig {
+    train(TrainConfig {
         data: "tokenizer".parse().unwrap(),
         data_path: Some(corpus.clone()),
         tokenizer_path: Some(tok),
@@ -178,7 +174,7 @@ fn config_json_names_the_vocabularys_special_tokens() {
     // A character vocabulary has no such token: the ids are written as null (transformers'
     // GPT2Config would otherwise default them to 50256).
     let out = tmp.path().join("char");
-    run(TrainConfig {
+    train(TrainConfig {
         data: "char".parse().unwrap(),
         data_path: Some(corpus),
         block_size: 8,
@@ -193,13 +189,7 @@ fn config_json_names_the_vocabularys_special_tokens() {
 
 #[test]
 fn eval_of_a_checkpoint_is_the_runs_own_evaluation() {
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("run");
-    let t = run(TrainConfig {
-        max_iters: 2,
-        eval_interval: 2,
-        ..tiny_config(&out)
-    });
+    let (tmp, out, t) = tiny_run(two_steps);
     let want = t.evaluate().unwrap();
     let ckpt = checkpoint::resolve(&out).unwrap();
     for spec in [&out, &ckpt] {

@@ -6,26 +6,9 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-/// Runs the binary in `cwd` with `HF_HOME` and the data cache inside `home`.
-fn trainer(args: &[&str], cwd: &Path, home: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_trainer"))
-        .args(args)
-        .current_dir(cwd)
-        .env("HF_HOME", home.join("hf"))
-        .env("XDG_CACHE_HOME", home.join("cache"))
-        .output()
-        .expect("run the trainer binary")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use common::{output_text as text, run_cli as trainer};
 
 fn ok(o: Output) -> String {
     assert!(o.status.success(), "{}", text(&o));
@@ -41,15 +24,50 @@ fn fails(o: Output) -> String {
 
 const ID: &str = "test-org/tiny-words";
 
-#[test]
-fn sample_and_eval_bare_hf_models() {
+/// A temporary directory holding a model directory `hf/` (32 positions) and the tiny corpus,
+/// with the hub cache `run_cli` gives the binary (`home/hf`) holding the model as [`ID`].
+fn model_and_hub() -> tempfile::TempDir {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let home = dir.join("home");
     common::hf::hf_model_dir(&dir.join("hf"), 32);
-    common::hf::hub_cache(&home.join("hf"), ID, &dir.join("hf"));
+    common::hf::hub_cache(&dir.join("home/hf"), ID, &dir.join("hf"));
     common::hf::corpus(dir);
+    tmp
+}
 
+/// `train --init-from from` on the corpus with the model's tokenizer for `iters` steps into
+/// run directory `out`; the output, which must be a success.
+fn fine_tune(from: &str, iters: &str, out: &str, dir: &Path) -> String {
+    ok(trainer(
+        &[
+            "train",
+            "--init-from",
+            from,
+            "--data",
+            "tokenizer",
+            "--data-path",
+            "corpus.txt",
+            "--tokenizer-path",
+            "hf/tokenizer.json",
+            "--block-size",
+            "8",
+            "--batch-size",
+            "4",
+            "--max-iters",
+            iters,
+            "--eval-iters",
+            "1",
+            "--out-dir",
+            out,
+        ],
+        dir,
+    ))
+}
+
+#[test]
+fn sample_and_eval_bare_hf_models() {
+    let tmp = model_and_hub();
+    let dir = tmp.path();
     for model in ["hf", ID] {
         let out = ok(trainer(
             &[
@@ -63,19 +81,14 @@ fn sample_and_eval_bare_hf_models() {
                 "0",
             ],
             dir,
-            &home,
         ));
         assert!(out.starts_with("the cat"), "{model}: {out}");
         assert!(out.split_whitespace().count() >= 6, "{model}: {out}");
 
         // A bare model has no run config: the data must come from flags.
-        let err = fails(trainer(&["eval", model], dir, &home));
+        let err = fails(trainer(&["eval", model], dir));
         assert!(err.contains("--data-path"), "{model}: {err}");
-        let out = ok(trainer(
-            &["eval", model, "--data-path", "corpus.txt"],
-            dir,
-            &home,
-        ));
+        let out = ok(trainer(&["eval", model, "--data-path", "corpus.txt"], dir));
         assert!(out.contains("val loss"), "{model}: {out}");
         let out = ok(trainer(
             &[
@@ -89,7 +102,6 @@ fn sample_and_eval_bare_hf_models() {
                 "2",
             ],
             dir,
-            &home,
         ));
         assert!(out.contains("val loss"), "{model}: {out}");
     }
@@ -104,15 +116,14 @@ fn sample_and_eval_bare_hf_models() {
             "64",
         ],
         dir,
-        &home,
     ));
     assert!(err.contains("64") && err.contains("32"), "{err}");
     // A model directory without tokenizer.json cannot be sampled from without one.
     std::fs::remove_file(dir.join("hf/tokenizer.json")).unwrap();
-    let err = fails(trainer(&["sample", "hf"], dir, &home));
+    let err = fails(trainer(&["sample", "hf"], dir));
     assert!(err.contains("tokenizer.json"), "{err}");
 
-    let help = ok(trainer(&["eval", "--help"], dir, &home));
+    let help = ok(trainer(&["eval", "--help"], dir));
     for want in [
         "--data-path",
         "--data ",
@@ -126,38 +137,10 @@ fn sample_and_eval_bare_hf_models() {
 
 #[test]
 fn train_init_from_a_hub_id_then_sample_and_eval_the_run() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = model_and_hub();
     let dir = tmp.path();
-    let home = dir.join("home");
-    common::hf::hf_model_dir(&dir.join("hf"), 32);
-    common::hf::hub_cache(&home.join("hf"), ID, &dir.join("hf"));
-    common::hf::corpus(dir);
-    ok(trainer(
-        &[
-            "train",
-            "--init-from",
-            ID,
-            "--data",
-            "tokenizer",
-            "--data-path",
-            "corpus.txt",
-            "--tokenizer-path",
-            "hf/tokenizer.json",
-            "--block-size",
-            "8",
-            "--batch-size",
-            "4",
-            "--max-iters",
-            "2",
-            "--eval-iters",
-            "1",
-            "--out-dir",
-            "run",
-        ],
-        dir,
-        &home,
-    ));
-    let out = ok(trainer(&["eval", "run"], dir, &home));
+    fine_tune(ID, "2", "run", dir);
+    let out = ok(trainer(&["eval", "run"], dir));
     assert!(out.contains("step        2"), "{out}");
     let out = ok(trainer(
         &[
@@ -169,35 +152,10 @@ fn train_init_from_a_hub_id_then_sample_and_eval_the_run() {
             "3",
         ],
         dir,
-        &home,
     ));
     assert!(out.starts_with("a dog"), "{out}");
     // A run can be fine-tuned further from its run directory.
-    ok(trainer(
-        &[
-            "train",
-            "--init-from",
-            "run",
-            "--data",
-            "tokenizer",
-            "--data-path",
-            "corpus.txt",
-            "--tokenizer-path",
-            "hf/tokenizer.json",
-            "--block-size",
-            "8",
-            "--batch-size",
-            "4",
-            "--max-iters",
-            "1",
-            "--eval-iters",
-            "1",
-            "--out-dir",
-            "run2",
-        ],
-        dir,
-        &home,
-    ));
+    fine_tune("run", "1", "run2", dir);
 }
 
 #[test]
@@ -205,14 +163,14 @@ fn inspect_fails_on_weights_that_do_not_match_the_config() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let hf = common::hf::hf_model_dir(&dir.join("hf"), 16);
-    let out = ok(trainer(&["inspect", "hf"], dir, dir));
+    let out = ok(trainer(&["inspect", "hf"], dir));
     assert!(out.contains("weights match the config"), "{out}");
 
     // config.json claims 3 layers; the weights have 2.
     let mut cfg = common::hf::config_json(&hf);
     cfg["n_layer"] = 3.into();
     std::fs::write(hf.join("config.json"), cfg.to_string()).unwrap();
-    let err = fails(trainer(&["inspect", "hf"], dir, dir));
+    let err = fails(trainer(&["inspect", "hf"], dir));
     assert!(
         err.contains("config.json") && err.contains("missing `transformer.h.2."),
         "{err}"
@@ -221,6 +179,6 @@ fn inspect_fails_on_weights_that_do_not_match_the_config() {
     cfg["n_layer"] = 2.into();
     cfg["n_positions"] = 8.into();
     std::fs::write(hf.join("config.json"), cfg.to_string()).unwrap();
-    let err = fails(trainer(&["inspect", "hf"], dir, dir));
+    let err = fails(trainer(&["inspect", "hf"], dir));
     assert!(err.contains("transformer.wpe.weight"), "{err}");
 }

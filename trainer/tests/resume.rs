@@ -7,7 +7,7 @@ mod common;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use common::{tiny_config, weights, Recorder};
+use common::{assert_same_steps, run_to_end, tiny_config, tiny_run, train, weights, Recorder};
 use trainer::train::Trainer;
 
 fn config(dir: &std::path::Path) -> trainer::config::TrainConfig {
@@ -21,13 +21,11 @@ fn config(dir: &std::path::Path) -> trainer::config::TrainConfig {
 #[test]
 fn resume_is_bit_exact() {
     let tmp = tempfile::tempdir().unwrap();
-    let never = AtomicBool::new(false);
 
     // 2N = 8 uninterrupted steps.
     let mut full = Trainer::new(config(&tmp.path().join("full"))).unwrap();
-    let mut rec_full = Recorder::default();
-    full.run(&mut rec_full, &never).unwrap();
-    assert_eq!(rec_full.steps.len(), 8);
+    let full_steps = run_to_end(&mut full);
+    assert_eq!(full_steps.len(), 8);
 
     // N = 4 steps, then a new process-like start from the checkpoint.
     let split_dir = tmp.path().join("split");
@@ -36,32 +34,13 @@ fn resume_is_bit_exact() {
         ..config(&split_dir)
     })
     .unwrap();
-    let mut rec_first = Recorder::default();
-    first.run(&mut rec_first, &never).unwrap();
+    let mut split_steps = run_to_end(&mut first);
     drop(first);
     let mut second = Trainer::resume(&split_dir, |c| c.max_iters = 8).unwrap();
     assert_eq!(second.step(), 4);
-    let mut rec_second = Recorder::default();
-    second.run(&mut rec_second, &never).unwrap();
+    split_steps.extend(run_to_end(&mut second));
 
-    let split_steps: Vec<_> = rec_first.steps.iter().chain(&rec_second.steps).collect();
-    assert_eq!(split_steps.len(), 8);
-    for (a, b) in rec_full.steps.iter().zip(split_steps) {
-        assert_eq!(a.step, b.step);
-        assert_eq!(
-            a.loss.to_bits(),
-            b.loss.to_bits(),
-            "loss differs at step {}",
-            a.step
-        );
-        assert_eq!(
-            a.grad_norm.to_bits(),
-            b.grad_norm.to_bits(),
-            "grad norm at step {}",
-            a.step
-        );
-        assert_eq!(a.lr, b.lr);
-    }
+    assert_same_steps(&full_steps, &split_steps, "resumed");
     assert_eq!(weights(&full), weights(&second), "final weights differ");
     // The metrics file of the resumed run holds each step exactly once.
     let records = trainer::metrics::read(&split_dir.join("metrics.jsonl")).unwrap();
@@ -78,9 +57,7 @@ fn resume_is_bit_exact() {
 #[test]
 fn interrupted_run_saves_and_resumes_exactly() {
     let tmp = tempfile::tempdir().unwrap();
-    let never = AtomicBool::new(false);
-    let mut full = Trainer::new(config(&tmp.path().join("full"))).unwrap();
-    full.run(&mut Recorder::default(), &never).unwrap();
+    let full = train(config(&tmp.path().join("full")));
 
     // Stop after step 3 (not an eval step): the run must checkpoint step 3 on its way out.
     let dir = tmp.path().join("interrupted");
@@ -99,9 +76,7 @@ fn interrupted_run_saves_and_resumes_exactly() {
     drop(t);
     let mut resumed = Trainer::resume(&dir, |_| {}).unwrap();
     assert_eq!(resumed.step(), 3);
-    resumed
-        .run(&mut Recorder::default(), &AtomicBool::new(false))
-        .unwrap();
+    run_to_end(&mut resumed);
     assert_eq!(weights(&full), weights(&resumed));
 }
 
@@ -114,12 +89,9 @@ fn assert_stop_and_resume_is_exact(
     cfg: impl Fn(&std::path::Path) -> trainer::config::TrainConfig,
     k: usize,
 ) {
-    let never = AtomicBool::new(false);
     let mut full = Trainer::new(cfg(&tmp.join(format!("{name}-full")))).unwrap();
-    let mut rec_full = Recorder::default();
-    full.run(&mut rec_full, &never).unwrap();
-    let n = full.config.max_iters;
-    assert_eq!(rec_full.steps.len(), n);
+    let full_steps = run_to_end(&mut full);
+    assert_eq!(full_steps.len(), full.config.max_iters);
 
     let dir = tmp.join(format!("{name}-stopped"));
     let stop = Arc::new(AtomicBool::new(false));
@@ -137,26 +109,9 @@ fn assert_stop_and_resume_is_exact(
     let mut second = Trainer::resume(&dir, |_| {}).unwrap();
     assert_eq!(second.step(), k);
     assert_eq!(second.config, cfg(&dir), "{name}: config changed on resume");
-    let mut rec_second = Recorder::default();
-    second.run(&mut rec_second, &never).unwrap();
-
-    let split: Vec<_> = rec_first.steps.iter().chain(&rec_second.steps).collect();
-    assert_eq!(split.len(), n, "{name}");
-    for (a, b) in rec_full.steps.iter().zip(split) {
-        assert_eq!(a.step, b.step);
-        let s = a.step;
-        assert_eq!(
-            a.loss.to_bits(),
-            b.loss.to_bits(),
-            "{name}: loss at step {s}"
-        );
-        assert_eq!(
-            a.grad_norm.to_bits(),
-            b.grad_norm.to_bits(),
-            "{name}: grad norm at step {s}"
-        );
-        assert_eq!(a.lr, b.lr, "{name}: lr at step {s}");
-    }
+    let mut split = rec_first.steps;
+    split.extend(run_to_end(&mut second));
+    assert_same_steps(&full_steps, &split, name);
     assert!(
         weights(&full) == weights(&second),
         "{name}: final weights differ"
@@ -191,19 +146,20 @@ fn pipeline_run_stopped_and_resumed_is_bit_exact() {
     assert_stop_and_resume_is_exact(tmp.path(), "pipeline", cfg, 3);
 }
 
+/// A finished 8-step run that evaluates every `eval_interval` steps and keeps the last 2
+/// checkpoints (and the best): its temporary directory and run directory.
+fn keeping_two(eval_interval: usize) -> (tempfile::TempDir, std::path::PathBuf) {
+    let (tmp, dir, _) = tiny_run(|c| {
+        c.max_iters = 8;
+        c.eval_interval = eval_interval;
+        c.keep_last = 2;
+    });
+    (tmp, dir)
+}
+
 #[test]
 fn keeps_last_n_plus_best() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
-    let mut t = Trainer::new(trainer::config::TrainConfig {
-        max_iters: 8,
-        eval_interval: 2,
-        keep_last: 2,
-        ..tiny_config(&dir)
-    })
-    .unwrap();
-    t.run(&mut Recorder::default(), &AtomicBool::new(false))
-        .unwrap();
+    let (_tmp, dir) = keeping_two(2);
     let mut names: Vec<String> = std::fs::read_dir(dir.join("checkpoints"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -228,39 +184,21 @@ fn keeps_last_n_plus_best() {
 
 #[test]
 fn resuming_with_more_steps_continues_the_schedule() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
-    let cfg = trainer::config::TrainConfig {
-        max_iters: 4,
-        lr_decay_iters: None, // decay ends at max_iters = 4
-        ..tiny_config(&dir)
-    };
-    let min_lr = cfg.min_lr;
-    let mut t = Trainer::new(cfg).unwrap();
-    t.run(&mut Recorder::default(), &AtomicBool::new(false))
-        .unwrap();
-    let mut more = Trainer::resume(&dir, |c| c.max_iters = 7).unwrap();
-    let mut rec = Recorder::default();
-    more.run(&mut rec, &AtomicBool::new(false)).unwrap();
-    assert_eq!(rec.steps.len(), 3);
-    for s in &rec.steps {
+    let (_tmp, dir, t) = tiny_run(|c| {
+        c.max_iters = 4;
+        c.lr_decay_iters = None; // decay ends at max_iters = 4
+    });
+    let min_lr = t.config.min_lr;
+    let steps = run_to_end(&mut Trainer::resume(&dir, |c| c.max_iters = 7).unwrap());
+    assert_eq!(steps.len(), 3);
+    for s in &steps {
         assert_eq!(s.lr, min_lr, "step {} jumped to lr {}", s.step, s.lr);
     }
 }
 
 #[test]
 fn resuming_from_an_older_checkpoint_keeps_the_new_one() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
-    let mut t = Trainer::new(trainer::config::TrainConfig {
-        max_iters: 8,
-        eval_interval: 4,
-        keep_last: 2,
-        ..tiny_config(&dir)
-    })
-    .unwrap();
-    t.run(&mut Recorder::default(), &AtomicBool::new(false))
-        .unwrap();
+    let (_tmp, dir) = keeping_two(4);
     // Roll back to step 4 (e.g. after a divergence) while step 8 exists, keep only 1, and
     // save step 6: the checkpoint just written must survive pruning.
     let older = dir.join("checkpoints/step-0000004");
@@ -270,8 +208,7 @@ fn resuming_from_an_older_checkpoint_keeps_the_new_one() {
         c.keep_last = 1;
     })
     .unwrap();
-    back.run(&mut Recorder::default(), &AtomicBool::new(false))
-        .unwrap();
+    run_to_end(&mut back);
     assert!(dir
         .join("checkpoints/step-0000006/trainer_state.json")
         .is_file());

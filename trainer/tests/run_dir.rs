@@ -8,17 +8,10 @@ use std::fs;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
 
-use common::{snapshot, tiny_config, Recorder};
+use common::{run_to_end, snapshot, tiny_config, tiny_run, train, Recorder};
 use trainer::checkpoint;
 use trainer::config::TrainConfig;
 use trainer::train::Trainer;
-
-fn train(cfg: TrainConfig) -> Trainer {
-    let mut t = Trainer::new(cfg).unwrap();
-    t.run(&mut Recorder::default(), &AtomicBool::new(false))
-        .unwrap();
-    t
-}
 
 fn copy_dir(from: &Path, to: &Path) {
     fs::create_dir_all(to).unwrap();
@@ -39,21 +32,14 @@ fn latest(run: &Path) -> String {
 
 #[test]
 fn resume_continues_in_the_directory_it_was_given() {
-    let tmp = tempfile::tempdir().unwrap();
-    let original = tmp.path().join("original");
-    train(TrainConfig {
-        max_iters: 4,
-        ..tiny_config(&original)
-    });
+    let (tmp, original, _) = tiny_run(|c| c.max_iters = 4);
     let copy = tmp.path().join("copy");
     copy_dir(&original, &copy);
     let before = snapshot(&original);
 
     // The copy's checkpoint records `original` as its out_dir: resuming the copy must write
     // into the copy and leave the original alone.
-    let mut t = Trainer::resume(&copy, |c| c.max_iters = 8).unwrap();
-    t.run(&mut Recorder::default(), &AtomicBool::new(false))
-        .unwrap();
+    run_to_end(&mut Trainer::resume(&copy, |c| c.max_iters = 8).unwrap());
     assert_eq!(
         snapshot(&original),
         before,
@@ -70,28 +56,21 @@ fn resume_continues_in_the_directory_it_was_given() {
     let mut json: serde_json::Value = serde_json::from_str(&state).unwrap();
     json["config"]["out_dir"] = "relative/run".into();
     fs::write(&state_path, json.to_string()).unwrap();
-    let mut t = Trainer::resume(&copy, |c| c.max_iters = 9).unwrap();
-    t.run(&mut Recorder::default(), &AtomicBool::new(false))
-        .unwrap();
+    run_to_end(&mut Trainer::resume(&copy, |c| c.max_iters = 9).unwrap());
     assert!(!Path::new("relative").exists());
     assert_eq!(latest(&copy), "step-0000009");
 }
 
 #[test]
 fn a_fresh_run_refuses_an_existing_run_directory() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
-    train(TrainConfig {
-        max_iters: 8,
-        ..tiny_config(&dir)
-    });
+    let (_tmp, dir, _) = tiny_run(|c| c.max_iters = 8);
     let before = snapshot(&dir);
-    let mut again = Trainer::new(TrainConfig {
+    let shorter = TrainConfig {
         max_iters: 4,
         ..tiny_config(&dir)
-    })
-    .unwrap();
-    let e = again
+    };
+    let e = Trainer::new(shorter.clone())
+        .unwrap()
         .run(&mut Recorder::default(), &AtomicBool::new(false))
         .unwrap_err()
         .to_string();
@@ -103,15 +82,7 @@ fn a_fresh_run_refuses_an_existing_run_directory() {
     );
 
     // With overwrite, the old run's checkpoints are gone rather than mixed with the new ones.
-    let mut fresh = Trainer::new(TrainConfig {
-        max_iters: 4,
-        ..tiny_config(&dir)
-    })
-    .unwrap()
-    .overwrite(true);
-    fresh
-        .run(&mut Recorder::default(), &AtomicBool::new(false))
-        .unwrap();
+    run_to_end(&mut Trainer::new(shorter).unwrap().overwrite(true));
     assert!(!dir.join("checkpoints/step-0000008").exists());
     assert_eq!(latest(&dir), "step-0000004");
     let metrics = fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
@@ -166,9 +137,7 @@ fn a_killed_checkpoint_write_keeps_latest_and_resume_and_is_cleaned_up() {
     // Resume picks the last complete checkpoint, continues exactly, and removes the leftover.
     let mut resumed = Trainer::resume(&dir, |c| c.max_iters = 6).unwrap();
     assert_eq!(resumed.step(), 4);
-    resumed
-        .run(&mut Recorder::default(), &AtomicBool::new(false))
-        .unwrap();
+    run_to_end(&mut resumed);
     assert!(leftovers(&ckpts).is_empty(), "{:?}", leftovers(&ckpts));
     let straight = train(TrainConfig {
         max_iters: 6,
@@ -181,12 +150,7 @@ fn a_killed_checkpoint_write_keeps_latest_and_resume_and_is_cleaned_up() {
 #[cfg(unix)]
 #[test]
 fn latest_may_be_a_symlink_to_the_checkpoint() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
-    train(TrainConfig {
-        max_iters: 4,
-        ..tiny_config(&dir)
-    });
+    let (_tmp, dir, _) = tiny_run(|c| c.max_iters = 4);
     let latest = dir.join("checkpoints/latest");
     fs::remove_file(&latest).unwrap();
     std::os::unix::fs::symlink("step-0000004", &latest).unwrap();

@@ -96,7 +96,7 @@ pub fn hf_model_dir(dir: &Path, n_positions: usize) -> PathBuf {
 }
 
 /// Copies the files of model directory `src` into a hub cache under `hf_home/hub` as model
-/// `id` (`models--org--name/snapshots/<commit>/`, `refs/main`); returns `hf_home`.
+/// `id` (`models--org--name/snapshots/<commit>/`, `refs/main`); returns the snapshot directory.
 pub fn hub_cache(hf_home: &Path, id: &str, src: &Path) -> PathBuf {
     let repo = hf_home
         .join("hub")
@@ -112,7 +112,7 @@ pub fn hub_cache(hf_home: &Path, id: &str, src: &Path) -> PathBuf {
     }
     fs::create_dir_all(repo.join("refs")).unwrap();
     fs::write(repo.join("refs/main"), commit).unwrap();
-    hf_home.to_path_buf()
+    snap
 }
 
 /// The `config.json` of checkpoint or model directory `dir`.

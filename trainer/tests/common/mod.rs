@@ -4,11 +4,14 @@
 pub mod hf;
 pub mod tiny;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
 
+use candle_core::{Tensor, WithDType};
+use tempfile::TempDir;
 use trainer::config::TrainConfig;
 use trainer::metrics::StepStats;
-use trainer::train::{Event, Observer};
+use trainer::train::{Event, Observer, Trainer};
 
 /// A config small enough for a test: 2 layers, 32 wide, 16 tokens, embedded addition data.
 pub fn tiny_config(out_dir: &Path) -> TrainConfig {
@@ -54,6 +57,81 @@ impl Observer for Recorder {
     }
 }
 
+/// A run's step statistics and its final weights (see [`weights`]).
+pub type Run = (Vec<StepStats>, Vec<(String, Vec<f32>)>);
+
+/// Runs `t` to its `max_iters` (never asked to stop); returns the statistics of its steps.
+pub fn run_to_end(t: &mut Trainer) -> Vec<StepStats> {
+    let mut rec = Recorder::default();
+    t.run(&mut rec, &AtomicBool::new(false)).unwrap();
+    rec.steps
+}
+
+/// Runs `t` to its end; its steps and final weights.
+pub fn finish(mut t: Trainer) -> Run {
+    let steps = run_to_end(&mut t);
+    (steps, weights(&t))
+}
+
+/// A new trainer for `cfg`, run to its end.
+pub fn train(cfg: TrainConfig) -> Trainer {
+    let mut t = Trainer::new(cfg).unwrap();
+    run_to_end(&mut t);
+    t
+}
+
+/// A finished run of [`tiny_config`] changed by `set`, in `run/` of a fresh temporary
+/// directory: the temporary directory (removed when dropped), the run directory, the trainer.
+pub fn tiny_run(set: impl FnOnce(&mut TrainConfig)) -> (TempDir, PathBuf, Trainer) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let mut cfg = tiny_config(&dir);
+    set(&mut cfg);
+    let t = train(cfg);
+    (tmp, dir, t)
+}
+
+/// Asserts that two runs' steps agree to the bit in what decides the training: step numbers,
+/// losses, loss scales and skips (`what` names the comparison in a failure).
+pub fn assert_same_losses(a: &[StepStats], b: &[StepStats], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: number of steps");
+    for (x, y) in a.iter().zip(b) {
+        let s = x.step;
+        assert_eq!(s, y.step, "{what}: step numbers");
+        assert_eq!(
+            x.loss.to_bits(),
+            y.loss.to_bits(),
+            "{what}: loss at step {s}"
+        );
+        assert_eq!(x.loss_scale, y.loss_scale, "{what}: loss scale at step {s}");
+        assert_eq!(x.skipped, y.skipped, "{what}: skipped at step {s}");
+    }
+}
+
+/// [`assert_same_losses`], and the same gradient norms (to the bit) and learning rates.
+pub fn assert_same_steps(a: &[StepStats], b: &[StepStats], what: &str) {
+    assert_same_losses(a, b, what);
+    for (x, y) in a.iter().zip(b) {
+        let s = x.step;
+        assert_eq!(
+            x.grad_norm.to_bits(),
+            y.grad_norm.to_bits(),
+            "{what}: grad norm at step {s}"
+        );
+        assert_eq!(x.lr, y.lr, "{what}: lr at step {s}");
+    }
+}
+
+/// The elements of `t`, converted to `T`, flattened.
+pub fn values<T: WithDType>(t: &Tensor) -> Vec<T> {
+    t.to_dtype(T::DTYPE)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<T>()
+        .unwrap()
+}
+
 /// All parameters as (name, flattened f32 values).
 pub fn weights(t: &trainer::train::Trainer) -> Vec<(String, Vec<f32>)> {
     t.params
@@ -89,11 +167,41 @@ pub fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
     out
 }
 
-/// Runs the `trainer` binary with `args` in `cwd`.
+/// `trainer train` flags for a tiny run (1 layer, 16 wide, 16 tokens, a short evaluation every
+/// 3 steps); `--max-iters` is the caller's.
+pub const TINY_ARGS: &[&str] = &[
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "16",
+    "--block-size",
+    "16",
+    "--batch-size",
+    "4",
+    "--digits",
+    "2",
+    "--eval-iters",
+    "1",
+    "--eval-problems",
+    "8",
+    "--eval-interval",
+    "3",
+    "--warmup-iters",
+    "1",
+];
+
+/// Runs the `trainer` binary with `args` in `cwd`, its Hugging Face hub cache (`HF_HOME`) in
+/// `cwd/home/hf` and its data cache in `cwd/home/cache`, so that it reads and writes no user
+/// cache.
 pub fn run_cli(args: &[&str], cwd: &Path) -> std::process::Output {
+    let home = cwd.join("home");
     std::process::Command::new(env!("CARGO_BIN_EXE_trainer"))
         .args(args)
         .current_dir(cwd)
+        .env("HF_HOME", home.join("hf"))
+        .env("XDG_CACHE_HOME", home.join("cache"))
         .output()
         .expect("run the trainer binary")
 }

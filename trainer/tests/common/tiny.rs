@@ -171,15 +171,7 @@ impl Model for Tiny {
     }
     fn map(&self, f: WeightMap) -> candle_core::Result<Box<dyn Model>> {
         // Each link maps its own reads (the tied embedding once per link that reads it).
-        let links: Vec<Link> = self
-            .links()
-            .iter()
-            .map(|l| l.map(f))
-            .collect::<candle_core::Result<_>>()?;
-        Ok(Box::new(Mapped {
-            config: self.config.clone(),
-            links,
-        }))
+        Mapped::of(&self.config, &self.links(), f)
     }
     /// No real cache: recomputes the whole sequence, kept in the cache's first slot.
     fn forward_cached(&self, idx: &Tensor, cache: &mut KvCache) -> candle_core::Result<Tensor> {
@@ -204,6 +196,23 @@ struct Mapped {
     links: Vec<Link>,
 }
 
+impl Mapped {
+    fn of(
+        config: &TinyConfig,
+        links: &[Link],
+        f: WeightMap,
+    ) -> candle_core::Result<Box<dyn Model>> {
+        let links = links
+            .iter()
+            .map(|l| l.map(f))
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Box::new(Mapped {
+            config: config.clone(),
+            links,
+        }))
+    }
+}
+
 impl Model for Mapped {
     fn config(&self) -> &dyn ModelConfig {
         &self.config
@@ -212,15 +221,7 @@ impl Model for Mapped {
         self.links.clone()
     }
     fn map(&self, f: WeightMap) -> candle_core::Result<Box<dyn Model>> {
-        let links = self
-            .links
-            .iter()
-            .map(|l| l.map(f))
-            .collect::<candle_core::Result<_>>()?;
-        Ok(Box::new(Mapped {
-            config: self.config.clone(),
-            links,
-        }))
+        Mapped::of(&self.config, &self.links, f)
     }
     fn forward_cached(&self, _: &Tensor, _: &mut KvCache) -> candle_core::Result<Tensor> {
         candle_core::bail!("the mapped copy is for training only")
