@@ -84,6 +84,18 @@ fn compare(a: &Run, b: &Run) -> (f32, f32) {
     (worst_step, worst_w)
 }
 
+/// A 2-layer GPT-2, 16 wide, over 11 token ids.
+fn small_gpt(block_size: usize) -> GptConfig {
+    GptConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        block_size,
+        vocab_size: 11,
+        ..GptConfig::default()
+    }
+}
+
 fn tmp(name: &str) -> (tempfile::TempDir, PathBuf) {
     let t = tempfile::tempdir().unwrap();
     let p = t.path().join(name);
@@ -302,14 +314,7 @@ fn every_link_owns_and_reads_exactly_the_parameters_it_lists() {
     let tc = tiny(0.0);
     let (m, params) = model::init(&tc, 1, &dev).unwrap();
     check_links(m.as_ref(), &params, &ids(&dev)).unwrap();
-    let gpt = GptConfig {
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 16,
-        block_size: 8,
-        vocab_size: 11,
-        ..GptConfig::default()
-    };
+    let gpt = small_gpt(8);
     let (g, gp) = Gpt::new(&gpt, 1, &dev).unwrap();
     check_links(&g, &gp, &ids(&dev)).unwrap();
 
@@ -383,14 +388,7 @@ impl LinearDelta for LowRank {
 #[test]
 fn an_adapter_wraps_any_projection_by_its_module_path() {
     let dev = Device::Cpu;
-    let cfg = GptConfig {
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 16,
-        block_size: 8,
-        vocab_size: 11,
-        ..GptConfig::default()
-    };
+    let cfg = small_gpt(8);
     let (plain, params) = Gpt::new(&cfg, 1, &dev).unwrap();
     let a = Var::from_tensor(&Tensor::randn(0f32, 0.1, (16, 4), &dev).unwrap()).unwrap();
     let b = Var::from_tensor(&Tensor::zeros((4, 48), DType::F32, &dev).unwrap()).unwrap();
@@ -522,14 +520,7 @@ fn an_accumulated_step_is_the_token_mean_of_the_whole_step() {
 #[test]
 fn the_kv_cache_gives_the_logits_of_the_whole_sequence() {
     let dev = Device::Cpu;
-    let cfg = GptConfig {
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 16,
-        block_size: 12,
-        vocab_size: 11,
-        ..GptConfig::default()
-    };
+    let cfg = small_gpt(12);
     let (gpt, _) = Gpt::new(&cfg, 5, &dev).unwrap();
     let seq = Tensor::new(
         &[[1u32, 4, 2, 9, 3, 3, 7, 0, 5], [2, 2, 8, 1, 6, 4, 10, 3, 1]],

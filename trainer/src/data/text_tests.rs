@@ -41,23 +41,9 @@ impl Fixture {
 
     /// A word-level tokenizer.json built with the `tokenizers` crate (no download).
     fn tokenizer(&self) -> PathBuf {
-        use tokenizers::models::wordlevel::WordLevel;
-        use tokenizers::pre_tokenizers::whitespace::Whitespace;
         let words = ["<unk>", "hello", "world", "the", "cat", "sat", ",", "."];
-        let model = WordLevel::builder()
-            .vocab(
-                words
-                    .iter()
-                    .enumerate()
-                    .map(|(i, w)| (w.to_string(), i as u32))
-                    .collect(),
-            )
-            .unk_token("<unk>".into())
-            .build()
-            .unwrap();
-        let mut tok = tokenizers::Tokenizer::new(model);
-        tok.with_pre_tokenizer(Some(Whitespace));
         let p = self.dir.path().join("tokenizer.json");
+        let tok = crate::pretrained::word_level(&words, &[]).unwrap();
         tok.save(&p, false).unwrap();
         p
     }

@@ -22,7 +22,9 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 
 pub use eval::{evaluate, mean_loss, EvalRequest};
-pub use tokenizer::{SpecialTokens, TokenizerFile, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
+pub use tokenizer::{
+    word_level, SpecialTokens, TokenizerFile, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
+};
 
 use crate::checkpoint::{self, TrainerState, CONFIG_FILE, MODEL_FILE, STATE_FILE};
 use crate::config::TrainConfig;

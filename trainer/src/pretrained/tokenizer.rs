@@ -110,25 +110,44 @@ impl TokenizerFile {
     }
 }
 
+/// A word-level tokenizer over `words` (id `i` is `words[i]`, `words[0]` the unknown token),
+/// splitting on whitespace and punctuation, with `special` added as special tokens: a small
+/// vocabulary for tests and toy corpora, built without a download.
+pub fn word_level(words: &[&str], special: &[&str]) -> Result<tokenizers::Tokenizer> {
+    use tokenizers::models::wordlevel::WordLevel;
+    use tokenizers::pre_tokenizers::whitespace::Whitespace;
+    let Some(unk) = words.first() else {
+        return Err(Error::Tokenizer(
+            "a word-level vocabulary needs at least one word".into(),
+        ));
+    };
+    let vocab = words
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.to_string(), i as u32))
+        .collect();
+    let model = WordLevel::builder()
+        .vocab(vocab)
+        .unk_token(unk.to_string())
+        .build()
+        .map_err(|e| Error::Tokenizer(e.to_string()))?;
+    let mut tok = tokenizers::Tokenizer::new(model);
+    tok.with_pre_tokenizer(Some(Whitespace));
+    let special: Vec<_> = special
+        .iter()
+        .map(|s| tokenizers::AddedToken::from(s.to_string(), true))
+        .collect();
+    tok.add_special_tokens(&special);
+    Ok(tok)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokenizers::models::wordlevel::WordLevel;
 
     fn write(dir: &Path, words: &[&str]) -> PathBuf {
-        let model = WordLevel::builder()
-            .vocab(
-                words
-                    .iter()
-                    .enumerate()
-                    .map(|(i, w)| (w.to_string(), i as u32))
-                    .collect(),
-            )
-            .unk_token(words[0].into())
-            .build()
-            .unwrap();
         let p = dir.join(TOKENIZER_FILE);
-        tokenizers::Tokenizer::new(model).save(&p, false).unwrap();
+        word_level(words, &[]).unwrap().save(&p, false).unwrap();
         p
     }
 

@@ -30,23 +30,7 @@ pub const ENDOFTEXT: u32 = 9;
 /// Writes a word-level `tokenizer.json` over [`WORDS`] into `dir` (whitespace pre-tokenizer,
 /// `<|endoftext|>` an added special token) and returns its path.
 pub fn tokenizer(dir: &Path) -> PathBuf {
-    use tokenizers::models::wordlevel::WordLevel;
-    use tokenizers::pre_tokenizers::whitespace::Whitespace;
-    use tokenizers::AddedToken;
-    let model = WordLevel::builder()
-        .vocab(
-            WORDS
-                .iter()
-                .enumerate()
-                .map(|(i, w)| (w.to_string(), i as u32))
-                .collect(),
-        )
-        .unk_token("<unk>".into())
-        .build()
-        .unwrap();
-    let mut tok = tokenizers::Tokenizer::new(model);
-    tok.with_pre_tokenizer(Some(Whitespace));
-    tok.add_special_tokens(&[AddedToken::from("<|endoftext|>", true)]);
+    let tok = trainer::pretrained::word_level(&WORDS, &["<|endoftext|>"]).unwrap();
     fs::create_dir_all(dir).unwrap();
     let p = dir.join("tokenizer.json");
     tok.save(&p, false).unwrap();
