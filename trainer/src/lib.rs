@@ -13,6 +13,9 @@
 
 #![warn(missing_docs)]
 
+#[macro_use]
+mod names;
+
 pub mod checkpoint;
 pub mod config;
 pub mod data;

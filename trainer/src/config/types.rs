@@ -56,27 +56,11 @@ impl Precision {
     }
 }
 
-impl FromStr for Precision {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "f32" => Ok(Precision::F32),
-            "bf16" => Ok(Precision::Bf16),
-            "f16" => Ok(Precision::F16),
-            other => Err(format!("dtype must be f32, f16 or bf16, not `{other}`")),
-        }
-    }
-}
-
-impl fmt::Display for Precision {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Precision::F32 => "f32",
-            Precision::Bf16 => "bf16",
-            Precision::F16 => "f16",
-        })
-    }
-}
+named_enum!(Precision, "dtype must be f32, f16 or bf16", {
+    F32 => "f32",
+    Bf16 => "bf16",
+    F16 => "f16",
+});
 serde_as_text!(Precision);
 
 /// Loss scaling: `auto` (dynamic for f16, none otherwise), `dynamic`, `none`, or a static

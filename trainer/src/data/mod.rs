@@ -236,38 +236,12 @@ pub enum DataKind {
     Tokenizer,
 }
 
-impl std::str::FromStr for DataKind {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "addition" => Ok(DataKind::Addition),
-            "char" => Ok(DataKind::Char),
-            "byte" => Ok(DataKind::Byte),
-            "tokenizer" => Ok(DataKind::Tokenizer),
-            other => Err(format!(
-                "data must be addition, char, byte or tokenizer, not `{other}`"
-            )),
-        }
-    }
-}
-
-impl DataKind {
-    /// The lowercase name used in configs.
-    pub fn name(self) -> &'static str {
-        match self {
-            DataKind::Addition => "addition",
-            DataKind::Char => "char",
-            DataKind::Byte => "byte",
-            DataKind::Tokenizer => "tokenizer",
-        }
-    }
-}
-
-impl std::fmt::Display for DataKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+named_enum!(DataKind, "data must be addition, char, byte or tokenizer", {
+    Addition => "addition",
+    Char => "char",
+    Byte => "byte",
+    Tokenizer => "tokenizer",
+});
 
 /// Configuration of the data source (the `[data]` section of a run config).
 ///
@@ -449,7 +423,7 @@ mod tests {
             DataKind::Tokenizer,
         ] {
             let json = serde_json::to_string(&kind).unwrap();
-            assert_eq!(json, format!("\"{}\"", kind.name()));
+            assert_eq!(json, format!("\"{kind}\""));
         }
         let spec = DataSpec {
             kind: DataKind::Char,

@@ -7,9 +7,6 @@
 //! composite expressions in `candle-fused`'s tests, and the whole model in
 //! `trainer/tests/kernels.rs`).
 
-use std::fmt;
-use std::str::FromStr;
-
 use candle_core::Tensor;
 use candle_fused::attention::{self, AttentionConfig};
 use candle_fused::{cross_entropy, dropout, linear, linear_gelu, norm, RngKey};
@@ -31,25 +28,10 @@ pub enum Kernels {
     Reference,
 }
 
-impl FromStr for Kernels {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "fused" => Ok(Kernels::Fused),
-            "reference" => Ok(Kernels::Reference),
-            other => Err(format!("kernels must be fused or reference, not `{other}`")),
-        }
-    }
-}
-
-impl fmt::Display for Kernels {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Kernels::Fused => "fused",
-            Kernels::Reference => "reference",
-        })
-    }
-}
+named_enum!(Kernels, "kernels must be fused or reference", {
+    Fused => "fused",
+    Reference => "reference",
+});
 
 type R = candle_core::Result<Tensor>;
 
