@@ -66,6 +66,57 @@ impl Membership {
     }
 }
 
+/// The [`Communicator`](crate::Communicator) methods of a backend that does the work in
+/// group-free `raw_*` methods (`raw_all_reduce`, `raw_reduce_scatter`, `raw_all_gather`,
+/// `raw_broadcast`, `raw_send`, `raw_recv`) and names its group in a `group: Membership`
+/// field: each method adds the group context ([`Membership::wrap`]) to its `raw_*` method's
+/// result. Invoked inside the backend's `impl Communicator`.
+macro_rules! group_wrapped_ops {
+    () => {
+        fn all_reduce(
+            &self,
+            tensor: &candle_core::Tensor,
+            op: $crate::ReduceOp,
+        ) -> $crate::Result<candle_core::Tensor> {
+            self.group.wrap(self.raw_all_reduce(tensor, op))
+        }
+
+        fn reduce_scatter(
+            &self,
+            tensor: &candle_core::Tensor,
+            op: $crate::ReduceOp,
+        ) -> $crate::Result<candle_core::Tensor> {
+            self.group.wrap(self.raw_reduce_scatter(tensor, op))
+        }
+
+        fn all_gather(&self, tensor: &candle_core::Tensor) -> $crate::Result<candle_core::Tensor> {
+            self.group.wrap(self.raw_all_gather(tensor))
+        }
+
+        fn broadcast(
+            &self,
+            tensor: &candle_core::Tensor,
+            root: usize,
+        ) -> $crate::Result<candle_core::Tensor> {
+            self.group.wrap(self.raw_broadcast(tensor, root))
+        }
+
+        fn send(&self, tensor: &candle_core::Tensor, to: usize, tag: u32) -> $crate::Result<()> {
+            self.group.wrap(self.raw_send(tensor, to, tag))
+        }
+
+        fn recv(
+            &self,
+            from: usize,
+            tag: u32,
+            device: &candle_core::Device,
+        ) -> $crate::Result<candle_core::Tensor> {
+            self.group.wrap(self.raw_recv(from, tag, device))
+        }
+    };
+}
+pub(crate) use group_wrapped_ops;
+
 /// What the ranks agreed on in a split, seen from one rank.
 #[derive(Debug)]
 pub(crate) struct Plan {
