@@ -70,47 +70,31 @@ impl Membership {
 /// group-free `raw_*` methods (`raw_all_reduce`, `raw_reduce_scatter`, `raw_all_gather`,
 /// `raw_broadcast`, `raw_send`, `raw_recv`) and names its group in a `group: Membership`
 /// field: each method adds the group context ([`Membership::wrap`]) to its `raw_*` method's
-/// result. Invoked inside the backend's `impl Communicator`.
+/// result. Invoked inside the backend's `impl Communicator`, where `Tensor`, `Device`,
+/// `ReduceOp` and `Result` name Candle's and this crate's types.
 macro_rules! group_wrapped_ops {
     () => {
-        fn all_reduce(
-            &self,
-            tensor: &candle_core::Tensor,
-            op: $crate::ReduceOp,
-        ) -> $crate::Result<candle_core::Tensor> {
+        fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
             self.group.wrap(self.raw_all_reduce(tensor, op))
         }
 
-        fn reduce_scatter(
-            &self,
-            tensor: &candle_core::Tensor,
-            op: $crate::ReduceOp,
-        ) -> $crate::Result<candle_core::Tensor> {
+        fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
             self.group.wrap(self.raw_reduce_scatter(tensor, op))
         }
 
-        fn all_gather(&self, tensor: &candle_core::Tensor) -> $crate::Result<candle_core::Tensor> {
+        fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
             self.group.wrap(self.raw_all_gather(tensor))
         }
 
-        fn broadcast(
-            &self,
-            tensor: &candle_core::Tensor,
-            root: usize,
-        ) -> $crate::Result<candle_core::Tensor> {
+        fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
             self.group.wrap(self.raw_broadcast(tensor, root))
         }
 
-        fn send(&self, tensor: &candle_core::Tensor, to: usize, tag: u32) -> $crate::Result<()> {
+        fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
             self.group.wrap(self.raw_send(tensor, to, tag))
         }
 
-        fn recv(
-            &self,
-            from: usize,
-            tag: u32,
-            device: &candle_core::Device,
-        ) -> $crate::Result<candle_core::Tensor> {
+        fn recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
             self.group.wrap(self.raw_recv(from, tag, device))
         }
     };
