@@ -9,15 +9,17 @@ use candle_amp::{
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::Optimizer;
-use common::{flat, poisoned, uniform, var, Record};
+use common::{poisoned, seeded_var, Record};
+use test_support::compare::values;
+use test_support::random::{rng, uniform};
 
 /// Two parameters: `a` gets gradient `x` (small), `b` gets gradient `k` everywhere, both
 /// computed in f16, so `b`'s scaled gradient `k * scale` overflows f16 (max 65504) when
 /// `k * scale > 65504`.
 fn model(dev: &Device, k: f32) -> (Var, Var, Tensor, f32) {
-    let a = var(1, &[3, 4], dev);
-    let b = var(2, &[5], dev);
-    let x = uniform(3, &[3, 4], 0.0, 0.5, dev);
+    let a = seeded_var(1, &[3, 4], dev);
+    let b = seeded_var(2, &[5], dev);
+    let x = uniform(&mut rng(3), &[3, 4], 0.0, 0.5, dev);
     (a, b, x, k)
 }
 
@@ -63,15 +65,15 @@ fn injected_overflow_skips_backs_off_and_reports() -> anyhow::Result<()> {
     let (a, b, x, k) = model(&dev, 4.0);
     let mut amp = amp_for(&a, &b, ScalerConfig::dynamic().init_scale(32768.0))?;
     let mut opt = candle_nn::SGD::new(amp.weights().master_vars(), 0.1)?;
-    let (a0, b0) = (flat(a.as_tensor()), flat(b.as_tensor()));
+    let (a0, b0) = (values(a.as_tensor()), values(b.as_tensor()));
     let mut seen = Vec::new();
     for _ in 0..3 {
         let grads = amp.backward(&loss(&a, &b, &x, k)?)?;
         seen.push(amp.step(&grads, &mut Plain(&mut opt))?);
         if seen.len() < 3 {
             // Skipped steps leave the weights bit-identical.
-            assert_eq!(flat(a.as_tensor()), a0);
-            assert_eq!(flat(b.as_tensor()), b0);
+            assert_eq!(values(a.as_tensor()), a0);
+            assert_eq!(values(b.as_tensor()), b0);
         }
     }
     for (i, o) in seen.iter().take(2).enumerate() {
@@ -97,9 +99,9 @@ fn injected_overflow_skips_backs_off_and_reports() -> anyhow::Result<()> {
         o => panic!("expected applied, got {o:?}"),
     }
     // b's unscaled gradient is exactly k, so SGD moved it by exactly 0.1 * 4 (in f32).
-    let b1 = flat(b.as_tensor());
+    let b1 = values(b.as_tensor());
     for (x0, x1) in b0.iter().zip(&b1) {
-        assert_eq!(*x1, x0 - 0.1f32 * 4.0);
+        assert_eq!(*x1, f64::from(*x0 as f32 - 0.1f32 * 4.0));
     }
     let st = amp.state();
     assert_eq!(
@@ -113,7 +115,7 @@ fn injected_overflow_skips_backs_off_and_reports() -> anyhow::Result<()> {
 #[test]
 fn nan_and_inf_are_detected_and_named() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let (a, b) = (var(1, &[2, 3], &dev), var(2, &[4], &dev));
+    let (a, b) = (seeded_var(1, &[2, 3], &dev), seeded_var(2, &[4], &dev));
     let mut amp = amp_for(&a, &b, ScalerConfig::none())?;
     let mut rec = Record::default();
     let mut step = |g: &GradStore| -> anyhow::Result<Vec<String>> {
@@ -158,7 +160,7 @@ fn nan_and_inf_are_detected_and_named() -> anyhow::Result<()> {
 #[test]
 fn growth_after_interval_and_max_scale() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let (a, b) = (var(1, &[2], &dev), var(2, &[2], &dev));
+    let (a, b) = (seeded_var(1, &[2], &dev), seeded_var(2, &[2], &dev));
     let cfg = ScalerConfig::dynamic()
         .growth_interval(3)
         .max_scale(262144.0);
@@ -210,7 +212,7 @@ fn growth_after_interval_and_max_scale() -> anyhow::Result<()> {
 #[test]
 fn hysteresis_delays_backoff() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let (a, b) = (var(1, &[2], &dev), var(2, &[2], &dev));
+    let (a, b) = (seeded_var(1, &[2], &dev), seeded_var(2, &[2], &dev));
     let mut rec = Record::default();
     let cfg = ScalerConfig::dynamic().hysteresis(3).growth_interval(2);
     let mut s = amp_for(&a, &b, cfg.clone())?;
@@ -249,7 +251,7 @@ fn hysteresis_delays_backoff() -> anyhow::Result<()> {
 #[test]
 fn collapse_errors_with_diagnosis_or_continues() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let (a, b) = (var(1, &[2, 2], &dev), var(2, &[3], &dev));
+    let (a, b) = (seeded_var(1, &[2, 2], &dev), seeded_var(2, &[3], &dev));
     let bad = |dev: &Device| -> anyhow::Result<GradStore> {
         let mut g = GradStore::default();
         g.insert(a.as_tensor(), Tensor::ones((2, 2), DType::F32, dev)?);
@@ -326,7 +328,7 @@ fn static_scaler_skips_without_changing_scale() -> anyhow::Result<()> {
 
 #[test]
 fn invalid_configs_are_rejected() -> anyhow::Result<()> {
-    let a = var(1, &[2], &Device::Cpu);
+    let a = seeded_var(1, &[2], &Device::Cpu);
     let weights = MasterWeights::new([("a".to_string(), a)], DType::F16, WeightMode::Cast)?;
     for cfg in [
         ScalerConfig::dynamic().init_scale(0.0),
@@ -423,7 +425,7 @@ fn fused_update_matches_plain() -> anyhow::Result<()> {
             _ => unreachable!(),
         }
         for (p, q) in [(&a, &a2), (&b, &b2)] {
-            let (p, q) = (flat(p.as_tensor()), flat(q.as_tensor()));
+            let (p, q) = (values(p.as_tensor()), values(q.as_tensor()));
             for (u, v) in p.iter().zip(&q) {
                 assert!(
                     (u - v).abs() <= 1e-6 * u.abs().max(1.0),

@@ -5,10 +5,16 @@ mod common;
 use candle_amp::{Amp, MasterWeights, Plain, ScalerConfig, ScalerState, StepOutcome, WeightMode};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::Optimizer;
-use common::{flat, uniform};
+use std::collections::HashMap;
+use test_support::compare::values;
+use test_support::fs::TempDir;
+use test_support::random::{rng, uniform};
 
-fn tmp(name: &str) -> std::path::PathBuf {
-    std::env::temp_dir().join(format!("candle-amp-{}-{name}", std::process::id()))
+/// The metadata of a safetensors file.
+fn file_metadata(path: &std::path::Path) -> anyhow::Result<HashMap<String, String>> {
+    let bytes = std::fs::read(path)?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)?;
+    Ok(header.metadata().clone().unwrap_or_default())
 }
 
 #[test]
@@ -30,19 +36,17 @@ fn state_round_trips_through_tensors_and_files() -> anyhow::Result<()> {
         ScalerState::from_tensors(&st.to_tensors("x.", &dev)?, "x.")?,
         st
     );
-    let path = tmp("roundtrip.safetensors");
+    let dir = TempDir::new("candle-amp-state");
+    let path = dir.join("roundtrip.safetensors");
     st.save(&path)?;
     assert_eq!(ScalerState::load(&path)?, st);
     // The file format: both tensors and every field as exact metadata, under `amp.`.
-    let bytes = std::fs::read(&path)?;
-    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)?;
-    let meta = header.metadata().clone().unwrap_or_default();
+    let meta = file_metadata(&path)?;
     assert_eq!(meta["amp.scale"], "0.30000000000000004");
     assert_eq!(meta["amp.steps"], (1u64 << 40).to_string());
     let tensors = candle_core::safetensors::load(&path, &dev)?;
     assert_eq!(tensors["amp.scale"].to_vec1::<f64>()?, [st.scale]);
     assert_eq!(tensors["amp.counters"].dims(), [9]);
-    std::fs::remove_file(path)?;
     Ok(())
 }
 
@@ -67,8 +71,8 @@ fn fresh(w0: &Tensor) -> anyhow::Result<Run> {
 
 fn step(run: &mut Run, i: u64, dev: &Device) -> anyhow::Result<StepOutcome> {
     let big = if [2, 3, 8].contains(&i) { 1e4 } else { 1.0 };
-    let x = (uniform(i, &[4, 6], -1.0, 1.0, dev) * big)?;
-    let y = uniform(i + 1000, &[4, 2], -1.0, 1.0, dev);
+    let x = (uniform(&mut rng(i), &[4, 6], -1.0, 1.0, dev) * big)?;
+    let y = uniform(&mut rng(i + 1000), &[4, 2], -1.0, 1.0, dev);
     let pred = x
         .to_dtype(DType::F16)?
         .matmul(&run.w.as_tensor().to_dtype(DType::F16)?)?;
@@ -80,7 +84,7 @@ fn step(run: &mut Run, i: u64, dev: &Device) -> anyhow::Result<StepOutcome> {
 #[test]
 fn resumed_run_equals_uninterrupted_run() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let w0 = uniform(7, &[6, 2], -0.5, 0.5, &dev);
+    let w0 = uniform(&mut rng(7), &[6, 2], -0.5, 0.5, &dev);
     let n = 12;
     let mut full = fresh(&w0)?;
     let mut outcomes = Vec::new();
@@ -101,11 +105,10 @@ fn resumed_run_equals_uninterrupted_run() -> anyhow::Result<()> {
     for i in 0..n / 2 {
         resumed_outcomes.push(step(&mut first, i, &dev)?);
     }
-    let path = tmp("resume.safetensors");
+    let dir = TempDir::new("candle-amp-resume");
+    let path = dir.join("resume.safetensors");
     first.amp.save_state(&path)?;
-    let bytes = std::fs::read(&path)?;
-    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)?;
-    let meta = header.metadata().clone().unwrap_or_default();
+    let meta = file_metadata(&path)?;
     assert!(meta["amp.config"].contains("growth_interval: 3"));
     let w_saved = first.w.as_tensor().copy()?;
     drop(first);
@@ -116,7 +119,6 @@ fn resumed_run_equals_uninterrupted_run() -> anyhow::Result<()> {
     }
     assert_eq!(resumed_outcomes, outcomes);
     assert_eq!(second.amp.state(), full.amp.state());
-    assert_eq!(flat(second.w.as_tensor()), flat(full.w.as_tensor()));
-    std::fs::remove_file(path)?;
+    assert_eq!(values(second.w.as_tensor()), values(full.w.as_tensor()));
     Ok(())
 }

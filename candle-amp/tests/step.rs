@@ -10,7 +10,9 @@ use candle_amp::{
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use common::{flat, uniform, var, Record};
+use common::{seeded_var, Record};
+use test_support::compare::values;
+use test_support::random::{rng, uniform};
 
 /// A two-layer MLP with a softmax cross-entropy loss; weights cast to `dt` in the forward.
 struct Mlp {
@@ -21,8 +23,8 @@ struct Mlp {
 impl Mlp {
     fn new(seed: u64, d_in: usize, d_hid: usize, d_out: usize, dev: &Device) -> Self {
         Self {
-            w1: var(seed, &[d_in, d_hid], dev),
-            w2: var(seed + 1, &[d_hid, d_out], dev),
+            w1: seeded_var(seed, &[d_in, d_hid], dev),
+            w2: seeded_var(seed + 1, &[d_hid, d_out], dev),
         }
     }
 
@@ -62,7 +64,7 @@ impl Mlp {
 }
 
 fn data(seed: u64, n: usize, d_in: usize, d_out: usize, dev: &Device) -> (Tensor, Tensor) {
-    let x = uniform(seed, &[n, d_in], -2.0, 2.0, dev);
+    let x = uniform(&mut rng(seed), &[n, d_in], -2.0, 2.0, dev);
     let y: Vec<u32> = (0..n as u32)
         .map(|i| (i * 7 + seed as u32) % d_out as u32)
         .collect();
@@ -97,8 +99,8 @@ fn master_step_equals_plain_f32_step() -> anyhow::Result<()> {
             assert!(o.is_applied());
         }
         assert!(amp.scale() > 65536.0, "growth happened");
-        assert_eq!(flat(mixed.w1.as_tensor()), flat(plain.w1.as_tensor()));
-        assert_eq!(flat(mixed.w2.as_tensor()), flat(plain.w2.as_tensor()));
+        assert_eq!(values(mixed.w1.as_tensor()), values(plain.w1.as_tensor()));
+        assert_eq!(values(mixed.w2.as_tensor()), values(plain.w2.as_tensor()));
     }
     Ok(())
 }
@@ -134,10 +136,13 @@ fn copies_equal_casts_in_f16_and_bf16() -> anyhow::Result<()> {
             let ob = amp_b.step(&amp_b.backward(&lb)?, &mut Plain(&mut opt_b))?;
             assert_eq!(oa, ob);
         }
-        assert_eq!(flat(a.w1.as_tensor()), flat(b.w1.as_tensor()));
-        assert_eq!(flat(a.w2.as_tensor()), flat(b.w2.as_tensor()));
+        assert_eq!(values(a.w1.as_tensor()), values(b.w1.as_tensor()));
+        assert_eq!(values(a.w2.as_tensor()), values(b.w2.as_tensor()));
         // Refreshed copies hold the masters rounded to the compute dtype.
-        assert_eq!(flat(c1.as_tensor()), flat(&b.w1.as_tensor().to_dtype(dt)?));
+        assert_eq!(
+            values(c1.as_tensor()),
+            values(&b.w1.as_tensor().to_dtype(dt)?)
+        );
     }
     Ok(())
 }
@@ -156,26 +161,21 @@ fn clipping_on_unscaled_grads_equals_plain_clipping() -> anyhow::Result<()> {
         let mixed = plain.copy()?;
         let (x, y) = data(seed, *n, *d_in, *d_out, &dev);
         let grads = plain.loss(DType::F32, &x, &y)?.backward()?;
-        let gs: Vec<Vec<f32>> = [&plain.w1, &plain.w2]
+        let gs: Vec<Vec<f64>> = [&plain.w1, &plain.w2]
             .iter()
-            .map(|w| flat(grads.get(w.as_tensor()).expect("grad")))
+            .map(|w| values(grads.get(w.as_tensor()).expect("grad")))
             .collect();
-        let norm = gs
-            .iter()
-            .flatten()
-            .map(|g| f64::from(*g).powi(2))
-            .sum::<f64>()
-            .sqrt();
+        let norm = gs.iter().flatten().map(|g| g.powi(2)).sum::<f64>().sqrt();
         let max_norm = norm * 0.3;
         let coef = (max_norm / (norm + 1e-6)).min(1.0);
         let expect: Vec<Vec<f64>> = [&plain.w1, &plain.w2]
             .iter()
             .zip(&gs)
             .map(|(w, g)| {
-                flat(w.as_tensor())
+                values(w.as_tensor())
                     .iter()
                     .zip(g)
-                    .map(|(w, g)| f64::from(*w) - lr * coef * f64::from(*g))
+                    .map(|(w, g)| w - lr * coef * g)
                     .collect()
             })
             .collect();
@@ -200,11 +200,8 @@ fn clipping_on_unscaled_grads_equals_plain_clipping() -> anyhow::Result<()> {
         );
         assert!((clip_coef - coef).abs() < 1e-6 && clip_coef < 0.31);
         for (w, e) in [&mixed.w1, &mixed.w2].iter().zip(&expect) {
-            for (a, b) in flat(w.as_tensor()).iter().zip(e) {
-                assert!(
-                    (f64::from(*a) - b).abs() <= 1e-6 * b.abs().max(1.0),
-                    "{a} vs {b}"
-                );
+            for (a, b) in values(w.as_tensor()).iter().zip(e) {
+                assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{a} vs {b}");
             }
         }
     }
@@ -218,9 +215,9 @@ fn clipping_on_unscaled_grads_equals_plain_clipping() -> anyhow::Result<()> {
 #[test]
 fn retry_after_a_skip_equals_a_step_at_the_lower_scale() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let run = |init: f64| -> anyhow::Result<(Vec<StepOutcome>, Vec<f32>)> {
-        let (a, b) = (var(1, &[3, 4], &dev), var(2, &[5], &dev));
-        let x = uniform(3, &[3, 4], -0.5, 0.5, &dev);
+    let run = |init: f64| -> anyhow::Result<(Vec<StepOutcome>, Vec<f64>)> {
+        let (a, b) = (seeded_var(1, &[3, 4], &dev), seeded_var(2, &[5], &dev));
+        let x = uniform(&mut rng(3), &[3, 4], -0.5, 0.5, &dev);
         let named = [("a".to_string(), a.clone()), ("b".to_string(), b.clone())];
         let mw = MasterWeights::new(named, DType::F16, WeightMode::Cast)?;
         let mut amp = Amp::new(mw, ScalerConfig::dynamic().init_scale(init))?;
@@ -232,8 +229,8 @@ fn retry_after_a_skip_equals_a_step_at_the_lower_scale() -> anyhow::Result<()> {
         while outcomes.last().is_none_or(StepOutcome::is_skipped) {
             outcomes.push(amp.step(&amp.backward(&loss)?, &mut Plain(&mut opt))?);
         }
-        let mut w = flat(a.as_tensor());
-        w.extend(flat(b.as_tensor()));
+        let mut w = values(a.as_tensor());
+        w.extend(values(b.as_tensor()));
         Ok((outcomes, w))
     };
     let (retried, w) = run(65536.0)?;
@@ -262,7 +259,7 @@ impl ScaledUpdate for Seen {
 #[test]
 fn params_without_grad_are_left_alone() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let (a, b) = (var(1, &[4], &dev), var(2, &[4], &dev));
+    let (a, b) = (seeded_var(1, &[4], &dev), seeded_var(2, &[4], &dev));
     let named = [("a".to_string(), a.clone()), ("b".to_string(), b.clone())];
     let cfg = ScalerConfig::dynamic().init_scale(1024.0);
     let mut amp = Amp::new(
@@ -312,8 +309,8 @@ fn f32_without_scaling_is_a_no_op() -> anyhow::Result<()> {
         assert_eq!((o.next_scale(), same.1.as_slice()), (1.0, &[1.0][..]));
         assert!(amp.step(&grads, &mut Plain(&mut opt_m))?.is_applied());
     }
-    assert_eq!(flat(mixed.w1.as_tensor()), flat(plain.w1.as_tensor()));
-    assert_eq!(flat(mixed.w2.as_tensor()), flat(plain.w2.as_tensor()));
+    assert_eq!(values(mixed.w1.as_tensor()), values(plain.w1.as_tensor()));
+    assert_eq!(values(mixed.w2.as_tensor()), values(plain.w2.as_tensor()));
     // With clipping, the coefficient is exactly the clip coefficient.
     let mut clipped = amp.with_clip_norm(Some(1e-3))?;
     let (x, y) = data(9, n, d_in, d_out, &dev);
@@ -393,7 +390,7 @@ impl ScaledUpdate for Failing {
 #[test]
 fn update_errors_keep_their_cause() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let w = var(1, &[3], &dev);
+    let w = seeded_var(1, &[3], &dev);
     let weights = MasterWeights::new([("w".into(), w.clone())], DType::F32, WeightMode::Cast)?;
     let mut amp = Amp::new(weights, ScalerConfig::none())?;
     let grads = amp.backward(&w.as_tensor().sum_all()?)?;

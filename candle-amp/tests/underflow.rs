@@ -5,7 +5,9 @@ mod common;
 use candle_amp::{Amp, MasterWeights, ScaledUpdate, ScalerConfig, WeightMode};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use common::{flat, uniform, var};
+use common::seeded_var;
+use test_support::compare::values;
+use test_support::random::{rng, uniform};
 
 /// `loss = sum(w16 * a16) * 1e-5` with `a` in `[1e-3, 2e-3)`: the true gradient of `w` is
 /// `a * 1e-5` (1e-8 .. 2e-8), below half the smallest f16 subnormal (2^-25 ~ 3e-8), so an
@@ -30,23 +32,23 @@ impl ScaledUpdate for Keep {
 }
 
 /// Runs one Amp step and returns the f32 gradient the optimiser applies.
-fn amp_grad(w: &Var, a: &Tensor, cfg: ScalerConfig) -> anyhow::Result<Vec<f32>> {
+fn amp_grad(w: &Var, a: &Tensor, cfg: ScalerConfig) -> anyhow::Result<Vec<f64>> {
     let mw = MasterWeights::new([("w".to_string(), w.clone())], DType::F16, WeightMode::Cast)?;
     let mut amp = Amp::new(mw, cfg)?;
     let grads = amp.backward(&loss(w, a, DType::F16)?)?;
     let mut keep = Keep::default();
     assert!(amp.step(&grads, &mut keep)?.is_applied());
-    Ok(flat(&keep.0.expect("gradient")))
+    Ok(values(&keep.0.expect("gradient")))
 }
 
 #[test]
 fn f16_underflow_lost_without_scaling_kept_with_it() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     for (seed, shape) in [(1u64, vec![64usize]), (2, vec![8, 16]), (3, vec![3, 5, 7])] {
-        let w = var(seed, &shape, &dev);
-        let a = uniform(seed + 100, &shape, 1e-3, 2e-3, &dev);
+        let w = seeded_var(seed, &shape, &dev);
+        let a = uniform(&mut rng(seed + 100), &shape, 1e-3, 2e-3, &dev);
         // Reference gradient in f32.
-        let reference = flat(
+        let reference = values(
             loss(&w, &a, DType::F32)?
                 .backward()?
                 .get(w.as_tensor())

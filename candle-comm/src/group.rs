@@ -66,6 +66,41 @@ impl Membership {
     }
 }
 
+/// The [`Communicator`](crate::Communicator) methods of a backend that does the work in
+/// group-free `raw_*` methods (`raw_all_reduce`, `raw_reduce_scatter`, `raw_all_gather`,
+/// `raw_broadcast`, `raw_send`, `raw_recv`) and names its group in a `group: Membership`
+/// field: each method adds the group context ([`Membership::wrap`]) to its `raw_*` method's
+/// result. Invoked inside the backend's `impl Communicator`, where `Tensor`, `Device`,
+/// `ReduceOp` and `Result` name Candle's and this crate's types.
+macro_rules! group_wrapped_ops {
+    () => {
+        fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+            self.group.wrap(self.raw_all_reduce(tensor, op))
+        }
+
+        fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+            self.group.wrap(self.raw_reduce_scatter(tensor, op))
+        }
+
+        fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
+            self.group.wrap(self.raw_all_gather(tensor))
+        }
+
+        fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
+            self.group.wrap(self.raw_broadcast(tensor, root))
+        }
+
+        fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
+            self.group.wrap(self.raw_send(tensor, to, tag))
+        }
+
+        fn recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
+            self.group.wrap(self.raw_recv(from, tag, device))
+        }
+    };
+}
+pub(crate) use group_wrapped_ops;
+
 /// What the ranks agreed on in a split, seen from one rank.
 #[derive(Debug)]
 pub(crate) struct Plan {

@@ -87,30 +87,21 @@ impl HostBuf {
         }
     }
 
-    /// Concatenation of `parts` (all of the same element type as the first).
+    /// Concatenation of `parts` (all of the same element type as the first; parts of the other
+    /// type are skipped).
     pub(crate) fn concat(parts: &[HostBuf]) -> HostBuf {
-        match parts.first() {
-            Some(HostBuf::F64(_)) => HostBuf::F64(
-                parts
-                    .iter()
-                    .flat_map(|p| match p {
-                        HostBuf::F64(v) => v.as_slice(),
-                        HostBuf::F32(_) => &[],
-                    })
-                    .copied()
-                    .collect(),
-            ),
-            _ => HostBuf::F32(
-                parts
-                    .iter()
-                    .flat_map(|p| match p {
-                        HostBuf::F32(v) => v.as_slice(),
-                        HostBuf::F64(_) => &[],
-                    })
-                    .copied()
-                    .collect(),
-            ),
+        let mut out = match parts.first() {
+            Some(HostBuf::F64(_)) => HostBuf::F64(Vec::new()),
+            _ => HostBuf::F32(Vec::new()),
+        };
+        for p in parts {
+            match (&mut out, p) {
+                (HostBuf::F32(a), HostBuf::F32(b)) => a.extend_from_slice(b),
+                (HostBuf::F64(a), HostBuf::F64(b)) => a.extend_from_slice(b),
+                _ => {}
+            }
         }
+        out
     }
 }
 

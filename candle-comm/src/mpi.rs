@@ -30,9 +30,10 @@ use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Root,
 
 use crate::comm::{check_peer, check_tag, scatter_rows, Communicator, ReduceOp};
 use crate::error::{CommError, Op, Result};
-use crate::group::{plan, Membership};
+use crate::group::{group_wrapped_ops, plan, Membership};
 use crate::host::{
-    dtype_code, dtype_from_code, gathered_shape, stage, unstage, with_host, HostBuf, HostSlice,
+    dtype_code, dtype_from_code, gathered_shape, stage, unstage, unstage_like, with_host, HostBuf,
+    HostSlice,
 };
 
 /// Default time a rank waits for an MPI operation before aborting the job.
@@ -346,14 +347,7 @@ impl MpiComm {
         let out = with_host(tensor, self.rank, what, |buf| {
             self.reduce_host(buf, op, what)
         })?;
-        unstage(
-            out,
-            tensor.shape(),
-            tensor.dtype(),
-            tensor.device(),
-            self.rank,
-            what,
-        )
+        unstage_like(out, tensor, self.rank, what)
     }
 
     fn raw_reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -436,14 +430,7 @@ impl MpiComm {
                 )
             }),
         }
-        unstage(
-            buf,
-            tensor.shape(),
-            tensor.dtype(),
-            tensor.device(),
-            self.rank,
-            what,
-        )
+        unstage_like(buf, tensor, self.rank, what)
     }
 
     fn raw_send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
@@ -558,29 +545,7 @@ impl Communicator for MpiComm {
         "mpi"
     }
 
-    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.group.wrap(self.raw_all_reduce(tensor, op))
-    }
-
-    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.group.wrap(self.raw_reduce_scatter(tensor, op))
-    }
-
-    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
-        self.group.wrap(self.raw_all_gather(tensor))
-    }
-
-    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
-        self.group.wrap(self.raw_broadcast(tensor, root))
-    }
-
-    fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
-        self.group.wrap(self.raw_send(tensor, to, tag))
-    }
-
-    fn recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
-        self.group.wrap(self.raw_recv(from, tag, device))
-    }
+    group_wrapped_ops!();
 
     fn barrier(&self) -> Result<()> {
         self.complete(self.comm.immediate_barrier(), Op::Barrier, "all ranks");

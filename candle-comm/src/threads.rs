@@ -15,7 +15,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::comm::{check_peer, check_tag, scatter_rows, Communicator, ReduceOp};
 use crate::error::{CandleContext, CommError, Op, Result};
-use crate::group::{plan, Membership};
+use crate::group::{group_wrapped_ops, plan, Membership};
 use crate::host::{gathered_shape, stage, unstage, unstage_like, HostBuf};
 
 /// Default time a rank waits for a peer before [`CommError::Timeout`].
@@ -505,29 +505,7 @@ impl Communicator for ThreadComm {
         "threads"
     }
 
-    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.group.wrap(self.raw_all_reduce(tensor, op))
-    }
-
-    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.group.wrap(self.raw_reduce_scatter(tensor, op))
-    }
-
-    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
-        self.group.wrap(self.raw_all_gather(tensor))
-    }
-
-    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
-        self.group.wrap(self.raw_broadcast(tensor, root))
-    }
-
-    fn send(&self, tensor: &Tensor, to: usize, tag: u32) -> Result<()> {
-        self.group.wrap(self.raw_send(tensor, to, tag))
-    }
-
-    fn recv(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor> {
-        self.group.wrap(self.raw_recv(from, tag, device))
-    }
+    group_wrapped_ops!();
 
     fn barrier(&self) -> Result<()> {
         self.group.wrap(self.raw_barrier())

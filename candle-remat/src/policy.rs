@@ -363,35 +363,27 @@ fn fronts(costs: &ChainCosts, upto: usize, budget: u64) -> Vec<Vec<State>> {
                 if st.held + a > budget {
                     break;
                 }
-                let prev = Some((i, si));
+                // Segment i..j reached from `st`, holding `held` bytes after it at `cost`.
+                let mut push = |checkpointed, held, cost| {
+                    let seg = PlanSegment {
+                        start: i,
+                        end: j,
+                        checkpointed,
+                    };
+                    let s = State {
+                        held,
+                        cost,
+                        prev: Some((i, si)),
+                        seg: Some(seg),
+                    };
+                    push_pareto(&mut fronts[j], s);
+                };
                 if j == i + 1 {
                     // stored single block (longer stored runs are sequences of these)
-                    let seg = PlanSegment {
-                        start: i,
-                        end: j,
-                        checkpointed: false,
-                    };
-                    let s = State {
-                        held: st.held + a,
-                        cost: st.cost,
-                        prev,
-                        seg: Some(seg),
-                    };
-                    push_pareto(&mut fronts[j], s);
+                    push(false, st.held + a, st.cost);
                 }
                 if st.held + a + out <= budget {
-                    let seg = PlanSegment {
-                        start: i,
-                        end: j,
-                        checkpointed: true,
-                    };
-                    let s = State {
-                        held: st.held + out,
-                        cost: st.cost + t,
-                        prev,
-                        seg: Some(seg),
-                    };
-                    push_pareto(&mut fronts[j], s);
+                    push(true, st.held + out, st.cost + t);
                 }
             }
         }

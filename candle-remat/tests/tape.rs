@@ -9,8 +9,7 @@ mod common;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_remat::{ChainCosts, Policy, RematError, Tape};
 use common::*;
-use std::sync::atomic::{AtomicU64, Ordering};
-use test_support::compare::{assert_bits_eq, rel_err};
+use test_support::compare::{assert_bits_eq, rel_err, values};
 use test_support::random::{normal, rng};
 
 fn compare_stores(
@@ -333,63 +332,6 @@ fn offloaded_boundaries_bit_identical() {
 }
 
 #[test]
-fn verify_mode_names_the_nondeterministic_segment() {
-    let dev = Device::Cpu;
-    let mut rng = rng(1);
-    let w = param(&mut rng, &[6, 6], 0.5, DType::F32, &dev);
-    let x = normal(&mut rng, &[3, 6], 1.0, DType::F32, &dev);
-    let calls = AtomicU64::new(0);
-    let tape = Tape::new(0).with_verify(true);
-    let h = tape
-        .checkpoint1(&x, |x| x.matmul(w.as_tensor())?.tanh())
-        .unwrap();
-    // Segment "1" is not deterministic: it adds a per-call offset.
-    let h = tape
-        .checkpoint1(&h, |x| {
-            let k = calls.fetch_add(1, Ordering::SeqCst) as f64;
-            (x.matmul(w.as_tensor())? + k * 1e-3)?.tanh()
-        })
-        .unwrap();
-    let h = tape
-        .checkpoint1(&h, |x| x.matmul(w.as_tensor())?.tanh())
-        .unwrap();
-    let err = tape.backward(&h.sum_all().unwrap()).unwrap_err();
-    match &err {
-        RematError::RecomputeMismatch {
-            segment,
-            output,
-            mismatches,
-            ..
-        } => {
-            assert_eq!(segment, "1");
-            assert_eq!(*output, 0);
-            assert!(*mismatches > 0);
-        }
-        e => panic!("unexpected error {e}"),
-    }
-    assert!(err.to_string().contains("segment 1"), "{err}");
-
-    // Candle's own (unseeded) dropout is caught too; ours is not flagged.
-    let tape = Tape::new(0).with_verify(true);
-    let h = tape
-        .checkpoint1(&x, |x| {
-            candle_nn::ops::dropout(&x.matmul(w.as_tensor())?, 0.5)
-        })
-        .unwrap();
-    assert!(matches!(
-        tape.backward(&h.sum_all().unwrap()),
-        Err(RematError::RecomputeMismatch { .. })
-    ));
-    let tape = Tape::new(0).with_verify(true);
-    let h = tape
-        .checkpoint1(&x, |x| {
-            Ok(candle_remat::dropout(&x.matmul(w.as_tensor())?, 0.5)?)
-        })
-        .unwrap();
-    tape.backward(&h.sum_all().unwrap()).unwrap();
-}
-
-#[test]
 fn dropout_needs_a_scope_and_is_seeded() {
     let x = Tensor::ones((16, 16), DType::F32, &Device::Cpu).unwrap();
     assert!(matches!(
@@ -406,25 +348,9 @@ fn dropout_needs_a_scope_and_is_seeded() {
         .scope(0, || candle_remat::dropout(&x, 0.5))
         .unwrap();
     assert_bits_eq(&a, &b, "same seed");
-    let diff = a
-        .ne(&c)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    assert!(diff > 0.0, "different seeds gave the same mask");
-    let kept = a
-        .ne(0.0)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .mean_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let (va, vc) = (values(&a), values(&c));
+    assert!(va != vc, "different seeds gave the same mask");
+    let kept = va.iter().filter(|&&v| v != 0.0).count() as f64 / va.len() as f64;
     assert!((kept - 0.5).abs() < 0.1, "keep rate {kept}");
 }
 

@@ -1,4 +1,5 @@
-//! Verify mode names the first bad segment in forward order.
+//! Verify mode: it names the segment whose recompute differs (the first in forward order) and
+//! catches Candle's own unseeded dropout.
 
 mod common;
 
@@ -28,6 +29,57 @@ fn mismatch_segment(r: candle_remat::Result<candle_core::backprop::GradStore>) -
         Err(e) => panic!("unexpected error {e}"),
         Ok(_) => panic!("verify mode accepted non-deterministic segments"),
     }
+}
+
+#[test]
+fn verify_mode_names_the_nondeterministic_segment() {
+    let (w, x) = weight_and_input(1);
+    let calls = AtomicU64::new(0);
+    let tape = Tape::new(0).with_verify(true);
+    let h = tape
+        .checkpoint1(&x, |x| x.matmul(w.as_tensor())?.tanh())
+        .unwrap();
+    // Segment "1" is not deterministic: it adds a per-call offset.
+    let h = tape
+        .checkpoint1(&h, |x| drifting(x, w.as_tensor(), &calls))
+        .unwrap();
+    let h = tape
+        .checkpoint1(&h, |x| x.matmul(w.as_tensor())?.tanh())
+        .unwrap();
+    let err = tape.backward(&h.sum_all().unwrap()).unwrap_err();
+    match &err {
+        RematError::RecomputeMismatch {
+            segment,
+            output,
+            mismatches,
+            ..
+        } => {
+            assert_eq!(segment, "1");
+            assert_eq!(*output, 0);
+            assert!(*mismatches > 0);
+        }
+        e => panic!("unexpected error {e}"),
+    }
+    assert!(err.to_string().contains("segment 1"), "{err}");
+
+    // Candle's own (unseeded) dropout is caught too; ours is not flagged.
+    let tape = Tape::new(0).with_verify(true);
+    let h = tape
+        .checkpoint1(&x, |x| {
+            candle_nn::ops::dropout(&x.matmul(w.as_tensor())?, 0.5)
+        })
+        .unwrap();
+    assert!(matches!(
+        tape.backward(&h.sum_all().unwrap()),
+        Err(RematError::RecomputeMismatch { .. })
+    ));
+    let tape = Tape::new(0).with_verify(true);
+    let h = tape
+        .checkpoint1(&x, |x| {
+            Ok(candle_remat::dropout(&x.matmul(w.as_tensor())?, 0.5)?)
+        })
+        .unwrap();
+    tape.backward(&h.sum_all().unwrap()).unwrap();
 }
 
 #[test]
