@@ -200,12 +200,7 @@ fn finite_differences_f64() -> Result<()> {
 fn nan_propagates_from_a_random_index() -> Result<()> {
     let mut rng = Lcg(4);
     let (rows, n_in, n_out) = (9, 6, 5);
-    let mut xv = values(&rand(&[rows, n_in], DType::F32, &mut rng, 1.0, 0.0)?);
-    let idx = 1 + rng.below(rows * n_in - 1);
-    xv[idx] = f64::NAN;
-    let x = Tensor::from_vec(xv, (rows, n_in), &Device::Cpu)?.to_dtype(DType::F32)?;
-    let w = rand(&[n_in, n_out], DType::F32, &mut rng, 1.0, 0.0)?;
-    let b = rand(&[n_out], DType::F32, &mut rng, 1.0, 0.0)?;
+    let (x, idx, w, b) = linear_inputs_with_nan(&mut rng, rows, n_in, n_out)?;
     let up = rand(&[rows, n_out], DType::F64, &mut rng, 1.0, 0.0)?;
     let (y, dx, dw, db) = run(linear, &x, false, &w, Some(&b), &up)?;
     let (r, c) = (idx / n_in, idx % n_in);

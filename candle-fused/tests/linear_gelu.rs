@@ -98,12 +98,7 @@ fn same_bits_on_every_thread_count_and_on_the_fallback_path() -> Result<()> {
 fn nan_propagates_from_a_random_index() -> Result<()> {
     let mut rng = Lcg(13);
     let (rows, n_in, n_out) = (9, 6, 5);
-    let mut xv = values(&rand(&[rows, n_in], DType::F32, &mut rng, 1.0, 0.0)?);
-    let idx = 1 + rng.below(rows * n_in - 1);
-    xv[idx] = f64::NAN;
-    let x = Tensor::from_vec(xv, (rows, n_in), &Device::Cpu)?.to_dtype(DType::F32)?;
-    let w = rand(&[n_in, n_out], DType::F32, &mut rng, 1.0, 0.0)?;
-    let b = rand(&[n_out], DType::F32, &mut rng, 1.0, 0.0)?;
+    let (x, idx, w, b) = linear_inputs_with_nan(&mut rng, rows, n_in, n_out)?;
     let (y, g) = grads(&fused(false), &[x, w, b], 3)?;
     let r = idx / n_in;
     // Row r of the output and of dx is NaN, nothing else; dW and db sum over every row.

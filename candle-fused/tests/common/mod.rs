@@ -80,6 +80,23 @@ pub fn randn(shape: &[usize], dt: DType, rng: &mut Lcg31, std: f32) -> Result<Te
     Ok(Tensor::from_vec(rng.normal_vec(n, std), shape, &Device::Cpu)?.to_dtype(dt)?)
 }
 
+/// f32 inputs of a linear layer, `x [rows, n_in]` with a NaN at a random index `idx` (not 0),
+/// `w [n_in, n_out]` and `b [n_out]`, uniform in [-1, 1): `(x, idx, w, b)`.
+pub fn linear_inputs_with_nan(
+    rng: &mut Lcg,
+    rows: usize,
+    n_in: usize,
+    n_out: usize,
+) -> Result<(Tensor, usize, Tensor, Tensor)> {
+    let mut xv = values(&rand(&[rows, n_in], DType::F32, rng, 1.0, 0.0)?);
+    let idx = 1 + rng.below(rows * n_in - 1);
+    xv[idx] = f64::NAN;
+    let x = Tensor::from_vec(xv, (rows, n_in), &Device::Cpu)?.to_dtype(DType::F32)?;
+    let w = rand(&[n_in, n_out], DType::F32, rng, 1.0, 0.0)?;
+    let b = rand(&[n_out], DType::F32, rng, 1.0, 0.0)?;
+    Ok((x, idx, w, b))
+}
+
 // ---- elements ----
 
 /// All elements as f32.
