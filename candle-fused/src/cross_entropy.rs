@@ -128,27 +128,21 @@ fn check(
     if targets.dtype() != DType::U32 {
         bail!("{op}: targets must be u32, got {:?}", targets.dtype())
     }
-    if targets.dims() != lead {
-        bail!(
-            "{op}: targets must have the leading shape of logits {lead:?}, got {:?}",
-            targets.shape()
-        )
-    }
-    if !targets.device().same_device(logits.device()) {
-        bail!("{op}: targets and logits are on different devices")
-    }
     if let Some(m) = mask {
         if !m.dtype().is_float() {
             bail!("{op}: mask must be a float tensor, got {:?}", m.dtype())
         }
-        if m.dims() != lead {
+    }
+    for (name, t) in [("targets", Some(targets)), ("mask", mask)] {
+        let Some(t) = t else { continue };
+        if t.dims() != lead {
             bail!(
-                "{op}: mask must have the leading shape of logits {lead:?}, got {:?}",
-                m.shape()
+                "{op}: {name} must have the leading shape of logits {lead:?}, got {:?}",
+                t.shape()
             )
         }
-        if !m.device().same_device(logits.device()) {
-            bail!("{op}: mask and logits are on different devices")
+        if !t.device().same_device(logits.device()) {
+            bail!("{op}: {name} and logits are on different devices")
         }
     }
     Ok((lead.iter().product(), v))

@@ -203,30 +203,34 @@ fn pair(lo: u32, hi: u32) -> u32 {
 
 /// Packs `a [m, k]` into `MR`-row panels of `kp = ceil(k/2)` pairs (layout in the module doc).
 fn pack_a(a: Mat<'_>, m: usize, k: usize, par: bool) -> Vec<u32> {
-    let kp = k.div_ceil(2);
-    pack(m.div_ceil(MR) * kp * MR, kp * MR, par, |ip, panel| {
-        let lines = Lines {
-            data: a.data,
-            first: ip * MR * a.rs,
-            step: a.rs,
-            ks: a.cs,
-        };
-        lines.pack(panel, MR, MR.min(m - ip * MR), k);
-    })
+    pack_lines::<MR>(a.data, m, a.rs, a.cs, k, par)
 }
 
 /// Packs `b [k, n]` into `NR`-column panels of `kp = ceil(k/2)` pairs (layout in the module
 /// doc).
 fn pack_b(b: Mat<'_>, k: usize, n: usize, par: bool) -> Vec<u32> {
+    pack_lines::<NR>(b.data, n, b.cs, b.rs, k, par)
+}
+
+/// Packs `n` lines of `k` elements (line `i` starts at `i * step`, its elements `ks` apart)
+/// into `W`-line panels of `kp = ceil(k/2)` pairs: A's rows (`W = MR`) or B's columns (`NR`).
+fn pack_lines<const W: usize>(
+    data: &[bf16],
+    n: usize,
+    step: usize,
+    ks: usize,
+    k: usize,
+    par: bool,
+) -> Vec<u32> {
     let kp = k.div_ceil(2);
-    pack(n.div_ceil(NR) * kp * NR, kp * NR, par, |jp, panel| {
+    pack(n.div_ceil(W) * kp * W, kp * W, par, |p, panel| {
         let lines = Lines {
-            data: b.data,
-            first: jp * NR * b.cs,
-            step: b.cs,
-            ks: b.rs,
+            data,
+            first: p * W * step,
+            step,
+            ks,
         };
-        lines.pack(panel, NR, NR.min(n - jp * NR), k);
+        lines.pack(panel, W, W.min(n - p * W), k);
     })
 }
 

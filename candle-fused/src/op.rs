@@ -98,117 +98,46 @@ pub(crate) fn apply<K: Kernel>(
     }
 }
 
-impl<K: Kernel> CustomOp1 for Fused<K> {
-    fn name(&self) -> &'static str {
-        self.kernel.name()
-    }
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        self.cpu(&[(s, l)])
-    }
-    fn cuda_fwd(&self, _: &CudaStorage, _: &Layout) -> Result<(CudaStorage, Shape)> {
-        self.pre()?.cuda()
-    }
-    fn metal_fwd(&self, _: &MetalStorage, _: &Layout) -> Result<(MetalStorage, Shape)> {
-        self.pre()?.metal()
-    }
-    fn bwd(&self, a: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        let [da, _, _] = self.kernel.bwd(&[a], y, dy)?;
-        Ok(da)
-    }
+/// Implements Candle's `CustomOpN` for [`Fused`] by delegating to its [`Kernel`]: the trait,
+/// the (storage, layout) argument names of its forwards, the input names of its backward, and
+/// how the backward's [`Grads`] become the trait's gradients.
+macro_rules! custom_op {
+    ($op:ident, [$($s:ident $l:ident),+], [$($t:ident),+], $grads:ty, $pat:pat => $out:expr) => {
+        impl<K: Kernel> $op for Fused<K> {
+            fn name(&self) -> &'static str {
+                self.kernel.name()
+            }
+            fn cpu_fwd(&self, $($s: &CpuStorage, $l: &Layout),+) -> Result<(CpuStorage, Shape)> {
+                self.cpu(&[$(($s, $l)),+])
+            }
+            #[allow(unused_variables)]
+            fn cuda_fwd(&self, $($s: &CudaStorage, $l: &Layout),+) -> Result<(CudaStorage, Shape)> {
+                self.pre()?.cuda()
+            }
+            #[allow(unused_variables)]
+            fn metal_fwd(
+                &self,
+                $($s: &MetalStorage, $l: &Layout),+
+            ) -> Result<(MetalStorage, Shape)> {
+                self.pre()?.metal()
+            }
+            fn bwd(&self, $($t: &Tensor,)+ y: &Tensor, dy: &Tensor) -> Result<$grads> {
+                let $pat = self.kernel.bwd(&[$($t),+], y, dy)?;
+                Ok($out)
+            }
+        }
+    };
 }
 
-impl<K: Kernel> CustomOp2 for Fused<K> {
-    fn name(&self) -> &'static str {
-        self.kernel.name()
-    }
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.cpu(&[(s1, l1), (s2, l2)])
-    }
-    fn cuda_fwd(
-        &self,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        self.pre()?.cuda()
-    }
-    fn metal_fwd(
-        &self,
-        _: &MetalStorage,
-        _: &Layout,
-        _: &MetalStorage,
-        _: &Layout,
-    ) -> Result<(MetalStorage, Shape)> {
-        self.pre()?.metal()
-    }
-    fn bwd(
-        &self,
-        a: &Tensor,
-        b: &Tensor,
-        y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let [da, db, _] = self.kernel.bwd(&[a, b], y, dy)?;
-        Ok((da, db))
-    }
-}
-
-impl<K: Kernel> CustomOp3 for Fused<K> {
-    fn name(&self) -> &'static str {
-        self.kernel.name()
-    }
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.cpu(&[(s1, l1), (s2, l2), (s3, l3)])
-    }
-    fn cuda_fwd(
-        &self,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        self.pre()?.cuda()
-    }
-    fn metal_fwd(
-        &self,
-        _: &MetalStorage,
-        _: &Layout,
-        _: &MetalStorage,
-        _: &Layout,
-        _: &MetalStorage,
-        _: &Layout,
-    ) -> Result<(MetalStorage, Shape)> {
-        self.pre()?.metal()
-    }
-    fn bwd(
-        &self,
-        a: &Tensor,
-        b: &Tensor,
-        c: &Tensor,
-        y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let [da, db, dc] = self.kernel.bwd(&[a, b, c], y, dy)?;
-        Ok((da, db, dc))
-    }
-}
+custom_op!(CustomOp1, [s1 l1], [a], Option<Tensor>, [da, _, _] => da);
+custom_op!(CustomOp2, [s1 l1, s2 l2], [a, b], (Option<Tensor>, Option<Tensor>), [da, db, _] => (da, db));
+custom_op!(
+    CustomOp3,
+    [s1 l1, s2 l2, s3 l3],
+    [a, b, c],
+    (Option<Tensor>, Option<Tensor>, Option<Tensor>),
+    [da, db, dc] => (da, db, dc)
+);
 
 /// An output computed outside the op, waiting for the op's forward to take it.
 struct Precomputed(Mutex<Option<Tensor>>);

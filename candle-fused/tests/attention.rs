@@ -74,8 +74,8 @@ fn qkv_matches_composite() -> Result<()> {
                     std::slice::from_ref(&qkv),
                     99,
                 )?;
-                close(&y, &yr, tv, &format!("{what} value"))?;
-                close(&g[0], &gr[0], tg, &format!("{what} dqkv"))?;
+                compare::assert_close(&y, &yr, tv, &format!("{what} value"));
+                compare::assert_close(&g[0], &gr[0], tg, &format!("{what} dqkv"));
             }
         }
     }
@@ -109,9 +109,9 @@ fn general_matches_composite() -> Result<()> {
                 let what = format!("{dt:?} {:?} {name}", (b, h, tq, tk, d, dv));
                 let (y, g) = grads(&|x| attention(&x[0], &x[1], &x[2], &cfg), &ins, 5)?;
                 let (yr, gr) = grads(&|x| attention_composite(&x[0], &x[1], &x[2], &cfg), &ins, 5)?;
-                close(&y, &yr, tv, &format!("{what} value"))?;
+                compare::assert_close(&y, &yr, tv, &format!("{what} value"));
                 for (i, n) in ["dq", "dk", "dv"].iter().enumerate() {
-                    close(&g[i], &gr[i], tg, &format!("{what} {n}"))?;
+                    compare::assert_close(&g[i], &gr[i], tg, &format!("{what} {n}"));
                 }
             }
         }
@@ -170,21 +170,21 @@ fn fallback_matches_kernel() -> Result<()> {
             let f = |x: &[Tensor]| attention_qkv(&x[0], h, &cfg);
             let (y, g) = grads(&f, std::slice::from_ref(&qkv), 8)?;
             let (yf, gf) = with_fallback(|| grads(&f, std::slice::from_ref(&qkv), 8))?;
-            close(&yf, &y, tv, &format!("qkv fallback {dt:?} {name} value"))?;
-            close(
+            compare::assert_close(&yf, &y, tv, &format!("qkv fallback {dt:?} {name} value"));
+            compare::assert_close(
                 &gf[0],
                 &g[0],
                 tg,
                 &format!("qkv fallback {dt:?} {name} dqkv"),
-            )?;
+            );
             // Untracked input: the fallback returns the composite output directly.
             let yu = with_fallback(|| attention_qkv(&qkv, h, &cfg))?;
-            close(
+            compare::assert_close(
                 &yu,
                 &y,
                 tv,
                 &format!("qkv fallback {dt:?} {name} untracked"),
-            )?;
+            );
         }
         let (tq, tk, dv) = (9, 40, 5);
         let ins = [
@@ -196,14 +196,14 @@ fn fallback_matches_kernel() -> Result<()> {
             let f = |x: &[Tensor]| attention(&x[0], &x[1], &x[2], &cfg);
             let (y, g) = grads(&f, &ins, 8)?;
             let (yf, gf) = with_fallback(|| grads(&f, &ins, 8))?;
-            close(&yf, &y, tv, &format!("fallback {dt:?} {name} value"))?;
+            compare::assert_close(&yf, &y, tv, &format!("fallback {dt:?} {name} value"));
             for i in 0..3 {
-                close(
+                compare::assert_close(
                     &gf[i],
                     &g[i],
                     tg,
                     &format!("fallback {dt:?} {name} grad {i}"),
-                )?;
+                );
             }
         }
     }
@@ -242,8 +242,8 @@ fn half_precision_close_to_f32_composite() -> Result<()> {
             )?;
             assert_eq!(y.dtype(), dt);
             assert_eq!(g[0].dtype(), dt);
-            close(&y, &yr.to_dtype(dt)?, tv, &format!("{dt:?} value"))?;
-            close(&g[0], &gr[0], tg, &format!("{dt:?} dqkv"))?;
+            compare::assert_close(&y, &yr.to_dtype(dt)?, tv, &format!("{dt:?} value"));
+            compare::assert_close(&g[0], &gr[0], tg, &format!("{dt:?} dqkv"));
         }
     }
     Ok(())
@@ -269,21 +269,21 @@ fn rows_without_keys_give_zero() -> Result<()> {
     let skip = tq - tk;
     let f_rows = |x: &[Tensor]| attention_composite(&x[0].narrow(2, skip, tk)?, &x[1], &x[2], &cfg);
     let (yr, gr) = value_and_grads(&f_rows, &ins, &g.narrow(2, skip, tk)?)?;
-    assert!(f64s(&y.narrow(2, 0, skip)?)?.iter().all(|&x| x == 0.0));
-    close(&y.narrow(2, skip, tk)?, &yr, 1e-12, "causal Tq > Tk rows")?;
-    close(&yf, &y, 1e-12, "causal Tq > Tk fallback")?;
+    assert!(values(&y.narrow(2, 0, skip)?).iter().all(|&x| x == 0.0));
+    compare::assert_close(&y.narrow(2, skip, tk)?, &yr, 1e-12, "causal Tq > Tk rows");
+    compare::assert_close(&yf, &y, 1e-12, "causal Tq > Tk fallback");
     for i in 0..3 {
-        close(&gk[i], &gr[i], 1e-12, &format!("causal Tq > Tk grad {i}"))?;
-        close(
+        compare::assert_close(&gk[i], &gr[i], 1e-12, &format!("causal Tq > Tk grad {i}"));
+        compare::assert_close(
             &gf[i],
             &gk[i],
             1e-12,
             &format!("causal Tq > Tk fallback grad {i}"),
-        )?;
+        );
     }
     // The composite itself gives NaN on those rows.
     let yc = attention_composite(&ins[0], &ins[1], &ins[2], &cfg)?;
-    assert!(nans(&yc.narrow(2, 0, skip)?)?.iter().all(|&n| n));
+    assert!(nans(&yc.narrow(2, 0, skip)?).iter().all(|&n| n));
 
     // A mask row of only -inf (non-causal): same, comparing with the composite without it.
     let (tq, r) = (7, 3);
@@ -310,17 +310,17 @@ fn rows_without_keys_give_zero() -> Result<()> {
     let (yf, gf) = with_fallback(|| value_and_grads(&f, &ins, &g))?;
     let f_rows = |x: &[Tensor]| attention_composite(&drop_row(&x[0], 2)?, &x[1], &x[2], &cfg_r);
     let (yr, gr) = value_and_grads(&f_rows, &ins, &drop_row(&g, 2)?)?;
-    assert!(f64s(&y.narrow(2, r, 1)?)?.iter().all(|&x| x == 0.0));
-    close(&drop_row(&y, 2)?, &yr, 1e-12, "masked row")?;
-    close(&yf, &y, 1e-12, "masked row fallback")?;
+    assert!(values(&y.narrow(2, r, 1)?).iter().all(|&x| x == 0.0));
+    compare::assert_close(&drop_row(&y, 2)?, &yr, 1e-12, "masked row");
+    compare::assert_close(&yf, &y, 1e-12, "masked row fallback");
     for i in 0..3 {
-        close(&gk[i], &gr[i], 1e-12, &format!("masked row grad {i}"))?;
-        close(
+        compare::assert_close(&gk[i], &gr[i], 1e-12, &format!("masked row grad {i}"));
+        compare::assert_close(
             &gf[i],
             &gk[i],
             1e-12,
             &format!("masked row fallback grad {i}"),
-        )?;
+        );
     }
     Ok(())
 }
@@ -333,12 +333,7 @@ fn finite_differences(
     ins: &[Tensor],
 ) -> Result<()> {
     let g = rand_seeded(77, f(ins)?.dims(), 1.0, DType::F64)?;
-    compare_fd(f, ins, &g, 1e-5, &|i, e, fd, a, scale| {
-        assert!(
-            (fd - a).abs() <= 1e-7 * scale,
-            "input {i} element {e}: finite difference {fd} vs gradient {a}"
-        );
-    })
+    Ok(grad::check_fd(f, ins, &g, 1e-5, 1e-7)?)
 }
 
 #[test]
@@ -372,7 +367,7 @@ fn nan_propagates() -> Result<()> {
     let mut rng = Lcg(123);
     for causal in [false, true] {
         let cfg = AttentionConfig::causal().with_causal(causal);
-        let mut qv = f64s(&rand_seeded(41, &[b, h, t, d], 1.5, DType::F32)?)?;
+        let mut qv = values(&rand_seeded(41, &[b, h, t, d], 1.5, DType::F32)?);
         let at = 1 + rng.below(qv.len() - 1);
         qv[at] = f64::NAN;
         let q =
@@ -389,14 +384,14 @@ fn nan_propagates() -> Result<()> {
             44,
         )?;
         let row = at / d;
-        let ny = nans(&y)?;
+        let ny = nans(&y);
         // Exactly the output row of the NaN query is NaN, as in the composite.
-        assert_eq!(ny, nans(&yr)?, "causal={causal}: output NaNs");
+        assert_eq!(ny, nans(&yr), "causal={causal}: output NaNs");
         assert_eq!(ny.iter().filter(|&&n| n).count(), d);
         assert!(ny[row * d..(row + 1) * d].iter().all(|&n| n));
-        assert_eq!(nans(&g[0])?, nans(&gr[0])?, "causal={causal}: dq NaNs");
+        assert_eq!(nans(&g[0]), nans(&gr[0]), "causal={causal}: dq NaNs");
         for i in 1..3 {
-            let (nk, nr) = (nans(&g[i])?, nans(&gr[i])?);
+            let (nk, nr) = (nans(&g[i]), nans(&gr[i]));
             assert!(nk.iter().any(|&n| n), "causal={causal}: no NaN in grad {i}");
             if causal {
                 // The composite also spreads NaN through the masked scores (NaN + -inf);
@@ -410,7 +405,7 @@ fn nan_propagates() -> Result<()> {
             }
         }
         // The fused projection: NaN in a random q column of a random row.
-        let mut xv = f64s(&rand_seeded(45, &[b, t, 3 * h * d], 1.5, DType::F32)?)?;
+        let mut xv = values(&rand_seeded(45, &[b, t, 3 * h * d], 1.5, DType::F32)?);
         let (row, col) = (1 + rng.below(t - 1), rng.below(h * d));
         xv[row * 3 * h * d + col] = f64::NAN;
         let qkv = Tensor::from_vec(xv, (b, t, 3 * h * d), &candle_core::Device::Cpu)?;
@@ -421,10 +416,10 @@ fn nan_propagates() -> Result<()> {
             46,
         )?;
         let (yr, gr) = grads(&|x| attention_qkv_composite(&x[0], h, &cfg), &[qkv], 46)?;
-        let ny = nans(&y)?;
-        assert_eq!(ny, nans(&yr)?, "qkv causal={causal}: output NaNs");
+        let ny = nans(&y);
+        assert_eq!(ny, nans(&yr), "qkv causal={causal}: output NaNs");
         assert_eq!(ny.iter().filter(|&&n| n).count(), d);
-        let (nk, nr) = (nans(&g[0])?, nans(&gr[0])?);
+        let (nk, nr) = (nans(&g[0]), nans(&gr[0]));
         assert!(nk.iter().filter(|&&n| n).count() > d);
         assert!(
             nk.iter().zip(&nr).all(|(&k, &r)| !k || r),

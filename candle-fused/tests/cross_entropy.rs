@@ -187,7 +187,7 @@ fn all_zero_weights_give_zero_loss_and_gradient() -> Result<()> {
                 Ok((l.to_scalar::<f32>()?, l.backward()?))
             })?;
             assert_eq!(l, 0.0, "fallback {fallback}");
-            let g = f64s(g.get(xv.as_tensor()).expect("gradient"))?;
+            let g = values(g.get(xv.as_tensor()).expect("gradient"));
             assert!(
                 g.iter().all(|v| *v == 0.0),
                 "fallback {fallback}: nonzero gradient"
@@ -213,7 +213,7 @@ fn nan_propagates_from_counted_rows_only() -> Result<()> {
             let mut t: Vec<u32> = (0..rows).map(|_| rng.below(v) as u32).collect();
             t[other] = 99;
             let targets = Tensor::from_vec(t, rows, &Device::Cpu)?;
-            let mut xv = f64s(&logits(&[rows, v], DType::F64, &mut rng)?)?;
+            let mut xv = values(&logits(&[rows, v], DType::F64, &mut rng)?);
             xv[other * v + rng.below(v)] = f64::NAN;
             let clean = Tensor::from_vec(xv.clone(), (rows, v), &Device::Cpu)?.to_dtype(dt)?;
             xv[idx] = f64::NAN;
@@ -224,8 +224,8 @@ fn nan_propagates_from_counted_rows_only() -> Result<()> {
                 let loss = cross_entropy(xv.as_tensor(), &targets, None, Some(99))?;
                 let g = loss.backward()?;
                 Ok((
-                    f64s(&loss)?[0],
-                    f64s(g.get(xv.as_tensor()).expect("gradient"))?,
+                    values(&loss)[0],
+                    values(g.get(xv.as_tensor()).expect("gradient")),
                 ))
             };
             let (r_clean, r_dirty) = fallback_if(fallback, || (run(&clean), run(&dirty)));

@@ -143,7 +143,7 @@ fn bf16_matches_f32_of_the_same_values() -> Result<()> {
                 (h.3.as_ref().expect("db"), r.3.as_ref().expect("db"), "db"),
             ];
             for (a, b, name) in pairs {
-                let (a, b) = (f64s(a)?, f64s(b)?);
+                let (a, b) = (values(a), values(b));
                 let scale = b.iter().fold(0f64, |m, v| m.max(v.abs()));
                 for (i, (x, y)) in a.iter().zip(&b).enumerate() {
                     let tol = y.abs() / 256.0 + 1e-5 * scale;
@@ -172,8 +172,8 @@ fn finite_differences_f64() -> Result<()> {
     };
     let h = 1e-6;
     for (which, t, g) in [(0, &x, &dx), (1, &w, &dw), (2, &b, &db.expect("db"))] {
-        let base = f64s(t)?;
-        let ga = f64s(g)?;
+        let base = values(t);
+        let ga = values(g);
         for i in 0..base.len() {
             let at = |d: f64| -> Result<f64> {
                 let mut v = base.clone();
@@ -200,21 +200,16 @@ fn finite_differences_f64() -> Result<()> {
 fn nan_propagates_from_a_random_index() -> Result<()> {
     let mut rng = Lcg(4);
     let (rows, n_in, n_out) = (9, 6, 5);
-    let mut xv = f64s(&rand(&[rows, n_in], DType::F32, &mut rng, 1.0, 0.0)?)?;
-    let idx = 1 + rng.below(rows * n_in - 1);
-    xv[idx] = f64::NAN;
-    let x = Tensor::from_vec(xv, (rows, n_in), &Device::Cpu)?.to_dtype(DType::F32)?;
-    let w = rand(&[n_in, n_out], DType::F32, &mut rng, 1.0, 0.0)?;
-    let b = rand(&[n_out], DType::F32, &mut rng, 1.0, 0.0)?;
+    let (x, idx, w, b) = linear_inputs_with_nan(&mut rng, rows, n_in, n_out)?;
     let up = rand(&[rows, n_out], DType::F64, &mut rng, 1.0, 0.0)?;
     let (y, dx, dw, db) = run(linear, &x, false, &w, Some(&b), &up)?;
     let (r, c) = (idx / n_in, idx % n_in);
-    let yv = f64s(&y)?;
+    let yv = values(&y);
     for (i, v) in yv.iter().enumerate() {
         assert_eq!(v.is_nan(), i / n_out == r, "y[{i}] (NaN input at row {r})");
     }
     // dW row c sums x[:, c] * dy: NaN; dx and db do not read x.
-    let dwv = f64s(&dw)?;
+    let dwv = values(&dw);
     for (i, v) in dwv.iter().enumerate() {
         assert_eq!(
             v.is_nan(),
@@ -222,8 +217,8 @@ fn nan_propagates_from_a_random_index() -> Result<()> {
             "dw[{i}] (NaN input at column {c})"
         );
     }
-    assert!(f64s(&dx)?.iter().all(|v| v.is_finite()));
-    assert!(f64s(&db.expect("db"))?.iter().all(|v| v.is_finite()));
+    assert!(values(&dx).iter().all(|v| v.is_finite()));
+    assert!(values(&db.expect("db")).iter().all(|v| v.is_finite()));
     Ok(())
 }
 
@@ -245,8 +240,8 @@ fn identical_for_any_thread_count() -> Result<()> {
             let r = pool.install(|| run(linear, &x, true, &w, Some(&b), &up))?;
             let vals: Vec<Vec<f64>> = [&r.0, &r.1, &r.2, r.3.as_ref().expect("db")]
                 .iter()
-                .map(|t| f64s(t))
-                .collect::<Result<_>>()?;
+                .map(|t| values(t))
+                .collect();
             outs.push(vals);
         }
         for (t, o) in [(2, &outs[1]), (3, &outs[2])] {

@@ -98,23 +98,18 @@ fn same_bits_on_every_thread_count_and_on_the_fallback_path() -> Result<()> {
 fn nan_propagates_from_a_random_index() -> Result<()> {
     let mut rng = Lcg(13);
     let (rows, n_in, n_out) = (9, 6, 5);
-    let mut xv = f64s(&rand(&[rows, n_in], DType::F32, &mut rng, 1.0, 0.0)?)?;
-    let idx = 1 + rng.below(rows * n_in - 1);
-    xv[idx] = f64::NAN;
-    let x = Tensor::from_vec(xv, (rows, n_in), &Device::Cpu)?.to_dtype(DType::F32)?;
-    let w = rand(&[n_in, n_out], DType::F32, &mut rng, 1.0, 0.0)?;
-    let b = rand(&[n_out], DType::F32, &mut rng, 1.0, 0.0)?;
+    let (x, idx, w, b) = linear_inputs_with_nan(&mut rng, rows, n_in, n_out)?;
     let (y, g) = grads(&fused(false), &[x, w, b], 3)?;
     let r = idx / n_in;
     // Row r of the output and of dx is NaN, nothing else; dW and db sum over every row.
-    for (i, v) in f64s(&y)?.iter().enumerate() {
+    for (i, v) in values(&y).iter().enumerate() {
         assert_eq!(v.is_nan(), i / n_out == r, "y[{i}] (NaN input in row {r})");
     }
-    for (i, v) in f64s(&g[0])?.iter().enumerate() {
+    for (i, v) in values(&g[0]).iter().enumerate() {
         assert_eq!(v.is_nan(), i / n_in == r, "dx[{i}] (NaN input in row {r})");
     }
-    assert!(f64s(&g[1])?.iter().all(|v| v.is_nan()), "dw");
-    assert!(f64s(&g[2])?.iter().all(|v| v.is_nan()), "db");
+    assert!(values(&g[1]).iter().all(|v| v.is_nan()), "dw");
+    assert!(values(&g[2]).iter().all(|v| v.is_nan()), "db");
     Ok(())
 }
 

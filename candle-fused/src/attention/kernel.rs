@@ -92,6 +92,22 @@ impl Geom {
         }
     }
 
+    /// The keys query row `i` sees in `row`, the scores of the keys `j0..j0 + row.len()`; the
+    /// rest of `row`, past the row's causal limit, is set to 0.
+    #[inline(always)]
+    fn live_row<'s, A: Real>(
+        &self,
+        causal: bool,
+        row: &'s mut [A],
+        i: usize,
+        j0: usize,
+    ) -> &'s mut [A] {
+        let live = self.lim(causal, i).saturating_sub(j0).min(row.len());
+        let (w, dead) = row.split_at_mut(live);
+        dead.fill(A::ZERO);
+        w
+    }
+
     /// Flat index of the dropout element `(bh, i, j)` in the `[B, H, Tq, Tk]` probabilities.
     #[inline(always)]
     fn drop_index(&self, bh: usize, i: usize, j: usize) -> u64 {
@@ -431,9 +447,7 @@ unsafe fn fwd_head<T: Elem>(
             tile_scores(g, p, &sc.q, &sc.k, s, i0, nq, j0, nk);
             for r in 0..nq {
                 // Keys past the row's causal limit are -inf: their weights are 0, no exp taken.
-                let live = g.lim(p.causal, i0 + r).saturating_sub(j0).min(nk);
-                let (w, dead) = s[r * nk..(r + 1) * nk].split_at_mut(live);
-                dead.fill(zero);
+                let w = g.live_row(p.causal, &mut s[r * nk..(r + 1) * nk], i0 + r, j0);
                 // Online softmax. NaN-propagating max; while a row has seen only -inf,
                 // exponents are taken against 0 so no -inf - -inf appears.
                 let m_old = sc.m[r];

@@ -4,8 +4,10 @@
 //! comparisons.
 #![allow(dead_code)]
 
-use anyhow::{bail, Result};
-use candle_core::{DType, Device, Tensor, Var};
+use anyhow::{anyhow, bail, Result};
+use candle_core::{DType, Device, Tensor};
+pub use test_support::compare::{self, values};
+pub use test_support::grad::{self, value_and_grads, TensorFn};
 
 // ---- seeded random data ----
 
@@ -78,12 +80,24 @@ pub fn randn(shape: &[usize], dt: DType, rng: &mut Lcg31, std: f32) -> Result<Te
     Ok(Tensor::from_vec(rng.normal_vec(n, std), shape, &Device::Cpu)?.to_dtype(dt)?)
 }
 
-// ---- elements ----
-
-/// All elements as f64.
-pub fn f64s(t: &Tensor) -> Result<Vec<f64>> {
-    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
+/// f32 inputs of a linear layer, `x [rows, n_in]` with a NaN at a random index `idx` (not 0),
+/// `w [n_in, n_out]` and `b [n_out]`, uniform in [-1, 1): `(x, idx, w, b)`.
+pub fn linear_inputs_with_nan(
+    rng: &mut Lcg,
+    rows: usize,
+    n_in: usize,
+    n_out: usize,
+) -> Result<(Tensor, usize, Tensor, Tensor)> {
+    let mut xv = values(&rand(&[rows, n_in], DType::F32, rng, 1.0, 0.0)?);
+    let idx = 1 + rng.below(rows * n_in - 1);
+    xv[idx] = f64::NAN;
+    let x = Tensor::from_vec(xv, (rows, n_in), &Device::Cpu)?.to_dtype(DType::F32)?;
+    let w = rand(&[n_in, n_out], DType::F32, rng, 1.0, 0.0)?;
+    let b = rand(&[n_out], DType::F32, rng, 1.0, 0.0)?;
+    Ok((x, idx, w, b))
 }
+
+// ---- elements ----
 
 /// All elements as f32.
 pub fn f32s(t: &Tensor) -> Result<Vec<f32>> {
@@ -91,83 +105,41 @@ pub fn f32s(t: &Tensor) -> Result<Vec<f32>> {
 }
 
 /// The bits of every element widened to f64.
-pub fn bits(t: &Tensor) -> Result<Vec<u64>> {
-    Ok(f64s(t)?.iter().map(|v| v.to_bits()).collect())
+pub fn bits(t: &Tensor) -> Vec<u64> {
+    values(t).iter().map(|v| v.to_bits()).collect()
 }
 
 /// The number of NaNs.
-pub fn nan_count(t: &Tensor) -> Result<usize> {
-    Ok(f64s(t)?.iter().filter(|v| v.is_nan()).count())
+pub fn nan_count(t: &Tensor) -> usize {
+    values(t).iter().filter(|v| v.is_nan()).count()
 }
 
 /// Positions of the NaNs.
-pub fn nans(t: &Tensor) -> Result<Vec<bool>> {
-    Ok(f64s(t)?.iter().map(|x| x.is_nan()).collect())
+pub fn nans(t: &Tensor) -> Vec<bool> {
+    values(t).iter().map(|x| x.is_nan()).collect()
 }
 
 // ---- comparisons ----
 
-/// Max |a - b| / max(max |b|, 1e-3) <= `tol`, NaN-aware (a NaN on one side only fails, as does
-/// an element whose relative error is NaN, e.g. infinities on both sides). The floor: with one
-/// column, RMSNorm's dx is O(eps) and comes out of a cancellation `g (1 - xhat^2)` that no f32
-/// formula computes to more than a few digits; relative to O(1) gradients it is exact.
+/// Max |a - b| / max(max |b|, 1e-3) <= `tol` ([`compare::diff`]: a NaN or a non-finite
+/// mismatch fails). The floor: with one column, RMSNorm's dx is O(eps) and comes out of a
+/// cancellation `g (1 - xhat^2)` that no f32 formula computes to more than a few digits;
+/// relative to O(1) gradients it is exact.
 pub fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) -> Result<()> {
-    assert_eq!(a.dims(), b.dims(), "{what}: shapes");
-    let (a, b) = (f64s(a)?, f64s(b)?);
-    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-3);
-    let mut worst = 0f64;
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert_eq!(
-            x.is_nan(),
-            y.is_nan(),
-            "{what}: NaN mismatch at {i}: {x} vs {y}"
-        );
-        if !x.is_nan() {
-            let d = (x - y).abs() / scale;
-            assert!(!d.is_nan(), "{what}: element {i}: {x} vs {y}");
-            worst = worst.max(d);
-        }
-    }
-    assert!(
-        worst <= tol,
-        "{what}: max relative error {worst:e} > {tol:e}"
-    );
-    Ok(())
-}
-
-/// Asserts `a` and `b` have the same shape, NaNs at the same places and
-/// `max |a - b| <= tol * max(|b|)` over the rest (infinities must match exactly).
-pub fn close(a: &Tensor, b: &Tensor, tol: f64, what: &str) -> Result<()> {
     if a.dims() != b.dims() {
         bail!("{what}: shapes {:?} vs {:?}", a.dims(), b.dims())
     }
-    let (va, vb) = (f64s(a)?, f64s(b)?);
-    let mut scale = 0f64;
-    let mut err = 0f64;
-    for (i, (&x, &y)) in va.iter().zip(&vb).enumerate() {
-        if x.is_nan() != y.is_nan() {
-            bail!("{what}: NaN mismatch at {i}: {x} vs {y}")
-        }
-        if x.is_infinite() || y.is_infinite() {
-            if x != y {
-                bail!("{what}: {x} vs {y} at {i}")
-            }
-            continue;
-        }
-        if !x.is_nan() {
-            scale = scale.max(y.abs());
-            err = err.max((x - y).abs());
-        }
-    }
-    if err > tol * scale.max(1e-30) {
-        bail!("{what}: max abs err {err:e} > {tol:e} * {scale:e}")
+    let d = compare::diff(&values(a), &values(b)).map_err(|e| anyhow!("{what}: {e}"))?;
+    let worst = d.max_abs / d.max_ref.max(1e-3);
+    if worst > tol {
+        bail!("{what}: max relative error {worst:e} > {tol:e} ({d})")
     }
     Ok(())
 }
 
 /// Asserts bit-identical values (NaN equal to NaN) and the same shape.
 pub fn same_bits(a: &Tensor, b: &Tensor, what: &str) -> Result<()> {
-    let (va, vb) = (f64s(a)?, f64s(b)?);
+    let (va, vb) = (values(a), values(b));
     if a.dims() != b.dims() {
         bail!("{what}: shapes {:?} vs {:?}", a.dims(), b.dims())
     }
@@ -181,49 +153,12 @@ pub fn same_bits(a: &Tensor, b: &Tensor, what: &str) -> Result<()> {
 
 // ---- gradients ----
 
-/// `y = f(inputs)` and the gradients of `sum(y * probe)` for every input.
-pub fn value_and_grads(
-    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
-    inputs: &[Tensor],
-    probe: &Tensor,
-) -> Result<(Tensor, Vec<Tensor>)> {
-    value_and_grads_with(f, inputs, &|_| Ok(probe.clone()))
-}
-
-/// `y = f(inputs)` and the gradients of `sum(y * probe(y))` for every input.
-pub fn value_and_grads_with(
-    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
-    inputs: &[Tensor],
-    probe: &dyn Fn(&Tensor) -> Result<Tensor>,
-) -> Result<(Tensor, Vec<Tensor>)> {
-    let vars: Vec<Var> = inputs
-        .iter()
-        .map(Var::from_tensor)
-        .collect::<candle_core::Result<_>>()?;
-    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let y = f(&ts)?;
-    let probe = probe(&y)?;
-    let loss = (y.to_dtype(probe.dtype())? * probe)?.sum_all()?;
-    let g = loss.backward()?;
-    let grads = ts
-        .iter()
-        .map(|t| {
-            g.get(t)
-                .cloned()
-                .ok_or_else(|| anyhow::anyhow!("missing gradient"))
-        })
-        .collect::<Result<_>>()?;
-    Ok((y.detach(), grads))
-}
-
 /// `f(inputs)` and the gradients of `sum(f(inputs) * g)` for a random `g` (of the output's
 /// shape and dtype, [`rand_seeded`] with seed `gseed`) with respect to every input.
-pub fn grads(
-    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
-    inputs: &[Tensor],
-    gseed: u64,
-) -> Result<(Tensor, Vec<Tensor>)> {
-    value_and_grads_with(f, inputs, &|y| rand_seeded(gseed, y.dims(), 1.0, y.dtype()))
+pub fn grads(f: TensorFn<'_>, inputs: &[Tensor], gseed: u64) -> Result<(Tensor, Vec<Tensor>)> {
+    let y = f(inputs)?;
+    let probe = rand_seeded(gseed, y.dims(), 1.0, y.dtype())?;
+    Ok(value_and_grads(f, inputs, &probe)?)
 }
 
 /// Asserts that the fallback path (forced on this thread) gives `f`'s value and gradients
@@ -260,11 +195,7 @@ pub fn assert_same_bits_on_thread_counts(
         let pool = rayon::ThreadPoolBuilder::new().num_threads(n).build()?;
         let r = pool.install(|| -> Result<Vec<Vec<u64>>> {
             let (y, g) = value_and_grads(f, inputs, probe)?;
-            let mut out = vec![bits(&y)?];
-            for t in &g {
-                out.push(bits(t)?);
-            }
-            Ok(out)
+            Ok(std::iter::once(&y).chain(&g).map(bits).collect())
         })?;
         runs.push(r);
     }
@@ -275,50 +206,13 @@ pub fn assert_same_bits_on_thread_counts(
     Ok(())
 }
 
-/// Central differences (step `h`) of `sum(f(inputs) * probe)` (f64), for every element of
-/// every input, against the backward: calls `check(input, element, fd, grad, scale)`, `scale`
-/// being max(1, the largest gradient magnitude of that input).
-pub fn compare_fd(
-    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
-    inputs: &[Tensor],
-    probe: &Tensor,
-    h: f64,
-    check: &dyn Fn(usize, usize, f64, f64, f64),
-) -> Result<()> {
-    let (_, grads) = value_and_grads(f, inputs, probe)?;
-    for (k, (inp, g)) in inputs.iter().zip(&grads).enumerate() {
-        let base = f64s(inp)?;
-        let g = f64s(g)?;
-        let scale = g.iter().fold(1f64, |m, v| m.max(v.abs()));
-        for e in 0..base.len() {
-            let eval = |d: f64| -> Result<f64> {
-                let mut v = base.clone();
-                v[e] += d;
-                let mut ins = inputs.to_vec();
-                ins[k] = Tensor::from_vec(v, inp.dims(), &Device::Cpu)?;
-                Ok((f(&ins)? * probe)?.sum_all()?.to_scalar::<f64>()?)
-            };
-            let fd = (eval(h)? - eval(-h)?) / (2.0 * h);
-            check(k, e, fd, g[e], scale);
-        }
-    }
-    Ok(())
-}
-
-/// Central differences (h = 1e-5) of `sum(f(inputs) * probe)` (f64, a random probe from
-/// `seed`) against the backward: within 1e-6 of the largest gradient magnitude (at least 1).
-pub fn check_fd(
-    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
-    inputs: &[Tensor],
-    seed: u64,
-) -> Result<()> {
+/// [`grad::check_fd`] (h = 1e-5, tolerance 1e-6 of the largest gradient magnitude, at least 1)
+/// of `sum(f(inputs) * probe)` (f64, a random probe from `seed`).
+pub fn check_fd(f: TensorFn<'_>, inputs: &[Tensor], seed: u64) -> Result<()> {
     let mut rng = Lcg(seed);
     let y0 = f(inputs)?;
     let probe = rand(y0.dims(), DType::F64, &mut rng, 1.0, 0.0)?;
-    compare_fd(f, inputs, &probe, 1e-5, &|k, e, fd, g, scale| {
-        let err = (fd - g).abs() / scale;
-        assert!(err < 1e-6, "input {k} elem {e}: fd {fd} vs backward {g}");
-    })
+    Ok(grad::check_fd(f, inputs, &probe, 1e-5, 1e-6)?)
 }
 
 // ---- attention ----

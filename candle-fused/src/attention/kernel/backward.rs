@@ -85,9 +85,7 @@ unsafe fn bwd_head<T: Elem>(
             // P = exp(S - L) (rows that see no key have L = -inf and contribute nothing).
             for r in 0..nq {
                 let li = lse[i0 + r];
-                let live = g.lim(p.causal, i0 + r).saturating_sub(j0).min(nk);
-                let (row, dead) = s[r * nk..(r + 1) * nk].split_at_mut(live);
-                dead.fill(zero);
+                let row = g.live_row(p.causal, &mut s[r * nk..(r + 1) * nk], i0 + r, j0);
                 if li == T::Acc::NEG_INFINITY {
                     row.fill(zero);
                 } else {
