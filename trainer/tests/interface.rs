@@ -363,25 +363,19 @@ fn every_link_owns_and_reads_exactly_the_parameters_it_lists() {
 
 /// A low-rank delta `x A B` (A `[in, r]`, B `[r, out]`), as an adapter adds it.
 #[derive(Debug)]
-struct LowRank {
-    a: Tensor,
-    b: Tensor,
-}
+struct LowRank(Tensor, Tensor);
 
 impl LinearDelta for LowRank {
     fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        let a = self.a.to_dtype(ctx.dtype)?;
-        let b = self.b.to_dtype(ctx.dtype)?;
+        let a = self.0.to_dtype(ctx.dtype)?;
+        let b = self.1.to_dtype(ctx.dtype)?;
         x.broadcast_matmul(&a)?.broadcast_matmul(&b)
     }
     fn params(&self) -> Vec<Tensor> {
-        vec![self.a.clone(), self.b.clone()]
+        vec![self.0.clone(), self.1.clone()]
     }
     fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinearDelta>> {
-        Ok(Arc::new(LowRank {
-            a: f(&self.a)?,
-            b: f(&self.b)?,
-        }))
+        Ok(Arc::new(LowRank(f(&self.0)?, f(&self.1)?)))
     }
 }
 
@@ -396,10 +390,7 @@ fn an_adapter_wraps_any_projection_by_its_module_path() {
     let wrap = |path: &str| -> trainer::Result<Option<Arc<dyn LinearDelta>>> {
         seen.lock().unwrap().push(path.to_string());
         Ok((path == "transformer.h.1.attn.c_attn").then(|| {
-            Arc::new(LowRank {
-                a: a.as_tensor().clone(),
-                b: b.as_tensor().clone(),
-            }) as Arc<dyn LinearDelta>
+            Arc::new(LowRank(a.as_tensor().clone(), b.as_tensor().clone())) as Arc<dyn LinearDelta>
         }))
     };
     let src = |name: &str, _: &[usize]| params.tensor(name);
@@ -448,6 +439,8 @@ fn an_adapter_wraps_any_projection_by_its_module_path() {
 /// whichever batch it comes).
 struct Ragged(Box<dyn DataSource>);
 
+type R<T> = trainer::Result<T>;
+
 impl DataSource for Ragged {
     fn vocab_size(&self) -> usize {
         self.0.vocab_size()
@@ -455,21 +448,15 @@ impl DataSource for Ragged {
     fn describe(&self) -> String {
         self.0.describe()
     }
-    fn batch(
-        &self,
-        split: Split,
-        batch_size: usize,
-        block_size: usize,
-        rng: &mut ChaCha8Rng,
-        device: &Device,
-    ) -> trainer::Result<Batch> {
-        let b = self.0.batch(split, batch_size, block_size, rng, device)?;
-        let first: Vec<u32> = b.x.narrow(1, 0, 1)?.flatten_all()?.to_vec1()?;
-        let mask: Vec<f32> = (0..batch_size * block_size)
-            .map(|i| f32::from((i % block_size) as u32 >= first[i / block_size] % 7))
+    // Rows, columns, generator, device.
+    fn batch(&self, s: Split, b: usize, t: usize, g: &mut ChaCha8Rng, d: &Device) -> R<Batch> {
+        let batch = self.0.batch(s, b, t, g, d)?;
+        let first: Vec<u32> = batch.x.narrow(1, 0, 1)?.flatten_all()?.to_vec1()?;
+        let mask: Vec<f32> = (0..b * t)
+            .map(|i| f32::from((i % t) as u32 >= first[i / t] % 7))
             .collect();
-        let mask = Tensor::from_vec(mask, (batch_size, block_size), device)?;
-        Ok(Batch::new(b.x, b.y).with_mask(Some(mask)))
+        let mask = Tensor::from_vec(mask, (b, t), d)?;
+        Ok(Batch::new(batch.x, batch.y).with_mask(Some(mask)))
     }
     fn encode(&self, text: &str) -> trainer::Result<Vec<u32>> {
         self.0.encode(text)

@@ -63,7 +63,7 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
         .encode(&args.prompt)
         .with_context(|| format!("cannot encode the prompt {:?}", args.prompt))?;
     let prompt = if prompt.is_empty() {
-        vec![model.config().special_tokens().0.unwrap_or(0)]
+        vec![model.config().special_tokens().bos.unwrap_or(0)]
     } else {
         prompt
     };
@@ -154,8 +154,8 @@ fn inspect_dir(dir: &Path, model_file: &Path) -> Result<()> {
             shape.bias
         );
         let id = |t: Option<u32>| t.map_or("none".to_string(), |t| t.to_string());
-        let (bos, eos) = cfg.special_tokens();
-        println!("special     bos {} eos {}", id(bos), id(eos));
+        let tokens = cfg.special_tokens();
+        println!("special     bos {} eos {}", id(tokens.bos), id(tokens.eos));
         // The loader's own check: Hugging Face names (no `transformer.` prefix, mask buffers,
         // a tied lm_head) are accepted as they are when training.
         match checkpoint::load_params(model_file, cfg.as_ref(), &candle_core::Device::Cpu) {

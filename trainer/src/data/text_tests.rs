@@ -49,6 +49,12 @@ impl Fixture {
     }
 }
 
+/// Asserts that `src`'s description mentions `what`.
+fn assert_describes(src: &TextSource, what: &str) {
+    let d = src.describe();
+    assert!(d.contains(what), "{d}");
+}
+
 fn rng(seed: u64) -> ChaCha8Rng {
     ChaCha8Rng::seed_from_u64(seed)
 }
@@ -169,11 +175,7 @@ fn cache_hit_is_identical_and_corrupt_cache_is_rebuilt() {
     let p = fx.file("corpus.txt", CORPUS.as_bytes());
     let spec = fx.spec(DataKind::Char, &p);
     let first = TextSource::open(&spec).unwrap();
-    assert!(
-        first.describe().contains("tokenised, cached"),
-        "{}",
-        first.describe()
-    );
+    assert_describes(&first, "tokenised, cached");
     let entries: Vec<_> = fs::read_dir(fx.cache()).unwrap().collect();
     assert_eq!(entries.len(), 1, "one cache file, no temp leftovers");
     let cache_file = entries[0].as_ref().unwrap().path();
@@ -181,11 +183,7 @@ fn cache_hit_is_identical_and_corrupt_cache_is_rebuilt() {
     assert_eq!(fs::read_dir(p.parent().unwrap()).unwrap().count(), 1);
 
     let second = TextSource::open(&spec).unwrap();
-    assert!(
-        second.describe().contains("cache hit"),
-        "{}",
-        second.describe()
-    );
+    assert_describes(&second, "cache hit");
     assert_eq!(second.tokens, first.tokens);
     assert_eq!(second.vocab_size(), first.vocab_size());
     assert_eq!(second.decode(&second.tokens).unwrap(), CORPUS);
@@ -199,11 +197,7 @@ fn cache_hit_is_identical_and_corrupt_cache_is_rebuilt() {
     }] {
         fs::write(&cache_file, corrupt).unwrap();
         let rebuilt = TextSource::open(&spec).unwrap();
-        assert!(
-            rebuilt.describe().contains("tokenised"),
-            "{}",
-            rebuilt.describe()
-        );
+        assert_describes(&rebuilt, "tokenised");
         assert_eq!(rebuilt.tokens, first.tokens);
         assert_eq!(fs::read(&cache_file).unwrap(), good, "cache rewritten");
     }

@@ -15,6 +15,7 @@ use std::sync::RwLock;
 use candle_core::{DType, Device, Tensor};
 use candle_remat::ChainCosts;
 use rand_chacha::ChaCha8Rng;
+use serde_json::Value;
 
 use super::{Builder, Ctx, Kernels, Link, Loss, Params, WeightMap};
 use crate::{Error, Result};
@@ -43,16 +44,11 @@ pub trait ModelConfig: Send + Sync + fmt::Debug {
     fn shape(&self) -> Shape;
 
     /// Beginning- and end-of-text token ids of the model's vocabulary, if it has them.
-    fn special_tokens(&self) -> (Option<u32>, Option<u32>);
+    fn special_tokens(&self) -> SpecialTokens;
 
     /// The same config with another dropout probability and special tokens (a run's own
     /// settings over a pretrained model's).
-    fn with_run_settings(
-        &self,
-        dropout: f32,
-        bos: Option<u32>,
-        eos: Option<u32>,
-    ) -> Box<dyn ModelConfig>;
+    fn with_run_settings(&self, dropout: f32, tokens: SpecialTokens) -> Box<dyn ModelConfig>;
 
     /// The model's structure over tensors taken from `b` by their Hugging Face names. Building
     /// must ask `b` for every parameter exactly once (that walk also lists names and shapes).
@@ -69,14 +65,8 @@ pub trait ModelConfig: Send + Sync + fmt::Debug {
     fn flops_per_token(&self, seq_len: usize) -> f64;
 
     /// Activation memory and relative compute of the blocks for one micro-batch of `batch`
-    /// rows of `seq_len` tokens (what remat plans and memory estimates use).
-    fn chain_costs(
-        &self,
-        batch: usize,
-        seq_len: usize,
-        dtype: DType,
-        kernels: Kernels,
-    ) -> ChainCosts;
+    /// rows of `seq` tokens (what remat plans and memory estimates use).
+    fn chain_costs(&self, batch: usize, seq: usize, dtype: DType, kernels: Kernels) -> ChainCosts;
 
     /// What a tensor called `name` in a Hugging Face checkpoint of this architecture is (its
     /// parameter name, a buffer to skip, a tied copy to check). The default: a parameter of
@@ -105,6 +95,15 @@ pub trait ModelConfig: Send + Sync + fmt::Debug {
         }
         shapes.into_inner()
     }
+}
+
+/// The beginning- and end-of-text token ids of a vocabulary (`None`: it has no such token).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpecialTokens {
+    /// `bos_token_id`.
+    pub bos: Option<u32>,
+    /// `eos_token_id`.
+    pub eos: Option<u32>,
 }
 
 /// What a tensor of a Hugging Face checkpoint is to the model.
@@ -220,11 +219,7 @@ pub trait Architecture: Sync {
     fn name(&self) -> &'static str;
 
     /// Reads its `config.json` (already parsed; `path` is for error messages).
-    fn config_from_hf_json(
-        &self,
-        json: &serde_json::Value,
-        path: &Path,
-    ) -> Result<Box<dyn ModelConfig>>;
+    fn config_from_hf_json(&self, json: &Value, path: &Path) -> Result<Box<dyn ModelConfig>>;
 }
 
 /// The architectures the trainer knows: one line each.

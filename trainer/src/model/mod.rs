@@ -29,7 +29,7 @@ use candle_core::Tensor;
 
 pub use arch::{
     architecture, build, config_from_hf_json_file, init, register, Architecture, CheckpointTensor,
-    KvCache, Model, ModelConfig, Shape, BUILTIN,
+    KvCache, Model, ModelConfig, Shape, SpecialTokens, BUILTIN,
 };
 pub use builder::{Builder, Source, Wrap};
 pub use chain::{count_targets, run_links, Link, LinkOps, Loss, Role, WeightMap, IGNORE};

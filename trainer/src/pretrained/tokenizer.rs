@@ -11,14 +11,7 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// `transformers`' tokenizer settings file, which names the special tokens.
 pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 
-/// The beginning- and end-of-text token ids of a vocabulary (`None`: it has no such token).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SpecialTokens {
-    /// `bos_token_id`.
-    pub bos: Option<u32>,
-    /// `eos_token_id`.
-    pub eos: Option<u32>,
-}
+pub use crate::model::SpecialTokens;
 
 /// A Hugging Face `tokenizer.json`, loaded.
 pub struct TokenizerFile {

@@ -26,15 +26,15 @@ pub enum Executor {
 }
 
 impl Executor {
-    /// The executor the config asks for.
+    /// The executor the config asks for (computing in `config.dtype`).
     pub fn build(
         config: &TrainConfig,
         model: &dyn Model,
         params: &Params,
-        device: &Device,
-        dtype: DType,
+        dev: &Device,
     ) -> Result<Self> {
-        if let Some(pipe) = PipelineRun::build(config, model, params, device, dtype)? {
+        let dtype = config.dtype.dtype();
+        if let Some(pipe) = PipelineRun::build(config, model, params, dev, dtype)? {
             return Ok(Executor::Pipeline(Box::new(pipe)));
         }
         Ok(match remat_plan(config, model.config(), dtype)? {

@@ -26,43 +26,44 @@ pub fn build_model(
 ) -> Result<(Box<dyn Model>, Params)> {
     let Some(from) = &config.init_from else {
         let tokens = pretrained::data_special_tokens(config, SpecialTokens::default())?;
-        let fresh = config.model_config(data.vocab_size()).with_run_settings(
-            config.dropout,
-            tokens.bos,
-            tokens.eos,
-        );
+        let fresh = config
+            .model_config(data.vocab_size())
+            .with_run_settings(config.dropout, tokens);
         return model::init(fresh.as_ref(), config.seed, device);
     };
     let dir = pretrained::resolve(from)?;
     let (loaded, params) = checkpoint::load_model(&dir, device)?;
-    let (bos, eos) = loaded.special_tokens();
-    let tokens = pretrained::data_special_tokens(config, SpecialTokens { bos, eos })?;
-    let cfg = loaded.with_run_settings(config.dropout, tokens.bos, tokens.eos);
+    let tokens = pretrained::data_special_tokens(config, loaded.special_tokens())?;
+    let cfg = loaded.with_run_settings(config.dropout, tokens);
     let model = model::build(cfg.as_ref(), &params)?;
     Ok((model, params))
 }
 
 /// A resumed run may change how long it trains and how it reports, not what it trains.
 pub fn check_resume_compatible(saved: &TrainConfig, new: &TrainConfig, dir: &Path) -> Result<()> {
-    let fixed: [(&str, bool); 12] = [
-        ("n_layer", saved.n_layer == new.n_layer),
-        ("n_head", saved.n_head == new.n_head),
-        ("n_embd", saved.n_embd == new.n_embd),
-        ("block_size", saved.block_size == new.block_size),
-        ("bias", saved.bias == new.bias),
-        ("data", saved.data == new.data),
-        ("data_path", saved.data_path == new.data_path),
-        ("tokenizer_path", saved.tokenizer_path == new.tokenizer_path),
-        ("digits", saved.digits == new.digits),
-        ("val_fraction", saved.val_fraction == new.val_fraction),
-        ("seed", saved.seed == new.seed),
-        ("batch_size", saved.batch_size == new.batch_size),
-    ];
-    let changed: Vec<&str> = fixed
-        .iter()
-        .filter(|(_, same)| !same)
-        .map(|(n, _)| *n)
-        .collect();
+    macro_rules! changed {
+        ($($field:ident),+) => {
+            [$((stringify!($field), saved.$field != new.$field)),+]
+        };
+    }
+    let changed: Vec<&str> = changed!(
+        n_layer,
+        n_head,
+        n_embd,
+        block_size,
+        bias,
+        data,
+        data_path,
+        tokenizer_path,
+        digits,
+        val_fraction,
+        seed,
+        batch_size
+    )
+    .iter()
+    .filter(|(_, changed)| *changed)
+    .map(|(n, _)| *n)
+    .collect();
     if changed.is_empty() {
         return Ok(());
     }

@@ -232,7 +232,7 @@ impl Trainer {
     ) -> Result<Self> {
         let dtype = config.dtype.dtype();
         params.check_ownership(&model.links())?;
-        let executor = Executor::build(&config, model.as_ref(), &params, &device, dtype)?;
+        let executor = Executor::build(&config, model.as_ref(), &params, &device)?;
         if device.is_cpu() {
             // Refuse before allocating what cannot fit (a GPU reports its own out-of-memory
             // errors; the CPU allocator aborts the process).

@@ -13,10 +13,12 @@ use candle_core::{DType, Tensor};
 use candle_remat::{BlockCost, ChainCosts};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
+use serde_json::Value;
 use trainer::model::{
     self, Architecture, Builder, Ctx, Kernels, KvCache, Layout, Linear, Link, LinkOps, Model,
-    ModelConfig, Role, Shape, WeightMap,
+    ModelConfig, Role, Shape, SpecialTokens, WeightMap,
 };
+use trainer::Result;
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct TinyConfig {
@@ -235,7 +237,7 @@ impl ModelConfig for TinyConfig {
     fn clone_box(&self) -> Box<dyn ModelConfig> {
         Box::new(self.clone())
     }
-    fn validate(&self) -> trainer::Result<()> {
+    fn validate(&self) -> Result<()> {
         Ok(())
     }
     fn vocab_size(&self) -> usize {
@@ -252,21 +254,16 @@ impl ModelConfig for TinyConfig {
             bias: true,
         }
     }
-    fn special_tokens(&self) -> (Option<u32>, Option<u32>) {
-        (None, None)
+    fn special_tokens(&self) -> SpecialTokens {
+        SpecialTokens::default()
     }
-    fn with_run_settings(
-        &self,
-        dropout: f32,
-        _: Option<u32>,
-        _: Option<u32>,
-    ) -> Box<dyn ModelConfig> {
+    fn with_run_settings(&self, dropout: f32, _: SpecialTokens) -> Box<dyn ModelConfig> {
         Box::new(TinyConfig {
             dropout,
             ..self.clone()
         })
     }
-    fn build(&self, b: &Builder) -> trainer::Result<Box<dyn Model>> {
+    fn build(&self, b: &Builder) -> Result<Box<dyn Model>> {
         let (v, c, p) = (self.vocab_size, self.n_embd, self.n_positions);
         let t = b.pp("tiny");
         let tok = t.get(&[v, c], "tok")?;
@@ -281,7 +278,7 @@ impl ModelConfig for TinyConfig {
                     site: 1 + 2 * i as u64,
                 }))
             })
-            .collect::<trainer::Result<_>>()?;
+            .collect::<Result<_>>()?;
         Ok(Box::new(Tiny {
             config: self.clone(),
             embed: Arc::new(Embed {
@@ -297,7 +294,7 @@ impl ModelConfig for TinyConfig {
             }),
         }))
     }
-    fn init(&self, name: &str, shape: &[usize], rng: &mut ChaCha8Rng) -> trainer::Result<Vec<f32>> {
+    fn init(&self, name: &str, shape: &[usize], rng: &mut ChaCha8Rng) -> Result<Vec<f32>> {
         let n = shape.iter().product();
         if name.ends_with("norm") {
             return Ok(vec![1.0; n]);
@@ -339,11 +336,7 @@ impl Architecture for TinyArch {
     fn name(&self) -> &'static str {
         "tiny-test"
     }
-    fn config_from_hf_json(
-        &self,
-        json: &serde_json::Value,
-        path: &Path,
-    ) -> trainer::Result<Box<dyn ModelConfig>> {
+    fn config_from_hf_json(&self, json: &Value, path: &Path) -> Result<Box<dyn ModelConfig>> {
         let mut json = json.clone();
         json.as_object_mut().unwrap().remove("model_type");
         let cfg: TinyConfig = serde_json::from_value(json)

@@ -10,7 +10,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use serde::{Deserialize, Serialize};
 
-use super::super::{Builder, CheckpointTensor, Kernels, Model, ModelConfig, Shape};
+use super::super::{Builder, CheckpointTensor, Kernels, Model, ModelConfig, Shape, SpecialTokens};
 use super::{Gpt, LN_EPS};
 use crate::{Error, Result};
 
@@ -273,20 +273,18 @@ impl ModelConfig for GptConfig {
         }
     }
 
-    fn special_tokens(&self) -> (Option<u32>, Option<u32>) {
-        (self.bos_token_id, self.eos_token_id)
+    fn special_tokens(&self) -> SpecialTokens {
+        SpecialTokens {
+            bos: self.bos_token_id,
+            eos: self.eos_token_id,
+        }
     }
 
-    fn with_run_settings(
-        &self,
-        dropout: f32,
-        bos: Option<u32>,
-        eos: Option<u32>,
-    ) -> Box<dyn ModelConfig> {
+    fn with_run_settings(&self, dropout: f32, tokens: SpecialTokens) -> Box<dyn ModelConfig> {
         Box::new(GptConfig {
             dropout,
-            bos_token_id: bos,
-            eos_token_id: eos,
+            bos_token_id: tokens.bos,
+            eos_token_id: tokens.eos,
             ..self.clone()
         })
     }
@@ -340,16 +338,10 @@ impl ModelConfig for GptConfig {
     /// (LayerNorm inputs and outputs, qkv, attention output, the MLP's pre- and post-GELU
     /// activations, residuals) plus the attention's log-sum-exp, `[B, H, T]` f32; dropout
     /// masks are regenerated, not stored. Compute is proportional to the block's FLOPs.
-    fn chain_costs(
-        &self,
-        batch: usize,
-        seq_len: usize,
-        dtype: DType,
-        kernels: Kernels,
-    ) -> ChainCosts {
+    fn chain_costs(&self, batch: usize, seq: usize, dtype: DType, kernels: Kernels) -> ChainCosts {
         let (b, t, c, h) = (
             batch as u64,
-            seq_len as u64,
+            seq as u64,
             self.n_embd as u64,
             self.n_head as u64,
         );

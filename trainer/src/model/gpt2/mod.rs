@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use candle_core::{Tensor, D};
 use candle_fused::attention::{attention, AttentionConfig};
+use serde_json::Value;
 
 pub use config::{GptConfig, GPT2_ENDOFTEXT};
 
@@ -32,11 +33,7 @@ impl Architecture for Gpt2 {
         "gpt2"
     }
 
-    fn config_from_hf_json(
-        &self,
-        json: &serde_json::Value,
-        path: &Path,
-    ) -> Result<Box<dyn ModelConfig>> {
+    fn config_from_hf_json(&self, json: &Value, path: &Path) -> Result<Box<dyn ModelConfig>> {
         Ok(Box::new(GptConfig::from_hf_json(json, path)?))
     }
 }
