@@ -13,7 +13,7 @@ use candle_pipeline::{
     even_sizes, LossReduction, Microbatches, PipelineError, PipelineWorker, Schedule, WorkerStep,
 };
 
-use crate::CommTransport;
+use crate::transport::CommTransport;
 
 /// Errors of [`Grid2D`]: a wrong shape, or a failure of the pipeline step or of the
 /// data-parallel reduction, with this rank's place in the grid.

@@ -21,6 +21,7 @@ pub mod config;
 pub mod data;
 pub mod error;
 pub mod hub;
+pub mod io;
 pub mod metrics;
 pub mod mfu;
 pub mod model;

@@ -487,7 +487,7 @@ fn an_accumulated_step_is_the_token_mean_of_the_whole_step() {
             sample_tokens: 0,
             ..tiny_config(&dir.join(name))
         };
-        let data = trainer::data::open_for_run(&cfg).unwrap();
+        let data = cfg.open_data().unwrap();
         let mut t = Trainer::new(cfg).unwrap();
         t.data = Box::new(Ragged(data));
         finish(t)

@@ -21,7 +21,7 @@
 //! leaves the previous checkpoint intact, and a half-written one is never picked up.
 
 pub mod finite;
-pub mod io;
+pub use crate::io;
 mod state;
 
 use std::collections::HashMap;

@@ -25,7 +25,7 @@ impl Codec {
             return Ok(Codec::Tokenizer(Box::new(TokenizerFile::open(path)?)));
         }
         if let Some(run) = model.run_config() {
-            let data = trainer::data::open_for_run(run).with_context(|| {
+            let data = run.open_data().with_context(|| {
                 format!(
                     "cannot open the data of the run of {} to encode the prompt (or give \
                      --tokenizer-path)",

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 pub use types::{DeviceList, DeviceSpec, LossScale, Parallelism, Precision, ScheduleKind};
 
-use crate::data::DataKind;
+use crate::data::{DataKind, DataSource, DataSpec};
 use crate::model::gpt2::GptConfig;
 use crate::model::{Kernels, ModelConfig};
 use crate::optim::AdamWConfig;
@@ -205,6 +205,24 @@ impl TrainConfig {
             bias: self.bias,
             ..GptConfig::default()
         }
+    }
+
+    /// The data this run trains on.
+    pub fn data_spec(&self) -> DataSpec {
+        DataSpec {
+            kind: self.data,
+            path: self.data_path.clone(),
+            tokenizer: self.tokenizer_path.clone(),
+            val_fraction: self.val_fraction,
+            cache_dir: self.cache_dir.clone(),
+            digits: self.digits,
+            seed: self.seed,
+        }
+    }
+
+    /// Opens the run's data ([`TrainConfig::data_spec`]), checked to serve its blocks.
+    pub fn open_data(&self) -> Result<Box<dyn DataSource>> {
+        crate::data::open_for_run(&self.data_spec(), self.block_size)
     }
 
     /// The configuration of a fresh model for this run (today always GPT-2, the architecture

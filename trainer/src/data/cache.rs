@@ -313,7 +313,7 @@ pub(crate) fn load(dir: &Path, key: &CacheKey) -> Option<Cached> {
 /// directory, fsync, rename, then fsync of the directory where supported).
 pub(crate) fn store(dir: &Path, key: &CacheKey, cached: &Cached) -> Result<PathBuf> {
     let path = dir.join(&key.file_name);
-    crate::checkpoint::io::write_atomic(&path, &to_bytes(key, cached))?;
+    crate::io::write_atomic(&path, &to_bytes(key, cached))?;
     Ok(path)
 }
 

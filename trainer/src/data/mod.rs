@@ -45,7 +45,7 @@ use crate::model::{Rows, IGNORE};
 
 pub use addition::Addition;
 pub use cache::default_cache_dir;
-pub use open::{check_fingerprint, data_spec, open_for_run};
+pub use open::{check_fingerprint, open_for_run};
 pub use text::TextSource;
 
 /// Which part of the data a batch is drawn from.

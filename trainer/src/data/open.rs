@@ -3,26 +3,13 @@
 use std::path::Path;
 
 use super::{DataSource, DataSpec, Fingerprint};
-use crate::config::TrainConfig;
 use crate::{Error, Result};
 
-/// The data spec a run config describes.
-pub fn data_spec(config: &TrainConfig) -> Result<DataSpec> {
-    Ok(DataSpec {
-        kind: config.data,
-        path: config.data_path.clone(),
-        tokenizer: config.tokenizer_path.clone(),
-        val_fraction: config.val_fraction,
-        cache_dir: config.cache_dir.clone(),
-        digits: config.digits,
-        seed: config.seed,
-    })
-}
-
-/// Opens the run's data and checks it can serve windows of `block_size + 1` tokens.
-pub fn open_for_run(config: &TrainConfig) -> Result<Box<dyn DataSource>> {
-    let source = super::open(&data_spec(config)?)?;
-    source.check_block_size(config.block_size)?;
+/// Opens a run's data (`TrainConfig::data_spec`) and checks it can serve windows of
+/// `block_size + 1` tokens.
+pub fn open_for_run(spec: &DataSpec, block_size: usize) -> Result<Box<dyn DataSource>> {
+    let source = super::open(spec)?;
+    source.check_block_size(block_size)?;
     Ok(source)
 }
 

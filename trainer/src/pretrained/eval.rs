@@ -11,10 +11,10 @@ use super::{ModelDir, TOKENIZER_FILE};
 use crate::config::DeviceSpec;
 use crate::config::TrainConfig;
 use crate::data;
-use crate::data::{DataKind, DataSource, Split};
+use crate::data::{DataKind, DataSource, Split, Task};
 use crate::metrics::EvalStats;
 use crate::model::{Ctx, Model, ModelConfig};
-use crate::train::task_score;
+use crate::sample::greedy_batch;
 use crate::{checkpoint, Error, Result};
 
 /// Context length of a bare model's evaluation batches, unless the model has fewer positions.
@@ -153,7 +153,7 @@ impl EvalRequest {
             crate::model::config_from_hf_json_file(&model.dir.join(checkpoint::CONFIG_FILE))?;
         let cfg = self.config(model, model_config.as_ref())?;
         let device = cfg.device.open()?;
-        let data = data::open_for_run(&cfg)?;
+        let data = cfg.open_data()?;
         if let Some(run) = &model.run {
             // The ids must mean what they meant in training (a rebuilt character vocabulary
             // would shift them); the corpus itself may differ (evaluating on other text).
@@ -222,4 +222,29 @@ pub fn evaluate(
         score,
         score_name,
     })
+}
+
+/// Exact-match score of greedy decoding on `n` held-out problems of `task`, in [0, 1].
+pub fn task_score(
+    model: &dyn Model,
+    task: &dyn Task,
+    n: usize,
+    device: &candle_core::Device,
+) -> Result<f32> {
+    let problems = task.eval_problems(n);
+    if problems.is_empty() {
+        return Ok(0.0);
+    }
+    let mut correct = 0usize;
+    for chunk in problems.chunks(256) {
+        let prompts: Vec<Vec<u32>> = chunk.iter().map(|(p, _)| p.clone()).collect();
+        let answer_len = chunk[0].1.len();
+        let out = greedy_batch(model, &prompts, answer_len, device)?;
+        correct += out
+            .iter()
+            .zip(chunk)
+            .filter(|(got, (_, want))| got == &want)
+            .count();
+    }
+    Ok(correct as f32 / problems.len() as f32)
 }

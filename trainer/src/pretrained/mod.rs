@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 
-pub use eval::{evaluate, mean_loss, EvalRequest};
+pub use eval::{evaluate, mean_loss, task_score, EvalRequest};
 pub use tokenizer::{
     word_level, SpecialTokens, TokenizerFile, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
 };

@@ -4,9 +4,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use super::Trainer;
-use crate::data::{Split, Task};
-use crate::model::Model;
-use crate::sample::{generate, greedy_batch, SamplingConfig};
+use crate::data::Split;
+use crate::sample::{generate, SamplingConfig};
 use crate::Result;
 
 /// Mean loss of the trainer's model over `eval_iters` batches of `split` drawn from `rng`
@@ -20,31 +19,6 @@ pub fn estimate_loss(trainer: &Trainer, split: Split, rng: &mut ChaCha8Rng) -> R
         rng,
         &trainer.device,
     )
-}
-
-/// Exact-match score of greedy decoding on `n` held-out problems of `task`, in [0, 1].
-pub fn task_score(
-    model: &dyn Model,
-    task: &dyn Task,
-    n: usize,
-    device: &candle_core::Device,
-) -> Result<f32> {
-    let problems = task.eval_problems(n);
-    if problems.is_empty() {
-        return Ok(0.0);
-    }
-    let mut correct = 0usize;
-    for chunk in problems.chunks(256) {
-        let prompts: Vec<Vec<u32>> = chunk.iter().map(|(p, _)| p.clone()).collect();
-        let answer_len = chunk[0].1.len();
-        let out = greedy_batch(model, &prompts, answer_len, device)?;
-        correct += out
-            .iter()
-            .zip(chunk)
-            .filter(|(got, (_, want))| got == &want)
-            .count();
-    }
-    Ok(correct as f32 / problems.len() as f32)
 }
 
 /// A text sample of `sample_tokens` tokens, prompted with the start of a validation batch.

@@ -24,7 +24,9 @@ use candle_remat::Plan;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-pub use eval::{estimate_loss, task_score};
+pub use eval::estimate_loss;
+
+use crate::pretrained::task_score;
 pub use executor::Executor;
 pub use parallel::DataParallel;
 pub use run::{Event, Observer, Summary};
@@ -83,7 +85,7 @@ impl Trainer {
     pub fn new(config: TrainConfig) -> Result<Self> {
         config.validate()?;
         let device = config.device.open()?;
-        let data = data::open_for_run(&config)?;
+        let data = config.open_data()?;
         let (model, params) = init::build_model(&config, data.as_ref(), &device)?;
         Self::start(config, device, data, model, params)
     }
@@ -94,7 +96,7 @@ impl Trainer {
     pub fn with_model(config: TrainConfig, model: Box<dyn Model>, params: Params) -> Result<Self> {
         config.validate()?;
         let device = config.device.open()?;
-        let data = data::open_for_run(&config)?;
+        let data = config.open_data()?;
         Self::start(config, device, data, model, params)
     }
 
@@ -174,7 +176,7 @@ impl Trainer {
         init::check_resume_compatible(&state.config, &config, &dir)?;
         config.validate()?;
         let device = config.device.open()?;
-        let data = data::open_for_run(&config)?;
+        let data = config.open_data()?;
         data::check_fingerprint(state.data.as_ref(), data.as_ref(), &dir, true)?;
         let (model_config, params) = checkpoint::load_model(&dir, &device)?;
         init::check_model_matches(model_config.as_ref(), &config, data.as_ref(), &dir)?;
