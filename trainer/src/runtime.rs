@@ -1,4 +1,5 @@
-//! Process-wide settings for a fast CPU step, applied once at start-up by [`init`].
+//! Process-wide settings for a fast CPU step, applied once at start-up by [`init`], and the
+//! memory the process may use ([`available_memory`]).
 //!
 //! Both were found with `perf` on the step bench (`cargo bench -p trainer --bench step`), 2
 //! cores, GPT 4/4/256:
@@ -32,5 +33,36 @@ pub fn init() {
         // 1 GiB: above every tensor of the models the trainer runs on a CPU.
         libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}
+
+/// The memory this process may still allocate (available RAM, or the cgroup's free memory in
+/// a container, whichever is smaller), or `None` when it cannot be told.
+pub fn available_memory() -> Option<u64> {
+    use sysinfo::{MemoryRefreshKind, RefreshKind, System};
+    let sys = System::new_with_specifics(
+        RefreshKind::nothing().with_memory(MemoryRefreshKind::nothing().with_ram()),
+    );
+    let mut available = sys.available_memory();
+    if let Some(cg) = sys.cgroup_limits() {
+        available = available.min(cg.free_memory);
+    }
+    (available > 0).then_some(available)
+}
+
+/// Errors, naming `what` needs the memory and what to change, when `need` bytes exceed
+/// [`available_memory`] (nothing is checked when it cannot be told).
+pub fn check_fits(need: u64, what: &str, advice: &str) -> crate::Result<()> {
+    match available_memory() {
+        Some(available) if need > available => {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            Err(crate::Error::Config(format!(
+                "{what} needs at least an estimated {:.1} GiB but only {:.1} GiB of memory is \
+                 available: {advice}",
+                gib(need),
+                gib(available)
+            )))
+        }
+        _ => Ok(()),
     }
 }

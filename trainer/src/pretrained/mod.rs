@@ -124,7 +124,19 @@ impl ModelDir {
 
     /// The model's config and weights on `device`.
     pub fn load(&self, device: &Device) -> Result<(Box<dyn ModelConfig>, Params)> {
-        checkpoint::load_model(&self.dir, device)
+        let config = crate::model::config_from_hf_json_file(&self.dir.join(CONFIG_FILE))?;
+        if device.is_cpu() {
+            // The f32 weights, refused before they are read (activations come on top).
+            let what = format!(
+                "the model in {} ({})",
+                self.dir.display(),
+                config.describe()
+            );
+            let need = 4 * config.num_params() as u64;
+            crate::runtime::check_fits(need, &what, "use a machine with more memory")?;
+        }
+        let params = checkpoint::load_params(&self.dir.join(MODEL_FILE), config.as_ref(), device)?;
+        Ok((config, params))
     }
 
     /// The model on `device`, ready for inference.

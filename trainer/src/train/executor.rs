@@ -38,7 +38,10 @@ impl Executor {
             return Ok(Executor::Pipeline(Box::new(pipe)));
         }
         Ok(match remat_plan(config, model.config(), dtype)? {
-            Some(plan) => Executor::Remat(plan),
+            Some(plan) => {
+                tracing::info!("activation checkpointing plan:\n{plan}");
+                Executor::Remat(plan)
+            }
             None => Executor::Plain,
         })
     }
@@ -135,6 +138,5 @@ pub fn remat_plan(
         where_: "",
         source: Box::new(e),
     })?;
-    tracing::info!("activation checkpointing plan:\n{plan}");
     Ok(Some(plan))
 }

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use candle_core::Device;
 
+use super::memory;
 use crate::config::TrainConfig;
 use crate::data::DataSource;
 use crate::model::{self, Model, ModelConfig, Params};
@@ -29,12 +30,15 @@ pub fn build_model(
         let fresh = config
             .model_config(data.vocab_size())
             .with_run_settings(config.dropout, tokens);
+        memory::check_run_fits(config, fresh.as_ref(), device)?;
         return model::init(fresh.as_ref(), config.seed, device);
     };
     let dir = pretrained::resolve(from)?;
-    let (loaded, params) = checkpoint::load_model(&dir, device)?;
+    let loaded = model::config_from_hf_json_file(&dir.join(checkpoint::CONFIG_FILE))?;
     let tokens = pretrained::data_special_tokens(config, loaded.special_tokens())?;
     let cfg = loaded.with_run_settings(config.dropout, tokens);
+    memory::check_run_fits(config, cfg.as_ref(), device)?;
+    let params = checkpoint::load_params(&dir.join(checkpoint::MODEL_FILE), cfg.as_ref(), device)?;
     let model = model::build(cfg.as_ref(), &params)?;
     Ok((model, params))
 }

@@ -1,12 +1,12 @@
 //! What a training step needs in memory, estimated from the configuration alone (before
 //! anything is allocated), and the refusal of runs that cannot fit.
 
-use candle_core::DType;
+use candle_core::{DType, Device};
 use candle_remat::{Plan, Policy};
 
 use crate::config::{Parallelism, TrainConfig};
 use crate::model::ModelConfig;
-use crate::{Error, Result};
+use crate::Result;
 
 /// Estimated peak bytes of one training step: f32 weights, gradients and both AdamW moments
 /// (plus a compute-dtype copy of the weights in mixed precision), the activations of one
@@ -62,35 +62,36 @@ pub fn estimate_step_bytes(
         .saturating_add(logits)
 }
 
-/// Errors if the estimate of [`estimate_step_bytes`] exceeds the memory available to this
-/// process (RAM, or the cgroup's limit in a container). Only checked on the CPU.
-pub fn check_memory_fits(
+/// Refuses a run whose step cannot fit in the memory available to this process (RAM, or the
+/// cgroup's limit in a container), from the configurations alone: called before the model is
+/// allocated, on every path that builds one for training (fresh, `--init-from`, resume). Only
+/// checked on the CPU (a GPU reports its own out-of-memory errors; the CPU allocator aborts the
+/// process).
+pub fn check_run_fits(
     config: &TrainConfig,
     model: &dyn ModelConfig,
-    estimate: u64,
+    device: &Device,
 ) -> Result<()> {
-    use sysinfo::{MemoryRefreshKind, RefreshKind, System};
-    let sys = System::new_with_specifics(
-        RefreshKind::nothing().with_memory(MemoryRefreshKind::nothing().with_ram()),
-    );
-    let mut available = sys.available_memory();
-    if let Some(cg) = sys.cgroup_limits() {
-        available = available.min(cg.free_memory);
+    if !device.is_cpu() {
+        return Ok(());
     }
-    if available == 0 || estimate <= available {
-        return Ok(()); // unknown (0), or it fits
-    }
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    Err(Error::Config(format!(
-        "this run needs at least an estimated {:.1} GiB per step (batch_size {} x block_size {}, \
-         {}) but only {:.1} GiB of memory is available: lower batch_size or block_size, or use \
-         --remat",
-        gib(estimate),
-        config.batch_size,
-        config.block_size,
+    let dtype = config.dtype.dtype();
+    let plan = match config.parallelism() {
+        Parallelism::Pipeline { .. } => None, // stages plan their own blocks
+        Parallelism::None => super::executor::remat_plan(config, model, dtype)?,
+    };
+    let need = estimate_step_bytes(config, model, dtype, plan.as_ref());
+    let what = format!(
+        "this run ({}, batch_size {} x block_size {}) per step",
         model.describe(),
-        gib(available)
-    )))
+        config.batch_size,
+        config.block_size
+    );
+    crate::runtime::check_fits(
+        need,
+        &what,
+        "lower batch_size or block_size, or use --remat",
+    )
 }
 
 #[cfg(test)]

@@ -178,8 +178,14 @@ impl Trainer {
         let device = config.device.open()?;
         let data = config.open_data()?;
         data::check_fingerprint(state.data.as_ref(), data.as_ref(), &dir, true)?;
-        let (model_config, params) = checkpoint::load_model(&dir, &device)?;
+        let model_config = model::config_from_hf_json_file(&dir.join(checkpoint::CONFIG_FILE))?;
         init::check_model_matches(model_config.as_ref(), &config, data.as_ref(), &dir)?;
+        memory::check_run_fits(&config, model_config.as_ref(), &device)?;
+        let params = checkpoint::load_params(
+            &dir.join(checkpoint::MODEL_FILE),
+            model_config.as_ref(),
+            &device,
+        )?;
         let model = model::build(model_config.as_ref(), &params)?;
         let mut optimizer =
             AdamW::new(&params, config.adamw_config())?.with_kernels(config.kernels);
@@ -234,13 +240,10 @@ impl Trainer {
     ) -> Result<Self> {
         let dtype = config.dtype.dtype();
         params.check_ownership(&model.links())?;
+        // Also for a model the caller built (`with_model`); `new` and `resume` checked before
+        // allocating the weights.
+        memory::check_run_fits(&config, model.config(), &device)?;
         let executor = Executor::build(&config, model.as_ref(), &params, &device)?;
-        if device.is_cpu() {
-            // Refuse before allocating what cannot fit (a GPU reports its own out-of-memory
-            // errors; the CPU allocator aborts the process).
-            let need = memory::estimate_step_bytes(&config, model.config(), dtype, executor.plan());
-            memory::check_memory_fits(&config, model.config(), need)?;
-        }
         let peak_flops = if config.peak_flops > 0.0 {
             config.peak_flops
         } else {
