@@ -17,7 +17,8 @@ fn main() -> ExitCode {
         .init();
     let args = cli::Cli::parse();
     match cli::run(args) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(cli::Outcome::Done) => ExitCode::SUCCESS,
+        Ok(cli::Outcome::Interrupted) => ExitCode::from(cli::Outcome::INTERRUPTED),
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

@@ -1,6 +1,7 @@
 //! The CLI keeps runs apart: the README's first command can run twice (the default run
 //! directory gets a fresh name), an explicit `--out-dir` holding a run is refused unless
-//! `--overwrite`, and an I/O error prints the OS text once.
+//! `--overwrite`, an I/O error prints the OS text once, negative values are values, and an
+//! empty `out_dir` is refused.
 
 mod common;
 
@@ -76,4 +77,21 @@ fn io_errors_print_the_os_text_once() {
     assert!(!o.status.success());
     assert!(err.contains("missing.toml"), "{err}");
     assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+}
+
+#[test]
+fn negative_values_reach_the_config_check_and_an_empty_out_dir_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    // `--lr -1` is a value, not an unknown flag: the config check names the field.
+    let neg = trainer(&["train", "--lr", "-1"], tmp.path());
+    let out = text(&neg);
+    assert!(!neg.status.success(), "{out}");
+    assert!(out.contains("lr must be positive, got -1"), "{out}");
+    // An empty out_dir would train into the current directory.
+    std::fs::write(tmp.path().join("run.toml"), "out_dir = \"\"\n").unwrap();
+    let empty = trainer(&["train", "--config", "run.toml"], tmp.path());
+    let out = text(&empty);
+    assert!(!empty.status.success(), "{out}");
+    assert!(out.contains("out_dir must name a directory"), "{out}");
+    assert!(!tmp.path().join("metrics.jsonl").exists());
 }

@@ -132,14 +132,32 @@ struct InspectArgs {
     checkpoint: String,
 }
 
+/// How a command ended, when it did not fail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// It did all it was asked (exit status 0).
+    Done,
+    /// Training stopped on request (Ctrl-C, SIGTERM, SIGHUP) after saving a checkpoint that
+    /// resumes: exit status [`Outcome::INTERRUPTED`], so a script or scheduler can tell it
+    /// from a finished run (0) and a failed one (1).
+    Interrupted,
+}
+
+impl Outcome {
+    /// The exit status of an interrupted run (`EX_TEMPFAIL` of sysexits.h: retry later, here
+    /// with `--resume`).
+    pub const INTERRUPTED: u8 = 75;
+}
+
 /// Runs the parsed command.
-pub fn run(cli: Cli) -> Result<()> {
+pub fn run(cli: Cli) -> Result<Outcome> {
+    let done = |r: Result<()>| r.map(|()| Outcome::Done);
     match cli.command {
         Command::Train(a) => train(*a),
-        Command::Sample(a) => sample(a),
-        Command::Eval(a) => eval(a),
-        Command::Inspect(a) => inspect(a),
-        Command::Plot(a) => plot(a),
+        Command::Sample(a) => done(sample(a)),
+        Command::Eval(a) => done(eval(a)),
+        Command::Inspect(a) => done(inspect(a)),
+        Command::Plot(a) => done(plot(a)),
     }
 }
 
@@ -156,7 +174,7 @@ fn plot(args: PlotArgs) -> Result<()> {
     Ok(())
 }
 
-fn train(args: TrainArgs) -> Result<()> {
+fn train(args: TrainArgs) -> Result<Outcome> {
     // `mpirun -np N trainer train ...`: this process is one data-parallel rank.
     let comm = trainer::train::parallel::communicator_from_env()?;
     let main = comm.rank() == 0;
@@ -184,7 +202,7 @@ fn train(args: TrainArgs) -> Result<()> {
         args.overrides.apply(&mut config);
         if args.print_config {
             print!("{}", config.to_toml());
-            return Ok(());
+            return Ok(Outcome::Done);
         }
         let chosen = args.overrides.out_dir.is_some() || file_keys.iter().any(|k| k == "out_dir");
         if !chosen && !args.overwrite {
@@ -232,5 +250,8 @@ fn train(args: TrainArgs) -> Result<()> {
     if main {
         print_summary(&trainer, &summary);
     }
-    Ok(())
+    Ok(match summary.interrupted {
+        true => Outcome::Interrupted,
+        false => Outcome::Done,
+    })
 }

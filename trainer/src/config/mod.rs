@@ -42,7 +42,11 @@ macro_rules! train_config {
         pub struct Overrides {
             $(
                 $(#[doc = $doc])*
-                #[arg(long, help_heading = "Config (overrides the --config file)")]
+                #[arg(
+                    long,
+                    allow_negative_numbers = true,
+                    help_heading = "Config (overrides the --config file)"
+                )]
                 pub $name: Option<$ty>,
             )*
         }
@@ -293,6 +297,9 @@ impl TrainConfig {
         }
         if self.batch_size == 0 || self.grad_accum == 0 {
             return bad("batch_size and grad_accum must be at least 1".into());
+        }
+        if self.out_dir.as_os_str().is_empty() {
+            return bad("out_dir must name a directory (it is empty)".into());
         }
         if !(self.lr > 0.0 && self.lr.is_finite()) {
             return bad(format!("lr must be positive, got {}", self.lr));
