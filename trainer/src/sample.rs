@@ -14,6 +14,9 @@ pub struct SamplingConfig {
     pub temperature: f64,
     /// Keep only the `top_k` most likely tokens (None: all).
     pub top_k: Option<usize>,
+    /// Draw only ids below this (a tokenizer with fewer ids than the model's padded
+    /// vocabulary; None: every id the model has).
+    pub vocab: Option<usize>,
 }
 
 impl Default for SamplingConfig {
@@ -21,6 +24,7 @@ impl Default for SamplingConfig {
         SamplingConfig {
             temperature: 0.8,
             top_k: Some(200),
+            vocab: None,
         }
     }
 }
@@ -70,7 +74,8 @@ pub fn generate(
         let logits = model.forward_cached(&idx, &mut cache)?;
         fed = tokens.len();
         let last = logits.i((0, new.len() - 1))?.to_dtype(DType::F32)?;
-        let logits: Vec<f32> = last.to_vec1()?;
+        let mut logits: Vec<f32> = last.to_vec1()?;
+        logits.truncate(sampling.vocab.unwrap_or(usize::MAX).max(1));
         tokens.push(pick(&logits, sampling, rng));
     }
     Ok(tokens)

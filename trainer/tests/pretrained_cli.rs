@@ -182,3 +182,57 @@ fn inspect_fails_on_weights_that_do_not_match_the_config() {
     let err = fails(trainer(&["inspect", "hf"], dir));
     assert!(err.contains("transformer.wpe.weight"), "{err}");
 }
+
+#[test]
+fn sample_checks_the_tokenizer_against_the_model() {
+    let tmp = model_and_hub();
+    let dir = tmp.path();
+    let save = |name: &str, words: &[&str]| {
+        let p = dir.join(name);
+        let tok = trainer::pretrained::word_level(words, &[]).unwrap();
+        tok.save(&p, false).unwrap();
+        p.display().to_string()
+    };
+    let args = |tok: &str| -> Vec<String> {
+        [
+            "sample",
+            "hf",
+            "--tokenizer-path",
+            tok,
+            "--prompt",
+            "the cat",
+        ]
+        .into_iter()
+        .chain([
+            "--max-new-tokens",
+            "40",
+            "--temperature",
+            "2",
+            "--top-k",
+            "10",
+        ])
+        .map(String::from)
+        .collect()
+    };
+    let run = |a: Vec<String>| trainer(&a.iter().map(String::as_str).collect::<Vec<_>>(), dir);
+    // More ids than the model embeds (10): refused, naming the tokenizer and both sizes.
+    let mut words = common::hf::WORDS.to_vec();
+    words.extend(["zebra", "yak"]);
+    let big = save("big.json", &words);
+    let err = fails(run(args(&big)));
+    assert!(
+        err.contains("big.json") && err.contains("12 token ids") && err.contains("only 10"),
+        "{err}"
+    );
+    // Fewer ids (the first 4 words): the model's other ids are never drawn, so every sample
+    // decodes (hot sampling over the top 10 would draw them).
+    let small = save("small.json", &common::hf::WORDS[..4]);
+    let out = ok(run(args(&small)));
+    let words: Vec<&str> = out.split_whitespace().collect();
+    // The prompt's 2 words and 40 drawn ones: an id the tokenizer lacks would decode to
+    // nothing.
+    assert_eq!(words.len(), 42, "{out}");
+    for w in words {
+        assert!(common::hf::WORDS[..4].contains(&w), "{w} in {out}");
+    }
+}

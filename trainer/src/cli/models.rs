@@ -46,6 +46,13 @@ impl Codec {
         }
     }
 
+    fn vocab_size(&self) -> usize {
+        match self {
+            Codec::Data(d) => d.vocab_size(),
+            Codec::Tokenizer(t) => t.vocab_size(),
+        }
+    }
+
     fn decode(&self, ids: &[u32]) -> trainer::Result<String> {
         match self {
             Codec::Data(d) => d.decode(ids),
@@ -59,6 +66,19 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
     let device = args.device.open()?;
     let codec = Codec::for_model(&model_dir, args.tokenizer_path.as_deref())?;
     let model = model_dir.load_model(&device)?;
+    // A vocabulary with more ids than the model embeds cannot be its own: refused, as `eval`
+    // does. One with fewer (a model's padded embedding) is sampled within its ids only.
+    let (ids, embedded) = (codec.vocab_size(), model.config().vocab_size());
+    if ids > embedded {
+        anyhow::bail!(
+            "the vocabulary used to encode the prompt ({}) has {ids} token ids but the model in \
+             {} embeds only {embedded}: give the model's own tokenizer with --tokenizer-path",
+            args.tokenizer_path
+                .as_ref()
+                .map_or_else(|| "the run's data".to_string(), |p| p.display().to_string()),
+            model_dir.dir.display()
+        );
+    }
     let prompt = codec
         .encode(&args.prompt)
         .with_context(|| format!("cannot encode the prompt {:?}", args.prompt))?;
@@ -70,6 +90,7 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
     let sampling = SamplingConfig {
         temperature: args.temperature,
         top_k: Some(args.top_k),
+        vocab: Some(ids),
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
     for i in 0..args.num_samples {
