@@ -14,6 +14,7 @@ use common::{run_cli, snapshot, tiny_config, tiny_run, train, values};
 use rand::{Rng, SeedableRng};
 use trainer::checkpoint::io;
 use trainer::config::TrainConfig;
+use trainer::pretrained::{EvalRequest, ModelDir};
 use trainer::train::Trainer;
 
 fn resume_err(dir: &Path) -> String {
@@ -167,10 +168,23 @@ fn changed_data_or_vocabulary_is_caught_by_the_fingerprint() {
     });
     Trainer::resume(&dir, |_| {}).unwrap();
 
-    // Same characters, different text: the token stream changed.
+    // Same characters, different text: the token stream changed. Resume and eval (of the
+    // run's own data) refuse it; eval of text given explicitly measures that text.
     fs::write(&data, corpus("fox quick the")).unwrap();
     let e = resume_err(&dir);
     assert!(e.contains("corpus") && e.contains("--init-from"), "{e}");
+    let model = ModelDir::open(dir.to_str().unwrap()).unwrap();
+    let e = EvalRequest::default()
+        .evaluate(&model)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("corpus"), "{e}");
+    let other = EvalRequest {
+        data_path: Some(data.clone()),
+        ..EvalRequest::default()
+    };
+    assert!(other.evaluate(&model).unwrap().val_loss.is_finite());
 
     // A new character: every id after it shifts.
     fs::write(&data, corpus("Zebra!")).unwrap();
@@ -188,4 +202,31 @@ fn changed_data_or_vocabulary_is_caught_by_the_fingerprint() {
 
     fs::write(&data, corpus("")).unwrap();
     Trainer::resume(&dir, |_| {}).unwrap();
+}
+
+#[test]
+fn a_config_json_that_disagrees_with_its_run_is_refused_by_eval_and_inspect() {
+    let (tmp, dir, _) = tiny_run(|_| {});
+    let ckpt = trainer::checkpoint::resolve(&dir).unwrap();
+    let cfg = ckpt.join("config.json");
+    let text = fs::read_to_string(&cfg).unwrap();
+    // 4 heads instead of the run's 2: the weights still fit config.json (same shapes), so
+    // only the run's recorded state can tell that this is another model.
+    let edited = text.replace("\"n_head\": 2", "\"n_head\": 4");
+    assert_ne!(edited, text);
+    fs::write(&cfg, edited).unwrap();
+    let model = ModelDir::open(dir.to_str().unwrap()).unwrap();
+    let e = EvalRequest::default()
+        .evaluate(&model)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("config.json") && e.contains("n_head 4"), "{e}");
+    let out = run_cli(&["inspect", ckpt.to_str().unwrap()], tmp.path());
+    let text = common::output_text(&out);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("config.json") && text.contains("disagrees"),
+        "{text}"
+    );
 }

@@ -32,6 +32,8 @@ use candle_core::{Device, Tensor};
 
 pub use state::{RngState, TrainerState};
 
+use crate::config::TrainConfig;
+use crate::data::DataSource;
 use crate::model::{CheckpointTensor, ModelConfig, Params};
 use crate::optim::AdamW;
 use crate::{Error, Result};
@@ -278,4 +280,54 @@ pub fn prune(run_dir: &Path, keep_last: usize, keep: &[&str]) -> Result<()> {
         fs::remove_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
     }
     Ok(())
+}
+
+/// Checks that a checkpoint's `config.json` (`model`) agrees with its run config (`config`,
+/// from its `trainer_state.json`): the shape the run trains, room for its context, and (given
+/// the run's `data`) an embedding for every token id of the data. Every command that loads a
+/// trainer checkpoint (resume, eval, sample, inspect) checks this before reading weights.
+pub fn check_model_matches(
+    model: &dyn ModelConfig,
+    config: &TrainConfig,
+    data: Option<&dyn DataSource>,
+    dir: &Path,
+) -> Result<()> {
+    let mut wrong = Vec::new();
+    let shape = model.shape();
+    for (name, in_model, in_run) in [
+        ("n_layer", shape.n_layer, config.n_layer),
+        ("n_head", shape.n_head, config.n_head),
+        ("n_embd", shape.n_embd, config.n_embd),
+    ] {
+        if in_model != in_run {
+            wrong.push(format!("{name} {in_model} (trainer_state.json: {in_run})"));
+        }
+    }
+    if shape.bias != config.bias {
+        wrong.push(format!(
+            "bias {} (trainer_state.json: {})",
+            shape.bias, config.bias
+        ));
+    }
+    if model.max_positions() < config.block_size {
+        wrong.push(format!(
+            "n_positions {} < the run's block_size {}",
+            model.max_positions(),
+            config.block_size
+        ));
+    }
+    if let Some(data) = data.filter(|d| model.vocab_size() < d.vocab_size()) {
+        wrong.push(format!(
+            "vocab_size {} < the data's {} token ids",
+            model.vocab_size(),
+            data.vocab_size()
+        ));
+    }
+    if wrong.is_empty() {
+        return Ok(());
+    }
+    Err(Error::checkpoint(
+        dir.join(CONFIG_FILE),
+        format!("disagrees with the run it belongs to: {}", wrong.join(", ")),
+    ))
 }

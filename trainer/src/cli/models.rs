@@ -157,9 +157,15 @@ pub(super) fn inspect(args: InspectArgs) -> Result<()> {
 }
 
 /// Prints the config, the weight check and the trainer state of checkpoint or model directory
-/// `dir`; weights that do not match `config.json` are an error (after the report).
+/// `dir`; weights that do not match `config.json`, or a `config.json` that disagrees with the
+/// run's recorded state, are an error (after the report).
 fn inspect_dir(dir: &Path, model_file: &Path) -> Result<()> {
     let cfg_path = dir.join(checkpoint::CONFIG_FILE);
+    let state_path = dir.join(checkpoint::STATE_FILE);
+    let state: Option<TrainerState> = match state_path.is_file() {
+        true => Some(checkpoint::io::read_json(&state_path)?),
+        false => None,
+    };
     let mut mismatch = None;
     if cfg_path.is_file() {
         let cfg = trainer::model::config_from_hf_json_file(&cfg_path)?;
@@ -179,20 +185,24 @@ fn inspect_dir(dir: &Path, model_file: &Path) -> Result<()> {
         println!("special     bos {} eos {}", id(tokens.bos), id(tokens.eos));
         // The loader's own check: Hugging Face names (no `transformer.` prefix, mask buffers,
         // a tied lm_head) are accepted as they are when training.
-        match checkpoint::load_params(model_file, cfg.as_ref(), &candle_core::Device::Cpu) {
+        let run = state.as_ref().map(|s| &s.config);
+        let against_run = run.map_or(Ok(()), |run| {
+            checkpoint::check_model_matches(cfg.as_ref(), run, None, dir)
+        });
+        match against_run.and_then(|()| {
+            checkpoint::load_params(model_file, cfg.as_ref(), &candle_core::Device::Cpu)
+        }) {
+            Ok(_) if run.is_some() => println!("check       weights match the config and the run"),
             Ok(_) => println!("check       weights match the config"),
             Err(e) => {
                 println!("check       MISMATCH");
                 mismatch = Some(
-                    anyhow::Error::new(e)
-                        .context(format!("the weights do not match {}", cfg_path.display())),
+                    anyhow::Error::new(e).context(format!("{} does not check out", dir.display())),
                 );
             }
         }
     }
-    let state_path = dir.join(checkpoint::STATE_FILE);
-    if state_path.is_file() {
-        let state: TrainerState = checkpoint::io::read_json(&state_path)?;
+    if let Some(state) = state {
         println!("step        {}", state.step);
         println!("tokens      {}", state.tokens_seen);
         if let Some(b) = state.best_val_loss {

@@ -155,9 +155,19 @@ impl EvalRequest {
         let device = cfg.device.open()?;
         let data = cfg.open_data()?;
         if let Some(run) = &model.run {
-            // The ids must mean what they meant in training (a rebuilt character vocabulary
-            // would shift them); the corpus itself may differ (evaluating on other text).
-            data::check_fingerprint(run.data.as_ref(), data.as_ref(), &model.dir, false)?;
+            // The checks resume makes: config.json against the run's state; the ids must mean
+            // what they meant in training (a rebuilt character vocabulary would shift them);
+            // and the run's own corpus must be the one it trained on, unless other data was
+            // asked for (evaluating on other text).
+            let own_corpus = !self.has_data();
+            data::check_fingerprint(run.data.as_ref(), data.as_ref(), &model.dir, own_corpus)?;
+            let state = &run.config;
+            checkpoint::check_model_matches(
+                model_config.as_ref(),
+                state,
+                Some(data.as_ref()),
+                &model.dir,
+            )?;
         }
         if data.vocab_size() > model_config.vocab_size() {
             return Err(Error::Config(format!(

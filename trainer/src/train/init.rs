@@ -8,7 +8,7 @@ use candle_core::Device;
 use super::memory;
 use crate::config::TrainConfig;
 use crate::data::DataSource;
-use crate::model::{self, Model, ModelConfig, Params};
+use crate::model::{self, Model, Params};
 use crate::pretrained::{self, SpecialTokens};
 use crate::{checkpoint, Error, Result};
 
@@ -76,52 +76,4 @@ pub fn check_resume_compatible(saved: &TrainConfig, new: &TrainConfig, dir: &Pat
         changed.join(", "),
         dir.display()
     )))
-}
-
-/// Checks that a checkpoint's `config.json` (`model`) agrees with its run config: the shape
-/// the run trains, room for its context, and an embedding for every token id of the data.
-pub fn check_model_matches(
-    model: &dyn ModelConfig,
-    config: &TrainConfig,
-    data: &dyn DataSource,
-    dir: &Path,
-) -> Result<()> {
-    let mut wrong = Vec::new();
-    let shape = model.shape();
-    for (name, in_model, in_run) in [
-        ("n_layer", shape.n_layer, config.n_layer),
-        ("n_head", shape.n_head, config.n_head),
-        ("n_embd", shape.n_embd, config.n_embd),
-    ] {
-        if in_model != in_run {
-            wrong.push(format!("{name} {in_model} (trainer_state.json: {in_run})"));
-        }
-    }
-    if shape.bias != config.bias {
-        wrong.push(format!(
-            "bias {} (trainer_state.json: {})",
-            shape.bias, config.bias
-        ));
-    }
-    if model.max_positions() < config.block_size {
-        wrong.push(format!(
-            "n_positions {} < the run's block_size {}",
-            model.max_positions(),
-            config.block_size
-        ));
-    }
-    if model.vocab_size() < data.vocab_size() {
-        wrong.push(format!(
-            "vocab_size {} < the data's {} token ids",
-            model.vocab_size(),
-            data.vocab_size()
-        ));
-    }
-    if wrong.is_empty() {
-        return Ok(());
-    }
-    Err(Error::checkpoint(
-        dir.join(checkpoint::CONFIG_FILE),
-        format!("disagrees with the run it belongs to: {}", wrong.join(", ")),
-    ))
 }

@@ -179,7 +179,7 @@ impl Trainer {
         let data = config.open_data()?;
         data::check_fingerprint(state.data.as_ref(), data.as_ref(), &dir, true)?;
         let model_config = model::config_from_hf_json_file(&dir.join(checkpoint::CONFIG_FILE))?;
-        init::check_model_matches(model_config.as_ref(), &config, data.as_ref(), &dir)?;
+        checkpoint::check_model_matches(model_config.as_ref(), &config, Some(data.as_ref()), &dir)?;
         memory::check_run_fits(&config, model_config.as_ref(), &device)?;
         let params = checkpoint::load_params(
             &dir.join(checkpoint::MODEL_FILE),
