@@ -183,22 +183,28 @@ fn inspect_dir(dir: &Path, model_file: &Path) -> Result<()> {
         let id = |t: Option<u32>| t.map_or("none".to_string(), |t| t.to_string());
         let tokens = cfg.special_tokens();
         println!("special     bos {} eos {}", id(tokens.bos), id(tokens.eos));
-        // The loader's own check: Hugging Face names (no `transformer.` prefix, mask buffers,
-        // a tied lm_head) are accepted as they are when training.
+        // The run's recorded state first (config.json must be the run's model), then the
+        // loader's own check: Hugging Face names (no `transformer.` prefix, mask buffers, a
+        // tied lm_head) are accepted as they are when training.
         let run = state.as_ref().map(|s| &s.config);
-        let against_run = run.map_or(Ok(()), |run| {
-            checkpoint::check_model_matches(cfg.as_ref(), run, None, dir)
-        });
-        match against_run.and_then(|()| {
-            checkpoint::load_params(model_file, cfg.as_ref(), &candle_core::Device::Cpu)
-        }) {
+        let checked = run
+            .map_or(Ok(()), |run| {
+                checkpoint::check_model_matches(cfg.as_ref(), run, None, dir)
+            })
+            .map_err(anyhow::Error::new)
+            .and_then(|()| {
+                checkpoint::load_params(model_file, cfg.as_ref(), &candle_core::Device::Cpu)
+                    .map_err(|e| {
+                        anyhow::Error::new(e)
+                            .context(format!("the weights do not match {}", cfg_path.display()))
+                    })
+            });
+        match checked {
             Ok(_) if run.is_some() => println!("check       weights match the config and the run"),
             Ok(_) => println!("check       weights match the config"),
             Err(e) => {
                 println!("check       MISMATCH");
-                mismatch = Some(
-                    anyhow::Error::new(e).context(format!("{} does not check out", dir.display())),
-                );
+                mismatch = Some(e);
             }
         }
     }
