@@ -47,7 +47,14 @@ pub fn run_dir_of(checkpoint_dir: &Path) -> Option<PathBuf> {
 /// `base` if it is not a run directory yet, else the first of `base-2`, `base-3`, ... that is
 /// not: a fresh name for a run whose directory was not chosen by the user.
 pub fn fresh_name(base: &Path) -> PathBuf {
-    if !is_run_dir(base) {
+    fresh_name_besides(base, &[])
+}
+
+/// [`fresh_name`], skipping the names in `taken` too (names another process claimed first,
+/// before it wrote anything that marks a run directory).
+pub fn fresh_name_besides(base: &Path, taken: &[PathBuf]) -> PathBuf {
+    let free = |p: &Path| !is_run_dir(p) && !taken.iter().any(|t| t == p);
+    if free(base) {
         return base.to_path_buf();
     }
     let name = base
@@ -56,7 +63,7 @@ pub fn fresh_name(base: &Path) -> PathBuf {
         .unwrap_or_else(|| "run".into());
     (2..)
         .map(|i| base.with_file_name(format!("{name}-{i}")))
-        .find(|p| !is_run_dir(p))
+        .find(|p| free(p))
         .unwrap_or_else(|| base.to_path_buf())
 }
 

@@ -95,3 +95,31 @@ fn negative_values_reach_the_config_check_and_an_empty_out_dir_is_refused() {
     assert!(out.contains("out_dir must name a directory"), "{out}");
     assert!(!tmp.path().join("metrics.jsonl").exists());
 }
+
+#[test]
+fn default_runs_started_at_once_each_take_a_fresh_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = vec!["train", "--max-iters", "2"];
+    args.extend_from_slice(TINY_ARGS);
+    let outs: Vec<_> = std::thread::scope(|s| {
+        let runs: Vec<_> = (0..3)
+            .map(|_| s.spawn(|| trainer(&args, tmp.path())))
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    for o in &outs {
+        assert!(o.status.success(), "{}", text(o));
+    }
+    for dir in ["addition", "addition-2", "addition-3"] {
+        let ckpt = tmp
+            .path()
+            .join("runs")
+            .join(dir)
+            .join("checkpoints/step-0000002");
+        assert!(
+            ckpt.is_dir(),
+            "{dir}: {}",
+            outs.iter().map(text).collect::<String>()
+        );
+    }
+}

@@ -174,9 +174,37 @@ fn plot(args: PlotArgs) -> Result<()> {
     Ok(())
 }
 
+/// Claims the trainer's run directory. A default directory (`fresh_base`, not chosen by the
+/// user) that another process claims first, between our choice of a fresh name and the claim
+/// (runs started at once), is passed over for the next fresh name.
+fn claim(trainer: &mut Trainer, fresh_base: Option<&std::path::Path>) -> trainer::Result<()> {
+    let Some(base) = fresh_base else {
+        return trainer.claim_run_dir();
+    };
+    let mut taken = Vec::new();
+    loop {
+        match trainer.claim_run_dir() {
+            Err(trainer::Error::RunDirExists { path } | trainer::Error::RunDirBusy { path })
+                if taken.len() < 1000 =>
+            {
+                taken.push(path);
+                let next = trainer::run_dir::fresh_name_besides(base, &taken);
+                eprintln!(
+                    "{} was taken meanwhile: this run goes to {}",
+                    taken[taken.len() - 1].display(),
+                    next.display()
+                );
+                trainer.config.out_dir = next;
+            }
+            other => return other,
+        }
+    }
+}
+
 fn train(args: TrainArgs) -> Result<Outcome> {
     // `mpirun -np N trainer train ...`: this process is one data-parallel rank.
     let comm = trainer::train::parallel::communicator_from_env()?;
+    let mut fresh_base = None;
     let main = comm.rank() == 0;
     let trainer = if let Some(dir) = &args.resume {
         if args.config.is_some() {
@@ -206,6 +234,7 @@ fn train(args: TrainArgs) -> Result<Outcome> {
         }
         let chosen = args.overrides.out_dir.is_some() || file_keys.iter().any(|k| k == "out_dir");
         if !chosen && !args.overwrite {
+            fresh_base = Some(config.out_dir.clone());
             // The default run directory gets a fresh name per run, so that running the
             // README's first command twice just works and keeps both runs.
             let fresh = trainer::run_dir::fresh_name(&config.out_dir);
@@ -223,7 +252,7 @@ fn train(args: TrainArgs) -> Result<Outcome> {
             .overwrite(args.overwrite)
     };
     let mut trainer = trainer.with_comm(comm).context("cannot start the run")?;
-    trainer.claim_run_dir().context("cannot start the run")?;
+    claim(&mut trainer, fresh_base.as_deref()).context("cannot start the run")?;
     if main {
         print_banner(&trainer);
     }
