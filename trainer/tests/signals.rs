@@ -99,6 +99,11 @@ fn sigterm_and_sigint_checkpoint_and_resume() {
         // Interrupted after saving: 75 (EX_TEMPFAIL), not 0 (finished) nor 1 (failed).
         assert_eq!(status.code(), Some(75), "signal {sig}: {status}\n{out}");
         assert!(out.contains("== interrupted =="), "{out}");
+        // The last evaluation (step 0) is not passed off as the interrupted step's.
+        assert!(
+            out.contains("val loss") && out.contains("(evaluated at step 0)"),
+            "{out}"
+        );
         let run = tmp.path().join("run");
         let t = Trainer::resume(&run, |_| {}).unwrap();
         assert!(

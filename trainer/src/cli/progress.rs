@@ -194,8 +194,13 @@ pub(super) fn print_summary(trainer: &Trainer, s: &Summary) {
         cfg.kernels
     );
     if let Some(e) = &s.last_eval {
-        println!("train loss     {:.4}", e.train_loss);
-        println!("val loss       {:.4}", e.val_loss);
+        // An interrupted run's last evaluation may be older than its last step and checkpoint.
+        let at = match e.step == s.step {
+            true => String::new(),
+            false => format!(" (evaluated at step {})", e.step),
+        };
+        println!("train loss     {:.4}{at}", e.train_loss);
+        println!("val loss       {:.4}{at}", e.val_loss);
         if let (Some(score), Some(name)) = (e.score, &e.score_name) {
             println!("{name:<14} {:.1}%", 100.0 * score);
         }
