@@ -20,6 +20,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+mod hash;
 pub mod hub;
 pub mod io;
 pub mod metrics;

@@ -202,12 +202,36 @@ impl AdamW {
         tensors: &HashMap<String, Tensor>,
         step: usize,
     ) -> Result<()> {
+        // Exactly the moments of the parameters, as the trainer writes them (f32): an extra
+        // tensor is as wrong as a missing one.
+        let expected: std::collections::HashSet<String> = self
+            .slots
+            .iter()
+            .flat_map(|s| {
+                [
+                    format!("{}.exp_avg", s.name),
+                    format!("{}.exp_avg_sq", s.name),
+                ]
+            })
+            .collect();
+        if let Some(extra) = tensors.keys().filter(|k| !expected.contains(*k)).min() {
+            return Err(Error::checkpoint(
+                "optimizer state",
+                format!("unexpected `{extra}` (no parameter of the model has it)"),
+            ));
+        }
         for s in self.slots.iter_mut() {
             for (suffix, dst) in [("exp_avg", &mut s.m), ("exp_avg_sq", &mut s.v)] {
                 let key = format!("{}.{suffix}", s.name);
                 let t = tensors.get(&key).ok_or_else(|| {
                     Error::checkpoint("optimizer state", format!("missing `{key}`"))
                 })?;
+                if t.dtype() != DType::F32 {
+                    return Err(Error::checkpoint(
+                        "optimizer state",
+                        format!("`{key}` is {:?}; the trainer writes f32", t.dtype()),
+                    ));
+                }
                 if t.dims() != s.var.dims() {
                     return Err(Error::checkpoint(
                         "optimizer state",

@@ -90,6 +90,9 @@ fn f16_overflow_skips_the_step_and_backs_off() {
     candle_amp::ScalerState::initial(huge, 1)
         .save(start.join(trainer::train::AMP_FILE))
         .unwrap();
+    // The checkpoint was changed on purpose: seal it again (a changed file is refused).
+    assert!(Trainer::resume(&start, |_| {}).is_err());
+    trainer::checkpoint::manifest::write(&start, 0).unwrap();
     let mut t = Trainer::resume(&start, |_| {}).unwrap();
     assert_eq!(t.amp().scale(), huge);
     let (mut skipped, mut applied_after_skip) = (0, 0);

@@ -56,6 +56,10 @@ fn resume_continues_in_the_directory_it_was_given() {
     let mut json: serde_json::Value = serde_json::from_str(&state).unwrap();
     json["config"]["out_dir"] = "relative/run".into();
     fs::write(&state_path, json.to_string()).unwrap();
+    // (An edited checkpoint is refused until it is sealed again.)
+    assert!(Trainer::resume(&copy, |_| {}).is_err());
+    let ckpt = state_path.parent().unwrap();
+    trainer::checkpoint::manifest::write(ckpt, 8).unwrap();
     run_to_end(&mut Trainer::resume(&copy, |c| c.max_iters = 9).unwrap());
     assert!(!Path::new("relative").exists());
     assert_eq!(latest(&copy), "step-0000009");

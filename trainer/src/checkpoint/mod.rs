@@ -21,6 +21,7 @@
 //! leaves the previous checkpoint intact, and a half-written one is never picked up.
 
 pub mod finite;
+pub mod manifest;
 pub use crate::io;
 mod state;
 
@@ -148,6 +149,7 @@ pub fn save(
         io::save_safetensors(&tmp.join(OPTIMIZER_FILE), &opt_tensors, Some(meta))?;
         io::write_json(&tmp.join(STATE_FILE), state)?;
         extra(&tmp)?;
+        manifest::write(&tmp, state.step)?;
         io::sync_dir(&tmp).map_err(|e| Error::io(&tmp, e))
     })();
     if let Err(e) = written {
@@ -193,18 +195,45 @@ pub fn save_model(dir: &Path, config: &dyn ModelConfig, params: &Params) -> Resu
 pub fn load_model(dir: &Path, device: &Device) -> Result<(Box<dyn ModelConfig>, Params)> {
     let config = crate::model::config_from_hf_json_file(&dir.join(CONFIG_FILE))?;
     let path = dir.join(MODEL_FILE);
-    let params = load_params(&path, config.as_ref(), device)?;
+    let params = load_params(&path, config.as_ref(), device, Source::Pretrained)?;
     Ok((config, params))
 }
 
-/// Loads `model.safetensors` at `path` and checks it against `config`.
-pub fn load_params(path: &Path, config: &dyn ModelConfig, device: &Device) -> Result<Params> {
+/// Where weights come from, which decides what loading accepts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// A trainer checkpoint: every tensor is a parameter, in f32, as the trainer writes them.
+    Checkpoint,
+    /// A pretrained model from elsewhere (a Hugging Face directory): other float dtypes are
+    /// cast to f32 (reported), and the architecture's known extras (buffers, a tied copy of
+    /// the embedding) are accepted (reported).
+    Pretrained,
+}
+
+/// Loads `model.safetensors` at `path` and checks it against `config` (see [`Source`]).
+pub fn load_params(
+    path: &Path,
+    config: &dyn ModelConfig,
+    device: &Device,
+    source: Source,
+) -> Result<Params> {
     let loaded = io::load_safetensors(path, device)?;
     let mut tensors = Vec::with_capacity(loaded.tensors.len());
     let mut copies = Vec::new();
+    let mut cast = std::collections::BTreeSet::new();
     for (name, t) in loaded.tensors {
-        let name = match config.checkpoint_tensor(&name) {
-            CheckpointTensor::Buffer => continue,
+        let kind = config.checkpoint_tensor(&name);
+        if source == Source::Checkpoint && kind != CheckpointTensor::Param(name.clone()) {
+            return Err(Error::checkpoint(
+                path,
+                format!("unexpected `{name}` (the trainer writes parameters only)"),
+            ));
+        }
+        let name = match kind {
+            CheckpointTensor::Buffer => {
+                tracing::info!("{}: skipping the buffer `{name}`", path.display());
+                continue;
+            }
             CheckpointTensor::TiedCopy(of) => {
                 copies.push((name, of, t));
                 continue;
@@ -212,7 +241,24 @@ pub fn load_params(path: &Path, config: &dyn ModelConfig, device: &Device) -> Re
             CheckpointTensor::Param(name) => name,
         };
         finite::check_float(path, &name, &t)?;
+        if t.dtype() != candle_core::DType::F32 {
+            if source == Source::Checkpoint {
+                return Err(Error::checkpoint(
+                    path,
+                    format!("`{name}` is {:?}; the trainer writes f32", t.dtype()),
+                ));
+            }
+            cast.insert(format!("{:?}", t.dtype()));
+        }
         tensors.push((name, t.to_dtype(candle_core::DType::F32)?));
+    }
+    if !cast.is_empty() {
+        let from: Vec<String> = cast.into_iter().collect();
+        tracing::warn!(
+            "{}: weights cast from {} to f32 for training",
+            path.display(),
+            from.join(", ")
+        );
     }
     finite::check_tensors(path, "weight", tensors.iter().map(|(n, t)| (n.as_str(), t)))?;
     let params = Params::from_tensors(tensors)?;

@@ -193,7 +193,11 @@ fn inspect_dir(dir: &Path, model_file: &Path) -> Result<()> {
             })
             .map_err(anyhow::Error::new)
             .and_then(|()| {
-                checkpoint::load_params(model_file, cfg.as_ref(), &candle_core::Device::Cpu)
+                let source = match run {
+                    Some(_) => checkpoint::Source::Checkpoint,
+                    None => checkpoint::Source::Pretrained,
+                };
+                checkpoint::load_params(model_file, cfg.as_ref(), &candle_core::Device::Cpu, source)
                     .map_err(|e| {
                         anyhow::Error::new(e)
                             .context(format!("the weights do not match {}", cfg_path.display()))

@@ -4,9 +4,9 @@ use candle_core::Device;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::cache::splitmix64;
 use super::{check_shape, decimal_f64, rows_to_batch, Batch, DataSource, Fingerprint, Split, Task};
 use crate::error::{Error, Result};
+use crate::hash::{hash_bytes, splitmix64, Hasher64};
 
 /// Token id of `+`.
 const PLUS: u32 = 10;
@@ -230,14 +230,14 @@ impl Addition {
 impl DataSource for Addition {
     fn fingerprint(&self) -> Fingerprint {
         // The problem stream is a pure function of these values and the code.
-        let mut h = super::cache::Hasher64::new();
+        let mut h = Hasher64::new();
         h.update(b"addition");
         h.update(&(self.digits as u64).to_le_bytes());
         h.update(&self.val_fraction.to_bits().to_le_bytes());
         h.update(&self.seed.to_le_bytes());
         Fingerprint {
             tokens: format!("{:016x}", h.finish()),
-            vocab: format!("{:016x}", super::cache::hash_bytes(VOCAB)),
+            vocab: format!("{:016x}", hash_bytes(VOCAB)),
         }
     }
 

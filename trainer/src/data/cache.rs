@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
 
 use crate::error::{Error, Result};
+use crate::hash::{hash_bytes, Hasher64};
 
 const MAGIC: &[u8; 8] = b"CTTOKENS";
 const VERSION: u32 = 1;
@@ -48,60 +49,6 @@ pub fn default_cache_dir() -> PathBuf {
     } else {
         PathBuf::from(".cache").join("candle-train")
     }
-}
-
-/// SplitMix64 finaliser: a fast, well-mixed 64-bit hash of one word.
-pub(crate) fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// A streaming 64-bit hash (FNV-style over 8-byte words, SplitMix finalised). Stable across
-/// Rust versions and platforms, unlike `DefaultHasher`; not cryptographic.
-#[derive(Clone, Debug)]
-pub(crate) struct Hasher64 {
-    state: u64,
-    len: u64,
-}
-
-impl Hasher64 {
-    pub(crate) fn new() -> Self {
-        Hasher64 {
-            state: 0xcbf2_9ce4_8422_2325,
-            len: 0,
-        }
-    }
-
-    /// Feeds bytes. Chunk boundaries matter (each call pads its tail), which is fine for the
-    /// fixed call sequences used here.
-    pub(crate) fn update(&mut self, bytes: &[u8]) {
-        let mut words = bytes.chunks_exact(8);
-        for w in &mut words {
-            let v = u64::from_le_bytes(w.try_into().expect("8 bytes"));
-            self.state = (self.state ^ v).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        let rest = words.remainder();
-        if !rest.is_empty() {
-            let mut buf = [0u8; 8];
-            buf[..rest.len()].copy_from_slice(rest);
-            let v = u64::from_le_bytes(buf);
-            self.state = (self.state ^ v).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        self.len = self.len.wrapping_add(bytes.len() as u64);
-    }
-
-    pub(crate) fn finish(&self) -> u64 {
-        splitmix64(self.state ^ splitmix64(self.len))
-    }
-}
-
-/// Hash of a byte string with [`Hasher64`].
-pub(crate) fn hash_bytes(bytes: &[u8]) -> u64 {
-    let mut h = Hasher64::new();
-    h.update(bytes);
-    h.finish()
 }
 
 /// Identity of a cached tokenisation.
@@ -399,6 +346,6 @@ mod tests {
         assert_eq!(hash_bytes(b"abc"), hash_bytes(b"abc"));
         assert_ne!(hash_bytes(b"a"), hash_bytes(b"a\0"));
         assert_ne!(hash_bytes(b"abcdefgh1"), hash_bytes(b"abcdefgh2"));
-        assert_ne!(splitmix64(1), splitmix64(2));
+        assert_ne!(crate::hash::splitmix64(1), crate::hash::splitmix64(2));
     }
 }

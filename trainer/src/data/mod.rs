@@ -189,7 +189,7 @@ impl Fingerprint {
     /// The fingerprint of `tokens` split after `n_train`, under the vocabulary hashed as
     /// `vocab`.
     pub(crate) fn of_tokens(tokens: &[u32], n_train: usize, vocab: u64) -> Self {
-        let mut h = cache::Hasher64::new();
+        let mut h = crate::hash::Hasher64::new();
         h.update(&(n_train as u64).to_le_bytes());
         let mut buf = Vec::with_capacity(4 * 4096);
         for chunk in tokens.chunks(4096) {

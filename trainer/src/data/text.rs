@@ -184,7 +184,7 @@ impl TextSource {
                         tok_path.display()
                     ))
                 })?;
-                let key = CacheKey::new(&path, "tokenizer", cache::hash_bytes(&tok_bytes))?;
+                let key = CacheKey::new(&path, "tokenizer", crate::hash::hash_bytes(&tok_bytes))?;
                 let (tokens, note) = match cache::load(&cache_dir, &key) {
                     Some(c) => (c.tokens, "cache hit".to_string()),
                     None => {
@@ -271,13 +271,13 @@ impl TextSource {
         );
         let vocab_hash = match &vocab {
             Vocab::Char { chars, .. } => {
-                cache::hash_bytes(chars.iter().collect::<String>().as_bytes())
+                crate::hash::hash_bytes(chars.iter().collect::<String>().as_bytes())
             }
-            Vocab::Byte => cache::hash_bytes(b"byte vocabulary"),
+            Vocab::Byte => crate::hash::hash_bytes(b"byte vocabulary"),
             Vocab::Tokenizer { tokenizer, .. } => {
                 // The tokenizer's identity as it encodes (model, vocab, merges, added tokens),
                 // independent of the JSON's formatting.
-                cache::hash_bytes(tokenizer.to_string(false).unwrap_or_default().as_bytes())
+                crate::hash::hash_bytes(tokenizer.to_string(false).unwrap_or_default().as_bytes())
             }
         };
         let fingerprint = Fingerprint::of_tokens(&tokens, n_train, vocab_hash);

@@ -135,7 +135,16 @@ impl ModelDir {
             let need = 4 * config.num_params() as u64;
             crate::runtime::check_fits(need, &what, "use a machine with more memory")?;
         }
-        let params = checkpoint::load_params(&self.dir.join(MODEL_FILE), config.as_ref(), device)?;
+        let source = match self.run {
+            Some(_) => checkpoint::Source::Checkpoint,
+            None => checkpoint::Source::Pretrained,
+        };
+        let params =
+            checkpoint::load_params(&self.dir.join(MODEL_FILE), config.as_ref(), device, source)?;
+        if let Some(run) = &self.run {
+            // A trainer checkpoint is one unit (see `checkpoint::manifest`).
+            checkpoint::manifest::verify(&self.dir, run.step)?;
+        }
         Ok((config, params))
     }
 

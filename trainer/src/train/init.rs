@@ -38,7 +38,16 @@ pub fn build_model(
     let tokens = pretrained::data_special_tokens(config, loaded.special_tokens())?;
     let cfg = loaded.with_run_settings(config.dropout, tokens);
     memory::check_run_fits(config, cfg.as_ref(), device)?;
-    let params = checkpoint::load_params(&dir.join(checkpoint::MODEL_FILE), cfg.as_ref(), device)?;
+    let source = match dir.join(checkpoint::STATE_FILE).is_file() {
+        true => checkpoint::Source::Checkpoint,
+        false => checkpoint::Source::Pretrained,
+    };
+    let params = checkpoint::load_params(
+        &dir.join(checkpoint::MODEL_FILE),
+        cfg.as_ref(),
+        device,
+        source,
+    )?;
     let model = model::build(cfg.as_ref(), &params)?;
     Ok((model, params))
 }

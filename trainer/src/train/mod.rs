@@ -185,6 +185,7 @@ impl Trainer {
             &dir.join(checkpoint::MODEL_FILE),
             model_config.as_ref(),
             &device,
+            checkpoint::Source::Checkpoint,
         )?;
         let model = model::build(model_config.as_ref(), &params)?;
         let mut optimizer =
@@ -218,6 +219,8 @@ impl Trainer {
                 state.config.dtype
             );
         }
+        // Every file read: they must be the one checkpoint its manifest describes.
+        checkpoint::manifest::verify(&dir, state.step)?;
         t.step = state.step;
         t.tokens_seen = state.tokens_seen;
         t.best_val_loss = state.best_val_loss;

@@ -1,0 +1,160 @@
+//! A checkpoint is one unit: every mix of the files of two checkpoints (of the same run at two
+//! steps, and of two runs at the same step) is refused on resume, except the mixes that are,
+//! byte for byte, one intact checkpoint in its own step's directory. All 2^6 mixes of each
+//! pair's six files are tried. Also: a different dtype or an extra tensor in a checkpoint's
+//! files is refused even when the manifest is sealed again.
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use common::{tiny_config, train};
+use trainer::checkpoint::{self, io, manifest};
+use trainer::config::TrainConfig;
+use trainer::train::Trainer;
+
+/// A run of 4 steps keeping its checkpoints at steps 2 and 4.
+fn run(dir: &Path, seed: u64) -> PathBuf {
+    train(TrainConfig {
+        seed,
+        max_iters: 4,
+        eval_interval: 2,
+        keep_last: 2,
+        ..tiny_config(dir)
+    });
+    dir.to_path_buf()
+}
+
+fn files(ckpt: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(ckpt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Tries every mix of the files of checkpoints `a` and `b` in a copy of run `home`, in the
+/// directory of `a`'s name; returns how many were accepted.
+fn every_mix(home: &Path, a: &Path, b: &Path, tmp: &Path, tag: &str) -> usize {
+    let names = files(a);
+    assert_eq!(names, files(b));
+    assert!(names.contains(&manifest::MANIFEST_FILE.to_string()));
+    assert_eq!(names.len(), 6, "{names:?}");
+    let name_of_a = a.file_name().unwrap();
+    let step_of = |c: &Path| manifest_step(c);
+    let mut accepted = 0;
+    for mask in 0u32..(1 << names.len()) {
+        let copy = tmp.join(format!("{tag}-{mask}"));
+        copy_dir(home, &copy);
+        let target = copy.join("checkpoints").join(name_of_a);
+        let mut from_a = true;
+        let mut from_b = true;
+        for (i, n) in names.iter().enumerate() {
+            let src = if mask & (1 << i) == 0 { a } else { b };
+            let bytes = fs::read(src.join(n)).unwrap();
+            from_a &= bytes == fs::read(a.join(n)).unwrap();
+            from_b &= bytes == fs::read(b.join(n)).unwrap();
+            fs::write(target.join(n), bytes).unwrap();
+        }
+        // Intact: one checkpoint's bytes, in the directory of its own step.
+        let intact = from_a || (from_b && step_of(b) == step_of(a));
+        let r = Trainer::resume(&target, |_| {});
+        match (&r, intact) {
+            (Ok(_), true) => accepted += 1,
+            (Err(_), false) => {}
+            (Ok(_), false) => panic!("{tag}: mix {mask:06b} of {names:?} was accepted"),
+            (Err(e), true) => panic!("{tag}: intact mix {mask:06b} refused: {e}"),
+        }
+        if let Err(e) = r {
+            // Every refusal names a file of the checkpoint.
+            let e = e.to_string();
+            assert!(
+                names.iter().any(|n| e.contains(n.as_str())),
+                "{tag} {mask:06b}: {e}"
+            );
+        }
+        fs::remove_dir_all(&copy).unwrap();
+    }
+    accepted
+}
+
+fn manifest_step(ckpt: &Path) -> usize {
+    io::read_json::<manifest::Manifest>(&ckpt.join(manifest::MANIFEST_FILE))
+        .unwrap()
+        .step
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    fs::create_dir_all(to).unwrap();
+    for e in fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let (src, dst) = (e.path(), to.join(e.file_name()));
+        if src.is_dir() {
+            copy_dir(&src, &dst);
+        } else {
+            fs::copy(&src, &dst).unwrap();
+        }
+    }
+}
+
+#[test]
+fn every_mix_of_two_checkpoints_but_an_intact_one_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = run(&tmp.path().join("a"), 1);
+    let b = run(&tmp.path().join("b"), 2);
+    let ck =
+        |run: &Path, step: usize| checkpoint::checkpoints_dir(run).join(format!("step-{step:07}"));
+    // Same run, steps 2 and 4: only all of step 2's files in step 2's directory resume.
+    let same_run = every_mix(&a, &ck(&a, 2), &ck(&a, 4), tmp.path(), "steps");
+    // Two runs at step 4: each run's intact checkpoint resumes (a checkpoint is its files, not
+    // its directory's run); every mix of the two is refused.
+    let two_runs = every_mix(&a, &ck(&a, 4), &ck(&b, 4), tmp.path(), "runs");
+    // Files equal in both checkpoints (e.g. config.json) make several masks intact.
+    assert!(same_run >= 1 && two_runs >= 2, "{same_run} {two_runs}");
+}
+
+#[test]
+fn a_narrower_dtype_or_an_extra_tensor_is_refused_even_when_sealed_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = run(&tmp.path().join("a"), 1);
+    let ckpt = checkpoint::checkpoints_dir(&a).join("step-0000004");
+    let step = manifest_step(&ckpt);
+    let dev = Device::Cpu;
+    for (file, edit) in [
+        ("model.safetensors", "bf16"),
+        ("model.safetensors", "extra"),
+        ("optimizer.safetensors", "bf16"),
+        ("optimizer.safetensors", "extra"),
+    ] {
+        let path = ckpt.join(file);
+        let original = fs::read(&path).unwrap();
+        let loaded = io::load_safetensors(&path, &dev).unwrap();
+        let mut tensors: Vec<(String, Tensor)> = loaded.tensors.into_iter().collect();
+        tensors.sort_by(|x, y| x.0.cmp(&y.0));
+        if edit == "bf16" {
+            tensors[0].1 = tensors[0].1.to_dtype(DType::BF16).unwrap();
+        } else {
+            tensors.push((
+                "stray.weight".into(),
+                Tensor::zeros(3, DType::F32, &dev).unwrap(),
+            ));
+        }
+        io::save_safetensors(&path, &tensors, Some(loaded.metadata.clone())).unwrap();
+        manifest::write(&ckpt, step).unwrap();
+        let e = Trainer::resume(&ckpt, |_| {}).err().unwrap().to_string();
+        let named = match edit {
+            "bf16" => e.contains("BF16") && e.contains("f32"),
+            _ => e.contains("stray.weight"),
+        };
+        assert!(
+            named && (e.contains(file) || e.contains("optimizer")),
+            "{file} {edit}: {e}"
+        );
+        fs::write(&path, original).unwrap();
+        manifest::write(&ckpt, step).unwrap();
+        Trainer::resume(&ckpt, |_| {}).unwrap();
+    }
+}
