@@ -9,9 +9,9 @@
 //!   copy of the run, or relative to another working directory).
 //! - One process at a time: a claimed directory is locked (`.lock`, an advisory OS file lock
 //!   released when the process exits, even when killed).
-//! - Leftovers of a process killed while writing a checkpoint (`checkpoints/.tmp-*`, and an
-//!   `.old-*` directory moved aside while re-saving a step) are cleaned up when the directory is
-//!   claimed.
+//! - Leftovers of a process killed while writing (`checkpoints/.tmp-*` checkpoints, an `.old-*`
+//!   directory moved aside while re-saving a step, and the `.NAME.tmp-*` files of atomic writes
+//!   in the run and checkpoints directories) are cleaned up when the directory is claimed.
 
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
@@ -119,7 +119,10 @@ impl RunDir {
                 removed.map_err(|e| Error::io(&p, e))?;
             }
         }
-        clean_partial_checkpoints(&checkpoint::checkpoints_dir(path))?;
+        let ckpts = checkpoint::checkpoints_dir(path);
+        clean_partial_checkpoints(&ckpts)?;
+        clean_partial_writes(path)?;
+        clean_partial_writes(&ckpts)?;
         Ok(RunDir {
             path: path.to_path_buf(),
             _lock: lock,
@@ -155,6 +158,24 @@ pub fn clean_partial_checkpoints(ckpts: &Path) -> Result<()> {
             } else {
                 remove_any(&path)?;
             }
+        }
+    }
+    Ok(())
+}
+
+/// Removes the temporary files of atomic writes ([`crate::io::write_atomic`]: `.NAME.tmp-*`)
+/// that a process killed mid-write left in `dir` (metrics, the run config, the loss curve,
+/// `latest`). Only called with the run directory locked, so no writer is alive.
+pub fn clean_partial_writes(dir: &Path) -> Result<()> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Ok(());
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let path = entry.path();
+        if name.starts_with('.') && name.contains(".tmp-") && path.is_file() {
+            tracing::warn!("removing a partial write: {}", path.display());
+            remove_any(&path)?;
         }
     }
     Ok(())
@@ -245,5 +266,32 @@ mod tests {
         let real = fs::canonicalize(tmp.path().join("r")).unwrap();
         assert_eq!(run_dir_of(&ck), Some(real));
         assert_eq!(run_dir_of(tmp.path()), None);
+    }
+
+    #[test]
+    fn partial_writes_are_removed_when_the_directory_is_claimed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path().join("run");
+        let ckpts = checkpoint::checkpoints_dir(&run);
+        fs::create_dir_all(&ckpts).unwrap();
+        let leftovers = [
+            run.join(".metrics.jsonl.tmp-4242-3"),
+            run.join(".loss.svg.tmp-4242-7"),
+            ckpts.join(".latest.tmp-4242-9"),
+        ];
+        for p in &leftovers {
+            fs::write(p, b"half").unwrap();
+        }
+        let kept = [run.join("metrics.jsonl"), run.join(".notes")];
+        for p in &kept {
+            fs::write(p, b"x").unwrap();
+        }
+        let _claimed = RunDir::claim(&run, Claim::Continue).unwrap();
+        for p in &leftovers {
+            assert!(!p.exists(), "{} survived", p.display());
+        }
+        for p in &kept {
+            assert!(p.exists(), "{} was removed", p.display());
+        }
     }
 }
