@@ -158,3 +158,28 @@ fn a_narrower_dtype_or_an_extra_tensor_is_refused_even_when_sealed_again() {
         Trainer::resume(&ckpt, |_| {}).unwrap();
     }
 }
+
+#[test]
+fn every_command_refuses_a_mixed_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = run(&tmp.path().join("a"), 1);
+    let ck = |step: usize| checkpoint::checkpoints_dir(&a).join(format!("step-{step:07}"));
+    fs::copy(
+        ck(2).join("optimizer.safetensors"),
+        ck(4).join("optimizer.safetensors"),
+    )
+    .unwrap();
+    let mixed = ck(4);
+    let named = |e: String| assert!(e.contains("optimizer.safetensors"), "{e}");
+    named(Trainer::resume(&mixed, |_| {}).err().unwrap().to_string());
+    let init = Trainer::new(TrainConfig {
+        init_from: Some(mixed.display().to_string()),
+        ..tiny_config(&tmp.path().join("tuned"))
+    });
+    named(init.err().unwrap().to_string());
+    let model = trainer::pretrained::ModelDir::open(mixed.to_str().unwrap()).unwrap();
+    named(model.load(&Device::Cpu).err().unwrap().to_string()); // eval and sample load so
+    let out = common::run_cli(&["inspect", mixed.to_str().unwrap()], tmp.path());
+    assert!(!out.status.success());
+    named(common::output_text(&out));
+}

@@ -202,6 +202,11 @@ fn inspect_dir(dir: &Path, model_file: &Path) -> Result<()> {
                         anyhow::Error::new(e)
                             .context(format!("the weights do not match {}", cfg_path.display()))
                     })
+            })
+            .and_then(|_| match &state {
+                // A trainer checkpoint is one unit (see `checkpoint::manifest`).
+                Some(s) => Ok(checkpoint::manifest::verify(dir, s.step)?),
+                None => Ok(()),
             });
         match checked {
             Ok(_) if run.is_some() => println!("check       weights match the config and the run"),

@@ -48,6 +48,12 @@ pub fn build_model(
         device,
         source,
     )?;
+    if source == checkpoint::Source::Checkpoint {
+        // A trainer checkpoint is one unit (see `checkpoint::manifest`).
+        let state: checkpoint::TrainerState =
+            checkpoint::io::read_json(&dir.join(checkpoint::STATE_FILE))?;
+        checkpoint::manifest::verify(&dir, state.step)?;
+    }
     let model = model::build(cfg.as_ref(), &params)?;
     Ok((model, params))
 }
