@@ -17,6 +17,13 @@ use trainer::config::TrainConfig;
 use trainer::pretrained::{EvalRequest, ModelDir};
 use trainer::train::Trainer;
 
+/// The error of evaluating the run in `dir` as its run evaluates itself.
+fn eval_err(dir: &Path) -> String {
+    let model = ModelDir::open(dir.to_str().unwrap()).unwrap();
+    let r = EvalRequest::default().evaluate(&model);
+    r.err().unwrap().to_string()
+}
+
 fn resume_err(dir: &Path) -> String {
     match Trainer::resume(dir, |_| {}) {
         Ok(_) => panic!("resuming {} should fail", dir.display()),
@@ -173,13 +180,9 @@ fn changed_data_or_vocabulary_is_caught_by_the_fingerprint() {
     fs::write(&data, corpus("fox quick the")).unwrap();
     let e = resume_err(&dir);
     assert!(e.contains("corpus") && e.contains("--init-from"), "{e}");
-    let model = ModelDir::open(dir.to_str().unwrap()).unwrap();
-    let e = EvalRequest::default()
-        .evaluate(&model)
-        .err()
-        .unwrap()
-        .to_string();
+    let e = eval_err(&dir);
     assert!(e.contains("corpus"), "{e}");
+    let model = ModelDir::open(dir.to_str().unwrap()).unwrap();
     let other = EvalRequest {
         data_path: Some(data.clone()),
         ..EvalRequest::default()
@@ -215,12 +218,7 @@ fn a_config_json_that_disagrees_with_its_run_is_refused_by_eval_and_inspect() {
     let edited = text.replace("\"n_head\": 2", "\"n_head\": 4");
     assert_ne!(edited, text);
     fs::write(&cfg, edited).unwrap();
-    let model = ModelDir::open(dir.to_str().unwrap()).unwrap();
-    let e = EvalRequest::default()
-        .evaluate(&model)
-        .err()
-        .unwrap()
-        .to_string();
+    let e = eval_err(&dir);
     assert!(e.contains("config.json") && e.contains("n_head 4"), "{e}");
     let out = run_cli(&["inspect", ckpt.to_str().unwrap()], tmp.path());
     let text = common::output_text(&out);
