@@ -103,14 +103,4 @@ impl Ctx {
     pub fn with_rows(self, rows: Rows) -> Self {
         Ctx { rows, ..self }
     }
-
-    /// The context of rows `start..start + len` of this context's input: the row key moves
-    /// with them and the rows' context is narrowed to them.
-    pub fn narrow(&self, start: usize, len: usize) -> candle_core::Result<Ctx> {
-        Ok(Ctx {
-            row: self.row + start,
-            rows: self.rows.narrow(start, len)?,
-            ..self.clone()
-        })
-    }
 }
