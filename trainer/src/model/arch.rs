@@ -137,17 +137,20 @@ impl Clone for Box<dyn ModelConfig> {
     }
 }
 
-/// A key/value cache for incremental decoding: per block, the keys and values of the tokens
-/// seen so far (each architecture stores what its attention needs).
+/// A key/value cache for incremental decoding: per block, candle-nn's preallocated
+/// [`candle_nn::kv_cache::KvCache`] over the sequence dimension of `[B, H, T, D]` keys and
+/// values (it grows by [`KvCache::CHUNK`] positions when full).
 #[derive(Debug, Default)]
 pub struct KvCache {
-    /// Per block, `(keys, values)` of the tokens so far, `[B, H, T, D]`.
-    pub layers: Vec<Option<(Tensor, Tensor)>>,
+    layers: Vec<candle_nn::kv_cache::KvCache>,
     /// Number of tokens already in the cache.
     pub len: usize,
 }
 
 impl KvCache {
+    /// Positions allocated at a time per block.
+    pub const CHUNK: usize = 512;
+
     /// An empty cache.
     pub fn new() -> Self {
         KvCache::default()
@@ -160,15 +163,11 @@ impl KvCache {
         k: &Tensor,
         v: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor)> {
-        if self.layers.len() <= i {
-            self.layers.resize(i + 1, None);
+        while self.layers.len() <= i {
+            self.layers
+                .push(candle_nn::kv_cache::KvCache::new(2, Self::CHUNK));
         }
-        let kv = match self.layers[i].take() {
-            None => (k.clone(), v.clone()),
-            Some((pk, pv)) => (Tensor::cat(&[&pk, k], 2)?, Tensor::cat(&[&pv, v], 2)?),
-        };
-        self.layers[i] = Some(kv.clone());
-        Ok(kv)
+        self.layers[i].append(&k.contiguous()?, &v.contiguous()?)
     }
 }
 

@@ -97,6 +97,8 @@ impl Trainer {
         config.validate()?;
         let device = config.device.open()?;
         let data = config.open_data()?;
+        // The caller allocated the model already; `new` and `resume` check before they do.
+        memory::check_run_fits(&config, model.config(), &device)?;
         Self::start(config, device, data, model, params)
     }
 
@@ -243,9 +245,6 @@ impl Trainer {
     ) -> Result<Self> {
         let dtype = config.dtype.dtype();
         params.check_ownership(&model.links())?;
-        // Also for a model the caller built (`with_model`); `new` and `resume` checked before
-        // allocating the weights.
-        memory::check_run_fits(&config, model.config(), &device)?;
         let executor = Executor::build(&config, model.as_ref(), &params, &device)?;
         let peak_flops = if config.peak_flops > 0.0 {
             config.peak_flops

@@ -177,9 +177,11 @@ impl Model for Tiny {
     }
     /// No real cache: recomputes the whole sequence, kept in the cache's first slot.
     fn forward_cached(&self, idx: &Tensor, cache: &mut KvCache) -> candle_core::Result<Tensor> {
-        let (all, _) = cache.append(0, idx, idx)?;
+        // The ids, as a `[B, 1, T, 1]` "key" of block 0.
+        let ids = idx.unsqueeze(1)?.unsqueeze(3)?;
+        let (all, _) = cache.append(0, &ids, &ids)?;
         cache.len += idx.dim(1)?;
-        let logits = self.forward_links(&all)?;
+        let logits = self.forward_links(&all.squeeze(3)?.squeeze(1)?)?;
         let t = logits.dim(1)?;
         logits.narrow(1, t - idx.dim(1)?, idx.dim(1)?)
     }
