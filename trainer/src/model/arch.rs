@@ -217,12 +217,22 @@ pub trait Architecture: Sync {
     /// The `model_type` of its `config.json` (`"gpt2"`).
     fn name(&self) -> &'static str;
 
+    /// Its transformers class, as `config.json`'s `architectures` names it
+    /// (`"GPT2LMHeadModel"`).
+    fn class(&self) -> &'static str;
+
     /// Reads its `config.json` (already parsed; `path` is for error messages).
     fn config_from_hf_json(&self, json: &Value, path: &Path) -> Result<Box<dyn ModelConfig>>;
 }
 
 /// The architectures the trainer knows: one line each.
-pub const BUILTIN: &[&dyn Architecture] = &[&super::gpt2::Gpt2];
+pub const BUILTIN: &[&dyn Architecture] = &[
+    &super::gpt2::Gpt2,
+    &super::llama::LLAMA,
+    &super::llama::MISTRAL,
+    &super::llama::QWEN2,
+    &super::llama::QWEN3,
+];
 
 static REGISTERED: RwLock<Vec<&'static dyn Architecture>> = RwLock::new(Vec::new());
 
@@ -252,16 +262,36 @@ pub fn config_from_hf_json_file(path: &Path) -> Result<Box<dyn ModelConfig>> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     let json: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| Error::checkpoint(path, format!("not valid JSON: {e}")))?;
-    let name = json
-        .get("model_type")
-        .and_then(|x| x.as_str())
-        .unwrap_or("gpt2");
-    let arch = architecture(name).ok_or_else(|| {
-        let known: Vec<&str> = BUILTIN.iter().map(|a| a.name()).collect();
+    let all = || {
+        let registered = REGISTERED.read().unwrap_or_else(|e| e.into_inner());
+        BUILTIN
+            .iter()
+            .copied()
+            .chain(registered.iter().copied())
+            .collect::<Vec<_>>()
+    };
+    // `model_type` names the architecture; without one, `architectures[0]` (the class); a
+    // config with neither is an old GPT-2 one, as transformers reads it.
+    let class = json
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(|x| x.as_str());
+    let arch = match json.get("model_type").and_then(|x| x.as_str()) {
+        Some(name) => architecture(name).ok_or(("model_type", name)),
+        None => match class {
+            Some(class) => all()
+                .into_iter()
+                .find(|a| a.class() == class)
+                .ok_or(("architectures", class)),
+            None => architecture("gpt2").ok_or(("model_type", "gpt2")),
+        },
+    };
+    let arch = arch.map_err(|(key, name)| {
+        let known: Vec<&str> = all().iter().map(|a| a.name()).collect();
         Error::checkpoint(
             path,
             format!(
-                "model_type is `{name}`, which this trainer does not know (known: {})",
+                "`{key}` is `{name}`, which this trainer does not know (known model types: {})",
                 known.join(", ")
             ),
         )

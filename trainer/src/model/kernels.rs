@@ -115,3 +115,105 @@ impl Kernels {
         }
     }
 }
+
+// Llama-family ops. TEMPORARY composite shims until candle-fused's rope / swiglu / GQA
+// attention / linear cross-entropy land (replaced at merge).
+impl Kernels {
+    /// RMSNorm over the last dimension; statistics in at least f32.
+    pub fn rms_norm(self, x: &Tensor, w: &Tensor, eps: f64) -> R {
+        match self {
+            Kernels::Fused => norm::rms_norm(x, w, eps),
+            Kernels::Reference => norm::rms_norm_composite(x, w, eps),
+        }
+    }
+
+    /// RoPE tables `cos`, `sin` `[B, T, D/2]` (f32) of `positions [B, T]` and `inv_freq [D/2]`.
+    pub fn rope_tables(self, positions: &Tensor, inv_freq: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let f = positions
+            .to_dtype(candle_core::DType::F32)?
+            .unsqueeze(2)?
+            .broadcast_mul(&inv_freq.reshape((1, 1, ()))?)?;
+        Ok((f.cos()?, f.sin()?))
+    }
+
+    /// RoPE (split halves) of `x [B, T, H, D]`: `[B, H, T, D]`.
+    pub fn rope(self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> R {
+        let dt = x.dtype();
+        let x = x.to_dtype(super::stat_dtype(dt))?;
+        let d = x.dim(3)? / 2;
+        let (cos, sin) = (cos.unsqueeze(2)?.to_dtype(x.dtype())?, sin.unsqueeze(2)?.to_dtype(x.dtype())?);
+        let x1 = x.narrow(3, 0, d)?;
+        let x2 = x.narrow(3, d, d)?;
+        let y1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+        let y2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+        Tensor::cat(&[y1, y2], 3)?.transpose(1, 2)?.contiguous()?.to_dtype(dt)
+    }
+
+    /// `silu(gate) * up`.
+    pub fn swiglu(self, gate: &Tensor, up: &Tensor) -> R {
+        candle_nn::ops::silu(gate)? * up
+    }
+
+    /// Grouped-query causal attention of `q [B, H, T, D]` over `k`, `v` `[B, KV, Tk, D]`,
+    /// within `window` and the documents of `doc_ids [B, Tk]`: `[B, T, H * D]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gqa_attention(
+        self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        window: Option<usize>,
+        doc_ids: Option<&Tensor>,
+        p: f32,
+        _ctx: &Ctx,
+        _site: u64,
+    ) -> R {
+        use candle_core::DType;
+        let (b, h, tq, d) = q.dims4()?;
+        let (_, kv, tk, _) = k.dims4()?;
+        let rep = h / kv;
+        let expand = |t: &Tensor| -> R {
+            t.unsqueeze(2)?
+                .broadcast_as((b, kv, rep, tk, d))?
+                .reshape((b, h, tk, d))
+        };
+        let dt = q.dtype();
+        let acc = super::stat_dtype(dt);
+        let (k, v) = (expand(k)?, expand(v)?);
+        let s = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * (1.0 / (d as f64).sqrt()))?
+            .to_dtype(acc)?;
+        let mut mask = vec![0f32; b * tq * tk];
+        let ids: Option<Vec<Vec<u32>>> = doc_ids.map(|d| d.to_vec2()).transpose()?;
+        for bi in 0..b {
+            for i in 0..tq {
+                let ia = i + tk - tq;
+                for j in 0..tk {
+                    let mut ok = j <= ia;
+                    if let Some(w) = window {
+                        ok &= ia - j.min(ia) < w;
+                    }
+                    if let Some(ids) = &ids {
+                        ok &= ids[bi][ia] == ids[bi][j];
+                    }
+                    if !ok {
+                        mask[(bi * tq + i) * tk + j] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        let mask = Tensor::from_vec(mask, (b, 1, tq, tk), q.device())?.to_dtype(acc)?;
+        let s = s.broadcast_add(&mask)?;
+        let pr = candle_nn::ops::softmax(&s, candle_core::D::Minus1)?;
+        let _ = (p, DType::F32);
+        let y = pr.to_dtype(dt)?.matmul(&v.contiguous()?)?;
+        y.transpose(1, 2)?.reshape((b, tq, h * d))
+    }
+
+    /// Mean cross-entropy of `x [N, C] wᵀ` (`w [V, C]`) against `targets [N]`, ignoring
+    /// `ignore`.
+    pub fn linear_cross_entropy(self, x: &Tensor, w: &Tensor, targets: &Tensor, ignore: u32) -> R {
+        let logits = self.linear(x, &w.t()?, None)?;
+        let logits = logits.to_dtype(super::stat_dtype(logits.dtype()))?;
+        self.cross_entropy_ignoring(&logits, targets, ignore)
+    }
+}

@@ -23,6 +23,7 @@ pub mod gpt2;
 mod kernels;
 mod layers;
 mod linear;
+pub mod llama;
 mod params;
 
 use candle_core::Tensor;

@@ -338,6 +338,9 @@ impl Architecture for TinyArch {
     fn name(&self) -> &'static str {
         "tiny-test"
     }
+    fn class(&self) -> &'static str {
+        "TinyTestForCausalLM"
+    }
     fn config_from_hf_json(&self, json: &Value, path: &Path) -> Result<Box<dyn ModelConfig>> {
         let mut json = json.clone();
         json.as_object_mut().unwrap().remove("model_type");

@@ -33,6 +33,10 @@ impl Architecture for Gpt2 {
         "gpt2"
     }
 
+    fn class(&self) -> &'static str {
+        "GPT2LMHeadModel"
+    }
+
     fn config_from_hf_json(&self, json: &Value, path: &Path) -> Result<Box<dyn ModelConfig>> {
         Ok(Box::new(GptConfig::from_hf_json(json, path)?))
     }
