@@ -12,10 +12,11 @@ use std::path::{Path, PathBuf};
 use candle_remat::Policy;
 use serde::{Deserialize, Serialize};
 
-pub use types::{DeviceList, DeviceSpec, LossScale, Parallelism, Precision, ScheduleKind};
+pub use types::{Arch, DeviceList, DeviceSpec, LossScale, Parallelism, Precision, ScheduleKind};
 
 use crate::data::{DataKind, DataSource, DataSpec};
 use crate::model::gpt2::GptConfig;
+use crate::model::llama::{Family, LlamaConfig};
 use crate::model::{Kernels, ModelConfig};
 use crate::optim::AdamWConfig;
 use crate::schedule::LrSchedule;
@@ -99,6 +100,12 @@ train_config! {
     /// shape options are then taken from its config; block_size (at most its n_positions) is
     /// the training context only, the model keeps all its positions.
     init_from: Option<String> = None,
+    /// Architecture of a fresh model (without init_from): gpt2, llama, mistral, qwen2 or
+    /// qwen3, shaped by the fields below.
+    arch: Arch = Arch::Gpt2,
+    /// A Hugging Face config.json to build a fresh model from instead (any known
+    /// architecture; its vocab_size must cover the data's token ids).
+    model_json: Option<PathBuf> = None,
     /// Transformer blocks.
     n_layer: usize = 3,
     /// Attention heads.
@@ -109,8 +116,20 @@ train_config! {
     block_size: usize = 9,
     /// Dropout probability.
     dropout: f32 = 0.0,
-    /// Biases in linear layers and LayerNorms.
+    /// Biases in linear layers and LayerNorms (Llama family: the attention's and the MLP's
+    /// projections; Qwen2 always has q, k, v biases).
     bias: bool = true,
+    /// Key/value heads of a fresh Llama-family model (0: as many as n_head); must divide
+    /// n_head.
+    n_kv_head: usize = 0,
+    /// Width of a fresh Llama-family model's SwiGLU MLP (0: 8/3 n_embd rounded up to a
+    /// multiple of 64).
+    mlp_hidden: usize = 0,
+    /// RoPE base of a fresh Llama-family model.
+    rope_theta: f64 = 10000.0,
+    /// Whether a fresh Llama-family model's head reads the token embedding (GPT-2's always
+    /// does).
+    tie_embeddings: bool = true,
     /// Sequences per micro-batch.
     batch_size: usize = 128,
     /// Micro-batches accumulated per optimiser step (each micro-batch's mean loss weighted
@@ -229,11 +248,51 @@ impl TrainConfig {
         crate::data::open_for_run(&self.data_spec(), self.block_size)
     }
 
-    /// The configuration of a fresh model for this run (today always GPT-2, the architecture
-    /// whose shape the run's `n_layer` / `n_head` / `n_embd` / `bias` describe), with
-    /// `vocab_size` from the data.
-    pub fn model_config(&self, vocab_size: usize) -> Box<dyn ModelConfig> {
-        Box::new(self.gpt_config(vocab_size))
+    /// The configuration of a fresh model for this run, with `vocab_size` from the data:
+    /// `model_json` when given (its own vocabulary, which must embed the data's), else `arch`
+    /// shaped by `n_layer` / `n_head` / `n_embd` / `bias` (and, for the Llama family,
+    /// `n_kv_head` / `mlp_hidden` / `rope_theta` / `tie_embeddings`), with `block_size`
+    /// positions.
+    pub fn model_config(&self, vocab_size: usize) -> Result<Box<dyn ModelConfig>> {
+        if let Some(path) = &self.model_json {
+            return crate::model::config_from_hf_json_file(path);
+        }
+        let family = match self.arch {
+            Arch::Gpt2 => return Ok(Box::new(self.gpt_config(vocab_size))),
+            Arch::Llama => Family::Llama,
+            Arch::Mistral => Family::Mistral,
+            Arch::Qwen2 => Family::Qwen2,
+            Arch::Qwen3 => Family::Qwen3,
+        };
+        let kv = match self.n_kv_head {
+            0 => self.n_head,
+            n => n,
+        };
+        let mlp = match self.mlp_hidden {
+            0 => (8 * self.n_embd / 3).div_ceil(64) * 64,
+            n => n,
+        };
+        let mut cfg = LlamaConfig::new(
+            family,
+            vocab_size,
+            self.n_layer,
+            self.n_embd,
+            self.n_head,
+            kv,
+            mlp,
+        );
+        cfg.max_position_embeddings = self.block_size;
+        cfg.rope_theta = self.rope_theta;
+        cfg.tie_word_embeddings = self.tie_embeddings;
+        cfg.attention_dropout = self.dropout;
+        match family {
+            Family::Llama => {
+                (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias) = (self.bias, self.bias, self.bias)
+            }
+            Family::Qwen3 => (cfg.qkv_bias, cfg.o_bias) = (self.bias, self.bias),
+            Family::Qwen2 | Family::Mistral => {}
+        }
+        Ok(Box::new(cfg))
     }
 
     /// How a step is spread over stages.
@@ -274,7 +333,16 @@ impl TrainConfig {
     /// Checks every value that can be checked without the data or a checkpoint.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
-        self.gpt_config(1).validate()?;
+        if self.model_json.is_none() {
+            self.model_config(1)?.validate()?;
+        }
+        if self.arch == Arch::Gpt2 && !self.tie_embeddings {
+            return bad(
+                "tie_embeddings = false needs a Llama-family arch (GPT-2's head always reads \
+                 the token embedding)"
+                    .into(),
+            );
+        }
         if self.data != DataKind::Addition && self.data_path.is_none() {
             return bad(format!("data `{}` needs --data-path", self.data));
         }

@@ -128,7 +128,11 @@ impl Kernels {
     }
 
     /// RoPE tables `cos`, `sin` `[B, T, D/2]` (f32) of `positions [B, T]` and `inv_freq [D/2]`.
-    pub fn rope_tables(self, positions: &Tensor, inv_freq: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    pub fn rope_tables(
+        self,
+        positions: &Tensor,
+        inv_freq: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
         let f = positions
             .to_dtype(candle_core::DType::F32)?
             .unsqueeze(2)?
@@ -141,12 +145,18 @@ impl Kernels {
         let dt = x.dtype();
         let x = x.to_dtype(super::stat_dtype(dt))?;
         let d = x.dim(3)? / 2;
-        let (cos, sin) = (cos.unsqueeze(2)?.to_dtype(x.dtype())?, sin.unsqueeze(2)?.to_dtype(x.dtype())?);
+        let (cos, sin) = (
+            cos.unsqueeze(2)?.to_dtype(x.dtype())?,
+            sin.unsqueeze(2)?.to_dtype(x.dtype())?,
+        );
         let x1 = x.narrow(3, 0, d)?;
         let x2 = x.narrow(3, d, d)?;
         let y1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
         let y2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
-        Tensor::cat(&[y1, y2], 3)?.transpose(1, 2)?.contiguous()?.to_dtype(dt)
+        Tensor::cat(&[y1, y2], 3)?
+            .transpose(1, 2)?
+            .contiguous()?
+            .to_dtype(dt)
     }
 
     /// `silu(gate) * up`.

@@ -28,7 +28,7 @@ pub fn build_model(
     let Some(from) = &config.init_from else {
         let tokens = pretrained::data_special_tokens(config, SpecialTokens::default())?;
         let fresh = config
-            .model_config(data.vocab_size())
+            .model_config(data.vocab_size())?
             .with_run_settings(config.dropout, tokens);
         memory::check_run_fits(config, fresh.as_ref(), device)?;
         return model::init(fresh.as_ref(), config.seed, device);

@@ -133,6 +133,9 @@ impl Trainer {
         config.n_head = shape.n_head;
         config.n_embd = shape.n_embd;
         config.bias = shape.bias;
+        if let Ok(arch) = mc.architecture().parse() {
+            config.arch = arch;
+        }
         let optimizer = AdamW::new(&params, config.adamw_config())?.with_kernels(config.kernels);
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
         Self::assemble(config, device, data, model, params, optimizer, rng)

@@ -241,8 +241,12 @@ impl LlamaConfig {
                     .and_then(Value::as_str)
             })
             .unwrap_or("");
-        let family = Family::from_name(name)
-            .ok_or_else(|| err("model_type", format!("`{name}` is not a Llama-family model")))?;
+        let family = Family::from_name(name).ok_or_else(|| {
+            err(
+                "model_type",
+                format!("`{name}` is not a Llama-family model"),
+            )
+        })?;
         let usize_of = |key: &str| -> Result<Option<usize>> {
             match v.get(key) {
                 None | Some(Value::Null) => Ok(None),
@@ -360,7 +364,10 @@ impl LlamaConfig {
         let window = match v.get("sliding_window") {
             None | Some(Value::Null) => None,
             Some(x) => Some(x.as_u64().map(|w| w as usize).ok_or_else(|| {
-                err("sliding_window", format!("must be an integer or null, got {x}"))
+                err(
+                    "sliding_window",
+                    format!("must be an integer or null, got {x}"),
+                )
             })?),
         };
         let window = match family {
@@ -383,21 +390,23 @@ impl LlamaConfig {
                 .map(|t| match t.as_str() {
                     Some("full_attention") => Ok(None),
                     Some("sliding_attention") => window.map(Some).ok_or_else(|| {
-                        err("layer_types", "sliding_attention without a sliding_window".into())
+                        err(
+                            "layer_types",
+                            "sliding_attention without a sliding_window".into(),
+                        )
                     }),
                     _ => Err(err("layer_types", format!("unsupported layer type {t}"))),
                 })
                 .collect();
         }
         let from = match family {
-            Family::Qwen2 | Family::Qwen3 => {
-                v.get("max_window_layers").and_then(Value::as_u64).unwrap_or(0) as usize
-            }
+            Family::Qwen2 | Family::Qwen3 => v
+                .get("max_window_layers")
+                .and_then(Value::as_u64)
+                .unwrap_or(0) as usize,
             _ => 0,
         };
-        Ok((0..layers)
-            .map(|i| window.filter(|_| i >= from))
-            .collect())
+        Ok((0..layers).map(|i| window.filter(|_| i >= from)).collect())
     }
 
     /// The Hugging Face `config.json`, in the transformers 4.x layout (top-level `rope_theta`
@@ -418,7 +427,10 @@ impl LlamaConfig {
         put("num_key_value_heads", json!(self.num_key_value_heads));
         put("head_dim", json!(self.head_dim));
         put("hidden_act", json!("silu"));
-        put("max_position_embeddings", json!(self.max_position_embeddings));
+        put(
+            "max_position_embeddings",
+            json!(self.max_position_embeddings),
+        );
         put("rms_norm_eps", json!(self.rms_norm_eps));
         put("rope_theta", json!(self.rope_theta));
         put("rope_scaling", self.rope_scaling.to_hf_json());

@@ -32,9 +32,9 @@ pub use config::{Family, LlamaConfig};
 pub use rope::RopeScaling;
 
 use super::{
-    count_targets, stat_dtype, Architecture, Builder, CheckpointTensor, Ctx, Kernels,
-    KvCache, Layout, Linear, Link, LinkOps, Loss, Model, ModelConfig, Role, Shape, SpecialTokens,
-    WeightMap, IGNORE,
+    count_targets, stat_dtype, Architecture, Builder, CheckpointTensor, Ctx, Kernels, KvCache,
+    Layout, Linear, Link, LinkOps, Loss, Model, ModelConfig, Role, Shape, SpecialTokens, WeightMap,
+    IGNORE,
 };
 use crate::{Error, Result};
 
@@ -213,7 +213,10 @@ impl Attention {
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let d = self.head_dim;
-        let q = self.q_proj.forward(x, ctx)?.reshape((b, t, self.n_head, d))?;
+        let q = self
+            .q_proj
+            .forward(x, ctx)?
+            .reshape((b, t, self.n_head, d))?;
         let k = self.k_proj.forward(x, ctx)?.reshape((b, t, self.n_kv, d))?;
         let v = self.v_proj.forward(x, ctx)?.reshape((b, t, self.n_kv, d))?;
         let (q, k) = match &self.qk_norm {
@@ -651,8 +654,8 @@ impl ModelConfig for LlamaConfig {
             return Ok(vec![1.0; n]);
         }
         let std = self.initializer_range as f32;
-        let normal = Normal::new(0.0f32, std)
-            .map_err(|e| Error::Config(format!("init std {std}: {e}")))?;
+        let normal =
+            Normal::new(0.0f32, std).map_err(|e| Error::Config(format!("init std {std}: {e}")))?;
         Ok((0..n).map(|_| normal.sample(rng)).collect())
     }
 
@@ -677,12 +680,7 @@ impl ModelConfig for LlamaConfig {
             self.head_dim as f64,
         );
         let window = |w: Option<usize>| w.map_or(seq_len, |w| w.min(seq_len)) as f64;
-        let ctx = self
-            .layer_windows
-            .iter()
-            .map(|&w| window(w))
-            .sum::<f64>()
-            / l.max(1.0);
+        let ctx = self.layer_windows.iter().map(|&w| window(w)).sum::<f64>() / l.max(1.0);
         6.0 * n + 12.0 * l * h * d * ctx
     }
 
@@ -707,7 +705,8 @@ impl ModelConfig for LlamaConfig {
             Kernels::Fused => fused,
             Kernels::Reference => fused + qkv + 4 * b * h * t * t * 4,
         };
-        let flops = 2 * b * t * (c * (h + 2 * kv) * d + h * d * c + 3 * c * i) + 4 * b * t * t * h * d;
+        let flops =
+            2 * b * t * (c * (h + 2 * kv) * d + h * d * c + 3 * c * i) + 4 * b * t * t * h * d;
         ChainCosts::uniform(
             self.num_hidden_layers,
             BlockCost {
@@ -748,7 +747,11 @@ impl ModelConfig for LlamaConfig {
             self.num_key_value_heads,
             self.head_dim,
             self.intermediate_size,
-            if self.tie_word_embeddings { ", tied" } else { "" },
+            if self.tie_word_embeddings {
+                ", tied"
+            } else {
+                ""
+            },
         )
     }
 }

@@ -45,9 +45,8 @@ impl RopeScaling {
             Some(p @ Value::Object(_)) => (Some(p), "rope_parameters"),
             _ => (v.get("rope_scaling"), "rope_scaling"),
         };
-        let err = |field: &str, msg: String| {
-            Error::checkpoint(path, format!("`{key}.{field}`: {msg}"))
-        };
+        let err =
+            |field: &str, msg: String| Error::checkpoint(path, format!("`{key}.{field}`: {msg}"));
         let theta = params
             .and_then(|p| p.get("rope_theta"))
             .or_else(|| v.get("rope_theta"))
@@ -87,9 +86,8 @@ impl RopeScaling {
                     None => v
                         .get("max_position_embeddings")
                         .and_then(Value::as_u64)
-                        .ok_or_else(|| {
-                            err("original_max_position_embeddings", "missing".into())
-                        })? as usize,
+                        .ok_or_else(|| err("original_max_position_embeddings", "missing".into()))?
+                        as usize,
                 },
             },
             other => {
