@@ -31,12 +31,13 @@ use candle_core::backprop::GradStore;
 use common::{tiny_config, values};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use trainer::config::TrainConfig;
+use trainer::config::{Arch, TrainConfig};
 use trainer::data::{Batch, Split};
 use trainer::model::Ctx;
 use trainer::train::{Executor, Trainer};
 
 struct Cell {
+    arch: Arch,
     remat: &'static str,
     dtype: &'static str,
     pipeline: &'static str,
@@ -47,8 +48,8 @@ struct Cell {
 impl Cell {
     fn name(&self) -> String {
         format!(
-            "remat {} / {} / pipeline {} / dropout {} / accum {}",
-            self.remat, self.dtype, self.pipeline, self.dropout, self.accum
+            "{} / remat {} / {} / pipeline {} / dropout {} / accum {}",
+            self.arch, self.remat, self.dtype, self.pipeline, self.dropout, self.accum
         )
     }
 
@@ -80,6 +81,10 @@ impl Cell {
             },
             dropout: self.dropout,
             grad_accum: self.accum,
+            arch: self.arch,
+            // GQA: 2 query heads share 1 key/value head.
+            n_kv_head: 1,
+            tie_embeddings: self.arch == Arch::Gpt2,
             ..tiny_config(dir)
         }
     }
@@ -94,6 +99,7 @@ fn cells() -> Vec<Cell> {
         for dtype in ["f32", "bf16", "f16"] {
             for pipeline in ["none", "1f1b", "interleaved"] {
                 v.push(Cell {
+                    arch: Arch::Gpt2,
                     remat,
                     dtype,
                     pipeline,
@@ -102,6 +108,7 @@ fn cells() -> Vec<Cell> {
                 });
                 if dtype == "f32" {
                     v.push(Cell {
+                        arch: Arch::Gpt2,
                         remat,
                         dtype,
                         pipeline,
@@ -201,9 +208,37 @@ fn worst(got: &[(String, Vec<f64>)], want: &[(String, Vec<f64>)]) -> (f64, Strin
 
 #[test]
 fn every_combination_matches_the_plain_f32_step() {
-    let tmp = tempfile::tempdir().unwrap();
     let all = cells();
     assert!(all.len() >= 24);
+    check_cells(&all);
+}
+
+/// A Llama-family model (GQA, RoPE, RMSNorm, SwiGLU, untied head with the chunked loss) in
+/// every executor and precision: {no remat, every:1} x {f32, bf16} x {no pipeline, 1F1B,
+/// interleaved}, attention dropout 0.1, 2 accumulated micro-batches (12 cells; f16 shares
+/// bf16's code path and GPT-2's cells cover its scaler). Same tolerances as GPT-2's.
+#[test]
+fn llama_combinations_match_the_plain_f32_step() {
+    let mut all = Vec::new();
+    for remat in ["none", "every:1"] {
+        for dtype in ["f32", "bf16"] {
+            for pipeline in ["none", "1f1b", "interleaved"] {
+                all.push(Cell {
+                    arch: Arch::Llama,
+                    remat,
+                    dtype,
+                    pipeline,
+                    dropout: 0.1,
+                    accum: 2,
+                });
+            }
+        }
+    }
+    check_cells(&all);
+}
+
+fn check_cells(all: &[Cell]) {
+    let tmp = tempfile::tempdir().unwrap();
     let mut report = Vec::new();
     let mut no_remat = std::collections::HashMap::new();
     for (i, cell) in all.iter().enumerate() {

@@ -192,3 +192,24 @@ fn pipeline_stages_within_each_rank_train_like_one_process() {
     });
     assert_like_one_process(&single, &ranks);
 }
+
+#[test]
+fn a_llama_trains_on_two_ranks_like_one_process() {
+    // GQA, RoPE, RMSNorm, SwiGLU and the chunked loss under data parallel and ZeRO-1.
+    let tmp = tempfile::tempdir().unwrap();
+    let llama = |dir: &Path, batch_size, zero| TrainConfig {
+        arch: trainer::config::Arch::Llama,
+        n_kv_head: 1,
+        tie_embeddings: false,
+        zero,
+        ..config(dir, batch_size)
+    };
+    let single = finish(Trainer::new(llama(&tmp.path().join("one"), 8, 0)).unwrap());
+    let ranks = train_two_ranks(llama(&tmp.path().join("two"), 4, 0));
+    assert_like_one_process(&single, &ranks);
+    let zero = train_two_ranks(llama(&tmp.path().join("zero"), 4, 1));
+    assert_eq!(
+        zero[0].1, ranks[0].1,
+        "ZeRO-1 weights differ from plain data parallel"
+    );
+}

@@ -1,0 +1,294 @@
+//! The Llama family against Hugging Face transformers: tiny random models made by
+//! `scripts/python/make_llama_fixtures.py` (every tensor randomised, biases and norm scales
+//! included), with transformers' loss, logits, every gradient and a greedy continuation
+//! committed under `tests/fixtures/llama/<case>/`.
+//!
+//! Tolerances (f32): the loss within 1e-5 relative; logits within 1e-5 of the largest
+//! logit; every gradient within 1e-4 of its largest element (relative to the tensor's scale,
+//! so that near-zero entries do not turn rounding noise into huge ratios). Both sides sum in
+//! f32 in different orders (blocked flash attention against eager softmax, chunked loss
+//! against whole logits), which moves the last few bits; a misplaced bias, norm, rotary
+//! frequency or mask moves them by orders of magnitude more (each case is also run with its
+//! feature disabled and must then fail these bounds).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use trainer::checkpoint;
+use trainer::model::llama::{LlamaConfig, RopeScaling};
+use trainer::model::{Builder, Ctx, Kernels, Model, ModelConfig, Params, Rows, IGNORE};
+
+fn fixture(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/llama")
+        .join(case)
+}
+
+struct Expected {
+    idx: Tensor,
+    targets: Tensor,
+    rows: Rows,
+    loss: f32,
+    logits: Tensor,
+    grads: HashMap<String, Tensor>,
+}
+
+fn expected(case: &str) -> Expected {
+    let path = fixture(case).join("expected.safetensors");
+    let mut t = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let ids = t.remove("input_ids").unwrap();
+    let labels: Vec<Vec<i64>> = t.remove("labels").unwrap().to_vec2().unwrap();
+    // transformers shifts the labels: position t predicts labels[t + 1]; the last predicts
+    // nothing.
+    let targets: Vec<Vec<u32>> = labels
+        .iter()
+        .map(|row| {
+            (0..row.len())
+                .map(|i| match row.get(i + 1) {
+                    Some(&l) if l >= 0 => l as u32,
+                    _ => IGNORE,
+                })
+                .collect()
+        })
+        .collect();
+    let rows = match t.remove("position_ids") {
+        None => Rows::default(),
+        Some(p) => {
+            let pos: Vec<Vec<i64>> = p.to_vec2().unwrap();
+            // A new document wherever the positions restart (transformers'
+            // `find_packed_sequence_indices`).
+            let docs: Vec<Vec<u32>> = pos
+                .iter()
+                .map(|row| {
+                    let mut d = 0u32;
+                    row.iter()
+                        .enumerate()
+                        .map(|(i, &p)| {
+                            if i > 0 && p == 0 {
+                                d += 1;
+                            }
+                            d
+                        })
+                        .collect()
+                })
+                .collect();
+            let pos: Vec<Vec<u32>> = pos
+                .iter()
+                .map(|r| r.iter().map(|&p| p as u32).collect())
+                .collect();
+            Rows {
+                positions: Some(Tensor::new(pos, &Device::Cpu).unwrap()),
+                doc_ids: Some(Tensor::new(docs, &Device::Cpu).unwrap()),
+            }
+        }
+    };
+    let loss = t.remove("loss").unwrap().to_scalar::<f32>().unwrap();
+    let logits = t.remove("logits").unwrap();
+    let grads = t
+        .into_iter()
+        .filter_map(|(k, v)| k.strip_prefix("grad.").map(|n| (n.to_string(), v)))
+        .collect();
+    Expected {
+        idx: ids.to_dtype(DType::U32).unwrap(),
+        targets: Tensor::new(targets, &Device::Cpu).unwrap(),
+        rows,
+        loss,
+        logits,
+        grads,
+    }
+}
+
+fn load(case: &str) -> (LlamaConfig, Params) {
+    let (config, params) = checkpoint::load_model(&fixture(case), &Device::Cpu).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(case).join("config.json")).unwrap())
+            .unwrap();
+    let llama = LlamaConfig::from_hf_json(&json, Path::new("config.json")).unwrap();
+    assert_eq!(config.to_hf_json(), llama.to_hf_json());
+    (llama, params)
+}
+
+/// The largest |a - b| over the largest |b| (a relative error at the tensor's scale).
+fn rel(a: &Tensor, b: &Tensor) -> f32 {
+    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+    let s = b.abs().unwrap().max_all().unwrap();
+    d.to_scalar::<f32>().unwrap() / s.to_scalar::<f32>().unwrap().max(1e-30)
+}
+
+/// How far `config`'s model over `params` is from the fixture: the loss's relative error, the
+/// logits' and the worst gradient's (with its name).
+fn errors(
+    case: &str,
+    config: &LlamaConfig,
+    params: &Params,
+    kernels: Kernels,
+    ex: &Expected,
+) -> (f32, f32, (f32, String)) {
+    // The builder asks only for what `config` has (a disabled feature's tensors are left
+    // out; an untied head gets a copy of the embedding).
+    let source = |name: &str, _: &[usize]| -> trainer::Result<Tensor> {
+        match params.tensor(name) {
+            Ok(t) => Ok(t),
+            Err(_) if name == "lm_head.weight" => Ok(candle_core::Var::from_tensor(
+                &params.tensor("model.embed_tokens.weight")?,
+            )?
+            .as_tensor()
+            .clone()),
+            Err(e) => Err(e),
+        }
+    };
+    let model: Box<dyn Model> = config.build(&Builder::root(&source)).unwrap();
+    let ctx = Ctx::train(0)
+        .with_kernels(kernels)
+        .with_rows(ex.rows.clone());
+    let logits = model.forward(&ex.idx, &ctx).unwrap();
+    let loss = model.loss(&ex.idx, &ex.targets, &ctx).unwrap();
+    let got = loss.mean.to_scalar::<f32>().unwrap();
+    let grads = loss.mean.backward().unwrap();
+    let mut worst = (0f32, String::new());
+    for (name, want) in &ex.grads {
+        let e = match params.get(name).and_then(|v| grads.get(v)) {
+            Some(g) => rel(g, want),
+            None => f32::INFINITY,
+        };
+        if e > worst.0 || e.is_nan() {
+            worst = (e, name.clone());
+        }
+    }
+    assert!(!ex.grads.is_empty(), "{case}: no gradients in the fixture");
+    (
+        ((got - ex.loss) / ex.loss).abs(),
+        rel(&logits, &ex.logits),
+        worst,
+    )
+}
+
+fn matches(case: &str, config: &LlamaConfig, params: &Params, kernels: Kernels) -> bool {
+    let ex = expected(case);
+    let (loss, logits, (grad, name)) = errors(case, config, params, kernels, &ex);
+    eprintln!(
+        "{case} {kernels}: loss {loss:.2e}, logits {logits:.2e}, worst gradient {grad:.2e} ({name})"
+    );
+    loss <= 1e-5 && logits <= 1e-5 && grad <= 1e-4
+}
+
+/// The case matches transformers with both kernels, and fails with `disable` applied.
+fn check(case: &str, disable: impl Fn(&mut LlamaConfig)) {
+    let (config, params) = load(case);
+    for kernels in [Kernels::Fused, Kernels::Reference] {
+        assert!(matches(case, &config, &params, kernels), "{case} {kernels}");
+    }
+    let mut off = config.clone();
+    disable(&mut off);
+    assert_ne!(off, config, "{case}: disabling changed nothing");
+    assert!(
+        !matches(case, &off, &params, Kernels::Fused),
+        "{case}: still matches with its feature disabled"
+    );
+}
+
+#[test]
+fn llama_with_attention_and_mlp_biases() {
+    check("llama", |c| {
+        c.qkv_bias = false;
+        c.o_bias = false;
+    });
+}
+
+#[test]
+fn llama3_rope_scaling() {
+    check("llama3_rope", |c| c.rope_scaling = RopeScaling::None);
+}
+
+#[test]
+fn linear_rope_scaling() {
+    check("llama_linear_rope", |c| c.rope_scaling = RopeScaling::None);
+}
+
+#[test]
+fn tied_embeddings() {
+    check("tied", |c| c.tie_word_embeddings = false);
+}
+
+#[test]
+fn qwen2_qkv_bias() {
+    check("qwen2", |c| c.qkv_bias = false);
+}
+
+#[test]
+fn qwen3_qk_norm() {
+    check("qwen3", |c| c.qk_norm = false);
+}
+
+#[test]
+fn mistral_sliding_window() {
+    check("mistral_sliding", |c| {
+        c.layer_windows = vec![None; c.num_hidden_layers]
+    });
+}
+
+#[test]
+fn packed_documents_attend_within_themselves() {
+    let case = "packed";
+    let (config, params) = load(case);
+    for kernels in [Kernels::Fused, Kernels::Reference] {
+        assert!(matches(case, &config, &params, kernels), "{kernels}");
+    }
+    let mut ex = expected(case);
+    ex.rows.doc_ids = None;
+    let (loss, _, _) = errors(case, &config, &params, Kernels::Fused, &ex);
+    assert!(
+        loss > 1e-3,
+        "without document ids the loss still matches ({loss:.2e})"
+    );
+}
+
+#[test]
+fn legacy_and_v5_config_layouts_read_alike() {
+    let dir = fixture("llama3_rope");
+    let read = |f: &str| {
+        let p = dir.join(f);
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        LlamaConfig::from_hf_json(&v, &p).unwrap()
+    };
+    let (v5, legacy) = (read("config.json"), read("config.legacy.json"));
+    assert!(matches!(v5.rope_scaling, RopeScaling::Llama3 { .. }));
+    assert_eq!(
+        LlamaConfig {
+            torch_dtype: None,
+            ..v5
+        },
+        LlamaConfig {
+            torch_dtype: None,
+            ..legacy
+        }
+    );
+}
+
+#[test]
+fn greedy_generation_with_the_kv_cache_equals_transformers() {
+    for case in [
+        "llama",
+        "llama3_rope",
+        "tied",
+        "qwen2",
+        "qwen3",
+        "mistral_sliding",
+    ] {
+        let path = fixture(case).join("generate.safetensors");
+        let t = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+        let prompt: Vec<i64> = t["prompt"].squeeze(0).unwrap().to_vec1().unwrap();
+        let want: Vec<i64> = t["greedy"].squeeze(0).unwrap().to_vec1().unwrap();
+        let (config, params) = load(case);
+        let model = trainer::model::build(&config, &params).unwrap();
+        let prompt: Vec<u32> = prompt.iter().map(|&x| x as u32).collect();
+        let new = want.len() - prompt.len();
+        let got = trainer::sample::greedy_batch(model.as_ref(), &[prompt], new, &Device::Cpu)
+            .unwrap()
+            .remove(0);
+        let want: Vec<u32> = want[want.len() - new..].iter().map(|&x| x as u32).collect();
+        assert_eq!(got, want, "{case}");
+    }
+}
