@@ -131,7 +131,7 @@ fn errors(
         match params.tensor(name) {
             Ok(t) => Ok(t),
             Err(_) if name == "lm_head.weight" => Ok(candle_core::Var::from_tensor(
-                &params.tensor("model.embed_tokens.weight")?,
+                &params.tensor("model.embed_tokens.weight")?.detach(),
             )?
             .as_tensor()
             .clone()),
