@@ -178,6 +178,9 @@ train_config! {
     /// Op implementations: `fused` (candle-fused kernels) or `reference` (the composite Candle
     /// ops, for debugging and comparison).
     kernels: Kernels = Kernels::Fused,
+    /// Compute the head's cross-entropy a chunk of rows at a time, never holding the whole
+    /// [batch, block, vocab] logits (Llama family; false: the whole logits, for comparison).
+    chunked_loss: bool = true,
     /// Peak FLOP/s of the device for the MFU in logs (0: measure a matmul ceiling at start-up).
     peak_flops: f64 = 0.0,
     /// Clip the global gradient norm to this value (0 disables).
@@ -228,6 +231,22 @@ impl TrainConfig {
             bias: self.bias,
             ..GptConfig::default()
         }
+    }
+
+    /// Tokenizer data without a `tokenizer_path` takes the `tokenizer.json` of the
+    /// `init_from` model, when it has one (recorded in the config, so the run's data stays
+    /// the same on resume).
+    pub fn tokenizer_from_init(&mut self) -> Result<()> {
+        if self.data != DataKind::Tokenizer || self.tokenizer_path.is_some() {
+            return Ok(());
+        }
+        if let Some(spec) = &self.init_from {
+            let path = crate::pretrained::resolve(spec)?.join("tokenizer.json");
+            if path.is_file() {
+                self.tokenizer_path = Some(path);
+            }
+        }
+        Ok(())
     }
 
     /// The data this run trains on.
@@ -347,7 +366,11 @@ impl TrainConfig {
             return bad(format!("data `{}` needs --data-path", self.data));
         }
         if self.data == DataKind::Tokenizer && self.tokenizer_path.is_none() {
-            return bad("data `tokenizer` needs --tokenizer-path".into());
+            return bad(
+                "data `tokenizer` needs --tokenizer-path (or --init-from a model with a \
+                 tokenizer.json)"
+                    .into(),
+            );
         }
         let floats = [
             ("lr", self.lr),

@@ -60,6 +60,10 @@ pub struct Ctx {
     pub kernels: Kernels,
     /// Positions and document ids of the input's rows.
     pub rows: Rows,
+    /// Whether a head that can compute its loss a chunk of rows at a time does so (never
+    /// holding the whole `[B, T, vocab]` logits); `false` computes the whole logits (for
+    /// comparison).
+    pub chunked_loss: bool,
 }
 
 impl Ctx {
@@ -72,6 +76,7 @@ impl Ctx {
             dtype: DType::F32,
             kernels: Kernels::Fused,
             rows: Rows::default(),
+            chunked_loss: true,
         }
     }
 
@@ -97,6 +102,14 @@ impl Ctx {
     /// The same context for rows `row..` of the batch (see [`Ctx::row`]).
     pub fn with_row(self, row: usize) -> Self {
         Ctx { row, ..self }
+    }
+
+    /// The same context with the loss chunked or not (see [`Ctx::chunked_loss`]).
+    pub fn with_chunked_loss(self, chunked_loss: bool) -> Self {
+        Ctx {
+            chunked_loss,
+            ..self
+        }
     }
 
     /// The same context with the rows' positions and document ids.

@@ -82,7 +82,8 @@ pub struct Trainer {
 
 impl Trainer {
     /// Starts a new run from `config` (fresh weights, or `init_from` pretrained ones).
-    pub fn new(config: TrainConfig) -> Result<Self> {
+    pub fn new(mut config: TrainConfig) -> Result<Self> {
+        config.tokenizer_from_init()?;
         config.validate()?;
         let device = config.device.open()?;
         let data = config.open_data()?;

@@ -172,7 +172,10 @@ impl PipelineRun {
             .map(|l| l.weights().iter().map(|w| w.elem_count() as f64).sum())
             .collect();
         let ranges = balance_by_cost(&sizes, virtual_stages)?;
-        let base = Ctx::train(0).with_dtype(dtype).with_kernels(config.kernels);
+        let base = Ctx::train(0)
+            .with_dtype(dtype)
+            .with_kernels(config.kernels)
+            .with_chunked_loss(config.chunked_loss);
         let rows = config.batch_size.div_ceil(microbatches);
         // The planner sees a stage's blocks: the first `n` of the model's (blocks cost the
         // same in every architecture the trainer has; a stage plans over its own count).

@@ -85,6 +85,7 @@ impl Trainer {
                 .with_row(self.dp.rank() * cfg.batch_size)
                 .with_dtype(self.dtype)
                 .with_kernels(cfg.kernels)
+                .with_chunked_loss(cfg.chunked_loss)
                 .with_rows(batch.rows.clone());
             let weight = shard_weight * share;
             let (loss, _, g) =

@@ -433,12 +433,12 @@ impl LinkOps for Head {
     }
 
     /// The cross-entropy of the projection chunk by chunk (no `[B, T, V]` logits), unless
-    /// an adapter wraps the head's projection.
+    /// an adapter wraps the head's projection or the context asks for whole logits.
     fn loss(&self, x: &Tensor, targets: &Tensor, ctx: &Ctx) -> candle_core::Result<Loss> {
         let w = match &self.lm_head {
-            LmHead::Own(l) if l.delta().is_none() && l.bias.is_none() => l.weight.clone(),
-            LmHead::Tied(w) => w.clone(),
-            LmHead::Own(_) => {
+            LmHead::Own(l) if l.delta().is_none() && ctx.chunked_loss => l.weight.clone(),
+            LmHead::Tied(w) if ctx.chunked_loss => w.clone(),
+            _ => {
                 let logits = self.forward(x, ctx)?;
                 let mean = ctx
                     .kernels
