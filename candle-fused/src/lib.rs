@@ -10,6 +10,8 @@
 //!   GEMMs on AVX512-BF16 where the CPU has it);
 //! * [`linear_gelu`]: `gelu(x W + b)` in one op (the MLP's up-projection, no graph node for
 //!   the pre-activation);
+//! * [`rope`]: rotary position embeddings (transformers' split halves) fused with the
+//!   `[B, T, H, D] -> [B, H, T, D]` transpose, and their f32 tables;
 //! * [`cross_entropy`]: softmax cross-entropy over the vocabulary with mask / ignore index;
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
 //! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync.
@@ -23,6 +25,7 @@
 //! [`linear_gelu::linear_gelu_composite`], [`norm::layer_norm_composite`],
 //! [`norm::rms_norm_composite`], [`gelu::bias_gelu_composite`], [`gelu::gelu_composite`],
 //! [`attention::attention_composite`], [`attention::attention_qkv_composite`],
+//! [`rope::rope_composite`],
 //! [`cross_entropy::cross_entropy_composite`], [`dropout::dropout_composite`] (the same
 //! Philox mask, drawn on the host), [`adamw::adamw_composite`] (returns the new tensors
 //! instead of updating in place), [`adamw::sum_of_squares_composite`] and
@@ -47,6 +50,7 @@ pub mod norm;
 mod op;
 pub mod philox;
 mod pool;
+pub mod rope;
 
 pub use philox::RngKey;
 
