@@ -12,6 +12,7 @@
 //!   the pre-activation);
 //! * [`rope`]: rotary position embeddings (transformers' split halves) fused with the
 //!   `[B, T, H, D] -> [B, H, T, D]` transpose, and their f32 tables;
+//! * [`swiglu`]: `silu(gate) * up` (Llama's MLP activation) in one op;
 //! * [`cross_entropy`]: softmax cross-entropy over the vocabulary with mask / ignore index;
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
 //! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync.
@@ -25,7 +26,7 @@
 //! [`linear_gelu::linear_gelu_composite`], [`norm::layer_norm_composite`],
 //! [`norm::rms_norm_composite`], [`gelu::bias_gelu_composite`], [`gelu::gelu_composite`],
 //! [`attention::attention_composite`], [`attention::attention_qkv_composite`],
-//! [`rope::rope_composite`],
+//! [`rope::rope_composite`], [`swiglu::swiglu_composite`],
 //! [`cross_entropy::cross_entropy_composite`], [`dropout::dropout_composite`] (the same
 //! Philox mask, drawn on the host), [`adamw::adamw_composite`] (returns the new tensors
 //! instead of updating in place), [`adamw::sum_of_squares_composite`] and
@@ -51,6 +52,7 @@ mod op;
 pub mod philox;
 mod pool;
 pub mod rope;
+pub mod swiglu;
 
 pub use philox::RngKey;
 
