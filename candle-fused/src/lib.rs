@@ -10,6 +10,9 @@
 //!   GEMMs on AVX512-BF16 where the CPU has it);
 //! * [`linear_gelu`]: `gelu(x W + b)` in one op (the MLP's up-projection, no graph node for
 //!   the pre-activation);
+//! * [`rope`]: rotary position embeddings (transformers' split halves) fused with the
+//!   `[B, T, H, D] -> [B, H, T, D]` transpose, and their f32 tables;
+//! * [`swiglu`]: `silu(gate) * up` (Llama's MLP activation) in one op;
 //! * [`cross_entropy`]: softmax cross-entropy over the vocabulary with mask / ignore index;
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
 //! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync.
@@ -23,6 +26,7 @@
 //! [`linear_gelu::linear_gelu_composite`], [`norm::layer_norm_composite`],
 //! [`norm::rms_norm_composite`], [`gelu::bias_gelu_composite`], [`gelu::gelu_composite`],
 //! [`attention::attention_composite`], [`attention::attention_qkv_composite`],
+//! [`rope::rope_composite`], [`swiglu::swiglu_composite`],
 //! [`cross_entropy::cross_entropy_composite`], [`dropout::dropout_composite`] (the same
 //! Philox mask, drawn on the host), [`adamw::adamw_composite`] (returns the new tensors
 //! instead of updating in place), [`adamw::sum_of_squares_composite`] and
@@ -47,6 +51,8 @@ pub mod norm;
 mod op;
 pub mod philox;
 mod pool;
+pub mod rope;
+pub mod swiglu;
 
 pub use philox::RngKey;
 
