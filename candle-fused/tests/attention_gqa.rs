@@ -5,18 +5,18 @@
 //! fallback path, explicit masks built from transformers' formulas, and the H == KV kernel on
 //! explicitly repeated K / V.
 //!
-//! Tolerances (max abs error relative to the largest reference magnitude), as in
+//! Tolerances (max abs error relative to the largest reference magnitude, see [`close`]), as in
 //! `tests/attention.rs`: f64 1e-10 (summation order and the online-softmax rescaling, ~1e-15
-//! per op; observed <1e-14); f32 1e-5 for values, 2e-5 for gradients (~6e-8 per op over up to a
-//! few hundred keys, and dK / dV summed over up to 4 query heads; observed <2e-6).
+//! per op; observed <4e-15); f32 1e-5 for values, 2e-5 for gradients (~6e-8 per op over up to
+//! 800 keys, and dK / dV summed over up to 4 query heads; observed <9e-7 for values, <1.1e-6
+//! for gradients).
 
 mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_fused::attention::{
-    attention, attention_composite, attention_merged, attention_merged_composite, attention_qkv,
-    attention_qkv_composite, AttentionConfig,
+    attention, attention_composite, attention_merged, attention_merged_composite, AttentionConfig,
 };
 use candle_fused::RngKey;
 use common::*;
@@ -74,14 +74,15 @@ fn layouts(b: usize, t: usize) -> Result<Tensor> {
     Ok(Tensor::cat(&parts, 0)?)
 }
 
-/// Max `|a - b|` relative to `max(max |b|, 1e-2)` (NaN-aware, [`compare::diff`]) at most `tol`.
+/// Max `|a - b|` relative to `max(max |b|, 0.1)` (NaN-aware, [`compare::diff`]) at most `tol`.
 /// The floor: with a window of 1 each query sees one key (`P = 1`), so its dQ and the dK are
-/// exactly 0 in the composite (`dS = P (dP - D) = 0`), where the kernel holds the rounding of
-/// `dP - D` (~1e-7 in f32) instead; the other gradients here are O(0.1 - 1).
+/// exactly 0 in the composite (`dS = P (dP - D) = 0`), where the kernel and the fallback hold
+/// the rounding of `dP - D` instead (observed <1.5e-7 in f32, 1.5e-6 against the floor); the
+/// values and the other gradients here are O(1).
 fn close(a: &Tensor, b: &Tensor, tol: f64, what: &str) -> Result<()> {
     assert_eq!(a.dims(), b.dims(), "{what}: shapes");
     let d = compare::diff(&values(a), &values(b)).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
-    let worst = d.max_abs / d.max_ref.max(1e-2);
+    let worst = d.max_abs / d.max_ref.max(0.1);
     anyhow::ensure!(
         worst <= tol,
         "{what}: relative error {worst:e} > {tol:e} ({d})"
@@ -430,7 +431,8 @@ fn gqa_equals_kernel_on_repeated_kv() -> Result<()> {
     // The grouped kernel against the H == KV kernel on K / V explicitly repeated: the forward
     // and dQ read the same rows in the same order (bit-identical); dK / dV of a kv head
     // accumulate its query heads one after the other in one buffer, the repeated path sums
-    // the per-head gradients afterwards: equal within 1e-6 (f32 rounding of a few additions).
+    // the per-head gradients afterwards: equal within 1e-6 (f32 rounding of a few additions;
+    // observed <3e-7).
     let (b, t) = (2, 300);
     let ids = layouts(b, t)?;
     for (h, kv) in [(4, 2), (6, 3), (4, 1)] {
@@ -585,90 +587,5 @@ fn nan_in_k_reaches_only_rows_that_see_it() -> Result<()> {
             }
         }
     }
-    Ok(())
-}
-
-#[test]
-fn rejects_bad_arguments() -> Result<()> {
-    let dt = DType::F32;
-    let [q, k, v] = qkv_inputs(1, (2, 6, 4, 5, 5, 8, 8), dt)?;
-    let err = |r: candle_core::Result<Tensor>, name: &str, what: &str| {
-        let msg = r.err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(msg.starts_with(&format!("{name}:")), "{what}: got {msg:?}");
-    };
-    let c = AttentionConfig::causal();
-    // H % KV != 0.
-    err(attention(&q, &k, &v, &c), "attention", "H % KV");
-    err(
-        attention_merged(&q, &k, &v, &c),
-        "attention_merged",
-        "H % KV",
-    );
-    err(
-        attention_composite(&q, &k, &v, &c),
-        "attention_composite",
-        "H % KV",
-    );
-    let [q, k, v] = qkv_inputs(1, (2, 6, 3, 5, 7, 8, 8), dt)?;
-    // KV = 0.
-    let k0 = k.narrow(1, 0, 0)?;
-    err(attention(&q, &k0, &k0, &c), "attention", "KV = 0");
-    // K and V with different kv heads.
-    err(
-        attention(&q, &k, &v.narrow(1, 0, 1)?, &c),
-        "attention",
-        "v heads",
-    );
-    // Window 0, window without causal.
-    err(
-        attention(&q, &k, &v, &c.clone().with_window(0)),
-        "attention",
-        "w 0",
-    );
-    err(
-        attention(&q, &k, &v, &AttentionConfig::full().with_window(3)),
-        "attention",
-        "full w",
-    );
-    // Document ids: wrong shape, wrong dtype, Tq > Tk.
-    let ids = Tensor::zeros((2, 5), DType::U32, &Device::Cpu)?;
-    err(
-        attention(&q, &k, &v, &c.clone().with_doc_ids(ids)),
-        "attention",
-        "ids shape",
-    );
-    let ids = Tensor::zeros((2, 7), DType::F32, &Device::Cpu)?;
-    err(
-        attention(&q, &k, &v, &c.clone().with_doc_ids(ids)),
-        "attention",
-        "ids dtype",
-    );
-    let ids = Tensor::zeros((2, 7), DType::U32, &Device::Cpu)?;
-    let ok = AttentionConfig::full().with_doc_ids(ids.clone());
-    assert!(attention(&q, &k, &v, &ok).is_ok());
-    let (qq, kk) = (k.repeat((1, 2, 1, 1))?, q.narrow(1, 0, 3)?);
-    err(
-        attention(
-            &qq,
-            &kk,
-            &kk,
-            &ok.clone().with_doc_ids(ids.narrow(1, 0, 5)?),
-        ),
-        "attention",
-        "Tq > Tk",
-    );
-    let qkv = rand_seeded(2, &[2, 7, 3 * 16], 1.0, dt)?;
-    err(
-        attention_qkv(&qkv, 2, &c.clone().with_window(0)),
-        "attention_qkv",
-        "qkv w 0",
-    );
-    // The qkv path takes the options too.
-    let cfg = c.with_window(3).with_doc_ids(ids);
-    let (y, yr) = (
-        attention_qkv(&qkv, 2, &cfg)?,
-        attention_qkv_composite(&qkv, 2, &cfg)?,
-    );
-    compare::assert_close(&y, &yr, 1e-5, "qkv with window and documents");
     Ok(())
 }
