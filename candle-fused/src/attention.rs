@@ -1,217 +1,71 @@
-//! Scaled dot-product self-attention for training, flash-style.
+//! Scaled dot-product attention for training, flash-style.
 //!
 //! [`attention_qkv`] takes GPT-2's fused projection `[B, T, 3C]` and reads q, k, v in place
-//! (no transposes, no copies); [`attention`] takes `[B, H, T, D]` tensors. Both run one CPU
-//! kernel written over strides:
+//! (no transposes, no copies); [`attention`] takes `q` `[B, H, Tq, D]`, `k` `[B, KV, Tk, D]`,
+//! `v` `[B, KV, Tk, Dv]` (grouped-query attention when `KV < H`), and [`attention_merged`] the
+//! same, returning the heads merged, `[B, Tq, H * Dv]` (what the output projection reads). All
+//! run one CPU kernel written over strides:
 //!
-//! * **forward**: per `(batch, head)` and block of 32 query rows, a loop over blocks of 64 keys
-//!   with the *online softmax* (running max `m_i`, running sum `l_i`, rescaled accumulator), so
-//!   no `T x T` tensor ever exists (a thread holds at most a query-block x key-block tile);
-//!   causal key blocks above the diagonal are skipped. It saves the output and the per-row
-//!   log-sum-exp `L_i = m_i + ln l_i` (f32, or f64 for f64 inputs).
+//! * **forward**: per `(batch, head)` and block of 32 query rows, a loop over blocks of up to
+//!   256 keys with the *online softmax* (running max `m_i`, running sum `l_i`, rescaled
+//!   accumulator), so no `T x T` tensor ever exists (a thread holds at most a query-block x
+//!   key-block tile); key blocks no row of the query block sees (above the causal diagonal,
+//!   before the sliding window, outside the rows' documents) are skipped. It saves the output
+//!   and the per-row log-sum-exp `L_i = m_i + ln l_i` (f32, or f64 for f64 inputs).
 //! * **backward** (FlashAttention-2): `D_i = <dO_i, O_i>`, `P_ij = exp(s_ij - L_i)` recomputed
 //!   block by block, `dV_j += P_ij Z_ij dO_i`, `dS_ij = P_ij (Z_ij <dO_i, v_j> - D_i)`,
-//!   `dQ_i += scale dS_ij k_j`, `dK_j += scale dS_ij q_i`; one task per `(batch, head)`, which
-//!   owns its gradient rows: deterministic for any thread count.
+//!   `dQ_i += scale dS_ij k_j`, `dK_j += scale dS_ij q_i`; one task per `(batch, kv head)`,
+//!   which owns its gradient rows: deterministic for any thread count.
+//!
+//! **Grouped-query attention** (Llama, Mistral, Qwen: `KV` kv heads, `H` a multiple): query
+//! head `h` reads kv head `h / (H / KV)`, so kv head `c` serves the consecutive query heads
+//! `c * H / KV .. (c + 1) * H / KV` (transformers' `repeat_kv`, a repeat-interleave). The
+//! repeated K / V never exist: the kernel indexes the shared head. In the backward the `dK_j`,
+//! `dV_j` of a kv head are the sums of the above over its query heads, which its task runs one
+//! after the other in head order.
 //!
 //! **Memory**: between forward and backward the graph keeps the input (`qkv`, or `q`, `k`,
-//! `v`), the output and `B * H * T` floats of log-sum-exp; nothing of size `T x T`.
+//! `v`), the output and `B * H * Tq` floats of log-sum-exp; nothing of size `T x T`.
 //!
-//! **Options** ([`AttentionConfig`]): causal masking (query `i` sees keys `0 ..= i + Tk - Tq`),
-//! a scale (default `1 / sqrt(D)`), an additive `[Tq, Tk]` mask broadcast over batch and heads
-//! (not differentiated) and dropout on the probabilities: element `((b * H + h) * Tq + i) * Tk
-//! + j` of the `[B, H, Tq, Tk]` probability tensor is dropped iff `key.uniform(index) < p`,
-//! kept ones are scaled by `1 / (1 - p)` (the softmax normaliser counts every weight).
+//! **Options** ([`AttentionConfig`]). Query `i` has absolute position `i_abs = i + Tk - Tq`
+//! (the queries are the last `Tq` positions, as when decoding with a KV cache) and sees key `j`
+//! iff every option lets it: causal masking (`j <= i_abs`), a sliding window `w` (with causal:
+//! `i_abs - j < w`, Mistral's `j > i - sliding_window`), document ids (`doc_ids[b, i_abs] ==
+//! doc_ids[b, j]`: packed examples attend within themselves). Then a scale (default
+//! `1 / sqrt(D)`), an additive `[Tq, Tk]` mask broadcast over batch and heads (not
+//! differentiated) and dropout on the probabilities: element `((b * H + h) * Tq + i) * Tk + j`
+//! of the `[B, H, Tq, Tk]` probability tensor is dropped iff `key.uniform(index) < p`, kept
+//! ones are scaled by `1 / (1 - p)` (the softmax normaliser counts every weight). The window
+//! and the documents cost only the key blocks they keep: `O(T w)` for a window `w`.
 //!
-//! **Rows that see no key** (a mask row of only `-inf`, or causal with `Tq > Tk`): the fused
-//! op (kernel and fallback) gives output 0, log-sum-exp `-inf` and zero gradients through the
+//! **Rows that see no key** (a mask row of only `-inf`, or causal with `Tq > Tk`; never with
+//! only the window and document ids, since a query sees its own position): the fused op
+//! (kernel and fallback) gives output 0, log-sum-exp `-inf` and zero gradients through the
 //! row. The plain-softmax [`attention_composite`] gives NaN there (`-inf - -inf`). NaN in the
-//! inputs propagates (the running max propagates NaN).
+//! inputs propagates to the rows that see it (the running max propagates NaN); a key a row
+//! does not see gets weight exactly 0 in it.
 //!
 //! On devices without a kernel (or inside [`crate::with_composite_fallback`]) the op computes the
 //! same output and log-sum-exp with composite Candle ops on detached inputs and its backward
 //! recomputes `P` from the log-sum-exp with composite ops (the `T x T` tensors exist only
-//! transiently inside forward and backward).
+//! transiently inside forward and backward; grouped heads are handled by reshaping the query
+//! heads of a kv head into one matrix, so K / V are not repeated there either).
 
 mod composite;
+mod config;
 mod kernel;
 
-pub use composite::{attention_composite, attention_qkv_composite};
+pub use composite::{attention_composite, attention_merged_composite, attention_qkv_composite};
 use composite::{fallback_backward, fallback_forward, merge_heads, split_heads};
+pub use config::AttentionConfig;
+use config::{check_bhtd, check_qkv, resolve, Resolved};
 
 use crate::cpu::{self, Elem};
 use crate::gelu::FastMath;
 use crate::op::{self, Grads, In, Kernel, Saved};
-use crate::RngKey;
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    bail, CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor, WithDType,
-};
-use kernel::{BwdInputs, Geom, Params, Ptr, View};
-
-/// Options of [`attention`] / [`attention_qkv`].
-#[derive(Clone, Debug)]
-pub struct AttentionConfig {
-    /// Query `i` sees keys `0 ..= i + Tk - Tq` only.
-    pub causal: bool,
-    /// Score scale; `None` means `1 / sqrt(head_dim)`.
-    pub scale: Option<f64>,
-    /// Additive mask `[Tq, Tk]` (any float dtype; `-inf` masks out), broadcast over batch and
-    /// heads; not differentiated.
-    pub mask: Option<Tensor>,
-    /// Dropout probability on the attention probabilities, in `[0, 1)`.
-    pub dropout: f32,
-    /// Where the dropout mask comes from.
-    pub key: RngKey,
-}
-
-impl AttentionConfig {
-    /// Causal attention, default scale, no mask, no dropout.
-    pub fn causal() -> Self {
-        AttentionConfig {
-            causal: true,
-            scale: None,
-            mask: None,
-            dropout: 0.0,
-            key: RngKey::new(0, 0),
-        }
-    }
-
-    /// Non-causal (full) attention, default scale, no mask, no dropout.
-    pub fn full() -> Self {
-        AttentionConfig {
-            causal: false,
-            ..Self::causal()
-        }
-    }
-
-    /// Sets causal masking on or off.
-    pub fn with_causal(mut self, causal: bool) -> Self {
-        self.causal = causal;
-        self
-    }
-
-    /// Dropout with probability `p` on the probabilities, drawn from `key`.
-    pub fn with_dropout(mut self, p: f32, key: RngKey) -> Self {
-        self.dropout = p;
-        self.key = key;
-        self
-    }
-
-    /// An additive `[Tq, Tk]` mask.
-    pub fn with_mask(mut self, mask: Tensor) -> Self {
-        self.mask = Some(mask);
-        self
-    }
-
-    /// The score scale (instead of `1 / sqrt(head_dim)`).
-    pub fn with_scale(mut self, scale: f64) -> Self {
-        self.scale = Some(scale);
-        self
-    }
-}
-
-/// The configuration checked against the shapes: scale resolved, mask detached, `[Tq, Tk]`,
-/// contiguous, on the inputs' device, in the accumulation dtype.
-#[derive(Clone, Debug)]
-struct Resolved {
-    causal: bool,
-    scale: f64,
-    mask: Option<Tensor>,
-    dropout: f32,
-    key: RngKey,
-}
-
-fn acc_dtype(dt: DType) -> DType {
-    if dt == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
-fn resolve(cfg: &AttentionConfig, d: usize, tq: usize, tk: usize, x: &Tensor) -> Result<Resolved> {
-    if !matches!(
-        x.dtype(),
-        DType::F32 | DType::F64 | DType::BF16 | DType::F16
-    ) {
-        bail!("attention: expected a float dtype, got {:?}", x.dtype())
-    }
-    if d == 0 {
-        bail!("attention: head dimension must be positive")
-    }
-    let p = cfg.dropout;
-    if !(0.0..1.0).contains(&p) {
-        bail!("attention: dropout must be in [0, 1), got {p}")
-    }
-    let scale = cfg.scale.unwrap_or(1.0 / (d as f64).sqrt());
-    let mask = match &cfg.mask {
-        None => None,
-        Some(m) => {
-            let dims = m.dims();
-            let n = dims.len();
-            if n < 2
-                || dims[n - 2] != tq
-                || dims[n - 1] != tk
-                || dims[..n - 2].iter().any(|&x| x != 1)
-            {
-                bail!(
-                    "attention: mask must be [Tq, Tk] = [{tq}, {tk}], got {:?}",
-                    m.shape()
-                )
-            }
-            let m = m.detach().reshape((tq, tk))?.to_device(x.device())?;
-            Some(m.to_dtype(acc_dtype(x.dtype()))?.contiguous()?)
-        }
-    };
-    Ok(Resolved {
-        causal: cfg.causal,
-        scale,
-        mask,
-        dropout: p,
-        key: cfg.key,
-    })
-}
-
-/// `(B, H, Tq, Tk, D, Dv)` of `[B, H, Tq, D]`, `[B, H, Tk, D]`, `[B, H, Tk, Dv]`.
-fn check_bhtd(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-) -> Result<(usize, usize, usize, usize, usize, usize)> {
-    let (b, h, tq, d) = q.dims4()?;
-    let (bk, hk, tk, dk) = k.dims4()?;
-    let (bv, hv, tv, dv) = v.dims4()?;
-    if (bk, hk, dk) != (b, h, d) || (bv, hv, tv) != (b, h, tk) {
-        bail!(
-            "attention: expected q [B, H, Tq, D], k [B, H, Tk, D], v [B, H, Tk, Dv], got {:?}, {:?}, {:?}",
-            q.shape(),
-            k.shape(),
-            v.shape()
-        )
-    }
-    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
-        bail!(
-            "attention: q, k, v dtypes differ: {:?}, {:?}, {:?}",
-            q.dtype(),
-            k.dtype(),
-            v.dtype()
-        )
-    }
-    if !k.device().same_device(q.device()) || !v.device().same_device(q.device()) {
-        bail!("attention: q, k, v must be on the same device")
-    }
-    Ok((b, h, tq, tk, d, dv))
-}
-
-/// `(B, T, C, D)` of a `[B, T, 3C]` fused projection with `n_head` heads.
-fn check_qkv(qkv: &Tensor, n_head: usize) -> Result<(usize, usize, usize, usize)> {
-    let (b, t, c3) = qkv.dims3()?;
-    if n_head == 0 || c3 % 3 != 0 || (c3 / 3) % n_head != 0 {
-        bail!("attention_qkv: last dim {c3} must be 3 * n_head * head_dim with n_head = {n_head}")
-    }
-    Ok((b, t, c3 / 3, c3 / 3 / n_head))
-}
+use candle_core::{bail, CpuStorage, Device, Layout, Result, Shape, Storage, Tensor, WithDType};
+use kernel::{BwdInputs, Docs, Geom, Params, Ptr, View};
 
 /// The contiguous slice of a CPU storage guard.
 fn slice<'a, T: Elem>(s: &'a Storage, l: &Layout) -> Result<&'a [T]> {
@@ -221,14 +75,26 @@ fn slice<'a, T: Elem>(s: &'a Storage, l: &Layout) -> Result<&'a [T]> {
     }
 }
 
-fn params<'a, A: cpu::Real>(r: &Resolved, mask: Option<&'a [A]>) -> Params<'a, A> {
-    Params {
+fn params<'a, A: cpu::Real>(r: &'a Resolved, mask: Option<&'a [A]>) -> Result<Params<'a, A>> {
+    let docs = match (&r.doc_ids, &r.host_docs) {
+        (None, _) => None,
+        (Some(_), Some(h)) => Some(Docs {
+            ids: &h.ids,
+            first: &h.first,
+            last: &h.last,
+            runs: &h.runs,
+        }),
+        (Some(_), None) => bail!("candle-fused: attention document ids missing on the host"),
+    };
+    Ok(Params {
         scale: A::c(r.scale),
         causal: r.causal,
         mask,
         dropout: r.dropout,
         key: r.key,
-    }
+        window: r.window,
+        docs,
+    })
 }
 
 /// Runs the forward kernel, stores the log-sum-exp in `saved`, returns the output storage.
@@ -245,9 +111,9 @@ where
     let len = g.b * g.h * g.tq * g.dv;
     let (out, lse) = match &r.mask {
         Some(m) => cpu::with_slice::<T::Acc, _>(m, |m| {
-            Ok(kernel::forward::<T>(g, &params(r, Some(m)), q, k, v, len))
+            Ok(kernel::forward::<T>(g, &params(r, Some(m))?, q, k, v, len))
         })?,
-        None => kernel::forward::<T>(g, &params(r, None), q, k, v, len),
+        None => kernel::forward::<T>(g, &params(r, None)?, q, k, v, len),
     };
     saved.set(Tensor::from_vec(lse, (g.b, g.h, g.tq), &Device::Cpu)?);
     Ok(T::storage(out))
@@ -308,10 +174,10 @@ where
     };
     match &r.mask {
         Some(m) => cpu::with_slice::<T::Acc, _>(m, |m| {
-            kernel::backward::<T>(g, &params(r, Some(m)), &x, pq, pk, pv);
+            kernel::backward::<T>(g, &params(r, Some(m))?, &x, pq, pk, pv);
             Ok(())
         })?,
-        None => kernel::backward::<T>(g, &params(r, None), &x, pq, pk, pv),
+        None => kernel::backward::<T>(g, &params(r, None)?, &x, pq, pk, pv),
     }
     Ok(grads)
 }
@@ -367,16 +233,22 @@ impl Kernel for QkvOp {
     }
 }
 
-/// The fused op on `[B, H, T, D]` tensors.
+/// The fused op on `[B, H, Tq, D]`, `[B, KV, Tk, D]`, `[B, KV, Tk, Dv]` tensors, with the
+/// output `[B, H, Tq, Dv]` or, `merged`, `[B, Tq, H * Dv]`.
 struct BhtdOp {
     g: Geom,
     r: Resolved,
+    merged: bool,
     saved: Saved,
 }
 
 impl Kernel for BhtdOp {
     fn name(&self) -> &'static str {
-        "candle-fused-attention"
+        if self.merged {
+            "candle-fused-attention-merged"
+        } else {
+            "candle-fused-attention"
+        }
     }
 
     fn cpu_fwd(&self, ins: &[In<'_>]) -> Result<(CpuStorage, Shape)> {
@@ -388,7 +260,12 @@ impl Kernel for BhtdOp {
             let v = cpu::contiguous::<T>(sv, lv)?;
             kernel_fwd::<T>(g, &self.r, (q, k, v), &self.saved)?
         });
-        Ok((out, Shape::from((g.b, g.h, g.tq, g.dv))))
+        let shape = if self.merged {
+            Shape::from((g.b, g.tq, g.h * g.dv))
+        } else {
+            Shape::from((g.b, g.h, g.tq, g.dv))
+        };
+        Ok((out, shape))
     }
 
     fn bwd(&self, ins: &[&Tensor], res: &Tensor, grad: &Tensor) -> Result<Grads> {
@@ -407,7 +284,14 @@ impl Kernel for BhtdOp {
             });
             return Ok([Some(dq), Some(dk), Some(dv)]);
         }
-        let (dq, dk, dv) = fallback_backward((q, k, v), res, grad, &lse, &self.r)?;
+        let g = &self.g;
+        let split = |t: &Tensor| t.reshape((g.b, g.tq, g.h, g.dv))?.transpose(1, 2);
+        let (res, grad) = if self.merged {
+            (split(res)?, split(grad)?)
+        } else {
+            (res.clone(), grad.clone())
+        };
+        let (dq, dk, dv) = fallback_backward((q, k, v), &res, &grad, &lse, &self.r)?;
         Ok([Some(dq), Some(dk), Some(dv)])
     }
 }
@@ -431,10 +315,11 @@ impl Kernel for BhtdOp {
 /// ```
 pub fn attention_qkv(qkv: &Tensor, n_head: usize, cfg: &AttentionConfig) -> Result<Tensor> {
     let (b, t, c, d) = check_qkv(qkv, n_head)?;
-    let r = resolve(cfg, d, t, t, qkv)?;
+    let r = resolve("attention_qkv", cfg, (b, d, t, t), qkv)?;
     let g = Geom {
         b,
         h: n_head,
+        kvh: n_head,
         tq: t,
         tk: t,
         d,
@@ -458,10 +343,11 @@ pub fn attention_qkv(qkv: &Tensor, n_head: usize, cfg: &AttentionConfig) -> Resu
     op::apply(op, &[qkv], None, Some(merge_heads(&out)?))
 }
 
-/// Fused scaled dot-product attention on `q` `[B, H, Tq, D]`, `k` `[B, H, Tk, D]`, `v`
-/// `[B, H, Tk, Dv]` -> `[B, H, Tq, Dv]` (causal: query `i` sees keys `0 ..= i + Tk - Tq`).
-/// Same kernel as [`attention_qkv`]; the graph keeps `q`, `k`, `v`, the output and
-/// `B * H * Tq` floats of log-sum-exp.
+/// Fused scaled dot-product attention on `q` `[B, H, Tq, D]`, `k` `[B, KV, Tk, D]`, `v`
+/// `[B, KV, Tk, Dv]` -> `[B, H, Tq, Dv]` (`H` a multiple of `KV`: query head `h` reads kv
+/// head `h / (H / KV)`; causal: query `i` sees keys `0 ..= i + Tk - Tq`; see
+/// [`AttentionConfig`] for the window and document ids). Same kernel as [`attention_qkv`]; the
+/// graph keeps `q`, `k`, `v`, the output and `B * H * Tq` floats of log-sum-exp.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -471,26 +357,72 @@ pub fn attention_qkv(qkv: &Tensor, n_head: usize, cfg: &AttentionConfig) -> Resu
 /// let v = Tensor::randn(0f32, 1., (1, 2, 5, 4), &Device::Cpu)?;
 /// let y = attention(&q, &k, &v, &AttentionConfig::full().with_scale(0.5))?;
 /// assert_eq!(y.dims(), &[1, 2, 3, 4]);
+/// // Grouped-query: 6 query heads over 2 kv heads, a sliding window of 2 keys.
+/// let q = Tensor::randn(0f32, 1., (1, 6, 5, 8), &Device::Cpu)?;
+/// let y = attention(&q, &k, &v, &AttentionConfig::causal().with_window(2))?;
+/// assert_eq!(y.dims(), &[1, 6, 5, 4]);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttentionConfig) -> Result<Tensor> {
-    let (b, h, tq, tk, d, dv) = check_bhtd(q, k, v)?;
-    let r = resolve(cfg, d, tq, tk, q)?;
+    bhtd("attention", q, k, v, cfg, false)
+}
+
+/// [`attention`] with the heads merged in the output: `[B, Tq, H * Dv]`, head `h` at columns
+/// `h * Dv .. (h + 1) * Dv` (what `attention(..).transpose(1, 2).reshape((B, Tq, H * Dv))`
+/// gives). The kernel writes those rows directly, so the output projection reads them without
+/// a transpose or copy; same backward.
+///
+/// ```
+/// use candle_core::{Device, Tensor, Var};
+/// use candle_fused::attention::{attention_merged, AttentionConfig};
+/// let q = Var::from_tensor(&Tensor::randn(0f32, 1., (2, 4, 7, 8), &Device::Cpu)?)?;
+/// let kv = Tensor::randn(0f32, 1., (2, 2, 7, 8), &Device::Cpu)?;
+/// let y = attention_merged(q.as_tensor(), &kv, &kv, &AttentionConfig::causal())?;
+/// assert_eq!(y.dims(), &[2, 7, 32]);
+/// let grads = y.sqr()?.sum_all()?.backward()?;
+/// assert_eq!(grads.get(&q).unwrap().dims(), &[2, 4, 7, 8]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn attention_merged(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cfg: &AttentionConfig,
+) -> Result<Tensor> {
+    bhtd("attention_merged", q, k, v, cfg, true)
+}
+
+fn bhtd(
+    name: &str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cfg: &AttentionConfig,
+    merged: bool,
+) -> Result<Tensor> {
+    let s = check_bhtd(name, q, k, v)?;
+    let r = resolve(name, cfg, (s.b, s.d, s.tq, s.tk), q)?;
     let g = Geom {
-        b,
-        h,
-        tq,
-        tk,
-        d,
-        dv,
-        q: View::bhtd(h, tq, d),
-        k: View::bhtd(h, tk, d),
-        v: View::bhtd(h, tk, dv),
-        o: View::bhtd(h, tq, dv),
+        b: s.b,
+        h: s.h,
+        kvh: s.kv,
+        tq: s.tq,
+        tk: s.tk,
+        d: s.d,
+        dv: s.dv,
+        q: View::bhtd(s.h, s.tq, s.d),
+        k: View::bhtd(s.kv, s.tk, s.d),
+        v: View::bhtd(s.kv, s.tk, s.dv),
+        o: if merged {
+            View::interleaved(0, s.tq, s.h * s.dv, s.dv)
+        } else {
+            View::bhtd(s.h, s.tq, s.dv)
+        },
     };
     let op = BhtdOp {
         g,
         r,
+        merged,
         saved: Saved::default(),
     };
     if cpu::has_kernel(q) && cpu::has_kernel(k) && cpu::has_kernel(v) {
@@ -499,5 +431,6 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttentionConfig) -> R
     }
     let (out, lse) = fallback_forward(q, k, v, &op.r)?;
     op.saved.set(lse);
+    let out = if merged { merge_heads(&out)? } else { out };
     op::apply(op, &[q, k, v], None, Some(out))
 }

@@ -10,9 +10,10 @@
 mod common;
 
 use anyhow::Result;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_fused::attention::{
-    attention, attention_composite, attention_qkv, attention_qkv_composite, AttentionConfig,
+    attention, attention_composite, attention_merged, attention_qkv, attention_qkv_composite,
+    AttentionConfig,
 };
 use candle_fused::RngKey;
 use common::*;
@@ -483,6 +484,92 @@ fn rejects_bad_arguments() -> Result<()> {
     assert!(attention(&q, &k, &k, &AttentionConfig::full()).is_err());
     let k64 = rand_seeded(4, &[1, 2, 5, 4], 1.0, DType::F64)?;
     assert!(attention(&q, &k64, &k64, &AttentionConfig::full()).is_err());
+    Ok(())
+}
+
+#[test]
+fn rejects_bad_gqa_window_and_doc_arguments() -> Result<()> {
+    let (dt, c) = (DType::F32, AttentionConfig::causal());
+    let ids = |n: usize, dt: DType| Tensor::zeros((2, n), dt, &Device::Cpu);
+    let q = rand_seeded(1, &[2, 6, 5, 8], 1.0, dt)?;
+    let (k, v) = (
+        rand_seeded(2, &[2, 4, 7, 8], 1.0, dt)?,
+        rand_seeded(3, &[2, 4, 7, 8], 1.0, dt)?,
+    );
+    let (q3, k3, v3) = (q.clone(), k.narrow(1, 0, 3)?, v.narrow(1, 0, 3)?);
+    let qkv = rand_seeded(2, &[2, 7, 3 * 16], 1.0, dt)?;
+    let with = |cfg: &AttentionConfig| attention(&q3, &k3, &v3, cfg);
+    // (what, the op named in the message, the call)
+    let cases = [
+        ("H % KV", "attention", attention(&q, &k, &v, &c)),
+        (
+            "H % KV",
+            "attention_merged",
+            attention_merged(&q, &k, &v, &c),
+        ),
+        (
+            "H % KV",
+            "attention_composite",
+            attention_composite(&q, &k, &v, &c),
+        ),
+        (
+            "KV = 0",
+            "attention",
+            attention(&q3, &k3.narrow(1, 0, 0)?, &v3.narrow(1, 0, 0)?, &c),
+        ),
+        (
+            "v heads",
+            "attention",
+            attention(&q3, &k3, &v3.narrow(1, 0, 1)?, &c),
+        ),
+        ("w = 0", "attention", with(&c.clone().with_window(0))),
+        (
+            "w, not causal",
+            "attention",
+            with(&AttentionConfig::full().with_window(3)),
+        ),
+        (
+            "ids shape",
+            "attention",
+            with(&c.clone().with_doc_ids(ids(5, DType::U32)?)),
+        ),
+        (
+            "ids dtype",
+            "attention",
+            with(&c.clone().with_doc_ids(ids(7, DType::F32)?)),
+        ),
+        (
+            "Tq > Tk with ids",
+            "attention",
+            attention(
+                &k3.repeat((1, 2, 1, 1))?,
+                &q3.narrow(1, 0, 3)?,
+                &q3.narrow(1, 0, 3)?,
+                &AttentionConfig::full().with_doc_ids(ids(5, DType::U32)?),
+            ),
+        ),
+        (
+            "qkv w = 0",
+            "attention_qkv",
+            attention_qkv(&qkv, 2, &c.clone().with_window(0)),
+        ),
+    ];
+    for (what, name, r) in cases {
+        let msg = r.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg.starts_with(&format!("{name}:")), "{what}: got {msg:?}");
+    }
+    assert!(with(&AttentionConfig::full().with_doc_ids(ids(7, DType::U32)?)).is_ok());
+    // The qkv path takes the options too.
+    let docs = Tensor::new(
+        &[[0u32, 0, 1, 2, 2, 2, 2], [5, 5, 5, 5, 4, 3, 3]],
+        &Device::Cpu,
+    )?;
+    let cfg = c.with_window(3).with_doc_ids(docs);
+    let (y, yr) = (
+        attention_qkv(&qkv, 2, &cfg)?,
+        attention_qkv_composite(&qkv, 2, &cfg)?,
+    );
+    compare::assert_close(&y, &yr, 1e-5, "qkv with window and documents");
     Ok(())
 }
 

@@ -1,13 +1,23 @@
 //! The composite (plain Candle ops) reference and the fallback path of [`super`].
 
-use super::{acc_dtype, check_bhtd, check_qkv, resolve, AttentionConfig, Resolved};
+use super::config::{acc_dtype, check_bhtd, check_qkv, resolve, Resolved};
+use super::AttentionConfig;
 use candle_core::{DType, Device, Result, Tensor, D};
 
-/// `[Tq, Tk]` additive causal mask (0 / -inf) of `dtype`.
-fn causal_mask(tq: usize, tk: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
+/// `[Tq, Tk]` additive causal mask (0 / -inf) of `dtype`: query `i` (absolute position
+/// `i + Tk - Tq`) sees key `j` iff `j <= i_abs` and, with a window `w`, `i_abs - j < w`.
+fn causal_mask(
+    tq: usize,
+    tk: usize,
+    window: Option<usize>,
+    dtype: DType,
+    dev: &Device,
+) -> Result<Tensor> {
     let m: Vec<f32> = (0..tq * tk)
         .map(|x| {
-            if x % tk + tq > x / tk + tk {
+            let (i_abs, j) = ((x / tk + tk) as i64 - tq as i64, (x % tk) as i64);
+            let out = j > i_abs || window.is_some_and(|w| i_abs - j >= w as i64);
+            if out {
                 f32::NEG_INFINITY
             } else {
                 0.0
@@ -15,6 +25,47 @@ fn causal_mask(tq: usize, tk: usize, dtype: DType, dev: &Device) -> Result<Tenso
         })
         .collect();
     Tensor::from_vec(m, (tq, tk), dev)?.to_dtype(dtype)
+}
+
+/// `[B, 1, Tq, Tk]` additive document mask (0 / -inf) of `dtype` from the ids `[B, Tk]`: query
+/// `i` sees key `j` iff `ids[b, i + Tk - Tq] == ids[b, j]`.
+fn doc_mask(ids: &Tensor, tq: usize, dtype: DType) -> Result<Tensor> {
+    let (b, tk) = ids.dims2()?;
+    let same = ids
+        .narrow(1, tk - tq, tq)?
+        .unsqueeze(2)?
+        .broadcast_eq(&ids.unsqueeze(1)?)?;
+    let zero = Tensor::zeros((), dtype, ids.device())?.broadcast_as((b, tq, tk))?;
+    let ninf = Tensor::full(f32::NEG_INFINITY, (), ids.device())?
+        .to_dtype(dtype)?
+        .broadcast_as((b, tq, tk))?;
+    same.where_cond(&zero, &ninf)?.unsqueeze(1)
+}
+
+/// `[B, H, T, X]` -> `[B, KV, H / KV * T, X]`: the query heads of each kv head stacked along the
+/// rows (heads `c * H / KV ..` of kv head `c` are consecutive), so one matmul per kv head
+/// serves them all without repeating K / V.
+fn group(t: &Tensor, kv: usize) -> Result<Tensor> {
+    let (b, h, n, x) = t.dims4()?;
+    t.contiguous()?.reshape((b, kv, h / kv * n, x))
+}
+
+/// The inverse of [`group`]: `[B, KV, rep * T, X]` -> `[B, KV * rep, T, X]`.
+fn ungroup(t: &Tensor, h: usize) -> Result<Tensor> {
+    let (b, kv, n, x) = t.dims4()?;
+    t.reshape((b, h, n / (h / kv), x))
+}
+
+/// transformers' `repeat_kv`: `[B, KV, T, X]` -> `[B, KV * rep, T, X]`, kv head `c` serving
+/// heads `c * rep .. (c + 1) * rep` (expand on a new dim, then reshape).
+fn repeat_kv(t: &Tensor, rep: usize) -> Result<Tensor> {
+    if rep == 1 {
+        return Ok(t.clone());
+    }
+    let (b, kv, n, x) = t.dims4()?;
+    t.unsqueeze(2)?
+        .expand((b, kv, rep, n, x))?
+        .reshape((b, kv * rep, n, x))
 }
 
 /// The dropout factors `Z` (`0` or `1 / (1 - p)`) of the `[B, H, Tq, Tk]` probabilities.
@@ -34,24 +85,32 @@ fn dropout_factors(
     Tensor::from_vec(u, (b, h, tq, tk), dev)?.to_dtype(dtype)? * keep
 }
 
-/// Scaled, masked scores `[B, H, Tq, Tk]` in the dtype of `q`.
+/// Scaled, masked scores `[B, H, Tq, Tk]` in the dtype of `q` (`[B, H, Tq, D]`; `k`
+/// `[B, KV, Tk, D]`, grouped by [`group`]).
 fn scores(q: &Tensor, k: &Tensor, r: &Resolved) -> Result<Tensor> {
-    let (_, _, tq, _) = q.dims4()?;
-    let tk = k.dim(2)?;
-    let mut s = (q.contiguous()?.matmul(&k.contiguous()?.t()?)? * r.scale)?;
+    let (_, h, tq, _) = q.dims4()?;
+    let (kv, tk) = (k.dim(1)?, k.dim(2)?);
+    let s = group(q, kv)?.matmul(&k.contiguous()?.t()?)?;
+    let mut s = (ungroup(&s, h)? * r.scale)?;
     if r.causal {
-        s = s.broadcast_add(&causal_mask(tq, tk, s.dtype(), s.device())?)?;
+        let m = causal_mask(tq, tk, r.window, s.dtype(), s.device())?;
+        s = s.broadcast_add(&m)?;
     }
     if let Some(m) = &r.mask {
         s = s.broadcast_add(&m.to_dtype(s.dtype())?)?;
+    }
+    if let Some(ids) = &r.doc_ids {
+        s = s.broadcast_add(&doc_mask(ids, tq, s.dtype())?)?;
     }
     Ok(s)
 }
 
 /// Attention with plain differentiable Candle ops (`candle_nn::ops::softmax`): the reference
-/// the fused op is tested against (in f32 for 16-bit inputs, the output rounded once).
-/// Materialises the `[B, H, Tq, Tk]` scores and, with dropout, draws the whole mask on the
-/// host (the same Philox mask as the fused op). Rows that see no key give NaN.
+/// the fused op is tested against (in f32 for 16-bit inputs, the output rounded once). As
+/// transformers' eager attention: K / V repeated to the query heads (`repeat_kv`), the causal,
+/// window and document masks added as 0 / `-inf`, softmax in f32. Materialises the
+/// `[B, H, Tq, Tk]` scores and, with dropout, draws the whole mask on the host (the same
+/// Philox mask as the fused op). Rows that see no key give NaN.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -67,17 +126,46 @@ pub fn attention_composite(
     v: &Tensor,
     cfg: &AttentionConfig,
 ) -> Result<Tensor> {
-    let (b, h, tq, tk, d, _) = check_bhtd(q, k, v)?;
-    let r = resolve(cfg, d, tq, tk, q)?;
+    let s = check_bhtd("attention_composite", q, k, v)?;
+    let r = resolve("attention_composite", cfg, (s.b, s.d, s.tq, s.tk), q)?;
     let (dt, adt) = (q.dtype(), acc_dtype(q.dtype()));
+    let rep = s.h / s.kv;
+    let (k, v) = (repeat_kv(k, rep)?, repeat_kv(v, rep)?);
     let (q, k, v) = (q.to_dtype(adt)?, k.to_dtype(adt)?, v.to_dtype(adt)?);
     let p = candle_nn::ops::softmax(&scores(&q, &k, &r)?, D::Minus1)?;
     let p = if r.dropout > 0.0 {
-        p.mul(&dropout_factors((b, h, tq, tk), &r, adt, p.device())?)?
+        p.mul(&dropout_factors(
+            (s.b, s.h, s.tq, s.tk),
+            &r,
+            adt,
+            p.device(),
+        )?)?
     } else {
         p
     };
     p.matmul(&v.contiguous()?)?.to_dtype(dt)
+}
+
+/// [`attention_merged`](super::attention_merged) with plain differentiable Candle ops:
+/// [`attention_composite`], then the heads merged (`transpose(1, 2)`, reshape) to
+/// `[B, Tq, H * Dv]`.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_fused::attention::{attention_merged_composite, AttentionConfig};
+/// let q = Tensor::randn(0f32, 1., (1, 4, 5, 8), &Device::Cpu)?;
+/// let kv = Tensor::randn(0f32, 1., (1, 1, 5, 8), &Device::Cpu)?;
+/// let y = attention_merged_composite(&q, &kv, &kv, &AttentionConfig::causal())?;
+/// assert_eq!(y.dims(), &[1, 5, 32]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn attention_merged_composite(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cfg: &AttentionConfig,
+) -> Result<Tensor> {
+    merge_heads(&attention_composite(q, k, v, cfg)?)
 }
 
 /// `q`, `k`, `v` `[B, H, T, D]` views of a `[B, T, 3C]` projection.
@@ -117,9 +205,10 @@ pub fn attention_qkv_composite(
     merge_heads(&attention_composite(&q, &k, &v, cfg)?)
 }
 
-/// The fallback forward with composite ops on detached inputs: output `[B, H, Tq, Dv]` (dtype
-/// of `q`) and log-sum-exp `[B, H, Tq]` (accumulation dtype). Rows that see no key: output 0,
-/// log-sum-exp -inf.
+/// The fallback forward with composite ops on detached inputs (`q` `[B, H, Tq, D]`, `k`, `v`
+/// with `KV` heads, not repeated: grouped matmuls): output `[B, H, Tq, Dv]` (dtype of `q`) and
+/// log-sum-exp `[B, H, Tq]` (accumulation dtype). Rows that see no key: output 0, log-sum-exp
+/// -inf.
 pub(super) fn fallback_forward(
     q: &Tensor,
     k: &Tensor,
@@ -146,13 +235,15 @@ pub(super) fn fallback_forward(
     } else {
         p
     };
-    let out = p.matmul(&v.contiguous()?)?.to_dtype(dt)?;
+    let h = p.dim(1)?;
+    let out = ungroup(&group(&p, v.dim(1)?)?.matmul(&v.contiguous()?)?, h)?.to_dtype(dt)?;
     let lse = (m + l.log()?)?.squeeze(D::Minus1)?;
     Ok((out, lse))
 }
 
 /// The fallback backward with composite ops: `(dq, dk, dv)` in the shapes and dtypes of `q`,
-/// `k`, `v`, recomputing `P` from the log-sum-exp.
+/// `k`, `v`, recomputing `P` from the log-sum-exp (`o`, `dout` `[B, H, Tq, Dv]`). The kv
+/// gradients come out of grouped matmuls, which sum over each kv head's query heads.
 pub(super) fn fallback_backward(
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     o: &Tensor,
@@ -172,17 +263,19 @@ pub(super) fn fallback_backward(
     // Rows that see no key: P = exp(-inf - inf) = 0 instead of NaN.
     let inf = Tensor::full(f32::INFINITY, lse.shape(), lse.device())?.to_dtype(adt)?;
     let lse = lse.eq(f64::NEG_INFINITY)?.where_cond(&inf, &lse)?;
+    let (h, kv) = (qa.dim(1)?, ka.dim(1)?);
     let p = scores(&qa, &ka, r)?.broadcast_sub(&lse)?.exp()?;
+    let dp = ungroup(&group(&dout, kv)?.matmul(&va.t()?)?, h)?;
     let (pz, dp) = if r.dropout > 0.0 {
         let z = dropout_factors(p.dims4()?, r, adt, p.device())?;
-        (p.mul(&z)?, dout.matmul(&va.t()?)?.mul(&z)?)
+        (p.mul(&z)?, dp.mul(&z)?)
     } else {
-        (p.clone(), dout.matmul(&va.t()?)?)
+        (p.clone(), dp)
     };
-    let dv = pz.t()?.matmul(&dout)?;
+    let dv = group(&pz, kv)?.t()?.matmul(&group(&dout, kv)?)?;
     let di = (&dout * &o)?.sum_keepdim(D::Minus1)?;
-    let ds = (p * dp.broadcast_sub(&di)?)?;
-    let dq = (ds.matmul(&ka)? * r.scale)?;
-    let dk = (ds.t()?.matmul(&qa)? * r.scale)?;
+    let ds = group(&(p * dp.broadcast_sub(&di)?)?, kv)?;
+    let dq = (ungroup(&ds.matmul(&ka)?, h)? * r.scale)?;
+    let dk = (ds.t()?.matmul(&group(&qa, kv)?)? * r.scale)?;
     Ok((dq.to_dtype(dt)?, dk.to_dtype(dt)?, dv.to_dtype(dt)?))
 }

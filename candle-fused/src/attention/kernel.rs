@@ -2,22 +2,33 @@
 //! FlashAttention-2 backward, written over explicit strides so the same code reads `[B, H, T, D]`
 //! tensors and GPT-2's fused `[B, T, 3C]` projection in place.
 //!
-//! One task per `(batch, head)`: it gathers the head's rows into contiguous scratch (widened to
-//! the accumulation type), then works tile by tile (`QB` query rows x `KB` keys) with small
+//! The forward runs one task per `(batch, query head)`, the backward one per `(batch, kv head)`
+//! (see [`backward`]). A task gathers its heads' rows into contiguous scratch (widened to the
+//! accumulation type), then works tile by tile (`QB` query rows x up to `KB` keys) with small
 //! single-threaded GEMMs (the `gemm` crate Candle's own matmul uses) for `Q Kᵀ`, `P V` and the
 //! four backward products, and vectorised row loops for the softmax. Scratch per task is a few
 //! `T x D` panels plus three `QB x KB` tiles: nothing of size `B x H x T x T` exists. Each task
 //! owns its output rows, and a tile's arithmetic does not depend on which thread runs it, so the
 //! result is bit-identical for every thread count.
+//!
+//! **Which keys a tile reads.** Row `i` sees the keys `lo(i)..hi(i)` ([`Geom::row_keys`]: the
+//! causal limit, the sliding window, and the span of its document), minus the keys of other
+//! documents inside that span when a document's positions are not contiguous. A block of query
+//! rows reads the key tiles from the smallest `lo` to the largest `hi` of its rows (starting at
+//! `lo`, not at a multiple of `KB`); everything outside is skipped, not masked. Inside a tile
+//! the scores outside a row's span are set to 0 before they are used (the row's weights there
+//! are exactly 0, so a NaN key outside a row's span does not reach it).
 
 mod backward;
+mod tile;
 
 pub(crate) use backward::{backward, BwdInputs};
+pub(crate) use tile::Ptr;
 
-use crate::cpu::{sum_map, Elem, Real, PAR_MIN_WORK};
+use crate::cpu::{sum_map, Elem, Real};
 use crate::gelu::FastMath;
-use crate::pool;
 use crate::RngKey;
+use tile::{gemm, load, run_tasks, Mat};
 
 /// Query rows per tile. Small, so that a causal strip of rows stops at its last row's keys (at
 /// T = 128 the strips read 10/16 of the score matrix, one 128-row tile all of it); the GEMMs
@@ -69,7 +80,10 @@ impl View {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Geom {
     pub b: usize,
+    /// Query heads.
     pub h: usize,
+    /// Key / value heads (`h` is a multiple): query head `h` reads kv head `h / (h / kvh)`.
+    pub kvh: usize,
     pub tq: usize,
     pub tk: usize,
     pub d: usize,
@@ -92,20 +106,49 @@ impl Geom {
         }
     }
 
-    /// The keys query row `i` sees in `row`, the scores of the keys `j0..j0 + row.len()`; the
-    /// rest of `row`, past the row's causal limit, is set to 0.
+    /// Query heads per kv head.
     #[inline(always)]
-    fn live_row<'s, A: Real>(
-        &self,
-        causal: bool,
-        row: &'s mut [A],
-        i: usize,
-        j0: usize,
-    ) -> &'s mut [A] {
-        let live = self.lim(causal, i).saturating_sub(j0).min(row.len());
-        let (w, dead) = row.split_at_mut(live);
-        dead.fill(A::ZERO);
-        w
+    fn rep(&self) -> usize {
+        self.h / self.kvh
+    }
+
+    /// The keys `lo..hi` query row `i` of batch row `b` may see (empty when `hi <= lo`): below
+    /// the causal limit, inside the window, inside the span of its document.
+    #[inline(always)]
+    fn row_keys<A>(&self, p: &Params<A>, b: usize, i: usize) -> (usize, usize) {
+        let mut hi = self.lim(p.causal, i);
+        // i_abs - j < w  <=>  j >= i_abs + 1 - w  (i_abs = i + tk - tq).
+        let mut lo = match p.window {
+            Some(w) => (i + self.tk + 1).saturating_sub(self.tq + w),
+            None => 0,
+        };
+        if let Some(dc) = &p.docs {
+            // Tq <= Tk with document ids (checked), so i_abs >= 0.
+            let at = b * self.tk + i + self.tk - self.tq;
+            lo = lo.max(dc.first[at] as usize);
+            hi = hi.min(dc.last[at] as usize + 1);
+        }
+        (lo, hi)
+    }
+
+    /// The keys `lo..hi` some row of the query block `i0..i0 + nq` of batch row `b` may see.
+    #[inline]
+    fn block_keys<A>(&self, p: &Params<A>, b: usize, i0: usize, nq: usize) -> (usize, usize) {
+        if p.docs.is_none() {
+            // Both ends grow with the row.
+            return (
+                self.row_keys(p, b, i0).0,
+                self.row_keys(p, b, i0 + nq - 1).1,
+            );
+        }
+        let (mut lo, mut hi) = (usize::MAX, 0);
+        for i in i0..i0 + nq {
+            let (l, h) = self.row_keys(p, b, i);
+            if l < h {
+                (lo, hi) = (lo.min(l), hi.max(h));
+            }
+        }
+        (lo.min(hi), hi)
     }
 
     /// Flat index of the dropout element `(bh, i, j)` in the `[B, H, Tq, Tk]` probabilities.
@@ -113,6 +156,18 @@ impl Geom {
     fn drop_index(&self, bh: usize, i: usize, j: usize) -> u64 {
         ((bh as u64 * self.tq as u64) + i as u64) * self.tk as u64 + j as u64
     }
+}
+
+/// Document ids of a call and their spans, `[B, Tk]` each (see `HostDocs` in `super::config`).
+#[derive(Clone, Copy)]
+pub(crate) struct Docs<'a> {
+    pub ids: &'a [u32],
+    /// First position of the id of each position, in its batch row.
+    pub first: &'a [u32],
+    /// Last position of the id of each position, in its batch row.
+    pub last: &'a [u32],
+    /// Per batch row: every id occupies one contiguous run.
+    pub runs: &'a [bool],
 }
 
 /// Scalar parameters of a call, in the accumulation type.
@@ -123,157 +178,64 @@ pub(crate) struct Params<'a, A> {
     pub mask: Option<&'a [A]>,
     pub dropout: f32,
     pub key: RngKey,
+    /// Sliding window (with `causal`).
+    pub window: Option<usize>,
+    pub docs: Option<Docs<'a>>,
 }
 
-/// A raw output buffer shared by tasks that write disjoint element sets.
-#[derive(Clone, Copy)]
-pub(crate) struct Ptr<T>(*mut T, usize);
-
-// SAFETY: the pointer is only written through `write`, whose callers guarantee that concurrent
-// tasks touch disjoint elements; the buffer outlives the parallel section.
-unsafe impl<T: Send> Send for Ptr<T> {}
-unsafe impl<T: Send> Sync for Ptr<T> {}
-
-impl<T> Ptr<T> {
-    pub fn new(s: &mut [T]) -> Self {
-        Ptr(s.as_mut_ptr(), s.len())
-    }
-
-    /// Writes `vals` at `off..`.
-    ///
-    /// # Safety
-    /// No other task reads or writes these elements concurrently, and the buffer is alive.
-    #[inline(always)]
-    unsafe fn write(self, off: usize, vals: impl ExactSizeIterator<Item = T>) {
-        assert!(
-            off + vals.len() <= self.1,
-            "candle-fused: attention write out of bounds"
-        );
-        for (i, v) in vals.enumerate() {
-            // SAFETY: in bounds (checked above); exclusive by the caller's contract.
-            unsafe { self.0.add(off + i).write(v) };
-        }
-    }
-}
-
-/// Converts `n` elements of `src` at `off` into `dst`.
+/// The part of the tile row (keys `j0..j0 + nk`) that row `i` of batch row `b` sees, its
+/// scores; the rest of `row` is set to 0. With non-contiguous documents, the keys of other
+/// documents inside the span are set to `fill` (`-inf` before a softmax, 0 after).
 #[inline(always)]
-fn load<T: Elem>(src: &[T], off: usize, dst: &mut [T::Acc]) {
-    let n = dst.len();
-    for (d, s) in dst.iter_mut().zip(&src[off..off + n]) {
-        *d = s.acc();
-    }
-}
-
-/// Runs `f(task, scratch)` for `0..n` tasks, in parallel when `n * work` is large enough. Each
-/// task's result depends on the task alone, so the split does not change any bit.
-fn run_tasks<S: Send>(
-    n: usize,
-    work: usize,
-    init: impl Fn() -> S + Sync,
-    f: impl Fn(usize, &mut S) + Sync,
-) {
-    let parts = pool::parts();
-    if n < 2 || parts <= 1 || n.saturating_mul(work.max(1)) < PAR_MIN_WORK {
-        let mut s = init();
-        for t in 0..n {
-            f(t, &mut s);
-        }
-    } else {
-        // Contiguous groups of tasks, one scratch per group.
-        let per = n.div_ceil(parts);
-        pool::for_each(n.div_ceil(per), |g| {
-            let mut s = init();
-            for t in g * per..((g + 1) * per).min(n) {
-                f(t, &mut s);
-            }
-        });
-    }
-}
-
-/// A row-major matrix operand: element `(r, c)` at `ptr + r * rs + c * cs`.
-#[derive(Clone, Copy)]
-struct Mat<A> {
-    ptr: *const A,
-    rs: usize,
-    cs: usize,
-}
-
-impl<A> Mat<A> {
-    /// Rows of `cols` contiguous elements.
-    fn rows(s: &[A], cols: usize) -> Self {
-        Mat {
-            ptr: s.as_ptr(),
-            rs: cols,
-            cs: 1,
-        }
-    }
-
-    /// The transpose of [`Mat::rows`].
-    fn rows_t(s: &[A], cols: usize) -> Self {
-        Mat {
-            ptr: s.as_ptr(),
-            rs: 1,
-            cs: cols,
-        }
-    }
-}
-
-/// `dst[m x n] (row-major, contiguous) = acc * dst + beta * lhs[m x k] rhs[k x n]` on this
-/// thread (`acc`: whether to keep `dst`).
-///
-/// The operands must cover the indexed elements; every call below passes slices of scratch
-/// buffers sized for the tile.
-#[inline]
 #[allow(clippy::too_many_arguments)]
-fn gemm<A: Real>(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: &mut [A],
-    acc: bool,
-    lhs: Mat<A>,
-    rhs: Mat<A>,
-    beta: A,
+fn live_row<'s, A: Real>(
+    g: &Geom,
+    p: &Params<A>,
+    row: &'s mut [A],
+    b: usize,
+    i: usize,
+    j0: usize,
+    fill: A,
+) -> (usize, &'s mut [A]) {
+    let (a, e) = tile_span(g.row_keys(p, b, i), j0, row.len());
+    let (head, rest) = row.split_at_mut(a);
+    let (w, tail) = rest.split_at_mut(e - a);
+    head.fill(A::ZERO);
+    tail.fill(A::ZERO);
+    mask_docs(g, p, w, b, i, j0 + a, fill);
+    (a, w)
+}
+
+/// The offsets `a..e` (`a <= e`) of the keys `lo..hi` in the tile of keys `j0..j0 + nk`.
+#[inline(always)]
+fn tile_span((lo, hi): (usize, usize), j0: usize, nk: usize) -> (usize, usize) {
+    let a = lo.clamp(j0, j0 + nk) - j0;
+    let e = hi.clamp(j0, j0 + nk) - j0;
+    (a, e.max(a))
+}
+
+/// Sets the entries of `w` (keys `j0..`) of another document than row `i`'s to `fill` (only
+/// in batch rows whose documents are not contiguous: otherwise the span is the document).
+#[inline(always)]
+fn mask_docs<A: Real>(
+    g: &Geom,
+    p: &Params<A>,
+    w: &mut [A],
+    b: usize,
+    i: usize,
+    j0: usize,
+    fill: A,
 ) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    assert!(
-        dst.len() >= m * n,
-        "candle-fused: attention tile out of bounds"
-    );
-    if k == 0 {
-        if !acc {
-            dst[..m * n].fill(A::ZERO);
+    if let Some(dc) = &p.docs {
+        if !dc.runs[b] {
+            let row = &dc.ids[b * g.tk..(b + 1) * g.tk];
+            let qid = row[i + g.tk - g.tq];
+            for (x, &id) in w.iter_mut().zip(&row[j0..]) {
+                if id != qid {
+                    *x = fill;
+                }
+            }
         }
-        return;
-    }
-    // SAFETY: `dst` holds m x n elements (checked); `lhs` and `rhs` point into live scratch
-    // panels that hold every (r, c) they are indexed at (by construction of the tiles); the
-    // call is single-threaded, so nothing else touches `dst`.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            acc,
-            lhs.ptr,
-            lhs.cs as isize,
-            lhs.rs as isize,
-            rhs.ptr,
-            rhs.cs as isize,
-            rhs.rs as isize,
-            A::ONE,
-            beta,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        )
     }
 }
 
@@ -322,30 +284,27 @@ impl<A: Real> Scratch<A> {
         }
     }
 
-    /// Gathers the rows of head `(b, h)` of q, k, v.
-    fn load_head<T: Elem<Acc = A>>(
-        &mut self,
-        g: &Geom,
-        b: usize,
-        h: usize,
-        q: &[T],
-        k: &[T],
-        v: &[T],
-    ) {
-        let (d, dv) = (g.d, g.dv);
+    /// Gathers the rows of query head `(b, h)` of q.
+    fn load_q<T: Elem<Acc = A>>(&mut self, g: &Geom, b: usize, h: usize, q: &[T]) {
+        let d = g.d;
         for i in 0..g.tq {
             load(q, g.q.row(b, h, i), &mut self.q[i * d..(i + 1) * d]);
         }
+    }
+
+    /// Gathers the rows of kv head `(b, c)` of k and v.
+    fn load_kv<T: Elem<Acc = A>>(&mut self, g: &Geom, b: usize, c: usize, k: &[T], v: &[T]) {
+        let (d, dv) = (g.d, g.dv);
         for j in 0..g.tk {
-            load(k, g.k.row(b, h, j), &mut self.k[j * d..(j + 1) * d]);
-            load(v, g.v.row(b, h, j), &mut self.v[j * dv..(j + 1) * dv]);
+            load(k, g.k.row(b, c, j), &mut self.k[j * d..(j + 1) * d]);
+            load(v, g.v.row(b, c, j), &mut self.v[j * dv..(j + 1) * dv]);
         }
     }
 }
 
 /// Scores of tile (rows `i0..i0 + nq`, keys `j0..j0 + nk`) into `s` (`nq x nk`): scaled `q kᵀ`,
-/// plus the mask. Entries past a row's causal limit are not meaningful: both callers read only
-/// each row's keys below [`Geom::lim`] and set the rest of the row to 0.
+/// plus the mask. Entries outside a row's keys are not meaningful: both callers read only
+/// each row's [`Geom::row_keys`] and set the rest of the row to 0 ([`live_row`]).
 #[allow(clippy::too_many_arguments)]
 fn tile_scores<A: Real>(
     g: &Geom,
@@ -429,7 +388,8 @@ unsafe fn fwd_head<T: Elem>(
     let neg_inf = T::Acc::NEG_INFINITY;
     let (dv, tq) = (g.dv, g.tq);
     let (b, h) = (bh / g.h, bh % g.h);
-    sc.load_head(g, b, h, q, k, v);
+    sc.load_q(g, b, h, q);
+    sc.load_kv(g, b, h / g.rep(), k, v);
     let keep = T::Acc::c(1.0 / (1.0 - p.dropout as f64));
     let mut i0 = 0;
     while i0 < tq {
@@ -438,16 +398,18 @@ unsafe fn fwd_head<T: Elem>(
         acc.fill(zero);
         sc.m[..nq].fill(neg_inf);
         sc.l[..nq].fill(zero);
-        // Keys beyond the last row's causal limit are never read.
-        let kend = g.lim(p.causal, i0 + nq - 1);
-        let mut j0 = 0;
+        // Keys no row of the block sees are never read.
+        let (kbeg, kend) = g.block_keys(p, b, i0, nq);
+        let mut j0 = kbeg;
         while j0 < kend {
             let nk = KB.min(kend - j0);
             let s = &mut sc.s[..nq * nk];
             tile_scores(g, p, &sc.q, &sc.k, s, i0, nq, j0, nk);
             for r in 0..nq {
-                // Keys past the row's causal limit are -inf: their weights are 0, no exp taken.
-                let w = g.live_row(p.causal, &mut s[r * nk..(r + 1) * nk], i0 + r, j0);
+                // Keys the row does not see get weight 0, no exp taken (other documents inside
+                // its span: -inf, exp gives 0).
+                let row = &mut s[r * nk..(r + 1) * nk];
+                let (a, w) = live_row(g, p, row, b, i0 + r, j0, neg_inf);
                 // Online softmax. NaN-propagating max; while a row has seen only -inf,
                 // exponents are taken against 0 so no -inf - -inf appears.
                 let m_old = sc.m[r];
@@ -467,7 +429,7 @@ unsafe fn fwd_head<T: Elem>(
                     // Every weight counts in the normaliser; only kept ones reach the numerator.
                     let u = &mut sc.u[..nk];
                     p.key.fill_uniform(g.drop_index(bh, i0 + r, j0), u);
-                    for (x, &uv) in w.iter_mut().zip(u.iter()) {
+                    for (x, &uv) in w.iter_mut().zip(&u[a..]) {
                         if uv < p.dropout {
                             *x = zero;
                         }

@@ -1,7 +1,17 @@
-//! The FlashAttention-2 backward of [`super`]: per `(batch, head)` task, `P` recomputed tile
-//! by tile from the saved log-sum-exp, then `dV`, `dP`, `dS` and the `dQ` / `dK` products.
+//! The FlashAttention-2 backward of [`super`]: `P` recomputed tile by tile from the saved
+//! log-sum-exp, then `dV`, `dP`, `dS` and the `dQ` / `dK` products.
+//!
+//! **Grouped-query attention.** The `dK` / `dV` of a kv head are sums over the `H / KV` query
+//! heads that read it. One task per `(batch, kv head)` runs those query heads one after the
+//! other, in head order, accumulating into the same `dK` / `dV` scratch (and writing each query
+//! head's `dQ` when it is done): no partial gradients of size `B x H x T x D` (what summing
+//! per-`(batch, head)` partials in a fixed order would need), no atomics, and the summation
+//! order is a function of the shapes only, so the result is bit-identical for every thread
+//! count. With `H == KV` this is the one-task-per-`(batch, head)` backward. The price: only
+//! `B * KV` tasks to spread over the threads.
 
-use super::{gemm, load, run_tasks, tile_scores, Geom, Mat, Params, Ptr, Scratch, KB, QB};
+use super::tile::{gemm, load, run_tasks, Mat, Ptr};
+use super::{live_row, mask_docs, tile_scores, tile_span, Geom, Params, Scratch, KB, QB};
 use crate::cpu::{dot, Elem, Real};
 use crate::gelu::FastMath;
 
@@ -16,8 +26,9 @@ pub(crate) struct BwdInputs<'a, T: Elem> {
 }
 
 /// Backward (FlashAttention-2): writes dQ, dK, dV in the layouts `g.q`, `g.k`, `g.v` through
-/// `dq`, `dk`, `dv` (which may point into one buffer). One task per `(b, h)`: it owns its
-/// gradient rows, so there are no races and the summation order is fixed.
+/// `dq`, `dk`, `dv` (which may point into one buffer). One task per `(b, kv head)`: it owns its
+/// gradient rows (those of the kv head and of its query heads), so there are no races and the
+/// summation order is fixed.
 pub(crate) fn backward<T: Elem>(
     g: &Geom,
     p: &Params<T::Acc>,
@@ -28,26 +39,28 @@ pub(crate) fn backward<T: Elem>(
 ) where
     T::Acc: FastMath,
 {
-    let work = g.tq * g.tk * (3 * g.d + 2 * g.dv + 4);
+    let work = g.rep() * g.tq * g.tk * (3 * g.d + 2 * g.dv + 4);
     run_tasks(
-        g.b * g.h,
+        g.b * g.kvh,
         work,
         || Scratch::new(g, true),
-        |bh, sc| {
-            // SAFETY: task bh alone writes the gradient rows of head bh.
-            unsafe { bwd_head(g, p, x, bh, sc, dq, dk, dv) }
+        |bc, sc| {
+            // SAFETY: task bc alone writes the gradient rows of kv head bc and its query heads.
+            unsafe { bwd_group(g, p, x, bc, sc, dq, dk, dv) }
         },
     );
 }
 
+/// dK, dV of kv head `bc` (batch `bc / KV`, kv head `bc % KV`), and dQ of its query heads.
+///
 /// # Safety
-/// No other task writes the gradient rows of head `bh` concurrently.
+/// No other task writes these gradient rows concurrently.
 #[allow(clippy::too_many_arguments)]
-unsafe fn bwd_head<T: Elem>(
+unsafe fn bwd_group<T: Elem>(
     g: &Geom,
     p: &Params<T::Acc>,
     x: &BwdInputs<T>,
-    bh: usize,
+    bc: usize,
     sc: &mut Scratch<T::Acc>,
     dq: Ptr<T>,
     dk: Ptr<T>,
@@ -55,11 +68,46 @@ unsafe fn bwd_head<T: Elem>(
 ) where
     T::Acc: FastMath,
 {
+    let (d, dvn, tk) = (g.d, g.dv, g.tk);
+    let (b, c) = (bc / g.kvh, bc % g.kvh);
+    let rep = g.rep();
+    sc.load_kv(g, b, c, x.k, x.v);
+    sc.dk.fill(T::Acc::ZERO);
+    sc.dv.fill(T::Acc::ZERO);
+    for h in c * rep..(c + 1) * rep {
+        // SAFETY: forwarded from the caller (query head h belongs to kv head c).
+        unsafe { bwd_head(g, p, x, b * g.h + h, sc, dq) };
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        for j in 0..tk {
+            let src = &sc.dk[j * d..(j + 1) * d];
+            dk.write(g.k.row(b, c, j), src.iter().map(|&a| T::from_acc(a)));
+            let src = &sc.dv[j * dvn..(j + 1) * dvn];
+            dv.write(g.v.row(b, c, j), src.iter().map(|&a| T::from_acc(a)));
+        }
+    }
+}
+
+/// Query head `bh`: writes its dQ rows, adds its share to the kv head's dK, dV in `sc`.
+///
+/// # Safety
+/// No other task writes the dQ rows of head `bh` concurrently.
+unsafe fn bwd_head<T: Elem>(
+    g: &Geom,
+    p: &Params<T::Acc>,
+    x: &BwdInputs<T>,
+    bh: usize,
+    sc: &mut Scratch<T::Acc>,
+    dq: Ptr<T>,
+) where
+    T::Acc: FastMath,
+{
     let zero = T::Acc::ZERO;
     let one = T::Acc::ONE;
-    let (d, dvn, tq, tk) = (g.d, g.dv, g.tq, g.tk);
+    let (d, dvn, tq) = (g.d, g.dv, g.tq);
     let (b, h) = (bh / g.h, bh % g.h);
-    sc.load_head(g, b, h, x.q, x.k, x.v);
+    sc.load_q(g, b, h, x.q);
     for i in 0..tq {
         let orow = g.o.row(b, h, i);
         load(x.dout, orow, &mut sc.dout[i * dvn..(i + 1) * dvn]);
@@ -68,28 +116,30 @@ unsafe fn bwd_head<T: Elem>(
         sc.di[i] = dot(&sc.dout[i * dvn..(i + 1) * dvn], &sc.t[..dvn]);
     }
     sc.dq.fill(zero);
-    sc.dk.fill(zero);
-    sc.dv.fill(zero);
     let lse = &x.lse[bh * tq..(bh + 1) * tq];
     let keep = T::Acc::c(1.0 / (1.0 - p.dropout as f64));
     let dropout = p.dropout > 0.0;
     let mut i0 = 0;
     while i0 < tq {
         let nq = QB.min(tq - i0);
-        let kend = g.lim(p.causal, i0 + nq - 1);
-        let mut j0 = 0;
+        let (kbeg, kend) = g.block_keys(p, b, i0, nq);
+        let mut j0 = kbeg;
         while j0 < kend {
             let nk = KB.min(kend - j0);
             let s = &mut sc.s[..nq * nk];
             tile_scores(g, p, &sc.q, &sc.k, s, i0, nq, j0, nk);
-            // P = exp(S - L) (rows that see no key have L = -inf and contribute nothing).
+            // P = exp(S - L) (rows that see no key have L = -inf and contribute nothing); 0
+            // exactly where the row does not see the key.
             for r in 0..nq {
                 let li = lse[i0 + r];
-                let row = g.live_row(p.causal, &mut s[r * nk..(r + 1) * nk], i0 + r, j0);
+                let srow = &mut s[r * nk..(r + 1) * nk];
+                let (a, row) = live_row(g, p, srow, b, i0 + r, j0, T::Acc::NEG_INFINITY);
                 if li == T::Acc::NEG_INFINITY {
                     row.fill(zero);
                 } else {
                     row.iter_mut().for_each(|x| *x = (*x - li).exp_fast());
+                    // Other documents: exp(-inf - L) = 0, also when L is NaN.
+                    mask_docs(g, p, row, b, i0 + r, j0 + a, zero);
                 }
             }
             // dP = dO Vᵀ.
@@ -133,13 +183,18 @@ unsafe fn bwd_head<T: Elem>(
                 Mat::rows(&sc.dout[i0 * dvn..], dvn),
                 one,
             );
-            // dS = P ∘ (dP - D_i) · scale, in place of dP.
+            // dS = P ∘ (dP - D_i) · scale, in place of dP; 0 exactly where the row does not
+            // see the key (so a NaN in D_i stays off the keys the row does not see).
             for r in 0..nq {
                 let di = sc.di[i0 + r];
+                let (a, e) = tile_span(g.row_keys(p, b, i0 + r), j0, nk);
                 let (prow, dsrow) = (&s[r * nk..(r + 1) * nk], &mut dp[r * nk..(r + 1) * nk]);
-                for (ds, &pv) in dsrow.iter_mut().zip(prow) {
+                dsrow[..a].fill(zero);
+                dsrow[e..].fill(zero);
+                for (ds, &pv) in dsrow[a..e].iter_mut().zip(&prow[a..e]) {
                     *ds = pv * (*ds - di) * p.scale;
                 }
+                mask_docs(g, p, &mut dsrow[a..e], b, i0 + r, j0 + a, zero);
             }
             // dQ_i += dS K_j; dK_j += dSᵀ Q_i.
             gemm(
@@ -171,12 +226,6 @@ unsafe fn bwd_head<T: Elem>(
         for i in 0..tq {
             let src = &sc.dq[i * d..(i + 1) * d];
             dq.write(g.q.row(b, h, i), src.iter().map(|&a| T::from_acc(a)));
-        }
-        for j in 0..tk {
-            let src = &sc.dk[j * d..(j + 1) * d];
-            dk.write(g.k.row(b, h, j), src.iter().map(|&a| T::from_acc(a)));
-            let src = &sc.dv[j * dvn..(j + 1) * dvn];
-            dv.write(g.v.row(b, h, j), src.iter().map(|&a| T::from_acc(a)));
         }
     }
 }
