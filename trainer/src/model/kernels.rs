@@ -9,7 +9,7 @@
 
 use candle_core::Tensor;
 use candle_fused::attention::{self, AttentionConfig};
-use candle_fused::{cross_entropy, dropout, linear, linear_gelu, norm, RngKey};
+use candle_fused::{cross_entropy, dropout, linear, linear_gelu, norm, rope, swiglu, RngKey};
 use serde::{Deserialize, Serialize};
 
 use super::Ctx;
@@ -116,8 +116,7 @@ impl Kernels {
     }
 }
 
-// Llama-family ops. TEMPORARY composite shims until candle-fused's rope / swiglu / GQA
-// attention / linear cross-entropy land (replaced at merge).
+// The Llama family's ops.
 impl Kernels {
     /// RMSNorm over the last dimension; statistics in at least f32.
     pub fn rms_norm(self, x: &Tensor, w: &Tensor, eps: f64) -> R {
@@ -127,45 +126,37 @@ impl Kernels {
         }
     }
 
-    /// RoPE tables `cos`, `sin` `[B, T, D/2]` (f32) of `positions [B, T]` and `inv_freq [D/2]`.
+    /// RoPE tables `cos`, `sin` `[B, T, D/2]` (f32) of `positions [B, T]` (u32) and
+    /// `inv_freq [D/2]` (f32), as transformers computes them (the same for both kernels).
     pub fn rope_tables(
         self,
         positions: &Tensor,
         inv_freq: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor)> {
-        let f = positions
-            .to_dtype(candle_core::DType::F32)?
-            .unsqueeze(2)?
-            .broadcast_mul(&inv_freq.reshape((1, 1, ()))?)?;
-        Ok((f.cos()?, f.sin()?))
+        rope::rope_tables(positions, inv_freq)
     }
 
-    /// RoPE (split halves) of `x [B, T, H, D]`: `[B, H, T, D]`.
+    /// RoPE in transformers' split-halves convention of `x [B, T, H, D]`, returned as
+    /// `[B, H, T, D]` (ready for attention).
     pub fn rope(self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> R {
-        let dt = x.dtype();
-        let x = x.to_dtype(super::stat_dtype(dt))?;
-        let d = x.dim(3)? / 2;
-        let (cos, sin) = (
-            cos.unsqueeze(2)?.to_dtype(x.dtype())?,
-            sin.unsqueeze(2)?.to_dtype(x.dtype())?,
-        );
-        let x1 = x.narrow(3, 0, d)?;
-        let x2 = x.narrow(3, d, d)?;
-        let y1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
-        let y2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
-        Tensor::cat(&[y1, y2], 3)?
-            .transpose(1, 2)?
-            .contiguous()?
-            .to_dtype(dt)
+        match self {
+            Kernels::Fused => rope::rope(x, cos, sin),
+            Kernels::Reference => rope::rope_composite(x, cos, sin),
+        }
     }
 
     /// `silu(gate) * up`.
     pub fn swiglu(self, gate: &Tensor, up: &Tensor) -> R {
-        candle_nn::ops::silu(gate)? * up
+        match self {
+            Kernels::Fused => swiglu::swiglu(gate, up),
+            Kernels::Reference => swiglu::swiglu_composite(gate, up),
+        }
     }
 
-    /// Grouped-query causal attention of `q [B, H, T, D]` over `k`, `v` `[B, KV, Tk, D]`,
-    /// within `window` and the documents of `doc_ids [B, Tk]`: `[B, T, H * D]`.
+    /// Causal grouped-query attention of `q [B, H, T, D]` over `k`, `v` `[B, KV, Tk, D]`
+    /// (queries at the end of the keys), within `window` tokens and, given `doc_ids [B, Tk]`,
+    /// within each token's document; dropout `p` on the probabilities at dropout site `site`.
+    /// Returns `[B, T, H * D]` (heads merged).
     #[allow(clippy::too_many_arguments)]
     pub fn gqa_attention(
         self,
@@ -175,48 +166,29 @@ impl Kernels {
         window: Option<usize>,
         doc_ids: Option<&Tensor>,
         p: f32,
-        _ctx: &Ctx,
-        _site: u64,
+        ctx: &Ctx,
+        site: u64,
     ) -> R {
-        use candle_core::DType;
-        let (b, h, tq, d) = q.dims4()?;
-        let (_, kv, tk, _) = k.dims4()?;
-        let rep = h / kv;
-        let expand = |t: &Tensor| -> R {
-            t.unsqueeze(2)?
-                .broadcast_as((b, kv, rep, tk, d))?
-                .reshape((b, h, tk, d))
-        };
-        let dt = q.dtype();
-        let acc = super::stat_dtype(dt);
-        let (k, v) = (expand(k)?, expand(v)?);
-        let s = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * (1.0 / (d as f64).sqrt()))?
-            .to_dtype(acc)?;
-        let mut mask = vec![0f32; b * tq * tk];
-        let ids: Option<Vec<Vec<u32>>> = doc_ids.map(|d| d.to_vec2()).transpose()?;
-        for bi in 0..b {
-            for i in 0..tq {
-                let ia = i + tk - tq;
-                for j in 0..tk {
-                    let mut ok = j <= ia;
-                    if let Some(w) = window {
-                        ok &= ia - j.min(ia) < w;
-                    }
-                    if let Some(ids) = &ids {
-                        ok &= ids[bi][ia] == ids[bi][j];
-                    }
-                    if !ok {
-                        mask[(bi * tq + i) * tk + j] = f32::NEG_INFINITY;
-                    }
-                }
-            }
+        let (b, h, t, d) = q.dims4()?;
+        let tk = k.dim(2)?;
+        let mut cfg = AttentionConfig::causal();
+        if let Some(w) = window {
+            cfg = cfg.with_window(w);
         }
-        let mask = Tensor::from_vec(mask, (b, 1, tq, tk), q.device())?.to_dtype(acc)?;
-        let s = s.broadcast_add(&mask)?;
-        let pr = candle_nn::ops::softmax(&s, candle_core::D::Minus1)?;
-        let _ = (p, DType::F32);
-        let y = pr.to_dtype(dt)?.matmul(&v.contiguous()?)?;
-        y.transpose(1, 2)?.reshape((b, tq, h * d))
+        if let Some(ids) = doc_ids {
+            cfg = cfg.with_doc_ids(ids.clone());
+        }
+        if p > 0.0 && ctx.train {
+            // Keyed by the global row, like `dropout` (probabilities are [B, H, T, Tk]).
+            let offset = (ctx.row * h * t * tk) as u64;
+            cfg = cfg.with_dropout(p, RngKey::new(ctx.seed, site).with_offset(offset));
+        }
+        match self {
+            Kernels::Fused => attention::attention_merged(q, k, v, &cfg),
+            Kernels::Reference => attention::attention_composite(q, k, v, &cfg)?
+                .transpose(1, 2)?
+                .reshape((b, t, h * d)),
+        }
     }
 
     /// Mean cross-entropy of `x [N, C] wᵀ` (`w [V, C]`) against `targets [N]`, ignoring
