@@ -23,6 +23,7 @@ pub mod error;
 mod hash;
 pub mod hub;
 pub mod io;
+pub mod load;
 pub mod metrics;
 pub mod mfu;
 pub mod model;
