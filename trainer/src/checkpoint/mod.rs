@@ -154,8 +154,10 @@ pub fn save(
         io::sync_dir(&tmp).map_err(|e| Error::io(&tmp, e))
     })();
     if let Err(e) = written {
+        // A failed write (a full disk, say) leaves nothing behind: the error names the file
+        // being written.
         let _ = fs::remove_dir_all(&tmp);
-        return Err(e);
+        return Err(refuse(e));
     }
     if final_dir.exists() {
         // Re-saving the same step (e.g. after a resume): move the old one aside first, so
