@@ -160,8 +160,11 @@ pub struct Checks<'a> {
     pub vocab: Option<Vocabulary<'a>>,
     /// The config the model is built with, from the one `config.json` holds (a run's dropout
     /// and special tokens over a pretrained model's); the same shapes.
-    pub settings: Option<&'a dyn Fn(&dyn ModelConfig) -> Result<Box<dyn ModelConfig>>>,
+    pub settings: Option<&'a Settings<'a>>,
 }
+
+/// A function from the config `config.json` holds to the one a model is built with.
+pub type Settings<'a> = dyn Fn(&dyn ModelConfig) -> Result<Box<dyn ModelConfig>> + 'a;
 
 /// A loaded model: its config and f32 parameters.
 #[derive(Debug)]
