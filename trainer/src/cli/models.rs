@@ -7,7 +7,7 @@ use rand::SeedableRng;
 use trainer::checkpoint;
 use trainer::load::{Checks, DataCheck, FingerprintCheck, ModelDir, Vocabulary, WeightFiles};
 use trainer::pretrained::TokenizerFile;
-use trainer::sample::{generate, SamplingConfig};
+use trainer::sample::{generate_until, SamplingConfig};
 
 use super::{EvalArgs, InspectArgs, SampleArgs};
 
@@ -94,6 +94,8 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
         },
     };
     let loaded = model_dir.load_with(&checks, &device)?;
+    // Generation ends at any of the model's end tokens (generation_config.json, config.json).
+    let stop = model_dir.eos_token_ids(loaded.config.as_ref())?;
     let model = loaded.build()?;
     let prompt = codec
         .encode(&args.prompt)
@@ -110,11 +112,12 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
     for i in 0..args.num_samples {
-        let out = generate(
+        let out = generate_until(
             model.as_ref(),
             &prompt,
             args.max_new_tokens,
             sampling,
+            &stop,
             &mut rng,
             &device,
         )?;
