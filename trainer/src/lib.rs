@@ -20,6 +20,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod export;
 mod hash;
 pub mod hub;
 pub mod io;
