@@ -36,16 +36,20 @@ enum Command {
     /// Generate text from a trainer checkpoint or a Hugging Face model.
     ///
     /// MODEL is a trainer run directory (its latest checkpoint), a checkpoint directory, a
-    /// Hugging Face model directory (config.json + model.safetensors) or a model id in the
-    /// local hub cache (HF_HOME; nothing is downloaded). Text is encoded with --tokenizer-path,
-    /// else the run's data (trainer checkpoints), else the tokenizer.json next to the weights.
+    /// Hugging Face model directory (config.json + model.safetensors, or shards named by
+    /// model.safetensors.index.json) or a model id in the local hub cache (HF_HOME; nothing is
+    /// downloaded). Text is encoded with --tokenizer-path, else the run's data (trainer
+    /// checkpoints), else the tokenizer.json next to the weights.
+    /// A sample ends early at any of the model's end tokens (`eos_token_id` of
+    /// generation_config.json, else of config.json; instruction-tuned models list several).
     Sample(SampleArgs),
     /// Measure train/val loss (and the task score) of a trainer checkpoint or a Hugging Face
     /// model.
     ///
     /// MODEL is a trainer run directory (its latest checkpoint), a checkpoint directory, a
-    /// Hugging Face model directory (config.json + model.safetensors) or a model id in the
-    /// local hub cache (HF_HOME; nothing is downloaded).
+    /// Hugging Face model directory (config.json + model.safetensors, or shards named by
+    /// model.safetensors.index.json) or a model id in the local hub cache (HF_HOME; nothing is
+    /// downloaded).
     ///
     /// A trainer checkpoint is evaluated as its run evaluates itself (same data, block size,
     /// batch size and batches); the flags below replace single settings. A bare Hugging Face
