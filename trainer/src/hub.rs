@@ -8,6 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::checkpoint::{CONFIG_FILE, MODEL_FILE};
+use crate::load::INDEX_FILE;
 use crate::{Error, Result};
 
 /// The cache `hf-hub` uses by default: `$HF_HOME/hub`, or `~/.cache/huggingface/hub`.
@@ -16,7 +17,8 @@ pub fn default_cache() -> hf_hub::Cache {
 }
 
 /// The snapshot directory of model `id` (e.g. `openai-community/gpt2`) in `cache`, checked to
-/// hold `config.json` and `model.safetensors`.
+/// hold `config.json` and `model.safetensors` (or a sharded model's
+/// `model.safetensors.index.json`).
 ///
 /// ```
 /// let cache = hf_hub::Cache::new(std::env::temp_dir().join("no-such-hf-cache"));
@@ -40,11 +42,19 @@ pub fn snapshot_dir(cache: &hf_hub::Cache, id: &str) -> Result<PathBuf> {
         .parent()
         .map(Path::to_path_buf)
         .ok_or_else(|| missing(CONFIG_FILE))?;
-    let model = repo.get(MODEL_FILE).ok_or_else(|| missing(MODEL_FILE))?;
-    if model.parent() != Some(dir.as_path()) {
+    // One model.safetensors, else an index (its shards are checked when the weights are
+    // read: a missing one is named then).
+    let (name, weights) = match repo.get(MODEL_FILE) {
+        Some(p) => (MODEL_FILE, p),
+        None => (
+            INDEX_FILE,
+            repo.get(INDEX_FILE).ok_or_else(|| missing(MODEL_FILE))?,
+        ),
+    };
+    if weights.parent() != Some(dir.as_path()) {
         return Err(Error::checkpoint(
             &dir,
-            "config.json and model.safetensors are in different snapshots",
+            format!("config.json and {name} are in different snapshots"),
         ));
     }
     Ok(dir)

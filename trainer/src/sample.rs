@@ -54,6 +54,38 @@ pub fn generate(
     rng: &mut ChaCha8Rng,
     device: &Device,
 ) -> Result<Vec<u32>> {
+    generate_until(model, prompt, max_new_tokens, sampling, &[], rng, device)
+}
+
+/// [`generate`], stopping early after the first generated token that is one of `stop` (the
+/// model's end tokens, e.g. instruction-tuned Llama 3's `[128001, 128008, 128009]`), which
+/// ends the returned tokens. Tokens of the prompt do not stop it.
+///
+/// ```
+/// use candle_core::Device;
+/// use rand::SeedableRng;
+/// use trainer::model::gpt2::GptConfig;
+/// use trainer::sample::{generate, generate_until, SamplingConfig};
+/// let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 8, block_size: 8, vocab_size: 10, ..GptConfig::default() };
+/// let (model, _) = trainer::model::init(&cfg, 0, &Device::Cpu)?;
+/// let greedy = SamplingConfig { temperature: 0.0, ..SamplingConfig::default() };
+/// let rng = &mut rand_chacha::ChaCha8Rng::seed_from_u64(1);
+/// let all = generate(model.as_ref(), &[1], 6, greedy, rng, &Device::Cpu)?;
+/// let stop = all[3];
+/// let cut = generate_until(model.as_ref(), &[1], 6, greedy, &[stop], rng, &Device::Cpu)?;
+/// let first = 1 + all[1..].iter().position(|&t| t == stop).unwrap();
+/// assert_eq!(cut, all[..=first]);
+/// # Ok::<(), trainer::Error>(())
+/// ```
+pub fn generate_until(
+    model: &dyn Model,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    sampling: SamplingConfig,
+    stop: &[u32],
+    rng: &mut ChaCha8Rng,
+    device: &Device,
+) -> Result<Vec<u32>> {
     if prompt.is_empty() {
         return Err(Error::Config(
             "the prompt must hold at least one token".into(),
@@ -76,7 +108,11 @@ pub fn generate(
         let last = logits.i((0, new.len() - 1))?.to_dtype(DType::F32)?;
         let mut logits: Vec<f32> = last.to_vec1()?;
         logits.truncate(sampling.vocab.unwrap_or(usize::MAX).max(1));
-        tokens.push(pick(&logits, sampling, rng));
+        let next = pick(&logits, sampling, rng);
+        tokens.push(next);
+        if stop.contains(&next) {
+            break;
+        }
     }
     Ok(tokens)
 }

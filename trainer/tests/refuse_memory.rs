@@ -1,8 +1,8 @@
 //! Runs whose model cannot fit in memory are refused before anything of the model's size is
 //! allocated, on every command that builds a model: a fresh `train`, `train --init-from`,
-//! `train --resume`, `eval` and `sample`. Each refused process must end with an error that
-//! names the memory it needs, and its peak resident memory must stay small (the limit, 200 MB,
-//! is far below the models' sizes: tens of GB to TB).
+//! `train --resume`, `eval`, `sample`, `export` and `inspect`. Each refused process must end
+//! with an error that names the memory it needs, and its peak resident memory must stay small
+//! (the limit, 200 MB, is far below the models' sizes: tens of GB to TB).
 
 mod common;
 
@@ -96,4 +96,8 @@ fn models_beyond_memory_are_refused_before_they_are_allocated() {
     assert_refused(&["train", "--resume", ckpt], cwd);
     assert_refused(&["eval", ckpt], cwd);
     assert_refused(&["sample", ckpt, "--max-new-tokens", "4"], cwd);
+    // The loader every command shares refuses for the others too.
+    assert_refused(&["export", ckpt, "exported"], cwd);
+    assert!(!cwd.join("exported").exists());
+    assert_refused(&["inspect", ckpt], cwd);
 }

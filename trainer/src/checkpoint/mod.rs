@@ -35,7 +35,7 @@ pub use state::{RngState, TrainerState};
 
 use crate::config::TrainConfig;
 use crate::data::DataSource;
-use crate::model::{CheckpointTensor, ModelConfig, Params};
+use crate::model::{ModelConfig, Params};
 use crate::optim::AdamW;
 use crate::{Error, Result};
 
@@ -54,12 +54,13 @@ pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
 }
 
 /// Finds the checkpoint directory meant by `path`: a checkpoint directory itself (it has a
-/// `trainer_state.json` or a `model.safetensors`), or a run directory (its latest checkpoint).
+/// `trainer_state.json`, a `model.safetensors` or a `model.safetensors.index.json`), or a run
+/// directory (its latest checkpoint).
 pub fn resolve(path: &Path) -> Result<PathBuf> {
     if !path.exists() {
         return Err(Error::checkpoint(path, "no such file or directory"));
     }
-    if path.join(STATE_FILE).is_file() || path.join(MODEL_FILE).is_file() {
+    if path.join(STATE_FILE).is_file() || crate::load::WeightFiles::present_in(path) {
         return Ok(path.to_path_buf());
     }
     let ckpts = checkpoints_dir(path);
@@ -153,8 +154,10 @@ pub fn save(
         io::sync_dir(&tmp).map_err(|e| Error::io(&tmp, e))
     })();
     if let Err(e) = written {
+        // A failed write (a full disk, say) leaves nothing behind: the error names the file
+        // being written.
         let _ = fs::remove_dir_all(&tmp);
-        return Err(e);
+        return Err(refuse(e));
     }
     if final_dir.exists() {
         // Re-saving the same step (e.g. after a resume): move the old one aside first, so
@@ -184,9 +187,11 @@ pub fn save_model(dir: &Path, config: &dyn ModelConfig, params: &Params) -> Resu
     io::write_atomic(&dir.join(CONFIG_FILE), json.as_bytes())
 }
 
-/// Loads a model directory (`config.json` + `model.safetensors`, as written by this crate or
-/// by Hugging Face `transformers`) onto `device`, for any known architecture
-/// ([`crate::model::config_from_hf_json_file`]).
+/// Loads a model directory (`config.json` and `model.safetensors` or the shards of
+/// `model.safetensors.index.json`, as written by this crate or by Hugging Face `transformers`)
+/// onto `device`, for any known architecture ([`crate::model::config_from_hf_json_file`]), as
+/// a pretrained model ([`Source::Pretrained`]). Commands load through [`crate::load`], which
+/// also checks a trainer checkpoint against its run and its manifest.
 ///
 /// What the architecture says of each tensor holds ([`ModelConfig::checkpoint_tensor`]:
 /// GPT-2's causal-mask buffers are skipped, a separate `lm_head.weight` must equal the tied
@@ -194,8 +199,8 @@ pub fn save_model(dir: &Path, config: &dyn ModelConfig, params: &Params) -> Resu
 /// are an error naming the file.
 pub fn load_model(dir: &Path, device: &Device) -> Result<(Box<dyn ModelConfig>, Params)> {
     let config = crate::model::config_from_hf_json_file(&dir.join(CONFIG_FILE))?;
-    let path = dir.join(MODEL_FILE);
-    let params = load_params(&path, config.as_ref(), device, Source::Pretrained)?;
+    let params =
+        crate::load::WeightFiles::locate(dir)?.read(config.as_ref(), device, Source::Pretrained)?;
     Ok((config, params))
 }
 
@@ -210,79 +215,15 @@ pub enum Source {
     Pretrained,
 }
 
-/// Loads `model.safetensors` at `path` and checks it against `config` (see [`Source`]).
+/// Loads the safetensors file at `path` and checks it against `config` (see [`Source`] and
+/// [`crate::load::WeightFiles::read`]).
 pub fn load_params(
     path: &Path,
     config: &dyn ModelConfig,
     device: &Device,
     source: Source,
 ) -> Result<Params> {
-    let loaded = io::load_safetensors(path, device)?;
-    let mut tensors = Vec::with_capacity(loaded.tensors.len());
-    let mut copies = Vec::new();
-    let mut cast = std::collections::BTreeSet::new();
-    for (name, t) in loaded.tensors {
-        let kind = config.checkpoint_tensor(&name);
-        if source == Source::Checkpoint && kind != CheckpointTensor::Param(name.clone()) {
-            return Err(Error::checkpoint(
-                path,
-                format!("unexpected `{name}` (the trainer writes parameters only)"),
-            ));
-        }
-        let name = match kind {
-            CheckpointTensor::Buffer => {
-                tracing::info!("{}: skipping the buffer `{name}`", path.display());
-                continue;
-            }
-            CheckpointTensor::TiedCopy(of) => {
-                copies.push((name, of, t));
-                continue;
-            }
-            CheckpointTensor::Param(name) => name,
-        };
-        finite::check_float(path, &name, &t)?;
-        if t.dtype() != candle_core::DType::F32 {
-            if source == Source::Checkpoint {
-                return Err(Error::checkpoint(
-                    path,
-                    format!("`{name}` is {:?}; the trainer writes f32", t.dtype()),
-                ));
-            }
-            cast.insert(format!("{:?}", t.dtype()));
-        }
-        tensors.push((name, t.to_dtype(candle_core::DType::F32)?));
-    }
-    if !cast.is_empty() {
-        let from: Vec<String> = cast.into_iter().collect();
-        tracing::warn!(
-            "{}: weights cast from {} to f32 for training",
-            path.display(),
-            from.join(", ")
-        );
-    }
-    finite::check_tensors(path, "weight", tensors.iter().map(|(n, t)| (n.as_str(), t)))?;
-    let params = Params::from_tensors(tensors)?;
-    for (name, of, copy) in copies {
-        let Ok(tied) = params.tensor(&of) else {
-            continue; // reported as missing by the check below
-        };
-        let same = copy.dims() == tied.dims()
-            && (copy.to_dtype(candle_core::DType::F32)? - &tied)?
-                .abs()?
-                .max_all()?
-                .to_scalar::<f32>()?
-                == 0.0;
-        if !same {
-            return Err(Error::checkpoint(
-                path,
-                format!("{name} differs from {of}: untied heads are not supported"),
-            ));
-        }
-    }
-    params
-        .check(config)
-        .map_err(|e| Error::checkpoint(path, e.to_string().replace("checkpoint <params>: ", "")))?;
-    Ok(params)
+    crate::load::WeightFiles::Single(path.to_path_buf()).read(config, device, source)
 }
 
 /// Loads the optimiser state of checkpoint `dir` into `optimizer`.

@@ -1,5 +1,6 @@
 //! Subcommands of the `trainer` binary.
 
+mod export;
 mod models;
 mod progress;
 
@@ -35,16 +36,20 @@ enum Command {
     /// Generate text from a trainer checkpoint or a Hugging Face model.
     ///
     /// MODEL is a trainer run directory (its latest checkpoint), a checkpoint directory, a
-    /// Hugging Face model directory (config.json + model.safetensors) or a model id in the
-    /// local hub cache (HF_HOME; nothing is downloaded). Text is encoded with --tokenizer-path,
-    /// else the run's data (trainer checkpoints), else the tokenizer.json next to the weights.
+    /// Hugging Face model directory (config.json + model.safetensors, or shards named by
+    /// model.safetensors.index.json) or a model id in the local hub cache (HF_HOME; nothing is
+    /// downloaded). Text is encoded with --tokenizer-path, else the run's data (trainer
+    /// checkpoints), else the tokenizer.json next to the weights.
+    /// A sample ends early at any of the model's end tokens (`eos_token_id` of
+    /// generation_config.json, else of config.json; instruction-tuned models list several).
     Sample(SampleArgs),
     /// Measure train/val loss (and the task score) of a trainer checkpoint or a Hugging Face
     /// model.
     ///
     /// MODEL is a trainer run directory (its latest checkpoint), a checkpoint directory, a
-    /// Hugging Face model directory (config.json + model.safetensors) or a model id in the
-    /// local hub cache (HF_HOME; nothing is downloaded).
+    /// Hugging Face model directory (config.json + model.safetensors, or shards named by
+    /// model.safetensors.index.json) or a model id in the local hub cache (HF_HOME; nothing is
+    /// downloaded).
     ///
     /// A trainer checkpoint is evaluated as its run evaluates itself (same data, block size,
     /// batch size and batches); the flags below replace single settings. A bare Hugging Face
@@ -55,6 +60,16 @@ enum Command {
     /// Show a model's tensors, shapes, dtypes, parameter count, config and step; fail when the
     /// weights do not match its config.json.
     Inspect(InspectArgs),
+    /// Write a model as a Hugging Face model directory that transformers'
+    /// AutoModelForCausalLM.from_pretrained loads.
+    ///
+    /// SOURCE is a trainer run directory (its latest checkpoint), a checkpoint directory, a
+    /// Hugging Face model directory or a model id in the local hub cache. OUT_DIR receives
+    /// config.json, the weights (model.safetensors, or shards with
+    /// model.safetensors.index.json) and, when the model's origin has them, tokenizer.json,
+    /// tokenizer_config.json, special_tokens_map.json, generation_config.json and
+    /// chat_template.jinja (a run trained on `tokenizer` data exports its own tokenizer).
+    Export(export::ExportArgs),
     /// Redraw a run's loss curve (loss.svg) from its metrics.jsonl.
     Plot(PlotArgs),
 }
@@ -157,6 +172,7 @@ pub fn run(cli: Cli) -> Result<Outcome> {
         Command::Sample(a) => done(sample(a)),
         Command::Eval(a) => done(eval(a)),
         Command::Inspect(a) => done(inspect(a)),
+        Command::Export(a) => done(export::export(a)),
         Command::Plot(a) => done(plot(a)),
     }
 }

@@ -4,9 +4,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use rand::SeedableRng;
-use trainer::checkpoint::{self, TrainerState};
-use trainer::pretrained::{ModelDir, TokenizerFile};
-use trainer::sample::{generate, SamplingConfig};
+use trainer::checkpoint;
+use trainer::load::{Checks, DataCheck, FingerprintCheck, ModelDir, Vocabulary, WeightFiles};
+use trainer::pretrained::TokenizerFile;
+use trainer::sample::{generate_until, SamplingConfig};
 
 use super::{EvalArgs, InspectArgs, SampleArgs};
 
@@ -25,6 +26,7 @@ impl Codec {
             return Ok(Codec::Tokenizer(Box::new(TokenizerFile::open(path)?)));
         }
         if let Some(run) = model.run_config() {
+            // Its fingerprint is checked against the run's when the model is loaded.
             let data = run.open_data().with_context(|| {
                 format!(
                     "cannot open the data of the run of {} to encode the prompt (or give \
@@ -32,8 +34,6 @@ impl Codec {
                     model.dir.display()
                 )
             })?;
-            let state = model.run.as_ref().map(|r| r.data.as_ref());
-            trainer::data::check_fingerprint(state.flatten(), data.as_ref(), &model.dir, false)?;
             return Ok(Codec::Data(data));
         }
         Ok(Codec::Tokenizer(Box::new(model.tokenizer()?)))
@@ -65,20 +65,38 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
     let model_dir = ModelDir::open(&args.model)?;
     let device = args.device.open()?;
     let codec = Codec::for_model(&model_dir, args.tokenizer_path.as_deref())?;
-    let model = model_dir.load_model(&device)?;
-    // A vocabulary with more ids than the model embeds cannot be its own: refused, as `eval`
-    // does. One with fewer (a model's padded embedding) is sampled within its ids only.
-    let (ids, embedded) = (codec.vocab_size(), model.config().vocab_size());
-    if ids > embedded {
-        anyhow::bail!(
-            "the vocabulary used to encode the prompt ({}) has {ids} token ids but the model in \
-             {} embeds only {embedded}: give the model's own tokenizer with --tokenizer-path",
-            args.tokenizer_path
-                .as_ref()
-                .map_or_else(|| "the run's data".to_string(), |p| p.display().to_string()),
-            model_dir.dir.display()
-        );
-    }
+    // The loader checks the vocabulary against the model: more ids than the model embeds
+    // cannot be its own and are refused (a run's data must also be the run's vocabulary). One
+    // with fewer (a model's padded embedding) is sampled within its ids only.
+    let ids = codec.vocab_size();
+    let name = match &codec {
+        Codec::Tokenizer(t) => format!(
+            "the tokenizer {} (used to encode the prompt)",
+            t.path().display()
+        ),
+        Codec::Data(_) => String::new(),
+    };
+    let checks = match &codec {
+        Codec::Data(d) => Checks {
+            data: Some(DataCheck {
+                source: d.as_ref(),
+                fingerprint: FingerprintCheck::Vocabulary,
+            }),
+            ..Checks::default()
+        },
+        Codec::Tokenizer(_) => Checks {
+            vocab: Some(Vocabulary {
+                name: &name,
+                ids,
+                advice: ": give the model's own tokenizer with --tokenizer-path",
+            }),
+            ..Checks::default()
+        },
+    };
+    let loaded = model_dir.load_with(&checks, &device)?;
+    // Generation ends at any of the model's end tokens (generation_config.json, config.json).
+    let stop = model_dir.eos_token_ids(loaded.config.as_ref())?;
+    let model = loaded.build()?;
     let prompt = codec
         .encode(&args.prompt)
         .with_context(|| format!("cannot encode the prompt {:?}", args.prompt))?;
@@ -94,11 +112,12 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
     for i in 0..args.num_samples {
-        let out = generate(
+        let out = generate_until(
             model.as_ref(),
             &prompt,
             args.max_new_tokens,
             sampling,
+            &stop,
             &mut rng,
             &device,
         )?;
@@ -127,48 +146,45 @@ pub(super) fn eval(args: EvalArgs) -> Result<()> {
 
 pub(super) fn inspect(args: InspectArgs) -> Result<()> {
     let spec = &args.checkpoint;
-    let (model_file, dir) = if Path::new(spec).is_file() {
-        (PathBuf::from(spec), None)
-    } else {
-        let dir = trainer::pretrained::resolve(spec)?;
-        (dir.join(checkpoint::MODEL_FILE), Some(dir))
-    };
-    let loaded = checkpoint::io::load_safetensors(&model_file, &candle_core::Device::Cpu)?;
-    let mut names: Vec<_> = loaded.tensors.keys().cloned().collect();
-    names.sort();
-    println!("file        {}", model_file.display());
+    if Path::new(spec).is_file() {
+        return print_tensors(&WeightFiles::Single(PathBuf::from(spec)));
+    }
+    let model = ModelDir::open(spec)?;
+    print_tensors(&model.weights)?;
+    inspect_dir(&model)
+}
+
+/// Prints the name, shape and dtype of every tensor of `weights` (from the headers only) and
+/// the totals.
+fn print_tensors(weights: &WeightFiles) -> Result<()> {
+    let mut headers = weights.headers()?;
+    headers.sort_by(|a, b| a.name.cmp(&b.name));
+    println!("file        {}", weights.path().display());
+    if let WeightFiles::Sharded(_) = weights {
+        println!("shards      {}", weights.files().len());
+    }
     let mut total = 0usize;
-    for n in &names {
-        let t = &loaded.tensors[n];
-        total += t.elem_count();
+    for h in &headers {
+        total += h.shape.iter().product::<usize>();
         println!(
-            "  {n:<44} {:<14} {:?}",
-            format!("{:?}", t.dims()),
-            t.dtype()
+            "  {:<44} {:<14} {}",
+            h.name,
+            format!("{:?}", h.shape),
+            h.dtype
         );
     }
-    println!("tensors     {}", names.len());
+    println!("tensors     {}", headers.len());
     println!("parameters  {total} ({:.2}M)", total as f64 / 1e6);
-    drop(loaded);
-    if let Some(dir) = dir {
-        inspect_dir(&dir, &model_file)?;
-    }
     Ok(())
 }
 
-/// Prints the config, the weight check and the trainer state of checkpoint or model directory
-/// `dir`; weights that do not match `config.json`, or a `config.json` that disagrees with the
-/// run's recorded state, are an error (after the report).
-fn inspect_dir(dir: &Path, model_file: &Path) -> Result<()> {
-    let cfg_path = dir.join(checkpoint::CONFIG_FILE);
-    let state_path = dir.join(checkpoint::STATE_FILE);
-    let state: Option<TrainerState> = match state_path.is_file() {
-        true => Some(checkpoint::io::read_json(&state_path)?),
-        false => None,
-    };
-    let mut mismatch = None;
-    if cfg_path.is_file() {
-        let cfg = trainer::model::config_from_hf_json_file(&cfg_path)?;
+/// Prints the config, the loader's check and the trainer state of checkpoint or model
+/// directory `model`; weights that do not match `config.json`, or a `config.json` that
+/// disagrees with the run's recorded state, are an error (after the report).
+fn inspect_dir(model: &ModelDir) -> Result<()> {
+    let mut failed = None;
+    if model.dir.join(checkpoint::CONFIG_FILE).is_file() {
+        let cfg = model.config()?;
         let shape = cfg.shape();
         println!(
             "config      {} n_layer {} n_head {} n_embd {} block_size {} vocab_size {} bias {}",
@@ -180,53 +196,38 @@ fn inspect_dir(dir: &Path, model_file: &Path) -> Result<()> {
             cfg.vocab_size(),
             shape.bias
         );
-        let id = |t: Option<u32>| t.map_or("none".to_string(), |t| t.to_string());
-        let tokens = cfg.special_tokens();
-        println!("special     bos {} eos {}", id(tokens.bos), id(tokens.eos));
-        // The run's recorded state first (config.json must be the run's model), then the
-        // loader's own check: Hugging Face names (no `transformer.` prefix, mask buffers, a
-        // tied lm_head) are accepted as they are when training.
-        let run = state.as_ref().map(|s| &s.config);
-        let checked = run
-            .map_or(Ok(()), |run| {
-                checkpoint::check_model_matches(cfg.as_ref(), run, None, dir)
-            })
-            .map_err(anyhow::Error::new)
-            .and_then(|()| {
-                let source = match run {
-                    Some(_) => checkpoint::Source::Checkpoint,
-                    None => checkpoint::Source::Pretrained,
-                };
-                checkpoint::load_params(model_file, cfg.as_ref(), &candle_core::Device::Cpu, source)
-                    .map_err(|e| {
-                        anyhow::Error::new(e)
-                            .context(format!("the weights do not match {}", cfg_path.display()))
-                    })
-            })
-            .and_then(|_| match &state {
-                // A trainer checkpoint is one unit (see `checkpoint::manifest`).
-                Some(s) => Ok(checkpoint::manifest::verify(dir, s.step)?),
-                None => Ok(()),
-            });
+        let ids = |t: &[u32]| match t {
+            [] => "none".to_string(),
+            t => t.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
+        };
+        let bos: Vec<u32> = cfg.special_tokens().bos.into_iter().collect();
+        let eos = model.eos_token_ids(cfg.as_ref())?;
+        println!("special     bos {} eos {}", ids(&bos), ids(&eos));
+        // The loader's checks: the run's recorded state first (config.json must be the run's
+        // model), then the weights against config.json (Hugging Face names, mask buffers and a
+        // tied lm_head accepted as they are when training), then the manifest.
+        let checked = model.load_with(&Checks::default(), &candle_core::Device::Cpu);
         match checked {
-            Ok(_) if run.is_some() => println!("check       weights match the config and the run"),
+            Ok(_) if model.run.is_some() => {
+                println!("check       weights match the config and the run")
+            }
             Ok(_) => println!("check       weights match the config"),
             Err(e) => {
-                println!("check       MISMATCH");
-                mismatch = Some(e);
+                println!("check       FAILED");
+                failed = Some(e);
             }
         }
     }
-    if let Some(state) = state {
+    if let Some(state) = &model.run {
         println!("step        {}", state.step);
         println!("tokens      {}", state.tokens_seen);
         if let Some(b) = state.best_val_loss {
             println!(
                 "best val    {b:.4} ({})",
-                state.best_checkpoint.unwrap_or_default()
+                state.best_checkpoint.clone().unwrap_or_default()
             );
         }
         println!("--- run config ---\n{}", state.config.to_toml());
     }
-    mismatch.map_or(Ok(()), Err)
+    failed.map_or(Ok(()), |e| Err(e.into()))
 }

@@ -10,12 +10,12 @@ use rand_chacha::ChaCha8Rng;
 use super::{ModelDir, TOKENIZER_FILE};
 use crate::config::DeviceSpec;
 use crate::config::TrainConfig;
-use crate::data;
 use crate::data::{DataKind, DataSource, Split, Task};
+use crate::load::{Checks, DataCheck, FingerprintCheck};
 use crate::metrics::EvalStats;
 use crate::model::{Ctx, Model, ModelConfig};
 use crate::sample::greedy_batch;
-use crate::{checkpoint, Error, Result};
+use crate::{Error, Result};
 
 /// Context length of a bare model's evaluation batches, unless the model has fewer positions.
 pub const BARE_BLOCK_SIZE: usize = 256;
@@ -148,36 +148,27 @@ impl EvalRequest {
     }
 
     /// Loads `model`, opens the evaluation data and measures the losses (and the task score).
+    ///
+    /// The loader ([`crate::load`]) makes resume's checks of a trainer checkpoint: config.json
+    /// against the run's state; the ids must mean what they meant in training (a rebuilt
+    /// character vocabulary would shift them); and the run's own corpus must be the one it
+    /// trained on, unless other data was asked for (evaluating on other text).
     pub fn evaluate(&self, model: &ModelDir) -> Result<EvalStats> {
-        let model_config =
-            crate::model::config_from_hf_json_file(&model.dir.join(checkpoint::CONFIG_FILE))?;
-        let cfg = self.config(model, model_config.as_ref())?;
+        let cfg = self.config(model, model.config()?.as_ref())?;
         let device = cfg.device.open()?;
         let data = cfg.open_data()?;
-        if let Some(run) = &model.run {
-            // The checks resume makes: config.json against the run's state; the ids must mean
-            // what they meant in training (a rebuilt character vocabulary would shift them);
-            // and the run's own corpus must be the one it trained on, unless other data was
-            // asked for (evaluating on other text).
-            let own_corpus = !self.has_data();
-            data::check_fingerprint(run.data.as_ref(), data.as_ref(), &model.dir, own_corpus)?;
-            let state = &run.config;
-            checkpoint::check_model_matches(
-                model_config.as_ref(),
-                state,
-                Some(data.as_ref()),
-                &model.dir,
-            )?;
-        }
-        if data.vocab_size() > model_config.vocab_size() {
-            return Err(Error::Config(format!(
-                "the data has {} token ids but the model in {} embeds only {}",
-                data.vocab_size(),
-                model.dir.display(),
-                model_config.vocab_size()
-            )));
-        }
-        let loaded = model.load_model(&device)?;
+        let fingerprint = match self.has_data() {
+            true => FingerprintCheck::Vocabulary,
+            false => FingerprintCheck::Corpus,
+        };
+        let checks = Checks {
+            data: Some(DataCheck {
+                source: data.as_ref(),
+                fingerprint,
+            }),
+            ..Checks::default()
+        };
+        let loaded = model.load_with(&checks, &device)?.build()?;
         let step = model.run.as_ref().map_or(0, |s| s.step);
         evaluate(loaded.as_ref(), data.as_ref(), &cfg, step, &device)
     }

@@ -10,7 +10,7 @@ use crate::config::TrainConfig;
 use crate::data::DataSource;
 use crate::model::{self, Model, Params};
 use crate::pretrained::{self, SpecialTokens};
-use crate::{checkpoint, Error, Result};
+use crate::{load, Error, Result};
 
 /// Fresh weights, or the pretrained ones named by `init_from` (see
 /// [`crate::pretrained::resolve`]: a model directory, a trainer checkpoint or run directory, or
@@ -33,29 +33,26 @@ pub fn build_model(
         memory::check_run_fits(config, fresh.as_ref(), device)?;
         return model::init(fresh.as_ref(), config.seed, device);
     };
-    let dir = pretrained::resolve(from)?;
-    let loaded = model::config_from_hf_json_file(&dir.join(checkpoint::CONFIG_FILE))?;
-    let tokens = pretrained::data_special_tokens(config, loaded.special_tokens())?;
-    let cfg = loaded.with_run_settings(config.dropout, tokens);
-    memory::check_run_fits(config, cfg.as_ref(), device)?;
-    let source = match dir.join(checkpoint::STATE_FILE).is_file() {
-        true => checkpoint::Source::Checkpoint,
-        false => checkpoint::Source::Pretrained,
+    // The one loading path (`crate::load`): the source's own run check when it is a trainer
+    // checkpoint, the data's vocabulary, this run's memory before allocating, the weights,
+    // the manifest.
+    let source = pretrained::ModelDir::open(from)?;
+    let settings = |loaded: &dyn model::ModelConfig| -> Result<Box<dyn model::ModelConfig>> {
+        let tokens = pretrained::data_special_tokens(config, loaded.special_tokens())?;
+        Ok(loaded.with_run_settings(config.dropout, tokens))
     };
-    let params = checkpoint::load_params(
-        &dir.join(checkpoint::MODEL_FILE),
-        cfg.as_ref(),
-        device,
-        source,
-    )?;
-    if source == checkpoint::Source::Checkpoint {
-        // A trainer checkpoint is one unit (see `checkpoint::manifest`).
-        let state: checkpoint::TrainerState =
-            checkpoint::io::read_json(&dir.join(checkpoint::STATE_FILE))?;
-        checkpoint::manifest::verify(&dir, state.step)?;
-    }
-    let model = model::build(cfg.as_ref(), &params)?;
-    Ok((model, params))
+    let checks = load::Checks {
+        train: Some(config),
+        data: Some(load::DataCheck {
+            source: data,
+            fingerprint: load::FingerprintCheck::Skip,
+        }),
+        vocab: None,
+        settings: Some(&settings),
+    };
+    let loaded = source.load_with(&checks, device)?;
+    let model = loaded.build()?;
+    Ok((model, loaded.params))
 }
 
 /// A resumed run may change how long it trains and how it reports, not what it trains.

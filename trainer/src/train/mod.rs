@@ -34,13 +34,13 @@ pub use step::build_amp;
 
 use crate::checkpoint::{self, TrainerState};
 use crate::config::{Precision, TrainConfig};
-use crate::data::{self, DataSource, Split};
+use crate::data::{DataSource, Split};
 use crate::metrics::EvalStats;
-use crate::model::{self, Model, Params};
+use crate::model::{Model, Params};
 use crate::optim::AdamW;
 use crate::run_dir::{self, Claim, RunDir};
 use crate::schedule::LrSchedule;
-use crate::{Error, Result};
+use crate::{load, Error, Result};
 
 /// Loss-scaler state file in a checkpoint of a mixed-precision run.
 pub const AMP_FILE: &str = "amp.safetensors";
@@ -183,20 +183,25 @@ impl Trainer {
         config.validate()?;
         let device = config.device.open()?;
         let data = config.open_data()?;
-        data::check_fingerprint(state.data.as_ref(), data.as_ref(), &dir, true)?;
-        let model_config = model::config_from_hf_json_file(&dir.join(checkpoint::CONFIG_FILE))?;
-        checkpoint::check_model_matches(model_config.as_ref(), &config, Some(data.as_ref()), &dir)?;
-        memory::check_run_fits(&config, model_config.as_ref(), &device)?;
-        let params = checkpoint::load_params(
-            &dir.join(checkpoint::MODEL_FILE),
-            model_config.as_ref(),
-            &device,
-            checkpoint::Source::Checkpoint,
-        )?;
-        let model = model::build(model_config.as_ref(), &params)?;
-        let mut optimizer =
-            AdamW::new(&params, config.adamw_config())?.with_kernels(config.kernels);
-        checkpoint::load_optimizer(&dir, &mut optimizer, &device)?;
+        // The one loading path (`crate::load`): the data and config.json against the run,
+        // memory, the weights, then the optimiser state, then the manifest.
+        let checks = load::Checks {
+            train: Some(&config),
+            data: Some(load::DataCheck {
+                source: data.as_ref(),
+                fingerprint: load::FingerprintCheck::Corpus,
+            }),
+            ..load::Checks::default()
+        };
+        let (loaded, optimizer) =
+            load::ModelDir::at(dir.clone())?.load_then(&checks, &device, |l| {
+                let mut o =
+                    AdamW::new(&l.params, config.adamw_config())?.with_kernels(config.kernels);
+                checkpoint::load_optimizer(&dir, &mut o, &device)?;
+                Ok(o)
+            })?;
+        let model = loaded.build()?;
+        let params = loaded.params;
         let rng = state.rng.restore()?;
         let mut t = Self::assemble(config, device, data, model, params, optimizer, rng)?;
         // The scaler's state continues only under the same scaler: a run resumed in another
@@ -225,8 +230,6 @@ impl Trainer {
                 state.config.dtype
             );
         }
-        // Every file read: they must be the one checkpoint its manifest describes.
-        checkpoint::manifest::verify(&dir, state.step)?;
         t.step = state.step;
         t.tokens_seen = state.tokens_seen;
         t.best_val_loss = state.best_val_loss;

@@ -1,0 +1,53 @@
+//! `trainer export`: a model as a Hugging Face model directory.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use trainer::export::{export_spec, ExportOptions, WeightDtype};
+
+/// The `export` flags.
+#[derive(Args, Debug)]
+pub(super) struct ExportArgs {
+    /// A run or checkpoint directory, a Hugging Face model directory, or a hub model id.
+    source: String,
+    /// The model directory to write (new or empty, unless --force).
+    out_dir: PathBuf,
+    /// dtype of the written weights [default: the dtype the source stored them in: its
+    /// config.json's torch_dtype; f32 for a run trained from scratch, the pretrained model's
+    /// for a run started --init-from one].
+    #[arg(long, value_enum)]
+    dtype: Option<WeightDtype>,
+    /// The largest weights file (5GB, 500MB, 2GiB, or bytes): more is split into
+    /// model-0000i-of-0000N.safetensors shards with model.safetensors.index.json.
+    #[arg(long, default_value = "5GB", value_parser = size)]
+    max_shard_size: u64,
+    /// Replace OUT_DIR when it already holds files.
+    #[arg(long)]
+    force: bool,
+}
+
+fn size(text: &str) -> std::result::Result<u64, String> {
+    trainer::export::parse_size(text).map_err(|e| e.to_string())
+}
+
+pub(super) fn export(args: ExportArgs) -> Result<()> {
+    let options = ExportOptions {
+        dtype: args.dtype,
+        max_shard_size: args.max_shard_size,
+        force: args.force,
+    };
+    let done = export_spec(&args.source, &args.out_dir, &options)
+        .with_context(|| format!("cannot export {}", args.source))?;
+    println!("exported    {} -> {}", args.source, done.dir.display());
+    println!("dtype       {} ({})", done.dtype, done.dtype_from);
+    println!(
+        "weights     {} ({} bytes)",
+        done.weight_files.join(", "),
+        done.total_size
+    );
+    for (name, from) in &done.copied {
+        println!("copied      {name} (from {})", from.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,497 @@
+//! Writing a model as a Hugging Face model directory that `transformers`'
+//! `AutoModelForCausalLM.from_pretrained` loads: `config.json`, safetensors weights (one
+//! `model.safetensors`, or shards and `model.safetensors.index.json` as `transformers` and
+//! `huggingface_hub` write them) and the tokenizer and generation files of the model's origin.
+//!
+//! The source is anything [`crate::load`] reads, loaded and checked by the same path as every
+//! other command. The weights are written in the dtype the source stored them in (its
+//! `config.json`'s `torch_dtype`; f32 for a run the trainer started from scratch; a run
+//! started `--init-from` a pretrained model keeps that model's) unless another is asked for.
+//! The directory is written beside its destination and renamed into place, so a failed export
+//! leaves nothing behind.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use serde_json::{json, Value};
+
+use crate::checkpoint::{CONFIG_FILE, MODEL_FILE};
+use crate::data::DataKind;
+use crate::load::{Checks, ModelDir, INDEX_FILE};
+use crate::pretrained::TOKENIZER_FILE;
+use crate::{io, Error, Result};
+
+/// huggingface_hub's default largest shard (`MAX_SHARD_SIZE`, 5 GB).
+pub const DEFAULT_MAX_SHARD_SIZE: u64 = 5_000_000_000;
+
+/// Files copied from the model's origin when it has them: its tokenizer, the tokenizer's
+/// settings, the generation settings and the chat template.
+pub const COPIED_FILES: [&str; 5] = [
+    TOKENIZER_FILE,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    crate::load::GENERATION_CONFIG_FILE,
+    "chat_template.jinja",
+];
+
+/// How many `init_from` links are followed to find a run's origin.
+const MAX_ORIGINS: usize = 8;
+
+/// The dtype exported weights are stored in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum WeightDtype {
+    /// 32-bit float (`float32`).
+    F32,
+    /// bfloat16 (`bfloat16`).
+    Bf16,
+    /// IEEE half (`float16`).
+    F16,
+}
+
+impl WeightDtype {
+    /// The Candle dtype.
+    pub fn dtype(self) -> DType {
+        match self {
+            WeightDtype::F32 => DType::F32,
+            WeightDtype::Bf16 => DType::BF16,
+            WeightDtype::F16 => DType::F16,
+        }
+    }
+
+    /// Its name in `config.json`'s `torch_dtype`.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            WeightDtype::F32 => "float32",
+            WeightDtype::Bf16 => "bfloat16",
+            WeightDtype::F16 => "float16",
+        }
+    }
+
+    /// The dtype a `torch_dtype` (or transformers 5's `dtype`) value names, if one of these.
+    pub fn from_torch_name(name: &str) -> Option<Self> {
+        match name.trim_start_matches("torch.") {
+            "float32" | "float" => Some(WeightDtype::F32),
+            "bfloat16" => Some(WeightDtype::Bf16),
+            "float16" | "half" => Some(WeightDtype::F16),
+            _ => None,
+        }
+    }
+
+    /// The dtype of a safetensors header (`F32`, `BF16`, `F16`), if one of these.
+    fn from_header(name: &str) -> Option<Self> {
+        match name {
+            "F32" => Some(WeightDtype::F32),
+            "BF16" => Some(WeightDtype::Bf16),
+            "F16" => Some(WeightDtype::F16),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for WeightDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            WeightDtype::F32 => "f32",
+            WeightDtype::Bf16 => "bf16",
+            WeightDtype::F16 => "f16",
+        })
+    }
+}
+
+/// How to export.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExportOptions {
+    /// The dtype of the written weights (`None`: the source's stored dtype).
+    pub dtype: Option<WeightDtype>,
+    /// The largest shard, in bytes of tensor data; more is split into shards with an index.
+    pub max_shard_size: u64,
+    /// Replace an output directory that holds files.
+    pub force: bool,
+}
+
+impl Default for ExportOptions {
+    fn default() -> Self {
+        ExportOptions {
+            dtype: None,
+            max_shard_size: DEFAULT_MAX_SHARD_SIZE,
+            force: false,
+        }
+    }
+}
+
+/// What an export wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Exported {
+    /// The model directory written.
+    pub dir: PathBuf,
+    /// The dtype of its weights.
+    pub dtype: WeightDtype,
+    /// Where that dtype came from (`--dtype`, the source's `torch_dtype`, ...).
+    pub dtype_from: String,
+    /// The weight files written (one `model.safetensors`, or the shards then the index).
+    pub weight_files: Vec<String>,
+    /// Bytes of tensor data (the index's `total_size`).
+    pub total_size: u64,
+    /// The files copied besides, with where each came from.
+    pub copied: Vec<(String, PathBuf)>,
+}
+
+/// Parses a size as huggingface_hub and transformers write them: `5GB`, `500MB`, `2KB`,
+/// `1.5GB` (powers of 1000), `2GiB`, `512MiB` (powers of 1024) or plain bytes.
+///
+/// ```
+/// use trainer::export::parse_size;
+/// assert_eq!(parse_size("5GB").unwrap(), 5_000_000_000);
+/// assert_eq!(parse_size("2KiB").unwrap(), 2048);
+/// assert_eq!(parse_size("1000").unwrap(), 1000);
+/// assert!(parse_size("five").is_err() && parse_size("0").is_err());
+/// ```
+pub fn parse_size(text: &str) -> Result<u64> {
+    let s = text.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let unit = unit.trim().to_ascii_uppercase();
+    let scale: u64 = match unit.as_str() {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        "KIB" => 1 << 10,
+        "MIB" => 1 << 20,
+        "GIB" => 1 << 30,
+        "TIB" => 1 << 40,
+        _ => 0,
+    };
+    let bytes = number
+        .parse::<f64>()
+        .ok()
+        .filter(|_| scale > 0)
+        .map(|n| (n * scale as f64) as u64)
+        .filter(|&b| b > 0);
+    bytes.ok_or_else(|| {
+        Error::Config(format!(
+            "size `{text}`: expected a positive size such as 5GB, 500MB, 2GiB or a number of \
+             bytes"
+        ))
+    })
+}
+
+/// Splits tensors (name, bytes), in the order given, into shards as huggingface_hub does
+/// (`split_state_dict_into_shards_factory`): a new shard starts when adding a tensor would
+/// exceed `max_shard_size`; a tensor larger than the limit gets a shard of its own, placed
+/// when it is met (the shard being filled continues after it).
+///
+/// ```
+/// let t = |n: &str, b: u64| (n.to_string(), b);
+/// let shards = trainer::export::plan_shards(&[t("a", 4), t("b", 4), t("c", 30), t("d", 4)], 10);
+/// assert_eq!(shards, vec![vec!["c".to_string()], vec!["a".into(), "b".into()], vec!["d".into()]]);
+/// ```
+pub fn plan_shards(tensors: &[(String, u64)], max_shard_size: u64) -> Vec<Vec<String>> {
+    let mut shards = Vec::new();
+    let mut current: Vec<String> = Vec::new();
+    let mut size = 0u64;
+    for (name, bytes) in tensors {
+        if *bytes > max_shard_size {
+            shards.push(vec![name.clone()]);
+            continue;
+        }
+        if size + bytes > max_shard_size {
+            shards.push(std::mem::take(&mut current));
+            size = 0;
+        }
+        current.push(name.clone());
+        size += bytes;
+    }
+    if !current.is_empty() {
+        shards.push(current);
+    }
+    shards
+}
+
+/// Exports the model `source` names (see [`crate::load::resolve`]) to `out` (see
+/// [`export`]).
+pub fn export_spec(source: &str, out: &Path, options: &ExportOptions) -> Result<Exported> {
+    export(&ModelDir::open(source)?, out, options)
+}
+
+/// Writes `source` as a Hugging Face model directory at `out`: `config.json`
+/// ([`crate::model::ModelConfig::to_hf_json`], `torch_dtype` set to the dtype written), the
+/// weights in that dtype (the source's stored dtype unless `options.dtype` says otherwise;
+/// tied heads written once, as `transformers` saves them), sharded above
+/// `options.max_shard_size`, and the tokenizer and generation files of the model's origin
+/// ([`COPIED_FILES`]; a run trained on `tokenizer` data exports its `tokenizer_path`).
+///
+/// `out` must not exist or be empty, unless `options.force` (it is then replaced whole); it
+/// may not hold the source. Everything is written into a temporary directory beside `out`,
+/// which is renamed into place last.
+pub fn export(source: &ModelDir, out: &Path, options: &ExportOptions) -> Result<Exported> {
+    check_destination(source, out, options.force)?;
+    let loaded = source.load_with(&Checks::default(), &Device::Cpu)?;
+    let origins = origins(source);
+    let (dtype, dtype_from) = match options.dtype {
+        Some(d) => (d, "--dtype".to_string()),
+        None => stored_dtype(&origins)?,
+    };
+    let copies = files_to_copy(&origins);
+    let (tmp, name) = temporary_beside(out)?;
+    let written = (|| -> Result<Exported> {
+        let (weight_files, total_size) =
+            write_weights(&tmp, &loaded.params, dtype, options.max_shard_size)?;
+        let mut config = loaded.config.to_hf_json();
+        if let Value::Object(m) = &mut config {
+            m.insert("torch_dtype".into(), json!(dtype.torch_name()));
+            if m.contains_key("dtype") {
+                m.insert("dtype".into(), json!(dtype.torch_name()));
+            }
+        }
+        let text = serde_json::to_string_pretty(&config)
+            .map_err(|e| Error::checkpoint(tmp.join(CONFIG_FILE), e.to_string()))?;
+        io::write_atomic(&tmp.join(CONFIG_FILE), format!("{text}\n").as_bytes())?;
+        for (file, from) in &copies {
+            let bytes = fs::read(from).map_err(|e| Error::io(from, e))?;
+            io::write_atomic(&tmp.join(file), &bytes)?;
+        }
+        io::sync_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        Ok(Exported {
+            dir: out.to_path_buf(),
+            dtype,
+            dtype_from,
+            weight_files,
+            total_size,
+            copied: copies.clone(),
+        })
+    })()
+    .and_then(|e| place(&tmp, out, &name).map(|()| e));
+    if written.is_err() {
+        let _ = fs::remove_dir_all(&tmp);
+    }
+    written
+}
+
+/// Refuses an output that is a file, holds files (unless `force`), or holds the source.
+fn check_destination(source: &ModelDir, out: &Path, force: bool) -> Result<()> {
+    if out.exists() && !out.is_dir() {
+        return Err(Error::checkpoint(out, "exists and is not a directory"));
+    }
+    if !out.is_dir() {
+        return Ok(());
+    }
+    let (o, s) = (fs::canonicalize(out), fs::canonicalize(&source.dir));
+    if let (Ok(o), Ok(s)) = (o, s) {
+        if s.starts_with(&o) {
+            return Err(Error::checkpoint(
+                out,
+                format!(
+                    "holds the model being exported ({}): export to another directory",
+                    source.dir.display()
+                ),
+            ));
+        }
+    }
+    let full = fs::read_dir(out)
+        .map_err(|e| Error::io(out, e))?
+        .next()
+        .is_some();
+    if full && !force {
+        return Err(Error::checkpoint(
+            out,
+            "already holds files: export to a new or empty directory, or replace it with \
+             --force",
+        ));
+    }
+    Ok(())
+}
+
+/// A fresh temporary directory beside `out`, and `out`'s file name.
+fn temporary_beside(out: &Path) -> Result<(PathBuf, String)> {
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .ok_or_else(|| Error::checkpoint(out, "names no directory"))?;
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    fs::create_dir_all(&parent).map_err(|e| Error::io(&parent, e))?;
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    fs::create_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    Ok((tmp, name))
+}
+
+/// Renames the finished `tmp` to `out`, replacing what `out` held.
+fn place(tmp: &Path, out: &Path, name: &str) -> Result<()> {
+    if out.exists() {
+        let old = out.with_file_name(format!(".{name}.old-{}", std::process::id()));
+        fs::rename(out, &old).map_err(|e| Error::io(out, e))?;
+        if let Err(e) = fs::rename(tmp, out) {
+            let _ = fs::rename(&old, out);
+            return Err(Error::io(out, e));
+        }
+        let _ = fs::remove_dir_all(&old);
+    } else {
+        fs::rename(tmp, out).map_err(|e| Error::io(out, e))?;
+    }
+    match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => io::sync_dir(p).map_err(|e| Error::io(p, e)),
+        _ => Ok(()),
+    }
+}
+
+/// Writes the parameters as `dtype` into `dir`: one `model.safetensors`, or shards and the
+/// index. Returns the files written and the bytes of tensor data.
+fn write_weights(
+    dir: &Path,
+    params: &crate::model::Params,
+    dtype: WeightDtype,
+    max_shard_size: u64,
+) -> Result<(Vec<String>, u64)> {
+    let width = dtype.dtype().size_in_bytes() as u64;
+    let sizes: Vec<(String, u64)> = params
+        .iter()
+        .map(|(n, v)| (n.clone(), v.elem_count() as u64 * width))
+        .collect();
+    let total: u64 = sizes.iter().map(|(_, b)| b).sum();
+    let shards = plan_shards(&sizes, max_shard_size);
+    let n = shards.len();
+    let mut files = Vec::with_capacity(n + 1);
+    let mut weight_map = BTreeMap::new();
+    for (i, names) in shards.iter().enumerate() {
+        let file = match n {
+            1 => MODEL_FILE.to_string(),
+            _ => format!("model-{:05}-of-{n:05}.safetensors", i + 1),
+        };
+        let tensors = names
+            .iter()
+            .map(|name| Ok((name.clone(), params.tensor(name)?.to_dtype(dtype.dtype())?)))
+            .collect::<Result<Vec<(String, Tensor)>>>()?;
+        write_safetensors(&dir.join(&file), tensors)?;
+        for name in names {
+            weight_map.insert(name.clone(), file.clone());
+        }
+        files.push(file);
+    }
+    if n > 1 {
+        let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        let path = dir.join(INDEX_FILE);
+        let text = serde_json::to_string_pretty(&index)
+            .map_err(|e| Error::checkpoint(&path, e.to_string()))?;
+        io::write_atomic(&path, format!("{text}\n").as_bytes())?;
+        files.push(INDEX_FILE.to_string());
+    }
+    Ok((files, total))
+}
+
+/// Writes one safetensors file with `{"format": "pt"}` metadata (which transformers 4.x
+/// loaders check), streamed tensor by tensor, and fsyncs it.
+fn write_safetensors(path: &Path, tensors: Vec<(String, Tensor)>) -> Result<()> {
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(tensors, Some(meta), path)
+        .map_err(|e| Error::checkpoint(path, format!("cannot write: {e}")))?;
+    fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| Error::io(path, e))
+}
+
+/// `source` and the models it was started from: a trainer run's `init_from`, followed while it
+/// can still be found (a warning says where it cannot).
+fn origins(source: &ModelDir) -> Vec<ModelDir> {
+    let mut chain = vec![source.clone()];
+    while chain.len() < MAX_ORIGINS {
+        let last = &chain[chain.len() - 1];
+        let Some(from) = last.run_config().and_then(|c| c.init_from.clone()) else {
+            break;
+        };
+        match ModelDir::open(&from) {
+            Ok(m) => chain.push(m),
+            Err(e) => {
+                tracing::warn!(
+                    "{} was started from `{from}`, which cannot be read now ({e}): its stored \
+                     dtype and tokenizer files are unknown",
+                    last.dir.display()
+                );
+                break;
+            }
+        }
+    }
+    chain
+}
+
+/// The dtype the model's origin stored its weights in, and where that was read.
+fn stored_dtype(origins: &[ModelDir]) -> Result<(WeightDtype, String)> {
+    let last = &origins[origins.len() - 1];
+    let config = last.dir.join(CONFIG_FILE);
+    let json: Value = io::read_json(&config)?;
+    let named = json
+        .get("torch_dtype")
+        .or_else(|| json.get("dtype"))
+        .and_then(Value::as_str);
+    let from_config = named.and_then(WeightDtype::from_torch_name);
+    let said = |what: &str| format!("{what} of {}", config.display());
+    if let Some(run) = last.run_config() {
+        // A trainer checkpoint stores f32 master weights: a run from scratch exports f32; one
+        // whose pretrained origin is gone keeps the torch_dtype its config.json carried over.
+        return Ok(match (&run.init_from, from_config) {
+            (Some(_), Some(d)) => (d, said("torch_dtype")),
+            _ => (
+                WeightDtype::F32,
+                format!("trained by the trainer in f32 ({})", last.dir.display()),
+            ),
+        });
+    }
+    if let Some(d) = from_config {
+        return Ok((d, said("torch_dtype")));
+    }
+    if let Some(name) = named {
+        tracing::warn!(
+            "{}: torch_dtype `{name}` is not f32, bf16 or f16: exporting as the stored tensors are",
+            config.display()
+        );
+    }
+    let headers = last.weights.headers()?;
+    let stored = headers
+        .iter()
+        .find_map(|h| WeightDtype::from_header(&h.dtype));
+    Ok(match stored {
+        Some(d) => (d, format!("the stored tensors of {}", last.dir.display())),
+        None => (WeightDtype::F32, "no stored float dtype found".into()),
+    })
+}
+
+/// The files to copy: each of [`COPIED_FILES`] from the first of the origins that has it, and
+/// a run's own tokenizer (`tokenizer` data) as `tokenizer.json`.
+fn files_to_copy(origins: &[ModelDir]) -> Vec<(String, PathBuf)> {
+    let mut files: BTreeMap<String, PathBuf> = BTreeMap::new();
+    for name in COPIED_FILES {
+        if let Some(p) = origins
+            .iter()
+            .map(|m| m.dir.join(name))
+            .find(|p| p.is_file())
+        {
+            files.insert(name.to_string(), p);
+        }
+    }
+    if let Some(run) = origins[0].run_config() {
+        if let (DataKind::Tokenizer, Some(tok)) = (run.data, &run.tokenizer_path) {
+            if tok.is_file() {
+                files.insert(TOKENIZER_FILE.to_string(), tok.clone());
+            } else {
+                tracing::warn!(
+                    "the run of {} trained on the tokenizer {}, which cannot be found now: \
+                     not exported",
+                    origins[0].dir.display(),
+                    tok.display()
+                );
+            }
+        }
+    }
+    files.into_iter().collect()
+}

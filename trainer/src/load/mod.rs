@@ -1,0 +1,400 @@
+//! One loading path for every command: `train --resume`, `train --init-from`, `eval`,
+//! `sample`, `inspect` and `export` resolve what they are given with [`ModelDir::open`] and
+//! read it with [`ModelDir::load_then`] (or its shorthands), so a check added there holds for
+//! all of them.
+//!
+//! What can be loaded ([`resolve`]):
+//!
+//! - a directory with `config.json` and weights (`model.safetensors`, or the shards named by
+//!   `model.safetensors.index.json`): a Hugging Face model directory, or a trainer checkpoint
+//!   directory (it also holds `trainer_state.json` and `manifest.json`),
+//! - a trainer run directory (its latest checkpoint, see [`checkpoint::resolve`]),
+//! - a model id such as `openai-community/gpt2`, found in the local hub cache ([`crate::hub`];
+//!   nothing is downloaded).
+//!
+//! Loading, in this order (the first problem is the error, naming the file and the key):
+//!
+//! 1. `config.json`, of any known architecture ([`crate::model::config_from_hf_json_file`]);
+//! 2. for a trainer checkpoint given data, the data's fingerprint against the run's
+//!    ([`crate::data::check_fingerprint`]), then `config.json` against the run's recorded
+//!    state ([`checkpoint::check_model_matches`]);
+//! 3. the data's and the tokenizer's vocabularies against the model's embedding;
+//! 4. memory: a training step of the run (given one), else the f32 weights, must fit, before
+//!    anything of the model's size is allocated;
+//! 5. the weights, single or sharded, memory-mapped and checked ([`WeightFiles::read`]);
+//! 6. what the caller reads besides (resume: the optimiser state);
+//! 7. a trainer checkpoint's `manifest.json` ([`checkpoint::manifest::verify`]), last, so that a
+//!    corrupt file is named for what is wrong with it before the manifest says it changed.
+
+mod weights;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+use serde_json::Value;
+
+pub use weights::{ShardIndex, TensorHeader, WeightFiles, INDEX_FILE};
+
+use crate::checkpoint::{self, Source, TrainerState, CONFIG_FILE, STATE_FILE};
+use crate::config::TrainConfig;
+use crate::data::DataSource;
+use crate::model::{Model, ModelConfig, Params};
+use crate::pretrained::{TokenizerFile, TOKENIZER_FILE};
+use crate::{hub, Error, Result};
+
+/// `transformers`' generation settings file (`eos_token_id` may be a list there).
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+
+/// The model directory `spec` names, looking hub ids up in the default cache (`HF_HOME`).
+pub fn resolve(spec: &str) -> Result<PathBuf> {
+    resolve_in(spec, &hub::default_cache())
+}
+
+/// The model directory `spec` names: a directory holding `config.json` and weights, the
+/// latest checkpoint of a run directory, or the snapshot of a model id in `cache`.
+///
+/// ```
+/// let cache = hf_hub::Cache::new(std::env::temp_dir().join("no-such-hf-cache"));
+/// let err = trainer::load::resolve_in("no-org/no-model", &cache).unwrap_err();
+/// assert!(err.to_string().contains("no-org/no-model"));
+/// ```
+pub fn resolve_in(spec: &str, cache: &hf_hub::Cache) -> Result<PathBuf> {
+    let path = Path::new(spec);
+    if path.is_dir() {
+        if path.join(CONFIG_FILE).is_file() && WeightFiles::present_in(path) {
+            return Ok(path.to_path_buf());
+        }
+        return checkpoint::resolve(path).map_err(|e| {
+            Error::checkpoint(
+                path,
+                format!(
+                    "not a model directory (config.json + model.safetensors or {INDEX_FILE}), \
+                     nor a trainer checkpoint or run directory ({e})"
+                ),
+            )
+        });
+    }
+    if path.exists() {
+        return Err(Error::checkpoint(
+            path,
+            "is a file; expected a model directory (config.json + model.safetensors), a trainer \
+             checkpoint or run directory, or a Hugging Face model id",
+        ));
+    }
+    if !looks_like_hub_id(spec) {
+        return Err(Error::checkpoint(path, "no such directory"));
+    }
+    hub::snapshot_dir(cache, spec).map_err(|e| {
+        Error::checkpoint(
+            path,
+            format!("no such directory, and not found as a Hugging Face model id: {e}"),
+        )
+    })
+}
+
+/// `name` or `org/name`: what a hub model id can be (a path like `./x`, `/x` or `a/b/c` cannot).
+fn looks_like_hub_id(spec: &str) -> bool {
+    let parts: Vec<&str> = spec.split('/').collect();
+    parts.len() <= 2
+        && parts.iter().all(|p| {
+            !p.is_empty()
+                && !p.starts_with('.')
+                && p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        })
+}
+
+/// A resolved model directory: where its weights are and, for a trainer checkpoint, the run
+/// it belongs to.
+#[derive(Clone, Debug)]
+pub struct ModelDir {
+    /// The directory holding `config.json` and the weights.
+    pub dir: PathBuf,
+    /// The trainer state of a trainer checkpoint (`None` for a bare Hugging Face model).
+    pub run: Option<TrainerState>,
+    /// The weight files: `model.safetensors` or the shards of its index.
+    pub weights: WeightFiles,
+}
+
+/// How a trainer checkpoint's data fingerprint is checked against the data given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FingerprintCheck {
+    /// Not at all: the data is another run's (`--init-from`).
+    Skip,
+    /// The vocabulary must be the run's (the ids mean what they meant in training).
+    Vocabulary,
+    /// The vocabulary and the token stream must be the run's (resuming it, or evaluating it
+    /// on its own corpus).
+    Corpus,
+}
+
+/// Data a model is loaded for.
+#[derive(Clone, Copy)]
+pub struct DataCheck<'a> {
+    /// The data source.
+    pub source: &'a dyn DataSource,
+    /// What of a trainer checkpoint's fingerprint must match.
+    pub fingerprint: FingerprintCheck,
+}
+
+/// A vocabulary (a tokenizer) the model's embedding must cover.
+#[derive(Clone, Copy, Debug)]
+pub struct Vocabulary<'a> {
+    /// What it is, for the error (`the tokenizer tok.json`).
+    pub name: &'a str,
+    /// Its number of token ids.
+    pub ids: usize,
+    /// What to do instead, for the error.
+    pub advice: &'a str,
+}
+
+/// What a command checks besides the weights (each `None`: not checked).
+#[derive(Clone, Copy, Default)]
+pub struct Checks<'a> {
+    /// The run the model is loaded for: one training step of it must fit in memory
+    /// ([`crate::train::memory::check_run_fits`]). `None`: inference, the f32 weights must fit.
+    pub train: Option<&'a TrainConfig>,
+    /// The data the model is loaded for.
+    pub data: Option<DataCheck<'a>>,
+    /// A tokenizer whose ids the model must embed.
+    pub vocab: Option<Vocabulary<'a>>,
+    /// The config the model is built with, from the one `config.json` holds (a run's dropout
+    /// and special tokens over a pretrained model's); the same shapes.
+    pub settings: Option<&'a Settings<'a>>,
+}
+
+/// A function from the config `config.json` holds to the one a model is built with.
+pub type Settings<'a> = dyn Fn(&dyn ModelConfig) -> Result<Box<dyn ModelConfig>> + 'a;
+
+/// A loaded model: its config and f32 parameters.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The config (after [`Checks::settings`]).
+    pub config: Box<dyn ModelConfig>,
+    /// The parameters, f32, by Hugging Face name.
+    pub params: Params,
+}
+
+impl Loaded {
+    /// The model built over the parameters.
+    pub fn build(&self) -> Result<Box<dyn Model>> {
+        crate::model::build(self.config.as_ref(), &self.params)
+    }
+}
+
+impl ModelDir {
+    /// Resolves `spec` (see [`resolve`]) and reads the checkpoint's trainer state, if any.
+    pub fn open(spec: &str) -> Result<Self> {
+        Self::at(resolve(spec)?)
+    }
+
+    /// The model in directory `dir` (already resolved).
+    pub fn at(dir: PathBuf) -> Result<Self> {
+        let state = dir.join(STATE_FILE);
+        let run = match state.is_file() {
+            true => Some(crate::io::read_json(&state)?),
+            false => None,
+        };
+        let weights = WeightFiles::locate(&dir)?;
+        Ok(ModelDir { dir, run, weights })
+    }
+
+    /// The run config of a trainer checkpoint.
+    pub fn run_config(&self) -> Option<&TrainConfig> {
+        self.run.as_ref().map(|s| &s.config)
+    }
+
+    /// What the weights are, which decides what loading them accepts.
+    pub fn source(&self) -> Source {
+        match self.run {
+            Some(_) => Source::Checkpoint,
+            None => Source::Pretrained,
+        }
+    }
+
+    /// Its `config.json`, of any known architecture.
+    pub fn config(&self) -> Result<Box<dyn ModelConfig>> {
+        crate::model::config_from_hf_json_file(&self.dir.join(CONFIG_FILE))
+    }
+
+    /// The model's config and weights on `device`, for inference (no other checks).
+    pub fn load(&self, device: &Device) -> Result<(Box<dyn ModelConfig>, Params)> {
+        let l = self.load_with(&Checks::default(), device)?;
+        Ok((l.config, l.params))
+    }
+
+    /// The model on `device`, ready for inference.
+    pub fn load_model(&self, device: &Device) -> Result<Box<dyn Model>> {
+        self.load_with(&Checks::default(), device)?.build()
+    }
+
+    /// Loads the model on `device` after `checks` (see the module's order).
+    pub fn load_with(&self, checks: &Checks, device: &Device) -> Result<Loaded> {
+        Ok(self.load_then(checks, device, |_| Ok(()))?.0)
+    }
+
+    /// The loader: checks, weights, then `read` (what the caller reads of the checkpoint
+    /// besides, e.g. the optimiser state), then a trainer checkpoint's manifest. See the
+    /// module documentation for the order.
+    pub fn load_then<T>(
+        &self,
+        checks: &Checks,
+        device: &Device,
+        read: impl FnOnce(&Loaded) -> Result<T>,
+    ) -> Result<(Loaded, T)> {
+        let stored = self.config()?;
+        let data = checks.data.map(|d| d.source);
+        if let Some(run) = &self.run {
+            if let Some(d) = checks.data {
+                let tokens = match d.fingerprint {
+                    FingerprintCheck::Skip => None,
+                    FingerprintCheck::Vocabulary => Some(false),
+                    FingerprintCheck::Corpus => Some(true),
+                };
+                if let Some(tokens) = tokens {
+                    crate::data::check_fingerprint(run.data.as_ref(), d.source, &self.dir, tokens)?;
+                }
+            }
+            checkpoint::check_model_matches(stored.as_ref(), &run.config, data, &self.dir)?;
+        }
+        let config = match checks.settings {
+            Some(settings) => settings(stored.as_ref())?,
+            None => stored,
+        };
+        let embedded = config.vocab_size();
+        if let Some(d) = data.filter(|d| d.vocab_size() > embedded) {
+            return Err(Error::Config(format!(
+                "the data has {} token ids but the model in {} embeds only {embedded}",
+                d.vocab_size(),
+                self.dir.display()
+            )));
+        }
+        if let Some(v) = checks.vocab.filter(|v| v.ids > embedded) {
+            return Err(Error::Config(format!(
+                "{} has {} token ids but the model in {} embeds only {embedded}{}",
+                v.name,
+                v.ids,
+                self.dir.display(),
+                v.advice
+            )));
+        }
+        match checks.train {
+            Some(run) => crate::train::memory::check_run_fits(run, config.as_ref(), device)?,
+            None if device.is_cpu() => {
+                // The f32 weights, refused before they are read (activations come on top).
+                let what = format!(
+                    "the model in {} ({})",
+                    self.dir.display(),
+                    config.describe()
+                );
+                let need = 4 * config.num_params() as u64;
+                crate::runtime::check_fits(need, &what, "use a machine with more memory")?;
+            }
+            None => {}
+        }
+        let params = self.weights.read(config.as_ref(), device, self.source())?;
+        let loaded = Loaded { config, params };
+        let more = read(&loaded)?;
+        if let Some(run) = &self.run {
+            // A trainer checkpoint is one unit (see `checkpoint::manifest`).
+            checkpoint::manifest::verify(&self.dir, run.step)?;
+        }
+        Ok((loaded, more))
+    }
+
+    /// The ids generation stops at: `eos_token_id` of `generation_config.json` (an id or a
+    /// list, as instruction-tuned models list several), else of `config.json`, else the end
+    /// token `config` knows (e.g. GPT-2's default); ids outside the vocabulary are dropped.
+    pub fn eos_token_ids(&self, config: &dyn ModelConfig) -> Result<Vec<u32>> {
+        for file in [GENERATION_CONFIG_FILE, CONFIG_FILE] {
+            let path = self.dir.join(file);
+            if !path.is_file() {
+                continue;
+            }
+            let json: Value = crate::io::read_json(&path)?;
+            let v = match json.get("eos_token_id") {
+                None | Some(Value::Null) => continue,
+                Some(v) => v,
+            };
+            let ids = token_ids(v).ok_or_else(|| {
+                Error::checkpoint(
+                    &path,
+                    format!("`eos_token_id` must be a token id or a list of them, got {v}"),
+                )
+            })?;
+            let vocab = config.vocab_size();
+            return Ok(ids.into_iter().filter(|&i| (i as usize) < vocab).collect());
+        }
+        Ok(config.special_tokens().eos.into_iter().collect())
+    }
+
+    /// The `tokenizer.json` next to the weights, or an error naming where it was looked for.
+    pub fn tokenizer(&self) -> Result<TokenizerFile> {
+        let path = self.dir.join(TOKENIZER_FILE);
+        if !path.is_file() {
+            return Err(Error::checkpoint(
+                &path,
+                "no tokenizer.json next to the model: give one with --tokenizer-path",
+            ));
+        }
+        TokenizerFile::open(&path)
+    }
+}
+
+/// An id or a list of ids.
+fn token_ids(v: &Value) -> Option<Vec<u32>> {
+    let one = |x: &Value| x.as_u64().and_then(|x| u32::try_from(x).ok());
+    match v {
+        Value::Array(a) => a.iter().map(one).collect(),
+        x => one(x).map(|x| vec![x]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hub_ids_and_paths() {
+        for id in ["gpt2", "openai-community/gpt2", "org/name-v1.5_x"] {
+            assert!(looks_like_hub_id(id), "{id}");
+        }
+        for p in ["./run", "/abs/run", "runs/a/b", "../x", "", "a//b", "a b"] {
+            assert!(!looks_like_hub_id(p), "{p}");
+        }
+    }
+
+    #[test]
+    fn token_id_lists() {
+        let ids = |s: &str| token_ids(&serde_json::from_str(s).unwrap());
+        assert_eq!(ids("7"), Some(vec![7]));
+        assert_eq!(
+            ids("[128001, 128008, 128009]"),
+            Some(vec![128001, 128008, 128009])
+        );
+        assert_eq!(ids("[1, \"x\"]"), None);
+        assert_eq!(ids("-1"), None);
+    }
+
+    #[test]
+    fn missing_things_are_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = hf_hub::Cache::new(tmp.path().join("hub"));
+        let e = resolve_in("./nowhere", &cache).unwrap_err().to_string();
+        assert!(
+            e.contains("nowhere") && e.contains("no such directory"),
+            "{e}"
+        );
+        let e = resolve_in("org/none", &cache).unwrap_err().to_string();
+        assert!(e.contains("org/none") && e.contains("Hugging Face"), "{e}");
+        let file = tmp.path().join("model.safetensors");
+        std::fs::write(&file, b"x").unwrap();
+        let spec = file.display().to_string();
+        let e = resolve_in(&spec, &cache).unwrap_err().to_string();
+        assert!(e.contains("is a file"), "{e}");
+        let empty = tmp.path().join("empty");
+        std::fs::create_dir_all(&empty).unwrap();
+        let e = resolve_in(&empty.display().to_string(), &cache).unwrap_err();
+        assert!(e.to_string().contains("not a model directory"), "{e}");
+    }
+}
