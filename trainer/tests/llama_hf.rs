@@ -11,93 +11,15 @@
 //! frequency or mask moves them by orders of magnitude more (each case is also run with its
 //! feature disabled and must then fail these bounds).
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+mod common;
 
-use candle_core::{DType, Device, Tensor};
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+use common::llama::{expected, fixture, Expected};
 use trainer::checkpoint;
 use trainer::model::llama::{LlamaConfig, RopeScaling};
-use trainer::model::{Builder, Ctx, Kernels, Model, ModelConfig, Params, Rows, IGNORE};
-
-fn fixture(case: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/llama")
-        .join(case)
-}
-
-struct Expected {
-    idx: Tensor,
-    targets: Tensor,
-    rows: Rows,
-    loss: f32,
-    logits: Tensor,
-    grads: HashMap<String, Tensor>,
-}
-
-fn expected(case: &str) -> Expected {
-    let path = fixture(case).join("expected.safetensors");
-    let mut t = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
-    let ids = t.remove("input_ids").unwrap();
-    let labels: Vec<Vec<i64>> = t.remove("labels").unwrap().to_vec2().unwrap();
-    // transformers shifts the labels: position t predicts labels[t + 1]; the last predicts
-    // nothing.
-    let targets: Vec<Vec<u32>> = labels
-        .iter()
-        .map(|row| {
-            (0..row.len())
-                .map(|i| match row.get(i + 1) {
-                    Some(&l) if l >= 0 => l as u32,
-                    _ => IGNORE,
-                })
-                .collect()
-        })
-        .collect();
-    let rows = match t.remove("position_ids") {
-        None => Rows::default(),
-        Some(p) => {
-            let pos: Vec<Vec<i64>> = p.to_vec2().unwrap();
-            // A new document wherever the positions restart (transformers'
-            // `find_packed_sequence_indices`).
-            let docs: Vec<Vec<u32>> = pos
-                .iter()
-                .map(|row| {
-                    let mut d = 0u32;
-                    row.iter()
-                        .enumerate()
-                        .map(|(i, &p)| {
-                            if i > 0 && p == 0 {
-                                d += 1;
-                            }
-                            d
-                        })
-                        .collect()
-                })
-                .collect();
-            let pos: Vec<Vec<u32>> = pos
-                .iter()
-                .map(|r| r.iter().map(|&p| p as u32).collect())
-                .collect();
-            Rows {
-                positions: Some(Tensor::new(pos, &Device::Cpu).unwrap()),
-                doc_ids: Some(Tensor::new(docs, &Device::Cpu).unwrap()),
-            }
-        }
-    };
-    let loss = t.remove("loss").unwrap().to_scalar::<f32>().unwrap();
-    let logits = t.remove("logits").unwrap();
-    let grads = t
-        .into_iter()
-        .filter_map(|(k, v)| k.strip_prefix("grad.").map(|n| (n.to_string(), v)))
-        .collect();
-    Expected {
-        idx: ids.to_dtype(DType::U32).unwrap(),
-        targets: Tensor::new(targets, &Device::Cpu).unwrap(),
-        rows,
-        loss,
-        logits,
-        grads,
-    }
-}
+use trainer::model::{Builder, Ctx, Kernels, Model, ModelConfig, Params};
 
 fn load(case: &str) -> (LlamaConfig, Params) {
     let (config, params) = checkpoint::load_model(&fixture(case), &Device::Cpu).unwrap();

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod hf;
+pub mod llama;
 pub mod tiny;
 
 use std::path::{Path, PathBuf};

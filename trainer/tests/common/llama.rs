@@ -1,0 +1,92 @@
+//! The Llama-family fixtures of `tests/fixtures/llama/` (made with transformers by
+//! `scripts/python/make_llama_fixtures.py`): a case's batch, transformers' loss, logits and
+//! gradients.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use trainer::model::{Rows, IGNORE};
+
+/// The directory of fixture `case`.
+pub fn fixture(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/llama")
+        .join(case)
+}
+
+/// A case's batch and what transformers computed of it.
+pub struct Expected {
+    pub idx: Tensor,
+    pub targets: Tensor,
+    pub rows: Rows,
+    pub loss: f32,
+    pub logits: Tensor,
+    pub grads: HashMap<String, Tensor>,
+}
+
+/// Case `case`'s batch (targets shifted as transformers shifts its labels) and results.
+pub fn expected(case: &str) -> Expected {
+    let path = fixture(case).join("expected.safetensors");
+    let mut t = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let ids = t.remove("input_ids").unwrap();
+    let labels: Vec<Vec<i64>> = t.remove("labels").unwrap().to_vec2().unwrap();
+    // transformers shifts the labels: position t predicts labels[t + 1]; the last predicts
+    // nothing.
+    let targets: Vec<Vec<u32>> = labels
+        .iter()
+        .map(|row| {
+            (0..row.len())
+                .map(|i| match row.get(i + 1) {
+                    Some(&l) if l >= 0 => l as u32,
+                    _ => IGNORE,
+                })
+                .collect()
+        })
+        .collect();
+    let rows = match t.remove("position_ids") {
+        None => Rows::default(),
+        Some(p) => {
+            let pos: Vec<Vec<i64>> = p.to_vec2().unwrap();
+            // A new document wherever the positions restart (transformers'
+            // `find_packed_sequence_indices`).
+            let docs: Vec<Vec<u32>> = pos
+                .iter()
+                .map(|row| {
+                    let mut d = 0u32;
+                    row.iter()
+                        .enumerate()
+                        .map(|(i, &p)| {
+                            if i > 0 && p == 0 {
+                                d += 1;
+                            }
+                            d
+                        })
+                        .collect()
+                })
+                .collect();
+            let pos: Vec<Vec<u32>> = pos
+                .iter()
+                .map(|r| r.iter().map(|&p| p as u32).collect())
+                .collect();
+            Rows {
+                positions: Some(Tensor::new(pos, &Device::Cpu).unwrap()),
+                doc_ids: Some(Tensor::new(docs, &Device::Cpu).unwrap()),
+            }
+        }
+    };
+    let loss = t.remove("loss").unwrap().to_scalar::<f32>().unwrap();
+    let logits = t.remove("logits").unwrap();
+    let grads = t
+        .into_iter()
+        .filter_map(|(k, v)| k.strip_prefix("grad.").map(|n| (n.to_string(), v)))
+        .collect();
+    Expected {
+        idx: ids.to_dtype(DType::U32).unwrap(),
+        targets: Tensor::new(targets, &Device::Cpu).unwrap(),
+        rows,
+        loss,
+        logits,
+        grads,
+    }
+}
