@@ -1,4 +1,5 @@
-//! Text generation: temperature and top-k sampling, and batched greedy decoding.
+//! Text generation: temperature, top-k and top-p (nucleus) sampling, and batched greedy
+//! decoding.
 
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 use rand::Rng;
@@ -14,6 +15,9 @@ pub struct SamplingConfig {
     pub temperature: f64,
     /// Keep only the `top_k` most likely tokens (None: all).
     pub top_k: Option<usize>,
+    /// Keep only the most likely tokens whose probabilities (after temperature and top-k)
+    /// sum to at least `top_p` (nucleus sampling; 1.0: all).
+    pub top_p: f64,
     /// Draw only ids below this (a tokenizer with fewer ids than the model's padded
     /// vocabulary; None: every id the model has).
     pub vocab: Option<usize>,
@@ -24,6 +28,7 @@ impl Default for SamplingConfig {
         SamplingConfig {
             temperature: 0.8,
             top_k: Some(200),
+            top_p: 1.0,
             vocab: None,
         }
     }
@@ -147,7 +152,20 @@ fn pick(logits: &[f32], sampling: SamplingConfig, rng: &mut ChaCha8Rng) -> u32 {
         .iter()
         .map(|&i| ((logits[i] as f64 - max) / sampling.temperature).exp())
         .collect();
-    let total: f64 = weights.iter().sum();
+    let mut total: f64 = weights.iter().sum();
+    if sampling.top_p < 1.0 {
+        // The smallest prefix (in descending order) holding top_p of the mass; at least one.
+        let mut kept = 0.0;
+        let n = weights
+            .iter()
+            .position(|w| {
+                kept += w;
+                kept >= sampling.top_p * total
+            })
+            .map_or(weights.len(), |i| i + 1);
+        order.truncate(n);
+        total = weights[..n].iter().sum();
+    }
     let mut u = rng.random::<f64>() * total;
     for (w, &i) in weights.iter().zip(&order) {
         if u < *w {
@@ -199,4 +217,34 @@ pub fn greedy_batch(
         return Ok(vec![Vec::new(); prompts.len()]);
     }
     Ok(Tensor::cat(&answer, 1)?.to_vec2::<u32>()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    /// Probabilities 0.5, 0.3, 0.15, 0.05 (at temperature 1): top-p 0.7 keeps the first two,
+    /// 0.85 the first three, 1.0 all; top-p 0.1 keeps at least the most likely.
+    #[test]
+    fn top_p_keeps_the_smallest_prefix_holding_the_mass() {
+        let logits: Vec<f32> = [0.05f32, 0.5, 0.15, 0.3].iter().map(|p| p.ln()).collect();
+        let drawn = |top_p: f64| {
+            let s = SamplingConfig {
+                temperature: 1.0,
+                top_k: None,
+                top_p,
+                vocab: None,
+            };
+            let mut rng = ChaCha8Rng::seed_from_u64(3);
+            let mut seen: Vec<u32> = (0..2000).map(|_| pick(&logits, s, &mut rng)).collect();
+            seen.sort();
+            seen.dedup();
+            seen
+        };
+        assert_eq!(drawn(0.1), [1]);
+        assert_eq!(drawn(0.7), [1, 3]);
+        assert_eq!(drawn(0.85), [1, 2, 3]);
+        assert_eq!(drawn(1.0), [0, 1, 2, 3]);
+    }
 }

@@ -121,6 +121,10 @@ struct SampleArgs {
     /// Sample among the k most likely tokens only.
     #[arg(long, default_value_t = 200)]
     top_k: usize,
+    /// Sample among the most likely tokens holding this much probability only (nucleus
+    /// sampling; 1: off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
     /// Number of samples.
     #[arg(long, default_value_t = 1)]
     num_samples: usize,

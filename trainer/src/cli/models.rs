@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use rand::SeedableRng;
 use trainer::checkpoint;
 use trainer::load::{Checks, DataCheck, FingerprintCheck, ModelDir, Vocabulary, WeightFiles};
@@ -105,9 +105,13 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
     } else {
         prompt
     };
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        bail!("--top-p must be in (0, 1], got {}", args.top_p);
+    }
     let sampling = SamplingConfig {
         temperature: args.temperature,
         top_k: Some(args.top_k),
+        top_p: args.top_p,
         vocab: Some(ids),
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
