@@ -214,3 +214,100 @@ fn greedy_generation_with_the_kv_cache_equals_transformers() {
         assert_eq!(got, want, "{case}");
     }
 }
+
+#[test]
+fn bad_configs_name_the_file_and_the_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("llama3_rope").join("config.legacy.json")).unwrap(),
+    )
+    .unwrap();
+    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+        (
+            "unknown model_type",
+            Box::new(|v| v["model_type"] = "gemma7".into()),
+            "`model_type` is `gemma7`",
+        ),
+        (
+            "unknown class, no model_type",
+            Box::new(|v| {
+                v.as_object_mut().unwrap().remove("model_type");
+                v["architectures"] = serde_json::json!(["FalconForCausalLM"]);
+            }),
+            "`architectures` is `FalconForCausalLM`",
+        ),
+        (
+            "unsupported rope type",
+            Box::new(|v| v["rope_scaling"]["rope_type"] = "yarn".into()),
+            "`rope_scaling.rope_type`: `yarn` is not supported",
+        ),
+        (
+            "llama3 scaling without its factor",
+            Box::new(|v| {
+                v["rope_scaling"].as_object_mut().unwrap().remove("factor");
+            }),
+            "`rope_scaling.factor`",
+        ),
+        (
+            "another activation",
+            Box::new(|v| v["hidden_act"] = "gelu".into()),
+            "`hidden_act`: `gelu` is not supported",
+        ),
+        (
+            "heads not a multiple of kv heads",
+            Box::new(|v| v["num_key_value_heads"] = 3.into()),
+            "multiple of num_key_value_heads",
+        ),
+        (
+            "missing width",
+            Box::new(|v| {
+                v.as_object_mut().unwrap().remove("hidden_size");
+            }),
+            "`hidden_size`: missing",
+        ),
+        (
+            "a width that is not a number",
+            Box::new(|v| v["intermediate_size"] = "48".into()),
+            "`intermediate_size`: must be a non-negative integer",
+        ),
+    ];
+    for (what, edit, want) in cases {
+        let mut v = base.clone();
+        edit(&mut v);
+        let path = tmp.path().join("config.json");
+        std::fs::write(&path, v.to_string()).unwrap();
+        let e = trainer::model::config_from_hf_json_file(&path)
+            .expect_err(what)
+            .to_string();
+        assert!(e.contains(want), "{what}: {e}");
+        assert!(e.contains(&path.display().to_string()), "{what}: {e}");
+    }
+}
+
+#[test]
+fn a_tensor_of_the_wrong_shape_or_a_missing_one_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("llama").join(f), tmp.path().join(f)).unwrap();
+    }
+    let mut v: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("config.json")).unwrap(),
+    )
+    .unwrap();
+    v["intermediate_size"] = 40.into();
+    std::fs::write(tmp.path().join("config.json"), v.to_string()).unwrap();
+    let e = checkpoint::load_model(tmp.path(), &Device::Cpu)
+        .expect_err("wrong shape")
+        .to_string();
+    assert!(
+        e.contains("model.layers.0.mlp.down_proj.weight") && e.contains("model.safetensors"),
+        "{e}"
+    );
+    v["intermediate_size"] = 48.into();
+    v["num_hidden_layers"] = 3.into();
+    std::fs::write(tmp.path().join("config.json"), v.to_string()).unwrap();
+    let e = checkpoint::load_model(tmp.path(), &Device::Cpu)
+        .expect_err("missing layer")
+        .to_string();
+    assert!(e.contains("missing `model.layers.2."), "{e}");
+}
