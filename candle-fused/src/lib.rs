@@ -46,6 +46,7 @@ pub mod dropout;
 pub mod gelu;
 mod gemm_bf16;
 pub mod linear;
+pub mod linear_cross_entropy;
 pub mod linear_gelu;
 pub mod norm;
 mod op;

@@ -14,7 +14,7 @@
 //! 16-bit inputs are widened to f32 for Candle's GEMM (which has no 16-bit CPU kernel). Either
 //! way the GEMM accumulates in f32 and the result is rounded to the storage type once.
 
-mod gemm;
+pub(crate) mod gemm;
 
 use crate::cpu::{self, Elem, Real};
 use crate::op::{self, cpu_of, Grads, In, Kernel};
