@@ -290,10 +290,9 @@ fn a_tensor_of_the_wrong_shape_or_a_missing_one_is_named() {
     for f in ["config.json", "model.safetensors"] {
         std::fs::copy(fixture("llama").join(f), tmp.path().join(f)).unwrap();
     }
-    let mut v: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(tmp.path().join("config.json")).unwrap(),
-    )
-    .unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("config.json")).unwrap())
+            .unwrap();
     v["intermediate_size"] = 40.into();
     std::fs::write(tmp.path().join("config.json"), v.to_string()).unwrap();
     let e = checkpoint::load_model(tmp.path(), &Device::Cpu)

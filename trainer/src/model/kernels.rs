@@ -9,6 +9,7 @@
 
 use candle_core::Tensor;
 use candle_fused::attention::{self, AttentionConfig};
+use candle_fused::linear_cross_entropy as lce;
 use candle_fused::{cross_entropy, dropout, linear, linear_gelu, norm, rope, swiglu, RngKey};
 use serde::{Deserialize, Serialize};
 
@@ -191,11 +192,13 @@ impl Kernels {
         }
     }
 
-    /// Mean cross-entropy of `x [N, C] wᵀ` (`w [V, C]`) against `targets [N]`, ignoring
-    /// `ignore`.
+    /// Mean cross-entropy of the logits `x [N, C] wᵀ` (`w [V, C]`) against `targets [N]`,
+    /// ignoring `ignore`: fused, a chunk of rows at a time without the `[N, V]` logits (the
+    /// gradients computed on the way); reference, the whole logits and the composite loss.
     pub fn linear_cross_entropy(self, x: &Tensor, w: &Tensor, targets: &Tensor, ignore: u32) -> R {
-        let logits = self.linear(x, &w.t()?, None)?;
-        let logits = logits.to_dtype(super::stat_dtype(logits.dtype()))?;
-        self.cross_entropy_ignoring(&logits, targets, ignore)
+        match self {
+            Kernels::Fused => lce::linear_cross_entropy(x, w, targets, Some(ignore)),
+            Kernels::Reference => lce::linear_cross_entropy_composite(x, w, targets, Some(ignore)),
+        }
     }
 }
