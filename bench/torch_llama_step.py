@@ -77,6 +77,15 @@ MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::ma
 WARMUP = 3
 
 
+def current_rss_mib():
+    """The process's resident set now (after imports, before the model exists)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def matmul_ceiling(torch):
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     best = math.inf
@@ -131,6 +140,7 @@ def run_case(name, args):
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     peak_flops = matmul_ceiling(torch)
+    rss_base_mib = current_rss_mib()
     case = CASES[name]
     cfg = LlamaConfig(**case["cfg"], use_cache=False)
     cfg._attn_implementation = args.attn
@@ -158,11 +168,13 @@ def run_case(name, args):
         return loss.item()
 
     times, losses = [], []
-    for i in range(args.steps + WARMUP):
+    for i in range(args.steps + args.warmup):
         s = time.perf_counter()
         losses.append(step())
-        if i >= WARMUP:
+        if i >= args.warmup:
             times.append(time.perf_counter() - s)
+    # the peak over the warm-up and timed steps, before the profiler runs any more steps
+    peak_rss_steps_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     med, mean = statistics.median(times), statistics.mean(times)
     tokens = batch * block
     # matmul parameters: every Linear weight, lm_head included (tied or not); not the embedding lookup
@@ -186,7 +198,7 @@ def run_case(name, args):
         "block": block,
         "params": sum(p.numel() for p in model.parameters()),
         "steps": args.steps,
-        "warmup": WARMUP,
+        "warmup": args.warmup,
         "step_median_s": med,
         "step_mean_s": mean,
         "tokens_per_s": tokens / med,
@@ -196,6 +208,8 @@ def run_case(name, args):
         "sdpa_share": sdpa_share,
         "top_ops_self_cpu": top,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_base_mib": rss_base_mib,
+        "peak_rss_steps_mib": peak_rss_steps_mib,
         "peak_tensors_mib": peak_tensors / 2**20 if isinstance(peak_tensors, int) else peak_tensors,
         "loss_first_last": [losses[0], losses[-1]],
         "torch": torch.__version__,
@@ -206,7 +220,8 @@ def run_case(name, args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", help="run the cases whose name contains this")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps after 3 warm-up steps")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up steps")
+    ap.add_argument("--warmup", type=int, default=WARMUP, help="warm-up steps")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")

@@ -1,0 +1,326 @@
+//! A Llama training step against transformers' `LlamaForCausalLM` in PyTorch eager, side by
+//! side in one run: same shapes, threads, dtype and step (forward with the shifted
+//! cross-entropy, backward, clip the global norm to 1.0, AdamW with betas (0.9, 0.95) and
+//! weight decay 0.1).
+//!
+//! ```text
+//! scripts/python/setup.sh                                   # once: .venv-py with torch + transformers
+//! cargo bench -p trainer --bench llama_step                 # every case, f32 and bf16
+//! cargo bench -p trainer --bench llama_step -- --only llama-small --dtype f32 --steps 3
+//! cargo bench -p trainer --bench llama_step -- --no-torch   # ours only
+//! ```
+//!
+//! Cases: `smollm2-135m` (SmolLM2-135M's shape: 30 layers, 576 wide, 9 heads / 3 KV heads,
+//! MLP 1536, vocab 49152, tied; block 256, batch 4) and `llama-small` (8 layers, 256 wide,
+//! 8 heads / 2 KV heads, MLP 704, vocab 8192, untied; block 256, batch 8), as in
+//! `bench/torch_llama_step.py`, which runs the PyTorch side (each case in its own process).
+//!
+//! Each of our cases runs in a child process of this binary (so its peak RSS is its own):
+//! `--warmup` steps, then `--steps` timed steps of `Trainer::train_step` (median reported).
+//! Memory: the process's peak RSS (`VmHWM`) over those steps, and that peak minus the RSS before
+//! the model was built ("step memory": weights, gradients, AdamW state, activations; PyTorch's
+//! side subtracts its RSS after `import torch` the same way). f32 cases also run with the whole
+//! `[B, T, vocab]` logits (`chunked_loss = false`) to show what the chunked loss saves. Matmul
+//! share: every GEMM of one step (each projection's forward, input-gradient and
+//! weight-gradient products, the head's three in the chunked loss) timed alone with the same
+//! kernel, threads and dtype, over the step time (PyTorch's: the profiler's self CPU time of
+//! its `mm`/`addmm`/`bmm`/`matmul` ops, which include eager attention's two batched products).
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Tensor, Var};
+use clap::Parser;
+use serde_json::{json, Value};
+use trainer::config::TrainConfig;
+use trainer::data::DataKind;
+use trainer::model::llama::{Family, LlamaConfig};
+use trainer::model::Kernels;
+use trainer::train::Trainer;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Run only the cases whose name contains this.
+    #[arg(long)]
+    only: Option<String>,
+    /// `f32`, `bf16` or `all`.
+    #[arg(long, default_value = "all")]
+    dtype: String,
+    /// Timed steps per case.
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Warm-up steps per case.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Threads for both sides (0: the machine's cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// The Python with torch and transformers.
+    #[arg(long, default_value = ".venv-py/bin/python")]
+    python: PathBuf,
+    /// Skip the PyTorch side.
+    #[arg(long)]
+    no_torch: bool,
+    /// Internal: run one of our cases in this process.
+    #[arg(long, hide = true)]
+    child: Option<String>,
+    #[arg(long, hide = true)]
+    whole_logits: bool,
+    /// Passed by `cargo bench`.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+/// `(name, config, block, batch)`.
+fn cases() -> Vec<(&'static str, LlamaConfig, usize, usize)> {
+    let smol = LlamaConfig {
+        tie_word_embeddings: true,
+        rope_theta: 100000.0,
+        ..LlamaConfig::new(Family::Llama, 49152, 30, 576, 9, 3, 1536)
+    };
+    let small = LlamaConfig::new(Family::Llama, 8192, 8, 256, 8, 2, 704);
+    vec![("smollm2-135m", smol, 256, 4), ("llama-small", small, 256, 8)]
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn status_kib(key: &str) -> f64 {
+    let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    text.lines()
+        .find(|l| l.starts_with(key))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// Time of `f` (median of 3 after one warm-up), seconds.
+fn time(mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    f()?;
+    let mut t = Vec::new();
+    for _ in 0..3 {
+        let s = Instant::now();
+        f()?;
+        t.push(s.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[1])
+}
+
+/// One step's GEMMs timed alone: each projection `[N, in] x [in, out]` forward and backward
+/// (input and weight gradients) through the trainer's linear kernel, times its count, plus the
+/// chunked head (whose three GEMMs are the op's work).
+fn matmul_seconds(cfg: &LlamaConfig, rows: usize, dtype: DType) -> anyhow::Result<f64> {
+    let dev = Device::Cpu;
+    let (c, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+    let (h, kv, l) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.num_hidden_layers,
+    );
+    let shapes = [
+        (c, h * d, l),
+        (c, kv * d, 2 * l),
+        (h * d, c, l),
+        (c, i, 2 * l),
+        (i, c, l),
+    ];
+    let mut total = 0.0;
+    for (fan_in, fan_out, count) in shapes {
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1., (rows, fan_in), &dev)?.to_dtype(dtype)?)?;
+        let w = Var::from_tensor(&Tensor::randn(0f32, 0.02, (fan_out, fan_in), &dev)?.to_dtype(dtype)?)?;
+        let g = Tensor::randn(0f32, 1., (rows, fan_out), &dev)?.to_dtype(dtype)?;
+        let s = time(|| {
+            let y = Kernels::Fused.linear(x.as_tensor(), &w.as_tensor().t()?, None)?;
+            let loss = (y * &g)?.sum_all()?;
+            loss.backward()?;
+            Ok(())
+        })?;
+        total += s * count as f64;
+    }
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1., (rows, c), &dev)?.to_dtype(dtype)?)?;
+    let w = Var::from_tensor(&Tensor::randn(0f32, 0.02, (cfg.vocab_size, c), &dev)?.to_dtype(dtype)?)?;
+    let t = Tensor::arange(0u32, rows as u32, &dev)?;
+    total += time(|| {
+        let loss = Kernels::Fused.linear_cross_entropy(x.as_tensor(), w.as_tensor(), &t, u32::MAX)?;
+        loss.backward()?;
+        Ok(())
+    })?;
+    Ok(total)
+}
+
+fn run_ours(name: &str, dtype: &str, args: &Args) -> anyhow::Result<Value> {
+    let (_, cfg, block, batch) = cases()
+        .into_iter()
+        .find(|c| c.0 == name)
+        .context("unknown case")?;
+    let tmp = tempfile::tempdir()?;
+    let json_path = tmp.path().join("config.json");
+    let mut hf = cfg.to_hf_json();
+    hf["max_position_embeddings"] = json!(2048);
+    std::fs::write(&json_path, hf.to_string())?;
+    let rss_base = status_kib("VmRSS:") / 1024.0;
+    let config = TrainConfig {
+        out_dir: tmp.path().join("run"),
+        cache_dir: Some(tmp.path().join("cache")),
+        model_json: Some(json_path),
+        data: DataKind::Byte,
+        data_path: Some(root().join("data/tinyshakespeare.txt")),
+        block_size: block,
+        batch_size: batch,
+        max_iters: 1_000_000,
+        eval_interval: 1_000_000,
+        eval_problems: 0,
+        lr: 1e-3,
+        beta2: 0.95,
+        weight_decay: 0.1,
+        grad_clip: 1.0,
+        dtype: dtype.parse().map_err(anyhow::Error::msg)?,
+        chunked_loss: !args.whole_logits,
+        peak_flops: 1e12,
+        ..TrainConfig::default()
+    };
+    let mut t = Trainer::new(config)?;
+    let mut times = Vec::new();
+    for i in 0..args.warmup + args.steps {
+        let s = Instant::now();
+        t.train_step()?;
+        if i >= args.warmup {
+            times.push(s.elapsed().as_secs_f64());
+        }
+    }
+    let peak = status_kib("VmHWM:") / 1024.0;
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let mm = if args.whole_logits {
+        f64::NAN
+    } else {
+        matmul_seconds(&cfg, batch * block, t.config.dtype.dtype())?
+    };
+    Ok(json!({
+        "case": name, "dtype": dtype, "whole_logits": args.whole_logits,
+        "step_median_s": median, "tokens_per_s": (batch * block) as f64 / median,
+        "peak_rss_steps_mib": peak, "rss_base_mib": rss_base,
+        "matmul_share": mm / median,
+    }))
+}
+
+fn child(args: &Args, case: &str, dtype: &str, whole: bool) -> anyhow::Result<Value> {
+    let exe = std::env::current_exe()?;
+    let mut cmd = Command::new(exe);
+    cmd.args(["--child", case, "--dtype", dtype])
+        .args(["--steps", &args.steps.to_string(), "--warmup", &args.warmup.to_string()]);
+    if whole {
+        cmd.arg("--whole-logits");
+    }
+    if args.threads > 0 {
+        cmd.env("RAYON_NUM_THREADS", args.threads.to_string());
+    }
+    last_json(cmd.output()?, "our step")
+}
+
+fn torch(args: &Args, case: &str, dtype: &str) -> anyhow::Result<Value> {
+    let mut cmd = Command::new(root().join(&args.python));
+    cmd.arg(root().join("bench/torch_llama_step.py"))
+        .args(["--child", case, "--dtype", dtype, "--no-peak-tensors"])
+        .args(["--steps", &args.steps.to_string(), "--warmup", &args.warmup.to_string()])
+        .args(["--threads", &args.threads.max(0).to_string()]);
+    last_json(cmd.output()?, "bench/torch_llama_step.py")
+}
+
+fn last_json(out: std::process::Output, what: &str) -> anyhow::Result<Value> {
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!("{what} failed: {}{}", text, String::from_utf8_lossy(&out.stderr));
+    }
+    let line = text
+        .lines()
+        .rfind(|l| l.starts_with('{'))
+        .with_context(|| format!("{what} printed no result"))?;
+    Ok(serde_json::from_str(line)?)
+}
+
+fn f(v: &Value, k: &str) -> f64 {
+    v[k].as_f64().unwrap_or(f64::NAN)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if let Some(case) = &args.child {
+        let r = run_ours(case, &args.dtype, &args)?;
+        println!("{r}");
+        return Ok(());
+    }
+    let dtypes: Vec<String> = match args.dtype.as_str() {
+        "all" => vec!["f32".into(), "bf16".into()],
+        d => vec![d.to_string()],
+    };
+    let threads = match args.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let args = Args { threads, ..args };
+    let mut rows = Vec::new();
+    for (name, ..) in cases() {
+        if args.only.as_deref().is_some_and(|o| !name.contains(o)) {
+            continue;
+        }
+        for dtype in dtypes.iter().map(String::as_str) {
+            let ours = child(&args, name, dtype, false)?;
+            eprintln!("ours  {ours}");
+            let whole = match dtype {
+                "f32" => Some(child(&args, name, dtype, true)?),
+                _ => None,
+            };
+            let theirs = match args.no_torch {
+                true => None,
+                false => Some(torch(&args, name, dtype)?),
+            };
+            if let Some(t) = &theirs {
+                eprintln!("torch {t}");
+            }
+            rows.push((name, dtype.to_string(), ours, whole, theirs));
+        }
+    }
+    println!(
+        "\n{threads} threads, {} timed steps after {} warm-up; memory: peak RSS over the steps \
+         (step memory: minus the RSS before the model was built)\n",
+        args.steps, args.warmup
+    );
+    println!("| case | dtype | ours: step | torch: step | ours / torch | ours: peak RSS (step memory) | torch: peak RSS (step memory) | ours / torch (step memory) | matmul share ours / torch | ours with whole logits: peak RSS (step memory) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for (name, dtype, o, w, t) in rows {
+        let mem = |v: &Value| {
+            let (p, b) = (f(v, "peak_rss_steps_mib"), f(v, "rss_base_mib"));
+            (p, p - b)
+        };
+        let (op, om) = mem(&o);
+        let (tp, tm, ts, tshare) = match &t {
+            Some(t) => {
+                let (p, m) = mem(t);
+                (p, m, f(t, "step_median_s"), f(t, "matmul_share"))
+            }
+            None => (f64::NAN, f64::NAN, f64::NAN, f64::NAN),
+        };
+        let whole = match &w {
+            Some(w) => {
+                let (p, m) = mem(w);
+                format!("{p:.0} MiB ({m:.0} MiB)")
+            }
+            None => "-".into(),
+        };
+        let os = f(&o, "step_median_s");
+        println!(
+            "| {name} | {dtype} | {os:.2} s | {ts:.2} s | **{:.2}x** | {op:.0} MiB ({om:.0} MiB) | {tp:.0} MiB ({tm:.0} MiB) | **{:.2}x** ({:.2}x) | {:.0}% / {:.0}% | {whole} |",
+            os / ts,
+            op / tp,
+            om / tm,
+            100.0 * f(&o, "matmul_share"),
+            100.0 * tshare,
+        );
+    }
+    Ok(())
+}
