@@ -81,7 +81,10 @@ fn cases() -> Vec<(&'static str, LlamaConfig, usize, usize)> {
         ..LlamaConfig::new(Family::Llama, 49152, 30, 576, 9, 3, 1536)
     };
     let small = LlamaConfig::new(Family::Llama, 8192, 8, 256, 8, 2, 704);
-    vec![("smollm2-135m", smol, 256, 4), ("llama-small", small, 256, 8)]
+    vec![
+        ("smollm2-135m", smol, 256, 4),
+        ("llama-small", small, 256, 8),
+    ]
 }
 
 fn root() -> PathBuf {
@@ -131,7 +134,9 @@ fn matmul_seconds(cfg: &LlamaConfig, rows: usize, dtype: DType) -> anyhow::Resul
     let mut total = 0.0;
     for (fan_in, fan_out, count) in shapes {
         let x = Var::from_tensor(&Tensor::randn(0f32, 1., (rows, fan_in), &dev)?.to_dtype(dtype)?)?;
-        let w = Var::from_tensor(&Tensor::randn(0f32, 0.02, (fan_out, fan_in), &dev)?.to_dtype(dtype)?)?;
+        let w = Var::from_tensor(
+            &Tensor::randn(0f32, 0.02, (fan_out, fan_in), &dev)?.to_dtype(dtype)?,
+        )?;
         let g = Tensor::randn(0f32, 1., (rows, fan_out), &dev)?.to_dtype(dtype)?;
         let s = time(|| {
             let y = Kernels::Fused.linear(x.as_tensor(), &w.as_tensor().t()?, None)?;
@@ -142,10 +147,12 @@ fn matmul_seconds(cfg: &LlamaConfig, rows: usize, dtype: DType) -> anyhow::Resul
         total += s * count as f64;
     }
     let x = Var::from_tensor(&Tensor::randn(0f32, 1., (rows, c), &dev)?.to_dtype(dtype)?)?;
-    let w = Var::from_tensor(&Tensor::randn(0f32, 0.02, (cfg.vocab_size, c), &dev)?.to_dtype(dtype)?)?;
+    let w =
+        Var::from_tensor(&Tensor::randn(0f32, 0.02, (cfg.vocab_size, c), &dev)?.to_dtype(dtype)?)?;
     let t = Tensor::arange(0u32, rows as u32, &dev)?;
     total += time(|| {
-        let loss = Kernels::Fused.linear_cross_entropy(x.as_tensor(), w.as_tensor(), &t, u32::MAX)?;
+        let loss =
+            Kernels::Fused.linear_cross_entropy(x.as_tensor(), w.as_tensor(), &t, u32::MAX)?;
         loss.backward()?;
         Ok(())
     })?;
@@ -211,8 +218,12 @@ fn run_ours(name: &str, dtype: &str, args: &Args) -> anyhow::Result<Value> {
 fn child(args: &Args, case: &str, dtype: &str, whole: bool) -> anyhow::Result<Value> {
     let exe = std::env::current_exe()?;
     let mut cmd = Command::new(exe);
-    cmd.args(["--child", case, "--dtype", dtype])
-        .args(["--steps", &args.steps.to_string(), "--warmup", &args.warmup.to_string()]);
+    cmd.args(["--child", case, "--dtype", dtype]).args([
+        "--steps",
+        &args.steps.to_string(),
+        "--warmup",
+        &args.warmup.to_string(),
+    ]);
     if whole {
         cmd.arg("--whole-logits");
     }
@@ -226,7 +237,12 @@ fn torch(args: &Args, case: &str, dtype: &str) -> anyhow::Result<Value> {
     let mut cmd = Command::new(root().join(&args.python));
     cmd.arg(root().join("bench/torch_llama_step.py"))
         .args(["--child", case, "--dtype", dtype, "--no-peak-tensors"])
-        .args(["--steps", &args.steps.to_string(), "--warmup", &args.warmup.to_string()])
+        .args([
+            "--steps",
+            &args.steps.to_string(),
+            "--warmup",
+            &args.warmup.to_string(),
+        ])
         .args(["--threads", &args.threads.max(0).to_string()]);
     last_json(cmd.output()?, "bench/torch_llama_step.py")
 }
@@ -234,7 +250,11 @@ fn torch(args: &Args, case: &str, dtype: &str) -> anyhow::Result<Value> {
 fn last_json(out: std::process::Output, what: &str) -> anyhow::Result<Value> {
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
-        bail!("{what} failed: {}{}", text, String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "{what} failed: {}{}",
+            text,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     let line = text
         .lines()

@@ -14,12 +14,10 @@ pub(super) fn print_banner(trainer: &Trainer) {
     let cfg = &trainer.config;
     let dp = trainer.data_parallel();
     eprintln!(
-        "data: {}\nmodel: {} layers, {} heads, {} embd, block {} | {:.2}M parameters | device {}\n\
+        "data: {}\nmodel: {}, block {} | {:.2}M parameters | device {}\n\
          run: {} steps of {} x {} x {} tokens -> {}",
         trainer.data.describe(),
-        cfg.n_layer,
-        cfg.n_head,
-        cfg.n_embd,
+        trainer.model.config().describe(),
         cfg.block_size,
         trainer.params.num_elements() as f64 / 1e6,
         cfg.device,
