@@ -243,7 +243,7 @@ fn torch(args: &Args, case: &str, dtype: &str) -> anyhow::Result<Value> {
             "--warmup",
             &args.warmup.to_string(),
         ])
-        .args(["--threads", &args.threads.max(0).to_string()]);
+        .args(["--threads", &args.threads.to_string()]);
     last_json(cmd.output()?, "bench/torch_llama_step.py")
 }
 

@@ -215,6 +215,9 @@ fn greedy_generation_with_the_kv_cache_equals_transformers() {
     }
 }
 
+/// A change to a `config.json`.
+type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+
 #[test]
 fn bad_configs_name_the_file_and_the_key() {
     let tmp = tempfile::tempdir().unwrap();
@@ -222,7 +225,7 @@ fn bad_configs_name_the_file_and_the_key() {
         &std::fs::read_to_string(fixture("llama3_rope").join("config.legacy.json")).unwrap(),
     )
     .unwrap();
-    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+    let cases: Vec<(&str, Edit, &str)> = vec![
         (
             "unknown model_type",
             Box::new(|v| v["model_type"] = "gemma7".into()),

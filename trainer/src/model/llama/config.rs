@@ -1,14 +1,18 @@
 //! The Llama family's hyper-parameters: one [`LlamaConfig`] for `LlamaForCausalLM`,
 //! `MistralForCausalLM`, `Qwen2ForCausalLM` and `Qwen3ForCausalLM`, which differ only in
-//! flags (biases, q/k norms, sliding windows), read from a Hugging Face `config.json` in the
-//! transformers 4.x layout (top-level `rope_theta` / `rope_scaling`, `torch_dtype`) or the
-//! 5.x one (`rope_parameters`, `dtype`), and written in the 4.x layout, which both read.
+//! flags (biases, q/k norms, sliding windows), and what the trainer derives from them before
+//! building anything (parameter count, initialisation, activation memory, FLOPs). Their
+//! `config.json` form is in `hf_json.rs`.
 
-use std::path::Path;
+use candle_core::DType;
+use candle_remat::{BlockCost, ChainCosts};
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+use serde_json::Value;
 
-use serde_json::{json, Map, Value};
-
+use super::super::{Builder, CheckpointTensor, Kernels, Model, ModelConfig, Shape, SpecialTokens};
 use super::rope::RopeScaling;
+use super::Llama;
 use crate::{Error, Result};
 
 /// Which member of the family a config describes (its `model_type`).
@@ -226,252 +230,172 @@ impl LlamaConfig {
         }
         Ok(())
     }
+}
 
-    /// Reads a Hugging Face `config.json` of the family (`path` names it in errors): the 4.x
-    /// and 5.x layouts alike. Unsupported options (another activation, a RoPE scaling other
-    /// than `linear` / `llama3`, a partial rotary factor) are errors naming the key.
-    pub fn from_hf_json(v: &Value, path: &Path) -> Result<Self> {
-        let err = |key: &str, msg: String| Error::checkpoint(path, format!("`{key}`: {msg}"));
-        let name = v
-            .get("model_type")
-            .and_then(Value::as_str)
-            .or_else(|| {
-                v.get("architectures")
-                    .and_then(|a| a.get(0))
-                    .and_then(Value::as_str)
-            })
-            .unwrap_or("");
-        let family = Family::from_name(name).ok_or_else(|| {
-            err(
-                "model_type",
-                format!("`{name}` is not a Llama-family model"),
-            )
-        })?;
-        let usize_of = |key: &str| -> Result<Option<usize>> {
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(None),
-                Some(x) => x
-                    .as_u64()
-                    .map(|x| Some(x as usize))
-                    .ok_or_else(|| err(key, format!("must be a non-negative integer, got {x}"))),
-            }
-        };
-        let need = |key: &str| -> Result<usize> {
-            usize_of(key)?.ok_or_else(|| err(key, "missing".into()))
-        };
-        let f64_of = |key: &str, default: f64| -> Result<f64> {
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(default),
-                Some(x) => x
-                    .as_f64()
-                    .ok_or_else(|| err(key, format!("must be a number, got {x}"))),
-            }
-        };
-        let bool_of = |key: &str, default: bool| -> Result<bool> {
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(default),
-                Some(x) => x
-                    .as_bool()
-                    .ok_or_else(|| err(key, format!("must be true or false, got {x}"))),
-            }
-        };
-        for key in ["hidden_act", "hidden_activation"] {
-            if let Some(act) = v.get(key).and_then(Value::as_str) {
-                if act != "silu" && act != "swish" {
-                    return Err(err(key, format!("`{act}` is not supported (silu only)")));
-                }
-            }
-        }
-        if f64_of("partial_rotary_factor", 1.0)? != 1.0 {
-            return Err(err("partial_rotary_factor", "only 1.0 is supported".into()));
-        }
-        if bool_of("pretraining_tp_slices", false)? {
-            return Err(err("pretraining_tp_slices", "not supported".into()));
-        }
-        let hidden_size = need("hidden_size")?;
-        let heads = need("num_attention_heads")?;
-        let layers = need("num_hidden_layers")?;
-        let default_head_dim = match family {
-            Family::Qwen3 => 128,
-            _ => hidden_size / heads.max(1),
-        };
-        let (rope_theta, rope_scaling) = RopeScaling::from_hf_json(v, path)?;
-        let attention_bias = bool_of("attention_bias", false)?;
-        let (qkv_bias, o_bias) = match family {
-            Family::Llama | Family::Qwen3 => (attention_bias, attention_bias),
-            Family::Qwen2 => (true, false),
-            Family::Mistral => (false, false),
-        };
-        let mlp_bias = family == Family::Llama && bool_of("mlp_bias", false)?;
-        let layer_windows = Self::windows_from_hf_json(v, family, layers, path)?;
-        let token = |key: &str| -> Result<Vec<u32>> {
-            let one = |x: &Value| {
-                x.as_u64()
-                    .and_then(|x| u32::try_from(x).ok())
-                    .ok_or_else(|| err(key, format!("must be a token id, got {x}")))
-            };
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(Vec::new()),
-                Some(Value::Array(a)) => a.iter().map(one).collect(),
-                Some(x) => Ok(vec![one(x)?]),
-            }
-        };
-        let dtype = v
-            .get("dtype")
-            .or_else(|| v.get("torch_dtype"))
-            .and_then(Value::as_str)
-            .map(str::to_string);
-        let cfg = LlamaConfig {
-            family,
-            vocab_size: need("vocab_size")?,
-            hidden_size,
-            intermediate_size: need("intermediate_size")?,
-            num_hidden_layers: layers,
-            num_attention_heads: heads,
-            num_key_value_heads: usize_of("num_key_value_heads")?.unwrap_or(heads),
-            head_dim: usize_of("head_dim")?.unwrap_or(default_head_dim),
-            max_position_embeddings: usize_of("max_position_embeddings")?.unwrap_or(2048),
-            rms_norm_eps: f64_of("rms_norm_eps", 1e-6)?,
-            rope_theta,
-            rope_scaling,
-            qkv_bias,
-            o_bias,
-            mlp_bias,
-            qk_norm: family == Family::Qwen3,
-            tie_word_embeddings: bool_of("tie_word_embeddings", false)?,
-            layer_windows,
-            attention_dropout: f64_of("attention_dropout", 0.0)? as f32,
-            initializer_range: f64_of("initializer_range", 0.02)?,
-            bos_token_id: token("bos_token_id")?.first().copied(),
-            eos_token_ids: token("eos_token_id")?,
-            torch_dtype: dtype,
-        };
-        cfg.validate()
-            .map_err(|e| Error::checkpoint(path, e.to_string()))?;
-        Ok(cfg)
+impl ModelConfig for LlamaConfig {
+    fn architecture(&self) -> &'static str {
+        self.family.model_type()
     }
 
-    /// Per-layer sliding windows: `layer_types` when given (transformers 5.x), else Mistral's
-    /// `sliding_window` on every layer, or Qwen's on layers `>= max_window_layers` when
-    /// `use_sliding_window`.
-    fn windows_from_hf_json(
-        v: &Value,
-        family: Family,
-        layers: usize,
-        path: &Path,
-    ) -> Result<Vec<Option<usize>>> {
-        let err = |key: &str, msg: String| Error::checkpoint(path, format!("`{key}`: {msg}"));
-        let window = match v.get("sliding_window") {
-            None | Some(Value::Null) => None,
-            Some(x) => Some(x.as_u64().map(|w| w as usize).ok_or_else(|| {
-                err(
-                    "sliding_window",
-                    format!("must be an integer or null, got {x}"),
-                )
-            })?),
-        };
-        let window = match family {
-            Family::Llama => None,
-            Family::Mistral => window,
-            Family::Qwen2 | Family::Qwen3 => match v.get("use_sliding_window") {
-                Some(Value::Bool(true)) => window,
-                _ => None,
-            },
-        };
-        if let Some(Value::Array(types)) = v.get("layer_types") {
-            if types.len() != layers {
-                return Err(err(
-                    "layer_types",
-                    format!("{} entries for {layers} layers", types.len()),
-                ));
-            }
-            return types
-                .iter()
-                .map(|t| match t.as_str() {
-                    Some("full_attention") => Ok(None),
-                    Some("sliding_attention") => window.map(Some).ok_or_else(|| {
-                        err(
-                            "layer_types",
-                            "sliding_attention without a sliding_window".into(),
-                        )
-                    }),
-                    _ => Err(err("layer_types", format!("unsupported layer type {t}"))),
-                })
-                .collect();
-        }
-        let from = match family {
-            Family::Qwen2 | Family::Qwen3 => v
-                .get("max_window_layers")
-                .and_then(Value::as_u64)
-                .unwrap_or(0) as usize,
-            _ => 0,
-        };
-        Ok((0..layers).map(|i| window.filter(|_| i >= from)).collect())
+    fn clone_box(&self) -> Box<dyn ModelConfig> {
+        Box::new(self.clone())
     }
 
-    /// The Hugging Face `config.json`, in the transformers 4.x layout (top-level `rope_theta`
-    /// and `rope_scaling`, `torch_dtype`), which transformers 4.x and 5.x both read.
-    pub fn to_hf_json(&self) -> Value {
-        let f = self.family;
-        let mut m = Map::new();
-        let mut put = |k: &str, v: Value| {
-            m.insert(k.to_string(), v);
+    fn validate(&self) -> Result<()> {
+        LlamaConfig::validate(self)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn max_positions(&self) -> usize {
+        self.max_position_embeddings
+    }
+
+    fn shape(&self) -> Shape {
+        Shape {
+            n_layer: self.num_hidden_layers,
+            n_head: self.num_attention_heads,
+            n_embd: self.hidden_size,
+            bias: self.qkv_bias,
+        }
+    }
+
+    fn special_tokens(&self) -> SpecialTokens {
+        SpecialTokens {
+            bos: self.bos_token_id,
+            eos: self.eos_token_ids.first().copied(),
+        }
+    }
+
+    fn with_run_settings(&self, dropout: f32, tokens: SpecialTokens) -> Box<dyn ModelConfig> {
+        let eos_token_ids = match tokens.eos {
+            Some(e) if self.eos_token_ids.contains(&e) => self.eos_token_ids.clone(),
+            Some(e) => vec![e],
+            None => Vec::new(),
         };
-        put("architectures", json!([f.class()]));
-        put("model_type", json!(f.model_type()));
-        put("vocab_size", json!(self.vocab_size));
-        put("hidden_size", json!(self.hidden_size));
-        put("intermediate_size", json!(self.intermediate_size));
-        put("num_hidden_layers", json!(self.num_hidden_layers));
-        put("num_attention_heads", json!(self.num_attention_heads));
-        put("num_key_value_heads", json!(self.num_key_value_heads));
-        put("head_dim", json!(self.head_dim));
-        put("hidden_act", json!("silu"));
-        put(
-            "max_position_embeddings",
-            json!(self.max_position_embeddings),
+        Box::new(LlamaConfig {
+            attention_dropout: dropout,
+            bos_token_id: tokens.bos,
+            eos_token_ids,
+            ..self.clone()
+        })
+    }
+
+    fn build(&self, b: &Builder) -> Result<Box<dyn Model>> {
+        Ok(Box::new(Llama::build(self, b)?))
+    }
+
+    /// transformers' initialisation: weights and embeddings ~ N(0, initializer_range),
+    /// biases 0, norm scales 1.
+    fn init(&self, name: &str, shape: &[usize], rng: &mut ChaCha8Rng) -> Result<Vec<f32>> {
+        let n: usize = shape.iter().product();
+        if name.ends_with(".bias") {
+            return Ok(vec![0.0; n]);
+        }
+        if name.ends_with("norm.weight") {
+            return Ok(vec![1.0; n]);
+        }
+        let std = self.initializer_range as f32;
+        let normal =
+            Normal::new(0.0f32, std).map_err(|e| Error::Config(format!("init std {std}: {e}")))?;
+        Ok((0..n).map(|_| normal.sample(rng)).collect())
+    }
+
+    fn num_params(&self) -> usize {
+        self.shapes()
+            .values()
+            .map(|s| s.iter().product::<usize>())
+            .sum()
+    }
+
+    /// `6 N + 12 L H D T`: `N` the parameters that multiply (the embedding lookup excluded
+    /// unless it is also the head), plus the attention's `Q Kᵀ` and `P V` over a context of
+    /// `T` (PaLM appendix B).
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        let mut n = self.num_params() as f64;
+        if !self.tie_word_embeddings {
+            n -= (self.vocab_size * self.hidden_size) as f64;
+        }
+        let (l, h, d) = (
+            self.num_hidden_layers as f64,
+            self.num_attention_heads as f64,
+            self.head_dim as f64,
         );
-        put("rms_norm_eps", json!(self.rms_norm_eps));
-        put("rope_theta", json!(self.rope_theta));
-        put("rope_scaling", self.rope_scaling.to_hf_json());
-        put("tie_word_embeddings", json!(self.tie_word_embeddings));
-        put("attention_dropout", json!(self.attention_dropout));
-        put("initializer_range", json!(self.initializer_range));
-        put("bos_token_id", json!(self.bos_token_id));
-        put(
-            "eos_token_id",
-            match self.eos_token_ids.as_slice() {
-                [] => Value::Null,
-                [one] => json!(one),
-                many => json!(many),
+        let window = |w: Option<usize>| w.map_or(seq_len, |w| w.min(seq_len)) as f64;
+        let ctx = self.layer_windows.iter().map(|&w| window(w)).sum::<f64>() / l.max(1.0);
+        6.0 * n + 12.0 * l * h * d * ctx
+    }
+
+    /// Counted from the ops of a [`Block`]: the tensors its backward keeps. Fused kernels:
+    /// about 6 `[B, T, C]` (the input, two norms' outputs, the residual, the attention and
+    /// MLP outputs), the projections q, k, v and their rotated copies, the attention output,
+    /// 3 `[B, T, I]` (gate, up, their SwiGLU) and the attention's `[B, H, T]` log-sum-exp.
+    /// Reference kernels add the `[B, H, T, T]` scores, mask and probabilities in f32.
+    fn chain_costs(&self, batch: usize, seq: usize, dtype: DType, kernels: Kernels) -> ChainCosts {
+        let (b, t) = (batch as u64, seq as u64);
+        let (c, i) = (self.hidden_size as u64, self.intermediate_size as u64);
+        let (h, kv, d) = (
+            self.num_attention_heads as u64,
+            self.num_key_value_heads as u64,
+            self.head_dim as u64,
+        );
+        let size = dtype.size_in_bytes() as u64;
+        let btc = b * t * c * size;
+        let qkv = b * t * (h + 2 * kv) * d * size;
+        let fused = 6 * btc + 2 * qkv + b * t * h * d * size + 3 * b * t * i * size + b * h * t * 4;
+        let act = match kernels {
+            Kernels::Fused => fused,
+            Kernels::Reference => fused + qkv + 4 * b * h * t * t * 4,
+        };
+        let flops =
+            2 * b * t * (c * (h + 2 * kv) * d + h * d * c + 3 * c * i) + 4 * b * t * t * h * d;
+        ChainCosts::uniform(
+            self.num_hidden_layers,
+            BlockCost {
+                act_bytes: act,
+                out_bytes: btc,
+                fwd_ns: flops / 1000 + 1,
             },
-        );
-        put(
-            "torch_dtype",
-            json!(self.torch_dtype.as_deref().unwrap_or("float32")),
-        );
-        match f {
-            Family::Llama => {
-                put("attention_bias", json!(self.qkv_bias));
-                put("mlp_bias", json!(self.mlp_bias));
-            }
-            Family::Qwen3 => put("attention_bias", json!(self.qkv_bias)),
-            Family::Qwen2 | Family::Mistral => {}
+        )
+    }
+
+    /// A tied checkpoint has no `lm_head.weight` (one equal to the embedding is accepted as a
+    /// copy); rotary `inv_freq` buffers are skipped.
+    fn checkpoint_tensor(&self, name: &str) -> CheckpointTensor {
+        if name.ends_with("rotary_emb.inv_freq") {
+            return CheckpointTensor::Buffer;
         }
-        let window = self.layer_windows.iter().flatten().next().copied();
-        match f {
-            Family::Mistral => put("sliding_window", json!(window)),
-            Family::Qwen2 | Family::Qwen3 => {
-                let first = self.layer_windows.iter().position(Option::is_some);
-                put("use_sliding_window", json!(window.is_some()));
-                put("sliding_window", json!(window));
-                put(
-                    "max_window_layers",
-                    json!(first.unwrap_or(self.num_hidden_layers)),
-                );
-            }
-            Family::Llama => {}
+        if self.tie_word_embeddings && name == "lm_head.weight" {
+            return CheckpointTensor::TiedCopy("model.embed_tokens.weight".into());
         }
-        Value::Object(m)
+        CheckpointTensor::Param(name.to_string())
+    }
+
+    fn to_hf_json(&self) -> Value {
+        LlamaConfig::to_hf_json(self)
+    }
+
+    fn describe(&self) -> String {
+        let window = match self.layer_windows.iter().flatten().next() {
+            Some(w) => format!(", window {w}"),
+            None => String::new(),
+        };
+        format!(
+            "{}, {} layers x {} wide, {} heads / {} kv heads of {}, mlp {}{}{window}",
+            self.family.model_type(),
+            self.num_hidden_layers,
+            self.hidden_size,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+            self.intermediate_size,
+            if self.tie_word_embeddings {
+                ", tied"
+            } else {
+                ""
+            },
+        )
     }
 }

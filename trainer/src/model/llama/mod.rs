@@ -17,26 +17,23 @@
 //! `[B, T, vocab]` logits.
 
 mod config;
+mod hf_json;
 mod rope;
 
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
-use candle_remat::{BlockCost, ChainCosts};
-use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, Normal};
+use candle_core::{Device, Tensor};
 use serde_json::Value;
 
 pub use config::{Family, LlamaConfig};
 pub use rope::RopeScaling;
 
 use super::{
-    count_targets, stat_dtype, Architecture, Builder, CheckpointTensor, Ctx, Kernels, KvCache,
-    Layout, Linear, Link, LinkOps, Loss, Model, ModelConfig, Role, Shape, SpecialTokens, WeightMap,
-    IGNORE,
+    count_targets, stat_dtype, Architecture, Builder, Ctx, KvCache, Layout, Linear, Link, LinkOps,
+    Loss, Model, ModelConfig, Role, WeightMap, IGNORE,
 };
-use crate::{Error, Result};
+use crate::Result;
 
 /// A member of the family as an [`Architecture`] (recognised by its `model_type`).
 pub struct LlamaArch(pub Family);
@@ -585,174 +582,6 @@ impl Model for Llama {
         }
         cache.len += t;
         self.head.forward(&x, &ctx)
-    }
-}
-
-impl ModelConfig for LlamaConfig {
-    fn architecture(&self) -> &'static str {
-        self.family.model_type()
-    }
-
-    fn clone_box(&self) -> Box<dyn ModelConfig> {
-        Box::new(self.clone())
-    }
-
-    fn validate(&self) -> Result<()> {
-        LlamaConfig::validate(self)
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.vocab_size
-    }
-
-    fn max_positions(&self) -> usize {
-        self.max_position_embeddings
-    }
-
-    fn shape(&self) -> Shape {
-        Shape {
-            n_layer: self.num_hidden_layers,
-            n_head: self.num_attention_heads,
-            n_embd: self.hidden_size,
-            bias: self.qkv_bias,
-        }
-    }
-
-    fn special_tokens(&self) -> SpecialTokens {
-        SpecialTokens {
-            bos: self.bos_token_id,
-            eos: self.eos_token_ids.first().copied(),
-        }
-    }
-
-    fn with_run_settings(&self, dropout: f32, tokens: SpecialTokens) -> Box<dyn ModelConfig> {
-        let eos_token_ids = match tokens.eos {
-            Some(e) if self.eos_token_ids.contains(&e) => self.eos_token_ids.clone(),
-            Some(e) => vec![e],
-            None => Vec::new(),
-        };
-        Box::new(LlamaConfig {
-            attention_dropout: dropout,
-            bos_token_id: tokens.bos,
-            eos_token_ids,
-            ..self.clone()
-        })
-    }
-
-    fn build(&self, b: &Builder) -> Result<Box<dyn Model>> {
-        Ok(Box::new(Llama::build(self, b)?))
-    }
-
-    /// transformers' initialisation: weights and embeddings ~ N(0, initializer_range),
-    /// biases 0, norm scales 1.
-    fn init(&self, name: &str, shape: &[usize], rng: &mut ChaCha8Rng) -> Result<Vec<f32>> {
-        let n: usize = shape.iter().product();
-        if name.ends_with(".bias") {
-            return Ok(vec![0.0; n]);
-        }
-        if name.ends_with("norm.weight") {
-            return Ok(vec![1.0; n]);
-        }
-        let std = self.initializer_range as f32;
-        let normal =
-            Normal::new(0.0f32, std).map_err(|e| Error::Config(format!("init std {std}: {e}")))?;
-        Ok((0..n).map(|_| normal.sample(rng)).collect())
-    }
-
-    fn num_params(&self) -> usize {
-        self.shapes()
-            .values()
-            .map(|s| s.iter().product::<usize>())
-            .sum()
-    }
-
-    /// `6 N + 12 L H D T`: `N` the parameters that multiply (the embedding lookup excluded
-    /// unless it is also the head), plus the attention's `Q Kᵀ` and `P V` over a context of
-    /// `T` (PaLM appendix B).
-    fn flops_per_token(&self, seq_len: usize) -> f64 {
-        let mut n = self.num_params() as f64;
-        if !self.tie_word_embeddings {
-            n -= (self.vocab_size * self.hidden_size) as f64;
-        }
-        let (l, h, d) = (
-            self.num_hidden_layers as f64,
-            self.num_attention_heads as f64,
-            self.head_dim as f64,
-        );
-        let window = |w: Option<usize>| w.map_or(seq_len, |w| w.min(seq_len)) as f64;
-        let ctx = self.layer_windows.iter().map(|&w| window(w)).sum::<f64>() / l.max(1.0);
-        6.0 * n + 12.0 * l * h * d * ctx
-    }
-
-    /// Counted from the ops of a [`Block`]: the tensors its backward keeps. Fused kernels:
-    /// about 6 `[B, T, C]` (the input, two norms' outputs, the residual, the attention and
-    /// MLP outputs), the projections q, k, v and their rotated copies, the attention output,
-    /// 3 `[B, T, I]` (gate, up, their SwiGLU) and the attention's `[B, H, T]` log-sum-exp.
-    /// Reference kernels add the `[B, H, T, T]` scores, mask and probabilities in f32.
-    fn chain_costs(&self, batch: usize, seq: usize, dtype: DType, kernels: Kernels) -> ChainCosts {
-        let (b, t) = (batch as u64, seq as u64);
-        let (c, i) = (self.hidden_size as u64, self.intermediate_size as u64);
-        let (h, kv, d) = (
-            self.num_attention_heads as u64,
-            self.num_key_value_heads as u64,
-            self.head_dim as u64,
-        );
-        let size = dtype.size_in_bytes() as u64;
-        let btc = b * t * c * size;
-        let qkv = b * t * (h + 2 * kv) * d * size;
-        let fused = 6 * btc + 2 * qkv + b * t * h * d * size + 3 * b * t * i * size + b * h * t * 4;
-        let act = match kernels {
-            Kernels::Fused => fused,
-            Kernels::Reference => fused + qkv + 4 * b * h * t * t * 4,
-        };
-        let flops =
-            2 * b * t * (c * (h + 2 * kv) * d + h * d * c + 3 * c * i) + 4 * b * t * t * h * d;
-        ChainCosts::uniform(
-            self.num_hidden_layers,
-            BlockCost {
-                act_bytes: act,
-                out_bytes: btc,
-                fwd_ns: flops / 1000 + 1,
-            },
-        )
-    }
-
-    /// A tied checkpoint has no `lm_head.weight` (one equal to the embedding is accepted as a
-    /// copy); rotary `inv_freq` buffers are skipped.
-    fn checkpoint_tensor(&self, name: &str) -> CheckpointTensor {
-        if name.ends_with("rotary_emb.inv_freq") {
-            return CheckpointTensor::Buffer;
-        }
-        if self.tie_word_embeddings && name == "lm_head.weight" {
-            return CheckpointTensor::TiedCopy("model.embed_tokens.weight".into());
-        }
-        CheckpointTensor::Param(name.to_string())
-    }
-
-    fn to_hf_json(&self) -> Value {
-        LlamaConfig::to_hf_json(self)
-    }
-
-    fn describe(&self) -> String {
-        let window = match self.layer_windows.iter().flatten().next() {
-            Some(w) => format!(", window {w}"),
-            None => String::new(),
-        };
-        format!(
-            "{}, {} layers x {} wide, {} heads / {} kv heads of {}, mlp {}{}{window}",
-            self.family.model_type(),
-            self.num_hidden_layers,
-            self.hidden_size,
-            self.num_attention_heads,
-            self.num_key_value_heads,
-            self.head_dim,
-            self.intermediate_size,
-            if self.tie_word_embeddings {
-                ", tied"
-            } else {
-                ""
-            },
-        )
     }
 }
 
