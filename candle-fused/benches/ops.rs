@@ -1,6 +1,6 @@
 //! Per-op times of candle-fused's CPU kernels at the shapes of the trainer's two benchmark
-//! models, forward alone and forward + backward, each next to the composite Candle expression
-//! it replaces.
+//! models (and of SmolLM2-135M for the Llama-family ops, RoPE and SwiGLU), forward alone and
+//! forward + backward, each next to the composite Candle expression it replaces.
 //!
 //! ```sh
 //! cargo bench -p candle-fused --bench ops                 # every op, both models
@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_fused::attention::{attention_qkv, attention_qkv_composite, AttentionConfig};
-use candle_fused::{cross_entropy, gelu, linear, linear_gelu, norm};
+use candle_fused::{cross_entropy, gelu, linear, linear_gelu, norm, rope, swiglu};
 
 /// A model's shapes: batch, sequence, width, heads, vocabulary.
 struct Shapes {
@@ -160,6 +160,39 @@ fn cases(s: &Shapes, dev: &Device) -> Result<Vec<Case>> {
     ])
 }
 
+/// SmolLM2-135M's shapes (batch 4, T 256, 9 heads of 64, MLP width 1536): RoPE on q (a view of
+/// the `[B, T, 9 x 64]` projection) and SwiGLU on the two halves of one `[B T, 2 x 1536]`
+/// projection.
+fn llama_cases(dev: &Device) -> Result<(String, Vec<Case>)> {
+    let (b, t, h, d, i) = (4, 256, 9, 64, 1536);
+    let pos = Tensor::arange(0u32, t as u32, dev)?;
+    let inv: Vec<f32> = (0..d / 2)
+        .map(|k| 1.0 / 100_000f32.powf(2.0 * k as f32 / d as f32))
+        .collect();
+    let (cos, sin) = rope::rope_tables(&pos, &Tensor::new(inv, dev)?)?;
+    let (c2, s2) = (cos.clone(), sin.clone());
+    let q = move |x: &Tensor| x.reshape((b, t, h, d));
+    let halves =
+        move |x: &Tensor| Ok::<_, candle_core::Error>((x.narrow(1, 0, i)?, x.narrow(1, i, i)?));
+    let cases = vec![
+        Case {
+            name: "rope (q, 9 x 64)",
+            inputs: vec![Var::randn(0f32, 1.0, (b, t, h * d), dev)?],
+            fused: Box::new(move |x| rope::rope(&q(&x[0])?, &cos, &sin)),
+            composite: Box::new(move |x| rope::rope_composite(&q(&x[0])?, &c2, &s2)),
+        },
+        Case {
+            name: "swiglu (packed 2 x 1536)",
+            inputs: vec![Var::randn(0f32, 1.0, (b * t, 2 * i), dev)?],
+            fused: Box::new(move |x| halves(&x[0]).and_then(|(g, u)| swiglu::swiglu(&g, &u))),
+            composite: Box::new(move |x| {
+                halves(&x[0]).and_then(|(g, u)| swiglu::swiglu_composite(&g, &u))
+            }),
+        },
+    ];
+    Ok((format!("SmolLM2-135M, T {t}, B {b}"), cases))
+}
+
 /// Keeps freed blocks of up to 64 MiB in the heap instead of returning them to the OS (glibc).
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -194,13 +227,18 @@ fn main() -> Result<()> {
         rayon::current_num_threads(),
         candle_core::utils::barrier_pool().n_workers() + 1
     );
+    let mut tables = Vec::new();
     for s in &MODELS {
-        println!("\n{}", s.name);
+        tables.push((s.name.to_string(), cases(s, &dev)?));
+    }
+    tables.push(llama_cases(&dev)?);
+    for (name, cases) in tables {
+        println!("\n{name}");
         println!(
             "| op | fused fwd | fused fwd+bwd | composite fwd | composite fwd+bwd | speed-up fwd+bwd |"
         );
         println!("|---|---|---|---|---|---|");
-        for case in cases(s, &dev)? {
+        for case in cases {
             if !filters.is_empty() && !filters.iter().any(|f| case.name.contains(f.as_str())) {
                 continue;
             }
