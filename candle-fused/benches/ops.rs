@@ -16,12 +16,24 @@
 //! faults and TLB shootdowns of returning large blocks to the OS and mapping them again then
 //! cost more than the kernels (3-6x on the backward columns here). So the bench first raises
 //! glibc's mmap and trim thresholds, as a long-running trainer effectively has them.
+//!
+//! `linear_cross_entropy` has its own table at a real vocabulary (SmolLM2-135M's head, one
+//! forward + backward is seconds here): forward + backward of the fused op and of the composite,
+//! the median of at most 5 calls after one warm-up, the peak heap of those calls above what was
+//! in use before them (this binary counts its heap with `test_support::alloc`), and the peak
+//! heap of a forward on detached inputs (an evaluation: no gradient computed or kept).
 
 use std::time::Instant;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_fused::attention::{attention_qkv, attention_qkv_composite, AttentionConfig};
-use candle_fused::{cross_entropy, gelu, linear, linear_gelu, norm, rope, swiglu};
+use candle_fused::{
+    cross_entropy, gelu, linear, linear_cross_entropy, linear_gelu, norm, rope, swiglu,
+};
+use test_support::alloc::{self, CountingAlloc};
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
 
 /// A model's shapes: batch, sequence, width, heads, vocabulary.
 struct Shapes {
@@ -193,6 +205,69 @@ fn llama_cases(dev: &Device) -> Result<(String, Vec<Case>)> {
     Ok((format!("SmolLM2-135M, T {t}, B {b}"), cases))
 }
 
+/// SmolLM2-135M's head: `x [B * T, C]` against the tied embedding `[V, C]`, f32.
+const HEAD: (usize, usize, usize) = (4 * 256, 576, 49152);
+
+/// The `linear_cross_entropy` table: forward + backward (gradients of x and w) of the fused op
+/// at its default chunk and at 8 MiB chunks, and of the composite: median time and peak heap,
+/// and the peak heap of a forward alone on detached inputs.
+fn lm_head(iters: usize, dev: &Device) -> Result<()> {
+    let (n, c, v) = HEAD;
+    let x = Var::randn(0f32, 1.0, (n, c), dev)?;
+    let w = Var::randn(0f32, 0.02, (v, c), dev)?;
+    let t = Tensor::rand(0f32, v as f32, n, dev)?
+        .floor()?
+        .to_dtype(DType::U32)?;
+    let iters = iters.min(5);
+    println!(
+        "\nSmolLM2-135M head: N = 4 x 256 = {n} rows, C = {c}, V = {v}, f32 (logits {:.0} MiB); \
+         median of {iters} after 1 warm-up",
+        (n * v * 4) as f64 / (1 << 20) as f64
+    );
+    println!(
+        "| linear_cross_entropy | fwd+bwd (ms) | peak heap fwd+bwd (MiB) | peak heap fwd, detached (MiB) |"
+    );
+    println!("|---|---|---|---|");
+    let default = linear_cross_entropy::default_chunk_rows(v, c);
+    let small = linear_cross_entropy::CHUNK_BYTES / (4 * v);
+    let rows: [(String, Option<usize>); 3] = [
+        (
+            format!("fused, default chunk ({default} rows)"),
+            Some(default),
+        ),
+        (format!("fused, 8 MiB chunk ({small} rows)"), Some(small)),
+        ("composite".into(), None),
+    ];
+    for (name, chunk) in rows {
+        let loss = |xt: &Tensor, wt: &Tensor| match chunk {
+            Some(k) => linear_cross_entropy::linear_cross_entropy_chunked(xt, wt, &t, None, k),
+            None => linear_cross_entropy::linear_cross_entropy_composite(xt, wt, &t, None),
+        };
+        let step = || -> Result<()> {
+            std::hint::black_box(loss(x.as_tensor(), w.as_tensor())?.backward()?);
+            Ok(())
+        };
+        step()?;
+        let base = alloc::reset_peak();
+        std::hint::black_box(loss(&x.as_tensor().detach(), &w.as_tensor().detach())?);
+        let fwd_peak = (alloc::peak_bytes() - base) as f64 / (1 << 20) as f64;
+        let base = alloc::reset_peak();
+        let mut ts = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t0 = Instant::now();
+            step()?;
+            ts.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        let peak = (alloc::peak_bytes() - base) as f64 / (1 << 20) as f64;
+        ts.sort_by(f64::total_cmp);
+        println!(
+            "| {name} | {:.0} | {peak:.0} | {fwd_peak:.0} |",
+            ts[ts.len() / 2]
+        );
+    }
+    Ok(())
+}
+
 /// Keeps freed blocks of up to 64 MiB in the heap instead of returning them to the OS (glibc).
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -250,6 +325,13 @@ fn main() -> Result<()> {
                 cb / fb
             );
         }
+    }
+    if filters.is_empty()
+        || filters
+            .iter()
+            .any(|f| "linear_cross_entropy".contains(f.as_str()))
+    {
+        lm_head(iters, &dev)?;
     }
     Ok(())
 }

@@ -2,8 +2,9 @@
 //! gradients of x and w) for every dtype, chunk sizes around the row count, odd vocabularies,
 //! ignored rows (scattered, a run longer than a chunk, all of them), strided views of x and w
 //! (a transposed / narrowed x, a narrowed / transposed tied weight), the fallback path, a
-//! second backward, NaN propagation, thread-count determinism, bad input, and the peak memory
-//! of forward + backward (this binary counts its heap with `test_support::alloc`).
+//! second backward, NaN propagation, thread-count determinism, bad input; in
+//! `linear_cross_entropy/memory_and_cuda.rs` the peak memory of forward + backward (this binary
+//! counts its heap with `test_support::alloc`) and the op on a CUDA device.
 //!
 //! Tolerances (relative to max(largest magnitude of the reference, 1e-3), `common::assert_close`;
 //! the largest errors measured are in brackets):
@@ -23,17 +24,19 @@
 //! * finite differences (f64, h = 1e-5): 1e-6.
 
 mod common;
+// The peak-memory test and the CUDA test.
+#[path = "linear_cross_entropy/memory_and_cuda.rs"]
+mod memory_and_cuda;
 
 use std::sync::{Mutex, MutexGuard};
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::linear_cross_entropy::{
-    default_chunk_rows, linear_cross_entropy, linear_cross_entropy_chunked,
-    linear_cross_entropy_composite,
+    linear_cross_entropy, linear_cross_entropy_chunked, linear_cross_entropy_composite,
 };
 use common::*;
-use test_support::alloc::{self, CountingAlloc};
+use test_support::alloc::CountingAlloc;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -525,72 +528,5 @@ fn rejects_bad_targets_and_shapes() -> Result<()> {
             "{e}"
         );
     }
-    Ok(())
-}
-
-/// Peak heap bytes above the start while `f` runs (this binary's allocator counts them).
-fn peak_during(f: impl FnOnce() -> Result<()>) -> Result<usize> {
-    let base = alloc::reset_peak();
-    f()?;
-    Ok(alloc::peak_bytes() - base)
-}
-
-#[test]
-fn peak_memory_stays_far_below_the_logits() -> Result<()> {
-    let _s = serial();
-    let (n, c, v) = (512usize, 64usize, 8192usize);
-    let logits = n * v * 4; // 16 MiB
-    let mut rng = Lcg(12);
-    let case = Case::new((&[n], c, v), (Some(64), Some(0)), &[], &mut rng)?;
-    let [x, w] = case.inputs(DType::F32, &mut rng)?;
-    let (xv, wv) = (Var::from_tensor(&x)?, Var::from_tensor(&w)?);
-    let fwd_bwd = |f: &dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>| {
-        let once = || {
-            peak_during(|| {
-                let g = f(xv.as_tensor(), wv.as_tensor())?.backward()?;
-                assert!(g.get(&xv).is_some() && g.get(&wv).is_some());
-                Ok(())
-            })
-        };
-        // The first call also allocates what lives on afterwards (the GEMM's per-thread
-        // packing buffers): measure the second.
-        once()?;
-        once()
-    };
-    let t = &case.targets;
-    let chunked = fwd_bwd(&|x, w| linear_cross_entropy_chunked(x, w, t, Some(0), 64))?;
-    let default = fwd_bwd(&|x, w| linear_cross_entropy(x, w, t, Some(0)))?;
-    let composite = fwd_bwd(&|x, w| linear_cross_entropy_composite(x, w, t, Some(0)))?;
-    // What the op needs: in the forward dW and dx, one chunk of logits and the GEMM's packed
-    // copy of one vocabulary block of it (4096 of the 8192 classes); in the backward three dW
-    // and dx (Candle adds each gradient into a fresh zero tensor: the composite pays that
-    // too); and change (the gradient store, a chunk of x, packing buffers): 1 MiB.
-    let (dw, dx) = (v * c * 4, n * c * 4);
-    let need = |rows: usize| {
-        let fwd = dw + dx + rows * v * 4 + rows * 4096 * 4;
-        fwd.max(3 * (dw + dx)) + (1 << 20)
-    };
-    let mib = |b: usize| b as f64 / (1 << 20) as f64;
-    assert!(
-        chunked <= need(64) && chunked < logits / 2,
-        "chunk 64: peak {:.2} MiB (logits {:.0} MiB)",
-        mib(chunked),
-        mib(logits)
-    );
-    // The default chunk here is its 8 MiB floor (dW is only 2 MiB).
-    let rows = default_chunk_rows(v, c);
-    assert_eq!(rows, 256);
-    assert!(
-        default <= need(rows) && default < logits,
-        "default chunk: peak {:.2} MiB (logits {:.0} MiB)",
-        mib(default),
-        mib(logits)
-    );
-    // The composite holds the logits and more: the measurement sees them.
-    assert!(
-        composite > 2 * logits,
-        "composite: peak {:.2} MiB",
-        mib(composite)
-    );
     Ok(())
 }
