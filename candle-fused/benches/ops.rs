@@ -26,7 +26,10 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use candle_fused::attention::{attention_qkv, attention_qkv_composite, AttentionConfig};
+use candle_fused::attention::{
+    attention_merged, attention_merged_composite, attention_qkv, attention_qkv_composite,
+    AttentionConfig,
+};
 use candle_fused::{
     cross_entropy, gelu, linear, linear_cross_entropy, linear_gelu, norm, rope, swiglu,
 };
@@ -268,6 +271,71 @@ fn lm_head(iters: usize, dev: &Device) -> Result<()> {
     Ok(())
 }
 
+/// Attention at a Llama-family shape: grouped-query heads (`kv` kv heads), causal, optional
+/// sliding window.
+struct LlamaAttention {
+    name: &'static str,
+    b: usize,
+    t: usize,
+    h: usize,
+    kv: usize,
+    d: usize,
+    window: Option<usize>,
+}
+
+/// SmolLM2-135M's attention (9 query heads over 3 kv heads, head dim 64) at T 256, and at
+/// T 1024 causal and with a sliding window of 128: a block of 32 query rows then reads at most
+/// 159 keys instead of up to 1024: 28% of the causal score tiles (the rest are skipped, not
+/// masked).
+const LLAMA_ATTENTION: [LlamaAttention; 3] = [
+    LlamaAttention {
+        name: "attention GQA (SmolLM2-135M: B 4, T 256, H 9, KV 3, D 64), causal",
+        b: 4,
+        t: 256,
+        h: 9,
+        kv: 3,
+        d: 64,
+        window: None,
+    },
+    LlamaAttention {
+        name: "attention GQA (B 1, T 1024, H 9, KV 3, D 64), causal",
+        b: 1,
+        t: 1024,
+        h: 9,
+        kv: 3,
+        d: 64,
+        window: None,
+    },
+    LlamaAttention {
+        name: "attention GQA (B 1, T 1024, H 9, KV 3, D 64), window 128",
+        b: 1,
+        t: 1024,
+        h: 9,
+        kv: 3,
+        d: 64,
+        window: Some(128),
+    },
+];
+
+/// The attention cases at Llama-family shapes ([`LLAMA_ATTENTION`]): [`attention_merged`]
+/// against [`attention_merged_composite`] (K / V repeated, masks added, softmax).
+fn llama_attention_cases(dev: &Device) -> Result<Vec<Case>> {
+    let mut out = Vec::new();
+    for a in LLAMA_ATTENTION {
+        let randn = |heads: usize| Var::randn(0f32, 1f32, (a.b, heads, a.t, a.d), dev);
+        let mut cfg = AttentionConfig::causal();
+        cfg.window = a.window;
+        let c2 = cfg.clone();
+        out.push(Case {
+            name: a.name,
+            inputs: vec![randn(a.h)?, randn(a.kv)?, randn(a.kv)?],
+            fused: Box::new(move |x| attention_merged(&x[0], &x[1], &x[2], &cfg)),
+            composite: Box::new(move |x| attention_merged_composite(&x[0], &x[1], &x[2], &c2)),
+        });
+    }
+    Ok(out)
+}
+
 /// Keeps freed blocks of up to 64 MiB in the heap instead of returning them to the OS (glibc).
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -317,6 +385,25 @@ fn main() -> Result<()> {
             if !filters.is_empty() && !filters.iter().any(|f| case.name.contains(f.as_str())) {
                 continue;
             }
+            let (ff, fb) = time_op(iters, &case.inputs, &case.fused)?;
+            let (cf, cb) = time_op(iters, &case.inputs, &case.composite)?;
+            println!(
+                "| {} | {ff:.3} | {fb:.3} | {cf:.3} | {cb:.3} | {:.2}x |",
+                case.name,
+                cb / fb
+            );
+        }
+    }
+    let cases = llama_attention_cases(&dev)?;
+    let wanted =
+        |c: &Case| filters.is_empty() || filters.iter().any(|f| c.name.contains(f.as_str()));
+    if cases.iter().any(wanted) {
+        println!("\nattention at Llama-family shapes (attention_merged, f32)");
+        println!(
+            "| op | fused fwd | fused fwd+bwd | composite fwd | composite fwd+bwd | speed-up fwd+bwd |"
+        );
+        println!("|---|---|---|---|---|---|");
+        for case in cases.iter().filter(|c| wanted(c)) {
             let (ff, fb) = time_op(iters, &case.inputs, &case.fused)?;
             let (cf, cb) = time_op(iters, &case.inputs, &case.composite)?;
             println!(

@@ -200,8 +200,12 @@ fn live_row<'s, A: Real>(
     let (a, e) = tile_span(g.row_keys(p, b, i), j0, row.len());
     let (head, rest) = row.split_at_mut(a);
     let (w, tail) = rest.split_at_mut(e - a);
-    head.fill(A::ZERO);
-    tail.fill(A::ZERO);
+    if !head.is_empty() {
+        head.fill(A::ZERO);
+    }
+    if !tail.is_empty() {
+        tail.fill(A::ZERO);
+    }
     mask_docs(g, p, w, b, i, j0 + a, fill);
     (a, w)
 }

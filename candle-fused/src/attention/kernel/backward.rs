@@ -11,7 +11,7 @@
 //! `B * KV` tasks to spread over the threads.
 
 use super::tile::{gemm, load, run_tasks, Mat, Ptr};
-use super::{live_row, mask_docs, tile_scores, tile_span, Geom, Params, Scratch, KB, QB};
+use super::{live_row, mask_docs, tile_scores, Geom, Params, Scratch, KB, QB};
 use crate::cpu::{dot, Elem, Real};
 use crate::gelu::FastMath;
 
@@ -130,10 +130,12 @@ unsafe fn bwd_head<T: Elem>(
             tile_scores(g, p, &sc.q, &sc.k, s, i0, nq, j0, nk);
             // P = exp(S - L) (rows that see no key have L = -inf and contribute nothing); 0
             // exactly where the row does not see the key.
+            let mut spans = [(0usize, 0usize); QB];
             for r in 0..nq {
                 let li = lse[i0 + r];
                 let srow = &mut s[r * nk..(r + 1) * nk];
                 let (a, row) = live_row(g, p, srow, b, i0 + r, j0, T::Acc::NEG_INFINITY);
+                spans[r] = (a, a + row.len());
                 if li == T::Acc::NEG_INFINITY {
                     row.fill(zero);
                 } else {
@@ -185,16 +187,21 @@ unsafe fn bwd_head<T: Elem>(
             );
             // dS = P ∘ (dP - D_i) · scale, in place of dP; 0 exactly where the row does not
             // see the key (so a NaN in D_i stays off the keys the row does not see).
-            for r in 0..nq {
+            for (r, &(a, e)) in spans[..nq].iter().enumerate() {
                 let di = sc.di[i0 + r];
-                let (a, e) = tile_span(g.row_keys(p, b, i0 + r), j0, nk);
                 let (prow, dsrow) = (&s[r * nk..(r + 1) * nk], &mut dp[r * nk..(r + 1) * nk]);
-                dsrow[..a].fill(zero);
-                dsrow[e..].fill(zero);
-                for (ds, &pv) in dsrow[a..e].iter_mut().zip(&prow[a..e]) {
+                let (head, rest) = dsrow.split_at_mut(a);
+                let (live, tail) = rest.split_at_mut(e - a);
+                if !head.is_empty() {
+                    head.fill(zero);
+                }
+                if !tail.is_empty() {
+                    tail.fill(zero);
+                }
+                for (ds, &pv) in live.iter_mut().zip(&prow[a..e]) {
                     *ds = pv * (*ds - di) * p.scale;
                 }
-                mask_docs(g, p, &mut dsrow[a..e], b, i0 + r, j0 + a, zero);
+                mask_docs(g, p, live, b, i0 + r, j0 + a, zero);
             }
             // dQ_i += dS K_j; dK_j += dSᵀ Q_i.
             gemm(
