@@ -158,6 +158,23 @@ impl Link {
     }
 }
 
+/// The chain `embed -> blocks -> head` of a model built from those three kinds of link.
+pub fn chain<E, B, H>(embed: &E, blocks: &[B], head: &H) -> Vec<Link>
+where
+    E: LinkOps + Clone + 'static,
+    B: LinkOps + Clone + 'static,
+    H: LinkOps + Clone + 'static,
+{
+    std::iter::once(Link::new(Role::Embed, Arc::new(embed.clone())))
+        .chain(
+            blocks
+                .iter()
+                .map(|b| Link::new(Role::Block, Arc::new(b.clone()))),
+        )
+        .chain([Link::new(Role::Head, Arc::new(head.clone()))])
+        .collect()
+}
+
 /// Runs `links` in order (no loss).
 pub fn run_links(links: &[Link], x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
     links.iter().try_fold(x.clone(), |h, l| l.forward(&h, ctx))

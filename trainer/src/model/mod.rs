@@ -33,7 +33,7 @@ pub use arch::{
     KvCache, Model, ModelConfig, Shape, SpecialTokens, BUILTIN,
 };
 pub use builder::{Builder, Source, Wrap};
-pub use chain::{count_targets, run_links, Link, LinkOps, Loss, Role, WeightMap, IGNORE};
+pub use chain::{chain, count_targets, run_links, Link, LinkOps, Loss, Role, WeightMap, IGNORE};
 pub use ctx::{Ctx, Rows};
 pub use kernels::Kernels;
 pub use layers::{dropout, stat_dtype, LayerNorm};

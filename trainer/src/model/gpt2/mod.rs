@@ -18,7 +18,7 @@ pub use config::{GptConfig, GPT2_ENDOFTEXT};
 
 use super::{
     run_links, stat_dtype, Architecture, Builder, Ctx, KvCache, LayerNorm, Layout, Linear, Link,
-    LinkOps, Model, ModelConfig, Params, Role, WeightMap,
+    LinkOps, Model, ModelConfig, Params, WeightMap,
 };
 use crate::Result;
 
@@ -441,14 +441,7 @@ impl Model for Gpt {
     }
 
     fn links(&self) -> Vec<Link> {
-        std::iter::once(Link::new(Role::Embed, Arc::new(self.embed.clone())))
-            .chain(
-                self.blocks
-                    .iter()
-                    .map(|b| Link::new(Role::Block, Arc::new(b.clone()))),
-            )
-            .chain([Link::new(Role::Head, Arc::new(self.head.clone()))])
-            .collect()
+        super::chain(&self.embed, &self.blocks, &self.head)
     }
 
     fn map(&self, f: WeightMap) -> candle_core::Result<Box<dyn Model>> {

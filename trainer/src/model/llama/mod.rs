@@ -31,7 +31,7 @@ pub use rope::RopeScaling;
 
 use super::{
     count_targets, stat_dtype, Architecture, Builder, Ctx, KvCache, Layout, Linear, Link, LinkOps,
-    Loss, Model, ModelConfig, Role, WeightMap, IGNORE,
+    Loss, Model, ModelConfig, WeightMap, IGNORE,
 };
 use crate::Result;
 
@@ -548,14 +548,7 @@ impl Model for Llama {
     }
 
     fn links(&self) -> Vec<Link> {
-        std::iter::once(Link::new(Role::Embed, Arc::new(self.embed.clone())))
-            .chain(
-                self.blocks
-                    .iter()
-                    .map(|b| Link::new(Role::Block, Arc::new(b.clone()))),
-            )
-            .chain([Link::new(Role::Head, Arc::new(self.head.clone()))])
-            .collect()
+        super::chain(&self.embed, &self.blocks, &self.head)
     }
 
     fn map(&self, f: WeightMap) -> candle_core::Result<Box<dyn Model>> {
