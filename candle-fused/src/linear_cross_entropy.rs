@@ -82,7 +82,8 @@ pub const CHUNK_BYTES: usize = 8 << 20;
 /// smaller: every chunk reads `W` twice and `dW` once more, and Candle's backward holds three
 /// `dW`-sized buffers at once anyway (each gradient is added into a fresh zero tensor), so
 /// chunks up to half of `dW` never raise the op's peak, while 8 MiB chunks (42 rows) made
-/// SmolLM2's head 2x slower than 256-row ones on the CPU (`benches/ops.rs`).
+/// SmolLM2's head's forward + backward 1.4-1.5x slower than the default 288 rows on 2 quiet
+/// cores, 2x and more on loaded ones (`benches/ops.rs`).
 ///
 /// ```
 /// use candle_fused::linear_cross_entropy::default_chunk_rows;
