@@ -48,7 +48,9 @@
 //! type once: what `lm_head(h)` in bf16 gives before transformers' `.float()`), then the
 //! softmax in f32; the logit gradients are rounded to the 16-bit type before their two GEMMs
 //! (as the cast in the composite rounds them), `dx` is rounded once per row, `dW` accumulates
-//! over all chunks in f32 and is rounded once. The loss is f32 (f64 for f64 input).
+//! over all chunks in f32 and is rounded once. The loss is f32 (f64 for f64 input). The GEMMs
+//! read bf16 as it is on CPUs with AVX512-BF16; elsewhere, and for f16, `W` is widened to f32
+//! once per call (a `V x C` f32 copy, as [`linear`](crate::linear::linear) does).
 //!
 //! **Determinism.** Every GEMM splits only over its output (never over the summed dimension),
 //! rows of a chunk are independent, the loss terms are added in row order and `dW` in chunk
@@ -80,7 +82,8 @@ pub const CHUNK_BYTES: usize = 8 << 20;
 /// smaller: every chunk reads `W` twice and `dW` once more, and Candle's backward holds three
 /// `dW`-sized buffers at once anyway (each gradient is added into a fresh zero tensor), so
 /// chunks up to half of `dW` never raise the op's peak, while 8 MiB chunks (42 rows) made
-/// SmolLM2's head 2x slower than 256-row ones on the CPU (`benches/ops.rs`).
+/// SmolLM2's head's forward + backward 1.4-1.5x slower than the default 288 rows on 2 quiet
+/// cores, 2x and more on loaded ones (`benches/ops.rs`).
 ///
 /// ```
 /// use candle_fused::linear_cross_entropy::default_chunk_rows;
