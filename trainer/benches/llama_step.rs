@@ -20,24 +20,23 @@
 //! Memory: the process's peak RSS (`VmHWM`) over those steps, and that peak minus the RSS before
 //! the model was built ("step memory": weights, gradients, AdamW state, activations; PyTorch's
 //! side subtracts its RSS after `import torch` the same way). f32 cases also run with the whole
-//! `[B, T, vocab]` logits (`chunked_loss = false`) to show what the chunked loss saves. Matmul
-//! share: every GEMM of one step (each projection's forward, input-gradient and
-//! weight-gradient products, the head's three in the chunked loss) timed alone with the same
-//! kernel, threads and dtype, over the step time (PyTorch's: the profiler's self CPU time of
-//! its `mm`/`addmm`/`bmm`/`matmul` ops, which include eager attention's two batched products).
+//! `[B, T, vocab]` logits (`chunked_loss = false`) to show what the chunked loss saves.
+//!
+//! Matmul share: PyTorch's column is its profiler's self CPU time of `mm`/`addmm`/`bmm`/
+//! `matmul` over one step (eager attention's two batched products included). Ours comes from
+//! `perf` over a child (the GEMM kernels' samples over all samples; see BENCHMARKS.md for the
+//! command), since Candle has no op profiler.
 
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use candle_core::{DType, Device, Tensor, Var};
 use clap::Parser;
 use serde_json::{json, Value};
 use trainer::config::TrainConfig;
 use trainer::data::DataKind;
 use trainer::model::llama::{Family, LlamaConfig};
-use trainer::model::Kernels;
 use trainer::train::Trainer;
 
 #[derive(Parser, Debug)]
@@ -100,65 +99,6 @@ fn status_kib(key: &str) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-/// Time of `f` (median of 3 after one warm-up), seconds.
-fn time(mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
-    f()?;
-    let mut t = Vec::new();
-    for _ in 0..3 {
-        let s = Instant::now();
-        f()?;
-        t.push(s.elapsed().as_secs_f64());
-    }
-    t.sort_by(f64::total_cmp);
-    Ok(t[1])
-}
-
-/// One step's GEMMs timed alone: each projection `[N, in] x [in, out]` forward and backward
-/// (input and weight gradients) through the trainer's linear kernel, times its count, plus the
-/// chunked head (whose three GEMMs are the op's work).
-fn matmul_seconds(cfg: &LlamaConfig, rows: usize, dtype: DType) -> anyhow::Result<f64> {
-    let dev = Device::Cpu;
-    let (c, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
-    let (h, kv, l) = (
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.num_hidden_layers,
-    );
-    let shapes = [
-        (c, h * d, l),
-        (c, kv * d, 2 * l),
-        (h * d, c, l),
-        (c, i, 2 * l),
-        (i, c, l),
-    ];
-    let mut total = 0.0;
-    for (fan_in, fan_out, count) in shapes {
-        let x = Var::from_tensor(&Tensor::randn(0f32, 1., (rows, fan_in), &dev)?.to_dtype(dtype)?)?;
-        let w = Var::from_tensor(
-            &Tensor::randn(0f32, 0.02, (fan_out, fan_in), &dev)?.to_dtype(dtype)?,
-        )?;
-        let g = Tensor::randn(0f32, 1., (rows, fan_out), &dev)?.to_dtype(dtype)?;
-        let s = time(|| {
-            let y = Kernels::Fused.linear(x.as_tensor(), &w.as_tensor().t()?, None)?;
-            let loss = (y * &g)?.sum_all()?;
-            loss.backward()?;
-            Ok(())
-        })?;
-        total += s * count as f64;
-    }
-    let x = Var::from_tensor(&Tensor::randn(0f32, 1., (rows, c), &dev)?.to_dtype(dtype)?)?;
-    let w =
-        Var::from_tensor(&Tensor::randn(0f32, 0.02, (cfg.vocab_size, c), &dev)?.to_dtype(dtype)?)?;
-    let t = Tensor::arange(0u32, rows as u32, &dev)?;
-    total += time(|| {
-        let loss =
-            Kernels::Fused.linear_cross_entropy(x.as_tensor(), w.as_tensor(), &t, u32::MAX)?;
-        loss.backward()?;
-        Ok(())
-    })?;
-    Ok(total)
-}
-
 fn run_ours(name: &str, dtype: &str, args: &Args) -> anyhow::Result<Value> {
     let (_, cfg, block, batch) = cases()
         .into_iter()
@@ -202,16 +142,10 @@ fn run_ours(name: &str, dtype: &str, args: &Args) -> anyhow::Result<Value> {
     let peak = status_kib("VmHWM:") / 1024.0;
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
-    let mm = if args.whole_logits {
-        f64::NAN
-    } else {
-        matmul_seconds(&cfg, batch * block, t.config.dtype.dtype())?
-    };
     Ok(json!({
         "case": name, "dtype": dtype, "whole_logits": args.whole_logits,
         "step_median_s": median, "tokens_per_s": (batch * block) as f64 / median,
         "peak_rss_steps_mib": peak, "rss_base_mib": rss_base,
-        "matmul_share": mm / median,
     }))
 }
 
@@ -310,7 +244,7 @@ fn main() -> anyhow::Result<()> {
          (step memory: minus the RSS before the model was built)\n",
         args.steps, args.warmup
     );
-    println!("| case | dtype | ours: step | torch: step | ours / torch | ours: peak RSS (step memory) | torch: peak RSS (step memory) | ours / torch (step memory) | matmul share ours / torch | ours with whole logits: peak RSS (step memory) |");
+    println!("| case | dtype | ours: step | torch: step | ours / torch | ours: peak RSS (step memory) | torch: peak RSS (step memory) | ours / torch (step memory) | torch: matmul share | ours with whole logits: peak RSS (step memory) |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for (name, dtype, o, w, t) in rows {
         let mem = |v: &Value| {
@@ -334,11 +268,10 @@ fn main() -> anyhow::Result<()> {
         };
         let os = f(&o, "step_median_s");
         println!(
-            "| {name} | {dtype} | {os:.2} s | {ts:.2} s | **{:.2}x** | {op:.0} MiB ({om:.0} MiB) | {tp:.0} MiB ({tm:.0} MiB) | **{:.2}x** ({:.2}x) | {:.0}% / {:.0}% | {whole} |",
+            "| {name} | {dtype} | {os:.2} s | {ts:.2} s | **{:.2}x** | {op:.0} MiB ({om:.0} MiB) | {tp:.0} MiB ({tm:.0} MiB) | **{:.2}x** ({:.2}x) | {:.0}% | {whole} |",
             os / ts,
             op / tp,
             om / tm,
-            100.0 * f(&o, "matmul_share"),
             100.0 * tshare,
         );
     }
