@@ -15,7 +15,8 @@
 //! 8 heads / 2 KV heads, MLP 704, vocab 8192, untied; block 256, batch 8), as in
 //! `bench/torch_llama_step.py`, which runs the PyTorch side (each case in its own process).
 //!
-//! Each of our cases runs in a child process of this binary (so its peak RSS is its own):
+//! Each of our cases runs in a child process of this binary (so its peak RSS is its own), with
+//! the `trainer` binary's process settings (`trainer::runtime::init`):
 //! `--warmup` steps, then `--steps` timed steps of `Trainer::train_step` (median reported).
 //! Memory: the process's peak RSS (`VmHWM`) over those steps, and that peak minus the RSS before
 //! the model was built ("step memory": weights, gradients, AdamW state, activations; PyTorch's
@@ -202,6 +203,8 @@ fn f(v: &Value, k: &str) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
+    // The trainer binary's process settings (Candle's pool spin limit, malloc thresholds).
+    trainer::runtime::init();
     let args = Args::parse();
     if let Some(case) = &args.child {
         let r = run_ours(case, &args.dtype, &args)?;
