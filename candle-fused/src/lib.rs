@@ -3,7 +3,8 @@
 //! # Crate layout
 //!
 //! * [`attention`]: causal self-attention, flash-style (online softmax over key blocks, saves
-//!   the output and the log-sum-exp, recomputes scores in backward), mask and dropout;
+//!   the output and the log-sum-exp, recomputes scores in backward), mask and dropout,
+//!   grouped-query heads, sliding windows and per-token document ids;
 //! * [`norm`]: LayerNorm (optional bias) and RMSNorm, saving mean / rstd;
 //! * [`gelu`]: bias add + tanh GELU (GPT-2's) in one op;
 //! * [`linear`]: `x W + b` in one op (one GEMM forward, two and a column sum backward; bf16
@@ -14,6 +15,8 @@
 //!   `[B, T, H, D] -> [B, H, T, D]` transpose, and their f32 tables;
 //! * [`swiglu`]: `silu(gate) * up` (Llama's MLP activation) in one op;
 //! * [`cross_entropy`]: softmax cross-entropy over the vocabulary with mask / ignore index;
+//! * [`linear_cross_entropy`]: the language-model head and its cross-entropy in one op, a chunk
+//!   of rows at a time (no `[N, vocab]` logits);
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
 //! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync.
 //!
@@ -27,7 +30,8 @@
 //! [`norm::rms_norm_composite`], [`gelu::bias_gelu_composite`], [`gelu::gelu_composite`],
 //! [`attention::attention_composite`], [`attention::attention_qkv_composite`],
 //! [`rope::rope_composite`], [`swiglu::swiglu_composite`],
-//! [`cross_entropy::cross_entropy_composite`], [`dropout::dropout_composite`] (the same
+//! [`cross_entropy::cross_entropy_composite`],
+//! [`linear_cross_entropy::linear_cross_entropy_composite`], [`dropout::dropout_composite`] (the same
 //! Philox mask, drawn on the host), [`adamw::adamw_composite`] (returns the new tensors
 //! instead of updating in place), [`adamw::sum_of_squares_composite`] and
 //! [`adamw::global_norm_composite`].
