@@ -328,7 +328,7 @@ impl ModelConfig for LlamaConfig {
         6.0 * n + 12.0 * l * h * d * ctx
     }
 
-    /// Counted from the ops of a [`Block`]: the tensors its backward keeps. Fused kernels:
+    /// Counted from the ops of a [`Block`](super::Block): the tensors its backward keeps. Fused kernels:
     /// about 6 `[B, T, C]` (the input, two norms' outputs, the residual, the attention and
     /// MLP outputs), the projections q, k, v and their rotated copies, the attention output,
     /// 3 `[B, T, I]` (gate, up, their SwiGLU) and the attention's `[B, H, T]` log-sum-exp.
