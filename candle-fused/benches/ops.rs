@@ -375,30 +375,17 @@ fn main() -> Result<()> {
         tables.push((s.name.to_string(), cases(s, &dev)?));
     }
     tables.push(llama_cases(&dev)?);
-    for (name, cases) in tables {
-        println!("\n{name}");
-        println!(
-            "| op | fused fwd | fused fwd+bwd | composite fwd | composite fwd+bwd | speed-up fwd+bwd |"
-        );
-        println!("|---|---|---|---|---|---|");
-        for case in cases {
-            if !filters.is_empty() && !filters.iter().any(|f| case.name.contains(f.as_str())) {
-                continue;
-            }
-            let (ff, fb) = time_op(iters, &case.inputs, &case.fused)?;
-            let (cf, cb) = time_op(iters, &case.inputs, &case.composite)?;
-            println!(
-                "| {} | {ff:.3} | {fb:.3} | {cf:.3} | {cb:.3} | {:.2}x |",
-                case.name,
-                cb / fb
-            );
-        }
-    }
-    let cases = llama_attention_cases(&dev)?;
+    tables.push((
+        "attention at Llama-family shapes (attention_merged, f32)".to_string(),
+        llama_attention_cases(&dev)?,
+    ));
     let wanted =
         |c: &Case| filters.is_empty() || filters.iter().any(|f| c.name.contains(f.as_str()));
-    if cases.iter().any(wanted) {
-        println!("\nattention at Llama-family shapes (attention_merged, f32)");
+    for (name, cases) in tables {
+        if !cases.iter().any(wanted) {
+            continue;
+        }
+        println!("\n{name}");
         println!(
             "| op | fused fwd | fused fwd+bwd | composite fwd | composite fwd+bwd | speed-up fwd+bwd |"
         );

@@ -170,7 +170,7 @@ impl Kernels {
         ctx: &Ctx,
         site: u64,
     ) -> R {
-        let (b, h, t, d) = q.dims4()?;
+        let (h, t) = (q.dim(1)?, q.dim(2)?);
         let tk = k.dim(2)?;
         let mut cfg = AttentionConfig::causal();
         if let Some(w) = window {
@@ -186,9 +186,7 @@ impl Kernels {
         }
         match self {
             Kernels::Fused => attention::attention_merged(q, k, v, &cfg),
-            Kernels::Reference => attention::attention_composite(q, k, v, &cfg)?
-                .transpose(1, 2)?
-                .reshape((b, t, h * d)),
+            Kernels::Reference => attention::attention_merged_composite(q, k, v, &cfg),
         }
     }
 
