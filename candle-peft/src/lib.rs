@@ -1,0 +1,27 @@
+#![doc = include_str!("../README.md")]
+//!
+//! # Crate layout
+//!
+//! * [`config`]: [`LoraConfig`] (PEFT's `LoraConfig`, the options this crate implements;
+//!   the others refused by name) and [`TargetModules`] (PEFT's `target_modules` matching);
+//! * [`lora`]: [`Lora`], one adapter on a linear layer: PEFT's initialisation, the fused
+//!   forward and backward (from `candle-fused`), merge and unmerge;
+//! * [`format`]: PEFT's files, `adapter_config.json` + `adapter_model.safetensors`, with
+//!   PEFT's tensor names, read ([`Adapter::load`]) and written ([`format::save`]).
+//!
+//! The crate knows no model: a model offers each of its linear layers by module path
+//! (`model.layers.0.self_attn.q_proj`), asks [`TargetModules::matches`] whether it is
+//! adapted, and runs [`Lora::forward`] in place of its plain linear. It depends on
+//! `candle-fused` for the fused op (one GEMM stack for every op), the one documented
+//! exception to the workspace's "the libraries do not depend on each other".
+#![warn(missing_docs)]
+
+pub mod config;
+mod error;
+pub mod format;
+pub mod lora;
+
+pub use config::{LoraConfig, TargetModules};
+pub use error::{PeftError, Result};
+pub use format::Adapter;
+pub use lora::Lora;

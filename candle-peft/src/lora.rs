@@ -1,0 +1,233 @@
+//! One LoRA adapter on a linear layer: `y = x Wᵀ + b + s · B A dropout(x)`, with PEFT's
+//! tensors (`lora_A.weight [r, in]`, `lora_B.weight [out, r]`), initialisation, merge and
+//! unmerge.
+
+use candle_core::{DType, Device, Tensor};
+use candle_fused::RngKey;
+use rand::Rng;
+
+use crate::error::{PeftError, Result};
+use crate::LoraConfig;
+
+/// A LoRA adapter: `A [r, in]`, `B [out, r]`, the scaling `s` and the dropout on its input.
+///
+/// The base layer's weight stays frozen and outside the adapter: [`Lora::forward`] takes it
+/// as an argument and no gradient reaches it (only `x`, `A` and `B` get one).
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor, Var};
+/// use candle_peft::{Lora, LoraConfig};
+/// let dev = Device::Cpu;
+/// let cfg = LoraConfig::new(2, 4.0);
+/// let w = Tensor::randn(0f32, 1.0, (3, 5), &dev)?; // a frozen [out 3, in 5] weight
+/// let (a, b) = Lora::init(5, 3, &cfg, &mut rand::rng(), DType::F32, &dev)?;
+/// let (a, b) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?);
+/// let lora = Lora::new(a.as_tensor().clone(), b.as_tensor().clone(), &cfg)?;
+/// let x = Tensor::randn(0f32, 1.0, (4, 5), &dev)?;
+/// let y = lora.forward(&x, &w.t()?, None, None)?; // B = 0: the base layer's output
+/// let g = y.sqr()?.sum_all()?.backward()?;
+/// assert!(g.get(&b).is_some() && g.get(&w).is_none());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct Lora {
+    a: Tensor,
+    b: Tensor,
+    scale: f64,
+    dropout: f32,
+}
+
+impl Lora {
+    /// The adapter with `a [r, in]` and `b [out, r]` under `config`'s scaling and dropout.
+    pub fn new(a: Tensor, b: Tensor, config: &LoraConfig) -> Result<Self> {
+        let (r, _) = a.dims2()?;
+        let (_, rb) = b.dims2()?;
+        if r != rb {
+            return Err(PeftError::Mismatch {
+                what: "LoRA adapter".into(),
+                message: format!(
+                    "lora_A {:?} and lora_B {:?} do not share a rank",
+                    a.dims(),
+                    b.dims()
+                ),
+            });
+        }
+        Ok(Lora {
+            a,
+            b,
+            scale: config.scaling(),
+            dropout: config.lora_dropout,
+        })
+    }
+
+    /// PEFT's default initialisation for a layer `in -> out` (`init_lora_weights=True`): `A`
+    /// Kaiming-uniform with `a = sqrt(5)` (uniform in `±1/sqrt(in)`, `nn.Linear`'s default),
+    /// `B` zeros, so the adapted layer starts as the base layer. Returns `(A, B)`.
+    pub fn init(
+        fan_in: usize,
+        fan_out: usize,
+        config: &LoraConfig,
+        rng: &mut impl Rng,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let bound = 1.0 / (fan_in as f64).sqrt();
+        let a: Vec<f32> = (0..config.r * fan_in)
+            .map(|_| rng.random_range(-bound..bound) as f32)
+            .collect();
+        let a = Tensor::from_vec(a, (config.r, fan_in), device)?.to_dtype(dtype)?;
+        let b = Tensor::zeros((fan_out, config.r), dtype, device)?;
+        Ok((a, b))
+    }
+
+    /// `lora_A.weight`, `[r, in]`.
+    pub fn a(&self) -> &Tensor {
+        &self.a
+    }
+
+    /// `lora_B.weight`, `[out, r]`.
+    pub fn b(&self) -> &Tensor {
+        &self.b
+    }
+
+    /// The factor `s` of the adapter's output.
+    pub fn scale(&self) -> f64 {
+        self.scale
+    }
+
+    /// The dropout probability on the adapter's input.
+    pub fn dropout(&self) -> f32 {
+        self.dropout
+    }
+
+    /// The same adapter with `A` and `B` mapped by `f` (cast, moved; differentiably).
+    pub fn map(&self, f: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> Result<Self> {
+        Ok(Lora {
+            a: f(&self.a)?,
+            b: f(&self.b)?,
+            ..self.clone()
+        })
+    }
+
+    /// The adapted layer's output `x w + bias + s · (dropout(x) Aᵀ) Bᵀ` for `x [.., in]`,
+    /// the frozen base weight `w` as an `[in, out]` view (`w_out_in.t()`), in `x`'s dtype
+    /// (`A` and `B` are cast to it). `key` draws the dropout mask (training); `None` (or
+    /// dropout 0) runs without. One fused op ([`candle_fused::lora`]): gradients for `x`,
+    /// `A` and `B` only.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        key: Option<RngKey>,
+    ) -> candle_core::Result<Tensor> {
+        let dtype = x.dtype();
+        let (a, b) = (self.a.to_dtype(dtype)?, self.b.to_dtype(dtype)?);
+        let dropout = key
+            .filter(|_| self.dropout > 0.0)
+            .map(|k| (self.dropout, k));
+        pending::lora_linear(x, w, bias, &a, &b, self.scale, dropout)
+    }
+
+    /// The same computation from plain differentiable Candle ops (the reference).
+    pub fn forward_composite(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        key: Option<RngKey>,
+    ) -> candle_core::Result<Tensor> {
+        let dtype = x.dtype();
+        let (a, b) = (self.a.to_dtype(dtype)?, self.b.to_dtype(dtype)?);
+        let dropout = key
+            .filter(|_| self.dropout > 0.0)
+            .map(|k| (self.dropout, k));
+        pending::lora_linear_composite(x, w, bias, &a, &b, self.scale, dropout)
+    }
+
+    /// `s · B A`, `[out, in]`: what merging adds to the base weight, computed in f32 (f64
+    /// for f64 adapters).
+    pub fn delta_weight(&self) -> Result<Tensor> {
+        let dt = match self.a.dtype() {
+            DType::F64 => DType::F64,
+            _ => DType::F32,
+        };
+        let (a, b) = (self.a.detach().to_dtype(dt)?, self.b.detach().to_dtype(dt)?);
+        Ok((b.matmul(&a)? * self.scale)?)
+    }
+
+    /// The merged weight `W + s B A` of the base weight `w [out, in]`, in `w`'s dtype (the
+    /// sum computed in f32 and rounded once).
+    pub fn merge(&self, w: &Tensor) -> Result<Tensor> {
+        self.shift(w, 1.0)
+    }
+
+    /// The base weight back from a merged one: `W - s B A` (in `w`'s dtype; exact up to that
+    /// dtype's rounding of the merged weight).
+    pub fn unmerge(&self, w: &Tensor) -> Result<Tensor> {
+        self.shift(w, -1.0)
+    }
+
+    fn shift(&self, w: &Tensor, sign: f64) -> Result<Tensor> {
+        let d = self.delta_weight()?;
+        if w.dims() != d.dims() {
+            return Err(PeftError::Mismatch {
+                what: "LoRA merge".into(),
+                message: format!(
+                    "the base weight {:?} is not [out, in] = {:?}",
+                    w.dims(),
+                    d.dims()
+                ),
+            });
+        }
+        let sum = (w.detach().to_dtype(d.dtype())? + (d * sign)?)?;
+        Ok(sum.to_dtype(w.dtype())?)
+    }
+}
+
+/// Until candle-fused's fused op lands: the composite on both paths.
+mod pending {
+    use candle_core::{Result, Tensor};
+    use candle_fused::RngKey;
+
+    pub fn lora_linear(
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        a: &Tensor,
+        b: &Tensor,
+        scale: f64,
+        dropout: Option<(f32, RngKey)>,
+    ) -> Result<Tensor> {
+        let base = candle_fused::linear::linear(x, w, bias)?;
+        base + delta(x, a, b, scale, dropout)?
+    }
+
+    pub fn lora_linear_composite(
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        a: &Tensor,
+        b: &Tensor,
+        scale: f64,
+        dropout: Option<(f32, RngKey)>,
+    ) -> Result<Tensor> {
+        let base = candle_fused::linear::linear_composite(x, w, bias)?;
+        base + delta(x, a, b, scale, dropout)?
+    }
+
+    fn delta(
+        x: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        scale: f64,
+        dropout: Option<(f32, RngKey)>,
+    ) -> Result<Tensor> {
+        let u = match dropout {
+            Some((p, key)) => candle_fused::dropout::dropout_composite(x, p, key)?,
+            None => x.clone(),
+        };
+        let h = u.broadcast_matmul(&a.t()?)?.broadcast_matmul(&b.t()?)?;
+        h * scale
+    }
+}
