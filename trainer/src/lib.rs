@@ -25,6 +25,7 @@ mod hash;
 pub mod hub;
 pub mod io;
 pub mod load;
+pub mod lora;
 pub mod metrics;
 pub mod mfu;
 pub mod model;

@@ -20,7 +20,7 @@ use trainer::config::TrainConfig;
 use trainer::data::{Batch, DataSource, Fingerprint, Split};
 use trainer::model::gpt2::{Gpt, GptConfig};
 use trainer::model::{
-    self, Builder, Ctx, KvCache, LinearDelta, Link, LinkOps, Model, ModelConfig, Params, Role,
+    self, Builder, Ctx, KvCache, LinearAdapter, Link, LinkOps, Model, ModelConfig, Params, Role,
     Rows, WeightMap,
 };
 use trainer::train::Trainer;
@@ -361,20 +361,27 @@ fn every_link_owns_and_reads_exactly_the_parameters_it_lists() {
     );
 }
 
-/// A low-rank delta `x A B` (A `[in, r]`, B `[r, out]`), as an adapter adds it.
+/// A low-rank adapter `x W + b + x A B` (A `[in, r]`, B `[r, out]`).
 #[derive(Debug)]
 struct LowRank(Tensor, Tensor);
 
-impl LinearDelta for LowRank {
-    fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+impl LinearAdapter for LowRank {
+    fn forward(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        ctx: &Ctx,
+    ) -> candle_core::Result<Tensor> {
         let a = self.0.to_dtype(ctx.dtype)?;
         let b = self.1.to_dtype(ctx.dtype)?;
-        x.broadcast_matmul(&a)?.broadcast_matmul(&b)
+        let base = ctx.kernels.linear(x, w, bias)?;
+        base + x.broadcast_matmul(&a)?.broadcast_matmul(&b)?
     }
     fn params(&self) -> Vec<Tensor> {
         vec![self.0.clone(), self.1.clone()]
     }
-    fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinearDelta>> {
+    fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinearAdapter>> {
         Ok(Arc::new(LowRank(f(&self.0)?, f(&self.1)?)))
     }
 }
@@ -387,10 +394,10 @@ fn an_adapter_wraps_any_projection_by_its_module_path() {
     let a = Var::from_tensor(&Tensor::randn(0f32, 0.1, (16, 4), &dev).unwrap()).unwrap();
     let b = Var::from_tensor(&Tensor::zeros((4, 48), DType::F32, &dev).unwrap()).unwrap();
     let seen = std::sync::Mutex::new(Vec::new());
-    let wrap = |path: &str| -> trainer::Result<Option<Arc<dyn LinearDelta>>> {
+    let wrap = |path: &str, _: usize, _: usize| -> trainer::Result<Option<Arc<dyn LinearAdapter>>> {
         seen.lock().unwrap().push(path.to_string());
         Ok((path == "transformer.h.1.attn.c_attn").then(|| {
-            Arc::new(LowRank(a.as_tensor().clone(), b.as_tensor().clone())) as Arc<dyn LinearDelta>
+            Arc::new(LowRank(a.as_tensor().clone(), b.as_tensor().clone())) as Arc<dyn LinearAdapter>
         }))
     };
     let src = |name: &str, _: &[usize]| params.tensor(name);

@@ -12,7 +12,10 @@ use std::path::{Path, PathBuf};
 use candle_remat::Policy;
 use serde::{Deserialize, Serialize};
 
-pub use types::{Arch, DeviceList, DeviceSpec, LossScale, Parallelism, Precision, ScheduleKind};
+pub use types::{
+    Arch, DeviceList, DeviceSpec, LossScale, ModuleList, Parallelism, Precision, ScheduleKind,
+};
+pub use candle_peft::TargetModules;
 
 use crate::data::{DataKind, DataSource, DataSpec};
 use crate::model::gpt2::GptConfig;
@@ -195,6 +198,27 @@ train_config! {
     keep_last: usize = 2,
     /// Tokens sampled at each evaluation (0: none).
     sample_tokens: usize = 0,
+    /// LoRA rank: train low-rank adapters on a frozen --init-from model (0: train every
+    /// weight).
+    lora_r: usize = 0,
+    /// LoRA alpha: the adapters' output is scaled by alpha / r (alpha / sqrt(r) with rslora).
+    lora_alpha: f64 = 16.0,
+    /// Dropout on the adapters' input.
+    lora_dropout: f32 = 0.0,
+    /// Linear layers that get an adapter: all-linear (every one but lm_head), module names
+    /// separated by commas (q_proj,v_proj: a path equal to one or ending in .name), or
+    /// re:REGEX matching the whole module path.
+    lora_targets: TargetModules = TargetModules::AllLinear,
+    /// rsLoRA scaling, alpha / sqrt(r).
+    rslora: bool = false,
+    /// Modules trained in full beside the adapters and saved with them (e.g. lm_head),
+    /// comma-separated.
+    modules_to_save: ModuleList = ModuleList::default(),
+    /// Dtype the frozen base weights of a LoRA run are kept in (default: the compute dtype).
+    base_dtype: Option<Precision> = None,
+    /// Start the LoRA adapters from a PEFT adapter directory (adapter_config.json +
+    /// adapter_model.safetensors; its config replaces the lora_* settings).
+    adapter: Option<PathBuf> = None,
 }
 
 impl TrainConfig {

@@ -344,3 +344,39 @@ named_enum!(Arch, "arch must be gpt2, llama, mistral, qwen2 or qwen3", {
     Qwen3 => "qwen3",
 });
 serde_as_text!(Arch);
+
+/// Module names, comma-separated (`lm_head,embed_tokens`); empty by default.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ModuleList(pub Vec<String>);
+
+impl FromStr for ModuleList {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Ok(ModuleList(
+            s.split(',')
+                .map(|n| n.trim().to_string())
+                .filter(|n| !n.is_empty())
+                .collect(),
+        ))
+    }
+}
+
+impl fmt::Display for ModuleList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0.join(","))
+    }
+}
+
+impl serde::Serialize for ModuleList {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ModuleList {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}

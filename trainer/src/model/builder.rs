@@ -9,14 +9,15 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use super::LinearDelta;
+use super::LinearAdapter;
 use crate::Result;
 
 /// Where a module's tensors come from: `(full name, shape) -> tensor`.
 pub type Source<'a> = &'a dyn Fn(&str, &[usize]) -> Result<Tensor>;
 
-/// What wraps the linear layer at a module path, if anything (see [`Builder::with_wrap`]).
-pub type Wrap<'a> = &'a dyn Fn(&str) -> Result<Option<Arc<dyn LinearDelta>>>;
+/// What runs the linear layer at a module path `[in, out]` features, if anything (see
+/// [`Builder::with_wrap`]).
+pub type Wrap<'a> = &'a dyn Fn(&str, usize, usize) -> Result<Option<Arc<dyn LinearAdapter>>>;
 
 /// A path in the parameter namespace, the source of its tensors and, optionally, what wraps
 /// the linear layers built under it.
@@ -38,7 +39,8 @@ impl<'a> Builder<'a> {
     }
 
     /// The same builder, asking `wrap` for every linear layer it builds (by module path,
-    /// `model.layers.0.self_attn.q_proj`) whether a delta (an adapter) is added to its output.
+    /// `model.layers.0.self_attn.q_proj`, and its in and out features) whether an adapter
+    /// runs it.
     pub fn with_wrap(self, wrap: Wrap<'a>) -> Self {
         Builder {
             wrap: Some(wrap),
@@ -46,9 +48,10 @@ impl<'a> Builder<'a> {
         }
     }
 
-    /// The delta that wraps the linear layer at this path, if any.
-    pub fn wrap(&self) -> Result<Option<Arc<dyn LinearDelta>>> {
-        self.wrap.map_or(Ok(None), |w| w(&self.prefix))
+    /// The adapter that runs the linear layer `fan_in -> fan_out` at this path, if any.
+    pub fn wrap(&self, fan_in: usize, fan_out: usize) -> Result<Option<Arc<dyn LinearAdapter>>> {
+        self.wrap
+            .map_or(Ok(None), |w| w(&self.prefix, fan_in, fan_out))
     }
 
     /// The builder one component deeper (`pp` as in "push prefix").

@@ -9,17 +9,25 @@ use candle_core::Tensor;
 use super::{Builder, Ctx, WeightMap};
 use crate::Result;
 
-/// Something added to a linear layer's output, `y = x W + b + delta(x)`: what an adapter (a
-/// LoRA, for instance) computes. It owns its own parameters, which are not the model's.
-pub trait LinearDelta: Send + Sync + std::fmt::Debug {
-    /// `delta(x)`, `[.., in] -> [.., out]`, in `ctx.dtype`.
-    fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor>;
+/// What runs a linear layer in place of its plain `y = x W + b`: an adapter (a LoRA, say,
+/// `x W + b + s B A x`), computing the whole output so that it can fuse the base GEMM with its
+/// own. It owns its own parameters, which are not the layer's.
+pub trait LinearAdapter: Send + Sync + std::fmt::Debug {
+    /// The adapted layer's output for `x [.., in]`, the layer's weight `w` as an `[in, out]`
+    /// view and its bias, all in `ctx.dtype`.
+    fn forward(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        ctx: &Ctx,
+    ) -> candle_core::Result<Tensor>;
 
-    /// The delta's own parameters.
+    /// The adapter's own parameters.
     fn params(&self) -> Vec<Tensor>;
 
-    /// The same delta with its parameters mapped by `f` (cast, copied to a device).
-    fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinearDelta>>;
+    /// The same adapter with its parameters mapped by `f` (cast, copied to a device).
+    fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinearAdapter>>;
 }
 
 /// How the weight is stored.
@@ -52,12 +60,12 @@ pub struct Linear {
     /// `[out]`, if the layer has a bias.
     pub bias: Option<Tensor>,
     layout: Layout,
-    delta: Option<Arc<dyn LinearDelta>>,
+    adapter: Option<Arc<dyn LinearAdapter>>,
 }
 
 impl Linear {
     /// The layer at `b`'s path: `b.weight` (shaped as `layout` says) and `b.bias [fan_out]`
-    /// if `bias`, wrapped by the delta `b` has for this path, if any ([`Builder::with_wrap`]).
+    /// if `bias`, run by the adapter `b` has for this path, if any ([`Builder::with_wrap`]).
     pub fn build(
         b: &Builder,
         fan_in: usize,
@@ -74,7 +82,7 @@ impl Linear {
             weight: b.get(&shape, "weight")?,
             bias: b.get_if(bias, &[fan_out], "bias")?,
             layout,
-            delta: b.wrap()?,
+            adapter: b.wrap(fan_in, fan_out)?,
         })
     }
 
@@ -95,35 +103,41 @@ impl Linear {
             weight: f(&self.weight)?,
             bias: self.bias.as_ref().map(f).transpose()?,
             layout: self.layout,
-            delta: self.delta.as_ref().map(|d| d.map(f)).transpose()?,
+            adapter: self.adapter.as_ref().map(|d| d.map(f)).transpose()?,
         })
     }
 
-    /// The weight and the bias, if any (the layer's own parameters; a delta's are
-    /// [`Linear::delta`]'s).
-    pub fn weights(&self) -> impl Iterator<Item = &Tensor> {
-        std::iter::once(&self.weight).chain(&self.bias)
+    /// Every tensor the layer reads: the weight, the bias if any, and its adapter's
+    /// parameters.
+    pub fn weights(&self) -> Vec<Tensor> {
+        let mut w: Vec<Tensor> = std::iter::once(&self.weight)
+            .chain(&self.bias)
+            .cloned()
+            .collect();
+        if let Some(a) = &self.adapter {
+            w.extend(a.params());
+        }
+        w
     }
 
-    /// The delta added to the output, if the layer is wrapped.
-    pub fn delta(&self) -> Option<&Arc<dyn LinearDelta>> {
-        self.delta.as_ref()
+    /// The adapter that runs the layer, if it is wrapped.
+    pub fn adapter(&self) -> Option<&Arc<dyn LinearAdapter>> {
+        self.adapter.as_ref()
     }
 
     /// `[.., in] -> [.., out]`, computing in `ctx.dtype`.
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         let (w, b) = self.cast(ctx)?;
-        let y = ctx.kernels.linear(x, &w, b.as_ref())?;
-        match &self.delta {
-            None => Ok(y),
-            Some(d) => y + d.forward(x, ctx)?,
+        match &self.adapter {
+            None => ctx.kernels.linear(x, &w, b.as_ref()),
+            Some(a) => a.forward(x, &w, b.as_ref(), ctx),
         }
     }
 
     /// `gelu([.., in] W + b)` (tanh GELU), the bias and activation fused (after the delta,
     /// when the layer is wrapped).
     pub fn forward_gelu(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        if self.delta.is_some() {
+        if self.adapter.is_some() {
             return self.forward(x, ctx)?.gelu();
         }
         let (w, b) = self.cast(ctx)?;

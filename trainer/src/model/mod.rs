@@ -37,7 +37,7 @@ pub use chain::{chain, count_targets, run_links, Link, LinkOps, Loss, Role, Weig
 pub use ctx::{Ctx, Rows};
 pub use kernels::Kernels;
 pub use layers::{dropout, stat_dtype, LayerNorm};
-pub use linear::{Layout, Linear, LinearDelta};
+pub use linear::{Layout, Linear, LinearAdapter};
 pub use params::Params;
 
 /// Mean cross-entropy of `logits [B, T, V]` against `targets [B, T]` (u32), computed in at

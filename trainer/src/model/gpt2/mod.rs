@@ -272,15 +272,13 @@ impl LinkOps for Block {
     }
 
     fn params(&self) -> Vec<Tensor> {
-        self.ln_1
-            .weights()
-            .chain(self.attn.c_attn.weights())
-            .chain(self.attn.c_proj.weights())
-            .chain(self.ln_2.weights())
-            .chain(self.mlp.c_fc.weights())
-            .chain(self.mlp.c_proj.weights())
-            .cloned()
-            .collect()
+        let mut w: Vec<Tensor> = self.ln_1.weights().cloned().collect();
+        w.extend(self.attn.c_attn.weights());
+        w.extend(self.attn.c_proj.weights());
+        w.extend(self.ln_2.weights().cloned());
+        w.extend(self.mlp.c_fc.weights());
+        w.extend(self.mlp.c_proj.weights());
+        w
     }
 
     fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinkOps>> {

@@ -192,7 +192,7 @@ impl Attention {
     fn weights(&self) -> Vec<Tensor> {
         let mut w: Vec<Tensor> = [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
             .iter()
-            .flat_map(|l| l.weights().cloned().collect::<Vec<_>>())
+            .flat_map(|l| l.weights())
             .collect();
         if let Some((q, k)) = &self.qk_norm {
             w.extend([q.weight.clone(), k.weight.clone()]);
@@ -378,7 +378,7 @@ impl LinkOps for Block {
         w.extend(self.self_attn.weights());
         w.push(self.post_attention_layernorm.weight.clone());
         for l in [&self.mlp.gate_proj, &self.mlp.up_proj, &self.mlp.down_proj] {
-            w.extend(l.weights().cloned());
+            w.extend(l.weights());
         }
         w
     }
@@ -433,7 +433,7 @@ impl LinkOps for Head {
     /// an adapter wraps the head's projection or the context asks for whole logits.
     fn loss(&self, x: &Tensor, targets: &Tensor, ctx: &Ctx) -> candle_core::Result<Loss> {
         let w = match &self.lm_head {
-            LmHead::Own(l) if l.delta().is_none() && ctx.chunked_loss => l.weight.clone(),
+            LmHead::Own(l) if l.adapter().is_none() && ctx.chunked_loss => l.weight.clone(),
             LmHead::Tied(w) if ctx.chunked_loss => w.clone(),
             _ => {
                 let logits = self.forward(x, ctx)?;
@@ -463,7 +463,7 @@ impl LinkOps for Head {
     fn params(&self) -> Vec<Tensor> {
         let mut w = vec![self.norm.weight.clone()];
         if let LmHead::Own(l) = &self.lm_head {
-            w.extend(l.weights().cloned());
+            w.extend(l.weights());
         }
         w
     }

@@ -1,0 +1,367 @@
+//! LoRA fine-tuning: a model whose base weights are frozen (no gradient, no optimiser state,
+//! optionally bf16) with [`candle_peft`] adapters on the linear layers its config targets.
+//!
+//! The trainable parameters are the adapters' `A` and `B` and the modules to save, named as
+//! PEFT writes them on disk (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`,
+//! `base_model.model.lm_head.weight`), so a checkpoint's adapter file is PEFT's
+//! `adapter_model.safetensors` as it is. Everything else of the trainer (the step, the
+//! executors, AdamW, the loss scaler, data parallelism) sees only those parameters.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_fused::RngKey;
+use candle_peft::format::{self, lora_a_name, lora_b_name, module_of, saved_name};
+use candle_peft::{Adapter, Lora, LoraConfig, TargetModules};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::config::TrainConfig;
+use crate::model::{Builder, Ctx, Kernels, LinearAdapter, Model, ModelConfig, Params, WeightMap};
+use crate::{Error, Result};
+
+/// The module path of the output head, which `all-linear` leaves out (PEFT: the output
+/// embeddings).
+pub const OUTPUT_HEAD: &str = "lm_head";
+
+/// A LoRA adapter running one linear layer of the model, with its dropout site.
+#[derive(Debug)]
+struct LoraLayer {
+    lora: Lora,
+    site: u64,
+}
+
+impl LinearAdapter for LoraLayer {
+    fn forward(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        ctx: &Ctx,
+    ) -> candle_core::Result<Tensor> {
+        // Keyed by the global row, like the model's dropout ([`Kernels::dropout`]).
+        let key = match ctx.train {
+            true => {
+                let row_len = x.elem_count() / x.dim(0)?.max(1);
+                Some(RngKey::new(ctx.seed, self.site).with_offset((ctx.row * row_len) as u64))
+            }
+            false => None,
+        };
+        match ctx.kernels {
+            Kernels::Fused => self.lora.forward(x, w, b, key),
+            Kernels::Reference => self.lora.forward_composite(x, w, b, key),
+        }
+    }
+
+    fn params(&self) -> Vec<Tensor> {
+        vec![self.lora.a().clone(), self.lora.b().clone()]
+    }
+
+    fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinearAdapter>> {
+        let lora = self.lora.map(f).map_err(candle_core::Error::wrap)?;
+        Ok(Arc::new(LoraLayer {
+            lora,
+            site: self.site,
+        }))
+    }
+}
+
+/// The dropout site of the adapter at `path`: a hash of the path, with the top bit set so it
+/// never meets the model's own sites (small integers).
+fn site_of(path: &str) -> u64 {
+    let mut h = crate::hash::Hasher64::new();
+    h.update(path.as_bytes());
+    h.finish() | (1 << 63)
+}
+
+/// The LoRA config of a run (`lora_r > 0`), or `None` for full fine-tuning.
+pub fn run_lora_config(config: &TrainConfig) -> Option<LoraConfig> {
+    (config.lora_r > 0).then(|| {
+        LoraConfig::new(config.lora_r, config.lora_alpha)
+            .with_targets(config.lora_targets.clone())
+            .with_rslora(config.rslora)
+            .with_dropout(config.lora_dropout)
+            .with_modules_to_save(config.modules_to_save.0.clone())
+    })
+}
+
+/// Checks that `config`'s architecture can take PEFT-format adapters.
+fn check_adaptable(config: &dyn ModelConfig) -> Result<()> {
+    if config.architecture() == "gpt2" {
+        return Err(Error::Config(
+            "LoRA needs a model whose linear layers are torch.nn.Linear ([out, in]): GPT-2's \
+             Conv1D layers would need PEFT's fan_in_fan_out, which is not supported; use a \
+             Llama-family model"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+fn peft_err(e: candle_peft::PeftError) -> Error {
+    Error::Config(e.to_string())
+}
+
+/// Builds `config`'s model over the frozen `base` weights (cast to `base_dtype`, detached:
+/// they get no gradient) with LoRA adapters where `lora` targets, and returns it with its
+/// trainable parameters (by PEFT's on-disk names).
+///
+/// The adapters start from `from` (an adapter read from a PEFT directory or a checkpoint,
+/// whose every tensor must be used, with the shapes the model needs) or, without one, from
+/// PEFT's initialisation drawn from a generator seeded with `seed`. Errors: a target that
+/// matches no linear layer (listing some that exist), a module to save that has no
+/// parameter, an adapter that does not fit.
+pub fn adapt(
+    config: &dyn ModelConfig,
+    base: &Params,
+    lora: &LoraConfig,
+    from: Option<&Adapter>,
+    base_dtype: DType,
+    seed: u64,
+) -> Result<(Box<dyn Model>, Params)> {
+    check_adaptable(config)?;
+    lora.validate().map_err(peft_err)?;
+    let what = match from {
+        Some(a) => a.dir.display().to_string(),
+        None => "the LoRA config".to_string(),
+    };
+    let mismatch = |message: String| Error::Config(format!("{what}: {message}"));
+    let trainable = RefCell::new(BTreeMap::<String, Var>::new());
+    let offered = RefCell::new(Vec::<String>::new());
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x10_4A_0000);
+    let rng = RefCell::new(&mut rng);
+    let device = base
+        .iter()
+        .next()
+        .map(|(_, v)| v.device().clone())
+        .unwrap_or(Device::Cpu);
+    let source = |name: &str, shape: &[usize]| -> Result<Tensor> {
+        let t = base.tensor(name)?;
+        if t.dims() != shape {
+            return Err(mismatch(format!(
+                "base weight `{name}` is {:?}, the model needs {shape:?}",
+                t.dims()
+            )));
+        }
+        if !lora.saves(module_of(name)) {
+            return Ok(t.detach().to_dtype(base_dtype)?);
+        }
+        let value = match from.and_then(|a| a.saved.get(name)) {
+            Some(s) if s.dims() != shape => {
+                return Err(mismatch(format!(
+                    "`{}` is {:?}, the model needs {shape:?}",
+                    saved_name(name),
+                    s.dims()
+                )))
+            }
+            Some(s) => s.to_dtype(DType::F32)?,
+            None => t.detach().to_dtype(DType::F32)?,
+        };
+        let var = Var::from_tensor(&value)?;
+        trainable.borrow_mut().insert(saved_name(name), var.clone());
+        Ok(var.as_tensor().clone())
+    };
+    let wrap = |path: &str,
+                fan_in: usize,
+                fan_out: usize|
+     -> Result<Option<Arc<dyn LinearAdapter>>> {
+        offered.borrow_mut().push(path.to_string());
+        if !lora.target_modules.matches(path, path == OUTPUT_HEAD) || lora.saves(path) {
+            return Ok(None);
+        }
+        let (a, b) = match from {
+            Some(adapter) => match adapter.loras.get(path) {
+                Some((a, b)) => {
+                    let want = ([lora.r, fan_in], [fan_out, lora.r]);
+                    if a.dims() != want.0 || b.dims() != want.1 {
+                        return Err(mismatch(format!(
+                            "module `{path}`: lora_A {:?} / lora_B {:?}, the model's \
+                             {fan_in} -> {fan_out} layer needs {:?} / {:?}",
+                            a.dims(),
+                            b.dims(),
+                            want.0,
+                            want.1
+                        )));
+                    }
+                    (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?)
+                }
+                None => {
+                    return Err(mismatch(format!(
+                        "its target_modules match `{path}` but it has no lora_A/lora_B for it"
+                    )))
+                }
+            },
+            None => Lora::init(
+                fan_in,
+                fan_out,
+                lora,
+                &mut **rng.borrow_mut(),
+                DType::F32,
+                &device,
+            )
+            .map_err(peft_err)?,
+        };
+        let (a, b) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?);
+        let mut t = trainable.borrow_mut();
+        t.insert(lora_a_name(path), a.clone());
+        t.insert(lora_b_name(path), b.clone());
+        let layer = Lora::new(a.as_tensor().clone(), b.as_tensor().clone(), lora).map_err(peft_err)?;
+        Ok(Some(Arc::new(LoraLayer {
+            lora: layer,
+            site: site_of(path),
+        })))
+    };
+    let model = config.build(&Builder::root(&source).with_wrap(&wrap))?;
+    let trainable = trainable.into_inner();
+    let offered = offered.into_inner();
+    let adapted: BTreeSet<&str> = trainable
+        .keys()
+        .filter_map(|n| n.strip_suffix(".lora_A.weight"))
+        .filter_map(|n| n.strip_prefix(format::PREFIX))
+        .collect();
+    if adapted.is_empty() {
+        let mut some: Vec<&str> = offered.iter().map(|p| p.rsplit('.').next().unwrap_or(p)).collect();
+        some.sort();
+        some.dedup();
+        return Err(Error::Config(format!(
+            "{what}: target_modules `{}` match no linear layer of the model ({}); its linear \
+             layers are named {}",
+            lora.target_modules,
+            config.describe(),
+            some.join(", ")
+        )));
+    }
+    for m in &lora.modules_to_save {
+        let one = TargetModules::Names(vec![m.clone()]);
+        let found = trainable
+            .keys()
+            .filter_map(|n| n.strip_prefix(format::PREFIX))
+            .any(|n| !n.ends_with(".lora_A.weight") && !n.ends_with(".lora_B.weight") && one.matches(module_of(n), false));
+        if !found {
+            return Err(Error::Config(format!(
+                "{what}: modules_to_save `{m}` matches no module with parameters in the model \
+                 ({}); a head tied to the embedding has none of its own",
+                config.describe()
+            )));
+        }
+    }
+    if let Some(a) = from {
+        if let Some(p) = a.loras.keys().find(|p| !adapted.contains(p.as_str())) {
+            return Err(mismatch(format!(
+                "has lora_A/lora_B for `{p}`, which is not a linear layer of the model that its \
+                 target_modules `{}` select",
+                lora.target_modules
+            )));
+        }
+        if let Some(n) = a.saved.keys().find(|n| !trainable.contains_key(&saved_name(n))) {
+            return Err(mismatch(format!(
+                "has `{}`, which the model has no parameter for",
+                saved_name(n)
+            )));
+        }
+    }
+    Ok((model, Params::from_vars(trainable)))
+}
+
+/// The base parameters with `adapter` merged in (`W + s B A` for every adapted module, the
+/// saved modules' parameters replaced), in f32: a model for inference or export.
+pub fn merge(base: &Params, adapter: &Adapter) -> Result<Params> {
+    let what = adapter.dir.display().to_string();
+    let mut tensors: BTreeMap<String, Tensor> = base
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+        .collect();
+    for (path, (a, b)) in &adapter.loras {
+        let name = format!("{path}.weight");
+        let w = tensors.get(&name).ok_or_else(|| {
+            Error::Config(format!(
+                "{what}: has an adapter for `{path}`, which is not a layer of the base model"
+            ))
+        })?;
+        let lora = Lora::new(a.clone(), b.clone(), &adapter.config).map_err(peft_err)?;
+        let merged = lora.merge(w).map_err(|e| Error::Config(format!("{what}: `{path}`: {e}")))?;
+        tensors.insert(name, merged);
+    }
+    for (name, t) in &adapter.saved {
+        let old = tensors.get(name).ok_or_else(|| {
+            Error::Config(format!(
+                "{what}: saves `{name}`, which is not a parameter of the base model"
+            ))
+        })?;
+        if old.dims() != t.dims() {
+            return Err(Error::Config(format!(
+                "{what}: `{}` is {:?}, the base model's `{name}` is {:?}",
+                saved_name(name),
+                t.dims(),
+                old.dims()
+            )));
+        }
+        tensors.insert(name.clone(), t.to_dtype(old.dtype())?);
+    }
+    Params::from_tensors(tensors)
+}
+
+/// What identifies a base model: its `config.json` and weight files, by digest. Recorded in
+/// an adapter checkpoint, so that resuming (or loading it for evaluation) on another base is
+/// refused.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BaseIdentity {
+    /// The base as the run named it (`init_from`).
+    pub model: String,
+    /// Digest of its `config.json`.
+    pub config: String,
+    /// Digest of each weight file, by file name.
+    pub weights: BTreeMap<String, String>,
+}
+
+impl BaseIdentity {
+    /// The identity of the model in `dir` (its config.json and `weight_files`).
+    pub fn of(model: &str, dir: &Path, weight_files: &[PathBuf]) -> Result<Self> {
+        let digest = crate::checkpoint::manifest::digest;
+        let mut weights = BTreeMap::new();
+        for f in weight_files {
+            let name = f
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            weights.insert(name, digest(f)?);
+        }
+        Ok(BaseIdentity {
+            model: model.to_string(),
+            config: digest(&dir.join(crate::checkpoint::CONFIG_FILE))?,
+            weights,
+        })
+    }
+
+    /// Errors unless `other` (the base found now) is this one, naming what differs.
+    pub fn check(&self, other: &BaseIdentity, checkpoint: &Path) -> Result<()> {
+        let mut diff = Vec::new();
+        if self.config != other.config {
+            diff.push("config.json".to_string());
+        }
+        if self.weights != other.weights {
+            let names: BTreeSet<&String> = self.weights.keys().chain(other.weights.keys()).collect();
+            for n in names {
+                if self.weights.get(n) != other.weights.get(n) {
+                    diff.push(n.clone());
+                }
+            }
+        }
+        if diff.is_empty() {
+            return Ok(());
+        }
+        Err(Error::checkpoint(
+            checkpoint,
+            format!(
+                "its adapters were trained on another base model than `{}` is now ({} \
+                 differ): adapters only make sense on the weights they were trained on",
+                other.model,
+                diff.join(", ")
+            ),
+        ))
+    }
+}
