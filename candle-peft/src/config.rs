@@ -277,6 +277,14 @@ impl LoraConfig {
         }
     }
 
+    /// The same config recording the base model as `base` (PEFT's `base_model_name_or_path`).
+    pub fn with_base(self, base: Option<String>) -> Self {
+        LoraConfig {
+            base_model_name_or_path: base,
+            ..self
+        }
+    }
+
     /// The factor of the adapter's output: `alpha / r`, or `alpha / sqrt(r)` with rsLoRA.
     pub fn scaling(&self) -> f64 {
         let r = self.r as f64;

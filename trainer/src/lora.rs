@@ -78,6 +78,55 @@ fn site_of(path: &str) -> u64 {
     h.finish() | (1 << 63)
 }
 
+/// How a run trains its model.
+#[derive(Clone, Debug)]
+pub enum Tuning {
+    /// Every weight (the optimiser holds them all).
+    Full,
+    /// LoRA adapters over a frozen base.
+    Lora {
+        /// The adapters' config.
+        config: LoraConfig,
+        /// The base they adapt.
+        base: BaseIdentity,
+    },
+}
+
+impl Tuning {
+    /// What a checkpoint of the run writes for the model `config` (the adapter config
+    /// records the base as PEFT does, `base_model_name_or_path`).
+    pub fn files<'a>(&'a self, config: &'a dyn ModelConfig) -> crate::checkpoint::ModelFiles<'a> {
+        match self {
+            Tuning::Full => crate::checkpoint::ModelFiles::Full(config),
+            Tuning::Lora { config, .. } => crate::checkpoint::ModelFiles::Lora(config),
+        }
+    }
+
+    /// The base model's identity, for a LoRA run.
+    pub fn base(&self) -> Option<&BaseIdentity> {
+        match self {
+            Tuning::Full => None,
+            Tuning::Lora { base, .. } => Some(base),
+        }
+    }
+}
+
+/// Writes a PEFT adapter's settings into the run's config (the adapter's config replaces the
+/// `lora_*` settings, so that the run records what it trains), when `adapter` is set.
+pub fn adopt_adapter_config(config: &mut TrainConfig) -> Result<()> {
+    let Some(dir) = &config.adapter else {
+        return Ok(());
+    };
+    let c = LoraConfig::load(&dir.join(format::ADAPTER_CONFIG_FILE)).map_err(peft_err)?;
+    config.lora_r = c.r;
+    config.lora_alpha = c.lora_alpha;
+    config.lora_dropout = c.lora_dropout;
+    config.lora_targets = c.target_modules;
+    config.rslora = c.use_rslora;
+    config.modules_to_save = crate::config::ModuleList(c.modules_to_save);
+    Ok(())
+}
+
 /// The LoRA config of a run (`lora_r > 0`), or `None` for full fine-tuning.
 pub fn run_lora_config(config: &TrainConfig) -> Option<LoraConfig> {
     (config.lora_r > 0).then(|| {
@@ -86,6 +135,7 @@ pub fn run_lora_config(config: &TrainConfig) -> Option<LoraConfig> {
             .with_rslora(config.rslora)
             .with_dropout(config.lora_dropout)
             .with_modules_to_save(config.modules_to_save.0.clone())
+            .with_base(config.init_from.clone())
     })
 }
 

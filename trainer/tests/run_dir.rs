@@ -111,7 +111,7 @@ fn a_killed_checkpoint_write_keeps_latest_and_resume_and_is_cleaned_up() {
     let died = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         checkpoint::save(
             &dir,
-            t.model.config(),
+            checkpoint::ModelFiles::Full(t.model.config()),
             &t.params,
             &t.optimizer,
             &t.state(),

@@ -103,12 +103,47 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
     ))
 }
 
+/// What a checkpoint's weights are.
+#[derive(Clone, Copy, Debug)]
+pub enum ModelFiles<'a> {
+    /// The whole model: `config.json` + `model.safetensors`.
+    Full(&'a dyn ModelConfig),
+    /// LoRA adapters (and modules to save) over a frozen base recorded in the state:
+    /// PEFT's `adapter_config.json` + `adapter_model.safetensors`.
+    Lora(&'a candle_peft::LoraConfig),
+}
+
+impl ModelFiles<'_> {
+    /// The weights file.
+    pub fn weights_file(&self) -> &'static str {
+        match self {
+            ModelFiles::Full(_) => MODEL_FILE,
+            ModelFiles::Lora(_) => candle_peft::format::ADAPTER_WEIGHTS_FILE,
+        }
+    }
+
+    /// Writes the weights `params` (and their config) into `dir`.
+    pub fn write(&self, dir: &Path, params: &Params) -> Result<()> {
+        match self {
+            ModelFiles::Full(config) => save_model(dir, *config, params),
+            ModelFiles::Lora(config) => {
+                let tensors: Vec<(String, Tensor)> = params
+                    .iter()
+                    .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+                    .collect();
+                candle_peft::format::save(dir, config, &tensors)
+                    .map_err(|e| Error::checkpoint(dir, e.to_string()))
+            }
+        }
+    }
+}
+
 /// Saves a complete checkpoint for `state.step` under `run_dir/checkpoints/`, atomically,
 /// points `latest` at it and returns its directory. `extra` may write more files into the
 /// checkpoint's temporary directory before it is renamed into place.
 pub fn save(
     run_dir: &Path,
-    config: &dyn ModelConfig,
+    files: ModelFiles,
     params: &Params,
     optimizer: &AdamW,
     state: &TrainerState,
@@ -126,7 +161,7 @@ pub fn save(
         )
     };
     finite::check_tensors(
-        &target.join(MODEL_FILE),
+        &target.join(files.weights_file()),
         "weight",
         params.iter().map(|(n, v)| (n.as_str(), v.as_tensor())),
     )
@@ -145,7 +180,7 @@ pub fn save(
     }
     fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let written = (|| -> Result<()> {
-        save_model(&tmp, config, params)?;
+        files.write(&tmp, params)?;
         let meta = HashMap::from([("step".to_string(), opt_step.to_string())]);
         io::save_safetensors(&tmp.join(OPTIMIZER_FILE), &opt_tensors, Some(meta))?;
         io::write_json(&tmp.join(STATE_FILE), state)?;

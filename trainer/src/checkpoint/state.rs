@@ -71,6 +71,10 @@ pub struct TrainerState {
     /// Data-parallel ranks of the run (the global batch is `world_size · batch_size` rows).
     #[serde(default = "one")]
     pub world_size: usize,
+    /// The frozen base model of a LoRA run (its checkpoints hold the adapters only), by
+    /// digest: resuming or loading the adapters over another base is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<crate::lora::BaseIdentity>,
 }
 
 fn one() -> usize {

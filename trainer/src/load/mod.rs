@@ -36,6 +36,7 @@ use serde_json::Value;
 pub use weights::{ShardIndex, TensorHeader, WeightFiles, INDEX_FILE};
 
 use crate::checkpoint::{self, Source, TrainerState, CONFIG_FILE, STATE_FILE};
+use candle_peft::format::ADAPTER_CONFIG_FILE;
 use crate::config::TrainConfig;
 use crate::data::DataSource;
 use crate::model::{Model, ModelConfig, Params};
@@ -61,7 +62,8 @@ pub fn resolve(spec: &str) -> Result<PathBuf> {
 pub fn resolve_in(spec: &str, cache: &hf_hub::Cache) -> Result<PathBuf> {
     let path = Path::new(spec);
     if path.is_dir() {
-        if path.join(CONFIG_FILE).is_file() && WeightFiles::present_in(path) {
+        let adapter = path.join(ADAPTER_CONFIG_FILE).is_file();
+        if adapter || path.join(CONFIG_FILE).is_file() && WeightFiles::present_in(path) {
             return Ok(path.to_path_buf());
         }
         return checkpoint::resolve(path).map_err(|e| {
@@ -105,15 +107,19 @@ fn looks_like_hub_id(spec: &str) -> bool {
 }
 
 /// A resolved model directory: where its weights are and, for a trainer checkpoint, the run
-/// it belongs to.
+/// it belongs to; for adapters (a LoRA run's checkpoint, a PEFT adapter directory), the base
+/// model's directory and the adapters'.
 #[derive(Clone, Debug)]
 pub struct ModelDir {
-    /// The directory holding `config.json` and the weights.
+    /// The directory holding `config.json` and the weights (the base model's, for adapters).
     pub dir: PathBuf,
     /// The trainer state of a trainer checkpoint (`None` for a bare Hugging Face model).
     pub run: Option<TrainerState>,
     /// The weight files: `model.safetensors` or the shards of its index.
     pub weights: WeightFiles,
+    /// The directory of the adapters applied over the weights (`adapter_config.json` +
+    /// `adapter_model.safetensors`), if any.
+    pub adapter: Option<PathBuf>,
 }
 
 /// How a trainer checkpoint's data fingerprint is checked against the data given.
@@ -161,6 +167,9 @@ pub struct Checks<'a> {
     /// The config the model is built with, from the one `config.json` holds (a run's dropout
     /// and special tokens over a pretrained model's); the same shapes.
     pub settings: Option<&'a Settings<'a>>,
+    /// Adapters are kept apart ([`Loaded::adapter`], the base's weights in
+    /// [`Loaded::params`]) instead of merged into the weights: resuming a LoRA run.
+    pub unmerged: bool,
 }
 
 /// A function from the config `config.json` holds to the one a model is built with.
@@ -171,8 +180,11 @@ pub type Settings<'a> = dyn Fn(&dyn ModelConfig) -> Result<Box<dyn ModelConfig>>
 pub struct Loaded {
     /// The config (after [`Checks::settings`]).
     pub config: Box<dyn ModelConfig>,
-    /// The parameters, f32, by Hugging Face name.
+    /// The parameters, f32, by Hugging Face name (adapters merged in, unless
+    /// [`Checks::unmerged`]).
     pub params: Params,
+    /// The adapters, when loaded [`Checks::unmerged`].
+    pub adapter: Option<candle_peft::Adapter>,
 }
 
 impl Loaded {
@@ -188,15 +200,76 @@ impl ModelDir {
         Self::at(resolve(spec)?)
     }
 
-    /// The model in directory `dir` (already resolved).
+    /// The model in directory `dir` (already resolved). Adapters (`adapter_config.json`)
+    /// are read over their base: a LoRA run's `init_from`, else the adapter's
+    /// `base_model_name_or_path` (a path relative to the adapter directory, an absolute path
+    /// or a hub id).
     pub fn at(dir: PathBuf) -> Result<Self> {
         let state = dir.join(STATE_FILE);
-        let run = match state.is_file() {
+        let run: Option<TrainerState> = match state.is_file() {
             true => Some(crate::io::read_json(&state)?),
             false => None,
         };
-        let weights = WeightFiles::locate(&dir)?;
-        Ok(ModelDir { dir, run, weights })
+        if !dir.join(ADAPTER_CONFIG_FILE).is_file() {
+            let weights = WeightFiles::locate(&dir)?;
+            return Ok(ModelDir {
+                dir,
+                run,
+                weights,
+                adapter: None,
+            });
+        }
+        let config_path = dir.join(ADAPTER_CONFIG_FILE);
+        let base = match run.as_ref().and_then(|r| r.config.init_from.clone()) {
+            Some(spec) => spec,
+            None => {
+                let c = candle_peft::LoraConfig::load(&config_path)
+                    .map_err(|e| Error::Config(e.to_string()))?;
+                let spec = c.base_model_name_or_path.ok_or_else(|| {
+                    Error::checkpoint(
+                        &config_path,
+                        "has no base_model_name_or_path: give the base model with --init-from",
+                    )
+                })?;
+                let relative = dir.join(&spec);
+                match relative.is_dir() {
+                    true => relative.display().to_string(),
+                    false => spec,
+                }
+            }
+        };
+        let base_dir = resolve(&base)?;
+        if base_dir.join(ADAPTER_CONFIG_FILE).is_file() {
+            return Err(Error::checkpoint(
+                &config_path,
+                format!(
+                    "its base `{base}` is itself an adapter: merge that one first (trainer \
+                     export --merge)"
+                ),
+            ));
+        }
+        let weights = WeightFiles::locate(&base_dir)?;
+        Ok(ModelDir {
+            dir: base_dir,
+            run,
+            weights,
+            adapter: Some(dir),
+        })
+    }
+
+    /// Adapters over another base: the identity of that base now.
+    pub fn base_identity(&self) -> Result<crate::lora::BaseIdentity> {
+        let name = self
+            .run
+            .as_ref()
+            .and_then(|r| r.config.init_from.clone())
+            .unwrap_or_else(|| self.dir.display().to_string());
+        crate::lora::BaseIdentity::of(&name, &self.dir, &self.weights.files())
+    }
+
+    /// The checkpoint's own directory: the adapters' for adapters, else [`ModelDir::dir`].
+    pub fn checkpoint_dir(&self) -> &Path {
+        self.adapter.as_deref().unwrap_or(&self.dir)
     }
 
     /// The run config of a trainer checkpoint.
@@ -204,11 +277,12 @@ impl ModelDir {
         self.run.as_ref().map(|s| &s.config)
     }
 
-    /// What the weights are, which decides what loading them accepts.
+    /// What the weights are, which decides what loading them accepts (a LoRA run's base is
+    /// a pretrained model).
     pub fn source(&self) -> Source {
-        match self.run {
-            Some(_) => Source::Checkpoint,
-            None => Source::Pretrained,
+        match (&self.run, &self.adapter) {
+            (Some(_), None) => Source::Checkpoint,
+            _ => Source::Pretrained,
         }
     }
 
@@ -292,12 +366,28 @@ impl ModelDir {
             }
             None => {}
         }
-        let params = self.weights.read(config.as_ref(), device, self.source())?;
-        let loaded = Loaded { config, params };
+        let mut params = self.weights.read(config.as_ref(), device, self.source())?;
+        let mut adapter = None;
+        if let Some(dir) = &self.adapter {
+            if let Some(recorded) = self.run.as_ref().and_then(|r| r.base.as_ref()) {
+                recorded.check(&self.base_identity()?, dir)?;
+            }
+            let a = candle_peft::Adapter::load(dir, device)
+                .map_err(|e| Error::Config(e.to_string()))?;
+            match checks.unmerged {
+                true => adapter = Some(a),
+                false => params = crate::lora::merge(&params, &a)?,
+            }
+        }
+        let loaded = Loaded {
+            config,
+            params,
+            adapter,
+        };
         let more = read(&loaded)?;
         if let Some(run) = &self.run {
             // A trainer checkpoint is one unit (see `checkpoint::manifest`).
-            checkpoint::manifest::verify(&self.dir, run.step)?;
+            checkpoint::manifest::verify(self.checkpoint_dir(), run.step)?;
         }
         Ok((loaded, more))
     }

@@ -10,6 +10,7 @@ use crate::config::TrainConfig;
 use crate::data::DataSource;
 use crate::model::{self, Model, Params};
 use crate::pretrained::{self, SpecialTokens};
+use crate::lora::{self, Tuning};
 use crate::{load, Error, Result};
 
 /// Fresh weights, or the pretrained ones named by `init_from` (see
@@ -20,18 +21,31 @@ use crate::{load, Error, Result};
 /// `block_size` is only the length of its training batches and may be shorter (the trainer
 /// checks it fits, and that the model embeds the data's vocabulary, for every model). The
 /// special token ids are those of the run's vocabulary ([`pretrained::data_special_tokens`]).
+///
+/// A LoRA run (`lora_r > 0`) freezes that model and trains adapters on it, fresh (PEFT's
+/// initialisation) or from the PEFT adapter `adapter`: the parameters returned are the
+/// adapters' (and the modules to save).
 pub fn build_model(
     config: &TrainConfig,
     data: &dyn DataSource,
     device: &Device,
-) -> Result<(Box<dyn Model>, Params)> {
+) -> Result<(Box<dyn Model>, Params, Tuning)> {
+    let lora = lora::run_lora_config(config);
     let Some(from) = &config.init_from else {
+        if lora.is_some() {
+            return Err(Error::Config(
+                "LoRA (lora_r > 0 or --adapter) trains adapters on a pretrained model: give it \
+                 with --init-from"
+                    .into(),
+            ));
+        }
         let tokens = pretrained::data_special_tokens(config, SpecialTokens::default())?;
         let fresh = config
             .model_config(data.vocab_size())?
             .with_run_settings(config.dropout, tokens);
         memory::check_run_fits(config, fresh.as_ref(), device)?;
-        return model::init(fresh.as_ref(), config.seed, device);
+        let (model, params) = model::init(fresh.as_ref(), config.seed, device)?;
+        return Ok((model, params, Tuning::Full));
     };
     // The one loading path (`crate::load`): the source's own run check when it is a trainer
     // checkpoint, the data's vocabulary, this run's memory before allocating, the weights,
@@ -49,10 +63,37 @@ pub fn build_model(
         }),
         vocab: None,
         settings: Some(&settings),
+        unmerged: false,
     };
+    let Some(lora) = lora else {
+        let loaded = source.load_with(&checks, device)?;
+        let model = loaded.build()?;
+        return Ok((model, loaded.params, Tuning::Full));
+    };
+    if source.adapter.is_some() {
+        return Err(Error::Config(format!(
+            "--init-from {from} holds adapters: LoRA needs a plain base model (merge them first \
+             with `trainer export --merge`, or resume that run)"
+        )));
+    }
     let loaded = source.load_with(&checks, device)?;
-    let model = loaded.build()?;
-    Ok((model, loaded.params))
+    let adapter = match &config.adapter {
+        Some(dir) => Some(
+            candle_peft::Adapter::load(dir, device).map_err(|e| Error::Config(e.to_string()))?,
+        ),
+        None => None,
+    };
+    let base_dtype = config.base_dtype.unwrap_or(config.dtype).dtype();
+    let (model, params) = lora::adapt(
+        loaded.config.as_ref(),
+        &loaded.params,
+        &lora,
+        adapter.as_ref(),
+        base_dtype,
+        config.seed,
+    )?;
+    let base = lora::BaseIdentity::of(from, &source.dir, &source.weights.files())?;
+    Ok((model, params, Tuning::Lora { config: lora, base }))
 }
 
 /// A resumed run may change how long it trains and how it reports, not what it trains.
@@ -74,7 +115,13 @@ pub fn check_resume_compatible(saved: &TrainConfig, new: &TrainConfig, dir: &Pat
         digits,
         val_fraction,
         seed,
-        batch_size
+        batch_size,
+        lora_r,
+        lora_alpha,
+        lora_targets,
+        rslora,
+        modules_to_save,
+        adapter
     )
     .iter()
     .filter(|(_, changed)| *changed)

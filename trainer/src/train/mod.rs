@@ -33,6 +33,7 @@ pub use run::{Event, Observer, Summary};
 pub use step::build_amp;
 
 use crate::checkpoint::{self, TrainerState};
+use crate::lora::Tuning;
 use crate::config::{Precision, TrainConfig};
 use crate::data::{DataSource, Split};
 use crate::metrics::EvalStats;
@@ -78,17 +79,20 @@ pub struct Trainer {
     shards: zero::Shards,
     /// The world size of the checkpoint this run resumed from.
     resumed_world: Option<usize>,
+    /// Every weight, or LoRA adapters over a frozen base.
+    tuning: Tuning,
 }
 
 impl Trainer {
     /// Starts a new run from `config` (fresh weights, or `init_from` pretrained ones).
     pub fn new(mut config: TrainConfig) -> Result<Self> {
         config.tokenizer_from_init()?;
+        crate::lora::adopt_adapter_config(&mut config)?;
         config.validate()?;
         let device = config.device.open()?;
         let data = config.open_data()?;
-        let (model, params) = init::build_model(&config, data.as_ref(), &device)?;
-        Self::start(config, device, data, model, params)
+        let (model, params, tuning) = init::build_model(&config, data.as_ref(), &device)?;
+        Self::start(config, device, data, model, params, tuning)
     }
 
     /// Starts a new run of a model the caller built (any [`Model`]: the trainer knows it only
@@ -100,7 +104,7 @@ impl Trainer {
         let data = config.open_data()?;
         // The caller allocated the model already; `new` and `resume` check before they do.
         memory::check_run_fits(&config, model.config(), &device)?;
-        Self::start(config, device, data, model, params)
+        Self::start(config, device, data, model, params, Tuning::Full)
     }
 
     fn start(
@@ -109,6 +113,7 @@ impl Trainer {
         data: Box<dyn DataSource>,
         model: Box<dyn Model>,
         params: Params,
+        tuning: Tuning,
     ) -> Result<Self> {
         let mc = model.config();
         if config.block_size > mc.max_positions() {
@@ -139,7 +144,7 @@ impl Trainer {
         }
         let optimizer = AdamW::new(&params, config.adamw_config())?.with_kernels(config.kernels);
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
-        Self::assemble(config, device, data, model, params, optimizer, rng)
+        Self::assemble(config, device, data, model, params, optimizer, rng, tuning)
     }
 
     /// Continues the run saved in `path` (a run directory or a checkpoint directory).
@@ -191,19 +196,45 @@ impl Trainer {
                 source: data.as_ref(),
                 fingerprint: load::FingerprintCheck::Corpus,
             }),
+            unmerged: true,
             ..load::Checks::default()
         };
-        let (loaded, optimizer) =
+        // A LoRA run's checkpoint holds its adapters; the frozen base is its `init_from`,
+        // checked against the identity the run recorded.
+        let (_, (model, params, tuning, optimizer)) =
             load::ModelDir::at(dir.clone())?.load_then(&checks, &device, |l| {
+                let (model, params, tuning) = match (&l.adapter, &state.base) {
+                    (None, _) => (l.build()?, l.params.clone(), Tuning::Full),
+                    (Some(a), Some(base)) => {
+                        let base_dtype = config.base_dtype.unwrap_or(config.dtype).dtype();
+                        let (m, p) = crate::lora::adapt(
+                            l.config.as_ref(),
+                            &l.params,
+                            &a.config,
+                            Some(a),
+                            base_dtype,
+                            config.seed,
+                        )?;
+                        let tuning = Tuning::Lora {
+                            config: a.config.clone(),
+                            base: base.clone(),
+                        };
+                        (m, p, tuning)
+                    }
+                    (Some(_), None) => {
+                        return Err(Error::checkpoint(
+                            &dir,
+                            "holds adapters but trainer_state.json records no base model",
+                        ))
+                    }
+                };
                 let mut o =
-                    AdamW::new(&l.params, config.adamw_config())?.with_kernels(config.kernels);
+                    AdamW::new(&params, config.adamw_config())?.with_kernels(config.kernels);
                 checkpoint::load_optimizer(&dir, &mut o, &device)?;
-                Ok(o)
+                Ok((model, params, tuning, o))
             })?;
-        let model = loaded.build()?;
-        let params = loaded.params;
         let rng = state.rng.restore()?;
-        let mut t = Self::assemble(config, device, data, model, params, optimizer, rng)?;
+        let mut t = Self::assemble(config, device, data, model, params, optimizer, rng, tuning)?;
         // The scaler's state continues only under the same scaler: a run resumed in another
         // precision or with another loss_scale starts a fresh one (an f32 run's scale 1 would
         // be f16's minimum scale; an f16 run's 2^16 would stay on in f32).
@@ -241,6 +272,7 @@ impl Trainer {
         Ok(t)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn assemble(
         config: TrainConfig,
         device: Device,
@@ -249,6 +281,7 @@ impl Trainer {
         params: Params,
         optimizer: AdamW,
         rng: ChaCha8Rng,
+        tuning: Tuning,
     ) -> Result<Self> {
         let dtype = config.dtype.dtype();
         params.check_ownership(&model.links())?;
@@ -285,6 +318,7 @@ impl Trainer {
             dp: DataParallel::single(),
             shards: zero::Shards::none(),
             resumed_world: None,
+            tuning,
         })
     }
 
@@ -362,6 +396,11 @@ impl Trainer {
     /// The loss scaler and its state (a no-op scaler in f32).
     pub fn amp(&self) -> &Amp {
         &self.amp
+    }
+
+    /// Whether the run trains every weight or LoRA adapters over a frozen base.
+    pub fn tuning(&self) -> &Tuning {
+        &self.tuning
     }
 
     /// Optimiser steps completed.

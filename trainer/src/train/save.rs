@@ -22,6 +22,7 @@ impl Trainer {
             config: self.config.clone(),
             data: Some(self.data.fingerprint()),
             world_size: self.dp.world_size(),
+            base: self.tuning.base().cloned(),
         }
     }
 
@@ -59,7 +60,7 @@ impl Trainer {
         let amp = &self.amp;
         let dir = checkpoint::save(
             &self.config.out_dir,
-            self.model.config(),
+            self.tuning.files(self.model.config()),
             &self.params,
             gathered.unwrap_or(&self.optimizer),
             &self.state(),

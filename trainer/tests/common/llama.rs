@@ -23,11 +23,17 @@ pub struct Expected {
     pub loss: f32,
     pub logits: Tensor,
     pub grads: HashMap<String, Tensor>,
+    /// Whatever else the file holds, by name.
+    pub extra: HashMap<String, Tensor>,
 }
 
 /// Case `case`'s batch (targets shifted as transformers shifts its labels) and results.
 pub fn expected(case: &str) -> Expected {
-    let path = fixture(case).join("expected.safetensors");
+    expected_at(&fixture(case).join("expected.safetensors"))
+}
+
+/// The batch and results in the `expected.safetensors` at `path`.
+pub fn expected_at(path: &Path) -> Expected {
     let mut t = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
     let ids = t.remove("input_ids").unwrap();
     let labels: Vec<Vec<i64>> = t.remove("labels").unwrap().to_vec2().unwrap();
@@ -77,9 +83,11 @@ pub fn expected(case: &str) -> Expected {
     };
     let loss = t.remove("loss").unwrap().to_scalar::<f32>().unwrap();
     let logits = t.remove("logits").unwrap();
-    let grads = t
+    let (grads, extra): (HashMap<_, _>, HashMap<_, _>) =
+        t.into_iter().partition(|(k, _)| k.starts_with("grad."));
+    let grads = grads
         .into_iter()
-        .filter_map(|(k, v)| k.strip_prefix("grad.").map(|n| (n.to_string(), v)))
+        .map(|(k, v)| (k["grad.".len()..].to_string(), v))
         .collect();
     Expected {
         idx: ids.to_dtype(DType::U32).unwrap(),
@@ -88,5 +96,6 @@ pub fn expected(case: &str) -> Expected {
         loss,
         logits,
         grads,
+        extra,
     }
 }

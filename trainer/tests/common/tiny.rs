@@ -115,11 +115,10 @@ impl LinkOps for Block {
         x + y
     }
     fn params(&self) -> Vec<Tensor> {
-        std::iter::once(&self.norm)
-            .chain(self.qkv.weights())
-            .chain(self.out.weights())
-            .cloned()
-            .collect()
+        let mut w = vec![self.norm.clone()];
+        w.extend(self.qkv.weights());
+        w.extend(self.out.weights());
+        w
     }
     fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinkOps>> {
         Ok(Arc::new(Block {

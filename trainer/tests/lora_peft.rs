@@ -1,0 +1,266 @@
+//! LoRA against PEFT: the adapters of `tests/fixtures/lora/` (made with transformers + PEFT by
+//! `scripts/python/make_lora_fixtures.py`, non-zero B so that every gradient and every logit
+//! depends on the adapter) loaded over the tiny Llama base give PEFT's loss, logits and
+//! LoRA gradients; merging gives PEFT's merged model; our own adapters start as the base.
+//!
+//! Tolerances (f32 on both sides; the fixture's README measures f32 against f64 at ~1e-6 for
+//! logits and ~5e-6 relative for gradients): loss within 1e-5 absolute, logits within 1e-5 of
+//! their largest magnitude, gradients within 1e-4 relative (max abs difference over max abs
+//! value, per tensor). A wrong scaling, a transposed A/B, dropout in the base path or a
+//! missed module moves them by far more (the adapters move the logits by 4.9 to 7.6).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use candle_peft::{Adapter, LoraConfig};
+use common::llama::{expected_at, Expected};
+use trainer::load::ModelDir;
+use trainer::model::{Ctx, Kernels, Model, Params};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/lora")
+        .join(name)
+}
+
+fn base() -> (Box<dyn trainer::model::ModelConfig>, Params) {
+    ModelDir::at(fixture("base"))
+        .unwrap()
+        .load(&Device::Cpu)
+        .unwrap()
+}
+
+/// max |a - b| / max |b|.
+fn rel(a: &Tensor, b: &Tensor) -> f32 {
+    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+    let m = b.abs().unwrap().max_all().unwrap();
+    (d.to_scalar::<f32>().unwrap()) / m.to_scalar::<f32>().unwrap().max(1e-30)
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+fn adapted(variant: &str) -> (Box<dyn Model>, Params, Adapter, Expected) {
+    let (config, params) = base();
+    let adapter = Adapter::load(&fixture(variant), &Device::Cpu).unwrap();
+    let (model, trainable) = trainer::lora::adapt(
+        config.as_ref(),
+        &params,
+        &adapter.config,
+        Some(&adapter),
+        DType::F32,
+        0,
+    )
+    .unwrap();
+    let e = expected_at(&fixture(variant).join("expected.safetensors"));
+    (model, trainable, adapter, e)
+}
+
+fn check_against_peft(variant: &str, kernels: Kernels) {
+    let (model, trainable, _, e) = adapted(variant);
+    let ctx = Ctx::eval().with_kernels(kernels);
+    let logits = model.forward(&e.idx, &ctx).unwrap();
+    let r = rel(&logits, &e.logits);
+    assert!(r < 1e-5, "{variant}: logits differ from PEFT's by {r:e} (relative)");
+    let loss = model.loss(&e.idx, &e.targets, &ctx).unwrap();
+    let l = loss.mean.to_scalar::<f32>().unwrap();
+    assert!((l - e.loss).abs() < 1e-5, "{variant}: loss {l} vs PEFT {}", e.loss);
+    let grads = loss.mean.backward().unwrap();
+    let mut names: Vec<&String> = trainable.iter().map(|(n, _)| n).collect();
+    names.sort();
+    let mut want: Vec<&String> = e.grads.keys().collect();
+    want.sort();
+    assert_eq!(names, want, "{variant}: trainable parameters are PEFT's tensors");
+    for (name, var) in trainable.iter() {
+        let g = grads.get(var.as_tensor()).expect("every adapter tensor has a gradient");
+        let r = rel(g, &e.grads[name]);
+        assert!(r < 1e-4, "{variant} {name}: gradient differs by {r:e} (relative)");
+    }
+}
+
+#[test]
+fn peft_adapters_give_peft_loss_logits_and_gradients() {
+    for variant in ["adapter_plain", "adapter_rslora", "adapter_mts"] {
+        check_against_peft(variant, Kernels::Fused);
+    }
+    check_against_peft("adapter_plain", Kernels::Reference);
+}
+
+#[test]
+fn the_adapter_moves_the_logits_away_from_the_base() {
+    // So a load that applied nothing could not pass the test above.
+    let (config, params) = base();
+    let model = trainer::model::build(config.as_ref(), &params).unwrap();
+    let (adapted, _, _, e) = adapted("adapter_plain");
+    let base_logits = &e.extra["base_logits"];
+    let ours = model.forward(&e.idx, &Ctx::eval()).unwrap();
+    assert!(rel(&ours, base_logits) < 1e-5, "the base alone is transformers' base");
+    let with = adapted.forward(&e.idx, &Ctx::eval()).unwrap();
+    assert!(max_abs(&with, base_logits) > 1.0);
+}
+
+#[test]
+fn merged_weights_give_peft_merged_model() {
+    let (config, params) = base();
+    let (adapted, _, adapter, e) = adapted("adapter_plain");
+    let merged = trainer::lora::merge(&params, &adapter).unwrap();
+    let model = trainer::model::build(config.as_ref(), &merged).unwrap();
+    let logits = model.forward(&e.idx, &Ctx::eval()).unwrap();
+    let peft_merged = &e.extra["merged_logits"];
+    assert!(rel(&logits, peft_merged) < 1e-5, "our merge is PEFT's merge_and_unload");
+    // The merged model is the adapted one, up to f32 rounding of W + s B A (8.8e-6 measured
+    // by the fixture script on PEFT's side).
+    let unmerged = adapted.forward(&e.idx, &Ctx::eval()).unwrap();
+    assert!(max_abs(&logits, &unmerged) < 2e-5);
+    // PEFT's own merged directory loads as a plain model with the same logits.
+    let theirs = ModelDir::at(fixture("merged"))
+        .unwrap()
+        .load_model(&Device::Cpu)
+        .unwrap();
+    let theirs = theirs.forward(&e.idx, &Ctx::eval()).unwrap();
+    assert!(rel(&theirs, peft_merged) < 1e-5);
+}
+
+#[test]
+fn unmerge_gives_the_base_weight_back() {
+    let (_, params) = base();
+    let adapter = Adapter::load(&fixture("adapter_plain"), &Device::Cpu).unwrap();
+    let (path, (a, b)) = adapter.loras.iter().next().unwrap();
+    let lora = candle_peft::Lora::new(a.clone(), b.clone(), &adapter.config).unwrap();
+    let w = params.tensor(&format!("{path}.weight")).unwrap();
+    let back = lora.unmerge(&lora.merge(&w).unwrap()).unwrap();
+    // Rounding of the f32 sum only: |W + d - d - W| <= ulp(|W| + |d|).
+    assert!(max_abs(&back, &w) < 1e-6);
+    assert!(max_abs(&lora.merge(&w).unwrap(), &w) > 1e-2);
+}
+
+#[test]
+fn our_initialisation_starts_as_the_base_model() {
+    let (config, params) = base();
+    let lora = LoraConfig::new(8, 16.0);
+    let (model, trainable) =
+        trainer::lora::adapt(config.as_ref(), &params, &lora, None, DType::F32, 7).unwrap();
+    // all-linear: 7 projections x 2 layers, A and B each; lm_head is not adapted.
+    assert_eq!(trainable.len(), 28);
+    assert!(trainable.iter().all(|(n, _)| !n.contains("lm_head")));
+    let plain = trainer::model::build(config.as_ref(), &params).unwrap();
+    let e = expected_at(&fixture("adapter_plain").join("expected.safetensors"));
+    let a = model.forward(&e.idx, &Ctx::eval()).unwrap();
+    let b = plain.forward(&e.idx, &Ctx::eval()).unwrap();
+    assert_eq!(max_abs(&a, &b), 0.0, "B = 0: exactly the base model");
+    let grads = model
+        .loss(&e.idx, &e.targets, &Ctx::eval())
+        .unwrap()
+        .mean
+        .backward()
+        .unwrap();
+    for (name, var) in trainable.iter() {
+        let g = grads.get(var.as_tensor()).unwrap();
+        let n = g.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        if name.ends_with("lora_A.weight") {
+            assert_eq!(n, 0.0, "{name}: with B = 0 A's gradient is zero");
+            // Kaiming-uniform with a = sqrt(5): uniform in +-1/sqrt(in).
+            let t = var.as_tensor();
+            let bound = 1.0 / (t.dim(1).unwrap() as f32).sqrt();
+            let m = t.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(m <= bound && m > 0.9 * bound, "{name}: max |A| {m} vs bound {bound}");
+        } else {
+            assert!(n > 0.0, "{name}: B gets a gradient");
+            let z = var.as_tensor().abs().unwrap().max_all().unwrap();
+            assert_eq!(z.to_scalar::<f32>().unwrap(), 0.0, "{name} starts at zero");
+        }
+    }
+    // The base weights are frozen: no gradient reaches them.
+    let ids: Vec<_> = trainable.iter().map(|(_, v)| v.as_tensor().id()).collect();
+    let mut frozen = 0;
+    for link in model.links() {
+        for w in link.params().iter().filter(|w| !ids.contains(&w.id())) {
+            assert!(grads.get(w).is_none());
+            frozen += 1;
+        }
+    }
+    assert_eq!(frozen, params.len());
+}
+
+#[test]
+fn adapters_that_do_not_fit_are_refused_by_name() {
+    let (config, params) = base();
+    let adapt = |lora: &LoraConfig, from: Option<&Adapter>| {
+        trainer::lora::adapt(config.as_ref(), &params, lora, from, DType::F32, 0)
+            .err()
+            .expect("must fail")
+            .to_string()
+    };
+    let none = LoraConfig::new(4, 8.0).with_targets("c_attn,query".parse().unwrap());
+    let e = adapt(&none, None);
+    assert!(e.contains("c_attn,query") && e.contains("q_proj"), "{e}");
+    let tied = LoraConfig::new(4, 8.0).with_modules_to_save(vec!["lm_headx".into()]);
+    let e = adapt(&tied, None);
+    assert!(e.contains("lm_headx"), "{e}");
+    // An adapter trained for a wider model: the shapes name the module.
+    let mut adapter = Adapter::load(&fixture("adapter_plain"), &Device::Cpu).unwrap();
+    let path = "model.layers.1.mlp.down_proj".to_string();
+    let (a, b) = adapter.loras[&path].clone();
+    let wide = Tensor::cat(&[&a, &a], 1).unwrap();
+    adapter.loras.insert(path.clone(), (wide, b));
+    let e = adapt(&adapter.config.clone(), Some(&adapter));
+    assert!(e.contains(&path) && e.contains("lora_A"), "{e}");
+    // An adapter for a module the targets do not select.
+    let mut adapter = Adapter::load(&fixture("adapter_plain"), &Device::Cpu).unwrap();
+    let narrow = adapter
+        .config
+        .clone()
+        .with_targets("q_proj,k_proj,v_proj,o_proj".parse().unwrap());
+    adapter.config = narrow.clone();
+    let e = adapt(&narrow, Some(&adapter));
+    assert!(e.contains("mlp") && e.contains("not a linear layer"), "{e}");
+}
+
+#[test]
+fn peft_files_with_problems_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let copy = |name: &str| {
+        let d = tmp.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(fixture("adapter_plain").join(f), d.join(f)).unwrap();
+        }
+        d
+    };
+    let edit = |d: &Path, from: &str, to: &str| {
+        let p = d.join("adapter_config.json");
+        let t = std::fs::read_to_string(&p).unwrap();
+        assert!(t.contains(from), "{from}");
+        std::fs::write(&p, t.replace(from, to)).unwrap();
+    };
+    let load = |d: &Path| Adapter::load(d, &Device::Cpu).err().unwrap().to_string();
+    let d = copy("dora");
+    edit(&d, "\"use_dora\": false", "\"use_dora\": true");
+    let e = load(&d);
+    assert!(e.contains("use_dora") && e.contains("dora/adapter_config.json"), "{e}");
+    let d = copy("rank");
+    edit(&d, "\"r\": 8", "\"r\": 4");
+    let e = load(&d);
+    assert!(e.contains("rank r = 4") && e.contains("adapter_model.safetensors"), "{e}");
+    let d = copy("bin");
+    std::fs::rename(
+        d.join("adapter_model.safetensors"),
+        d.join("adapter_model.bin"),
+    )
+    .unwrap();
+    let e = load(&d);
+    assert!(e.contains("safe_serialization"), "{e}");
+    let d = copy("bad_json");
+    edit(&d, "\"r\": 8,", "\"r\": 8,,");
+    assert!(load(&d).contains("not valid JSON"));
+}
