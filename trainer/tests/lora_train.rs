@@ -1,0 +1,214 @@
+//! LoRA runs of the trainer over the tiny Llama base of `tests/fixtures/lora/base`: only the
+//! adapters train, checkpoints hold the adapters (PEFT's files) and their optimiser state,
+//! resume is bit-exact, a changed base is refused, and every command loads a LoRA checkpoint
+//! as the merged model.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use common::{assert_same_steps, finish, run_to_end, tiny_config, weights};
+use trainer::config::TrainConfig;
+use trainer::data::DataKind;
+use trainer::load::ModelDir;
+use trainer::model::Ctx;
+use trainer::train::Trainer;
+
+fn base_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora/base")
+}
+
+/// A LoRA run over `base` on a char corpus (65 ids; the base embeds 128).
+fn lora_config(tmp: &Path, base: &Path) -> TrainConfig {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/tinyshakespeare.txt"),
+    )
+    .unwrap();
+    let corpus = tmp.join("corpus.txt");
+    std::fs::write(&corpus, &text[..20_000]).unwrap();
+    TrainConfig {
+        init_from: Some(base.display().to_string()),
+        data: DataKind::Char,
+        data_path: Some(corpus),
+        lora_r: 4,
+        lora_alpha: 8.0,
+        lora_dropout: 0.1,
+        lr: 1e-2,
+        weight_decay: 0.0,
+        max_iters: 6,
+        lr_decay_iters: Some(6),
+        eval_interval: 3,
+        ..tiny_config(&tmp.join("run"))
+    }
+}
+
+#[test]
+fn only_adapters_train_and_resume_is_bit_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = lora_config(tmp.path(), &base_dir());
+    let t = Trainer::new(cfg.clone()).unwrap();
+    // all-linear on 2 layers: 7 projections, A and B each; the optimiser holds only those.
+    assert_eq!(t.params.len(), 28);
+    assert!(t.params.iter().all(|(n, _)| n.starts_with("base_model.model.")));
+    let (steps, end) = finish(t);
+    assert!(steps.last().unwrap().loss < steps[0].loss, "the adapters learn");
+    let ckpt = tmp.path().join("run/checkpoints/step-0000006");
+    let mut files: Vec<String> = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(
+        files,
+        [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "amp.safetensors",
+            "manifest.json",
+            "optimizer.safetensors",
+            "trainer_state.json"
+        ]
+    );
+    // Half the run, then resume from its checkpoint at step 3: the same steps and weights.
+    let tmp2 = tempfile::tempdir().unwrap();
+    let half = TrainConfig {
+        max_iters: 3,
+        ..lora_config(tmp2.path(), &base_dir())
+    };
+    let mut t = Trainer::new(half).unwrap();
+    let first = run_to_end(&mut t);
+    drop(t);
+    let mut t = Trainer::resume(&tmp2.path().join("run"), |c| c.max_iters = 6).unwrap();
+    let second = run_to_end(&mut t);
+    let resumed: Vec<_> = first.into_iter().chain(second).collect();
+    assert_same_steps(&steps, &resumed, "LoRA resume");
+    assert_eq!(end, weights(&t), "the same adapters after resuming");
+}
+
+#[test]
+fn a_lora_checkpoint_loads_as_the_merged_model_over_its_base() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = lora_config(tmp.path(), &base_dir());
+    let t = common::train(cfg);
+    let x = Tensor::new(&[[1u32, 5, 9, 13, 17, 21, 25, 29]], &Device::Cpu).unwrap();
+    let want = t.model.forward(&x, &Ctx::eval()).unwrap();
+    let loaded = ModelDir::open(&tmp.path().join("run").display().to_string())
+        .unwrap()
+        .load_model(&Device::Cpu)
+        .unwrap();
+    let got = loaded.forward(&x, &Ctx::eval()).unwrap();
+    let d = (got - &want)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    // Merged vs unmerged: f32 rounding of W + s B A only.
+    assert!(d < 1e-5, "{d}");
+}
+
+#[test]
+fn resuming_over_a_changed_base_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base");
+    std::fs::create_dir_all(&base).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(base_dir().join(f), base.join(f)).unwrap();
+    }
+    let cfg = TrainConfig {
+        max_iters: 3,
+        ..lora_config(tmp.path(), &base)
+    };
+    common::train(cfg);
+    // Another base under the same path: one weight changed.
+    let path = base.join("model.safetensors");
+    let mut t = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let w = t["model.norm.weight"].clone();
+    t.insert("model.norm.weight".into(), (w + 1.0).unwrap());
+    candle_core::safetensors::save(&t, &path).unwrap();
+    let run = tmp.path().join("run");
+    let e = Trainer::resume(&run, |c| c.max_iters = 6)
+        .err()
+        .expect("must refuse")
+        .to_string();
+    assert!(
+        e.contains("another base model") && e.contains("model.safetensors"),
+        "{e}"
+    );
+    // Loading it for inference is refused alike.
+    let e = ModelDir::open(&run.display().to_string())
+        .unwrap()
+        .load_model(&Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("another base model"), "{e}");
+}
+
+#[test]
+fn a_peft_adapter_continues_training_and_its_settings_are_recorded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let adapter = base_dir().join("../adapter_rslora");
+    let cfg = TrainConfig {
+        adapter: Some(adapter),
+        lora_r: 0,
+        max_iters: 2,
+        ..lora_config(tmp.path(), &base_dir())
+    };
+    let t = common::train(cfg);
+    assert_eq!(t.config.lora_r, 8);
+    assert!(t.config.rslora);
+    assert_eq!(t.config.lora_alpha, 16.0);
+    let saved = candle_peft::Adapter::load(
+        &tmp.path().join("run/checkpoints/step-0000002"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    assert!(saved.config.use_rslora && saved.config.r == 8);
+    assert_eq!(saved.loras.len(), 14);
+}
+
+#[test]
+fn lora_needs_a_base_and_an_adaptable_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig {
+        init_from: None,
+        ..lora_config(tmp.path(), &base_dir())
+    };
+    let e = Trainer::new(cfg).err().unwrap().to_string();
+    assert!(e.contains("--init-from"), "{e}");
+    // GPT-2 (Conv1D weights) is refused by name.
+    let (_keep, gpt_dir, _) = common::tiny_run(|c| c.max_iters = 1);
+    let cfg = TrainConfig {
+        init_from: Some(gpt_dir.display().to_string()),
+        data: DataKind::Addition,
+        data_path: None,
+        ..lora_config(tmp.path(), &base_dir())
+    };
+    let e = Trainer::new(cfg).err().unwrap().to_string();
+    assert!(e.contains("fan_in_fan_out"), "{e}");
+}
+
+#[test]
+fn a_bf16_base_stays_bf16_and_gets_no_gradient() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig {
+        dtype: trainer::config::Precision::Bf16,
+        max_iters: 2,
+        ..lora_config(tmp.path(), &base_dir())
+    };
+    let t = common::train(cfg);
+    let links = t.model.links();
+    let ids: Vec<_> = t.params.iter().map(|(_, v)| v.as_tensor().id()).collect();
+    let frozen: Vec<Tensor> = links
+        .iter()
+        .flat_map(|l| l.params())
+        .filter(|w| !ids.contains(&w.id()))
+        .collect();
+    assert!(!frozen.is_empty());
+    assert!(frozen.iter().all(|w| w.dtype() == DType::BF16));
+    assert!(t.params.iter().all(|(_, v)| v.dtype() == DType::F32));
+}
