@@ -110,6 +110,9 @@ pub struct ExportOptions {
     pub max_shard_size: u64,
     /// Replace an output directory that holds files.
     pub force: bool,
+    /// Adapters (a LoRA run, a PEFT adapter directory) are merged into their base and
+    /// written as a whole model; without it they are written as a PEFT adapter directory.
+    pub merge: bool,
 }
 
 impl Default for ExportOptions {
@@ -118,6 +121,7 @@ impl Default for ExportOptions {
             dtype: None,
             max_shard_size: DEFAULT_MAX_SHARD_SIZE,
             force: false,
+            merge: false,
         }
     }
 }
@@ -230,8 +234,24 @@ pub fn export_spec(source: &str, out: &Path, options: &ExportOptions) -> Result<
 /// `out` must not exist or be empty, unless `options.force` (it is then replaced whole); it
 /// may not hold the source. Everything is written into a temporary directory beside `out`,
 /// which is renamed into place last.
+///
+/// Adapters (`source.adapter`) are written as a PEFT adapter directory
+/// (`adapter_config.json` + `adapter_model.safetensors`, which PEFT's
+/// `PeftModel.from_pretrained` loads over the base) unless `options.merge`, which writes the
+/// merged model (`W + s B A`) as above.
 pub fn export(source: &ModelDir, out: &Path, options: &ExportOptions) -> Result<Exported> {
     check_destination(source, out, options.force)?;
+    match (&source.adapter, options.merge) {
+        (None, true) => {
+            return Err(Error::Config(format!(
+                "--merge: {} holds no adapters (adapter_config.json): it is a whole model \
+                 already; export it without --merge",
+                source.dir.display()
+            )))
+        }
+        (Some(_), false) => return export_adapter(source, out, options),
+        _ => {}
+    }
     let loaded = source.load_with(&Checks::default(), &Device::Cpu)?;
     let origins = origins(source);
     let (dtype, dtype_from) = match options.dtype {
@@ -263,6 +283,59 @@ pub fn export(source: &ModelDir, out: &Path, options: &ExportOptions) -> Result<
             dtype,
             dtype_from,
             weight_files,
+            total_size,
+            copied: copies.clone(),
+        })
+    })()
+    .and_then(|e| place(&tmp, out, &name).map(|()| e));
+    if written.is_err() {
+        let _ = fs::remove_dir_all(&tmp);
+    }
+    written
+}
+
+/// Writes the adapters of `source` as a PEFT adapter directory at `out` (the tensors in
+/// `options.dtype` if given, else as stored), with the base's tokenizer files.
+fn export_adapter(source: &ModelDir, out: &Path, options: &ExportOptions) -> Result<Exported> {
+    let checks = Checks {
+        unmerged: true,
+        ..Checks::default()
+    };
+    let loaded = source.load_with(&checks, &Device::Cpu)?;
+    let Some(adapter) = loaded.adapter else {
+        return Err(Error::Config(format!("{}: no adapters loaded", out.display())));
+    };
+    let (dtype, dtype_from) = match options.dtype {
+        Some(d) => (d, "--dtype".to_string()),
+        None => (WeightDtype::F32, "the adapters' (trained in f32)".to_string()),
+    };
+    let mut tensors = Vec::new();
+    for (path, (a, b)) in &adapter.loras {
+        tensors.push((candle_peft::format::lora_a_name(path), a.to_dtype(dtype.dtype())?));
+        tensors.push((candle_peft::format::lora_b_name(path), b.to_dtype(dtype.dtype())?));
+    }
+    for (name, t) in &adapter.saved {
+        tensors.push((candle_peft::format::saved_name(name), t.to_dtype(dtype.dtype())?));
+    }
+    let total_size = tensors
+        .iter()
+        .map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
+        .sum();
+    let copies = files_to_copy(&origins(source));
+    let (tmp, name) = temporary_beside(out)?;
+    let written = (|| -> Result<Exported> {
+        candle_peft::format::save(&tmp, &adapter.config, &tensors)
+            .map_err(|e| Error::checkpoint(&tmp, e.to_string()))?;
+        for (file, from) in &copies {
+            let bytes = fs::read(from).map_err(|e| Error::io(from, e))?;
+            io::write_atomic(&tmp.join(file), &bytes)?;
+        }
+        io::sync_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        Ok(Exported {
+            dir: out.to_path_buf(),
+            dtype,
+            dtype_from,
+            weight_files: vec![candle_peft::format::ADAPTER_WEIGHTS_FILE.to_string()],
             total_size,
             copied: copies.clone(),
         })

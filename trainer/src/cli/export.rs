@@ -25,6 +25,11 @@ pub(super) struct ExportArgs {
     /// Replace OUT_DIR when it already holds files.
     #[arg(long)]
     force: bool,
+    /// For adapters (a LoRA run, a PEFT adapter directory): write the base with the adapters
+    /// merged in (W + s B A), a whole Hugging Face model; without it the adapters are
+    /// written as a PEFT adapter directory.
+    #[arg(long)]
+    merge: bool,
 }
 
 fn size(text: &str) -> std::result::Result<u64, String> {
@@ -36,6 +41,7 @@ pub(super) fn export(args: ExportArgs) -> Result<()> {
         dtype: args.dtype,
         max_shard_size: args.max_shard_size,
         force: args.force,
+        merge: args.merge,
     };
     let done = export_spec(&args.source, &args.out_dir, &options)
         .with_context(|| format!("cannot export {}", args.source))?;
