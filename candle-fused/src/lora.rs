@@ -26,7 +26,7 @@
 //!           dB = scale · dyᵀ h                       h saved by the forward
 //! ```
 //!
-//! Every product is a GEMM of [`linear`](crate::linear)'s (split over the output, never over the
+//! Every product is a GEMM of [`linear`]'s (split over the output, never over the
 //! summed dimension: the same bits on any thread count). The forward saves only `h` (`[N, r]`,
 //! small); the dropout mask is never stored: the backward regenerates it from the key, as
 //! [`dropout`](crate::dropout::dropout) does.
