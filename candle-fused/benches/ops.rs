@@ -1,6 +1,8 @@
 //! Per-op times of candle-fused's CPU kernels at the shapes of the trainer's two benchmark
-//! models (and of SmolLM2-135M for the Llama-family ops, RoPE and SwiGLU), forward alone and
-//! forward + backward, each next to the composite Candle expression it replaces.
+//! models (and of SmolLM2-135M for the Llama-family ops, RoPE, SwiGLU and the LoRA linear),
+//! forward alone and forward + backward, each next to the composite Candle expression it
+//! replaces. The LoRA composite computes the frozen weight's gradient too (Candle's matmul
+//! backward differentiates both operands), the fused op does not.
 //!
 //! ```sh
 //! cargo bench -p candle-fused --bench ops                 # every op, both models
@@ -31,7 +33,7 @@ use candle_fused::attention::{
     AttentionConfig,
 };
 use candle_fused::{
-    cross_entropy, gelu, linear, linear_cross_entropy, linear_gelu, norm, rope, swiglu,
+    cross_entropy, gelu, linear, linear_cross_entropy, linear_gelu, lora, norm, rope, swiglu,
 };
 use test_support::alloc::{self, CountingAlloc};
 
@@ -336,6 +338,52 @@ fn llama_attention_cases(dev: &Device) -> Result<Vec<Case>> {
     Ok(out)
 }
 
+/// SmolLM2-135M's projections with a LoRA adapter: `x [4 x 256, 576]` through the frozen
+/// `w.t()` of a `[out, in]` weight (576 -> 576, attention; 576 -> 1536, the MLP's up / gate),
+/// rank 16, scale 2, f32 and bf16, and 576 -> 576 with dropout 0.1: [`lora::lora_linear`]
+/// against [`lora::lora_linear_composite`] with the same frozen `w` (gradients of x, A and B).
+fn lora_cases(dev: &Device) -> Result<Vec<Case>> {
+    let (n, c, r) = (4 * 256, 576, 16);
+    let rows: [(&'static str, usize, DType, f32); 5] = [
+        ("lora_linear 576 -> 576, f32", c, DType::F32, 0.0),
+        ("lora_linear 576 -> 1536, f32", 1536, DType::F32, 0.0),
+        ("lora_linear 576 -> 576, bf16", c, DType::BF16, 0.0),
+        ("lora_linear 576 -> 1536, bf16", 1536, DType::BF16, 0.0),
+        (
+            "lora_linear 576 -> 576, f32, dropout 0.1",
+            c,
+            DType::F32,
+            0.1,
+        ),
+    ];
+    let mut out = Vec::new();
+    for (name, n_out, dt, p) in rows {
+        let randn = |shape: &[usize], std: f32| -> Result<Tensor> {
+            Tensor::randn(0f32, std, shape, dev)?.to_dtype(dt)
+        };
+        let w = randn(&[n_out, c], 0.02)?;
+        let (w2, drop) = (
+            w.clone(),
+            (p > 0.0).then_some((p, candle_fused::RngKey::new(1, 0))),
+        );
+        out.push(Case {
+            name,
+            inputs: vec![
+                Var::from_tensor(&randn(&[n, c], 1.0)?)?,
+                Var::from_tensor(&randn(&[r, c], 0.02)?)?,
+                Var::from_tensor(&randn(&[n_out, r], 0.02)?)?,
+            ],
+            fused: Box::new(move |x| {
+                lora::lora_linear(&x[0], &w.t()?, None, &x[1], &x[2], 2.0, drop)
+            }),
+            composite: Box::new(move |x| {
+                lora::lora_linear_composite(&x[0], &w2.t()?, None, &x[1], &x[2], 2.0, drop)
+            }),
+        });
+    }
+    Ok(out)
+}
+
 /// Keeps freed blocks of up to 64 MiB in the heap instead of returning them to the OS (glibc).
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -375,6 +423,10 @@ fn main() -> Result<()> {
         tables.push((s.name.to_string(), cases(s, &dev)?));
     }
     tables.push(llama_cases(&dev)?);
+    tables.push((
+        "LoRA linear at SmolLM2-135M's projections (N 1024, r 16, W frozen)".to_string(),
+        lora_cases(&dev)?,
+    ));
     tables.push((
         "attention at Llama-family shapes (attention_merged, f32)".to_string(),
         llama_attention_cases(&dev)?,

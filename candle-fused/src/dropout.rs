@@ -31,7 +31,8 @@ const CHUNK: usize = 1024;
 /// parallelism threshold.
 const WORK_PER_ELEM: usize = 16;
 
-fn check_p(p: f32) -> Result<()> {
+/// Errors unless `p` is in `[0, 1)`.
+pub(crate) fn check_p(p: f32) -> Result<()> {
     if !(0.0..1.0).contains(&p) {
         candle_core::bail!("candle-fused dropout: p must be in [0, 1), got {p}")
     }
@@ -44,25 +45,45 @@ fn keep_scale<T: Elem>(p: f32) -> T {
     T::from_acc(<T::Acc as Real>::c(1.0 / (1.0 - p as f64)))
 }
 
-/// Multiplies `data` (element 0 = flat index 0 of the dropped tensor) in place by the mask of
-/// `(p, key)`, in parallel chunks whose uniforms depend only on their position.
-fn apply_mask<T: Elem>(data: &mut [T], p: f32, key: RngKey) {
-    let scale: T = keep_scale(p);
-    let zero = T::from_acc(<T::Acc as Real>::ZERO);
+/// Calls `f(element, kept)` for every element of `data` (element 0 = flat index 0 of the
+/// dropped tensor) with whether the mask of `(p, key)` keeps it, in parallel chunks whose
+/// uniforms depend only on their position.
+fn for_mask<E: Send>(data: &mut [E], p: f32, key: RngKey, f: impl Fn(&mut E, bool) + Sync) {
     cpu::for_rows(data, CHUNK, CHUNK * WORK_PER_ELEM, |c, row| {
         let mut buf = [0f32; CHUNK];
         let u = &mut buf[..row.len()];
         key.fill_uniform((c * CHUNK) as u64, u);
         for (x, &u) in row.iter_mut().zip(u.iter()) {
-            let m = if u < p { zero } else { scale };
-            // The same rounding as Candle's `x * mask` in this dtype.
-            *x = T::from_acc(x.acc() * m.acc());
+            f(x, u >= p);
         }
     });
 }
 
+/// Multiplies `data` (element 0 = flat index 0 of the dropped tensor) in place by the mask of
+/// `(p, key)`.
+fn apply_mask<T: Elem>(data: &mut [T], p: f32, key: RngKey) {
+    let scale: T = keep_scale(p);
+    let zero = T::from_acc(<T::Acc as Real>::ZERO);
+    for_mask(data, p, key, |x, kept| {
+        let m = if kept { scale } else { zero };
+        // The same rounding as Candle's `x * mask` in this dtype.
+        *x = T::from_acc(x.acc() * m.acc());
+    });
+}
+
+/// Multiplies `data`, values of a tensor of storage type `T` held in its accumulation type, in
+/// place by the mask of `(p, key)` as `T` holds it (the keep scale rounded to `T`), without
+/// rounding the products: the dropout backward inside a larger f32 sum (`lora`).
+pub(crate) fn apply_mask_acc<T: Elem>(data: &mut [T::Acc], p: f32, key: RngKey) {
+    let scale = keep_scale::<T>(p).acc();
+    let zero = <T::Acc as Real>::ZERO;
+    for_mask(data, p, key, |x, kept| {
+        *x *= if kept { scale } else { zero };
+    });
+}
+
 /// The masked copy of a contiguous slice.
-fn masked<T: Elem>(x: &[T], p: f32, key: RngKey) -> Vec<T> {
+pub(crate) fn masked<T: Elem>(x: &[T], p: f32, key: RngKey) -> Vec<T> {
     let mut out = x.to_vec();
     apply_mask(&mut out, p, key);
     out

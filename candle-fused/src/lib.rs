@@ -11,6 +11,8 @@
 //!   GEMMs on AVX512-BF16 where the CPU has it);
 //! * [`linear_gelu`]: `gelu(x W + b)` in one op (the MLP's up-projection, no graph node for
 //!   the pre-activation);
+//! * [`lora`]: the LoRA linear `x W + b + scale · (dropout(x) Aᵀ) Bᵀ` in one op, the base
+//!   weight frozen (gradients of `x`, `A` and `B` only; saves `dropout(x) Aᵀ`, `[N, r]`);
 //! * [`rope`]: rotary position embeddings (transformers' split halves) fused with the
 //!   `[B, T, H, D] -> [B, H, T, D]` transpose, and their f32 tables;
 //! * [`swiglu`]: `silu(gate) * up` (Llama's MLP activation) in one op;
@@ -26,7 +28,7 @@
 //! `op_composite(..)`: the same function written with plain differentiable Candle ops, the
 //! reference the op is tested against (and what a caller that wants the unfused computation,
 //! e.g. for comparison or debugging, calls): [`linear::linear_composite`],
-//! [`linear_gelu::linear_gelu_composite`], [`norm::layer_norm_composite`],
+//! [`linear_gelu::linear_gelu_composite`], [`lora::lora_linear_composite`], [`norm::layer_norm_composite`],
 //! [`norm::rms_norm_composite`], [`gelu::bias_gelu_composite`], [`gelu::gelu_composite`],
 //! [`attention::attention_composite`], [`attention::attention_qkv_composite`],
 //! [`rope::rope_composite`], [`swiglu::swiglu_composite`],
@@ -52,6 +54,7 @@ mod gemm_bf16;
 pub mod linear;
 pub mod linear_cross_entropy;
 pub mod linear_gelu;
+pub mod lora;
 pub mod norm;
 mod op;
 pub mod philox;

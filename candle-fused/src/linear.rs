@@ -172,17 +172,28 @@ impl Kernel for LinearOp {
 
 pub(crate) fn fwd_kernel<T: Elem>(
     x: &[T],
-    (w, ws): (&[T], Strided),
+    w: (&[T], Strided),
     b: Option<&[T]>,
     n_in: usize,
     n_out: usize,
 ) -> Vec<T> {
+    narrow(fwd_acc(x, w, b, n_in, n_out))
+}
+
+/// `x w (+ b)` in the accumulation type, not yet rounded to `T` (callers add more to it).
+pub(crate) fn fwd_acc<T: Elem>(
+    x: &[T],
+    (w, ws): (&[T], Strided),
+    b: Option<&[T]>,
+    n_in: usize,
+    n_out: usize,
+) -> Vec<T::Acc> {
     let rows = x.len().checked_div(n_in).unwrap_or(0);
     let xa = operand(x);
     let wa = operand(w);
     let x2 = (&xa, Strided { rs: n_in, cs: 1 });
     let threads = pool::parts();
-    let out = match b {
+    match b {
         Some(b) => {
             // Start from the bias rows, accumulate the product into them.
             let ba = widen(b);
@@ -207,8 +218,7 @@ pub(crate) fn fwd_kernel<T: Elem>(
             out
         }
         None => gemm_new(rows, n_out, n_in, x2, (&wa, ws), threads),
-    };
-    narrow(out)
+    }
 }
 
 /// Column sums of `g [rows, n]` as partials over fixed row blocks added in block order (the
