@@ -126,7 +126,7 @@ impl Lora {
         let dropout = key
             .filter(|_| self.dropout > 0.0)
             .map(|k| (self.dropout, k));
-        pending::lora_linear(x, w, bias, &a, &b, self.scale, dropout)
+        candle_fused::lora::lora_linear(x, w, bias, &a, &b, self.scale, dropout)
     }
 
     /// The same computation from plain differentiable Candle ops (the reference).
@@ -142,7 +142,7 @@ impl Lora {
         let dropout = key
             .filter(|_| self.dropout > 0.0)
             .map(|k| (self.dropout, k));
-        pending::lora_linear_composite(x, w, bias, &a, &b, self.scale, dropout)
+        candle_fused::lora::lora_linear_composite(x, w, bias, &a, &b, self.scale, dropout)
     }
 
     /// `s · B A`, `[out, in]`: what merging adds to the base weight, computed in f32 (f64
@@ -185,49 +185,3 @@ impl Lora {
     }
 }
 
-/// Until candle-fused's fused op lands: the composite on both paths.
-mod pending {
-    use candle_core::{Result, Tensor};
-    use candle_fused::RngKey;
-
-    pub fn lora_linear(
-        x: &Tensor,
-        w: &Tensor,
-        bias: Option<&Tensor>,
-        a: &Tensor,
-        b: &Tensor,
-        scale: f64,
-        dropout: Option<(f32, RngKey)>,
-    ) -> Result<Tensor> {
-        let base = candle_fused::linear::linear(x, w, bias)?;
-        base + delta(x, a, b, scale, dropout)?
-    }
-
-    pub fn lora_linear_composite(
-        x: &Tensor,
-        w: &Tensor,
-        bias: Option<&Tensor>,
-        a: &Tensor,
-        b: &Tensor,
-        scale: f64,
-        dropout: Option<(f32, RngKey)>,
-    ) -> Result<Tensor> {
-        let base = candle_fused::linear::linear_composite(x, w, bias)?;
-        base + delta(x, a, b, scale, dropout)?
-    }
-
-    fn delta(
-        x: &Tensor,
-        a: &Tensor,
-        b: &Tensor,
-        scale: f64,
-        dropout: Option<(f32, RngKey)>,
-    ) -> Result<Tensor> {
-        let u = match dropout {
-            Some((p, key)) => candle_fused::dropout::dropout_composite(x, p, key)?,
-            None => x.clone(),
-        };
-        let h = u.broadcast_matmul(&a.t()?)?.broadcast_matmul(&b.t()?)?;
-        h * scale
-    }
-}
