@@ -184,4 +184,3 @@ impl Lora {
         Ok(sum.to_dtype(w.dtype())?)
     }
 }
-

@@ -303,19 +303,34 @@ fn export_adapter(source: &ModelDir, out: &Path, options: &ExportOptions) -> Res
     };
     let loaded = source.load_with(&checks, &Device::Cpu)?;
     let Some(adapter) = loaded.adapter else {
-        return Err(Error::Config(format!("{}: no adapters loaded", out.display())));
+        return Err(Error::Config(format!(
+            "{}: no adapters loaded",
+            out.display()
+        )));
     };
     let (dtype, dtype_from) = match options.dtype {
         Some(d) => (d, "--dtype".to_string()),
-        None => (WeightDtype::F32, "the adapters' (trained in f32)".to_string()),
+        None => (
+            WeightDtype::F32,
+            "the adapters' (trained in f32)".to_string(),
+        ),
     };
     let mut tensors = Vec::new();
     for (path, (a, b)) in &adapter.loras {
-        tensors.push((candle_peft::format::lora_a_name(path), a.to_dtype(dtype.dtype())?));
-        tensors.push((candle_peft::format::lora_b_name(path), b.to_dtype(dtype.dtype())?));
+        tensors.push((
+            candle_peft::format::lora_a_name(path),
+            a.to_dtype(dtype.dtype())?,
+        ));
+        tensors.push((
+            candle_peft::format::lora_b_name(path),
+            b.to_dtype(dtype.dtype())?,
+        ));
     }
     for (name, t) in &adapter.saved {
-        tensors.push((candle_peft::format::saved_name(name), t.to_dtype(dtype.dtype())?));
+        tensors.push((
+            candle_peft::format::saved_name(name),
+            t.to_dtype(dtype.dtype())?,
+        ));
     }
     let total_size = tensors
         .iter()

@@ -215,56 +215,55 @@ pub fn adapt(
         trainable.borrow_mut().insert(saved_name(name), var.clone());
         Ok(var.as_tensor().clone())
     };
-    let wrap = |path: &str,
-                fan_in: usize,
-                fan_out: usize|
-     -> Result<Option<Arc<dyn LinearAdapter>>> {
-        offered.borrow_mut().push(path.to_string());
-        if !lora.target_modules.matches(path, path == OUTPUT_HEAD) || lora.saves(path) {
-            return Ok(None);
-        }
-        let (a, b) = match from {
-            Some(adapter) => match adapter.loras.get(path) {
-                Some((a, b)) => {
-                    let want = ([lora.r, fan_in], [fan_out, lora.r]);
-                    if a.dims() != want.0 || b.dims() != want.1 {
-                        return Err(mismatch(format!(
-                            "module `{path}`: lora_A {:?} / lora_B {:?}, the model's \
+    let wrap =
+        |path: &str, fan_in: usize, fan_out: usize| -> Result<Option<Arc<dyn LinearAdapter>>> {
+            offered.borrow_mut().push(path.to_string());
+            if !lora.target_modules.matches(path, path == OUTPUT_HEAD) || lora.saves(path) {
+                return Ok(None);
+            }
+            let (a, b) = match from {
+                Some(adapter) => match adapter.loras.get(path) {
+                    Some((a, b)) => {
+                        let want = ([lora.r, fan_in], [fan_out, lora.r]);
+                        if a.dims() != want.0 || b.dims() != want.1 {
+                            return Err(mismatch(format!(
+                                "module `{path}`: lora_A {:?} / lora_B {:?}, the model's \
                              {fan_in} -> {fan_out} layer needs {:?} / {:?}",
-                            a.dims(),
-                            b.dims(),
-                            want.0,
-                            want.1
-                        )));
+                                a.dims(),
+                                b.dims(),
+                                want.0,
+                                want.1
+                            )));
+                        }
+                        (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?)
                     }
-                    (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?)
-                }
-                None => {
-                    return Err(mismatch(format!(
-                        "its target_modules match `{path}` but it has no lora_A/lora_B for it"
-                    )))
-                }
-            },
-            None => Lora::init(
-                fan_in,
-                fan_out,
-                lora,
-                &mut **rng.borrow_mut(),
-                DType::F32,
-                &device,
-            )
-            .map_err(peft_err)?,
+                    None => {
+                        return Err(mismatch(format!(
+                            "its target_modules match `{path}` but it has no lora_A/lora_B for it"
+                        )))
+                    }
+                },
+                None => Lora::init(
+                    fan_in,
+                    fan_out,
+                    lora,
+                    &mut **rng.borrow_mut(),
+                    DType::F32,
+                    &device,
+                )
+                .map_err(peft_err)?,
+            };
+            let (a, b) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?);
+            let mut t = trainable.borrow_mut();
+            t.insert(lora_a_name(path), a.clone());
+            t.insert(lora_b_name(path), b.clone());
+            let layer =
+                Lora::new(a.as_tensor().clone(), b.as_tensor().clone(), lora).map_err(peft_err)?;
+            Ok(Some(Arc::new(LoraLayer {
+                lora: layer,
+                site: site_of(path),
+            })))
         };
-        let (a, b) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?);
-        let mut t = trainable.borrow_mut();
-        t.insert(lora_a_name(path), a.clone());
-        t.insert(lora_b_name(path), b.clone());
-        let layer = Lora::new(a.as_tensor().clone(), b.as_tensor().clone(), lora).map_err(peft_err)?;
-        Ok(Some(Arc::new(LoraLayer {
-            lora: layer,
-            site: site_of(path),
-        })))
-    };
     let model = config.build(&Builder::root(&source).with_wrap(&wrap))?;
     let trainable = trainable.into_inner();
     let offered = offered.into_inner();
@@ -274,7 +273,10 @@ pub fn adapt(
         .filter_map(|n| n.strip_prefix(format::PREFIX))
         .collect();
     if adapted.is_empty() {
-        let mut some: Vec<&str> = offered.iter().map(|p| p.rsplit('.').next().unwrap_or(p)).collect();
+        let mut some: Vec<&str> = offered
+            .iter()
+            .map(|p| p.rsplit('.').next().unwrap_or(p))
+            .collect();
         some.sort();
         some.dedup();
         return Err(Error::Config(format!(
@@ -290,7 +292,11 @@ pub fn adapt(
         let found = trainable
             .keys()
             .filter_map(|n| n.strip_prefix(format::PREFIX))
-            .any(|n| !n.ends_with(".lora_A.weight") && !n.ends_with(".lora_B.weight") && one.matches(module_of(n), false));
+            .any(|n| {
+                !n.ends_with(".lora_A.weight")
+                    && !n.ends_with(".lora_B.weight")
+                    && one.matches(module_of(n), false)
+            });
         if !found {
             return Err(Error::Config(format!(
                 "{what}: modules_to_save `{m}` matches no module with parameters in the model \
@@ -307,7 +313,11 @@ pub fn adapt(
                 lora.target_modules
             )));
         }
-        if let Some(n) = a.saved.keys().find(|n| !trainable.contains_key(&saved_name(n))) {
+        if let Some(n) = a
+            .saved
+            .keys()
+            .find(|n| !trainable.contains_key(&saved_name(n)))
+        {
             return Err(mismatch(format!(
                 "has `{}`, which the model has no parameter for",
                 saved_name(n)
@@ -333,7 +343,9 @@ pub fn merge(base: &Params, adapter: &Adapter) -> Result<Params> {
             ))
         })?;
         let lora = Lora::new(a.clone(), b.clone(), &adapter.config).map_err(peft_err)?;
-        let merged = lora.merge(w).map_err(|e| Error::Config(format!("{what}: `{path}`: {e}")))?;
+        let merged = lora
+            .merge(w)
+            .map_err(|e| Error::Config(format!("{what}: `{path}`: {e}")))?;
         tensors.insert(name, merged);
     }
     for (name, t) in &adapter.saved {
@@ -394,7 +406,8 @@ impl BaseIdentity {
             diff.push("config.json".to_string());
         }
         if self.weights != other.weights {
-            let names: BTreeSet<&String> = self.weights.keys().chain(other.weights.keys()).collect();
+            let names: BTreeSet<&String> =
+                self.weights.keys().chain(other.weights.keys()).collect();
             for n in names {
                 if self.weights.get(n) != other.weights.get(n) {
                     diff.push(n.clone());

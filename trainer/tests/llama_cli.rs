@@ -131,3 +131,107 @@ fn a_tokenizer_larger_than_the_vocabulary_is_refused() {
     assert_eq!(o.status.code(), Some(1), "{text}");
     assert!(text.contains("big.json"), "{text}");
 }
+
+#[test]
+fn lora_train_sample_and_export_adapters_or_merged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let model = model_dir(&cwd.join("model"));
+    let corpus = hf::corpus(cwd);
+    let train = |targets: &str, out: &str| {
+        run_cli(
+            &[
+                "train",
+                "--init-from",
+                &model,
+                "--data",
+                "tokenizer",
+                "--data-path",
+                corpus.to_str().unwrap(),
+                "--block-size",
+                "8",
+                "--batch-size",
+                "4",
+                "--max-iters",
+                "4",
+                "--eval-interval",
+                "2",
+                "--lora-r",
+                "4",
+                "--lora-alpha",
+                "8",
+                "--lora-targets",
+                targets,
+                "--out-dir",
+                out,
+            ],
+            cwd,
+        )
+    };
+    let o = train("q_proj,v_proj", "runs/lora");
+    let out = output_text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(
+        out.contains("LoRA: r 4, alpha 8") && out.contains("targets q_proj,v_proj"),
+        "{out}"
+    );
+    let ckpt = cwd.join("runs/lora/checkpoints/step-0000004");
+    assert!(ckpt.join("adapter_model.safetensors").is_file());
+    assert!(!ckpt.join("model.safetensors").exists());
+    let run = |args: &[&str]| {
+        let o = run_cli(args, cwd);
+        assert!(o.status.success(), "{args:?}: {}", output_text(&o));
+        output_text(&o)
+    };
+    let sample = run(&[
+        "sample",
+        "runs/lora",
+        "--prompt",
+        "the cat",
+        "--max-new-tokens",
+        "4",
+    ]);
+    assert!(sample.contains("the cat"), "{sample}");
+    run(&["export", "runs/lora", "adapter"]);
+    for f in [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "tokenizer.json",
+    ] {
+        assert!(cwd.join("adapter").join(f).is_file(), "{f}");
+    }
+    let cfg: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(cwd.join("adapter/adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        cfg["target_modules"],
+        serde_json::json!(["q_proj", "v_proj"])
+    );
+    assert_eq!(cfg["r"], 4);
+    run(&["export", "runs/lora", "merged", "--merge"]);
+    assert!(cwd.join("merged/model.safetensors").is_file());
+    let cfg: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(cwd.join("merged/config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["architectures"][0], "LlamaForCausalLM");
+    // The exported adapter samples over its base (base_model_name_or_path).
+    run(&[
+        "sample",
+        "adapter",
+        "--prompt",
+        "the cat",
+        "--max-new-tokens",
+        "2",
+    ]);
+    let o = run_cli(&["export", "merged", "again", "--merge"], cwd);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        output_text(&o).contains("holds no adapters"),
+        "{}",
+        output_text(&o)
+    );
+    // A target that matches nothing is named, with the layers the model has.
+    let o = train("c_attn", "runs/none");
+    let text = output_text(&o);
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    assert!(text.contains("c_attn") && text.contains("q_proj"), "{text}");
+}

@@ -71,20 +71,35 @@ fn check_against_peft(variant: &str, kernels: Kernels) {
     let ctx = Ctx::eval().with_kernels(kernels);
     let logits = model.forward(&e.idx, &ctx).unwrap();
     let r = rel(&logits, &e.logits);
-    assert!(r < 1e-5, "{variant}: logits differ from PEFT's by {r:e} (relative)");
+    assert!(
+        r < 1e-5,
+        "{variant}: logits differ from PEFT's by {r:e} (relative)"
+    );
     let loss = model.loss(&e.idx, &e.targets, &ctx).unwrap();
     let l = loss.mean.to_scalar::<f32>().unwrap();
-    assert!((l - e.loss).abs() < 1e-5, "{variant}: loss {l} vs PEFT {}", e.loss);
+    assert!(
+        (l - e.loss).abs() < 1e-5,
+        "{variant}: loss {l} vs PEFT {}",
+        e.loss
+    );
     let grads = loss.mean.backward().unwrap();
     let mut names: Vec<&String> = trainable.iter().map(|(n, _)| n).collect();
     names.sort();
     let mut want: Vec<&String> = e.grads.keys().collect();
     want.sort();
-    assert_eq!(names, want, "{variant}: trainable parameters are PEFT's tensors");
+    assert_eq!(
+        names, want,
+        "{variant}: trainable parameters are PEFT's tensors"
+    );
     for (name, var) in trainable.iter() {
-        let g = grads.get(var.as_tensor()).expect("every adapter tensor has a gradient");
+        let g = grads
+            .get(var.as_tensor())
+            .expect("every adapter tensor has a gradient");
         let r = rel(g, &e.grads[name]);
-        assert!(r < 1e-4, "{variant} {name}: gradient differs by {r:e} (relative)");
+        assert!(
+            r < 1e-4,
+            "{variant} {name}: gradient differs by {r:e} (relative)"
+        );
     }
 }
 
@@ -104,7 +119,10 @@ fn the_adapter_moves_the_logits_away_from_the_base() {
     let (adapted, _, _, e) = adapted("adapter_plain");
     let base_logits = &e.extra["base_logits"];
     let ours = model.forward(&e.idx, &Ctx::eval()).unwrap();
-    assert!(rel(&ours, base_logits) < 1e-5, "the base alone is transformers' base");
+    assert!(
+        rel(&ours, base_logits) < 1e-5,
+        "the base alone is transformers' base"
+    );
     let with = adapted.forward(&e.idx, &Ctx::eval()).unwrap();
     assert!(max_abs(&with, base_logits) > 1.0);
 }
@@ -117,7 +135,10 @@ fn merged_weights_give_peft_merged_model() {
     let model = trainer::model::build(config.as_ref(), &merged).unwrap();
     let logits = model.forward(&e.idx, &Ctx::eval()).unwrap();
     let peft_merged = &e.extra["merged_logits"];
-    assert!(rel(&logits, peft_merged) < 1e-5, "our merge is PEFT's merge_and_unload");
+    assert!(
+        rel(&logits, peft_merged) < 1e-5,
+        "our merge is PEFT's merge_and_unload"
+    );
     // The merged model is the adapted one, up to f32 rounding of W + s B A (8.8e-6 measured
     // by the fixture script on PEFT's side).
     let unmerged = adapted.forward(&e.idx, &Ctx::eval()).unwrap();
@@ -166,14 +187,29 @@ fn our_initialisation_starts_as_the_base_model() {
         .unwrap();
     for (name, var) in trainable.iter() {
         let g = grads.get(var.as_tensor()).unwrap();
-        let n = g.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let n = g
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
         if name.ends_with("lora_A.weight") {
             assert_eq!(n, 0.0, "{name}: with B = 0 A's gradient is zero");
             // Kaiming-uniform with a = sqrt(5): uniform in +-1/sqrt(in).
             let t = var.as_tensor();
             let bound = 1.0 / (t.dim(1).unwrap() as f32).sqrt();
-            let m = t.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-            assert!(m <= bound && m > 0.9 * bound, "{name}: max |A| {m} vs bound {bound}");
+            let m = t
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(
+                m <= bound && m > 0.9 * bound,
+                "{name}: max |A| {m} vs bound {bound}"
+            );
         } else {
             assert!(n > 0.0, "{name}: B gets a gradient");
             let z = var.as_tensor().abs().unwrap().max_all().unwrap();
@@ -247,11 +283,17 @@ fn peft_files_with_problems_are_named() {
     let d = copy("dora");
     edit(&d, "\"use_dora\": false", "\"use_dora\": true");
     let e = load(&d);
-    assert!(e.contains("use_dora") && e.contains("dora/adapter_config.json"), "{e}");
+    assert!(
+        e.contains("use_dora") && e.contains("dora/adapter_config.json"),
+        "{e}"
+    );
     let d = copy("rank");
     edit(&d, "\"r\": 8", "\"r\": 4");
     let e = load(&d);
-    assert!(e.contains("rank r = 4") && e.contains("adapter_model.safetensors"), "{e}");
+    assert!(
+        e.contains("rank r = 4") && e.contains("adapter_model.safetensors"),
+        "{e}"
+    );
     let d = copy("bin");
     std::fs::rename(
         d.join("adapter_model.safetensors"),
@@ -355,14 +397,18 @@ fn our_adapter_and_merged_export_match_the_peft_verified_golden() {
         got.sort();
         assert_eq!(names, got, "{file}");
         for (n, t) in &want {
-            let d = max_abs(&ours[n].to_dtype(DType::F32).unwrap(), &t.to_dtype(DType::F32).unwrap());
+            let d = max_abs(
+                &ours[n].to_dtype(DType::F32).unwrap(),
+                &t.to_dtype(DType::F32).unwrap(),
+            );
             assert!(d <= 1e-6, "{file} {n}: {d} from the verified golden");
         }
     }
     let cfg = |d: &Path| {
-        let v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(d.join("adapter/adapter_config.json")).unwrap())
-                .unwrap();
+        let v: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(d.join("adapter/adapter_config.json")).unwrap(),
+        )
+        .unwrap();
         v
     };
     assert_eq!(cfg(&dir), cfg(&golden));

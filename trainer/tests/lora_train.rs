@@ -50,9 +50,15 @@ fn only_adapters_train_and_resume_is_bit_exact() {
     let t = Trainer::new(cfg.clone()).unwrap();
     // all-linear on 2 layers: 7 projections, A and B each; the optimiser holds only those.
     assert_eq!(t.params.len(), 28);
-    assert!(t.params.iter().all(|(n, _)| n.starts_with("base_model.model.")));
+    assert!(t
+        .params
+        .iter()
+        .all(|(n, _)| n.starts_with("base_model.model.")));
     let (steps, end) = finish(t);
-    assert!(steps.last().unwrap().loss < steps[0].loss, "the adapters learn");
+    assert!(
+        steps.last().unwrap().loss < steps[0].loss,
+        "the adapters learn"
+    );
     let ckpt = tmp.path().join("run/checkpoints/step-0000006");
     let mut files: Vec<String> = std::fs::read_dir(&ckpt)
         .unwrap()

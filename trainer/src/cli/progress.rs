@@ -27,6 +27,28 @@ pub(super) fn print_banner(trainer: &Trainer) {
         cfg.block_size,
         cfg.out_dir.display(),
     );
+    if let trainer::lora::Tuning::Lora { config, base } = trainer.tuning() {
+        let total = trainer.model.config().num_params() as f64;
+        eprintln!(
+            "LoRA: r {}, alpha {}, scaling {:.4}{}, dropout {}, targets {}{} over the frozen {} \
+             ({} base weights) | trainable {:.2}M ({:.2}% of {:.2}M)",
+            config.r,
+            config.lora_alpha,
+            config.scaling(),
+            if config.use_rslora { " (rsLoRA)" } else { "" },
+            config.lora_dropout,
+            config.target_modules,
+            match config.modules_to_save.is_empty() {
+                true => String::new(),
+                false => format!(", saving {}", config.modules_to_save.join(",")),
+            },
+            base.model,
+            cfg.base_dtype.unwrap_or(cfg.dtype),
+            trainer.params.num_elements() as f64 / 1e6,
+            100.0 * trainer.params.num_elements() as f64 / total,
+            total / 1e6,
+        );
+    }
     if let Some(plan) = trainer.remat_plan() {
         eprintln!("activation checkpointing ({}):\n{plan}", cfg.remat);
     }

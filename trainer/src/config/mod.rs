@@ -12,10 +12,10 @@ use std::path::{Path, PathBuf};
 use candle_remat::Policy;
 use serde::{Deserialize, Serialize};
 
+pub use candle_peft::TargetModules;
 pub use types::{
     Arch, DeviceList, DeviceSpec, LossScale, ModuleList, Parallelism, Precision, ScheduleKind,
 };
-pub use candle_peft::TargetModules;
 
 use crate::data::{DataKind, DataSource, DataSpec};
 use crate::model::gpt2::GptConfig;

@@ -36,12 +36,12 @@ use serde_json::Value;
 pub use weights::{ShardIndex, TensorHeader, WeightFiles, INDEX_FILE};
 
 use crate::checkpoint::{self, Source, TrainerState, CONFIG_FILE, STATE_FILE};
-use candle_peft::format::ADAPTER_CONFIG_FILE;
 use crate::config::TrainConfig;
 use crate::data::DataSource;
 use crate::model::{Model, ModelConfig, Params};
 use crate::pretrained::{TokenizerFile, TOKENIZER_FILE};
 use crate::{hub, Error, Result};
+use candle_peft::format::ADAPTER_CONFIG_FILE;
 
 /// `transformers`' generation settings file (`eos_token_id` may be a list there).
 pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";

@@ -8,9 +8,9 @@ use candle_core::Device;
 use super::memory;
 use crate::config::TrainConfig;
 use crate::data::DataSource;
+use crate::lora::{self, Tuning};
 use crate::model::{self, Model, Params};
 use crate::pretrained::{self, SpecialTokens};
-use crate::lora::{self, Tuning};
 use crate::{load, Error, Result};
 
 /// Fresh weights, or the pretrained ones named by `init_from` (see

@@ -33,9 +33,9 @@ pub use run::{Event, Observer, Summary};
 pub use step::build_amp;
 
 use crate::checkpoint::{self, TrainerState};
-use crate::lora::Tuning;
 use crate::config::{Precision, TrainConfig};
 use crate::data::{DataSource, Split};
+use crate::lora::Tuning;
 use crate::metrics::EvalStats;
 use crate::model::{Model, Params};
 use crate::optim::AdamW;
