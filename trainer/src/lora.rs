@@ -86,7 +86,7 @@ pub enum Tuning {
     /// LoRA adapters over a frozen base.
     Lora {
         /// The adapters' config.
-        config: LoraConfig,
+        config: Box<LoraConfig>,
         /// The base they adapt.
         base: BaseIdentity,
     },
@@ -182,7 +182,7 @@ pub fn adapt(
     let mismatch = |message: String| Error::Config(format!("{what}: {message}"));
     let trainable = RefCell::new(BTreeMap::<String, Var>::new());
     let offered = RefCell::new(Vec::<String>::new());
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x10_4A_0000);
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x104A_0000);
     let rng = RefCell::new(&mut rng);
     let device = base
         .iter()

@@ -233,8 +233,7 @@ fn adapters_that_do_not_fit_are_refused_by_name() {
     let (config, params) = base();
     let adapt = |lora: &LoraConfig, from: Option<&Adapter>| {
         trainer::lora::adapt(config.as_ref(), &params, lora, from, DType::F32, 0)
-            .err()
-            .expect("must fail")
+            .expect_err("must fail")
             .to_string()
     };
     let none = LoraConfig::new(4, 8.0).with_targets("c_attn,query".parse().unwrap());

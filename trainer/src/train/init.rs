@@ -93,7 +93,14 @@ pub fn build_model(
         config.seed,
     )?;
     let base = lora::BaseIdentity::of(from, &source.dir, &source.weights.files())?;
-    Ok((model, params, Tuning::Lora { config: lora, base }))
+    Ok((
+        model,
+        params,
+        Tuning::Lora {
+            config: Box::new(lora),
+            base,
+        },
+    ))
 }
 
 /// A resumed run may change how long it trains and how it reports, not what it trains.

@@ -216,7 +216,7 @@ impl Trainer {
                             config.seed,
                         )?;
                         let tuning = Tuning::Lora {
-                            config: a.config.clone(),
+                            config: Box::new(a.config.clone()),
                             base: base.clone(),
                         };
                         (m, p, tuning)

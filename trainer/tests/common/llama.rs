@@ -34,7 +34,7 @@ pub fn expected(case: &str) -> Expected {
 
 /// The batch and results in the `expected.safetensors` at `path`.
 pub fn expected_at(path: &Path) -> Expected {
-    let mut t = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let mut t = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
     let ids = t.remove("input_ids").unwrap();
     let labels: Vec<Vec<i64>> = t.remove("labels").unwrap().to_vec2().unwrap();
     // transformers shifts the labels: position t predicts labels[t + 1]; the last predicts
