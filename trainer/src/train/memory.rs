@@ -9,7 +9,8 @@ use crate::model::ModelConfig;
 use crate::Result;
 
 /// Estimated peak bytes of one training step: f32 weights, gradients and both AdamW moments
-/// (plus a compute-dtype copy of the weights in mixed precision), the activations of one
+/// (plus a compute-dtype copy of the weights in mixed precision; a LoRA run's frozen base
+/// only its f32 weights), the activations of one
 /// micro-batch as the remat planner models them (`plan`'s predicted peak, or every block's
 /// activations without checkpointing; with pipeline stages, the microbatches a stage holds at
 /// once, or nothing when stages recompute), and the f32 logits with their gradient.
@@ -57,7 +58,13 @@ pub fn estimate_step_bytes(
     let logits = tokens
         .saturating_mul(model.vocab_size() as u64)
         .saturating_mul(4 * 2);
-    (n_params * 4 * 4 + cast_copy)
+    // A LoRA run's base is frozen: read in f32 (then cast), with no gradient and no AdamW
+    // state (the adapters' are small).
+    let weights = match config.lora_r > 0 {
+        true => n_params * 4,
+        false => n_params * 4 * 4 + cast_copy,
+    };
+    weights
         .saturating_add(activations)
         .saturating_add(logits)
 }
