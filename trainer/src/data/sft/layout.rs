@@ -57,40 +57,80 @@ pub(crate) fn padded(examples: &[&Example], block_size: usize, pad: u32) -> Layo
     l
 }
 
-/// Assigns examples (by their input lengths `lens`) to `rows` bins of `block_size` slots by
-/// best-fit decreasing: longest first (ties in draw order), each into the row with the least
-/// room that still holds it. Examples that fit nowhere are left out. Returns each row's
-/// examples (indices into `lens`) in placement order.
-pub(crate) fn best_fit_decreasing(lens: &[usize], rows: usize, block_size: usize) -> Vec<Vec<usize>> {
-    let mut order: Vec<usize> = (0..lens.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(lens[i])); // stable: ties keep draw order
-    let mut free = vec![block_size; rows];
-    let mut out = vec![Vec::new(); rows];
-    for i in order {
-        let best = (0..rows)
-            .filter(|&r| free[r] >= lens[i])
-            .min_by_key(|&r| (free[r], r));
-        if let Some(r) = best {
-            free[r] -= lens[i];
-            out[r].push(i);
-        }
-    }
-    out
+/// Rows being filled: each row's free slots and the examples placed in it.
+pub(crate) struct Packer {
+    free: Vec<usize>,
+    rows: Vec<Vec<usize>>,
 }
 
-/// Packs `examples` into `batch_size` rows of `block_size` inputs by best-fit decreasing
-/// ([`best_fit_decreasing`]): positions restart at 0 for every example, each example of a row
-/// gets its own document id (0, 1, ...), and the padding at a row's end gets the next id, its
-/// own positions from 0, and weight 0.
+impl Packer {
+    /// `rows` empty rows of `block_size` slots.
+    pub(crate) fn new(rows: usize, block_size: usize) -> Self {
+        Packer {
+            free: vec![block_size; rows],
+            rows: vec![Vec::new(); rows],
+        }
+    }
+
+    /// Places example `i` of `len` inputs into the row with the least room that still holds
+    /// it (the first such row on ties); `false` if no row has room.
+    pub(crate) fn place(&mut self, i: usize, len: usize) -> bool {
+        let best = (0..self.free.len())
+            .filter(|&r| self.free[r] >= len)
+            .min_by_key(|&r| (self.free[r], r));
+        if let Some(r) = best {
+            self.free[r] -= len;
+            self.rows[r].push(i);
+        }
+        best.is_some()
+    }
+
+    /// Places examples `0..lens.len()` best-fit decreasing: longest first (ties in index
+    /// order); those that fit nowhere are left out.
+    pub(crate) fn place_decreasing(&mut self, lens: &[usize]) {
+        let mut order: Vec<usize> = (0..lens.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(lens[i])); // stable: ties keep index order
+        for i in order {
+            self.place(i, lens[i]);
+        }
+    }
+
+    /// Whether every slot is taken.
+    pub(crate) fn is_full(&self) -> bool {
+        self.free.iter().all(|&f| f == 0)
+    }
+
+    /// Each row's examples, in placement order.
+    pub(crate) fn into_rows(self) -> Vec<Vec<usize>> {
+        self.rows
+    }
+}
+
+/// Assigns examples (by their input lengths `lens`) to `rows` rows of `block_size` slots by
+/// best-fit decreasing; see [`Packer::place_decreasing`].
+#[cfg(test)]
+pub(crate) fn best_fit_decreasing(
+    lens: &[usize],
+    rows: usize,
+    block_size: usize,
+) -> Vec<Vec<usize>> {
+    let mut p = Packer::new(rows, block_size);
+    p.place_decreasing(lens);
+    p.into_rows()
+}
+
+/// Lays out `rows` (indices into `examples`, as a [`Packer`] placed them) as rows of
+/// `block_size` inputs: positions restart at 0 for every example, each example of a row gets
+/// its own document id (0, 1, ...), and the padding at a row's end gets the next id, its own
+/// positions from 0, and weight 0.
 pub(crate) fn packed(
     examples: &[&Example],
-    batch_size: usize,
+    rows: Vec<Vec<usize>>,
     block_size: usize,
     pad: u32,
 ) -> Layout {
     let lens: Vec<usize> = examples.iter().map(|e| input_len(e, block_size)).collect();
-    let rows = best_fit_decreasing(&lens, batch_size, block_size);
-    let cap = batch_size * block_size;
+    let cap = rows.len() * block_size;
     let mut l = Layout {
         x: Vec::with_capacity(cap),
         y: Vec::with_capacity(cap),

@@ -75,7 +75,10 @@ impl SftEncoder {
     pub fn open(tokenizer_json: &Path) -> Result<Self> {
         let file = TokenizerFile::open(tokenizer_json)?;
         let tokenizer = tokenizers::Tokenizer::from_file(tokenizer_json).map_err(|e| {
-            Error::Tokenizer(format!("{}: not a valid tokenizer.json: {e}", tokenizer_json.display()))
+            Error::Tokenizer(format!(
+                "{}: not a valid tokenizer.json: {e}",
+                tokenizer_json.display()
+            ))
         })?;
         let dir = tokenizer_json.parent().unwrap_or(Path::new("."));
         let config_path = dir.join(TOKENIZER_CONFIG_FILE);
@@ -318,9 +321,7 @@ impl SftSource {
         if n < 2 {
             return Err(Error::data(
                 path,
-                format!(
-                    "{n} usable example(s); a train and a validation split need at least 2"
-                ),
+                format!("{n} usable example(s); a train and a validation split need at least 2"),
             ));
         }
         let n_val = ((n as f64) * decimal_f64(spec.val_fraction)).round() as usize;
@@ -459,8 +460,10 @@ impl DataSource for SftSource {
         let mut draw = || &self.examples[pool[rng.random_range(0..pool.len())]];
         let pad = self.encoder.pad_id();
         let l = if self.packing {
-            // Draw until the examples would fill every row, then place them best-fit
-            // decreasing (those that fit nowhere are left out).
+            // Draw until the examples would fill every row and place them best-fit
+            // decreasing (those that fit nowhere are left out); then fill the gaps best-fit
+            // with further draws, until the rows are full or `batch_size` draws in a row fit
+            // nowhere (those are left out).
             let capacity = batch_size * block_size;
             let mut drawn = Vec::new();
             let mut total = 0;
@@ -469,7 +472,23 @@ impl DataSource for SftSource {
                 total += layout::input_len(ex, block_size);
                 drawn.push(ex);
             }
-            layout::packed(&drawn, batch_size, block_size, pad)
+            let lens: Vec<usize> = drawn
+                .iter()
+                .map(|e| layout::input_len(e, block_size))
+                .collect();
+            let mut packer = layout::Packer::new(batch_size, block_size);
+            packer.place_decreasing(&lens);
+            let mut misses = 0;
+            while !packer.is_full() && misses < batch_size {
+                let ex = draw();
+                if packer.place(drawn.len(), layout::input_len(ex, block_size)) {
+                    drawn.push(ex);
+                    misses = 0;
+                } else {
+                    misses += 1;
+                }
+            }
+            layout::packed(&drawn, packer.into_rows(), block_size, pad)
         } else {
             let drawn: Vec<&Example> = (0..batch_size).map(|_| draw()).collect();
             layout::padded(&drawn, block_size, pad)
@@ -496,7 +515,10 @@ impl DataSource for SftSource {
         if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
             return Err(Error::data(
                 &self.path,
-                format!("token id {bad} is outside the vocabulary of {}", self.vocab_size),
+                format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    self.vocab_size
+                ),
             ));
         }
         self.encoder

@@ -308,10 +308,14 @@ mod tests {
             }
             r => panic!("{r:?}"),
         }
-        assert!(matches!(&recs[1].record, Record::PromptCompletion { prompt, completion }
-            if prompt == "a" && completion == "b"));
-        assert!(matches!(&recs[2].record, Record::ChatPromptCompletion { prompt, completion }
-            if prompt.len() == 1 && completion[0].role() == Role::Assistant));
+        assert!(
+            matches!(&recs[1].record, Record::PromptCompletion { prompt, completion }
+            if prompt == "a" && completion == "b")
+        );
+        assert!(
+            matches!(&recs[2].record, Record::ChatPromptCompletion { prompt, completion }
+            if prompt.len() == 1 && completion[0].role() == Role::Assistant)
+        );
         assert!(matches!(&recs[3].record, Record::Text(t) if t == "plain"));
     }
 
@@ -320,7 +324,10 @@ mod tests {
         let e = err("{\"text\": \"ok\"}\n{not json\n");
         assert!(e.contains("data.jsonl:2") && e.contains("not JSON"), "{e}");
         let e = err("\n{\"txt\": \"x\"}\n");
-        assert!(e.contains("data.jsonl:2") && e.contains("no known field"), "{e}");
+        assert!(
+            e.contains("data.jsonl:2") && e.contains("no known field"),
+            "{e}"
+        );
         let e = err(r#"{"messages": [{"role": "user"}]}"#);
         assert!(e.contains("data.jsonl:1") && e.contains("content"), "{e}");
         let e = err(r#"{"messages": [{"content": "x"}]}"#);

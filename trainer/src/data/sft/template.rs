@@ -454,7 +454,10 @@ fn strftime(format: &str, secs: i64) -> std::result::Result<String, minijinja::E
             other => {
                 return Err(minijinja::Error::new(
                     ErrorKind::InvalidOperation,
-                    format!("strftime_now: unsupported directive %{}", other.unwrap_or(' ')),
+                    format!(
+                        "strftime_now: unsupported directive %{}",
+                        other.unwrap_or(' ')
+                    ),
                 ))
             }
         }
