@@ -74,12 +74,8 @@ impl SftEncoder {
     /// records; conversations then fail with an error saying so.
     pub fn open(tokenizer_json: &Path) -> Result<Self> {
         let file = TokenizerFile::open(tokenizer_json)?;
-        let tokenizer = tokenizers::Tokenizer::from_file(tokenizer_json).map_err(|e| {
-            Error::Tokenizer(format!(
-                "{}: not a valid tokenizer.json: {e}",
-                tokenizer_json.display()
-            ))
-        })?;
+        let eos_id = file.special_tokens().eos;
+        let tokenizer = file.into_inner();
         let dir = tokenizer_json.parent().unwrap_or(Path::new("."));
         let config_path = dir.join(TOKENIZER_CONFIG_FILE);
         let config: serde_json::Value = match std::fs::read_to_string(&config_path) {
@@ -94,7 +90,6 @@ impl SftEncoder {
         } else {
             None
         };
-        let eos_id = file.special_tokens().eos;
         let eos = eos_id.and_then(|id| tokenizer.id_to_token(id));
         let pad = config
             .get("pad_token")
@@ -207,7 +202,7 @@ impl SftEncoder {
     }
 
     /// Token ids and byte offsets of `text`.
-    fn tokenize(&self, text: &str, special: bool) -> Result<(Vec<u32>, Vec<(usize, usize)>)> {
+    fn tokenize(&self, text: &str, special: bool) -> Result<(Vec<u32>, Vec<Offsets>)> {
         let enc = self
             .tokenizer
             .encode(text, special)
@@ -215,6 +210,9 @@ impl SftEncoder {
         Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
     }
 }
+
+/// A token's byte range in the text it was encoded from.
+type Offsets = (usize, usize);
 
 /// `tokens` with the tokens after their common prefix with `prompt` counted.
 fn completion_example(prompt: &[u32], tokens: Vec<u32>) -> Example {

@@ -280,7 +280,7 @@ mod tests {
     }
 
     fn err(text: &str) -> String {
-        parse(text).err().expect("must fail").to_string()
+        parse(text).expect_err("must fail").to_string()
     }
 
     #[test]

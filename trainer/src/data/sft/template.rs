@@ -227,6 +227,9 @@ impl ChatTemplate {
                 "add_generation_prompt".into(),
                 Value::from(add_generation_prompt),
             ),
+            // transformers passes these as None when not given.
+            ("tools".into(), Value::from(())),
+            ("documents".into(), Value::from(())),
         ];
         for (k, v) in &self.special {
             ctx.push((k.clone(), Value::from(v.as_str())));

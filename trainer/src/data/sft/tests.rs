@@ -181,7 +181,7 @@ fn conversations_without_a_template_are_refused() {
 fn counted_from_spans_follows_the_tokens_that_overlap() {
     let offsets = [(0, 2), (2, 5), (5, 5), (5, 9), (9, 12)];
     assert_eq!(
-        counted_from_spans(&offsets, &[3..9]),
+        counted_from_spans(&offsets, &[3..9, 12..12]),
         [false, true, true, true, false]
     );
     assert_eq!(counted_from_spans(&offsets, &[]), [false; 5]);
