@@ -1,4 +1,5 @@
 use super::*;
+use crate::data::sft::jinja::strftime;
 use crate::data::sft::records::parse_messages;
 
 /// Qwen2.5 / SmolLM2 style (ChatML).
