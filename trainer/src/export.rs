@@ -19,7 +19,6 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
 use crate::checkpoint::{CONFIG_FILE, MODEL_FILE};
-use crate::data::DataKind;
 use crate::load::{Checks, ModelDir, INDEX_FILE};
 use crate::pretrained::TOKENIZER_FILE;
 use crate::{io, Error, Result};
@@ -568,7 +567,7 @@ fn files_to_copy(origins: &[ModelDir]) -> Vec<(String, PathBuf)> {
         }
     }
     if let Some(run) = origins[0].run_config() {
-        if let (DataKind::Tokenizer, Some(tok)) = (run.data, &run.tokenizer_path) {
+        if let (true, Some(tok)) = (run.data.uses_tokenizer(), &run.tokenizer_path) {
             if tok.is_file() {
                 files.insert(TOKENIZER_FILE.to_string(), tok.clone());
             } else {

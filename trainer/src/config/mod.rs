@@ -84,12 +84,20 @@ train_config! {
     seed: u64 = 1337,
     /// Device: `cpu`, `cuda`, `cuda:N` or `metal` (GPU ones need the matching cargo feature).
     device: DeviceSpec = DeviceSpec::Cpu,
-    /// Data source: `addition` (embedded, no file), `char`, `byte` or `tokenizer`.
+    /// Data source: `addition` (embedded, no file), `char`, `byte`, `tokenizer` or `sft`
+    /// (supervised fine-tuning records, JSONL).
     data: DataKind = DataKind::Addition,
-    /// Text corpus for `char`, `byte` and `tokenizer` data.
+    /// Text corpus for `char`, `byte` and `tokenizer` data; the JSONL records for `sft`.
     data_path: Option<PathBuf> = None,
-    /// A Hugging Face `tokenizer.json` for `tokenizer` data.
+    /// A Hugging Face `tokenizer.json` for `tokenizer` and `sft` data (default: the
+    /// init_from model's); `sft` reads the chat template and special tokens beside it
+    /// (chat_template.jinja, tokenizer_config.json).
     tokenizer_path: Option<PathBuf> = None,
+    /// `sft`: pack several examples into each row (positions restart, attention stays within
+    /// an example) instead of one right-padded example a row.
+    packing: bool = true,
+    /// `sft`: only assistant turns / completions count in the loss (false: every token).
+    completion_only: bool = true,
     /// Fraction of the corpus held out for validation (the end of the file).
     val_fraction: f32 = 0.1,
     /// Where tokenised corpora are cached (default: `$XDG_CACHE_HOME/candle-train`, else
@@ -257,11 +265,11 @@ impl TrainConfig {
         }
     }
 
-    /// Tokenizer data without a `tokenizer_path` takes the `tokenizer.json` of the
+    /// Tokenizer and SFT data without a `tokenizer_path` take the `tokenizer.json` of the
     /// `init_from` model, when it has one (recorded in the config, so the run's data stays
     /// the same on resume).
     pub fn tokenizer_from_init(&mut self) -> Result<()> {
-        if self.data != DataKind::Tokenizer || self.tokenizer_path.is_some() {
+        if !self.data.uses_tokenizer() || self.tokenizer_path.is_some() {
             return Ok(());
         }
         if let Some(spec) = &self.init_from {
@@ -283,6 +291,8 @@ impl TrainConfig {
             cache_dir: self.cache_dir.clone(),
             digits: self.digits,
             seed: self.seed,
+            packing: self.packing,
+            completion_only: self.completion_only,
         }
     }
 
@@ -389,12 +399,12 @@ impl TrainConfig {
         if self.data != DataKind::Addition && self.data_path.is_none() {
             return bad(format!("data `{}` needs --data-path", self.data));
         }
-        if self.data == DataKind::Tokenizer && self.tokenizer_path.is_none() {
-            return bad(
-                "data `tokenizer` needs --tokenizer-path (or --init-from a model with a \
-                 tokenizer.json)"
-                    .into(),
-            );
+        if self.data.uses_tokenizer() && self.tokenizer_path.is_none() {
+            return bad(format!(
+                "data `{}` needs --tokenizer-path (or --init-from a model with a \
+                 tokenizer.json)",
+                self.data
+            ));
         }
         let floats = [
             ("lr", self.lr),

@@ -11,6 +11,9 @@
 //!   characters of the file, as in nanoGPT's `shakespeare_char`).
 //! - [`DataKind::Byte`]: any file, one token per byte (vocabulary 256).
 //! - [`DataKind::Tokenizer`]: a UTF-8 text file encoded with a Hugging Face `tokenizer.json`.
+//! - [`DataKind::Sft`]: supervised fine-tuning records (chat conversations, prompt/completion
+//!   pairs, text) from a JSONL file, rendered with the tokenizer's chat template, with a loss
+//!   mask over the assistant's tokens (see [`sft`]).
 //!
 //! Text sources split the token stream into the first `1 - val_fraction` (train) and the last
 //! `val_fraction` (validation) and sample random windows of `block_size + 1` tokens. Char and
@@ -32,6 +35,7 @@
 mod addition;
 mod cache;
 mod open;
+pub mod sft;
 mod text;
 
 use std::path::PathBuf;
@@ -46,6 +50,7 @@ use crate::model::{Rows, IGNORE};
 pub use addition::Addition;
 pub use cache::default_cache_dir;
 pub use open::{check_fingerprint, open_for_run};
+pub use sft::SftSource;
 pub use text::TextSource;
 
 /// Which part of the data a batch is drawn from.
@@ -221,7 +226,7 @@ pub trait Task: Send + Sync {
 }
 
 /// Kind of data source; serialised in lowercase (`"addition"`, `"char"`, `"byte"`,
-/// `"tokenizer"`).
+/// `"tokenizer"`, `"sft"`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DataKind {
@@ -234,13 +239,24 @@ pub enum DataKind {
     Byte,
     /// A Hugging Face `tokenizer.json` applied to a UTF-8 text file.
     Tokenizer,
+    /// Supervised fine-tuning records (JSONL) with a Hugging Face tokenizer and its chat
+    /// template.
+    Sft,
 }
 
-named_enum!(DataKind, "data must be addition, char, byte or tokenizer", {
+impl DataKind {
+    /// Whether this kind reads a Hugging Face `tokenizer.json` (`tokenizer` and `sft`).
+    pub fn uses_tokenizer(self) -> bool {
+        matches!(self, DataKind::Tokenizer | DataKind::Sft)
+    }
+}
+
+named_enum!(DataKind, "data must be addition, char, byte, tokenizer or sft", {
     Addition => "addition",
     Char => "char",
     Byte => "byte",
     Tokenizer => "tokenizer",
+    Sft => "sft",
 });
 
 /// Configuration of the data source (the `[data]` section of a run config).
@@ -256,7 +272,9 @@ pub struct DataSpec {
     /// must be unset for `addition`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path: Option<PathBuf>,
-    /// A Hugging Face `tokenizer.json`; required for `tokenizer`, unused otherwise.
+    /// A Hugging Face `tokenizer.json`; required for `tokenizer` and `sft` (whose chat
+    /// template and special tokens are read from `chat_template.jinja` /
+    /// `tokenizer_config.json` beside it), unused otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<PathBuf>,
     /// Fraction held out for validation, strictly between 0 and 1: the last part of a text
@@ -267,8 +285,15 @@ pub struct DataSpec {
     pub cache_dir: Option<PathBuf>,
     /// `addition`: number of digits of each operand (1 to 9).
     pub digits: usize,
-    /// `addition`: seed of the train/held-out split and of the evaluation problems.
+    /// `addition`: seed of the train/held-out split and of the evaluation problems; `sft`:
+    /// seed of the train/validation split of the examples.
     pub seed: u64,
+    /// `sft`: pack several examples into each row (positions restart and attention stays
+    /// within each example) instead of one right-padded example a row.
+    pub packing: bool,
+    /// `sft`: only the assistant turns / completions count in the loss; `false` trains on
+    /// every token.
+    pub completion_only: bool,
 }
 
 impl Default for DataSpec {
@@ -281,6 +306,8 @@ impl Default for DataSpec {
             cache_dir: None,
             digits: Addition::DEFAULT_DIGITS,
             seed: 1337,
+            packing: true,
+            completion_only: true,
         }
     }
 }
@@ -316,18 +343,24 @@ impl DataSpec {
                     )));
                 }
             }
-            DataKind::Char | DataKind::Byte | DataKind::Tokenizer => {
+            DataKind::Char | DataKind::Byte | DataKind::Tokenizer | DataKind::Sft => {
                 if self.path.is_none() {
+                    let what = if self.kind == DataKind::Sft {
+                        "a JSONL file"
+                    } else {
+                        "a text file"
+                    };
                     return Err(Error::Config(format!(
-                        "data = {} needs --data-path (data_path, a text file)",
+                        "data = {} needs --data-path (data_path, {what})",
                         self.kind
                     )));
                 }
-                if self.kind == DataKind::Tokenizer && self.tokenizer.is_none() {
-                    return Err(Error::Config(
-                        "data = tokenizer needs --tokenizer-path (tokenizer_path, a tokenizer.json file)"
-                            .into(),
-                    ));
+                if self.kind.uses_tokenizer() && self.tokenizer.is_none() {
+                    return Err(Error::Config(format!(
+                        "data = {} needs --tokenizer-path (tokenizer_path, a tokenizer.json \
+                         file; by default the --init-from model's)",
+                        self.kind
+                    )));
                 }
             }
         }
@@ -352,6 +385,7 @@ pub fn open(spec: &DataSpec) -> Result<Box<dyn DataSource>> {
         DataKind::Char | DataKind::Byte | DataKind::Tokenizer => {
             Ok(Box::new(TextSource::open(spec)?))
         }
+        DataKind::Sft => Ok(Box::new(SftSource::open(spec)?)),
     }
 }
 
@@ -421,6 +455,7 @@ mod tests {
             DataKind::Char,
             DataKind::Byte,
             DataKind::Tokenizer,
+            DataKind::Sft,
         ] {
             let json = serde_json::to_string(&kind).unwrap();
             assert_eq!(json, format!("\"{kind}\""));

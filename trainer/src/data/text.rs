@@ -234,10 +234,11 @@ impl TextSource {
                     note,
                 )
             }
-            DataKind::Addition => {
-                return Err(Error::Config(
-                    "the addition task is not a text file source".into(),
-                ))
+            DataKind::Addition | DataKind::Sft => {
+                return Err(Error::Config(format!(
+                    "data = {} is not a text file source",
+                    spec.kind
+                )))
             }
         };
 

@@ -120,11 +120,12 @@ impl EvalRequest {
         if let Some(d) = &self.device {
             cfg.device = *d;
         }
-        if cfg.data == DataKind::Tokenizer && cfg.tokenizer_path.is_none() {
+        if cfg.data.uses_tokenizer() && cfg.tokenizer_path.is_none() {
             let own = model.dir.join(TOKENIZER_FILE);
             if !own.is_file() {
                 return Err(Error::Config(format!(
-                    "`tokenizer` data needs --tokenizer-path: there is no {}",
+                    "`{}` data needs --tokenizer-path: there is no {}",
+                    cfg.data,
                     own.display()
                 )));
             }

@@ -26,7 +26,7 @@ use crate::Result;
 /// character, byte and addition vocabularies.
 pub fn data_special_tokens(config: &TrainConfig, fallback: SpecialTokens) -> Result<SpecialTokens> {
     match (&config.tokenizer_path, config.data) {
-        (Some(path), crate::data::DataKind::Tokenizer) => {
+        (Some(path), kind) if kind.uses_tokenizer() => {
             let own = TokenizerFile::open(path)?.special_tokens();
             Ok(SpecialTokens {
                 bos: own.bos.or(fallback.bos),

@@ -35,6 +35,11 @@ impl TokenizerFile {
         })
     }
 
+    /// The loaded `tokenizers` tokenizer.
+    pub fn into_inner(self) -> tokenizers::Tokenizer {
+        self.tokenizer
+    }
+
     /// The file this tokenizer was read from.
     pub fn path(&self) -> &Path {
         &self.path

@@ -119,6 +119,8 @@ pub fn check_resume_compatible(saved: &TrainConfig, new: &TrainConfig, dir: &Pat
         data,
         data_path,
         tokenizer_path,
+        packing,
+        completion_only,
         digits,
         val_fraction,
         seed,
