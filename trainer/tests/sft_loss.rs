@@ -257,7 +257,8 @@ fn masked_targets_count_for_nothing_and_counted_ones_do() {
         let (sum, _, grads) = loss_sum(&t, &batch);
         let mask: Vec<Vec<f32>> = batch.mask.as_ref().unwrap().to_vec2().unwrap();
         let y = vec2(&batch.y);
-        let (masked, counted): (Vec<(usize, usize)>, Vec<(usize, usize)>) = (0..2)
+        type Cells = Vec<(usize, usize)>;
+        let (masked, counted): (Cells, Cells) = (0..2)
             .flat_map(|r| (0..160).map(move |c| (r, c)))
             .partition(|&(r, c)| mask[r][c] == 0.0);
         assert!(!masked.is_empty() && !counted.is_empty());
