@@ -131,7 +131,7 @@ impl EvalRequest {
             }
             cfg.tokenizer_path = Some(own);
         }
-        if cfg.data != DataKind::Addition && cfg.data_path.is_none() {
+        if cfg.data.uses_path() && cfg.data_path.is_none() {
             return Err(Error::Config(format!(
                 "`{}` data needs --data-path FILE",
                 cfg.data
