@@ -189,7 +189,10 @@ fn generate(kind: ChatTaskKind, n: usize, seed: u64) -> Vec<(Family, Vec<Message
         let (q, a) = family.chat(&s);
         out.push((
             family,
-            vec![Message::new(Role::User, &q), Message::new(Role::Assistant, &a)],
+            vec![
+                Message::new(Role::User, &q),
+                Message::new(Role::Assistant, &a),
+            ],
         ));
     }
     out
@@ -275,7 +278,12 @@ impl ChatTask {
                  template is not the chat tasks' ChatML one",
             ));
         }
-        if unk.is_some() && sft.all_examples().iter().any(|e| e.tokens.contains(&unk.unwrap())) {
+        if unk.is_some()
+            && sft
+                .all_examples()
+                .iter()
+                .any(|e| e.tokens.contains(&unk.unwrap()))
+        {
             return Err(Error::data(
                 &name,
                 format!(
@@ -301,7 +309,10 @@ impl ChatTask {
             ) else {
                 continue;
             };
-            problems.push((ex.tokens[..first].to_vec(), ex.tokens[first..=last].to_vec()));
+            problems.push((
+                ex.tokens[..first].to_vec(),
+                ex.tokens[first..=last].to_vec(),
+            ));
         }
         let shapes: HashSet<(usize, usize)> =
             problems.iter().map(|(p, a)| (p.len(), a.len())).collect();
@@ -485,7 +496,10 @@ mod tests {
             .map(|w| w.as_bytes()[0])
             .collect();
         let n = letters.len();
-        let (q, ans) = (&letters[n - 2 * LETTERS..n - LETTERS], &letters[n - LETTERS..]);
+        let (q, ans) = (
+            &letters[n - 2 * LETTERS..n - LETTERS],
+            &letters[n - LETTERS..],
+        );
         assert!(q.iter().zip(ans).all(|(&x, &y)| next(x) == y), "{text}");
         // Held-out prompts never appear among the training examples.
         let train: HashSet<Vec<u32>> = task

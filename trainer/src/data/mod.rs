@@ -257,7 +257,10 @@ impl DataKind {
     /// Whether this kind reads a Hugging Face `tokenizer.json` (`tokenizer`, `sft` and
     /// `chat-task`).
     pub fn uses_tokenizer(self) -> bool {
-        matches!(self, DataKind::Tokenizer | DataKind::Sft | DataKind::ChatTask)
+        matches!(
+            self,
+            DataKind::Tokenizer | DataKind::Sft | DataKind::ChatTask
+        )
     }
 
     /// Whether this kind reads a file named by `data_path` (not `addition` or `chat-task`,

@@ -64,9 +64,7 @@ pub fn estimate_step_bytes(
         true => n_params * 4,
         false => n_params * 4 * 4 + cast_copy,
     };
-    weights
-        .saturating_add(activations)
-        .saturating_add(logits)
+    weights.saturating_add(activations).saturating_add(logits)
 }
 
 /// Refuses a run whose step cannot fit in the memory available to this process (RAM, or the
