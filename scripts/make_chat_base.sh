@@ -13,7 +13,8 @@
 # 3. `trainer export` writes config.json, model.safetensors (bf16, ~1.7 MB), tokenizer.json
 #    and tokenizer_config.json into the output directory.
 #
-# About 4 minutes on 2 CPU cores. The data and initialisation are fixed by the seed; the
+# About 3 minutes on 2 CPU cores. The data and initialisation are fixed by the seed (a rerun on
+# the machine that made the committed base reproduced it byte for byte); the
 # weights can still differ in the last bits across machines (float sums in another order).
 #
 # Usage: scripts/make_chat_base.sh [OUT_DIR]   (default: data/chat-base)
