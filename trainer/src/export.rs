@@ -554,7 +554,8 @@ fn stored_dtype(origins: &[ModelDir]) -> Result<(WeightDtype, String)> {
 }
 
 /// The files to copy: each of [`COPIED_FILES`] from the first of the origins that has it, and
-/// a run's own tokenizer (`tokenizer` data) as `tokenizer.json`.
+/// a run's own tokenizer (`tokenizer`, `sft`, `chat-task` data) as `tokenizer.json`, with the
+/// other files of [`COPIED_FILES`] beside it that the origins lack.
 fn files_to_copy(origins: &[ModelDir]) -> Vec<(String, PathBuf)> {
     let mut files: BTreeMap<String, PathBuf> = BTreeMap::new();
     for name in COPIED_FILES {
@@ -570,6 +571,16 @@ fn files_to_copy(origins: &[ModelDir]) -> Vec<(String, PathBuf)> {
         if let (true, Some(tok)) = (run.data.uses_tokenizer(), &run.tokenizer_path) {
             if tok.is_file() {
                 files.insert(TOKENIZER_FILE.to_string(), tok.clone());
+                // The tokenizer's settings and chat template beside it, unless the origins
+                // have their own (a fresh run's export is then a usable chat model).
+                if let Some(dir) = tok.parent() {
+                    for name in &COPIED_FILES[1..] {
+                        let p = dir.join(name);
+                        if p.is_file() {
+                            files.entry(name.to_string()).or_insert(p);
+                        }
+                    }
+                }
             } else {
                 tracing::warn!(
                     "the run of {} trained on the tokenizer {}, which cannot be found now: \

@@ -72,6 +72,16 @@ enum Command {
     Export(export::ExportArgs),
     /// Redraw a run's loss curve (loss.svg) from its metrics.jsonl.
     Plot(PlotArgs),
+    /// Write the word-level tokenizer and ChatML chat template of the generated chat tasks
+    /// (`--data chat-task`) into DIR: tokenizer.json and tokenizer_config.json, as in
+    /// data/chat-base (scripts/make_chat_base.sh pretrains that base with them).
+    ChatTokenizer(ChatTokenizerArgs),
+}
+
+#[derive(Args, Debug)]
+struct ChatTokenizerArgs {
+    /// The directory to write into (created if needed).
+    dir: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -178,7 +188,14 @@ pub fn run(cli: Cli) -> Result<Outcome> {
         Command::Inspect(a) => done(inspect(a)),
         Command::Export(a) => done(export::export(a)),
         Command::Plot(a) => done(plot(a)),
+        Command::ChatTokenizer(a) => done(chat_tokenizer(a)),
     }
+}
+
+fn chat_tokenizer(args: ChatTokenizerArgs) -> Result<()> {
+    trainer::data::chat_task::write_tokenizer(&args.dir)?;
+    println!("{}", args.dir.display());
+    Ok(())
 }
 
 fn plot(args: PlotArgs) -> Result<()> {

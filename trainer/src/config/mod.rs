@@ -17,7 +17,7 @@ pub use types::{
     Arch, DeviceList, DeviceSpec, LossScale, ModuleList, Parallelism, Precision, ScheduleKind,
 };
 
-use crate::data::{DataKind, DataSource, DataSpec};
+use crate::data::{ChatTaskKind, DataKind, DataSource, DataSpec};
 use crate::model::gpt2::GptConfig;
 use crate::model::llama::{Family, LlamaConfig};
 use crate::model::{Kernels, ModelConfig};
@@ -84,8 +84,8 @@ train_config! {
     seed: u64 = 1337,
     /// Device: `cpu`, `cuda`, `cuda:N` or `metal` (GPU ones need the matching cargo feature).
     device: DeviceSpec = DeviceSpec::Cpu,
-    /// Data source: `addition` (embedded, no file), `char`, `byte`, `tokenizer` or `sft`
-    /// (supervised fine-tuning records, JSONL).
+    /// Data source: `addition` (embedded, no file), `char`, `byte`, `tokenizer`, `sft`
+    /// (supervised fine-tuning records, JSONL) or `chat-task` (generated chats, no file).
     data: DataKind = DataKind::Addition,
     /// Text corpus for `char`, `byte` and `tokenizer` data; the JSONL records for `sft`.
     data_path: Option<PathBuf> = None,
@@ -98,6 +98,12 @@ train_config! {
     packing: bool = true,
     /// `sft`: only assistant turns / completions count in the loss (false: every token).
     completion_only: bool = true,
+    /// `chat-task`: the generated task, `after-each` (the letter after each letter of a
+    /// string) or `basics` (copying strings, the letter after / before one letter: what
+    /// data/chat-base was pretrained on).
+    chat_task: ChatTaskKind = ChatTaskKind::AfterEach,
+    /// `chat-task`: number of generated conversations (both splits).
+    chat_examples: usize = crate::data::chat_task::DEFAULT_EXAMPLES,
     /// Fraction of the corpus held out for validation (the end of the file).
     val_fraction: f32 = 0.1,
     /// Where tokenised corpora are cached (default: `$XDG_CACHE_HOME/candle-train`, else
@@ -293,6 +299,8 @@ impl TrainConfig {
             seed: self.seed,
             packing: self.packing,
             completion_only: self.completion_only,
+            chat_task: self.chat_task,
+            chat_examples: self.chat_examples,
         }
     }
 
@@ -396,7 +404,7 @@ impl TrainConfig {
                     .into(),
             );
         }
-        if self.data != DataKind::Addition && self.data_path.is_none() {
+        if self.data.uses_path() && self.data_path.is_none() {
             return bad(format!("data `{}` needs --data-path", self.data));
         }
         if self.data.uses_tokenizer() && self.tokenizer_path.is_none() {

@@ -14,6 +14,9 @@
 //! - [`DataKind::Sft`]: supervised fine-tuning records (chat conversations, prompt/completion
 //!   pairs, text) from a JSONL file, rendered with the tokenizer's chat template, with a loss
 //!   mask over the assistant's tokens (see [`sft`]).
+//! - [`DataKind::ChatTask`]: generated chat conversations (letter-string tasks, no file)
+//!   trained as `sft` data with the model's chat template, with an exact-match [`Task`] on
+//!   held-out questions (see [`chat_task`]).
 //!
 //! Text sources split the token stream into the first `1 - val_fraction` (train) and the last
 //! `val_fraction` (validation) and sample random windows of `block_size + 1` tokens. Char and
@@ -34,6 +37,7 @@
 
 mod addition;
 mod cache;
+pub mod chat_task;
 mod open;
 pub mod sft;
 mod text;
@@ -49,6 +53,7 @@ use crate::model::{Rows, IGNORE};
 
 pub use addition::Addition;
 pub use cache::default_cache_dir;
+pub use chat_task::{ChatTask, ChatTaskKind};
 pub use open::{check_fingerprint, open_for_run};
 pub use sft::SftSource;
 pub use text::TextSource;
@@ -226,7 +231,7 @@ pub trait Task: Send + Sync {
 }
 
 /// Kind of data source; serialised in lowercase (`"addition"`, `"char"`, `"byte"`,
-/// `"tokenizer"`, `"sft"`).
+/// `"tokenizer"`, `"sft"`, `"chat-task"`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DataKind {
@@ -242,21 +247,36 @@ pub enum DataKind {
     /// Supervised fine-tuning records (JSONL) with a Hugging Face tokenizer and its chat
     /// template.
     Sft,
+    /// A generated chat task ([`ChatTaskKind`]) with a Hugging Face tokenizer and its chat
+    /// template, trained as `sft` data (no file).
+    #[serde(rename = "chat-task")]
+    ChatTask,
 }
 
 impl DataKind {
-    /// Whether this kind reads a Hugging Face `tokenizer.json` (`tokenizer` and `sft`).
+    /// Whether this kind reads a Hugging Face `tokenizer.json` (`tokenizer`, `sft` and
+    /// `chat-task`).
     pub fn uses_tokenizer(self) -> bool {
-        matches!(self, DataKind::Tokenizer | DataKind::Sft)
+        matches!(
+            self,
+            DataKind::Tokenizer | DataKind::Sft | DataKind::ChatTask
+        )
+    }
+
+    /// Whether this kind reads a file named by `data_path` (not `addition` or `chat-task`,
+    /// which generate their data).
+    pub fn uses_path(self) -> bool {
+        !matches!(self, DataKind::Addition | DataKind::ChatTask)
     }
 }
 
-named_enum!(DataKind, "data must be addition, char, byte, tokenizer or sft", {
+named_enum!(DataKind, "data must be addition, char, byte, tokenizer, sft or chat-task", {
     Addition => "addition",
     Char => "char",
     Byte => "byte",
     Tokenizer => "tokenizer",
     Sft => "sft",
+    ChatTask => "chat-task",
 });
 
 /// Configuration of the data source (the `[data]` section of a run config).
@@ -294,6 +314,10 @@ pub struct DataSpec {
     /// `sft`: only the assistant turns / completions count in the loss; `false` trains on
     /// every token.
     pub completion_only: bool,
+    /// `chat-task`: which generated task.
+    pub chat_task: ChatTaskKind,
+    /// `chat-task`: number of generated conversations (both splits).
+    pub chat_examples: usize,
 }
 
 impl Default for DataSpec {
@@ -308,6 +332,8 @@ impl Default for DataSpec {
             seed: 1337,
             packing: true,
             completion_only: true,
+            chat_task: ChatTaskKind::default(),
+            chat_examples: chat_task::DEFAULT_EXAMPLES,
         }
     }
 }
@@ -341,6 +367,22 @@ impl DataSpec {
                         self.digits,
                         Addition::MAX_DIGITS
                     )));
+                }
+            }
+            DataKind::ChatTask => {
+                if let Some(p) = &self.path {
+                    return Err(Error::Config(format!(
+                        "data_path = {} is set but data = chat-task (which generates its data)",
+                        p.display()
+                    )));
+                }
+                if self.tokenizer.is_none() {
+                    return Err(Error::Config(
+                        "data = chat-task needs --tokenizer-path (tokenizer_path, a \
+                         tokenizer.json with a chat template beside it; by default the \
+                         --init-from model's)"
+                            .into(),
+                    ));
                 }
             }
             DataKind::Char | DataKind::Byte | DataKind::Tokenizer | DataKind::Sft => {
@@ -386,6 +428,7 @@ pub fn open(spec: &DataSpec) -> Result<Box<dyn DataSource>> {
             Ok(Box::new(TextSource::open(spec)?))
         }
         DataKind::Sft => Ok(Box::new(SftSource::open(spec)?)),
+        DataKind::ChatTask => Ok(Box::new(ChatTask::open(spec)?)),
     }
 }
 
@@ -456,6 +499,7 @@ mod tests {
             DataKind::Byte,
             DataKind::Tokenizer,
             DataKind::Sft,
+            DataKind::ChatTask,
         ] {
             let json = serde_json::to_string(&kind).unwrap();
             assert_eq!(json, format!("\"{kind}\""));

@@ -35,7 +35,8 @@ const HEADING: &str =
 /// `tokenizer.json` unless `--data` / `--tokenizer-path` say otherwise.
 #[derive(Clone, Debug, Default, clap::Args)]
 pub struct EvalRequest {
-    /// Data kind: tokenizer, char, byte or addition [default: the run's, else tokenizer].
+    /// Data kind: tokenizer, char, byte, addition, sft or chat-task [default: the run's, else
+    /// tokenizer].
     #[arg(long, value_name = "KIND", help_heading = HEADING)]
     pub data: Option<DataKind>,
     /// Text file to measure the loss on: its first 1 - val_fraction is the train split, the
@@ -131,7 +132,7 @@ impl EvalRequest {
             }
             cfg.tokenizer_path = Some(own);
         }
-        if cfg.data != DataKind::Addition && cfg.data_path.is_none() {
+        if cfg.data.uses_path() && cfg.data_path.is_none() {
             return Err(Error::Config(format!(
                 "`{}` data needs --data-path FILE",
                 cfg.data

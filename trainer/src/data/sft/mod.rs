@@ -124,6 +124,11 @@ impl SftEncoder {
         }
     }
 
+    /// The tokenizer file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// The chat template, if the tokenizer's directory has one.
     pub fn template(&self) -> Option<&ChatTemplate> {
         self.template.as_ref()
@@ -398,7 +403,28 @@ impl SftSource {
         self.indices(split).iter().map(|&i| &self.examples[i])
     }
 
-    fn indices(&self, split: Split) -> &[usize] {
+    /// Every example, in record order (skipped records left out).
+    pub fn all_examples(&self) -> &[Example] {
+        &self.examples
+    }
+
+    /// Number of examples (both splits).
+    pub fn len(&self) -> usize {
+        self.examples.len()
+    }
+
+    /// Whether there are no examples (never, for an opened source).
+    pub fn is_empty(&self) -> bool {
+        self.examples.is_empty()
+    }
+
+    /// Example `i` of [`SftSource::all_examples`].
+    pub fn example(&self, i: usize) -> &Example {
+        &self.examples[i]
+    }
+
+    /// Indices into [`SftSource::all_examples`] of the examples of `split`, ascending.
+    pub fn indices(&self, split: Split) -> &[usize] {
         match split {
             Split::Train => &self.train,
             Split::Val => &self.val,
