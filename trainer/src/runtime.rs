@@ -36,8 +36,12 @@ pub fn init() {
     }
 }
 
-/// The memory this process may still allocate (available RAM, or the cgroup's free memory in
-/// a container, whichever is smaller), or `None` when it cannot be told.
+/// The memory this process may still allocate (available RAM, or the cgroup's limit minus its
+/// anonymous memory in a container, whichever is smaller), or `None` when it cannot be told.
+///
+/// Not the cgroup's limit minus its usage (sysinfo's `free_memory`): that usage counts the page
+/// cache, which the kernel reclaims on demand, so a machine whose cache had filled its RAM
+/// (after copying a build directory, say) refused runs that fit many times over.
 pub fn available_memory() -> Option<u64> {
     use sysinfo::{MemoryRefreshKind, RefreshKind, System};
     let sys = System::new_with_specifics(
@@ -45,7 +49,7 @@ pub fn available_memory() -> Option<u64> {
     );
     let mut available = sys.available_memory();
     if let Some(cg) = sys.cgroup_limits() {
-        available = available.min(cg.free_memory);
+        available = available.min(cg.total_memory.saturating_sub(cg.rss));
     }
     (available > 0).then_some(available)
 }
