@@ -36,6 +36,7 @@ mod addition;
 mod cache;
 mod open;
 pub mod sft;
+pub mod shards;
 mod text;
 
 use std::path::PathBuf;
