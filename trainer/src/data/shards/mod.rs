@@ -3,7 +3,14 @@
 //!
 //! - [`format`]: one shard file (header, tokens, document starts, loss mask), reading,
 //!   writing and verifying it, and the [`Manifest`].
+//! - [`prepare`]: text, JSONL or SFT records → shards, streaming, parallel, deterministic and
+//!   resumable.
 
 pub mod format;
+mod input;
+pub mod prepare;
 
 pub use format::{Manifest, ShardEntry, ShardHeader};
+pub use prepare::{
+    prepare, InputFormat, PrepareOptions, PrepareProgress, PrepareSummary, VocabSpec,
+};
