@@ -232,12 +232,16 @@ fn killing_the_cli_and_rerunning_it_gives_the_same_shards() {
         .arg("--out-dir")
         .arg(out)
         .arg(&data)
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped());
         c
     };
     let out = tmp.path().join("killed");
-    let mut child = run(&out).spawn().unwrap();
+    let mut child = run(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
     let t0 = Instant::now();
     while !out.join("progress.json").exists() && t0.elapsed() < Duration::from_secs(60) {
         if child.try_wait().unwrap().is_some() {
@@ -248,8 +252,13 @@ fn killing_the_cli_and_rerunning_it_gives_the_same_shards() {
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
     let killed_mid_way = !out.join(format::MANIFEST_FILE).exists();
+    let resumable = out.join("progress.json").exists();
     let o = run(&out).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    if killed_mid_way && resumable {
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(stdout.contains("finished shards kept"), "{stdout}");
+    }
     let clean = tmp.path().join("clean");
     let o = run(&clean).output().unwrap();
     assert!(o.status.success());
@@ -371,7 +380,7 @@ fn sft_shards_carry_the_encoders_masks() {
         r#"{"prompt": [{"role": "user", "content": "good"}], "completion": [{"role": "assistant", "content": "night"}]}"#,
         r#"{"text": "sweet prince"}"#,
     ];
-    let text = lines.join("\n").repeat(1) + "\n";
+    let text = (lines.join("\n") + "\n").repeat(5);
     let data = tmp.path().join("sft.jsonl");
     std::fs::write(&data, &text).unwrap();
     let out = tmp.path().join("out");

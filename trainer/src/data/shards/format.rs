@@ -319,7 +319,7 @@ impl ShardWriter {
             for i in 0..tokens.len() {
                 let bit = counted.is_none_or(|c| c.get(i).copied().unwrap_or(true));
                 let t = self.n_tokens + i as u64;
-                if t % 8 == 0 {
+                if t.is_multiple_of(8) {
                     self.mask.push(0);
                 }
                 if bit {
