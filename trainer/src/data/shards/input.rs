@@ -7,9 +7,11 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use super::prepare::InputFormat;
+use super::format::{byte_vocab_hash, char_vocab_hash, tokenizer_vocab_hash, TokenizerInfo};
+use super::prepare::{InputFormat, PrepareOptions, VocabSpec};
 use crate::data::sft::{parse_line, Record, SftEncoder};
 use crate::error::{Error, Result};
+use crate::pretrained::TokenizerFile;
 
 /// Files named by `inputs`, in order: a file as it is, a directory's regular files (recursive,
 /// hidden ones skipped, sorted by path), a glob's matches (sorted).
@@ -378,5 +380,103 @@ impl Encoder {
             }
         }
         Ok(out)
+    }
+}
+
+/// The encoder, vocabulary description and vocabulary size `opts` asks for.
+pub(crate) fn build_encoder(
+    opts: &PrepareOptions,
+    files: &[PathBuf],
+) -> Result<(Encoder, TokenizerInfo, u64)> {
+    match (&opts.vocab, opts.format) {
+        (VocabSpec::Tokenizer(path), InputFormat::Sft) => {
+            let enc = SftEncoder::open(path)?;
+            let hash = tokenizer_vocab_hash(enc.tokenizer());
+            let size = enc.tokenizer().get_vocab_size(true) as u64;
+            let info = tok_info("tokenizer", Some(path.clone()), hash, None);
+            Ok((Encoder::Sft(Box::new(enc)), info, size))
+        }
+        (_, InputFormat::Sft) => Err(Error::Config(
+            "--format sft needs a tokenizer.json (--tokenizer) with its chat template".into(),
+        )),
+        (VocabSpec::Tokenizer(path), _) => {
+            let file = TokenizerFile::open(path)?;
+            let default_eos = file.special_tokens().eos;
+            let tokenizer = file.into_inner();
+            let eos = match &opts.eos_token {
+                Some(t) => Some(tokenizer.token_to_id(t).ok_or_else(|| {
+                    Error::Tokenizer(format!("{}: no token {t:?} (--eos-token)", path.display()))
+                })?),
+                None => default_eos,
+            };
+            let Some(eos) = eos else {
+                return Err(Error::Tokenizer(format!(
+                    "{}: no EOS token (no eos_token in tokenizer_config.json, no <|endoftext|> \
+                     or </s>); name one with --eos-token",
+                    path.display()
+                )));
+            };
+            let hash = tokenizer_vocab_hash(&tokenizer);
+            let size = tokenizer.get_vocab_size(true) as u64;
+            let info = tok_info("tokenizer", Some(path.clone()), hash, None);
+            let enc = Encoder::Tokenizer {
+                tokenizer: Box::new(tokenizer),
+                eos: Some(eos),
+            };
+            Ok((enc, info, size))
+        }
+        (VocabSpec::Byte, _) => Ok((
+            Encoder::Byte,
+            tok_info("byte", None, byte_vocab_hash(), None),
+            256,
+        )),
+        (VocabSpec::Char, _) => {
+            let chars = scan_chars(opts, files)?;
+            let index = chars
+                .iter()
+                .enumerate()
+                .map(|(i, &c)| (c, i as u32))
+                .collect();
+            let info = tok_info(
+                "char",
+                None,
+                char_vocab_hash(&chars),
+                Some(chars.iter().collect()),
+            );
+            Ok((Encoder::Char(index), info, chars.len() as u64))
+        }
+    }
+}
+
+fn tok_info(kind: &str, path: Option<PathBuf>, hash: u64, chars: Option<String>) -> TokenizerInfo {
+    TokenizerInfo {
+        kind: kind.into(),
+        path,
+        hash: format!("{hash:016x}"),
+        chars,
+    }
+}
+
+/// The sorted unique characters of every document (one streaming pass).
+fn scan_chars(opts: &PrepareOptions, files: &[PathBuf]) -> Result<Vec<char>> {
+    let text = opts.format == InputFormat::Text;
+    let mut reader = UnitReader::new(files, text, opts.chunk_bytes, start());
+    let mut set = std::collections::BTreeSet::new();
+    while let Some(unit) = reader.next_unit()? {
+        for (_, t) in texts(&unit, &files[unit.at.file], opts.format, &opts.field)? {
+            set.extend(t.chars());
+        }
+    }
+    if set.is_empty() {
+        return Err(Error::data(&opts.out_dir, "the inputs hold no characters"));
+    }
+    Ok(set.into_iter().collect())
+}
+
+/// The position of the first byte of the first file.
+pub(crate) fn start() -> Position {
+    Position {
+        line: 1,
+        ..Position::default()
     }
 }
