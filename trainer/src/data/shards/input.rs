@@ -95,9 +95,14 @@ pub(crate) struct Unit {
     pub eof: bool,
 }
 
-/// Reads the input files as units of about `chunk` bytes: cut after a newline at or beyond
-/// `chunk` bytes (for text, only a newline followed by a non-space byte, so that no
-/// pre-tokenizer token spans a cut).
+/// A text unit is cut at any newline when none followed by a non-space byte comes within
+/// this many chunks.
+const MAX_UNIT_CHUNKS: usize = 8;
+
+/// Reads the input files as units of about `chunk` bytes: cut after the first newline at or
+/// beyond `chunk` bytes (for text, the first newline followed by a non-space byte, so that no
+/// pre-tokenizer token spans a cut, unless none comes within [`MAX_UNIT_CHUNKS`] chunks: then
+/// any newline). A file without newlines is one unit. The cuts depend on the bytes alone.
 pub(crate) struct UnitReader<'a> {
     files: &'a [PathBuf],
     text: bool,
@@ -140,6 +145,37 @@ impl<'a> UnitReader<'a> {
         Ok(())
     }
 
+    /// The end (one past a newline) of the first cut at or after `from` and before `end`,
+    /// reading more as needed; `None` if there is none before `end` or the end of the file.
+    /// `strict`: only a newline followed by a non-space byte.
+    fn find(&mut self, mut from: usize, end: Option<usize>, strict: bool) -> Result<Option<usize>> {
+        loop {
+            let stop = end.map_or(self.buf.len(), |e| e.min(self.buf.len()));
+            // A strict cut needs the byte after the newline.
+            let last = if strict && !self.eof {
+                stop.saturating_sub(1)
+            } else {
+                stop
+            };
+            for i in from..last {
+                let next_ok = !strict
+                    || self
+                        .buf
+                        .get(i + 1)
+                        .is_some_and(|n| !n.is_ascii_whitespace());
+                if self.buf[i] == b'\n' && next_ok {
+                    return Ok(Some(i + 1));
+                }
+            }
+            if self.eof || end.is_some_and(|e| last >= e) {
+                return Ok(None);
+            }
+            from = from.max(last);
+            let want = (self.buf.len() * 2).max(from + 2);
+            self.fill(want)?;
+        }
+    }
+
     /// The next unit, `None` after the last file. Empty files give no unit.
     pub fn next_unit(&mut self) -> Result<Option<Unit>> {
         loop {
@@ -163,29 +199,16 @@ impl<'a> UnitReader<'a> {
                 self.at.line = 1;
                 continue;
             }
-            let mut from = self.chunk - 1;
-            let cut = loop {
-                let found = self.buf.get(from..).and_then(|rest| {
-                    rest.iter().enumerate().position(|(j, &b)| {
-                        let i = from + j;
-                        b == b'\n'
-                            && (!self.text
-                                || self
-                                    .buf
-                                    .get(i + 1)
-                                    .is_some_and(|n| !n.is_ascii_whitespace()))
-                    })
-                });
-                match found {
-                    Some(j) => break from + j + 1,
-                    None if self.eof => break self.buf.len(),
-                    None => {
-                        from = self.buf.len().saturating_sub(1).max(from);
-                        let want = self.buf.len() * 2;
-                        self.fill(want)?;
-                    }
+            let from = self.chunk - 1;
+            let found = if self.text {
+                match self.find(from, Some(MAX_UNIT_CHUNKS * self.chunk), true)? {
+                    Some(c) => Some(c),
+                    None => self.find(from, None, false)?,
                 }
+            } else {
+                self.find(from, None, false)?
             };
+            let cut = found.unwrap_or(self.buf.len());
             let bytes: Vec<u8> = self.buf.drain(..cut).collect();
             self.fill(1)?;
             let eof = self.buf.is_empty() && self.eof;
@@ -480,3 +503,7 @@ pub(crate) fn start() -> Position {
         ..Position::default()
     }
 }
+
+#[cfg(test)]
+#[path = "input_tests.rs"]
+mod tests;
