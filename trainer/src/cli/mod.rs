@@ -2,6 +2,7 @@
 
 mod export;
 mod models;
+mod prepare;
 mod progress;
 
 use std::path::PathBuf;
@@ -72,6 +73,10 @@ enum Command {
     Export(export::ExportArgs),
     /// Redraw a run's loss curve (loss.svg) from its metrics.jsonl.
     Plot(PlotArgs),
+    /// Tokenise text, JSONL or SFT records into token shards (train-*.tok, val-*.tok,
+    /// manifest.json): streaming, parallel, deterministic (whatever --threads) and resumable
+    /// (rerun the same command after an interruption; finished shards are kept).
+    Prepare(prepare::PrepareArgs),
     /// Write the word-level tokenizer and ChatML chat template of the generated chat tasks
     /// (`--data chat-task`) into DIR: tokenizer.json and tokenizer_config.json, as in
     /// data/chat-base (scripts/make_chat_base.sh pretrains that base with them).
@@ -189,6 +194,7 @@ pub fn run(cli: Cli) -> Result<Outcome> {
         Command::Export(a) => done(export::export(a)),
         Command::Plot(a) => done(plot(a)),
         Command::ChatTokenizer(a) => done(chat_tokenizer(a)),
+        Command::Prepare(a) => done(prepare::prepare(a)),
     }
 }
 

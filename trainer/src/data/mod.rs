@@ -40,6 +40,7 @@ mod cache;
 pub mod chat_task;
 mod open;
 pub mod sft;
+pub mod shards;
 mod text;
 
 use std::path::PathBuf;
