@@ -7,6 +7,17 @@ use candle_fused::RngKey;
 use rand::Rng;
 
 use crate::error::{PeftError, Result};
+
+/// `candle_fused::lora::lora_linear`'s signature (the fused op or its composite).
+type LoraOp = fn(
+    &Tensor,
+    &Tensor,
+    Option<&Tensor>,
+    &Tensor,
+    &Tensor,
+    f64,
+    Option<(f32, RngKey)>,
+) -> candle_core::Result<Tensor>;
 use crate::LoraConfig;
 
 /// A LoRA adapter: `A [r, in]`, `B [out, r]`, the scaling `s` and the dropout on its input.
@@ -121,12 +132,7 @@ impl Lora {
         bias: Option<&Tensor>,
         key: Option<RngKey>,
     ) -> candle_core::Result<Tensor> {
-        let dtype = x.dtype();
-        let (a, b) = (self.a.to_dtype(dtype)?, self.b.to_dtype(dtype)?);
-        let dropout = key
-            .filter(|_| self.dropout > 0.0)
-            .map(|k| (self.dropout, k));
-        candle_fused::lora::lora_linear(x, w, bias, &a, &b, self.scale, dropout)
+        self.run(candle_fused::lora::lora_linear, x, w, bias, key)
     }
 
     /// The same computation from plain differentiable Candle ops (the reference).
@@ -137,12 +143,24 @@ impl Lora {
         bias: Option<&Tensor>,
         key: Option<RngKey>,
     ) -> candle_core::Result<Tensor> {
+        self.run(candle_fused::lora::lora_linear_composite, x, w, bias, key)
+    }
+
+    /// `op` over `x` with `A` and `B` cast to `x`'s dtype, dropout when keyed.
+    fn run(
+        &self,
+        op: LoraOp,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        key: Option<RngKey>,
+    ) -> candle_core::Result<Tensor> {
         let dtype = x.dtype();
         let (a, b) = (self.a.to_dtype(dtype)?, self.b.to_dtype(dtype)?);
         let dropout = key
             .filter(|_| self.dropout > 0.0)
             .map(|k| (self.dropout, k));
-        candle_fused::lora::lora_linear_composite(x, w, bias, &a, &b, self.scale, dropout)
+        op(x, w, bias, &a, &b, self.scale, dropout)
     }
 
     /// `s · B A`, `[out, in]`: what merging adds to the base weight, computed in f32 (f64

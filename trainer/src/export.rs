@@ -258,10 +258,8 @@ pub fn export(source: &ModelDir, out: &Path, options: &ExportOptions) -> Result<
         None => stored_dtype(&origins)?,
     };
     let copies = files_to_copy(&origins);
-    let (tmp, name) = temporary_beside(out)?;
-    let written = (|| -> Result<Exported> {
-        let (weight_files, total_size) =
-            write_weights(&tmp, &loaded.params, dtype, options.max_shard_size)?;
+    let (weight_files, total_size) = write_dir(out, &copies, |tmp| {
+        let written = write_weights(tmp, &loaded.params, dtype, options.max_shard_size)?;
         let mut config = loaded.config.to_hf_json();
         if let Value::Object(m) = &mut config {
             m.insert("torch_dtype".into(), json!(dtype.torch_name()));
@@ -272,21 +270,36 @@ pub fn export(source: &ModelDir, out: &Path, options: &ExportOptions) -> Result<
         let text = serde_json::to_string_pretty(&config)
             .map_err(|e| Error::checkpoint(tmp.join(CONFIG_FILE), e.to_string()))?;
         io::write_atomic(&tmp.join(CONFIG_FILE), format!("{text}\n").as_bytes())?;
-        for (file, from) in &copies {
+        Ok(written)
+    })?;
+    Ok(Exported {
+        dir: out.to_path_buf(),
+        dtype,
+        dtype_from,
+        weight_files,
+        total_size,
+        copied: copies,
+    })
+}
+
+/// Writes a directory at `out`: `write` fills a fresh temporary directory beside it, the
+/// files `copies` are copied in, and it is renamed into place; on failure nothing is left.
+fn write_dir<T>(
+    out: &Path,
+    copies: &[(String, PathBuf)],
+    write: impl FnOnce(&Path) -> Result<T>,
+) -> Result<T> {
+    let (tmp, name) = temporary_beside(out)?;
+    let written = (|| -> Result<T> {
+        let t = write(&tmp)?;
+        for (file, from) in copies {
             let bytes = fs::read(from).map_err(|e| Error::io(from, e))?;
             io::write_atomic(&tmp.join(file), &bytes)?;
         }
         io::sync_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
-        Ok(Exported {
-            dir: out.to_path_buf(),
-            dtype,
-            dtype_from,
-            weight_files,
-            total_size,
-            copied: copies.clone(),
-        })
+        Ok(t)
     })()
-    .and_then(|e| place(&tmp, out, &name).map(|()| e));
+    .and_then(|t| place(&tmp, out, &name).map(|()| t));
     if written.is_err() {
         let _ = fs::remove_dir_all(&tmp);
     }
@@ -336,29 +349,18 @@ fn export_adapter(source: &ModelDir, out: &Path, options: &ExportOptions) -> Res
         .map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
         .sum();
     let copies = files_to_copy(&origins(source));
-    let (tmp, name) = temporary_beside(out)?;
-    let written = (|| -> Result<Exported> {
-        candle_peft::format::save(&tmp, &adapter.config, &tensors)
-            .map_err(|e| Error::checkpoint(&tmp, e.to_string()))?;
-        for (file, from) in &copies {
-            let bytes = fs::read(from).map_err(|e| Error::io(from, e))?;
-            io::write_atomic(&tmp.join(file), &bytes)?;
-        }
-        io::sync_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
-        Ok(Exported {
-            dir: out.to_path_buf(),
-            dtype,
-            dtype_from,
-            weight_files: vec![candle_peft::format::ADAPTER_WEIGHTS_FILE.to_string()],
-            total_size,
-            copied: copies.clone(),
-        })
-    })()
-    .and_then(|e| place(&tmp, out, &name).map(|()| e));
-    if written.is_err() {
-        let _ = fs::remove_dir_all(&tmp);
-    }
-    written
+    write_dir(out, &copies, |tmp| {
+        candle_peft::format::save(tmp, &adapter.config, &tensors)
+            .map_err(|e| Error::checkpoint(tmp, e.to_string()))
+    })?;
+    Ok(Exported {
+        dir: out.to_path_buf(),
+        dtype,
+        dtype_from,
+        weight_files: vec![candle_peft::format::ADAPTER_WEIGHTS_FILE.to_string()],
+        total_size,
+        copied: copies,
+    })
 }
 
 /// Refuses an output that is a file, holds files (unless `force`), or holds the source.
