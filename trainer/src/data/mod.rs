@@ -36,7 +36,9 @@ mod addition;
 mod cache;
 mod open;
 pub mod sft;
+pub mod shards;
 mod text;
+mod vocab;
 
 use std::path::PathBuf;
 
@@ -51,6 +53,7 @@ pub use addition::Addition;
 pub use cache::default_cache_dir;
 pub use open::{check_fingerprint, open_for_run};
 pub use sft::SftSource;
+pub use shards::{DataOrder, ShardOptions, ShardSource};
 pub use text::TextSource;
 
 /// Which part of the data a batch is drawn from.
@@ -226,7 +229,7 @@ pub trait Task: Send + Sync {
 }
 
 /// Kind of data source; serialised in lowercase (`"addition"`, `"char"`, `"byte"`,
-/// `"tokenizer"`, `"sft"`).
+/// `"tokenizer"`, `"sft"`, `"shards"`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DataKind {
@@ -242,6 +245,9 @@ pub enum DataKind {
     /// Supervised fine-tuning records (JSONL) with a Hugging Face tokenizer and its chat
     /// template.
     Sft,
+    /// A directory of token shards `trainer prepare` wrote, or nanoGPT's `train.bin` /
+    /// `val.bin`, memory-mapped (see [`ShardSource`]).
+    Shards,
 }
 
 impl DataKind {
@@ -251,12 +257,13 @@ impl DataKind {
     }
 }
 
-named_enum!(DataKind, "data must be addition, char, byte, tokenizer or sft", {
+named_enum!(DataKind, "data must be addition, char, byte, tokenizer, sft or shards", {
     Addition => "addition",
     Char => "char",
     Byte => "byte",
     Tokenizer => "tokenizer",
     Sft => "sft",
+    Shards => "shards",
 });
 
 /// Configuration of the data source (the `[data]` section of a run config).
@@ -294,6 +301,11 @@ pub struct DataSpec {
     /// `sft`: only the assistant turns / completions count in the loss; `false` trains on
     /// every token.
     pub completion_only: bool,
+    /// Text and shard sources: random windows, or one pass per epoch in a seeded order.
+    pub order: DataOrder,
+    /// `shards`: packed-document rows (positions restart and attention stays within each
+    /// document; needs shards with a document-start stream).
+    pub doc_mask: bool,
 }
 
 impl Default for DataSpec {
@@ -308,6 +320,8 @@ impl Default for DataSpec {
             seed: 1337,
             packing: true,
             completion_only: true,
+            order: DataOrder::Random,
+            doc_mask: false,
         }
     }
 }
@@ -343,12 +357,16 @@ impl DataSpec {
                     )));
                 }
             }
-            DataKind::Char | DataKind::Byte | DataKind::Tokenizer | DataKind::Sft => {
+            DataKind::Char
+            | DataKind::Byte
+            | DataKind::Tokenizer
+            | DataKind::Sft
+            | DataKind::Shards => {
                 if self.path.is_none() {
-                    let what = if self.kind == DataKind::Sft {
-                        "a JSONL file"
-                    } else {
-                        "a text file"
+                    let what = match self.kind {
+                        DataKind::Sft => "a JSONL file",
+                        DataKind::Shards => "a directory of shards",
+                        _ => "a text file",
                     };
                     return Err(Error::Config(format!(
                         "data = {} needs --data-path (data_path, {what})",
@@ -386,6 +404,15 @@ pub fn open(spec: &DataSpec) -> Result<Box<dyn DataSource>> {
             Ok(Box::new(TextSource::open(spec)?))
         }
         DataKind::Sft => Ok(Box::new(SftSource::open(spec)?)),
+        DataKind::Shards => {
+            let dir = spec.path.as_deref().unwrap_or(std::path::Path::new(""));
+            let options = ShardOptions {
+                order: spec.order,
+                doc_mask: spec.doc_mask,
+                tokenizer: spec.tokenizer.clone(),
+            };
+            Ok(Box::new(ShardSource::open(dir, options)?))
+        }
     }
 }
 

@@ -234,7 +234,7 @@ impl TextSource {
                     note,
                 )
             }
-            DataKind::Addition | DataKind::Sft => {
+            DataKind::Addition | DataKind::Sft | DataKind::Shards => {
                 return Err(Error::Config(format!(
                     "data = {} is not a text file source",
                     spec.kind

@@ -1,0 +1,17 @@
+//! Pre-tokenised token shards: a directory of `train-NNNNN.tok` / `val-NNNNN.tok` files and
+//! a `manifest.json`, made once by `trainer prepare` and memory-mapped by training.
+//!
+//! - [`format`]: one shard file (header, tokens, document starts, loss mask), reading,
+//!   writing and verifying it, and the [`Manifest`].
+//! - [`ShardSource`]: the [`DataSource`](crate::data::DataSource) over a prepared directory
+//!   (or nanoGPT's `train.bin` / `val.bin`), memory-mapped, in random or epoch order
+//!   ([`DataOrder`], see [`order`]).
+
+pub mod format;
+pub mod order;
+mod source;
+pub(crate) mod view;
+
+pub use format::{Manifest, ShardEntry, ShardHeader};
+pub use order::DataOrder;
+pub use source::{ShardOptions, ShardSource};
