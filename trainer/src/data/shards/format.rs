@@ -1,0 +1,726 @@
+//! One token shard file (`<split>-<NNNNN>.tok`) and the dataset manifest (`manifest.json`).
+//!
+//! # Shard layout (little-endian)
+//!
+//! | offset | size | field |
+//! |-------:|-----:|-------|
+//! | 0  | 8 | magic `b"CTTOKEN1"` |
+//! | 8  | 4 | format version ([`VERSION`], 1) |
+//! | 12 | 4 | token width in bytes: 2 (`u16`) or 4 (`u32`), see [`width_for_vocab`] |
+//! | 16 | 8 | `n_tokens` |
+//! | 24 | 8 | `n_docs`: documents *starting* in this shard (0 without a document stream) |
+//! | 32 | 4 | flags: bit 0 ([`FLAG_DOCS`]) document-start stream, bit 1 ([`FLAG_MASK`]) loss mask |
+//! | 36 | 4 | reserved, 0 |
+//! | 40 | 8 | checksum: [`checksum`] of every byte after the header |
+//! | 48 | 8 | vocabulary hash ([`tokenizer_vocab_hash`], [`char_vocab_hash`], [`byte_vocab_hash`]) |
+//! | 56 | 8 | reserved, 0 |
+//! | 64 | … | body |
+//!
+//! Body: the tokens (`n_tokens * width` bytes); then, with [`FLAG_DOCS`], `n_docs` `u64`
+//! token offsets (strictly ascending, each `< n_tokens`) where documents start; then, with
+//! [`FLAG_MASK`], `ceil(n_tokens / 8)` bytes of loss mask, LSB first: bit `t` (byte `t / 8`, bit
+//! `t % 8`) says whether token `t` counts *as a target*, i.e. whether predicting token `t` from
+//! the tokens before it counts in the loss. This is exactly
+//! [`Example::counted`](crate::data::sft::Example::counted) laid end to end; bit 0 of a shard
+//! concerns the prediction of its first token from the previous shard's last one (a reader that
+//! does not cross shards ignores it). Unused bits of the last byte are 0.
+//!
+//! Documents are separated by the tokenizer's EOS id, appended after each document (it belongs
+//! to the document it ends). A document may continue from one shard into the next; only the
+//! shard where it starts lists it.
+//!
+//! Because the header is 64 bytes and a memory map is page aligned, the token array of a
+//! mapped shard is aligned for its width.
+//!
+//! # Dataset directory
+//!
+//! `train-00000.tok`, `train-00001.tok`, …, `val-00000.tok`, … and [`MANIFEST_FILE`]
+//! (a [`Manifest`], written last and atomically: a directory without it is unfinished).
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::data::Split;
+use crate::error::{Error, Result};
+use crate::hash::{hash_bytes, Hasher64};
+
+/// The first 8 bytes of every shard.
+pub const MAGIC: &[u8; 8] = b"CTTOKEN1";
+/// The shard format version this code writes and reads.
+pub const VERSION: u32 = 1;
+/// Bytes of the header before the body.
+pub const HEADER_LEN: usize = 64;
+/// Header flag: the body holds the document-start stream.
+pub const FLAG_DOCS: u32 = 1;
+/// Header flag: the body holds the loss-mask stream.
+pub const FLAG_MASK: u32 = 2;
+/// The manifest's file name in a prepared directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// The manifest format this code writes and reads.
+pub const MANIFEST_FORMAT: u32 = 1;
+
+/// The token width (bytes per token) for a vocabulary of `vocab_size` ids: 2 when every id
+/// fits in a `u16` (`vocab_size <= 65536`), else 4.
+pub fn width_for_vocab(vocab_size: usize) -> u32 {
+    if vocab_size <= 1 << 16 {
+        2
+    } else {
+        4
+    }
+}
+
+/// The checksum stored in a shard header: [`Hasher64`] over `body` as one call.
+///
+/// Feeding the same bytes in pieces whose lengths are multiples of 8 (all but the last) gives
+/// the same value, which is how [`ShardWriter`] streams it.
+pub fn checksum(body: &[u8]) -> u64 {
+    hash_bytes(body)
+}
+
+/// Vocabulary hash of a Hugging Face tokenizer: the hash of its canonical JSON
+/// (`Tokenizer::to_string(false)`: model, vocab, merges, added tokens), independent of the
+/// file's formatting. The same value as a [`TextSource`](crate::data::TextSource)'s
+/// fingerprint vocabulary.
+pub fn tokenizer_vocab_hash(tokenizer: &tokenizers::Tokenizer) -> u64 {
+    hash_bytes(tokenizer.to_string(false).unwrap_or_default().as_bytes())
+}
+
+/// Vocabulary hash of a character vocabulary (`chars` sorted ascending, id = position), as a
+/// [`TextSource`](crate::data::TextSource) computes it.
+pub fn char_vocab_hash(chars: &[char]) -> u64 {
+    hash_bytes(chars.iter().collect::<String>().as_bytes())
+}
+
+/// Vocabulary hash of the byte vocabulary (256 ids), as a
+/// [`TextSource`](crate::data::TextSource) computes it.
+pub fn byte_vocab_hash() -> u64 {
+    hash_bytes(b"byte vocabulary")
+}
+
+/// The fixed-size header of a shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardHeader {
+    /// Bytes per token: 2 or 4.
+    pub width: u32,
+    /// Number of tokens.
+    pub n_tokens: u64,
+    /// Number of documents starting in this shard (0 without a document stream).
+    pub n_docs: u64,
+    /// [`FLAG_DOCS`] | [`FLAG_MASK`].
+    pub flags: u32,
+    /// [`checksum`] of the body.
+    pub checksum: u64,
+    /// Hash identifying the vocabulary the tokens belong to.
+    pub vocab: u64,
+}
+
+impl ShardHeader {
+    /// Whether the body holds the document-start stream.
+    pub fn has_docs(&self) -> bool {
+        self.flags & FLAG_DOCS != 0
+    }
+
+    /// Whether the body holds the loss-mask stream.
+    pub fn has_mask(&self) -> bool {
+        self.flags & FLAG_MASK != 0
+    }
+
+    /// Byte offset of the document-start stream (just after the tokens).
+    pub fn docs_offset(&self) -> u64 {
+        HEADER_LEN as u64 + self.n_tokens * u64::from(self.width)
+    }
+
+    /// Byte offset of the loss-mask stream (just after the document starts).
+    pub fn mask_offset(&self) -> u64 {
+        self.docs_offset() + if self.has_docs() { 8 * self.n_docs } else { 0 }
+    }
+
+    /// The length the whole file must have.
+    pub fn file_len(&self) -> u64 {
+        self.mask_offset()
+            + if self.has_mask() {
+                self.n_tokens.div_ceil(8)
+            } else {
+                0
+            }
+    }
+
+    /// The 64 header bytes.
+    pub fn to_bytes(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..8].copy_from_slice(MAGIC);
+        b[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        b[12..16].copy_from_slice(&self.width.to_le_bytes());
+        b[16..24].copy_from_slice(&self.n_tokens.to_le_bytes());
+        b[24..32].copy_from_slice(&self.n_docs.to_le_bytes());
+        b[32..36].copy_from_slice(&self.flags.to_le_bytes());
+        b[40..48].copy_from_slice(&self.checksum.to_le_bytes());
+        b[48..56].copy_from_slice(&self.vocab.to_le_bytes());
+        b
+    }
+
+    /// Parses and checks a header read from `path` (named in errors): magic, version, width,
+    /// flags, reserved fields, and that the document count fits the token count.
+    pub fn parse(bytes: &[u8], path: &Path) -> Result<ShardHeader> {
+        let bad = |msg: String| Error::data(path, msg);
+        if bytes.len() < HEADER_LEN {
+            return Err(bad(format!(
+                "not a token shard: {} bytes, shorter than the {HEADER_LEN}-byte header \
+                 (truncated?)",
+                bytes.len()
+            )));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
+        let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
+        if &bytes[0..8] != MAGIC {
+            return Err(bad(format!(
+                "not a token shard (magic {:?}, expected {:?})",
+                String::from_utf8_lossy(&bytes[0..8]),
+                String::from_utf8_lossy(MAGIC)
+            )));
+        }
+        let version = u32_at(8);
+        if version != VERSION {
+            return Err(bad(format!(
+                "shard format version {version}; this trainer reads version {VERSION}"
+            )));
+        }
+        let h = ShardHeader {
+            width: u32_at(12),
+            n_tokens: u64_at(16),
+            n_docs: u64_at(24),
+            flags: u32_at(32),
+            checksum: u64_at(40),
+            vocab: u64_at(48),
+        };
+        if h.width != 2 && h.width != 4 {
+            return Err(bad(format!("token width {} (expected 2 or 4)", h.width)));
+        }
+        if h.flags & !(FLAG_DOCS | FLAG_MASK) != 0 || u32_at(36) != 0 || u64_at(56) != 0 {
+            return Err(bad(
+                "unknown flags or non-zero reserved header fields".into()
+            ));
+        }
+        if (!h.has_docs() && h.n_docs != 0) || h.n_docs > h.n_tokens {
+            return Err(bad(format!(
+                "header lists {} documents for {} tokens",
+                h.n_docs, h.n_tokens
+            )));
+        }
+        Ok(h)
+    }
+}
+
+/// What a reader expects of a shard; `None` fields are not checked.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Expect {
+    /// The vocabulary hash (a shard of another tokenizer is refused).
+    pub vocab: Option<u64>,
+    /// The token width.
+    pub width: Option<u32>,
+}
+
+impl Expect {
+    /// Checks `header` of `path` against the expectations.
+    pub fn check(&self, header: &ShardHeader, path: &Path) -> Result<()> {
+        if let Some(v) = self.vocab {
+            if header.vocab != v {
+                return Err(Error::data(
+                    path,
+                    format!(
+                        "shard was tokenised with another vocabulary (hash {:016x}, expected \
+                         {v:016x}); prepare the data again with this tokenizer",
+                        header.vocab
+                    ),
+                ));
+            }
+        }
+        if let Some(w) = self.width {
+            if header.width != w {
+                return Err(Error::data(
+                    path,
+                    format!(
+                        "token width {} bytes, expected {w} (the manifest's)",
+                        header.width
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Builds one shard in memory: tokens (stored at the shard's width), document starts and mask
+/// bits, then [`ShardWriter::finish`] writes it atomically.
+#[derive(Clone, Debug)]
+pub struct ShardWriter {
+    width: u32,
+    vocab: u64,
+    flags: u32,
+    tokens: Vec<u8>,
+    n_tokens: u64,
+    docs: Vec<u64>,
+    mask: Vec<u8>,
+    max_token: u32,
+}
+
+impl ShardWriter {
+    /// An empty shard of `width` (2 or 4) bytes a token for the vocabulary `vocab`, with a
+    /// document-start stream if `docs` and a loss-mask stream if `mask`.
+    pub fn new(width: u32, vocab: u64, docs: bool, mask: bool) -> Self {
+        let flags = if docs { FLAG_DOCS } else { 0 } | if mask { FLAG_MASK } else { 0 };
+        ShardWriter {
+            width: if width == 2 { 2 } else { 4 },
+            vocab,
+            flags,
+            tokens: Vec::new(),
+            n_tokens: 0,
+            docs: Vec::new(),
+            mask: Vec::new(),
+            max_token: 0,
+        }
+    }
+
+    /// Tokens so far.
+    pub fn len(&self) -> u64 {
+        self.n_tokens
+    }
+
+    /// Whether no token was pushed.
+    pub fn is_empty(&self) -> bool {
+        self.n_tokens == 0
+    }
+
+    /// Marks the next pushed token as the start of a document (recorded only with a document
+    /// stream).
+    pub fn start_doc(&mut self) {
+        if self.flags & FLAG_DOCS != 0 && self.docs.last() != Some(&self.n_tokens) {
+            self.docs.push(self.n_tokens);
+        }
+    }
+
+    /// Appends `tokens`; `counted[i]` is the mask bit of `tokens[i]` (`None`: every token
+    /// counts). Ignored without a mask stream. `counted`, when given, must be as long as
+    /// `tokens` (missing flags count as `true`).
+    pub fn push(&mut self, tokens: &[u32], counted: Option<&[bool]>) {
+        for &t in tokens {
+            self.max_token = self.max_token.max(t);
+        }
+        if self.width == 2 {
+            self.tokens
+                .extend(tokens.iter().flat_map(|&t| (t as u16).to_le_bytes()));
+        } else {
+            self.tokens
+                .extend(tokens.iter().flat_map(|&t| t.to_le_bytes()));
+        }
+        if self.flags & FLAG_MASK != 0 {
+            for i in 0..tokens.len() {
+                let bit = counted.is_none_or(|c| c.get(i).copied().unwrap_or(true));
+                let t = self.n_tokens + i as u64;
+                if t % 8 == 0 {
+                    self.mask.push(0);
+                }
+                if bit {
+                    *self.mask.last_mut().expect("pushed above") |= 1 << (t % 8);
+                }
+            }
+        }
+        self.n_tokens += tokens.len() as u64;
+    }
+
+    /// The header and the body bytes (without writing anything). Fails, naming `path`, if a
+    /// token does not fit the width.
+    pub fn to_bytes(&self, path: &Path) -> Result<(ShardHeader, Vec<u8>)> {
+        if self.width == 2 && self.max_token > u32::from(u16::MAX) {
+            return Err(Error::data(
+                path,
+                format!(
+                    "token id {} does not fit a 2-byte shard (vocabulary over 65536 ids needs \
+                     width 4)",
+                    self.max_token
+                ),
+            ));
+        }
+        let mut body =
+            Vec::with_capacity(self.tokens.len() + 8 * self.docs.len() + self.mask.len());
+        body.extend_from_slice(&self.tokens);
+        if self.flags & FLAG_DOCS != 0 {
+            body.extend(self.docs.iter().flat_map(|d| d.to_le_bytes()));
+        }
+        if self.flags & FLAG_MASK != 0 {
+            body.extend_from_slice(&self.mask);
+        }
+        let header = ShardHeader {
+            width: self.width,
+            n_tokens: self.n_tokens,
+            n_docs: if self.flags & FLAG_DOCS != 0 {
+                self.docs.len() as u64
+            } else {
+                0
+            },
+            flags: self.flags,
+            checksum: checksum(&body),
+            vocab: self.vocab,
+        };
+        let mut bytes = Vec::with_capacity(HEADER_LEN + body.len());
+        bytes.extend_from_slice(&header.to_bytes());
+        bytes.extend_from_slice(&body);
+        Ok((header, bytes))
+    }
+
+    /// Writes the shard to `path` atomically (temporary file, fsync, rename) and returns its
+    /// header.
+    pub fn finish(self, path: &Path) -> Result<ShardHeader> {
+        let (header, bytes) = self.to_bytes(path)?;
+        crate::io::write_atomic(path, &bytes)?;
+        Ok(header)
+    }
+}
+
+/// Writes a whole shard at once: `tokens`, optional document starts (ascending offsets) and
+/// optional mask flags (one a token), atomically. See [`ShardWriter`].
+pub fn write_shard(
+    path: &Path,
+    width: u32,
+    vocab: u64,
+    tokens: &[u32],
+    doc_starts: Option<&[u64]>,
+    counted: Option<&[bool]>,
+) -> Result<ShardHeader> {
+    let mut w = ShardWriter::new(width, vocab, doc_starts.is_some(), counted.is_some());
+    let starts = doc_starts.unwrap_or(&[]);
+    let mut cut = 0usize;
+    for (i, &s) in starts.iter().enumerate() {
+        let s = (s as usize).min(tokens.len());
+        if s < cut || (i > 0 && s == cut) {
+            return Err(Error::data(
+                path,
+                "document starts must be strictly ascending",
+            ));
+        }
+        w.push(
+            &tokens[cut..s],
+            counted.map(|c| &c[cut.min(c.len())..s.min(c.len())]),
+        );
+        w.start_doc();
+        cut = s;
+    }
+    w.push(&tokens[cut..], counted.map(|c| &c[cut.min(c.len())..]));
+    w.finish(path)
+}
+
+/// A shard opened for reading, memory-mapped (nothing is copied until asked).
+pub struct Shard {
+    path: PathBuf,
+    header: ShardHeader,
+    map: memmap2::Mmap,
+}
+
+/// Opens `path`: parses the header, checks it against `expect` and that the file length
+/// matches the header (a truncated or extended file is refused). The checksum is not read
+/// here (that reads the whole file): see [`Shard::verify`] and [`verify`].
+pub fn open_shard(path: &Path, expect: &Expect) -> Result<Shard> {
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    if len < HEADER_LEN as u64 {
+        return Err(Error::data(
+            path,
+            format!(
+                "truncated token shard: {len} bytes, shorter than its {HEADER_LEN}-byte header"
+            ),
+        ));
+    }
+    // SAFETY: the file is opened read-only; like every memory-mapped reader we rely on nobody
+    // truncating it while mapped (prepared shards are never rewritten in place: new versions
+    // are renamed over them).
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    let header = ShardHeader::parse(&map[..HEADER_LEN], path)?;
+    expect.check(&header, path)?;
+    if len != header.file_len() {
+        return Err(Error::data(
+            path,
+            format!(
+                "{} token shard: {len} bytes, but its header ({} tokens, {} documents, flags \
+                 {}) needs {}",
+                if len < header.file_len() {
+                    "truncated"
+                } else {
+                    "oversized"
+                },
+                header.n_tokens,
+                header.n_docs,
+                header.flags,
+                header.file_len()
+            ),
+        ));
+    }
+    Ok(Shard {
+        path: path.to_path_buf(),
+        header,
+        map,
+    })
+}
+
+/// Opens `path` (as [`open_shard`]) and checks everything: the checksum over the body, and
+/// that the document starts are strictly ascending and inside the shard. Returns the header.
+pub fn verify(path: &Path, expect: &Expect) -> Result<ShardHeader> {
+    let shard = open_shard(path, expect)?;
+    shard.verify()?;
+    Ok(shard.header)
+}
+
+impl Shard {
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The header.
+    pub fn header(&self) -> &ShardHeader {
+        &self.header
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.header.n_tokens as usize
+    }
+
+    /// Whether the shard holds no token.
+    pub fn is_empty(&self) -> bool {
+        self.header.n_tokens == 0
+    }
+
+    /// Checks the body's checksum and the document stream (see [`verify`]).
+    pub fn verify(&self) -> Result<()> {
+        let got = checksum(&self.map[HEADER_LEN..]);
+        if got != self.header.checksum {
+            return Err(Error::data(
+                &self.path,
+                format!(
+                    "corrupt token shard: checksum {got:016x} does not match the header's {:016x}; \
+                     delete it and run `trainer prepare` again (finished shards are kept)",
+                    self.header.checksum
+                ),
+            ));
+        }
+        let mut prev: Option<u64> = None;
+        for d in self.doc_starts() {
+            if d >= self.header.n_tokens || prev.is_some_and(|p| d <= p) {
+                return Err(Error::data(
+                    &self.path,
+                    format!(
+                        "corrupt document stream: start {d} after {prev:?} (of {} tokens)",
+                        self.header.n_tokens
+                    ),
+                ));
+            }
+            prev = Some(d);
+        }
+        Ok(())
+    }
+
+    /// The token bytes (`len() * width`, little-endian).
+    pub fn token_bytes(&self) -> &[u8] {
+        &self.map[HEADER_LEN..self.header.docs_offset() as usize]
+    }
+
+    /// Token `i` (panics if `i >= len()`).
+    pub fn token(&self, i: usize) -> u32 {
+        let b = self.token_bytes();
+        match self.header.width {
+            2 => u32::from(u16::from_le_bytes([b[2 * i], b[2 * i + 1]])),
+            _ => u32::from_le_bytes(b[4 * i..4 * i + 4].try_into().expect("4 bytes")),
+        }
+    }
+
+    /// Appends tokens `start..start + len` to `out` as `u32` (panics if out of range).
+    pub fn read_tokens(&self, start: usize, len: usize, out: &mut Vec<u32>) {
+        let w = self.header.width as usize;
+        let b = &self.token_bytes()[start * w..(start + len) * w];
+        if w == 2 {
+            out.extend(
+                b.chunks_exact(2)
+                    .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]]))),
+            );
+        } else {
+            out.extend(
+                b.chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            );
+        }
+    }
+
+    /// All tokens as `u32`.
+    pub fn tokens(&self) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.len());
+        self.read_tokens(0, self.len(), &mut out);
+        out
+    }
+
+    /// The document starts (token offsets, ascending); empty without a document stream.
+    pub fn doc_starts(&self) -> impl Iterator<Item = u64> + '_ {
+        let (a, b) = (
+            self.header.docs_offset() as usize,
+            self.header.mask_offset() as usize,
+        );
+        self.map[a..b]
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+    }
+
+    /// The raw mask bytes (bit `t % 8` of byte `t / 8` for token `t`); `None` without a mask.
+    pub fn mask_bytes(&self) -> Option<&[u8]> {
+        self.header
+            .has_mask()
+            .then(|| &self.map[self.header.mask_offset() as usize..])
+    }
+
+    /// Whether token `t` counts as a target (`true` for every token without a mask stream).
+    pub fn counted(&self, t: usize) -> bool {
+        self.mask_bytes()
+            .is_none_or(|m| m[t / 8] & (1 << (t % 8)) != 0)
+    }
+
+    /// Appends the mask flags of tokens `start..start + len` to `out`.
+    pub fn read_counted(&self, start: usize, len: usize, out: &mut Vec<bool>) {
+        out.extend((start..start + len).map(|t| self.counted(t)));
+    }
+}
+
+/// How the vocabulary of a prepared directory was made.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenizerInfo {
+    /// `"tokenizer"` (a `tokenizer.json`), `"char"` or `"byte"`.
+    pub kind: String,
+    /// The `tokenizer.json` as given to `prepare` (tokenizer kind only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// The vocabulary hash of every shard, as 16 hex digits.
+    pub hash: String,
+    /// The characters of a `char` vocabulary, in id order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chars: Option<String>,
+}
+
+/// One shard as the manifest lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardEntry {
+    /// File name inside the prepared directory (`train-00000.tok`).
+    pub file: String,
+    /// Number of tokens.
+    pub tokens: u64,
+    /// Documents starting in the shard.
+    pub docs: u64,
+    /// The shard header's checksum, as 16 hex digits.
+    pub checksum: String,
+}
+
+/// One input file of `prepare`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InputEntry {
+    /// The path as found.
+    pub path: PathBuf,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// Its modification time, nanoseconds since the Unix epoch, if known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtime_ns: Option<u128>,
+}
+
+/// `manifest.json`: what a prepared directory holds. Written last, atomically.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// [`MANIFEST_FORMAT`].
+    pub format: u32,
+    /// The vocabulary.
+    pub tokenizer: TokenizerInfo,
+    /// Number of ids the model must embed (every token is below it).
+    pub vocab_size: u64,
+    /// The EOS id appended after each document (`None` for SFT examples, which carry their
+    /// own ending, and vocabularies without one).
+    pub eos_id: Option<u32>,
+    /// Token width of every shard (2 or 4).
+    pub width: u32,
+    /// Whether the shards carry the document-start stream.
+    pub docs: bool,
+    /// Whether the shards carry the loss-mask stream.
+    pub mask: bool,
+    /// Training shards, in order.
+    pub train: Vec<ShardEntry>,
+    /// Validation shards, in order.
+    pub val: Vec<ShardEntry>,
+    /// The input files, in the order they were read.
+    pub inputs: Vec<InputEntry>,
+    /// The settings the shards were made with (shard size, field, val rule...).
+    pub settings: serde_json::Value,
+}
+
+impl Manifest {
+    /// Reads `<dir>/manifest.json`, naming the file on error.
+    pub fn read(dir: &Path) -> Result<Manifest> {
+        let path = dir.join(MANIFEST_FILE);
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let m: Manifest = serde_json::from_str(&text)
+            .map_err(|e| Error::data(&path, format!("not a valid manifest: {e}")))?;
+        if m.format != MANIFEST_FORMAT {
+            return Err(Error::data(
+                &path,
+                format!(
+                    "manifest format {}; this trainer reads {MANIFEST_FORMAT}",
+                    m.format
+                ),
+            ));
+        }
+        Ok(m)
+    }
+
+    /// Writes `<dir>/manifest.json` atomically.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        crate::io::write_json(&dir.join(MANIFEST_FILE), self)
+    }
+
+    /// The shards of `split`.
+    pub fn shards(&self, split: Split) -> &[ShardEntry] {
+        match split {
+            Split::Train => &self.train,
+            Split::Val => &self.val,
+        }
+    }
+
+    /// Tokens in `split`.
+    pub fn tokens(&self, split: Split) -> u64 {
+        self.shards(split).iter().map(|s| s.tokens).sum()
+    }
+
+    /// The vocabulary hash as a number (`None` if the manifest's is not 16 hex digits).
+    pub fn vocab_hash(&self) -> Option<u64> {
+        u64::from_str_radix(&self.tokenizer.hash, 16).ok()
+    }
+
+    /// What every shard of this directory must match.
+    pub fn expect(&self) -> Expect {
+        Expect {
+            vocab: self.vocab_hash(),
+            width: Some(self.width),
+        }
+    }
+
+    /// The identity of the prepared data: a hash of the split sizes and every shard's
+    /// checksum, in order.
+    pub fn fingerprint(&self) -> u64 {
+        let mut h = Hasher64::new();
+        for list in [&self.train, &self.val] {
+            h.update(&(list.len() as u64).to_le_bytes());
+            for s in list {
+                h.update(s.checksum.as_bytes());
+            }
+        }
+        h.finish()
+    }
+}
+
+#[cfg(test)]
+#[path = "format_tests.rs"]
+mod tests;
