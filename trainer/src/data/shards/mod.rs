@@ -6,12 +6,16 @@
 //! - [`ShardSource`]: the [`DataSource`](crate::data::DataSource) over a prepared directory
 //!   (or nanoGPT's `train.bin` / `val.bin`), memory-mapped, in random or epoch order
 //!   ([`DataOrder`], see [`order`]).
+//! - [`write_prepared`]: a whole prepared directory from token streams in memory (the text
+//!   sources' token cache).
 
 pub mod format;
 pub mod order;
 mod source;
 pub(crate) mod view;
+mod write;
 
 pub use format::{Manifest, ShardEntry, ShardHeader};
 pub use order::DataOrder;
 pub use source::{ShardOptions, ShardSource};
+pub use write::{write_prepared, ShardData};
