@@ -39,7 +39,10 @@ impl Vocab {
     pub(crate) fn tokenizer(path: &Path) -> Result<Self> {
         let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
         let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
-            Error::Tokenizer(format!("{}: not a valid tokenizer.json: {e}", path.display()))
+            Error::Tokenizer(format!(
+                "{}: not a valid tokenizer.json: {e}",
+                path.display()
+            ))
         })?;
         Ok(Vocab::Tokenizer {
             tokenizer: Box::new(tokenizer),

@@ -210,8 +210,12 @@ mod tests {
             }
         }
         // Different keys give different orders.
-        let a: Vec<u64> = (0..100).map(|i| Permutation::new(100, 1).apply(i)).collect();
-        let b: Vec<u64> = (0..100).map(|i| Permutation::new(100, 2).apply(i)).collect();
+        let a: Vec<u64> = (0..100)
+            .map(|i| Permutation::new(100, 1).apply(i))
+            .collect();
+        let b: Vec<u64> = (0..100)
+            .map(|i| Permutation::new(100, 2).apply(i))
+            .collect();
         assert_ne!(a, b);
     }
 
@@ -245,7 +249,10 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         let ws = random_windows(&lens, 4, 2000, &mut rng).unwrap();
         assert!(ws.iter().all(|&(s, t)| t + 4 <= lens[s]));
-        assert!(ws.iter().all(|&(s, _)| s != 1), "a too-short shard is never drawn");
+        assert!(
+            ws.iter().all(|&(s, _)| s != 1),
+            "a too-short shard is never drawn"
+        );
         let from0 = ws.iter().filter(|w| w.0 == 0).count();
         // 7 of the 44 starts are in shard 0.
         assert!((200..450).contains(&from0), "{from0}");

@@ -21,7 +21,11 @@ fn prepared(dir: &Path, train: &[usize], val: &[usize]) -> (Vec<Vec<u32>>, Vec<V
     let make = |lens: &[usize], salt: usize| -> Vec<Vec<u32>> {
         lens.iter()
             .enumerate()
-            .map(|(s, &n)| (0..n).map(|i| ((7 * (s + salt) + i) % 251) as u32).collect())
+            .map(|(s, &n)| {
+                (0..n)
+                    .map(|i| ((7 * (s + salt) + i) % 251) as u32)
+                    .collect()
+            })
             .collect()
     };
     let (t, v) = (make(train, 0), make(val, 100));
@@ -75,7 +79,9 @@ fn mapped_tokens_equal_the_tokens_written() {
     }
     assert_eq!(src.len(Split::Train), 1317);
     assert_eq!(src.vocab_size(), 256);
-    assert!(src.describe().starts_with(&tmp.path().display().to_string()));
+    assert!(src
+        .describe()
+        .starts_with(&tmp.path().display().to_string()));
     // A batch's rows are the windows it names, and the targets are shifted by one.
     let mut rng = ChaCha8Rng::seed_from_u64(5);
     let windows = src.windows(Split::Train, 8, 16, &mut rng.clone()).unwrap();
@@ -118,7 +124,12 @@ fn both_orders_are_deterministic_from_the_seed() {
         let draw = |seed: u64| {
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
             (0..5)
-                .map(|_| rows(&src.batch(Split::Train, 6, 10, &mut rng, &Device::Cpu).unwrap()))
+                .map(|_| {
+                    rows(
+                        &src.batch(Split::Train, 6, 10, &mut rng, &Device::Cpu)
+                            .unwrap(),
+                    )
+                })
                 .collect::<Vec<_>>()
         };
         assert_eq!(draw(1), draw(1), "{order}");
@@ -239,10 +250,7 @@ fn nanogpt_bins_are_read_as_they_are() {
     let want: Vec<u32> = train.iter().map(|&t| u32::from(t)).collect();
     assert_eq!(src.read(Split::Train, 0, 0, 1000), want);
     assert_eq!(src.len(Split::Val), 100);
-    assert_eq!(
-        src.vocab_size(),
-        *train.iter().max().unwrap() as usize + 1
-    );
+    assert_eq!(src.vocab_size(), *train.iter().max().unwrap() as usize + 1);
     assert_eq!(src.decode(&[1, 2]).unwrap(), "<1><2>");
     let before = src.fingerprint();
     // An odd-sized file is refused naming it; a changed file changes the fingerprint.

@@ -220,4 +220,3 @@ pub(crate) fn scan_raw(view: &ShardView) -> (u64, u32) {
     });
     (h.finish(), max)
 }
-
