@@ -2,6 +2,7 @@
 
 mod export;
 mod models;
+mod prepare;
 mod progress;
 
 use std::path::PathBuf;
@@ -72,6 +73,10 @@ enum Command {
     Export(export::ExportArgs),
     /// Redraw a run's loss curve (loss.svg) from its metrics.jsonl.
     Plot(PlotArgs),
+    /// Tokenise text, JSONL or SFT records into token shards (train-*.tok, val-*.tok,
+    /// manifest.json): streaming, parallel, deterministic (whatever --threads) and resumable
+    /// (rerun the same command after an interruption; finished shards are kept).
+    Prepare(prepare::PrepareArgs),
 }
 
 #[derive(Args, Debug)]
@@ -178,6 +183,7 @@ pub fn run(cli: Cli) -> Result<Outcome> {
         Command::Inspect(a) => done(inspect(a)),
         Command::Export(a) => done(export::export(a)),
         Command::Plot(a) => done(plot(a)),
+        Command::Prepare(a) => done(prepare::prepare(a)),
     }
 }
 

@@ -201,7 +201,7 @@ pub fn parse_records(text: &str, path: &Path) -> Result<Vec<LineRecord>> {
     Ok(out)
 }
 
-fn parse_line(line: &str) -> std::result::Result<Record, String> {
+pub(crate) fn parse_line(line: &str) -> std::result::Result<Record, String> {
     let value: Value = serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
     if value.kind() != ValueKind::Map {
         return Err(format!("expected a JSON object, found {}", value.kind()));

@@ -3,6 +3,8 @@
 //!
 //! - [`format`]: one shard file (header, tokens, document starts, loss mask), reading,
 //!   writing and verifying it, and the [`Manifest`].
+//! - [`prepare`]: text, JSONL or SFT records → shards, streaming, parallel, deterministic and
+//!   resumable.
 //! - [`ShardSource`]: the [`DataSource`](crate::data::DataSource) over a prepared directory
 //!   (or nanoGPT's `train.bin` / `val.bin`), memory-mapped, in random or epoch order
 //!   ([`DataOrder`], see [`order`]).
@@ -10,12 +12,17 @@
 //!   sources' token cache).
 
 pub mod format;
+mod input;
 pub mod order;
+pub mod prepare;
 mod source;
 pub(crate) mod view;
 mod write;
 
 pub use format::{Manifest, ShardEntry, ShardHeader};
 pub use order::DataOrder;
+pub use prepare::{
+    prepare, InputFormat, PrepareOptions, PrepareProgress, PrepareSummary, VocabSpec,
+};
 pub use source::{ShardOptions, ShardSource};
 pub use write::{write_prepared, ShardData};

@@ -1,0 +1,161 @@
+//! `trainer prepare`: text, JSONL or SFT records → token shards.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use trainer::data::shards::{prepare as run, InputFormat, PrepareOptions, VocabSpec};
+
+/// How the inputs are read.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub(super) enum FormatArg {
+    /// UTF-8 text, one document a file.
+    Text,
+    /// JSON lines, one document a line (its --field).
+    Jsonl,
+    /// SFT records (messages, prompt/completion, text), rendered with the chat template and
+    /// masked; the shards carry the loss mask.
+    Sft,
+}
+
+/// The `prepare` flags.
+#[derive(Args, Debug)]
+pub(super) struct PrepareArgs {
+    /// Input files, directories or globs (quoted), read in this order.
+    #[arg(required = true)]
+    inputs: Vec<PathBuf>,
+    /// The directory the shards and manifest.json go to.
+    #[arg(long)]
+    out_dir: PathBuf,
+    /// How the inputs are read [default: jsonl for .jsonl/.json inputs, else text].
+    #[arg(long, value_enum)]
+    format: Option<FormatArg>,
+    /// JSONL: the field holding each document's text.
+    #[arg(long, default_value = "text")]
+    field: String,
+    /// A Hugging Face tokenizer.json (its tokenizer_config.json and chat template beside it).
+    #[arg(long, conflicts_with = "vocab")]
+    tokenizer: Option<PathBuf>,
+    /// Without --tokenizer: a char or byte vocabulary.
+    #[arg(long, value_parser = ["char", "byte"])]
+    vocab: Option<String>,
+    /// The token appended after each document [default: tokenizer_config.json's eos_token,
+    /// else <|endoftext|>, else </s>].
+    #[arg(long)]
+    eos_token: Option<String>,
+    /// Tokens a shard.
+    #[arg(long, default_value_t = 100_000_000)]
+    shard_tokens: u64,
+    /// Fraction of documents held out (val-*.tok), chosen by a hash of the document index.
+    #[arg(long, default_value_t = 0.0)]
+    val_fraction: f64,
+    /// Worker threads (0: one a core); the shards do not depend on it.
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Replace a directory prepared from other inputs or settings.
+    #[arg(long)]
+    overwrite: bool,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
+    let vocab = match (&args.tokenizer, args.vocab.as_deref()) {
+        (Some(t), _) => VocabSpec::Tokenizer(t.clone()),
+        (None, Some("char")) => VocabSpec::Char,
+        (None, Some(_)) => VocabSpec::Byte,
+        (None, None) => bail!("give --tokenizer tokenizer.json, or --vocab char|byte"),
+    };
+    let format = match args.format {
+        Some(FormatArg::Text) => InputFormat::Text,
+        Some(FormatArg::Jsonl) => InputFormat::Jsonl,
+        Some(FormatArg::Sft) => InputFormat::Sft,
+        None => {
+            let jsonl = args.inputs.iter().all(|p| {
+                let s = p.to_string_lossy();
+                s.ends_with(".jsonl") || s.ends_with(".json")
+            });
+            if jsonl {
+                InputFormat::Jsonl
+            } else {
+                InputFormat::Text
+            }
+        }
+    };
+    let opts = PrepareOptions {
+        inputs: args.inputs,
+        out_dir: args.out_dir.clone(),
+        format,
+        field: args.field,
+        vocab,
+        eos_token: args.eos_token,
+        shard_tokens: args.shard_tokens,
+        val_fraction: args.val_fraction,
+        threads: args.threads,
+        overwrite: args.overwrite,
+        ..PrepareOptions::default()
+    };
+    let bar = if args.quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(0)
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} {msg} eta {eta}",
+        )
+        .context("progress bar template")?,
+    );
+    let start = Instant::now();
+    let summary = run(&opts, &|p| {
+        bar.set_length(p.bytes_total);
+        bar.set_position(p.bytes_done);
+        let secs = start.elapsed().as_secs_f64().max(1e-9);
+        bar.set_message(format!(
+            "{:.2}M tokens/s, {} shards",
+            p.tokens as f64 / secs / 1e6,
+            p.shards
+        ));
+    })
+    .with_context(|| format!("cannot prepare {}", args.out_dir.display()))?;
+    bar.finish_and_clear();
+    let secs = start.elapsed().as_secs_f64();
+    let m = &summary.manifest;
+    if summary.up_to_date {
+        println!("up to date  {} (nothing to do)", args.out_dir.display());
+    }
+    println!(
+        "prepared    {} ({} vocab {}, width {}, eos {:?})",
+        args.out_dir.display(),
+        m.tokenizer.kind,
+        m.vocab_size,
+        m.width,
+        m.eos_id
+    );
+    println!(
+        "train       {} tokens in {} shards",
+        m.tokens(trainer::data::Split::Train),
+        m.train.len()
+    );
+    println!(
+        "val         {} tokens in {} shards",
+        m.tokens(trainer::data::Split::Val),
+        m.val.len()
+    );
+    if summary.resumed_shards > 0 {
+        println!(
+            "resumed     {} finished shards kept",
+            summary.resumed_shards
+        );
+    }
+    println!(
+        "speed       {:.1} MB/s, {:.2}M tokens/s ({} tokens in {secs:.2}s)",
+        summary.bytes_read as f64 / secs / 1e6,
+        summary.tokens_made as f64 / secs / 1e6,
+        summary.tokens_made
+    );
+    Ok(())
+}

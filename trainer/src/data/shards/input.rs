@@ -1,0 +1,382 @@
+//! `prepare`'s inputs: expanding files, directories and globs; reading them as a sequence of
+//! byte *units* cut by a rule that depends only on the bytes (so the token stream never
+//! depends on timing or thread count); and turning a unit into document pieces.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use super::prepare::InputFormat;
+use crate::data::sft::{parse_line, Record, SftEncoder};
+use crate::error::{Error, Result};
+
+/// Files named by `inputs`, in order: a file as it is, a directory's regular files (recursive,
+/// hidden ones skipped, sorted by path), a glob's matches (sorted).
+pub(crate) fn expand_inputs(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for input in inputs {
+        let text = input.to_string_lossy();
+        if input.is_dir() {
+            let mut found = Vec::new();
+            walk(input, &mut found)?;
+            found.sort();
+            if found.is_empty() {
+                return Err(Error::data(input, "directory holds no files"));
+            }
+            out.extend(found);
+        } else if !input.exists() && text.contains(['*', '?', '[']) {
+            let paths = glob::glob(&text)
+                .map_err(|e| Error::data(input, format!("not a valid glob: {e}")))?;
+            let mut found = Vec::new();
+            for p in paths {
+                let p = p.map_err(|e| {
+                    let path = e.path().to_path_buf();
+                    Error::io(path, e.into())
+                })?;
+                if p.is_file() {
+                    found.push(p);
+                }
+            }
+            found.sort();
+            if found.is_empty() {
+                return Err(Error::data(input, "the glob matches no file"));
+            }
+            out.extend(found);
+        } else {
+            let meta = std::fs::metadata(input).map_err(|e| Error::io(input, e))?;
+            if !meta.is_file() {
+                return Err(Error::data(input, "not a regular file"));
+            }
+            out.push(input.clone());
+        }
+    }
+    Ok(out)
+}
+
+fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let entry = entry.map_err(|e| Error::io(dir, e))?;
+        let path = entry.path();
+        if entry.file_name().to_string_lossy().starts_with('.') {
+            continue;
+        }
+        if path.is_dir() {
+            walk(&path, out)?;
+        } else if path.is_file() {
+            out.push(path);
+        }
+    }
+    Ok(())
+}
+
+/// Where a unit starts, and the stream counters there: enough to restart `prepare` at it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Position {
+    /// Index of the file in the expanded input list.
+    pub file: usize,
+    /// Byte offset in that file.
+    pub offset: u64,
+    /// 1-based line number at that offset.
+    pub line: u64,
+    /// Documents started before this point.
+    pub doc: u64,
+    /// Tokens emitted to the train and val streams before this point.
+    pub pos: [u64; 2],
+}
+
+/// A run of whole lines of one file.
+pub(crate) struct Unit {
+    pub at: Position,
+    pub bytes: Vec<u8>,
+    /// Whether the unit ends its file.
+    pub eof: bool,
+}
+
+/// Reads the input files as units of about `chunk` bytes: cut after a newline at or beyond
+/// `chunk` bytes (for text, only a newline followed by a non-space byte, so that no
+/// pre-tokenizer token spans a cut).
+pub(crate) struct UnitReader<'a> {
+    files: &'a [PathBuf],
+    text: bool,
+    chunk: usize,
+    at: Position,
+    file: Option<File>,
+    buf: Vec<u8>,
+    eof: bool,
+}
+
+impl<'a> UnitReader<'a> {
+    /// A reader starting at `at` (file, offset and line; the counters are the caller's).
+    pub fn new(files: &'a [PathBuf], text: bool, chunk: usize, at: Position) -> Self {
+        UnitReader {
+            files,
+            text,
+            chunk: chunk.max(1),
+            at,
+            file: None,
+            buf: Vec::new(),
+            eof: false,
+        }
+    }
+
+    fn fill(&mut self, want: usize) -> Result<()> {
+        let path = &self.files[self.at.file];
+        let f = self.file.as_mut().expect("file opened");
+        while self.buf.len() < want && !self.eof {
+            let old = self.buf.len();
+            let step = (want - old).max(1 << 16);
+            self.buf.resize(old + step, 0);
+            let n = f
+                .read(&mut self.buf[old..])
+                .map_err(|e| Error::io(path, e))?;
+            self.buf.truncate(old + n);
+            if n == 0 {
+                self.eof = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// The next unit, `None` after the last file. Empty files give no unit.
+    pub fn next_unit(&mut self) -> Result<Option<Unit>> {
+        loop {
+            if self.at.file >= self.files.len() {
+                return Ok(None);
+            }
+            if self.file.is_none() {
+                let path = &self.files[self.at.file];
+                let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
+                f.seek(SeekFrom::Start(self.at.offset))
+                    .map_err(|e| Error::io(path, e))?;
+                self.file = Some(f);
+                self.buf.clear();
+                self.eof = false;
+            }
+            self.fill(self.chunk + 1)?;
+            if self.buf.is_empty() {
+                self.file = None;
+                self.at.file += 1;
+                self.at.offset = 0;
+                self.at.line = 1;
+                continue;
+            }
+            let mut from = self.chunk - 1;
+            let cut = loop {
+                let found = self.buf.get(from..).and_then(|rest| {
+                    rest.iter().enumerate().position(|(j, &b)| {
+                        let i = from + j;
+                        b == b'\n'
+                            && (!self.text
+                                || self
+                                    .buf
+                                    .get(i + 1)
+                                    .is_some_and(|n| !n.is_ascii_whitespace()))
+                    })
+                });
+                match found {
+                    Some(j) => break from + j + 1,
+                    None if self.eof => break self.buf.len(),
+                    None => {
+                        from = self.buf.len().saturating_sub(1).max(from);
+                        let want = self.buf.len() * 2;
+                        self.fill(want)?;
+                    }
+                }
+            };
+            let bytes: Vec<u8> = self.buf.drain(..cut).collect();
+            self.fill(1)?;
+            let eof = self.buf.is_empty() && self.eof;
+            let unit = Unit {
+                at: self.at.clone(),
+                bytes,
+                eof,
+            };
+            self.at.offset += cut as u64;
+            self.at.line += unit.bytes.iter().filter(|&&b| b == b'\n').count() as u64;
+            if eof {
+                self.file = None;
+                self.at.file += 1;
+                self.at.offset = 0;
+                self.at.line = 1;
+            }
+            return Ok(Some(unit));
+        }
+    }
+}
+
+/// Part of a document: a whole record, or a unit of a text file (whose document is the file).
+pub(crate) struct Piece {
+    /// Whether a document starts with this piece.
+    pub starts: bool,
+    pub tokens: Vec<u32>,
+    /// Loss-mask flags (SFT), one a token.
+    pub counted: Option<Vec<bool>>,
+}
+
+/// How text becomes tokens.
+pub(crate) enum Encoder {
+    /// A Hugging Face tokenizer; `eos` appended after each document.
+    Tokenizer {
+        tokenizer: Box<tokenizers::Tokenizer>,
+        eos: Option<u32>,
+    },
+    /// A character vocabulary.
+    Char(HashMap<char, u32>),
+    /// One token a byte.
+    Byte,
+    /// SFT records rendered and masked by [`SftEncoder`].
+    Sft(Box<SftEncoder>),
+}
+
+/// The `path:line` of a unit's `i`-th line.
+fn at(path: &Path, line: u64) -> PathBuf {
+    PathBuf::from(format!("{}:{line}", path.display()))
+}
+
+fn utf8<'b>(bytes: &'b [u8], path: &Path, unit: &Unit) -> Result<&'b str> {
+    std::str::from_utf8(bytes).map_err(|e| {
+        Error::data(
+            path,
+            format!(
+                "not valid UTF-8 (first invalid byte at offset {}); use --vocab byte for binary \
+                 files",
+                unit.at.offset + e.valid_up_to() as u64
+            ),
+        )
+    })
+}
+
+/// The texts of a unit: for text, the unit itself; for JSONL, `field` of each non-blank line
+/// (with its line number).
+pub(crate) fn texts(
+    unit: &Unit,
+    path: &Path,
+    format: InputFormat,
+    field: &str,
+) -> Result<Vec<(u64, String)>> {
+    let text = utf8(&unit.bytes, path, unit)?;
+    match format {
+        InputFormat::Text => Ok(vec![(unit.at.line, text.to_string())]),
+        InputFormat::Sft => Ok(Vec::new()),
+        InputFormat::Jsonl => {
+            let mut out = Vec::new();
+            for (i, line) in text.lines().enumerate() {
+                if line.trim().is_empty() {
+                    continue;
+                }
+                let n = unit.at.line + i as u64;
+                let v: serde_json::Value = serde_json::from_str(line)
+                    .map_err(|e| Error::data(at(path, n), format!("not JSON: {e}")))?;
+                let s = match v.get(field) {
+                    Some(serde_json::Value::String(s)) => s.clone(),
+                    Some(other) => {
+                        return Err(Error::data(
+                            at(path, n),
+                            format!("field `{field}` is not a string: {other}"),
+                        ))
+                    }
+                    None => {
+                        let keys: Vec<&String> = v
+                            .as_object()
+                            .map(|o| o.keys().collect())
+                            .unwrap_or_default();
+                        return Err(Error::data(
+                            at(path, n),
+                            format!("no field `{field}` (keys {keys:?}); choose one with --field"),
+                        ));
+                    }
+                };
+                out.push((n, s));
+            }
+            Ok(out)
+        }
+    }
+}
+
+impl Encoder {
+    fn encode(&self, text: &str, path: &Path, line: u64) -> Result<Vec<u32>> {
+        match self {
+            Encoder::Tokenizer { tokenizer, .. } => tokenizer
+                .encode_fast(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| Error::Tokenizer(format!("{}: {e}", at(path, line).display()))),
+            Encoder::Char(index) => text
+                .chars()
+                .map(|c| {
+                    index.get(&c).copied().ok_or_else(|| {
+                        Error::data(at(path, line), format!("character {c:?} not in vocabulary"))
+                    })
+                })
+                .collect(),
+            Encoder::Byte => Ok(text.bytes().map(u32::from).collect()),
+            Encoder::Sft(_) => unreachable!("SFT records are encoded by encode_unit"),
+        }
+    }
+
+    fn eos(&self) -> Option<u32> {
+        match self {
+            Encoder::Tokenizer { eos, .. } => *eos,
+            _ => None,
+        }
+    }
+
+    /// The document pieces of `unit` (of the file `path`), in order.
+    pub(crate) fn encode_unit(
+        &self,
+        unit: &Unit,
+        path: &Path,
+        format: InputFormat,
+        field: &str,
+    ) -> Result<Vec<Piece>> {
+        if let Encoder::Sft(enc) = self {
+            let text = utf8(&unit.bytes, path, unit)?;
+            let mut out = Vec::new();
+            for (i, line) in text.lines().enumerate() {
+                if line.trim().is_empty() {
+                    continue;
+                }
+                let n = unit.at.line + i as u64;
+                let record: Record =
+                    parse_line(line).map_err(|msg| Error::data(at(path, n), msg))?;
+                let ex = enc.encode_record(&record).map_err(|e| match e {
+                    Error::Data { msg, .. } => Error::data(at(path, n), msg),
+                    other => other,
+                })?;
+                out.push(Piece {
+                    starts: true,
+                    tokens: ex.tokens,
+                    counted: Some(ex.counted),
+                });
+            }
+            return Ok(out);
+        }
+        let bytes_vocab = matches!(self, Encoder::Byte) && format == InputFormat::Text;
+        let mut out = Vec::new();
+        if bytes_vocab {
+            out.push(Piece {
+                starts: unit.at.offset == 0,
+                tokens: unit.bytes.iter().map(|&b| u32::from(b)).collect(),
+                counted: None,
+            });
+        } else {
+            for (line, text) in texts(unit, path, format, field)? {
+                let tokens = self.encode(&text, path, line)?;
+                out.push(Piece {
+                    starts: format != InputFormat::Text || unit.at.offset == 0,
+                    tokens,
+                    counted: None,
+                });
+            }
+        }
+        if let Some(eos) = self.eos() {
+            for p in out.iter_mut() {
+                // A text file is one document (EOS after its last unit); a record is one.
+                if format != InputFormat::Text || unit.eof {
+                    p.tokens.push(eos);
+                }
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,651 @@
+//! `trainer prepare`: text, JSONL or SFT records → token shards, streaming, in parallel,
+//! deterministic and resumable.
+//!
+//! - **Streaming**: files are read in units of about [`PrepareOptions::chunk_bytes`] (whole
+//!   lines); a window of units is tokenised at a time, and each split holds at most one shard
+//!   in memory.
+//! - **Deterministic**: units are cut by a rule on the bytes alone, documents are ordered by
+//!   (file order, position in file), each split's token stream is cut every
+//!   [`PrepareOptions::shard_tokens`] tokens, and a document goes to validation iff
+//!   `splitmix64(index ^ VAL_SEED) < val_fraction * 2^64`. The thread count changes nothing.
+//! - **Resumable**: shards are written to a temporary name and renamed; after each unit in
+//!   which a shard was finished, `progress.json` records the finished shards and a position to
+//!   restart from (the start of the oldest unit feeding an unfinished shard). A rerun verifies
+//!   the finished shards by checksum, replays from that position skipping the tokens they
+//!   hold, and ends by writing `manifest.json` (last) and removing `progress.json`.
+
+use std::path::{Path, PathBuf};
+use std::time::UNIX_EPOCH;
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use super::format::{
+    self, byte_vocab_hash, char_vocab_hash, tokenizer_vocab_hash, width_for_vocab, Expect,
+    InputEntry, Manifest, ShardEntry, ShardWriter, TokenizerInfo, MANIFEST_FILE, MANIFEST_FORMAT,
+};
+use super::input::{expand_inputs, texts, Encoder, Piece, Position, Unit, UnitReader};
+use crate::data::sft::SftEncoder;
+use crate::error::{Error, Result};
+use crate::hash::{hash_bytes, splitmix64};
+use crate::pretrained::TokenizerFile;
+
+/// The file recording an unfinished `prepare`.
+pub const PROGRESS_FILE: &str = "progress.json";
+/// Seed of the validation rule (see the module docs).
+pub const VAL_SEED: u64 = 0x5eed_0f_da7a;
+/// Bumped whenever the way inputs become tokens changes.
+const PREPARE_VERSION: u32 = 1;
+
+/// How input files are read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InputFormat {
+    /// Plain UTF-8 text: each file is one document.
+    #[default]
+    Text,
+    /// JSON lines: each non-blank line is a document, its text in [`PrepareOptions::field`].
+    Jsonl,
+    /// SFT records (TRL `messages`, `prompt`/`completion`, `text`) rendered with the chat
+    /// template and masked as [`SftEncoder`] does; shards carry the loss mask. No EOS is
+    /// appended (the encoder ends examples itself).
+    Sft,
+}
+
+/// The vocabulary tokens come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VocabSpec {
+    /// A Hugging Face `tokenizer.json`.
+    Tokenizer(PathBuf),
+    /// The sorted unique characters of the inputs (an extra pass over them).
+    Char,
+    /// One token a byte.
+    Byte,
+}
+
+/// What `prepare` does.
+#[derive(Clone, Debug)]
+pub struct PrepareOptions {
+    /// Files, directories or globs, read in this order.
+    pub inputs: Vec<PathBuf>,
+    /// The directory shards and `manifest.json` go to.
+    pub out_dir: PathBuf,
+    /// How files are read.
+    pub format: InputFormat,
+    /// JSONL: the field holding the text.
+    pub field: String,
+    /// The vocabulary.
+    pub vocab: VocabSpec,
+    /// The EOS token text (default: `tokenizer_config.json`'s `eos_token`, else
+    /// `<|endoftext|>`, else `</s>`). Char and byte vocabularies append none.
+    pub eos_token: Option<String>,
+    /// Tokens a shard (the last of each split may be shorter).
+    pub shard_tokens: u64,
+    /// Fraction of documents held out for validation, in `[0, 1)`.
+    pub val_fraction: f64,
+    /// Worker threads (0: one a core). Changes nothing in the output.
+    pub threads: usize,
+    /// Bytes of input tokenised as one unit (part of the output's identity for text files).
+    pub chunk_bytes: usize,
+    /// Replace a directory prepared with other inputs or settings.
+    pub overwrite: bool,
+}
+
+impl Default for PrepareOptions {
+    fn default() -> Self {
+        PrepareOptions {
+            inputs: Vec::new(),
+            out_dir: PathBuf::from("prepared"),
+            format: InputFormat::Text,
+            field: "text".into(),
+            vocab: VocabSpec::Byte,
+            eos_token: None,
+            shard_tokens: 100_000_000,
+            val_fraction: 0.0,
+            threads: 0,
+            chunk_bytes: 1 << 20,
+            overwrite: false,
+        }
+    }
+}
+
+/// Where `prepare` is, for a progress bar.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PrepareProgress {
+    /// Input bytes read so far (counting those before a resume point).
+    pub bytes_done: u64,
+    /// Input bytes in all.
+    pub bytes_total: u64,
+    /// Tokens made by this call.
+    pub tokens: u64,
+    /// Shards finished (both splits, resumed ones included).
+    pub shards: usize,
+}
+
+/// What `prepare` did.
+#[derive(Clone, Debug)]
+pub struct PrepareSummary {
+    /// The manifest written.
+    pub manifest: Manifest,
+    /// Finished shards kept from an earlier, interrupted run.
+    pub resumed_shards: usize,
+    /// Whether the directory was already fully prepared (nothing was done).
+    pub up_to_date: bool,
+    /// Input bytes read by this call.
+    pub bytes_read: u64,
+    /// Tokens made by this call.
+    pub tokens_made: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Progress {
+    plan: String,
+    resume: Position,
+    train: Vec<ShardEntry>,
+    val: Vec<ShardEntry>,
+}
+
+const SPLITS: [&str; 2] = ["train", "val"];
+
+/// One split's token stream being cut into shards.
+struct Stream {
+    name: &'static str,
+    writer: ShardWriter,
+    /// Tokens emitted to this stream so far (skipped ones included).
+    pos: u64,
+    /// Tokens before this belong to finished shards (resume).
+    skip_until: u64,
+    /// Where the unit that gave the open shard its first token started.
+    open_at: Option<Position>,
+    done: Vec<ShardEntry>,
+}
+
+struct Cutter<'a> {
+    dir: &'a Path,
+    shard_tokens: u64,
+    width: u32,
+    vocab: u64,
+    mask: bool,
+    streams: [Stream; 2],
+    doc: u64,
+    in_val: bool,
+    val_below: u64,
+    finished_now: bool,
+}
+
+impl Cutter<'_> {
+    fn new_writer(&self) -> ShardWriter {
+        ShardWriter::new(self.width, self.vocab, true, self.mask)
+    }
+
+    fn is_val(&self, doc: u64) -> bool {
+        splitmix64(doc ^ VAL_SEED) < self.val_below
+    }
+
+    fn feed(&mut self, at: &Position, pieces: Vec<Piece>) -> Result<u64> {
+        let mut made = 0;
+        for p in pieces {
+            if p.starts {
+                self.in_val = self.is_val(self.doc);
+                self.doc += 1;
+            }
+            made += p.tokens.len() as u64;
+            let s = usize::from(self.in_val);
+            self.push(s, at, &p.tokens, p.counted.as_deref(), p.starts)?;
+        }
+        Ok(made)
+    }
+
+    fn push(
+        &mut self,
+        s: usize,
+        at: &Position,
+        tokens: &[u32],
+        counted: Option<&[bool]>,
+        mut starts: bool,
+    ) -> Result<()> {
+        let n = tokens.len();
+        let mut i = 0;
+        while i < n {
+            let st = &mut self.streams[s];
+            if st.pos < st.skip_until {
+                let k = ((st.skip_until - st.pos) as usize).min(n - i);
+                i += k;
+                st.pos += k as u64;
+                starts = false;
+                continue;
+            }
+            if st.writer.is_empty() {
+                st.open_at = Some(at.clone());
+            }
+            let k = ((self.shard_tokens - st.writer.len()) as usize).min(n - i);
+            if starts {
+                st.writer.start_doc();
+                starts = false;
+            }
+            st.writer
+                .push(&tokens[i..i + k], counted.map(|c| &c[i..i + k]));
+            i += k;
+            st.pos += k as u64;
+            if st.writer.len() == self.shard_tokens {
+                self.finish(s)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, s: usize) -> Result<()> {
+        let fresh = self.new_writer();
+        let st = &mut self.streams[s];
+        let writer = std::mem::replace(&mut st.writer, fresh);
+        let file = format!("{}-{:05}.tok", st.name, st.done.len());
+        let h = writer.finish(&self.dir.join(&file))?;
+        st.done.push(ShardEntry {
+            file,
+            tokens: h.n_tokens,
+            docs: h.n_docs,
+            checksum: format!("{:016x}", h.checksum),
+        });
+        st.open_at = None;
+        self.finished_now = true;
+        Ok(())
+    }
+}
+
+fn build_encoder(
+    opts: &PrepareOptions,
+    files: &[PathBuf],
+) -> Result<(Encoder, TokenizerInfo, u64)> {
+    match (&opts.vocab, opts.format) {
+        (VocabSpec::Tokenizer(path), InputFormat::Sft) => {
+            let enc = SftEncoder::open(path)?;
+            let hash = tokenizer_vocab_hash(enc.tokenizer());
+            let size = enc.tokenizer().get_vocab_size(true) as u64;
+            let info = tok_info("tokenizer", Some(path.clone()), hash, None);
+            Ok((Encoder::Sft(Box::new(enc)), info, size))
+        }
+        (_, InputFormat::Sft) => Err(Error::Config(
+            "--format sft needs a tokenizer.json (--tokenizer) with its chat template".into(),
+        )),
+        (VocabSpec::Tokenizer(path), _) => {
+            let file = TokenizerFile::open(path)?;
+            let default_eos = file.special_tokens().eos;
+            let tokenizer = file.into_inner();
+            let eos = match &opts.eos_token {
+                Some(t) => Some(tokenizer.token_to_id(t).ok_or_else(|| {
+                    Error::Tokenizer(format!("{}: no token {t:?} (--eos-token)", path.display()))
+                })?),
+                None => default_eos,
+            };
+            let Some(eos) = eos else {
+                return Err(Error::Tokenizer(format!(
+                    "{}: no EOS token (no eos_token in tokenizer_config.json, no <|endoftext|> \
+                     or </s>); name one with --eos-token",
+                    path.display()
+                )));
+            };
+            let hash = tokenizer_vocab_hash(&tokenizer);
+            let size = tokenizer.get_vocab_size(true) as u64;
+            let info = tok_info("tokenizer", Some(path.clone()), hash, None);
+            let enc = Encoder::Tokenizer {
+                tokenizer: Box::new(tokenizer),
+                eos: Some(eos),
+            };
+            Ok((enc, info, size))
+        }
+        (VocabSpec::Byte, _) => Ok((
+            Encoder::Byte,
+            tok_info("byte", None, byte_vocab_hash(), None),
+            256,
+        )),
+        (VocabSpec::Char, _) => {
+            let chars = scan_chars(opts, files)?;
+            let index = chars
+                .iter()
+                .enumerate()
+                .map(|(i, &c)| (c, i as u32))
+                .collect();
+            let info = tok_info(
+                "char",
+                None,
+                char_vocab_hash(&chars),
+                Some(chars.iter().collect()),
+            );
+            Ok((Encoder::Char(index), info, chars.len() as u64))
+        }
+    }
+}
+
+fn tok_info(kind: &str, path: Option<PathBuf>, hash: u64, chars: Option<String>) -> TokenizerInfo {
+    TokenizerInfo {
+        kind: kind.into(),
+        path,
+        hash: format!("{hash:016x}"),
+        chars,
+    }
+}
+
+/// The sorted unique characters of every document (one streaming pass).
+fn scan_chars(opts: &PrepareOptions, files: &[PathBuf]) -> Result<Vec<char>> {
+    let text = opts.format == InputFormat::Text;
+    let mut reader = UnitReader::new(files, text, opts.chunk_bytes, start());
+    let mut set = std::collections::BTreeSet::new();
+    while let Some(unit) = reader.next_unit()? {
+        for (_, t) in texts(&unit, &files[unit.at.file], opts.format, &opts.field)? {
+            set.extend(t.chars());
+        }
+    }
+    if set.is_empty() {
+        return Err(Error::data(&opts.out_dir, "the inputs hold no characters"));
+    }
+    Ok(set.into_iter().collect())
+}
+
+fn start() -> Position {
+    Position {
+        line: 1,
+        ..Position::default()
+    }
+}
+
+/// Tokenises `opts.inputs` into shards in `opts.out_dir` (see the module docs), calling
+/// `progress` after each unit of input.
+pub fn prepare(
+    opts: &PrepareOptions,
+    progress: &dyn Fn(&PrepareProgress),
+) -> Result<PrepareSummary> {
+    if opts.shard_tokens == 0 {
+        return Err(Error::Config("--shard-tokens must be positive".into()));
+    }
+    if !(0.0..1.0).contains(&opts.val_fraction) {
+        return Err(Error::Config(format!(
+            "--val-fraction {} must be in [0, 1)",
+            opts.val_fraction
+        )));
+    }
+    if opts.inputs.is_empty() {
+        return Err(Error::Config("prepare needs at least one input".into()));
+    }
+    let files = expand_inputs(&opts.inputs)?;
+    let inputs: Vec<InputEntry> = files
+        .iter()
+        .map(|p| {
+            let m = std::fs::metadata(p).map_err(|e| Error::io(p, e))?;
+            let mtime_ns = m
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                .map(|d| d.as_nanos());
+            Ok(InputEntry {
+                path: p.clone(),
+                bytes: m.len(),
+                mtime_ns,
+            })
+        })
+        .collect::<Result<_>>()?;
+    let bytes_total: u64 = inputs.iter().map(|i| i.bytes).sum();
+    let dir = opts.out_dir.as_path();
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    remove_temporaries(dir)?;
+
+    let (encoder, tokenizer, vocab_size) = build_encoder(opts, &files)?;
+    let width = width_for_vocab(vocab_size as usize);
+    let vocab = u64::from_str_radix(&tokenizer.hash, 16).unwrap_or_default();
+    let mask = opts.format == InputFormat::Sft;
+    let eos_id = match &encoder {
+        Encoder::Tokenizer { eos, .. } => *eos,
+        _ => None,
+    };
+    let mut settings = serde_json::json!({
+        "version": PREPARE_VERSION,
+        "format": opts.format,
+        "field": opts.field,
+        "shard_tokens": opts.shard_tokens,
+        "val_fraction": opts.val_fraction,
+        "val_rule": format!("splitmix64(doc ^ {VAL_SEED:#x}) < val_fraction * 2^64"),
+        "chunk_bytes": opts.chunk_bytes,
+        "eos_id": eos_id,
+    });
+    let plan_text = serde_json::to_string(&(&settings, &inputs, &tokenizer))
+        .map_err(|e| Error::Config(e.to_string()))?;
+    let plan = format!("{:016x}", hash_bytes(plan_text.as_bytes()));
+    settings["plan"] = plan.clone().into();
+    let expect = Expect {
+        vocab: Some(vocab),
+        width: Some(width),
+    };
+
+    // An earlier run: finished (manifest) or interrupted (progress).
+    let progress_path = dir.join(PROGRESS_FILE);
+    if dir.join(MANIFEST_FILE).is_file() {
+        let m = Manifest::read(dir)?;
+        let same = m.settings.get("plan").and_then(|p| p.as_str()) == Some(plan.as_str());
+        if same
+            && verify_all(dir, &m.train, &expect).is_ok()
+            && verify_all(dir, &m.val, &expect).is_ok()
+        {
+            return Ok(PrepareSummary {
+                manifest: m,
+                resumed_shards: 0,
+                up_to_date: true,
+                bytes_read: 0,
+                tokens_made: 0,
+            });
+        }
+        if !same && !opts.overwrite {
+            return Err(Error::data(
+                dir,
+                "already holds shards prepared from other inputs or settings; use --overwrite \
+                 or another --out-dir",
+            ));
+        }
+        clear(dir)?;
+    }
+    let mut resume: Option<Progress> = None;
+    if progress_path.is_file() {
+        let p: Progress = crate::io::read_json(&progress_path)?;
+        if p.plan != plan && !opts.overwrite {
+            return Err(Error::data(
+                dir,
+                "holds an interrupted `prepare` of other inputs or settings; rerun that one, or \
+                 use --overwrite or another --out-dir",
+            ));
+        }
+        let ok = p.plan == plan
+            && verify_all(dir, &p.train, &expect).is_ok()
+            && verify_all(dir, &p.val, &expect).is_ok();
+        if ok {
+            resume = Some(p);
+        } else {
+            clear(dir)?;
+        }
+    }
+
+    let val_below = (opts.val_fraction * 18_446_744_073_709_551_616.0) as u64;
+    let at = resume.as_ref().map_or_else(start, |p| p.resume.clone());
+    let resumed_shards = resume.as_ref().map_or(0, |p| p.train.len() + p.val.len());
+    let stream = |i: usize, done: Vec<ShardEntry>, pos: u64| Stream {
+        name: SPLITS[i],
+        writer: ShardWriter::new(width, vocab, true, mask),
+        skip_until: done.len() as u64 * opts.shard_tokens,
+        pos,
+        open_at: None,
+        done,
+    };
+    let (done_t, done_v) = resume.map_or((Vec::new(), Vec::new()), |p| (p.train, p.val));
+    let mut cut = Cutter {
+        dir,
+        shard_tokens: opts.shard_tokens,
+        width,
+        vocab,
+        mask,
+        streams: [stream(0, done_t, at.pos[0]), stream(1, done_v, at.pos[1])],
+        doc: at.doc,
+        in_val: false,
+        val_below,
+        finished_now: false,
+    };
+    // A resumed unit in the middle of a text file continues the document before it.
+    cut.in_val = at.doc > 0 && cut.is_val(at.doc - 1);
+
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(opts.threads)
+        .build()
+        .map_err(|e| Error::Config(format!("cannot start worker threads: {e}")))?;
+    let window = 4 * pool.current_num_threads().max(1);
+    let text = opts.format == InputFormat::Text;
+    let mut reader = UnitReader::new(&files, text, opts.chunk_bytes, at.clone());
+    let mut state = PrepareProgress {
+        bytes_done: inputs[..at.file.min(inputs.len())]
+            .iter()
+            .map(|i| i.bytes)
+            .sum::<u64>()
+            + at.offset,
+        bytes_total,
+        tokens: 0,
+        shards: resumed_shards,
+    };
+    let bytes_before = state.bytes_done;
+    loop {
+        let mut units: Vec<Unit> = Vec::with_capacity(window);
+        while units.len() < window {
+            match reader.next_unit()? {
+                Some(u) => units.push(u),
+                None => break,
+            }
+        }
+        if units.is_empty() {
+            break;
+        }
+        let encoded: Vec<Result<Vec<Piece>>> = pool.install(|| {
+            units
+                .par_iter()
+                .map(|u| encoder.encode_unit(u, &files[u.at.file], opts.format, &opts.field))
+                .collect()
+        });
+        for (unit, pieces) in units.iter().zip(encoded) {
+            let mut at = unit.at.clone();
+            at.doc = cut.doc;
+            at.pos = [cut.streams[0].pos, cut.streams[1].pos];
+            state.tokens += cut.feed(&at, pieces?)?;
+            state.bytes_done += unit.bytes.len() as u64;
+            if std::mem::take(&mut cut.finished_now) {
+                state.shards = cut.streams[0].done.len() + cut.streams[1].done.len();
+                let mut next = reader_position(&files, unit);
+                next.doc = cut.doc;
+                next.pos = [cut.streams[0].pos, cut.streams[1].pos];
+                let resume = cut
+                    .streams
+                    .iter()
+                    .filter(|s| !s.writer.is_empty())
+                    .filter_map(|s| s.open_at.clone())
+                    .chain([next])
+                    .min_by_key(|p| (p.file, p.offset))
+                    .expect("one position at least");
+                let p = Progress {
+                    plan: plan.clone(),
+                    resume,
+                    train: cut.streams[0].done.clone(),
+                    val: cut.streams[1].done.clone(),
+                };
+                crate::io::write_json(&progress_path, &p)?;
+            }
+            progress(&state);
+        }
+    }
+    for s in 0..2 {
+        if !cut.streams[s].writer.is_empty() {
+            cut.finish(s)?;
+        }
+    }
+    let [train, val] = cut.streams.map(|s| s.done);
+    if train.is_empty() {
+        return Err(Error::data(
+            &opts.inputs[0],
+            "the inputs gave no training tokens (empty files, or every document held out)",
+        ));
+    }
+    let manifest = Manifest {
+        format: MANIFEST_FORMAT,
+        tokenizer,
+        vocab_size,
+        eos_id,
+        width,
+        docs: true,
+        mask,
+        train,
+        val,
+        inputs,
+        settings,
+    };
+    manifest.write(dir)?;
+    let _ = std::fs::remove_file(&progress_path);
+    state.shards = manifest.train.len() + manifest.val.len();
+    progress(&state);
+    Ok(PrepareSummary {
+        manifest,
+        resumed_shards,
+        up_to_date: false,
+        bytes_read: state.bytes_done - bytes_before,
+        tokens_made: state.tokens,
+    })
+}
+
+/// The position just after `unit` (file, offset, line; counters left to the caller).
+fn reader_position(files: &[PathBuf], unit: &Unit) -> Position {
+    let lines = unit.bytes.iter().filter(|&&b| b == b'\n').count() as u64;
+    if unit.eof {
+        Position {
+            file: (unit.at.file + 1).min(files.len()),
+            offset: 0,
+            line: 1,
+            ..Position::default()
+        }
+    } else {
+        Position {
+            file: unit.at.file,
+            offset: unit.at.offset + unit.bytes.len() as u64,
+            line: unit.at.line + lines,
+            ..Position::default()
+        }
+    }
+}
+
+fn verify_all(dir: &Path, list: &[ShardEntry], expect: &Expect) -> Result<()> {
+    for e in list {
+        let path = dir.join(&e.file);
+        let h = format::verify(&path, expect)?;
+        if format!("{:016x}", h.checksum) != e.checksum {
+            return Err(Error::data(&path, "checksum differs from the recorded one"));
+        }
+    }
+    Ok(())
+}
+
+/// Removes the shards, manifest and progress file of an earlier run.
+fn clear(dir: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let entry = entry.map_err(|e| Error::io(dir, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let ours = (name.starts_with("train-") || name.starts_with("val-"))
+            && name.ends_with(".tok")
+            || name == MANIFEST_FILE
+            || name == PROGRESS_FILE;
+        if ours {
+            std::fs::remove_file(entry.path()).map_err(|e| Error::io(entry.path(), e))?;
+        }
+    }
+    Ok(())
+}
+
+/// Removes temporary files a killed run left (`.<name>.tmp-<pid>-<n>`).
+fn remove_temporaries(dir: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let entry = entry.map_err(|e| Error::io(dir, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') && name.contains(".tmp-") {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+    Ok(())
+}
