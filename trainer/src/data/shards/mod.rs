@@ -24,5 +24,6 @@ pub use order::DataOrder;
 pub use prepare::{
     prepare, InputFormat, PrepareOptions, PrepareProgress, PrepareSummary, VocabSpec,
 };
+pub(crate) use source::human;
 pub use source::{ShardOptions, ShardSource};
 pub use write::{write_prepared, ShardData};

@@ -40,6 +40,7 @@ pub struct ShardOptions {
 /// counts when its token's mask bit is set); with [`ShardOptions::doc_mask`] it carries the
 /// rows' document positions and ids ([`Batch::rows`]).
 pub struct ShardSource {
+    /// What errors name: the directory, or the text file a token cache was made from.
     dir: PathBuf,
     train: Vec<ShardView>,
     val: Vec<ShardView>,

@@ -1,5 +1,6 @@
 //! Memory-mapped, read-only views of token shards: a prepared `<split>-<NNNNN>.tok` file (see
-//! [`super::format`]) or a nanoGPT raw `train.bin` / `val.bin` (bare little-endian `u16`s).
+//! [`super::format`]), a nanoGPT raw `train.bin` / `val.bin` (bare little-endian `u16`s), or
+//! a range of a byte corpus (each byte a token).
 //!
 //! Nothing is copied at open: tokens, the document-start offsets and the loss-mask bits are read
 //! from the mapping as windows are drawn, so a process's anonymous memory does not grow with
@@ -13,10 +14,27 @@ use memmap2::Mmap;
 use super::format::{Expect, ShardHeader, HEADER_LEN};
 use crate::error::{Error, Result};
 
-/// One memory-mapped shard.
+/// The bytes a view reads: a file's mapping, or (when a token cache cannot be written) the
+/// tokens in memory.
+enum Bytes {
+    Map(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Map(m) => m,
+            Bytes::Owned(v) => v,
+        }
+    }
+}
+
+/// One memory-mapped shard (or a token range of a raw file).
 pub(crate) struct ShardView {
     path: PathBuf,
-    map: Mmap,
+    map: Bytes,
     width: usize,
     /// Byte offset of the first token.
     tokens_at: usize,
@@ -87,33 +105,72 @@ impl ShardView {
                 .then(|| (header.docs_offset() as usize, header.n_docs as usize)),
             mask_at: header.has_mask().then(|| header.mask_offset() as usize),
             checksum: header.checksum,
-            map,
+            map: Bytes::Map(map),
         })
     }
 
     /// Maps a nanoGPT raw token file: little-endian `u16`s, no header.
     pub(crate) fn open_raw_u16(path: &Path) -> Result<Self> {
-        let map = map_file(path)?;
-        if map.len() % 2 != 0 {
+        let len = std::fs::metadata(path)
+            .map_err(|e| Error::io(path, e))?
+            .len();
+        if len % 2 != 0 {
             return Err(Error::data(
                 path,
                 format!(
-                    "{} bytes is not a whole number of uint16 tokens (a nanoGPT .bin file holds \
-                     little-endian uint16s)",
-                    map.len()
+                    "{len} bytes is not a whole number of uint16 tokens (a nanoGPT .bin file \
+                     holds little-endian uint16s)"
                 ),
+            ));
+        }
+        Self::open_raw(path, 2, 0..(len / 2) as usize)
+    }
+
+    /// Maps tokens `range` of a headerless file of `width`-byte little-endian tokens (a byte
+    /// corpus is its own token list at width 1).
+    pub(crate) fn open_raw(
+        path: &Path,
+        width: usize,
+        range: std::ops::Range<usize>,
+    ) -> Result<Self> {
+        let map = map_file(path)?;
+        if range.end * width > map.len() {
+            return Err(Error::data(
+                path,
+                format!("shorter than {} tokens of {width} bytes", range.end),
             ));
         }
         Ok(ShardView {
             path: path.to_path_buf(),
-            width: 2,
-            tokens_at: 0,
-            n_tokens: map.len() / 2,
+            width,
+            tokens_at: range.start * width,
+            n_tokens: range.len(),
             docs: None,
             mask_at: None,
             checksum: 0,
-            map,
+            map: Bytes::Map(map),
         })
+    }
+
+    /// A view of `tokens` held in memory at `width` bytes a token (`path` names it in logs).
+    pub(crate) fn in_memory(path: &Path, tokens: &[u32], width: usize) -> Self {
+        let bytes = match width {
+            2 => tokens
+                .iter()
+                .flat_map(|&t| (t as u16).to_le_bytes())
+                .collect(),
+            _ => tokens.iter().flat_map(|&t| t.to_le_bytes()).collect(),
+        };
+        ShardView {
+            path: path.to_path_buf(),
+            width: if width == 2 { 2 } else { 4 },
+            tokens_at: 0,
+            n_tokens: tokens.len(),
+            docs: None,
+            mask_at: None,
+            checksum: 0,
+            map: Bytes::Owned(bytes),
+        }
     }
 
     /// The file.
@@ -146,7 +203,9 @@ impl ShardView {
     pub(crate) fn read(&self, start: usize, len: usize, out: &mut Vec<u32>) {
         let w = self.width;
         let bytes = &self.token_bytes()[start * w..(start + len) * w];
-        if w == 2 {
+        if w == 1 {
+            out.extend(bytes.iter().map(|&b| u32::from(b)));
+        } else if w == 2 {
             out.extend(
                 bytes
                     .chunks_exact(2)
