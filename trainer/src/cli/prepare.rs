@@ -60,6 +60,9 @@ pub(super) struct PrepareArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+    /// Bytes of input tokenised as one unit (tests; part of the output's identity).
+    #[arg(long, default_value_t = 1 << 20, hide = true)]
+    chunk_bytes: usize,
 }
 
 pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
@@ -96,7 +99,7 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
         val_fraction: args.val_fraction,
         threads: args.threads,
         overwrite: args.overwrite,
-        ..PrepareOptions::default()
+        chunk_bytes: args.chunk_bytes,
     };
     let bar = if args.quiet {
         ProgressBar::hidden()

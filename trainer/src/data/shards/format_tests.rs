@@ -1,4 +1,5 @@
 use super::*;
+use crate::hash::Hasher64;
 
 fn tmp() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()

@@ -7,9 +7,11 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use super::prepare::InputFormat;
+use super::format::{byte_vocab_hash, char_vocab_hash, tokenizer_vocab_hash, TokenizerInfo};
+use super::prepare::{InputFormat, PrepareOptions, VocabSpec};
 use crate::data::sft::{parse_line, Record, SftEncoder};
 use crate::error::{Error, Result};
+use crate::pretrained::TokenizerFile;
 
 /// Files named by `inputs`, in order: a file as it is, a directory's regular files (recursive,
 /// hidden ones skipped, sorted by path), a glob's matches (sorted).
@@ -93,9 +95,14 @@ pub(crate) struct Unit {
     pub eof: bool,
 }
 
-/// Reads the input files as units of about `chunk` bytes: cut after a newline at or beyond
-/// `chunk` bytes (for text, only a newline followed by a non-space byte, so that no
-/// pre-tokenizer token spans a cut).
+/// A text unit is cut at any newline when none followed by a non-space byte comes within
+/// this many chunks.
+const MAX_UNIT_CHUNKS: usize = 8;
+
+/// Reads the input files as units of about `chunk` bytes: cut after the first newline at or
+/// beyond `chunk` bytes (for text, the first newline followed by a non-space byte, so that no
+/// pre-tokenizer token spans a cut, unless none comes within [`MAX_UNIT_CHUNKS`] chunks: then
+/// any newline). A file without newlines is one unit. The cuts depend on the bytes alone.
 pub(crate) struct UnitReader<'a> {
     files: &'a [PathBuf],
     text: bool,
@@ -138,6 +145,37 @@ impl<'a> UnitReader<'a> {
         Ok(())
     }
 
+    /// The end (one past a newline) of the first cut at or after `from` and before `end`,
+    /// reading more as needed; `None` if there is none before `end` or the end of the file.
+    /// `strict`: only a newline followed by a non-space byte.
+    fn find(&mut self, mut from: usize, end: Option<usize>, strict: bool) -> Result<Option<usize>> {
+        loop {
+            let stop = end.map_or(self.buf.len(), |e| e.min(self.buf.len()));
+            // A strict cut needs the byte after the newline.
+            let last = if strict && !self.eof {
+                stop.saturating_sub(1)
+            } else {
+                stop
+            };
+            for i in from..last {
+                let next_ok = !strict
+                    || self
+                        .buf
+                        .get(i + 1)
+                        .is_some_and(|n| !n.is_ascii_whitespace());
+                if self.buf[i] == b'\n' && next_ok {
+                    return Ok(Some(i + 1));
+                }
+            }
+            if self.eof || end.is_some_and(|e| last >= e) {
+                return Ok(None);
+            }
+            from = from.max(last);
+            let want = (self.buf.len() * 2).max(from + 2);
+            self.fill(want)?;
+        }
+    }
+
     /// The next unit, `None` after the last file. Empty files give no unit.
     pub fn next_unit(&mut self) -> Result<Option<Unit>> {
         loop {
@@ -161,29 +199,16 @@ impl<'a> UnitReader<'a> {
                 self.at.line = 1;
                 continue;
             }
-            let mut from = self.chunk - 1;
-            let cut = loop {
-                let found = self.buf.get(from..).and_then(|rest| {
-                    rest.iter().enumerate().position(|(j, &b)| {
-                        let i = from + j;
-                        b == b'\n'
-                            && (!self.text
-                                || self
-                                    .buf
-                                    .get(i + 1)
-                                    .is_some_and(|n| !n.is_ascii_whitespace()))
-                    })
-                });
-                match found {
-                    Some(j) => break from + j + 1,
-                    None if self.eof => break self.buf.len(),
-                    None => {
-                        from = self.buf.len().saturating_sub(1).max(from);
-                        let want = self.buf.len() * 2;
-                        self.fill(want)?;
-                    }
+            let from = self.chunk - 1;
+            let found = if self.text {
+                match self.find(from, Some(MAX_UNIT_CHUNKS * self.chunk), true)? {
+                    Some(c) => Some(c),
+                    None => self.find(from, None, false)?,
                 }
+            } else {
+                self.find(from, None, false)?
             };
+            let cut = found.unwrap_or(self.buf.len());
             let bytes: Vec<u8> = self.buf.drain(..cut).collect();
             self.fill(1)?;
             let eof = self.buf.is_empty() && self.eof;
@@ -380,3 +405,105 @@ impl Encoder {
         Ok(out)
     }
 }
+
+/// The encoder, vocabulary description and vocabulary size `opts` asks for.
+pub(crate) fn build_encoder(
+    opts: &PrepareOptions,
+    files: &[PathBuf],
+) -> Result<(Encoder, TokenizerInfo, u64)> {
+    match (&opts.vocab, opts.format) {
+        (VocabSpec::Tokenizer(path), InputFormat::Sft) => {
+            let enc = SftEncoder::open(path)?;
+            let hash = tokenizer_vocab_hash(enc.tokenizer());
+            let size = enc.tokenizer().get_vocab_size(true) as u64;
+            let info = tok_info("tokenizer", Some(path.clone()), hash, None);
+            Ok((Encoder::Sft(Box::new(enc)), info, size))
+        }
+        (_, InputFormat::Sft) => Err(Error::Config(
+            "--format sft needs a tokenizer.json (--tokenizer) with its chat template".into(),
+        )),
+        (VocabSpec::Tokenizer(path), _) => {
+            let file = TokenizerFile::open(path)?;
+            let default_eos = file.special_tokens().eos;
+            let tokenizer = file.into_inner();
+            let eos = match &opts.eos_token {
+                Some(t) => Some(tokenizer.token_to_id(t).ok_or_else(|| {
+                    Error::Tokenizer(format!("{}: no token {t:?} (--eos-token)", path.display()))
+                })?),
+                None => default_eos,
+            };
+            let Some(eos) = eos else {
+                return Err(Error::Tokenizer(format!(
+                    "{}: no EOS token (no eos_token in tokenizer_config.json, no <|endoftext|> \
+                     or </s>); name one with --eos-token",
+                    path.display()
+                )));
+            };
+            let hash = tokenizer_vocab_hash(&tokenizer);
+            let size = tokenizer.get_vocab_size(true) as u64;
+            let info = tok_info("tokenizer", Some(path.clone()), hash, None);
+            let enc = Encoder::Tokenizer {
+                tokenizer: Box::new(tokenizer),
+                eos: Some(eos),
+            };
+            Ok((enc, info, size))
+        }
+        (VocabSpec::Byte, _) => Ok((
+            Encoder::Byte,
+            tok_info("byte", None, byte_vocab_hash(), None),
+            256,
+        )),
+        (VocabSpec::Char, _) => {
+            let chars = scan_chars(opts, files)?;
+            let index = chars
+                .iter()
+                .enumerate()
+                .map(|(i, &c)| (c, i as u32))
+                .collect();
+            let info = tok_info(
+                "char",
+                None,
+                char_vocab_hash(&chars),
+                Some(chars.iter().collect()),
+            );
+            Ok((Encoder::Char(index), info, chars.len() as u64))
+        }
+    }
+}
+
+fn tok_info(kind: &str, path: Option<PathBuf>, hash: u64, chars: Option<String>) -> TokenizerInfo {
+    TokenizerInfo {
+        kind: kind.into(),
+        path,
+        hash: format!("{hash:016x}"),
+        chars,
+    }
+}
+
+/// The sorted unique characters of every document (one streaming pass).
+fn scan_chars(opts: &PrepareOptions, files: &[PathBuf]) -> Result<Vec<char>> {
+    let text = opts.format == InputFormat::Text;
+    let mut reader = UnitReader::new(files, text, opts.chunk_bytes, start());
+    let mut set = std::collections::BTreeSet::new();
+    while let Some(unit) = reader.next_unit()? {
+        for (_, t) in texts(&unit, &files[unit.at.file], opts.format, &opts.field)? {
+            set.extend(t.chars());
+        }
+    }
+    if set.is_empty() {
+        return Err(Error::data(&opts.out_dir, "the inputs hold no characters"));
+    }
+    Ok(set.into_iter().collect())
+}
+
+/// The position of the first byte of the first file.
+pub(crate) fn start() -> Position {
+    Position {
+        line: 1,
+        ..Position::default()
+    }
+}
+
+#[cfg(test)]
+#[path = "input_tests.rs"]
+mod tests;

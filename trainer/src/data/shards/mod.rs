@@ -1,9 +1,9 @@
 //! Pre-tokenised token shards: a directory of `train-NNNNN.tok` / `val-NNNNN.tok` files and
 //! a `manifest.json`, made once by `trainer prepare` and memory-mapped by training.
 //!
-//! - [`format`]: one shard file (header, tokens, document starts, loss mask), reading,
+//! - [`format`](mod@format): one shard file (header, tokens, document starts, loss mask), reading,
 //!   writing and verifying it, and the [`Manifest`].
-//! - [`prepare`]: text, JSONL or SFT records → shards, streaming, parallel, deterministic and
+//! - [`prepare`](mod@prepare): text, JSONL or SFT records → shards, streaming, parallel, deterministic and
 //!   resumable.
 //! - [`ShardSource`]: the [`DataSource`](crate::data::DataSource) over a prepared directory
 //!   (or nanoGPT's `train.bin` / `val.bin`), memory-mapped, in random or epoch order
@@ -13,6 +13,7 @@
 
 pub mod format;
 mod input;
+mod manifest;
 pub mod order;
 pub mod prepare;
 mod source;

@@ -8,6 +8,9 @@
 //!   (file order, position in file), each split's token stream is cut every
 //!   [`PrepareOptions::shard_tokens`] tokens, and a document goes to validation iff
 //!   `splitmix64(index ^ VAL_SEED) < val_fraction * 2^64`. The thread count changes nothing.
+//! - **Parquet** is not read: the `parquet` crate (with `arrow`) would lengthen the trainer's
+//!   cold build well past a fifth; convert to JSONL first (e.g. `pandas.read_parquet(p)
+//!   .to_json(out, orient="records", lines=True)`).
 //! - **Resumable**: shards are written to a temporary name and renamed; after each unit in
 //!   which a shard was finished, `progress.json` records the finished shards and a position to
 //!   restart from (the start of the oldest unit feeding an unfinished shard). A rerun verifies
@@ -21,19 +24,19 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use super::format::{
-    self, byte_vocab_hash, char_vocab_hash, tokenizer_vocab_hash, width_for_vocab, Expect,
-    InputEntry, Manifest, ShardEntry, ShardWriter, TokenizerInfo, MANIFEST_FILE, MANIFEST_FORMAT,
+    self, width_for_vocab, Expect, InputEntry, Manifest, ShardEntry, ShardWriter, MANIFEST_FILE,
+    MANIFEST_FORMAT,
 };
-use super::input::{expand_inputs, texts, Encoder, Piece, Position, Unit, UnitReader};
-use crate::data::sft::SftEncoder;
+use super::input::{
+    build_encoder, expand_inputs, start, Encoder, Piece, Position, Unit, UnitReader,
+};
 use crate::error::{Error, Result};
 use crate::hash::{hash_bytes, splitmix64};
-use crate::pretrained::TokenizerFile;
 
 /// The file recording an unfinished `prepare`.
 pub const PROGRESS_FILE: &str = "progress.json";
 /// Seed of the validation rule (see the module docs).
-pub const VAL_SEED: u64 = 0x5eed_0f_da7a;
+pub const VAL_SEED: u64 = 0x5eed_da7a;
 /// Bumped whenever the way inputs become tokens changes.
 const PREPARE_VERSION: u32 = 1;
 
@@ -47,7 +50,7 @@ pub enum InputFormat {
     /// JSON lines: each non-blank line is a document, its text in [`PrepareOptions::field`].
     Jsonl,
     /// SFT records (TRL `messages`, `prompt`/`completion`, `text`) rendered with the chat
-    /// template and masked as [`SftEncoder`] does; shards carry the loss mask. No EOS is
+    /// template and masked as [`SftEncoder`](crate::data::sft::SftEncoder) does; shards carry the loss mask. No EOS is
     /// appended (the encoder ends examples itself).
     Sft,
 }
@@ -249,102 +252,6 @@ impl Cutter<'_> {
         st.open_at = None;
         self.finished_now = true;
         Ok(())
-    }
-}
-
-fn build_encoder(
-    opts: &PrepareOptions,
-    files: &[PathBuf],
-) -> Result<(Encoder, TokenizerInfo, u64)> {
-    match (&opts.vocab, opts.format) {
-        (VocabSpec::Tokenizer(path), InputFormat::Sft) => {
-            let enc = SftEncoder::open(path)?;
-            let hash = tokenizer_vocab_hash(enc.tokenizer());
-            let size = enc.tokenizer().get_vocab_size(true) as u64;
-            let info = tok_info("tokenizer", Some(path.clone()), hash, None);
-            Ok((Encoder::Sft(Box::new(enc)), info, size))
-        }
-        (_, InputFormat::Sft) => Err(Error::Config(
-            "--format sft needs a tokenizer.json (--tokenizer) with its chat template".into(),
-        )),
-        (VocabSpec::Tokenizer(path), _) => {
-            let file = TokenizerFile::open(path)?;
-            let default_eos = file.special_tokens().eos;
-            let tokenizer = file.into_inner();
-            let eos = match &opts.eos_token {
-                Some(t) => Some(tokenizer.token_to_id(t).ok_or_else(|| {
-                    Error::Tokenizer(format!("{}: no token {t:?} (--eos-token)", path.display()))
-                })?),
-                None => default_eos,
-            };
-            let Some(eos) = eos else {
-                return Err(Error::Tokenizer(format!(
-                    "{}: no EOS token (no eos_token in tokenizer_config.json, no <|endoftext|> \
-                     or </s>); name one with --eos-token",
-                    path.display()
-                )));
-            };
-            let hash = tokenizer_vocab_hash(&tokenizer);
-            let size = tokenizer.get_vocab_size(true) as u64;
-            let info = tok_info("tokenizer", Some(path.clone()), hash, None);
-            let enc = Encoder::Tokenizer {
-                tokenizer: Box::new(tokenizer),
-                eos: Some(eos),
-            };
-            Ok((enc, info, size))
-        }
-        (VocabSpec::Byte, _) => Ok((
-            Encoder::Byte,
-            tok_info("byte", None, byte_vocab_hash(), None),
-            256,
-        )),
-        (VocabSpec::Char, _) => {
-            let chars = scan_chars(opts, files)?;
-            let index = chars
-                .iter()
-                .enumerate()
-                .map(|(i, &c)| (c, i as u32))
-                .collect();
-            let info = tok_info(
-                "char",
-                None,
-                char_vocab_hash(&chars),
-                Some(chars.iter().collect()),
-            );
-            Ok((Encoder::Char(index), info, chars.len() as u64))
-        }
-    }
-}
-
-fn tok_info(kind: &str, path: Option<PathBuf>, hash: u64, chars: Option<String>) -> TokenizerInfo {
-    TokenizerInfo {
-        kind: kind.into(),
-        path,
-        hash: format!("{hash:016x}"),
-        chars,
-    }
-}
-
-/// The sorted unique characters of every document (one streaming pass).
-fn scan_chars(opts: &PrepareOptions, files: &[PathBuf]) -> Result<Vec<char>> {
-    let text = opts.format == InputFormat::Text;
-    let mut reader = UnitReader::new(files, text, opts.chunk_bytes, start());
-    let mut set = std::collections::BTreeSet::new();
-    while let Some(unit) = reader.next_unit()? {
-        for (_, t) in texts(&unit, &files[unit.at.file], opts.format, &opts.field)? {
-            set.extend(t.chars());
-        }
-    }
-    if set.is_empty() {
-        return Err(Error::data(&opts.out_dir, "the inputs hold no characters"));
-    }
-    Ok(set.into_iter().collect())
-}
-
-fn start() -> Position {
-    Position {
-        line: 1,
-        ..Position::default()
     }
 }
 

@@ -1,0 +1,422 @@
+//! `trainer prepare`: token shards from text, JSONL and SFT records; determinism across
+//! thread counts, resumption after a kill, the validation split, refusals.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use trainer::data::sft::{parse_records, SftEncoder};
+use trainer::data::shards::format::{self, open_shard, Expect};
+use trainer::data::shards::{prepare, InputFormat, Manifest, PrepareOptions, VocabSpec};
+use trainer::data::Split;
+
+const WORDS: [&str; 12] = [
+    "<unk>",
+    "<|endoftext|>",
+    "the",
+    "king",
+    "is",
+    "dead",
+    "long",
+    "live",
+    "queen",
+    "good",
+    "night",
+    "prince",
+];
+
+/// A word-level tokenizer.json (EOS `<|endoftext|>` = id 1) in `dir`.
+fn tokenizer(dir: &Path) -> PathBuf {
+    let p = dir.join("tokenizer.json");
+    trainer::pretrained::word_level(&WORDS, &["<|endoftext|>"])
+        .unwrap()
+        .save(&p, false)
+        .unwrap();
+    p
+}
+
+/// Document `i`: a few words, different for different `i` (its first word encodes `i`).
+fn doc(i: usize) -> String {
+    let w = |k: usize| WORDS[2 + k % 10];
+    let mut s = format!("{} {} {}", w(i), w(i / 10), w(i / 100));
+    for k in 0..(i % 7) {
+        s.push(' ');
+        s.push_str(w(i + k));
+    }
+    s
+}
+
+fn jsonl(path: &Path, n: usize) {
+    let text: String = (0..n)
+        .map(|i| serde_json::json!({ "text": doc(i), "id": i }).to_string() + "\n")
+        .collect();
+    std::fs::write(path, text).unwrap();
+}
+
+fn opts(inputs: Vec<PathBuf>, out: &Path, tok: &Path) -> PrepareOptions {
+    PrepareOptions {
+        inputs,
+        out_dir: out.to_path_buf(),
+        format: InputFormat::Jsonl,
+        vocab: VocabSpec::Tokenizer(tok.to_path_buf()),
+        shard_tokens: 1000,
+        chunk_bytes: 512,
+        ..PrepareOptions::default()
+    }
+}
+
+/// Every file of a prepared directory, by name, with its bytes.
+fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// The documents of a split: token lists cut at the document starts (a document continuing
+/// across shards is joined).
+fn docs(dir: &Path, m: &Manifest, split: Split) -> Vec<Vec<u32>> {
+    let mut out: Vec<Vec<u32>> = Vec::new();
+    for e in m.shards(split) {
+        let s = open_shard(&dir.join(&e.file), &m.expect()).unwrap();
+        s.verify().unwrap();
+        let starts: BTreeSet<u64> = s.doc_starts().collect();
+        for (i, t) in s.tokens().into_iter().enumerate() {
+            if starts.contains(&(i as u64)) || out.is_empty() {
+                out.push(Vec::new());
+            }
+            out.last_mut().unwrap().push(t);
+        }
+    }
+    out
+}
+
+#[test]
+fn jsonl_documents_end_with_eos_and_val_is_disjoint_by_documents() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = tokenizer(tmp.path());
+    let data = tmp.path().join("a.jsonl");
+    jsonl(&data, 2000);
+    let out = tmp.path().join("out");
+    let o = PrepareOptions {
+        val_fraction: 0.1,
+        ..opts(vec![data], &out, &tok)
+    };
+    let s = prepare(&o, &|_| {}).unwrap();
+    let m = &s.manifest;
+    assert_eq!(
+        (m.width, m.eos_id, m.docs, m.mask),
+        (2, Some(1), true, false)
+    );
+    assert!(m.train.len() > 3 && !m.val.is_empty(), "{m:?}");
+    assert!(m.train[..m.train.len() - 1]
+        .iter()
+        .all(|e| e.tokens == 1000));
+    let enc = trainer::pretrained::TokenizerFile::open(&tok).unwrap();
+    let expected: Vec<Vec<u32>> = (0..2000)
+        .map(|i| {
+            let mut t = enc.encode(&doc(i)).unwrap();
+            t.push(1);
+            t
+        })
+        .collect();
+    let train = docs(&out, m, Split::Train);
+    let val = docs(&out, m, Split::Val);
+    assert_eq!(train.len() + val.len(), 2000);
+    assert!(train.iter().chain(&val).all(|d| d.last() == Some(&1)));
+    // Every document lands whole in exactly one split, in order.
+    let (mut ti, mut vi) = (0, 0);
+    for e in &expected {
+        if train.get(ti) == Some(e) {
+            ti += 1;
+        } else {
+            assert_eq!(val.get(vi), Some(e));
+            vi += 1;
+        }
+    }
+    assert!(
+        (100..300).contains(&val.len()),
+        "{} val documents",
+        val.len()
+    );
+    // A second call finds the directory up to date.
+    let again = prepare(&o, &|_| {}).unwrap();
+    assert!(again.up_to_date);
+}
+
+#[test]
+fn one_thread_and_two_give_the_same_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = tokenizer(tmp.path());
+    let (a, b) = (tmp.path().join("a.jsonl"), tmp.path().join("b.jsonl"));
+    jsonl(&a, 1500);
+    jsonl(&b, 700);
+    let mut outs = Vec::new();
+    for threads in [1, 2] {
+        let out = tmp.path().join(format!("out{threads}"));
+        let o = PrepareOptions {
+            threads,
+            val_fraction: 0.2,
+            ..opts(vec![a.clone(), b.clone()], &out, &tok)
+        };
+        prepare(&o, &|_| {}).unwrap();
+        outs.push(files(&out));
+    }
+    assert_eq!(outs[0], outs[1]);
+}
+
+#[test]
+fn a_crash_mid_way_and_a_rerun_give_the_same_shards() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = tokenizer(tmp.path());
+    let data = tmp.path().join("a.jsonl");
+    jsonl(&data, 3000);
+    let clean = tmp.path().join("clean");
+    let o = PrepareOptions {
+        val_fraction: 0.15,
+        ..opts(vec![data.clone()], &clean, &tok)
+    };
+    prepare(&o, &|_| {}).unwrap();
+    for crash_after in [1, 4, 9] {
+        let out = tmp.path().join(format!("crash{crash_after}"));
+        let o = PrepareOptions {
+            out_dir: out.clone(),
+            threads: 2,
+            ..o.clone()
+        };
+        // A panic in the progress callback stands for a kill: nothing is cleaned up.
+        let crashed = std::panic::catch_unwind(|| {
+            prepare(&o, &|p| {
+                if p.shards >= crash_after {
+                    panic!("killed");
+                }
+            })
+        });
+        assert!(crashed.is_err());
+        assert!(!out.join(format::MANIFEST_FILE).exists());
+        // A half-written shard from the kill is redone.
+        std::fs::write(out.join(".train-00099.tok.tmp-1-0"), b"half").unwrap();
+        let s = prepare(&o, &|_| {}).unwrap();
+        assert!(s.resumed_shards >= crash_after, "{}", s.resumed_shards);
+        assert_eq!(files(&out), files(&clean), "crash after {crash_after}");
+    }
+}
+
+#[test]
+fn killing_the_cli_and_rerunning_it_gives_the_same_shards() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = tokenizer(tmp.path());
+    let data = tmp.path().join("big.jsonl");
+    jsonl(&data, 200_000);
+    let run = |out: &Path| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_trainer"));
+        c.args([
+            "prepare",
+            "--quiet",
+            "--shard-tokens",
+            "20000",
+            "--val-fraction",
+            "0.1",
+        ])
+        .args(["--chunk-bytes", "4096", "--threads", "2", "--tokenizer"])
+        .arg(&tok)
+        .arg("--out-dir")
+        .arg(out)
+        .arg(&data)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        c
+    };
+    let out = tmp.path().join("killed");
+    let mut child = run(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !out.join("progress.json").exists() && t0.elapsed() < Duration::from_secs(60) {
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let killed_mid_way = !out.join(format::MANIFEST_FILE).exists();
+    let resumable = out.join("progress.json").exists();
+    let o = run(&out).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    if killed_mid_way && resumable {
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(stdout.contains("finished shards kept"), "{stdout}");
+    }
+    let clean = tmp.path().join("clean");
+    let o = run(&clean).output().unwrap();
+    assert!(o.status.success());
+    assert_eq!(files(&out), files(&clean));
+    if !killed_mid_way {
+        eprintln!("note: the child finished before it could be killed");
+    }
+}
+
+#[test]
+fn a_missing_field_names_file_and_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = tokenizer(tmp.path());
+    let data = tmp.path().join("bad.jsonl");
+    std::fs::write(&data, "{\"text\": \"the king\"}\n\n{\"body\": \"x\"}\n").unwrap();
+    let err = prepare(&opts(vec![data], &tmp.path().join("o"), &tok), &|_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("bad.jsonl:3") && err.contains("`text`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn text_files_directories_and_globs_char_and_byte() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("texts");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("b.txt"), "hello\nworld\n").unwrap();
+    std::fs::write(dir.join("a.txt"), "abc\n").unwrap();
+    for (input, vocab) in [
+        (dir.clone(), VocabSpec::Char),
+        (dir.join("*.txt"), VocabSpec::Byte),
+    ] {
+        let out = tmp.path().join(format!("o{vocab:?}"));
+        let o = PrepareOptions {
+            inputs: vec![input],
+            out_dir: out.clone(),
+            vocab: vocab.clone(),
+            shard_tokens: 5,
+            ..PrepareOptions::default()
+        };
+        let m = prepare(&o, &|_| {}).unwrap().manifest;
+        assert_eq!(m.eos_id, None);
+        let d = docs(&out, &m, Split::Train);
+        // Files in sorted order, one document each.
+        assert_eq!(d.len(), 2);
+        let back = |t: &[u32]| -> String {
+            match vocab {
+                VocabSpec::Byte => t.iter().map(|&b| b as u8 as char).collect(),
+                _ => {
+                    let chars: Vec<char> = m.tokenizer.chars.as_ref().unwrap().chars().collect();
+                    t.iter().map(|&i| chars[i as usize]).collect()
+                }
+            }
+        };
+        assert_eq!(back(&d[0]), "abc\n");
+        assert_eq!(back(&d[1]), "hello\nworld\n");
+    }
+}
+
+#[test]
+fn tampered_shards_are_refused_naming_the_file_and_redone_by_prepare() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = tokenizer(tmp.path());
+    let data = tmp.path().join("a.jsonl");
+    jsonl(&data, 500);
+    let out = tmp.path().join("out");
+    let o = opts(vec![data], &out, &tok);
+    let m = prepare(&o, &|_| {}).unwrap().manifest;
+    let good = files(&out);
+    let p = out.join(&m.train[1].file);
+    let mut bytes = std::fs::read(&p).unwrap();
+    bytes[100] ^= 1;
+    std::fs::write(&p, &bytes).unwrap();
+    let err = format::verify(&p, &m.expect()).unwrap_err().to_string();
+    assert!(
+        err.contains("train-00001.tok") && err.contains("checksum"),
+        "{err}"
+    );
+    std::fs::write(&p, &bytes[..bytes.len() - 1]).unwrap();
+    let err = format::verify(&p, &m.expect()).unwrap_err().to_string();
+    assert!(
+        err.contains("train-00001.tok") && err.contains("truncated"),
+        "{err}"
+    );
+    let other = Expect {
+        vocab: Some(m.vocab_hash().unwrap() ^ 1),
+        width: None,
+    };
+    let err = format::verify(&out.join(&m.train[0].file), &other)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("train-00000.tok") && err.contains("vocabulary"),
+        "{err}"
+    );
+    // Rerunning prepare notices and rebuilds.
+    let s = prepare(&o, &|_| {}).unwrap();
+    assert!(!s.up_to_date);
+    assert_eq!(files(&out), good);
+    // Other settings in the same directory are refused.
+    let o2 = PrepareOptions {
+        shard_tokens: 999,
+        ..o
+    };
+    let err = prepare(&o2, &|_| {}).unwrap_err().to_string();
+    assert!(err.contains("--overwrite"), "{err}");
+}
+
+#[test]
+fn sft_shards_carry_the_encoders_masks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let chat = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/qwen2_5");
+    let lines = [
+        r#"{"messages": [{"role": "user", "content": "the king"}, {"role": "assistant", "content": "is dead"}]}"#,
+        r#"{"prompt": "long live", "completion": " the queen"}"#,
+        r#"{"prompt": [{"role": "user", "content": "good"}], "completion": [{"role": "assistant", "content": "night"}]}"#,
+        r#"{"text": "sweet prince"}"#,
+    ];
+    let text = (lines.join("\n") + "\n").repeat(5);
+    let data = tmp.path().join("sft.jsonl");
+    std::fs::write(&data, &text).unwrap();
+    let out = tmp.path().join("out");
+    let o = PrepareOptions {
+        inputs: vec![data.clone()],
+        out_dir: out.clone(),
+        format: InputFormat::Sft,
+        vocab: VocabSpec::Tokenizer(chat.join("tokenizer.json")),
+        shard_tokens: 37,
+        chunk_bytes: 64,
+        ..PrepareOptions::default()
+    };
+    let m = prepare(&o, &|_| {}).unwrap().manifest;
+    assert!(m.mask && m.docs && m.eos_id.is_none());
+    let enc = SftEncoder::open(&chat.join("tokenizer.json")).unwrap();
+    let mut tokens = Vec::new();
+    let mut counted = Vec::new();
+    let mut starts = Vec::new();
+    for r in parse_records(&text, &data).unwrap() {
+        let ex = enc.encode_record(&r.record).unwrap();
+        starts.push(tokens.len() as u64);
+        tokens.extend(ex.tokens);
+        counted.extend(ex.counted);
+    }
+    let (mut got_t, mut got_c, mut got_s) = (Vec::new(), Vec::new(), Vec::new());
+    for e in &m.train {
+        let s = open_shard(&out.join(&e.file), &m.expect()).unwrap();
+        s.verify().unwrap();
+        let base = got_t.len() as u64;
+        got_s.extend(s.doc_starts().map(|d| d + base));
+        s.read_counted(0, s.len(), &mut got_c);
+        got_t.extend(s.tokens());
+    }
+    assert!(m.train.len() > 1);
+    assert_eq!(got_t, tokens);
+    assert_eq!(got_c, counted);
+    assert_eq!(got_s, starts);
+    assert!(counted.contains(&false) && counted.contains(&true));
+}
