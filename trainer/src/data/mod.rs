@@ -16,9 +16,10 @@
 //!   mask over the assistant's tokens (see [`sft`]).
 //!
 //! Text sources split the token stream into the first `1 - val_fraction` (train) and the last
-//! `val_fraction` (validation) and sample random windows of `block_size + 1` tokens. Char and
-//! tokenizer encodings are cached on disk (see [`default_cache_dir`]), so a second run starts
-//! without re-tokenising.
+//! `val_fraction` (validation) and sample windows of `block_size + 1` tokens. They are a
+//! special case of [`ShardSource`]: char and tokenizer encodings are cached on disk as a
+//! prepared shard directory (see [`default_cache_dir`]), so a second run starts without
+//! re-tokenising, and every text or shard source reads its tokens memory-mapped.
 //!
 //! ```
 //! use trainer::data::{open, DataSpec, Split};
