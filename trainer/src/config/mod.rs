@@ -17,7 +17,7 @@ pub use types::{
     Arch, DeviceList, DeviceSpec, LossScale, ModuleList, Parallelism, Precision, ScheduleKind,
 };
 
-use crate::data::{ChatTaskKind, DataKind, DataSource, DataSpec};
+use crate::data::{ChatTaskKind, DataKind, DataOrder, DataSource, DataSpec};
 use crate::model::gpt2::GptConfig;
 use crate::model::llama::{Family, LlamaConfig};
 use crate::model::{Kernels, ModelConfig};
@@ -85,10 +85,20 @@ train_config! {
     /// Device: `cpu`, `cuda`, `cuda:N` or `metal` (GPU ones need the matching cargo feature).
     device: DeviceSpec = DeviceSpec::Cpu,
     /// Data source: `addition` (embedded, no file), `char`, `byte`, `tokenizer`, `sft`
-    /// (supervised fine-tuning records, JSONL) or `chat-task` (generated chats, no file).
+    /// (supervised fine-tuning records, JSONL), `chat-task` (generated chats, no file) or
+    /// `shards` (a directory `trainer prepare` wrote, or nanoGPT's train.bin/val.bin;
+    /// memory-mapped).
     data: DataKind = DataKind::Addition,
-    /// Text corpus for `char`, `byte` and `tokenizer` data; the JSONL records for `sft`.
+    /// Text corpus for `char`, `byte` and `tokenizer` data; the JSONL records for `sft`; the
+    /// shard directory for `shards`.
     data_path: Option<PathBuf> = None,
+    /// Order of the training windows of text and shard data: `random` (windows anywhere,
+    /// shards weighted by size) or `epoch` (one pass over non-overlapping windows per epoch,
+    /// in a seeded order; data-parallel ranks read disjoint windows).
+    data_order: DataOrder = DataOrder::Random,
+    /// `shards`: rows of packed documents (positions restart and attention stays within each
+    /// document; needs shards with document starts and a Llama-family model).
+    doc_mask: bool = false,
     /// A Hugging Face `tokenizer.json` for `tokenizer` and `sft` data (default: the
     /// init_from model's); `sft` reads the chat template and special tokens beside it
     /// (chat_template.jinja, tokenizer_config.json).
@@ -301,6 +311,8 @@ impl TrainConfig {
             completion_only: self.completion_only,
             chat_task: self.chat_task,
             chat_examples: self.chat_examples,
+            order: self.data_order,
+            doc_mask: self.doc_mask,
         }
     }
 

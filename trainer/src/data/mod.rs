@@ -19,9 +19,10 @@
 //!   held-out questions (see [`chat_task`]).
 //!
 //! Text sources split the token stream into the first `1 - val_fraction` (train) and the last
-//! `val_fraction` (validation) and sample random windows of `block_size + 1` tokens. Char and
-//! tokenizer encodings are cached on disk (see [`default_cache_dir`]), so a second run starts
-//! without re-tokenising.
+//! `val_fraction` (validation) and sample windows of `block_size + 1` tokens. They are a
+//! special case of [`ShardSource`]: char and tokenizer encodings are cached on disk as a
+//! prepared shard directory (see [`default_cache_dir`]), so a second run starts without
+//! re-tokenising, and every text or shard source reads its tokens memory-mapped.
 //!
 //! ```
 //! use trainer::data::{open, DataSpec, Split};
@@ -42,6 +43,7 @@ mod open;
 pub mod sft;
 pub mod shards;
 mod text;
+mod vocab;
 
 use std::path::PathBuf;
 
@@ -57,6 +59,7 @@ pub use cache::default_cache_dir;
 pub use chat_task::{ChatTask, ChatTaskKind};
 pub use open::{check_fingerprint, open_for_run};
 pub use sft::SftSource;
+pub use shards::{DataOrder, ShardOptions, ShardSource};
 pub use text::TextSource;
 
 /// Which part of the data a batch is drawn from.
@@ -232,7 +235,7 @@ pub trait Task: Send + Sync {
 }
 
 /// Kind of data source; serialised in lowercase (`"addition"`, `"char"`, `"byte"`,
-/// `"tokenizer"`, `"sft"`, `"chat-task"`).
+/// `"tokenizer"`, `"sft"`, `"chat-task"`, `"shards"`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DataKind {
@@ -252,6 +255,9 @@ pub enum DataKind {
     /// template, trained as `sft` data (no file).
     #[serde(rename = "chat-task")]
     ChatTask,
+    /// A directory of token shards `trainer prepare` wrote, or nanoGPT's `train.bin` /
+    /// `val.bin`, memory-mapped (see [`ShardSource`]).
+    Shards,
 }
 
 impl DataKind {
@@ -271,13 +277,14 @@ impl DataKind {
     }
 }
 
-named_enum!(DataKind, "data must be addition, char, byte, tokenizer, sft or chat-task", {
+named_enum!(DataKind, "data must be addition, char, byte, tokenizer, sft, chat-task or shards", {
     Addition => "addition",
     Char => "char",
     Byte => "byte",
     Tokenizer => "tokenizer",
     Sft => "sft",
     ChatTask => "chat-task",
+    Shards => "shards",
 });
 
 /// Configuration of the data source (the `[data]` section of a run config).
@@ -319,6 +326,11 @@ pub struct DataSpec {
     pub chat_task: ChatTaskKind,
     /// `chat-task`: number of generated conversations (both splits).
     pub chat_examples: usize,
+    /// Text and shard sources: random windows, or one pass per epoch in a seeded order.
+    pub order: DataOrder,
+    /// `shards`: packed-document rows (positions restart and attention stays within each
+    /// document; needs shards with a document-start stream).
+    pub doc_mask: bool,
 }
 
 impl Default for DataSpec {
@@ -335,6 +347,8 @@ impl Default for DataSpec {
             completion_only: true,
             chat_task: ChatTaskKind::default(),
             chat_examples: chat_task::DEFAULT_EXAMPLES,
+            order: DataOrder::Random,
+            doc_mask: false,
         }
     }
 }
@@ -386,12 +400,16 @@ impl DataSpec {
                     ));
                 }
             }
-            DataKind::Char | DataKind::Byte | DataKind::Tokenizer | DataKind::Sft => {
+            DataKind::Char
+            | DataKind::Byte
+            | DataKind::Tokenizer
+            | DataKind::Sft
+            | DataKind::Shards => {
                 if self.path.is_none() {
-                    let what = if self.kind == DataKind::Sft {
-                        "a JSONL file"
-                    } else {
-                        "a text file"
+                    let what = match self.kind {
+                        DataKind::Sft => "a JSONL file",
+                        DataKind::Shards => "a directory of shards",
+                        _ => "a text file",
                     };
                     return Err(Error::Config(format!(
                         "data = {} needs --data-path (data_path, {what})",
@@ -430,6 +448,15 @@ pub fn open(spec: &DataSpec) -> Result<Box<dyn DataSource>> {
         }
         DataKind::Sft => Ok(Box::new(SftSource::open(spec)?)),
         DataKind::ChatTask => Ok(Box::new(ChatTask::open(spec)?)),
+        DataKind::Shards => {
+            let dir = spec.path.as_deref().unwrap_or(std::path::Path::new(""));
+            let options = ShardOptions {
+                order: spec.order,
+                doc_mask: spec.doc_mask,
+                tokenizer: spec.tokenizer.clone(),
+            };
+            Ok(Box::new(ShardSource::open(dir, options)?))
+        }
     }
 }
 
@@ -501,6 +528,7 @@ mod tests {
             DataKind::Tokenizer,
             DataKind::Sft,
             DataKind::ChatTask,
+            DataKind::Shards,
         ] {
             let json = serde_json::to_string(&kind).unwrap();
             assert_eq!(json, format!("\"{kind}\""));

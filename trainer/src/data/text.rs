@@ -1,67 +1,47 @@
 //! Text-file sources: character, byte and Hugging Face tokenizer vocabularies.
 
-use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
 use candle_core::Device;
-use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
-use super::cache::{self, CacheKey, Cached};
-use super::{
-    check_shape, decimal_f64, rows_to_batch, Batch, DataKind, DataSource, DataSpec, Fingerprint,
-    Split,
-};
+use super::cache::{self, CacheKey, Entry};
+use super::shards::format::{self, TokenizerInfo};
+use super::shards::view::ShardView;
+use super::shards::{ShardOptions, ShardSource};
+use super::vocab::Vocab;
+use super::{decimal_f64, Batch, DataKind, DataSource, DataSpec, Fingerprint, Split};
 use crate::error::{Error, Result};
 
 /// Text is handed to the tokenizer in pieces of about this many bytes (cut before a line that
 /// starts with a non-space character) to bound the memory of the intermediate encodings.
 const TOKENIZER_CHUNK_BYTES: usize = 1 << 20;
 
-/// How text becomes token ids.
-enum Vocab {
-    /// Sorted unique characters of the file; id = position.
-    Char {
-        chars: Vec<char>,
-        index: HashMap<char, u32>,
-    },
-    /// One token per byte.
-    Byte,
-    /// A Hugging Face tokenizer loaded from `path`.
-    Tokenizer {
-        tokenizer: Box<tokenizers::Tokenizer>,
-        path: PathBuf,
-    },
-}
-
 /// A corpus read from a file: the first `1 - val_fraction` of its tokens are the training
-/// split, the rest the validation split, and batches are random windows of `block_size + 1`
-/// tokens.
+/// split, the rest the validation split, and batches are windows of `block_size + 1` tokens
+/// (random, or in epoch order: [`DataSpec::order`]).
+///
+/// A special case of [`ShardSource`]: the tokens are read through the same memory-mapped
+/// shard reader. Char and tokenizer encodings are tokenised once into a prepared shard
+/// directory in [`DataSpec::cache_dir`] (one shard a split, see [`super::default_cache_dir`])
+/// and mapped from there; a byte corpus is its own token list, mapped as it is (a 1-byte-wide
+/// shard a split). A cache that cannot be written only produces a warning (the tokens are then
+/// served from memory).
 ///
 /// Built by [`super::open`] for [`DataKind::Char`], [`DataKind::Byte`] and
-/// [`DataKind::Tokenizer`]. Char and tokenizer encodings are cached in
-/// [`DataSpec::cache_dir`]; a cache that cannot be written only produces a warning.
+/// [`DataKind::Tokenizer`].
 pub struct TextSource {
     path: PathBuf,
-    vocab: Vocab,
-    vocab_size: usize,
-    tokens: Vec<u32>,
+    inner: ShardSource,
+    n_tokens: usize,
     n_train: usize,
     val_fraction: f32,
     description: String,
     fingerprint: Fingerprint,
 }
 
-/// `1234567` -> `"1.2M"`, for log lines.
-fn human(n: usize) -> String {
-    match n {
-        0..=9_999 => n.to_string(),
-        10_000..=999_999 => format!("{:.1}k", n as f64 / 1e3),
-        1_000_000..=999_999_999 => format!("{:.1}M", n as f64 / 1e6),
-        _ => format!("{:.1}G", n as f64 / 1e9),
-    }
-}
+use super::shards::human;
 
 /// Reads `path` as UTF-8 text, naming the file and the offset of the first bad byte on error.
 fn read_utf8(path: &Path) -> Result<String> {
@@ -99,17 +79,21 @@ fn tokenizer_chunks(text: &str) -> Vec<&str> {
     out
 }
 
-fn char_vocab(chars: Vec<char>) -> Vocab {
-    let index = chars
-        .iter()
-        .enumerate()
-        .map(|(i, &c)| (c, i as u32))
-        .collect();
-    Vocab::Char { chars, index }
+/// What a text file became: the two splits' shard views and the vocabulary.
+struct Tokenised {
+    train: ShardView,
+    val: ShardView,
+    vocab: Vocab,
+    vocab_size: usize,
+    fingerprint: Fingerprint,
+    /// How the vocabulary reads in the description (`chars, char vocab 65`...).
+    what: String,
+    /// `cache hit`, `tokenised, cached`... (empty for bytes).
+    note: String,
 }
 
 impl TextSource {
-    /// Reads, tokenises (or loads from the cache) and splits the file of `spec`.
+    /// Reads, tokenises (or maps from the cache) and splits the file of `spec`.
     ///
     /// `spec.kind` must be `char`, `byte` or `tokenizer` and `spec.path` set (as checked by
     /// [`DataSpec::validate`]).
@@ -126,185 +110,285 @@ impl TextSource {
         if meta.len() == 0 {
             return Err(Error::data(&path, "file is empty"));
         }
-        let cache_dir = spec
-            .cache_dir
-            .clone()
-            .unwrap_or_else(cache::default_cache_dir);
         let name = path.file_name().map_or_else(
             || path.display().to_string(),
             |n| n.to_string_lossy().into(),
         );
-
-        let (vocab, tokens, what, cache_note) = match spec.kind {
-            DataKind::Byte => {
-                let bytes = fs::read(&path).map_err(|e| Error::io(&path, e))?;
-                let tokens: Vec<u32> = bytes.into_iter().map(u32::from).collect();
-                (Vocab::Byte, tokens, "bytes".to_string(), String::new())
-            }
-            DataKind::Char => {
-                let key = CacheKey::new(&path, "char", 0)?;
-                let hit = cache::load(&cache_dir, &key).and_then(|c| {
-                    let chars: Vec<char> = String::from_utf8(c.extra).ok()?.chars().collect();
-                    let sorted = chars.windows(2).all(|w| w[0] < w[1]);
-                    (sorted && chars.len() as u64 == c.vocab_size).then_some((chars, c.tokens))
-                });
-                let (chars, tokens, note) = match hit {
-                    Some((chars, tokens)) => (chars, tokens, "cache hit".to_string()),
-                    None => {
-                        let text = read_utf8(&path)?;
-                        let mut chars: Vec<char> = text.chars().collect();
-                        chars.sort_unstable();
-                        chars.dedup();
-                        let index: HashMap<char, u32> = chars
-                            .iter()
-                            .enumerate()
-                            .map(|(i, &c)| (c, i as u32))
-                            .collect();
-                        let tokens: Vec<u32> = text.chars().map(|c| index[&c]).collect();
-                        let cached = Cached {
-                            tokens,
-                            vocab_size: chars.len() as u64,
-                            extra: chars.iter().collect::<String>().into_bytes(),
-                        };
-                        let note = save(&cache_dir, &key, &cached);
-                        (chars, cached.tokens, note)
-                    }
-                };
-                let what = format!("chars, char vocab {}", chars.len());
-                (char_vocab(chars), tokens, what, note)
-            }
-            DataKind::Tokenizer => {
-                let tok_path = spec.tokenizer.clone().ok_or_else(|| {
-                    Error::Config("data `tokenizer` needs --tokenizer-path (tokenizer_path)".into())
-                })?;
-                let tok_bytes = fs::read(&tok_path).map_err(|e| Error::io(&tok_path, e))?;
-                let tokenizer = tokenizers::Tokenizer::from_bytes(&tok_bytes).map_err(|e| {
-                    Error::Tokenizer(format!(
-                        "{}: not a valid tokenizer.json: {e}",
-                        tok_path.display()
-                    ))
-                })?;
-                let key = CacheKey::new(&path, "tokenizer", crate::hash::hash_bytes(&tok_bytes))?;
-                let (tokens, note) = match cache::load(&cache_dir, &key) {
-                    Some(c) => (c.tokens, "cache hit".to_string()),
-                    None => {
-                        let text = read_utf8(&path)?;
-                        let mut tokens = Vec::new();
-                        for chunk in tokenizer_chunks(&text) {
-                            let enc = tokenizer.encode(chunk, false).map_err(|e| {
-                                Error::Tokenizer(format!(
-                                    "{} failed on {}: {e}",
-                                    tok_path.display(),
-                                    path.display()
-                                ))
-                            })?;
-                            tokens.extend_from_slice(enc.get_ids());
-                        }
-                        if tokens.is_empty() {
-                            return Err(Error::data(
-                                &path,
-                                format!("{} produced no tokens", tok_path.display()),
-                            ));
-                        }
-                        let vocab_size = vocab_size_of(&tokenizer, &tokens) as u64;
-                        let cached = Cached {
-                            tokens,
-                            vocab_size,
-                            extra: Vec::new(),
-                        };
-                        let note = save(&cache_dir, &key, &cached);
-                        (cached.tokens, note)
-                    }
-                };
-                let what = format!(
-                    "bytes, tokenizer {} vocab {}",
-                    tok_path.file_name().map_or_else(
-                        || tok_path.display().to_string(),
-                        |n| n.to_string_lossy().into()
-                    ),
-                    vocab_size_of(&tokenizer, &tokens)
-                );
-                (
-                    Vocab::Tokenizer {
-                        tokenizer: Box::new(tokenizer),
-                        path: tok_path,
-                    },
-                    tokens,
-                    what,
-                    note,
-                )
-            }
-            DataKind::Addition | DataKind::Sft | DataKind::ChatTask => {
+        let t = match spec.kind {
+            DataKind::Byte => open_bytes(&path, meta.len() as usize, spec.val_fraction)?,
+            DataKind::Char | DataKind::Tokenizer => open_cached(spec, &path)?,
+            DataKind::Addition | DataKind::Sft | DataKind::ChatTask | DataKind::Shards => {
                 return Err(Error::Config(format!(
                     "data = {} is not a text file source",
                     spec.kind
                 )))
             }
         };
-
-        let vocab_size = match &vocab {
-            Vocab::Char { chars, .. } => chars.len(),
-            Vocab::Byte => 256,
-            Vocab::Tokenizer { tokenizer, .. } => vocab_size_of(tokenizer, &tokens),
-        };
-        let n = tokens.len();
-        // nanoGPT's `int(n * 0.9)` for val_fraction 0.1.
-        let n_train = ((n as f64) * (1.0 - decimal_f64(spec.val_fraction))).floor() as usize;
+        let (n_train, n_val) = (t.train.len(), t.val.len());
+        let n = n_train + n_val;
         let size = if spec.kind == DataKind::Char {
             n
         } else {
             meta.len() as usize
         };
-        let kind_note = if spec.kind == DataKind::Byte {
-            ", byte vocab 256".to_string()
+        let note = if t.note.is_empty() {
+            t.note
         } else {
-            String::new()
-        };
-        let cache_note = if cache_note.is_empty() {
-            cache_note
-        } else {
-            format!(" ({cache_note})")
+            format!(" ({})", t.note)
         };
         let description = format!(
-            "{name}: {} {what}{kind_note}, {n_train} train / {} val tokens{cache_note}",
+            "{name}: {} {}, {n_train} train / {n_val} val tokens{note}",
             human(size),
-            n - n_train
+            t.what
         );
-        let vocab_hash = match &vocab {
-            Vocab::Char { chars, .. } => {
-                crate::hash::hash_bytes(chars.iter().collect::<String>().as_bytes())
-            }
-            Vocab::Byte => crate::hash::hash_bytes(b"byte vocabulary"),
-            Vocab::Tokenizer { tokenizer, .. } => {
-                // The tokenizer's identity as it encodes (model, vocab, merges, added tokens),
-                // independent of the JSON's formatting.
-                crate::hash::hash_bytes(tokenizer.to_string(false).unwrap_or_default().as_bytes())
-            }
+        let options = ShardOptions {
+            order: spec.order,
+            doc_mask: spec.doc_mask,
+            tokenizer: None,
         };
-        let fingerprint = Fingerprint::of_tokens(&tokens, n_train, vocab_hash);
+        let parts = (t.vocab, t.vocab_size, t.what, t.fingerprint.clone());
+        let inner = ShardSource::assemble(
+            &path,
+            vec![t.train],
+            vec![t.val],
+            options,
+            false,
+            false,
+            parts,
+        )?;
         Ok(TextSource {
             path,
-            vocab,
-            vocab_size,
-            tokens,
+            inner,
+            n_tokens: n,
             n_train,
             val_fraction: spec.val_fraction,
             description,
-            fingerprint,
+            fingerprint: t.fingerprint,
         })
     }
 
-    /// The token ids of `split`.
-    pub fn tokens(&self, split: Split) -> &[u32] {
-        match split {
-            Split::Train => &self.tokens[..self.n_train],
-            Split::Val => &self.tokens[self.n_train..],
-        }
+    /// The token ids of `split` (read from the mapped shard).
+    pub fn tokens(&self, split: Split) -> Vec<u32> {
+        let n = match split {
+            Split::Train => self.n_train,
+            Split::Val => self.n_tokens - self.n_train,
+        };
+        self.inner.read(split, 0, 0, n)
     }
 
     /// The data file this source was read from.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The shard source the batches come from.
+    pub fn shards(&self) -> &ShardSource {
+        &self.inner
+    }
+}
+
+/// nanoGPT's `int(n * 0.9)` for val_fraction 0.1.
+fn split_point(n: usize, val_fraction: f32) -> usize {
+    ((n as f64) * (1.0 - decimal_f64(val_fraction))).floor() as usize
+}
+
+/// A byte corpus: the file mapped as it is, one token a byte, in two ranges.
+fn open_bytes(path: &Path, n: usize, val_fraction: f32) -> Result<Tokenised> {
+    let n_train = split_point(n, val_fraction);
+    let train = ShardView::open_raw(path, 1, 0..n_train)?;
+    let val = ShardView::open_raw(path, 1, n_train..n)?;
+    // The fingerprint text sources have always had: every token as a little-endian u32.
+    let mut h = crate::hash::Hasher64::new();
+    h.update(&(n_train as u64).to_le_bytes());
+    let mut buf = Vec::with_capacity(4 * 4096);
+    let mut ids = Vec::with_capacity(4096);
+    let mut at = 0;
+    while at < n {
+        let len = 4096.min(n - at);
+        ids.clear();
+        for (view, start) in [(&train, 0), (&val, n_train)] {
+            let (a, b) = (at.max(start), (at + len).min(start + view.len()));
+            if a < b {
+                view.read(a - start, b - a, &mut ids);
+            }
+        }
+        buf.clear();
+        buf.extend(ids.iter().flat_map(|t| t.to_le_bytes()));
+        h.update(&buf);
+        at += len;
+    }
+    let fingerprint = Fingerprint {
+        tokens: format!("{:016x}", h.finish()),
+        vocab: format!("{:016x}", format::byte_vocab_hash()),
+    };
+    Ok(Tokenised {
+        train,
+        val,
+        vocab: Vocab::Byte,
+        vocab_size: 256,
+        fingerprint,
+        what: "bytes, byte vocab 256".into(),
+        note: String::new(),
+    })
+}
+
+/// A char or tokenizer corpus: mapped from its cache entry, tokenised into one on a miss.
+fn open_cached(spec: &DataSpec, path: &Path) -> Result<Tokenised> {
+    let cache_dir = spec
+        .cache_dir
+        .clone()
+        .unwrap_or_else(cache::default_cache_dir);
+    let tok_path = match spec.kind {
+        DataKind::Tokenizer => Some(spec.tokenizer.clone().ok_or_else(|| {
+            Error::Config("data `tokenizer` needs --tokenizer-path (tokenizer_path)".into())
+        })?),
+        _ => None,
+    };
+    let (kind, tok_hash, vocab) = match &tok_path {
+        Some(p) => {
+            let bytes = fs::read(p).map_err(|e| Error::io(p, e))?;
+            (
+                "tokenizer",
+                crate::hash::hash_bytes(&bytes),
+                Some(Vocab::tokenizer(p)?),
+            )
+        }
+        None => ("char", 0, None),
+    };
+    let key = CacheKey::new(path, kind, tok_hash, spec.val_fraction)?;
+    let (train, val, vocab, vocab_size, fingerprint, note) = match cache::load(&cache_dir, &key) {
+        Some(hit) => {
+            let vocab = match vocab {
+                Some(v) => v,
+                None => {
+                    let chars = hit.manifest.tokenizer.chars.as_deref().unwrap_or_default();
+                    Vocab::chars(chars.chars().collect())
+                }
+            };
+            let size = hit.manifest.vocab_size as usize;
+            (
+                hit.train,
+                hit.val,
+                vocab,
+                size,
+                hit.fingerprint,
+                "cache hit".to_string(),
+            )
+        }
+        None => {
+            let (tokens, vocab) = tokenise(path, vocab, tok_path.as_deref())?;
+            let n_train = split_point(tokens.len(), spec.val_fraction);
+            let vocab_size = match &vocab {
+                Vocab::Tokenizer { tokenizer, .. } => vocab_size_of(tokenizer, &tokens),
+                v => v.size(),
+            };
+            let hash = vocab.hash();
+            let fingerprint = Fingerprint::of_tokens(&tokens, n_train, hash);
+            let tokenizer = TokenizerInfo {
+                kind: kind.to_string(),
+                path: tok_path.clone(),
+                hash: format!("{hash:016x}"),
+                chars: match &vocab {
+                    Vocab::Char { chars, .. } => Some(chars.iter().collect()),
+                    _ => None,
+                },
+            };
+            let entry = Entry {
+                tokens: &tokens,
+                n_train,
+                tokenizer,
+                vocab_size: vocab_size as u64,
+                fingerprint: fingerprint.clone(),
+            };
+            let stored = cache::store(&cache_dir, &key, &entry).and_then(|dir| {
+                tracing::debug!("wrote token cache {}", dir.display());
+                cache::load(&cache_dir, &key)
+                    .ok_or_else(|| Error::data(&dir, "token cache unreadable after writing"))
+            });
+            match stored {
+                Ok(hit) => (
+                    hit.train,
+                    hit.val,
+                    vocab,
+                    vocab_size,
+                    fingerprint,
+                    "tokenised, cached".into(),
+                ),
+                Err(e) => {
+                    tracing::warn!("could not write the token cache: {e}");
+                    let width = format::width_for_vocab(vocab_size) as usize;
+                    let train = ShardView::in_memory(path, &tokens[..n_train], width);
+                    let val = ShardView::in_memory(path, &tokens[n_train..], width);
+                    (
+                        train,
+                        val,
+                        vocab,
+                        vocab_size,
+                        fingerprint,
+                        "tokenised, cache not written".into(),
+                    )
+                }
+            }
+        }
+    };
+    let what = match &vocab {
+        Vocab::Char { chars, .. } => format!("chars, char vocab {}", chars.len()),
+        _ => {
+            let tp = tok_path.as_deref().unwrap_or(path);
+            let file = tp
+                .file_name()
+                .map_or_else(|| tp.display().to_string(), |n| n.to_string_lossy().into());
+            format!("bytes, tokenizer {file} vocab {vocab_size}")
+        }
+    };
+    Ok(Tokenised {
+        train,
+        val,
+        vocab,
+        vocab_size,
+        fingerprint,
+        what,
+        note,
+    })
+}
+
+/// Tokenises the text file `path` with `vocab` (a char vocabulary is built from the file when
+/// `None`).
+fn tokenise(
+    path: &Path,
+    vocab: Option<Vocab>,
+    tok_path: Option<&Path>,
+) -> Result<(Vec<u32>, Vocab)> {
+    let text = read_utf8(path)?;
+    match vocab {
+        None => {
+            let mut chars: Vec<char> = text.chars().collect();
+            chars.sort_unstable();
+            chars.dedup();
+            let vocab = Vocab::chars(chars);
+            let Vocab::Char { index, .. } = &vocab else {
+                unreachable!("a char vocabulary")
+            };
+            let tokens = text.chars().map(|c| index[&c]).collect();
+            Ok((tokens, vocab))
+        }
+        Some(vocab) => {
+            let Vocab::Tokenizer { tokenizer, .. } = &vocab else {
+                return Err(Error::Config("expected a tokenizer vocabulary".into()));
+            };
+            let tok_name = tok_path.unwrap_or(path).display().to_string();
+            let mut tokens = Vec::new();
+            for chunk in tokenizer_chunks(&text) {
+                let enc = tokenizer.encode(chunk, false).map_err(|e| {
+                    Error::Tokenizer(format!("{tok_name} failed on {}: {e}", path.display()))
+                })?;
+                tokens.extend_from_slice(enc.get_ids());
+            }
+            if tokens.is_empty() {
+                return Err(Error::data(path, format!("{tok_name} produced no tokens")));
+            }
+            Ok((tokens, vocab))
+        }
     }
 }
 
@@ -314,27 +398,13 @@ fn vocab_size_of(tokenizer: &tokenizers::Tokenizer, tokens: &[u32]) -> usize {
     tokenizer.get_vocab_size(true).max(max_id)
 }
 
-/// Writes a cache entry, turning failure into a warning (the cache is only an optimisation).
-fn save(dir: &Path, key: &CacheKey, cached: &Cached) -> String {
-    match cache::store(dir, key, cached) {
-        Ok(p) => {
-            tracing::debug!("wrote token cache {}", p.display());
-            "tokenised, cached".to_string()
-        }
-        Err(e) => {
-            tracing::warn!("could not write the token cache: {e}");
-            "tokenised, cache not written".to_string()
-        }
-    }
-}
-
 impl DataSource for TextSource {
     fn fingerprint(&self) -> Fingerprint {
         self.fingerprint.clone()
     }
 
     fn vocab_size(&self) -> usize {
-        self.vocab_size
+        self.inner.vocab_size()
     }
 
     fn describe(&self) -> String {
@@ -349,75 +419,27 @@ impl DataSource for TextSource {
         rng: &mut ChaCha8Rng,
         device: &Device,
     ) -> Result<Batch> {
-        check_shape(batch_size, block_size)?;
+        super::check_shape(batch_size, block_size)?;
         self.check_block_size(block_size)?;
-        let data = self.tokens(split);
-        let w = block_size + 1;
-        let last_start = (data.len() - w) as u64;
-        let mut rows = Vec::with_capacity(batch_size * w);
-        for _ in 0..batch_size {
-            let start = rng.random_range(0..=last_start) as usize;
-            rows.extend_from_slice(&data[start..start + w]);
-        }
-        rows_to_batch(&rows, None, batch_size, block_size, device)
+        self.inner.batch(split, batch_size, block_size, rng, device)
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        match &self.vocab {
-            Vocab::Char { index, chars } => text
-                .chars()
-                .map(|c| {
-                    index.get(&c).copied().ok_or_else(|| {
-                        Error::data(
-                            &self.path,
-                            format!(
-                                "character {c:?} (U+{:04X}) is not in the vocabulary of {} \
-                                 characters built from this file",
-                                c as u32,
-                                chars.len()
-                            ),
-                        )
-                    })
-                })
-                .collect(),
-            Vocab::Byte => Ok(text.bytes().map(u32::from).collect()),
-            Vocab::Tokenizer { tokenizer, path } => tokenizer
-                .encode(text, false)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display()))),
-        }
+        self.inner.encode(text)
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String> {
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
-            return Err(Error::data(
-                &self.path,
-                format!(
-                    "token id {bad} is outside the vocabulary of {}",
-                    self.vocab_size
-                ),
-            ));
-        }
-        match &self.vocab {
-            Vocab::Char { chars, .. } => Ok(ids.iter().map(|&i| chars[i as usize]).collect()),
-            Vocab::Byte => {
-                let bytes: Vec<u8> = ids.iter().map(|&i| i as u8).collect();
-                Ok(String::from_utf8_lossy(&bytes).into_owned())
-            }
-            Vocab::Tokenizer { tokenizer, path } => tokenizer
-                .decode(ids, false)
-                .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display()))),
-        }
+        self.inner.decode(ids)
     }
 
     fn check_block_size(&self, block_size: usize) -> Result<()> {
         let need = block_size + 1;
-        let n = self.tokens.len();
+        let n = self.n_tokens;
         for (split, which) in [
             (Split::Train, "train split (the first"),
             (Split::Val, "val split (the last"),
         ] {
-            let have = self.tokens(split).len();
+            let have = self.inner.len(split);
             let pct = match split {
                 Split::Train => 100.0 * (1.0 - self.val_fraction),
                 Split::Val => 100.0 * self.val_fraction,

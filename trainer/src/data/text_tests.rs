@@ -59,6 +59,11 @@ fn rng(seed: u64) -> ChaCha8Rng {
     ChaCha8Rng::seed_from_u64(seed)
 }
 
+/// Every token of both splits, in order.
+fn all_tokens(s: &TextSource) -> Vec<u32> {
+    [s.tokens(Split::Train), s.tokens(Split::Val)].concat()
+}
+
 fn err_of(spec: &DataSpec) -> String {
     match open(spec) {
         Ok(_) => panic!("expected an error"),
@@ -177,36 +182,49 @@ fn cache_hit_is_identical_and_corrupt_cache_is_rebuilt() {
     let first = TextSource::open(&spec).unwrap();
     assert_describes(&first, "tokenised, cached");
     let entries: Vec<_> = fs::read_dir(fx.cache()).unwrap().collect();
-    assert_eq!(entries.len(), 1, "one cache file, no temp leftovers");
-    let cache_file = entries[0].as_ref().unwrap().path();
+    assert_eq!(entries.len(), 1, "one cache entry, no temp leftovers");
+    // The entry is a prepared shard directory: manifest.json, one shard a split.
+    let entry = entries[0].as_ref().unwrap().path();
+    let mut files: Vec<String> = fs::read_dir(&entry)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(files, ["manifest.json", "train-00000.tok", "val-00000.tok"]);
+    let shard = entry.join("train-00000.tok");
     // Nothing is written next to the data file.
     assert_eq!(fs::read_dir(p.parent().unwrap()).unwrap().count(), 1);
 
+    let all = all_tokens;
     let second = TextSource::open(&spec).unwrap();
     assert_describes(&second, "cache hit");
-    assert_eq!(second.tokens, first.tokens);
+    assert_eq!(all(&second), all(&first));
+    assert_eq!(second.fingerprint(), first.fingerprint());
     assert_eq!(second.vocab_size(), first.vocab_size());
-    assert_eq!(second.decode(&second.tokens).unwrap(), CORPUS);
+    assert_eq!(second.decode(&all(&second)).unwrap(), CORPUS);
 
-    let good = fs::read(&cache_file).unwrap();
+    // Captured before the shard is corrupted in place below (which `first`, mapping it,
+    // would see: the cache itself is only ever replaced by renaming a new directory in).
+    let want = all(&first);
+    let good = fs::read(&shard).unwrap();
     for corrupt in [good[..good.len() - 3].to_vec(), {
         let mut b = good.clone();
         let last = b.len() - 1;
         b[last] ^= 1;
         b
     }] {
-        fs::write(&cache_file, corrupt).unwrap();
+        fs::write(&shard, corrupt).unwrap();
         let rebuilt = TextSource::open(&spec).unwrap();
         assert_describes(&rebuilt, "tokenised");
-        assert_eq!(rebuilt.tokens, first.tokens);
-        assert_eq!(fs::read(&cache_file).unwrap(), good, "cache rewritten");
+        assert_eq!(all(&rebuilt), want);
+        assert_eq!(fs::read(&shard).unwrap(), good, "cache rewritten");
     }
 
     // A changed file misses the cache.
     fs::write(&p, format!("{CORPUS}more")).unwrap();
     let changed = TextSource::open(&spec).unwrap();
     assert!(changed.describe().contains("tokenised"));
-    assert_eq!(changed.tokens.len(), first.tokens.len() + 4);
+    assert_eq!(all(&changed).len(), want.len() + 4);
 }
 
 #[test]
@@ -242,8 +260,8 @@ fn tokenizer_json_source() {
     // 14 tokens per line, 10 times ("on" is unknown).
     let again = TextSource::open(&spec).unwrap();
     assert!(again.describe().contains("cache hit"));
-    assert_eq!(again.tokens.len(), 140);
-    assert_eq!(&again.tokens[..7], &[1, 2, 6, 3, 4, 5, 7]);
+    assert_eq!(all_tokens(&again).len(), 140);
+    assert_eq!(&all_tokens(&again)[..7], &[1, 2, 6, 3, 4, 5, 7]);
 
     // A different tokenizer file content misses the cache.
     let other = fx.dir.path().join("other.json");
@@ -254,7 +272,7 @@ fn tokenizer_json_source() {
     spec.tokenizer = Some(other);
     let third = TextSource::open(&spec).unwrap();
     assert!(third.describe().contains("tokenised"));
-    assert_eq!(&third.tokens[..7], &[1, 2, 6, 3, 0, 5, 7]);
+    assert_eq!(&all_tokens(&third)[..7], &[1, 2, 6, 3, 0, 5, 7]);
 }
 
 #[test]
@@ -368,10 +386,10 @@ fn tinyshakespeare_matches_nanogpt_split() {
     );
     let again = TextSource::open(&spec).unwrap();
     assert!(again.describe().contains("cache hit"));
-    assert_eq!(again.tokens, src.tokens);
+    assert_eq!(all_tokens(&again), all_tokens(&src));
     let text = fs::read_to_string(&path).unwrap();
     assert_eq!(
-        src.decode(&src.tokens[..1000]).unwrap(),
+        src.decode(&all_tokens(&src)[..1000]).unwrap(),
         text.chars().take(1000).collect::<String>()
     );
 }

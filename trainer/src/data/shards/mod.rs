@@ -5,13 +5,26 @@
 //!   writing and verifying it, and the [`Manifest`].
 //! - [`prepare`](mod@prepare): text, JSONL or SFT records → shards, streaming, parallel, deterministic and
 //!   resumable.
+//! - [`ShardSource`]: the [`DataSource`](crate::data::DataSource) over a prepared directory
+//!   (or nanoGPT's `train.bin` / `val.bin`), memory-mapped, in random or epoch order
+//!   ([`DataOrder`], see [`order`]).
+//! - [`write_prepared`]: a whole prepared directory from token streams in memory (the text
+//!   sources' token cache).
 
 pub mod format;
 mod input;
 mod manifest;
+pub mod order;
 pub mod prepare;
+mod source;
+pub(crate) mod view;
+mod write;
 
 pub use format::{Manifest, ShardEntry, ShardHeader};
+pub use order::DataOrder;
 pub use prepare::{
     prepare, InputFormat, PrepareOptions, PrepareProgress, PrepareSummary, VocabSpec,
 };
+pub(crate) use source::human;
+pub use source::{ShardOptions, ShardSource};
+pub use write::{write_prepared, ShardData};

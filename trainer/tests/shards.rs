@@ -1,0 +1,151 @@
+//! Training on memory-mapped token shards (`--data shards`): a resume in epoch order continues
+//! the data stream bit-exactly (the cursor is the checkpointed generator's position), a changed
+//! shard directory is refused at resume naming it, and two data-parallel ranks in epoch order
+//! train like one process with twice the batch.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use candle_comm::run_threads;
+use common::{assert_same_steps, run_to_end, tiny_config, weights};
+use trainer::config::TrainConfig;
+use trainer::data::shards::format::{byte_vocab_hash, TokenizerInfo};
+use trainer::data::shards::{write_prepared, ShardData};
+use trainer::data::{DataKind, DataOrder};
+use trainer::train::Trainer;
+
+/// A prepared byte-vocabulary directory: three train shards and one val shard of English-ish
+/// text (`salt` changes one byte of the second shard).
+fn prepare(dir: &Path, salt: u8) {
+    let text = "the quick brown fox jumps over the lazy dog; pack my box with five dozen \
+                liquor jugs. ";
+    let bytes: Vec<u32> = text.bytes().cycle().take(3000).map(u32::from).collect();
+    let mut second = bytes[..700].to_vec();
+    second[10] = u32::from(salt);
+    let shards = [&bytes[..1100], &second[..], &bytes[1100..1600]];
+    let train: Vec<ShardData<'_>> = shards
+        .iter()
+        .map(|&tokens| ShardData {
+            tokens,
+            ..ShardData::default()
+        })
+        .collect();
+    let val = [ShardData {
+        tokens: &bytes[2000..2400],
+        ..ShardData::default()
+    }];
+    let info = TokenizerInfo {
+        kind: "byte".into(),
+        path: None,
+        hash: format!("{:016x}", byte_vocab_hash()),
+        chars: None,
+    };
+    write_prepared(dir, info, 256, None, &train, &val, serde_json::Value::Null).unwrap();
+}
+
+fn config(run: &Path, data: &Path) -> TrainConfig {
+    TrainConfig {
+        data: DataKind::Shards,
+        data_path: Some(data.to_path_buf()),
+        data_order: DataOrder::Epoch,
+        grad_accum: 2,
+        dropout: 0.1,
+        ..tiny_config(run)
+    }
+}
+
+#[test]
+fn resume_on_shards_is_bit_exact_across_epochs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    prepare(&data, b'x');
+    // Train shards of 1100 + 700 + 500 tokens = 64 + 41 + 29 = 134 windows of 17; a step
+    // reads 2 x 12 = 24, so the run turns over into its second epoch at step 6, after the
+    // resume at step 5.
+    let cfg = |run: &Path| TrainConfig {
+        batch_size: 12,
+        ..config(run, &data)
+    };
+    let mut full = Trainer::new(cfg(&tmp.path().join("full"))).unwrap();
+    let full_steps = run_to_end(&mut full);
+    assert_eq!(full_steps.len(), 8);
+
+    let split = tmp.path().join("split");
+    let mut first = Trainer::new(TrainConfig {
+        max_iters: 5,
+        ..cfg(&split)
+    })
+    .unwrap();
+    let mut split_steps = run_to_end(&mut first);
+    drop(first);
+    let mut second = Trainer::resume(&split, |c| c.max_iters = 8).unwrap();
+    assert_eq!(second.step(), 5);
+    split_steps.extend(run_to_end(&mut second));
+    assert_same_steps(&full_steps, &split_steps, "resumed on shards");
+    assert_eq!(weights(&full), weights(&second), "final weights differ");
+}
+
+#[test]
+fn a_changed_shard_directory_is_refused_at_resume_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    prepare(&data, b'x');
+    let run = tmp.path().join("run");
+    let mut t = Trainer::new(TrainConfig {
+        max_iters: 4,
+        ..config(&run, &data)
+    })
+    .unwrap();
+    run_to_end(&mut t);
+    drop(t);
+    // Prepared again from other text: a consistent directory, but not the run's data.
+    prepare(&data, b'y');
+    let err = Trainer::resume(&run, |c| c.max_iters = 8)
+        .err()
+        .expect("resume must be refused")
+        .to_string();
+    assert!(err.contains(&data.display().to_string()), "{err}");
+    assert!(err.contains("differs"), "{err}");
+    // The original data resumes.
+    prepare(&data, b'x');
+    Trainer::resume(&run, |c| c.max_iters = 8).unwrap();
+}
+
+#[test]
+fn two_ranks_in_epoch_order_train_like_one_rank_with_twice_the_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    prepare(&data, b'x');
+    let cfg = |run: &Path, batch_size| TrainConfig {
+        batch_size,
+        max_iters: 4,
+        dropout: 0.0,
+        ..config(run, &data)
+    };
+    let mut one = Trainer::new(cfg(&tmp.path().join("one"), 8)).unwrap();
+    let one_steps = run_to_end(&mut one);
+    let two = cfg(&tmp.path().join("two"), 4);
+    let ranks: Vec<_> = run_threads(2, Duration::from_secs(60), move |comm| {
+        let mut t = Trainer::new(two.clone())
+            .unwrap()
+            .with_comm(Box::new(comm))
+            .unwrap();
+        run_to_end(&mut t)
+    })
+    .into_iter()
+    .map(|r| r.unwrap_or_else(|_| panic!("a rank panicked")))
+    .collect();
+    for steps in &ranks {
+        for (a, b) in one_steps.iter().zip(steps) {
+            assert!(
+                (a.loss - b.loss).abs() < 1e-4,
+                "step {}: {} vs {}",
+                a.step,
+                a.loss,
+                b.loss
+            );
+        }
+    }
+}
