@@ -36,6 +36,22 @@ pub fn init() {
     }
 }
 
+/// Allocator settings for a streaming job (`trainer prepare`), replacing [`init`]'s: one heap
+/// arena (buffers filled on worker threads and freed on the writer thread otherwise fragment
+/// one arena per worker, and the heap grows with the input: 132 MiB of anonymous memory for
+/// 300 MB of text instead of 98), large buffers mapped and unmapped on their own, and freed
+/// memory given back. Call before the worker threads start.
+pub fn init_streaming() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `mallopt` only changes glibc's allocation settings; called before the job's
+    // worker threads exist.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 4 << 20);
+    }
+}
+
 /// The memory this process may still allocate (available RAM, or the cgroup's limit minus its
 /// anonymous memory in a container, whichever is smaller), or `None` when it cannot be told.
 ///

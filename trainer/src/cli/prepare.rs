@@ -66,6 +66,8 @@ pub(super) struct PrepareArgs {
 }
 
 pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
+    // Memory that does not grow with the corpus (see the function).
+    trainer::runtime::init_streaming();
     let vocab = match (&args.tokenizer, args.vocab.as_deref()) {
         (Some(t), _) => VocabSpec::Tokenizer(t.clone()),
         (None, Some("char")) => VocabSpec::Char,
