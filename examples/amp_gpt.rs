@@ -61,7 +61,7 @@ fn train(dtype: DType, cfg: &GptConfig, data: &TextSource, steps: u64) -> Result
     let train = data.tokens(Split::Train);
     let (mut skipped, start) = (0, Instant::now());
     for step in 0..steps {
-        let (x, y) = batch(train, cfg.block_size, step, &dev)?;
+        let (x, y) = batch(&train, cfg.block_size, step, &dev)?;
         let ctx = Ctx::train(step).with_dtype(dtype);
         let loss = cross_entropy(&model.to_dtype(dtype)?.forward(&x, &ctx)?, &y, None)?;
         let grads = amp.backward(&loss)?; // of the loss times the current scale
@@ -93,7 +93,7 @@ fn train(dtype: DType, cfg: &GptConfig, data: &TextSource, steps: u64) -> Result
     let eval = model.to_dtype(dtype)?;
     let mut total = 0.0;
     for k in 0..EVAL_BATCHES {
-        let (x, y) = batch(data.tokens(Split::Val), cfg.block_size, k, &dev)?;
+        let (x, y) = batch(&data.tokens(Split::Val), cfg.block_size, k, &dev)?;
         let logits = eval.forward(&x, &Ctx::eval().with_dtype(dtype))?;
         total += cross_entropy(&logits, &y, None)?.to_scalar::<f32>()?;
     }
