@@ -20,7 +20,9 @@
 //! * [`linear_cross_entropy`]: the language-model head and its cross-entropy in one op, a chunk
 //!   of rows at a time (no `[N, vocab]` logits);
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
-//! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync.
+//! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync;
+//! * [`cuda_kernels`]: the launch contracts of the ahead-of-time compiled Triton kernels
+//!   (`kernels/*.cubin`, RMSNorm today) and the check a CUDA launcher runs before launching.
 //!
 //! # Each op and its reference
 //!
@@ -48,6 +50,7 @@ pub mod adamw;
 pub mod attention;
 mod cpu;
 pub mod cross_entropy;
+pub mod cuda_kernels;
 pub mod dropout;
 pub mod gelu;
 mod gemm_bf16;

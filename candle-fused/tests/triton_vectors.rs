@@ -28,7 +28,11 @@ use std::path::PathBuf;
 
 const EPS: f64 = 1e-5;
 const SHAPES: [(usize, usize); 2] = [(37, 129), (3, 1500)];
-const DTYPES: [(DType, &str); 3] = [(DType::F32, "f32"), (DType::BF16, "bf16"), (DType::F16, "f16")];
+const DTYPES: [(DType, &str); 3] = [
+    (DType::F32, "f32"),
+    (DType::BF16, "bf16"),
+    (DType::F16, "f16"),
+];
 
 /// `[N, C]` uniform in [-1, 1), row `r` scaled by 1, 1e3 or 1e-3 (`r % 3`), in `dt`.
 fn rows_with_magnitudes(n: usize, c: usize, dt: DType, rng: &mut Lcg) -> Result<Tensor> {
@@ -76,7 +80,9 @@ fn write_triton_vectors() -> Result<()> {
     let mut dir = PathBuf::from(dir);
     if dir.is_relative() {
         // integration tests run in the crate directory; take DIR from the workspace root
-        dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(dir);
+        dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(dir);
     }
     std::fs::create_dir_all(&dir)?;
     for (k, (dt, name)) in DTYPES.into_iter().enumerate() {
