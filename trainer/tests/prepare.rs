@@ -420,3 +420,25 @@ fn sft_shards_carry_the_encoders_masks() {
     assert_eq!(got_s, starts);
     assert!(counted.contains(&false) && counted.contains(&true));
 }
+
+#[test]
+fn the_format_is_detected_from_the_files_a_directory_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("corpus");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("a.jsonl"), "{\"text\": \"x\"}\n").unwrap();
+    std::fs::write(dir.join("b.json"), "{\"text\": \"y\"}\n").unwrap();
+    assert_eq!(
+        InputFormat::detect(&[dir.clone()]).unwrap(),
+        InputFormat::Jsonl
+    );
+    std::fs::write(dir.join("c.txt"), "plain").unwrap();
+    assert_eq!(
+        InputFormat::detect(&[dir.clone()]).unwrap(),
+        InputFormat::Text
+    );
+    let glob = dir.join("*.jsonl");
+    assert_eq!(InputFormat::detect(&[glob]).unwrap(), InputFormat::Jsonl);
+    let e = InputFormat::detect(&[tmp.path().join("none")]).unwrap_err();
+    assert!(e.to_string().contains("none"), "{e}");
+}

@@ -78,17 +78,8 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
         Some(FormatArg::Text) => InputFormat::Text,
         Some(FormatArg::Jsonl) => InputFormat::Jsonl,
         Some(FormatArg::Sft) => InputFormat::Sft,
-        None => {
-            let jsonl = args.inputs.iter().all(|p| {
-                let s = p.to_string_lossy();
-                s.ends_with(".jsonl") || s.ends_with(".json")
-            });
-            if jsonl {
-                InputFormat::Jsonl
-            } else {
-                InputFormat::Text
-            }
-        }
+        // Decided by the files the inputs name (a directory of .jsonl files is JSONL).
+        None => InputFormat::detect(&args.inputs)?,
     };
     let opts = PrepareOptions {
         inputs: args.inputs,

@@ -55,6 +55,24 @@ pub enum InputFormat {
     Sft,
 }
 
+impl InputFormat {
+    /// The format of `inputs` (files, directories, globs) when none is given: JSON lines when
+    /// every file they name ends in `.jsonl` or `.json`, else text.
+    pub fn detect(inputs: &[PathBuf]) -> Result<Self> {
+        let files = super::input::expand_inputs(inputs)?;
+        let jsonl = files.iter().all(|p| {
+            matches!(
+                p.extension().and_then(|e| e.to_str()),
+                Some("jsonl") | Some("json")
+            )
+        });
+        Ok(match jsonl {
+            true => InputFormat::Jsonl,
+            false => InputFormat::Text,
+        })
+    }
+}
+
 /// The vocabulary tokens come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum VocabSpec {
