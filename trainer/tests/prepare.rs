@@ -429,12 +429,12 @@ fn the_format_is_detected_from_the_files_a_directory_holds() {
     std::fs::write(dir.join("a.jsonl"), "{\"text\": \"x\"}\n").unwrap();
     std::fs::write(dir.join("b.json"), "{\"text\": \"y\"}\n").unwrap();
     assert_eq!(
-        InputFormat::detect(&[dir.clone()]).unwrap(),
+        InputFormat::detect(std::slice::from_ref(&dir)).unwrap(),
         InputFormat::Jsonl
     );
     std::fs::write(dir.join("c.txt"), "plain").unwrap();
     assert_eq!(
-        InputFormat::detect(&[dir.clone()]).unwrap(),
+        InputFormat::detect(std::slice::from_ref(&dir)).unwrap(),
         InputFormat::Text
     );
     let glob = dir.join("*.jsonl");
