@@ -28,13 +28,16 @@
 //! `perf` over a child (the GEMM kernels' samples over all samples; see BENCHMARKS.md for the
 //! command), since Candle has no op profiler.
 
+mod support;
+
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::Parser;
 use serde_json::{json, Value};
+use support::{f, last_json, root, status_kib};
 use trainer::config::TrainConfig;
 use trainer::data::DataKind;
 use trainer::model::llama::{Family, LlamaConfig};
@@ -85,19 +88,6 @@ fn cases() -> Vec<(&'static str, LlamaConfig, usize, usize)> {
         ("smollm2-135m", smol, 256, 4),
         ("llama-small", small, 256, 8),
     ]
-}
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn status_kib(key: &str) -> f64 {
-    let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    text.lines()
-        .find(|l| l.starts_with(key))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(f64::NAN)
 }
 
 fn run_ours(name: &str, dtype: &str, args: &Args) -> anyhow::Result<Value> {
@@ -180,26 +170,6 @@ fn torch(args: &Args, case: &str, dtype: &str) -> anyhow::Result<Value> {
         ])
         .args(["--threads", &args.threads.to_string()]);
     last_json(cmd.output()?, "bench/torch_llama_step.py")
-}
-
-fn last_json(out: std::process::Output, what: &str) -> anyhow::Result<Value> {
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        bail!(
-            "{what} failed: {}{}",
-            text,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let line = text
-        .lines()
-        .rfind(|l| l.starts_with('{'))
-        .with_context(|| format!("{what} printed no result"))?;
-    Ok(serde_json::from_str(line)?)
-}
-
-fn f(v: &Value, k: &str) -> f64 {
-    v[k].as_f64().unwrap_or(f64::NAN)
 }
 
 fn main() -> anyhow::Result<()> {

@@ -32,6 +32,8 @@
 //! minus the RSS before the model was built (PEFT's side: its RSS after importing torch,
 //! transformers and peft).
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -40,6 +42,7 @@ use anyhow::{bail, Context};
 use candle_core::{DType, Device};
 use clap::Parser;
 use serde_json::{json, Value};
+use support::{f, last_json, root, status_kib};
 use trainer::config::{Precision, TrainConfig};
 use trainer::data::DataKind;
 use trainer::model::llama::{Family, LlamaConfig};
@@ -88,19 +91,6 @@ fn smol() -> LlamaConfig {
         rope_theta: 100000.0,
         ..LlamaConfig::new(Family::Llama, 49152, 30, 576, 9, 3, 1536)
     }
-}
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn status_kib(key: &str) -> f64 {
-    let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    text.lines()
-        .find(|l| l.starts_with(key))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(f64::NAN)
 }
 
 /// Resets `VmHWM` to the current RSS (Linux >= 4.0); false where the kernel refuses.
@@ -218,26 +208,6 @@ fn peft(args: &Args) -> anyhow::Result<Value> {
         .args(["--warmup", &args.warmup.to_string()])
         .args(["--threads", &args.threads.to_string()]);
     last_json(cmd.output()?, "bench/peft_lora_step.py")
-}
-
-fn last_json(out: std::process::Output, what: &str) -> anyhow::Result<Value> {
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        bail!(
-            "{what} failed: {}{}",
-            text,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let line = text
-        .lines()
-        .rfind(|l| l.starts_with('{'))
-        .with_context(|| format!("{what} printed no result"))?;
-    Ok(serde_json::from_str(line)?)
-}
-
-fn f(v: &Value, k: &str) -> f64 {
-    v[k].as_f64().unwrap_or(f64::NAN)
 }
 
 fn main() -> anyhow::Result<()> {

@@ -1,0 +1,45 @@
+//! What the benches that run a case per child process share: paths, `/proc` readings and the
+//! JSON line a child (or a Python anchor) prints last.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use serde_json::Value;
+
+/// The workspace root (where `bench/`, `data/` and `.venv-py` are).
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// A `/proc/self/status` field in KiB (`VmHWM:`, `VmRSS:`); NaN where absent.
+pub fn status_kib(key: &str) -> f64 {
+    let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    text.lines()
+        .find(|l| l.starts_with(key))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// The last JSON object line `out` printed (`what` names the program in errors).
+pub fn last_json(out: std::process::Output, what: &str) -> anyhow::Result<Value> {
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "{what} failed: {}{}",
+            text,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let line = text
+        .lines()
+        .rfind(|l| l.starts_with('{'))
+        .with_context(|| format!("{what} printed no result"))?;
+    Ok(serde_json::from_str(line)?)
+}
+
+/// Field `k` of `v` as a number (NaN where absent).
+pub fn f(v: &Value, k: &str) -> f64 {
+    v[k].as_f64().unwrap_or(f64::NAN)
+}
