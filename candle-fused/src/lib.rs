@@ -22,7 +22,7 @@
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
 //! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync;
 //! * [`cuda_kernels`]: the launch contracts of the ahead-of-time compiled Triton kernels
-//!   (`kernels/*.cubin`, RMSNorm today) and the check a CUDA launcher runs before launching.
+//!   (`kernels/*.cubin`) and the check a CUDA launcher runs before launching.
 //!
 //! # Each op and its reference
 //!

@@ -82,7 +82,8 @@ def rms_norm_bwd_dw(DW_PARTIAL, DW, P, C, BLOCK_C: tl.constexpr):
 
 
 # The fixed configuration compiled ahead of time (scripts/python/triton_compile.py) and used
-# by the interpreter check (scripts/python/triton_interpret_check.py).
+# by the interpreter check (scripts/python/triton_interpret_check.py); the Rust launch table
+# is candle-fused/src/cuda_kernels/rms_norm.rs.
 FWD_BLOCK_C = 4096
 FWD_NUM_WARPS = 8
 BWD_BLOCK_C = 4096
@@ -90,3 +91,63 @@ BWD_ROWS_PER_PROGRAM = 32
 BWD_NUM_WARPS = 8
 DW_BLOCK_C = 256
 DW_NUM_WARPS = 2
+
+# What triton_compile.py compiles, for each dtype: `{io}` in a type is the kernel's dtype.
+AOT = [
+    dict(fn=rms_norm_fwd, num_warps=FWD_NUM_WARPS, grid="(N, 1, 1)",
+         constexprs={"BLOCK_C": FWD_BLOCK_C},
+         params=[("X", "*{io}", "in [N, C]"), ("W", "*{io}", "in [C]"),
+                 ("Y", "*{io}", "out [N, C]"), ("RSTD", "*fp32", "out [N] f32"),
+                 ("N", "i32", "rows"), ("C", "i32", "columns"), ("eps", "fp32", "epsilon")]),
+    dict(fn=rms_norm_bwd_dx, num_warps=BWD_NUM_WARPS,
+         grid=f"(cdiv(N, {BWD_ROWS_PER_PROGRAM}), 1, 1)",
+         constexprs={"BLOCK_C": BWD_BLOCK_C, "ROWS_PER_PROGRAM": BWD_ROWS_PER_PROGRAM},
+         params=[("X", "*{io}", "in [N, C]"), ("W", "*{io}", "in [C]"),
+                 ("DY", "*{io}", "in [N, C]"), ("RSTD", "*fp32", "in [N] f32"),
+                 ("DX", "*{io}", "out [N, C]"), ("DW_PARTIAL", "*fp32", "out [P, C] f32"),
+                 ("N", "i32", "rows"), ("C", "i32", "columns")]),
+    dict(fn=rms_norm_bwd_dw, num_warps=DW_NUM_WARPS, grid=f"(cdiv(C, {DW_BLOCK_C}), 1, 1)",
+         constexprs={"BLOCK_C": DW_BLOCK_C},
+         params=[("DW_PARTIAL", "*fp32", "in [P, C] f32"), ("DW", "*{io}", "out [C]"),
+                 ("P", "i32", "partial rows"), ("C", "i32", "columns")]),
+]
+
+# Interpreter check (triton_interpret_check.py). Errors: y, dx: max |triton - rust| / max |rust|
+# of the row ("row": rows have magnitudes 1, 1e3 and 1e-3, and dx scales with 1/magnitude);
+# dw: / max |rust| of the tensor ("tensor"); rstd: elementwise relative ("elem").
+# Tolerances and why:
+# * f32 outputs, rstd (f32 for every dtype): both sides compute in f32 with different summation
+#   orders (the Rust kernel's 8-lane sums vs the interpreter's numpy reduction), a few ulp of
+#   2^-24 times log(C); dx adds the cancellation `g - xhat * mean(g xhat)`. y, rstd: 4e-6;
+#   dx, dw: 2e-5.
+# * bf16 / f16 outputs: both sides round (nearly) the same f32 value once; when it straddles a
+#   rounding boundary they differ by one unit in the last place, 2^-7 (bf16) / 2^-10 (f16)
+#   relative to the value, so at most that relative to the row's largest value.
+ERROR = {"y": "row", "dx": "row", "dw": "tensor", "rstd": "elem"}
+TOL = {
+    "f32": {"y": 4e-6, "rstd": 4e-6, "dx": 2e-5, "dw": 2e-5},
+    "bf16": {"y": 2.0**-7, "rstd": 4e-6, "dx": 2.0**-7, "dw": 2.0**-7},
+    "f16": {"y": 2.0**-10, "rstd": 4e-6, "dx": 2.0**-10, "dw": 2.0**-10},
+}
+
+
+def interpret(t, out_dtype):
+    """The three kernels on the vectors `t` (a vector file's tensors), under the interpreter;
+    `y`, `dx`, `dw` are stored in `out_dtype` (the driver passes f32 for bf16 vectors and
+    rounds them to nearest even itself: the interpreter truncates f32 -> bf16)."""
+    import torch
+    x, w, dy = t["x"], t["w"], t["dy"]
+    eps = float(t["eps"][0])
+    n, c = x.shape
+    assert c <= FWD_BLOCK_C and c <= BWD_BLOCK_C
+    y = torch.empty(x.shape, dtype=out_dtype)
+    rstd = torch.empty(n, dtype=torch.float32)
+    rms_norm_fwd[(n,)](x, w, y, rstd, n, c, eps, BLOCK_C=FWD_BLOCK_C)
+    p = triton.cdiv(n, BWD_ROWS_PER_PROGRAM)
+    dx = torch.empty(x.shape, dtype=out_dtype)
+    dw_partial = torch.empty((p, c), dtype=torch.float32)
+    rms_norm_bwd_dx[(p,)](x, w, dy, rstd, dx, dw_partial, n, c,
+                          BLOCK_C=BWD_BLOCK_C, ROWS_PER_PROGRAM=BWD_ROWS_PER_PROGRAM)
+    dw = torch.empty(w.shape, dtype=out_dtype)
+    rms_norm_bwd_dw[(triton.cdiv(c, DW_BLOCK_C),)](dw_partial, dw, p, c, BLOCK_C=DW_BLOCK_C)
+    return {"y": y, "rstd": rstd, "dx": dx, "dw": dw}

@@ -2,20 +2,25 @@
 """Compile the Triton kernels ahead of time, on a CPU-only machine, to cubin for sm_80 and
 sm_90, with the launch metadata a Rust (cudarc) launcher needs.
 
-    .venv-triton/bin/python scripts/python/triton_compile.py [--check]
+    .venv-triton/bin/python scripts/python/triton_compile.py [--check] [FAMILY ...]
 
-Writes `candle-fused/kernels/<name>.<dtype>.sm<NN>.cubin` and `.json` next to it. `--check`
-compiles into a temporary directory and fails unless every file is byte-identical to the
-committed one (regeneration is deterministic: no autotuning, fixed constexprs, no GPU query).
+A family is a file `candle-fused/triton/<family>.py` (files starting with `_` are helpers);
+its `AOT` list names the kernels to compile: `fn`, `params` [(name, type, role)] in `.entry`
+order (`{io}` in a type is the variant's dtype), `constexprs`, `num_warps`, `grid` (the rule as
+`candle_fused::cuda_kernels::describe_grid` writes it), and optionally `dtypes` (default f32,
+bf16, f16) and `num_stages` (default 1). Writes `candle-fused/kernels/<entry>.<dtype>.sm<NN>
+.cubin` and `.json` next to it. `--check` compiles into a temporary directory and fails unless
+every file is byte-identical to the committed one (regeneration is deterministic: no
+autotuning, fixed constexprs, no GPU query).
 
 The specialisation is fixed here, not taken from a live call: every pointer argument is
-declared 16-byte aligned (`tt.divisibility = 16`); integer arguments (`N`, `C`, `P`) are
-plain i32 with no divisibility or `== 1` specialisation, so odd sizes are valid; block sizes
-and warps are the constexprs in candle-fused/triton/rms_norm.py. The `.entry` gets two extra
-trailing pointer parameters (global and profile scratch); both kernels here need none
+declared 16-byte aligned (`tt.divisibility = 16`); integer arguments are plain i32 with no
+divisibility or `== 1` specialisation, so odd sizes are valid. The `.entry` gets two extra
+trailing pointer parameters (global and profile scratch); the kernels here need none
 (`global_scratch_size == 0`, `profile_scratch_size == 0`), so the launcher passes null.
-FMA contraction is off (`enable_fp_fusion=False`, ptxas `--fmad=false`): each operation
-rounds as in the interpreter run (these kernels are memory-bound, so nothing is lost).
+FMA contraction is off (`enable_fp_fusion=False`): each operation rounds as in the
+interpreter run (the elementwise and normalisation kernels are memory-bound, so nothing is
+lost); a kernel may set `fp_fusion=True` in its AOT entry.
 
 Environment: scripts/python/triton_setup.sh (pinned triton; ptxas is Triton's bundled one).
 """
@@ -37,7 +42,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler.compiler import ASTSource  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-SRC = ROOT / "candle-fused" / "triton" / "rms_norm.py"
+TRITON_DIR = ROOT / "candle-fused" / "triton"
 OUT = ROOT / "candle-fused" / "kernels"
 ARCHS = [80, 90]
 DTYPES = {"f32": "fp32", "bf16": "bf16", "f16": "fp16"}
@@ -76,88 +81,92 @@ def ptx_entry_params(ptx, name):
     return out
 
 
-def kernels(m):
-    """(name, fn, params [(name, triton type, role)], constexprs, num_warps, grid rule)."""
-    out = []
-    for dt, tt in DTYPES.items():
-        out.append((f"rms_norm_fwd.{dt}", m.rms_norm_fwd, [
-            ("X", f"*{tt}", "in [N, C]"), ("W", f"*{tt}", "in [C]"),
-            ("Y", f"*{tt}", "out [N, C]"), ("RSTD", "*fp32", "out [N] f32"),
-            ("N", "i32", "rows"), ("C", "i32", "columns"), ("eps", "fp32", "epsilon"),
-        ], {"BLOCK_C": m.FWD_BLOCK_C}, m.FWD_NUM_WARPS, "(N, 1, 1)"))
-        out.append((f"rms_norm_bwd_dx.{dt}", m.rms_norm_bwd_dx, [
-            ("X", f"*{tt}", "in [N, C]"), ("W", f"*{tt}", "in [C]"),
-            ("DY", f"*{tt}", "in [N, C]"), ("RSTD", "*fp32", "in [N] f32"),
-            ("DX", f"*{tt}", "out [N, C]"), ("DW_PARTIAL", "*fp32", "out [P, C] f32"),
-            ("N", "i32", "rows"), ("C", "i32", "columns"),
-        ], {"BLOCK_C": m.BWD_BLOCK_C, "ROWS_PER_PROGRAM": m.BWD_ROWS_PER_PROGRAM},
-            m.BWD_NUM_WARPS, f"(cdiv(N, {m.BWD_ROWS_PER_PROGRAM}), 1, 1)"))
-        out.append((f"rms_norm_bwd_dw.{dt}", m.rms_norm_bwd_dw, [
-            ("DW_PARTIAL", "*fp32", "in [P, C] f32"), ("DW", f"*{tt}", "out [C]"),
-            ("P", "i32", "partial rows"), ("C", "i32", "columns"),
-        ], {"BLOCK_C": m.DW_BLOCK_C}, m.DW_NUM_WARPS, f"(cdiv(C, {m.DW_BLOCK_C}), 1, 1)"))
-    return out
+def families(names=None):
+    """{family: module} of candle-fused/triton/*.py (or of `names`)."""
+    paths = sorted(p for p in TRITON_DIR.glob("*.py") if not p.name.startswith("_"))
+    if names:
+        missing = set(names) - {p.stem for p in paths}
+        if missing:
+            sys.exit(f"no such family: {sorted(missing)}")
+        paths = [p for p in paths if p.stem in names]
+    sys.path.insert(0, str(TRITON_DIR))
+    return {p.stem: (p, load_module(p)) for p in paths}
 
 
-def compile_all(out_dir):
-    m = load_module(SRC)
+def compile_all(out_dir, names=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, fn, params, constexprs, num_warps, grid in kernels(m):
-        signature = {p: t for p, t, _ in params}
-        signature.update({k: "constexpr" for k in constexprs})
-        ptr_idx = [i for i, (_, t, _) in enumerate(params) if t.startswith("*")]
-        attrs = {(i,): [["tt.divisibility", 16]] for i in ptr_idx}
-        for arch in ARCHS:
-            src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-            k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                               options={"num_warps": num_warps, "num_stages": 1,
-                                        "enable_fp_fusion": False})
-            md = k.metadata
-            assert md.global_scratch_size == 0 and md.profile_scratch_size == 0, name
-            stem = f"{name}.sm{arch}"
-            (out_dir / f"{stem}.cubin").write_bytes(k.asm["cubin"])
-            ptx_params = ptx_entry_params(k.asm["ptx"], md.name)
-            assert len(ptx_params) == len(params) + 2, (name, ptx_params)
-            meta = {
-                "kernel": name,
-                "entry": md.name,
-                "target": f"sm_{arch}",
-                "grid": grid,
-                "num_warps": md.num_warps,
-                "block": [32 * md.num_warps, 1, 1],
-                "shared_bytes": md.shared,
-                "constexprs": constexprs,
-                "params": [{"name": p, "type": t, "role": r} for p, t, r in params]
-                + [{"name": "global_scratch", "type": "*i8", "role": "null (size 0)"},
-                   {"name": "profile_scratch", "type": "*i8", "role": "null (size 0)"}],
-                "specialisation": "every pointer 16-byte aligned (tt.divisibility=16); "
-                                  "i32 arguments unspecialised; tensors contiguous",
-                "pointer_alignment_bytes": 16,
-                "global_scratch_size": md.global_scratch_size,
-                "profile_scratch_size": md.profile_scratch_size,
-                "triton_version": triton.__version__,
-                "ptxas_version": ptxas_version(arch),
-                "ptx_entry_params": ptx_params,
-                "source": "candle-fused/triton/rms_norm.py",
-                "source_sha256": sha256(SRC),
-                "cubin_sha256": hashlib.sha256(k.asm["cubin"]).hexdigest(),
-            }
-            (out_dir / f"{stem}.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-            written += [f"{stem}.cubin", f"{stem}.json"]
-            print(f"{stem}: cubin {len(k.asm['cubin'])} B, shared {md.shared}, warps {md.num_warps}")
+    for family, (src_path, m) in families(names).items():
+        for spec in m.AOT:
+            for dt in spec.get("dtypes", list(DTYPES)):
+                written += compile_one(out_dir, family, src_path, spec, dt)
+    return written
+
+
+def compile_one(out_dir, family, src_path, spec, dt):
+    fn = spec["fn"]
+    name = f"{fn.__name__}.{dt}"
+    params = [(p, t.format(io=DTYPES[dt]), r) for p, t, r in spec["params"]]
+    constexprs = spec["constexprs"]
+    signature = {p: t for p, t, _ in params}
+    signature.update({k: "constexpr" for k in constexprs})
+    ptr_idx = [i for i, (_, t, _) in enumerate(params) if t.startswith("*")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in ptr_idx}
+    written = []
+    for arch in ARCHS:
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": spec["num_warps"],
+                                    "num_stages": spec.get("num_stages", 1),
+                                    "enable_fp_fusion": spec.get("fp_fusion", False)})
+        md = k.metadata
+        assert md.global_scratch_size == 0 and md.profile_scratch_size == 0, name
+        stem = f"{name}.sm{arch}"
+        (out_dir / f"{stem}.cubin").write_bytes(k.asm["cubin"])
+        ptx_params = ptx_entry_params(k.asm["ptx"], md.name)
+        assert len(ptx_params) == len(params) + 2, (name, ptx_params)
+        meta = {
+            "kernel": name,
+            "family": family,
+            "entry": md.name,
+            "target": f"sm_{arch}",
+            "grid": spec["grid"],
+            "num_warps": md.num_warps,
+            "num_stages": spec.get("num_stages", 1),
+            "block": [32 * md.num_warps, 1, 1],
+            "shared_bytes": md.shared,
+            "constexprs": constexprs,
+            "params": [{"name": p, "type": t, "role": r} for p, t, r in params]
+            + [{"name": "global_scratch", "type": "*i8", "role": "null (size 0)"},
+               {"name": "profile_scratch", "type": "*i8", "role": "null (size 0)"}],
+            "specialisation": "every pointer 16-byte aligned (tt.divisibility=16); "
+                              "i32 arguments unspecialised; tensors contiguous",
+            "pointer_alignment_bytes": 16,
+            "global_scratch_size": md.global_scratch_size,
+            "profile_scratch_size": md.profile_scratch_size,
+            "triton_version": triton.__version__,
+            "ptxas_version": ptxas_version(arch),
+            "ptx_entry_params": ptx_params,
+            "source": str(src_path.relative_to(ROOT)),
+            "source_sha256": sha256(src_path),
+            "cubin_sha256": hashlib.sha256(k.asm["cubin"]).hexdigest(),
+        }
+        (out_dir / f"{stem}.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        written += [f"{stem}.cubin", f"{stem}.json"]
+        print(f"{stem}: cubin {len(k.asm['cubin'])} B, shared {md.shared}, warps {md.num_warps}")
     return written
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true", help="compare with the committed files")
+    ap.add_argument("family", nargs="*", help="families to compile (default: all)")
     args = ap.parse_args()
     if not args.check:
-        compile_all(OUT)
+        compile_all(OUT, args.family)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        bad = [f for f in compile_all(Path(tmp))
+        bad = [f for f in compile_all(Path(tmp), args.family)
                if not (OUT / f).exists() or (OUT / f).read_bytes() != (Path(tmp) / f).read_bytes()]
     if bad:
         sys.exit(f"triton_compile.py --check: differs from the committed files: {bad}")

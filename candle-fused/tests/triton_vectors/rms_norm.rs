@@ -1,30 +1,15 @@
-//! Writes the test vectors for the Triton RMSNorm kernels (`candle-fused/triton/rms_norm.py`):
-//! inputs and this crate's CPU kernel outputs and gradients, as safetensors files.
-//!
-//! A no-op unless `WRITE_TRITON_VECTORS=DIR` is set:
-//!
-//! ```text
-//! WRITE_TRITON_VECTORS=candle-fused/triton/vectors \
-//!     cargo test -p candle-fused --release --test triton_vectors
-//! ```
-//!
-//! (a relative DIR is taken from the workspace root). Each file `rms_norm.<dtype>.<N>x<C>.safetensors`
-//! holds `x [N, C]`, `w [C]`, `dy [N, C]` (inputs, in the dtype), `eps [1]` (f32), and the CPU
+//! RMSNorm (`triton/rms_norm.py`): each file `rms_norm.<dtype>.<N>x<C>.safetensors` holds
+//! `x [N, C]`, `w [C]`, `dy [N, C]` (inputs, in the dtype), `eps [1]` (f32), and the CPU
 //! kernel's `y [N, C]`, `dx [N, C]`, `dw [C]` (the dtype) and `rstd [N]` (f32, the saved
 //! statistic, here from f32 composite ops since the op keeps its own private). The sizes are not
 //! multiples of the Triton block sizes (C = 129, 1500 against BLOCK_C = 4096; N = 37 against 32
 //! rows per backward program), and rows cycle through magnitudes 1, 1e3 and 1e-3 (within
-//! f16's normal range) so the f32 statistics are exercised. After regenerating, rerun
-//! `scripts/python/triton_interpret_check.py` (the record test checks the files' sha256).
+//! f16's normal range) so the f32 statistics are exercised.
 
-mod common;
-
+use crate::common::{self, Lcg};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_fused::norm::rms_norm;
-use common::Lcg;
-use std::collections::HashMap;
-use std::path::PathBuf;
 
 const EPS: f64 = 1e-5;
 const SHAPES: [(usize, usize); 2] = [(37, 129), (3, 1500)];
@@ -42,7 +27,7 @@ fn rows_with_magnitudes(n: usize, c: usize, dt: DType, rng: &mut Lcg) -> Result<
     Ok(Tensor::from_vec(v, (n, c), &Device::Cpu)?.to_dtype(dt)?)
 }
 
-fn vectors(n: usize, c: usize, dt: DType, seed: u64) -> Result<HashMap<String, Tensor>> {
+fn vectors(n: usize, c: usize, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tensor)>> {
     let mut rng = Lcg(seed);
     let x = rows_with_magnitudes(n, c, dt, &mut rng)?;
     let w = common::rand(&[c], dt, &mut rng, 0.5, 1.0)?;
@@ -59,7 +44,7 @@ fn vectors(n: usize, c: usize, dt: DType, seed: u64) -> Result<HashMap<String, T
         .recip()?
         .flatten_all()?;
     let eps = Tensor::new(&[EPS as f32], &Device::Cpu)?;
-    let named = [
+    Ok(vec![
         ("x", x),
         ("w", w),
         ("dy", dy),
@@ -68,29 +53,18 @@ fn vectors(n: usize, c: usize, dt: DType, seed: u64) -> Result<HashMap<String, T
         ("rstd", rstd),
         ("dx", dx),
         ("dw", dw),
-    ];
-    Ok(named.into_iter().map(|(k, t)| (k.to_string(), t)).collect())
+    ])
 }
 
 #[test]
-fn write_triton_vectors() -> Result<()> {
-    let Some(dir) = std::env::var_os("WRITE_TRITON_VECTORS") else {
+fn write_vectors() -> Result<()> {
+    let Some(dir) = crate::out_dir()? else {
         return Ok(());
     };
-    let mut dir = PathBuf::from(dir);
-    if dir.is_relative() {
-        // integration tests run in the crate directory; take DIR from the workspace root
-        dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("..")
-            .join(dir);
-    }
-    std::fs::create_dir_all(&dir)?;
     for (k, (dt, name)) in DTYPES.into_iter().enumerate() {
         for (s, (n, c)) in SHAPES.into_iter().enumerate() {
             let t = vectors(n, c, dt, 1000 + 10 * k as u64 + s as u64)?;
-            let path = dir.join(format!("rms_norm.{name}.{n}x{c}.safetensors"));
-            candle_core::safetensors::save(&t, &path)?;
-            eprintln!("wrote {}", path.display());
+            crate::write(&dir, &format!("rms_norm.{name}.{n}x{c}"), t)?;
         }
     }
     Ok(())
