@@ -20,7 +20,8 @@ trailing pointer parameters (global and profile scratch); the kernels here need 
 (`global_scratch_size == 0`, `profile_scratch_size == 0`), so the launcher passes null.
 FMA contraction is off (`enable_fp_fusion=False`): each operation rounds as in the
 interpreter run (the elementwise and normalisation kernels are memory-bound, so nothing is
-lost); a kernel may set `fp_fusion=True` in its AOT entry.
+lost); a kernel may set `fp_fusion=True` in its AOT entry, and `line_info=False` to leave
+out the embedded PTX text and line tables (recorded in the metadata when set).
 
 Environment: scripts/python/triton_setup.sh (pinned triton; ptxas is Triton's bundled one).
 """
@@ -38,6 +39,7 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler.compiler import ASTSource  # noqa: E402
 
@@ -115,10 +117,13 @@ def compile_one(out_dir, family, src_path, spec, dt):
     written = []
     for arch in ARCHS:
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-        k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": spec["num_warps"],
-                                    "num_stages": spec.get("num_stages", 1),
-                                    "enable_fp_fusion": spec.get("fp_fusion", False)})
+        with knobs.compilation.scope():
+            # line_info=False: no embedded PTX text / line tables (most of a large cubin)
+            knobs.compilation.disable_line_info = not spec.get("line_info", True)
+            k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                               options={"num_warps": spec["num_warps"],
+                                        "num_stages": spec.get("num_stages", 1),
+                                        "enable_fp_fusion": spec.get("fp_fusion", False)})
         md = k.metadata
         assert md.global_scratch_size == 0 and md.profile_scratch_size == 0, name
         stem = f"{name}.sm{arch}"
@@ -151,6 +156,8 @@ def compile_one(out_dir, family, src_path, spec, dt):
             "source_sha256": sha256(src_path),
             "cubin_sha256": hashlib.sha256(k.asm["cubin"]).hexdigest(),
         }
+        if "line_info" in spec:
+            meta["line_info"] = spec["line_info"]
         (out_dir / f"{stem}.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         written += [f"{stem}.cubin", f"{stem}.json"]
         print(f"{stem}: cubin {len(k.asm['cubin'])} B, shared {md.shared}, warps {md.num_warps}")

@@ -39,12 +39,16 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+pub mod attention;
 pub mod rms_norm;
 
 use candle_core::{bail, DType, Result};
 
 /// The launch tables of every kernel family (one Triton source file each).
-pub const FAMILIES: &[(&str, &[KernelSpec])] = &[("rms_norm", rms_norm::KERNELS)];
+pub const FAMILIES: &[(&str, &[KernelSpec])] = &[
+    ("rms_norm", rms_norm::KERNELS),
+    ("attention", attention::KERNELS),
+];
 
 /// Every compiled kernel, family by family.
 pub fn kernels() -> impl Iterator<Item = &'static KernelSpec> {
@@ -191,8 +195,9 @@ pub struct KernelSpec {
     pub dtype: DType,
     /// Warps per program; the block is `32 * num_warps` threads.
     pub num_warps: u32,
-    /// Dynamic shared memory in bytes (`metadata.shared`).
-    pub shared_bytes: u32,
+    /// Dynamic shared memory in bytes (`metadata.shared`), per arch in [`ARCHS`] order (kernels
+    /// with `tl.dot` differ: sm_90 lays its operands out for wgmma).
+    pub shared_bytes: [u32; 2],
     /// The grid rule.
     pub grid: [Extent; 3],
     /// The constraints on the dimensions.
@@ -205,6 +210,14 @@ impl KernelSpec {
     /// `<entry>.<dtype>`, e.g. `rms_norm_fwd.bf16`: the stem of the kernel's files.
     pub fn name(&self) -> String {
         format!("{}.{}", self.entry, dtype_suffix(self.dtype))
+    }
+
+    /// The dynamic shared memory of the cubin for `arch` (80, 90), if compiled for it.
+    pub fn shared_bytes_for(&self, arch: u32) -> Option<u32> {
+        ARCHS
+            .iter()
+            .position(|&a| a == arch)
+            .map(|i| self.shared_bytes[i])
     }
 
     /// Threads per block.
@@ -290,8 +303,9 @@ pub struct Launch {
     pub grid: [u32; 3],
     /// Threads per block.
     pub block: [u32; 3],
-    /// Dynamic shared memory, bytes.
-    pub shared_bytes: u32,
+    /// Dynamic shared memory, bytes, per arch in [`ARCHS`] order (above 48 KB the launcher
+    /// sets `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`).
+    pub shared_bytes: [u32; 2],
     /// The dimensions bound from the tensors, by name.
     pub dims: Vec<(&'static str, usize)>,
     /// Every argument of the `.entry` in order, the two null scratch pointers last.

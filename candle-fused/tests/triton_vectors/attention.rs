@@ -1,0 +1,224 @@
+//! Attention (`triton/attention.py`): each file `attention.<dtype>.<case>.safetensors` holds the
+//! inputs `q [B, H, T, D]`, `k`, `v [B, KV, T, D]`, `do [B, H, T, D]` (the dtype), `doc [B, T]`
+//! (u32 document ids; all 0 when the case has none, which sees the same keys), the
+//! configuration `scale`, `dropout`, `keep` (f32 `[1]`: `1 / (1 - p)` rounded to f32 as the CPU
+//! kernel does), `flags` (u32 `[causal, window]`, window 0 = none), `rng` (u32 `[seed lo, seed
+//! hi, site lo, site hi, offset lo, offset hi]`), and the CPU kernel's (`attention`, the fused
+//! op) output `o` and gradients `dq`, `dk`, `dv` (the dtype, the backward of `sum(o * do)`).
+//! `lse [B, H, T]` (f32) is the log-sum-exp of the visible scores computed here with composite
+//! f32 ops (the op keeps its own private): the kernel saves exactly that statistic.
+//!
+//! Sizes are not multiples of the Triton blocks (T = 37, 70 against 64-row / 64-key blocks),
+//! the heads are grouped (H = 6 over KV = 2), a sliding window crosses a block boundary, one
+//! batch row's documents are not contiguous, dropout has an odd element offset.
+
+use crate::common::{self, Lcg};
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor, Var, D};
+use candle_fused::attention::{attention, AttentionConfig};
+use candle_fused::RngKey;
+
+const DTYPES: [(DType, &str); 3] = [
+    (DType::F32, "f32"),
+    (DType::BF16, "bf16"),
+    (DType::F16, "f16"),
+];
+
+/// One test case: sizes and options.
+struct Case {
+    name: &'static str,
+    b: usize,
+    h: usize,
+    kv: usize,
+    t: usize,
+    d: usize,
+    causal: bool,
+    window: Option<usize>,
+    /// Document ids of each batch row (`None`: no document ids).
+    docs: Option<fn(usize, usize) -> u32>,
+    dropout: f32,
+}
+
+/// Row 0: two contiguous documents; row 1: ids 3, 7, 3, 9 (id 3 is not contiguous).
+fn packed(b: usize, p: usize) -> u32 {
+    match (b, p) {
+        (0, p) if p < 30 => 0,
+        (0, _) => 1,
+        (_, p) if p < 10 => 3,
+        (_, p) if p < 40 => 7,
+        (_, p) if p < 55 => 3,
+        _ => 9,
+    }
+}
+
+const CASES: [Case; 4] = [
+    Case {
+        name: "causal_b2h6kv2_t37_d64",
+        b: 2,
+        h: 6,
+        kv: 2,
+        t: 37,
+        d: 64,
+        causal: true,
+        window: None,
+        docs: None,
+        dropout: 0.0,
+    },
+    Case {
+        name: "causal_b2h6kv2_t70_d64",
+        b: 2,
+        h: 6,
+        kv: 2,
+        t: 70,
+        d: 64,
+        causal: true,
+        window: None,
+        docs: None,
+        dropout: 0.0,
+    },
+    Case {
+        name: "window20_docs_drop20pc_b2h6kv2_t70_d64",
+        b: 2,
+        h: 6,
+        kv: 2,
+        t: 70,
+        d: 64,
+        causal: true,
+        window: Some(20),
+        docs: Some(packed),
+        dropout: 0.2,
+    },
+    Case {
+        name: "full_drop10pc_b1h2kv1_t37_d128",
+        b: 1,
+        h: 2,
+        kv: 1,
+        t: 37,
+        d: 128,
+        causal: false,
+        window: None,
+        docs: None,
+        dropout: 0.1,
+    },
+];
+
+const SEED: u64 = 0x1234_5678_9abc_def0;
+const SITE: u64 = 0x5_0000_0003;
+const OFFSET: u64 = 1_000_003;
+
+/// `[B, 1, T, T]` f32: 0 where query `i` of batch row `b` sees key `j`, `-inf` elsewhere.
+fn visibility(c: &Case, ids: &[u32]) -> Result<Tensor> {
+    let t = c.t;
+    let mut v = vec![0f32; c.b * t * t];
+    for b in 0..c.b {
+        for i in 0..t {
+            for j in 0..t {
+                let sees = (!c.causal || j <= i)
+                    && c.window.is_none_or(|w| i - j < w)
+                    && ids[b * t + i] == ids[b * t + j];
+                if !sees {
+                    v[(b * t + i) * t + j] = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_vec(v, (c.b, 1, t, t), &Device::Cpu)?)
+}
+
+/// The log-sum-exp `[B, H, T]` of the visible scaled scores, in f32 (K, V repeated per group:
+/// fine for a reference).
+fn lse(c: &Case, q: &Tensor, k: &Tensor, scale: f64, vis: &Tensor) -> Result<Tensor> {
+    let rep = c.h / c.kv;
+    let kf = k
+        .to_dtype(DType::F32)?
+        .unsqueeze(2)?
+        .expand((c.b, c.kv, rep, c.t, c.d))?
+        .reshape((c.b, c.h, c.t, c.d))?;
+    let s = (q.to_dtype(DType::F32)?.matmul(&kf.t()?.contiguous()?)? * scale)?;
+    let s = s.broadcast_add(vis)?;
+    let m = s.max_keepdim(D::Minus1)?;
+    let l = s.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    Ok((l + m)?.squeeze(D::Minus1)?)
+}
+
+fn vectors(c: &Case, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tensor)>> {
+    let mut rng = Lcg(seed);
+    let q = common::rand(&[c.b, c.h, c.t, c.d], dt, &mut rng, 2.0, 0.0)?;
+    let k = common::rand(&[c.b, c.kv, c.t, c.d], dt, &mut rng, 2.0, 0.0)?;
+    let v = common::rand(&[c.b, c.kv, c.t, c.d], dt, &mut rng, 1.0, 0.0)?;
+    let dout = common::rand(&[c.b, c.h, c.t, c.d], dt, &mut rng, 1.0, 0.0)?;
+    let ids: Vec<u32> = (0..c.b * c.t)
+        .map(|x| c.docs.map_or(0, |f| f(x / c.t, x % c.t)))
+        .collect();
+    let doc = Tensor::from_vec(ids.clone(), (c.b, c.t), &Device::Cpu)?;
+    let mut cfg = AttentionConfig::causal().with_causal(c.causal);
+    if let Some(w) = c.window {
+        cfg = cfg.with_window(w);
+    }
+    if c.docs.is_some() {
+        cfg = cfg.with_doc_ids(doc.clone());
+    }
+    if c.dropout > 0.0 {
+        let key = RngKey::new(SEED, SITE).with_offset(OFFSET);
+        cfg = cfg.with_dropout(c.dropout, key);
+    }
+    let scale = 1.0 / (c.d as f64).sqrt();
+    let (qv, kv, vv) = (
+        Var::from_tensor(&q)?,
+        Var::from_tensor(&k)?,
+        Var::from_tensor(&v)?,
+    );
+    let o = attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), &cfg)?;
+    // d(sum(o * do))/do = do exactly, so the gradients are the backward of `do`.
+    let g = (&o * &dout)?.sum_all()?.backward()?;
+    let grad = |x: &Var| g.get(x.as_tensor()).expect("gradient").clone();
+    let (dq, dk, dv) = (grad(&qv), grad(&kv), grad(&vv));
+    let lse = lse(c, &q, &k, scale, &visibility(c, &ids)?)?;
+    let f = |x: f32| Tensor::new(&[x], &Device::Cpu);
+    let u = |x: &[u32]| Tensor::new(x, &Device::Cpu);
+    let keep = (1.0 / (1.0 - c.dropout as f64)) as f32;
+    Ok(vec![
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("do", dout),
+        ("doc", doc),
+        ("scale", f(scale as f32)?),
+        ("dropout", f(c.dropout)?),
+        ("keep", f(keep)?),
+        (
+            "flags",
+            u(&[c.causal as u32, c.window.unwrap_or(0) as u32])?,
+        ),
+        (
+            "rng",
+            u(&[
+                SEED as u32,
+                (SEED >> 32) as u32,
+                SITE as u32,
+                (SITE >> 32) as u32,
+                OFFSET as u32,
+                (OFFSET >> 32) as u32,
+            ])?,
+        ),
+        ("o", o),
+        ("lse", lse),
+        ("dq", dq),
+        ("dk", dk),
+        ("dv", dv),
+    ])
+}
+
+#[test]
+fn write_vectors() -> Result<()> {
+    let Some(dir) = crate::out_dir()? else {
+        return Ok(());
+    };
+    for (k, (dt, name)) in DTYPES.into_iter().enumerate() {
+        for (s, c) in CASES.iter().enumerate() {
+            let t = vectors(c, dt, 2000 + 10 * k as u64 + s as u64)?;
+            crate::write(&dir, &format!("attention.{name}.{}", c.name), t)?;
+        }
+    }
+    Ok(())
+}
