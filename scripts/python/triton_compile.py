@@ -20,8 +20,10 @@ trailing pointer parameters (global and profile scratch); the kernels here need 
 (`global_scratch_size == 0`, `profile_scratch_size == 0`), so the launcher passes null.
 FMA contraction is off (`enable_fp_fusion=False`): each operation rounds as in the
 interpreter run (the elementwise and normalisation kernels are memory-bound, so nothing is
-lost); a kernel may set `fp_fusion=True` in its AOT entry, and `line_info=False` to leave
-out the embedded PTX text and line tables (recorded in the metadata when set).
+lost); a kernel may set `fp_fusion=True` in its AOT entry. Line info is off (a kernel may set
+`line_info=True` for debugging, never committed): with it the cubin embeds the PTX text and
+line tables naming the source file's absolute path, so the bytes would depend on where the
+checkout lives.
 
 Environment: scripts/python/triton_setup.sh (pinned triton; ptxas is Triton's bundled one).
 """
@@ -118,8 +120,8 @@ def compile_one(out_dir, family, src_path, spec, dt):
     for arch in ARCHS:
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         with knobs.compilation.scope():
-            # line_info=False: no embedded PTX text / line tables (most of a large cubin)
-            knobs.compilation.disable_line_info = not spec.get("line_info", True)
+            # no embedded PTX text / line tables: they hold the source's absolute path
+            knobs.compilation.disable_line_info = not spec.get("line_info", False)
             k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                options={"num_warps": spec["num_warps"],
                                         "num_stages": spec.get("num_stages", 1),
@@ -156,8 +158,7 @@ def compile_one(out_dir, family, src_path, spec, dt):
             "source_sha256": sha256(src_path),
             "cubin_sha256": hashlib.sha256(k.asm["cubin"]).hexdigest(),
         }
-        if "line_info" in spec:
-            meta["line_info"] = spec["line_info"]
+        meta["line_info"] = spec.get("line_info", False)
         (out_dir / f"{stem}.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         written += [f"{stem}.cubin", f"{stem}.json"]
         print(f"{stem}: cubin {len(k.asm['cubin'])} B, shared {md.shared}, warps {md.num_warps}")
