@@ -39,12 +39,16 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+pub mod layer_norm;
 pub mod rms_norm;
 
 use candle_core::{bail, DType, Result};
 
 /// The launch tables of every kernel family (one Triton source file each).
-pub const FAMILIES: &[(&str, &[KernelSpec])] = &[("rms_norm", rms_norm::KERNELS)];
+pub const FAMILIES: &[(&str, &[KernelSpec])] = &[
+    ("rms_norm", rms_norm::KERNELS),
+    ("layer_norm", layer_norm::KERNELS),
+];
 
 /// Every compiled kernel, family by family.
 pub fn kernels() -> impl Iterator<Item = &'static KernelSpec> {

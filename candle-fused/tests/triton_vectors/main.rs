@@ -14,6 +14,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod layer_norm;
 mod rms_norm;
 
 use anyhow::Result;
