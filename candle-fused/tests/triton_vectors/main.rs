@@ -16,6 +16,7 @@
 mod common;
 mod layer_norm;
 mod rms_norm;
+mod rope;
 
 use anyhow::Result;
 use candle_core::Tensor;
