@@ -15,7 +15,12 @@ the family's `ERROR[name]` says:
 * `tensor`: max |triton - rust| / max |rust| of the whole tensor;
 * `elem`: elementwise relative, |triton - rust| / |rust|;
 * `abs`: max |triton - rust|;
-* `exact`: the number of elements whose bits differ (tolerance 0 = bit-identical).
+* `exact`: the number of elements whose bits differ (tolerance 0 = bit-identical);
+* `row:<input>`: max |triton - rust| / max |input| of the same row, for a per-row output
+  (`[N]`) of an input `[N, C]` (e.g. a saved mean, whose own magnitude can be near 0).
+
+An output named in `TOL` is compared when the vector file holds it; a file without it (e.g.
+no bias, so no `db`) is fine only if `interpret` did not produce it either.
 
 `out_dtype` is the dtype a kernel should store its io outputs in: the vector's dtype, except
 f32 for bf16 vectors. Triton 3.9's interpreter converts f32 -> bf16 by truncation (even with
@@ -69,7 +74,11 @@ def load_module(path):
     return mod
 
 
-def error(mode, got, ref):
+def error(mode, got, ref, t):
+    if mode.startswith("row:"):
+        scale = t[mode[4:]].double().abs().amax(dim=-1)
+        diff = (got.double() - ref.double()).abs()
+        return float((diff / scale.clamp_min(1e-30)).max()) if diff.numel() else 0.0
     if mode == "exact":
         return float(ulps(got, ref)[0])
     got, ref = got.double(), ref.double()
@@ -111,11 +120,17 @@ def check_family(family, path, m):
         out = m.interpret(t, out_dtype)
         errs, bits = {}, {}
         for k, tol in m.TOL[dt].items():
+            if k not in t and k not in out:
+                continue
+            if (k in t) != (k in out):
+                where = "the vector file" if k in t else "interpret()"
+                failed.append(f"{f.name} {k}: only {where} has it")
+                continue
             got, ref = out[k], t[k]
             if got.dtype != ref.dtype:
                 got = got.to(ref.dtype)
             assert got.shape == ref.shape, (f.name, k, got.shape, ref.shape)
-            e = error(m.ERROR[k], got, ref)
+            e = error(m.ERROR[k], got, ref, t)
             errs[k] = e
             bits[k] = ulps(got, ref)
             if not e <= tol:

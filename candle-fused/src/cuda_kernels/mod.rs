@@ -40,7 +40,9 @@
 //! ```
 
 pub mod attention;
+pub mod layer_norm;
 pub mod rms_norm;
+pub mod rope;
 
 use candle_core::{bail, DType, Result};
 
@@ -48,6 +50,8 @@ use candle_core::{bail, DType, Result};
 pub const FAMILIES: &[(&str, &[KernelSpec])] = &[
     ("rms_norm", rms_norm::KERNELS),
     ("attention", attention::KERNELS),
+    ("layer_norm", layer_norm::KERNELS),
+    ("rope", rope::KERNELS),
 ];
 
 /// Every compiled kernel, family by family.
@@ -177,6 +181,9 @@ pub enum Rule {
     AtMost(&'static str, usize),
     /// `dim == cdiv(product of dims, div)` (e.g. partial-sum rows `P == cdiv(N, 32)`).
     Cdiv(&'static str, &'static [&'static str], usize),
+    /// `dim == factor * product of dims` (e.g. an even head dim split in halves:
+    /// `D == 2 * HALF`).
+    Product(&'static str, &'static [&'static str], usize),
     /// `a` divides `b` (e.g. key/value heads divide query heads).
     Divides(&'static str, &'static str),
     /// `dim` is a power of two between the bounds (e.g. a head dimension a tile covers exactly).
@@ -418,6 +425,15 @@ pub fn check_launch(
                     bail!(
                         "{name}: {d} must be {} = {want}, got {v}",
                         Extent::cdiv(dims, div).describe()
+                    )
+                }
+            }
+            Rule::Product(d, dims, factor) => {
+                let (v, want) = (get(d)?, factor * product(dims)?);
+                if v != want {
+                    bail!(
+                        "{name}: {d} must be {factor} * {} = {want}, got {v}",
+                        dims.join("*")
                     )
                 }
             }

@@ -15,7 +15,9 @@
 mod attention;
 #[path = "../common/mod.rs"]
 mod common;
+mod layer_norm;
 mod rms_norm;
+mod rope;
 
 use anyhow::Result;
 use candle_core::Tensor;
