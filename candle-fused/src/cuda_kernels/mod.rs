@@ -39,12 +39,16 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+pub mod cross_entropy;
 pub mod rms_norm;
 
 use candle_core::{bail, DType, Result};
 
 /// The launch tables of every kernel family (one Triton source file each).
-pub const FAMILIES: &[(&str, &[KernelSpec])] = &[("rms_norm", rms_norm::KERNELS)];
+pub const FAMILIES: &[(&str, &[KernelSpec])] = &[
+    ("rms_norm", rms_norm::KERNELS),
+    ("cross_entropy", cross_entropy::KERNELS),
+];
 
 /// Every compiled kernel, family by family.
 pub fn kernels() -> impl Iterator<Item = &'static KernelSpec> {
@@ -65,6 +69,8 @@ pub enum Elem {
     F32,
     /// Always i32 (indices, document ids).
     I32,
+    /// Always u32 (class targets, as the CPU ops take them).
+    U32,
 }
 
 /// One parameter of a kernel's `.entry`, in order.
@@ -89,13 +95,14 @@ impl Param {
         }
     }
 
-    /// The Triton signature type (`*bf16`, `*fp32`, `*i32`, `i32`, `fp32`) for a kernel of
+    /// The Triton signature type (`*bf16`, `*fp32`, `*i32`, `*u32`, `i32`, `fp32`) for a kernel of
     /// `dtype`.
     pub fn triton_type(&self, dtype: DType) -> String {
         match self {
             Param::Tensor(_, _, Elem::Io) => format!("*{}", triton_dtype(dtype)),
             Param::Tensor(_, _, Elem::F32) => "*fp32".into(),
             Param::Tensor(_, _, Elem::I32) => "*i32".into(),
+            Param::Tensor(_, _, Elem::U32) => "*u32".into(),
             Param::Dim(..) | Param::Int(_) => "i32".into(),
             Param::Float(_) => "fp32".into(),
         }
@@ -337,6 +344,7 @@ pub fn check_launch(
             Elem::Io => spec.dtype,
             Elem::F32 => DType::F32,
             Elem::I32 => DType::I32,
+            Elem::U32 => DType::U32,
         };
         if t.dtype != want {
             bail!("{name}: {pname} must be {want:?}, got {:?}", t.dtype)

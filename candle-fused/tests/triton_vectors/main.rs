@@ -14,6 +14,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod cross_entropy;
 mod rms_norm;
 
 use anyhow::Result;
