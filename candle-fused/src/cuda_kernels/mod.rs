@@ -40,6 +40,7 @@
 //! ```
 
 pub mod attention;
+pub mod cross_entropy;
 pub mod layer_norm;
 pub mod rms_norm;
 pub mod rope;
@@ -52,6 +53,7 @@ pub const FAMILIES: &[(&str, &[KernelSpec])] = &[
     ("attention", attention::KERNELS),
     ("layer_norm", layer_norm::KERNELS),
     ("rope", rope::KERNELS),
+    ("cross_entropy", cross_entropy::KERNELS),
 ];
 
 /// Every compiled kernel, family by family.
@@ -73,6 +75,8 @@ pub enum Elem {
     F32,
     /// Always i32 (indices, document ids).
     I32,
+    /// Always u32 (class targets, as the CPU ops take them).
+    U32,
 }
 
 /// One parameter of a kernel's `.entry`, in order.
@@ -97,13 +101,14 @@ impl Param {
         }
     }
 
-    /// The Triton signature type (`*bf16`, `*fp32`, `*i32`, `i32`, `fp32`) for a kernel of
+    /// The Triton signature type (`*bf16`, `*fp32`, `*i32`, `*u32`, `i32`, `fp32`) for a kernel of
     /// `dtype`.
     pub fn triton_type(&self, dtype: DType) -> String {
         match self {
             Param::Tensor(_, _, Elem::Io) => format!("*{}", triton_dtype(dtype)),
             Param::Tensor(_, _, Elem::F32) => "*fp32".into(),
             Param::Tensor(_, _, Elem::I32) => "*i32".into(),
+            Param::Tensor(_, _, Elem::U32) => "*u32".into(),
             Param::Dim(..) | Param::Int(_) => "i32".into(),
             Param::Float(_) => "fp32".into(),
         }
@@ -358,6 +363,7 @@ pub fn check_launch(
             Elem::Io => spec.dtype,
             Elem::F32 => DType::F32,
             Elem::I32 => DType::I32,
+            Elem::U32 => DType::U32,
         };
         if t.dtype != want {
             bail!("{name}: {pname} must be {want:?}, got {:?}", t.dtype)

@@ -16,8 +16,8 @@
 use anyhow::{anyhow, ensure, Context, Result};
 use candle_core::DType;
 use candle_fused::cuda_kernels::{
-    check_launch, describe_grid, dtype_suffix, find, kernels, layer_norm, rms_norm, Arg, Param,
-    Rule, Scalar, TensorArg, ARCHS, FAMILIES, POINTER_ALIGNMENT, SCRATCH_PARAMS,
+    check_launch, cross_entropy, describe_grid, dtype_suffix, find, kernels, layer_norm, rms_norm,
+    Arg, Param, Rule, Scalar, TensorArg, ARCHS, FAMILIES, POINTER_ALIGNMENT, SCRATCH_PARAMS,
 };
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -254,6 +254,7 @@ pub(crate) fn t(dims: &[usize], dtype: DType) -> TensorArg {
 pub(crate) const EPS: &[Scalar] = &[Scalar::F32(1e-5)];
 
 mod launch_attention;
+mod launch_cross_entropy;
 mod launch_layer_norm;
 mod launch_rms_norm;
 mod launch_rope;

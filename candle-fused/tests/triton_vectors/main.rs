@@ -15,6 +15,7 @@
 mod attention;
 #[path = "../common/mod.rs"]
 mod common;
+mod cross_entropy;
 mod layer_norm;
 mod rms_norm;
 mod rope;
