@@ -329,10 +329,15 @@ pub(crate) fn with_fallback<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Whether the fallback is forced on this thread ([`with_fallback`]).
+pub(crate) fn fallback_forced() -> bool {
+    FORCE_FALLBACK.with(|c| c.get())
+}
+
 /// Whether the tensor lives on the CPU and has a dtype the CPU kernels handle (and the
 /// fallback is not forced on this thread).
 pub(crate) fn has_kernel(t: &Tensor) -> bool {
-    !FORCE_FALLBACK.with(|c| c.get())
+    !fallback_forced()
         && t.device().is_cpu()
         && matches!(
             t.dtype(),

@@ -22,7 +22,8 @@
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
 //! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync;
 //! * [`cuda_kernels`]: the launch contracts of the ahead-of-time compiled Triton kernels
-//!   (`kernels/*.cubin`) and the check a CUDA launcher runs before launching.
+//!   (`kernels/*.cubin`), the check run before every launch, and (`cuda` feature) their
+//!   launcher, opt-in with [`cuda_kernels::set_triton`] / `CANDLE_FUSED_TRITON=1`.
 //!
 //! # Each op and its reference
 //!
@@ -70,7 +71,8 @@ pub use philox::RngKey;
 /// Runs `f` with every op of this crate, on the calling thread, taking the path devices
 /// without a kernel take (CUDA and Metal today) also on the CPU: the output computed by the
 /// op's composite expression inside the op, the backward by composite ops. For testing a model
-/// on that path without such a device. The previous setting comes back when `f` returns or
+/// on that path without such a device (on CUDA it also keeps the Triton kernels off, see
+/// [`cuda_kernels::set_triton`]). The previous setting comes back when `f` returns or
 /// panics; other threads are not affected.
 ///
 /// ```

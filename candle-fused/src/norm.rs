@@ -12,10 +12,20 @@
 //! fixed blocks of rows (`cpu::for_row_blocks`) added in block order, so gradients are
 //! bit-for-bit the same on any number of threads. 16-bit inputs are widened to f32 for all the
 //! arithmetic and rounded once.
+//!
+//! On CUDA, RMSNorm runs the Triton kernels when they are switched on (`norm/cuda.rs`,
+//! `cuda_kernels::set_triton`); otherwise both norms compute the composite inside the op.
+//! Candle's own CUDA forwards (`candle_nn::ops::{rms_norm, layer_norm}`) are not used for that
+//! fallback: they return no statistics (the backward needs `rstd`, so a reduction would run
+//! again), use the approximate `rsqrtf`, accumulate f64 in f32, and LayerNorm's variance is
+//! `E[x^2] - mean^2`, which cancels for rows whose mean is large against their spread.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod kernel;
 
 use crate::cpu::{self, Elem};
+use crate::cuda_kernels::{self, triton_for, triton_input};
 use crate::op::{self, cpu_of, Grads, In, Kernel, Saved};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Result, Shape, Tensor, D};
@@ -180,6 +190,16 @@ fn composite(
 }
 
 fn norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64, kind: Kind) -> Result<Tensor> {
+    let c = x.dims().last().copied().unwrap_or(1);
+    if kind == Kind::Rms && triton_for(x) && c <= cuda_kernels::rms_norm::BLOCK_C {
+        // the Triton kernels (CUDA, opt-in): nothing computed beforehand
+        let op = NormOp {
+            triton: true,
+            ..NormOp::new(kind, eps)
+        };
+        let (x, w) = (triton_input(x)?, triton_input(w)?);
+        return op::apply(op, &[&x, &w], None, None);
+    }
     if cpu::has_kernel(x) {
         let op = NormOp::new(kind, eps);
         let (x, w) = (x.contiguous()?, w.contiguous()?);
@@ -203,6 +223,8 @@ struct NormOp {
     /// Per-row mean (LayerNorm only) and rstd, `[N]`, f32 (f64 for f64).
     mean: Saved,
     rstd: Saved,
+    /// Forward and backward run the Triton kernels (RMSNorm on CUDA, `src/norm/cuda.rs`).
+    triton: bool,
 }
 
 impl NormOp {
@@ -212,6 +234,7 @@ impl NormOp {
             eps,
             mean: Saved::default(),
             rstd: Saved::default(),
+            triton: false,
         }
     }
 
@@ -290,10 +313,27 @@ impl Kernel for NormOp {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        match (self.kind, ins) {
+            (Kind::Rms, &[x, w]) => cuda::rms_fwd(x, w, self.eps, &self.rstd),
+            _ => bail!("{}: no CUDA kernel", self.name()),
+        }
+    }
+
     fn bwd(&self, ins: &[&Tensor], _y: &Tensor, dy: &Tensor) -> Result<Grads> {
         let (x, w, b) = (ins[0], ins[1], ins.get(2));
         let need = [x.track_op(), w.track_op(), b.is_some_and(|b| b.track_op())];
         let rstd = self.rstd.get()?;
+        if self.triton {
+            #[cfg(feature = "cuda")]
+            return cuda::rms_bwd(x, w, dy, &rstd, need);
+            #[cfg(not(feature = "cuda"))]
+            bail!("{}: Triton kernels need the `cuda` feature", self.name());
+        }
         let mean = match self.kind {
             Kind::Layer => Some(self.mean.get()?),
             Kind::Rms => None,

@@ -11,6 +11,11 @@
 //! fallback is forced on the CPU) hands back that precomputed storage ([`Precomputed`]). The
 //! op's backward is the same on every device, so the graph keeps only the op's inputs, its
 //! output and small statistics ([`Saved`]), as with the kernel.
+//!
+//! **CUDA kernels.** With the `cuda` feature, an op whose Triton kernels apply (switched on,
+//! see `cuda_kernels::set_triton`) is applied with nothing precomputed, and its `cuda_fwd`
+//! runs [`Kernel::cuda_fwd`]; its `bwd` launches the backward kernels itself (the recipe is in
+//! `cuda_kernels/launch.rs`).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -18,6 +23,9 @@ use candle_core::{
     Shape, Storage, Tensor,
 };
 use std::sync::Mutex;
+
+#[cfg(feature = "cuda")]
+use crate::cuda_kernels::launch::CudaIn;
 
 /// The gradients of an op's inputs, in input order (`None` past the op's arity, or where an
 /// input needs none).
@@ -33,6 +41,15 @@ pub(crate) trait Kernel: Send + Sync + 'static {
 
     /// The output of the CPU kernel for the inputs `ins` (as many as the op was applied to).
     fn cpu_fwd(&self, ins: &[In<'_>]) -> Result<(CpuStorage, Shape)>;
+
+    /// The output of the CUDA kernel (Triton, `cuda_kernels::launch`) for the inputs `ins`:
+    /// called when the op was applied with nothing precomputed on a CUDA device, which an op
+    /// does only where its kernel applies (`cuda_kernels::triton_for` and its own limits).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, ins: &[CudaIn<'_>]) -> Result<(CudaStorage, Shape)> {
+        let _ = ins;
+        bail!("{}: no CUDA kernel", self.name())
+    }
 
     /// The inputs' gradients for the upstream gradient `dy` of the output `y`.
     fn bwd(&self, ins: &[&Tensor], y: &Tensor, dy: &Tensor) -> Result<Grads>;
@@ -50,6 +67,19 @@ impl<K: Kernel> Fused<K> {
             Some(p) => p.cpu(),
             None => self.kernel.cpu_fwd(ins),
         }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, ins: &[CudaIn<'_>]) -> Result<(CudaStorage, Shape)> {
+        match &self.pre {
+            Some(p) => p.cuda(),
+            None => self.kernel.cuda_fwd(ins),
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn cuda(&self, _: &[(&CudaStorage, &Layout)]) -> Result<(CudaStorage, Shape)> {
+        self.pre()?.cuda()
     }
 
     fn pre(&self) -> Result<&Precomputed> {
@@ -110,9 +140,8 @@ macro_rules! custom_op {
             fn cpu_fwd(&self, $($s: &CpuStorage, $l: &Layout),+) -> Result<(CpuStorage, Shape)> {
                 self.cpu(&[$(($s, $l)),+])
             }
-            #[allow(unused_variables)]
             fn cuda_fwd(&self, $($s: &CudaStorage, $l: &Layout),+) -> Result<(CudaStorage, Shape)> {
-                self.pre()?.cuda()
+                self.cuda(&[$(($s, $l)),+])
             }
             #[allow(unused_variables)]
             fn metal_fwd(

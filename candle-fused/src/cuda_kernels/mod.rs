@@ -9,6 +9,12 @@
 //! crate's CPU kernels by `scripts/python/triton_interpret_check.py`. `tests/triton_record.rs`
 //! keeps the tables below, the metadata and the recorded checks in agreement.
 //!
+//! **Running them** (`cuda` feature): the cubins are embedded in the library and launched on
+//! Candle's stream inside the ops' `cuda_fwd` and `bwd` (`launch.rs`, whose module doc is the
+//! recipe for wiring a family). They are opt-in until checked on a GPU: [`set_triton`] or
+//! `CANDLE_FUSED_TRITON=1` ([`TRITON_ENV`]); off, CUDA takes the composite fallback. Wired so
+//! far: RMSNorm (forward, `dx`, `dW`).
+//!
 //! The compiled specialisation: every pointer is 16-byte aligned (`tt.divisibility = 16`),
 //! tensors are contiguous, integer arguments are unspecialised i32. Each `.entry` takes the
 //! kernel's own parameters, then two scratch pointers (global, profile) that these kernels do
@@ -41,9 +47,17 @@
 
 pub mod attention;
 pub mod cross_entropy;
+#[cfg(feature = "cuda")]
+pub(crate) mod cubins;
+#[cfg(feature = "cuda")]
+pub(crate) mod launch;
 pub mod layer_norm;
 pub mod rms_norm;
 pub mod rope;
+mod switch;
+
+pub use switch::{launch_count, set_triton, triton_enabled, TRITON_ENV};
+pub(crate) use switch::{triton_for, triton_input};
 
 use candle_core::{bail, DType, Result};
 

@@ -1,0 +1,358 @@
+//! Launching the embedded Triton kernels ([`super::cubins`]) on Candle's CUDA stream
+//! (`cuda` feature only).
+//!
+//! [`launch`] finds the kernel's [`KernelSpec`], runs [`check_launch`] on the tensors (dims,
+//! strides, dtypes and the real device addresses, so the 16-byte alignment is checked on the
+//! pointers passed), loads the module for the device once (a process-wide cache keyed by CUDA
+//! context and kernel; the sm_80 cubin on compute capability 8.x, sm_90 on 9.0, otherwise a
+//! clear error), and pushes the `.entry` arguments in `Launch::args` order on the stream of the
+//! tensors' Candle device, with cudarc's event tracking (reads wait for earlier writes, writes
+//! for earlier reads and writes) as Candle's own kernels do.
+//!
+//! # Wiring a family's kernels into its op (RMSNorm: `src/norm.rs` + `src/norm/cuda.rs`)
+//!
+//! 1. `cubins.rs`: one `cubins!("<entry>")` line per `.entry` in `CUBINS`.
+//! 2. The op's public function, before the CPU/composite paths:
+//!    ```ignore
+//!    if cuda_kernels::triton_for(x) && c <= my_family::BLOCK_C {   // + the family's limits
+//!        let (x, w) = (cuda_kernels::triton_input(x)?, cuda_kernels::triton_input(w)?);
+//!        return op::apply(MyOp { triton: true, .. }, &[&x, &w], None, None); // nothing precomputed
+//!    }
+//!    ```
+//! 3. `impl Kernel for MyOp`: the forward on CUDA, in `src/<family>/cuda.rs` (`cfg(feature = "cuda")`):
+//!    ```ignore
+//!    #[cfg(feature = "cuda")]
+//!    fn cuda_fwd(&self, ins: &[CudaIn<'_>]) -> Result<(CudaStorage, Shape)> {
+//!        let ((sx, lx), (sw, lw)) = (ins[0], ins[1]);
+//!        let mut y = Output::new(sx.device(), lx.shape().clone(), sx.dtype())?;
+//!        let mut stat = Output::new(sx.device(), n, DType::F32)?;
+//!        launch("my_fwd", sx.dtype(), vec![
+//!            Buf::read(sx, lx).view(&[n, c])?, Buf::read(sw, lw),
+//!            Buf::write(&mut y).view(&[n, c])?, Buf::write(&mut stat),
+//!        ], &[Scalar::F32(self.eps as f32)])?;
+//!        self.stat.set(stat.into_tensor());     // `Saved`, read by `bwd`
+//!        Ok(y.into_parts())
+//!    }
+//!    ```
+//! 4. Its `bwd`: `if self.triton { return cuda::bwd(..) }`, where the tensors' storages come
+//!    from `t.storage_and_layout()` + [`cuda_of`], the gradients from `Output`s launched into
+//!    and turned into tensors with [`Output::into_tensor`] (`Tensor::from_storage`; no graph:
+//!    gradients are leaves), so the backward kernels need no second custom op.
+//! 5. A case in `tests/cuda_triton.rs` (the committed vectors, the family's `TOL`).
+
+use super::{check_launch, cubins, find, KernelSpec, Launch, Scalar, TensorArg};
+use crate::cuda_kernels::Arg;
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::cuda_backend::cudarc;
+use candle_core::op::BackpropOp;
+use candle_core::{
+    bail, CudaDevice, CudaStorage, DType, Error, Layout, Result, Shape, Storage, Tensor,
+};
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{
+    CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
+};
+use half::{bf16, f16};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+/// A kernel's forward inputs as `Fused::cuda_fwd` hands them over.
+pub(crate) type CudaIn<'a> = (&'a CudaStorage, &'a Layout);
+
+/// The CUDA storage behind a tensor's storage guard.
+pub(crate) fn cuda_of(s: &Storage) -> Result<&CudaStorage> {
+    match s {
+        Storage::Cuda(c) => Ok(c),
+        _ => bail!("candle-fused: expected a CUDA tensor"),
+    }
+}
+
+/// A fresh contiguous buffer a kernel writes (uninitialised: the kernel writes every element).
+pub(crate) struct Output {
+    storage: CudaStorage,
+    shape: Shape,
+}
+
+impl Output {
+    /// `shape` elements of `dtype` on `dev`.
+    pub(crate) fn new(dev: &CudaDevice, shape: impl Into<Shape>, dtype: DType) -> Result<Self> {
+        let shape = shape.into();
+        // SAFETY: every kernel launched into an `Output` writes all of its elements before
+        // anything reads them (each family's kernels are checked for it under the interpreter).
+        let storage = unsafe { dev.alloc_uninit(&shape, dtype)? };
+        Ok(Self { storage, shape })
+    }
+
+    /// The storage and shape, as a `cuda_fwd` returns them.
+    pub(crate) fn into_parts(self) -> (CudaStorage, Shape) {
+        (self.storage, self.shape)
+    }
+
+    /// As a tensor outside any graph (a saved statistic, a gradient).
+    pub(crate) fn into_tensor(self) -> Tensor {
+        Tensor::from_storage(
+            Storage::Cuda(self.storage),
+            self.shape,
+            BackpropOp::none(),
+            false,
+        )
+    }
+}
+
+enum Access<'a> {
+    Read(&'a CudaStorage),
+    Write(&'a mut CudaStorage),
+}
+
+/// One tensor argument of a launch: a storage read or written, and the layout the kernel sees.
+pub(crate) struct Buf<'a> {
+    access: Access<'a>,
+    layout: Layout,
+}
+
+impl<'a> Buf<'a> {
+    /// An input: `s` as `l` describes it (contiguous and aligned: see `triton_input`).
+    pub(crate) fn read(s: &'a CudaStorage, l: &Layout) -> Self {
+        Self {
+            access: Access::Read(s),
+            layout: l.clone(),
+        }
+    }
+
+    /// An earlier kernel's output, read (e.g. partial sums).
+    pub(crate) fn read_output(o: &'a Output) -> Self {
+        Self {
+            access: Access::Read(&o.storage),
+            layout: Layout::contiguous(o.shape.clone()),
+        }
+    }
+
+    /// An output buffer.
+    pub(crate) fn write(o: &'a mut Output) -> Self {
+        let layout = Layout::contiguous(o.shape.clone());
+        Self {
+            access: Access::Write(&mut o.storage),
+            layout,
+        }
+    }
+
+    /// The same contiguous elements seen with the dims the kernel's table names (e.g. `[N, C]`
+    /// for a `[B, T, C]` tensor).
+    pub(crate) fn view(mut self, dims: &[usize]) -> Result<Self> {
+        let shape = Shape::from(dims);
+        if !self.layout.is_contiguous() || shape.elem_count() != self.layout.shape().elem_count() {
+            bail!(
+                "candle-fused: cannot view {:?} (strides {:?}) as {dims:?}",
+                self.layout.dims(),
+                self.layout.stride()
+            )
+        }
+        self.layout = Layout::contiguous_with_offset(shape, self.layout.start_offset());
+        Ok(self)
+    }
+
+    fn storage(&self) -> &CudaStorage {
+        match &self.access {
+            Access::Read(s) => s,
+            Access::Write(s) => s,
+        }
+    }
+}
+
+/// The device pointer of `buf`'s first element and the guard that records the access on
+/// `stream` once dropped (after the launch is queued).
+fn pointer<'b>(buf: &'b mut Buf<'_>, stream: &'b CudaStream) -> Result<(u64, SyncOnDrop<'b>)> {
+    fn read<'b, T: candle_core::cuda::CudaDType + 'static>(
+        s: &'b CudaStorage,
+        stream: &'b CudaStream,
+    ) -> Result<(u64, SyncOnDrop<'b>)> {
+        Ok(s.as_cuda_slice::<T>()?.device_ptr(stream))
+    }
+    fn write<'b, T: candle_core::cuda::CudaDType + 'static>(
+        s: &'b mut CudaStorage,
+        stream: &'b CudaStream,
+    ) -> Result<(u64, SyncOnDrop<'b>)> {
+        Ok(s.as_cuda_slice_mut::<T>()?.device_ptr_mut(stream))
+    }
+    let start = (buf.layout.start_offset() * buf.storage().dtype().size_in_bytes()) as u64;
+    let dtype = buf.storage().dtype();
+    let (base, guard) = match (&mut buf.access, dtype) {
+        (Access::Read(s), DType::F32) => read::<f32>(s, stream)?,
+        (Access::Read(s), DType::BF16) => read::<bf16>(s, stream)?,
+        (Access::Read(s), DType::F16) => read::<f16>(s, stream)?,
+        (Access::Read(s), DType::I32) => read::<i32>(s, stream)?,
+        (Access::Read(s), DType::U32) => read::<u32>(s, stream)?,
+        (Access::Write(s), DType::F32) => write::<f32>(s, stream)?,
+        (Access::Write(s), DType::BF16) => write::<bf16>(s, stream)?,
+        (Access::Write(s), DType::F16) => write::<f16>(s, stream)?,
+        (Access::Write(s), DType::I32) => write::<i32>(s, stream)?,
+        (Access::Write(s), DType::U32) => write::<u32>(s, stream)?,
+        (_, dt) => bail!("candle-fused: no Triton kernel takes {dt:?} tensors"),
+    };
+    Ok((base + start, guard))
+}
+
+/// Launches the kernel `entry` for `dtype` on `tensors` (its `Param::Tensor` arguments in
+/// order) and `scalars` (its `Param::Int` / `Param::Float` arguments in order), after
+/// [`check_launch`]; returns the checked launch. Asynchronous, as every Candle op: the outputs
+/// are ready for whatever is queued next on the device's stream.
+pub(crate) fn launch(
+    entry: &str,
+    dtype: DType,
+    mut tensors: Vec<Buf<'_>>,
+    scalars: &[Scalar],
+) -> Result<Launch> {
+    let Some(spec) = find(entry, dtype) else {
+        bail!("candle-fused: no Triton kernel {entry} for {dtype:?}")
+    };
+    let Some(dev) = tensors.first().map(|b| b.storage().device().clone()) else {
+        bail!("{}: no tensor arguments", spec.name())
+    };
+    if let Some(b) = tensors
+        .iter()
+        .find(|b| !b.storage().device().same_device(&dev))
+    {
+        bail!(
+            "{}: tensors on different CUDA devices ({:?} and {:?})",
+            spec.name(),
+            dev,
+            b.storage().device()
+        )
+    }
+    let (func, shared_bytes) = function(&dev, spec)?;
+    let stream = dev.cuda_stream();
+    let mut ptrs = Vec::with_capacity(tensors.len());
+    let mut guards = Vec::with_capacity(tensors.len());
+    let mut checked = Vec::with_capacity(tensors.len());
+    for buf in tensors.iter_mut() {
+        let (dims, strides) = (buf.layout.dims().to_vec(), buf.layout.stride().to_vec());
+        let dtype = buf.storage().dtype();
+        let (ptr, guard) = pointer(buf, &stream)?;
+        checked.push(TensorArg {
+            dims,
+            strides,
+            dtype,
+            // the address itself: its remainder mod 16 is what the kernels assume is 0
+            offset_bytes: ptr as usize,
+        });
+        ptrs.push(ptr);
+        guards.push(guard);
+    }
+    let launch = check_launch(spec, &checked, scalars)?;
+    // The argument values live here until the launch is queued (cudarc keeps pointers to them).
+    let ints: Vec<i32> = launch
+        .args
+        .iter()
+        .filter_map(|a| match a {
+            Arg::I32(v) => Some(*v),
+            _ => None,
+        })
+        .collect();
+    let floats: Vec<f32> = launch
+        .args
+        .iter()
+        .filter_map(|a| match a {
+            Arg::F32(v) => Some(*v),
+            _ => None,
+        })
+        .collect();
+    let null = 0u64;
+    let mut builder = stream.launch_builder(&func);
+    let (mut ni, mut nf) = (0, 0);
+    for a in &launch.args {
+        match a {
+            Arg::Tensor(i) => builder.arg(&ptrs[*i]),
+            Arg::I32(_) => {
+                ni += 1;
+                builder.arg(&ints[ni - 1])
+            }
+            Arg::F32(_) => {
+                nf += 1;
+                builder.arg(&floats[nf - 1])
+            }
+            Arg::Null => builder.arg(&null),
+        };
+    }
+    let cfg = LaunchConfig {
+        grid_dim: launch.grid.into(),
+        block_dim: launch.block.into(),
+        shared_mem_bytes: shared_bytes,
+    };
+    // SAFETY: the arguments are exactly the `.entry`'s parameters in order and types (the
+    // table is checked against the compiled metadata by `tests/triton_record.rs`), every
+    // tensor passed `check_launch` (shape, dtype, contiguity, alignment) and lives until the
+    // launch is queued; the guards (dropped below, after the launch) record the accesses.
+    unsafe { builder.launch(cfg) }
+        .map_err(|e| Error::Msg(format!("{}: launch: {e}", spec.name())))?;
+    drop(guards);
+    super::switch::count_launch();
+    Ok(launch)
+}
+
+type Cache = Mutex<HashMap<(usize, &'static str, DType), (CudaFunction, u32)>>;
+
+/// The kernel's function in the device's context, its module loaded on first use, and the
+/// dynamic shared memory of the cubin chosen for the device's architecture.
+fn function(dev: &CudaDevice, spec: &'static KernelSpec) -> Result<(CudaFunction, u32)> {
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    let ctx = dev.cuda_stream().context().clone();
+    // the context pointer identifies it while alive, and the cached function keeps it alive
+    let key = (ctx.cu_ctx() as usize, spec.entry, spec.dtype);
+    let mut cache = CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .map_err(|_| Error::Msg("candle-fused: poisoned kernel cache".into()))?;
+    if let Some(f) = cache.get(&key) {
+        return Ok(f.clone());
+    }
+    let name = spec.name();
+    let err =
+        |what: &str, e: cudarc::driver::DriverError| Error::Msg(format!("{name}: {what}: {e}"));
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| err("compute capability", e))?;
+    let Some(cubin) = cubins::find(spec.entry, spec.dtype) else {
+        bail!("{name}: not embedded (add it to cuda_kernels/cubins.rs)")
+    };
+    // A cubin runs on its major version at an equal or higher minor; Triton's sm_90 cubins
+    // are sm_90a (architecture-specific), which runs on 9.0 only.
+    let (image, arch) = match (major, minor) {
+        (8, _) => (cubin.sm80, 80),
+        (9, 0) => (cubin.sm90, 90),
+        _ => bail!(
+            "{name}: no cubin for compute capability {major}.{minor} (compiled for sm_80: \
+             8.x, and sm_90a: 9.0); switch the Triton kernels off (cuda_kernels::set_triton(false), \
+             CANDLE_FUSED_TRITON=0) or compile them for this GPU"
+        ),
+    };
+    let Some(shared_bytes) = spec.shared_bytes_for(arch) else {
+        bail!("{name}: no shared memory size for sm_{arch} in the launch table")
+    };
+    if shared_bytes > 48 * 1024 {
+        let most = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| err("shared memory limit", e))?;
+        if i64::from(shared_bytes) > i64::from(most) {
+            bail!(
+                "{name}: needs {shared_bytes} bytes of shared memory per block, compute capability \
+                 {major}.{minor} allows {most}"
+            )
+        }
+    }
+    let module = ctx
+        .load_module(cudarc::nvrtc::Ptx::from_binary(image.to_vec()))
+        .map_err(|e| err("loading the cubin", e))?;
+    let func = module
+        .load_function(spec.entry)
+        .map_err(|e| err("no such .entry in the cubin", e))?;
+    if shared_bytes > 48 * 1024 {
+        // above 48 KB the dynamic shared memory must be opted into per function
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared_bytes as i32,
+        )
+        .map_err(|e| err("setting the shared memory size", e))?;
+    }
+    cache.insert(key, (func.clone(), shared_bytes));
+    Ok((func, shared_bytes))
+}

@@ -1,0 +1,85 @@
+//! RMSNorm on CUDA through the Triton kernels (`triton/rms_norm.py`, launch table
+//! `cuda_kernels/rms_norm.rs`): the forward saves `rstd` (f32); the backward computes `dx` and
+//! the `dW` partial sums over fixed blocks of `ROWS_PER_PROGRAM` rows in one kernel, then adds
+//! the partial rows in order (no atomics: the same bits on every run). The formulas are the CPU
+//! kernel's (`kernel.rs`), as the interpreter check of the Triton source verifies.
+
+use crate::cuda_kernels::launch::{cuda_of, launch, Buf, CudaIn, Output};
+use crate::cuda_kernels::{rms_norm::ROWS_PER_PROGRAM, triton_input, Scalar};
+use crate::op::{Grads, Saved};
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CudaStorage, DType, Device, Result, Shape, Tensor};
+
+/// `(rows, columns)` of a norm input: the last dimension and the product of the others.
+fn rows_cols(dims: &[usize]) -> (usize, usize) {
+    let c = dims.last().copied().unwrap_or(1);
+    (dims.iter().product::<usize>() / c.max(1), c)
+}
+
+/// `y = x * rstd * w` by `rms_norm_fwd`, one program per row; `rstd` ([N], f32) into `saved`.
+pub(super) fn rms_fwd(
+    (sx, lx): CudaIn<'_>,
+    (sw, lw): CudaIn<'_>,
+    eps: f64,
+    saved: &Saved,
+) -> Result<(CudaStorage, Shape)> {
+    let (dt, dev) = (sx.dtype(), sx.device());
+    let (n, c) = rows_cols(lx.dims());
+    let mut y = Output::new(dev, lx.shape().clone(), dt)?;
+    let mut rstd = Output::new(dev, n, DType::F32)?;
+    let tensors = vec![
+        Buf::read(sx, lx).view(&[n, c])?,
+        Buf::read(sw, lw),
+        Buf::write(&mut y).view(&[n, c])?,
+        Buf::write(&mut rstd),
+    ];
+    // eps in f32, as the CPU kernel's f32 statistics take it
+    launch("rms_norm_fwd", dt, tensors, &[Scalar::F32(eps as f32)])?;
+    saved.set(rstd.into_tensor());
+    Ok(y.into_parts())
+}
+
+/// `[dx, dw, None]` by `rms_norm_bwd_dx` (+ the `dW` partial sums) and `rms_norm_bwd_dw` (only
+/// when `w` needs its gradient).
+pub(super) fn rms_bwd(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    rstd: &Tensor,
+    [need_x, need_w, _]: [bool; 3],
+) -> Result<Grads> {
+    let dt = x.dtype();
+    let (n, c) = rows_cols(x.dims());
+    let Device::Cuda(dev) = x.device() else {
+        bail!("rms_norm: the Triton backward needs CUDA tensors")
+    };
+    let (x, w, rstd) = (triton_input(x)?, triton_input(w)?, triton_input(rstd)?);
+    let dy = triton_input(&dy.to_dtype(dt)?)?;
+    let p = n.div_ceil(ROWS_PER_PROGRAM);
+    let mut dx = Output::new(dev, x.shape().clone(), dt)?;
+    let mut dw_partial = Output::new(dev, (p, c), DType::F32)?;
+    {
+        let (gx, lx) = x.storage_and_layout();
+        let (gw, lw) = w.storage_and_layout();
+        let (gd, ld) = dy.storage_and_layout();
+        let (gr, lr) = rstd.storage_and_layout();
+        let tensors = vec![
+            Buf::read(cuda_of(&gx)?, lx).view(&[n, c])?,
+            Buf::read(cuda_of(&gw)?, lw),
+            Buf::read(cuda_of(&gd)?, ld).view(&[n, c])?,
+            Buf::read(cuda_of(&gr)?, lr).view(&[n])?,
+            Buf::write(&mut dx).view(&[n, c])?,
+            Buf::write(&mut dw_partial),
+        ];
+        launch("rms_norm_bwd_dx", dt, tensors, &[])?;
+    }
+    let dw = if need_w {
+        let mut dw = Output::new(dev, c, dt)?;
+        let tensors = vec![Buf::read_output(&dw_partial), Buf::write(&mut dw)];
+        launch("rms_norm_bwd_dw", dt, tensors, &[])?;
+        Some(dw.into_tensor())
+    } else {
+        None
+    };
+    Ok([need_x.then(|| dx.into_tensor()), dw, None])
+}
