@@ -27,7 +27,7 @@ use rand_chacha::ChaCha8Rng;
 pub use eval::estimate_loss;
 
 use crate::pretrained::task_score;
-pub use executor::Executor;
+pub use executor::{Executor, MicroLoss};
 pub use parallel::DataParallel;
 pub use run::{Event, Observer, Summary};
 pub use step::build_amp;
