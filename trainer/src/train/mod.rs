@@ -283,6 +283,8 @@ impl Trainer {
         rng: ChaCha8Rng,
         tuning: Tuning,
     ) -> Result<Self> {
+        // Before the first matmul (the peak-FLOP/s measurement below runs in TF32 too).
+        crate::runtime::apply_gpu_settings(&config);
         let dtype = config.dtype.dtype();
         params.check_ownership(&model.links())?;
         let executor = Executor::build(&config, model.as_ref(), &params, &device)?;
