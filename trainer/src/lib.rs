@@ -37,6 +37,7 @@ pub mod runtime;
 pub mod sample;
 pub mod schedule;
 pub mod train;
+pub mod transfer;
 
 pub use error::{Error, Result};
 

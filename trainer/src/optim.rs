@@ -15,7 +15,7 @@ use candle_amp::ScaledUpdate;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use candle_fused::adamw::{
-    adamw_composite, adamw_update, global_norm, global_norm_composite, AdamWStep,
+    adamw_composite, adamw_update, sum_of_squares, sum_of_squares_composite, AdamWStep,
 };
 use serde::{Deserialize, Serialize};
 
@@ -78,6 +78,9 @@ pub struct AdamW {
     slots: Vec<Slot>,
     step: usize,
     kernels: Kernels,
+    /// The gradient norm the next [`ScaledUpdate::grad_norm`] returns instead of computing
+    /// it (the step read it with the loss: [`AdamW::preset_grad_norm`]).
+    preset_norm: Option<f32>,
 }
 
 impl AdamW {
@@ -105,6 +108,7 @@ impl AdamW {
             slots,
             step: 0,
             kernels: Kernels::Fused,
+            preset_norm: None,
         })
     }
 
@@ -130,6 +134,14 @@ impl AdamW {
     /// The kernels the update runs on.
     pub fn kernels(&self) -> Kernels {
         self.kernels
+    }
+
+    /// Makes the next [`ScaledUpdate::grad_norm`] (the first thing `candle_amp::Amp::step`
+    /// asks) return `norm` instead of reading the gradients' norm back from the device: the
+    /// training step reads it together with the loss, in its one host sync. `norm` must be
+    /// [`global_grad_norm`] of the gradients the step is given, over the same variables.
+    pub fn preset_grad_norm(&mut self, norm: f32) {
+        self.preset_norm = Some(norm);
     }
 
     /// Number of updates applied so far.
@@ -281,11 +293,15 @@ impl candle_nn::Optimizer for AdamW {
 }
 
 /// What `candle_amp::Amp::step` drives: the norm is [`global_grad_norm`] with this
-/// optimiser's kernels (one fused reduction), the update [`AdamW::apply_scaled`].
+/// optimiser's kernels (one fused reduction), or the one preset by
+/// [`AdamW::preset_grad_norm`]; the update is [`AdamW::apply_scaled`].
 impl ScaledUpdate for AdamW {
     type Error = candle_core::Error;
 
     fn grad_norm(&mut self, grads: &GradStore, vars: &[Var]) -> candle_core::Result<f64> {
+        if let Some(norm) = self.preset_norm.take() {
+            return Ok(f64::from(norm));
+        }
         Ok(f64::from(global_grad_norm(grads, vars, self.kernels)?))
     }
 
@@ -295,17 +311,41 @@ impl ScaledUpdate for AdamW {
 }
 
 /// The global L2 norm of the gradients of `vars` (missing gradients count as zero) with one
-/// host sync, using `kernels` (the fused one reads each gradient once).
+/// host sync, using `kernels` (the fused one reads each gradient once): `candle_fused`'s
+/// `global_norm`, its read counted ([`crate::transfer`]).
 pub fn global_grad_norm(
     grads: &GradStore,
     vars: &[Var],
     kernels: Kernels,
 ) -> candle_core::Result<f32> {
-    let gs: Vec<&Tensor> = vars.iter().filter_map(|v| grads.get(v)).collect();
-    match kernels {
-        Kernels::Fused => global_norm(&gs),
-        Kernels::Reference => global_norm_composite(&gs),
+    match grad_sum_of_squares(grads, vars, kernels)? {
+        None => Ok(0.0),
+        Some(sum) => Ok(crate::transfer::read_scalar::<f32>(&sum)?.sqrt()),
     }
+}
+
+/// The sum of the squares of the gradients of `vars` as an f32 scalar on their device, read
+/// nothing back (`None` when no variable has a gradient): `candle_fused`'s `global_norm`
+/// before its read, the per-tensor sums ([`sum_of_squares`], or its composite with
+/// `Kernels::Reference`) added in the order of `vars`.
+pub fn grad_sum_of_squares(
+    grads: &GradStore,
+    vars: &[Var],
+    kernels: Kernels,
+) -> candle_core::Result<Option<Tensor>> {
+    let sumsq = match kernels {
+        Kernels::Fused => sum_of_squares,
+        Kernels::Reference => sum_of_squares_composite,
+    };
+    let mut total: Option<Tensor> = None;
+    for g in vars.iter().filter_map(|v| grads.get(v)) {
+        let s = sumsq(g)?;
+        total = Some(match total {
+            None => s,
+            Some(t) => (t + s)?,
+        });
+    }
+    Ok(total)
 }
 
 /// Adds the gradients of `from` into `into` (gradient accumulation across micro-batches).

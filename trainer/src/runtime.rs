@@ -1,5 +1,6 @@
-//! Process-wide settings for a fast CPU step, applied once at start-up by [`init`], and the
-//! memory the process may use ([`available_memory`]).
+//! Process-wide settings for a fast CPU step, applied once at start-up by [`init`], a run's
+//! GPU settings ([`apply_gpu_settings`]), and the memory the process may use
+//! ([`available_memory`]).
 //!
 //! Both were found with `perf` on the step bench (`cargo bench -p trainer --bench step`), 2
 //! cores, GPT 4/4/256:
@@ -85,4 +86,29 @@ pub fn check_fits(need: u64, what: &str, advice: &str) -> crate::Result<()> {
         }
         _ => Ok(()),
     }
+}
+
+/// Whether candle-fused's Triton kernels were asked for ([`apply_gpu_settings`]).
+static TRITON_KERNELS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Applies a run's GPU settings to the whole process (Candle and candle-fused read them at
+/// each launch), before its first op: TF32 for f32 matmuls on CUDA (`config.tf32`, on by
+/// default as in nanoGPT) and candle-fused's Triton kernels (`config.triton_kernels`, off by
+/// default). Neither changes anything computed on the CPU (without the `cuda` feature
+/// Candle's setter is a no-op).
+pub fn apply_gpu_settings(config: &crate::config::TrainConfig) {
+    candle_core::cuda::set_gemm_reduced_precision_f32(config.tf32);
+    set_triton_kernels(config.triton_kernels);
+}
+
+/// Switches candle-fused's Triton kernels on or off for the process.
+fn set_triton_kernels(on: bool) {
+    // wired when candle_fused::cuda_kernels::set_triton lands: call
+    // `candle_fused::cuda_kernels::set_triton(on)` here (it overrides CANDLE_FUSED_TRITON).
+    TRITON_KERNELS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the last run set up in this process asked for candle-fused's Triton kernels.
+pub fn triton_kernels() -> bool {
+    TRITON_KERNELS.load(std::sync::atomic::Ordering::Relaxed)
 }

@@ -117,7 +117,7 @@ fn loss_sum(t: &Trainer, batch: &Batch) -> (f64, usize, GradStore) {
     let grads = sum.backward().unwrap();
     (
         f64::from(sum.to_scalar::<f32>().unwrap()),
-        loss.count,
+        loss.count().unwrap(),
         grads,
     )
 }

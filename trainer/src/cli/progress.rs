@@ -58,6 +58,9 @@ pub(super) fn print_banner(trainer: &Trainer) {
             cfg.dtype, cfg.loss_scale
         );
     }
+    if let Some(cuda) = cfg.cuda_summary() {
+        eprintln!("{cuda}");
+    }
     if let Parallelism::Pipeline {
         stages,
         microbatches,

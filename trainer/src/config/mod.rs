@@ -205,6 +205,14 @@ train_config! {
     /// Op implementations: `fused` (candle-fused kernels) or `reference` (the composite Candle
     /// ops, for debugging and comparison).
     kernels: Kernels = Kernels::Fused,
+    /// CUDA: f32 matmuls in TF32 (inputs rounded to 10-bit mantissas, f32 accumulation), as
+    /// nanoGPT sets `torch.backends.cuda.matmul.allow_tf32`; false: full f32 matmuls. No
+    /// effect on the CPU, nor on bf16/f16 matmuls.
+    tf32: bool = true,
+    /// CUDA: run candle-fused's Triton kernels (compiled ahead of time, verified on the CPU
+    /// against its CPU kernels) instead of the composite Candle ops where one exists; off
+    /// until the GPU check (scripts/gpu/run.sh) has passed on a GPU. No effect on the CPU.
+    triton_kernels: bool = false,
     /// Compute the head's cross-entropy a chunk of rows at a time, never holding the whole
     /// [batch, block, vocab] logits (Llama family; false: the whole logits, for comparison).
     chunked_loss: bool = true,
@@ -366,6 +374,25 @@ impl TrainConfig {
             Family::Qwen2 | Family::Mistral => {}
         }
         Ok(Box::new(cfg))
+    }
+
+    /// Whether any of the run's devices is a CUDA GPU (`device`, `pipeline_devices`).
+    pub fn uses_cuda(&self) -> bool {
+        let cuda = |d: &DeviceSpec| matches!(d, DeviceSpec::Cuda(_));
+        cuda(&self.device) || self.pipeline_devices.0.iter().any(cuda)
+    }
+
+    /// The run's CUDA settings as the banner shows them (`None` without a CUDA device, where
+    /// they have no effect).
+    pub fn cuda_summary(&self) -> Option<String> {
+        let on = |b: bool| if b { "on" } else { "off" };
+        self.uses_cuda().then(|| {
+            format!(
+                "cuda: tf32 {} (f32 matmuls), triton kernels {}",
+                on(self.tf32),
+                on(self.triton_kernels)
+            )
+        })
     }
 
     /// How a step is spread over stages.

@@ -47,7 +47,7 @@ mod vocab;
 
 use std::path::PathBuf;
 
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Tensor, TensorId};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
@@ -87,6 +87,18 @@ pub struct Batch {
     pub mask: Option<Tensor>,
     /// Positions and document ids of the rows' tokens (default: `0..T`, one document a row).
     pub rows: Rows,
+    /// The mask's counted targets per row, when the data source built the mask on the host
+    /// ([`Batch::with_host_mask`]): counting and sharding then read nothing back from the
+    /// device. Used only while `mask` is the tensor they were counted from.
+    pub mask_counts: Option<MaskCounts>,
+}
+
+/// Counted targets per row of one mask tensor, summed on the host (see
+/// [`Batch::mask_counts`]).
+#[derive(Clone, Debug)]
+pub struct MaskCounts {
+    mask: TensorId,
+    per_row: Vec<f32>,
 }
 
 impl Batch {
@@ -97,12 +109,47 @@ impl Batch {
             y,
             mask: None,
             rows: Rows::default(),
+            mask_counts: None,
         }
     }
 
     /// The same batch with a loss mask.
     pub fn with_mask(self, mask: Option<Tensor>) -> Self {
-        Batch { mask, ..self }
+        Batch {
+            mask,
+            mask_counts: None,
+            ..self
+        }
+    }
+
+    /// The same batch with the loss mask `mask` (`f32 [B, T]`, row-major, as laid out on the
+    /// host) copied to `device`, and its counted targets per row summed on the host.
+    pub fn with_host_mask(self, mask: Vec<f32>, device: &Device) -> candle_core::Result<Self> {
+        let shape = self.y.shape().clone();
+        let per_row = match shape.dims() {
+            [_, t] if *t > 0 => mask.chunks_exact(*t).map(|r| r.iter().sum()).collect(),
+            _ => Vec::new(),
+        };
+        let mask = crate::transfer::upload(mask, shape, device)?;
+        let mask_counts = (!per_row.is_empty()).then(|| MaskCounts {
+            mask: mask.id(),
+            per_row,
+        });
+        Ok(Batch {
+            mask: Some(mask),
+            mask_counts,
+            ..self
+        })
+    }
+
+    /// Counted targets per row (the mask's row sums, or every target): from the host's
+    /// counts when the mask came with them, else read back from the device once.
+    pub fn row_counts(&self) -> candle_core::Result<Vec<f32>> {
+        match (&self.mask, &self.mask_counts) {
+            (None, _) => Ok(vec![self.y.dim(1)? as f32; self.y.dim(0)?]),
+            (Some(mask), Some(c)) if c.mask == mask.id() => Ok(c.per_row.clone()),
+            (Some(mask), _) => crate::transfer::read_vec1(&mask.sum(1)?),
+        }
     }
 
     /// The targets with the mask folded in: [`IGNORE`] where a target does not count (what a
@@ -121,18 +168,27 @@ impl Batch {
     pub fn counted(&self) -> candle_core::Result<f64> {
         match &self.mask {
             None => Ok(self.y.elem_count() as f64),
-            Some(mask) => Ok(f64::from(mask.sum_all()?.to_scalar::<f32>()?)),
+            Some(_) => Ok(self.row_counts()?.iter().map(|&c| f64::from(c)).sum()),
         }
     }
 
     /// Rows `start..start + len` of the batch (inputs, targets, mask and the rows' context).
     pub fn narrow(&self, start: usize, len: usize) -> candle_core::Result<Batch> {
         let rows = |t: &Tensor| t.narrow(0, start, len);
+        let mask = self.mask.as_ref().map(rows).transpose()?;
+        let mask_counts = match (&self.mask, &self.mask_counts, &mask) {
+            (Some(m), Some(c), Some(narrowed)) if c.mask == m.id() => Some(MaskCounts {
+                mask: narrowed.id(),
+                per_row: c.per_row[start..start + len].to_vec(),
+            }),
+            _ => None,
+        };
         Ok(Batch {
             x: rows(&self.x)?,
             y: rows(&self.y)?,
-            mask: self.mask.as_ref().map(rows).transpose()?,
+            mask,
             rows: self.rows.narrow(start, len)?,
+            mask_counts,
         })
     }
 }
@@ -495,15 +551,14 @@ pub(crate) fn rows_to_batch(
         y.extend_from_slice(&row[1..]);
     }
     let shape = (batch_size, block_size);
-    let mask = match target_mask {
-        Some(m) => Some(Tensor::from_vec(m, shape, device)?),
-        None => None,
-    };
-    Ok(Batch::new(
-        Tensor::from_vec(x, shape, device)?,
-        Tensor::from_vec(y, shape, device)?,
-    )
-    .with_mask(mask))
+    let batch = Batch::new(
+        crate::transfer::upload(x, shape, device)?,
+        crate::transfer::upload(y, shape, device)?,
+    );
+    Ok(match target_mask {
+        Some(m) => batch.with_host_mask(m, device)?,
+        None => batch,
+    })
 }
 
 #[cfg(test)]

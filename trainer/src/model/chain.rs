@@ -33,20 +33,28 @@ pub enum Role {
 }
 
 /// The loss of a batch's counted targets: their mean (a scalar tensor, differentiable; 0 when
-/// none counts) and how many there are, so that the mean over several batches (accumulated
-/// micro-batches, pipeline microbatches, data-parallel shards) weighs each by its count.
+/// none counts) and the targets, whose count weighs the mean over several batches
+/// (accumulated micro-batches, pipeline microbatches, data-parallel shards).
+///
+/// Computing a loss reads nothing back from the device; [`Loss::count`] does, when asked.
 #[derive(Clone, Debug)]
 pub struct Loss {
     /// Mean loss over the counted targets, f32 (f64 when computing in f64).
     pub mean: Tensor,
-    /// Number of counted targets (those not [`IGNORE`]).
-    pub count: usize,
+    /// The targets the mean is over (u32; [`IGNORE`] where a target does not count).
+    pub targets: Tensor,
 }
 
 impl Loss {
-    /// The sum of the counted targets' losses.
+    /// Number of counted targets (those not [`IGNORE`]): one read back from the device.
+    pub fn count(&self) -> candle_core::Result<usize> {
+        count_targets(&self.targets)
+    }
+
+    /// The sum of the counted targets' losses (on the device: nothing is read back).
     pub fn sum(&self) -> candle_core::Result<Tensor> {
-        &self.mean * self.count as f64
+        let count = counted(&self.targets)?.to_dtype(self.mean.dtype())?;
+        self.mean.broadcast_mul(&count)
     }
 }
 
@@ -76,19 +84,20 @@ pub trait LinkOps: Send + Sync + fmt::Debug {
             .cross_entropy_ignoring(&logits, targets, IGNORE)?;
         Ok(Loss {
             mean,
-            count: count_targets(targets)?,
+            targets: targets.clone(),
         })
     }
 }
 
-/// The number of targets that count (are not [`IGNORE`]).
+/// The number of targets that count (are not [`IGNORE`]): one read back from the device.
 pub fn count_targets(targets: &Tensor) -> candle_core::Result<usize> {
-    let n = targets
-        .ne(IGNORE)?
-        .to_dtype(DType::F32)?
-        .sum_all()?
-        .to_scalar::<f32>()?;
+    let n: f32 = crate::transfer::read_scalar(&counted(targets)?)?;
     Ok(n as usize)
+}
+
+/// The number of targets that count, as an f32 scalar on their device.
+fn counted(targets: &Tensor) -> candle_core::Result<Tensor> {
+    targets.ne(IGNORE)?.to_dtype(DType::F32)?.sum_all()
 }
 
 /// One link of a model's chain: its role and its operations.

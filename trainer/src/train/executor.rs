@@ -56,7 +56,8 @@ impl Executor {
 
     /// Forward and backward of one micro-batch. Returns the loss (the mean over its counted
     /// targets, and their count) and the gradients of `loss.mean * weight` (the weight
-    /// includes the loss scale).
+    /// includes the loss scale). Reads the loss and the count back from the device; the
+    /// training step uses [`Executor::forward_backward_deferred`], which reads neither.
     ///
     /// `model` is the step's model in the compute dtype (the pipeline keeps its own stages,
     /// built from the master weights, which it casts at use). `ctx.rows` must be the batch's.
@@ -67,28 +68,67 @@ impl Executor {
         ctx: &Ctx,
         weight: f64,
     ) -> Result<(f32, usize, GradStore)> {
-        let plan = match self {
-            Executor::Pipeline(pipe) => return pipe.forward_backward(batch, ctx, weight),
-            Executor::Remat(plan) => Some(plan),
-            Executor::Plain => None,
-        };
+        if let Executor::Pipeline(pipe) = self {
+            return pipe.forward_backward(batch, ctx, weight);
+        }
+        let (loss, grads) = self.chain_backward(model, batch, ctx, weight)?;
+        let mean = crate::transfer::read_scalar(&loss.mean)?;
+        Ok((mean, loss.count()?, grads))
+    }
+
+    /// [`Executor::forward_backward`] without reading anything back from the device (plain
+    /// and remat: the loss stays a device scalar, detached from the graph, for the step to
+    /// read once with the gradient norm). A pipeline reads its microbatches' losses itself.
+    pub fn forward_backward_deferred(
+        &self,
+        model: &dyn Model,
+        batch: &Batch,
+        ctx: &Ctx,
+        weight: f64,
+    ) -> Result<(MicroLoss, GradStore)> {
+        if let Executor::Pipeline(pipe) = self {
+            let (mean, _, grads) = pipe.forward_backward(batch, ctx, weight)?;
+            return Ok((MicroLoss::Host(mean), grads));
+        }
+        let (loss, grads) = self.chain_backward(model, batch, ctx, weight)?;
+        // Detached: the step keeps the value, not the micro-batch's activations.
+        Ok((MicroLoss::Device(loss.mean.detach()), grads))
+    }
+
+    /// The loss of the chain and the gradients of `loss.mean * weight` (plain or remat).
+    fn chain_backward(
+        &self,
+        model: &dyn Model,
+        batch: &Batch,
+        ctx: &Ctx,
+        weight: f64,
+    ) -> Result<(Loss, GradStore)> {
+        let plan = self.plan();
         let links = model.links();
         let tape = Tape::new(ctx.seed);
-        let Loss { mean, count } = run_chain(
+        let loss = run_chain(
             &links,
             &batch.x,
             &batch.targets()?,
             ctx,
             plan.map(|p| (&tape, p)),
         )?;
-        let value = mean.to_scalar::<f32>()?;
-        let objective = (mean * weight)?;
+        let objective = (&loss.mean * weight)?;
         let grads = match plan {
             Some(_) => tape.backward(&objective)?,
             None => objective.backward()?,
         };
-        Ok((value, count, grads))
+        Ok((loss, grads))
     }
+}
+
+/// A micro-batch's mean loss, as [`Executor::forward_backward_deferred`] returns it.
+#[derive(Clone, Debug)]
+pub enum MicroLoss {
+    /// A scalar on the device, not read yet (plain and remat).
+    Device(Tensor),
+    /// Already read back (a pipeline).
+    Host(f32),
 }
 
 /// Runs a chain of links to the loss of `targets`; with a remat plan, the blocks (plan index

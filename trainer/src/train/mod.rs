@@ -27,7 +27,7 @@ use rand_chacha::ChaCha8Rng;
 pub use eval::estimate_loss;
 
 use crate::pretrained::task_score;
-pub use executor::Executor;
+pub use executor::{Executor, MicroLoss};
 pub use parallel::DataParallel;
 pub use run::{Event, Observer, Summary};
 pub use step::build_amp;
@@ -283,6 +283,8 @@ impl Trainer {
         rng: ChaCha8Rng,
         tuning: Tuning,
     ) -> Result<Self> {
+        // Before the first matmul (the peak-FLOP/s measurement below runs in TF32 too).
+        crate::runtime::apply_gpu_settings(&config);
         let dtype = config.dtype.dtype();
         params.check_ownership(&model.links())?;
         let executor = Executor::build(&config, model.as_ref(), &params, &device)?;

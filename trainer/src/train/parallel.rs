@@ -91,9 +91,10 @@ impl DataParallel {
         let start = self.rank() * per_rank;
         let weight = match &global.mask {
             None => 1.0,
-            Some(mask) => {
-                // Counted tokens per row, read back once.
-                let per_row: Vec<f32> = mask.sum(1)?.to_vec1()?;
+            Some(_) => {
+                // Counted tokens per row (from the host where the data source built the mask;
+                // else read back once).
+                let per_row = global.row_counts()?;
                 let total: f64 = per_row.iter().map(|&c| f64::from(c)).sum();
                 let mine: f64 = per_row[start..start + per_rank]
                     .iter()

@@ -237,7 +237,8 @@ impl PipelineRun {
     ) -> Result<(f32, usize, GradStore)> {
         let b = batch.x.dim(0)?;
         let y = batch.targets()?;
-        let counts: Vec<f32> = y.ne(IGNORE)?.to_dtype(DType::F32)?.sum(1)?.to_vec1()?;
+        let counted = y.ne(IGNORE)?.to_dtype(DType::F32)?.sum(1)?;
+        let counts: Vec<f32> = crate::transfer::read_vec1(&counted)?;
         // With no counted target at all the loss is 0 with zero gradients, as in the plain
         // step (a data-parallel shard may hold none).
         let total: f32 = counts.iter().sum();

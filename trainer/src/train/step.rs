@@ -1,19 +1,21 @@
 //! One training step: `grad_accum` micro-batches through the executor, the data-parallel
 //! reduction, then the update (the loss scaler's overflow-checked step over the fused
-//! gradient norm, with clipping and AdamW), the same for every precision and executor.
+//! gradient norm, with clipping and AdamW), the same for every precision and executor, with
+//! one host sync.
 
 use std::time::Instant;
 
 use candle_amp::{Amp, MasterWeights, StepOutcome, WeightMode};
 use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor};
 
-use super::{Executor, Trainer};
+use super::{Executor, MicroLoss, Trainer};
 use crate::config::{Precision, TrainConfig};
 use crate::data::{Batch, Split};
 use crate::metrics::StepStats;
 use crate::model::{Ctx, Params};
-use crate::optim::{accumulate, global_grad_norm};
-use crate::{Error, Result};
+use crate::optim::{accumulate, global_grad_norm, grad_sum_of_squares};
+use crate::{transfer, Error, Result};
 
 impl Trainer {
     /// The dropout seed of micro-batch `micro` of step `step`: a pure function of the run seed,
@@ -38,12 +40,16 @@ impl Trainer {
     /// error; non-finite gradients skip the step when the scaler can back off (dynamic
     /// scaling), and are an error otherwise (f32, bf16, a static scale), where retrying
     /// could not help. Either way the weights are untouched.
+    ///
+    /// Transfers ([`crate::transfer`]): one read back from the device, the loss and the
+    /// gradient norm together (the overflow check and the clipping coefficient come from that
+    /// norm), and copies to the device of the batch only (a data-parallel step reads twice;
+    /// a pipeline reads its microbatches' losses too).
     pub fn train_step(&mut self) -> Result<StepStats> {
         let start = Instant::now();
         let cfg = &self.config;
         let lr = self.schedule.at(self.step);
         let mut grads = GradStore::default();
-        let mut loss_sum = 0f32;
         // The weights in the compute dtype, cast once per step (not at every use, not per
         // micro-batch); free in f32. Pipeline stages hold the master weights and cast at use.
         let model = match self.executor {
@@ -74,6 +80,10 @@ impl Trainer {
             .map(Batch::counted)
             .collect::<candle_core::Result<Vec<f64>>>()?;
         let total: f64 = counts.iter().sum();
+        // The step's loss, sum of weight x mean: on the device for plain and remat micro-batches
+        // (read once below, with the gradient norm), on the host for a pipeline's.
+        let mut loss_on_device: Option<Tensor> = None;
+        let mut loss_on_host = 0f32;
         for (micro, (global, count)) in globals.into_iter().zip(counts).enumerate() {
             let (batch, shard_weight) = self.dp.shard(global, cfg.batch_size)?;
             let share = if total > 0.0 {
@@ -88,19 +98,41 @@ impl Trainer {
                 .with_chunked_loss(cfg.chunked_loss)
                 .with_rows(batch.rows.clone());
             let weight = shard_weight * share;
-            let (loss, _, g) =
+            let (loss, g) =
                 self.executor
-                    .forward_backward(model, &batch, &ctx, weight * scale)?;
-            loss_sum += loss * weight as f32;
+                    .forward_backward_deferred(model, &batch, &ctx, weight * scale)?;
+            match loss {
+                // `affine` multiplies in f32 as the host did (`loss * weight as f32`).
+                MicroLoss::Device(mean) => {
+                    let weighted = mean.to_dtype(DType::F32)?.affine(weight, 0.0)?;
+                    loss_on_device = Some(match loss_on_device {
+                        None => weighted,
+                        Some(sum) => (sum + weighted)?,
+                    });
+                }
+                MicroLoss::Host(mean) => loss_on_host += mean * weight as f32,
+            }
             accumulate(&mut grads, g, &self.vars)?;
         }
-        let loss = self.dp.reduce(&mut grads, loss_sum)?;
+        let (loss, norm) = if self.dp.world_size() == 1 {
+            self.read_loss_and_norm(loss_on_device, loss_on_host, &grads)?
+        } else {
+            // The ranks average the loss and the gradients first: two reads.
+            let mut local = loss_on_host;
+            if let Some(sum) = &loss_on_device {
+                local += transfer::read_scalar::<f32>(sum)?;
+            }
+            let loss = self.dp.reduce(&mut grads, local)?;
+            (loss, global_grad_norm(&grads, &self.vars, cfg.kernels)?)
+        };
         if !loss.is_finite() {
             return Err(Error::NonFiniteLoss {
                 step: self.step + 1,
                 loss,
             });
         }
+        // `amp.step` asks the optimiser for this norm first thing (it was read above).
+        self.optimizer.preset_grad_norm(norm);
         candle_nn::Optimizer::set_learning_rate(&mut self.optimizer, lr);
         let outcome = self.amp.step(&grads, &mut self.optimizer)?;
         let (grad_norm, skipped) = match outcome {
@@ -162,6 +194,28 @@ impl Trainer {
             mfu,
             loss_scale,
             skipped,
+        })
+    }
+
+    /// The step's loss and global gradient norm with one read back from the device (the
+    /// step's only host sync): the loss summed on the device and the gradients' sum of
+    /// squares, stacked. `on_host` is the part of the loss already read (a pipeline's).
+    fn read_loss_and_norm(
+        &self,
+        on_device: Option<Tensor>,
+        on_host: f32,
+        grads: &GradStore,
+    ) -> Result<(f32, f32)> {
+        let sumsq = grad_sum_of_squares(grads, &self.vars, self.config.kernels)?;
+        Ok(match (on_device, sumsq) {
+            (Some(loss), Some(sumsq)) => {
+                let both = Tensor::stack(&[loss, sumsq], 0)?;
+                let v = transfer::read_vec1::<f32>(&both)?;
+                (on_host + v[0], v[1].sqrt())
+            }
+            (Some(loss), None) => (on_host + transfer::read_scalar::<f32>(&loss)?, 0.0),
+            (None, Some(sumsq)) => (on_host, transfer::read_scalar::<f32>(&sumsq)?.sqrt()),
+            (None, None) => (on_host, 0.0),
         })
     }
 }

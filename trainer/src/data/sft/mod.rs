@@ -28,7 +28,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -520,17 +520,14 @@ impl DataSource for SftSource {
             layout::padded(&drawn, block_size, pad)
         };
         let shape = (batch_size, block_size);
-        let u32s = |v: Vec<u32>| Tensor::from_vec(v, shape, device);
+        let u32s = |v: Vec<u32>| crate::transfer::upload(v, shape, device);
         let rows = Rows {
             positions: l.positions.map(u32s).transpose()?,
             doc_ids: l.doc_ids.map(u32s).transpose()?,
         };
-        Ok(Batch {
-            x: u32s(l.x)?,
-            y: u32s(l.y)?,
-            mask: Some(Tensor::from_vec(l.mask, shape, device)?),
-            rows,
-        })
+        let mut batch = Batch::new(u32s(l.x)?, u32s(l.y)?).with_host_mask(l.mask, device)?;
+        batch.rows = rows;
+        Ok(batch)
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>> {

@@ -1,5 +1,7 @@
 use std::collections::HashSet;
 
+use candle_core::Tensor;
+
 use super::layout::{best_fit_decreasing, Layout};
 use super::*;
 use crate::data::DataKind;

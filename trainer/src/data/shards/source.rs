@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use rand_chacha::ChaCha8Rng;
 
 use super::format::{Manifest, MANIFEST_FILE};
@@ -386,8 +386,8 @@ impl DataSource for ShardSource {
             }
             let shape = (batch_size, block_size);
             batch.rows = Rows {
-                positions: Some(Tensor::from_vec(positions, shape, device)?),
-                doc_ids: Some(Tensor::from_vec(doc_ids, shape, device)?),
+                positions: Some(crate::transfer::upload(positions, shape, device)?),
+                doc_ids: Some(crate::transfer::upload(doc_ids, shape, device)?),
             };
         }
         Ok(batch)

@@ -23,15 +23,15 @@ mod rope;
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use serde_json::Value;
 
 pub use config::{Family, LlamaConfig};
 pub use rope::RopeScaling;
 
 use super::{
-    count_targets, stat_dtype, Architecture, Builder, Ctx, KvCache, Layout, Linear, Link, LinkOps,
-    Loss, Model, ModelConfig, WeightMap, IGNORE,
+    stat_dtype, Architecture, Builder, Ctx, KvCache, Layout, Linear, Link, LinkOps, Loss, Model,
+    ModelConfig, WeightMap, IGNORE,
 };
 use crate::Result;
 
@@ -139,7 +139,8 @@ pub struct Attention {
     n_kv: usize,
     head_dim: usize,
     window: Option<usize>,
-    inv_freq: Arc<Vec<f32>>,
+    /// `inv_freq` and positions, copied to the device once (shared by the layer's copies).
+    rope: Arc<rope::RopeConsts>,
     dropout: f32,
     site: u64,
 }
@@ -168,7 +169,9 @@ impl Attention {
             n_kv: kv,
             head_dim: d,
             window: cfg.layer_windows[i],
-            inv_freq: Arc::new(cfg.rope_scaling.inv_freq(cfg.rope_theta, d)),
+            rope: Arc::new(rope::RopeConsts::new(
+                cfg.rope_scaling.inv_freq(cfg.rope_theta, d),
+            )),
             dropout: cfg.attention_dropout,
             site: 1 + i as u64,
         })
@@ -220,7 +223,7 @@ impl Attention {
             Some((qn, kn)) => (qn.forward(&q, ctx)?, kn.forward(&k, ctx)?),
             None => (q, k),
         };
-        let inv_freq = Tensor::new(self.inv_freq.as_slice(), x.device())?;
+        let inv_freq = self.rope.inv_freq(x.device())?;
         let (cos, sin) = ctx.kernels.rope_tables(pos, &inv_freq)?;
         let q = ctx.kernels.rope(&q, &cos, &sin)?;
         let k = ctx.kernels.rope(&k, &cos, &sin)?;
@@ -231,7 +234,7 @@ impl Attention {
         let (b, t, _) = x.dims3()?;
         let pos = match &ctx.rows.positions {
             Some(p) => p.clone(),
-            None => positions(b, t, 0, x.device())?,
+            None => self.rope.positions(b, t, 0, x.device())?,
         };
         let (q, k, v) = self.qkv(x, &pos, ctx)?;
         let p = if ctx.train { self.dropout } else { 0.0 };
@@ -257,7 +260,7 @@ impl Attention {
         ctx: &Ctx,
     ) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
-        let pos = positions(b, t, cache.len, x.device())?;
+        let pos = self.rope.positions(b, t, cache.len, x.device())?;
         let (q, k, v) = self.qkv(x, &pos, ctx)?;
         let (k, v) = cache.append(i, &k, &v)?;
         let y = ctx
@@ -265,14 +268,6 @@ impl Attention {
             .gqa_attention(&q, &k, &v, self.window, None, 0.0, ctx, self.site)?;
         self.o_proj.forward(&y, ctx)
     }
-}
-
-/// Positions `offset..offset + t` in each of `b` rows, `[b, t]` u32.
-fn positions(b: usize, t: usize, offset: usize, device: &Device) -> candle_core::Result<Tensor> {
-    Tensor::arange(offset as u32, (offset + t) as u32, device)?
-        .unsqueeze(0)?
-        .broadcast_as((b, t))?
-        .contiguous()
 }
 
 /// The SwiGLU feed-forward network (`mlp`): `down_proj(silu(gate_proj(x)) * up_proj(x))`.
@@ -442,7 +437,7 @@ impl LinkOps for Head {
                     .cross_entropy_ignoring(&logits, targets, IGNORE)?;
                 return Ok(Loss {
                     mean,
-                    count: count_targets(targets)?,
+                    targets: targets.clone(),
                 });
             }
         };
@@ -456,7 +451,7 @@ impl LinkOps for Head {
         )?;
         Ok(Loss {
             mean,
-            count: count_targets(targets)?,
+            targets: targets.clone(),
         })
     }
 

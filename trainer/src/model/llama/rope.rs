@@ -5,7 +5,9 @@
 
 use std::f64::consts::PI;
 use std::path::Path;
+use std::sync::Mutex;
 
+use candle_core::{Device, Tensor};
 use serde_json::{json, Value};
 
 use crate::{Error, Result};
@@ -190,5 +192,79 @@ impl RopeScaling {
                     .collect()
             }
         }
+    }
+}
+
+/// A layer's constant RoPE inputs on the device: `inv_freq` and the positions `0..T` of a
+/// training row, each copied to a device once and reused by every later forward (not copied
+/// from the host at every call: the step copies only its batch, `trainer/tests/transfers.rs`).
+#[derive(Debug)]
+pub(super) struct RopeConsts {
+    inv_freq: Vec<f32>,
+    on_device: Mutex<OnDevice>,
+}
+
+/// The device copies made so far (the last device's; a layer runs on one device).
+#[derive(Debug, Default)]
+struct OnDevice {
+    inv_freq: Option<Tensor>,
+    positions: Option<Tensor>,
+}
+
+impl RopeConsts {
+    pub(super) fn new(inv_freq: Vec<f32>) -> Self {
+        RopeConsts {
+            inv_freq,
+            on_device: Mutex::new(OnDevice::default()),
+        }
+    }
+
+    /// `inv_freq` `[D / 2]` f32 on `device`.
+    pub(super) fn inv_freq(&self, device: &Device) -> candle_core::Result<Tensor> {
+        let mut c = self.on_device.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = c
+            .inv_freq
+            .as_ref()
+            .filter(|t| t.device().same_device(device))
+        {
+            return Ok(t.clone());
+        }
+        let n = self.inv_freq.len();
+        let t = crate::transfer::upload(self.inv_freq.clone(), n, device)?;
+        c.inv_freq = Some(t.clone());
+        Ok(t)
+    }
+
+    /// Positions `offset..offset + t` in each of `b` rows, `[b, t]` u32 on `device`; the row
+    /// `0..t` is copied once per device and length, others (cached decoding) at every call.
+    pub(super) fn positions(
+        &self,
+        b: usize,
+        t: usize,
+        offset: usize,
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let upload = || {
+            let row: Vec<u32> = (offset as u32..(offset + t) as u32).collect();
+            crate::transfer::upload(row, t, device)
+        };
+        let row = if offset == 0 {
+            let mut c = self.on_device.lock().unwrap_or_else(|e| e.into_inner());
+            match c
+                .positions
+                .as_ref()
+                .filter(|p| p.device().same_device(device) && p.dim(0).is_ok_and(|n| n >= t))
+            {
+                Some(p) => p.narrow(0, 0, t)?,
+                None => {
+                    let p = upload()?;
+                    c.positions = Some(p.clone());
+                    p
+                }
+            }
+        } else {
+            upload()?
+        };
+        row.unsqueeze(0)?.broadcast_as((b, t))?.contiguous()
     }
 }

@@ -1,4 +1,5 @@
 use super::*;
+use candle_core::Device;
 
 #[test]
 fn tiny_llama_trains_a_step() {
