@@ -88,9 +88,6 @@ pub fn check_fits(need: u64, what: &str, advice: &str) -> crate::Result<()> {
     }
 }
 
-/// Whether candle-fused's Triton kernels were asked for ([`apply_gpu_settings`]).
-static TRITON_KERNELS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
 /// Applies a run's GPU settings to the whole process (Candle and candle-fused read them at
 /// each launch), before its first op: TF32 for f32 matmuls on CUDA (`config.tf32`, on by
 /// default as in nanoGPT) and candle-fused's Triton kernels (`config.triton_kernels`, off by
@@ -101,14 +98,17 @@ pub fn apply_gpu_settings(config: &crate::config::TrainConfig) {
     set_triton_kernels(config.triton_kernels);
 }
 
-/// Switches candle-fused's Triton kernels on or off for the process.
+/// Switches candle-fused's Triton kernels on for the process when the run asks for them;
+/// otherwise candle-fused's own default holds (off, unless `CANDLE_FUSED_TRITON=1`), so the
+/// environment variable still works for a run without the flag.
 fn set_triton_kernels(on: bool) {
-    // wired when candle_fused::cuda_kernels::set_triton lands: call
-    // `candle_fused::cuda_kernels::set_triton(on)` here (it overrides CANDLE_FUSED_TRITON).
-    TRITON_KERNELS.store(on, std::sync::atomic::Ordering::Relaxed);
+    if on {
+        candle_fused::cuda_kernels::set_triton(true);
+    }
 }
 
-/// Whether the last run set up in this process asked for candle-fused's Triton kernels.
+/// Whether candle-fused's Triton kernels are on for the process (the flag, else the
+/// environment; they only run on CUDA).
 pub fn triton_kernels() -> bool {
-    TRITON_KERNELS.load(std::sync::atomic::Ordering::Relaxed)
+    candle_fused::cuda_kernels::triton_enabled()
 }

@@ -77,14 +77,16 @@ fn shown_for_cuda_runs_only_and_applied_at_set_up() {
         Some("cuda: tf32 off (f32 matmuls), triton kernels on")
     );
 
-    // Setting up a run applies its settings to the process (the CPU run is unchanged).
+    // Setting up a run applies its settings to the process (the CPU run is unchanged): the
+    // flag switches the kernels on; without it candle-fused's default (the environment) holds.
     let tmp = tempfile::tempdir().unwrap();
-    for on in [true, false] {
+    let env_on = std::env::var(candle_fused::cuda_kernels::TRITON_ENV).is_ok_and(|v| v == "1");
+    for on in [false, true] {
         let cfg = TrainConfig {
             triton_kernels: on,
             ..tiny_config(&tmp.path().join("run"))
         };
         let _t = trainer::train::Trainer::new(cfg).unwrap();
-        assert_eq!(trainer::runtime::triton_kernels(), on);
+        assert_eq!(trainer::runtime::triton_kernels(), on || env_on);
     }
 }
