@@ -398,3 +398,62 @@ fn check_launch_accepts_the_contract_and_rejects_the_rest() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn swiglu_launches() -> Result<()> {
+    use Arg::{Null, Tensor as T, I32};
+    let e = 37 * 129;
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let fwd = find("swiglu_fwd", dt).unwrap();
+        let l = check_launch(fwd, &[t(&[e], dt), t(&[e], dt), t(&[e], dt)], &[])?;
+        assert_eq!((l.grid, l.block), ([5, 1, 1], [128, 1, 1]));
+        assert_eq!(l.args, [T(0), T(1), T(2), I32(e as i32), Null, Null]);
+        let bwd = find("swiglu_bwd", dt).unwrap();
+        let l = check_launch(
+            bwd,
+            &[
+                t(&[e], dt),
+                t(&[e], dt),
+                t(&[e], dt),
+                t(&[e], dt),
+                t(&[e], dt),
+            ],
+            &[],
+        )?;
+        assert_eq!(l.grid, [5, 1, 1]);
+        assert_eq!(
+            l.args,
+            [T(0), T(1), T(2), T(3), T(4), I32(e as i32), Null, Null]
+        );
+    }
+    let fwd = find("swiglu_fwd", DType::BF16).unwrap();
+    // gate and up of different lengths
+    let err = check_launch(
+        fwd,
+        &[
+            t(&[e], DType::BF16),
+            t(&[e + 1], DType::BF16),
+            t(&[e], DType::BF16),
+        ],
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("UP has E = 4774"), "{err}");
+    // the packed [gate | up] halves are not contiguous: copy them first
+    let mut half = t(&[37, 129], DType::BF16);
+    half.strides = vec![258, 1];
+    let fwd2 = [half.clone(), half, t(&[37, 129], DType::BF16)];
+    assert!(check_launch(fwd, &fwd2, &[]).is_err());
+    // the second half of a packed buffer of odd width is misaligned (129 bf16 = 258 bytes)
+    let mut up = t(&[e], DType::BF16);
+    up.offset_bytes = 258;
+    let err = check_launch(fwd, &[t(&[e], DType::BF16), up, t(&[e], DType::BF16)], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("16-byte aligned"), "{err}");
+    // an empty tensor: skip the launch
+    let z = t(&[0], DType::BF16);
+    assert!(check_launch(fwd, &[z.clone(), z.clone(), z], &[]).is_err());
+    Ok(())
+}

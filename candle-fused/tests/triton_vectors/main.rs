@@ -15,6 +15,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod rms_norm;
+mod swiglu;
 
 use anyhow::Result;
 use candle_core::Tensor;
