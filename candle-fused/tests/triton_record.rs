@@ -457,3 +457,78 @@ fn swiglu_launches() -> Result<()> {
     assert!(check_launch(fwd, &[z.clone(), z.clone(), z], &[]).is_err());
     Ok(())
 }
+
+#[test]
+fn gelu_launches() -> Result<()> {
+    use candle_fused::cuda_kernels::gelu::ROWS_PER_PROGRAM;
+    use Arg::{Null, Tensor as T, I32};
+    let (n, c) = (37usize, 300usize);
+    let e = n * c;
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let l = check_launch(
+            find("gelu_fwd", dt).unwrap(),
+            &[t(&[e], dt), t(&[e], dt)],
+            &[],
+        )?;
+        assert_eq!((l.grid, l.block), ([11, 1, 1], [128, 1, 1]));
+        assert_eq!(l.args, [T(0), T(1), I32(e as i32), Null, Null]);
+        let l = check_launch(
+            find("gelu_bwd", dt).unwrap(),
+            &[t(&[e], dt), t(&[e], dt), t(&[e], dt)],
+            &[],
+        )?;
+        assert_eq!(l.args, [T(0), T(1), T(2), I32(e as i32), Null, Null]);
+
+        let fwd = find("bias_gelu_fwd", dt).unwrap();
+        let l = check_launch(fwd, &[t(&[n, c], dt), t(&[c], dt), t(&[n, c], dt)], &[])?;
+        assert_eq!((l.grid, l.block), ([5, 2, 1], [128, 1, 1]));
+        assert_eq!(l.args, [T(0), T(1), T(2), I32(37), I32(300), Null, Null]);
+
+        let p = n.div_ceil(ROWS_PER_PROGRAM);
+        let dx = find("bias_gelu_bwd_dx", dt).unwrap();
+        let args = [
+            t(&[n, c], dt),
+            t(&[c], dt),
+            t(&[n, c], dt),
+            t(&[n, c], dt),
+            t(&[p, c], DType::F32),
+        ];
+        let l = check_launch(dx, &args, &[])?;
+        assert_eq!((l.grid, l.block), ([3, 2, 1], [64, 1, 1]));
+        assert_eq!(
+            l.args,
+            [T(0), T(1), T(2), T(3), T(4), I32(37), I32(300), Null, Null]
+        );
+        let mut wrong = args.clone();
+        wrong[4] = t(&[p, c], dt);
+        if dt != DType::F32 {
+            let err = check_launch(dx, &wrong, &[]).unwrap_err().to_string();
+            assert!(err.contains("DB_PARTIAL must be F32"), "{err}");
+        }
+        wrong[4] = t(&[p + 1, c], DType::F32);
+        let err = check_launch(dx, &wrong, &[]).unwrap_err().to_string();
+        assert!(err.contains("cdiv(N, 16)"), "{err}");
+
+        let db = find("bias_gelu_bwd_db", dt).unwrap();
+        let l = check_launch(db, &[t(&[p, c], DType::F32), t(&[c], dt)], &[])?;
+        assert_eq!((l.grid, l.block), ([2, 1, 1], [64, 1, 1]));
+        assert_eq!(l.args, [T(0), T(1), I32(3), I32(300), Null, Null]);
+    }
+    // a bias of another length than the rows
+    let dt = DType::BF16;
+    let fwd = find("bias_gelu_fwd", dt).unwrap();
+    let err = check_launch(fwd, &[t(&[n, c], dt), t(&[c + 1], dt), t(&[n, c], dt)], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("B has C = 301"), "{err}");
+    // no scalars are taken
+    let err = check_launch(
+        fwd,
+        &[t(&[n, c], dt), t(&[c], dt), t(&[n, c], dt)],
+        &[Scalar::F32(1.0)],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("left over"), "{err}");
+    Ok(())
+}

@@ -39,14 +39,18 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+pub mod gelu;
 pub mod rms_norm;
 pub mod swiglu;
 
 use candle_core::{bail, DType, Result};
 
 /// The launch tables of every kernel family (one Triton source file each).
-pub const FAMILIES: &[(&str, &[KernelSpec])] =
-    &[("rms_norm", rms_norm::KERNELS), ("swiglu", swiglu::KERNELS)];
+pub const FAMILIES: &[(&str, &[KernelSpec])] = &[
+    ("rms_norm", rms_norm::KERNELS),
+    ("swiglu", swiglu::KERNELS),
+    ("gelu", gelu::KERNELS),
+];
 
 /// Every compiled kernel, family by family.
 pub fn kernels() -> impl Iterator<Item = &'static KernelSpec> {
