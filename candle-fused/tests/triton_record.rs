@@ -532,3 +532,67 @@ fn gelu_launches() -> Result<()> {
     assert!(err.contains("left over"), "{err}");
     Ok(())
 }
+
+#[test]
+fn dropout_launches() -> Result<()> {
+    use candle_fused::cuda_kernels::dropout::{scalars, words};
+    use candle_fused::RngKey;
+    use Arg::{Null, Tensor as T, F32, I32};
+    let e = 4773;
+    let key = RngKey::new(0xDEAD_BEEF_1234_5678, 0x1_0000_0003).with_offset((5 << 32) + 7);
+    assert_eq!(
+        words(0xDEAD_BEEF_1234_5678),
+        [0x1234_5678, 0xDEAD_BEEFu32 as i32]
+    );
+    for (dt, scale) in [
+        (DType::F32, 1.0 / 0.7f32),
+        (DType::BF16, 1.4296875),
+        (DType::F16, 1.4287109),
+    ] {
+        let s = scalars(0.3, key, dt)?;
+        assert_eq!(s[7], Scalar::F32(scale), "{dt:?}");
+        let spec = find("dropout", dt).unwrap();
+        let l = check_launch(spec, &[t(&[e], dt), t(&[e], dt)], &s)?;
+        assert_eq!((l.grid, l.block), ([5, 1, 1], [128, 1, 1]));
+        assert_eq!(
+            l.args,
+            [
+                T(0),
+                T(1),
+                I32(e as i32),
+                I32(0x1234_5678),
+                I32(0xDEAD_BEEFu32 as i32),
+                I32(3),
+                I32(1),
+                I32(7),
+                I32(5),
+                F32(0.3),
+                F32(scale),
+                Null,
+                Null
+            ]
+        );
+    }
+    // p outside [0, 1), a dtype without a variant
+    assert!(scalars(1.0, key, DType::F32).is_err());
+    assert!(scalars(-0.1, key, DType::F32).is_err());
+    assert!(scalars(0.1, key, DType::F64).is_err());
+    // the scalars in the wrong order (p first)
+    let spec = find("dropout", DType::F32).unwrap();
+    let mut s = scalars(0.3, key, DType::F32)?.to_vec();
+    s.rotate_right(2);
+    let err = check_launch(spec, &[t(&[e], DType::F32), t(&[e], DType::F32)], &s)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("seed_lo needs a Scalar::I32"), "{err}");
+    // x and y of different lengths
+    let err = check_launch(
+        spec,
+        &[t(&[e], DType::F32), t(&[e - 1], DType::F32)],
+        &scalars(0.3, key, DType::F32)?,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("Y has E = 4772"), "{err}");
+    Ok(())
+}

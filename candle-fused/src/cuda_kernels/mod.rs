@@ -39,6 +39,7 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+pub mod dropout;
 pub mod gelu;
 pub mod rms_norm;
 pub mod swiglu;
@@ -50,6 +51,7 @@ pub const FAMILIES: &[(&str, &[KernelSpec])] = &[
     ("rms_norm", rms_norm::KERNELS),
     ("swiglu", swiglu::KERNELS),
     ("gelu", gelu::KERNELS),
+    ("dropout", dropout::KERNELS),
 ];
 
 /// Every compiled kernel, family by family.

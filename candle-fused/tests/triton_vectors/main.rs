@@ -14,6 +14,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod dropout;
 mod gelu;
 mod rms_norm;
 mod swiglu;
