@@ -596,3 +596,71 @@ fn dropout_launches() -> Result<()> {
     assert!(err.contains("Y has E = 4772"), "{err}");
     Ok(())
 }
+
+#[test]
+fn adamw_launches() -> Result<()> {
+    use candle_fused::adamw::AdamWStep;
+    use candle_fused::cuda_kernels::adamw::{scalars, SUMSQ_BLOCK};
+    use Arg::{Null, Tensor as T, F32, I32};
+    let e = 3001usize;
+    let step = AdamWStep {
+        step: 7,
+        grad_scale: 0.5,
+        ..Default::default()
+    };
+    let s = scalars(&step)?;
+    let f = DType::F32;
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let up = find("adamw_update", dt).unwrap();
+        let args = [t(&[e], f), t(&[e], dt), t(&[e], f), t(&[e], f)];
+        let l = check_launch(up, &args, &s)?;
+        assert_eq!((l.grid, l.block), ([3, 1, 1], [128, 1, 1]));
+        assert_eq!(l.args[..5], [T(0), T(1), T(2), T(3), I32(3001)]);
+        assert_eq!(l.args[5], F32(0.5));
+        assert_eq!(
+            l.args[6..14],
+            s.map(|v| match v {
+                Scalar::F32(x) => F32(x),
+                Scalar::I32(x) => I32(x),
+            })[1..]
+        );
+        assert_eq!(l.args[14..], [Null, Null]);
+        // the moments and the parameter are f32 whatever the gradient's dtype
+        if dt != f {
+            let mut wrong = args.clone();
+            wrong[2] = t(&[e], dt);
+            let err = check_launch(up, &wrong, &s).unwrap_err().to_string();
+            assert!(err.contains("EXP_AVG must be F32"), "{err}");
+        }
+        // eight scalars instead of nine
+        let err = check_launch(up, &args, &s[..8]).unwrap_err().to_string();
+        assert!(err.contains("eps needs a Scalar::F32"), "{err}");
+
+        let p = e.div_ceil(SUMSQ_BLOCK);
+        let part = find("sumsq_partial", dt).unwrap();
+        let l = check_launch(part, &[t(&[e], dt), t(&[p], DType::F64)], &[])?;
+        assert_eq!(l.grid, [3, 1, 1]);
+        assert_eq!(l.args, [T(0), T(1), I32(3001), Null, Null]);
+        let err = check_launch(part, &[t(&[e], dt), t(&[p], f)], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("PARTIAL must be F64"), "{err}");
+        let err = check_launch(part, &[t(&[e], dt), t(&[p + 1], DType::F64)], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cdiv(E, 1024)"), "{err}");
+    }
+    let total = find("sumsq_total", f).unwrap();
+    let l = check_launch(total, &[t(&[3], DType::F64), t(&[1], f)], &[])?;
+    assert_eq!((l.grid, l.block), ([1, 1, 1], [128, 1, 1]));
+    assert_eq!(l.args, [T(0), T(1), I32(3), Null, Null]);
+    assert!(check_launch(total, &[t(&[3], DType::F64), t(&[2], f)], &[]).is_err());
+    assert!(find("sumsq_total", DType::BF16).is_none());
+    // a step the CPU rejects
+    assert!(scalars(&AdamWStep {
+        beta1: 1.0,
+        ..Default::default()
+    })
+    .is_err());
+    Ok(())
+}

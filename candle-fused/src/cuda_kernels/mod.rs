@@ -39,6 +39,7 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+pub mod adamw;
 pub mod dropout;
 pub mod gelu;
 pub mod rms_norm;
@@ -52,6 +53,7 @@ pub const FAMILIES: &[(&str, &[KernelSpec])] = &[
     ("swiglu", swiglu::KERNELS),
     ("gelu", gelu::KERNELS),
     ("dropout", dropout::KERNELS),
+    ("adamw", adamw::KERNELS),
 ];
 
 /// Every compiled kernel, family by family.
@@ -71,6 +73,8 @@ pub enum Elem {
     Io,
     /// Always f32 (saved statistics, partial sums, optimizer state).
     F32,
+    /// Always f64 (partial sums that must not round before the total, e.g. sums of squares).
+    F64,
     /// Always i32 (indices, document ids).
     I32,
 }
@@ -103,6 +107,7 @@ impl Param {
         match self {
             Param::Tensor(_, _, Elem::Io) => format!("*{}", triton_dtype(dtype)),
             Param::Tensor(_, _, Elem::F32) => "*fp32".into(),
+            Param::Tensor(_, _, Elem::F64) => "*fp64".into(),
             Param::Tensor(_, _, Elem::I32) => "*i32".into(),
             Param::Dim(..) | Param::Int(_) => "i32".into(),
             Param::Float(_) => "fp32".into(),
@@ -344,6 +349,7 @@ pub fn check_launch(
         let want = match elem {
             Elem::Io => spec.dtype,
             Elem::F32 => DType::F32,
+            Elem::F64 => DType::F64,
             Elem::I32 => DType::I32,
         };
         if t.dtype != want {

@@ -12,6 +12,7 @@
 //! (a relative DIR is taken from the workspace root). After regenerating, rerun
 //! `scripts/python/triton_interpret_check.py` (the record test checks the files' sha256).
 
+mod adamw;
 #[path = "../common/mod.rs"]
 mod common;
 mod dropout;
