@@ -124,6 +124,24 @@ impl AdamWStep {
         })
     }
 
+    /// The f32 constants the in-place kernel applies to every element, rounded as here (for a
+    /// device kernel, `cuda_kernels::adamw::scalars`): grad scale, b1, 1 - b1, b2, 1 - b2,
+    /// `1 - lr wd`, `lr / bc1`, `1 / bc2`, eps.
+    pub(crate) fn kernel_scalars(&self) -> Result<[f32; 9]> {
+        let c = self.coeffs(&self.check()?);
+        Ok([
+            c.gs,
+            c.b1,
+            c.one_m_b1,
+            c.b2,
+            c.one_m_b2,
+            c.decay,
+            c.step_size,
+            c.inv_bc2,
+            c.eps,
+        ])
+    }
+
     fn coeffs(&self, c: &Consts) -> Coeffs {
         Coeffs {
             gs: self.grad_scale as f32,

@@ -41,7 +41,7 @@ pub(crate) fn check_p(p: f32) -> Result<()> {
 
 /// The keep scale `1 / (1 - p)` in the storage type (computed in f64, rounded via the
 /// accumulation type, so every path rounds it the same way).
-fn keep_scale<T: Elem>(p: f32) -> T {
+pub(crate) fn keep_scale<T: Elem>(p: f32) -> T {
     T::from_acc(<T::Acc as Real>::c(1.0 / (1.0 - p as f64)))
 }
 

@@ -70,6 +70,21 @@ pub(crate) static CUBINS: &[&[Cubin]] = &[
     cubins!("attn_bwd_delta"),
     cubins!("attn_bwd_dkdv"),
     cubins!("attn_bwd_dq"),
+    // swiglu (triton/swiglu.py)
+    cubins!("swiglu_fwd"),
+    cubins!("swiglu_bwd"),
+    // gelu (triton/gelu.py)
+    cubins!("gelu_fwd"),
+    cubins!("gelu_bwd"),
+    cubins!("bias_gelu_fwd"),
+    cubins!("bias_gelu_bwd_dx"),
+    cubins!("bias_gelu_bwd_db"),
+    // dropout (triton/dropout.py)
+    cubins!("dropout"),
+    // adamw (triton/adamw.py)
+    cubins!("adamw_update"),
+    cubins!("sumsq_partial"),
+    cubins!("sumsq_total", ["f32"]),
 ];
 
 /// The cubins of `entry` for `dtype`.

@@ -45,15 +45,19 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+pub mod adamw;
 pub mod attention;
 pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub(crate) mod cubins;
+pub mod dropout;
+pub mod gelu;
 #[cfg(feature = "cuda")]
 pub(crate) mod launch;
 pub mod layer_norm;
 pub mod rms_norm;
 pub mod rope;
+pub mod swiglu;
 mod switch;
 
 pub use switch::{launch_count, set_triton, triton_enabled, TRITON_ENV};
@@ -68,6 +72,10 @@ pub const FAMILIES: &[(&str, &[KernelSpec])] = &[
     ("layer_norm", layer_norm::KERNELS),
     ("rope", rope::KERNELS),
     ("cross_entropy", cross_entropy::KERNELS),
+    ("swiglu", swiglu::KERNELS),
+    ("gelu", gelu::KERNELS),
+    ("dropout", dropout::KERNELS),
+    ("adamw", adamw::KERNELS),
 ];
 
 /// Every compiled kernel, family by family.
@@ -87,6 +95,8 @@ pub enum Elem {
     Io,
     /// Always f32 (saved statistics, partial sums, optimizer state).
     F32,
+    /// Always f64 (partial sums that must not round before the total, e.g. sums of squares).
+    F64,
     /// Always i32 (indices, document ids).
     I32,
     /// Always u32 (class targets, as the CPU ops take them).
@@ -121,6 +131,7 @@ impl Param {
         match self {
             Param::Tensor(_, _, Elem::Io) => format!("*{}", triton_dtype(dtype)),
             Param::Tensor(_, _, Elem::F32) => "*fp32".into(),
+            Param::Tensor(_, _, Elem::F64) => "*fp64".into(),
             Param::Tensor(_, _, Elem::I32) => "*i32".into(),
             Param::Tensor(_, _, Elem::U32) => "*u32".into(),
             Param::Dim(..) | Param::Int(_) => "i32".into(),
@@ -376,6 +387,7 @@ pub fn check_launch(
         let want = match elem {
             Elem::Io => spec.dtype,
             Elem::F32 => DType::F32,
+            Elem::F64 => DType::F64,
             Elem::I32 => DType::I32,
             Elem::U32 => DType::U32,
         };

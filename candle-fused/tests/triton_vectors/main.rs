@@ -12,13 +12,17 @@
 //! (a relative DIR is taken from the workspace root). After regenerating, rerun
 //! `scripts/python/triton_interpret_check.py` (the record test checks the files' sha256).
 
+mod adamw;
 mod attention;
 #[path = "../common/mod.rs"]
 mod common;
 mod cross_entropy;
+mod dropout;
+mod gelu;
 mod layer_norm;
 mod rms_norm;
 mod rope;
+mod swiglu;
 
 use anyhow::Result;
 use candle_core::Tensor;

@@ -1,0 +1,92 @@
+//! Inverted dropout (`triton/dropout.py`): `y = x * mask` with the mask drawn inside the kernel
+//! from Philox4x32-10, bit-identical to the CPU kernel (`crate::dropout`: the same counter
+//! layout, uniforms and keep scale). The backward launches the same kernel on `dy` with the
+//! same key. [`scalars`] builds the kernel's scalar arguments from `p` and the [`RngKey`].
+
+use super::Elem::Io;
+use super::{Extent, KernelSpec, Param, Scalar};
+use crate::cpu::Elem;
+use crate::dropout::{check_p, keep_scale};
+use crate::RngKey;
+use candle_core::{bail, DType, Result};
+
+/// Elements per program (`BLOCK`, a multiple of 4: one Philox block per 4 elements).
+pub const BLOCK: usize = 1024;
+
+const PARAMS: &[Param] = &[
+    Param::Tensor("X", &["E"], Io),
+    Param::Tensor("Y", &["E"], Io),
+    Param::Dim("E", "E"),
+    Param::Int("seed_lo"),
+    Param::Int("seed_hi"),
+    Param::Int("site_lo"),
+    Param::Int("site_hi"),
+    Param::Int("offset_lo"),
+    Param::Int("offset_hi"),
+    Param::Float("p"),
+    Param::Float("scale"),
+];
+
+const fn dropout(dtype: DType) -> KernelSpec {
+    KernelSpec {
+        family: "dropout",
+        entry: "dropout",
+        dtype,
+        num_warps: 4,
+        shared_bytes: [0; 2],
+        grid: [Extent::cdiv(&["E"], BLOCK), Extent::ONE, Extent::ONE],
+        rules: &[],
+        params: PARAMS,
+    }
+}
+
+/// Dropout (forward on `x`, backward on `dy`), for f32, bf16 and f16.
+pub const KERNELS: &[KernelSpec] = &[
+    dropout(DType::F32),
+    dropout(DType::BF16),
+    dropout(DType::F16),
+];
+
+/// The two i32 words (low, high) of a u64: its bits, reinterpreted (the kernel takes them back
+/// as u32 and joins them).
+pub fn words(v: u64) -> [i32; 2] {
+    [v as u32 as i32, (v >> 32) as u32 as i32]
+}
+
+/// The scalar arguments of `dropout` for a tensor of `dtype` (f32, bf16 or f16), in order:
+/// the seed, site and offset of `key` as i32 words (see [`words`]), `p`, and the keep scale
+/// `1 / (1 - p)` rounded to `dtype` as the CPU kernel rounds it (held in an f32). Errors unless
+/// `p` is in `[0, 1)` (as [`crate::dropout::dropout`]; at `p == 0` the op skips the kernel).
+///
+/// ```
+/// use candle_core::DType;
+/// use candle_fused::cuda_kernels::{dropout::scalars, Scalar};
+/// use candle_fused::RngKey;
+/// let key = RngKey::new(0x1_0000_0002, 3).with_offset(u64::MAX);
+/// let s = scalars(0.5, key, DType::BF16)?;
+/// assert_eq!(s[..6], [2i32, 1, 3, 0, -1, -1].map(Scalar::I32));
+/// assert_eq!(s[6..], [Scalar::F32(0.5), Scalar::F32(2.0)]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn scalars(p: f32, key: RngKey, dtype: DType) -> Result<[Scalar; 8]> {
+    check_p(p)?;
+    let scale = match dtype {
+        DType::F32 => keep_scale::<f32>(p),
+        DType::BF16 => keep_scale::<half::bf16>(p).acc(),
+        DType::F16 => keep_scale::<half::f16>(p).acc(),
+        other => bail!("dropout kernel: no variant for {other:?} (f32, bf16, f16)"),
+    };
+    let [seed_lo, seed_hi] = words(key.seed);
+    let [site_lo, site_hi] = words(key.site);
+    let [offset_lo, offset_hi] = words(key.offset);
+    Ok([
+        Scalar::I32(seed_lo),
+        Scalar::I32(seed_hi),
+        Scalar::I32(site_lo),
+        Scalar::I32(site_hi),
+        Scalar::I32(offset_lo),
+        Scalar::I32(offset_hi),
+        Scalar::F32(p),
+        Scalar::F32(scale),
+    ])
+}
