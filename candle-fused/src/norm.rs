@@ -13,8 +13,9 @@
 //! bit-for-bit the same on any number of threads. 16-bit inputs are widened to f32 for all the
 //! arithmetic and rounded once.
 //!
-//! On CUDA, RMSNorm runs the Triton kernels when they are switched on (`norm/cuda.rs`,
-//! `cuda_kernels::set_triton`); otherwise both norms compute the composite inside the op.
+//! On CUDA, both norms run the Triton kernels when they are switched on (`norm/cuda.rs`,
+//! `cuda_kernels::set_triton`) and the row fits their tile (`C <= 4096`); otherwise they
+//! compute the composite inside the op.
 //! Candle's own CUDA forwards (`candle_nn::ops::{rms_norm, layer_norm}`) are not used for that
 //! fallback: they return no statistics (the backward needs `rstd`, so a reduction would run
 //! again), use the approximate `rsqrtf`, accumulate f64 in f32, and LayerNorm's variance is
@@ -40,7 +41,9 @@ enum Kind {
 /// as PyTorch), `x: [.., C]`, `w` and `b`: `[C]`, all of one float dtype.
 ///
 /// Differentiable in `x`, `w` and `b`. On the CPU a fused kernel (statistics in f32, f64 for
-/// f64); elsewhere [`layer_norm_composite`]'s expression inside the same op.
+/// f64); on CUDA with the Triton kernels switched on (`cuda_kernels::set_triton`; f32, bf16,
+/// f16, `C <= 4096`) their fused kernels; elsewhere [`layer_norm_composite`]'s expression
+/// inside the same op.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -191,14 +194,19 @@ fn composite(
 
 fn norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64, kind: Kind) -> Result<Tensor> {
     let c = x.dims().last().copied().unwrap_or(1);
-    if kind == Kind::Rms && triton_for(x) && c <= cuda_kernels::rms_norm::BLOCK_C {
+    let block_c = match kind {
+        Kind::Layer => cuda_kernels::layer_norm::BLOCK_C,
+        Kind::Rms => cuda_kernels::rms_norm::BLOCK_C,
+    };
+    if triton_for(x) && c <= block_c {
         // the Triton kernels (CUDA, opt-in): nothing computed beforehand
         let op = NormOp {
             triton: true,
             ..NormOp::new(kind, eps)
         };
         let (x, w) = (triton_input(x)?, triton_input(w)?);
-        return op::apply(op, &[&x, &w], None, None);
+        let b = b.map(triton_input).transpose()?;
+        return op::apply(op, &[&x, &w], b.as_ref(), None);
     }
     if cpu::has_kernel(x) {
         let op = NormOp::new(kind, eps);
@@ -223,7 +231,7 @@ struct NormOp {
     /// Per-row mean (LayerNorm only) and rstd, `[N]`, f32 (f64 for f64).
     mean: Saved,
     rstd: Saved,
-    /// Forward and backward run the Triton kernels (RMSNorm on CUDA, `src/norm/cuda.rs`).
+    /// Forward and backward run the Triton kernels (CUDA, `src/norm/cuda.rs`).
     triton: bool,
 }
 
@@ -318,8 +326,11 @@ impl Kernel for NormOp {
         &self,
         ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let stats = [&self.mean, &self.rstd];
         match (self.kind, ins) {
             (Kind::Rms, &[x, w]) => cuda::rms_fwd(x, w, self.eps, &self.rstd),
+            (Kind::Layer, &[x, w]) => cuda::layer_fwd(x, w, None, self.eps, stats),
+            (Kind::Layer, &[x, w, b]) => cuda::layer_fwd(x, w, Some(b), self.eps, stats),
             _ => bail!("{}: no CUDA kernel", self.name()),
         }
     }
@@ -328,16 +339,19 @@ impl Kernel for NormOp {
         let (x, w, b) = (ins[0], ins[1], ins.get(2));
         let need = [x.track_op(), w.track_op(), b.is_some_and(|b| b.track_op())];
         let rstd = self.rstd.get()?;
-        if self.triton {
-            #[cfg(feature = "cuda")]
-            return cuda::rms_bwd(x, w, dy, &rstd, need);
-            #[cfg(not(feature = "cuda"))]
-            bail!("{}: Triton kernels need the `cuda` feature", self.name());
-        }
         let mean = match self.kind {
             Kind::Layer => Some(self.mean.get()?),
             Kind::Rms => None,
         };
+        if self.triton {
+            #[cfg(feature = "cuda")]
+            return match &mean {
+                Some(m) => cuda::layer_bwd(x, w, b.is_some(), dy, [m, &rstd], need),
+                None => cuda::rms_bwd(x, w, dy, &rstd, need),
+            };
+            #[cfg(not(feature = "cuda"))]
+            bail!("{}: Triton kernels need the `cuda` feature", self.name());
+        }
         let c = x.dims().last().copied().unwrap_or(1);
         if !(cpu::has_kernel(x) && dy.device().is_cpu() && rstd.device().is_cpu()) {
             return self.composite_bwd(x, w, b.is_some(), dy, mean, rstd, need);

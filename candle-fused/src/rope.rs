@@ -36,10 +36,18 @@
 //! add or subtract, so they agree bit for bit (values and gradients, every dtype; the tests
 //! check it). Each output row is written by one piece of work: the same bits on any number of
 //! threads.
+//!
+//! **CUDA**: with the Triton kernels switched on (`cuda_kernels::set_triton`; f32, bf16, f16)
+//! the forward and backward are `rope_fwd` / `rope_bwd` (`triton/rope.py`, `rope/cuda.rs`): the
+//! same formulas (no FMA), so the same bits as the CPU kernel; a strided `x` is made contiguous
+//! first (the kernels read it contiguous). Otherwise CUDA runs the composite inside the op.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod kernel;
 
 use crate::cpu::{self, Elem};
+use crate::cuda_kernels::{triton_for, triton_input};
 use crate::op::{self, Grads, In, Kernel};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor, D};
@@ -54,7 +62,9 @@ use kernel::{Geom, XView};
 ///
 /// Differentiable in `x`; the tables are constants and must not track a graph (an error, not
 /// a silently dropped gradient). On the CPU one pass of a kernel (16-bit `x` computed in f32,
-/// rounded once); elsewhere [`rope_composite`]'s expression inside the same op.
+/// rounded once); on CUDA with the Triton kernels switched on (`cuda_kernels::set_triton`;
+/// f32, bf16, f16) the same computation in one kernel each way; elsewhere [`rope_composite`]'s
+/// expression inside the same op.
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};
@@ -81,11 +91,22 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         }
     }
     let acc = acc_dtype(x.dtype());
-    let op = RopeOp {
+    let mut op = RopeOp {
         g,
         cos: cos.detach().to_dtype(acc)?.contiguous()?,
         sin: sin.detach().to_dtype(acc)?.contiguous()?,
+        triton: false,
     };
+    if triton_for(x) {
+        // the Triton kernels (CUDA, opt-in): x contiguous, the tables `[TB, T, D/2]` f32 with
+        // TB = 1 when shared by the batch (`[T, D/2]` or `[1, T, D/2]`), else B
+        let tb = if g.table_sb == 0 { 1 } else { g.b };
+        let tables = (tb, g.t, g.half);
+        op.cos = triton_input(&op.cos.reshape(tables)?)?;
+        op.sin = triton_input(&op.sin.reshape(tables)?)?;
+        op.triton = true;
+        return op::apply(op, &[&triton_input(x)?], None, None);
+    }
     if cpu::has_kernel(x) && x.elem_count() > 0 {
         // The kernel reads any strides but wants the features of a head side by side.
         let x = if x.stride()[3] == 1 {
@@ -301,6 +322,9 @@ struct RopeOp {
     g: Geom,
     cos: Tensor,
     sin: Tensor,
+    /// Forward and backward run the Triton kernels (CUDA, `rope/cuda.rs`; the tables are then
+    /// `[TB, T, D/2]` f32, aligned).
+    triton: bool,
 }
 
 impl Kernel for RopeOp {
@@ -322,9 +346,28 @@ impl Kernel for RopeOp {
         Ok((y, Shape::from((g.b, g.h, g.t, 2 * g.half))))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::fwd(ins[0], &self.g, &self.cos, &self.sin)
+    }
+
     fn bwd(&self, ins: &[&Tensor], _y: &Tensor, dy: &Tensor) -> Result<Grads> {
         let x = ins[0];
         let g = &self.g;
+        if self.triton {
+            // the tables are constants and x the op's only input: its gradient is all there is
+            #[cfg(feature = "cuda")]
+            return Ok([
+                Some(cuda::bwd(dy, g, &self.cos, &self.sin, x.dtype())?),
+                None,
+                None,
+            ]);
+            #[cfg(not(feature = "cuda"))]
+            bail!("{}: Triton kernels need the `cuda` feature", self.name());
+        }
         if !(cpu::has_kernel(x) && dy.device().is_cpu()) {
             return Ok([
                 Some(composite_bwd(dy, &self.cos, &self.sin, x.dtype())?),
