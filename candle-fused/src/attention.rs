@@ -45,6 +45,13 @@
 //! inputs propagates to the rows that see it (the running max propagates NaN); a key a row
 //! does not see gets weight exactly 0 in it.
 //!
+//! **CUDA**: with the Triton kernels switched on (`cuda_kernels::set_triton`), the op runs them
+//! (`attention/cuda.rs`) when the call fits them (`triton_fits`: self-attention `Tq == Tk`,
+//! `D == Dv <= 128`, no additive mask); otherwise, and with them off, the fallback below.
+//! The kernels take `[B, H, T, D]` tensors: [`attention_qkv`] and [`attention_merged`] copy
+//! their heads into that layout and back around them (one memory-bound copy per tensor moved;
+//! the list is in `attention/cuda.rs`).
+//!
 //! On devices without a kernel (or inside [`crate::with_composite_fallback`]) the op computes the
 //! same output and log-sum-exp with composite Candle ops on detached inputs and its backward
 //! recomputes `P` from the log-sum-exp with composite ops (the `T x T` tensors exist only
@@ -53,6 +60,8 @@
 
 mod composite;
 mod config;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod kernel;
 
 pub use composite::{attention_composite, attention_merged_composite, attention_qkv_composite};
@@ -61,6 +70,7 @@ pub use config::AttentionConfig;
 use config::{check_bhtd, check_qkv, resolve, Resolved};
 
 use crate::cpu::{self, Elem};
+use crate::cuda_kernels::{self, triton_for, triton_input};
 use crate::gelu::FastMath;
 use crate::op::{self, Grads, In, Kernel, Saved};
 use candle_core::backend::BackendStorage;
@@ -182,6 +192,32 @@ where
     Ok(grads)
 }
 
+/// Whether the Triton kernels take this call (`x`: the main input): switched on for its CUDA
+/// device and dtype ([`triton_for`]), and the kernels' contract: self-attention (`Tq == Tk`:
+/// they take one `T`), `Dv == D <= BLOCK_D` (one tile per head), no additive mask (not
+/// implemented there; the trainer sets none), `B * H` programs within CUDA's grid height, and
+/// `B * T` in i32 (the kernels index the document ids in i32).
+fn triton_fits(x: &Tensor, g: &Geom, r: &Resolved) -> bool {
+    const GRID_Y: usize = 65535;
+    triton_for(x)
+        && g.tq == g.tk
+        && g.dv == g.d
+        && g.d <= cuda_kernels::attention::BLOCK_D
+        && r.mask.is_none()
+        && g.b * g.h <= GRID_Y
+        && g.b * g.tk <= i32::MAX as usize
+}
+
+/// Runs a Triton backward (`cuda.rs`); without the `cuda` feature no op takes that path.
+macro_rules! triton_bwd {
+    ($name:expr, $call:expr) => {{
+        #[cfg(feature = "cuda")]
+        return $call;
+        #[cfg(not(feature = "cuda"))]
+        bail!("{}: Triton kernels need the `cuda` feature", $name);
+    }};
+}
+
 /// Whether `bwd` can run the kernel on these tensors.
 fn bwd_kernel(ts: &[&Tensor]) -> bool {
     ts.iter().all(|t| cpu::has_kernel(t))
@@ -192,6 +228,8 @@ struct QkvOp {
     g: Geom,
     r: Resolved,
     saved: Saved,
+    /// Forward and backward run the Triton kernels (CUDA, `attention/cuda.rs`).
+    triton: bool,
 }
 
 impl Kernel for QkvOp {
@@ -209,10 +247,24 @@ impl Kernel for QkvOp {
         Ok((out, Shape::from((g.b, g.tq, g.h * g.dv))))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ins: &[cuda_kernels::launch::CudaIn<'_>],
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        match ins {
+            &[x] if self.triton => cuda::qkv_fwd(x, &self.g, &self.r, &self.saved),
+            _ => bail!("{}: no CUDA kernel for this call", self.name()),
+        }
+    }
+
     fn bwd(&self, ins: &[&Tensor], res: &Tensor, grad: &Tensor) -> Result<Grads> {
         let qkv = ins[0];
         let lse = self.saved.get()?;
         let g = &self.g;
+        if self.triton {
+            triton_bwd!(self.name(), cuda::qkv_bwd(g, &self.r, qkv, res, grad, &lse));
+        }
         if bwd_kernel(&[qkv, res, grad]) {
             let qkv = qkv.contiguous()?;
             let dqkv = cpu::dispatch!(qkv.dtype(), T => {
@@ -240,6 +292,8 @@ struct BhtdOp {
     r: Resolved,
     merged: bool,
     saved: Saved,
+    /// Forward and backward run the Triton kernels (CUDA, `attention/cuda.rs`).
+    triton: bool,
 }
 
 impl Kernel for BhtdOp {
@@ -268,9 +322,28 @@ impl Kernel for BhtdOp {
         Ok((out, shape))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ins: &[cuda_kernels::launch::CudaIn<'_>],
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        match ins {
+            &[q, k, v] if self.triton => {
+                cuda::bhtd_fwd([q, k, v], &self.g, &self.r, self.merged, &self.saved)
+            }
+            _ => bail!("{}: no CUDA kernel for this call", self.name()),
+        }
+    }
+
     fn bwd(&self, ins: &[&Tensor], res: &Tensor, grad: &Tensor) -> Result<Grads> {
         let (q, k, v) = (ins[0], ins[1], ins[2]);
         let lse = self.saved.get()?;
+        if self.triton {
+            triton_bwd!(
+                self.name(),
+                cuda::bhtd_bwd(&self.g, &self.r, [q, k, v], (res, grad), &lse, self.merged)
+            );
+        }
         if bwd_kernel(&[q, k, v, res, grad]) {
             let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
             let (dq, dk, dv) = cpu::dispatch!(q.dtype(), T => {
@@ -329,11 +402,17 @@ pub fn attention_qkv(qkv: &Tensor, n_head: usize, cfg: &AttentionConfig) -> Resu
         v: View::interleaved(2 * c, t, 3 * c, d),
         o: View::interleaved(0, t, c, d),
     };
-    let op = QkvOp {
+    let mut op = QkvOp {
         g,
         r,
         saved: Saved::default(),
+        triton: false,
     };
+    if triton_fits(qkv, &op.g, &op.r) {
+        // CUDA: the Triton kernels, nothing computed beforehand
+        op.triton = true;
+        return op::apply(op, &[&triton_input(qkv)?], None, None);
+    }
     if cpu::has_kernel(qkv) {
         return op::apply(op, &[&qkv.contiguous()?], None, None);
     }
@@ -419,12 +498,19 @@ fn bhtd(
             View::bhtd(s.h, s.tq, s.dv)
         },
     };
-    let op = BhtdOp {
+    let mut op = BhtdOp {
         g,
         r,
         merged,
         saved: Saved::default(),
+        triton: false,
     };
+    if triton_fits(q, &op.g, &op.r) {
+        // CUDA: the Triton kernels, nothing computed beforehand
+        op.triton = true;
+        let (q, k, v) = (triton_input(q)?, triton_input(k)?, triton_input(v)?);
+        return op::apply(op, &[&q, &k, &v], None, None);
+    }
     if cpu::has_kernel(q) && cpu::has_kernel(k) && cpu::has_kernel(v) {
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
         return op::apply(op, &[&q, &k, &v], None, None);

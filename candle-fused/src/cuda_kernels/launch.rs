@@ -88,6 +88,22 @@ impl Output {
         (self.storage, self.shape)
     }
 
+    /// A contiguous copy, of shape `shape`, of the elements of `src` that the strided layout `l`
+    /// walks in row-major order (e.g. the heads of a fused projection as `[B, H, T, D]`): one
+    /// Candle copy kernel.
+    pub(crate) fn copy_of(src: &CudaStorage, l: &Layout, shape: impl Into<Shape>) -> Result<Self> {
+        let shape = shape.into();
+        if shape.elem_count() != l.shape().elem_count() {
+            bail!(
+                "candle-fused: cannot copy {:?} elements into {shape:?}",
+                l.dims()
+            )
+        }
+        let mut out = Self::new(src.device(), shape, src.dtype())?;
+        src.copy_strided_src(&mut out.storage, 0, l)?;
+        Ok(out)
+    }
+
     /// As a tensor outside any graph (a saved statistic, a gradient).
     pub(crate) fn into_tensor(self) -> Tensor {
         Tensor::from_storage(
@@ -108,6 +124,8 @@ enum Access<'a> {
 pub(crate) struct Buf<'a> {
     access: Access<'a>,
     layout: Layout,
+    /// The dtype the kernel is told (`None`: the storage's); see [`Buf::bits_as`].
+    bits_as: Option<DType>,
 }
 
 impl<'a> Buf<'a> {
@@ -116,6 +134,7 @@ impl<'a> Buf<'a> {
         Self {
             access: Access::Read(s),
             layout: l.clone(),
+            bits_as: None,
         }
     }
 
@@ -124,6 +143,7 @@ impl<'a> Buf<'a> {
         Self {
             access: Access::Read(&o.storage),
             layout: Layout::contiguous(o.shape.clone()),
+            bits_as: None,
         }
     }
 
@@ -133,6 +153,7 @@ impl<'a> Buf<'a> {
         Self {
             access: Access::Write(&mut o.storage),
             layout,
+            bits_as: None,
         }
     }
 
@@ -149,6 +170,25 @@ impl<'a> Buf<'a> {
         }
         self.layout = Layout::contiguous_with_offset(shape, self.layout.start_offset());
         Ok(self)
+    }
+
+    /// A u32 buffer passed where the kernel takes i32 (or the reverse): the same 32-bit
+    /// patterns, for kernels that only compare them for equality (attention's document ids).
+    pub(crate) fn bits_as(mut self, dtype: DType) -> Result<Self> {
+        let ints = [DType::U32, DType::I32];
+        if !(ints.contains(&dtype) && ints.contains(&self.storage().dtype())) {
+            bail!(
+                "candle-fused: {:?} tensors cannot be passed as {dtype:?}",
+                self.storage().dtype()
+            )
+        }
+        self.bits_as = Some(dtype);
+        Ok(self)
+    }
+
+    /// The dtype the kernel is told.
+    fn dtype(&self) -> DType {
+        self.bits_as.unwrap_or_else(|| self.storage().dtype())
     }
 
     fn storage(&self) -> &CudaStorage {
@@ -226,7 +266,7 @@ pub(crate) fn launch(
     let mut checked = Vec::with_capacity(tensors.len());
     for buf in tensors.iter_mut() {
         let (dims, strides) = (buf.layout.dims().to_vec(), buf.layout.stride().to_vec());
-        let dtype = buf.storage().dtype();
+        let dtype = buf.dtype();
         let (ptr, guard) = pointer(buf, &stream)?;
         checked.push(TensorArg {
             dims,

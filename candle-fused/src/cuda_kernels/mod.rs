@@ -14,7 +14,8 @@
 //! recipe for wiring a family). They are opt-in until checked on a GPU: [`set_triton`] or
 //! `CANDLE_FUSED_TRITON=1` ([`TRITON_ENV`]); off, CUDA takes the composite fallback. Wired so
 //! far: RMSNorm (forward, `dx`, `dW`), LayerNorm (forward, `dx`, `dW`, `dB`; with or without a
-//! bias), RoPE (forward, `dx`).
+//! bias), RoPE (forward, `dx`), attention (forward, backward; `attention`, `attention_merged`,
+//! `attention_qkv`).
 //!
 //! The compiled specialisation: every pointer is 16-byte aligned (`tt.divisibility = 16`),
 //! tensors are contiguous, integer arguments are unspecialised i32. Each `.entry` takes the
