@@ -57,17 +57,40 @@ struct Case {
     checks: &'static [Check],
     /// The op forward + backward on the device over a vector file's tensors.
     run: fn(&Device, &HashMap<String, Tensor>) -> Result<Outputs>,
-    /// Triton kernels one `run` launches (forward and backward).
-    launches: u64,
+    /// Triton kernels one `run` launches (forward and backward) on a vector file's tensors.
+    launches: fn(&HashMap<String, Tensor>) -> Result<u64>,
+    /// `harness_on_the_cpu`'s tolerance for the composite on the CPU, in multiples of the
+    /// family's, for f32, bf16, f16: 1 unless Candle's CPU ops round where its CUDA ops do not.
+    cpu_composite: [f64; 3],
 }
 
 fn cases() -> Vec<Case> {
-    vec![Case {
-        family: "rms_norm",
-        checks: RMS_NORM,
-        run: rms_norm,
-        launches: 3,
-    }]
+    vec![
+        Case {
+            family: "rms_norm",
+            checks: RMS_NORM,
+            run: rms_norm,
+            launches: |_| Ok(3),
+            cpu_composite: [1.0; 3],
+        },
+        Case {
+            family: "cross_entropy",
+            checks: CROSS_ENTROPY,
+            run: cross_entropy,
+            launches: |_| Ok(2),
+            cpu_composite: [1.0; 3],
+        },
+        Case {
+            family: "cross_entropy",
+            checks: LINEAR_CROSS_ENTROPY,
+            run: linear_cross_entropy,
+            launches: lce_chunks,
+            // Candle's f16 matmul on the CPU (the gemm crate) rounds its f32 partial sums to f16
+            // between blocks of the summed dimension (dx = G W sums V = 777 and 8311 classes);
+            // cuBLAS, on the path this stands for, rounds once
+            cpu_composite: [1.0, 1.0, 4.0],
+        },
+    ]
 }
 
 // rms_norm (triton/rms_norm.py TOL, ERROR): f32 y 4e-6, dx and dw 2e-5 (f32 sums in different
@@ -101,6 +124,101 @@ fn rms_norm(dev: &Device, t: &HashMap<String, Tensor>) -> Result<Outputs> {
     // d(sum(y * dy))/dy = dy exactly: the gradients are the backward of `dy`
     let g = (&y * &dy)?.sum_all()?.backward()?;
     Ok(vec![("y", y), ("dx", grad(&g, &x)?), ("dw", grad(&g, &w)?)])
+}
+
+// cross_entropy (triton/cross_entropy.py TOL, ERROR), the op `cross_entropy` on the vectors'
+// logits: the loss is f32 for every dtype, its sums in other orders than the CPU's (the
+// kernel's online max / sum over blocks of 4096 classes), 2e-6 elementwise; dlogits: f32 1e-6
+// of the tensor's largest (exp of an lse a few ulp apart, plus ex2.approx's 3e-7 on the GPU),
+// 16-bit one unit in the last place (2^-7, 2^-10) as both sides round nearly the same f32 once.
+// Relative to the tensor's largest, not the row's: a row whose target takes nearly all the
+// probability has entries of only coef (1 - p_t), whose error coef 2^-24 is the rounding of p_t.
+const CROSS_ENTROPY: &[Check] = &[
+    Check {
+        name: "loss",
+        mode: Mode::Elem,
+        tol: [2e-6; 3],
+    },
+    Check {
+        name: "dlogits",
+        mode: Mode::Tensor,
+        tol: [1e-6, 1.0 / 128.0, 1.0 / 1024.0],
+    },
+];
+
+/// `cross_entropy`'s upstream gradient in the vectors (`G` of `tests/triton_vectors/cross_entropy.rs`).
+const CE_G: f64 = 0.75;
+
+fn cross_entropy(dev: &Device, t: &HashMap<String, Tensor>) -> Result<Outputs> {
+    let logits = Var::from_tensor(&input(t, "logits", dev)?)?;
+    let targets = input(t, "targets", dev)?;
+    let ignore = input(t, "ignore_index", &Device::Cpu)?.to_vec1::<u32>()?[0];
+    // the vectors give `weight` = ones where the op got no mask: that case runs without one
+    let weight = input(t, "weight", &Device::Cpu)?;
+    let masked = weight.to_vec1::<f32>()?.iter().any(|&w| w != 1.0);
+    let mask = masked.then(|| weight.to_device(dev)).transpose()?;
+    let loss = candle_fused::cross_entropy::cross_entropy(
+        logits.as_tensor(),
+        &targets,
+        mask.as_ref(),
+        Some(ignore),
+    )?;
+    let g = loss.affine(CE_G, 0.0)?.backward()?;
+    Ok(vec![("loss", loss), ("dlogits", grad(&g, &logits)?)])
+}
+
+// linear_cross_entropy (the same TOL, ERROR): the chunk loop end to end, `chunk` rows at a time
+// as the vectors' CPU op ran it, cuBLAS for the GEMMs: the loss as above; dx = dl W and
+// dW = Σ dlᵀ x sum in other orders than the CPU's GEMMs, with cancellation (Σ_j |dl_ij| <= 2
+// coef): f32 5e-5 of the largest; 16-bit one rounding of the result plus gradients that may
+// differ by a unit, 2^-6 (bf16) and 2^-9 (f16).
+const LINEAR_CROSS_ENTROPY: &[Check] = &[
+    Check {
+        name: "lce_loss",
+        mode: Mode::Elem,
+        tol: [2e-6; 3],
+    },
+    Check {
+        name: "dx",
+        mode: Mode::Tensor,
+        tol: [5e-5, 1.0 / 64.0, 1.0 / 512.0],
+    },
+    Check {
+        name: "dw",
+        mode: Mode::Tensor,
+        tol: [5e-5, 1.0 / 64.0, 1.0 / 512.0],
+    },
+];
+
+fn linear_cross_entropy(dev: &Device, t: &HashMap<String, Tensor>) -> Result<Outputs> {
+    let x = Var::from_tensor(&input(t, "x", dev)?)?;
+    let w = Var::from_tensor(&input(t, "w", dev)?)?;
+    let targets = input(t, "targets", dev)?;
+    let ignore = input(t, "ignore_index", &Device::Cpu)?.to_vec1::<u32>()?[0];
+    let chunk = input(t, "chunk", &Device::Cpu)?.to_vec1::<u32>()?[0] as usize;
+    let loss = candle_fused::linear_cross_entropy::linear_cross_entropy_chunked(
+        x.as_tensor(),
+        w.as_tensor(),
+        &targets,
+        Some(ignore),
+        chunk,
+    )?;
+    let g = loss.backward()?;
+    Ok(vec![
+        ("lce_loss", loss),
+        ("dx", grad(&g, &x)?),
+        ("dw", grad(&g, &w)?),
+    ])
+}
+
+/// One `ce_fwd_bwd` per chunk of counted rows (the backward launches nothing: the gradients
+/// come from the forward).
+fn lce_chunks(t: &HashMap<String, Tensor>) -> Result<u64> {
+    let ignore = input(t, "ignore_index", &Device::Cpu)?.to_vec1::<u32>()?[0];
+    let chunk = input(t, "chunk", &Device::Cpu)?.to_vec1::<u32>()?[0] as usize;
+    let targets = input(t, "targets", &Device::Cpu)?.to_vec1::<u32>()?;
+    let counted = targets.iter().filter(|&&x| x != ignore).count();
+    Ok(counted.div_ceil(chunk.max(1)) as u64)
 }
 
 fn input(t: &HashMap<String, Tensor>, name: &str, dev: &Device) -> Result<Tensor> {
@@ -254,11 +372,11 @@ fn on_cuda() -> Result<()> {
             let on = (case.run)(&dev, &t)?;
             dev.synchronize()?;
             let launched = launch_count() - before;
+            let expected = (case.launches)(&t)?;
             ensure!(
-                launched == case.launches,
-                "{}: {launched} Triton launches, expected {}",
-                case.family,
-                case.launches
+                launched == expected,
+                "{}: {launched} Triton launches, expected {expected}",
+                case.family
             );
             compare(&case, dt, &on, &want, 1.0, "triton vs cpu")?;
             let again = (case.run)(&dev, &t)?;
@@ -293,7 +411,15 @@ fn harness_on_the_cpu() -> Result<()> {
             compare(&case, dt, &got, &want, 1.0, "cpu kernel vs vector")?;
             // the path CUDA takes with Triton off, here on the CPU: within the same tolerance
             let composite = candle_fused::with_composite_fallback(|| (case.run)(&Device::Cpu, &t))?;
-            compare(&case, dt, &composite, &want, 1.0, "cpu composite vs vector")?;
+            let scale = case.cpu_composite[tol_index(dt)];
+            compare(
+                &case,
+                dt,
+                &composite,
+                &want,
+                scale,
+                "cpu composite vs vector",
+            )?;
         }
     }
     Ok(())
