@@ -12,8 +12,16 @@
 //! exactly 0 to the loss and get exactly 0 gradient even if their logits are not finite (as
 //! PyTorch's `ignore_index`). A NaN anywhere else (logits of a counted row, a weight) gives a
 //! NaN loss.
+//!
+//! On CUDA, with the Triton kernels switched on (`cuda_kernels::set_triton`), the forward is
+//! `ce_fwd` and the backward `ce_bwd` (`cross_entropy/cuda.rs`, `triton/cross_entropy.py`), the
+//! loss formed on the device; otherwise the composite runs inside the op.
+
+#[cfg(feature = "cuda")]
+mod cuda;
 
 use crate::cpu::{self, Elem, Real};
+use crate::cuda_kernels::{triton_for, triton_input};
 use crate::gelu::FastMath;
 use crate::op::{self, Grads, In, Kernel, Saved};
 use candle_core::backend::BackendStorage;
@@ -50,14 +58,22 @@ pub fn cross_entropy(
         Some(m) => Some(m.detach().flatten_all()?.to_dtype(acc)?.contiguous()?),
         None => None,
     };
-    let op = CeOp {
+    let mut op = CeOp {
         targets,
         mask,
         ignore: ignore_index,
         v,
         lse: Saved::default(),
         count: Saved::default(),
+        triton: false,
     };
+    if triton_for(logits) {
+        // the Triton kernels (CUDA, opt-in): every argument contiguous and 16-byte aligned
+        op.targets = triton_input(&op.targets)?;
+        op.mask = op.mask.as_ref().map(triton_input).transpose()?;
+        op.triton = true;
+        return op::apply(op, &[&triton_input(logits)?], None, None);
+    }
     if cpu::has_kernel(logits) {
         return op::apply(op, &[&logits.contiguous()?], None, None);
     }
@@ -230,6 +246,8 @@ struct CeOp {
     lse: Saved,
     /// `max(sum w, 1)`, a scalar in the same dtype.
     count: Saved,
+    /// Forward and backward run the Triton kernels (CUDA, `cross_entropy/cuda.rs`).
+    triton: bool,
 }
 
 /// The weight of row `i`.
@@ -397,9 +415,23 @@ impl Kernel for CeOp {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::fwd(self, ins[0])
+    }
+
     fn bwd(&self, ins: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Grads> {
         let logits = ins[0];
         let lse = self.lse.get()?;
+        if self.triton {
+            #[cfg(feature = "cuda")]
+            return Ok([Some(cuda::bwd(self, logits, &lse, g)?), None, None]);
+            #[cfg(not(feature = "cuda"))]
+            bail!("{}: Triton kernels need the `cuda` feature", self.name());
+        }
         if !(cpu::has_kernel(logits) && g.device().is_cpu() && lse.device().is_cpu()) {
             return Ok([Some(self.composite_bwd(logits, g)?), None, None]);
         }

@@ -56,10 +56,16 @@
 //! rows of a chunk are independent, the loss terms are added in row order and `dW` in chunk
 //! order, so the results are the same bits on any number of threads (for a given chunk size).
 //!
-//! On devices without a kernel (and inside [`crate::with_composite_fallback`]) the same chunk
-//! loop runs from plain Candle ops on detached tensors, so a GPU holds one chunk
-//! of logits at a time as well. [`linear_cross_entropy_composite`] is the unchunked reference.
+//! On CUDA with the Triton kernels switched on (`cuda_kernels::set_triton`; f32, bf16, f16) the
+//! same chunk loop runs with Candle's matmuls (cuBLAS) for the three GEMMs and one Triton kernel
+//! per chunk for the softmax and its gradient, in place over the chunk's logits
+//! (`linear_cross_entropy/cuda.rs`). On other devices without a kernel (and inside
+//! [`crate::with_composite_fallback`]) the chunk loop runs from plain Candle ops on detached
+//! tensors, so a GPU holds one chunk of logits at a time either way.
+//! [`linear_cross_entropy_composite`] is the unchunked reference.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod fallback;
 mod kernel;
 
@@ -67,6 +73,7 @@ use std::sync::Mutex;
 
 use crate::cpu::{self, Elem};
 use crate::cross_entropy::cross_entropy_composite;
+use crate::cuda_kernels::triton_for;
 use crate::linear::strided;
 use crate::op::{self, cpu_of, Grads, In, Kernel};
 use candle_core::backend::BackendStorage;
@@ -279,6 +286,8 @@ fn run(
     check_targets(name, &targets, v, ignore)?;
     let rows: Vec<usize> = (0..n).filter(|&i| Some(targets[i]) != ignore).collect();
     let x = x.contiguous()?;
+    // no counted row: no launch (the fallback's loop gives the zero loss and gradients)
+    let triton = triton_for(&x) && !rows.is_empty();
     let op = LceOp {
         count: rows.len().max(1) as f64,
         rows,
@@ -290,15 +299,19 @@ fn run(
         need: [x.track_op(), w.track_op()],
         x_shape: x.shape().clone(),
         grads: [Slot::default(), Slot::default()],
+        triton,
     };
     if cpu::has_kernel(&x) {
         return op::apply(op, &[&x, w], None, None);
     }
     let (x2, wd) = (x.detach().reshape((n, c))?, w.detach());
-    let (nll_sum, dx, dw) = fallback::run(&x2, &wd, &op.pass(op.need, 1.0 / op.count))?;
+    let (nll_sum, dx, dw) = op.device_pass(&x2, &wd, op.need, 1.0 / op.count)?;
     op.grads[0].set(dx.map(|d| d.reshape(op.x_shape.clone())).transpose()?);
     op.grads[1].set(dw);
-    let loss = nll_sum.affine(1.0 / op.count, 0.0)?;
+    // (the Triton pass sums in f64, as the CPU kernel: the loss rounded to f32 once)
+    let loss = nll_sum
+        .affine(1.0 / op.count, 0.0)?
+        .to_dtype(acc_dtype(x.dtype()))?;
     op::apply(op, &[&x, w], None, Some(loss))
 }
 
@@ -339,6 +352,8 @@ struct LceOp {
     x_shape: Shape,
     /// `dx`, `dW` from the forward (for an upstream gradient of 1).
     grads: [Slot; 2],
+    /// The passes run the Triton chunk loop (CUDA, `linear_cross_entropy/cuda.rs`).
+    triton: bool,
 }
 
 impl LceOp {
@@ -374,6 +389,25 @@ impl LceOp {
         })
     }
 
+    /// The pass on a device without a CPU kernel, over `x2 [n, c]` and `w`, both detached:
+    /// `(Σ nll as a scalar, dx [n, c], dW)`, by the Triton chunk loop or the plain-op one.
+    fn device_pass(
+        &self,
+        x2: &Tensor,
+        w: &Tensor,
+        need: [bool; 2],
+        scale: f64,
+    ) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+        let p = self.pass(need, scale);
+        if self.triton {
+            #[cfg(feature = "cuda")]
+            return cuda::run(x2, w, &p);
+            #[cfg(not(feature = "cuda"))]
+            bail!("{}: Triton kernels need the `cuda` feature", self.name());
+        }
+        fallback::run(x2, w, &p)
+    }
+
     /// The gradients in `need` for the upstream gradient `g`, recomputed (a second backward).
     fn recompute(&self, x: &Tensor, w: &Tensor, need: [bool; 2], g: f64) -> Result<Grads> {
         let scale = g / self.count;
@@ -384,7 +418,7 @@ impl LceOp {
             (r.1, r.2)
         } else {
             let x2 = x.detach().reshape((self.n, self.c))?;
-            let (_, dx, dw) = fallback::run(&x2, &w.detach(), &self.pass(need, scale))?;
+            let (_, dx, dw) = self.device_pass(&x2, &w.detach(), need, scale)?;
             (dx.map(|d| d.reshape(self.x_shape.clone())).transpose()?, dw)
         };
         Ok([dx, dw, None])

@@ -21,7 +21,7 @@
 //! coalesced but not vectorised (`V` is not specialised, so a row's start has no known
 //! alignment).
 //!
-//! # The CUDA path of `linear_cross_entropy` (the host loop to wire)
+//! # The CUDA path of `linear_cross_entropy` (the host loop, `linear_cross_entropy/cuda.rs`)
 //!
 //! What [`crate::linear_cross_entropy`]'s CPU kernel does (its module docs), with the GEMMs
 //! on cuBLAS and one kernel per chunk; `io` is f32, bf16 or f16 (f64 keeps the plain-op chunk
@@ -51,13 +51,15 @@
 //!      parts.push(NLL.to_dtype(F64).sum_all())                 (the CPU adds nll in f64)
 //!   4. GEMM 2 (need dx): dxs.push(G.matmul(&w))                [R, C] io, f32 sums, rounded
 //!          once (the CPU rounds each dx row once)
-//!   5. GEMM 3 (need dW): dW32 (+)= Gᵀ xc in f32, chunks added in order, as the CPU does:
-//!          cublasGemmEx through CudaDevice::cublas_handle(), column-major
+//!   5. GEMM 3 (need dW): dW32 (+)= Gᵀ xc in f32, chunks added in order, as the CPU does,
+//!          with Candle ops (as fallback.rs): dW32 = dW32 + G.to_dtype(F32).t()
+//!          .matmul(&xc.to_dtype(F32)): an f32 GEMM and an f32 copy of G per chunk (exact
+//!          for 16-bit G and xc even under TF32, whose inputs hold their 11-bit significands).
+//!          (Not wired: cublasGemmEx through CudaDevice::cublas_handle(), column-major
 //!          m = C, n = V, k = R, A = xc (op N, lda = C), B = G (op T, ldb = V),
 //!          C = dW32 (CUDA_R_32F, ldc = C), A/B of io's type, CUBLAS_COMPUTE_32F,
-//!          alpha = 1, beta = 0 for the first chunk and 1 after.
-//!          (With Candle ops only, as fallback.rs: dW32 = dW32 + G.to_dtype(F32).t()
-//!          .matmul(&xc.to_dtype(F32)): an f32 GEMM and an f32 copy of G per chunk.)
+//!          alpha = 1, beta = 0 for the first chunk and 1 after, would save both copies and
+//!          run the 16-bit tensor-core rate.)
 //! end:   loss = (Σ parts) / count, as f32 (f64 sums for an f64 loss are not on this path)
 //!        dx   = zeros io [N, C].index_add(rows_d, cat(dxs), 0)  (cat(dxs) when M == N)
 //!        dW   = dW32.to_dtype(io)                               (rounded once)
@@ -69,10 +71,11 @@
 //! `dW32` and `dx`; nothing of size `N x V`. `triton/cross_entropy.py`'s `interpret` runs
 //! this loop with torch's matmul for cuBLAS against the CPU op's `loss`, `dx`, `dW`.
 //!
-//! `cross_entropy` on CUDA: `ce_fwd` over the whole `[N, V]` logits (WEIGHT = the mask in f32,
-//! or ones), `loss = Σ w nll / max(Σ_{counted} w, 1)` on the device, `lse` saved; the backward
-//! `ce_bwd` into a fresh `[N, V]` with `scale = (g / count) as f32` (`g` and the f32 count
-//! read back to the host, as the CPU op reads them).
+//! `cross_entropy` on CUDA (`cross_entropy/cuda.rs`): `ce_fwd` over the whole `[N, V]` logits
+//! (WEIGHT = the mask in f32, or ones), `loss = Σ w nll / max(Σ_{counted} w, 1)` on the device,
+//! `lse` saved; the backward `ce_bwd` into a fresh `[N, V]` with `scale = 1` and WEIGHT =
+//! `w (g / count)` formed on the device (f32; 0 where `w` is 0): the CPU's coefficient
+//! `f32(g / count) w` without reading `g` or the count back to the host.
 //!
 //! ```
 //! use candle_core::DType;

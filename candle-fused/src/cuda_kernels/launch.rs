@@ -39,6 +39,11 @@
 //!    and turned into tensors with [`Output::into_tensor`] (`Tensor::from_storage`; no graph:
 //!    gradients are leaves), so the backward kernels need no second custom op.
 //! 5. A case in `tests/cuda_triton.rs` (the committed vectors, the family's `TOL`).
+//!
+//! A kernel that overwrites one of its inputs (`ce_fwd_bwd` turning a chunk's logits into
+//! their gradient, `src/linear_cross_entropy/cuda.rs`) gets the tensor's storage mutably from
+//! a Candle `InplaceOp1` and passes it as [`Buf::update`], its output parameter as
+//! [`Buf::same_as`] that argument.
 
 use super::{check_launch, cubins, find, KernelSpec, Launch, Scalar, TensorArg};
 use crate::cuda_kernels::Arg;
@@ -118,6 +123,8 @@ impl Output {
 enum Access<'a> {
     Read(&'a CudaStorage),
     Write(&'a mut CudaStorage),
+    /// The memory of the earlier tensor argument with this index, again.
+    Same(usize),
 }
 
 /// One tensor argument of a launch: a storage read or written, and the layout the kernel sees.
@@ -157,11 +164,33 @@ impl<'a> Buf<'a> {
         }
     }
 
+    /// A tensor's storage the kernel reads and overwrites (e.g. logits turned into their
+    /// gradient in place), as `l` describes it; pass it again with [`Buf::same_as`] where the
+    /// kernel takes the output as a separate parameter.
+    pub(crate) fn update(s: &'a mut CudaStorage, l: &Layout) -> Self {
+        Self {
+            access: Access::Write(s),
+            layout: l.clone(),
+        }
+    }
+
+    /// The tensor argument `index` (an earlier one) again: its pointer, dims and dtype, for a
+    /// kernel writing an output over one of its inputs. No [`Buf::view`] of it: view the first.
+    pub(crate) fn same_as(index: usize) -> Self {
+        Self {
+            access: Access::Same(index),
+            layout: Layout::contiguous(()),
+        }
+    }
+
     /// The same contiguous elements seen with the dims the kernel's table names (e.g. `[N, C]`
     /// for a `[B, T, C]` tensor).
     pub(crate) fn view(mut self, dims: &[usize]) -> Result<Self> {
         let shape = Shape::from(dims);
-        if !self.layout.is_contiguous() || shape.elem_count() != self.layout.shape().elem_count() {
+        if matches!(self.access, Access::Same(_))
+            || !self.layout.is_contiguous()
+            || shape.elem_count() != self.layout.shape().elem_count()
+        {
             bail!(
                 "candle-fused: cannot view {:?} (strides {:?}) as {dims:?}",
                 self.layout.dims(),
@@ -176,25 +205,25 @@ impl<'a> Buf<'a> {
     /// patterns, for kernels that only compare them for equality (attention's document ids).
     pub(crate) fn bits_as(mut self, dtype: DType) -> Result<Self> {
         let ints = [DType::U32, DType::I32];
-        if !(ints.contains(&dtype) && ints.contains(&self.storage().dtype())) {
-            bail!(
-                "candle-fused: {:?} tensors cannot be passed as {dtype:?}",
-                self.storage().dtype()
-            )
+        let own = self.storage().map(|s| s.dtype());
+        if !(ints.contains(&dtype) && own.is_some_and(|d| ints.contains(&d))) {
+            bail!("candle-fused: {own:?} tensors cannot be passed as {dtype:?}")
         }
         self.bits_as = Some(dtype);
         Ok(self)
     }
 
-    /// The dtype the kernel is told.
-    fn dtype(&self) -> DType {
-        self.bits_as.unwrap_or_else(|| self.storage().dtype())
+    /// The dtype the kernel is told (none for [`Buf::same_as`]: the one it repeats).
+    fn dtype(&self) -> Option<DType> {
+        self.bits_as.or_else(|| self.storage().map(|s| s.dtype()))
     }
 
-    fn storage(&self) -> &CudaStorage {
+    /// The storage (none for [`Buf::same_as`]: the one it repeats).
+    fn storage(&self) -> Option<&CudaStorage> {
         match &self.access {
-            Access::Read(s) => s,
-            Access::Write(s) => s,
+            Access::Read(s) => Some(s),
+            Access::Write(s) => Some(s),
+            Access::Same(_) => None,
         }
     }
 }
@@ -214,8 +243,10 @@ fn pointer<'b>(buf: &'b mut Buf<'_>, stream: &'b CudaStream) -> Result<(u64, Syn
     ) -> Result<(u64, SyncOnDrop<'b>)> {
         Ok(s.as_cuda_slice_mut::<T>()?.device_ptr_mut(stream))
     }
-    let start = (buf.layout.start_offset() * buf.storage().dtype().size_in_bytes()) as u64;
-    let dtype = buf.storage().dtype();
+    let Some(dtype) = buf.storage().map(|s| s.dtype()) else {
+        bail!("candle-fused: Buf::same_as has no pointer of its own")
+    };
+    let start = (buf.layout.start_offset() * dtype.size_in_bytes()) as u64;
     let (base, guard) = match (&mut buf.access, dtype) {
         (Access::Read(s), DType::F32) => read::<f32>(s, stream)?,
         (Access::Read(s), DType::BF16) => read::<bf16>(s, stream)?,
@@ -245,18 +276,23 @@ pub(crate) fn launch(
     let Some(spec) = find(entry, dtype) else {
         bail!("candle-fused: no Triton kernel {entry} for {dtype:?}")
     };
-    let Some(dev) = tensors.first().map(|b| b.storage().device().clone()) else {
+    let Some(dev) = tensors
+        .iter()
+        .find_map(|b| b.storage())
+        .map(|s| s.device().clone())
+    else {
         bail!("{}: no tensor arguments", spec.name())
     };
-    if let Some(b) = tensors
+    if let Some(s) = tensors
         .iter()
-        .find(|b| !b.storage().device().same_device(&dev))
+        .filter_map(|b| b.storage())
+        .find(|s| !s.device().same_device(&dev))
     {
         bail!(
             "{}: tensors on different CUDA devices ({:?} and {:?})",
             spec.name(),
             dev,
-            b.storage().device()
+            s.device()
         )
     }
     let (func, shared_bytes) = function(&dev, spec)?;
@@ -264,9 +300,23 @@ pub(crate) fn launch(
     let mut ptrs = Vec::with_capacity(tensors.len());
     let mut guards = Vec::with_capacity(tensors.len());
     let mut checked = Vec::with_capacity(tensors.len());
-    for buf in tensors.iter_mut() {
+    for (i, buf) in tensors.iter_mut().enumerate() {
+        if let Access::Same(j) = buf.access {
+            // the same memory: the earlier argument's pointer and its recorded access
+            let (Some(&ptr), Some(arg)) = (ptrs.get(j), checked.get(j).cloned()) else {
+                bail!(
+                    "{}: tensor argument {i} repeats {j}, which is not an earlier one",
+                    spec.name()
+                )
+            };
+            ptrs.push(ptr);
+            checked.push(arg);
+            continue;
+        }
         let (dims, strides) = (buf.layout.dims().to_vec(), buf.layout.stride().to_vec());
-        let dtype = buf.dtype();
+        let Some(dtype) = buf.dtype() else {
+            bail!("{}: tensor argument {i} has no storage", spec.name())
+        };
         let (ptr, guard) = pointer(buf, &stream)?;
         checked.push(TensorArg {
             dims,

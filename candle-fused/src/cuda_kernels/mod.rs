@@ -15,7 +15,8 @@
 //! `CANDLE_FUSED_TRITON=1` ([`TRITON_ENV`]); off, CUDA takes the composite fallback. Wired so
 //! far: RMSNorm (forward, `dx`, `dW`), LayerNorm (forward, `dx`, `dW`, `dB`; with or without a
 //! bias), RoPE (forward, `dx`), attention (forward, backward; `attention`, `attention_merged`,
-//! `attention_qkv`).
+//! `attention_qkv`), `cross_entropy` (forward, `dlogits`) and `linear_cross_entropy` (its chunk
+//! loop: cuBLAS GEMMs, `ce_fwd_bwd` per chunk).
 //!
 //! The compiled specialisation: every pointer is 16-byte aligned (`tt.divisibility = 16`),
 //! tensors are contiguous, integer arguments are unspecialised i32. Each `.entry` takes the

@@ -1,0 +1,169 @@
+//! The pass of [`super::kernel`] on CUDA (f32, bf16, f16; Triton switched on): the host loop
+//! documented in `cuda_kernels/cross_entropy.rs`. The GEMMs are Candle's matmuls (cuBLAS, f32
+//! sums rounded once to the dtype, as the CPU's GEMMs); per chunk of counted rows one Triton
+//! kernel, `ce_fwd_bwd`, reduces the logits to `nll` and turns them, in place, into their
+//! gradient `G = s (softmax - onehot)` (`ce_fwd` when no gradient is asked for):
+//!
+//! ```text
+//! L  = xc Wᵀ           [R, V]   (a fresh buffer per chunk; G in place over it)
+//! dx rows += G W       [R, C]   (rounded once per row)
+//! dW32    += Gᵀ xc     [V, C]   (f32, chunks added in order; rounded once at the end)
+//! ```
+//!
+//! Only one chunk's logits exist at a time, nothing of size `N x V`. The loss terms stay on the
+//! device (the per-row `nll` of every chunk, summed in f64 at the end), so the loop reads
+//! nothing back to the host: the targets it needs are the host copy `run` already made.
+
+use super::kernel::Pass;
+use crate::cuda_kernels::launch::{cuda_of, launch, Buf, Output};
+use crate::cuda_kernels::Scalar;
+use crate::op::Saved;
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CudaStorage, DType, InplaceOp1, Layout, Result, Tensor};
+
+/// `(Σ nll as an f64 scalar, dx [n, c], dW [v, c])` for `x2 [n, c]` and `w [v, c]` (detached,
+/// on a CUDA device) over `p`'s counted rows: what `fallback::run` computes, by the chunk loop.
+pub(super) fn run(
+    x2: &Tensor,
+    w: &Tensor,
+    p: &Pass<'_>,
+) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+    let (dev, dt) = (x2.device(), x2.dtype());
+    let (n, c, v, m) = (p.n, p.c, p.v, p.rows.len());
+    if m == 0 {
+        // an empty grid is not launched: the loss and gradients of no counted row
+        let dx = p.need[0]
+            .then(|| Tensor::zeros((n, c), dt, dev))
+            .transpose()?;
+        let dw = p.need[1]
+            .then(|| Tensor::zeros((v, c), dt, dev))
+            .transpose()?;
+        return Ok((Tensor::zeros((), DType::F64, dev)?, dx, dw));
+    }
+    // Candle's matmul wants row- or column-major operands: a strided view is copied once.
+    let w = w.contiguous()?;
+    let wt = w.t()?;
+    let chunk = p.chunk.clamp(1, m);
+    // Chunk k's targets start row k of [K, stride]: 16-byte aligned with stride a multiple of 4.
+    let stride = chunk.next_multiple_of(4);
+    let mut tg = vec![0u32; m.div_ceil(chunk) * stride];
+    for (i, &r) in p.rows.iter().enumerate() {
+        tg[i / chunk * stride + i % chunk] = p.targets[r];
+    }
+    let targets = Tensor::from_vec(tg, m.div_ceil(chunk) * stride, dev)?;
+    // The counted rows on the device, to gather `x` and scatter `dx` (none when all count).
+    let rows = if m == n {
+        None
+    } else {
+        let r: Vec<u32> = p.rows.iter().map(|&i| i as u32).collect();
+        Some(Tensor::from_vec(r, m, dev)?)
+    };
+    let ones = Tensor::ones(chunk, DType::F32, dev)?;
+    let grads = p.need[0] || p.need[1];
+    let mut nlls = Vec::with_capacity(m.div_ceil(chunk));
+    let mut dxs = Vec::new();
+    let mut dw: Option<Tensor> = None;
+    for (k, start) in (0..m).step_by(chunk).enumerate() {
+        let r = chunk.min(m - start);
+        let xc = match &rows {
+            None => x2.narrow(0, start, r)?,
+            Some(rows) => x2.index_select(&rows.narrow(0, start, r)?, 0)?,
+        };
+        let logits = xc.matmul(&wt)?;
+        let ce = ChunkCe {
+            targets: targets.narrow(0, k * stride, r)?,
+            weight: ones.narrow(0, 0, r)?,
+            scale: grads.then_some(p.scale as f32),
+            nll: Saved::default(),
+        };
+        logits.inplace_op1(&ce)?;
+        nlls.push(ce.nll.get()?);
+        if !grads {
+            continue;
+        }
+        // `logits` now holds G, rounded to the dtype (the CPU rounds it before its GEMMs too)
+        if p.need[0] {
+            dxs.push(logits.matmul(&w)?);
+        }
+        if p.need[1] {
+            let d = logits
+                .to_dtype(DType::F32)?
+                .t()?
+                .matmul(&xc.to_dtype(DType::F32)?)?;
+            dw = Some(match dw {
+                Some(s) => (s + d)?,
+                None => d,
+            });
+        }
+    }
+    let nll_sum = Tensor::cat(&nlls, 0)?.to_dtype(DType::F64)?.sum_all()?;
+    let dx = if p.need[0] {
+        let dxc = Tensor::cat(&dxs, 0)?;
+        Some(match &rows {
+            None => dxc,
+            Some(rows) => Tensor::zeros((n, c), dt, dev)?.index_add(rows, &dxc, 0)?,
+        })
+    } else {
+        None
+    };
+    let dw = dw.map(|d| d.to_dtype(dt)).transpose()?;
+    Ok((nll_sum, dx, dw))
+}
+
+/// One chunk's kernel over its logits `[R, V]`, in place: `ce_fwd_bwd` (the logits become
+/// their gradient for `scale`) or, with no `scale`, `ce_fwd` (the logits only read). Every
+/// row counts (the loop gathered the counted ones): weight 1, no ignore index. The per-row
+/// `nll` ([R], f32) lands in `nll`.
+struct ChunkCe {
+    targets: Tensor,
+    weight: Tensor,
+    scale: Option<f32>,
+    nll: Saved,
+}
+
+impl InplaceOp1 for ChunkCe {
+    fn name(&self) -> &'static str {
+        "candle-fused-linear-cross-entropy-chunk"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> Result<()> {
+        bail!("{}: CUDA only", self.name())
+    }
+
+    fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> Result<()> {
+        let (r, _) = l.shape().dims2()?;
+        let (dt, dev) = (s.dtype(), s.device().clone());
+        let mut nll = Output::new(&dev, r, DType::F32)?;
+        // the kernel writes the rows' lse too; the loop has no use for it
+        let mut lse = Output::new(&dev, r, DType::F32)?;
+        let (gt, lt) = self.targets.storage_and_layout();
+        let (gw, lw) = self.weight.storage_and_layout();
+        let (targets, weight) = (Buf::read(cuda_of(&gt)?, lt), Buf::read(cuda_of(&gw)?, lw));
+        let none = Scalar::I32(-1);
+        match self.scale {
+            Some(scale) => {
+                let tensors = vec![
+                    Buf::update(s, l),
+                    targets,
+                    weight,
+                    Buf::write(&mut nll),
+                    Buf::write(&mut lse),
+                    Buf::same_as(0),
+                ];
+                launch("ce_fwd_bwd", dt, tensors, &[none, Scalar::F32(scale)])?;
+            }
+            None => {
+                let tensors = vec![
+                    Buf::read(s, l),
+                    targets,
+                    weight,
+                    Buf::write(&mut nll),
+                    Buf::write(&mut lse),
+                ];
+                launch("ce_fwd", dt, tensors, &[none])?;
+            }
+        }
+        self.nll.set(nll.into_tensor());
+        Ok(())
+    }
+}
