@@ -18,7 +18,12 @@
 //!
 //! Adding a family: write its `run` (inputs from the vector file, moved to the device; the op
 //! forward and backward; outputs by the names the vector file uses) and add a [`Case`] to
-//! [`cases`].
+//! [`cases`]. Where the composite fallback is held to another tolerance than the kernels (the
+//! families whose kernels are bit-identical to the CPU's), list it in the family module's
+//! `FALLBACK` (see [`fallback_tol`]).
+
+#[path = "cuda_triton/elementwise.rs"]
+mod elementwise;
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::backprop::GradStore;
@@ -62,12 +67,29 @@ struct Case {
 }
 
 fn cases() -> Vec<Case> {
-    vec![Case {
+    let mut cases = vec![Case {
         family: "rms_norm",
         checks: RMS_NORM,
         run: rms_norm,
         launches: 3,
-    }]
+    }];
+    cases.extend(elementwise::cases());
+    cases
+}
+
+/// The tolerances `tol` of a check for the Triton kernels (`Kernels`) or for the composite
+/// fallback (`Fallback`: the family's `FALLBACK` entry, else the kernels' own).
+#[derive(Clone, Copy)]
+enum Against {
+    Kernels,
+    Fallback,
+}
+
+fn fallback_tol(family: &str, check: &Check) -> [f64; 3] {
+    elementwise::FALLBACK
+        .iter()
+        .find(|(f, n, _)| *f == family && *n == check.name)
+        .map_or(check.tol, |(_, _, tol)| *tol)
 }
 
 // rms_norm (triton/rms_norm.py TOL, ERROR): f32 y 4e-6, dx and dw 2e-5 (f32 sums in different
@@ -188,7 +210,7 @@ fn compare(
     dt: DType,
     got: &Outputs,
     want: &Outputs,
-    scale: f64,
+    (against, scale): (Against, f64),
     what: &str,
 ) -> Result<()> {
     for check in case.checks {
@@ -198,7 +220,11 @@ fn compare(
                 .map(|(_, t)| t.clone())
                 .with_context(|| format!("{}: no output {}", case.family, check.name))
         };
-        let tol = scale * check.tol[tol_index(dt)];
+        let tol = match against {
+            Against::Kernels => check.tol,
+            Against::Fallback => fallback_tol(case.family, check),
+        };
+        let tol = scale * tol[tol_index(dt)];
         let e = error(check.mode, &pick(got)?, &pick(want)?)?;
         eprintln!(
             "  {what} {}: {:?} error {e:.3e} (tolerance {tol:.3e})",
@@ -260,7 +286,14 @@ fn on_cuda() -> Result<()> {
                 case.family,
                 case.launches
             );
-            compare(&case, dt, &on, &want, 1.0, "triton vs cpu")?;
+            compare(
+                &case,
+                dt,
+                &on,
+                &want,
+                (Against::Kernels, 1.0),
+                "triton vs cpu",
+            )?;
             let again = (case.run)(&dev, &t)?;
             ensure!(
                 same_bits(&on, &again)?,
@@ -276,7 +309,14 @@ fn on_cuda() -> Result<()> {
                 "{}: launched with Triton off",
                 case.family
             );
-            compare(&case, dt, &off, &on, 2.0, "composite vs triton")?;
+            compare(
+                &case,
+                dt,
+                &off,
+                &on,
+                (Against::Fallback, 2.0),
+                "composite vs triton",
+            )?;
         }
     }
     Ok(())
@@ -290,10 +330,24 @@ fn harness_on_the_cpu() -> Result<()> {
             let want = references(&case, &t)?;
             eprintln!("{}", path.display());
             let got = (case.run)(&Device::Cpu, &t)?;
-            compare(&case, dt, &got, &want, 1.0, "cpu kernel vs vector")?;
+            compare(
+                &case,
+                dt,
+                &got,
+                &want,
+                (Against::Kernels, 1.0),
+                "cpu kernel vs vector",
+            )?;
             // the path CUDA takes with Triton off, here on the CPU: within the same tolerance
             let composite = candle_fused::with_composite_fallback(|| (case.run)(&Device::Cpu, &t))?;
-            compare(&case, dt, &composite, &want, 1.0, "cpu composite vs vector")?;
+            compare(
+                &case,
+                dt,
+                &composite,
+                &want,
+                (Against::Fallback, 1.0),
+                "cpu composite vs vector",
+            )?;
         }
     }
     Ok(())

@@ -61,7 +61,7 @@ pub mod swiglu;
 mod switch;
 
 pub use switch::{launch_count, set_triton, triton_enabled, TRITON_ENV};
-pub(crate) use switch::{triton_for, triton_input};
+pub(crate) use switch::{triton_for, triton_input, triton_on};
 
 use candle_core::{bail, DType, Result};
 
