@@ -1,4 +1,4 @@
-//! The elementwise families' cases: dropout (SwiGLU, GELU and AdamW to come).
+//! The elementwise families' cases: dropout and SwiGLU (GELU and AdamW to come).
 //!
 //! Their Triton kernels reproduce the CPU kernels operation for operation, so `TOL` is 0 (no
 //! element differs) except for GELU's `db` past 4096 rows and the f64 sum of squares (see
@@ -11,26 +11,47 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::cuda_kernels::{dropout::scalars, Scalar};
 use candle_fused::dropout::{dropout, dropout_mask};
+use candle_fused::swiglu::swiglu;
 use candle_fused::RngKey;
 use std::collections::HashMap;
 
+/// One unit in the last place of bf16 / f16, relative to the largest value compared: both
+/// sides round f32 values a few f32 ulp apart, which can land one 16-bit ulp apart.
+const ULP16: [f64; 2] = [1.0 / 128.0, 1.0 / 1024.0];
 /// Bit-identical (the `exact` of the families' `ERROR`).
 const EXACT: [f64; 3] = [0.0; 3];
 
 pub(super) fn cases() -> Vec<Case> {
-    vec![Case {
-        family: "dropout",
-        checks: DROPOUT,
-        run: run_dropout,
-        // forward, backward, `dropout_mask`
-        launches: 3,
-    }]
+    vec![
+        Case {
+            family: "dropout",
+            checks: DROPOUT,
+            run: run_dropout,
+            // forward, backward, `dropout_mask`
+            launches: 3,
+        },
+        Case {
+            family: "swiglu",
+            checks: SWIGLU,
+            run: run_swiglu,
+            launches: 2,
+        },
+    ]
 }
 
 /// The tolerance of the composite fallback (Triton off: Candle ops on the device; on the CPU
 /// under `with_composite_fallback`) where it is not the kernels' `TOL`: `(family, output,
 /// [f32, bf16, f16])`.
-pub(super) const FALLBACK: &[(&str, &str, [f64; 3])] = &[];
+///
+/// * SwiGLU: Candle's `exp` / `silu` (libm on the CPU, CUDA's `expf` on the GPU) against the
+///   kernels' `exp_f32` (< 1 ulp), through a few more roundings (the composite's backward is
+///   several ops): f32 within 1e-5 of the row's largest value (measured on the CPU: 9e-8);
+///   bf16 / f16 one 16-bit ulp (`ULP16`).
+pub(super) const FALLBACK: &[(&str, &str, [f64; 3])] = &[
+    ("swiglu", "y", [1e-5, ULP16[0], ULP16[1]]),
+    ("swiglu", "d_gate", [1e-5, ULP16[0], ULP16[1]]),
+    ("swiglu", "d_up", [1e-5, ULP16[0], ULP16[1]]),
+];
 
 // dropout (triton/dropout.py): y, dx and the mask bit-identical (integer Philox words, one f32
 // multiply rounded once); the composite multiplies by the same mask: also exact.
@@ -72,4 +93,36 @@ fn run_dropout(dev: &Device, t: &HashMap<String, Tensor>) -> Result<Outputs> {
         .ne(0f64)?
         .to_dtype(DType::U8)?;
     Ok(vec![("y", y), ("dx", grad(&g, &x)?), ("mask", mask)])
+}
+
+// swiglu (triton/swiglu.py): every output bit-identical, every dtype.
+const SWIGLU: &[Check] = &[
+    Check {
+        name: "y",
+        mode: Mode::Row,
+        tol: EXACT,
+    },
+    Check {
+        name: "d_gate",
+        mode: Mode::Row,
+        tol: EXACT,
+    },
+    Check {
+        name: "d_up",
+        mode: Mode::Row,
+        tol: EXACT,
+    },
+];
+
+fn run_swiglu(dev: &Device, t: &HashMap<String, Tensor>) -> Result<Outputs> {
+    let gate = Var::from_tensor(&input(t, "gate", dev)?)?;
+    let up = Var::from_tensor(&input(t, "up", dev)?)?;
+    let dy = input(t, "dy", dev)?;
+    let y = swiglu(gate.as_tensor(), up.as_tensor())?;
+    let g = (&y * &dy)?.sum_all()?.backward()?;
+    Ok(vec![
+        ("y", y),
+        ("d_gate", grad(&g, &gate)?),
+        ("d_up", grad(&g, &up)?),
+    ])
 }
