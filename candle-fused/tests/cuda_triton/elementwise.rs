@@ -1,4 +1,5 @@
-//! The elementwise families' cases: dropout and SwiGLU (GELU and AdamW to come).
+//! The elementwise families' cases: dropout, SwiGLU, GELU with and without a bias (AdamW to
+//! come).
 //!
 //! Their Triton kernels reproduce the CPU kernels operation for operation, so `TOL` is 0 (no
 //! element differs) except for GELU's `db` past 4096 rows and the f64 sum of squares (see
@@ -11,6 +12,7 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::cuda_kernels::{dropout::scalars, Scalar};
 use candle_fused::dropout::{dropout, dropout_mask};
+use candle_fused::gelu::{bias_gelu, gelu};
 use candle_fused::swiglu::swiglu;
 use candle_fused::RngKey;
 use std::collections::HashMap;
@@ -36,6 +38,13 @@ pub(super) fn cases() -> Vec<Case> {
             run: run_swiglu,
             launches: 2,
         },
+        Case {
+            family: "gelu",
+            checks: GELU,
+            run: run_gelu,
+            // with a bias: forward, dx + db partials, db; without: forward, backward
+            launches: 5,
+        },
     ]
 }
 
@@ -43,14 +52,25 @@ pub(super) fn cases() -> Vec<Case> {
 /// under `with_composite_fallback`) where it is not the kernels' `TOL`: `(family, output,
 /// [f32, bf16, f16])`.
 ///
-/// * SwiGLU: Candle's `exp` / `silu` (libm on the CPU, CUDA's `expf` on the GPU) against the
-///   kernels' `exp_f32` (< 1 ulp), through a few more roundings (the composite's backward is
-///   several ops): f32 within 1e-5 of the row's largest value (measured on the CPU: 9e-8);
-///   bf16 / f16 one 16-bit ulp (`ULP16`).
+/// * SwiGLU, GELU: Candle's `exp` / `tanh` (libm on the CPU, CUDA's `expf` / `tanhf` on the
+///   GPU) against the kernels' `exp_f32` / `tanh_f32` (< 1.5 ulp each), through a few more
+///   roundings (the composite's backward is several ops); bf16 / f16 one 16-bit ulp (`ULP16`).
+///   f32, relative to the row's largest value: SwiGLU 1e-5 (measured on the CPU: 9e-8); GELU
+///   1e-4: its rows of 2 (the 4097 x 2 vectors) can hold only values near gelu's minimum
+///   (`z ~ -0.75`, where `gelu'` cancels to 0 and `gelu` is small), whose rounding differences
+///   are large against the row (measured on the CPU: 1.4e-5 for `dx`, 8.8e-6 for `y`; 2.2e-7
+///   on rows of 129).
+/// * GELU `db`: the f32 sum over rows in Candle's order against the kernels' blocks: 1e-5 of
+///   the largest `|db|` (f32), one 16-bit ulp otherwise.
 pub(super) const FALLBACK: &[(&str, &str, [f64; 3])] = &[
     ("swiglu", "y", [1e-5, ULP16[0], ULP16[1]]),
     ("swiglu", "d_gate", [1e-5, ULP16[0], ULP16[1]]),
     ("swiglu", "d_up", [1e-5, ULP16[0], ULP16[1]]),
+    ("gelu", "y", [1e-4, ULP16[0], ULP16[1]]),
+    ("gelu", "dx", [1e-4, ULP16[0], ULP16[1]]),
+    ("gelu", "db", [1e-5, ULP16[0], ULP16[1]]),
+    ("gelu", "y_nobias", [1e-4, ULP16[0], ULP16[1]]),
+    ("gelu", "dx_nobias", [1e-4, ULP16[0], ULP16[1]]),
 ];
 
 // dropout (triton/dropout.py): y, dx and the mask bit-identical (integer Philox words, one f32
@@ -124,5 +144,53 @@ fn run_swiglu(dev: &Device, t: &HashMap<String, Tensor>) -> Result<Outputs> {
         ("y", y),
         ("d_gate", grad(&g, &gate)?),
         ("d_up", grad(&g, &up)?),
+    ])
+}
+
+// gelu (triton/gelu.py): y, dx with and without the bias bit-identical; db the same f32 sums
+// up to 4096 rows, past that within 1e-5 of max |db| (f32: the CPU's row blocks grow), one
+// rounding (2^-7 / 2^-10) for bf16 / f16.
+const GELU: &[Check] = &[
+    Check {
+        name: "y",
+        mode: Mode::Row,
+        tol: EXACT,
+    },
+    Check {
+        name: "dx",
+        mode: Mode::Row,
+        tol: EXACT,
+    },
+    Check {
+        name: "db",
+        mode: Mode::Tensor,
+        tol: [1e-5, ULP16[0], ULP16[1]],
+    },
+    Check {
+        name: "y_nobias",
+        mode: Mode::Row,
+        tol: EXACT,
+    },
+    Check {
+        name: "dx_nobias",
+        mode: Mode::Row,
+        tol: EXACT,
+    },
+];
+
+fn run_gelu(dev: &Device, t: &HashMap<String, Tensor>) -> Result<Outputs> {
+    let x = Var::from_tensor(&input(t, "x", dev)?)?;
+    let b = Var::from_tensor(&input(t, "b", dev)?)?;
+    let dy = input(t, "dy", dev)?;
+    let y = bias_gelu(x.as_tensor(), Some(b.as_tensor()))?;
+    let g = (&y * &dy)?.sum_all()?.backward()?;
+    let y_nobias = gelu(x.as_tensor())?;
+    let g_nobias = (&y_nobias * &dy)?.sum_all()?.backward()?;
+    Ok(vec![
+        ("y", y),
+        ("dx", grad(&g, &x)?),
+        ("db", grad(&g, &b)?),
+        ("y_nobias", y_nobias),
+        ("dx_nobias", grad(&g_nobias, &x)?),
     ])
 }
