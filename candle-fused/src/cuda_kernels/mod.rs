@@ -13,7 +13,9 @@
 //! Candle's stream inside the ops' `cuda_fwd` and `bwd` (`launch.rs`, whose module doc is the
 //! recipe for wiring a family). They are opt-in until checked on a GPU: [`set_triton`] or
 //! `CANDLE_FUSED_TRITON=1` ([`TRITON_ENV`]); off, CUDA takes the composite fallback. Wired so
-//! far: RMSNorm (forward, `dx`, `dW`).
+//! far: RMSNorm (forward, `dx`, `dW`); dropout (forward, backward, `dropout_mask`: the mask
+//! drawn in the kernel); SwiGLU; GELU with and without a bias (`db` by the ordered
+//! reduction); the AdamW update (in place) and the sum of squares of `global_norm`.
 //!
 //! The compiled specialisation: every pointer is 16-byte aligned (`tt.divisibility = 16`),
 //! tensors are contiguous, integer arguments are unspecialised i32. Each `.entry` takes the

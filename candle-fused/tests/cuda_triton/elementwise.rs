@@ -1,5 +1,5 @@
-//! The elementwise families' cases: dropout, SwiGLU, GELU with and without a bias (AdamW to
-//! come).
+//! The elementwise families' cases: dropout, SwiGLU, GELU (with and without a bias) and AdamW
+//! (the in-place update and the sum of squares of the global norm).
 //!
 //! Their Triton kernels reproduce the CPU kernels operation for operation, so `TOL` is 0 (no
 //! element differs) except for GELU's `db` past 4096 rows and the f64 sum of squares (see
@@ -8,9 +8,10 @@
 //! tolerances.
 
 use super::{grad, input, Case, Check, Mode, Outputs};
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use candle_fused::cuda_kernels::{dropout::scalars, Scalar};
+use candle_fused::adamw::{adamw_update, sum_of_squares, AdamWStep};
+use candle_fused::cuda_kernels::{adamw, dropout::scalars, Scalar};
 use candle_fused::dropout::{dropout, dropout_mask};
 use candle_fused::gelu::{bias_gelu, gelu};
 use candle_fused::swiglu::swiglu;
@@ -45,6 +46,13 @@ pub(super) fn cases() -> Vec<Case> {
             // with a bias: forward, dx + db partials, db; without: forward, backward
             launches: 5,
         },
+        Case {
+            family: "adamw",
+            checks: ADAMW,
+            run: run_adamw,
+            // the update, sum-of-squares partials and total
+            launches: 3,
+        },
     ]
 }
 
@@ -62,6 +70,7 @@ pub(super) fn cases() -> Vec<Case> {
 ///   on rows of 129).
 /// * GELU `db`: the f32 sum over rows in Candle's order against the kernels' blocks: 1e-5 of
 ///   the largest `|db|` (f32), one 16-bit ulp otherwise.
+/// * AdamW `sumsq`: the composite sums f32 squares in f32 (the kernels in f64): 1e-5 relative.
 pub(super) const FALLBACK: &[(&str, &str, [f64; 3])] = &[
     ("swiglu", "y", [1e-5, ULP16[0], ULP16[1]]),
     ("swiglu", "d_gate", [1e-5, ULP16[0], ULP16[1]]),
@@ -71,6 +80,7 @@ pub(super) const FALLBACK: &[(&str, &str, [f64; 3])] = &[
     ("gelu", "db", [1e-5, ULP16[0], ULP16[1]]),
     ("gelu", "y_nobias", [1e-4, ULP16[0], ULP16[1]]),
     ("gelu", "dx_nobias", [1e-4, ULP16[0], ULP16[1]]),
+    ("adamw", "sumsq", [1e-5, 1e-5, 1e-5]),
 ];
 
 // dropout (triton/dropout.py): y, dx and the mask bit-identical (integer Philox words, one f32
@@ -192,5 +202,87 @@ fn run_gelu(dev: &Device, t: &HashMap<String, Tensor>) -> Result<Outputs> {
         ("db", grad(&g, &b)?),
         ("y_nobias", y_nobias),
         ("dx_nobias", grad(&g_nobias, &x)?),
+    ])
+}
+
+// adamw (triton/adamw.py): the update bit-identical (the CPU's f32 operations in its order,
+// sqrt and division correctly rounded); sumsq: f64 sums in two fixed orders, rounded to f32,
+// within one f32 rounding (2^-23 relative).
+const ADAMW: &[Check] = &[
+    Check {
+        name: "param",
+        mode: Mode::Abs,
+        tol: EXACT,
+    },
+    Check {
+        name: "exp_avg",
+        mode: Mode::Abs,
+        tol: EXACT,
+    },
+    Check {
+        name: "exp_avg_sq",
+        mode: Mode::Abs,
+        tol: EXACT,
+    },
+    Check {
+        name: "sumsq",
+        mode: Mode::Elem,
+        tol: [1.0 / 8_388_608.0; 3],
+    },
+];
+
+/// The step `tests/triton_vectors/adamw.rs` took for a file (by its size), checked against the
+/// scalars the file holds. The grad scale is the file's (it rounds back to the same f32): the
+/// vectors computed it from the CPU kernel's global norm.
+fn adamw_step(t: &HashMap<String, Tensor>) -> Result<AdamWStep> {
+    let want = input(t, "scalars", &Device::Cpu)?.to_vec1::<f32>()?;
+    let e = t.get("grad").context("no tensor \"grad\"")?.elem_count();
+    let grad_scale = f64::from(want[0]);
+    let step = if e > 5 {
+        AdamWStep {
+            lr: 3e-4,
+            weight_decay: 0.1,
+            step: 7,
+            grad_scale,
+            ..Default::default()
+        }
+    } else {
+        AdamWStep {
+            weight_decay: 0.0,
+            grad_scale,
+            ..Default::default()
+        }
+    };
+    let got: Vec<f32> = adamw::scalars(&step)?
+        .iter()
+        .map(|s| match s {
+            Scalar::F32(v) => Ok(*v),
+            Scalar::I32(_) => anyhow::bail!("an i32 AdamW scalar"),
+        })
+        .collect::<Result<_>>()?;
+    ensure!(
+        got == want,
+        "adamw: step scalars {got:?}, the file's {want:?}"
+    );
+    Ok(step)
+}
+
+fn run_adamw(dev: &Device, t: &HashMap<String, Tensor>) -> Result<Outputs> {
+    let step = adamw_step(t)?;
+    // fresh copies: the update is in place (and `to_device` to the CPU shares the storage)
+    let fresh = |name: &str| -> Result<Tensor> { Ok(input(t, name, dev)?.copy()?) };
+    let param = Var::from_tensor(&fresh("param_in")?)?;
+    let (m, v, g) = (
+        fresh("exp_avg_in")?,
+        fresh("exp_avg_sq_in")?,
+        fresh("grad")?,
+    );
+    adamw_update(&param, &g, &m, &v, &step)?;
+    let sumsq = sum_of_squares(&g)?.reshape(1)?;
+    Ok(vec![
+        ("param", param.as_tensor().clone()),
+        ("exp_avg", m),
+        ("exp_avg_sq", v),
+        ("sumsq", sumsq),
     ])
 }
