@@ -24,12 +24,19 @@
 //! `exp_avg_sq` and the parameter become NaN at that index and nowhere else. Check
 //! [`global_norm`] for finiteness before stepping to skip such steps (as a loss scaler does).
 //!
-//! On devices without a kernel (CUDA and Metal for now) the step computes [`adamw_composite`]
-//! with Candle ops (temporaries of the parameter's size) and writes the results back with
-//! `Var::set` and `Tensor::slice_set`, which keep the tensors' storages (so other handles to
-//! them see the update).
+//! On CUDA with the Triton kernels switched on (`cuda_kernels::set_triton`; an f32, bf16 or f16
+//! gradient, 16-byte aligned state), the step is one in-place kernel over all four tensors and
+//! [`sum_of_squares`] two small kernels with an f64 sum (`adamw/cuda.rs`), the same bits as the
+//! CPU for the step. Otherwise (Metal, or CUDA with Triton off) the step computes
+//! [`adamw_composite`] with Candle ops (temporaries of the parameter's size) and writes the
+//! results back with `Var::set` and `Tensor::slice_set`, which keep the tensors' storages (so
+//! other handles to them see the update).
+
+#[cfg(feature = "cuda")]
+mod cuda;
 
 use crate::cpu::{self, Elem, Real};
+use crate::cuda_kernels::{self, triton_for};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, InplaceOp2, InplaceOp3, Layout, Result, Tensor, Var};
 
@@ -294,6 +301,23 @@ pub fn adamw_update(
     let p = param.as_tensor();
     check_args(p, grad, exp_avg, exp_avg_sq)?;
     let consts = s.check()?;
+    // the kernel takes the state in place: it must start on a 16-byte boundary (it is f32 and
+    // contiguous, checked above)
+    let aligned = |t: &Tensor| {
+        (t.layout().start_offset() * 4).is_multiple_of(cuda_kernels::POINTER_ALIGNMENT)
+    };
+    if triton_for(grad) && [p, exp_avg, exp_avg_sq].into_iter().all(aligned) {
+        #[cfg(feature = "cuda")]
+        return cuda::update(
+            p,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            &cuda_kernels::adamw::scalars(s)?,
+        );
+        #[cfg(not(feature = "cuda"))]
+        candle_core::bail!("candle-fused adamw: Triton kernels need the `cuda` feature");
+    }
     if cpu::has_kernel(p) {
         let c = s.coeffs(&consts);
         let grad = grad.contiguous()?;
@@ -452,8 +476,10 @@ fn sumsq<T: Elem>(x: &[T]) -> f64 {
 
 /// `sum(t^2)` as a scalar f32 tensor on `t`'s device (not differentiable: meant for
 /// gradients). The CPU kernel reads `t` once in its dtype and accumulates in f64 over fixed
-/// blocks (deterministic for any thread count); other devices compute `sum(t^2)` with Candle
-/// ops (in f32, f64 for f64 inputs). NaN/inf anywhere gives a non-finite result; a sum above
+/// blocks (deterministic for any thread count); so do the Triton kernels on CUDA when switched
+/// on (f32, bf16, f16; the f64 sums in another fixed order, so the f32 result can differ from
+/// the CPU's by one rounding); other devices compute `sum(t^2)` with Candle ops (in f32, f64
+/// for f64 inputs). NaN/inf anywhere gives a non-finite result; a sum above
 /// `f32::MAX` (a norm above ~1.8e19) becomes `inf`.
 ///
 /// ```
@@ -463,6 +489,12 @@ fn sumsq<T: Elem>(x: &[T]) -> f64 {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn sum_of_squares(t: &Tensor) -> Result<Tensor> {
+    if triton_for(t) {
+        #[cfg(feature = "cuda")]
+        return cuda::sum_of_squares(t);
+        #[cfg(not(feature = "cuda"))]
+        candle_core::bail!("candle-fused sum_of_squares: Triton kernels need the `cuda` feature");
+    }
     if !cpu::has_kernel(t) {
         return sum_of_squares_composite(&t.detach());
     }

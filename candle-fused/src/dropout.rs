@@ -15,11 +15,19 @@
 //! **multiplies** by the mask, so a NaN (or an infinity) in a dropped position stays NaN in the
 //! output (`NaN * 0 = NaN`), and a dropped `-x` gives `-0.0`.
 //!
-//! On devices without a kernel (CUDA and Metal for now), the op multiplies by a mask built by
-//! [`dropout_mask`], which draws the mask **on the host** and copies it to the device: a host
-//! round trip per call, slow on a GPU, until a device kernel exists.
+//! On CUDA with the Triton kernels switched on (`cuda_kernels::set_triton`), the forward and
+//! the backward run the Triton kernel (`dropout/cuda.rs`), which draws the mask **on the
+//! device**, inside the kernel, from the same Philox counters: the same bits as the CPU, no
+//! host round trip, nothing saved. [`dropout_mask`] (and so [`dropout_composite`], the LoRA and
+//! attention fallbacks) draws its mask with that kernel too. Otherwise (Triton off, Metal, f64
+//! on CUDA) the op multiplies by a mask [`dropout_mask`] draws **on the host** and copies to the
+//! device: a host round trip per call.
+
+#[cfg(feature = "cuda")]
+mod cuda;
 
 use crate::cpu::{self, Elem, Real};
+use crate::cuda_kernels::{triton_for, triton_input, triton_on};
 use crate::op::{self, Grads, In, Kernel};
 use crate::philox::RngKey;
 use candle_core::backend::BackendStorage;
@@ -92,9 +100,10 @@ pub(crate) fn masked<T: Elem>(x: &[T], p: f32, key: RngKey) -> Vec<T> {
 /// The scaled keep mask of a tensor of `shape`: element `i` is `0` if `key.uniform(i) < p`,
 /// `1 / (1 - p)` (rounded to `dtype`) otherwise.
 ///
-/// The mask is drawn on the host (in parallel, identical for any thread count) and copied to
-/// `device`: on a GPU that is a host round trip, the fallback's cost until a device kernel
-/// exists. `dtype` must be a float type; `p` must be in `[0, 1)`.
+/// On CUDA with the Triton kernels on (f32, bf16, f16) the mask is drawn on the device (the
+/// dropout kernel applied to ones); otherwise on the host (in parallel, identical for any
+/// thread count) and copied to `device`, a host round trip on a GPU. The same bits either way.
+/// `dtype` must be a float type; `p` must be in `[0, 1)`.
 ///
 /// ```
 /// use candle_core::{DType, Device};
@@ -115,6 +124,12 @@ pub fn dropout_mask(
     check_p(p)?;
     let shape: Shape = shape.into();
     let n = shape.elem_count();
+    if triton_on(device, dtype, n) {
+        #[cfg(feature = "cuda")]
+        return cuda::masked(&Tensor::ones(shape, dtype, device)?, p, key);
+        #[cfg(not(feature = "cuda"))]
+        candle_core::bail!("dropout_mask: Triton kernels need the `cuda` feature");
+    }
     fn host<T: Elem + candle_core::WithDType>(
         n: usize,
         p: f32,
@@ -178,7 +193,20 @@ pub fn dropout(x: &Tensor, p: f32, key: RngKey) -> Result<Tensor> {
     if p == 0.0 {
         return Ok(x.clone());
     }
-    let op = Dropout { p, key };
+    if triton_for(x) {
+        // the Triton kernel (CUDA, opt-in): the mask drawn in the kernel
+        let op = Dropout {
+            p,
+            key,
+            triton: true,
+        };
+        return op::apply(op, &[&triton_input(x)?], None, None);
+    }
+    let op = Dropout {
+        p,
+        key,
+        triton: false,
+    };
     if cpu::has_kernel(x) {
         return op::apply(op, &[&x.contiguous()?], None, None);
     }
@@ -190,6 +218,8 @@ pub fn dropout(x: &Tensor, p: f32, key: RngKey) -> Result<Tensor> {
 struct Dropout {
     p: f32,
     key: RngKey,
+    /// Forward and backward run the Triton kernel (CUDA, `dropout/cuda.rs`).
+    triton: bool,
 }
 
 impl Kernel for Dropout {
@@ -205,8 +235,22 @@ impl Kernel for Dropout {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::fwd(ins[0], self.p, self.key)
+    }
+
     fn bwd(&self, _ins: &[&Tensor], _y: &Tensor, grad: &Tensor) -> Result<Grads> {
         // d(x * m)/dx = m: the gradient is the upstream gradient times the regenerated mask.
+        if self.triton {
+            #[cfg(feature = "cuda")]
+            return Ok([Some(cuda::masked(grad, self.p, self.key)?), None, None]);
+            #[cfg(not(feature = "cuda"))]
+            candle_core::bail!("{}: Triton kernels need the `cuda` feature", self.name());
+        }
         let g = if cpu::has_kernel(grad) {
             let g = grad.contiguous()?;
             cpu::dispatch!(g.dtype(), T => cpu::with_slice::<T, _>(&g, |s| {

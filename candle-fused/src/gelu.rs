@@ -8,8 +8,18 @@
 //!
 //! The f32 / bf16 / f16 kernels use [`tanh_f32`], a branch-free tanh that LLVM vectorises
 //! (std's `tanhf` is a libm call per element); the f64 kernel uses std's `tanh`.
+//!
+//! On CUDA with the Triton kernels switched on (`cuda_kernels::set_triton`), forward and
+//! backward run the Triton kernels (`gelu/cuda.rs`): the same `exp_f32` / `tanh_f32` and
+//! formulas, so `y` and `dx` are the CPU's bits, and `db` from partial sums over fixed blocks
+//! of 16 rows added in order. Otherwise CUDA computes [`bias_gelu_composite`]'s expression
+//! inside the op.
+
+#[cfg(feature = "cuda")]
+mod cuda;
 
 use crate::cpu::{self, Elem, Real};
+use crate::cuda_kernels::{triton_for, triton_input};
 use crate::op::{self, Grads, In, Kernel};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Result, Shape, Tensor};
@@ -138,8 +148,8 @@ fn gelu_grad<A: FastMath>(z: A) -> A {
 /// 0.044715 z^3)))`.
 ///
 /// Differentiable in `x` and `b`. On the CPU a one-pass kernel (16-bit inputs computed in f32
-/// and rounded once, no statistics saved); elsewhere [`bias_gelu_composite`]'s expression
-/// inside the same op.
+/// and rounded once, no statistics saved); on CUDA the Triton kernels when switched on (the
+/// same bits); elsewhere [`bias_gelu_composite`]'s expression inside the same op.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -152,7 +162,14 @@ fn gelu_grad<A: FastMath>(z: A) -> A {
 /// ```
 pub fn bias_gelu(x: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let c = check("bias_gelu", x, b)?;
-    let op = GeluOp { c };
+    if triton_for(x) {
+        // the Triton kernels (CUDA, opt-in): nothing computed beforehand
+        let op = GeluOp { c, triton: true };
+        let x = triton_input(x)?;
+        let b = b.map(triton_input).transpose()?;
+        return op::apply(op, &[&x], b.as_ref(), None);
+    }
+    let op = GeluOp { c, triton: false };
     if cpu::has_kernel(x) && x.elem_count() > 0 {
         let x = x.contiguous()?;
         let b = b.map(Tensor::contiguous).transpose()?;
@@ -261,6 +278,8 @@ fn composite(x: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 /// `(x)` or `(x, b)`; `c` is the kernel's row length.
 struct GeluOp {
     c: usize,
+    /// Forward and backward run the Triton kernels (CUDA, `gelu/cuda.rs`).
+    triton: bool,
 }
 
 impl Kernel for GeluOp {
@@ -277,10 +296,28 @@ impl Kernel for GeluOp {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        match *ins {
+            [x] => cuda::fwd(x),
+            [x, b] => cuda::bias_fwd(x, b),
+            _ => bail!("{}: takes x and an optional bias", self.name()),
+        }
+    }
+
     fn bwd(&self, ins: &[&Tensor], _y: &Tensor, dy: &Tensor) -> Result<Grads> {
         let (x, b) = (ins[0], ins.get(1).copied());
         let need_x = x.track_op();
         let need_b = b.is_some_and(Tensor::track_op);
+        if self.triton {
+            #[cfg(feature = "cuda")]
+            return cuda::bwd(x, b, dy, [need_x, need_b]);
+            #[cfg(not(feature = "cuda"))]
+            bail!("{}: Triton kernels need the `cuda` feature", self.name());
+        }
         if !(cpu::has_kernel(x) && dy.device().is_cpu()) {
             let (dx, db) = composite_bwd(x, b, dy, need_x, need_b)?;
             return Ok([dx, db, None]);

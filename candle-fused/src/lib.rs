@@ -36,10 +36,10 @@
 //! [`attention::attention_composite`], [`attention::attention_qkv_composite`],
 //! [`rope::rope_composite`], [`swiglu::swiglu_composite`],
 //! [`cross_entropy::cross_entropy_composite`],
-//! [`linear_cross_entropy::linear_cross_entropy_composite`], [`dropout::dropout_composite`] (the same
-//! Philox mask, drawn on the host), [`adamw::adamw_composite`] (returns the new tensors
-//! instead of updating in place), [`adamw::sum_of_squares_composite`] and
-//! [`adamw::global_norm_composite`].
+//! [`linear_cross_entropy::linear_cross_entropy_composite`], [`dropout::dropout_composite`] (the
+//! same Philox mask, drawn by the Triton kernel on CUDA when it is on, else on the host),
+//! [`adamw::adamw_composite`] (returns the new tensors instead of updating in place),
+//! [`adamw::sum_of_squares_composite`] and [`adamw::global_norm_composite`].
 //!
 //! Every op has a CPU kernel for f32, f64, bf16 and f16 (16-bit types accumulate in f32) and,
 //! on devices without a kernel yet, computes the composite Candle expression inside the same

@@ -21,8 +21,17 @@
 //! u`. Measured against an f64 reference on 64K random elements: 1.2e-7 of the largest `|y|`
 //! (Candle's f32 `silu(g) * u`: 9.7e-8); the tests hold the kernel to 1e-6 of the f32
 //! composite, values and gradients. The f64 kernel uses std's `exp`. No element depends on another: the same bits on any number of threads.
+//!
+//! On CUDA with the Triton kernels switched on (`cuda_kernels::set_triton`), forward and
+//! backward run the Triton kernels (`swiglu/cuda.rs`), which reproduce the CPU kernel bit for
+//! bit; strided inputs (the halves of a packed projection) are copied to contiguous tensors
+//! first. Otherwise CUDA computes [`swiglu_composite`]'s expression inside the op.
+
+#[cfg(feature = "cuda")]
+mod cuda;
 
 use crate::cpu::{self, Elem, Real};
+use crate::cuda_kernels::{triton_for, triton_input};
 use crate::gelu::FastMath;
 use crate::op::{self, Grads, In, Kernel};
 use crate::pool::Shared;
@@ -34,8 +43,8 @@ use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 /// projection); the result is contiguous, in their shape and dtype.
 ///
 /// Differentiable in `gate` and `up`. On the CPU a one-pass kernel each way (16-bit inputs
-/// computed in f32, rounded once; nothing saved); elsewhere [`swiglu_composite`]'s expression
-/// inside the same op.
+/// computed in f32, rounded once; nothing saved); on CUDA the Triton kernels when switched on
+/// (the same bits); elsewhere [`swiglu_composite`]'s expression inside the same op.
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var, D};
@@ -51,16 +60,22 @@ use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 /// ```
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     check("swiglu", gate, up)?;
+    if triton_for(gate) {
+        // the Triton kernels (CUDA, opt-in): nothing computed beforehand
+        let (gate, up) = (triton_input(gate)?, triton_input(up)?);
+        return op::apply(SwigluOp { triton: true }, &[&gate, &up], None, None);
+    }
     if cpu::has_kernel(gate) && gate.elem_count() > 0 {
         // The kernel reads rows through their strides but wants each row's elements side by side.
         let unit = |t: &Tensor| match t.stride().last() {
             Some(&s) if s != 1 && t.dim(D::Minus1).is_ok_and(|c| c > 1) => t.contiguous(),
             _ => Ok(t.clone()),
         };
-        return op::apply(SwigluOp, &[&unit(gate)?, &unit(up)?], None, None);
+        let op = SwigluOp { triton: false };
+        return op::apply(op, &[&unit(gate)?, &unit(up)?], None, None);
     }
     let y = composite(&gate.detach(), &up.detach())?;
-    op::apply(SwigluOp, &[gate, up], None, Some(y))
+    op::apply(SwigluOp { triton: false }, &[gate, up], None, Some(y))
 }
 
 /// The reference of [`swiglu`] from plain differentiable Candle ops: `candle_nn::ops::silu(gate)
@@ -242,7 +257,10 @@ where
 }
 
 /// The op on `(gate, up)`.
-struct SwigluOp;
+struct SwigluOp {
+    /// Forward and backward run the Triton kernels (CUDA, `swiglu/cuda.rs`).
+    triton: bool,
+}
 
 impl Kernel for SwigluOp {
     fn name(&self) -> &'static str {
@@ -259,9 +277,23 @@ impl Kernel for SwigluOp {
         Ok((y, lg.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::fwd(ins[0], ins[1])
+    }
+
     fn bwd(&self, ins: &[&Tensor], _y: &Tensor, dy: &Tensor) -> Result<Grads> {
         let (gate, up) = (ins[0], ins[1]);
         let need = [gate.track_op(), up.track_op()];
+        if self.triton {
+            #[cfg(feature = "cuda")]
+            return cuda::bwd(gate, up, dy, need);
+            #[cfg(not(feature = "cuda"))]
+            bail!("{}: Triton kernels need the `cuda` feature", self.name());
+        }
         if !(cpu::has_kernel(gate) && dy.device().is_cpu()) {
             let (dg, du) = composite_bwd(gate, up, dy)?;
             return Ok([need[0].then_some(dg), need[1].then_some(du), None]);

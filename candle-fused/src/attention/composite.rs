@@ -68,21 +68,17 @@ fn repeat_kv(t: &Tensor, rep: usize) -> Result<Tensor> {
         .reshape((b, kv * rep, n, x))
 }
 
-/// The dropout factors `Z` (`0` or `1 / (1 - p)`) of the `[B, H, Tq, Tk]` probabilities.
+/// The dropout factors `Z` (`0` or `1 / (1 - p)`, the scale rounded once to `dtype`, as in the
+/// kernel) of the `[B, H, Tq, Tk]` probabilities: [`dropout_mask`](crate::dropout::dropout_mask)
+/// of the key, drawn on the device where the Triton dropout kernel applies (CUDA, f32), else on
+/// the host.
 fn dropout_factors(
     shape: (usize, usize, usize, usize),
     r: &Resolved,
     dtype: DType,
     dev: &Device,
 ) -> Result<Tensor> {
-    let (b, h, tq, tk) = shape;
-    let mut u = vec![0f32; b * h * tq * tk];
-    r.key.fill_uniform(0, &mut u);
-    u.iter_mut()
-        .for_each(|x| *x = if *x < r.dropout { 0.0 } else { 1.0 });
-    // The scale is taken in f64 and rounded once to `dtype`, as in the kernel.
-    let keep = 1.0 / (1.0 - r.dropout as f64);
-    Tensor::from_vec(u, (b, h, tq, tk), dev)?.to_dtype(dtype)? * keep
+    crate::dropout::dropout_mask(shape, r.dropout, r.key, dtype, dev)
 }
 
 /// Scaled, masked scores `[B, H, Tq, Tk]` in the dtype of `q` (`[B, H, Tq, D]`; `k`
@@ -109,8 +105,9 @@ fn scores(q: &Tensor, k: &Tensor, r: &Resolved) -> Result<Tensor> {
 /// the fused op is tested against (in f32 for 16-bit inputs, the output rounded once). As
 /// transformers' eager attention: K / V repeated to the query heads (`repeat_kv`), the causal,
 /// window and document masks added as 0 / `-inf`, softmax in f32. Materialises the
-/// `[B, H, Tq, Tk]` scores and, with dropout, draws the whole mask on the host (the same
-/// Philox mask as the fused op). Rows that see no key give NaN.
+/// `[B, H, Tq, Tk]` scores and, with dropout, the whole mask (the same Philox mask as the
+/// fused op, from [`dropout_mask`](crate::dropout::dropout_mask): on the device with the Triton
+/// kernels on, else on the host). Rows that see no key give NaN.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};

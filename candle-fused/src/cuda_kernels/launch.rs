@@ -183,6 +183,15 @@ impl<'a> Buf<'a> {
         }
     }
 
+    /// A storage the kernel updates in place (read and written: e.g. the optimizer state an
+    /// in-place op hands over as `&mut`), as `l` describes it.
+    pub(crate) fn update(s: &'a mut CudaStorage, l: &Layout) -> Self {
+        Self {
+            access: Access::Write(s),
+            layout: l.clone(),
+        }
+    }
+
     /// The same contiguous elements seen with the dims the kernel's table names (e.g. `[N, C]`
     /// for a `[B, T, C]` tensor).
     pub(crate) fn view(mut self, dims: &[usize]) -> Result<Self> {
@@ -253,11 +262,13 @@ fn pointer<'b>(buf: &'b mut Buf<'_>, stream: &'b CudaStream) -> Result<(u64, Syn
         (Access::Read(s), DType::F16) => read::<f16>(s, stream)?,
         (Access::Read(s), DType::I32) => read::<i32>(s, stream)?,
         (Access::Read(s), DType::U32) => read::<u32>(s, stream)?,
+        (Access::Read(s), DType::F64) => read::<f64>(s, stream)?,
         (Access::Write(s), DType::F32) => write::<f32>(s, stream)?,
         (Access::Write(s), DType::BF16) => write::<bf16>(s, stream)?,
         (Access::Write(s), DType::F16) => write::<f16>(s, stream)?,
         (Access::Write(s), DType::I32) => write::<i32>(s, stream)?,
         (Access::Write(s), DType::U32) => write::<u32>(s, stream)?,
+        (Access::Write(s), DType::F64) => write::<f64>(s, stream)?,
         (_, dt) => bail!("candle-fused: no Triton kernel takes {dt:?} tensors"),
     };
     Ok((base + start, guard))

@@ -16,7 +16,9 @@
 //! far: RMSNorm (forward, `dx`, `dW`), LayerNorm (forward, `dx`, `dW`, `dB`; with or without a
 //! bias), RoPE (forward, `dx`), attention (forward, backward; `attention`, `attention_merged`,
 //! `attention_qkv`), `cross_entropy` (forward, `dlogits`) and `linear_cross_entropy` (its chunk
-//! loop: cuBLAS GEMMs, `ce_fwd_bwd` per chunk).
+//! loop: cuBLAS GEMMs, `ce_fwd_bwd` per chunk), dropout (forward, backward, `dropout_mask`: the
+//! mask drawn in the kernel), SwiGLU, GELU with and without a bias (`db` by the ordered
+//! reduction), the AdamW update (in place) and the sum of squares of `global_norm`.
 //!
 //! The compiled specialisation: every pointer is 16-byte aligned (`tt.divisibility = 16`),
 //! tensors are contiguous, integer arguments are unspecialised i32. Each `.entry` takes the
@@ -64,7 +66,7 @@ pub mod swiglu;
 mod switch;
 
 pub use switch::{launch_count, set_triton, triton_enabled, TRITON_ENV};
-pub(crate) use switch::{triton_for, triton_input};
+pub(crate) use switch::{triton_for, triton_input, triton_on};
 
 use candle_core::{bail, DType, Result};
 

@@ -13,7 +13,7 @@
 //! their usual path whatever the switch says; [`crate::with_composite_fallback`] also turns the
 //! Triton kernels off on its thread.
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// The environment variable that switches the Triton kernels on (`1`, `true`, `on`, `yes`) or
@@ -81,12 +81,19 @@ pub(crate) fn count_launch() {
 
 /// Whether an op whose main input is `t` takes the Triton kernels: switched on, not forced to
 /// the fallback on this thread, `t` on a CUDA device, f32 / bf16 / f16 (the compiled variants),
-/// not empty (an empty grid is not launched). The op adds its own shape limits (e.g. RMSNorm's
-/// `C <= BLOCK_C`).
+/// not empty (an empty grid is not launched) and at most `i32::MAX` elements (the kernels take
+/// their sizes as i32). The op adds its own shape limits (e.g. RMSNorm's `C <= BLOCK_C`).
 pub(crate) fn triton_for(t: &Tensor) -> bool {
-    t.device().is_cuda()
-        && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
-        && t.elem_count() > 0
+    triton_on(t.device(), t.dtype(), t.elem_count())
+}
+
+/// [`triton_for`] of a tensor of `n` elements of `dtype` on `dev` that does not exist yet
+/// (e.g. a dropout mask about to be drawn).
+pub(crate) fn triton_on(dev: &Device, dtype: DType, n: usize) -> bool {
+    dev.is_cuda()
+        && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+        && n > 0
+        && i32::try_from(n).is_ok()
         && !crate::cpu::fallback_forced()
         && triton_enabled()
 }

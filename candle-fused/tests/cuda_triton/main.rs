@@ -19,7 +19,10 @@
 //! Adding a family: write its `run` (inputs from the vector file, moved to the device; the op
 //! forward and backward; outputs by the names the vector file uses) and add a [`Case`] to
 //! [`cases`]. A checked output that a vector file lacks (LayerNorm's `db` without a bias) must
-//! be missing from the run's outputs too, and is then not compared for that file.
+//! be missing from the run's outputs too, and is then not compared for that file. Where the
+//! composite fallback is held to another tolerance than the kernels (the families whose kernels
+//! are bit-identical to the CPU's), list it in the family module's `FALLBACK` (see
+//! [`fallback_tol`]).
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::backprop::GradStore;
@@ -77,11 +80,12 @@ struct Case {
 
 mod attention;
 mod cross_entropy;
+mod elementwise;
 mod norm;
 mod rope;
 
 fn cases() -> Vec<Case> {
-    vec![
+    let mut cases = vec![
         Case {
             family: "rms_norm",
             checks: norm::RMS_NORM,
@@ -129,7 +133,24 @@ fn cases() -> Vec<Case> {
             // cuBLAS, on the path this stands for, rounds once
             cpu_composite: [1.0, 1.0, 4.0],
         },
-    ]
+    ];
+    cases.extend(elementwise::cases());
+    cases
+}
+
+/// The tolerances `tol` of a check for the Triton kernels (`Kernels`) or for the composite
+/// fallback (`Fallback`: the family's `FALLBACK` entry, else the kernels' own).
+#[derive(Clone, Copy)]
+enum Against {
+    Kernels,
+    Fallback,
+}
+
+fn fallback_tol(family: &str, check: &Check) -> [f64; 3] {
+    elementwise::FALLBACK
+        .iter()
+        .find(|(f, n, _)| *f == family && *n == check.name)
+        .map_or(check.tol, |(_, _, tol)| *tol)
 }
 
 fn input(t: &HashMap<String, Tensor>, name: &str, dev: &Device) -> Result<Tensor> {
@@ -222,7 +243,7 @@ fn compare(
     dt: DType,
     got: &Outputs,
     want: &Outputs,
-    scale: f64,
+    (against, scale): (Against, f64),
     what: &str,
 ) -> Result<()> {
     for check in case.checks {
@@ -246,7 +267,11 @@ fn compare(
                 }
             ),
         };
-        let tol = scale * check.tol[tol_index(dt)];
+        let tol = match against {
+            Against::Kernels => check.tol,
+            Against::Fallback => fallback_tol(case.family, check),
+        };
+        let tol = scale * tol[tol_index(dt)];
         let e = error(check.mode, &g, &w)?;
         eprintln!(
             "  {what} {}: {:?} error {e:.3e} (tolerance {tol:.3e})",
@@ -323,7 +348,14 @@ fn on_cuda() -> Result<()> {
                 "{}: {launched} Triton launches, expected {expected}",
                 case.family
             );
-            compare(&case, dt, &on, &want, 1.0, "triton vs cpu")?;
+            compare(
+                &case,
+                dt,
+                &on,
+                &want,
+                (Against::Kernels, 1.0),
+                "triton vs cpu",
+            )?;
             let again = (case.run)(&dev, &t)?;
             ensure!(
                 same_bits(&on, &again)?,
@@ -339,7 +371,14 @@ fn on_cuda() -> Result<()> {
                 "{}: launched with Triton off",
                 case.family
             );
-            compare(&case, dt, &off, &on, 2.0, "composite vs triton")?;
+            compare(
+                &case,
+                dt,
+                &off,
+                &on,
+                (Against::Fallback, 2.0),
+                "composite vs triton",
+            )?;
         }
     }
     Ok(())
@@ -353,7 +392,14 @@ fn harness_on_the_cpu() -> Result<()> {
             let want = references(&case, &t)?;
             eprintln!("{}", path.display());
             let got = (case.run)(&Device::Cpu, &t)?;
-            compare(&case, dt, &got, &want, 1.0, "cpu kernel vs vector")?;
+            compare(
+                &case,
+                dt,
+                &got,
+                &want,
+                (Against::Kernels, 1.0),
+                "cpu kernel vs vector",
+            )?;
             // the path CUDA takes with Triton off, here on the CPU: within the same tolerance
             let composite = candle_fused::with_composite_fallback(|| (case.run)(&Device::Cpu, &t))?;
             let scale = case.cpu_composite[tol_index(dt)];
@@ -362,7 +408,7 @@ fn harness_on_the_cpu() -> Result<()> {
                 dt,
                 &composite,
                 &want,
-                scale,
+                (Against::Fallback, scale),
                 "cpu composite vs vector",
             )?;
         }
