@@ -164,13 +164,14 @@ impl<'a> Buf<'a> {
         }
     }
 
-    /// A tensor's storage the kernel reads and overwrites (e.g. logits turned into their
-    /// gradient in place), as `l` describes it; pass it again with [`Buf::same_as`] where the
-    /// kernel takes the output as a separate parameter.
+    /// A storage the kernel reads and overwrites in place (logits turned into their gradient;
+    /// the optimizer state an in-place op hands over as `&mut`), as `l` describes it; pass it
+    /// again with [`Buf::same_as`] where the kernel takes the output as a separate parameter.
     pub(crate) fn update(s: &'a mut CudaStorage, l: &Layout) -> Self {
         Self {
             access: Access::Write(s),
             layout: l.clone(),
+            bits_as: None,
         }
     }
 
@@ -180,15 +181,7 @@ impl<'a> Buf<'a> {
         Self {
             access: Access::Same(index),
             layout: Layout::contiguous(()),
-        }
-    }
-
-    /// A storage the kernel updates in place (read and written: e.g. the optimizer state an
-    /// in-place op hands over as `&mut`), as `l` describes it.
-    pub(crate) fn update(s: &'a mut CudaStorage, l: &Layout) -> Self {
-        Self {
-            access: Access::Write(s),
-            layout: l.clone(),
+            bits_as: None,
         }
     }
 
