@@ -38,7 +38,7 @@
 //!    from `t.storage_and_layout()` + [`cuda_of`], the gradients from `Output`s launched into
 //!    and turned into tensors with [`Output::into_tensor`] (`Tensor::from_storage`; no graph:
 //!    gradients are leaves), so the backward kernels need no second custom op.
-//! 5. A case in `tests/cuda_triton.rs` (the committed vectors, the family's `TOL`).
+//! 5. A case in `tests/cuda_triton/` (a module per family: the committed vectors, the family's `TOL`).
 //!
 //! A kernel that overwrites one of its inputs (`ce_fwd_bwd` turning a chunk's logits into
 //! their gradient, `src/linear_cross_entropy/cuda.rs`) gets the tensor's storage mutably from

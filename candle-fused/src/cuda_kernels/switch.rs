@@ -1,7 +1,7 @@
 //! The opt-in switch for the Triton kernels on CUDA, and the two checks every op makes before
 //! taking them (compiled with or without the `cuda` feature, so callers need no `cfg`).
 //!
-//! Until the GPU test (`tests/cuda_triton.rs`) has passed on a GPU, the CUDA default stays
+//! Until the GPU test (`tests/cuda_triton/`) has passed on a GPU, the CUDA default stays
 //! the composite fallback (each op's composite Candle expression inside the op); the Triton
 //! kernels run only when switched on, for the whole process:
 //!
