@@ -36,7 +36,7 @@
 mod cuda;
 
 use crate::cpu::{self, Elem, Real};
-use crate::cuda_kernels::{self, triton_for};
+use crate::cuda_kernels::{self, triton_flat};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, InplaceOp2, InplaceOp3, Layout, Result, Tensor, Var};
 
@@ -306,7 +306,9 @@ pub fn adamw_update(
     let aligned = |t: &Tensor| {
         (t.layout().start_offset() * 4).is_multiple_of(cuda_kernels::POINTER_ALIGNMENT)
     };
-    if triton_for(grad) && [p, exp_avg, exp_avg_sq].into_iter().all(aligned) {
+    if triton_flat(grad.device(), grad.dtype(), grad.elem_count())
+        && [p, exp_avg, exp_avg_sq].into_iter().all(aligned)
+    {
         #[cfg(feature = "cuda")]
         return cuda::update(
             p,
@@ -489,7 +491,7 @@ fn sumsq<T: Elem>(x: &[T]) -> f64 {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn sum_of_squares(t: &Tensor) -> Result<Tensor> {
-    if triton_for(t) {
+    if triton_flat(t.device(), t.dtype(), t.elem_count()) {
         #[cfg(feature = "cuda")]
         return cuda::sum_of_squares(t);
         #[cfg(not(feature = "cuda"))]

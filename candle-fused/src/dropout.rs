@@ -27,7 +27,7 @@
 mod cuda;
 
 use crate::cpu::{self, Elem, Real};
-use crate::cuda_kernels::{triton_for, triton_input, triton_on};
+use crate::cuda_kernels::{triton_flat, triton_input};
 use crate::op::{self, Grads, In, Kernel};
 use crate::philox::RngKey;
 use candle_core::backend::BackendStorage;
@@ -124,7 +124,7 @@ pub fn dropout_mask(
     check_p(p)?;
     let shape: Shape = shape.into();
     let n = shape.elem_count();
-    if triton_on(device, dtype, n) {
+    if triton_flat(device, dtype, n) {
         #[cfg(feature = "cuda")]
         return cuda::masked(&Tensor::ones(shape, dtype, device)?, p, key);
         #[cfg(not(feature = "cuda"))]
@@ -193,7 +193,7 @@ pub fn dropout(x: &Tensor, p: f32, key: RngKey) -> Result<Tensor> {
     if p == 0.0 {
         return Ok(x.clone());
     }
-    if triton_for(x) {
+    if triton_flat(x.device(), x.dtype(), x.elem_count()) {
         // the Triton kernel (CUDA, opt-in): the mask drawn in the kernel
         let op = Dropout {
             p,

@@ -19,7 +19,7 @@
 mod cuda;
 
 use crate::cpu::{self, Elem, Real};
-use crate::cuda_kernels::{triton_for, triton_input};
+use crate::cuda_kernels::{triton_flat, triton_input};
 use crate::op::{self, Grads, In, Kernel};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Result, Shape, Tensor};
@@ -162,7 +162,7 @@ fn gelu_grad<A: FastMath>(z: A) -> A {
 /// ```
 pub fn bias_gelu(x: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let c = check("bias_gelu", x, b)?;
-    if triton_for(x) {
+    if triton_flat(x.device(), x.dtype(), x.elem_count()) {
         // the Triton kernels (CUDA, opt-in): nothing computed beforehand
         let op = GeluOp { c, triton: true };
         let x = triton_input(x)?;

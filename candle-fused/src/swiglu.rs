@@ -31,7 +31,7 @@
 mod cuda;
 
 use crate::cpu::{self, Elem, Real};
-use crate::cuda_kernels::{triton_for, triton_input};
+use crate::cuda_kernels::{triton_flat, triton_input};
 use crate::gelu::FastMath;
 use crate::op::{self, Grads, In, Kernel};
 use crate::pool::Shared;
@@ -60,7 +60,7 @@ use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 /// ```
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     check("swiglu", gate, up)?;
-    if triton_for(gate) {
+    if triton_flat(gate.device(), gate.dtype(), gate.elem_count()) {
         // the Triton kernels (CUDA, opt-in): nothing computed beforehand
         let (gate, up) = (triton_input(gate)?, triton_input(up)?);
         return op::apply(SwigluOp { triton: true }, &[&gate, &up], None, None);

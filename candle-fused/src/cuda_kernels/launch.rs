@@ -383,6 +383,32 @@ pub(crate) fn launch(
     Ok(launch)
 }
 
+/// The cubin architecture (80, 90) that runs on compute capability `major.minor`: a cubin
+/// runs on its major version at an equal or higher minor, and Triton's sm_90 cubins are
+/// sm_90a (architecture-specific), which runs on 9.0 only.
+fn arch_of(major: i32, minor: i32) -> Option<u32> {
+    match (major, minor) {
+        (8, _) => Some(80),
+        (9, 0) => Some(90),
+        _ => None,
+    }
+}
+
+/// Whether the embedded cubins run on `dev` (compute capability 8.x or 9.0; cached per CUDA
+/// context): on other GPUs the ops take their composite path, switch or no switch.
+pub(crate) fn has_cubins(dev: &CudaDevice) -> bool {
+    static CACHE: OnceLock<Mutex<HashMap<usize, bool>>> = OnceLock::new();
+    let ctx = dev.cuda_stream().context().clone();
+    let key = ctx.cu_ctx() as usize;
+    let Ok(mut cache) = CACHE.get_or_init(Default::default).lock() else {
+        return false;
+    };
+    *cache.entry(key).or_insert_with(|| {
+        ctx.compute_capability()
+            .is_ok_and(|(major, minor)| arch_of(major, minor).is_some())
+    })
+}
+
 type Cache = Mutex<HashMap<(usize, &'static str, DType), (CudaFunction, u32)>>;
 
 /// The kernel's function in the device's context, its module loaded on first use, and the
@@ -408,12 +434,10 @@ fn function(dev: &CudaDevice, spec: &'static KernelSpec) -> Result<(CudaFunction
     let Some(cubin) = cubins::find(spec.entry, spec.dtype) else {
         bail!("{name}: not embedded (add it to cuda_kernels/cubins.rs)")
     };
-    // A cubin runs on its major version at an equal or higher minor; Triton's sm_90 cubins
-    // are sm_90a (architecture-specific), which runs on 9.0 only.
-    let (image, arch) = match (major, minor) {
-        (8, _) => (cubin.sm80, 80),
-        (9, 0) => (cubin.sm90, 90),
-        _ => bail!(
+    let (image, arch) = match arch_of(major, minor) {
+        Some(80) => (cubin.sm80, 80),
+        Some(_) => (cubin.sm90, 90),
+        None => bail!(
             "{name}: no cubin for compute capability {major}.{minor} (compiled for sm_80: \
              8.x, and sm_90a: 9.0); switch the Triton kernels off (cuda_kernels::set_triton(false), \
              CANDLE_FUSED_TRITON=0) or compile them for this GPU"

@@ -66,7 +66,7 @@ pub mod swiglu;
 mod switch;
 
 pub use switch::{launch_count, set_triton, triton_enabled, TRITON_ENV};
-pub(crate) use switch::{triton_for, triton_input, triton_on};
+pub(crate) use switch::{triton_flat, triton_for, triton_input};
 
 use candle_core::{bail, DType, Result};
 
@@ -280,6 +280,8 @@ impl KernelSpec {
 pub const ARCHS: [u32; 2] = [80, 90];
 /// The pointer alignment the kernels are specialised for, in bytes.
 pub const POINTER_ALIGNMENT: usize = 16;
+/// The most blocks a CUDA grid has along y and z.
+pub const MAX_GRID_YZ: usize = 65535;
 /// The number of trailing scratch pointer parameters of every `.entry` (pass null).
 pub const SCRATCH_PARAMS: usize = 2;
 
@@ -495,10 +497,18 @@ pub fn check_launch(
         }
     };
     let mut grid = [1u32; 3];
-    for (g, e) in grid.iter_mut().zip(&spec.grid) {
+    for (axis, (g, e)) in grid.iter_mut().zip(&spec.grid).enumerate() {
         let programs = product(e.dims)?.div_ceil(e.div);
         if programs == 0 {
             bail!("{name}: empty grid ({} = 0): skip the launch", e.describe())
+        }
+        // CUDA allows 2^31 - 1 blocks along x, 65535 along y and z
+        if axis > 0 && programs > MAX_GRID_YZ {
+            bail!(
+                "{name}: grid {} = {programs} exceeds CUDA's {MAX_GRID_YZ} along {}",
+                e.describe(),
+                ["x", "y", "z"][axis]
+            )
         }
         *g = i32_of("grid", programs)? as u32;
     }

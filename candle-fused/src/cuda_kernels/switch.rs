@@ -80,22 +80,39 @@ pub(crate) fn count_launch() {
 }
 
 /// Whether an op whose main input is `t` takes the Triton kernels: switched on, not forced to
-/// the fallback on this thread, `t` on a CUDA device, f32 / bf16 / f16 (the compiled variants),
-/// not empty (an empty grid is not launched) and at most `i32::MAX` elements (the kernels take
-/// their sizes as i32). The op adds its own shape limits (e.g. RMSNorm's `C <= BLOCK_C`).
+/// the fallback on this thread, `t` on a CUDA device the cubins run on (compute capability
+/// 8.x or 9.0), f32 / bf16 / f16 (the compiled variants), not empty (an empty grid is not
+/// launched). The op adds its own shape limits (e.g. RMSNorm's `C <= BLOCK_C`; the flat
+/// elementwise kernels take their element count as an i32: [`triton_flat`]).
 pub(crate) fn triton_for(t: &Tensor) -> bool {
-    triton_on(t.device(), t.dtype(), t.elem_count())
+    t.elem_count() > 0 && triton_on(t.device(), t.dtype())
 }
 
-/// [`triton_for`] of a tensor of `n` elements of `dtype` on `dev` that does not exist yet
-/// (e.g. a dropout mask about to be drawn).
-pub(crate) fn triton_on(dev: &Device, dtype: DType, n: usize) -> bool {
-    dev.is_cuda()
-        && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
-        && n > 0
-        && i32::try_from(n).is_ok()
+/// [`triton_for`] for the flat elementwise kernels (dropout, SwiGLU, GELU, AdamW), whose
+/// element count `n` is an i32 argument: at most `i32::MAX` elements (more take the composite).
+pub(crate) fn triton_flat(dev: &Device, dtype: DType, n: usize) -> bool {
+    n > 0 && i32::try_from(n).is_ok() && triton_on(dev, dtype)
+}
+
+/// The device and dtype part of [`triton_for`].
+fn triton_on(dev: &Device, dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
         && !crate::cpu::fallback_forced()
         && triton_enabled()
+        && has_cubins(dev)
+}
+
+#[cfg(feature = "cuda")]
+fn has_cubins(dev: &Device) -> bool {
+    match dev {
+        Device::Cuda(d) => super::launch::has_cubins(d),
+        _ => false,
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn has_cubins(_: &Device) -> bool {
+    false
 }
 
 /// `t` as a kernel argument: contiguous and starting on a 16-byte boundary (the compiled

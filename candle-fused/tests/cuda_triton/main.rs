@@ -33,10 +33,24 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
 /// Held by every test that switches the kernels or counts launches (both process-wide), so
-/// the tests of this binary do not disturb each other when they run in parallel.
-fn exclusive() -> MutexGuard<'static, ()> {
+/// the tests of this binary do not disturb each other when they run in parallel; switches the
+/// kernels off again when dropped (also when a test fails half way).
+fn exclusive() -> Exclusive {
     static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+    Exclusive {
+        _lock: LOCK.lock().unwrap_or_else(|e| e.into_inner()),
+    }
+}
+
+/// The guard of [`exclusive`].
+struct Exclusive {
+    _lock: MutexGuard<'static, ()>,
+}
+
+impl Drop for Exclusive {
+    fn drop(&mut self) {
+        set_triton(false);
+    }
 }
 
 /// How an output's error is measured (`ERROR` in `triton/<family>.py`).

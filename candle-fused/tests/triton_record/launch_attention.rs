@@ -134,5 +134,14 @@ fn attention_launches() -> Result<()> {
         .unwrap_err()
         .to_string();
     assert!(e.contains("off_hi needs a Scalar::I32"), "{e}");
+    // B*H programs along y: at most CUDA's 65535 (B = 2, H = 32770: 65540)
+    check_launch(fwd, &args(32766, 2, n, d, DType::I32), &cfg)?;
+    let e = check_launch(fwd, &args(32770, 2, n, d, DType::I32), &cfg)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("grid B*H = 65540 exceeds CUDA's 65535 along y"),
+        "{e}"
+    );
     Ok(())
 }
