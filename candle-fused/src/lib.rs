@@ -42,8 +42,9 @@
 //! [`adamw::sum_of_squares_composite`] and [`adamw::global_norm_composite`].
 //!
 //! Every op has a CPU kernel for f32, f64, bf16 and f16 (16-bit types accumulate in f32) and,
-//! on devices without a kernel yet, computes the composite Candle expression inside the same
-//! op, so it works everywhere with the same backward ([`with_composite_fallback`] takes that
+//! on devices without a kernel (Metal; CUDA unless the Triton kernels are switched on, see
+//! [`cuda_kernels`]), computes the composite Candle expression inside the same op, so it works
+//! everywhere with the same backward ([`with_composite_fallback`] takes that
 //! path on the CPU too).
 #![warn(missing_docs)]
 

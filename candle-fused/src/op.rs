@@ -4,8 +4,8 @@
 //! tensors. [`apply`] wraps it in [`Fused`], which implements Candle's `CustomOp1/2/3` for one,
 //! two or three inputs (an optional bias is the third input, or the second) by delegating to it.
 //!
-//! **The composite fallback.** On a device with no kernel (CUDA and Metal until their kernels
-//! land), an op computes its output with its composite Candle expression on **detached**
+//! **The composite fallback.** On a device with no kernel (Metal; CUDA while the Triton
+//! kernels are off or do not cover the call), an op computes its output with its composite Candle expression on **detached**
 //! inputs, so no intermediate is recorded, and hands it to [`apply`], which attaches it to the
 //! graph through the op itself: the op's `cuda_fwd` / `metal_fwd` (and `cpu_fwd`, when the
 //! fallback is forced on the CPU) hands back that precomputed storage ([`Precomputed`]). The
