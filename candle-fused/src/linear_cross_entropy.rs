@@ -443,7 +443,15 @@ impl Kernel for LceOp {
     }
 
     fn bwd(&self, ins: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Grads> {
-        let g = g.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        // With the CPU kernel `g` is read (free, and `g = 1` skips the scaling); on a device
+        // (and on the fallback path, which stands for it) it stays there and scales the saved
+        // gradients there: reading it back would wait for the whole forward at the start of
+        // every backward (a host sync in the step).
+        let g = if cpu::has_kernel(ins[0]) && g.device().is_cpu() {
+            Upstream::Host(g.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+        } else {
+            Upstream::Device(g.clone())
+        };
         let mut out: Grads = [None, None, None];
         let mut missing = [false; 2];
         for k in 0..2 {
@@ -451,19 +459,52 @@ impl Kernel for LceOp {
                 continue;
             }
             match self.grads[k].take()? {
-                Some(t) => out[k] = Some(scaled(t, g)?),
+                Some(t) => out[k] = Some(g.scale(t)?),
                 None => missing[k] = true,
             }
         }
         if missing.iter().any(|&m| m) {
-            let r = self.recompute(ins[0], ins[1], missing, g)?;
+            // on a device: recomputed for g = 1, then scaled there, as the saved ones are
+            let r = self.recompute(ins[0], ins[1], missing, g.host().unwrap_or(1.0))?;
             for k in 0..2 {
                 if missing[k] {
-                    out[k] = r[k].clone();
+                    out[k] = match (&g, r[k].clone()) {
+                        (Upstream::Device(_), Some(t)) => Some(g.scale(t)?),
+                        (_, t) => t,
+                    };
                 }
             }
         }
         Ok(out)
+    }
+}
+
+/// The upstream gradient of the loss: read on the host (CPU), or left on its device.
+enum Upstream {
+    Host(f64),
+    Device(Tensor),
+}
+
+impl Upstream {
+    /// The value, when on the host.
+    fn host(&self) -> Option<f64> {
+        match self {
+            Upstream::Host(g) => Some(*g),
+            Upstream::Device(_) => None,
+        }
+    }
+
+    /// `t * g`, computed in f32 (f64 for f64) and rounded once, as the CPU's in-place scaling.
+    fn scale(&self, t: Tensor) -> Result<Tensor> {
+        match self {
+            Upstream::Host(g) => scaled(t, *g),
+            Upstream::Device(g) => {
+                let (dt, acc) = (t.dtype(), acc_dtype(t.dtype()));
+                t.to_dtype(acc)?
+                    .broadcast_mul(&g.to_dtype(acc)?)?
+                    .to_dtype(dt)
+            }
+        }
     }
 }
 

@@ -338,6 +338,30 @@ fn second_backward_recomputes_the_same_gradients() -> Result<()> {
     Ok(())
 }
 
+/// On the fallback path (a device's, forced on the CPU) the upstream gradient is not read back
+/// to the host (a sync at the start of every backward on a GPU): it scales the gradients where
+/// it lives. The same values as the composite, for g = 1.7, first and second backward.
+#[test]
+fn fallback_scales_by_the_upstream_gradient_without_reading_it() -> Result<()> {
+    let _s = serial();
+    let mut rng = Lcg(9);
+    for dt in [DType::F32, DType::F64] {
+        let case = Case::new((&[13], 16, 97), (Some(4), Some(3)), &[2, 7], &mut rng)?;
+        let ins = case.inputs(dt, &mut rng)?;
+        let probe = Tensor::new(1.7, &Device::Cpu)?.to_dtype(acc(dt))?;
+        let (yr, grr) = value_and_grads(&case.reference(), &ins, &probe)?;
+        fallback_if(true, || -> Result<()> {
+            let (y, gr) = value_and_grads(&case.fused(), &ins, &probe)?;
+            assert_close(&y, &yr, 1e-6, &format!("{dt:?} loss"))?;
+            for (k, name) in ["dx", "dw"].iter().enumerate() {
+                assert_close(&gr[k], &grr[k], 1e-5, &format!("{dt:?} {name}"))?;
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
+}
+
 #[test]
 fn detached_inputs_give_the_same_loss_bits() -> Result<()> {
     let _s = serial();
