@@ -47,8 +47,7 @@ fn scalars(g: &Geom, r: &Resolved) -> Vec<Scalar> {
     ];
     for x in [r.key.seed, r.key.site, r.key.offset] {
         // the bits of each u64 half, as the kernel's `_u32` reads them back
-        s.push(Scalar::I32(x as u32 as i32));
-        s.push(Scalar::I32((x >> 32) as u32 as i32));
+        s.extend(crate::cuda_kernels::dropout::words(x).map(Scalar::I32));
     }
     s
 }

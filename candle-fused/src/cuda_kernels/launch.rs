@@ -61,6 +61,13 @@ use half::{bf16, f16};
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
+/// `(rows, columns)` of a tensor of `dims` seen as `[N, C]`: the last dimension, and the
+/// product of the others (the row kernels' view).
+pub(crate) fn rows_cols(dims: &[usize]) -> (usize, usize) {
+    let c = dims.last().copied().unwrap_or(1);
+    (dims.iter().product::<usize>() / c.max(1), c)
+}
+
 /// A kernel's forward inputs as `Fused::cuda_fwd` hands them over.
 pub(crate) type CudaIn<'a> = (&'a CudaStorage, &'a Layout);
 

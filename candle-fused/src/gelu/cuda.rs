@@ -6,17 +6,11 @@
 //! bits on every run; the CPU's bits up to 4096 rows, where its row blocks are also 16).
 
 use crate::cuda_kernels::gelu::ROWS_PER_PROGRAM;
-use crate::cuda_kernels::launch::{cuda_of, launch, Buf, CudaIn, Output};
+use crate::cuda_kernels::launch::{cuda_of, launch, rows_cols, Buf, CudaIn, Output};
 use crate::cuda_kernels::triton_input;
 use crate::op::Grads;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CudaStorage, DType, Device, Result, Shape, Tensor};
-
-/// `(rows, columns)` of `x` with a bias over its last dimension.
-fn rows_cols(dims: &[usize]) -> (usize, usize) {
-    let c = dims.last().copied().unwrap_or(1);
-    (dims.iter().product::<usize>() / c.max(1), c)
-}
 
 /// `y = gelu(x)` by `gelu_fwd` over the flattened `x`.
 pub(super) fn fwd((sx, lx): CudaIn<'_>) -> Result<(CudaStorage, Shape)> {

@@ -5,17 +5,11 @@
 //! the partial rows in order (no atomics: the same bits on every run). The formulas are the CPU
 //! kernel's (`kernel.rs`), as the interpreter check of the Triton source verifies.
 
-use crate::cuda_kernels::launch::{cuda_of, launch, Buf, CudaIn, Output};
+use crate::cuda_kernels::launch::{cuda_of, launch, rows_cols, Buf, CudaIn, Output};
 use crate::cuda_kernels::{layer_norm, rms_norm::ROWS_PER_PROGRAM, triton_input, Scalar};
 use crate::op::{Grads, Saved};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CudaStorage, DType, Device, Result, Shape, Tensor};
-
-/// `(rows, columns)` of a norm input: the last dimension and the product of the others.
-fn rows_cols(dims: &[usize]) -> (usize, usize) {
-    let c = dims.last().copied().unwrap_or(1);
-    (dims.iter().product::<usize>() / c.max(1), c)
-}
 
 /// `y = x * rstd * w` by `rms_norm_fwd`, one program per row; `rstd` ([N], f32) into `saved`.
 pub(super) fn rms_fwd(
