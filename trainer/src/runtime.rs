@@ -90,25 +90,23 @@ pub fn check_fits(need: u64, what: &str, advice: &str) -> crate::Result<()> {
 
 /// Applies a run's GPU settings to the whole process (Candle and candle-fused read them at
 /// each launch), before its first op: TF32 for f32 matmuls on CUDA (`config.tf32`, on by
-/// default as in nanoGPT) and candle-fused's Triton kernels (`config.triton_kernels`, off by
-/// default). Neither changes anything computed on the CPU (without the `cuda` feature
+/// default as in nanoGPT) and candle-fused's Triton kernels (`config.triton_kernels`: the
+/// flag, else the environment, else candle-fused's default). Neither changes anything computed on the CPU (without the `cuda` feature
 /// Candle's setter is a no-op).
 pub fn apply_gpu_settings(config: &crate::config::TrainConfig) {
     candle_core::cuda::set_gemm_reduced_precision_f32(config.tf32);
     set_triton_kernels(config.triton_kernels);
 }
 
-/// Switches candle-fused's Triton kernels on for the process when the run asks for them;
-/// otherwise candle-fused's own default holds (off, unless `CANDLE_FUSED_TRITON=1`), so the
-/// environment variable still works for a run without the flag.
-fn set_triton_kernels(on: bool) {
-    if on {
-        candle_fused::cuda_kernels::set_triton(true);
-    }
+/// Switches candle-fused's Triton kernels on or off for the process as the run's flag says;
+/// without the flag, candle-fused decides (`CANDLE_FUSED_TRITON`, else its default), also
+/// after an earlier run in the same process gave the flag.
+fn set_triton_kernels(flag: Option<bool>) {
+    candle_fused::cuda_kernels::choose_triton(flag);
 }
 
 /// Whether candle-fused's Triton kernels are on for the process (the flag, else the
-/// environment; they only run on CUDA).
+/// environment, else candle-fused's default; they only run on CUDA).
 pub fn triton_kernels() -> bool {
     candle_fused::cuda_kernels::triton_enabled()
 }

@@ -45,6 +45,7 @@
 //! a Candle `InplaceOp1` and passes it as [`Buf::update`], its output parameter as
 //! [`Buf::same_as`] that argument.
 
+use super::switch::cubin_arch;
 use super::{check_launch, cubins, find, KernelSpec, Launch, Scalar, TensorArg};
 use crate::cuda_kernels::Arg;
 use candle_core::backend::{BackendDevice, BackendStorage};
@@ -390,19 +391,9 @@ pub(crate) fn launch(
     Ok(launch)
 }
 
-/// The cubin architecture (80, 90) that runs on compute capability `major.minor`: a cubin
-/// runs on its major version at an equal or higher minor, and Triton's sm_90 cubins are
-/// sm_90a (architecture-specific), which runs on 9.0 only.
-fn arch_of(major: i32, minor: i32) -> Option<u32> {
-    match (major, minor) {
-        (8, _) => Some(80),
-        (9, 0) => Some(90),
-        _ => None,
-    }
-}
-
 /// Whether the embedded cubins run on `dev` (compute capability 8.x or 9.0; cached per CUDA
-/// context): on other GPUs the ops take their composite path, switch or no switch.
+/// context): on other GPUs the ops take their composite path, switch or no switch, and the
+/// first time (only called with the kernels switched on) one log line says so.
 pub(crate) fn has_cubins(dev: &CudaDevice) -> bool {
     static CACHE: OnceLock<Mutex<HashMap<usize, bool>>> = OnceLock::new();
     let ctx = dev.cuda_stream().context().clone();
@@ -411,8 +402,17 @@ pub(crate) fn has_cubins(dev: &CudaDevice) -> bool {
         return false;
     };
     *cache.entry(key).or_insert_with(|| {
-        ctx.compute_capability()
-            .is_ok_and(|(major, minor)| arch_of(major, minor).is_some())
+        let Ok((major, minor)) = ctx.compute_capability() else {
+            return false;
+        };
+        let ordinal = match dev.location() {
+            candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
+            _ => 0,
+        };
+        if let Some(line) = super::switch::no_cubin_notice(ordinal, major, minor) {
+            tracing::warn!("{line}");
+        }
+        cubin_arch(major, minor).is_some()
     })
 }
 
@@ -441,7 +441,7 @@ fn function(dev: &CudaDevice, spec: &'static KernelSpec) -> Result<(CudaFunction
     let Some(cubin) = cubins::find(spec.entry, spec.dtype) else {
         bail!("{name}: not embedded (add it to cuda_kernels/cubins.rs)")
     };
-    let (image, arch) = match arch_of(major, minor) {
+    let (image, arch) = match cubin_arch(major, minor) {
         Some(80) => (cubin.sm80, 80),
         Some(_) => (cubin.sm90, 90),
         None => bail!(

@@ -11,8 +11,9 @@
 //!
 //! **Running them** (`cuda` feature): the cubins are embedded in the library and launched on
 //! Candle's stream inside the ops' `cuda_fwd` and `bwd` (`launch.rs`, whose module doc is the
-//! recipe for wiring a family). They are opt-in until checked on a GPU: [`set_triton`] or
-//! `CANDLE_FUSED_TRITON=1` ([`TRITON_ENV`]); off, CUDA takes the composite fallback. Wired so
+//! recipe for wiring a family). They are opt-in until checked on a GPU ([`TRITON_DEFAULT`]): [`set_triton`],
+//! [`choose_triton`] or `CANDLE_FUSED_TRITON=1` ([`TRITON_ENV`]); off, CUDA takes the composite
+//! fallback. Wired so
 //! far: RMSNorm (forward, `dx`, `dW`), LayerNorm (forward, `dx`, `dW`, `dB`; with or without a
 //! bias), RoPE (forward, `dx`), attention (forward, backward; `attention`, `attention_merged`,
 //! `attention_qkv`), `cross_entropy` (forward, `dlogits`) and `linear_cross_entropy` (its chunk
@@ -65,7 +66,10 @@ pub mod rope;
 pub mod swiglu;
 mod switch;
 
-pub use switch::{launch_count, set_triton, triton_enabled, TRITON_ENV};
+pub use switch::{
+    choose_triton, launch_count, set_triton, triton_enabled, triton_from_env, TRITON_DEFAULT,
+    TRITON_ENV,
+};
 pub(crate) use switch::{triton_flat, triton_for, triton_input};
 
 use candle_core::{bail, DType, Result};

@@ -1,24 +1,31 @@
-//! The opt-in switch for the Triton kernels on CUDA, and the two checks every op makes before
+//! The switch for the Triton kernels on CUDA, and the two checks every op makes before
 //! taking them (compiled with or without the `cuda` feature, so callers need no `cfg`).
 //!
-//! Until the GPU test (`tests/cuda_triton/`) has passed on a GPU, the CUDA default stays
-//! the composite fallback (each op's composite Candle expression inside the op); the Triton
-//! kernels run only when switched on, for the whole process:
+//! Three states, the first that says something wins, for the whole process:
 //!
-//! * [`set_triton`]`(true)` (e.g. from a trainer flag), or
-//! * the environment variable [`TRITON_ENV`] (`CANDLE_FUSED_TRITON=1`), read once, at the first
-//!   op, when [`set_triton`] has not been called.
+//! 1. a program's choice: [`set_triton`]`(on)` or [`choose_triton`]`(Some(on))` (the trainer's
+//!    `--triton-kernels true|false`); [`choose_triton`]`(None)` takes the choice back;
+//! 2. the environment variable [`TRITON_ENV`] (`CANDLE_FUSED_TRITON=1` or `=0`), read at the
+//!    first op after the program's choice was taken back (or never made): [`triton_from_env`];
+//! 3. [`TRITON_DEFAULT`]: off until the GPU check (`tests/cuda_triton/`, `scripts/gpu/run.sh`)
+//!    has passed on a GPU, when it flips to on; the two states above keep the way back.
 //!
 //! Ops on other devices, or with a dtype or shape the compiled kernels do not cover, take
-//! their usual path whatever the switch says; [`crate::with_composite_fallback`] also turns the
-//! Triton kernels off on its thread.
+//! their usual path whatever the switch says; so do GPUs without a compiled cubin (anything but
+//! compute capability 8.x and 9.0), with one log line per device saying so; and
+//! [`crate::with_composite_fallback`] turns the Triton kernels off on its thread.
 
 use candle_core::{DType, Device, Result, Tensor};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// The environment variable that switches the Triton kernels on (`1`, `true`, `on`, `yes`) or
-/// off (anything else) when [`set_triton`] was not called first.
+/// off (`0`, `false`, `off`, `no`) when no program chose ([`set_triton`], [`choose_triton`]);
+/// unset, empty or anything else: [`TRITON_DEFAULT`] (anything else is also logged).
 pub const TRITON_ENV: &str = "CANDLE_FUSED_TRITON";
+
+/// Whether the Triton kernels run when neither a program nor [`TRITON_ENV`] chose: off until
+/// they have passed the GPU check on a GPU.
+pub const TRITON_DEFAULT: bool = false;
 
 const UNSET: u8 = 0;
 const OFF: u8 = 1;
@@ -29,7 +36,7 @@ static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 /// Switches the Triton kernels on or off for every op of this crate, on every thread, from
 /// the next op on (an op already in a graph keeps the path its forward took, for its
-/// backward too). Overrides [`TRITON_ENV`].
+/// backward too). Overrides [`TRITON_ENV`] and [`TRITON_DEFAULT`].
 ///
 /// ```
 /// use candle_fused::cuda_kernels::{set_triton, triton_enabled};
@@ -42,12 +49,31 @@ pub fn set_triton(on: bool) {
     TRITON.store(if on { ON } else { OFF }, Ordering::Relaxed);
 }
 
-/// Whether the Triton kernels are switched on ([`set_triton`], else [`TRITON_ENV`]; off by
-/// default).
+/// A program's three-state choice (e.g. a flag that may be absent): `Some(on)` is
+/// [`set_triton`]`(on)`; `None` takes any earlier choice back, so that [`TRITON_ENV`], else
+/// [`TRITON_DEFAULT`], decides again at the next op.
+///
+/// ```
+/// use candle_fused::cuda_kernels::{choose_triton, triton_enabled, triton_from_env, TRITON_DEFAULT};
+/// choose_triton(Some(true));
+/// assert!(triton_enabled());
+/// choose_triton(None);
+/// assert_eq!(triton_enabled(), triton_from_env().unwrap_or(TRITON_DEFAULT));
+/// ```
+pub fn choose_triton(choice: Option<bool>) {
+    match choice {
+        Some(on) => set_triton(on),
+        None => TRITON.store(UNSET, Ordering::Relaxed),
+    }
+}
+
+/// Whether the Triton kernels are switched on: the program's choice, else [`TRITON_ENV`], else
+/// [`TRITON_DEFAULT`].
 pub fn triton_enabled() -> bool {
     let state = match TRITON.load(Ordering::Relaxed) {
         UNSET => {
-            let from_env = if env_says_on() { ON } else { OFF };
+            let on = triton_from_env().unwrap_or(TRITON_DEFAULT);
+            let from_env = if on { ON } else { OFF };
             // a concurrent `set_triton` wins over the environment
             match TRITON.compare_exchange(UNSET, from_env, Ordering::Relaxed, Ordering::Relaxed) {
                 Ok(_) => from_env,
@@ -59,13 +85,54 @@ pub fn triton_enabled() -> bool {
     state == ON
 }
 
-fn env_says_on() -> bool {
-    std::env::var(TRITON_ENV).is_ok_and(|v| {
-        matches!(
-            v.trim().to_ascii_lowercase().as_str(),
-            "1" | "true" | "on" | "yes"
+/// What [`TRITON_ENV`] says: `Some(true)` / `Some(false)` for an on / off word, `None` when
+/// unset or empty, and `None` with a warning logged for anything else (a typo must not pass
+/// for a choice).
+pub fn triton_from_env() -> Option<bool> {
+    let value = std::env::var(TRITON_ENV).ok()?;
+    let word = parse_switch(&value);
+    if word.is_none() && !value.trim().is_empty() {
+        tracing::warn!(
+            "{TRITON_ENV}={value:?} is neither on (1, true, on, yes) nor off (0, false, off, no): \
+             ignored, the default ({}) holds",
+            if TRITON_DEFAULT { "on" } else { "off" }
+        );
+    }
+    word
+}
+
+/// An on / off word of [`TRITON_ENV`] (case and surrounding blanks ignored).
+fn parse_switch(value: &str) -> Option<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Some(true),
+        "0" | "false" | "off" | "no" => Some(false),
+        _ => None,
+    }
+}
+
+/// The log line for a device whose compute capability `major.minor` has no compiled cubin
+/// (`None` when it has one): said once per device, when the Triton kernels are asked for.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by `launch.rs`
+pub(crate) fn no_cubin_notice(ordinal: usize, major: i32, minor: i32) -> Option<String> {
+    (cubin_arch(major, minor).is_none()).then(|| {
+        format!(
+            "candle-fused: the Triton kernels are switched on, but CUDA device {ordinal} \
+             (compute capability {major}.{minor}) has no compiled cubin (sm_80 runs on 8.x, \
+             sm_90a on 9.0 only): its ops use the composite path"
         )
     })
+}
+
+/// The cubin architecture (80, 90) that runs on compute capability `major.minor`: a cubin
+/// runs on its major version at an equal or higher minor, and Triton's sm_90 cubins are
+/// sm_90a (architecture-specific), which runs on 9.0 only.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn cubin_arch(major: i32, minor: i32) -> Option<u32> {
+    match (major, minor) {
+        (8, _) => Some(80),
+        (9, 0) => Some(90),
+        _ => None,
+    }
 }
 
 /// How many Triton kernels this process has launched (0 without the `cuda` feature): a test
@@ -123,5 +190,50 @@ pub(crate) fn triton_input(t: &Tensor) -> Result<Tensor> {
         Ok(t.clone())
     } else {
         t.force_contiguous()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn environment_words() {
+        for on in ["1", "true", "ON", " yes "] {
+            assert_eq!(parse_switch(on), Some(true), "{on}");
+        }
+        for off in ["0", "false", "Off", "no"] {
+            assert_eq!(parse_switch(off), Some(false), "{off}");
+        }
+        for neither in ["", "2", "maybe", "enable"] {
+            assert_eq!(parse_switch(neither), None, "{neither}");
+        }
+    }
+
+    /// The program's choice over the environment over the default, and `None` giving the
+    /// decision back (one test: the switch is process-wide).
+    #[test]
+    fn three_states() {
+        let env = triton_from_env().unwrap_or(TRITON_DEFAULT);
+        choose_triton(Some(!env));
+        assert_eq!(triton_enabled(), !env);
+        choose_triton(Some(env));
+        assert_eq!(triton_enabled(), env);
+        set_triton(!env);
+        choose_triton(None);
+        assert_eq!(triton_enabled(), env);
+    }
+
+    #[test]
+    fn gpus_without_cubins_are_named_once_per_device() {
+        assert_eq!(cubin_arch(8, 0), Some(80));
+        assert_eq!(cubin_arch(8, 9), Some(80));
+        assert_eq!(cubin_arch(9, 0), Some(90));
+        for (major, minor) in [(7, 5), (10, 0), (12, 0)] {
+            assert_eq!(cubin_arch(major, minor), None);
+            let line = no_cubin_notice(1, major, minor).expect("a notice");
+            assert!(line.contains(&format!("{major}.{minor}")) && line.contains("composite"));
+        }
+        assert_eq!(no_cubin_notice(0, 9, 0), None);
     }
 }

@@ -210,9 +210,11 @@ train_config! {
     /// effect on the CPU, nor on bf16/f16 matmuls.
     tf32: bool = true,
     /// CUDA: run candle-fused's Triton kernels (compiled ahead of time, verified on the CPU
-    /// against its CPU kernels) instead of the composite Candle ops where one exists; off
-    /// until the GPU check (scripts/gpu/run.sh) has passed on a GPU. No effect on the CPU.
-    triton_kernels: bool = false,
+    /// against its CPU kernels) instead of the composite Candle ops where one exists: `true`
+    /// or `false`; unset, the environment decides (CANDLE_FUSED_TRITON=1 or 0), else
+    /// candle-fused's default (off until the GPU check, scripts/gpu/run.sh, has passed on a
+    /// GPU). No effect on the CPU.
+    triton_kernels: Option<bool> = None,
     /// Compute the head's cross-entropy a chunk of rows at a time, never holding the whole
     /// [batch, block, vocab] logits (Llama family; false: the whole logits, for comparison).
     chunked_loss: bool = true,
@@ -383,16 +385,29 @@ impl TrainConfig {
     }
 
     /// The run's CUDA settings as the banner shows them (`None` without a CUDA device, where
-    /// they have no effect).
+    /// they have no effect), with what decided the Triton switch.
     pub fn cuda_summary(&self) -> Option<String> {
         let on = |b: bool| if b { "on" } else { "off" };
         self.uses_cuda().then(|| {
+            let (triton, by) = self.triton_choice();
             format!(
-                "cuda: tf32 {} (f32 matmuls), triton kernels {}",
+                "cuda: tf32 {} (f32 matmuls), triton kernels {} ({by})",
                 on(self.tf32),
-                on(self.triton_kernels)
+                on(triton)
             )
         })
+    }
+
+    /// Whether the run takes candle-fused's Triton kernels on CUDA, and what decided it: the
+    /// flag (`triton_kernels`), else the environment (`CANDLE_FUSED_TRITON`), else candle-fused's
+    /// default.
+    pub fn triton_choice(&self) -> (bool, &'static str) {
+        use candle_fused::cuda_kernels::{triton_from_env, TRITON_DEFAULT, TRITON_ENV};
+        match (self.triton_kernels, triton_from_env()) {
+            (Some(on), _) => (on, "--triton-kernels"),
+            (None, Some(on)) => (on, TRITON_ENV),
+            (None, None) => (TRITON_DEFAULT, "default"),
+        }
     }
 
     /// How a step is spread over stages.
