@@ -73,6 +73,12 @@ fn every_handoff_is_ordered_for_gpipe_1f1b_and_interleaved() {
         for m in [1, 3, 5] {
             for (s, v) in schedules(workers, m) {
                 let (pipe, mbs) = pipeline(workers, v, m);
+                // Workers with their own pool run each action on a pool thread.
+                let pipe = if m == 3 {
+                    pipe.with_cpu_threads(1).unwrap()
+                } else {
+                    pipe
+                };
                 let out = pipe.step(&s, &mbs).unwrap();
                 assert_all_ordered(&out.handoffs, &s, &format!("S={workers} m={m}"));
             }
