@@ -1,5 +1,40 @@
 //! Running a [`Schedule`]: one OS thread per worker, each with its device and (on CPU) its own
 //! rayon thread pool, exchanging activations and gradients through a [`Transport`].
+//!
+//! # Ordering GPU work across workers
+//!
+//! Candle's `Device::new_cuda` queues every kernel, copy, allocation and free of a thread on
+//! that thread's own stream (`CU_STREAM_PER_THREAD`), and cudarc's per-buffer events do not
+//! order them (they are only active once a context made a second stream, and compare stream
+//! handles, which are all the same per-thread handle). Two workers on one GPU (or on two) are
+//! thus two unordered streams, and so are a worker and the thread that calls
+//! [`Pipeline::step`]. The executor orders every tensor that crosses threads itself:
+//!
+//! * activations and gradients between workers: the sender records a fence (CUDA events on its
+//!   thread's streams of the tensor's and of its own device) once the tensor is complete, and
+//!   the receiver makes its streams of the tensor's and of its own device wait for it before the
+//!   tensor's first use (a CPU receiver waits on the host). In [`Pipeline::step_with`] the fence
+//!   goes from sender to receiver through a board shared by the step's workers, keyed by the
+//!   message, so no [`Transport`] can drop or skip it, and a tensor that arrives without its fence
+//!   is an error. A [`PipelineWorker::step`] run alone waits for its fence on the host before
+//!   handing the tensor to the transport. [`StepOutput::handoffs`] counts every hand-off and
+//!   every ordered one;
+//! * the caller's batch and parameters: `step_with` records an entry fence on the calling
+//!   thread that each worker waits on before its first action, and each worker records an exit
+//!   fence after its last one that the calling thread's streams wait on before `step_with`
+//!   returns (so the gradients, and the optimizer's writes to the parameters, are ordered after
+//!   the step);
+//! * frees: a CUDA buffer is freed on the stream of the thread that drops its last reference
+//!   (cudarc's `CudaSlice::drop`: `cuMemFreeAsync` on the slice's stream handle, the per-thread
+//!   handle, so the dropping thread's stream). This is ordered after every other thread's use:
+//!   a sender keeps each activation it sent (for its backward) and drops it only after waiting on
+//!   the fence of the gradient for the same microbatch, which the receiver recorded after copying
+//!   the activation into its own leaf (`Var::from_tensor` copies) and dropping its reference; a
+//!   gradient is sent without the sender keeping a reference, so the receiver frees it after its
+//!   own uses and after the fence that follows the sender's; what the caller gets back or lent is
+//!   freed on its streams after they waited on every exit fence. After a failed step the workers
+//!   drop what they hold without this ordering: no received buffer is ever written, so a stale
+//!   read can only affect results that are discarded.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -8,13 +43,14 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Result as CResult, Tensor};
 
 use crate::error::{PipelineError, Result};
+use crate::fence::{self, Fence, FenceBoard};
 use crate::microbatch::Microbatches;
 use crate::report::Timeline;
 use crate::schedule::Schedule;
 use crate::simulator::{simulate, Costs, Prediction};
 use crate::stage::Stage;
 use crate::transport::{InProcess, Transport};
-use crate::worker::{LossFn, PipelineWorker, WorkerStep};
+use crate::worker::{Handoffs, LossFn, PipelineWorker, WorkerStep};
 
 /// A model split into virtual stages placed on workers, with the loss of the last stage.
 ///
@@ -50,6 +86,9 @@ pub struct StepOutput {
     pub forward_time: Vec<f64>,
     /// Mean measured backward time per virtual stage (seconds).
     pub backward_time: Vec<f64>,
+    /// Activations and gradients that crossed between workers, and how many the executor
+    /// ordered (all of them; see the [module docs](crate::executor)).
+    pub handoffs: Handoffs,
 }
 
 impl StepOutput {
@@ -206,16 +245,30 @@ impl Pipeline {
         }
         // The fields of a schedule are public: re-check it so a hand-made one cannot hang.
         schedule.validate()?;
+        let devices = fence::distinct(
+            self.parts
+                .iter()
+                .flat_map(|p| p.step_devices(batch))
+                .collect::<Vec<_>>()
+                .iter(),
+        );
+        // The caller's work on the batch and the parameters, for the workers to wait on.
+        let entry = Fence::record(&devices).map_err(|e| PipelineError::Transport {
+            worker: 0,
+            message: format!("ordering the step after the caller's GPU work: {e}"),
+        })?;
+        let board = FenceBoard::default();
         let t0 = Instant::now();
-        let results: Vec<Result<WorkerStep>> = std::thread::scope(|scope| {
+        let results: Vec<Result<(WorkerStep, Fence)>> = std::thread::scope(|scope| {
             let handles: Vec<_> = transports
                 .into_iter()
                 .zip(&self.parts)
                 .enumerate()
                 .map(|(w, (t, part))| {
+                    let shared = Some((&board, &entry, devices.as_slice()));
                     std::thread::Builder::new()
                         .name(format!("pipeline-worker-{w}"))
-                        .spawn_scoped(scope, move || part.run(schedule, batch, &t, t0))
+                        .spawn_scoped(scope, move || part.run(schedule, batch, &t, t0, shared))
                 })
                 .collect();
             handles
@@ -233,10 +286,14 @@ impl Pipeline {
                 .collect()
         });
         let mut outs = Vec::with_capacity(results.len());
+        let mut exits = Vec::with_capacity(results.len());
         let mut first_err: Option<PipelineError> = None;
         for r in results {
             match r {
-                Ok(o) => outs.push(o),
+                Ok((o, exit)) => {
+                    outs.push(o);
+                    exits.push(exit);
+                }
                 Err(e) => {
                     if first_err
                         .as_ref()
@@ -247,10 +304,20 @@ impl Pipeline {
                 }
             }
         }
-        match first_err {
-            Some(e) => Err(e),
-            None => StepOutput::merge(outs),
+        if let Some(e) = first_err {
+            return Err(e);
         }
+        // The caller's next work (the optimizer on these gradients and parameters) comes after
+        // every worker's.
+        for (w, exit) in exits.iter().enumerate() {
+            exit.wait_on(&devices)
+                .map_err(|e| PipelineError::Transport {
+                    worker: w,
+                    message: format!("ordering the caller after the step's GPU work: {e}"),
+                })?;
+        }
+        drop(board);
+        StepOutput::merge(outs)
     }
 }
 
@@ -286,7 +353,9 @@ impl StepOutput {
         let mut loss = 0.0;
         let mut spans = vec![];
         let mut peaks = vec![];
+        let mut handoffs = Handoffs::default();
         for o in parts {
+            handoffs.add(&o.handoffs);
             grads.extend(o.grads)?;
             loss += o.loss;
             spans.push(o.spans);
@@ -318,6 +387,7 @@ impl StepOutput {
             peak_in_flight: peaks,
             forward_time: mean(fsum, cnt_f),
             backward_time: mean(bsum, cnt_b),
+            handoffs,
         })
     }
 }

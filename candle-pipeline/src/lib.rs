@@ -5,6 +5,7 @@ pub mod action;
 pub mod balance;
 pub mod error;
 pub mod executor;
+mod fence;
 pub mod microbatch;
 pub mod report;
 pub mod schedule;
@@ -29,4 +30,4 @@ pub use stage::{
     StageForward,
 };
 pub use transport::{Envelope, Expected, InProcess, Message, Payload, Transport};
-pub use worker::{LossFn, PipelineWorker, WorkerStep};
+pub use worker::{Handoffs, LossFn, PipelineWorker, WorkerStep};

@@ -16,6 +16,7 @@ use candle_core::{DType, Device, Result as CResult, Tensor, Var};
 
 use crate::action::Action;
 use crate::error::{PipelineError, Result};
+use crate::fence::{self, Fence, FenceBoard};
 use crate::microbatch::Microbatches;
 use crate::report::Span;
 use crate::schedule::Schedule;
@@ -77,6 +78,46 @@ pub struct WorkerStep {
     pub peak_in_flight: usize,
     /// Measured duration of every action (seconds).
     pub times: Vec<(Action, f64)>,
+    /// The tensors this worker sent to and received from other workers, and how many of them
+    /// went through the executor's ordering (see [`Handoffs`]).
+    pub handoffs: Handoffs,
+}
+
+/// Counts of the tensors that crossed between workers in a step, and of those the executor
+/// ordered.
+///
+/// A worker's thread has its own CUDA stream (Candle's `Device::new_cuda` uses
+/// `CU_STREAM_PER_THREAD`), so a tensor made on one worker's thread and read on another's must be
+/// ordered explicitly: the sender records a fence after the tensor is complete and the receiver
+/// waits on it before its first use (see the [`executor`](crate::executor) docs). Every send
+/// and every receive goes through that ordering whatever the device (on the CPU it is a no-op),
+/// so `ordered_sends == activations_sent + gradients_sent` and `ordered_receives == received`;
+/// summed over the workers of a step, each equals the number of activations and gradients the
+/// schedule moves between workers. Hand-offs between two stages of one worker stay on its thread
+/// and are not counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Handoffs {
+    /// Activations given to the transport.
+    pub activations_sent: usize,
+    /// Gradients given to the transport.
+    pub gradients_sent: usize,
+    /// Tensors received through the transport and used by an action.
+    pub received: usize,
+    /// Sends that recorded a fence before the tensor went to the transport.
+    pub ordered_sends: usize,
+    /// Receives that waited on the sender's fence before the tensor was used.
+    pub ordered_receives: usize,
+}
+
+impl Handoffs {
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: &Handoffs) {
+        self.activations_sent += other.activations_sent;
+        self.gradients_sent += other.gradients_sent;
+        self.received += other.received;
+        self.ordered_sends += other.ordered_sends;
+        self.ordered_receives += other.ordered_receives;
+    }
 }
 
 impl PipelineWorker {
@@ -203,7 +244,19 @@ impl PipelineWorker {
         }
         schedule.validate()?;
         let t0 = Instant::now();
-        self.run(schedule, batch, transport, t0)
+        self.run(schedule, batch, transport, t0, None)
+            .map(|(out, _exit)| out)
+    }
+
+    /// Every device this worker's step touches: its own, its parameters', the batch's.
+    pub(crate) fn step_devices(&self, batch: &Microbatches) -> Vec<Device> {
+        let vars: Vec<Var> = self.stages.iter().flat_map(|s| s.vars()).collect();
+        let batch_tensors = (0..batch.len()).flat_map(|k| [batch.input(k), batch.target(k)]);
+        fence::distinct(
+            std::iter::once(&self.device)
+                .chain(vars.iter().map(|v| v.device()))
+                .chain(batch_tensors.map(|t| t.device())),
+        )
     }
 
     pub(crate) fn check(&self, schedule: &Schedule, batch: &Microbatches) -> Result<()> {
@@ -226,20 +279,59 @@ impl PipelineWorker {
     }
 
     /// Runs the action list (each action's math inside this worker's pool, if any); no
-    /// validation.
+    /// validation. `shared`: the in-process step's fence board, the caller's entry fence and
+    /// every device of the step; `None` for a worker run alone. Returns this worker's output and
+    /// its exit fence (recorded after its last action, for the caller to wait on).
     pub(crate) fn run<T: Transport + ?Sized>(
         &self,
         schedule: &Schedule,
         batch: &Microbatches,
         transport: &T,
         t0: Instant,
-    ) -> Result<WorkerStep> {
+        shared: Option<(&FenceBoard, &Fence, &[Device])>,
+    ) -> Result<(WorkerStep, Fence)> {
+        let fail = |e: PipelineError| {
+            tracing::error!("pipeline worker {} failed: {e}", self.worker);
+            transport.abort_with(&e.to_string());
+            e
+        };
+        let stage_err = |source: candle_core::Error| match schedule.actions[self.worker].first() {
+            Some(&action) => PipelineError::Stage {
+                worker: self.worker,
+                action,
+                source,
+            },
+            None => PipelineError::Transport {
+                worker: self.worker,
+                message: format!("ordering the step's GPU work: {source}"),
+            },
+        };
+        let (board, devices) = match shared {
+            Some((board, entry, devices)) => {
+                // The caller's work on the batch and the parameters comes first.
+                self.wait_fence(entry, devices)
+                    .map_err(|e| fail(stage_err(e)))?;
+                (Some(board), devices.to_vec())
+            }
+            None => {
+                let devices = self.step_devices(batch);
+                // Alone, the caller is this thread; only a pool's threads need ordering after it.
+                if self.pool.is_some() {
+                    Fence::record(&devices)
+                        .and_then(|f| f.synchronize())
+                        .map_err(|e| fail(stage_err(e)))?;
+                }
+                (None, devices)
+            }
+        };
         let mut run = Run {
             transport,
             st: State {
                 p: self,
                 schedule,
                 batch,
+                board,
+                devices,
                 mailbox: HashMap::new(),
                 stash: HashMap::new(),
                 vars: HashMap::new(),
@@ -252,19 +344,31 @@ impl PipelineWorker {
                     spans: vec![],
                     peak_in_flight: 0,
                     times: vec![],
+                    handoffs: Handoffs::default(),
                 },
             },
         };
         for &action in &schedule.actions[self.worker] {
             if let Err(e) = run.run(action, t0) {
                 if !matches!(e, PipelineError::Aborted { .. }) {
-                    tracing::error!("pipeline worker {} failed: {e}", self.worker);
-                    transport.abort_with(&e.to_string());
+                    return Err(fail(e));
                 }
                 return Err(e);
             }
         }
-        Ok(run.st.out)
+        let exit = Fence::record(&run.st.devices).map_err(|e| fail(stage_err(e)))?;
+        Ok((run.st.out, exit))
+    }
+
+    /// Makes this worker's compute wait for `fence`: on the GPU for a CUDA worker (its actions
+    /// run on this thread), on the host otherwise (a CPU worker's actions may run on any thread
+    /// of its pool, and its copies from a GPU are synchronous anyway).
+    fn wait_fence(&self, fence: &Fence, devices: &[Device]) -> CResult<()> {
+        if self.device.is_cuda() {
+            fence.wait_on(devices)
+        } else {
+            fence.synchronize()
+        }
     }
 }
 
@@ -283,6 +387,10 @@ struct State<'a> {
     p: &'a PipelineWorker,
     schedule: &'a Schedule,
     batch: &'a Microbatches,
+    /// The step's shared fences (in-process runs); `None` for a worker run alone.
+    board: Option<&'a FenceBoard>,
+    /// Every device the step's tensors live on.
+    devices: Vec<Device>,
     mailbox: HashMap<(Payload, usize, usize), Tensor>,
     /// `(mb, stage)` -> (input leaf, stage output or weighted loss, the stage's own backward).
     stash: HashMap<(usize, usize), Stashed>,
@@ -314,13 +422,15 @@ impl<T: Transport + ?Sized> Run<'_, T> {
             _ => None,
         };
         let received = match needed {
-            Some(e) => Some(self.wait(&e)?),
+            Some(e) => Some((e, self.wait(&e)?)),
             None => None,
         };
         let start = Instant::now();
         let w = p.worker;
         let state = &mut self.st;
-        let job = move || catch_unwind(AssertUnwindSafe(|| state.compute(action, received)));
+        // Ordering and math run on the same thread (the pool's, if any): its streams are the
+        // ones that must wait for a received tensor and that produced the one sent.
+        let job = move || catch_unwind(AssertUnwindSafe(|| state.act(action, received)));
         let r = match &p.pool {
             Some(pool) => pool.install(job),
             None => job(),
@@ -354,6 +464,11 @@ impl<T: Transport + ?Sized> Run<'_, T> {
                     .mailbox
                     .insert((msg.payload, msg.mb, msg.stage), msg.tensor);
             } else {
+                let h = &mut self.st.out.handoffs;
+                match msg.payload {
+                    Payload::Activation => h.activations_sent += 1,
+                    Payload::Gradient => h.gradients_sent += 1,
+                }
                 self.transport.send(to, msg)?;
             }
         }
@@ -383,10 +498,14 @@ impl<T: Transport + ?Sized> Run<'_, T> {
         }
     }
 
+    /// The tensor `expected` names, from the mailbox or the transport.
     fn wait(&mut self, expected: &Expected) -> Result<Tensor> {
         let key = (expected.payload, expected.mb, expected.stage);
         loop {
             if let Some(t) = self.st.mailbox.remove(&key) {
+                if expected.from != self.st.p.worker {
+                    self.st.out.handoffs.received += 1;
+                }
                 return Ok(t);
             }
             let env = self.transport.recv_expected(expected)?;
@@ -396,6 +515,81 @@ impl<T: Transport + ?Sized> Run<'_, T> {
 }
 
 impl State<'_> {
+    /// One action: orders a tensor received from another worker after its sender, runs the
+    /// math, orders the tensor to send after the math. Every hand-off between workers passes
+    /// here (the only caller of [`State::compute`]).
+    fn act(
+        &mut self,
+        action: Action,
+        received: Option<(Expected, Tensor)>,
+    ) -> CResult<Option<Message>> {
+        let received = match received {
+            Some((e, t)) => {
+                if e.from != self.p.worker {
+                    self.order_receive(&e, &t)?;
+                }
+                Some(t)
+            }
+            None => None,
+        };
+        let msg = self.compute(action, received)?;
+        if let Some(m) = &msg {
+            if self.schedule.worker_of(m.stage) != self.p.worker {
+                self.order_send(m)?;
+            }
+        }
+        if self.p.pool.is_some() {
+            // A pool thread's streams are nobody else's: finish its GPU work (if any) here,
+            // which the exit fence, recorded on the worker's thread, would not cover.
+            for d in &self.devices {
+                if d.is_cuda() {
+                    d.synchronize()?;
+                }
+            }
+        }
+        Ok(msg)
+    }
+
+    /// Records the fence of `msg` on this thread (after the math that made the tensor) and posts
+    /// it for the receiver; alone, waits for it on the host, so that the tensor is complete
+    /// before any transport sees it.
+    fn order_send(&mut self, msg: &Message) -> CResult<()> {
+        let fence = Fence::record(&fence::handoff_devices(&msg.tensor, &self.p.device))?;
+        match self.board {
+            Some(board) => board.post((msg.payload, msg.mb, msg.stage), fence),
+            None => fence.synchronize()?,
+        }
+        self.out.handoffs.ordered_sends += 1;
+        Ok(())
+    }
+
+    /// Makes this thread wait for the fence the sender recorded for `tensor` before anything
+    /// reads it (on the GPU for a CUDA worker, on the host otherwise). Alone, the sender already
+    /// waited for it. In an in-process step a tensor without a fence is an error: whatever
+    /// delivered it, nothing orders it after its producer.
+    fn order_receive(&mut self, e: &Expected, tensor: &Tensor) -> CResult<()> {
+        if let Some(board) = self.board {
+            let key = (e.payload, e.mb, e.stage);
+            let devices = fence::handoff_devices(tensor, &self.p.device);
+            let found = if self.p.device.is_cuda() {
+                board.wait(&key, &devices)?
+            } else {
+                board.synchronize(&key)?
+            };
+            if !found {
+                candle_core::bail!(
+                    "{:?} of microbatch {} for stage {} arrived from worker {} without its fence",
+                    e.payload,
+                    e.mb,
+                    e.stage,
+                    e.from
+                );
+            }
+        }
+        self.out.handoffs.ordered_receives += 1;
+        Ok(())
+    }
+
     fn stage_vars(&mut self, st: usize) -> CResult<&[Var]> {
         if !self.vars.contains_key(&st) {
             let Some(stage) = self.p.stage(st) else {
