@@ -1,6 +1,6 @@
-//! What runs the cases, apart from the cases themselves: where the vector files are, each
-//! family's files checked one by one (all of them, whatever fails), which trials a command
-//! line selects; and the CPU trials that check these (`harness::*`).
+//! What runs the cases, apart from the cases themselves: where the vector files are, and each
+//! family's files checked one by one (all of them, whatever fails); and the CPU trials that
+//! check these (`harness::*`).
 
 use anyhow::{anyhow, bail, ensure, Result};
 use candle_core::DType;
