@@ -1,6 +1,6 @@
 //! The NCCL backend on real GPUs: a world of one rank on GPU 0, and a world of two threads on
-//! GPUs 0 and 1 when the machine has two. Each test prints `skipping: ...` and passes when the
-//! GPUs it needs are missing (this file only builds with `--features nccl`).
+//! GPUs 0 and 1 when the machine has two. Each test prints `<test>: skipping: ...` and passes
+//! when the GPUs it needs are missing (this file only builds with `--features nccl`).
 #![cfg(feature = "nccl")]
 
 mod common;
@@ -12,14 +12,16 @@ use candle_comm::{run_threads, CommError, Communicator, Local, NcclComm, ReduceO
 use candle_core::cuda::cudarc::driver::CudaContext;
 use candle_core::{DType, Device, Tensor};
 
-/// GPU 0, or `None` (with a notice) when there is no usable CUDA device.
-fn gpu0() -> Option<Device> {
+/// GPU 0, or `None` when there is no usable CUDA device, with a notice that starts with the
+/// test's name (`<test>: skipping: no CUDA device (<reason>)`: a pass then is a skip, which
+/// `scripts/gpu/run.sh` and `.ci/build-nccl.sh` look for).
+fn gpu0(test: &str) -> Option<Device> {
     match Device::new_cuda(0) {
         Ok(d) => Some(d),
         Err(e) => {
             let e = e.to_string();
             println!(
-                "skipping: no CUDA device ({})",
+                "{test}: skipping: no CUDA device ({})",
                 e.lines().next().unwrap_or("")
             );
             None
@@ -34,7 +36,9 @@ fn rendezvous(name: &str) -> std::path::PathBuf {
 
 #[test]
 fn one_rank_device_collectives() -> Result<()> {
-    let Some(dev) = gpu0() else { return Ok(()) };
+    let Some(dev) = gpu0("one_rank_device_collectives") else {
+        return Ok(());
+    };
     let path = rendezvous("collectives");
     let comm = NcclComm::from_file(&path, 0, 1, 0)?;
     assert!(
@@ -54,7 +58,7 @@ fn one_rank_device_collectives() -> Result<()> {
 
 #[test]
 fn one_rank_host_tensors() -> Result<()> {
-    if gpu0().is_none() {
+    if gpu0("one_rank_host_tensors").is_none() {
         return Ok(());
     }
     let comm = NcclComm::from_communicator(&Local::new(), 0)?;
@@ -66,7 +70,9 @@ fn one_rank_host_tensors() -> Result<()> {
 
 #[test]
 fn one_rank_data_parallel() -> Result<()> {
-    let Some(dev) = gpu0() else { return Ok(()) };
+    let Some(dev) = gpu0("one_rank_data_parallel") else {
+        return Ok(());
+    };
     let comm = NcclComm::from_communicator(&Local::new(), 0)?;
     common::check_buckets(&comm, &dev)?;
     common::check_data_parallel(&comm, 6, 600)?;
@@ -75,7 +81,9 @@ fn one_rank_data_parallel() -> Result<()> {
 
 #[test]
 fn rejects_bad_input() -> Result<()> {
-    let Some(dev) = gpu0() else { return Ok(()) };
+    let Some(dev) = gpu0("rejects_bad_input") else {
+        return Ok(());
+    };
     let comm = NcclComm::builder(0)
         .timeout(Duration::from_secs(60))
         .p2p(false)
@@ -114,12 +122,12 @@ fn rejects_bad_input() -> Result<()> {
 
 #[test]
 fn two_gpus_in_threads() {
-    if gpu0().is_none() {
+    if gpu0("two_gpus_in_threads").is_none() {
         return;
     }
     let count = CudaContext::device_count().unwrap_or(0);
     if count < 2 {
-        println!("skipping: 2 CUDA devices needed, {count} found");
+        println!("two_gpus_in_threads: skipping: 2 CUDA devices needed, {count} found");
         return;
     }
     let outcomes = run_threads(2, Duration::from_secs(120), |c| -> Result<()> {

@@ -108,94 +108,83 @@ pub(crate) fn unmerge(x: &Tensor, h: usize) -> Result<Tensor> {
 /// `attention_merged` and `attention_qkv` give the bits of `attention` on the same heads (they
 /// run the same kernels; only the copies around them differ): merged on the vector's grouped
 /// q, k, v; qkv (one kv head per query head) against `attention` with k, v repeated per group.
-pub(crate) fn attention_layouts(dev: &Device) -> Result<()> {
-    for (path, _) in vector_files("attention")? {
-        eprintln!("{} (layouts)", path.display());
-        let t = candle_core::safetensors::load(&path, &Device::Cpu)?;
-        let cfg = attention_cfg(&t, dev)?;
-        let [q, k, v, dout] = ["q", "k", "v", "do"].map(|n| input(&t, n, dev));
-        let (q, k, v, dout) = (q?, k?, v?, dout?);
-        let (b, h, n, d) = q.dims4()?;
-        let kvh = k.dim(1)?;
-        let counted = |what: &str, run: &dyn Fn() -> Result<Outputs>| -> Result<Outputs> {
-            let before = launch_count();
-            let out = run()?;
-            let launched = launch_count() - before;
-            let want = if dev.is_cuda() { 4 } else { 0 };
-            ensure!(
-                launched == want,
-                "{what}: {launched} Triton launches, expected {want}"
-            );
-            Ok(out)
-        };
-
-        let bhtd = attention_grads(&q, &k, &v, &dout, &cfg)?;
-        let merged = counted("attention_merged", &|| {
-            let vars = [&q, &k, &v].map(Var::from_tensor);
-            let [qv, kv, vv] = vars;
-            let (qv, kv, vv) = (qv?, kv?, vv?);
-            let y = candle_fused::attention::attention_merged(
-                qv.as_tensor(),
-                kv.as_tensor(),
-                vv.as_tensor(),
-                &cfg,
-            )?;
-            let g = (&y * &merge(&dout)?)?.sum_all()?.backward()?;
-            Ok(vec![
-                ("o", unmerge(&y, h)?),
-                ("dq", grad(&g, &qv)?),
-                ("dk", grad(&g, &kv)?),
-                ("dv", grad(&g, &vv)?),
-            ])
-        })?;
-        ensure!(
-            same_bits(&bhtd, &merged)?,
-            "{}: attention_merged differs from attention",
-            path.display()
-        );
-
-        let rep = |x: &Tensor| -> Result<Tensor> {
-            Ok(x.unsqueeze(2)?
-                .expand((b, kvh, h / kvh, n, d))?
-                .reshape((b, h, n, d))?)
-        };
-        let (k, v) = (rep(&k)?, rep(&v)?);
-        let repeated = attention_grads(&q, &k, &v, &dout, &cfg)?;
-        let qkv_out = counted("attention_qkv", &|| {
-            let qkv = Var::from_tensor(&Tensor::cat(&[merge(&q)?, merge(&k)?, merge(&v)?], 2)?)?;
-            let y = candle_fused::attention::attention_qkv(qkv.as_tensor(), h, &cfg)?;
-            let g = (&y * &merge(&dout)?)?.sum_all()?.backward()?;
-            let dqkv = grad(&g, &qkv)?;
-            let part = |i: usize| unmerge(&dqkv.narrow(2, i * h * d, h * d)?, h);
-            Ok(vec![
-                ("o", unmerge(&y, h)?),
-                ("dq", part(0)?),
-                ("dk", part(1)?),
-                ("dv", part(2)?),
-            ])
-        })?;
-        ensure!(
-            same_bits(&repeated, &qkv_out)?,
-            "{}: attention_qkv differs from attention",
-            path.display()
-        );
-    }
-    Ok(())
+/// Every attention vector file in `dir`, all of them whatever fails; the Triton switch as the
+/// caller set it.
+pub(crate) fn attention_layouts(dev: &Device, dir: &Path) -> Result<()> {
+    let files = vector_files(dir, "attention")?;
+    check_each(&files, |(p, _)| file_label(p), |(p, _)| layouts(dev, p))
 }
 
-#[test]
-fn attention_layouts_on_cuda() -> Result<()> {
-    let _one = exclusive();
-    let Ok(dev) = Device::new_cuda(0) else {
-        eprintln!("cuda_triton::attention_layouts_on_cuda: no CUDA device (or no `cuda` feature), skipped");
-        return Ok(());
+/// [`attention_layouts`] on one vector file.
+fn layouts(dev: &Device, path: &Path) -> Result<()> {
+    eprintln!("{} (layouts)", path.display());
+    let t = candle_core::safetensors::load(path, &Device::Cpu)?;
+    let cfg = attention_cfg(&t, dev)?;
+    let [q, k, v, dout] = ["q", "k", "v", "do"].map(|n| input(&t, n, dev));
+    let (q, k, v, dout) = (q?, k?, v?, dout?);
+    let (b, h, n, d) = q.dims4()?;
+    let kvh = k.dim(1)?;
+    let counted = |what: &str, run: &dyn Fn() -> Result<Outputs>| -> Result<Outputs> {
+        let before = launch_count();
+        let out = run()?;
+        let launched = launch_count() - before;
+        let want = if dev.is_cuda() { 4 } else { 0 };
+        ensure!(
+            launched == want,
+            "{what}: {launched} Triton launches, expected {want}"
+        );
+        Ok(out)
     };
-    set_triton(true);
-    attention_layouts(&dev)
-}
 
-#[test]
-fn attention_layouts_on_the_cpu() -> Result<()> {
-    let _one = exclusive();
-    attention_layouts(&Device::Cpu)
+    let bhtd = attention_grads(&q, &k, &v, &dout, &cfg)?;
+    let merged = counted("attention_merged", &|| {
+        let vars = [&q, &k, &v].map(Var::from_tensor);
+        let [qv, kv, vv] = vars;
+        let (qv, kv, vv) = (qv?, kv?, vv?);
+        let y = candle_fused::attention::attention_merged(
+            qv.as_tensor(),
+            kv.as_tensor(),
+            vv.as_tensor(),
+            &cfg,
+        )?;
+        let g = (&y * &merge(&dout)?)?.sum_all()?.backward()?;
+        Ok(vec![
+            ("o", unmerge(&y, h)?),
+            ("dq", grad(&g, &qv)?),
+            ("dk", grad(&g, &kv)?),
+            ("dv", grad(&g, &vv)?),
+        ])
+    })?;
+    ensure!(
+        same_bits(&bhtd, &merged)?,
+        "{}: attention_merged differs from attention",
+        path.display()
+    );
+
+    let rep = |x: &Tensor| -> Result<Tensor> {
+        Ok(x.unsqueeze(2)?
+            .expand((b, kvh, h / kvh, n, d))?
+            .reshape((b, h, n, d))?)
+    };
+    let (k, v) = (rep(&k)?, rep(&v)?);
+    let repeated = attention_grads(&q, &k, &v, &dout, &cfg)?;
+    let qkv_out = counted("attention_qkv", &|| {
+        let qkv = Var::from_tensor(&Tensor::cat(&[merge(&q)?, merge(&k)?, merge(&v)?], 2)?)?;
+        let y = candle_fused::attention::attention_qkv(qkv.as_tensor(), h, &cfg)?;
+        let g = (&y * &merge(&dout)?)?.sum_all()?.backward()?;
+        let dqkv = grad(&g, &qkv)?;
+        let part = |i: usize| unmerge(&dqkv.narrow(2, i * h * d, h * d)?, h);
+        Ok(vec![
+            ("o", unmerge(&y, h)?),
+            ("dq", part(0)?),
+            ("dk", part(1)?),
+            ("dv", part(2)?),
+        ])
+    })?;
+    ensure!(
+        same_bits(&repeated, &qkv_out)?,
+        "{}: attention_qkv differs from attention",
+        path.display()
+    );
+    Ok(())
 }

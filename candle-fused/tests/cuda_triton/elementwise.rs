@@ -27,6 +27,7 @@ const EXACT: [f64; 3] = [0.0; 3];
 pub(super) fn cases() -> Vec<Case> {
     vec![
         Case {
+            name: "dropout",
             family: "dropout",
             checks: DROPOUT,
             run: run_dropout,
@@ -35,6 +36,7 @@ pub(super) fn cases() -> Vec<Case> {
             cpu_composite: [1.0; 3],
         },
         Case {
+            name: "swiglu",
             family: "swiglu",
             checks: SWIGLU,
             run: run_swiglu,
@@ -42,6 +44,7 @@ pub(super) fn cases() -> Vec<Case> {
             cpu_composite: [1.0; 3],
         },
         Case {
+            name: "gelu",
             family: "gelu",
             checks: GELU,
             run: run_gelu,
@@ -50,6 +53,7 @@ pub(super) fn cases() -> Vec<Case> {
             cpu_composite: [1.0; 3],
         },
         Case {
+            name: "adamw",
             family: "adamw",
             checks: ADAMW,
             run: run_adamw,

@@ -3,10 +3,26 @@
 //! and backward with the kernels switched on (`cuda_kernels::set_triton`).
 //!
 //! Compiled always, meaningful with `--features cuda` on a machine with a GPU:
-//! `cargo test -p candle-fused --release --features cuda --test cuda_triton`. Where no CUDA
-//! device opens, `on_cuda` prints a notice and returns. `harness_on_the_cpu` runs the same cases
-//! on the CPU kernels (which wrote the vectors) and on the composite fallback (the path CUDA takes
-//! with Triton off), so loading, error measures and tolerance tables are exercised everywhere.
+//! `cargo test -p candle-fused --release --features cuda --test cuda_triton`. Its own test
+//! runner (`harness = false`, libtest-mimic: filters, `--exact`, `--skip`, `--list`,
+//! `--test-threads` as usual) runs one trial per case (kernel family) and target:
+//! * `on_cuda::<case>`: the kernels on CUDA. Where no CUDA device opens (no `cuda` feature, or
+//!   `Device::new_cuda(0)` fails), decided before any trial runs, these trials are reported
+//!   *ignored*, not passed, with one line on stderr:
+//!   `cuda_triton: no CUDA device (<reason>): N CUDA trials skipped`.
+//! * `harness_on_the_cpu::<case>`: the same case on the CPU kernels (which wrote the vectors)
+//!   and on the composite fallback (the path CUDA takes with Triton off), so loading, error
+//!   measures and tolerance tables are exercised everywhere.
+//! * `harness::*`: the runner itself ([`runner`]).
+//!
+//! A failing trial does not stop the others, and within a trial every vector file is checked
+//! whatever an earlier one did: the trial's error lists each failed file with its error.
+//!
+//! The vector files are looked for in the directory `CANDLE_FUSED_VECTORS` names (an error if
+//! it is set to anything but a directory), else in `triton/vectors` under the working
+//! directory (cargo runs a test in `candle-fused/`), else in `triton/vectors` under the
+//! package's directory on the machine that built the executable; where none exists, every
+//! trial that needs them fails naming the three places. The directory used is printed first.
 //!
 //! On CUDA each case checks, for every vector file of its family:
 //! * Triton on: every output within the family's tolerance of the vector (the `TOL` and `ERROR`
@@ -17,9 +33,10 @@
 //!   Triton outputs (both are within the tolerance of the CPU kernel's vector).
 //!
 //! Adding a family: write its `run` (inputs from the vector file, moved to the device; the op
-//! forward and backward; outputs by the names the vector file uses) and add a [`Case`] to
-//! [`cases`]. A checked output that a vector file lacks (LayerNorm's `db` without a bias) must
-//! be missing from the run's outputs too, and is then not compared for that file. Where the
+//! forward and backward; outputs by the names the vector file uses) and add a [`Case`] (its
+//! `name` names its trials) to [`cases`]. A checked output that a vector file lacks
+//! (LayerNorm's `db` without a bias) must be missing from the run's outputs too, and is then
+//! not compared for that file. Where the
 //! composite fallback is held to another tolerance than the kernels (the families whose kernels
 //! are bit-identical to the CPU's), list it in the family module's `FALLBACK` (see
 //! [`fallback_tol`]).
@@ -28,13 +45,15 @@ use anyhow::{bail, ensure, Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::cuda_kernels::{launch_count, set_triton};
+use libtest_mimic::{Arguments, Trial};
+use runner::{check_each, file_label, vector_files, vectors_dir, VECTORS_ENV};
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard};
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
 
-/// Held by every test that switches the kernels or counts launches (both process-wide), so
-/// the tests of this binary do not disturb each other when they run in parallel; switches the
-/// kernels off again when dropped (also when a test fails half way).
+/// Held by every trial that switches the kernels or counts launches (both process-wide), so
+/// the trials of this binary do not disturb each other when they run in parallel; switches the
+/// kernels off again when dropped (also when a trial fails half way).
 fn exclusive() -> Exclusive {
     static LOCK: Mutex<()> = Mutex::new(());
     Exclusive {
@@ -79,8 +98,11 @@ struct Check {
 
 type Outputs = Vec<(&'static str, Tensor)>;
 
-/// One kernel family.
+/// One kernel family (or, where one family's vectors check two ops, one op).
 struct Case {
+    /// The trials' name: `on_cuda::<name>`, `harness_on_the_cpu::<name>`.
+    name: &'static str,
+    /// The vector files' prefix.
     family: &'static str,
     checks: &'static [Check],
     /// The op forward + backward on the device over a vector file's tensors.
@@ -97,10 +119,12 @@ mod cross_entropy;
 mod elementwise;
 mod norm;
 mod rope;
+mod runner;
 
 fn cases() -> Vec<Case> {
     let mut cases = vec![
         Case {
+            name: "rms_norm",
             family: "rms_norm",
             checks: norm::RMS_NORM,
             run: norm::rms_norm,
@@ -108,6 +132,7 @@ fn cases() -> Vec<Case> {
             cpu_composite: [1.0; 3],
         },
         Case {
+            name: "layer_norm",
             family: "layer_norm",
             checks: norm::LAYER_NORM,
             run: norm::layer_norm,
@@ -116,6 +141,7 @@ fn cases() -> Vec<Case> {
             cpu_composite: [1.0; 3],
         },
         Case {
+            name: "rope",
             family: "rope",
             checks: rope::ROPE,
             run: rope::rope,
@@ -123,6 +149,7 @@ fn cases() -> Vec<Case> {
             cpu_composite: [1.0; 3],
         },
         Case {
+            name: "attention",
             family: "attention",
             checks: attention::ATTENTION,
             run: attention::attention,
@@ -131,6 +158,7 @@ fn cases() -> Vec<Case> {
             cpu_composite: [1.0; 3],
         },
         Case {
+            name: "cross_entropy",
             family: "cross_entropy",
             checks: cross_entropy::CROSS_ENTROPY,
             run: cross_entropy::cross_entropy,
@@ -138,6 +166,7 @@ fn cases() -> Vec<Case> {
             cpu_composite: [1.0; 3],
         },
         Case {
+            name: "linear_cross_entropy",
             family: "cross_entropy",
             checks: cross_entropy::LINEAR_CROSS_ENTROPY,
             run: cross_entropy::linear_cross_entropy,
@@ -174,29 +203,6 @@ fn input(t: &HashMap<String, Tensor>, name: &str, dev: &Device) -> Result<Tensor
 
 fn grad(g: &GradStore, v: &Var) -> Result<Tensor> {
     g.get(v.as_tensor()).cloned().context("no gradient")
-}
-
-/// The family's vector files, with the dtype of each (`<family>.<dtype>.<case>.safetensors`).
-fn vector_files(family: &str) -> Result<Vec<(PathBuf, DType)>> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("triton/vectors");
-    let mut files = Vec::new();
-    for e in std::fs::read_dir(&dir)? {
-        let path = e?.path();
-        let name = path.file_name().unwrap_or_default().to_string_lossy();
-        let parts: Vec<&str> = name.split('.').collect();
-        if parts.len() == 4 && parts[0] == family && parts[3] == "safetensors" {
-            let dt = match parts[1] {
-                "f32" => DType::F32,
-                "bf16" => DType::BF16,
-                "f16" => DType::F16,
-                other => bail!("{name}: unknown dtype {other}"),
-            };
-            files.push((path, dt));
-        }
-    }
-    files.sort_by(|a, b| a.0.cmp(&b.0));
-    ensure!(!files.is_empty(), "no vector files for {family}");
-    Ok(files)
 }
 
 fn tol_index(dt: DType) -> usize {
@@ -338,94 +344,190 @@ fn same_bits(a: &Outputs, b: &Outputs) -> Result<bool> {
     Ok(true)
 }
 
-#[test]
-fn on_cuda() -> Result<()> {
-    let _one = exclusive();
-    let Ok(dev) = Device::new_cuda(0) else {
-        eprintln!("cuda_triton::on_cuda: no CUDA device (or no `cuda` feature), skipped");
-        return Ok(());
-    };
-    for case in cases() {
-        for (path, dt) in vector_files(case.family)? {
-            eprintln!("{}", path.display());
-            let t = candle_core::safetensors::load(&path, &Device::Cpu)?;
-            let want = references(&case, &t)?;
+/// Triton on CUDA for one vector file of `case`: within the tolerance of the vector, the
+/// expected launches, bit-identical when run again; the composite fallback (Triton off)
+/// without launches and within twice the tolerance of the kernels.
+fn on_cuda_file(case: &Case, dev: &Device, path: &Path, dt: DType) -> Result<()> {
+    let label = file_label(path);
+    eprintln!("{}", path.display());
+    let t = candle_core::safetensors::load(path, &Device::Cpu)?;
+    let want = references(case, &t)?;
 
-            set_triton(true);
-            let before = launch_count();
-            let on = (case.run)(&dev, &t)?;
-            dev.synchronize()?;
-            let launched = launch_count() - before;
-            let expected = (case.launches)(&t)?;
-            ensure!(
-                launched == expected,
-                "{}: {launched} Triton launches, expected {expected}",
-                case.family
-            );
-            compare(
-                &case,
-                dt,
-                &on,
-                &want,
-                (Against::Kernels, 1.0),
-                "triton vs cpu",
-            )?;
-            let again = (case.run)(&dev, &t)?;
-            ensure!(
-                same_bits(&on, &again)?,
-                "{}: Triton run twice differs",
-                case.family
-            );
+    set_triton(true);
+    let before = launch_count();
+    let on = (case.run)(dev, &t)?;
+    dev.synchronize()?;
+    let launched = launch_count() - before;
+    let expected = (case.launches)(&t)?;
+    ensure!(
+        launched == expected,
+        "{launched} Triton launches, expected {expected}"
+    );
+    compare(
+        case,
+        dt,
+        &on,
+        &want,
+        (Against::Kernels, 1.0),
+        &format!("{label} triton vs cpu"),
+    )?;
+    let again = (case.run)(dev, &t)?;
+    ensure!(same_bits(&on, &again)?, "Triton run twice differs");
 
-            set_triton(false);
-            let before = launch_count();
-            let off = (case.run)(&dev, &t)?;
-            ensure!(
-                launch_count() == before,
-                "{}: launched with Triton off",
-                case.family
-            );
-            compare(
-                &case,
-                dt,
-                &off,
-                &on,
-                (Against::Fallback, 2.0),
-                "composite vs triton",
-            )?;
-        }
-    }
-    Ok(())
+    set_triton(false);
+    let before = launch_count();
+    let off = (case.run)(dev, &t)?;
+    ensure!(launch_count() == before, "launched with Triton off");
+    compare(
+        case,
+        dt,
+        &off,
+        &on,
+        (Against::Fallback, 2.0),
+        &format!("{label} composite vs triton"),
+    )
 }
 
-#[test]
-fn harness_on_the_cpu() -> Result<()> {
-    for case in cases() {
-        for (path, dt) in vector_files(case.family)? {
-            let t = candle_core::safetensors::load(&path, &Device::Cpu)?;
-            let want = references(&case, &t)?;
-            eprintln!("{}", path.display());
-            let got = (case.run)(&Device::Cpu, &t)?;
-            compare(
-                &case,
-                dt,
-                &got,
-                &want,
-                (Against::Kernels, 1.0),
-                "cpu kernel vs vector",
-            )?;
-            // the path CUDA takes with Triton off, here on the CPU: within the same tolerance
-            let composite = candle_fused::with_composite_fallback(|| (case.run)(&Device::Cpu, &t))?;
-            let scale = case.cpu_composite[tol_index(dt)];
-            compare(
-                &case,
-                dt,
-                &composite,
-                &want,
-                (Against::Fallback, scale),
-                "cpu composite vs vector",
-            )?;
+/// The same case on the CPU for one vector file: the CPU kernel (which wrote the vector) and
+/// the composite fallback (the path CUDA takes with Triton off), each within the tolerance.
+fn cpu_file(case: &Case, path: &Path, dt: DType) -> Result<()> {
+    let label = file_label(path);
+    eprintln!("{}", path.display());
+    let t = candle_core::safetensors::load(path, &Device::Cpu)?;
+    let want = references(case, &t)?;
+    let got = (case.run)(&Device::Cpu, &t)?;
+    compare(
+        case,
+        dt,
+        &got,
+        &want,
+        (Against::Kernels, 1.0),
+        &format!("{label} cpu kernel vs vector"),
+    )?;
+    let composite = candle_fused::with_composite_fallback(|| (case.run)(&Device::Cpu, &t))?;
+    let scale = case.cpu_composite[tol_index(dt)];
+    compare(
+        case,
+        dt,
+        &composite,
+        &want,
+        (Against::Fallback, scale),
+        &format!("{label} cpu composite vs vector"),
+    )
+}
+
+/// Every vector file of `case` through `file`, all of them whatever fails.
+fn each_file(
+    case: &Case,
+    dir: &Path,
+    mut file: impl FnMut(&Path, DType) -> Result<()>,
+) -> Result<()> {
+    let files = vector_files(dir, case.family)?;
+    check_each(&files, |(p, _)| file_label(p), |(p, dt)| file(p, *dt))
+}
+
+/// What one trial checks, on CUDA and (its `harness_on_the_cpu` twin) on the CPU.
+enum Work {
+    Case(Case),
+    /// [`attention::attention_layouts`].
+    AttentionLayouts,
+}
+
+impl Work {
+    fn name(&self) -> &'static str {
+        match self {
+            Work::Case(c) => c.name,
+            Work::AttentionLayouts => "attention_layouts",
         }
     }
-    Ok(())
+
+    fn on_cuda(&self, dev: &Device, dir: &Path) -> Result<()> {
+        let _one = exclusive();
+        match self {
+            Work::Case(c) => each_file(c, dir, |p, dt| on_cuda_file(c, dev, p, dt)),
+            Work::AttentionLayouts => {
+                set_triton(true);
+                attention::attention_layouts(dev, dir)
+            }
+        }
+    }
+
+    fn on_the_cpu(&self, dir: &Path) -> Result<()> {
+        match self {
+            Work::Case(c) => each_file(c, dir, |p, dt| cpu_file(c, p, dt)),
+            Work::AttentionLayouts => {
+                // counts launches (none on the CPU): process-wide
+                let _one = exclusive();
+                attention::attention_layouts(&Device::Cpu, dir)
+            }
+        }
+    }
+}
+
+/// The CUDA device, or why none opened.
+fn cuda_device() -> std::result::Result<Device, String> {
+    Device::new_cuda(0).map_err(|e| e.to_string().lines().next().unwrap_or("").to_string())
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let vectors = vectors_dir(
+        std::env::var_os(VECTORS_ENV).as_deref(),
+        std::env::current_dir().ok().as_deref(),
+        Path::new(env!("CARGO_MANIFEST_DIR")),
+    )
+    .map_err(|e| format!("{e:#}"));
+    let work: Vec<Arc<Work>> = cases()
+        .into_iter()
+        .map(Work::Case)
+        .chain([Work::AttentionLayouts])
+        .map(Arc::new)
+        .collect();
+    // The CUDA trials the command line asks for (as ignored trials, so that `--ignored` selects
+    // them too).
+    let asked = work
+        .iter()
+        .map(|w| Trial::test(format!("on_cuda::{}", w.name()), || Ok(())).with_ignored_flag(true))
+        .filter(|t| !args.is_filtered_out(t))
+        .count();
+    // The device opens before any trial runs, and only when a CUDA trial is asked for: where
+    // none opens, the CUDA trials are ignored (counted as such), with one notice.
+    let dev = if args.list || asked == 0 {
+        Err(String::new())
+    } else {
+        cuda_device()
+    };
+    if !args.list {
+        match &vectors {
+            Ok(dir) => eprintln!("cuda_triton: test vectors from {}", dir.display()),
+            Err(e) => eprintln!("cuda_triton: {e}"),
+        }
+        if let (Err(reason), true) = (&dev, asked > 0) {
+            eprintln!("cuda_triton: no CUDA device ({reason}): {asked} CUDA trials skipped");
+        }
+    }
+
+    let mut trials = Vec::new();
+    for w in work {
+        let (w2, d, v) = (w.clone(), dev.clone(), vectors.clone());
+        let no_device = d.is_err() && !args.list;
+        trials.push(
+            Trial::test(format!("on_cuda::{}", w.name()), move || {
+                let dev = d.map_err(|e| format!("no CUDA device ({e})"))?;
+                let dir = v?;
+                w2.on_cuda(&dev, &dir).map_err(|e| format!("{e:#}").into())
+            })
+            .with_ignored_flag(no_device),
+        );
+        let v = vectors.clone();
+        trials.push(Trial::test(
+            format!("harness_on_the_cpu::{}", w.name()),
+            move || {
+                let dir = v?;
+                w.on_the_cpu(&dir).map_err(|e| format!("{e:#}").into())
+            },
+        ));
+    }
+    trials.extend(runner::trials());
+    libtest_mimic::run(&args, trials).exit()
 }
