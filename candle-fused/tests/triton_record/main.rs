@@ -10,6 +10,9 @@
 //!   warps, block, shared memory, parameters (and the two trailing scratch pointers), the
 //!   alignment assumed, the source's and the cubin's sha256; and every table entry has a cubin
 //!   for every arch;
+//! * the cubins' ELF sections agree with their metadata and the launcher (`cubin_elf.rs`): static
+//!   shared memory (and the opt-in rule that counts it), and the pinned ptxas release that built
+//!   them;
 //! * `check_launch` accepts a valid launch and rejects misaligned, strided, oversized and
 //!   wrongly typed arguments with a clear error (RMSNorm here; the elementwise families in
 //!   `triton_record/elementwise.rs`).
@@ -254,6 +257,7 @@ pub(crate) fn t(dims: &[usize], dtype: DType) -> TensorArg {
 
 pub(crate) const EPS: &[Scalar] = &[Scalar::F32(1e-5)];
 
+mod cubin_elf;
 mod launch_attention;
 mod launch_cross_entropy;
 mod launch_elementwise;
