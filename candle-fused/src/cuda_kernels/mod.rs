@@ -5,9 +5,10 @@
 //!
 //! The kernels are written in `candle-fused/triton/<family>.py`, compiled on a CPU-only
 //! machine by `scripts/python/triton_compile.py` into `<entry>.<dtype>.sm<NN>.cubin` (sm_80,
-//! sm_90) with a `.json` of metadata, and checked under Triton's interpreter against this
-//! crate's CPU kernels by `scripts/python/triton_interpret_check.py`. `tests/triton_record.rs`
-//! keeps the tables below, the metadata and the recorded checks in agreement.
+//! sm_90; with CUDA 13.0's ptxas: `scripts/gpu/cubins.sh`) with a `.json` of metadata, and
+//! checked under Triton's interpreter against this crate's CPU kernels by
+//! `scripts/python/triton_interpret_check.py`. `tests/triton_record.rs` keeps the tables below,
+//! the metadata and the recorded checks in agreement.
 //!
 //! **Running them** (`cuda` feature): the cubins are embedded in the library and launched on
 //! Candle's stream inside the ops' `cuda_fwd` and `bwd` (`launch.rs`, whose module doc is the

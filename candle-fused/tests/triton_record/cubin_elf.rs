@@ -111,7 +111,7 @@ fn static_shared_memory_is_recorded_and_opted_into() -> Result<()> {
         ensure!(
             u64_of(&meta, "static_shared_bytes")? == static_b,
             "{stem}.json: static_shared_bytes is not the size of the cubin's .nv.shared.{entry} \
-             ({static_b}); rerun scripts/python/triton_compile.py"
+             ({static_b}); rerun scripts/gpu/cubins.sh"
         );
         let dynamic = u64_of(&meta, "shared_bytes")?;
         let (Ok(s), Ok(d)) = (u32::try_from(static_b), u32::try_from(dynamic)) else {

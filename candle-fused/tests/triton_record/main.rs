@@ -65,7 +65,7 @@ fn u64_of(v: &Value, key: &str) -> Result<u64> {
 const RERUN: &str = "re-verify: WRITE_TRITON_VECTORS=candle-fused/triton/vectors cargo test -p \
     candle-fused --release --test triton_vectors (if the CPU kernel changed), then \
     .venv-triton/bin/python scripts/python/triton_interpret_check.py <family> and \
-    scripts/python/triton_compile.py <family> (environment: scripts/python/triton_setup.sh)";
+    scripts/gpu/cubins.sh <family> (CUDA 13.0's ptxas; environment: scripts/python/triton_setup.sh)";
 
 #[test]
 fn sources_and_vectors_match_the_interpreter_records() -> Result<()> {
@@ -232,7 +232,7 @@ fn metadata_matches_the_launcher_table() -> Result<()> {
             );
             ensure!(
                 sha256(&dir.join(format!("{stem}.cubin")))? == str_of(&meta, "cubin_sha256")?,
-                "{stem}.cubin does not match its metadata; rerun scripts/python/triton_compile.py"
+                "{stem}.cubin does not match its metadata; rerun scripts/gpu/cubins.sh"
             );
         }
     }
