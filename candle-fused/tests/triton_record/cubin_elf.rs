@@ -36,8 +36,19 @@ fn opt_in_limit(arch: u32) -> u32 {
     }
 }
 
-/// Every committed cubin with its `.entry`, arch, bytes and metadata.
-fn cubins() -> Result<Vec<(String, &'static str, u32, Vec<u8>, Value)>> {
+/// A committed cubin.
+struct Cubin {
+    /// `<entry>.<dtype>.sm<NN>`.
+    stem: String,
+    entry: &'static str,
+    arch: u32,
+    bytes: Vec<u8>,
+    /// Its json.
+    meta: Value,
+}
+
+/// Every committed cubin of the launch tables.
+fn cubins() -> Result<Vec<Cubin>> {
     let dir = crate_dir().join("kernels");
     let mut out = Vec::new();
     for spec in kernels() {
@@ -46,7 +57,13 @@ fn cubins() -> Result<Vec<(String, &'static str, u32, Vec<u8>, Value)>> {
             let path = dir.join(format!("{stem}.cubin"));
             let bytes = std::fs::read(&path).with_context(|| format!("{}", path.display()))?;
             let meta = json(&dir.join(format!("{stem}.json")))?;
-            out.push((stem, spec.entry, arch, bytes, meta));
+            out.push(Cubin {
+                stem,
+                entry: spec.entry,
+                arch,
+                bytes,
+                meta,
+            });
         }
     }
     ensure!(!out.is_empty(), "no cubins");
@@ -106,7 +123,14 @@ fn release(version: &str) -> Option<&str> {
 #[test]
 fn static_shared_memory_is_recorded_and_opted_into() -> Result<()> {
     let (mut with_static, mut opted) = (0, 0);
-    for (stem, entry, arch, bytes, meta) in cubins()? {
+    for Cubin {
+        stem,
+        entry,
+        arch,
+        bytes,
+        meta,
+    } in cubins()?
+    {
         let static_b = static_shared(&bytes, entry).with_context(|| stem.clone())?;
         ensure!(
             u64_of(&meta, "static_shared_bytes")? == static_b,
@@ -149,7 +173,10 @@ fn static_shared_memory_is_recorded_and_opted_into() -> Result<()> {
 fn cubins_are_built_by_the_pinned_ptxas() -> Result<()> {
     // every cubin built by another ptxas, grouped by that ptxas (a rebuild fixes all at once)
     let mut others: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for (stem, _, _, bytes, meta) in cubins()? {
+    for Cubin {
+        stem, bytes, meta, ..
+    } in cubins()?
+    {
         let Some([tool, version, build]) = tkinfo(&bytes).with_context(|| stem.clone())? else {
             others
                 .entry("a ptxas that writes no .note.nv.tkinfo (12.x)".into())
