@@ -25,14 +25,28 @@ lost); a kernel may set `fp_fusion=True` in its AOT entry. Line info is off (a k
 line tables naming the source file's absolute path, so the bytes would depend on where the
 checkout lives.
 
-Environment: scripts/python/triton_setup.sh (pinned triton; ptxas is Triton's bundled one).
+Static shared memory: besides the dynamic `shared_bytes` (Triton's `metadata.shared`), a cubin
+may declare static shared memory, the size of its `.nv.shared.<entry>` section (1 KiB on sm_90
+for the kernels with a reduction or a dot), recorded as `static_shared_bytes`: a block needs
+both, and the launcher opts in above 48 KiB in all.
+
+ptxas: pinned to CUDA 13.0's (release `PTXAS_RELEASE`, from the `nvidia-cuda-nvcc==13.0.88`
+wheel): the GPU machines' driver is CUDA 13.0 (580), and a cubin from a newer ptxas is not
+what they were checked with. Point Triton at it with `TRITON_PTXAS_PATH` (Triton 3.9 takes
+`TRITON_PTXAS_BLACKWELL_PATH` for sm_90 and newer; this script sets it to the same file); the
+script refuses to compile with any other ptxas, Triton's bundled one (13.4) included, and records
+the toolkit strings of the cubin's `.note.nv.tkinfo` note as `ptxas` in each json. The recipe:
+
+    scripts/gpu/cubins.sh [--check] [FAMILY ...]     # sets up the ptxas, then runs this script
+
+Environment: scripts/python/triton_setup.sh (pinned triton).
 """
 import argparse
 import hashlib
 import importlib.util
 import json
 import os
-import subprocess
+import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -49,6 +63,11 @@ ROOT = Path(__file__).resolve().parents[2]
 TRITON_DIR = ROOT / "candle-fused" / "triton"
 OUT = ROOT / "candle-fused" / "kernels"
 ARCHS = [80, 90]
+# The ptxas every cubin is built with (`release 13.0` in `ptxas --version` and in the cubin's
+# tkinfo note); candle-fused/tests/triton_record checks the cubins against the same pin.
+PTXAS_RELEASE = "13.0"
+PTXAS_RECIPE = ("scripts/gpu/cubins.sh (it sets TRITON_PTXAS_PATH to the ptxas of the "
+                "nvidia-cuda-nvcc==13.0.88 wheel)")
 DTYPES = {"f32": "fp32", "bf16": "bf16", "f16": "fp16"}
 
 
@@ -63,12 +82,62 @@ def sha256(path):
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def ptxas_version(arch):
-    """The last line of `ptxas --version` for the ptxas Triton uses for `arch`."""
+def pinned_ptxas():
+    """Point Triton at `TRITON_PTXAS_PATH` for every arch and refuse unless it is the pinned
+    release: Triton 3.9 reads `TRITON_PTXAS_BLACKWELL_PATH` for sm_90 and newer, and silently
+    falls back to its bundled ptxas when a path does not run."""
+    path = os.environ.get("TRITON_PTXAS_PATH")
+    if not path:
+        sys.exit(f"triton_compile.py: set TRITON_PTXAS_PATH to CUDA {PTXAS_RELEASE}'s ptxas "
+                 f"(Triton's bundled one is newer); recipe: {PTXAS_RECIPE}")
+    other = os.environ.setdefault("TRITON_PTXAS_BLACKWELL_PATH", path)
+    if os.path.realpath(other) != os.path.realpath(path):
+        sys.exit(f"triton_compile.py: TRITON_PTXAS_BLACKWELL_PATH={other} differs from "
+                 f"TRITON_PTXAS_PATH={path}: unset it (this script sets it); recipe: {PTXAS_RECIPE}")
     from triton.backends.nvidia.compiler import get_ptxas
-    exe = get_ptxas(arch).path
-    out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout
-    return out.strip().splitlines()[-1]
+    for arch in ARCHS:
+        tool = get_ptxas(arch)
+        if os.path.realpath(tool.path) != os.path.realpath(path) or tool.version != PTXAS_RELEASE:
+            sys.exit(f"triton_compile.py: for sm_{arch} Triton would run {tool.path} (release "
+                     f"{tool.version}), not TRITON_PTXAS_PATH={path} at release {PTXAS_RELEASE}; "
+                     f"recipe: {PTXAS_RECIPE}")
+
+
+def elf_sections(data):
+    """{name: (sh_type, offset, size)} of the sections of a 64-bit little-endian ELF (a cubin)."""
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, "not a 64-bit LE ELF"
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    # Elf64_Shdr: name, type, flags, addr, offset, size, link, info, addralign, entsize
+    hdrs = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    strtab = hdrs[shstrndx][4]
+
+    def name(off):
+        start = strtab + off
+        return data[start:data.index(b"\0", start)].decode()
+    return {name(h[0]): (h[1], h[4], h[5]) for h in hdrs}
+
+
+def static_shared_bytes(cubin, entry):
+    """The size of the cubin's `.nv.shared.<entry>` section (0 if it has none)."""
+    return elf_sections(cubin).get(f".nv.shared.{entry}", (0, 0, 0))[2]
+
+
+def tkinfo(cubin):
+    """The toolkit strings of the cubin's `.note.nv.tkinfo` note: {tool, version, build}, e.g.
+    `ptxas`, `Cuda compilation tools, release 13.0, V13.0.88`, `Build cuda_13.0.r13.0/...`."""
+    _, off, size = elf_sections(cubin)[".note.nv.tkinfo"]
+    note = cubin[off:off + size]
+    namesz, descsz, _ = struct.unpack_from("<III", note, 0)
+    desc = note[12 + (namesz + 3) // 4 * 4:][:descsz]
+    # desc: u32 version, u32 reserved, then the offsets of the tool name, version, build and
+    # options strings in the string table that follows the 24-byte header
+    offsets = struct.unpack_from("<IIII", desc, 8)
+    table = desc[24:]
+
+    def at(o):
+        return table[o:table.index(b"\0", o)].decode()
+    return dict(zip(["tool", "version", "build"], map(at, offsets[:3])))
 
 
 def ptx_entry_params(ptx, name):
@@ -129,6 +198,8 @@ def compile_one(out_dir, family, src_path, spec, dt):
         md = k.metadata
         assert md.global_scratch_size == 0 and md.profile_scratch_size == 0, name
         stem = f"{name}.sm{arch}"
+        tk = tkinfo(k.asm["cubin"])
+        assert f"release {PTXAS_RELEASE}," in tk["version"], (stem, tk)
         (out_dir / f"{stem}.cubin").write_bytes(k.asm["cubin"])
         ptx_params = ptx_entry_params(k.asm["ptx"], md.name)
         assert len(ptx_params) == len(params) + 2, (name, ptx_params)
@@ -142,6 +213,7 @@ def compile_one(out_dir, family, src_path, spec, dt):
             "num_stages": spec.get("num_stages", 1),
             "block": [32 * md.num_warps, 1, 1],
             "shared_bytes": md.shared,
+            "static_shared_bytes": static_shared_bytes(k.asm["cubin"], md.name),
             "constexprs": constexprs,
             "params": [{"name": p, "type": t, "role": r} for p, t, r in params]
             + [{"name": "global_scratch", "type": "*i8", "role": "null (size 0)"},
@@ -152,7 +224,7 @@ def compile_one(out_dir, family, src_path, spec, dt):
             "global_scratch_size": md.global_scratch_size,
             "profile_scratch_size": md.profile_scratch_size,
             "triton_version": triton.__version__,
-            "ptxas_version": ptxas_version(arch),
+            "ptxas": tk,
             "ptx_entry_params": ptx_params,
             "source": str(src_path.relative_to(ROOT)),
             "source_sha256": sha256(src_path),
@@ -161,7 +233,8 @@ def compile_one(out_dir, family, src_path, spec, dt):
         meta["line_info"] = spec.get("line_info", False)
         (out_dir / f"{stem}.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         written += [f"{stem}.cubin", f"{stem}.json"]
-        print(f"{stem}: cubin {len(k.asm['cubin'])} B, shared {md.shared}, warps {md.num_warps}")
+        print(f"{stem}: cubin {len(k.asm['cubin'])} B, shared {md.shared} + static "
+              f"{meta['static_shared_bytes']}, warps {md.num_warps}")
     return written
 
 
@@ -170,6 +243,7 @@ def main():
     ap.add_argument("--check", action="store_true", help="compare with the committed files")
     ap.add_argument("family", nargs="*", help="families to compile (default: all)")
     args = ap.parse_args()
+    pinned_ptxas()
     if not args.check:
         compile_all(OUT, args.family)
         return

@@ -12,7 +12,8 @@
 # wheel declares several GB of CUDA wheels, never loaded on the CPU, and `import torch` then
 # needs the do-nothing CUDA stubs that cuda_stubs.py builds (needs `cc` and `readelf`).
 # Triton's wheel carries its own ptxas/cuobjdump/nvdisasm (triton/backends/nvidia/bin), which
-# run on an x86_64 CPU without a GPU or CUDA toolkit.
+# run on an x86_64 CPU without a GPU or CUDA toolkit; the committed cubins are built with CUDA
+# 13.0's ptxas instead (scripts/gpu/cubins.sh: TRITON_PTXAS_PATH, the GPU machines' release).
 #
 # Speed-up: pip's own PIP_FIND_LINKS is honoured, e.g. PIP_FIND_LINKS=/work/pipdl for a
 # torch wheel downloaded before.  PYTHON selects the interpreter (pins are for CPython 3.11).

@@ -453,28 +453,32 @@ fn function(dev: &CudaDevice, spec: &'static KernelSpec) -> Result<(CudaFunction
     let Some(shared_bytes) = spec.shared_bytes_for(arch) else {
         bail!("{name}: no shared memory size for sm_{arch} in the launch table")
     };
-    if shared_bytes > 48 * 1024 {
-        let most = ctx
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(|e| err("shared memory limit", e))?;
-        if i64::from(shared_bytes) > i64::from(most) {
-            bail!(
-                "{name}: needs {shared_bytes} bytes of shared memory per block, compute capability \
-                 {major}.{minor} allows {most}"
-            )
-        }
-    }
     let module = ctx
         .load_module(cudarc::nvrtc::Ptx::from_binary(image.to_vec()))
         .map_err(|e| err("loading the cubin", e))?;
     let func = module
         .load_function(spec.entry)
         .map_err(|e| err("no such .entry in the cubin", e))?;
-    if shared_bytes > 48 * 1024 {
-        // above 48 KB the dynamic shared memory must be opted into per function
+    // A block needs the function's static shared memory (`.nv.shared.<entry>`, e.g. 1 KiB for
+    // a reduction on sm_90) plus the dynamic bytes: opt in when the sum is over 48 KiB.
+    let static_bytes = func
+        .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+        .map_err(|e| err("static shared memory size", e))?;
+    let most = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .map_err(|e| err("shared memory limit", e))?;
+    let (Ok(static_bytes), Ok(most)) = (u32::try_from(static_bytes), u32::try_from(most)) else {
+        bail!("{name}: the driver reports {static_bytes} static shared bytes and a limit of {most}")
+    };
+    let opt_in = super::shared_memory_opt_in(static_bytes, shared_bytes, most)
+        .map_err(|e| Error::Msg(format!("{name}: {e} (compute capability {major}.{minor})")))?;
+    if let Some(dynamic) = opt_in {
+        let Ok(dynamic) = i32::try_from(dynamic) else {
+            bail!("{name}: {dynamic} bytes of dynamic shared memory")
+        };
         func.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            shared_bytes as i32,
+            dynamic,
         )
         .map_err(|e| err("setting the shared memory size", e))?;
     }

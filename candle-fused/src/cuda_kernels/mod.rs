@@ -5,9 +5,10 @@
 //!
 //! The kernels are written in `candle-fused/triton/<family>.py`, compiled on a CPU-only
 //! machine by `scripts/python/triton_compile.py` into `<entry>.<dtype>.sm<NN>.cubin` (sm_80,
-//! sm_90) with a `.json` of metadata, and checked under Triton's interpreter against this
-//! crate's CPU kernels by `scripts/python/triton_interpret_check.py`. `tests/triton_record.rs`
-//! keeps the tables below, the metadata and the recorded checks in agreement.
+//! sm_90; with CUDA 13.0's ptxas: `scripts/gpu/cubins.sh`) with a `.json` of metadata, and
+//! checked under Triton's interpreter against this crate's CPU kernels by
+//! `scripts/python/triton_interpret_check.py`. `tests/triton_record.rs` keeps the tables below,
+//! the metadata and the recorded checks in agreement.
 //!
 //! **Running them** (`cuda` feature): the cubins are embedded in the library and launched on
 //! Candle's stream inside the ops' `cuda_fwd` and `bwd` (`launch.rs`, whose module doc is the
@@ -289,6 +290,48 @@ pub const MAX_GRID_YZ: usize = 65535;
 /// The number of trailing scratch pointer parameters of every `.entry` (pass null).
 pub const SCRATCH_PARAMS: usize = 2;
 
+/// The shared memory per block that every CUDA architecture grants without an opt-in (48 KiB).
+const SHARED_WITHOUT_OPT_IN: u64 = 48 * 1024;
+
+/// The shared memory rule of a launch: what the launcher sets as the function's
+/// `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` before launching it with `dynamic_bytes`
+/// of dynamic shared memory (the cubin's `metadata.shared`), given the function's static shared
+/// memory (`CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES`: the cubin's `.nv.shared.<entry>` section, e.g.
+/// 1 KiB for Triton's reductions on sm_90) and the device's opt-in limit per block
+/// (`CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`: 227 KiB on an H100, 163 KiB on an
+/// A100). A block needs static + dynamic bytes, so both count:
+///
+/// * `Ok(None)`: the total fits in 48 KiB, no opt-in;
+/// * `Ok(Some(dynamic_bytes))`: above 48 KiB, opt in to that much dynamic shared memory;
+/// * an error: the total is over the device's opt-in limit (the launch would be refused).
+///
+/// ```
+/// use candle_fused::cuda_kernels::shared_memory_opt_in as rule;
+/// const H100: u32 = 227 * 1024;
+/// assert_eq!(rule(1024, 48 * 1024, H100)?, Some(48 * 1024)); // 49 KiB in all
+/// assert_eq!(rule(0, 48 * 1024, H100)?, None);
+/// assert!(rule(1024, H100, H100).is_err());
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[doc(hidden)]
+pub fn shared_memory_opt_in(
+    static_bytes: u32,
+    dynamic_bytes: u32,
+    opt_in_limit: u32,
+) -> Result<Option<u32>> {
+    let total = u64::from(static_bytes) + u64::from(dynamic_bytes);
+    if total <= SHARED_WITHOUT_OPT_IN {
+        return Ok(None);
+    }
+    if total > u64::from(opt_in_limit) {
+        bail!(
+            "needs {total} bytes of shared memory per block ({static_bytes} static + \
+             {dynamic_bytes} dynamic), the device allows {opt_in_limit}"
+        )
+    }
+    Ok(Some(dynamic_bytes))
+}
+
 /// A tensor argument as the launcher sees it: dims, strides (in elements), dtype and the
 /// byte offset of its first element. `offset_bytes` is either the device address itself or
 /// the offset into an allocation whose base is at least 16-byte aligned (CUDA's allocations
@@ -547,4 +590,24 @@ pub fn check_launch(
         dims: bound,
         args,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shared_memory_opt_in as rule;
+
+    #[test]
+    fn shared_memory_counts_static_and_dynamic() {
+        const LIMIT: u32 = 227 * 1024;
+        // at 48 KiB in all: no opt-in; one byte more (static or dynamic): opt in
+        assert_eq!(rule(1024, 47 * 1024, LIMIT).unwrap(), None);
+        assert_eq!(rule(1025, 47 * 1024, LIMIT).unwrap(), Some(47 * 1024));
+        assert_eq!(rule(1024, 48 * 1024, LIMIT).unwrap(), Some(48 * 1024));
+        assert_eq!(rule(0, 48 * 1024 + 1, LIMIT).unwrap(), Some(48 * 1024 + 1));
+        // the device limit holds the total
+        assert_eq!(rule(1024, LIMIT - 1024, LIMIT).unwrap(), Some(LIMIT - 1024));
+        let err = rule(1024, LIMIT - 1023, LIMIT).unwrap_err().to_string();
+        assert!(err.contains("1024 static"), "{err}");
+        assert!(rule(u32::MAX, u32::MAX, u32::MAX).is_err());
+    }
 }

@@ -10,6 +10,9 @@
 //!   warps, block, shared memory, parameters (and the two trailing scratch pointers), the
 //!   alignment assumed, the source's and the cubin's sha256; and every table entry has a cubin
 //!   for every arch;
+//! * the cubins' ELF sections agree with their metadata and the launcher (`cubin_elf.rs`): static
+//!   shared memory (and the opt-in rule that counts it), and the pinned ptxas release that built
+//!   them;
 //! * `check_launch` accepts a valid launch and rejects misaligned, strided, oversized and
 //!   wrongly typed arguments with a clear error (RMSNorm here; the elementwise families in
 //!   `triton_record/elementwise.rs`).
@@ -62,7 +65,7 @@ fn u64_of(v: &Value, key: &str) -> Result<u64> {
 const RERUN: &str = "re-verify: WRITE_TRITON_VECTORS=candle-fused/triton/vectors cargo test -p \
     candle-fused --release --test triton_vectors (if the CPU kernel changed), then \
     .venv-triton/bin/python scripts/python/triton_interpret_check.py <family> and \
-    scripts/python/triton_compile.py <family> (environment: scripts/python/triton_setup.sh)";
+    scripts/gpu/cubins.sh <family> (CUDA 13.0's ptxas; environment: scripts/python/triton_setup.sh)";
 
 #[test]
 fn sources_and_vectors_match_the_interpreter_records() -> Result<()> {
@@ -229,7 +232,7 @@ fn metadata_matches_the_launcher_table() -> Result<()> {
             );
             ensure!(
                 sha256(&dir.join(format!("{stem}.cubin")))? == str_of(&meta, "cubin_sha256")?,
-                "{stem}.cubin does not match its metadata; rerun scripts/python/triton_compile.py"
+                "{stem}.cubin does not match its metadata; rerun scripts/gpu/cubins.sh"
             );
         }
     }
@@ -254,6 +257,7 @@ pub(crate) fn t(dims: &[usize], dtype: DType) -> TensorArg {
 
 pub(crate) const EPS: &[Scalar] = &[Scalar::F32(1e-5)];
 
+mod cubin_elf;
 mod launch_attention;
 mod launch_cross_entropy;
 mod launch_elementwise;
