@@ -277,15 +277,16 @@ if part_begin tests "${TESTS_CAP:-240}"; then
     for e in "${run_list[@]}"; do
       exe=${e%%	*}; pdir=${e#*	}; t=$triton; [[ $t == cpu ]] && t=0
       name=$(basename "$exe").triton$triton
+      label="$(basename "$exe") (CANDLE_FUSED_TRITON=$t)"; [[ $triton == cpu ]] && label="$(basename "$exe") (CPU-only executable)"
       cd "$PROJECT/$pdir" || { fail_row "$name" "no directory $PROJECT/$pdir"; continue; }
       run "$name" env CANDLE_FUSED_TRITON="$t" "$PACK/$exe"
       rc=$?
       cd "$ROOT" || exit 1
       [[ $MODE == dry ]] || ((rc == 125)) && continue
       if r=$("${CHECK[@]}" libtest "$LOGS/$name.log" "$rc" "$MODE" 2>> "$LOGS/gpu_check.log"); then
-        row "{\"kind\": \"test-exe\", \"name\": \"$(basename "$exe") (CANDLE_FUSED_TRITON=$triton)\", \"exe\": \"$exe\", \"triton\": \"$triton\", ${r#\{}"
+        row "{\"kind\": \"test-exe\", \"name\": \"$label\", \"exe\": \"$exe\", \"triton\": \"$triton\", ${r#\{}"
       else
-        fail_row "$(basename "$exe") (CANDLE_FUSED_TRITON=$triton)" "cannot read its output (logs/$name.log)"
+        fail_row "$label" "cannot read its output (logs/$name.log)"
       fi
     done
   done
