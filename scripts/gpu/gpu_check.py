@@ -107,7 +107,8 @@ def smoke(jsonl, rc):
     if summary and "skipped" in summary:
         out.update(status="skipped", why=summary["skipped"])
     elif summary is None or int(rc) not in (0, 1) or dev.get("ok") is False:
-        out.update(status="fail", why=f"cubin_smoke.py ended early (rc={rc}) after {len(cubins)} cubins")
+        last = f" (the last done: {cubins[-1]['cubin']})" if cubins else ""
+        out.update(status="fail", why=f"cubin_smoke.py ended early (rc={rc}) after {len(cubins)} cubins{last}")
     else:
         out["status"] = "pass" if not bad and int(rc) == 0 else "fail"
     return out

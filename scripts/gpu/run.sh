@@ -42,7 +42,7 @@ while (($#)); do
     --only) ONLY=$2; shift 2 ;;
     --dry-run) MODE=dry; shift ;;
     --rehearse) MODE=rehearse; shift ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | grep '^#'; exit 0 ;;
     *) echo "run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -61,7 +61,14 @@ TRAIN_STEPS=${TRAIN_STEPS:-20}
 LIMIT=${LIMIT:-300}
 if [[ -z ${PYTHON:-} ]]; then
   PYTHON=python3
-  [[ $MODE == rehearse && -x $ROOT/.venv-py/bin/python ]] && PYTHON=$ROOT/.venv-py/bin/python
+  # The rehearsal needs torch + transformers: scripts/python/setup.sh's .venv-py here, or in the
+  # checkout this one was cloned from (a fresh local clone has none).
+  if [[ $MODE == rehearse ]]; then
+    origin=$(git -C "$ROOT" config --get remote.origin.url 2>/dev/null)
+    for v in "$ROOT/.venv-py" ${origin:+"$origin/.venv-py"}; do
+      [[ -x $v/bin/python ]] && { PYTHON=$v/bin/python; break; }
+    done
+  fi
 fi
 CHECK=("$PYTHON" "$ROOT/scripts/gpu/gpu_check.py")
 say() { printf '== %s\n' "$*" >&2; }
