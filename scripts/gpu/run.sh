@@ -307,9 +307,11 @@ fi
 # steps; 1e-3 leaves room and still fails on a wrong kernel, or on different dropout masks
 # (another mask moves the loss by ~1e-2 at dropout 0.2). Remat recomputes the same ops on the
 # same values: the same bits, losses and gradient norms.
+TRAIN_SHAPE=()  # the rehearsal: a tiny model, the same code paths
+[[ $MODE == rehearse ]] && TRAIN_SHAPE=(--n-layer 2 --n-head 2 --n-embd 64 --block-size 64 --batch-size 4)
 train() { # name device extra-args...
   local name=$1 dev=$2; shift 2
-  run "$name" "$TRAINER" train --config "$ROOT/configs/shakespeare_char.toml" --device "$dev" \
+  run "$name" "$TRAINER" train --config "$ROOT/configs/shakespeare_char.toml" "${TRAIN_SHAPE[@]}" --device "$dev" \
     --data-path "$ROOT/data/tinyshakespeare.txt" --cache-dir "$WORK/cache" \
     --out-dir "$WORK/runs/$name" --overwrite --max-iters "$TRAIN_STEPS" \
     --lr-decay-iters "$TRAIN_STEPS" --warmup-iters 5 --eval-interval 100000 --eval-iters 1 \
