@@ -286,7 +286,9 @@ if part_begin tests "${TESTS_CAP:-240}"; then
       name=$(basename "$exe").triton$triton
       label="$(basename "$exe") (CANDLE_FUSED_TRITON=$t)"; [[ $triton == cpu ]] && label="$(basename "$exe") (CPU-only executable)"
       cd "$PROJECT/$pdir" || { fail_row "$name" "no directory $PROJECT/$pdir"; continue; }
-      run "$name" env CANDLE_FUSED_TRITON="$t" "$PACK/$exe"
+      # --show-output: libtest prints what passing trials wrote too (a "no CUDA device" notice
+      # from a trial that returned early would otherwise be captured and lost)
+      run "$name" env CANDLE_FUSED_TRITON="$t" "$PACK/$exe" --show-output
       rc=$?
       cd "$ROOT" || exit 1
       [[ $MODE == dry ]] || ((rc == 125)) && continue
