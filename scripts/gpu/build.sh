@@ -306,13 +306,8 @@ if want carry; then
   # the test executables whose source opens a CUDA device (scripts/gpu/run.sh's rule, also
   # reading the test's module folder: tests/linear_cross_entropy.rs keeps its CUDA case in
   # tests/linear_cross_entropy/memory_and_cuda.rs)
-  cuda_capable() { # pdir kind tname
-    local t=$PACK/project/$1/tests/$3 srcs=()
-    [[ $2 == test ]] || return 1
-    [[ -f $t.rs ]] && srcs+=("$t.rs")
-    [[ -d $t ]] && srcs+=("$t")
-    ((${#srcs[@]})) && grep -rqE --include='*.rs' 'new_cuda|cuda_if_available|Device::Cuda' "${srcs[@]}"
-  }
+  # shellcheck source=scripts/gpu/lib.sh
+  source "$SRC/scripts/gpu/lib.sh"
   stage=$(mktemp -d)
   trap 'rm -rf "$stage"' EXIT
   mkdir -p "$stage/pack/bin" "$stage/pack/tests"
@@ -320,7 +315,7 @@ if want carry; then
   cp "$PACK/BUILD-INFO.txt" "$stage/pack/"
   : > "$stage/pack/manifest.tsv"
   while IFS=$'\t' read -r exe kind pkg tname pdir orig; do
-    if [[ $exe != tests/* ]] || ! cuda_capable "$pdir" "$kind" "$tname"; then continue; fi
+    if [[ $exe != tests/* ]] || ! cuda_capable "$PACK/project" "$pdir" "$kind" "$tname"; then continue; fi
     cp "$PACK/$exe" "$stage/pack/tests/"
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$exe" "$kind" "$pkg" "$tname" "$pdir" "$orig" >> "$stage/pack/manifest.tsv"
   done < "$PACK/manifest.tsv"

@@ -5,14 +5,22 @@
     gpu_check.py losses A B TOL                compare two runs' step losses (metrics.jsonl)
     gpu_check.py ours CASE RUN_DIR MEM_FILE WARMUP   a trainer run's bench result (JSON line)
     gpu_check.py torch CASE JSON_FILE MEM_FILE       a PyTorch bench result (JSON line)
+    gpu_check.py smoke SMOKE_JSONL RC          cubin_smoke.py's lines as one result (JSON line)
+    gpu_check.py libtest LOG RC MODE           a test executable's libtest output as one result:
+                                               passed / failed / ignored, the failed trials, and
+                                               its status (MODE run: skipped CUDA trials fail)
     gpu_check.py table RESULTS                 the one markdown table (exit 1 if a check failed)
+    gpu_check.py summary RESULTS PARTS HEADER  summary.md: the header, per-part status and time,
+                                               the table (exit 1 if a check failed)
     gpu_check.py selftest                      checks the helpers on made-up inputs
 
 Every check appends one JSON line to RESULTS (run.sh's results.jsonl); `table` renders them.
-TOL of `losses` is relative (|a - b| / |b| per step; 0: the same bits).
+TOL of `losses` is relative (|a - b| / |b| per step; 0: the same bits). A row's "part" names the
+run.sh part it came from; a bench row is a figure (a missed target is not a failure).
 """
 import json
 import random
+import re
 import statistics
 import sys
 from array import array
@@ -77,18 +85,101 @@ def torch_result(case, json_file, mem_file):
     return r
 
 
+def smoke(jsonl, rc):
+    """cubin_smoke.py's output: one row (ok / failed cubins; a kill before the end fails)."""
+    try:
+        recs = [json.loads(l) for l in Path(jsonl).read_text().splitlines() if l.strip().startswith("{")]
+    except FileNotFoundError:
+        recs = []
+    dev = next((r for r in recs if r.get("kind") == "smoke-device"), {})
+    cubins = [r for r in recs if r.get("kind") == "smoke"]
+    summary = next((r for r in recs if r.get("kind") == "smoke-summary"), None)
+    bad = [r for r in cubins if not r.get("ok")]
+    arch = dev.get("arch") or "?"
+    name = f"cubin smoke ({arch}{', fake driver' if dev.get('fake') else ''}): load, launch, sync"
+    failures = [f"{r['cubin']}: {r.get('error', '?')}"[:160] for r in bad]
+    if dev.get("ok") is False:
+        failures.append(f"device: {dev.get('error')}")
+    notes = [f"{r['cubin']}: without the opt-in {r['without_optin']}" for r in cubins if r.get("without_optin")]
+    notes += [f"{r['cubin']}: local {r['local_bytes']} B" for r in cubins if r.get("local_bytes")]
+    out = {"kind": "smoke", "name": name, "passed": len(cubins) - len(bad), "failed": len(bad),
+           "failures": failures, "notes": notes, "rc": int(rc)}
+    if summary and "skipped" in summary:
+        out.update(status="skipped", why=summary["skipped"])
+    elif summary is None or int(rc) not in (0, 1) or dev.get("ok") is False:
+        last = f" (the last done: {cubins[-1]['cubin']})" if cubins else ""
+        out.update(status="fail", why=f"cubin_smoke.py ended early (rc={rc}) after {len(cubins)} cubins{last}")
+    else:
+        out["status"] = "pass" if not bad and int(rc) == 0 else "fail"
+    return out
+
+
+LIBTEST_RESULT = re.compile(r"test result: (\w+)\. (\d+) passed; (\d+) failed; (\d+) ignored")
+LIBTEST_FAILED = re.compile(r"^test (\S+) \.\.\. FAILED", re.M)
+
+
+def libtest(log, rc, mode):
+    """One test executable's run: libtest's counts (summed over its "test result:" lines), the
+    failed trials, and a status. Trials skipped for want of a device ("N ignored" with N > 0, or
+    a "no CUDA device" line) fail on the GPU machine (mode run) and are "skipped" elsewhere."""
+    text = Path(log).read_text(errors="replace")
+    rc = int(rc)
+    passed = failed = ignored = 0
+    results = LIBTEST_RESULT.findall(text)
+    for _, p, f, i in results:
+        passed, failed, ignored = passed + int(p), failed + int(f), ignored + int(i)
+    failures = LIBTEST_FAILED.findall(text)
+    no_device = [l.strip()[:200] for l in text.splitlines() if "no CUDA device" in l]
+    out = {"rc": rc, "passed": passed, "failed": failed, "ignored": ignored, "failures": failures,
+           "no_device": no_device[:3]}
+    if rc in (124, 137):
+        out.update(status="fail", why="timed out")
+    elif rc != 0 or failed:
+        out.update(status="fail", why=f"rc={rc}" + (f", {failed} failed" if failed else ""))
+    elif ignored or no_device:
+        why = f"{ignored} trials ignored" if ignored else "no CUDA device"
+        out.update(status="fail" if mode == "run" else "skipped", why=why + (" (no device opened)" if no_device and ignored else ""))
+    elif not results:
+        out.update(status="pass", why="no libtest summary line")
+    elif not passed:
+        out.update(status="fail", why="no trial ran")
+    else:
+        out["status"] = "pass"
+    return out
+
+
 def fmt(v, unit=""):
     return "n/a" if v is None else f"{v:.1f}{unit}" if isinstance(v, float) else f"{v}{unit}"
 
 
-def table(results, show=True):
+FAILED_PARTS = set()
+
+
+def table(results, show=True, lines=None):
     rows = [json.loads(l) for l in Path(results).read_text().splitlines() if l.strip()]
+    FAILED_PARTS.clear()
     out = ["| check | ours | reference | ratio / error | target | result |", "|---|---|---|---|---|---|"]
     failed = False
     bench = {}
     for r in rows:
         kind = r["kind"]
-        if kind == "tests":
+        if kind in ("smoke", "test-exe"):
+            status = r.get("status", "fail")
+            ok = status != "fail"
+            counts = f"{r['passed']} {'ok' if kind == 'smoke' else 'passed'}, {r['failed']} failed"
+            if kind == "test-exe":
+                counts += f", {r['ignored']} ignored"
+            detail = "; ".join(([r["why"]] if r.get("why") else []) + r.get("failures", [])[:6])
+            if len(r.get("failures", [])) > 6:
+                detail += f"; ... {len(r['failures']) - 6} more"
+            if kind == "smoke" and r.get("notes"):
+                detail += ("; " if detail else "") + "; ".join(r["notes"][:4])
+            target = "all load, launch, sync" if kind == "smoke" else "all pass, none skipped"
+            out.append(f"| {r['name']} | {counts} | | {detail.replace('|', '/')} | {target} | {status.upper()} |")
+        elif kind == "skipped":
+            ok = True
+            out.append(f"| {r['name']} | | | {r.get('why', '')} | | SKIPPED |")
+        elif kind == "tests":
             ok = r["failed"] == 0 and r["passed"] > 0
             out.append(f"| {r['name']} | {r['passed']} passed, {r['failed']} failed | | {' '.join(r['failures']) or ''} | all pass | {'PASS' if ok else 'FAIL'} |")
         elif kind == "losses":
@@ -102,6 +193,8 @@ def table(results, show=True):
             ok = False
             out.append(f"| {r.get('name', kind)} | | | {r.get('error', '')} | | FAIL |")
         failed |= not ok
+        if not ok:
+            FAILED_PARTS.add(r.get("part", "?"))
     for case, t in TARGETS.items():
         p = bench.get(case, {}).get("pytorch")
         for variant in ("default", "triton"):
@@ -112,6 +205,7 @@ def table(results, show=True):
             if not o or not p:
                 out.append(f"| {about}: step time | {fmt(o and o['median_ms'], ' ms')} | {fmt(p and p['median_ms'], ' ms')} | | <= {t['time']}x | FAIL (no result) |")
                 failed = True
+                FAILED_PARTS.add("bench")
                 continue
             ratio = o["median_ms"] / p["median_ms"]
             out.append(f"| {about}: step time | {o['median_ms']:.1f} ms | {p['median_ms']:.1f} ms | {ratio:.2f}x | <= {t['time']}x | {'met' if ratio <= t['time'] else 'not met'} |")
@@ -125,7 +219,38 @@ def table(results, show=True):
                 out.append(f"| {about}: peak GPU memory | {fmt(o.get('peak_mib'), ' MiB')} | {fmt(p.get('peak_mib'), ' MiB')}{extra} | | | n/a |")
     if show:
         print("\n".join(out))
+    if lines is not None:
+        lines.extend(out)
     return 1 if failed else 0
+
+
+def summary(results, parts, header):
+    """summary.md: the header, one line per part (status, seconds, cap), the table so far."""
+    lines = []
+    status = table(results, show=False, lines=lines)
+    rows = [json.loads(l) for l in Path(results).read_text().splitlines() if l.strip()]
+    out = Path(header).read_text().rstrip("\n").splitlines()
+    out[0] = "# " + out[0]
+    out += ["", "| part | status | seconds | cap | note |", "|---|---|---|---|---|"]
+    for line in Path(parts).read_text().splitlines():
+        f = (line.split("\t") + [""] * 5)[:5]
+        name, state, secs, cap, note = f
+        mine = [r for r in rows if r.get("part") == name]
+        if state in ("not asked", "skipped"):
+            st = state.upper() if state == "skipped" else state
+        elif name in FAILED_PARTS:
+            st = "FAIL"
+        elif mine and all(r.get("status") == "skipped" or r["kind"] == "skipped" for r in mine):
+            st = "SKIPPED"
+        else:
+            st = "PASS" if name != "bench" else "done"
+        if state == "cut":
+            st += " (cut at its cap)"
+        out.append(f"| {name} | {st} | {secs} | {cap} | {note} |")
+    out += ["", "## Results", ""] + lines + ["", f"Correctness: {'FAILED' if status else 'no check failed'} "
+            "(a missed speed or memory target is a figure, not a failure)."]
+    print("\n".join(out))
+    return status
 
 
 def selftest():
@@ -160,6 +285,34 @@ def selftest():
         bad = good + [{"kind": "losses", "name": "m", "tol": 0, **losses(d / "a", d / "b", 0)}]
         res.write_text("\n".join(map(json.dumps, bad)))
         assert table(res, show=False) == 1
+        # libtest output: counts, failed trials, skipped CUDA trials (fail on the GPU machine)
+        log = d / "t.log"
+        log.write_text("running 3 tests\ntest a ... ok\ntest fam::b ... FAILED\ntest c ... ignored\n"
+                       "test result: FAILED. 1 passed; 1 failed; 1 ignored; 0 measured; 0 filtered out\n")
+        r = libtest(log, 101, "run")
+        assert (r["passed"], r["failed"], r["ignored"], r["failures"], r["status"]) == (1, 1, 1, ["fam::b"], "fail")
+        log.write_text("cuda_triton: no CUDA device (stub): 9 CUDA trials skipped\n"
+                       "test result: ok. 1 passed; 0 failed; 9 ignored; 0 measured; 0 filtered out\n")
+        assert libtest(log, 0, "run")["status"] == "fail" and libtest(log, 0, "rehearse")["status"] == "skipped"
+        log.write_text("test result: ok. 4 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out\n")
+        assert libtest(log, 0, "run")["status"] == "pass" and libtest(log, 124, "run")["status"] == "fail"
+        sm = d / "smoke.jsonl"
+        sm.write_text("\n".join(map(json.dumps, [
+            {"kind": "smoke-device", "arch": "sm90", "fake": False, "cc": "9.0"},
+            {"kind": "smoke", "cubin": "a.f32.sm90", "ok": True},
+            {"kind": "smoke", "cubin": "b.f32.sm90", "ok": False, "error": "CUDA_ERROR_INVALID_VALUE"}])))
+        r = smoke(sm, 137)
+        assert r["passed"] == 1 and r["failed"] == 1 and r["status"] == "fail"
+        rows = [dict(r, part="smoke"), {"part": "tests", "kind": "test-exe", "name": "x", **libtest(log, 0, "run")},
+                {"part": "train", "kind": "skipped", "name": "y", "why": "cap"}]
+        res.write_text("\n".join(map(json.dumps, rows)))
+        (d / "parts.tsv").write_text("smoke\tran\t3\t120\t\ntests\tran\t5\t240\t\ntrain\tcut\t9\t240\tcap\n")
+        (d / "header.txt").write_text("GPU check\nline 2\n")
+        import contextlib, io
+        with contextlib.redirect_stdout(io.StringIO()) as buf:
+            assert summary(res, d / "parts.tsv", d / "header.txt") == 1
+        text = buf.getvalue()
+        assert "| smoke | FAIL |" in text and "| tests | PASS |" in text and "| train | SKIPPED (cut at its cap) |" in text, text
     print("gpu_check.py selftest: ok")
 
 
@@ -173,8 +326,14 @@ def main(argv):
         print(json.dumps(ours(a[0], a[1], a[2], int(a[3]))))
     elif cmd == "torch":
         print(json.dumps(torch_result(a[0], a[1], a[2])))
+    elif cmd == "smoke":
+        print(json.dumps(smoke(a[0], a[1])))
+    elif cmd == "libtest":
+        print(json.dumps(libtest(a[0], a[1], a[2])))
     elif cmd == "table":
         return table(a[0])
+    elif cmd == "summary":
+        return summary(a[0], a[1], a[2])
     elif cmd == "selftest":
         selftest()
     else:

@@ -1,35 +1,39 @@
 #!/usr/bin/env bash
-# The one command for a GPU machine (issue #23, point 4). See scripts/gpu/README.md.
+# The one command for a GPU machine (issues #23 and #30). See scripts/gpu/README.md.
 #
-#   scripts/gpu/run.sh [--pack DIR] [--out DIR] [--only tests,train,bench] [--dry-run | --rehearse]
+#   scripts/gpu/run.sh [--pack DIR|FILE.tar.xz] [--out DIR] [--only smoke,tests,train,bench]
+#                      [--dry-run | --rehearse]
 #
-# Runs from the repository root of a checkout (the device machine's copy of the working tree),
-# with a build pack of ../shared/cuda/build-cuda.sh unpacked in DIR (default .gpu/pack: at least
-# bin/trainer, manifest.tsv and the tests/ executables to run). Three parts, each adding rows to
-# one markdown table (OUT/table.md, also printed; exit status 1 if a check failed):
-#   tests  every CUDA-capable test executable of the pack (its source opens a CUDA device), with
-#          CANDLE_FUSED_TRITON=0 and =1;
-#   train  short trainer runs: CUDA vs CPU losses (f32, TF32 off; with dropout 0.2, which stays
-#          within the tolerance only if the device draws the CPU's masks; with the Triton
-#          kernels), remat vs none on CUDA (same bits);
-#   bench  ours vs PyTorch eager on the same GPU, one after the other: GPT-2 small bf16 vs
-#          nanoGPT, the shakespeare-char recipe with dropout 0.2 vs nanoGPT, a SmolLM2-135M-shaped
-#          Llama vs transformers; median step time after warm-up, peak GPU memory (nvidia-smi).
-# --dry-run prints what it would run and checks the pack and the files it needs (no GPU needed).
-# --rehearse runs the train and bench parts on the CPU at tiny shapes (CUDA replaced by the CPU;
-# TRAINER=target/release/trainer and PYTHON with torch + transformers), to test this script.
+# Four parts, in the order of what they decide, each under its own time cap:
+#   smoke  every cubin of candle-fused/kernels loaded and launched once through the driver, no
+#          Rust (cubin_smoke.py; --fake in the rehearsal);
+#   tests  the CUDA-capable test executables of the pack, CANDLE_FUSED_TRITON=0 and =1 (trials
+#          skipped for want of a device are a failure on the GPU machine);
+#   train  short trainer runs: CUDA vs CPU losses, remat vs none;
+#   bench  ours vs PyTorch eager on the same GPU.
+# After every part OUT holds at most four files, rewritten: summary.md (header, per-part status and
+# time, the table so far), results.jsonl (every result row), logs.tar.xz (every log so far) and
+# smoke.jsonl (one line per cubin). Exit status 1 when a correctness check failed.
+# --dry-run prints what it would run and checks the pack and the files it needs (no GPU).
+# --rehearse runs every part on this CPU machine: smoke with a fake driver, the tests under the
+# stub libcuda.so.1 (their CUDA trials come out skipped), train and bench with the pack's trainer on
+# --device cpu at tiny shapes (PYTHON: a Python with torch and transformers).
 #
-# Environment: OUT (table.md, results.jsonl, logs/: /tmp/gpu-run), WORK (runs, data: /tmp/gpu-work),
-# STEPS (timed steps, 10), WARMUP (5), TRAIN_STEPS (20), PYTHON (python3),
-# TRAINER (PACK/bin/trainer), LIMIT (seconds per command, 300), ALL_TESTS=1 (also run the
-# pack's CPU-only test executables, once).
+# Environment: GPU_PACK (the pack: a directory, or FILE.tar.xz; default .gpu/pack, unpacked from
+# .gpu/pack.tar.xz), OUT (/tmp/gpu-run), WORK (logs, runs, data, the unpacked pack: /tmp/gpu-work),
+# BUDGET (seconds for all parts, 540), SMOKE_CAP (120), TESTS_CAP (240), TRAIN_CAP (240),
+# BENCH_CAP (300), MIN_PART (30: a part starts only with this much budget left), LIMIT (seconds
+# per command, 300), STEPS (10), WARMUP (5), TRAIN_STEPS (20), PYTHON (python3), TRAINER
+# (PACK/bin/trainer), ALL_TESTS=1 (also the pack's CPU-only test executables), CUDA_STUB_LIBS
+# (rehearsal: /tmp/cudaroot/lib/stubs/run:/tmp/cudaroot/lib).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$ROOT"
+cd "$ROOT" || exit 1
+T0=$SECONDS
 PACK=${GPU_PACK:-.gpu/pack}
 OUT=${OUT:-/tmp/gpu-run}
-ONLY=
+ONLY=smoke,tests,train,bench
 MODE=run
 while (($#)); do
   case $1 in
@@ -38,147 +42,260 @@ while (($#)); do
     --only) ONLY=$2; shift 2 ;;
     --dry-run) MODE=dry; shift ;;
     --rehearse) MODE=rehearse; shift ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | grep '^#'; exit 0 ;;
     *) echo "run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-# The rehearsal has no pack: its default parts are train and bench.
-[[ -z $ONLY ]] && { [[ $MODE == rehearse ]] && ONLY=train,bench || ONLY=tests,train,bench; }
-PACK=$(realpath -m "$PACK")
-# A pack carried compressed (PACK.tar.xz, see the README) is unpacked first.
-if [[ ! -d $PACK && -f $PACK.tar.xz ]]; then
-  if [[ $MODE == dry ]]; then  # unpack a listing-only copy to check the layout
-    DRY_TMP=$(mktemp -d)
-    trap 'rm -rf "$DRY_TMP"' EXIT
-    top=$(basename "$PACK")
-    tar -C "$DRY_TMP" -xJf "$PACK.tar.xz" --anchored --exclude="$top/tests/*" --exclude="$top/bin/*" &&
-      tar -tJf "$PACK.tar.xz" | grep -E '^[^/]+/(bin|tests)/[^/]+$' | while read -r f; do
-        mkdir -p "$DRY_TMP/$(dirname "$f")" && touch "$DRY_TMP/$f" && chmod +x "$DRY_TMP/$f"; done
-    echo "   (dry run: checking the contents of $PACK.tar.xz)" >&2
-    PACK=$DRY_TMP/$(basename "$PACK")
-  else
-    tar -C "$(dirname "$PACK")" -xJf "$PACK.tar.xz" || { echo "run.sh: cannot unpack $PACK.tar.xz" >&2; exit 1; }
-  fi
-fi
+for p in ${ONLY//,/ }; do
+  [[ $p == @(smoke|tests|train|bench) ]] || { echo "run.sh: unknown part $p (smoke, tests, train, bench)" >&2; exit 2; }
+done
 OUT=$(realpath -m "$OUT")
-# Runs, checkpoints and data stay out of OUT (the device tool brings OUT back: keep it small).
+# Runs, checkpoints, data and logs stay out of OUT (the device tool brings OUT back: keep it small).
 WORK=$(realpath -m "${WORK:-/tmp/gpu-work}")
+LOGS=$WORK/logs
+BUDGET=${BUDGET:-540}
+MIN_PART=${MIN_PART:-30}
 STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-5}
 TRAIN_STEPS=${TRAIN_STEPS:-20}
 LIMIT=${LIMIT:-300}
-PYTHON=${PYTHON:-python3}
-CHECK="$PYTHON $ROOT/scripts/gpu/gpu_check.py"
+if [[ -z ${PYTHON:-} ]]; then
+  PYTHON=python3
+  # The rehearsal needs torch + transformers: scripts/python/setup.sh's .venv-py here, or in the
+  # checkout this one was cloned from (a fresh local clone has none).
+  if [[ $MODE == rehearse ]]; then
+    origin=$(git -C "$ROOT" config --get remote.origin.url 2>/dev/null)
+    for v in "$ROOT/.venv-py" ${origin:+"$origin/.venv-py"}; do
+      [[ -x $v/bin/python ]] && { PYTHON=$v/bin/python; break; }
+    done
+  fi
+fi
+CHECK=("$PYTHON" "$ROOT/scripts/gpu/gpu_check.py")
+say() { printf '== %s\n' "$*" >&2; }
+
+# ------------------------------------------------------------------ the pack
+# A directory, or a PACK.tar.xz (given, or next to the missing PACK directory) unpacked into WORK.
+PACK=$(realpath -m "$PACK")
+TARBALL=
+if [[ $PACK == *.tar.xz ]]; then
+  TARBALL=$PACK
+elif [[ ! -d $PACK && -f $PACK.tar.xz ]]; then
+  TARBALL=$PACK.tar.xz
+fi
+if [[ -n $TARBALL ]]; then
+  [[ -f $TARBALL ]] || { echo "run.sh: no pack $TARBALL" >&2; exit 1; }
+  top=$(tar -tJf "$TARBALL" | head -1); top=${top%%/*}
+  if [[ $MODE == dry ]]; then  # the manifest and BUILD-INFO, and empty stand-ins for the executables
+    DRY_TMP=$(mktemp -d)
+    trap 'rm -rf "$DRY_TMP"' EXIT
+    tar -C "$DRY_TMP" -xJf "$TARBALL" --wildcards "$top/manifest.tsv" "$top/BUILD-INFO.txt" 2>/dev/null
+    tar -tJf "$TARBALL" | grep -E '^[^/]+/(bin|tests)/[^/]+$' | while read -r f; do
+      mkdir -p "$DRY_TMP/$(dirname "$f")" && touch "$DRY_TMP/$f" && chmod +x "$DRY_TMP/$f"; done
+    echo "   (dry run: checking the contents of $TARBALL)" >&2
+    PACK=$DRY_TMP/$top
+  else
+    mkdir -p "$WORK" && rm -rf "${WORK:?}/$top"
+    tar -C "$WORK" -xJf "$TARBALL" || { echo "run.sh: cannot unpack $TARBALL" >&2; exit 1; }
+    PACK=$WORK/$top
+  fi
+fi
 DEV=cuda
 TRAINER=${TRAINER:-$PACK/bin/trainer}
 if [[ $MODE == rehearse ]]; then
   DEV=cpu
-  TRAINER=${TRAINER_REHEARSE:-$ROOT/target/release/trainer}
-  [[ -x $TRAINER ]] || TRAINER=${CARGO_TARGET_DIR:-$ROOT/target}/release/trainer
+  TRAINER=${TRAINER_REHEARSE:-$TRAINER}
+  # The CUDA executables start here against the stub driver (every CUDA call: no device).
+  CUDA_STUB_LIBS=${CUDA_STUB_LIBS:-/tmp/cudaroot/lib/stubs/run:/tmp/cudaroot/lib}
+  export LD_LIBRARY_PATH=$CUDA_STUB_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+else
+  export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 # The project tree the test executables run in (cargo runs each in its package directory).
 PROJECT=$ROOT
 [[ -d $PACK/project ]] && PROJECT=$PACK/project
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export RUST_BACKTRACE=${RUST_BACKTRACE:-1}
-RESULTS=$OUT/results.jsonl
-LOGS=$OUT/logs
 want() { [[ ,$ONLY, == *,$1,* ]]; }
-say() { printf '== %s\n' "$*" >&2; }
-# One command: printed; run unless dry (with a time limit); its output in LOGS/$1.log.
-run() {
-  local name=$1; shift
-  printf '   $ %s\n' "$*" >&2
-  [[ $MODE == dry ]] && return 0
-  timeout "$LIMIT" "$@" > "$LOGS/$name.log" 2>&1
-  local rc=$?
-  [[ -f $WORK/runs/$name/metrics.jsonl ]] && cp "$WORK/runs/$name/metrics.jsonl" "$LOGS/$name.metrics.jsonl"
-  ((rc == 0)) || { echo "   ($name failed, rc=$rc; last lines of $LOGS/$name.log:)" >&2; tail -n 5 "$LOGS/$name.log" >&2; }
-  return $rc
-}
-row() { [[ $MODE == dry ]] || echo "$1" >> "$RESULTS"; }
-fail_row() { row "{\"kind\": \"error\", \"name\": \"$1\", \"error\": \"$2\"}"; }
 
 # ------------------------------------------------------------------ layout
 missing=()
 need() { [[ -e $1 ]] || missing+=("$1"); }
-if want tests || [[ $MODE != rehearse ]]; then
-  need "$PACK/bin/trainer"
+if want tests || want train || want bench; then
   need "$PACK/manifest.tsv"
+  need "$TRAINER"
 fi
-[[ $TRAINER == "$PACK/bin/trainer" ]] || need "$TRAINER"
+want smoke && need "$ROOT/candle-fused/kernels" && need "$ROOT/scripts/gpu/cubin_smoke.py"
 need "$ROOT/data/tinyshakespeare.txt"
 need "$ROOT/configs/shakespeare_char.toml"
 need "$ROOT/scripts/gpu/torch_gpu_step.py"
-command -v "$PYTHON" > /dev/null || missing+=("$PYTHON (python3 with torch and transformers)")
+command -v "$PYTHON" > /dev/null || missing+=("$PYTHON (python3; with torch and transformers for bench)")
 [[ $MODE == run ]] && ! command -v nvidia-smi > /dev/null && missing+=("nvidia-smi")
-say "pack $PACK, project $PROJECT, trainer $TRAINER, device $DEV, out $OUT, parts $ONLY"
+if [[ $MODE == rehearse ]]; then
+  for d in ${CUDA_STUB_LIBS//:/ }; do need "$d"; done
+  if want bench && ! "$PYTHON" -c 'import torch, transformers' 2>/dev/null; then
+    missing+=("PYTHON=$PYTHON has no torch + transformers (scripts/python/setup.sh makes .venv-py)")
+  fi
+fi
+say "pack $PACK, project $PROJECT, trainer $TRAINER, device $DEV, out $OUT, parts $ONLY, budget ${BUDGET}s"
 if ((${#missing[@]})); then
   printf 'run.sh: missing: %s\n' "${missing[@]}" >&2
   exit 1
 fi
 [[ -f $PACK/BUILD-INFO.txt ]] && sed -n '1,3p' "$PACK/BUILD-INFO.txt" >&2
+
+RESULTS=$OUT/results.jsonl
+PARTS=$WORK/parts.tsv
 if [[ $MODE != dry ]]; then
-  rm -rf "$WORK/runs"
-  mkdir -p "$LOGS" "$WORK" && : > "$RESULTS"
-  $CHECK selftest > "$LOGS/selftest.log" || { echo "gpu_check.py selftest failed" >&2; exit 1; }
-  [[ $MODE == run ]] && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2
+  rm -rf "$WORK/runs" "$LOGS"
+  mkdir -p "$LOGS" "$OUT"
+  rm -f "$OUT/summary.md" "$OUT/results.jsonl" "$OUT/logs.tar.xz" "$OUT/smoke.jsonl"
+  : > "$RESULTS"; : > "$PARTS"
+  "${CHECK[@]}" selftest > "$LOGS/selftest.log" 2>&1 || { echo "gpu_check.py selftest failed (see $LOGS/selftest.log)" >&2; exit 1; }
+  pack_commit=$(sed -n 's/^project commit: \([0-9a-f]*\).*/\1/p' "$PACK/BUILD-INFO.txt" 2>/dev/null | cut -c1-10)
+  here_commit=$(git -C "$ROOT" rev-parse --short=10 HEAD 2>/dev/null || echo unknown)
+  if [[ $MODE == run ]]; then
+    gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader -i 0 2>&1 | head -1)
+    cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -1)
+    device="$gpu, CUDA $cuda"
+  else
+    device="this CPU machine (rehearsal: CUDA replaced by the CPU, the stub driver, a fake driver for the smoke)"
+  fi
+  printf '%s\n' "GPU check ($MODE) on $device" \
+    "checkout $here_commit, pack ${pack_commit:-unknown}; $(date -u '+%F %H:%M UTC'); budget ${BUDGET}s" > "$WORK/header.txt"
+fi
+
+# ------------------------------------------------------------------ parts, commands, rows
+PART=; PART_END=0; PART_CUT=0
+# The summary, rewritten in OUT after every part (at most four files there).
+publish() {
+  [[ $MODE == dry ]] && return 0
+  "${CHECK[@]}" summary "$RESULTS" "$PARTS" "$WORK/header.txt" > "$OUT/summary.md.tmp" 2>> "$LOGS/summary.log"
+  mv -f "$OUT/summary.md.tmp" "$OUT/summary.md"
+  tar -C "$WORK" -cJf "$OUT/logs.tar.xz.tmp" logs parts.tsv header.txt && mv -f "$OUT/logs.tar.xz.tmp" "$OUT/logs.tar.xz"
+}
+# part_begin NAME CAP: false (and recorded) when the part is not asked for or the budget is spent.
+part_begin() {
+  local name=$1 cap=$2 left=$((BUDGET - (SECONDS - T0)))
+  PART=$name; PART_CUT=0; PART_T0=$SECONDS; PART_CAP=$cap
+  if ! want "$name"; then
+    [[ $MODE == dry ]] || printf '%s\tnot asked\t0\t%s\t--only %s\n' "$name" "$cap" "$ONLY" >> "$PARTS"
+    return 1
+  fi
+  if [[ $MODE != dry ]] && ((left < MIN_PART)); then
+    printf '%s\tskipped\t0\t%s\tbudget: %ss of %ss left, %ss needed to start\n' "$name" "$cap" "$left" "$BUDGET" "$MIN_PART" >> "$PARTS"
+    row "{\"kind\": \"skipped\", \"name\": \"part $name\", \"why\": \"budget spent ($left s left of $BUDGET s)\"}"
+    say "$name: skipped (budget: ${left}s left)"
+    publish
+    return 1
+  fi
+  ((cap > left)) && cap=$left
+  PART_END=$((SECONDS + cap))
+  say "$name (cap ${cap}s, ${left}s of the budget left)"
+  return 0
+}
+part_end() {
+  [[ $MODE == dry ]] && return 0
+  local secs=$((SECONDS - PART_T0)) state=ran note=
+  ((PART_CUT)) && { state="cut"; note="cap ${PART_CAP}s reached: later commands not run"; }
+  printf '%s\t%s\t%s\t%s\t%s\n' "$PART" "$state" "$secs" "$PART_CAP" "$note" >> "$PARTS"
+  publish
+}
+row() { [[ $MODE == dry ]] || echo "{\"part\": \"$PART\", ${1#\{}" >> "$RESULTS"; }
+fail_row() { row "{\"kind\": \"error\", \"name\": \"$1\", \"error\": \"$2\"}"; }
+skip_row() { row "{\"kind\": \"skipped\", \"name\": \"$1\", \"why\": \"$2\"}"; }
+# One command: printed; run unless dry, within LIMIT and the part's cap; output in LOGS/$1.log.
+# Status 125: not started (the part's cap is reached; recorded as skipped).
+run() {
+  local name=$1; shift
+  printf '   $ %s\n' "$*" >&2
+  [[ $MODE == dry ]] && return 0
+  local left=$((PART_END - SECONDS)) lim=$LIMIT
+  if ((left < 5)); then
+    PART_CUT=1
+    skip_row "$name" "the $PART part's cap (${PART_CAP}s) was reached"
+    return 125
+  fi
+  ((lim > left)) && lim=$left
+  timeout -k 10 "$lim" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  ((rc == 124 || rc == 137)) && { echo "   (timed out after ${lim}s)" >> "$LOGS/$name.log"; ((lim < LIMIT)) && PART_CUT=1; }
+  [[ -f $WORK/runs/$name/metrics.jsonl ]] && cp "$WORK/runs/$name/metrics.jsonl" "$LOGS/$name.metrics.jsonl"
+  ((rc == 0)) || { echo "   ($name failed, rc=$rc; last lines of $LOGS/$name.log:)" >&2; tail -n 5 "$LOGS/$name.log" >&2; }
+  return $rc
+}
+
+# ------------------------------------------------------------------ smoke
+if part_begin smoke "${SMOKE_CAP:-120}"; then
+  FAKE=(); [[ $MODE == rehearse ]] && FAKE=(--fake)
+  # Written straight into OUT line by line: a kill keeps what was launched.
+  run cubin-smoke "$PYTHON" "$ROOT/scripts/gpu/cubin_smoke.py" "${FAKE[@]}" --out "$OUT/smoke.jsonl"
+  rc=$?
+  if [[ $MODE != dry ]] && ((rc != 125)); then
+    if r=$("${CHECK[@]}" smoke "$OUT/smoke.jsonl" "$rc" 2>> "$LOGS/cubin-smoke.log"); then
+      row "$r"
+    else
+      fail_row "cubin smoke" "no result (rc=$rc; logs/cubin-smoke.log)"
+    fi
+  fi
+  part_end
 fi
 
 # ------------------------------------------------------------------ tests
 # A test executable is CUDA-capable when its source opens a CUDA device (the others run on the
-# CPU only and check nothing here). Paths baked in at compile time are provided as run-tests.sh
-# does (cli tests call CARGO_BIN_EXE_trainer).
-cuda_capable() { # pdir kind tname
-  local src
-  for src in "$PROJECT/$1/tests/$3.rs" "$PROJECT/$1/tests/$3/main.rs"; do
-    [[ $2 == test && -f $src ]] && grep -qE 'new_cuda|cuda_if_available|Device::Cuda' "$src" && return 0
-  done
-  return 1
+# CPU only and check nothing here). Paths baked in at compile time are provided as links (GPU
+# machine only): the trainer (cli tests), the data file and the project directory of the build
+# (CARGO_MANIFEST_DIR: cuda_triton reads its vectors there).
+# shellcheck source=scripts/gpu/lib.sh
+source "$ROOT/scripts/gpu/lib.sh"
+provide() { # baked-path target
+  [[ -z $1 || -e $1 ]] && return 0
+  mkdir -p "$(dirname "$1")" 2>/dev/null && ln -s "$2" "$1" 2>/dev/null ||
+    echo "   (cannot link $1 -> $2: tests that use it will fail)" >&2
 }
-if want tests; then
-  say "tests: CUDA-capable executables of the pack, CANDLE_FUSED_TRITON=0 and =1"
-  baked=$(sed -n 's/^baked paths: \([^ ]*\).*/\1/p' "$PACK/BUILD-INFO.txt" 2>/dev/null)
-  if [[ -n $baked && $MODE == run && ! -e $baked ]]; then
-    mkdir -p "$(dirname "$baked")" && ln -s "$PACK/bin/trainer" "$baked" 2>/dev/null ||
-      echo "   (cannot link $baked: cli tests will not find the trainer)" >&2
-  fi
+if part_begin tests "${TESTS_CAP:-240}"; then
   exes=(); cpu_exes=()
-  while IFS=$'\t' read -r exe kind pkg tname pdir orig; do
+  while IFS=$'\t' read -r exe kind _ tname pdir _; do
     [[ $exe == tests/* ]] || continue
     if [[ ! -x $PACK/$exe ]]; then
-      echo "   not in the pack (not carried): $exe" >&2
+      [[ $MODE == dry ]] && cuda_capable "$PROJECT" "$pdir" "$kind" "$tname" && echo "   not in the pack (not carried): $exe" >&2
       continue
     fi
-    if cuda_capable "$pdir" "$kind" "$tname"; then
-      exes+=("$exe	$pdir")
-    else
-      cpu_exes+=("$exe	$pdir")
-    fi
+    if cuda_capable "$PROJECT" "$pdir" "$kind" "$tname"; then exes+=("$exe	$pdir"); else cpu_exes+=("$exe	$pdir"); fi
   done < "$PACK/manifest.tsv"
-  ((${#exes[@]})) || echo "   no CUDA-capable test executable in the pack" >&2
-  # ALL_TESTS=1: the CPU-only executables too, once (as the pack's run-tests.sh).
+  ((${#exes[@]})) || { echo "   no CUDA-capable test executable in the pack" >&2; fail_row "CUDA tests" "no CUDA-capable test executable in the pack"; }
+  if [[ $MODE == run ]]; then
+    read -r baked_trainer baked_data < <(sed -n 's/^baked paths: *//p' "$PACK/BUILD-INFO.txt" 2>/dev/null)
+    baked_project=$(sed -n 's/^baked project: *//p' "$PACK/BUILD-INFO.txt" 2>/dev/null)
+    if [[ -z $baked_project ]] && ((${#exes[@]})) && grep -qa /tmp/cudaproj/ "$PACK/${exes[0]%%	*}"; then
+      baked_project=/tmp/cudaproj  # build-cuda.sh's PROJ
+    fi
+    provide "${baked_trainer:-}" "$PACK/bin/trainer"
+    provide "${baked_data:-}" "$ROOT/data/tinyshakespeare.txt"
+    provide "${baked_project:-}" "$PROJECT"
+  fi
   settings=(0 1); [[ ${ALL_TESTS:-0} == 1 ]] && settings+=(cpu)
   for triton in "${settings[@]}"; do
-    run_list=("${exes[@]}"); label="CUDA tests, CANDLE_FUSED_TRITON=$triton"
-    [[ $triton == cpu ]] && { run_list=("${cpu_exes[@]}"); triton=0; label="CPU-only tests of the pack"; }
-    passed=0; failed=0; failures=()
+    run_list=("${exes[@]}")
+    [[ $triton == cpu ]] && run_list=("${cpu_exes[@]}")
     for e in "${run_list[@]}"; do
-      exe=${e%%	*}; pdir=${e#*	}; name=$(basename "$exe").triton$triton
-      if (cd "$PROJECT/$pdir" && run "$name" env CANDLE_FUSED_TRITON=$triton "$PACK/$exe"); then
-        # A test that found no device skipped its checks: on the GPU machine that is a failure.
-        if [[ $MODE == run ]] && grep -qi 'no CUDA device' "$LOGS/$name.log"; then
-          failed=$((failed + 1)); failures+=("$(basename "$exe")(no-device)")
-        else
-          passed=$((passed + 1))
-        fi
+      exe=${e%%	*}; pdir=${e#*	}; t=$triton; [[ $t == cpu ]] && t=0
+      name=$(basename "$exe").triton$triton
+      label="$(basename "$exe") (CANDLE_FUSED_TRITON=$t)"; [[ $triton == cpu ]] && label="$(basename "$exe") (CPU-only executable)"
+      cd "$PROJECT/$pdir" || { fail_row "$name" "no directory $PROJECT/$pdir"; continue; }
+      # --show-output: libtest prints what passing trials wrote too (a "no CUDA device" notice
+      # from a trial that returned early would otherwise be captured and lost)
+      run "$name" env CANDLE_FUSED_TRITON="$t" CANDLE_FUSED_VECTORS="$PROJECT/candle-fused/triton/vectors" \
+        "$PACK/$exe" --show-output
+      rc=$?
+      cd "$ROOT" || exit 1
+      [[ $MODE == dry ]] || ((rc == 125)) && continue
+      if r=$("${CHECK[@]}" libtest "$LOGS/$name.log" "$rc" "$MODE" 2>> "$LOGS/gpu_check.log"); then
+        row "{\"kind\": \"test-exe\", \"name\": \"$label\", \"exe\": \"$exe\", \"triton\": \"$triton\", ${r#\{}"
       else
-        failed=$((failed + 1)); failures+=("$(basename "$exe")")
+        fail_row "$label" "cannot read its output (logs/$name.log)"
       fi
     done
-    list=$(printf '"%s",' "${failures[@]}"); list=${list%,}; [[ $list == '""' ]] && list=
-    row "{\"kind\": \"tests\", \"name\": \"$label\", \"passed\": $passed, \"failed\": $failed, \"failures\": [$list]}"
   done
+  part_end
 fi
 
 # ------------------------------------------------------------------ train
@@ -188,9 +305,11 @@ fi
 # steps; 1e-3 leaves room and still fails on a wrong kernel, or on different dropout masks
 # (another mask moves the loss by ~1e-2 at dropout 0.2). Remat recomputes the same ops on the
 # same values: the same bits, losses and gradient norms.
+TRAIN_SHAPE=()  # the rehearsal: a tiny model, the same code paths
+[[ $MODE == rehearse ]] && TRAIN_SHAPE=(--n-layer 2 --n-head 2 --n-embd 64 --block-size 64 --batch-size 4)
 train() { # name device extra-args...
   local name=$1 dev=$2; shift 2
-  run "$name" "$TRAINER" train --config "$ROOT/configs/shakespeare_char.toml" --device "$dev" \
+  run "$name" "$TRAINER" train --config "$ROOT/configs/shakespeare_char.toml" "${TRAIN_SHAPE[@]}" --device "$dev" \
     --data-path "$ROOT/data/tinyshakespeare.txt" --cache-dir "$WORK/cache" \
     --out-dir "$WORK/runs/$name" --overwrite --max-iters "$TRAIN_STEPS" \
     --lr-decay-iters "$TRAIN_STEPS" --warmup-iters 5 --eval-interval 100000 --eval-iters 1 \
@@ -199,13 +318,15 @@ train() { # name device extra-args...
 compare() { # row-name run-a run-b tolerance
   [[ $MODE == dry ]] && { printf '   compare %s vs %s (tolerance %s)\n' "$2" "$3" "$4" >&2; return; }
   local r
-  if r=$($CHECK losses "$WORK/runs/$2" "$WORK/runs/$3" "$4" 2>> "$LOGS/compare.log"); then
+  if [[ ! -f $WORK/runs/$2/metrics.jsonl || ! -f $WORK/runs/$3/metrics.jsonl ]] && ((PART_CUT)); then
+    skip_row "$1" "the $PART part's cap was reached before both runs"
+  elif r=$("${CHECK[@]}" losses "$WORK/runs/$2" "$WORK/runs/$3" "$4" 2>> "$LOGS/compare.log"); then
     row "{\"kind\": \"losses\", \"name\": \"$1\", \"tol\": $4, ${r#\{}"
   else
     fail_row "$1" "no comparable runs ($2, $3)"
   fi
 }
-if want train; then
+if part_begin train "${TRAIN_CAP:-240}"; then
   say "train: CUDA vs CPU, remat vs none, $TRAIN_STEPS steps"
   F32=(--dtype f32 --tf32 false)
   train cpu-f32 cpu "${F32[@]}"
@@ -220,6 +341,7 @@ if want train; then
     train "dev-remat-$r" "$DEV" --dtype bf16 --dropout 0.2 --remat "$r" --triton-kernels true
   done
   compare "remat all vs none on CUDA, bf16, dropout 0.2, Triton on" dev-remat-all dev-remat-none 0
+  part_end
 fi
 
 # ------------------------------------------------------------------ bench
@@ -238,36 +360,36 @@ unpoll() {
 }
 bench_ours() { # case variant trainer-args...
   local case=$1 variant=$2; shift 2
-  local name=ours-$case-$variant mem=$LOGS/mem-ours-$case-$variant.txt
+  local name=ours-$case-$variant mem=$LOGS/mem-ours-$case-$variant.txt r
   poll "$mem"
   run "$name" "$TRAINER" train --device "$DEV" --dtype bf16 --tf32 true --out-dir "$WORK/runs/$name" \
     --overwrite --cache-dir "$WORK/cache" --max-iters $((WARMUP + STEPS)) --eval-interval 100000 \
     --eval-iters 1 --peak-flops 1e15 --warmup-iters 2 --grad-clip 1.0 --weight-decay 0.1 "$@"
   local rc=$?
   unpoll
-  [[ $MODE == dry ]] && return
-  if ((rc == 0)) && r=$($CHECK ours "$case" "$WORK/runs/$name" "$mem" "$WARMUP"); then
+  [[ $MODE == dry ]] || ((rc == 125)) && return
+  if ((rc == 0)) && r=$("${CHECK[@]}" ours "$case" "$WORK/runs/$name" "$mem" "$WARMUP"); then
     row "{\"kind\": \"bench\", \"variant\": \"$variant\", ${r#\{}"
   else
-    fail_row "$case: ours ($variant)" "the trainer run failed (logs/$name.log)"
+    fail_row "$case: ours ($variant)" "the trainer run failed, rc=$rc (logs/$name.log)"
   fi
 }
 bench_torch() { # case torch-args...
   local case=$1; shift
-  local mem=$LOGS/mem-torch-$case.txt
+  local mem=$LOGS/mem-torch-$case.txt r
   poll "$mem"
   run "torch-$case" "$PYTHON" "$ROOT/scripts/gpu/torch_gpu_step.py" --case "$case" --device "$DEV" \
     --steps "$STEPS" --warmup "$WARMUP" "$@"
   local rc=$?
   unpoll
-  [[ $MODE == dry ]] && return
-  if ((rc == 0)) && r=$($CHECK torch "$case" "$LOGS/torch-$case.log" "$mem"); then
+  [[ $MODE == dry ]] || ((rc == 125)) && return
+  if ((rc == 0)) && r=$("${CHECK[@]}" torch "$case" "$LOGS/torch-$case.log" "$mem"); then
     row "{\"kind\": \"bench\", ${r#\{}"
   else
-    fail_row "$case: PyTorch" "the PyTorch run failed (logs/torch-$case.log)"
+    fail_row "$case: PyTorch" "the PyTorch run failed, rc=$rc (logs/torch-$case.log)"
   fi
 }
-if want bench; then
+if part_begin bench "${BENCH_CAP:-300}"; then
   say "bench: ours vs PyTorch eager, $WARMUP warm-up + $STEPS timed steps each"
   # Shapes (rehearsal: tiny ones, the same code paths).
   GPT2=(--n-layer 12 --n-head 12 --n-embd 768 --block-size 1024 --batch-size 8)
@@ -279,8 +401,8 @@ if want bench; then
     LLAMA=(--n-layer 2 --n-head 4 --n-kv-head 2 --n-embd 64 --mlp-hidden 128 --block-size 64 --batch-size 4)
     LLAMA_VOCAB=512; TOKENS=20000; TINY=(--tiny)
   fi
-  run data-gpt2 $CHECK make-data "$WORK/data/gpt2" "$GPT2_VOCAB" "$TOKENS"
-  run data-llama $CHECK make-data "$WORK/data/llama" "$LLAMA_VOCAB" "$TOKENS"
+  run data-gpt2 "${CHECK[@]}" make-data "$WORK/data/gpt2" "$GPT2_VOCAB" "$TOKENS"
+  run data-llama "${CHECK[@]}" make-data "$WORK/data/llama" "$LLAMA_VOCAB" "$TOKENS"
   for variant in default triton; do
     T=(--triton-kernels false); [[ $variant == triton ]] && T=(--triton-kernels true)
     # nanoGPT's train.py: no biases, dropout 0, lr 6e-4, betas (0.9, 0.95).
@@ -296,17 +418,12 @@ if want bench; then
   bench_torch gpt2 "${TINY[@]}"
   bench_torch shakespeare-char "${TINY[@]}"
   bench_torch smollm2-135m "${TINY[@]}"
+  part_end
 fi
 
-# ------------------------------------------------------------------ table
+# ------------------------------------------------------------------ summary
 [[ $MODE == dry ]] && { say "dry run: the pack and the files above are in place"; exit 0; }
-DEVICE_NAME="the CPU (rehearsal: CUDA replaced by the CPU, tiny bench shapes)"
-[[ $MODE == run ]] && DEVICE_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0)
-{
-  echo "GPU check on $DEVICE_NAME, $(date -u +%F), $(sed -n 1p "$PACK/BUILD-INFO.txt" 2>/dev/null || git rev-parse --short HEAD)"
-  echo
-  $CHECK table "$RESULTS"
-} > "$OUT/table.md"
-status=$?
-cat "$OUT/table.md"
-exit $status
+publish
+cat "$OUT/summary.md"
+say "done in $((SECONDS - T0))s; OUT: $(cd "$OUT" && ls)"
+"${CHECK[@]}" table "$RESULTS" > /dev/null
