@@ -314,8 +314,15 @@ if want carry; then
   cp "$PACK/bin/trainer" "$stage/pack/bin/"
   cp "$PACK/BUILD-INFO.txt" "$stage/pack/"
   : > "$stage/pack/manifest.tsv"
+  # An executable whose tests are all compiled out (candle-comm's nccl tests without the `nccl`
+  # feature) has nothing to run: listed under the stub driver, it names no test.
+  stub_libs=$CUDA_ROOT_DIR/lib/stubs/run:$CUDA_ROOT_DIR/lib
   while IFS=$'\t' read -r exe kind pkg tname pdir orig; do
     if [[ $exe != tests/* ]] || ! cuda_capable "$PACK/project" "$pdir" "$kind" "$tname"; then continue; fi
+    if ! LD_LIBRARY_PATH=$stub_libs "$PACK/$exe" --list 2> /dev/null | grep -q ': test$'; then
+      log "carry: $exe lists no test in this build: not carried"
+      continue
+    fi
     cp "$PACK/$exe" "$stage/pack/tests/"
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$exe" "$kind" "$pkg" "$tname" "$pdir" "$orig" >> "$stage/pack/manifest.tsv"
   done < "$PACK/manifest.tsv"
