@@ -319,7 +319,8 @@ if want carry; then
   stub_libs=$CUDA_ROOT_DIR/lib/stubs/run:$CUDA_ROOT_DIR/lib
   while IFS=$'\t' read -r exe kind pkg tname pdir orig; do
     if [[ $exe != tests/* ]] || ! cuda_capable "$PACK/project" "$pdir" "$kind" "$tname"; then continue; fi
-    if ! LD_LIBRARY_PATH=$stub_libs "$PACK/$exe" --list 2> /dev/null | grep -q ': test$'; then
+    listed=$(LD_LIBRARY_PATH=$stub_libs "$PACK/$exe" --list 2> /dev/null || true)
+    if ! grep -q ': test$' <<< "$listed"; then
       log "carry: $exe lists no test in this build: not carried"
       continue
     fi
