@@ -6,10 +6,10 @@
 #   bash .ci/build-nccl.sh              # ~10 min cold on 2 cores (wheels + candle's CUDA kernels)
 #   TOOLKIT_ONLY=1 bash .ci/build-nccl.sh   # only assemble the CUDA root, print the env to use
 #
-# 1. pip-downloads the CUDA 13.0 wheels that ../shared/cuda/build-cuda.sh pins, plus NCCL
+# 1. pip-downloads the CUDA 13.0 wheels that scripts/gpu/build.sh pins, plus NCCL
 #    (nvidia-nccl-cu13, the version cudarc's `nccl` feature binds: 2.30), into $WHEELS;
-# 2. assembles the same CUDA root as build-cuda.sh in $CUDA_ROOT_DIR (shared with it: same paths,
-#    same layout), adds NCCL's header and libnccl.so to it, and a link-time stub libcuda.so;
+# 2. assembles build.sh's CUDA root in $CUDA_ROOT_DIR (its steps: same paths, same layout) with
+#    its link-time stub libcuda.so, and adds NCCL's header and libnccl.so to it;
 # 3. builds and lints candle-comm with `--features nccl,cuda` (and `nccl,cuda,mpi` when mpicc is
 #    there), tests and examples included, in this checkout, with its own target dir.
 #
@@ -31,57 +31,13 @@ export CARGO_TERM_COLOR=never
 log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 T0=$SECONDS
 
-# ------------------------------------------------------------------ 1. wheels
-# The pins of ../shared/cuda/build-cuda.sh (keep in step with it), plus NCCL.
-WHEEL_PINS=(
-  nvidia-cuda-nvcc==13.0.88
-  nvidia-nvvm==13.0.88
-  nvidia-cuda-crt==13.0.88
-  nvidia-cuda-cccl==13.0.85
-  nvidia-cuda-runtime==13.0.96
-  nvidia-cuda-nvrtc==13.0.88
-  nvidia-cublas==13.0.2.14
-  nvidia-curand==10.4.0.35
-)
-wheel_of() { local name=${1%%==*} ver=${1##*==}; ls "$WHEELS/${name//-/_}-${ver}-"*.whl 2>/dev/null | head -1; }
-mkdir -p "$WHEELS"
-missing=()
-for pin in "${WHEEL_PINS[@]}" "$NCCL_PIN"; do
-  [[ -n $(wheel_of "$pin") ]] || missing+=("$pin")
-done
-if ((${#missing[@]})); then
-  log "downloading wheels: ${missing[*]}"
-  # Every manylinux tag these wheels use: some pips take --platform literally (no older tags).
-  pip download --quiet --no-deps --only-binary=:all: --platform manylinux_2_27_x86_64 \
-    --platform manylinux_2_18_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --python-version 3.11 -d "$WHEELS" "${missing[@]}"
-fi
-
-# ------------------------------------------------------------------ 2. CUDA root (as build-cuda.sh)
-if [[ ! -f $CUDA_ROOT_DIR/.complete ]]; then
-  log "assembling CUDA root in $CUDA_ROOT_DIR"
-  rm -rf "$CUDA_ROOT_DIR" "$CUDA_ROOT_DIR.stage"
-  mkdir -p "$CUDA_ROOT_DIR.stage"
-  for pin in "${WHEEL_PINS[@]}"; do
-    unzip -q -o "$(wheel_of "$pin")" 'nvidia/cu13/*' -d "$CUDA_ROOT_DIR.stage"
-  done
-  mv "$CUDA_ROOT_DIR.stage/nvidia/cu13" "$CUDA_ROOT_DIR"
-  rm -rf "$CUDA_ROOT_DIR.stage"
-  (
-    cd "$CUDA_ROOT_DIR"
-    rm -f lib/libnvblas.so.13 lib/*.alt.so*
-    chmod +x bin/* nvvm/bin/* 2>/dev/null || true
-    for so in lib/lib*.so.*; do
-      base=${so%%.so.*}.so
-      [[ -e $base ]] || ln -s "$(basename "$so")" "$base"
-    done
-    ln -sfn lib lib64
-    mkdir -p targets/x86_64-linux
-    ln -sfn ../../include targets/x86_64-linux/include
-    ln -sfn ../../lib targets/x86_64-linux/lib
-    touch .complete
-  )
-fi
+# ------------------------------------------------------------------ 1-2. wheels, CUDA root, stub
+# scripts/gpu/build.sh's steps (its pins, paths and layout: the root is shared with it), with the
+# NCCL wheel downloaded alongside; its stub step reads cudarc's bindings from this checkout.
+cargo fetch -q
+EXTRA_WHEELS=$NCCL_PIN WHEELS=$WHEELS CUDA_ROOT_DIR=$CUDA_ROOT_DIR PROJ=$ROOT \
+  bash "$ROOT/scripts/gpu/build.sh" wheels root stub
+wheel_of() { local name=${1%%==*} ver=${1##*==}; compgen -G "$WHEELS/${name//-/_}-${ver}-*.whl" | head -1; }
 
 # NCCL: the wheel holds nvidia/nccl/{include,lib}; its soname is libnccl.so.2.
 NCCL_MARK=$CUDA_ROOT_DIR/.nccl-${NCCL_PIN##*==}
@@ -102,25 +58,6 @@ export CUDA_HOME=$CUDA_ROOT_DIR CUDA_ROOT=$CUDA_ROOT_DIR CUDA_PATH=$CUDA_ROOT_DI
 export NVCC=$CUDA_ROOT_DIR/bin/nvcc
 export CUDARC_CUDA_VERSION=13000
 [[ $(nvcc --version) == *"release 13.0,"* ]] || { echo "nvcc is not 13.0" >&2; exit 1; }
-
-# ------------------------------------------------------------------ 2b. stub libcuda.so (link only)
-# As build-cuda.sh: every cu* entry point of cudarc's driver bindings returns CUDA_ERROR_NO_DEVICE.
-cargo fetch -q
-CUDARC_VER=$(awk '/^name = "cudarc"/{getline; gsub(/[^0-9.]/,""); print}' Cargo.lock)
-CUDARC_DIR=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-"$CUDARC_VER" | head -1)
-STUB=$CUDA_ROOT_DIR/lib/stubs/libcuda.so
-if [[ ! -f $STUB || $CUDARC_DIR/src/driver/sys/mod.rs -nt $STUB ]]; then
-  log "building stub $STUB from $CUDARC_DIR"
-  mkdir -p "$(dirname "$STUB")"
-  { echo '#include <stddef.h>'
-    echo 'int cuGetErrorString(int e, const char **s) { if (s) *s = "no CUDA driver (libcuda link stub)"; return 0; }'
-    echo 'int cuGetErrorName(int e, const char **s) { if (s) *s = "CUDA_ERROR_NO_DEVICE"; return 0; }'
-    grep -ohP '^\s+fn \Kcu\w+(?=\()' "$CUDARC_DIR"/src/driver/sys/mod.rs | sort -u |
-      grep -vxE 'cuGetError(String|Name)' | sed 's/.*/int &(void) { return 100; }/'
-  } > "$CUDA_ROOT_DIR/lib/stubs/libcuda_stub.c"
-  gcc -shared -fPIC -O1 -Wl,-soname,libcuda.so.1 -o "$STUB" "$CUDA_ROOT_DIR/lib/stubs/libcuda_stub.c"
-  mkdir -p "$CUDA_ROOT_DIR/lib/stubs/run" && ln -sfn ../libcuda.so "$CUDA_ROOT_DIR/lib/stubs/run/libcuda.so.1"
-fi
 
 if [[ ${TOOLKIT_ONLY:-0} == 1 ]]; then
   cat <<EOF

@@ -26,6 +26,7 @@
 #           pack/BUILD-INFO.txt; at most 64 MiB (the device tool's limit), or it fails
 #
 # Overridable: PROJ CARGO_TARGET_DIR WHEELS CUDA_ROOT_DIR PACK CARRY DATA JOBS CUDA_COMPUTE_CAP REV
+# EXTRA_WHEELS (more pins for the wheels step)
 # Skip parts of `cargo`: SKIP_BENCH=1 SKIP_TESTS=1.
 set -euo pipefail
 
@@ -77,15 +78,19 @@ wheel_of() { # pin -> the downloaded wheel's path (glob)
 if want wheels; then
   mkdir -p "$WHEELS"
   missing=()
-  for pin in "${WHEEL_PINS[@]}"; do [[ -n $(wheel_of "$pin") ]] || missing+=("$pin"); done
+  # EXTRA_WHEELS: more pins downloaded with the same tags (.ci/build-nccl.sh: NCCL)
+  read -r -a extra <<< "${EXTRA_WHEELS:-}"
+  for pin in "${WHEEL_PINS[@]}" "${extra[@]}"; do [[ -n $(wheel_of "$pin") ]] || missing+=("$pin"); done
   if ((${#missing[@]})); then
     log "downloading wheels: ${missing[*]}"
-    # Both tags: the compiler wheels (nvcc, runtime) are manylinux2014, the others 2_27.
+    # Every tag these wheels use (the compiler wheels, nvcc and runtime, are manylinux2014,
+    # the others 2_27, NCCL 2_18): some pips take --platform literally, without older tags.
     pip download --quiet --no-deps --only-binary=:all: \
-      --platform manylinux2014_x86_64 --platform manylinux_2_27_x86_64 \
+      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux_2_18_x86_64 --platform manylinux_2_27_x86_64 \
       --python-version 3.11 -d "$WHEELS" "${missing[@]}"
   fi
-  for pin in "${WHEEL_PINS[@]}"; do
+  for pin in "${WHEEL_PINS[@]}" "${extra[@]}"; do
     [[ -n $(wheel_of "$pin") ]] || { echo "build.sh: wheel $pin not downloaded" >&2; exit 1; }
   done
 fi
