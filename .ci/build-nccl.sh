@@ -70,7 +70,7 @@ EOF
 fi
 
 # ------------------------------------------------------------------ 3. build and lint
-# RUNPATH as build-cuda.sh, so the GPU machine finds its CUDA libraries without LD_LIBRARY_PATH.
+# RUNPATH as scripts/gpu/build.sh, so the GPU machine finds its CUDA libraries without LD_LIBRARY_PATH.
 export RUSTFLAGS="${RUSTFLAGS:-} -C link-arg=-Wl,-rpath,/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib"
 feature_sets=("nccl,cuda")
 if command -v mpicc >/dev/null; then feature_sets+=("nccl,cuda,mpi"); fi

@@ -266,7 +266,7 @@ if part_begin tests "${TESTS_CAP:-240}"; then
     read -r baked_trainer baked_data < <(sed -n 's/^baked paths: *//p' "$PACK/BUILD-INFO.txt" 2>/dev/null)
     baked_project=$(sed -n 's/^baked project: *//p' "$PACK/BUILD-INFO.txt" 2>/dev/null)
     if [[ -z $baked_project ]] && ((${#exes[@]})) && grep -qa /tmp/cudaproj/ "$PACK/${exes[0]%%	*}"; then
-      baked_project=/tmp/cudaproj  # build-cuda.sh's PROJ
+      baked_project=/tmp/cudaproj  # scripts/gpu/build.sh's PROJ
     fi
     provide "${baked_trainer:-}" "$PACK/bin/trainer"
     provide "${baked_data:-}" "$ROOT/data/tinyshakespeare.txt"
