@@ -259,7 +259,13 @@ pub fn export(source: &ModelDir, out: &Path, options: &ExportOptions) -> Result<
     };
     let copies = files_to_copy(&origins);
     let (weight_files, total_size) = write_dir(out, &copies, |tmp| {
-        let written = write_weights(tmp, &loaded.params, dtype, options.max_shard_size)?;
+        let written = write_weights(
+            &source.dir,
+            tmp,
+            &loaded.params,
+            dtype,
+            options.max_shard_size,
+        )?;
         let mut config = loaded.config.to_hf_json();
         if let Value::Object(m) = &mut config {
             m.insert("torch_dtype".into(), json!(dtype.torch_name()));
@@ -397,6 +403,46 @@ fn dir_size(dir: &Path) -> u64 {
         .sum()
 }
 
+/// `t` (stored as tensor `name` of the export from `source`) in `dtype`: every cast of an
+/// export goes through here. A cast that overflows (a finite value becoming inf, as f16 turns
+/// anything of magnitude 65520 or more) is refused.
+fn cast(source: &Path, name: &str, t: &Tensor, dtype: WeightDtype) -> Result<Tensor> {
+    let cast = t.to_dtype(dtype.dtype())?;
+    if cast.dtype() == t.dtype() || !cast.dtype().is_float() {
+        return Ok(cast);
+    }
+    let max_abs = |x: &Tensor| -> Result<f32> {
+        Ok(x.to_dtype(DType::F32)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?)
+    };
+    if t.elem_count() == 0 {
+        return Ok(cast);
+    }
+    let after = max_abs(&cast)?;
+    if after.is_infinite() {
+        let before = max_abs(t)?;
+        if before.is_finite() {
+            let range = match dtype {
+                WeightDtype::F16 => "±65504",
+                WeightDtype::Bf16 => "±3.39e38",
+                WeightDtype::F32 => "±3.40e38",
+            };
+            return Err(Error::checkpoint(
+                source,
+                format!(
+                    "tensor `{name}`: max |value| {before:e} is beyond the range of {dtype} \
+                     ({range}) and would be written as inf; export it as bf16 (--dtype bf16, \
+                     f32's range) or f32"
+                ),
+            ));
+        }
+    }
+    Ok(cast)
+}
+
 /// Writes the adapters of `source` as a PEFT adapter directory at `out` (the tensors in
 /// `options.dtype` if given, else as stored), with the base's tokenizer files.
 fn export_adapter(source: &ModelDir, out: &Path, options: &ExportOptions) -> Result<Exported> {
@@ -422,12 +468,12 @@ fn export_adapter(source: &ModelDir, out: &Path, options: &ExportOptions) -> Res
     for (path, (a, b)) in &adapter.loras {
         let a_name = candle_peft::format::lora_a_name(path);
         let b_name = candle_peft::format::lora_b_name(path);
-        tensors.push((a_name.clone(), a.to_dtype(dtype.dtype())?));
-        tensors.push((b_name.clone(), b.to_dtype(dtype.dtype())?));
+        tensors.push((a_name.clone(), cast(&source.dir, &a_name, a, dtype)?));
+        tensors.push((b_name.clone(), cast(&source.dir, &b_name, b, dtype)?));
     }
     for (name, t) in &adapter.saved {
         let saved = candle_peft::format::saved_name(name);
-        tensors.push((saved.clone(), t.to_dtype(dtype.dtype())?));
+        tensors.push((saved.clone(), cast(&source.dir, &saved, t, dtype)?));
     }
     let total_size = tensors
         .iter()
@@ -524,6 +570,7 @@ fn place(tmp: &Path, out: &Path, name: &str) -> Result<()> {
 /// Writes the parameters as `dtype` into `dir`: one `model.safetensors`, or shards and the
 /// index. Returns the files written and the bytes of tensor data.
 fn write_weights(
+    source: &Path,
     dir: &Path,
     params: &crate::model::Params,
     dtype: WeightDtype,
@@ -546,7 +593,12 @@ fn write_weights(
         };
         let tensors = names
             .iter()
-            .map(|name| Ok((name.clone(), params.tensor(name)?.to_dtype(dtype.dtype())?)))
+            .map(|name| {
+                Ok((
+                    name.clone(),
+                    cast(source, name, &params.tensor(name)?, dtype)?,
+                ))
+            })
             .collect::<Result<Vec<(String, Tensor)>>>()?;
         write_safetensors(&dir.join(&file), tensors)?;
         for name in names {

@@ -635,3 +635,39 @@ fn exports_remove_what_killed_exports_left_behind() {
     }
     assert!(text.contains("no longer alive"), "{text}");
 }
+
+#[test]
+fn a_cast_that_overflows_is_refused_and_writes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    hf_dir(&dir.join("src"), &tiny_llama(false), 7, WeightDtype::F32);
+    let big = "model.layers.1.mlp.down_proj.weight";
+    rewrite(&dir.join("src/model.safetensors"), |tensors| {
+        let (_, t) = tensors.iter_mut().find(|(n, _)| n == big).unwrap();
+        let mut v = values::<f32>(t);
+        v[3] = -1.0e5;
+        *t = Tensor::from_vec(v, t.dims(), &Device::Cpu).unwrap();
+    });
+    let o = run_cli(&["export", "src", "out", "--dtype", "f16"], dir);
+    let text = output_text(&o);
+    assert!(!o.status.success(), "{text}");
+    assert!(
+        text.contains(big)
+            && text.contains("1e5")
+            && text.contains("65504")
+            && text.contains("bf16"),
+        "{text}"
+    );
+    assert!(!dir.join("out").exists());
+    let leftovers: Vec<_> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    // Within the range of bf16, exported.
+    let o = run_cli(&["export", "src", "out", "--dtype", "bf16"], dir);
+    assert!(o.status.success(), "{}", output_text(&o));
+    let o = run_cli(&["export", "src", "out32", "--dtype", "f32"], dir);
+    assert!(o.status.success(), "{}", output_text(&o));
+}
