@@ -179,9 +179,13 @@ pub fn save(dir: &Path, config: &LoraConfig, tensors: &[(String, Tensor)]) -> Re
         .map(|(n, t)| Ok((n.clone(), t.contiguous()?)))
         .collect::<candle_core::Result<_>>()?;
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    // Serialised in memory (adapters are small) and written by `std::fs::write`, so the file
+    // gets the usual mode (`0666` less the umask): `serialize_to_file` writes through a
+    // `tempfile` file, mode 0600.
+    let bytes = safetensors::serialize(views.iter().map(|(n, t)| (n.as_str(), t)), Some(meta))
+        .map_err(|e| PeftError::file(dir.join(ADAPTER_WEIGHTS_FILE), e.to_string()))?;
     write_atomic(&dir.join(ADAPTER_WEIGHTS_FILE), |p| {
-        safetensors::serialize_to_file(views.iter().map(|(n, t)| (n.as_str(), t)), Some(meta), p)
-            .map_err(|e| e.to_string())
+        std::fs::write(p, &bytes).map_err(|e| e.to_string())
     })
 }
 

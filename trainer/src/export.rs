@@ -259,7 +259,13 @@ pub fn export(source: &ModelDir, out: &Path, options: &ExportOptions) -> Result<
     };
     let copies = files_to_copy(&origins);
     let (weight_files, total_size) = write_dir(out, &copies, |tmp| {
-        let written = write_weights(tmp, &loaded.params, dtype, options.max_shard_size)?;
+        let written = write_weights(
+            &source.dir,
+            tmp,
+            &loaded.params,
+            dtype,
+            options.max_shard_size,
+        )?;
         let mut config = loaded.config.to_hf_json();
         if let Value::Object(m) = &mut config {
             m.insert("torch_dtype".into(), json!(dtype.torch_name()));
@@ -290,20 +296,151 @@ fn write_dir<T>(
     write: impl FnOnce(&Path) -> Result<T>,
 ) -> Result<T> {
     let (tmp, name) = temporary_beside(out)?;
-    let written = (|| -> Result<T> {
-        let t = write(&tmp)?;
-        for (file, from) in copies {
-            let bytes = fs::read(from).map_err(|e| Error::io(from, e))?;
-            io::write_atomic(&tmp.join(file), &bytes)?;
-        }
-        io::sync_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
-        Ok(t)
-    })()
-    .and_then(|t| place(&tmp, out, &name).map(|()| t));
-    if written.is_err() {
-        let _ = fs::remove_dir_all(&tmp);
+    let guard = RemoveOnDrop(Some(tmp.clone()));
+    let t = write(&tmp)?;
+    for (file, from) in copies {
+        let bytes = fs::read(from).map_err(|e| Error::io(from, e))?;
+        io::write_atomic(&tmp.join(file), &bytes)?;
     }
-    written
+    io::sync_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    place(&tmp, out, &name)?;
+    guard.disarm();
+    Ok(t)
+}
+
+/// Removes a temporary directory when dropped, unless disarmed: an error, an early return or
+/// a panic between its creation and its rename into place leaves nothing behind.
+struct RemoveOnDrop(Option<PathBuf>);
+
+impl RemoveOnDrop {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.take() {
+            let _ = fs::remove_dir_all(&dir);
+        }
+    }
+}
+
+/// Whether process `pid` is alive (unknown counts as alive, so that nothing of a running
+/// export is ever removed).
+fn process_alive(pid: u32) -> bool {
+    #[cfg(unix)]
+    {
+        let Ok(pid) = libc::pid_t::try_from(pid) else {
+            return true;
+        };
+        // SAFETY: signal 0 only checks that the process exists; nothing is sent.
+        let r = unsafe { libc::kill(pid, 0) };
+        r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = pid;
+        true
+    }
+}
+
+/// Removes what exports to `name` in `parent` that were killed left behind: the temporary
+/// directories (`.NAME.tmp-PID`) and moved-aside old outputs (`.NAME.old-PID`, when the new
+/// one is in place) of processes no longer alive, and says so in one log line.
+fn remove_stale_temporaries(parent: &Path, name: &str) {
+    let Ok(entries) = fs::read_dir(parent) else {
+        return;
+    };
+    let prefixes = [format!(".{name}.tmp-"), format!(".{name}.old-")];
+    let own = std::process::id();
+    let mut removed = Vec::new();
+    let mut bytes = 0u64;
+    for entry in entries.flatten() {
+        let file = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = prefixes
+            .iter()
+            .find_map(|p| file.strip_prefix(p.as_str()))
+            .and_then(|rest| rest.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let path = entry.path();
+        // A moved-aside old output is the only copy while the output is missing: kept.
+        let only_copy = file.contains(".old-") && !parent.join(name).exists();
+        if pid == own || only_copy || !path.is_dir() || process_alive(pid) {
+            continue;
+        }
+        let size = dir_size(&path);
+        if fs::remove_dir_all(&path).is_ok() {
+            removed.push(file);
+            bytes += size;
+        }
+    }
+    if !removed.is_empty() {
+        tracing::warn!(
+            "{}: removed {} left behind by interrupted exports of processes no longer alive \
+             ({} MB): {}",
+            parent.display(),
+            removed.len(),
+            bytes / 1_000_000,
+            removed.join(", ")
+        );
+    }
+}
+
+/// Bytes of the files under `dir`.
+fn dir_size(dir: &Path) -> u64 {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_size(&e.path()),
+            _ => e.metadata().map_or(0, |m| m.len()),
+        })
+        .sum()
+}
+
+/// `t` (stored as tensor `name` of the export from `source`) in `dtype`: every cast of an
+/// export goes through here. A cast that overflows (a finite value becoming inf, as f16 turns
+/// anything of magnitude 65520 or more) is refused.
+fn cast(source: &Path, name: &str, t: &Tensor, dtype: WeightDtype) -> Result<Tensor> {
+    let cast = t.to_dtype(dtype.dtype())?;
+    if cast.dtype() == t.dtype() || !cast.dtype().is_float() {
+        return Ok(cast);
+    }
+    let max_abs = |x: &Tensor| -> Result<f32> {
+        Ok(x.to_dtype(DType::F32)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?)
+    };
+    if t.elem_count() == 0 {
+        return Ok(cast);
+    }
+    let after = max_abs(&cast)?;
+    if after.is_infinite() {
+        let before = max_abs(t)?;
+        if before.is_finite() {
+            let range = match dtype {
+                WeightDtype::F16 => "±65504",
+                WeightDtype::Bf16 => "±3.39e38",
+                WeightDtype::F32 => "±3.40e38",
+            };
+            return Err(Error::checkpoint(
+                source,
+                format!(
+                    "tensor `{name}`: max |value| {before:e} is beyond the range of {dtype} \
+                     ({range}) and would be written as inf; export it as bf16 (--dtype bf16, \
+                     f32's range) or f32"
+                ),
+            ));
+        }
+    }
+    Ok(cast)
 }
 
 /// Writes the adapters of `source` as a PEFT adapter directory at `out` (the tensors in
@@ -329,20 +466,14 @@ fn export_adapter(source: &ModelDir, out: &Path, options: &ExportOptions) -> Res
     };
     let mut tensors = Vec::new();
     for (path, (a, b)) in &adapter.loras {
-        tensors.push((
-            candle_peft::format::lora_a_name(path),
-            a.to_dtype(dtype.dtype())?,
-        ));
-        tensors.push((
-            candle_peft::format::lora_b_name(path),
-            b.to_dtype(dtype.dtype())?,
-        ));
+        let a_name = candle_peft::format::lora_a_name(path);
+        let b_name = candle_peft::format::lora_b_name(path);
+        tensors.push((a_name.clone(), cast(&source.dir, &a_name, a, dtype)?));
+        tensors.push((b_name.clone(), cast(&source.dir, &b_name, b, dtype)?));
     }
     for (name, t) in &adapter.saved {
-        tensors.push((
-            candle_peft::format::saved_name(name),
-            t.to_dtype(dtype.dtype())?,
-        ));
+        let saved = candle_peft::format::saved_name(name);
+        tensors.push((saved.clone(), cast(&source.dir, &saved, t, dtype)?));
     }
     let total_size = tensors
         .iter()
@@ -408,6 +539,7 @@ fn temporary_beside(out: &Path) -> Result<(PathBuf, String)> {
         _ => PathBuf::from("."),
     };
     fs::create_dir_all(&parent).map_err(|e| Error::io(&parent, e))?;
+    remove_stale_temporaries(&parent, &name);
     let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
@@ -438,6 +570,7 @@ fn place(tmp: &Path, out: &Path, name: &str) -> Result<()> {
 /// Writes the parameters as `dtype` into `dir`: one `model.safetensors`, or shards and the
 /// index. Returns the files written and the bytes of tensor data.
 fn write_weights(
+    source: &Path,
     dir: &Path,
     params: &crate::model::Params,
     dtype: WeightDtype,
@@ -460,7 +593,12 @@ fn write_weights(
         };
         let tensors = names
             .iter()
-            .map(|name| Ok((name.clone(), params.tensor(name)?.to_dtype(dtype.dtype())?)))
+            .map(|name| {
+                Ok((
+                    name.clone(),
+                    cast(source, name, &params.tensor(name)?, dtype)?,
+                ))
+            })
             .collect::<Result<Vec<(String, Tensor)>>>()?;
         write_safetensors(&dir.join(&file), tensors)?;
         for name in names {
@@ -480,14 +618,10 @@ fn write_weights(
 }
 
 /// Writes one safetensors file with `{"format": "pt"}` metadata (which transformers 4.x
-/// loaders check), streamed tensor by tensor, and fsyncs it.
+/// loaders check), streamed tensor by tensor, atomically and fsynced.
 fn write_safetensors(path: &Path, tensors: Vec<(String, Tensor)>) -> Result<()> {
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(tensors, Some(meta), path)
-        .map_err(|e| Error::checkpoint(path, format!("cannot write: {e}")))?;
-    fs::File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| Error::io(path, e))
+    io::save_safetensors(path, &tensors, Some(meta))
 }
 
 /// `source` and the models it was started from: a trainer run's `init_from`, followed while it

@@ -17,6 +17,19 @@ use crate::{Error, Result};
 /// The trainer's one atomic writer: checkpoints, metrics, `latest`, run configs and the token
 /// cache all go through it.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |w| w.write_all(bytes))
+}
+
+/// [`write_atomic`] for contents streamed by `write` into a buffered writer (a large file is
+/// never held in memory whole).
+///
+/// The one place the trainer creates the files it writes: every file is created by
+/// `File::create_new`, so it gets the mode every other file gets (`0666` less the umask,
+/// usually `0644`), never a temporary-file crate's `0600`.
+pub fn write_atomic_with(
+    path: &Path,
+    write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
+) -> Result<()> {
     static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
@@ -30,8 +43,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = dir.join(format!(".{name}.tmp-{}-{n}", std::process::id()));
     let result = (|| -> std::io::Result<()> {
-        let mut f = File::create_new(&tmp)?;
-        f.write_all(bytes)?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, File::create_new(&tmp)?);
+        write(&mut w)?;
+        let f = w.into_inner().map_err(|e| e.into_error())?;
         f.sync_all()?;
         drop(f);
         fs::rename(&tmp, path)?;
@@ -55,21 +69,51 @@ pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Serialises named tensors (and string metadata) in the safetensors format and writes the
-/// file atomically.
+/// Writes named tensors (and string metadata) in the safetensors format, atomically and
+/// streamed tensor by tensor (through [`write_atomic_with`], so with the usual file mode).
+/// The tensors are stored in name order.
 pub fn save_safetensors(
     path: &Path,
     tensors: &[(String, Tensor)],
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
-    // safetensors needs contiguous data; `View` for Tensor handles the copy to the host.
-    let mut items = Vec::with_capacity(tensors.len());
+    use safetensors::View;
+    let mut sorted: Vec<(&str, Tensor)> = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
-        items.push((name.as_str(), t.contiguous()?));
+        sorted.push((name.as_str(), t.contiguous()?));
     }
-    let bytes = safetensors::serialize(items, metadata)
+    sorted.sort_by(|a, b| a.0.cmp(b.0));
+    let mut header = serde_json::Map::new();
+    if let Some(m) = metadata {
+        header.insert("__metadata__".into(), serde_json::json!(m));
+    }
+    let mut offset = 0usize;
+    for (name, t) in &sorted {
+        let bytes = t.elem_count() * t.dtype().size_in_bytes();
+        header.insert(
+            name.to_string(),
+            serde_json::json!({
+                "dtype": View::dtype(t),
+                "shape": t.dims(),
+                "data_offsets": [offset, offset + bytes],
+            }),
+        );
+        offset += bytes;
+    }
+    let mut header = serde_json::to_string(&header)
         .map_err(|e| Error::checkpoint(path, format!("cannot serialise: {e}")))?;
-    write_atomic(path, &bytes)
+    // The data starts 8-aligned, as safetensors' own writer pads it.
+    while (header.len() + 8) % 8 != 0 {
+        header.push(' ');
+    }
+    write_atomic_with(path, |w| {
+        w.write_all(&(header.len() as u64).to_le_bytes())?;
+        w.write_all(header.as_bytes())?;
+        for (_, t) in &sorted {
+            w.write_all(&View::data(t))?;
+        }
+        Ok(())
+    })
 }
 
 /// A safetensors file read and validated: tensors on `device` and the metadata.

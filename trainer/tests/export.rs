@@ -552,3 +552,122 @@ fn sampling_stops_at_any_listed_end_token() {
         "{e}"
     );
 }
+
+/// Mode bits of every file under `dir`, by path.
+#[cfg(unix)]
+fn modes(dir: &Path) -> Vec<(PathBuf, u32)> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = Vec::new();
+    for e in fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        out.push((
+            p.clone(),
+            fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+        ));
+    }
+    out.sort();
+    out
+}
+
+#[cfg(unix)]
+#[test]
+fn every_exported_file_gets_the_same_mode() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (src, out) = (tmp.path().join("src"), tmp.path().join("out"));
+    hf_dir(&src, &tiny_llama(false), 3, WeightDtype::F32);
+    fs::write(src.join("tokenizer_config.json"), "{}").unwrap();
+    // The mode any file created here gets (0666 less the umask).
+    fs::write(tmp.path().join("plain"), "x").unwrap();
+    let plain = modes(tmp.path())
+        .into_iter()
+        .find(|(p, _)| p.ends_with("plain"))
+        .unwrap()
+        .1;
+    for (out, shard) in [(out.clone(), 0), (tmp.path().join("sharded"), 20_000)] {
+        let options = ExportOptions {
+            dtype: Some(WeightDtype::Bf16),
+            max_shard_size: if shard > 0 {
+                shard
+            } else {
+                export::DEFAULT_MAX_SHARD_SIZE
+            },
+            ..ExportOptions::default()
+        };
+        export_to(&src, &out, options);
+        let m = modes(&out);
+        assert!(
+            m.iter()
+                .any(|(p, _)| p.ends_with("model.safetensors")
+                    || p.to_string_lossy().contains("-of-"))
+        );
+        assert!(m.iter().all(|(_, mode)| *mode == plain), "{plain:o}: {m:?}");
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn exports_remove_what_killed_exports_left_behind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    hf_dir(&dir.join("src"), &tiny_llama(false), 7, WeightDtype::F32);
+    // A process that has exited, and one that is alive (this test's parent).
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let alive = std::os::unix::process::parent_id();
+    let stale = [format!(".out.tmp-{dead}"), format!(".out.old-{dead}")];
+    let kept = [format!(".out.tmp-{alive}"), format!(".other.tmp-{dead}")];
+    for d in stale.iter().chain(&kept) {
+        fs::create_dir_all(dir.join(d)).unwrap();
+        fs::write(dir.join(d).join("model.safetensors"), vec![0u8; 4096]).unwrap();
+    }
+    // An empty output: a moved-aside old one is removed only while the output exists.
+    fs::create_dir(dir.join("out")).unwrap();
+    let o = run_cli(&["export", "src", "out"], dir);
+    let text = output_text(&o);
+    assert!(o.status.success(), "{text}");
+    for d in &stale {
+        assert!(!dir.join(d).exists(), "{d} left: {text}");
+        assert!(text.contains(d.as_str()), "{text}");
+    }
+    for d in &kept {
+        assert!(dir.join(d).is_dir(), "{d} removed: {text}");
+    }
+    assert!(text.contains("no longer alive"), "{text}");
+}
+
+#[test]
+fn a_cast_that_overflows_is_refused_and_writes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    hf_dir(&dir.join("src"), &tiny_llama(false), 7, WeightDtype::F32);
+    let big = "model.layers.1.mlp.down_proj.weight";
+    rewrite(&dir.join("src/model.safetensors"), |tensors| {
+        let (_, t) = tensors.iter_mut().find(|(n, _)| n == big).unwrap();
+        let mut v = values::<f32>(t);
+        v[3] = -1.0e5;
+        *t = Tensor::from_vec(v, t.dims(), &Device::Cpu).unwrap();
+    });
+    let o = run_cli(&["export", "src", "out", "--dtype", "f16"], dir);
+    let text = output_text(&o);
+    assert!(!o.status.success(), "{text}");
+    assert!(
+        text.contains(big)
+            && text.contains("1e5")
+            && text.contains("65504")
+            && text.contains("bf16"),
+        "{text}"
+    );
+    assert!(!dir.join("out").exists());
+    let leftovers: Vec<_> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    // Within the range of bf16, exported.
+    let o = run_cli(&["export", "src", "out", "--dtype", "bf16"], dir);
+    assert!(o.status.success(), "{}", output_text(&o));
+    let o = run_cli(&["export", "src", "out32", "--dtype", "f32"], dir);
+    assert!(o.status.success(), "{}", output_text(&o));
+}

@@ -295,3 +295,72 @@ fn a_tiny_llama_trains_on_packed_chats() {
 fn a_tiny_llama_trains_on_padded_chats() {
     smoke("smollm2", "false");
 }
+
+/// `trainer train` on `data` (written to `long.jsonl`) with blocks of `block` tokens.
+fn train_block(cwd: &Path, model: &str, data: &str, block: &str) -> std::process::Output {
+    fs::write(cwd.join("long.jsonl"), data).unwrap();
+    let _ = fs::remove_dir_all(cwd.join("runs"));
+    let args = [
+        "train",
+        "--init-from",
+        model,
+        "--data",
+        "sft",
+        "--data-path",
+        "long.jsonl",
+        "--block-size",
+        block,
+        "--batch-size",
+        "2",
+        "--max-iters",
+        "2",
+        "--eval-interval",
+        "2",
+        "--eval-iters",
+        "1",
+        "--warmup-iters",
+        "1",
+        "--out-dir",
+        "runs/long",
+    ];
+    run_cli(&args, cwd)
+}
+
+#[test]
+fn records_whose_targets_are_all_cut_off_by_the_block_are_refused_or_reported() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let model = model_dir(&cwd.join("model"), "qwen2_5");
+    let long_prompt = "First Citizen ".repeat(30);
+    let long = json!({ "prompt": long_prompt, "completion": "yo" }).to_string();
+    let short = json!({ "prompt": "hi", "completion": "yo" }).to_string();
+
+    // Every record's answer lies beyond the block: no target is left to train on.
+    let o = train_block(cwd, &model, &format!("{long}\n{long}\n{long}\n"), "8");
+    let text = output_text(&o);
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("long.jsonl")
+            && text.contains("3 of 3 records keep no target")
+            && text.contains("block_size + 1 = 9")
+            && text.contains("line 1, 2, 3")
+            && text.contains("--block-size"),
+        "{text}"
+    );
+
+    // Some keep theirs: the others are reported by line, and training goes on.
+    let data = format!("{short}\n{long}\n{short}\n{short}\n{long}\n{short}\n");
+    let o = train_block(cwd, &model, &data, "8");
+    let text = output_text(&o);
+    assert!(o.status.success(), "{text}");
+    assert!(
+        text.contains("2 of 6 records keep no target") && text.contains("line 2, 5"),
+        "{text}"
+    );
+
+    // A block that holds them all says nothing.
+    let o = train_block(cwd, &model, &data, "512");
+    let text = output_text(&o);
+    assert!(o.status.success(), "{text}");
+    assert!(!text.contains("keep no target"), "{text}");
+}

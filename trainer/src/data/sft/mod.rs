@@ -258,6 +258,8 @@ pub struct SftSource {
     path: PathBuf,
     encoder: SftEncoder,
     examples: Vec<Example>,
+    /// The line of the file each example was read from.
+    lines: Vec<usize>,
     train: Vec<usize>,
     val: Vec<usize>,
     packing: bool,
@@ -294,6 +296,7 @@ impl SftSource {
         spec: &DataSpec,
     ) -> Result<Self> {
         let mut examples = Vec::with_capacity(records.len());
+        let mut lines = Vec::with_capacity(records.len());
         let mut skipped = 0usize;
         let mut formats: Vec<&str> = Vec::new();
         for r in records {
@@ -315,6 +318,7 @@ impl SftSource {
                 formats.push(r.record.format());
             }
             examples.push(ex);
+            lines.push(r.line);
         }
         if skipped > 0 {
             tracing::warn!(
@@ -389,6 +393,7 @@ impl SftSource {
             path: path.to_path_buf(),
             encoder,
             examples,
+            lines,
             train,
             val,
             packing: spec.packing,
@@ -444,6 +449,64 @@ impl SftSource {
     /// The encoder the examples were made with.
     pub fn encoder(&self) -> &SftEncoder {
         &self.encoder
+    }
+
+    /// Checks the targets the model actually sees: each example cut to `block_size` inputs (as
+    /// batches cut it). Records left with no target in the loss are reported (how many, the
+    /// first lines); if no training example keeps one, every step would train on nothing
+    /// (loss 0, gradient 0), and that is an error.
+    pub fn check_targets_kept(&self, block_size: usize) -> Result<()> {
+        let kept = |ex: &Example| {
+            let n = layout::input_len(ex, block_size);
+            ex.counted[1..=n].iter().any(|&c| c)
+        };
+        let lost: Vec<usize> = (0..self.examples.len())
+            .filter(|&i| !kept(&self.examples[i]))
+            .collect();
+        if lost.is_empty() {
+            return Ok(());
+        }
+        const SHOWN: usize = 5;
+        let mut at: Vec<String> = lost
+            .iter()
+            .take(SHOWN)
+            .map(|&i| self.lines[i].to_string())
+            .collect();
+        if lost.len() > SHOWN {
+            at.push("...".into());
+        }
+        let longest = self
+            .examples
+            .iter()
+            .map(|e| e.tokens.len())
+            .max()
+            .unwrap_or(0);
+        let what = format!(
+            "{} of {} records keep no target in the loss once cut to block_size + 1 = {} tokens \
+             (line {})",
+            lost.len(),
+            self.examples.len(),
+            block_size + 1,
+            at.join(", ")
+        );
+        let fix = format!(
+            "raise --block-size (the longest record is {longest} tokens) or shorten the records \
+             so that their answers fit"
+        );
+        if self.train.iter().all(|i| lost.binary_search(i).is_ok()) {
+            return Err(Error::data(
+                &self.path,
+                format!(
+                    "no training record keeps a target in the loss: {what}; every step would \
+                     train on nothing (loss 0); {fix}"
+                ),
+            ));
+        }
+        tracing::warn!(
+            "{}: {what}: they train on nothing; {fix}",
+            self.path.display()
+        );
+        Ok(())
     }
 
     fn warn_truncation(&self, block_size: usize) {
@@ -552,6 +615,7 @@ impl DataSource for SftSource {
 
     fn check_block_size(&self, block_size: usize) -> Result<()> {
         check_shape(1, block_size)?;
+        self.check_targets_kept(block_size)?;
         self.warn_truncation(block_size);
         Ok(())
     }
