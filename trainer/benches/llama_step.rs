@@ -27,6 +27,7 @@
 //! `matmul` over one step (eager attention's two batched products included). Ours comes from
 //! `perf` over a child (the GEMM kernels' samples over all samples; see BENCHMARKS.md for the
 //! command), since Candle has no op profiler.
+#![allow(clippy::disallowed_macros)] // prints as it likes (see clippy.toml)
 
 mod support;
 

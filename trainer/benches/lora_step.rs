@@ -31,6 +31,7 @@
 //! just before the first step, as the PEFT script does), and "step memory": the whole-life peak
 //! minus the RSS before the model was built (PEFT's side: its RSS after importing torch,
 //! transformers and peft).
+#![allow(clippy::disallowed_macros)] // prints as it likes (see clippy.toml)
 
 mod support;
 

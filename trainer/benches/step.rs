@@ -17,6 +17,7 @@
 //! here once (f32, 1024³, Candle's GEMM with the same threads) and used for every case.
 //!
 //! The matching PyTorch script is `bench/torch_step.py`; run both in the same minutes.
+#![allow(clippy::disallowed_macros)] // prints as it likes (see clippy.toml)
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -1,5 +1,7 @@
 //! The `trainer` command line: train, sample, eval and inspect GPT models on Candle.
 
+#[macro_use]
+mod term;
 mod cli;
 
 use std::process::ExitCode;
@@ -13,14 +15,14 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(term::Stderr)
         .init();
     let args = cli::Cli::parse();
     match cli::run(args) {
         Ok(cli::Outcome::Done) => ExitCode::SUCCESS,
         Ok(cli::Outcome::Interrupted) => ExitCode::from(cli::Outcome::INTERRUPTED),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            errln!("error: {e:#}");
             ExitCode::FAILURE
         }
     }

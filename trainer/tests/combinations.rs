@@ -24,6 +24,7 @@
 //!
 //! The f16 cells see the loss scale in their gradients (2^16), which is divided out, and
 //! check that it is there: forgetting to scale (or to unscale) fails by 2^16.
+#![allow(clippy::disallowed_macros)] // prints as it likes (see clippy.toml)
 
 mod common;
 

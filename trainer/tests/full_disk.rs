@@ -3,6 +3,7 @@
 //! directory, `latest` unchanged), the previous checkpoint still resumes, and the same run
 //! saves once there is room again. The disk is a 1 MiB tmpfs, which needs the permission to
 //! mount one (root on Linux): elsewhere the test is skipped with a notice.
+#![allow(clippy::disallowed_macros)] // prints as it likes (see clippy.toml)
 
 mod common;
 

@@ -10,6 +10,7 @@
 //! against whole logits), which moves the last few bits; a misplaced bias, norm, rotary
 //! frequency or mask moves them by orders of magnitude more (each case is also run with its
 //! feature disabled and must then fail these bounds).
+#![allow(clippy::disallowed_macros)] // prints as it likes (see clippy.toml)
 
 mod common;
 

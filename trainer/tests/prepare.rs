@@ -1,5 +1,6 @@
 //! `trainer prepare`: token shards from text, JSONL and SFT records; determinism across
 //! thread counts, resumption after a kill, the validation split, refusals.
+#![allow(clippy::disallowed_macros)] // prints as it likes (see clippy.toml)
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

@@ -45,15 +45,15 @@ pub(super) fn export(args: ExportArgs) -> Result<()> {
     };
     let done = export_spec(&args.source, &args.out_dir, &options)
         .with_context(|| format!("cannot export {}", args.source))?;
-    println!("exported    {} -> {}", args.source, done.dir.display());
-    println!("dtype       {} ({})", done.dtype, done.dtype_from);
-    println!(
+    outln!("exported    {} -> {}", args.source, done.dir.display());
+    outln!("dtype       {} ({})", done.dtype, done.dtype_from);
+    outln!(
         "weights     {} ({} bytes)",
         done.weight_files.join(", "),
         done.total_size
     );
     for (name, from) in &done.copied {
-        println!("copied      {name} (from {})", from.display());
+        outln!("copied      {name} (from {})", from.display());
     }
     Ok(())
 }

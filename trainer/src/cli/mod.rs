@@ -200,7 +200,7 @@ pub fn run(cli: Cli) -> Result<Outcome> {
 
 fn chat_tokenizer(args: ChatTokenizerArgs) -> Result<()> {
     trainer::data::chat_task::write_tokenizer(&args.dir)?;
-    println!("{}", args.dir.display());
+    outln!("{}", args.dir.display());
     Ok(())
 }
 
@@ -213,7 +213,7 @@ fn plot(args: PlotArgs) -> Result<()> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     trainer::plot::loss_curve(&out, &name, &records)?;
-    println!("{}", out.display());
+    outln!("{}", out.display());
     Ok(())
 }
 
@@ -232,7 +232,7 @@ fn claim(trainer: &mut Trainer, fresh_base: Option<&std::path::Path>) -> trainer
             {
                 taken.push(path);
                 let next = trainer::run_dir::fresh_name_besides(base, &taken);
-                eprintln!(
+                errln!(
                     "{} was taken meanwhile: this run goes to {}",
                     taken[taken.len() - 1].display(),
                     next.display()
@@ -257,7 +257,7 @@ fn train(args: TrainArgs) -> Result<Outcome> {
             .with_context(|| format!("cannot resume from {}", dir.display()))?
             .overwrite(args.overwrite);
         if main {
-            eprintln!(
+            errln!(
                 "resuming {} at step {} in {}",
                 dir.display(),
                 t.step(),
@@ -272,7 +272,7 @@ fn train(args: TrainArgs) -> Result<Outcome> {
         };
         args.overrides.apply(&mut config);
         if args.print_config {
-            print!("{}", config.to_toml());
+            out!("{}", config.to_toml());
             return Ok(Outcome::Done);
         }
         let chosen = args.overrides.out_dir.is_some() || file_keys.iter().any(|k| k == "out_dir");
@@ -282,7 +282,7 @@ fn train(args: TrainArgs) -> Result<Outcome> {
             // README's first command twice just works and keeps both runs.
             let fresh = trainer::run_dir::fresh_name(&config.out_dir);
             if fresh != config.out_dir && main {
-                eprintln!(
+                errln!(
                     "{} holds an earlier run: this one goes to {}",
                     config.out_dir.display(),
                     fresh.display()

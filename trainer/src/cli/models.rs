@@ -126,9 +126,9 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
             &device,
         )?;
         if i > 0 {
-            println!("---------------");
+            outln!("---------------");
         }
-        println!("{}", codec.decode(&out)?);
+        outln!("{}", codec.decode(&out)?);
     }
     Ok(())
 }
@@ -139,11 +139,11 @@ pub(super) fn eval(args: EvalArgs) -> Result<()> {
         .request
         .evaluate(&model)
         .with_context(|| format!("cannot evaluate {}", model.dir.display()))?;
-    println!("step        {}", e.step);
-    println!("train loss  {:.4}", e.train_loss);
-    println!("val loss    {:.4}", e.val_loss);
+    outln!("step        {}", e.step);
+    outln!("train loss  {:.4}", e.train_loss);
+    outln!("val loss    {:.4}", e.val_loss);
     if let (Some(s), Some(n)) = (e.score, &e.score_name) {
-        println!("{n}  {:.1}%", 100.0 * s);
+        outln!("{n}  {:.1}%", 100.0 * s);
     }
     Ok(())
 }
@@ -163,22 +163,22 @@ pub(super) fn inspect(args: InspectArgs) -> Result<()> {
 fn print_tensors(weights: &WeightFiles) -> Result<()> {
     let mut headers = weights.headers()?;
     headers.sort_by(|a, b| a.name.cmp(&b.name));
-    println!("file        {}", weights.path().display());
+    outln!("file        {}", weights.path().display());
     if let WeightFiles::Sharded(_) = weights {
-        println!("shards      {}", weights.files().len());
+        outln!("shards      {}", weights.files().len());
     }
     let mut total = 0usize;
     for h in &headers {
         total += h.shape.iter().product::<usize>();
-        println!(
+        outln!(
             "  {:<44} {:<14} {}",
             h.name,
             format!("{:?}", h.shape),
             h.dtype
         );
     }
-    println!("tensors     {}", headers.len());
-    println!("parameters  {total} ({:.2}M)", total as f64 / 1e6);
+    outln!("tensors     {}", headers.len());
+    outln!("parameters  {total} ({:.2}M)", total as f64 / 1e6);
     Ok(())
 }
 
@@ -190,7 +190,7 @@ fn inspect_dir(model: &ModelDir) -> Result<()> {
     if model.dir.join(checkpoint::CONFIG_FILE).is_file() {
         let cfg = model.config()?;
         let shape = cfg.shape();
-        println!(
+        outln!(
             "config      {} n_layer {} n_head {} n_embd {} block_size {} vocab_size {} bias {}",
             cfg.architecture(),
             shape.n_layer,
@@ -206,32 +206,32 @@ fn inspect_dir(model: &ModelDir) -> Result<()> {
         };
         let bos: Vec<u32> = cfg.special_tokens().bos.into_iter().collect();
         let eos = model.eos_token_ids(cfg.as_ref())?;
-        println!("special     bos {} eos {}", ids(&bos), ids(&eos));
+        outln!("special     bos {} eos {}", ids(&bos), ids(&eos));
         // The loader's checks: the run's recorded state first (config.json must be the run's
         // model), then the weights against config.json (Hugging Face names, mask buffers and a
         // tied lm_head accepted as they are when training), then the manifest.
         let checked = model.load_with(&Checks::default(), &candle_core::Device::Cpu);
         match checked {
             Ok(_) if model.run.is_some() => {
-                println!("check       weights match the config and the run")
+                outln!("check       weights match the config and the run")
             }
-            Ok(_) => println!("check       weights match the config"),
+            Ok(_) => outln!("check       weights match the config"),
             Err(e) => {
-                println!("check       FAILED");
+                outln!("check       FAILED");
                 failed = Some(e);
             }
         }
     }
     if let Some(state) = &model.run {
-        println!("step        {}", state.step);
-        println!("tokens      {}", state.tokens_seen);
+        outln!("step        {}", state.step);
+        outln!("tokens      {}", state.tokens_seen);
         if let Some(b) = state.best_val_loss {
-            println!(
+            outln!(
                 "best val    {b:.4} ({})",
                 state.best_checkpoint.clone().unwrap_or_default()
             );
         }
-        println!("--- run config ---\n{}", state.config.to_toml());
+        outln!("--- run config ---\n{}", state.config.to_toml());
     }
     failed.map_or(Ok(()), |e| Err(e.into()))
 }

@@ -121,9 +121,9 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
     let secs = start.elapsed().as_secs_f64();
     let m = &summary.manifest;
     if summary.up_to_date {
-        println!("up to date  {} (nothing to do)", args.out_dir.display());
+        outln!("up to date  {} (nothing to do)", args.out_dir.display());
     }
-    println!(
+    outln!(
         "prepared    {} ({} vocab {}, width {}, eos {:?})",
         args.out_dir.display(),
         m.tokenizer.kind,
@@ -131,23 +131,23 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
         m.width,
         m.eos_id
     );
-    println!(
+    outln!(
         "train       {} tokens in {} shards",
         m.tokens(trainer::data::Split::Train),
         m.train.len()
     );
-    println!(
+    outln!(
         "val         {} tokens in {} shards",
         m.tokens(trainer::data::Split::Val),
         m.val.len()
     );
     if summary.resumed_shards > 0 {
-        println!(
+        outln!(
             "resumed     {} finished shards kept",
             summary.resumed_shards
         );
     }
-    println!(
+    outln!(
         "speed       {:.1} MB/s, {:.2}M tokens/s ({} tokens in {secs:.2}s)",
         summary.bytes_read as f64 / secs / 1e6,
         summary.tokens_made as f64 / secs / 1e6,

@@ -13,7 +13,7 @@ use trainer::train::{Event, Observer, Summary, Trainer};
 pub(super) fn print_banner(trainer: &Trainer) {
     let cfg = &trainer.config;
     let dp = trainer.data_parallel();
-    eprintln!(
+    errln!(
         "data: {}\nmodel: {}, block {} | {:.2}M parameters | device {}\n\
          run: {} steps of {} x {} x {} tokens -> {}",
         trainer.data.describe(),
@@ -29,7 +29,7 @@ pub(super) fn print_banner(trainer: &Trainer) {
     );
     if let trainer::lora::Tuning::Lora { config, base } = trainer.tuning() {
         let total = trainer.model.config().num_params() as f64;
-        eprintln!(
+        errln!(
             "LoRA: r {}, alpha {}, scaling {:.4}{}, dropout {}, targets {}{} over the frozen {} \
              ({} base weights) | trainable {:.2}M ({:.2}% of {:.2}M)",
             config.r,
@@ -50,16 +50,17 @@ pub(super) fn print_banner(trainer: &Trainer) {
         );
     }
     if let Some(plan) = trainer.remat_plan() {
-        eprintln!("activation checkpointing ({}):\n{plan}", cfg.remat);
+        errln!("activation checkpointing ({}):\n{plan}", cfg.remat);
     }
     if cfg.dtype != trainer::config::Precision::F32 {
-        eprintln!(
+        errln!(
             "mixed precision: {} compute, f32 master weights, loss scale {}",
-            cfg.dtype, cfg.loss_scale
+            cfg.dtype,
+            cfg.loss_scale
         );
     }
     if let Some(cuda) = cfg.cuda_summary() {
-        eprintln!("{cuda}");
+        errln!("{cuda}");
     }
     if let Parallelism::Pipeline {
         stages,
@@ -79,13 +80,13 @@ pub(super) fn print_banner(trainer: &Trainer) {
         } else {
             format!(", remat {} inside each stage", cfg.remat)
         };
-        eprintln!(
+        errln!(
             "pipeline: {stages} stages on {devices}, {microbatches} microbatches, schedule \
              {schedule}{remat}"
         );
     }
     if dp.world_size() > 1 {
-        eprintln!(
+        errln!(
             "data parallel: {} ranks ({}), {} rows per rank, global batch {} rows",
             dp.world_size(),
             dp.comm().backend(),
@@ -99,13 +100,15 @@ pub(super) fn install_signal_handler(stop: Arc<AtomicBool>) -> Result<()> {
     {
         // SIGINT, SIGTERM and SIGHUP (the crate's `termination` feature): finish the step,
         // checkpoint, exit. A second signal exits at once; the last checkpoint stays intact
-        // because checkpoints are written atomically.
+        // because checkpoints are written atomically. This runs on ctrlc's signal thread: a
+        // panic there would end it and every later signal would go unhandled, so its messages
+        // go through errln!, which drops a write to a closed stderr instead of panicking.
         ctrlc::set_handler(move || {
             if stop.swap(true, Ordering::SeqCst) {
-                eprintln!("\nsecond signal: exiting without a checkpoint");
+                errln!("\nsecond signal: exiting without a checkpoint");
                 std::process::exit(130);
             }
-            eprintln!(
+            errln!(
                 "\nstop requested (signal): finishing this step and saving a checkpoint \
                  (send it again to exit at once)"
             );
@@ -142,7 +145,7 @@ impl Progress {
 
     fn line(&self, text: &str) {
         if self.bar.is_hidden() {
-            eprintln!("{text}");
+            errln!("{text}");
         } else {
             self.bar.println(text);
         }
@@ -163,7 +166,7 @@ impl Observer for Progress {
                     100.0 * s.mfu
                 );
                 if self.bar.is_hidden() && (s.step % 50 == 0 || s.step == 1) {
-                    eprintln!("step {:>6} | {line}", s.step);
+                    errln!("step {:>6} | {line}", s.step);
                 }
                 self.bar.set_position(s.step as u64);
                 self.bar.set_message(line);
@@ -186,7 +189,7 @@ impl Observer for Progress {
 
 pub(super) fn print_summary(trainer: &Trainer, s: &Summary) {
     let out = &trainer.config.out_dir;
-    println!(
+    outln!(
         "{}",
         if s.interrupted {
             "== interrupted =="
@@ -194,8 +197,8 @@ pub(super) fn print_summary(trainer: &Trainer, s: &Summary) {
             "== done =="
         }
     );
-    println!("steps          {}", s.step);
-    println!(
+    outln!("steps          {}", s.step);
+    outln!(
         "time           {:.1} s ({:.0} tokens/s)",
         s.elapsed_secs,
         s.tokens_seen as f64 / s.elapsed_secs.max(1e-9)
@@ -205,7 +208,7 @@ pub(super) fn print_summary(trainer: &Trainer, s: &Summary) {
         * s.tokens_seen as f64
         / s.elapsed_secs.max(1e-9)
         / trainer.peak_flops();
-    println!(
+    outln!(
         "MFU            {:.1}% of {:.1} GFLOP/s ({}, kernels {})",
         100.0 * mfu,
         trainer.peak_flops() / 1e9,
@@ -222,18 +225,18 @@ pub(super) fn print_summary(trainer: &Trainer, s: &Summary) {
             true => String::new(),
             false => format!(" (evaluated at step {})", e.step),
         };
-        println!("train loss     {:.4}{at}", e.train_loss);
-        println!("val loss       {:.4}{at}", e.val_loss);
+        outln!("train loss     {:.4}{at}", e.train_loss);
+        outln!("val loss       {:.4}{at}", e.val_loss);
         if let (Some(score), Some(name)) = (e.score, &e.score_name) {
-            println!("{name:<14} {:.1}%", 100.0 * score);
+            outln!("{name:<14} {:.1}%", 100.0 * score);
         }
     }
     if let Some(b) = s.best_val_loss {
-        println!("best val loss  {b:.4}");
+        outln!("best val loss  {b:.4}");
     }
     if let Some(c) = &s.checkpoint {
-        println!("checkpoint     {}", c.display());
+        outln!("checkpoint     {}", c.display());
     }
-    println!("metrics        {}", out.join("metrics.jsonl").display());
-    println!("loss curve     {}", out.join("loss.svg").display());
+    outln!("metrics        {}", out.join("metrics.jsonl").display());
+    outln!("loss curve     {}", out.join("loss.svg").display());
 }
