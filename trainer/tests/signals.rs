@@ -10,6 +10,11 @@ use trainer::train::Trainer;
 
 /// A run far longer than the test: it only ends by a signal.
 fn spawn(dir: &Path) -> Child {
+    spawn_eval_iters(dir, "1")
+}
+
+/// [`spawn`], each evaluation `eval_iters` batches long.
+fn spawn_eval_iters(dir: &Path, eval_iters: &str) -> Child {
     Command::new(env!("CARGO_BIN_EXE_trainer"))
         .args([
             "train",
@@ -30,7 +35,7 @@ fn spawn(dir: &Path) -> Child {
             "--eval-problems",
             "8",
             "--eval-iters",
-            "1",
+            eval_iters,
         ])
         .current_dir(dir)
         // Files, not pipes: a pipe nobody reads could fill and block the trainer.
@@ -127,4 +132,42 @@ fn a_second_signal_exits_at_once() {
     let (status, out) = finish(child, tmp.path());
     assert_eq!(status.code(), Some(130), "{out}");
     assert!(out.contains("second signal"), "{out}");
+}
+
+/// A signal during an evaluation does not wait for its end: evaluation checks the stop flag
+/// between batches, and the run checkpoints and exits. (Before, the first evaluation here,
+/// 100 million batches long, ran on: the test timed out.)
+#[test]
+fn a_signal_cuts_an_evaluation_short() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut child = spawn_eval_iters(dir, "100000000");
+    // run.toml is written just before the first evaluation (step 0).
+    let start = Instant::now();
+    while !dir.join("run/run.toml").is_file() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the trainer exited early: {status}");
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no start in 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    signal(&child, libc::SIGTERM);
+    let signalled = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if signalled.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the trainer was still evaluating 30 s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (status, out) = finish(child, dir);
+    assert_eq!(status.code(), Some(75), "{out}");
+    assert!(out.contains("== interrupted =="), "{out}");
+    let t = Trainer::resume(&dir.join("run"), |_| {}).unwrap();
+    assert_eq!(t.step(), 0);
 }

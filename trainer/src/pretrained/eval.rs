@@ -2,6 +2,7 @@
 //! reports, on the run's data or on data given by flags.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::Device;
 use rand::SeedableRng;
@@ -186,8 +187,26 @@ pub fn mean_loss(
     rng: &mut ChaCha8Rng,
     device: &Device,
 ) -> Result<f32> {
+    let never = AtomicBool::new(false);
+    let loss = mean_loss_until(model, data, split, config, rng, device, &never)?;
+    Ok(loss.unwrap_or(f32::NAN))
+}
+
+/// [`mean_loss`], given up between batches once `stop` is set (a signal): `None`.
+pub(crate) fn mean_loss_until(
+    model: &dyn Model,
+    data: &dyn DataSource,
+    split: Split,
+    config: &TrainConfig,
+    rng: &mut ChaCha8Rng,
+    device: &Device,
+    stop: &AtomicBool,
+) -> Result<Option<f32>> {
     let mut total = 0f64;
     for _ in 0..config.eval_iters {
+        if stop.load(Ordering::SeqCst) {
+            return Ok(None);
+        }
         let batch = data.batch(split, config.batch_size, config.block_size, rng, device)?;
         let ctx = Ctx::eval()
             .with_kernels(config.kernels)
@@ -195,7 +214,7 @@ pub fn mean_loss(
         let loss = model.loss(&batch.x, &batch.targets()?, &ctx)?;
         total += loss.mean.to_scalar::<f32>()? as f64;
     }
-    Ok((total / config.eval_iters.max(1) as f64) as f32)
+    Ok(Some((total / config.eval_iters.max(1) as f64) as f32))
 }
 
 /// Train and val loss (and the task score, if the data has a task) of `model`, from the same
@@ -234,12 +253,27 @@ pub fn task_score(
     n: usize,
     device: &candle_core::Device,
 ) -> Result<f32> {
+    let never = AtomicBool::new(false);
+    Ok(task_score_until(model, task, n, device, &never)?.unwrap_or(f32::NAN))
+}
+
+/// [`task_score`], given up between batches of problems once `stop` is set (a signal): `None`.
+pub(crate) fn task_score_until(
+    model: &dyn Model,
+    task: &dyn Task,
+    n: usize,
+    device: &candle_core::Device,
+    stop: &AtomicBool,
+) -> Result<Option<f32>> {
     let problems = task.eval_problems(n);
     if problems.is_empty() {
-        return Ok(0.0);
+        return Ok(Some(0.0));
     }
     let mut correct = 0usize;
     for chunk in problems.chunks(256) {
+        if stop.load(Ordering::SeqCst) {
+            return Ok(None);
+        }
         let prompts: Vec<Vec<u32>> = chunk.iter().map(|(p, _)| p.clone()).collect();
         let answer_len = chunk[0].1.len();
         let out = greedy_batch(model, &prompts, answer_len, device)?;
@@ -249,5 +283,5 @@ pub fn task_score(
             .filter(|(got, (_, want))| got == &want)
             .count();
     }
-    Ok(correct as f32 / problems.len() as f32)
+    Ok(Some(correct as f32 / problems.len() as f32))
 }

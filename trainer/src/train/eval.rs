@@ -1,5 +1,7 @@
 //! Evaluation: mean losses over fixed batches, the task score, and text samples.
 
+use std::sync::atomic::AtomicBool;
+
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -18,6 +20,24 @@ pub fn estimate_loss(trainer: &Trainer, split: Split, rng: &mut ChaCha8Rng) -> R
         &trainer.config,
         rng,
         &trainer.device,
+    )
+}
+
+/// [`estimate_loss`], given up between batches once `stop` is set: `None`.
+pub(super) fn estimate_loss_until(
+    trainer: &Trainer,
+    split: Split,
+    rng: &mut ChaCha8Rng,
+    stop: &AtomicBool,
+) -> Result<Option<f32>> {
+    crate::pretrained::mean_loss_until(
+        trainer.model.as_ref(),
+        trainer.data.as_ref(),
+        split,
+        &trainer.config,
+        rng,
+        &trainer.device,
+        stop,
     )
 }
 

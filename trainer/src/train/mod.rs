@@ -26,7 +26,7 @@ use rand_chacha::ChaCha8Rng;
 
 pub use eval::estimate_loss;
 
-use crate::pretrained::task_score;
+use crate::pretrained::task_score_until;
 pub use executor::{Executor, MicroLoss};
 pub use parallel::DataParallel;
 pub use run::{Event, Observer, Summary};
@@ -414,28 +414,50 @@ impl Trainer {
     /// RNG: evaluation batches come from a generator seeded by the run seed, so every
     /// evaluation sees the same batches.
     pub fn evaluate(&self) -> Result<EvalStats> {
+        let never = std::sync::atomic::AtomicBool::new(false);
+        match self.evaluate_until(&never)? {
+            Some(stats) => Ok(stats),
+            None => unreachable!("an evaluation without a stop flag runs to its end"),
+        }
+    }
+
+    /// [`Trainer::evaluate`], given up between batches once `stop` is set (Ctrl-C, SIGTERM):
+    /// `None`, so that a signal during a long evaluation does not wait for its end.
+    pub fn evaluate_until(
+        &self,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> Result<Option<EvalStats>> {
         let cfg = &self.config;
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0xE7A1);
-        let train_loss = estimate_loss(self, Split::Train, &mut rng)?;
-        let val_loss = estimate_loss(self, Split::Val, &mut rng)?;
+        let Some(train_loss) = eval::estimate_loss_until(self, Split::Train, &mut rng, stop)?
+        else {
+            return Ok(None);
+        };
+        let Some(val_loss) = eval::estimate_loss_until(self, Split::Val, &mut rng, stop)? else {
+            return Ok(None);
+        };
         let (score, score_name) = match self.data.task() {
-            Some(task) if cfg.eval_problems > 0 => (
-                Some(task_score(
+            Some(task) if cfg.eval_problems > 0 => {
+                let Some(score) = task_score_until(
                     self.model.as_ref(),
                     task,
                     cfg.eval_problems,
                     &self.device,
-                )?),
-                Some(task.name().to_string()),
-            ),
+                    stop,
+                )?
+                else {
+                    return Ok(None);
+                };
+                (Some(score), Some(task.name().to_string()))
+            }
             _ => (None, None),
         };
-        Ok(EvalStats {
+        Ok(Some(EvalStats {
             step: self.step,
             train_loss,
             val_loss,
             score,
             score_name,
-        })
+        }))
     }
 }

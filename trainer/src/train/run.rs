@@ -77,7 +77,7 @@ impl Trainer {
         let mut last_eval = None;
         let mut interrupted = false;
         if self.step == 0 {
-            last_eval = Some(self.eval_and_log(&mut metrics, observer)?);
+            last_eval = self.eval_and_log(&mut metrics, observer, stop)?;
         }
         while self.step < self.config.max_iters {
             // Data-parallel ranks see a signal at different moments: they stop together.
@@ -90,9 +90,12 @@ impl Trainer {
             metrics.push(Record::Step(stats))?;
             let at_end = self.step == self.config.max_iters;
             if self.step.is_multiple_of(self.config.eval_interval) || at_end {
-                let eval = self.eval_and_log(&mut metrics, observer)?;
-                self.record_eval(&eval);
-                last_eval = Some(eval);
+                // A signal during the evaluation cuts it short (not logged); the checkpoint
+                // is saved all the same.
+                if let Some(eval) = self.eval_and_log(&mut metrics, observer, stop)? {
+                    self.record_eval(&eval);
+                    last_eval = Some(eval);
+                }
                 let dir = self.save_checkpoint()?;
                 observer.on_event(Event::Checkpoint(&dir));
                 // Replicas must hold the same weights; a drift is a bug, reported, not ignored.
@@ -122,12 +125,15 @@ impl Trainer {
         &mut self,
         metrics: &mut MetricsLog,
         observer: &mut dyn Observer,
-    ) -> Result<EvalStats> {
-        let eval = self.evaluate()?;
+        stop: &AtomicBool,
+    ) -> Result<Option<EvalStats>> {
+        let Some(eval) = self.evaluate_until(stop)? else {
+            return Ok(None);
+        };
         observer.on_event(Event::Eval(&eval));
         metrics.push(Record::Eval(eval.clone()))?;
         if !self.dp.is_main() {
-            return Ok(eval);
+            return Ok(Some(eval));
         }
         let run_name = self
             .config
@@ -150,6 +156,6 @@ impl Trainer {
                 observer.on_event(Event::Sample(&text));
             }
         }
-        Ok(eval)
+        Ok(Some(eval))
     }
 }
