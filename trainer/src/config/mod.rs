@@ -26,7 +26,11 @@ use crate::schedule::LrSchedule;
 use crate::{Error, Result};
 
 macro_rules! train_config {
-    ($( $(#[doc = $doc:literal])* $name:ident : $ty:ty = $default:expr ),* $(,)?) => {
+    ($(
+        $(#[doc = $doc:literal])*
+        #[resume($class:ident)]
+        $name:ident : $ty:ty = $default:expr
+    ),* $(,)?) => {
         /// Everything a training run needs. Load with [`TrainConfig::from_toml_file`], override
         /// with [`Overrides`], check with [`TrainConfig::validate`].
         #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -38,6 +42,31 @@ macro_rules! train_config {
         impl Default for TrainConfig {
             fn default() -> Self {
                 TrainConfig { $( $name: $default, )* }
+            }
+        }
+
+        impl TrainConfig {
+            /// Every field, in declaration order, with what a resumed run may do with it (see
+            /// [`OnResume`]). Generated from the field list: a field cannot be declared
+            /// without its class.
+            pub const FIELDS: &'static [(&'static str, OnResume)] =
+                &[$( (stringify!($name), OnResume::$class), )*];
+
+            /// The fields whose values differ between `self` and `other`: name, class, and
+            /// both values (as JSON, the config file's spelling of strings and numbers).
+            pub fn changed_fields(&self, other: &TrainConfig) -> Vec<ChangedField> {
+                let mut v = Vec::new();
+                $(
+                    if self.$name != other.$name {
+                        v.push(ChangedField {
+                            name: stringify!($name),
+                            class: OnResume::$class,
+                            old: erased_json::Show::show(&self.$name),
+                            new: erased_json::Show::show(&other.$name),
+                        });
+                    }
+                )*
+                v
             }
         }
 
@@ -71,6 +100,54 @@ macro_rules! train_config {
     };
 }
 
+/// What a resumed run (`trainer train --resume RUN --key value`) may do with a config field.
+///
+/// Every field of [`TrainConfig`] is classified where it is declared (`#[resume(...)]` in the
+/// `train_config!` list): the macro does not accept a field without a class, so a new option
+/// cannot be forgotten. [`TrainConfig::FIELDS`] lists them all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub enum OnResume {
+    /// The resumed run applies a new value: how long it trains (`max_iters`), the learning-rate
+    /// schedule and AdamW's hyper-parameters (rebuilt from the config; the moments come from
+    /// the checkpoint), gradient clipping, how a step is executed (device, precision and loss
+    /// scaling, remat, pipeline, ZeRO, kernels, TF32 / Triton, chunked loss, the LoRA base's
+    /// dtype), how it evaluates, samples, keeps checkpoints and reports, and where it writes
+    /// (`out_dir`: another directory forks the run) and caches data.
+    may_change,
+    /// Fixed by the run: what it trains (the model's architecture and shape, its
+    /// initialisation, the LoRA settings), on what data and in what batches (data, its order
+    /// and split, seed, batch size, accumulation). A resumed run given another value is
+    /// refused before anything is loaded or written, naming each field with both values.
+    fixed,
+}
+
+/// A field that differs between two configs ([`TrainConfig::changed_fields`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChangedField {
+    /// The field's name (its `--kebab-case` flag is this with `-` for `_`).
+    pub name: &'static str,
+    /// Whether a resumed run may change it.
+    pub class: OnResume,
+    /// The first config's value, as JSON.
+    pub old: String,
+    /// The second config's value, as JSON.
+    pub new: String,
+}
+
+mod erased_json {
+    /// A field's value as JSON (its Debug form should serialisation fail).
+    pub trait Show {
+        fn show(&self) -> String;
+    }
+
+    impl<T: serde::Serialize + std::fmt::Debug> Show for T {
+        fn show(&self) -> String {
+            serde_json::to_string(self).unwrap_or_else(|_| format!("{self:?}"))
+        }
+    }
+}
+
 // The defaults train the embedded 2-digit addition task to ~100% exact-match accuracy on
 // held-out problems in 600 steps (about 30 s on 2 CPU cores): one problem per row
 // (block_size = 3 * digits + 3 covers `ab+cd=` and the reversed 3-digit sum), batch 128.
@@ -79,179 +156,245 @@ macro_rules! train_config {
 // rounding and seed.
 train_config! {
     /// Run directory: checkpoints, metrics.jsonl, loss.svg.
+    #[resume(may_change)]
     out_dir: PathBuf = PathBuf::from("runs/addition"),
     /// Seed of initialisation, data sampling and dropout.
+    #[resume(fixed)]
     seed: u64 = 1337,
     /// Device: `cpu`, `cuda`, `cuda:N` or `metal` (GPU ones need the matching cargo feature).
+    #[resume(may_change)]
     device: DeviceSpec = DeviceSpec::Cpu,
     /// Data source: `addition` (embedded, no file), `char`, `byte`, `tokenizer`, `sft`
     /// (supervised fine-tuning records, JSONL), `chat-task` (generated chats, no file) or
     /// `shards` (a directory `trainer prepare` wrote, or nanoGPT's train.bin/val.bin;
     /// memory-mapped).
+    #[resume(fixed)]
     data: DataKind = DataKind::Addition,
     /// Text corpus for `char`, `byte` and `tokenizer` data; the JSONL records for `sft`; the
     /// shard directory for `shards`.
+    #[resume(fixed)]
     data_path: Option<PathBuf> = None,
     /// Order of the training windows of text and shard data: `random` (windows anywhere,
     /// shards weighted by size) or `epoch` (one pass over non-overlapping windows per epoch,
     /// in a seeded order; data-parallel ranks read disjoint windows).
+    #[resume(fixed)]
     data_order: DataOrder = DataOrder::Random,
     /// `shards`: rows of packed documents (positions restart and attention stays within each
     /// document; needs shards with document starts and a Llama-family model).
+    #[resume(fixed)]
     doc_mask: bool = false,
     /// A Hugging Face `tokenizer.json` for `tokenizer` and `sft` data (default: the
     /// init_from model's); `sft` reads the chat template and special tokens beside it
     /// (chat_template.jinja, tokenizer_config.json).
+    #[resume(fixed)]
     tokenizer_path: Option<PathBuf> = None,
     /// `sft`: pack several examples into each row (positions restart, attention stays within
     /// an example) instead of one right-padded example a row.
+    #[resume(fixed)]
     packing: bool = true,
     /// `sft`: only assistant turns / completions count in the loss (false: every token).
+    #[resume(fixed)]
     completion_only: bool = true,
     /// `chat-task`: the generated task, `after-each` (the letter after each letter of a
     /// string) or `basics` (copying strings, the letter after / before one letter: what
     /// data/chat-base was pretrained on).
+    #[resume(fixed)]
     chat_task: ChatTaskKind = ChatTaskKind::AfterEach,
     /// `chat-task`: number of generated conversations (both splits).
+    #[resume(fixed)]
     chat_examples: usize = crate::data::chat_task::DEFAULT_EXAMPLES,
     /// Fraction of the corpus held out for validation (the end of the file).
+    #[resume(fixed)]
     val_fraction: f32 = 0.1,
     /// Where tokenised corpora are cached (default: `$XDG_CACHE_HOME/candle-train`, else
     /// `~/.cache/candle-train`).
+    #[resume(may_change)]
     cache_dir: Option<PathBuf> = None,
     /// Digits per operand of the embedded addition task.
+    #[resume(fixed)]
     digits: usize = 2,
     /// Start from pretrained weights: a directory with config.json + model.safetensors (a
     /// Hugging Face model or a trainer checkpoint), a trainer run directory (its latest
     /// checkpoint), or a Hugging Face model id found in the local hub cache (HF_HOME). Model
     /// shape options are then taken from its config; block_size (at most its n_positions) is
     /// the training context only, the model keeps all its positions.
+    #[resume(fixed)]
     init_from: Option<String> = None,
     /// Architecture of a fresh model (without init_from): gpt2, llama, mistral, qwen2 or
     /// qwen3, shaped by the fields below.
+    #[resume(fixed)]
     arch: Arch = Arch::Gpt2,
     /// A Hugging Face config.json to build a fresh model from instead (any known
     /// architecture; its vocab_size must cover the data's token ids).
+    #[resume(fixed)]
     model_json: Option<PathBuf> = None,
     /// Transformer blocks.
+    #[resume(fixed)]
     n_layer: usize = 3,
     /// Attention heads.
+    #[resume(fixed)]
     n_head: usize = 4,
     /// Embedding width.
+    #[resume(fixed)]
     n_embd: usize = 128,
     /// Context length.
+    #[resume(fixed)]
     block_size: usize = 9,
     /// Dropout probability.
+    #[resume(fixed)]
     dropout: f32 = 0.0,
     /// Biases in linear layers and LayerNorms (Llama family: the attention's and the MLP's
     /// projections; Qwen2 always has q, k, v biases).
+    #[resume(fixed)]
     bias: bool = true,
     /// Key/value heads of a fresh Llama-family model (0: as many as n_head); must divide
     /// n_head.
+    #[resume(fixed)]
     n_kv_head: usize = 0,
     /// Width of a fresh Llama-family model's SwiGLU MLP (0: 8/3 n_embd rounded up to a
     /// multiple of 64).
+    #[resume(fixed)]
     mlp_hidden: usize = 0,
     /// RoPE base of a fresh Llama-family model.
+    #[resume(fixed)]
     rope_theta: f64 = 10000.0,
     /// Whether a fresh Llama-family model's head reads the token embedding (GPT-2's always
     /// does).
+    #[resume(fixed)]
     tie_embeddings: bool = true,
     /// Sequences per micro-batch.
+    #[resume(fixed)]
     batch_size: usize = 128,
     /// Micro-batches accumulated per optimiser step (each micro-batch's mean loss weighted
     /// 1/grad_accum, nanoGPT's convention).
+    #[resume(fixed)]
     grad_accum: usize = 1,
     /// Optimiser steps in the run.
+    #[resume(may_change)]
     max_iters: usize = 600,
     /// Peak learning rate.
+    #[resume(may_change)]
     lr: f64 = 3e-3,
     /// Final learning rate of the cosine decay.
+    #[resume(may_change)]
     min_lr: f64 = 1e-4,
     /// Linear warm-up steps.
+    #[resume(may_change)]
     warmup_iters: usize = 50,
     /// Step at which the cosine decay reaches min_lr (default: max_iters).
+    #[resume(may_change)]
     lr_decay_iters: Option<usize> = None,
     /// AdamW decoupled weight decay (2-D weights only).
+    #[resume(may_change)]
     weight_decay: f64 = 0.1,
     /// AdamW beta1.
+    #[resume(may_change)]
     beta1: f64 = 0.9,
     /// AdamW beta2.
+    #[resume(may_change)]
     beta2: f64 = 0.99,
     /// Activation checkpointing of the blocks: none, all, every:K, sqrt or budget:BYTES
     /// (e.g. budget:256MiB; planned from an estimate of each block's activation bytes).
+    #[resume(may_change)]
     remat: Policy = Policy::None,
     /// Compute dtype: f32, or f16/bf16 with f32 master weights and optimiser state.
+    #[resume(may_change)]
     dtype: Precision = Precision::F32,
     /// Loss scaling for f16/bf16: auto (dynamic for f16, none for bf16), dynamic, none, or a
     /// static scale.
+    #[resume(may_change)]
     loss_scale: LossScale = LossScale::Auto,
     /// Pipeline parallelism: number of stages (threads or devices) the model is cut into
     /// (1: off).
+    #[resume(may_change)]
     pipeline_stages: usize = 1,
     /// Pipeline microbatches each micro-batch is split into.
+    #[resume(may_change)]
     microbatches: usize = 4,
     /// Pipeline schedule: gpipe, 1f1b or interleaved:V.
+    #[resume(may_change)]
     schedule: ScheduleKind = ScheduleKind::OneFOneB,
     /// CPU threads per pipeline stage (0: cores / stages).
+    #[resume(may_change)]
     pipeline_threads: usize = 0,
     /// Device of each pipeline stage, comma-separated (`cpu,cpu`, `cuda:0,cuda:1`; empty:
     /// every stage on `device`). Weights stay on `device` and are copied to a stage's device
     /// at use, differentiably.
+    #[resume(may_change)]
     pipeline_devices: DeviceList = DeviceList::default(),
     /// ZeRO stage with data parallelism: 0 (every rank keeps the whole AdamW state) or 1 (the
     /// AdamW state and update are sharded across ranks, updated weights are all-gathered).
+    #[resume(may_change)]
     zero: usize = 0,
     /// Op implementations: `fused` (candle-fused kernels) or `reference` (the composite Candle
     /// ops, for debugging and comparison).
+    #[resume(may_change)]
     kernels: Kernels = Kernels::Fused,
     /// CUDA: f32 matmuls in TF32 (inputs rounded to 10-bit mantissas, f32 accumulation), as
     /// nanoGPT sets `torch.backends.cuda.matmul.allow_tf32`; false: full f32 matmuls. No
     /// effect on the CPU, nor on bf16/f16 matmuls.
+    #[resume(may_change)]
     tf32: bool = true,
     /// CUDA: run candle-fused's Triton kernels (compiled ahead of time, verified on the CPU
     /// against its CPU kernels) instead of the composite Candle ops where one exists: `true`
     /// or `false`; unset, the environment decides (CANDLE_FUSED_TRITON=1 or 0), else
     /// candle-fused's default (off until the GPU check, scripts/gpu/run.sh, has passed on a
     /// GPU). No effect on the CPU.
+    #[resume(may_change)]
     triton_kernels: Option<bool> = None,
     /// Compute the head's cross-entropy a chunk of rows at a time, never holding the whole
     /// [batch, block, vocab] logits (Llama family; false: the whole logits, for comparison).
+    #[resume(may_change)]
     chunked_loss: bool = true,
     /// Peak FLOP/s of the device for the MFU in logs (0: measure a matmul ceiling at start-up).
+    #[resume(may_change)]
     peak_flops: f64 = 0.0,
     /// Clip the global gradient norm to this value (0 disables).
+    #[resume(may_change)]
     grad_clip: f32 = 1.0,
     /// Evaluate (and checkpoint) every this many steps.
+    #[resume(may_change)]
     eval_interval: usize = 100,
     /// Batches averaged per evaluation loss.
+    #[resume(may_change)]
     eval_iters: usize = 5,
     /// Held-out problems scored per evaluation (tasks with a score only).
+    #[resume(may_change)]
     eval_problems: usize = 500,
     /// Checkpoints kept besides the best one.
+    #[resume(may_change)]
     keep_last: usize = 2,
     /// Tokens sampled at each evaluation (0: none).
+    #[resume(may_change)]
     sample_tokens: usize = 0,
     /// LoRA rank: train low-rank adapters on a frozen --init-from model (0: train every
     /// weight).
+    #[resume(fixed)]
     lora_r: usize = 0,
     /// LoRA alpha: the adapters' output is scaled by alpha / r (alpha / sqrt(r) with rslora).
+    #[resume(fixed)]
     lora_alpha: f64 = 16.0,
     /// Dropout on the adapters' input.
+    #[resume(fixed)]
     lora_dropout: f32 = 0.0,
     /// Linear layers that get an adapter: all-linear (every one but lm_head), module names
     /// separated by commas (q_proj,v_proj: a path equal to one or ending in .name), or
     /// re:REGEX matching the whole module path.
+    #[resume(fixed)]
     lora_targets: TargetModules = TargetModules::AllLinear,
     /// rsLoRA scaling, alpha / sqrt(r).
+    #[resume(fixed)]
     rslora: bool = false,
     /// Modules trained in full beside the adapters and saved with them (e.g. lm_head),
     /// comma-separated.
+    #[resume(fixed)]
     modules_to_save: ModuleList = ModuleList::default(),
     /// Dtype the frozen base weights of a LoRA run are kept in (default: the compute dtype).
+    #[resume(may_change)]
     base_dtype: Option<Precision> = None,
     /// Start the LoRA adapters from a PEFT adapter directory (adapter_config.json +
     /// adapter_model.safetensors; its config replaces the lora_* settings).
+    #[resume(fixed)]
     adapter: Option<PathBuf> = None,
 }
 

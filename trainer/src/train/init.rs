@@ -6,7 +6,7 @@ use std::path::Path;
 use candle_core::Device;
 
 use super::memory;
-use crate::config::TrainConfig;
+use crate::config::{OnResume, TrainConfig};
 use crate::data::DataSource;
 use crate::lora::{self, Tuning};
 use crate::model::{self, Model, Params};
@@ -103,45 +103,26 @@ pub fn build_model(
     ))
 }
 
-/// A resumed run may change how long it trains and how it reports, not what it trains.
+/// A resumed run may change how long it trains, how it executes and how it reports, not what it
+/// trains: every field the config classifies as [`OnResume::fixed`] (see
+/// [`TrainConfig::FIELDS`]) must keep its saved value. A change is refused naming each such
+/// field with its saved and its new value, and the checkpoint `dir`; the caller checks this
+/// before it loads or writes anything.
 pub fn check_resume_compatible(saved: &TrainConfig, new: &TrainConfig, dir: &Path) -> Result<()> {
-    macro_rules! changed {
-        ($($field:ident),+) => {
-            [$((stringify!($field), saved.$field != new.$field)),+]
-        };
-    }
-    let changed: Vec<&str> = changed!(
-        n_layer,
-        n_head,
-        n_embd,
-        block_size,
-        bias,
-        data,
-        data_path,
-        tokenizer_path,
-        packing,
-        completion_only,
-        digits,
-        val_fraction,
-        seed,
-        batch_size,
-        lora_r,
-        lora_alpha,
-        lora_targets,
-        rslora,
-        modules_to_save,
-        adapter
-    )
-    .iter()
-    .filter(|(_, changed)| *changed)
-    .map(|(n, _)| *n)
-    .collect();
-    if changed.is_empty() {
+    let refused: Vec<String> = saved
+        .changed_fields(new)
+        .into_iter()
+        .filter(|c| c.class == OnResume::fixed)
+        .map(|c| format!("{} ({} -> {})", c.name, c.old, c.new))
+        .collect();
+    if refused.is_empty() {
         return Ok(());
     }
     Err(Error::Config(format!(
-        "cannot change {} when resuming from {} (they define the model, the data or the batch stream)",
-        changed.join(", "),
+        "cannot change {} when resuming from {}: these are fixed by the run (they define the \
+         model, its initialisation, the data or the batch stream); nothing was changed. Resume \
+         without them, or start a new run (--init-from the run to start from its weights)",
+        refused.join(", "),
         dir.display()
     )))
 }
