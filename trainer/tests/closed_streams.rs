@@ -10,6 +10,7 @@ use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use common::process::{signal, wait_for_steps};
 use common::TINY_ARGS;
 use trainer::train::Trainer;
 
@@ -63,33 +64,6 @@ fn other(dir: &Path) -> String {
     std::fs::read_to_string(dir.join("other.txt")).unwrap_or_default()
 }
 
-fn wait_for_steps(dir: &Path, n: usize, child: &mut Child) {
-    let metrics = dir.join("run/metrics.jsonl");
-    let start = Instant::now();
-    loop {
-        let steps = std::fs::read_to_string(&metrics)
-            .map(|t| t.lines().filter(|l| l.contains("\"loss\"")).count())
-            .unwrap_or(0);
-        if steps >= n {
-            return;
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("the trainer exited early: {status}\n{}", other(dir));
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no progress in 120 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn signal(child: &Child, sig: libc::c_int) {
-    // SAFETY: kill(2) on the pid of a child this test owns; no memory is involved.
-    let rc = unsafe { libc::kill(child.id() as libc::pid_t, sig) };
-    assert_eq!(rc, 0, "kill failed");
-}
-
 #[test]
 fn a_closed_stream_never_stops_a_run() {
     for closed in [Closed::Stderr, Closed::Stdout] {
@@ -121,7 +95,7 @@ fn a_closed_stderr_keeps_the_signals() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let mut child = spawn(dir, Closed::Stderr, "1000000");
-    wait_for_steps(dir, 3, &mut child);
+    wait_for_steps(&dir.join("run/metrics.jsonl"), 3, &mut child, || other(dir));
     signal(&child, libc::SIGTERM);
     let status = wait(&mut child, dir);
     assert_eq!(status.code(), Some(75), "{status}\n{}", other(dir));
@@ -134,7 +108,7 @@ fn a_closed_stderr_keeps_the_signals() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let mut child = spawn(dir, Closed::Stderr, "1000000");
-    wait_for_steps(dir, 2, &mut child);
+    wait_for_steps(&dir.join("run/metrics.jsonl"), 2, &mut child, || other(dir));
     // Two different signals: two of the same kind may merge into one before delivery.
     signal(&child, libc::SIGTERM);
     signal(&child, libc::SIGINT);

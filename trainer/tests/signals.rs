@@ -8,6 +8,9 @@ use std::time::{Duration, Instant};
 
 use trainer::train::Trainer;
 
+mod common;
+use common::process::{signal, wait_for_steps};
+
 /// A run far longer than the test: it only ends by a signal.
 fn spawn(dir: &Path) -> Child {
     spawn_eval_iters(dir, "1")
@@ -50,33 +53,6 @@ fn spawn_eval_iters(dir: &Path, eval_iters: &str) -> Child {
 }
 
 /// Waits until the run has logged `n` steps (so the signal lands mid-training).
-fn wait_for_steps(dir: &Path, n: usize, child: &mut Child) {
-    let metrics = dir.join("run/metrics.jsonl");
-    let start = Instant::now();
-    loop {
-        let steps = std::fs::read_to_string(&metrics)
-            .map(|t| t.lines().filter(|l| l.contains("\"loss\"")).count())
-            .unwrap_or(0);
-        if steps >= n {
-            return;
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("the trainer exited early: {status}");
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no progress in 120 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn signal(child: &Child, sig: libc::c_int) {
-    // SAFETY: kill(2) on the pid of a child this test owns; no memory is involved.
-    let rc = unsafe { libc::kill(child.id() as libc::pid_t, sig) };
-    assert_eq!(rc, 0, "kill failed");
-}
-
 /// Waits for the child to exit (at most 120 s) and returns its status and output.
 fn finish(child: Child, dir: &Path) -> (std::process::ExitStatus, String) {
     let start = Instant::now();
@@ -98,7 +74,12 @@ fn sigterm_and_sigint_checkpoint_and_resume() {
     for sig in [libc::SIGTERM, libc::SIGINT] {
         let tmp = tempfile::tempdir().unwrap();
         let mut child = spawn(tmp.path());
-        wait_for_steps(tmp.path(), 3, &mut child);
+        wait_for_steps(
+            &tmp.path().join("run/metrics.jsonl"),
+            3,
+            &mut child,
+            String::new,
+        );
         signal(&child, sig);
         let (status, out) = finish(child, tmp.path());
         // Interrupted after saving: 75 (EX_TEMPFAIL), not 0 (finished) nor 1 (failed).
@@ -125,7 +106,12 @@ fn sigterm_and_sigint_checkpoint_and_resume() {
 fn a_second_signal_exits_at_once() {
     let tmp = tempfile::tempdir().unwrap();
     let mut child = spawn(tmp.path());
-    wait_for_steps(tmp.path(), 2, &mut child);
+    wait_for_steps(
+        &tmp.path().join("run/metrics.jsonl"),
+        2,
+        &mut child,
+        String::new,
+    );
     // Two different signals: two of the same kind may merge into one before delivery.
     signal(&child, libc::SIGTERM);
     signal(&child, libc::SIGINT);

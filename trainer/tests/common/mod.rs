@@ -3,6 +3,8 @@
 
 pub mod hf;
 pub mod llama;
+#[cfg(unix)]
+pub mod process;
 pub mod tiny;
 
 use std::path::{Path, PathBuf};
