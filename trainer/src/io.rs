@@ -69,51 +69,22 @@ pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Writes named tensors (and string metadata) in the safetensors format, atomically and
-/// streamed tensor by tensor (through [`write_atomic_with`], so with the usual file mode).
-/// The tensors are stored in name order.
+/// Writes named tensors (and string metadata) in the safetensors format (the `safetensors`
+/// crate's serialiser), atomically, through [`write_atomic`] (so with the usual file mode, not
+/// the 0600 of the crate's `serialize_to_file`).
 pub fn save_safetensors(
     path: &Path,
     tensors: &[(String, Tensor)],
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
-    use safetensors::View;
-    let mut sorted: Vec<(&str, Tensor)> = Vec::with_capacity(tensors.len());
+    // safetensors needs contiguous data; `View` for Tensor handles the copy to the host.
+    let mut items = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
-        sorted.push((name.as_str(), t.contiguous()?));
+        items.push((name.as_str(), t.contiguous()?));
     }
-    sorted.sort_by(|a, b| a.0.cmp(b.0));
-    let mut header = serde_json::Map::new();
-    if let Some(m) = metadata {
-        header.insert("__metadata__".into(), serde_json::json!(m));
-    }
-    let mut offset = 0usize;
-    for (name, t) in &sorted {
-        let bytes = t.elem_count() * t.dtype().size_in_bytes();
-        header.insert(
-            name.to_string(),
-            serde_json::json!({
-                "dtype": View::dtype(t),
-                "shape": t.dims(),
-                "data_offsets": [offset, offset + bytes],
-            }),
-        );
-        offset += bytes;
-    }
-    let mut header = serde_json::to_string(&header)
+    let bytes = safetensors::serialize(items, metadata)
         .map_err(|e| Error::checkpoint(path, format!("cannot serialise: {e}")))?;
-    // The data starts 8-aligned, as safetensors' own writer pads it.
-    while (header.len() + 8) % 8 != 0 {
-        header.push(' ');
-    }
-    write_atomic_with(path, |w| {
-        w.write_all(&(header.len() as u64).to_le_bytes())?;
-        w.write_all(header.as_bytes())?;
-        for (_, t) in &sorted {
-            w.write_all(&View::data(t))?;
-        }
-        Ok(())
-    })
+    write_atomic(path, &bytes)
 }
 
 /// A safetensors file read and validated: tensors on `device` and the metadata.
