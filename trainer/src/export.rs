@@ -480,8 +480,13 @@ fn export_adapter(source: &ModelDir, out: &Path, options: &ExportOptions) -> Res
         .map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
         .sum();
     let copies = files_to_copy(&origins(source));
+    let metadata = loaded
+        .base
+        .as_ref()
+        .map(crate::lora::BaseIdentity::to_metadata)
+        .unwrap_or_default();
     write_dir(out, &copies, |tmp| {
-        candle_peft::format::save(tmp, &adapter.config, &tensors)
+        candle_peft::format::save(tmp, &adapter.config, &tensors, &metadata)
             .map_err(|e| Error::checkpoint(tmp, e.to_string()))
     })?;
     Ok(Exported {

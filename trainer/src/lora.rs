@@ -20,6 +20,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::finite;
 use crate::config::TrainConfig;
 use crate::model::{Builder, Ctx, Kernels, LinearAdapter, Model, ModelConfig, Params, WeightMap};
 use crate::{Error, Result};
@@ -98,7 +99,7 @@ impl Tuning {
     pub fn files<'a>(&'a self, config: &'a dyn ModelConfig) -> crate::checkpoint::ModelFiles<'a> {
         match self {
             Tuning::Full => crate::checkpoint::ModelFiles::Full(config),
-            Tuning::Lora { config, .. } => crate::checkpoint::ModelFiles::Lora(config),
+            Tuning::Lora { config, base } => crate::checkpoint::ModelFiles::Lora(config, base),
         }
     }
 
@@ -154,6 +155,50 @@ fn check_adaptable(config: &dyn ModelConfig) -> Result<()> {
 
 fn peft_err(e: candle_peft::PeftError) -> Error {
     Error::Config(e.to_string())
+}
+
+/// Reads the PEFT adapter in `dir` onto `device`: the one way adapters enter the trainer.
+///
+/// Its tensors are checked as weights are ([`finite::check_tensors`]: floating point, every
+/// value finite), naming `adapter_model.safetensors` and the tensor; [`Adapter::load`] has
+/// checked the names and the rank `r`; [`adapt`] checks the rest against the model.
+pub fn read_adapter(dir: &Path, device: &Device) -> Result<Adapter> {
+    let adapter = Adapter::load(dir, device).map_err(peft_err)?;
+    let named: Vec<(String, &Tensor)> = adapter
+        .loras
+        .iter()
+        .flat_map(|(p, (a, b))| [(lora_a_name(p), a), (lora_b_name(p), b)])
+        .chain(adapter.saved.iter().map(|(n, t)| (saved_name(n), t)))
+        .collect();
+    finite::check_tensors(
+        &dir.join(format::ADAPTER_WEIGHTS_FILE),
+        "adapter",
+        named.iter().map(|(n, t)| (n.as_str(), *t)),
+    )?;
+    Ok(adapter)
+}
+
+/// Errors, naming the adapter's file and the module, unless `s · B A` of `lora` is finite in
+/// f32, the dtype merging and the trainer compute it in.
+///
+/// Finite `A` and `B` are not enough: `1e38` is a finite f32, but `B A` of two such matrices
+/// overflows. A bound on each value would be arbitrary (small `A` times large `B` is fine),
+/// so the rule is on what enters the model, the product.
+fn check_delta(dir: &Path, path: &str, lora: &Lora) -> Result<()> {
+    let delta = lora.delta_weight().map_err(peft_err)?;
+    if let Some((i, v)) = finite::first_non_finite(&delta)? {
+        return Err(Error::checkpoint(
+            dir.join(format::ADAPTER_WEIGHTS_FILE),
+            format!(
+                "module `{path}`: the adapter's weight update s · lora_B · lora_A overflows \
+                 f32 ({v} at flat index {i} of {:?}): `{}` and `{}` hold values too large",
+                delta.dims(),
+                lora_a_name(path),
+                lora_b_name(path)
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Builds `config`'s model over the frozen `base` weights (cast to `base_dtype`, detached:
@@ -235,7 +280,10 @@ pub fn adapt(
                                 want.1
                             )));
                         }
-                        (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?)
+                        let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
+                        let lora = Lora::new(a.clone(), b.clone(), lora).map_err(peft_err)?;
+                        check_delta(&adapter.dir, path, &lora)?;
+                        (a, b)
                     }
                     None => {
                         return Err(mismatch(format!(
@@ -306,11 +354,19 @@ pub fn adapt(
         }
     }
     if let Some(a) = from {
-        if let Some(p) = a.loras.keys().find(|p| !adapted.contains(p.as_str())) {
+        let stray: Vec<&str> = a
+            .loras
+            .keys()
+            .map(String::as_str)
+            .filter(|p| !adapted.contains(p))
+            .collect();
+        if !stray.is_empty() {
             return Err(mismatch(format!(
-                "has lora_A/lora_B for `{p}`, which is not a linear layer of the model that its \
-                 target_modules `{}` select",
-                lora.target_modules
+                "has lora_A/lora_B for {} module(s) that are not linear layers of the model \
+                 selected by its target_modules `{}`: {}",
+                stray.len(),
+                lora.target_modules,
+                name_some(&stray)
             )));
         }
         if let Some(n) = a
@@ -327,9 +383,53 @@ pub fn adapt(
     Ok((model, Params::from_vars(trainable)))
 }
 
-/// The base parameters with `adapter` merged in (`W + s B A` for every adapted module, the
-/// saved modules' parameters replaced), in f32: a model for inference or export.
-pub fn merge(base: &Params, adapter: &Adapter) -> Result<Params> {
+/// Checks that `adapter` fits the model `config` over `base` as [`adapt`] does (every tensor
+/// used by a module its `target_modules` select, every selected module adapted, the model's
+/// shapes, a finite update), without keeping the adapted model.
+pub fn fit(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Result<()> {
+    adapt(config, base, &adapter.config, Some(adapter), DType::F32, 0).map(drop)
+}
+
+/// Refuses `adapter` when its file records a base other than `now`, naming both, unless
+/// `other_base` (then a warning). An adapter that records no base (PEFT's own) is used as it is.
+pub fn check_adapter_base(adapter: &Adapter, now: &BaseIdentity, other_base: bool) -> Result<()> {
+    let Some(made_on) = BaseIdentity::from_metadata(adapter)? else {
+        return Ok(());
+    };
+    let file = adapter.dir.join(format::ADAPTER_WEIGHTS_FILE);
+    let advice = match other_base {
+        true => " (used anyway: --other-base)",
+        false => "; give --other-base to use them anyway",
+    };
+    match made_on.check(now, &file, advice) {
+        Err(e) if other_base => {
+            tracing::warn!("{e}");
+            Ok(())
+        }
+        r => r,
+    }
+}
+
+/// Up to eight of `names`, then how many more.
+fn name_some(names: &[&str]) -> String {
+    let shown: Vec<String> = names.iter().take(8).map(|n| format!("`{n}`")).collect();
+    match names.len() > 8 {
+        true => format!("{} and {} more", shown.join(", "), names.len() - 8),
+        false => shown.join(", "),
+    }
+}
+
+/// The base parameters of the model `config` with `adapter` merged in (`W + s B A` for every
+/// adapted module, the saved modules' parameters replaced), in f32: a model for inference or
+/// export.
+///
+/// The adapter is first fitted to the model by [`adapt`], as for training, so that merging
+/// refuses what training refuses: tensors for modules its `target_modules` do not select, a
+/// selected module without tensors, shapes the model does not have, an update that overflows.
+/// A merged weight must be finite too.
+pub fn merge(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Result<Params> {
+    fit(config, base, adapter)?;
+    let file = adapter.dir.join(format::ADAPTER_WEIGHTS_FILE);
     let what = adapter.dir.display().to_string();
     let mut tensors: BTreeMap<String, Tensor> = base
         .iter()
@@ -346,6 +446,7 @@ pub fn merge(base: &Params, adapter: &Adapter) -> Result<Params> {
         let merged = lora
             .merge(w)
             .map_err(|e| Error::Config(format!("{what}: `{path}`: {e}")))?;
+        finite::check_tensors(&file, "merged", [(name.as_str(), &merged)])?;
         tensors.insert(name, merged);
     }
     for (name, t) in &adapter.saved {
@@ -367,62 +468,192 @@ pub fn merge(base: &Params, adapter: &Adapter) -> Result<Params> {
     Params::from_tensors(tensors)
 }
 
-/// What identifies a base model: its `config.json` and weight files, by digest. Recorded in
-/// an adapter checkpoint, so that resuming (or loading it for evaluation) on another base is
-/// refused.
+/// The key of an adapter file's `__metadata__` that records the base it was made on (the
+/// [`BaseIdentity`] as JSON). PEFT and `safetensors` ignore metadata they do not know.
+pub const BASE_METADATA_KEY: &str = "trainer.base_model";
+
+/// What identifies a base model, whatever its files look like: its architecture as parsed from
+/// `config.json` (without the run settings, dropout and special tokens) and its tensors'
+/// values by name (as f32). A reformatted `config.json`, resharded weights or weights stored
+/// in another dtype with the same values are the same base. Recorded in a LoRA run's state
+/// and in the adapters it writes, so that using adapters over another base is refused.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BaseIdentity {
-    /// The base as the run named it (`init_from`).
+    /// The base as the run named it (`init_from`), for messages.
     pub model: String,
-    /// Digest of its `config.json`.
-    pub config: String,
-    /// Digest of each weight file, by file name.
-    pub weights: BTreeMap<String, String>,
+    /// Digest of the parsed architecture ([`ModelConfig::to_hf_json`]).
+    pub architecture: String,
+    /// Digest of the tensors: each name, shape and f32 value, in name order.
+    pub tensors: String,
 }
 
 impl BaseIdentity {
-    /// The identity of the model in `dir` (its config.json and `weight_files`).
-    pub fn of(model: &str, dir: &Path, weight_files: &[PathBuf]) -> Result<Self> {
+    /// The identity of the model `config` with parameters `params`, named `model`.
+    pub fn of(model: &str, config: &dyn ModelConfig, params: &Params) -> Result<Self> {
+        let plain = config.with_run_settings(0.0, crate::model::SpecialTokens::default());
+        let json = serde_json::to_string(&plain.to_hf_json())
+            .map_err(|e| Error::Config(format!("{model}: config: {e}")))?;
+        let mut h = crate::hash::Hasher64::new();
+        h.update(json.as_bytes());
+        let architecture = format!("{:016x}", h.finish());
+        let mut h = crate::hash::Hasher64::new();
+        for (name, v) in params.iter() {
+            h.update(&(name.len() as u64).to_le_bytes());
+            h.update(name.as_bytes());
+            let dims: Vec<u8> = v
+                .dims()
+                .iter()
+                .flat_map(|d| (*d as u64).to_le_bytes())
+                .collect();
+            h.update(&dims);
+            let values = v
+                .as_tensor()
+                .flatten_all()?
+                .to_dtype(DType::F32)?
+                .to_vec1::<f32>()?;
+            for chunk in values.chunks(1 << 20) {
+                let bytes: Vec<u8> = chunk.iter().flat_map(|x| x.to_le_bytes()).collect();
+                h.update(&bytes);
+            }
+        }
+        Ok(BaseIdentity {
+            model: model.to_string(),
+            architecture,
+            tensors: format!("{:016x}", h.finish()),
+        })
+    }
+
+    /// What differs between this identity and `other` ("architecture", "tensors"), empty
+    /// when they are the same base.
+    fn differences(&self, other: &BaseIdentity) -> Vec<&'static str> {
+        let mut diff = Vec::new();
+        if self.architecture != other.architecture {
+            diff.push("architecture");
+        }
+        if self.tensors != other.tensors {
+            diff.push("tensor values");
+        }
+        diff
+    }
+
+    /// `architecture/tensors`, for messages.
+    fn digests(&self) -> String {
+        format!(
+            "architecture {}, tensors {}",
+            self.architecture, self.tensors
+        )
+    }
+
+    /// Errors unless `now` (the base found now) is this one (the base `adapters` were made
+    /// on), naming both and what differs; `advice` ends the message.
+    pub fn check(&self, now: &BaseIdentity, adapters: &Path, advice: &str) -> Result<()> {
+        let diff = self.differences(now);
+        if diff.is_empty() {
+            return Ok(());
+        }
+        Err(Error::checkpoint(
+            adapters,
+            format!(
+                "these adapters were made on the base `{}` ({}), but the base given is `{}` \
+                 ({}): their {} differ, and adapters only make sense on the weights they were \
+                 trained on{advice}",
+                self.model,
+                self.digests(),
+                now.model,
+                now.digests(),
+                diff.join(" and ")
+            ),
+        ))
+    }
+
+    /// The identity as an adapter file's metadata entry ([`BASE_METADATA_KEY`]).
+    pub fn to_metadata(&self) -> BTreeMap<String, String> {
+        let json = serde_json::to_string(self).unwrap_or_default();
+        BTreeMap::from([(BASE_METADATA_KEY.to_string(), json)])
+    }
+
+    /// The identity an adapter records in its metadata, if any; an unreadable one is an error
+    /// naming the adapter's file.
+    pub fn from_metadata(adapter: &Adapter) -> Result<Option<Self>> {
+        let Some(json) = adapter.metadata.get(BASE_METADATA_KEY) else {
+            return Ok(None);
+        };
+        serde_json::from_str(json).map(Some).map_err(|e| {
+            Error::checkpoint(
+                adapter.dir.join(format::ADAPTER_WEIGHTS_FILE),
+                format!("`__metadata__` entry `{BASE_METADATA_KEY}` is not a base identity: {e}"),
+            )
+        })
+    }
+}
+
+/// The base identity a run's `trainer_state.json` records: the semantic [`BaseIdentity`], or
+/// the digests of the files that runs written before it recorded (still checked, as then).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum RecordedBase {
+    /// What runs record now.
+    Semantic(BaseIdentity),
+    /// What older runs recorded: `config.json` and each weight file, by byte digest.
+    Files {
+        /// The base as the run named it.
+        model: String,
+        /// Digest of its `config.json`.
+        config: String,
+        /// Digest of each weight file, by file name.
+        weights: BTreeMap<String, String>,
+    },
+}
+
+impl RecordedBase {
+    /// Errors unless the base found now is the recorded one: `now` for a semantic record;
+    /// for an old one, the bytes of `dir`'s `config.json` and of `weight_files`, as old
+    /// runs were checked. `adapters` is the checkpoint named in the error.
+    pub fn check(
+        &self,
+        now: &BaseIdentity,
+        dir: &Path,
+        weight_files: &[PathBuf],
+        adapters: &Path,
+    ) -> Result<()> {
+        let (model, config, weights) = match self {
+            RecordedBase::Semantic(id) => return id.check(now, adapters, ""),
+            RecordedBase::Files {
+                model,
+                config,
+                weights,
+            } => (model, config, weights),
+        };
         let digest = crate::checkpoint::manifest::digest;
-        let mut weights = BTreeMap::new();
+        let mut diff = Vec::new();
+        if *config != digest(&dir.join(crate::checkpoint::CONFIG_FILE))? {
+            diff.push(crate::checkpoint::CONFIG_FILE.to_string());
+        }
+        let mut found = BTreeMap::new();
         for f in weight_files {
             let name = f
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
-            weights.insert(name, digest(f)?);
+            found.insert(name, digest(f)?);
         }
-        Ok(BaseIdentity {
-            model: model.to_string(),
-            config: digest(&dir.join(crate::checkpoint::CONFIG_FILE))?,
-            weights,
-        })
-    }
-
-    /// Errors unless `other` (the base found now) is this one, naming what differs.
-    pub fn check(&self, other: &BaseIdentity, checkpoint: &Path) -> Result<()> {
-        let mut diff = Vec::new();
-        if self.config != other.config {
-            diff.push("config.json".to_string());
-        }
-        if self.weights != other.weights {
-            let names: BTreeSet<&String> =
-                self.weights.keys().chain(other.weights.keys()).collect();
-            for n in names {
-                if self.weights.get(n) != other.weights.get(n) {
-                    diff.push(n.clone());
-                }
-            }
-        }
+        let names: BTreeSet<&String> = weights.keys().chain(found.keys()).collect();
+        diff.extend(
+            names
+                .into_iter()
+                .filter(|n| weights.get(*n) != found.get(*n))
+                .cloned(),
+        );
         if diff.is_empty() {
             return Ok(());
         }
         Err(Error::checkpoint(
-            checkpoint,
+            adapters,
             format!(
-                "its adapters were trained on another base model than `{}` is now ({} \
-                 differ): adapters only make sense on the weights they were trained on",
-                other.model,
+                "its adapters were trained on the base `{model}`, recorded (by a trainer \
+                 before identities were semantic) as the bytes of its files; `{}` differs in \
+                 {}: adapters only make sense on the weights they were trained on",
+                now.model,
                 diff.join(", ")
             ),
         ))

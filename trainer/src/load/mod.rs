@@ -170,6 +170,9 @@ pub struct Checks<'a> {
     /// Adapters are kept apart ([`Loaded::adapter`], the base's weights in
     /// [`Loaded::params`]) instead of merged into the weights: resuming a LoRA run.
     pub unmerged: bool,
+    /// Adapters whose file records another base than the one found are used anyway (with a
+    /// warning naming both) instead of refused: `--other-base`.
+    pub other_base: bool,
 }
 
 /// A function from the config `config.json` holds to the one a model is built with.
@@ -185,6 +188,8 @@ pub struct Loaded {
     pub params: Params,
     /// The adapters, when loaded [`Checks::unmerged`].
     pub adapter: Option<candle_peft::Adapter>,
+    /// The identity of the base the adapters were loaded over (`None` without adapters).
+    pub base: Option<crate::lora::BaseIdentity>,
 }
 
 impl Loaded {
@@ -257,14 +262,13 @@ impl ModelDir {
         })
     }
 
-    /// Adapters over another base: the identity of that base now.
-    pub fn base_identity(&self) -> Result<crate::lora::BaseIdentity> {
-        let name = self
-            .run
+    /// Adapters over another base: how the base is named (a LoRA run's `init_from`, else
+    /// its directory).
+    fn base_name(&self) -> String {
+        self.run
             .as_ref()
             .and_then(|r| r.config.init_from.clone())
-            .unwrap_or_else(|| self.dir.display().to_string());
-        crate::lora::BaseIdentity::of(&name, &self.dir, &self.weights.files())
+            .unwrap_or_else(|| self.dir.display().to_string())
     }
 
     /// The checkpoint's own directory: the adapters' for adapters, else [`ModelDir::dir`].
@@ -367,22 +371,28 @@ impl ModelDir {
             None => {}
         }
         let mut params = self.weights.read(config.as_ref(), device, self.source())?;
-        let mut adapter = None;
+        let (mut adapter, mut base) = (None, None);
         if let Some(dir) = &self.adapter {
+            let now = crate::lora::BaseIdentity::of(&self.base_name(), config.as_ref(), &params)?;
             if let Some(recorded) = self.run.as_ref().and_then(|r| r.base.as_ref()) {
-                recorded.check(&self.base_identity()?, dir)?;
+                recorded.check(&now, &self.dir, &self.weights.files(), dir)?;
             }
-            let a = candle_peft::Adapter::load(dir, device)
-                .map_err(|e| Error::Config(e.to_string()))?;
+            let a = crate::lora::read_adapter(dir, device)?;
+            crate::lora::check_adapter_base(&a, &now, checks.other_base)?;
             match checks.unmerged {
-                true => adapter = Some(a),
-                false => params = crate::lora::merge(&params, &a)?,
+                true => {
+                    crate::lora::fit(config.as_ref(), &params, &a)?;
+                    adapter = Some(a);
+                }
+                false => params = crate::lora::merge(config.as_ref(), &params, &a)?,
             }
+            base = Some(now);
         }
         let loaded = Loaded {
             config,
             params,
             adapter,
+            base,
         };
         let more = read(&loaded)?;
         if let Some(run) = &self.run {
