@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Tensor};
 use trainer::config::TrainConfig;
 use trainer::data::DataKind;
 use trainer::export::{export, ExportOptions};
-use trainer::load::{Checks, ModelDir};
+use trainer::load::ModelDir;
 use trainer::lora::{BaseIdentity, RecordedBase};
 
 fn fixture(name: &str) -> PathBuf {
@@ -390,14 +390,25 @@ fn an_adapter_records_its_base_and_is_refused_on_another() {
     );
     // The override: used, with a warning.
     run(true).unwrap();
-    let checks = Checks {
-        other_base: true,
-        ..Checks::default()
-    };
     ModelDir::at(over(&other, "on_other_2"))
         .unwrap()
-        .load_with(&checks, &Device::Cpu)
+        .with_other_base(true)
+        .load_model(&Device::Cpu)
         .unwrap();
+    // The commands: refused, then exported with --other-base and a warning naming both.
+    let on_other = on_other.display().to_string();
+    let refused = common::run_cli(&["export", &on_other, "cli-out"], dir);
+    let text = common::output_text(&refused);
+    assert!(
+        !refused.status.success() && text.contains("--other-base"),
+        "{text}"
+    );
+    let used = common::run_cli(&["export", "--other-base", &on_other, "cli-out"], dir);
+    let text = common::output_text(&used);
+    assert!(
+        used.status.success() && text.contains(&recorded.tensors) && text.contains("used anyway"),
+        "{text}"
+    );
 }
 
 /// Runs written before identities were semantic recorded the digests of the base's files:

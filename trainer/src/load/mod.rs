@@ -120,6 +120,9 @@ pub struct ModelDir {
     /// The directory of the adapters applied over the weights (`adapter_config.json` +
     /// `adapter_model.safetensors`), if any.
     pub adapter: Option<PathBuf>,
+    /// Adapters whose file records another base than the one found are used anyway (with a
+    /// warning naming both) instead of refused: the commands' `--other-base`.
+    pub other_base: bool,
 }
 
 /// How a trainer checkpoint's data fingerprint is checked against the data given.
@@ -170,9 +173,6 @@ pub struct Checks<'a> {
     /// Adapters are kept apart ([`Loaded::adapter`], the base's weights in
     /// [`Loaded::params`]) instead of merged into the weights: resuming a LoRA run.
     pub unmerged: bool,
-    /// Adapters whose file records another base than the one found are used anyway (with a
-    /// warning naming both) instead of refused: `--other-base`.
-    pub other_base: bool,
 }
 
 /// A function from the config `config.json` holds to the one a model is built with.
@@ -222,6 +222,7 @@ impl ModelDir {
                 run,
                 weights,
                 adapter: None,
+                other_base: false,
             });
         }
         let config_path = dir.join(ADAPTER_CONFIG_FILE);
@@ -259,7 +260,14 @@ impl ModelDir {
             run,
             weights,
             adapter: Some(dir),
+            other_base: false,
         })
+    }
+
+    /// The same, using adapters over another base than the one they record when `other_base`
+    /// (see [`ModelDir::other_base`]).
+    pub fn with_other_base(self, other_base: bool) -> Self {
+        ModelDir { other_base, ..self }
     }
 
     /// Adapters over another base: how the base is named (a LoRA run's `init_from`, else
@@ -378,7 +386,7 @@ impl ModelDir {
                 recorded.check(&now, &self.dir, &self.weights.files(), dir)?;
             }
             let a = crate::lora::read_adapter(dir, device)?;
-            crate::lora::check_adapter_base(&a, &now, checks.other_base)?;
+            crate::lora::check_adapter_base(&a, &now, self.other_base)?;
             match checks.unmerged {
                 true => {
                     crate::lora::fit(config.as_ref(), &params, &a)?;

@@ -64,7 +64,6 @@ pub fn build_model(
         vocab: None,
         settings: Some(&settings),
         unmerged: false,
-        other_base: config.other_base,
     };
     let Some(lora) = lora else {
         let loaded = source.load_with(&checks, device)?;
