@@ -245,12 +245,15 @@ fn target_modules_are_honoured_by_every_command() {
 }
 
 /// The fixture's base in `dir`, its config.json re-serialised (other key order, spacing, a
-/// float in exponent form), its weights in two shards with an index.
+/// float in exponent form, another `torch_dtype` and `initializer_range`), its weights in two shards with an index.
 fn reformatted_base(dir: &Path) -> PathBuf {
     let d = dir.join("reformatted");
     std::fs::create_dir_all(&d).unwrap();
     let text = std::fs::read_to_string(fixture("base/config.json")).unwrap();
-    let json: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text).unwrap();
+    let mut json: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text).unwrap();
+    // Not architecture: the dtype the weights were saved in, their initialisation.
+    json.insert("torch_dtype".into(), "bfloat16".into());
+    json.insert("initializer_range".into(), 0.5.into());
     let mut pairs: Vec<(String, serde_json::Value)> = json.into_iter().collect();
     pairs.reverse();
     let body: Vec<String> = pairs

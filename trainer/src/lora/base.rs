@@ -16,8 +16,19 @@ use crate::{Error, Result};
 /// [`BaseIdentity`] as JSON). PEFT and `safetensors` ignore metadata they do not know.
 pub const BASE_METADATA_KEY: &str = "trainer.base_model";
 
+/// `config.json` keys that do not change what the model computes: the dtype the weights were
+/// stored in (their values are compared as f32), how they were initialised, the writer.
+const NOT_ARCHITECTURE: [&str; 5] = [
+    "torch_dtype",
+    "dtype",
+    "initializer_range",
+    "transformers_version",
+    "use_cache",
+];
+
 /// What identifies a base model, whatever its files look like: its architecture as parsed from
-/// `config.json` (without the run settings, dropout and special tokens) and its tensors'
+/// `config.json` (without the run settings, dropout and special tokens, nor the keys that do
+/// not change what it computes, e.g. `torch_dtype`) and its tensors'
 /// values by name (as f32). A reformatted `config.json`, resharded weights or weights stored
 /// in another dtype with the same values are the same base. Recorded in a LoRA run's state
 /// and in the adapters it writes, so that using adapters over another base is refused.
@@ -35,7 +46,13 @@ impl BaseIdentity {
     /// The identity of the model `config` with parameters `params`, named `model`.
     pub fn of(model: &str, config: &dyn ModelConfig, params: &Params) -> Result<Self> {
         let plain = config.with_run_settings(0.0, crate::model::SpecialTokens::default());
-        let json = serde_json::to_string(&plain.to_hf_json())
+        let mut json = plain.to_hf_json();
+        if let Some(m) = json.as_object_mut() {
+            for k in NOT_ARCHITECTURE {
+                m.remove(k);
+            }
+        }
+        let json = serde_json::to_string(&json)
             .map_err(|e| Error::Config(format!("{model}: config: {e}")))?;
         let mut h = crate::hash::Hasher64::new();
         h.update(json.as_bytes());
@@ -99,7 +116,7 @@ impl BaseIdentity {
             adapters,
             format!(
                 "these adapters were made on the base `{}` ({}), but the base given is `{}` \
-                 ({}): their {} differ, and adapters only make sense on the weights they were \
+                 ({}): they differ in {}, and adapters only make sense on the weights they were \
                  trained on{advice}",
                 self.model,
                 self.digests(),
