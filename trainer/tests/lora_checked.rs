@@ -220,15 +220,15 @@ fn target_modules_are_honoured_by_every_command() {
             "{e}"
         );
     }
-    // The config selects q_proj, the file has none for layer 1's.
+    // The config selects q_proj and v_proj, the file has none for layer 1's.
     let missing = adapter(
         dir,
         "missing",
         None,
         |t| {
-            for s in ["A", "B"] {
+            for (m, s) in [("q", "A"), ("q", "B"), ("v", "A"), ("v", "B")] {
                 t.remove(&format!(
-                    "base_model.model.model.layers.1.self_attn.q_proj.lora_{s}.weight"
+                    "base_model.model.model.layers.1.self_attn.{m}_proj.lora_{s}.weight"
                 ));
             }
         },
@@ -237,7 +237,10 @@ fn target_modules_are_honoured_by_every_command() {
     for e in errors(dir, &missing) {
         assert!(
             e.contains("missing")
-                && e.contains("model.layers.1.self_attn.q_proj")
+                && e.contains("2 module(s)")
+                && e.contains(
+                    "`model.layers.1.self_attn.q_proj`, `model.layers.1.self_attn.v_proj`"
+                )
                 && e.contains("no lora_A/lora_B"),
             "{e}"
         );

@@ -230,6 +230,8 @@ pub fn adapt(
     let mismatch = |message: String| Error::Config(format!("{what}: {message}"));
     let trainable = RefCell::new(BTreeMap::<String, Var>::new());
     let offered = RefCell::new(Vec::<String>::new());
+    // Modules the targets select that the adapter has no tensors for (all named at the end).
+    let missing = RefCell::new(Vec::<String>::new());
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x104A_0000);
     let rng = RefCell::new(&mut rng);
     let device = base
@@ -289,9 +291,8 @@ pub fn adapt(
                         (a, b)
                     }
                     None => {
-                        return Err(mismatch(format!(
-                            "its target_modules match `{path}` but it has no lora_A/lora_B for it"
-                        )))
+                        missing.borrow_mut().push(path.to_string());
+                        return Ok(None);
                     }
                 },
                 None => Lora::init(
@@ -316,6 +317,16 @@ pub fn adapt(
             })))
         };
     let model = config.build(&Builder::root(&source).with_wrap(&wrap))?;
+    let missing = missing.into_inner();
+    if !missing.is_empty() {
+        let names: Vec<&str> = missing.iter().map(String::as_str).collect();
+        return Err(mismatch(format!(
+            "its target_modules `{}` select {} module(s) it has no lora_A/lora_B for: {}",
+            lora.target_modules,
+            names.len(),
+            name_some(&names)
+        )));
+    }
     let trainable = trainable.into_inner();
     let offered = offered.into_inner();
     let adapted: BTreeSet<&str> = trainable
