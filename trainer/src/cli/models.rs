@@ -7,7 +7,7 @@ use rand::SeedableRng;
 use trainer::checkpoint;
 use trainer::load::{Checks, DataCheck, FingerprintCheck, ModelDir, Vocabulary, WeightFiles};
 use trainer::pretrained::TokenizerFile;
-use trainer::sample::{generate_until, SamplingConfig};
+use trainer::sample::{generate_streaming, SamplingConfig};
 
 use super::{EvalArgs, InspectArgs, SampleArgs};
 
@@ -76,6 +76,10 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
         ),
         Codec::Data(_) => String::new(),
     };
+    let fingerprint = match &codec {
+        Codec::Tokenizer(t) => Some(t.vocab_fingerprint()),
+        Codec::Data(_) => None,
+    };
     let checks = match &codec {
         Codec::Data(d) => Checks {
             data: Some(DataCheck {
@@ -88,6 +92,7 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
             vocab: Some(Vocabulary {
                 name: &name,
                 ids,
+                fingerprint: fingerprint.as_deref(),
                 advice: ": give the model's own tokenizer with --tokenizer-path",
             }),
             ..Checks::default()
@@ -116,7 +121,16 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
     for i in 0..args.num_samples {
-        let out = generate_until(
+        if i > 0 && !crate::term::stdout_open("---------------\n") {
+            return Ok(());
+        }
+        // Streamed as it is generated; a closed stdout (`sample | head -1`) ends it.
+        let mut printed = String::new();
+        let mut go_on = |tokens: &[u32]| match codec.decode(tokens) {
+            Ok(text) => show(&mut printed, text.trim_end_matches('\u{FFFD}')),
+            Err(_) => true, // reported when the sample is decoded at the end
+        };
+        let out = generate_streaming(
             model.as_ref(),
             &prompt,
             args.max_new_tokens,
@@ -124,13 +138,28 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
             &stop,
             &mut rng,
             &device,
+            &mut go_on,
         )?;
-        if i > 0 {
-            outln!("---------------");
+        let text = codec.decode(&out)?;
+        if !(show(&mut printed, &text) && crate::term::stdout_open("\n")) {
+            return Ok(());
         }
-        outln!("{}", codec.decode(&out)?);
     }
     Ok(())
+}
+
+/// Prints what `text` holds beyond `printed` (the sample so far; a trailing partial character
+/// is held back by the caller), when it extends it; false once stdout is closed.
+fn show(printed: &mut String, text: &str) -> bool {
+    let Some(new) = text.strip_prefix(printed.as_str()) else {
+        return true; // the tokenizer changed printed text: wait for more
+    };
+    if new.is_empty() {
+        return true;
+    }
+    let open = crate::term::stdout_open(new);
+    *printed = text.to_string();
+    open
 }
 
 pub(super) fn eval(args: EvalArgs) -> Result<()> {
