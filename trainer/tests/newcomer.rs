@@ -290,3 +290,50 @@ fn sample_stops_when_stdout_closes() {
         "still generating 60 s after stdout closed"
     );
 }
+
+/// `sample --chat`: the prompt is a user message in the model's chat template (data/chat-base:
+/// ChatML from its tokenizer_config.json) with the generation prompt; the reply alone is
+/// printed and ends at the template's end of turn (`<|im_end|>`). The base answers the
+/// questions it was pretrained on.
+#[test]
+fn sample_chat_applies_the_models_template() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = repo().join("data/chat-base");
+    let ask = |question: &str, extra: &[&str]| {
+        let mut args = vec![
+            "sample",
+            base.to_str().unwrap(),
+            "--chat",
+            "--prompt",
+            question,
+            "--temperature",
+            "0",
+        ];
+        args.extend(extra);
+        let o = run_cli(&args, tmp.path());
+        assert!(o.status.success(), "{}", output_text(&o));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    assert_eq!(ask("Write each letter : c a d b", &[]), "c a d b\n");
+    assert_eq!(ask("Write the letter after c", &[]), "d\n");
+    assert_eq!(ask("Write the letter before c", &[]), "b\n");
+    // A system message goes first; the reply still ends at the end of the turn, alone.
+    let reply = ask("Write the letter after c", &["--system", "a"]);
+    assert!(!reply.contains("<|im"), "{reply:?}");
+    // Without --chat the same text is continued as it is (no template, no reply cut).
+    let o = run_cli(
+        &[
+            "sample",
+            base.to_str().unwrap(),
+            "--prompt",
+            "Write the letter after c",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "3",
+        ],
+        tmp.path(),
+    );
+    let plain = String::from_utf8(o.stdout).unwrap();
+    assert!(plain.starts_with("Write the letter after c"), "{plain:?}");
+}

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use rand::SeedableRng;
 use trainer::checkpoint;
+use trainer::data::sft::SftEncoder;
 use trainer::load::{Checks, DataCheck, FingerprintCheck, ModelDir, Vocabulary, WeightFiles};
 use trainer::pretrained::TokenizerFile;
 use trainer::sample::{generate_streaming, SamplingConfig};
@@ -100,11 +101,23 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
     };
     let loaded = model_dir.load_with(&checks, &device)?;
     // Generation ends at any of the model's end tokens (generation_config.json, config.json).
-    let stop = model_dir.eos_token_ids(loaded.config.as_ref())?;
+    let mut stop = model_dir.eos_token_ids(loaded.config.as_ref())?;
     let model = loaded.build()?;
+    let chat = match args.chat {
+        true => Some(chat_encoder(&model_dir, args.tokenizer_path.as_deref())?),
+        false => None,
+    };
+    let text = match &chat {
+        Some(enc) => {
+            // ... and, in a chat, at the template's end of the assistant's turn.
+            stop.extend(enc.end_of_turn()?);
+            enc.chat_prompt(args.system.as_deref(), &args.prompt)?
+        }
+        None => args.prompt.clone(),
+    };
     let prompt = codec
-        .encode(&args.prompt)
-        .with_context(|| format!("cannot encode the prompt {:?}", args.prompt))?;
+        .encode(&text)
+        .with_context(|| format!("cannot encode the prompt {text:?}"))?;
     let prompt = if prompt.is_empty() {
         vec![model.config().special_tokens().bos.unwrap_or(0)]
     } else {
@@ -124,9 +137,11 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
         if i > 0 && !crate::term::stdout_open("---------------\n") {
             return Ok(());
         }
-        // Streamed as it is generated; a closed stdout (`sample | head -1`) ends it.
+        // Streamed as it is generated; a closed stdout (`sample | head -1`) ends it. A chat
+        // prints the reply alone.
+        let reply = chat.as_ref().map(|_| prompt.len());
         let mut printed = String::new();
-        let mut go_on = |tokens: &[u32]| match codec.decode(tokens) {
+        let mut go_on = |tokens: &[u32]| match codec.decode(shown(tokens, reply, &stop)) {
             Ok(text) => show(&mut printed, text.trim_end_matches('\u{FFFD}')),
             Err(_) => true, // reported when the sample is decoded at the end
         };
@@ -140,12 +155,43 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
             &device,
             &mut go_on,
         )?;
-        let text = codec.decode(&out)?;
+        let text = codec.decode(shown(&out, reply, &stop))?;
         if !(show(&mut printed, &text) && crate::term::stdout_open("\n")) {
             return Ok(());
         }
     }
     Ok(())
+}
+
+/// What of a sample's `tokens` is printed: all of them, or in a chat (`reply`: where the
+/// reply starts) the reply without the token that ended it.
+fn shown<'a>(tokens: &'a [u32], reply: Option<usize>, stop: &[u32]) -> &'a [u32] {
+    let Some(start) = reply else {
+        return tokens;
+    };
+    let reply = &tokens[start.min(tokens.len())..];
+    match reply.split_last() {
+        Some((last, rest)) if stop.contains(last) => rest,
+        _ => reply,
+    }
+}
+
+/// The tokenizer and chat template `sample --chat` renders the prompt with: beside
+/// `--tokenizer-path`, else the run's tokenizer, else the model's `tokenizer.json`.
+fn chat_encoder(model: &ModelDir, tokenizer: Option<&Path>) -> Result<SftEncoder> {
+    let path = match (tokenizer, model.run_config()) {
+        (Some(t), _) => t.to_path_buf(),
+        (None, Some(run)) if run.tokenizer_path.is_some() => {
+            run.tokenizer_path.clone().unwrap_or_default()
+        }
+        _ => model.dir.join(trainer::pretrained::TOKENIZER_FILE),
+    };
+    SftEncoder::open(&path).with_context(|| {
+        format!(
+            "--chat needs the model's chat template beside its tokenizer {}",
+            path.display()
+        )
+    })
 }
 
 /// Prints what `text` holds beyond `printed` (the sample so far; a trailing partial character
