@@ -103,18 +103,7 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
     // Generation ends at any of the model's end tokens (generation_config.json, config.json).
     let mut stop = model_dir.eos_token_ids(loaded.config.as_ref())?;
     let model = loaded.build()?;
-    let chat = match args.chat {
-        true => Some(chat_encoder(&model_dir, args.tokenizer_path.as_deref())?),
-        false => None,
-    };
-    let text = match &chat {
-        Some(enc) => {
-            // ... and, in a chat, at the template's end of the assistant's turn.
-            stop.extend(enc.end_of_turn()?);
-            enc.chat_prompt(args.system.as_deref(), &args.prompt)?
-        }
-        None => args.prompt.clone(),
-    };
+    let text = prompt_text(&args, &model_dir, &mut stop)?;
     let prompt = codec
         .encode(&text)
         .with_context(|| format!("cannot encode the prompt {text:?}"))?;
@@ -139,12 +128,9 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
         }
         // Streamed as it is generated; a closed stdout (`sample | head -1`) ends it. A chat
         // prints the reply alone.
-        let reply = chat.as_ref().map(|_| prompt.len());
-        let mut printed = String::new();
-        let mut go_on = |tokens: &[u32]| match codec.decode(shown(tokens, reply, &stop)) {
-            Ok(text) => show(&mut printed, text.trim_end_matches('\u{FFFD}')),
-            Err(_) => true, // reported when the sample is decoded at the end
-        };
+        let reply = args.chat.then_some(prompt.len());
+        let mut stream = TextStream::default();
+        let mut go_on = |tokens: &[u32]| stream.show(&codec, shown(tokens, reply, &stop), false);
         let out = generate_streaming(
             model.as_ref(),
             &prompt,
@@ -155,8 +141,10 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
             &device,
             &mut go_on,
         )?;
-        let text = codec.decode(shown(&out, reply, &stop))?;
-        if !(show(&mut printed, &text) && crate::term::stdout_open("\n")) {
+        // Decoding errors are reported here (the stream skips what it cannot decode).
+        codec.decode(shown(&out, reply, &stop))?;
+        if !(stream.show(&codec, shown(&out, reply, &stop), true) && crate::term::stdout_open("\n"))
+        {
             return Ok(());
         }
     }
@@ -174,6 +162,17 @@ fn shown<'a>(tokens: &'a [u32], reply: Option<usize>, stop: &[u32]) -> &'a [u32]
         Some((last, rest)) if stop.contains(last) => rest,
         _ => reply,
     }
+}
+
+/// The text `sample` continues: `--prompt`, or with `--chat` the prompt as a user message of
+/// the model's chat template (whose end-of-turn token then joins `stop`).
+fn prompt_text(args: &SampleArgs, model: &ModelDir, stop: &mut Vec<u32>) -> Result<String> {
+    if !args.chat {
+        return Ok(args.prompt.clone());
+    }
+    let enc = chat_encoder(model, args.tokenizer_path.as_deref())?;
+    stop.extend(enc.end_of_turn()?);
+    Ok(enc.chat_prompt(args.system.as_deref(), &args.prompt)?)
 }
 
 /// The tokenizer and chat template `sample --chat` renders the prompt with: beside
@@ -194,18 +193,34 @@ fn chat_encoder(model: &ModelDir, tokenizer: Option<&Path>) -> Result<SftEncoder
     })
 }
 
-/// Prints what `text` holds beyond `printed` (the sample so far; a trailing partial character
-/// is held back by the caller), when it extends it; false once stdout is closed.
-fn show(printed: &mut String, text: &str) -> bool {
-    let Some(new) = text.strip_prefix(printed.as_str()) else {
-        return true; // the tokenizer changed printed text: wait for more
-    };
-    if new.is_empty() {
-        return true;
+/// Prints a sample as it grows, decoding a short window of tokens each time (as
+/// transformers' `TextStreamer`): the text of `tokens[prev..]` beyond that of
+/// `tokens[prev..cur]`, once it is whole (no trailing partial character, unless `last`).
+#[derive(Default)]
+struct TextStream {
+    prev: usize,
+    cur: usize,
+}
+
+impl TextStream {
+    /// Prints what `tokens` (the sample so far) add; false once stdout is closed.
+    fn show(&mut self, codec: &Codec, tokens: &[u32], last: bool) -> bool {
+        let cur = self.cur.min(tokens.len());
+        let (Ok(before), Ok(text)) = (
+            codec.decode(&tokens[self.prev.min(cur)..cur]),
+            codec.decode(&tokens[self.prev.min(cur)..]),
+        ) else {
+            return true;
+        };
+        let Some(new) = text.strip_prefix(before.as_str()) else {
+            return true; // the decoder changed printed text: wait for more
+        };
+        if new.is_empty() || (!last && new.ends_with('\u{FFFD}')) {
+            return true;
+        }
+        (self.prev, self.cur) = (cur, tokens.len());
+        crate::term::stdout_open(new)
     }
-    let open = crate::term::stdout_open(new);
-    *printed = text.to_string();
-    open
 }
 
 pub(super) fn eval(args: EvalArgs) -> Result<()> {

@@ -148,7 +148,7 @@ impl PlainLines {
     fn due(&mut self, step: usize, stats: &str) -> Option<String> {
         let now = Instant::now();
         let first = step == self.start_step + 1;
-        if !(first || step % Self::EVERY == 0 || step == self.total)
+        if !(first || step.is_multiple_of(Self::EVERY) || step == self.total)
             && now.duration_since(self.last) < Self::PERIOD
         {
             return None;
