@@ -337,3 +337,27 @@ fn sample_chat_applies_the_models_template() {
     let plain = String::from_utf8(o.stdout).unwrap();
     assert!(plain.starts_with("Write the letter after c"), "{plain:?}");
 }
+
+/// `prepare` reports the end-of-text id as a number (`eos 39`), not `eos Some(39)`.
+#[test]
+fn prepare_reports_eos_as_a_number() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = tmp.path().join("corpus.txt");
+    std::fs::write(&corpus, "Write the letter after c\n".repeat(50)).unwrap();
+    let tok = repo().join("data/chat-base/tokenizer.json");
+    let out = tmp.path().join("shards");
+    let o = run_cli(
+        &[
+            "prepare",
+            corpus.to_str().unwrap(),
+            "--out-dir",
+            out.to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    let text = output_text(&o);
+    assert!(o.status.success(), "{text}");
+    assert!(text.contains(", eos 39)"), "{text}");
+}

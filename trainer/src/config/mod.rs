@@ -412,7 +412,8 @@ train_config! {
     /// [batch, block, vocab] logits (Llama family; false: the whole logits, for comparison).
     #[resume(may_change)]
     chunked_loss: bool = true,
-    /// Peak FLOP/s of the device for the MFU in logs (0: measure a matmul ceiling at start-up).
+    /// Peak FLOP/s of the device for the MFU in logs (0: measure a matmul ceiling at start-up);
+    /// raised to any rate a step reaches, so that MFU never exceeds 100%.
     #[resume(may_change)]
     peak_flops: f64 = 0.0,
     /// Clip the global gradient norm to this value (0 disables).
