@@ -361,3 +361,52 @@ fn prepare_reports_eos_as_a_number() {
     assert!(o.status.success(), "{text}");
     assert!(text.contains(", eos 39)"), "{text}");
 }
+
+/// `sample` prints as it generates, a few tokens' text at a time: what it prints is exactly
+/// the decoded sample, also when characters span several tokens (bytes of `é`, `✓`).
+#[test]
+fn sample_streams_exactly_the_decoded_sample() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = tmp.path().join("corpus.txt");
+    std::fs::write(&corpus, "éè✓".repeat(300)).unwrap();
+    let (_t, run, t) = common::tiny_run(|c| {
+        c.data = DataKind::Byte;
+        c.data_path = Some(corpus.clone());
+        c.max_iters = 60;
+        c.lr_decay_iters = Some(60);
+        c.eval_interval = 60;
+        c.lr = 1e-2;
+    });
+    let greedy = trainer::sample::SamplingConfig {
+        temperature: 0.0,
+        vocab: Some(t.data.vocab_size()),
+        ..Default::default()
+    };
+    let prompt = t.data.encode("é").unwrap();
+    let mut rng = rand::SeedableRng::seed_from_u64(0);
+    let tokens = trainer::sample::generate(
+        t.model.as_ref(),
+        &prompt,
+        60,
+        greedy,
+        &mut rng,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let expected = t.data.decode(&tokens).unwrap();
+    let o = run_cli(
+        &[
+            "sample",
+            run.to_str().unwrap(),
+            "--prompt",
+            "é",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "60",
+        ],
+        tmp.path(),
+    );
+    assert!(o.status.success(), "{}", output_text(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), format!("{expected}\n"));
+}
