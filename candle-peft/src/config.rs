@@ -441,7 +441,13 @@ impl LoraConfig {
         );
         m.insert("r".into(), json!(self.r));
         m.insert("lora_alpha".into(), alpha);
-        m.insert("lora_dropout".into(), json!(f64::from(self.lora_dropout)));
+        // The shortest decimal that reads back to the f32 (0.05, not 0.05000000074505806).
+        let dropout: f64 = self
+            .lora_dropout
+            .to_string()
+            .parse()
+            .unwrap_or(f64::from(self.lora_dropout));
+        m.insert("lora_dropout".into(), json!(dropout));
         m.insert("target_modules".into(), self.target_modules.to_peft_json());
         m.insert("use_rslora".into(), json!(self.use_rslora));
         let saved = match self.modules_to_save.is_empty() {

@@ -91,6 +91,32 @@ pub fn generate_until(
     rng: &mut ChaCha8Rng,
     device: &Device,
 ) -> Result<Vec<u32>> {
+    let mut go_on = |_: &[u32]| true;
+    generate_streaming(
+        model,
+        prompt,
+        max_new_tokens,
+        sampling,
+        stop,
+        rng,
+        device,
+        &mut go_on,
+    )
+}
+
+/// [`generate_until`], calling `go_on` with the tokens so far (prompt included) after each
+/// new token; generation ends when it returns false (its reader went away: `sample | head`).
+#[allow(clippy::too_many_arguments)]
+pub fn generate_streaming(
+    model: &dyn Model,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    sampling: SamplingConfig,
+    stop: &[u32],
+    rng: &mut ChaCha8Rng,
+    device: &Device,
+    go_on: &mut dyn FnMut(&[u32]) -> bool,
+) -> Result<Vec<u32>> {
     if prompt.is_empty() {
         return Err(Error::Config(
             "the prompt must hold at least one token".into(),
@@ -115,7 +141,7 @@ pub fn generate_until(
         logits.truncate(sampling.vocab.unwrap_or(usize::MAX).max(1));
         let next = pick(&logits, sampling, rng);
         tokens.push(next);
-        if stop.contains(&next) {
+        if stop.contains(&next) || !go_on(&tokens) {
             break;
         }
     }

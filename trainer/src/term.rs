@@ -52,6 +52,13 @@ pub(crate) fn stdout(args: fmt::Arguments<'_>, newline: bool) {
     write_to(io::stdout().lock(), args, newline);
 }
 
+/// Writes `text` to stdout and flushes it (streamed output); false when stdout is closed (its
+/// reader went away, as in `trainer sample ... | head -1`), so the caller can stop.
+pub(crate) fn stdout_open(text: &str) -> bool {
+    let mut out = io::stdout().lock();
+    out.write_all(text.as_bytes()).is_ok() && out.flush().is_ok()
+}
+
 pub(crate) fn stderr(args: fmt::Arguments<'_>, newline: bool) {
     write_to(io::stderr().lock(), args, newline);
 }

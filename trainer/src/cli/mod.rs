@@ -124,9 +124,19 @@ struct SampleArgs {
     /// A tokenizer.json to encode the prompt and decode the samples with.
     #[arg(long)]
     tokenizer_path: Option<PathBuf>,
-    /// Text to continue (if it encodes to no token: the model's bos token, else id 0).
+    /// Text to continue (if it encodes to no token: the model's bos token, else id 0); with
+    /// --chat, the user's message.
     #[arg(long, default_value = "\n")]
     prompt: String,
+    /// Chat with the model: --prompt is a user message, rendered with the model's chat
+    /// template (chat_template.jinja or tokenizer_config.json beside its tokenizer) and its
+    /// generation prompt; the reply alone is printed, ending at the template's end-of-turn
+    /// token or the model's end tokens.
+    #[arg(long)]
+    chat: bool,
+    /// With --chat: a system message before the user's.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 200)]
     max_new_tokens: usize,

@@ -5,9 +5,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use rand::SeedableRng;
 use trainer::checkpoint;
+use trainer::data::sft::SftEncoder;
 use trainer::load::{Checks, DataCheck, FingerprintCheck, ModelDir, Vocabulary, WeightFiles};
 use trainer::pretrained::TokenizerFile;
-use trainer::sample::{generate_until, SamplingConfig};
+use trainer::sample::{generate_streaming, SamplingConfig};
 
 use super::{EvalArgs, InspectArgs, SampleArgs};
 
@@ -76,6 +77,10 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
         ),
         Codec::Data(_) => String::new(),
     };
+    let fingerprint = match &codec {
+        Codec::Tokenizer(t) => Some(t.vocab_fingerprint()),
+        Codec::Data(_) => None,
+    };
     let checks = match &codec {
         Codec::Data(d) => Checks {
             data: Some(DataCheck {
@@ -88,6 +93,7 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
             vocab: Some(Vocabulary {
                 name: &name,
                 ids,
+                fingerprint: fingerprint.as_deref(),
                 advice: ": give the model's own tokenizer with --tokenizer-path",
             }),
             ..Checks::default()
@@ -95,11 +101,12 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
     };
     let loaded = model_dir.load_with(&checks, &device)?;
     // Generation ends at any of the model's end tokens (generation_config.json, config.json).
-    let stop = model_dir.eos_token_ids(loaded.config.as_ref())?;
+    let mut stop = model_dir.eos_token_ids(loaded.config.as_ref())?;
     let model = loaded.build()?;
+    let text = prompt_text(&args, &model_dir, &mut stop)?;
     let prompt = codec
-        .encode(&args.prompt)
-        .with_context(|| format!("cannot encode the prompt {:?}", args.prompt))?;
+        .encode(&text)
+        .with_context(|| format!("cannot encode the prompt {text:?}"))?;
     let prompt = if prompt.is_empty() {
         vec![model.config().special_tokens().bos.unwrap_or(0)]
     } else {
@@ -116,7 +123,15 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
     for i in 0..args.num_samples {
-        let out = generate_until(
+        if i > 0 && !crate::term::stdout_open("---------------\n") {
+            return Ok(());
+        }
+        // Streamed as it is generated; a closed stdout (`sample | head -1`) ends it. A chat
+        // prints the reply alone.
+        let reply = args.chat.then_some(prompt.len());
+        let mut stream = TextStream::default();
+        let mut go_on = |tokens: &[u32]| stream.show(&codec, shown(tokens, reply, &stop), false);
+        let out = generate_streaming(
             model.as_ref(),
             &prompt,
             args.max_new_tokens,
@@ -124,13 +139,88 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
             &stop,
             &mut rng,
             &device,
+            &mut go_on,
         )?;
-        if i > 0 {
-            outln!("---------------");
+        // Decoding errors are reported here (the stream skips what it cannot decode).
+        codec.decode(shown(&out, reply, &stop))?;
+        if !(stream.show(&codec, shown(&out, reply, &stop), true) && crate::term::stdout_open("\n"))
+        {
+            return Ok(());
         }
-        outln!("{}", codec.decode(&out)?);
     }
     Ok(())
+}
+
+/// What of a sample's `tokens` is printed: all of them, or in a chat (`reply`: where the
+/// reply starts) the reply without the token that ended it.
+fn shown<'a>(tokens: &'a [u32], reply: Option<usize>, stop: &[u32]) -> &'a [u32] {
+    let Some(start) = reply else {
+        return tokens;
+    };
+    let reply = &tokens[start.min(tokens.len())..];
+    match reply.split_last() {
+        Some((last, rest)) if stop.contains(last) => rest,
+        _ => reply,
+    }
+}
+
+/// The text `sample` continues: `--prompt`, or with `--chat` the prompt as a user message of
+/// the model's chat template (whose end-of-turn token then joins `stop`).
+fn prompt_text(args: &SampleArgs, model: &ModelDir, stop: &mut Vec<u32>) -> Result<String> {
+    if !args.chat {
+        return Ok(args.prompt.clone());
+    }
+    let enc = chat_encoder(model, args.tokenizer_path.as_deref())?;
+    stop.extend(enc.end_of_turn()?);
+    Ok(enc.chat_prompt(args.system.as_deref(), &args.prompt)?)
+}
+
+/// The tokenizer and chat template `sample --chat` renders the prompt with: beside
+/// `--tokenizer-path`, else the run's tokenizer, else the model's `tokenizer.json`.
+fn chat_encoder(model: &ModelDir, tokenizer: Option<&Path>) -> Result<SftEncoder> {
+    let path = match (tokenizer, model.run_config()) {
+        (Some(t), _) => t.to_path_buf(),
+        (None, Some(run)) if run.tokenizer_path.is_some() => {
+            run.tokenizer_path.clone().unwrap_or_default()
+        }
+        _ => model.dir.join(trainer::pretrained::TOKENIZER_FILE),
+    };
+    SftEncoder::open(&path).with_context(|| {
+        format!(
+            "--chat needs the model's chat template beside its tokenizer {}",
+            path.display()
+        )
+    })
+}
+
+/// Prints a sample as it grows, decoding a short window of tokens each time (as
+/// transformers' `TextStreamer`): the text of `tokens[prev..]` beyond that of
+/// `tokens[prev..cur]`, once it is whole (no trailing partial character, unless `last`).
+#[derive(Default)]
+struct TextStream {
+    prev: usize,
+    cur: usize,
+}
+
+impl TextStream {
+    /// Prints what `tokens` (the sample so far) add; false once stdout is closed.
+    fn show(&mut self, codec: &Codec, tokens: &[u32], last: bool) -> bool {
+        let cur = self.cur.min(tokens.len());
+        let (Ok(before), Ok(text)) = (
+            codec.decode(&tokens[self.prev.min(cur)..cur]),
+            codec.decode(&tokens[self.prev.min(cur)..]),
+        ) else {
+            return true;
+        };
+        let Some(new) = text.strip_prefix(before.as_str()) else {
+            return true; // the decoder changed printed text: wait for more
+        };
+        if new.is_empty() || (!last && new.ends_with('\u{FFFD}')) {
+            return true;
+        }
+        (self.prev, self.cur) = (cur, tokens.len());
+        crate::term::stdout_open(new)
+    }
 }
 
 pub(super) fn eval(args: EvalArgs) -> Result<()> {

@@ -106,15 +106,32 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
         .context("progress bar template")?,
     );
     let start = Instant::now();
+    // Off a terminal the bar is hidden: a plain line every 30 s instead, with the ETA.
+    let last_line = std::sync::Mutex::new(start);
     let summary = run(&opts, &|p| {
         bar.set_length(p.bytes_total);
         bar.set_position(p.bytes_done);
         let secs = start.elapsed().as_secs_f64().max(1e-9);
-        bar.set_message(format!(
+        let rate = format!(
             "{:.2}M tokens/s, {} shards",
             p.tokens as f64 / secs / 1e6,
             p.shards
-        ));
+        );
+        if bar.is_hidden() {
+            let mut last = last_line.lock().unwrap_or_else(|e| e.into_inner());
+            if last.elapsed() >= std::time::Duration::from_secs(30) {
+                *last = Instant::now();
+                let left = p.bytes_total.saturating_sub(p.bytes_done) as f64;
+                let eta = secs * left / (p.bytes_done.max(1) as f64);
+                errln!(
+                    "prepare {:.1}/{:.1} MB | {rate} | ETA {}",
+                    p.bytes_done as f64 / 1e6,
+                    p.bytes_total as f64 / 1e6,
+                    indicatif::HumanDuration(std::time::Duration::from_secs_f64(eta))
+                );
+            }
+        }
+        bar.set_message(rate);
     })
     .with_context(|| format!("cannot prepare {}", args.out_dir.display()))?;
     bar.finish_and_clear();
@@ -124,12 +141,12 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
         outln!("up to date  {} (nothing to do)", args.out_dir.display());
     }
     outln!(
-        "prepared    {} ({} vocab {}, width {}, eos {:?})",
+        "prepared    {} ({} vocab {}, width {}, eos {})",
         args.out_dir.display(),
         m.tokenizer.kind,
         m.vocab_size,
         m.width,
-        m.eos_id
+        m.eos_id.map_or("none".to_string(), |id| id.to_string())
     );
     outln!(
         "train       {} tokens in {} shards",

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -13,13 +13,20 @@ use trainer::train::{Event, Observer, Summary, Trainer};
 pub(super) fn print_banner(trainer: &Trainer) {
     let cfg = &trainer.config;
     let dp = trainer.data_parallel();
+    let trainable = trainer.params.num_elements() as f64 / 1e6;
+    let parameters = match trainer.tuning() {
+        trainer::lora::Tuning::Full => format!("{trainable:.2}M parameters"),
+        trainer::lora::Tuning::Lora { .. } => format!(
+            "{:.2}M parameters, {trainable:.2}M trainable",
+            trainer.model.config().num_params() as f64 / 1e6
+        ),
+    };
     errln!(
-        "data: {}\nmodel: {}, block {} | {:.2}M parameters | device {}\n\
+        "data: {}\nmodel: {}, block {} | {parameters} | device {}\n\
          run: {} steps of {} x {} x {} tokens -> {}",
         trainer.data.describe(),
         trainer.model.config().describe(),
         cfg.block_size,
-        trainer.params.num_elements() as f64 / 1e6,
         cfg.device,
         cfg.max_iters,
         cfg.grad_accum,
@@ -120,6 +127,42 @@ pub(super) fn install_signal_handler(stop: Arc<AtomicBool>) -> Result<()> {
 
 pub(super) struct Progress {
     bar: ProgressBar,
+    /// Off a terminal (the bar hidden): plain progress lines with an ETA.
+    plain: PlainLines,
+}
+
+/// When the bar is hidden (stderr is a file or a pipe), a plain line every
+/// [`PlainLines::EVERY`] steps or [`PlainLines::PERIOD`], whichever comes first, with the ETA.
+struct PlainLines {
+    total: usize,
+    start_step: usize,
+    start: Instant,
+    last: Instant,
+}
+
+impl PlainLines {
+    const EVERY: usize = 50;
+    const PERIOD: Duration = Duration::from_secs(30);
+
+    /// The line to print after `step`, if one is due.
+    fn due(&mut self, step: usize, stats: &str) -> Option<String> {
+        let now = Instant::now();
+        let first = step == self.start_step + 1;
+        if !(first || step.is_multiple_of(Self::EVERY) || step == self.total)
+            && now.duration_since(self.last) < Self::PERIOD
+        {
+            return None;
+        }
+        self.last = now;
+        let done = (step - self.start_step).max(1) as f64;
+        let per_step = now.duration_since(self.start).as_secs_f64() / done;
+        let eta = Duration::from_secs_f64(per_step * self.total.saturating_sub(step) as f64);
+        Some(format!(
+            "step {step:>6}/{} | {stats} | ETA {}",
+            self.total,
+            indicatif::HumanDuration(eta)
+        ))
+    }
 }
 
 impl Progress {
@@ -140,7 +183,14 @@ impl Progress {
         bar.set_position(start as u64);
         bar.reset_eta();
         bar.enable_steady_tick(Duration::from_millis(500));
-        Progress { bar }
+        let now = Instant::now();
+        let plain = PlainLines {
+            total,
+            start_step: start,
+            start: now,
+            last: now,
+        };
+        Progress { bar, plain }
     }
 
     fn line(&self, text: &str) {
@@ -165,8 +215,10 @@ impl Observer for Progress {
                     s.step_ms,
                     100.0 * s.mfu
                 );
-                if self.bar.is_hidden() && (s.step % 50 == 0 || s.step == 1) {
-                    errln!("step {:>6} | {line}", s.step);
+                if self.bar.is_hidden() {
+                    if let Some(plain) = self.plain.due(s.step, &line) {
+                        errln!("{plain}");
+                    }
                 }
                 self.bar.set_position(s.step as u64);
                 self.bar.set_message(line);
@@ -204,18 +256,24 @@ pub(super) fn print_summary(trainer: &Trainer, s: &Summary) {
         s.tokens_seen as f64 / s.elapsed_secs.max(1e-9)
     );
     let cfg = &trainer.config;
-    let mfu = trainer::mfu::flops_per_token(trainer.model.config(), cfg.block_size)
-        * s.tokens_seen as f64
-        / s.elapsed_secs.max(1e-9)
-        / trainer.peak_flops();
+    // A resumed run's average includes the steps before the resume, whose rate this
+    // process's ceiling has not seen: it rises to that average too.
+    let mut ceiling = trainer.ceiling();
+    let mfu = ceiling
+        .utilisation(trainer.flops_per_token() * s.tokens_seen as f64 / s.elapsed_secs.max(1e-9));
     outln!(
-        "MFU            {:.1}% of {:.1} GFLOP/s ({}, kernels {})",
+        "MFU            {:.1}% of {:.1} GFLOP/s ({}{}, kernels {})",
         100.0 * mfu,
-        trainer.peak_flops() / 1e9,
-        if cfg.peak_flops > 0.0 {
+        ceiling.flops / 1e9,
+        if ceiling.given {
             "--peak-flops"
         } else {
             "measured matmul ceiling"
+        },
+        if ceiling.raised {
+            ", raised to the best step's rate"
+        } else {
+            ""
         },
         cfg.kernels
     );

@@ -33,10 +33,23 @@ macro_rules! train_config {
     ),* $(,)?) => {
         /// Everything a training run needs. Load with [`TrainConfig::from_toml_file`], override
         /// with [`Overrides`], check with [`TrainConfig::validate`].
-        #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+        #[derive(Clone, Debug, PartialEq, Deserialize)]
         #[serde(default, deny_unknown_fields)]
         pub struct TrainConfig {
             $( $(#[doc = $doc])* pub $name: $ty, )*
+        }
+
+        // Every writer of a config (run.toml, --print-config, inspect, trainer_state.json)
+        // goes through this: f32 fields as their shortest decimal ([`decimal`]).
+        impl Serialize for TrainConfig {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                use serde::ser::SerializeStruct;
+                #[allow(unused_imports)]
+                use decimal::{PutAny, PutF32};
+                let mut st = s.serialize_struct("TrainConfig", Self::FIELDS.len())?;
+                $( (&decimal::Field(&self.$name)).put(&mut st, stringify!($name))?; )*
+                st.end()
+            }
         }
 
         impl Default for TrainConfig {
@@ -133,6 +146,59 @@ pub struct ChangedField {
     pub old: String,
     /// The second config's value, as JSON.
     pub new: String,
+}
+
+/// f32 values written as the shortest decimal that reads back to them (`0.1`, not the
+/// `0.10000000149011612` of widening to f64, which TOML writers do).
+pub mod decimal {
+    use serde::ser::SerializeStruct;
+    use serde::Serialize;
+
+    /// `x` as the f64 of its shortest round-trip decimal (Rust's `Display` of f32 is that
+    /// decimal): `0.1f32` gives `0.1f64`, which reads back as `0.1f32`.
+    ///
+    /// ```
+    /// assert_eq!(trainer::config::decimal::f32_as_f64(0.1), 0.1f64);
+    /// assert_eq!(trainer::config::decimal::f32_as_f64(0.1) as f32, 0.1f32);
+    /// ```
+    pub fn f32_as_f64(x: f32) -> f64 {
+        x.to_string().parse().unwrap_or(f64::from(x))
+    }
+
+    /// A config field on its way to a serializer (picks [`PutF32`] for `f32`, [`PutAny`]
+    /// otherwise, by method resolution: the f32 impl is on the value, the generic one on a
+    /// reference, which is tried later).
+    pub struct Field<'a, T>(pub &'a T);
+
+    /// Writes an `f32` field as [`f32_as_f64`].
+    pub trait PutF32 {
+        /// Serializes the field as `key`.
+        fn put<S: SerializeStruct>(&self, s: &mut S, key: &'static str) -> Result<(), S::Error>;
+    }
+
+    impl PutF32 for Field<'_, f32> {
+        fn put<S: SerializeStruct>(&self, s: &mut S, key: &'static str) -> Result<(), S::Error> {
+            s.serialize_field(key, &f32_as_f64(*self.0))
+        }
+    }
+
+    impl PutF32 for Field<'_, Option<f32>> {
+        fn put<S: SerializeStruct>(&self, s: &mut S, key: &'static str) -> Result<(), S::Error> {
+            s.serialize_field(key, &self.0.map(f32_as_f64))
+        }
+    }
+
+    /// Writes any other field as it serializes.
+    pub trait PutAny {
+        /// Serializes the field as `key`.
+        fn put<S: SerializeStruct>(&self, s: &mut S, key: &'static str) -> Result<(), S::Error>;
+    }
+
+    impl<T: Serialize> PutAny for &Field<'_, T> {
+        fn put<S: SerializeStruct>(&self, s: &mut S, key: &'static str) -> Result<(), S::Error> {
+            s.serialize_field(key, self.0)
+        }
+    }
 }
 
 mod erased_json {
@@ -346,7 +412,8 @@ train_config! {
     /// [batch, block, vocab] logits (Llama family; false: the whole logits, for comparison).
     #[resume(may_change)]
     chunked_loss: bool = true,
-    /// Peak FLOP/s of the device for the MFU in logs (0: measure a matmul ceiling at start-up).
+    /// Peak FLOP/s of the device for the MFU in logs (0: measure a matmul ceiling at start-up);
+    /// raised to any rate a step reaches, so that MFU never exceeds 100%.
     #[resume(may_change)]
     peak_flops: f64 = 0.0,
     /// Clip the global gradient norm to this value (0 disables).
@@ -640,7 +707,8 @@ impl TrainConfig {
         }
         if !(self.min_lr >= 0.0 && self.min_lr <= self.lr) {
             return bad(format!(
-                "min_lr ({}) must be in [0, lr = {}]",
+                "min_lr ({}) must be in [0, lr = {}] (the cosine schedule decays lr to min_lr; \
+                 with a small --lr give --min-lr too, e.g. lr / 10)",
                 self.min_lr, self.lr
             ));
         }

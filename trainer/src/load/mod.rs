@@ -153,6 +153,9 @@ pub struct Vocabulary<'a> {
     pub name: &'a str,
     /// Its number of token ids.
     pub ids: usize,
+    /// Its vocabulary fingerprint ([`crate::data::Fingerprint::vocab`]): a trainer run that
+    /// recorded another one is refused (its ids would decode to other text).
+    pub fingerprint: Option<&'a str>,
     /// What to do instead, for the error.
     pub advice: &'a str,
 }
@@ -339,6 +342,18 @@ impl ModelDir {
                 };
                 if let Some(tokens) = tokens {
                     crate::data::check_fingerprint(run.data.as_ref(), d.source, &self.dir, tokens)?;
+                }
+            }
+            if let (Some(v), Some(saved)) = (checks.vocab, run.data.as_ref()) {
+                if let Some(now) = v.fingerprint.filter(|now| *now != saved.vocab) {
+                    return Err(Error::Config(format!(
+                        "{} is not the vocabulary the run {} was trained on (vocabulary \
+                         fingerprint {now}, the run's {}): its ids would decode to other text; \
+                         leave the tokenizer out to use the run's own",
+                        v.name,
+                        self.dir.display(),
+                        saved.vocab
+                    )));
                 }
             }
             checkpoint::check_model_matches(stored.as_ref(), &run.config, data, &self.dir)?;

@@ -167,7 +167,7 @@ impl WeightFiles {
         if !plan.cast.is_empty() {
             let from: Vec<&str> = plan.cast.iter().map(String::as_str).collect();
             tracing::warn!(
-                "{}: weights cast from {} to f32 for training",
+                "{}: {} weights loaded as f32",
                 self.path().display(),
                 from.join(", ")
             );

@@ -45,6 +45,15 @@ impl TokenizerFile {
         &self.path
     }
 
+    /// The vocabulary's hash, as a run's data fingerprint records it
+    /// ([`crate::data::Fingerprint::vocab`]).
+    pub fn vocab_fingerprint(&self) -> String {
+        format!(
+            "{:016x}",
+            crate::data::shards::format::tokenizer_vocab_hash(&self.tokenizer)
+        )
+    }
+
     /// Number of ids, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.tokenizer.get_vocab_size(true)

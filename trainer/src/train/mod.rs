@@ -65,7 +65,8 @@ pub struct Trainer {
     executor: Executor,
     amp: Amp,
     schedule: LrSchedule,
-    peak_flops: f64,
+    ceiling: crate::mfu::Ceiling,
+    flops_per_token: f64,
     rng: ChaCha8Rng,
     step: usize,
     tokens_seen: u64,
@@ -291,15 +292,32 @@ impl Trainer {
         let dtype = config.dtype.dtype();
         params.check_ownership(&model.links())?;
         let executor = Executor::build(&config, model.as_ref(), &params, &device)?;
-        let peak_flops = if config.peak_flops > 0.0 {
-            config.peak_flops
+        let ceiling = if config.peak_flops > 0.0 {
+            crate::mfu::Ceiling::new(config.peak_flops, true)
         } else {
             // On a CPU, Candle's f16/bf16 GEMMs are not faster than f32: measure f32.
             let peak_dtype = if device.is_cpu() { DType::F32 } else { dtype };
-            crate::mfu::measure_matmul_flops(&device, peak_dtype)?
+            crate::mfu::Ceiling::new(
+                crate::mfu::measure_matmul_flops(&device, peak_dtype)?,
+                false,
+            )
         };
+        let lora = match &tuning {
+            Tuning::Full => None,
+            Tuning::Lora { .. } => {
+                let adapters: usize = params
+                    .iter()
+                    .filter(|(n, _)| n.ends_with(".lora_A.weight") || n.ends_with(".lora_B.weight"))
+                    .map(|(_, v)| v.elem_count())
+                    .sum();
+                Some((adapters, params.num_elements() - adapters))
+            }
+        };
+        let flops_per_token =
+            crate::mfu::training_flops_per_token(model.config(), config.block_size, lora);
         Ok(Trainer {
-            peak_flops,
+            ceiling,
+            flops_per_token,
             schedule: config.lr_schedule(),
             vars: params.vars(),
             executor,
@@ -388,9 +406,21 @@ impl Trainer {
         self.executor.plan()
     }
 
-    /// The peak FLOP/s MFU is measured against (`peak_flops`, or a measured matmul ceiling).
+    /// The peak FLOP/s MFU is measured against (`peak_flops`, or a measured matmul ceiling),
+    /// raised to the best rate a step achieved ([`crate::mfu::Ceiling`]).
     pub fn peak_flops(&self) -> f64 {
-        self.peak_flops
+        self.ceiling.flops
+    }
+
+    /// The MFU ceiling: where it came from and whether a step raised it.
+    pub fn ceiling(&self) -> crate::mfu::Ceiling {
+        self.ceiling
+    }
+
+    /// Model FLOPs of one token of a training step (LoRA: frozen weights count 4, trained
+    /// ones 6; [`crate::mfu::training_flops_per_token`]).
+    pub fn flops_per_token(&self) -> f64 {
+        self.flops_per_token
     }
 
     /// How a micro-batch's forward and backward run (plain, remat plan or pipeline).

@@ -176,13 +176,9 @@ impl Trainer {
         self.tokens_seen += tokens;
         let secs = start.elapsed().as_secs_f64();
         self.elapsed_secs += secs;
-        let mfu = crate::mfu::mfu(
-            self.model.config(),
-            cfg.block_size,
-            tokens,
-            secs,
-            self.peak_flops,
-        );
+        let mfu = self
+            .ceiling
+            .utilisation(self.flops_per_token * tokens as f64 / secs.max(1e-12));
         Ok(StepStats {
             step: self.step,
             loss,

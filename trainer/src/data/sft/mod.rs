@@ -19,6 +19,7 @@
 //! restarting and a document id per example: TRL's padding-free `bfd` packing) or puts one
 //! example in each row, right-padded; see [`DataSpec::packing`].
 
+mod chat_prompt;
 mod jinja;
 mod layout;
 mod records;
