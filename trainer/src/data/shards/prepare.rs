@@ -260,13 +260,7 @@ impl Cutter<'_> {
         let st = &mut self.streams[s];
         let writer = std::mem::replace(&mut st.writer, fresh);
         let file = format!("{}-{:05}.tok", st.name, st.done.len());
-        let h = writer.finish(&self.dir.join(&file))?;
-        st.done.push(ShardEntry {
-            file,
-            tokens: h.n_tokens,
-            docs: h.n_docs,
-            checksum: format!("{:016x}", h.checksum),
-        });
+        st.done.push(writer.finish_entry(self.dir, file)?);
         st.open_at = None;
         self.finished_now = true;
         Ok(())
