@@ -443,3 +443,63 @@ fn the_format_is_detected_from_the_files_a_directory_holds() {
     let e = InputFormat::detect(&[tmp.path().join("none")]).unwrap_err();
     assert!(e.to_string().contains("none"), "{e}");
 }
+
+#[test]
+fn verify_reads_every_shard_back_and_names_each_bad_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = tokenizer(tmp.path());
+    let data = tmp.path().join("a.jsonl");
+    jsonl(&data, 800);
+    let out = tmp.path().join("out");
+    let o = PrepareOptions {
+        val_fraction: 0.2,
+        ..opts(vec![data], &out, &tok)
+    };
+    let m = prepare(&o, &|_| {}).unwrap().manifest;
+    assert!(m.train.len() >= 2 && !m.val.is_empty());
+    let verify = || {
+        Command::new(env!("CARGO_BIN_EXE_trainer"))
+            .arg("prepare")
+            .arg("--verify")
+            .arg(&out)
+            .output()
+            .unwrap()
+    };
+    let o = verify();
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(
+        text.matches("ok ").count(),
+        m.train.len() + m.val.len(),
+        "{text}"
+    );
+    // A flipped byte in a train shard's body, a val shard listed with another token count.
+    let p = out.join(&m.train[1].file);
+    let mut bytes = std::fs::read(&p).unwrap();
+    bytes[format::HEADER_LEN + 7] ^= 0x10;
+    std::fs::write(&p, &bytes).unwrap();
+    let mut manifest = m.clone();
+    manifest.val[0].tokens += 1;
+    manifest.write(&out).unwrap();
+    let o = verify();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("BAD         train-00001.tok: corrupt"),
+        "{text}"
+    );
+    assert!(
+        text.contains("BAD         val-00000.tok:") && text.contains("the manifest lists"),
+        "{text}"
+    );
+    assert!(text.contains("2 of"), "{text}");
+    assert!(text.contains("ok          train-00000.tok"), "{text}");
+}

@@ -532,6 +532,11 @@ impl Shard {
         self.header.n_tokens == 0
     }
 
+    /// The whole file, mapped.
+    pub fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
     /// Checks the body's checksum and the document stream (see [`verify`]).
     pub fn verify(&self) -> Result<()> {
         let got = checksum(&self.map[HEADER_LEN..]);
@@ -539,8 +544,8 @@ impl Shard {
             return Err(Error::data(
                 &self.path,
                 format!(
-                    "corrupt token shard: checksum {got:016x} does not match the header's {:016x}; \
-                     delete it and run `trainer prepare` again (finished shards are kept)",
+                    "corrupt token shard: checksum {got:016x} of its body does not match the \
+                     header's {:016x}",
                     self.header.checksum
                 ),
             ));

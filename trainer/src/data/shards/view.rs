@@ -305,7 +305,10 @@ impl ShardView {
                     return Err(Error::data(
                         &self.path,
                         format!(
-                            "corrupt token shard: {} lies in body bytes {}..{} (file offset                              {}), whose checksum {got:x} is not the recorded {want:x}; nothing                              was trained on it. Run `trainer prepare --verify {}` to list the                              bad shards, then prepare the data again",
+                            "corrupt token shard: {} lies in body bytes {}..{} (file offset {}), whose \
+                             checksum {got:x} is not the recorded {want:x}; nothing was trained \
+                             on it. Run `trainer prepare --verify {}` to list the bad shards, \
+                             then prepare the data again",
                             what(),
                             span.start,
                             span.end,
