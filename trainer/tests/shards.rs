@@ -235,3 +235,28 @@ fn shards_of_a_manifest_without_chunk_checksums_are_verified_whole() {
         "{err}"
     );
 }
+
+#[test]
+fn shards_without_a_validation_split_say_so_instead_of_asking_for_a_smaller_block() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let tokens: Vec<u32> = (0..3000).map(|i| i % 200).collect();
+    let info = TokenizerInfo {
+        kind: "byte".into(),
+        path: None,
+        hash: format!("{:016x}", byte_vocab_hash()),
+        chars: None,
+    };
+    let train = [ShardData {
+        tokens: &tokens,
+        ..ShardData::default()
+    }];
+    write_prepared(&data, info, 256, None, &train, &[], serde_json::Value::Null).unwrap();
+    let err = Trainer::new(config(&tmp.path().join("run"), &data))
+        .err()
+        .expect("no validation split")
+        .to_string();
+    assert!(err.contains("no validation tokens"), "{err}");
+    assert!(err.contains("--val-fraction 0.005"), "{err}");
+    assert!(!err.contains("smaller block_size"), "{err}");
+}

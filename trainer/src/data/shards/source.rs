@@ -324,18 +324,35 @@ impl ShardSource {
             .map(ShardView::len)
             .max()
             .unwrap_or(0);
-        let which = match split {
-            Split::Train => "train",
-            Split::Val => "val",
-        };
-        Error::data(
-            &self.dir,
-            format!(
-                "no {which} shard holds one window of block_size + 1 = {} tokens (the longest \
-                 has {longest}); use a smaller block_size or larger shards",
-                block_size + 1
-            ),
-        )
+        let msg =
+            match split {
+                Split::Val if longest == 0 && self.dir.join(MANIFEST_FILE).is_file() => {
+                    "holds no validation tokens: it was prepared without a validation split \
+                 (`trainer prepare --val-fraction 0`, the default); prepare it again with one, \
+                 e.g. --val-fraction 0.005"
+                        .to_string()
+                }
+                Split::Val if longest == 0 => {
+                    "holds no validation tokens (an empty val.bin, or a corpus too small for its \
+                 --val-fraction)"
+                        .to_string()
+                }
+                Split::Train if longest == 0 => "holds no training tokens".to_string(),
+                _ => {
+                    format!(
+                "no {} shard holds one window of block_size + 1 = {} tokens (the longest has \
+                 {longest}); use a smaller block_size, or prepare again with larger shards{}",
+                if split == Split::Train { "train" } else { "val" },
+                block_size + 1,
+                if split == Split::Val {
+                    " or a larger --val-fraction"
+                } else {
+                    ""
+                }
+            )
+                }
+            };
+        Error::data(&self.dir, msg)
     }
 
     /// Positions (restarting at each document start) and document ids (0, 1, ... within the
