@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use trainer::data::sft::{parse_records, SftEncoder};
@@ -195,9 +196,12 @@ fn a_crash_mid_way_and_a_rerun_give_the_same_shards() {
             ..o.clone()
         };
         // A panic in the progress callback stands for a kill: nothing is cleaned up.
+        let (done, total) = (AtomicU64::new(0), AtomicU64::new(0));
         let crashed = std::panic::catch_unwind(|| {
             prepare(&o, &|p| {
                 if p.shards >= crash_after {
+                    done.store(p.bytes_done, Ordering::Relaxed);
+                    total.store(p.bytes_total, Ordering::Relaxed);
                     panic!("killed");
                 }
             })
@@ -208,6 +212,10 @@ fn a_crash_mid_way_and_a_rerun_give_the_same_shards() {
         std::fs::write(out.join(".train-00099.tok.tmp-1-0"), b"half").unwrap();
         let s = prepare(&o, &|_| {}).unwrap();
         assert!(s.resumed_shards >= crash_after, "{}", s.resumed_shards);
+        // With a validation split too, the rerun starts where the kill stopped it.
+        let (done, total) = (done.into_inner(), total.into_inner());
+        assert!(done > 0 && done < total, "{done} of {total}");
+        assert_eq!(s.bytes_read, total - done, "crash after {crash_after}");
         assert_eq!(files(&out), files(&clean), "crash after {crash_after}");
     }
 }
@@ -256,13 +264,24 @@ fn killing_the_cli_and_rerunning_it_gives_the_same_shards() {
     let resumable = out.join("progress.json").exists();
     let o = run(&out).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    if killed_mid_way && resumable {
+    let made = |o: &std::process::Output| -> u64 {
         let stdout = String::from_utf8_lossy(&o.stdout);
+        let line = stdout.lines().find(|l| l.starts_with("speed")).unwrap();
+        let (_, rest) = line.split_once('(').unwrap();
+        rest.split(' ').next().unwrap().parse().unwrap()
+    };
+    let rerun = o;
+    if killed_mid_way && resumable {
+        let stdout = String::from_utf8_lossy(&rerun.stdout);
         assert!(stdout.contains("finished shards kept"), "{stdout}");
     }
     let clean = tmp.path().join("clean");
     let o = run(&clean).output().unwrap();
     assert!(o.status.success());
+    if killed_mid_way && resumable {
+        // The rerun continued where the kill stopped it (a validation split included).
+        assert!(made(&rerun) < made(&o), "{} of {}", made(&rerun), made(&o));
+    }
     assert_eq!(files(&out), files(&clean));
     if !killed_mid_way {
         eprintln!("note: the child finished before it could be killed");

@@ -12,10 +12,12 @@
 //!   cold build well past a fifth; convert to JSONL first (e.g. `pandas.read_parquet(p)
 //!   .to_json(out, orient="records", lines=True)`).
 //! - **Resumable**: shards are written to a temporary name and renamed; after each unit in
-//!   which a shard was finished, `progress.json` records the finished shards and a position to
-//!   restart from (the start of the oldest unit feeding an unfinished shard). A rerun verifies
-//!   the finished shards by checksum, replays from that position skipping the tokens they
-//!   hold, and ends by writing `manifest.json` (last) and removing `progress.json`.
+//!   which a shard was finished, the unfinished shard of each split is saved as a
+//!   `partial-*.tok` file and `progress.json` records the finished shards, the partial ones
+//!   and the end of that unit. A rerun verifies them by checksum, reloads the partial shards
+//!   and continues from there (so a small validation split, whose one shard fills last, does
+//!   not send it back to the first file), and ends by writing `manifest.json` (last) and
+//!   removing `progress.json` and the partial files.
 
 use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
@@ -164,6 +166,11 @@ struct Progress {
     resume: Position,
     train: Vec<ShardEntry>,
     val: Vec<ShardEntry>,
+    /// The unfinished train and val shards at `resume`, saved as `partial-*.tok` files (absent
+    /// in progress files of older trainers, whose `resume` is where the oldest unfinished
+    /// shard began).
+    #[serde(default)]
+    partial: [Option<ShardEntry>; 2],
 }
 
 const SPLITS: [&str; 2] = ["train", "val"];
@@ -176,8 +183,6 @@ struct Stream {
     pos: u64,
     /// Tokens before this belong to finished shards (resume).
     skip_until: u64,
-    /// Where the unit that gave the open shard its first token started.
-    open_at: Option<Position>,
     done: Vec<ShardEntry>,
 }
 
@@ -203,7 +208,7 @@ impl Cutter<'_> {
         splitmix64(doc ^ VAL_SEED) < self.val_below
     }
 
-    fn feed(&mut self, at: &Position, pieces: Vec<Piece>) -> Result<u64> {
+    fn feed(&mut self, pieces: Vec<Piece>) -> Result<u64> {
         let mut made = 0;
         for p in pieces {
             if p.starts {
@@ -212,7 +217,7 @@ impl Cutter<'_> {
             }
             made += p.tokens.len() as u64;
             let s = usize::from(self.in_val);
-            self.push(s, at, &p.tokens, p.counted.as_deref(), p.starts)?;
+            self.push(s, &p.tokens, p.counted.as_deref(), p.starts)?;
         }
         Ok(made)
     }
@@ -220,7 +225,6 @@ impl Cutter<'_> {
     fn push(
         &mut self,
         s: usize,
-        at: &Position,
         tokens: &[u32],
         counted: Option<&[bool]>,
         mut starts: bool,
@@ -235,9 +239,6 @@ impl Cutter<'_> {
                 st.pos += k as u64;
                 starts = false;
                 continue;
-            }
-            if st.writer.is_empty() {
-                st.open_at = Some(at.clone());
             }
             let k = ((self.shard_tokens - st.writer.len()) as usize).min(n - i);
             if starts {
@@ -261,7 +262,6 @@ impl Cutter<'_> {
         let writer = std::mem::replace(&mut st.writer, fresh);
         let file = format!("{}-{:05}.tok", st.name, st.done.len());
         st.done.push(writer.finish_entry(self.dir, file)?);
-        st.open_at = None;
         self.finished_now = true;
         Ok(())
     }
@@ -370,9 +370,11 @@ pub fn prepare(
                  use --overwrite or another --out-dir",
             ));
         }
+        let partials: Vec<ShardEntry> = p.partial.iter().flatten().cloned().collect();
         let ok = p.plan == plan
             && verify_all(dir, &p.train, &expect).is_ok()
-            && verify_all(dir, &p.val, &expect).is_ok();
+            && verify_all(dir, &p.val, &expect).is_ok()
+            && verify_all(dir, &partials, &expect).is_ok();
         if ok {
             resume = Some(p);
         } else {
@@ -383,12 +385,19 @@ pub fn prepare(
     let val_below = (opts.val_fraction * 18_446_744_073_709_551_616.0) as u64;
     let at = resume.as_ref().map_or_else(start, |p| p.resume.clone());
     let resumed_shards = resume.as_ref().map_or(0, |p| p.train.len() + p.val.len());
-    let stream = |i: usize, done: Vec<ShardEntry>, pos: u64| Stream {
+    let partial = |i: usize| -> Result<ShardWriter> {
+        match resume.as_ref().and_then(|p| p.partial[i].as_ref()) {
+            Some(e) => load_partial(&dir.join(&e.file), &expect),
+            None => Ok(ShardWriter::new(width, vocab, true, mask)),
+        }
+    };
+    let writers = [partial(0)?, partial(1)?];
+    let [w0, w1] = writers;
+    let stream = |i: usize, done: Vec<ShardEntry>, pos: u64, writer: ShardWriter| Stream {
         name: SPLITS[i],
-        writer: ShardWriter::new(width, vocab, true, mask),
-        skip_until: done.len() as u64 * opts.shard_tokens,
+        skip_until: done.len() as u64 * opts.shard_tokens + writer.len(),
+        writer,
         pos,
-        open_at: None,
         done,
     };
     let (done_t, done_v) = resume.map_or((Vec::new(), Vec::new()), |p| (p.train, p.val));
@@ -398,7 +407,10 @@ pub fn prepare(
         width,
         vocab,
         mask,
-        streams: [stream(0, done_t, at.pos[0]), stream(1, done_v, at.pos[1])],
+        streams: [
+            stream(0, done_t, at.pos[0], w0),
+            stream(1, done_v, at.pos[1], w1),
+        ],
         doc: at.doc,
         in_val: false,
         val_below,
@@ -443,31 +455,14 @@ pub fn prepare(
                 .collect()
         });
         for (unit, pieces) in units.iter().zip(encoded) {
-            let mut at = unit.at.clone();
-            at.doc = cut.doc;
-            at.pos = [cut.streams[0].pos, cut.streams[1].pos];
-            state.tokens += cut.feed(&at, pieces?)?;
+            state.tokens += cut.feed(pieces?)?;
             state.bytes_done += unit.bytes.len() as u64;
             if std::mem::take(&mut cut.finished_now) {
                 state.shards = cut.streams[0].done.len() + cut.streams[1].done.len();
                 let mut next = reader_position(&files, unit);
                 next.doc = cut.doc;
                 next.pos = [cut.streams[0].pos, cut.streams[1].pos];
-                let resume = cut
-                    .streams
-                    .iter()
-                    .filter(|s| !s.writer.is_empty())
-                    .filter_map(|s| s.open_at.clone())
-                    .chain([next])
-                    .min_by_key(|p| (p.file, p.offset))
-                    .expect("one position at least");
-                let p = Progress {
-                    plan: plan.clone(),
-                    resume,
-                    train: cut.streams[0].done.clone(),
-                    val: cut.streams[1].done.clone(),
-                };
-                crate::io::write_json(&progress_path, &p)?;
+                save_progress(&cut, &plan, next)?;
             }
             progress(&state);
         }
@@ -499,6 +494,7 @@ pub fn prepare(
     };
     manifest.write(dir)?;
     let _ = std::fs::remove_file(&progress_path);
+    remove_partials(dir, &[])?;
     state.shards = manifest.train.len() + manifest.val.len();
     progress(&state);
     Ok(PrepareSummary {
@@ -508,6 +504,76 @@ pub fn prepare(
         bytes_read: state.bytes_done - bytes_before,
         tokens_made: state.tokens,
     })
+}
+
+/// Records the finished shards and saves the unfinished ones as `partial-<split>-<NNNNN>-<tokens>.tok`
+/// (their content is a function of that name), so that a rerun restarts at `next`, the end of
+/// the unit just fed, whatever the splits' fill; then `progress.json` (atomically) and then
+/// the removal of older partial files.
+fn save_progress(cut: &Cutter<'_>, plan: &str, next: Position) -> Result<()> {
+    let mut partial = [None, None];
+    for (slot, st) in partial.iter_mut().zip(&cut.streams) {
+        if st.writer.is_empty() {
+            continue;
+        }
+        let file = format!(
+            "partial-{}-{:05}-{}.tok",
+            st.name,
+            st.done.len(),
+            st.writer.len()
+        );
+        *slot = Some(st.writer.finish_entry(cut.dir, file)?);
+    }
+    let p = Progress {
+        plan: plan.to_string(),
+        resume: next,
+        train: cut.streams[0].done.clone(),
+        val: cut.streams[1].done.clone(),
+        partial,
+    };
+    crate::io::write_json(&cut.dir.join(PROGRESS_FILE), &p)?;
+    let keep: Vec<&str> = p
+        .partial
+        .iter()
+        .flatten()
+        .map(|e| e.file.as_str())
+        .collect();
+    remove_partials(cut.dir, &keep)
+}
+
+/// An unfinished shard saved by [`save_progress`], verified, as the writer it was.
+fn load_partial(path: &Path, expect: &Expect) -> Result<ShardWriter> {
+    let shard = format::open_shard(path, expect)?;
+    shard.verify()?;
+    let h = shard.header();
+    let starts: Vec<u64> = shard.doc_starts().collect();
+    let counted: Option<Vec<bool>> = h
+        .has_mask()
+        .then(|| (0..shard.len()).map(|t| shard.counted(t)).collect());
+    format::shard_writer(
+        path,
+        h.width,
+        h.vocab,
+        &shard.tokens(),
+        h.has_docs().then_some(&starts[..]),
+        counted.as_deref(),
+    )
+}
+
+/// Removes the `partial-*.tok` files not in `keep`.
+fn remove_partials(dir: &Path, keep: &[&str]) -> Result<()> {
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let entry = entry.map_err(|e| Error::io(dir, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if is_partial(&name) && !keep.contains(&name.as_str()) {
+            std::fs::remove_file(entry.path()).map_err(|e| Error::io(entry.path(), e))?;
+        }
+    }
+    Ok(())
+}
+
+fn is_partial(name: &str) -> bool {
+    name.starts_with("partial-") && name.ends_with(".tok")
 }
 
 /// The position just after `unit` (file, offset, line; counters left to the caller).
@@ -548,6 +614,7 @@ fn clear(dir: &Path) -> Result<()> {
         let name = entry.file_name().to_string_lossy().into_owned();
         let ours = (name.starts_with("train-") || name.starts_with("val-"))
             && name.ends_with(".tok")
+            || is_partial(&name)
             || name == MANIFEST_FILE
             || name == PROGRESS_FILE;
         if ours {
