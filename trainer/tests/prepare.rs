@@ -522,3 +522,78 @@ fn verify_reads_every_shard_back_and_names_each_bad_one() {
     assert!(text.contains("2 of"), "{text}");
     assert!(text.contains("ok          train-00000.tok"), "{text}");
 }
+
+/// Sets the modification time of `path` an hour later: a `touch`.
+fn touch(path: &Path) {
+    let f = std::fs::File::options().write(true).open(path).unwrap();
+    let t = f.metadata().unwrap().modified().unwrap() + Duration::from_secs(3600);
+    f.set_modified(t).unwrap();
+}
+
+#[test]
+fn a_touch_changes_nothing_and_a_refusal_says_what_changed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = tokenizer(tmp.path());
+    let data = tmp.path().join("a.jsonl");
+    jsonl(&data, 500);
+    let out = tmp.path().join("out");
+    let o = PrepareOptions {
+        val_fraction: 0.1,
+        ..opts(vec![data.clone()], &out, &tok)
+    };
+    prepare(&o, &|_| {}).unwrap();
+    let good = files(&out);
+    // Same bytes, new time: up to date, nothing redone.
+    touch(&data);
+    let s = prepare(&o, &|_| {}).unwrap();
+    assert!(s.up_to_date);
+    assert_eq!(
+        files(&out)[1..],
+        good[1..],
+        "only the manifest's record of the time changes"
+    );
+    // An interrupted run resumes after a touch too.
+    let again = tmp.path().join("again");
+    let o2 = PrepareOptions {
+        out_dir: again.clone(),
+        ..o.clone()
+    };
+    let crashed = std::panic::catch_unwind(|| prepare(&o2, &|p| assert!(p.shards < 2, "killed")));
+    assert!(crashed.is_err());
+    touch(&data);
+    let s = prepare(&o2, &|_| {}).unwrap();
+    assert!(s.resumed_shards >= 2, "{}", s.resumed_shards);
+    assert_eq!(files(&again)[1..], files(&out)[1..]);
+    // Another byte of the same size, more bytes, another setting: refused, saying which.
+    let text = std::fs::read_to_string(&data).unwrap();
+    std::fs::write(&data, text.replacen("king", "kong", 1)).unwrap();
+    let err = prepare(&o, &|_| {}).unwrap_err().to_string();
+    let name = data.display().to_string();
+    assert!(
+        err.contains(&format!("input {name} changed content (same")),
+        "{err}"
+    );
+    std::fs::write(&data, text.clone() + "\n").unwrap();
+    let err = prepare(&o, &|_| {}).unwrap_err().to_string();
+    let size = text.len();
+    assert!(
+        err.contains(&format!(
+            "input {name} changed size ({size} -> {} bytes)",
+            size + 1
+        )),
+        "{err}"
+    );
+    std::fs::write(&data, &text).unwrap();
+    let o3 = PrepareOptions {
+        shard_tokens: 999,
+        ..o.clone()
+    };
+    let err = prepare(&o3, &|_| {}).unwrap_err().to_string();
+    assert!(
+        err.contains("setting shard_tokens changed (1000 -> 999)"),
+        "{err}"
+    );
+    assert!(err.contains("--overwrite"), "{err}");
+    // The original bytes are up to date again.
+    assert!(prepare(&o, &|_| {}).unwrap().up_to_date);
+}

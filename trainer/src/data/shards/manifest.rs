@@ -53,6 +53,9 @@ pub struct InputEntry {
     /// Its modification time, nanoseconds since the Unix epoch, if known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mtime_ns: Option<u128>,
+    /// CRC-32 of its bytes, 8 hex digits (absent in manifests of older trainers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
 }
 
 /// `manifest.json`: what a prepared directory holds. Written last, atomically.

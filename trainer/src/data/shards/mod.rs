@@ -16,6 +16,7 @@ pub mod format;
 mod input;
 mod manifest;
 pub mod order;
+mod plan;
 pub mod prepare;
 mod source;
 mod verify;

@@ -20,20 +20,20 @@
 //!   removing `progress.json` and the partial files.
 
 use std::path::{Path, PathBuf};
-use std::time::UNIX_EPOCH;
 
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use super::format::{
-    self, width_for_vocab, Expect, InputEntry, Manifest, ShardEntry, ShardWriter, MANIFEST_FILE,
-    MANIFEST_FORMAT,
+    self, width_for_vocab, Expect, InputEntry, Manifest, ShardEntry, ShardWriter, TokenizerInfo,
+    MANIFEST_FILE, MANIFEST_FORMAT,
 };
 use super::input::{
     build_encoder, expand_inputs, start, Encoder, Piece, Position, Unit, UnitReader,
 };
+use super::plan;
 use crate::error::{Error, Result};
-use crate::hash::{hash_bytes, splitmix64};
+use crate::hash::splitmix64;
 
 /// The file recording an unfinished `prepare`.
 pub const PROGRESS_FILE: &str = "progress.json";
@@ -171,6 +171,13 @@ struct Progress {
     /// shard began).
     #[serde(default)]
     partial: [Option<ShardEntry>; 2],
+    /// What the run was made from, to say what changed (absent in older progress files).
+    #[serde(default)]
+    inputs: Vec<InputEntry>,
+    #[serde(default)]
+    settings: serde_json::Value,
+    #[serde(default)]
+    tokenizer: Option<TokenizerInfo>,
 }
 
 const SPLITS: [&str; 2] = ["train", "val"];
@@ -286,26 +293,26 @@ pub fn prepare(
         return Err(Error::Config("prepare needs at least one input".into()));
     }
     let files = expand_inputs(&opts.inputs)?;
-    let inputs: Vec<InputEntry> = files
-        .iter()
-        .map(|p| {
-            let m = std::fs::metadata(p).map_err(|e| Error::io(p, e))?;
-            let mtime_ns = m
-                .modified()
-                .ok()
-                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-                .map(|d| d.as_nanos());
-            Ok(InputEntry {
-                path: p.clone(),
-                bytes: m.len(),
-                mtime_ns,
-            })
-        })
-        .collect::<Result<_>>()?;
-    let bytes_total: u64 = inputs.iter().map(|i| i.bytes).sum();
     let dir = opts.out_dir.as_path();
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     remove_temporaries(dir)?;
+    // An earlier run: finished (manifest) or interrupted (progress).
+    let progress_path = dir.join(PROGRESS_FILE);
+    let finished = match dir.join(MANIFEST_FILE).is_file() {
+        true => Some(Manifest::read(dir)?),
+        false => None,
+    };
+    let interrupted: Option<Progress> = match progress_path.is_file() {
+        true => Some(crate::io::read_json(&progress_path)?),
+        false => None,
+    };
+    let earlier_inputs = match (&finished, &interrupted) {
+        (Some(m), _) => &m.inputs[..],
+        (None, Some(p)) => &p.inputs[..],
+        (None, None) => &[],
+    };
+    let inputs = plan::record_inputs(&files, earlier_inputs)?;
+    let bytes_total: u64 = inputs.iter().map(|i| i.bytes).sum();
 
     let (encoder, tokenizer, vocab_size) = build_encoder(opts, &files)?;
     let width = width_for_vocab(vocab_size as usize);
@@ -325,24 +332,30 @@ pub fn prepare(
         "chunk_bytes": opts.chunk_bytes,
         "eos_id": eos_id,
     });
-    let plan_text = serde_json::to_string(&(&settings, &inputs, &tokenizer))
-        .map_err(|e| Error::Config(e.to_string()))?;
-    let plan = format!("{:016x}", hash_bytes(plan_text.as_bytes()));
-    settings["plan"] = plan.clone().into();
+    let plan = plan::plan(&settings, &inputs, &tokenizer)?;
+    let legacy = plan::legacy_plan(&settings, &inputs, &tokenizer)?;
+    let same_plan = |p: Option<&str>| p == Some(plan.as_str()) || p == Some(legacy.as_str());
+    let changed = |earlier: plan::Earlier<'_>, what: &str, advice: &str| {
+        let what_changed = plan::changes(&earlier, &settings, &inputs, &tokenizer);
+        Error::data(dir, format!("{what} ({what_changed}); {advice}"))
+    };
     let expect = Expect {
         vocab: Some(vocab),
         width: Some(width),
     };
 
-    // An earlier run: finished (manifest) or interrupted (progress).
-    let progress_path = dir.join(PROGRESS_FILE);
-    if dir.join(MANIFEST_FILE).is_file() {
-        let m = Manifest::read(dir)?;
-        let same = m.settings.get("plan").and_then(|p| p.as_str()) == Some(plan.as_str());
+    if let Some(mut m) = finished {
+        let same = same_plan(m.settings.get("plan").and_then(|p| p.as_str()));
         if same
             && verify_all(dir, &m.train, &expect).is_ok()
             && verify_all(dir, &m.val, &expect).is_ok()
         {
+            if m.inputs != inputs {
+                // Same bytes, new times (or digests an older trainer did not record).
+                m.inputs = inputs;
+                m.settings["plan"] = plan.clone().into();
+                m.write(dir)?;
+            }
             return Ok(PrepareSummary {
                 manifest: m,
                 resumed_shards: 0,
@@ -352,26 +365,36 @@ pub fn prepare(
             });
         }
         if !same && !opts.overwrite {
-            return Err(Error::data(
-                dir,
-                "already holds shards prepared from other inputs or settings; use --overwrite \
-                 or another --out-dir",
+            let earlier = plan::Earlier {
+                settings: &m.settings,
+                inputs: &m.inputs,
+                tokenizer: Some(&m.tokenizer),
+            };
+            return Err(changed(
+                earlier,
+                "already holds shards prepared from other inputs or settings",
+                "use --overwrite or another --out-dir",
             ));
         }
         clear(dir)?;
     }
     let mut resume: Option<Progress> = None;
-    if progress_path.is_file() {
-        let p: Progress = crate::io::read_json(&progress_path)?;
-        if p.plan != plan && !opts.overwrite {
-            return Err(Error::data(
-                dir,
-                "holds an interrupted `prepare` of other inputs or settings; rerun that one, or \
-                 use --overwrite or another --out-dir",
+    if let Some(p) = interrupted.filter(|_| progress_path.is_file()) {
+        let same = same_plan(Some(&p.plan));
+        if !same && !opts.overwrite {
+            let earlier = plan::Earlier {
+                settings: &p.settings,
+                inputs: &p.inputs,
+                tokenizer: p.tokenizer.as_ref(),
+            };
+            return Err(changed(
+                earlier,
+                "holds an interrupted `prepare` of other inputs or settings",
+                "rerun that one, or use --overwrite or another --out-dir",
             ));
         }
         let partials: Vec<ShardEntry> = p.partial.iter().flatten().cloned().collect();
-        let ok = p.plan == plan
+        let ok = same
             && verify_all(dir, &p.train, &expect).is_ok()
             && verify_all(dir, &p.val, &expect).is_ok()
             && verify_all(dir, &partials, &expect).is_ok();
@@ -382,6 +405,17 @@ pub fn prepare(
         }
     }
 
+    settings["plan"] = plan.clone().into();
+    let base = Progress {
+        plan: plan.clone(),
+        resume: start(),
+        train: Vec::new(),
+        val: Vec::new(),
+        partial: [None, None],
+        inputs: inputs.clone(),
+        settings: settings.clone(),
+        tokenizer: Some(tokenizer.clone()),
+    };
     let val_below = (opts.val_fraction * 18_446_744_073_709_551_616.0) as u64;
     let at = resume.as_ref().map_or_else(start, |p| p.resume.clone());
     let resumed_shards = resume.as_ref().map_or(0, |p| p.train.len() + p.val.len());
@@ -462,7 +496,7 @@ pub fn prepare(
                 let mut next = reader_position(&files, unit);
                 next.doc = cut.doc;
                 next.pos = [cut.streams[0].pos, cut.streams[1].pos];
-                save_progress(&cut, &plan, next)?;
+                save_progress(&cut, &base, next)?;
             }
             progress(&state);
         }
@@ -510,7 +544,7 @@ pub fn prepare(
 /// (their content is a function of that name), so that a rerun restarts at `next`, the end of
 /// the unit just fed, whatever the splits' fill; then `progress.json` (atomically) and then
 /// the removal of older partial files.
-fn save_progress(cut: &Cutter<'_>, plan: &str, next: Position) -> Result<()> {
+fn save_progress(cut: &Cutter<'_>, base: &Progress, next: Position) -> Result<()> {
     let mut partial = [None, None];
     for (slot, st) in partial.iter_mut().zip(&cut.streams) {
         if st.writer.is_empty() {
@@ -525,11 +559,11 @@ fn save_progress(cut: &Cutter<'_>, plan: &str, next: Position) -> Result<()> {
         *slot = Some(st.writer.finish_entry(cut.dir, file)?);
     }
     let p = Progress {
-        plan: plan.to_string(),
         resume: next,
         train: cut.streams[0].done.clone(),
         val: cut.streams[1].done.clone(),
         partial,
+        ..base.clone()
     };
     crate::io::write_json(&cut.dir.join(PROGRESS_FILE), &p)?;
     let keep: Vec<&str> = p
