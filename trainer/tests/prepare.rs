@@ -597,3 +597,50 @@ fn a_touch_changes_nothing_and_a_refusal_says_what_changed() {
     // The original bytes are up to date again.
     assert!(prepare(&o, &|_| {}).unwrap().up_to_date);
 }
+
+#[test]
+fn an_overlong_json_line_is_refused_naming_file_line_and_limit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = tokenizer(tmp.path());
+    let data = tmp.path().join("a.jsonl");
+    let line = |words: usize| {
+        serde_json::json!({ "text": vec!["king"; words].join(" ") }).to_string() + "\n"
+    };
+    // Lines 1-3 short, line 4 about 1.5 MB; one more short line after it.
+    let text = line(3) + &line(5) + &line(2) + &line(300_000) + &line(4);
+    std::fs::write(&data, &text).unwrap();
+    let limit = 1 << 20;
+    let o = PrepareOptions {
+        max_line_bytes: limit,
+        ..opts(vec![data.clone()], &tmp.path().join("out"), &tok)
+    };
+    for format in [InputFormat::Jsonl, InputFormat::Sft] {
+        let o = PrepareOptions {
+            format,
+            vocab: VocabSpec::Tokenizer(tok.clone()),
+            ..o.clone()
+        };
+        let err = prepare(&o, &|_| {}).unwrap_err().to_string();
+        let at = format!("{}:4", data.display());
+        assert!(err.contains(&at), "{format:?}: {err}");
+        assert!(err.contains(&format!("longer than {limit} bytes")), "{err}");
+    }
+    // With the limit above the line, it is read.
+    let o = PrepareOptions {
+        max_line_bytes: 2 << 20,
+        ..o
+    };
+    prepare(&o, &|_| {}).unwrap();
+    // SFT training's reader: the same bound (the default), before the line is read whole.
+    let sft = tmp.path().join("chat.jsonl");
+    let record = |n: usize| {
+        serde_json::json!({ "prompt": "the king", "completion": "x".repeat(n) }).to_string() + "\n"
+    };
+    let big = trainer::data::lines::MAX_LINE_BYTES + 10;
+    std::fs::write(&sft, record(5) + "\n" + &record(big)).unwrap();
+    let err = trainer::data::sft::read_records(&sft)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&format!("{}:3", sft.display())), "{err}");
+    assert!(err.contains("longer than 16777216 bytes"), "{err}");
+}

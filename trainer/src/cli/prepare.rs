@@ -61,6 +61,10 @@ pub(super) struct PrepareArgs {
     /// Replace a directory prepared from other inputs or settings.
     #[arg(long)]
     overwrite: bool,
+    /// JSONL and SFT: the longest line in bytes; a longer one is refused naming file:line
+    /// before it is read whole (parsing a line takes a few hundred times its size).
+    #[arg(long, default_value_t = trainer::data::lines::MAX_LINE_BYTES)]
+    max_line_bytes: usize,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -128,6 +132,7 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
         threads: args.threads,
         overwrite: args.overwrite,
         chunk_bytes: args.chunk_bytes,
+        max_line_bytes: args.max_line_bytes,
     };
     let bar = if args.quiet {
         ProgressBar::hidden()

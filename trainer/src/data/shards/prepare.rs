@@ -112,6 +112,9 @@ pub struct PrepareOptions {
     pub chunk_bytes: usize,
     /// Replace a directory prepared with other inputs or settings.
     pub overwrite: bool,
+    /// JSONL and SFT: the longest line, in bytes (a longer one is refused naming `file:line`
+    /// before it is read whole; see [`crate::data::lines`]).
+    pub max_line_bytes: usize,
 }
 
 impl Default for PrepareOptions {
@@ -128,6 +131,7 @@ impl Default for PrepareOptions {
             threads: 0,
             chunk_bytes: 1 << 20,
             overwrite: false,
+            max_line_bytes: crate::data::lines::MAX_LINE_BYTES,
         }
     }
 }
@@ -459,7 +463,13 @@ pub fn prepare(
         .map_err(|e| Error::Config(format!("cannot start worker threads: {e}")))?;
     let window = 4 * pool.current_num_threads().max(1);
     let text = opts.format == InputFormat::Text;
-    let mut reader = UnitReader::new(&files, text, opts.chunk_bytes, at.clone());
+    let mut reader = UnitReader::new(
+        &files,
+        text,
+        opts.chunk_bytes,
+        opts.max_line_bytes,
+        at.clone(),
+    );
     let mut state = PrepareProgress {
         bytes_done: inputs[..at.file.min(inputs.len())]
             .iter()
