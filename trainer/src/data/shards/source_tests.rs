@@ -74,7 +74,7 @@ fn mapped_tokens_equal_the_tokens_written() {
     let src = open(tmp.path(), DataOrder::Random);
     for (split, want) in [(Split::Train, &train), (Split::Val, &val)] {
         for (s, tokens) in want.iter().enumerate() {
-            assert_eq!(&src.read(split, s, 0, tokens.len()), tokens);
+            assert_eq!(&src.read(split, s, 0, tokens.len()).unwrap(), tokens);
         }
     }
     assert_eq!(src.len(Split::Train), 1317);
