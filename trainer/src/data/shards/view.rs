@@ -38,7 +38,7 @@ impl BodySums {
                 "the manifest's chunk_sums are not 8-hex-digit CRC-32s",
             )
         };
-        if hex.len() % 8 != 0 {
+        if !hex.len().is_multiple_of(8) {
             return Err(bad());
         }
         (0..hex.len() / 8)
