@@ -18,6 +18,7 @@ mod manifest;
 pub mod order;
 mod plan;
 pub mod prepare;
+mod progress;
 mod source;
 mod verify;
 pub(crate) mod view;

@@ -25,18 +25,21 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use super::format::{
-    self, width_for_vocab, Expect, InputEntry, Manifest, ShardEntry, ShardWriter, TokenizerInfo,
+    width_for_vocab, Expect, InputEntry, Manifest, ShardEntry, ShardWriter, TokenizerInfo,
     MANIFEST_FILE, MANIFEST_FORMAT,
 };
 use super::input::{
     build_encoder, expand_inputs, start, Encoder, Piece, Position, Unit, UnitReader,
 };
 use super::plan;
+use super::progress::{
+    clear, load_partial, remove_partials, remove_temporaries, save_progress, verify_all, Progress,
+    SplitState,
+};
 use crate::error::{Error, Result};
 use crate::hash::splitmix64;
 
-/// The file recording an unfinished `prepare`.
-pub const PROGRESS_FILE: &str = "progress.json";
+pub use super::progress::PROGRESS_FILE;
 /// Seed of the validation rule (see the module docs).
 pub const VAL_SEED: u64 = 0x5eed_da7a;
 /// Bumped whenever the way inputs become tokens changes.
@@ -164,26 +167,6 @@ pub struct PrepareSummary {
     pub tokens_made: u64,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct Progress {
-    plan: String,
-    resume: Position,
-    train: Vec<ShardEntry>,
-    val: Vec<ShardEntry>,
-    /// The unfinished train and val shards at `resume`, saved as `partial-*.tok` files (absent
-    /// in progress files of older trainers, whose `resume` is where the oldest unfinished
-    /// shard began).
-    #[serde(default)]
-    partial: [Option<ShardEntry>; 2],
-    /// What the run was made from, to say what changed (absent in older progress files).
-    #[serde(default)]
-    inputs: Vec<InputEntry>,
-    #[serde(default)]
-    settings: serde_json::Value,
-    #[serde(default)]
-    tokenizer: Option<TokenizerInfo>,
-}
-
 const SPLITS: [&str; 2] = ["train", "val"];
 
 /// One split's token stream being cut into shards.
@@ -208,6 +191,13 @@ struct Cutter<'a> {
     in_val: bool,
     val_below: u64,
     finished_now: bool,
+}
+
+impl Stream {
+    /// What a progress save records of this split.
+    fn state(&self) -> SplitState<'_> {
+        (self.name, &self.done, &self.writer)
+    }
 }
 
 impl Cutter<'_> {
@@ -337,77 +327,30 @@ pub fn prepare(
         "eos_id": eos_id,
     });
     let plan = plan::plan(&settings, &inputs, &tokenizer)?;
-    let legacy = plan::legacy_plan(&settings, &inputs, &tokenizer)?;
-    let same_plan = |p: Option<&str>| p == Some(plan.as_str()) || p == Some(legacy.as_str());
-    let changed = |earlier: plan::Earlier<'_>, what: &str, advice: &str| {
-        let what_changed = plan::changes(&earlier, &settings, &inputs, &tokenizer);
-        Error::data(dir, format!("{what} ({what_changed}); {advice}"))
-    };
     let expect = Expect {
         vocab: Some(vocab),
         width: Some(width),
     };
-
-    if let Some(mut m) = finished {
-        let same = same_plan(m.settings.get("plan").and_then(|p| p.as_str()));
-        if same
-            && verify_all(dir, &m.train, &expect).is_ok()
-            && verify_all(dir, &m.val, &expect).is_ok()
-        {
-            if m.inputs != inputs {
-                // Same bytes, new times (or digests an older trainer did not record).
-                m.inputs = inputs;
-                m.settings["plan"] = plan.clone().into();
-                m.write(dir)?;
-            }
+    let now = Now {
+        settings: &settings,
+        inputs: &inputs,
+        tokenizer: &tokenizer,
+        plan: &plan,
+        legacy: plan::legacy_plan(&settings, &inputs, &tokenizer)?,
+        expect,
+    };
+    let resume = match earlier_run(dir, opts.overwrite, finished, interrupted, &now)? {
+        Earlier::UpToDate(manifest) => {
             return Ok(PrepareSummary {
-                manifest: m,
+                manifest,
                 resumed_shards: 0,
                 up_to_date: true,
                 bytes_read: 0,
                 tokens_made: 0,
-            });
+            })
         }
-        if !same && !opts.overwrite {
-            let earlier = plan::Earlier {
-                settings: &m.settings,
-                inputs: &m.inputs,
-                tokenizer: Some(&m.tokenizer),
-            };
-            return Err(changed(
-                earlier,
-                "already holds shards prepared from other inputs or settings",
-                "use --overwrite or another --out-dir",
-            ));
-        }
-        clear(dir)?;
-    }
-    let mut resume: Option<Progress> = None;
-    if let Some(p) = interrupted.filter(|_| progress_path.is_file()) {
-        let same = same_plan(Some(&p.plan));
-        if !same && !opts.overwrite {
-            let earlier = plan::Earlier {
-                settings: &p.settings,
-                inputs: &p.inputs,
-                tokenizer: p.tokenizer.as_ref(),
-            };
-            return Err(changed(
-                earlier,
-                "holds an interrupted `prepare` of other inputs or settings",
-                "rerun that one, or use --overwrite or another --out-dir",
-            ));
-        }
-        let partials: Vec<ShardEntry> = p.partial.iter().flatten().cloned().collect();
-        let ok = same
-            && verify_all(dir, &p.train, &expect).is_ok()
-            && verify_all(dir, &p.val, &expect).is_ok()
-            && verify_all(dir, &partials, &expect).is_ok();
-        if ok {
-            resume = Some(p);
-        } else {
-            clear(dir)?;
-        }
-    }
+        Earlier::Resume(p) => p,
+    };
 
     settings["plan"] = plan.clone().into();
     let base = Progress {
@@ -506,7 +449,8 @@ pub fn prepare(
                 let mut next = reader_position(&files, unit);
                 next.doc = cut.doc;
                 next.pos = [cut.streams[0].pos, cut.streams[1].pos];
-                save_progress(&cut, &base, next)?;
+                let streams = cut.streams.each_ref().map(Stream::state);
+                save_progress(dir, &base, next, streams)?;
             }
             progress(&state);
         }
@@ -550,74 +494,97 @@ pub fn prepare(
     })
 }
 
-/// Records the finished shards and saves the unfinished ones as `partial-<split>-<NNNNN>-<tokens>.tok`
-/// (their content is a function of that name), so that a rerun restarts at `next`, the end of
-/// the unit just fed, whatever the splits' fill; then `progress.json` (atomically) and then
-/// the removal of older partial files.
-fn save_progress(cut: &Cutter<'_>, base: &Progress, next: Position) -> Result<()> {
-    let mut partial = [None, None];
-    for (slot, st) in partial.iter_mut().zip(&cut.streams) {
-        if st.writer.is_empty() {
-            continue;
-        }
-        let file = format!(
-            "partial-{}-{:05}-{}.tok",
-            st.name,
-            st.done.len(),
-            st.writer.len()
-        );
-        *slot = Some(st.writer.finish_entry(cut.dir, file)?);
-    }
-    let p = Progress {
-        resume: next,
-        train: cut.streams[0].done.clone(),
-        val: cut.streams[1].done.clone(),
-        partial,
-        ..base.clone()
+/// What this run is made from (see [`earlier_run`]).
+struct Now<'a> {
+    settings: &'a serde_json::Value,
+    inputs: &'a [InputEntry],
+    tokenizer: &'a TokenizerInfo,
+    plan: &'a str,
+    /// The plan as older trainers computed it.
+    legacy: String,
+    expect: Expect,
+}
+
+/// What an earlier run in the directory leaves to do.
+enum Earlier {
+    /// Finished with this plan, its shards intact: nothing.
+    UpToDate(Manifest),
+    /// Everything from the start (`None`), or from where an interrupted run of this plan
+    /// stopped.
+    Resume(Option<Progress>),
+}
+
+/// Decides what to do with the `finished` or `interrupted` run found in `dir`: refuses one of
+/// another plan (unless `overwrite`), saying what changed; clears one whose shards fail
+/// verification.
+fn earlier_run(
+    dir: &Path,
+    overwrite: bool,
+    finished: Option<Manifest>,
+    interrupted: Option<Progress>,
+    now: &Now<'_>,
+) -> Result<Earlier> {
+    let same_plan = |p: Option<&str>| p == Some(now.plan) || p == Some(now.legacy.as_str());
+    let changed = |earlier: plan::Earlier<'_>, what: &str, advice: &str| {
+        let what_changed = plan::changes(&earlier, now.settings, now.inputs, now.tokenizer);
+        Error::data(dir, format!("{what} ({what_changed}); {advice}"))
     };
-    crate::io::write_json(&cut.dir.join(PROGRESS_FILE), &p)?;
-    let keep: Vec<&str> = p
-        .partial
-        .iter()
-        .flatten()
-        .map(|e| e.file.as_str())
-        .collect();
-    remove_partials(cut.dir, &keep)
-}
-
-/// An unfinished shard saved by [`save_progress`], verified, as the writer it was.
-fn load_partial(path: &Path, expect: &Expect) -> Result<ShardWriter> {
-    let shard = format::open_shard(path, expect)?;
-    shard.verify()?;
-    let h = shard.header();
-    let starts: Vec<u64> = shard.doc_starts().collect();
-    let counted: Option<Vec<bool>> = h
-        .has_mask()
-        .then(|| (0..shard.len()).map(|t| shard.counted(t)).collect());
-    format::shard_writer(
-        path,
-        h.width,
-        h.vocab,
-        &shard.tokens(),
-        h.has_docs().then_some(&starts[..]),
-        counted.as_deref(),
-    )
-}
-
-/// Removes the `partial-*.tok` files not in `keep`.
-fn remove_partials(dir: &Path, keep: &[&str]) -> Result<()> {
-    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-        let entry = entry.map_err(|e| Error::io(dir, e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if is_partial(&name) && !keep.contains(&name.as_str()) {
-            std::fs::remove_file(entry.path()).map_err(|e| Error::io(entry.path(), e))?;
+    let expect = &now.expect;
+    if let Some(mut m) = finished {
+        let same = same_plan(m.settings.get("plan").and_then(|p| p.as_str()));
+        if same
+            && verify_all(dir, &m.train, expect).is_ok()
+            && verify_all(dir, &m.val, expect).is_ok()
+        {
+            if m.inputs != now.inputs {
+                // Same bytes, new times (or digests an older trainer did not record).
+                m.inputs = now.inputs.to_vec();
+                m.settings["plan"] = now.plan.into();
+                m.write(dir)?;
+            }
+            return Ok(Earlier::UpToDate(m));
         }
+        if !same && !overwrite {
+            let earlier = plan::Earlier {
+                settings: &m.settings,
+                inputs: &m.inputs,
+                tokenizer: Some(&m.tokenizer),
+            };
+            return Err(changed(
+                earlier,
+                "already holds shards prepared from other inputs or settings",
+                "use --overwrite or another --out-dir",
+            ));
+        }
+        clear(dir)?;
     }
-    Ok(())
-}
-
-fn is_partial(name: &str) -> bool {
-    name.starts_with("partial-") && name.ends_with(".tok")
+    // (`clear` above removed any progress file.)
+    let Some(p) = interrupted.filter(|_| dir.join(PROGRESS_FILE).is_file()) else {
+        return Ok(Earlier::Resume(None));
+    };
+    let same = same_plan(Some(&p.plan));
+    if !same && !overwrite {
+        let earlier = plan::Earlier {
+            settings: &p.settings,
+            inputs: &p.inputs,
+            tokenizer: p.tokenizer.as_ref(),
+        };
+        return Err(changed(
+            earlier,
+            "holds an interrupted `prepare` of other inputs or settings",
+            "rerun that one, or use --overwrite or another --out-dir",
+        ));
+    }
+    let partials: Vec<ShardEntry> = p.partial.iter().flatten().cloned().collect();
+    let ok = same
+        && verify_all(dir, &p.train, expect).is_ok()
+        && verify_all(dir, &p.val, expect).is_ok()
+        && verify_all(dir, &partials, expect).is_ok();
+    if ok {
+        return Ok(Earlier::Resume(Some(p)));
+    }
+    clear(dir)?;
+    Ok(Earlier::Resume(None))
 }
 
 /// The position just after `unit` (file, offset, line; counters left to the caller).
@@ -638,44 +605,4 @@ fn reader_position(files: &[PathBuf], unit: &Unit) -> Position {
             ..Position::default()
         }
     }
-}
-
-fn verify_all(dir: &Path, list: &[ShardEntry], expect: &Expect) -> Result<()> {
-    for e in list {
-        let path = dir.join(&e.file);
-        let h = format::verify(&path, expect)?;
-        if format!("{:016x}", h.checksum) != e.checksum {
-            return Err(Error::data(&path, "checksum differs from the recorded one"));
-        }
-    }
-    Ok(())
-}
-
-/// Removes the shards, manifest and progress file of an earlier run.
-fn clear(dir: &Path) -> Result<()> {
-    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-        let entry = entry.map_err(|e| Error::io(dir, e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let ours = (name.starts_with("train-") || name.starts_with("val-"))
-            && name.ends_with(".tok")
-            || is_partial(&name)
-            || name == MANIFEST_FILE
-            || name == PROGRESS_FILE;
-        if ours {
-            std::fs::remove_file(entry.path()).map_err(|e| Error::io(entry.path(), e))?;
-        }
-    }
-    Ok(())
-}
-
-/// Removes temporary files a killed run left (`.<name>.tmp-<pid>-<n>`).
-fn remove_temporaries(dir: &Path) -> Result<()> {
-    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-        let entry = entry.map_err(|e| Error::io(dir, e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') && name.contains(".tmp-") {
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
-    Ok(())
 }
