@@ -89,7 +89,8 @@ fn verify(dir: &Path) -> Result<()> {
     }
     if !bad.is_empty() {
         bail!(
-            "{}: {} of {} shards are bad ({}); prepare the directory again (--overwrite)",
+            "{}: {} of {} shards are bad ({}); rerun the `trainer prepare` command that made \
+             it (it redoes a directory whose shards fail verification)",
             dir.display(),
             bad.len(),
             verdicts.len(),
