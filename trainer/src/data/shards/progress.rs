@@ -38,8 +38,8 @@ pub(super) struct Progress {
     pub tokenizer: Option<TokenizerInfo>,
 }
 
-/// Records the finished shards and saves the unfinished ones as `partial-<split>-<NNNNN>-<tokens>.tok`
-/// (their content is a function of that name), so that a rerun restarts at `next`, the end of
+/// Records the finished shards and saves the unfinished ones as
+/// `partial-<split>-<NNNNN>-<tokens>.tok` (their content is a function of that name), so that a rerun restarts at `next`, the end of
 /// the unit just fed, whatever the splits' fill; then `progress.json` (atomically) and then
 /// the removal of older partial files.
 pub(super) fn save_progress(

@@ -159,7 +159,8 @@ impl ShardView {
                     return Err(Error::data(
                         path,
                         format!(
-                            "the manifest lists {n} chunk checksums for a body of {body} bytes                              ({} expected); prepare the directory again",
+                            "the manifest lists {n} chunk checksums for a body of {body} bytes \
+                             ({} expected); prepare the directory again",
                             body.div_ceil(chunk)
                         ),
                     ));
@@ -305,10 +306,10 @@ impl ShardView {
                     return Err(Error::data(
                         &self.path,
                         format!(
-                            "corrupt token shard: {} lies in body bytes {}..{} (file offset {}), whose \
-                             checksum {got:x} is not the recorded {want:x}; nothing was trained \
-                             on it. Run `trainer prepare --verify {}` to list the bad shards, \
-                             then prepare the data again",
+                            "corrupt token shard: {} lies in body bytes {}..{} (file offset \
+                             {}), whose checksum {got:x} is not the recorded {want:x}; nothing \
+                             was trained on it. Run `trainer prepare --verify {}` to list the \
+                             bad shards, then prepare the data again",
                             what(),
                             span.start,
                             span.end,
