@@ -342,14 +342,14 @@ pub fn prepare(
     let resume = match earlier_run(dir, opts.overwrite, finished, interrupted, &now)? {
         Earlier::UpToDate(manifest) => {
             return Ok(PrepareSummary {
-                manifest,
+                manifest: *manifest,
                 resumed_shards: 0,
                 up_to_date: true,
                 bytes_read: 0,
                 tokens_made: 0,
             })
         }
-        Earlier::Resume(p) => p,
+        Earlier::Resume(p) => p.map(|p| *p),
     };
 
     settings["plan"] = plan.clone().into();
@@ -508,10 +508,10 @@ struct Now<'a> {
 /// What an earlier run in the directory leaves to do.
 enum Earlier {
     /// Finished with this plan, its shards intact: nothing.
-    UpToDate(Manifest),
+    UpToDate(Box<Manifest>),
     /// Everything from the start (`None`), or from where an interrupted run of this plan
     /// stopped.
-    Resume(Option<Progress>),
+    Resume(Option<Box<Progress>>),
 }
 
 /// Decides what to do with the `finished` or `interrupted` run found in `dir`: refuses one of
@@ -542,7 +542,7 @@ fn earlier_run(
                 m.settings["plan"] = now.plan.into();
                 m.write(dir)?;
             }
-            return Ok(Earlier::UpToDate(m));
+            return Ok(Earlier::UpToDate(Box::new(m)));
         }
         if !same && !overwrite {
             let earlier = plan::Earlier {
@@ -581,7 +581,7 @@ fn earlier_run(
         && verify_all(dir, &p.val, expect).is_ok()
         && verify_all(dir, &partials, expect).is_ok();
     if ok {
-        return Ok(Earlier::Resume(Some(p)));
+        return Ok(Earlier::Resume(Some(Box::new(p))));
     }
     clear(dir)?;
     Ok(Earlier::Resume(None))
