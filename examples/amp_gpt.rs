@@ -58,7 +58,7 @@ fn train(dtype: DType, cfg: &GptConfig, data: &TextSource, steps: u64) -> Result
     let mut amp = Amp::new(weights, scaler)?.with_clip_norm(Some(1.0))?;
     let mut opt = AdamW::new(&params, AdamWConfig::default())?;
     opt.set_learning_rate(3e-3);
-    let train = data.tokens(Split::Train);
+    let train = data.tokens(Split::Train)?;
     let (mut skipped, start) = (0, Instant::now());
     for step in 0..steps {
         let (x, y) = batch(&train, cfg.block_size, step, &dev)?;
@@ -93,7 +93,7 @@ fn train(dtype: DType, cfg: &GptConfig, data: &TextSource, steps: u64) -> Result
     let eval = model.to_dtype(dtype)?;
     let mut total = 0.0;
     for k in 0..EVAL_BATCHES {
-        let (x, y) = batch(&data.tokens(Split::Val), cfg.block_size, k, &dev)?;
+        let (x, y) = batch(&data.tokens(Split::Val)?, cfg.block_size, k, &dev)?;
         let logits = eval.forward(&x, &Ctx::eval().with_dtype(dtype))?;
         total += cross_entropy(&logits, &y, None)?.to_scalar::<f32>()?;
     }

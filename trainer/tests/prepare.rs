@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use trainer::data::sft::{parse_records, SftEncoder};
@@ -195,9 +196,12 @@ fn a_crash_mid_way_and_a_rerun_give_the_same_shards() {
             ..o.clone()
         };
         // A panic in the progress callback stands for a kill: nothing is cleaned up.
+        let (done, total) = (AtomicU64::new(0), AtomicU64::new(0));
         let crashed = std::panic::catch_unwind(|| {
             prepare(&o, &|p| {
                 if p.shards >= crash_after {
+                    done.store(p.bytes_done, Ordering::Relaxed);
+                    total.store(p.bytes_total, Ordering::Relaxed);
                     panic!("killed");
                 }
             })
@@ -208,6 +212,10 @@ fn a_crash_mid_way_and_a_rerun_give_the_same_shards() {
         std::fs::write(out.join(".train-00099.tok.tmp-1-0"), b"half").unwrap();
         let s = prepare(&o, &|_| {}).unwrap();
         assert!(s.resumed_shards >= crash_after, "{}", s.resumed_shards);
+        // With a validation split too, the rerun starts where the kill stopped it.
+        let (done, total) = (done.into_inner(), total.into_inner());
+        assert!(done > 0 && done < total, "{done} of {total}");
+        assert_eq!(s.bytes_read, total - done, "crash after {crash_after}");
         assert_eq!(files(&out), files(&clean), "crash after {crash_after}");
     }
 }
@@ -256,13 +264,24 @@ fn killing_the_cli_and_rerunning_it_gives_the_same_shards() {
     let resumable = out.join("progress.json").exists();
     let o = run(&out).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    if killed_mid_way && resumable {
+    let made = |o: &std::process::Output| -> u64 {
         let stdout = String::from_utf8_lossy(&o.stdout);
+        let line = stdout.lines().find(|l| l.starts_with("speed")).unwrap();
+        let (_, rest) = line.split_once('(').unwrap();
+        rest.split(' ').next().unwrap().parse().unwrap()
+    };
+    let rerun = o;
+    if killed_mid_way && resumable {
+        let stdout = String::from_utf8_lossy(&rerun.stdout);
         assert!(stdout.contains("finished shards kept"), "{stdout}");
     }
     let clean = tmp.path().join("clean");
     let o = run(&clean).output().unwrap();
     assert!(o.status.success());
+    if killed_mid_way && resumable {
+        // The rerun continued where the kill stopped it (a validation split included).
+        assert!(made(&rerun) < made(&o), "{} of {}", made(&rerun), made(&o));
+    }
     assert_eq!(files(&out), files(&clean));
     if !killed_mid_way {
         eprintln!("note: the child finished before it could be killed");
@@ -442,4 +461,189 @@ fn the_format_is_detected_from_the_files_a_directory_holds() {
     assert_eq!(InputFormat::detect(&[glob]).unwrap(), InputFormat::Jsonl);
     let e = InputFormat::detect(&[tmp.path().join("none")]).unwrap_err();
     assert!(e.to_string().contains("none"), "{e}");
+}
+
+#[test]
+fn verify_reads_every_shard_back_and_names_each_bad_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = tokenizer(tmp.path());
+    let data = tmp.path().join("a.jsonl");
+    jsonl(&data, 800);
+    let out = tmp.path().join("out");
+    let o = PrepareOptions {
+        val_fraction: 0.2,
+        ..opts(vec![data], &out, &tok)
+    };
+    let m = prepare(&o, &|_| {}).unwrap().manifest;
+    assert!(m.train.len() >= 2 && !m.val.is_empty());
+    let verify = || {
+        Command::new(env!("CARGO_BIN_EXE_trainer"))
+            .arg("prepare")
+            .arg("--verify")
+            .arg(&out)
+            .output()
+            .unwrap()
+    };
+    let o = verify();
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(
+        text.matches("ok ").count(),
+        m.train.len() + m.val.len(),
+        "{text}"
+    );
+    // A flipped byte in a train shard's body, a val shard listed with another token count.
+    let p = out.join(&m.train[1].file);
+    let mut bytes = std::fs::read(&p).unwrap();
+    bytes[format::HEADER_LEN + 7] ^= 0x10;
+    std::fs::write(&p, &bytes).unwrap();
+    let mut manifest = m.clone();
+    manifest.val[0].tokens += 1;
+    manifest.write(&out).unwrap();
+    let o = verify();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("BAD         train-00001.tok: corrupt"),
+        "{text}"
+    );
+    assert!(
+        text.contains("BAD         val-00000.tok:") && text.contains("the manifest lists"),
+        "{text}"
+    );
+    assert!(text.contains("2 of"), "{text}");
+    assert!(text.contains("ok          train-00000.tok"), "{text}");
+}
+
+/// Sets the modification time of `path` an hour later: a `touch`.
+fn touch(path: &Path) {
+    let f = std::fs::File::options().write(true).open(path).unwrap();
+    let t = f.metadata().unwrap().modified().unwrap() + Duration::from_secs(3600);
+    f.set_modified(t).unwrap();
+}
+
+#[test]
+fn a_touch_changes_nothing_and_a_refusal_says_what_changed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = tokenizer(tmp.path());
+    let data = tmp.path().join("a.jsonl");
+    jsonl(&data, 500);
+    let out = tmp.path().join("out");
+    let o = PrepareOptions {
+        val_fraction: 0.1,
+        ..opts(vec![data.clone()], &out, &tok)
+    };
+    prepare(&o, &|_| {}).unwrap();
+    let good = files(&out);
+    // Same bytes, new time: up to date, nothing redone.
+    touch(&data);
+    let s = prepare(&o, &|_| {}).unwrap();
+    assert!(s.up_to_date);
+    assert_eq!(
+        files(&out)[1..],
+        good[1..],
+        "only the manifest's record of the time changes"
+    );
+    // An interrupted run resumes after a touch too.
+    let again = tmp.path().join("again");
+    let o2 = PrepareOptions {
+        out_dir: again.clone(),
+        ..o.clone()
+    };
+    let crashed = std::panic::catch_unwind(|| prepare(&o2, &|p| assert!(p.shards < 2, "killed")));
+    assert!(crashed.is_err());
+    touch(&data);
+    let s = prepare(&o2, &|_| {}).unwrap();
+    assert!(s.resumed_shards >= 2, "{}", s.resumed_shards);
+    assert_eq!(files(&again)[1..], files(&out)[1..]);
+    // Another byte of the same size, more bytes, another setting: refused, saying which.
+    let text = std::fs::read_to_string(&data).unwrap();
+    std::fs::write(&data, text.replacen("king", "kong", 1)).unwrap();
+    let err = prepare(&o, &|_| {}).unwrap_err().to_string();
+    let name = data.display().to_string();
+    assert!(
+        err.contains(&format!("input {name} changed content (same")),
+        "{err}"
+    );
+    std::fs::write(&data, text.clone() + "\n").unwrap();
+    let err = prepare(&o, &|_| {}).unwrap_err().to_string();
+    let size = text.len();
+    assert!(
+        err.contains(&format!(
+            "input {name} changed size ({size} -> {} bytes)",
+            size + 1
+        )),
+        "{err}"
+    );
+    std::fs::write(&data, &text).unwrap();
+    let o3 = PrepareOptions {
+        shard_tokens: 999,
+        ..o.clone()
+    };
+    let err = prepare(&o3, &|_| {}).unwrap_err().to_string();
+    assert!(
+        err.contains("setting shard_tokens changed (1000 -> 999)"),
+        "{err}"
+    );
+    assert!(err.contains("--overwrite"), "{err}");
+    // The original bytes are up to date again.
+    assert!(prepare(&o, &|_| {}).unwrap().up_to_date);
+}
+
+#[test]
+fn an_overlong_json_line_is_refused_naming_file_line_and_limit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = tokenizer(tmp.path());
+    let data = tmp.path().join("a.jsonl");
+    let line = |words: usize| {
+        serde_json::json!({ "text": vec!["king"; words].join(" ") }).to_string() + "\n"
+    };
+    // Lines 1-3 short, line 4 about 1.5 MB; one more short line after it.
+    let text = line(3) + &line(5) + &line(2) + &line(300_000) + &line(4);
+    std::fs::write(&data, &text).unwrap();
+    let limit = 1 << 20;
+    let o = PrepareOptions {
+        max_line_bytes: limit,
+        ..opts(vec![data.clone()], &tmp.path().join("out"), &tok)
+    };
+    for format in [InputFormat::Jsonl, InputFormat::Sft] {
+        let o = PrepareOptions {
+            format,
+            vocab: VocabSpec::Tokenizer(tok.clone()),
+            ..o.clone()
+        };
+        let err = prepare(&o, &|_| {}).unwrap_err().to_string();
+        let at = format!("{}:4", data.display());
+        assert!(err.contains(&at), "{format:?}: {err}");
+        assert!(err.contains(&format!("longer than {limit} bytes")), "{err}");
+    }
+    // With the limit above the line, it is read.
+    let o = PrepareOptions {
+        max_line_bytes: 2 << 20,
+        ..o
+    };
+    prepare(&o, &|_| {}).unwrap();
+    // SFT training's reader: the same bound (the default), before the line is read whole.
+    let sft = tmp.path().join("chat.jsonl");
+    let record = |n: usize| {
+        serde_json::json!({ "prompt": "the king", "completion": "x".repeat(n) }).to_string() + "\n"
+    };
+    let big = trainer::data::lines::MAX_LINE_BYTES + 10;
+    std::fs::write(&sft, record(5) + "\n" + &record(big)).unwrap();
+    let err = trainer::data::sft::read_records(&sft)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&format!("{}:3", sft.display())), "{err}");
+    assert!(
+        err.contains(&format!("longer than {} bytes", 4 << 20)),
+        "{err}"
+    );
 }

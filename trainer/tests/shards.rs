@@ -6,14 +6,15 @@
 mod common;
 
 use std::path::Path;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use candle_comm::run_threads;
-use common::{assert_same_steps, run_to_end, tiny_config, weights};
+use common::{assert_same_steps, run_to_end, tiny_config, weights, Recorder};
 use trainer::config::TrainConfig;
 use trainer::data::shards::format::{byte_vocab_hash, TokenizerInfo};
-use trainer::data::shards::{write_prepared, ShardData};
-use trainer::data::{DataKind, DataOrder};
+use trainer::data::shards::{write_prepared, ShardData, ShardOptions, ShardSource};
+use trainer::data::{DataKind, DataOrder, Split};
 use trainer::train::Trainer;
 
 /// A prepared byte-vocabulary directory: three train shards and one val shard of English-ish
@@ -148,4 +149,114 @@ fn two_ranks_in_epoch_order_train_like_one_rank_with_twice_the_batch() {
             );
         }
     }
+}
+
+/// A byte-vocabulary directory with one train shard of `n` tokens (width 2) and one val shard.
+fn prepare_one(dir: &Path, n: usize) {
+    let tokens: Vec<u32> = (0..n).map(|i| (i % 251) as u32).collect();
+    let info = TokenizerInfo {
+        kind: "byte".into(),
+        path: None,
+        hash: format!("{:016x}", byte_vocab_hash()),
+        chars: None,
+    };
+    let shard = |tokens| ShardData {
+        tokens,
+        ..ShardData::default()
+    };
+    let (train, val) = ([shard(&tokens[..])], [shard(&tokens[..500])]);
+    write_prepared(dir, info, 256, None, &train, &val, serde_json::Value::Null).unwrap();
+}
+
+/// Flips the byte at `offset` of `path`.
+fn flip(path: &Path, offset: usize) {
+    let mut bytes = std::fs::read(path).unwrap();
+    bytes[offset] ^= 0x40;
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn a_flipped_byte_in_a_shard_body_is_refused_naming_the_shard_and_window() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    // 600k tokens of 2 bytes: a body of two 1 MiB checksum chunks.
+    prepare_one(&data, 600_000);
+    let shard = data.join("train-00000.tok");
+    flip(&shard, 64 + 1_100_000);
+    let src = ShardSource::open(&data, ShardOptions::default()).unwrap();
+    // The first chunk is intact: its windows read (the second is not read to open or read them).
+    assert_eq!(src.read(Split::Train, 0, 0, 4).unwrap(), [0, 1, 2, 3]);
+    let err = src
+        .read(Split::Train, 0, 560_000, 10)
+        .expect_err("a window in the corrupt chunk must be refused")
+        .to_string();
+    assert!(err.contains("train-00000.tok"), "{err}");
+    assert!(err.contains("tokens 560000..560010"), "{err}");
+    assert!(err.contains("corrupt"), "{err}");
+    assert!(err.contains("trainer prepare --verify"), "{err}");
+    // Training on it stops with that error instead of training on the flipped byte.
+    let mut t = Trainer::new(TrainConfig {
+        max_iters: 50,
+        ..config(&tmp.path().join("run"), &data)
+    })
+    .unwrap();
+    let err = t
+        .run(&mut Recorder::default(), &AtomicBool::new(false))
+        .expect_err("training must stop at the corrupt chunk")
+        .to_string();
+    assert!(
+        err.contains("train-00000.tok") && err.contains("corrupt"),
+        "{err}"
+    );
+}
+
+#[test]
+fn shards_of_a_manifest_without_chunk_checksums_are_verified_whole() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    prepare_one(&data, 3000);
+    // A manifest as an older trainer wrote it: no chunk_sums.
+    let path = data.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for split in ["train", "val"] {
+        for e in m[split].as_array_mut().unwrap() {
+            e.as_object_mut().unwrap().remove("chunk_sums").unwrap();
+        }
+    }
+    std::fs::write(&path, m.to_string()).unwrap();
+    let src = ShardSource::open(&data, ShardOptions::default()).unwrap();
+    assert_eq!(src.read(Split::Train, 0, 0, 3).unwrap(), [0, 1, 2]);
+    flip(&data.join("val-00000.tok"), 64 + 900);
+    let src = ShardSource::open(&data, ShardOptions::default()).unwrap();
+    let err = src.read(Split::Val, 0, 0, 3).unwrap_err().to_string();
+    assert!(
+        err.contains("val-00000.tok") && err.contains("corrupt"),
+        "{err}"
+    );
+}
+
+#[test]
+fn shards_without_a_validation_split_say_so_instead_of_asking_for_a_smaller_block() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let tokens: Vec<u32> = (0..3000).map(|i| i % 200).collect();
+    let info = TokenizerInfo {
+        kind: "byte".into(),
+        path: None,
+        hash: format!("{:016x}", byte_vocab_hash()),
+        chars: None,
+    };
+    let train = [ShardData {
+        tokens: &tokens,
+        ..ShardData::default()
+    }];
+    write_prepared(&data, info, 256, None, &train, &[], serde_json::Value::Null).unwrap();
+    let err = Trainer::new(config(&tmp.path().join("run"), &data))
+        .err()
+        .expect("no validation split")
+        .to_string();
+    assert!(err.contains("no validation tokens"), "{err}");
+    assert!(err.contains("--val-fraction 0.005"), "{err}");
+    assert!(!err.contains("smaller block_size"), "{err}");
 }

@@ -1,12 +1,12 @@
 //! `trainer prepare`: text, JSONL or SFT records → token shards.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use trainer::data::shards::{prepare as run, InputFormat, PrepareOptions, VocabSpec};
+use trainer::data::shards::{prepare as run, verify_dir, InputFormat, PrepareOptions, VocabSpec};
 
 /// How the inputs are read.
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -24,11 +24,15 @@ pub(super) enum FormatArg {
 #[derive(Args, Debug)]
 pub(super) struct PrepareArgs {
     /// Input files, directories or globs (quoted), read in this order.
-    #[arg(required = true)]
+    #[arg(required_unless_present = "verify")]
     inputs: Vec<PathBuf>,
     /// The directory the shards and manifest.json go to.
-    #[arg(long)]
-    out_dir: PathBuf,
+    #[arg(long, required_unless_present = "verify")]
+    out_dir: Option<PathBuf>,
+    /// Instead of preparing: read every shard of the prepared directory DIR back, check its
+    /// checksums and the manifest's counts, list each bad shard; exit 1 if any is bad.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["inputs", "out_dir"])]
+    verify: Option<PathBuf>,
     /// How the inputs are read [default: jsonl for .jsonl/.json inputs, else text].
     #[arg(long, value_enum)]
     format: Option<FormatArg>,
@@ -57,6 +61,10 @@ pub(super) struct PrepareArgs {
     /// Replace a directory prepared from other inputs or settings.
     #[arg(long)]
     overwrite: bool,
+    /// JSONL and SFT: the longest line in bytes; a longer one is refused naming file:line
+    /// before it is read whole (parsing a line takes a few hundred times its size).
+    #[arg(long, default_value_t = trainer::data::lines::MAX_LINE_BYTES)]
+    max_line_bytes: usize,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -65,9 +73,41 @@ pub(super) struct PrepareArgs {
     chunk_bytes: usize,
 }
 
+/// `prepare --verify DIR`: one line a shard, an error naming the bad ones.
+fn verify(dir: &Path) -> Result<()> {
+    let verdicts = verify_dir(dir).with_context(|| format!("cannot verify {}", dir.display()))?;
+    let bad: Vec<&str> = verdicts
+        .iter()
+        .filter(|v| v.problem.is_some())
+        .map(|v| v.file.as_str())
+        .collect();
+    for v in &verdicts {
+        match &v.problem {
+            None => outln!("ok          {}", v.file),
+            Some(p) => outln!("BAD         {}: {p}", v.file),
+        }
+    }
+    if !bad.is_empty() {
+        bail!(
+            "{}: {} of {} shards are bad ({}); rerun the `trainer prepare` command that made \
+             it (it redoes a directory whose shards fail verification)",
+            dir.display(),
+            bad.len(),
+            verdicts.len(),
+            bad.join(", ")
+        );
+    }
+    outln!("verified    {} ({} shards)", dir.display(), verdicts.len());
+    Ok(())
+}
+
 pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
     // Memory that does not grow with the corpus (see the function).
     trainer::runtime::init_streaming();
+    if let Some(dir) = &args.verify {
+        return verify(dir);
+    }
+    let out_dir = args.out_dir.clone().context("--out-dir is required")?;
     let vocab = match (&args.tokenizer, args.vocab.as_deref()) {
         (Some(t), _) => VocabSpec::Tokenizer(t.clone()),
         (None, Some("char")) => VocabSpec::Char,
@@ -83,7 +123,7 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
     };
     let opts = PrepareOptions {
         inputs: args.inputs,
-        out_dir: args.out_dir.clone(),
+        out_dir: out_dir.clone(),
         format,
         field: args.field,
         vocab,
@@ -93,6 +133,7 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
         threads: args.threads,
         overwrite: args.overwrite,
         chunk_bytes: args.chunk_bytes,
+        max_line_bytes: args.max_line_bytes,
     };
     let bar = if args.quiet {
         ProgressBar::hidden()
@@ -133,16 +174,16 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
         }
         bar.set_message(rate);
     })
-    .with_context(|| format!("cannot prepare {}", args.out_dir.display()))?;
+    .with_context(|| format!("cannot prepare {}", out_dir.display()))?;
     bar.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();
     let m = &summary.manifest;
     if summary.up_to_date {
-        outln!("up to date  {} (nothing to do)", args.out_dir.display());
+        outln!("up to date  {} (nothing to do)", out_dir.display());
     }
     outln!(
         "prepared    {} ({} vocab {}, width {}, eos {})",
-        args.out_dir.display(),
+        out_dir.display(),
         m.tokenizer.kind,
         m.vocab_size,
         m.width,

@@ -168,7 +168,8 @@ fn check(entry: &Path, key: &CacheKey) -> std::result::Result<Hit, String> {
         if header.n_tokens != e.tokens || format!("{:016x}", header.checksum) != e.checksum {
             return Err(Error::data(&path, "does not match the manifest"));
         }
-        ShardView::open_tok(&path, &expect)
+        // Verified whole just above.
+        ShardView::open_tok(&path, &expect, None)
     };
     let train = open(train).map_err(|e| e.to_string())?;
     let val = open(val).map_err(|e| e.to_string())?;

@@ -39,6 +39,7 @@
 mod addition;
 mod cache;
 pub mod chat_task;
+pub mod lines;
 mod open;
 pub mod sft;
 pub mod shards;

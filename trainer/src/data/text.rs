@@ -168,7 +168,7 @@ impl TextSource {
     }
 
     /// The token ids of `split` (read from the mapped shard).
-    pub fn tokens(&self, split: Split) -> Vec<u32> {
+    pub fn tokens(&self, split: Split) -> Result<Vec<u32>> {
         let n = match split {
             Split::Train => self.n_train,
             Split::Val => self.n_tokens - self.n_train,
@@ -209,7 +209,7 @@ fn open_bytes(path: &Path, n: usize, val_fraction: f32) -> Result<Tokenised> {
         for (view, start) in [(&train, 0), (&val, n_train)] {
             let (a, b) = (at.max(start), (at + len).min(start + view.len()));
             if a < b {
-                view.read(a - start, b - a, &mut ids);
+                view.read(a - start, b - a, &mut ids)?;
             }
         }
         buf.clear();

@@ -61,7 +61,11 @@ fn rng(seed: u64) -> ChaCha8Rng {
 
 /// Every token of both splits, in order.
 fn all_tokens(s: &TextSource) -> Vec<u32> {
-    [s.tokens(Split::Train), s.tokens(Split::Val)].concat()
+    [
+        s.tokens(Split::Train).unwrap(),
+        s.tokens(Split::Val).unwrap(),
+    ]
+    .concat()
 }
 
 fn err_of(spec: &DataSpec) -> String {
@@ -85,8 +89,8 @@ fn char_vocab_split_and_round_trip() {
         .map(|c| chars.binary_search(&c).unwrap() as u32)
         .collect();
     let n_train = (all.len() as f64 * 0.9).floor() as usize;
-    assert_eq!(src.tokens(Split::Train), &all[..n_train]);
-    assert_eq!(src.tokens(Split::Val), &all[n_train..]);
+    assert_eq!(src.tokens(Split::Train).unwrap(), &all[..n_train]);
+    assert_eq!(src.tokens(Split::Val).unwrap(), &all[n_train..]);
     assert_eq!(src.encode(CORPUS).unwrap(), all);
     assert_eq!(src.decode(&all).unwrap(), CORPUS);
     let d = src.describe();
@@ -107,7 +111,7 @@ fn byte_mode_takes_any_bytes() {
     let src = TextSource::open(&fx.spec(DataKind::Byte, &p)).unwrap();
     assert_eq!(src.vocab_size(), 256);
     let all: Vec<u32> = bytes.iter().map(|&b| u32::from(b)).collect();
-    assert_eq!(src.tokens(Split::Train), &all[..900]);
+    assert_eq!(src.tokens(Split::Train).unwrap(), &all[..900]);
     assert_eq!(src.encode("h\u{e9}").unwrap(), vec![104, 0xc3, 0xa9]);
     assert_eq!(src.decode(&[104, 0xc3, 0xa9]).unwrap(), "h\u{e9}");
     assert!(src.decode(&[256]).is_err());
@@ -125,7 +129,7 @@ fn windows_come_from_their_split_and_y_is_shifted() {
     let src = TextSource::open(&fx.spec(DataKind::Char, &p)).unwrap();
     let mut r = rng(3);
     for split in [Split::Train, Split::Val] {
-        let data = src.tokens(split);
+        let data = src.tokens(split).unwrap();
         let b = src.batch(split, 8, 16, &mut r, &Device::Cpu).unwrap();
         assert_eq!(b.x.dims(), &[8, 16]);
         assert!(b.mask.is_none());
@@ -139,13 +143,13 @@ fn windows_come_from_their_split_and_y_is_shifted() {
         }
     }
     // The last possible window is reachable: a split of exactly block_size + 1 tokens works.
-    let val_len = src.tokens(Split::Val).len();
+    let val_len = src.tokens(Split::Val).unwrap().len();
     let b = src
         .batch(Split::Val, 2, val_len - 1, &mut r, &Device::Cpu)
         .unwrap();
     assert_eq!(
         b.x.to_vec2::<u32>().unwrap()[0],
-        &src.tokens(Split::Val)[..val_len - 1]
+        &src.tokens(Split::Val).unwrap()[..val_len - 1]
     );
 }
 
@@ -377,8 +381,8 @@ fn tinyshakespeare_matches_nanogpt_split() {
     let src = TextSource::open(&spec).unwrap();
     // nanoGPT's shakespeare_char/prepare.py: 65 chars, 1003854 train / 111540 val tokens.
     assert_eq!(src.vocab_size(), 65);
-    assert_eq!(src.tokens(Split::Train).len(), 1_003_854);
-    assert_eq!(src.tokens(Split::Val).len(), 111_540);
+    assert_eq!(src.tokens(Split::Train).unwrap().len(), 1_003_854);
+    assert_eq!(src.tokens(Split::Val).unwrap().len(), 111_540);
     let d = src.describe();
     assert!(
         d.starts_with("tinyshakespeare.txt: 1.1M chars, char vocab 65, 1003854 train / 111540 val"),

@@ -11,6 +11,7 @@ use std::path::Path;
 
 use minijinja::value::{Value, ValueKind};
 
+use crate::data::lines::{read_line, too_long, MAX_LINE_BYTES};
 use crate::error::{Error, Result};
 
 /// The role of a chat message (the roles TRL's datasets and the common templates use).
@@ -162,35 +163,42 @@ pub struct LineRecord {
     pub record: Record,
 }
 
-/// Reads a JSONL file of records (see the module docs).
+/// Reads a JSONL file of records (see the module docs), a line at a time: a line longer than
+/// [`MAX_LINE_BYTES`](crate::data::lines::MAX_LINE_BYTES) is refused naming `file:line` before
+/// it is read whole.
 pub fn read_records(path: &Path) -> Result<Vec<LineRecord>> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    let text = String::from_utf8(bytes).map_err(|e| {
-        Error::data(
-            path,
-            format!(
-                "not valid UTF-8 (first invalid byte at offset {})",
-                e.utf8_error().valid_up_to()
-            ),
-        )
-    })?;
-    parse_records(&text, path)
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut reader = std::io::BufReader::new(file);
+    let mut buf = Vec::new();
+    let mut out = Vec::new();
+    let mut n = 0;
+    while read_line(&mut reader, &mut buf, MAX_LINE_BYTES, path, n as u64 + 1)? {
+        n += 1;
+        let line = std::str::from_utf8(&buf).map_err(|e| {
+            Error::data(
+                format!("{}:{n}", path.display()),
+                format!(
+                    "not valid UTF-8 (first invalid byte at column {})",
+                    e.valid_up_to() + 1
+                ),
+            )
+        })?;
+        out.extend(parse_line_at(line, n, path)?);
+    }
+    no_records(out, path)
 }
 
-/// Parses JSONL `text` read from `path` (named in errors as `path:line`).
-pub fn parse_records(text: &str, path: &Path) -> Result<Vec<LineRecord>> {
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let at = || format!("{}:{}", path.display(), i + 1);
-        let record = parse_line(line).map_err(|msg| Error::data(at(), msg))?;
-        out.push(LineRecord {
-            line: i + 1,
-            record,
-        });
+/// The record of line `n` of `path` (`None` for a blank line).
+fn parse_line_at(line: &str, n: usize, path: &Path) -> Result<Option<LineRecord>> {
+    if line.trim().is_empty() {
+        return Ok(None);
     }
+    let record =
+        parse_line(line).map_err(|msg| Error::data(format!("{}:{n}", path.display()), msg))?;
+    Ok(Some(LineRecord { line: n, record }))
+}
+
+fn no_records(out: Vec<LineRecord>, path: &Path) -> Result<Vec<LineRecord>> {
     if out.is_empty() {
         return Err(Error::data(
             path,
@@ -199,6 +207,18 @@ pub fn parse_records(text: &str, path: &Path) -> Result<Vec<LineRecord>> {
         ));
     }
     Ok(out)
+}
+
+/// Parses JSONL `text` read from `path` (named in errors as `path:line`).
+pub fn parse_records(text: &str, path: &Path) -> Result<Vec<LineRecord>> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.len() > MAX_LINE_BYTES {
+            return Err(too_long(path, i as u64 + 1, MAX_LINE_BYTES));
+        }
+        out.extend(parse_line_at(line, i + 1, path)?);
+    }
+    no_records(out, path)
 }
 
 pub(crate) fn parse_line(line: &str) -> std::result::Result<Record, String> {

@@ -125,6 +125,7 @@ fn manifest_round_trip_and_fingerprint() {
         tokens: 10,
         docs: 1,
         checksum: c.into(),
+        chunk_sums: String::new(),
     };
     let mut m = Manifest {
         format: MANIFEST_FORMAT,

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use super::format::{byte_vocab_hash, char_vocab_hash, tokenizer_vocab_hash, TokenizerInfo};
 use super::prepare::{InputFormat, PrepareOptions, VocabSpec};
+use crate::data::lines::too_long;
 use crate::data::sft::{parse_line, Record, SftEncoder};
 use crate::error::{Error, Result};
 use crate::pretrained::TokenizerFile;
@@ -106,6 +107,8 @@ const MAX_UNIT_CHUNKS: usize = 8;
 pub(crate) struct UnitReader<'a> {
     files: &'a [PathBuf],
     text: bool,
+    /// The longest line of a JSON-lines file (see [`crate::data::lines`]).
+    max_line: usize,
     chunk: usize,
     at: Position,
     file: Option<File>,
@@ -115,10 +118,19 @@ pub(crate) struct UnitReader<'a> {
 
 impl<'a> UnitReader<'a> {
     /// A reader starting at `at` (file, offset and line; the counters are the caller's).
-    pub fn new(files: &'a [PathBuf], text: bool, chunk: usize, at: Position) -> Self {
+    /// Lines of JSON-lines files (`!text`) longer than `max_line` bytes are refused before
+    /// they are read whole.
+    pub fn new(
+        files: &'a [PathBuf],
+        text: bool,
+        chunk: usize,
+        max_line: usize,
+        at: Position,
+    ) -> Self {
         UnitReader {
             files,
             text,
+            max_line,
             chunk: chunk.max(1),
             at,
             file: None,
@@ -176,6 +188,36 @@ impl<'a> UnitReader<'a> {
         }
     }
 
+    /// The end of the line holding byte `from` of a JSON-lines file, reading at most about
+    /// twice [`UnitReader::max_line`] bytes past its start; `None` for a last line without
+    /// `\n`; an error naming `file:line` for a line longer than the limit.
+    fn find_line_end(&mut self, from: usize) -> Result<Option<usize>> {
+        let head = &self.buf[..from.min(self.buf.len())];
+        let start = head.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+        let bound = start + self.max_line + 1;
+        match self.find(from, Some(bound), false)? {
+            Some(c) => Ok(Some(c)),
+            None if self.eof && self.buf.len() <= bound => Ok(None),
+            None => {
+                let line =
+                    self.at.line + self.buf[..start].iter().filter(|&&b| b == b'\n').count() as u64;
+                Err(too_long(&self.files[self.at.file], line, self.max_line))
+            }
+        }
+    }
+
+    /// Checks that no line of the next `len` buffered bytes is longer than the limit.
+    fn check_lines(&self, len: usize) -> Result<()> {
+        for (i, line) in self.buf[..len].split(|&b| b == b'\n').enumerate() {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            if line.len() > self.max_line {
+                let path = &self.files[self.at.file];
+                return Err(too_long(path, self.at.line + i as u64, self.max_line));
+            }
+        }
+        Ok(())
+    }
+
     /// The next unit, `None` after the last file. Empty files give no unit.
     pub fn next_unit(&mut self) -> Result<Option<Unit>> {
         loop {
@@ -206,9 +248,12 @@ impl<'a> UnitReader<'a> {
                     None => self.find(from, None, false)?,
                 }
             } else {
-                self.find(from, None, false)?
+                self.find_line_end(from)?
             };
             let cut = found.unwrap_or(self.buf.len());
+            if !self.text {
+                self.check_lines(cut)?;
+            }
             let bytes: Vec<u8> = self.buf.drain(..cut).collect();
             self.fill(1)?;
             let eof = self.buf.is_empty() && self.eof;
@@ -483,7 +528,7 @@ fn tok_info(kind: &str, path: Option<PathBuf>, hash: u64, chars: Option<String>)
 /// The sorted unique characters of every document (one streaming pass).
 fn scan_chars(opts: &PrepareOptions, files: &[PathBuf]) -> Result<Vec<char>> {
     let text = opts.format == InputFormat::Text;
-    let mut reader = UnitReader::new(files, text, opts.chunk_bytes, start());
+    let mut reader = UnitReader::new(files, text, opts.chunk_bytes, opts.max_line_bytes, start());
     let mut set = std::collections::BTreeSet::new();
     while let Some(unit) = reader.next_unit()? {
         for (_, t) in texts(&unit, &files[unit.at.file], opts.format, &opts.field)? {

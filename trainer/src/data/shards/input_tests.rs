@@ -2,7 +2,7 @@ use super::*;
 
 fn units(path: &Path, text: bool, chunk: usize) -> Vec<(u64, u64, Vec<u8>, bool)> {
     let files = [path.to_path_buf()];
-    let mut r = UnitReader::new(&files, text, chunk, start());
+    let mut r = UnitReader::new(&files, text, chunk, usize::MAX / 4, start());
     let mut out = Vec::new();
     while let Some(u) = r.next_unit().unwrap() {
         out.push((u.at.offset, u.at.line, u.bytes, u.eof));
@@ -68,7 +68,7 @@ fn resuming_at_a_unit_gives_the_same_units() {
         line: l,
         ..Position::default()
     };
-    let mut r = UnitReader::new(&files, false, 100, at);
+    let mut r = UnitReader::new(&files, false, 100, usize::MAX / 4, at);
     let mut rest = Vec::new();
     while let Some(u) = r.next_unit().unwrap() {
         rest.push((u.at.offset, u.at.line, u.bytes, u.eof));

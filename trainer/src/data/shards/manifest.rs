@@ -35,6 +35,12 @@ pub struct ShardEntry {
     pub docs: u64,
     /// The shard header's checksum, as 16 hex digits.
     pub checksum: String,
+    /// CRC-32 of each [`CHECK_CHUNK`](super::format::CHECK_CHUNK)-byte chunk of the body, 8
+    /// hex digits each, concatenated (see [`chunk_sums`](super::format::chunk_sums)). Empty
+    /// in manifests of older trainers: their shards are verified whole, by the header's
+    /// checksum, when first read.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub chunk_sums: String,
 }
 
 /// One input file of `prepare`.
@@ -47,6 +53,9 @@ pub struct InputEntry {
     /// Its modification time, nanoseconds since the Unix epoch, if known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mtime_ns: Option<u128>,
+    /// CRC-32 of its bytes, 8 hex digits (absent in manifests of older trainers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
 }
 
 /// `manifest.json`: what a prepared directory holds. Written last, atomically.

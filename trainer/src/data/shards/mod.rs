@@ -8,6 +8,7 @@
 //! - [`ShardSource`]: the [`DataSource`](crate::data::DataSource) over a prepared directory
 //!   (or nanoGPT's `train.bin` / `val.bin`), memory-mapped, in random or epoch order
 //!   ([`DataOrder`], see [`order`]).
+//! - [`verify_dir`]: `trainer prepare --verify DIR`, every shard read back and checked.
 //! - [`write_prepared`]: a whole prepared directory from token streams in memory (the text
 //!   sources' token cache).
 
@@ -15,8 +16,11 @@ pub mod format;
 mod input;
 mod manifest;
 pub mod order;
+mod plan;
 pub mod prepare;
+mod progress;
 mod source;
+mod verify;
 pub(crate) mod view;
 mod write;
 
@@ -27,4 +31,5 @@ pub use prepare::{
 };
 pub(crate) use source::human;
 pub use source::{ShardOptions, ShardSource};
+pub use verify::{verify_dir, ShardVerdict};
 pub use write::{write_prepared, ShardData};

@@ -12,29 +12,34 @@
 //!   cold build well past a fifth; convert to JSONL first (e.g. `pandas.read_parquet(p)
 //!   .to_json(out, orient="records", lines=True)`).
 //! - **Resumable**: shards are written to a temporary name and renamed; after each unit in
-//!   which a shard was finished, `progress.json` records the finished shards and a position to
-//!   restart from (the start of the oldest unit feeding an unfinished shard). A rerun verifies
-//!   the finished shards by checksum, replays from that position skipping the tokens they
-//!   hold, and ends by writing `manifest.json` (last) and removing `progress.json`.
+//!   which a shard was finished, the unfinished shard of each split is saved as a
+//!   `partial-*.tok` file and `progress.json` records the finished shards, the partial ones
+//!   and the end of that unit. A rerun verifies them by checksum, reloads the partial shards
+//!   and continues from there (so a small validation split, whose one shard fills last, does
+//!   not send it back to the first file), and ends by writing `manifest.json` (last) and
+//!   removing `progress.json` and the partial files.
 
 use std::path::{Path, PathBuf};
-use std::time::UNIX_EPOCH;
 
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use super::format::{
-    self, width_for_vocab, Expect, InputEntry, Manifest, ShardEntry, ShardWriter, MANIFEST_FILE,
-    MANIFEST_FORMAT,
+    width_for_vocab, Expect, InputEntry, Manifest, ShardEntry, ShardWriter, TokenizerInfo,
+    MANIFEST_FILE, MANIFEST_FORMAT,
 };
 use super::input::{
     build_encoder, expand_inputs, start, Encoder, Piece, Position, Unit, UnitReader,
 };
+use super::plan;
+use super::progress::{
+    clear, load_partial, remove_partials, remove_temporaries, save_progress, verify_all, Progress,
+    SplitState,
+};
 use crate::error::{Error, Result};
-use crate::hash::{hash_bytes, splitmix64};
+use crate::hash::splitmix64;
 
-/// The file recording an unfinished `prepare`.
-pub const PROGRESS_FILE: &str = "progress.json";
+pub use super::progress::PROGRESS_FILE;
 /// Seed of the validation rule (see the module docs).
 pub const VAL_SEED: u64 = 0x5eed_da7a;
 /// Bumped whenever the way inputs become tokens changes.
@@ -110,6 +115,9 @@ pub struct PrepareOptions {
     pub chunk_bytes: usize,
     /// Replace a directory prepared with other inputs or settings.
     pub overwrite: bool,
+    /// JSONL and SFT: the longest line, in bytes (a longer one is refused naming `file:line`
+    /// before it is read whole; see [`crate::data::lines`]).
+    pub max_line_bytes: usize,
 }
 
 impl Default for PrepareOptions {
@@ -126,6 +134,7 @@ impl Default for PrepareOptions {
             threads: 0,
             chunk_bytes: 1 << 20,
             overwrite: false,
+            max_line_bytes: crate::data::lines::MAX_LINE_BYTES,
         }
     }
 }
@@ -158,14 +167,6 @@ pub struct PrepareSummary {
     pub tokens_made: u64,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct Progress {
-    plan: String,
-    resume: Position,
-    train: Vec<ShardEntry>,
-    val: Vec<ShardEntry>,
-}
-
 const SPLITS: [&str; 2] = ["train", "val"];
 
 /// One split's token stream being cut into shards.
@@ -176,8 +177,6 @@ struct Stream {
     pos: u64,
     /// Tokens before this belong to finished shards (resume).
     skip_until: u64,
-    /// Where the unit that gave the open shard its first token started.
-    open_at: Option<Position>,
     done: Vec<ShardEntry>,
 }
 
@@ -194,6 +193,13 @@ struct Cutter<'a> {
     finished_now: bool,
 }
 
+impl Stream {
+    /// What a progress save records of this split.
+    fn state(&self) -> SplitState<'_> {
+        (self.name, &self.done, &self.writer)
+    }
+}
+
 impl Cutter<'_> {
     fn new_writer(&self) -> ShardWriter {
         ShardWriter::new(self.width, self.vocab, true, self.mask)
@@ -203,7 +209,7 @@ impl Cutter<'_> {
         splitmix64(doc ^ VAL_SEED) < self.val_below
     }
 
-    fn feed(&mut self, at: &Position, pieces: Vec<Piece>) -> Result<u64> {
+    fn feed(&mut self, pieces: Vec<Piece>) -> Result<u64> {
         let mut made = 0;
         for p in pieces {
             if p.starts {
@@ -212,7 +218,7 @@ impl Cutter<'_> {
             }
             made += p.tokens.len() as u64;
             let s = usize::from(self.in_val);
-            self.push(s, at, &p.tokens, p.counted.as_deref(), p.starts)?;
+            self.push(s, &p.tokens, p.counted.as_deref(), p.starts)?;
         }
         Ok(made)
     }
@@ -220,7 +226,6 @@ impl Cutter<'_> {
     fn push(
         &mut self,
         s: usize,
-        at: &Position,
         tokens: &[u32],
         counted: Option<&[bool]>,
         mut starts: bool,
@@ -235,9 +240,6 @@ impl Cutter<'_> {
                 st.pos += k as u64;
                 starts = false;
                 continue;
-            }
-            if st.writer.is_empty() {
-                st.open_at = Some(at.clone());
             }
             let k = ((self.shard_tokens - st.writer.len()) as usize).min(n - i);
             if starts {
@@ -260,14 +262,7 @@ impl Cutter<'_> {
         let st = &mut self.streams[s];
         let writer = std::mem::replace(&mut st.writer, fresh);
         let file = format!("{}-{:05}.tok", st.name, st.done.len());
-        let h = writer.finish(&self.dir.join(&file))?;
-        st.done.push(ShardEntry {
-            file,
-            tokens: h.n_tokens,
-            docs: h.n_docs,
-            checksum: format!("{:016x}", h.checksum),
-        });
-        st.open_at = None;
+        st.done.push(writer.finish_entry(self.dir, file)?);
         self.finished_now = true;
         Ok(())
     }
@@ -292,26 +287,26 @@ pub fn prepare(
         return Err(Error::Config("prepare needs at least one input".into()));
     }
     let files = expand_inputs(&opts.inputs)?;
-    let inputs: Vec<InputEntry> = files
-        .iter()
-        .map(|p| {
-            let m = std::fs::metadata(p).map_err(|e| Error::io(p, e))?;
-            let mtime_ns = m
-                .modified()
-                .ok()
-                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-                .map(|d| d.as_nanos());
-            Ok(InputEntry {
-                path: p.clone(),
-                bytes: m.len(),
-                mtime_ns,
-            })
-        })
-        .collect::<Result<_>>()?;
-    let bytes_total: u64 = inputs.iter().map(|i| i.bytes).sum();
     let dir = opts.out_dir.as_path();
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     remove_temporaries(dir)?;
+    // An earlier run: finished (manifest) or interrupted (progress).
+    let progress_path = dir.join(PROGRESS_FILE);
+    let finished = match dir.join(MANIFEST_FILE).is_file() {
+        true => Some(Manifest::read(dir)?),
+        false => None,
+    };
+    let interrupted: Option<Progress> = match progress_path.is_file() {
+        true => Some(crate::io::read_json(&progress_path)?),
+        false => None,
+    };
+    let earlier_inputs = match (&finished, &interrupted) {
+        (Some(m), _) => &m.inputs[..],
+        (None, Some(p)) => &p.inputs[..],
+        (None, None) => &[],
+    };
+    let inputs = plan::record_inputs(&files, earlier_inputs)?;
+    let bytes_total: u64 = inputs.iter().map(|i| i.bytes).sum();
 
     let (encoder, tokenizer, vocab_size) = build_encoder(opts, &files)?;
     let width = width_for_vocab(vocab_size as usize);
@@ -331,70 +326,59 @@ pub fn prepare(
         "chunk_bytes": opts.chunk_bytes,
         "eos_id": eos_id,
     });
-    let plan_text = serde_json::to_string(&(&settings, &inputs, &tokenizer))
-        .map_err(|e| Error::Config(e.to_string()))?;
-    let plan = format!("{:016x}", hash_bytes(plan_text.as_bytes()));
-    settings["plan"] = plan.clone().into();
+    let plan = plan::plan(&settings, &inputs, &tokenizer)?;
     let expect = Expect {
         vocab: Some(vocab),
         width: Some(width),
     };
-
-    // An earlier run: finished (manifest) or interrupted (progress).
-    let progress_path = dir.join(PROGRESS_FILE);
-    if dir.join(MANIFEST_FILE).is_file() {
-        let m = Manifest::read(dir)?;
-        let same = m.settings.get("plan").and_then(|p| p.as_str()) == Some(plan.as_str());
-        if same
-            && verify_all(dir, &m.train, &expect).is_ok()
-            && verify_all(dir, &m.val, &expect).is_ok()
-        {
+    let now = Now {
+        settings: &settings,
+        inputs: &inputs,
+        tokenizer: &tokenizer,
+        plan: &plan,
+        legacy: plan::legacy_plan(&settings, &inputs, &tokenizer)?,
+        expect,
+    };
+    let resume = match earlier_run(dir, opts.overwrite, finished, interrupted, &now)? {
+        Earlier::UpToDate(manifest) => {
             return Ok(PrepareSummary {
-                manifest: m,
+                manifest: *manifest,
                 resumed_shards: 0,
                 up_to_date: true,
                 bytes_read: 0,
                 tokens_made: 0,
-            });
+            })
         }
-        if !same && !opts.overwrite {
-            return Err(Error::data(
-                dir,
-                "already holds shards prepared from other inputs or settings; use --overwrite \
-                 or another --out-dir",
-            ));
-        }
-        clear(dir)?;
-    }
-    let mut resume: Option<Progress> = None;
-    if progress_path.is_file() {
-        let p: Progress = crate::io::read_json(&progress_path)?;
-        if p.plan != plan && !opts.overwrite {
-            return Err(Error::data(
-                dir,
-                "holds an interrupted `prepare` of other inputs or settings; rerun that one, or \
-                 use --overwrite or another --out-dir",
-            ));
-        }
-        let ok = p.plan == plan
-            && verify_all(dir, &p.train, &expect).is_ok()
-            && verify_all(dir, &p.val, &expect).is_ok();
-        if ok {
-            resume = Some(p);
-        } else {
-            clear(dir)?;
-        }
-    }
+        Earlier::Resume(p) => p.map(|p| *p),
+    };
 
+    settings["plan"] = plan.clone().into();
+    let base = Progress {
+        plan: plan.clone(),
+        resume: start(),
+        train: Vec::new(),
+        val: Vec::new(),
+        partial: [None, None],
+        inputs: inputs.clone(),
+        settings: settings.clone(),
+        tokenizer: Some(tokenizer.clone()),
+    };
     let val_below = (opts.val_fraction * 18_446_744_073_709_551_616.0) as u64;
     let at = resume.as_ref().map_or_else(start, |p| p.resume.clone());
     let resumed_shards = resume.as_ref().map_or(0, |p| p.train.len() + p.val.len());
-    let stream = |i: usize, done: Vec<ShardEntry>, pos: u64| Stream {
+    let partial = |i: usize| -> Result<ShardWriter> {
+        match resume.as_ref().and_then(|p| p.partial[i].as_ref()) {
+            Some(e) => load_partial(&dir.join(&e.file), &expect),
+            None => Ok(ShardWriter::new(width, vocab, true, mask)),
+        }
+    };
+    let writers = [partial(0)?, partial(1)?];
+    let [w0, w1] = writers;
+    let stream = |i: usize, done: Vec<ShardEntry>, pos: u64, writer: ShardWriter| Stream {
         name: SPLITS[i],
-        writer: ShardWriter::new(width, vocab, true, mask),
-        skip_until: done.len() as u64 * opts.shard_tokens,
+        skip_until: done.len() as u64 * opts.shard_tokens + writer.len(),
+        writer,
         pos,
-        open_at: None,
         done,
     };
     let (done_t, done_v) = resume.map_or((Vec::new(), Vec::new()), |p| (p.train, p.val));
@@ -404,7 +388,10 @@ pub fn prepare(
         width,
         vocab,
         mask,
-        streams: [stream(0, done_t, at.pos[0]), stream(1, done_v, at.pos[1])],
+        streams: [
+            stream(0, done_t, at.pos[0], w0),
+            stream(1, done_v, at.pos[1], w1),
+        ],
         doc: at.doc,
         in_val: false,
         val_below,
@@ -419,7 +406,13 @@ pub fn prepare(
         .map_err(|e| Error::Config(format!("cannot start worker threads: {e}")))?;
     let window = 4 * pool.current_num_threads().max(1);
     let text = opts.format == InputFormat::Text;
-    let mut reader = UnitReader::new(&files, text, opts.chunk_bytes, at.clone());
+    let mut reader = UnitReader::new(
+        &files,
+        text,
+        opts.chunk_bytes,
+        opts.max_line_bytes,
+        at.clone(),
+    );
     let mut state = PrepareProgress {
         bytes_done: inputs[..at.file.min(inputs.len())]
             .iter()
@@ -449,31 +442,15 @@ pub fn prepare(
                 .collect()
         });
         for (unit, pieces) in units.iter().zip(encoded) {
-            let mut at = unit.at.clone();
-            at.doc = cut.doc;
-            at.pos = [cut.streams[0].pos, cut.streams[1].pos];
-            state.tokens += cut.feed(&at, pieces?)?;
+            state.tokens += cut.feed(pieces?)?;
             state.bytes_done += unit.bytes.len() as u64;
             if std::mem::take(&mut cut.finished_now) {
                 state.shards = cut.streams[0].done.len() + cut.streams[1].done.len();
                 let mut next = reader_position(&files, unit);
                 next.doc = cut.doc;
                 next.pos = [cut.streams[0].pos, cut.streams[1].pos];
-                let resume = cut
-                    .streams
-                    .iter()
-                    .filter(|s| !s.writer.is_empty())
-                    .filter_map(|s| s.open_at.clone())
-                    .chain([next])
-                    .min_by_key(|p| (p.file, p.offset))
-                    .expect("one position at least");
-                let p = Progress {
-                    plan: plan.clone(),
-                    resume,
-                    train: cut.streams[0].done.clone(),
-                    val: cut.streams[1].done.clone(),
-                };
-                crate::io::write_json(&progress_path, &p)?;
+                let streams = cut.streams.each_ref().map(Stream::state);
+                save_progress(dir, &base, next, streams)?;
             }
             progress(&state);
         }
@@ -505,6 +482,7 @@ pub fn prepare(
     };
     manifest.write(dir)?;
     let _ = std::fs::remove_file(&progress_path);
+    remove_partials(dir, &[])?;
     state.shards = manifest.train.len() + manifest.val.len();
     progress(&state);
     Ok(PrepareSummary {
@@ -514,6 +492,99 @@ pub fn prepare(
         bytes_read: state.bytes_done - bytes_before,
         tokens_made: state.tokens,
     })
+}
+
+/// What this run is made from (see [`earlier_run`]).
+struct Now<'a> {
+    settings: &'a serde_json::Value,
+    inputs: &'a [InputEntry],
+    tokenizer: &'a TokenizerInfo,
+    plan: &'a str,
+    /// The plan as older trainers computed it.
+    legacy: String,
+    expect: Expect,
+}
+
+/// What an earlier run in the directory leaves to do.
+enum Earlier {
+    /// Finished with this plan, its shards intact: nothing.
+    UpToDate(Box<Manifest>),
+    /// Everything from the start (`None`), or from where an interrupted run of this plan
+    /// stopped.
+    Resume(Option<Box<Progress>>),
+}
+
+/// Decides what to do with the `finished` or `interrupted` run found in `dir`: refuses one of
+/// another plan (unless `overwrite`), saying what changed; clears one whose shards fail
+/// verification.
+fn earlier_run(
+    dir: &Path,
+    overwrite: bool,
+    finished: Option<Manifest>,
+    interrupted: Option<Progress>,
+    now: &Now<'_>,
+) -> Result<Earlier> {
+    let same_plan = |p: Option<&str>| p == Some(now.plan) || p == Some(now.legacy.as_str());
+    let changed = |earlier: plan::Earlier<'_>, what: &str, advice: &str| {
+        let what_changed = plan::changes(&earlier, now.settings, now.inputs, now.tokenizer);
+        Error::data(dir, format!("{what} ({what_changed}); {advice}"))
+    };
+    let expect = &now.expect;
+    if let Some(mut m) = finished {
+        let same = same_plan(m.settings.get("plan").and_then(|p| p.as_str()));
+        if same
+            && verify_all(dir, &m.train, expect).is_ok()
+            && verify_all(dir, &m.val, expect).is_ok()
+        {
+            if m.inputs != now.inputs {
+                // Same bytes, new times (or digests an older trainer did not record).
+                m.inputs = now.inputs.to_vec();
+                m.settings["plan"] = now.plan.into();
+                m.write(dir)?;
+            }
+            return Ok(Earlier::UpToDate(Box::new(m)));
+        }
+        if !same && !overwrite {
+            let earlier = plan::Earlier {
+                settings: &m.settings,
+                inputs: &m.inputs,
+                tokenizer: Some(&m.tokenizer),
+            };
+            return Err(changed(
+                earlier,
+                "already holds shards prepared from other inputs or settings",
+                "use --overwrite or another --out-dir",
+            ));
+        }
+        clear(dir)?;
+    }
+    // (`clear` above removed any progress file.)
+    let Some(p) = interrupted.filter(|_| dir.join(PROGRESS_FILE).is_file()) else {
+        return Ok(Earlier::Resume(None));
+    };
+    let same = same_plan(Some(&p.plan));
+    if !same && !overwrite {
+        let earlier = plan::Earlier {
+            settings: &p.settings,
+            inputs: &p.inputs,
+            tokenizer: p.tokenizer.as_ref(),
+        };
+        return Err(changed(
+            earlier,
+            "holds an interrupted `prepare` of other inputs or settings",
+            "rerun that one, or use --overwrite or another --out-dir",
+        ));
+    }
+    let partials: Vec<ShardEntry> = p.partial.iter().flatten().cloned().collect();
+    let ok = same
+        && verify_all(dir, &p.train, expect).is_ok()
+        && verify_all(dir, &p.val, expect).is_ok()
+        && verify_all(dir, &partials, expect).is_ok();
+    if ok {
+        return Ok(Earlier::Resume(Some(Box::new(p))));
+    }
+    clear(dir)?;
+    Ok(Earlier::Resume(None))
 }
 
 /// The position just after `unit` (file, offset, line; counters left to the caller).
@@ -534,43 +605,4 @@ fn reader_position(files: &[PathBuf], unit: &Unit) -> Position {
             ..Position::default()
         }
     }
-}
-
-fn verify_all(dir: &Path, list: &[ShardEntry], expect: &Expect) -> Result<()> {
-    for e in list {
-        let path = dir.join(&e.file);
-        let h = format::verify(&path, expect)?;
-        if format!("{:016x}", h.checksum) != e.checksum {
-            return Err(Error::data(&path, "checksum differs from the recorded one"));
-        }
-    }
-    Ok(())
-}
-
-/// Removes the shards, manifest and progress file of an earlier run.
-fn clear(dir: &Path) -> Result<()> {
-    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-        let entry = entry.map_err(|e| Error::io(dir, e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let ours = (name.starts_with("train-") || name.starts_with("val-"))
-            && name.ends_with(".tok")
-            || name == MANIFEST_FILE
-            || name == PROGRESS_FILE;
-        if ours {
-            std::fs::remove_file(entry.path()).map_err(|e| Error::io(entry.path(), e))?;
-        }
-    }
-    Ok(())
-}
-
-/// Removes temporary files a killed run left (`.<name>.tmp-<pid>-<n>`).
-fn remove_temporaries(dir: &Path) -> Result<()> {
-    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-        let entry = entry.map_err(|e| Error::io(dir, e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') && name.contains(".tmp-") {
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
-    Ok(())
 }

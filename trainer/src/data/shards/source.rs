@@ -7,7 +7,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::format::{Manifest, MANIFEST_FILE};
 use super::order::{self, DataOrder, Window};
-use super::view::{scan_raw, ShardView};
+use super::view::{scan_raw, BodySums, ShardView};
 use crate::data::vocab::Vocab;
 use crate::data::{check_shape, rows_to_batch, Batch, DataSource, Fingerprint, Split};
 use crate::error::{Error, Result};
@@ -65,8 +65,9 @@ pub(crate) fn human(n: usize) -> String {
 impl ShardSource {
     /// Opens `dir`: a prepared directory (its `manifest.json`), else nanoGPT's raw
     /// `train.bin` and `val.bin`. Every shard is mapped and its header checked against the
-    /// manifest (sizes, checksums, vocabulary); the bodies are not read (`trainer prepare
-    /// --verify` checks them).
+    /// manifest (sizes, checksums, vocabulary). The bodies are not read here: each read
+    /// verifies the 1 MiB chunks it touches against the manifest's checksums first, once each
+    /// (`trainer prepare --verify DIR` checks a whole directory).
     pub fn open(dir: &Path, options: ShardOptions) -> Result<Self> {
         let meta = std::fs::metadata(dir).map_err(|e| Error::io(dir, e))?;
         if !meta.is_dir() {
@@ -99,7 +100,8 @@ impl ShardSource {
                 .iter()
                 .map(|entry| {
                     let path = dir.join(&entry.file);
-                    let view = ShardView::open_tok(&path, &expect)?;
+                    let sums = BodySums::parse(&entry.chunk_sums, &dir.join(MANIFEST_FILE))?;
+                    let view = ShardView::open_tok(&path, &expect, Some(sums))?;
                     let sum = format!("{:016x}", view.checksum);
                     if view.len() as u64 != entry.tokens || sum != entry.checksum {
                         return Err(Error::data(
@@ -119,6 +121,18 @@ impl ShardSource {
                 .collect()
         };
         let (train, val) = (open_split(Split::Train)?, open_split(Split::Val)?);
+        if manifest
+            .train
+            .iter()
+            .chain(&manifest.val)
+            .any(|e| e.chunk_sums.is_empty())
+        {
+            tracing::warn!(
+                "{} has no per-chunk checksums (prepared by an older trainer): each shard is \
+                 verified whole when first read; prepare it again for per-window checks",
+                dir.join(MANIFEST_FILE).display()
+            );
+        }
         let info = &manifest.tokenizer;
         let vocab = match info.kind.as_str() {
             "byte" => Vocab::Byte,
@@ -261,11 +275,12 @@ impl ShardSource {
             .collect()
     }
 
-    /// Tokens `start..start + len` of shard `shard` of `split` (panics out of range).
-    pub fn read(&self, split: Split, shard: usize, start: usize, len: usize) -> Vec<u32> {
+    /// Tokens `start..start + len` of shard `shard` of `split` (panics out of range), after
+    /// verifying the bytes they lie in.
+    pub fn read(&self, split: Split, shard: usize, start: usize, len: usize) -> Result<Vec<u32>> {
         let mut out = Vec::with_capacity(len);
-        self.shards(split)[shard].read(start, len, &mut out);
-        out
+        self.shards(split)[shard].read(start, len, &mut out)?;
+        Ok(out)
     }
 
     /// Number of tokens in `split`.
@@ -309,26 +324,48 @@ impl ShardSource {
             .map(ShardView::len)
             .max()
             .unwrap_or(0);
-        let which = match split {
-            Split::Train => "train",
-            Split::Val => "val",
-        };
-        Error::data(
-            &self.dir,
-            format!(
-                "no {which} shard holds one window of block_size + 1 = {} tokens (the longest \
-                 has {longest}); use a smaller block_size or larger shards",
-                block_size + 1
-            ),
-        )
+        let msg =
+            match split {
+                Split::Val if longest == 0 && self.dir.join(MANIFEST_FILE).is_file() => {
+                    "holds no validation tokens: it was prepared without a validation split \
+                 (`trainer prepare --val-fraction 0`, the default); prepare it again with one, \
+                 e.g. --val-fraction 0.005"
+                        .to_string()
+                }
+                Split::Val if longest == 0 => {
+                    "holds no validation tokens (an empty val.bin, or a corpus too small for its \
+                 --val-fraction)"
+                        .to_string()
+                }
+                Split::Train if longest == 0 => "holds no training tokens".to_string(),
+                _ => {
+                    format!(
+                "no {} shard holds one window of block_size + 1 = {} tokens (the longest has \
+                 {longest}); use a smaller block_size, or prepare again with larger shards{}",
+                if split == Split::Train { "train" } else { "val" },
+                block_size + 1,
+                if split == Split::Val {
+                    " or a larger --val-fraction"
+                } else {
+                    ""
+                }
+            )
+                }
+            };
+        Error::data(&self.dir, msg)
     }
 
     /// Positions (restarting at each document start) and document ids (0, 1, ... within the
     /// row) of the inputs of window `(shard, start)`.
-    fn doc_rows(&self, shard: &ShardView, start: usize, block_size: usize) -> (Vec<u32>, Vec<u32>) {
+    fn doc_rows(
+        &self,
+        shard: &ShardView,
+        start: usize,
+        block_size: usize,
+    ) -> Result<(Vec<u32>, Vec<u32>)> {
         let mut positions = Vec::with_capacity(block_size);
         let mut doc_ids = Vec::with_capacity(block_size);
-        let starts = shard.doc_starts_in(start + 1, start + block_size);
+        let starts = shard.doc_starts_in(start + 1, start + block_size)?;
         let (mut next, mut doc, mut pos) = (starts.into_iter().peekable(), 0u32, 0u32);
         for t in start..start + block_size {
             if next.peek() == Some(&t) {
@@ -340,7 +377,7 @@ impl ShardSource {
             doc_ids.push(doc);
             pos += 1;
         }
-        (positions, doc_ids)
+        Ok((positions, doc_ids))
     }
 }
 
@@ -367,20 +404,23 @@ impl DataSource for ShardSource {
         let w = block_size + 1;
         let mut rows = Vec::with_capacity(batch_size * w);
         for &(s, t) in &windows {
-            shards[s].read(t, w, &mut rows);
+            shards[s].read(t, w, &mut rows)?;
         }
-        let mask = self.mask.then(|| {
-            windows
-                .iter()
-                .flat_map(|&(s, t)| (t + 1..t + w).map(move |i| (s, i)))
-                .map(|(s, i)| f32::from(u8::from(shards[s].counts(i))))
-                .collect()
-        });
+        let mask = match self.mask {
+            true => Some(
+                windows
+                    .iter()
+                    .flat_map(|&(s, t)| (t + 1..t + w).map(move |i| (s, i)))
+                    .map(|(s, i)| Ok(f32::from(u8::from(shards[s].counts(i)?))))
+                    .collect::<Result<Vec<f32>>>()?,
+            ),
+            false => None,
+        };
         let mut batch = rows_to_batch(&rows, mask, batch_size, block_size, device)?;
         if self.options.doc_mask {
             let (mut positions, mut doc_ids) = (Vec::new(), Vec::new());
             for &(s, t) in &windows {
-                let (p, d) = self.doc_rows(&shards[s], t, block_size);
+                let (p, d) = self.doc_rows(&shards[s], t, block_size)?;
                 positions.extend(p);
                 doc_ids.extend(d);
             }

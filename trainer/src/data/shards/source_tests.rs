@@ -74,7 +74,7 @@ fn mapped_tokens_equal_the_tokens_written() {
     let src = open(tmp.path(), DataOrder::Random);
     for (split, want) in [(Split::Train, &train), (Split::Val, &val)] {
         for (s, tokens) in want.iter().enumerate() {
-            assert_eq!(&src.read(split, s, 0, tokens.len()), tokens);
+            assert_eq!(&src.read(split, s, 0, tokens.len()).unwrap(), tokens);
         }
     }
     assert_eq!(src.len(Split::Train), 1317);
@@ -248,7 +248,7 @@ fn nanogpt_bins_are_read_as_they_are() {
     std::fs::write(tmp.path().join("val.bin"), bytes(&val)).unwrap();
     let src = open(tmp.path(), DataOrder::Random);
     let want: Vec<u32> = train.iter().map(|&t| u32::from(t)).collect();
-    assert_eq!(src.read(Split::Train, 0, 0, 1000), want);
+    assert_eq!(src.read(Split::Train, 0, 0, 1000).unwrap(), want);
     assert_eq!(src.len(Split::Val), 100);
     assert_eq!(src.vocab_size(), *train.iter().max().unwrap() as usize + 1);
     assert_eq!(src.decode(&[1, 2]).unwrap(), "<1><2>");

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use super::format::{
-    width_for_vocab, write_shard, Manifest, ShardEntry, TokenizerInfo, MANIFEST_FORMAT,
+    shard_writer, width_for_vocab, Manifest, ShardEntry, TokenizerInfo, MANIFEST_FORMAT,
 };
 use crate::error::Result;
 
@@ -40,20 +40,9 @@ pub fn write_prepared(
             .enumerate()
             .map(|(i, s)| {
                 let file = format!("{name}-{i:05}.tok");
-                let h = write_shard(
-                    &dir.join(&file),
-                    width,
-                    vocab,
-                    s.tokens,
-                    s.doc_starts,
-                    s.counted,
-                )?;
-                Ok(ShardEntry {
-                    file,
-                    tokens: h.n_tokens,
-                    docs: h.n_docs,
-                    checksum: format!("{:016x}", h.checksum),
-                })
+                let path = dir.join(&file);
+                shard_writer(&path, width, vocab, s.tokens, s.doc_starts, s.counted)?
+                    .finish_entry(dir, file)
             })
             .collect()
     };
