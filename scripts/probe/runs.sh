@@ -195,6 +195,10 @@ kill_train() {
     fi
     [[ $verdict == pass ]] &&
         detail="records=$(records "$ref" | wc -l) identical, final tensors identical"
+    # Where the reruns started: a resume at a checkpoint's step, or afresh (killed before one).
+    local from
+    from=$(grep -o 'resuming .* at step [0-9]*' "$dir/log" | grep -o '[0-9]*$' | paste -sd, - || true)
+    detail="${from:+resumed at step $from; }$detail"
     record kill "$class" "$i" - "$landed+exact" "$landed+$verdict" "$verdict" \
         "$where; $resumes rerun(s); $detail"
 }
