@@ -46,9 +46,9 @@ command -v jq >/dev/null || { echo "probe: needs jq" >&2 && exit 2; }
 
 # How many of each kind of run: quick (a few minutes on 2 cores) or the counts.
 if [[ $mode == full ]]; then
-    kills_full=48 kills_lora=47 mid_every=2 kills_prepare=20 kills_export=24
+    kills_full=48 kills_lora=47 mid_every=2 kills_prepare=21 kills_export=24
 else
-    kills_full=3 kills_lora=3 mid_every=3 kills_prepare=4 kills_export=4
+    kills_full=3 kills_lora=3 mid_every=3 kills_prepare=6 kills_export=4
 fi
 
 if [[ -z $trainer ]]; then

@@ -95,7 +95,7 @@ make_fixtures() {
     quiet export-merged export "$FX/ref-lora" "$FX/merged" --merge
     quiet export-qv export "$FX/ref-qv" "$FX/adapter-qv"
     quiet export-base2 export "$FX/ref-full" "$FX/base2" --dtype bf16
-    for v in 0 0.1; do
+    for v in 0 0.01 0.1; do
         mapfile -t args < <(prepare_args "$FX/shards-$v" "$v")
         t0=$(now_ms)
         quiet "prepare-$v" prepare "${args[@]}"
@@ -204,7 +204,7 @@ kill_train() {
 }
 
 # Kill $1 of `prepare` with validation fraction $2: rerun the same command, compare every
-# byte with the reference shards.
+# byte with the reference shards; a rerun after finished shards must not start from document 0.
 kill_prepare() {
     local i=$1 v=$2 out="$W/kills/prepare-$1" args ms landed rc verdict=pass detail ref_ms
     ref_ms="ms_prepare_${v/./}"
@@ -213,7 +213,18 @@ kill_prepare() {
     mkdir -p "$out"
     mapfile -t args < <(prepare_args "$out/shards" "$v")
     landed=$(kill_at "$ms" "" "$out" prepare "${args[@]}")
+    # Where a rerun starts reading: progress.json's resume point (prepare's own record).
+    local n doc
+    n=$(find "$out/shards" -maxdepth 1 -name 'train-*.tok' | wc -l)
+    doc=$(jq -r '.resume.doc // empty' "$out/shards/progress.json" 2>/dev/null || true)
     "$T" prepare "${args[@]}" >>"$out/log" 2>&1 && rc=0 || rc=$?
+    if [[ $landed == killed && -n $doc ]]; then
+        local kv=pass
+        ((n > 0 && doc == 0)) && kv=fail
+        record kill "prepare-val$v-resumes" "$i" 32 "resumes after finished shards" \
+            "$n shards, resume at doc $doc" "$kv" \
+            "at ${ms} ms; $n train shards were finished; the rerun reads on from document $doc"
+    fi
     if ((rc != 0)); then
         verdict=fail detail="rerun exit $rc: $(grep -m1 -i error "$out/log" || true)"
     elif ! diff -r -q "$FX/shards-$v" "$out/shards" >"$out/diff" 2>&1; then
@@ -265,7 +276,8 @@ run_kills() {
     local i
     for ((i = 0; i < kills_full; i++)); do kill_train full "$i" $((i % mid_every == mid_every - 1)); done
     for ((i = 0; i < kills_lora; i++)); do kill_train lora "$i" $((i % mid_every == mid_every - 1)); done
-    for ((i = 0; i < kills_prepare; i++)); do kill_prepare "$i" "$([[ $((i % 2)) == 0 ]] && echo 0 || echo 0.1)"; done
+    local fractions=(0 0.01 0.1)
+    for ((i = 0; i < kills_prepare; i++)); do kill_prepare "$i" "${fractions[i % 3]}"; done
     for ((i = 0; i < kills_export; i++)); do kill_export "$i" $((i % 2)); done
 }
 
