@@ -9,6 +9,9 @@ base() { cp -r "$FX/base" base; }
 shards() { cp -r "$FX/shards-0.1" shards; }
 run_of() { cp -r "$FX/ref-$1" run; }
 
+# File $2 of the latest checkpoint of run directory $1.
+ckpt_file() { printf '%s/checkpoints/%s/%s\n' "$1" "$(cat "$1/checkpoints/latest")" "$2"; }
+
 # Tensor number V (the case's variant) of safetensors file $1.
 nth() { st_nth "$1" "$V"; }
 
@@ -92,6 +95,12 @@ run_inputs() {
         names=$(sed 's/^ *//; s/ *$//' <<<"$names")
         setup=$(sed 's/^ *//; s/ *$//' <<<"$setup")
         cmd=$(sed 's/^ *//; s/ *$//' <<<"$cmd")
+        [[ -n $cases ]] && ! grep -Eq -- "$cases" <<<"$class $name" && continue
+        if [[ $cmd == *$'\t'* || -z $cmd ]]; then
+            record input "$class" "$name" "$issue" "$expect" "8 fields" fail \
+                "cases.txt: this row has not 8 fields (' | ' inside a field?)"
+            continue
+        fi
         n=1
         [[ $mode == full ]] && n=$full
         for ((V = 0; V < n; V++)); do

@@ -6,7 +6,7 @@
 # expected to be refused naming what is wrong, never a panic, never exit 0.
 #
 # Usage: scripts/probe/probe.sh [--quick | --full] [--seed N] [--work DIR] [--trainer PATH]
-#                               [--only kills|inputs] [--keep]
+#                               [--only kills|inputs] [--cases ERE] [--keep]
 # Prints a summary table, writes DIR/results.tsv and DIR/summary.txt; exits 1 if any check
 # failed. Needs bash, jq, coreutils; no Python, no download. See scripts/probe/README.md.
 # shellcheck source-path=SCRIPTDIR
@@ -27,6 +27,7 @@ seed=32
 work=
 trainer=
 only=
+cases=
 keep=0
 while (($#)); do
     case $1 in
@@ -36,6 +37,7 @@ while (($#)); do
     --work) work=$2 && shift ;;
     --trainer) trainer=$2 && shift ;;
     --only) only=$2 && shift ;;
+    --cases) cases=$2 && shift ;;
     --keep) keep=1 ;;
     -h | --help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' && exit 0 ;;
     *) echo "probe: unknown argument $1 (see --help)" >&2 && exit 2 ;;
