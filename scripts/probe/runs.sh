@@ -150,8 +150,8 @@ kill_at() {
 }
 
 # Kill $2 of a `train` run of kind $1 (full or lora); mid-checkpoint when $3 is 1. Resumes
-# until the run finishes, then compares the final checkpoint's tensors and every record of
-# metrics.jsonl with the reference run.
+# until the run finishes, then checks that no partial checkpoint is left and compares the
+# final checkpoint's tensors and every record of metrics.jsonl with the reference run.
 kill_train() {
     local kind=$1 i=$2 mid=$3 dir="$W/kills/train-$1-$2" args ref="$FX/ref-$1" ms=0 step=
     local landed where resumes=0 rc detail verdict=pass
@@ -182,8 +182,11 @@ kill_train() {
     done
     local class="train-$kind"
     ((${#tmp[@]})) && class+="-midckpt"
+    local left=("$dir/run/checkpoints"/.tmp-* "$dir/run/checkpoints"/.old-*)
     if ((rc != 0)); then
         verdict=fail detail="rerun exit $rc: $(grep -m1 -i error "$dir/log" || true)"
+    elif ((${#left[@]})); then
+        verdict=fail detail="left behind: ${left[*]##*/}"
     elif ! diff <(records "$ref") <(records "$dir/run") >/dev/null; then
         verdict=fail detail="metrics.jsonl records differ from the reference"
     else
