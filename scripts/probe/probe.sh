@@ -44,6 +44,7 @@ while (($#)); do
     esac
     shift
 done
+[[ $only =~ ^(|kills|inputs)$ ]] || { echo "probe: --only takes kills or inputs" >&2 && exit 2; }
 command -v jq >/dev/null || { echo "probe: needs jq" >&2 && exit 2; }
 
 # How many of each kind of run: quick (a few minutes on 2 cores) or the counts.
@@ -59,7 +60,12 @@ if [[ -z $trainer ]]; then
 fi
 T=$(realpath "$trainer")
 W=$(realpath -m "${work:-$root/runs/probe}")
-rm -rf "$W" && mkdir -p "$W"
+# The work directory is replaced only when an earlier probe made it (its .probe marker).
+if [[ -e $W && ! -e $W/.probe ]]; then
+    echo "probe: $W exists and is not a probe's work directory; choose another --work" >&2
+    exit 2
+fi
+rm -rf "$W" && mkdir -p "$W" && touch "$W/.probe"
 export HF_HOME="$W/home/hf" XDG_CACHE_HOME="$W/home/cache" NO_COLOR=1
 RANDOM=$seed
 results="$W/results.tsv"
