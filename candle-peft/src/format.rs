@@ -69,6 +69,9 @@ pub struct Adapter {
     pub loras: BTreeMap<String, (Tensor, Tensor)>,
     /// Parameters of the modules to save, by plain name (`lm_head.weight`).
     pub saved: BTreeMap<String, Tensor>,
+    /// The weights file's `__metadata__` besides PEFT's `format` (what a writer recorded with
+    /// [`save`]'s `metadata`, e.g. the base model the adapter was made on).
+    pub metadata: BTreeMap<String, String>,
 }
 
 impl Adapter {
@@ -90,8 +93,21 @@ impl Adapter {
             };
             return Err(PeftError::file(path, msg));
         }
-        let tensors = candle_core::safetensors::load(&path, device)
-            .map_err(|e| PeftError::file(&path, format!("not a readable safetensors file: {e}")))?;
+        let unreadable =
+            |e: String| PeftError::file(&path, format!("not a readable safetensors file: {e}"));
+        let bytes = std::fs::read(&path).map_err(|e| unreadable(e.to_string()))?;
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)
+            .map_err(|e| unreadable(e.to_string()))?;
+        let metadata: BTreeMap<String, String> = header
+            .metadata()
+            .iter()
+            .flatten()
+            .filter(|(k, _)| k.as_str() != "format")
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let tensors = candle_core::safetensors::load_buffer(&bytes, device)
+            .map_err(|e| unreadable(e.to_string()))?;
+        drop(bytes);
         let mut a = BTreeMap::new();
         let mut b = BTreeMap::new();
         let mut saved = BTreeMap::new();
@@ -126,8 +142,16 @@ impl Adapter {
                     format!("`{}` has no `{}`", lora_a_name(&p), lora_b_name(&p)),
                 )
             })?;
-            let (ra, _) = ta.dims2()?;
-            let (_, rb) = tb.dims2()?;
+            let two_d = |t: &Tensor, name: String| {
+                t.dims2().map_err(|_| {
+                    PeftError::file(
+                        &path,
+                        format!("`{name}` is {:?}; LoRA matrices are 2-D", t.dims()),
+                    )
+                })
+            };
+            let (ra, _) = two_d(&ta, lora_a_name(&p))?;
+            let (_, rb) = two_d(&tb, lora_b_name(&p))?;
             if ra != config.r || rb != config.r {
                 return Err(PeftError::file(
                     &path,
@@ -153,6 +177,7 @@ impl Adapter {
             config,
             loras,
             saved,
+            metadata,
         })
     }
 }
@@ -163,10 +188,15 @@ pub fn module_of(name: &str) -> &str {
 }
 
 /// Writes a PEFT adapter directory: `adapter_config.json` from `config` and
-/// `adapter_model.safetensors` (with PEFT's `{"format": "pt"}` metadata) from `tensors`, by
-/// on-disk name. Each file is written to a temporary name and renamed, so a failed write never
+/// `adapter_model.safetensors` (with PEFT's `{"format": "pt"}` metadata and `metadata`'s
+/// entries, which PEFT ignores) from `tensors`, by on-disk name. Each file is written to a temporary name and renamed, so a failed write never
 /// leaves a half-written file under the real name.
-pub fn save(dir: &Path, config: &LoraConfig, tensors: &[(String, Tensor)]) -> Result<()> {
+pub fn save(
+    dir: &Path,
+    config: &LoraConfig,
+    tensors: &[(String, Tensor)],
+    metadata: &BTreeMap<String, String>,
+) -> Result<()> {
     std::fs::create_dir_all(dir)
         .map_err(|e| PeftError::file(dir, format!("cannot create: {e}")))?;
     let json = serde_json::to_string_pretty(&config.to_peft_json())
@@ -178,7 +208,8 @@ pub fn save(dir: &Path, config: &LoraConfig, tensors: &[(String, Tensor)]) -> Re
         .iter()
         .map(|(n, t)| Ok((n.clone(), t.contiguous()?)))
         .collect::<candle_core::Result<_>>()?;
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let mut meta: HashMap<String, String> = metadata.clone().into_iter().collect();
+    meta.insert("format".to_string(), "pt".to_string());
     // Serialised in memory (adapters are small) and written by `std::fs::write`, so the file
     // gets the usual mode (`0666` less the umask): `serialize_to_file` writes through a
     // `tempfile` file, mode 0600.

@@ -21,7 +21,8 @@
 #           (--no-run), all with the cuda features, into CARGO_TARGET_DIR (/tmp/cuda-target)
 #   pack    stripped executables, manifest.tsv, BUILD-INFO.txt, run-tests.sh, the project's
 #           files and the data into PACK (/tmp/gpu-pack; ZSTD=1 also writes PACK.tar.zst)
-#   carry   .gpu/pack.tar.xz at the repository root (git ignores /.gpu/): pack/bin/trainer, the
+#   carry   .gpu/pack.tar.xz at the repository root (git ignores /.gpu/): pack/bin/trainer and
+#           pack/bin/libcucount.so (scripts/gpu/cucount.c), the
 #           test executables whose source opens a CUDA device, pack/manifest.tsv (their rows) and
 #           pack/BUILD-INFO.txt; at most 64 MiB (the device tool's limit), or it fails
 #
@@ -317,6 +318,8 @@ if want carry; then
   trap 'rm -rf "$stage"' EXIT
   mkdir -p "$stage/pack/bin" "$stage/pack/tests"
   cp "$PACK/bin/trainer" "$stage/pack/bin/"
+  # run.sh's counter of driver calls (its counts part builds it there if missing)
+  cc -O2 -shared -fPIC -o "$stage/pack/bin/libcucount.so" "$SRC/scripts/gpu/cucount.c" -ldl -lpthread
   cp "$PACK/BUILD-INFO.txt" "$stage/pack/"
   : > "$stage/pack/manifest.tsv"
   # An executable whose tests are all compiled out (candle-comm's nccl tests without the `nccl`

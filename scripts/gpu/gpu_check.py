@@ -5,6 +5,8 @@
     gpu_check.py losses A B TOL                compare two runs' step losses (metrics.jsonl)
     gpu_check.py ours CASE RUN_DIR MEM_FILE WARMUP   a trainer run's bench result (JSON line)
     gpu_check.py torch CASE JSON_FILE MEM_FILE       a PyTorch bench result (JSON line)
+    gpu_check.py counts IMPL CASE LONG SHORT STEPS MODE   driver calls per step from two cucount.c
+                                               reports, and the kernels with the most GPU time
     gpu_check.py smoke SMOKE_JSONL RC          cubin_smoke.py's lines as one result (JSON line)
     gpu_check.py libtest LOG RC MODE           a test executable's libtest output as one result:
                                                passed / failed / ignored, the failed trials, and
@@ -30,8 +32,10 @@ from pathlib import Path
 TARGETS = {
     "gpt2": {"time": 1.0, "memory": 1.5, "about": "GPT-2 small bf16, block 1024, batch 8 vs nanoGPT eager"},
     "shakespeare-char": {"time": 1.2, "memory": None, "about": "shakespeare-char recipe, dropout 0.2, bf16 vs nanoGPT eager"},
-    "smollm2-135m": {"time": 1.0, "memory": None, "about": "SmolLM2-135M-shaped Llama bf16 vs transformers eager"},
+    "smollm2-135m": {"time": 1.0, "memory": None, "about": "SmolLM2-135M-shaped Llama bf16 vs transformers (SDPA, autocast)"},
+    "smollm2-135m-lora": {"time": 1.0, "memory": 0.7, "about": "SmolLM2-135M-shaped LoRA r16 all-linear, bf16 base, vs PEFT (SDPA, autocast)"},
 }
+COUNTED = ("launch", "alloc", "free", "sync", "copy", "memset", "event")
 
 
 def make_data(out, vocab, tokens):
@@ -83,6 +87,25 @@ def torch_result(case, json_file, mem_file):
     r = json.loads(lines[-1])
     r["peak_mib"] = peak_mib(mem_file)
     return r
+
+
+def counts(impl, case, long_json, short_json, steps, mode):
+    """Driver calls per step from two cucount.c reports (WARMUP + steps, and WARMUP steps), and
+    the kernels that took the most GPU time in the shorter run (timed)."""
+    long, short = (json.loads(Path(f).read_text()) for f in (long_json, short_json))
+    steps = int(steps)
+    per_step = {k: (long["counts"].get(k, 0) - short["counts"].get(k, 0)) / steps for k in COUNTED}
+    total = short.get("kernel_ms_total") or 0.0
+    top = [{"name": k["name"][:80], "n": k["n"], "ms": round(k["ms"], 3), "share": round(k["ms"] / total, 3) if total else None}
+           for k in short.get("kernels", [])[:12]]
+    out = {"kind": "counts", "impl": impl, "case": case, "steps": steps, "per_step": per_step,
+           "kernel_ms_total": round(total, 3), "top_kernels": top, "untimed": short.get("untimed", 0)}
+    if not any(long["counts"].values()):
+        # the rehearsal: the CPU trainer and CPU PyTorch make no driver calls
+        out.update(status="skipped" if mode != "run" else "fail", why="no CUDA driver call counted")
+    else:
+        out["status"] = "pass"
+    return out
 
 
 def smoke(jsonl, rc):
@@ -163,6 +186,7 @@ def table(results, show=True, lines=None):
     bench = {}
     for r in rows:
         kind = r["kind"]
+        ok = True
         if kind in ("smoke", "test-exe"):
             status = r.get("status", "fail")
             ok = status != "fail"
@@ -189,6 +213,13 @@ def table(results, show=True, lines=None):
             out.append(f"| {r['name']} ({r['steps']} steps) | {r['last'][0]:.5f} | {r['last'][1]:.5f} | {err} | {tol} | {'PASS' if ok else 'FAIL'} |")
         elif kind == "bench":
             bench.setdefault(r["case"], {})[r.get("variant") or r["impl"]] = r
+        elif kind == "counts":
+            ok = r.get("status") != "fail"
+            ps = r["per_step"]
+            calls = ", ".join(f"{ps[k]:.0f} {k}" for k in COUNTED if ps.get(k))
+            top = "; ".join(f"{k['name']} {k['ms']:.1f} ms ({k['n']}x)" for k in r["top_kernels"][:5])
+            detail = (f"top GPU time over {r['kernel_ms_total']:.1f} ms: {top}" if top else r.get("why", ""))
+            out.append(f"| driver calls per step: {r['impl']} {r['case']} | {calls or 'none'} | | {detail.replace('|', '/')} | (reported) | {r.get('status', 'fail').upper()} |")
         else:
             ok = False
             out.append(f"| {r.get('name', kind)} | | | {r.get('error', '')} | | FAIL |")
@@ -296,6 +327,16 @@ def selftest():
         assert libtest(log, 0, "run")["status"] == "fail" and libtest(log, 0, "rehearse")["status"] == "skipped"
         log.write_text("test result: ok. 4 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out\n")
         assert libtest(log, 0, "run")["status"] == "pass" and libtest(log, 124, "run")["status"] == "fail"
+        # cucount reports: per step = the difference over the extra steps
+        (d / "long.json").write_text(json.dumps({"counts": {"launch": 1100, "alloc": 40, "sync": 12}}))
+        (d / "short.json").write_text(json.dumps({"counts": {"launch": 600, "alloc": 30, "sync": 7}, "kernel_ms_total": 8.0,
+                                                  "kernels": [{"name": "k1", "n": 50, "ms": 6.0}, {"name": "k2", "n": 9, "ms": 2.0}]}))
+        c = counts("ours", "gpt2", d / "long.json", d / "short.json", 5, "run")
+        assert c["per_step"]["launch"] == 100 and c["per_step"]["alloc"] == 2 and c["per_step"]["sync"] == 1, c
+        assert c["top_kernels"][0] == {"name": "k1", "n": 50, "ms": 6.0, "share": 0.75} and c["status"] == "pass", c
+        (d / "zero.json").write_text(json.dumps({"counts": {}}))
+        assert counts("torch", "gpt2", d / "zero.json", d / "zero.json", 5, "run")["status"] == "fail"
+        assert counts("torch", "gpt2", d / "zero.json", d / "zero.json", 5, "rehearse")["status"] == "skipped"
         sm = d / "smoke.jsonl"
         sm.write_text("\n".join(map(json.dumps, [
             {"kind": "smoke-device", "arch": "sm90", "fake": False, "cc": "9.0"},
@@ -326,6 +367,8 @@ def main(argv):
         print(json.dumps(ours(a[0], a[1], a[2], int(a[3]))))
     elif cmd == "torch":
         print(json.dumps(torch_result(a[0], a[1], a[2])))
+    elif cmd == "counts":
+        print(json.dumps(counts(*a)))
     elif cmd == "smoke":
         print(json.dumps(smoke(a[0], a[1])))
     elif cmd == "libtest":

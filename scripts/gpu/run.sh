@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The one command for a GPU machine (issues #23 and #30). See scripts/gpu/README.md.
 #
-#   scripts/gpu/run.sh [--pack DIR|FILE.tar.xz] [--out DIR] [--only smoke,tests,train,bench]
+#   scripts/gpu/run.sh [--pack DIR|FILE.tar.xz] [--out DIR] [--only smoke,tests,train,bench,counts]
 #                      [--dry-run | --rehearse]
 #
-# Four parts, in the order of what they decide, each under its own time cap:
+# Five parts, in the order of what they decide, each under its own time cap:
 #   smoke  every cubin of candle-fused/kernels loaded and launched once through the driver, no
 #          Rust (cubin_smoke.py; --fake in the rehearsal);
 #   tests  the CUDA-capable test executables of the pack, CANDLE_FUSED_TRITON=0 and =1 (trials
 #          skipped for want of a device are a failure on the GPU machine);
 #   train  short trainer runs: CUDA vs CPU losses, remat vs none;
-#   bench  ours vs PyTorch eager on the same GPU.
+#   bench  ours vs PyTorch on the same GPU (nanoGPT eager; transformers SDPA; PEFT LoRA);
+#   counts driver calls per step (launches, allocations, syncs) and per-kernel GPU times,
+#          ours and PyTorch's, by the LD_PRELOAD counter scripts/gpu/cucount.c.
 # After every part OUT holds at most four files, rewritten: summary.md (header, per-part status and
 # time, the table so far), results.jsonl (every result row), logs.tar.xz (every log so far) and
 # smoke.jsonl (one line per cubin). Exit status 1 when a correctness check failed.
@@ -22,7 +24,8 @@
 # Environment: GPU_PACK (the pack: a directory, or FILE.tar.xz; default .gpu/pack, unpacked from
 # .gpu/pack.tar.xz), OUT (/tmp/gpu-run), WORK (logs, runs, data, the unpacked pack: /tmp/gpu-work),
 # BUDGET (seconds for all parts, 540), SMOKE_CAP (120), TESTS_CAP (240), TRAIN_CAP (240),
-# BENCH_CAP (300), MIN_PART (30: a part starts only with this much budget left), LIMIT (seconds
+# BENCH_CAP (300), COUNTS_CAP (120), COUNT_STEPS (5), MIN_PART (30: a part starts only with this
+# much budget left), LIMIT (seconds
 # per command, 300), STEPS (10), WARMUP (5), TRAIN_STEPS (20), PYTHON (python3), TRAINER
 # (PACK/bin/trainer), ALL_TESTS=1 (also the pack's CPU-only test executables), CUDA_STUB_LIBS
 # (rehearsal: /tmp/cudaroot/lib/stubs/run:/tmp/cudaroot/lib).
@@ -33,7 +36,7 @@ cd "$ROOT" || exit 1
 T0=$SECONDS
 PACK=${GPU_PACK:-.gpu/pack}
 OUT=${OUT:-/tmp/gpu-run}
-ONLY=smoke,tests,train,bench
+ONLY=smoke,tests,train,bench,counts
 MODE=run
 while (($#)); do
   case $1 in
@@ -47,7 +50,7 @@ while (($#)); do
   esac
 done
 for p in ${ONLY//,/ }; do
-  [[ $p == @(smoke|tests|train|bench) ]] || { echo "run.sh: unknown part $p (smoke, tests, train, bench)" >&2; exit 2; }
+  [[ $p == @(smoke|tests|train|bench|counts) ]] || { echo "run.sh: unknown part $p (smoke, tests, train, bench, counts)" >&2; exit 2; }
 done
 OUT=$(realpath -m "$OUT")
 # Runs, checkpoints, data and logs stay out of OUT (the device tool brings OUT back: keep it small).
@@ -119,7 +122,7 @@ want() { [[ ,$ONLY, == *,$1,* ]]; }
 # ------------------------------------------------------------------ layout
 missing=()
 need() { [[ -e $1 ]] || missing+=("$1"); }
-if want tests || want train || want bench; then
+if want tests || want train || want bench || want counts; then
   need "$PACK/manifest.tsv"
   need "$TRAINER"
 fi
@@ -127,6 +130,7 @@ want smoke && need "$ROOT/candle-fused/kernels" && need "$ROOT/scripts/gpu/cubin
 need "$ROOT/data/tinyshakespeare.txt"
 need "$ROOT/configs/shakespeare_char.toml"
 need "$ROOT/scripts/gpu/torch_gpu_step.py"
+want counts && need "$ROOT/scripts/gpu/cucount.c"
 command -v "$PYTHON" > /dev/null || missing+=("$PYTHON (python3; with torch and transformers for bench)")
 [[ $MODE == run ]] && ! command -v nvidia-smi > /dev/null && missing+=("nvidia-smi")
 if [[ $MODE == rehearse ]]; then
@@ -389,35 +393,106 @@ bench_torch() { # case torch-args...
     fail_row "$case: PyTorch" "the PyTorch run failed, rc=$rc (logs/torch-$case.log)"
   fi
 }
-if part_begin bench "${BENCH_CAP:-300}"; then
-  say "bench: ours vs PyTorch eager, $WARMUP warm-up + $STEPS timed steps each"
-  # Shapes (rehearsal: tiny ones, the same code paths).
-  GPT2=(--n-layer 12 --n-head 12 --n-embd 768 --block-size 1024 --batch-size 8)
-  CHAR=(--n-layer 6 --n-head 6 --n-embd 384 --block-size 256 --batch-size 64)
-  LLAMA=(--n-layer 30 --n-head 9 --n-kv-head 3 --n-embd 576 --mlp-hidden 1536 --block-size 1024 --batch-size 8)
-  GPT2_VOCAB=50304; LLAMA_VOCAB=49152; TOKENS=2000000; TINY=()
-  if [[ $MODE == rehearse ]]; then
-    GPT2=(--n-layer 2 --n-head 2 --n-embd 64 --block-size 64 --batch-size 4); CHAR=("${GPT2[@]}")
-    LLAMA=(--n-layer 2 --n-head 4 --n-kv-head 2 --n-embd 64 --mlp-hidden 128 --block-size 64 --batch-size 4)
-    LLAMA_VOCAB=512; TOKENS=20000; TINY=(--tiny)
-  fi
+# Shapes (rehearsal: tiny ones, the same code paths) and each case's trainer arguments.
+GPT2=(--n-layer 12 --n-head 12 --n-embd 768 --block-size 1024 --batch-size 8)
+CHAR=(--n-layer 6 --n-head 6 --n-embd 384 --block-size 256 --batch-size 64)
+LLAMA_MODEL=(--n-layer 30 --n-head 9 --n-kv-head 3 --n-embd 576 --mlp-hidden 1536)
+LLAMA_ROWS=(--block-size 1024 --batch-size 8)
+GPT2_VOCAB=50304; LLAMA_VOCAB=49152; TOKENS=2000000; TINY=()
+if [[ $MODE == rehearse ]]; then
+  GPT2=(--n-layer 2 --n-head 2 --n-embd 64 --block-size 64 --batch-size 4); CHAR=("${GPT2[@]}")
+  LLAMA_MODEL=(--n-layer 2 --n-head 4 --n-kv-head 2 --n-embd 64 --mlp-hidden 128)
+  LLAMA_ROWS=(--block-size 64 --batch-size 4)
+  LLAMA_VOCAB=512; TOKENS=20000; TINY=(--tiny)
+fi
+LLAMA_ARCH=(--arch llama "${LLAMA_MODEL[@]}" --bias false --tie-embeddings true --rope-theta 100000)
+ours_args() { # case: the trainer's arguments for it (nanoGPT's / transformers' recipes)
+  case $1 in
+    # nanoGPT's train.py: no biases, dropout 0, lr 6e-4, betas (0.9, 0.95).
+    gpt2) echo "${GPT2[*]} --data shards --data-path $WORK/data/gpt2 --bias false --dropout 0 --lr 6e-4 --min-lr 6e-5 --beta2 0.95" ;;
+    # nanoGPT's config/train_shakespeare_char.py (bias False from train.py's defaults).
+    shakespeare-char) echo "${CHAR[*]} --data char --data-path $ROOT/data/tinyshakespeare.txt --bias false --dropout 0.2 --lr 1e-3 --beta2 0.99" ;;
+    smollm2-135m) echo "${LLAMA_ARCH[*]} ${LLAMA_ROWS[*]} --data shards --data-path $WORK/data/llama --lr 3e-4 --beta2 0.95" ;;
+    # PEFT's LoRA as torch_gpu_step.py's: r 16, alpha 16 (the default), all-linear, bf16 base.
+    smollm2-135m-lora) echo "--init-from $WORK/base-llama --lora-r 16 --lora-targets all-linear --base-dtype bf16 ${LLAMA_ROWS[*]} --data shards --data-path $WORK/data/llama --lr 3e-4 --beta2 0.95" ;;
+  esac
+}
+# The data (random tokens) and the LoRA case's base: a random model at the Llama shape made by
+# the trainer itself (0 steps, exported in bf16: no download, no Python), once for bench and counts.
+SETUP_DONE=0
+setup_cases() {
+  ((SETUP_DONE)) && return 0
+  SETUP_DONE=1
   run data-gpt2 "${CHECK[@]}" make-data "$WORK/data/gpt2" "$GPT2_VOCAB" "$TOKENS"
   run data-llama "${CHECK[@]}" make-data "$WORK/data/llama" "$LLAMA_VOCAB" "$TOKENS"
+  run base-llama-train "$TRAINER" train --device "$DEV" "${LLAMA_ARCH[@]}" "${LLAMA_ROWS[@]}" --data shards \
+    --data-path "$WORK/data/llama" --max-iters 0 --eval-iters 1 --out-dir "$WORK/runs/base-llama" --overwrite &&
+    run base-llama-export "$TRAINER" export "$WORK/runs/base-llama" "$WORK/base-llama" --dtype bf16
+}
+CASES=(gpt2 shakespeare-char smollm2-135m smollm2-135m-lora)
+if part_begin bench "${BENCH_CAP:-300}"; then
+  say "bench: ours vs PyTorch (nanoGPT eager; transformers SDPA; PEFT), $WARMUP warm-up + $STEPS timed steps each"
+  setup_cases
   for variant in default triton; do
     T=(--triton-kernels false); [[ $variant == triton ]] && T=(--triton-kernels true)
-    # nanoGPT's train.py: no biases, dropout 0, lr 6e-4, betas (0.9, 0.95).
-    bench_ours gpt2 "$variant" "${T[@]}" "${GPT2[@]}" --data shards --data-path "$WORK/data/gpt2" \
-      --bias false --dropout 0 --lr 6e-4 --min-lr 6e-5 --beta2 0.95
-    # nanoGPT's config/train_shakespeare_char.py (bias False from train.py's defaults).
-    bench_ours shakespeare-char "$variant" "${T[@]}" "${CHAR[@]}" --data char \
-      --data-path "$ROOT/data/tinyshakespeare.txt" --bias false --dropout 0.2 --lr 1e-3 --beta2 0.99
-    bench_ours smollm2-135m "$variant" "${T[@]}" "${LLAMA[@]}" --arch llama --data shards \
-      --data-path "$WORK/data/llama" --bias false --tie-embeddings true --rope-theta 100000 \
-      --lr 3e-4 --beta2 0.95
+    for c in "${CASES[@]}"; do
+      # shellcheck disable=SC2046 # the case's arguments are words without spaces
+      bench_ours "$c" "$variant" "${T[@]}" $(ours_args "$c")
+    done
   done
-  bench_torch gpt2 "${TINY[@]}"
-  bench_torch shakespeare-char "${TINY[@]}"
-  bench_torch smollm2-135m "${TINY[@]}"
+  for c in "${CASES[@]}"; do bench_torch "$c" "${TINY[@]}"; done
+  part_end
+fi
+
+# ------------------------------------------------------------------ counts
+# CUDA driver calls per step, by cucount.c (LD_PRELOAD on the real driver, as Nsight Compute
+# would replay every kernel): each case runs WARMUP + COUNT_STEPS steps and WARMUP steps under the
+# counter; per step = the difference / COUNT_STEPS. The shorter run also times every kernel
+# (CUCOUNT_TIME=1: events around each launch) for the table of where the GPU time goes.
+COUNT_STEPS=${COUNT_STEPS:-5}
+counted() { # name timing command...
+  local name=$1 timing=$2; shift 2
+  run "$name" env LD_PRELOAD="$CUCOUNT" CUCOUNT_OUT="$LOGS/$name.json" CUCOUNT_TIME="$timing" "$@"
+}
+count_case() { # impl case
+  local impl=$1 c=$2 n r
+  for n in $((WARMUP + COUNT_STEPS)) "$WARMUP"; do
+    local timing=0; ((n == WARMUP)) && timing=1
+    if [[ $impl == ours ]]; then
+      # shellcheck disable=SC2046
+      counted "count-$impl-$c-$n" "$timing" "$TRAINER" train --device "$DEV" --dtype bf16 --tf32 true \
+        --out-dir "$WORK/runs/count-$c-$n" --overwrite --cache-dir "$WORK/cache" --max-iters "$n" \
+        --eval-interval 100000 --eval-iters 1 --warmup-iters 2 --grad-clip 1.0 --weight-decay 0.1 \
+        --triton-kernels true $(ours_args "$c") || return
+    else
+      counted "count-$impl-$c-$n" "$timing" "$PYTHON" "$ROOT/scripts/gpu/torch_gpu_step.py" --case "$c" \
+        --device "$DEV" --warmup "$n" --steps 0 "${TINY[@]}" || return
+    fi
+  done
+  [[ $MODE == dry ]] && return
+  if r=$("${CHECK[@]}" counts "$impl" "$c" "$LOGS/count-$impl-$c-$((WARMUP + COUNT_STEPS)).json" \
+      "$LOGS/count-$impl-$c-$WARMUP.json" "$COUNT_STEPS" "$MODE" 2>> "$LOGS/gpu_check.log"); then
+    row "$r"
+  else
+    fail_row "driver calls: $impl $c" "no counts (logs/count-$impl-$c-*.json)"
+  fi
+}
+if part_begin counts "${COUNTS_CAP:-120}"; then
+  CUCOUNT=$PACK/bin/libcucount.so
+  if [[ ! -f $CUCOUNT && $MODE != dry ]]; then
+    CUCOUNT=$WORK/libcucount.so
+    cc -O2 -shared -fPIC -o "$CUCOUNT" "$ROOT/scripts/gpu/cucount.c" -ldl -lpthread > "$LOGS/cucount-cc.log" 2>&1 ||
+      CUCOUNT=
+  fi
+  if [[ -z $CUCOUNT ]]; then
+    fail_row "driver calls per step" "no libcucount.so in the pack and cc failed (logs/cucount-cc.log)"
+  else
+    setup_cases
+    for c in smollm2-135m-lora gpt2; do
+      count_case ours "$c"
+      count_case torch "$c"
+    done
+  fi
   part_end
 fi
 

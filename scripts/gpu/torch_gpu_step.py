@@ -6,13 +6,17 @@
 * `shakespeare-char`: nanoGPT's config/train_shakespeare_char.py (6 layers, 6 heads, 384 wide,
   block 256, batch 64, dropout 0.2, no biases), characters of data/tinyshakespeare.txt;
 * `smollm2-135m`: transformers' LlamaForCausalLM in SmolLM2-135M's shape (30 layers, hidden
-  576, 9 heads / 3 KV heads, intermediate 1536, vocab 49152, tied), eager attention,
-  block 1024, batch 8 (`--block`, `--batch` change it).
+  576, 9 heads / 3 KV heads, intermediate 1536, vocab 49152, tied), SDPA attention (transformers'
+  default), block 1024, batch 8 (`--block`, `--batch` change it);
+* `smollm2-135m-lora`: the same model with its weights in bf16 and frozen, PEFT LoRA r 16, alpha
+  16, no dropout, on every linear layer but the head (`target_modules="all-linear"`; PEFT keeps
+  the adapters in f32), as the trainer's `--lora-r 16 --lora-targets all-linear --base-dtype bf16`.
 
 The step is nanoGPT's: bf16 autocast over f32 weights (`--dtype f32` for none), TF32 matmuls
 allowed, forward, cross-entropy, backward, clip_grad_norm_(1.0), AdamW (nanoGPT's cases:
-fused, betas (0.9, 0.95) / (0.9, 0.99), weight decay 0.1 on 2-D weights only; the Llama case:
-PyTorch's default AdamW implementation, as transformers' Trainer), zero_grad(set_to_none).
+fused, betas (0.9, 0.95) / (0.9, 0.99), weight decay 0.1 on 2-D weights only; the Llama cases:
+PyTorch's default AdamW implementation, as transformers' Trainer, over the trainable parameters),
+zero_grad(set_to_none).
 GPT-2 and Llama batches are uniform random tokens (only the speed matters); shakespeare-char
 draws windows of the text as nanoGPT's get_batch does. Nothing is compiled (eager).
 
@@ -38,6 +42,7 @@ GPT_CASES = {
     "gpt2": (12, 12, 768, 1024, 8, 50304, 0.0, 0.95),
     "shakespeare-char": (6, 6, 384, 256, 64, None, 0.2, 0.99),
 }
+LLAMA_CASES = ("smollm2-135m", "smollm2-135m-lora")
 # --tiny: the same code on a small shape (the CPU rehearsal of run.sh).
 TINY = (2, 2, 64, 64, 4)
 
@@ -103,8 +108,9 @@ def gpt_model(torch, n_layer, n_head, n_embd, block, vocab, dropout):
 
 
 def adamw(torch, model, lr, beta2, fused):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     extra = {"fused": True} if fused else {}
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, beta2), **extra)
@@ -162,8 +168,17 @@ def llama_case(torch, args, dev):
         rope_theta=100000.0,
         max_position_embeddings=max(2048, block),
     )
-    cfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(cfg).to(dev)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg)
+    if args.case == "smollm2-135m-lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model.to(torch.bfloat16),
+            LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear"),
+        )
+        assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+    model = model.to(dev)
     opt = adamw(torch, model, 3e-4, 0.95, False)
     gen = torch.Generator().manual_seed(1)
 
@@ -176,8 +191,8 @@ def llama_case(torch, args, dev):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", required=True, choices=[*GPT_CASES, "smollm2-135m"])
-    ap.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
+    ap.add_argument("--case", required=True, choices=[*GPT_CASES, *LLAMA_CASES])
+    ap.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up (0: none timed)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
     ap.add_argument("--device", default="cuda")
@@ -194,7 +209,7 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(1337)
-    build = llama_case if args.case == "smollm2-135m" else gpt_case
+    build = llama_case if args.case in LLAMA_CASES else gpt_case
     model, opt, forward, (batch, block) = build(torch, args, dev)
     model.train()
     bf16 = args.dtype == "bf16"
@@ -229,8 +244,9 @@ def main():
         "dtype": args.dtype,
         "batch": batch,
         "block": block,
-        "median_ms": round(1e3 * statistics.median(times), 3),
-        "mean_ms": round(1e3 * statistics.mean(times), 3),
+        "median_ms": round(1e3 * statistics.median(times), 3) if times else None,
+        "mean_ms": round(1e3 * statistics.mean(times), 3) if times else None,
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "max_allocated_mib": mib(torch.cuda.max_memory_allocated(dev)) if cuda else None,
         "max_reserved_mib": mib(torch.cuda.max_memory_reserved(dev)) if cuda else None,
         "losses": [round(v, 5) for v in losses],

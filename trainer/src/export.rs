@@ -112,6 +112,8 @@ pub struct ExportOptions {
     /// Adapters (a LoRA run, a PEFT adapter directory) are merged into their base and
     /// written as a whole model; without it they are written as a PEFT adapter directory.
     pub merge: bool,
+    /// Adapters are exported even over another base than the one they record (a warning).
+    pub other_base: bool,
 }
 
 impl Default for ExportOptions {
@@ -121,6 +123,7 @@ impl Default for ExportOptions {
             max_shard_size: DEFAULT_MAX_SHARD_SIZE,
             force: false,
             merge: false,
+            other_base: false,
         }
     }
 }
@@ -220,7 +223,11 @@ pub fn plan_shards(tensors: &[(String, u64)], max_shard_size: u64) -> Vec<Vec<St
 /// Exports the model `source` names (see [`crate::load::resolve`]) to `out` (see
 /// [`export`]).
 pub fn export_spec(source: &str, out: &Path, options: &ExportOptions) -> Result<Exported> {
-    export(&ModelDir::open(source)?, out, options)
+    export(
+        &ModelDir::open(source)?.with_other_base(options.other_base),
+        out,
+        options,
+    )
 }
 
 /// Writes `source` as a Hugging Face model directory at `out`: `config.json`
@@ -480,8 +487,13 @@ fn export_adapter(source: &ModelDir, out: &Path, options: &ExportOptions) -> Res
         .map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
         .sum();
     let copies = files_to_copy(&origins(source));
+    let metadata = loaded
+        .base
+        .as_ref()
+        .map(crate::lora::BaseIdentity::to_metadata)
+        .unwrap_or_default();
     write_dir(out, &copies, |tmp| {
-        candle_peft::format::save(tmp, &adapter.config, &tensors)
+        candle_peft::format::save(tmp, &adapter.config, &tensors, &metadata)
             .map_err(|e| Error::checkpoint(tmp, e.to_string()))
     })?;
     Ok(Exported {

@@ -86,6 +86,7 @@ const FIXED: &[&str] = &[
     "rslora",
     "modules_to_save",
     "adapter",
+    "other_base",
 ];
 
 #[test]

@@ -109,8 +109,9 @@ pub enum ModelFiles<'a> {
     /// The whole model: `config.json` + `model.safetensors`.
     Full(&'a dyn ModelConfig),
     /// LoRA adapters (and modules to save) over a frozen base recorded in the state:
-    /// PEFT's `adapter_config.json` + `adapter_model.safetensors`.
-    Lora(&'a candle_peft::LoraConfig),
+    /// PEFT's `adapter_config.json` + `adapter_model.safetensors`, which records the base too
+    /// ([`crate::lora::BASE_METADATA_KEY`]).
+    Lora(&'a candle_peft::LoraConfig, &'a crate::lora::BaseIdentity),
 }
 
 impl ModelFiles<'_> {
@@ -118,7 +119,7 @@ impl ModelFiles<'_> {
     pub fn weights_file(&self) -> &'static str {
         match self {
             ModelFiles::Full(_) => MODEL_FILE,
-            ModelFiles::Lora(_) => candle_peft::format::ADAPTER_WEIGHTS_FILE,
+            ModelFiles::Lora(..) => candle_peft::format::ADAPTER_WEIGHTS_FILE,
         }
     }
 
@@ -126,12 +127,12 @@ impl ModelFiles<'_> {
     pub fn write(&self, dir: &Path, params: &Params) -> Result<()> {
         match self {
             ModelFiles::Full(config) => save_model(dir, *config, params),
-            ModelFiles::Lora(config) => {
+            ModelFiles::Lora(config, base) => {
                 let tensors: Vec<(String, Tensor)> = params
                     .iter()
                     .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
                     .collect();
-                candle_peft::format::save(dir, config, &tensors)
+                candle_peft::format::save(dir, config, &tensors, &base.to_metadata())
                     .map_err(|e| Error::checkpoint(dir, e.to_string()))
             }
         }

@@ -72,9 +72,9 @@ pub struct TrainerState {
     #[serde(default = "one")]
     pub world_size: usize,
     /// The frozen base model of a LoRA run (its checkpoints hold the adapters only), by
-    /// digest: resuming or loading the adapters over another base is refused.
+    /// identity: resuming or loading the adapters over another base is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub base: Option<crate::lora::BaseIdentity>,
+    pub base: Option<crate::lora::RecordedBase>,
 }
 
 fn one() -> usize {

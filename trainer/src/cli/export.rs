@@ -30,6 +30,10 @@ pub(super) struct ExportArgs {
     /// written as a PEFT adapter directory.
     #[arg(long)]
     merge: bool,
+    /// Export adapters even though they record another base model than the one found (a
+    /// warning names both; without it they are refused).
+    #[arg(long)]
+    other_base: bool,
 }
 
 fn size(text: &str) -> std::result::Result<u64, String> {
@@ -42,6 +46,7 @@ pub(super) fn export(args: ExportArgs) -> Result<()> {
         max_shard_size: args.max_shard_size,
         force: args.force,
         merge: args.merge,
+        other_base: args.other_base,
     };
     let done = export_spec(&args.source, &args.out_dir, &options)
         .with_context(|| format!("cannot export {}", args.source))?;

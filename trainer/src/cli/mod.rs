@@ -149,12 +149,20 @@ struct SampleArgs {
     /// Device (cpu, cuda, cuda:N, metal).
     #[arg(long, default_value = "cpu")]
     device: trainer::config::DeviceSpec,
+    /// Use adapters even though they record another base model than the one found (a
+    /// warning names both; without it they are refused).
+    #[arg(long)]
+    other_base: bool,
 }
 
 #[derive(Args, Debug)]
 struct EvalArgs {
     /// A run or checkpoint directory, a Hugging Face model directory, or a hub model id.
     model: String,
+    /// Use adapters even though they record another base model than the one found (a
+    /// warning names both; without it they are refused).
+    #[arg(long)]
+    other_base: bool,
     #[command(flatten)]
     request: EvalRequest,
 }
@@ -164,6 +172,10 @@ struct InspectArgs {
     /// A run or checkpoint directory, a Hugging Face model directory, a hub model id, or a
     /// `.safetensors` file. Exits non-zero when the weights do not match config.json.
     checkpoint: String,
+    /// Use adapters even though they record another base model than the one found (a
+    /// warning names both; without it they are refused).
+    #[arg(long)]
+    other_base: bool,
 }
 
 /// How a command ended, when it did not fail.

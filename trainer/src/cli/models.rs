@@ -62,7 +62,7 @@ impl Codec {
 }
 
 pub(super) fn sample(args: SampleArgs) -> Result<()> {
-    let model_dir = ModelDir::open(&args.model)?;
+    let model_dir = ModelDir::open(&args.model)?.with_other_base(args.other_base);
     let device = args.device.open()?;
     let codec = Codec::for_model(&model_dir, args.tokenizer_path.as_deref())?;
     // The loader checks the vocabulary against the model: more ids than the model embeds
@@ -134,7 +134,7 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
 }
 
 pub(super) fn eval(args: EvalArgs) -> Result<()> {
-    let model = ModelDir::open(&args.model)?;
+    let model = ModelDir::open(&args.model)?.with_other_base(args.other_base);
     let e = args
         .request
         .evaluate(&model)
@@ -153,7 +153,7 @@ pub(super) fn inspect(args: InspectArgs) -> Result<()> {
     if Path::new(spec).is_file() {
         return print_tensors(&WeightFiles::Single(PathBuf::from(spec)));
     }
-    let model = ModelDir::open(spec)?;
+    let model = ModelDir::open(spec)?.with_other_base(args.other_base);
     print_tensors(&model.weights)?;
     inspect_dir(&model)
 }

@@ -396,6 +396,10 @@ train_config! {
     /// adapter_model.safetensors; its config replaces the lora_* settings).
     #[resume(fixed)]
     adapter: Option<PathBuf> = None,
+    /// Use --adapter even though its file records another base model than --init-from (a
+    /// warning names both; without this it is refused).
+    #[resume(fixed)]
+    other_base: bool = false,
 }
 
 impl TrainConfig {

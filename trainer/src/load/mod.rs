@@ -120,6 +120,9 @@ pub struct ModelDir {
     /// The directory of the adapters applied over the weights (`adapter_config.json` +
     /// `adapter_model.safetensors`), if any.
     pub adapter: Option<PathBuf>,
+    /// Adapters whose file records another base than the one found are used anyway (with a
+    /// warning naming both) instead of refused: the commands' `--other-base`.
+    pub other_base: bool,
 }
 
 /// How a trainer checkpoint's data fingerprint is checked against the data given.
@@ -185,6 +188,8 @@ pub struct Loaded {
     pub params: Params,
     /// The adapters, when loaded [`Checks::unmerged`].
     pub adapter: Option<candle_peft::Adapter>,
+    /// The identity of the base the adapters were loaded over (`None` without adapters).
+    pub base: Option<crate::lora::BaseIdentity>,
 }
 
 impl Loaded {
@@ -217,6 +222,7 @@ impl ModelDir {
                 run,
                 weights,
                 adapter: None,
+                other_base: false,
             });
         }
         let config_path = dir.join(ADAPTER_CONFIG_FILE);
@@ -254,17 +260,23 @@ impl ModelDir {
             run,
             weights,
             adapter: Some(dir),
+            other_base: false,
         })
     }
 
-    /// Adapters over another base: the identity of that base now.
-    pub fn base_identity(&self) -> Result<crate::lora::BaseIdentity> {
-        let name = self
-            .run
+    /// The same, using adapters over another base than the one they record when `other_base`
+    /// (see [`ModelDir::other_base`]).
+    pub fn with_other_base(self, other_base: bool) -> Self {
+        ModelDir { other_base, ..self }
+    }
+
+    /// Adapters over another base: how the base is named (a LoRA run's `init_from`, else
+    /// its directory).
+    fn base_name(&self) -> String {
+        self.run
             .as_ref()
             .and_then(|r| r.config.init_from.clone())
-            .unwrap_or_else(|| self.dir.display().to_string());
-        crate::lora::BaseIdentity::of(&name, &self.dir, &self.weights.files())
+            .unwrap_or_else(|| self.dir.display().to_string())
     }
 
     /// The checkpoint's own directory: the adapters' for adapters, else [`ModelDir::dir`].
@@ -367,22 +379,28 @@ impl ModelDir {
             None => {}
         }
         let mut params = self.weights.read(config.as_ref(), device, self.source())?;
-        let mut adapter = None;
+        let (mut adapter, mut base) = (None, None);
         if let Some(dir) = &self.adapter {
+            let now = crate::lora::BaseIdentity::of(&self.base_name(), config.as_ref(), &params)?;
             if let Some(recorded) = self.run.as_ref().and_then(|r| r.base.as_ref()) {
-                recorded.check(&self.base_identity()?, dir)?;
+                recorded.check(&now, &self.dir, &self.weights.files(), dir)?;
             }
-            let a = candle_peft::Adapter::load(dir, device)
-                .map_err(|e| Error::Config(e.to_string()))?;
+            let a = crate::lora::read_adapter(dir, device)?;
+            crate::lora::check_adapter_base(&a, &now, self.other_base)?;
             match checks.unmerged {
-                true => adapter = Some(a),
-                false => params = crate::lora::merge(&params, &a)?,
+                true => {
+                    crate::lora::fit(config.as_ref(), &params, &a)?;
+                    adapter = Some(a);
+                }
+                false => params = crate::lora::merge(config.as_ref(), &params, &a)?,
             }
+            base = Some(now);
         }
         let loaded = Loaded {
             config,
             params,
             adapter,
+            base,
         };
         let more = read(&loaded)?;
         if let Some(run) = &self.run {

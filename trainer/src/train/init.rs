@@ -77,10 +77,13 @@ pub fn build_model(
         )));
     }
     let loaded = source.load_with(&checks, device)?;
+    let base = lora::BaseIdentity::of(from, loaded.config.as_ref(), &loaded.params)?;
     let adapter = match &config.adapter {
-        Some(dir) => Some(
-            candle_peft::Adapter::load(dir, device).map_err(|e| Error::Config(e.to_string()))?,
-        ),
+        Some(dir) => {
+            let a = lora::read_adapter(dir, device)?;
+            lora::check_adapter_base(&a, &base, config.other_base)?;
+            Some(a)
+        }
         None => None,
     };
     let base_dtype = config.base_dtype.unwrap_or(config.dtype).dtype();
@@ -92,7 +95,6 @@ pub fn build_model(
         base_dtype,
         config.seed,
     )?;
-    let base = lora::BaseIdentity::of(from, &source.dir, &source.weights.files())?;
     Ok((
         model,
         params,

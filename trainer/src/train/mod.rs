@@ -203,9 +203,12 @@ impl Trainer {
         // checked against the identity the run recorded.
         let (_, (model, params, tuning, optimizer)) =
             load::ModelDir::at(dir.clone())?.load_then(&checks, &device, |l| {
-                let (model, params, tuning) = match (&l.adapter, &state.base) {
-                    (None, _) => (l.build()?, l.params.clone(), Tuning::Full),
-                    (Some(a), Some(base)) => {
+                // The base was checked against the recorded one by the loader; the run goes
+                // on recording its identity as found now (an old run's file digests become
+                // the semantic identity).
+                let (model, params, tuning) = match (&l.adapter, &l.base, &state.base) {
+                    (None, ..) => (l.build()?, l.params.clone(), Tuning::Full),
+                    (Some(a), Some(base), Some(_)) => {
                         let base_dtype = config.base_dtype.unwrap_or(config.dtype).dtype();
                         let (m, p) = crate::lora::adapt(
                             l.config.as_ref(),
@@ -221,7 +224,7 @@ impl Trainer {
                         };
                         (m, p, tuning)
                     }
-                    (Some(_), None) => {
+                    (Some(_), ..) => {
                         return Err(Error::checkpoint(
                             &dir,
                             "holds adapters but trainer_state.json records no base model",

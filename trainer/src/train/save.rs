@@ -22,7 +22,11 @@ impl Trainer {
             config: self.config.clone(),
             data: Some(self.data.fingerprint()),
             world_size: self.dp.world_size(),
-            base: self.tuning.base().cloned(),
+            base: self
+                .tuning
+                .base()
+                .cloned()
+                .map(crate::lora::RecordedBase::Semantic),
         }
     }
 

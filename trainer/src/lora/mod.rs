@@ -9,7 +9,7 @@
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
@@ -18,11 +18,15 @@ use candle_peft::format::{self, lora_a_name, lora_b_name, module_of, saved_name}
 use candle_peft::{Adapter, Lora, LoraConfig, TargetModules};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::finite;
 use crate::config::TrainConfig;
 use crate::model::{Builder, Ctx, Kernels, LinearAdapter, Model, ModelConfig, Params, WeightMap};
 use crate::{Error, Result};
+
+mod base;
+
+pub use base::{check_adapter_base, BaseIdentity, RecordedBase, BASE_METADATA_KEY};
 
 /// The module path of the output head, which `all-linear` leaves out (PEFT: the output
 /// embeddings).
@@ -98,7 +102,7 @@ impl Tuning {
     pub fn files<'a>(&'a self, config: &'a dyn ModelConfig) -> crate::checkpoint::ModelFiles<'a> {
         match self {
             Tuning::Full => crate::checkpoint::ModelFiles::Full(config),
-            Tuning::Lora { config, .. } => crate::checkpoint::ModelFiles::Lora(config),
+            Tuning::Lora { config, base } => crate::checkpoint::ModelFiles::Lora(config, base),
         }
     }
 
@@ -156,6 +160,50 @@ fn peft_err(e: candle_peft::PeftError) -> Error {
     Error::Config(e.to_string())
 }
 
+/// Reads the PEFT adapter in `dir` onto `device`: the one way adapters enter the trainer.
+///
+/// Its tensors are checked as weights are ([`finite::check_tensors`]: floating point, every
+/// value finite), naming `adapter_model.safetensors` and the tensor; [`Adapter::load`] has
+/// checked the names and the rank `r`; [`adapt`] checks the rest against the model.
+pub fn read_adapter(dir: &Path, device: &Device) -> Result<Adapter> {
+    let adapter = Adapter::load(dir, device).map_err(peft_err)?;
+    let named: Vec<(String, &Tensor)> = adapter
+        .loras
+        .iter()
+        .flat_map(|(p, (a, b))| [(lora_a_name(p), a), (lora_b_name(p), b)])
+        .chain(adapter.saved.iter().map(|(n, t)| (saved_name(n), t)))
+        .collect();
+    finite::check_tensors(
+        &dir.join(format::ADAPTER_WEIGHTS_FILE),
+        "adapter",
+        named.iter().map(|(n, t)| (n.as_str(), *t)),
+    )?;
+    Ok(adapter)
+}
+
+/// Errors, naming the adapter's file and the module, unless `s · B A` of `lora` is finite in
+/// f32, the dtype merging and the trainer compute it in.
+///
+/// Finite `A` and `B` are not enough: `1e38` is a finite f32, but `B A` of two such matrices
+/// overflows. A bound on each value would be arbitrary (small `A` times large `B` is fine),
+/// so the rule is on what enters the model, the product.
+fn check_delta(dir: &Path, path: &str, lora: &Lora) -> Result<()> {
+    let delta = lora.delta_weight().map_err(peft_err)?;
+    if let Some((i, v)) = finite::first_non_finite(&delta)? {
+        return Err(Error::checkpoint(
+            dir.join(format::ADAPTER_WEIGHTS_FILE),
+            format!(
+                "module `{path}`: the adapter's weight update s · lora_B · lora_A overflows \
+                 f32 ({v} at flat index {i} of {:?}): `{}` and `{}` hold values too large",
+                delta.dims(),
+                lora_a_name(path),
+                lora_b_name(path)
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Builds `config`'s model over the frozen `base` weights (cast to `base_dtype`, detached:
 /// they get no gradient) with LoRA adapters where `lora` targets, and returns it with its
 /// trainable parameters (by PEFT's on-disk names).
@@ -182,6 +230,8 @@ pub fn adapt(
     let mismatch = |message: String| Error::Config(format!("{what}: {message}"));
     let trainable = RefCell::new(BTreeMap::<String, Var>::new());
     let offered = RefCell::new(Vec::<String>::new());
+    // Modules the targets select that the adapter has no tensors for (all named at the end).
+    let missing = RefCell::new(Vec::<String>::new());
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x104A_0000);
     let rng = RefCell::new(&mut rng);
     let device = base
@@ -235,12 +285,14 @@ pub fn adapt(
                                 want.1
                             )));
                         }
-                        (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?)
+                        let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
+                        let lora = Lora::new(a.clone(), b.clone(), lora).map_err(peft_err)?;
+                        check_delta(&adapter.dir, path, &lora)?;
+                        (a, b)
                     }
                     None => {
-                        return Err(mismatch(format!(
-                            "its target_modules match `{path}` but it has no lora_A/lora_B for it"
-                        )))
+                        missing.borrow_mut().push(path.to_string());
+                        return Ok(None);
                     }
                 },
                 None => Lora::init(
@@ -265,6 +317,16 @@ pub fn adapt(
             })))
         };
     let model = config.build(&Builder::root(&source).with_wrap(&wrap))?;
+    let missing = missing.into_inner();
+    if !missing.is_empty() {
+        let names: Vec<&str> = missing.iter().map(String::as_str).collect();
+        return Err(mismatch(format!(
+            "its target_modules `{}` select {} module(s) it has no lora_A/lora_B for: {}",
+            lora.target_modules,
+            names.len(),
+            name_some(&names)
+        )));
+    }
     let trainable = trainable.into_inner();
     let offered = offered.into_inner();
     let adapted: BTreeSet<&str> = trainable
@@ -306,11 +368,19 @@ pub fn adapt(
         }
     }
     if let Some(a) = from {
-        if let Some(p) = a.loras.keys().find(|p| !adapted.contains(p.as_str())) {
+        let stray: Vec<&str> = a
+            .loras
+            .keys()
+            .map(String::as_str)
+            .filter(|p| !adapted.contains(p))
+            .collect();
+        if !stray.is_empty() {
             return Err(mismatch(format!(
-                "has lora_A/lora_B for `{p}`, which is not a linear layer of the model that its \
-                 target_modules `{}` select",
-                lora.target_modules
+                "has lora_A/lora_B for {} module(s) that are not linear layers of the model \
+                 selected by its target_modules `{}`: {}",
+                stray.len(),
+                lora.target_modules,
+                name_some(&stray)
             )));
         }
         if let Some(n) = a
@@ -327,9 +397,33 @@ pub fn adapt(
     Ok((model, Params::from_vars(trainable)))
 }
 
-/// The base parameters with `adapter` merged in (`W + s B A` for every adapted module, the
-/// saved modules' parameters replaced), in f32: a model for inference or export.
-pub fn merge(base: &Params, adapter: &Adapter) -> Result<Params> {
+/// Checks that `adapter` fits the model `config` over `base` as [`adapt`] does (every tensor
+/// used by a module its `target_modules` select, every selected module adapted, the model's
+/// shapes, a finite update), without keeping the adapted model.
+pub fn fit(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Result<()> {
+    adapt(config, base, &adapter.config, Some(adapter), DType::F32, 0).map(drop)
+}
+
+/// Up to eight of `names`, then how many more.
+fn name_some(names: &[&str]) -> String {
+    let shown: Vec<String> = names.iter().take(8).map(|n| format!("`{n}`")).collect();
+    match names.len() > 8 {
+        true => format!("{} and {} more", shown.join(", "), names.len() - 8),
+        false => shown.join(", "),
+    }
+}
+
+/// The base parameters of the model `config` with `adapter` merged in (`W + s B A` for every
+/// adapted module, the saved modules' parameters replaced), in f32: a model for inference or
+/// export.
+///
+/// The adapter is first fitted to the model by [`adapt`], as for training, so that merging
+/// refuses what training refuses: tensors for modules its `target_modules` do not select, a
+/// selected module without tensors, shapes the model does not have, an update that overflows.
+/// A merged weight must be finite too.
+pub fn merge(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Result<Params> {
+    fit(config, base, adapter)?;
+    let file = adapter.dir.join(format::ADAPTER_WEIGHTS_FILE);
     let what = adapter.dir.display().to_string();
     let mut tensors: BTreeMap<String, Tensor> = base
         .iter()
@@ -346,6 +440,7 @@ pub fn merge(base: &Params, adapter: &Adapter) -> Result<Params> {
         let merged = lora
             .merge(w)
             .map_err(|e| Error::Config(format!("{what}: `{path}`: {e}")))?;
+        finite::check_tensors(&file, "merged", [(name.as_str(), &merged)])?;
         tensors.insert(name, merged);
     }
     for (name, t) in &adapter.saved {
@@ -365,66 +460,4 @@ pub fn merge(base: &Params, adapter: &Adapter) -> Result<Params> {
         tensors.insert(name.clone(), t.to_dtype(old.dtype())?);
     }
     Params::from_tensors(tensors)
-}
-
-/// What identifies a base model: its `config.json` and weight files, by digest. Recorded in
-/// an adapter checkpoint, so that resuming (or loading it for evaluation) on another base is
-/// refused.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BaseIdentity {
-    /// The base as the run named it (`init_from`).
-    pub model: String,
-    /// Digest of its `config.json`.
-    pub config: String,
-    /// Digest of each weight file, by file name.
-    pub weights: BTreeMap<String, String>,
-}
-
-impl BaseIdentity {
-    /// The identity of the model in `dir` (its config.json and `weight_files`).
-    pub fn of(model: &str, dir: &Path, weight_files: &[PathBuf]) -> Result<Self> {
-        let digest = crate::checkpoint::manifest::digest;
-        let mut weights = BTreeMap::new();
-        for f in weight_files {
-            let name = f
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            weights.insert(name, digest(f)?);
-        }
-        Ok(BaseIdentity {
-            model: model.to_string(),
-            config: digest(&dir.join(crate::checkpoint::CONFIG_FILE))?,
-            weights,
-        })
-    }
-
-    /// Errors unless `other` (the base found now) is this one, naming what differs.
-    pub fn check(&self, other: &BaseIdentity, checkpoint: &Path) -> Result<()> {
-        let mut diff = Vec::new();
-        if self.config != other.config {
-            diff.push("config.json".to_string());
-        }
-        if self.weights != other.weights {
-            let names: BTreeSet<&String> =
-                self.weights.keys().chain(other.weights.keys()).collect();
-            for n in names {
-                if self.weights.get(n) != other.weights.get(n) {
-                    diff.push(n.clone());
-                }
-            }
-        }
-        if diff.is_empty() {
-            return Ok(());
-        }
-        Err(Error::checkpoint(
-            checkpoint,
-            format!(
-                "its adapters were trained on another base model than `{}` is now ({} \
-                 differ): adapters only make sense on the weights they were trained on",
-                other.model,
-                diff.join(", ")
-            ),
-        ))
-    }
 }
