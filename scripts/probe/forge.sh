@@ -32,6 +32,20 @@ st_same() {
         [[ $(st_header "$1" | jq -S .) == "$(st_header "$2" | jq -S .)" ]]
 }
 
+# Whether directories $1 and $2 hold the same files with the same contents (safetensors by
+# st_same, others byte for byte).
+same_dir() {
+    local f
+    [[ $(cd "$1" && find . -type f | sort) == "$(cd "$2" && find . -type f | sort)" ]] || return 1
+    while read -r f; do
+        if [[ $f == *.safetensors ]]; then
+            st_same "$1/$f" "$2/$f" || return 1
+        else
+            cmp -s "$1/$f" "$2/$f" || return 1
+        fi
+    done < <(cd "$1" && find . -type f)
+}
+
 # Replaces the header of safetensors file $1 by jq filter $2 applied to it. A header no longer
 # than the old one is padded with spaces (as the format allows) and written in place; a longer
 # one rewrites the file.

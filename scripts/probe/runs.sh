@@ -249,7 +249,7 @@ kill_export() {
     ms=$(rand_in 0 5)
     mkdir -p "$dir"
     landed=$(kill_at "$ms" "$dir/.out.tmp-*" "$dir" export "$FX/ref-lora" "$dir/out" "${flags[@]}")
-    if [[ -e $dir/out ]] && ! diff -r -q "$ref" "$dir/out" >/dev/null 2>&1; then
+    if [[ -e $dir/out ]] && ! same_dir "$ref" "$dir/out"; then
         verdict=fail detail="a partial output right after the kill"
     fi
     "$T" export "$FX/ref-lora" "$dir/out" "${flags[@]}" --force >>"$dir/log" 2>&1 && rc=0 || rc=$?
@@ -260,7 +260,7 @@ kill_export() {
         verdict=fail detail="rerun exit $rc: $(grep -m1 -i error "$dir/log" || true)"
     elif ((${#left[@]})); then
         verdict=fail detail="left behind: ${left[*]##*/}"
-    elif ! diff -r -q "$ref" "$dir/out" >/dev/null 2>&1; then
+    elif ! same_dir "$ref" "$dir/out"; then
         verdict=fail detail="the rerun's output differs from the reference"
     elif ! "$T" inspect "$dir/out" >>"$dir/log" 2>&1; then
         verdict=fail detail="the output does not load (inspect)"
