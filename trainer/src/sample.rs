@@ -1,6 +1,8 @@
 //! Text generation: temperature, top-k and top-p (nucleus) sampling, and batched greedy
 //! decoding.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -91,6 +93,46 @@ pub fn generate_until(
     rng: &mut ChaCha8Rng,
     device: &Device,
 ) -> Result<Vec<u32>> {
+    let never = AtomicBool::new(false);
+    let ends = Ends {
+        tokens: stop,
+        flag: &never,
+    };
+    let out = generate_inner(model, prompt, max_new_tokens, sampling, ends, rng, device)?;
+    Ok(out.unwrap_or_default())
+}
+
+/// [`generate`], given up between tokens once `flag` is set (Ctrl-C, SIGTERM): `None`, so
+/// that a signal during a long sample does not wait for its end.
+pub fn generate_while(
+    model: &dyn Model,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    sampling: SamplingConfig,
+    rng: &mut ChaCha8Rng,
+    device: &Device,
+    flag: &AtomicBool,
+) -> Result<Option<Vec<u32>>> {
+    let ends = Ends { tokens: &[], flag };
+    generate_inner(model, prompt, max_new_tokens, sampling, ends, rng, device)
+}
+
+/// What ends a generation early: one of `tokens` generated (kept), or `flag` set (`None`).
+#[derive(Clone, Copy)]
+struct Ends<'a> {
+    tokens: &'a [u32],
+    flag: &'a AtomicBool,
+}
+
+fn generate_inner(
+    model: &dyn Model,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    sampling: SamplingConfig,
+    ends: Ends<'_>,
+    rng: &mut ChaCha8Rng,
+    device: &Device,
+) -> Result<Option<Vec<u32>>> {
     if prompt.is_empty() {
         return Err(Error::Config(
             "the prompt must hold at least one token".into(),
@@ -101,6 +143,9 @@ pub fn generate_until(
     let mut cache = KvCache::new();
     let mut fed = 0; // tokens[..fed] are in the cache
     for _ in 0..max_new_tokens {
+        if ends.flag.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
         if tokens.len() > block {
             // Past the model's positions: the last `block` tokens, afresh (a sliding window).
             cache = KvCache::new();
@@ -115,11 +160,11 @@ pub fn generate_until(
         logits.truncate(sampling.vocab.unwrap_or(usize::MAX).max(1));
         let next = pick(&logits, sampling, rng);
         tokens.push(next);
-        if stop.contains(&next) {
+        if ends.tokens.contains(&next) {
             break;
         }
     }
-    Ok(tokens)
+    Ok(Some(tokens))
 }
 
 /// Chooses one token from `logits` according to `sampling`.

@@ -18,6 +18,11 @@ fn spawn(dir: &Path) -> Child {
 
 /// [`spawn`], each evaluation `eval_iters` batches long.
 fn spawn_eval_iters(dir: &Path, eval_iters: &str) -> Child {
+    spawn_with(dir, eval_iters, &[])
+}
+
+/// [`spawn_eval_iters`] with `extra` arguments.
+fn spawn_with(dir: &Path, eval_iters: &str, extra: &[&str]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_trainer"))
         .args([
             "train",
@@ -40,6 +45,7 @@ fn spawn_eval_iters(dir: &Path, eval_iters: &str) -> Child {
             "--eval-iters",
             eval_iters,
         ])
+        .args(extra)
         .current_dir(dir)
         // Files, not pipes: a pipe nobody reads could fill and block the trainer.
         .stdout(Stdio::from(
@@ -118,6 +124,43 @@ fn a_second_signal_exits_at_once() {
     let (status, out) = finish(child, tmp.path());
     assert_eq!(status.code(), Some(130), "{out}");
     assert!(out.contains("second signal"), "{out}");
+}
+
+/// A signal while the first evaluation's text sample is generated does not wait for its end:
+/// sampling checks the stop flag between tokens. (Before: the 65536 tokens of the largest
+/// sample allowed, on end after the signal.)
+#[test]
+fn a_signal_cuts_a_sample_short() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut child = spawn_with(dir, "1", &["--sample-tokens", "65536"]);
+    let start = Instant::now();
+    while !dir.join("run/run.toml").is_file() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the trainer exited early: {status}");
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no start in 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The one-batch evaluation takes milliseconds; the sample, tens of seconds.
+    std::thread::sleep(Duration::from_millis(1500));
+    signal(&child, libc::SIGTERM);
+    let signalled = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if signalled.elapsed() > Duration::from_secs(5) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the trainer was still sampling 5 s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (status, out) = finish(child, dir);
+    assert_eq!(status.code(), Some(75), "{out}");
+    let t = Trainer::resume(&dir.join("run"), |_| {}).unwrap();
+    assert_eq!(t.step(), 0);
 }
 
 /// A signal during an evaluation does not wait for its end: evaluation checks the stop flag

@@ -47,6 +47,9 @@ pub const CONFIG_FILE: &str = "config.json";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 /// Trainer state file name.
 pub const STATE_FILE: &str = "trainer_state.json";
+/// The safetensors metadata key that records, in a checkpoint's weights and optimiser
+/// files, the trainer step they were saved at (checked against `trainer_state.json`).
+pub const TRAINER_STEP_KEY: &str = "trainer_step";
 
 /// The directory holding a run's checkpoints.
 pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
@@ -122,10 +125,14 @@ impl ModelFiles<'_> {
         }
     }
 
-    /// Writes the weights `params` (and their config) into `dir`.
-    pub fn write(&self, dir: &Path, params: &Params) -> Result<()> {
+    /// Writes the weights `params` (and their config) into `dir`, saved at trainer `step`
+    /// (recorded in the weights' metadata where the format has room: full models).
+    pub fn write(&self, dir: &Path, params: &Params, step: usize) -> Result<()> {
         match self {
-            ModelFiles::Full(config) => save_model(dir, *config, params),
+            ModelFiles::Full(config) => {
+                let step = (TRAINER_STEP_KEY.to_string(), step.to_string());
+                write_model(dir, *config, params, Some(step))
+            }
             ModelFiles::Lora(config) => {
                 let tensors: Vec<(String, Tensor)> = params
                     .iter()
@@ -139,15 +146,18 @@ impl ModelFiles<'_> {
 }
 
 /// Saves a complete checkpoint for `state.step` under `run_dir/checkpoints/`, atomically,
-/// points `latest` at it and returns its directory. `extra` may write more files into the
-/// checkpoint's temporary directory before it is renamed into place.
+/// points `latest` at it and returns its directory. `extra` writes more files into the
+/// checkpoint before it is renamed into place: each by its name, given the path to write.
+///
+/// Every file is written through [`named`]: a failed write (a full disk, say) is an error
+/// naming the file, whoever wrote it.
 pub fn save(
     run_dir: &Path,
     files: ModelFiles,
     params: &Params,
     optimizer: &AdamW,
     state: &TrainerState,
-    extra: &dyn Fn(&Path) -> Result<()>,
+    extra: &[(&str, &dyn Fn(&Path) -> Result<()>)],
 ) -> Result<PathBuf> {
     let ckpts = checkpoints_dir(run_dir);
     let name = format!("step-{:07}", state.step);
@@ -172,7 +182,7 @@ pub fn save(
         opt_tensors.iter().map(|(n, t)| (n.as_str(), t)),
     )
     .map_err(refuse)?;
-    fs::create_dir_all(&ckpts).map_err(|e| Error::io(&ckpts, e))?;
+    io::create_dir_all(&ckpts)?;
     let final_dir = ckpts.join(&name);
     let tmp = ckpts.join(format!(".tmp-{name}-{}", std::process::id()));
     if tmp.exists() {
@@ -180,12 +190,30 @@ pub fn save(
     }
     fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let written = (|| -> Result<()> {
-        files.write(&tmp, params)?;
-        let meta = HashMap::from([("step".to_string(), opt_step.to_string())]);
-        io::save_safetensors(&tmp.join(OPTIMIZER_FILE), &opt_tensors, Some(meta))?;
-        io::write_json(&tmp.join(STATE_FILE), state)?;
-        extra(&tmp)?;
-        manifest::write(&tmp, state.step)?;
+        let file = |name: &str| target.join(name);
+        named(
+            &file(files.weights_file()),
+            files.write(&tmp, params, state.step),
+        )?;
+        let meta = HashMap::from([
+            ("step".to_string(), opt_step.to_string()),
+            (TRAINER_STEP_KEY.to_string(), state.step.to_string()),
+        ]);
+        named(
+            &file(OPTIMIZER_FILE),
+            io::save_safetensors(&tmp.join(OPTIMIZER_FILE), &opt_tensors, Some(meta)),
+        )?;
+        named(
+            &file(STATE_FILE),
+            io::write_json(&tmp.join(STATE_FILE), state),
+        )?;
+        for (name, write) in extra {
+            named(&file(name), write(&tmp.join(name)))?;
+        }
+        named(
+            &file(manifest::MANIFEST_FILE),
+            manifest::write(&tmp, state.step),
+        )?;
         io::sync_dir(&tmp).map_err(|e| Error::io(&tmp, e))
     })();
     if let Err(e) = written {
@@ -209,13 +237,34 @@ pub fn save(
     Ok(final_dir)
 }
 
+/// `written`, its error naming the file at `path` (the checkpoint's file, not its temporary
+/// copy) unless it already names that file.
+fn named(path: &Path, written: Result<()>) -> Result<()> {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    written.map_err(|e| match e.to_string().contains(name.as_ref()) {
+        true => e,
+        false => Error::checkpoint(path, format!("cannot write: {e}")),
+    })
+}
+
 /// Writes `model.safetensors` (HF names, f32) and `config.json` into `dir`.
 pub fn save_model(dir: &Path, config: &dyn ModelConfig, params: &Params) -> Result<()> {
+    write_model(dir, config, params, None)
+}
+
+/// [`save_model`] with one more metadata entry in the weights file.
+fn write_model(
+    dir: &Path,
+    config: &dyn ModelConfig,
+    params: &Params,
+    extra: Option<(String, String)>,
+) -> Result<()> {
     let tensors: Vec<(String, Tensor)> = params
         .iter()
         .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
         .collect();
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let mut meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    meta.extend(extra);
     io::save_safetensors(&dir.join(MODEL_FILE), &tensors, Some(meta))?;
     let json = serde_json::to_string_pretty(&config.to_hf_json())
         .map_err(|e| Error::checkpoint(dir, e.to_string()))?;
@@ -259,6 +308,50 @@ pub fn load_params(
     source: Source,
 ) -> Result<Params> {
     crate::load::WeightFiles::Single(path.to_path_buf()).read(config, device, source)
+}
+
+/// Checks that the weights and optimiser files of checkpoint `dir` were saved at the step its
+/// `trainer_state.json` records (`step`), from the trainer step in their metadata: a file of
+/// another step (copied in, with a manifest made to match) is refused naming both files and
+/// steps. Files written before the step was recorded pass (the optimiser's own update count,
+/// which skipped updates only lower, must still not exceed `step`).
+pub fn check_file_steps(dir: &Path, step: usize) -> Result<()> {
+    let state = dir.join(STATE_FILE);
+    for name in [MODEL_FILE, OPTIMIZER_FILE] {
+        let path = dir.join(name);
+        if !path.exists() {
+            continue;
+        }
+        let meta = io::read_safetensors_metadata(&path)?;
+        let read = |key: &str| -> Result<Option<usize>> {
+            meta.get(key)
+                .map(|v| {
+                    v.parse::<usize>().map_err(|_| {
+                        Error::checkpoint(&path, format!("metadata `{key}` is not a step: {v}"))
+                    })
+                })
+                .transpose()
+        };
+        let mismatch = |what: &str, saved: usize| {
+            Error::checkpoint(
+                &path,
+                format!(
+                    "{what} step {saved}, but {} records step {step}: the files come from \
+                     different checkpoints; nothing was resumed",
+                    state.display()
+                ),
+            )
+        };
+        if let Some(saved) = read(TRAINER_STEP_KEY)?.filter(|&s| s != step) {
+            return Err(mismatch("was saved at", saved));
+        }
+        if name == OPTIMIZER_FILE {
+            if let Some(updates) = read("step")?.filter(|&u| u > step) {
+                return Err(mismatch("holds the optimiser state of", updates));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Loads the optimiser state of checkpoint `dir` into `optimizer`.

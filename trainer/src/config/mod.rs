@@ -25,6 +25,10 @@ use crate::optim::AdamWConfig;
 use crate::schedule::LrSchedule;
 use crate::{Error, Result};
 
+/// The most tokens `sample_tokens` may ask for at each evaluation (the sample is generated
+/// one token at a time, and its tokens kept).
+pub const MAX_SAMPLE_TOKENS: usize = 1 << 16;
+
 macro_rules! train_config {
     ($(
         $(#[doc = $doc:literal])*
@@ -364,7 +368,7 @@ train_config! {
     /// Checkpoints kept besides the best one.
     #[resume(may_change)]
     keep_last: usize = 2,
-    /// Tokens sampled at each evaluation (0: none).
+    /// Tokens sampled at each evaluation (0: none; at most 65536).
     #[resume(may_change)]
     sample_tokens: usize = 0,
     /// LoRA rank: train low-rank adapters on a frozen --init-from model (0: train every
@@ -432,6 +436,38 @@ impl TrainConfig {
             bias: self.bias,
             ..GptConfig::default()
         }
+    }
+
+    /// Makes every path the run reads absolute (canonical where it exists: `data_path`,
+    /// `tokenizer_path`, `cache_dir`, `model_json`, `adapter`, and `init_from` when it names a
+    /// local directory rather than a hub id), so that the saved config (`run.toml`,
+    /// `trainer_state.json`) still finds them when the run is resumed or loaded from another
+    /// working directory.
+    pub fn absolute_paths(&mut self) -> Result<()> {
+        let absolute = |p: &Path| -> Result<PathBuf> {
+            std::fs::canonicalize(p)
+                .or_else(|_| std::path::absolute(p))
+                .map_err(|e| Error::io(p, e))
+        };
+        for path in [
+            &mut self.data_path,
+            &mut self.tokenizer_path,
+            &mut self.cache_dir,
+            &mut self.model_json,
+            &mut self.adapter,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            *path = absolute(path)?;
+        }
+        if let Some(from) = &mut self.init_from {
+            let local = Path::new(from.as_str());
+            if local.exists() {
+                *from = absolute(local)?.to_string_lossy().into_owned();
+            }
+        }
+        Ok(())
     }
 
     /// Tokenizer and SFT data without a `tokenizer_path` take the `tokenizer.json` of the
@@ -591,6 +627,21 @@ impl TrainConfig {
     /// Checks every value that can be checked without the data or a checkpoint.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
+        // Sizes that something is built or run per unit of, bounded before anything is.
+        if self.n_layer > crate::model::MAX_LAYERS {
+            return bad(format!(
+                "n_layer is {}: more than the {} layers this trainer builds",
+                self.n_layer,
+                crate::model::MAX_LAYERS
+            ));
+        }
+        if self.sample_tokens > MAX_SAMPLE_TOKENS {
+            return bad(format!(
+                "sample_tokens is {}: at most {MAX_SAMPLE_TOKENS} tokens are sampled at an \
+                 evaluation",
+                self.sample_tokens
+            ));
+        }
         if self.model_json.is_none() {
             self.model_config(1)?.validate()?;
         }
@@ -631,6 +682,8 @@ impl TrainConfig {
         if self.out_dir.as_os_str().is_empty() {
             return bad("out_dir must name a directory (it is empty)".into());
         }
+        crate::io::check_dir_path(&self.out_dir)
+            .map_err(|e| Error::Config(format!("out_dir: {e}")))?;
         if !(self.lr > 0.0 && self.lr.is_finite()) {
             return bad(format!("lr must be positive, got {}", self.lr));
         }

@@ -29,7 +29,7 @@ mod params;
 use candle_core::Tensor;
 
 pub use arch::{
-    architecture, build, config_from_hf_json_file, init, register, Architecture, CheckpointTensor,
+    architecture, build, config_from_hf_json_file, MAX_LAYERS, init, register, Architecture, CheckpointTensor,
     KvCache, Model, ModelConfig, Shape, SpecialTokens, BUILTIN,
 };
 pub use builder::{Builder, Source, Wrap};
