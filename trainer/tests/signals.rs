@@ -18,11 +18,6 @@ fn spawn(dir: &Path) -> Child {
 
 /// [`spawn`], each evaluation `eval_iters` batches long.
 fn spawn_eval_iters(dir: &Path, eval_iters: &str) -> Child {
-    spawn_with(dir, eval_iters, &[])
-}
-
-/// [`spawn_eval_iters`] with `extra` arguments.
-fn spawn_with(dir: &Path, eval_iters: &str, extra: &[&str]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_trainer"))
         .args([
             "train",
@@ -45,7 +40,6 @@ fn spawn_with(dir: &Path, eval_iters: &str, extra: &[&str]) -> Child {
             "--eval-iters",
             eval_iters,
         ])
-        .args(extra)
         .current_dir(dir)
         // Files, not pipes: a pipe nobody reads could fill and block the trainer.
         .stdout(Stdio::from(
@@ -133,7 +127,38 @@ fn a_second_signal_exits_at_once() {
 fn a_signal_cuts_a_sample_short() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let mut child = spawn_with(dir, "1", &["--sample-tokens", "65536"]);
+    // A model wide enough that 65536 tokens take minutes (about 2 ms a token here).
+    let mut child = Command::new(env!("CARGO_BIN_EXE_trainer"))
+        .args([
+            "train",
+            "--out-dir",
+            "run",
+            "--max-iters",
+            "1000000",
+            "--n-layer",
+            "4",
+            "--n-embd",
+            "256",
+            "--n-head",
+            "4",
+            "--eval-iters",
+            "1",
+            "--eval-problems",
+            "8",
+            "--peak-flops",
+            "1e12",
+            "--sample-tokens",
+            "65536",
+        ])
+        .current_dir(dir)
+        .stdout(Stdio::from(
+            std::fs::File::create(dir.join("out.txt")).unwrap(),
+        ))
+        .stderr(Stdio::from(
+            std::fs::File::create(dir.join("err.txt")).unwrap(),
+        ))
+        .spawn()
+        .unwrap();
     let start = Instant::now();
     while !dir.join("run/run.toml").is_file() {
         if let Some(status) = child.try_wait().unwrap() {
@@ -145,7 +170,7 @@ fn a_signal_cuts_a_sample_short() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    // The one-batch evaluation takes milliseconds; the sample, tens of seconds.
+    // The one-batch evaluation takes milliseconds; the sample, minutes.
     std::thread::sleep(Duration::from_millis(1500));
     signal(&child, libc::SIGTERM);
     let signalled = Instant::now();
