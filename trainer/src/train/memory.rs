@@ -73,8 +73,8 @@ pub fn estimate_step_bytes(
 const LAYER_OVERHEAD: u64 = 4 << 10;
 
 /// A LoRA run's adapters (`lora_r` per targeted linear layer, taken as `n_embd` in and out):
-/// their f32 weights, gradients and AdamW moments, and the `lora_r`-wide activations of one
-/// micro-batch.
+/// their f32 weights, gradients and AdamW moments, and the activations of one micro-batch
+/// they add (see `trainer/tests/lora_memory.rs` for how close this comes to a measured run).
 fn adapter_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) -> u64 {
     if config.lora_r == 0 {
         return 0;
@@ -89,10 +89,12 @@ fn adapter_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) ->
     let params = per_layer
         .saturating_mul(2 * shape.n_embd as u64)
         .saturating_mul(shape.n_layer as u64);
+    // Each adapted layer keeps, per token, `A x` (lora_r wide) and its `B A x` and scaled
+    // copy (out wide) for the backward, besides the base layer's own output.
     let tokens = (config.batch_size as u64).saturating_mul(config.block_size as u64);
-    let acts = per_layer
-        .saturating_mul(shape.n_layer as u64)
+    let acts = (targets * shape.n_layer as u64)
         .saturating_mul(tokens)
+        .saturating_mul((config.lora_r as u64).saturating_add(2 * shape.n_embd as u64))
         .saturating_mul(dtype.size_in_bytes() as u64);
     params.saturating_mul(16).saturating_add(acts)
 }
