@@ -251,11 +251,14 @@ fn counted_total(
         return Ok(None);
     }
     let mut rng = rng.clone();
-    let mut total = 0.0;
-    for _ in 0..accum {
-        total += data
-            .batch(Split::Train, rows, block, &mut rng, &Device::Cpu)?
-            .counted()?;
-    }
-    Ok(Some(total))
+    // On the host whatever the run's device: no transfer (`crate::transfer::on_host`).
+    transfer::on_host(|| {
+        let mut total = 0.0;
+        for _ in 0..accum {
+            total += data
+                .batch(Split::Train, rows, block, &mut rng, &Device::Cpu)?
+                .counted()?;
+        }
+        Ok(Some(total))
+    })
 }
