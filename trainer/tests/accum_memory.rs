@@ -7,7 +7,6 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-
 /// Peak RSS the run may reach, in KiB (the binary, Candle, the model and one micro-batch).
 const MAX_RSS_KIB: u64 = 300 << 10;
 

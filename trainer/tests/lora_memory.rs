@@ -20,10 +20,38 @@ fn measured(batch: usize, base: &Path, cwd: &Path) -> u64 {
     let batch = batch.to_string();
     let child = Command::new(env!("CARGO_BIN_EXE_trainer"))
         .args(["train", "--init-from", base.to_str().unwrap()])
-        .args(["--data", "char", "--data-path", "corpus.txt", "--dtype", "bf16"])
-        .args(["--lora-r", "16", "--lora-alpha", "32", "--block-size", "256"])
-        .args(["--batch-size", &batch, "--max-iters", "3", "--eval-interval", "100"])
-        .args(["--eval-iters", "1", "--peak-flops", "1e12", "--out-dir", &out])
+        .args([
+            "--data",
+            "char",
+            "--data-path",
+            "corpus.txt",
+            "--dtype",
+            "bf16",
+        ])
+        .args([
+            "--lora-r",
+            "16",
+            "--lora-alpha",
+            "32",
+            "--block-size",
+            "256",
+        ])
+        .args([
+            "--batch-size",
+            &batch,
+            "--max-iters",
+            "3",
+            "--eval-interval",
+            "100",
+        ])
+        .args([
+            "--eval-iters",
+            "1",
+            "--peak-flops",
+            "1e12",
+            "--out-dir",
+            &out,
+        ])
         .current_dir(cwd)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -34,7 +62,11 @@ fn measured(batch: usize, base: &Path, cwd: &Path) -> u64 {
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     let pid = child.id() as libc::pid_t;
     assert_eq!(unsafe { libc::wait4(pid, &mut status, 0, &mut usage) }, pid);
-    assert_eq!(libc::WEXITSTATUS(status), 0, "the run of batch {batch} failed");
+    assert_eq!(
+        libc::WEXITSTATUS(status),
+        0,
+        "the run of batch {batch} failed"
+    );
     usage.ru_maxrss as u64 * 1024
 }
 

@@ -35,7 +35,11 @@ fn relative_paths_are_recorded_absolute_and_resume_from_elsewhere() {
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
     fs::create_dir_all(a.join("texts")).unwrap();
     fs::create_dir_all(&b).unwrap();
-    fs::write(a.join("texts/corpus.txt"), "to be or not to be\n".repeat(100)).unwrap();
+    fs::write(
+        a.join("texts/corpus.txt"),
+        "to be or not to be\n".repeat(100),
+    )
+    .unwrap();
     let mut args = vec![
         "train",
         "--data",
@@ -52,13 +56,16 @@ fn relative_paths_are_recorded_absolute_and_resume_from_elsewhere() {
     assert!(o.status.success(), "{}", output_text(&o));
     let corpus = fs::canonicalize(a.join("texts/corpus.txt")).unwrap();
     let recorded = fs::read_to_string(a.join("run/run.toml")).unwrap();
-    assert!(
-        recorded.contains(&*corpus.to_string_lossy()),
-        "{recorded}"
-    );
+    assert!(recorded.contains(&*corpus.to_string_lossy()), "{recorded}");
     let run = a.join("run");
     let o = run_cli(
-        &["train", "--resume", run.to_str().unwrap(), "--max-iters", "3"],
+        &[
+            "train",
+            "--resume",
+            run.to_str().unwrap(),
+            "--max-iters",
+            "3",
+        ],
         &b,
     );
     assert!(o.status.success(), "{}", output_text(&o));
@@ -69,7 +76,13 @@ fn relative_paths_are_recorded_absolute_and_resume_from_elsewhere() {
 #[test]
 fn sample_tokens_are_bounded() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut args = vec!["train", "--out-dir", "run", "--sample-tokens", "1000000000000"];
+    let mut args = vec![
+        "train",
+        "--out-dir",
+        "run",
+        "--sample-tokens",
+        "1000000000000",
+    ];
     args.extend_from_slice(TINY_ARGS);
     let o = run_cli(&args, tmp.path());
     let text = output_text(&o);

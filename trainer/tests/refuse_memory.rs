@@ -125,8 +125,17 @@ fn every_size_is_bounded_before_it_is_allocated() {
     );
     assert_refused(
         &[
-            "train", "--arch", "llama", "--n-layer", "1000000", "--n-embd", "4096", "--n-head",
-            "32", "--out-dir", "b",
+            "train",
+            "--arch",
+            "llama",
+            "--n-layer",
+            "1000000",
+            "--n-embd",
+            "4096",
+            "--n-head",
+            "32",
+            "--out-dir",
+            "b",
         ],
         cwd,
     );
@@ -138,7 +147,11 @@ fn every_size_is_bounded_before_it_is_allocated() {
         serde_json::from_str(&std::fs::read_to_string(base.join("config.json")).unwrap()).unwrap();
     cfg["num_hidden_layers"] = 4_000_000.into();
     std::fs::write(huge.join("config.json"), cfg.to_string()).unwrap();
-    std::fs::copy(base.join("model.safetensors"), huge.join("model.safetensors")).unwrap();
+    std::fs::copy(
+        base.join("model.safetensors"),
+        huge.join("model.safetensors"),
+    )
+    .unwrap();
     let huge = huge.to_str().unwrap();
     for args in [
         &["train", "--init-from", huge, "--out-dir", "c"][..],
@@ -151,8 +164,17 @@ fn every_size_is_bounded_before_it_is_allocated() {
     let base = base.to_str().unwrap();
     assert_refused(
         &[
-            "train", "--init-from", base, "--lora-r", "100000000", "--data", "char",
-            "--data-path", "corpus.txt", "--out-dir", "d",
+            "train",
+            "--init-from",
+            base,
+            "--lora-r",
+            "100000000",
+            "--data",
+            "char",
+            "--data-path",
+            "corpus.txt",
+            "--out-dir",
+            "d",
         ],
         cwd,
     );

@@ -81,7 +81,11 @@ fn metrics_read_back_on_resume_keep_every_bit() {
     lrs.extend(common::run_to_end(&mut t).iter().map(|s| s.lr));
     let after = fs::read_to_string(&path).unwrap();
     let lines: Vec<&str> = after.lines().collect();
-    assert_eq!(lines[..kept.len()], kept[..], "records before the resume changed");
+    assert_eq!(
+        lines[..kept.len()],
+        kept[..],
+        "records before the resume changed"
+    );
     // The learning rate of every step, read back, is the one the run used, bit for bit.
     let read: Vec<f64> = trainer::metrics::read(&path)
         .unwrap()

@@ -303,7 +303,9 @@ pub fn config_from_hf_json_file(path: &Path) -> Result<Box<dyn ModelConfig>> {
             if n > MAX_LAYERS as u64 {
                 return Err(Error::checkpoint(
                     path,
-                    format!("`{key}` is {n}: more than the {MAX_LAYERS} layers this trainer builds"),
+                    format!(
+                        "`{key}` is {n}: more than the {MAX_LAYERS} layers this trainer builds"
+                    ),
                 ));
             }
         }

@@ -29,8 +29,8 @@ mod params;
 use candle_core::Tensor;
 
 pub use arch::{
-    architecture, build, config_from_hf_json_file, MAX_LAYERS, init, register, Architecture, CheckpointTensor,
-    KvCache, Model, ModelConfig, Shape, SpecialTokens, BUILTIN,
+    architecture, build, config_from_hf_json_file, init, register, Architecture, CheckpointTensor,
+    KvCache, Model, ModelConfig, Shape, SpecialTokens, BUILTIN, MAX_LAYERS,
 };
 pub use builder::{Builder, Source, Wrap};
 pub use chain::{chain, count_targets, run_links, Link, LinkOps, Loss, Role, WeightMap, IGNORE};
