@@ -45,7 +45,7 @@ fn a_step_holds_one_micro_batch_whatever_grad_accum() {
         "1e12",
     ];
     let mut child = Command::new(env!("CARGO_BIN_EXE_trainer"))
-        .args(&args)
+        .args(args)
         .current_dir(tmp.path())
         .stdout(Stdio::null())
         .stderr(Stdio::null())

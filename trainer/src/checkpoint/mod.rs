@@ -145,6 +145,9 @@ impl ModelFiles<'_> {
     }
 }
 
+/// Writes one file of a checkpoint, given the path to write.
+pub type WriteFile<'a> = dyn Fn(&Path) -> Result<()> + 'a;
+
 /// Saves a complete checkpoint for `state.step` under `run_dir/checkpoints/`, atomically,
 /// points `latest` at it and returns its directory. `extra` writes more files into the
 /// checkpoint before it is renamed into place: each by its name, given the path to write.
@@ -157,7 +160,7 @@ pub fn save(
     params: &Params,
     optimizer: &AdamW,
     state: &TrainerState,
-    extra: &[(&str, &dyn Fn(&Path) -> Result<()>)],
+    extra: &[(&str, &WriteFile)],
 ) -> Result<PathBuf> {
     let ckpts = checkpoints_dir(run_dir);
     let name = format!("step-{:07}", state.step);
