@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
-pub use state::{RngState, TrainerState};
+pub use state::{RngState, SavedFiles, TrainerState};
 
 use crate::config::TrainConfig;
 use crate::data::DataSource;
@@ -47,9 +47,6 @@ pub const CONFIG_FILE: &str = "config.json";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 /// Trainer state file name.
 pub const STATE_FILE: &str = "trainer_state.json";
-/// The safetensors metadata key that records, in a checkpoint's weights and optimiser
-/// files, the trainer step they were saved at (checked against `trainer_state.json`).
-pub const TRAINER_STEP_KEY: &str = "trainer_step";
 
 /// The directory holding a run's checkpoints.
 pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
@@ -125,14 +122,10 @@ impl ModelFiles<'_> {
         }
     }
 
-    /// Writes the weights `params` (and their config) into `dir`, saved at trainer `step`
-    /// (recorded in the weights' metadata where the format has room: full models).
-    pub fn write(&self, dir: &Path, params: &Params, step: usize) -> Result<()> {
+    /// Writes the weights `params` (and their config) into `dir`.
+    pub fn write(&self, dir: &Path, params: &Params) -> Result<()> {
         match self {
-            ModelFiles::Full(config) => {
-                let step = (TRAINER_STEP_KEY.to_string(), step.to_string());
-                write_model(dir, *config, params, Some(step))
-            }
+            ModelFiles::Full(config) => save_model(dir, *config, params),
             ModelFiles::Lora(config) => {
                 let tensors: Vec<(String, Tensor)> = params
                     .iter()
@@ -194,21 +187,24 @@ pub fn save(
     fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let written = (|| -> Result<()> {
         let file = |name: &str| target.join(name);
-        named(
-            &file(files.weights_file()),
-            files.write(&tmp, params, state.step),
-        )?;
-        let meta = HashMap::from([
-            ("step".to_string(), opt_step.to_string()),
-            (TRAINER_STEP_KEY.to_string(), state.step.to_string()),
-        ]);
+        let weights = files.weights_file();
+        named(&file(weights), files.write(&tmp, params))?;
+        // One metadata entry only: safetensors writes them in HashMap order.
+        let meta = HashMap::from([("step".to_string(), opt_step.to_string())]);
         named(
             &file(OPTIMIZER_FILE),
             io::save_safetensors(&tmp.join(OPTIMIZER_FILE), &opt_tensors, Some(meta)),
         )?;
+        let state = TrainerState {
+            files: Some(SavedFiles {
+                optimizer_step: opt_step,
+                weights_digest: manifest::digest(&tmp.join(weights))?,
+            }),
+            ..state.clone()
+        };
         named(
             &file(STATE_FILE),
-            io::write_json(&tmp.join(STATE_FILE), state),
+            io::write_json(&tmp.join(STATE_FILE), &state),
         )?;
         for (name, write) in extra {
             named(&file(name), write(&tmp.join(name)))?;
@@ -252,22 +248,11 @@ fn named(path: &Path, written: Result<()>) -> Result<()> {
 
 /// Writes `model.safetensors` (HF names, f32) and `config.json` into `dir`.
 pub fn save_model(dir: &Path, config: &dyn ModelConfig, params: &Params) -> Result<()> {
-    write_model(dir, config, params, None)
-}
-
-/// [`save_model`] with one more metadata entry in the weights file.
-fn write_model(
-    dir: &Path,
-    config: &dyn ModelConfig,
-    params: &Params,
-    extra: Option<(String, String)>,
-) -> Result<()> {
     let tensors: Vec<(String, Tensor)> = params
         .iter()
         .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
         .collect();
-    let mut meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    meta.extend(extra);
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     io::save_safetensors(&dir.join(MODEL_FILE), &tensors, Some(meta))?;
     let json = serde_json::to_string_pretty(&config.to_hf_json())
         .map_err(|e| Error::checkpoint(dir, e.to_string()))?;
@@ -313,45 +298,46 @@ pub fn load_params(
     crate::load::WeightFiles::Single(path.to_path_buf()).read(config, device, source)
 }
 
-/// Checks that the weights and optimiser files of checkpoint `dir` were saved at the step its
-/// `trainer_state.json` records (`step`), from the trainer step in their metadata: a file of
-/// another step (copied in, with a manifest made to match) is refused naming both files and
-/// steps. Files written before the step was recorded pass (the optimiser's own update count,
-/// which skipped updates only lower, must still not exceed `step`).
-pub fn check_file_steps(dir: &Path, step: usize) -> Result<()> {
-    let state = dir.join(STATE_FILE);
-    for name in [MODEL_FILE, OPTIMIZER_FILE] {
-        let path = dir.join(name);
-        if !path.exists() {
-            continue;
-        }
-        let meta = io::read_safetensors_metadata(&path)?;
-        let read = |key: &str| -> Result<Option<usize>> {
-            meta.get(key)
-                .map(|v| {
-                    v.parse::<usize>().map_err(|_| {
-                        Error::checkpoint(&path, format!("metadata `{key}` is not a step: {v}"))
-                    })
-                })
-                .transpose()
-        };
-        let mismatch = |what: &str, saved: usize| {
-            Error::checkpoint(
+/// Checks that the weights and optimiser files of checkpoint `dir` are the ones saved with
+/// its trainer `state` (what [`SavedFiles`] records): a file of another checkpoint, copied in
+/// under a manifest made to match, is refused naming both files and the steps. A checkpoint
+/// written before the record still has the optimiser's update count checked: never above
+/// the trainer's step.
+pub fn check_files_match(dir: &Path, state: &TrainerState, weights_file: &str) -> Result<()> {
+    let state_file = dir.join(STATE_FILE);
+    let opt_path = dir.join(OPTIMIZER_FILE);
+    let meta = io::read_safetensors_metadata(&opt_path)?;
+    let updates = meta
+        .get("step")
+        .and_then(|s| s.parse::<usize>().ok())
+        .ok_or_else(|| Error::checkpoint(&opt_path, "metadata has no valid `step`"))?;
+    let (want, what) = match &state.files {
+        Some(f) => (f.optimizer_step, "records"),
+        None => (state.step.min(updates), "allows at most"),
+    };
+    if updates != want {
+        return Err(Error::checkpoint(
+            &opt_path,
+            format!(
+                "holds the optimiser state after {updates} updates, but {} (step {}) {what} \
+                 {want}: the files come from different checkpoints; nothing was resumed",
+                state_file.display(),
+                state.step
+            ),
+        ));
+    }
+    if let Some(f) = &state.files {
+        let path = dir.join(weights_file);
+        if manifest::digest(&path)? != f.weights_digest {
+            return Err(Error::checkpoint(
                 &path,
                 format!(
-                    "{what} step {saved}, but {} records step {step}: the files come from \
-                     different checkpoints; nothing was resumed",
-                    state.display()
+                    "is not the file saved with {} (step {}): the files come from different \
+                     checkpoints; nothing was resumed",
+                    state_file.display(),
+                    state.step
                 ),
-            )
-        };
-        if let Some(saved) = read(TRAINER_STEP_KEY)?.filter(|&s| s != step) {
-            return Err(mismatch("was saved at", saved));
-        }
-        if name == OPTIMIZER_FILE {
-            if let Some(updates) = read("step")?.filter(|&u| u > step) {
-                return Err(mismatch("holds the optimiser state of", updates));
-            }
+            ));
         }
     }
     Ok(())

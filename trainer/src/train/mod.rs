@@ -244,8 +244,10 @@ impl Trainer {
                 checkpoint::load_optimizer(&dir, &mut o, &device)?;
                 Ok((model, params, tuning, o))
             })?;
-        // The manifest holds (checked last by the loader); each file's own step must too.
-        checkpoint::check_file_steps(&dir, state.step)?;
+        // The manifest holds (checked last by the loader); the files must also be the ones
+        // trainer_state.json was saved with.
+        let weights = tuning.files(model.config()).weights_file();
+        checkpoint::check_files_match(&dir, &state, weights)?;
         let rng = state.rng.restore()?;
         let mut t = Self::assemble(config, device, data, model, params, optimizer, rng, tuning)?;
         // The scaler's state continues only under the same scaler: a run resumed in another

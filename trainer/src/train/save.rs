@@ -23,6 +23,7 @@ impl Trainer {
             data: Some(self.data.fingerprint()),
             world_size: self.dp.world_size(),
             base: self.tuning.base().cloned(),
+            files: None, // recorded by `checkpoint::save`
         }
     }
 
