@@ -58,6 +58,35 @@ pub fn write_atomic_with(
     Ok(())
 }
 
+/// Refuses a path that cannot become a directory because it, or a directory it would be
+/// created in, is a file (or anything but a directory): the error names that file and says
+/// so, where creating it would only say "File exists" or "Not a directory".
+pub fn check_dir_path(path: &Path) -> Result<()> {
+    let Some(blocker) = path
+        .ancestors()
+        .filter(|p| !p.as_os_str().is_empty())
+        .find(|p| fs::symlink_metadata(p).is_ok())
+        .filter(|p| !p.is_dir())
+    else {
+        return Ok(());
+    };
+    let inside = match blocker == path {
+        true => String::new(),
+        false => format!(" (cannot create {} in it)", path.display()),
+    };
+    Err(Error::Config(format!(
+        "{} is a file, not a directory{inside}",
+        blocker.display()
+    )))
+}
+
+/// Creates the directory `path` and its parents ([`fs::create_dir_all`]), refusing first a
+/// path that is a file ([`check_dir_path`]); errors name the path.
+pub fn create_dir_all(path: &Path) -> Result<()> {
+    check_dir_path(path)?;
+    fs::create_dir_all(path).map_err(|e| Error::io(path, e))
+}
+
 /// fsyncs a directory so that renames inside it are durable (no-op where unsupported).
 pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     #[cfg(unix)]
@@ -93,6 +122,21 @@ pub struct Loaded {
     pub tensors: HashMap<String, Tensor>,
     /// The string metadata of the header (empty if none).
     pub metadata: HashMap<String, String>,
+}
+
+/// The string metadata of the safetensors file at `path`, read from its header alone (the
+/// file is mapped, its tensors not read).
+pub fn read_safetensors_metadata(path: &Path) -> Result<HashMap<String, String>> {
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: the map is only read, for the header, while the file is open.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&map).map_err(|e| {
+        Error::checkpoint(
+            path,
+            format!("not a valid safetensors file (truncated or corrupt?): {e}"),
+        )
+    })?;
+    Ok(meta.metadata().clone().unwrap_or_default())
 }
 
 /// Reads a safetensors file, turning a missing, truncated or corrupt file into an error that

@@ -94,7 +94,7 @@ impl RunDir {
                 path: path.to_path_buf(),
             });
         }
-        fs::create_dir_all(path).map_err(|e| Error::io(path, e))?;
+        crate::io::create_dir_all(path)?;
         let lock_path = path.join(LOCK_FILE);
         let lock = File::create(&lock_path).map_err(|e| Error::io(&lock_path, e))?;
         match lock.try_lock() {

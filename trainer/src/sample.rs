@@ -1,6 +1,8 @@
 //! Text generation: temperature, top-k and top-p (nucleus) sampling, and batched greedy
 //! decoding.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -146,6 +148,35 @@ pub fn generate_streaming(
         }
     }
     Ok(tokens)
+}
+
+/// [`generate`], given up between tokens once `flag` is set (Ctrl-C, SIGTERM): `None`, so
+/// that a signal during a long sample does not wait for its end.
+pub fn generate_while(
+    model: &dyn Model,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    sampling: SamplingConfig,
+    rng: &mut ChaCha8Rng,
+    device: &Device,
+    flag: &AtomicBool,
+) -> Result<Option<Vec<u32>>> {
+    let stopped = || flag.load(Ordering::Relaxed);
+    if stopped() {
+        return Ok(None);
+    }
+    let mut go_on = |_: &[u32]| !stopped();
+    let out = generate_streaming(
+        model,
+        prompt,
+        max_new_tokens,
+        sampling,
+        &[],
+        rng,
+        device,
+        &mut go_on,
+    )?;
+    Ok((!stopped()).then_some(out))
 }
 
 /// Chooses one token from `logits` according to `sampling`.

@@ -42,25 +42,47 @@ pub fn counts() -> Transfers {
     }
 }
 
+thread_local! {
+    /// Set while this thread works on tensors that stay on the host whatever the run's
+    /// device ([`on_host`]): nothing crosses, nothing is counted.
+    static ON_HOST: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f`, whose tensors are made on and read from `Device::Cpu` whatever the run's device
+/// (e.g. a step counting its micro-batches' targets before drawing them for the device): its
+/// uploads and reads are no transfers and are not counted.
+pub fn on_host<T>(f: impl FnOnce() -> T) -> T {
+    let was = ON_HOST.with(|h| h.replace(true));
+    let out = f();
+    ON_HOST.with(|h| h.set(was));
+    out
+}
+
+fn count(counter: &AtomicU64) {
+    if !ON_HOST.with(|h| h.get()) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// A tensor of `shape` on `device` from host values: one host-to-device copy.
 pub fn upload<D: WithDType, S: Into<Shape>>(
     data: Vec<D>,
     shape: S,
     device: &Device,
 ) -> candle_core::Result<Tensor> {
-    HOST_TO_DEVICE.fetch_add(1, Ordering::Relaxed);
+    count(&HOST_TO_DEVICE);
     Tensor::from_vec(data, shape, device)
 }
 
 /// The value of a scalar tensor on the host: one device-to-host read.
 pub fn read_scalar<D: WithDType>(t: &Tensor) -> candle_core::Result<D> {
-    DEVICE_TO_HOST.fetch_add(1, Ordering::Relaxed);
+    count(&DEVICE_TO_HOST);
     t.to_scalar()
 }
 
 /// The values of a vector on the host: one device-to-host read.
 pub fn read_vec1<D: WithDType>(t: &Tensor) -> candle_core::Result<Vec<D>> {
-    DEVICE_TO_HOST.fetch_add(1, Ordering::Relaxed);
+    count(&DEVICE_TO_HOST);
     t.to_vec1()
 }
 

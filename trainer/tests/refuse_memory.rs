@@ -101,3 +101,81 @@ fn models_beyond_memory_are_refused_before_they_are_allocated() {
     assert!(!cwd.join("exported").exists());
     assert_refused(&["inspect", ckpt], cwd);
 }
+
+/// Every size the memory estimate depends on is bounded before anything proportional to it
+/// is built (#32): a layer count beyond any model (`--n-layer`, a model's
+/// `num_hidden_layers`) is an error naming it; a layer count that is possible but too large
+/// for the width (its parameter list alone would take GBs), and adapters of a huge rank, are
+/// refused by the memory check, which runs from the sizes alone. Each refused process stays
+/// small. (Before: 24 GB and 7.5 GB allocated or aborted, the adapters allocated until the
+/// OOM killer, the 1M-layer Llama built its 9M-name parameter list first.)
+#[test]
+fn every_size_is_bounded_before_it_is_allocated() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let refused_naming = |args: &[&str], what: &str| {
+        let (code, err, rss) = run_measured(args, cwd);
+        assert_ne!(code, 0, "{args:?} succeeded: {err}");
+        assert!(err.contains(what), "{args:?}: {err}");
+        assert!(rss < MAX_RSS_KIB, "{args:?}: peak RSS {rss} KiB");
+    };
+    refused_naming(
+        &["train", "--n-layer", "1000000000", "--out-dir", "a"],
+        "n_layer is 1000000000",
+    );
+    assert_refused(
+        &[
+            "train",
+            "--arch",
+            "llama",
+            "--n-layer",
+            "1000000",
+            "--n-embd",
+            "4096",
+            "--n-head",
+            "32",
+            "--out-dir",
+            "b",
+        ],
+        cwd,
+    );
+    // A Llama whose config.json counts 4 million layers.
+    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora/base");
+    let huge = cwd.join("huge");
+    std::fs::create_dir(&huge).unwrap();
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(base.join("config.json")).unwrap()).unwrap();
+    cfg["num_hidden_layers"] = 4_000_000.into();
+    std::fs::write(huge.join("config.json"), cfg.to_string()).unwrap();
+    std::fs::copy(
+        base.join("model.safetensors"),
+        huge.join("model.safetensors"),
+    )
+    .unwrap();
+    let huge = huge.to_str().unwrap();
+    for args in [
+        &["train", "--init-from", huge, "--out-dir", "c"][..],
+        &["inspect", huge],
+    ] {
+        refused_naming(args, "`num_hidden_layers` is 4000000");
+    }
+    // Adapters of rank 10^8 over the small base: 1.4 TB of adapter state.
+    std::fs::write(cwd.join("corpus.txt"), "to be or not to be\n".repeat(200)).unwrap();
+    let base = base.to_str().unwrap();
+    assert_refused(
+        &[
+            "train",
+            "--init-from",
+            base,
+            "--lora-r",
+            "100000000",
+            "--data",
+            "char",
+            "--data-path",
+            "corpus.txt",
+            "--out-dir",
+            "d",
+        ],
+        cwd,
+    );
+}

@@ -115,10 +115,11 @@ fn a_killed_checkpoint_write_keeps_latest_and_resume_and_is_cleaned_up() {
             &t.params,
             &t.optimizer,
             &t.state(),
-            &|tmp: &Path| {
+            &[("killed", &|path: &Path| {
+                let tmp = path.parent().unwrap();
                 assert!(tmp.join(checkpoint::MODEL_FILE).is_file());
                 panic!("killed between files");
-            },
+            })],
         )
     }));
     assert!(died.is_err());

@@ -120,6 +120,74 @@ fn a_second_signal_exits_at_once() {
     assert!(out.contains("second signal"), "{out}");
 }
 
+/// A signal while the first evaluation's text sample is generated does not wait for its end:
+/// sampling checks the stop flag between tokens. (Before: the 65536 tokens of the largest
+/// sample allowed, on end after the signal.)
+#[test]
+fn a_signal_cuts_a_sample_short() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    // A model wide enough that 65536 tokens take minutes (about 2 ms a token here).
+    let mut child = Command::new(env!("CARGO_BIN_EXE_trainer"))
+        .args([
+            "train",
+            "--out-dir",
+            "run",
+            "--max-iters",
+            "1000000",
+            "--n-layer",
+            "4",
+            "--n-embd",
+            "256",
+            "--n-head",
+            "4",
+            "--eval-iters",
+            "1",
+            "--eval-problems",
+            "8",
+            "--peak-flops",
+            "1e12",
+            "--sample-tokens",
+            "65536",
+        ])
+        .current_dir(dir)
+        .stdout(Stdio::from(
+            std::fs::File::create(dir.join("out.txt")).unwrap(),
+        ))
+        .stderr(Stdio::from(
+            std::fs::File::create(dir.join("err.txt")).unwrap(),
+        ))
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !dir.join("run/run.toml").is_file() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the trainer exited early: {status}");
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no start in 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The one-batch evaluation takes milliseconds; the sample, minutes.
+    std::thread::sleep(Duration::from_millis(1500));
+    signal(&child, libc::SIGTERM);
+    let signalled = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if signalled.elapsed() > Duration::from_secs(5) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the trainer was still sampling 5 s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (status, out) = finish(child, dir);
+    assert_eq!(status.code(), Some(75), "{out}");
+    let t = Trainer::resume(&dir.join("run"), |_| {}).unwrap();
+    assert_eq!(t.step(), 0);
+}
+
 /// A signal during an evaluation does not wait for its end: evaluation checks the stop flag
 /// between batches, and the run checkpoints and exits. (Before, the first evaluation here,
 /// 100 million batches long, ran on: the test timed out.)

@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
-pub use state::{RngState, TrainerState};
+pub use state::{RngState, SavedFiles, TrainerState};
 
 use crate::config::TrainConfig;
 use crate::data::DataSource;
@@ -139,16 +139,22 @@ impl ModelFiles<'_> {
     }
 }
 
+/// Writes one file of a checkpoint, given the path to write.
+pub type WriteFile<'a> = dyn Fn(&Path) -> Result<()> + 'a;
+
 /// Saves a complete checkpoint for `state.step` under `run_dir/checkpoints/`, atomically,
-/// points `latest` at it and returns its directory. `extra` may write more files into the
-/// checkpoint's temporary directory before it is renamed into place.
+/// points `latest` at it and returns its directory. `extra` writes more files into the
+/// checkpoint before it is renamed into place: each by its name, given the path to write.
+///
+/// Every file is written through [`named`]: a failed write (a full disk, say) is an error
+/// naming the file, whoever wrote it.
 pub fn save(
     run_dir: &Path,
     files: ModelFiles,
     params: &Params,
     optimizer: &AdamW,
     state: &TrainerState,
-    extra: &dyn Fn(&Path) -> Result<()>,
+    extra: &[(&str, &WriteFile)],
 ) -> Result<PathBuf> {
     let ckpts = checkpoints_dir(run_dir);
     let name = format!("step-{:07}", state.step);
@@ -173,7 +179,7 @@ pub fn save(
         opt_tensors.iter().map(|(n, t)| (n.as_str(), t)),
     )
     .map_err(refuse)?;
-    fs::create_dir_all(&ckpts).map_err(|e| Error::io(&ckpts, e))?;
+    io::create_dir_all(&ckpts)?;
     let final_dir = ckpts.join(&name);
     let tmp = ckpts.join(format!(".tmp-{name}-{}", std::process::id()));
     if tmp.exists() {
@@ -181,12 +187,33 @@ pub fn save(
     }
     fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let written = (|| -> Result<()> {
-        files.write(&tmp, params)?;
+        let file = |name: &str| target.join(name);
+        let weights = files.weights_file();
+        named(&file(weights), files.write(&tmp, params))?;
+        // One metadata entry only: safetensors writes them in HashMap order.
         let meta = HashMap::from([("step".to_string(), opt_step.to_string())]);
-        io::save_safetensors(&tmp.join(OPTIMIZER_FILE), &opt_tensors, Some(meta))?;
-        io::write_json(&tmp.join(STATE_FILE), state)?;
-        extra(&tmp)?;
-        manifest::write(&tmp, state.step)?;
+        named(
+            &file(OPTIMIZER_FILE),
+            io::save_safetensors(&tmp.join(OPTIMIZER_FILE), &opt_tensors, Some(meta)),
+        )?;
+        let state = TrainerState {
+            files: Some(SavedFiles {
+                optimizer_step: opt_step,
+                weights_digest: manifest::digest(&tmp.join(weights))?,
+            }),
+            ..state.clone()
+        };
+        named(
+            &file(STATE_FILE),
+            io::write_json(&tmp.join(STATE_FILE), &state),
+        )?;
+        for (name, write) in extra {
+            named(&file(name), write(&tmp.join(name)))?;
+        }
+        named(
+            &file(manifest::MANIFEST_FILE),
+            manifest::write(&tmp, state.step),
+        )?;
         io::sync_dir(&tmp).map_err(|e| Error::io(&tmp, e))
     })();
     if let Err(e) = written {
@@ -208,6 +235,16 @@ pub fn save(
     io::sync_dir(&ckpts).map_err(|e| Error::io(&ckpts, e))?;
     io::write_atomic(&ckpts.join("latest"), name.as_bytes())?;
     Ok(final_dir)
+}
+
+/// `written`, its error naming the file at `path` (the checkpoint's file, not its temporary
+/// copy) unless it already names that file.
+fn named(path: &Path, written: Result<()>) -> Result<()> {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    written.map_err(|e| match e.to_string().contains(name.as_ref()) {
+        true => e,
+        false => Error::checkpoint(path, format!("cannot write: {e}")),
+    })
 }
 
 /// Writes `model.safetensors` (HF names, f32) and `config.json` into `dir`.
@@ -260,6 +297,51 @@ pub fn load_params(
     source: Source,
 ) -> Result<Params> {
     crate::load::WeightFiles::Single(path.to_path_buf()).read(config, device, source)
+}
+
+/// Checks that the weights and optimiser files of checkpoint `dir` are the ones saved with
+/// its trainer `state` (what [`SavedFiles`] records): a file of another checkpoint, copied in
+/// under a manifest made to match, is refused naming both files and the steps. A checkpoint
+/// written before the record still has the optimiser's update count checked: never above
+/// the trainer's step.
+pub fn check_files_match(dir: &Path, state: &TrainerState, weights_file: &str) -> Result<()> {
+    let state_file = dir.join(STATE_FILE);
+    let opt_path = dir.join(OPTIMIZER_FILE);
+    let meta = io::read_safetensors_metadata(&opt_path)?;
+    let updates = meta
+        .get("step")
+        .and_then(|s| s.parse::<usize>().ok())
+        .ok_or_else(|| Error::checkpoint(&opt_path, "metadata has no valid `step`"))?;
+    let (want, what) = match &state.files {
+        Some(f) => (f.optimizer_step, "records"),
+        None => (state.step.min(updates), "allows at most"),
+    };
+    if updates != want {
+        return Err(Error::checkpoint(
+            &opt_path,
+            format!(
+                "holds the optimiser state after {updates} updates, but {} (step {}) {what} \
+                 {want}: the files come from different checkpoints; nothing was resumed",
+                state_file.display(),
+                state.step
+            ),
+        ));
+    }
+    if let Some(f) = &state.files {
+        let path = dir.join(weights_file);
+        if manifest::digest(&path)? != f.weights_digest {
+            return Err(Error::checkpoint(
+                &path,
+                format!(
+                    "is not the file saved with {} (step {}): the files come from different \
+                     checkpoints; nothing was resumed",
+                    state_file.display(),
+                    state.step
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Loads the optimiser state of checkpoint `dir` into `optimizer`.

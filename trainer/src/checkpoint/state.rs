@@ -75,6 +75,21 @@ pub struct TrainerState {
     /// identity: resuming or loading the adapters over another base is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base: Option<crate::lora::RecordedBase>,
+    /// The files saved with this state, for [`crate::checkpoint::check_files_match`]: set by
+    /// [`crate::checkpoint::save`] (absent in checkpoints written before).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub files: Option<SavedFiles>,
+}
+
+/// What `trainer_state.json` records of the files saved with it, so that a weights or
+/// optimiser file of another checkpoint is refused even under a manifest made to match.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedFiles {
+    /// The optimiser's own update count (`step` in `optimizer.safetensors`): the trainer's
+    /// step less the updates the loss scaler skipped.
+    pub optimizer_step: usize,
+    /// The digest of the weights file (`model.safetensors`, or a LoRA run's adapters).
+    pub weights_digest: String,
 }
 
 fn one() -> usize {

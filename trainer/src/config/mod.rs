@@ -5,6 +5,7 @@
 //! in `trainer train --help` with its documentation. Values written as text (`--dtype bf16`,
 //! `--remat every:2`) are typed ([`types`]): parsed once, when the config is read.
 
+mod paths;
 mod types;
 
 use std::path::{Path, PathBuf};
@@ -24,6 +25,10 @@ use crate::model::{Kernels, ModelConfig};
 use crate::optim::AdamWConfig;
 use crate::schedule::LrSchedule;
 use crate::{Error, Result};
+
+/// The most tokens `sample_tokens` may ask for at each evaluation (the sample is generated
+/// one token at a time, and its tokens kept).
+pub const MAX_SAMPLE_TOKENS: usize = 1 << 16;
 
 macro_rules! train_config {
     ($(
@@ -431,7 +436,7 @@ train_config! {
     /// Checkpoints kept besides the best one.
     #[resume(may_change)]
     keep_last: usize = 2,
-    /// Tokens sampled at each evaluation (0: none).
+    /// Tokens sampled at each evaluation (0: none; at most 65536).
     #[resume(may_change)]
     sample_tokens: usize = 0,
     /// LoRA rank: train low-rank adapters on a frozen --init-from model (0: train every
@@ -662,6 +667,21 @@ impl TrainConfig {
     /// Checks every value that can be checked without the data or a checkpoint.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
+        // Sizes that something is built or run per unit of, bounded before anything is.
+        if self.n_layer > crate::model::MAX_LAYERS {
+            return bad(format!(
+                "n_layer is {}: more than the {} layers this trainer builds",
+                self.n_layer,
+                crate::model::MAX_LAYERS
+            ));
+        }
+        if self.sample_tokens > MAX_SAMPLE_TOKENS {
+            return bad(format!(
+                "sample_tokens is {}: at most {MAX_SAMPLE_TOKENS} tokens are sampled at an \
+                 evaluation",
+                self.sample_tokens
+            ));
+        }
         if self.model_json.is_none() {
             self.model_config(1)?.validate()?;
         }
@@ -702,6 +722,8 @@ impl TrainConfig {
         if self.out_dir.as_os_str().is_empty() {
             return bad("out_dir must name a directory (it is empty)".into());
         }
+        crate::io::check_dir_path(&self.out_dir)
+            .map_err(|e| Error::Config(format!("out_dir: {e}")))?;
         if !(self.lr > 0.0 && self.lr.is_finite()) {
             return bad(format!("lr must be positive, got {}", self.lr));
         }

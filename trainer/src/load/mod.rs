@@ -388,6 +388,9 @@ impl ModelDir {
                     self.dir.display(),
                     config.describe()
                 );
+                // The sizes first, in O(1): counting the parameters lists them.
+                let floor = crate::train::memory::weights_floor(config.as_ref());
+                crate::runtime::check_fits(floor, &what, "use a machine with more memory")?;
                 let need = 4 * config.num_params() as u64;
                 crate::runtime::check_fits(need, &what, "use a machine with more memory")?;
             }

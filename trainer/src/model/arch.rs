@@ -296,8 +296,27 @@ pub fn config_from_hf_json_file(path: &Path) -> Result<Box<dyn ModelConfig>> {
             ),
         )
     })?;
+    // Per-layer structures (a layer's attention window, its parameters' names) are built
+    // while reading: their number is bounded before (the memory check comes later).
+    for key in ["num_hidden_layers", "n_layer"] {
+        if let Some(n) = json.get(key).and_then(|v| v.as_u64()) {
+            if n > MAX_LAYERS as u64 {
+                return Err(Error::checkpoint(
+                    path,
+                    format!(
+                        "`{key}` is {n}: more than the {MAX_LAYERS} layers this trainer builds"
+                    ),
+                ));
+            }
+        }
+    }
     arch.config_from_hf_json(&json, path)
 }
+
+/// The most transformer blocks a model may have (`n_layer`, `num_hidden_layers`): checked
+/// before anything with one entry per layer is built, so that a mistyped count is an error,
+/// not an allocation of its size. Far beyond any model a memory can hold.
+pub const MAX_LAYERS: usize = 1 << 20;
 
 /// Builds `config`'s model over `params` (which must have exactly its names and shapes).
 pub fn build(config: &dyn ModelConfig, params: &Params) -> Result<Box<dyn Model>> {

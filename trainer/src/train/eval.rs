@@ -7,7 +7,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::Trainer;
 use crate::data::Split;
-use crate::sample::{generate, SamplingConfig};
+use crate::sample::{generate_while, SamplingConfig};
 use crate::Result;
 
 /// Mean loss of the trainer's model over `eval_iters` batches of `split` drawn from `rng`
@@ -35,8 +35,9 @@ pub(super) fn estimate_loss_until(
     )
 }
 
-/// A text sample of `sample_tokens` tokens, prompted with the start of a validation batch.
-pub(super) fn sample_text(trainer: &Trainer) -> Result<Option<String>> {
+/// A text sample of `sample_tokens` tokens, prompted with the start of a validation batch;
+/// `None` once `stop` is set (checked between tokens).
+pub(super) fn sample_text(trainer: &Trainer, stop: &AtomicBool) -> Result<Option<String>> {
     let cfg = &trainer.config;
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x5A3B);
     let batch = trainer.data.batch(
@@ -47,13 +48,17 @@ pub(super) fn sample_text(trainer: &Trainer) -> Result<Option<String>> {
         &trainer.device,
     )?;
     let prompt: Vec<u32> = batch.x.flatten_all()?.to_vec1()?;
-    let tokens = generate(
+    let Some(tokens) = generate_while(
         trainer.model.as_ref(),
         &prompt,
         cfg.sample_tokens,
         SamplingConfig::default(),
         &mut rng,
         &trainer.device,
-    )?;
+        stop,
+    )?
+    else {
+        return Ok(None);
+    };
     Ok(Some(trainer.data.decode(&tokens)?))
 }

@@ -61,10 +61,79 @@ pub fn estimate_step_bytes(
     // A LoRA run's base is frozen: read in f32 (then cast), with no gradient and no AdamW
     // state (the adapters' are small).
     let weights = match config.lora_r > 0 {
-        true => n_params * 4,
+        true => (n_params * 4).saturating_add(adapter_bytes(config, model, dtype)),
         false => n_params * 4 * 4 + cast_copy,
     };
     weights.saturating_add(activations).saturating_add(logits)
+}
+
+/// Bytes every layer costs the host besides its tensors' data (its parameters' names, shapes,
+/// variables and storage headers, its entries in plans and cost tables): counted so that the
+/// layer count alone is bounded by memory.
+const LAYER_OVERHEAD: u64 = 4 << 10;
+
+/// A LoRA run's adapters (`lora_r` per targeted linear layer, taken as `n_embd` in and out):
+/// their f32 weights, gradients and AdamW moments, and the activations of one micro-batch
+/// they add (see `trainer/tests/lora_memory.rs` for how close this comes to a measured run).
+fn adapter_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) -> u64 {
+    if config.lora_r == 0 {
+        return 0;
+    }
+    let shape = model.shape();
+    let targets = match &config.lora_targets {
+        crate::config::TargetModules::Names(names) => names.len().clamp(1, 7),
+        crate::config::TargetModules::Regex(_) => 1,
+        crate::config::TargetModules::AllLinear => 7, // q, k, v, o, gate, up, down
+    } as u64;
+    let per_layer = (config.lora_r as u64).saturating_mul(targets);
+    let params = per_layer
+        .saturating_mul(2 * shape.n_embd as u64)
+        .saturating_mul(shape.n_layer as u64);
+    // Each adapted layer keeps, per token, `A x` (lora_r wide) and its `B A x` and scaled
+    // copy (out wide) for the backward, besides the base layer's own output.
+    let tokens = (config.batch_size as u64).saturating_mul(config.block_size as u64);
+    let acts = (targets * shape.n_layer as u64)
+        .saturating_mul(tokens)
+        .saturating_mul((config.lora_r as u64).saturating_add(2 * shape.n_embd as u64))
+        .saturating_mul(dtype.size_in_bytes() as u64);
+    params.saturating_mul(16).saturating_add(acts)
+}
+
+/// What a step needs at the least, from the config's sizes alone (layers, width, vocabulary,
+/// batch, block, adapters) in O(1) time and memory: each layer's overhead and norms, the
+/// token embedding, the logits and their gradient, the adapters. Checked before anything
+/// proportional to a size is built (the parameter list, the cost table, the remat plan).
+pub fn floor_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) -> u64 {
+    // A frozen LoRA base holds its f32 weights; full training adds gradients and moments.
+    let per_param: u64 = if config.lora_r > 0 { 4 } else { 16 };
+    let tokens = (config.batch_size as u64).saturating_mul(config.block_size as u64);
+    let logits = tokens
+        .saturating_mul(model.vocab_size() as u64)
+        .saturating_mul(8);
+    sized_floor(model, per_param)
+        .saturating_add(logits)
+        .saturating_add(adapter_bytes(config, model, dtype))
+}
+
+/// What a model's f32 weights need at the least, in O(1) (see [`floor_bytes`]): checked
+/// before its parameter list is built, by the commands that only read a model.
+pub fn weights_floor(model: &dyn ModelConfig) -> u64 {
+    sized_floor(model, 4)
+}
+
+/// Each layer's overhead and norms, and the token embedding, at `per_param` bytes a
+/// parameter.
+fn sized_floor(model: &dyn ModelConfig, per_param: u64) -> u64 {
+    let shape = model.shape();
+    let (layers, width) = (shape.n_layer as u64, shape.n_embd as u64);
+    let layer = width
+        .saturating_mul(2 * per_param)
+        .saturating_add(LAYER_OVERHEAD);
+    layers.saturating_mul(layer).saturating_add(
+        (model.vocab_size() as u64)
+            .saturating_mul(width)
+            .saturating_mul(per_param),
+    )
 }
 
 /// Refuses a run whose step cannot fit in the memory available to this process (RAM, or the
@@ -81,22 +150,22 @@ pub fn check_run_fits(
         return Ok(());
     }
     let dtype = config.dtype.dtype();
-    let plan = match config.parallelism() {
-        Parallelism::Pipeline { .. } => None, // stages plan their own blocks
-        Parallelism::None => super::executor::remat_plan(config, model, dtype)?,
-    };
-    let need = estimate_step_bytes(config, model, dtype, plan.as_ref());
     let what = format!(
         "this run ({}, batch_size {} x block_size {}) per step",
         model.describe(),
         config.batch_size,
         config.block_size
     );
-    crate::runtime::check_fits(
-        need,
-        &what,
-        "lower batch_size or block_size, or use --remat",
-    )
+    let advice = "lower batch_size, block_size or lora_r, or use --remat";
+    // The sizes first, in O(1): what comes next builds tables of one entry per layer.
+    crate::runtime::check_fits(floor_bytes(config, model, dtype), &what, advice)?;
+    let plan = match config.parallelism() {
+        Parallelism::Pipeline { .. } => None, // stages plan their own blocks
+        Parallelism::None => super::executor::remat_plan(config, model, dtype)?,
+    };
+    let need = estimate_step_bytes(config, model, dtype, plan.as_ref())
+        .max(floor_bytes(config, model, dtype));
+    crate::runtime::check_fits(need, &what, advice)
 }
 
 #[cfg(test)]

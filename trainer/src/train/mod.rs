@@ -87,6 +87,7 @@ pub struct Trainer {
 impl Trainer {
     /// Starts a new run from `config` (fresh weights, or `init_from` pretrained ones).
     pub fn new(mut config: TrainConfig) -> Result<Self> {
+        config.absolute_paths()?;
         config.tokenizer_from_init()?;
         crate::lora::adopt_adapter_config(&mut config)?;
         config.validate()?;
@@ -99,7 +100,12 @@ impl Trainer {
     /// Starts a new run of a model the caller built (any [`Model`]: the trainer knows it only
     /// through that interface), over its parameters on `config.device`. Its architecture must
     /// be known to the loading paths ([`crate::model::register`]) for checkpoints to resume.
-    pub fn with_model(config: TrainConfig, model: Box<dyn Model>, params: Params) -> Result<Self> {
+    pub fn with_model(
+        mut config: TrainConfig,
+        model: Box<dyn Model>,
+        params: Params,
+    ) -> Result<Self> {
+        config.absolute_paths()?;
         config.validate()?;
         let device = config.device.open()?;
         let data = config.open_data()?;
@@ -185,7 +191,12 @@ impl Trainer {
         } else {
             Claim::Fresh
         };
-        init::check_resume_compatible(&state.config, &config, &dir)?;
+        // Paths compare (and are kept) absolute: a checkpoint that recorded relative ones
+        // (written before they were made absolute) resolves them from here, as it opens them.
+        config.absolute_paths()?;
+        let mut saved = state.config.clone();
+        saved.absolute_paths()?;
+        init::check_resume_compatible(&saved, &config, &dir)?;
         config.validate()?;
         let device = config.device.open()?;
         let data = config.open_data()?;
@@ -237,6 +248,10 @@ impl Trainer {
                 checkpoint::load_optimizer(&dir, &mut o, &device)?;
                 Ok((model, params, tuning, o))
             })?;
+        // The manifest holds (checked last by the loader); the files must also be the ones
+        // trainer_state.json was saved with.
+        let weights = tuning.files(model.config()).weights_file();
+        checkpoint::check_files_match(&dir, &state, weights)?;
         let rng = state.rng.restore()?;
         let mut t = Self::assemble(config, device, data, model, params, optimizer, rng, tuning)?;
         // The scaler's state continues only under the same scaler: a run resumed in another

@@ -152,7 +152,7 @@ impl Trainer {
             tracing::warn!("could not draw the loss curve: {e}");
         }
         if self.config.sample_tokens > 0 {
-            if let Some(text) = eval::sample_text(self)? {
+            if let Some(text) = eval::sample_text(self, stop)? {
                 observer.on_event(Event::Sample(&text));
             }
         }

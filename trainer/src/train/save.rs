@@ -27,6 +27,7 @@ impl Trainer {
                 .base()
                 .cloned()
                 .map(crate::lora::RecordedBase::Semantic),
+            files: None, // recorded by `checkpoint::save`
         }
     }
 
@@ -68,10 +69,10 @@ impl Trainer {
             &self.params,
             gathered.unwrap_or(&self.optimizer),
             &self.state(),
-            &|tmp: &Path| -> Result<()> {
-                amp.save_state(tmp.join(AMP_FILE))?;
+            &[(AMP_FILE, &|path: &Path| -> Result<()> {
+                amp.save_state(path)?;
                 Ok(())
-            },
+            })],
         )?;
         let saved = dir
             .file_name()

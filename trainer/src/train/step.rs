@@ -7,11 +7,12 @@ use std::time::Instant;
 
 use candle_amp::{Amp, MasterWeights, StepOutcome, WeightMode};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
+use rand_chacha::ChaCha8Rng;
 
 use super::{Executor, MicroLoss, Trainer};
 use crate::config::{Precision, TrainConfig};
-use crate::data::{Batch, Split};
+use crate::data::{DataSource, Split};
 use crate::metrics::StepStats;
 use crate::model::{Ctx, Params};
 use crate::optim::{accumulate, global_grad_norm, grad_sum_of_squares};
@@ -63,33 +64,34 @@ impl Trainer {
         // Every rank draws the step's global batches and trains on its shard of each (a world
         // of one: all of it). The loss is the token mean over the whole step: a micro-batch
         // weighs its share of the step's counted targets (and a shard its share of the
-        // micro-batch's), so micro-batches with fewer counted targets count less.
-        let globals = (0..accum)
-            .map(|_| {
-                self.data.batch(
-                    Split::Train,
-                    world * cfg.batch_size,
-                    cfg.block_size,
-                    &mut self.rng,
-                    &self.device,
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let counts = globals
-            .iter()
-            .map(Batch::counted)
-            .collect::<candle_core::Result<Vec<f64>>>()?;
-        let total: f64 = counts.iter().sum();
+        // micro-batch's), so micro-batches with fewer counted targets count less. The batches
+        // are drawn one at a time (memory does not grow with `grad_accum`): the step's
+        // counts come first, from the same draws on the host, dropped at once.
+        let total = counted_total(
+            self.data.as_ref(),
+            &self.rng,
+            accum,
+            world * cfg.batch_size,
+            cfg.block_size,
+        )?;
         // The step's loss, sum of weight x mean: on the device for plain and remat micro-batches
         // (read once below, with the gradient norm), on the host for a pipeline's.
         let mut loss_on_device: Option<Tensor> = None;
         let mut loss_on_host = 0f32;
-        for (micro, (global, count)) in globals.into_iter().zip(counts).enumerate() {
+        for micro in 0..accum {
+            let global = self.data.batch(
+                Split::Train,
+                world * cfg.batch_size,
+                cfg.block_size,
+                &mut self.rng,
+                &self.device,
+            )?;
+            let count = global.counted()?;
             let (batch, shard_weight) = self.dp.shard(global, cfg.batch_size)?;
-            let share = if total > 0.0 {
-                count / total
-            } else {
-                1.0 / accum as f64
+            let share = match total {
+                Some(total) if total > 0.0 => count / total,
+                Some(_) => 1.0 / accum as f64,
+                None => 1.0,
             };
             let ctx = Ctx::train(self.dropout_seed(micro))
                 .with_row(self.dp.rank() * cfg.batch_size)
@@ -228,4 +230,31 @@ pub fn build_amp(config: &TrainConfig, params: &Params) -> Result<Amp> {
     let clip = (config.grad_clip > 0.0).then_some(config.grad_clip as f64);
     let amp = Amp::new(weights, config.loss_scale.scaler(config.dtype))?.with_clip_norm(clip)?;
     Ok(amp)
+}
+
+/// The counted targets of the `accum` global batches of `rows` rows the next step draws from
+/// `rng` (left where it is), summed: drawn on the host one at a time and dropped, so that a
+/// step holds one micro-batch whatever `grad_accum` is. `None` for a single micro-batch (its
+/// share is the whole step).
+fn counted_total(
+    data: &dyn DataSource,
+    rng: &ChaCha8Rng,
+    accum: usize,
+    rows: usize,
+    block: usize,
+) -> Result<Option<f64>> {
+    if accum == 1 {
+        return Ok(None);
+    }
+    let mut rng = rng.clone();
+    // On the host whatever the run's device: no transfer (`crate::transfer::on_host`).
+    transfer::on_host(|| {
+        let mut total = 0.0;
+        for _ in 0..accum {
+            total += data
+                .batch(Split::Train, rows, block, &mut rng, &Device::Cpu)?
+                .counted()?;
+        }
+        Ok(Some(total))
+    })
 }
