@@ -141,6 +141,15 @@ pub fn generate_streaming(
         let last = logits.i((0, new.len() - 1))?.to_dtype(DType::F32)?;
         let mut logits: Vec<f32> = last.to_vec1()?;
         logits.truncate(sampling.vocab.unwrap_or(usize::MAX).max(1));
+        if let Some(i) = logits.iter().position(|v| !v.is_finite()) {
+            return Err(Error::Config(format!(
+                "the model computes a non-finite logit ({} for token id {i}) after {} tokens: \
+                 its weights overflow the forward pass (a corrupt file or a diverged run); \
+                 nothing is sampled from it",
+                logits[i],
+                tokens.len()
+            )));
+        }
         let next = pick(&logits, sampling, rng);
         tokens.push(next);
         if stop.contains(&next) || !go_on(&tokens) {
@@ -303,5 +312,45 @@ mod tests {
         assert_eq!(drawn(0.7), [1, 3]);
         assert_eq!(drawn(0.85), [1, 2, 3]);
         assert_eq!(drawn(1.0), [0, 1, 2, 3]);
+    }
+
+    /// Weights finite one by one whose forward pass is not (the final norm's gain at 1e38, the
+    /// embedding at 1e3: the logits overflow) sample nothing: an error, not tokens drawn from
+    /// inf/NaN.
+    #[test]
+    fn non_finite_logits_are_an_error() {
+        use crate::model::gpt2::GptConfig;
+        use crate::model::Params;
+        let cfg = GptConfig {
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 8,
+            block_size: 8,
+            vocab_size: 10,
+            ..GptConfig::default()
+        };
+        let params = Params::init(&cfg, 0, &Device::Cpu).unwrap();
+        let huge = Params::from_tensors(params.iter().map(|(n, v)| {
+            let k = match n {
+                n if n.ends_with("ln_f.weight") => 1e38,
+                n if n.ends_with("wte.weight") => 1e3,
+                _ => 1.0,
+            };
+            (n.clone(), (v.as_tensor() * k).unwrap())
+        }))
+        .unwrap();
+        let model = crate::model::build(&cfg, &huge).unwrap();
+        let rng = &mut ChaCha8Rng::seed_from_u64(1);
+        let e = generate(
+            model.as_ref(),
+            &[1, 2],
+            3,
+            SamplingConfig::default(),
+            rng,
+            &Device::Cpu,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("non-finite logit"), "{e}");
     }
 }

@@ -174,6 +174,17 @@ fn bad_adapter_tensors_are_refused_by_every_command_naming_them() {
             vec!["model.layers.0.self_attn.q_proj", "overflows"],
         ),
         (
+            // One finite 1e38 (a flipped exponent bit): a finite update s·B·A, and no overflow
+            // in the forward pass either (the next RMSNorm rescales it), but ~1e36 against
+            // weights of ~0.1: garbage out, so refused.
+            "one_1e38",
+            adapter(dir, "one_1e38", None, |t| poison(t, &a, 1e38), |_| {}),
+            vec![
+                "model.layers.0.self_attn.q_proj",
+                "times the largest magnitude",
+            ],
+        ),
+        (
             "three_d",
             adapter(
                 dir,

@@ -74,18 +74,19 @@ fn relative_paths_are_recorded_absolute_and_resume_from_elsewhere() {
 /// `--sample-tokens` beyond the bound is refused naming it. (Before: 10^12 tokens were
 /// sampled at the first evaluation, for ever.)
 #[test]
-fn sample_tokens_are_bounded() {
-    let tmp = tempfile::tempdir().unwrap();
-    let mut args = vec![
-        "train",
-        "--out-dir",
-        "run",
-        "--sample-tokens",
-        "1000000000000",
-    ];
-    args.extend_from_slice(TINY_ARGS);
-    let o = run_cli(&args, tmp.path());
-    let text = output_text(&o);
-    assert!(!o.status.success(), "{text}");
-    assert!(text.contains("sample_tokens is 1000000000000"), "{text}");
+fn sample_tokens_and_grad_accum_are_bounded() {
+    // Each grows a run's time (a sample, a step) without bound; a mistyped 10^12 would never
+    // end an evaluation or log a step.
+    for (flag, key) in [
+        ("--sample-tokens", "sample_tokens"),
+        ("--grad-accum", "grad_accum"),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut args = vec!["train", "--out-dir", "run", flag, "1000000000000"];
+        args.extend_from_slice(TINY_ARGS);
+        let o = run_cli(&args, tmp.path());
+        let text = output_text(&o);
+        assert!(!o.status.success(), "{text}");
+        assert!(text.contains(&format!("{key} is 1000000000000")), "{text}");
+    }
 }

@@ -225,3 +225,48 @@ fn a_signal_cuts_an_evaluation_short() {
     let t = Trainer::resume(&dir.join("run"), |_| {}).unwrap();
     assert_eq!(t.step(), 0);
 }
+
+/// A signal in the middle of a step of many micro-batches abandons it between two of them,
+/// instead of holding the signal up for the whole step (before: `--grad-accum 60000` ignored
+/// SIGTERM for minutes), and puts the data RNG back where the step found it: the checkpoint
+/// then saved is the state before the step, which resumes bit-exactly.
+#[test]
+fn a_signal_abandons_a_long_step_and_puts_the_data_back() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = |name: &str| trainer::config::TrainConfig {
+        grad_accum: 60_000,
+        ..common::tiny_config(&tmp.path().join(name))
+    };
+    let mut fresh = Trainer::new(cfg("fresh")).unwrap();
+    let mut cut = Trainer::new(cfg("cut")).unwrap();
+    let stop = AtomicBool::new(false);
+    let started = Instant::now();
+    let outcome = std::thread::scope(|s| {
+        // After the counting pass over the step's draws (host only, well under a second here)
+        // and inside the micro-batches (about a millisecond each: a minute in all).
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_secs(5));
+            stop.store(true, Ordering::SeqCst);
+        });
+        cut.train_step_until(&stop).unwrap()
+    });
+    assert!(outcome.is_none(), "the step ran to its end");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "abandoned only after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(cut.step(), 0);
+    let state = |t: &mut Trainer| {
+        let dir = t.save_checkpoint().unwrap();
+        let text = std::fs::read_to_string(dir.join("trainer_state.json")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["rng"].clone()
+    };
+    assert_eq!(
+        state(&mut cut),
+        state(&mut fresh),
+        "the data RNG was not put back"
+    );
+}

@@ -30,6 +30,11 @@ use crate::{Error, Result};
 /// one token at a time, and its tokens kept).
 pub const MAX_SAMPLE_TOKENS: usize = 1 << 16;
 
+/// The most micro-batches one optimiser step may accumulate (`grad_accum`). A step's time
+/// grows with it and its log line comes at its end: 65,536 micro-batches of 4,096 tokens are
+/// 268M tokens a step, beyond any recipe, while a mistyped 10^12 would never log a step.
+pub const MAX_GRAD_ACCUM: usize = 1 << 16;
+
 macro_rules! train_config {
     ($(
         $(#[doc = $doc:literal])*
@@ -718,6 +723,12 @@ impl TrainConfig {
         }
         if self.batch_size == 0 || self.grad_accum == 0 {
             return bad("batch_size and grad_accum must be at least 1".into());
+        }
+        if self.grad_accum > MAX_GRAD_ACCUM {
+            return bad(format!(
+                "grad_accum is {}: at most {MAX_GRAD_ACCUM} micro-batches make one step",
+                self.grad_accum
+            ));
         }
         if self.out_dir.as_os_str().is_empty() {
             return bad("out_dir must name a directory (it is empty)".into());

@@ -181,23 +181,50 @@ pub fn read_adapter(dir: &Path, device: &Device) -> Result<Adapter> {
     Ok(adapter)
 }
 
+/// How many times the largest magnitude of the weight it adapts an adapter's update may reach.
+/// Fine-tuning moves weights by a fraction of their scale; an update ten thousand times
+/// larger is a corrupt value (a flipped exponent bit: `1e38` in `lora_A`) or a diverged run,
+/// and the model it makes computes garbage without overflowing (the next RMSNorm rescales it).
+pub const MAX_UPDATE_RATIO: f64 = 1e4;
+
 /// Errors, naming the adapter's file and the module, unless `s · B A` of `lora` is finite in
-/// f32, the dtype merging and the trainer compute it in.
+/// f32 (the dtype merging and the trainer compute it in) and at most [`MAX_UPDATE_RATIO`]
+/// times the largest magnitude of the weight `w` it adds to (at least 1e-3: a zero weight).
 ///
-/// Finite `A` and `B` are not enough: `1e38` is a finite f32, but `B A` of two such matrices
-/// overflows. A bound on each value would be arbitrary (small `A` times large `B` is fine),
-/// so the rule is on what enters the model, the product.
-fn check_delta(dir: &Path, path: &str, lora: &Lora) -> Result<()> {
+/// Finite `A` and `B` are not enough: `1e38` is a finite f32, and `B A` of two such matrices
+/// overflows. A bound on each value alone would be arbitrary (small `A` times large `B` is
+/// fine), so the rules are on what enters the model, the product, against what it changes.
+fn check_delta(dir: &Path, path: &str, lora: &Lora, w: Option<&Tensor>) -> Result<()> {
     let delta = lora.delta_weight().map_err(peft_err)?;
+    let file = dir.join(format::ADAPTER_WEIGHTS_FILE);
+    let (a, b) = (lora_a_name(path), lora_b_name(path));
     if let Some((i, v)) = finite::first_non_finite(&delta)? {
         return Err(Error::checkpoint(
-            dir.join(format::ADAPTER_WEIGHTS_FILE),
+            file,
             format!(
                 "module `{path}`: the adapter's weight update s · lora_B · lora_A overflows \
-                 f32 ({v} at flat index {i} of {:?}): `{}` and `{}` hold values too large",
+                 f32 ({v} at flat index {i} of {:?}): `{a}` and `{b}` hold values too large",
                 delta.dims(),
-                lora_a_name(path),
-                lora_b_name(path)
+            ),
+        ));
+    }
+    let Some(w) = w else { return Ok(()) };
+    let largest = |t: &Tensor| -> Result<f64> {
+        Ok(t.abs()?
+            .max_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?)
+    };
+    let (update, weight) = (largest(&delta)?, largest(w)?);
+    if update > MAX_UPDATE_RATIO * weight.max(1e-3) {
+        return Err(Error::checkpoint(
+            file,
+            format!(
+                "module `{path}`: the adapter's weight update s · lora_B · lora_A reaches \
+                 {update:.3e}, {:.1e} times the largest magnitude of the weight it adapts \
+                 ({weight:.3e}; at most {MAX_UPDATE_RATIO:e} times): `{a}` or `{b}` holds \
+                 corrupt or diverged values",
+                update / weight.max(1e-3)
             ),
         ));
     }
@@ -287,7 +314,8 @@ pub fn adapt(
                         }
                         let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
                         let lora = Lora::new(a.clone(), b.clone(), lora).map_err(peft_err)?;
-                        check_delta(&adapter.dir, path, &lora)?;
+                        let w = base.get(&format!("{path}.weight")).map(|v| v.as_tensor());
+                        check_delta(&adapter.dir, path, &lora, w)?;
                         (a, b)
                     }
                     None => {

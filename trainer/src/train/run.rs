@@ -85,7 +85,11 @@ impl Trainer {
                 interrupted = true;
                 break;
             }
-            let stats = self.train_step()?;
+            // A signal during a long step abandons it (its state put back): saved below.
+            let Some(stats) = self.train_step_until(stop)? else {
+                interrupted = true;
+                break;
+            };
             observer.on_event(Event::Step(&stats));
             metrics.push(Record::Step(stats))?;
             let at_end = self.step == self.config.max_iters;

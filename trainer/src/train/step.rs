@@ -3,6 +3,7 @@
 //! gradient norm, with clipping and AdamW), the same for every precision and executor, with
 //! one host sync.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use candle_amp::{Amp, MasterWeights, StepOutcome, WeightMode};
@@ -47,6 +48,32 @@ impl Trainer {
     /// norm), and copies to the device of the batch only (a data-parallel step reads twice;
     /// a pipeline reads its microbatches' losses too).
     pub fn train_step(&mut self) -> Result<StepStats> {
+        let never = AtomicBool::new(false);
+        let stats = self.train_step_until(&never)?;
+        stats.ok_or_else(|| Error::Config("a step was abandoned without a stop request".into()))
+    }
+
+    /// [`Trainer::train_step`], abandoned between micro-batches once `stop` is set (a signal):
+    /// `None`, with the data RNG put back where the step found it and nothing else changed, so
+    /// that a step of many micro-batches (`--grad-accum`) does not hold a signal up for its
+    /// whole length and a checkpoint saved then resumes bit-exactly. With data parallelism the
+    /// step is always finished (the ranks must agree; they stop together between steps).
+    pub fn train_step_until(&mut self, stop: &AtomicBool) -> Result<Option<StepStats>> {
+        let never = AtomicBool::new(false);
+        let stop = if self.dp.world_size() == 1 {
+            stop
+        } else {
+            &never
+        };
+        let rng_at_start = self.rng.clone();
+        let stats = self.step_or_stop(stop)?;
+        if stats.is_none() {
+            self.rng = rng_at_start;
+        }
+        Ok(stats)
+    }
+
+    fn step_or_stop(&mut self, stop: &AtomicBool) -> Result<Option<StepStats>> {
         let start = Instant::now();
         let cfg = &self.config;
         let lr = self.schedule.at(self.step);
@@ -67,18 +94,25 @@ impl Trainer {
         // micro-batch's), so micro-batches with fewer counted targets count less. The batches
         // are drawn one at a time (memory does not grow with `grad_accum`): the step's
         // counts come first, from the same draws on the host, dropped at once.
-        let total = counted_total(
+        let Some(total) = counted_total(
             self.data.as_ref(),
             &self.rng,
             accum,
             world * cfg.batch_size,
             cfg.block_size,
-        )?;
+            stop,
+        )?
+        else {
+            return Ok(None);
+        };
         // The step's loss, sum of weight x mean: on the device for plain and remat micro-batches
         // (read once below, with the gradient norm), on the host for a pipeline's.
         let mut loss_on_device: Option<Tensor> = None;
         let mut loss_on_host = 0f32;
         for micro in 0..accum {
+            if micro > 0 && stop.load(Ordering::Relaxed) {
+                return Ok(None);
+            }
             let global = self.data.batch(
                 Split::Train,
                 world * cfg.batch_size,
@@ -181,7 +215,7 @@ impl Trainer {
         let mfu = self
             .ceiling
             .utilisation(self.flops_per_token * tokens as f64 / secs.max(1e-12));
-        Ok(StepStats {
+        Ok(Some(StepStats {
             step: self.step,
             loss,
             lr,
@@ -192,7 +226,7 @@ impl Trainer {
             mfu,
             loss_scale,
             skipped,
-        })
+        }))
     }
 
     /// The step's loss and global gradient norm with one read back from the device (the
@@ -234,27 +268,31 @@ pub fn build_amp(config: &TrainConfig, params: &Params) -> Result<Amp> {
 
 /// The counted targets of the `accum` global batches of `rows` rows the next step draws from
 /// `rng` (left where it is), summed: drawn on the host one at a time and dropped, so that a
-/// step holds one micro-batch whatever `grad_accum` is. `None` for a single micro-batch (its
-/// share is the whole step).
+/// step holds one micro-batch whatever `grad_accum` is. `Some(None)` for a single micro-batch
+/// (its share is the whole step); `None` when `stop` was set during the draws.
 fn counted_total(
     data: &dyn DataSource,
     rng: &ChaCha8Rng,
     accum: usize,
     rows: usize,
     block: usize,
-) -> Result<Option<f64>> {
+    stop: &AtomicBool,
+) -> Result<Option<Option<f64>>> {
     if accum == 1 {
-        return Ok(None);
+        return Ok(Some(None));
     }
     let mut rng = rng.clone();
     // On the host whatever the run's device: no transfer (`crate::transfer::on_host`).
     transfer::on_host(|| {
         let mut total = 0.0;
         for _ in 0..accum {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(None);
+            }
             total += data
                 .batch(Split::Train, rows, block, &mut rng, &Device::Cpu)?
                 .counted()?;
         }
-        Ok(Some(total))
+        Ok(Some(Some(total)))
     })
 }
