@@ -9,7 +9,7 @@
 //! (`train/mod.rs`: data, model, executor, scaler) and calls `Trainer::run` (`train/run.rs`:
 //! the loop, evaluation, checkpoints), which calls `Trainer::train_step` (`train/step.rs`:
 //! micro-batches through [`train::Executor`], the data-parallel reduction, candle-amp's step
-//! applying [`optim::AdamW`]).
+//! applying the [`optim::Optimizer`], [`optim::AdamW`] by default).
 
 #![warn(missing_docs)]
 

@@ -134,9 +134,13 @@ impl Trainer {
             });
         }
         // `amp.step` asks the optimiser for this norm first thing (it was read above).
-        self.optimizer.preset_grad_norm(norm);
-        candle_nn::Optimizer::set_learning_rate(&mut self.optimizer, lr);
-        let outcome = self.amp.step(&grads, &mut self.optimizer)?;
+        let mut update = crate::optim::Driven {
+            optimizer: self.optimizer.as_mut(),
+            lr,
+            norm: Some(norm),
+            kernels: cfg.kernels,
+        };
+        let outcome = self.amp.step(&grads, &mut update)?;
         let (grad_norm, skipped) = match outcome {
             StepOutcome::Applied { grad_norm, .. } => (grad_norm as f32, false),
             StepOutcome::Skipped {
