@@ -77,9 +77,6 @@ pub struct AdamW {
     slots: Vec<Slot>,
     step: usize,
     kernels: Kernels,
-    /// The gradient norm the next [`ScaledUpdate::grad_norm`] returns instead of computing
-    /// it (the step read it with the loss: [`AdamW::preset_grad_norm`]).
-    preset_norm: Option<f32>,
 }
 
 impl AdamW {
@@ -107,7 +104,6 @@ impl AdamW {
             slots,
             step: 0,
             kernels: Kernels::Fused,
-            preset_norm: None,
         })
     }
 
@@ -122,14 +118,6 @@ impl AdamW {
     /// The kernels the update runs on.
     pub fn kernels(&self) -> Kernels {
         self.kernels
-    }
-
-    /// Makes the next [`ScaledUpdate::grad_norm`] (the first thing `candle_amp::Amp::step`
-    /// asks) return `norm` instead of reading the gradients' norm back from the device: the
-    /// training step reads it together with the loss, in its one host sync. `norm` must be
-    /// [`global_grad_norm`] of the gradients the step is given, over the same variables.
-    pub fn preset_grad_norm(&mut self, norm: f32) {
-        self.preset_norm = Some(norm);
     }
 
     /// The suffixes of the state tensors of each parameter.
@@ -292,16 +280,13 @@ impl candle_nn::Optimizer for AdamW {
     }
 }
 
-/// What `candle_amp::Amp::step` drives: the norm is [`global_grad_norm`] with this
-/// optimiser's kernels (one fused reduction), or the one preset by
-/// [`AdamW::preset_grad_norm`]; the update is [`AdamW::apply_scaled`].
+/// What `candle_amp::Amp::step` drives when a program steps an `AdamW` itself: the norm is
+/// [`global_grad_norm`] with this optimiser's kernels (one fused reduction); the update is
+/// [`AdamW::apply_scaled`]. (The trainer drives any [`Optimizer`] the same way.)
 impl ScaledUpdate for AdamW {
     type Error = candle_core::Error;
 
     fn grad_norm(&mut self, grads: &GradStore, vars: &[Var]) -> candle_core::Result<f64> {
-        if let Some(norm) = self.preset_norm.take() {
-            return Ok(f64::from(norm));
-        }
         Ok(f64::from(global_grad_norm(grads, vars, self.kernels)?))
     }
 

@@ -26,6 +26,7 @@ use crate::Result;
 /// State names start with the parameter's name and a dot (`{param}.{what}`): ZeRO-1 hands
 /// each tensor to the rank owning its parameter, and checkpoints store them under these
 /// names (`optimizer.safetensors`, with [`step_count`](Self::step_count) as its `step`).
+/// Checkpoints take f32, f16 or bf16 tensors; ZeRO-1 gathers them as f32.
 ///
 /// Momentum SGD in a few lines, trained, saved and restored by name:
 ///

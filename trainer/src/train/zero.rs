@@ -1,9 +1,9 @@
 //! ZeRO stage 1: the optimiser state (and the update) sharded across data-parallel ranks.
 //!
 //! Parameters are assigned whole to ranks, largest first to the least-loaded rank (the way
-//! PyTorch's `ZeroRedundancyOptimizer` partitions), so each rank keeps the moments of about
-//! `1 / world_size` of the parameters (whatever state the [`Optimizer`] reports for them, by
-//! name: `{param}.{what}` goes with `param`). Every rank still holds all weights and the averaged
+//! PyTorch's `ZeroRedundancyOptimizer` partitions), so each rank keeps the optimiser state of
+//! about `1 / world_size` of the parameters (whatever state the [`Optimizer`] reports for
+//! them, by name: `{param}.{what}` goes with `param`). Every rank still holds all weights and the averaged
 //! gradients: clipping and the non-finite check see the same values everywhere; each rank then
 //! updates its own parameters, and one broadcast per rank (its parameters flattened into one
 //! buffer) hands the updated weights to the others. The arithmetic of every update is the same
