@@ -186,3 +186,26 @@ fn zero1_shards_an_optimizer_of_its_own_by_the_names_it_reports() {
         assert!(at("zero") == at("plain"), "{f} differs");
     }
 }
+
+#[test]
+fn the_memory_estimate_counts_the_state_the_optimizer_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(&tmp.path().join("run"));
+    let t = Trainer::new(cfg.clone()).unwrap();
+    let held: usize = t
+        .optimizer
+        .state()
+        .iter()
+        .map(|(_, s)| s.elem_count() * s.dtype().size_in_bytes())
+        .sum();
+    let per_param = t.optimizer.state_bytes_per_param();
+    assert_eq!(
+        held,
+        per_param * t.params.num_elements(),
+        "{}",
+        t.optimizer.name()
+    );
+    // Weight and gradient in f32, and that state.
+    let estimated = trainer::train::memory::trained_bytes_per_param(&cfg);
+    assert_eq!(estimated, 8 + per_param as u64);
+}

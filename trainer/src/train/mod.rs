@@ -59,7 +59,7 @@ pub struct Trainer {
     /// Its parameters.
     pub params: Params,
     /// The optimiser ([`optim::build`] makes the config's; a program may put in its own before
-    /// training, and resume with it by [`Trainer::resume_with`]).
+    /// [`Trainer::with_comm`] and training, and resume with it by [`Trainer::resume_with`]).
     pub optimizer: Box<dyn Optimizer>,
     vars: Vec<Var>,
     dtype: DType,
