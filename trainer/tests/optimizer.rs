@@ -64,7 +64,12 @@ impl Optimizer for Sgd {
 
     fn load_state(&mut self, state: &HashMap<String, Tensor>, steps: usize) -> trainer::Result<()> {
         if state.len() != self.params.len() {
-            return Err(trainer::Error::Config(format!("{} tensors", state.len())));
+            let msg = format!(
+                "{} tensors for {} parameters",
+                state.len(),
+                self.params.len()
+            );
+            return Err(trainer::Error::checkpoint("optimizer state", msg));
         }
         for (n, _, b) in &mut self.params {
             let key = Sgd::key(n);
