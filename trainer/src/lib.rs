@@ -1,15 +1,15 @@
 //! `trainer`: train transformers on Candle.
 //!
 //! The library behind the `trainer` CLI: models behind one interface, with Hugging Face
-//! parameter names ([`model`]; GPT-2 is [`model::gpt2`]), data sources ([`data`]), AdamW with
-//! owned state ([`optim`]), checkpoints that resume bit-exactly ([`checkpoint`]) and the
+//! parameter names ([`model`]; GPT-2 is [`model::gpt2`]), data sources ([`data`]), optimisers
+//! with owned, named state ([`optim`]: AdamW the default), checkpoints that resume bit-exactly ([`checkpoint`]) and the
 //! training loop ([`train`]).
 //!
 //! From `main` to the optimiser update: `main` -> `cli::run` builds a [`train::Trainer`]
 //! (`train/mod.rs`: data, model, executor, scaler) and calls `Trainer::run` (`train/run.rs`:
 //! the loop, evaluation, checkpoints), which calls `Trainer::train_step` (`train/step.rs`:
 //! micro-batches through [`train::Executor`], the data-parallel reduction, candle-amp's step
-//! applying [`optim::AdamW`]).
+//! applying the [`optim::Optimizer`], [`optim::AdamW`] by default).
 
 #![warn(missing_docs)]
 

@@ -115,7 +115,7 @@ fn every_checkpoint_write_error_names_its_file() {
         &dir,
         checkpoint::ModelFiles::Full(t.model.config()),
         &t.params,
-        &t.optimizer,
+        &trainer::optim::OptimizerState::of(t.optimizer.as_ref()),
         &t.state(),
         &[("scaler.safetensors", &|_: &Path| {
             Err(trainer::Error::Config(

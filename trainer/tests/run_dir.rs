@@ -113,7 +113,7 @@ fn a_killed_checkpoint_write_keeps_latest_and_resume_and_is_cleaned_up() {
             &dir,
             checkpoint::ModelFiles::Full(t.model.config()),
             &t.params,
-            &t.optimizer,
+            &trainer::optim::OptimizerState::of(t.optimizer.as_ref()),
             &t.state(),
             &[("killed", &|path: &Path| {
                 let tmp = path.parent().unwrap();

@@ -1,4 +1,4 @@
-//! Checks that keep poisoned state out of checkpoints: weights and optimiser moments must be
+//! Checks that keep poisoned state out of checkpoints: weights and optimiser state must be
 //! floating point and finite, when saved and when loaded.
 
 use std::path::Path;

@@ -12,7 +12,7 @@
 //!     step-0001000/
 //!       model.safetensors         weights under Hugging Face GPT-2 names
 //!       config.json               Hugging Face GPT-2 config
-//!       optimizer.safetensors     AdamW moments; step count in the metadata
+//!       optimizer.safetensors     optimiser state by name (AdamW: moments); step count in the metadata
 //!       trainer_state.json        step, RNG state, best val loss, run config
 //! ```
 //!
@@ -36,7 +36,7 @@ pub use state::{RngState, SavedFiles, TrainerState};
 use crate::config::TrainConfig;
 use crate::data::DataSource;
 use crate::model::{ModelConfig, Params};
-use crate::optim::AdamW;
+use crate::optim::{Optimizer, OptimizerState};
 use crate::{Error, Result};
 
 /// File names inside a checkpoint directory.
@@ -152,14 +152,14 @@ pub fn save(
     run_dir: &Path,
     files: ModelFiles,
     params: &Params,
-    optimizer: &AdamW,
+    optimizer: &OptimizerState,
     state: &TrainerState,
     extra: &[(&str, &WriteFile)],
 ) -> Result<PathBuf> {
     let ckpts = checkpoints_dir(run_dir);
     let name = format!("step-{:07}", state.step);
     // A diverged run must not replace the last good checkpoint with garbage.
-    let (opt_tensors, opt_step) = optimizer.state_tensors();
+    let (opt_tensors, opt_step) = (&optimizer.tensors, optimizer.step_count);
     let target = ckpts.join(&name);
     let refuse = |e: Error| {
         Error::checkpoint(
@@ -194,7 +194,7 @@ pub fn save(
         let meta = HashMap::from([("step".to_string(), opt_step.to_string())]);
         named(
             &file(OPTIMIZER_FILE),
-            io::save_safetensors(&tmp.join(OPTIMIZER_FILE), &opt_tensors, Some(meta)),
+            io::save_safetensors(&tmp.join(OPTIMIZER_FILE), opt_tensors, Some(meta)),
         )?;
         let state = TrainerState {
             files: Some(SavedFiles {
@@ -345,7 +345,7 @@ pub fn check_files_match(dir: &Path, state: &TrainerState, weights_file: &str) -
 }
 
 /// Loads the optimiser state of checkpoint `dir` into `optimizer`.
-pub fn load_optimizer(dir: &Path, optimizer: &mut AdamW, device: &Device) -> Result<()> {
+pub fn load_optimizer(dir: &Path, optimizer: &mut dyn Optimizer, device: &Device) -> Result<()> {
     let path = dir.join(OPTIMIZER_FILE);
     let loaded = io::load_safetensors(&path, device)?;
     finite::check_tensors(
@@ -358,9 +358,13 @@ pub fn load_optimizer(dir: &Path, optimizer: &mut AdamW, device: &Device) -> Res
         .get("step")
         .and_then(|s| s.parse::<usize>().ok())
         .ok_or_else(|| Error::checkpoint(&path, "metadata has no valid `step`"))?;
-    optimizer
-        .load_state_tensors(&loaded.tensors, step)
-        .map_err(|e| Error::checkpoint(&path, e.to_string()))
+    optimizer.load_state(&loaded.tensors, step).map_err(|e| {
+        let msg = match e {
+            Error::Checkpoint { msg, .. } => msg,
+            e => e.to_string(),
+        };
+        Error::checkpoint(&path, format!("{} state: {msg}", optimizer.name()))
+    })
 }
 
 /// Deletes old checkpoints, keeping the newest `keep_last` and those named in `keep` (the best

@@ -47,7 +47,7 @@ impl RngState {
     }
 }
 
-/// Everything besides weights and optimiser moments needed to continue a run exactly.
+/// Everything besides weights and optimiser state needed to continue a run exactly.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainerState {
     /// Optimiser steps completed.

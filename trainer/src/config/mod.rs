@@ -398,8 +398,9 @@ train_config! {
     /// at use, differentiably.
     #[resume(may_change)]
     pipeline_devices: DeviceList = DeviceList::default(),
-    /// ZeRO stage with data parallelism: 0 (every rank keeps the whole AdamW state) or 1 (the
-    /// AdamW state and update are sharded across ranks, updated weights are all-gathered).
+    /// ZeRO stage with data parallelism: 0 (every rank keeps the whole optimiser state) or 1
+    /// (the optimiser state and update are sharded across ranks, updated weights are
+    /// all-gathered).
     #[resume(may_change)]
     zero: usize = 0,
     /// Op implementations: `fused` (candle-fused kernels) or `reference` (the composite Candle

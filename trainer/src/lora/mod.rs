@@ -5,7 +5,7 @@
 //! PEFT writes them on disk (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`,
 //! `base_model.model.lm_head.weight`), so a checkpoint's adapter file is PEFT's
 //! `adapter_model.safetensors` as it is. Everything else of the trainer (the step, the
-//! executors, AdamW, the loss scaler, data parallelism) sees only those parameters.
+//! executors, the optimiser, the loss scaler, data parallelism) sees only those parameters.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};

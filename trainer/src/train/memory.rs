@@ -8,7 +8,8 @@ use crate::config::{Parallelism, TrainConfig};
 use crate::model::ModelConfig;
 use crate::Result;
 
-/// Estimated peak bytes of one training step: f32 weights, gradients and both AdamW moments
+/// Estimated peak bytes of one training step: f32 weights, gradients and the optimiser's state
+/// ([`trained_bytes_per_param`])
 /// (plus a compute-dtype copy of the weights in mixed precision; a LoRA run's frozen base
 /// only its f32 weights), the activations of one
 /// micro-batch as the remat planner models them (`plan`'s predicted peak, or every block's
@@ -58,13 +59,25 @@ pub fn estimate_step_bytes(
     let logits = tokens
         .saturating_mul(model.vocab_size() as u64)
         .saturating_mul(4 * 2);
-    // A LoRA run's base is frozen: read in f32 (then cast), with no gradient and no AdamW
-    // state (the adapters' are small).
+    // A LoRA run's base is frozen: read in f32 (then cast), with no gradient and no
+    // optimiser state (the adapters' are small).
     let weights = match config.lora_r > 0 {
         true => (n_params * 4).saturating_add(adapter_bytes(config, model, dtype)),
-        false => n_params * 4 * 4 + cast_copy,
+        false => n_params
+            .saturating_mul(trained_bytes_per_param(config))
+            .saturating_add(cast_copy),
     };
     weights.saturating_add(activations).saturating_add(logits)
+}
+
+/// Bytes a trained parameter element holds: its f32 weight and gradient, and the state of the
+/// config's optimiser ([`crate::optim::build`], asked over no parameters; an optimiser that
+/// cannot be built is refused when the run builds it, and counts nothing here: this is a
+/// lower bound).
+pub fn trained_bytes_per_param(config: &TrainConfig) -> u64 {
+    let state = crate::optim::build(config, &crate::model::Params::default())
+        .map_or(0, |o| o.state_bytes_per_param() as u64);
+    4 + 4 + state
 }
 
 /// Bytes every layer costs the host besides its tensors' data (its parameters' names, shapes,
@@ -73,7 +86,7 @@ pub fn estimate_step_bytes(
 const LAYER_OVERHEAD: u64 = 4 << 10;
 
 /// A LoRA run's adapters (`lora_r` per targeted linear layer, taken as `n_embd` in and out):
-/// their f32 weights, gradients and AdamW moments, and the activations of one micro-batch
+/// their f32 weights, gradients and optimiser state, and the activations of one micro-batch
 /// they add (see `trainer/tests/lora_memory.rs` for how close this comes to a measured run).
 fn adapter_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) -> u64 {
     if config.lora_r == 0 {
@@ -96,7 +109,9 @@ fn adapter_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) ->
         .saturating_mul(tokens)
         .saturating_mul((config.lora_r as u64).saturating_add(2 * shape.n_embd as u64))
         .saturating_mul(dtype.size_in_bytes() as u64);
-    params.saturating_mul(16).saturating_add(acts)
+    params
+        .saturating_mul(trained_bytes_per_param(config))
+        .saturating_add(acts)
 }
 
 /// What a step needs at the least, from the config's sizes alone (layers, width, vocabulary,
@@ -104,8 +119,13 @@ fn adapter_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) ->
 /// token embedding, the logits and their gradient, the adapters. Checked before anything
 /// proportional to a size is built (the parameter list, the cost table, the remat plan).
 pub fn floor_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) -> u64 {
-    // A frozen LoRA base holds its f32 weights; full training adds gradients and moments.
-    let per_param: u64 = if config.lora_r > 0 { 4 } else { 16 };
+    // A frozen LoRA base holds its f32 weights; full training adds gradients and the
+    // optimiser's state.
+    let per_param: u64 = if config.lora_r > 0 {
+        4
+    } else {
+        trained_bytes_per_param(config)
+    };
     let tokens = (config.batch_size as u64).saturating_mul(config.block_size as u64);
     let logits = tokens
         .saturating_mul(model.vocab_size() as u64)

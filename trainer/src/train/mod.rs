@@ -1,7 +1,7 @@
 //! Training a model: building a run ([`Trainer::new`], [`Trainer::resume`],
 //! [`Trainer::with_model`], here), the loop with evaluation and checkpoints (`run.rs`), one
 //! step (`step.rs`: micro-batches, accumulation, the data-parallel reduction, the scaler's
-//! step with clipping and AdamW), and how a micro-batch's forward and backward run
+//! step with clipping and the optimiser), and how a micro-batch's forward and backward run
 //! ([`executor`]: plain, remat or [`pipeline`]).
 
 mod eval;
@@ -38,7 +38,7 @@ use crate::data::{DataSource, Split};
 use crate::lora::Tuning;
 use crate::metrics::EvalStats;
 use crate::model::{Model, Params};
-use crate::optim::AdamW;
+use crate::optim::{self, Optimizer};
 use crate::run_dir::{self, Claim, RunDir};
 use crate::schedule::LrSchedule;
 use crate::{load, Error, Result};
@@ -58,8 +58,9 @@ pub struct Trainer {
     pub model: Box<dyn Model>,
     /// Its parameters.
     pub params: Params,
-    /// The optimiser.
-    pub optimizer: AdamW,
+    /// The optimiser ([`optim::build`] makes the config's; a program may put in its own before
+    /// [`Trainer::with_comm`] and training, and resume with it by [`Trainer::resume_with`]).
+    pub optimizer: Box<dyn Optimizer>,
     vars: Vec<Var>,
     dtype: DType,
     executor: Executor,
@@ -149,7 +150,7 @@ impl Trainer {
         if let Ok(arch) = mc.architecture().parse() {
             config.arch = arch;
         }
-        let optimizer = AdamW::new(&params, config.adamw_config())?.with_kernels(config.kernels);
+        let optimizer = optim::build(&config, &params)?;
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
         Self::assemble(config, device, data, model, params, optimizer, rng, tuning)
     }
@@ -162,6 +163,17 @@ impl Trainer {
     /// directory forks the run there (which must not hold a run). Fields that define the model
     /// or the data cannot change, and an attempt is an error.
     pub fn resume(path: &Path, adjust: impl FnOnce(&mut TrainConfig)) -> Result<Self> {
+        Self::resume_with(path, adjust, optim::build)
+    }
+
+    /// [`Trainer::resume`] with the optimiser `optimizer` builds (given the run's config and
+    /// parameters), its state loaded from the checkpoint by name: how a program that trained
+    /// with an optimiser of its own continues its run.
+    pub fn resume_with(
+        path: &Path,
+        adjust: impl FnOnce(&mut TrainConfig),
+        optimizer: impl FnOnce(&TrainConfig, &Params) -> Result<Box<dyn Optimizer>>,
+    ) -> Result<Self> {
         let dir = checkpoint::resolve(path)?;
         let state: TrainerState = checkpoint::io::read_json(&dir.join(checkpoint::STATE_FILE))?;
         let mut config = state.config.clone();
@@ -243,9 +255,8 @@ impl Trainer {
                         ))
                     }
                 };
-                let mut o =
-                    AdamW::new(&params, config.adamw_config())?.with_kernels(config.kernels);
-                checkpoint::load_optimizer(&dir, &mut o, &device)?;
+                let mut o = optimizer(&config, &params)?;
+                checkpoint::load_optimizer(&dir, o.as_mut(), &device)?;
                 Ok((model, params, tuning, o))
             })?;
         // The manifest holds (checked last by the loader); the files must also be the ones
@@ -298,7 +309,7 @@ impl Trainer {
         data: Box<dyn DataSource>,
         model: Box<dyn Model>,
         params: Params,
-        optimizer: AdamW,
+        optimizer: Box<dyn Optimizer>,
         rng: ChaCha8Rng,
         tuning: Tuning,
     ) -> Result<Self> {
@@ -381,10 +392,10 @@ impl Trainer {
         self.dp.broadcast_from_main(&self.vars)?;
         self.dp.ensure_in_sync(&self.vars)?;
         if self.config.zero == 1 && world > 1 {
-            // ZeRO-1: keep (and update) this rank's shard of the AdamW state only.
-            self.shards = zero::Shards::balanced(&self.params, world);
+            // ZeRO-1: keep (and update) this rank's shard of the optimiser state only.
+            self.shards = zero::Shards::balanced(&self.params, world, self.optimizer.as_ref());
             let (shards, rank) = (&self.shards, self.dp.rank());
-            self.optimizer.retain(|name| shards.owner(name) == rank);
+            self.optimizer.retain(&|name| shards.owner(name) == rank);
         }
         Ok(self)
     }

@@ -12,8 +12,8 @@
 //!   gradients is the gradient of the global batch's token mean (masked tasks give ranks
 //!   different token counts).
 //! - Gradients are averaged with one all-reduce per bucket ([`GradBuckets`]) after the last
-//!   micro-batch (accumulation stays local), so clipping, the non-finite check and AdamW see the
-//!   same gradients on every rank and apply the same update.
+//!   micro-batch (accumulation stays local), so clipping, the non-finite check and the
+//!   optimiser see the same gradients on every rank and apply the same update.
 //!
 //! A world of one ([`DataParallel::single`]) is the disabled component: every method is a
 //! no-op, so the trainer has one step for one process and for many.

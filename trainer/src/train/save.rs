@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use super::{Trainer, AMP_FILE};
 use crate::checkpoint::{self, RngState, TrainerState};
 use crate::metrics::EvalStats;
-use crate::optim::AdamW;
+use crate::optim::OptimizerState;
 use crate::Result;
 
 impl Trainer {
@@ -41,7 +41,7 @@ impl Trainer {
             let comm = self.dp.comm();
             Some(
                 self.shards
-                    .gather_optimizer(comm, &self.optimizer, &self.params)?,
+                    .gather_optimizer(comm, self.optimizer.as_ref())?,
             )
         } else {
             None
@@ -54,20 +54,21 @@ impl Trainer {
         }
         let held = self.run_dir.is_some();
         self.claim_run_dir()?;
-        let saved = self.save_claimed(gathered.as_ref());
+        let saved = self.save_claimed(gathered);
         if !held {
             self.run_dir = None;
         }
         saved
     }
 
-    fn save_claimed(&mut self, gathered: Option<&AdamW>) -> Result<PathBuf> {
+    fn save_claimed(&mut self, gathered: Option<OptimizerState>) -> Result<PathBuf> {
         let amp = &self.amp;
+        let optimizer = gathered.unwrap_or_else(|| OptimizerState::of(self.optimizer.as_ref()));
         let dir = checkpoint::save(
             &self.config.out_dir,
             self.tuning.files(self.model.config()),
             &self.params,
-            gathered.unwrap_or(&self.optimizer),
+            &optimizer,
             &self.state(),
             &[(AMP_FILE, &|path: &Path| -> Result<()> {
                 amp.save_state(path)?;

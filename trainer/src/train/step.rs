@@ -1,6 +1,6 @@
 //! One training step: `grad_accum` micro-batches through the executor, the data-parallel
 //! reduction, then the update (the loss scaler's overflow-checked step over the fused
-//! gradient norm, with clipping and AdamW), the same for every precision and executor, with
+//! gradient norm, with clipping and the optimiser), the same for every precision and executor, with
 //! one host sync.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -38,7 +38,7 @@ impl Trainer {
     /// One path for every precision and executor. The loss is scaled by the loss scaler (a
     /// no-op in f32, as PyTorch's `GradScaler(enabled=False)`); the update is `candle-amp`'s
     /// overflow-checked step over the fused gradient norm, with unscaling and clipping folded
-    /// into AdamW's gradient coefficient. The non-finite policy: a non-finite loss is an
+    /// into the optimiser's gradient coefficient. The non-finite policy: a non-finite loss is an
     /// error; non-finite gradients skip the step when the scaler can back off (dynamic
     /// scaling), and are an error otherwise (f32, bf16, a static scale), where retrying
     /// could not help. Either way the weights are untouched.
@@ -168,9 +168,13 @@ impl Trainer {
             });
         }
         // `amp.step` asks the optimiser for this norm first thing (it was read above).
-        self.optimizer.preset_grad_norm(norm);
-        candle_nn::Optimizer::set_learning_rate(&mut self.optimizer, lr);
-        let outcome = self.amp.step(&grads, &mut self.optimizer)?;
+        let mut update = crate::optim::Driven {
+            optimizer: self.optimizer.as_mut(),
+            lr,
+            norm: Some(norm),
+            kernels: cfg.kernels,
+        };
+        let outcome = self.amp.step(&grads, &mut update)?;
         let (grad_norm, skipped) = match outcome {
             StepOutcome::Applied { grad_norm, .. } => (grad_norm as f32, false),
             StepOutcome::Skipped {

@@ -1,8 +1,9 @@
-//! ZeRO stage 1: the AdamW state (and the update) sharded across data-parallel ranks.
+//! ZeRO stage 1: the optimiser state (and the update) sharded across data-parallel ranks.
 //!
 //! Parameters are assigned whole to ranks, largest first to the least-loaded rank (the way
-//! PyTorch's `ZeroRedundancyOptimizer` partitions), so each rank keeps the moments of about
-//! `1 / world_size` of the parameters. Every rank still holds all weights and the averaged
+//! PyTorch's `ZeroRedundancyOptimizer` partitions), so each rank keeps the optimiser state of
+//! about `1 / world_size` of the parameters (whatever state the [`Optimizer`] reports for
+//! them, by name: `{param}.{what}` goes with `param`). Every rank still holds all weights and the averaged
 //! gradients: clipping and the non-finite check see the same values everywhere; each rank then
 //! updates its own parameters, and one broadcast per rank (its parameters flattened into one
 //! buffer) hands the updated weights to the others. The arithmetic of every update is the same
@@ -14,17 +15,19 @@
 use std::collections::HashMap;
 
 use candle_comm::Communicator;
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Shape, Tensor, Var};
 
 use crate::model::Params;
-use crate::optim::AdamW;
-use crate::Result;
+use crate::optim::{Optimizer, OptimizerState};
+use crate::{Error, Result};
 
 /// Which rank updates which parameter.
 #[derive(Debug, Clone)]
 pub struct Shards {
     /// Parameters in the trainer's order, with their owner.
     params: Vec<(String, Var, usize)>,
+    /// The optimiser's state tensors over every parameter, in its order, with their owner.
+    state: Vec<(String, Shape, usize)>,
     world: usize,
 }
 
@@ -33,13 +36,17 @@ impl Shards {
     pub fn none() -> Self {
         Shards {
             params: Vec::new(),
+            state: Vec::new(),
             world: 1,
         }
     }
 
     /// Parameters balanced over `world` ranks by element count (largest first, ties by name,
-    /// to the least-loaded rank, ties to the lowest rank): the same on every rank.
-    pub fn balanced(params: &Params, world: usize) -> Self {
+    /// to the least-loaded rank, ties to the lowest rank): the same on every rank. Each state
+    /// tensor of `optimizer` (which holds every parameter's, before it keeps its shard) goes
+    /// with its parameter: the longest parameter name it starts with followed by a dot (state
+    /// of no parameter stays with rank 0).
+    pub fn balanced(params: &Params, world: usize, optimizer: &dyn Optimizer) -> Self {
         let mut order: Vec<(String, Var)> =
             params.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
         order.sort_by(|a, b| b.1.elem_count().cmp(&a.1.elem_count()).then(a.0.cmp(&b.0)));
@@ -50,11 +57,28 @@ impl Shards {
             load[r] += var.elem_count();
             owner.insert(name.clone(), r);
         }
+        let state = optimizer
+            .state()
+            .into_iter()
+            .map(|(name, t)| {
+                let param = params
+                    .iter()
+                    .map(|(p, _)| p)
+                    .filter(|p| {
+                        name.strip_prefix(p.as_str())
+                            .is_some_and(|r| r.starts_with('.'))
+                    })
+                    .max_by_key(|p| p.len());
+                let rank = param.and_then(|p| owner.get(p)).copied().unwrap_or(0);
+                (name, t.shape().clone(), rank)
+            })
+            .collect();
         Shards {
             params: params
                 .iter()
                 .map(|(n, v)| (n.clone(), v.clone(), owner.get(n).copied().unwrap_or(0)))
                 .collect(),
+            state,
             world,
         }
     }
@@ -95,39 +119,54 @@ impl Shards {
     }
 
     /// The whole optimiser state, gathered from the ranks' shards (a collective: every rank
-    /// calls it), as an [`AdamW`] over every parameter: what a checkpoint saves.
+    /// calls it), in the order of the unsharded optimiser's: what a checkpoint saves.
     pub fn gather_optimizer(
         &self,
         comm: &dyn Communicator,
-        shard: &AdamW,
-        params: &Params,
-    ) -> Result<AdamW> {
-        let (mine, step) = shard.state_tensors();
-        let mine: HashMap<String, Tensor> = mine.into_iter().collect();
+        shard: &dyn Optimizer,
+    ) -> Result<OptimizerState> {
+        let mine: HashMap<String, Tensor> = shard.state().into_iter().collect();
+        let device = self
+            .params
+            .first()
+            .map_or(candle_core::Device::Cpu, |p| p.1.device().clone());
         let mut all = HashMap::new();
         for owner in 0..self.world {
-            let keys: Vec<(String, &Var)> = self
-                .owned_by(owner)
-                .flat_map(|(n, v)| ["exp_avg", "exp_avg_sq"].map(|s| (format!("{n}.{s}"), v)))
-                .collect();
-            let tensors = keys
+            let owned: Vec<&(String, Shape, usize)> =
+                self.state.iter().filter(|s| s.2 == owner).collect();
+            let tensors = owned
                 .iter()
-                .map(|(k, v)| match mine.get(k) {
-                    Some(t) => Ok(t.clone()),
-                    None => v.zeros_like(), // not ours: placeholder of the right size
+                .map(|(name, shape, _)| match mine.get(name) {
+                    Some(t) if comm.rank() == owner => Ok(t.clone()),
+                    _ if comm.rank() == owner => Err(Error::Config(format!(
+                        "ZeRO-1: this rank's {} shard has no `{name}`",
+                        shard.name()
+                    ))),
+                    // Not ours: a placeholder of the right size.
+                    _ => Ok(Tensor::zeros(shape, DType::F32, &device)?),
                 })
-                .collect::<candle_core::Result<Vec<Tensor>>>()?;
+                .collect::<Result<Vec<Tensor>>>()?;
             let flat = self.broadcast_flat(comm, owner, &tensors)?;
             let mut offset = 0;
-            for (k, v) in keys {
-                let n = v.elem_count();
-                all.insert(k, flat.narrow(0, offset, n)?.reshape(v.shape())?);
+            for (name, shape, _) in owned {
+                let n = shape.elem_count();
+                all.insert(name.clone(), flat.narrow(0, offset, n)?.reshape(shape)?);
                 offset += n;
             }
         }
-        let mut full = AdamW::new(params, shard.config().clone())?.with_kernels(shard.kernels());
-        full.load_state_tensors(&all, step)?;
-        Ok(full)
+        let tensors = self
+            .state
+            .iter()
+            .map(|(name, ..)| {
+                all.remove(name)
+                    .map(|t| (name.clone(), t))
+                    .ok_or_else(|| Error::Config(format!("ZeRO-1: `{name}` was gathered twice")))
+            })
+            .collect::<Result<_>>()?;
+        Ok(OptimizerState {
+            tensors,
+            step_count: shard.step_count(),
+        })
     }
 
     fn owned_by(&self, rank: usize) -> impl Iterator<Item = (&String, &Var)> {

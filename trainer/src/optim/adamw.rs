@@ -1,24 +1,22 @@
-//! AdamW with state the trainer owns (so it can be checkpointed), the global gradient norm
-//! and gradient accumulation over Candle's [`GradStore`]; the update and the norm are
+//! AdamW, the first [`Optimizer`]: Loshchilov & Hutter's decoupled weight decay, as in
+//! PyTorch, with state the trainer owns (so it can be checkpointed); the update is
 //! `candle-fused`'s (fused or composite, as [`Kernels`] says).
 //!
 //! candle-nn's `AdamW` keeps its moments and step count private, so a run using it cannot be
-//! resumed exactly. [`AdamW`] here has the same update rule (Loshchilov & Hutter's decoupled
-//! weight decay, as in PyTorch) and exposes its state through [`AdamW::state_tensors`] /
-//! [`AdamW::load_state_tensors`]. It implements `candle-amp`'s [`ScaledUpdate`] (the fused
-//! norm and the `coef * grad` update, so mixed-precision steps copy no gradient) and
-//! [`candle_nn::Optimizer`].
+//! resumed exactly. [`AdamW`] here has the same update rule and exposes its state by name
+//! ([`Optimizer::state`]: `{param}.exp_avg` and `{param}.exp_avg_sq`, PyTorch's names). It
+//! also implements `candle-amp`'s [`ScaledUpdate`] (the fused norm and the `coef * grad`
+//! update, so mixed-precision steps copy no gradient) and [`candle_nn::Optimizer`].
 
 use std::collections::HashMap;
 
 use candle_amp::ScaledUpdate;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
-use candle_fused::adamw::{
-    adamw_composite, adamw_update, sum_of_squares, sum_of_squares_composite, AdamWStep,
-};
+use candle_fused::adamw::{adamw_composite, adamw_update, AdamWStep};
 use serde::{Deserialize, Serialize};
 
+use super::{global_grad_norm, Optimizer};
 use crate::model::{Kernels, Params};
 use crate::{Error, Result};
 
@@ -62,15 +60,16 @@ struct Slot {
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};
-/// use candle_nn::Optimizer;
+/// use candle_nn::Optimizer as _;
 /// use trainer::model::Params;
-/// use trainer::optim::{AdamW, AdamWConfig};
+/// use trainer::optim::{AdamW, AdamWConfig, Optimizer};
 /// let w = Var::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu)?;
 /// let params = Params::from_vars([("w".to_string(), w.clone())]);
 /// let mut opt = AdamW::new(&params, AdamWConfig { lr: 0.1, ..Default::default() })?;
 /// let loss = w.as_tensor().sqr()?.sum_all()?;
-/// opt.step(&loss.backward()?)?;
+/// candle_nn::Optimizer::step(&mut opt, &loss.backward()?)?;
 /// assert_eq!(opt.step_count(), 1);
+/// assert_eq!(opt.state()[0].0, "w.exp_avg");
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct AdamW {
@@ -78,9 +77,6 @@ pub struct AdamW {
     slots: Vec<Slot>,
     step: usize,
     kernels: Kernels,
-    /// The gradient norm the next [`ScaledUpdate::grad_norm`] returns instead of computing
-    /// it (the step read it with the loss: [`AdamW::preset_grad_norm`]).
-    preset_norm: Option<f32>,
 }
 
 impl AdamW {
@@ -108,7 +104,6 @@ impl AdamW {
             slots,
             step: 0,
             kernels: Kernels::Fused,
-            preset_norm: None,
         })
     }
 
@@ -120,34 +115,13 @@ impl AdamW {
         self
     }
 
-    /// Keeps the state and the updates of the parameters whose name satisfies `keep` only, and
-    /// frees the rest (ZeRO-1: each data-parallel rank updates its shard of the parameters).
-    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
-        self.slots.retain(|s| keep(&s.name));
-    }
-
-    /// f32 elements of optimiser state held (both moments of every parameter kept).
-    pub fn state_elements(&self) -> usize {
-        self.slots.iter().map(|s| 2 * s.var.elem_count()).sum()
-    }
-
     /// The kernels the update runs on.
     pub fn kernels(&self) -> Kernels {
         self.kernels
     }
 
-    /// Makes the next [`ScaledUpdate::grad_norm`] (the first thing `candle_amp::Amp::step`
-    /// asks) return `norm` instead of reading the gradients' norm back from the device: the
-    /// training step reads it together with the loss, in its one host sync. `norm` must be
-    /// [`global_grad_norm`] of the gradients the step is given, over the same variables.
-    pub fn preset_grad_norm(&mut self, norm: f32) {
-        self.preset_norm = Some(norm);
-    }
-
-    /// Number of updates applied so far.
-    pub fn step_count(&self) -> usize {
-        self.step
-    }
+    /// The suffixes of the state tensors of each parameter.
+    const MOMENTS: [&'static str; 2] = ["exp_avg", "exp_avg_sq"];
 
     /// The hyper-parameters.
     pub fn config(&self) -> &AdamWConfig {
@@ -195,36 +169,41 @@ impl AdamW {
         }
         Ok(())
     }
+}
 
-    /// The state as named tensors: `{name}.exp_avg`, `{name}.exp_avg_sq`, plus the step count
-    /// (returned separately so it can be stored as metadata).
-    pub fn state_tensors(&self) -> (Vec<(String, Tensor)>, usize) {
-        let mut out = Vec::with_capacity(2 * self.slots.len());
-        for s in &self.slots {
-            out.push((format!("{}.exp_avg", s.name), s.m.clone()));
-            out.push((format!("{}.exp_avg_sq", s.name), s.v.clone()));
-        }
-        (out, self.step)
+impl Optimizer for AdamW {
+    fn name(&self) -> &str {
+        "adamw"
     }
 
-    /// Restores state saved by [`AdamW::state_tensors`]; every moment must be present with
-    /// the parameter's shape.
-    pub fn load_state_tensors(
-        &mut self,
-        tensors: &HashMap<String, Tensor>,
-        step: usize,
-    ) -> Result<()> {
+    fn step(&mut self, grads: &GradStore, grad_scale: f64, lr: f64) -> candle_core::Result<()> {
+        self.config.lr = lr;
+        self.apply_scaled(grads, grad_scale)
+    }
+
+    fn step_count(&self) -> usize {
+        self.step
+    }
+
+    /// `{param}.exp_avg` and `{param}.exp_avg_sq` (PyTorch's names) of every parameter kept.
+    fn state(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::with_capacity(self.slots.len() * Self::MOMENTS.len());
+        for s in &self.slots {
+            let [m, v] = Self::MOMENTS;
+            out.push((format!("{}.{m}", s.name), s.m.clone()));
+            out.push((format!("{}.{v}", s.name), s.v.clone()));
+        }
+        out
+    }
+
+    /// Every moment must be present, f32, with its parameter's shape; nothing else may be.
+    fn load_state(&mut self, tensors: &HashMap<String, Tensor>, step: usize) -> Result<()> {
         // Exactly the moments of the parameters, as the trainer writes them (f32): an extra
         // tensor is as wrong as a missing one.
         let expected: std::collections::HashSet<String> = self
             .slots
             .iter()
-            .flat_map(|s| {
-                [
-                    format!("{}.exp_avg", s.name),
-                    format!("{}.exp_avg_sq", s.name),
-                ]
-            })
+            .flat_map(|s| Self::MOMENTS.map(|m| format!("{}.{m}", s.name)))
             .collect();
         if let Some(extra) = tensors.keys().filter(|k| !expected.contains(*k)).min() {
             return Err(Error::checkpoint(
@@ -233,7 +212,7 @@ impl AdamW {
             ));
         }
         for s in self.slots.iter_mut() {
-            for (suffix, dst) in [("exp_avg", &mut s.m), ("exp_avg_sq", &mut s.v)] {
+            for (suffix, dst) in [(Self::MOMENTS[0], &mut s.m), (Self::MOMENTS[1], &mut s.v)] {
                 let key = format!("{}.{suffix}", s.name);
                 let t = tensors.get(&key).ok_or_else(|| {
                     Error::checkpoint("optimizer state", format!("missing `{key}`"))
@@ -265,6 +244,15 @@ impl AdamW {
         self.step = step;
         Ok(())
     }
+
+    fn retain(&mut self, keep: &dyn Fn(&str) -> bool) {
+        self.slots.retain(|s| keep(&s.name));
+    }
+
+    /// Two f32 moments.
+    fn state_bytes_per_param(&self) -> usize {
+        Self::MOMENTS.len() * DType::F32.size_in_bytes()
+    }
 }
 
 impl candle_nn::Optimizer for AdamW {
@@ -292,74 +280,17 @@ impl candle_nn::Optimizer for AdamW {
     }
 }
 
-/// What `candle_amp::Amp::step` drives: the norm is [`global_grad_norm`] with this
-/// optimiser's kernels (one fused reduction), or the one preset by
-/// [`AdamW::preset_grad_norm`]; the update is [`AdamW::apply_scaled`].
+/// What `candle_amp::Amp::step` drives when a program steps an `AdamW` itself: the norm is
+/// [`global_grad_norm`] with this optimiser's kernels (one fused reduction); the update is
+/// [`AdamW::apply_scaled`]. (The trainer drives any [`Optimizer`] the same way.)
 impl ScaledUpdate for AdamW {
     type Error = candle_core::Error;
 
     fn grad_norm(&mut self, grads: &GradStore, vars: &[Var]) -> candle_core::Result<f64> {
-        if let Some(norm) = self.preset_norm.take() {
-            return Ok(f64::from(norm));
-        }
         Ok(f64::from(global_grad_norm(grads, vars, self.kernels)?))
     }
 
     fn apply(&mut self, grads: &GradStore, _: &[Var], coef: f64) -> candle_core::Result<()> {
         self.apply_scaled(grads, coef)
     }
-}
-
-/// The global L2 norm of the gradients of `vars` (missing gradients count as zero) with one
-/// host sync, using `kernels` (the fused one reads each gradient once): `candle_fused`'s
-/// `global_norm`, its read counted ([`crate::transfer`]).
-pub fn global_grad_norm(
-    grads: &GradStore,
-    vars: &[Var],
-    kernels: Kernels,
-) -> candle_core::Result<f32> {
-    match grad_sum_of_squares(grads, vars, kernels)? {
-        None => Ok(0.0),
-        Some(sum) => Ok(crate::transfer::read_scalar::<f32>(&sum)?.sqrt()),
-    }
-}
-
-/// The sum of the squares of the gradients of `vars` as an f32 scalar on their device, read
-/// nothing back (`None` when no variable has a gradient): `candle_fused`'s `global_norm`
-/// before its read, the per-tensor sums ([`sum_of_squares`], or its composite with
-/// `Kernels::Reference`) added in the order of `vars`.
-pub fn grad_sum_of_squares(
-    grads: &GradStore,
-    vars: &[Var],
-    kernels: Kernels,
-) -> candle_core::Result<Option<Tensor>> {
-    let sumsq = match kernels {
-        Kernels::Fused => sum_of_squares,
-        Kernels::Reference => sum_of_squares_composite,
-    };
-    let mut total: Option<Tensor> = None;
-    for g in vars.iter().filter_map(|v| grads.get(v)) {
-        let s = sumsq(g)?;
-        total = Some(match total {
-            None => s,
-            Some(t) => (t + s)?,
-        });
-    }
-    Ok(total)
-}
-
-/// Adds the gradients of `from` into `into` (gradient accumulation across micro-batches).
-pub fn accumulate(into: &mut GradStore, from: GradStore, vars: &[Var]) -> candle_core::Result<()> {
-    let mut from = from;
-    for v in vars {
-        if let Some(g) = from.remove(v) {
-            let g = g.detach();
-            let sum = match into.remove(v) {
-                Some(acc) => (acc + g)?,
-                None => g,
-            };
-            into.insert(v, sum);
-        }
-    }
-    Ok(())
 }
