@@ -62,7 +62,7 @@ struct Part {
     dtype: DType,
 }
 
-/// One rank of an in-process world (see the [module documentation](self)).
+/// One rank of an in-process world (see the documentation of its module, `threads`).
 ///
 /// Endpoints are `Send`: move each into its own thread, e.g. with [`run_threads`]. Dropping an
 /// endpoint while its thread panics tells the other ranks that this one failed. A

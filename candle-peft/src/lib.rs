@@ -6,7 +6,7 @@
 //!   the others refused by name) and [`TargetModules`] (PEFT's `target_modules` matching);
 //! * [`lora`]: [`Lora`], one adapter on a linear layer: PEFT's initialisation, the fused
 //!   forward and backward (from `candle-fused`), merge and unmerge;
-//! * [`format`]: PEFT's files, `adapter_config.json` + `adapter_model.safetensors`, with
+//! * [`format`](mod@format): PEFT's files, `adapter_config.json` + `adapter_model.safetensors`, with
 //!   PEFT's tensor names, read ([`Adapter::load`]) and written ([`format::save`]).
 //!
 //! The crate knows no model: a model offers each of its linear layers by module path

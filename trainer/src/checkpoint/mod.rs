@@ -146,7 +146,7 @@ pub type WriteFile<'a> = dyn Fn(&Path) -> Result<()> + 'a;
 /// points `latest` at it and returns its directory. `extra` writes more files into the
 /// checkpoint before it is renamed into place: each by its name, given the path to write.
 ///
-/// Every file is written through [`named`]: a failed write (a full disk, say) is an error
+/// Every file is written through `named`: a failed write (a full disk, say) is an error
 /// naming the file, whoever wrote it.
 pub fn save(
     run_dir: &Path,

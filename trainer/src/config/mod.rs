@@ -3,7 +3,7 @@
 //! One list of fields (in the `train_config!` invocation below) generates the config struct, its
 //! defaults, and the matching clap overrides, so a new option is added in one place and shows up
 //! in `trainer train --help` with its documentation. Values written as text (`--dtype bf16`,
-//! `--remat every:2`) are typed ([`types`]): parsed once, when the config is read.
+//! `--remat every:2`) are typed (`types`): parsed once, when the config is read.
 
 mod paths;
 mod types;
