@@ -18,8 +18,9 @@ fn spawn(dir: &Path) -> Child {
 
 /// [`spawn`], each evaluation `eval_iters` batches long.
 fn spawn_eval_iters(dir: &Path, eval_iters: &str) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_trainer"))
-        .args([
+    spawn_with(
+        dir,
+        &[
             "train",
             "--out-dir",
             "run",
@@ -39,7 +40,14 @@ fn spawn_eval_iters(dir: &Path, eval_iters: &str) -> Child {
             "8",
             "--eval-iters",
             eval_iters,
-        ])
+        ],
+    )
+}
+
+/// The trainer with `args` in `dir`, its output in `out.txt` and `err.txt`.
+fn spawn_with(dir: &Path, args: &[&str]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_trainer"))
+        .args(args)
         .current_dir(dir)
         // Files, not pipes: a pipe nobody reads could fill and block the trainer.
         .stdout(Stdio::from(
@@ -50,6 +58,35 @@ fn spawn_eval_iters(dir: &Path, eval_iters: &str) -> Child {
         ))
         .spawn()
         .expect("start the trainer binary")
+}
+
+/// Waits until the run in `dir/run` has written `run.toml` (just before its first evaluation).
+fn wait_for_start(child: &mut Child, dir: &Path) {
+    let start = Instant::now();
+    while !dir.join("run/run.toml").is_file() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the trainer exited early: {status}");
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no start in 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits at most `secs` for the child to exit after a signal; kills it and fails, saying it
+/// was still `doing`, otherwise.
+fn exit_within(child: &mut Child, secs: u64, doing: &str) {
+    let signalled = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if signalled.elapsed() > Duration::from_secs(secs) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the trainer was still {doing} {secs} s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Waits until the run has logged `n` steps (so the signal lands mid-training).
@@ -128,8 +165,9 @@ fn a_signal_cuts_a_sample_short() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     // A model wide enough that 65536 tokens take minutes (about 2 ms a token here).
-    let mut child = Command::new(env!("CARGO_BIN_EXE_trainer"))
-        .args([
+    let mut child = spawn_with(
+        dir,
+        &[
             "train",
             "--out-dir",
             "run",
@@ -149,39 +187,13 @@ fn a_signal_cuts_a_sample_short() {
             "1e12",
             "--sample-tokens",
             "65536",
-        ])
-        .current_dir(dir)
-        .stdout(Stdio::from(
-            std::fs::File::create(dir.join("out.txt")).unwrap(),
-        ))
-        .stderr(Stdio::from(
-            std::fs::File::create(dir.join("err.txt")).unwrap(),
-        ))
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    while !dir.join("run/run.toml").is_file() {
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("the trainer exited early: {status}");
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no start in 120 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        ],
+    );
+    wait_for_start(&mut child, dir);
     // The one-batch evaluation takes milliseconds; the sample, minutes.
     std::thread::sleep(Duration::from_millis(1500));
     signal(&child, libc::SIGTERM);
-    let signalled = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if signalled.elapsed() > Duration::from_secs(5) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the trainer was still sampling 5 s after SIGTERM");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    exit_within(&mut child, 5, "sampling");
     let (status, out) = finish(child, dir);
     assert_eq!(status.code(), Some(75), "{out}");
     let t = Trainer::resume(&dir.join("run"), |_| {}).unwrap();
@@ -196,29 +208,10 @@ fn a_signal_cuts_an_evaluation_short() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let mut child = spawn_eval_iters(dir, "100000000");
-    // run.toml is written just before the first evaluation (step 0).
-    let start = Instant::now();
-    while !dir.join("run/run.toml").is_file() {
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("the trainer exited early: {status}");
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no start in 120 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_start(&mut child, dir);
     std::thread::sleep(Duration::from_millis(300));
     signal(&child, libc::SIGTERM);
-    let signalled = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if signalled.elapsed() > Duration::from_secs(30) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the trainer was still evaluating 30 s after SIGTERM");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    exit_within(&mut child, 30, "evaluating");
     let (status, out) = finish(child, dir);
     assert_eq!(status.code(), Some(75), "{out}");
     assert!(out.contains("== interrupted =="), "{out}");
