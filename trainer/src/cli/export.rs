@@ -4,15 +4,30 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use trainer::export::gguf::{export_gguf, GgufOptions, GgufType};
 use trainer::export::{export_spec, ExportOptions, WeightDtype};
+use trainer::load::ModelDir;
 
 /// The `export` flags.
 #[derive(Args, Debug)]
 pub(super) struct ExportArgs {
     /// A run or checkpoint directory, a Hugging Face model directory, or a hub model id.
     source: String,
-    /// The model directory to write (new or empty, unless --force).
+    /// The model directory to write (new or empty, unless --force); with --format gguf, the
+    /// file to write.
     out_dir: PathBuf,
+    /// What to write: a Hugging Face model directory, or one GGUF file that llama.cpp runs
+    /// (adapters merged in).
+    #[arg(long, value_enum, default_value_t = Format::Hf)]
+    format: Format,
+    /// With --format gguf: the tensor types [default: bf16 for a model stored in bf16, f16
+    /// otherwise, as llama.cpp's converter's `auto`].
+    #[arg(long, value_enum)]
+    gguf_type: Option<GgufType>,
+    /// With --format gguf: leave the tokenizer out (llama.cpp then needs another file's);
+    /// for tokenizers GGUF cannot express, such as a WordLevel vocabulary.
+    #[arg(long)]
+    gguf_no_tokenizer: bool,
     /// dtype of the written weights [default: the dtype the source stored them in: its
     /// config.json's torch_dtype; f32 for a run trained from scratch, the pretrained model's
     /// for a run started --init-from one].
@@ -40,7 +55,22 @@ fn size(text: &str) -> std::result::Result<u64, String> {
     trainer::export::parse_size(text).map_err(|e| e.to_string())
 }
 
+/// The output formats of `trainer export`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Format {
+    /// A Hugging Face model directory (or a PEFT adapter directory).
+    Hf,
+    /// One GGUF file (llama.cpp).
+    Gguf,
+}
+
 pub(super) fn export(args: ExportArgs) -> Result<()> {
+    if args.format == Format::Gguf {
+        return gguf(args);
+    }
+    if args.gguf_type.is_some() || args.gguf_no_tokenizer {
+        anyhow::bail!("--gguf-type and --gguf-no-tokenizer go with --format gguf");
+    }
     let options = ExportOptions {
         dtype: args.dtype,
         max_shard_size: args.max_shard_size,
@@ -60,5 +90,37 @@ pub(super) fn export(args: ExportArgs) -> Result<()> {
     for (name, from) in &done.copied {
         outln!("copied      {name} (from {})", from.display());
     }
+    Ok(())
+}
+
+fn gguf(args: ExportArgs) -> Result<()> {
+    if args.dtype.is_some() || args.merge {
+        anyhow::bail!(
+            "--dtype and --merge are for --format hf: a GGUF file's types are --gguf-type, \
+             and adapters are always merged into it"
+        );
+    }
+    let options = GgufOptions {
+        ty: args.gguf_type,
+        tokenizer: !args.gguf_no_tokenizer,
+        force: args.force,
+        other_base: args.other_base,
+    };
+    let source = ModelDir::open(&args.source)?.with_other_base(args.other_base);
+    let done = export_gguf(&source, &args.out_dir, &options)
+        .with_context(|| format!("cannot export {}", args.source))?;
+    outln!("exported    {} -> {}", args.source, done.path.display());
+    outln!(
+        "gguf        {} {:?}, {} tensors, {} bytes{}",
+        done.architecture,
+        done.ty,
+        done.tensors,
+        done.bytes,
+        if done.tokenizer {
+            ", tokenizer inside"
+        } else {
+            ", no tokenizer"
+        }
+    );
     Ok(())
 }

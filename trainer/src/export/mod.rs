@@ -23,6 +23,8 @@ use crate::load::{Checks, ModelDir, INDEX_FILE};
 use crate::pretrained::TOKENIZER_FILE;
 use crate::{io, Error, Result};
 
+pub mod gguf;
+
 /// huggingface_hub's default largest shard (`MAX_SHARD_SIZE`, 5 GB).
 pub const DEFAULT_MAX_SHARD_SIZE: u64 = 5_000_000_000;
 
