@@ -21,6 +21,7 @@ const NORMAL: i32 = 1;
 const CONTROL: i32 = 3;
 const USER_DEFINED: i32 = 4;
 const UNUSED: i32 = 5;
+const BYTE: i32 = 6;
 
 /// The special-token kinds gguf-py's `SpecialVocab` reads, in its order.
 const SPECIAL: [&str; 7] = ["bos", "eos", "unk", "sep", "pad", "cls", "mask"];
@@ -47,6 +48,23 @@ pub fn metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, Value)>> {
     let tokenizer = read_json(&path)?;
     let model = &tokenizer["model"];
     let kind = model["type"].as_str().unwrap_or("?");
+    let config_path = dir.join("tokenizer_config.json");
+    let mut config = match config_path.is_file() {
+        true => Some(read_json(&config_path)?),
+        false => None,
+    };
+    if kind == "BPE"
+        && model["byte_fallback"].as_bool() == Some(true)
+        && tokenizer["decoder"]["type"] == "Sequence"
+    {
+        let mut out = sentencepiece(&tokenizer, config.as_ref(), &path)?;
+        let n = match &out[2].1 {
+            Value::Strs(t) => t.len(),
+            _ => vocab_size,
+        };
+        SpecialVocab::read(&tokenizer, config.as_mut(), dir, n)?.append_to(&mut out);
+        return Ok(out);
+    }
     if kind != "BPE" {
         return Err(refused(
             &path,
@@ -69,11 +87,6 @@ pub fn metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, Value)>> {
     })?;
     let (tokens, types) = tokens(&tokenizer, &path, vocab_size)?;
     let merges = merges(model, &path)?;
-    let config_path = dir.join("tokenizer_config.json");
-    let mut config = match config_path.is_file() {
-        true => Some(read_json(&config_path)?),
-        false => None,
-    };
     let special = SpecialVocab::read(&tokenizer, config.as_mut(), dir, vocab_size)?;
     let mut out = vec![
         (
@@ -171,6 +184,99 @@ fn tokens(tokenizer: &Json, path: &Path, vocab_size: usize) -> Result<(Vec<Strin
             None => (format!("[PAD{i}]"), UNUSED),
         })
         .unzip())
+}
+
+/// A SentencePiece-style `tokenizer.json` (BPE with byte fallback, Llama 2, Mistral) as
+/// llama.cpp's `llama` tokenizer model, as the converter writes it from `tokenizer.json`
+/// (gguf-py's `LlamaHfVocab`; a `tokenizer.model` is not read): the base vocabulary by id, then
+/// added tokens past it; `<0xXX>` pieces are byte tokens, special tokens control tokens; every
+/// score -1000 and no merges (llama.cpp ranks the pieces by id).
+fn sentencepiece(
+    tokenizer: &Json,
+    config: Option<&Json>,
+    path: &Path,
+) -> Result<Vec<(String, Value)>> {
+    let vocab = tokenizer["model"]["vocab"]
+        .as_object()
+        .ok_or_else(|| refused(path, "model.vocab is not an object"))?;
+    let mut ids: HashMap<String, u32> = HashMap::new();
+    for (token, id) in vocab {
+        let id = id
+            .as_u64()
+            .ok_or_else(|| refused(path, &format!("model.vocab[{token:?}] is not an id")))?;
+        ids.insert(token.clone(), id as u32);
+    }
+    let base = vocab.len();
+    let mut by_id = vec![None; base];
+    for (t, &id) in &ids {
+        let slot = by_id
+            .get_mut(id as usize)
+            .ok_or_else(|| refused(path, &format!("model.vocab id {id} past its {base} pieces")))?;
+        *slot = Some(t.clone());
+    }
+    let mut added: Vec<(u32, String)> = Vec::new();
+    for a in tokenizer["added_tokens"].as_array().into_iter().flatten() {
+        if let (Some(id), Some(c)) = (a["id"].as_u64(), a["content"].as_str()) {
+            if id as usize >= base {
+                added.push((id as u32, c.to_string()));
+            }
+            ids.entry(c.to_string()).or_insert(id as u32);
+        }
+    }
+    added.sort();
+    // transformers' `all_special_ids`: the config's special tokens and its extra ones.
+    let mut special: Vec<u32> = Vec::new();
+    if let Some(c) = config {
+        let named = SPECIAL
+            .iter()
+            .filter_map(|t| token_text(&c[format!("{t}_token")]));
+        let extra = ["additional_special_tokens", "extra_special_tokens"]
+            .iter()
+            .flat_map(|k| c[*k].as_array().cloned().unwrap_or_default())
+            .filter_map(|v| token_text(&v));
+        special.extend(named.chain(extra).filter_map(|t| ids.get(&t).copied()));
+    }
+    let is_byte = |t: &str| {
+        t.len() == 6
+            && t.starts_with("<0x")
+            && t.ends_with('>')
+            && t[3..5].chars().all(|c| c.is_ascii_hexdigit())
+    };
+    let mut tokens = Vec::with_capacity(base + added.len());
+    let mut types = Vec::with_capacity(base + added.len());
+    for (id, t) in by_id.into_iter().enumerate() {
+        let t = t.ok_or_else(|| refused(path, &format!("model.vocab has no piece {id}")))?;
+        types.push(if is_byte(&t) {
+            BYTE
+        } else if special.contains(&(id as u32)) {
+            CONTROL
+        } else {
+            NORMAL
+        });
+        tokens.push(t);
+    }
+    for (id, t) in added {
+        types.push(match special.contains(&id) {
+            true if is_byte(&t) => BYTE,
+            true => CONTROL,
+            false => USER_DEFINED,
+        });
+        tokens.push(t);
+    }
+    let scores = vec![-1000.0; tokens.len()];
+    Ok(vec![
+        (
+            "tokenizer.ggml.model".to_string(),
+            Value::Str("llama".into()),
+        ),
+        (
+            "tokenizer.ggml.pre".to_string(),
+            Value::Str("default".into()),
+        ),
+        ("tokenizer.ggml.tokens".to_string(), Value::Strs(tokens)),
+        ("tokenizer.ggml.scores".to_string(), Value::F32s(scores)),
+        ("tokenizer.ggml.token_type".to_string(), Value::I32s(types)),
+    ])
 }
 
 /// `does_token_look_special` of llama.cpp's converter.

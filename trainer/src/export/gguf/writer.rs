@@ -26,6 +26,8 @@ pub enum Value {
     Strs(Vec<String>),
     /// `ARRAY` of `INT32`.
     I32s(Vec<i32>),
+    /// `ARRAY` of `FLOAT32`.
+    F32s(Vec<f32>),
 }
 
 impl Value {
@@ -35,7 +37,7 @@ impl Value {
             Value::F32(_) => 6,
             Value::Bool(_) => 7,
             Value::Str(_) => 8,
-            Value::Strs(_) | Value::I32s(_) => 9,
+            Value::Strs(_) | Value::I32s(_) | Value::F32s(_) => 9,
         }
     }
 
@@ -52,6 +54,11 @@ impl Value {
             }
             Value::I32s(v) => {
                 w.write_all(&5u32.to_le_bytes())?;
+                w.write_all(&(v.len() as u64).to_le_bytes())?;
+                v.iter().try_for_each(|x| w.write_all(&x.to_le_bytes()))
+            }
+            Value::F32s(v) => {
+                w.write_all(&6u32.to_le_bytes())?;
                 w.write_all(&(v.len() as u64).to_le_bytes())?;
                 v.iter().try_for_each(|x| w.write_all(&x.to_le_bytes()))
             }

@@ -1,0 +1,229 @@
+//! `trainer export --format gguf` against llama.cpp's own converter: the committed fixtures
+//! (scripts/python/make_gguf_fixtures.py) hold, per model and type, every metadata key
+//! `convert_hf_to_gguf.py` wrote and the sha256 of every tensor's bytes. Our files are read
+//! back by Candle's GGUF reader (a parser that is not ours) and must hold the same keys with
+//! the same types and values, and the same tensors byte for byte.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use serde_json::Value as Json;
+use sha2::{Digest, Sha256};
+use trainer::export::gguf::{export_gguf, GgufOptions, GgufType};
+use trainer::load::ModelDir;
+
+const MODELS: [&str; 4] = ["llama", "qwen2", "qwen3", "mistral"];
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/gguf")
+        .join(name)
+}
+
+fn types() -> [(&'static str, GgufType); 4] {
+    [
+        ("f32", GgufType::F32),
+        ("f16", GgufType::F16),
+        ("bf16", GgufType::Bf16),
+        ("q8_0", GgufType::Q8_0),
+    ]
+}
+
+/// A metadata value as the fixture records it: gguf-py's type names and a JSON value.
+fn describe(v: &Value) -> (Vec<String>, Json) {
+    let scalar = |v: &Value| -> (&'static str, Json) {
+        match v {
+            Value::U32(x) => ("UINT32", Json::from(*x)),
+            Value::I32(x) => ("INT32", Json::from(*x)),
+            Value::U64(x) => ("UINT64", Json::from(*x)),
+            Value::F32(x) => ("FLOAT32", Json::from(*x as f64)),
+            Value::Bool(x) => ("BOOL", Json::from(*x)),
+            Value::String(x) => ("STRING", Json::from(x.clone())),
+            other => ("OTHER", Json::from(format!("{other:?}"))),
+        }
+    };
+    match v {
+        Value::Array(items) => {
+            let elem = items.first().map(|i| scalar(i).0).unwrap_or("EMPTY");
+            let values = items.iter().map(|i| scalar(i).1).collect();
+            (vec!["ARRAY".into(), elem.into()], Json::Array(values))
+        }
+        v => {
+            let (t, j) = scalar(v);
+            (vec![t.into()], j)
+        }
+    }
+}
+
+/// Two recorded values equal, floats compared as the f32 they were written as.
+fn same(a: &Json, b: &Json) -> bool {
+    match (a, b) {
+        (Json::Number(x), Json::Number(y)) if x.is_f64() || y.is_f64() => {
+            x.as_f64().map(|v| v as f32) == y.as_f64().map(|v| v as f32)
+        }
+        (Json::Array(x), Json::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(a, b)| same(a, b))
+        }
+        _ => a == b,
+    }
+}
+
+fn ggml_name(t: candle_core::quantized::GgmlDType) -> String {
+    format!("{t:?}").to_uppercase()
+}
+
+/// Every difference between our file and the converter's record, one line each.
+fn differences(ours: &Path, expected: &Json) -> Vec<String> {
+    let mut file = File::open(ours).unwrap();
+    let content = Content::read(&mut file).unwrap();
+    let mut out = Vec::new();
+    let keys: BTreeMap<&String, &Value> = content
+        .metadata
+        .iter()
+        .filter(|(k, _)| k.as_str() != "general.name")
+        .collect();
+    let want = expected["keys"].as_object().unwrap();
+    for (k, v) in &keys {
+        let (types, value) = describe(v);
+        match want.get(k.as_str()) {
+            None => out.push(format!("key {k}: ours only")),
+            Some(w) => {
+                let wt: Vec<String> = serde_json::from_value(w["type"].clone()).unwrap();
+                if wt != types || !same(&w["value"], &value) {
+                    let show = |j: &Json| j.to_string().chars().take(120).collect::<String>();
+                    out.push(format!(
+                        "key {k}: ours {types:?} {}, theirs {wt:?} {}",
+                        show(&value),
+                        show(&w["value"])
+                    ));
+                }
+            }
+        }
+    }
+    for k in want.keys() {
+        if !keys.contains_key(k) {
+            out.push(format!("key {k}: theirs only"));
+        }
+    }
+    let want = expected["tensors"].as_object().unwrap();
+    for (name, info) in &content.tensor_infos {
+        let Some(w) = want.get(name) else {
+            out.push(format!("tensor {name}: ours only"));
+            continue;
+        };
+        let dims = info.shape.dims().to_vec();
+        let bytes =
+            info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+        let mut data = vec![0u8; bytes];
+        file.seek(SeekFrom::Start(content.tensor_data_offset + info.offset))
+            .unwrap();
+        file.read_exact(&mut data).unwrap();
+        let digest = format!("{:x}", Sha256::digest(&data));
+        let wshape: Vec<usize> = serde_json::from_value(w["shape"].clone()).unwrap();
+        let wtype = w["type"].as_str().unwrap();
+        if wtype != ggml_name(info.ggml_dtype) || wshape != dims || w["sha256"] != digest.as_str() {
+            out.push(format!(
+                "tensor {name}: ours {} {dims:?} {digest}, theirs {wtype} {wshape:?} {}",
+                ggml_name(info.ggml_dtype),
+                w["sha256"]
+            ));
+        }
+    }
+    for k in want.keys() {
+        if !content.tensor_infos.contains_key(k) {
+            out.push(format!("tensor {k}: theirs only"));
+        }
+    }
+    out
+}
+
+#[test]
+fn exports_equal_llama_cpp_converter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut all = Vec::new();
+    for model in MODELS {
+        let dir = fixture(model);
+        let expected: Json =
+            serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
+        let source = ModelDir::open(dir.to_str().unwrap()).unwrap();
+        for (name, ty) in types() {
+            let out = tmp.path().join(format!("{model}.{name}.gguf"));
+            let options = GgufOptions {
+                ty: Some(ty),
+                tokenizer: true,
+                force: false,
+                other_base: false,
+            };
+            export_gguf(&source, &out, &options).unwrap();
+            for d in differences(&out, &expected["types"][name]) {
+                all.push(format!("{model} {name}: {d}"));
+            }
+        }
+    }
+    assert!(
+        all.is_empty(),
+        "{} differences:\n{}",
+        all.len(),
+        all.join("\n")
+    );
+}
+
+#[test]
+fn default_type_follows_the_stored_dtype_as_the_converter_auto() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (model, want) in [("llama", GgufType::F16), ("qwen2", GgufType::Bf16)] {
+        let source = ModelDir::open(fixture(model).to_str().unwrap()).unwrap();
+        let options = GgufOptions {
+            ty: None,
+            tokenizer: true,
+            force: false,
+            other_base: false,
+        };
+        let done =
+            export_gguf(&source, &tmp.path().join(format!("{model}.gguf")), &options).unwrap();
+        assert_eq!(done.ty, want, "{model}");
+    }
+}
+
+#[test]
+fn a_word_level_tokenizer_is_refused_by_name_and_nothing_is_left() {
+    // The embedded chat base's tokenizer is WordLevel, which GGUF cannot express.
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("llama").join(f), model.join(f)).unwrap();
+    }
+    let mut tok: Json =
+        serde_json::from_slice(&std::fs::read(fixture("llama").join("tokenizer.json")).unwrap())
+            .unwrap();
+    tok["model"]["type"] = "WordLevel".into();
+    std::fs::write(model.join("tokenizer.json"), tok.to_string()).unwrap();
+    let source = ModelDir::open(model.to_str().unwrap()).unwrap();
+    let out = tmp.path().join("out.gguf");
+    let mut options = GgufOptions {
+        ty: Some(GgufType::F16),
+        tokenizer: true,
+        force: false,
+        other_base: false,
+    };
+    let err = export_gguf(&source, &out, &options)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("tokenizer.json")
+            && err.contains("WordLevel")
+            && err.contains("--gguf-no-tokenizer"),
+        "{err}"
+    );
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+    assert_eq!(left.len(), 1, "only the model directory remains");
+    options.tokenizer = false;
+    let done = export_gguf(&source, &out, &options).unwrap();
+    assert!(!done.tokenizer);
+    let content = Content::read(&mut File::open(&out).unwrap()).unwrap();
+    assert!(!content.metadata.keys().any(|k| k.starts_with("tokenizer.")));
+}
