@@ -37,6 +37,11 @@ pub enum GgufType {
     /// Matrices in q8_0 (8 bits and an f16 scale per 32), vectors in f32 (`MOSTLY_Q8_0`).
     #[value(name = "q8_0")]
     Q8_0,
+    /// llama.cpp's q4_k_m mixture (`MOSTLY_Q4_K_M`, what `llama-quantize ... Q4_K_M` writes):
+    /// q4_k matrices, q6_k for the output head and for the value and down projections of
+    /// some layers, vectors in f32.
+    #[value(name = "q4_k_m")]
+    Q4KM,
 }
 
 impl GgufType {
@@ -47,6 +52,7 @@ impl GgufType {
             GgufType::F16 => 1,
             GgufType::Q8_0 => 7,
             GgufType::Bf16 => 32,
+            GgufType::Q4KM => 15,
         }
     }
 
@@ -57,6 +63,7 @@ impl GgufType {
             GgufType::F16 => GgmlType::F16,
             GgufType::Bf16 => GgmlType::Bf16,
             GgufType::Q8_0 => GgmlType::Q8_0,
+            GgufType::Q4KM => GgmlType::Q4K,
         }
     }
 }
@@ -165,6 +172,7 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
     }
     let heads = (usize_of(&hf, "num_attention_heads")?, kv_heads(&hf)?);
     let mut plan = Vec::new();
+    let mut mixture = Mixture::new(&loaded.params, ty);
     for (name, var) in loaded.params.iter() {
         let Some(gguf_name) = tensor_name(name) else {
             return Err(Error::Config(format!(
@@ -173,12 +181,8 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
             )));
         };
         let shape = var.dims().to_vec();
-        plan.push((
-            name.clone(),
-            gguf_name.clone(),
-            tensor_type(&gguf_name, &shape, ty),
-            shape,
-        ));
+        let t = mixture.type_of(&gguf_name, &shape);
+        plan.push((name.clone(), gguf_name, t, shape));
     }
     let infos: Vec<TensorInfo> = plan
         .iter()
@@ -339,16 +343,82 @@ fn tensor_name(hf: &str) -> Option<String> {
     Some(format!("blk.{layer}.{name}.{kind}"))
 }
 
-/// The stored type of a tensor, as the converter chooses it: vectors and norms in f32, the
-/// rest in the file's type, q8_0 falling back to f16 where rows are not whole blocks.
-fn tensor_type(gguf_name: &str, shape: &[usize], ty: GgufType) -> GgmlType {
-    if shape.len() <= 1 || gguf_name.ends_with("_norm.weight") || !gguf_name.ends_with(".weight") {
-        return GgmlType::F32;
+/// The stored type of each tensor, in file order: vectors and norms in f32 (as the converter
+/// and `llama-quantize` keep them); matrices in the file's type, q8_0 falling back to f16
+/// where rows are not whole blocks (the converter); for q4_k_m, `llama-quantize`'s choice
+/// (`llama_tensor_get_type`): q6_k for the output head (the token embedding when tied), and
+/// for the value and down projections of the layers `use_more_bits` picks, counted in file
+/// order; q4_k elsewhere; rows not whole 256-blocks falling back to q5_0 (q4_k) or q8_0
+/// (q6_k), then f16.
+struct Mixture {
+    ty: GgufType,
+    tied: bool,
+    layers: usize,
+    attn_v: usize,
+    ffn_down: usize,
+}
+
+impl Mixture {
+    fn new(params: &crate::model::Params, ty: GgufType) -> Self {
+        let names: Vec<&String> = params.iter().map(|(n, _)| n).collect();
+        let count = |suffix: &str| names.iter().filter(|n| n.ends_with(suffix)).count();
+        Mixture {
+            ty,
+            tied: !names.iter().any(|n| n.as_str() == "lm_head.weight"),
+            layers: count("v_proj.weight"),
+            attn_v: 0,
+            ffn_down: 0,
+        }
     }
-    let t = ty.matrix();
-    match t.bytes(shape) {
-        Some(_) => t,
-        None => GgmlType::F16,
+
+    fn type_of(&mut self, gguf_name: &str, shape: &[usize]) -> GgmlType {
+        if shape.len() <= 1
+            || gguf_name.ends_with("_norm.weight")
+            || !gguf_name.ends_with(".weight")
+        {
+            return GgmlType::F32;
+        }
+        if self.ty != GgufType::Q4KM {
+            let t = self.ty.matrix();
+            return if t.bytes(shape).is_some() {
+                t
+            } else {
+                GgmlType::F16
+            };
+        }
+        let more_bits = |i: usize, n: usize| {
+            i < n / 8 || i >= 7 * n / 8 || (i as i64 - (n / 8) as i64) % 3 == 2
+        };
+        let head = gguf_name == "output.weight" || (self.tied && gguf_name == "token_embd.weight");
+        let mut t = GgmlType::Q4K;
+        if head {
+            return if GgmlType::Q6K.bytes(shape).is_some() {
+                GgmlType::Q6K
+            } else {
+                GgmlType::Q8_0
+            };
+        } else if gguf_name.ends_with(".attn_v.weight") {
+            if more_bits(self.attn_v, self.layers) {
+                t = GgmlType::Q6K;
+            }
+            self.attn_v += 1;
+        } else if gguf_name.ends_with(".ffn_down.weight") {
+            if more_bits(self.ffn_down, self.layers) {
+                t = GgmlType::Q6K;
+            }
+            self.ffn_down += 1;
+        }
+        if t.bytes(shape).is_none() {
+            t = if t == GgmlType::Q4K {
+                GgmlType::Q5_0
+            } else {
+                GgmlType::Q8_0
+            };
+            if t.bytes(shape).is_none() {
+                t = GgmlType::F16;
+            }
+        }
+        t
     }
 }
 

@@ -82,6 +82,8 @@ pub enum GgmlType {
     Bf16,
     /// Blocks of 32: an f16 scale and 32 signed bytes.
     Q8_0,
+    /// Blocks of 32: an f16 scale, 32 5-bit quants (the fallback of q4_k rows).
+    Q5_0,
     /// Super-blocks of 256 with 4-bit quants and 6-bit scales (k-quants).
     Q4K,
     /// Super-blocks of 256 with 6-bit quants (k-quants).
@@ -94,6 +96,7 @@ impl GgmlType {
         match self {
             GgmlType::F32 => 0,
             GgmlType::F16 => 1,
+            GgmlType::Q5_0 => 6,
             GgmlType::Q8_0 => 8,
             GgmlType::Q4K => 12,
             GgmlType::Q6K => 14,
@@ -107,6 +110,7 @@ impl GgmlType {
             GgmlType::F32 => (1, 4),
             GgmlType::F16 | GgmlType::Bf16 => (1, 2),
             GgmlType::Q8_0 => (32, 34),
+            GgmlType::Q5_0 => (32, 22),
             GgmlType::Q4K => (256, 144),
             GgmlType::Q6K => (256, 210),
         }
