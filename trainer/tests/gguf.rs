@@ -227,3 +227,56 @@ fn a_word_level_tokenizer_is_refused_by_name_and_nothing_is_left() {
     let content = Content::read(&mut File::open(&out).unwrap()).unwrap();
     assert!(!content.metadata.keys().any(|k| k.starts_with("tokenizer.")));
 }
+
+#[test]
+fn adapters_are_merged_as_the_merged_export_is() {
+    // A PEFT adapter over its base, written to GGUF, holds the same bytes as the merged
+    // Hugging Face export (`export --merge`) written to GGUF: the adapters are merged once,
+    // by the same path. (No tokenizer: the LoRA fixture has none.)
+    use trainer::export::{export, ExportOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let lora = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora");
+    let adapter = ModelDir::at(lora.join("adapter_plain")).unwrap();
+    let merged = tmp.path().join("merged");
+    let options = ExportOptions {
+        merge: true,
+        ..ExportOptions::default()
+    };
+    export(&adapter, &merged, &options).unwrap();
+    let gguf = GgufOptions {
+        ty: Some(GgufType::F32),
+        tokenizer: false,
+        force: false,
+        other_base: false,
+    };
+    let (a, b) = (tmp.path().join("a.gguf"), tmp.path().join("b.gguf"));
+    export_gguf(&adapter, &a, &gguf).unwrap();
+    export_gguf(&ModelDir::at(merged.clone()).unwrap(), &b, &gguf).unwrap();
+    let tensors = |p: &Path| {
+        let mut f = File::open(p).unwrap();
+        let c = Content::read(&mut f).unwrap();
+        let mut all: Vec<(String, Vec<u8>)> = c
+            .tensor_infos
+            .iter()
+            .map(|(n, i)| {
+                let mut d = vec![0u8; i.shape.elem_count() * 4];
+                f.seek(SeekFrom::Start(c.tensor_data_offset + i.offset))
+                    .unwrap();
+                f.read_exact(&mut d).unwrap();
+                (n.clone(), d)
+            })
+            .collect();
+        all.sort();
+        all
+    };
+    let (ta, tb) = (tensors(&a), tensors(&b));
+    assert_eq!(ta.len(), 2 * 9 + 3);
+    assert!(
+        ta == tb,
+        "the adapter's GGUF differs from the merged model's"
+    );
+    // ...and differs from the base's: the adapter is not a no-op.
+    let c = tmp.path().join("c.gguf");
+    export_gguf(&ModelDir::at(lora.join("base")).unwrap(), &c, &gguf).unwrap();
+    assert!(tensors(&c) != ta);
+}
