@@ -15,6 +15,7 @@
 //! | `step-0000600` | `step-0000004` | the shortened default run's last checkpoint |
 //! | `...` ending a `train` (other flags) | `--data sft --data-path chats.jsonl --block-size 32 --out-dir runs/chat-adapter` | a placeholder |
 //! | `cargo run --release -p trainer -- ARGS` | `trainer ARGS` | the binary under test |
+//! | `export ... --format gguf` | `--gguf-no-tokenizer` appended | the stand-in's WordLevel vocabulary has no GGUF form (refused by name) |
 //!
 //! Not run: synopses (`[--flag ...]`), `cargo build/test/install` and `mpirun` (MPI builds are
 //! checked by `.ci/mpi`).
@@ -102,6 +103,9 @@ fn substitute(words: &[String], model: &str) -> Option<Vec<String>> {
             a if a.starts_with("MODEL/") => out.push(a.replacen("MODEL", model, 1)),
             a => out.push(a.replace("step-0000600", "step-0000004")),
         }
+    }
+    if out[0] == "export" && out.windows(2).any(|w| w[0] == "--format" && w[1] == "gguf") {
+        out.push("--gguf-no-tokenizer".to_string());
     }
     if out[0] == "train" && !out.iter().any(|a| a == "--resume") {
         for (flag, value) in [
