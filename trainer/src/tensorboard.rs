@@ -370,7 +370,9 @@ impl RunEvents {
                     tracing::warn!("{}: events after {d} dropped", path.display());
                 }
                 let file = to_file(&events);
-                start = start.min(file.wall_time);
+                if file.wall_time > 0.0 {
+                    start = start.min(file.wall_time);
+                }
                 kept.extend(
                     file.scalars
                         .into_iter()
