@@ -36,6 +36,7 @@ pub mod run_dir;
 pub mod runtime;
 pub mod sample;
 pub mod schedule;
+pub mod tensorboard;
 pub mod train;
 pub mod transfer;
 

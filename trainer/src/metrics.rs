@@ -1,4 +1,5 @@
-//! The run's metrics: one JSON object per line in `metrics.jsonl`, for steps and evaluations.
+//! The run's metrics: one JSON object per line in `metrics.jsonl`, for steps and evaluations,
+//! and the same as TensorBoard scalars in an event file beside it ([`crate::tensorboard`]).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
@@ -6,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::tensorboard::RunEvents;
 use crate::{Error, Result};
 
 /// What one optimiser step did.
@@ -79,11 +81,14 @@ impl Record {
     }
 }
 
-/// Appends records to `metrics.jsonl` and keeps them for the loss curve.
+/// Appends records to `metrics.jsonl` (and as TensorBoard scalars to an event file beside it)
+/// and keeps them for the loss curve.
 pub struct MetricsLog {
     path: PathBuf,
     /// `None` for a log kept in memory only (data-parallel ranks other than 0).
     file: Option<File>,
+    /// The TensorBoard event file beside `metrics.jsonl` (`None` in memory).
+    events: Option<RunEvents>,
     /// Every record of the run so far (including those read back on resume).
     pub records: Vec<Record>,
 }
@@ -91,7 +96,8 @@ pub struct MetricsLog {
 impl MetricsLog {
     /// Opens `path` for a run that has completed `resume_step` steps: records after that step
     /// (written by a run killed after its last checkpoint) are dropped, so the file describes
-    /// exactly the run that continues.
+    /// exactly the run that continues. The run's TensorBoard event file in the same directory
+    /// is rewritten likewise ([`crate::tensorboard`]).
     pub fn open(path: &Path, resume_step: usize) -> Result<Self> {
         let mut records = Vec::new();
         if resume_step > 0 && path.exists() {
@@ -115,9 +121,15 @@ impl MetricsLog {
             .append(true)
             .open(path)
             .map_err(|e| Error::io(path, e))?;
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let events = RunEvents::open(dir, resume_step)?;
         Ok(MetricsLog {
             path: path.to_path_buf(),
             file: Some(file),
+            events: Some(events),
             records,
         })
     }
@@ -128,16 +140,20 @@ impl MetricsLog {
         MetricsLog {
             path: PathBuf::new(),
             file: None,
+            events: None,
             records: Vec::new(),
         }
     }
 
-    /// Appends a record (one line, flushed).
+    /// Appends a record (one line, flushed; and its TensorBoard scalars).
     pub fn push(&mut self, record: Record) -> Result<()> {
         if let Some(file) = &mut self.file {
             let line = serde_json::to_string(&record).unwrap_or_default();
             writeln!(file, "{line}").map_err(|e| Error::io(&self.path, e))?;
             file.flush().map_err(|e| Error::io(&self.path, e))?;
+        }
+        if let Some(events) = &mut self.events {
+            events.push(&record)?;
         }
         self.records.push(record);
         Ok(())

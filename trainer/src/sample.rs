@@ -37,8 +37,10 @@ impl Default for SamplingConfig {
 }
 
 /// Continues `prompt` by `max_new_tokens` tokens with the model's KV cache (the prompt in one
-/// forward, then one token at a time); past the model's positions, each step feeds the last
-/// `max_positions` tokens afresh. Randomness comes from `rng` only.
+/// forward, then one token at a time). Rotary positions (the Llama family) continue past the
+/// context the model was trained for, as transformers' `generate` does; learned positions
+/// (GPT-2) cannot: past them, each step feeds the last `max_positions` tokens afresh.
+/// Randomness comes from `rng` only.
 ///
 /// ```
 /// use candle_core::Device;
@@ -125,11 +127,12 @@ pub fn generate_streaming(
         ));
     }
     let block = model.config().max_positions();
+    let learned_positions = has_learned_positions(model.config());
     let mut tokens = prompt.to_vec();
     let mut cache = KvCache::new();
     let mut fed = 0; // tokens[..fed] are in the cache
     for _ in 0..max_new_tokens {
-        if tokens.len() > block {
+        if learned_positions && tokens.len() > block {
             // Past the model's positions: the last `block` tokens, afresh (a sliding window).
             cache = KvCache::new();
             fed = tokens.len() - block;
@@ -157,6 +160,12 @@ pub fn generate_streaming(
         }
     }
     Ok(tokens)
+}
+
+/// Whether the model's positions are learned embeddings (GPT-2's `wpe`), which end at
+/// `max_positions`, rather than rotary ones, which go on.
+pub fn has_learned_positions(config: &dyn crate::model::ModelConfig) -> bool {
+    config.architecture() == "gpt2"
 }
 
 /// [`generate`], given up between tokens once `flag` is set (Ctrl-C, SIGTERM): `None`, so
@@ -243,7 +252,8 @@ fn pick(logits: &[f32], sampling: SamplingConfig, rng: &mut ChaCha8Rng) -> u32 {
 }
 
 /// Greedily decodes `answer_len` tokens after each of `prompts` (all of the same length), as
-/// one batch; returns the generated tokens per prompt.
+/// one batch; returns the generated tokens per prompt. Rotary positions continue past the
+/// model's `max_positions` (as in [`generate`]); learned ones refuse to.
 pub fn greedy_batch(
     model: &dyn Model,
     prompts: &[Vec<u32>],
@@ -260,9 +270,10 @@ pub fn greedy_batch(
         ));
     }
     let block = model.config().max_positions();
-    if p + answer_len > block + 1 {
+    if has_learned_positions(model.config()) && p + answer_len > block + 1 {
         return Err(Error::Config(format!(
-            "prompt ({p}) + answer ({answer_len}) tokens exceed the model's {block} positions"
+            "prompt ({p}) + answer ({answer_len}) tokens exceed the model's {block} learned \
+             positions"
         )));
     }
     let flat: Vec<u32> = prompts.iter().flatten().copied().collect();

@@ -224,10 +224,15 @@ fn sample_checks_the_tokenizer_against_the_model() {
         err.contains("big.json") && err.contains("12 token ids") && err.contains("only 10"),
         "{err}"
     );
-    // Fewer ids (the first 4 words): the model's other ids are never drawn, so every sample
-    // decodes (hot sampling over the top 10 would draw them).
+    // Fewer ids (the first 4 words): by default every id of the model is drawn (as
+    // transformers), those the tokenizer lacks shown as <id:N>; with --tokenizer-ids-only the
+    // model's other ids are never drawn, so every sample decodes (hot sampling over the top 10
+    // would draw them).
     let small = save("small.json", &common::hf::WORDS[..4]);
-    let out = ok(run(args(&small)));
+    assert!(ok(run(args(&small))).contains("<id:"));
+    let mut only = args(&small);
+    only.push("--tokenizer-ids-only".into());
+    let out = ok(run(only));
     let words: Vec<&str> = out.split_whitespace().collect();
     // The prompt's 2 words and 40 drawn ones: an id the tokenizer lacks would decode to
     // nothing.

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 use trainer::export::gguf::{export_gguf, GgufOptions, GgufType};
-use trainer::export::{export_spec, ExportOptions, WeightDtype};
+use trainer::export::{export as export_model, ExportOptions, WeightDtype};
 use trainer::load::ModelDir;
 
 /// The `export` flags.
@@ -49,6 +49,10 @@ pub(super) struct ExportArgs {
     /// warning names both; without it they are refused).
     #[arg(long)]
     other_base: bool,
+    /// The base model of adapters, instead of the one they name (a PEFT adapter's
+    /// base_model_name_or_path, a LoRA run's init_from).
+    #[arg(long, value_name = "MODEL")]
+    init_from: Option<String>,
 }
 
 fn size(text: &str) -> std::result::Result<u64, String> {
@@ -78,7 +82,8 @@ pub(super) fn export(args: ExportArgs) -> Result<()> {
         merge: args.merge,
         other_base: args.other_base,
     };
-    let done = export_spec(&args.source, &args.out_dir, &options)
+    let done = ModelDir::open_over(&args.source, args.init_from.as_deref())
+        .and_then(|m| export_model(&m.with_other_base(args.other_base), &args.out_dir, &options))
         .with_context(|| format!("cannot export {}", args.source))?;
     outln!("exported    {} -> {}", args.source, done.dir.display());
     outln!("dtype       {} ({})", done.dtype, done.dtype_from);
@@ -106,7 +111,8 @@ fn gguf(args: ExportArgs) -> Result<()> {
         force: args.force,
         other_base: args.other_base,
     };
-    let source = ModelDir::open(&args.source)?.with_other_base(args.other_base);
+    let source = ModelDir::open_over(&args.source, args.init_from.as_deref())?
+        .with_other_base(args.other_base);
     let done = export_gguf(&source, &args.out_dir, &options)
         .with_context(|| format!("cannot export {}", args.source))?;
     outln!("exported    {} -> {}", args.source, done.path.display());

@@ -128,6 +128,18 @@ struct SampleArgs {
     /// --chat, the user's message.
     #[arg(long, default_value = "\n")]
     prompt: String,
+    /// Token ids to continue instead of --prompt, comma-separated (e.g. 15496,11), each below
+    /// the model's vocab_size.
+    #[arg(long, value_name = "IDS", value_delimiter = ',', conflicts_with_all = ["prompt", "chat"])]
+    prompt_ids: Option<Vec<u32>>,
+    /// Do not end at the model's end tokens (nor at a chat's end of turn): generate
+    /// --max-new-tokens tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Draw only ids the tokenizer has (by default every id of the model's vocabulary, as
+    /// transformers does; an id the tokenizer cannot decode is printed as <id:N>).
+    #[arg(long)]
+    tokenizer_ids_only: bool,
     /// Chat with the model: --prompt is a user message, rendered with the model's chat
     /// template (chat_template.jinja or tokenizer_config.json beside its tokenizer) and its
     /// generation prompt; the reply alone is printed, ending at the template's end-of-turn
@@ -137,7 +149,9 @@ struct SampleArgs {
     /// With --chat: a system message before the user's.
     #[arg(long, requires = "chat")]
     system: Option<String>,
-    /// Tokens to generate.
+    /// Tokens to generate. Past the model's positions, rotary ones (Llama family) go on (a
+    /// warning: it was not trained there); GPT-2's learned ones see the last n_positions
+    /// tokens afresh.
     #[arg(long, default_value_t = 200)]
     max_new_tokens: usize,
     /// Softmax temperature (0: greedy).
@@ -163,6 +177,10 @@ struct SampleArgs {
     /// warning names both; without it they are refused).
     #[arg(long)]
     other_base: bool,
+    /// The base model of adapters, instead of the one they name (a PEFT adapter's
+    /// base_model_name_or_path, a LoRA run's init_from).
+    #[arg(long, value_name = "MODEL")]
+    init_from: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -173,6 +191,10 @@ struct EvalArgs {
     /// warning names both; without it they are refused).
     #[arg(long)]
     other_base: bool,
+    /// The base model of adapters, instead of the one they name (a PEFT adapter's
+    /// base_model_name_or_path, a LoRA run's init_from).
+    #[arg(long, value_name = "MODEL")]
+    init_from: Option<String>,
     #[command(flatten)]
     request: EvalRequest,
 }
@@ -186,6 +208,10 @@ struct InspectArgs {
     /// warning names both; without it they are refused).
     #[arg(long)]
     other_base: bool,
+    /// The base model of adapters, instead of the one they name (a PEFT adapter's
+    /// base_model_name_or_path, a LoRA run's init_from).
+    #[arg(long, value_name = "MODEL")]
+    init_from: Option<String>,
 }
 
 /// How a command ended, when it did not fail.

@@ -54,21 +54,33 @@ impl Codec {
         }
     }
 
+    /// The text of `ids`; an id past the vocabulary (a model's padded embedding rows) is
+    /// shown as `<id:N>`.
     fn decode(&self, ids: &[u32]) -> trainer::Result<String> {
-        match self {
-            Codec::Data(d) => d.decode(ids),
-            Codec::Tokenizer(t) => t.decode(ids),
+        let known = self.vocab_size();
+        let mut text = String::new();
+        for run in ids.chunk_by(|a, b| (*a as usize) < known && (*b as usize) < known) {
+            match run {
+                [id] if *id as usize >= known => text.push_str(&format!("<id:{id}>")),
+                run => text.push_str(&match self {
+                    Codec::Data(d) => d.decode(run)?,
+                    Codec::Tokenizer(t) => t.decode(run)?,
+                }),
+            }
         }
+        Ok(text)
     }
 }
 
 pub(super) fn sample(args: SampleArgs) -> Result<()> {
-    let model_dir = ModelDir::open(&args.model)?.with_other_base(args.other_base);
+    let model_dir = ModelDir::open_over(&args.model, args.init_from.as_deref())?
+        .with_other_base(args.other_base);
     let device = args.device.open()?;
     let codec = Codec::for_model(&model_dir, args.tokenizer_path.as_deref())?;
     // The loader checks the vocabulary against the model: more ids than the model embeds
     // cannot be its own and are refused (a run's data must also be the run's vocabulary). One
-    // with fewer (a model's padded embedding) is sampled within its ids only.
+    // with fewer (a model's padded embedding) is sampled over all the model's ids (those past
+    // the tokenizer shown as <id:N>) unless --tokenizer-ids-only.
     let ids = codec.vocab_size();
     let name = match &codec {
         Codec::Tokenizer(t) => format!(
@@ -104,14 +116,32 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
     let mut stop = model_dir.eos_token_ids(loaded.config.as_ref())?;
     let model = loaded.build()?;
     let text = prompt_text(&args, &model_dir, &mut stop)?;
-    let prompt = codec
-        .encode(&text)
-        .with_context(|| format!("cannot encode the prompt {text:?}"))?;
+    let prompt = match &args.prompt_ids {
+        Some(ids) => prompt_ids(ids, model.config())?,
+        None => codec
+            .encode(&text)
+            .with_context(|| format!("cannot encode the prompt {text:?}"))?,
+    };
     let prompt = if prompt.is_empty() {
         vec![model.config().special_tokens().bos.unwrap_or(0)]
     } else {
         prompt
     };
+    if args.ignore_eos {
+        stop.clear();
+    }
+    let positions = model.config().max_positions();
+    if prompt.len() + args.max_new_tokens > positions
+        && !trainer::sample::has_learned_positions(model.config())
+    {
+        tracing::warn!(
+            "the prompt ({}) and --max-new-tokens ({}) go past the model's {positions} \
+             positions: rotary positions continue there (as transformers does), but the model \
+             was not trained that far",
+            prompt.len(),
+            args.max_new_tokens
+        );
+    }
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         bail!("--top-p must be in (0, 1], got {}", args.top_p);
     }
@@ -119,7 +149,7 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
         temperature: args.temperature,
         top_k: Some(args.top_k),
         top_p: args.top_p,
-        vocab: Some(ids),
+        vocab: args.tokenizer_ids_only.then_some(ids),
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
     for i in 0..args.num_samples {
@@ -149,6 +179,15 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--prompt-ids`, checked against the model's vocabulary.
+fn prompt_ids(ids: &[u32], config: &dyn trainer::model::ModelConfig) -> Result<Vec<u32>> {
+    let vocab = config.vocab_size();
+    if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
+        bail!("--prompt-ids: id {id} is not below the model's vocab_size {vocab}");
+    }
+    Ok(ids.to_vec())
 }
 
 /// What of a sample's `tokens` is printed: all of them, or in a chat (`reply`: where the
@@ -224,14 +263,16 @@ impl TextStream {
 }
 
 pub(super) fn eval(args: EvalArgs) -> Result<()> {
-    let model = ModelDir::open(&args.model)?.with_other_base(args.other_base);
+    let model = ModelDir::open_over(&args.model, args.init_from.as_deref())?
+        .with_other_base(args.other_base);
     let e = args
         .request
         .evaluate(&model)
         .with_context(|| format!("cannot evaluate {}", model.dir.display()))?;
     outln!("step        {}", e.step);
-    outln!("train loss  {:.4}", e.train_loss);
-    outln!("val loss    {:.4}", e.val_loss);
+    // Each loss as the shortest text that reads back as the same f32.
+    outln!("train loss  {}", e.train_loss);
+    outln!("val loss    {}", e.val_loss);
     if let (Some(s), Some(n)) = (e.score, &e.score_name) {
         outln!("{n}  {:.1}%", 100.0 * s);
     }
@@ -243,7 +284,8 @@ pub(super) fn inspect(args: InspectArgs) -> Result<()> {
     if Path::new(spec).is_file() {
         return print_tensors(&WeightFiles::Single(PathBuf::from(spec)));
     }
-    let model = ModelDir::open(spec)?.with_other_base(args.other_base);
+    let model =
+        ModelDir::open_over(spec, args.init_from.as_deref())?.with_other_base(args.other_base);
     print_tensors(&model.weights)?;
     inspect_dir(&model)
 }

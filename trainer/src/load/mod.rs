@@ -46,7 +46,8 @@ use candle_peft::format::ADAPTER_CONFIG_FILE;
 /// `transformers`' generation settings file (`eos_token_id` may be a list there).
 pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
 
-/// The model directory `spec` names, looking hub ids up in the default cache (`HF_HOME`).
+/// The model directory `spec` names, looking hub ids up in the default cache
+/// ([`hub::cache_dir`]).
 pub fn resolve(spec: &str) -> Result<PathBuf> {
     resolve_in(spec, &hub::default_cache())
 }
@@ -95,7 +96,7 @@ pub fn resolve_in(spec: &str, cache: &hf_hub::Cache) -> Result<PathBuf> {
 }
 
 /// `name` or `org/name`: what a hub model id can be (a path like `./x`, `/x` or `a/b/c` cannot).
-fn looks_like_hub_id(spec: &str) -> bool {
+pub(crate) fn looks_like_hub_id(spec: &str) -> bool {
     let parts: Vec<&str> = spec.split('/').collect();
     parts.len() <= 2
         && parts.iter().all(|p| {
@@ -208,17 +209,38 @@ impl ModelDir {
         Self::at(resolve(spec)?)
     }
 
+    /// [`ModelDir::open`], with adapters read over `base` when given (`--init-from`, as
+    /// PEFT's `PeftModel.from_pretrained(base, adapter)`) instead of the base they name.
+    pub fn open_over(spec: &str, base: Option<&str>) -> Result<Self> {
+        Self::at_over(resolve(spec)?, base)
+    }
+
     /// The model in directory `dir` (already resolved). Adapters (`adapter_config.json`)
     /// are read over their base: a LoRA run's `init_from`, else the adapter's
-    /// `base_model_name_or_path` (a path relative to the adapter directory, an absolute path
-    /// or a hub id).
+    /// `base_model_name_or_path` (found as PEFT finds it: see
+    /// [`crate::lora::resolve_adapter_base`]).
     pub fn at(dir: PathBuf) -> Result<Self> {
+        Self::at_over(dir, None)
+    }
+
+    /// [`ModelDir::at`], with adapters read over `base` when given (see
+    /// [`ModelDir::open_over`]); a `base` for a directory without adapters is an error.
+    pub fn at_over(dir: PathBuf, base: Option<&str>) -> Result<Self> {
         let state = dir.join(STATE_FILE);
         let run: Option<TrainerState> = match state.is_file() {
             true => Some(crate::io::read_json(&state)?),
             false => None,
         };
         if !dir.join(ADAPTER_CONFIG_FILE).is_file() {
+            if let Some(base) = base {
+                return Err(Error::checkpoint(
+                    &dir,
+                    format!(
+                        "holds no adapters (no {ADAPTER_CONFIG_FILE}): --init-from {base} names \
+                         the base model of adapters only"
+                    ),
+                ));
+            }
             let weights = WeightFiles::locate(&dir)?;
             return Ok(ModelDir {
                 dir,
@@ -229,8 +251,9 @@ impl ModelDir {
             });
         }
         let config_path = dir.join(ADAPTER_CONFIG_FILE);
-        let base = match run.as_ref().and_then(|r| r.config.init_from.clone()) {
-            Some(spec) => spec,
+        let given = base.map(str::to_string);
+        let (base, base_dir) = match given.or_else(|| run.as_ref()?.config.init_from.clone()) {
+            Some(spec) => (spec.clone(), resolve(&spec)?),
             None => {
                 let c = candle_peft::LoraConfig::load(&config_path)
                     .map_err(|e| Error::Config(e.to_string()))?;
@@ -240,14 +263,10 @@ impl ModelDir {
                         "has no base_model_name_or_path: give the base model with --init-from",
                     )
                 })?;
-                let relative = dir.join(&spec);
-                match relative.is_dir() {
-                    true => relative.display().to_string(),
-                    false => spec,
-                }
+                let found = crate::lora::resolve_adapter_base(&dir, &spec)?;
+                (spec, found)
             }
         };
-        let base_dir = resolve(&base)?;
         if base_dir.join(ADAPTER_CONFIG_FILE).is_file() {
             return Err(Error::checkpoint(
                 &config_path,

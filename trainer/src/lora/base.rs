@@ -240,3 +240,55 @@ pub fn check_adapter_base(adapter: &Adapter, now: &BaseIdentity, other_base: boo
         r => r,
     }
 }
+
+/// The directory of the base model that the adapter in `adapter_dir` names by
+/// `base_model_name_or_path` = `spec`, found as PEFT finds it: `AutoPeftModelForCausalLM`
+/// hands the value unchanged to transformers' `from_pretrained`, which takes it as a directory
+/// when there is one at that path (an absolute path, or one relative to the process's working
+/// directory, not to the adapter's), else as a hub model id (here: in the local cache). Adapters
+/// whose relative base only exists beside them (PEFT would not find it) are read over it too,
+/// with a warning. Otherwise the error names the key, the working directory and `--init-from`.
+///
+/// ```
+/// let dir = tempfile::tempdir()?;
+/// let e = trainer::lora::resolve_adapter_base(dir.path(), "../no-such-base").unwrap_err();
+/// assert!(e.to_string().contains("base_model_name_or_path `../no-such-base`"));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn resolve_adapter_base(adapter_dir: &Path, spec: &str) -> Result<PathBuf> {
+    let config = adapter_dir.join(format::ADAPTER_CONFIG_FILE);
+    let as_given = Path::new(spec);
+    if as_given.is_dir() {
+        return crate::load::resolve(spec);
+    }
+    let hub_error = match crate::load::looks_like_hub_id(spec) {
+        true => match crate::load::resolve(spec) {
+            Ok(dir) => return Ok(dir),
+            Err(e) => format!(" ({e})"),
+        },
+        false => String::new(),
+    };
+    let beside = adapter_dir.join(spec);
+    if !as_given.is_absolute() && beside.is_dir() {
+        tracing::warn!(
+            "{}: base_model_name_or_path `{spec}` is read relative to the adapter's directory \
+             ({}); PEFT and transformers read it relative to the working directory",
+            config.display(),
+            beside.display()
+        );
+        return crate::load::resolve(&beside.display().to_string());
+    }
+    let cwd = std::env::current_dir()
+        .map(|d| d.display().to_string())
+        .unwrap_or_else(|_| "?".into());
+    Err(Error::checkpoint(
+        &config,
+        format!(
+            "base_model_name_or_path `{spec}` names no base model: no such directory relative to \
+             the working directory {cwd} (where PEFT, through transformers' from_pretrained, \
+             looks) nor to the adapter's directory, and no such model id in the local Hugging \
+             Face cache {}{hub_error}: give the base model with --init-from MODEL",
+            crate::hub::cache_dir().display()
+        ),
+    ))
+}

@@ -26,7 +26,9 @@ use crate::{Error, Result};
 
 mod base;
 
-pub use base::{check_adapter_base, BaseIdentity, RecordedBase, BASE_METADATA_KEY};
+pub use base::{
+    check_adapter_base, resolve_adapter_base, BaseIdentity, RecordedBase, BASE_METADATA_KEY,
+};
 
 /// The module path of the output head, which `all-linear` leaves out (PEFT: the output
 /// embeddings).

@@ -36,12 +36,14 @@ const HEADING: &str =
 /// `tokenizer.json` unless `--data` / `--tokenizer-path` say otherwise.
 #[derive(Clone, Debug, Default, clap::Args)]
 pub struct EvalRequest {
-    /// Data kind: tokenizer, char, byte, addition, sft or chat-task [default: the run's, else
-    /// tokenizer].
+    /// Data kind: tokenizer, char, byte, addition, sft, chat-task or shards [default: the
+    /// run's, else tokenizer].
     #[arg(long, value_name = "KIND", help_heading = HEADING)]
     pub data: Option<DataKind>,
-    /// Text file to measure the loss on: its first 1 - val_fraction is the train split, the
-    /// rest the val split. Required for a bare model (unless --data addition).
+    /// Text file to measure the loss on (its first 1 - val_fraction is the train split, the
+    /// rest the val split); the JSONL records for `sft`; the directory of token shards
+    /// (`trainer prepare`) for `shards`. Required for a bare model (unless --data addition or
+    /// chat-task).
     #[arg(long, value_name = "FILE", help_heading = HEADING)]
     pub data_path: Option<PathBuf>,
     /// tokenizer.json for `tokenizer` data [default: the run's, else the model directory's
