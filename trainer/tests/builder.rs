@@ -1,0 +1,150 @@
+//! `Trainer::builder()`: a run from a program's parts. The LoRA example (`examples/lora_llama.rs`,
+//! its own batch iterator) equals the same run through the CLI bit for bit; a batch iterator
+//! under accumulation equals the data source it replays; a run without a run directory writes
+//! nothing; an iterator that ends is a clear error.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::AtomicBool;
+
+use common::{assert_same_losses, run_to_end, tiny_config};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use trainer::data::{self, Split};
+use trainer::metrics::{self, Record};
+use trainer::train::Trainer;
+
+#[allow(dead_code)] // its `main` is the example's
+#[path = "../examples/lora_llama.rs"]
+mod example;
+
+#[test]
+fn lora_example_equals_the_cli_run_bit_for_bit() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("../data/tinyshakespeare.txt")).unwrap();
+    let text = &text[..20_000];
+    let base = root.join("tests/fixtures/lora/base");
+    let steps = 4;
+    let ours = example::lora_losses(base.to_str().unwrap(), text, steps).unwrap();
+
+    // The same run through the CLI: the char vocabulary of the same text, random windows of
+    // its train split drawn by the run seed's generator, LoRA r 4 alpha 8 on every linear.
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = tmp.path().join("corpus.txt");
+    std::fs::write(&corpus, text).unwrap();
+    let run = tmp.path().join("run");
+    let out = Command::new(env!("CARGO_BIN_EXE_trainer"))
+        .arg("train")
+        .args(["--init-from", base.to_str().unwrap()])
+        .args(["--data", "char", "--data-path", corpus.to_str().unwrap()])
+        .args(["--lora-r", "4", "--lora-alpha", "8"])
+        .args(["--batch-size", "4", "--block-size", "32"])
+        .args(["--max-iters", &steps.to_string(), "--eval-iters", "1"])
+        .args(["--peak-flops", "1e12"])
+        .args(["--cache-dir", tmp.path().join("cache").to_str().unwrap()])
+        .args(["--out-dir", run.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let cli: Vec<f32> = metrics::read(&run.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .filter_map(|r| match r {
+            Record::Step(s) => Some(s.loss),
+            Record::Eval(_) => None,
+        })
+        .collect();
+    assert_eq!(ours.len(), steps);
+    let bits = |v: &[f32]| v.iter().map(|l| l.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&ours), bits(&cli), "example {ours:?} vs CLI {cli:?}");
+}
+
+#[test]
+fn a_batch_iterator_under_accumulation_equals_the_source_it_replays() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = trainer::config::TrainConfig {
+        grad_accum: 3,
+        max_iters: 3,
+        ..tiny_config(&tmp.path().join("run"))
+    };
+    let mut from_config = Trainer::builder().config(cfg.clone()).build().unwrap();
+    let expected = run_to_end(&mut from_config);
+    // The program's iterator: the addition task's batches (with their loss masks) drawn in
+    // order by a generator seeded as the run's.
+    let source = data::open(&cfg.data_spec()).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
+    let (rows, block) = (cfg.batch_size, cfg.block_size);
+    let device = candle_core::Device::Cpu;
+    let batches = std::iter::repeat_with(move || {
+        source
+            .batch(Split::Train, rows, block, &mut rng, &device)
+            .unwrap()
+    });
+    let vocab = data::open(&cfg.data_spec()).unwrap().vocab_size();
+    let mut fed = Trainer::builder()
+        .config(cfg)
+        .batches(vocab, batches)
+        .build()
+        .unwrap();
+    let steps = run_to_end(&mut fed);
+    assert_same_losses(&expected, &steps, "batch iterator vs data source");
+    assert!(fed.evaluate().is_err(), "no held-out data");
+}
+
+#[test]
+fn a_run_without_a_run_directory_writes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let mut t = Trainer::builder()
+        .config(tiny_config(&out))
+        .max_iters(4)
+        .build()
+        .unwrap();
+    assert!(!t.writes());
+    let summary = t.run(&mut (), &AtomicBool::new(false)).unwrap();
+    assert_eq!(summary.step, 4);
+    assert!(summary.checkpoint.is_none() && summary.last_eval.is_some());
+    assert!(!out.exists(), "nothing written in {}", out.display());
+    let err = t.save_checkpoint().unwrap_err().to_string();
+    assert!(err.contains("no run directory"), "{err}");
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+    // The same config with a run directory writes one.
+    let mut t = Trainer::builder()
+        .config(tiny_config(&out))
+        .max_iters(4)
+        .run_dir(&out)
+        .build()
+        .unwrap();
+    t.run(&mut (), &AtomicBool::new(false)).unwrap();
+    assert!(out.join("run.toml").is_file() && out.join("checkpoints").is_dir());
+}
+
+#[test]
+fn a_batch_iterator_that_ends_is_a_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(&tmp.path().join("run"));
+    let n = cfg.batch_size * cfg.block_size;
+    let two = (0..2).map(move |_| (vec![1u32; n], vec![2u32; n]));
+    let mut t = Trainer::builder()
+        .config(cfg)
+        .batches(16, two)
+        .max_iters(3)
+        .build()
+        .unwrap();
+    let err = t
+        .run(&mut (), &AtomicBool::new(false))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("ended after 2 batches"), "{err}");
+    assert_eq!(t.step(), 2);
+    let short = std::iter::once((vec![1u32; 3], vec![2u32; 3]));
+    let mut t = Trainer::builder()
+        .config(tiny_config(&tmp.path().join("run")))
+        .batches(16, short)
+        .build()
+        .unwrap();
+    let err = t.train_step().unwrap_err().to_string();
+    assert!(err.contains("batch 0 of the batch iterator"), "{err}");
+}
