@@ -47,7 +47,11 @@ fn lora_example_equals_the_cli_run_bit_for_bit() {
         .args(["--out-dir", run.to_str().unwrap()])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let cli: Vec<f32> = metrics::read(&run.join("metrics.jsonl"))
         .unwrap()
         .into_iter()

@@ -118,7 +118,10 @@ impl DataSource for BatchIter {
     }
 
     fn describe(&self) -> String {
-        format!("the program's batch iterator: vocabulary {}", self.vocab_size)
+        format!(
+            "the program's batch iterator: vocabulary {}",
+            self.vocab_size
+        )
     }
 
     fn batch(
@@ -236,7 +239,10 @@ mod tests {
     fn a_batch_of_the_wrong_size_names_its_number() {
         let src = BatchIter::new(8, std::iter::once((vec![1u32; 3], vec![1u32; 3])), 1);
         let err = draw(&src, &mut ChaCha8Rng::seed_from_u64(0)).unwrap_err();
-        assert!(err.to_string().contains("batch 0 of the batch iterator"), "{err}");
+        assert!(
+            err.to_string().contains("batch 0 of the batch iterator"),
+            "{err}"
+        );
         assert!(err.to_string().contains("3 input"), "{err}");
     }
 }

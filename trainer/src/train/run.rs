@@ -170,11 +170,9 @@ impl Trainer {
         let describe = self.data.describe();
         let source = describe.split(':').next().unwrap_or_default();
         let title = format!("{run_name}: {source}");
-        if let Err(e) = crate::plot::loss_curve(
-            &self.config.out_dir.join("loss.svg"),
-            &title,
-            records,
-        ) {
+        if let Err(e) =
+            crate::plot::loss_curve(&self.config.out_dir.join("loss.svg"), &title, records)
+        {
             tracing::warn!("could not draw the loss curve: {e}");
         }
     }
