@@ -1,7 +1,9 @@
 //! `Trainer::builder()`: a run from a program's parts. The LoRA example (`examples/lora_llama.rs`,
 //! its own batch iterator) equals the same run through the CLI bit for bit; a batch iterator
 //! under accumulation equals the data source it replays; a run without a run directory writes
-//! nothing; an iterator that ends is a clear error.
+//! nothing; an iterator that ends is a clear error. And the small helpers: the HF label shift
+//! gives transformers' loss, PEFT adapters load over a base given explicitly, and generation
+//! runs the kernels it is given.
 
 mod common;
 
@@ -151,4 +153,128 @@ fn a_batch_iterator_that_ends_is_a_clear_error() {
         .unwrap();
     let err = t.train_step().unwrap_err().to_string();
     assert!(err.contains("batch 0 of the batch iterator"), "{err}");
+}
+
+/// The Llama fixture's `labels` (with -100s), shifted by `Batch::from_hf_labels`, give
+/// transformers' loss from transformers' logits. Tolerance 1e-5: the same f32 logits, the
+/// log-softmax and the mean summed in another order than torch's.
+#[test]
+fn the_hf_label_shift_gives_transformers_loss() {
+    let path = common::llama::fixture("llama").join("expected.safetensors");
+    let t = candle_core::safetensors::load(path, &candle_core::Device::Cpu).unwrap();
+    let batch = data::Batch::from_hf_labels(&t["input_ids"], &t["labels"]).unwrap();
+    let targets: Vec<u32> = batch
+        .targets()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let logits = t["logits"].flatten_to(1).unwrap();
+    let logp = candle_nn::ops::log_softmax(&logits, 1).unwrap();
+    let logp: Vec<Vec<f32>> = logp.to_vec2().unwrap();
+    let counted: Vec<f64> = (targets.iter().zip(&logp))
+        .filter(|(&y, _)| y != trainer::model::IGNORE)
+        .map(|(&y, row)| -f64::from(row[y as usize]))
+        .collect();
+    assert_eq!(batch.counted().unwrap(), counted.len() as f64);
+    let loss = counted.iter().sum::<f64>() / counted.len() as f64;
+    let hf = t["loss"].to_scalar::<f32>().unwrap();
+    assert!(
+        (loss as f32 - hf).abs() < 1e-5,
+        "{loss} vs transformers {hf}"
+    );
+}
+
+/// A PEFT adapter directory whose recorded base does not resolve (copied away from it) loads
+/// over the base given explicitly, and gives PEFT's logits (relative 1e-5, as tests/lora_peft.rs).
+#[test]
+fn an_adapter_loads_over_an_explicit_base() {
+    let lora = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora");
+    let tmp = tempfile::tempdir().unwrap();
+    let copy = tmp.path().join("adapter");
+    std::fs::create_dir(&copy).unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(lora.join("adapter_plain").join(f), copy.join(f)).unwrap();
+    }
+    assert!(
+        trainer::load::ModelDir::at(copy.clone()).is_err(),
+        "../base is not there"
+    );
+    let base = lora.join("base");
+    let dir = trainer::load::ModelDir::adapter_over(&copy, base.to_str().unwrap()).unwrap();
+    let model = dir.load_model(&candle_core::Device::Cpu).unwrap();
+    let path = lora.join("adapter_plain/expected.safetensors");
+    let e = candle_core::safetensors::load(path, &candle_core::Device::Cpu).unwrap();
+    let ids = e["input_ids"].to_dtype(candle_core::DType::U32).unwrap();
+    let logits = model.forward(&ids, &trainer::model::Ctx::eval()).unwrap();
+    let diff = (logits - &e["logits"])
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap();
+    let scale = e["logits"].abs().unwrap().max_all().unwrap();
+    let rel = diff.to_scalar::<f32>().unwrap() / scale.to_scalar::<f32>().unwrap();
+    assert!(
+        rel < 1e-5,
+        "logits differ from PEFT's by {rel:e} (relative)"
+    );
+    let err = trainer::load::ModelDir::adapter_over(&base, "x").unwrap_err();
+    assert!(err.to_string().contains("adapter_config.json"), "{err}");
+}
+
+/// The cached forward of generation (GPT-2 and Llama) runs the kernels its cache is given:
+/// each close to the full forward with the same kernels (1e-5 relative: another attention
+/// path), and fused and reference not the same bits.
+#[test]
+fn generation_runs_the_kernels_it_is_given() {
+    use candle_core::{Device, Tensor};
+    use trainer::model::{Ctx, Kernels, KvCache};
+    let gpt = trainer::model::gpt2::GptConfig {
+        n_layer: 1,
+        n_head: 2,
+        n_embd: 16,
+        block_size: 8,
+        vocab_size: 10,
+        ..Default::default()
+    };
+    let (gpt, _) = trainer::model::init(&gpt, 0, &Device::Cpu).unwrap();
+    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora/base");
+    let llama = trainer::load::ModelDir::at(base).unwrap();
+    let llama = llama.load_model(&Device::Cpu).unwrap();
+    let idx = Tensor::new(&[[1u32, 2, 3, 4, 5]], &Device::Cpu).unwrap();
+    for model in [gpt, llama] {
+        let cached = |k| {
+            let mut cache = KvCache::new().with_kernels(k);
+            model.forward_cached(&idx, &mut cache).unwrap()
+        };
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+            v.iter().map(|x| x.to_bits()).collect()
+        };
+        for k in [Kernels::Fused, Kernels::Reference] {
+            let full = model.forward(&idx, &Ctx::eval().with_kernels(k)).unwrap();
+            let d = (cached(k) - &full)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap();
+            let m = full
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(d.to_scalar::<f32>().unwrap() / m < 1e-5, "{k:?}");
+        }
+        let (fused, reference) = (cached(Kernels::Fused), cached(Kernels::Reference));
+        assert_ne!(
+            bits(&fused),
+            bits(&reference),
+            "the kernels reach the model"
+        );
+    }
 }

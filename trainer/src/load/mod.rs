@@ -247,7 +247,42 @@ impl ModelDir {
                 }
             }
         };
-        let base_dir = resolve(&base)?;
+        Self::adapter_over_base(dir, run, &base)
+    }
+
+    /// The PEFT adapters in `adapter` (`adapter_config.json` + `adapter_model.safetensors`)
+    /// over the base model `base` given here (a model directory, a trainer run or checkpoint,
+    /// or a hub id: [`resolve`]), whatever base their config records. Adapters the trainer
+    /// wrote still check the base identity they record (see [`ModelDir::with_other_base`]).
+    ///
+    /// ```
+    /// use trainer::load::ModelDir;
+    ///
+    /// let dir = ModelDir::adapter_over("tests/fixtures/lora/adapter_plain", "tests/fixtures/lora/base")?;
+    /// let model = dir.load_model(&candle_core::Device::Cpu)?; // the base with the adapters merged
+    /// assert_eq!(model.config().architecture(), "llama");
+    /// # Ok::<(), trainer::Error>(())
+    /// ```
+    pub fn adapter_over(adapter: impl Into<PathBuf>, base: &str) -> Result<Self> {
+        let dir = adapter.into();
+        let config_path = dir.join(ADAPTER_CONFIG_FILE);
+        if !config_path.is_file() {
+            return Err(Error::checkpoint(
+                &dir,
+                "holds no adapter_config.json: not a PEFT adapter directory",
+            ));
+        }
+        let state = dir.join(STATE_FILE);
+        let run: Option<TrainerState> = match state.is_file() {
+            true => Some(crate::io::read_json(&state)?),
+            false => None,
+        };
+        Self::adapter_over_base(dir, run, base)
+    }
+
+    fn adapter_over_base(dir: PathBuf, run: Option<TrainerState>, base: &str) -> Result<Self> {
+        let config_path = dir.join(ADAPTER_CONFIG_FILE);
+        let base_dir = resolve(base)?;
         if base_dir.join(ADAPTER_CONFIG_FILE).is_file() {
             return Err(Error::checkpoint(
                 &config_path,
