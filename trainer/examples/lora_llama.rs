@@ -32,6 +32,6 @@ pub fn lora_losses(base: &str, text: &str, steps: usize) -> trainer::Result<Vec<
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let text = std::fs::read_to_string("data/tinyshakespeare.txt")?;
     let losses = lora_losses("trainer/tests/fixtures/lora/base", &text[..20_000], 20)?;
-    println!("losses: {losses:?}");
+    std::io::Write::write_fmt(&mut std::io::stdout(), format_args!("losses: {losses:?}\n"))?;
     Ok(())
 }
