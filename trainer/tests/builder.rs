@@ -16,7 +16,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use trainer::data::{self, Split};
 use trainer::metrics::{self, Record};
-use trainer::train::Trainer;
+use trainer::train::{Event, Trainer};
 
 #[allow(dead_code)] // its `main` is the example's
 #[path = "../examples/lora_llama.rs"]
@@ -109,7 +109,17 @@ fn a_run_without_a_run_directory_writes_nothing() {
         .build()
         .unwrap();
     assert!(!t.writes());
-    let summary = t.run(&mut (), &AtomicBool::new(false)).unwrap();
+    let mut seen = Vec::new();
+    let mut observe = |e: Event<'_>| match e {
+        Event::Step(s) => seen.push(format!("step {}", s.step)),
+        Event::Eval(e) => seen.push(format!("eval {}", e.step)),
+        _ => seen.push("other".into()),
+    };
+    let summary = t.run(&mut observe, &AtomicBool::new(false)).unwrap();
+    assert_eq!(
+        seen,
+        ["eval 0", "step 1", "step 2", "step 3", "step 4", "eval 4"]
+    );
     assert_eq!(summary.step, 4);
     assert!(summary.checkpoint.is_none() && summary.last_eval.is_some());
     assert!(!out.exists(), "nothing written in {}", out.display());

@@ -32,6 +32,13 @@ impl Observer for () {
     fn on_event(&mut self, _: Event<'_>) {}
 }
 
+/// A closure observes a run: `t.run(&mut |e: Event<'_>| { ... }, &stop)`.
+impl<F: FnMut(Event<'_>)> Observer for F {
+    fn on_event(&mut self, event: Event<'_>) {
+        self(event)
+    }
+}
+
 /// How [`Trainer::run`] ended.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Summary {
