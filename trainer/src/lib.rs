@@ -10,6 +10,11 @@
 //! the loop, evaluation, checkpoints), which calls `Trainer::train_step` (`train/step.rs`:
 //! micro-batches through [`train::Executor`], the data-parallel reduction, candle-amp's step
 //! applying the [`optim::Optimizer`], [`optim::AdamW`] by default).
+//!
+//! A program builds its own run with [`train::Trainer::builder`] (its data or batch iterator,
+//! model, LoRA, optimiser; a run directory only if it wants one). The `cli` feature (on by
+//! default) is the `trainer` binary's: clap, indicatif, ctrlc and tracing-subscriber; a
+//! library-only dependency turns it off with `default-features = false`.
 
 #![warn(missing_docs)]
 

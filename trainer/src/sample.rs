@@ -7,7 +7,7 @@ use candle_core::{DType, Device, IndexOp, Tensor, D};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::model::{KvCache, Model};
+use crate::model::{Kernels, KvCache, Model};
 use crate::{Error, Result};
 
 /// How to pick the next token.
@@ -23,6 +23,9 @@ pub struct SamplingConfig {
     /// Draw only ids below this (a tokenizer with fewer ids than the model's padded
     /// vocabulary; None: every id the model has).
     pub vocab: Option<usize>,
+    /// The kernels the model runs while generating (default: fused; reference: the composite
+    /// ops, as the model was checked against transformers).
+    pub kernels: Kernels,
 }
 
 impl Default for SamplingConfig {
@@ -32,6 +35,7 @@ impl Default for SamplingConfig {
             top_k: Some(200),
             top_p: 1.0,
             vocab: None,
+            kernels: Kernels::Fused,
         }
     }
 }
@@ -129,12 +133,12 @@ pub fn generate_streaming(
     let block = model.config().max_positions();
     let learned_positions = has_learned_positions(model.config());
     let mut tokens = prompt.to_vec();
-    let mut cache = KvCache::new();
+    let mut cache = KvCache::new().with_kernels(sampling.kernels);
     let mut fed = 0; // tokens[..fed] are in the cache
     for _ in 0..max_new_tokens {
         if learned_positions && tokens.len() > block {
             // Past the model's positions: the last `block` tokens, afresh (a sliding window).
-            cache = KvCache::new();
+            cache = KvCache::new().with_kernels(sampling.kernels);
             fed = tokens.len() - block;
         }
         let new = &tokens[fed..];
@@ -312,6 +316,7 @@ mod tests {
                 top_k: None,
                 top_p,
                 vocab: None,
+                ..SamplingConfig::default()
             };
             let mut rng = ChaCha8Rng::seed_from_u64(3);
             let mut seen: Vec<u32> = (0..2000).map(|_| pick(&logits, s, &mut rng)).collect();

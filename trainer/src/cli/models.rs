@@ -150,6 +150,7 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
         top_k: Some(args.top_k),
         top_p: args.top_p,
         vocab: args.tokenizer_ids_only.then_some(ids),
+        ..SamplingConfig::default()
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
     for i in 0..args.num_samples {

@@ -94,15 +94,16 @@ macro_rules! train_config {
         }
 
         /// Command-line overrides of [`TrainConfig`] fields (`--n-layer 6`, `--lr 3e-4`, ...).
-        #[derive(Clone, Debug, Default, clap::Args)]
+        #[derive(Clone, Debug, Default)]
+        #[cfg_attr(feature = "cli", derive(clap::Args))]
         pub struct Overrides {
             $(
                 $(#[doc = $doc])*
-                #[arg(
+                #[cfg_attr(feature = "cli", arg(
                     long,
                     allow_negative_numbers = true,
                     help_heading = "Config (overrides the --config file)"
-                )]
+                ))]
                 pub $name: Option<$ty>,
             )*
         }

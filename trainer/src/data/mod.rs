@@ -39,6 +39,7 @@
 mod addition;
 mod cache;
 pub mod chat_task;
+mod iter;
 pub mod lines;
 mod open;
 pub mod sft;
@@ -48,7 +49,7 @@ mod vocab;
 
 use std::path::PathBuf;
 
-use candle_core::{Device, Tensor, TensorId};
+use candle_core::{DType, Device, Tensor, TensorId};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
@@ -58,6 +59,8 @@ use crate::model::{Rows, IGNORE};
 pub use addition::Addition;
 pub use cache::default_cache_dir;
 pub use chat_task::{ChatTask, ChatTaskKind};
+pub(crate) use iter::BatchIter;
+pub use iter::IntoBatch;
 pub use open::{check_fingerprint, open_for_run};
 pub use sft::SftSource;
 pub use shards::{DataOrder, ShardOptions, ShardSource};
@@ -112,6 +115,43 @@ impl Batch {
             rows: Rows::default(),
             mask_counts: None,
         }
+    }
+
+    /// A batch of Hugging Face causal-LM inputs: `input_ids` and `labels` (`[B, T]`, integer
+    /// ids; -100 = ignored), the labels shifted as transformers' `ForCausalLMLoss` shifts them:
+    /// position `t` predicts `labels[t + 1]`, the last position nothing (the mask says which
+    /// targets count).
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use trainer::data::Batch;
+    ///
+    /// let ids = Tensor::new(&[[5u32, 6, 7, 8]], &Device::Cpu)?;
+    /// let labels = Tensor::new(&[[-100i64, 6, -100, 8]], &Device::Cpu)?;
+    /// let batch = Batch::from_hf_labels(&ids, &labels)?;
+    /// let ignore = trainer::model::IGNORE;
+    /// assert_eq!(batch.targets()?.to_vec2::<u32>()?, [[6, ignore, 8, ignore]]);
+    /// # Ok::<(), trainer::Error>(())
+    /// ```
+    pub fn from_hf_labels(input_ids: &Tensor, labels: &Tensor) -> Result<Batch> {
+        let (rows, t) = labels.dims2()?;
+        if input_ids.dims() != [rows, t] || t == 0 {
+            return Err(Error::Config(format!(
+                "input_ids {:?} and labels {:?} must have the same [batch, length] shape, \
+                 length at least 1",
+                input_ids.dims(),
+                labels.dims()
+            )));
+        }
+        let labels = labels.to_dtype(DType::I64)?;
+        let ignored = Tensor::full(-100i64, (rows, 1), labels.device())?;
+        let shifted = Tensor::cat(&[&labels.narrow(1, 1, t - 1)?, &ignored], 1)?;
+        let counts = shifted.ge(0i64)?;
+        let y = counts.where_cond(&shifted, &shifted.zeros_like()?)?;
+        Ok(
+            Batch::new(input_ids.to_dtype(DType::U32)?, y.to_dtype(DType::U32)?)
+                .with_mask(Some(counts.to_dtype(DType::F32)?)),
+        )
     }
 
     /// The same batch with a loss mask.

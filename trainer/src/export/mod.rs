@@ -42,7 +42,8 @@ pub const COPIED_FILES: [&str; 5] = [
 const MAX_ORIGINS: usize = 8;
 
 /// The dtype exported weights are stored in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum WeightDtype {
     /// 32-bit float (`float32`).
     F32,

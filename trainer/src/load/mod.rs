@@ -286,6 +286,24 @@ impl ModelDir {
         })
     }
 
+    /// The PEFT adapters in `adapter` (`adapter_config.json` + `adapter_model.safetensors`)
+    /// over the base model `base` given here (a model directory, a trainer run or checkpoint,
+    /// or a hub id: [`resolve`]), whatever base their config records: [`ModelDir::at_over`].
+    /// Adapters the trainer wrote still check the base identity they record (see
+    /// [`ModelDir::with_other_base`]).
+    ///
+    /// ```
+    /// use trainer::load::ModelDir;
+    ///
+    /// let dir = ModelDir::adapter_over("tests/fixtures/lora/adapter_plain", "tests/fixtures/lora/base")?;
+    /// let model = dir.load_model(&candle_core::Device::Cpu)?; // the base with the adapters merged
+    /// assert_eq!(model.config().architecture(), "llama");
+    /// # Ok::<(), trainer::Error>(())
+    /// ```
+    pub fn adapter_over(adapter: impl Into<PathBuf>, base: &str) -> Result<Self> {
+        Self::at_over(adapter.into(), Some(base))
+    }
+
     /// The same, using adapters over another base than the one they record when `other_base`
     /// (see [`ModelDir::other_base`]).
     pub fn with_other_base(self, other_base: bool) -> Self {

@@ -145,6 +145,8 @@ pub struct KvCache {
     layers: Vec<candle_nn::kv_cache::KvCache>,
     /// Number of tokens already in the cache.
     pub len: usize,
+    /// The kernels the cached forward runs (default: fused).
+    pub kernels: Kernels,
 }
 
 impl KvCache {
@@ -154,6 +156,12 @@ impl KvCache {
     /// An empty cache.
     pub fn new() -> Self {
         KvCache::default()
+    }
+
+    /// The same cache, its forward passes running `kernels` (e.g. [`Kernels::Reference`],
+    /// the composite ops a model was checked against).
+    pub fn with_kernels(self, kernels: Kernels) -> Self {
+        KvCache { kernels, ..self }
     }
 
     /// Appends `k`, `v` (`[B, H, T_new, D]`) to block `i`'s entries; returns all of them.

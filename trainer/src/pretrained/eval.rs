@@ -25,6 +25,7 @@ pub const BARE_BATCH_SIZE: usize = 8;
 /// Batches averaged per loss when evaluating a bare model.
 pub const BARE_EVAL_ITERS: usize = 10;
 
+#[cfg(feature = "cli")]
 const HEADING: &str =
     "Evaluation data and batches (default: the run's; a bare model needs --data-path)";
 
@@ -34,43 +35,44 @@ const HEADING: &str =
 /// size, seed); each given flag replaces the run's value. A bare Hugging Face model has no run
 /// config: the data must be given (`--data-path`), tokenised by the model's own
 /// `tokenizer.json` unless `--data` / `--tokenizer-path` say otherwise.
-#[derive(Clone, Debug, Default, clap::Args)]
+#[derive(Clone, Debug, Default)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
 pub struct EvalRequest {
     /// Data kind: tokenizer, char, byte, addition, sft, chat-task or shards [default: the
     /// run's, else tokenizer].
-    #[arg(long, value_name = "KIND", help_heading = HEADING)]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "KIND", help_heading = HEADING))]
     pub data: Option<DataKind>,
     /// Text file to measure the loss on (its first 1 - val_fraction is the train split, the
     /// rest the val split); the JSONL records for `sft`; the directory of token shards
     /// (`trainer prepare`) for `shards`. Required for a bare model (unless --data addition or
     /// chat-task).
-    #[arg(long, value_name = "FILE", help_heading = HEADING)]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "FILE", help_heading = HEADING))]
     pub data_path: Option<PathBuf>,
     /// tokenizer.json for `tokenizer` data [default: the run's, else the model directory's
     /// own tokenizer.json].
-    #[arg(long, value_name = "FILE", help_heading = HEADING)]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "FILE", help_heading = HEADING))]
     pub tokenizer_path: Option<PathBuf>,
     /// Fraction of the text held out as the val split [default: the run's, else 0.1].
-    #[arg(long, value_name = "F", help_heading = HEADING)]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "F", help_heading = HEADING))]
     pub val_fraction: Option<f32>,
     /// Where tokenised corpora are cached [default: the run's, else ~/.cache/candle-train].
-    #[arg(long, value_name = "DIR", help_heading = HEADING)]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "DIR", help_heading = HEADING))]
     pub cache_dir: Option<PathBuf>,
     /// Context length of the evaluation batches, at most the model's positions [default:
     /// the run's block_size, else min(n_positions, 256)].
-    #[arg(long, value_name = "N", help_heading = HEADING)]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "N", help_heading = HEADING))]
     pub block_size: Option<usize>,
     /// Sequences per batch [default: the run's batch_size, else 8].
-    #[arg(long, value_name = "N", help_heading = HEADING)]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "N", help_heading = HEADING))]
     pub batch_size: Option<usize>,
     /// Batches averaged per loss [default: the run's eval_iters, else 10].
-    #[arg(long, value_name = "N", help_heading = HEADING)]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "N", help_heading = HEADING))]
     pub eval_iters: Option<usize>,
     /// Held-out problems scored, for tasks with a score [default: the run's, else 500].
-    #[arg(long, value_name = "N", help_heading = HEADING)]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "N", help_heading = HEADING))]
     pub eval_problems: Option<usize>,
     /// Device (cpu, cuda, cuda:N, metal) [default: the run's, else cpu].
-    #[arg(long)]
+    #[cfg_attr(feature = "cli", arg(long))]
     pub device: Option<DeviceSpec>,
 }
 

@@ -1,9 +1,10 @@
-//! Training a model: building a run ([`Trainer::new`], [`Trainer::resume`],
-//! [`Trainer::with_model`], here), the loop with evaluation and checkpoints (`run.rs`), one
+//! Training a model: building a run ([`Trainer::builder`], `builder.rs`, which
+//! [`Trainer::new`] and [`Trainer::with_model`] call; [`Trainer::resume`], here), the loop with evaluation and checkpoints (`run.rs`), one
 //! step (`step.rs`: micro-batches, accumulation, the data-parallel reduction, the scaler's
 //! step with clipping and the optimiser), and how a micro-batch's forward and backward run
 //! ([`executor`]: plain, remat or [`pipeline`]).
 
+mod builder;
 mod eval;
 pub mod executor;
 mod init;
@@ -24,6 +25,7 @@ use candle_remat::Plan;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+pub use builder::{OptimizerFn, TrainerBuilder};
 pub use eval::estimate_loss;
 
 use crate::pretrained::task_score_until;
@@ -83,36 +85,32 @@ pub struct Trainer {
     resumed_world: Option<usize>,
     /// Every weight, or LoRA adapters over a frozen base.
     tuning: Tuning,
+    /// Whether the run has a run directory to write into (see [`TrainerBuilder::run_dir`]).
+    writes: bool,
+    /// Whether the data has held-out batches to evaluate on (a batch iterator has none).
+    evaluates: bool,
 }
 
 impl Trainer {
-    /// Starts a new run from `config` (fresh weights, or `init_from` pretrained ones).
-    pub fn new(mut config: TrainConfig) -> Result<Self> {
-        config.absolute_paths()?;
-        config.tokenizer_from_init()?;
-        crate::lora::adopt_adapter_config(&mut config)?;
-        config.validate()?;
-        let device = config.device.open()?;
-        let data = config.open_data()?;
-        let (model, params, tuning) = init::build_model(&config, data.as_ref(), &device)?;
-        Self::start(config, device, data, model, params, tuning)
+    /// Starts a new run from `config` (fresh weights, or `init_from` pretrained ones), in the
+    /// run directory `config.out_dir`: [`Trainer::builder`] given the config.
+    pub fn new(config: TrainConfig) -> Result<Self> {
+        let out_dir = config.out_dir.clone();
+        Self::builder().config(config).run_dir(out_dir).build()
     }
 
     /// Starts a new run of a model the caller built (any [`Model`]: the trainer knows it only
-    /// through that interface), over its parameters on `config.device`. Its architecture must
-    /// be known to the loading paths ([`crate::model::register`]) for checkpoints to resume.
-    pub fn with_model(
-        mut config: TrainConfig,
-        model: Box<dyn Model>,
-        params: Params,
-    ) -> Result<Self> {
-        config.absolute_paths()?;
-        config.validate()?;
-        let device = config.device.open()?;
-        let data = config.open_data()?;
-        // The caller allocated the model already; `new` and `resume` check before they do.
-        memory::check_run_fits(&config, model.config(), &device)?;
-        Self::start(config, device, data, model, params, Tuning::Full)
+    /// through that interface), over its parameters on `config.device`, in the run directory
+    /// `config.out_dir`: [`Trainer::builder`] given the config and the model. Its architecture
+    /// must be known to the loading paths ([`crate::model::register`]) for checkpoints to
+    /// resume.
+    pub fn with_model(config: TrainConfig, model: Box<dyn Model>, params: Params) -> Result<Self> {
+        let out_dir = config.out_dir.clone();
+        Self::builder()
+            .config(config)
+            .model(model, params)
+            .run_dir(out_dir)
+            .build()
     }
 
     fn start(
@@ -122,6 +120,7 @@ impl Trainer {
         model: Box<dyn Model>,
         params: Params,
         tuning: Tuning,
+        optimizer: OptimizerFn,
     ) -> Result<Self> {
         let mc = model.config();
         if config.block_size > mc.max_positions() {
@@ -150,7 +149,7 @@ impl Trainer {
         if let Ok(arch) = mc.architecture().parse() {
             config.arch = arch;
         }
-        let optimizer = optim::build(&config, &params)?;
+        let optimizer = optimizer(&config, &params)?;
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
         Self::assemble(config, device, data, model, params, optimizer, rng, tuning)
     }
@@ -368,6 +367,8 @@ impl Trainer {
             shards: zero::Shards::none(),
             resumed_world: None,
             tuning,
+            writes: true,
+            evaluates: true,
         })
     }
 
@@ -419,11 +420,23 @@ impl Trainer {
     /// Claims the run directory on first use (see [`crate::run_dir`]): refuses to start a
     /// fresh run over an existing one, locks it, and cleans a killed writer's leftovers.
     pub fn claim_run_dir(&mut self) -> Result<()> {
+        self.check_writes()?;
         if self.run_dir.is_none() && self.dp.is_main() {
             self.run_dir = Some(RunDir::claim(&self.config.out_dir, self.claim)?);
             self.claim = Claim::Continue;
         }
         Ok(())
+    }
+
+    fn check_writes(&self) -> Result<()> {
+        match self.writes {
+            true => Ok(()),
+            false => Err(Error::Config(
+                "this run has no run directory (Trainer::builder() without run_dir): it writes \
+                 no checkpoints, metrics or run.toml"
+                    .into(),
+            )),
+        }
     }
 
     /// The activation-checkpointing plan of the whole chain, if `remat` is on (a pipeline
@@ -464,6 +477,13 @@ impl Trainer {
         &self.tuning
     }
 
+    /// Whether the run writes a run directory (`run.toml`, metrics, checkpoints): the one
+    /// in `config.out_dir`, or none for a [`Trainer::builder`] run without
+    /// [`TrainerBuilder::run_dir`].
+    pub fn writes(&self) -> bool {
+        self.writes
+    }
+
     /// Optimiser steps completed.
     pub fn step(&self) -> usize {
         self.step
@@ -486,6 +506,12 @@ impl Trainer {
         &self,
         stop: &std::sync::atomic::AtomicBool,
     ) -> Result<Option<EvalStats>> {
+        if !self.evaluates {
+            return Err(Error::Config(
+                "this run's data is a batch iterator, with no held-out batches to evaluate on"
+                    .into(),
+            ));
+        }
         let cfg = &self.config;
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0xE7A1);
         let Some(train_loss) = eval::estimate_loss_until(self, Split::Train, &mut rng, stop)?

@@ -32,6 +32,13 @@ impl Observer for () {
     fn on_event(&mut self, _: Event<'_>) {}
 }
 
+/// A closure observes a run: `t.run(&mut |e: Event<'_>| { ... }, &stop)`.
+impl<F: FnMut(Event<'_>)> Observer for F {
+    fn on_event(&mut self, event: Event<'_>) {
+        self(event)
+    }
+}
+
 /// How [`Trainer::run`] ended.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Summary {
@@ -57,10 +64,14 @@ impl Trainer {
     /// checkpoint before returning.
     ///
     /// The run directory is claimed (see [`Trainer::claim_run_dir`]) for the duration of the
-    /// call and released when it returns.
+    /// call and released when it returns. A run without one writes nothing (no `run.toml`,
+    /// metrics, loss curve or checkpoints: the [`Summary`] and the observer's events are its
+    /// record), and a run whose data has no held-out batches does not evaluate.
     pub fn run(&mut self, observer: &mut dyn Observer, stop: &AtomicBool) -> Result<Summary> {
         self.check_world(self.dp.world_size())?;
-        self.claim_run_dir()?;
+        if self.writes {
+            self.claim_run_dir()?;
+        }
         let result = self.run_claimed(observer, stop);
         self.run_dir = None;
         result
@@ -68,7 +79,7 @@ impl Trainer {
 
     fn run_claimed(&mut self, observer: &mut dyn Observer, stop: &AtomicBool) -> Result<Summary> {
         let out = self.config.out_dir.clone();
-        let mut metrics = if self.dp.is_main() {
+        let mut metrics = if self.dp.is_main() && self.writes {
             checkpoint::io::write_atomic(&out.join("run.toml"), self.config.to_toml().as_bytes())?;
             MetricsLog::open(&out.join("metrics.jsonl"), self.step)?
         } else {
@@ -100,8 +111,10 @@ impl Trainer {
                     self.record_eval(&eval);
                     last_eval = Some(eval);
                 }
-                let dir = self.save_checkpoint()?;
-                observer.on_event(Event::Checkpoint(&dir));
+                if self.writes {
+                    let dir = self.save_checkpoint()?;
+                    observer.on_event(Event::Checkpoint(&dir));
+                }
                 // Replicas must hold the same weights; a drift is a bug, reported, not ignored.
                 self.dp.ensure_in_sync(&self.vars)?;
             }
@@ -110,7 +123,7 @@ impl Trainer {
             .last_checkpoint
             .as_ref()
             .is_some_and(|d| d.ends_with(format!("step-{:07}", self.step)));
-        if !already_saved {
+        if !already_saved && self.writes {
             let dir = self.save_checkpoint()?;
             observer.on_event(Event::Checkpoint(&dir));
         }
@@ -131,6 +144,9 @@ impl Trainer {
         observer: &mut dyn Observer,
         stop: &AtomicBool,
     ) -> Result<Option<EvalStats>> {
+        if !self.evaluates {
+            return Ok(None);
+        }
         let Some(eval) = self.evaluate_until(stop)? else {
             return Ok(None);
         };
@@ -139,6 +155,19 @@ impl Trainer {
         if !self.dp.is_main() {
             return Ok(Some(eval));
         }
+        if self.writes {
+            self.plot(&metrics.records);
+        }
+        if self.config.sample_tokens > 0 {
+            if let Some(text) = eval::sample_text(self, stop)? {
+                observer.on_event(Event::Sample(&text));
+            }
+        }
+        Ok(Some(eval))
+    }
+
+    /// Draws the loss curve (`loss.svg`) of the run's records so far.
+    fn plot(&self, records: &[Record]) {
         let run_name = self
             .config
             .out_dir
@@ -148,18 +177,10 @@ impl Trainer {
         let describe = self.data.describe();
         let source = describe.split(':').next().unwrap_or_default();
         let title = format!("{run_name}: {source}");
-        if let Err(e) = crate::plot::loss_curve(
-            &self.config.out_dir.join("loss.svg"),
-            &title,
-            &metrics.records,
-        ) {
+        if let Err(e) =
+            crate::plot::loss_curve(&self.config.out_dir.join("loss.svg"), &title, records)
+        {
             tracing::warn!("could not draw the loss curve: {e}");
         }
-        if self.config.sample_tokens > 0 {
-            if let Some(text) = eval::sample_text(self, stop)? {
-                observer.on_event(Event::Sample(&text));
-            }
-        }
-        Ok(Some(eval))
     }
 }

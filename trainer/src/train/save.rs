@@ -34,8 +34,10 @@ impl Trainer {
     /// Writes a checkpoint of the current step into the run directory and prunes old ones.
     ///
     /// With data parallelism only rank 0 writes; the other ranks return the directory rank 0
-    /// writes.
+    /// writes. A run without a run directory ([`Trainer::builder`] without `run_dir`) has
+    /// nowhere to write: an error.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
+        self.check_writes()?;
         // With ZeRO-1, the whole optimiser state is gathered (every rank takes part).
         let gathered = if self.shards.is_sharded() {
             let comm = self.dp.comm();

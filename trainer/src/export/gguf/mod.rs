@@ -26,7 +26,8 @@ use crate::load::{Checks, ModelDir};
 use crate::{Error, Result};
 
 /// The tensor types of an exported GGUF file (llama.cpp's `--outtype` names).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum GgufType {
     /// Every tensor in f32 (`ALL_F32`).
     F32,
@@ -35,12 +36,12 @@ pub enum GgufType {
     /// Matrices in bf16, vectors in f32 (`MOSTLY_BF16`).
     Bf16,
     /// Matrices in q8_0 (8 bits and an f16 scale per 32), vectors in f32 (`MOSTLY_Q8_0`).
-    #[value(name = "q8_0")]
+    #[cfg_attr(feature = "cli", value(name = "q8_0"))]
     Q8_0,
     /// llama.cpp's q4_k_m mixture (`MOSTLY_Q4_K_M`, what `llama-quantize ... Q4_K_M` writes):
     /// q4_k matrices, q6_k for the output head and for the value and down projections of
     /// some layers, vectors in f32.
-    #[value(name = "q4_k_m")]
+    #[cfg_attr(feature = "cli", value(name = "q4_k_m"))]
     Q4KM,
 }
 

@@ -256,7 +256,7 @@ impl Block {
     }
 
     fn forward_cached(&self, x: &Tensor, cache: &mut KvCache) -> candle_core::Result<Tensor> {
-        let ctx = Ctx::eval();
+        let ctx = Ctx::eval().with_kernels(cache.kernels);
         let a = self
             .attn
             .forward_cached(&self.ln_1.forward_ctx(x, &ctx)?, cache, self.index)?;
@@ -447,7 +447,7 @@ impl Model for Gpt {
     }
 
     fn forward_cached(&self, idx: &Tensor, cache: &mut KvCache) -> candle_core::Result<Tensor> {
-        let ctx = Ctx::eval();
+        let ctx = Ctx::eval().with_kernels(cache.kernels);
         let t = idx.dim(1)?;
         let mut x = self.embed.embed(idx, None, cache.len, &ctx)?;
         for b in &self.blocks {

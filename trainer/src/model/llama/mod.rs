@@ -562,7 +562,7 @@ impl Model for Llama {
     }
 
     fn forward_cached(&self, idx: &Tensor, cache: &mut KvCache) -> candle_core::Result<Tensor> {
-        let ctx = Ctx::eval();
+        let ctx = Ctx::eval().with_kernels(cache.kernels);
         let t = idx.dim(1)?;
         let mut x = self.embed.embed(idx, &ctx)?;
         for b in &self.blocks {

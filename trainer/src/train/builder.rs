@@ -1,0 +1,222 @@
+//! [`Trainer::builder`]: a run from its parts (data, model, optimiser, tuning, run directory
+//! and hyper-parameters), each optional; what is not given comes from the [`TrainConfig`].
+
+use std::path::{Path, PathBuf};
+
+use candle_peft::LoraConfig;
+
+use super::{init, memory, Trainer};
+use crate::config::{Precision, TrainConfig};
+use crate::data::{BatchIter, DataSource, IntoBatch};
+use crate::lora::Tuning;
+use crate::model::{Model, Params};
+use crate::optim::Optimizer;
+use crate::Result;
+
+/// Builds an optimiser over a run's parameters (see [`TrainerBuilder::optimizer`]).
+pub type OptimizerFn = Box<dyn FnOnce(&TrainConfig, &Params) -> Result<Box<dyn Optimizer>>>;
+
+enum Data {
+    Source(Box<dyn DataSource>),
+    Batches(Box<dyn FnOnce(usize) -> BatchIter>),
+}
+
+/// The parts of a new [`Trainer`] run (from [`Trainer::builder`]).
+///
+/// Every part is optional: the data ([`TrainerBuilder::data`], or a program's own iterator of
+/// batches by [`TrainerBuilder::batches`]; default: the config's data), the model
+/// ([`TrainerBuilder::model`], or [`TrainerBuilder::init_from`] a pretrained one; default: the
+/// config's, fresh or `init_from`), the tuning ([`TrainerBuilder::lora`]; default: every
+/// weight trains), the optimiser ([`TrainerBuilder::optimizer`]; default:
+/// [`crate::optim::build`], the config's AdamW), the hyper-parameters (a [`TrainConfig`] or the
+/// setters) and the run directory ([`TrainerBuilder::run_dir`]; default: none, and then the run
+/// writes nothing: no `run.toml`, metrics, loss curve or checkpoints).
+///
+/// ```
+/// use trainer::train::Trainer;
+///
+/// // Two steps of a small GPT on the embedded addition task, writing nothing.
+/// let mut t = Trainer::builder()
+///     .configure(|c| (c.n_layer, c.n_head, c.n_embd) = (1, 2, 32))
+///     .max_iters(2)
+///     .batch(4, 16)
+///     .build()?;
+/// let summary = t.run(&mut (), &Default::default())?;
+/// assert_eq!(summary.step, 2);
+/// assert!(summary.checkpoint.is_none());
+/// # Ok::<(), trainer::Error>(())
+/// ```
+pub struct TrainerBuilder {
+    config: TrainConfig,
+    data: Option<Data>,
+    model: Option<(Box<dyn Model>, Params)>,
+    optimizer: Option<OptimizerFn>,
+    run_dir: Option<PathBuf>,
+    overwrite: bool,
+}
+
+impl Trainer {
+    /// A builder of a new run over the default [`TrainConfig`] (see [`TrainerBuilder`]).
+    pub fn builder() -> TrainerBuilder {
+        TrainerBuilder {
+            config: TrainConfig::default(),
+            data: None,
+            model: None,
+            optimizer: None,
+            run_dir: None,
+            overwrite: false,
+        }
+    }
+}
+
+impl TrainerBuilder {
+    /// Every hyper-parameter from `config` (replacing what was set before). Its `out_dir` is
+    /// not a run directory unless given to [`TrainerBuilder::run_dir`].
+    pub fn config(mut self, config: TrainConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Changes the config's fields in place (any field the setters do not cover).
+    pub fn configure(mut self, change: impl FnOnce(&mut TrainConfig)) -> Self {
+        change(&mut self.config);
+        self
+    }
+
+    /// The peak learning rate.
+    pub fn lr(self, lr: f64) -> Self {
+        self.configure(|c| c.lr = lr)
+    }
+
+    /// Optimiser steps to train (the learning-rate schedule decays over them unless
+    /// `lr_decay_iters` is set).
+    pub fn max_iters(self, steps: usize) -> Self {
+        self.configure(|c| c.max_iters = steps)
+    }
+
+    /// Rows per micro-batch and tokens per row.
+    pub fn batch(self, batch_size: usize, block_size: usize) -> Self {
+        self.configure(|c| {
+            c.batch_size = batch_size;
+            c.block_size = block_size;
+        })
+    }
+
+    /// The compute precision (f32 master weights whatever it is).
+    pub fn precision(self, dtype: Precision) -> Self {
+        self.configure(|c| c.dtype = dtype)
+    }
+
+    /// The data: any [`DataSource`].
+    pub fn data(mut self, source: impl DataSource + 'static) -> Self {
+        self.data = Some(Data::Source(Box::new(source)));
+        self
+    }
+
+    /// The data: the program's own iterator of batches over token ids `< vocab_size`, each a
+    /// [`crate::data::Batch`] or a pair of input and target id vectors ([`IntoBatch`]) of
+    /// `batch_size x block_size` tokens. Step `s` trains on items `s * grad_accum ..` in order.
+    /// An iterator that ends before the run does is an error; there is no held-out data, so
+    /// the run does not evaluate (no eval losses, samples or task scores).
+    pub fn batches<T: IntoBatch + 'static>(
+        mut self,
+        vocab_size: usize,
+        batches: impl Iterator<Item = T> + Send + 'static,
+    ) -> Self {
+        self.data = Some(Data::Batches(Box::new(move |keep| {
+            BatchIter::new(vocab_size, batches, keep)
+        })));
+        self
+    }
+
+    /// The model: one the program built, over its parameters (any [`Model`]; its architecture
+    /// must be registered ([`crate::model::register`]) for its checkpoints to load). Every
+    /// parameter trains.
+    pub fn model(mut self, model: Box<dyn Model>, params: Params) -> Self {
+        self.model = Some((model, params));
+        self
+    }
+
+    /// The model: pretrained weights (a model directory, a trainer run or checkpoint, or a
+    /// hub id; see [`crate::pretrained::resolve`]).
+    pub fn init_from(self, from: impl AsRef<Path>) -> Self {
+        let from = from.as_ref().to_string_lossy().into_owned();
+        self.configure(|c| c.init_from = Some(from))
+    }
+
+    /// Tuning: LoRA adapters over the frozen pretrained model (PEFT's `LoraConfig`: rank,
+    /// alpha, dropout, targets, rsLoRA, modules to save; its base is
+    /// [`TrainerBuilder::init_from`]'s).
+    pub fn lora(self, lora: LoraConfig) -> Self {
+        self.configure(|c| {
+            c.lora_r = lora.r;
+            c.lora_alpha = lora.lora_alpha;
+            c.lora_dropout = lora.lora_dropout;
+            c.lora_targets = lora.target_modules;
+            c.rslora = lora.use_rslora;
+            c.modules_to_save = crate::config::ModuleList(lora.modules_to_save);
+        })
+    }
+
+    /// The optimiser, built over the run's parameters (the adapters' in a LoRA run) once they
+    /// exist; [`Trainer::resume_with`] continues such a run.
+    pub fn optimizer(
+        mut self,
+        build: impl FnOnce(&TrainConfig, &Params) -> Result<Box<dyn Optimizer>> + 'static,
+    ) -> Self {
+        self.optimizer = Some(Box::new(build));
+        self
+    }
+
+    /// The run directory: `run.toml`, `metrics.jsonl`, the loss curve and checkpoints go there
+    /// (a fresh run refuses a directory that holds one unless [`TrainerBuilder::overwrite`]).
+    /// Without one the run writes nothing, and [`Trainer::save_checkpoint`] is an error.
+    pub fn run_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.run_dir = Some(dir.into());
+        self
+    }
+
+    /// Lets the run replace the run already in its run directory.
+    pub fn overwrite(mut self, yes: bool) -> Self {
+        self.overwrite = yes;
+        self
+    }
+
+    /// Checks the parts against each other and builds the run: the config validated, the
+    /// device and the data opened, the model built (and its memory checked), the optimiser.
+    pub fn build(self) -> Result<Trainer> {
+        let mut config = self.config;
+        let writes = self.run_dir.is_some();
+        if let Some(dir) = self.run_dir {
+            config.out_dir = dir;
+        }
+        config.absolute_paths()?;
+        if self.model.is_none() {
+            config.tokenizer_from_init()?;
+            crate::lora::adopt_adapter_config(&mut config)?;
+        }
+        config.validate()?;
+        let device = config.device.open()?;
+        let (data, evaluates): (Box<dyn DataSource>, bool) = match self.data {
+            None => (config.open_data()?, true),
+            Some(Data::Source(source)) => {
+                source.check_block_size(config.block_size)?;
+                (source, true)
+            }
+            Some(Data::Batches(make)) => (Box::new(make(config.grad_accum)), false),
+        };
+        let (model, params, tuning) = match self.model {
+            Some((model, params)) => {
+                // The caller allocated the model already; `init` checks before it does.
+                memory::check_run_fits(&config, model.config(), &device)?;
+                (model, params, Tuning::Full)
+            }
+            None => init::build_model(&config, data.as_ref(), &device)?,
+        };
+        let optimizer = self.optimizer.unwrap_or(Box::new(crate::optim::build));
+        let mut trainer = Trainer::start(config, device, data, model, params, tuning, optimizer)?;
+        trainer.writes = writes;
+        trainer.evaluates = evaluates;
+        Ok(trainer.overwrite(self.overwrite))
+    }
+}
