@@ -82,7 +82,7 @@ impl Linear {
             weight: b.get(&shape, "weight")?,
             bias: b.get_if(bias, &[fan_out], "bias")?,
             layout,
-            adapter: b.wrap(fan_in, fan_out)?,
+            adapter: b.wrap(fan_in, fan_out, layout)?,
         })
     }
 

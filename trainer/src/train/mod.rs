@@ -234,19 +234,15 @@ impl Trainer {
                     (None, ..) => (l.build()?, l.params.clone(), Tuning::Full),
                     (Some(a), Some(base), Some(_)) => {
                         let base_dtype = config.base_dtype.unwrap_or(config.dtype).dtype();
-                        let (m, p) = crate::lora::adapt(
+                        Tuning::lora(
                             l.config.as_ref(),
                             &l.params,
                             &a.config,
                             Some(a),
+                            base.clone(),
                             base_dtype,
                             config.seed,
-                        )?;
-                        let tuning = Tuning::Lora {
-                            config: Box::new(a.config.clone()),
-                            base: base.clone(),
-                        };
-                        (m, p, tuning)
+                        )?
                     }
                     (Some(_), ..) => {
                         return Err(Error::checkpoint(
@@ -328,17 +324,7 @@ impl Trainer {
                 false,
             )
         };
-        let lora = match &tuning {
-            Tuning::Full => None,
-            Tuning::Lora { .. } => {
-                let adapters: usize = params
-                    .iter()
-                    .filter(|(n, _)| n.ends_with(".lora_A.weight") || n.ends_with(".lora_B.weight"))
-                    .map(|(_, v)| v.elem_count())
-                    .sum();
-                Some((adapters, params.num_elements() - adapters))
-            }
-        };
+        let lora = tuning.trainable_split(&params);
         let flops_per_token =
             crate::mfu::training_flops_per_token(model.config(), config.block_size, lora);
         Ok(Trainer {
