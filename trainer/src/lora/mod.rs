@@ -94,8 +94,16 @@ pub enum Tuning {
         config: Box<LoraConfig>,
         /// The base they adapt.
         base: BaseIdentity,
+        /// The frozen originals of the modules to save, restored with the adapters off.
+        saved: SavedModules,
     },
 }
+
+/// The modules a LoRA run saves (trains in full), each parameter's trainable copy with the
+/// frozen original it was copied from, as PEFT's `ModulesToSaveWrapper` keeps both: the
+/// original computes when the adapters are off ([`Tuning::without_adapters`]).
+#[derive(Clone, Debug, Default)]
+pub struct SavedModules(Vec<(Tensor, Tensor)>);
 
 impl Tuning {
     /// What a checkpoint of the run writes for the model `config` (the adapter config
@@ -103,7 +111,7 @@ impl Tuning {
     pub fn files<'a>(&'a self, config: &'a dyn ModelConfig) -> crate::checkpoint::ModelFiles<'a> {
         match self {
             Tuning::Full => crate::checkpoint::ModelFiles::Full(config),
-            Tuning::Lora { config, base } => crate::checkpoint::ModelFiles::Lora(config, base),
+            Tuning::Lora { config, base, .. } => crate::checkpoint::ModelFiles::Lora(config, base),
         }
     }
 
@@ -128,13 +136,64 @@ impl Tuning {
         base_dtype: DType,
         seed: u64,
     ) -> Result<(Box<dyn Model>, Params, Tuning)> {
-        let (model, trainable, recorded) =
-            adapt_recorded(config, params, lora, from, base_dtype, seed)?;
+        let (model, injected, saved) = inject(config, params, lora, from, base_dtype, seed)?;
         let tuning = Tuning::Lora {
-            config: Box::new(recorded),
+            config: Box::new(injected.config),
             base,
+            saved,
         };
-        Ok((model, trainable, tuning))
+        Ok((model, Params::from_vars(injected.trainable), tuning))
+    }
+
+    /// `model` (built by this tuning) as its base computes it, run under
+    /// [`Ctx::without_adapters`]: each module to save back to its frozen original (PEFT's
+    /// `disable_adapter`, which restores them too); the LoRA layers are off by the context.
+    /// For full fine-tuning, `model` itself. Cheap (the tensors are shared), so that an
+    /// evaluation or a reference model can take it at every step.
+    ///
+    /// ```no_run
+    /// # fn f(t: &trainer::lora::Tuning, m: &dyn trainer::model::Model, idx: &candle_core::Tensor) -> trainer::Result<()> {
+    /// use trainer::model::Ctx;
+    /// let base_logits = t.without_adapters(m)?.forward(idx, &Ctx::eval().without_adapters())?;
+    /// # Ok(()) }
+    /// ```
+    pub fn without_adapters(&self, model: &dyn Model) -> Result<Box<dyn Model>> {
+        let swap: std::collections::HashMap<_, Tensor> = match self {
+            Tuning::Full => Default::default(),
+            Tuning::Lora { saved, .. } => {
+                saved.0.iter().map(|(c, o)| (c.id(), o.clone())).collect()
+            }
+        };
+        Ok(model.map(&|t: &Tensor| Ok(swap.get(&t.id()).unwrap_or(t).clone()))?)
+    }
+
+    /// The model a checkpoint `dir` of a run with `config` resumes, as the loader `loaded` it
+    /// (the base checked against the one the run recorded, `recorded_base`): the whole model
+    /// when it holds no adapters; else its adapters over the base (on which the run goes on
+    /// recording the base as found now: an old run's file digests become the semantic
+    /// identity), their config as the checkpoint's `adapter_config.json` says.
+    pub fn resume(
+        loaded: &crate::load::Loaded,
+        recorded_base: bool,
+        config: &TrainConfig,
+        dir: &Path,
+    ) -> Result<(Box<dyn Model>, Params, Tuning)> {
+        match (&loaded.adapter, &loaded.base, recorded_base) {
+            (None, ..) => Ok((loaded.build()?, loaded.params.clone(), Tuning::Full)),
+            (Some(a), Some(base), true) => Tuning::lora(
+                loaded.config.as_ref(),
+                &loaded.params,
+                &a.config,
+                Some(a),
+                base.clone(),
+                config.base_dtype.unwrap_or(config.dtype).dtype(),
+                config.seed,
+            ),
+            (Some(_), ..) => Err(Error::checkpoint(
+                dir,
+                "holds adapters but trainer_state.json records no base model",
+            )),
+        }
     }
 
     /// The base as a run's `trainer_state.json` records it, for a LoRA run.
@@ -293,7 +352,7 @@ pub fn adapt_recorded(
     base_dtype: DType,
     seed: u64,
 ) -> Result<(Box<dyn Model>, Params, LoraConfig)> {
-    let (model, injected) = inject(config, base, lora, from, base_dtype, seed)?;
+    let (model, injected, _) = inject(config, base, lora, from, base_dtype, seed)?;
     Ok((
         model,
         Params::from_vars(injected.trainable),
@@ -303,7 +362,7 @@ pub fn adapt_recorded(
 
 /// The injection behind [`adapt`]: the model built through a [`LoraInjector`] (which decides
 /// and creates the adapters), each adapter loaded from `from` checked against the weight it
-/// adapts ([`check_delta`]).
+/// adapts ([`check_delta`]), and the frozen originals of the modules to save.
 fn inject(
     config: &dyn ModelConfig,
     base: &Params,
@@ -311,7 +370,7 @@ fn inject(
     from: Option<&Adapter>,
     base_dtype: DType,
     seed: u64,
-) -> Result<(Box<dyn Model>, Injected)> {
+) -> Result<(Box<dyn Model>, Injected, SavedModules)> {
     let device = base
         .iter()
         .next()
@@ -323,6 +382,7 @@ fn inject(
         Some(a) => a.dir.display().to_string(),
         None => "the LoRA config".to_string(),
     };
+    let saved = std::cell::RefCell::new(Vec::new());
     let source = |name: &str, shape: &[usize]| -> Result<Tensor> {
         let t = base.tensor(name)?;
         if t.dims() != shape {
@@ -331,9 +391,13 @@ fn inject(
                 t.dims()
             )));
         }
+        let frozen = t.detach().to_dtype(base_dtype)?;
         match injector.parameter(name, &t).map_err(peft_err)? {
-            Some(trainable) => Ok(trainable),
-            None => Ok(t.detach().to_dtype(base_dtype)?),
+            Some(trainable) => {
+                saved.borrow_mut().push((trainable.clone(), frozen));
+                Ok(trainable)
+            }
+            None => Ok(frozen),
         }
     };
     let wrap = |path: &str,
@@ -362,7 +426,7 @@ fn inject(
     };
     let model = config.build(&Builder::root(&source).with_wrap(&wrap))?;
     let injected = injector.finish(&config.describe()).map_err(peft_err)?;
-    Ok((model, injected))
+    Ok((model, injected, SavedModules(saved.into_inner())))
 }
 
 /// Checks that `adapter` fits the model `config` over `base` as [`adapt`] does (every tensor
@@ -381,7 +445,7 @@ pub fn fit(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Result
 /// selected module without tensors, shapes the model does not have, an update that overflows.
 /// A merged weight must be finite too.
 pub fn merge(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Result<Params> {
-    let (_, injected) = inject(config, base, &adapter.config, Some(adapter), DType::F32, 0)?;
+    let (_, injected, _) = inject(config, base, &adapter.config, Some(adapter), DType::F32, 0)?;
     let file = adapter.dir.join(format::ADAPTER_WEIGHTS_FILE);
     let what = adapter.dir.display().to_string();
     let mut tensors: BTreeMap<String, Tensor> = base

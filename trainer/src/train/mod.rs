@@ -230,27 +230,8 @@ impl Trainer {
                 // The base was checked against the recorded one by the loader; the run goes
                 // on recording its identity as found now (an old run's file digests become
                 // the semantic identity).
-                let (model, params, tuning) = match (&l.adapter, &l.base, &state.base) {
-                    (None, ..) => (l.build()?, l.params.clone(), Tuning::Full),
-                    (Some(a), Some(base), Some(_)) => {
-                        let base_dtype = config.base_dtype.unwrap_or(config.dtype).dtype();
-                        Tuning::lora(
-                            l.config.as_ref(),
-                            &l.params,
-                            &a.config,
-                            Some(a),
-                            base.clone(),
-                            base_dtype,
-                            config.seed,
-                        )?
-                    }
-                    (Some(_), ..) => {
-                        return Err(Error::checkpoint(
-                            &dir,
-                            "holds adapters but trainer_state.json records no base model",
-                        ))
-                    }
-                };
+                let (model, params, tuning) =
+                    Tuning::resume(l, state.base.is_some(), &config, &dir)?;
                 let mut o = optimizer(&config, &params)?;
                 checkpoint::load_optimizer(&dir, o.as_mut(), &device)?;
                 Ok((model, params, tuning, o))
