@@ -312,3 +312,62 @@ fn name_some(names: &[&str]) -> String {
         false => shown.join(", "),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layer(path: &str, fan_in_fan_out: bool) -> LinearLayer<'_> {
+        LinearLayer {
+            path,
+            fan_in: 6,
+            fan_out: 4,
+            fan_in_fan_out,
+            is_output_head: false,
+        }
+    }
+
+    /// A `Conv1D` layer (`[in, out]`) gets the same A and B as a `Linear`; the config records
+    /// `fan_in_fan_out`, and the adapter merges its update transposed into the `[in, out]`
+    /// weight: the transpose of the `Linear` merge of the transposed weight.
+    #[test]
+    fn conv1d_layers_take_the_same_adapter_merged_transposed() {
+        let dev = Device::Cpu;
+        let cfg = LoraConfig::new(2, 4.0);
+        let inj = LoraInjector::new(&cfg, None, rand::rng(), &dev).unwrap();
+        let lora = inj.linear(&layer("h.0.c_attn", true)).unwrap().unwrap();
+        assert_eq!(
+            (lora.a().dims(), lora.b().dims()),
+            (&[2, 6][..], &[4, 2][..])
+        );
+        let b = Tensor::randn(0f32, 1.0, (4, 2), &dev).unwrap();
+        let lora = Lora::new(lora.a().clone(), b, &cfg).unwrap();
+        let w_in_out = Tensor::randn(0f32, 1.0, (6, 4), &dev).unwrap();
+        let linear = lora.merge(&w_in_out.t().unwrap()).unwrap();
+        let conv = lora.with_fan_in_fan_out(true).merge(&w_in_out).unwrap();
+        let d = (conv - linear.t().unwrap())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(d, 0.0);
+        let done = inj.finish("m").unwrap();
+        assert!(done.config.fan_in_fan_out);
+        assert!(done.transposed.contains("h.0.c_attn"));
+    }
+
+    #[test]
+    fn targets_that_match_nothing_name_the_layers() {
+        let cfg = LoraConfig::new(2, 4.0).with_targets("q_proj".parse().unwrap());
+        let inj = LoraInjector::new(&cfg, None, rand::rng(), &Device::Cpu).unwrap();
+        assert!(inj.linear(&layer("h.0.c_fc", false)).unwrap().is_none());
+        let e = inj.finish("a tiny model").unwrap_err().to_string();
+        assert!(
+            e.contains("q_proj") && e.contains("c_fc") && e.contains("a tiny model"),
+            "{e}"
+        );
+    }
+}
