@@ -186,6 +186,10 @@ pub struct LoraConfig {
     pub modules_to_save: Vec<String>,
     /// The base model as PEFT records it (informational).
     pub base_model_name_or_path: Option<String>,
+    /// PEFT's `fan_in_fan_out`: the adapted layers store their weight `[in, out]` (GPT-2's
+    /// `Conv1D`). As in PEFT, the layers decide ([`crate::inject::LinearLayer`]); the flag
+    /// records what they were ([`crate::inject::Injected::config`]).
+    pub fan_in_fan_out: bool,
     /// PEFT's `task_type` (`CAUSAL_LM`).
     pub task_type: Option<String>,
 }
@@ -198,7 +202,6 @@ const UNSUPPORTED: &[(&str, &str)] = &[
     ("alpha_pattern", "{}"),
     ("lora_bias", "false"),
     ("bias", "\"none\""),
-    ("fan_in_fan_out", "false"),
     ("layers_to_transform", "null"),
     ("layers_pattern", "null"),
     ("exclude_modules", "null"),
@@ -244,6 +247,7 @@ impl LoraConfig {
             use_rslora: false,
             modules_to_save: Vec::new(),
             base_model_name_or_path: None,
+            fan_in_fan_out: false,
             task_type: Some("CAUSAL_LM".into()),
         }
     }
@@ -390,6 +394,12 @@ impl LoraConfig {
                 .as_bool()
                 .ok_or_else(|| key_err("use_rslora", format!("{v} is not true or false")))?,
         };
+        let fan_in_fan_out = match m.get("fan_in_fan_out") {
+            None | Some(Value::Null) => false,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| key_err("fan_in_fan_out", format!("{v} is not true or false")))?,
+        };
         let modules_to_save = match m.get("modules_to_save") {
             None | Some(Value::Null) => Vec::new(),
             Some(Value::Array(items)) => items
@@ -411,6 +421,7 @@ impl LoraConfig {
             use_rslora,
             modules_to_save,
             base_model_name_or_path: text_of("base_model_name_or_path"),
+            fan_in_fan_out,
             task_type: text_of("task_type"),
         };
         c.validate()
@@ -450,6 +461,7 @@ impl LoraConfig {
         m.insert("lora_dropout".into(), json!(dropout));
         m.insert("target_modules".into(), self.target_modules.to_peft_json());
         m.insert("use_rslora".into(), json!(self.use_rslora));
+        m.insert("fan_in_fan_out".into(), json!(self.fan_in_fan_out));
         let saved = match self.modules_to_save.is_empty() {
             true => Value::Null,
             false => json!(self.modules_to_save),
@@ -529,7 +541,8 @@ mod tests {
             (r#""lora_bias": true"#, false),
             (r#""bias": "all""#, false),
             (r#""bias": "none""#, true),
-            (r#""fan_in_fan_out": true"#, false),
+            (r#""fan_in_fan_out": true"#, true),
+            (r#""fan_in_fan_out": 3"#, false),
             (r#""layers_to_transform": [0]"#, false),
             (r#""exclude_modules": ["k_proj"]"#, false),
             (r#""megatron_core": "megatron.core""#, true),

@@ -17,7 +17,7 @@ pub enum PeftError {
     #[error(
         "{path}: `{key}` = {value} is a PEFT option this crate does not support \
          (supported: plain LoRA and rsLoRA with r, lora_alpha, lora_dropout, target_modules, \
-         modules_to_save)"
+         modules_to_save, fan_in_fan_out)"
     )]
     Unsupported {
         /// The config file.

@@ -46,6 +46,7 @@ pub struct Lora {
     b: Tensor,
     scale: f64,
     dropout: f32,
+    fan_in_fan_out: bool,
 }
 
 impl Lora {
@@ -68,7 +69,23 @@ impl Lora {
             b,
             scale: config.scaling(),
             dropout: config.lora_dropout,
+            fan_in_fan_out: false,
         })
+    }
+
+    /// The same adapter on a layer whose weight is stored `[in, out]` (PEFT's
+    /// `fan_in_fan_out`, GPT-2's `Conv1D`) or not: `A` and `B` are the same either way, the
+    /// update [`Lora::delta_weight`] and the weights [`Lora::merge`] takes are transposed.
+    pub fn with_fan_in_fan_out(self, fan_in_fan_out: bool) -> Self {
+        Lora {
+            fan_in_fan_out,
+            ..self
+        }
+    }
+
+    /// Whether the base weight is stored `[in, out]` (see [`Lora::with_fan_in_fan_out`]).
+    pub fn fan_in_fan_out(&self) -> bool {
+        self.fan_in_fan_out
     }
 
     /// PEFT's default initialisation for a layer `in -> out` (`init_lora_weights=True`): `A`
@@ -163,18 +180,23 @@ impl Lora {
         op(x, w, bias, &a, &b, self.scale, dropout)
     }
 
-    /// `s · B A`, `[out, in]`: what merging adds to the base weight, computed in f32 (f64
-    /// for f64 adapters).
+    /// `s · B A`, `[out, in]` (`[in, out]` under `fan_in_fan_out`): what merging adds to the
+    /// base weight, computed in f32 (f64 for f64 adapters).
     pub fn delta_weight(&self) -> Result<Tensor> {
         let dt = match self.a.dtype() {
             DType::F64 => DType::F64,
             _ => DType::F32,
         };
         let (a, b) = (self.a.detach().to_dtype(dt)?, self.b.detach().to_dtype(dt)?);
-        Ok((b.matmul(&a)? * self.scale)?)
+        let d = (b.matmul(&a)? * self.scale)?;
+        Ok(match self.fan_in_fan_out {
+            true => d.t()?.contiguous()?,
+            false => d,
+        })
     }
 
-    /// The merged weight `W + s B A` of the base weight `w [out, in]`, in `w`'s dtype (the
+    /// The merged weight `W + s B A` of the base weight `w [out, in]` (`[in, out]` under
+    /// `fan_in_fan_out`, adding the transposed update), in `w`'s dtype (the
     /// sum computed in f32 and rounded once).
     pub fn merge(&self, w: &Tensor) -> Result<Tensor> {
         self.shift(w, 1.0)
@@ -192,8 +214,12 @@ impl Lora {
             return Err(PeftError::Mismatch {
                 what: "LoRA merge".into(),
                 message: format!(
-                    "the base weight {:?} is not [out, in] = {:?}",
+                    "the base weight {:?} is not {} = {:?}",
                     w.dims(),
+                    match self.fan_in_fan_out {
+                        true => "[in, out]",
+                        false => "[out, in]",
+                    },
                     d.dims()
                 ),
             });

@@ -20,8 +20,8 @@ use trainer::config::TrainConfig;
 use trainer::data::{Batch, DataSource, Fingerprint, Split};
 use trainer::model::gpt2::{Gpt, GptConfig};
 use trainer::model::{
-    self, Builder, Ctx, KvCache, LinearAdapter, Link, LinkOps, Model, ModelConfig, Params, Role,
-    Rows, WeightMap,
+    self, Builder, Ctx, KvCache, Layout, LinearAdapter, Link, LinkOps, Model, ModelConfig, Params,
+    Role, Rows, WeightMap,
 };
 use trainer::train::Trainer;
 
@@ -394,14 +394,17 @@ fn an_adapter_wraps_any_projection_by_its_module_path() {
     let a = Var::from_tensor(&Tensor::randn(0f32, 0.1, (16, 4), &dev).unwrap()).unwrap();
     let b = Var::from_tensor(&Tensor::zeros((4, 48), DType::F32, &dev).unwrap()).unwrap();
     let seen = std::sync::Mutex::new(Vec::new());
-    let wrap =
-        |path: &str, _: usize, _: usize| -> trainer::Result<Option<Arc<dyn LinearAdapter>>> {
-            seen.lock().unwrap().push(path.to_string());
-            Ok((path == "transformer.h.1.attn.c_attn").then(|| {
-                Arc::new(LowRank(a.as_tensor().clone(), b.as_tensor().clone()))
-                    as Arc<dyn LinearAdapter>
-            }))
-        };
+    let wrap = |path: &str,
+                _: usize,
+                _: usize,
+                _: Layout|
+     -> trainer::Result<Option<Arc<dyn LinearAdapter>>> {
+        seen.lock().unwrap().push(path.to_string());
+        Ok((path == "transformer.h.1.attn.c_attn").then(|| {
+            Arc::new(LowRank(a.as_tensor().clone(), b.as_tensor().clone()))
+                as Arc<dyn LinearAdapter>
+        }))
+    };
     let src = |name: &str, _: &[usize]| params.tensor(name);
     let wrapped = cfg.build(&Builder::root(&src).with_wrap(&wrap)).unwrap();
     // Every projection is offered, by its Hugging Face module path.

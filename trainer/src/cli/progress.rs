@@ -34,7 +34,7 @@ pub(super) fn print_banner(trainer: &Trainer) {
         cfg.block_size,
         cfg.out_dir.display(),
     );
-    if let trainer::lora::Tuning::Lora { config, base } = trainer.tuning() {
+    if let trainer::lora::Tuning::Lora { config, base, .. } = trainer.tuning() {
         let total = trainer.model.config().num_params() as f64;
         errln!(
             "LoRA: r {}, alpha {}, scaling {:.4}{}, dropout {}, targets {}{} over the frozen {} \

@@ -7,21 +7,22 @@
 //! `adapter_model.safetensors` as it is. Everything else of the trainer (the step, the
 //! executors, the optimiser, the loss scaler, data parallelism) sees only those parameters.
 
-use std::cell::RefCell;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use candle_fused::RngKey;
-use candle_peft::format::{self, lora_a_name, lora_b_name, module_of, saved_name};
-use candle_peft::{Adapter, Lora, LoraConfig, TargetModules};
+use candle_peft::format::{self, lora_a_name, lora_b_name, saved_name};
+use candle_peft::{Adapter, Inject, Injected, LinearLayer, Lora, LoraConfig, LoraInjector};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::checkpoint::finite;
 use crate::config::TrainConfig;
-use crate::model::{Builder, Ctx, Kernels, LinearAdapter, Model, ModelConfig, Params, WeightMap};
+use crate::model::{
+    Builder, Ctx, Kernels, Layout, LinearAdapter, Model, ModelConfig, Params, WeightMap,
+};
 use crate::{Error, Result};
 
 mod base;
@@ -95,8 +96,16 @@ pub enum Tuning {
         config: Box<LoraConfig>,
         /// The base they adapt.
         base: BaseIdentity,
+        /// The frozen originals of the modules to save, restored with the adapters off.
+        saved: SavedModules,
     },
 }
+
+/// The modules a LoRA run saves (trains in full), each parameter's trainable copy with the
+/// frozen original it was copied from, as PEFT's `ModulesToSaveWrapper` keeps both: the
+/// original computes when the adapters are off ([`Tuning::without_adapters`]).
+#[derive(Clone, Debug, Default)]
+pub struct SavedModules(Vec<(Tensor, Tensor)>);
 
 impl Tuning {
     /// What a checkpoint of the run writes for the model `config` (the adapter config
@@ -104,7 +113,7 @@ impl Tuning {
     pub fn files<'a>(&'a self, config: &'a dyn ModelConfig) -> crate::checkpoint::ModelFiles<'a> {
         match self {
             Tuning::Full => crate::checkpoint::ModelFiles::Full(config),
-            Tuning::Lora { config, base } => crate::checkpoint::ModelFiles::Lora(config, base),
+            Tuning::Lora { config, base, .. } => crate::checkpoint::ModelFiles::Lora(config, base),
         }
     }
 
@@ -113,6 +122,101 @@ impl Tuning {
         match self {
             Tuning::Full => None,
             Tuning::Lora { base, .. } => Some(base),
+        }
+    }
+
+    /// LoRA over the frozen weights `params` of the model `config` (the base `base`, cast to
+    /// `base_dtype`): the adapted model, its trainable parameters (adapters from `from`, or
+    /// PEFT's initialisation drawn with `seed`; see [`adapt`]) and the tuning that records
+    /// them, its config as PEFT records it for this model (`fan_in_fan_out` for GPT-2).
+    pub fn lora(
+        config: &dyn ModelConfig,
+        params: &Params,
+        lora: &LoraConfig,
+        from: Option<&Adapter>,
+        base: BaseIdentity,
+        base_dtype: DType,
+        seed: u64,
+    ) -> Result<(Box<dyn Model>, Params, Tuning)> {
+        let (model, injected, saved) = inject(config, params, lora, from, base_dtype, seed)?;
+        let tuning = Tuning::Lora {
+            config: Box::new(injected.config),
+            base,
+            saved,
+        };
+        Ok((model, Params::from_vars(injected.trainable), tuning))
+    }
+
+    /// `model` (built by this tuning) as its base computes it, run under
+    /// [`Ctx::without_adapters`]: each module to save back to its frozen original (PEFT's
+    /// `disable_adapter`, which restores them too); the LoRA layers are off by the context.
+    /// For full fine-tuning, `model` itself. Cheap (the tensors are shared), so that an
+    /// evaluation or a reference model can take it at every step.
+    ///
+    /// ```no_run
+    /// # fn f(t: &trainer::lora::Tuning, m: &dyn trainer::model::Model, idx: &candle_core::Tensor) -> trainer::Result<()> {
+    /// use trainer::model::Ctx;
+    /// let base_logits = t.without_adapters(m)?.forward(idx, &Ctx::eval().without_adapters())?;
+    /// # Ok(()) }
+    /// ```
+    pub fn without_adapters(&self, model: &dyn Model) -> Result<Box<dyn Model>> {
+        let swap: std::collections::HashMap<_, Tensor> = match self {
+            Tuning::Full => Default::default(),
+            Tuning::Lora { saved, .. } => {
+                saved.0.iter().map(|(c, o)| (c.id(), o.clone())).collect()
+            }
+        };
+        Ok(model.map(&|t: &Tensor| Ok(swap.get(&t.id()).unwrap_or(t).clone()))?)
+    }
+
+    /// The model a checkpoint `dir` of a run with `config` resumes, as the loader `loaded` it
+    /// (the base checked against the one the run recorded, `recorded_base`): the whole model
+    /// when it holds no adapters; else its adapters over the base (on which the run goes on
+    /// recording the base as found now: an old run's file digests become the semantic
+    /// identity), their config as the checkpoint's `adapter_config.json` says.
+    pub fn resume(
+        loaded: &crate::load::Loaded,
+        recorded_base: bool,
+        config: &TrainConfig,
+        dir: &Path,
+    ) -> Result<(Box<dyn Model>, Params, Tuning)> {
+        match (&loaded.adapter, &loaded.base, recorded_base) {
+            (None, ..) => Ok((loaded.build()?, loaded.params.clone(), Tuning::Full)),
+            (Some(a), Some(base), true) => Tuning::lora(
+                loaded.config.as_ref(),
+                &loaded.params,
+                &a.config,
+                Some(a),
+                base.clone(),
+                config.base_dtype.unwrap_or(config.dtype).dtype(),
+                config.seed,
+            ),
+            (Some(_), ..) => Err(Error::checkpoint(
+                dir,
+                "holds adapters but trainer_state.json records no base model",
+            )),
+        }
+    }
+
+    /// The base as a run's `trainer_state.json` records it, for a LoRA run.
+    pub fn recorded_base(&self) -> Option<RecordedBase> {
+        self.base().cloned().map(RecordedBase::Semantic)
+    }
+
+    /// How the trainable parameters `params` split for the FLOP count: `(adapter elements,
+    /// the others)` for a LoRA run (the others being the modules to save), `None` when every
+    /// weight trains.
+    pub fn trainable_split(&self, params: &Params) -> Option<(usize, usize)> {
+        match self {
+            Tuning::Full => None,
+            Tuning::Lora { .. } => {
+                let adapters: usize = params
+                    .iter()
+                    .filter(|(n, _)| n.ends_with(".lora_A.weight") || n.ends_with(".lora_B.weight"))
+                    .map(|(_, v)| v.elem_count())
+                    .sum();
+                Some((adapters, params.num_elements() - adapters))
+            }
         }
     }
 }
@@ -143,19 +247,6 @@ pub fn run_lora_config(config: &TrainConfig) -> Option<LoraConfig> {
             .with_modules_to_save(config.modules_to_save.0.clone())
             .with_base(config.init_from.clone())
     })
-}
-
-/// Checks that `config`'s architecture can take PEFT-format adapters.
-fn check_adaptable(config: &dyn ModelConfig) -> Result<()> {
-    if config.architecture() == "gpt2" {
-        return Err(Error::Config(
-            "LoRA needs a model whose linear layers are torch.nn.Linear ([out, in]): GPT-2's \
-             Conv1D layers would need PEFT's fan_in_fan_out, which is not supported; use a \
-             Llama-family model"
-                .into(),
-        ));
-    }
-    Ok(())
 }
 
 fn peft_err(e: candle_peft::PeftError) -> Error {
@@ -250,181 +341,94 @@ pub fn adapt(
     base_dtype: DType,
     seed: u64,
 ) -> Result<(Box<dyn Model>, Params)> {
-    check_adaptable(config)?;
-    lora.validate().map_err(peft_err)?;
-    let what = match from {
-        Some(a) => a.dir.display().to_string(),
-        None => "the LoRA config".to_string(),
-    };
-    let mismatch = |message: String| Error::Config(format!("{what}: {message}"));
-    let trainable = RefCell::new(BTreeMap::<String, Var>::new());
-    let offered = RefCell::new(Vec::<String>::new());
-    // Modules the targets select that the adapter has no tensors for (all named at the end).
-    let missing = RefCell::new(Vec::<String>::new());
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x104A_0000);
-    let rng = RefCell::new(&mut rng);
+    adapt_recorded(config, base, lora, from, base_dtype, seed).map(|(m, p, _)| (m, p))
+}
+
+/// [`adapt`], also returning the LoRA config as it is recorded for this model (PEFT's
+/// `fan_in_fan_out` set for GPT-2's `[in, out]` layers).
+pub fn adapt_recorded(
+    config: &dyn ModelConfig,
+    base: &Params,
+    lora: &LoraConfig,
+    from: Option<&Adapter>,
+    base_dtype: DType,
+    seed: u64,
+) -> Result<(Box<dyn Model>, Params, LoraConfig)> {
+    let (model, injected, _) = inject(config, base, lora, from, base_dtype, seed)?;
+    Ok((
+        model,
+        Params::from_vars(injected.trainable),
+        injected.config,
+    ))
+}
+
+/// The injection behind [`adapt`]: the model built through a [`LoraInjector`] (which decides
+/// and creates the adapters), each adapter loaded from `from` checked against the weight it
+/// adapts ([`check_delta`]), and the frozen originals of the modules to save.
+fn inject(
+    config: &dyn ModelConfig,
+    base: &Params,
+    lora: &LoraConfig,
+    from: Option<&Adapter>,
+    base_dtype: DType,
+    seed: u64,
+) -> Result<(Box<dyn Model>, Injected, SavedModules)> {
     let device = base
         .iter()
         .next()
         .map(|(_, v)| v.device().clone())
         .unwrap_or(Device::Cpu);
+    let rng = ChaCha8Rng::seed_from_u64(seed ^ 0x104A_0000);
+    let injector = LoraInjector::new(lora, from, rng, &device).map_err(peft_err)?;
+    let what = match from {
+        Some(a) => a.dir.display().to_string(),
+        None => "the LoRA config".to_string(),
+    };
+    let saved = std::cell::RefCell::new(Vec::new());
     let source = |name: &str, shape: &[usize]| -> Result<Tensor> {
         let t = base.tensor(name)?;
         if t.dims() != shape {
-            return Err(mismatch(format!(
-                "base weight `{name}` is {:?}, the model needs {shape:?}",
+            return Err(Error::Config(format!(
+                "{what}: base weight `{name}` is {:?}, the model needs {shape:?}",
                 t.dims()
             )));
         }
-        if !lora.saves(module_of(name)) {
-            return Ok(t.detach().to_dtype(base_dtype)?);
-        }
-        let value = match from.and_then(|a| a.saved.get(name)) {
-            Some(s) if s.dims() != shape => {
-                return Err(mismatch(format!(
-                    "`{}` is {:?}, the model needs {shape:?}",
-                    saved_name(name),
-                    s.dims()
-                )))
+        let frozen = t.detach().to_dtype(base_dtype)?;
+        match injector.parameter(name, &t).map_err(peft_err)? {
+            Some(trainable) => {
+                saved.borrow_mut().push((trainable.clone(), frozen));
+                Ok(trainable)
             }
-            Some(s) => s.to_dtype(DType::F32)?,
-            None => t.detach().to_dtype(DType::F32)?,
-        };
-        let var = Var::from_tensor(&value)?;
-        trainable.borrow_mut().insert(saved_name(name), var.clone());
-        Ok(var.as_tensor().clone())
+            None => Ok(frozen),
+        }
     };
-    let wrap =
-        |path: &str, fan_in: usize, fan_out: usize| -> Result<Option<Arc<dyn LinearAdapter>>> {
-            offered.borrow_mut().push(path.to_string());
-            if !lora.target_modules.matches(path, path == OUTPUT_HEAD) || lora.saves(path) {
-                return Ok(None);
-            }
-            let (a, b) = match from {
-                Some(adapter) => match adapter.loras.get(path) {
-                    Some((a, b)) => {
-                        let want = ([lora.r, fan_in], [fan_out, lora.r]);
-                        if a.dims() != want.0 || b.dims() != want.1 {
-                            return Err(mismatch(format!(
-                                "module `{path}`: lora_A {:?} / lora_B {:?}, the model's \
-                             {fan_in} -> {fan_out} layer needs {:?} / {:?}",
-                                a.dims(),
-                                b.dims(),
-                                want.0,
-                                want.1
-                            )));
-                        }
-                        let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
-                        let lora = Lora::new(a.clone(), b.clone(), lora).map_err(peft_err)?;
-                        let w = base.get(&format!("{path}.weight")).map(|v| v.as_tensor());
-                        check_delta(&adapter.dir, path, &lora, w)?;
-                        (a, b)
-                    }
-                    None => {
-                        missing.borrow_mut().push(path.to_string());
-                        return Ok(None);
-                    }
-                },
-                None => Lora::init(
-                    fan_in,
-                    fan_out,
-                    lora,
-                    &mut **rng.borrow_mut(),
-                    DType::F32,
-                    &device,
-                )
-                .map_err(peft_err)?,
-            };
-            let (a, b) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?);
-            let mut t = trainable.borrow_mut();
-            t.insert(lora_a_name(path), a.clone());
-            t.insert(lora_b_name(path), b.clone());
-            let layer =
-                Lora::new(a.as_tensor().clone(), b.as_tensor().clone(), lora).map_err(peft_err)?;
-            Ok(Some(Arc::new(LoraLayer {
-                lora: layer,
-                site: site_of(path),
-            })))
+    let wrap = |path: &str,
+                fan_in: usize,
+                fan_out: usize,
+                layout: Layout|
+     -> Result<Option<Arc<dyn LinearAdapter>>> {
+        let layer = LinearLayer {
+            path,
+            fan_in,
+            fan_out,
+            fan_in_fan_out: layout == Layout::InOut,
+            is_output_head: path == OUTPUT_HEAD,
         };
+        let Some(lora) = injector.linear(&layer).map_err(peft_err)? else {
+            return Ok(None);
+        };
+        if let Some(adapter) = from {
+            let w = base.get(&format!("{path}.weight")).map(|v| v.as_tensor());
+            check_delta(&adapter.dir, path, &lora, w)?;
+        }
+        Ok(Some(Arc::new(LoraLayer {
+            lora,
+            site: site_of(path),
+        })))
+    };
     let model = config.build(&Builder::root(&source).with_wrap(&wrap))?;
-    let missing = missing.into_inner();
-    if !missing.is_empty() {
-        let names: Vec<&str> = missing.iter().map(String::as_str).collect();
-        return Err(mismatch(format!(
-            "its target_modules `{}` select {} module(s) it has no lora_A/lora_B for: {}",
-            lora.target_modules,
-            names.len(),
-            name_some(&names)
-        )));
-    }
-    let trainable = trainable.into_inner();
-    let offered = offered.into_inner();
-    let adapted: BTreeSet<&str> = trainable
-        .keys()
-        .filter_map(|n| n.strip_suffix(".lora_A.weight"))
-        .filter_map(|n| n.strip_prefix(format::PREFIX))
-        .collect();
-    if adapted.is_empty() {
-        let mut some: Vec<&str> = offered
-            .iter()
-            .map(|p| p.rsplit('.').next().unwrap_or(p))
-            .collect();
-        some.sort();
-        some.dedup();
-        return Err(Error::Config(format!(
-            "{what}: target_modules `{}` match no linear layer of the model ({}); its linear \
-             layers are named {}",
-            lora.target_modules,
-            config.describe(),
-            some.join(", ")
-        )));
-    }
-    for m in &lora.modules_to_save {
-        let one = TargetModules::Names(vec![m.clone()]);
-        let found = trainable
-            .keys()
-            .filter_map(|n| n.strip_prefix(format::PREFIX))
-            .any(|n| {
-                !n.ends_with(".lora_A.weight")
-                    && !n.ends_with(".lora_B.weight")
-                    && one.matches(module_of(n), false)
-            });
-        if !found {
-            return Err(Error::Config(format!(
-                "{what}: modules_to_save `{m}` matches no module with parameters in the model \
-                 ({}); a head tied to the embedding has none of its own",
-                config.describe()
-            )));
-        }
-    }
-    if let Some(a) = from {
-        let stray: Vec<&str> = a
-            .loras
-            .keys()
-            .map(String::as_str)
-            .filter(|p| !adapted.contains(p))
-            .collect();
-        if !stray.is_empty() {
-            return Err(mismatch(format!(
-                "has lora_A/lora_B for {} module(s) that are not linear layers of the model \
-                 selected by its target_modules `{}`: {}",
-                stray.len(),
-                lora.target_modules,
-                name_some(&stray)
-            )));
-        }
-        if let Some(n) = a
-            .saved
-            .keys()
-            .find(|n| !trainable.contains_key(&saved_name(n)))
-        {
-            return Err(mismatch(format!(
-                "has `{}`, which the model has no parameter for",
-                saved_name(n)
-            )));
-        }
-    }
-    Ok((model, Params::from_vars(trainable)))
+    let injected = injector.finish(&config.describe()).map_err(peft_err)?;
+    Ok((model, injected, SavedModules(saved.into_inner())))
 }
 
 /// Checks that `adapter` fits the model `config` over `base` as [`adapt`] does (every tensor
@@ -432,15 +436,6 @@ pub fn adapt(
 /// shapes, a finite update), without keeping the adapted model.
 pub fn fit(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Result<()> {
     adapt(config, base, &adapter.config, Some(adapter), DType::F32, 0).map(drop)
-}
-
-/// Up to eight of `names`, then how many more.
-fn name_some(names: &[&str]) -> String {
-    let shown: Vec<String> = names.iter().take(8).map(|n| format!("`{n}`")).collect();
-    match names.len() > 8 {
-        true => format!("{} and {} more", shown.join(", "), names.len() - 8),
-        false => shown.join(", "),
-    }
 }
 
 /// The base parameters of the model `config` with `adapter` merged in (`W + s B A` for every
@@ -452,7 +447,7 @@ fn name_some(names: &[&str]) -> String {
 /// selected module without tensors, shapes the model does not have, an update that overflows.
 /// A merged weight must be finite too.
 pub fn merge(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Result<Params> {
-    fit(config, base, adapter)?;
+    let (_, injected, _) = inject(config, base, &adapter.config, Some(adapter), DType::F32, 0)?;
     let file = adapter.dir.join(format::ADAPTER_WEIGHTS_FILE);
     let what = adapter.dir.display().to_string();
     let mut tensors: BTreeMap<String, Tensor> = base
@@ -466,7 +461,9 @@ pub fn merge(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Resu
                 "{what}: has an adapter for `{path}`, which is not a layer of the base model"
             ))
         })?;
-        let lora = Lora::new(a.clone(), b.clone(), &adapter.config).map_err(peft_err)?;
+        let lora = Lora::new(a.clone(), b.clone(), &adapter.config)
+            .map_err(peft_err)?
+            .with_fan_in_fan_out(injected.transposed.contains(path));
         let merged = lora
             .merge(w)
             .map_err(|e| Error::Config(format!("{what}: `{path}`: {e}")))?;

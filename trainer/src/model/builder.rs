@@ -9,15 +9,16 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use super::LinearAdapter;
+use super::{Layout, LinearAdapter};
 use crate::Result;
 
 /// Where a module's tensors come from: `(full name, shape) -> tensor`.
 pub type Source<'a> = &'a dyn Fn(&str, &[usize]) -> Result<Tensor>;
 
-/// What runs the linear layer at a module path `[in, out]` features, if anything (see
-/// [`Builder::with_wrap`]).
-pub type Wrap<'a> = &'a dyn Fn(&str, usize, usize) -> Result<Option<Arc<dyn LinearAdapter>>>;
+/// What runs the linear layer at a module path, `in` -> `out` features with its weight stored
+/// as the [`Layout`] says, if anything (see [`Builder::with_wrap`]).
+pub type Wrap<'a> =
+    &'a dyn Fn(&str, usize, usize, Layout) -> Result<Option<Arc<dyn LinearAdapter>>>;
 
 /// A path in the parameter namespace, the source of its tensors and, optionally, what wraps
 /// the linear layers built under it.
@@ -39,8 +40,8 @@ impl<'a> Builder<'a> {
     }
 
     /// The same builder, asking `wrap` for every linear layer it builds (by module path,
-    /// `model.layers.0.self_attn.q_proj`, and its in and out features) whether an adapter
-    /// runs it.
+    /// `model.layers.0.self_attn.q_proj`, its in and out features and its weight's layout)
+    /// whether an adapter runs it.
     pub fn with_wrap(self, wrap: Wrap<'a>) -> Self {
         Builder {
             wrap: Some(wrap),
@@ -48,10 +49,16 @@ impl<'a> Builder<'a> {
         }
     }
 
-    /// The adapter that runs the linear layer `fan_in -> fan_out` at this path, if any.
-    pub fn wrap(&self, fan_in: usize, fan_out: usize) -> Result<Option<Arc<dyn LinearAdapter>>> {
+    /// The adapter that runs the linear layer `fan_in -> fan_out` (stored as `layout` says)
+    /// at this path, if any.
+    pub fn wrap(
+        &self,
+        fan_in: usize,
+        fan_out: usize,
+        layout: Layout,
+    ) -> Result<Option<Arc<dyn LinearAdapter>>> {
         self.wrap
-            .map_or(Ok(None), |w| w(&self.prefix, fan_in, fan_out))
+            .map_or(Ok(None), |w| w(&self.prefix, fan_in, fan_out, layout))
     }
 
     /// The builder one component deeper (`pp` as in "push prefix").

@@ -64,6 +64,10 @@ pub struct Ctx {
     /// holding the whole `[B, T, vocab]` logits); `false` computes the whole logits (for
     /// comparison).
     pub chunked_loss: bool,
+    /// Whether the adapters run (LoRA layers add their update); `false` computes each adapted
+    /// linear layer as its base alone (PEFT's `disable_adapter`; see
+    /// [`crate::lora::Tuning::without_adapters`] for the modules to save).
+    pub adapters: bool,
 }
 
 impl Ctx {
@@ -77,6 +81,7 @@ impl Ctx {
             kernels: Kernels::Fused,
             rows: Rows::default(),
             chunked_loss: true,
+            adapters: true,
         }
     }
 
@@ -108,6 +113,20 @@ impl Ctx {
     pub fn with_chunked_loss(self, chunked_loss: bool) -> Self {
         Ctx {
             chunked_loss,
+            ..self
+        }
+    }
+
+    /// The same context with the adapters switched off: every adapted linear layer computes
+    /// its base layer alone (PEFT's `disable_adapter`).
+    ///
+    /// ```
+    /// use trainer::model::Ctx;
+    /// assert!(Ctx::eval().adapters && !Ctx::eval().without_adapters().adapters);
+    /// ```
+    pub fn without_adapters(self) -> Self {
+        Ctx {
+            adapters: false,
             ..self
         }
     }

@@ -82,7 +82,7 @@ impl Linear {
             weight: b.get(&shape, "weight")?,
             bias: b.get_if(bias, &[fan_out], "bias")?,
             layout,
-            adapter: b.wrap(fan_in, fan_out)?,
+            adapter: b.wrap(fan_in, fan_out, layout)?,
         })
     }
 
@@ -125,19 +125,25 @@ impl Linear {
         self.adapter.as_ref()
     }
 
-    /// `[.., in] -> [.., out]`, computing in `ctx.dtype`.
+    /// `[.., in] -> [.., out]`, computing in `ctx.dtype` (the base layer alone when
+    /// `ctx.adapters` is off).
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         let (w, b) = self.cast(ctx)?;
-        match &self.adapter {
+        match self.running(ctx) {
             None => ctx.kernels.linear(x, &w, b.as_ref()),
             Some(a) => a.forward(x, &w, b.as_ref(), ctx),
         }
     }
 
+    /// The adapter that runs the layer in `ctx`: none when unwrapped or adapters are off.
+    fn running(&self, ctx: &Ctx) -> Option<&Arc<dyn LinearAdapter>> {
+        self.adapter.as_ref().filter(|_| ctx.adapters)
+    }
+
     /// `gelu([.., in] W + b)` (tanh GELU), the bias and activation fused (after the delta,
     /// when the layer is wrapped).
     pub fn forward_gelu(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        if self.adapter.is_some() {
+        if self.running(ctx).is_some() {
             return self.forward(x, ctx)?.gelu();
         }
         let (w, b) = self.cast(ctx)?;

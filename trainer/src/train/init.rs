@@ -87,22 +87,15 @@ pub fn build_model(
         None => None,
     };
     let base_dtype = config.base_dtype.unwrap_or(config.dtype).dtype();
-    let (model, params) = lora::adapt(
+    Tuning::lora(
         loaded.config.as_ref(),
         &loaded.params,
         &lora,
         adapter.as_ref(),
+        base,
         base_dtype,
         config.seed,
-    )?;
-    Ok((
-        model,
-        params,
-        Tuning::Lora {
-            config: Box::new(lora),
-            base,
-        },
-    ))
+    )
 }
 
 /// A resumed run may change how long it trains, how it executes and how it reports, not what it

@@ -229,31 +229,8 @@ impl Trainer {
                 // The base was checked against the recorded one by the loader; the run goes
                 // on recording its identity as found now (an old run's file digests become
                 // the semantic identity).
-                let (model, params, tuning) = match (&l.adapter, &l.base, &state.base) {
-                    (None, ..) => (l.build()?, l.params.clone(), Tuning::Full),
-                    (Some(a), Some(base), Some(_)) => {
-                        let base_dtype = config.base_dtype.unwrap_or(config.dtype).dtype();
-                        let (m, p) = crate::lora::adapt(
-                            l.config.as_ref(),
-                            &l.params,
-                            &a.config,
-                            Some(a),
-                            base_dtype,
-                            config.seed,
-                        )?;
-                        let tuning = Tuning::Lora {
-                            config: Box::new(a.config.clone()),
-                            base: base.clone(),
-                        };
-                        (m, p, tuning)
-                    }
-                    (Some(_), ..) => {
-                        return Err(Error::checkpoint(
-                            &dir,
-                            "holds adapters but trainer_state.json records no base model",
-                        ))
-                    }
-                };
+                let (model, params, tuning) =
+                    Tuning::resume(l, state.base.is_some(), &config, &dir)?;
                 let mut o = optimizer(&config, &params)?;
                 checkpoint::load_optimizer(&dir, o.as_mut(), &device)?;
                 Ok((model, params, tuning, o))
@@ -327,17 +304,7 @@ impl Trainer {
                 false,
             )
         };
-        let lora = match &tuning {
-            Tuning::Full => None,
-            Tuning::Lora { .. } => {
-                let adapters: usize = params
-                    .iter()
-                    .filter(|(n, _)| n.ends_with(".lora_A.weight") || n.ends_with(".lora_B.weight"))
-                    .map(|(_, v)| v.elem_count())
-                    .sum();
-                Some((adapters, params.num_elements() - adapters))
-            }
-        };
+        let lora = tuning.trainable_split(&params);
         let flops_per_token =
             crate::mfu::training_flops_per_token(model.config(), config.block_size, lora);
         Ok(Trainer {

@@ -22,11 +22,7 @@ impl Trainer {
             config: self.config.clone(),
             data: Some(self.data.fingerprint()),
             world_size: self.dp.world_size(),
-            base: self
-                .tuning
-                .base()
-                .cloned()
-                .map(crate::lora::RecordedBase::Semantic),
+            base: self.tuning.recorded_base(),
             files: None, // recorded by `checkpoint::save`
         }
     }
