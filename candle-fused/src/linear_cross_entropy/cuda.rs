@@ -86,9 +86,10 @@ pub(super) fn run(
         };
         let logits = xc.matmul(&wt)?;
         let (weight, pass) = match rg {
+            // fresh copies: a kernel's pointers are 16-byte aligned, a view from `start` may not be
             Some(rg) => (
-                rg.g.narrow(0, start, r)?.to_dtype(DType::F32)?,
-                Kind::Bwd(rg.lse.narrow(0, start, r)?.to_dtype(DType::F32)?),
+                rg.g.narrow(0, start, r)?.to_dtype(DType::F32)?.copy()?,
+                Kind::Bwd(rg.lse.narrow(0, start, r)?.to_dtype(DType::F32)?.copy()?),
             ),
             None if grads => (ones.narrow(0, 0, r)?, Kind::FwdBwd),
             None => (ones.narrow(0, 0, r)?, Kind::Fwd),

@@ -33,8 +33,7 @@ pub enum Role {
 }
 
 /// The loss of a batch's counted targets: their mean (a scalar tensor, differentiable; 0 when
-/// none counts) and the targets, whose count weighs the mean over several batches
-/// (accumulated micro-batches, pipeline microbatches, data-parallel shards).
+/// none counts; the executors put their objective's loss here) and the targets.
 ///
 /// Computing a loss reads nothing back from the device; [`Loss::count`] does, when asked.
 #[derive(Clone, Debug)]
