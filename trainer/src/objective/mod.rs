@@ -103,6 +103,9 @@ pub(crate) fn units_of(objective: &dyn Objective, batch: &Batch) -> Result<Vec<f
     Ok(units)
 }
 
+/// How [`build`]'s table makes an objective.
+type Make = fn() -> Box<dyn Objective>;
+
 /// The objective the config names: `cross-entropy` (next-token cross-entropy, [`CrossEntropy`]).
 ///
 /// ```
@@ -113,8 +116,7 @@ pub(crate) fn units_of(objective: &dyn Objective, batch: &Batch) -> Result<Vec<f
 /// ```
 pub fn build(name: &str) -> Result<Box<dyn Objective>> {
     // The registry: one line per objective.
-    let known: &[(&str, fn() -> Box<dyn Objective>)] =
-        &[("cross-entropy", || Box::new(CrossEntropy))];
+    let known: &[(&str, Make)] = &[("cross-entropy", || Box::new(CrossEntropy))];
     match known.iter().find(|(n, _)| *n == name) {
         Some((_, make)) => Ok(make()),
         None => Err(Error::Config(format!(
