@@ -3,7 +3,7 @@
 //!
 //! - With epsilon 0 a run is the built-in cross-entropy's bit for bit (every step's loss and
 //!   gradient norm, the final weights): Llama with its chunked head under remat and bf16 with
-//!   accumulated micro-batches, and a pipeline.
+//!   accumulated micro-batches, a pipeline, and two data-parallel ranks.
 //! - With epsilon 0.1 the loss equals `torch.nn.CrossEntropyLoss(label_smoothing=0.1)`
 //!   (`tests/fixtures/objective/label_smoothing.json`, made by
 //!   `scripts/python/make_objective_fixtures.py` from the `llama` fixture's transformers
@@ -20,7 +20,9 @@ mod common;
 mod label_smoothing;
 
 use std::sync::Arc;
+use std::time::Duration;
 
+use candle_comm::run_threads;
 use candle_core::{DType, Device, Tensor, Var, D};
 use common::llama::{expected, fixture};
 use common::{assert_same_steps, finish, tiny_config};
@@ -193,6 +195,37 @@ fn label_smoothing_at_zero_is_the_built_in_objective_bit_for_bit() {
         let (smoothed, _) = finish(t);
         assert_ne!(smoothed[0].loss, built_in[0].loss, "{what}");
     }
+}
+
+#[test]
+fn data_parallel_ranks_run_the_plugged_objective() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 2 ranks of 2 rows each: every rank weighs its shard by the objective's units
+    let cfg = |name: &str| llama(&tmp.path().join(name), |c| c.batch_size = 2);
+    let run = |name: &str, eps: Option<f64>| {
+        let cfg = cfg(name);
+        run_threads(2, Duration::from_secs(60), move |comm| {
+            let mut t = Trainer::new(cfg.clone())
+                .unwrap()
+                .with_comm(Box::new(comm))
+                .unwrap();
+            if let Some(eps) = eps {
+                t.objective = Arc::new(LabelSmoothing { eps });
+            }
+            finish(t)
+        })
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|_| panic!("a rank panicked")))
+        .collect::<Vec<_>>()
+    };
+    let built_in = run("ce", None);
+    let zero = run("ls", Some(0.0));
+    for (rank, (a, b)) in built_in.iter().zip(&zero).enumerate() {
+        assert_same_steps(&a.0, &b.0, &format!("rank {rank}"));
+        assert!(a.1 == b.1, "rank {rank}: weights differ");
+    }
+    let smoothed = run("ls01", Some(0.1));
+    assert_ne!(smoothed[0].0[0].loss, built_in[0].0[0].loss);
 }
 
 #[test]
