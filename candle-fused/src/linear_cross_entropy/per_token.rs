@@ -38,7 +38,12 @@ use crate::op::{self, cpu_of, Grads, In, Kernel};
 ///
 /// Differentiable in `x` and `w` for any upstream gradient (one value per row). Its sum over
 /// the counted rows divided by their count is the mean form's loss up to the order of the sum.
-/// See the [module docs](self) for how the backward works.
+/// The backward: `dx` is computed in the forward for an upstream gradient of 1 (when `x`
+/// tracks one) and its rows scaled by `g_i` after the fact (rounded once more for 16-bit);
+/// `dW` (when `w` tracks one) by a second pass over the chunks that recomputes their logits,
+/// turns them into `g_i (softmax - onehot)` from each row's `lse` saved in the forward and
+/// accumulates `dW` in f32 / f64 in chunk order (the same bits on any thread count). A frozen
+/// `w` costs the forward's pass only; ignored rows get exactly zero gradient whatever `g`.
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};
