@@ -30,7 +30,7 @@ use label_smoothing::LabelSmoothing;
 use trainer::checkpoint;
 use trainer::config::{Arch, TrainConfig};
 use trainer::model::{Ctx, Kernels, Link, LinkOps, Model, Role, WeightMap, IGNORE};
-use trainer::objective::{HeadOutput, Objective};
+use trainer::objective::{CrossEntropy, HeadOutput, Objective};
 use trainer::train::executor::run_chain;
 use trainer::train::Trainer;
 
@@ -226,6 +226,58 @@ fn data_parallel_ranks_run_the_plugged_objective() {
     }
     let smoothed = run("ls01", Some(0.1));
     assert_ne!(smoothed[0].0[0].loss, built_in[0].0[0].loss);
+}
+
+/// Cross-entropy over rows that come in pairs (as a preference objective's would).
+#[derive(Debug)]
+struct Pairs;
+
+impl Objective for Pairs {
+    fn name(&self) -> &str {
+        "pairs"
+    }
+    fn row_units(&self, batch: &trainer::data::Batch) -> candle_core::Result<Vec<f64>> {
+        CrossEntropy.row_units(batch)
+    }
+    fn loss(&self, out: &HeadOutput<'_>) -> candle_core::Result<Tensor> {
+        CrossEntropy.loss(out)
+    }
+    fn rows_per_group(&self) -> usize {
+        2
+    }
+}
+
+#[test]
+fn rows_kept_together_are_never_split() {
+    let tmp = tempfile::tempdir().unwrap();
+    let step = |name: &str, set: fn(&mut TrainConfig)| {
+        let mut t = Trainer::new(llama(&tmp.path().join(name), set)).unwrap();
+        t.objective = Arc::new(Pairs);
+        t.train_step().map(|s| s.loss).map_err(|e| e.to_string())
+    };
+    let e = step("odd", |c| c.batch_size = 3).unwrap_err();
+    assert!(
+        e.contains("`pairs` keeps 2 rows together") && e.contains("batch_size"),
+        "{e}"
+    );
+    let e = step("pipe-1", |c| {
+        c.pipeline_stages = 2;
+        c.microbatches = 4;
+    })
+    .unwrap_err();
+    assert!(e.contains("a pipeline microbatch has 1 rows"), "{e}");
+    // whole pairs: trains as cross-entropy does
+    let pairs = step("pipe-2", |c| {
+        c.pipeline_stages = 2;
+        c.microbatches = 2;
+    })
+    .unwrap();
+    let mut t = Trainer::new(llama(&tmp.path().join("ce"), |c| {
+        c.pipeline_stages = 2;
+        c.microbatches = 2;
+    }))
+    .unwrap();
+    assert_eq!(pairs.to_bits(), t.train_step().unwrap().loss.to_bits());
 }
 
 #[test]

@@ -72,6 +72,14 @@ pub trait Objective: Send + Sync + fmt::Debug {
     /// its share of the units of the rows it holds. Rows with no unit contribute nothing.
     fn row_units(&self, batch: &Batch) -> candle_core::Result<Vec<f64>>;
 
+    /// Rows that belong together, consecutive in a batch (a preference pair's chosen and
+    /// rejected rows: 2): the trainer never splits such a group between data-parallel ranks or
+    /// pipeline microbatches, and refuses sizes that would (`batch_size` and each pipeline
+    /// microbatch must hold whole groups). 1 by default.
+    fn rows_per_group(&self) -> usize {
+        1
+    }
+
     /// The loss of the rows the head saw: a differentiable scalar, f32 (f64 when computing in
     /// f64), the mean over the rows' units (0 when they have none). Reads nothing back from
     /// the device (the step reads the loss once, with the gradient norm).
@@ -105,6 +113,19 @@ pub(crate) fn units_of(objective: &dyn Objective, batch: &Batch) -> Result<Vec<f
 
 /// How [`build`]'s table makes an objective.
 type Make = fn() -> Box<dyn Objective>;
+
+/// Errors unless `rows` (a batch or microbatch of `what`) holds whole groups of `objective`'s
+/// [`Objective::rows_per_group`].
+pub(crate) fn check_groups(objective: &dyn Objective, rows: usize, what: &str) -> Result<()> {
+    let g = objective.rows_per_group().max(1);
+    if !rows.is_multiple_of(g) {
+        return Err(Error::Config(format!(
+            "objective `{}` keeps {g} rows together, but {what} has {rows} rows",
+            objective.name()
+        )));
+    }
+    Ok(())
+}
 
 /// The objective the config names: `cross-entropy` (next-token cross-entropy, [`CrossEntropy`]).
 ///

@@ -266,6 +266,7 @@ impl PipelineRun {
         let (mut xs, mut ys, mut ws) = (Vec::new(), Vec::new(), Vec::new());
         let mut start = 0;
         for rows in sizes {
+            crate::objective::check_groups(objective.as_ref(), rows, "a pipeline microbatch")?;
             let count: f32 = counts[start..start + rows].iter().sum();
             xs.push(batch.x.narrow(0, start, rows)?);
             ys.push(y.narrow(0, start, rows)?);

@@ -16,7 +16,7 @@ use crate::config::{Precision, TrainConfig};
 use crate::data::{DataSource, Split};
 use crate::metrics::StepStats;
 use crate::model::{Ctx, Params};
-use crate::objective::{units_of, Objective};
+use crate::objective::{check_groups, units_of, Objective};
 use crate::optim::{accumulate, global_grad_norm, grad_sum_of_squares};
 use crate::{transfer, Error, Result};
 
@@ -88,6 +88,12 @@ impl Trainer {
         let model = model.as_deref().unwrap_or(self.model.as_ref());
         let accum = cfg.grad_accum;
         let world = self.dp.world_size();
+        // a rank's rows of every global batch are whole groups of the objective's rows
+        check_groups(
+            self.objective.as_ref(),
+            cfg.batch_size,
+            "a rank's batch (batch_size)",
+        )?;
         let scale = self.amp.scale();
         // Every rank draws the step's global batches and trains on its shard of each (a world
         // of one: all of it). The loss is the objective's mean over the whole step's units
