@@ -17,6 +17,7 @@ use candle_train::remat::{Policy, Tape};
 use candle_train::trainer::model::gpt2::{Gpt, GptConfig};
 use candle_train::trainer::model::ModelConfig;
 use candle_train::trainer::model::{cross_entropy, Ctx, Kernels, Model};
+use candle_train::trainer::objective::CrossEntropy;
 use candle_train::trainer::optim::{AdamW, AdamWConfig};
 use candle_train::trainer::train::executor::run_chain;
 
@@ -54,7 +55,7 @@ fn main() -> Result<()> {
     for step in 0..STEPS {
         let (links, ctx) = (model.links(), Ctx::train(step)); // dropout seeded by the step
         let tape = Tape::new(step);
-        let loss = run_chain(&links, &x, &y, &ctx, Some((&tape, &plan)))?.mean;
+        let loss = run_chain(&links, &x, &y, &ctx, Some((&tape, &plan)), &CrossEntropy)?.mean;
         let grads = tape.backward(&loss)?;
         if step == 0 {
             let plain = cross_entropy(&model.forward(&x, &ctx)?, &y, None)?.backward()?;

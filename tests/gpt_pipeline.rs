@@ -15,6 +15,7 @@ use candle_train::remat::{Policy, Tape};
 use candle_train::trainer::model::gpt2::{Gpt, GptConfig};
 use candle_train::trainer::model::ModelConfig;
 use candle_train::trainer::model::{cross_entropy, Ctx, Kernels, Model, Params};
+use candle_train::trainer::objective::CrossEntropy;
 use candle_train::trainer::optim::{AdamW, AdamWConfig};
 use candle_train::trainer::train::executor::run_chain;
 
@@ -157,7 +158,7 @@ fn remat_is_bit_identical(
         let costs = cfg.chain_costs(3, cfg.block_size, DType::F32, kernels);
         let plan = policy.plan(&costs).unwrap();
         let (links, tape) = (model.links(), Tape::new(11));
-        let loss = run_chain(&links, &x, &y, &ctx, Some((&tape, &plan))).unwrap();
+        let loss = run_chain(&links, &x, &y, &ctx, Some((&tape, &plan)), &CrossEntropy).unwrap();
         let grads = tape.backward(&loss.mean).unwrap();
         for (name, var) in params.iter() {
             let values = |g: &GradStore| -> Vec<f32> {
@@ -194,7 +195,7 @@ fn amp_steps_remat_grads(cfg: &GptConfig, model: &Gpt, params: &Params, x: &Tens
         .plan(&cfg.chain_costs(3, cfg.block_size, DType::BF16, Kernels::Fused))
         .unwrap();
     let (links, tape) = (model.links(), Tape::new(11));
-    let loss = run_chain(&links, x, y, &ctx16, Some((&tape, &plan)))
+    let loss = run_chain(&links, x, y, &ctx16, Some((&tape, &plan)), &CrossEntropy)
         .unwrap()
         .mean;
     let grads = tape.backward(&amp.scale_loss(&loss).unwrap()).unwrap();

@@ -68,6 +68,12 @@
 mod cuda;
 mod fallback;
 mod kernel;
+mod per_token;
+
+pub use per_token::{
+    linear_cross_entropy_per_token, linear_cross_entropy_per_token_chunked,
+    linear_cross_entropy_per_token_composite,
+};
 
 use std::sync::Mutex;
 
@@ -305,11 +311,12 @@ fn run(
         return op::apply(op, &[&x, w], None, None);
     }
     let (x2, wd) = (x.detach().reshape((n, c))?, w.detach());
-    let (nll_sum, dx, dw) = op.device_pass(&x2, &wd, op.need, 1.0 / op.count)?;
-    op.grads[0].set(dx.map(|d| d.reshape(op.x_shape.clone())).transpose()?);
-    op.grads[1].set(dw);
+    let out = op.device_pass(&x2, &wd, &op.pass(op.need, 1.0 / op.count), None)?;
+    op.grads[0].set(out.dx.map(|d| d.reshape(op.x_shape.clone())).transpose()?);
+    op.grads[1].set(out.dw);
     // (the Triton pass sums in f64, as the CPU kernel: the loss rounded to f32 once)
-    let loss = nll_sum
+    let loss = out
+        .nll_sum
         .affine(1.0 / op.count, 0.0)?
         .to_dtype(acc_dtype(x.dtype()))?;
     op::apply(op, &[&x, w], None, Some(loss))
@@ -367,6 +374,8 @@ impl LceOp {
             chunk: self.chunk,
             need,
             scale,
+            row_scale: None,
+            lse: None,
         }
     }
 
@@ -389,23 +398,23 @@ impl LceOp {
         })
     }
 
-    /// The pass on a device without a CPU kernel, over `x2 [n, c]` and `w`, both detached:
-    /// `(Σ nll as a scalar, dx [n, c], dW)`, by the Triton chunk loop or the plain-op one.
+    /// The pass `p` on a device without a CPU kernel, over `x2 [n, c]` and `w`, both
+    /// detached (`dx` is `[n, c]`), by the Triton chunk loop or the plain-op one; `rg`: the
+    /// per-token form's recomputing backward.
     fn device_pass(
         &self,
         x2: &Tensor,
         w: &Tensor,
-        need: [bool; 2],
-        scale: f64,
-    ) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
-        let p = self.pass(need, scale);
+        p: &Pass<'_>,
+        rg: Option<&fallback::RowGrad>,
+    ) -> Result<fallback::DeviceOut> {
         if self.triton {
             #[cfg(feature = "cuda")]
-            return cuda::run(x2, w, &p);
+            return cuda::run(x2, w, p, rg);
             #[cfg(not(feature = "cuda"))]
             bail!("{}: Triton kernels need the `cuda` feature", self.name());
         }
-        fallback::run(x2, w, &p)
+        fallback::run(x2, w, p, rg)
     }
 
     /// The gradients in `need` for the upstream gradient `g`, recomputed (a second backward).
@@ -418,8 +427,12 @@ impl LceOp {
             (r.1, r.2)
         } else {
             let x2 = x.detach().reshape((self.n, self.c))?;
-            let (_, dx, dw) = self.device_pass(&x2, &w.detach(), need, scale)?;
-            (dx.map(|d| d.reshape(self.x_shape.clone())).transpose()?, dw)
+            let out = self.device_pass(&x2, &w.detach(), &self.pass(need, scale), None)?;
+            let dx = out
+                .dx
+                .map(|d| d.reshape(self.x_shape.clone()))
+                .transpose()?;
+            (dx, out.dw)
         };
         Ok([dx, dw, None])
     }

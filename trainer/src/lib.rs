@@ -34,6 +34,7 @@ pub mod lora;
 pub mod metrics;
 pub mod mfu;
 pub mod model;
+pub mod objective;
 pub mod optim;
 pub mod plot;
 pub mod pretrained;

@@ -153,7 +153,7 @@ fn gradients(t: &mut Trainer, accum: usize) -> (f64, Vec<(String, Vec<f64>)>) {
         let weight = scale / accum as f64;
         let (l, _, g) = t
             .executor()
-            .forward_backward(model.as_ref(), batch, &ctx, weight)
+            .forward_backward(model.as_ref(), batch, &ctx, weight, &t.objective)
             .unwrap();
         loss += f64::from(l) / accum as f64;
         for (_, v) in t.params.iter() {

@@ -317,7 +317,9 @@ fn pipeline_gradients_match_plain_backward() {
         let (seed, kernels) = (9, cfg.kernels);
         let ctx = Ctx::train(seed).with_dtype(dtype).with_kernels(kernels);
         let batch = Batch::new(x.clone(), y.clone()).with_mask(Some(mask.clone()));
-        let (loss_p, count, got) = pipe.forward_backward(&batch, &ctx, weight).unwrap();
+        let (loss_p, count, got) = pipe
+            .forward_backward(&batch, &ctx, weight, &t.objective)
+            .unwrap();
         // As Trainer::train_step does it: the weights cast once, then one forward/backward.
         let model = t.model.to_dtype(dtype).unwrap();
         let logits = model.forward(&x, &ctx).unwrap();
@@ -380,7 +382,9 @@ fn pipeline_gradients_match_plain_backward() {
             mask: Some(mask.zeros_like().unwrap()),
             ..batch
         };
-        let (l0, c0, g0) = pipe.forward_backward(&none, &ctx, weight).unwrap();
+        let (l0, c0, g0) = pipe
+            .forward_backward(&none, &ctx, weight, &t.objective)
+            .unwrap();
         assert_eq!((l0, c0), (0.0, 0), "{name}");
         for (pname, var) in t.params.iter() {
             if let Some(g) = g0.get(var) {

@@ -214,7 +214,7 @@ fn positions_travel_with_the_rows_to_every_executor() {
     let run = |t: &Trainer, batch: &Batch, ctx: &Ctx| {
         let (loss, count, g) = t
             .executor()
-            .forward_backward(t.model.as_ref(), batch, ctx, 1.0)
+            .forward_backward(t.model.as_ref(), batch, ctx, 1.0, &t.objective)
             .unwrap();
         let gw = g.get(t.params.get("tiny.pos").unwrap()).unwrap().clone();
         (

@@ -79,6 +79,7 @@ const FIXED: &[&str] = &[
     "tie_embeddings",
     "batch_size",
     "grad_accum",
+    "objective",
     "lora_r",
     "lora_alpha",
     "lora_dropout",

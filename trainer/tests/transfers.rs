@@ -164,6 +164,8 @@ fn the_step_path_transfers_only_through_the_counters() {
         "train/pipeline.rs",
         "optim/mod.rs",
         "optim/adamw.rs",
+        "objective/mod.rs",
+        "objective/cross_entropy.rs",
         "model/chain.rs",
         "model/ctx.rs",
         "model/layers.rs",

@@ -13,7 +13,13 @@
 //! Only one chunk's logits exist at a time, nothing of size `N x V`. The loss terms stay on the
 //! device (the per-row `nll` of every chunk, summed in f64 at the end), so the loop reads
 //! nothing back to the host: the targets it needs are the host copy `run` already made.
+//!
+//! The per-token form's recomputing backward ([`RowGrad`]) runs the same loop with `ce_bwd`
+//! instead: the chunk's saved `lse` (LSE) and its rows' upstream gradients as the per-row
+//! WEIGHT (`G = s g_i (softmax - onehot)`; a row with `g_i = 0` gets exactly zero, as the
+//! kernel skips it), then the GEMMs asked for.
 
+use super::fallback::{DeviceOut, RowGrad};
 use super::kernel::Pass;
 use crate::cuda_kernels::launch::{cuda_of, launch, Buf, Output};
 use crate::cuda_kernels::Scalar;
@@ -21,13 +27,14 @@ use crate::op::Saved;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CudaStorage, DType, InplaceOp1, Layout, Result, Tensor};
 
-/// `(Σ nll as an f64 scalar, dx [n, c], dW [v, c])` for `x2 [n, c]` and `w [v, c]` (detached,
-/// on a CUDA device) over `p`'s counted rows: what `fallback::run` computes, by the chunk loop.
+/// What `fallback::run` computes (Σ nll in f64, the rows' nll and lse in f32) for `x2 [n, c]`
+/// and `w [v, c]` (detached, on a CUDA device) over `p`'s counted rows, by the chunk loop.
 pub(super) fn run(
     x2: &Tensor,
     w: &Tensor,
     p: &Pass<'_>,
-) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+    rg: Option<&RowGrad>,
+) -> Result<DeviceOut> {
     let (dev, dt) = (x2.device(), x2.dtype());
     let (n, c, v, m) = (p.n, p.c, p.v, p.rows.len());
     if m == 0 {
@@ -38,7 +45,14 @@ pub(super) fn run(
         let dw = p.need[1]
             .then(|| Tensor::zeros((v, c), dt, dev))
             .transpose()?;
-        return Ok((Tensor::zeros((), DType::F64, dev)?, dx, dw));
+        let none = Tensor::zeros(0, DType::F32, dev)?;
+        return Ok(DeviceOut {
+            nll_sum: Tensor::zeros((), DType::F64, dev)?,
+            nll: none.clone(),
+            lse: none,
+            dx,
+            dw,
+        });
     }
     // Candle's matmul wants row- or column-major operands: a strided view is copied once.
     let w = w.contiguous()?;
@@ -61,6 +75,7 @@ pub(super) fn run(
     let ones = Tensor::ones(chunk, DType::F32, dev)?;
     let grads = p.need[0] || p.need[1];
     let mut nlls = Vec::with_capacity(m.div_ceil(chunk));
+    let mut lses = Vec::with_capacity(m.div_ceil(chunk));
     let mut dxs = Vec::new();
     let mut dw: Option<Tensor> = None;
     for (k, start) in (0..m).step_by(chunk).enumerate() {
@@ -70,14 +85,28 @@ pub(super) fn run(
             Some(rows) => x2.index_select(&rows.narrow(0, start, r)?, 0)?,
         };
         let logits = xc.matmul(&wt)?;
+        let (weight, pass) = match rg {
+            // fresh copies: a kernel's pointers are 16-byte aligned, a view from `start` may not be
+            Some(rg) => (
+                rg.g.narrow(0, start, r)?.to_dtype(DType::F32)?.copy()?,
+                Kind::Bwd(rg.lse.narrow(0, start, r)?.to_dtype(DType::F32)?.copy()?),
+            ),
+            None if grads => (ones.narrow(0, 0, r)?, Kind::FwdBwd),
+            None => (ones.narrow(0, 0, r)?, Kind::Fwd),
+        };
         let ce = ChunkCe {
             targets: targets.narrow(0, k * stride, r)?,
-            weight: ones.narrow(0, 0, r)?,
-            scale: grads.then_some(p.scale as f32),
+            weight,
+            scale: p.scale as f32,
+            pass,
             nll: Saved::default(),
+            lse: Saved::default(),
         };
         logits.inplace_op1(&ce)?;
-        nlls.push(ce.nll.get()?);
+        if rg.is_none() {
+            nlls.push(ce.nll.get()?);
+            lses.push(ce.lse.get()?);
+        }
         if !grads {
             continue;
         }
@@ -96,7 +125,12 @@ pub(super) fn run(
             });
         }
     }
-    let nll_sum = Tensor::cat(&nlls, 0)?.to_dtype(DType::F64)?.sum_all()?;
+    let (nll, lse) = match rg {
+        // the backward's loop computes no loss: the forward's values stand in
+        Some(rg) => (rg.lse.zeros_like()?, rg.lse.clone()),
+        None => (Tensor::cat(&nlls, 0)?, Tensor::cat(&lses, 0)?),
+    };
+    let nll_sum = nll.to_dtype(DType::F64)?.sum_all()?;
     let dx = if p.need[0] {
         let dxc = Tensor::cat(&dxs, 0)?;
         Some(match &rows {
@@ -107,18 +141,36 @@ pub(super) fn run(
         None
     };
     let dw = dw.map(|d| d.to_dtype(dt)).transpose()?;
-    Ok((nll_sum, dx, dw))
+    Ok(DeviceOut {
+        nll_sum,
+        nll,
+        lse,
+        dx,
+        dw,
+    })
 }
 
-/// One chunk's kernel over its logits `[R, V]`, in place: `ce_fwd_bwd` (the logits become
-/// their gradient for `scale`) or, with no `scale`, `ce_fwd` (the logits only read). Every
-/// row counts (the loop gathered the counted ones): weight 1, no ignore index. The per-row
-/// `nll` ([R], f32) lands in `nll`.
+/// Which kernel a chunk runs.
+enum Kind {
+    /// `ce_fwd`: the logits only read.
+    Fwd,
+    /// `ce_fwd_bwd`: the logits become their gradient.
+    FwdBwd,
+    /// `ce_bwd` from the saved `lse` (`[R]` f32): the logits become their gradient.
+    Bwd(Tensor),
+}
+
+/// One chunk's kernel over its logits `[R, V]`, in place ([`Kind`]; the gradient for
+/// `scale` times the row's weight). Every row counts (the loop gathered the counted ones):
+/// no ignore index; weight 1, or the rows' upstream gradients (`Kind::Bwd`). The per-row
+/// `nll` and `lse` ([R], f32) land in `nll` and `lse` (not for `Kind::Bwd`).
 struct ChunkCe {
     targets: Tensor,
     weight: Tensor,
-    scale: Option<f32>,
+    scale: f32,
+    pass: Kind,
     nll: Saved,
+    lse: Saved,
 }
 
 impl InplaceOp1 for ChunkCe {
@@ -134,14 +186,26 @@ impl InplaceOp1 for ChunkCe {
         let (r, _) = l.shape().dims2()?;
         let (dt, dev) = (s.dtype(), s.device().clone());
         let mut nll = Output::new(&dev, r, DType::F32)?;
-        // the kernel writes the rows' lse too; the loop has no use for it
         let mut lse = Output::new(&dev, r, DType::F32)?;
         let (gt, lt) = self.targets.storage_and_layout();
         let (gw, lw) = self.weight.storage_and_layout();
         let (targets, weight) = (Buf::read(cuda_of(&gt)?, lt), Buf::read(cuda_of(&gw)?, lw));
         let none = Scalar::I32(-1);
-        match self.scale {
-            Some(scale) => {
+        let scale = self.scale;
+        match &self.pass {
+            Kind::Bwd(saved) => {
+                let (gs, ls) = saved.storage_and_layout();
+                let tensors = vec![
+                    Buf::update(s, l),
+                    targets,
+                    weight,
+                    Buf::read(cuda_of(&gs)?, ls),
+                    Buf::same_as(0),
+                ];
+                launch("ce_bwd", dt, tensors, &[none, Scalar::F32(scale)])?;
+                return Ok(());
+            }
+            Kind::FwdBwd => {
                 let tensors = vec![
                     Buf::update(s, l),
                     targets,
@@ -152,7 +216,7 @@ impl InplaceOp1 for ChunkCe {
                 ];
                 launch("ce_fwd_bwd", dt, tensors, &[none, Scalar::F32(scale)])?;
             }
-            None => {
+            Kind::Fwd => {
                 let tensors = vec![
                     Buf::read(s, l),
                     targets,
@@ -164,6 +228,7 @@ impl InplaceOp1 for ChunkCe {
             }
         }
         self.nll.set(nll.into_tensor());
+        self.lse.set(lse.into_tensor());
         Ok(())
     }
 }

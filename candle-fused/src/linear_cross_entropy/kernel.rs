@@ -14,7 +14,9 @@
 //! dW_b += G_bᵀ xc                    [VB, C]  (GEMM 3, chunks added in order, f32 / f64)
 //! ```
 //!
-//! `s` is the upstream gradient over the count. The chunk's logits are stored block after
+//! `s` is the upstream gradient over the count (times the row's own upstream gradient `g_r`
+//! in the per-token form, one product per row; its recomputing backward passes the forward's
+//! `lse` and skips the max and the sum). The chunk's logits are stored block after
 //! block (block `b`, `[R, VB]` row-major, at offset `R * b * VB`), so every GEMM reads and
 //! writes plain row-major matrices and packs at most one block of its operands: no temporary
 //! ever holds a whole `W` (the bf16 kernel packs both operands) or a whole `Gᵀ` (the `gemm`
@@ -50,12 +52,32 @@ pub(super) struct Pass<'a> {
     pub need: [bool; 2],
     /// `s`: the upstream gradient of the loss over the count of counted rows.
     pub scale: f64,
+    /// Per-row factors of `s` (indexed by flat row; the per-token form's upstream gradient):
+    /// row `i`'s coefficient is the one product `s g_i`.
+    pub row_scale: Option<&'a [f64]>,
+    /// The counted rows' `lse` from an earlier pass (in row order): used instead of
+    /// recomputing it (the per-token form's recomputing backward).
+    pub lse: Option<&'a [f64]>,
+}
+
+impl Pass<'_> {
+    /// The coefficient `s` (`s g_i` with a per-row scale) of flat row `i`.
+    fn coef<A: Real>(&self, i: usize) -> A {
+        match self.row_scale {
+            Some(g) => A::c(self.scale * g[i]),
+            None => A::c(self.scale),
+        }
+    }
 }
 
 /// The results of a pass.
 pub(super) struct Output<T> {
     /// `Σ nll_r` over the counted rows, added in row order in f64.
     pub nll_sum: f64,
+    /// `nll_r` of each counted row, in row order.
+    pub nll: Vec<f64>,
+    /// `lse_r` of each counted row, in row order.
+    pub lse: Vec<f64>,
     /// `dx [n, c]` (zero rows where the target is ignored), if asked for.
     pub dx: Option<Vec<T>>,
     /// `dW [v, c]`, if asked for.
@@ -119,7 +141,12 @@ where
     }
     let mut buf = vec![zero; p.chunk.min(p.rows.len()) * v];
     let mut nll_sum = 0f64;
-    for idx in p.rows.chunks(p.chunk) {
+    let (mut nll, mut lses) = (
+        Vec::with_capacity(p.rows.len()),
+        Vec::with_capacity(p.rows.len()),
+    );
+    for (k, idx) in p.rows.chunks(p.chunk).enumerate() {
+        let first = k * p.chunk;
         let r = idx.len();
         let mut xc = Vec::with_capacity(r * c);
         for &i in idx {
@@ -145,9 +172,8 @@ where
             };
         }
         let bp = Shared(buf.as_mut_ptr());
-        let s = T::Acc::c(p.scale);
         let bl = &blocks;
-        let row = |j: usize| -> T::Acc {
+        let row = |j: usize| -> (T::Acc, T::Acc) {
             // SAFETY: row j's segments (one per block) are disjoint from every other row's,
             // and row j is handled by one piece only.
             let seg = |&(b0, wb): &(usize, usize)| unsafe {
@@ -158,18 +184,24 @@ where
                     *e = T::from_acc(*e).acc();
                 }
             }
-            let m = bl
-                .iter()
-                .fold(T::Acc::NEG_INFINITY, |m, b| max_skip_nan(seg(b), m));
-            let mut sum = zero;
-            for b in bl {
-                sum += cpu::sum_map(seg(b), |e: T::Acc| (e - m).exp_fast());
-            }
-            let lse = m + sum.ln();
+            let lse = match p.lse {
+                Some(l) => T::Acc::c(l[first + j]),
+                None => {
+                    let m = bl
+                        .iter()
+                        .fold(T::Acc::NEG_INFINITY, |m, b| max_skip_nan(seg(b), m));
+                    let mut sum = zero;
+                    for b in bl {
+                        sum += cpu::sum_map(seg(b), |e: T::Acc| (e - m).exp_fast());
+                    }
+                    m + sum.ln()
+                }
+            };
             let t = p.targets[idx[j]] as usize;
             let tb = seg(&bl[t / VB]);
             let lt = tb[t % VB];
             if grads {
+                let s: T::Acc = p.coef(idx[j]);
                 for b in bl {
                     for e in seg(b) {
                         *e = s * (*e - lse).exp_fast();
@@ -182,11 +214,13 @@ where
                     }
                 }
             }
-            lse - lt
+            (lse - lt, lse)
         };
         for part in cpu::map_chunks(r, 4 * v, |rows| rows.map(row).collect::<Vec<_>>()) {
-            for e in part {
+            for (e, l) in part {
                 nll_sum += e.f64();
+                nll.push(e.f64());
+                lses.push(l.f64());
             }
         }
         if !grads {
@@ -260,5 +294,11 @@ where
         }
         narrow(dw)
     });
-    Output { nll_sum, dx, dw }
+    Output {
+        nll_sum,
+        nll,
+        lse: lses,
+        dx,
+        dw,
+    }
 }

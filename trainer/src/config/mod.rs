@@ -346,6 +346,10 @@ train_config! {
     /// 1/grad_accum, nanoGPT's convention).
     #[resume(fixed)]
     grad_accum: usize = 1,
+    /// The training loss: `cross-entropy` (next-token cross-entropy, the token mean over the
+    /// counted targets). A program can plug in its own (`Trainer::objective`).
+    #[resume(fixed)]
+    objective: String = "cross-entropy".into(),
     /// Optimiser steps in the run.
     #[resume(may_change)]
     max_iters: usize = 600,
@@ -692,6 +696,7 @@ impl TrainConfig {
         if self.model_json.is_none() {
             self.model_config(1)?.validate()?;
         }
+        crate::objective::build(&self.objective)?;
         if self.arch == Arch::Gpt2 && !self.tie_embeddings {
             return bad(
                 "tie_embeddings = false needs a Llama-family arch (GPT-2's head always reads \

@@ -33,8 +33,7 @@ pub enum Role {
 }
 
 /// The loss of a batch's counted targets: their mean (a scalar tensor, differentiable; 0 when
-/// none counts) and the targets, whose count weighs the mean over several batches
-/// (accumulated micro-batches, pipeline microbatches, data-parallel shards).
+/// none counts; the executors put their objective's loss here) and the targets.
 ///
 /// Computing a loss reads nothing back from the device; [`Loss::count`] does, when asked.
 #[derive(Clone, Debug)]
@@ -87,6 +86,34 @@ pub trait LinkOps: Send + Sync + fmt::Debug {
             targets: targets.clone(),
         })
     }
+
+    /// The head's loss of each target (`[B, T]`, f32; f64 computing in f64), 0 where the
+    /// target is [`IGNORE`]: the cross-entropy before the mean, differentiable for any
+    /// upstream gradient. The default computes the whole logits; an architecture may chunk
+    /// the projection and the loss instead.
+    fn token_losses(&self, h: &Tensor, targets: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        token_losses_of_logits(&self.forward(h, ctx)?, targets)
+    }
+}
+
+/// The cross-entropy of each target of `logits` (`[.., V]`) against `targets` (`[..]` u32),
+/// 0 where a target is [`IGNORE`], in the logits' dtype widened to at least f32.
+pub(crate) fn token_losses_of_logits(
+    logits: &Tensor,
+    targets: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let acc = match logits.dtype() {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    };
+    let v = logits.dim(candle_core::D::Minus1)?;
+    let lf = logits.to_dtype(acc)?.reshape(((), v))?;
+    let t = targets.flatten_all()?;
+    let keep = t.ne(IGNORE)?;
+    let t = keep.where_cond(&t, &t.zeros_like()?)?;
+    let ls = candle_nn::ops::log_softmax(&lf, candle_core::D::Minus1)?;
+    let nll = ls.gather(&t.unsqueeze(1)?, 1)?.squeeze(1)?.neg()?;
+    (nll * keep.to_dtype(acc)?)?.reshape(targets.shape())
 }
 
 /// The number of targets that count (are not [`IGNORE`]): one read back from the device.
@@ -137,6 +164,23 @@ impl Link {
             );
         }
         self.ops.loss(h, targets, ctx)
+    }
+
+    /// The head's loss of each target (see [`LinkOps::token_losses`]); an error for other
+    /// links.
+    pub fn token_losses(
+        &self,
+        h: &Tensor,
+        targets: &Tensor,
+        ctx: &Ctx,
+    ) -> candle_core::Result<Tensor> {
+        if self.role != Role::Head {
+            candle_core::bail!(
+                "the loss is computed by the head, not by a {:?} link",
+                self.role
+            );
+        }
+        self.ops.token_losses(h, targets, ctx)
     }
 
     /// The parameters the link owns.

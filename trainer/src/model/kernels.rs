@@ -199,4 +199,21 @@ impl Kernels {
             Kernels::Reference => lce::linear_cross_entropy_composite(x, w, targets, Some(ignore)),
         }
     }
+
+    /// [`Kernels::linear_cross_entropy`] before the mean: the loss of each target (`[N]`, 0
+    /// where it is `ignore`), differentiable for any upstream gradient.
+    pub fn linear_cross_entropy_per_token(
+        self,
+        x: &Tensor,
+        w: &Tensor,
+        targets: &Tensor,
+        ignore: u32,
+    ) -> R {
+        match self {
+            Kernels::Fused => lce::linear_cross_entropy_per_token(x, w, targets, Some(ignore)),
+            Kernels::Reference => {
+                lce::linear_cross_entropy_per_token_composite(x, w, targets, Some(ignore))
+            }
+        }
+    }
 }

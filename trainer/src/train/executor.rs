@@ -3,7 +3,10 @@
 //! The [`Executor`] runs plainly, through a remat plan (`candle-remat`'s tape over the blocks),
 //! or through a pipeline (`candle-pipeline`, which can itself recompute blocks inside its
 //! stages). All three walk the model's one chain ([`Model::links`]): every link's forward,
-//! then the last link's loss. None knows the architecture.
+//! then the objective's loss of the last link's outputs ([`Objective::loss`]). None knows the
+//! architecture, nor the loss.
+
+use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
@@ -13,6 +16,7 @@ use super::pipeline::PipelineRun;
 use crate::config::TrainConfig;
 use crate::data::Batch;
 use crate::model::{Ctx, Link, Loss, Model, ModelConfig, Params};
+use crate::objective::{HeadOutput, Objective};
 use crate::{Error, Result};
 
 /// How a micro-batch's forward and backward run.
@@ -54,10 +58,11 @@ impl Executor {
         }
     }
 
-    /// Forward and backward of one micro-batch. Returns the loss (the mean over its counted
-    /// targets, and their count) and the gradients of `loss.mean * weight` (the weight
-    /// includes the loss scale). Reads the loss and the count back from the device; the
-    /// training step uses [`Executor::forward_backward_deferred`], which reads neither.
+    /// Forward and backward of one micro-batch under `objective`. Returns the loss (the
+    /// objective's mean over the batch's units), the count of its counted targets and the
+    /// gradients of `loss * weight` (the weight includes the loss scale). Reads the loss and
+    /// the count back from the device; the training step uses
+    /// [`Executor::forward_backward_deferred`], which reads neither.
     ///
     /// `model` is the step's model in the compute dtype (the pipeline keeps its own stages,
     /// built from the master weights, which it casts at use). `ctx.rows` must be the batch's.
@@ -67,11 +72,12 @@ impl Executor {
         batch: &Batch,
         ctx: &Ctx,
         weight: f64,
+        objective: &Arc<dyn Objective>,
     ) -> Result<(f32, usize, GradStore)> {
         if let Executor::Pipeline(pipe) = self {
-            return pipe.forward_backward(batch, ctx, weight);
+            return pipe.forward_backward(batch, ctx, weight, objective);
         }
-        let (loss, grads) = self.chain_backward(model, batch, ctx, weight)?;
+        let (loss, grads) = self.chain_backward(model, batch, ctx, weight, objective.as_ref())?;
         let mean = crate::transfer::read_scalar(&loss.mean)?;
         Ok((mean, loss.count()?, grads))
     }
@@ -85,12 +91,13 @@ impl Executor {
         batch: &Batch,
         ctx: &Ctx,
         weight: f64,
+        objective: &Arc<dyn Objective>,
     ) -> Result<(MicroLoss, GradStore)> {
         if let Executor::Pipeline(pipe) = self {
-            let (mean, _, grads) = pipe.forward_backward(batch, ctx, weight)?;
+            let (mean, _, grads) = pipe.forward_backward(batch, ctx, weight, objective)?;
             return Ok((MicroLoss::Host(mean), grads));
         }
-        let (loss, grads) = self.chain_backward(model, batch, ctx, weight)?;
+        let (loss, grads) = self.chain_backward(model, batch, ctx, weight, objective.as_ref())?;
         // Detached: the step keeps the value, not the micro-batch's activations.
         Ok((MicroLoss::Device(loss.mean.detach()), grads))
     }
@@ -102,6 +109,7 @@ impl Executor {
         batch: &Batch,
         ctx: &Ctx,
         weight: f64,
+        objective: &dyn Objective,
     ) -> Result<(Loss, GradStore)> {
         let plan = self.plan();
         let links = model.links();
@@ -112,6 +120,7 @@ impl Executor {
             &batch.targets()?,
             ctx,
             plan.map(|p| (&tape, p)),
+            objective,
         )?;
         let objective = (&loss.mean * weight)?;
         let grads = match plan {
@@ -131,14 +140,15 @@ pub enum MicroLoss {
     Host(f32),
 }
 
-/// Runs a chain of links to the loss of `targets`; with a remat plan, the blocks (plan index
-/// `i` = the `i`-th block of the chain) go through it.
+/// Runs a chain of links to `objective`'s loss of `targets` (in [`Loss::mean`]); with a remat
+/// plan, the blocks (plan index `i` = the `i`-th block of the chain) go through it.
 pub fn run_chain<'a>(
     links: &'a [Link],
     x: &Tensor,
     targets: &Tensor,
     ctx: &'a Ctx,
     remat: Option<(&Tape<'a>, &Plan)>,
+    objective: &dyn Objective,
 ) -> Result<Loss> {
     let Some((head, body)) = links.split_last() else {
         return Err(Error::Config("a model needs at least one link".into()));
@@ -156,7 +166,11 @@ pub fn run_chain<'a>(
         None => run(h, blocks)?,
     };
     let h = run(h, &body[end..])?;
-    Ok(head.loss(&h, targets, ctx)?)
+    let mean = objective.loss(&HeadOutput::new(head, &h, targets, ctx))?;
+    Ok(Loss {
+        mean,
+        targets: targets.clone(),
+    })
 }
 
 /// The checkpoint plan for this run, or `None` for plain backward.

@@ -17,6 +17,7 @@ mod step;
 pub mod zero;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_amp::Amp;
 use candle_comm::Communicator;
@@ -40,6 +41,7 @@ use crate::data::{DataSource, Split};
 use crate::lora::Tuning;
 use crate::metrics::EvalStats;
 use crate::model::{Model, Params};
+use crate::objective::Objective;
 use crate::optim::{self, Optimizer};
 use crate::run_dir::{self, Claim, RunDir};
 use crate::schedule::LrSchedule;
@@ -63,6 +65,9 @@ pub struct Trainer {
     /// The optimiser ([`optim::build`] makes the config's; a program may put in its own before
     /// [`Trainer::with_comm`] and training, and resume with it by [`Trainer::resume_with`]).
     pub optimizer: Box<dyn Optimizer>,
+    /// The loss ([`crate::objective::build`] makes the config's `objective`; a program may
+    /// put in its own before training, and again after a resume).
+    pub objective: Arc<dyn Objective>,
     vars: Vec<Var>,
     dtype: DType,
     executor: Executor,
@@ -307,6 +312,7 @@ impl Trainer {
         let lora = tuning.trainable_split(&params);
         let flops_per_token =
             crate::mfu::training_flops_per_token(model.config(), config.block_size, lora);
+        let objective = Arc::from(crate::objective::build(&config.objective)?);
         Ok(Trainer {
             ceiling,
             flops_per_token,
@@ -321,6 +327,7 @@ impl Trainer {
             model,
             params,
             optimizer,
+            objective,
             rng,
             step: 0,
             tokens_seen: 0,

@@ -7,10 +7,10 @@
 //! - Every rank draws the same **global** batch (`world_size · batch_size` rows) from the same
 //!   sampler state and keeps rows `rank · batch_size ..`: the data stream, the sampler state in
 //!   checkpoints and a resume are those of one process.
-//! - A rank's loss is the mean over its shard's counted tokens; it is weighted by
-//!   `world_size · tokens_rank / tokens_global`, so the average over ranks of the weighted
-//!   gradients is the gradient of the global batch's token mean (masked tasks give ranks
-//!   different token counts).
+//! - A rank's loss is the objective's mean over its shard's units (counted tokens for
+//!   cross-entropy); it is weighted by `world_size · units_rank / units_global`, so the
+//!   average over ranks of the weighted gradients is the gradient of the global batch's mean
+//!   (masked tasks give ranks different token counts).
 //! - Gradients are averaged with one all-reduce per bucket ([`GradBuckets`]) after the last
 //!   micro-batch (accumulation stays local), so clipping, the non-finite check and the
 //!   optimiser see the same gradients on every rank and apply the same update.
@@ -82,30 +82,21 @@ impl DataParallel {
     }
 
     /// This rank's rows of a global batch of `world_size · per_rank` rows, and the weight of
-    /// its mean loss (see the module documentation; 1 when every row counts the same tokens).
-    pub fn shard(&self, global: Batch, per_rank: usize) -> Result<(Batch, f64)> {
+    /// its mean loss from the objective's units of the global batch's rows (`units`, see
+    /// [`crate::objective::Objective::row_units`] and the module documentation; 1 when every
+    /// rank holds the same units).
+    pub fn shard(&self, global: Batch, per_rank: usize, units: &[f64]) -> Result<(Batch, f64)> {
         let w = self.world_size();
         if w == 1 {
             return Ok((global, 1.0));
         }
         let start = self.rank() * per_rank;
-        let weight = match &global.mask {
-            None => 1.0,
-            Some(_) => {
-                // Counted tokens per row (from the host where the data source built the mask;
-                // else read back once).
-                let per_row = global.row_counts()?;
-                let total: f64 = per_row.iter().map(|&c| f64::from(c)).sum();
-                let mine: f64 = per_row[start..start + per_rank]
-                    .iter()
-                    .map(|&c| f64::from(c))
-                    .sum();
-                if total > 0.0 {
-                    w as f64 * mine / total
-                } else {
-                    1.0
-                }
-            }
+        let total: f64 = units.iter().sum();
+        let mine: f64 = units[start..start + per_rank].iter().sum();
+        let weight = if total > 0.0 {
+            w as f64 * mine / total
+        } else {
+            1.0
         };
         Ok((global.narrow(start, per_rank)?, weight))
     }
@@ -198,6 +189,7 @@ pub fn communicator_from_env() -> Result<Box<dyn Communicator>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::objective::{CrossEntropy, Objective};
     use candle_comm::ThreadComm;
     use candle_core::Device;
 
@@ -225,7 +217,8 @@ mod tests {
                 comm: Box::new(comm),
                 buckets: GradBuckets::new(Vec::new(), DEFAULT_BUCKET_BYTES),
             };
-            let (shard, weight) = dp.shard(global.clone(), 2).unwrap();
+            let units = CrossEntropy.row_units(&global).unwrap();
+            let (shard, weight) = dp.shard(global.clone(), 2, &units).unwrap();
             assert_eq!(weight, want_weight, "rank {}", dp.rank());
             let first: Vec<u32> = shard
                 .x
@@ -239,7 +232,10 @@ mod tests {
             assert_eq!(shard.mask.unwrap().dims(), &[2, 3]);
         }
         // A world of one keeps the batch and weighs it 1.
-        let (same, w) = DataParallel::single().shard(global.clone(), 4).unwrap();
+        let units = CrossEntropy.row_units(&global).unwrap();
+        let (same, w) = DataParallel::single()
+            .shard(global.clone(), 4, &units)
+            .unwrap();
         assert_eq!((same.x.dims(), w), (global.x.dims(), 1.0));
     }
 }

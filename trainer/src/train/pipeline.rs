@@ -3,11 +3,12 @@
 //! is split again into pipeline microbatches.
 //!
 //! Everything the plain step does composes here:
-//! - **the loss** is the head link's ([`Link::loss`], run by the pipeline's loss function on
-//!   the last stage, whose last layer lists the head's parameters): targets travel with the
-//!   loss mask folded in as an ignore index, and microbatch `k` is weighted by its share of
-//!   the counted target tokens, so the accumulated gradients equal the full batch's (up to
-//!   f32 summation order);
+//! - **the loss** is the step's objective's ([`Objective::loss`] of the head's outputs, run by
+//!   the pipeline's loss function on the last stage, whose last layer lists the head's
+//!   parameters): targets travel with the loss mask folded in as an ignore index, and
+//!   microbatch `k` is weighted by its share of the micro-batch's units
+//!   ([`Objective::row_units`]: counted target tokens for cross-entropy), so the accumulated
+//!   gradients equal the full batch's (up to f32 summation order);
 //! - **the rows' context** (positions, document ids) of the trainer's micro-batch is handed
 //!   to every stage for its microbatch's rows;
 //! - **dropout**: each stage is told its microbatch ([`Call`]); the masks are keyed by the
@@ -29,7 +30,8 @@ use candle_remat::Policy;
 
 use crate::config::{Parallelism, TrainConfig};
 use crate::data::Batch;
-use crate::model::{Ctx, Link, Model, Params, Role, Rows, IGNORE};
+use crate::model::{Ctx, Link, Model, Params, Role, Rows};
+use crate::objective::{CrossEntropy, HeadOutput, Objective};
 use crate::{Error, Result};
 
 /// A pipeline over the trainer's model, with its schedule.
@@ -38,6 +40,8 @@ pub struct PipelineRun {
     schedule: Schedule,
     microbatches: usize,
     rows: Arc<Mutex<RowsOfStep>>,
+    /// The objective of the micro-batch in flight (the loss function runs it).
+    objective: Arc<Mutex<Arc<dyn Objective>>>,
 }
 
 /// The rows' context of the micro-batch in flight, and the row key of its first row: each
@@ -200,13 +204,20 @@ impl PipelineRun {
         }
         let head = links[links.len() - 1].clone();
         let home = device.clone();
+        let objective: Arc<Mutex<Arc<dyn Objective>>> =
+            Arc::new(Mutex::new(Arc::new(CrossEntropy)));
+        let step_objective = objective.clone();
         let mut pipe = Pipeline::new(stage_list, devices, move |h, targets| {
+            let objective = step_objective
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
             if h.device().same_device(&home) {
-                Ok(head.loss(h, targets, &base)?.mean)
+                objective.loss(&HeadOutput::new(&head, h, targets, &base))
             } else {
                 // Copied at use, differentiably (see `layer`).
                 let here = head.map(&|w| w.to_device(h.device()))?;
-                Ok(here.loss(h, targets, &base)?.mean)
+                objective.loss(&HeadOutput::new(&here, h, targets, &base))
             }
         })?;
         if device.is_cpu() {
@@ -222,31 +233,40 @@ impl PipelineRun {
             schedule,
             microbatches,
             rows: step_rows,
+            objective,
         }))
     }
 
-    /// One forward and backward of a trainer micro-batch through the pipeline, with dropout
-    /// seeded by `ctx.seed` and keyed by rows from `ctx.row` on (a data-parallel shard's place
-    /// in the global batch). Returns the loss (mean over the counted targets), their count and
-    /// the gradients of `loss * weight`.
+    /// One forward and backward of a trainer micro-batch through the pipeline under
+    /// `objective`, with dropout seeded by `ctx.seed` and keyed by rows from `ctx.row` on (a
+    /// data-parallel shard's place in the global batch). Returns the loss (the objective's
+    /// mean over the batch's units), the units (rounded down: counted targets for
+    /// cross-entropy) and the gradients of `loss * weight`.
     pub fn forward_backward(
         &self,
         batch: &Batch,
         ctx: &Ctx,
         weight: f64,
+        objective: &Arc<dyn Objective>,
     ) -> Result<(f32, usize, GradStore)> {
         let b = batch.x.dim(0)?;
         let y = batch.targets()?;
-        let counted = y.ne(IGNORE)?.to_dtype(DType::F32)?.sum(1)?;
-        let counts: Vec<f32> = crate::transfer::read_vec1(&counted)?;
-        // With no counted target at all the loss is 0 with zero gradients, as in the plain
-        // step (a data-parallel shard may hold none).
+        // The rows' units in f32, as the counts were summed on the device (whole numbers for
+        // cross-entropy: the same sums and shares).
+        let counts: Vec<f32> = crate::objective::units_of(objective.as_ref(), batch)?
+            .into_iter()
+            .map(|u| u as f32)
+            .collect();
+        *self.objective.lock().unwrap_or_else(|e| e.into_inner()) = objective.clone();
+        // With no unit at all the loss is 0 with zero gradients, as in the plain step (a
+        // data-parallel shard may hold no counted target).
         let total: f32 = counts.iter().sum();
         let m = self.microbatches;
         let sizes = candle_pipeline::even_sizes(b, m)?;
         let (mut xs, mut ys, mut ws) = (Vec::new(), Vec::new(), Vec::new());
         let mut start = 0;
         for rows in sizes {
+            crate::objective::check_groups(objective.as_ref(), rows, "a pipeline microbatch")?;
             let count: f32 = counts[start..start + rows].iter().sum();
             xs.push(batch.x.narrow(0, start, rows)?);
             ys.push(y.narrow(0, start, rows)?);

@@ -16,6 +16,7 @@ use crate::config::{Precision, TrainConfig};
 use crate::data::{DataSource, Split};
 use crate::metrics::StepStats;
 use crate::model::{Ctx, Params};
+use crate::objective::{check_groups, units_of, Objective};
 use crate::optim::{accumulate, global_grad_norm, grad_sum_of_squares};
 use crate::{transfer, Error, Result};
 
@@ -87,14 +88,22 @@ impl Trainer {
         let model = model.as_deref().unwrap_or(self.model.as_ref());
         let accum = cfg.grad_accum;
         let world = self.dp.world_size();
+        // a rank's rows of every global batch are whole groups of the objective's rows
+        check_groups(
+            self.objective.as_ref(),
+            cfg.batch_size,
+            "a rank's batch (batch_size)",
+        )?;
         let scale = self.amp.scale();
         // Every rank draws the step's global batches and trains on its shard of each (a world
-        // of one: all of it). The loss is the token mean over the whole step: a micro-batch
-        // weighs its share of the step's counted targets (and a shard its share of the
-        // micro-batch's), so micro-batches with fewer counted targets count less. The batches
-        // are drawn one at a time (memory does not grow with `grad_accum`): the step's
-        // counts come first, from the same draws on the host, dropped at once.
-        let Some(total) = counted_total(
+        // of one: all of it). The loss is the objective's mean over the whole step's units
+        // (counted targets for cross-entropy): a micro-batch weighs its share of the step's
+        // units (and a shard its share of the micro-batch's), so micro-batches with fewer
+        // units count less. The batches are drawn one at a time (memory does not grow with
+        // `grad_accum`): the step's units come first, from the same draws on the host,
+        // dropped at once.
+        let Some(total) = units_total(
+            self.objective.as_ref(),
             self.data.as_ref(),
             &self.rng,
             accum,
@@ -120,8 +129,9 @@ impl Trainer {
                 &mut self.rng,
                 &self.device,
             )?;
-            let count = global.counted()?;
-            let (batch, shard_weight) = self.dp.shard(global, cfg.batch_size)?;
+            let units = units_of(self.objective.as_ref(), &global)?;
+            let count: f64 = units.iter().sum();
+            let (batch, shard_weight) = self.dp.shard(global, cfg.batch_size, &units)?;
             let share = match total {
                 Some(total) if total > 0.0 => count / total,
                 Some(_) => 1.0 / accum as f64,
@@ -134,9 +144,13 @@ impl Trainer {
                 .with_chunked_loss(cfg.chunked_loss)
                 .with_rows(batch.rows.clone());
             let weight = shard_weight * share;
-            let (loss, g) =
-                self.executor
-                    .forward_backward_deferred(model, &batch, &ctx, weight * scale)?;
+            let (loss, g) = self.executor.forward_backward_deferred(
+                model,
+                &batch,
+                &ctx,
+                weight * scale,
+                &self.objective,
+            )?;
             match loss {
                 // `affine` multiplies in f32 as the host did (`loss * weight as f32`).
                 MicroLoss::Device(mean) => {
@@ -270,11 +284,12 @@ pub fn build_amp(config: &TrainConfig, params: &Params) -> Result<Amp> {
     Ok(amp)
 }
 
-/// The counted targets of the `accum` global batches of `rows` rows the next step draws from
-/// `rng` (left where it is), summed: drawn on the host one at a time and dropped, so that a
-/// step holds one micro-batch whatever `grad_accum` is. `Some(None)` for a single micro-batch
-/// (its share is the whole step); `None` when `stop` was set during the draws.
-fn counted_total(
+/// The objective's units of the `accum` global batches of `rows` rows the next step draws
+/// from `rng` (left where it is), summed: drawn on the host one at a time and dropped, so
+/// that a step holds one micro-batch whatever `grad_accum` is. `Some(None)` for a single
+/// micro-batch (its share is the whole step); `None` when `stop` was set during the draws.
+fn units_total(
+    objective: &dyn Objective,
     data: &dyn DataSource,
     rng: &ChaCha8Rng,
     accum: usize,
@@ -293,9 +308,8 @@ fn counted_total(
             if stop.load(Ordering::Relaxed) {
                 return Ok(None);
             }
-            total += data
-                .batch(Split::Train, rows, block, &mut rng, &Device::Cpu)?
-                .counted()?;
+            let batch = data.batch(Split::Train, rows, block, &mut rng, &Device::Cpu)?;
+            total += units_of(objective, &batch)?.iter().sum::<f64>();
         }
         Ok(Some(Some(total)))
     })

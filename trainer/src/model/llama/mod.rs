@@ -402,6 +402,16 @@ pub struct Head {
 }
 
 impl Head {
+    /// The projection's weight when the loss is chunked: no adapter on the projection and
+    /// the context does not ask for whole logits.
+    fn chunked_weight(&self, ctx: &Ctx) -> Option<Tensor> {
+        match &self.lm_head {
+            LmHead::Own(l) if l.adapter().is_none() && ctx.chunked_loss => Some(l.weight.clone()),
+            LmHead::Tied(w) if ctx.chunked_loss => Some(w.clone()),
+            _ => None,
+        }
+    }
+
     fn mapped(&self, f: WeightMap) -> candle_core::Result<Self> {
         Ok(Head {
             norm: self.norm.map(f)?,
@@ -427,10 +437,9 @@ impl LinkOps for Head {
     /// The cross-entropy of the projection chunk by chunk (no `[B, T, V]` logits), unless
     /// an adapter wraps the head's projection or the context asks for whole logits.
     fn loss(&self, x: &Tensor, targets: &Tensor, ctx: &Ctx) -> candle_core::Result<Loss> {
-        let w = match &self.lm_head {
-            LmHead::Own(l) if l.adapter().is_none() && ctx.chunked_loss => l.weight.clone(),
-            LmHead::Tied(w) if ctx.chunked_loss => w.clone(),
-            _ => {
+        let w = match self.chunked_weight(ctx) {
+            Some(w) => w,
+            None => {
                 let logits = self.forward(x, ctx)?;
                 let mean = ctx
                     .kernels
@@ -453,6 +462,23 @@ impl LinkOps for Head {
             mean,
             targets: targets.clone(),
         })
+    }
+
+    /// Each target's cross-entropy chunk by chunk when [`LinkOps::loss`] chunks.
+    fn token_losses(&self, x: &Tensor, targets: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        let Some(w) = self.chunked_weight(ctx) else {
+            return super::chain::token_losses_of_logits(&self.forward(x, ctx)?, targets);
+        };
+        let h = self.norm.forward(x, ctx)?;
+        let c = h.dim(2)?;
+        ctx.kernels
+            .linear_cross_entropy_per_token(
+                &h.reshape(((), c))?,
+                &w.to_dtype(ctx.dtype)?,
+                &targets.flatten_all()?,
+                IGNORE,
+            )?
+            .reshape(targets.shape())
     }
 
     fn params(&self) -> Vec<Tensor> {
