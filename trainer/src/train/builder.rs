@@ -2,6 +2,7 @@
 //! and hyper-parameters), each optional; what is not given comes from the [`TrainConfig`].
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_peft::LoraConfig;
 
@@ -10,6 +11,7 @@ use crate::config::{Precision, TrainConfig};
 use crate::data::{BatchIter, DataSource, IntoBatch};
 use crate::lora::Tuning;
 use crate::model::{Model, Params};
+use crate::objective::Objective;
 use crate::optim::Optimizer;
 use crate::Result;
 
@@ -28,7 +30,8 @@ enum Data {
 /// ([`TrainerBuilder::model`], or [`TrainerBuilder::init_from`] a pretrained one; default: the
 /// config's, fresh or `init_from`), the tuning ([`TrainerBuilder::lora`]; default: every
 /// weight trains), the optimiser ([`TrainerBuilder::optimizer`]; default:
-/// [`crate::optim::build`], the config's AdamW), the hyper-parameters (a [`TrainConfig`] or the
+/// [`crate::optim::build`], the config's AdamW), the objective ([`TrainerBuilder::objective`];
+/// default: [`crate::objective::build`], the config's next-token cross-entropy), the hyper-parameters (a [`TrainConfig`] or the
 /// setters) and the run directory ([`TrainerBuilder::run_dir`]; default: none, and then the run
 /// writes nothing: no `run.toml`, metrics, loss curve or checkpoints).
 ///
@@ -51,6 +54,7 @@ pub struct TrainerBuilder {
     data: Option<Data>,
     model: Option<(Box<dyn Model>, Params)>,
     optimizer: Option<OptimizerFn>,
+    objective: Option<Arc<dyn Objective>>,
     run_dir: Option<PathBuf>,
     overwrite: bool,
 }
@@ -63,6 +67,7 @@ impl Trainer {
             data: None,
             model: None,
             optimizer: None,
+            objective: None,
             run_dir: None,
             overwrite: false,
         }
@@ -168,6 +173,14 @@ impl TrainerBuilder {
         self
     }
 
+    /// The objective: the loss of the head's outputs, and how batches are weighed (see
+    /// [`crate::objective`]). A program's own objective is not recorded in `run.toml`: a
+    /// resumed run gets the config's unless given it again.
+    pub fn objective(mut self, objective: impl Objective + 'static) -> Self {
+        self.objective = Some(Arc::new(objective));
+        self
+    }
+
     /// The run directory: `run.toml`, `metrics.jsonl`, the loss curve and checkpoints go there
     /// (a fresh run refuses a directory that holds one unless [`TrainerBuilder::overwrite`]).
     /// Without one the run writes nothing, and [`Trainer::save_checkpoint`] is an error.
@@ -217,6 +230,9 @@ impl TrainerBuilder {
         let mut trainer = Trainer::start(config, device, data, model, params, tuning, optimizer)?;
         trainer.writes = writes;
         trainer.evaluates = evaluates;
+        if let Some(objective) = self.objective {
+            trainer.objective = objective;
+        }
         Ok(trainer.overwrite(self.overwrite))
     }
 }
