@@ -14,10 +14,13 @@ k-quant blocks), each with a tokenizer of another kind:
             `▁` for spaces: llama.cpp's `llama` tokenizer model).
 
 Each is saved with `save_pretrained` (config.json, model.safetensors, tokenizer files) and
-converted by llama.cpp's `convert_hf_to_gguf.py` to f32, f16, bf16 and q8_0. `expected.json`
-records, per type, every metadata key the converter wrote (type and value) and every tensor's
-type, shape and the sha256 of its bytes; `cargo test` (trainer/tests/gguf.rs) exports the same
-models and compares. Keys derived from the directory name by the converter's naming heuristics
+converted by llama.cpp's `convert_hf_to_gguf.py` to f32, f16, bf16 and q8_0, and the f32 file
+quantized by llama.cpp's `llama_model_quantize` (what `llama-quantize F32.gguf OUT.gguf Q4_K_M`
+runs; from the llama-cpp-python package, `pip install llama-cpp-python==0.3.36`, which builds
+llama.cpp) to q4_k_m. `expected.json` records, per type, every metadata key (type and value) and
+every tensor's type, shape and the sha256 of its bytes, and for q4_k_m each tensor's root mean
+square distance from the f32 tensor once dequantized; `cargo test` (trainer/tests/gguf.rs)
+exports the same models and compares. Keys derived from the directory name by the converter's naming heuristics
 (`general.name`, `general.size_label`, `general.basename`, `general.finetune`) are left out.
 
 The converter comes from the llama-cpp-python 0.3.36 source package on PyPI (its vendored
@@ -52,6 +55,7 @@ CACHE = os.path.join(ROOT, ".venv-py", "llama.cpp-" + SDIST)
 NAMING = {"general.name", "general.size_label", "general.basename", "general.finetune",
           "general.version"}
 TYPES = ["f32", "f16", "bf16", "q8_0"]
+Q4_K_M = 15  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M
 
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -171,6 +175,28 @@ def model(kind, tok, seed):
     return m.to(dtype)
 
 
+def quantize_q4_k_m(f32_path, out_path):
+    """llama.cpp's own quantizer (the library `llama-quantize` calls), default parameters."""
+    import llama_cpp
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = Q4_K_M
+    params.nthread = 1
+    rc = llama_cpp.llama_model_quantize(f32_path.encode(), out_path.encode(), params)
+    if rc != 0:
+        sys.exit(f"llama_model_quantize {f32_path}: {rc}")
+
+
+def errors(path, f32_path, gguf):
+    """Per tensor, the RMS distance of the dequantized tensor from the f32 file's."""
+    import numpy as np
+    ref = {t.name: np.asarray(t.data, dtype=np.float32) for t in gguf.GGUFReader(f32_path).tensors}
+    out = {}
+    for t in gguf.GGUFReader(path).tensors:
+        deq = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(ref[t.name].shape)
+        out[t.name] = float(np.sqrt(np.mean((deq.astype(np.float64) - ref[t.name]) ** 2)))
+    return out
+
+
 def describe(path, gguf):
     import numpy as np
     r = gguf.GGUFReader(path)
@@ -228,6 +254,11 @@ def main():
                 finally:
                     sys.argv = argv
                 expected["types"][t] = describe(path, gguf)
+            q4 = os.path.join(tmp, "q4_k_m.gguf")
+            quantize_q4_k_m(os.path.join(tmp, "f32.gguf"), q4)
+            expected["types"]["q4_k_m"] = describe(q4, gguf)
+            for name, e in errors(q4, os.path.join(tmp, "f32.gguf"), gguf).items():
+                expected["types"]["q4_k_m"]["tensors"][name]["rms_error"] = e
         with open(os.path.join(d, "expected.json"), "w") as f:
             json.dump(expected, f, indent=1, ensure_ascii=False)
             f.write("\n")

@@ -8,6 +8,7 @@
 //! (a LoRA run, a PEFT adapter directory) are merged into their base first. The file is
 //! written beside its destination and renamed into place.
 
+mod kquants;
 mod quant;
 mod vocab;
 mod writer;

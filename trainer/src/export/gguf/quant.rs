@@ -2,8 +2,8 @@
 //! `quants.py`): the tensor is read as f32 first (a bf16 source exactly), then rounded to
 //! nearest-even for f16 and bf16; q8_0 by Candle's port of ggml's reference quantizer (blocks
 //! of 32: `d = max|x| / 127` as f16 and `round(x * (1/d))`, halves away from zero), which
-//! gguf-py reproduces bit for bit; q4_k, q6_k and q5_0 by Candle's ports of ggml's reference
-//! quantizers, which `llama-quantize` runs when no importance matrix is given.
+//! gguf-py reproduces bit for bit; q5_0 likewise by Candle's port; q4_k and q6_k by
+//! [`super::kquants`], llama.cpp's current quantizers.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Tensor};
@@ -30,7 +30,7 @@ pub fn encode(t: &Tensor, ty: GgmlType) -> candle_core::Result<Vec<u8>> {
             .collect(),
         GgmlType::Q8_0 => quantized(GgmlDType::Q8_0)?,
         GgmlType::Q5_0 => quantized(GgmlDType::Q5_0)?,
-        GgmlType::Q4K => quantized(GgmlDType::Q4K)?,
-        GgmlType::Q6K => quantized(GgmlDType::Q6K)?,
+        GgmlType::Q4K => super::kquants::q4_k(&x()?),
+        GgmlType::Q6K => super::kquants::q6_k(&x()?),
     })
 }
