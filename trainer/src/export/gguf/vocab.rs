@@ -324,7 +324,7 @@ struct SpecialVocab {
 impl SpecialVocab {
     fn read(
         tokenizer: &Json,
-        mut config: Option<&mut Json>,
+        config: Option<&mut Json>,
         dir: &Path,
         vocab_size: usize,
     ) -> Result<Self> {
@@ -359,7 +359,7 @@ impl SpecialVocab {
             .flatten()
             .filter_map(|t| Some((t["content"].as_str()?.to_string(), t["id"].as_u64()? as u32)))
             .collect();
-        if let Some(c) = config.as_deref_mut() {
+        if let Some(c) = config {
             let jinja = dir.join("chat_template.jinja");
             let alt = match jinja.is_file() {
                 true => Some(std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?),

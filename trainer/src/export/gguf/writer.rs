@@ -121,7 +121,7 @@ impl GgmlType {
     pub fn bytes(self, shape: &[usize]) -> Option<u64> {
         let (elems, bytes) = self.block();
         let row = *shape.last().unwrap_or(&1);
-        if row % elems != 0 {
+        if !row.is_multiple_of(elems) {
             return None;
         }
         let n: usize = shape.iter().product();
