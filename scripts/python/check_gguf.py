@@ -7,8 +7,9 @@ llama.cpp: `pip install llama-cpp-python==0.3.36 diskcache`, which builds it in 
     .venv-py/bin/python scripts/python/check_gguf.py HF_DIR MODEL.gguf [--tol 1e-4] [--tokens 20]
 
 Tolerances: logits within `--tol` relative to the largest logit of the position (1e-4 for f32
-files: llama.cpp and PyTorch sum in other orders; 1e-2 for f16/bf16 files, whose weights are
-rounded); q8_0 and q4_k_m are lossy and get a report of the difference instead (`--tol 0`).
+files, with llama.cpp's KV cache in f32: llama.cpp and PyTorch sum in other orders; 1e-2 for
+f16/bf16 files, whose weights are rounded); q8_0 and q4_k_m are lossy and get a report of the
+difference instead (`--tol 0`; their greedy continuations may then part).
 The prompt is tokenized by transformers and given to llama.cpp as ids, so the check is of the
 model, not of the two tokenizers; `--text` also checks that llama.cpp tokenizes the prompt to
 the same ids.
@@ -40,8 +41,9 @@ def main():
         greedy_ref = model.generate(torch.tensor([ids]), max_new_tokens=args.tokens, do_sample=False,
                                     pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
 
+    # The KV cache in f32 (llama.cpp's default is f16, which alone moves logits by ~1e-3).
     llm = Llama(model_path=args.gguf, n_ctx=max(64, len(ids) + args.tokens + 8), logits_all=True,
-                verbose=False, n_threads=2)
+                verbose=False, n_threads=2, type_k=0, type_v=0)
     ok = True
     if args.text:
         theirs = llm.tokenize(args.prompt.encode("utf-8"), add_bos=True, special=False)
