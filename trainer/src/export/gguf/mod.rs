@@ -2,7 +2,7 @@
 //! llama.cpp's own `convert_hf_to_gguf.py` writes it: the same architecture name, metadata
 //! keys, tensor names and layouts (Llama's q/k rows permuted for its rotary layout), the same
 //! tensor types (1-D tensors and norms in f32; the rest in the type asked for, q8_0 falling back
-//! to f16 where rows are not whole blocks), and the tokenizer inside ([`vocab`]).
+//! to f16 where rows are not whole blocks), and the tokenizer inside (`vocab.rs`).
 //!
 //! Llama, Mistral (llama.cpp's `llama` architecture), Qwen2 and Qwen3 are written; adapters
 //! (a LoRA run, a PEFT adapter directory) are merged into their base first. The file is
