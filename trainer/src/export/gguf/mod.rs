@@ -194,7 +194,11 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
             ty: *ty,
         })
         .collect();
-    let (tmp, guard) = temporary_file(out)?;
+    // Written in a temporary directory beside `out` (removed however this returns), then
+    // renamed into place: a failed export leaves nothing behind.
+    let (dir, _) = super::temporary_beside(out)?;
+    let _cleanup = super::RemoveOnDrop(Some(dir.clone()));
+    let tmp = dir.join("model.gguf");
     let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let io_err = |e: std::io::Error| Error::io(&tmp, e);
     let mut data = writer::write_header(BufWriter::new(file), &metadata, &infos).map_err(io_err)?;
@@ -217,7 +221,6 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
     file.sync_all().map_err(io_err)?;
     let bytes = file.metadata().map_err(io_err)?.len();
     std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))?;
-    guard.disarm();
     Ok(GgufExported {
         path: out.to_path_buf(),
         architecture: arch.name.to_string(),
@@ -441,39 +444,6 @@ fn tokenizer_dir(source: &ModelDir) -> Option<PathBuf> {
         .map(|o| o.dir)
         .chain(source.adapter.clone())
         .find(|d| d.join(crate::pretrained::TOKENIZER_FILE).is_file())
-}
-
-/// A temporary file beside `out`, removed on drop unless disarmed.
-fn temporary_file(out: &Path) -> Result<(PathBuf, Guard)> {
-    let parent = match out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = out
-        .file_name()
-        .ok_or_else(|| Error::Config(format!("{}: not a file name", out.display())))?;
-    let tmp = parent.join(format!(
-        ".{}.tmp-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    Ok((tmp.clone(), Guard(Some(tmp))))
-}
-
-struct Guard(Option<PathBuf>);
-
-impl Guard {
-    fn disarm(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if let Some(p) = self.0.take() {
-            let _ = std::fs::remove_file(p);
-        }
-    }
 }
 
 #[cfg(test)]
