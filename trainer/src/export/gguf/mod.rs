@@ -173,27 +173,8 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
         tokenizer = true;
     }
     let heads = (usize_of(&hf, "num_attention_heads")?, kv_heads(&hf)?);
-    let mut plan = Vec::new();
-    let mut mixture = Mixture::new(&loaded.params, ty);
-    for (name, var) in loaded.params.iter() {
-        let Some(gguf_name) = tensor_name(name) else {
-            return Err(Error::Config(format!(
-                "{}: tensor {name} has no llama.cpp name",
-                source.dir.display()
-            )));
-        };
-        let shape = var.dims().to_vec();
-        let t = mixture.type_of(&gguf_name, &shape);
-        plan.push((name.clone(), gguf_name, t, shape));
-    }
-    let infos: Vec<TensorInfo> = plan
-        .iter()
-        .map(|(_, n, ty, shape)| TensorInfo {
-            name: n.clone(),
-            shape: shape.clone(),
-            ty: *ty,
-        })
-        .collect();
+    let plan = plan(&loaded.params, ty, &source.dir)?;
+    let infos: Vec<TensorInfo> = plan.iter().map(|(_, info)| info.clone()).collect();
     // Written in a temporary directory beside `out` (removed however this returns), then
     // renamed into place: a failed export leaves nothing behind.
     let (dir, _) = super::temporary_beside(out)?;
@@ -202,7 +183,7 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
     let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let io_err = |e: std::io::Error| Error::io(&tmp, e);
     let mut data = writer::write_header(BufWriter::new(file), &metadata, &infos).map_err(io_err)?;
-    for (name, gguf_name, ty, _) in &plan {
+    for (name, info) in &plan {
         let mut t = loaded.params.tensor(name)?;
         if arch.permute_qk {
             if name.ends_with("q_proj.weight") {
@@ -212,7 +193,7 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
             }
         }
         let bytes =
-            quant::encode(&t, *ty).map_err(|e| Error::Config(format!("{gguf_name}: {e}")))?;
+            quant::encode(&t, info.ty).map_err(|e| Error::Config(format!("{}: {e}", info.name)))?;
         data.tensor(&bytes).map_err(io_err)?;
     }
     let mut w = data.finish().map_err(io_err)?;
@@ -229,6 +210,35 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
         bytes,
         tokenizer,
     })
+}
+
+/// Each Hugging Face tensor of `params` with what the file holds of it (llama.cpp's name, the
+/// shape, the type [`Mixture`] chooses), in file order.
+fn plan(
+    params: &crate::model::Params,
+    ty: GgufType,
+    dir: &Path,
+) -> Result<Vec<(String, TensorInfo)>> {
+    let mut mixture = Mixture::new(params, ty);
+    params
+        .iter()
+        .map(|(name, var)| {
+            let gguf_name = tensor_name(name).ok_or_else(|| {
+                Error::Config(format!(
+                    "{}: tensor {name} has no llama.cpp name",
+                    dir.display()
+                ))
+            })?;
+            let shape = var.dims().to_vec();
+            let ty = mixture.type_of(&gguf_name, &shape);
+            let info = TensorInfo {
+                name: gguf_name,
+                shape,
+                ty,
+            };
+            Ok((name.clone(), info))
+        })
+        .collect()
 }
 
 /// The general and architecture keys, as llama.cpp's converter writes them for `arch`.
