@@ -11,7 +11,9 @@ k-quant blocks), each with a tokenizer of another kind:
 - `qwen2`   Qwen2ForCausalLM, bf16, tied head, q/k/v biases, BPE with Qwen2's regex (`qwen2`);
 - `qwen3`   Qwen3ForCausalLM, bf16, q/k norms, GPT-2's byte-level pre-tokenizer (`gpt-2`);
 - `mistral` MistralForCausalLM, bf16, a SentencePiece-style tokenizer (BPE with byte fallback,
-            `▁` for spaces: llama.cpp's `llama` tokenizer model).
+            `▁` for spaces: llama.cpp's `llama` tokenizer model);
+- `llama3_rope` LlamaForCausalLM, bf16, Llama 3.1's rotary scaling (`rope_type: llama3`, which
+            the converter writes as the tensor `rope_freqs.weight`; its values are recorded too).
 
 Each is saved with `save_pretrained` (config.json, model.safetensors, tokenizer files) and
 converted by llama.cpp's `convert_hf_to_gguf.py` to f32, f16, bf16 and q8_0, and the f32 file
@@ -163,6 +165,11 @@ def model(kind, tok, seed):
                                                 tie_word_embeddings=True, **common), torch.bfloat16),
         "qwen3": (Qwen3ForCausalLM, Qwen3Config(rms_norm_eps=1e-6, rope_theta=1e6, head_dim=64,
                                                 tie_word_embeddings=True, **common), torch.bfloat16),
+        "llama3_rope": (LlamaForCausalLM, LlamaConfig(
+            rms_norm_eps=1e-5, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 64}, **common), torch.bfloat16),
         "mistral": (MistralForCausalLM, MistralConfig(rms_norm_eps=1e-5, rope_theta=1e4,
                                                       sliding_window=64, tie_word_embeddings=False,
                                                       **common), torch.bfloat16),
@@ -212,6 +219,9 @@ def describe(path, gguf):
     tensors = {t.name: {"type": t.tensor_type.name, "shape": [int(x) for x in reversed(t.shape)],
                         "sha256": hashlib.sha256(np.ascontiguousarray(t.data).tobytes()).hexdigest()}
                for t in r.tensors}
+    for t in r.tensors:
+        if t.name == "rope_freqs.weight":
+            tensors[t.name]["values"] = [float(v) for v in np.asarray(t.data, dtype=np.float32)]
     return {"keys": keys, "tensors": tensors}
 
 
@@ -235,7 +245,8 @@ def main():
     cases = [("llama", bpe_tokenizer("llama3", LLAMA3_SPLIT), 1),
              ("qwen2", bpe_tokenizer("qwen2_5", QWEN2_SPLIT), 2),
              ("qwen3", bpe_tokenizer("qwen2_5", None), 3),
-             ("mistral", sentencepiece_tokenizer(), 4)]
+             ("mistral", sentencepiece_tokenizer(), 4),
+             ("llama3_rope", bpe_tokenizer("llama3", LLAMA3_SPLIT), 5)]
     os.makedirs(out, exist_ok=True)
     for name, tok, seed in cases:
         d = os.path.join(out, name)

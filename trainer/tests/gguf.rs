@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 use trainer::export::gguf::{export_gguf, GgufOptions, GgufType};
 use trainer::load::ModelDir;
 
-const MODELS: [&str; 4] = ["llama", "qwen2", "qwen3", "mistral"];
+const MODELS: [&str; 5] = ["llama", "qwen2", "qwen3", "mistral", "llama3_rope"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -10,6 +10,7 @@
 
 mod kquants;
 mod quant;
+mod rope;
 mod vocab;
 mod writer;
 
@@ -146,12 +147,7 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
             source.dir.display()
         ))
     })?;
-    if let Some(scaling) = hf.get("rope_scaling").filter(|v| !v.is_null()) {
-        return Err(Error::Config(format!(
-            "{}: rope_scaling {scaling} is not written to GGUF yet (plain rotary only)",
-            source.dir.display()
-        )));
-    }
+    let (rope_keys, rope_freqs) = rope::scaling(arch.name, &hf, &source.dir)?;
     let ty = match options.ty {
         Some(t) => t,
         None => match super::stored_dtype(&super::origins(source))?.0 {
@@ -160,6 +156,7 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
         },
     };
     let mut metadata = model_metadata(&arch, &hf, source, ty)?;
+    metadata.extend(rope_keys);
     let mut tokenizer = false;
     if options.tokenizer {
         let dir = tokenizer_dir(source).ok_or_else(|| {
@@ -173,7 +170,7 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
         tokenizer = true;
     }
     let heads = (usize_of(&hf, "num_attention_heads")?, kv_heads(&hf)?);
-    let plan = plan(&loaded.params, ty, &source.dir)?;
+    let plan = plan(&loaded.params, rope_freqs, ty, &source.dir)?;
     let infos: Vec<TensorInfo> = plan.iter().map(|(_, info)| info.clone()).collect();
     // Written in a temporary directory beside `out` (removed however this returns), then
     // renamed into place: a failed export leaves nothing behind.
@@ -183,8 +180,11 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
     let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let io_err = |e: std::io::Error| Error::io(&tmp, e);
     let mut data = writer::write_header(BufWriter::new(file), &metadata, &infos).map_err(io_err)?;
-    for (name, info) in &plan {
-        let mut t = loaded.params.tensor(name)?;
+    for (source, info) in &plan {
+        let (name, mut t) = match source {
+            Source::Param(name) => (name.as_str(), loaded.params.tensor(name)?),
+            Source::Values(v) => ("", Tensor::new(v.as_slice(), &Device::Cpu)?),
+        };
         if arch.permute_qk {
             if name.ends_with("q_proj.weight") {
                 t = permute(&t, heads.0)?;
@@ -212,33 +212,49 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
     })
 }
 
-/// Each Hugging Face tensor of `params` with what the file holds of it (llama.cpp's name, the
-/// shape, the type [`Mixture`] chooses), in file order.
+/// Where a tensor of the file comes from.
+enum Source {
+    /// A parameter, by Hugging Face name.
+    Param(String),
+    /// Values computed for the file (Llama 3's `rope_freqs.weight`).
+    Values(Vec<f32>),
+}
+
+/// Each tensor of the file (`rope_freqs` if given, then every Hugging Face tensor of
+/// `params`) with what the file holds of it (llama.cpp's name, the shape, the type [`Mixture`]
+/// chooses), in file order.
 fn plan(
     params: &crate::model::Params,
+    rope_freqs: Option<Vec<f32>>,
     ty: GgufType,
     dir: &Path,
-) -> Result<Vec<(String, TensorInfo)>> {
+) -> Result<Vec<(Source, TensorInfo)>> {
     let mut mixture = Mixture::new(params, ty);
-    params
-        .iter()
-        .map(|(name, var)| {
-            let gguf_name = tensor_name(name).ok_or_else(|| {
-                Error::Config(format!(
-                    "{}: tensor {name} has no llama.cpp name",
-                    dir.display()
-                ))
-            })?;
-            let shape = var.dims().to_vec();
-            let ty = mixture.type_of(&gguf_name, &shape);
-            let info = TensorInfo {
-                name: gguf_name,
-                shape,
-                ty,
-            };
-            Ok((name.clone(), info))
-        })
-        .collect()
+    let extra = rope_freqs.map(|v| {
+        let info = TensorInfo {
+            name: "rope_freqs.weight".into(),
+            shape: vec![v.len()],
+            ty: GgmlType::F32,
+        };
+        Ok((Source::Values(v), info))
+    });
+    let params = params.iter().map(|(name, var)| {
+        let gguf_name = tensor_name(name).ok_or_else(|| {
+            Error::Config(format!(
+                "{}: tensor {name} has no llama.cpp name",
+                dir.display()
+            ))
+        })?;
+        let shape = var.dims().to_vec();
+        let ty = mixture.type_of(&gguf_name, &shape);
+        let info = TensorInfo {
+            name: gguf_name,
+            shape,
+            ty,
+        };
+        Ok((Source::Param(name.clone()), info))
+    });
+    extra.into_iter().chain(params).collect()
 }
 
 /// The general and architecture keys, as llama.cpp's converter writes them for `arch`.
