@@ -75,7 +75,8 @@ use crate::gelu::FastMath;
 use crate::op::{self, Grads, In, Kernel, Saved};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, Device, Layout, Result, Shape, Storage, Tensor, WithDType};
-use kernel::{BwdInputs, Docs, Geom, Params, Ptr, View};
+use kernel::backward::{backward, BwdInputs};
+use kernel::{Docs, Geom, Params, Ptr, View};
 
 /// The contiguous slice of a CPU storage guard.
 fn slice<'a, T: Elem>(s: &'a Storage, l: &Layout) -> Result<&'a [T]> {
@@ -184,10 +185,10 @@ where
     };
     match &r.mask {
         Some(m) => cpu::with_slice::<T::Acc, _>(m, |m| {
-            kernel::backward::<T>(g, &params(r, Some(m))?, &x, pq, pk, pv);
+            backward::<T>(g, &params(r, Some(m))?, &x, pq, pk, pv);
             Ok(())
         })?,
-        None => kernel::backward::<T>(g, &params(r, None)?, &x, pq, pk, pv),
+        None => backward::<T>(g, &params(r, None)?, &x, pq, pk, pv),
     }
     Ok(grads)
 }

@@ -223,6 +223,49 @@ const UNSUPPORTED: &[(&str, &str)] = &[
     ("kasa_config", "null"),
 ];
 
+/// An error in the value of `key` of the adapter config at `path`.
+fn key_error(path: &Path, key: &str, msg: String) -> PeftError {
+    PeftError::file(path, format!("`{key}`: {msg}"))
+}
+
+/// Refuses by name what the adapter config `m` (at `path`) asks for that this crate does not
+/// implement: a `peft_type` other than LoRA, a key of [`UNSUPPORTED`] not at its "off" value.
+fn refuse_unsupported(m: &Map<String, Value>, path: &Path) -> Result<()> {
+    match m.get("peft_type").and_then(Value::as_str) {
+        Some("LORA") | None => {}
+        Some(other) => {
+            return Err(PeftError::Unsupported {
+                path: path.into(),
+                key: "peft_type".into(),
+                value: format!("\"{other}\""),
+            })
+        }
+    }
+    for (key, off) in UNSUPPORTED {
+        let off: Value = serde_json::from_str(off).unwrap_or(Value::Null);
+        if let Some(v) = m.get(*key) {
+            if !is_off(key, v, &off) {
+                return Err(PeftError::Unsupported {
+                    path: path.into(),
+                    key: key.to_string(),
+                    value: v.to_string(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The boolean `key` of the adapter config `m` (at `path`): `false` when absent or null.
+fn flag(m: &Map<String, Value>, key: &str, path: &Path) -> Result<bool> {
+    match m.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| key_error(path, key, format!("{v} is not true or false"))),
+    }
+}
+
 /// Values that also mean "off" for some options (`[]` for an empty list, `false` for null).
 fn is_off(key: &str, v: &Value, off: &Value) -> bool {
     v == off
@@ -333,29 +376,8 @@ impl LoraConfig {
         let Value::Object(m) = v else {
             return Err(PeftError::file(path, "not a JSON object"));
         };
-        let key_err = |key: &str, msg: String| PeftError::file(path, format!("`{key}`: {msg}"));
-        match m.get("peft_type").and_then(Value::as_str) {
-            Some("LORA") | None => {}
-            Some(other) => {
-                return Err(PeftError::Unsupported {
-                    path: path.into(),
-                    key: "peft_type".into(),
-                    value: format!("\"{other}\""),
-                })
-            }
-        }
-        for (key, off) in UNSUPPORTED {
-            let off: Value = serde_json::from_str(off).unwrap_or(Value::Null);
-            if let Some(v) = m.get(*key) {
-                if !is_off(key, v, &off) {
-                    return Err(PeftError::Unsupported {
-                        path: path.into(),
-                        key: key.to_string(),
-                        value: v.to_string(),
-                    });
-                }
-            }
-        }
+        let key_err = |key: &str, msg: String| key_error(path, key, msg);
+        refuse_unsupported(&m, path)?;
         let r = match m.get("r") {
             None => 8,
             Some(v) => v
@@ -388,18 +410,8 @@ impl LoraConfig {
             Some(v) => TargetModules::from_peft_json(v)
                 .map_err(|e| key_err("target_modules", e.to_string()))?,
         };
-        let use_rslora = match m.get("use_rslora") {
-            None | Some(Value::Null) => false,
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| key_err("use_rslora", format!("{v} is not true or false")))?,
-        };
-        let fan_in_fan_out = match m.get("fan_in_fan_out") {
-            None | Some(Value::Null) => false,
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| key_err("fan_in_fan_out", format!("{v} is not true or false")))?,
-        };
+        let use_rslora = flag(&m, "use_rslora", path)?;
+        let fan_in_fan_out = flag(&m, "fan_in_fan_out", path)?;
         let modules_to_save = match m.get("modules_to_save") {
             None | Some(Value::Null) => Vec::new(),
             Some(Value::Array(items)) => items

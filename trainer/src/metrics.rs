@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::tensorboard::RunEvents;
+use crate::tensorboard::{self, RunEvents, Scalar};
 use crate::{Error, Result};
 
 /// What one optimiser step did.
@@ -77,6 +77,52 @@ impl Record {
         match self {
             Record::Step(s) => s.step,
             Record::Eval(e) => e.step,
+        }
+    }
+}
+
+/// The scalars a run logs for `record` at `wall_time`: a step as `train/loss`,
+/// `train/learning_rate`, `train/grad_norm` (NaN for a step the loss scaler skipped),
+/// `train/tokens_per_s`, `train/mfu` and, with a loss scale, `train/loss_scale`; an
+/// evaluation as `eval/loss` (the validation loss), `eval/train_loss` and, with a task,
+/// `eval/<score name>` with what TensorFlow refuses in a tag as `_` (e.g.
+/// `eval/addition_accuracy`). The step is the optimizer step.
+pub fn scalars_of(record: &Record, wall_time: f64) -> Vec<Scalar> {
+    let at = |tag: &str, value: f32| Scalar {
+        tag: tag.to_string(),
+        step: record.step() as i64,
+        value,
+        wall_time,
+    };
+    match record {
+        Record::Step(s) => {
+            let mut out = vec![
+                at("train/loss", s.loss),
+                at("train/learning_rate", s.lr as f32),
+                at("train/grad_norm", s.grad_norm),
+                at("train/tokens_per_s", s.tokens_per_sec as f32),
+                at("train/mfu", s.mfu as f32),
+            ];
+            out.extend(s.loss_scale.map(|v| at("train/loss_scale", v as f32)));
+            out
+        }
+        Record::Eval(e) => {
+            let mut out = vec![
+                at("eval/loss", e.val_loss),
+                at("eval/train_loss", e.train_loss),
+            ];
+            if let (Some(score), Some(name)) = (e.score, &e.score_name) {
+                // TensorFlow's tag rule: `[-/\w.]` kept, anything else `_`.
+                let name: String = name
+                    .chars()
+                    .map(|c| match c.is_alphanumeric() || "-/_.".contains(c) {
+                        true => c,
+                        false => '_',
+                    })
+                    .collect();
+                out.push(at(&format!("eval/{name}"), score));
+            }
+            out
         }
     }
 }
@@ -153,7 +199,7 @@ impl MetricsLog {
             file.flush().map_err(|e| Error::io(&self.path, e))?;
         }
         if let Some(events) = &mut self.events {
-            events.push(&record)?;
+            events.push(&scalars_of(&record, tensorboard::now()))?;
         }
         self.records.push(record);
         Ok(())

@@ -6,9 +6,10 @@
 //! `brain.Event:2`, then one event per scalar, a `Summary` with one `simple_value`. Only the
 //! fields a scalar log uses are declared here; others are skipped when reading.
 //!
-//! A run writes its records ([`crate::metrics::Record`]) beside `metrics.jsonl` with the tags
-//! of [`scalars_of`], as `events.out.tfevents.<seconds>.<pid>.trainer`, which
-//! `tensorboard --logdir RUN_DIR` (or its parent, one curve per run) reads.
+//! A run writes its records beside `metrics.jsonl` as scalars (their tags are
+//! [`crate::metrics::scalars_of`]'s), as `events.out.tfevents.<seconds>.<pid>.trainer`, which
+//! `tensorboard --logdir RUN_DIR` (or its parent, one curve per run) reads. This module knows
+//! the file format and the run directory's event files, nothing of what a run records.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -16,7 +17,6 @@ use std::path::{Path, PathBuf};
 
 use prost::Message;
 
-use crate::metrics::Record;
 use crate::{Error, Result};
 
 /// The file version of the header event TensorBoard writes and expects.
@@ -297,52 +297,6 @@ pub fn read(path: &Path) -> Result<EventFile> {
     }
 }
 
-/// The scalars a run logs for `record` at `wall_time`: a step as `train/loss`,
-/// `train/learning_rate`, `train/grad_norm` (NaN for a step the loss scaler skipped),
-/// `train/tokens_per_s`, `train/mfu` and, with a loss scale, `train/loss_scale`; an
-/// evaluation as `eval/loss` (the validation loss), `eval/train_loss` and, with a task,
-/// `eval/<score name>` with what TensorFlow refuses in a tag as `_` (e.g.
-/// `eval/addition_accuracy`). The step is the optimizer step.
-pub fn scalars_of(record: &Record, wall_time: f64) -> Vec<Scalar> {
-    let at = |tag: &str, value: f32| Scalar {
-        tag: tag.to_string(),
-        step: record.step() as i64,
-        value,
-        wall_time,
-    };
-    match record {
-        Record::Step(s) => {
-            let mut out = vec![
-                at("train/loss", s.loss),
-                at("train/learning_rate", s.lr as f32),
-                at("train/grad_norm", s.grad_norm),
-                at("train/tokens_per_s", s.tokens_per_sec as f32),
-                at("train/mfu", s.mfu as f32),
-            ];
-            out.extend(s.loss_scale.map(|v| at("train/loss_scale", v as f32)));
-            out
-        }
-        Record::Eval(e) => {
-            let mut out = vec![
-                at("eval/loss", e.val_loss),
-                at("eval/train_loss", e.train_loss),
-            ];
-            if let (Some(score), Some(name)) = (e.score, &e.score_name) {
-                // TensorFlow's tag rule: `[-/\w.]` kept, anything else `_`.
-                let name: String = name
-                    .chars()
-                    .map(|c| match c.is_alphanumeric() || "-/_.".contains(c) {
-                        true => c,
-                        false => '_',
-                    })
-                    .collect();
-                out.push(at(&format!("eval/{name}"), score));
-            }
-            out
-        }
-    }
-}
-
 /// The event log of a run directory: one file of [`RUN_FILE_SUFFIX`], rewritten when the run
 /// starts or resumes.
 pub(crate) struct RunEvents {
@@ -399,17 +353,17 @@ impl RunEvents {
         })
     }
 
-    /// Appends the scalars of `record` (see [`scalars_of`]) and flushes them.
-    pub(crate) fn push(&mut self, record: &Record) -> Result<()> {
-        for s in scalars_of(record, now()) {
-            self.writer.write(&s)?;
+    /// Appends `scalars` and flushes them.
+    pub(crate) fn push(&mut self, scalars: &[Scalar]) -> Result<()> {
+        for s in scalars {
+            self.writer.write(s)?;
         }
         self.writer.flush()
     }
 }
 
 /// Seconds since the Unix epoch.
-fn now() -> f64 {
+pub(crate) fn now() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())

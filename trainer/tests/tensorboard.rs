@@ -8,7 +8,8 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use common::{run_to_end, tiny_config, train};
-use trainer::tensorboard::{read, scalars_of, EventWriter, Scalar};
+use trainer::metrics::scalars_of;
+use trainer::tensorboard::{read, EventWriter, Scalar};
 use trainer::train::Trainer;
 
 fn fixture(name: &str) -> PathBuf {

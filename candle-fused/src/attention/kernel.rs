@@ -19,10 +19,9 @@
 //! the scores outside a row's span are set to 0 before they are used (the row's weights there
 //! are exactly 0, so a NaN key outside a row's span does not reach it).
 
-mod backward;
+pub(super) mod backward;
 mod tile;
 
-pub(crate) use backward::{backward, BwdInputs};
 pub(crate) use tile::Ptr;
 
 use crate::cpu::{sum_map, Elem, Real};

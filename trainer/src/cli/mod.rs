@@ -13,10 +13,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use trainer::checkpoint;
 use trainer::config::{Overrides, TrainConfig};
-use trainer::pretrained::EvalRequest;
 use trainer::train::Trainer;
 
-use models::{eval, inspect, sample};
+use models::{eval, inspect, sample, EvalArgs, InspectArgs, SampleArgs};
 use progress::{install_signal_handler, print_banner, print_summary, Progress};
 
 /// Train GPT-2 style transformers on Candle.
@@ -115,103 +114,6 @@ struct TrainArgs {
     overwrite: bool,
     #[command(flatten)]
     overrides: Overrides,
-}
-
-#[derive(Args, Debug)]
-struct SampleArgs {
-    /// A run or checkpoint directory, a Hugging Face model directory, or a hub model id.
-    model: String,
-    /// A tokenizer.json to encode the prompt and decode the samples with.
-    #[arg(long)]
-    tokenizer_path: Option<PathBuf>,
-    /// Text to continue (if it encodes to no token: the model's bos token, else id 0); with
-    /// --chat, the user's message.
-    #[arg(long, default_value = "\n")]
-    prompt: String,
-    /// Token ids to continue instead of --prompt, comma-separated (e.g. 15496,11), each below
-    /// the model's vocab_size.
-    #[arg(long, value_name = "IDS", value_delimiter = ',', conflicts_with_all = ["prompt", "chat"])]
-    prompt_ids: Option<Vec<u32>>,
-    /// Do not end at the model's end tokens (nor at a chat's end of turn): generate
-    /// --max-new-tokens tokens.
-    #[arg(long)]
-    ignore_eos: bool,
-    /// Draw only ids the tokenizer has (by default every id of the model's vocabulary, as
-    /// transformers does; an id the tokenizer cannot decode is printed as <id:N>).
-    #[arg(long)]
-    tokenizer_ids_only: bool,
-    /// Chat with the model: --prompt is a user message, rendered with the model's chat
-    /// template (chat_template.jinja or tokenizer_config.json beside its tokenizer) and its
-    /// generation prompt; the reply alone is printed, ending at the template's end-of-turn
-    /// token or the model's end tokens.
-    #[arg(long)]
-    chat: bool,
-    /// With --chat: a system message before the user's.
-    #[arg(long, requires = "chat")]
-    system: Option<String>,
-    /// Tokens to generate. Past the model's positions, rotary ones (Llama family) go on (a
-    /// warning: it was not trained there); GPT-2's learned ones see the last n_positions
-    /// tokens afresh.
-    #[arg(long, default_value_t = 200)]
-    max_new_tokens: usize,
-    /// Softmax temperature (0: greedy).
-    #[arg(long, default_value_t = 0.8)]
-    temperature: f64,
-    /// Sample among the k most likely tokens only.
-    #[arg(long, default_value_t = 200)]
-    top_k: usize,
-    /// Sample among the most likely tokens holding this much probability only (nucleus
-    /// sampling; 1: off).
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f64,
-    /// Number of samples.
-    #[arg(long, default_value_t = 1)]
-    num_samples: usize,
-    /// Seed of the sampler.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Device (cpu, cuda, cuda:N, metal).
-    #[arg(long, default_value = "cpu")]
-    device: trainer::config::DeviceSpec,
-    /// Use adapters even though they record another base model than the one found (a
-    /// warning names both; without it they are refused).
-    #[arg(long)]
-    other_base: bool,
-    /// The base model of adapters, instead of the one they name (a PEFT adapter's
-    /// base_model_name_or_path, a LoRA run's init_from).
-    #[arg(long, value_name = "MODEL")]
-    init_from: Option<String>,
-}
-
-#[derive(Args, Debug)]
-struct EvalArgs {
-    /// A run or checkpoint directory, a Hugging Face model directory, or a hub model id.
-    model: String,
-    /// Use adapters even though they record another base model than the one found (a
-    /// warning names both; without it they are refused).
-    #[arg(long)]
-    other_base: bool,
-    /// The base model of adapters, instead of the one they name (a PEFT adapter's
-    /// base_model_name_or_path, a LoRA run's init_from).
-    #[arg(long, value_name = "MODEL")]
-    init_from: Option<String>,
-    #[command(flatten)]
-    request: EvalRequest,
-}
-
-#[derive(Args, Debug)]
-struct InspectArgs {
-    /// A run or checkpoint directory, a Hugging Face model directory, a hub model id, or a
-    /// `.safetensors` file. Exits non-zero when the weights do not match config.json.
-    checkpoint: String,
-    /// Use adapters even though they record another base model than the one found (a
-    /// warning names both; without it they are refused).
-    #[arg(long)]
-    other_base: bool,
-    /// The base model of adapters, instead of the one they name (a PEFT adapter's
-    /// base_model_name_or_path, a LoRA run's init_from).
-    #[arg(long, value_name = "MODEL")]
-    init_from: Option<String>,
 }
 
 /// How a command ended, when it did not fail.

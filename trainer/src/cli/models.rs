@@ -3,14 +3,117 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use clap::Args;
 use rand::SeedableRng;
 use trainer::checkpoint;
 use trainer::data::sft::SftEncoder;
-use trainer::load::{Checks, DataCheck, FingerprintCheck, ModelDir, Vocabulary, WeightFiles};
-use trainer::pretrained::TokenizerFile;
+use trainer::load::{
+    Checks, DataCheck, FingerprintCheck, Loaded, ModelDir, Vocabulary, WeightFiles,
+};
+use trainer::model::ModelConfig;
+use trainer::pretrained::{EvalRequest, TokenizerFile};
 use trainer::sample::{generate_streaming, SamplingConfig};
 
-use super::{EvalArgs, InspectArgs, SampleArgs};
+/// The `sample` flags.
+#[derive(Args, Debug)]
+pub(super) struct SampleArgs {
+    /// A run or checkpoint directory, a Hugging Face model directory, or a hub model id.
+    model: String,
+    /// A tokenizer.json to encode the prompt and decode the samples with.
+    #[arg(long)]
+    tokenizer_path: Option<PathBuf>,
+    /// Text to continue (if it encodes to no token: the model's bos token, else id 0); with
+    /// --chat, the user's message.
+    #[arg(long, default_value = "\n")]
+    prompt: String,
+    /// Token ids to continue instead of --prompt, comma-separated (e.g. 15496,11), each below
+    /// the model's vocab_size.
+    #[arg(long, value_name = "IDS", value_delimiter = ',', conflicts_with_all = ["prompt", "chat"])]
+    prompt_ids: Option<Vec<u32>>,
+    /// Do not end at the model's end tokens (nor at a chat's end of turn): generate
+    /// --max-new-tokens tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Draw only ids the tokenizer has (by default every id of the model's vocabulary, as
+    /// transformers does; an id the tokenizer cannot decode is printed as <id:N>).
+    #[arg(long)]
+    tokenizer_ids_only: bool,
+    /// Chat with the model: --prompt is a user message, rendered with the model's chat
+    /// template (chat_template.jinja or tokenizer_config.json beside its tokenizer) and its
+    /// generation prompt; the reply alone is printed, ending at the template's end-of-turn
+    /// token or the model's end tokens.
+    #[arg(long)]
+    chat: bool,
+    /// With --chat: a system message before the user's.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// Tokens to generate. Past the model's positions, rotary ones (Llama family) go on (a
+    /// warning: it was not trained there); GPT-2's learned ones see the last n_positions
+    /// tokens afresh.
+    #[arg(long, default_value_t = 200)]
+    max_new_tokens: usize,
+    /// Softmax temperature (0: greedy).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    /// Sample among the k most likely tokens only.
+    #[arg(long, default_value_t = 200)]
+    top_k: usize,
+    /// Sample among the most likely tokens holding this much probability only (nucleus
+    /// sampling; 1: off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    /// Number of samples.
+    #[arg(long, default_value_t = 1)]
+    num_samples: usize,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Device (cpu, cuda, cuda:N, metal).
+    #[arg(long, default_value = "cpu")]
+    device: trainer::config::DeviceSpec,
+    /// Use adapters even though they record another base model than the one found (a
+    /// warning names both; without it they are refused).
+    #[arg(long)]
+    other_base: bool,
+    /// The base model of adapters, instead of the one they name (a PEFT adapter's
+    /// base_model_name_or_path, a LoRA run's init_from).
+    #[arg(long, value_name = "MODEL")]
+    init_from: Option<String>,
+}
+
+/// The `eval` flags.
+#[derive(Args, Debug)]
+pub(super) struct EvalArgs {
+    /// A run or checkpoint directory, a Hugging Face model directory, or a hub model id.
+    model: String,
+    /// Use adapters even though they record another base model than the one found (a
+    /// warning names both; without it they are refused).
+    #[arg(long)]
+    other_base: bool,
+    /// The base model of adapters, instead of the one they name (a PEFT adapter's
+    /// base_model_name_or_path, a LoRA run's init_from).
+    #[arg(long, value_name = "MODEL")]
+    init_from: Option<String>,
+    #[command(flatten)]
+    request: EvalRequest,
+}
+
+/// The `inspect` flags.
+#[derive(Args, Debug)]
+pub(super) struct InspectArgs {
+    /// A run or checkpoint directory, a Hugging Face model directory, a hub model id, or a
+    /// `.safetensors` file. Exits non-zero when the weights do not match config.json.
+    checkpoint: String,
+    /// Use adapters even though they record another base model than the one found (a
+    /// warning names both; without it they are refused).
+    #[arg(long)]
+    other_base: bool,
+    /// The base model of adapters, instead of the one they name (a PEFT adapter's
+    /// base_model_name_or_path, a LoRA run's init_from).
+    #[arg(long, value_name = "MODEL")]
+    init_from: Option<String>,
+}
 
 /// How `sample` turns text into tokens and back.
 enum Codec {
@@ -77,71 +180,15 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
         .with_other_base(args.other_base);
     let device = args.device.open()?;
     let codec = Codec::for_model(&model_dir, args.tokenizer_path.as_deref())?;
-    // The loader checks the vocabulary against the model: more ids than the model embeds
-    // cannot be its own and are refused (a run's data must also be the run's vocabulary). One
-    // with fewer (a model's padded embedding) is sampled over all the model's ids (those past
-    // the tokenizer shown as <id:N>) unless --tokenizer-ids-only.
-    let ids = codec.vocab_size();
-    let name = match &codec {
-        Codec::Tokenizer(t) => format!(
-            "the tokenizer {} (used to encode the prompt)",
-            t.path().display()
-        ),
-        Codec::Data(_) => String::new(),
-    };
-    let fingerprint = match &codec {
-        Codec::Tokenizer(t) => Some(t.vocab_fingerprint()),
-        Codec::Data(_) => None,
-    };
-    let checks = match &codec {
-        Codec::Data(d) => Checks {
-            data: Some(DataCheck {
-                source: d.as_ref(),
-                fingerprint: FingerprintCheck::Vocabulary,
-            }),
-            ..Checks::default()
-        },
-        Codec::Tokenizer(_) => Checks {
-            vocab: Some(Vocabulary {
-                name: &name,
-                ids,
-                fingerprint: fingerprint.as_deref(),
-                advice: ": give the model's own tokenizer with --tokenizer-path",
-            }),
-            ..Checks::default()
-        },
-    };
-    let loaded = model_dir.load_with(&checks, &device)?;
+    let loaded = load_for(&codec, &model_dir, &device)?;
     // Generation ends at any of the model's end tokens (generation_config.json, config.json).
     let mut stop = model_dir.eos_token_ids(loaded.config.as_ref())?;
     let model = loaded.build()?;
-    let text = prompt_text(&args, &model_dir, &mut stop)?;
-    let prompt = match &args.prompt_ids {
-        Some(ids) => prompt_ids(ids, model.config())?,
-        None => codec
-            .encode(&text)
-            .with_context(|| format!("cannot encode the prompt {text:?}"))?,
-    };
-    let prompt = if prompt.is_empty() {
-        vec![model.config().special_tokens().bos.unwrap_or(0)]
-    } else {
-        prompt
-    };
+    let prompt = prompt_tokens(&args, &model_dir, &codec, model.config(), &mut stop)?;
     if args.ignore_eos {
         stop.clear();
     }
-    let positions = model.config().max_positions();
-    if prompt.len() + args.max_new_tokens > positions
-        && !trainer::sample::has_learned_positions(model.config())
-    {
-        tracing::warn!(
-            "the prompt ({}) and --max-new-tokens ({}) go past the model's {positions} \
-             positions: rotary positions continue there (as transformers does), but the model \
-             was not trained that far",
-            prompt.len(),
-            args.max_new_tokens
-        );
-    }
+    warn_past_positions(prompt.len(), args.max_new_tokens, model.config());
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         bail!("--top-p must be in (0, 1], got {}", args.top_p);
     }
@@ -149,7 +196,7 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
         temperature: args.temperature,
         top_k: Some(args.top_k),
         top_p: args.top_p,
-        vocab: args.tokenizer_ids_only.then_some(ids),
+        vocab: args.tokenizer_ids_only.then_some(codec.vocab_size()),
         ..SamplingConfig::default()
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
@@ -182,8 +229,83 @@ pub(super) fn sample(args: SampleArgs) -> Result<()> {
     Ok(())
 }
 
+/// The model of `model_dir` on `device`, its vocabulary checked against `codec`'s.
+///
+/// More ids than the model embeds cannot be its own and are refused (a run's data must also
+/// be the run's vocabulary). One with fewer (a model's padded embedding) is sampled over all
+/// the model's ids (those past the tokenizer shown as <id:N>) unless --tokenizer-ids-only.
+fn load_for(codec: &Codec, model_dir: &ModelDir, device: &Device) -> Result<Loaded> {
+    let name = match codec {
+        Codec::Tokenizer(t) => format!(
+            "the tokenizer {} (used to encode the prompt)",
+            t.path().display()
+        ),
+        Codec::Data(_) => String::new(),
+    };
+    let fingerprint = match codec {
+        Codec::Tokenizer(t) => Some(t.vocab_fingerprint()),
+        Codec::Data(_) => None,
+    };
+    let checks = match codec {
+        Codec::Data(d) => Checks {
+            data: Some(DataCheck {
+                source: d.as_ref(),
+                fingerprint: FingerprintCheck::Vocabulary,
+            }),
+            ..Checks::default()
+        },
+        Codec::Tokenizer(_) => Checks {
+            vocab: Some(Vocabulary {
+                name: &name,
+                ids: codec.vocab_size(),
+                fingerprint: fingerprint.as_deref(),
+                advice: ": give the model's own tokenizer with --tokenizer-path",
+            }),
+            ..Checks::default()
+        },
+    };
+    Ok(model_dir.load_with(&checks, device)?)
+}
+
+/// The prompt's token ids: `--prompt-ids`, else the prompt's text (a chat's rendered
+/// conversation, adding its end of turn to `stop`) encoded; the model's bos token (else id 0)
+/// when that is empty.
+fn prompt_tokens(
+    args: &SampleArgs,
+    model_dir: &ModelDir,
+    codec: &Codec,
+    config: &dyn ModelConfig,
+    stop: &mut Vec<u32>,
+) -> Result<Vec<u32>> {
+    let text = prompt_text(args, model_dir, stop)?;
+    let prompt = match &args.prompt_ids {
+        Some(ids) => prompt_ids(ids, config)?,
+        None => codec
+            .encode(&text)
+            .with_context(|| format!("cannot encode the prompt {text:?}"))?,
+    };
+    Ok(if prompt.is_empty() {
+        vec![config.special_tokens().bos.unwrap_or(0)]
+    } else {
+        prompt
+    })
+}
+
+/// A warning when the prompt and the tokens to generate go past a rotary model's positions
+/// (a model with learned positions slides its window instead).
+fn warn_past_positions(prompt: usize, max_new_tokens: usize, config: &dyn ModelConfig) {
+    let positions = config.max_positions();
+    if prompt + max_new_tokens > positions && !trainer::sample::has_learned_positions(config) {
+        tracing::warn!(
+            "the prompt ({prompt}) and --max-new-tokens ({max_new_tokens}) go past the \
+             model's {positions} positions: rotary positions continue there (as transformers \
+             does), but the model was not trained that far",
+        );
+    }
+}
+
 /// `--prompt-ids`, checked against the model's vocabulary.
-fn prompt_ids(ids: &[u32], config: &dyn trainer::model::ModelConfig) -> Result<Vec<u32>> {
+fn prompt_ids(ids: &[u32], config: &dyn ModelConfig) -> Result<Vec<u32>> {
     let vocab = config.vocab_size();
     if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
         bail!("--prompt-ids: id {id} is not below the model's vocab_size {vocab}");

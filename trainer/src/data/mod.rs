@@ -39,7 +39,7 @@
 mod addition;
 mod cache;
 pub mod chat_task;
-mod iter;
+pub(crate) mod iter;
 pub mod lines;
 mod open;
 pub mod sft;
@@ -59,7 +59,6 @@ use crate::model::{Rows, IGNORE};
 pub use addition::Addition;
 pub use cache::default_cache_dir;
 pub use chat_task::{ChatTask, ChatTaskKind};
-pub(crate) use iter::BatchIter;
 pub use iter::IntoBatch;
 pub use open::{check_fingerprint, open_for_run};
 pub use sft::SftSource;

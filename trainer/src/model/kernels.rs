@@ -5,15 +5,13 @@
 //! The model calls these methods and never branches on the choice itself; both paths compute
 //! the same function with the same dropout masks (the fused kernels are checked against the
 //! composite expressions in `candle-fused`'s tests, and the whole model in
-//! `trainer/tests/kernels.rs`).
+//! `trainer/tests/kernels.rs`). The ops that draw dropout (attention, dropout itself) take
+//! their keys from the forward context and are defined beside it, in `ctx.rs`.
 
 use candle_core::Tensor;
-use candle_fused::attention::{self, AttentionConfig};
 use candle_fused::linear_cross_entropy as lce;
-use candle_fused::{cross_entropy, dropout, linear, linear_gelu, norm, rope, swiglu, RngKey};
+use candle_fused::{cross_entropy, linear, linear_gelu, norm, rope, swiglu};
 use serde::{Deserialize, Serialize};
-
-use super::Ctx;
 
 /// The implementation of the model's ops.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -58,39 +56,6 @@ impl Kernels {
         match self {
             Kernels::Fused => norm::layer_norm(x, w, b, eps),
             Kernels::Reference => norm::layer_norm_composite(x, w, b, eps),
-        }
-    }
-
-    /// Causal self-attention of GPT-2's fused projection `qkv [B, T, 3C]` with `n_head` heads,
-    /// dropout `p` on the attention probabilities (at dropout site `site`): `[B, T, C]`.
-    pub fn causal_attention(self, qkv: &Tensor, n_head: usize, p: f32, ctx: &Ctx, site: u64) -> R {
-        let t = qkv.dim(1)?;
-        let p = if ctx.train { p } else { 0.0 };
-        let mut cfg = AttentionConfig::causal();
-        if p > 0.0 {
-            // Keyed by the global row, like `dropout` (probabilities are [B, H, T, T]).
-            let offset = (ctx.row * n_head * t * t) as u64;
-            cfg = cfg.with_dropout(p, RngKey::new(ctx.seed, site).with_offset(offset));
-        }
-        match self {
-            Kernels::Fused => attention::attention_qkv(qkv, n_head, &cfg),
-            Kernels::Reference => attention::attention_qkv_composite(qkv, n_head, &cfg),
-        }
-    }
-
-    /// Inverted dropout with a mask that is a pure function of `(ctx.seed, site)` and the
-    /// element's index in the whole batch (`x`'s rows are rows `ctx.row..` of it, see
-    /// [`Ctx::row`]): the same Philox mask on both kernels; `x` itself when not training or
-    /// `p == 0`.
-    pub fn dropout(self, x: &Tensor, p: f32, ctx: &Ctx, site: u64) -> R {
-        if !ctx.train || p == 0.0 {
-            return Ok(x.clone());
-        }
-        let row_len = x.elem_count() / x.dim(0)?.max(1);
-        let key = RngKey::new(ctx.seed, site).with_offset((ctx.row * row_len) as u64);
-        match self {
-            Kernels::Fused => dropout::dropout(x, p, key),
-            Kernels::Reference => dropout::dropout_composite(x, p, key),
         }
     }
 
@@ -151,42 +116,6 @@ impl Kernels {
         match self {
             Kernels::Fused => swiglu::swiglu(gate, up),
             Kernels::Reference => swiglu::swiglu_composite(gate, up),
-        }
-    }
-
-    /// Causal grouped-query attention of `q [B, H, T, D]` over `k`, `v` `[B, KV, Tk, D]`
-    /// (queries at the end of the keys), within `window` tokens and, given `doc_ids [B, Tk]`,
-    /// within each token's document; dropout `p` on the probabilities at dropout site `site`.
-    /// Returns `[B, T, H * D]` (heads merged).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gqa_attention(
-        self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        window: Option<usize>,
-        doc_ids: Option<&Tensor>,
-        p: f32,
-        ctx: &Ctx,
-        site: u64,
-    ) -> R {
-        let (h, t) = (q.dim(1)?, q.dim(2)?);
-        let tk = k.dim(2)?;
-        let mut cfg = AttentionConfig::causal();
-        if let Some(w) = window {
-            cfg = cfg.with_window(w);
-        }
-        if let Some(ids) = doc_ids {
-            cfg = cfg.with_doc_ids(ids.clone());
-        }
-        if p > 0.0 && ctx.train {
-            // Keyed by the global row, like `dropout` (probabilities are [B, H, T, Tk]).
-            let offset = (ctx.row * h * t * tk) as u64;
-            cfg = cfg.with_dropout(p, RngKey::new(ctx.seed, site).with_offset(offset));
-        }
-        match self {
-            Kernels::Fused => attention::attention_merged(q, k, v, &cfg),
-            Kernels::Reference => attention::attention_merged_composite(q, k, v, &cfg),
         }
     }
 

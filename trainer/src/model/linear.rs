@@ -6,38 +6,8 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use super::{Builder, Ctx, WeightMap};
+use super::{Builder, Ctx, Layout, LinearAdapter, WeightMap};
 use crate::Result;
-
-/// What runs a linear layer in place of its plain `y = x W + b`: an adapter (a LoRA, say,
-/// `x W + b + s B A x`), computing the whole output so that it can fuse the base GEMM with its
-/// own. It owns its own parameters, which are not the layer's.
-pub trait LinearAdapter: Send + Sync + std::fmt::Debug {
-    /// The adapted layer's output for `x [.., in]`, the layer's weight `w` as an `[in, out]`
-    /// view and its bias, all in `ctx.dtype`.
-    fn forward(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        b: Option<&Tensor>,
-        ctx: &Ctx,
-    ) -> candle_core::Result<Tensor>;
-
-    /// The adapter's own parameters.
-    fn params(&self) -> Vec<Tensor>;
-
-    /// The same adapter with its parameters mapped by `f` (cast, copied to a device).
-    fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinearAdapter>>;
-}
-
-/// How the weight is stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Layout {
-    /// `[in, out]`, `y = x W + b` (GPT-2's `Conv1D`).
-    InOut,
-    /// `[out, in]`, `y = x Wᵀ + b` (`torch.nn.Linear`).
-    OutIn,
-}
 
 /// A linear layer `[.., in] -> [.., out]` with an optional bias, computing in the context's
 /// dtype with the context's kernels.

@@ -15,6 +15,7 @@
 //! reproducible on every device and a recomputed block or a pipeline microbatch sees the same
 //! masks as the plain forward pass.
 
+mod adapter;
 mod arch;
 mod builder;
 mod chain;
@@ -28,6 +29,7 @@ mod params;
 
 use candle_core::Tensor;
 
+pub use adapter::{Layout, LinearAdapter};
 pub use arch::{
     architecture, build, config_from_hf_json_file, init, register, Architecture, CheckpointTensor,
     KvCache, Model, ModelConfig, Shape, SpecialTokens, BUILTIN, MAX_LAYERS,
@@ -37,7 +39,7 @@ pub use chain::{chain, count_targets, run_links, Link, LinkOps, Loss, Role, Weig
 pub use ctx::{Ctx, Rows};
 pub use kernels::Kernels;
 pub use layers::{dropout, stat_dtype, LayerNorm};
-pub use linear::{Layout, Linear, LinearAdapter};
+pub use linear::Linear;
 pub use params::Params;
 
 /// Mean cross-entropy of `logits [B, T, V]` against `targets [B, T]` (u32), computed in at

@@ -8,7 +8,8 @@ use candle_peft::LoraConfig;
 
 use super::{init, memory, Trainer};
 use crate::config::{Precision, TrainConfig};
-use crate::data::{BatchIter, DataSource, IntoBatch};
+use crate::data::iter::BatchIter;
+use crate::data::{DataSource, IntoBatch};
 use crate::lora::Tuning;
 use crate::model::{Model, Params};
 use crate::objective::Objective;

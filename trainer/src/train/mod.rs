@@ -180,40 +180,7 @@ impl Trainer {
     ) -> Result<Self> {
         let dir = checkpoint::resolve(path)?;
         let state: TrainerState = checkpoint::io::read_json(&dir.join(checkpoint::STATE_FILE))?;
-        let mut config = state.config.clone();
-        let home = run_dir::run_dir_of(&dir);
-        config.out_dir = home.clone().unwrap_or_default();
-        // The cosine decay ends at max_iters unless lr_decay_iters is set: pin it to the saved
-        // run's end, so that resuming with a larger max_iters continues the same schedule
-        // (constant min_lr after the old end) instead of jumping back up.
-        if config.lr_decay_iters.is_none() {
-            config.lr_decay_iters = Some(state.config.max_iters);
-        }
-        adjust(&mut config);
-        if config.out_dir.as_os_str().is_empty() {
-            return Err(Error::Config(format!(
-                "{} is not inside a run directory (RUN/checkpoints/step-N): choose the run \
-                 directory to continue in with --out-dir",
-                dir.display()
-            )));
-        }
-        let same_dir = |d: &Path| {
-            home.as_deref()
-                .zip(std::fs::canonicalize(d).ok())
-                .is_some_and(|(h, d)| h == d)
-        };
-        let claim = if same_dir(&config.out_dir) {
-            Claim::Continue
-        } else {
-            Claim::Fresh
-        };
-        // Paths compare (and are kept) absolute: a checkpoint that recorded relative ones
-        // (written before they were made absolute) resolves them from here, as it opens them.
-        config.absolute_paths()?;
-        let mut saved = state.config.clone();
-        saved.absolute_paths()?;
-        init::check_resume_compatible(&saved, &config, &dir)?;
-        config.validate()?;
+        let (config, claim) = resumed_config(&state, &dir, adjust)?;
         let device = config.device.open()?;
         let data = config.open_data()?;
         // The one loading path (`crate::load`): the data and config.json against the run,
@@ -246,32 +213,7 @@ impl Trainer {
         checkpoint::check_files_match(&dir, &state, weights)?;
         let rng = state.rng.restore()?;
         let mut t = Self::assemble(config, device, data, model, params, optimizer, rng, tuning)?;
-        // The scaler's state continues only under the same scaler: a run resumed in another
-        // precision or with another loss_scale starts a fresh one (an f32 run's scale 1 would
-        // be f16's minimum scale; an f16 run's 2^16 would stay on in f32).
-        let path = dir.join(AMP_FILE);
-        let saved = state.config.loss_scale.scaler(state.config.dtype);
-        if saved != t.config.loss_scale.scaler(t.config.dtype) {
-            tracing::warn!(
-                "the checkpoint's loss scaler ({} with loss_scale {}) differs from this run's \
-                 ({} with loss_scale {}): starting a fresh scaler",
-                state.config.dtype,
-                state.config.loss_scale,
-                t.config.dtype,
-                t.config.loss_scale
-            );
-        } else if path.exists() {
-            t.amp.load_state(&path).map_err(|e| Error::AmpState {
-                path: path.clone(),
-                source: Box::new(e),
-            })?;
-        } else if t.config.dtype != Precision::F32 {
-            tracing::warn!(
-                "{} has no loss-scaler state (saved as {}): starting a fresh scaler",
-                dir.display(),
-                state.config.dtype
-            );
-        }
+        t.restore_scaler(&state, &dir)?;
         t.step = state.step;
         t.tokens_seen = state.tokens_seen;
         t.best_val_loss = state.best_val_loss;
@@ -281,6 +223,38 @@ impl Trainer {
         t.claim = claim;
         t.resumed_world = Some(state.world_size);
         Ok(t)
+    }
+
+    /// Loads the loss scaler's state saved in the checkpoint `dir`, when the checkpoint ran
+    /// the same scaler; warns and keeps the fresh one otherwise.
+    fn restore_scaler(&mut self, state: &TrainerState, dir: &Path) -> Result<()> {
+        // The scaler's state continues only under the same scaler: a run resumed in another
+        // precision or with another loss_scale starts a fresh one (an f32 run's scale 1 would
+        // be f16's minimum scale; an f16 run's 2^16 would stay on in f32).
+        let path = dir.join(AMP_FILE);
+        let saved = state.config.loss_scale.scaler(state.config.dtype);
+        if saved != self.config.loss_scale.scaler(self.config.dtype) {
+            tracing::warn!(
+                "the checkpoint's loss scaler ({} with loss_scale {}) differs from this run's \
+                 ({} with loss_scale {}): starting a fresh scaler",
+                state.config.dtype,
+                state.config.loss_scale,
+                self.config.dtype,
+                self.config.loss_scale
+            );
+        } else if path.exists() {
+            self.amp.load_state(&path).map_err(|e| Error::AmpState {
+                path: path.clone(),
+                source: Box::new(e),
+            })?;
+        } else if self.config.dtype != Precision::F32 {
+            tracing::warn!(
+                "{} has no loss-scaler state (saved as {}): starting a fresh scaler",
+                dir.display(),
+                state.config.dtype
+            );
+        }
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -519,4 +493,49 @@ impl Trainer {
             score_name,
         }))
     }
+}
+
+/// The config a run resumed from the checkpoint `dir` continues with (`adjust`ed, paths
+/// absolute, checked against the saved one and validated), and whether it continues the
+/// checkpoint's own run directory or starts another.
+fn resumed_config(
+    state: &TrainerState,
+    dir: &Path,
+    adjust: impl FnOnce(&mut TrainConfig),
+) -> Result<(TrainConfig, Claim)> {
+    let mut config = state.config.clone();
+    let home = run_dir::run_dir_of(dir);
+    config.out_dir = home.clone().unwrap_or_default();
+    // The cosine decay ends at max_iters unless lr_decay_iters is set: pin it to the saved
+    // run's end, so that resuming with a larger max_iters continues the same schedule
+    // (constant min_lr after the old end) instead of jumping back up.
+    if config.lr_decay_iters.is_none() {
+        config.lr_decay_iters = Some(state.config.max_iters);
+    }
+    adjust(&mut config);
+    if config.out_dir.as_os_str().is_empty() {
+        return Err(Error::Config(format!(
+            "{} is not inside a run directory (RUN/checkpoints/step-N): choose the run \
+             directory to continue in with --out-dir",
+            dir.display()
+        )));
+    }
+    let same_dir = |d: &Path| {
+        home.as_deref()
+            .zip(std::fs::canonicalize(d).ok())
+            .is_some_and(|(h, d)| h == d)
+    };
+    let claim = if same_dir(&config.out_dir) {
+        Claim::Continue
+    } else {
+        Claim::Fresh
+    };
+    // Paths compare (and are kept) absolute: a checkpoint that recorded relative ones
+    // (written before they were made absolute) resolves them from here, as it opens them.
+    config.absolute_paths()?;
+    let mut saved = state.config.clone();
+    saved.absolute_paths()?;
+    init::check_resume_compatible(&saved, &config, dir)?;
+    config.validate()?;
+    Ok((config, claim))
 }

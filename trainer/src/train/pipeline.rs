@@ -28,7 +28,7 @@ use candle_pipeline::{
 };
 use candle_remat::Policy;
 
-use crate::config::{Parallelism, TrainConfig};
+use crate::config::{DeviceSpec, Parallelism, TrainConfig};
 use crate::data::Batch;
 use crate::model::{Ctx, Link, Model, Params, Role, Rows};
 use crate::objective::{CrossEntropy, HeadOutput, Objective};
@@ -126,6 +126,47 @@ fn stage_recompute(
         .collect())
 }
 
+/// The devices of the pipeline's `stages` workers: `specs`, else the run's `device` for all
+/// of them. The run's own device is reused, not opened again (a second `Device::new_cuda(0)`
+/// is a different device to Candle, and its stage would copy weights at every use).
+fn stage_devices(
+    specs: &[DeviceSpec],
+    config: &TrainConfig,
+    device: &Device,
+    stages: usize,
+) -> Result<Vec<Device>> {
+    if specs.is_empty() {
+        return Ok(vec![device.clone(); stages]);
+    }
+    specs
+        .iter()
+        .map(|d| {
+            if *d == config.device {
+                Ok(device.clone())
+            } else {
+                d.open()
+            }
+        })
+        .collect()
+}
+
+/// The links of each of `virtual_stages` stages, balanced by the parameters each link reads;
+/// an error when there are fewer links than stages.
+fn stage_ranges(links: &[Link], virtual_stages: usize) -> Result<Vec<std::ops::Range<usize>>> {
+    if links.len() < virtual_stages {
+        return Err(Error::Config(format!(
+            "{} links (embed, {} blocks, head) cannot fill {virtual_stages} pipeline stages",
+            links.len(),
+            links.iter().filter(|l| l.is_block()).count()
+        )));
+    }
+    let sizes: Vec<f64> = links
+        .iter()
+        .map(|l| l.weights().iter().map(|w| w.elem_count() as f64).sum())
+        .collect();
+    Ok(balance_by_cost(&sizes, virtual_stages)?)
+}
+
 impl PipelineRun {
     /// Builds the pipeline when `pipeline_stages > 1`.
     pub fn build(
@@ -147,35 +188,10 @@ impl PipelineRun {
         };
         let schedule = kind.build(stages, microbatches)?;
         let virtual_stages = stages * kind.virtual_stages();
-        let devices = match devices.0.as_slice() {
-            [] => vec![device.clone(); stages],
-            // The run's own device is reused, not opened again (a second `Device::new_cuda(0)`
-            // is a different device to Candle, and its stage would copy weights at every use).
-            specs => specs
-                .iter()
-                .map(|d| {
-                    if *d == config.device {
-                        Ok(device.clone())
-                    } else {
-                        d.open()
-                    }
-                })
-                .collect::<Result<Vec<_>>>()?,
-        };
+        let devices = stage_devices(&devices.0, config, device, stages)?;
         let links = model.links();
-        if links.len() < virtual_stages {
-            return Err(Error::Config(format!(
-                "{} links (embed, {} blocks, head) cannot fill {virtual_stages} pipeline stages",
-                links.len(),
-                links.iter().filter(|l| l.is_block()).count()
-            )));
-        }
         // Balance by the parameters each link reads, then build each stage on its device.
-        let sizes: Vec<f64> = links
-            .iter()
-            .map(|l| l.weights().iter().map(|w| w.elem_count() as f64).sum())
-            .collect();
-        let ranges = balance_by_cost(&sizes, virtual_stages)?;
+        let ranges = stage_ranges(&links, virtual_stages)?;
         let base = Ctx::train(0)
             .with_dtype(dtype)
             .with_kernels(config.kernels)

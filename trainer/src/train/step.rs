@@ -15,7 +15,7 @@ use super::{Executor, MicroLoss, Trainer};
 use crate::config::{Precision, TrainConfig};
 use crate::data::{DataSource, Split};
 use crate::metrics::StepStats;
-use crate::model::{Ctx, Params};
+use crate::model::{Ctx, Model, Params};
 use crate::objective::{check_groups, units_of, Objective};
 use crate::optim::{accumulate, global_grad_norm, grad_sum_of_squares};
 use crate::{transfer, Error, Result};
@@ -76,18 +76,14 @@ impl Trainer {
 
     fn step_or_stop(&mut self, stop: &AtomicBool) -> Result<Option<StepStats>> {
         let start = Instant::now();
-        let cfg = &self.config;
         let lr = self.schedule.at(self.step);
-        let mut grads = GradStore::default();
         // The weights in the compute dtype, cast once per step (not at every use, not per
         // micro-batch); free in f32. Pipeline stages hold the master weights and cast at use.
-        let model = match self.executor {
+        let cast = match self.executor {
             Executor::Pipeline(_) => None,
             _ => Some(self.model.to_dtype(self.dtype)?),
         };
-        let model = model.as_deref().unwrap_or(self.model.as_ref());
-        let accum = cfg.grad_accum;
-        let world = self.dp.world_size();
+        let cfg = &self.config;
         // a rank's rows of every global batch are whole groups of the objective's rows
         check_groups(
             self.objective.as_ref(),
@@ -106,18 +102,53 @@ impl Trainer {
             self.objective.as_ref(),
             self.data.as_ref(),
             &self.rng,
-            accum,
-            world * cfg.batch_size,
+            cfg.grad_accum,
+            self.dp.world_size() * cfg.batch_size,
             cfg.block_size,
             stop,
         )?
         else {
             return Ok(None);
         };
-        // The step's loss, sum of weight x mean: on the device for plain and remat micro-batches
-        // (read once below, with the gradient norm), on the host for a pipeline's.
-        let mut loss_on_device: Option<Tensor> = None;
-        let mut loss_on_host = 0f32;
+        let mut grads = GradStore::default();
+        let Some(step_loss) =
+            self.micro_batches(cast.as_deref(), total, scale, stop, &mut grads)?
+        else {
+            return Ok(None);
+        };
+        let (loss, norm) = self.reduce_loss_and_norm(step_loss, &mut grads)?;
+        let (grad_norm, skipped) = self.update(&grads, lr, norm)?;
+        // Reported in mixed precision, and in f32 when the loss is scaled explicitly.
+        let cfg = &self.config;
+        let scaled = cfg.loss_scale.scaler(cfg.dtype) != candle_amp::ScalerConfig::none();
+        let loss_scale = (cfg.dtype != Precision::F32 || scaled).then_some(scale);
+        if !skipped {
+            // ZeRO-1: each rank updated its shard; hand the new weights around.
+            self.shards.share_updated_weights(self.dp.comm())?;
+        }
+        Ok(Some(self.count_step(
+            start, lr, loss, grad_norm, skipped, loss_scale,
+        )))
+    }
+
+    /// The step's `grad_accum` micro-batches through the executor, each weighing its share of
+    /// the step's `total` units (see [`units_total`]) times the loss `scale`: their gradients
+    /// summed into `grads`, their weighted losses returned; `None` when `stop` was set
+    /// between two of them. `cast` is the model in the compute dtype (`None`: the master
+    /// weights, a pipeline's).
+    fn micro_batches(
+        &mut self,
+        cast: Option<&dyn Model>,
+        total: Option<f64>,
+        scale: f64,
+        stop: &AtomicBool,
+        grads: &mut GradStore,
+    ) -> Result<Option<StepLoss>> {
+        let model = cast.unwrap_or(self.model.as_ref());
+        let cfg = &self.config;
+        let accum = cfg.grad_accum;
+        let world = self.dp.world_size();
+        let mut step_loss = StepLoss::default();
         for micro in 0..accum {
             if micro > 0 && stop.load(Ordering::Relaxed) {
                 return Ok(None);
@@ -151,29 +182,33 @@ impl Trainer {
                 weight * scale,
                 &self.objective,
             )?;
-            match loss {
-                // `affine` multiplies in f32 as the host did (`loss * weight as f32`).
-                MicroLoss::Device(mean) => {
-                    let weighted = mean.to_dtype(DType::F32)?.affine(weight, 0.0)?;
-                    loss_on_device = Some(match loss_on_device {
-                        None => weighted,
-                        Some(sum) => (sum + weighted)?,
-                    });
-                }
-                MicroLoss::Host(mean) => loss_on_host += mean * weight as f32,
-            }
-            accumulate(&mut grads, g, &self.vars)?;
+            step_loss.add(loss, weight)?;
+            accumulate(grads, g, &self.vars)?;
         }
+        Ok(Some(step_loss))
+    }
+
+    /// The step's loss and global gradient norm: in a world of one read together
+    /// ([`Trainer::read_loss_and_norm`]); else the ranks average the loss and the gradients
+    /// first (two reads). A non-finite loss is an error.
+    fn reduce_loss_and_norm(
+        &self,
+        step_loss: StepLoss,
+        grads: &mut GradStore,
+    ) -> Result<(f32, f32)> {
+        let StepLoss { on_device, on_host } = step_loss;
         let (loss, norm) = if self.dp.world_size() == 1 {
-            self.read_loss_and_norm(loss_on_device, loss_on_host, &grads)?
+            self.read_loss_and_norm(on_device, on_host, grads)?
         } else {
-            // The ranks average the loss and the gradients first: two reads.
-            let mut local = loss_on_host;
-            if let Some(sum) = &loss_on_device {
+            let mut local = on_host;
+            if let Some(sum) = &on_device {
                 local += transfer::read_scalar::<f32>(sum)?;
             }
-            let loss = self.dp.reduce(&mut grads, local)?;
-            (loss, global_grad_norm(&grads, &self.vars, cfg.kernels)?)
+            let loss = self.dp.reduce(grads, local)?;
+            (
+                loss,
+                global_grad_norm(grads, &self.vars, self.config.kernels)?,
+            )
         };
         if !loss.is_finite() {
             return Err(Error::NonFiniteLoss {
@@ -181,16 +216,23 @@ impl Trainer {
                 loss,
             });
         }
+        Ok((loss, norm))
+    }
+
+    /// The loss scaler's overflow-checked update at `lr` over the gradient norm `norm` (read
+    /// already): the gradient norm to report and whether the update was skipped (NaN, `true`
+    /// for inf/NaN gradients the scaler backs off from; otherwise those are an error).
+    fn update(&mut self, grads: &GradStore, lr: f64, norm: f32) -> Result<(f32, bool)> {
+        let kernels = self.config.kernels;
         // `amp.step` asks the optimiser for this norm first thing (it was read above).
         let mut update = crate::optim::Driven {
             optimizer: self.optimizer.as_mut(),
             lr,
             norm: Some(norm),
-            kernels: cfg.kernels,
+            kernels,
         };
-        let outcome = self.amp.step(&grads, &mut update)?;
-        let (grad_norm, skipped) = match outcome {
-            StepOutcome::Applied { grad_norm, .. } => (grad_norm as f32, false),
+        match self.amp.step(grads, &mut update)? {
+            StepOutcome::Applied { grad_norm, .. } => Ok((grad_norm as f32, false)),
             StepOutcome::Skipped {
                 scale_before,
                 scale_after,
@@ -204,7 +246,7 @@ impl Trainer {
                     return Err(Error::NonFiniteGradient {
                         step: self.step + 1,
                         // Computed again on this failure path only.
-                        norm: global_grad_norm(&grads, &self.vars, cfg.kernels)?,
+                        norm: global_grad_norm(grads, &self.vars, kernels)?,
                         params: nonfinite_params,
                     });
                 }
@@ -215,25 +257,32 @@ impl Trainer {
                     nonfinite_params.len(),
                     nonfinite_params.first()
                 );
-                (f32::NAN, true)
+                Ok((f32::NAN, true))
             }
-        };
-        // Reported in mixed precision, and in f32 when the loss is scaled explicitly.
-        let scaled = cfg.loss_scale.scaler(cfg.dtype) != candle_amp::ScalerConfig::none();
-        let loss_scale = (cfg.dtype != Precision::F32 || scaled).then_some(scale);
-        if !skipped {
-            // ZeRO-1: each rank updated its shard; hand the new weights around.
-            self.shards.share_updated_weights(self.dp.comm())?;
         }
+    }
+
+    /// Counts the finished step (its tokens and time) and returns its statistics.
+    fn count_step(
+        &mut self,
+        start: Instant,
+        lr: f64,
+        loss: f32,
+        grad_norm: f32,
+        skipped: bool,
+        loss_scale: Option<f64>,
+    ) -> StepStats {
+        let cfg = &self.config;
         self.step += 1;
-        let tokens = (world * accum * cfg.batch_size * cfg.block_size) as u64;
+        let tokens =
+            (self.dp.world_size() * cfg.grad_accum * cfg.batch_size * cfg.block_size) as u64;
         self.tokens_seen += tokens;
         let secs = start.elapsed().as_secs_f64();
         self.elapsed_secs += secs;
         let mfu = self
             .ceiling
             .utilisation(self.flops_per_token * tokens as f64 / secs.max(1e-12));
-        Ok(Some(StepStats {
+        StepStats {
             step: self.step,
             loss,
             lr,
@@ -244,7 +293,7 @@ impl Trainer {
             mfu,
             loss_scale,
             skipped,
-        }))
+        }
     }
 
     /// The step's loss and global gradient norm with one read back from the device (the
@@ -267,6 +316,32 @@ impl Trainer {
             (None, Some(sumsq)) => (on_host, transfer::read_scalar::<f32>(&sumsq)?.sqrt()),
             (None, None) => (on_host, 0.0),
         })
+    }
+}
+
+/// The step's loss, sum of weight x mean: on the device for plain and remat micro-batches
+/// (read once, with the gradient norm), on the host for a pipeline's.
+#[derive(Default)]
+struct StepLoss {
+    on_device: Option<Tensor>,
+    on_host: f32,
+}
+
+impl StepLoss {
+    /// Adds a micro-batch's mean loss times its `weight`.
+    fn add(&mut self, loss: MicroLoss, weight: f64) -> Result<()> {
+        match loss {
+            // `affine` multiplies in f32 as the host did (`loss * weight as f32`).
+            MicroLoss::Device(mean) => {
+                let weighted = mean.to_dtype(DType::F32)?.affine(weight, 0.0)?;
+                self.on_device = Some(match self.on_device.take() {
+                    None => weighted,
+                    Some(sum) => (sum + weighted)?,
+                });
+            }
+            MicroLoss::Host(mean) => self.on_host += mean * weight as f32,
+        }
+        Ok(())
     }
 }
 
