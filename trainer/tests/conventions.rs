@@ -184,6 +184,28 @@ fn marked_ids(text: &str) -> Vec<u32> {
         .collect()
 }
 
+/// Sampling a GPT past its learned positions crops the context as nanoGPT does, and says so
+/// (transformers would refuse); within them nothing is said.
+#[test]
+fn sampling_past_learned_positions_says_the_context_is_cropped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = padded_gpt(&tmp.path().join("m"), 64);
+    let m = dir.to_str().unwrap();
+    let sample = |n: &str| {
+        let args = ["sample", m, "--prompt-ids", "1,2", "--max-new-tokens", n];
+        let o = run_with(&args, tmp.path(), &[]);
+        assert!(o.status.success(), "{}", output_text(&o));
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    let past = sample("80");
+    assert!(
+        past.contains("64 learned positions") && past.contains("nanoGPT's crop"),
+        "{past}"
+    );
+    let within = sample("8");
+    assert!(!within.contains("positions"), "{within}");
+}
+
 /// `sample` draws over the model's whole vocabulary (as transformers), showing ids past the
 /// tokenizer as `<id:N>`, unless `--tokenizer-ids-only`; `--prompt-ids` gives the prompt as
 /// ids; `--ignore-eos` goes past the end token.

@@ -295,7 +295,18 @@ fn prompt_tokens(
 /// (a model with learned positions slides its window instead).
 fn warn_past_positions(prompt: usize, max_new_tokens: usize, config: &dyn ModelConfig) {
     let positions = config.max_positions();
-    if prompt + max_new_tokens > positions && !trainer::sample::has_learned_positions(config) {
+    if prompt + max_new_tokens <= positions {
+        return;
+    }
+    if trainer::sample::has_learned_positions(config) {
+        // transformers refuses (its position embedding has no row past the last); nanoGPT
+        // crops the context, which this keeps so that short GPTs still sample at length.
+        tracing::warn!(
+            "the prompt ({prompt}) and --max-new-tokens ({max_new_tokens}) go past the \
+             model.s {positions} learned positions: past them each token sees only the last \
+             {positions} (nanoGPT's crop; transformers would refuse)",
+        );
+    } else {
         tracing::warn!(
             "the prompt ({prompt}) and --max-new-tokens ({max_new_tokens}) go past the \
              model's {positions} positions: rotary positions continue there (as transformers \
