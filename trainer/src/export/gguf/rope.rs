@@ -11,13 +11,12 @@ use serde_json::Value as Json;
 use super::writer::Value;
 use crate::{Error, Result};
 
-/// What the config's `rope_scaling` adds to a file of architecture `arch`: keys, and the
-/// values of `rope_freqs.weight` if it has one.
-pub fn scaling(
-    arch: &str,
-    hf: &Json,
-    dir: &Path,
-) -> Result<(Vec<(String, Value)>, Option<Vec<f32>>)> {
+/// What a config's rotary scaling adds to a file: metadata keys, and the values of
+/// `rope_freqs.weight` if it has one.
+pub type Scaling = (Vec<(String, Value)>, Option<Vec<f32>>);
+
+/// What the config's `rope_scaling` adds to a file of architecture `arch`.
+pub fn scaling(arch: &str, hf: &Json, dir: &Path) -> Result<Scaling> {
     let Some(s) = hf.get("rope_scaling").filter(|v| !v.is_null()) else {
         return Ok((Vec::new(), None));
     };
