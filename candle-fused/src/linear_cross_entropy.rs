@@ -287,26 +287,8 @@ fn run(
     ignore: Option<u32>,
     chunk: Option<usize>,
 ) -> Result<Tensor> {
-    let (n, c, v) = check(name, x, w, targets)?;
-    let targets = host_targets(targets)?;
-    check_targets(name, &targets, v, ignore)?;
-    let rows: Vec<usize> = (0..n).filter(|&i| Some(targets[i]) != ignore).collect();
-    let x = x.contiguous()?;
-    // no counted row: no launch (the fallback's loop gives the zero loss and gradients)
-    let triton = triton_for(&x) && !rows.is_empty();
-    let op = LceOp {
-        count: rows.len().max(1) as f64,
-        rows,
-        targets,
-        n,
-        c,
-        v,
-        chunk: chunk.unwrap_or_else(|| default_chunk_rows(v, c)),
-        need: [x.track_op(), w.track_op()],
-        x_shape: x.shape().clone(),
-        grads: [Slot::default(), Slot::default()],
-        triton,
-    };
+    let (op, x) = LceOp::new(name, x, w, targets, ignore, chunk, true)?;
+    let (n, c) = (op.n, op.c);
     if cpu::has_kernel(&x) {
         return op::apply(op, &[&x, w], None, None);
     }
@@ -320,6 +302,43 @@ fn run(
         .affine(1.0 / op.count, 0.0)?
         .to_dtype(acc_dtype(x.dtype()))?;
     op::apply(op, &[&x, w], None, Some(loss))
+}
+
+impl LceOp {
+    /// The op over `(x, w)` against `targets` after the checks every form makes (shapes,
+    /// dtypes, targets in range; one read of the targets to the host), and `x` contiguous.
+    /// `mean`: the loss is the mean over the counted rows (else their count is 1, no mean).
+    fn new(
+        name: &str,
+        x: &Tensor,
+        w: &Tensor,
+        targets: &Tensor,
+        ignore: Option<u32>,
+        chunk: Option<usize>,
+        mean: bool,
+    ) -> Result<(Self, Tensor)> {
+        let (n, c, v) = check(name, x, w, targets)?;
+        let targets = host_targets(targets)?;
+        check_targets(name, &targets, v, ignore)?;
+        let rows: Vec<usize> = (0..n).filter(|&i| Some(targets[i]) != ignore).collect();
+        let x = x.contiguous()?;
+        // no counted row: no launch (the fallback's loop gives the zero loss and gradients)
+        let triton = triton_for(&x) && !rows.is_empty();
+        let op = LceOp {
+            count: if mean { rows.len().max(1) as f64 } else { 1.0 },
+            rows,
+            targets,
+            n,
+            c,
+            v,
+            chunk: chunk.unwrap_or_else(|| default_chunk_rows(v, c)),
+            need: [x.track_op(), w.track_op()],
+            x_shape: x.shape().clone(),
+            grads: [Slot::default(), Slot::default()],
+            triton,
+        };
+        Ok((op, x))
+    }
 }
 
 /// A gradient computed in the forward, until the backward takes it.

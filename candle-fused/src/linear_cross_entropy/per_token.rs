@@ -23,18 +23,15 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor, D};
 
 use super::fallback::RowGrad;
-use super::{
-    acc_dtype, check, check_targets, default_chunk_rows, host_targets, kernel, LceOp, Slot,
-};
+use super::{acc_dtype, check, check_targets, host_targets, kernel, LceOp};
 use crate::cpu;
-use crate::cuda_kernels::triton_for;
 use crate::linear::strided;
 use crate::op::{self, cpu_of, Grads, In, Kernel};
 
 /// The loss of each row of `x Wᵀ` against `targets` (shapes and layout as
 /// [`linear_cross_entropy`](super::linear_cross_entropy)): a tensor of the targets' shape in
 /// f32 (f64 for f64 input), `lse_i - l_i,t_i` where the target counts and 0 where it is
-/// `ignore_index`; the logits exist only [`default_chunk_rows`]`(V, C)` rows at a time.
+/// `ignore_index`; the logits exist only [`default_chunk_rows`](super::default_chunk_rows)`(V, C)` rows at a time.
 ///
 /// Differentiable in `x` and `w` for any upstream gradient (one value per row). Its sum over
 /// the counted rows divided by their count is the mean form's loss up to the order of the sum.
@@ -159,26 +156,10 @@ fn run(
     ignore: Option<u32>,
     chunk: Option<usize>,
 ) -> Result<Tensor> {
-    let (n, c, v) = check(name, x, w, targets)?;
-    let host = host_targets(targets)?;
-    check_targets(name, &host, v, ignore)?;
-    let rows: Vec<usize> = (0..n).filter(|&i| Some(host[i]) != ignore).collect();
-    let x = x.contiguous()?;
-    let triton = triton_for(&x) && !rows.is_empty();
+    let (base, x) = LceOp::new(name, x, w, targets, ignore, chunk, false)?;
+    let (n, c) = (base.n, base.c);
     let op = TokensOp {
-        base: LceOp {
-            count: 1.0,
-            rows,
-            targets: host,
-            n,
-            c,
-            v,
-            chunk: chunk.unwrap_or_else(|| default_chunk_rows(v, c)),
-            need: [x.track_op(), w.track_op()],
-            x_shape: x.shape().clone(),
-            grads: [Slot::default(), Slot::default()],
-            triton,
-        },
+        base,
         out_shape: targets.shape().clone(),
         lse: Mutex::new(None),
     };
