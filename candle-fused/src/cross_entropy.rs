@@ -68,7 +68,7 @@ pub fn cross_entropy(
         triton: false,
     };
     if triton_for(logits) {
-        // the Triton kernels (CUDA, opt-in): every argument contiguous and 16-byte aligned
+        // the Triton kernels (CUDA, on by default): every argument contiguous and 16-byte aligned
         op.targets = triton_input(&op.targets)?;
         op.mask = op.mask.as_ref().map(triton_input).transpose()?;
         op.triton = true;

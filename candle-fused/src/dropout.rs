@@ -194,7 +194,7 @@ pub fn dropout(x: &Tensor, p: f32, key: RngKey) -> Result<Tensor> {
         return Ok(x.clone());
     }
     if triton_flat(x.device(), x.dtype(), x.elem_count()) {
-        // the Triton kernel (CUDA, opt-in): the mask drawn in the kernel
+        // the Triton kernel (CUDA, on by default): the mask drawn in the kernel
         let op = Dropout {
             p,
             key,

@@ -163,7 +163,7 @@ fn gelu_grad<A: FastMath>(z: A) -> A {
 pub fn bias_gelu(x: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let c = check("bias_gelu", x, b)?;
     if triton_flat(x.device(), x.dtype(), x.elem_count()) {
-        // the Triton kernels (CUDA, opt-in): nothing computed beforehand
+        // the Triton kernels (CUDA, on by default): nothing computed beforehand
         let op = GeluOp { c, triton: true };
         let x = triton_input(x)?;
         let b = b.map(triton_input).transpose()?;

@@ -23,7 +23,8 @@
 //! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync;
 //! * [`cuda_kernels`]: the launch contracts of the ahead-of-time compiled Triton kernels
 //!   (`kernels/*.cubin`), the check run before every launch, and (`cuda` feature) their
-//!   launcher, opt-in with [`cuda_kernels::set_triton`] / `CANDLE_FUSED_TRITON=1`.
+//!   launcher, on by default on compute capability 8.x and 9.0 (off with
+//!   [`cuda_kernels::set_triton`]`(false)` / `CANDLE_FUSED_TRITON=0`).
 //!
 //! # Each op and its reference
 //!

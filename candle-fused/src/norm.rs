@@ -199,7 +199,7 @@ fn norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64, kind: Kind) -> Res
         Kind::Rms => cuda_kernels::rms_norm::BLOCK_C,
     };
     if triton_for(x) && c <= block_c {
-        // the Triton kernels (CUDA, opt-in): nothing computed beforehand
+        // the Triton kernels (CUDA, on by default): nothing computed beforehand
         let op = NormOp {
             triton: true,
             ..NormOp::new(kind, eps)

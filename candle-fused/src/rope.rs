@@ -98,7 +98,7 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         triton: false,
     };
     if triton_for(x) {
-        // the Triton kernels (CUDA, opt-in): x contiguous, the tables `[TB, T, D/2]` f32 with
+        // the Triton kernels (CUDA, on by default): x contiguous, the tables `[TB, T, D/2]` f32 with
         // TB = 1 when shared by the batch (`[T, D/2]` or `[1, T, D/2]`), else B
         let tb = if g.table_sb == 0 { 1 } else { g.b };
         let tables = (tb, g.t, g.half);

@@ -61,7 +61,7 @@ use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     check("swiglu", gate, up)?;
     if triton_flat(gate.device(), gate.dtype(), gate.elem_count()) {
-        // the Triton kernels (CUDA, opt-in): nothing computed beforehand
+        // the Triton kernels (CUDA, on by default): nothing computed beforehand
         let (gate, up) = (triton_input(gate)?, triton_input(up)?);
         return op::apply(SwigluOp { triton: true }, &[&gate, &up], None, None);
     }

@@ -6,12 +6,16 @@
 //   CUCOUNT_OUT=counts.json LD_PRELOAD=$PWD/libcucount.so trainer train ...
 //   CUCOUNT_OUT=counts.json CUCOUNT_TIME=1 LD_PRELOAD=... python3 torch_gpu_step.py ...
 //
-// How calls are caught. Nothing links libcuda.so directly: cudarc (Candle) opens it and looks
-// each function up by name with dlsym; PyTorch's runtime (cudart) looks them up with
-// cuGetProcAddress (CUDA 12+: the name without its _v2 suffix, and a version). This library
-// defines dlsym itself: the driver's functions counted here resolve to a wrapper that counts and
-// calls the real one; cuGetProcAddress(_v2) resolves to a wrapper that does the same for what it
-// returns. Everything else passes through untouched.
+// How calls are caught, three ways. Candle's cudarc is built without dynamic loading: the
+// trainer links libcuda.so.1 and calls it through its PLT, so this library defines the counted
+// functions under their own names (seen on the H200, 2026-11-28: without them only cuBLAS's
+// cuLaunchKernelEx was counted). A program that opens libcuda and looks functions up by name
+// gets them through dlsym, which this library defines too; one that asks cuGetProcAddress (CUDA
+// 12+: the name without its _v2 suffix, and a version) gets a wrapper for what it returns. Each
+// way leads to a wrapper that counts and calls the real function. Everything else passes
+// through untouched. PyTorch's runtime (cudart) makes most of its calls through the driver's
+// private export table, which no preload sees: its counts here are cuBLAS's and a few others',
+// not the whole step (Nsight Compute's launch list, run.sh's `profile` part, is).
 //
 // Output, at exit (CUCOUNT_OUT, else stderr): one JSON object with a count per category and per
 // function, and with CUCOUNT_TIME=1 the GPU time of each kernel by name (a pair of events around
@@ -130,6 +134,10 @@ static void init_real_dlsym(void) {
 #define REAL(name, cat, params, args) static CUresult(*real_##name) params;
 COUNTED(REAL)
 #undef REAL
+// Defined below under the driver's own names (for programs linked against libcuda).
+#define DECL(name, cat, params, args) CUresult name params;
+COUNTED(DECL)
+#undef DECL
 
 // ---------------------------------------------------------------- kernel timing (CUCOUNT_TIME=1)
 static int timing;
@@ -277,7 +285,7 @@ FORWARDED(PLAIN)
 static void *wrapper_for(const char *sym, void *real) {
 #define MATCH(name, cat, params, args)                               \
   if (strcmp(sym, #name) == 0) {                                     \
-    if (real == (void *)wrap_##name) return real;                    \
+    if (real == (void *)wrap_##name || real == (void *)name) return real; \
     if (real && !real_##name) real_##name = real;                    \
     return (void *)wrap_##name;                                      \
   }
@@ -334,6 +342,21 @@ static CUresult wrap_cuGetProcAddress(const char *sym, void **fn, int version, c
   return r;
 }
 
+// A program linked against libcuda itself (Candle: cudarc without dynamic loading, so the
+// trainer's calls go through its PLT, not dlsym) binds to these: the same counting wrappers,
+// with the real function the next definition after this library.
+#define EXPORTED(name, cat, params, args)                              \
+  CUresult name params {                                               \
+    if (!real_##name) {                                                \
+      init_real_dlsym();                                               \
+      real_##name = real_dlsym(RTLD_NEXT, #name);                      \
+      if (!real_##name) return 999; /* CUDA_ERROR_UNKNOWN */           \
+    }                                                                  \
+    return wrap_##name args;                                           \
+  }
+COUNTED(EXPORTED)
+#undef EXPORTED
+
 void *dlsym(void *handle, const char *sym) {
   init_real_dlsym();
   void *fn = real_dlsym(handle, sym);
@@ -385,6 +408,7 @@ __attribute__((destructor)) static void report(void) {
   fprintf(o, "}, \"unwrapped_ptsz\": %llu", unwrapped_ptsz);
   if (timing) {
     pthread_mutex_lock(&lock);
+    if (timing_ready()) harvest();  // what finished after the last sync
     qsort(kernels, n_kernels, sizeof *kernels, by_time);
     double total = 0;
     for (int i = 0; i < n_kernels; i++) total += kernels[i].ms;

@@ -76,9 +76,28 @@ int main(int argc, char **argv) {
 }
 EOF
 
-cc -O2 -Wall -Wextra -Wno-unused-parameter -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$D/libcuda.so.1" "$D/fake_cuda.c"
+# -Bsymbolic: the fake binds its own functions locally, as the real driver does (the table below
+# must hand out its own cuLaunchKernel, not a preloaded one of the same name).
+cc -O2 -Wall -Wextra -Wno-unused-parameter -shared -fPIC -Wl,-soname,libcuda.so.1 -Wl,-Bsymbolic -o "$D/libcuda.so.1" "$D/fake_cuda.c"
 cc -O2 -Wall -Wextra -o "$D/user" "$D/user.c" -ldl
 cc -O2 -Wall -Wextra -shared -fPIC -o "$D/libcucount.so" "$HERE/cucount.c" -ldl -lpthread
+# A program linked against the driver (as the trainer is): 4 launches, 1 allocation, 1 sync.
+cat > "$D/linked.c" <<'EOF'
+typedef unsigned long long u64;
+int cuLaunchKernel(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                   void **, void **);
+int cuMemAlloc_v2(u64 *, unsigned long);
+int cuStreamSynchronize(void *);
+int main(void) {
+  int k = 7, bad = 0;
+  u64 p;
+  for (int i = 0; i < 4; i++) bad |= cuLaunchKernel(&k, 1, 1, 1, 32, 1, 1, 0, 0, 0, 0);
+  bad |= cuMemAlloc_v2(&p, 64);
+  bad |= cuStreamSynchronize(0);
+  return bad;
+}
+EOF
+cc -O2 -Wall -Wextra -o "$D/linked" "$D/linked.c" -L"$D" -l:libcuda.so.1 -Wl,-rpath,"$D"
 
 check() { # json python-expression description
   python3 - "$1" "$2" "$3" <<'EOF'
@@ -98,6 +117,10 @@ CUCOUNT_OUT=$D/timed.json CUCOUNT_TIME=1 LD_PRELOAD=$D/libcucount.so "$D/user" "
 # The 5 timed launches were all read back by the syncs after them; the timing's own events are not counted.
 check "$D/timed.json" 'r["kernels"] == [{"name": "fake_kernel", "n": 5, "ms": 2.5}] and r["kernel_ms_total"] == 2.5' "kernel times"
 check "$D/timed.json" 'r["counts"]["event"] == 0 and r["untimed"] == 0 and r["unread"] == 0' "timing leaves the counts alone"
+
+CUCOUNT_OUT=$D/linked.json CUCOUNT_TIME=1 LD_PRELOAD=$D/libcucount.so "$D/linked"
+check "$D/linked.json" 'r["calls"] == {"cuLaunchKernel": 4, "cuMemAlloc_v2": 1, "cuStreamSynchronize": 1}' "a linked program's calls"
+check "$D/linked.json" 'r["kernels"] == [{"name": "fake_kernel", "n": 4, "ms": 2.0}]' "a linked program's kernel times"
 
 # Without the preload the same program runs and nothing is written.
 "$D/user" "$D/libcuda.so.1"

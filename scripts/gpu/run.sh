@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The one command for a GPU machine (issues #23 and #30). See scripts/gpu/README.md.
 #
-#   scripts/gpu/run.sh [--pack DIR|FILE.tar.xz] [--out DIR] [--only smoke,tests,train,bench,counts]
+#   scripts/gpu/run.sh [--pack DIR|FILE.tar.xz] [--out DIR] [--only smoke,tests,train,bench,counts,profile]
 #                      [--dry-run | --rehearse]
 #
-# Five parts, in the order of what they decide, each under its own time cap:
+# Five parts by default, in the order of what they decide, each under its own time cap:
 #   smoke  every cubin of candle-fused/kernels loaded and launched once through the driver, no
 #          Rust (cubin_smoke.py; --fake in the rehearsal);
 #   tests  the CUDA-capable test executables of the pack, CANDLE_FUSED_TRITON=0 and =1 (trials
@@ -12,7 +12,9 @@
 #   train  short trainer runs: CUDA vs CPU losses, remat vs none;
 #   bench  ours vs PyTorch on the same GPU (nanoGPT eager; transformers SDPA; PEFT LoRA);
 #   counts driver calls per step (launches, allocations, syncs) and per-kernel GPU times,
-#          ours and PyTorch's, by the LD_PRELOAD counter scripts/gpu/cucount.c.
+#          ours and PyTorch's, by the LD_PRELOAD counter scripts/gpu/cucount.c;
+# and a sixth only when --only names it:
+#   profile every kernel's GPU time under Nsight Compute (ncu), ours and PyTorch's.
 # After every part OUT holds at most four files, rewritten: summary.md (header, per-part status and
 # time, the table so far), results.jsonl (every result row), logs.tar.xz (every log so far) and
 # smoke.jsonl (one line per cubin). Exit status 1 when a correctness check failed.
@@ -24,7 +26,8 @@
 # Environment: GPU_PACK (the pack: a directory, or FILE.tar.xz; default .gpu/pack, unpacked from
 # .gpu/pack.tar.xz), OUT (/tmp/gpu-run), WORK (logs, runs, data, the unpacked pack: /tmp/gpu-work),
 # BUDGET (seconds for all parts, 540), SMOKE_CAP (120), TESTS_CAP (240), TRAIN_CAP (240),
-# BENCH_CAP (300), COUNTS_CAP (120), COUNT_STEPS (5), MIN_PART (30: a part starts only with this
+# BENCH_CAP (300), COUNTS_CAP (120), COUNT_STEPS (5), PROFILE_CAP (400), PROFILE_STEPS (2; the
+# profile part runs only when --only names it), MIN_PART (30: a part starts only with this
 # much budget left), LIMIT (seconds
 # per command, 300), STEPS (10), WARMUP (5), TRAIN_STEPS (20), PYTHON (python3), TRAINER
 # (PACK/bin/trainer), ALL_TESTS=1 (also the pack's CPU-only test executables), CUDA_STUB_LIBS
@@ -50,7 +53,7 @@ while (($#)); do
   esac
 done
 for p in ${ONLY//,/ }; do
-  [[ $p == @(smoke|tests|train|bench|counts) ]] || { echo "run.sh: unknown part $p (smoke, tests, train, bench, counts)" >&2; exit 2; }
+  [[ $p == @(smoke|tests|train|bench|counts|profile) ]] || { echo "run.sh: unknown part $p (smoke, tests, train, bench, counts, profile)" >&2; exit 2; }
 done
 OUT=$(realpath -m "$OUT")
 # Runs, checkpoints, data and logs stay out of OUT (the device tool brings OUT back: keep it small).
@@ -491,6 +494,34 @@ if part_begin counts "${COUNTS_CAP:-120}"; then
     for c in smollm2-135m-lora gpt2; do
       count_case ours "$c"
       count_case torch "$c"
+    done
+  fi
+  part_end
+fi
+
+# ------------------------------------------------------------------ profile (only when asked)
+# Where the GPU time goes, kernel by kernel: Nsight Compute's gpu__time_duration of every launch
+# of a short run (PROFILE_STEPS, 2), without locking the clocks; each launch is replayed once, so
+# the run is slower than the step, the kernel times are not. `gpu_check.py`-free: the CSVs come
+# back in logs.tar.xz and are summed per kernel name off the machine.
+PROFILE_STEPS=${PROFILE_STEPS:-2}
+profiled() { # name command...
+  local name=$1; shift
+  run "$name" ncu --csv --metrics gpu__time_duration.sum --clock-control none "$@"
+}
+if part_begin profile "${PROFILE_CAP:-400}"; then
+  if ! command -v ncu > /dev/null && [[ $MODE != dry ]]; then
+    skip_row "profile" "no ncu on this machine"
+  else
+    setup_cases
+    for c in gpt2 smollm2-135m-lora; do
+      # shellcheck disable=SC2046
+      profiled "ncu-ours-$c" "$TRAINER" train --device "$DEV" --dtype bf16 --tf32 true \
+        --out-dir "$WORK/runs/ncu-$c" --overwrite --cache-dir "$WORK/cache" --max-iters "$PROFILE_STEPS" \
+        --eval-interval 100000 --eval-iters 1 --warmup-iters 2 --grad-clip 1.0 --weight-decay 0.1 \
+        --triton-kernels true $(ours_args "$c")
+      profiled "ncu-torch-$c" "$PYTHON" "$ROOT/scripts/gpu/torch_gpu_step.py" --case "$c" --device "$DEV" \
+        --warmup "$PROFILE_STEPS" --steps 0 "${TINY[@]}"
     done
   fi
   part_end

@@ -12,9 +12,9 @@
 //!
 //! **Running them** (`cuda` feature): the cubins are embedded in the library and launched on
 //! Candle's stream inside the ops' `cuda_fwd` and `bwd` (`launch.rs`, whose module doc is the
-//! recipe for wiring a family). They are opt-in until checked on a GPU ([`TRITON_DEFAULT`]): [`set_triton`],
-//! [`choose_triton`] or `CANDLE_FUSED_TRITON=1` ([`TRITON_ENV`]); off, CUDA takes the composite
-//! fallback. Wired so
+//! recipe for wiring a family). They are on by default ([`TRITON_DEFAULT`], since they passed the GPU check
+//! on an H200); [`set_triton`]`(false)`, [`choose_triton`] or `CANDLE_FUSED_TRITON=0`
+//! ([`TRITON_ENV`]) switch them off, and CUDA then takes the composite fallback. Wired so
 //! far: RMSNorm (forward, `dx`, `dW`), LayerNorm (forward, `dx`, `dW`, `dB`; with or without a
 //! bias), RoPE (forward, `dx`), attention (forward, backward; `attention`, `attention_merged`,
 //! `attention_qkv`), `cross_entropy` (forward, `dlogits`) and `linear_cross_entropy` (its chunk

@@ -7,8 +7,9 @@
 //!    `--triton-kernels true|false`); [`choose_triton`]`(None)` takes the choice back;
 //! 2. the environment variable [`TRITON_ENV`] (`CANDLE_FUSED_TRITON=1` or `=0`), read at the
 //!    first op after the program's choice was taken back (or never made): [`triton_from_env`];
-//! 3. [`TRITON_DEFAULT`]: off until the GPU check (`tests/cuda_triton/`, `scripts/gpu/run.sh`)
-//!    has passed on a GPU, when it flips to on; the two states above keep the way back.
+//! 3. [`TRITON_DEFAULT`]: on, since the GPU check (`tests/cuda_triton/`, `scripts/gpu/run.sh`)
+//!    passed on an H200 (2026-11-28); the two states above keep the way back to the
+//!    composite path.
 //!
 //! Ops on other devices, or with a dtype or shape the compiled kernels do not cover, take
 //! their usual path whatever the switch says; so do GPUs without a compiled cubin (anything but
@@ -23,9 +24,11 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 /// unset, empty or anything else: [`TRITON_DEFAULT`] (anything else is also logged).
 pub const TRITON_ENV: &str = "CANDLE_FUSED_TRITON";
 
-/// Whether the Triton kernels run when neither a program nor [`TRITON_ENV`] chose: off until
-/// they have passed the GPU check on a GPU.
-pub const TRITON_DEFAULT: bool = false;
+/// Whether the Triton kernels run when neither a program nor [`TRITON_ENV`] chose: on, since
+/// every CUDA test passed with them on an H200 (sm_90, driver 580, 2026-11-28) and a run
+/// trained as on the CPU. GPUs without a cubin (anything but 8.x and 9.0) take the composite
+/// path whatever this says.
+pub const TRITON_DEFAULT: bool = true;
 
 const UNSET: u8 = 0;
 const OFF: u8 = 1;

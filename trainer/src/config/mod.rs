@@ -420,8 +420,8 @@ train_config! {
     /// CUDA: run candle-fused's Triton kernels (compiled ahead of time, verified on the CPU
     /// against its CPU kernels) instead of the composite Candle ops where one exists: `true`
     /// or `false`; unset, the environment decides (CANDLE_FUSED_TRITON=1 or 0), else
-    /// candle-fused's default (off until the GPU check, scripts/gpu/run.sh, has passed on a
-    /// GPU). No effect on the CPU.
+    /// candle-fused's default (on: compute capability 8.x and 9.0; other GPUs take the
+    /// composite path). No effect on the CPU.
     #[resume(may_change)]
     triton_kernels: Option<bool> = None,
     /// Compute the head's cross-entropy a chunk of rows at a time, never holding the whole
