@@ -5,6 +5,9 @@ prompt, and a greedy continuation token for token. Not part of `cargo test` (it 
 llama.cpp: `pip install llama-cpp-python==0.3.36 diskcache`, which builds it in a few minutes).
 
     .venv-py/bin/python scripts/python/check_gguf.py HF_DIR MODEL.gguf [--tol 1e-4] [--tokens 20]
+    .venv-py/bin/python scripts/python/check_gguf.py HF_DIR MODEL.gguf \
+        --lora PEFT_ADAPTER_DIR ADAPTER.gguf    # a GGUF LoRA (`export --gguf-lora`) over MODEL.gguf
+                                                # against PEFT's adapter over HF_DIR
 
 Tolerances: logits within `--tol` relative to the largest logit of the position (1e-4 for f32
 files, with llama.cpp's KV cache in f32: llama.cpp and PyTorch sum in other orders; 1e-2 for
@@ -30,12 +33,19 @@ def main():
     ap.add_argument("--tokens", type=int, default=20)
     ap.add_argument("--prompt", default="First Citizen:\nBefore we proceed any further, hear me speak.")
     ap.add_argument("--text", action="store_true", help="also compare the tokenizations")
+    ap.add_argument("--lora", nargs=2, metavar=("PEFT_DIR", "ADAPTER_GGUF"),
+                    help="compare PEFT's adapter over HF_DIR with the GGUF LoRA over MODEL.gguf")
     args = ap.parse_args()
 
     from llama_cpp import Llama
     tok = AutoTokenizer.from_pretrained(args.hf_dir)
     ids = tok(args.prompt)["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(args.hf_dir, torch_dtype=torch.float32).eval()
+    lora = {}
+    if args.lora:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, args.lora[0]).eval()
+        lora = {"lora_path": args.lora[1]}
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()
         greedy_ref = model.generate(torch.tensor([ids]), max_new_tokens=args.tokens, do_sample=False,
@@ -43,7 +53,7 @@ def main():
 
     # The KV cache in f32 (llama.cpp's default is f16, which alone moves logits by ~1e-3).
     llm = Llama(model_path=args.gguf, n_ctx=max(64, len(ids) + args.tokens + 8), logits_all=True,
-                verbose=False, n_threads=2, type_k=0, type_v=0)
+                verbose=False, n_threads=2, type_k=0, type_v=0, **lora)
     ok = True
     if args.text:
         theirs = llm.tokenize(args.prompt.encode("utf-8"), add_bos=True, special=False)

@@ -66,16 +66,19 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
 
 
 def converter():
-    """The vendored llama.cpp directory (convert_hf_to_gguf.py, conversion/, gguf-py/)."""
+    """The vendored llama.cpp directory (convert_hf_to_gguf.py, convert_lora_to_gguf.py,
+    conversion/, gguf-py/)."""
     llama = os.path.join(CACHE, "llama.cpp")
-    if os.path.isfile(os.path.join(llama, "convert_hf_to_gguf.py")):
+    if all(os.path.isfile(os.path.join(llama, f))
+           for f in ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py")):
         return llama
     data = urllib.request.urlopen(SDIST_URL).read()
     digest = hashlib.sha256(data).hexdigest()
     if digest != SDIST_SHA256:
         sys.exit(f"{SDIST_URL}: sha256 {digest}, expected {SDIST_SHA256}")
     prefix = SDIST + "/vendor/llama.cpp/"
-    wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
+    wanted = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/",
+              "LICENSE")
     head = SDIST + "/.git/modules/vendor/llama.cpp/HEAD"  # the vendored submodule's commit
     os.makedirs(llama, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:

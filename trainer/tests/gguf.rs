@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file::{Content, Value};
 use serde_json::Value as Json;
 use sha2::{Digest, Sha256};
-use trainer::export::gguf::{export_gguf, GgufOptions, GgufType};
+use trainer::export::gguf::{export_gguf, export_gguf_lora, GgufOptions, GgufType};
 use trainer::load::ModelDir;
 
 const MODELS: [&str; 5] = ["llama", "qwen2", "qwen3", "mistral", "llama3_rope"];
@@ -112,7 +112,10 @@ fn differences(ours: &Path, expected: &Json, f32: &Path) -> Vec<String> {
         .iter()
         .filter(|(k, _)| k.as_str() != "general.name")
         .collect();
-    let want = expected["keys"].as_object().unwrap();
+    // The converter derives these from the path it was given (adapters: the base's).
+    let from_path = |k: &str| k.starts_with("general.base_model.") || k == "general.tags";
+    let mut want = expected["keys"].as_object().unwrap().clone();
+    want.retain(|k, _| !from_path(k));
     for (k, v) in &keys {
         let (types, value) = describe(v);
         match want.get(k.as_str()) {
@@ -313,4 +316,82 @@ fn adapters_are_merged_as_the_merged_export_is() {
     let c = tmp.path().join("c.gguf");
     export_gguf(&ModelDir::at(lora.join("base")).unwrap(), &c, &gguf).unwrap();
     assert!(tensors(&c) != ta);
+}
+
+/// Each GGUF LoRA fixture and the model fixture it adapts.
+const LORA_FIXTURES: [(&str, &str); 3] = [
+    ("lora_llama", "llama"),
+    ("lora_qwen2", "qwen2"),
+    ("lora_llama_rslora", "llama"),
+];
+
+#[test]
+fn lora_adapters_equal_llama_cpp_lora_converter() {
+    // PEFT adapters over the llama (q/k rows permuted: lora_B's too) and qwen2 fixtures, and
+    // an rsLoRA one, against convert_lora_to_gguf.py's files (make_gguf_lora_fixtures.py).
+    let tmp = tempfile::tempdir().unwrap();
+    let mut all = Vec::new();
+    for (name, base) in LORA_FIXTURES {
+        let dir = fixture(name);
+        let expected: Json =
+            serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
+        let source = ModelDir::adapter_over(dir.clone(), fixture(base).to_str().unwrap()).unwrap();
+        for (ty_name, ty) in &types()[..4] {
+            let out = tmp.path().join(format!("{name}.{ty_name}.gguf"));
+            let options = GgufOptions {
+                ty: Some(*ty),
+                tokenizer: false,
+                force: false,
+                other_base: false,
+            };
+            export_gguf_lora(&source, &out, &options).unwrap();
+            for d in differences(&out, &expected["types"][ty_name], &out) {
+                all.push(format!("{name} {ty_name}: {d}"));
+            }
+        }
+    }
+    assert!(
+        all.is_empty(),
+        "{} differences:\n{}",
+        all.len(),
+        all.join("\n")
+    );
+}
+
+#[test]
+fn what_a_gguf_lora_cannot_hold_is_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lora = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora");
+    let options = GgufOptions {
+        ty: None,
+        tokenizer: false,
+        force: false,
+        other_base: false,
+    };
+    let out = tmp.path().join("a.gguf");
+    // A whole model has no adapters.
+    let err = export_gguf_lora(&ModelDir::at(lora.join("base")).unwrap(), &out, &options)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("no adapters") && err.contains("--gguf-lora"),
+        "{err}"
+    );
+    // q4_k_m is a model type.
+    let q4 = GgufOptions {
+        ty: Some(GgufType::Q4KM),
+        ..options
+    };
+    let adapter = ModelDir::at(lora.join("adapter_plain")).unwrap();
+    let err = export_gguf_lora(&adapter, &out, &q4)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("q4_k_m"), "{err}");
+    // Whole saved modules (modules_to_save) are named.
+    let saved = ModelDir::at(lora.join("adapter_mts")).unwrap();
+    let err = export_gguf_lora(&saved, &out, &options)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("modules_to_save"), "{err}");
+    assert!(!out.exists(), "nothing is written");
 }

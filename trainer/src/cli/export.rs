@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use trainer::export::gguf::{export_gguf, GgufOptions, GgufType};
+use trainer::export::gguf::{export_gguf, export_gguf_lora, GgufOptions, GgufType};
 use trainer::export::{export as export_model, ExportOptions, WeightDtype};
 use trainer::load::ModelDir;
 
@@ -28,6 +28,11 @@ pub(super) struct ExportArgs {
     /// for tokenizers GGUF cannot express, such as a WordLevel vocabulary.
     #[arg(long)]
     gguf_no_tokenizer: bool,
+    /// With --format gguf, for adapters (a LoRA run, a PEFT adapter directory): write only
+    /// the adapters, as a GGUF LoRA file (llama.cpp's --lora, over the base exported on its
+    /// own) [default: f32 tensors]; without it they are merged into one model file.
+    #[arg(long)]
+    gguf_lora: bool,
     /// dtype of the written weights [default: the dtype the source stored them in: its
     /// config.json's torch_dtype; f32 for a run trained from scratch, the pretrained model's
     /// for a run started --init-from one].
@@ -72,8 +77,8 @@ pub(super) fn export(args: ExportArgs) -> Result<()> {
     if args.format == Format::Gguf {
         return gguf(args);
     }
-    if args.gguf_type.is_some() || args.gguf_no_tokenizer {
-        anyhow::bail!("--gguf-type and --gguf-no-tokenizer go with --format gguf");
+    if args.gguf_type.is_some() || args.gguf_no_tokenizer || args.gguf_lora {
+        anyhow::bail!("--gguf-type, --gguf-no-tokenizer and --gguf-lora go with --format gguf");
     }
     let options = ExportOptions {
         dtype: args.dtype,
@@ -113,7 +118,11 @@ fn gguf(args: ExportArgs) -> Result<()> {
     };
     let source = ModelDir::open_over(&args.source, args.init_from.as_deref())?
         .with_other_base(args.other_base);
-    let done = export_gguf(&source, &args.out_dir, &options)
+    let write = match args.gguf_lora {
+        true => export_gguf_lora,
+        false => export_gguf,
+    };
+    let done = write(&source, &args.out_dir, &options)
         .with_context(|| format!("cannot export {}", args.source))?;
     outln!("exported    {} -> {}", args.source, done.path.display());
     outln!(
@@ -122,10 +131,10 @@ fn gguf(args: ExportArgs) -> Result<()> {
         done.ty,
         done.tensors,
         done.bytes,
-        if done.tokenizer {
-            ", tokenizer inside"
-        } else {
-            ", no tokenizer"
+        match (args.gguf_lora, done.tokenizer) {
+            (true, _) => ", LoRA adapter",
+            (false, true) => ", tokenizer inside",
+            (false, false) => ", no tokenizer",
         }
     );
     Ok(())

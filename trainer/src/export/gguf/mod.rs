@@ -9,6 +9,7 @@
 //! written beside its destination and renamed into place.
 
 mod kquants;
+mod lora;
 mod quant;
 mod rope;
 mod vocab;
@@ -21,6 +22,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 use serde_json::Value as Json;
 
+pub use lora::export_gguf_lora;
 pub use writer::GgmlType;
 use writer::{TensorInfo, Value};
 
@@ -131,12 +133,7 @@ fn arch_of(hf_class: &str) -> Option<Arch> {
 
 /// Writes `source` as the GGUF file `out` (see the module documentation).
 pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Result<GgufExported> {
-    if out.exists() && !options.force {
-        return Err(Error::Config(format!(
-            "{} exists: pass --force to replace it",
-            out.display()
-        )));
-    }
+    check_destination(out, options.force)?;
     let loaded = source.load_with(&Checks::default(), &Device::Cpu)?;
     let hf = loaded.config.to_hf_json();
     let class = hf["architectures"][0].as_str().unwrap_or("?").to_string();
@@ -172,26 +169,55 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
     let heads = (usize_of(&hf, "num_attention_heads")?, kv_heads(&hf)?);
     let plan = plan(&loaded.params, rope_freqs, ty, &source.dir)?;
     let infos: Vec<TensorInfo> = plan.iter().map(|(_, info)| info.clone()).collect();
-    // Written in a temporary directory beside `out` (removed however this returns), then
-    // renamed into place: a failed export leaves nothing behind.
+    let bytes = write_file(out, &metadata, &infos, |i| {
+        let (name, mut t) = match &plan[i].0 {
+            Source::Param(name) => (name.as_str(), loaded.params.tensor(name)?),
+            Source::Values(v) => ("", Tensor::new(v.as_slice(), &Device::Cpu)?),
+        };
+        if arch.permute_qk {
+            t = permute_qk(name, &t, heads)?;
+        }
+        Ok(t)
+    })?;
+    Ok(GgufExported {
+        path: out.to_path_buf(),
+        architecture: arch.name.to_string(),
+        ty,
+        tensors: plan.len(),
+        bytes,
+        tokenizer,
+    })
+}
+
+/// Refuses an existing `out` unless `force`.
+fn check_destination(out: &Path, force: bool) -> Result<()> {
+    if out.exists() && !force {
+        return Err(Error::Config(format!(
+            "{} exists: pass --force to replace it",
+            out.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Writes the GGUF file `out`: the header (`metadata`, `infos`), then each tensor `i` as
+/// `tensor(i)` gives it, one at a time, encoded in `infos[i]`'s type. The file is written in
+/// a temporary directory beside `out` (removed however this returns) and renamed into place:
+/// a failed export leaves nothing behind. Returns the file's size.
+fn write_file(
+    out: &Path,
+    metadata: &[(String, Value)],
+    infos: &[TensorInfo],
+    mut tensor: impl FnMut(usize) -> Result<Tensor>,
+) -> Result<u64> {
     let (dir, _) = super::temporary_beside(out)?;
     let _cleanup = super::RemoveOnDrop(Some(dir.clone()));
     let tmp = dir.join("model.gguf");
     let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let io_err = |e: std::io::Error| Error::io(&tmp, e);
-    let mut data = writer::write_header(BufWriter::new(file), &metadata, &infos).map_err(io_err)?;
-    for (source, info) in &plan {
-        let (name, mut t) = match source {
-            Source::Param(name) => (name.as_str(), loaded.params.tensor(name)?),
-            Source::Values(v) => ("", Tensor::new(v.as_slice(), &Device::Cpu)?),
-        };
-        if arch.permute_qk {
-            if name.ends_with("q_proj.weight") {
-                t = permute(&t, heads.0)?;
-            } else if name.ends_with("k_proj.weight") {
-                t = permute(&t, heads.1)?;
-            }
-        }
+    let mut data = writer::write_header(BufWriter::new(file), metadata, infos).map_err(io_err)?;
+    for (i, info) in infos.iter().enumerate() {
+        let t = tensor(i)?;
         let bytes =
             quant::encode(&t, info.ty).map_err(|e| Error::Config(format!("{}: {e}", info.name)))?;
         data.tensor(&bytes).map_err(io_err)?;
@@ -202,14 +228,19 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
     file.sync_all().map_err(io_err)?;
     let bytes = file.metadata().map_err(io_err)?.len();
     std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))?;
-    Ok(GgufExported {
-        path: out.to_path_buf(),
-        architecture: arch.name.to_string(),
-        ty,
-        tensors: plan.len(),
-        bytes,
-        tokenizer,
-    })
+    Ok(bytes)
+}
+
+/// `t` (the Hugging Face tensor `name`, or rows of it) with q/k rows permuted for llama.cpp
+/// (`heads`: query and key-value heads); other tensors as they are.
+fn permute_qk(name: &str, t: &Tensor, heads: (usize, usize)) -> Result<Tensor> {
+    if name.ends_with("q_proj.weight") {
+        permute(t, heads.0)
+    } else if name.ends_with("k_proj.weight") {
+        permute(t, heads.1)
+    } else {
+        Ok(t.clone())
+    }
 }
 
 /// Where a tensor of the file comes from.
