@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 use serde_json::Value;
 
-pub use weights::{ShardIndex, TensorHeader, WeightFiles, INDEX_FILE};
+pub use weights::{ShardIndex, Streamed, TensorHeader, WeightFiles, INDEX_FILE};
 
 use crate::checkpoint::{self, Source, TrainerState, CONFIG_FILE, STATE_FILE};
 use crate::config::TrainConfig;
@@ -352,6 +352,30 @@ impl ModelDir {
     /// The model on `device`, ready for inference.
     pub fn load_model(&self, device: &Device) -> Result<Box<dyn Model>> {
         self.load_with(&Checks::default(), device)?.build()
+    }
+
+    /// The model's config and its weights to read one tensor at a time ([`Streamed`]), for a
+    /// reader that must not hold the whole model (GGUF export): the checks of
+    /// [`ModelDir::load_with`] without data, tokenizer or memory (steps 1, 2, 5 and 7; the
+    /// manifest is verified before, not after, the tensors are read). Refused for adapters,
+    /// which are checked against their whole base.
+    pub fn stream(&self) -> Result<(Box<dyn ModelConfig>, Streamed)> {
+        if let Some(dir) = &self.adapter {
+            return Err(Error::Config(format!(
+                "{}: adapters are loaded with their whole base, not streamed",
+                dir.display()
+            )));
+        }
+        let config = self.config()?;
+        if let Some(run) = &self.run {
+            checkpoint::check_model_matches(config.as_ref(), &run.config, None, &self.dir)?;
+        }
+        let weights = self.weights.open(config.as_ref(), self.source())?;
+        weights.check_copies(&Device::Cpu, |of| weights.tensor(of, &Device::Cpu))?;
+        if let Some(run) = &self.run {
+            checkpoint::manifest::verify(self.checkpoint_dir(), run.step)?;
+        }
+        Ok((config, weights))
     }
 
     /// Loads the model on `device` after `checks` (see the module's order).

@@ -12,7 +12,7 @@ use std::fs::File;
 use std::path::{Component, Path, PathBuf};
 
 use candle_core::safetensors::Load;
-use candle_core::{DType, Device, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
@@ -128,42 +128,40 @@ impl WeightFiles {
         device: &Device,
         source: Source,
     ) -> Result<Params> {
+        let weights = self.open(config, source)?;
+        let mut vars = Vec::with_capacity(weights.params.len());
+        for name in weights.names() {
+            vars.push((
+                name.clone(),
+                Var::from_tensor(&weights.tensor(name, device)?)?,
+            ));
+        }
+        let params = Params::from_vars(vars);
+        weights.check_copies(device, |of| params.tensor(of))?;
+        params.check(config).map_err(|e| {
+            Error::checkpoint(
+                self.path(),
+                e.to_string().replace("checkpoint <params>: ", ""),
+            )
+        })?;
+        Ok(params)
+    }
+
+    /// The weights of a model of `config`, checked from the headers as [`WeightFiles::read`]
+    /// checks them, to be read one tensor at a time ([`Streamed::tensor`]): the files stay
+    /// mapped, so a reader holds one tensor in memory, not the model.
+    pub fn open(&self, config: &dyn ModelConfig, source: Source) -> Result<Streamed> {
         let mapped = self.map()?;
-        let parsed = mapped
-            .iter()
-            .map(|m| Ok((m, m.parse()?)))
-            .collect::<Result<Vec<_>>>()?;
         let mut plan = Plan::new(config, source);
-        for (m, st) in &parsed {
+        for m in &mapped {
+            let st = m.parse()?;
             let mut names = st.names();
             names.sort();
             for name in names {
-                plan.add(&m.path, name, &m.tensor(st, name)?)?;
+                plan.add(&m.path, name, &m.tensor(&st, name)?)?;
             }
         }
         plan.check_complete(self.path())?;
-        let mut vars = Vec::with_capacity(plan.params.len());
-        let mut copies = Vec::new();
-        for (m, st) in &parsed {
-            let mut names = st.names();
-            names.sort();
-            for name in names {
-                let Some(target) = plan.targets.get(&(m.path.clone(), name.to_string())) else {
-                    continue; // a buffer
-                };
-                let view = m.tensor(st, name)?;
-                let t = view
-                    .load(device)
-                    .map_err(|e| Error::checkpoint(&m.path, format!("tensor `{name}`: {e}")))?
-                    .to_dtype(DType::F32)?;
-                finite::check_tensors(&m.path, "weight", [(name, &t)])?;
-                match target {
-                    Target::Param(p) => vars.push((p.clone(), Var::from_tensor(&t)?)),
-                    Target::Copy(of) => copies.push((m.path.clone(), name.to_string(), of, t)),
-                }
-            }
-        }
-        drop(parsed);
         if !plan.cast.is_empty() {
             let from: Vec<&str> = plan.cast.iter().map(String::as_str).collect();
             tracing::warn!(
@@ -172,24 +170,27 @@ impl WeightFiles {
                 from.join(", ")
             );
         }
-        let params = Params::from_vars(vars);
-        for (file, name, of, copy) in copies {
-            let tied = params.tensor(of)?;
-            // `ne` is true for NaN, which `abs().max_all()` would miss.
-            if copy.ne(&tied)?.max_all()?.to_scalar::<u8>()? != 0 {
-                return Err(Error::checkpoint(
-                    file,
-                    format!("`{name}` differs from `{of}`: untied heads are not supported"),
-                ));
+        let index: BTreeMap<PathBuf, usize> = mapped
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.path.clone(), i))
+            .collect();
+        let mut params = BTreeMap::new();
+        let mut copies = Vec::new();
+        for ((file, name), target) in plan.targets {
+            let at = (index[&file], name);
+            match target {
+                Target::Param(p) => {
+                    params.insert(p, at);
+                }
+                Target::Copy(of) => copies.push((at, of)),
             }
         }
-        params.check(config).map_err(|e| {
-            Error::checkpoint(
-                self.path(),
-                e.to_string().replace("checkpoint <params>: ", ""),
-            )
-        })?;
-        Ok(params)
+        Ok(Streamed {
+            mapped,
+            params,
+            copies,
+        })
     }
 
     /// Maps every file, after checking (for shards) that the index and the shards agree.
@@ -314,6 +315,67 @@ impl ShardIndex {
             mapped.push(m);
         }
         Ok(mapped)
+    }
+}
+
+/// A model's weights, checked from their headers and mapped, read one tensor at a time
+/// ([`WeightFiles::open`]).
+pub struct Streamed {
+    mapped: Vec<Mapped>,
+    /// Each parameter's file (an index into `mapped`) and stored name, by parameter name.
+    params: BTreeMap<String, (usize, String)>,
+    /// Tied copies: where each is stored, and the parameter it must equal.
+    copies: Vec<((usize, String), String)>,
+}
+
+impl Streamed {
+    /// The parameters' names, in order.
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.params.keys()
+    }
+
+    /// The parameter `name` on `device`, in f32 (cast from its stored dtype), checked finite.
+    pub fn tensor(&self, name: &str, device: &Device) -> Result<Tensor> {
+        let at = self
+            .params
+            .get(name)
+            .ok_or_else(|| Error::Config(format!("the weights have no parameter `{name}`")))?;
+        self.load(at, device)
+    }
+
+    /// Errors, naming the file and the tensor, unless every tied copy equals its parameter
+    /// (`param` gives a parameter by name).
+    pub fn check_copies(
+        &self,
+        device: &Device,
+        param: impl Fn(&str) -> Result<Tensor>,
+    ) -> Result<()> {
+        for (at, of) in &self.copies {
+            let copy = self.load(at, device)?;
+            // `ne` is true for NaN, which `abs().max_all()` would miss.
+            if copy.ne(&param(of)?)?.max_all()?.to_scalar::<u8>()? != 0 {
+                return Err(Error::checkpoint(
+                    &self.mapped[at.0].path,
+                    format!(
+                        "`{}` differs from `{of}`: untied heads are not supported",
+                        at.1
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn load(&self, (file, name): &(usize, String), device: &Device) -> Result<Tensor> {
+        let m = &self.mapped[*file];
+        let st = m.parse()?;
+        let t = m
+            .tensor(&st, name)?
+            .load(device)
+            .map_err(|e| Error::checkpoint(&m.path, format!("tensor `{name}`: {e}")))?
+            .to_dtype(DType::F32)?;
+        finite::check_tensors(&m.path, "weight", [(name.as_str(), &t)])?;
+        Ok(t)
     }
 }
 
