@@ -68,12 +68,12 @@ typedef unsigned long long cuuint64_t;
   X(cuCtxSynchronize, sync, (void), ())                                                                    \
   X(cuStreamSynchronize, sync, (CUstream s), (s))                                                          \
   X(cuEventSynchronize, sync, (CUevent e), (e))                                                            \
-  X(cuMemcpyDtoH_v2, sync, (void *dst, CUdeviceptr src, size_t n), (dst, src, n))                          \
+  X(cuMemcpyDtoH_v2, read, (void *dst, CUdeviceptr src, size_t n), (dst, src, n))                          \
   X(cuMemcpyHtoD_v2, copy, (CUdeviceptr dst, const void *src, size_t n), (dst, src, n))                    \
   X(cuMemcpyDtoD_v2, copy, (CUdeviceptr dst, CUdeviceptr src, size_t n), (dst, src, n))                    \
   X(cuMemcpyHtoDAsync_v2, copy, (CUdeviceptr dst, const void *src, size_t n, CUstream s),                  \
     (dst, src, n, s))                                                                                      \
-  X(cuMemcpyDtoHAsync_v2, copy, (void *dst, CUdeviceptr src, size_t n, CUstream s), (dst, src, n, s))     \
+  X(cuMemcpyDtoHAsync_v2, read, (void *dst, CUdeviceptr src, size_t n, CUstream s), (dst, src, n, s))     \
   X(cuMemcpyDtoDAsync_v2, copy, (CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s),                  \
     (dst, src, n, s))                                                                                      \
   X(cuMemcpyAsync, copy, (CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s), (dst, src, n, s))      \
@@ -85,7 +85,9 @@ typedef unsigned long long cuuint64_t;
   X(cuEventRecord, event, (CUevent e, CUstream s), (e, s))                                                 \
   X(cuStreamWaitEvent, event, (CUstream s, CUevent e, unsigned fl), (s, e, fl))
 
-#define CATEGORIES(C) C(launch) C(alloc) C(free) C(sync) C(copy) C(memset) C(event)
+// `read`: device-to-host copies, each a wait of the host for the device when the destination
+// is pageable memory (cudarc's to_vec: the trainer's read-backs), async or not.
+#define CATEGORIES(C) C(launch) C(alloc) C(free) C(sync) C(read) C(copy) C(memset) C(event)
 
 enum {
 #define ID(name, cat, params, args) ID_##name,
@@ -275,7 +277,7 @@ static CUresult wrap_cuLaunchKernelEx(const void *cfg, CUfunction f, void **para
   static CUresult wrap_##name params {                                 \
     COUNT(name);                                                       \
     CUresult r = real_##name args;                                     \
-    if (CAT_##cat == CAT_sync) after_sync();                           \
+    if (CAT_##cat == CAT_sync || CAT_##cat == CAT_read) after_sync();  \
     return r;                                                          \
   }
 FORWARDED(PLAIN)

@@ -35,7 +35,7 @@ TARGETS = {
     "smollm2-135m": {"time": 1.0, "memory": None, "about": "SmolLM2-135M-shaped Llama bf16 vs transformers (SDPA, autocast)"},
     "smollm2-135m-lora": {"time": 1.0, "memory": 0.7, "about": "SmolLM2-135M-shaped LoRA r16 all-linear, bf16 base, vs PEFT (SDPA, autocast)"},
 }
-COUNTED = ("launch", "alloc", "free", "sync", "copy", "memset", "event")
+COUNTED = ("launch", "alloc", "free", "sync", "read", "copy", "memset", "event")
 
 
 def make_data(out, vocab, tokens):
