@@ -13,7 +13,9 @@ k-quant blocks), each with a tokenizer of another kind:
 - `mistral` MistralForCausalLM, bf16, a SentencePiece-style tokenizer (BPE with byte fallback,
             `▁` for spaces: llama.cpp's `llama` tokenizer model);
 - `llama3_rope` LlamaForCausalLM, bf16, Llama 3.1's rotary scaling (`rope_type: llama3`, which
-            the converter writes as the tensor `rope_freqs.weight`; its values are recorded too).
+            the converter writes as the tensor `rope_freqs.weight`; its values are recorded too);
+- `llama_linear_rope` LlamaForCausalLM, bf16, linear rotary scaling (factor 4: the converter's
+            `rope.scaling.type` and `rope.scaling.factor` keys).
 
 Each is saved with `save_pretrained` (config.json, model.safetensors, tokenizer files) and
 converted by llama.cpp's `convert_hf_to_gguf.py` to f32, f16, bf16 and q8_0, and the f32 file
@@ -173,6 +175,10 @@ def model(kind, tok, seed):
             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 64}, **common), torch.bfloat16),
+        "llama_linear_rope": (LlamaForCausalLM, LlamaConfig(
+            rms_norm_eps=1e-5, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+            **common), torch.bfloat16),
         "mistral": (MistralForCausalLM, MistralConfig(rms_norm_eps=1e-5, rope_theta=1e4,
                                                       sliding_window=64, tie_word_embeddings=False,
                                                       **common), torch.bfloat16),
@@ -249,7 +255,8 @@ def main():
              ("qwen2", bpe_tokenizer("qwen2_5", QWEN2_SPLIT), 2),
              ("qwen3", bpe_tokenizer("qwen2_5", None), 3),
              ("mistral", sentencepiece_tokenizer(), 4),
-             ("llama3_rope", bpe_tokenizer("llama3", LLAMA3_SPLIT), 5)]
+             ("llama3_rope", bpe_tokenizer("llama3", LLAMA3_SPLIT), 5),
+             ("llama_linear_rope", bpe_tokenizer("llama3", LLAMA3_SPLIT), 6)]
     os.makedirs(out, exist_ok=True)
     for name, tok, seed in cases:
         d = os.path.join(out, name)

@@ -15,7 +15,14 @@ use sha2::{Digest, Sha256};
 use trainer::export::gguf::{export_gguf, export_gguf_lora, GgufOptions, GgufType};
 use trainer::load::ModelDir;
 
-const MODELS: [&str; 5] = ["llama", "qwen2", "qwen3", "mistral", "llama3_rope"];
+const MODELS: [&str; 6] = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "llama3_rope",
+    "llama_linear_rope",
+];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
