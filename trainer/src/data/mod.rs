@@ -42,6 +42,7 @@ pub mod chat_task;
 pub(crate) mod iter;
 pub mod lines;
 mod open;
+pub(crate) mod parquet;
 pub mod sft;
 pub mod shards;
 mod text;

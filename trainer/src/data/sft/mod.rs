@@ -39,7 +39,7 @@ use crate::error::{Error, Result};
 use crate::model::Rows;
 use crate::pretrained::{TokenizerFile, TOKENIZER_CONFIG_FILE};
 
-pub(crate) use records::parse_line;
+pub(crate) use records::{parse_line, parse_value};
 pub use records::{parse_messages, parse_records, read_records, LineRecord, Message, Record, Role};
 pub use template::{ChatTemplate, Rendered, CHAT_TEMPLATE_FILE};
 

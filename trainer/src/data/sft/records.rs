@@ -223,6 +223,11 @@ pub fn parse_records(text: &str, path: &Path) -> Result<Vec<LineRecord>> {
 
 pub(crate) fn parse_line(line: &str) -> std::result::Result<Record, String> {
     let value: Value = serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
+    parse_value(value)
+}
+
+/// The record a JSON object (or a Parquet row, [`crate::data::parquet`]) holds.
+pub(crate) fn parse_value(value: Value) -> std::result::Result<Record, String> {
     if value.kind() != ValueKind::Map {
         return Err(format!("expected a JSON object, found {}", value.kind()));
     }

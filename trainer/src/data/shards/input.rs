@@ -8,8 +8,9 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use super::format::{byte_vocab_hash, char_vocab_hash, tokenizer_vocab_hash, TokenizerInfo};
-use super::prepare::{InputFormat, PrepareOptions, VocabSpec};
+use super::prepare::{Container, InputFormat, PrepareOptions, VocabSpec};
 use crate::data::lines::too_long;
+use crate::data::parquet::{is_parquet, Columns, ParquetRow, ParquetRows, RowRecord};
 use crate::data::sft::{parse_line, Record, SftEncoder};
 use crate::error::{Error, Result};
 use crate::pretrained::TokenizerFile;
@@ -78,9 +79,9 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
 pub(crate) struct Position {
     /// Index of the file in the expanded input list.
     pub file: usize,
-    /// Byte offset in that file.
+    /// Byte offset in that file (Parquet: where the data of the row's row group starts).
     pub offset: u64,
-    /// 1-based line number at that offset.
+    /// 1-based line number at that offset (Parquet: 1 + the row's index in the file).
     pub line: u64,
     /// Documents started before this point.
     pub doc: u64,
@@ -88,10 +89,17 @@ pub(crate) struct Position {
     pub pos: [u64; 2],
 }
 
-/// A run of whole lines of one file.
+/// A run of whole lines of one file, or of rows of one row group of a Parquet file.
 pub(crate) struct Unit {
     pub at: Position,
+    /// The position after the unit (file, offset, line; the counters are the caller's).
+    pub next: Position,
+    /// Bytes of input the unit stands for (progress).
+    pub size: u64,
+    /// The lines (empty for Parquet rows).
     pub bytes: Vec<u8>,
+    /// Parquet: the rows.
+    pub rows: Option<Vec<ParquetRow>>,
     /// Whether the unit ends its file.
     pub eof: bool,
 }
@@ -114,6 +122,10 @@ pub(crate) struct UnitReader<'a> {
     file: Option<File>,
     buf: Vec<u8>,
     eof: bool,
+    /// Which files are read as Parquet, the columns read from them, and the open one.
+    parquet: Vec<bool>,
+    columns: Columns,
+    rows: Option<ParquetRows>,
 }
 
 impl<'a> UnitReader<'a> {
@@ -136,7 +148,88 @@ impl<'a> UnitReader<'a> {
             file: None,
             buf: Vec::new(),
             eof: false,
+            parquet: Vec::new(),
+            columns: Columns::Sft,
+            rows: None,
         }
+    }
+
+    /// The same reader, reading the files flagged in `parquet` as Parquet rows (`columns` of
+    /// them), cut into units at the end of each row group and after about `chunk` bytes of
+    /// text.
+    pub fn with_parquet(self, parquet: Vec<bool>, columns: Columns) -> Self {
+        UnitReader {
+            parquet,
+            columns,
+            ..self
+        }
+    }
+
+    /// Moves to the start of the next file.
+    fn next_file(&mut self) {
+        self.file = None;
+        self.rows = None;
+        self.at.file += 1;
+        self.at.offset = 0;
+        self.at.line = 1;
+    }
+
+    /// The next unit of rows of the Parquet file `self.at.file`, `None` after its last row.
+    fn next_rows(&mut self) -> Result<Option<Unit>> {
+        if self.rows.is_none() {
+            let path = &self.files[self.at.file];
+            let first = self.at.line.saturating_sub(1);
+            self.rows = Some(ParquetRows::open(path, &self.columns, first)?);
+        }
+        let reader = self.rows.as_mut().expect("opened");
+        let Some(first) = reader.next_at() else {
+            return Ok(None);
+        };
+        let mut rows = Vec::new();
+        let mut text = 0;
+        while text < self.chunk && reader.next_at().is_some_and(|a| a.group == first.group) {
+            let Some(row) = reader.next_row()? else {
+                break;
+            };
+            text += row.size.max(1);
+            rows.push(row);
+        }
+        let at = Position {
+            offset: reader.group_start(first.group),
+            line: first.file_row + 1,
+            ..self.at.clone()
+        };
+        let (next, eof) = match reader.next_at() {
+            Some(a) => {
+                let next = Position {
+                    offset: reader.group_start(a.group),
+                    line: a.file_row + 1,
+                    ..self.at.clone()
+                };
+                (next, false)
+            }
+            None => {
+                let end = reader.group_start(usize::MAX);
+                let next = Position {
+                    offset: end,
+                    ..at.clone()
+                };
+                (next, true)
+            }
+        };
+        let size = next.offset - at.offset;
+        self.at = next;
+        if eof {
+            self.next_file();
+        }
+        Ok(Some(Unit {
+            at,
+            next: self.at.clone(),
+            size,
+            bytes: Vec::new(),
+            rows: Some(rows),
+            eof,
+        }))
     }
 
     fn fill(&mut self, want: usize) -> Result<()> {
@@ -224,6 +317,15 @@ impl<'a> UnitReader<'a> {
             if self.at.file >= self.files.len() {
                 return Ok(None);
             }
+            if self.parquet.get(self.at.file) == Some(&true) {
+                match self.next_rows()? {
+                    Some(unit) => return Ok(Some(unit)),
+                    None => {
+                        self.next_file();
+                        continue;
+                    }
+                }
+            }
             if self.file.is_none() {
                 let path = &self.files[self.at.file];
                 let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
@@ -235,10 +337,7 @@ impl<'a> UnitReader<'a> {
             }
             self.fill(self.chunk + 1)?;
             if self.buf.is_empty() {
-                self.file = None;
-                self.at.file += 1;
-                self.at.offset = 0;
-                self.at.line = 1;
+                self.next_file();
                 continue;
             }
             let from = self.chunk - 1;
@@ -257,22 +356,53 @@ impl<'a> UnitReader<'a> {
             let bytes: Vec<u8> = self.buf.drain(..cut).collect();
             self.fill(1)?;
             let eof = self.buf.is_empty() && self.eof;
-            let unit = Unit {
-                at: self.at.clone(),
-                bytes,
-                eof,
-            };
+            let at = self.at.clone();
             self.at.offset += cut as u64;
-            self.at.line += unit.bytes.iter().filter(|&&b| b == b'\n').count() as u64;
+            self.at.line += bytes.iter().filter(|&&b| b == b'\n').count() as u64;
             if eof {
-                self.file = None;
-                self.at.file += 1;
-                self.at.offset = 0;
-                self.at.line = 1;
+                self.next_file();
             }
-            return Ok(Some(unit));
+            return Ok(Some(Unit {
+                at,
+                next: self.at.clone(),
+                size: cut as u64,
+                bytes,
+                rows: None,
+                eof,
+            }));
         }
     }
+}
+
+/// Which of `files` are read as Parquet: by extension unless `opts.container` says; refuses a
+/// container that contradicts the format.
+pub(crate) fn parquet_files(opts: &PrepareOptions, files: &[PathBuf]) -> Result<Vec<bool>> {
+    let all = |p: bool| Ok(vec![p; files.len()]);
+    match (opts.container, opts.format) {
+        (Container::Auto, _) => Ok(files.iter().map(|p| is_parquet(p)).collect()),
+        (Container::Parquet, _) => all(true),
+        (Container::Jsonl, InputFormat::Jsonl | InputFormat::Sft)
+        | (Container::Text, InputFormat::Text) => all(false),
+        (container, format) => Err(Error::Config(format!(
+            "--input-format {container} cannot hold --format {format} records (text files \
+             hold --format text, JSON lines --format jsonl or sft, Parquet any)"
+        ))),
+    }
+}
+
+/// A reader of `files` as `opts` says, from `at`.
+pub(crate) fn unit_reader<'a>(
+    opts: &PrepareOptions,
+    files: &'a [PathBuf],
+    at: Position,
+) -> Result<UnitReader<'a>> {
+    let text = opts.format == InputFormat::Text;
+    let columns = match opts.format {
+        InputFormat::Sft => Columns::Sft,
+        InputFormat::Text | InputFormat::Jsonl => Columns::Text(opts.field.clone()),
+    };
+    let reader = UnitReader::new(files, text, opts.chunk_bytes, opts.max_line_bytes, at);
+    Ok(reader.with_parquet(parquet_files(opts, files)?, columns))
 }
 
 /// Part of a document: a whole record, or a unit of a text file (whose document is the file).
@@ -317,17 +447,26 @@ fn utf8<'b>(bytes: &'b [u8], path: &Path, unit: &Unit) -> Result<&'b str> {
     })
 }
 
-/// The texts of a unit: for text, the unit itself; for JSONL, `field` of each non-blank line
-/// (with its line number).
+/// The texts of a unit, each with where it is (`path:line`, or the Parquet row): for text,
+/// the unit itself; for JSONL, `field` of each non-blank line; for Parquet, the rows' strings.
 pub(crate) fn texts(
     unit: &Unit,
     path: &Path,
     format: InputFormat,
     field: &str,
-) -> Result<Vec<(u64, String)>> {
+) -> Result<Vec<(PathBuf, String)>> {
+    if let Some(rows) = &unit.rows {
+        return Ok(rows
+            .iter()
+            .filter_map(|r| match &r.record {
+                RowRecord::Text(t) => Some((r.at.name(path), t.clone())),
+                RowRecord::Sft(_) => None,
+            })
+            .collect());
+    }
     let text = utf8(&unit.bytes, path, unit)?;
     match format {
-        InputFormat::Text => Ok(vec![(unit.at.line, text.to_string())]),
+        InputFormat::Text => Ok(vec![(at(path, unit.at.line), text.to_string())]),
         InputFormat::Sft => Ok(Vec::new()),
         InputFormat::Jsonl => {
             let mut out = Vec::new();
@@ -357,25 +496,39 @@ pub(crate) fn texts(
                         ));
                     }
                 };
-                out.push((n, s));
+                out.push((at(path, n), s));
             }
             Ok(out)
         }
     }
 }
 
+/// The piece of one SFT record read at `here` (what errors name).
+fn sft_piece(enc: &SftEncoder, record: &Record, here: &Path) -> Result<Piece> {
+    let ex = enc.encode_record(record).map_err(|e| match e {
+        Error::Data { msg, .. } => Error::data(here, msg),
+        other => other,
+    })?;
+    Ok(Piece {
+        starts: true,
+        tokens: ex.tokens,
+        counted: Some(ex.counted),
+    })
+}
+
 impl Encoder {
-    fn encode(&self, text: &str, path: &Path, line: u64) -> Result<Vec<u32>> {
+    /// The tokens of `text`, read at `here` (what errors name).
+    fn encode(&self, text: &str, here: &Path) -> Result<Vec<u32>> {
         match self {
             Encoder::Tokenizer { tokenizer, .. } => tokenizer
                 .encode_fast(text, false)
                 .map(|e| e.get_ids().to_vec())
-                .map_err(|e| Error::Tokenizer(format!("{}: {e}", at(path, line).display()))),
+                .map_err(|e| Error::Tokenizer(format!("{}: {e}", here.display()))),
             Encoder::Char(index) => text
                 .chars()
                 .map(|c| {
                     index.get(&c).copied().ok_or_else(|| {
-                        Error::data(at(path, line), format!("character {c:?} not in vocabulary"))
+                        Error::data(here, format!("character {c:?} not in vocabulary"))
                     })
                 })
                 .collect(),
@@ -399,6 +552,16 @@ impl Encoder {
         format: InputFormat,
         field: &str,
     ) -> Result<Vec<Piece>> {
+        if let (Encoder::Sft(enc), Some(rows)) = (self, &unit.rows) {
+            let mut out = Vec::with_capacity(rows.len());
+            for row in rows {
+                let RowRecord::Sft(record) = &row.record else {
+                    unreachable!("SFT rows hold SFT records")
+                };
+                out.push(sft_piece(enc, record, &row.at.name(path))?);
+            }
+            return Ok(out);
+        }
         if let Encoder::Sft(enc) = self {
             let text = utf8(&unit.bytes, path, unit)?;
             let mut out = Vec::new();
@@ -409,19 +572,13 @@ impl Encoder {
                 let n = unit.at.line + i as u64;
                 let record: Record =
                     parse_line(line).map_err(|msg| Error::data(at(path, n), msg))?;
-                let ex = enc.encode_record(&record).map_err(|e| match e {
-                    Error::Data { msg, .. } => Error::data(at(path, n), msg),
-                    other => other,
-                })?;
-                out.push(Piece {
-                    starts: true,
-                    tokens: ex.tokens,
-                    counted: Some(ex.counted),
-                });
+                out.push(sft_piece(enc, &record, &at(path, n))?);
             }
             return Ok(out);
         }
-        let bytes_vocab = matches!(self, Encoder::Byte) && format == InputFormat::Text;
+        // A Parquet row is a document whatever the format.
+        let records = format != InputFormat::Text || unit.rows.is_some();
+        let bytes_vocab = matches!(self, Encoder::Byte) && !records;
         let mut out = Vec::new();
         if bytes_vocab {
             out.push(Piece {
@@ -430,10 +587,10 @@ impl Encoder {
                 counted: None,
             });
         } else {
-            for (line, text) in texts(unit, path, format, field)? {
-                let tokens = self.encode(&text, path, line)?;
+            for (here, text) in texts(unit, path, format, field)? {
+                let tokens = self.encode(&text, &here)?;
                 out.push(Piece {
-                    starts: format != InputFormat::Text || unit.at.offset == 0,
+                    starts: records || unit.at.offset == 0,
                     tokens,
                     counted: None,
                 });
@@ -442,7 +599,7 @@ impl Encoder {
         if let Some(eos) = self.eos() {
             for p in out.iter_mut() {
                 // A text file is one document (EOS after its last unit); a record is one.
-                if format != InputFormat::Text || unit.eof {
+                if records || unit.eof {
                     p.tokens.push(eos);
                 }
             }
@@ -527,8 +684,7 @@ fn tok_info(kind: &str, path: Option<PathBuf>, hash: u64, chars: Option<String>)
 
 /// The sorted unique characters of every document (one streaming pass).
 fn scan_chars(opts: &PrepareOptions, files: &[PathBuf]) -> Result<Vec<char>> {
-    let text = opts.format == InputFormat::Text;
-    let mut reader = UnitReader::new(files, text, opts.chunk_bytes, opts.max_line_bytes, start());
+    let mut reader = unit_reader(opts, files, start())?;
     let mut set = std::collections::BTreeSet::new();
     while let Some(unit) = reader.next_unit()? {
         for (_, t) in texts(&unit, &files[unit.at.file], opts.format, &opts.field)? {
