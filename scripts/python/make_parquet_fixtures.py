@@ -17,6 +17,7 @@ that `trainer prepare` gives the same shards from either.
   groups of 4.
 - `null.parquet`: a `text` column whose row 2 of row group 1 (row 6 of the file) is null.
 - `wrong_type.parquet`: a `text` column of int64 and a `body` string column.
+- `zstd.parquet`: a `text` column compressed with zstd (a codec this build does not read).
 
 `cargo test` never runs this. Re-running gives the same rows (the bytes may differ with the
 pyarrow version, which the file records).
@@ -39,9 +40,9 @@ def words(i, n):
     return " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(n))
 
 
-def write(out, name, table, row_group_size, twin=True):
+def write(out, name, table, row_group_size, twin=True, compression="snappy"):
     pq.write_table(table, os.path.join(out, name + ".parquet"), row_group_size=row_group_size,
-                   compression="snappy")
+                   compression=compression)
     meta = pq.ParquetFile(os.path.join(out, name + ".parquet")).metadata
     assert meta.num_row_groups > 1, name
     if twin:
@@ -95,6 +96,9 @@ def main():
         "body": pa.array([words(i, 2) for i in range(8)], pa.string()),
     })
     write(out, "wrong_type", wrong, 4, twin=False)
+
+    zstd = pa.table({"text": pa.array([words(i, 3) for i in range(8)], pa.string())})
+    write(out, "zstd", zstd, 4, twin=False, compression="zstd")
 
 
 if __name__ == "__main__":

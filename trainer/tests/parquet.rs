@@ -207,6 +207,12 @@ fn errors_name_the_file_the_column_and_the_row() {
         e.contains("--input-format text cannot hold --format sft"),
         "{e}"
     );
+    // A codec this build does not read.
+    let e = error(&byte("zstd.parquet", "text"));
+    assert!(
+        e.contains("zstd.parquet") && e.contains("zstd") && e.contains("snappy-compressed"),
+        "{e}"
+    );
     // A file that is not Parquet, read as Parquet.
     let o = PrepareOptions {
         container: Container::Parquet,

@@ -288,7 +288,10 @@ impl ParquetRows {
 /// The error for a file the `parquet` crate cannot read.
 fn read_error(path: &Path, e: ParquetError) -> Error {
     let hint = match e.to_string().contains("Disabled feature") {
-        true => "; this build reads uncompressed and snappy-compressed Parquet only",
+        true => {
+            "; this build reads uncompressed and snappy-compressed Parquet only (rewrite the \
+             file with snappy, pyarrow's default)"
+        }
         false => "",
     };
     Error::data(path, format!("cannot read it as Parquet: {e}{hint}"))
