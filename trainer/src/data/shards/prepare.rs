@@ -89,6 +89,17 @@ named_enum!(InputFormat, "--format must be text, jsonl or sft", {
 /// How input files are stored (`trainer prepare --input-format`); what their records are is
 /// the [`InputFormat`]. A Parquet file holds rows: with `text` and `jsonl` formats, each row
 /// is a document (its [`PrepareOptions::field`] column); with `sft`, each row is a record.
+///
+/// ```
+/// use trainer::data::shards::{Container, PrepareOptions};
+///
+/// let opts = PrepareOptions {
+///     container: "parquet".parse::<Container>().map_err(trainer::Error::Config)?,
+///     ..PrepareOptions::default()
+/// };
+/// assert_eq!(opts.container.to_string(), "parquet");
+/// # Ok::<(), trainer::Error>(())
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Container {
