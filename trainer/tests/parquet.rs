@@ -254,3 +254,39 @@ fn the_cli_reads_parquet_by_extension_or_by_input_format() {
         "{help}"
     );
 }
+
+#[test]
+fn sft_training_reads_a_parquet_file_as_its_jsonl_twin() {
+    use trainer::data::{DataKind, DataSource, DataSpec, SftSource};
+    for name in ["chat", "prompt_completion"] {
+        let spec = DataSpec {
+            kind: DataKind::Sft,
+            path: Some(fixture(&format!("{name}.parquet"))),
+            tokenizer: Some(qwen()),
+            ..DataSpec::default()
+        };
+        let a = SftSource::open(&spec).unwrap();
+        let twin = DataSpec {
+            path: Some(fixture(&format!("{name}.jsonl"))),
+            ..spec.clone()
+        };
+        let b = SftSource::open(&twin).unwrap();
+        assert!(a.len() > 10, "{name}");
+        assert_eq!(a.all_examples(), b.all_examples(), "{name}");
+        assert_eq!(a.fingerprint(), b.fingerprint(), "{name}");
+    }
+    let spec = DataSpec {
+        kind: DataKind::Sft,
+        path: Some(fixture("null.parquet")),
+        tokenizer: Some(qwen()),
+        ..DataSpec::default()
+    };
+    let e = SftSource::open(&spec)
+        .err()
+        .expect("a null record")
+        .to_string();
+    assert!(
+        e.contains("null.parquet (row group 1, row 2;") && e.contains("null here: text"),
+        "{e}"
+    );
+}

@@ -504,7 +504,7 @@ impl DataSpec {
             | DataKind::Shards => {
                 if self.path.is_none() {
                     let what = match self.kind {
-                        DataKind::Sft => "a JSONL file",
+                        DataKind::Sft => "a JSONL or Parquet file",
                         DataKind::Shards => "a directory of shards",
                         _ => "a text file",
                     };

@@ -25,7 +25,7 @@ use ::parquet::record::{Field, Row};
 use ::parquet::schema::types::{SchemaDescriptor, Type, TypePtr};
 use minijinja::value::Value;
 
-use super::sft::{parse_value, Record};
+use super::sft::{parse_value, LineRecord, Record};
 use crate::error::{Error, Result};
 
 /// The columns that make a record (see the module docs).
@@ -283,6 +283,20 @@ impl ParquetRows {
             }
         }
     }
+}
+
+/// Every SFT record of `path`, with 1 + its row as its line (the `sft` training source, which
+/// holds its examples in memory).
+pub(crate) fn read_records(path: &Path) -> Result<Vec<LineRecord>> {
+    let mut rows = ParquetRows::open(path, &Columns::Sft, 0)?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next_row()? {
+        if let RowRecord::Sft(record) = row.record {
+            let line = row.at.file_row as usize + 1;
+            out.push(LineRecord { line, record });
+        }
+    }
+    Ok(out)
 }
 
 /// The error for a file the `parquet` crate cannot read.

@@ -276,10 +276,9 @@ impl SftSource {
     /// `spec.seed`, go to validation).
     pub fn open(spec: &DataSpec) -> Result<Self> {
         spec.validate()?;
-        let path = spec
-            .path
-            .clone()
-            .ok_or_else(|| Error::Config("data = sft needs --data-path (a JSONL file)".into()))?;
+        let path = spec.path.clone().ok_or_else(|| {
+            Error::Config("data = sft needs --data-path (a JSONL or Parquet file)".into())
+        })?;
         let tok = spec.tokenizer.clone().ok_or_else(|| {
             Error::Config("data = sft needs --tokenizer-path (tokenizer_path)".into())
         })?;
