@@ -13,6 +13,7 @@
 //! - [`write_prepared`]: a whole prepared directory from token streams in memory (the text
 //!   sources' token cache).
 
+mod encode;
 pub mod format;
 mod input;
 mod manifest;

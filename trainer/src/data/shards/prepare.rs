@@ -24,13 +24,12 @@ use std::path::{Path, PathBuf};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use super::encode::{build_encoder, Encoder, Piece};
 use super::format::{
     width_for_vocab, Expect, InputEntry, Manifest, ShardEntry, ShardWriter, TokenizerInfo,
     MANIFEST_FILE, MANIFEST_FORMAT,
 };
-use super::input::{
-    build_encoder, expand_inputs, parquet_files, start, unit_reader, Encoder, Piece, Unit,
-};
+use super::input::{expand_inputs, parquet_files, start, unit_reader, Unit};
 use super::plan;
 use super::progress::{
     clear, load_partial, remove_partials, remove_temporaries, save_progress, verify_all, Progress,
