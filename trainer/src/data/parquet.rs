@@ -11,7 +11,8 @@
 //!
 //! Only those columns are decoded, with the `parquet` crate's record reader, page by page: a
 //! file is never read whole. A position is a row of the file (from 0); errors name the file,
-//! the row group and the row in it.
+//! the row group and the row in it. Training's `sft` source reads a `.parquet` file's records
+//! the same way ([`read_records`]; it holds them all, as it does a JSONL file's).
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
