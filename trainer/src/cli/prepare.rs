@@ -1,4 +1,5 @@
-//! `trainer prepare`: text, JSONL or SFT records → token shards.
+//! `trainer prepare`: text, JSONL or SFT records (text, JSON-lines or Parquet files) → token
+//! shards.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -6,18 +7,34 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use trainer::data::shards::{prepare as run, verify_dir, InputFormat, PrepareOptions, VocabSpec};
+use trainer::data::shards::{
+    prepare as run, verify_dir, Container, InputFormat, PrepareOptions, VocabSpec,
+};
 
-/// How the inputs are read.
+/// What the inputs' records are.
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub(super) enum FormatArg {
-    /// UTF-8 text, one document a file.
+    /// UTF-8 text, one document a file (Parquet: the --field column, one document a row).
     Text,
-    /// JSON lines, one document a line (its --field).
+    /// JSON lines or Parquet rows, one document a record (its --field).
     Jsonl,
     /// SFT records (messages, prompt/completion, text), rendered with the chat template and
-    /// masked; the shards carry the loss mask.
+    /// masked; the shards carry the loss mask. Parquet: the columns of those names, messages
+    /// a list of {role, content} structs.
     Sft,
+}
+
+/// How the input files are stored.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub(super) enum InputFormatArg {
+    /// By extension: .parquet files are Parquet, others text or JSON lines as --format says.
+    Auto,
+    /// Parquet (what the Hugging Face hub serves), read a row group at a time.
+    Parquet,
+    /// JSON lines.
+    Jsonl,
+    /// Plain text.
+    Text,
 }
 
 /// The `prepare` flags.
@@ -33,10 +50,14 @@ pub(super) struct PrepareArgs {
     /// checksums and the manifest's counts, list each bad shard; exit 1 if any is bad.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["inputs", "out_dir"])]
     verify: Option<PathBuf>,
-    /// How the inputs are read [default: jsonl for .jsonl/.json inputs, else text].
+    /// What the inputs' records are [default: jsonl for .jsonl/.json/.parquet inputs or
+    /// --input-format jsonl|parquet, else text].
     #[arg(long, value_enum)]
     format: Option<FormatArg>,
-    /// JSONL: the field holding each document's text.
+    /// How the input files are stored.
+    #[arg(long, value_enum, default_value = "auto")]
+    input_format: InputFormatArg,
+    /// JSONL: the field holding each document's text (Parquet: the column).
     #[arg(long, default_value = "text")]
     field: String,
     /// A Hugging Face tokenizer.json (its tokenizer_config.json and chat template beside it).
@@ -114,17 +135,26 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
         (None, Some(_)) => VocabSpec::Byte,
         (None, None) => bail!("give --tokenizer tokenizer.json, or --vocab char|byte"),
     };
-    let format = match args.format {
-        Some(FormatArg::Text) => InputFormat::Text,
-        Some(FormatArg::Jsonl) => InputFormat::Jsonl,
-        Some(FormatArg::Sft) => InputFormat::Sft,
+    let container = match args.input_format {
+        InputFormatArg::Auto => Container::Auto,
+        InputFormatArg::Parquet => Container::Parquet,
+        InputFormatArg::Jsonl => Container::Jsonl,
+        InputFormatArg::Text => Container::Text,
+    };
+    let format = match (args.format, container) {
+        (Some(FormatArg::Text), _) => InputFormat::Text,
+        (Some(FormatArg::Jsonl), _) => InputFormat::Jsonl,
+        (Some(FormatArg::Sft), _) => InputFormat::Sft,
+        (None, Container::Parquet | Container::Jsonl) => InputFormat::Jsonl,
+        (None, Container::Text) => InputFormat::Text,
         // Decided by the files the inputs name (a directory of .jsonl files is JSONL).
-        None => InputFormat::detect(&args.inputs)?,
+        (None, Container::Auto) => InputFormat::detect(&args.inputs)?,
     };
     let opts = PrepareOptions {
         inputs: args.inputs,
         out_dir: out_dir.clone(),
         format,
+        container,
         field: args.field,
         vocab,
         eos_token: args.eos_token,

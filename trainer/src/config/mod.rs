@@ -242,13 +242,13 @@ train_config! {
     #[resume(may_change)]
     device: DeviceSpec = DeviceSpec::Cpu,
     /// Data source: `addition` (embedded, no file), `char`, `byte`, `tokenizer`, `sft`
-    /// (supervised fine-tuning records, JSONL), `chat-task` (generated chats, no file) or
+    /// (supervised fine-tuning records, JSONL or Parquet), `chat-task` (generated chats, no file) or
     /// `shards` (a directory `trainer prepare` wrote, or nanoGPT's train.bin/val.bin;
     /// memory-mapped).
     #[resume(fixed)]
     data: DataKind = DataKind::Addition,
-    /// Text corpus for `char`, `byte` and `tokenizer` data; the JSONL records for `sft`; the
-    /// shard directory for `shards`.
+    /// Text corpus for `char`, `byte` and `tokenizer` data; the JSONL or Parquet records for
+    /// `sft`; the shard directory for `shards`.
     #[resume(fixed)]
     data_path: Option<PathBuf> = None,
     /// Order of the training windows of text and shard data: `random` (windows anywhere,

@@ -42,6 +42,7 @@ pub mod chat_task;
 pub(crate) mod iter;
 pub mod lines;
 mod open;
+pub(crate) mod parquet;
 pub mod sft;
 pub mod shards;
 mod text;
@@ -503,7 +504,7 @@ impl DataSpec {
             | DataKind::Shards => {
                 if self.path.is_none() {
                     let what = match self.kind {
-                        DataKind::Sft => "a JSONL file",
+                        DataKind::Sft => "a JSONL or Parquet file",
                         DataKind::Shards => "a directory of shards",
                         _ => "a text file",
                     };

@@ -39,7 +39,7 @@ use crate::error::{Error, Result};
 use crate::model::Rows;
 use crate::pretrained::{TokenizerFile, TOKENIZER_CONFIG_FILE};
 
-pub(crate) use records::parse_line;
+pub(crate) use records::{parse_line, parse_value};
 pub use records::{parse_messages, parse_records, read_records, LineRecord, Message, Record, Role};
 pub use template::{ChatTemplate, Rendered, CHAT_TEMPLATE_FILE};
 
@@ -276,10 +276,9 @@ impl SftSource {
     /// `spec.seed`, go to validation).
     pub fn open(spec: &DataSpec) -> Result<Self> {
         spec.validate()?;
-        let path = spec
-            .path
-            .clone()
-            .ok_or_else(|| Error::Config("data = sft needs --data-path (a JSONL file)".into()))?;
+        let path = spec.path.clone().ok_or_else(|| {
+            Error::Config("data = sft needs --data-path (a JSONL or Parquet file)".into())
+        })?;
         let tok = spec.tokenizer.clone().ok_or_else(|| {
             Error::Config("data = sft needs --tokenizer-path (tokenizer_path)".into())
         })?;

@@ -157,7 +157,7 @@ impl Record {
 /// A record and the (1-based) line it was read from.
 #[derive(Clone, Debug)]
 pub struct LineRecord {
-    /// Line number in the file, from 1.
+    /// Line number in the file, from 1 (Parquet: 1 + the row).
     pub line: usize,
     /// The record.
     pub record: Record,
@@ -165,8 +165,12 @@ pub struct LineRecord {
 
 /// Reads a JSONL file of records (see the module docs), a line at a time: a line longer than
 /// [`MAX_LINE_BYTES`](crate::data::lines::MAX_LINE_BYTES) is refused naming `file:line` before
-/// it is read whole.
+/// it is read whole. A `.parquet` file's rows are read as records from the columns of the
+/// same names (`messages` a list of `{role, content}` structs).
 pub fn read_records(path: &Path) -> Result<Vec<LineRecord>> {
+    if crate::data::parquet::is_parquet(path) {
+        return no_records(crate::data::parquet::read_records(path)?, path);
+    }
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let mut reader = std::io::BufReader::new(file);
     let mut buf = Vec::new();
@@ -223,6 +227,11 @@ pub fn parse_records(text: &str, path: &Path) -> Result<Vec<LineRecord>> {
 
 pub(crate) fn parse_line(line: &str) -> std::result::Result<Record, String> {
     let value: Value = serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
+    parse_value(value)
+}
+
+/// The record a JSON object (or a Parquet row, [`crate::data::parquet`]) holds.
+pub(crate) fn parse_value(value: Value) -> std::result::Result<Record, String> {
     if value.kind() != ValueKind::Map {
         return Err(format!("expected a JSON object, found {}", value.kind()));
     }

@@ -1,18 +1,16 @@
 //! `prepare`'s inputs: expanding files, directories and globs; reading them as a sequence of
-//! byte *units* cut by a rule that depends only on the bytes (so the token stream never
-//! depends on timing or thread count); and turning a unit into document pieces.
+//! *units* (byte units cut by a rule that depends only on the bytes, so the token stream never
+//! depends on timing or thread count; or runs of Parquet rows). [`super::encode`] turns a unit
+//! into document pieces.
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use super::format::{byte_vocab_hash, char_vocab_hash, tokenizer_vocab_hash, TokenizerInfo};
-use super::prepare::{InputFormat, PrepareOptions, VocabSpec};
+use super::prepare::{Container, InputFormat, PrepareOptions};
 use crate::data::lines::too_long;
-use crate::data::sft::{parse_line, Record, SftEncoder};
+use crate::data::parquet::{is_parquet, Columns, ParquetRow, ParquetRows};
 use crate::error::{Error, Result};
-use crate::pretrained::TokenizerFile;
 
 /// Files named by `inputs`, in order: a file as it is, a directory's regular files (recursive,
 /// hidden ones skipped, sorted by path), a glob's matches (sorted).
@@ -78,9 +76,9 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
 pub(crate) struct Position {
     /// Index of the file in the expanded input list.
     pub file: usize,
-    /// Byte offset in that file.
+    /// Byte offset in that file (Parquet: where the data of the row's row group starts).
     pub offset: u64,
-    /// 1-based line number at that offset.
+    /// 1-based line number at that offset (Parquet: 1 + the row's index in the file).
     pub line: u64,
     /// Documents started before this point.
     pub doc: u64,
@@ -88,10 +86,17 @@ pub(crate) struct Position {
     pub pos: [u64; 2],
 }
 
-/// A run of whole lines of one file.
+/// A run of whole lines of one file, or of rows of one row group of a Parquet file.
 pub(crate) struct Unit {
     pub at: Position,
+    /// The position after the unit (file, offset, line; the counters are the caller's).
+    pub next: Position,
+    /// Bytes of input the unit stands for (progress).
+    pub size: u64,
+    /// The lines (empty for Parquet rows).
     pub bytes: Vec<u8>,
+    /// Parquet: the rows.
+    pub rows: Option<Vec<ParquetRow>>,
     /// Whether the unit ends its file.
     pub eof: bool,
 }
@@ -114,6 +119,10 @@ pub(crate) struct UnitReader<'a> {
     file: Option<File>,
     buf: Vec<u8>,
     eof: bool,
+    /// Which files are read as Parquet, the columns read from them, and the open one.
+    parquet: Vec<bool>,
+    columns: Columns,
+    rows: Option<ParquetRows>,
 }
 
 impl<'a> UnitReader<'a> {
@@ -136,7 +145,88 @@ impl<'a> UnitReader<'a> {
             file: None,
             buf: Vec::new(),
             eof: false,
+            parquet: Vec::new(),
+            columns: Columns::Sft,
+            rows: None,
         }
+    }
+
+    /// The same reader, reading the files flagged in `parquet` as Parquet rows (`columns` of
+    /// them), cut into units at the end of each row group and after about `chunk` bytes of
+    /// text.
+    pub fn with_parquet(self, parquet: Vec<bool>, columns: Columns) -> Self {
+        UnitReader {
+            parquet,
+            columns,
+            ..self
+        }
+    }
+
+    /// Moves to the start of the next file.
+    fn next_file(&mut self) {
+        self.file = None;
+        self.rows = None;
+        self.at.file += 1;
+        self.at.offset = 0;
+        self.at.line = 1;
+    }
+
+    /// The next unit of rows of the Parquet file `self.at.file`, `None` after its last row.
+    fn next_rows(&mut self) -> Result<Option<Unit>> {
+        if self.rows.is_none() {
+            let path = &self.files[self.at.file];
+            let first = self.at.line.saturating_sub(1);
+            self.rows = Some(ParquetRows::open(path, &self.columns, first)?);
+        }
+        let reader = self.rows.as_mut().expect("opened");
+        let Some(first) = reader.next_at() else {
+            return Ok(None);
+        };
+        let mut rows = Vec::new();
+        let mut text = 0;
+        while text < self.chunk && reader.next_at().is_some_and(|a| a.group == first.group) {
+            let Some(row) = reader.next_row()? else {
+                break;
+            };
+            text += row.size.max(1);
+            rows.push(row);
+        }
+        let at = Position {
+            offset: reader.group_start(first.group),
+            line: first.file_row + 1,
+            ..self.at.clone()
+        };
+        let (next, eof) = match reader.next_at() {
+            Some(a) => {
+                let next = Position {
+                    offset: reader.group_start(a.group),
+                    line: a.file_row + 1,
+                    ..self.at.clone()
+                };
+                (next, false)
+            }
+            None => {
+                let end = reader.group_start(usize::MAX);
+                let next = Position {
+                    offset: end,
+                    ..at.clone()
+                };
+                (next, true)
+            }
+        };
+        let size = next.offset - at.offset;
+        self.at = next;
+        if eof {
+            self.next_file();
+        }
+        Ok(Some(Unit {
+            at,
+            next: self.at.clone(),
+            size,
+            bytes: Vec::new(),
+            rows: Some(rows),
+            eof,
+        }))
     }
 
     fn fill(&mut self, want: usize) -> Result<()> {
@@ -224,6 +314,15 @@ impl<'a> UnitReader<'a> {
             if self.at.file >= self.files.len() {
                 return Ok(None);
             }
+            if self.parquet.get(self.at.file) == Some(&true) {
+                match self.next_rows()? {
+                    Some(unit) => return Ok(Some(unit)),
+                    None => {
+                        self.next_file();
+                        continue;
+                    }
+                }
+            }
             if self.file.is_none() {
                 let path = &self.files[self.at.file];
                 let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
@@ -235,10 +334,7 @@ impl<'a> UnitReader<'a> {
             }
             self.fill(self.chunk + 1)?;
             if self.buf.is_empty() {
-                self.file = None;
-                self.at.file += 1;
-                self.at.offset = 0;
-                self.at.line = 1;
+                self.next_file();
                 continue;
             }
             let from = self.chunk - 1;
@@ -257,288 +353,53 @@ impl<'a> UnitReader<'a> {
             let bytes: Vec<u8> = self.buf.drain(..cut).collect();
             self.fill(1)?;
             let eof = self.buf.is_empty() && self.eof;
-            let unit = Unit {
-                at: self.at.clone(),
-                bytes,
-                eof,
-            };
+            let at = self.at.clone();
             self.at.offset += cut as u64;
-            self.at.line += unit.bytes.iter().filter(|&&b| b == b'\n').count() as u64;
+            self.at.line += bytes.iter().filter(|&&b| b == b'\n').count() as u64;
             if eof {
-                self.file = None;
-                self.at.file += 1;
-                self.at.offset = 0;
-                self.at.line = 1;
+                self.next_file();
             }
-            return Ok(Some(unit));
+            return Ok(Some(Unit {
+                at,
+                next: self.at.clone(),
+                size: cut as u64,
+                bytes,
+                rows: None,
+                eof,
+            }));
         }
     }
 }
 
-/// Part of a document: a whole record, or a unit of a text file (whose document is the file).
-pub(crate) struct Piece {
-    /// Whether a document starts with this piece.
-    pub starts: bool,
-    pub tokens: Vec<u32>,
-    /// Loss-mask flags (SFT), one a token.
-    pub counted: Option<Vec<bool>>,
-}
-
-/// How text becomes tokens.
-pub(crate) enum Encoder {
-    /// A Hugging Face tokenizer; `eos` appended after each document.
-    Tokenizer {
-        tokenizer: Box<tokenizers::Tokenizer>,
-        eos: Option<u32>,
-    },
-    /// A character vocabulary.
-    Char(HashMap<char, u32>),
-    /// One token a byte.
-    Byte,
-    /// SFT records rendered and masked by [`SftEncoder`].
-    Sft(Box<SftEncoder>),
-}
-
-/// The `path:line` of a unit's `i`-th line.
-fn at(path: &Path, line: u64) -> PathBuf {
-    PathBuf::from(format!("{}:{line}", path.display()))
-}
-
-fn utf8<'b>(bytes: &'b [u8], path: &Path, unit: &Unit) -> Result<&'b str> {
-    std::str::from_utf8(bytes).map_err(|e| {
-        Error::data(
-            path,
-            format!(
-                "not valid UTF-8 (first invalid byte at offset {}); use --vocab byte for binary \
-                 files",
-                unit.at.offset + e.valid_up_to() as u64
-            ),
-        )
-    })
-}
-
-/// The texts of a unit: for text, the unit itself; for JSONL, `field` of each non-blank line
-/// (with its line number).
-pub(crate) fn texts(
-    unit: &Unit,
-    path: &Path,
-    format: InputFormat,
-    field: &str,
-) -> Result<Vec<(u64, String)>> {
-    let text = utf8(&unit.bytes, path, unit)?;
-    match format {
-        InputFormat::Text => Ok(vec![(unit.at.line, text.to_string())]),
-        InputFormat::Sft => Ok(Vec::new()),
-        InputFormat::Jsonl => {
-            let mut out = Vec::new();
-            for (i, line) in text.lines().enumerate() {
-                if line.trim().is_empty() {
-                    continue;
-                }
-                let n = unit.at.line + i as u64;
-                let v: serde_json::Value = serde_json::from_str(line)
-                    .map_err(|e| Error::data(at(path, n), format!("not JSON: {e}")))?;
-                let s = match v.get(field) {
-                    Some(serde_json::Value::String(s)) => s.clone(),
-                    Some(other) => {
-                        return Err(Error::data(
-                            at(path, n),
-                            format!("field `{field}` is not a string: {other}"),
-                        ))
-                    }
-                    None => {
-                        let keys: Vec<&String> = v
-                            .as_object()
-                            .map(|o| o.keys().collect())
-                            .unwrap_or_default();
-                        return Err(Error::data(
-                            at(path, n),
-                            format!("no field `{field}` (keys {keys:?}); choose one with --field"),
-                        ));
-                    }
-                };
-                out.push((n, s));
-            }
-            Ok(out)
-        }
+/// Which of `files` are read as Parquet: by extension unless `opts.container` says; refuses a
+/// container that contradicts the format.
+pub(crate) fn parquet_files(opts: &PrepareOptions, files: &[PathBuf]) -> Result<Vec<bool>> {
+    let all = |p: bool| Ok(vec![p; files.len()]);
+    match (opts.container, opts.format) {
+        (Container::Auto, _) => Ok(files.iter().map(|p| is_parquet(p)).collect()),
+        (Container::Parquet, _) => all(true),
+        (Container::Jsonl, InputFormat::Jsonl | InputFormat::Sft)
+        | (Container::Text, InputFormat::Text) => all(false),
+        (container, format) => Err(Error::Config(format!(
+            "--input-format {container} cannot hold --format {format} records (text files \
+             hold --format text, JSON lines --format jsonl or sft, Parquet any)"
+        ))),
     }
 }
 
-impl Encoder {
-    fn encode(&self, text: &str, path: &Path, line: u64) -> Result<Vec<u32>> {
-        match self {
-            Encoder::Tokenizer { tokenizer, .. } => tokenizer
-                .encode_fast(text, false)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| Error::Tokenizer(format!("{}: {e}", at(path, line).display()))),
-            Encoder::Char(index) => text
-                .chars()
-                .map(|c| {
-                    index.get(&c).copied().ok_or_else(|| {
-                        Error::data(at(path, line), format!("character {c:?} not in vocabulary"))
-                    })
-                })
-                .collect(),
-            Encoder::Byte => Ok(text.bytes().map(u32::from).collect()),
-            Encoder::Sft(_) => unreachable!("SFT records are encoded by encode_unit"),
-        }
-    }
-
-    fn eos(&self) -> Option<u32> {
-        match self {
-            Encoder::Tokenizer { eos, .. } => *eos,
-            _ => None,
-        }
-    }
-
-    /// The document pieces of `unit` (of the file `path`), in order.
-    pub(crate) fn encode_unit(
-        &self,
-        unit: &Unit,
-        path: &Path,
-        format: InputFormat,
-        field: &str,
-    ) -> Result<Vec<Piece>> {
-        if let Encoder::Sft(enc) = self {
-            let text = utf8(&unit.bytes, path, unit)?;
-            let mut out = Vec::new();
-            for (i, line) in text.lines().enumerate() {
-                if line.trim().is_empty() {
-                    continue;
-                }
-                let n = unit.at.line + i as u64;
-                let record: Record =
-                    parse_line(line).map_err(|msg| Error::data(at(path, n), msg))?;
-                let ex = enc.encode_record(&record).map_err(|e| match e {
-                    Error::Data { msg, .. } => Error::data(at(path, n), msg),
-                    other => other,
-                })?;
-                out.push(Piece {
-                    starts: true,
-                    tokens: ex.tokens,
-                    counted: Some(ex.counted),
-                });
-            }
-            return Ok(out);
-        }
-        let bytes_vocab = matches!(self, Encoder::Byte) && format == InputFormat::Text;
-        let mut out = Vec::new();
-        if bytes_vocab {
-            out.push(Piece {
-                starts: unit.at.offset == 0,
-                tokens: unit.bytes.iter().map(|&b| u32::from(b)).collect(),
-                counted: None,
-            });
-        } else {
-            for (line, text) in texts(unit, path, format, field)? {
-                let tokens = self.encode(&text, path, line)?;
-                out.push(Piece {
-                    starts: format != InputFormat::Text || unit.at.offset == 0,
-                    tokens,
-                    counted: None,
-                });
-            }
-        }
-        if let Some(eos) = self.eos() {
-            for p in out.iter_mut() {
-                // A text file is one document (EOS after its last unit); a record is one.
-                if format != InputFormat::Text || unit.eof {
-                    p.tokens.push(eos);
-                }
-            }
-        }
-        Ok(out)
-    }
-}
-
-/// The encoder, vocabulary description and vocabulary size `opts` asks for.
-pub(crate) fn build_encoder(
+/// A reader of `files` as `opts` says, from `at`.
+pub(crate) fn unit_reader<'a>(
     opts: &PrepareOptions,
-    files: &[PathBuf],
-) -> Result<(Encoder, TokenizerInfo, u64)> {
-    match (&opts.vocab, opts.format) {
-        (VocabSpec::Tokenizer(path), InputFormat::Sft) => {
-            let enc = SftEncoder::open(path)?;
-            let hash = tokenizer_vocab_hash(enc.tokenizer());
-            let size = enc.tokenizer().get_vocab_size(true) as u64;
-            let info = tok_info("tokenizer", Some(path.clone()), hash, None);
-            Ok((Encoder::Sft(Box::new(enc)), info, size))
-        }
-        (_, InputFormat::Sft) => Err(Error::Config(
-            "--format sft needs a tokenizer.json (--tokenizer) with its chat template".into(),
-        )),
-        (VocabSpec::Tokenizer(path), _) => {
-            let file = TokenizerFile::open(path)?;
-            let default_eos = file.special_tokens().eos;
-            let tokenizer = file.into_inner();
-            let eos = match &opts.eos_token {
-                Some(t) => Some(tokenizer.token_to_id(t).ok_or_else(|| {
-                    Error::Tokenizer(format!("{}: no token {t:?} (--eos-token)", path.display()))
-                })?),
-                None => default_eos,
-            };
-            let Some(eos) = eos else {
-                return Err(Error::Tokenizer(format!(
-                    "{}: no EOS token (no eos_token in tokenizer_config.json, no <|endoftext|> \
-                     or </s>); name one with --eos-token",
-                    path.display()
-                )));
-            };
-            let hash = tokenizer_vocab_hash(&tokenizer);
-            let size = tokenizer.get_vocab_size(true) as u64;
-            let info = tok_info("tokenizer", Some(path.clone()), hash, None);
-            let enc = Encoder::Tokenizer {
-                tokenizer: Box::new(tokenizer),
-                eos: Some(eos),
-            };
-            Ok((enc, info, size))
-        }
-        (VocabSpec::Byte, _) => Ok((
-            Encoder::Byte,
-            tok_info("byte", None, byte_vocab_hash(), None),
-            256,
-        )),
-        (VocabSpec::Char, _) => {
-            let chars = scan_chars(opts, files)?;
-            let index = chars
-                .iter()
-                .enumerate()
-                .map(|(i, &c)| (c, i as u32))
-                .collect();
-            let info = tok_info(
-                "char",
-                None,
-                char_vocab_hash(&chars),
-                Some(chars.iter().collect()),
-            );
-            Ok((Encoder::Char(index), info, chars.len() as u64))
-        }
-    }
-}
-
-fn tok_info(kind: &str, path: Option<PathBuf>, hash: u64, chars: Option<String>) -> TokenizerInfo {
-    TokenizerInfo {
-        kind: kind.into(),
-        path,
-        hash: format!("{hash:016x}"),
-        chars,
-    }
-}
-
-/// The sorted unique characters of every document (one streaming pass).
-fn scan_chars(opts: &PrepareOptions, files: &[PathBuf]) -> Result<Vec<char>> {
+    files: &'a [PathBuf],
+    at: Position,
+) -> Result<UnitReader<'a>> {
     let text = opts.format == InputFormat::Text;
-    let mut reader = UnitReader::new(files, text, opts.chunk_bytes, opts.max_line_bytes, start());
-    let mut set = std::collections::BTreeSet::new();
-    while let Some(unit) = reader.next_unit()? {
-        for (_, t) in texts(&unit, &files[unit.at.file], opts.format, &opts.field)? {
-            set.extend(t.chars());
-        }
-    }
-    if set.is_empty() {
-        return Err(Error::data(&opts.out_dir, "the inputs hold no characters"));
-    }
-    Ok(set.into_iter().collect())
+    let columns = match opts.format {
+        InputFormat::Sft => Columns::Sft,
+        InputFormat::Text | InputFormat::Jsonl => Columns::Text(opts.field.clone()),
+    };
+    let reader = UnitReader::new(files, text, opts.chunk_bytes, opts.max_line_bytes, at);
+    Ok(reader.with_parquet(parquet_files(opts, files)?, columns))
 }
 
 /// The position of the first byte of the first file.

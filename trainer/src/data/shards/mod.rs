@@ -3,7 +3,8 @@
 //!
 //! - [`format`](mod@format): one shard file (header, tokens, document starts, loss mask), reading,
 //!   writing and verifying it, and the [`Manifest`].
-//! - [`prepare`](mod@prepare): text, JSONL or SFT records → shards, streaming, parallel, deterministic and
+//! - [`prepare`](mod@prepare): text, JSONL or SFT records (from text, JSON-lines or Parquet
+//!   files) → shards, streaming, parallel, deterministic and
 //!   resumable.
 //! - [`ShardSource`]: the [`DataSource`](crate::data::DataSource) over a prepared directory
 //!   (or nanoGPT's `train.bin` / `val.bin`), memory-mapped, in random or epoch order
@@ -12,6 +13,7 @@
 //! - [`write_prepared`]: a whole prepared directory from token streams in memory (the text
 //!   sources' token cache).
 
+mod encode;
 pub mod format;
 mod input;
 mod manifest;
@@ -27,7 +29,7 @@ mod write;
 pub use format::{Manifest, ShardEntry, ShardHeader};
 pub use order::DataOrder;
 pub use prepare::{
-    prepare, InputFormat, PrepareOptions, PrepareProgress, PrepareSummary, VocabSpec,
+    prepare, Container, InputFormat, PrepareOptions, PrepareProgress, PrepareSummary, VocabSpec,
 };
 pub(crate) use source::human;
 pub use source::{ShardOptions, ShardSource};

@@ -143,6 +143,10 @@ pub(crate) fn changes(
                 out.push(format!("setting {k} changed ({old} -> {v})"));
             }
         }
+        // A setting recorded only when it is not the default (`input_format`).
+        for (k, old) in was.iter().filter(|(k, _)| !now.contains_key(*k)) {
+            out.push(format!("setting {k} changed ({old} -> default)"));
+        }
     }
     if earlier.tokenizer.is_some_and(|t| t != tokenizer) {
         out.push("the vocabulary changed".into());

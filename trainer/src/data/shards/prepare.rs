@@ -8,9 +8,9 @@
 //!   (file order, position in file), each split's token stream is cut every
 //!   [`PrepareOptions::shard_tokens`] tokens, and a document goes to validation iff
 //!   `splitmix64(index ^ VAL_SEED) < val_fraction * 2^64`. The thread count changes nothing.
-//! - **Parquet** is not read: the `parquet` crate (with `arrow`) would lengthen the trainer's
-//!   cold build well past a fifth; convert to JSONL first (e.g. `pandas.read_parquet(p)
-//!   .to_json(out, orient="records", lines=True)`).
+//! - **Parquet** files (by extension, or [`PrepareOptions::container`]) are read a row group
+//!   at a time, each row a record with the format's columns (see [`Container`]);
+//!   units end at row group ends, and a resume point is a row.
 //! - **Resumable**: shards are written to a temporary name and renamed; after each unit in
 //!   which a shard was finished, the unfinished shard of each split is saved as a
 //!   `partial-*.tok` file and `progress.json` records the finished shards, the partial ones
@@ -24,18 +24,18 @@ use std::path::{Path, PathBuf};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use super::encode::{build_encoder, Encoder, Piece};
 use super::format::{
     width_for_vocab, Expect, InputEntry, Manifest, ShardEntry, ShardWriter, TokenizerInfo,
     MANIFEST_FILE, MANIFEST_FORMAT,
 };
-use super::input::{
-    build_encoder, expand_inputs, start, Encoder, Piece, Position, Unit, UnitReader,
-};
+use super::input::{expand_inputs, parquet_files, start, unit_reader, Unit};
 use super::plan;
 use super::progress::{
     clear, load_partial, remove_partials, remove_temporaries, save_progress, verify_all, Progress,
     SplitState,
 };
+use crate::data::parquet::is_parquet;
 use crate::error::{Error, Result};
 use crate::hash::splitmix64;
 
@@ -61,14 +61,15 @@ pub enum InputFormat {
 }
 
 impl InputFormat {
-    /// The format of `inputs` (files, directories, globs) when none is given: JSON lines when
-    /// every file they name ends in `.jsonl` or `.json`, else text.
+    /// The format of `inputs` (files, directories, globs) when none is given: JSON lines (a
+    /// document a record, its [`PrepareOptions::field`]) when every file they name ends in
+    /// `.jsonl`, `.json` or `.parquet`, else text.
     pub fn detect(inputs: &[PathBuf]) -> Result<Self> {
         let files = super::input::expand_inputs(inputs)?;
         let jsonl = files.iter().all(|p| {
             matches!(
                 p.extension().and_then(|e| e.to_str()),
-                Some("jsonl") | Some("json")
+                Some("jsonl") | Some("json") | Some("parquet")
             )
         });
         Ok(match jsonl {
@@ -77,6 +78,48 @@ impl InputFormat {
         })
     }
 }
+
+named_enum!(InputFormat, "--format must be text, jsonl or sft", {
+    Text => "text",
+    Jsonl => "jsonl",
+    Sft => "sft",
+});
+
+/// How input files are stored (`trainer prepare --input-format`); what their records are is
+/// the [`InputFormat`]. A Parquet file holds rows: with `text` and `jsonl` formats, each row
+/// is a document (its [`PrepareOptions::field`] column); with `sft`, each row is a record.
+///
+/// ```
+/// use trainer::data::shards::{Container, PrepareOptions};
+///
+/// let opts = PrepareOptions {
+///     container: "parquet".parse::<Container>().map_err(trainer::Error::Config)?,
+///     ..PrepareOptions::default()
+/// };
+/// assert_eq!(opts.container.to_string(), "parquet");
+/// # Ok::<(), trainer::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Container {
+    /// By extension: `.parquet` files are Parquet, others text or JSON lines as the format
+    /// says.
+    #[default]
+    Auto,
+    /// Every file is Parquet.
+    Parquet,
+    /// Every file is JSON lines (`jsonl` and `sft` formats).
+    Jsonl,
+    /// Every file is plain text (`text` format).
+    Text,
+}
+
+named_enum!(Container, "--input-format must be auto, parquet, jsonl or text", {
+    Auto => "auto",
+    Parquet => "parquet",
+    Jsonl => "jsonl",
+    Text => "text",
+});
 
 /// The vocabulary tokens come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -96,8 +139,10 @@ pub struct PrepareOptions {
     pub inputs: Vec<PathBuf>,
     /// The directory shards and `manifest.json` go to.
     pub out_dir: PathBuf,
-    /// How files are read.
+    /// What the records of the files are.
     pub format: InputFormat,
+    /// How the files are stored (by extension by default).
+    pub container: Container,
     /// JSONL: the field holding the text.
     pub field: String,
     /// The vocabulary.
@@ -126,6 +171,7 @@ impl Default for PrepareOptions {
             inputs: Vec::new(),
             out_dir: PathBuf::from("prepared"),
             format: InputFormat::Text,
+            container: Container::Auto,
             field: "text".into(),
             vocab: VocabSpec::Byte,
             eos_token: None,
@@ -287,6 +333,7 @@ pub fn prepare(
         return Err(Error::Config("prepare needs at least one input".into()));
     }
     let files = expand_inputs(&opts.inputs)?;
+    let parquet = parquet_files(opts, &files)?;
     let dir = opts.out_dir.as_path();
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     remove_temporaries(dir)?;
@@ -326,6 +373,11 @@ pub fn prepare(
         "chunk_bytes": opts.chunk_bytes,
         "eos_id": eos_id,
     });
+    // Recorded only when it is not what the file names say (earlier plans stay the same).
+    let by_name: Vec<bool> = files.iter().map(|p| is_parquet(p)).collect();
+    if parquet != by_name {
+        settings["input_format"] = serde_json::json!(opts.container);
+    }
     let plan = plan::plan(&settings, &inputs, &tokenizer)?;
     let expect = Expect {
         vocab: Some(vocab),
@@ -405,14 +457,7 @@ pub fn prepare(
         .build()
         .map_err(|e| Error::Config(format!("cannot start worker threads: {e}")))?;
     let window = 4 * pool.current_num_threads().max(1);
-    let text = opts.format == InputFormat::Text;
-    let mut reader = UnitReader::new(
-        &files,
-        text,
-        opts.chunk_bytes,
-        opts.max_line_bytes,
-        at.clone(),
-    );
+    let mut reader = unit_reader(opts, &files, at.clone())?;
     let mut state = PrepareProgress {
         bytes_done: inputs[..at.file.min(inputs.len())]
             .iter()
@@ -443,10 +488,10 @@ pub fn prepare(
         });
         for (unit, pieces) in units.iter().zip(encoded) {
             state.tokens += cut.feed(pieces?)?;
-            state.bytes_done += unit.bytes.len() as u64;
+            state.bytes_done += unit.size;
             if std::mem::take(&mut cut.finished_now) {
                 state.shards = cut.streams[0].done.len() + cut.streams[1].done.len();
-                let mut next = reader_position(&files, unit);
+                let mut next = unit.next.clone();
                 next.doc = cut.doc;
                 next.pos = [cut.streams[0].pos, cut.streams[1].pos];
                 let streams = cut.streams.each_ref().map(Stream::state);
@@ -585,24 +630,4 @@ fn earlier_run(
     }
     clear(dir)?;
     Ok(Earlier::Resume(None))
-}
-
-/// The position just after `unit` (file, offset, line; counters left to the caller).
-fn reader_position(files: &[PathBuf], unit: &Unit) -> Position {
-    let lines = unit.bytes.iter().filter(|&&b| b == b'\n').count() as u64;
-    if unit.eof {
-        Position {
-            file: (unit.at.file + 1).min(files.len()),
-            offset: 0,
-            line: 1,
-            ..Position::default()
-        }
-    } else {
-        Position {
-            file: unit.at.file,
-            offset: unit.at.offset + unit.bytes.len() as u64,
-            line: unit.at.line + lines,
-            ..Position::default()
-        }
-    }
 }
