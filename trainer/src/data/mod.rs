@@ -354,6 +354,10 @@ pub enum DataKind {
     /// A directory of token shards `trainer prepare` wrote, or nanoGPT's `train.bin` /
     /// `val.bin`, memory-mapped (see [`ShardSource`]).
     Shards,
+    /// Preference records (JSONL `prompt` / `chosen` / `rejected`) with a Hugging Face
+    /// tokenizer and its chat template, served as pairs for `objective = dpo`
+    /// ([`sft::PreferenceSource`]).
+    Preference,
 }
 
 impl DataKind {
@@ -362,7 +366,7 @@ impl DataKind {
     pub fn uses_tokenizer(self) -> bool {
         matches!(
             self,
-            DataKind::Tokenizer | DataKind::Sft | DataKind::ChatTask
+            DataKind::Tokenizer | DataKind::Sft | DataKind::ChatTask | DataKind::Preference
         )
     }
 
@@ -373,7 +377,7 @@ impl DataKind {
     }
 }
 
-named_enum!(DataKind, "data must be addition, char, byte, tokenizer, sft, chat-task or shards", {
+named_enum!(DataKind, "data must be addition, char, byte, tokenizer, sft, chat-task, shards or preference", {
     Addition => "addition",
     Char => "char",
     Byte => "byte",
@@ -381,6 +385,7 @@ named_enum!(DataKind, "data must be addition, char, byte, tokenizer, sft, chat-t
     Sft => "sft",
     ChatTask => "chat-task",
     Shards => "shards",
+    Preference => "preference",
 });
 
 /// Configuration of the data source (the `[data]` section of a run config).
@@ -500,10 +505,11 @@ impl DataSpec {
             | DataKind::Byte
             | DataKind::Tokenizer
             | DataKind::Sft
-            | DataKind::Shards => {
+            | DataKind::Shards
+            | DataKind::Preference => {
                 if self.path.is_none() {
                     let what = match self.kind {
-                        DataKind::Sft => "a JSONL file",
+                        DataKind::Sft | DataKind::Preference => "a JSONL file",
                         DataKind::Shards => "a directory of shards",
                         _ => "a text file",
                     };
@@ -543,6 +549,7 @@ pub fn open(spec: &DataSpec) -> Result<Box<dyn DataSource>> {
             Ok(Box::new(TextSource::open(spec)?))
         }
         DataKind::Sft => Ok(Box::new(SftSource::open(spec)?)),
+        DataKind::Preference => Ok(Box::new(sft::PreferenceSource::open(spec)?)),
         DataKind::ChatTask => Ok(Box::new(ChatTask::open(spec)?)),
         DataKind::Shards => {
             let dir = spec.path.as_deref().unwrap_or(std::path::Path::new(""));
