@@ -21,8 +21,10 @@
 //!
 //! A trainer run (`objective = dpo`, `data = preference`, LoRA over the fixture's base): its
 //! first step's loss is log 2 (a fresh adapter is the reference), it learns and it resumes
-//! bit-exactly; a batch that would split a pair, and full fine-tuning without a reference,
-//! are refused.
+//! bit-exactly; remat gives the plain run's steps bit for bit, bf16 runs, and accumulated
+//! micro-batches and two data-parallel ranks give the one-batch run's losses (the step's mean
+//! over pairs) within 1e-5 relative (f32 sums in another order); a batch that would split a
+//! pair, a pipeline and full fine-tuning without a reference are refused.
 
 mod common;
 
@@ -41,6 +43,8 @@ use trainer::model::{run_links, Ctx, Model, Params};
 use trainer::objective::{reference_log_probs, Dpo, DpoLoss, HeadOutput, DPO_METRICS};
 use trainer::train::executor::run_chain;
 use trainer::train::Trainer;
+
+use std::time::Duration;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -370,6 +374,7 @@ fn bad_preference_records_are_named_by_file_and_line() {
 /// A LoRA DPO run over the fixture's base on every record of the fixtures (the string one
 /// whose prompt fills block_size + 1 = 65 tokens is dropped).
 fn run_config(tmp: &Path) -> TrainConfig {
+    std::fs::create_dir_all(tmp).unwrap();
     let data = tmp.join("pairs.jsonl");
     let mut text = String::new();
     for name in [
@@ -467,4 +472,67 @@ fn dpo_refuses_batches_that_split_pairs_and_full_fine_tuning_without_a_reference
         Err(e) => e.to_string(),
     };
     assert!(e.contains("reference"), "{e}");
+}
+
+fn losses(steps: &[trainer::metrics::StepStats]) -> Vec<f32> {
+    steps.iter().map(|s| s.loss).collect()
+}
+
+fn assert_close_losses(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "{what}: {a:?} vs {b:?}");
+    }
+}
+
+#[test]
+fn dpo_runs_under_remat_bf16_accumulation_and_data_parallel_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = |name: &str, set: fn(&mut TrainConfig)| {
+        let mut c = TrainConfig {
+            max_iters: 3,
+            lr_decay_iters: Some(3),
+            eval_interval: 3,
+            ..run_config(&tmp.path().join(name))
+        };
+        set(&mut c);
+        c
+    };
+    let plain = common::finish(Trainer::new(cfg("plain", |_| {})).unwrap());
+    let remat = common::finish(
+        Trainer::new(cfg("remat", |c| c.remat = "every:1".parse().unwrap())).unwrap(),
+    );
+    common::assert_same_steps(&plain.0, &remat.0, "remat");
+    assert!(plain.1 == remat.1, "remat: the same adapters");
+    let bf16 =
+        common::finish(Trainer::new(cfg("bf16", |c| c.dtype = "bf16".parse().unwrap())).unwrap());
+    assert_eq!(bf16.0[0].loss, std::f32::consts::LN_2);
+    assert!(bf16.0.iter().all(|s| s.loss.is_finite()));
+    let accum = common::finish(
+        Trainer::new(cfg("accum", |c| {
+            c.batch_size = 2;
+            c.grad_accum = 2;
+        }))
+        .unwrap(),
+    );
+    assert_close_losses(&losses(&accum.0), &losses(&plain.0), "accumulation");
+    let ranks_cfg = cfg("ranks", |c| c.batch_size = 2);
+    let ranks = candle_comm::run_threads(2, Duration::from_secs(120), move |comm| {
+        let t = Trainer::new(ranks_cfg.clone())
+            .unwrap()
+            .with_comm(Box::new(comm))
+            .unwrap();
+        common::finish(t)
+    });
+    for r in ranks {
+        let (steps, _) = r.unwrap_or_else(|_| panic!("a rank panicked"));
+        assert_close_losses(&losses(&steps), &losses(&plain.0), "two ranks");
+    }
+    let mut piped = Trainer::new(cfg("pipe", |c| {
+        c.pipeline_stages = 2;
+        c.microbatches = 2;
+    }))
+    .unwrap();
+    let e = piped.train_step().unwrap_err().to_string();
+    assert!(e.contains("does not run under a pipeline"), "{e}");
 }
