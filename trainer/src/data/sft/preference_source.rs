@@ -148,7 +148,7 @@ impl PreferenceSource {
         };
         all.iter()
             .copied()
-            .filter(|&i| self.pairs[i].prompt_len < block_size + 1)
+            .filter(|&i| self.pairs[i].prompt_len <= block_size)
             .collect()
     }
 
@@ -171,7 +171,7 @@ impl PreferenceSource {
         let dropped = self
             .pairs
             .iter()
-            .filter(|p| p.prompt_len >= block_size + 1)
+            .filter(|p| p.prompt_len > block_size)
             .count();
         if dropped > 0 {
             tracing::info!(
