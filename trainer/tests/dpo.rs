@@ -24,7 +24,10 @@
 //! bit-exactly; remat gives the plain run's steps bit for bit, bf16 runs, and accumulated
 //! micro-batches and two data-parallel ranks give the one-batch run's losses (the step's mean
 //! over pairs) within 1e-5 relative (f32 sums in another order); a batch that would split a
-//! pair, a pipeline and full fine-tuning without a reference are refused.
+//! pair, a pipeline and full fine-tuning without a reference are refused. Full fine-tuning
+//! with the reference values computed before training (`dpo_precompute_ref`) starts at log 2,
+//! learns, keeps the values in the run directory keyed by record, resumes bit-exactly from
+//! them, and refuses values computed for another length.
 
 mod common;
 
@@ -535,4 +538,65 @@ fn dpo_runs_under_remat_bf16_accumulation_and_data_parallel_ranks() {
     .unwrap();
     let e = piped.train_step().unwrap_err().to_string();
     assert!(e.contains("does not run under a pipeline"), "{e}");
+}
+
+#[test]
+fn full_fine_tuning_with_precomputed_reference_values_resumes_bit_exactly() {
+    let cfg = |dir: &Path, iters: usize| TrainConfig {
+        lora_r: 0,
+        dpo_precompute_ref: true,
+        lr: 5e-3,
+        max_iters: iters,
+        ..run_config(dir)
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let (steps, end) = common::finish(Trainer::new(cfg(tmp.path(), 6)).unwrap());
+    // the reference is the initial model (computed a pair at a time: the same sums of other
+    // batch shapes, a few ulps)
+    assert!(
+        (steps[0].loss - std::f32::consts::LN_2).abs() < 1e-6,
+        "first loss {}",
+        steps[0].loss
+    );
+    assert!(steps.last().unwrap().loss < steps[0].loss);
+    let file = tmp.path().join("run/dpo_reference.json");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let lines: Vec<u64> = doc["pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["line"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        lines,
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+        "every record, by line"
+    );
+    let tmp2 = tempfile::tempdir().unwrap();
+    let mut t = Trainer::new(cfg(tmp2.path(), 3)).unwrap();
+    let first = common::run_to_end(&mut t);
+    drop(t);
+    let run = tmp2.path().join("run");
+    let mut t = Trainer::resume(&run, |c| c.max_iters = 6).unwrap();
+    let second = common::run_to_end(&mut t);
+    let resumed: Vec<_> = first.into_iter().chain(second).collect();
+    common::assert_same_steps(&steps, &resumed, "DPO resume with precomputed reference");
+    assert_eq!(end, common::weights(&t), "the same weights after resuming");
+    // values for another length are refused, naming the file
+    let path = run.join("dpo_reference.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(
+        &path,
+        text.replace("\"block_size\": 64", "\"block_size\": 32"),
+    )
+    .unwrap();
+    let ckpt = run.join("checkpoints/step-0000003");
+    let e = match Trainer::resume(&ckpt, |c| c.out_dir = tmp2.path().join("run")) {
+        Ok(mut t) => t.train_step().unwrap_err().to_string(),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("dpo_reference.json") && e.contains("block_size 32"),
+        "{e}"
+    );
 }

@@ -361,6 +361,11 @@ train_config! {
     /// [0, 0.5) (TRL's `label_smoothing`).
     #[resume(fixed)]
     dpo_label_smoothing: f64 = 0.0,
+    /// `objective = dpo`: compute the reference values once before training with the initial
+    /// model and keep them in the run directory (TRL's `precompute_ref_log_probs`): how full
+    /// fine-tuning gets its reference without holding a second model.
+    #[resume(fixed)]
+    dpo_precompute_ref: bool = false,
     /// Optimiser steps in the run.
     #[resume(may_change)]
     max_iters: usize = 600,

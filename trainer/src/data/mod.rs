@@ -94,6 +94,10 @@ pub struct Batch {
     /// ([`Batch::with_host_mask`]): counting and sharding then read nothing back from the
     /// device. Used only while `mask` is the tensor they were counted from.
     pub mask_counts: Option<MaskCounts>,
+    /// A reference model's summed log-probability of each row's counted targets (`f32 [B]`),
+    /// when the source holds them (DPO with reference values computed before training; see
+    /// [`crate::model::Ctx::reference`]).
+    pub reference: Option<Tensor>,
 }
 
 /// Counted targets per row of one mask tensor, summed on the host (see
@@ -113,6 +117,7 @@ impl Batch {
             mask: None,
             rows: Rows::default(),
             mask_counts: None,
+            reference: None,
         }
     }
 
@@ -229,6 +234,7 @@ impl Batch {
             mask,
             rows: self.rows.narrow(start, len)?,
             mask_counts,
+            reference: self.reference.as_ref().map(rows).transpose()?,
         })
     }
 }
@@ -283,6 +289,12 @@ pub trait DataSource: Send + Sync {
     /// Identity of the token stream and the vocabulary, stored with a run's checkpoints so
     /// that a changed corpus or vocabulary is caught before it silently shifts token ids.
     fn fingerprint(&self) -> Fingerprint;
+
+    /// The source as preference pairs, if it is one (DPO's reference values are computed
+    /// over its pairs).
+    fn preferences(&self) -> Option<&sft::PreferenceSource> {
+        None
+    }
 }
 
 /// Identity of a data source: stable 64-bit hashes (hex) of its token stream and of its

@@ -11,6 +11,7 @@ mod init;
 pub mod memory;
 pub mod parallel;
 pub mod pipeline;
+mod reference;
 mod run;
 mod save;
 mod step;

@@ -111,6 +111,7 @@ impl Trainer {
         else {
             return Ok(None);
         };
+        self.prepare_reference()?;
         let mut grads = GradStore::default();
         self.objective.take_metrics()?; // a stopped step's, dropped
         let Some(step_loss) =
@@ -184,7 +185,10 @@ impl Trainer {
                         train: false,
                         ..ctx
                     };
-                    let reference = self.reference_log_probs(&batch, &ctx)?;
+                    let reference = match &batch.reference {
+                        Some(computed_before) => computed_before.clone(),
+                        None => self.reference_log_probs(&batch, &ctx)?,
+                    };
                     ctx.with_reference(Some(reference))
                 }
                 false => ctx,
@@ -217,7 +221,8 @@ impl Trainer {
         if matches!(self.tuning, Tuning::Full) {
             return Err(Error::Config(format!(
                 "objective `{}` compares the model with a reference: train LoRA adapters \
-                 (--lora-r) so that the base is the reference",
+                 (--lora-r) so that the base is the reference, or compute the reference values \
+                 once before training (--dpo-precompute-ref)",
                 self.objective.name()
             )));
         }

@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 use candle_core::Device;
 use rand::seq::SliceRandom;
@@ -33,6 +34,9 @@ pub struct PreferenceSource {
     fingerprint: Fingerprint,
     /// The block size whose dropped pairs were logged last (+1; 0: none yet).
     logged_block: AtomicUsize,
+    /// Each pair's reference values (chosen, rejected), once computed (see
+    /// [`PreferenceSource::set_reference`]).
+    reference: OnceLock<Vec<[f32; 2]>>,
 }
 
 impl PreferenceSource {
@@ -127,6 +131,7 @@ impl PreferenceSource {
             description,
             fingerprint,
             logged_block: AtomicUsize::new(0),
+            reference: OnceLock::new(),
         })
     }
 
@@ -138,6 +143,38 @@ impl PreferenceSource {
     /// The line of the file pair `i` was read from.
     pub fn line(&self, i: usize) -> usize {
         self.lines[i]
+    }
+
+    /// Pair `i` as a batch of its two rows, cut and padded as training batches are at
+    /// `block_size`.
+    pub fn pair_batch(&self, i: usize, block_size: usize, device: &Device) -> Result<Batch> {
+        let p = self.pairs[i].cut(block_size + 1);
+        preference_batch(&[&p], block_size, self.encoder.pad_id(), device)
+    }
+
+    /// Sets each pair's reference values (file order; the summed log-probabilities of its
+    /// chosen and rejected completions), computed once before training: every batch carries
+    /// its rows' values from then on ([`Batch::reference`]). An error when the count differs
+    /// or they are already set.
+    pub fn set_reference(&self, values: Vec<[f32; 2]>) -> Result<()> {
+        if values.len() != self.pairs.len() {
+            return Err(Error::data(
+                &self.path,
+                format!(
+                    "{} reference values for {} preference pairs",
+                    values.len(),
+                    self.pairs.len()
+                ),
+            ));
+        }
+        self.reference
+            .set(values)
+            .map_err(|_| Error::data(&self.path, "the reference values are already set"))
+    }
+
+    /// Whether the pairs' reference values are set.
+    pub fn has_reference(&self) -> bool {
+        self.reference.get().is_some()
     }
 
     /// The pairs of `split` that keep a completion token in `block_size + 1` tokens.
@@ -213,15 +250,20 @@ impl DataSource for PreferenceSource {
                 Split::Val => self.val.clone(),
             };
         }
-        let cut: Vec<PreferencePair> = (0..batch_size.div_ceil(2))
-            .map(|_| {
-                let p = &self.pairs[pool[rng.random_range(0..pool.len())]];
-                p.truncated(block_size + 1)
-                    .unwrap_or_else(|| p.cut(block_size + 1))
-            })
+        let picked: Vec<usize> = (0..batch_size.div_ceil(2))
+            .map(|_| pool[rng.random_range(0..pool.len())])
+            .collect();
+        let cut: Vec<PreferencePair> = picked
+            .iter()
+            .map(|&i| self.pairs[i].cut(block_size + 1))
             .collect();
         let refs: Vec<&PreferencePair> = cut.iter().collect();
-        let batch = preference_batch(&refs, block_size, self.encoder.pad_id(), device)?;
+        let mut batch = preference_batch(&refs, block_size, self.encoder.pad_id(), device)?;
+        if let Some(table) = self.reference.get() {
+            let values: Vec<f32> = picked.iter().flat_map(|&i| table[i]).collect();
+            let rows = values.len();
+            batch.reference = Some(crate::transfer::upload(values, rows, device)?);
+        }
         Ok(if batch_size % 2 == 1 {
             batch.narrow(0, batch_size)?
         } else {
@@ -247,5 +289,9 @@ impl DataSource for PreferenceSource {
 
     fn fingerprint(&self) -> Fingerprint {
         self.fingerprint.clone()
+    }
+
+    fn preferences(&self) -> Option<&PreferenceSource> {
+        Some(self)
     }
 }
