@@ -349,3 +349,37 @@ pub fn preference_batch(
     let u32s = |v: Vec<u32>| crate::transfer::upload(v, shape, device);
     Ok(Batch::new(u32s(l.x)?, u32s(l.y)?).with_host_mask(l.mask, device)?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn texts(p: &Preference) -> [String; 3] {
+        let t = |t: &Turns| match t {
+            Turns::Text(s) => s.clone(),
+            Turns::Messages(_) => panic!("messages"),
+        };
+        [t(&p.prompt), t(&p.chosen), t(&p.rejected)]
+    }
+
+    /// TRL's `extract_prompt` on the same strings (trl 1.16.0): a space before the split goes
+    /// to the completions, characters (not bytes) are compared, and when one is a prefix of
+    /// the other its loop stops one short.
+    #[test]
+    fn implicit_prompts_split_as_trl() {
+        let cases = [
+            (
+                r#"{"chosen": "Q: x A: yes", "rejected": "Q: x A: no"}"#,
+                ["Q: x A:", " yes", " no"],
+            ),
+            (
+                r#"{"chosen": "héllo wörld", "rejected": "héllo wärld"}"#,
+                ["héllo w", "örld", "ärld"],
+            ),
+            (r#"{"chosen": "ab", "rejected": "abc"}"#, ["a", "b", "bc"]),
+        ];
+        for (line, want) in cases {
+            assert_eq!(texts(&parse_preference(line).unwrap()), want, "{line}");
+        }
+    }
+}
