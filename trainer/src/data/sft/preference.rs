@@ -53,8 +53,8 @@ pub struct LinePreference {
     pub record: Preference,
 }
 
-/// Reads a JSONL file of preference records (see the [module docs](self)); errors name
-/// `file:line`.
+/// Reads a JSONL file of preference records, one a line (see [`parse_preference`]; blank
+/// lines skipped); errors name `file:line`.
 pub fn read_preferences(path: &Path) -> Result<Vec<LinePreference>> {
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let mut reader = std::io::BufReader::new(file);
@@ -82,6 +82,12 @@ pub fn read_preferences(path: &Path) -> Result<Vec<LinePreference>> {
 }
 
 /// Parses one preference record; the error says what is wrong (the caller adds where).
+///
+/// - explicit prompt: `{"prompt", "chosen", "rejected"}`, all strings or all lists of
+///   messages;
+/// - implicit prompt: `{"chosen", "rejected"}` only: the prompt is their longest common prefix
+///   (of characters, less a trailing space, for strings; of whole messages for
+///   conversations), as TRL's `extract_prompt` splits them; an empty one is an error.
 ///
 /// ```
 /// use trainer::data::sft::{parse_preference, Turns};
@@ -223,9 +229,12 @@ impl PreferencePair {
 }
 
 impl SftEncoder {
-    /// Tokenises a preference record as TRL's `DPOTrainer` does (see the
-    /// [module docs](self)). A prompt that tokenises to nothing is an error (no token would
-    /// precede the completion's first).
+    /// Tokenises a preference record as TRL's `DPOTrainer` does: strings with the tokenizer's
+    /// post-processor and the EOS appended to each completion, messages rendered with the chat
+    /// template (the prompt with the generation prompt); the completion starts where the
+    /// tokenised prompt and prompt + completion diverge (the shorter of the two
+    /// divergences). A prompt that tokenises to nothing is an error (no token would precede
+    /// the completion's first).
     pub fn encode_preference(&self, record: &Preference) -> Result<PreferencePair> {
         let (p, c, r) = match (&record.prompt, &record.chosen, &record.rejected) {
             (Turns::Text(p), Turns::Text(c), Turns::Text(r)) => {
