@@ -23,7 +23,8 @@
 //! first step's loss is log 2 (a fresh adapter is the reference), it learns and it resumes
 //! bit-exactly; remat gives the plain run's steps bit for bit, bf16 runs, and accumulated
 //! micro-batches and two data-parallel ranks give the one-batch run's losses (the step's mean
-//! over pairs) within 1e-5 relative (f32 sums in another order); a batch that would split a
+//! over pairs, and its metrics the means over every rank's pairs) within 1e-5 relative (f32
+//! sums in another order); a batch that would split a
 //! pair, a pipeline and full fine-tuning without a reference are refused. Full fine-tuning
 //! with the reference values computed before training (`dpo_precompute_ref`) starts at log 2,
 //! learns, keeps the values in the run directory keyed by record, resumes bit-exactly from
@@ -527,9 +528,20 @@ fn dpo_runs_under_remat_bf16_accumulation_and_data_parallel_ranks() {
             .unwrap();
         common::finish(t)
     });
-    for r in ranks {
-        let (steps, _) = r.unwrap_or_else(|_| panic!("a rank panicked"));
-        assert_close_losses(&losses(&steps), &losses(&plain.0), "two ranks");
+    let ranks: Vec<_> = ranks
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|_| panic!("a rank panicked")).0)
+        .collect();
+    for steps in &ranks {
+        assert_close_losses(&losses(steps), &losses(&plain.0), "two ranks");
+        // the metrics are the means over both ranks' pairs: the one-batch run's
+        for (s, p) in steps.iter().zip(&plain.0) {
+            let (got, want) = (s.objective["logps/chosen"], p.objective["logps/chosen"]);
+            assert!((got - want).abs() <= 1e-5 * want.abs(), "{got} vs {want}");
+        }
+    }
+    for (a, b) in ranks[0].iter().zip(&ranks[1]) {
+        assert_eq!(a.objective, b.objective, "step {}", a.step);
     }
     let mut piped = Trainer::new(cfg("pipe", |c| {
         c.pipeline_stages = 2;

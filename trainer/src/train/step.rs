@@ -119,7 +119,7 @@ impl Trainer {
         else {
             return Ok(None);
         };
-        let objective_metrics = self.objective.take_metrics()?;
+        let objective_metrics = self.dp.mean_metrics(self.objective.take_metrics()?)?;
         let (loss, norm) = self.reduce_loss_and_norm(step_loss, &mut grads)?;
         let (grad_norm, skipped) = self.update(&grads, lr, norm)?;
         // Reported in mixed precision, and in f32 when the loss is scaled explicitly.
