@@ -211,13 +211,6 @@ impl Trainer {
     /// objective that [needs them](crate::objective::Objective::needs_reference): under LoRA
     /// the base (the adapters off, the modules to save restored), computed without a graph.
     fn reference_log_probs(&self, batch: &Batch, ctx: &Ctx) -> Result<Tensor> {
-        if let Executor::Pipeline(_) = self.executor {
-            return Err(Error::Config(format!(
-                "objective `{}` does not run under a pipeline yet (its microbatches would need \
-                 the reference values of their rows)",
-                self.objective.name()
-            )));
-        }
         if matches!(self.tuning, Tuning::Full) {
             return Err(Error::Config(format!(
                 "objective `{}` compares the model with a reference: train LoRA adapters \
