@@ -10,7 +10,8 @@
 //!   ([`Objective::row_units`]: counted target tokens for cross-entropy), so the accumulated
 //!   gradients equal the full batch's (up to f32 summation order);
 //! - **the rows' context** (positions, document ids) of the trainer's micro-batch is handed
-//!   to every stage for its microbatch's rows;
+//!   to every stage for its microbatch's rows, and the reference values of an objective that
+//!   compares with a reference ([`Ctx::reference`]) to the loss of each microbatch;
 //! - **dropout**: each stage is told its microbatch ([`Call`]); the masks are keyed by the
 //!   step's seed (the batch key) and the microbatch's first row, so every row draws the mask it
 //!   draws in the plain step, in its forward and in a recompute;
