@@ -6,8 +6,9 @@
 
 A tiny random LlamaForCausalLM (`base/`) over the `llama3` chat-fixture tokenizer
 (trainer/tests/fixtures/chat/llama3: byte-level BPE, vocab 325, Llama 3 chat template, BOS added to
-plain text, EOS `<|eot_id|>`), a PEFT LoRA adapter on it (`adapter/`, non-zero A and B, large
-enough that every pair's reward margin exceeds 1e-2), the same adapter merged (`merged/`, the
+plain text, EOS `<|eot_id|>`), a PEFT LoRA adapter on it (`adapter/`: random A and B, then 30
+Adam steps of sigmoid DPO, so that every pair's reward margin exceeds 1e-2 and no logged mean is
+near 0), the same adapter merged (`merged/`, the
 full fine-tuning policy), preference records (`*.jsonl`) and, per case, what TRL 1.16's
 `DPOTrainer` computes on one batch holding every record: the tokenisation (`prompt_ids`,
 `chosen_ids`, `rejected_ids` per kept record, and the records dropped because their prompt fills
