@@ -1,6 +1,7 @@
 //! The run's metrics: one JSON object per line in `metrics.jsonl`, for steps and evaluations,
 //! and the same as TensorBoard scalars in an event file beside it ([`crate::tensorboard`]).
 
+use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -39,6 +40,11 @@ pub struct StepStats {
     /// skips; otherwise such a step is an error).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub skipped: bool,
+    /// The objective's own metrics of the step, by name (DPO: TRL's `rewards/chosen`,
+    /// `rewards/rejected`, `rewards/accuracies`, `rewards/margins`, `logps/chosen`,
+    /// `logps/rejected`: means over the step's pairs on this rank); none for cross-entropy.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub objective: BTreeMap<String, f64>,
 }
 
 /// JSON has no NaN: serde_json writes it as `null`; read `null` back as NaN.
@@ -83,7 +89,8 @@ impl Record {
 
 /// The scalars a run logs for `record` at `wall_time`: a step as `train/loss`,
 /// `train/learning_rate`, `train/grad_norm` (NaN for a step the loss scaler skipped),
-/// `train/tokens_per_s`, `train/mfu` and, with a loss scale, `train/loss_scale`; an
+/// `train/tokens_per_s`, `train/mfu`, with a loss scale `train/loss_scale`, and the
+/// objective's own metrics as `train/<name>` (DPO: `train/rewards/chosen`, ...); an
 /// evaluation as `eval/loss` (the validation loss), `eval/train_loss` and, with a task,
 /// `eval/<score name>` with what TensorFlow refuses in a tag as `_` (e.g.
 /// `eval/addition_accuracy`). The step is the optimizer step.
@@ -104,6 +111,11 @@ pub fn scalars_of(record: &Record, wall_time: f64) -> Vec<Scalar> {
                 at("train/mfu", s.mfu as f32),
             ];
             out.extend(s.loss_scale.map(|v| at("train/loss_scale", v as f32)));
+            out.extend(
+                s.objective
+                    .iter()
+                    .map(|(name, v)| at(&format!("train/{name}"), *v as f32)),
+            );
             out
         }
         Record::Eval(e) => {
@@ -241,6 +253,7 @@ mod tests {
                 mfu: 0.1,
                 loss_scale: Some(65536.0),
                 skipped: step == 2,
+                objective: BTreeMap::new(),
             }))
             .unwrap();
         }

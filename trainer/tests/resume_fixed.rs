@@ -80,6 +80,10 @@ const FIXED: &[&str] = &[
     "batch_size",
     "grad_accum",
     "objective",
+    "dpo_loss",
+    "dpo_beta",
+    "dpo_label_smoothing",
+    "dpo_precompute_ref",
     "lora_r",
     "lora_alpha",
     "lora_dropout",
@@ -159,6 +163,7 @@ fn fixed_fields_changed_on_resume_are_refused_naming_them() {
         ),
         ("dropout", Box::new(|c| c.dropout = 0.3)),
         ("grad_accum", Box::new(|c| c.grad_accum = 2)),
+        ("dpo_beta", Box::new(|c| c.dpo_beta = 0.5)),
         (
             "chat_task",
             Box::new(|c| c.chat_task = "basics".parse().unwrap()),

@@ -347,9 +347,25 @@ train_config! {
     #[resume(fixed)]
     grad_accum: usize = 1,
     /// The training loss: `cross-entropy` (next-token cross-entropy, the token mean over the
-    /// counted targets). A program can plug in its own (`Trainer::objective`).
+    /// counted targets) or `dpo` (direct preference optimisation over `data = preference`
+    /// pairs, TRL's `DPOTrainer`). A program can plug in its own (`Trainer::objective`).
     #[resume(fixed)]
     objective: String = "cross-entropy".into(),
+    /// `objective = dpo`: the loss, `sigmoid`, `ipo` or `robust` (TRL's `loss_type`).
+    #[resume(fixed)]
+    dpo_loss: String = "sigmoid".into(),
+    /// `objective = dpo`: β, how far the policy may move from the reference (TRL's `beta`).
+    #[resume(fixed)]
+    dpo_beta: f64 = 0.1,
+    /// `objective = dpo`, `dpo_loss = robust`: the assumed share of flipped labels, in
+    /// [0, 0.5) (TRL's `label_smoothing`).
+    #[resume(fixed)]
+    dpo_label_smoothing: f64 = 0.0,
+    /// `objective = dpo`: compute the reference values once before training with the initial
+    /// model and keep them in the run directory (TRL's `precompute_ref_log_probs`): how full
+    /// fine-tuning gets its reference without holding a second model.
+    #[resume(fixed)]
+    dpo_precompute_ref: bool = false,
     /// Optimiser steps in the run.
     #[resume(may_change)]
     max_iters: usize = 600,
@@ -696,7 +712,7 @@ impl TrainConfig {
         if self.model_json.is_none() {
             self.model_config(1)?.validate()?;
         }
-        crate::objective::build(&self.objective)?;
+        crate::objective::build(self)?;
         if self.arch == Arch::Gpt2 && !self.tie_embeddings {
             return bad(
                 "tie_embeddings = false needs a Llama-family arch (GPT-2's head always reads \

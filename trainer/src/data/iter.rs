@@ -46,6 +46,7 @@ impl IntoBatch for Batch {
             mask: self.mask.as_ref().map(moved).transpose()?,
             rows: self.rows,
             mask_counts: None,
+            reference: self.reference.as_ref().map(moved).transpose()?,
         })
     }
 }

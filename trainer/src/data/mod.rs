@@ -95,6 +95,10 @@ pub struct Batch {
     /// ([`Batch::with_host_mask`]): counting and sharding then read nothing back from the
     /// device. Used only while `mask` is the tensor they were counted from.
     pub mask_counts: Option<MaskCounts>,
+    /// A reference model's summed log-probability of each row's counted targets (`f32 [B]`),
+    /// when the source holds them (DPO with reference values computed before training; see
+    /// [`crate::model::Ctx::reference`]).
+    pub reference: Option<Tensor>,
 }
 
 /// Counted targets per row of one mask tensor, summed on the host (see
@@ -114,6 +118,7 @@ impl Batch {
             mask: None,
             rows: Rows::default(),
             mask_counts: None,
+            reference: None,
         }
     }
 
@@ -230,6 +235,7 @@ impl Batch {
             mask,
             rows: self.rows.narrow(start, len)?,
             mask_counts,
+            reference: self.reference.as_ref().map(rows).transpose()?,
         })
     }
 }
@@ -284,6 +290,12 @@ pub trait DataSource: Send + Sync {
     /// Identity of the token stream and the vocabulary, stored with a run's checkpoints so
     /// that a changed corpus or vocabulary is caught before it silently shifts token ids.
     fn fingerprint(&self) -> Fingerprint;
+
+    /// The source as preference pairs, if it is one (DPO's reference values are computed
+    /// over its pairs).
+    fn preferences(&self) -> Option<&sft::PreferenceSource> {
+        None
+    }
 }
 
 /// Identity of a data source: stable 64-bit hashes (hex) of its token stream and of its
@@ -355,6 +367,10 @@ pub enum DataKind {
     /// A directory of token shards `trainer prepare` wrote, or nanoGPT's `train.bin` /
     /// `val.bin`, memory-mapped (see [`ShardSource`]).
     Shards,
+    /// Preference records (JSONL `prompt` / `chosen` / `rejected`) with a Hugging Face
+    /// tokenizer and its chat template, served as pairs for `objective = dpo`
+    /// ([`sft::PreferenceSource`]).
+    Preference,
 }
 
 impl DataKind {
@@ -363,7 +379,7 @@ impl DataKind {
     pub fn uses_tokenizer(self) -> bool {
         matches!(
             self,
-            DataKind::Tokenizer | DataKind::Sft | DataKind::ChatTask
+            DataKind::Tokenizer | DataKind::Sft | DataKind::ChatTask | DataKind::Preference
         )
     }
 
@@ -374,7 +390,7 @@ impl DataKind {
     }
 }
 
-named_enum!(DataKind, "data must be addition, char, byte, tokenizer, sft, chat-task or shards", {
+named_enum!(DataKind, "data must be addition, char, byte, tokenizer, sft, chat-task, shards or preference", {
     Addition => "addition",
     Char => "char",
     Byte => "byte",
@@ -382,6 +398,7 @@ named_enum!(DataKind, "data must be addition, char, byte, tokenizer, sft, chat-t
     Sft => "sft",
     ChatTask => "chat-task",
     Shards => "shards",
+    Preference => "preference",
 });
 
 /// Configuration of the data source (the `[data]` section of a run config).
@@ -501,10 +518,12 @@ impl DataSpec {
             | DataKind::Byte
             | DataKind::Tokenizer
             | DataKind::Sft
-            | DataKind::Shards => {
+            | DataKind::Shards
+            | DataKind::Preference => {
                 if self.path.is_none() {
                     let what = match self.kind {
                         DataKind::Sft => "a JSONL or Parquet file",
+                        DataKind::Preference => "a JSONL file",
                         DataKind::Shards => "a directory of shards",
                         _ => "a text file",
                     };
@@ -544,6 +563,7 @@ pub fn open(spec: &DataSpec) -> Result<Box<dyn DataSource>> {
             Ok(Box::new(TextSource::open(spec)?))
         }
         DataKind::Sft => Ok(Box::new(SftSource::open(spec)?)),
+        DataKind::Preference => Ok(Box::new(sft::PreferenceSource::open(spec)?)),
         DataKind::ChatTask => Ok(Box::new(ChatTask::open(spec)?)),
         DataKind::Shards => {
             let dir = spec.path.as_deref().unwrap_or(std::path::Path::new(""));

@@ -117,7 +117,11 @@ impl TextSource {
         let t = match spec.kind {
             DataKind::Byte => open_bytes(&path, meta.len() as usize, spec.val_fraction)?,
             DataKind::Char | DataKind::Tokenizer => open_cached(spec, &path)?,
-            DataKind::Addition | DataKind::Sft | DataKind::ChatTask | DataKind::Shards => {
+            DataKind::Addition
+            | DataKind::Sft
+            | DataKind::ChatTask
+            | DataKind::Shards
+            | DataKind::Preference => {
                 return Err(Error::Config(format!(
                     "data = {} is not a text file source",
                     spec.kind

@@ -73,6 +73,11 @@ pub struct Ctx {
     /// linear layer as its base alone (PEFT's `disable_adapter`; see
     /// [`crate::lora::Tuning::without_adapters`] for the modules to save).
     pub adapters: bool,
+    /// A reference model's values for the input's rows (`[B]`, the compute's float dtype), set
+    /// before the forward for an objective that compares the policy with a reference: the
+    /// summed completion log-probabilities a preference objective reads
+    /// ([`crate::objective::Dpo`]). `None` for every other objective.
+    pub reference: Option<Tensor>,
 }
 
 impl Ctx {
@@ -87,6 +92,7 @@ impl Ctx {
             rows: Rows::default(),
             chunked_loss: true,
             adapters: true,
+            reference: None,
         }
     }
 
@@ -139,6 +145,11 @@ impl Ctx {
     /// The same context with the rows' positions and document ids.
     pub fn with_rows(self, rows: Rows) -> Self {
         Ctx { rows, ..self }
+    }
+
+    /// The same context with a reference model's values for the rows (see [`Ctx::reference`]).
+    pub fn with_reference(self, reference: Option<Tensor>) -> Self {
+        Ctx { reference, ..self }
     }
 }
 

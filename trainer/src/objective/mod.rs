@@ -1,7 +1,7 @@
 //! The loss as a part: the [`Objective`] trait every executor (plain, remat, pipeline, data
-//! parallel) runs at the end of the model's chain, [`CrossEntropy`] its first implementation
-//! (next-token cross-entropy, the trainer's default), and [`build`], the registry the config's
-//! `objective` name goes through.
+//! parallel) runs at the end of the model's chain, [`CrossEntropy`] (next-token
+//! cross-entropy, the trainer's default) and [`Dpo`] (direct preference optimisation), and
+//! [`build`], the registry the config's `objective` name goes through.
 //!
 //! An objective does two things:
 //! - **the loss of a batch's rows** from the head's outputs ([`HeadOutput`]: the whole logits,
@@ -11,21 +11,27 @@
 //!   much the row weighs in a mean over several batches. The trainer weighs accumulated
 //!   micro-batches, pipeline microbatches and data-parallel shards by their share of the
 //!   units, so their weighted mean is the loss over the whole step's rows (counted target
-//!   tokens for cross-entropy; a pairwise objective would count pairs, and keep a pair's rows
-//!   in one batch).
+//!   tokens for cross-entropy; pairs for [`Dpo`], which keeps a pair's rows in one batch).
+//!
+//! An objective that compares the model with a reference ([`Objective::needs_reference`])
+//! reads the reference's values of its rows from the context ([`Ctx::reference`]), and one
+//! with metrics of its own hands them to the trainer's log ([`Objective::take_metrics`]).
 //!
 //! Adding an objective: one module implementing [`Objective`], one line in [`build`]'s
 //! table. A program can also plug its own into a trainer (`Trainer::objective`) without
 //! registering it.
 
 mod cross_entropy;
+mod dpo;
 
 use std::fmt;
 
 use candle_core::Tensor;
 
 pub use cross_entropy::CrossEntropy;
+pub use dpo::{reference_log_probs, Dpo, DpoLoss, DpoTerms, DPO_METRICS};
 
+use crate::config::TrainConfig;
 use crate::data::Batch;
 use crate::model::{Ctx, Link};
 use crate::{Error, Result};
@@ -80,6 +86,21 @@ pub trait Objective: Send + Sync + fmt::Debug {
         1
     }
 
+    /// Whether the loss compares the model with a reference model: the trainer then hands it
+    /// the reference's summed log-probability of each row's counted targets in
+    /// [`Ctx::reference`] (computed before the forward: the base with the adapters off under
+    /// LoRA). `false` by default.
+    fn needs_reference(&self) -> bool {
+        false
+    }
+
+    /// The objective's own metrics of the rows it computed losses for since the last call,
+    /// drained (at most one read back from the device): the trainer logs them with each step
+    /// (`metrics.jsonl`, TensorBoard `train/<name>`). None by default.
+    fn take_metrics(&self) -> candle_core::Result<Vec<(String, f64)>> {
+        Ok(Vec::new())
+    }
+
     /// The loss of the rows the head saw: a differentiable scalar, f32 (f64 when computing in
     /// f64), the mean over the rows' units (0 when they have none). Reads nothing back from
     /// the device (the step reads the loss once, with the gradient norm).
@@ -112,7 +133,7 @@ pub(crate) fn units_of(objective: &dyn Objective, batch: &Batch) -> Result<Vec<f
 }
 
 /// How [`build`]'s table makes an objective.
-type Make = fn() -> Box<dyn Objective>;
+type Make = fn(&TrainConfig) -> Result<Box<dyn Objective>>;
 
 /// Errors unless `rows` (a batch or microbatch of `what`) holds whole groups of `objective`'s
 /// [`Objective::rows_per_group`].
@@ -127,19 +148,28 @@ pub(crate) fn check_groups(objective: &dyn Objective, rows: usize, what: &str) -
     Ok(())
 }
 
-/// The objective the config names: `cross-entropy` (next-token cross-entropy, [`CrossEntropy`]).
+/// The objective the config's `objective` names, with its options: `cross-entropy`
+/// (next-token cross-entropy, [`CrossEntropy`]) or `dpo` ([`Dpo`], its `dpo_*` options).
 ///
 /// ```
-/// let ce = trainer::objective::build("cross-entropy")?;
-/// assert_eq!(ce.name(), "cross-entropy");
-/// assert!(trainer::objective::build("dpo").is_err());
+/// use trainer::config::TrainConfig;
+/// let mut config = TrainConfig::default();
+/// assert_eq!(trainer::objective::build(&config)?.name(), "cross-entropy");
+/// config.objective = "dpo".into();
+/// assert_eq!(trainer::objective::build(&config)?.rows_per_group(), 2);
+/// config.objective = "ppo".into();
+/// assert!(trainer::objective::build(&config).is_err());
 /// # Ok::<(), trainer::Error>(())
 /// ```
-pub fn build(name: &str) -> Result<Box<dyn Objective>> {
+pub fn build(config: &TrainConfig) -> Result<Box<dyn Objective>> {
     // The registry: one line per objective.
-    let known: &[(&str, Make)] = &[("cross-entropy", || Box::new(CrossEntropy))];
+    let known: &[(&str, Make)] = &[
+        ("cross-entropy", |_| Ok(Box::new(CrossEntropy))),
+        ("dpo", |c| Ok(Box::new(Dpo::from_config(c)?))),
+    ];
+    let name = config.objective.as_str();
     match known.iter().find(|(n, _)| *n == name) {
-        Some((_, make)) => Ok(make()),
+        Some((_, make)) => make(config),
         None => Err(Error::Config(format!(
             "objective `{name}` is not known (known: {})",
             known.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")

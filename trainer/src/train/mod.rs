@@ -11,6 +11,7 @@ mod init;
 pub mod memory;
 pub mod parallel;
 pub mod pipeline;
+mod reference;
 mod run;
 mod save;
 mod step;
@@ -286,7 +287,7 @@ impl Trainer {
         let lora = tuning.trainable_split(&params);
         let flops_per_token =
             crate::mfu::training_flops_per_token(model.config(), config.block_size, lora);
-        let objective = Arc::from(crate::objective::build(&config.objective)?);
+        let objective = Arc::from(crate::objective::build(&config)?);
         Ok(Trainer {
             ceiling,
             flops_per_token,

@@ -113,6 +113,22 @@ impl DataParallel {
         Ok(mean[0])
     }
 
+    /// Each of `metrics` averaged over the ranks (every rank logs the same names, from the
+    /// same objective, over as many rows a step), in f32.
+    pub fn mean_metrics(&self, metrics: Vec<(String, f64)>) -> Result<Vec<(String, f64)>> {
+        if self.world_size() == 1 || metrics.is_empty() {
+            return Ok(metrics);
+        }
+        let values: Vec<f32> = metrics.iter().map(|(_, v)| *v as f32).collect();
+        let t = Tensor::new(values.as_slice(), &candle_core::Device::Cpu)?;
+        let mean = self.comm.all_reduce_mean(&t)?.to_vec1::<f32>()?;
+        Ok(metrics
+            .into_iter()
+            .zip(mean)
+            .map(|((name, _), m)| (name, f64::from(m)))
+            .collect())
+    }
+
     /// Whether any rank asked to stop (a signal reaches the ranks at different steps; they must
     /// stop at the same one).
     pub fn any(&self, flag: bool) -> Result<bool> {

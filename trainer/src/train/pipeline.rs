@@ -10,7 +10,8 @@
 //!   ([`Objective::row_units`]: counted target tokens for cross-entropy), so the accumulated
 //!   gradients equal the full batch's (up to f32 summation order);
 //! - **the rows' context** (positions, document ids) of the trainer's micro-batch is handed
-//!   to every stage for its microbatch's rows;
+//!   to every stage for its microbatch's rows, and the reference values of an objective that
+//!   compares with a reference ([`Ctx::reference`]) to the loss of each microbatch;
 //! - **dropout**: each stage is told its microbatch ([`Call`]); the masks are keyed by the
 //!   step's seed (the batch key) and the microbatch's first row, so every row draws the mask it
 //!   draws in the plain step, in its forward and in a recompute;
@@ -19,10 +20,11 @@
 //! - **devices**: stage `s` runs on `pipeline_devices[s]`; weights stay on the run's device
 //!   and are copied to the stage's at use (differentiably, so gradients come home).
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor, TensorId};
 use candle_pipeline::{
     balance_by_cost, Call, Layer, Microbatches, Pipeline, Schedule, Sequential, Stage,
 };
@@ -42,14 +44,20 @@ pub struct PipelineRun {
     rows: Arc<Mutex<RowsOfStep>>,
     /// The objective of the micro-batch in flight (the loss function runs it).
     objective: Arc<Mutex<Arc<dyn Objective>>>,
+    /// The device of the last stage, where the loss function runs.
+    last_device: Device,
 }
 
 /// The rows' context of the micro-batch in flight, and the row key of its first row: each
-/// stage takes its microbatch's rows of it.
+/// stage takes its microbatch's rows of it; whether it trains (dropout); and the reference
+/// values of each pipeline microbatch's rows, by the id of its targets on the last stage's
+/// device (what the loss function is handed).
 #[derive(Default)]
 struct RowsOfStep {
     first: usize,
     rows: Rows,
+    train: bool,
+    reference: HashMap<TensorId, Tensor>,
 }
 
 /// A link as a pipeline layer on `device`: its parameters, and a forward that builds the
@@ -80,10 +88,12 @@ fn layer(
                 s.rows.narrow(call.row - s.first, x.dim(0)?)?
             }
         };
+        let train = step_rows.lock().unwrap_or_else(|e| e.into_inner()).train;
         let ctx = Ctx {
             seed: call.key,
             row: call.row,
             rows,
+            train,
             ..base.clone()
         };
         if remote {
@@ -220,6 +230,8 @@ impl PipelineRun {
         }
         let head = links[links.len() - 1].clone();
         let home = device.clone();
+        let last_device = devices[schedule.worker_of(virtual_stages - 1)].clone();
+        let loss_rows = step_rows.clone();
         let objective: Arc<Mutex<Arc<dyn Objective>>> =
             Arc::new(Mutex::new(Arc::new(CrossEntropy)));
         let step_objective = objective.clone();
@@ -228,12 +240,21 @@ impl PipelineRun {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .clone();
+            let ctx = {
+                let s = loss_rows.lock().unwrap_or_else(|e| e.into_inner());
+                let reference = s.reference.get(&targets.id()).cloned();
+                Ctx {
+                    train: s.train,
+                    ..base.clone()
+                }
+                .with_reference(reference)
+            };
             if h.device().same_device(&home) {
-                objective.loss(&HeadOutput::new(&head, h, targets, &base))
+                objective.loss(&HeadOutput::new(&head, h, targets, &ctx))
             } else {
                 // Copied at use, differentiably (see `layer`).
                 let here = head.map(&|w| w.to_device(h.device()))?;
-                objective.loss(&HeadOutput::new(&here, h, targets, &base))
+                objective.loss(&HeadOutput::new(&here, h, targets, &ctx))
             }
         })?;
         if device.is_cpu() {
@@ -250,6 +271,7 @@ impl PipelineRun {
             microbatches,
             rows: step_rows,
             objective,
+            last_device,
         }))
     }
 
@@ -280,12 +302,19 @@ impl PipelineRun {
         let m = self.microbatches;
         let sizes = candle_pipeline::even_sizes(b, m)?;
         let (mut xs, mut ys, mut ws) = (Vec::new(), Vec::new(), Vec::new());
+        let mut reference = HashMap::new();
         let mut start = 0;
         for rows in sizes {
             crate::objective::check_groups(objective.as_ref(), rows, "a pipeline microbatch")?;
             let count: f32 = counts[start..start + rows].iter().sum();
             xs.push(batch.x.narrow(0, start, rows)?);
-            ys.push(y.narrow(0, start, rows)?);
+            // on the last stage's device already, so that the loss function gets this tensor
+            let targets = y.narrow(0, start, rows)?.to_device(&self.last_device)?;
+            if let Some(r) = &ctx.reference {
+                let r = r.narrow(0, start, rows)?.to_device(&self.last_device)?;
+                reference.insert(targets.id(), r);
+            }
+            ys.push(targets);
             let share = if total > 0.0 { count / total } else { 0.0 };
             ws.push(weight * f64::from(share));
             start += rows;
@@ -293,6 +322,8 @@ impl PipelineRun {
         *self.rows.lock().unwrap_or_else(|e| e.into_inner()) = RowsOfStep {
             first: ctx.row,
             rows: batch.rows.clone(),
+            train: ctx.train,
+            reference,
         };
         let mbs = Microbatches::with_weights(xs, ys, ws)?
             .with_key(ctx.seed)

@@ -13,7 +13,8 @@ use rand_chacha::ChaCha8Rng;
 
 use super::{Executor, MicroLoss, Trainer};
 use crate::config::{Precision, TrainConfig};
-use crate::data::{DataSource, Split};
+use crate::data::{Batch, DataSource, Split};
+use crate::lora::Tuning;
 use crate::metrics::StepStats;
 use crate::model::{Ctx, Model, Params};
 use crate::objective::{check_groups, units_of, Objective};
@@ -110,12 +111,15 @@ impl Trainer {
         else {
             return Ok(None);
         };
+        self.prepare_reference()?;
         let mut grads = GradStore::default();
+        self.objective.take_metrics()?; // a stopped step's, dropped
         let Some(step_loss) =
             self.micro_batches(cast.as_deref(), total, scale, stop, &mut grads)?
         else {
             return Ok(None);
         };
+        let objective_metrics = self.dp.mean_metrics(self.objective.take_metrics()?)?;
         let (loss, norm) = self.reduce_loss_and_norm(step_loss, &mut grads)?;
         let (grad_norm, skipped) = self.update(&grads, lr, norm)?;
         // Reported in mixed precision, and in f32 when the loss is scaled explicitly.
@@ -126,9 +130,9 @@ impl Trainer {
             // ZeRO-1: each rank updated its shard; hand the new weights around.
             self.shards.share_updated_weights(self.dp.comm())?;
         }
-        Ok(Some(self.count_step(
-            start, lr, loss, grad_norm, skipped, loss_scale,
-        )))
+        let mut stats = self.count_step(start, lr, loss, grad_norm, skipped, loss_scale);
+        stats.objective = objective_metrics.into_iter().collect();
+        Ok(Some(stats))
     }
 
     /// The step's `grad_accum` micro-batches through the executor, each weighing its share of
@@ -174,6 +178,21 @@ impl Trainer {
                 .with_kernels(cfg.kernels)
                 .with_chunked_loss(cfg.chunked_loss)
                 .with_rows(batch.rows.clone());
+            let ctx = match self.objective.needs_reference() {
+                true => {
+                    // dropout off in the model and its reference (TRL's default)
+                    let ctx = Ctx {
+                        train: false,
+                        ..ctx
+                    };
+                    let reference = match &batch.reference {
+                        Some(computed_before) => computed_before.clone(),
+                        None => self.reference_log_probs(&batch, &ctx)?,
+                    };
+                    ctx.with_reference(Some(reference))
+                }
+                false => ctx,
+            };
             let weight = shard_weight * share;
             let (loss, g) = self.executor.forward_backward_deferred(
                 model,
@@ -186,6 +205,22 @@ impl Trainer {
             accumulate(grads, g, &self.vars)?;
         }
         Ok(Some(step_loss))
+    }
+
+    /// The reference model's summed log-probability of each row's counted targets, for an
+    /// objective that [needs them](crate::objective::Objective::needs_reference): under LoRA
+    /// the base (the adapters off, the modules to save restored), computed without a graph.
+    fn reference_log_probs(&self, batch: &Batch, ctx: &Ctx) -> Result<Tensor> {
+        if matches!(self.tuning, Tuning::Full) {
+            return Err(Error::Config(format!(
+                "objective `{}` compares the model with a reference: train LoRA adapters \
+                 (--lora-r) so that the base is the reference, or compute the reference values \
+                 once before training (--dpo-precompute-ref)",
+                self.objective.name()
+            )));
+        }
+        let base = self.tuning.without_adapters(self.model.as_ref())?;
+        crate::objective::reference_log_probs(base.as_ref(), batch, &ctx.clone().without_adapters())
     }
 
     /// The step's loss and global gradient norm: in a world of one read together
@@ -293,6 +328,7 @@ impl Trainer {
             mfu,
             loss_scale,
             skipped,
+            objective: Default::default(),
         }
     }
 

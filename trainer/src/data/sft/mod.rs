@@ -22,6 +22,8 @@
 mod chat_prompt;
 mod jinja;
 mod layout;
+mod preference;
+mod preference_source;
 mod records;
 mod template;
 
@@ -39,6 +41,11 @@ use crate::error::{Error, Result};
 use crate::model::Rows;
 use crate::pretrained::{TokenizerFile, TOKENIZER_CONFIG_FILE};
 
+pub use preference::{
+    parse_preference, preference_batch, read_preferences, LinePreference, Preference,
+    PreferencePair, Preferences, Turns,
+};
+pub use preference_source::PreferenceSource;
 pub(crate) use records::{parse_line, parse_value};
 pub use records::{parse_messages, parse_records, read_records, LineRecord, Message, Record, Role};
 pub use template::{ChatTemplate, Rendered, CHAT_TEMPLATE_FILE};

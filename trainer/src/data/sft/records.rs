@@ -282,7 +282,7 @@ pub(crate) fn parse_value(value: Value) -> std::result::Result<Record, String> {
 }
 
 /// The messages of the list `value` (the field `field`), each checked.
-fn messages(value: &Value, field: &str) -> std::result::Result<Vec<Message>, String> {
+pub(super) fn messages(value: &Value, field: &str) -> std::result::Result<Vec<Message>, String> {
     if value.kind() != ValueKind::Seq {
         return Err(format!(
             "`{field}` must be a list of messages, found {}",

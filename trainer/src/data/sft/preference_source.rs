@@ -1,0 +1,297 @@
+//! The preference data source ([`DataKind::Preference`](crate::data::DataKind::Preference)):
+//! preference records from a JSONL file, served as batches of pairs for DPO.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use candle_core::Device;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::preference::{preference_batch, read_preferences, LinePreference, PreferencePair};
+use super::SftEncoder;
+use crate::data::{check_shape, decimal_f64, Batch, DataSource, DataSpec, Fingerprint, Split};
+use crate::error::{Error, Result};
+
+/// Preference pairs from a JSONL file (see [`super::read_preferences`]), split into train and
+/// validation pairs, served as batches whose rows `2i`, `2i + 1` are a pair's chosen and
+/// rejected sequences (a batch of an odd number of rows ends with a chosen row alone).
+///
+/// Each sequence is cut to `block_size + 1` tokens keeping the start (TRL's `max_length`
+/// with `keep_start`), and pairs whose prompt alone fills them are never drawn (counted and
+/// logged once, as TRL drops them).
+pub struct PreferenceSource {
+    path: PathBuf,
+    encoder: SftEncoder,
+    pairs: Vec<PreferencePair>,
+    lines: Vec<usize>,
+    train: Vec<usize>,
+    val: Vec<usize>,
+    vocab_size: usize,
+    description: String,
+    fingerprint: Fingerprint,
+    /// The block size whose dropped pairs were logged last (+1; 0: none yet).
+    logged_block: AtomicUsize,
+    /// Each pair's reference values (chosen, rejected), once computed (see
+    /// [`PreferenceSource::set_reference`]).
+    reference: OnceLock<Vec<[f32; 2]>>,
+}
+
+impl PreferenceSource {
+    /// Reads and tokenises `spec.path` with `spec.tokenizer` (and the chat template beside
+    /// it); `val_fraction` of the pairs (at least one) go to validation, chosen by `spec.seed`.
+    pub fn open(spec: &DataSpec) -> Result<Self> {
+        spec.validate()?;
+        let (Some(path), Some(tok)) = (spec.path.clone(), spec.tokenizer.clone()) else {
+            return Err(Error::Config(
+                "data = preference needs --data-path (a JSONL file) and --tokenizer-path".into(),
+            ));
+        };
+        let encoder = SftEncoder::open(&tok)?;
+        let records = read_preferences(&path)?;
+        Self::from_records(&path, encoder, &records, spec)
+    }
+
+    /// Tokenises `records` (read from `path`) with `encoder`; the split comes from `spec`.
+    pub fn from_records(
+        path: &Path,
+        encoder: SftEncoder,
+        records: &[LinePreference],
+        spec: &DataSpec,
+    ) -> Result<Self> {
+        let mut pairs = Vec::with_capacity(records.len());
+        let mut lines = Vec::with_capacity(records.len());
+        for r in records {
+            let pair = encoder.encode_preference(&r.record).map_err(|e| {
+                let msg = match e {
+                    Error::Data { path, msg } => format!("{}: {msg}", path.display()),
+                    e => e.to_string(),
+                };
+                Error::data(format!("{}:{}", path.display(), r.line), msg)
+            })?;
+            pairs.push(pair);
+            lines.push(r.line);
+        }
+        let n = pairs.len();
+        if n < 2 {
+            return Err(Error::data(
+                path,
+                format!("{n} preference record(s); a train and a validation split need at least 2"),
+            ));
+        }
+        let n_val =
+            (((n as f64) * decimal_f64(spec.val_fraction)).round() as usize).clamp(1, n - 1);
+        let mut order: Vec<usize> = (0..n).collect();
+        order.shuffle(&mut ChaCha8Rng::seed_from_u64(spec.seed));
+        let mut val = order[..n_val].to_vec();
+        let mut train = order[n_val..].to_vec();
+        val.sort_unstable();
+        train.sort_unstable();
+        let max_id = pairs
+            .iter()
+            .flat_map(|p| p.chosen.iter().chain(&p.rejected))
+            .max()
+            .map_or(0, |&m| m as usize + 1);
+        let vocab_size = encoder.tokenizer().get_vocab_size(true).max(max_id);
+        let mut stream = Vec::new();
+        for (i, p) in pairs.iter().enumerate() {
+            stream.push(p.prompt_len as u32);
+            stream.push(u32::from(val.binary_search(&i).is_ok()));
+            for side in [&p.chosen, &p.rejected] {
+                stream.push(side.len() as u32);
+                stream.extend_from_slice(side);
+            }
+        }
+        let vocab_hash = crate::hash::hash_bytes(
+            encoder
+                .tokenizer()
+                .to_string(false)
+                .unwrap_or_default()
+                .as_bytes(),
+        );
+        let fingerprint = Fingerprint::of_tokens(&stream, train.len(), vocab_hash);
+        let name = path.file_name().map_or_else(
+            || path.display().to_string(),
+            |n| n.to_string_lossy().into(),
+        );
+        let description = format!(
+            "{name}: {n} preference pairs, {} train / {n_val} val",
+            train.len()
+        );
+        Ok(PreferenceSource {
+            path: path.to_path_buf(),
+            encoder,
+            pairs,
+            lines,
+            train,
+            val,
+            vocab_size,
+            description,
+            fingerprint,
+            logged_block: AtomicUsize::new(0),
+            reference: OnceLock::new(),
+        })
+    }
+
+    /// The pairs (both splits, file order), uncut.
+    pub fn pairs(&self) -> &[PreferencePair] {
+        &self.pairs
+    }
+
+    /// The line of the file pair `i` was read from.
+    pub fn line(&self, i: usize) -> usize {
+        self.lines[i]
+    }
+
+    /// Pair `i` as a batch of its two rows, cut and padded as training batches are at
+    /// `block_size`.
+    pub fn pair_batch(&self, i: usize, block_size: usize, device: &Device) -> Result<Batch> {
+        let p = self.pairs[i].cut(block_size + 1);
+        preference_batch(&[&p], block_size, self.encoder.pad_id(), device)
+    }
+
+    /// Sets each pair's reference values (file order; the summed log-probabilities of its
+    /// chosen and rejected completions), computed once before training: every batch carries
+    /// its rows' values from then on ([`Batch::reference`]). An error when the count differs
+    /// or they are already set.
+    pub fn set_reference(&self, values: Vec<[f32; 2]>) -> Result<()> {
+        if values.len() != self.pairs.len() {
+            return Err(Error::data(
+                &self.path,
+                format!(
+                    "{} reference values for {} preference pairs",
+                    values.len(),
+                    self.pairs.len()
+                ),
+            ));
+        }
+        self.reference
+            .set(values)
+            .map_err(|_| Error::data(&self.path, "the reference values are already set"))
+    }
+
+    /// Whether the pairs' reference values are set.
+    pub fn has_reference(&self) -> bool {
+        self.reference.get().is_some()
+    }
+
+    /// The pairs of `split` that keep a completion token in `block_size + 1` tokens.
+    fn pool(&self, split: Split, block_size: usize) -> Vec<usize> {
+        let all = match split {
+            Split::Train => &self.train,
+            Split::Val => &self.val,
+        };
+        all.iter()
+            .copied()
+            .filter(|&i| self.pairs[i].prompt_len <= block_size)
+            .collect()
+    }
+
+    /// Logs (once per block size) how many pairs are dropped because their prompt fills
+    /// `block_size + 1` tokens; an error when no training pair is left.
+    fn check_dropped(&self, block_size: usize) -> Result<()> {
+        if self.pool(Split::Train, block_size).is_empty() {
+            return Err(Error::data(
+                &self.path,
+                format!(
+                    "every training pair's prompt fills block_size + 1 = {} tokens; raise \
+                     --block-size",
+                    block_size + 1
+                ),
+            ));
+        }
+        if self.logged_block.swap(block_size + 1, Ordering::Relaxed) == block_size + 1 {
+            return Ok(());
+        }
+        let dropped = self
+            .pairs
+            .iter()
+            .filter(|p| p.prompt_len > block_size)
+            .count();
+        if dropped > 0 {
+            tracing::info!(
+                "{}: {dropped} of {} preference pairs dropped: their prompt alone fills \
+                 block_size + 1 = {} tokens",
+                self.path.display(),
+                self.pairs.len(),
+                block_size + 1
+            );
+        }
+        Ok(())
+    }
+}
+
+impl DataSource for PreferenceSource {
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn describe(&self) -> String {
+        self.description.clone()
+    }
+
+    fn batch(
+        &self,
+        split: Split,
+        batch_size: usize,
+        block_size: usize,
+        rng: &mut ChaCha8Rng,
+        device: &Device,
+    ) -> Result<Batch> {
+        check_shape(batch_size, block_size)?;
+        let mut pool = self.pool(split, block_size);
+        if pool.is_empty() {
+            // every pair of the split dropped at this length (a short sampling prompt, a
+            // small validation split): its pairs cut anyway, their completions not counted
+            pool = match split {
+                Split::Train => self.train.clone(),
+                Split::Val => self.val.clone(),
+            };
+        }
+        let picked: Vec<usize> = (0..batch_size.div_ceil(2))
+            .map(|_| pool[rng.random_range(0..pool.len())])
+            .collect();
+        let cut: Vec<PreferencePair> = picked
+            .iter()
+            .map(|&i| self.pairs[i].cut(block_size + 1))
+            .collect();
+        let refs: Vec<&PreferencePair> = cut.iter().collect();
+        let mut batch = preference_batch(&refs, block_size, self.encoder.pad_id(), device)?;
+        if let Some(table) = self.reference.get() {
+            let values: Vec<f32> = picked.iter().flat_map(|&i| table[i]).collect();
+            let rows = values.len();
+            batch.reference = Some(crate::transfer::upload(values, rows, device)?);
+        }
+        Ok(if batch_size % 2 == 1 {
+            batch.narrow(0, batch_size)?
+        } else {
+            batch
+        })
+    }
+
+    fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self.encoder.tokenize(text, false)?.0)
+    }
+
+    fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.encoder
+            .tokenizer()
+            .decode(ids, false)
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", self.encoder.path().display())))
+    }
+
+    fn check_block_size(&self, block_size: usize) -> Result<()> {
+        check_shape(1, block_size)?;
+        self.check_dropped(block_size)
+    }
+
+    fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint.clone()
+    }
+
+    fn preferences(&self) -> Option<&PreferenceSource> {
+        Some(self)
+    }
+}
