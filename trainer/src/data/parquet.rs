@@ -26,7 +26,7 @@ use ::parquet::record::{Field, Row};
 use ::parquet::schema::types::{SchemaDescriptor, Type, TypePtr};
 use minijinja::value::Value;
 
-use super::sft::{parse_value, LineRecord, Record};
+use super::sft::records::{parse_value, LineRecord, Record};
 use crate::error::{Error, Result};
 
 /// The columns that make a record (see the module docs).

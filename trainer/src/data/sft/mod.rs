@@ -24,7 +24,7 @@ mod jinja;
 mod layout;
 mod preference;
 mod preference_source;
-mod records;
+pub(crate) mod records;
 mod template;
 
 use std::ops::Range;
@@ -46,9 +46,20 @@ pub use preference::{
     PreferencePair, Preferences, Turns,
 };
 pub use preference_source::PreferenceSource;
-pub(crate) use records::{parse_line, parse_value};
-pub use records::{parse_messages, parse_records, read_records, LineRecord, Message, Record, Role};
+pub(crate) use records::parse_line;
+pub use records::{parse_messages, parse_records, LineRecord, Message, Record, Role};
 pub use template::{ChatTemplate, Rendered, CHAT_TEMPLATE_FILE};
+
+/// Reads a file of records: JSONL a line at a time (see [`records`]: a line longer than
+/// [`MAX_LINE_BYTES`](crate::data::lines::MAX_LINE_BYTES) is refused naming `file:line` before
+/// it is read whole), or a `.parquet` file's rows from the columns of the same names
+/// (`messages` a list of `{role, content}` structs, [`crate::data::parquet`]).
+pub fn read_records(path: &Path) -> Result<Vec<LineRecord>> {
+    match crate::data::parquet::is_parquet(path) {
+        true => records::no_records(crate::data::parquet::read_records(path)?, path),
+        false => records::read_jsonl_records(path),
+    }
+}
 
 /// One tokenised training example.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -165,12 +165,8 @@ pub struct LineRecord {
 
 /// Reads a JSONL file of records (see the module docs), a line at a time: a line longer than
 /// [`MAX_LINE_BYTES`](crate::data::lines::MAX_LINE_BYTES) is refused naming `file:line` before
-/// it is read whole. A `.parquet` file's rows are read as records from the columns of the
-/// same names (`messages` a list of `{role, content}` structs).
-pub fn read_records(path: &Path) -> Result<Vec<LineRecord>> {
-    if crate::data::parquet::is_parquet(path) {
-        return no_records(crate::data::parquet::read_records(path)?, path);
-    }
+/// it is read whole.
+pub(crate) fn read_jsonl_records(path: &Path) -> Result<Vec<LineRecord>> {
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let mut reader = std::io::BufReader::new(file);
     let mut buf = Vec::new();
@@ -202,7 +198,7 @@ fn parse_line_at(line: &str, n: usize, path: &Path) -> Result<Option<LineRecord>
     Ok(Some(LineRecord { line: n, record }))
 }
 
-fn no_records(out: Vec<LineRecord>, path: &Path) -> Result<Vec<LineRecord>> {
+pub(crate) fn no_records(out: Vec<LineRecord>, path: &Path) -> Result<Vec<LineRecord>> {
     if out.is_empty() {
         return Err(Error::data(
             path,
