@@ -12,7 +12,7 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 
 use super::writer::{GgmlType, TensorInfo, Value};
 use super::{arch_of, kv_heads, permute_qk, tensor_name, usize_of};
@@ -72,49 +72,15 @@ pub fn export_gguf_lora(
         )));
     }
     let tied = loaded.params.tensor("lm_head.weight").is_err();
-    let heads = (usize_of(&hf, "num_attention_heads")?, kv_heads(&hf)?);
+    let permute = arch
+        .permute_qk
+        .then_some((usize_of(&hf, "num_attention_heads")?, kv_heads(&hf)?));
+    let (infos, tensors) = lora_tensors(&adapter, ty, tied, permute, arch.name)?;
     let config = &adapter.config;
     let alpha = match config.use_rslora {
         true => config.lora_alpha * (config.r as f64).sqrt(),
         false => config.lora_alpha,
     };
-    let mut infos = Vec::new();
-    let mut tensors = Vec::new();
-    for (path, (a, b)) in &adapter.loras {
-        let weight = format!("{path}.weight");
-        let name = tensor_name(&weight).filter(|_| !(tied && path == "lm_head"));
-        let Some(name) = name else {
-            return Err(Error::Config(format!(
-                "{}: module `{path}` has no tensor in llama.cpp's {} model{}",
-                dir.display(),
-                arch.name,
-                if tied {
-                    " (its head is the tied embedding)"
-                } else {
-                    ""
-                }
-            )));
-        };
-        let a = a.to_dtype(DType::F32)?;
-        let mut b = b.to_dtype(DType::F32)?;
-        if arch.permute_qk {
-            b = permute_qk(&weight, &b, heads)?;
-        }
-        for (suffix, t) in [("lora_a", a), ("lora_b", b)] {
-            let shape = t.dims().to_vec();
-            let matrix = ty.matrix();
-            let ty = match matrix.bytes(&shape) {
-                Some(_) => matrix,
-                None => GgmlType::F16,
-            };
-            infos.push(TensorInfo {
-                name: format!("{name}.{suffix}"),
-                shape,
-                ty,
-            });
-            tensors.push(t);
-        }
-    }
     let file_name = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -139,4 +105,53 @@ pub fn export_gguf_lora(
         bytes,
         tokenizer: false,
     })
+}
+
+/// Each adapted module's `lora_a` and `lora_b` as the file holds them (llama.cpp's names, f32
+/// values, lora_B's rows permuted when `permute` gives the query and key-value heads), with
+/// their infos in `ty`: a module without a tensor in llama.cpp's `arch` model is refused.
+fn lora_tensors(
+    adapter: &candle_peft::Adapter,
+    ty: GgufType,
+    tied: bool,
+    permute: Option<(usize, usize)>,
+    arch: &str,
+) -> Result<(Vec<TensorInfo>, Vec<Tensor>)> {
+    let mut infos = Vec::new();
+    let mut tensors = Vec::new();
+    for (path, (a, b)) in &adapter.loras {
+        let weight = format!("{path}.weight");
+        let name = tensor_name(&weight).filter(|_| !(tied && path == "lm_head"));
+        let Some(name) = name else {
+            return Err(Error::Config(format!(
+                "{}: module `{path}` has no tensor in llama.cpp's {arch} model{}",
+                adapter.dir.display(),
+                if tied {
+                    " (its head is the tied embedding)"
+                } else {
+                    ""
+                }
+            )));
+        };
+        let a = a.to_dtype(DType::F32)?;
+        let mut b = b.to_dtype(DType::F32)?;
+        if let Some(heads) = permute {
+            b = permute_qk(&weight, &b, heads)?;
+        }
+        for (suffix, t) in [("lora_a", a), ("lora_b", b)] {
+            let shape = t.dims().to_vec();
+            let matrix = ty.matrix();
+            let ty = match matrix.bytes(&shape) {
+                Some(_) => matrix,
+                None => GgmlType::F16,
+            };
+            infos.push(TensorInfo {
+                name: format!("{name}.{suffix}"),
+                shape,
+                ty,
+            });
+            tensors.push(t);
+        }
+    }
+    Ok((infos, tensors))
 }
