@@ -13,6 +13,10 @@
 //!   the pre-activation);
 //! * [`lora`]: the LoRA linear `x W + b + scale · (dropout(x) Aᵀ) Bᵀ` in one op, the base
 //!   weight frozen (gradients of `x`, `A` and `B` only; saves `dropout(x) Aᵀ`, `[N, r]`);
+//! * [`nf4`]: 4-bit NormalFloat weights as bitsandbytes quantizes, dequantizes and
+//!   transformers saves them (double quantization included), bit for bit;
+//! * [`qlora`]: the LoRA linear over a frozen NF4 base, dequantized a tile at a time
+//!   (gradients of `x`, `A` and `B` only);
 //! * [`rope`]: rotary position embeddings (transformers' split halves) fused with the
 //!   `[B, T, H, D] -> [B, H, T, D]` transpose, and their f32 tables;
 //! * [`swiglu`]: `silu(gate) * up` (Llama's MLP activation) in one op;
@@ -60,10 +64,12 @@ pub mod linear;
 pub mod linear_cross_entropy;
 pub mod linear_gelu;
 pub mod lora;
+pub mod nf4;
 pub mod norm;
 mod op;
 pub mod philox;
 mod pool;
+pub mod qlora;
 pub mod rope;
 pub mod swiglu;
 
