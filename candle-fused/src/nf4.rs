@@ -11,10 +11,11 @@
 //! `NF4_VALUES[code] * absmax` in f32, rounded once to the dtype asked for.
 //!
 //! **Double quantization** (`bnb_4bit_use_double_quant`): the absmaxes minus their mean
-//! (`offset`, f32) are quantized again, to 8 bits with bitsandbytes' signed dynamic map
-//! ([`DYNAMIC_MAP`]) in blocks of [`NESTED_BLOCK`] (256): per nested block its own absmax, each
-//! value divided by it and mapped to the nearest map entry (the lower on a tie). The absmax of
-//! a 4-bit block is then `map[code] * nested_absmax + offset` (f32).
+//! (`offset`, f32, summed in torch's order) are quantized again, to 8 bits with bitsandbytes'
+//! signed dynamic map ([`dynamic_map`]) in blocks of [`NESTED_BLOCK`] (256): per nested block
+//! its own absmax, each value times its reciprocal mapped to a map entry through bitsandbytes'
+//! CPU lookup table (the nearest entry but within half a step of the table's 65536 points). The
+//! absmax of a 4-bit block is then `map[code] * nested_absmax + offset` (f32).
 //!
 //! transformers saves a 4-bit `weight` of a module as `weight` (the packed bytes, u8
 //! `[ceil(n/2), 1]`), `weight.absmax`, `weight.quant_map` (the 16 values), with double
@@ -172,16 +173,45 @@ fn quantize_block(x: &[f32], mid: &[f32; 15], codes: &mut [u8]) -> f32 {
     absmax
 }
 
-/// The 8-bit code of `v` (already divided by its block's absmax) in the sorted `map`: the
-/// nearer of the entry at or below it and the next one, the lower on a tie (distances in f32).
-/// A NaN (a nested block of equal absmaxes, `0 / 0`) gets code 0, as in bitsandbytes.
-fn dynamic_code(v: f32, map: &[f32; 256]) -> u8 {
-    let i = map.partition_point(|&m| m <= v).saturating_sub(1);
-    if i < 255 && (v - map[i + 1]).abs() < (v - map[i]).abs() {
-        (i + 1) as u8
-    } else {
-        i as u8
+/// Entries of bitsandbytes' CPU quantization lookup table over `[-1, 1]`.
+const LUT_SIZE: usize = 65536;
+
+/// bitsandbytes' CPU lookup table of the 8-bit codes (`build_quantize_lut`): entry `i` is the
+/// code nearest to `-1 + 2i / 65535` (the first midpoint of `map` at or above it), in f32.
+fn dynamic_lut() -> &'static [u8; LUT_SIZE] {
+    static LUT: std::sync::OnceLock<Box<[u8; LUT_SIZE]>> = std::sync::OnceLock::new();
+    LUT.get_or_init(|| {
+        let map = dynamic_map();
+        let mid: Vec<f32> = map.windows(2).map(|w| 0.5 * (w[0] + w[1])).collect();
+        let mut lut = Box::new([0u8; LUT_SIZE]);
+        let mut code = 0;
+        for (i, e) in lut.iter_mut().enumerate() {
+            let v = -1.0 + (2.0 * i as f32) / (LUT_SIZE - 1) as f32;
+            while code < mid.len() && mid[code] < v {
+                code += 1;
+            }
+            *e = code as u8;
+        }
+        lut
+    })
+}
+
+/// The 8-bit codes of one nested block `x` and its absmax, as bitsandbytes' CPU
+/// `quantize_blockwise` computes them: each value times `1 / absmax`, clamped to `[-1, 1]`,
+/// looked up in [`dynamic_lut`] at the nearest of its 65536 points (so a value within half a
+/// table step of a midpoint may take the farther code, as there); an all-zero block codes 0.
+fn quantize_dynamic_block(x: &[f32], codes: &mut [u8]) -> f32 {
+    let m = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if m == 0.0 {
+        codes.fill(0);
+        return m;
     }
+    let (lut, inv) = (dynamic_lut(), 1.0 / m);
+    for (c, v) in codes.iter_mut().zip(x) {
+        let v = (v * inv).clamp(-1.0, 1.0);
+        *c = lut[((v + 1.0) * 0.5 * (LUT_SIZE - 1) as f32 + 0.5) as usize];
+    }
+    m
 }
 
 /// `ceil(log2(x))` as torch's `CeilLog2` (1 for `x <= 2`).
@@ -267,19 +297,12 @@ fn torch_sum(x: &[f32]) -> f32 {
 /// Double quantization of `absmax`: `(codes, nested absmaxes, offset)`.
 fn quantize_nested(absmax: &[f32]) -> (Vec<u8>, Vec<f32>, f32) {
     let offset = torch_sum(absmax) / absmax.len().max(1) as f32;
-    let map = dynamic_map();
     let shifted: Vec<f32> = absmax.iter().map(|a| a - offset).collect();
     let mut codes = vec![0u8; shifted.len()];
     let nested: Vec<f32> = shifted
         .chunks(NESTED_BLOCK)
         .zip(codes.chunks_mut(NESTED_BLOCK))
-        .map(|(x, c)| {
-            let m = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-            for (c, v) in c.iter_mut().zip(x) {
-                *c = dynamic_code(v / m, &map);
-            }
-            m
-        })
+        .map(|(x, c)| quantize_dynamic_block(x, c))
         .collect();
     (codes, nested, offset)
 }

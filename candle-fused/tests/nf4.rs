@@ -239,7 +239,7 @@ fn refuses_what_does_not_fit() -> Result<()> {
 }
 
 #[test]
-fn double_quantization_offset_is_torchs_mean() -> Result<()> {
+fn double_quantization_of_many_absmaxes() -> Result<()> {
     // Block i = [a_i, 0, ..., 0]: absmax a_i; the offset is torch's f32 mean of the a_i, whose
     // summation order this reproduces (scalar below 8 values, 8-lane vectors, cascaded levels).
     let fx = fixtures()?;
@@ -267,6 +267,15 @@ fn double_quantization_offset_is_torchs_mean() -> Result<()> {
         };
         let want = get(&fx, &format!("mean_{n}.offset")).to_vec1::<f32>()?[0];
         assert_eq!(nested.offset.to_bits(), want.to_bits(), "{n} absmaxes");
+        // The 8-bit codes through bitsandbytes' lookup table (some values lie within half a
+        // table step of a midpoint: the nearest code would differ there).
+        assert_same(
+            &format!("mean_{n} codes"),
+            &nested.codes,
+            get(&fx, &format!("mean_{n}.codes")),
+        )?;
+        let want = get(&fx, &format!("mean_{n}.nested_absmax"));
+        assert_same(&format!("mean_{n} nested absmax"), &nested.absmax, want)?;
     }
     Ok(())
 }

@@ -16,8 +16,8 @@ Writes OUT_DIR/nf4.safetensors (default candle-fused/tests/fixtures/nf4/): for e
     NAME.dequant_f32 / NAME.dequant_bf16 / NAME.dequant_f16   dequantize_4bit to each dtype
 
 (the `weight*` names as transformers saves a 4-bit module's weight), and for N in MEAN_SIZES
-`mean_N.absmax` (f32 [N]) and `mean_N.offset` (f32 [1]): the offset bitsandbytes subtracts when
-double-quantizing a weight whose blocks have those absmaxes.
+`mean_N.absmax` (f32 [N]), `mean_N.offset` (f32 [1]), `mean_N.codes` (u8 [N]) and
+`mean_N.nested_absmax`: the double quantization of a weight whose blocks have those absmaxes.
 
 Cases: `random` (randn, 32 x 128), `edges` (one block of exact midpoints between NF4 values at
 absmax 1, one of midpoints at absmax 2 with their neighbours one ulp either side, a block
@@ -126,6 +126,8 @@ for n in MEAN_SIZES:
     q, state = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
     tensors[f"mean_{n}.absmax"] = a.contiguous()
     tensors[f"mean_{n}.offset"] = state.offset.reshape(1).float()
+    tensors[f"mean_{n}.codes"] = state.absmax.contiguous()
+    tensors[f"mean_{n}.nested_absmax"] = state.state2.absmax.contiguous()
 
 save_file(tensors, str(OUT / "nf4.safetensors"))
 print("wrote", OUT / "nf4.safetensors", len(tensors), "tensors")
