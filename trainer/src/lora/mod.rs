@@ -12,6 +12,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+use candle_fused::nf4::Nf4Weight;
 use candle_fused::RngKey;
 use candle_peft::format::{self, lora_a_name, lora_b_name, saved_name};
 use candle_peft::{Adapter, Inject, Injected, LinearLayer, Lora, LoraConfig, LoraInjector};
@@ -21,14 +22,18 @@ use rand_chacha::ChaCha8Rng;
 use crate::checkpoint::finite;
 use crate::config::TrainConfig;
 use crate::model::{
-    Builder, Ctx, Kernels, Layout, LinearAdapter, Model, ModelConfig, Params, WeightMap,
+    Builder, Ctx, Kernels, Layout, LinearAdapter, Model, ModelConfig, Params, Quant, WeightMap,
 };
 use crate::{Error, Result};
 
 mod base;
+mod quant;
 
 pub use base::{
     check_adapter_base, resolve_adapter_base, BaseIdentity, RecordedBase, BASE_METADATA_KEY,
+};
+pub use quant::{
+    check_quantization_config, nf4_on_load, read_bnb_4bit, Nf4Settings, QuantizedBase,
 };
 
 /// The module path of the output head, which `all-linear` leaves out (PEFT: the output
@@ -42,6 +47,20 @@ struct LoraLayer {
     site: u64,
 }
 
+impl LoraLayer {
+    /// The dropout key of a forward over `x` in `ctx`: keyed by the global row, like the
+    /// model's dropout ([`Kernels::dropout`]); none outside training.
+    fn key(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Option<RngKey>> {
+        Ok(match ctx.train {
+            true => {
+                let row_len = x.elem_count() / x.dim(0)?.max(1);
+                Some(RngKey::new(ctx.seed, self.site).with_offset((ctx.row * row_len) as u64))
+            }
+            false => None,
+        })
+    }
+}
+
 impl LinearAdapter for LoraLayer {
     fn forward(
         &self,
@@ -50,18 +69,23 @@ impl LinearAdapter for LoraLayer {
         b: Option<&Tensor>,
         ctx: &Ctx,
     ) -> candle_core::Result<Tensor> {
-        // Keyed by the global row, like the model's dropout ([`Kernels::dropout`]).
-        let key = match ctx.train {
-            true => {
-                let row_len = x.elem_count() / x.dim(0)?.max(1);
-                Some(RngKey::new(ctx.seed, self.site).with_offset((ctx.row * row_len) as u64))
-            }
-            false => None,
-        };
+        let key = self.key(x, ctx)?;
         match ctx.kernels {
             Kernels::Fused => self.lora.forward(x, w, b, key),
             Kernels::Reference => self.lora.forward_composite(x, w, b, key),
         }
+    }
+
+    fn forward_nf4(
+        &self,
+        x: &Tensor,
+        w: &Nf4Weight,
+        b: Option<&Tensor>,
+        ctx: &Ctx,
+    ) -> candle_core::Result<Tensor> {
+        let key = self.key(x, ctx)?;
+        let composite = matches!(ctx.kernels, Kernels::Reference);
+        self.lora.forward_nf4(x, w, b, key, composite)
     }
 
     fn params(&self) -> Vec<Tensor> {
@@ -138,7 +162,7 @@ impl Tuning {
         base_dtype: DType,
         seed: u64,
     ) -> Result<(Box<dyn Model>, Params, Tuning)> {
-        let (model, injected, saved) = inject(config, params, lora, from, base_dtype, seed)?;
+        let (model, injected, saved) = inject(config, params, None, lora, from, base_dtype, seed)?;
         let tuning = Tuning::Lora {
             config: Box::new(injected.config),
             base,
@@ -354,12 +378,28 @@ pub fn adapt_recorded(
     base_dtype: DType,
     seed: u64,
 ) -> Result<(Box<dyn Model>, Params, LoraConfig)> {
-    let (model, injected, _) = inject(config, base, lora, from, base_dtype, seed)?;
+    let (model, injected, _) = inject(config, base, None, lora, from, base_dtype, seed)?;
     Ok((
         model,
         Params::from_vars(injected.trainable),
         injected.config,
     ))
+}
+
+/// [`adapt`] over a base whose linear layers `quant` holds in 4 bits (QLoRA: by module path,
+/// e.g. [`QuantizedBase::quant`] or [`nf4_on_load`]); `base` holds the other tensors (and
+/// may hold the quantized layers' weights too, which are then not read).
+pub fn adapt_quantized(
+    config: &dyn ModelConfig,
+    base: &Params,
+    quant: Quant<'_>,
+    lora: &LoraConfig,
+    from: Option<&Adapter>,
+    base_dtype: DType,
+    seed: u64,
+) -> Result<(Box<dyn Model>, Params)> {
+    let (model, injected, _) = inject(config, base, Some(quant), lora, from, base_dtype, seed)?;
+    Ok((model, Params::from_vars(injected.trainable)))
 }
 
 /// The injection behind [`adapt`]: the model built through a [`LoraInjector`] (which decides
@@ -368,6 +408,7 @@ pub fn adapt_recorded(
 fn inject(
     config: &dyn ModelConfig,
     base: &Params,
+    quant: Option<Quant<'_>>,
     lora: &LoraConfig,
     from: Option<&Adapter>,
     base_dtype: DType,
@@ -426,7 +467,12 @@ fn inject(
             site: site_of(path),
         })))
     };
-    let model = config.build(&Builder::root(&source).with_wrap(&wrap))?;
+    let builder = Builder::root(&source).with_wrap(&wrap);
+    let builder = match quant {
+        Some(q) => builder.with_quant(q),
+        None => builder,
+    };
+    let model = config.build(&builder)?;
     let injected = injector.finish(&config.describe()).map_err(peft_err)?;
     Ok((model, injected, SavedModules(saved.into_inner())))
 }
@@ -447,7 +493,15 @@ pub fn fit(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Result
 /// selected module without tensors, shapes the model does not have, an update that overflows.
 /// A merged weight must be finite too.
 pub fn merge(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Result<Params> {
-    let (_, injected, _) = inject(config, base, &adapter.config, Some(adapter), DType::F32, 0)?;
+    let (_, injected, _) = inject(
+        config,
+        base,
+        None,
+        &adapter.config,
+        Some(adapter),
+        DType::F32,
+        0,
+    )?;
     let file = adapter.dir.join(format::ADAPTER_WEIGHTS_FILE);
     let what = adapter.dir.display().to_string();
     let mut tensors: BTreeMap<String, Tensor> = base
