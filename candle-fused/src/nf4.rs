@@ -238,9 +238,10 @@ fn multi_row_sum<const N: usize>(rows: &[f32], size: usize) -> [f32; N] {
             i += 1;
         }
         for j in 1..LEVELS {
-            for k in 0..N {
-                acc[j][k] += acc[j - 1][k];
-                acc[j - 1][k] = 0.0;
+            let (lower, upper) = acc.split_at_mut(j);
+            for (hi, lo) in upper[0].iter_mut().zip(lower[j - 1].iter_mut()) {
+                *hi += *lo;
+                *lo = 0.0;
             }
             if i & (mask << (j * power)) != 0 {
                 break;
@@ -253,12 +254,13 @@ fn multi_row_sum<const N: usize>(rows: &[f32], size: usize) -> [f32; N] {
         }
         i += 1;
     }
-    for j in 1..LEVELS {
-        for k in 0..N {
-            acc[0][k] += acc[j][k];
+    let (first, rest) = acc.split_at_mut(1);
+    for level in rest.iter() {
+        for (a, b) in first[0].iter_mut().zip(level) {
+            *a += b;
         }
     }
-    acc[0]
+    first[0]
 }
 
 /// The f32 sum of `x` in the order torch's CPU `sum` adds a contiguous f32 vector on one
