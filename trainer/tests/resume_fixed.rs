@@ -86,6 +86,8 @@ const FIXED: &[&str] = &[
     "lora_targets",
     "rslora",
     "modules_to_save",
+    "base_quant",
+    "base_quant_double",
     "adapter",
     "other_base",
 ];

@@ -447,7 +447,18 @@ impl ModelDir {
                     crate::lora::fit(config.as_ref(), &params, &a)?;
                     adapter = Some(a);
                 }
-                false => params = crate::lora::merge(config.as_ref(), &params, &a)?,
+                false => {
+                    // A QLoRA run's adapters were trained over the 4-bit base: merged into
+                    // its dequantized weights.
+                    let quant = self
+                        .run
+                        .as_ref()
+                        .and_then(|r| crate::lora::Nf4Settings::of_run(&r.config));
+                    if let Some(q) = quant {
+                        params = crate::lora::dequantized_base(config.as_ref(), &params, &q)?;
+                    }
+                    params = crate::lora::merge(config.as_ref(), &params, &a)?
+                }
             }
             base = Some(now);
         }

@@ -33,7 +33,8 @@ pub use base::{
     check_adapter_base, resolve_adapter_base, BaseIdentity, RecordedBase, BASE_METADATA_KEY,
 };
 pub use quant::{
-    check_quantization_config, nf4_on_load, read_bnb_4bit, Nf4Settings, QuantizedBase,
+    check_quantization_config, dequantized_base, nf4_on_load, read_bnb_4bit, Nf4Settings,
+    QuantizedBase,
 };
 
 /// The module path of the output head, which `all-linear` leaves out (PEFT: the output
@@ -162,7 +163,25 @@ impl Tuning {
         base_dtype: DType,
         seed: u64,
     ) -> Result<(Box<dyn Model>, Params, Tuning)> {
-        let (model, injected, saved) = inject(config, params, None, lora, from, base_dtype, seed)?;
+        Self::lora_over(config, params, lora, from, base, base_dtype, None, seed)
+    }
+
+    /// [`Tuning::lora`] with the base's linear layers quantized on load as `quant` says
+    /// (QLoRA, [`nf4_on_load`]), when given.
+    #[allow(clippy::too_many_arguments)]
+    pub fn lora_over(
+        config: &dyn ModelConfig,
+        params: &Params,
+        lora: &LoraConfig,
+        from: Option<&Adapter>,
+        base: BaseIdentity,
+        base_dtype: DType,
+        quant: Option<&Nf4Settings>,
+        seed: u64,
+    ) -> Result<(Box<dyn Model>, Params, Tuning)> {
+        let on_load = quant.map(|q| nf4_on_load(params, q));
+        let quant = on_load.as_ref().map(|q| q as Quant<'_>);
+        let (model, injected, saved) = inject(config, params, quant, lora, from, base_dtype, seed)?;
         let tuning = Tuning::Lora {
             config: Box::new(injected.config),
             base,
@@ -206,13 +225,14 @@ impl Tuning {
     ) -> Result<(Box<dyn Model>, Params, Tuning)> {
         match (&loaded.adapter, &loaded.base, recorded_base) {
             (None, ..) => Ok((loaded.build()?, loaded.params.clone(), Tuning::Full)),
-            (Some(a), Some(base), true) => Tuning::lora(
+            (Some(a), Some(base), true) => Tuning::lora_over(
                 loaded.config.as_ref(),
                 &loaded.params,
                 &a.config,
                 Some(a),
                 base.clone(),
                 config.base_dtype.unwrap_or(config.dtype).dtype(),
+                Nf4Settings::of_run(config).as_ref(),
                 config.seed,
             ),
             (Some(_), ..) => Err(Error::checkpoint(

@@ -36,6 +36,15 @@ impl Default for Nf4Settings {
 }
 
 impl Nf4Settings {
+    /// The settings of a run's `--base-quant nf4` (and `--base-quant-double`), if it asks
+    /// for a 4-bit base.
+    pub fn of_run(config: &crate::config::TrainConfig) -> Option<Self> {
+        (config.base_quant == crate::config::BaseQuant::Nf4).then(|| Nf4Settings {
+            double: config.base_quant_double,
+            ..Nf4Settings::default()
+        })
+    }
+
     /// Whether the layer at `path` stays in full precision.
     pub fn skips(&self, path: &str) -> bool {
         let dotted = format!(".{path}.");
@@ -58,6 +67,40 @@ pub fn nf4_on_load<'a>(
         let w = base.tensor(&format!("{path}.weight"))?;
         Ok(Some(Nf4Weight::quantize(&w, settings.double)?))
     }
+}
+
+/// `base` with every linear weight that `settings` quantizes replaced by its NF4 round trip
+/// (quantized, then dequantized to f32): the weights a QLoRA run's adapters were trained over.
+/// Merging adds the adapters' update to these, as PEFT's `merge_and_unload` adds it to the
+/// dequantized weight of a 4-bit base.
+pub fn dequantized_base(
+    config: &dyn ModelConfig,
+    base: &Params,
+    settings: &Nf4Settings,
+) -> Result<Params> {
+    let quantize = nf4_on_load(base, settings);
+    let round_trips = std::cell::RefCell::new(BTreeMap::new());
+    let quant = |path: &str, fan_in: usize, fan_out: usize| -> Result<Option<Nf4Weight>> {
+        let q = quantize(path, fan_in, fan_out)?;
+        if let Some(q) = &q {
+            let w = q.dequantize(DType::F32)?;
+            round_trips.borrow_mut().insert(format!("{path}.weight"), w);
+        }
+        Ok(q)
+    };
+    let source = |name: &str, _: &[usize]| base.tensor(name);
+    config.build(&crate::model::Builder::root(&source).with_quant(&quant))?;
+    let mut round_trips = round_trips.into_inner();
+    let tensors: Vec<(String, Tensor)> = base
+        .iter()
+        .map(|(n, v)| {
+            let t = round_trips
+                .remove(n)
+                .unwrap_or_else(|| v.as_tensor().clone());
+            (n.clone(), t)
+        })
+        .collect();
+    Params::from_tensors(tensors)
 }
 
 /// A model saved by transformers in 4 bits: its config, the tensors kept in full precision
