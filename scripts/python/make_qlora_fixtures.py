@@ -12,9 +12,12 @@ bnb_4bit_compute_dtype float32 and lm_head kept in 32 bits (transformers' defaul
     OUT_DIR/expected_<setting>.safetensors                  input_ids, labels, logits, loss and
         grad.<adapter tensor> of PEFT's adapter_plain (../lora/adapter_plain: r 8, alpha 16,
         non-zero B) loaded trainable over the 4-bit model, on make_lora_fixtures.py's batch
+    OUT_DIR/merged_dq.safetensors                           PEFT's merge_and_unload of it (dq only),
+        each projection dequantized to bf16
 
 `cargo test` never runs this: the outputs are committed.
 """
+import copy
 import os
 import shutil
 import sys
@@ -78,6 +81,9 @@ def main():
         "- `expected_dq.safetensors`, `expected_plain.safetensors`: `input_ids`, `labels` (the batch of",
         "  `make_lora_fixtures.py`), `logits`, `loss` and `grad.<tensor>` of PEFT's `../lora/adapter_plain`",
         "  loaded trainable over that 4-bit model (`PeftModel.from_pretrained(.., is_trainable=True)`).",
+        "- `merged_dq.safetensors`: PEFT's `merge_and_unload()` of `adapter_plain` over the `dq` model",
+        "  (each projection re-quantized from its dequantized weight plus the update), every projection's",
+        "  weight dequantized to bf16.",
         "",
     ]
     for setting, double in [("dq", True), ("plain", False)]:
@@ -118,6 +124,20 @@ def main():
         assert n == 28, n
         save_file(dict(sorted(expected.items())), os.path.join(OUT, f"expected_{setting}.safetensors"), metadata=meta)
         print(f"{setting}: loss {out.loss.item():.6f}, {n} gradients")
+        if double:
+            # PEFT's merge_and_unload over the 4-bit base: each projection's dequantized
+            # weight plus the update, quantized again (the model stays 4-bit); saved
+            # dequantized to bf16 (`dequantize_4bit` with dtype bf16).
+            merged = PeftModel.from_pretrained(load_4bit(double), os.path.join(LORA, "adapter_plain"))
+            merged = merged.merge_and_unload()
+            dq = {}
+            for name, mod in merged.named_modules():
+                if isinstance(mod, bnb.nn.Linear4bit):
+                    st = copy.copy(mod.weight.quant_state)
+                    st.dtype = torch.bfloat16
+                    dq[f"{name}.weight"] = bnb.functional.dequantize_4bit(mod.weight.data, st).contiguous()
+            assert len(dq) == 14, len(dq)
+            save_file(dict(sorted(dq.items())), os.path.join(OUT, f"merged_{setting}.safetensors"), metadata=meta)
         lines.append(f"- `{setting}`: loss {out.loss.item():.6f}, {n} gradients.")
     with open(os.path.join(OUT, "README.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

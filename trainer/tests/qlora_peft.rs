@@ -159,6 +159,42 @@ fn step_matches_peft_over_bitsandbytes() {
 }
 
 #[test]
+fn merge_is_pefts_merge_and_unload_on_a_4bit_base() {
+    // PEFT: dequantize, add s B A, quantize again (the model stays 4-bit); the fixture holds
+    // each projection of that dequantized to bf16. Ours: the same steps over the f32 base
+    // (what `export --merge` of a QLoRA run writes), rounded to bf16: equal values, up to the
+    // f32 sum of the update (r = 8 products, which could move a value across an NF4 midpoint;
+    // none does here).
+    let (config, base) = ModelDir::at(fixture("lora/base"))
+        .unwrap()
+        .load(&Device::Cpu)
+        .unwrap();
+    let adapter = Adapter::load(&fixture("lora/adapter_plain"), &Device::Cpu).unwrap();
+    let settings = Nf4Settings {
+        double: true,
+        ..Nf4Settings::default()
+    };
+    let config = config.as_ref();
+    let deq = trainer::lora::dequantized_base(config, &base, &settings).unwrap();
+    let merged = trainer::lora::merge(config, &deq, &adapter).unwrap();
+    let merged = trainer::lora::dequantized_base(config, &merged, &settings).unwrap();
+    let want = candle_core::safetensors::load(fixture("qlora/merged_dq.safetensors"), &Device::Cpu)
+        .unwrap();
+    assert_eq!(want.len(), 14);
+    for (name, w) in &want {
+        let ours = merged.tensor(name).unwrap().to_dtype(DType::BF16).unwrap();
+        let d = rel(
+            &ours.to_dtype(DType::F32).unwrap(),
+            &w.to_dtype(DType::F32).unwrap(),
+        );
+        assert!(d <= 1e-6, "{name}: {d:e} from PEFT's merge_and_unload");
+        // The update was applied (the merged weight is not the base's).
+        let before = deq.tensor(name).unwrap().to_dtype(DType::BF16).unwrap();
+        assert_ne!(bits(&before), bits(&ours), "{name}");
+    }
+}
+
+#[test]
 fn other_quantizations_are_refused_by_name() {
     let path = Path::new("config.json");
     let cfg = |q: serde_json::Value| serde_json::json!({ "quantization_config": q });

@@ -119,6 +119,52 @@ fn a_qlora_checkpoint_loads_merged_into_the_dequantized_base() {
 }
 
 #[test]
+fn export_merge_writes_pefts_merge_and_unload() {
+    // `export --merge` of a QLoRA run: the adapters merged into the dequantized base, each
+    // projection quantized again and dequantized, as PEFT's merge_and_unload leaves a 4-bit
+    // base (checked against PEFT itself in qlora_peft.rs); the other tensors as they are.
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig {
+        max_iters: 2,
+        eval_interval: 2,
+        ..qlora_config(tmp.path(), BaseQuant::Nf4)
+    };
+    common::train(cfg);
+    let run = ModelDir::open(&tmp.path().join("run").display().to_string()).unwrap();
+    let out = tmp.path().join("merged");
+    let options = trainer::export::ExportOptions {
+        merge: true,
+        ..Default::default()
+    };
+    trainer::export::export(&run, &out, &options).unwrap();
+    let written =
+        candle_core::safetensors::load(out.join("model.safetensors"), &Device::Cpu).unwrap();
+    let (config, base) = ModelDir::at(base_dir())
+        .unwrap()
+        .load(&Device::Cpu)
+        .unwrap();
+    let adapter = trainer::lora::read_adapter(
+        &tmp.path().join("run/checkpoints/step-0000002"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let settings = trainer::lora::Nf4Settings {
+        double: true,
+        ..Default::default()
+    };
+    let config = config.as_ref();
+    let deq = trainer::lora::dequantized_base(config, &base, &settings).unwrap();
+    let merged = trainer::lora::merge(config, &deq, &adapter).unwrap();
+    let want = trainer::lora::dequantized_base(config, &merged, &settings).unwrap();
+    assert_eq!(written.len(), want.len());
+    for (name, v) in want.iter() {
+        let (a, b) = (&written[name], v.as_tensor());
+        let same = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(same.to_scalar::<f32>().unwrap(), 0.0, "{name}");
+    }
+}
+
+#[test]
 fn executors_run_over_a_4bit_base() {
     // 3 steps of the same QLoRA run (dropout 0.1 on the adapters' input) under each executor.
     let run = |f: &dyn Fn(TrainConfig) -> TrainConfig| {
