@@ -35,7 +35,8 @@
 //! `op_composite(..)`: the same function written with plain differentiable Candle ops, the
 //! reference the op is tested against (and what a caller that wants the unfused computation,
 //! e.g. for comparison or debugging, calls): [`linear::linear_composite`],
-//! [`linear_gelu::linear_gelu_composite`], [`lora::lora_linear_composite`], [`norm::layer_norm_composite`],
+//! [`linear_gelu::linear_gelu_composite`], [`lora::lora_linear_composite`],
+//! [`qlora::qlora_linear_composite`] (the whole 4-bit weight dequantized), [`norm::layer_norm_composite`],
 //! [`norm::rms_norm_composite`], [`gelu::bias_gelu_composite`], [`gelu::gelu_composite`],
 //! [`attention::attention_composite`], [`attention::attention_qkv_composite`],
 //! [`rope::rope_composite`], [`swiglu::swiglu_composite`],
