@@ -40,11 +40,11 @@ LORA = os.path.join(ROOT, "trainer", "tests", "fixtures", "lora")
 OUT = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "trainer", "tests", "fixtures", "qlora")
 
 
-def load_4bit(double):
+def load_4bit(double, compute=torch.float32):
     cfg = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
-        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_compute_dtype=compute,
         bnb_4bit_use_double_quant=double,
     )
     return LlamaForCausalLM.from_pretrained(
@@ -139,6 +139,28 @@ def main():
             assert len(dq) == 14, len(dq)
             save_file(dict(sorted(dq.items())), os.path.join(OUT, f"merged_{setting}.safetensors"), metadata=meta)
         lines.append(f"- `{setting}`: loss {out.loss.item():.6f}, {n} gradients.")
+    # bf16 compute (bnb_4bit_compute_dtype=bfloat16, the model otherwise f32): the 4-bit
+    # layers' input cast to bf16, the dequantized weight cast to bf16, their output back to f32.
+    p = PeftModel.from_pretrained(load_4bit(True, torch.bfloat16), os.path.join(LORA, "adapter_plain"), is_trainable=True)
+    p.train()
+    p.zero_grad(set_to_none=True)
+    out = p(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False)
+    out.loss.backward()
+    expected = {
+        "input_ids": batch["input_ids"].to(torch.int64).contiguous(),
+        "labels": batch["labels"].to(torch.int64).contiguous(),
+        "logits": out.logits.detach().float().contiguous(),
+        "loss": out.loss.detach().float().reshape(()).contiguous(),
+    }
+    for name, q in p.named_parameters():
+        if q.requires_grad:
+            expected[f"grad.{disk_name(name)}"] = q.grad.detach().float().contiguous()
+    save_file(dict(sorted(expected.items())), os.path.join(OUT, "expected_dq_bf16.safetensors"), metadata=meta)
+    print(f"dq, bf16 compute: loss {out.loss.item():.6f}")
+    lines.append(
+        f"- `expected_dq_bf16.safetensors`: the same step of `dq` with bnb_4bit_compute_dtype bfloat16 (the "
+        f"model otherwise f32): loss {out.loss.item():.6f}."
+    )
     with open(os.path.join(OUT, "README.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
