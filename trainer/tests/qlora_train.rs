@@ -214,6 +214,31 @@ fn executors_run_over_a_4bit_base() {
 }
 
 #[test]
+fn skipped_modules_stay_in_full_precision() {
+    // The first loss (B = 0: the base's) of the default (lm_head kept), of every linear layer
+    // in 4 bits, and of the MLP's down projections kept too: three different bases.
+    let first = |skip: &str| {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfg = TrainConfig {
+            max_iters: 1,
+            base_quant_skip: skip.parse().unwrap(),
+            ..qlora_config(tmp.path(), BaseQuant::Nf4)
+        };
+        let mut t = Trainer::new(cfg).unwrap();
+        run_to_end(&mut t)[0].loss
+    };
+    let (kept, none, down) = (first("lm_head"), first(""), first("lm_head,mlp.down_proj"));
+    assert_eq!(
+        kept,
+        first(&TrainConfig::default().base_quant_skip.to_string())
+    );
+    assert!(
+        kept != none && kept != down && none != down,
+        "{kept} {none} {down}"
+    );
+}
+
+#[test]
 fn a_4bit_base_needs_lora() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = TrainConfig {

@@ -88,6 +88,7 @@ const FIXED: &[&str] = &[
     "modules_to_save",
     "base_quant",
     "base_quant_double",
+    "base_quant_skip",
     "adapter",
     "other_base",
 ];

@@ -484,6 +484,11 @@ train_config! {
     /// bnb_4bit_use_double_quant).
     #[resume(fixed)]
     base_quant_double: bool = false,
+    /// With --base-quant nf4: modules kept in --base-dtype (transformers'
+    /// llm_int8_skip_modules), comma-separated: a layer whose module path holds one of these
+    /// as whole components (lm_head, mlp.down_proj); empty quantizes every linear layer.
+    #[resume(fixed)]
+    base_quant_skip: ModuleList = ModuleList(vec![crate::lora::OUTPUT_HEAD.to_string()]),
     /// Start the LoRA adapters from a PEFT adapter directory (adapter_config.json +
     /// adapter_model.safetensors; its config replaces the lora_* settings).
     #[resume(fixed)]

@@ -36,12 +36,12 @@ impl Default for Nf4Settings {
 }
 
 impl Nf4Settings {
-    /// The settings of a run's `--base-quant nf4` (and `--base-quant-double`), if it asks
-    /// for a 4-bit base.
+    /// The settings of a run's `--base-quant nf4` (`--base-quant-double`,
+    /// `--base-quant-skip`), if it asks for a 4-bit base.
     pub fn of_run(config: &crate::config::TrainConfig) -> Option<Self> {
         (config.base_quant == crate::config::BaseQuant::Nf4).then(|| Nf4Settings {
             double: config.base_quant_double,
-            ..Nf4Settings::default()
+            skip: config.base_quant_skip.0.clone(),
         })
     }
 
