@@ -244,6 +244,37 @@ fn merge_is_pefts_merge_and_unload_on_a_4bit_base() {
 }
 
 #[test]
+fn quantized_checkpoints_are_not_read_as_plain_models() {
+    let e = ModelDir::at(fixture("qlora/base_dq"))
+        .unwrap()
+        .load(&Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("4-bit (NF4)") && e.contains("base_dq"), "{e}");
+    // A GPTQ checkpoint, by name.
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixture("lora/base/model.safetensors"),
+        tmp.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("lora/base/config.json")).unwrap())
+            .unwrap();
+    config["quantization_config"] = serde_json::json!({"quant_method": "gptq", "bits": 4});
+    std::fs::write(tmp.path().join("config.json"), config.to_string()).unwrap();
+    let e = ModelDir::at(tmp.path().to_path_buf())
+        .unwrap()
+        .load(&Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("quant_method `gptq`") && e.contains("config.json"),
+        "{e}"
+    );
+}
+
+#[test]
 fn other_quantizations_are_refused_by_name() {
     let path = Path::new("config.json");
     let cfg = |q: serde_json::Value| serde_json::json!({ "quantization_config": q });
