@@ -13,6 +13,10 @@
 //!   the pre-activation);
 //! * [`lora`]: the LoRA linear `x W + b + scale · (dropout(x) Aᵀ) Bᵀ` in one op, the base
 //!   weight frozen (gradients of `x`, `A` and `B` only; saves `dropout(x) Aᵀ`, `[N, r]`);
+//! * [`nf4`]: 4-bit NormalFloat weights as bitsandbytes quantizes, dequantizes and
+//!   transformers saves them (double quantization included), bit for bit;
+//! * [`qlora`]: the LoRA linear over a frozen NF4 base, dequantized a tile at a time
+//!   (gradients of `x`, `A` and `B` only);
 //! * [`rope`]: rotary position embeddings (transformers' split halves) fused with the
 //!   `[B, T, H, D] -> [B, H, T, D]` transpose, and their f32 tables;
 //! * [`swiglu`]: `silu(gate) * up` (Llama's MLP activation) in one op;
@@ -32,7 +36,8 @@
 //! `op_composite(..)`: the same function written with plain differentiable Candle ops, the
 //! reference the op is tested against (and what a caller that wants the unfused computation,
 //! e.g. for comparison or debugging, calls): [`linear::linear_composite`],
-//! [`linear_gelu::linear_gelu_composite`], [`lora::lora_linear_composite`], [`norm::layer_norm_composite`],
+//! [`linear_gelu::linear_gelu_composite`], [`lora::lora_linear_composite`],
+//! [`qlora::qlora_linear_composite`] (the whole 4-bit weight dequantized), [`norm::layer_norm_composite`],
 //! [`norm::rms_norm_composite`], [`gelu::bias_gelu_composite`], [`gelu::gelu_composite`],
 //! [`attention::attention_composite`], [`attention::attention_qkv_composite`],
 //! [`rope::rope_composite`], [`swiglu::swiglu_composite`],
@@ -61,10 +66,12 @@ pub mod linear;
 pub mod linear_cross_entropy;
 pub mod linear_gelu;
 pub mod lora;
+pub mod nf4;
 pub mod norm;
 mod op;
 pub mod philox;
 mod pool;
+pub mod qlora;
 pub mod rope;
 pub mod swiglu;
 

@@ -163,6 +163,31 @@ impl Lora {
         self.run(candle_fused::lora::lora_linear_composite, x, w, bias, key)
     }
 
+    /// The adapted layer over a frozen 4-bit base weight `w [out, in]` (QLoRA, PEFT's
+    /// `Linear4bit`): `x Wᵀ + bias + s · (dropout(x) Aᵀ) Bᵀ` with `W` dequantized a tile at a
+    /// time ([`candle_fused::qlora::qlora_linear`]), in `x`'s dtype; gradients for `x`, `A` and
+    /// `B` only. `composite`: the whole weight dequantized and
+    /// [`forward_composite`](Lora::forward_composite)'s ops (the reference).
+    pub fn forward_nf4(
+        &self,
+        x: &Tensor,
+        w: &candle_fused::nf4::Nf4Weight,
+        bias: Option<&Tensor>,
+        key: Option<RngKey>,
+        composite: bool,
+    ) -> candle_core::Result<Tensor> {
+        let dtype = x.dtype();
+        let (a, b) = (self.a.to_dtype(dtype)?, self.b.to_dtype(dtype)?);
+        let dropout = key
+            .filter(|_| self.dropout > 0.0)
+            .map(|k| (self.dropout, k));
+        let op = match composite {
+            true => candle_fused::qlora::qlora_linear_composite,
+            false => candle_fused::qlora::qlora_linear,
+        };
+        op(x, w, bias, &a, &b, self.scale, dropout)
+    }
+
     /// `op` over `x` with `A` and `B` cast to `x`'s dtype, dropout when keyed.
     fn run(
         &self,

@@ -90,6 +90,9 @@ const FIXED: &[&str] = &[
     "lora_targets",
     "rslora",
     "modules_to_save",
+    "base_quant",
+    "base_quant_double",
+    "base_quant_skip",
     "adapter",
     "other_base",
 ];

@@ -50,7 +50,14 @@ pub(super) fn print_banner(trainer: &Trainer) {
                 false => format!(", saving {}", config.modules_to_save.join(",")),
             },
             base.model,
-            cfg.base_dtype.unwrap_or(cfg.dtype),
+            match trainer::lora::Nf4Settings::of_run(cfg) {
+                Some(q) => format!(
+                    "nf4{} (lm_head {})",
+                    if q.double { ", double-quantized" } else { "" },
+                    cfg.base_dtype.unwrap_or(cfg.dtype)
+                ),
+                None => cfg.base_dtype.unwrap_or(cfg.dtype).to_string(),
+            },
             trainer.params.num_elements() as f64 / 1e6,
             100.0 * trainer.params.num_elements() as f64 / total,
             total / 1e6,

@@ -15,7 +15,8 @@ use serde::{Deserialize, Serialize};
 
 pub use candle_peft::TargetModules;
 pub use types::{
-    Arch, DeviceList, DeviceSpec, LossScale, ModuleList, Parallelism, Precision, ScheduleKind,
+    Arch, BaseQuant, DeviceList, DeviceSpec, LossScale, ModuleList, Parallelism, Precision,
+    ScheduleKind,
 };
 
 use crate::data::{ChatTaskKind, DataKind, DataOrder, DataSource, DataSpec};
@@ -491,6 +492,19 @@ train_config! {
     /// Dtype the frozen base weights of a LoRA run are kept in (default: the compute dtype).
     #[resume(may_change)]
     base_dtype: Option<Precision> = None,
+    /// Hold the frozen base's linear layers in 4 bits: nf4 quantizes each on load as
+    /// bitsandbytes does (QLoRA; lm_head kept in --base-dtype); none keeps them as they are.
+    #[resume(fixed)]
+    base_quant: BaseQuant = BaseQuant::None,
+    /// With --base-quant nf4: quantize the 4-bit blocks' scales again (bitsandbytes'
+    /// bnb_4bit_use_double_quant).
+    #[resume(fixed)]
+    base_quant_double: bool = false,
+    /// With --base-quant nf4: modules kept in --base-dtype (transformers'
+    /// llm_int8_skip_modules), comma-separated: a layer whose module path holds one of these
+    /// as whole components (lm_head, mlp.down_proj); empty quantizes every linear layer.
+    #[resume(fixed)]
+    base_quant_skip: ModuleList = ModuleList(vec![crate::lora::OUTPUT_HEAD.to_string()]),
     /// Start the LoRA adapters from a PEFT adapter directory (adapter_config.json +
     /// adapter_model.safetensors; its config replaces the lora_* settings).
     #[resume(fixed)]

@@ -63,6 +63,23 @@ named_enum!(Precision, "dtype must be f32, f16 or bf16", {
 });
 serde_as_text!(Precision);
 
+/// How a LoRA run holds its frozen base's linear layers: as they are (`none`, in the base
+/// dtype) or in 4 bits (`nf4`: QLoRA, bitsandbytes' NF4).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum BaseQuant {
+    /// Full precision (`--base-dtype`).
+    #[default]
+    None,
+    /// 4-bit NormalFloat, quantized on load as bitsandbytes does (lm_head kept).
+    Nf4,
+}
+
+named_enum!(BaseQuant, "base_quant must be none or nf4", {
+    None => "none",
+    Nf4 => "nf4",
+});
+serde_as_text!(BaseQuant);
+
 /// Loss scaling: `auto` (dynamic for f16, none otherwise), `dynamic`, `none`, or a static
 /// positive scale.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

@@ -393,6 +393,7 @@ impl ModelDir {
         read: impl FnOnce(&Loaded) -> Result<T>,
     ) -> Result<(Loaded, T)> {
         let stored = self.config()?;
+        refuse_quantized(&self.dir.join(CONFIG_FILE))?;
         let data = checks.data.map(|d| d.source);
         if let Some(run) = &self.run {
             if let Some(d) = checks.data {
@@ -471,7 +472,18 @@ impl ModelDir {
                     crate::lora::fit(config.as_ref(), &params, &a)?;
                     adapter = Some(a);
                 }
-                false => params = crate::lora::merge(config.as_ref(), &params, &a)?,
+                false => {
+                    // A QLoRA run's adapters were trained over the 4-bit base: merged into
+                    // its dequantized weights.
+                    let quant = self
+                        .run
+                        .as_ref()
+                        .and_then(|r| crate::lora::Nf4Settings::of_run(&r.config));
+                    if let Some(q) = quant {
+                        params = crate::lora::dequantized_base(config.as_ref(), &params, &q)?;
+                    }
+                    params = crate::lora::merge(config.as_ref(), &params, &a)?
+                }
             }
             base = Some(now);
         }
@@ -534,6 +546,24 @@ fn token_ids(v: &Value) -> Option<Vec<u32>> {
     match v {
         Value::Array(a) => a.iter().map(one).collect(),
         x => one(x).map(|x| vec![x]),
+    }
+}
+
+/// Refuses a quantized checkpoint (`quantization_config` in its `config.json` at `path`) as a
+/// plain model: a bitsandbytes 4-bit NF4 one is read by [`crate::lora::read_bnb_4bit`], not
+/// here; any other kind (GPTQ, AWQ, 8-bit, fp4) is refused by name.
+fn refuse_quantized(path: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::checkpoint(path, format!("not valid JSON: {e}")))?;
+    match crate::lora::check_quantization_config(path, &json)? {
+        None => Ok(()),
+        Some(_) => Err(Error::checkpoint(
+            path,
+            "is a bitsandbytes 4-bit (NF4) model: it is not read as a plain model (its \
+             projections are packed 4-bit codes); give the full-precision model, with \
+             --base-quant nf4 to train LoRA over it in 4 bits",
+        )),
     }
 }
 

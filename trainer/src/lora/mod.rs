@@ -12,6 +12,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+use candle_fused::nf4::Nf4Weight;
 use candle_fused::RngKey;
 use candle_peft::format::{self, lora_a_name, lora_b_name, saved_name};
 use candle_peft::{Adapter, Inject, Injected, LinearLayer, Lora, LoraConfig, LoraInjector};
@@ -21,14 +22,19 @@ use rand_chacha::ChaCha8Rng;
 use crate::checkpoint::finite;
 use crate::config::TrainConfig;
 use crate::model::{
-    Builder, Ctx, Kernels, Layout, LinearAdapter, Model, ModelConfig, Params, WeightMap,
+    Builder, Ctx, Kernels, Layout, LinearAdapter, Model, ModelConfig, Params, Quant, WeightMap,
 };
 use crate::{Error, Result};
 
 mod base;
+mod quant;
 
 pub use base::{
     check_adapter_base, resolve_adapter_base, BaseIdentity, RecordedBase, BASE_METADATA_KEY,
+};
+pub use quant::{
+    check_quantization_config, dequantized_base, nf4_on_load, read_bnb_4bit, Nf4Settings,
+    QuantizedBase,
 };
 
 /// The module path of the output head, which `all-linear` leaves out (PEFT: the output
@@ -42,6 +48,20 @@ struct LoraLayer {
     site: u64,
 }
 
+impl LoraLayer {
+    /// The dropout key of a forward over `x` in `ctx`: keyed by the global row, like the
+    /// model's dropout ([`Kernels::dropout`]); none outside training.
+    fn key(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Option<RngKey>> {
+        Ok(match ctx.train {
+            true => {
+                let row_len = x.elem_count() / x.dim(0)?.max(1);
+                Some(RngKey::new(ctx.seed, self.site).with_offset((ctx.row * row_len) as u64))
+            }
+            false => None,
+        })
+    }
+}
+
 impl LinearAdapter for LoraLayer {
     fn forward(
         &self,
@@ -50,18 +70,23 @@ impl LinearAdapter for LoraLayer {
         b: Option<&Tensor>,
         ctx: &Ctx,
     ) -> candle_core::Result<Tensor> {
-        // Keyed by the global row, like the model's dropout ([`Kernels::dropout`]).
-        let key = match ctx.train {
-            true => {
-                let row_len = x.elem_count() / x.dim(0)?.max(1);
-                Some(RngKey::new(ctx.seed, self.site).with_offset((ctx.row * row_len) as u64))
-            }
-            false => None,
-        };
+        let key = self.key(x, ctx)?;
         match ctx.kernels {
             Kernels::Fused => self.lora.forward(x, w, b, key),
             Kernels::Reference => self.lora.forward_composite(x, w, b, key),
         }
+    }
+
+    fn forward_nf4(
+        &self,
+        x: &Tensor,
+        w: &Nf4Weight,
+        b: Option<&Tensor>,
+        ctx: &Ctx,
+    ) -> candle_core::Result<Tensor> {
+        let key = self.key(x, ctx)?;
+        let composite = matches!(ctx.kernels, Kernels::Reference);
+        self.lora.forward_nf4(x, w, b, key, composite)
     }
 
     fn params(&self) -> Vec<Tensor> {
@@ -138,7 +163,25 @@ impl Tuning {
         base_dtype: DType,
         seed: u64,
     ) -> Result<(Box<dyn Model>, Params, Tuning)> {
-        let (model, injected, saved) = inject(config, params, lora, from, base_dtype, seed)?;
+        Self::lora_over(config, params, lora, from, base, base_dtype, None, seed)
+    }
+
+    /// [`Tuning::lora`] with the base's linear layers quantized on load as `quant` says
+    /// (QLoRA, [`nf4_on_load`]), when given.
+    #[allow(clippy::too_many_arguments)]
+    pub fn lora_over(
+        config: &dyn ModelConfig,
+        params: &Params,
+        lora: &LoraConfig,
+        from: Option<&Adapter>,
+        base: BaseIdentity,
+        base_dtype: DType,
+        quant: Option<&Nf4Settings>,
+        seed: u64,
+    ) -> Result<(Box<dyn Model>, Params, Tuning)> {
+        let on_load = quant.map(|q| nf4_on_load(params, q));
+        let quant = on_load.as_ref().map(|q| q as Quant<'_>);
+        let (model, injected, saved) = inject(config, params, quant, lora, from, base_dtype, seed)?;
         let tuning = Tuning::Lora {
             config: Box::new(injected.config),
             base,
@@ -182,13 +225,14 @@ impl Tuning {
     ) -> Result<(Box<dyn Model>, Params, Tuning)> {
         match (&loaded.adapter, &loaded.base, recorded_base) {
             (None, ..) => Ok((loaded.build()?, loaded.params.clone(), Tuning::Full)),
-            (Some(a), Some(base), true) => Tuning::lora(
+            (Some(a), Some(base), true) => Tuning::lora_over(
                 loaded.config.as_ref(),
                 &loaded.params,
                 &a.config,
                 Some(a),
                 base.clone(),
                 config.base_dtype.unwrap_or(config.dtype).dtype(),
+                Nf4Settings::of_run(config).as_ref(),
                 config.seed,
             ),
             (Some(_), ..) => Err(Error::checkpoint(
@@ -354,12 +398,28 @@ pub fn adapt_recorded(
     base_dtype: DType,
     seed: u64,
 ) -> Result<(Box<dyn Model>, Params, LoraConfig)> {
-    let (model, injected, _) = inject(config, base, lora, from, base_dtype, seed)?;
+    let (model, injected, _) = inject(config, base, None, lora, from, base_dtype, seed)?;
     Ok((
         model,
         Params::from_vars(injected.trainable),
         injected.config,
     ))
+}
+
+/// [`adapt`] over a base whose linear layers `quant` holds in 4 bits (QLoRA: by module path,
+/// e.g. [`QuantizedBase::quant`] or [`nf4_on_load`]); `base` holds the other tensors (and
+/// may hold the quantized layers' weights too, which are then not read).
+pub fn adapt_quantized(
+    config: &dyn ModelConfig,
+    base: &Params,
+    quant: Quant<'_>,
+    lora: &LoraConfig,
+    from: Option<&Adapter>,
+    base_dtype: DType,
+    seed: u64,
+) -> Result<(Box<dyn Model>, Params)> {
+    let (model, injected, _) = inject(config, base, Some(quant), lora, from, base_dtype, seed)?;
+    Ok((model, Params::from_vars(injected.trainable)))
 }
 
 /// The injection behind [`adapt`]: the model built through a [`LoraInjector`] (which decides
@@ -368,6 +428,7 @@ pub fn adapt_recorded(
 fn inject(
     config: &dyn ModelConfig,
     base: &Params,
+    quant: Option<Quant<'_>>,
     lora: &LoraConfig,
     from: Option<&Adapter>,
     base_dtype: DType,
@@ -426,7 +487,12 @@ fn inject(
             site: site_of(path),
         })))
     };
-    let model = config.build(&Builder::root(&source).with_wrap(&wrap))?;
+    let builder = Builder::root(&source).with_wrap(&wrap);
+    let builder = match quant {
+        Some(q) => builder.with_quant(q),
+        None => builder,
+    };
+    let model = config.build(&builder)?;
     let injected = injector.finish(&config.describe()).map_err(peft_err)?;
     Ok((model, injected, SavedModules(saved.into_inner())))
 }
@@ -447,7 +513,15 @@ pub fn fit(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Result
 /// selected module without tensors, shapes the model does not have, an update that overflows.
 /// A merged weight must be finite too.
 pub fn merge(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Result<Params> {
-    let (_, injected, _) = inject(config, base, &adapter.config, Some(adapter), DType::F32, 0)?;
+    let (_, injected, _) = inject(
+        config,
+        base,
+        None,
+        &adapter.config,
+        Some(adapter),
+        DType::F32,
+        0,
+    )?;
     let file = adapter.dir.join(format::ADAPTER_WEIGHTS_FILE);
     let what = adapter.dir.display().to_string();
     let mut tensors: BTreeMap<String, Tensor> = base

@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use candle_core::Tensor;
+use candle_fused::nf4::Nf4Weight;
 
 use super::{Ctx, WeightMap};
 
@@ -24,6 +25,20 @@ pub trait LinearAdapter: Send + Sync + std::fmt::Debug {
         b: Option<&Tensor>,
         ctx: &Ctx,
     ) -> candle_core::Result<Tensor>;
+
+    /// The adapted layer's output over a frozen 4-bit weight `w [out, in]` (QLoRA) and its
+    /// bias, in `ctx.dtype`. By default the whole weight dequantized to `ctx.dtype` and
+    /// [`LinearAdapter::forward`]; an adapter that can, dequantizes a tile at a time.
+    fn forward_nf4(
+        &self,
+        x: &Tensor,
+        w: &Nf4Weight,
+        b: Option<&Tensor>,
+        ctx: &Ctx,
+    ) -> candle_core::Result<Tensor> {
+        let dense = w.dequantize(ctx.dtype)?;
+        self.forward(x, &dense.t()?, b, ctx)
+    }
 
     /// The adapter's own parameters.
     fn params(&self) -> Vec<Tensor>;

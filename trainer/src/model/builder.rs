@@ -8,6 +8,7 @@ use std::fmt::Display;
 use std::sync::Arc;
 
 use candle_core::Tensor;
+use candle_fused::nf4::Nf4Weight;
 
 use super::{Layout, LinearAdapter};
 use crate::Result;
@@ -20,13 +21,18 @@ pub type Source<'a> = &'a dyn Fn(&str, &[usize]) -> Result<Tensor>;
 pub type Wrap<'a> =
     &'a dyn Fn(&str, usize, usize, Layout) -> Result<Option<Arc<dyn LinearAdapter>>>;
 
+/// The frozen 4-bit weight of the linear layer at a module path, `in` -> `out` features, if
+/// the base holds it quantized (see [`Builder::with_quant`]).
+pub type Quant<'a> = &'a dyn Fn(&str, usize, usize) -> Result<Option<Nf4Weight>>;
+
 /// A path in the parameter namespace, the source of its tensors and, optionally, what wraps
-/// the linear layers built under it.
+/// the linear layers built under it and which of them are 4-bit.
 #[derive(Clone)]
 pub struct Builder<'a> {
     prefix: String,
     source: Source<'a>,
     wrap: Option<Wrap<'a>>,
+    quant: Option<Quant<'a>>,
 }
 
 impl<'a> Builder<'a> {
@@ -36,7 +42,24 @@ impl<'a> Builder<'a> {
             prefix: String::new(),
             source,
             wrap: None,
+            quant: None,
         }
+    }
+
+    /// The same builder, asking `quant` for every linear layer it builds (by module path, in
+    /// and out features) whether its weight is a frozen 4-bit one (QLoRA); such a layer reads
+    /// no `weight` from the source.
+    pub fn with_quant(self, quant: Quant<'a>) -> Self {
+        Builder {
+            quant: Some(quant),
+            ..self
+        }
+    }
+
+    /// The 4-bit weight of the linear layer `fan_in -> fan_out` at this path, if any.
+    pub fn quant(&self, fan_in: usize, fan_out: usize) -> Result<Option<Nf4Weight>> {
+        self.quant
+            .map_or(Ok(None), |q| q(&self.prefix, fan_in, fan_out))
     }
 
     /// The same builder, asking `wrap` for every linear layer it builds (by module path,
@@ -72,6 +95,7 @@ impl<'a> Builder<'a> {
             prefix,
             source: self.source,
             wrap: self.wrap,
+            quant: self.quant,
         }
     }
 

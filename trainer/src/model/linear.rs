@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use candle_core::Tensor;
+use candle_fused::nf4::Nf4Weight;
 
 use super::{Builder, Ctx, Layout, LinearAdapter, WeightMap};
 use crate::Result;
@@ -25,17 +26,22 @@ use crate::Result;
 #[derive(Clone, Debug)]
 pub struct Linear {
     path: String,
-    /// The weight, `[in, out]` or `[out, in]` as [`Linear::layout`] says.
+    /// The weight, `[in, out]` or `[out, in]` as [`Linear::layout`] says; empty (`[0]`) when
+    /// the layer is 4-bit ([`Linear::quantized`]).
     pub weight: Tensor,
     /// `[out]`, if the layer has a bias.
     pub bias: Option<Tensor>,
     layout: Layout,
     adapter: Option<Arc<dyn LinearAdapter>>,
+    /// The frozen 4-bit weight `[out, in]`, in place of `weight` (QLoRA).
+    quant: Option<Nf4Weight>,
 }
 
 impl Linear {
     /// The layer at `b`'s path: `b.weight` (shaped as `layout` says) and `b.bias [fan_out]`
     /// if `bias`, run by the adapter `b` has for this path, if any ([`Builder::with_wrap`]).
+    /// A layer the builder holds in 4 bits ([`Builder::with_quant`]; `[out, in]` layers only)
+    /// reads no `weight`.
     pub fn build(
         b: &Builder,
         fan_in: usize,
@@ -47,13 +53,34 @@ impl Linear {
             Layout::InOut => [fan_in, fan_out],
             Layout::OutIn => [fan_out, fan_in],
         };
+        let quant = b.quant(fan_in, fan_out)?;
+        let weight = match &quant {
+            None => b.get(&shape, "weight")?,
+            Some(q) if layout == Layout::OutIn && q.shape() == [fan_out, fan_in] => {
+                Tensor::zeros(0, q.dtype(), q.device())?
+            }
+            Some(q) => {
+                return Err(crate::Error::Config(format!(
+                    "`{}.weight`: a 4-bit weight of shape {:?} for a layer {fan_in} -> \
+                     {fan_out} stored {layout:?} (4-bit weights are [out, in])",
+                    b.path(),
+                    q.shape()
+                )))
+            }
+        };
         Ok(Linear {
             path: b.path().to_string(),
-            weight: b.get(&shape, "weight")?,
+            weight,
             bias: b.get_if(bias, &[fan_out], "bias")?,
             layout,
             adapter: b.wrap(fan_in, fan_out, layout)?,
+            quant,
         })
+    }
+
+    /// The frozen 4-bit weight, when the layer has one (QLoRA).
+    pub fn quantized(&self) -> Option<&Nf4Weight> {
+        self.quant.as_ref()
     }
 
     /// The Hugging Face module path (`transformer.h.0.attn.c_attn`).
@@ -67,13 +94,20 @@ impl Linear {
     }
 
     /// The same layer with its tensors mapped by `f` (e.g. cast to a dtype).
+    /// A 4-bit weight keeps its codes and moves to the device `f` puts the (empty) weight on.
     pub fn map(&self, f: WeightMap) -> candle_core::Result<Self> {
+        let weight = f(&self.weight)?;
+        let quant = match &self.quant {
+            Some(q) => Some(q.to_device(weight.device())?),
+            None => None,
+        };
         Ok(Linear {
             path: self.path.clone(),
-            weight: f(&self.weight)?,
+            weight,
             bias: self.bias.as_ref().map(f).transpose()?,
             layout: self.layout,
             adapter: self.adapter.as_ref().map(|d| d.map(f)).transpose()?,
+            quant,
         })
     }
 
@@ -98,6 +132,17 @@ impl Linear {
     /// `[.., in] -> [.., out]`, computing in `ctx.dtype` (the base layer alone when
     /// `ctx.adapters` is off).
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        if let Some(q) = &self.quant {
+            let b = self
+                .bias
+                .as_ref()
+                .map(|b| b.to_dtype(ctx.dtype))
+                .transpose()?;
+            return match self.running(ctx) {
+                None => candle_fused::qlora::nf4_linear(x, q, b.as_ref()),
+                Some(a) => a.forward_nf4(x, q, b.as_ref(), ctx),
+            };
+        }
         let (w, b) = self.cast(ctx)?;
         match self.running(ctx) {
             None => ctx.kernels.linear(x, &w, b.as_ref()),
@@ -113,7 +158,7 @@ impl Linear {
     /// `gelu([.., in] W + b)` (tanh GELU), the bias and activation fused (after the delta,
     /// when the layer is wrapped).
     pub fn forward_gelu(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        if self.running(ctx).is_some() {
+        if self.running(ctx).is_some() || self.quant.is_some() {
             return self.forward(x, ctx)?.gelu();
         }
         let (w, b) = self.cast(ctx)?;

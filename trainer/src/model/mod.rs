@@ -34,7 +34,7 @@ pub use arch::{
     architecture, build, config_from_hf_json_file, init, register, Architecture, CheckpointTensor,
     KvCache, Model, ModelConfig, Shape, SpecialTokens, BUILTIN, MAX_LAYERS,
 };
-pub use builder::{Builder, Source, Wrap};
+pub use builder::{Builder, Quant, Source, Wrap};
 pub use chain::{chain, count_targets, run_links, Link, LinkOps, Loss, Role, WeightMap, IGNORE};
 pub use ctx::{Ctx, Rows};
 pub use kernels::Kernels;

@@ -65,6 +65,14 @@ pub fn build_model(
         settings: Some(&settings),
         unmerged: false,
     };
+    let quant = lora::Nf4Settings::of_run(config);
+    if quant.is_some() && lora.is_none() {
+        return Err(Error::Config(
+            "--base-quant nf4 holds the frozen base of a LoRA run in 4 bits: give --lora-r (or \
+             --adapter)"
+                .into(),
+        ));
+    }
     let Some(lora) = lora else {
         let loaded = source.load_with(&checks, device)?;
         let model = loaded.build()?;
@@ -87,13 +95,14 @@ pub fn build_model(
         None => None,
     };
     let base_dtype = config.base_dtype.unwrap_or(config.dtype).dtype();
-    Tuning::lora(
+    Tuning::lora_over(
         loaded.config.as_ref(),
         &loaded.params,
         &lora,
         adapter.as_ref(),
         base,
         base_dtype,
+        quant.as_ref(),
         config.seed,
     )
 }

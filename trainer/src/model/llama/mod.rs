@@ -406,7 +406,11 @@ impl Head {
     /// the context does not ask for whole logits.
     fn chunked_weight(&self, ctx: &Ctx) -> Option<Tensor> {
         match &self.lm_head {
-            LmHead::Own(l) if l.adapter().is_none() && ctx.chunked_loss => Some(l.weight.clone()),
+            LmHead::Own(l)
+                if l.adapter().is_none() && l.quantized().is_none() && ctx.chunked_loss =>
+            {
+                Some(l.weight.clone())
+            }
             LmHead::Tied(w) if ctx.chunked_loss => Some(w.clone()),
             _ => None,
         }

@@ -1,0 +1,292 @@
+//! QLoRA: the LoRA linear over a frozen 4-bit ([`nf4`](crate::nf4)) base weight,
+//! `y = x Wᵀ + bias + scale · (dropout(x) Aᵀ) Bᵀ` with `W` dequantized a tile at a time.
+//!
+//! # The frozen 4-bit base
+//!
+//! [`nf4_linear`] computes `x Wᵀ + bias` for an [`Nf4Weight`] `W [out, in]` as one op whose
+//! only graph input is `x`: the weight and the bias get no gradient. Forward and backward walk
+//! the weight in tiles of rows (at most [`TILE_ELEMS`] values): each tile is dequantized into a
+//! small buffer (`NF4 value · absmax` in f32, rounded to the compute dtype as bitsandbytes'
+//! `dequantize_4bit(..).to(dtype)` rounds it), multiplied, and dropped before the next one, so
+//! the full-precision weight never exists. With `dy` the upstream gradient:
+//!
+//! ```text
+//! forward:  y[:, tile]  = x W_tileᵀ (+ bias[tile])      each output column from one tile
+//! backward: dx          = Σ_tiles dy[:, tile] W_tile     summed over the tiles in order
+//! ```
+//!
+//! bf16 and f16 compute in f32 (the dequantized tile, rounded to the dtype, is widened exactly)
+//! and round `y` and `dx` once; f32 and f64 compute in their own type. On the CPU a tile is
+//! dequantized on the host; on other devices by Candle ops on the device (the same f32
+//! products, so the same bits).
+//!
+//! # The adapter
+//!
+//! [`qlora_linear`] adds the adapter path of PEFT's `Linear4bit`,
+//! `scale · B(A(dropout(x)))`, from differentiable ops: the same dropout mask as
+//! [`lora_linear`](crate::lora::lora_linear) (the fused [`dropout`](crate::dropout::dropout)
+//! with the same key), gradients to `x`, `A` and `B`.
+
+use candle_core::{bail, DType, Result, Tensor};
+
+use crate::dropout;
+use crate::nf4::Nf4Weight;
+use crate::op::{self, Grads, In, Kernel};
+use crate::philox::RngKey;
+
+/// The most weight values dequantized at a time (one tile of rows, 1 MiB in f32).
+pub const TILE_ELEMS: usize = 1 << 18;
+
+/// `x [.., in] · Wᵀ + bias [out]` → `[.., out]` for the frozen 4-bit `w [out, in]` (see the
+/// [module docs](self)): gradients to `x` only, in `x`'s dtype (a float type), the bias in
+/// the same dtype.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor, Var};
+/// use candle_fused::{nf4::Nf4Weight, qlora::nf4_linear};
+/// let dev = Device::Cpu;
+/// let w = Nf4Weight::quantize(&Tensor::randn(0f32, 0.1, (5, 64), &dev)?, false)?;
+/// let x = Var::randn(0f32, 1.0, (2, 3, 64), &dev)?;
+/// let y = nf4_linear(&x, &w, None)?;
+/// assert_eq!(y.dims(), &[2, 3, 5]);
+/// let reference = x.matmul(&w.dequantize(DType::F32)?.t()?.unsqueeze(0)?.broadcast_as((2, 64, 5))?)?;
+/// assert!((&y - reference)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-5);
+/// let g = y.sum_all()?.backward()?;
+/// assert_eq!(g.get(&x).unwrap().dims(), &[2, 3, 64]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn nf4_linear(x: &Tensor, w: &Nf4Weight, bias: Option<&Tensor>) -> Result<Tensor> {
+    let (n_in, n_out) = check(x, w, bias)?;
+    let op = Nf4LinearOp {
+        w: w.clone(),
+        n_in,
+        n_out,
+    };
+    let y = op.forward(&x.detach(), bias.map(Tensor::detach).as_ref())?;
+    op::apply(op, &[x], None, Some(y))
+}
+
+/// The LoRA linear over a frozen 4-bit base: [`nf4_linear`]`(x, w, bias) + scale ·
+/// (dropout(x) aᵀ) bᵀ`, with `a [r, in]` and `b [out, r]` in PEFT's layout (`lora_A.weight`,
+/// `lora_B.weight`) and `dropout` as for [`lora_linear`](crate::lora::lora_linear) (`None` or
+/// `p == 0`: none). Gradients to `x`, `a` and `b`; none to `w` or `bias`.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor, Var};
+/// use candle_fused::{nf4::Nf4Weight, qlora::qlora_linear, RngKey};
+/// let dev = Device::Cpu;
+/// let w = Nf4Weight::quantize(&Tensor::randn(0f32, 0.1, (5, 64), &dev)?, true)?;
+/// let x = Var::randn(0f32, 1.0, (3, 64), &dev)?;
+/// let a = Var::randn(0f32, 0.1, (4, 64), &dev)?;
+/// let b = Var::randn(0f32, 0.1, (5, 4), &dev)?;
+/// let y = qlora_linear(&x, &w, None, &a, &b, 2.0, Some((0.1, RngKey::new(7, 3))))?;
+/// let g = y.sum_all()?.backward()?;
+/// assert_eq!(g.get(&a).unwrap().dims(), &[4, 64]);
+/// assert_eq!(g.get(&b).unwrap().dims(), &[5, 4]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn qlora_linear(
+    x: &Tensor,
+    w: &Nf4Weight,
+    bias: Option<&Tensor>,
+    a: &Tensor,
+    b: &Tensor,
+    scale: f64,
+    dropout: Option<(f32, RngKey)>,
+) -> Result<Tensor> {
+    let (n_in, n_out) = check(x, w, bias)?;
+    check_adapter(x, a, b, n_in, n_out)?;
+    let base = nf4_linear(x, w, bias)?;
+    let u = match dropout.filter(|&(p, _)| p > 0.0) {
+        Some((p, key)) => dropout::dropout(x, p, key)?,
+        None => x.clone(),
+    };
+    let h = u.reshape(((), n_in))?.matmul(&a.t()?)?;
+    let delta = h
+        .matmul(&b.t()?)?
+        .affine(scale, 0.0)?
+        .reshape(base.shape())?;
+    base + delta
+}
+
+/// The composite reference of [`qlora_linear`]: the whole weight dequantized
+/// ([`Nf4Weight::dequantize`] to `x`'s dtype) and
+/// [`lora_linear_composite`](crate::lora::lora_linear_composite) over it.
+pub fn qlora_linear_composite(
+    x: &Tensor,
+    w: &Nf4Weight,
+    bias: Option<&Tensor>,
+    a: &Tensor,
+    b: &Tensor,
+    scale: f64,
+    dropout: Option<(f32, RngKey)>,
+) -> Result<Tensor> {
+    check(x, w, bias)?;
+    let wd = w.dequantize(x.dtype())?.to_device(x.device())?;
+    crate::lora::lora_linear_composite(x, &wd.t()?, bias, a, b, scale, dropout)
+}
+
+/// `(in, out)` of the call, checked.
+fn check(x: &Tensor, w: &Nf4Weight, bias: Option<&Tensor>) -> Result<(usize, usize)> {
+    let (n_out, n_in) = match w.shape() {
+        [o, i] => (*o, *i),
+        d => bail!("candle-fused nf4_linear: the 4-bit weight must be 2-D [out, in], got {d:?}"),
+    };
+    if !x.dtype().is_float() {
+        bail!(
+            "candle-fused nf4_linear: input dtype {:?} is not a float type",
+            x.dtype()
+        );
+    }
+    if x.rank() == 0 || x.dim(x.rank() - 1)? != n_in {
+        bail!(
+            "candle-fused nf4_linear: input {:?} does not end in the weight's in-features {n_in}",
+            x.dims()
+        );
+    }
+    if !w.device().same_device(x.device()) {
+        bail!("candle-fused nf4_linear: the 4-bit weight and the input are on different devices");
+    }
+    if let Some(b) = bias {
+        if b.dims() != [n_out] || b.dtype() != x.dtype() {
+            bail!(
+                "candle-fused nf4_linear: bias {:?} {:?} must be [{n_out}] in the input's {:?}",
+                b.dims(),
+                b.dtype(),
+                x.dtype()
+            );
+        }
+    }
+    Ok((n_in, n_out))
+}
+
+/// Checks the adapter matrices against the layer.
+fn check_adapter(x: &Tensor, a: &Tensor, b: &Tensor, n_in: usize, n_out: usize) -> Result<()> {
+    let r = match a.dims() {
+        [r, i] if *i == n_in && *r > 0 => *r,
+        d => bail!("candle-fused qlora_linear: a (lora_A) must be [r, {n_in}], got {d:?}"),
+    };
+    if b.dims() != [n_out, r] {
+        bail!(
+            "candle-fused qlora_linear: b (lora_B) must be [{n_out}, {r}], got {:?}",
+            b.dims()
+        );
+    }
+    for (name, t) in [("a (lora_A)", a), ("b (lora_B)", b)] {
+        if t.dtype() != x.dtype() {
+            bail!(
+                "candle-fused qlora_linear: {name} dtype {:?} differs from input {:?}",
+                t.dtype(),
+                x.dtype()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The type sums run in for compute dtype `d`.
+fn acc_dtype(d: DType) -> DType {
+    match d {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    }
+}
+
+/// The op on `x`; holds the frozen 4-bit weight.
+struct Nf4LinearOp {
+    w: Nf4Weight,
+    n_in: usize,
+    n_out: usize,
+}
+
+impl Nf4LinearOp {
+    /// Rows of the weight per tile.
+    fn tile_rows(&self) -> usize {
+        (TILE_ELEMS / self.n_in.max(1)).clamp(1, self.n_out.max(1))
+    }
+
+    /// Calls `f(first row, tile [rows, in] in the accumulation type)` for each tile in order.
+    fn for_tiles(
+        &self,
+        dtype: DType,
+        mut f: impl FnMut(usize, Tensor) -> Result<()>,
+    ) -> Result<()> {
+        let absmax = self.w.absmax_f32()?;
+        let step = self.tile_rows();
+        for r0 in (0..self.n_out).step_by(step) {
+            let r1 = (r0 + step).min(self.n_out);
+            let tile = self
+                .w
+                .dequantize_range(&absmax, r0 * self.n_in, r1 * self.n_in, dtype)?
+                .to_dtype(acc_dtype(dtype))?
+                .reshape((r1 - r0, self.n_in))?;
+            f(r0, tile)?;
+        }
+        Ok(())
+    }
+
+    /// `x Wᵀ + bias` on detached tensors.
+    fn forward(&self, x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let acc = acc_dtype(dtype);
+        let x2 = x.reshape(((), self.n_in))?.to_dtype(acc)?;
+        let mut parts = Vec::new();
+        self.for_tiles(dtype, |_, tile| {
+            parts.push(x2.matmul(&tile.t()?)?);
+            Ok(())
+        })?;
+        let mut y = match parts.len() {
+            0 => Tensor::zeros((x2.dim(0)?, 0), acc, x.device())?,
+            1 => parts.remove(0),
+            _ => Tensor::cat(&parts, 1)?,
+        };
+        if let Some(b) = bias {
+            y = y.broadcast_add(&b.to_dtype(acc)?)?;
+        }
+        let mut dims = x.dims().to_vec();
+        if let Some(l) = dims.last_mut() {
+            *l = self.n_out;
+        }
+        y.to_dtype(dtype)?.reshape(dims)
+    }
+}
+
+impl Kernel for Nf4LinearOp {
+    fn name(&self) -> &'static str {
+        "candle-fused-nf4-linear"
+    }
+
+    fn cpu_fwd(&self, ins: &[In<'_>]) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        // `nf4_linear` always hands the op its output (computed tile by tile above).
+        let _ = ins;
+        bail!("candle-fused nf4_linear: the output is computed before the op is applied")
+    }
+
+    fn bwd(&self, ins: &[&Tensor], _y: &Tensor, dy: &Tensor) -> Result<Grads> {
+        let x = ins[0];
+        if !x.track_op() {
+            return Ok([None, None, None]);
+        }
+        let dtype = x.dtype();
+        let acc = acc_dtype(dtype);
+        let g = dy
+            .detach()
+            .to_dtype(dtype)?
+            .reshape(((), self.n_out))?
+            .to_dtype(acc)?;
+        let mut dx: Option<Tensor> = None;
+        self.for_tiles(dtype, |r0, tile| {
+            let part = g.narrow(1, r0, tile.dim(0)?)?.contiguous()?.matmul(&tile)?;
+            dx = Some(match dx.take() {
+                Some(d) => (d + part)?,
+                None => part,
+            });
+            Ok(())
+        })?;
+        let dx = match dx {
+            Some(d) => d,
+            None => Tensor::zeros((g.dim(0)?, self.n_in), acc, x.device())?,
+        };
+        Ok([Some(dx.to_dtype(dtype)?.reshape(x.shape())?), None, None])
+    }
+}

@@ -1,0 +1,253 @@
+//! `--base-quant nf4` runs of the trainer (QLoRA) over the tiny Llama base of
+//! `tests/fixtures/lora/base`: the base's projections quantized on load (the step then differs
+//! from the full-precision LoRA run's, by the quantization error only), only the adapters train,
+//! resume is bit-exact (re-quantization is deterministic), the settings are fixed by the run, a
+//! checkpoint loads (`sample`, `eval`, `export --merge`) merged into the dequantized base it was
+//! trained over, and a 4-bit base without LoRA is refused.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use common::{assert_same_steps, finish, run_to_end, tiny_config, weights};
+use trainer::config::{BaseQuant, TrainConfig};
+use trainer::data::DataKind;
+use trainer::load::ModelDir;
+use trainer::model::Ctx;
+use trainer::train::Trainer;
+
+fn base_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora/base")
+}
+
+/// A QLoRA run over the tiny base on a char corpus (as `lora_train.rs`'s LoRA run).
+fn qlora_config(tmp: &Path, quant: BaseQuant) -> TrainConfig {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/tinyshakespeare.txt"),
+    )
+    .unwrap();
+    let corpus = tmp.join("corpus.txt");
+    std::fs::write(&corpus, &text[..20_000]).unwrap();
+    TrainConfig {
+        init_from: Some(base_dir().display().to_string()),
+        data: DataKind::Char,
+        data_path: Some(corpus),
+        lora_r: 4,
+        lora_alpha: 8.0,
+        lora_dropout: 0.1,
+        base_quant: quant,
+        base_quant_double: true,
+        lr: 1e-2,
+        weight_decay: 0.0,
+        max_iters: 6,
+        lr_decay_iters: Some(6),
+        eval_interval: 3,
+        ..tiny_config(&tmp.join("run"))
+    }
+}
+
+#[test]
+fn a_4bit_base_trains_its_adapters_and_resumes_bit_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = Trainer::new(qlora_config(tmp.path(), BaseQuant::Nf4)).unwrap();
+    assert_eq!(t.params.len(), 28, "the adapters only");
+    let (steps, end) = finish(t);
+    assert!(
+        steps.last().unwrap().loss < steps[0].loss,
+        "the adapters learn"
+    );
+    // The same run over the full-precision base: the first loss moves by the quantization
+    // error (the adapters start as the base: B = 0), so the base was quantized, but not far.
+    let full = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig {
+        max_iters: 1,
+        ..qlora_config(full.path(), BaseQuant::None)
+    };
+    let mut f = Trainer::new(cfg).unwrap();
+    let first = run_to_end(&mut f)[0].loss;
+    let d = (first - steps[0].loss).abs();
+    assert!(d > 1e-4 && d < 0.5, "4-bit vs full base, first loss: {d}");
+    // Half the run, then resume from its checkpoint at step 3: the same steps and adapters.
+    let tmp2 = tempfile::tempdir().unwrap();
+    let half = TrainConfig {
+        max_iters: 3,
+        ..qlora_config(tmp2.path(), BaseQuant::Nf4)
+    };
+    let mut t = Trainer::new(half).unwrap();
+    let first = run_to_end(&mut t);
+    drop(t);
+    let mut t = Trainer::resume(&tmp2.path().join("run"), |c| c.max_iters = 6).unwrap();
+    let second = run_to_end(&mut t);
+    let resumed: Vec<_> = first.into_iter().chain(second).collect();
+    assert_same_steps(&steps, &resumed, "QLoRA resume");
+    assert_eq!(end, weights(&t), "the same adapters after resuming");
+    // The 4-bit settings are the run's.
+    let e = Trainer::resume(&tmp2.path().join("run"), |c| c.base_quant_double = false)
+        .err()
+        .expect("a changed base quantization is refused")
+        .to_string();
+    assert!(e.contains("base_quant_double"), "{e}");
+}
+
+#[test]
+fn a_qlora_checkpoint_loads_merged_into_the_dequantized_base() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig {
+        max_iters: 3,
+        ..qlora_config(tmp.path(), BaseQuant::Nf4)
+    };
+    let t = common::train(cfg);
+    let x = Tensor::new(&[[1u32, 5, 9, 13, 17, 21, 25, 29]], &Device::Cpu).unwrap();
+    let want = t.model.forward(&x, &Ctx::eval()).unwrap();
+    let loaded = ModelDir::open(&tmp.path().join("run").display().to_string())
+        .unwrap()
+        .load_model(&Device::Cpu)
+        .unwrap();
+    let got = loaded.forward(&x, &Ctx::eval()).unwrap();
+    let d = (got - &want)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    // (W_deq + s B A) x vs W_deq x + s B (A x): f32 rounding only (merged into the f32 base
+    // instead, the logits move by the quantization error: by 3.1 here).
+    assert!(d < 1e-5, "{d}");
+}
+
+#[test]
+fn export_merge_writes_pefts_merge_and_unload() {
+    // `export --merge` of a QLoRA run: the adapters merged into the dequantized base, each
+    // projection quantized again and dequantized, as PEFT's merge_and_unload leaves a 4-bit
+    // base (checked against PEFT itself in qlora_peft.rs); the other tensors as they are.
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig {
+        max_iters: 2,
+        eval_interval: 2,
+        ..qlora_config(tmp.path(), BaseQuant::Nf4)
+    };
+    common::train(cfg);
+    let run = ModelDir::open(&tmp.path().join("run").display().to_string()).unwrap();
+    let out = tmp.path().join("merged");
+    let options = trainer::export::ExportOptions {
+        merge: true,
+        ..Default::default()
+    };
+    trainer::export::export(&run, &out, &options).unwrap();
+    let written =
+        candle_core::safetensors::load(out.join("model.safetensors"), &Device::Cpu).unwrap();
+    let (config, base) = ModelDir::at(base_dir())
+        .unwrap()
+        .load(&Device::Cpu)
+        .unwrap();
+    let adapter = trainer::lora::read_adapter(
+        &tmp.path().join("run/checkpoints/step-0000002"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let settings = trainer::lora::Nf4Settings {
+        double: true,
+        ..Default::default()
+    };
+    let config = config.as_ref();
+    let deq = trainer::lora::dequantized_base(config, &base, &settings).unwrap();
+    let merged = trainer::lora::merge(config, &deq, &adapter).unwrap();
+    let want = trainer::lora::dequantized_base(config, &merged, &settings).unwrap();
+    assert_eq!(written.len(), want.len());
+    for (name, v) in want.iter() {
+        let (a, b) = (&written[name], v.as_tensor());
+        let same = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(same.to_scalar::<f32>().unwrap(), 0.0, "{name}");
+    }
+}
+
+#[test]
+fn executors_run_over_a_4bit_base() {
+    // 3 steps of the same QLoRA run (dropout 0.1 on the adapters' input) under each executor.
+    let run = |f: &dyn Fn(TrainConfig) -> TrainConfig| {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfg = TrainConfig {
+            max_iters: 3,
+            ..qlora_config(tmp.path(), BaseQuant::Nf4)
+        };
+        let mut t = Trainer::new(f(cfg)).unwrap();
+        run_to_end(&mut t)
+    };
+    let plain = run(&|c| c);
+    // Remat recomputes the same ops on the same values (the 4-bit tiles included): exact.
+    let remat = run(&|c| TrainConfig {
+        remat: "every:1".parse().unwrap(),
+        ..c
+    });
+    assert_same_steps(&plain, &remat, "remat over a 4-bit base");
+    // 2 pipeline stages over 2 microbatches: the f32 sums over microbatches in another order
+    // (1e-5 relative, combinations.rs' bound). bf16: 2e-2 (8 significant bits, 3.9e-3 a
+    // rounding; the dequantized tiles, activations and adapter path all rounded: measured
+    // 5.2e-3 on a gradient norm).
+    let pipe = run(&|c| TrainConfig {
+        pipeline_stages: 2,
+        microbatches: 2,
+        pipeline_threads: 1,
+        ..c
+    });
+    let bf16 = run(&|c| TrainConfig {
+        dtype: "bf16".parse().unwrap(),
+        ..c
+    });
+    for (steps, tol, what) in [(&pipe, 1e-5, "pipeline"), (&bf16, 2e-2, "bf16")] {
+        for (a, b) in steps.iter().zip(&plain) {
+            let rel = |x: f32, y: f32| ((x - y) / y).abs();
+            assert!(
+                rel(a.loss, b.loss) < tol,
+                "{what} step {}: loss {} vs {}",
+                a.step,
+                a.loss,
+                b.loss
+            );
+            let g = rel(a.grad_norm, b.grad_norm);
+            assert!(g < tol, "{what} step {}: grad norm {g:e} off", a.step);
+        }
+    }
+}
+
+#[test]
+fn skipped_modules_stay_in_full_precision() {
+    // The first loss (B = 0: the base's) of the default (lm_head kept), of every linear layer
+    // in 4 bits, and of the MLP's down projections kept too: three different bases.
+    let first = |skip: &str| {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfg = TrainConfig {
+            max_iters: 1,
+            base_quant_skip: skip.parse().unwrap(),
+            ..qlora_config(tmp.path(), BaseQuant::Nf4)
+        };
+        let mut t = Trainer::new(cfg).unwrap();
+        run_to_end(&mut t)[0].loss
+    };
+    let (kept, none, down) = (first("lm_head"), first(""), first("lm_head,mlp.down_proj"));
+    assert_eq!(
+        kept,
+        first(&TrainConfig::default().base_quant_skip.to_string())
+    );
+    assert!(
+        kept != none && kept != down && none != down,
+        "{kept} {none} {down}"
+    );
+}
+
+#[test]
+fn a_4bit_base_needs_lora() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig {
+        lora_r: 0,
+        ..qlora_config(tmp.path(), BaseQuant::Nf4)
+    };
+    let e = Trainer::new(cfg).err().expect("refused").to_string();
+    assert!(
+        e.contains("--base-quant nf4") && e.contains("--lora-r"),
+        "{e}"
+    );
+}
