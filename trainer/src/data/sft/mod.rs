@@ -50,10 +50,10 @@ pub(crate) use records::parse_line;
 pub use records::{parse_messages, parse_records, LineRecord, Message, Record, Role};
 pub use template::{ChatTemplate, Rendered, CHAT_TEMPLATE_FILE};
 
-/// Reads a file of records: JSONL a line at a time (see [`records`]: a line longer than
+/// Reads a file of records (see the module docs): JSONL a line at a time (a line longer than
 /// [`MAX_LINE_BYTES`](crate::data::lines::MAX_LINE_BYTES) is refused naming `file:line` before
 /// it is read whole), or a `.parquet` file's rows from the columns of the same names
-/// (`messages` a list of `{role, content}` structs, [`crate::data::parquet`]).
+/// (`messages` a list of `{role, content}` structs), a row group at a time.
 pub fn read_records(path: &Path) -> Result<Vec<LineRecord>> {
     match crate::data::parquet::is_parquet(path) {
         true => records::no_records(crate::data::parquet::read_records(path)?, path),
