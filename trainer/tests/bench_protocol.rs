@@ -101,7 +101,8 @@ fn cpu_line_names_model_and_flags() {
 #[test]
 fn rounds_pool_into_one_side() {
     use serde_json::json;
-    let a = json!({"case": "x", "step_median_s": 2.0, "tokens_per_s": 512.0,
+    let a = json!({"case": "x", "step_median_s": 3.0, "tokens_per_s": 512.0, "mfu": 0.3,
+        "step_mean_s": 2.5,
         "step_times_s": [2.0, 3.0], "share_other_max": 0.01, "share_steal_max": 0.0,
         "reruns": 1, "over_limit": 0});
     let b = json!({"case": "x", "step_median_s": 1.0, "tokens_per_s": 1024.0,
@@ -111,7 +112,10 @@ fn rounds_pool_into_one_side() {
     assert_eq!(p["step_times_s"], json!([2.0, 3.0, 1.0, 1.5]));
     // Median of 4 takes the upper middle (as the benches always have): 2.0.
     assert_eq!(p["step_median_s"], json!(2.0));
-    assert_eq!(p["tokens_per_s"], json!(512.0));
+    assert_eq!(p["step_mean_s"], json!(7.5 / 4.0));
+    // Per-time figures rescaled from the first round's median (3 s) to the pooled one.
+    assert_eq!(p["tokens_per_s"], json!(768.0));
+    assert_eq!(p["mfu"], json!(0.3 * 3.0 / 2.0));
     assert_eq!(p["share_other_max"], json!(0.01));
     assert_eq!(p["share_steal_max"], json!(0.03));
     assert_eq!((p["reruns"].clone(), p["over_limit"].clone()), (json!(6), json!(1)));

@@ -194,11 +194,13 @@ pub fn rerun(mut attempt: impl FnMut() -> anyhow::Result<(f64, Share)>) -> anyho
 
 /// Runs `step` once under the protocol: timed, with the shares read around it, re-run per
 /// [`rerun`].
-pub fn timed<T>(mut step: impl FnMut() -> anyhow::Result<T>) -> anyhow::Result<Timed> {
+pub fn timed<T, E: Into<anyhow::Error>>(
+    mut step: impl FnMut() -> Result<T, E>,
+) -> anyhow::Result<Timed> {
     rerun(|| {
         let a = CpuTimes::now()?;
         let s = Instant::now();
-        step()?;
+        step().map_err(Into::into)?;
         let secs = s.elapsed().as_secs_f64();
         let b = CpuTimes::now()?;
         Ok((secs, Share::between(&a, &b)))
@@ -246,8 +248,9 @@ pub fn share_cell(v: &Value) -> String {
 }
 
 /// One side's results of several A B A B rounds as one: the first round's fields, its step
-/// times pooled over the rounds (`step_median_s` their median, `tokens_per_s` recomputed from
-/// it where present), the highest shares, the re-runs and over-limit steps summed, `rounds`.
+/// times pooled over the rounds (`step_median_s` their median, `step_mean_s` their mean,
+/// `tokens_per_s` and `mfu` rescaled to the pooled median where present), the highest shares,
+/// the re-runs and over-limit steps summed, `rounds`.
 pub fn pool(rounds: &[Value]) -> Value {
     let Some(first) = rounds.first() else {
         return Value::Null;
@@ -259,9 +262,15 @@ pub fn pool(rounds: &[Value]) -> Value {
         .filter_map(|t| t.as_f64())
         .collect();
     let med = median(&times);
-    if let (Some(tps), Some(old)) = (first["tokens_per_s"].as_f64(), first["step_median_s"].as_f64())
-    {
-        out["tokens_per_s"] = json!(tps * old / med);
+    if let Some(old) = first["step_median_s"].as_f64() {
+        for k in ["tokens_per_s", "mfu"] {
+            if let Some(x) = first[k].as_f64() {
+                out[k] = json!(x * old / med);
+            }
+        }
+    }
+    if first.get("step_mean_s").is_some() {
+        out["step_mean_s"] = json!(times.iter().sum::<f64>() / times.len() as f64);
     }
     let num = |r: &Value, k: &str| r[k].as_f64().unwrap_or(0.0);
     let max = |k: &str| rounds.iter().map(|r| num(r, k)).fold(0.0, f64::max);
