@@ -37,11 +37,11 @@
 
 mod support;
 
-use std::path::PathBuf;
-use std::process::Command;
 use anyhow::Context;
 use clap::Parser;
 use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::process::Command;
 use support::protocol::{self, share_cell};
 use support::{f, last_json, root, status_kib};
 use trainer::config::TrainConfig;

@@ -215,7 +215,10 @@ fn torch(args: &Args, case: &str, dtype: &str, steps: usize) -> anyhow::Result<V
     cmd.arg(root().join("bench/torch_step.py"))
         .args(["--json", "--only", case, "--dtype", dtype])
         .args(["--steps", &steps.to_string()])
-        .args(["--threads", &candle_core::utils::get_num_threads().to_string()]);
+        .args([
+            "--threads",
+            &candle_core::utils::get_num_threads().to_string(),
+        ]);
     last_json(cmd.output()?, "bench/torch_step.py")
 }
 

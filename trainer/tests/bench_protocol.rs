@@ -77,7 +77,13 @@ fn rerun_rule() {
     let t = rerun(|| {
         n += 1;
         let l = [0.5, 0.1, 0.04, 0.3, 0.2, 0.09][n - 1];
-        Ok((n as f64, Share { other: l, steal: 0.01 }))
+        Ok((
+            n as f64,
+            Share {
+                other: l,
+                steal: 0.01,
+            },
+        ))
     })
     .unwrap();
     assert_eq!(MAX_RERUNS, 5);
@@ -92,9 +98,18 @@ fn cpu_line_names_model_and_flags() {
                 flags\t\t: fpu avx2 fma avx512f avx512_bf16 amx_tile amx_bf16\n\n\
                 processor\t: 1\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n";
     let l = cpu_line(info);
-    assert!(l.starts_with("Intel(R) Xeon(R) Platinum 8480+ | 2 CPUs | "), "{l}");
-    assert!(l.contains("avx2 fma avx512f avx512_bf16 amx_tile amx_bf16 |"), "{l}");
-    assert!(l.ends_with("absent: avx512_vnni avx_vnni avx512_fp16 amx_int8"), "{l}");
+    assert!(
+        l.starts_with("Intel(R) Xeon(R) Platinum 8480+ | 2 CPUs | "),
+        "{l}"
+    );
+    assert!(
+        l.contains("avx2 fma avx512f avx512_bf16 amx_tile amx_bf16 |"),
+        "{l}"
+    );
+    assert!(
+        l.ends_with("absent: avx512_vnni avx_vnni avx512_fp16 amx_int8"),
+        "{l}"
+    );
     assert!(cpu_line("").starts_with("unknown CPU | 0 CPUs"));
 }
 
@@ -118,7 +133,13 @@ fn rounds_pool_into_one_side() {
     assert_eq!(p["mfu"], json!(0.3 * 3.0 / 2.0));
     assert_eq!(p["share_other_max"], json!(0.01));
     assert_eq!(p["share_steal_max"], json!(0.03));
-    assert_eq!((p["reruns"].clone(), p["over_limit"].clone()), (json!(6), json!(1)));
-    assert_eq!((p["rounds"].clone(), p["case"].clone()), (json!(2), json!("x")));
+    assert_eq!(
+        (p["reruns"].clone(), p["over_limit"].clone()),
+        (json!(6), json!(1))
+    );
+    assert_eq!(
+        (p["rounds"].clone(), p["case"].clone()),
+        (json!(2), json!("x"))
+    );
     assert_eq!(protocol::pool(&[]), serde_json::Value::Null);
 }

@@ -91,10 +91,16 @@ impl CpuTimes {
         let v: Vec<u64> = line
             .split_whitespace()
             .skip(1)
-            .map(|x| x.parse().context("/proc/stat: a `cpu` field is not a number"))
+            .map(|x| {
+                x.parse()
+                    .context("/proc/stat: a `cpu` field is not a number")
+            })
             .collect::<anyhow::Result<_>>()?;
         if v.len() < 8 {
-            bail!("/proc/stat: the `cpu` line has {} fields, expected 8+", v.len());
+            bail!(
+                "/proc/stat: the `cpu` line has {} fields, expected 8+",
+                v.len()
+            );
         }
         let busy = v[0] + v[1] + v[2] + v[5] + v[6];
         // After the command name (which may hold spaces and parentheses): fields 3.. of
@@ -185,11 +191,7 @@ pub fn rerun(mut attempt: impl FnMut() -> anyhow::Result<(f64, Share)>) -> anyho
         }
     }
     let (secs, share) = best.context("no attempt")?;
-    Ok(Timed {
-        secs,
-        share,
-        tries,
-    })
+    Ok(Timed { secs, share, tries })
 }
 
 /// Runs `step` once under the protocol: timed, with the shares read around it, re-run per
@@ -274,7 +276,12 @@ pub fn pool(rounds: &[Value]) -> Value {
     }
     let num = |r: &Value, k: &str| r[k].as_f64().unwrap_or(0.0);
     let max = |k: &str| rounds.iter().map(|r| num(r, k)).fold(0.0, f64::max);
-    let sum = |k: &str| rounds.iter().map(|r| r[k].as_u64().unwrap_or(0)).sum::<u64>();
+    let sum = |k: &str| {
+        rounds
+            .iter()
+            .map(|r| r[k].as_u64().unwrap_or(0))
+            .sum::<u64>()
+    };
     out["step_times_s"] = json!(times);
     out["step_median_s"] = json!(med);
     out["share_other_max"] = json!(max("share_other_max"));
