@@ -133,13 +133,8 @@ fn products() -> Vec<Product> {
 fn operands(p: &Product, dtype: DType) -> anyhow::Result<(Tensor, Tensor)> {
     let dev = Device::Cpu;
     let make = |r: usize, c: usize, t: bool| -> anyhow::Result<Tensor> {
-        let x = match t {
-            true => Tensor::randn(0f32, 1.0, (c, r), &dev)?
-                .to_dtype(dtype)?
-                .t()?,
-            false => Tensor::randn(0f32, 1.0, (r, c), &dev)?.to_dtype(dtype)?,
-        };
-        Ok(x)
+        let x = Tensor::randn(0f32, 1.0, if t { (c, r) } else { (r, c) }, &dev)?.to_dtype(dtype)?;
+        Ok(if t { x.t()? } else { x })
     };
     Ok((make(p.m, p.k, p.a_t)?, make(p.k, p.n, p.b_t)?))
 }
