@@ -8,8 +8,10 @@ the base cast to bf16 (`--dtype f32` keeps it f32) and frozen. The adapter:
 `get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
 lora_dropout=0.0))`: every q/k/v/o/gate/up/down projection (all-linear leaves out the output
 layer); PEFT keeps the LoRA weights in f32 over a bf16 base (autocast_adapter_dtype) and casts the
-activations to f32 inside the LoRA branch. No autocast, no gradient checkpointing (TRL's
-SFTConfig turns that on by default; here it is off, as in bench/torch_llama_step.py).
+activations to f32 inside the LoRA branch. The forward runs under
+`torch.autocast("cpu", dtype=torch.bfloat16)` (`--no-autocast` for the plain bf16 base row), so
+the adapters' products run in bf16 too, as ours do. No gradient checkpointing (TRL's SFTConfig
+turns that on by default; here it is off, as in bench/torch_llama_step.py).
 
 The step: forward with labels (transformers' shifted cross-entropy; logits upcast to f32 in the
 loss), backward, AdamW (PyTorch's default CPU implementation, lr 1e-4, default betas and weight
@@ -21,7 +23,9 @@ Prints one JSON line (starts with `{`): the median and mean step time after warm
 tokens/s, parameter counts (base, trainable), the process's peak RSS (getrusage maxrss), the RSS
 before the first step and the RSS high-water mark over the warm-up and timed steps alone (VmHWM
 after resetting it through /proc/self/clear_refs just before the first step; null where the
-kernel does not allow the reset), then a one-line table.
+kernel does not allow the reset), the bench protocol's fields (bench/bench_protocol.py: other
+processes' CPU share and steal per timed step, a step over 2% re-run up to 5 times, the CPU model
+and flags), then a one-line table.
 
     .venv-py/bin/python bench/peft_lora_step.py --threads 2 --steps 3 --warmup 1
 
@@ -29,10 +33,14 @@ Optional: needs scripts/python/setup.sh's venv (torch, transformers, peft); neve
 """
 import argparse
 import json
+import os
 import resource
 import statistics
-import time
+import sys
 import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_protocol  # noqa: E402
 
 CFG = dict(
     vocab_size=49152,
@@ -76,6 +84,7 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"], help="base weights' dtype")
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    ap.add_argument("--no-autocast", action="store_true", help="no torch.autocast around the forward")
     args = ap.parse_args()
 
     import peft
@@ -109,7 +118,8 @@ def main():
 
     def step():
         x = torch.randint(vocab, (BATCH, BLOCK), generator=gen)
-        loss = model(input_ids=x, labels=x, use_cache=False).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.no_autocast):
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -118,12 +128,9 @@ def main():
     rss_before_steps_mib = status_mib("VmRSS")
     maxrss_before_steps_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     hwm_reset = reset_hwm()
-    times, losses = [], []
-    for i in range(args.steps + args.warmup):
-        s = time.perf_counter()
-        losses.append(step())
-        if i >= args.warmup:
-            times.append(time.perf_counter() - s)
+    losses = [step() for _ in range(args.warmup)]
+    timed = [bench_protocol.timed(lambda: losses.append(step())) for _ in range(args.steps)]
+    times = [t for t, _, _ in timed]
     peak_rss_steps_mib = status_mib("VmHWM") if hwm_reset else None
     med, mean = statistics.median(times), statistics.mean(times)
     r = {
@@ -131,6 +138,7 @@ def main():
         "case": "smollm2-135m",
         "dtype": args.dtype,
         "attn": args.attn,
+        "autocast": not args.no_autocast,
         "threads": torch.get_num_threads(),
         "batch": BATCH,
         "block": BLOCK,
@@ -145,7 +153,6 @@ def main():
         "step_median_s": med,
         "step_mean_s": mean,
         "step_median_ms": med * 1e3,
-        "step_times_s": times,
         "tokens_per_s": BATCH * BLOCK / med,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rss_base_mib": rss_base_mib,
@@ -156,6 +163,7 @@ def main():
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "peft": peft.__version__,
+        **bench_protocol.summary(timed),
     }
     print(json.dumps(r), flush=True)
     print()
@@ -163,14 +171,18 @@ def main():
         f"torch {r['torch']} | transformers {r['transformers']} | peft {r['peft']} | threads {r['threads']} | "
         f"{r['steps']} timed steps after {r['warmup']} warm-up"
     )
+    print(f"CPU: {r['cpu']}")
     print()
-    print("| case | base dtype | attn | B x T | LoRA | trainable | step (median) | tokens/s | peak RSS | RSS peak in steps |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| case | base dtype | attn | autocast | B x T | LoRA | trainable | step (median) | tokens/s | peak RSS "
+        "| RSS peak in steps | other CPU (max per step) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     hw = f"{peak_rss_steps_mib:.0f} MiB" if peak_rss_steps_mib is not None else "n/a"
     print(
-        f"| {r['case']} | {r['dtype']} | {r['attn']} | {BATCH} x {BLOCK} | r {R}, alpha {ALPHA}, "
+        f"| {r['case']} | {r['dtype']} | {r['attn']} | {r['autocast']} | {BATCH} x {BLOCK} | r {R}, alpha {ALPHA}, "
         f"{n_lora_modules} modules | {n_trainable / 1e6:.2f} M of {base_params / 1e6:.1f} M | "
-        f"{med * 1e3:.0f} ms | {r['tokens_per_s']:.0f} | {r['peak_rss_mib']:.0f} MiB | {hw} |"
+        f"{med * 1e3:.0f} ms | {r['tokens_per_s']:.0f} | {r['peak_rss_mib']:.0f} MiB | {hw} | {bench_protocol.share_cell(r)} |"
     )
 
 

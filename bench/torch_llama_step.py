@@ -7,7 +7,8 @@ in the loss), backward, clip_grad_norm_(1.0), AdamW (PyTorch's default CPU imple
 betas (0.9, 0.95), weight decay 0.1 on 2-D weights only, none on RMSNorm weights, as
 bench/torch_step.py), zero_grad(set_to_none=True). Batches are uniform random tokens
 (labels = input_ids; transformers shifts them), so the loss stays near ln(vocab): only the speed
-is of interest. Eager attention by default (`--attn sdpa` for PyTorch's fused kernel).
+is of interest. Attention: transformers' default SDPA (`--attn eager` for the eager row); bf16 is
+`torch.autocast` over f32 weights.
 
 Prints, per case, the median and mean step time after warm-up, tokens/s (batch x block per
 step), MFU (nanoGPT-style FLOP count, 6 x matmul parameters + 12 x layers x heads x head_dim x
@@ -17,6 +18,8 @@ tensors during a step (PyTorch's profiler memory timeline, as bench/torch_step.p
 `--no-peak-tensors` skips it) and the share of the step's self CPU time spent in matmuls
 (torch.profiler over one step: aten::mm, addmm, bmm, baddbmm, matmul self time over all ops'
 self time; with `--attn sdpa`, the fused attention kernel is reported separately).
+Timed steps follow the bench protocol (bench/bench_protocol.py: other processes' CPU share and
+steal per step, a step over 2% re-run up to 5 times; the CPU model and flags printed).
 One JSON line per case (starts with `{`) and a table.
 
     .venv-py/bin/python bench/torch_llama_step.py --only llama-small --threads 2 --steps 5
@@ -38,6 +41,9 @@ import statistics
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_protocol  # noqa: E402
 
 CASES = {
     "smollm2-135m": dict(
@@ -167,12 +173,9 @@ def run_case(name, args):
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    times, losses = [], []
-    for i in range(args.steps + args.warmup):
-        s = time.perf_counter()
-        losses.append(step())
-        if i >= args.warmup:
-            times.append(time.perf_counter() - s)
+    losses = [step() for _ in range(args.warmup)]
+    timed = [bench_protocol.timed(lambda: losses.append(step())) for _ in range(args.steps)]
+    times = [t for t, _, _ in timed]
     # the peak over the warm-up and timed steps, before the profiler runs any more steps
     peak_rss_steps_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     med, mean = statistics.median(times), statistics.mean(times)
@@ -214,6 +217,7 @@ def run_case(name, args):
         "loss_first_last": [losses[0], losses[-1]],
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        **bench_protocol.summary(timed),
     }
 
 
@@ -223,7 +227,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up steps")
     ap.add_argument("--warmup", type=int, default=WARMUP, help="warm-up steps")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
-    ap.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     ap.add_argument("--no-peak-tensors", action="store_true", help="skip the profiler memory timeline")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -252,6 +256,7 @@ def main():
         sys.exit("torch_llama_step.py: no case matches --only")
     r0 = rows[0]
     print()
+    print(f"CPU: {r0['cpu']}")
     print(
         f"torch {r0['torch']} | transformers {r0['transformers']} | threads {r0['threads']} | "
         f"matmul ceiling {r0['matmul_ceiling_gflops']:.1f} GFLOP/s (f32 1024^3) | "
@@ -260,9 +265,9 @@ def main():
     print()
     print(
         "| case | dtype | attn | B x T | step (median) | step (mean) | tokens/s | MFU | matmul share "
-        "| peak RSS | peak tensors |"
+        "| peak RSS | peak tensors | other CPU (max per step) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         pt = r["peak_tensors_mib"]
         pt = f"{pt:.1f} MiB" if isinstance(pt, float) else ("skipped" if pt is None else pt)
@@ -273,7 +278,7 @@ def main():
             f"| {r['case']} | {r['dtype']} | {r['attn']} | {r['batch']} x {r['block']} | "
             f"{r['step_median_s'] * 1e3:.1f} ms | {r['step_mean_s'] * 1e3:.1f} ms | "
             f"{r['tokens_per_s']:.0f} | {100 * r['mfu']:.1f}% | {share} | "
-            f"{r['peak_rss_mib']:.0f} MiB | {pt} |"
+            f"{r['peak_rss_mib']:.0f} MiB | {pt} | {bench_protocol.share_cell(r)} |"
         )
 
 

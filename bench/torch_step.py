@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch eager reference for `cargo bench -p trainer --bench step`.
+"""PyTorch reference for `cargo bench -p trainer --bench step` (which runs it with `--torch`).
 
 The same GPT-2 model as the trainer (nanoGPT's model.py: pre-LayerNorm blocks with biases,
 tied head, tanh GELU as Hugging Face's GPT-2, `F.scaled_dot_product_attention(is_causal=True)`
@@ -10,7 +10,9 @@ as nanoGPT), the same data (bytes or characters of data/tinyshakespeare.txt), th
 Prints, per config, the median step time after warm-up, tokens/s, MFU (nanoGPT's FLOP count
 over a matmul ceiling measured here the same way as the Rust bench: f32 1024^3) and the peak
 memory of live tensors during a step (PyTorch's profiler memory timeline: weights, gradients,
-optimiser state, activations).
+optimiser state, activations). Timed steps follow the bench protocol (bench/bench_protocol.py:
+other processes' CPU share and steal per step, a step over 2% re-run up to 5 times; the CPU
+model and flags printed). `--json` prints one JSON line per config instead of the table.
 
     python3 bench/torch_step.py                  # every config
     python3 bench/torch_step.py --only baby-gpt --steps 20
@@ -21,12 +23,17 @@ Optional: needs `pip install torch numpy`; never run in CI.
 import argparse
 import math
 import os
+import json
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_protocol  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "data", "tinyshakespeare.txt")
@@ -136,16 +143,22 @@ def main():
     ap.add_argument("--only")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    ap.add_argument("--json", action="store_true", help="one JSON line per config, no table")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     peak_flops = matmul_ceiling()
-    print(
+    out = print if not args.json else (lambda *a, **k: None)
+    out(f"CPU: {bench_protocol.cpu_line()}")
+    out(
         f"torch {torch.__version__} | threads {torch.get_num_threads()} | matmul ceiling "
         f"{peak_flops / 1e9:.1f} GFLOP/s (f32 1024^3) | {args.steps} timed steps after 3 warm-up"
     )
-    print()
-    print("| config | dtype | step (median) | step (mean) | tokens/s | MFU | peak tensors |")
-    print("|---|---|---|---|---|---|---|")
+    out()
+    out("| config | dtype | step (median) | step (mean) | tokens/s | MFU | peak tensors | other CPU (max per step) |")
+    out("|---|---|---|---|---|---|---|---|")
     for name, (n_layer, n_head, n_embd, block, batch, kind) in CASES.items():
         if args.only and args.only not in name:
             continue
@@ -172,22 +185,25 @@ def main():
             opt.zero_grad(set_to_none=True)
             return loss.item()
 
-        times = []
-        for i in range(args.steps + 3):
-            s = time.perf_counter()
+        for _ in range(3):
             step()
-            if i >= 3:
-                times.append(time.perf_counter() - s)
+        timed = [bench_protocol.timed(step) for _ in range(args.steps)]
+        times = [t for t, _, _ in timed]
         med, mean = statistics.median(times), statistics.mean(times)
         tokens = batch * block
         mfu = flops_per_token(model, n_layer, n_head, n_embd, block) * tokens / med / peak_flops
+        prot = bench_protocol.summary(timed)
+        if args.json:
+            r = dict(case=name, dtype=args.dtype, step_median_s=med, step_mean_s=mean, mfu=mfu, **prot)
+            print(json.dumps(r), flush=True)
+            continue
         try:
             peak_s = f"{peak_step_bytes(step) / 2**20:.1f} MiB"
         except Exception as e:  # profiler API differences across versions
             peak_s = f"n/a ({e})"
         print(
             f"| {name} | {args.dtype} | {med * 1e3:.1f} ms | {mean * 1e3:.1f} ms | "
-            f"{tokens / med:.0f} | {100 * mfu:.1f}% | {peak_s} |"
+            f"{tokens / med:.0f} | {100 * mfu:.1f}% | {peak_s} | {bench_protocol.share_cell(prot)} |"
         )
 
 

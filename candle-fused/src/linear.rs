@@ -66,6 +66,46 @@ pub fn linear_composite(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Te
     y.reshape(dims)
 }
 
+/// `a [m, k] · b [k, n]` through the GEMM [`linear`] and its backward run on the CPU: both
+/// operands read in place through their strides (a transposed view costs no copy), bf16 on
+/// the bf16 kernel where the CPU has AVX512-BF16, f32 accumulation, on Candle's thread pool.
+/// No gradient. Other devices run Candle's `matmul`. For measuring the GEMMs a step runs
+/// (the `gemm` bench) and for callers that want one product.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let a = Tensor::randn(0f32, 1.0, (6, 4), &Device::Cpu)?;
+/// let b = Tensor::randn(0f32, 1.0, (5, 4), &Device::Cpu)?;
+/// let y = candle_fused::linear::matmul(&a, &b.t()?)?; // [6, 4] · [4, 5]
+/// let want = a.matmul(&b.t()?)?;
+/// assert!((y - want)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-5);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let ((m, k), (k2, n)) = (a.dims2()?, b.dims2()?);
+    if k != k2 || a.dtype() != b.dtype() {
+        bail!(
+            "candle-fused matmul: {:?} {:?} times {:?} {:?} do not match",
+            a.dims(),
+            a.dtype(),
+            b.dims(),
+            b.dtype()
+        );
+    }
+    if !(cpu::has_kernel(a) && b.device().is_cpu()) {
+        return a.matmul(b);
+    }
+    let (sa, la) = a.storage_and_layout();
+    let (sb, lb) = b.storage_and_layout();
+    cpu::dispatch!(a.dtype(), T => {
+        let (da, ta) = strided::<T>(cpu_of(&sa)?, la)?;
+        let (db, tb) = strided::<T>(cpu_of(&sb)?, lb)?;
+        let (oa, ob) = (operand(da), operand(db));
+        let y = gemm_new(m, n, k, (&oa, ta), (&ob, tb), pool::parts());
+        cpu::tensor(narrow::<T>(y), (m, n))
+    })
+}
+
 pub(crate) fn check(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(usize, usize)> {
     let (n_in, n_out) = match w.dims() {
         [i, o] => (*i, *o),

@@ -271,3 +271,41 @@ fn rejects_bad_shapes() -> Result<()> {
     assert!(linear(&x, &w.to_dtype(DType::F64)?, None).is_err());
     Ok(())
 }
+
+/// `matmul` (the GEMM dispatch on its own, as the `gemm` bench times it) on each operand layout:
+/// f64 against Candle's `matmul` (1e-12: f64 sums of 37 terms in another order), bf16 against
+/// the f32 product of the same bf16 values rounded once to bf16 (within one bf16 ulp, 2^-8
+/// relative: the f32 sums may round either side of a tie).
+#[test]
+fn matmul_reads_every_layout() -> Result<()> {
+    let dev = Device::Cpu;
+    let (m, k, n) = (19, 37, 23);
+    for (a_t, b_t) in [(false, false), (false, true), (true, false), (true, true)] {
+        let make = |r: usize, c: usize, t: bool| -> Result<Tensor> {
+            Ok(match t {
+                true => Tensor::randn(0f64, 1.0, (c, r), &dev)?.t()?,
+                false => Tensor::randn(0f64, 1.0, (r, c), &dev)?,
+            })
+        };
+        let (a, b) = (make(m, k, a_t)?, make(k, n, b_t)?);
+        let y = candle_fused::linear::matmul(&a, &b)?;
+        let err = (&y - a.matmul(&b)?)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        assert!(err < 1e-12, "f64 {a_t} {b_t}: {err}");
+        let (a16, b16) = (a.to_dtype(DType::BF16)?, b.to_dtype(DType::BF16)?);
+        let y16 = candle_fused::linear::matmul(&a16, &b16)?.to_dtype(DType::F64)?;
+        let want = a16
+            .to_dtype(DType::F32)?
+            .matmul(&b16.to_dtype(DType::F32)?)?
+            .to_dtype(DType::F64)?;
+        let rel = ((&y16 - &want)?.abs()? / (want.abs()? + 1e-3)?)?
+            .max_all()?
+            .to_scalar::<f64>()?;
+        assert!(rel <= 1.0 / 256.0, "bf16 {a_t} {b_t}: {rel}");
+    }
+    let bad = candle_fused::linear::matmul(
+        &Tensor::zeros((2, 3), DType::F32, &dev)?,
+        &Tensor::zeros((4, 2), DType::F32, &dev)?,
+    );
+    assert!(bad.unwrap_err().to_string().contains("do not match"));
+    Ok(())
+}

@@ -1,14 +1,20 @@
-//! A Llama training step against transformers' `LlamaForCausalLM` in PyTorch eager, side by
-//! side in one run: same shapes, threads, dtype and step (forward with the shifted
-//! cross-entropy, backward, clip the global norm to 1.0, AdamW with betas (0.9, 0.95) and
-//! weight decay 0.1).
+//! A Llama training step against transformers' `LlamaForCausalLM` in PyTorch (its default SDPA
+//! attention; bf16 through `torch.autocast`), side by side in one run: same shapes, threads,
+//! dtype and step (forward with the shifted cross-entropy, backward, clip the global norm to
+//! 1.0, AdamW with betas (0.9, 0.95) and weight decay 0.1).
 //!
 //! ```text
 //! scripts/python/setup.sh                                   # once: .venv-py with torch + transformers
 //! cargo bench -p trainer --bench llama_step                 # every case, f32 and bf16
 //! cargo bench -p trainer --bench llama_step -- --only llama-small --dtype f32 --steps 3
 //! cargo bench -p trainer --bench llama_step -- --no-torch   # ours only
+//! cargo bench -p trainer --bench llama_step -- --eager      # and transformers' eager attention
 //! ```
+//!
+//! The bench protocol (BENCHMARKS.md; `support::protocol`, `bench/bench_protocol.py`): the CPU
+//! model and flags printed with the figures; each timed step re-run (up to 5 times) while other
+//! processes or steal took over 2% of the machine; ours and PyTorch's in A B A B order
+//! (`--rounds`), each side's steps pooled over the rounds.
 //!
 //! Cases: `smollm2-135m` (SmolLM2-135M's shape: 30 layers, 576 wide, 9 heads / 3 KV heads,
 //! MLP 1536, vocab 49152, tied; block 256, batch 4) and `llama-small` (8 layers, 256 wide,
@@ -31,13 +37,12 @@
 
 mod support;
 
-use std::path::PathBuf;
-use std::process::Command;
-use std::time::Instant;
-
 use anyhow::Context;
 use clap::Parser;
 use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::process::Command;
+use support::protocol::{self, share_cell};
 use support::{f, last_json, root, status_kib};
 use trainer::config::TrainConfig;
 use trainer::data::DataKind;
@@ -67,6 +72,12 @@ struct Args {
     /// Skip the PyTorch side.
     #[arg(long)]
     no_torch: bool,
+    /// A B A B rounds (ours, PyTorch, ours, PyTorch...).
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// Also run PyTorch with transformers' eager attention (a second PyTorch row).
+    #[arg(long)]
+    eager: bool,
     /// Internal: run one of our cases in this process.
     #[arg(long, hide = true)]
     child: Option<String>,
@@ -123,22 +134,21 @@ fn run_ours(name: &str, dtype: &str, args: &Args) -> anyhow::Result<Value> {
         ..TrainConfig::default()
     };
     let mut t = Trainer::new(config)?;
-    let mut times = Vec::new();
-    for i in 0..args.warmup + args.steps {
-        let s = Instant::now();
+    for _ in 0..args.warmup {
         t.train_step()?;
-        if i >= args.warmup {
-            times.push(s.elapsed().as_secs_f64());
-        }
     }
+    let timed = (0..args.steps)
+        .map(|_| protocol::timed(|| t.train_step()))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let peak = status_kib("VmHWM:") / 1024.0;
-    times.sort_by(f64::total_cmp);
-    let median = times[times.len() / 2];
-    Ok(json!({
+    let median = protocol::median(&timed.iter().map(|t| t.secs).collect::<Vec<_>>());
+    let mut r = json!({
         "case": name, "dtype": dtype, "whole_logits": args.whole_logits,
         "step_median_s": median, "tokens_per_s": (batch * block) as f64 / median,
         "peak_rss_steps_mib": peak, "rss_base_mib": rss_base,
-    }))
+    });
+    merge(&mut r, protocol::summary(&timed));
+    Ok(r)
 }
 
 fn child(args: &Args, case: &str, dtype: &str, whole: bool) -> anyhow::Result<Value> {
@@ -159,10 +169,18 @@ fn child(args: &Args, case: &str, dtype: &str, whole: bool) -> anyhow::Result<Va
     last_json(cmd.output()?, "our step")
 }
 
-fn torch(args: &Args, case: &str, dtype: &str) -> anyhow::Result<Value> {
+/// `extra`'s fields into `v`.
+fn merge(v: &mut Value, extra: Value) {
+    if let (Some(v), Value::Object(e)) = (v.as_object_mut(), extra) {
+        v.extend(e);
+    }
+}
+
+fn torch(args: &Args, case: &str, dtype: &str, attn: &str) -> anyhow::Result<Value> {
     let mut cmd = Command::new(root().join(&args.python));
     cmd.arg(root().join("bench/torch_llama_step.py"))
         .args(["--child", case, "--dtype", dtype, "--no-peak-tensors"])
+        .args(["--attn", attn])
         .args([
             "--steps",
             &args.steps.to_string(),
@@ -197,30 +215,43 @@ fn main() -> anyhow::Result<()> {
             continue;
         }
         for dtype in dtypes.iter().map(String::as_str) {
-            let ours = child(&args, name, dtype, false)?;
-            eprintln!("ours  {ours}");
+            // A B A B: ours, PyTorch (SDPA), [PyTorch eager,] ours, PyTorch...
+            let (mut ours, mut sdpa, mut eager) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..args.rounds.max(1) {
+                ours.push(child(&args, name, dtype, false)?);
+                eprintln!("ours  {}", ours[ours.len() - 1]);
+                if !args.no_torch {
+                    sdpa.push(torch(&args, name, dtype, "sdpa")?);
+                    eprintln!("torch {}", sdpa[sdpa.len() - 1]);
+                    if args.eager {
+                        eager.push(torch(&args, name, dtype, "eager")?);
+                        eprintln!("eager {}", eager[eager.len() - 1]);
+                    }
+                }
+            }
+            // Memory only: the whole logits, once.
             let whole = match dtype {
                 "f32" => Some(child(&args, name, dtype, true)?),
                 _ => None,
             };
-            let theirs = match args.no_torch {
-                true => None,
-                false => Some(torch(&args, name, dtype)?),
-            };
-            if let Some(t) = &theirs {
-                eprintln!("torch {t}");
-            }
-            rows.push((name, dtype.to_string(), ours, whole, theirs));
+            let (ours, sdpa) = (protocol::pool(&ours), protocol::pool(&sdpa));
+            let eager = (!eager.is_empty()).then(|| protocol::pool(&eager));
+            let sdpa = (!sdpa.is_null()).then_some(sdpa);
+            rows.push((name, dtype.to_string(), ours, whole, sdpa, eager));
         }
     }
     println!(
-        "\n{threads} threads, {} timed steps after {} warm-up; memory: peak RSS over the steps \
-         (step memory: minus the RSS before the model was built)\n",
-        args.steps, args.warmup
+        "\nCPU: {}\n{threads} threads, {} timed steps after {} warm-up per round, {} A B A B \
+         rounds (ours, then transformers with SDPA attention; bf16 under torch.autocast); \
+         memory: peak RSS over the steps (step memory: minus the RSS before the model was built)\n",
+        protocol::this_cpu(),
+        args.steps,
+        args.warmup,
+        args.rounds.max(1),
     );
-    println!("| case | dtype | ours: step | torch: step | ours / torch | ours: peak RSS (step memory) | torch: peak RSS (step memory) | ours / torch (step memory) | torch: matmul share | ours with whole logits: peak RSS (step memory) |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
-    for (name, dtype, o, w, t) in rows {
+    println!("| case | dtype | ours: step | torch: step | ours / torch | ours: peak RSS (step memory) | torch: peak RSS (step memory) | ours / torch (step memory) | torch: matmul share | ours with whole logits: peak RSS (step memory) | torch eager: step | other CPU, ours (max per step) | other CPU, torch |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for (name, dtype, o, w, t, e) in rows {
         let mem = |v: &Value| {
             let (p, b) = (f(v, "peak_rss_steps_mib"), f(v, "rss_base_mib"));
             (p, p - b)
@@ -241,12 +272,18 @@ fn main() -> anyhow::Result<()> {
             None => "-".into(),
         };
         let os = f(&o, "step_median_s");
+        let eager = match &e {
+            Some(e) => format!("{:.2} s", f(e, "step_median_s")),
+            None => "-".into(),
+        };
+        let tcell = t.as_ref().map_or("-".into(), share_cell);
         println!(
-            "| {name} | {dtype} | {os:.2} s | {ts:.2} s | **{:.2}x** | {op:.0} MiB ({om:.0} MiB) | {tp:.0} MiB ({tm:.0} MiB) | **{:.2}x** ({:.2}x) | {:.0}% | {whole} |",
+            "| {name} | {dtype} | {os:.2} s | {ts:.2} s | **{:.2}x** | {op:.0} MiB ({om:.0} MiB) | {tp:.0} MiB ({tm:.0} MiB) | **{:.2}x** ({:.2}x) | {:.0}% | {whole} | {eager} | {} | {tcell} |",
             os / ts,
             op / tp,
             om / tm,
             100.0 * tshare,
+            share_cell(&o),
         );
     }
     Ok(())

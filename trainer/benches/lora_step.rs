@@ -1,5 +1,5 @@
-//! A LoRA training step against PEFT + transformers (PyTorch eager), and against our own full
-//! fine-tuning of the same model, side by side in one run.
+//! A LoRA training step against PEFT + transformers (SDPA attention, under `torch.autocast` to
+//! bf16), and against our own full fine-tuning of the same model, side by side in one run.
 //!
 //! ```text
 //! scripts/python/setup.sh                                   # once: .venv-py with torch, transformers, peft
@@ -19,7 +19,12 @@
 //! - `full`: the same step training every weight (f32 master weights and AdamW state, bf16
 //!   compute): the memory reference (LoRA's peak should be at most half of it).
 //! - `peft`: `bench/peft_lora_step.py`, the same LoRA step in PEFT + transformers (bf16 base,
-//!   f32 adapters, SDPA attention), same threads.
+//!   f32 adapters, SDPA attention, the forward under `torch.autocast` to bf16), same threads.
+//!
+//! The bench protocol (BENCHMARKS.md; `support::protocol`, `bench/bench_protocol.py`): the CPU
+//! model and flags printed with the figures; each timed step re-run (up to 5 times) while other
+//! processes or steal took over 2% of the machine; `lora` and `peft` in A B A B order
+//! (`--rounds`; `full`, the memory reference, once), each side's steps pooled over the rounds.
 //!
 //! Optimiser as PEFT's anchor uses it: AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight
 //! decay 0.01 (ours decays 2-D weights only; every adapter weight is 2-D), no gradient clipping,
@@ -37,12 +42,12 @@ mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device};
 use clap::Parser;
 use serde_json::{json, Value};
+use support::protocol::{self, share_cell};
 use support::{f, last_json, root, status_kib};
 use trainer::config::{Precision, TrainConfig};
 use trainer::data::DataKind;
@@ -74,6 +79,9 @@ struct Args {
     /// Skip the PEFT side.
     #[arg(long)]
     no_peft: bool,
+    /// A B A B rounds of ours (LoRA) and PEFT.
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
     /// Where the base model is written (default: Cargo's target tmp dir).
     #[arg(long)]
     base_dir: Option<PathBuf>,
@@ -158,33 +166,32 @@ fn run_ours(case: &str, base: &Path, args: &Args) -> anyhow::Result<Value> {
     let rss_before_steps = status_kib("VmRSS:") / 1024.0;
     let peak_before_steps = status_kib("VmHWM:") / 1024.0;
     let hwm_reset = reset_hwm();
-    let mut times = Vec::new();
     let mut losses = Vec::new();
-    for i in 0..args.warmup + args.steps {
-        let s = Instant::now();
-        let stats = t.train_step()?;
-        if i >= args.warmup {
-            times.push(s.elapsed().as_secs_f64());
-        }
-        losses.push(stats.loss);
+    for _ in 0..args.warmup {
+        losses.push(t.train_step()?.loss);
     }
+    let timed = (0..args.steps)
+        .map(|_| protocol::timed(|| t.train_step().map(|s| losses.push(s.loss))))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let hwm_steps = status_kib("VmHWM:") / 1024.0;
     let peak = match hwm_reset {
         true => hwm_steps.max(peak_before_steps),
         false => hwm_steps,
     };
-    let mut sorted = times.clone();
-    sorted.sort_by(f64::total_cmp);
-    let median = sorted[sorted.len() / 2];
-    Ok(json!({
-        "case": case, "step_median_s": median, "step_times_s": times,
+    let median = protocol::median(&timed.iter().map(|t| t.secs).collect::<Vec<_>>());
+    let mut r = json!({
+        "case": case, "step_median_s": median,
         "tokens_per_s": (BATCH * BLOCK) as f64 / median,
         "trainable_params": trainable,
         "peak_rss_mib": peak, "rss_base_mib": rss_base,
         "rss_before_steps_mib": rss_before_steps,
         "peak_rss_steps_mib": if hwm_reset { json!(hwm_steps) } else { Value::Null },
         "loss_first_last": [losses.first(), losses.last()],
-    }))
+    });
+    if let (Some(r), Value::Object(p)) = (r.as_object_mut(), protocol::summary(&timed)) {
+        r.extend(p);
+    }
+    Ok(r)
 }
 
 fn child(args: &Args, case: &str, base: &Path) -> anyhow::Result<Value> {
@@ -229,18 +236,29 @@ fn main() -> anyhow::Result<()> {
     let base = base_dir(&args)?;
     let load_before = loadavg();
     let wanted = |name: &str| args.only.as_deref().is_none_or(|o| name.contains(o));
-    let mut rows: Vec<(&str, Value)> = Vec::new();
-    for (name, case) in [("ours: LoRA", "lora"), ("ours: full fine-tuning", "full")] {
-        if wanted(case) {
-            let r = child(&args, case, &base)?;
-            eprintln!("{case}  {r}");
-            rows.push((name, r));
+    // A B A B: ours (LoRA), PEFT, ours, PEFT...; then our full fine-tuning once.
+    let (mut lora, mut peft_runs) = (Vec::new(), Vec::new());
+    for _ in 0..args.rounds.max(1) {
+        if wanted("lora") {
+            lora.push(child(&args, "lora", &base)?);
+            eprintln!("lora  {}", lora[lora.len() - 1]);
+        }
+        if !args.no_peft && wanted("peft") {
+            peft_runs.push(peft(&args)?);
+            eprintln!("peft  {}", peft_runs[peft_runs.len() - 1]);
         }
     }
-    if !args.no_peft && wanted("peft") {
-        let r = peft(&args)?;
-        eprintln!("peft  {r}");
-        rows.push(("PEFT + transformers: LoRA", r));
+    let mut rows: Vec<(&str, Value)> = Vec::new();
+    if !lora.is_empty() {
+        rows.push(("ours: LoRA", protocol::pool(&lora)));
+    }
+    if wanted("full") {
+        let r = child(&args, "full", &base)?;
+        eprintln!("full  {r}");
+        rows.push(("ours: full fine-tuning", r));
+    }
+    if !peft_runs.is_empty() {
+        rows.push(("PEFT + transformers: LoRA", protocol::pool(&peft_runs)));
     }
     let load_after = loadavg();
     let find = |c: &str| {
@@ -251,14 +269,18 @@ fn main() -> anyhow::Result<()> {
     let peft_row = find("peft");
     let full_row = find("full");
     println!(
-        "\nSmolLM2-135M shape, bf16, batch {BATCH} x block {BLOCK}; {threads} threads, {} timed \
-         steps after {} warm-up; peak RSS over the whole process (in the steps alone); step \
-         memory: peak minus the RSS before the model was built\n",
-        args.steps, args.warmup
+        "\nCPU: {}\nSmolLM2-135M shape, bf16, batch {BATCH} x block {BLOCK}; {threads} threads, \
+         {} timed steps after {} warm-up per round, {} A B A B rounds (ours: LoRA, PEFT); peak \
+         RSS over the whole process (in the steps alone); step memory: peak minus the RSS before \
+         the model was built\n",
+        protocol::this_cpu(),
+        args.steps,
+        args.warmup,
+        args.rounds.max(1),
     );
     println!("load average (1, 5, 15 min): {load_before} before, {load_after} after\n");
-    println!("| case | trainable | step (median) | / PEFT | peak RSS (in the steps) | step memory | peak / PEFT | peak / our full FT |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| case | trainable | step (median) | / PEFT | peak RSS (in the steps) | step memory | peak / PEFT | peak / our full FT | other CPU (max per step) |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for (name, v) in &rows {
         let (s, p, b) = (
             f(v, "step_median_s"),
@@ -271,13 +293,14 @@ fn main() -> anyhow::Result<()> {
             None => "-".into(),
         };
         println!(
-            "| {name} | {:.2} M | {:.0} ms | {} | {p:.0} MiB ({ps:.0} MiB) | {:.0} MiB | {} | {} |",
+            "| {name} | {:.2} M | {:.0} ms | {} | {p:.0} MiB ({ps:.0} MiB) | {:.0} MiB | {} | {} | {} |",
             f(v, "trainable_params") / 1e6,
             s * 1e3,
             vs(&peft_row, "step_median_s", s),
             p - b,
             vs(&peft_row, "peak_rss_mib", p),
             vs(&full_row, "peak_rss_mib", p),
+            share_cell(v),
         );
     }
     if let (Some(lora), Some(full), Some(peft)) = (find("lora"), full_row, peft_row) {

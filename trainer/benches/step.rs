@@ -6,6 +6,7 @@
 //! cargo bench -p trainer --bench step               # every config, 10 timed steps each
 //! cargo bench -p trainer --bench step -- --quick    # 3 timed steps
 //! cargo bench -p trainer --bench step -- --only gpt-4-4-256
+//! cargo bench -p trainer --bench step -- --torch    # and bench/torch_step.py's PyTorch rows
 //! ```
 //!
 //! Every case runs in child processes of this binary, one at a time: one that times the steps
@@ -16,16 +17,25 @@
 //! MFU counts model FLOPs as nanoGPT does (`trainer::mfu`) over one matmul ceiling measured
 //! here once (f32, 1024³, Candle's GEMM with the same threads) and used for every case.
 //!
-//! The matching PyTorch script is `bench/torch_step.py`; run both in the same minutes.
+//! The bench protocol (BENCHMARKS.md; `support::protocol`, `bench/bench_protocol.py`): the CPU
+//! model and flags printed with the figures; each timed step re-run (up to 5 times) while other
+//! processes or steal took over 2% of the machine; the sides in A B A B order (`--rounds`:
+//! reference, fused[, PyTorch], reference, fused...), each side's steps pooled over the rounds.
+//! With `--torch`, the PyTorch side is `bench/torch_step.py` (nanoGPT's model: SDPA attention,
+//! bf16 through `torch.autocast`) run as a child with the same threads.
 #![allow(clippy::disallowed_macros)] // prints as it likes (see clippy.toml)
+
+mod support;
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::Instant;
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device};
 use clap::Parser;
+use serde_json::{json, Value};
+use support::protocol::{self, share_cell};
+use support::{f, last_json, root};
 use trainer::config::TrainConfig;
 use trainer::data::DataKind;
 use trainer::model::Kernels;
@@ -45,6 +55,15 @@ struct Args {
     /// Timed steps (after 3 warm-up steps).
     #[arg(long)]
     steps: Option<usize>,
+    /// A B A B rounds of the sides.
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// Also run PyTorch (`bench/torch_step.py`) as a side.
+    #[arg(long)]
+    torch: bool,
+    /// The Python with torch (relative to the workspace root, or absolute).
+    #[arg(long, default_value = ".venv-py/bin/python")]
+    python: PathBuf,
     /// Internal: run one case in this process (`time` or `heap`).
     #[arg(long, hide = true)]
     child: Option<String>,
@@ -135,7 +154,8 @@ fn build(case: &Case, kernels: Kernels, dtype: &str, peak: f64) -> anyhow::Resul
     Trainer::new(cfg).context("building the trainer")
 }
 
-/// One case in this process; prints one `RESULT` line for the parent.
+/// One case in this process; prints one JSON line (`time`) or one `RESULT` line (`heap`) for
+/// the parent.
 fn child(args: &Args) -> anyhow::Result<()> {
     let name = args.case.as_deref().unwrap_or_default();
     let case = CASES
@@ -149,30 +169,26 @@ fn child(args: &Args) -> anyhow::Result<()> {
     match args.child.as_deref() {
         Some("time") => {
             let mut t = build(case, kernels, dtype, peak)?;
-            let mut times = Vec::with_capacity(steps);
-            let mut mfu = Vec::with_capacity(steps);
-            for i in 0..steps + 3 {
-                let start = Instant::now();
-                let s = t.train_step()?;
-                if i >= 3 {
-                    times.push(start.elapsed().as_secs_f64());
-                    mfu.push(s.mfu);
-                }
+            for _ in 0..3 {
+                t.train_step()?;
             }
+            let mut mfu = Vec::with_capacity(steps);
+            let timed = (0..steps)
+                .map(|_| protocol::timed(|| t.train_step().map(|s| mfu.push(s.mfu))))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let times: Vec<f64> = timed.iter().map(|t| t.secs).collect();
             let tokens = (t.config.batch_size * t.config.block_size) as f64;
-            let mut sorted = times.clone();
-            sorted.sort_by(f64::total_cmp);
-            let median = sorted[sorted.len() / 2];
-            let mean = times.iter().sum::<f64>() / times.len() as f64;
-            let mut m = mfu.clone();
-            m.sort_by(f64::total_cmp);
-            println!(
-                "RESULT {} {} {} {}",
-                median * 1e3,
-                mean * 1e3,
-                tokens / median,
-                m[m.len() / 2]
-            );
+            let median = protocol::median(&times);
+            let mut r = json!({
+                "step_median_s": median,
+                "step_mean_s": times.iter().sum::<f64>() / times.len() as f64,
+                "tokens_per_s": tokens / median,
+                "mfu": protocol::median(&mfu),
+            });
+            if let (Some(r), Value::Object(p)) = (r.as_object_mut(), protocol::summary(&timed)) {
+                r.extend(p);
+            }
+            println!("{r}");
         }
         Some("heap") => {
             let _profiler = dhat::Profiler::builder().testing().build();
@@ -191,6 +207,30 @@ fn child(args: &Args) -> anyhow::Result<()> {
         other => bail!("unknown child mode {other:?}"),
     }
     Ok(())
+}
+
+/// `bench/torch_step.py`'s JSON line for one case.
+fn torch(args: &Args, case: &str, dtype: &str, steps: usize) -> anyhow::Result<Value> {
+    let mut cmd = Command::new(root().join(&args.python));
+    cmd.arg(root().join("bench/torch_step.py"))
+        .args(["--json", "--only", case, "--dtype", dtype])
+        .args(["--steps", &steps.to_string()])
+        .args([
+            "--threads",
+            &candle_core::utils::get_num_threads().to_string(),
+        ]);
+    last_json(cmd.output()?, "bench/torch_step.py")
+}
+
+/// The `time` child's JSON line.
+fn time_child(extra: &[String]) -> anyhow::Result<Value> {
+    let exe = std::env::current_exe()?;
+    let out = Command::new(exe)
+        .args(["--child", "time"])
+        .args(extra)
+        .output()
+        .context("spawning a bench child")?;
+    last_json(out, "bench child")
 }
 
 fn run_child(mode: &str, extra: &[String]) -> anyhow::Result<Vec<f64>> {
@@ -226,22 +266,23 @@ fn main() -> anyhow::Result<()> {
     }
     let steps = args.steps.unwrap_or(if args.quick { 3 } else { 10 });
     let peak = trainer::mfu::measure_matmul_flops(&Device::Cpu, DType::F32)?;
+    println!("CPU: {}", protocol::this_cpu());
     println!(
-        "threads {} | matmul ceiling {:.1} GFLOP/s (f32 1024^3, MFU denominator) | {steps} timed steps after 3 warm-up",
+        "threads {} | matmul ceiling {:.1} GFLOP/s (f32 1024^3, MFU denominator) | {steps} timed steps after 3 warm-up per round, {} A B A B rounds",
         candle_core::utils::get_num_threads(),
-        peak / 1e9
+        peak / 1e9,
+        args.rounds.max(1),
     );
     println!();
-    println!("| config | dtype | kernels | step (median) | step (mean) | tokens/s | MFU | peak heap | step peak | fused speed-up |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("| config | dtype | kernels | step (median) | step (mean) | tokens/s | MFU | peak heap | step peak | fused speed-up | other CPU (max per step) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for case in CASES {
         if args.only.as_deref().is_some_and(|o| !case.name.contains(o)) {
             continue;
         }
         for dtype in case.dtypes {
-            let mut reference_ms = None;
-            for kernels in [Kernels::Reference, Kernels::Fused] {
-                let extra: Vec<String> = [
+            let extra = |kernels: Kernels| -> Vec<String> {
+                [
                     "--case",
                     case.name,
                     "--kernels",
@@ -255,25 +296,52 @@ fn main() -> anyhow::Result<()> {
                 ]
                 .iter()
                 .map(|s| s.to_string())
-                .collect();
-                let t = run_child("time", &extra)?;
-                let h = run_child("heap", &extra)?;
-                let speedup = match (kernels, reference_ms) {
-                    (Kernels::Fused, Some(r)) => format!("{:.2}x", r / t[0]),
+                .collect()
+            };
+            // A B A B: reference, fused[, PyTorch], reference, fused...
+            let (mut reference, mut fused, mut theirs) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..args.rounds.max(1) {
+                reference.push(time_child(&extra(Kernels::Reference))?);
+                fused.push(time_child(&extra(Kernels::Fused))?);
+                if args.torch {
+                    theirs.push(torch(&args, case.name, dtype, steps)?);
+                }
+            }
+            let reference_s = f(&protocol::pool(&reference), "step_median_s");
+            let fused_s = f(&protocol::pool(&fused), "step_median_s");
+            for (kernels, runs) in [(Kernels::Reference, reference), (Kernels::Fused, fused)] {
+                let t = protocol::pool(&runs);
+                let h = run_child("heap", &extra(kernels))?;
+                let s = f(&t, "step_median_s");
+                let speedup = match kernels {
+                    Kernels::Fused => format!("{:.2}x", reference_s / s),
                     _ => "".to_string(),
                 };
-                if kernels == Kernels::Reference {
-                    reference_ms = Some(t[0]);
-                }
                 println!(
-                    "| {} | {dtype} | {kernels} | {:.1} ms | {:.1} ms | {:.0} | {:.1}% | {:.1} MiB | {:.1} MiB | {speedup} |",
+                    "| {} | {dtype} | {kernels} | {:.1} ms | {:.1} ms | {:.0} | {:.1}% | {:.1} MiB | {:.1} MiB | {speedup} | {} |",
                     case.name,
-                    t[0],
-                    t[1],
-                    t[2],
-                    100.0 * t[3],
+                    s * 1e3,
+                    f(&t, "step_mean_s") * 1e3,
+                    f(&t, "tokens_per_s"),
+                    100.0 * f(&t, "mfu"),
                     mib(h[0]),
                     mib(h[1]),
+                    share_cell(&t),
+                );
+            }
+            if !theirs.is_empty() {
+                let t = protocol::pool(&theirs);
+                let s = f(&t, "step_median_s");
+                let (b, blk) = ((case.config)().batch_size, (case.config)().block_size);
+                println!(
+                    "| {} | {dtype} | PyTorch | {:.1} ms | {:.1} ms | {:.0} | {:.1}% | - | - | fused / PyTorch {:.2}x | {} |",
+                    case.name,
+                    s * 1e3,
+                    f(&t, "step_mean_s") * 1e3,
+                    (b * blk) as f64 / s,
+                    100.0 * f(&t, "mfu"),
+                    fused_s / s,
+                    share_cell(&t),
                 );
             }
         }

@@ -2,6 +2,8 @@
 //! JSON line a child (or a Python anchor) prints last.
 #![allow(dead_code)]
 
+pub mod protocol;
+
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
