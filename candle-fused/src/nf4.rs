@@ -33,14 +33,12 @@ use rayon::prelude::*;
 mod nested;
 mod state;
 
-pub use nested::dynamic_map;
 use nested::quantize_nested;
+pub use nested::{dynamic_map, NESTED_BLOCK};
 use state::{dtype_name, QuantState};
 
 /// Values per 4-bit block.
 pub const BLOCK: usize = 64;
-/// Absmaxes per block of the double quantization.
-pub const NESTED_BLOCK: usize = 256;
 /// Block sizes bitsandbytes accepts.
 const BLOCK_SIZES: [usize; 8] = [32, 64, 128, 256, 512, 1024, 2048, 4096];
 

@@ -2,7 +2,8 @@
 //! subtracted (summed in torch's order) and the rest quantized to 8 bits with the dynamic map
 //! through bitsandbytes' lookup table.
 
-use super::NESTED_BLOCK;
+/// Absmaxes per block of the double quantization.
+pub const NESTED_BLOCK: usize = 256;
 
 /// bitsandbytes' signed 8-bit dynamic map (`create_dynamic_map()`, f32 bits), sorted: the
 /// codebook of double quantization.
