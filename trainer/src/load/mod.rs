@@ -367,6 +367,7 @@ impl ModelDir {
             )));
         }
         let config = self.config()?;
+        refuse_quantized(&self.dir.join(CONFIG_FILE))?;
         if let Some(run) = &self.run {
             checkpoint::check_model_matches(config.as_ref(), &run.config, None, &self.dir)?;
         }
@@ -396,29 +397,7 @@ impl ModelDir {
         refuse_quantized(&self.dir.join(CONFIG_FILE))?;
         let data = checks.data.map(|d| d.source);
         if let Some(run) = &self.run {
-            if let Some(d) = checks.data {
-                let tokens = match d.fingerprint {
-                    FingerprintCheck::Skip => None,
-                    FingerprintCheck::Vocabulary => Some(false),
-                    FingerprintCheck::Corpus => Some(true),
-                };
-                if let Some(tokens) = tokens {
-                    crate::data::check_fingerprint(run.data.as_ref(), d.source, &self.dir, tokens)?;
-                }
-            }
-            if let (Some(v), Some(saved)) = (checks.vocab, run.data.as_ref()) {
-                if let Some(now) = v.fingerprint.filter(|now| *now != saved.vocab) {
-                    return Err(Error::Config(format!(
-                        "{} is not the vocabulary the run {} was trained on (vocabulary \
-                         fingerprint {now}, the run's {}): its ids would decode to other text; \
-                         leave the tokenizer out to use the run's own",
-                        v.name,
-                        self.dir.display(),
-                        saved.vocab
-                    )));
-                }
-            }
-            checkpoint::check_model_matches(stored.as_ref(), &run.config, data, &self.dir)?;
+            self.check_run(run, checks, stored.as_ref())?;
         }
         let config = match checks.settings {
             Some(settings) => settings(stored.as_ref())?,
@@ -441,23 +420,7 @@ impl ModelDir {
                 v.advice
             )));
         }
-        match checks.train {
-            Some(run) => crate::train::memory::check_run_fits(run, config.as_ref(), device)?,
-            None if device.is_cpu() => {
-                // The f32 weights, refused before they are read (activations come on top).
-                let what = format!(
-                    "the model in {} ({})",
-                    self.dir.display(),
-                    config.describe()
-                );
-                // The sizes first, in O(1): counting the parameters lists them.
-                let floor = crate::train::memory::weights_floor(config.as_ref());
-                crate::runtime::check_fits(floor, &what, "use a machine with more memory")?;
-                let need = 4 * config.num_params() as u64;
-                crate::runtime::check_fits(need, &what, "use a machine with more memory")?;
-            }
-            None => {}
-        }
+        self.check_memory(checks, config.as_ref(), device)?;
         let mut params = self.weights.read(config.as_ref(), device, self.source())?;
         let (mut adapter, mut base) = (None, None);
         if let Some(dir) = &self.adapter {
@@ -499,6 +462,68 @@ impl ModelDir {
             checkpoint::manifest::verify(self.checkpoint_dir(), run.step)?;
         }
         Ok((loaded, more))
+    }
+
+    /// A trainer checkpoint's checks (module docs, step 2): the data's fingerprint and the
+    /// tokenizer's vocabulary against the run's, then `stored` against the run's recorded
+    /// model.
+    fn check_run(
+        &self,
+        run: &TrainerState,
+        checks: &Checks,
+        stored: &dyn ModelConfig,
+    ) -> Result<()> {
+        if let Some(d) = checks.data {
+            let tokens = match d.fingerprint {
+                FingerprintCheck::Skip => None,
+                FingerprintCheck::Vocabulary => Some(false),
+                FingerprintCheck::Corpus => Some(true),
+            };
+            if let Some(tokens) = tokens {
+                crate::data::check_fingerprint(run.data.as_ref(), d.source, &self.dir, tokens)?;
+            }
+        }
+        if let (Some(v), Some(saved)) = (checks.vocab, run.data.as_ref()) {
+            if let Some(now) = v.fingerprint.filter(|now| *now != saved.vocab) {
+                return Err(Error::Config(format!(
+                    "{} is not the vocabulary the run {} was trained on (vocabulary \
+                     fingerprint {now}, the run's {}): its ids would decode to other text; \
+                     leave the tokenizer out to use the run's own",
+                    v.name,
+                    self.dir.display(),
+                    saved.vocab
+                )));
+            }
+        }
+        let data = checks.data.map(|d| d.source);
+        checkpoint::check_model_matches(stored, &run.config, data, &self.dir)
+    }
+
+    /// Memory (module docs, step 4): a training step of the run, given one, else the f32
+    /// weights on the CPU, must fit before anything of the model's size is allocated.
+    fn check_memory(
+        &self,
+        checks: &Checks,
+        config: &dyn ModelConfig,
+        device: &Device,
+    ) -> Result<()> {
+        match checks.train {
+            Some(run) => crate::train::memory::check_run_fits(run, config, device),
+            None if device.is_cpu() => {
+                // The f32 weights, refused before they are read (activations come on top).
+                let what = format!(
+                    "the model in {} ({})",
+                    self.dir.display(),
+                    config.describe()
+                );
+                // The sizes first, in O(1): counting the parameters lists them.
+                let floor = crate::train::memory::weights_floor(config);
+                crate::runtime::check_fits(floor, &what, "use a machine with more memory")?;
+                let need = 4 * config.num_params() as u64;
+                crate::runtime::check_fits(need, &what, "use a machine with more memory")
+            }
+            None => Ok(()),
+        }
     }
 
     /// The ids generation stops at: `eos_token_id` of `generation_config.json` (an id or a
