@@ -180,30 +180,7 @@ fn check(
     dropout: Option<(f32, RngKey)>,
 ) -> Result<Dims> {
     let (n_in, n_out) = linear::check(x, w, bias)?;
-    let r = match a.dims() {
-        [r, i] if *i == n_in && *r > 0 => *r,
-        d => bail!(
-            "candle-fused lora_linear: a (lora_A) must be [r, in] = [r >= 1, {n_in}], got {d:?}"
-        ),
-    };
-    if b.dims() != [n_out, r] {
-        bail!(
-            "candle-fused lora_linear: b (lora_B) must be [out, r] = [{n_out}, {r}], got {:?}",
-            b.dims()
-        );
-    }
-    for (name, t) in [("a (lora_A)", a), ("b (lora_B)", b)] {
-        if t.dtype() != x.dtype() {
-            bail!(
-                "candle-fused lora_linear: {name} dtype {:?} differs from input {:?}",
-                t.dtype(),
-                x.dtype()
-            );
-        }
-        if !t.device().same_device(x.device()) {
-            bail!("candle-fused lora_linear: {name} and input are on different devices");
-        }
-    }
+    let r = check_adapter("lora_linear", x, a, b, n_in, n_out)?;
     if let Some(bias) = bias {
         if !bias.device().same_device(x.device()) {
             bail!("candle-fused lora_linear: bias and input are on different devices");
@@ -213,6 +190,42 @@ fn check(
         dropout::check_p(p)?;
     }
     Ok(Dims { n_in, n_out, r })
+}
+
+/// Checks the adapter pair of `op` (`lora_linear`, `qlora_linear`) over a base of `n_in -> n_out`:
+/// `a` (`lora_A`) `[r, n_in]` with `r >= 1`, `b` (`lora_B`) `[n_out, r]`, both of `x`'s dtype and
+/// on its device. Returns the rank `r`.
+pub(crate) fn check_adapter(
+    op: &str,
+    x: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    n_in: usize,
+    n_out: usize,
+) -> Result<usize> {
+    let r = match a.dims() {
+        [r, i] if *i == n_in && *r > 0 => *r,
+        d => bail!("candle-fused {op}: a (lora_A) must be [r, in] = [r >= 1, {n_in}], got {d:?}"),
+    };
+    if b.dims() != [n_out, r] {
+        bail!(
+            "candle-fused {op}: b (lora_B) must be [out, r] = [{n_out}, {r}], got {:?}",
+            b.dims()
+        );
+    }
+    for (name, t) in [("a (lora_A)", a), ("b (lora_B)", b)] {
+        if t.dtype() != x.dtype() {
+            bail!(
+                "candle-fused {op}: {name} dtype {:?} differs from input {:?}",
+                t.dtype(),
+                x.dtype()
+            );
+        }
+        if !t.device().same_device(x.device()) {
+            bail!("candle-fused {op}: {name} and input are on different devices");
+        }
+    }
+    Ok(r)
 }
 
 /// The composite expression: `(y, h)` with `h = dropout(x) aᵀ` (`[N, r]`).

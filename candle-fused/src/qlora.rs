@@ -95,7 +95,7 @@ pub fn qlora_linear(
     dropout: Option<(f32, RngKey)>,
 ) -> Result<Tensor> {
     let (n_in, n_out) = check(x, w, bias)?;
-    check_adapter(x, a, b, n_in, n_out)?;
+    crate::lora::check_adapter("qlora_linear", x, a, b, n_in, n_out)?;
     let base = nf4_linear(x, w, bias)?;
     let u = match dropout.filter(|&(p, _)| p > 0.0) {
         Some((p, key)) => dropout::dropout(x, p, key)?,
@@ -158,30 +158,6 @@ fn check(x: &Tensor, w: &Nf4Weight, bias: Option<&Tensor>) -> Result<(usize, usi
         }
     }
     Ok((n_in, n_out))
-}
-
-/// Checks the adapter matrices against the layer.
-fn check_adapter(x: &Tensor, a: &Tensor, b: &Tensor, n_in: usize, n_out: usize) -> Result<()> {
-    let r = match a.dims() {
-        [r, i] if *i == n_in && *r > 0 => *r,
-        d => bail!("candle-fused qlora_linear: a (lora_A) must be [r, {n_in}], got {d:?}"),
-    };
-    if b.dims() != [n_out, r] {
-        bail!(
-            "candle-fused qlora_linear: b (lora_B) must be [{n_out}, {r}], got {:?}",
-            b.dims()
-        );
-    }
-    for (name, t) in [("a (lora_A)", a), ("b (lora_B)", b)] {
-        if t.dtype() != x.dtype() {
-            bail!(
-                "candle-fused qlora_linear: {name} dtype {:?} differs from input {:?}",
-                t.dtype(),
-                x.dtype()
-            );
-        }
-    }
-    Ok(())
 }
 
 /// The type sums run in for compute dtype `d`.
