@@ -31,6 +31,9 @@
 //! [`adamw_composite`] with Candle ops (temporaries of the parameter's size) and writes the
 //! results back with `Var::set` and `Tensor::slice_set`, which keep the tensors' storages (so
 //! other handles to them see the update).
+//!
+//! [`adamw_update_multi`] and [`sum_of_squares_multi`] take a whole group of parameters per
+//! call, with the bits of the per-tensor functions (`adamw/multi.rs`).
 
 #[cfg(feature = "cuda")]
 mod cuda;

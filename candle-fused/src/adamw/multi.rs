@@ -6,8 +6,12 @@
 //! the per-tensor calls to the last bit (the global norm keeps its bits: the same f64 sums
 //! over the same fixed blocks, rounded to f32 per tensor and added in f32 in the group's
 //! order). The point of the group is the GPU: the per-tensor kernels cost one launch per
-//! parameter (two per gradient for the sum of squares, plus an add), where a multi-tensor
-//! kernel walks a small table of the group's tensors in one launch per gradient dtype.
+//! parameter (two per gradient for the sum of squares, plus an add), where the multi-tensor
+//! Triton kernels of `triton/adamw.py` (`adamw_update_multi`, `sumsq_partial_multi`,
+//! `sumsq_total_multi`) walk a small table of the group's tensors in one launch per gradient
+//! dtype. Those are checked in the interpreter against these functions' results, bit for bit;
+//! they are not compiled ahead of time nor launched yet, so on every device the group is
+//! still stepped and summed tensor by tensor.
 
 use super::{adamw_update, check_args, storage_addr, sum_of_squares, AdamWStep};
 use candle_core::{Result, Tensor, Var};
@@ -81,10 +85,9 @@ pub(super) fn check_group(group: &[AdamWParam<'_>], s: &AdamWStep) -> Result<()>
 /// does with `s` (its weight decay only where [`AdamWParam::decay`]), with the same bits.
 ///
 /// Everything is checked before anything is written: each member as [`adamw_update`] checks
-/// it, one device for all, and no storage shared within the whole group. On the CPU the group
-/// is stepped member by member; on CUDA with the Triton kernels switched on, the members whose
-/// gradient is f32, bf16 or f16 are stepped by one launch per gradient dtype (the others per
-/// tensor). An empty group does nothing.
+/// it, one device for all, and no two members' tensors overlapping in memory. The members are
+/// then stepped one by one by [`adamw_update`] (see the module documentation for the GPU).
+/// An empty group does nothing.
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};
@@ -114,10 +117,6 @@ pub fn adamw_update_multi(group: &[AdamWParam<'_>], s: &AdamWStep) -> Result<()>
 /// for an empty group): the [`sum_of_squares`] of each tensor, added in f32 in the group's
 /// order, with the same bits. Not differentiable (meant for gradients); all tensors on one
 /// device, of any float dtypes.
-///
-/// On CUDA with the Triton kernels switched on, the partial sums of the f32, bf16 and f16
-/// tensors are one launch per dtype and the per-tensor totals and their sum one more launch,
-/// with the bits of the per-tensor kernels.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};

@@ -107,8 +107,9 @@ impl AdamW {
         })
     }
 
-    /// The same optimiser updating with other kernels: `Fused` (default) updates each
-    /// parameter and its moments in place (`candle_fused::adamw::adamw_update`); `Reference`
+    /// The same optimiser updating with other kernels: `Fused` (default) updates every
+    /// parameter and its moments in place in one call (`candle_fused::adamw::adamw_update_multi`,
+    /// the bits of `adamw_update` per parameter); `Reference`
     /// runs its composite of ~15 Candle ops per parameter (`adamw_composite`).
     pub fn with_kernels(mut self, kernels: Kernels) -> Self {
         self.kernels = kernels;
@@ -156,7 +157,8 @@ impl AdamW {
             .filter_map(|(i, s)| grads.get(&s.var).map(|g| (i, g.detach())))
             .collect();
         match self.kernels {
-            // The whole model in one call: one launch per gradient dtype on a GPU.
+            // The whole model in one call: the multi-tensor kernels' unit (one launch per
+            // gradient dtype on a GPU once they are launched there).
             Kernels::Fused => {
                 let group: Vec<AdamWParam> = (stepped.iter())
                     .map(|(i, g)| {
