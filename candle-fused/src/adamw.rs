@@ -31,9 +31,15 @@
 //! [`adamw_composite`] with Candle ops (temporaries of the parameter's size) and writes the
 //! results back with `Var::set` and `Tensor::slice_set`, which keep the tensors' storages (so
 //! other handles to them see the update).
+//!
+//! [`adamw_update_multi`] and [`sum_of_squares_multi`] take a whole group of parameters per
+//! call, with the bits of the per-tensor functions (`adamw/multi.rs`).
 
 #[cfg(feature = "cuda")]
 mod cuda;
+mod multi;
+
+pub use multi::{adamw_update_multi, sum_of_squares_multi, AdamWParam};
 
 use crate::cpu::{self, Elem, Real};
 use crate::cuda_kernels::{self, triton_flat};
@@ -523,7 +529,8 @@ pub fn sum_of_squares_composite(t: &Tensor) -> Result<Tensor> {
 }
 
 /// The global L2 norm of all `grads`, `sqrt(sum_i sum(g_i^2))`, with exactly one host sync:
-/// the per-tensor sums ([`sum_of_squares`]) are added on the device and read back once. All
+/// their [`sum_of_squares_multi`] (the per-tensor [`sum_of_squares`] added on the device in
+/// order) is read back once. All
 /// tensors must be on one device. A NaN or infinity anywhere gives a non-finite norm (0 for
 /// no tensors).
 ///
@@ -535,7 +542,10 @@ pub fn sum_of_squares_composite(t: &Tensor) -> Result<Tensor> {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn global_norm(grads: &[&Tensor]) -> Result<f32> {
-    norm_of_sums(grads, sum_of_squares)
+    match sum_of_squares_multi(grads)? {
+        None => Ok(0.0),
+        Some(t) => Ok(t.to_scalar::<f32>()?.sqrt()),
+    }
 }
 
 /// The composite reference of [`global_norm`]: the per-tensor sums from

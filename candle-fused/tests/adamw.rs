@@ -1,12 +1,14 @@
 //! Fused AdamW against the composite reference, fallback, thread independence, NaN handling,
-//! sum of squares / global norm / clip coefficient.
+//! sum of squares / global norm / clip coefficient; the multi-tensor forms against the
+//! per-tensor ones, bit for bit.
 
 mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::adamw::{
-    adamw_composite, adamw_update, clip_coefficient, global_norm, sum_of_squares, AdamWStep,
+    adamw_composite, adamw_update, adamw_update_multi, clip_coefficient, global_norm,
+    sum_of_squares, sum_of_squares_multi, AdamWParam, AdamWStep,
 };
 use common::{f32s, fallback_if, randn, with_fallback, Lcg31, PAR_MIN_WORK};
 
@@ -295,4 +297,145 @@ fn clip_coefficient_like_pytorch() {
     assert_eq!(clip_coefficient(10.0, -1.0), 1.0);
     assert_eq!(clip_coefficient(f32::INFINITY, 1.0), 0.0);
     assert!(clip_coefficient(f32::NAN, 1.0).is_nan());
+}
+
+/// The bits of a tensor (as f32).
+fn bits(t: &Tensor) -> Result<Vec<u32>> {
+    Ok(f32s(t)?.iter().map(|v| v.to_bits()).collect())
+}
+
+/// One parameter's tensors: param, grad, exp_avg, exp_avg_sq (moments after a few steps).
+type Member = (Var, Tensor, Tensor, Tensor);
+
+fn member(shape: &[usize], gdtype: DType, rng: &mut Lcg31) -> Result<Member> {
+    let p = Var::from_tensor(&randn(shape, DType::F32, rng, 1.0)?)?;
+    let g = randn(shape, DType::F32, rng, 0.3)?.to_dtype(gdtype)?;
+    let m = randn(shape, DType::F32, rng, 0.1)?;
+    let v = randn(shape, DType::F32, rng, 0.1)?.sqr()?;
+    Ok((p, g, m, v))
+}
+
+fn copy(a: &Member) -> Result<Member> {
+    let p = Var::from_tensor(&a.0.as_tensor().copy()?)?;
+    Ok((p, a.1.copy()?, a.2.copy()?, a.3.copy()?))
+}
+
+/// A group of odd-sized tensors (one past the parallel threshold, scalars, mixed gradient
+/// dtypes) stepped by `adamw_update_multi` and tensor by tensor by `adamw_update`, three
+/// steps with clipping and decay on some members: every bit of every result agrees; so do
+/// `sum_of_squares_multi` and the per-tensor sums added in order, and `global_norm`.
+#[test]
+fn multi_tensor_matches_per_tensor_bit_for_bit() -> Result<()> {
+    let mut rng = Lcg31(77);
+    let shapes: [(&[usize], DType); 6] = [
+        (&[PAR_MIN_WORK + 3001], DType::F32),
+        (&[1], DType::F32),
+        (&[37, 29], DType::BF16),
+        (&[5], DType::F16),
+        (&[3, 1001], DType::F32),
+        (&[2, 3, 7], DType::F64),
+    ];
+    let multi: Vec<Member> = (shapes.iter())
+        .map(|(s, dt)| member(s, *dt, &mut rng))
+        .collect::<Result<_>>()?;
+    let single: Vec<Member> = multi.iter().map(copy).collect::<Result<_>>()?;
+    for k in 1..=3 {
+        let s = step(k, 0.1, 0.7);
+        let group: Vec<AdamWParam> = (multi.iter().enumerate())
+            .map(|(i, (p, g, m, v))| AdamWParam {
+                param: p,
+                grad: g,
+                exp_avg: m,
+                exp_avg_sq: v,
+                decay: i % 2 == 0,
+            })
+            .collect();
+        adamw_update_multi(&group, &s)?;
+        for (i, (p, g, m, v)) in single.iter().enumerate() {
+            let wd = if i % 2 == 0 { 0.1 } else { 0.0 };
+            adamw_update(p, g, m, v, &step(k, wd, 0.7))?;
+        }
+        for (i, (a, b)) in multi.iter().zip(&single).enumerate() {
+            assert_eq!(
+                bits(a.0.as_tensor())?,
+                bits(b.0.as_tensor())?,
+                "param {i}, step {k}"
+            );
+            assert_eq!(bits(&a.2)?, bits(&b.2)?, "exp_avg {i}, step {k}");
+            assert_eq!(bits(&a.3)?, bits(&b.3)?, "exp_avg_sq {i}, step {k}");
+        }
+    }
+    let grads: Vec<&Tensor> = multi.iter().map(|a| &a.1).collect();
+    let mut sum = sum_of_squares(grads[0])?;
+    for g in &grads[1..] {
+        sum = (sum + sum_of_squares(g)?)?;
+    }
+    let got = sum_of_squares_multi(&grads)?.expect("a group");
+    assert_eq!(
+        got.to_scalar::<f32>()?.to_bits(),
+        sum.to_scalar::<f32>()?.to_bits()
+    );
+    let norm = global_norm(&grads)?;
+    assert_eq!(norm.to_bits(), sum.to_scalar::<f32>()?.sqrt().to_bits());
+    assert!(sum_of_squares_multi(&[])?.is_none());
+    adamw_update_multi(&[], &step(1, 0.0, 1.0))?;
+    Ok(())
+}
+
+/// A bad group fails before anything is written, naming the member.
+#[test]
+fn multi_tensor_argument_errors() -> Result<()> {
+    let dev = Device::Cpu;
+    let p = Var::ones((2, 3), DType::F32, &dev)?;
+    let q = Var::ones(4, DType::F32, &dev)?;
+    let z = || p.zeros_like();
+    let (g, m, v) = (z()?, z()?, z()?);
+    let (gq, mq, vq) = (q.zeros_like()?, q.zeros_like()?, q.zeros_like()?);
+    let a = AdamWParam {
+        param: &p,
+        grad: &g,
+        exp_avg: &m,
+        exp_avg_sq: &v,
+        decay: true,
+    };
+    let b = AdamWParam {
+        param: &q,
+        grad: &gq,
+        exp_avg: &mq,
+        exp_avg_sq: &vq,
+        decay: true,
+    };
+    let s = step(1, 0.1, 1.0);
+    // the same parameter twice
+    fails_with(
+        adamw_update_multi(&[a, b, a], &s),
+        "tensors 0 and 2 overlap",
+    );
+    // a bad member (its grad the wrong shape), after a good one that must stay untouched
+    let bad = AdamWParam { grad: &g, ..b };
+    let e = adamw_update_multi(&[a, bad], &s).expect_err("a shape mismatch");
+    assert!(format!("{e:#}").contains("tensor 1"), "{e:#}");
+    assert_eq!(p.as_tensor().flatten_all()?.to_vec1::<f32>()?, [1.0; 6]);
+    // non-overlapping views of one storage are fine (gradients narrowed from one buffer);
+    // overlapping ones are not
+    let flat = Tensor::ones(10, DType::F32, &dev)?;
+    let (g0, g1, g2) = (
+        flat.narrow(0, 0, 4)?,
+        flat.narrow(0, 4, 4)?,
+        flat.narrow(0, 2, 4)?,
+    );
+    let q2 = Var::ones(4, DType::F32, &dev)?;
+    let (mq2, vq2) = (q2.zeros_like()?, q2.zeros_like()?);
+    let c = AdamWParam { grad: &g0, ..b };
+    let d = AdamWParam {
+        param: &q2,
+        grad: &g1,
+        exp_avg: &mq2,
+        exp_avg_sq: &vq2,
+        decay: true,
+    };
+    adamw_update_multi(&[c, d], &s)?;
+    let e = AdamWParam { grad: &g2, ..d };
+    fails_with(adamw_update_multi(&[c, e], &s), "overlap");
+    Ok(())
 }

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use candle_amp::ScaledUpdate;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
-use candle_fused::adamw::{adamw_composite, adamw_update, AdamWStep};
+use candle_fused::adamw::{adamw_composite, adamw_update_multi, AdamWParam, AdamWStep};
 use serde::{Deserialize, Serialize};
 
 use super::{global_grad_norm, Optimizer};
@@ -107,8 +107,9 @@ impl AdamW {
         })
     }
 
-    /// The same optimiser updating with other kernels: `Fused` (default) updates each
-    /// parameter and its moments in place (`candle_fused::adamw::adamw_update`); `Reference`
+    /// The same optimiser updating with other kernels: `Fused` (default) updates every
+    /// parameter and its moments in place in one call (`candle_fused::adamw::adamw_update_multi`,
+    /// the bits of `adamw_update` per parameter); `Reference`
     /// runs its composite of ~15 Candle ops per parameter (`adamw_composite`).
     pub fn with_kernels(mut self, kernels: Kernels) -> Self {
         self.kernels = kernels;
@@ -140,28 +141,48 @@ impl AdamW {
     pub fn apply_scaled(&mut self, grads: &GradStore, grad_scale: f64) -> candle_core::Result<()> {
         self.step += 1;
         let c = &self.config;
-        for slot in self.slots.iter_mut() {
-            let Some(g) = grads.get(&slot.var) else {
-                continue;
-            };
-            // A variable's gradient can still carry the backward graph (Candle detaches the
-            // gradients of intermediate nodes, not the sums it stores for variables): without
-            // this detach the moments would keep every step's activations alive forever.
-            let g = g.detach();
-            let step = AdamWStep {
-                lr: c.lr,
-                beta1: c.beta1,
-                beta2: c.beta2,
-                eps: c.eps,
-                weight_decay: if slot.decay { c.weight_decay } else { 0.0 },
-                step: self.step,
-                grad_scale,
-            };
-            match self.kernels {
-                Kernels::Fused => adamw_update(&slot.var, &g, &slot.m, &slot.v, &step)?,
-                Kernels::Reference => {
+        let step = AdamWStep {
+            lr: c.lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            weight_decay: c.weight_decay,
+            step: self.step,
+            grad_scale,
+        };
+        // A variable's gradient can still carry the backward graph (Candle detaches the
+        // gradients of intermediate nodes, not the sums it stores for variables): without
+        // this detach the moments would keep every step's activations alive forever.
+        let stepped: Vec<(usize, Tensor)> = (self.slots.iter().enumerate())
+            .filter_map(|(i, s)| grads.get(&s.var).map(|g| (i, g.detach())))
+            .collect();
+        match self.kernels {
+            // The whole model in one call: the multi-tensor kernels' unit (one launch per
+            // gradient dtype on a GPU once they are launched there).
+            Kernels::Fused => {
+                let group: Vec<AdamWParam> = (stepped.iter())
+                    .map(|(i, g)| {
+                        let s = &self.slots[*i];
+                        AdamWParam {
+                            param: &s.var,
+                            grad: g,
+                            exp_avg: &s.m,
+                            exp_avg_sq: &s.v,
+                            decay: s.decay,
+                        }
+                    })
+                    .collect();
+                adamw_update_multi(&group, &step)?;
+            }
+            Kernels::Reference => {
+                for (i, g) in &stepped {
+                    let slot = &mut self.slots[*i];
+                    let step = AdamWStep {
+                        weight_decay: if slot.decay { c.weight_decay } else { 0.0 },
+                        ..step
+                    };
                     let p = slot.var.as_tensor().detach();
-                    let (p, m, v) = adamw_composite(&p, &g, &slot.m, &slot.v, &step)?;
+                    let (p, m, v) = adamw_composite(&p, g, &slot.m, &slot.v, &step)?;
                     slot.var.set(&p)?;
                     (slot.m, slot.v) = (m, v);
                 }

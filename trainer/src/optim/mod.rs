@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use candle_amp::ScaledUpdate;
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
-use candle_fused::adamw::{sum_of_squares, sum_of_squares_composite};
+use candle_fused::adamw::{sum_of_squares_composite, sum_of_squares_multi};
 
 pub use adamw::{AdamW, AdamWConfig};
 
@@ -174,26 +174,28 @@ pub fn global_grad_norm(
 
 /// The sum of the squares of the gradients of `vars` as an f32 scalar on their device, read
 /// nothing back (`None` when no variable has a gradient): `candle_fused`'s `global_norm`
-/// before its read, the per-tensor sums ([`sum_of_squares`], or its composite with
-/// `Kernels::Reference`) added in the order of `vars`.
+/// before its read, the per-tensor sums added in the order of `vars` (one multi-tensor call,
+/// [`sum_of_squares_multi`], or the composite of each with `Kernels::Reference`).
 pub fn grad_sum_of_squares(
     grads: &GradStore,
     vars: &[Var],
     kernels: Kernels,
 ) -> candle_core::Result<Option<Tensor>> {
-    let sumsq = match kernels {
-        Kernels::Fused => sum_of_squares,
-        Kernels::Reference => sum_of_squares_composite,
-    };
-    let mut total: Option<Tensor> = None;
-    for g in vars.iter().filter_map(|v| grads.get(v)) {
-        let s = sumsq(g)?;
-        total = Some(match total {
-            None => s,
-            Some(t) => (t + s)?,
-        });
+    let present: Vec<&Tensor> = vars.iter().filter_map(|v| grads.get(v)).collect();
+    match kernels {
+        Kernels::Fused => sum_of_squares_multi(&present),
+        Kernels::Reference => {
+            let mut total: Option<Tensor> = None;
+            for g in present {
+                let s = sum_of_squares_composite(g)?;
+                total = Some(match total {
+                    None => s,
+                    Some(t) => (t + s)?,
+                });
+            }
+            Ok(total)
+        }
     }
-    Ok(total)
 }
 
 /// Adds the gradients of `from` into `into` (gradient accumulation across micro-batches).
