@@ -13,6 +13,9 @@
 //! * the cubins' ELF sections agree with their metadata and the launcher (`cubin_elf.rs`): static
 //!   shared memory (and the opt-in rule that counts it), and the pinned ptxas release that built
 //!   them;
+//! * every cubin's `.nv.info` (parameter layout, required block, registers, stack frame) agrees
+//!   with the launch tables, and the SASS record `triton/records/sass.json` (spills, load
+//!   widths) is the cubins' (`cubin_info.rs`);
 //! * `check_launch` accepts a valid launch and rejects misaligned, strided, oversized and
 //!   wrongly typed arguments with a clear error (RMSNorm here; the elementwise families in
 //!   `triton_record/elementwise.rs`).
@@ -258,9 +261,11 @@ pub(crate) fn t(dims: &[usize], dtype: DType) -> TensorArg {
 pub(crate) const EPS: &[Scalar] = &[Scalar::F32(1e-5)];
 
 mod cubin_elf;
+mod cubin_info;
 mod launch_attention;
 mod launch_cross_entropy;
 mod launch_elementwise;
 mod launch_layer_norm;
 mod launch_rms_norm;
 mod launch_rope;
+
