@@ -24,7 +24,7 @@ use anyhow::{anyhow, ensure, Context, Result};
 use candle_core::DType;
 use candle_fused::cuda_kernels::{
     check_launch, cross_entropy, describe_grid, dtype_suffix, find, kernels, layer_norm, rms_norm,
-    Arg, Param, Rule, Scalar, TensorArg, ARCHS, FAMILIES, POINTER_ALIGNMENT, SCRATCH_PARAMS,
+    Arg, Param, Scalar, TensorArg, ARCHS, FAMILIES, POINTER_ALIGNMENT, SCRATCH_PARAMS,
 };
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -184,15 +184,7 @@ fn metadata_matches_the_launcher_table() -> Result<()> {
                 u64_of(&meta, "pointer_alignment_bytes")? as usize == POINTER_ALIGNMENT,
                 ctx("pointer_alignment_bytes")
             );
-            // a tile limit of the table is the compiled constexpr of that name
-            for rule in spec.rules {
-                if let Rule::AtMost(d, max) = rule {
-                    let key = format!("BLOCK_{d}");
-                    if let Some(v) = meta["constexprs"][&key].as_u64() {
-                        ensure!(v as usize == *max, ctx(&key));
-                    }
-                }
-            }
+            tiles::tile_rules_hold(spec).with_context(|| format!("{stem}.json"))?;
             // parameters: the table's, in order, then the two scratch pointers
             let params = meta["params"]
                 .as_array()
@@ -268,4 +260,4 @@ mod launch_elementwise;
 mod launch_layer_norm;
 mod launch_rms_norm;
 mod launch_rope;
-
+mod tiles;
