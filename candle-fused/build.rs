@@ -17,6 +17,8 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 type Error = Box<dyn std::error::Error>;
+/// A metadata json: its path and contents.
+type Meta = (String, Value);
 
 const ARCHS: [&str; 2] = ["sm_80", "sm_90"];
 /// The dtypes in table order, with their `DType` and Triton names.
@@ -35,8 +37,7 @@ fn main() -> Result<(), Error> {
         .collect::<Result<_, _>>()?;
     files.sort();
     // (family, dtype rank, entry) -> [sm_80 json, sm_90 json]
-    let mut kernels: BTreeMap<(String, usize, String), [Option<(String, Value)>; 2]> =
-        BTreeMap::new();
+    let mut kernels: BTreeMap<(String, usize, String), [Option<Meta>; 2]> = BTreeMap::new();
     for path in files
         .iter()
         .filter(|p| p.extension() == Some("json".as_ref()))
@@ -111,8 +112,8 @@ fn spec(
     family: &str,
     (_, dtype, triton): (&str, &str, &str),
     entry: &str,
-    (file80, sm80): &(String, Value),
-    (file90, sm90): &(String, Value),
+    (file80, sm80): &Meta,
+    (file90, sm90): &Meta,
 ) -> Result<String, Error> {
     // everything but the shared memory is the same for both archs
     for key in ["num_warps", "grid", "params", "constexprs"] {
