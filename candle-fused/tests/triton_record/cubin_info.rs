@@ -14,8 +14,9 @@
 //!   pointer 8 bytes, an i32 or f32 4, each at its natural alignment, then the two scratch
 //!   pointers; `EIATTR_CBANK_PARAM_SIZE` is their total (what the launcher's argument list
 //!   fills);
-//! * the required block (`EIATTR_REQNTID`, when the cubin states one; `EIATTR_MAX_THREADS`
-//!   likewise) is `32 * num_warps`, and registers x threads fit an SM's 64 Ki registers;
+//! * the required block (`EIATTR_REQNTID`, when the cubin states one) is `32 * num_warps`,
+//!   within the maximum (`EIATTR_MAX_THREADS`, PTX `.maxntid`) when one is stated, and
+//!   registers x threads fit an SM's 64 Ki registers;
 //! * the stack frame (`EIATTR_FRAME_SIZE` of the entry) and registers (`EIATTR_REGCOUNT`) are
 //!   the record's `stack_bytes` / `registers` (cuobjdump's own reading: a cross-check of this
 //!   parser), and 0 with no `LDL`/`STL` in the recorded SASS for every kernel but
@@ -45,7 +46,8 @@ const MAY_SPILL: &[&str] = &["attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"];
 /// Registers per SM (every sm_80 / sm_90 GPU).
 const REGISTERS_PER_SM: u64 = 64 * 1024;
 
-/// `EIATTR_*` numbers (`cuobjdump -elf` prints their names).
+/// `EIATTR_*` numbers (`cuobjdump -elf` prints their names; `MAX_THREADS` checked on a cubin
+/// ptxas made from a `.maxntid` entry, the others on the committed cubins).
 mod eiattr {
     pub const MAX_THREADS: u8 = 0x05;
     pub const REQNTID: u8 = 0x10;
@@ -101,6 +103,17 @@ struct KParam {
     size: u32,
 }
 
+/// An `EIATTR_KPARAM_INFO` value: u32 index, u16 ordinal, u16 offset, u32 flags whose bits
+/// 18..32 are the size in bytes.
+fn kparam(value: &[u8]) -> Result<KParam> {
+    let ord_off = u32_at(value, 1)?;
+    Ok(KParam {
+        ordinal: ord_off & 0xffff,
+        offset: ord_off >> 16,
+        size: u32_at(value, 2)? >> 18,
+    })
+}
+
 /// What a cubin's `.nv.info` records say about its kernel.
 #[derive(Debug, Default)]
 struct Info {
@@ -147,15 +160,7 @@ fn info(cubin: &[u8], entry: &str) -> Result<Info> {
         let three =
             |v: &[u8]| -> Result<[u32; 3]> { Ok([u32_at(v, 0)?, u32_at(v, 1)?, u32_at(v, 2)?]) };
         match a.attr {
-            eiattr::KPARAM_INFO => {
-                // u32 index, u16 ordinal, u16 offset, u32 flags (size in bytes: bits 18..32)
-                let ord_off = u32_at(a.value, 1)?;
-                info.params.push(KParam {
-                    ordinal: ord_off & 0xffff,
-                    offset: ord_off >> 16,
-                    size: u32_at(a.value, 2)? >> 18,
-                });
-            }
+            eiattr::KPARAM_INFO => info.params.push(kparam(a.value)?),
             eiattr::CBANK_PARAM_SIZE => {
                 let v = a
                     .value
@@ -224,15 +229,21 @@ fn audit(spec: &KernelSpec, stem: &str, info: &Info, record: &Value) -> Result<(
         info.cbank_param_size
     );
     let block = spec.block();
-    for (what, stated) in [("REQNTID", info.reqntid), ("MAX_THREADS", info.max_threads)] {
-        if let Some(b) = stated {
-            ensure!(
-                b == block,
-                "{stem}: the cubin requires a block of {b:?} (EIATTR_{what}), the table launches \
-                 {block:?} (32 * num_warps {})",
-                spec.num_warps
-            );
-        }
+    if let Some(b) = info.reqntid {
+        ensure!(
+            b == block,
+            "{stem}: the cubin requires a block of {b:?} (EIATTR_REQNTID), the table launches \
+             {block:?} (32 * num_warps {})",
+            spec.num_warps
+        );
+    }
+    if let Some(max) = info.max_threads {
+        ensure!(
+            block.iter().zip(max).all(|(&b, m)| b <= m),
+            "{stem}: the cubin allows a block of at most {max:?} (EIATTR_MAX_THREADS), the table \
+             launches {block:?} (32 * num_warps {})",
+            spec.num_warps
+        );
     }
     let registers = info
         .registers
@@ -338,6 +349,23 @@ fn nv_info_records_are_parsed() -> Result<()> {
         (a[1].attr, a[1].value),
         (eiattr::CBANK_PARAM_SIZE, &[0x80, 0][..])
     );
+    // attn_fwd.bf16.sm90's last parameter (a scratch pointer: ordinal 22, offset 0x78, 8
+    // bytes) and a `.maxntid 256, 1, 1` entry's MAX_THREADS, as ptxas writes them
+    let kp = attrs(&[
+        4, 0x17, 12, 0, 0, 0, 0, 0, 0x16, 0, 0x78, 0, 0, 0xf4, 0x21, 0,
+    ])?;
+    let want = KParam {
+        ordinal: 22,
+        offset: 0x78,
+        size: 8,
+    };
+    assert_eq!(
+        (kp[0].attr, kparam(kp[0].value)?),
+        (eiattr::KPARAM_INFO, want)
+    );
+    let mt = attrs(&[4, 0x05, 12, 0, 0, 1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0])?;
+    assert_eq!(mt[0].attr, eiattr::MAX_THREADS);
+    assert_eq!(u32_at(mt[0].value, 0)?, 256);
     // a record cut short and an unknown format are errors, not a silent stop
     assert!(attrs(&data[..10]).is_err());
     assert!(attrs(&[9, 0x10, 0, 0]).is_err());
