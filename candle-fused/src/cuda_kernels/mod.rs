@@ -112,7 +112,8 @@ pub fn find(entry: &str, dtype: DType) -> Option<&'static KernelSpec> {
 /// The element type of a tensor parameter.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Elem {
-    /// The kernel variant's dtype (f32, bf16 or f16).
+    /// The kernel variant's dtype (f32, bf16 or f16; the generated table of an f32 variant
+    /// writes every f32 pointer so).
     Io,
     /// Always f32 (saved statistics, partial sums, optimizer state).
     F32,
