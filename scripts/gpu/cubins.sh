@@ -37,4 +37,10 @@ fi
 # Triton 3.9 runs TRITON_PTXAS_PATH for sm_80 and TRITON_PTXAS_BLACKWELL_PATH for sm_90 and up.
 export TRITON_PTXAS_PATH=$PTXAS TRITON_PTXAS_BLACKWELL_PATH=$PTXAS
 cd "$ROOT"
-exec "$VENV/bin/python" scripts/python/triton_compile.py "$@"
+"$VENV/bin/python" scripts/python/triton_compile.py "$@"
+# then the SASS record of every cubin (registers, spills, load widths, sha256), which
+# `cargo test` (tests/triton_record/cubin_info.rs) holds to the cubins
+if [[ " $* " == *" --check "* ]]; then
+  exec "$VENV/bin/python" scripts/python/cubin_record.py --check
+fi
+exec "$VENV/bin/python" scripts/python/cubin_record.py

@@ -4,10 +4,9 @@
 //! partial sums over fixed blocks, `sumsq_total`: their ordered sum, rounded to f32), as
 //! `crate::adamw::sum_of_squares`. [`scalars`] gives the update's f32 constants.
 
-use super::Elem::{Io, F32, F64};
-use super::{Extent, KernelSpec, Param, Rule, Scalar};
+use super::{KernelSpec, Rule, Scalar};
 use crate::adamw::AdamWStep;
-use candle_core::{DType, Result};
+use candle_core::Result;
 
 /// Elements per program of `adamw_update` (`BLOCK`).
 pub const BLOCK: usize = 1024;
@@ -15,82 +14,20 @@ pub const BLOCK: usize = 1024;
 /// elements.
 pub const SUMSQ_BLOCK: usize = 1024;
 
-const UPDATE: &[Param] = &[
-    Param::Tensor("PARAM", &["E"], F32),
-    Param::Tensor("GRAD", &["E"], Io),
-    Param::Tensor("EXP_AVG", &["E"], F32),
-    Param::Tensor("EXP_AVG_SQ", &["E"], F32),
-    Param::Dim("E", "E"),
-    Param::Float("grad_scale"),
-    Param::Float("beta1"),
-    Param::Float("one_minus_beta1"),
-    Param::Float("beta2"),
-    Param::Float("one_minus_beta2"),
-    Param::Float("decay"),
-    Param::Float("step_size"),
-    Param::Float("inv_bc2"),
-    Param::Float("eps"),
-];
-const PARTIAL: &[Param] = &[
-    Param::Tensor("X", &["E"], Io),
-    Param::Tensor("PARTIAL", &["P"], F64),
-    Param::Dim("E", "E"),
-];
-const TOTAL: &[Param] = &[
-    Param::Tensor("PARTIAL", &["P"], F64),
-    Param::Tensor("OUT", &["ONE"], F32),
-    Param::Dim("P", "P"),
-];
+// `OUT` holds one element (its dimension is written `1` in the metadata)
+const ONE_ELEMENT: &[Rule] = &[Rule::Cdiv("1", &[], 1)];
 
-const PARTIAL_RULES: &[Rule] = &[Rule::Cdiv("P", &["E"], SUMSQ_BLOCK)];
-const ONE_ELEMENT: &[Rule] = &[Rule::Cdiv("ONE", &[], 1)];
-
-const fn update(dtype: DType, shared_bytes: u32) -> KernelSpec {
-    KernelSpec {
-        family: "adamw",
-        entry: "adamw_update",
-        dtype,
-        num_warps: 4,
-        shared_bytes: [shared_bytes; 2],
-        grid: [Extent::cdiv(&["E"], BLOCK), Extent::ONE, Extent::ONE],
-        rules: &[],
-        params: UPDATE,
-    }
-}
-
-const fn partial(dtype: DType) -> KernelSpec {
-    KernelSpec {
-        family: "adamw",
-        entry: "sumsq_partial",
-        dtype,
-        num_warps: 4,
-        shared_bytes: [32; 2],
-        grid: [Extent::cdiv(&["E"], SUMSQ_BLOCK), Extent::ONE, Extent::ONE],
-        rules: PARTIAL_RULES,
-        params: PARTIAL,
-    }
-}
+/// The [`Rule`]s of each entry; the rest of its launch table is generated from its
+/// metadata (`kernels/*.json`) by `build.rs`.
+pub(crate) const RULES: &[(&str, &[Rule])] = &[
+    ("adamw_update", &[]),
+    ("sumsq_partial", &[Rule::Cdiv("P", &["E"], SUMSQ_BLOCK)]),
+    ("sumsq_total", ONE_ELEMENT),
+];
 
 /// The AdamW update for f32, bf16 and f16 gradients, the sum-of-squares partial sums for the
 /// same, and their total (one f32 variant: it reads only f64 partials).
-pub const KERNELS: &[KernelSpec] = &[
-    update(DType::F32, 0),
-    update(DType::BF16, 4096),
-    update(DType::F16, 4096),
-    partial(DType::F32),
-    partial(DType::BF16),
-    partial(DType::F16),
-    KernelSpec {
-        family: "adamw",
-        entry: "sumsq_total",
-        dtype: DType::F32,
-        num_warps: 4,
-        shared_bytes: [32; 2],
-        grid: [Extent::ONE, Extent::ONE, Extent::ONE],
-        rules: ONE_ELEMENT,
-        params: TOTAL,
-    },
-];
+pub const KERNELS: &[KernelSpec] = super::compiled::ADAMW;
 
 /// The nine f32 scalars of `adamw_update` for `step`, in order (grad scale, b1, 1 - b1, b2,
 /// 1 - b2, `1 - lr wd`, `lr / bc1`, `1 / bc2`, eps): each rounded from f64 exactly as the

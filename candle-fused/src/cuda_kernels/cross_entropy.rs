@@ -99,62 +99,15 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
-use super::Elem::{Io, F32, U32};
-use super::{Extent, KernelSpec, Param};
-use candle_core::DType;
+use super::KernelSpec;
 
 /// Classes per block of the loop over a row (`BLOCK_V`).
 pub const BLOCK_V: usize = 4096;
 
-const LOGITS: Param = Param::Tensor("LOGITS", &["R", "V"], Io);
-const TARGETS: Param = Param::Tensor("TARGETS", &["R"], U32);
-const WEIGHT: Param = Param::Tensor("WEIGHT", &["R"], F32);
-const NLL: Param = Param::Tensor("NLL", &["R"], F32);
-const LSE: Param = Param::Tensor("LSE", &["R"], F32);
-const DLOGITS: Param = Param::Tensor("DLOGITS", &["R", "V"], Io);
-const R: Param = Param::Dim("R", "R");
-const V: Param = Param::Dim("V", "V");
-const IGNORE: Param = Param::Int("ignore_index");
-const SCALE: Param = Param::Float("scale");
-
-const FWD: &[Param] = &[LOGITS, TARGETS, WEIGHT, NLL, LSE, R, V, IGNORE];
-const BWD: &[Param] = &[LOGITS, TARGETS, WEIGHT, LSE, DLOGITS, R, V, IGNORE, SCALE];
-const FWD_BWD: &[Param] = &[
-    LOGITS, TARGETS, WEIGHT, NLL, LSE, DLOGITS, R, V, IGNORE, SCALE,
-];
-
-const ROWS: [Extent; 3] = [Extent::of(&["R"]), Extent::ONE, Extent::ONE];
-
-const fn spec(
-    entry: &'static str,
-    dtype: DType,
-    shared: u32,
-    params: &'static [Param],
-) -> KernelSpec {
-    KernelSpec {
-        family: "cross_entropy",
-        entry,
-        dtype,
-        num_warps: 8,
-        shared_bytes: [shared; 2],
-        grid: ROWS,
-        rules: &[],
-        params,
-    }
-}
-
-const fn ce(dtype: DType) -> [KernelSpec; 3] {
-    // 32 bytes: the cross-warp max / sum of a block (8 warps x f32); ce_bwd reduces nothing.
-    [
-        spec("ce_fwd", dtype, 32, FWD),
-        spec("ce_bwd", dtype, 0, BWD),
-        spec("ce_fwd_bwd", dtype, 32, FWD_BWD),
-    ]
-}
-
-const F: [KernelSpec; 3] = ce(DType::F32);
-const B: [KernelSpec; 3] = ce(DType::BF16);
-const H: [KernelSpec; 3] = ce(DType::F16);
+/// The [`Rule`](super::Rule)s of each entry; the rest of its launch table is generated from its
+/// metadata (`kernels/*.json`) by `build.rs`.
+pub(crate) const RULES: &[(&str, &[super::Rule])] =
+    &[("ce_fwd", &[]), ("ce_bwd", &[]), ("ce_fwd_bwd", &[])];
 
 /// `ce_fwd`, `ce_bwd` and `ce_fwd_bwd` for f32, bf16 and f16.
-pub const KERNELS: &[KernelSpec] = &[F[0], F[1], F[2], B[0], B[1], B[2], H[0], H[1], H[2]];
+pub const KERNELS: &[KernelSpec] = super::compiled::CROSS_ENTROPY;

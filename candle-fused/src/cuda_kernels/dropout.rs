@@ -3,8 +3,7 @@
 //! layout, uniforms and keep scale). The backward launches the same kernel on `dy` with the
 //! same key. [`scalars`] builds the kernel's scalar arguments from `p` and the [`RngKey`].
 
-use super::Elem::Io;
-use super::{Extent, KernelSpec, Param, Scalar};
+use super::{KernelSpec, Scalar};
 use crate::cpu::Elem;
 use crate::dropout::{check_p, keep_scale};
 use crate::RngKey;
@@ -13,39 +12,12 @@ use candle_core::{bail, DType, Result};
 /// Elements per program (`BLOCK`, a multiple of 4: one Philox block per 4 elements).
 pub const BLOCK: usize = 1024;
 
-const PARAMS: &[Param] = &[
-    Param::Tensor("X", &["E"], Io),
-    Param::Tensor("Y", &["E"], Io),
-    Param::Dim("E", "E"),
-    Param::Int("seed_lo"),
-    Param::Int("seed_hi"),
-    Param::Int("site_lo"),
-    Param::Int("site_hi"),
-    Param::Int("offset_lo"),
-    Param::Int("offset_hi"),
-    Param::Float("p"),
-    Param::Float("scale"),
-];
-
-const fn dropout(dtype: DType) -> KernelSpec {
-    KernelSpec {
-        family: "dropout",
-        entry: "dropout",
-        dtype,
-        num_warps: 4,
-        shared_bytes: [0; 2],
-        grid: [Extent::cdiv(&["E"], BLOCK), Extent::ONE, Extent::ONE],
-        rules: &[],
-        params: PARAMS,
-    }
-}
+/// The [`Rule`](super::Rule)s of each entry; the rest of its launch table is generated from its
+/// metadata (`kernels/*.json`) by `build.rs`.
+pub(crate) const RULES: &[(&str, &[super::Rule])] = &[("dropout", &[])];
 
 /// Dropout (forward on `x`, backward on `dy`), for f32, bf16 and f16.
-pub const KERNELS: &[KernelSpec] = &[
-    dropout(DType::F32),
-    dropout(DType::BF16),
-    dropout(DType::F16),
-];
+pub const KERNELS: &[KernelSpec] = super::compiled::DROPOUT;
 
 /// The two i32 words (low, high) of a u64: its bits, reinterpreted (the kernel takes them back
 /// as u32 and joins them).

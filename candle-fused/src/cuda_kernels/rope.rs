@@ -12,65 +12,16 @@
 //! contiguous: a strided `x` (a view of a packed projection, which the CPU op reads in
 //! place) is made contiguous by the launcher first.
 
-use super::Elem::{Io, F32};
-use super::{Extent, KernelSpec, Param, Rule};
-use candle_core::DType;
+use super::{KernelSpec, Rule};
 
 /// Pairs `(i, i + D/2)` per block of a program's loop (`BLOCK`).
 pub const BLOCK: usize = 512;
 
-const FWD: &[Param] = &[
-    Param::Tensor("X", &["B", "T", "H", "D"], Io),
-    Param::Tensor("COS", &["TB", "T", "HALF"], F32),
-    Param::Tensor("SIN", &["TB", "T", "HALF"], F32),
-    Param::Tensor("Y", &["B", "H", "T", "D"], Io),
-    Param::Dim("T", "T"),
-    Param::Dim("H", "H"),
-    Param::Dim("HALF", "HALF"),
-    Param::Dim("TB", "TB"),
-];
-const BWD: &[Param] = &[
-    Param::Tensor("DY", &["B", "H", "T", "D"], Io),
-    Param::Tensor("COS", &["TB", "T", "HALF"], F32),
-    Param::Tensor("SIN", &["TB", "T", "HALF"], F32),
-    Param::Tensor("DX", &["B", "T", "H", "D"], Io),
-    Param::Dim("T", "T"),
-    Param::Dim("H", "H"),
-    Param::Dim("HALF", "HALF"),
-    Param::Dim("TB", "TB"),
-];
+const HALVES: &[Rule] = &[Rule::Product("D", &["HALF"], 2), Rule::Divides("TB", "B")];
 
-const RULES: &[Rule] = &[Rule::Product("D", &["HALF"], 2), Rule::Divides("TB", "B")];
-
-const fn rope(dtype: DType) -> [KernelSpec; 2] {
-    let grid = [Extent::of(&["B", "T"]), Extent::ONE, Extent::ONE];
-    [
-        KernelSpec {
-            family: "rope",
-            entry: "rope_fwd",
-            dtype,
-            num_warps: 4,
-            shared_bytes: [0; 2],
-            grid,
-            rules: RULES,
-            params: FWD,
-        },
-        KernelSpec {
-            family: "rope",
-            entry: "rope_bwd",
-            dtype,
-            num_warps: 4,
-            shared_bytes: [0; 2],
-            grid,
-            rules: RULES,
-            params: BWD,
-        },
-    ]
-}
-
-const F: [KernelSpec; 2] = rope(DType::F32);
-const B: [KernelSpec; 2] = rope(DType::BF16);
-const H: [KernelSpec; 2] = rope(DType::F16);
+/// The [`Rule`]s of each entry; the rest of its launch table is generated from its
+/// metadata (`kernels/*.json`) by `build.rs`.
+pub(crate) const RULES: &[(&str, &[Rule])] = &[("rope_fwd", HALVES), ("rope_bwd", HALVES)];
 
 /// RoPE forward and backward, for f32, bf16 and f16.
-pub const KERNELS: &[KernelSpec] = &[F[0], F[1], B[0], B[1], H[0], H[1]];
+pub const KERNELS: &[KernelSpec] = super::compiled::ROPE;

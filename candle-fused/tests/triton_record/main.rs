@@ -13,6 +13,9 @@
 //! * the cubins' ELF sections agree with their metadata and the launcher (`cubin_elf.rs`): static
 //!   shared memory (and the opt-in rule that counts it), and the pinned ptxas release that built
 //!   them;
+//! * every cubin's `.nv.info` (parameter layout, required block, registers, stack frame) agrees
+//!   with the launch tables, and the SASS record `triton/records/sass.json` (spills, load
+//!   widths) is the cubins' (`cubin_info.rs`);
 //! * `check_launch` accepts a valid launch and rejects misaligned, strided, oversized and
 //!   wrongly typed arguments with a clear error (RMSNorm here; the elementwise families in
 //!   `triton_record/elementwise.rs`).
@@ -21,7 +24,7 @@ use anyhow::{anyhow, ensure, Context, Result};
 use candle_core::DType;
 use candle_fused::cuda_kernels::{
     check_launch, cross_entropy, describe_grid, dtype_suffix, find, kernels, layer_norm, rms_norm,
-    Arg, Param, Rule, Scalar, TensorArg, ARCHS, FAMILIES, POINTER_ALIGNMENT, SCRATCH_PARAMS,
+    Arg, Param, Scalar, TensorArg, ARCHS, FAMILIES, POINTER_ALIGNMENT, SCRATCH_PARAMS,
 };
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -181,15 +184,7 @@ fn metadata_matches_the_launcher_table() -> Result<()> {
                 u64_of(&meta, "pointer_alignment_bytes")? as usize == POINTER_ALIGNMENT,
                 ctx("pointer_alignment_bytes")
             );
-            // a tile limit of the table is the compiled constexpr of that name
-            for rule in spec.rules {
-                if let Rule::AtMost(d, max) = rule {
-                    let key = format!("BLOCK_{d}");
-                    if let Some(v) = meta["constexprs"][&key].as_u64() {
-                        ensure!(v as usize == *max, ctx(&key));
-                    }
-                }
-            }
+            tiles::tile_rules_hold(spec).with_context(|| format!("{stem}.json"))?;
             // parameters: the table's, in order, then the two scratch pointers
             let params = meta["params"]
                 .as_array()
@@ -258,9 +253,11 @@ pub(crate) fn t(dims: &[usize], dtype: DType) -> TensorArg {
 pub(crate) const EPS: &[Scalar] = &[Scalar::F32(1e-5)];
 
 mod cubin_elf;
+mod cubin_info;
 mod launch_attention;
 mod launch_cross_entropy;
 mod launch_elementwise;
 mod launch_layer_norm;
 mod launch_rms_norm;
 mod launch_rope;
+mod tiles;
