@@ -176,6 +176,7 @@ fn params(list: &Value, io: &str) -> Result<String, Error> {
                 "fp64" => "F64",
                 "i32" => "I32",
                 "u32" => "U32",
+                "i64" => "I64",
                 e => return Err(format!("parameter {name}: pointer type *{e}").into()),
             };
             let dims: Vec<String> = dims.iter().map(|d| format!("{d:?}")).collect();

@@ -114,10 +114,13 @@ def _find(TABLE, T, WIDTH: tl.constexpr, COL: tl.constexpr, pid):
 
 
 @triton.jit
-def adamw_update_multi(TABLE, GRAD0, T, grad_scale, beta1, one_minus_beta1, beta2,
+def adamw_update_multi(TABLE, GRAD0, T, NB, grad_scale, beta1, one_minus_beta1, beta2,
                        one_minus_beta2, decay, step_size, inv_bc2, eps, BLOCK: tl.constexpr):
-    """Program `pid`: one AdamW step on one block of one tensor of the table, in place."""
+    """Program `pid` (of `NB`, the group's blocks): one AdamW step on one block of one tensor
+    of the table, in place. `GRAD0`: the first gradient, which gives the variant's dtype."""
     pid = tl.program_id(0).to(tl.int64)
+    if pid >= NB:
+        return
     t = _find(TABLE, T, 8, 5, pid)
     row = TABLE + t * 8
     param = tl.load(row).to(tl.pointer_type(tl.float32))
@@ -143,9 +146,12 @@ def adamw_update_multi(TABLE, GRAD0, T, grad_scale, beta1, one_minus_beta1, beta
 
 
 @triton.jit
-def sumsq_partial_multi(TABLE, PARTIAL, GRAD0, T, BLOCK: tl.constexpr):
-    """Program `pid`: `PARTIAL[part_start[t] + b] = sum x^2` over block `b` of tensor `t`, f64."""
+def sumsq_partial_multi(TABLE, PARTIAL, GRAD0, T, NB, BLOCK: tl.constexpr):
+    """Program `pid` (of `NB`): `PARTIAL[part_start[t] + b] = sum x^2` over block `b` of
+    tensor `t`, f64."""
     pid = tl.program_id(0).to(tl.int64)
+    if pid >= NB:
+        return
     t = _find(TABLE, T, 4, 2, pid)
     row = TABLE + t * 4
     x_ptr = tl.load(row).to(tl.pointer_type(GRAD0.dtype.element_ty))
@@ -195,6 +201,27 @@ AOT = [
          constexprs={"BLOCK_P": TOTAL_BLOCK_P},
          params=[("PARTIAL", "*fp64", "in [P] f64"), ("OUT", "*fp32", "out [1] f32"),
                  ("P", "i32", "partials")]),
+    # The multi-tensor forms (one launch per gradient dtype group; `cuda_kernels::adamw`):
+    # TABLE rows are i64 device addresses and sizes (see the kernels); NB, the group's
+    # blocks, is the grid; GRAD0 the group's first gradient (the variant's dtype).
+    dict(fn=adamw_update_multi, num_warps=4, grid="(NB, 1, 1)",
+         constexprs={"BLOCK": BLOCK},
+         params=[("TABLE", "*i64", "in [T, W] i64: param, grad, exp_avg, exp_avg_sq, E, first "
+                  "block, decay flag, 0"),
+                 ("GRAD0", "*{io}", "in [G]: the first gradient"),
+                 ("T", "i32", "tensors"), ("NB", "i32", "blocks: sum of cdiv(E, BLOCK)")]
+         + [(s, "fp32", "f32 constant (cuda_kernels::adamw::scalars)") for s in SCALARS]),
+    dict(fn=sumsq_partial_multi, num_warps=4, grid="(NB, 1, 1)",
+         constexprs={"BLOCK": SUMSQ_BLOCK},
+         params=[("TABLE", "*i64", "in [T, W] i64: x, E, first block, first partial"),
+                 ("PARTIAL", "*fp64", "out [P] f64"),
+                 ("GRAD0", "*{io}", "in [G]: the first gradient"),
+                 ("T", "i32", "tensors"), ("NB", "i32", "blocks: sum of cdiv(E, BLOCK)")]),
+    dict(fn=sumsq_total_multi, num_warps=4, grid="(1, 1, 1)", dtypes=("f32",),
+         constexprs={"BLOCK_P": TOTAL_BLOCK_P},
+         params=[("PARTS", "*i64", "in [T1] i64: each tensor's first partial, then P"),
+                 ("PARTIAL", "*fp64", "in [P] f64"), ("OUT", "*fp32", "out [1] f32"),
+                 ("T", "i32", "tensors")]),
 ]
 
 # Interpreter check. param, exp_avg, exp_avg_sq: bit-identical ("exact": no element differs)
@@ -261,7 +288,7 @@ def _interpret_group(t):
                      f, 0])
         first += triton.cdiv(g.numel(), BLOCK)
     table = torch.tensor(rows, dtype=torch.int64)
-    adamw_update_multi[(first,)](table, gs[0], len(sizes), *scalars, BLOCK=BLOCK)
+    adamw_update_multi[(first,)](table, gs[0], len(sizes), first, *scalars, BLOCK=BLOCK)
     counts = [triton.cdiv(n, SUMSQ_BLOCK) for n in sizes]
     parts = [0]
     for c in counts:
@@ -274,7 +301,7 @@ def _interpret_group(t):
             rows.append([gs[i].data_ptr(), sizes[i], first, parts[i]])
             first += counts[i]
         sumsq_partial_multi[(first,)](torch.tensor(rows, dtype=torch.int64), partial, gs[lo],
-                                      hi - lo, BLOCK=SUMSQ_BLOCK)
+                                      hi - lo, first, BLOCK=SUMSQ_BLOCK)
     out = torch.empty(1, dtype=torch.float32)
     sumsq_total_multi[(1,)](torch.tensor(parts, dtype=torch.int64), partial, out, len(sizes),
                             BLOCK_P=TOTAL_BLOCK_P)

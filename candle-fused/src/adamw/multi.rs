@@ -9,11 +9,13 @@
 //! parameter (two per gradient for the sum of squares, plus an add), where the multi-tensor
 //! Triton kernels of `triton/adamw.py` (`adamw_update_multi`, `sumsq_partial_multi`,
 //! `sumsq_total_multi`) walk a small table of the group's tensors in one launch per gradient
-//! dtype. Those are checked in the interpreter against these functions' results, bit for bit;
-//! they are not compiled ahead of time nor launched yet, so on every device the group is
-//! still stepped and summed tensor by tensor.
+//! dtype. Those are checked in the interpreter against these functions' results, bit for bit,
+//! and run on CUDA with the Triton kernels switched on (`adamw/cuda.rs`) for the members the
+//! per-tensor kernels would take (f32 state on 16-byte boundaries, a gradient dtype they
+//! cover); other members, and every other device, are stepped and summed tensor by tensor.
 
 use super::{adamw_update, check_args, storage_addr, sum_of_squares, AdamWStep};
+use crate::cuda_kernels::triton_flat;
 use candle_core::{Result, Tensor, Var};
 
 /// One parameter of a multi-tensor AdamW step ([`adamw_update_multi`]): the tensors
@@ -107,10 +109,47 @@ pub(super) fn check_group(group: &[AdamWParam<'_>], s: &AdamWStep) -> Result<()>
 /// ```
 pub fn adamw_update_multi(group: &[AdamWParam<'_>], s: &AdamWStep) -> Result<()> {
     check_group(group, s)?;
-    for a in group {
+    let (fused, rest): (Vec<&AdamWParam<'_>>, Vec<_>) = group.iter().partition(|a| on_triton(a));
+    #[cfg(feature = "cuda")]
+    if !fused.is_empty() {
+        let scalars = crate::cuda_kernels::adamw::scalars(s)?;
+        // one launch (per chunk) for each gradient dtype
+        let mut dtypes = Vec::new();
+        for a in &fused {
+            if !dtypes.contains(&a.grad.dtype()) {
+                dtypes.push(a.grad.dtype());
+            }
+        }
+        for dt in dtypes {
+            let members: Vec<AdamWParam<'_>> = fused
+                .iter()
+                .filter(|a| a.grad.dtype() == dt)
+                .map(|a| **a)
+                .collect();
+            super::cuda::update_multi(&members, &scalars)?;
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    if !fused.is_empty() {
+        candle_core::bail!("candle-fused adamw: Triton kernels need the `cuda` feature");
+    }
+    for a in rest {
         adamw_update(a.param, a.grad, a.exp_avg, a.exp_avg_sq, &a.step(s))?;
     }
     Ok(())
+}
+
+/// Whether [`adamw_update`] would step `a` with the Triton kernel (so the multi-tensor kernel
+/// takes it): a gradient dtype and size it covers on a CUDA device with the kernels on, and
+/// the f32 state starting on 16-byte boundaries.
+fn on_triton(a: &AdamWParam<'_>) -> bool {
+    let aligned = |t: &Tensor| {
+        (t.layout().start_offset() * 4).is_multiple_of(crate::cuda_kernels::POINTER_ALIGNMENT)
+    };
+    triton_flat(a.grad.device(), a.grad.dtype(), a.grad.elem_count())
+        && [a.param.as_tensor(), a.exp_avg, a.exp_avg_sq]
+            .into_iter()
+            .all(aligned)
 }
 
 /// `sum_i sum(t_i^2)` over a group of tensors as a scalar f32 tensor on their device (`None`
@@ -138,6 +177,13 @@ pub fn sum_of_squares_multi(ts: &[&Tensor]) -> Result<Option<Tensor>> {
         candle_core::bail!(
             "candle-fused sum_of_squares_multi: tensor {i} is on another device than tensor 0"
         )
+    }
+    #[cfg(feature = "cuda")]
+    if ts
+        .iter()
+        .all(|t| t.dtype() == first.dtype() && triton_flat(t.device(), t.dtype(), t.elem_count()))
+    {
+        return Ok(Some(super::cuda::sum_of_squares_multi(ts)?));
     }
     let mut total: Option<Tensor> = None;
     for t in ts {

@@ -23,7 +23,14 @@ pub(crate) const RULES: &[(&str, &[Rule])] = &[
     ("adamw_update", &[]),
     ("sumsq_partial", &[Rule::Cdiv("P", &["E"], SUMSQ_BLOCK)]),
     ("sumsq_total", ONE_ELEMENT),
+    ("adamw_update_multi", TABLE_ROWS_OF_8),
+    ("sumsq_partial_multi", TABLE_ROWS_OF_4),
+    ("sumsq_total_multi", ONE_ELEMENT),
 ];
+
+// the multi-tensor kernels' tables: `[T, W]` i64, one row of `W` columns per tensor
+const TABLE_ROWS_OF_8: &[Rule] = &[Rule::Product("W", &[], 8)];
+const TABLE_ROWS_OF_4: &[Rule] = &[Rule::Product("W", &[], 4)];
 
 /// The AdamW update for f32, bf16 and f16 gradients, the sum-of-squares partial sums for the
 /// same, and their total (one f32 variant: it reads only f64 partials).

@@ -85,6 +85,9 @@ pub(crate) static CUBINS: &[&[Cubin]] = &[
     cubins!("adamw_update"),
     cubins!("sumsq_partial"),
     cubins!("sumsq_total", ["f32"]),
+    cubins!("adamw_update_multi"),
+    cubins!("sumsq_partial_multi"),
+    cubins!("sumsq_total_multi", ["f32"]),
 ];
 
 /// The cubins of `entry` for `dtype`.

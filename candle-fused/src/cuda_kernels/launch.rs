@@ -240,7 +240,10 @@ impl<'a> Buf<'a> {
 
 /// The device pointer of `buf`'s first element and the guard that records the access on
 /// `stream` once dropped (after the launch is queued).
-fn pointer<'b>(buf: &'b mut Buf<'_>, stream: &'b CudaStream) -> Result<(u64, SyncOnDrop<'b>)> {
+pub(crate) fn pointer<'b>(
+    buf: &'b mut Buf<'_>,
+    stream: &'b CudaStream,
+) -> Result<(u64, SyncOnDrop<'b>)> {
     fn read<'b, T: candle_core::cuda::CudaDType + 'static>(
         s: &'b CudaStorage,
         stream: &'b CudaStream,
@@ -264,6 +267,7 @@ fn pointer<'b>(buf: &'b mut Buf<'_>, stream: &'b CudaStream) -> Result<(u64, Syn
         (Access::Read(s), DType::I32) => read::<i32>(s, stream)?,
         (Access::Read(s), DType::U32) => read::<u32>(s, stream)?,
         (Access::Read(s), DType::F64) => read::<f64>(s, stream)?,
+        (Access::Read(s), DType::I64) => read::<i64>(s, stream)?,
         (Access::Write(s), DType::F32) => write::<f32>(s, stream)?,
         (Access::Write(s), DType::BF16) => write::<bf16>(s, stream)?,
         (Access::Write(s), DType::F16) => write::<f16>(s, stream)?,

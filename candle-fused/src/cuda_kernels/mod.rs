@@ -123,6 +123,8 @@ pub enum Elem {
     I32,
     /// Always u32 (class targets, as the CPU ops take them).
     U32,
+    /// Always i64 (tables of device addresses and sizes: the multi-tensor kernels).
+    I64,
 }
 
 /// One parameter of a kernel's `.entry`, in order.
@@ -156,6 +158,7 @@ impl Param {
             Param::Tensor(_, _, Elem::F64) => "*fp64".into(),
             Param::Tensor(_, _, Elem::I32) => "*i32".into(),
             Param::Tensor(_, _, Elem::U32) => "*u32".into(),
+            Param::Tensor(_, _, Elem::I64) => "*i64".into(),
             Param::Dim(..) | Param::Int(_) => "i32".into(),
             Param::Float(_) => "fp32".into(),
         }
@@ -490,6 +493,7 @@ pub fn check_launch(
             Elem::F64 => DType::F64,
             Elem::I32 => DType::I32,
             Elem::U32 => DType::U32,
+            Elem::I64 => DType::I64,
         };
         if t.dtype != want {
             bail!("{name}: {pname} must be {want:?}, got {:?}", t.dtype)
@@ -532,6 +536,22 @@ pub fn check_launch(
                 t.offset_bytes,
                 t.offset_bytes % POINTER_ALIGNMENT
             )
+        }
+    }
+    // an Int parameter the grid names (`NB`, the blocks of a multi-tensor launch) binds that
+    // dimension to the caller's value
+    let mut values = scalars.iter();
+    for p in spec.params {
+        let (Param::Int(pname) | Param::Float(pname)) = *p else {
+            continue;
+        };
+        let value = values.next();
+        let in_grid = spec.grid.iter().any(|e| e.dims.contains(&pname));
+        if let (Param::Int(_), Some(&Scalar::I32(v)), true) = (p, value, in_grid) {
+            match usize::try_from(v) {
+                Ok(v) => bound.push((pname, v)),
+                Err(_) => bail!("{name}: {pname} = {v} sizes the grid: it must not be negative"),
+            }
         }
     }
     let get = |d: &str| -> Result<usize> {

@@ -271,3 +271,54 @@ fn adamw_launches() -> Result<()> {
     .is_err());
     Ok(())
 }
+
+#[test]
+fn adamw_multi_launches() -> Result<()> {
+    use candle_fused::adamw::AdamWStep;
+    use candle_fused::cuda_kernels::adamw::scalars;
+    use Arg::{Null, Tensor as T, F32, I32};
+    let s = scalars(&AdamWStep {
+        step: 3,
+        ..Default::default()
+    })?;
+    let (i64_, f) = (DType::I64, DType::F32);
+    // three tensors of 3001, 5 and 1024 elements: 3 + 1 + 1 blocks of 1024
+    let nb = 5;
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let up = find("adamw_update_multi", dt).unwrap();
+        let mut scalars_nb = vec![Scalar::I32(nb)];
+        scalars_nb.extend_from_slice(&s);
+        let l = check_launch(up, &[t(&[3, 8], i64_), t(&[3001], dt)], &scalars_nb)?;
+        // the grid is the caller's block count, not a tensor's size
+        assert_eq!((l.grid, l.block), ([5, 1, 1], [128, 1, 1]));
+        assert_eq!(l.args[..4], [T(0), T(1), I32(3), I32(nb)]);
+        assert_eq!(l.args[4..13].len(), 9);
+        assert!(matches!(l.args[4], F32(_)));
+        assert_eq!(l.args[13..], [Null, Null]);
+        // a table of 4 columns, an i32 table, a negative block count: refused
+        let err = check_launch(up, &[t(&[3, 4], i64_), t(&[3001], dt)], &scalars_nb)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("W must be 8"), "{err}");
+        assert!(check_launch(up, &[t(&[3, 8], DType::I32), t(&[3001], dt)], &scalars_nb).is_err());
+        scalars_nb[0] = Scalar::I32(-1);
+        assert!(check_launch(up, &[t(&[3, 8], i64_), t(&[3001], dt)], &scalars_nb).is_err());
+
+        let part = find("sumsq_partial_multi", dt).unwrap();
+        let args = [
+            t(&[3, 4], i64_),
+            t(&[nb as usize], DType::F64),
+            t(&[3001], dt),
+        ];
+        let l = check_launch(part, &args, &[Scalar::I32(nb)])?;
+        assert_eq!(l.grid, [5, 1, 1]);
+        assert_eq!(l.args, [T(0), T(1), T(2), I32(3), I32(nb), Null, Null]);
+    }
+    let total = find("sumsq_total_multi", f).unwrap();
+    let args = [t(&[4], i64_), t(&[nb as usize], DType::F64), t(&[1], f)];
+    let l = check_launch(total, &args, &[Scalar::I32(3)])?;
+    assert_eq!(l.grid, [1, 1, 1]);
+    assert_eq!(l.args, [T(0), T(1), T(2), I32(3), Null, Null]);
+    assert!(find("sumsq_total_multi", DType::BF16).is_none());
+    Ok(())
+}
