@@ -85,6 +85,8 @@ pub(crate) static CUBINS: &[&[Cubin]] = &[
     cubins!("adamw_update"),
     cubins!("sumsq_partial"),
     cubins!("sumsq_total", ["f32"]),
+    // embedding (triton/embedding.py)
+    cubins!("embedding_bwd"),
 ];
 
 /// The cubins of `entry` for `dtype`.
