@@ -1,8 +1,10 @@
 //! Token-embedding backward (`triton/embedding.py`): each file
 //! `embedding.<dtype>.<V>x<C>-n<N>.safetensors` holds the table `w [V, C]`, the ids `ids [N]`
 //! (u32) and `dy [N, C]` (inputs) and the CPU kernel's `dw [V, C]`. Ids repeat (the first five
-//! are all 1) and some rows are absent (ids are drawn below `V - 3`, or far below `V`); `C` is
-//! not a multiple of the 256-column block (129, 300, 1) and `V` is any size.
+//! are all 1) and some rows are absent (ids are drawn below `V - 3`, or far below `V`); the
+//! last case has two ids ~50 times each (segments much longer than the kernel's 8-row trips,
+//! not multiples of them); `C` is not a multiple of the 256-column block (129, 300, 1, 40) and
+//! `V` is any size.
 
 use crate::common::{self, Lcg};
 use anyhow::Result;
@@ -11,11 +13,12 @@ use candle_fused::embedding::embedding;
 
 const ALL: &[DType] = &[DType::F32, DType::BF16, DType::F16];
 /// `(V, C, N, ids drawn below)`.
-const CASES: [(usize, usize, usize, usize); 4] = [
+const CASES: [(usize, usize, usize, usize); 5] = [
     (37, 129, 123, 34),
     (300, 300, 211, 297),
     (5, 1, 7, 3),
     (1000, 64, 50, 1000),
+    (7, 40, 101, 2),
 ];
 
 fn vectors(
