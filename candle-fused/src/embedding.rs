@@ -103,7 +103,10 @@ pub fn embedding(w: &Tensor, ids: &Tensor, host_ids: Option<&[u32]>) -> Result<T
         let (w, ids) = (w.contiguous()?, ids.contiguous()?);
         return op::apply(op, &[&w, &ids], None, None);
     }
-    let y = w.detach().index_select(&ids.flatten_all()?, 0)?.reshape(dims)?;
+    let y = w
+        .detach()
+        .index_select(&ids.flatten_all()?, 0)?
+        .reshape(dims)?;
     op::apply(op, &[w, ids], None, Some(y))
 }
 
@@ -132,7 +135,10 @@ fn check(op: &str, w: &Tensor, ids: &Tensor) -> Result<(usize, usize)> {
         d => bail!("{op}: the table must be [V, C], got {d:?}"),
     };
     if !w.dtype().is_float() {
-        bail!("{op}: the table must be a float tensor, got {:?}", w.dtype())
+        bail!(
+            "{op}: the table must be a float tensor, got {:?}",
+            w.dtype()
+        )
     }
     if ids.dtype() != DType::U32 {
         bail!("{op}: ids must be u32, got {:?}", ids.dtype())

@@ -61,7 +61,9 @@ fn same_bits_as_index_add_f32_f64() -> Result<()> {
 fn half_tables_sum_in_f32() -> Result<()> {
     for (dt, unit) in [(DType::BF16, 2f64.powi(-8)), (DType::F16, 2f64.powi(-11))] {
         let (v, c, n) = (11, 33, 400);
-        let host: Vec<u32> = (0..n as u32).map(|p| if p % 2 == 0 { 1 } else { p % 7 }).collect();
+        let host: Vec<u32> = (0..n as u32)
+            .map(|p| if p % 2 == 0 { 1 } else { p % 7 })
+            .collect();
         let t = Tensor::new(host.as_slice(), &Device::Cpu)?;
         let w = rand_seeded(5, &[v, c], 1.0, dt)?;
         let (_, dw) = run(&w, 6, |w| embedding(w, &t, Some(&host)))?;
@@ -77,7 +79,10 @@ fn half_tables_sum_in_f32() -> Result<()> {
         };
         let (ours, theirs) = (err(&dw)?, err(&dw_index_add)?);
         assert!(ours <= unit * 1.05, "{dt:?}: dW off by {ours:e} > {unit:e}");
-        assert!(ours < theirs, "{dt:?}: {ours:e} not below index_add's {theirs:e}");
+        assert!(
+            ours < theirs,
+            "{dt:?}: {ours:e} not below index_add's {theirs:e}"
+        );
     }
     Ok(())
 }
@@ -91,8 +96,9 @@ fn fallback_same_bits() -> Result<()> {
         let t = Tensor::from_vec(host.clone(), (7, 29), &Device::Cpu)?;
         let w = rand_seeded(8, &[45, 21], 1.0, dt)?;
         let kernel = run(&w, 9, |w| embedding(w, &t, Some(&host)))?;
-        let fallback =
-            candle_fused::with_composite_fallback(|| run(&w, 9, |w| embedding(w, &t, Some(&host))))?;
+        let fallback = candle_fused::with_composite_fallback(|| {
+            run(&w, 9, |w| embedding(w, &t, Some(&host)))
+        })?;
         same_bits(&fallback.0, &kernel.0, &format!("{dt:?} y"))?;
         same_bits(&fallback.1, &kernel.1, &format!("{dt:?} dW"))?;
     }
@@ -156,7 +162,10 @@ fn errors_name_the_problem() -> Result<()> {
     let t = Tensor::new(&[0u32, 4, 1], &dev)?;
     let msg = |r: candle_core::Result<Tensor>| r.expect_err("an error").to_string();
     let e = msg(embedding(&w, &t, Some(&[0, 4, 1][..])));
-    assert!(e.contains("id 4 at position 1") && e.contains("4 rows"), "{e}");
+    assert!(
+        e.contains("id 4 at position 1") && e.contains("4 rows"),
+        "{e}"
+    );
     let e = msg(embedding(&w, &t, None));
     assert!(e.contains("id 4 at position 1"), "{e}");
     let e = msg(embedding(&w, &t, Some(&[0, 1][..])));

@@ -27,7 +27,11 @@ const fn bwd(dtype: DType) -> KernelSpec {
         dtype,
         num_warps: 2,
         shared_bytes: [0; 2],
-        grid: [Extent::of(&["V"]), Extent::cdiv(&["C"], BLOCK_C), Extent::ONE],
+        grid: [
+            Extent::of(&["V"]),
+            Extent::cdiv(&["C"], BLOCK_C),
+            Extent::ONE,
+        ],
         rules: &[],
         params: BWD,
     }

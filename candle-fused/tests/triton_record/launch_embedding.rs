@@ -40,7 +40,12 @@ fn embedding_launches() -> Result<()> {
     // the order must hold one position per id
     let err = check_launch(
         bwd,
-        &[t(&[n, c], b), t(&[n + 1], DType::U32), t(&[v], DType::U32), t(&[v, c], b)],
+        &[
+            t(&[n, c], b),
+            t(&[n + 1], DType::U32),
+            t(&[v], DType::U32),
+            t(&[v, c], b),
+        ],
         &[],
     )
     .unwrap_err()
@@ -49,7 +54,12 @@ fn embedding_launches() -> Result<()> {
     // segment starts as i32 (or of another table) are refused
     let err = check_launch(
         bwd,
-        &[t(&[n, c], b), t(&[n], DType::U32), t(&[v], DType::I32), t(&[v, c], b)],
+        &[
+            t(&[n, c], b),
+            t(&[n], DType::U32),
+            t(&[v], DType::I32),
+            t(&[v, c], b),
+        ],
         &[],
     )
     .unwrap_err()
@@ -58,7 +68,12 @@ fn embedding_launches() -> Result<()> {
     // dW's columns differ from dy's
     assert!(check_launch(
         bwd,
-        &[t(&[n, c], b), t(&[n], DType::U32), t(&[v], DType::U32), t(&[v, c + 1], b)],
+        &[
+            t(&[n, c], b),
+            t(&[n], DType::U32),
+            t(&[v], DType::U32),
+            t(&[v, c + 1], b)
+        ],
         &[],
     )
     .is_err());

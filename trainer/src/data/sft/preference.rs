@@ -22,8 +22,8 @@ use super::records::messages;
 use super::{layout, Example, Message, SftEncoder};
 use crate::data::lines::{read_line, MAX_LINE_BYTES};
 use crate::data::Batch;
-use crate::model::HostTokens;
 use crate::error::{Error, Result};
+use crate::model::HostTokens;
 
 /// One side of a preference record: text, or messages rendered with the chat template.
 #[derive(Clone, Debug)]

@@ -83,7 +83,9 @@ impl Embed {
         let t = idx.dim(1)?;
         let block_size = self.wpe.dim(0)?;
         let wte = self.wte.to_dtype(ctx.dtype)?;
-        let tok = ctx.kernels.embedding(&wte, idx, ctx.rows.host_tokens(idx))?;
+        let tok = ctx
+            .kernels
+            .embedding(&wte, idx, ctx.rows.host_tokens(idx))?;
         let x = match pos {
             None => {
                 if offset + t > block_size {
