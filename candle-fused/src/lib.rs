@@ -23,6 +23,8 @@
 //! * [`cross_entropy`]: softmax cross-entropy over the vocabulary with mask / ignore index;
 //! * [`linear_cross_entropy`]: the language-model head and its cross-entropy in one op, a chunk
 //!   of rows at a time (no `[N, vocab]` logits);
+//! * [`embedding`]: token embedding, its backward summed in f32 in a fixed order (the ids'
+//!   order computed on the host);
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
 //! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync;
 //! * [`cuda_kernels`]: the launch contracts of the ahead-of-time compiled Triton kernels
@@ -42,7 +44,8 @@
 //! [`attention::attention_composite`], [`attention::attention_qkv_composite`],
 //! [`rope::rope_composite`], [`swiglu::swiglu_composite`],
 //! [`cross_entropy::cross_entropy_composite`],
-//! [`linear_cross_entropy::linear_cross_entropy_composite`], [`dropout::dropout_composite`] (the
+//! [`linear_cross_entropy::linear_cross_entropy_composite`], [`embedding::embedding_composite`] (Candle's `index_select`),
+//! [`dropout::dropout_composite`] (the
 //! same Philox mask, drawn by the Triton kernel on CUDA when it is on, else on the host),
 //! [`adamw::adamw_composite`] (returns the new tensors instead of updating in place),
 //! [`adamw::sum_of_squares_composite`] and [`adamw::global_norm_composite`].
@@ -60,6 +63,7 @@ mod cpu;
 pub mod cross_entropy;
 pub mod cuda_kernels;
 pub mod dropout;
+pub mod embedding;
 pub mod gelu;
 mod gemm_bf16;
 pub mod linear;

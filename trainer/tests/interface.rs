@@ -209,6 +209,7 @@ fn positions_travel_with_the_rows_to_every_executor() {
     batch.rows = Rows {
         positions: Some(pos),
         doc_ids: None,
+        tokens: None,
     };
     let ctx = Ctx::train(3).with_rows(batch.rows.clone());
     let run = |t: &Trainer, batch: &Batch, ctx: &Ctx| {

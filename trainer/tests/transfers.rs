@@ -8,7 +8,10 @@
 //! addition task's loss mask: 3 tensors a micro-batch), for plain and remat steps, in f32,
 //! bf16 and f16 with dynamic loss scaling, with and without clipping, with accumulated
 //! micro-batches, for GPT-2 and Llama (whose RoPE tables and positions are copied to the
-//! device once, at the first step, then reused).
+//! device once, at the first step, then reused). The token embedding's backward reads no ids
+//! back either: it orders its sums by the batch's host copy of `x` (`Rows::tokens`; counted by
+//! `candle_fused::embedding::id_reads`, which must not move; f32 tables on the CPU take
+//! Candle's own `embedding`, so the bf16 and f16 steps are the ones that show it).
 //!
 //! Not counted here: the reads of an inf/NaN step (the scaler names the non-finite
 //! parameters: one read per parameter, on that failure path only), evaluation and logging
@@ -39,10 +42,12 @@ fn per_step(cfg: TrainConfig) -> Vec<Transfers> {
     let mut t = Trainer::new(cfg).unwrap();
     (0..=STEPS)
         .map(|_| {
-            let before = counts();
+            let (before, ids) = (counts(), candle_fused::embedding::id_reads());
             let stats = t.train_step().unwrap();
             // A skipped step (inf/NaN gradients) takes the scaler's failure path.
             assert!(stats.loss.is_finite() && !stats.skipped, "{stats:?}");
+            let read = candle_fused::embedding::id_reads() - ids;
+            assert_eq!(read, 0, "the token embedding read its ids back");
             counts() - before
         })
         .collect()

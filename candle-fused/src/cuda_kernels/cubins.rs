@@ -88,6 +88,8 @@ pub(crate) static CUBINS: &[&[Cubin]] = &[
     cubins!("adamw_update_multi"),
     cubins!("sumsq_partial_multi"),
     cubins!("sumsq_total_multi", ["f32"]),
+    // embedding (triton/embedding.py)
+    cubins!("embedding_bwd"),
 ];
 
 /// The cubins of `entry` for `dtype`.

@@ -23,7 +23,8 @@
 //! `attention_qkv`), `cross_entropy` (forward, `dlogits`) and `linear_cross_entropy` (its chunk
 //! loop: cuBLAS GEMMs, `ce_fwd_bwd` per chunk), dropout (forward, backward, `dropout_mask`: the
 //! mask drawn in the kernel), SwiGLU, GELU with and without a bias (`db` by the ordered
-//! reduction), the AdamW update (in place) and the sum of squares of `global_norm`.
+//! reduction), the AdamW update (in place), the sum of squares of `global_norm` and the
+//! embedding backward (`dW` in f32 in the host's order).
 //!
 //! The compiled specialisation: every pointer is 16-byte aligned (`tt.divisibility = 16`),
 //! tensors are contiguous, integer arguments are unspecialised i32. Each `.entry` takes the
@@ -61,6 +62,7 @@ pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub(crate) mod cubins;
 pub mod dropout;
+pub mod embedding;
 pub mod gelu;
 #[cfg(feature = "cuda")]
 pub(crate) mod launch;
@@ -97,6 +99,7 @@ pub const FAMILIES: &[(&str, &[KernelSpec])] = &[
     ("gelu", gelu::KERNELS),
     ("dropout", dropout::KERNELS),
     ("adamw", adamw::KERNELS),
+    ("embedding", embedding::KERNELS),
 ];
 
 /// Every compiled kernel, family by family.

@@ -117,6 +117,7 @@ struct Case {
 mod attention;
 mod cross_entropy;
 mod elementwise;
+mod embedding;
 mod norm;
 mod rope;
 mod runner;
@@ -178,6 +179,7 @@ fn cases() -> Vec<Case> {
         },
     ];
     cases.extend(elementwise::cases());
+    cases.extend(embedding::cases());
     cases
 }
 

@@ -257,6 +257,7 @@ mod cubin_info;
 mod launch_attention;
 mod launch_cross_entropy;
 mod launch_elementwise;
+mod launch_embedding;
 mod launch_layer_norm;
 mod launch_rms_norm;
 mod launch_rope;

@@ -12,8 +12,8 @@
 use anyhow::{anyhow, ensure, Result};
 use candle_core::DType;
 use candle_fused::cuda_kernels::{
-    adamw, attention, cross_entropy, dropout, find, gelu, kernels, layer_norm, rms_norm, rope,
-    swiglu, KernelSpec, Rule,
+    adamw, attention, cross_entropy, dropout, embedding, find, gelu, kernels, layer_norm, rms_norm,
+    rope, swiglu, KernelSpec, Rule,
 };
 
 /// Every `AtMost(d, n)` rule of `spec` is its compiled tile: the constexpr `BLOCK_<d>` is `n`.
@@ -128,6 +128,9 @@ fn public_block_sizes_are_the_compiled_constexprs() -> Result<()> {
         ("dropout", None, "BLOCK", dropout::BLOCK),
         ("adamw_update", None, "BLOCK", adamw::BLOCK),
         ("sumsq_partial", None, "BLOCK", adamw::SUMSQ_BLOCK),
+        ("adamw_update_multi", None, "BLOCK", adamw::BLOCK),
+        ("sumsq_partial_multi", None, "BLOCK", adamw::SUMSQ_BLOCK),
+        ("embedding_bwd", None, "BLOCK_C", embedding::BLOCK_C),
     ];
     for &(entry, dtype, key, value) in all {
         let specs: Vec<_> = kernels()

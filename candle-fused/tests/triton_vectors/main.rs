@@ -18,6 +18,7 @@ mod attention;
 mod common;
 mod cross_entropy;
 mod dropout;
+mod embedding;
 mod gelu;
 mod layer_norm;
 mod rms_norm;

@@ -20,6 +20,7 @@ use rand::RngCore;
 use rand_chacha::ChaCha8Rng;
 
 use super::{Batch, DataSource, Fingerprint, Split};
+use crate::model::HostTokens;
 use crate::{Error, Result};
 
 /// Something a program's batch iterator yields: a [`Batch`], or the input and target token ids
@@ -62,10 +63,13 @@ impl IntoBatch for (Vec<u32>, Vec<u32>) {
                 y.len()
             )));
         }
-        Ok(Batch::new(
+        let tokens = HostTokens::new(x.clone(), block);
+        let mut batch = Batch::new(
             crate::transfer::upload(x, (rows, block), device)?,
             crate::transfer::upload(y, (rows, block), device)?,
-        ))
+        );
+        batch.rows.tokens = Some(tokens);
+        Ok(batch)
     }
 }
 

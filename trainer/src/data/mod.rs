@@ -55,7 +55,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::model::{Rows, IGNORE};
+use crate::model::{HostTokens, Rows, IGNORE};
 
 pub use addition::Addition;
 pub use cache::default_cache_dir;
@@ -612,10 +612,12 @@ pub(crate) fn rows_to_batch(
         y.extend_from_slice(&row[1..]);
     }
     let shape = (batch_size, block_size);
-    let batch = Batch::new(
+    let tokens = HostTokens::new(x.clone(), block_size);
+    let mut batch = Batch::new(
         crate::transfer::upload(x, shape, device)?,
         crate::transfer::upload(y, shape, device)?,
     );
+    batch.rows.tokens = Some(tokens);
     Ok(match target_mask {
         Some(m) => batch.with_host_mask(m, device)?,
         None => batch,

@@ -8,9 +8,9 @@
 //! `trainer/tests/kernels.rs`). The ops that draw dropout (attention, dropout itself) take
 //! their keys from the forward context and are defined beside it, in `ctx.rs`.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use candle_fused::linear_cross_entropy as lce;
-use candle_fused::{cross_entropy, linear, linear_gelu, norm, rope, swiglu};
+use candle_fused::{cross_entropy, embedding, linear, linear_gelu, norm, rope, swiglu};
 use serde::{Deserialize, Serialize};
 
 /// The implementation of the model's ops.
@@ -35,6 +35,22 @@ named_enum!(Kernels, "kernels must be fused or reference", {
 type R = candle_core::Result<Tensor>;
 
 impl Kernels {
+    /// The rows of the table `w [V, C]` at the token ids `idx` (u32, any shape):
+    /// `[idx.dims.., C]`. Fused: `candle_fused::embedding`, whose backward sums each row of
+    /// `dW` in f32 in ascending position, ordered from `host_ids` (the same ids on the host;
+    /// `None`: read from `idx` once). Reference, and fused for an f32 / f64 table on the CPU:
+    /// Candle's `index_select`, whose backward (`index_add`) adds the same rows in the same
+    /// order in the table's dtype, but onto the gradient the table already has (a tied head's),
+    /// row by row: the op would add its sums to it once, a last-bit change of every default
+    /// (tied, f32, CPU) run.
+    pub fn embedding(self, w: &Tensor, idx: &Tensor, host_ids: Option<&[u32]>) -> R {
+        let exact_already = w.device().is_cpu() && matches!(w.dtype(), DType::F32 | DType::F64);
+        match self {
+            Kernels::Fused if !exact_already => embedding::embedding(w, idx, host_ids),
+            _ => embedding::embedding_composite(w, idx),
+        }
+    }
+
     /// GPT-2's Conv1D: `x W + b` with `W: [in, out]`.
     pub fn linear(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> R {
         match self {

@@ -82,7 +82,7 @@ fn layer(
     Layer::with_call(vars, move |x, call: &Call| {
         let rows = {
             let s = step_rows.lock().unwrap_or_else(|e| e.into_inner());
-            if s.rows.is_empty() {
+            if s.rows.is_empty() && s.rows.tokens.is_none() {
                 Rows::default()
             } else {
                 s.rows.narrow(call.row - s.first, x.dim(0)?)?

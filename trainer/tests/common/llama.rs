@@ -78,6 +78,7 @@ pub fn expected_at(path: &Path) -> Expected {
             Rows {
                 positions: Some(Tensor::new(pos, &Device::Cpu).unwrap()),
                 doc_ids: Some(Tensor::new(docs, &Device::Cpu).unwrap()),
+                tokens: None,
             }
         }
     };

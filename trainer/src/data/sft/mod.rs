@@ -38,7 +38,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::{check_shape, decimal_f64, Batch, DataSource, DataSpec, Fingerprint, Split};
 use crate::error::{Error, Result};
-use crate::model::Rows;
+use crate::model::{HostTokens, Rows};
 use crate::pretrained::{TokenizerFile, TOKENIZER_CONFIG_FILE};
 
 pub use preference::{
@@ -605,6 +605,7 @@ impl DataSource for SftSource {
         let rows = Rows {
             positions: l.positions.map(u32s).transpose()?,
             doc_ids: l.doc_ids.map(u32s).transpose()?,
+            tokens: Some(HostTokens::new(l.x.clone(), block_size)),
         };
         let mut batch = Batch::new(u32s(l.x)?, u32s(l.y)?).with_host_mask(l.mask, device)?;
         batch.rows = rows;

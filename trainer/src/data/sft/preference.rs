@@ -23,6 +23,7 @@ use super::{layout, Example, Message, SftEncoder};
 use crate::data::lines::{read_line, MAX_LINE_BYTES};
 use crate::data::Batch;
 use crate::error::{Error, Result};
+use crate::model::HostTokens;
 
 /// One side of a preference record: text, or messages rendered with the chat template.
 #[derive(Clone, Debug)]
@@ -356,7 +357,10 @@ pub fn preference_batch(
     let l = layout::padded(&refs, block_size, pad);
     let shape = (refs.len(), block_size);
     let u32s = |v: Vec<u32>| crate::transfer::upload(v, shape, device);
-    Ok(Batch::new(u32s(l.x)?, u32s(l.y)?).with_host_mask(l.mask, device)?)
+    let tokens = HostTokens::new(l.x.clone(), block_size);
+    let mut batch = Batch::new(u32s(l.x)?, u32s(l.y)?).with_host_mask(l.mask, device)?;
+    batch.rows.tokens = Some(tokens);
+    Ok(batch)
 }
 
 #[cfg(test)]

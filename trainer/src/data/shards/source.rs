@@ -428,6 +428,7 @@ impl DataSource for ShardSource {
             batch.rows = Rows {
                 positions: Some(crate::transfer::upload(positions, shape, device)?),
                 doc_ids: Some(crate::transfer::upload(doc_ids, shape, device)?),
+                tokens: batch.rows.tokens.take(),
             };
         }
         Ok(batch)

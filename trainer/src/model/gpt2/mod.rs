@@ -80,10 +80,12 @@ impl Embed {
         offset: usize,
         ctx: &Ctx,
     ) -> candle_core::Result<Tensor> {
-        let (b, t) = idx.dims2()?;
+        let t = idx.dim(1)?;
         let block_size = self.wpe.dim(0)?;
         let wte = self.wte.to_dtype(ctx.dtype)?;
-        let tok = wte.embedding(&idx.flatten_all()?)?.reshape((b, t, ()))?;
+        let tok = ctx
+            .kernels
+            .embedding(&wte, idx, ctx.rows.host_tokens(idx))?;
         let x = match pos {
             None => {
                 if offset + t > block_size {
@@ -97,7 +99,7 @@ impl Embed {
             }
             Some(pos) => {
                 let pe = self.wpe.to_dtype(ctx.dtype)?;
-                let pos = pe.embedding(&pos.flatten_all()?)?.reshape((b, t, ()))?;
+                let pos = ctx.kernels.embedding(&pe, pos, None)?;
                 (tok + pos)?
             }
         };

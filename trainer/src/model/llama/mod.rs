@@ -100,9 +100,9 @@ pub struct Embed {
 
 impl Embed {
     fn embed(&self, idx: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        let (b, t) = idx.dims2()?;
+        idx.dims2()?;
         let w = self.embed_tokens.to_dtype(ctx.dtype)?;
-        w.embedding(&idx.flatten_all()?)?.reshape((b, t, ()))
+        ctx.kernels.embedding(&w, idx, ctx.rows.host_tokens(idx))
     }
 }
 
