@@ -65,11 +65,12 @@ for spec in "${LIBS[@]}"; do
   grep '{ return standin_unimplemented' "$stubs" | grep -o '^int [A-Za-z0-9_]*' | sed "s/^int /$so\t/" >> "$OUT/unimplemented.txt" || true
   cc "${CFLAGS[@]}" -c "$stubs" -o "$OUT/gen/$so.stubs.o"
   objs+=("$OUT/gen/$so.stubs.o")
-  link=(-Wl,-soname,"$so")
+  link=("-Wl,-soname,$so")
   if [[ $so != libcuda.so.1 ]]; then
     # the real libraries' symbols are versioned by their soname (name@libcublas.so.13)
     printf '%s { global: *; };\n' "$so" > "$OUT/gen/$so.map"
-    link+=(-Wl,--version-script="$OUT/gen/$so.map" -L"$OUT" -l:libcuda.so.1 -Wl,-rpath,'$ORIGIN')
+    # shellcheck disable=SC2016 # $ORIGIN is the linker's, not the shell's
+    link+=("-Wl,--version-script=$OUT/gen/$so.map" -L"$OUT" -l:libcuda.so.1 '-Wl,-rpath,$ORIGIN')
   fi
   cc -shared -o "$OUT/$so" "${objs[@]}" "${link[@]}" -lpthread
 done
