@@ -66,7 +66,7 @@ enum {
 #undef ID
       N_FUNCS
 };
-static const char *FUNC_NAMES[] = {
+__attribute__((unused)) static const char *FUNC_NAMES[] = {
 #define NAME(name, cat, params, args) #name,
     COUNTED(NAME)
 #undef NAME
@@ -77,12 +77,12 @@ enum {
 #undef CAT
       N_CATS
 };
-static const char *CAT_NAMES[] = {
+__attribute__((unused)) static const char *CAT_NAMES[] = {
 #define CAT(c) #c,
     CATEGORIES(CAT)
 #undef CAT
 };
-static const int FUNC_CAT[] = {
+__attribute__((unused)) static const int FUNC_CAT[] = {
 #define FCAT(name, cat, params, args) CAT_##cat,
     COUNTED(FCAT)
 #undef FCAT
@@ -90,7 +90,7 @@ static const int FUNC_CAT[] = {
 
 // The JSON members `"counts": {category: n, ...}, "calls": {function: n, ...}` (functions never
 // called are left out) of a report: both cucount.c and the stand-in write them this way.
-static void cucount_write_counts(FILE *o, const unsigned long long *calls) {
+__attribute__((unused)) static void cucount_write_counts(FILE *o, const unsigned long long *calls) {
   unsigned long long cat[N_CATS] = {0};
   for (int i = 0; i < N_FUNCS; i++) cat[FUNC_CAT[i]] += calls[i];
   fputs("\"counts\": {", o);

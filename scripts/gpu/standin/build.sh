@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the recording stand-in for the CUDA driver, runtime, cuBLAS and cuRAND (README.md): one
 # library per soname the executables need, each defining every symbol they reference from it.
-# The implemented functions come from driver.c, runtime.c, cublas.c and curand.c; every other
-# referenced symbol (from `nm -D --undefined-only` of the executables, not a hand-picked list)
+# The implemented functions come from driver.c + record.c, runtime.c, cublas.c and curand.c; every
+# other referenced symbol (from `nm -D --undefined-only` of the executables, not a hand-picked list)
 # gets a generated stub that returns the library's "not supported" error and is reported.
 #
 #   scripts/gpu/standin/build.sh [OUT_DIR] [EXECUTABLE...]
@@ -23,9 +23,9 @@ for e in "${EXES[@]}"; do [[ -f $e ]] || { echo "standin/build.sh: no executable
 mkdir -p "$OUT/gen"
 CFLAGS=(-O2 -g -Wall -Wextra -Werror -fPIC -I"$CUDA_ROOT_DIR/include")
 
-# soname, source (or -), the error code its stubs return (each library's "not supported")
+# soname, sources (comma-separated, or -), the error code its stubs return (each library's "not supported")
 LIBS=(
-  "libcuda.so.1 driver.c 801"        # CUDA_ERROR_NOT_SUPPORTED
+  "libcuda.so.1 driver.c,record.c 801"  # CUDA_ERROR_NOT_SUPPORTED
   "libcudart.so.13 runtime.c 801"    # cudaErrorNotSupported
   "libcublas.so.13 cublas.c 15"      # CUBLAS_STATUS_NOT_SUPPORTED
   "libcurand.so.10 curand.c 999"     # CURAND_STATUS_INTERNAL_ERROR (cuRAND has no "not supported")
@@ -51,9 +51,11 @@ for spec in "${LIBS[@]}"; do
   implemented=$OUT/gen/$so.defined
   : > "$implemented"
   if [[ $src != - ]]; then
-    cc "${CFLAGS[@]}" -c "$HERE/$src" -o "$OUT/gen/$so.o"
-    nm --defined-only -g "$OUT/gen/$so.o" | awk '$2 == "T" { print $3 }' | sort -u > "$implemented"
-    objs+=("$OUT/gen/$so.o")
+    for c in ${src//,/ }; do
+      cc "${CFLAGS[@]}" -c "$HERE/$c" -o "$OUT/gen/$so.${c%.c}.o"
+      objs+=("$OUT/gen/$so.${c%.c}.o")
+    done
+    nm --defined-only -g "${objs[@]}" | awk '$2 == "T" { print $3 }' | sort -u > "$implemented"
   fi
   stubs=$OUT/gen/$so.stubs.c
   {

@@ -8,7 +8,6 @@
 #include <cuda.h>
 #include <dlfcn.h>
 #include <elf.h>
-#include <execinfo.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -17,54 +16,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "../cucount_calls.h"
+#include "record.h"
 #include "standin.h"
 
-static unsigned long long calls[N_FUNCS];
-#define COUNT(name) (calls[ID_##name]++)
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-#define LOCK() pthread_mutex_lock(&mu)
-#define UNLOCK() pthread_mutex_unlock(&mu)
-
-// ---------------------------------------------------------------- named counters
-// A small table of (group, name) -> count: kernels by name, library calls, unimplemented calls.
-struct named { const char *group; char *name; unsigned long long n; };
-#define MAX_NAMED 8192
-static struct named named[MAX_NAMED];
-static int n_named;
-static unsigned long long named_overflow;
-
-static void note_locked(const char *group, const char *name) {
-  for (int i = 0; i < n_named; i++)
-    if (named[i].group == group && strcmp(named[i].name, name) == 0) { named[i].n++; return; }
-  if (n_named == MAX_NAMED) { named_overflow++; return; }
-  named[n_named++] = (struct named){group, strdup(name), 1};
-}
-static const char G_KERNEL[] = "kernels", G_CUBLAS[] = "cublas", G_CURAND[] = "curand",
-                  G_CUDART[] = "cudart", G_UNIMPL[] = "unimplemented";
-static const char *group_of(const char *g) {
-  static const char *all[] = {G_KERNEL, G_CUBLAS, G_CURAND, G_CUDART, G_UNIMPL};
-  for (size_t i = 0; i < sizeof all / sizeof *all; i++)
-    if (strcmp(all[i], g) == 0) return all[i];
-  return G_UNIMPL;
-}
-void standin_note(const char *group, const char *name) {
-  LOCK();
-  note_locked(group_of(group), name);
-  UNLOCK();
-}
-static unsigned long long runtime_launches, host_syncs, blocking_reads, bad_ranges;
-void standin_launch_named(const char *name) {
-  LOCK();
-  runtime_launches++;
-  note_locked(G_KERNEL, name);
-  UNLOCK();
-}
-int standin_unimplemented(const char *name, int error) {
-  standin_note(G_UNIMPL, name);
-  if (getenv("STANDIN_VERBOSE")) fprintf(stderr, "standin: %s is not implemented (returns %d)\n", name, error);
-  return error;
-}
 
 // ---------------------------------------------------------------- device memory
 // One reservation of address space, never backed until written (MAP_NORESERVE): allocations
@@ -82,11 +36,7 @@ struct alloc { unsigned long long p, n; unsigned char live, from, pool, nonzero;
 static struct alloc *allocs;  // sorted by address (bump allocation appends)
 static size_t n_allocs, cap_allocs;
 
-static struct {
-  unsigned long long used, reserved, used_high, reserved_high, threshold;
-  unsigned long long grow_calls, grow_bytes, trims, trimmed_bytes;
-} pool;
-static unsigned long long plain_used, plain_high;
+static unsigned long long plain_used;
 static int pool_handle;  // the default pool's CUmemoryPool is &pool_handle
 
 static int arena_init(void) {
@@ -111,7 +61,7 @@ static struct alloc *find(unsigned long long p) {
 static int range_ok_locked(unsigned long long p, size_t n) {
   struct alloc *a = find(p);
   if (a && p + n <= a->p + a->n) return 1;
-  bad_ranges++;
+  stats.bad_ranges++;
   if (getenv("STANDIN_VERBOSE")) fprintf(stderr, "standin: range %#llx + %zu is outside every live allocation\n", p, n);
   return 0;
 }
@@ -151,7 +101,7 @@ static int alloc_locked(unsigned long long *out, size_t n, int in_pool) {
   if (!arena_init()) return CUDA_ERROR_OUT_OF_MEMORY;
   unsigned long long rounded = (n + PAGE - 1) & ~(PAGE - 1);
   if (rounded == 0) rounded = PAGE;
-  if (pool.used + plain_used + n > STANDIN_TOTAL_MEM || arena_used + rounded > ARENA_BYTES)
+  if (stats.pool.used + plain_used + n > STANDIN_TOTAL_MEM || arena_used + rounded > ARENA_BYTES)
     return CUDA_ERROR_OUT_OF_MEMORY;
   if (n_allocs == cap_allocs) {
     cap_allocs = cap_allocs ? 2 * cap_allocs : 4096;
@@ -163,17 +113,17 @@ static int alloc_locked(unsigned long long *out, size_t n, int in_pool) {
   allocs[n_allocs++] = (struct alloc){p, n, 1, 0, (unsigned char)in_pool, 0};
   if (in_pool) {
     // The pool grows by what its free bytes cannot cover (no fragmentation modelled).
-    pool.used += n;
-    if (pool.used > pool.reserved) {
-      pool.grow_calls++;
-      pool.grow_bytes += pool.used - pool.reserved;
-      pool.reserved = pool.used;
+    stats.pool.used += n;
+    if (stats.pool.used > stats.pool.reserved) {
+      stats.pool.grow_calls++;
+      stats.pool.grow_bytes += stats.pool.used - stats.pool.reserved;
+      stats.pool.reserved = stats.pool.used;
     }
-    if (pool.used > pool.used_high) pool.used_high = pool.used;
-    if (pool.reserved > pool.reserved_high) pool.reserved_high = pool.reserved;
+    if (stats.pool.used > stats.pool.used_high) stats.pool.used_high = stats.pool.used;
+    if (stats.pool.reserved > stats.pool.reserved_high) stats.pool.reserved_high = stats.pool.reserved;
   } else {
     plain_used += n;
-    if (plain_used > plain_high) plain_high = plain_used;
+    if (plain_used > stats.plain_high) stats.plain_high = plain_used;
   }
   *out = p;
   return CUDA_SUCCESS;
@@ -184,7 +134,7 @@ static int free_locked(unsigned long long p, int in_pool) {
   if (!a || a->p != p || a->pool != in_pool) return CUDA_ERROR_INVALID_VALUE;
   a->live = 0;
   madvise((void *)a->p, (a->n + PAGE - 1) & ~(PAGE - 1), MADV_DONTNEED);
-  if (in_pool) pool.used -= a->n; else plain_used -= a->n;
+  if (in_pool) stats.pool.used -= a->n; else plain_used -= a->n;
   return CUDA_SUCCESS;
 }
 
@@ -211,49 +161,18 @@ __attribute__((constructor)) static void read_env(void) {
   trim_at_reads = t && strcmp(t, "1") == 0;
 }
 static void sync_locked(void) {
-  host_syncs++;
-  unsigned long long keep = pool.used > pool.threshold ? pool.used : pool.threshold;
-  if (pool.reserved > keep) {
-    pool.trims++;
-    pool.trimmed_bytes += pool.reserved - keep;
-    pool.reserved = keep;
+  stats.host_syncs++;
+  unsigned long long keep = stats.pool.used > stats.pool.threshold ? stats.pool.used : stats.pool.threshold;
+  if (stats.pool.reserved > keep) {
+    stats.pool.trims++;
+    stats.pool.trimmed_bytes += stats.pool.reserved - keep;
+    stats.pool.reserved = keep;
   }
 }
 void standin_host_sync(void) {
   LOCK();
   sync_locked();
   UNLOCK();
-}
-
-// ---------------------------------------------------------------- device-to-host reads
-// Every read is kept by its call stack (return addresses as module + offset, symbolised after
-// the run by report.py with addr2line), with how often the bytes read were computed by the
-// device rather than uploaded from the host: the stand-in returns zeros for those, so a branch
-// on them is flagged.
-#define FRAMES 24
-struct site { void *pc[FRAMES]; int depth; unsigned long long n, bytes, computed; };
-#define MAX_SITES 2048
-static struct site sites[MAX_SITES];
-static int n_sites;
-static unsigned long long sites_overflow;
-
-static void record_read(unsigned long long src, size_t n) {
-  void *pc[FRAMES];
-  int depth = backtrace(pc, FRAMES);
-  struct alloc *a = find(src);
-  int computed = !(a && a->from == STANDIN_FROM_HOST);
-  struct site *s = NULL;
-  for (int i = 0; i < n_sites && !s; i++)
-    if (sites[i].depth == depth && memcmp(sites[i].pc, pc, depth * sizeof *pc) == 0) s = &sites[i];
-  if (!s) {
-    if (n_sites == MAX_SITES) { sites_overflow++; return; }
-    s = &sites[n_sites++];
-    memcpy(s->pc, pc, sizeof pc);
-    s->depth = depth;
-  }
-  s->n++;
-  s->bytes += n;
-  s->computed += computed;
 }
 
 // ---------------------------------------------------------------- modules and functions
@@ -370,7 +289,7 @@ CUresult cuGetErrorString(CUresult e, const char **s) {
 CUresult cuMemGetInfo(size_t *free_b, size_t *total) {
   LOCK();
   *total = STANDIN_TOTAL_MEM;
-  *free_b = STANDIN_TOTAL_MEM - pool.reserved - plain_used;
+  *free_b = STANDIN_TOTAL_MEM - stats.pool.reserved - plain_used;
   UNLOCK();
   return CUDA_SUCCESS;
 }
@@ -399,9 +318,9 @@ CUresult cuMemPoolSetAttribute(CUmemoryPool m, CUmemPool_attribute a, void *v) {
   LOCK();
   CUresult r = CUDA_SUCCESS;
   switch (a) {
-    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: pool.threshold = *(cuuint64_t *)v; break;
-    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: pool.reserved_high = pool.reserved; break;  // reset to current
-    case CU_MEMPOOL_ATTR_USED_MEM_HIGH: pool.used_high = pool.used; break;
+    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: stats.pool.threshold = *(cuuint64_t *)v; break;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: stats.pool.reserved_high = stats.pool.reserved; break;  // reset to current
+    case CU_MEMPOOL_ATTR_USED_MEM_HIGH: stats.pool.used_high = stats.pool.used; break;
     case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES: case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC:
     case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES: break;
     default: r = CUDA_ERROR_INVALID_VALUE;
@@ -414,11 +333,11 @@ CUresult cuMemPoolGetAttribute(CUmemoryPool m, CUmemPool_attribute a, void *v) {
   LOCK();
   CUresult r = CUDA_SUCCESS;
   switch (a) {
-    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: *(cuuint64_t *)v = pool.threshold; break;
-    case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: *(cuuint64_t *)v = pool.reserved; break;
-    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: *(cuuint64_t *)v = pool.reserved_high; break;
-    case CU_MEMPOOL_ATTR_USED_MEM_CURRENT: *(cuuint64_t *)v = pool.used; break;
-    case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *(cuuint64_t *)v = pool.used_high; break;
+    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: *(cuuint64_t *)v = stats.pool.threshold; break;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: *(cuuint64_t *)v = stats.pool.reserved; break;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: *(cuuint64_t *)v = stats.pool.reserved_high; break;
+    case CU_MEMPOOL_ATTR_USED_MEM_CURRENT: *(cuuint64_t *)v = stats.pool.used; break;
+    case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *(cuuint64_t *)v = stats.pool.used_high; break;
     case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES: case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC:
     case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES: *(int *)v = 1; break;
     default: r = CUDA_ERROR_INVALID_VALUE;
@@ -429,8 +348,8 @@ CUresult cuMemPoolGetAttribute(CUmemoryPool m, CUmemPool_attribute a, void *v) {
 CUresult cuMemPoolTrimTo(CUmemoryPool m, size_t keep) {
   if (m != (CUmemoryPool)&pool_handle) return CUDA_ERROR_INVALID_VALUE;
   LOCK();
-  unsigned long long floor = pool.used > keep ? pool.used : keep;
-  if (pool.reserved > floor) { pool.trims++; pool.trimmed_bytes += pool.reserved - floor; pool.reserved = floor; }
+  unsigned long long floor = stats.pool.used > keep ? stats.pool.used : keep;
+  if (stats.pool.reserved > floor) { stats.pool.trims++; stats.pool.trimmed_bytes += stats.pool.reserved - floor; stats.pool.reserved = floor; }
   UNLOCK();
   return CUDA_SUCCESS;
 }
@@ -450,9 +369,9 @@ static CUresult dtoh(void *dst, CUdeviceptr src, size_t n) {
   int ok = range_ok_locked(src, n);
   if (ok) {
     // into pageable memory: the host waits for the device (a blocking read, a host sync)
-    blocking_reads++;
-    if (trim_at_reads) sync_locked(); else host_syncs++;
-    record_read(src, n);
+    stats.blocking_reads++;
+    if (trim_at_reads) sync_locked(); else stats.host_syncs++;
+    record_read_locked(!(find(src) && find(src)->from == STANDIN_FROM_HOST), n);
   }
   UNLOCK();
   if (!ok) return CUDA_ERROR_INVALID_VALUE;
@@ -597,7 +516,7 @@ static CUresult launch(CUfunction f, unsigned bx, unsigned by, unsigned bz, unsi
   struct function *fn = (struct function *)f;
   if (!fn || (unsigned long long)bx * by * bz > 1024 || bx * by * bz == 0) return CUDA_ERROR_INVALID_VALUE;
   if (shmem > STANDIN_SHARED_DEFAULT && (int)shmem > fn->max_dyn_shared) return CUDA_ERROR_INVALID_VALUE;
-  note_locked(G_KERNEL, fn->name);
+  record_name_locked(G_KERNEL, fn->name);
   return CUDA_SUCCESS;
 }
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
@@ -633,85 +552,3 @@ CUresult cuEventQuery(CUevent e) { (void)e; return CUDA_SUCCESS; }
 CUresult cuEventSynchronize(CUevent e) { (void)e; LOCK(); COUNT(cuEventSynchronize); sync_locked(); UNLOCK(); return CUDA_SUCCESS; }
 CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b) { (void)a; (void)b; *ms = 0; return CUDA_SUCCESS; }
 
-// ---------------------------------------------------------------- the report
-static void json_string(FILE *o, const char *s) {
-  fputc('"', o);
-  for (; *s; s++) {
-    if (*s == '"' || *s == '\\') fputc('\\', o);
-    if ((unsigned char)*s >= 0x20) fputc(*s, o);
-  }
-  fputc('"', o);
-}
-static void write_group(FILE *o, const char *g) {
-  fputc('{', o);
-  for (int i = 0, first = 1; i < n_named; i++)
-    if (named[i].group == g) {
-      if (!first) fputs(", ", o);
-      json_string(o, named[i].name);
-      fprintf(o, ": %llu", named[i].n);
-      first = 0;
-    }
-  fputc('}', o);
-}
-static void write_sites(FILE *o) {
-  fputc('[', o);
-  for (int i = 0; i < n_sites; i++) {
-    struct site *s = &sites[i];
-    fprintf(o, "%s{\"n\": %llu, \"bytes\": %llu, \"computed\": %llu, \"frames\": [", i ? ", " : "", s->n, s->bytes,
-            s->computed);
-    for (int k = 0; k < s->depth; k++) {
-      Dl_info info;
-      char buf[4096];
-      // a return address: the call is the instruction before it (addr - 1 for addr2line)
-      if (dladdr(s->pc[k], &info) && info.dli_fname)
-        snprintf(buf, sizeof buf, "%s+0x%lx", info.dli_fname,
-                 (unsigned long)((char *)s->pc[k] - (char *)info.dli_fbase - 1));
-      else
-        snprintf(buf, sizeof buf, "?+%p", s->pc[k]);
-      if (k) fputs(", ", o);
-      json_string(o, buf);
-    }
-    fputs("]}", o);
-  }
-  fputc(']', o);
-}
-
-__attribute__((destructor)) static void report(void) {
-  const char *path = getenv("STANDIN_OUT");
-  if (!path) return;
-  FILE *o = fopen(path, "w");
-  if (!o) return;
-  LOCK();
-  unsigned long long kernel_launches = 0, gemms = 0;
-  for (int i = 0; i < n_named; i++) {
-    if (named[i].group == G_KERNEL) kernel_launches += named[i].n;
-    if (named[i].group == G_CUBLAS && strcasestr(named[i].name, "gemm")) gemms += named[i].n;
-  }
-  fputc('{', o);
-  cucount_write_counts(o, calls);
-  fprintf(o, ", \"kernel_launches\": %llu, \"runtime_launches\": %llu, \"gemm_calls\": %llu", kernel_launches,
-          runtime_launches, gemms);
-  fprintf(o, ", \"host_syncs\": %llu, \"blocking_reads\": %llu, \"bad_ranges\": %llu", host_syncs, blocking_reads,
-          bad_ranges);
-  fprintf(o, ", \"pool\": {\"release_threshold\": %llu, \"grow_calls\": %llu, \"grow_bytes\": %llu, \"trims\": %llu, "
-             "\"trimmed_bytes\": %llu, \"reserved_high\": %llu, \"used_high\": %llu, \"used_now\": %llu}",
-          pool.threshold, pool.grow_calls, pool.grow_bytes, pool.trims, pool.trimmed_bytes, pool.reserved_high,
-          pool.used_high, pool.used);
-  fprintf(o, ", \"plain_alloc_high\": %llu", plain_high);
-  fputs(", \"kernels\": ", o);
-  write_group(o, G_KERNEL);
-  fputs(", \"cublas\": ", o);
-  write_group(o, G_CUBLAS);
-  fputs(", \"curand\": ", o);
-  write_group(o, G_CURAND);
-  fputs(", \"cudart\": ", o);
-  write_group(o, G_CUDART);
-  fputs(", \"unimplemented\": ", o);
-  write_group(o, G_UNIMPL);
-  fprintf(o, ", \"overflow\": {\"names\": %llu, \"read_sites\": %llu}", named_overflow, sites_overflow);
-  fputs(", \"reads\": ", o);
-  write_sites(o);
-  fputs("}\n", o);
-  UNLOCK();
-  fclose(o);
-}
