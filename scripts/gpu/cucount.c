@@ -37,85 +37,9 @@ typedef unsigned long long CUdeviceptr;
 typedef void *CUstream, *CUfunction, *CUevent, *CUcontext, *CUmemoryPool;
 typedef unsigned long long cuuint64_t;
 
-// ---------------------------------------------------------------- the functions counted
-// X(name, category, parameters, arguments): the current (CUDA 12/13) signature of each.
-// The two launches timed (CUCOUNT_TIME=1) have their own wrappers; the others count and forward.
-#define TIMED(X)                                                                                           \
-  X(cuLaunchKernel, launch,                                                                                \
-    (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,           \
-     unsigned shmem, CUstream s, void **params, void **extra),                                             \
-    (f, gx, gy, gz, bx, by, bz, shmem, s, params, extra))                                                  \
-  X(cuLaunchKernelEx, launch, (const void *cfg, CUfunction f, void **params, void **extra),                \
-    (cfg, f, params, extra))
-#define COUNTED(X) TIMED(X) FORWARDED(X)
-#define FORWARDED(X)                                                                                       \
-  X(cuLaunchCooperativeKernel, launch,                                                                     \
-    (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,           \
-     unsigned shmem, CUstream s, void **params),                                                           \
-    (f, gx, gy, gz, bx, by, bz, shmem, s, params))                                                         \
-  X(cuGraphLaunch, launch, (void *g, CUstream s), (g, s))                                                  \
-  X(cuMemAlloc_v2, alloc, (CUdeviceptr * p, size_t n), (p, n))                                             \
-  X(cuMemAllocAsync, alloc, (CUdeviceptr * p, size_t n, CUstream s), (p, n, s))                            \
-  X(cuMemAllocFromPoolAsync, alloc, (CUdeviceptr * p, size_t n, CUmemoryPool m, CUstream s), (p, n, m, s)) \
-  X(cuMemAllocManaged, alloc, (CUdeviceptr * p, size_t n, unsigned fl), (p, n, fl))                        \
-  X(cuMemAllocPitch_v2, alloc, (CUdeviceptr * p, size_t *pitch, size_t w, size_t h, unsigned e),           \
-    (p, pitch, w, h, e))                                                                                   \
-  X(cuMemAllocHost_v2, alloc, (void **p, size_t n), (p, n))                                                \
-  X(cuMemHostAlloc, alloc, (void **p, size_t n, unsigned fl), (p, n, fl))                                  \
-  X(cuMemFree_v2, free, (CUdeviceptr p), (p))                                                              \
-  X(cuMemFreeAsync, free, (CUdeviceptr p, CUstream s), (p, s))                                             \
-  X(cuMemFreeHost, free, (void *p), (p))                                                                   \
-  X(cuCtxSynchronize, sync, (void), ())                                                                    \
-  X(cuStreamSynchronize, sync, (CUstream s), (s))                                                          \
-  X(cuEventSynchronize, sync, (CUevent e), (e))                                                            \
-  X(cuMemcpyDtoH_v2, read, (void *dst, CUdeviceptr src, size_t n), (dst, src, n))                          \
-  X(cuMemcpyHtoD_v2, copy, (CUdeviceptr dst, const void *src, size_t n), (dst, src, n))                    \
-  X(cuMemcpyDtoD_v2, copy, (CUdeviceptr dst, CUdeviceptr src, size_t n), (dst, src, n))                    \
-  X(cuMemcpyHtoDAsync_v2, copy, (CUdeviceptr dst, const void *src, size_t n, CUstream s),                  \
-    (dst, src, n, s))                                                                                      \
-  X(cuMemcpyDtoHAsync_v2, read, (void *dst, CUdeviceptr src, size_t n, CUstream s), (dst, src, n, s))     \
-  X(cuMemcpyDtoDAsync_v2, copy, (CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s),                  \
-    (dst, src, n, s))                                                                                      \
-  X(cuMemcpyAsync, copy, (CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s), (dst, src, n, s))      \
-  X(cuMemsetD8Async, memset, (CUdeviceptr p, unsigned char v, size_t n, CUstream s), (p, v, n, s))         \
-  X(cuMemsetD32Async, memset, (CUdeviceptr p, unsigned v, size_t n, CUstream s), (p, v, n, s))             \
-  X(cuMemsetD8_v2, memset, (CUdeviceptr p, unsigned char v, size_t n), (p, v, n))                          \
-  X(cuMemsetD32_v2, memset, (CUdeviceptr p, unsigned v, size_t n), (p, v, n))                              \
-  X(cuEventCreate, event, (CUevent * e, unsigned fl), (e, fl))                                             \
-  X(cuEventRecord, event, (CUevent e, CUstream s), (e, s))                                                 \
-  X(cuStreamWaitEvent, event, (CUstream s, CUevent e, unsigned fl), (s, e, fl))
+// The functions counted and their categories (shared with standin/).
+#include "cucount_calls.h"
 
-// `read`: device-to-host copies, each a wait of the host for the device when the destination
-// is pageable memory (cudarc's to_vec: the trainer's read-backs), async or not.
-#define CATEGORIES(C) C(launch) C(alloc) C(free) C(sync) C(read) C(copy) C(memset) C(event)
-
-enum {
-#define ID(name, cat, params, args) ID_##name,
-  COUNTED(ID)
-#undef ID
-      N_FUNCS
-};
-static const char *FUNC_NAMES[] = {
-#define NAME(name, cat, params, args) #name,
-    COUNTED(NAME)
-#undef NAME
-};
-enum {
-#define CAT(c) CAT_##c,
-  CATEGORIES(CAT)
-#undef CAT
-      N_CATS
-};
-static const char *CAT_NAMES[] = {
-#define CAT(c) #c,
-    CATEGORIES(CAT)
-#undef CAT
-};
-static const int FUNC_CAT[] = {
-#define FCAT(name, cat, params, args) CAT_##cat,
-    COUNTED(FCAT)
-#undef FCAT
-};
 static unsigned long long calls[N_FUNCS];
 
 // ---------------------------------------------------------------- the real functions
@@ -400,14 +324,9 @@ __attribute__((destructor)) static void report(void) {
   const char *path = getenv("CUCOUNT_OUT");
   FILE *o = path ? fopen(path, "w") : stderr;
   if (!o) return;
-  unsigned long long cat[N_CATS] = {0};
-  for (int i = 0; i < N_FUNCS; i++) cat[FUNC_CAT[i]] += calls[i];
-  fputs("{\"counts\": {", o);
-  for (int c = 0; c < N_CATS; c++) fprintf(o, "%s\"%s\": %llu", c ? ", " : "", CAT_NAMES[c], cat[c]);
-  fputs("}, \"calls\": {", o);
-  for (int i = 0, first = 1; i < N_FUNCS; i++)
-    if (calls[i]) { fprintf(o, "%s\"%s\": %llu", first ? "" : ", ", FUNC_NAMES[i], calls[i]); first = 0; }
-  fprintf(o, "}, \"unwrapped_ptsz\": %llu", unwrapped_ptsz);
+  fputc('{', o);
+  cucount_write_counts(o, calls);
+  fprintf(o, ", \"unwrapped_ptsz\": %llu", unwrapped_ptsz);
   if (timing) {
     pthread_mutex_lock(&lock);
     if (timing_ready()) harvest();  // what finished after the last sync

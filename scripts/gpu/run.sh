@@ -133,7 +133,7 @@ want smoke && need "$ROOT/candle-fused/kernels" && need "$ROOT/scripts/gpu/cubin
 need "$ROOT/data/tinyshakespeare.txt"
 need "$ROOT/configs/shakespeare_char.toml"
 need "$ROOT/scripts/gpu/torch_gpu_step.py"
-want counts && need "$ROOT/scripts/gpu/cucount.c"
+want counts && need "$ROOT/scripts/gpu/cucount.c" && need "$ROOT/scripts/gpu/cucount_calls.h"
 command -v "$PYTHON" > /dev/null || missing+=("$PYTHON (python3; with torch and transformers for bench)")
 [[ $MODE == run ]] && ! command -v nvidia-smi > /dev/null && missing+=("nvidia-smi")
 if [[ $MODE == rehearse ]]; then
