@@ -442,7 +442,7 @@ train_config! {
     #[resume(may_change)]
     triton_kernels: Option<bool> = None,
     /// Compute the head's cross-entropy a chunk of rows at a time, never holding the whole
-    /// [batch, block, vocab] logits (Llama family; false: the whole logits, for comparison).
+    /// [batch, block, vocab] logits (every family; false: the whole logits, for comparison).
     #[resume(may_change)]
     chunked_loss: bool = true,
     /// Peak FLOP/s of the device for the MFU in logs (0: measure a matmul ceiling at start-up);
