@@ -23,6 +23,8 @@
 //! * [`cross_entropy`]: softmax cross-entropy over the vocabulary with mask / ignore index;
 //! * [`linear_cross_entropy`]: the language-model head and its cross-entropy in one op, a chunk
 //!   of rows at a time (no `[N, vocab]` logits);
+//! * [`host`]: class targets with the caller's host copy, and the count of this crate's reads
+//!   back to the host;
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
 //! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync;
 //! * [`cuda_kernels`]: the launch contracts of the ahead-of-time compiled Triton kernels
@@ -62,6 +64,7 @@ pub mod cuda_kernels;
 pub mod dropout;
 pub mod gelu;
 mod gemm_bf16;
+pub mod host;
 pub mod linear;
 pub mod linear_cross_entropy;
 pub mod linear_gelu;

@@ -15,8 +15,10 @@
 //! between steps (they read what the step returned: nothing more), a pipeline's own reads
 //! (candle-pipeline reads each microbatch's loss; the trainer reads the rows' target counts
 //! once), data parallelism (the loss is read before the ranks average it: 2 reads), and what
-//! Candle's ops and candle-fused's composite fallbacks do on a device themselves (on CUDA
-//! today: masks and dropout draws built on the host and the cross-entropy's target checks).
+//! Candle's ops and candle-fused's composite fallbacks copy to a device themselves (on CUDA
+//! today: masks and dropout draws built on the host). candle-fused's own reads back
+//! (`candle_fused::host::read_count`: the cross-entropy ops read their targets unless the
+//! batch's host copy reaches them) are counted with the trainer's.
 
 mod common;
 
@@ -25,7 +27,18 @@ use std::sync::Mutex;
 use common::tiny_config;
 use trainer::config::{Arch, TrainConfig};
 use trainer::train::Trainer;
-use trainer::transfer::{counts, Transfers};
+use trainer::transfer::Transfers;
+
+/// The transfers counted so far: the trainer's transfer points, and candle-fused's own reads
+/// back to the host (the cross-entropy ops' targets when the batch's host copy does not
+/// reach them, `global_norm`), each a device-to-host read.
+fn counts() -> Transfers {
+    let t = trainer::transfer::counts();
+    Transfers {
+        device_to_host: t.device_to_host + candle_fused::host::read_count(),
+        ..t
+    }
+}
 
 /// The counters are process-wide: one test at a time.
 static SERIAL: Mutex<()> = Mutex::new(());

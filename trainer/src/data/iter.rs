@@ -47,6 +47,7 @@ impl IntoBatch for Batch {
             rows: self.rows,
             mask_counts: None,
             reference: self.reference.as_ref().map(moved).transpose()?,
+            host_targets: None,
         })
     }
 }
@@ -62,10 +63,7 @@ impl IntoBatch for (Vec<u32>, Vec<u32>) {
                 y.len()
             )));
         }
-        Ok(Batch::new(
-            crate::transfer::upload(x, (rows, block), device)?,
-            crate::transfer::upload(y, (rows, block), device)?,
-        ))
+        Ok(Batch::from_host(x, y, (rows, block), device)?)
     }
 }
 

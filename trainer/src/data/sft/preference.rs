@@ -355,8 +355,7 @@ pub fn preference_batch(
     let refs: Vec<&Example> = examples.iter().collect();
     let l = layout::padded(&refs, block_size, pad);
     let shape = (refs.len(), block_size);
-    let u32s = |v: Vec<u32>| crate::transfer::upload(v, shape, device);
-    Ok(Batch::new(u32s(l.x)?, u32s(l.y)?).with_host_mask(l.mask, device)?)
+    Ok(Batch::from_host(l.x, l.y, shape, device)?.with_host_mask(l.mask, device)?)
 }
 
 #[cfg(test)]

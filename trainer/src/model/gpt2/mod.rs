@@ -337,11 +337,12 @@ impl LinkOps for Head {
         let mean = if ctx.chunked_loss {
             let (h, w) = self.chunk_inputs(x, ctx)?;
             let t = targets.flatten_all()?;
-            ctx.kernels.linear_cross_entropy(&h, &w, &t, IGNORE)?
+            let t = ctx.targets(targets, &t);
+            ctx.kernels.linear_cross_entropy(&h, &w, t, IGNORE)?
         } else {
             let logits = self.forward(x, ctx)?;
             ctx.kernels
-                .cross_entropy_ignoring(&logits, targets, IGNORE)?
+                .cross_entropy_ignoring(&logits, ctx.targets(targets, targets), IGNORE)?
         };
         Ok(Loss {
             mean,
@@ -357,7 +358,7 @@ impl LinkOps for Head {
         let (h, w) = self.chunk_inputs(x, ctx)?;
         let t = targets.flatten_all()?;
         ctx.kernels
-            .linear_cross_entropy_per_token(&h, &w, &t, IGNORE)?
+            .linear_cross_entropy_per_token(&h, &w, ctx.targets(targets, &t), IGNORE)?
             .reshape(targets.shape())
     }
 
