@@ -10,10 +10,12 @@ mod types;
 
 use std::path::{Path, PathBuf};
 
+use candle_core::Device;
 use candle_remat::Policy;
 use serde::{Deserialize, Serialize};
 
 pub use candle_peft::TargetModules;
+pub(crate) use types::tracks_streams;
 pub use types::{
     Arch, BaseQuant, DeviceList, DeviceSpec, LossScale, ModuleList, Parallelism, Precision,
     ScheduleKind,
@@ -668,6 +670,18 @@ impl TrainConfig {
             (None, Some(on)) => (on, TRITON_ENV),
             (None, None) => (TRITON_DEFAULT, "default"),
         }
+    }
+
+    /// Opens the run's device; a run on one stream (no pipeline, and a world of one as the
+    /// environment announces it) has it prepared for that (on CUDA: the memory pool keeps
+    /// freed memory, no events per allocation).
+    pub fn open_device(&self) -> Result<Device> {
+        let device = self.device.open()?;
+        let one_rank = crate::train::parallel::world_size_from_env() == 1;
+        if one_rank && matches!(self.parallelism(), Parallelism::None) {
+            types::single_stream(&device)?;
+        }
+        Ok(device)
     }
 
     /// How a step is spread over stages.
