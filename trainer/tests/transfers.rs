@@ -10,6 +10,9 @@
 //! micro-batches, for GPT-2 and Llama (whose RoPE tables and positions are copied to the
 //! device once, at the first step, then reused).
 //!
+//! A pipeline step's cross-entropy reads nothing back either (its microbatches' targets come
+//! with the batch's host copy).
+//!
 //! Not counted here: the reads of an inf/NaN step (the scaler names the non-finite
 //! parameters: one read per parameter, on that failure path only), evaluation and logging
 //! between steps (they read what the step returned: nothing more), a pipeline's own reads
@@ -161,6 +164,29 @@ fn a_llama_step_copies_its_rope_constants_once() {
         c.grad_accum = 2;
     });
     assert_steps_after("llama, remat every:1, 2 micro-batches", remat, 6, rope);
+}
+
+/// A pipeline hands each microbatch's rows of the batch's host targets to its loss: the
+/// cross-entropy ops read nothing back (the pipeline's own reads are not counted here).
+#[test]
+fn a_pipeline_step_reads_no_targets_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(&dir, |c| {
+        c.pipeline_stages = 2;
+        c.microbatches = 2;
+    });
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut t = Trainer::new(cfg).unwrap();
+    for step in 1..=2 {
+        let before = candle_fused::host::read_count();
+        let stats = t.train_step().unwrap();
+        assert!(stats.loss.is_finite() && !stats.skipped, "{stats:?}");
+        let reads = candle_fused::host::read_count() - before;
+        assert_eq!(
+            reads, 0,
+            "step {step}: candle-fused read back {reads} times"
+        );
+    }
 }
 
 /// The step's code transfers only through `trainer::transfer` (which counts): no raw
