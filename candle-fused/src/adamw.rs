@@ -574,7 +574,7 @@ fn norm_of_sums(grads: &[&Tensor], sumsq: fn(&Tensor) -> Result<Tensor>) -> Resu
     }
     match total {
         None => Ok(0.0),
-        Some(t) => Ok(t.to_scalar::<f32>()?.sqrt()),
+        Some(t) => Ok(crate::host::read_scalar::<f32>(&t)?.sqrt()),
     }
 }
 

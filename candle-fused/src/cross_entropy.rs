@@ -23,13 +23,15 @@ mod cuda;
 use crate::cpu::{self, Elem, Real};
 use crate::cuda_kernels::{triton_for, triton_input};
 use crate::gelu::FastMath;
+use crate::host::Targets;
 use crate::op::{self, Grads, In, Kernel, Saved};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Result, Shape, Storage, Tensor, D};
 
 /// Mean softmax cross-entropy of `logits: [.., V]` (f32, f64, bf16, f16) against `targets`
-/// (u32, the leading shape of `logits`), optionally weighted by `mask` (float, the leading
-/// shape) and skipping rows whose target is `ignore_index`.
+/// (u32, the leading shape of `logits`; a `&Tensor`, or [`Targets`] with their host copy, else
+/// they are read back once for the range check), optionally weighted by `mask` (float, the
+/// leading shape) and skipping rows whose target is `ignore_index`.
 ///
 /// Returns a scalar (rank 0) in f32 (f64 for f64 logits): `sum_i w_i nll_i / max(sum_i w_i, 1)`
 /// (see the [module docs](self)). Targets `>= V` (other than `ignore_index`) are an error.
@@ -44,14 +46,16 @@ use candle_core::{bail, CpuStorage, DType, Result, Shape, Storage, Tensor, D};
 /// assert!((loss.to_scalar::<f32>()? - 4f32.ln()).abs() < 1e-6);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
-pub fn cross_entropy(
+pub fn cross_entropy<'a>(
     logits: &Tensor,
-    targets: &Tensor,
+    targets: impl Into<Targets<'a>>,
     mask: Option<&Tensor>,
     ignore_index: Option<u32>,
 ) -> Result<Tensor> {
-    let (_, v) = check("cross_entropy", logits, targets, mask)?;
-    check_targets(targets, v, ignore_index)?;
+    let targets = targets.into();
+    let (_, v) = check("cross_entropy", logits, targets.tensor(), mask)?;
+    check_targets("cross_entropy", &targets, v, ignore_index)?;
+    let targets = targets.tensor();
     let acc = acc_dtype(logits.dtype());
     let targets = targets.flatten_all()?.contiguous()?;
     let mask = match mask {
@@ -95,14 +99,16 @@ pub fn cross_entropy(
 /// assert!((loss.to_scalar::<f64>()? - 2f64.ln()).abs() < 1e-15);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
-pub fn cross_entropy_composite(
+pub fn cross_entropy_composite<'a>(
     logits: &Tensor,
-    targets: &Tensor,
+    targets: impl Into<Targets<'a>>,
     mask: Option<&Tensor>,
     ignore_index: Option<u32>,
 ) -> Result<Tensor> {
-    let (n, v) = check("cross_entropy_composite", logits, targets, mask)?;
-    check_targets(targets, v, ignore_index)?;
+    let targets = targets.into();
+    let (n, v) = check("cross_entropy_composite", logits, targets.tensor(), mask)?;
+    check_targets("cross_entropy_composite", &targets, v, ignore_index)?;
+    let targets = targets.tensor();
     let acc = acc_dtype(logits.dtype());
     let lf = logits.to_dtype(acc)?.reshape((n, v))?;
     let t = targets.flatten_all()?;
@@ -164,46 +170,24 @@ fn check(
     Ok((lead.iter().product(), v))
 }
 
-/// Errors on a target `>= v` that is not `ignore`.
-fn check_targets(targets: &Tensor, v: usize, ignore: Option<u32>) -> Result<()> {
-    let bad = |i: usize, t: u32| -> Result<()> {
-        bail!(
-            "cross_entropy: target {t} (row {i}) is out of range for {v} classes{}",
+/// Errors on a target `>= v` that is not `ignore`, checked on the host: the caller's host
+/// copy, or one counted read of the targets ([`Targets`]).
+fn check_targets(op: &str, targets: &Targets<'_>, v: usize, ignore: Option<u32>) -> Result<()> {
+    let host = targets.host(op)?;
+    match host
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| Some(t) != ignore && t as usize >= v)
+    {
+        Some((i, &t)) => bail!(
+            "{op}: target {t} (row {i}) is out of range for {v} classes{}",
             match ignore {
                 Some(ig) => format!(" and is not ignore_index {ig}"),
                 None => String::new(),
             }
-        )
-    };
-    if targets.device().is_cpu() {
-        let t = targets.flatten_all()?.contiguous()?;
-        return with_u32(&t, |ts| {
-            match ts
-                .iter()
-                .enumerate()
-                .find(|&(_, &t)| Some(t) != ignore && t as usize >= v)
-            {
-                Some((i, &t)) => bad(i, t),
-                None => Ok(()),
-            }
-        });
+        ),
+        None => Ok(()),
     }
-    let t = targets.flatten_all()?;
-    let t = match ignore {
-        Some(ig) => t.ne(ig)?.where_cond(&t, &t.zeros_like()?)?,
-        None => t,
-    };
-    if t.elem_count() == 0 {
-        return Ok(());
-    }
-    let max = t.max(0)?.to_scalar::<u32>()?;
-    if max as usize >= v {
-        // Find the row on the host, for the message.
-        let host = t.to_vec1::<u32>()?;
-        let i = host.iter().position(|&x| x == max).unwrap_or(0);
-        return bad(i, max);
-    }
-    Ok(())
 }
 
 /// Runs `f` on the contiguous u32 data of a CPU tensor.

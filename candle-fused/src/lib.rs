@@ -25,6 +25,8 @@
 //!   of rows at a time (no `[N, vocab]` logits);
 //! * [`embedding`]: token embedding, its backward summed in f32 in a fixed order (the ids'
 //!   order computed on the host);
+//! * [`host`]: class targets with the caller's host copy, and the count of this crate's reads
+//!   back to the host;
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
 //! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync;
 //! * [`cuda_kernels`]: the launch contracts of the ahead-of-time compiled Triton kernels
@@ -66,6 +68,7 @@ pub mod dropout;
 pub mod embedding;
 pub mod gelu;
 mod gemm_bf16;
+pub mod host;
 pub mod linear;
 pub mod linear_cross_entropy;
 pub mod linear_gelu;

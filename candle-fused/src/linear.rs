@@ -42,6 +42,11 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let (n_in, n_out) = check(x, w, b)?;
     let x = x.contiguous()?;
     let op = LinearOp { n_in, n_out };
+    if x.device().is_cuda() && b.is_none() && x.elem_count() > 0 {
+        // the op's CUDA forward: one cuBLAS GEMM writing the output (no composite output to
+        // copy); the bias case stays composite
+        return op::apply(op, &[&x, w], None, None);
+    }
     if !cpu::has_kernel(&x) {
         let y = linear_composite(&x.detach(), &w.detach(), b.map(Tensor::detach).as_ref())?;
         return op::apply(op, &[&x, w], b, Some(y));
@@ -175,6 +180,20 @@ impl Kernel for LinearOp {
             let y = fwd_kernel(xs, w, bs, self.n_in, self.n_out);
             Ok((T::storage(y), shape))
         })
+    }
+
+    /// No bias, `x` contiguous ([`linear`] applies it so): Candle's cuBLAS GEMM over `x` as
+    /// `[rows, n_in]` and `w` through its strides.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let ((sx, lx), (sw, lw)) = (ins[0], ins[1]);
+        let rows = lx.shape().elem_count() / self.n_in;
+        let lx2 = Layout::contiguous_with_offset((rows, self.n_in), lx.start_offset());
+        let y = sx.matmul(sw, (1, rows, self.n_out, self.n_in), &lx2, lw)?;
+        Ok((y, out_shape(lx, self.n_out)))
     }
 
     fn bwd(&self, ins: &[&Tensor], _y: &Tensor, dy: &Tensor) -> Result<Grads> {

@@ -80,6 +80,7 @@ use std::sync::Mutex;
 use crate::cpu::{self, Elem};
 use crate::cross_entropy::cross_entropy_composite;
 use crate::cuda_kernels::triton_for;
+use crate::host::Targets;
 use crate::linear::strided;
 use crate::op::{self, cpu_of, Grads, In, Kernel};
 use candle_core::backend::BackendStorage;
@@ -134,13 +135,14 @@ pub fn default_chunk_rows(vocab: usize, width: usize) -> usize {
 /// assert_eq!(grads.get(&w).unwrap().dims(), &[50, 8]);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
-pub fn linear_cross_entropy(
+pub fn linear_cross_entropy<'a>(
     x: &Tensor,
     w: &Tensor,
-    targets: &Tensor,
+    targets: impl Into<Targets<'a>>,
     ignore_index: Option<u32>,
 ) -> Result<Tensor> {
-    run("linear_cross_entropy", x, w, targets, ignore_index, None)
+    let targets = targets.into();
+    run("linear_cross_entropy", x, w, &targets, ignore_index, None)
 }
 
 /// [`linear_cross_entropy`] with `chunk_rows` (at least 1) counted rows per chunk instead of
@@ -161,18 +163,19 @@ pub fn linear_cross_entropy(
 /// assert!((a - b).abs() < 1e-12);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
-pub fn linear_cross_entropy_chunked(
+pub fn linear_cross_entropy_chunked<'a>(
     x: &Tensor,
     w: &Tensor,
-    targets: &Tensor,
+    targets: impl Into<Targets<'a>>,
     ignore_index: Option<u32>,
     chunk_rows: usize,
 ) -> Result<Tensor> {
+    let targets = targets.into();
     let op = "linear_cross_entropy_chunked";
     if chunk_rows == 0 {
         bail!("{op}: chunk_rows must be at least 1")
     }
-    run(op, x, w, targets, ignore_index, Some(chunk_rows))
+    run(op, x, w, &targets, ignore_index, Some(chunk_rows))
 }
 
 /// The reference: [`cross_entropy_composite`]`(x.matmul(wᵀ), targets, None, ignore_index)`
@@ -189,17 +192,20 @@ pub fn linear_cross_entropy_chunked(
 /// assert!((loss.to_scalar::<f64>()? - 3f64.ln()).abs() < 1e-15);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
-pub fn linear_cross_entropy_composite(
+pub fn linear_cross_entropy_composite<'a>(
     x: &Tensor,
     w: &Tensor,
-    targets: &Tensor,
+    targets: impl Into<Targets<'a>>,
     ignore_index: Option<u32>,
 ) -> Result<Tensor> {
+    let targets = targets.into();
     let op = "linear_cross_entropy_composite";
-    let (_, c, v) = check(op, x, w, targets)?;
-    check_targets(op, &host_targets(targets)?, v, ignore_index)?;
+    let (_, c, v) = check(op, x, w, targets.tensor())?;
+    let host = targets.host(op)?;
+    check_targets(op, &host, v, ignore_index)?;
+    let targets = Targets::new(targets.tensor()).with_host(&host);
     let logits = x.reshape(((), c))?.matmul(&w.t()?)?;
-    let mut dims = targets.dims().to_vec();
+    let mut dims = targets.tensor().dims().to_vec();
     dims.push(v);
     cross_entropy_composite(&logits.reshape(dims)?, targets, None, ignore_index)
 }
@@ -256,11 +262,6 @@ fn check(op: &str, x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<(usize, u
     Ok((lead.iter().product(), c, v))
 }
 
-/// The targets, flat, on the host.
-fn host_targets(targets: &Tensor) -> Result<Vec<u32>> {
-    targets.flatten_all()?.to_vec1::<u32>()
-}
-
 /// Errors on a target `>= v` that is not `ignore`.
 fn check_targets(op: &str, targets: &[u32], v: usize, ignore: Option<u32>) -> Result<()> {
     let bad = targets
@@ -283,7 +284,7 @@ fn run(
     name: &str,
     x: &Tensor,
     w: &Tensor,
-    targets: &Tensor,
+    targets: &Targets<'_>,
     ignore: Option<u32>,
     chunk: Option<usize>,
 ) -> Result<Tensor> {
@@ -306,19 +307,19 @@ fn run(
 
 impl LceOp {
     /// The op over `(x, w)` against `targets` after the checks every form makes (shapes,
-    /// dtypes, targets in range; one read of the targets to the host), and `x` contiguous.
+    /// dtypes, targets in range; the targets' host copy, or one counted read of them), and `x` contiguous.
     /// `mean`: the loss is the mean over the counted rows (else their count is 1, no mean).
     fn new(
         name: &str,
         x: &Tensor,
         w: &Tensor,
-        targets: &Tensor,
+        targets: &Targets<'_>,
         ignore: Option<u32>,
         chunk: Option<usize>,
         mean: bool,
     ) -> Result<(Self, Tensor)> {
-        let (n, c, v) = check(name, x, w, targets)?;
-        let targets = host_targets(targets)?;
+        let (n, c, v) = check(name, x, w, targets.tensor())?;
+        let targets = targets.host(name)?.into_owned();
         check_targets(name, &targets, v, ignore)?;
         let rows: Vec<usize> = (0..n).filter(|&i| Some(targets[i]) != ignore).collect();
         let x = x.contiguous()?;

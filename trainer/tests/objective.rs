@@ -12,7 +12,7 @@
 //!   `run_chain`) within 1e-5 relative, the tolerance of the model's own loss against
 //!   transformers (`llama_hf.rs`: the forward's f32 sums in another order).
 //! - The per-token log-probabilities the head hands an objective, chunked, equal the whole
-//!   logits' log-softmax, with their gradients.
+//!   logits' log-softmax, with their gradients; GPT-2's tied head chunks its loss too.
 //! - Registry and config: an unknown `objective` is refused naming the known ones.
 
 mod common;
@@ -153,6 +153,64 @@ fn chunked_token_log_probs_equal_the_whole_logits_log_softmax() {
     let scale = scale.to_scalar::<f32>().unwrap();
     assert!(scale > 0.0);
     assert!(max_diff(&results[0].1, &results[1].1) <= 1e-5 * scale);
+}
+
+/// GPT-2's tied head takes the chunked loss when the context asks for it (the default) and
+/// the whole logits otherwise: the same mean and gradients (f32 sums in another order: 1e-6
+/// relative for the loss, 1e-5 of the largest gradient), and the chunked path is the one
+/// that ran (an out-of-range target is refused by `linear_cross_entropy`, not by the
+/// whole-logits `cross_entropy`).
+#[test]
+fn gpt2_head_takes_the_chunked_loss() {
+    let cfg = trainer::model::gpt2::GptConfig {
+        n_layer: 1,
+        n_head: 2,
+        n_embd: 16,
+        block_size: 8,
+        vocab_size: 37,
+        ..Default::default()
+    };
+    let (model, params) = trainer::model::init(&cfg, 3, &Device::Cpu).unwrap();
+    let links = model.links();
+    let (head, body) = links.split_last().unwrap();
+    let idx = Tensor::new(&[[1u32, 5, 9, 2, 7], [3, 3, 36, 0, 11]], &Device::Cpu).unwrap();
+    let targets = Tensor::new(
+        &[[5u32, 9, IGNORE, 7, 1], [3, 36, 0, 11, IGNORE]],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let ctx = Ctx::train(0);
+    let h = Var::from_tensor(&trainer::model::run_links(body, &idx, &ctx).unwrap()).unwrap();
+    let wte = params.vars_of(&head.tied())[0].clone();
+    let mut results = Vec::new();
+    for chunked in [true, false] {
+        let ctx = ctx.clone().with_chunked_loss(chunked);
+        let loss = HeadOutput::new(head, h.as_tensor(), &targets, &ctx)
+            .mean_cross_entropy()
+            .unwrap();
+        let g = loss.backward().unwrap();
+        let grads = [g.get(&h).unwrap().clone(), g.get(&wte).unwrap().clone()];
+        results.push((loss.to_scalar::<f32>().unwrap(), grads));
+        let bad = targets.clamp(0u32, 40u32).unwrap(); // IGNORE -> 40, out of range
+        let err = HeadOutput::new(head, h.as_tensor(), &bad, &ctx)
+            .mean_cross_entropy()
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err.contains("linear_cross_entropy"), chunked, "{err}");
+    }
+    let (a, b) = (&results[0], &results[1]);
+    assert!((a.0 - b.0).abs() <= 1e-6 * b.0.abs(), "{} vs {}", a.0, b.0);
+    for (x, y) in a.1.iter().zip(&b.1) {
+        let scale = y
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let d = (x - y).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(scale > 0.0 && d.to_scalar::<f32>().unwrap() <= 1e-5 * scale);
+    }
 }
 
 /// A tiny Llama run (chunked head) changed by `set`.

@@ -13,13 +13,18 @@
 //! `candle_fused::embedding::id_reads`, which must not move; f32 tables on the CPU take
 //! Candle's own `embedding`, so the bf16 and f16 steps are the ones that show it).
 //!
+//! A pipeline step's cross-entropy reads nothing back either (its microbatches' targets come
+//! with the batch's host copy).
+//!
 //! Not counted here: the reads of an inf/NaN step (the scaler names the non-finite
 //! parameters: one read per parameter, on that failure path only), evaluation and logging
 //! between steps (they read what the step returned: nothing more), a pipeline's own reads
 //! (candle-pipeline reads each microbatch's loss; the trainer reads the rows' target counts
 //! once), data parallelism (the loss is read before the ranks average it: 2 reads), and what
-//! Candle's ops and candle-fused's composite fallbacks do on a device themselves (on CUDA
-//! today: masks and dropout draws built on the host and the cross-entropy's target checks).
+//! Candle's ops and candle-fused's composite fallbacks copy to a device themselves (on CUDA
+//! today: masks and dropout draws built on the host). candle-fused's own reads back
+//! (`candle_fused::host::read_count`: the cross-entropy ops read their targets unless the
+//! batch's host copy reaches them) are counted with the trainer's.
 
 mod common;
 
@@ -28,7 +33,18 @@ use std::sync::Mutex;
 use common::tiny_config;
 use trainer::config::{Arch, TrainConfig};
 use trainer::train::Trainer;
-use trainer::transfer::{counts, Transfers};
+use trainer::transfer::Transfers;
+
+/// The transfers counted so far: the trainer's transfer points, and candle-fused's own reads
+/// back to the host (the cross-entropy ops' targets when the batch's host copy does not
+/// reach them, `global_norm`), each a device-to-host read.
+fn counts() -> Transfers {
+    let t = trainer::transfer::counts();
+    Transfers {
+        device_to_host: t.device_to_host + candle_fused::host::read_count(),
+        ..t
+    }
+}
 
 /// The counters are process-wide: one test at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -153,6 +169,29 @@ fn a_llama_step_copies_its_rope_constants_once() {
         c.grad_accum = 2;
     });
     assert_steps_after("llama, remat every:1, 2 micro-batches", remat, 6, rope);
+}
+
+/// A pipeline hands each microbatch's rows of the batch's host targets to its loss: the
+/// cross-entropy ops read nothing back (the pipeline's own reads are not counted here).
+#[test]
+fn a_pipeline_step_reads_no_targets_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(&dir, |c| {
+        c.pipeline_stages = 2;
+        c.microbatches = 2;
+    });
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut t = Trainer::new(cfg).unwrap();
+    for step in 1..=2 {
+        let before = candle_fused::host::read_count();
+        let stats = t.train_step().unwrap();
+        assert!(stats.loss.is_finite() && !stats.skipped, "{stats:?}");
+        let reads = candle_fused::host::read_count() - before;
+        assert_eq!(
+            reads, 0,
+            "step {step}: candle-fused read back {reads} times"
+        );
+    }
 }
 
 /// The step's code transfers only through `trainer::transfer` (which counts): no raw

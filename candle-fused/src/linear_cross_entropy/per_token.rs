@@ -23,8 +23,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor, D};
 
 use super::fallback::RowGrad;
-use super::{acc_dtype, check, check_targets, host_targets, kernel, LceOp};
+use super::{acc_dtype, check, check_targets, kernel, LceOp};
 use crate::cpu;
+use crate::host::Targets;
 use crate::linear::strided;
 use crate::op::{self, cpu_of, Grads, In, Kernel};
 
@@ -61,17 +62,18 @@ use crate::op::{self, cpu_of, Grads, In, Kernel};
 /// assert_eq!(grads.get(&w).unwrap().dims(), &[50, 8]);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
-pub fn linear_cross_entropy_per_token(
+pub fn linear_cross_entropy_per_token<'a>(
     x: &Tensor,
     w: &Tensor,
-    targets: &Tensor,
+    targets: impl Into<Targets<'a>>,
     ignore_index: Option<u32>,
 ) -> Result<Tensor> {
+    let targets = targets.into();
     run(
         "linear_cross_entropy_per_token",
         x,
         w,
-        targets,
+        &targets,
         ignore_index,
         None,
     )
@@ -92,18 +94,19 @@ pub fn linear_cross_entropy_per_token(
 /// assert!((a - b)?.abs()?.max_all()?.to_scalar::<f64>()? < 1e-12);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
-pub fn linear_cross_entropy_per_token_chunked(
+pub fn linear_cross_entropy_per_token_chunked<'a>(
     x: &Tensor,
     w: &Tensor,
-    targets: &Tensor,
+    targets: impl Into<Targets<'a>>,
     ignore_index: Option<u32>,
     chunk_rows: usize,
 ) -> Result<Tensor> {
+    let targets = targets.into();
     let op = "linear_cross_entropy_per_token_chunked";
     if chunk_rows == 0 {
         candle_core::bail!("{op}: chunk_rows must be at least 1")
     }
-    run(op, x, w, targets, ignore_index, Some(chunk_rows))
+    run(op, x, w, &targets, ignore_index, Some(chunk_rows))
 }
 
 /// The reference of [`linear_cross_entropy_per_token`] from plain differentiable Candle ops:
@@ -120,15 +123,17 @@ pub fn linear_cross_entropy_per_token_chunked(
 /// assert!((nll[0] - 3f64.ln()).abs() < 1e-15 && nll[1] == 0.0);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
-pub fn linear_cross_entropy_per_token_composite(
+pub fn linear_cross_entropy_per_token_composite<'a>(
     x: &Tensor,
     w: &Tensor,
-    targets: &Tensor,
+    targets: impl Into<Targets<'a>>,
     ignore_index: Option<u32>,
 ) -> Result<Tensor> {
+    let targets = targets.into();
     let op = "linear_cross_entropy_per_token_composite";
-    let (_, c, v) = check(op, x, w, targets)?;
-    check_targets(op, &host_targets(targets)?, v, ignore_index)?;
+    let (_, c, v) = check(op, x, w, targets.tensor())?;
+    check_targets(op, &targets.host(op)?, v, ignore_index)?;
+    let targets = targets.tensor();
     let acc = acc_dtype(x.dtype());
     let logits = x.reshape(((), c))?.matmul(&w.t()?)?.to_dtype(acc)?;
     let t = targets.flatten_all()?;
@@ -152,7 +157,7 @@ fn run(
     name: &str,
     x: &Tensor,
     w: &Tensor,
-    targets: &Tensor,
+    targets: &Targets<'_>,
     ignore: Option<u32>,
     chunk: Option<usize>,
 ) -> Result<Tensor> {
@@ -160,7 +165,7 @@ fn run(
     let (n, c) = (base.n, base.c);
     let op = TokensOp {
         base,
-        out_shape: targets.shape().clone(),
+        out_shape: targets.tensor().shape().clone(),
         lse: Mutex::new(None),
     };
     if cpu::has_kernel(&x) {

@@ -10,10 +10,12 @@ mod types;
 
 use std::path::{Path, PathBuf};
 
+use candle_core::Device;
 use candle_remat::Policy;
 use serde::{Deserialize, Serialize};
 
 pub use candle_peft::TargetModules;
+pub(crate) use types::tracks_streams;
 pub use types::{
     Arch, BaseQuant, DeviceList, DeviceSpec, LossScale, ModuleList, Parallelism, Precision,
     ScheduleKind,
@@ -442,7 +444,7 @@ train_config! {
     #[resume(may_change)]
     triton_kernels: Option<bool> = None,
     /// Compute the head's cross-entropy a chunk of rows at a time, never holding the whole
-    /// [batch, block, vocab] logits (Llama family; false: the whole logits, for comparison).
+    /// [batch, block, vocab] logits (every family; false: the whole logits, for comparison).
     #[resume(may_change)]
     chunked_loss: bool = true,
     /// Peak FLOP/s of the device for the MFU in logs (0: measure a matmul ceiling at start-up);
@@ -668,6 +670,18 @@ impl TrainConfig {
             (None, Some(on)) => (on, TRITON_ENV),
             (None, None) => (TRITON_DEFAULT, "default"),
         }
+    }
+
+    /// Opens the run's device; a run on one stream (no pipeline, and a world of one as the
+    /// environment announces it) has it prepared for that (on CUDA: the memory pool keeps
+    /// freed memory, no events per allocation).
+    pub fn open_device(&self) -> Result<Device> {
+        let device = self.device.open()?;
+        let one_rank = crate::train::parallel::world_size_from_env() == 1;
+        if one_rank && matches!(self.parallelism(), Parallelism::None) {
+            types::single_stream(&device)?;
+        }
+        Ok(device)
     }
 
     /// How a step is spread over stages.

@@ -220,6 +220,45 @@ impl DeviceSpec {
     }
 }
 
+/// Prepares `device` for a run that uses it from one stream (no data-parallel ranks, no
+/// pipeline workers): on CUDA the default memory pool keeps the memory freed to it (release
+/// threshold at its maximum; cudarc's default of 0 hands it back to the driver at every
+/// synchronisation) and cudarc creates no events per allocation (their only use is to order
+/// one buffer's uses across streams). Nothing on other devices. Must run before the run
+/// allocates; a run on more than one stream keeps cudarc's defaults.
+pub(crate) fn single_stream(device: &Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = device {
+        use candle_core::cuda::cudarc::driver::{result, sys};
+        let stream = cuda.cuda_stream();
+        let ctx = stream.context();
+        let failed = |e: result::DriverError| Error::Config(format!("CUDA memory pool: {e:?}"));
+        let mut max = u64::MAX;
+        // SAFETY: the pool is the device's default one, and the release threshold attribute
+        // takes a `cuuint64_t`; no tensor exists yet whose uses cross streams (one stream).
+        unsafe {
+            let pool = result::device::get_default_mem_pool(ctx.cu_device()).map_err(failed)?;
+            let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+            result::mem_pool::set_attribute(pool, attr, (&mut max as *mut u64).cast())
+                .map_err(failed)?;
+            ctx.disable_event_tracking();
+        }
+    }
+    let _ = device;
+    Ok(())
+}
+
+/// Whether cudarc orders `device`'s buffers across streams (true on every device but a CUDA
+/// one prepared by [`single_stream`]).
+pub(crate) fn tracks_streams(device: &Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = device {
+        return cuda.cuda_stream().context().is_event_tracking();
+    }
+    let _ = device;
+    true
+}
+
 impl FromStr for DeviceSpec {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {

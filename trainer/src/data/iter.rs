@@ -20,7 +20,6 @@ use rand::RngCore;
 use rand_chacha::ChaCha8Rng;
 
 use super::{Batch, DataSource, Fingerprint, Split};
-use crate::model::HostTokens;
 use crate::{Error, Result};
 
 /// Something a program's batch iterator yields: a [`Batch`], or the input and target token ids
@@ -48,6 +47,7 @@ impl IntoBatch for Batch {
             rows: self.rows,
             mask_counts: None,
             reference: self.reference.as_ref().map(moved).transpose()?,
+            host_targets: None,
         })
     }
 }
@@ -63,13 +63,7 @@ impl IntoBatch for (Vec<u32>, Vec<u32>) {
                 y.len()
             )));
         }
-        let tokens = HostTokens::new(x.clone(), block);
-        let mut batch = Batch::new(
-            crate::transfer::upload(x, (rows, block), device)?,
-            crate::transfer::upload(y, (rows, block), device)?,
-        );
-        batch.rows.tokens = Some(tokens);
-        Ok(batch)
+        Ok(Batch::from_host(x, y, (rows, block), device)?)
     }
 }
 

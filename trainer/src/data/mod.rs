@@ -49,6 +49,7 @@ mod text;
 mod vocab;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, TensorId};
 use rand_chacha::ChaCha8Rng;
@@ -99,6 +100,19 @@ pub struct Batch {
     /// when the source holds them (DPO with reference values computed before training; see
     /// [`crate::model::Ctx::reference`]).
     pub reference: Option<Tensor>,
+    /// The targets as the data source built them on the host ([`Batch::from_host`]): the
+    /// cross-entropy ops then read nothing back from the device. Used only while `y` and
+    /// `mask` are the tensors they were built with.
+    pub host_targets: Option<HostTargets>,
+}
+
+/// A batch's targets on the host, the mask folded in ([`IGNORE`] where a target does not
+/// count), flat, row-major (see [`Batch::host_targets`]).
+#[derive(Clone, Debug)]
+pub struct HostTargets {
+    y: TensorId,
+    mask: Option<TensorId>,
+    values: Arc<[u32]>,
 }
 
 /// Counted targets per row of one mask tensor, summed on the host (see
@@ -119,7 +133,33 @@ impl Batch {
             rows: Rows::default(),
             mask_counts: None,
             reference: None,
+            host_targets: None,
         }
+    }
+
+    /// A batch of inputs `x` and targets `y` (`[B, T]` row-major on the host) copied to
+    /// `device`, every target counting; the host copies of the targets ([`Batch::host_targets`])
+    /// and of the token ids (for the embedding's backward) are kept.
+    pub fn from_host(
+        x: Vec<u32>,
+        y: Vec<u32>,
+        shape: (usize, usize),
+        device: &Device,
+    ) -> candle_core::Result<Self> {
+        let values: Arc<[u32]> = y.as_slice().into();
+        let y = crate::transfer::upload(y, shape, device)?;
+        let host_targets = Some(HostTargets {
+            y: y.id(),
+            mask: None,
+            values,
+        });
+        let tokens = HostTokens::new(x.clone(), shape.1);
+        let mut batch = Batch {
+            host_targets,
+            ..Batch::new(crate::transfer::upload(x, shape, device)?, y)
+        };
+        batch.rows.tokens = Some(tokens);
+        Ok(batch)
     }
 
     /// A batch of Hugging Face causal-LM inputs: `input_ids` and `labels` (`[B, T]`, integer
@@ -176,14 +216,26 @@ impl Batch {
             [_, t] if *t > 0 => mask.chunks_exact(*t).map(|r| r.iter().sum()).collect(),
             _ => Vec::new(),
         };
+        let host_targets = self.host_targets().map(|ys| {
+            let folded = ys.iter().zip(&mask);
+            folded
+                .map(|(&y, &m)| if m != 0.0 { y } else { IGNORE })
+                .collect()
+        });
         let mask = crate::transfer::upload(mask, shape, device)?;
         let mask_counts = (!per_row.is_empty()).then(|| MaskCounts {
             mask: mask.id(),
             per_row,
         });
+        let host_targets = host_targets.map(|values| HostTargets {
+            y: self.y.id(),
+            mask: Some(mask.id()),
+            values,
+        });
         Ok(Batch {
             mask: Some(mask),
             mask_counts,
+            host_targets,
             ..self
         })
     }
@@ -210,6 +262,14 @@ impl Batch {
         }
     }
 
+    /// [`Batch::targets`] on the host (flat, row-major) when the data source built them
+    /// there and `y` and `mask` are still the tensors it built.
+    pub fn host_targets(&self) -> Option<Arc<[u32]>> {
+        let h = self.host_targets.as_ref()?;
+        let mask = self.mask.as_ref().map(Tensor::id);
+        (h.y == self.y.id() && h.mask == mask).then(|| h.values.clone())
+    }
+
     /// The number of targets that count in the loss (the mask's sum, or every target).
     pub fn counted(&self) -> candle_core::Result<f64> {
         match &self.mask {
@@ -229,13 +289,21 @@ impl Batch {
             }),
             _ => None,
         };
+        let y = rows(&self.y)?;
+        let t = self.y.dim(1)?;
+        let host_targets = self.host_targets().map(|v| HostTargets {
+            y: y.id(),
+            mask: mask.as_ref().map(Tensor::id),
+            values: v[start * t..(start + len) * t].into(),
+        });
         Ok(Batch {
             x: rows(&self.x)?,
-            y: rows(&self.y)?,
+            y,
             mask,
             rows: self.rows.narrow(start, len)?,
             mask_counts,
             reference: self.reference.as_ref().map(rows).transpose()?,
+            host_targets,
         })
     }
 }
@@ -611,13 +679,7 @@ pub(crate) fn rows_to_batch(
         x.extend_from_slice(&row[..block_size]);
         y.extend_from_slice(&row[1..]);
     }
-    let shape = (batch_size, block_size);
-    let tokens = HostTokens::new(x.clone(), block_size);
-    let mut batch = Batch::new(
-        crate::transfer::upload(x, shape, device)?,
-        crate::transfer::upload(y, shape, device)?,
-    );
-    batch.rows.tokens = Some(tokens);
+    let batch = Batch::from_host(x, y, (batch_size, block_size), device)?;
     Ok(match target_mask {
         Some(m) => batch.with_host_mask(m, device)?,
         None => batch,

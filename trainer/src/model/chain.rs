@@ -78,9 +78,9 @@ pub trait LinkOps: Send + Sync + fmt::Debug {
     /// architecture may chunk the projection and the loss instead.
     fn loss(&self, h: &Tensor, targets: &Tensor, ctx: &Ctx) -> candle_core::Result<Loss> {
         let logits = self.forward(h, ctx)?;
-        let mean = ctx
-            .kernels
-            .cross_entropy_ignoring(&logits, targets, IGNORE)?;
+        let mean =
+            ctx.kernels
+                .cross_entropy_ignoring(&logits, ctx.targets(targets, targets), IGNORE)?;
         Ok(Loss {
             mean,
             targets: targets.clone(),

@@ -5,8 +5,9 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, TensorId};
 use candle_fused::attention::{self, AttentionConfig};
+use candle_fused::host::Targets;
 use candle_fused::{dropout, RngKey};
 
 use super::Kernels;
@@ -134,6 +135,17 @@ pub struct Ctx {
     /// summed completion log-probabilities a preference objective reads
     /// ([`crate::objective::Dpo`]). `None` for every other objective.
     pub reference: Option<Tensor>,
+    /// The host copy of the targets tensor the head is given (flat, row-major, as the batch
+    /// was built; see [`Ctx::with_host_targets`]): the cross-entropy ops then read nothing
+    /// back. `None`: they read the targets once.
+    pub host_targets: Option<HostTargets>,
+}
+
+/// One targets tensor's values on the host ([`Ctx::host_targets`]), used only for that tensor.
+#[derive(Clone, Debug)]
+pub struct HostTargets {
+    id: TensorId,
+    values: Arc<[u32]>,
 }
 
 impl Ctx {
@@ -149,6 +161,7 @@ impl Ctx {
             chunked_loss: true,
             adapters: true,
             reference: None,
+            host_targets: None,
         }
     }
 
@@ -174,6 +187,38 @@ impl Ctx {
     /// The same context for rows `row..` of the batch (see [`Ctx::row`]).
     pub fn with_row(self, row: usize) -> Self {
         Ctx { row, ..self }
+    }
+
+    /// The same context with `values`, the host copy of `targets` (flat, row-major; a length
+    /// other than the targets' is refused by the op that uses it).
+    pub fn with_host_targets(self, targets: &Tensor, values: Arc<[u32]>) -> Self {
+        let host_targets = Some(HostTargets {
+            id: targets.id(),
+            values,
+        });
+        Ctx {
+            host_targets,
+            ..self
+        }
+    }
+
+    /// `t` (the targets tensor `of`, or a reshape of it) for a cross-entropy op, with `of`'s
+    /// host copy when this context holds one ([`Ctx::with_host_targets`]).
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use trainer::model::Ctx;
+    /// let targets = Tensor::new(&[[1u32, 2], [3, 4]], &Device::Cpu)?;
+    /// let ctx = Ctx::eval().with_host_targets(&targets, vec![1, 2, 3, 4].into());
+    /// let flat = targets.flatten_all()?;
+    /// assert_eq!(ctx.targets(&targets, &flat).tensor().dims(), [4]);
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
+    pub fn targets<'a>(&'a self, of: &Tensor, t: &'a Tensor) -> Targets<'a> {
+        match &self.host_targets {
+            Some(h) if h.id == of.id() => Targets::new(t).with_host(&h.values),
+            _ => Targets::new(t),
+        }
     }
 
     /// The same context with the loss chunked or not (see [`Ctx::chunked_loss`]).

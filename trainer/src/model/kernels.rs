@@ -9,6 +9,7 @@
 //! their keys from the forward context and are defined beside it, in `ctx.rs`.
 
 use candle_core::{DType, Tensor};
+use candle_fused::host::Targets;
 use candle_fused::linear_cross_entropy as lce;
 use candle_fused::{cross_entropy, embedding, linear, linear_gelu, norm, rope, swiglu};
 use serde::{Deserialize, Serialize};
@@ -88,7 +89,13 @@ impl Kernels {
 
     /// [`Kernels::cross_entropy`] over the targets that are not `ignore` (the loss mask folded
     /// into the targets, as PyTorch's `ignore_index`).
-    pub fn cross_entropy_ignoring(self, logits: &Tensor, targets: &Tensor, ignore: u32) -> R {
+    pub fn cross_entropy_ignoring<'a>(
+        self,
+        logits: &Tensor,
+        targets: impl Into<Targets<'a>>,
+        ignore: u32,
+    ) -> R {
+        let targets = targets.into();
         match self {
             Kernels::Fused => cross_entropy::cross_entropy(logits, targets, None, Some(ignore)),
             Kernels::Reference => {
@@ -138,7 +145,14 @@ impl Kernels {
     /// Mean cross-entropy of the logits `x [N, C] wᵀ` (`w [V, C]`) against `targets [N]`,
     /// ignoring `ignore`: fused, a chunk of rows at a time without the `[N, V]` logits (the
     /// gradients computed on the way); reference, the whole logits and the composite loss.
-    pub fn linear_cross_entropy(self, x: &Tensor, w: &Tensor, targets: &Tensor, ignore: u32) -> R {
+    pub fn linear_cross_entropy<'a>(
+        self,
+        x: &Tensor,
+        w: &Tensor,
+        targets: impl Into<Targets<'a>>,
+        ignore: u32,
+    ) -> R {
+        let targets = targets.into();
         match self {
             Kernels::Fused => lce::linear_cross_entropy(x, w, targets, Some(ignore)),
             Kernels::Reference => lce::linear_cross_entropy_composite(x, w, targets, Some(ignore)),
@@ -147,13 +161,14 @@ impl Kernels {
 
     /// [`Kernels::linear_cross_entropy`] before the mean: the loss of each target (`[N]`, 0
     /// where it is `ignore`), differentiable for any upstream gradient.
-    pub fn linear_cross_entropy_per_token(
+    pub fn linear_cross_entropy_per_token<'a>(
         self,
         x: &Tensor,
         w: &Tensor,
-        targets: &Tensor,
+        targets: impl Into<Targets<'a>>,
         ignore: u32,
     ) -> R {
+        let targets = targets.into();
         match self {
             Kernels::Fused => lce::linear_cross_entropy_per_token(x, w, targets, Some(ignore)),
             Kernels::Reference => {

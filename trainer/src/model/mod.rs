@@ -36,7 +36,7 @@ pub use arch::{
 };
 pub use builder::{Builder, Quant, Source, Wrap};
 pub use chain::{chain, count_targets, run_links, Link, LinkOps, Loss, Role, WeightMap, IGNORE};
-pub use ctx::{Ctx, HostTokens, Rows};
+pub use ctx::{Ctx, HostTargets, HostTokens, Rows};
 pub use kernels::Kernels;
 pub use layers::{dropout, stat_dtype, LayerNorm};
 pub use linear::Linear;

@@ -210,7 +210,7 @@ impl TrainerBuilder {
             crate::lora::adopt_adapter_config(&mut config)?;
         }
         config.validate()?;
-        let device = config.device.open()?;
+        let device = config.open_device()?;
         let (data, evaluates): (Box<dyn DataSource>, bool) = match self.data {
             None => (config.open_data()?, true),
             Some(Data::Source(source)) => {

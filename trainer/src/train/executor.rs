@@ -113,12 +113,18 @@ impl Executor {
     ) -> Result<(Loss, GradStore)> {
         let plan = self.plan();
         let links = model.links();
+        let targets = batch.targets()?;
+        // the batch's host copy of the targets: the loss reads nothing back for them
+        let ctx = match batch.host_targets() {
+            Some(values) => ctx.clone().with_host_targets(&targets, values),
+            None => ctx.clone(),
+        };
         let tape = Tape::new(ctx.seed);
         let loss = run_chain(
             &links,
             &batch.x,
-            &batch.targets()?,
-            ctx,
+            &targets,
+            &ctx,
             plan.map(|p| (&tape, p)),
             objective,
         )?;

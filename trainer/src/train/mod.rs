@@ -182,7 +182,7 @@ impl Trainer {
         let dir = checkpoint::resolve(path)?;
         let state: TrainerState = checkpoint::io::read_json(&dir.join(checkpoint::STATE_FILE))?;
         let (config, claim) = resumed_config(&state, &dir, adjust)?;
-        let device = config.device.open()?;
+        let device = config.open_device()?;
         let data = config.open_data()?;
         // The one loading path (`crate::load`): the data and config.json against the run,
         // memory, the weights, then the optimiser state, then the manifest.
@@ -338,6 +338,14 @@ impl Trainer {
     pub fn with_comm(mut self, comm: Box<dyn Communicator>) -> Result<Self> {
         let world = comm.world_size();
         self.check_world(world)?;
+        if world > 1 && !crate::config::tracks_streams(&self.device) {
+            return Err(Error::Config(format!(
+                "this trainer's CUDA device was prepared for a run on one stream (no events \
+                 per allocation); {world} data-parallel ranks need the ranks announced by the \
+                 launcher's environment before the trainer is built (see \
+                 `trainer::train::parallel::world_size_from_env`)"
+            )));
+        }
         self.dp = DataParallel::new(comm, self.vars.clone())?;
         self.dp.broadcast_from_main(&self.vars)?;
         self.dp.ensure_in_sync(&self.vars)?;

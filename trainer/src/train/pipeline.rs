@@ -58,6 +58,8 @@ struct RowsOfStep {
     rows: Rows,
     train: bool,
     reference: HashMap<TensorId, Tensor>,
+    /// Each microbatch's targets on the host (the batch's host copy), by the same ids.
+    host_targets: HashMap<TensorId, Arc<[u32]>>,
 }
 
 /// A link as a pipeline layer on `device`: its parameters, and a forward that builds the
@@ -243,11 +245,15 @@ impl PipelineRun {
             let ctx = {
                 let s = loss_rows.lock().unwrap_or_else(|e| e.into_inner());
                 let reference = s.reference.get(&targets.id()).cloned();
-                Ctx {
+                let ctx = Ctx {
                     train: s.train,
                     ..base.clone()
                 }
-                .with_reference(reference)
+                .with_reference(reference);
+                match s.host_targets.get(&targets.id()) {
+                    Some(values) => ctx.with_host_targets(targets, values.clone()),
+                    None => ctx,
+                }
             };
             if h.device().same_device(&home) {
                 objective.loss(&HeadOutput::new(&head, h, targets, &ctx))
@@ -303,6 +309,8 @@ impl PipelineRun {
         let sizes = candle_pipeline::even_sizes(b, m)?;
         let (mut xs, mut ys, mut ws) = (Vec::new(), Vec::new(), Vec::new());
         let mut reference = HashMap::new();
+        let (host, t) = (batch.host_targets(), batch.x.dim(1)?);
+        let mut host_targets = HashMap::new();
         let mut start = 0;
         for rows in sizes {
             crate::objective::check_groups(objective.as_ref(), rows, "a pipeline microbatch")?;
@@ -314,6 +322,9 @@ impl PipelineRun {
                 let r = r.narrow(0, start, rows)?.to_device(&self.last_device)?;
                 reference.insert(targets.id(), r);
             }
+            if let Some(h) = &host {
+                host_targets.insert(targets.id(), h[start * t..(start + rows) * t].into());
+            }
             ys.push(targets);
             let share = if total > 0.0 { count / total } else { 0.0 };
             ws.push(weight * f64::from(share));
@@ -324,6 +335,7 @@ impl PipelineRun {
             rows: batch.rows.clone(),
             train: ctx.train,
             reference,
+            host_targets,
         };
         let mbs = Microbatches::with_weights(xs, ys, ws)?
             .with_key(ctx.seed)

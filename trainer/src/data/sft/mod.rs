@@ -607,7 +607,8 @@ impl DataSource for SftSource {
             doc_ids: l.doc_ids.map(u32s).transpose()?,
             tokens: Some(HostTokens::new(l.x.clone(), block_size)),
         };
-        let mut batch = Batch::new(u32s(l.x)?, u32s(l.y)?).with_host_mask(l.mask, device)?;
+        let mut batch =
+            Batch::from_host(l.x, l.y, shape, device)?.with_host_mask(l.mask, device)?;
         batch.rows = rows;
         Ok(batch)
     }

@@ -23,7 +23,6 @@ use super::{layout, Example, Message, SftEncoder};
 use crate::data::lines::{read_line, MAX_LINE_BYTES};
 use crate::data::Batch;
 use crate::error::{Error, Result};
-use crate::model::HostTokens;
 
 /// One side of a preference record: text, or messages rendered with the chat template.
 #[derive(Clone, Debug)]
@@ -356,11 +355,7 @@ pub fn preference_batch(
     let refs: Vec<&Example> = examples.iter().collect();
     let l = layout::padded(&refs, block_size, pad);
     let shape = (refs.len(), block_size);
-    let u32s = |v: Vec<u32>| crate::transfer::upload(v, shape, device);
-    let tokens = HostTokens::new(l.x.clone(), block_size);
-    let mut batch = Batch::new(u32s(l.x)?, u32s(l.y)?).with_host_mask(l.mask, device)?;
-    batch.rows.tokens = Some(tokens);
-    Ok(batch)
+    Ok(Batch::from_host(l.x, l.y, shape, device)?.with_host_mask(l.mask, device)?)
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ pub use config::{GptConfig, GPT2_ENDOFTEXT};
 
 use super::{
     run_links, stat_dtype, Architecture, Builder, Ctx, KvCache, LayerNorm, Layout, Linear, Link,
-    LinkOps, Model, ModelConfig, Params, WeightMap,
+    LinkOps, Loss, Model, ModelConfig, Params, WeightMap, IGNORE,
 };
 use crate::Result;
 
@@ -307,6 +307,14 @@ impl Head {
         })
     }
 
+    /// `ln_f(x)` flat (`[B T, C]`) and the tied weight in the compute dtype: the chunked
+    /// loss's inputs.
+    fn chunk_inputs(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<(Tensor, Tensor)> {
+        let h = self.ln_f.forward_ctx(x, ctx)?;
+        let c = h.dim(D::Minus1)?;
+        Ok((h.reshape(((), c))?, self.wte.to_dtype(ctx.dtype)?))
+    }
+
     /// The same head with its weights mapped by `f`.
     fn mapped(&self, f: WeightMap) -> candle_core::Result<Self> {
         Ok(Head {
@@ -323,6 +331,37 @@ impl LinkOps for Head {
         let w = self.wte.to_dtype(ctx.dtype)?;
         let logits = ctx.kernels.linear(&x, &w.t()?, None)?;
         logits.to_dtype(stat_dtype(logits.dtype()))
+    }
+
+    /// The cross-entropy of the tied projection chunk by chunk (no `[B, T, vocab_size]`
+    /// logits) unless the context asks for whole logits ([`Ctx::chunked_loss`]).
+    fn loss(&self, x: &Tensor, targets: &Tensor, ctx: &Ctx) -> candle_core::Result<Loss> {
+        let mean = if ctx.chunked_loss {
+            let (h, w) = self.chunk_inputs(x, ctx)?;
+            let t = targets.flatten_all()?;
+            let t = ctx.targets(targets, &t);
+            ctx.kernels.linear_cross_entropy(&h, &w, t, IGNORE)?
+        } else {
+            let logits = self.forward(x, ctx)?;
+            ctx.kernels
+                .cross_entropy_ignoring(&logits, ctx.targets(targets, targets), IGNORE)?
+        };
+        Ok(Loss {
+            mean,
+            targets: targets.clone(),
+        })
+    }
+
+    /// Each target's cross-entropy chunk by chunk when [`LinkOps::loss`] chunks.
+    fn token_losses(&self, x: &Tensor, targets: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        if !ctx.chunked_loss {
+            return super::chain::token_losses_of_logits(&self.forward(x, ctx)?, targets);
+        }
+        let (h, w) = self.chunk_inputs(x, ctx)?;
+        let t = targets.flatten_all()?;
+        ctx.kernels
+            .linear_cross_entropy_per_token(&h, &w, ctx.targets(targets, &t), IGNORE)?
+            .reshape(targets.shape())
     }
 
     fn params(&self) -> Vec<Tensor> {

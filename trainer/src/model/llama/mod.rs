@@ -445,9 +445,11 @@ impl LinkOps for Head {
             Some(w) => w,
             None => {
                 let logits = self.forward(x, ctx)?;
-                let mean = ctx
-                    .kernels
-                    .cross_entropy_ignoring(&logits, targets, IGNORE)?;
+                let mean = ctx.kernels.cross_entropy_ignoring(
+                    &logits,
+                    ctx.targets(targets, targets),
+                    IGNORE,
+                )?;
                 return Ok(Loss {
                     mean,
                     targets: targets.clone(),
@@ -456,10 +458,11 @@ impl LinkOps for Head {
         };
         let h = self.norm.forward(x, ctx)?;
         let c = h.dim(2)?;
+        let t = targets.flatten_all()?;
         let mean = ctx.kernels.linear_cross_entropy(
             &h.reshape(((), c))?,
             &w.to_dtype(ctx.dtype)?,
-            &targets.flatten_all()?,
+            ctx.targets(targets, &t),
             IGNORE,
         )?;
         Ok(Loss {
@@ -475,11 +478,12 @@ impl LinkOps for Head {
         };
         let h = self.norm.forward(x, ctx)?;
         let c = h.dim(2)?;
+        let t = targets.flatten_all()?;
         ctx.kernels
             .linear_cross_entropy_per_token(
                 &h.reshape(((), c))?,
                 &w.to_dtype(ctx.dtype)?,
-                &targets.flatten_all()?,
+                ctx.targets(targets, &t),
                 IGNORE,
             )?
             .reshape(targets.shape())
