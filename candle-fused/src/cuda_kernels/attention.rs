@@ -11,10 +11,10 @@
 //! rule [`Rule::MultipleOf`]: rows then load as 16-byte vectors, no register spills) and with
 //! dropout compiled in (`attn_fwd_d64`) or out (`attn_fwd_d64_nodrop`); then the generic
 //! build (`attn_fwd`: any `D <= 128` in a 128-column tile, 2-byte loads, dropout decided at
-//! run time), the only one for f32. Head size 256 (Gemma 3) has no build: a 64 x 64 tile
-//! pair of 256 columns needs more registers than a thread has (the measured D = 256 bf16
-//! build without dropout: see `candle-fused/triton/README.md`), so the op takes the composite
-//! path there (`attention::Attention` sends `D > BLOCK_D` to it).
+//! run time), the only one for f32. Head size 256 (Gemma 3) has no build: a D = 256 bf16
+//! build measured without a GPU spilled 24-528 bytes per thread with 64 x 64 tiles and 16 with
+//! 32 x 32 (`candle-fused/triton/README.md`), so the op takes the composite path there (it
+//! sends `D > BLOCK_D` to it).
 //!
 //! The scalars, in order (a [`Scalar`](super::Scalar) each): `scale` (f32), `causal` (i32,
 //! 0 / 1), `window` (i32, 0 = none, else >= 1), `p_drop` (f32 in `[0, 1)`), `keep` (f32, `1 /
@@ -31,7 +31,7 @@ use candle_core::DType;
 pub const BLOCK_D: usize = 128;
 /// Query rows / keys per program for f32 (`BLOCK_M = BLOCK_N`).
 pub const BLOCK_F32: usize = 32;
-/// Query rows / keys per program for bf16 and f16 (`BLOCK_M = BLOCK_N`).
+/// Query rows / keys per program for bf16 and f16 in the generic build (`BLOCK_M = BLOCK_N`).
 pub const BLOCK_16: usize = 64;
 /// Rows per program of `attn_bwd_delta`.
 pub const DELTA_BLOCK_M: usize = 64;
