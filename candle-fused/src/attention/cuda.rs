@@ -19,6 +19,12 @@
 //!   assembled from dq, dk, dv (two copies each: heads merged, then concatenated).
 //! * [`super::attention_merged`]: forward, the output scattered to `[B, T, H * D]`; backward, o
 //!   and dO gathered back to `[B, H, T, D]`.
+//!
+//! Copy launches per layer, counted from this code path: `attention_qkv` 4 in the forward and
+//! 11 in the backward (q, k, v, o, dO made contiguous; dq, dk, dv merged; the cat, one copy per
+//! part), 15 in all; `attention_merged` 1 + 2. Passing the row strides to the kernels (3C for
+//! q, k, v in the packed projection, C for o) and writing dq, dk, dv into the packed gradient
+//! would remove every one of them; not done yet.
 
 use super::composite::{merge_heads, split_heads};
 use super::config::Resolved;
