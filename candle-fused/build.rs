@@ -127,9 +127,11 @@ fn spec(
         .as_object()
         .ok_or_else(|| format!("{file80}: no constexprs"))?
     {
+        // a flag (`HAS_DROPOUT`) is 0 or 1
         let v = v
             .as_u64()
-            .ok_or_else(|| format!("{file80}: constexpr {name} is not an integer"))?;
+            .or_else(|| v.as_bool().map(u64::from))
+            .ok_or_else(|| format!("{file80}: constexpr {name} is not an integer or a flag"))?;
         write!(constexprs, "({name:?}, {v}), ")?;
     }
     Ok(format!(

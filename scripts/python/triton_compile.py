@@ -8,14 +8,18 @@ A family is a file `candle-fused/triton/<family>.py` (files starting with `_` ar
 its `AOT` list names the kernels to compile: `fn`, `params` [(name, type, role)] in `.entry`
 order (`{io}` in a type is the variant's dtype), `constexprs`, `num_warps`, `grid` (the rule as
 `candle_fused::cuda_kernels::describe_grid` writes it), and optionally `dtypes` (default f32,
-bf16, f16) and `num_stages` (default 1). Writes `candle-fused/kernels/<entry>.<dtype>.sm<NN>
+bf16, f16), `num_stages` (default 1), `entry` (the `.entry` name and file stem when one
+function is compiled in several variants, e.g. `attn_fwd_d64`; default the function's name)
+and `divisible` (i32 parameters declared multiples of 16, e.g. a head size: the launch table
+must then carry a `Rule::MultipleOf` for them). Writes `candle-fused/kernels/<entry>.<dtype>.sm<NN>
 .cubin` and `.json` next to it. `--check` compiles into a temporary directory and fails unless
 every file is byte-identical to the committed one (regeneration is deterministic: no
 autotuning, fixed constexprs, no GPU query).
 
 The specialisation is fixed here, not taken from a live call: every pointer argument is
 declared 16-byte aligned (`tt.divisibility = 16`); integer arguments are plain i32 with no
-divisibility or `== 1` specialisation, so odd sizes are valid. The `.entry` gets two extra
+divisibility or `== 1` specialisation, so odd sizes are valid, except those an entry names in
+`divisible` (`tt.divisibility = 16` too). The `.entry` gets two extra
 trailing pointer parameters (global and profile scratch); the kernels here need none
 (`global_scratch_size == 0`, `profile_scratch_size == 0`), so the launcher passes null.
 FMA contraction is off (`enable_fp_fusion=False`): each operation rounds as in the
@@ -154,6 +158,16 @@ def ptx_entry_params(ptx, name):
     return out
 
 
+class NamedSource(ASTSource):
+    """An `ASTSource` whose cache key includes the kernel's name: Triton 3.9 keys its compile
+    cache on the source, signature, attributes and constants only, so the same function
+    compiled under another `.entry` name (`repr`) would otherwise come back from the cache
+    under the first name."""
+
+    def hash(self):
+        return hashlib.sha256(f"{super().hash()}-{self.fn.repr(None)}".encode()).hexdigest()
+
+
 def families(names=None):
     """{family: module} of candle-fused/triton/*.py (or of `names`)."""
     paths = sorted(p for p in TRITON_DIR.glob("*.py") if not p.name.startswith("_"))
@@ -178,16 +192,24 @@ def compile_all(out_dir, names=None):
 
 def compile_one(out_dir, family, src_path, spec, dt):
     fn = spec["fn"]
-    name = f"{fn.__name__}.{dt}"
+    entry = spec.get("entry", fn.__name__)
+    if entry != fn.__name__:
+        # the same source under another `.entry` name (Triton names the kernel by `repr`)
+        fn = triton.jit(fn.fn, repr=lambda _, e=entry: e)
+    name = f"{entry}.{dt}"
     params = [(p, t.format(io=DTYPES[dt]), r) for p, t, r in spec["params"]]
     constexprs = spec["constexprs"]
     signature = {p: t for p, t, _ in params}
     signature.update({k: "constexpr" for k in constexprs})
     ptr_idx = [i for i, (_, t, _) in enumerate(params) if t.startswith("*")]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in ptr_idx}
+    divisible = spec.get("divisible", ())
+    unknown = set(divisible) - {p for p, t, _ in params if t == "i32"}
+    assert not unknown, (name, "divisible names no i32 parameter", unknown)
+    div_idx = [i for i, (p, _, _) in enumerate(params) if p in divisible]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in ptr_idx + div_idx}
     written = []
     for arch in ARCHS:
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        src = NamedSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         with knobs.compilation.scope():
             # no embedded PTX text / line tables: they hold the source's absolute path
             knobs.compilation.disable_line_info = not spec.get("line_info", False)
@@ -196,6 +218,7 @@ def compile_one(out_dir, family, src_path, spec, dt):
                                         "num_stages": spec.get("num_stages", 1),
                                         "enable_fp_fusion": spec.get("fp_fusion", False)})
         md = k.metadata
+        assert md.name == entry, (name, md.name)
         assert md.global_scratch_size == 0 and md.profile_scratch_size == 0, name
         stem = f"{name}.sm{arch}"
         tk = tkinfo(k.asm["cubin"])
@@ -219,7 +242,10 @@ def compile_one(out_dir, family, src_path, spec, dt):
             + [{"name": "global_scratch", "type": "*i8", "role": "null (size 0)"},
                {"name": "profile_scratch", "type": "*i8", "role": "null (size 0)"}],
             "specialisation": "every pointer 16-byte aligned (tt.divisibility=16); "
-                              "i32 arguments unspecialised; tensors contiguous",
+                              + (f"{', '.join(divisible)} multiple of 16 (tt.divisibility=16); "
+                                 "other " if divisible else "")
+                              + "i32 arguments unspecialised; tensors contiguous",
+            "divisible_by_16": list(divisible),
             "pointer_alignment_bytes": 16,
             "global_scratch_size": md.global_scratch_size,
             "profile_scratch_size": md.profile_scratch_size,

@@ -3,7 +3,9 @@
 //! backward runs `attn_bwd_delta` (`D_i = <dO_i, O_i>`), `attn_bwd_dkdv` (one program per key
 //! block of a kv head, summing its query heads in order: no atomics) and `attn_bwd_dq`. The
 //! formulas are the CPU kernel's (`kernel.rs`, `kernel/backward.rs`), as the interpreter check
-//! of the Triton source verifies.
+//! of the Triton source verifies. Each kernel has several builds (`cuda_kernels::attention::
+//! builds`: head size 64 or 128 with dropout compiled in or out, then the generic one); the
+//! first whose table rules accept the launch runs.
 //!
 //! The kernels take contiguous `[B, H, T, D]` (q, o, dO, dq) and `[B, KV, T, D]` (k, v, dk, dv)
 //! tensors. [`super::attention`] passes its inputs as they are (made contiguous and 16-byte
@@ -17,11 +19,18 @@
 //!   assembled from dq, dk, dv (two copies each: heads merged, then concatenated).
 //! * [`super::attention_merged`]: forward, the output scattered to `[B, T, H * D]`; backward, o
 //!   and dO gathered back to `[B, H, T, D]`.
+//!
+//! Copy launches per layer, counted from this code path: `attention_qkv` 4 in the forward and
+//! 11 in the backward (q, k, v, o, dO made contiguous; dq, dk, dv merged; the cat, one copy per
+//! part), 15 in all; `attention_merged` 1 + 2. Passing the row strides to the kernels (3C for
+//! q, k, v in the packed projection, C for o) and writing dq, dk, dv into the packed gradient
+//! would remove every one of them; not done yet.
 
 use super::composite::{merge_heads, split_heads};
 use super::config::Resolved;
 use super::kernel::{Geom, View};
-use crate::cuda_kernels::launch::{cuda_of, launch, Buf, CudaIn, Output};
+use crate::cuda_kernels::attention::builds;
+use crate::cuda_kernels::launch::{cuda_of, launch_first, Buf, CudaIn, Output};
 use crate::cuda_kernels::{triton_input, Scalar};
 use crate::op::{Grads, Saved};
 use candle_core::backend::BackendStorage;
@@ -91,7 +100,7 @@ fn fwd(
             Buf::write(&mut o),
             Buf::write(&mut lse),
         ];
-        launch("attn_fwd", dt, tensors, &scalars(g, r))?;
+        launch_first(&builds(r.dropout > 0.0).fwd, dt, tensors, &scalars(g, r))?;
     }
     saved.set(lse.into_tensor());
     Ok(o)
@@ -180,9 +189,10 @@ fn bwd(
     let read = |i: usize| Buf::read(st[i], guards[i].1);
     let (q, k, v, o, dout, lse) = (0, 1, 2, 3, 4, 5);
     let read_doc = || read(6).bits_as(DType::I32);
+    let builds = builds(r.dropout > 0.0);
     let mut delta = Output::new(dev, (g.b, g.h, g.tq), DType::F32)?;
     let tensors = vec![read(o), read(dout), Buf::write(&mut delta)];
-    launch("attn_bwd_delta", dt, tensors, &[])?;
+    launch_first(&builds.delta, dt, tensors, &[])?;
     let cfg = scalars(g, r);
     let (dk, dv) = if need_kv {
         let mut dk = Output::new(dev, (g.b, g.kvh, g.tk, g.d), dt)?;
@@ -198,7 +208,7 @@ fn bwd(
             Buf::write(&mut dk),
             Buf::write(&mut dv),
         ];
-        launch("attn_bwd_dkdv", dt, tensors, &cfg)?;
+        launch_first(&builds.dkdv, dt, tensors, &cfg)?;
         (Some(dk.into_tensor()), Some(dv.into_tensor()))
     } else {
         (None, None)
@@ -215,7 +225,7 @@ fn bwd(
             Buf::read_output(&delta),
             Buf::write(&mut dq),
         ];
-        launch("attn_bwd_dq", dt, tensors, &cfg)?;
+        launch_first(&builds.dq, dt, tensors, &cfg)?;
         Some(dq.into_tensor())
     } else {
         None

@@ -6,6 +6,16 @@
 //! query heads: `KV` divides `H`, K and V are not repeated); `DOC` `[B, T]` i32 document ids
 //! (zeros when there are none); `LSE`, `DELTA` `[B, H, T]` f32. `D <= 128`.
 //!
+//! Builds ([`builds`], tried in order by [`super::check_variants`]): for bf16 and f16, head-size
+//! builds whose tile is exactly 64 or 128 columns, compiled with `D` a multiple of 16 (their
+//! rule [`Rule::MultipleOf`]: rows then load as 16-byte vectors, no register spills) and with
+//! dropout compiled in (`attn_fwd_d64`) or out (`attn_fwd_d64_nodrop`); then the generic
+//! build (`attn_fwd`: any `D <= 128` in a 128-column tile, 2-byte loads, dropout decided at
+//! run time), the only one for f32. Head size 256 (Gemma 3) has no build: a D = 256 bf16
+//! build measured without a GPU spilled 24-528 bytes per thread with 64 x 64 tiles and 16 with
+//! 32 x 32 (`candle-fused/triton/README.md`), so the op takes the composite path there (it
+//! sends `D > BLOCK_D` to it).
+//!
 //! The scalars, in order (a [`Scalar`](super::Scalar) each): `scale` (f32), `causal` (i32,
 //! 0 / 1), `window` (i32, 0 = none, else >= 1), `p_drop` (f32 in `[0, 1)`), `keep` (f32, `1 /
 //! (1 - p_drop)` computed in f64 and rounded, as the CPU kernel does), then the dropout key as
@@ -19,12 +29,42 @@ use super::{KernelSpec, Rule};
 pub const BLOCK_D: usize = 128;
 /// Query rows / keys per program for f32 (`BLOCK_M = BLOCK_N`).
 pub const BLOCK_F32: usize = 32;
-/// Query rows / keys per program for bf16 and f16 (`BLOCK_M = BLOCK_N`).
+/// Query rows / keys per program for bf16 and f16 in the generic build (`BLOCK_M = BLOCK_N`).
 pub const BLOCK_16: usize = 64;
 /// Rows per program of `attn_bwd_delta`.
 pub const DELTA_BLOCK_M: usize = 64;
 
 const TILED: &[Rule] = &[Rule::AtMost("D", BLOCK_D), Rule::Divides("KV", "H")];
+
+// The head-size builds (bf16 and f16; `triton/attention.py`'s `_variants` and `VARIANT_TILES`):
+// a tile of exactly 64 or 128 columns, D declared a multiple of 16 (its rows load as 16-byte
+// vectors), dropout compiled in or out, tiles and warps chosen for no register spills.
+const D64_RULES: &[Rule] = &[
+    Rule::AtMost("D", 64),
+    Rule::MultipleOf("D", 16),
+    Rule::Divides("KV", "H"),
+];
+const D128_RULES: &[Rule] = &[
+    Rule::AtMost("D", 128),
+    Rule::MultipleOf("D", 16),
+    Rule::Divides("KV", "H"),
+];
+const D64_DELTA_RULES: &[Rule] = &[Rule::AtMost("D", 64), Rule::MultipleOf("D", 16)];
+const D128_DELTA_RULES: &[Rule] = &[Rule::AtMost("D", 128), Rule::MultipleOf("D", 16)];
+
+const GENERIC: [&str; 3] = ["attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"];
+const D64: [&str; 3] = ["attn_fwd_d64", "attn_bwd_dkdv_d64", "attn_bwd_dq_d64"];
+const D64_NODROP: [&str; 3] = [
+    "attn_fwd_d64_nodrop",
+    "attn_bwd_dkdv_d64_nodrop",
+    "attn_bwd_dq_d64_nodrop",
+];
+const D128: [&str; 3] = ["attn_fwd_d128", "attn_bwd_dkdv_d128", "attn_bwd_dq_d128"];
+const D128_NODROP: [&str; 3] = [
+    "attn_fwd_d128_nodrop",
+    "attn_bwd_dkdv_d128_nodrop",
+    "attn_bwd_dq_d128_nodrop",
+];
 
 /// The [`Rule`]s of each entry; the rest of its launch table is generated from its
 /// metadata (`kernels/*.json`) by `build.rs`.
@@ -33,7 +73,64 @@ pub(crate) const RULES: &[(&str, &[Rule])] = &[
     ("attn_bwd_delta", &[Rule::AtMost("D", BLOCK_D)]),
     ("attn_bwd_dkdv", TILED),
     ("attn_bwd_dq", TILED),
+    ("attn_bwd_delta_d64", D64_DELTA_RULES),
+    ("attn_bwd_delta_d128", D128_DELTA_RULES),
+    ("attn_fwd_d64", D64_RULES),
+    ("attn_bwd_dkdv_d64", D64_RULES),
+    ("attn_bwd_dq_d64", D64_RULES),
+    ("attn_fwd_d64_nodrop", D64_RULES),
+    ("attn_bwd_dkdv_d64_nodrop", D64_RULES),
+    ("attn_bwd_dq_d64_nodrop", D64_RULES),
+    ("attn_fwd_d128", D128_RULES),
+    ("attn_bwd_dkdv_d128", D128_RULES),
+    ("attn_bwd_dq_d128", D128_RULES),
+    ("attn_fwd_d128_nodrop", D128_RULES),
+    ("attn_bwd_dkdv_d128_nodrop", D128_RULES),
+    ("attn_bwd_dq_d128_nodrop", D128_RULES),
 ];
 
-/// Attention forward, backward delta, dK/dV and dQ, for f32, bf16 and f16.
+/// Attention forward, backward delta, dK/dV and dQ: the generic build for f32, bf16 and f16,
+/// the head-size builds for bf16 and f16.
 pub const KERNELS: &[KernelSpec] = super::compiled::ATTENTION;
+
+/// The builds of each attention kernel, in the order a launcher tries them
+/// ([`super::check_variants`]): the head-size builds for D up to 64, then up to 128 (D a
+/// multiple of 16; bf16 and f16), then the generic one (any D <= 128, every dtype).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Builds {
+    /// `attn_fwd` and its head-size builds.
+    pub fwd: [&'static str; 3],
+    /// `attn_bwd_delta` and its head-size builds (no dropout in it).
+    pub delta: [&'static str; 3],
+    /// `attn_bwd_dkdv` and its head-size builds.
+    pub dkdv: [&'static str; 3],
+    /// `attn_bwd_dq` and its head-size builds.
+    pub dq: [&'static str; 3],
+}
+
+/// The builds to try for a launch with dropout (`p > 0`) or without; the head-size builds
+/// without dropout compile it out (the generic build decides at run time).
+///
+/// ```
+/// use candle_fused::cuda_kernels::attention::builds;
+/// assert_eq!(builds(false).fwd, ["attn_fwd_d64_nodrop", "attn_fwd_d128_nodrop", "attn_fwd"]);
+/// assert_eq!(builds(true).dq, ["attn_bwd_dq_d64", "attn_bwd_dq_d128", "attn_bwd_dq"]);
+/// ```
+pub fn builds(dropout: bool) -> Builds {
+    let (d64, d128) = if dropout {
+        (D64, D128)
+    } else {
+        (D64_NODROP, D128_NODROP)
+    };
+    let at = |i: usize| [d64[i], d128[i], GENERIC[i]];
+    Builds {
+        fwd: at(0),
+        delta: [
+            "attn_bwd_delta_d64",
+            "attn_bwd_delta_d128",
+            "attn_bwd_delta",
+        ],
+        dkdv: at(1),
+        dq: at(2),
+    }
+}

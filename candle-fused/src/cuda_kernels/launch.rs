@@ -1,7 +1,7 @@
 //! Launching the embedded Triton kernels ([`super::cubins`]) on Candle's CUDA stream
 //! (`cuda` feature only).
 //!
-//! [`launch`] finds the kernel's [`KernelSpec`], runs [`check_launch`] on the tensors (dims,
+//! [`launch`] finds the kernel's [`KernelSpec`], runs [`super::check_launch`] on the tensors (dims,
 //! strides, dtypes and the real device addresses, so the 16-byte alignment is checked on the
 //! pointers passed), loads the module for the device once (a process-wide cache keyed by CUDA
 //! context and kernel; the sm_80 cubin on compute capability 8.x, sm_90 on 9.0, otherwise a
@@ -46,7 +46,7 @@
 //! [`Buf::same_as`] that argument.
 
 use super::switch::cubin_arch;
-use super::{check_launch, cubins, find, KernelSpec, Launch, Scalar, TensorArg};
+use super::{check_variants, cubins, find, KernelSpec, Launch, Scalar, TensorArg};
 use crate::cuda_kernels::Arg;
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc;
@@ -281,16 +281,28 @@ pub(crate) fn pointer<'b>(
 
 /// Launches the kernel `entry` for `dtype` on `tensors` (its `Param::Tensor` arguments in
 /// order) and `scalars` (its `Param::Int` / `Param::Float` arguments in order), after
-/// [`check_launch`]; returns the checked launch. Asynchronous, as every Candle op: the outputs
+/// [`super::check_launch`]; returns the checked launch. Asynchronous, as every Candle op: the outputs
 /// are ready for whatever is queued next on the device's stream.
 pub(crate) fn launch(
     entry: &str,
     dtype: DType,
+    tensors: Vec<Buf<'_>>,
+    scalars: &[Scalar],
+) -> Result<Launch> {
+    launch_first(&[entry], dtype, tensors, scalars)
+}
+
+/// [`launch`] of the first of `entries` (the builds of one kernel, most specialised first)
+/// that [`check_variants`] accepts for these tensors and scalars, e.g. a head-size build of
+/// attention before the generic one.
+pub(crate) fn launch_first(
+    entries: &[&str],
+    dtype: DType,
     mut tensors: Vec<Buf<'_>>,
     scalars: &[Scalar],
 ) -> Result<Launch> {
-    let Some(spec) = find(entry, dtype) else {
-        bail!("candle-fused: no Triton kernel {entry} for {dtype:?}")
+    let Some(spec) = entries.iter().find_map(|e| find(e, dtype)) else {
+        bail!("candle-fused: no Triton kernel among {entries:?} for {dtype:?}")
     };
     let Some(dev) = tensors
         .iter()
@@ -311,7 +323,6 @@ pub(crate) fn launch(
             s.device()
         )
     }
-    let (func, shared_bytes) = function(&dev, spec)?;
     let stream = dev.cuda_stream();
     let mut ptrs = Vec::with_capacity(tensors.len());
     let mut guards = Vec::with_capacity(tensors.len());
@@ -344,7 +355,8 @@ pub(crate) fn launch(
         ptrs.push(ptr);
         guards.push(guard);
     }
-    let launch = check_launch(spec, &checked, scalars)?;
+    let (spec, launch) = check_variants(entries, dtype, &checked, scalars)?;
+    let (func, shared_bytes) = function(&dev, spec)?;
     // The argument values live here until the launch is queued (cudarc keeps pointers to them).
     let ints: Vec<i32> = launch
         .args

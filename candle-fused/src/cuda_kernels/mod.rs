@@ -246,6 +246,10 @@ pub enum Rule {
     Divides(&'static str, &'static str),
     /// `dim` is a power of two between the bounds (e.g. a head dimension a tile covers exactly).
     PowerOfTwo(&'static str, usize, usize),
+    /// `dim` is a multiple of the factor: the kernel was compiled with the dimension declared
+    /// divisible by it (`divisible_by_16` in its metadata), e.g. a head size whose rows then
+    /// load in 16-byte vectors.
+    MultipleOf(&'static str, usize),
 }
 
 /// What a launcher needs to know about one compiled kernel (one dtype; the sm_80 and sm_90
@@ -604,6 +608,12 @@ pub fn check_launch(
                     bail!("{name}: {d} = {v} must be a power of two in [{lo}, {hi}]")
                 }
             }
+            Rule::MultipleOf(d, factor) => {
+                let v = get(d)?;
+                if v % factor != 0 {
+                    bail!("{name}: {d} = {v} must be a multiple of {factor}")
+                }
+            }
         }
     }
     let i32_of = |what: &str, v: usize| -> Result<i32> {
@@ -659,6 +669,51 @@ pub fn check_launch(
         dims: bound,
         args,
     })
+}
+
+/// The first of `entries` (the builds of one kernel, most specialised first) compiled for
+/// `dtype` whose launch [`check_launch`] accepts, with that launch; when none does, an error
+/// with each candidate's reason. Entries not compiled for `dtype` are skipped (f32 has fewer
+/// builds). This is how a launcher picks a variant: by the table's rules, not by hand.
+///
+/// ```
+/// use candle_core::DType;
+/// use candle_fused::cuda_kernels::{check_variants, Scalar, TensorArg};
+/// let delta = ["attn_bwd_delta_d64", "attn_bwd_delta_d128", "attn_bwd_delta"];
+/// let pick = |d: usize, dt: DType| {
+///     let (qo, stat) = ([2, 6, 70, d], [2, 6, 70]);
+///     let args = [
+///         TensorArg::contiguous(&qo, dt, 0),
+///         TensorArg::contiguous(&qo, dt, 0),
+///         TensorArg::contiguous(&stat, DType::F32, 0),
+///     ];
+///     check_variants(&delta, dt, &args, &[]).map(|(spec, _)| spec.entry)
+/// };
+/// assert_eq!(pick(64, DType::BF16)?, "attn_bwd_delta_d64");
+/// assert_eq!(pick(96, DType::BF16)?, "attn_bwd_delta_d128");
+/// assert_eq!(pick(72, DType::BF16)?, "attn_bwd_delta"); // not a multiple of 16
+/// assert_eq!(pick(64, DType::F32)?, "attn_bwd_delta"); // no f32 head-size builds
+/// assert!(pick(256, DType::BF16).is_err()); // over every tile
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn check_variants(
+    entries: &[&str],
+    dtype: DType,
+    tensors: &[TensorArg],
+    scalars: &[Scalar],
+) -> Result<(&'static KernelSpec, Launch)> {
+    let mut refused = Vec::new();
+    for spec in entries.iter().filter_map(|e| find(e, dtype)) {
+        match check_launch(spec, tensors, scalars) {
+            Ok(launch) => return Ok((spec, launch)),
+            Err(e) => refused.push(e.to_string()),
+        }
+    }
+    match refused.as_slice() {
+        [] => bail!("no Triton kernel among {entries:?} for {dtype:?}"),
+        [one] => bail!("{one}"),
+        all => bail!("no build takes this launch: {}", all.join("; ")),
+    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,9 @@
 //! Attention cases, and the layouts test (`attention_merged`, `attention_qkv` against
-//! `attention`).
+//! `attention`). The vector cases run every build the launcher picks
+//! (`cuda_kernels::attention::builds`; `tests/triton_record` checks the coverage): in bf16 and
+//! f16, `_d64_nodrop` (D = 64 causal), `_d64` (the window / documents / dropout case), `_d128`
+//! (D = 128 with dropout), `_d128_nodrop` (D = 96: a partial tile), the generic build (D = 40);
+//! f32 always the generic one.
 
 use super::*;
 use candle_fused::attention::AttentionConfig;

@@ -145,3 +145,191 @@ fn attention_launches() -> Result<()> {
     );
     Ok(())
 }
+
+/// The forward's tensor arguments for `[B, H, T, D]` queries over `KV` kv heads.
+fn fwd_args(b: usize, h: usize, kv: usize, n: usize, d: usize, dt: DType) -> Vec<TensorArg> {
+    vec![
+        t(&[b, h, n, d], dt),
+        t(&[b, kv, n, d], dt),
+        t(&[b, kv, n, d], dt),
+        t(&[b, n], DType::I32),
+        t(&[b, h, n, d], dt),
+        t(&[b, h, n], DType::F32),
+    ]
+}
+
+/// The backward's: `[dK, dV]` (`dkdv`) or `[dQ]` after the shared inputs.
+fn bwd_args(d: usize, dt: DType, dkdv: bool) -> Vec<TensorArg> {
+    let (b, h, kv, n) = (2, 6, 2, 70);
+    let (qo, kvt, stat) = (
+        t(&[b, h, n, d], dt),
+        t(&[b, kv, n, d], dt),
+        t(&[b, h, n], DType::F32),
+    );
+    let mut args = vec![
+        qo.clone(),
+        kvt.clone(),
+        kvt.clone(),
+        t(&[b, n], DType::I32),
+        qo.clone(),
+        stat.clone(),
+        stat,
+    ];
+    if dkdv {
+        args.extend([kvt.clone(), kvt]);
+    } else {
+        args.push(qo);
+    }
+    args
+}
+
+#[test]
+fn attention_builds_are_chosen_by_the_rules() -> Result<()> {
+    use candle_fused::cuda_kernels::attention::builds;
+    use candle_fused::cuda_kernels::check_variants;
+    let cfg = attn_cfg();
+    let entry = |e: &[&str], args: &[TensorArg], dt, s: &[Scalar]| {
+        check_variants(e, dt, args, s).map(|(spec, _)| spec.entry)
+    };
+    for dropout in [false, true] {
+        let b = builds(dropout);
+        let sfx = if dropout { "" } else { "_nodrop" };
+        for dt in [DType::BF16, DType::F16] {
+            for (d, tile) in [(16, "_d64"), (64, "_d64"), (80, "_d128"), (128, "_d128")] {
+                let pick = entry(&b.fwd, &fwd_args(2, 6, 2, 70, d, dt), dt, &cfg)?;
+                assert_eq!(pick, format!("attn_fwd{tile}{sfx}"), "D = {d}");
+                let pick = entry(&b.dkdv, &bwd_args(d, dt, true), dt, &cfg)?;
+                assert_eq!(pick, format!("attn_bwd_dkdv{tile}{sfx}"), "D = {d}");
+                let pick = entry(&b.dq, &bwd_args(d, dt, false), dt, &cfg)?;
+                assert_eq!(pick, format!("attn_bwd_dq{tile}{sfx}"), "D = {d}");
+                let delta = [
+                    t(&[2, 6, 70, d], dt),
+                    t(&[2, 6, 70, d], dt),
+                    t(&[2, 6, 70], DType::F32),
+                ];
+                assert_eq!(
+                    entry(&b.delta, &delta, dt, &[])?,
+                    format!("attn_bwd_delta{tile}")
+                );
+            }
+            // not a multiple of 16: the generic build
+            for d in [40, 72, 127] {
+                assert_eq!(
+                    entry(&b.fwd, &fwd_args(2, 6, 2, 70, d, dt), dt, &cfg)?,
+                    "attn_fwd"
+                );
+                assert_eq!(
+                    entry(&b.dkdv, &bwd_args(d, dt, true), dt, &cfg)?,
+                    "attn_bwd_dkdv"
+                );
+            }
+            // D = 256 (Gemma 3): no build; the error says why for each
+            let e = entry(&b.fwd, &fwd_args(2, 6, 2, 70, 256, dt), dt, &cfg)
+                .unwrap_err()
+                .to_string();
+            for want in [
+                "D = 256 exceeds 64",
+                "D = 256 exceeds 128",
+                "no build takes",
+            ] {
+                assert!(e.contains(want), "{e}");
+            }
+            // a rule other than the head size fails every build alike
+            let e = entry(&b.fwd, &fwd_args(2, 6, 4, 70, 64, dt), dt, &cfg)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("KV = 4 must divide H = 6"), "{e}");
+        }
+        // f32 has the generic build only
+        let f = DType::F32;
+        assert_eq!(
+            entry(&b.fwd, &fwd_args(2, 6, 2, 70, 64, f), f, &cfg)?,
+            "attn_fwd"
+        );
+        assert_eq!(
+            entry(&b.dq, &bwd_args(128, f, false), f, &cfg)?,
+            "attn_bwd_dq"
+        );
+    }
+    Ok(())
+}
+
+/// A launch with dropout never reaches a build compiled without it (`HAS_DROPOUT = False`),
+/// and the builds without dropout are compiled without it.
+#[test]
+fn attention_dropout_builds_match_their_constexpr() -> Result<()> {
+    use candle_fused::cuda_kernels::attention::builds;
+    let dir = crate_dir().join("kernels");
+    for dropout in [false, true] {
+        let b = builds(dropout);
+        // the last of each list is the generic build
+        for (i, &entry) in [b.fwd, b.dkdv, b.dq]
+            .iter()
+            .flat_map(|l| l.iter().enumerate())
+        {
+            for dt in [DType::F32, DType::BF16, DType::F16] {
+                let Some(spec) = find(entry, dt) else {
+                    continue;
+                };
+                for arch in ARCHS {
+                    let stem = format!("{}.sm{arch}", spec.name());
+                    let meta = json(&dir.join(format!("{stem}.json")))?;
+                    let has = meta["constexprs"]["HAS_DROPOUT"].as_bool();
+                    // the generic build decides at run time: compiled with dropout
+                    let want = dropout || i == 2;
+                    ensure!(
+                        has == Some(want),
+                        "{stem}: HAS_DROPOUT {has:?}, want {want}"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every build a launcher picks for bf16 / f16 runs on some committed vector case, so the
+/// interpreter check (and a GPU session's `cuda_triton`) covers each of them.
+#[test]
+fn attention_vectors_cover_every_build() -> Result<()> {
+    use candle_fused::cuda_kernels::attention::builds;
+    use candle_fused::cuda_kernels::check_variants;
+    let dir = crate_dir().join("triton/vectors");
+    let mut seen = Vec::new();
+    for e in std::fs::read_dir(&dir)? {
+        let name = e?.file_name().to_string_lossy().into_owned();
+        let Some(dt) = [("bf16", DType::BF16), ("f16", DType::F16)]
+            .into_iter()
+            .find(|(s, _)| name.starts_with(&format!("attention.{s}.")))
+            .map(|(_, d)| d)
+        else {
+            continue;
+        };
+        let t = candle_core::safetensors::load(dir.join(&name), &candle_core::Device::Cpu)?;
+        let q = t
+            .get("q")
+            .ok_or_else(|| anyhow!("{name}: no q"))?
+            .dims()
+            .to_vec();
+        let kv = t.get("k").ok_or_else(|| anyhow!("{name}: no k"))?.dim(1)?;
+        let p = t
+            .get("dropout")
+            .ok_or_else(|| anyhow!("{name}: no dropout"))?;
+        let dropout = p.to_vec1::<f32>()?[0] > 0.0;
+        let args = fwd_args(q[0], q[1], kv, q[2], q[3], dt);
+        let (spec, _) = check_variants(&builds(dropout).fwd, dt, &args, &attn_cfg())?;
+        seen.push((spec.entry, dt));
+    }
+    for dropout in [false, true] {
+        for entry in builds(dropout).fwd {
+            for dt in [DType::BF16, DType::F16] {
+                ensure!(
+                    seen.contains(&(entry, dt)),
+                    "no attention vector case runs {entry} in {dt:?}: add one to \
+                     tests/triton_vectors/attention.rs"
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -24,7 +24,7 @@ use anyhow::{anyhow, ensure, Context, Result};
 use candle_core::DType;
 use candle_fused::cuda_kernels::{
     check_launch, cross_entropy, describe_grid, dtype_suffix, find, kernels, layer_norm, rms_norm,
-    Arg, Param, Scalar, TensorArg, ARCHS, FAMILIES, POINTER_ALIGNMENT, SCRATCH_PARAMS,
+    Arg, Param, Rule, Scalar, TensorArg, ARCHS, FAMILIES, POINTER_ALIGNMENT, SCRATCH_PARAMS,
 };
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -185,6 +185,40 @@ fn metadata_matches_the_launcher_table() -> Result<()> {
                 ctx("pointer_alignment_bytes")
             );
             tiles::tile_rules_hold(spec).with_context(|| format!("{stem}.json"))?;
+            // a size compiled as a multiple of 16 is one the table's rules hold to 16, and no
+            // rule asks for a multiple the kernel was not compiled for
+            let divisible: Vec<&str> = meta["divisible_by_16"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect();
+            let multiples: Vec<(&str, usize)> = spec
+                .rules
+                .iter()
+                .filter_map(|r| match *r {
+                    Rule::MultipleOf(d, f) => Some((d, f)),
+                    _ => None,
+                })
+                .collect();
+            let dim_of = |name: &str| {
+                spec.params.iter().find_map(|p| match *p {
+                    Param::Dim(n, d) if n == name => Some(d),
+                    _ => None,
+                })
+            };
+            for name in &divisible {
+                let d = dim_of(name).ok_or_else(|| anyhow!("{stem}: {name} is not a dim"))?;
+                ensure!(
+                    multiples.contains(&(d, 16)),
+                    "{stem}: compiled with {name} divisible by 16 but the table has no \
+                     Rule::MultipleOf({d:?}, 16): a launch could break the assumption"
+                );
+            }
+            ensure!(
+                multiples.len() == divisible.len(),
+                ctx("the MultipleOf rules (divisible_by_16)")
+            );
             // parameters: the table's, in order, then the two scratch pointers
             let params = meta["params"]
                 .as_array()

@@ -10,7 +10,10 @@
 //!
 //! Sizes are not multiples of the Triton blocks (T = 37, 70 against 64-row / 64-key blocks),
 //! the heads are grouped (H = 6 over KV = 2), a sliding window crosses a block boundary, one
-//! batch row's documents are not contiguous, dropout has an odd element offset.
+//! batch row's documents are not contiguous, dropout has an odd element offset. Between them
+//! the cases run every build a launcher picks (`cuda_kernels::attention::builds`): the 64 and
+//! 128 head-size builds with and without dropout (D = 64, 96, 128) and the generic one
+//! (D = 40; f32 always).
 
 use crate::common::{self, Lcg};
 use anyhow::Result;
@@ -51,7 +54,7 @@ fn packed(b: usize, p: usize) -> u32 {
     }
 }
 
-const CASES: [Case; 4] = [
+const CASES: [Case; 6] = [
     Case {
         name: "causal_b2h6kv2_t37_d64",
         b: 2,
@@ -96,6 +99,32 @@ const CASES: [Case; 4] = [
         t: 37,
         d: 128,
         causal: false,
+        window: None,
+        docs: None,
+        dropout: 0.1,
+    },
+    // the head-size builds' partial tile (D = 96 in the 128 build) without dropout
+    Case {
+        name: "causal_b1h2kv1_t37_d96",
+        b: 1,
+        h: 2,
+        kv: 1,
+        t: 37,
+        d: 96,
+        causal: true,
+        window: None,
+        docs: None,
+        dropout: 0.0,
+    },
+    // a head size no head-size build takes (not a multiple of 16): the generic build
+    Case {
+        name: "causal_drop10pc_b1h2kv1_t21_d40",
+        b: 1,
+        h: 2,
+        kv: 1,
+        t: 21,
+        d: 40,
+        causal: true,
         window: None,
         docs: None,
         dropout: 0.1,
