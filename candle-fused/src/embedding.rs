@@ -244,7 +244,10 @@ impl Kernel for EmbeddingOp {
         let dt = w.dtype();
         let (v, c) = (self.v, self.c);
         #[cfg(feature = "cuda")]
-        if crate::cuda_kernels::triton_for(dy) && cuda::fits(v, c, dy.elem_count() / c.max(1)) {
+        if crate::cuda_kernels::triton_for(dy)
+            && crate::cuda_kernels::may_launch("embedding_bwd")
+            && cuda::fits(v, c, dy.elem_count() / c.max(1))
+        {
             let seg = self.segments(ids)?;
             return Ok([Some(cuda::bwd(dy, dt, &seg, v, c)?), None, None]);
         }

@@ -146,7 +146,8 @@ fn on_triton(a: &AdamWParam<'_>) -> bool {
     let aligned = |t: &Tensor| {
         (t.layout().start_offset() * 4).is_multiple_of(crate::cuda_kernels::POINTER_ALIGNMENT)
     };
-    triton_flat(a.grad.device(), a.grad.dtype(), a.grad.elem_count())
+    crate::cuda_kernels::may_launch("adamw_update_multi")
+        && triton_flat(a.grad.device(), a.grad.dtype(), a.grad.elem_count())
         && [a.param.as_tensor(), a.exp_avg, a.exp_avg_sq]
             .into_iter()
             .all(aligned)
@@ -179,9 +180,10 @@ pub fn sum_of_squares_multi(ts: &[&Tensor]) -> Result<Option<Tensor>> {
         )
     }
     #[cfg(feature = "cuda")]
-    if ts
-        .iter()
-        .all(|t| t.dtype() == first.dtype() && triton_flat(t.device(), t.dtype(), t.elem_count()))
+    if crate::cuda_kernels::may_launch("sumsq_partial_multi")
+        && ts.iter().all(|t| {
+            t.dtype() == first.dtype() && triton_flat(t.device(), t.dtype(), t.elem_count())
+        })
     {
         return Ok(Some(super::cuda::sum_of_squares_multi(ts)?));
     }

@@ -301,6 +301,9 @@ pub(crate) fn launch_first(
     mut tensors: Vec<Buf<'_>>,
     scalars: &[Scalar],
 ) -> Result<Launch> {
+    // builds never launched on a GPU only when allowed (`UNPROVEN_ENV`)
+    let entries: Vec<&str> = entries.iter().copied().filter(|e| may_launch(e)).collect();
+    let entries = entries.as_slice();
     let Some(spec) = entries.iter().find_map(|e| find(e, dtype)) else {
         bail!("candle-fused: no Triton kernel among {entries:?} for {dtype:?}")
     };

@@ -81,8 +81,8 @@ mod compiled {
 }
 
 pub use switch::{
-    choose_triton, launch_count, set_triton, triton_enabled, triton_from_env, TRITON_DEFAULT,
-    TRITON_ENV,
+    choose_triton, launch_count, may_launch, set_triton, triton_enabled, triton_from_env,
+    TRITON_DEFAULT, TRITON_ENV, UNPROVEN, UNPROVEN_ENV,
 };
 pub(crate) use switch::{triton_flat, triton_for, triton_input};
 

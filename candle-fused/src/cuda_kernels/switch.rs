@@ -138,6 +138,53 @@ pub(crate) fn cubin_arch(major: i32, minor: i32) -> Option<u32> {
     }
 }
 
+/// The environment variable that lets the kernels in [`UNPROVEN`] run (`1`, `true`, `on`,
+/// `yes`); unset or anything else: they do not, and their ops take the proven kernels (or the
+/// composite path) instead. `scripts/gpu/run.sh` sets it for its checks on a GPU.
+pub const UNPROVEN_ENV: &str = "CANDLE_FUSED_TRITON_UNPROVEN";
+
+/// Kernels compiled, audited and checked in Triton's interpreter, but never launched on a
+/// GPU: they stay off unless [`UNPROVEN_ENV`] allows them, so that a default run on a GPU
+/// takes only kernels a GPU run has checked (the H200 run of 2026-11-28 checked every other
+/// entry). A GPU run that passes `tests/cuda_triton` with them on is what moves an entry out.
+pub const UNPROVEN: &[&str] = &[
+    // multi-tensor AdamW (one launch per gradient dtype group)
+    "adamw_update_multi",
+    "sumsq_partial_multi",
+    "sumsq_total_multi",
+    // the token embedding's backward
+    "embedding_bwd",
+    // attention's head-size builds
+    "attn_bwd_delta_d64",
+    "attn_bwd_delta_d128",
+    "attn_fwd_d64",
+    "attn_bwd_dkdv_d64",
+    "attn_bwd_dq_d64",
+    "attn_fwd_d64_nodrop",
+    "attn_bwd_dkdv_d64_nodrop",
+    "attn_bwd_dq_d64_nodrop",
+    "attn_fwd_d128",
+    "attn_bwd_dkdv_d128",
+    "attn_bwd_dq_d128",
+    "attn_fwd_d128_nodrop",
+    "attn_bwd_dkdv_d128_nodrop",
+    "attn_bwd_dq_d128_nodrop",
+];
+
+/// Whether the kernel `entry` may be launched: it is not in [`UNPROVEN`], or [`UNPROVEN_ENV`]
+/// allows those (read once per process).
+pub fn may_launch(entry: &str) -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let allowed = *ALLOWED
+        .get_or_init(|| std::env::var(UNPROVEN_ENV).is_ok_and(|v| parse_switch(&v) == Some(true)));
+    launchable(entry, allowed)
+}
+
+/// [`may_launch`] with the environment's answer given.
+fn launchable(entry: &str, unproven_allowed: bool) -> bool {
+    unproven_allowed || !UNPROVEN.contains(&entry)
+}
+
 /// How many Triton kernels this process has launched (0 without the `cuda` feature): a test
 /// or a profile can tell that an op took the kernels and not the fallback.
 pub fn launch_count() -> u64 {
@@ -225,6 +272,20 @@ mod tests {
         set_triton(!env);
         choose_triton(None);
         assert_eq!(triton_enabled(), env);
+    }
+
+    #[test]
+    fn unproven_kernels_wait_for_their_switch() {
+        assert!(!launchable("attn_fwd_d64", false) && launchable("attn_fwd_d64", true));
+        assert!(launchable("attn_fwd", false) && launchable("adamw_update", false));
+        assert!(!launchable("adamw_update_multi", false));
+        // every name is a compiled kernel (the list cannot rot)
+        for entry in UNPROVEN {
+            assert!(
+                crate::cuda_kernels::kernels().any(|k| k.entry == *entry),
+                "{entry} is not in the launch tables"
+            );
+        }
     }
 
     #[test]
