@@ -10,8 +10,10 @@
 use super::{grad, input, Case, Check, Mode, Outputs};
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use candle_fused::adamw::{adamw_update, sum_of_squares, AdamWStep};
-use candle_fused::cuda_kernels::{adamw, dropout::scalars, Scalar};
+use candle_fused::adamw::{
+    adamw_update, adamw_update_multi, sum_of_squares, sum_of_squares_multi, AdamWParam, AdamWStep,
+};
+use candle_fused::cuda_kernels::{adamw, dropout::scalars, may_launch, Scalar};
 use candle_fused::dropout::{dropout, dropout_mask};
 use candle_fused::gelu::{bias_gelu, gelu};
 use candle_fused::swiglu::swiglu;
@@ -57,8 +59,14 @@ pub(super) fn cases() -> Vec<Case> {
             family: "adamw",
             checks: ADAMW,
             run: run_adamw,
-            // the update, sum-of-squares partials and total
-            launches: |_| Ok(3),
+            // the update, sum-of-squares partials and total; a group file (`sizes`): the same
+            // three multi-tensor kernels, or without them (`UNPROVEN`) three per member
+            launches: |t| {
+                Ok(match t.get("sizes") {
+                    Some(s) if !may_launch("adamw_update_multi") => 3 * s.elem_count() as u64,
+                    _ => 3,
+                })
+            },
             cpu_composite: [1.0; 3],
         },
     ]
@@ -89,6 +97,7 @@ pub(super) const FALLBACK: &[(&str, &str, [f64; 3])] = &[
     ("gelu", "y_nobias", [1e-4, ULP16[0], ULP16[1]]),
     ("gelu", "dx_nobias", [1e-4, ULP16[0], ULP16[1]]),
     ("adamw", "sumsq", [1e-5, 1e-5, 1e-5]),
+    ("adamw", "sumsq_group", [1e-5, 1e-5, 1e-5]),
 ];
 
 // dropout (triton/dropout.py): y, dx and the mask bit-identical (integer Philox words, one f32
@@ -237,6 +246,12 @@ const ADAMW: &[Check] = &[
         mode: Mode::Elem,
         tol: [1.0 / 8_388_608.0; 3],
     },
+    // a group's total: each member's sum within 2^-23, their f32 sum in order (adamw.py's TOL)
+    Check {
+        name: "sumsq_group",
+        mode: Mode::Elem,
+        tol: [8.0 / 8_388_608.0; 3],
+    },
 ];
 
 /// The step `tests/triton_vectors/adamw.rs` took for a file (by its size), checked against the
@@ -276,6 +291,9 @@ fn adamw_step(t: &HashMap<String, Tensor>) -> Result<AdamWStep> {
 }
 
 fn run_adamw(dev: &Device, t: &HashMap<String, Tensor>) -> Result<Outputs> {
+    if t.contains_key("sizes") {
+        return run_adamw_group(dev, t);
+    }
     let step = adamw_step(t)?;
     // fresh copies: the update is in place (and `to_device` to the CPU shares the storage)
     let fresh = |name: &str| -> Result<Tensor> { Ok(input(t, name, dev)?.copy()?) };
@@ -292,5 +310,56 @@ fn run_adamw(dev: &Device, t: &HashMap<String, Tensor>) -> Result<Outputs> {
         ("exp_avg", m),
         ("exp_avg_sq", v),
         ("sumsq", sumsq),
+    ])
+}
+
+/// A group file (`tests/triton_vectors/adamw.rs`'s `group`): its members split out of the
+/// concatenated tensors into their own allocations, stepped by `adamw_update_multi` and their
+/// gradients summed by `sum_of_squares_multi`; the outputs concatenated again.
+fn run_adamw_group(dev: &Device, t: &HashMap<String, Tensor>) -> Result<Outputs> {
+    let step = adamw_step(t)?;
+    let sizes = input(t, "sizes", &Device::Cpu)?.to_vec1::<i64>()?;
+    let decay = input(t, "decay", &Device::Cpu)?.to_vec1::<i64>()?;
+    let split = |name: &str| -> Result<Vec<Tensor>> {
+        let all = input(t, name, dev)?;
+        let mut at = 0;
+        sizes
+            .iter()
+            .map(|&n| {
+                let piece = all.narrow(0, at, n as usize)?.copy()?;
+                at += n as usize;
+                Ok(piece)
+            })
+            .collect()
+    };
+    let params = split("param_in")?
+        .iter()
+        .map(|p| Ok(Var::from_tensor(p)?))
+        .collect::<Result<Vec<_>>>()?;
+    let (m, v, g) = (
+        split("exp_avg_in")?,
+        split("exp_avg_sq_in")?,
+        split("grad")?,
+    );
+    let group: Vec<AdamWParam> = (0..sizes.len())
+        .map(|i| AdamWParam {
+            param: &params[i],
+            grad: &g[i],
+            exp_avg: &m[i],
+            exp_avg_sq: &v[i],
+            decay: decay[i] != 0,
+        })
+        .collect();
+    adamw_update_multi(&group, &step)?;
+    let grads: Vec<&Tensor> = g.iter().collect();
+    let sumsq = sum_of_squares_multi(&grads)?
+        .context("an empty group")?
+        .reshape(1)?;
+    let params: Vec<Tensor> = params.iter().map(|p| p.as_tensor().clone()).collect();
+    Ok(vec![
+        ("param", Tensor::cat(&params, 0)?),
+        ("exp_avg", Tensor::cat(&m, 0)?),
+        ("exp_avg_sq", Tensor::cat(&v, 0)?),
+        ("sumsq_group", sumsq),
     ])
 }
