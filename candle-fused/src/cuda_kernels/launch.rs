@@ -47,7 +47,7 @@
 
 use super::switch::cubin_arch;
 use super::{check_variants, cubins, find, KernelSpec, Launch, Scalar, TensorArg};
-use crate::cuda_kernels::Arg;
+use crate::cuda_kernels::{may_launch, Arg};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc;
 use candle_core::op::BackpropOp;
