@@ -1,0 +1,400 @@
+//! The launch contract checked on the host: [`check_launch`] turns a kernel's table entry
+//! ([`KernelSpec`]) and the caller's tensors and scalars into the grid, block, shared memory and
+//! argument list (or an error naming what does not fit), [`check_variants`] picks the first of
+//! several builds that takes a launch, and [`shared_memory_opt_in`] is the launcher's
+//! shared-memory rule. Pure functions: tested on the CPU (`tests/triton_record/`).
+
+use super::{
+    find, Elem, Extent, KernelSpec, Param, Rule, MAX_GRID_YZ, POINTER_ALIGNMENT, SCRATCH_PARAMS,
+};
+use candle_core::{bail, DType, Result};
+
+/// The shared memory per block that every CUDA architecture grants without an opt-in (48 KiB).
+const SHARED_WITHOUT_OPT_IN: u64 = 48 * 1024;
+
+/// The shared memory rule of a launch: what the launcher sets as the function's
+/// `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` before launching it with `dynamic_bytes`
+/// of dynamic shared memory (the cubin's `metadata.shared`), given the function's static shared
+/// memory (`CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES`: the cubin's `.nv.shared.<entry>` section, e.g.
+/// 1 KiB for Triton's reductions on sm_90) and the device's opt-in limit per block
+/// (`CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`: 227 KiB on an H100, 163 KiB on an
+/// A100). A block needs static + dynamic bytes, so both count:
+///
+/// * `Ok(None)`: the total fits in 48 KiB, no opt-in;
+/// * `Ok(Some(dynamic_bytes))`: above 48 KiB, opt in to that much dynamic shared memory;
+/// * an error: the total is over the device's opt-in limit (the launch would be refused).
+///
+/// ```
+/// use candle_fused::cuda_kernels::shared_memory_opt_in as rule;
+/// const H100: u32 = 227 * 1024;
+/// assert_eq!(rule(1024, 48 * 1024, H100)?, Some(48 * 1024)); // 49 KiB in all
+/// assert_eq!(rule(0, 48 * 1024, H100)?, None);
+/// assert!(rule(1024, H100, H100).is_err());
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[doc(hidden)]
+pub fn shared_memory_opt_in(
+    static_bytes: u32,
+    dynamic_bytes: u32,
+    opt_in_limit: u32,
+) -> Result<Option<u32>> {
+    let total = u64::from(static_bytes) + u64::from(dynamic_bytes);
+    if total <= SHARED_WITHOUT_OPT_IN {
+        return Ok(None);
+    }
+    if total > u64::from(opt_in_limit) {
+        bail!(
+            "needs {total} bytes of shared memory per block ({static_bytes} static + \
+             {dynamic_bytes} dynamic), the device allows {opt_in_limit}"
+        )
+    }
+    Ok(Some(dynamic_bytes))
+}
+
+/// A tensor argument as the launcher sees it: dims, strides (in elements), dtype and the
+/// byte offset of its first element. `offset_bytes` is either the device address itself or
+/// the offset into an allocation whose base is at least 16-byte aligned (CUDA's allocations
+/// are 256-byte aligned); only its remainder modulo 16 matters.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorArg {
+    /// The shape.
+    pub dims: Vec<usize>,
+    /// The strides, in elements.
+    pub strides: Vec<usize>,
+    /// The element type.
+    pub dtype: DType,
+    /// The byte offset (or address) of the first element.
+    pub offset_bytes: usize,
+}
+
+impl TensorArg {
+    /// A row-major contiguous tensor starting `offset_bytes` into an aligned buffer.
+    pub fn contiguous(dims: &[usize], dtype: DType, offset_bytes: usize) -> Self {
+        let mut strides = vec![1; dims.len()];
+        for i in (0..dims.len().saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * dims[i + 1];
+        }
+        Self {
+            dims: dims.to_vec(),
+            strides,
+            dtype,
+            offset_bytes,
+        }
+    }
+}
+
+/// A scalar the caller supplies for a [`Param::Int`] or [`Param::Float`].
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Scalar {
+    /// For a `Param::Int`.
+    I32(i32),
+    /// For a `Param::Float`.
+    F32(f32),
+}
+
+/// One argument of the `.entry`, in order, as the launcher pushes it.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Arg {
+    /// The device pointer of the tensor argument with this index (in the order given).
+    Tensor(usize),
+    /// An i32 (a dimension or a caller's integer).
+    I32(i32),
+    /// An f32.
+    F32(f32),
+    /// A null pointer (the trailing scratch pointers).
+    Null,
+}
+
+/// A checked launch: grid and block, dynamic shared memory, the bound dimensions and the
+/// `.entry`'s full argument list.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Launch {
+    /// Programs (CUDA blocks).
+    pub grid: [u32; 3],
+    /// Threads per block.
+    pub block: [u32; 3],
+    /// Dynamic shared memory, bytes, per arch in [`ARCHS`](super::ARCHS) order (above 48 KB the launcher
+    /// sets `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`).
+    pub shared_bytes: [u32; 2],
+    /// The dimensions bound from the tensors, by name.
+    pub dims: Vec<(&'static str, usize)>,
+    /// Every argument of the `.entry` in order, the two null scratch pointers last.
+    pub args: Vec<Arg>,
+}
+
+impl Launch {
+    /// The bound size of `dim`.
+    pub fn dim(&self, dim: &str) -> Option<usize> {
+        self.dims.iter().find(|(d, _)| *d == dim).map(|&(_, s)| s)
+    }
+}
+
+/// Checks `tensors` (the kernel's `Param::Tensor` arguments, in order) and `scalars` (its
+/// `Param::Int` / `Param::Float` arguments, in order) against `spec`: dtypes, shapes (binding
+/// the named dimensions), contiguity, 16-byte alignment, the spec's [`Rule`]s, i32 ranges;
+/// returns the launch configuration and argument list.
+pub fn check_launch(
+    spec: &KernelSpec,
+    tensors: &[TensorArg],
+    scalars: &[Scalar],
+) -> Result<Launch> {
+    let name = spec.name();
+    let tparams: Vec<_> = spec
+        .params
+        .iter()
+        .filter_map(|p| match *p {
+            Param::Tensor(n, dims, elem) => Some((n, dims, elem)),
+            _ => None,
+        })
+        .collect();
+    if tparams.len() != tensors.len() {
+        bail!(
+            "{name}: expected {} tensor arguments ({}), got {}",
+            tparams.len(),
+            tparams.iter().map(|t| t.0).collect::<Vec<_>>().join(", "),
+            tensors.len()
+        )
+    }
+    let mut bound: Vec<(&'static str, usize)> = Vec::new();
+    for ((pname, dims, elem), t) in tparams.iter().zip(tensors) {
+        let want = match elem {
+            Elem::Io => spec.dtype,
+            Elem::F32 => DType::F32,
+            Elem::F64 => DType::F64,
+            Elem::I32 => DType::I32,
+            Elem::U32 => DType::U32,
+            Elem::I64 => DType::I64,
+        };
+        if t.dtype != want {
+            bail!("{name}: {pname} must be {want:?}, got {:?}", t.dtype)
+        }
+        if t.dims.len() != dims.len() || t.strides.len() != dims.len() {
+            bail!(
+                "{name}: {pname} must have rank {} ({dims:?}), got dims {:?} strides {:?}",
+                dims.len(),
+                t.dims,
+                t.strides
+            )
+        }
+        for (&d, &size) in dims.iter().zip(&t.dims) {
+            match bound.iter().find(|(b, _)| *b == d) {
+                None => bound.push((d, size)),
+                Some(&(_, s)) if s != size => {
+                    bail!("{name}: {pname} has {d} = {size}, an earlier argument {s}")
+                }
+                Some(_) => {}
+            }
+        }
+        let contiguous = TensorArg::contiguous(&t.dims, t.dtype, t.offset_bytes);
+        let strides_ok = t
+            .dims
+            .iter()
+            .zip(t.strides.iter().zip(&contiguous.strides))
+            .all(|(&d, (s, c))| d <= 1 || s == c);
+        if !strides_ok {
+            bail!(
+                "{name}: {pname} must be contiguous (row-major), got dims {:?} strides {:?}",
+                t.dims,
+                t.strides
+            )
+        }
+        if t.offset_bytes % POINTER_ALIGNMENT != 0 {
+            bail!(
+                "{name}: {pname} starts at byte offset {} (mod 16 = {}); the kernel was compiled \
+                 for {POINTER_ALIGNMENT}-byte aligned pointers (tt.divisibility = 16): copy it to \
+                 a fresh buffer (.contiguous() of a new allocation) or use an unspecialised variant",
+                t.offset_bytes,
+                t.offset_bytes % POINTER_ALIGNMENT
+            )
+        }
+    }
+    // an Int parameter the grid names (`NB`, the blocks of a multi-tensor launch) binds that
+    // dimension to the caller's value
+    let mut values = scalars.iter();
+    for p in spec.params {
+        let (Param::Int(pname) | Param::Float(pname)) = *p else {
+            continue;
+        };
+        let value = values.next();
+        let in_grid = spec.grid.iter().any(|e| e.dims.contains(&pname));
+        if let (Param::Int(_), Some(&Scalar::I32(v)), true) = (p, value, in_grid) {
+            match usize::try_from(v) {
+                Ok(v) => bound.push((pname, v)),
+                Err(_) => bail!("{name}: {pname} = {v} sizes the grid: it must not be negative"),
+            }
+        }
+    }
+    let get = |d: &str| -> Result<usize> {
+        match bound.iter().find(|(b, _)| *b == d) {
+            Some(&(_, s)) => Ok(s),
+            None => bail!("{name}: no tensor argument gives the dimension {d}"),
+        }
+    };
+    let product = |dims: &[&str]| -> Result<usize> {
+        dims.iter().try_fold(1usize, |acc, d| Ok(acc * get(d)?))
+    };
+    for rule in spec.rules {
+        match *rule {
+            Rule::AtMost(d, max) => {
+                let v = get(d)?;
+                if v > max {
+                    bail!("{name}: {d} = {v} exceeds {max}, the most this kernel covers (one tile)")
+                }
+            }
+            Rule::Cdiv(d, dims, div) => {
+                let (v, want) = (get(d)?, product(dims)?.div_ceil(div));
+                if v != want {
+                    bail!(
+                        "{name}: {d} must be {} = {want}, got {v}",
+                        Extent::cdiv(dims, div).describe()
+                    )
+                }
+            }
+            Rule::Product(d, dims, factor) => {
+                let (v, want) = (get(d)?, factor * product(dims)?);
+                if v != want {
+                    bail!(
+                        "{name}: {d} must be {factor} * {} = {want}, got {v}",
+                        dims.join("*")
+                    )
+                }
+            }
+            Rule::Divides(a, b) => {
+                let (va, vb) = (get(a)?, get(b)?);
+                if va == 0 || vb % va != 0 {
+                    bail!("{name}: {a} = {va} must divide {b} = {vb}")
+                }
+            }
+            Rule::PowerOfTwo(d, lo, hi) => {
+                let v = get(d)?;
+                if !v.is_power_of_two() || v < lo || v > hi {
+                    bail!("{name}: {d} = {v} must be a power of two in [{lo}, {hi}]")
+                }
+            }
+            Rule::MultipleOf(d, factor) => {
+                let v = get(d)?;
+                if v % factor != 0 {
+                    bail!("{name}: {d} = {v} must be a multiple of {factor}")
+                }
+            }
+        }
+    }
+    let i32_of = |what: &str, v: usize| -> Result<i32> {
+        match i32::try_from(v) {
+            Ok(v) => Ok(v),
+            Err(_) => bail!("{name}: {what} = {v} does not fit an i32"),
+        }
+    };
+    let mut grid = [1u32; 3];
+    for (axis, (g, e)) in grid.iter_mut().zip(&spec.grid).enumerate() {
+        let programs = product(e.dims)?.div_ceil(e.div);
+        if programs == 0 {
+            bail!("{name}: empty grid ({} = 0): skip the launch", e.describe())
+        }
+        // CUDA allows 2^31 - 1 blocks along x, 65535 along y and z
+        if axis > 0 && programs > MAX_GRID_YZ {
+            bail!(
+                "{name}: grid {} = {programs} exceeds CUDA's {MAX_GRID_YZ} along {}",
+                e.describe(),
+                ["x", "y", "z"][axis]
+            )
+        }
+        *g = i32_of("grid", programs)? as u32;
+    }
+    let mut scalars = scalars.iter();
+    let mut args = Vec::with_capacity(spec.params.len() + SCRATCH_PARAMS);
+    let mut next_tensor = 0;
+    for p in spec.params {
+        args.push(match *p {
+            Param::Tensor(..) => {
+                next_tensor += 1;
+                Arg::Tensor(next_tensor - 1)
+            }
+            Param::Dim(pname, d) => Arg::I32(i32_of(pname, get(d)?)?),
+            Param::Int(pname) => match scalars.next() {
+                Some(Scalar::I32(v)) => Arg::I32(*v),
+                other => bail!("{name}: {pname} needs a Scalar::I32, got {other:?}"),
+            },
+            Param::Float(pname) => match scalars.next() {
+                Some(Scalar::F32(v)) => Arg::F32(*v),
+                other => bail!("{name}: {pname} needs a Scalar::F32, got {other:?}"),
+            },
+        });
+    }
+    if let Some(extra) = scalars.next() {
+        bail!("{name}: more scalars than Int/Float parameters ({extra:?} left over)")
+    }
+    args.extend([Arg::Null; SCRATCH_PARAMS]);
+    Ok(Launch {
+        grid,
+        block: spec.block(),
+        shared_bytes: spec.shared_bytes,
+        dims: bound,
+        args,
+    })
+}
+
+/// The first of `entries` (the builds of one kernel, most specialised first) compiled for
+/// `dtype` whose launch [`check_launch`] accepts, with that launch; when none does, an error
+/// with each candidate's reason. Entries not compiled for `dtype` are skipped (f32 has fewer
+/// builds). This is how a launcher picks a variant: by the table's rules, not by hand.
+///
+/// ```
+/// use candle_core::DType;
+/// use candle_fused::cuda_kernels::{check_variants, Scalar, TensorArg};
+/// let delta = ["attn_bwd_delta_d64", "attn_bwd_delta_d128", "attn_bwd_delta"];
+/// let pick = |d: usize, dt: DType| {
+///     let (qo, stat) = ([2, 6, 70, d], [2, 6, 70]);
+///     let args = [
+///         TensorArg::contiguous(&qo, dt, 0),
+///         TensorArg::contiguous(&qo, dt, 0),
+///         TensorArg::contiguous(&stat, DType::F32, 0),
+///     ];
+///     check_variants(&delta, dt, &args, &[]).map(|(spec, _)| spec.entry)
+/// };
+/// assert_eq!(pick(64, DType::BF16)?, "attn_bwd_delta_d64");
+/// assert_eq!(pick(96, DType::BF16)?, "attn_bwd_delta_d128");
+/// assert_eq!(pick(72, DType::BF16)?, "attn_bwd_delta"); // not a multiple of 16
+/// assert_eq!(pick(64, DType::F32)?, "attn_bwd_delta"); // no f32 head-size builds
+/// assert!(pick(256, DType::BF16).is_err()); // over every tile
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn check_variants(
+    entries: &[&str],
+    dtype: DType,
+    tensors: &[TensorArg],
+    scalars: &[Scalar],
+) -> Result<(&'static KernelSpec, Launch)> {
+    let mut refused = Vec::new();
+    for spec in entries.iter().filter_map(|e| find(e, dtype)) {
+        match check_launch(spec, tensors, scalars) {
+            Ok(launch) => return Ok((spec, launch)),
+            Err(e) => refused.push(e.to_string()),
+        }
+    }
+    match refused.as_slice() {
+        [] => bail!("no Triton kernel among {entries:?} for {dtype:?}"),
+        [one] => bail!("{one}"),
+        all => bail!("no build takes this launch: {}", all.join("; ")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shared_memory_opt_in as rule;
+
+    #[test]
+    fn shared_memory_counts_static_and_dynamic() {
+        const LIMIT: u32 = 227 * 1024;
+        // at 48 KiB in all: no opt-in; one byte more (static or dynamic): opt in
+        assert_eq!(rule(1024, 47 * 1024, LIMIT).unwrap(), None);
+        assert_eq!(rule(1025, 47 * 1024, LIMIT).unwrap(), Some(47 * 1024));
+        assert_eq!(rule(1024, 48 * 1024, LIMIT).unwrap(), Some(48 * 1024));
+        assert_eq!(rule(0, 48 * 1024 + 1, LIMIT).unwrap(), Some(48 * 1024 + 1));
+        // the device limit holds the total
+        assert_eq!(rule(1024, LIMIT - 1024, LIMIT).unwrap(), Some(LIMIT - 1024));
+        let err = rule(1024, LIMIT - 1023, LIMIT).unwrap_err().to_string();
+        assert!(err.contains("1024 static"), "{err}");
+        assert!(rule(u32::MAX, u32::MAX, u32::MAX).is_err());
+    }
+}
