@@ -173,6 +173,18 @@ impl AdamWStep {
     }
 }
 
+/// Whether the Triton update takes a step of these tensors (already checked by
+/// [`check_args`]): a gradient dtype and size its kernels cover, on a CUDA device with them on,
+/// and the state, which the kernel updates in place, starting on a 16-byte boundary (it is f32
+/// and contiguous).
+fn on_triton(param: &Tensor, grad: &Tensor, exp_avg: &Tensor, exp_avg_sq: &Tensor) -> bool {
+    let aligned = |t: &Tensor| {
+        (t.layout().start_offset() * 4).is_multiple_of(cuda_kernels::POINTER_ALIGNMENT)
+    };
+    triton_flat(grad.device(), grad.dtype(), grad.elem_count())
+        && [param, exp_avg, exp_avg_sq].into_iter().all(aligned)
+}
+
 fn check_args(param: &Tensor, grad: &Tensor, exp_avg: &Tensor, exp_avg_sq: &Tensor) -> Result<()> {
     for (name, t) in [
         ("param", param),
@@ -309,14 +321,7 @@ pub fn adamw_update(
     let p = param.as_tensor();
     check_args(p, grad, exp_avg, exp_avg_sq)?;
     let consts = s.check()?;
-    // the kernel takes the state in place: it must start on a 16-byte boundary (it is f32 and
-    // contiguous, checked above)
-    let aligned = |t: &Tensor| {
-        (t.layout().start_offset() * 4).is_multiple_of(cuda_kernels::POINTER_ALIGNMENT)
-    };
-    if triton_flat(grad.device(), grad.dtype(), grad.elem_count())
-        && [p, exp_avg, exp_avg_sq].into_iter().all(aligned)
-    {
+    if on_triton(p, grad, exp_avg, exp_avg_sq) {
         #[cfg(feature = "cuda")]
         return cuda::update(
             p,

@@ -15,7 +15,6 @@
 //! cover); other members, and every other device, are stepped and summed tensor by tensor.
 
 use super::{adamw_update, check_args, storage_addr, sum_of_squares, AdamWStep};
-use crate::cuda_kernels::triton_flat;
 use candle_core::{Result, Tensor, Var};
 
 /// One parameter of a multi-tensor AdamW step ([`adamw_update_multi`]): the tensors
@@ -139,18 +138,11 @@ pub fn adamw_update_multi(group: &[AdamWParam<'_>], s: &AdamWStep) -> Result<()>
     Ok(())
 }
 
-/// Whether [`adamw_update`] would step `a` with the Triton kernel (so the multi-tensor kernel
-/// takes it): a gradient dtype and size it covers on a CUDA device with the kernels on, and
-/// the f32 state starting on 16-byte boundaries.
+/// Whether [`adamw_update`] would step `a` with the Triton kernel, so the multi-tensor kernel
+/// takes it (when it may run: `cuda_kernels::UNPROVEN`).
 fn on_triton(a: &AdamWParam<'_>) -> bool {
-    let aligned = |t: &Tensor| {
-        (t.layout().start_offset() * 4).is_multiple_of(crate::cuda_kernels::POINTER_ALIGNMENT)
-    };
     crate::cuda_kernels::may_launch("adamw_update_multi")
-        && triton_flat(a.grad.device(), a.grad.dtype(), a.grad.elem_count())
-        && [a.param.as_tensor(), a.exp_avg, a.exp_avg_sq]
-            .into_iter()
-            .all(aligned)
+        && super::on_triton(a.param.as_tensor(), a.grad, a.exp_avg, a.exp_avg_sq)
 }
 
 /// `sum_i sum(t_i^2)` over a group of tensors as a scalar f32 tensor on their device (`None`
@@ -182,7 +174,8 @@ pub fn sum_of_squares_multi(ts: &[&Tensor]) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     if crate::cuda_kernels::may_launch("sumsq_partial_multi")
         && ts.iter().all(|t| {
-            t.dtype() == first.dtype() && triton_flat(t.device(), t.dtype(), t.elem_count())
+            t.dtype() == first.dtype()
+                && crate::cuda_kernels::triton_flat(t.device(), t.dtype(), t.elem_count())
         })
     {
         return Ok(Some(super::cuda::sum_of_squares_multi(ts)?));
