@@ -39,17 +39,16 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+mod kernel;
 mod multi;
 
-pub use multi::{adamw_update_multi, sum_of_squares_multi, AdamWParam};
+pub use multi::{adamw_update_multi, sum_of_squares_multi};
 
-use crate::cpu::{self, Elem, Real};
+use crate::cpu;
 use crate::cuda_kernels::{self, triton_flat};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, InplaceOp2, InplaceOp3, Layout, Result, Tensor, Var};
-
-/// Elements per chunk of the parallel loops.
-const CHUNK: usize = 4096;
+use kernel::{dst_f32, moment, sumsq, Coeffs, CHUNK};
 
 /// One AdamW step's hyper-parameters (PyTorch's names and defaults, see [`Default`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -84,20 +83,6 @@ impl Default for AdamWStep {
             grad_scale: 1.0,
         }
     }
-}
-
-/// The per-element constants, rounded to f32 exactly as Candle's `affine` rounds them.
-#[derive(Clone, Copy)]
-struct Coeffs {
-    gs: f32,
-    b1: f32,
-    one_m_b1: f32,
-    b2: f32,
-    one_m_b2: f32,
-    decay: f32,
-    step_size: f32,
-    inv_bc2: f32,
-    eps: f32,
 }
 
 /// The f64 constants of a step (shared by the kernel and the composite).
@@ -169,6 +154,32 @@ impl AdamWStep {
             // Candle's `t / x` is `affine(1 / x, 0)`.
             inv_bc2: (1.0 / c.bc2) as f32,
             eps: self.eps as f32,
+        }
+    }
+}
+
+/// One parameter of a multi-tensor AdamW step ([`adamw_update_multi`]): the tensors
+/// [`adamw_update`] takes, and whether the step's weight decay applies to it.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamWParam<'a> {
+    /// The parameter (f32, contiguous), updated in place.
+    pub param: &'a Var,
+    /// Its gradient (f32, bf16, f16 or f64; the parameter's shape).
+    pub grad: &'a Tensor,
+    /// The first moment (f32, contiguous), updated in place.
+    pub exp_avg: &'a Tensor,
+    /// The second moment (f32, contiguous), updated in place.
+    pub exp_avg_sq: &'a Tensor,
+    /// Whether [`AdamWStep::weight_decay`] applies (`false`: none, as for biases and norms).
+    pub decay: bool,
+}
+
+impl AdamWParam<'_> {
+    /// The step of this parameter: `s` without weight decay unless [`decay`](Self::decay).
+    pub(super) fn step(&self, s: &AdamWStep) -> AdamWStep {
+        AdamWStep {
+            weight_decay: if self.decay { s.weight_decay } else { 0.0 },
+            ..*s
         }
     }
 }
@@ -353,49 +364,10 @@ pub fn adamw_update(
     }
 }
 
-/// The f32 elements of an in-place destination.
-fn dst_f32<'a>(s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [f32]> {
-    let (a, b) = match l.contiguous_offsets() {
-        Some(o) => o,
-        None => candle_core::bail!("candle-fused adamw: destination must be contiguous"),
-    };
-    match s {
-        CpuStorage::F32(v) => Ok(&mut v[a..b]),
-        other => candle_core::bail!("candle-fused adamw: expected f32, got {:?}", other.dtype()),
-    }
-}
-
-#[inline(always)]
-fn to_f32<T: Elem>(x: T) -> f32 {
-    // Exact for f32/bf16/f16 (the f64 round trip folds away); rounds f64 like `to_dtype`.
-    x.acc().f64() as f32
-}
-
 /// Updates one moment from the gradient: `m = b m + (1-b) g'` or `v = b v + (1-b) g'^2`.
 struct Moment {
     c: Coeffs,
     second: bool,
-}
-
-fn moment<T: Elem>(dst: &mut [f32], g: &[T], c: &Coeffs, second: bool) {
-    let (b, omb, gs) = if second {
-        (c.b2, c.one_m_b2, c.gs)
-    } else {
-        (c.b1, c.one_m_b1, c.gs)
-    };
-    cpu::for_rows(dst, CHUNK, CHUNK, |i, d| {
-        let g = &g[i * CHUNK..i * CHUNK + d.len()];
-        if second {
-            for (v, g) in d.iter_mut().zip(g) {
-                let g = to_f32(*g) * gs;
-                *v = *v * b + (g * g) * omb;
-            }
-        } else {
-            for (m, g) in d.iter_mut().zip(g) {
-                *m = *m * b + (to_f32(*g) * gs) * omb;
-            }
-        }
-    });
 }
 
 impl InplaceOp2 for Moment {
@@ -457,36 +429,6 @@ impl InplaceOp3 for ParamUpdate {
         });
         Ok(())
     }
-}
-
-/// Deterministic reduction block: partial sums per fixed block, summed in block order.
-const BLOCK: usize = 8192;
-
-fn block_sumsq<T: Elem>(x: &[T]) -> f64 {
-    let mut acc = [0f64; 8];
-    let mut it = x.chunks_exact(8);
-    for c in &mut it {
-        for l in 0..8 {
-            let v = c[l].acc().f64();
-            acc[l] += v * v;
-        }
-    }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for v in it.remainder() {
-        let v = v.acc().f64();
-        s += v * v;
-    }
-    s
-}
-
-fn sumsq<T: Elem>(x: &[T]) -> f64 {
-    let blocks = x.len().div_ceil(BLOCK);
-    let parts = cpu::map_chunks(blocks, BLOCK, |r| {
-        r.map(|b| block_sumsq(&x[b * BLOCK..((b + 1) * BLOCK).min(x.len())]))
-            .collect::<Vec<f64>>()
-    });
-    // Fixed blocks combined in order: the same sum for any thread count.
-    parts.iter().flatten().sum()
 }
 
 /// `sum(t^2)` as a scalar f32 tensor on `t`'s device (not differentiable: meant for

@@ -14,34 +14,8 @@
 //! per-tensor kernels would take (f32 state on 16-byte boundaries, a gradient dtype they
 //! cover); other members, and every other device, are stepped and summed tensor by tensor.
 
-use super::{adamw_update, check_args, storage_addr, sum_of_squares, AdamWStep};
-use candle_core::{Result, Tensor, Var};
-
-/// One parameter of a multi-tensor AdamW step ([`adamw_update_multi`]): the tensors
-/// [`adamw_update`] takes, and whether the step's weight decay applies to it.
-#[derive(Clone, Copy, Debug)]
-pub struct AdamWParam<'a> {
-    /// The parameter (f32, contiguous), updated in place.
-    pub param: &'a Var,
-    /// Its gradient (f32, bf16, f16 or f64; the parameter's shape).
-    pub grad: &'a Tensor,
-    /// The first moment (f32, contiguous), updated in place.
-    pub exp_avg: &'a Tensor,
-    /// The second moment (f32, contiguous), updated in place.
-    pub exp_avg_sq: &'a Tensor,
-    /// Whether [`AdamWStep::weight_decay`] applies (`false`: none, as for biases and norms).
-    pub decay: bool,
-}
-
-impl AdamWParam<'_> {
-    /// The step of this parameter: `s` without weight decay unless [`decay`](Self::decay).
-    pub(super) fn step(&self, s: &AdamWStep) -> AdamWStep {
-        AdamWStep {
-            weight_decay: if self.decay { s.weight_decay } else { 0.0 },
-            ..*s
-        }
-    }
-}
+use super::{adamw_update, check_args, storage_addr, sum_of_squares, AdamWParam, AdamWStep};
+use candle_core::{Result, Tensor};
 
 /// Checks every member as [`adamw_update`] does, and that no two members' tensors overlap in
 /// memory (a parameter listed twice would be stepped twice, racing on a GPU); views of one
