@@ -108,28 +108,8 @@ pub(crate) unsafe fn gemm_raw<A: Real>(
     let (lhs, rhs) = match (lhs, rhs) {
         ((Operand::Acc(l), ls), (Operand::Acc(r), rs)) => ((&l[..], ls), (&r[..], rs)),
         ((Operand::Bf16(l), ls), (Operand::Bf16(r), rs)) => {
-            assert!(
-                std::any::TypeId::of::<A>() == std::any::TypeId::of::<f32>(),
-                "candle-fused linear: bf16 accumulates in f32"
-            );
-            let mat = |data, s: Strided| gemm_bf16::Mat {
-                data,
-                rs: s.rs,
-                cs: s.cs,
-            };
-            // SAFETY: `A` is f32 (asserted); `dst` per this function's contract, which is
-            // `gemm_bf16::gemm`'s; the kernel is available (`operand` checked).
-            unsafe {
-                gemm_bf16::gemm(
-                    gemm_bf16::Kernel::Avx512Bf16,
-                    (m, n, k),
-                    dst as *mut f32,
-                    acc,
-                    mat(l, ls),
-                    mat(r, rs),
-                    threads > 1,
-                )
-            };
+            // SAFETY: `dst` per this function's contract, which is `gemm_bf16_raw`'s.
+            unsafe { gemm_bf16_raw((m, n, k), dst, acc, (l, ls), (r, rs), threads) };
             return;
         }
         _ => unreachable!("candle-fused linear: both operands come from one dtype"),
@@ -152,41 +132,12 @@ pub(crate) unsafe fn gemm_raw<A: Real>(
         last(lhs, m, k) && last(rhs, k, n),
         "candle-fused linear: operand out of bounds"
     );
-    // One block of dst (rows r0..r1, columns c0..c1) on the calling thread, `k` summed in
-    // fixed chunks of at most KC, accumulated in order. `gemm` itself blocks `k` by rules that
-    // depend on the output's size (outputs up to 64 x 64 in 512-long blocks, larger ones in
-    // equal blocks of about 512): with every call's `k` at most 512 both rules give one block,
-    // so an element's sum is the same whichever band computes it.
+    // one block at a time on a thread, `k` in fixed chunks of at most KC (`gemm_block`)
     let kc = k.div_ceil(k.div_ceil(KC));
-    let block = |dst: Shared<A>, (r0, r1): (usize, usize), (c0, c1): (usize, usize)| {
-        for (i, k0) in (0..k).step_by(kc).enumerate() {
-            // SAFETY: the block lies inside dst (m x n, row stride n, valid per the caller)
-            // and, with rows k0..k0 + kc, inside both operands (asserted above); blocks of one
-            // call are disjoint.
-            unsafe {
-                gemm::gemm(
-                    r1 - r0,
-                    c1 - c0,
-                    kc.min(k - k0),
-                    dst.at(r0 * n + c0),
-                    1,
-                    n as isize,
-                    acc || i > 0,
-                    lhs.0.as_ptr().add(r0 * lhs.1.rs + k0 * lhs.1.cs),
-                    lhs.1.cs as isize,
-                    lhs.1.rs as isize,
-                    rhs.0.as_ptr().add(c0 * rhs.1.cs + k0 * rhs.1.rs),
-                    rhs.1.cs as isize,
-                    rhs.1.rs as isize,
-                    A::ONE,
-                    A::ONE,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                )
-            }
-        }
+    let block = |dst: Shared<A>, rows: (usize, usize), cols: (usize, usize)| {
+        // SAFETY: the block lies inside dst (m x n, valid per the caller) and blocks of one
+        // call are disjoint; the operands were checked above.
+        unsafe { gemm_block(dst, (n, k, kc), acc, lhs, rhs, rows, cols) }
     };
     let dst = Shared(dst);
     // Split dst into `threads` bands of rows or of columns (whichever dimension is longer, in
@@ -210,6 +161,91 @@ pub(crate) unsafe fn gemm_raw<A: Real>(
             block(dst, (0, m), (lo, hi));
         }
     });
+}
+
+/// [`gemm_raw`] of two bf16 operands: [`gemm_bf16`], accumulating in f32.
+///
+/// # Safety
+/// As [`gemm_raw`]; `A` must be f32 (asserted) and the bf16 kernel available.
+unsafe fn gemm_bf16_raw<A: Real>(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut A,
+    acc: bool,
+    (l, ls): (&[half::bf16], Strided),
+    (r, rs): (&[half::bf16], Strided),
+    threads: usize,
+) {
+    assert!(
+        std::any::TypeId::of::<A>() == std::any::TypeId::of::<f32>(),
+        "candle-fused linear: bf16 accumulates in f32"
+    );
+    let mat = |data, s: Strided| gemm_bf16::Mat {
+        data,
+        rs: s.rs,
+        cs: s.cs,
+    };
+    // SAFETY: `A` is f32 (asserted); `dst` per this function's contract, which is
+    // `gemm_bf16::gemm`'s; the kernel is available (`operand` checked).
+    unsafe {
+        gemm_bf16::gemm(
+            gemm_bf16::Kernel::Avx512Bf16,
+            (m, n, k),
+            dst as *mut f32,
+            acc,
+            mat(l, ls),
+            mat(r, rs),
+            threads > 1,
+        )
+    };
+}
+
+/// One block of `dst` (rows `r0..r1`, columns `c0..c1`; `n` columns in all) on the calling
+/// thread, `k` summed in fixed chunks of at most `kc`, accumulated in order. `gemm` itself
+/// blocks `k` by rules that depend on the output's size (outputs up to 64 x 64 in 512-long
+/// blocks, larger ones in equal blocks of about 512): with every call's `k` at most 512 both
+/// rules give one block, so an element's sum is the same whichever band computes it.
+///
+/// # Safety
+/// The block lies inside `dst` (valid for writes, row stride `n`, initialised when `acc`),
+/// no other thread touches it, and the operands cover rows / columns of the block over `k`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_block<A: Real>(
+    dst: Shared<A>,
+    (n, k, kc): (usize, usize, usize),
+    acc: bool,
+    lhs: (&[A], Strided),
+    rhs: (&[A], Strided),
+    (r0, r1): (usize, usize),
+    (c0, c1): (usize, usize),
+) {
+    for (i, k0) in (0..k).step_by(kc).enumerate() {
+        // SAFETY: the block lies inside dst (m x n, row stride n, valid per the caller)
+        // and, with rows k0..k0 + kc, inside both operands (asserted by `gemm_raw`); blocks
+        // of one call are disjoint.
+        unsafe {
+            gemm::gemm(
+                r1 - r0,
+                c1 - c0,
+                kc.min(k - k0),
+                dst.at(r0 * n + c0),
+                1,
+                n as isize,
+                acc || i > 0,
+                lhs.0.as_ptr().add(r0 * lhs.1.rs + k0 * lhs.1.cs),
+                lhs.1.cs as isize,
+                lhs.1.rs as isize,
+                rhs.0.as_ptr().add(c0 * rhs.1.cs + k0 * rhs.1.rs),
+                rhs.1.cs as isize,
+                rhs.1.rs as isize,
+                A::ONE,
+                A::ONE,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
+    }
 }
 
 /// The longest `k` one `gemm` call sums (see [`gemm_raw`]).

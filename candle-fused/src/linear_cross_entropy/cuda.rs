@@ -25,7 +25,9 @@ use crate::cuda_kernels::launch::{cuda_of, launch, Buf, Output};
 use crate::cuda_kernels::Scalar;
 use crate::op::Saved;
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CudaStorage, DType, InplaceOp1, Layout, Result, Tensor};
+use candle_core::{
+    bail, CpuStorage, CudaStorage, DType, Device, InplaceOp1, Layout, Result, Tensor,
+};
 
 /// What `fallback::run` computes (Σ nll in f64, the rows' nll and lse in f32) for `x2 [n, c]`
 /// and `w [v, c]` (detached, on a CUDA device) over `p`'s counted rows, by the chunk loop.
@@ -36,35 +38,15 @@ pub(super) fn run(
     rg: Option<&RowGrad>,
 ) -> Result<DeviceOut> {
     let (dev, dt) = (x2.device(), x2.dtype());
-    let (n, c, v, m) = (p.n, p.c, p.v, p.rows.len());
+    let (n, c, m) = (p.n, p.c, p.rows.len());
     if m == 0 {
-        // an empty grid is not launched: the loss and gradients of no counted row
-        let dx = p.need[0]
-            .then(|| Tensor::zeros((n, c), dt, dev))
-            .transpose()?;
-        let dw = p.need[1]
-            .then(|| Tensor::zeros((v, c), dt, dev))
-            .transpose()?;
-        let none = Tensor::zeros(0, DType::F32, dev)?;
-        return Ok(DeviceOut {
-            nll_sum: Tensor::zeros((), DType::F64, dev)?,
-            nll: none.clone(),
-            lse: none,
-            dx,
-            dw,
-        });
+        return no_rows(p, dev, dt);
     }
     // Candle's matmul wants row- or column-major operands: a strided view is copied once.
     let w = w.contiguous()?;
     let wt = w.t()?;
     let chunk = p.chunk.clamp(1, m);
-    // Chunk k's targets start row k of [K, stride]: 16-byte aligned with stride a multiple of 4.
-    let stride = chunk.next_multiple_of(4);
-    let mut tg = vec![0u32; m.div_ceil(chunk) * stride];
-    for (i, &r) in p.rows.iter().enumerate() {
-        tg[i / chunk * stride + i % chunk] = p.targets[r];
-    }
-    let targets = Tensor::from_vec(tg, m.div_ceil(chunk) * stride, dev)?;
+    let (targets, stride) = chunk_targets(p, chunk, dev)?;
     // The counted rows on the device, to gather `x` and scatter `dx` (none when all count).
     let rows = if m == n {
         None
@@ -74,8 +56,7 @@ pub(super) fn run(
     };
     let ones = Tensor::ones(chunk, DType::F32, dev)?;
     let grads = p.need[0] || p.need[1];
-    let mut nlls = Vec::with_capacity(m.div_ceil(chunk));
-    let mut lses = Vec::with_capacity(m.div_ceil(chunk));
+    let (mut nlls, mut lses) = (Vec::new(), Vec::new());
     let mut dxs = Vec::new();
     let mut dw: Option<Tensor> = None;
     for (k, start) in (0..m).step_by(chunk).enumerate() {
@@ -148,6 +129,40 @@ pub(super) fn run(
         dx,
         dw,
     })
+}
+
+/// The loss and gradients of no counted row (an empty grid is not launched).
+fn no_rows(p: &Pass<'_>, dev: &Device, dt: DType) -> Result<DeviceOut> {
+    let (n, c, v) = (p.n, p.c, p.v);
+    let dx = p.need[0]
+        .then(|| Tensor::zeros((n, c), dt, dev))
+        .transpose()?;
+    let dw = p.need[1]
+        .then(|| Tensor::zeros((v, c), dt, dev))
+        .transpose()?;
+    let none = Tensor::zeros(0, DType::F32, dev)?;
+    Ok(DeviceOut {
+        nll_sum: Tensor::zeros((), DType::F64, dev)?,
+        nll: none.clone(),
+        lse: none,
+        dx,
+        dw,
+    })
+}
+
+/// The counted rows' targets on the device, chunk `k`'s from row `k` of `[K, stride]` (16-byte
+/// aligned: `stride` is `chunk` rounded up to a multiple of 4); with the stride.
+fn chunk_targets(p: &Pass<'_>, chunk: usize, dev: &Device) -> Result<(Tensor, usize)> {
+    let m = p.rows.len();
+    let stride = chunk.next_multiple_of(4);
+    let mut tg = vec![0u32; m.div_ceil(chunk) * stride];
+    for (i, &r) in p.rows.iter().enumerate() {
+        tg[i / chunk * stride + i % chunk] = p.targets[r];
+    }
+    Ok((
+        Tensor::from_vec(tg, m.div_ceil(chunk) * stride, dev)?,
+        stride,
+    ))
 }
 
 /// Which kernel a chunk runs.

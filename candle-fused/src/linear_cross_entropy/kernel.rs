@@ -112,6 +112,16 @@ fn max_skip_nan<A: Real>(s: &[A], mut m: A) -> A {
     m
 }
 
+/// What every chunk of a pass shares: `W` as a GEMM operand with its strides (`ws`; `wt` for
+/// `Wᵀ`, `[c, v]`), the vocabulary blocks `(first class, width)` and the GEMMs' threads.
+struct Weights<'a, A: Clone> {
+    op: Operand<'a, A>,
+    ws: Strided,
+    wt: Strided,
+    blocks: Vec<(usize, usize)>,
+    threads: usize,
+}
+
 /// Runs the pass over `x [n, c]` (contiguous) and `w [v, c]` (any strides).
 pub(super) fn run<T: Elem>(x: &[T], (w, ws): (&[T], Strided), p: &Pass<'_>) -> Output<T>
 where
@@ -119,20 +129,22 @@ where
 {
     let (n, c, v) = (p.n, p.c, p.v);
     let zero = T::Acc::ZERO;
-    let threads = pool::parts();
     // 16-bit storage: logits and their gradients are rounded to it, as the 16-bit GEMM and the
     // cast of the composite expression round them.
     let round = !same::<T, T::Acc>();
-    let bf16_kernel = matches!(operand::<T>(&[]), Operand::Bf16(_));
-    let wop = operand(w);
-    // Wᵀ as a [c, v] operand: element (k, j) is w[j, k].
-    let wt = Strided {
-        rs: ws.cs,
-        cs: ws.rs,
+    let wts = Weights {
+        op: operand(w),
+        ws,
+        // Wᵀ as a [c, v] operand: element (k, j) is w[j, k].
+        wt: Strided {
+            rs: ws.cs,
+            cs: ws.rs,
+        },
+        blocks: (0..v).step_by(VB).map(|b| (b, VB.min(v - b))).collect(),
+        threads: pool::parts(),
     };
     let xs = Strided { rs: c, cs: 1 };
     let grads = p.need[0] || p.need[1];
-    let blocks: Vec<(usize, usize)> = (0..v).step_by(VB).map(|b| (b, VB.min(v - b))).collect();
     let mut dx = p.need[0].then(|| vec![T::from_acc(zero); n * c]);
     let mut dw: Vec<T::Acc> = Vec::new();
     let mut dw_started = false;
@@ -146,7 +158,6 @@ where
         Vec::with_capacity(p.rows.len()),
     );
     for (k, idx) in p.rows.chunks(p.chunk).enumerate() {
-        let first = k * p.chunk;
         let r = idx.len();
         let mut xc = Vec::with_capacity(r * c);
         for &i in idx {
@@ -154,69 +165,8 @@ where
         }
         let xop = operand(&xc);
         let buf = &mut buf[..r * v];
-        for &(b0, wb) in &blocks {
-            let l = &mut buf[r * b0..r * (b0 + wb)];
-            // SAFETY: `l` holds r x wb initialised elements, exclusively borrowed; the operands
-            // cover r x c (xc) and c x wb (Wᵀ from column b0, inside the checked [v, c] view).
-            unsafe {
-                gemm_raw(
-                    r,
-                    wb,
-                    c,
-                    l.as_mut_ptr(),
-                    false,
-                    (&xop, xs),
-                    (&from(&wop, b0 * ws.rs), wt),
-                    threads,
-                )
-            };
-        }
-        let bp = Shared(buf.as_mut_ptr());
-        let bl = &blocks;
-        let row = |j: usize| -> (T::Acc, T::Acc) {
-            // SAFETY: row j's segments (one per block) are disjoint from every other row's,
-            // and row j is handled by one piece only.
-            let seg = |&(b0, wb): &(usize, usize)| unsafe {
-                std::slice::from_raw_parts_mut(bp.at(r * b0 + j * wb), wb)
-            };
-            if round {
-                for e in bl.iter().flat_map(seg) {
-                    *e = T::from_acc(*e).acc();
-                }
-            }
-            let lse = match p.lse {
-                Some(l) => T::Acc::c(l[first + j]),
-                None => {
-                    let m = bl
-                        .iter()
-                        .fold(T::Acc::NEG_INFINITY, |m, b| max_skip_nan(seg(b), m));
-                    let mut sum = zero;
-                    for b in bl {
-                        sum += cpu::sum_map(seg(b), |e: T::Acc| (e - m).exp_fast());
-                    }
-                    m + sum.ln()
-                }
-            };
-            let t = p.targets[idx[j]] as usize;
-            let tb = seg(&bl[t / VB]);
-            let lt = tb[t % VB];
-            if grads {
-                let s: T::Acc = p.coef(idx[j]);
-                for b in bl {
-                    for e in seg(b) {
-                        *e = s * (*e - lse).exp_fast();
-                    }
-                }
-                seg(&bl[t / VB])[t % VB] = s * ((lt - lse).exp_fast() - T::Acc::ONE);
-                if round {
-                    for e in bl.iter().flat_map(seg) {
-                        *e = T::from_acc(*e).acc();
-                    }
-                }
-            }
-            (lse - lt, lse)
-        };
-        for part in cpu::map_chunks(r, 4 * v, |rows| rows.map(row).collect::<Vec<_>>()) {
+        logits(&wts, buf, r, c, (&xop, xs));
+        for part in rows_loss::<T>(p, &wts.blocks, buf, idx, k * p.chunk, round, grads) {
             for (e, l) in part {
                 nll_sum += e.f64();
                 nll.push(e.f64());
@@ -227,51 +177,8 @@ where
             continue;
         }
         let mut dxc = vec![zero; if p.need[0] { r * c } else { 0 }];
-        for &(b0, wb) in &blocks {
-            let g = &buf[r * b0..r * (b0 + wb)];
-            // G_b as a GEMM operand (already rounded for 16-bit): a bf16 copy for the bf16
-            // kernel, else read in place.
-            let g16: Vec<T>;
-            let gop = if bf16_kernel {
-                g16 = g.iter().map(|&e| T::from_acc(e)).collect();
-                operand(&g16)
-            } else {
-                Operand::Acc(Cow::Borrowed(g))
-            };
-            if p.need[0] {
-                // dxc += G_b W_b: (i, k) = Σ_j G_b[i, j] w[b0 + j, k].
-                // SAFETY: `dxc` holds r x c initialised elements, exclusively borrowed.
-                unsafe {
-                    gemm_raw(
-                        r,
-                        c,
-                        wb,
-                        dxc.as_mut_ptr(),
-                        true,
-                        (&gop, Strided { rs: wb, cs: 1 }),
-                        (&from(&wop, b0 * ws.rs), ws),
-                        threads,
-                    )
-                };
-            }
-            if p.need[1] {
-                // dW_b (+)= G_bᵀ xc: (j, k) = Σ_i G_b[i, j] xc[i, k]; chunks added in order.
-                // SAFETY: rows b0 .. b0 + wb of the v x c buffer (its capacity), written in
-                // full by the first chunk (acc = false) before any read.
-                unsafe {
-                    gemm_raw(
-                        wb,
-                        c,
-                        r,
-                        dw.as_mut_ptr().add(b0 * c),
-                        dw_started,
-                        (&gop, Strided { rs: 1, cs: wb }),
-                        (&xop, xs),
-                        threads,
-                    )
-                };
-            }
-        }
+        let dw_out = p.need[1].then_some((&mut dw, dw_started));
+        grads_of_chunk::<T>(p, &wts, buf, r, (&xop, xs), &mut dxc, dw_out);
         if p.need[1] && !dw_started {
             // SAFETY: every block of the v x c buffer was written above.
             unsafe { dw.set_len(v * c) };
@@ -300,5 +207,157 @@ where
         lse: lses,
         dx,
         dw,
+    }
+}
+
+/// GEMM 1: the chunk's logits `L_b = xc W_bᵀ` into `buf`, block after block (`r` rows of
+/// `xc [r, c]`).
+fn logits<A: Real>(
+    w: &Weights<'_, A>,
+    buf: &mut [A],
+    r: usize,
+    c: usize,
+    xc: (&Operand<'_, A>, Strided),
+) {
+    for &(b0, wb) in &w.blocks {
+        let l = &mut buf[r * b0..r * (b0 + wb)];
+        // SAFETY: `l` holds r x wb initialised elements, exclusively borrowed; the operands
+        // cover r x c (xc) and c x wb (Wᵀ from column b0, inside the checked [v, c] view).
+        unsafe {
+            gemm_raw(
+                r,
+                wb,
+                c,
+                l.as_mut_ptr(),
+                false,
+                xc,
+                (&from(&w.op, b0 * w.ws.rs), w.wt),
+                w.threads,
+            )
+        };
+    }
+}
+
+/// Each row's `(nll, lse)` of the chunk's logits in `buf` (rows in parallel, in pieces, in row
+/// order), turning the logits into their gradient `G` in place when `grads` (rounded to `T`
+/// when `round`). `idx`: the chunk's flat rows, `first`: its first counted row.
+fn rows_loss<T: Elem>(
+    p: &Pass<'_>,
+    bl: &[(usize, usize)],
+    buf: &mut [T::Acc],
+    idx: &[usize],
+    first: usize,
+    round: bool,
+    grads: bool,
+) -> Vec<Vec<(T::Acc, T::Acc)>>
+where
+    T::Acc: FastMath,
+{
+    let (r, zero) = (idx.len(), T::Acc::ZERO);
+    let bp = Shared(buf.as_mut_ptr());
+    let row = |j: usize| -> (T::Acc, T::Acc) {
+        // SAFETY: row j's segments (one per block) are disjoint from every other row's,
+        // and row j is handled by one piece only.
+        let seg = |&(b0, wb): &(usize, usize)| unsafe {
+            std::slice::from_raw_parts_mut(bp.at(r * b0 + j * wb), wb)
+        };
+        if round {
+            for e in bl.iter().flat_map(seg) {
+                *e = T::from_acc(*e).acc();
+            }
+        }
+        let lse = match p.lse {
+            Some(l) => T::Acc::c(l[first + j]),
+            None => {
+                let m = bl
+                    .iter()
+                    .fold(T::Acc::NEG_INFINITY, |m, b| max_skip_nan(seg(b), m));
+                let mut sum = zero;
+                for b in bl {
+                    sum += cpu::sum_map(seg(b), |e: T::Acc| (e - m).exp_fast());
+                }
+                m + sum.ln()
+            }
+        };
+        let t = p.targets[idx[j]] as usize;
+        let tb = seg(&bl[t / VB]);
+        let lt = tb[t % VB];
+        if grads {
+            let s: T::Acc = p.coef(idx[j]);
+            for b in bl {
+                for e in seg(b) {
+                    *e = s * (*e - lse).exp_fast();
+                }
+            }
+            seg(&bl[t / VB])[t % VB] = s * ((lt - lse).exp_fast() - T::Acc::ONE);
+            if round {
+                for e in bl.iter().flat_map(seg) {
+                    *e = T::from_acc(*e).acc();
+                }
+            }
+        }
+        (lse - lt, lse)
+    };
+    cpu::map_chunks(r, 4 * p.v, |rows| rows.map(row).collect::<Vec<_>>())
+}
+
+/// GEMMs 2 and 3 of a chunk from its gradient `G` in `buf`: `dxc += G_b W_b` (when `dx` is
+/// asked for) and, with `dw = Some((dW, started))`, `dW_b (+)= G_bᵀ xc` (written by the first
+/// chunk, `started = false`, added to by the next ones).
+fn grads_of_chunk<T: Elem>(
+    p: &Pass<'_>,
+    w: &Weights<'_, T::Acc>,
+    buf: &[T::Acc],
+    r: usize,
+    xc: (&Operand<'_, T::Acc>, Strided),
+    dxc: &mut [T::Acc],
+    mut dw: Option<(&mut Vec<T::Acc>, bool)>,
+) {
+    let c = p.c;
+    let bf16_kernel = matches!(operand::<T>(&[]), Operand::Bf16(_));
+    for &(b0, wb) in &w.blocks {
+        let g = &buf[r * b0..r * (b0 + wb)];
+        // G_b as a GEMM operand (already rounded for 16-bit): a bf16 copy for the bf16
+        // kernel, else read in place.
+        let g16: Vec<T>;
+        let gop = if bf16_kernel {
+            g16 = g.iter().map(|&e| T::from_acc(e)).collect();
+            operand(&g16)
+        } else {
+            Operand::Acc(Cow::Borrowed(g))
+        };
+        if p.need[0] {
+            // dxc += G_b W_b: (i, k) = Σ_j G_b[i, j] w[b0 + j, k].
+            // SAFETY: `dxc` holds r x c initialised elements, exclusively borrowed.
+            unsafe {
+                gemm_raw(
+                    r,
+                    c,
+                    wb,
+                    dxc.as_mut_ptr(),
+                    true,
+                    (&gop, Strided { rs: wb, cs: 1 }),
+                    (&from(&w.op, b0 * w.ws.rs), w.ws),
+                    w.threads,
+                )
+            };
+        }
+        if let Some((dw, started)) = dw.as_mut() {
+            // dW_b (+)= G_bᵀ xc: (j, k) = Σ_i G_b[i, j] xc[i, k]; chunks added in order.
+            // SAFETY: rows b0 .. b0 + wb of the v x c buffer (its capacity), written in
+            // full by the first chunk (acc = false) before any read.
+            unsafe {
+                gemm_raw(
+                    wb,
+                    c,
+                    r,
+                    dw.as_mut_ptr().add(b0 * c),
+                    *started,
+                    (&gop, Strided { rs: 1, cs: wb }),
+                    xc,
+                    w.threads,
+                )
+            };
+        }
     }
 }

@@ -103,8 +103,7 @@ unsafe fn bwd_head<T: Elem>(
 ) where
     T::Acc: FastMath,
 {
-    let zero = T::Acc::ZERO;
-    let one = T::Acc::ONE;
+    let (zero, one) = (T::Acc::ZERO, T::Acc::ONE);
     let (d, dvn, tq) = (g.d, g.dv, g.tq);
     let (b, h) = (bh / g.h, bh % g.h);
     sc.load_q(g, b, h, x.q);
@@ -117,7 +116,6 @@ unsafe fn bwd_head<T: Elem>(
     }
     sc.dq.fill(zero);
     let lse = &x.lse[bh * tq..(bh + 1) * tq];
-    let keep = T::Acc::c(1.0 / (1.0 - p.dropout as f64));
     let dropout = p.dropout > 0.0;
     let mut i0 = 0;
     while i0 < tq {
@@ -128,22 +126,7 @@ unsafe fn bwd_head<T: Elem>(
             let nk = KB.min(kend - j0);
             let s = &mut sc.s[..nq * nk];
             tile_scores(g, p, &sc.q, &sc.k, s, i0, nq, j0, nk);
-            // P = exp(S - L) (rows that see no key have L = -inf and contribute nothing); 0
-            // exactly where the row does not see the key.
-            let mut spans = [(0usize, 0usize); QB];
-            for r in 0..nq {
-                let li = lse[i0 + r];
-                let srow = &mut s[r * nk..(r + 1) * nk];
-                let (a, row) = live_row(g, p, srow, b, i0 + r, j0, T::Acc::NEG_INFINITY);
-                spans[r] = (a, a + row.len());
-                if li == T::Acc::NEG_INFINITY {
-                    row.fill(zero);
-                } else {
-                    row.iter_mut().for_each(|x| *x = (*x - li).exp_fast());
-                    // Other documents: exp(-inf - L) = 0, also when L is NaN.
-                    mask_docs(g, p, row, b, i0 + r, j0 + a, zero);
-                }
-            }
+            let spans = tile_probs(g, p, s, lse, b, (i0, nq), j0);
             // dP = dO Vᵀ.
             let dp = &mut sc.t[..nq * nk];
             gemm(
@@ -159,17 +142,7 @@ unsafe fn bwd_head<T: Elem>(
             // With dropout Z = keep mask / (1 - p): dV uses P∘Z, and dP is taken through Z.
             let pz: &[T::Acc] = if dropout {
                 let pz = &mut sc.pz[..nq * nk];
-                for r in 0..nq {
-                    let u = &mut sc.u[..nk];
-                    p.key.fill_uniform(g.drop_index(bh, i0 + r, j0), u);
-                    let (prow, pzrow) = (&s[r * nk..(r + 1) * nk], &mut pz[r * nk..(r + 1) * nk]);
-                    let dprow = &mut dp[r * nk..(r + 1) * nk];
-                    for c in 0..nk {
-                        let z = if u[c] < p.dropout { zero } else { keep };
-                        pzrow[c] = prow[c] * z;
-                        dprow[c] *= z;
-                    }
-                }
+                dropout_tile(g, p, (s, dp, pz), &mut sc.u, bh, (i0, nq), (j0, nk));
                 pz
             } else {
                 s
@@ -185,24 +158,7 @@ unsafe fn bwd_head<T: Elem>(
                 Mat::rows(&sc.dout[i0 * dvn..], dvn),
                 one,
             );
-            // dS = P ∘ (dP - D_i) · scale, in place of dP; 0 exactly where the row does not
-            // see the key (so a NaN in D_i stays off the keys the row does not see).
-            for (r, &(a, e)) in spans[..nq].iter().enumerate() {
-                let di = sc.di[i0 + r];
-                let (prow, dsrow) = (&s[r * nk..(r + 1) * nk], &mut dp[r * nk..(r + 1) * nk]);
-                let (head, rest) = dsrow.split_at_mut(a);
-                let (live, tail) = rest.split_at_mut(e - a);
-                if !head.is_empty() {
-                    head.fill(zero);
-                }
-                if !tail.is_empty() {
-                    tail.fill(zero);
-                }
-                for (ds, &pv) in live.iter_mut().zip(&prow[a..e]) {
-                    *ds = pv * (*ds - di) * p.scale;
-                }
-                mask_docs(g, p, live, b, i0 + r, j0 + a, zero);
-            }
+            tile_ds(g, p, s, dp, &sc.di[i0..], &spans[..nq], b, (i0, j0, nk));
             // dQ_i += dS K_j; dK_j += dSᵀ Q_i.
             gemm(
                 nq,
@@ -234,5 +190,93 @@ unsafe fn bwd_head<T: Elem>(
             let src = &sc.dq[i * d..(i + 1) * d];
             dq.write(g.q.row(b, h, i), src.iter().map(|&a| T::from_acc(a)));
         }
+    }
+}
+
+/// `P = exp(S - L)` in place of the scores `s` of a tile (`nq` rows from `i0`, keys from
+/// `j0`; `lse`: the head's `L`): rows that see no key have `L = -inf` and contribute nothing;
+/// 0 exactly where the row does not see the key. Returns each row's span of keys it sees.
+fn tile_probs<A: FastMath>(
+    g: &Geom,
+    p: &Params<A>,
+    s: &mut [A],
+    lse: &[A],
+    b: usize,
+    (i0, nq): (usize, usize),
+    j0: usize,
+) -> [(usize, usize); QB] {
+    let (zero, nk) = (A::ZERO, s.len() / nq);
+    let mut spans = [(0usize, 0usize); QB];
+    for r in 0..nq {
+        let li = lse[i0 + r];
+        let srow = &mut s[r * nk..(r + 1) * nk];
+        let (a, row) = live_row(g, p, srow, b, i0 + r, j0, A::NEG_INFINITY);
+        spans[r] = (a, a + row.len());
+        if li == A::NEG_INFINITY {
+            row.fill(zero);
+        } else {
+            row.iter_mut().for_each(|x| *x = (*x - li).exp_fast());
+            // Other documents: exp(-inf - L) = 0, also when L is NaN.
+            mask_docs(g, p, row, b, i0 + r, j0 + a, zero);
+        }
+    }
+    spans
+}
+
+/// With dropout `Z = keep mask / (1 - p)` (drawn for query head `bh`): `P∘Z` of the tile's
+/// `P` into `pz`, and `dP` taken through `Z` in place; `u`: scratch for the uniforms.
+fn dropout_tile<A: Real>(
+    g: &Geom,
+    p: &Params<A>,
+    (s, dp, pz): (&[A], &mut [A], &mut [A]),
+    u: &mut [f32],
+    bh: usize,
+    (i0, nq): (usize, usize),
+    (j0, nk): (usize, usize),
+) {
+    let (zero, keep) = (A::ZERO, A::c(1.0 / (1.0 - p.dropout as f64)));
+    for r in 0..nq {
+        let u = &mut u[..nk];
+        p.key.fill_uniform(g.drop_index(bh, i0 + r, j0), u);
+        let (prow, pzrow) = (&s[r * nk..(r + 1) * nk], &mut pz[r * nk..(r + 1) * nk]);
+        let dprow = &mut dp[r * nk..(r + 1) * nk];
+        for c in 0..nk {
+            let z = if u[c] < p.dropout { zero } else { keep };
+            pzrow[c] = prow[c] * z;
+            dprow[c] *= z;
+        }
+    }
+}
+
+/// `dS = P ∘ (dP - D_i) · scale`, in place of the tile's `dp` (`di`: `D` from row `i0` on,
+/// `spans`: each row's keys, from [`tile_probs`]); 0 exactly where the row does not see the
+/// key (so a NaN in `D_i` stays off the keys the row does not see).
+#[allow(clippy::too_many_arguments)]
+fn tile_ds<A: Real>(
+    g: &Geom,
+    p: &Params<A>,
+    s: &[A],
+    dp: &mut [A],
+    di: &[A],
+    spans: &[(usize, usize)],
+    b: usize,
+    (i0, j0, nk): (usize, usize, usize),
+) {
+    let zero = A::ZERO;
+    for (r, &(a, e)) in spans.iter().enumerate() {
+        let di = di[r];
+        let (prow, dsrow) = (&s[r * nk..(r + 1) * nk], &mut dp[r * nk..(r + 1) * nk]);
+        let (head, rest) = dsrow.split_at_mut(a);
+        let (live, tail) = rest.split_at_mut(e - a);
+        if !head.is_empty() {
+            head.fill(zero);
+        }
+        if !tail.is_empty() {
+            tail.fill(zero);
+        }
+        for (ds, &pv) in live.iter_mut().zip(&prow[a..e]) {
+            *ds = pv * (*ds - di) * p.scale;
+        }
+        mask_docs(g, p, live, b, i0 + r, j0 + a, zero);
     }
 }
