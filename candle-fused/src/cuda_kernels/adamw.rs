@@ -34,7 +34,7 @@ const TABLE_ROWS_OF_4: &[Rule] = &[Rule::Product("W", &[], 4)];
 
 /// The AdamW update for f32, bf16 and f16 gradients, the sum-of-squares partial sums for the
 /// same, and their total (one f32 variant: it reads only f64 partials).
-pub const KERNELS: &[KernelSpec] = super::compiled::ADAMW;
+pub(crate) const KERNELS: &[KernelSpec] = super::compiled::ADAMW;
 
 /// The nine f32 scalars of `adamw_update` for `step`, in order (grad scale, b1, 1 - b1, b2,
 /// 1 - b2, `1 - lr wd`, `lr / bc1`, `1 / bc2`, eps): each rounded from f64 exactly as the

@@ -91,7 +91,7 @@ pub(crate) const RULES: &[(&str, &[Rule])] = &[
 
 /// Attention forward, backward delta, dK/dV and dQ: the generic build for f32, bf16 and f16,
 /// the head-size builds for bf16 and f16.
-pub const KERNELS: &[KernelSpec] = super::compiled::ATTENTION;
+pub(crate) const KERNELS: &[KernelSpec] = super::compiled::ATTENTION;
 
 /// The builds of each attention kernel, in the order a launcher tries them
 /// ([`super::check_variants`]): the head-size builds for D up to 64, then up to 128 (D a

@@ -4,8 +4,9 @@
 //! several builds that takes a launch, and [`shared_memory_opt_in`] is the launcher's
 //! shared-memory rule. Pure functions: tested on the CPU (`tests/triton_record/`).
 
-use super::{
-    find, Elem, Extent, KernelSpec, Param, Rule, MAX_GRID_YZ, POINTER_ALIGNMENT, SCRATCH_PARAMS,
+use super::find;
+use super::table::{
+    Elem, Extent, KernelSpec, Param, Rule, MAX_GRID_YZ, POINTER_ALIGNMENT, SCRATCH_PARAMS,
 };
 use candle_core::{bail, DType, Result};
 
@@ -113,7 +114,7 @@ pub struct Launch {
     pub grid: [u32; 3],
     /// Threads per block.
     pub block: [u32; 3],
-    /// Dynamic shared memory, bytes, per arch in [`ARCHS`](super::ARCHS) order (above 48 KB the launcher
+    /// Dynamic shared memory, bytes, per arch in [`ARCHS`](super::table::ARCHS) order (above 48 KB the launcher
     /// sets `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`).
     pub shared_bytes: [u32; 2],
     /// The dimensions bound from the tensors, by name.
@@ -138,200 +139,262 @@ pub fn check_launch(
     tensors: &[TensorArg],
     scalars: &[Scalar],
 ) -> Result<Launch> {
-    let name = spec.name();
-    let tparams: Vec<_> = spec
-        .params
-        .iter()
-        .filter_map(|p| match *p {
-            Param::Tensor(n, dims, elem) => Some((n, dims, elem)),
-            _ => None,
-        })
-        .collect();
-    if tparams.len() != tensors.len() {
-        bail!(
-            "{name}: expected {} tensor arguments ({}), got {}",
-            tparams.len(),
-            tparams.iter().map(|t| t.0).collect::<Vec<_>>().join(", "),
-            tensors.len()
-        )
-    }
-    let mut bound: Vec<(&'static str, usize)> = Vec::new();
-    for ((pname, dims, elem), t) in tparams.iter().zip(tensors) {
-        let want = match elem {
-            Elem::Io => spec.dtype,
-            Elem::F32 => DType::F32,
-            Elem::F64 => DType::F64,
-            Elem::I32 => DType::I32,
-            Elem::U32 => DType::U32,
-            Elem::I64 => DType::I64,
-        };
-        if t.dtype != want {
-            bail!("{name}: {pname} must be {want:?}, got {:?}", t.dtype)
-        }
-        if t.dims.len() != dims.len() || t.strides.len() != dims.len() {
-            bail!(
-                "{name}: {pname} must have rank {} ({dims:?}), got dims {:?} strides {:?}",
-                dims.len(),
-                t.dims,
-                t.strides
-            )
-        }
-        for (&d, &size) in dims.iter().zip(&t.dims) {
-            match bound.iter().find(|(b, _)| *b == d) {
-                None => bound.push((d, size)),
-                Some(&(_, s)) if s != size => {
-                    bail!("{name}: {pname} has {d} = {size}, an earlier argument {s}")
-                }
-                Some(_) => {}
-            }
-        }
-        let contiguous = TensorArg::contiguous(&t.dims, t.dtype, t.offset_bytes);
-        let strides_ok = t
-            .dims
-            .iter()
-            .zip(t.strides.iter().zip(&contiguous.strides))
-            .all(|(&d, (s, c))| d <= 1 || s == c);
-        if !strides_ok {
-            bail!(
-                "{name}: {pname} must be contiguous (row-major), got dims {:?} strides {:?}",
-                t.dims,
-                t.strides
-            )
-        }
-        if t.offset_bytes % POINTER_ALIGNMENT != 0 {
-            bail!(
-                "{name}: {pname} starts at byte offset {} (mod 16 = {}); the kernel was compiled \
-                 for {POINTER_ALIGNMENT}-byte aligned pointers (tt.divisibility = 16): copy it to \
-                 a fresh buffer (.contiguous() of a new allocation) or use an unspecialised variant",
-                t.offset_bytes,
-                t.offset_bytes % POINTER_ALIGNMENT
-            )
-        }
-    }
-    // an Int parameter the grid names (`NB`, the blocks of a multi-tensor launch) binds that
-    // dimension to the caller's value
-    let mut values = scalars.iter();
-    for p in spec.params {
-        let (Param::Int(pname) | Param::Float(pname)) = *p else {
-            continue;
-        };
-        let value = values.next();
-        let in_grid = spec.grid.iter().any(|e| e.dims.contains(&pname));
-        if let (Param::Int(_), Some(&Scalar::I32(v)), true) = (p, value, in_grid) {
-            match usize::try_from(v) {
-                Ok(v) => bound.push((pname, v)),
-                Err(_) => bail!("{name}: {pname} = {v} sizes the grid: it must not be negative"),
-            }
-        }
-    }
-    let get = |d: &str| -> Result<usize> {
-        match bound.iter().find(|(b, _)| *b == d) {
-            Some(&(_, s)) => Ok(s),
-            None => bail!("{name}: no tensor argument gives the dimension {d}"),
-        }
+    let mut bound = Bound {
+        name: spec.name(),
+        dims: Vec::new(),
     };
-    let product = |dims: &[&str]| -> Result<usize> {
-        dims.iter().try_fold(1usize, |acc, d| Ok(acc * get(d)?))
-    };
-    for rule in spec.rules {
-        match *rule {
-            Rule::AtMost(d, max) => {
-                let v = get(d)?;
-                if v > max {
-                    bail!("{name}: {d} = {v} exceeds {max}, the most this kernel covers (one tile)")
-                }
-            }
-            Rule::Cdiv(d, dims, div) => {
-                let (v, want) = (get(d)?, product(dims)?.div_ceil(div));
-                if v != want {
-                    bail!(
-                        "{name}: {d} must be {} = {want}, got {v}",
-                        Extent::cdiv(dims, div).describe()
-                    )
-                }
-            }
-            Rule::Product(d, dims, factor) => {
-                let (v, want) = (get(d)?, factor * product(dims)?);
-                if v != want {
-                    bail!(
-                        "{name}: {d} must be {factor} * {} = {want}, got {v}",
-                        dims.join("*")
-                    )
-                }
-            }
-            Rule::Divides(a, b) => {
-                let (va, vb) = (get(a)?, get(b)?);
-                if va == 0 || vb % va != 0 {
-                    bail!("{name}: {a} = {va} must divide {b} = {vb}")
-                }
-            }
-            Rule::PowerOfTwo(d, lo, hi) => {
-                let v = get(d)?;
-                if !v.is_power_of_two() || v < lo || v > hi {
-                    bail!("{name}: {d} = {v} must be a power of two in [{lo}, {hi}]")
-                }
-            }
-            Rule::MultipleOf(d, factor) => {
-                let v = get(d)?;
-                if v % factor != 0 {
-                    bail!("{name}: {d} = {v} must be a multiple of {factor}")
-                }
-            }
-        }
-    }
-    let i32_of = |what: &str, v: usize| -> Result<i32> {
-        match i32::try_from(v) {
-            Ok(v) => Ok(v),
-            Err(_) => bail!("{name}: {what} = {v} does not fit an i32"),
-        }
-    };
-    let mut grid = [1u32; 3];
-    for (axis, (g, e)) in grid.iter_mut().zip(&spec.grid).enumerate() {
-        let programs = product(e.dims)?.div_ceil(e.div);
-        if programs == 0 {
-            bail!("{name}: empty grid ({} = 0): skip the launch", e.describe())
-        }
-        // CUDA allows 2^31 - 1 blocks along x, 65535 along y and z
-        if axis > 0 && programs > MAX_GRID_YZ {
-            bail!(
-                "{name}: grid {} = {programs} exceeds CUDA's {MAX_GRID_YZ} along {}",
-                e.describe(),
-                ["x", "y", "z"][axis]
-            )
-        }
-        *g = i32_of("grid", programs)? as u32;
-    }
-    let mut scalars = scalars.iter();
-    let mut args = Vec::with_capacity(spec.params.len() + SCRATCH_PARAMS);
-    let mut next_tensor = 0;
-    for p in spec.params {
-        args.push(match *p {
-            Param::Tensor(..) => {
-                next_tensor += 1;
-                Arg::Tensor(next_tensor - 1)
-            }
-            Param::Dim(pname, d) => Arg::I32(i32_of(pname, get(d)?)?),
-            Param::Int(pname) => match scalars.next() {
-                Some(Scalar::I32(v)) => Arg::I32(*v),
-                other => bail!("{name}: {pname} needs a Scalar::I32, got {other:?}"),
-            },
-            Param::Float(pname) => match scalars.next() {
-                Some(Scalar::F32(v)) => Arg::F32(*v),
-                other => bail!("{name}: {pname} needs a Scalar::F32, got {other:?}"),
-            },
-        });
-    }
-    if let Some(extra) = scalars.next() {
-        bail!("{name}: more scalars than Int/Float parameters ({extra:?} left over)")
-    }
-    args.extend([Arg::Null; SCRATCH_PARAMS]);
+    bound.tensors(spec, tensors)?;
+    bound.grid_scalars(spec, scalars)?;
+    bound.rules(spec.rules)?;
+    let grid = bound.grid(&spec.grid)?;
+    let args = bound.arguments(spec.params, scalars)?;
     Ok(Launch {
         grid,
         block: spec.block(),
         shared_bytes: spec.shared_bytes,
-        dims: bound,
+        dims: bound.dims,
         args,
     })
+}
+
+/// The dimensions a launch binds, by name, as [`check_launch`] collects them (`name`: the
+/// kernel's, for the errors).
+struct Bound {
+    name: String,
+    dims: Vec<(&'static str, usize)>,
+}
+
+impl Bound {
+    /// Checks each tensor against its `Param::Tensor` (dtype, rank, contiguity, alignment) and
+    /// binds the dimensions it names (the same name, the same size).
+    fn tensors(&mut self, spec: &KernelSpec, tensors: &[TensorArg]) -> Result<()> {
+        let name = &self.name;
+        let tparams: Vec<_> = spec
+            .params
+            .iter()
+            .filter_map(|p| match *p {
+                Param::Tensor(n, dims, elem) => Some((n, dims, elem)),
+                _ => None,
+            })
+            .collect();
+        if tparams.len() != tensors.len() {
+            bail!(
+                "{name}: expected {} tensor arguments ({}), got {}",
+                tparams.len(),
+                tparams.iter().map(|t| t.0).collect::<Vec<_>>().join(", "),
+                tensors.len()
+            )
+        }
+        for ((pname, dims, elem), t) in tparams.iter().zip(tensors) {
+            let want = match elem {
+                Elem::Io => spec.dtype,
+                Elem::F32 => DType::F32,
+                Elem::F64 => DType::F64,
+                Elem::I32 => DType::I32,
+                Elem::U32 => DType::U32,
+                Elem::I64 => DType::I64,
+            };
+            if t.dtype != want {
+                bail!("{name}: {pname} must be {want:?}, got {:?}", t.dtype)
+            }
+            if t.dims.len() != dims.len() || t.strides.len() != dims.len() {
+                bail!(
+                    "{name}: {pname} must have rank {} ({dims:?}), got dims {:?} strides {:?}",
+                    dims.len(),
+                    t.dims,
+                    t.strides
+                )
+            }
+            for (&d, &size) in dims.iter().zip(&t.dims) {
+                match self.dims.iter().find(|(b, _)| *b == d) {
+                    None => self.dims.push((d, size)),
+                    Some(&(_, s)) if s != size => {
+                        bail!("{name}: {pname} has {d} = {size}, an earlier argument {s}")
+                    }
+                    Some(_) => {}
+                }
+            }
+            check_layout(name, pname, t)?;
+        }
+        Ok(())
+    }
+
+    /// Binds an Int parameter the grid names (`NB`, the blocks of a multi-tensor launch) to the
+    /// caller's value.
+    fn grid_scalars(&mut self, spec: &KernelSpec, scalars: &[Scalar]) -> Result<()> {
+        let mut values = scalars.iter();
+        for p in spec.params {
+            let (Param::Int(pname) | Param::Float(pname)) = *p else {
+                continue;
+            };
+            let value = values.next();
+            let in_grid = spec.grid.iter().any(|e| e.dims.contains(&pname));
+            if let (Param::Int(_), Some(&Scalar::I32(v)), true) = (p, value, in_grid) {
+                match usize::try_from(v) {
+                    Ok(v) => self.dims.push((pname, v)),
+                    Err(_) => bail!(
+                        "{}: {pname} = {v} sizes the grid: it must not be negative",
+                        self.name
+                    ),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The bound size of `d`.
+    fn get(&self, d: &str) -> Result<usize> {
+        match self.dims.iter().find(|(b, _)| *b == d) {
+            Some(&(_, s)) => Ok(s),
+            None => bail!("{}: no tensor argument gives the dimension {d}", self.name),
+        }
+    }
+
+    /// The product of the bound sizes of `dims`.
+    fn product(&self, dims: &[&str]) -> Result<usize> {
+        dims.iter()
+            .try_fold(1usize, |acc, d| Ok(acc * self.get(d)?))
+    }
+
+    /// `v` as an i32 argument.
+    fn i32_of(&self, what: &str, v: usize) -> Result<i32> {
+        match i32::try_from(v) {
+            Ok(v) => Ok(v),
+            Err(_) => bail!("{}: {what} = {v} does not fit an i32", self.name),
+        }
+    }
+
+    /// Checks the kernel's [`Rule`]s on the bound dimensions.
+    fn rules(&self, rules: &[Rule]) -> Result<()> {
+        let name = &self.name;
+        for rule in rules {
+            match *rule {
+                Rule::AtMost(d, max) => {
+                    let v = self.get(d)?;
+                    if v > max {
+                        bail!("{name}: {d} = {v} exceeds {max}, the most this kernel covers (one tile)")
+                    }
+                }
+                Rule::Cdiv(d, dims, div) => {
+                    let (v, want) = (self.get(d)?, self.product(dims)?.div_ceil(div));
+                    if v != want {
+                        bail!(
+                            "{name}: {d} must be {} = {want}, got {v}",
+                            Extent::cdiv(dims, div).describe()
+                        )
+                    }
+                }
+                Rule::Product(d, dims, factor) => {
+                    let (v, want) = (self.get(d)?, factor * self.product(dims)?);
+                    if v != want {
+                        bail!(
+                            "{name}: {d} must be {factor} * {} = {want}, got {v}",
+                            dims.join("*")
+                        )
+                    }
+                }
+                Rule::Divides(a, b) => {
+                    let (va, vb) = (self.get(a)?, self.get(b)?);
+                    if va == 0 || vb % va != 0 {
+                        bail!("{name}: {a} = {va} must divide {b} = {vb}")
+                    }
+                }
+                Rule::PowerOfTwo(d, lo, hi) => {
+                    let v = self.get(d)?;
+                    if !v.is_power_of_two() || v < lo || v > hi {
+                        bail!("{name}: {d} = {v} must be a power of two in [{lo}, {hi}]")
+                    }
+                }
+                Rule::MultipleOf(d, factor) => {
+                    let v = self.get(d)?;
+                    if v % factor != 0 {
+                        bail!("{name}: {d} = {v} must be a multiple of {factor}")
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The grid in programs: non-empty, within CUDA's limits.
+    fn grid(&self, extents: &[Extent; 3]) -> Result<[u32; 3]> {
+        let name = &self.name;
+        let mut grid = [1u32; 3];
+        for (axis, (g, e)) in grid.iter_mut().zip(extents).enumerate() {
+            let programs = self.product(e.dims)?.div_ceil(e.div);
+            if programs == 0 {
+                bail!("{name}: empty grid ({} = 0): skip the launch", e.describe())
+            }
+            // CUDA allows 2^31 - 1 blocks along x, 65535 along y and z
+            if axis > 0 && programs > MAX_GRID_YZ {
+                bail!(
+                    "{name}: grid {} = {programs} exceeds CUDA's {MAX_GRID_YZ} along {}",
+                    e.describe(),
+                    ["x", "y", "z"][axis]
+                )
+            }
+            *g = self.i32_of("grid", programs)? as u32;
+        }
+        Ok(grid)
+    }
+
+    /// The `.entry`'s argument list in order, the null scratch pointers last.
+    fn arguments(&self, params: &[Param], scalars: &[Scalar]) -> Result<Vec<Arg>> {
+        let name = &self.name;
+        let mut scalars = scalars.iter();
+        let mut args = Vec::with_capacity(params.len() + SCRATCH_PARAMS);
+        let mut next_tensor = 0;
+        for p in params {
+            args.push(match *p {
+                Param::Tensor(..) => {
+                    next_tensor += 1;
+                    Arg::Tensor(next_tensor - 1)
+                }
+                Param::Dim(pname, d) => Arg::I32(self.i32_of(pname, self.get(d)?)?),
+                Param::Int(pname) => match scalars.next() {
+                    Some(Scalar::I32(v)) => Arg::I32(*v),
+                    other => bail!("{name}: {pname} needs a Scalar::I32, got {other:?}"),
+                },
+                Param::Float(pname) => match scalars.next() {
+                    Some(Scalar::F32(v)) => Arg::F32(*v),
+                    other => bail!("{name}: {pname} needs a Scalar::F32, got {other:?}"),
+                },
+            });
+        }
+        if let Some(extra) = scalars.next() {
+            bail!("{name}: more scalars than Int/Float parameters ({extra:?} left over)")
+        }
+        args.extend([Arg::Null; SCRATCH_PARAMS]);
+        Ok(args)
+    }
+}
+
+/// Checks that tensor argument `pname` of kernel `name` is row-major contiguous and starts on
+/// a [`POINTER_ALIGNMENT`] boundary.
+fn check_layout(name: &str, pname: &str, t: &TensorArg) -> Result<()> {
+    let contiguous = TensorArg::contiguous(&t.dims, t.dtype, t.offset_bytes);
+    let strides_ok = t
+        .dims
+        .iter()
+        .zip(t.strides.iter().zip(&contiguous.strides))
+        .all(|(&d, (s, c))| d <= 1 || s == c);
+    if !strides_ok {
+        bail!(
+            "{name}: {pname} must be contiguous (row-major), got dims {:?} strides {:?}",
+            t.dims,
+            t.strides
+        )
+    }
+    if t.offset_bytes % POINTER_ALIGNMENT != 0 {
+        bail!(
+            "{name}: {pname} starts at byte offset {} (mod 16 = {}); the kernel was compiled \
+             for {POINTER_ALIGNMENT}-byte aligned pointers (tt.divisibility = 16): copy it to \
+             a fresh buffer (.contiguous() of a new allocation) or use an unspecialised variant",
+            t.offset_bytes,
+            t.offset_bytes % POINTER_ALIGNMENT
+        )
+    }
+    Ok(())
 }
 
 /// The first of `entries` (the builds of one kernel, most specialised first) compiled for

@@ -110,4 +110,4 @@ pub(crate) const RULES: &[(&str, &[super::Rule])] =
     &[("ce_fwd", &[]), ("ce_bwd", &[]), ("ce_fwd_bwd", &[])];
 
 /// `ce_fwd`, `ce_bwd` and `ce_fwd_bwd` for f32, bf16 and f16.
-pub const KERNELS: &[KernelSpec] = super::compiled::CROSS_ENTROPY;
+pub(crate) const KERNELS: &[KernelSpec] = super::compiled::CROSS_ENTROPY;

@@ -17,7 +17,7 @@ pub const BLOCK: usize = 1024;
 pub(crate) const RULES: &[(&str, &[super::Rule])] = &[("dropout", &[])];
 
 /// Dropout (forward on `x`, backward on `dy`), for f32, bf16 and f16.
-pub const KERNELS: &[KernelSpec] = super::compiled::DROPOUT;
+pub(crate) const KERNELS: &[KernelSpec] = super::compiled::DROPOUT;
 
 /// The two i32 words (low, high) of a u64: its bits, reinterpreted (the kernel takes them back
 /// as u32 and joins them).

@@ -13,4 +13,4 @@ pub const BLOCK_C: usize = 256;
 pub(crate) const RULES: &[(&str, &[Rule])] = &[("embedding_bwd", &[])];
 
 /// The embedding backward for f32, bf16 and f16 tables.
-pub const KERNELS: &[KernelSpec] = super::compiled::EMBEDDING;
+pub(crate) const KERNELS: &[KernelSpec] = super::compiled::EMBEDDING;

@@ -32,4 +32,4 @@ pub(crate) const RULES: &[(&str, &[Rule])] = &[
 
 /// GELU without a bias (forward, backward) and with one (forward, backward `dx` + `db`
 /// partial sums, ordered `db` reduction), for f32, bf16 and f16.
-pub const KERNELS: &[KernelSpec] = super::compiled::GELU;
+pub(crate) const KERNELS: &[KernelSpec] = super::compiled::GELU;

@@ -11,15 +11,16 @@
 //!
 //! # Wiring a family's kernels into its op (RMSNorm: `src/norm.rs` + `src/norm/cuda.rs`)
 //!
-//! 1. `cubins.rs`: one `cubins!("<entry>")` line per `.entry` in `CUBINS`.
-//! 2. The op's public function, before the CPU/composite paths:
+//! The cubins are embedded by `build.rs` (every kernel of `kernels/*.json`, `cubins.rs`).
+//!
+//! 1. The op's public function, before the CPU/composite paths:
 //!    ```ignore
 //!    if cuda_kernels::triton_for(x) && c <= my_family::BLOCK_C {   // + the family's limits
 //!        let (x, w) = (cuda_kernels::triton_input(x)?, cuda_kernels::triton_input(w)?);
 //!        return op::apply(MyOp { triton: true, .. }, &[&x, &w], None, None); // nothing precomputed
 //!    }
 //!    ```
-//! 3. `impl Kernel for MyOp`: the forward on CUDA, in `src/<family>/cuda.rs` (`cfg(feature = "cuda")`):
+//! 2. `impl Kernel for MyOp`: the forward on CUDA, in `src/<family>/cuda.rs` (`cfg(feature = "cuda")`):
 //!    ```ignore
 //!    #[cfg(feature = "cuda")]
 //!    fn cuda_fwd(&self, ins: &[CudaIn<'_>]) -> Result<(CudaStorage, Shape)> {
@@ -34,11 +35,11 @@
 //!        Ok(y.into_parts())
 //!    }
 //!    ```
-//! 4. Its `bwd`: `if self.triton { return cuda::bwd(..) }`, where the tensors' storages come
+//! 3. Its `bwd`: `if self.triton { return cuda::bwd(..) }`, where the tensors' storages come
 //!    from `t.storage_and_layout()` + [`cuda_of`], the gradients from `Output`s launched into
 //!    and turned into tensors with [`Output::into_tensor`] (`Tensor::from_storage`; no graph:
 //!    gradients are leaves), so the backward kernels need no second custom op.
-//! 5. A case in `tests/cuda_triton/` (a module per family: the committed vectors, the family's `TOL`).
+//! 4. A case in `tests/cuda_triton/` (a module per family: the committed vectors, the family's `TOL`).
 //!
 //! A kernel that overwrites one of its inputs (`ce_fwd_bwd` turning a chunk's logits into
 //! their gradient, `src/linear_cross_entropy/cuda.rs`) gets the tensor's storage mutably from
@@ -307,25 +308,7 @@ pub(crate) fn launch_first(
     let Some(spec) = entries.iter().find_map(|e| find(e, dtype)) else {
         bail!("candle-fused: no Triton kernel among {entries:?} for {dtype:?}")
     };
-    let Some(dev) = tensors
-        .iter()
-        .find_map(|b| b.storage())
-        .map(|s| s.device().clone())
-    else {
-        bail!("{}: no tensor arguments", spec.name())
-    };
-    if let Some(s) = tensors
-        .iter()
-        .filter_map(|b| b.storage())
-        .find(|s| !s.device().same_device(&dev))
-    {
-        bail!(
-            "{}: tensors on different CUDA devices ({:?} and {:?})",
-            spec.name(),
-            dev,
-            s.device()
-        )
-    }
+    let dev = device_of(spec, &tensors)?;
     let stream = dev.cuda_stream();
     let mut ptrs = Vec::with_capacity(tensors.len());
     let mut guards = Vec::with_capacity(tensors.len());
@@ -360,6 +343,54 @@ pub(crate) fn launch_first(
     }
     let (spec, launch) = check_variants(entries, dtype, &checked, scalars)?;
     let (func, shared_bytes) = function(&dev, spec)?;
+    // SAFETY: `launch` is the checked launch of `spec` (the function's kernel) on these
+    // pointers, whose tensors live (and whose guards stay) until the launch is queued.
+    unsafe { queue(&stream, &func, &launch, &ptrs, shared_bytes, spec) }?;
+    drop(guards);
+    super::switch::count_launch();
+    Ok(launch)
+}
+
+/// The one CUDA device of the tensor arguments (an error naming the kernel when there are
+/// none or they are on several).
+fn device_of(spec: &KernelSpec, tensors: &[Buf<'_>]) -> Result<CudaDevice> {
+    let Some(dev) = tensors
+        .iter()
+        .find_map(|b| b.storage())
+        .map(|s| s.device().clone())
+    else {
+        bail!("{}: no tensor arguments", spec.name())
+    };
+    if let Some(s) = tensors
+        .iter()
+        .filter_map(|b| b.storage())
+        .find(|s| !s.device().same_device(&dev))
+    {
+        bail!(
+            "{}: tensors on different CUDA devices ({:?} and {:?})",
+            spec.name(),
+            dev,
+            s.device()
+        )
+    }
+    Ok(dev)
+}
+
+/// Queues `func` (the kernel of `spec`) on `stream` with `launch`'s grid, block and
+/// arguments (`ptrs`: the device pointers of the tensor arguments, in order) and
+/// `shared_bytes` of dynamic shared memory.
+///
+/// # Safety
+/// `launch` is what `check_launch` returned for `spec` and the tensors behind `ptrs`, and
+/// those tensors live until the launch is queued.
+unsafe fn queue(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    launch: &Launch,
+    ptrs: &[u64],
+    shared_bytes: u32,
+    spec: &KernelSpec,
+) -> Result<()> {
     // The argument values live here until the launch is queued (cudarc keeps pointers to them).
     let ints: Vec<i32> = launch
         .args
@@ -378,7 +409,7 @@ pub(crate) fn launch_first(
         })
         .collect();
     let null = 0u64;
-    let mut builder = stream.launch_builder(&func);
+    let mut builder = stream.launch_builder(func);
     let (mut ni, mut nf) = (0, 0);
     for a in &launch.args {
         match a {
@@ -402,37 +433,11 @@ pub(crate) fn launch_first(
     // SAFETY: the arguments are exactly the `.entry`'s parameters in order and types (the
     // table is checked against the compiled metadata by `tests/triton_record.rs`), every
     // tensor passed `check_launch` (shape, dtype, contiguity, alignment) and lives until the
-    // launch is queued; the guards (dropped below, after the launch) record the accesses.
+    // launch is queued (the caller's contract); the caller's guards, dropped after this
+    // returns, record the accesses.
     unsafe { builder.launch(cfg) }
         .map_err(|e| Error::Msg(format!("{}: launch: {e}", spec.name())))?;
-    drop(guards);
-    super::switch::count_launch();
-    Ok(launch)
-}
-
-/// Whether the embedded cubins run on `dev` (compute capability 8.x or 9.0; cached per CUDA
-/// context): on other GPUs the ops take their composite path, switch or no switch, and the
-/// first time (only called with the kernels switched on) one log line says so.
-pub(crate) fn has_cubins(dev: &CudaDevice) -> bool {
-    static CACHE: OnceLock<Mutex<HashMap<usize, bool>>> = OnceLock::new();
-    let ctx = dev.cuda_stream().context().clone();
-    let key = ctx.cu_ctx() as usize;
-    let Ok(mut cache) = CACHE.get_or_init(Default::default).lock() else {
-        return false;
-    };
-    *cache.entry(key).or_insert_with(|| {
-        let Ok((major, minor)) = ctx.compute_capability() else {
-            return false;
-        };
-        let ordinal = match dev.location() {
-            candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
-            _ => 0,
-        };
-        if let Some(line) = super::switch::no_cubin_notice(ordinal, major, minor) {
-            tracing::warn!("{line}");
-        }
-        cubin_arch(major, minor).is_some()
-    })
+    Ok(())
 }
 
 type Cache = Mutex<HashMap<(usize, &'static str, DType), (CudaFunction, u32)>>;
@@ -458,7 +463,7 @@ fn function(dev: &CudaDevice, spec: &'static KernelSpec) -> Result<(CudaFunction
         .compute_capability()
         .map_err(|e| err("compute capability", e))?;
     let Some(cubin) = cubins::find(spec.entry, spec.dtype) else {
-        bail!("{name}: not embedded (add it to cuda_kernels/cubins.rs)")
+        bail!("{name}: not embedded (build.rs embeds every kernel of kernels/*.json)")
     };
     let (image, arch) = match cubin_arch(major, minor) {
         Some(80) => (cubin.sm80, 80),

@@ -35,4 +35,4 @@ pub(crate) const RULES: &[(&str, &[Rule])] = &[
 
 /// LayerNorm forward (with and without bias), backward `dx` (+ `dW`, `dB` partial sums; with
 /// and without bias) and the ordered reduction of the partial sums, for f32, bf16 and f16.
-pub const KERNELS: &[KernelSpec] = super::compiled::LAYER_NORM;
+pub(crate) const KERNELS: &[KernelSpec] = super::compiled::LAYER_NORM;

@@ -27,4 +27,4 @@ pub(crate) const RULES: &[(&str, &[Rule])] = &[
 
 /// RMSNorm forward, backward `dx` (+ `dW` partial sums) and the ordered `dW` reduction, for
 /// f32, bf16 and f16.
-pub const KERNELS: &[KernelSpec] = super::compiled::RMS_NORM;
+pub(crate) const KERNELS: &[KernelSpec] = super::compiled::RMS_NORM;

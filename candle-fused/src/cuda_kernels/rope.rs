@@ -24,4 +24,4 @@ const HALVES: &[Rule] = &[Rule::Product("D", &["HALF"], 2), Rule::Divides("TB", 
 pub(crate) const RULES: &[(&str, &[Rule])] = &[("rope_fwd", HALVES), ("rope_bwd", HALVES)];
 
 /// RoPE forward and backward, for f32, bf16 and f16.
-pub const KERNELS: &[KernelSpec] = super::compiled::ROPE;
+pub(crate) const KERNELS: &[KernelSpec] = super::compiled::ROPE;

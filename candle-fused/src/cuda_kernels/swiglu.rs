@@ -12,4 +12,4 @@ pub const BLOCK: usize = 1024;
 pub(crate) const RULES: &[(&str, &[super::Rule])] = &[("swiglu_fwd", &[]), ("swiglu_bwd", &[])];
 
 /// SwiGLU forward and backward (`d_gate`, `d_up` in one pass), for f32, bf16 and f16.
-pub const KERNELS: &[KernelSpec] = super::compiled::SWIGLU;
+pub(crate) const KERNELS: &[KernelSpec] = super::compiled::SWIGLU;

@@ -115,7 +115,7 @@ fn parse_switch(value: &str) -> Option<bool> {
 
 /// The log line for a device whose compute capability `major.minor` has no compiled cubin
 /// (`None` when it has one): said once per device, when the Triton kernels are asked for.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by `launch.rs`
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by `cuda_has_cubins`
 pub(crate) fn no_cubin_notice(ordinal: usize, major: i32, minor: i32) -> Option<String> {
     (cubin_arch(major, minor).is_none()).then(|| {
         format!(
@@ -222,9 +222,38 @@ fn triton_on(dev: &Device, dtype: DType) -> bool {
 #[cfg(feature = "cuda")]
 fn has_cubins(dev: &Device) -> bool {
     match dev {
-        Device::Cuda(d) => super::launch::has_cubins(d),
+        Device::Cuda(d) => cuda_has_cubins(d),
         _ => false,
     }
+}
+
+/// Whether the embedded cubins run on `dev` (compute capability 8.x or 9.0; cached per CUDA
+/// context): on other GPUs the ops take their composite path, switch or no switch, and the
+/// first time (only called with the kernels switched on) one log line says so.
+#[cfg(feature = "cuda")]
+fn cuda_has_cubins(dev: &candle_core::CudaDevice) -> bool {
+    use candle_core::backend::BackendDevice;
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static CACHE: OnceLock<Mutex<HashMap<usize, bool>>> = OnceLock::new();
+    let ctx = dev.cuda_stream().context().clone();
+    let key = ctx.cu_ctx() as usize;
+    let Ok(mut cache) = CACHE.get_or_init(Default::default).lock() else {
+        return false;
+    };
+    *cache.entry(key).or_insert_with(|| {
+        let Ok((major, minor)) = ctx.compute_capability() else {
+            return false;
+        };
+        let ordinal = match dev.location() {
+            candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
+            _ => 0,
+        };
+        if let Some(line) = no_cubin_notice(ordinal, major, minor) {
+            tracing::warn!("{line}");
+        }
+        cubin_arch(major, minor).is_some()
+    })
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -236,7 +265,7 @@ fn has_cubins(_: &Device) -> bool {
 /// kernels assume both: `check_launch`); a copy only when it is not already so.
 pub(crate) fn triton_input(t: &Tensor) -> Result<Tensor> {
     let offset_bytes = t.layout().start_offset() * t.dtype().size_in_bytes();
-    if t.is_contiguous() && offset_bytes.is_multiple_of(super::POINTER_ALIGNMENT) {
+    if t.is_contiguous() && offset_bytes.is_multiple_of(super::table::POINTER_ALIGNMENT) {
         Ok(t.clone())
     } else {
         t.force_contiguous()
