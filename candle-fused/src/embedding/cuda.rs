@@ -6,7 +6,8 @@
 use super::Segments;
 use crate::cuda_kernels::embedding::BLOCK_C;
 use crate::cuda_kernels::launch::{cuda_of, launch, Buf, Output};
-use crate::cuda_kernels::{triton_input, MAX_GRID_YZ};
+use crate::cuda_kernels::table::MAX_GRID_YZ;
+use crate::cuda_kernels::triton_input;
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 /// Whether the kernel takes a `[V, C]` table over `n` ids: every size an i32, the column
