@@ -385,7 +385,7 @@ fn check_layout(name: &str, pname: &str, t: &TensorArg) -> Result<()> {
             t.strides
         )
     }
-    if t.offset_bytes % POINTER_ALIGNMENT != 0 {
+    if !t.offset_bytes.is_multiple_of(POINTER_ALIGNMENT) {
         bail!(
             "{name}: {pname} starts at byte offset {} (mod 16 = {}); the kernel was compiled \
              for {POINTER_ALIGNMENT}-byte aligned pointers (tt.divisibility = 16): copy it to \
