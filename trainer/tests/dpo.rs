@@ -36,6 +36,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_peft::Adapter;
+use common::rel;
 use serde_json::Value;
 use trainer::config::TrainConfig;
 use trainer::data::sft::{
@@ -68,13 +69,6 @@ fn encoder() -> SftEncoder {
 
 fn close(got: f64, want: f64) -> bool {
     (got - want).abs() <= 1e-5 * want.abs() + 1e-7
-}
-
-/// max |a - b| / max |b|.
-fn rel(a: &Tensor, b: &Tensor) -> f32 {
-    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-    let m = b.abs().unwrap().max_all().unwrap();
-    d.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap().max(1e-30)
 }
 
 fn ids(v: &Value) -> Vec<u32> {

@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use candle_peft::{Adapter, LoraConfig};
 use common::llama::{expected_at, Expected};
+use common::rel;
 use trainer::load::ModelDir;
 use trainer::model::{Ctx, Kernels, Model, ModelConfig, Params};
 
@@ -33,13 +34,6 @@ fn base() -> (Box<dyn ModelConfig>, Params) {
         .unwrap()
         .load(&Device::Cpu)
         .unwrap()
-}
-
-/// max |a - b| / max |b|.
-fn rel(a: &Tensor, b: &Tensor) -> f32 {
-    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-    let m = b.abs().unwrap().max_all().unwrap();
-    d.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap().max(1e-30)
 }
 
 fn adapted() -> (Box<dyn Model>, Params, Adapter, Expected) {

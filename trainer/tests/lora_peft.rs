@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use candle_peft::{Adapter, LoraConfig};
 use common::llama::{expected_at, Expected};
+use common::{max_abs, max_abs_diff, rel};
 use trainer::load::ModelDir;
 use trainer::model::{Ctx, Kernels, Model, Params};
 
@@ -29,24 +30,6 @@ fn base() -> (Box<dyn trainer::model::ModelConfig>, Params) {
     ModelDir::at(fixture("base"))
         .unwrap()
         .load(&Device::Cpu)
-        .unwrap()
-}
-
-/// max |a - b| / max |b|.
-fn rel(a: &Tensor, b: &Tensor) -> f32 {
-    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-    let m = b.abs().unwrap().max_all().unwrap();
-    (d.to_scalar::<f32>().unwrap()) / m.to_scalar::<f32>().unwrap().max(1e-30)
-}
-
-fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
         .unwrap()
 }
 
@@ -124,7 +107,7 @@ fn the_adapter_moves_the_logits_away_from_the_base() {
         "the base alone is transformers' base"
     );
     let with = adapted.forward(&e.idx, &Ctx::eval()).unwrap();
-    assert!(max_abs(&with, base_logits) > 1.0);
+    assert!(max_abs_diff(&with, base_logits) > 1.0);
 }
 
 #[test]
@@ -142,7 +125,7 @@ fn merged_weights_give_peft_merged_model() {
     // The merged model is the adapted one, up to f32 rounding of W + s B A (8.8e-6 measured
     // by the fixture script on PEFT's side).
     let unmerged = adapted.forward(&e.idx, &Ctx::eval()).unwrap();
-    assert!(max_abs(&logits, &unmerged) < 2e-5);
+    assert!(max_abs_diff(&logits, &unmerged) < 2e-5);
     // PEFT's own merged directory loads as a plain model with the same logits.
     let theirs = ModelDir::at(fixture("merged"))
         .unwrap()
@@ -161,8 +144,8 @@ fn unmerge_gives_the_base_weight_back() {
     let w = params.tensor(&format!("{path}.weight")).unwrap();
     let back = lora.unmerge(&lora.merge(&w).unwrap()).unwrap();
     // Rounding of the f32 sum only: |W + d - d - W| <= ulp(|W| + |d|).
-    assert!(max_abs(&back, &w) < 1e-6);
-    assert!(max_abs(&lora.merge(&w).unwrap(), &w) > 1e-2);
+    assert!(max_abs_diff(&back, &w) < 1e-6);
+    assert!(max_abs_diff(&lora.merge(&w).unwrap(), &w) > 1e-2);
 }
 
 #[test]
@@ -178,7 +161,7 @@ fn our_initialisation_starts_as_the_base_model() {
     let e = expected_at(&fixture("adapter_plain").join("expected.safetensors"));
     let a = model.forward(&e.idx, &Ctx::eval()).unwrap();
     let b = plain.forward(&e.idx, &Ctx::eval()).unwrap();
-    assert_eq!(max_abs(&a, &b), 0.0, "B = 0: exactly the base model");
+    assert_eq!(max_abs_diff(&a, &b), 0.0, "B = 0: exactly the base model");
     let grads = model
         .loss(&e.idx, &e.targets, &Ctx::eval())
         .unwrap()
@@ -187,33 +170,20 @@ fn our_initialisation_starts_as_the_base_model() {
         .unwrap();
     for (name, var) in trainable.iter() {
         let g = grads.get(var.as_tensor()).unwrap();
-        let n = g
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let n = max_abs(g);
         if name.ends_with("lora_A.weight") {
             assert_eq!(n, 0.0, "{name}: with B = 0 A's gradient is zero");
             // Kaiming-uniform with a = sqrt(5): uniform in +-1/sqrt(in).
             let t = var.as_tensor();
             let bound = 1.0 / (t.dim(1).unwrap() as f32).sqrt();
-            let m = t
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let m = max_abs(t);
             assert!(
                 m <= bound && m > 0.9 * bound,
                 "{name}: max |A| {m} vs bound {bound}"
             );
         } else {
             assert!(n > 0.0, "{name}: B gets a gradient");
-            let z = var.as_tensor().abs().unwrap().max_all().unwrap();
-            assert_eq!(z.to_scalar::<f32>().unwrap(), 0.0, "{name} starts at zero");
+            assert_eq!(max_abs(var.as_tensor()), 0.0, "{name} starts at zero");
         }
     }
     // The base weights are frozen: no gradient reaches them.
@@ -372,7 +342,7 @@ fn our_adapter_and_merged_export_match_the_peft_verified_golden() {
         .unwrap()
         .forward(&e.idx, &Ctx::eval())
         .unwrap();
-    assert!(max_abs(&merged, &logits) < 2e-5);
+    assert!(max_abs_diff(&merged, &logits) < 2e-5);
     let ids = e.idx.to_dtype(DType::I64).unwrap();
     let out = std::collections::HashMap::from([
         ("input_ids".to_string(), ids),
@@ -396,7 +366,7 @@ fn our_adapter_and_merged_export_match_the_peft_verified_golden() {
         got.sort();
         assert_eq!(names, got, "{file}");
         for (n, t) in &want {
-            let d = max_abs(
+            let d = max_abs_diff(
                 &ours[n].to_dtype(DType::F32).unwrap(),
                 &t.to_dtype(DType::F32).unwrap(),
             );

@@ -8,11 +8,10 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use common::{assert_same_steps, finish, run_to_end, tiny_config, weights};
+use common::{assert_same_steps, finish, loaded_model_gap, run_to_end, tiny_config, weights};
 use trainer::config::TrainConfig;
 use trainer::data::DataKind;
 use trainer::load::ModelDir;
-use trainer::model::Ctx;
 use trainer::train::Trainer;
 
 fn base_dir() -> PathBuf {
@@ -97,21 +96,7 @@ fn a_lora_checkpoint_loads_as_the_merged_model_over_its_base() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = lora_config(tmp.path(), &base_dir());
     let t = common::train(cfg);
-    let x = Tensor::new(&[[1u32, 5, 9, 13, 17, 21, 25, 29]], &Device::Cpu).unwrap();
-    let want = t.model.forward(&x, &Ctx::eval()).unwrap();
-    let loaded = ModelDir::open(&tmp.path().join("run").display().to_string())
-        .unwrap()
-        .load_model(&Device::Cpu)
-        .unwrap();
-    let got = loaded.forward(&x, &Ctx::eval()).unwrap();
-    let d = (got - &want)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let d = loaded_model_gap(&t, &tmp.path().join("run"));
     // Merged vs unmerged: f32 rounding of W + s B A only.
     assert!(d < 1e-5, "{d}");
 }

@@ -18,6 +18,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_fused::nf4::Nf4Weight;
 use candle_peft::Adapter;
 use common::llama::expected_at;
+use common::rel;
 use trainer::load::ModelDir;
 use trainer::lora::{check_quantization_config, nf4_on_load, read_bnb_4bit, Nf4Settings};
 use trainer::model::{Ctx, Kernels};
@@ -26,13 +27,6 @@ fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
         .join(name)
-}
-
-/// max |a - b| / max |b|.
-fn rel(a: &Tensor, b: &Tensor) -> f32 {
-    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-    let m = b.abs().unwrap().max_all().unwrap();
-    d.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap().max(1e-30)
 }
 
 fn bits(t: &Tensor) -> Vec<u32> {

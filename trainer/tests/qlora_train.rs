@@ -9,12 +9,13 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Tensor};
-use common::{assert_same_steps, finish, run_to_end, tiny_config, weights};
+use candle_core::Device;
+use common::{
+    assert_same_steps, finish, loaded_model_gap, max_abs_diff, run_to_end, tiny_config, weights,
+};
 use trainer::config::{BaseQuant, TrainConfig};
 use trainer::data::DataKind;
 use trainer::load::ModelDir;
-use trainer::model::Ctx;
 use trainer::train::Trainer;
 
 fn base_dir() -> PathBuf {
@@ -98,21 +99,7 @@ fn a_qlora_checkpoint_loads_merged_into_the_dequantized_base() {
         ..qlora_config(tmp.path(), BaseQuant::Nf4)
     };
     let t = common::train(cfg);
-    let x = Tensor::new(&[[1u32, 5, 9, 13, 17, 21, 25, 29]], &Device::Cpu).unwrap();
-    let want = t.model.forward(&x, &Ctx::eval()).unwrap();
-    let loaded = ModelDir::open(&tmp.path().join("run").display().to_string())
-        .unwrap()
-        .load_model(&Device::Cpu)
-        .unwrap();
-    let got = loaded.forward(&x, &Ctx::eval()).unwrap();
-    let d = (got - &want)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let d = loaded_model_gap(&t, &tmp.path().join("run"));
     // (W_deq + s B A) x vs W_deq x + s B (A x): f32 rounding only (merged into the f32 base
     // instead, the logits move by the quantization error: by 3.1 here).
     assert!(d < 1e-5, "{d}");
@@ -159,8 +146,7 @@ fn export_merge_writes_pefts_merge_and_unload() {
     assert_eq!(written.len(), want.len());
     for (name, v) in want.iter() {
         let (a, b) = (&written[name], v.as_tensor());
-        let same = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-        assert_eq!(same.to_scalar::<f32>().unwrap(), 0.0, "{name}");
+        assert_eq!(max_abs_diff(a, b), 0.0, "{name}");
     }
 }
 

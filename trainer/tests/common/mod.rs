@@ -10,10 +10,12 @@ pub mod tiny;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 
-use candle_core::{Tensor, WithDType};
+use candle_core::{Device, Tensor, WithDType};
 use tempfile::TempDir;
 use trainer::config::TrainConfig;
+use trainer::load::ModelDir;
 use trainer::metrics::StepStats;
+use trainer::model::Ctx;
 use trainer::train::{Event, Observer, Trainer};
 
 /// A config small enough for a test: 2 layers, 32 wide, 16 tokens, embedded addition data.
@@ -133,6 +135,40 @@ pub fn values<T: WithDType>(t: &Tensor) -> Vec<T> {
         .unwrap()
         .to_vec1::<T>()
         .unwrap()
+}
+
+/// The largest |element| of `t`, an f32 tensor.
+pub fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// The largest |a - b| over the elements of two f32 tensors of one shape.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    max_abs(&(a - b).unwrap())
+}
+
+/// The largest |a - b| over the largest |b| (a relative error at `b`'s scale; the scale is
+/// floored at 1e-30 so that `b = 0` gives a large error, not a NaN).
+pub fn rel(a: &Tensor, b: &Tensor) -> f32 {
+    max_abs_diff(a, b) / max_abs(b).max(1e-30)
+}
+
+/// The largest |logit| difference, on a fixed 8-token prompt, between `t`'s model and the model
+/// its run directory `run` loads for inference (a LoRA run's adapters merged into its base).
+pub fn loaded_model_gap(t: &Trainer, run: &Path) -> f32 {
+    let x = Tensor::new(&[[1u32, 5, 9, 13, 17, 21, 25, 29]], &Device::Cpu).unwrap();
+    let want = t.model.forward(&x, &Ctx::eval()).unwrap();
+    let loaded = ModelDir::open(&run.display().to_string())
+        .unwrap()
+        .load_model(&Device::Cpu)
+        .unwrap();
+    let got = loaded.forward(&x, &Ctx::eval()).unwrap();
+    max_abs_diff(&got, &want)
 }
 
 /// All parameters as (name, flattened f32 values).
