@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use candle_peft::{Adapter, LoraConfig};
 use common::llama::{expected_at, Expected};
-use common::rel;
+use common::{load_dir, rel, with_adapter};
 use trainer::load::ModelDir;
 use trainer::model::{Ctx, Kernels, Model, ModelConfig, Params};
 
@@ -30,25 +30,14 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn base() -> (Box<dyn ModelConfig>, Params) {
-    ModelDir::at(fixture("base"))
-        .unwrap()
-        .load(&Device::Cpu)
-        .unwrap()
+    load_dir(&fixture("base"))
 }
 
 fn adapted() -> (Box<dyn Model>, Params, Adapter, Expected) {
     let (config, params) = base();
     let adapter = Adapter::load(&fixture("adapter"), &Device::Cpu).unwrap();
     assert!(adapter.config.fan_in_fan_out, "PEFT wrote fan_in_fan_out");
-    let (model, trainable) = trainer::lora::adapt(
-        config.as_ref(),
-        &params,
-        &adapter.config,
-        Some(&adapter),
-        DType::F32,
-        0,
-    )
-    .unwrap();
+    let (model, trainable) = with_adapter(config.as_ref(), &params, &adapter);
     (
         model,
         trainable,
@@ -240,19 +229,8 @@ fn cli_lora_on_gpt2_trains_resumes_and_exports() {
     assert_eq!(exported.config, adapter.config);
     let o = run_cli(&["export", "--merge", &ck, "merged-out"], cwd);
     assert!(o.status.success(), "{}", output_text(&o));
-    let (config, params) = ModelDir::at(cwd.join("base/checkpoints/step-0000002"))
-        .unwrap()
-        .load(&Device::Cpu)
-        .unwrap();
-    let (adapted, _) = trainer::lora::adapt(
-        config.as_ref(),
-        &params,
-        &adapter.config,
-        Some(&adapter),
-        DType::F32,
-        0,
-    )
-    .unwrap();
+    let (config, params) = load_dir(&cwd.join("base/checkpoints/step-0000002"));
+    let (adapted, _) = with_adapter(config.as_ref(), &params, &adapter);
     let merged = ModelDir::at(cwd.join("merged-out"))
         .unwrap()
         .load_model(&Device::Cpu)

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use candle_peft::{Adapter, LoraConfig};
 use common::llama::{expected_at, Expected};
-use common::{max_abs, max_abs_diff, rel};
+use common::{load_dir, max_abs, max_abs_diff, rel, with_adapter};
 use trainer::load::ModelDir;
 use trainer::model::{Ctx, Kernels, Model, Params};
 
@@ -27,24 +27,13 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn base() -> (Box<dyn trainer::model::ModelConfig>, Params) {
-    ModelDir::at(fixture("base"))
-        .unwrap()
-        .load(&Device::Cpu)
-        .unwrap()
+    load_dir(&fixture("base"))
 }
 
 fn adapted(variant: &str) -> (Box<dyn Model>, Params, Adapter, Expected) {
     let (config, params) = base();
     let adapter = Adapter::load(&fixture(variant), &Device::Cpu).unwrap();
-    let (model, trainable) = trainer::lora::adapt(
-        config.as_ref(),
-        &params,
-        &adapter.config,
-        Some(&adapter),
-        DType::F32,
-        0,
-    )
-    .unwrap();
+    let (model, trainable) = with_adapter(config.as_ref(), &params, &adapter);
     let e = expected_at(&fixture(variant).join("expected.safetensors"));
     (model, trainable, adapter, e)
 }

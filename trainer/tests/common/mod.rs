@@ -10,12 +10,14 @@ pub mod tiny;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 
-use candle_core::{Device, Tensor, WithDType};
+use candle_core::{DType, Device, Tensor, WithDType};
+use candle_peft::Adapter;
 use tempfile::TempDir;
 use trainer::config::TrainConfig;
+use trainer::data::DataKind;
 use trainer::load::ModelDir;
 use trainer::metrics::StepStats;
-use trainer::model::Ctx;
+use trainer::model::{Ctx, Model, ModelConfig, Params};
 use trainer::train::{Event, Observer, Trainer};
 
 /// A config small enough for a test: 2 layers, 32 wide, 16 tokens, embedded addition data.
@@ -169,6 +171,61 @@ pub fn loaded_model_gap(t: &Trainer, run: &Path) -> f32 {
         .unwrap();
     let got = loaded.forward(&x, &Ctx::eval()).unwrap();
     max_abs_diff(&got, &want)
+}
+
+/// The tiny Llama base of the LoRA fixtures (`tests/fixtures/lora/base`).
+pub fn lora_base() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora/base")
+}
+
+/// A LoRA run over `base` on a char corpus (65 ids; the base embeds 128).
+pub fn lora_config(tmp: &Path, base: &Path) -> TrainConfig {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/tinyshakespeare.txt"),
+    )
+    .unwrap();
+    let corpus = tmp.join("corpus.txt");
+    std::fs::write(&corpus, &text[..20_000]).unwrap();
+    TrainConfig {
+        init_from: Some(base.display().to_string()),
+        data: DataKind::Char,
+        data_path: Some(corpus),
+        lora_r: 4,
+        lora_alpha: 8.0,
+        lora_dropout: 0.1,
+        lr: 1e-2,
+        weight_decay: 0.0,
+        max_iters: 6,
+        lr_decay_iters: Some(6),
+        eval_interval: 3,
+        ..tiny_config(&tmp.join("run"))
+    }
+}
+
+/// The model configuration and parameters of the HF directory or checkpoint `dir`, on the CPU.
+pub fn load_dir(dir: &Path) -> (Box<dyn ModelConfig>, Params) {
+    ModelDir::at(dir.to_path_buf())
+        .unwrap()
+        .load(&Device::Cpu)
+        .unwrap()
+}
+
+/// `config`'s model over `params` with the PEFT `adapter` applied (f32, seed 0), and its
+/// trainable adapter tensors.
+pub fn with_adapter(
+    config: &dyn ModelConfig,
+    params: &Params,
+    adapter: &Adapter,
+) -> (Box<dyn Model>, Params) {
+    trainer::lora::adapt(
+        config,
+        params,
+        &adapter.config,
+        Some(adapter),
+        DType::F32,
+        0,
+    )
+    .unwrap()
 }
 
 /// All parameters as (name, flattened f32 values).
