@@ -41,7 +41,9 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_protocol  # noqa: E402
-from torch_common import SMOLLM2_135M as CFG  # noqa: E402
+from torch_llama_step import CASES  # noqa: E402
+
+CFG = CASES["smollm2-135m"]["cfg"]
 BLOCK, BATCH = 256, 4
 R, ALPHA = 16, 32
 

@@ -1,26 +1,11 @@
-"""What the PyTorch reference benches share: the SmolLM2-135M configuration, the f32 matmul
-ceiling and the peak of live tensor bytes during one step. Torch is passed in or imported where
-used, so that a bench can measure its memory before torch loads.
+"""What the PyTorch reference benches share: the f32 matmul ceiling and the peak of live tensor
+bytes during one step. Torch is passed in or imported where used, so that a bench can measure its
+memory before torch loads.
 """
 import json
 import math
 import os
 import time
-
-# HuggingFaceTB/SmolLM2-135M's config.json, the fields a LlamaConfig needs.
-SMOLLM2_135M = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-5,
-    rope_parameters=dict(rope_type="default", rope_theta=100000.0),
-    max_position_embeddings=2048,
-)
-
 
 def matmul_ceiling(torch):
     """FLOP/s of the best of ten f32 1024^3 matmuls (after one warm-up): the machine's ceiling."""

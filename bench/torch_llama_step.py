@@ -42,10 +42,25 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_protocol  # noqa: E402
-from torch_common import SMOLLM2_135M, matmul_ceiling, peak_step_bytes  # noqa: E402
+from torch_common import matmul_ceiling, peak_step_bytes  # noqa: E402
 
 CASES = {
-    "smollm2-135m": dict(cfg=SMOLLM2_135M, block=256, batch=4),
+    "smollm2-135m": dict(
+        cfg=dict(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+            rope_parameters=dict(rope_type="default", rope_theta=100000.0),
+            max_position_embeddings=2048,
+        ),
+        block=256,
+        batch=4,
+    ),
     "llama-small": dict(
         cfg=dict(
             vocab_size=8192,
