@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_peft::{Adapter, LoraConfig};
-use common::llama::{expected_at, Expected};
+use common::llama::{check_against, expected_at, Expected};
 use common::{load_dir, max_abs, max_abs_diff, rel, with_adapter};
 use trainer::load::ModelDir;
 use trainer::model::{Ctx, Kernels, Model, Params};
@@ -40,39 +40,7 @@ fn adapted(variant: &str) -> (Box<dyn Model>, Params, Adapter, Expected) {
 
 fn check_against_peft(variant: &str, kernels: Kernels) {
     let (model, trainable, _, e) = adapted(variant);
-    let ctx = Ctx::eval().with_kernels(kernels);
-    let logits = model.forward(&e.idx, &ctx).unwrap();
-    let r = rel(&logits, &e.logits);
-    assert!(
-        r < 1e-5,
-        "{variant}: logits differ from PEFT's by {r:e} (relative)"
-    );
-    let loss = model.loss(&e.idx, &e.targets, &ctx).unwrap();
-    let l = loss.mean.to_scalar::<f32>().unwrap();
-    assert!(
-        (l - e.loss).abs() < 1e-5,
-        "{variant}: loss {l} vs PEFT {}",
-        e.loss
-    );
-    let grads = loss.mean.backward().unwrap();
-    let mut names: Vec<&String> = trainable.iter().map(|(n, _)| n).collect();
-    names.sort();
-    let mut want: Vec<&String> = e.grads.keys().collect();
-    want.sort();
-    assert_eq!(
-        names, want,
-        "{variant}: trainable parameters are PEFT's tensors"
-    );
-    for (name, var) in trainable.iter() {
-        let g = grads
-            .get(var.as_tensor())
-            .expect("every adapter tensor has a gradient");
-        let r = rel(g, &e.grads[name]);
-        assert!(
-            r < 1e-4,
-            "{variant} {name}: gradient differs by {r:e} (relative)"
-        );
-    }
+    check_against(model.as_ref(), &trainable, &e, kernels, variant);
 }
 
 #[test]

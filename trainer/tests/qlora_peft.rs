@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use candle_fused::nf4::Nf4Weight;
 use candle_peft::Adapter;
-use common::llama::expected_at;
+use common::llama::{check_against, expected_at};
 use common::{load_dir, rel};
 use trainer::load::ModelDir;
 use trainer::lora::{check_quantization_config, nf4_on_load, read_bnb_4bit, Nf4Settings};
@@ -114,20 +114,7 @@ fn step_matches_peft_over_bitsandbytes() {
         let e = expected_at(&fixture(&format!("qlora/expected_{setting}.safetensors")));
         for kernels in [Kernels::Fused, Kernels::Reference] {
             let what = format!("{setting} {kernels:?}");
-            let ctx = Ctx::eval().with_kernels(kernels);
-            let logits = model.forward(&e.idx, &ctx).unwrap();
-            let r = rel(&logits, &e.logits);
-            assert!(r < 1e-5, "{what}: logits differ from PEFT's by {r:e}");
-            let loss = model.loss(&e.idx, &e.targets, &ctx).unwrap();
-            let l = loss.mean.to_scalar::<f32>().unwrap();
-            assert!((l - e.loss).abs() < 1e-5, "{what}: loss {l} vs {}", e.loss);
-            let grads = loss.mean.backward().unwrap();
-            assert_eq!(trainable.len(), e.grads.len());
-            for (name, var) in trainable.iter() {
-                let g = grads.get(var.as_tensor()).expect("a gradient");
-                let r = rel(g, &e.grads[name]);
-                assert!(r < 1e-4, "{what} {name}: gradient differs by {r:e}");
-            }
+            check_against(model.as_ref(), &trainable, &e, kernels, &what);
         }
         // The f32 base quantized on load, layer by layer: the same model, the same loss bits.
         let settings = Nf4Settings {
