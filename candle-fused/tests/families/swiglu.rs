@@ -4,17 +4,27 @@
 //! `gate` is uniform in [-8, 8) with the sigmoid's tails and the exponential's clamp
 //! (|g| = 30, 90, 104.5, 200) and both zeros at the start.
 
+use super::{grad, input, shape_label, write_each, Check, Family, Mode, Outputs, Tensors};
+use super::{ALL_DTYPES, EXACT, ULP16};
 use crate::common::{self, Lcg};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::swiglu::swiglu;
+use std::path::Path;
+
+pub(crate) const FAMILY: Family = Family {
+    // Candle's `exp` (libm on the CPU, CUDA's `expf` on the GPU) against the kernels' `exp_f32`
+    // (< 1.5 ulp), through a few more roundings (the composite's backward is several ops): f32
+    // 1e-5 of the row's largest value (measured on the CPU: 9e-8); bf16 / f16 one 16-bit ulp.
+    fallback: &[
+        ("y", [1e-5, ULP16[0], ULP16[1]]),
+        ("d_gate", [1e-5, ULP16[0], ULP16[1]]),
+        ("d_up", [1e-5, ULP16[0], ULP16[1]]),
+    ],
+    ..Family::new("swiglu", SWIGLU, run, |_| Ok(2), write_vectors)
+};
 
 const SHAPES: [&[usize]; 2] = [&[37, 129], &[3001]];
-const DTYPES: [(DType, &str); 3] = [
-    (DType::F32, "f32"),
-    (DType::BF16, "bf16"),
-    (DType::F16, "f16"),
-];
 const TAILS: [f64; 10] = [
     -200.0, -104.5, -90.0, -30.0, -0.0, 0.0, 30.0, 90.0, 104.5, 200.0,
 ];
@@ -43,17 +53,35 @@ fn vectors(shape: &[usize], dt: DType, seed: u64) -> Result<Vec<(&'static str, T
     ])
 }
 
-#[test]
-fn write_vectors() -> Result<()> {
-    let Some(dir) = crate::out_dir()? else {
-        return Ok(());
-    };
-    for (k, (dt, name)) in DTYPES.into_iter().enumerate() {
-        for (s, shape) in SHAPES.into_iter().enumerate() {
-            let t = vectors(shape, dt, 2000 + 10 * k as u64 + s as u64)?;
-            let case = shape.iter().map(|d| d.to_string()).collect::<Vec<_>>();
-            crate::write(&dir, &format!("swiglu.{name}.{}", case.join("x")), t)?;
-        }
-    }
-    Ok(())
+fn write_vectors(dir: &Path) -> Result<()> {
+    let label = |shape: &&[usize]| shape_label(shape);
+    write_each(
+        dir,
+        "swiglu",
+        2000,
+        &SHAPES,
+        |_| ALL_DTYPES,
+        label,
+        |shape, dt, seed| vectors(shape, dt, seed),
+    )
+}
+
+// swiglu (triton/swiglu.py): every output bit-identical, every dtype.
+const SWIGLU: &[Check] = &[
+    Check::new("y", Mode::Row, EXACT),
+    Check::new("d_gate", Mode::Row, EXACT),
+    Check::new("d_up", Mode::Row, EXACT),
+];
+
+fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
+    let gate = Var::from_tensor(&input(t, "gate", dev)?)?;
+    let up = Var::from_tensor(&input(t, "up", dev)?)?;
+    let dy = input(t, "dy", dev)?;
+    let y = swiglu(gate.as_tensor(), up.as_tensor())?;
+    let g = (&y * &dy)?.sum_all()?.backward()?;
+    Ok(vec![
+        ("y", y),
+        ("d_gate", grad(&g, &gate)?),
+        ("d_up", grad(&g, &up)?),
+    ])
 }

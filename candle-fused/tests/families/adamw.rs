@@ -15,16 +15,24 @@
 //! concatenated, `scalars` for the decayed members; the CPU's `adamw_update_multi` results
 //! concatenated, and `sumsq_group [1]` (`sum_of_squares_multi`). Step 7, clipping active.
 
+use super::{input, write, write_each, Check, Family, Mode, Outputs, Tensors, ALL_DTYPES, EXACT};
 use crate::common::{self, Lcg};
-use anyhow::Result;
+use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::adamw::{
     adamw_update, adamw_update_multi, clip_coefficient, global_norm, sum_of_squares,
     sum_of_squares_multi, AdamWParam, AdamWStep,
 };
-use candle_fused::cuda_kernels::{adamw::scalars, Scalar};
+use candle_fused::cuda_kernels::{adamw::scalars, may_launch, Scalar};
+use std::path::Path;
 
-const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+/// Launches: the update, sum-of-squares partials and total; a group file (`sizes`): the same
+/// three multi-tensor kernels, or without them (`UNPROVEN`) three per member.
+pub(crate) const FAMILY: Family = Family {
+    // the composite sums f32 squares in f32 (the kernels in f64): 1e-5 relative
+    fallback: &[("sumsq", [1e-5; 3]), ("sumsq_group", [1e-5; 3])],
+    ..Family::new("adamw", ADAMW, run, launches, write_vectors)
+};
 
 fn vectors(e: usize, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tensor)>> {
     let mut rng = Lcg(seed);
@@ -141,20 +149,149 @@ fn group_vectors(dt: DType, seed: u64) -> Result<Vec<(&'static str, Tensor)>> {
     ])
 }
 
-#[test]
-fn write_vectors() -> Result<()> {
-    let Some(dir) = crate::out_dir()? else {
-        return Ok(());
-    };
-    for (k, dt) in DTYPES.into_iter().enumerate() {
-        for (s, e) in [3001usize, 5].into_iter().enumerate() {
-            let t = vectors(e, dt, 5000 + 10 * k as u64 + s as u64)?;
-            let name = candle_fused::cuda_kernels::dtype_suffix(dt);
-            crate::write(&dir, &format!("adamw.{name}.{e}"), t)?;
-        }
-        let name = candle_fused::cuda_kernels::dtype_suffix(dt);
+fn write_vectors(dir: &Path) -> Result<()> {
+    let label = |e: &usize| e.to_string();
+    write_each(
+        dir,
+        "adamw",
+        5000,
+        &[3001, 5],
+        |_| ALL_DTYPES,
+        label,
+        |&e, dt, seed| vectors(e, dt, seed),
+    )?;
+    for (k, &dt) in ALL_DTYPES.iter().enumerate() {
         let t = group_vectors(dt, 5100 + k as u64)?;
-        crate::write(&dir, &format!("adamw.{name}.group"), t)?;
+        write(dir, &format!("adamw.{}.group", super::dtype_name(dt)), t)?;
     }
     Ok(())
+}
+
+fn launches(t: &Tensors) -> Result<u64> {
+    Ok(match t.get("sizes") {
+        Some(s) if !may_launch("adamw_update_multi") => 3 * s.elem_count() as u64,
+        _ => 3,
+    })
+}
+
+// adamw (triton/adamw.py): the update bit-identical (the CPU's f32 operations in its order,
+// sqrt and division correctly rounded); sumsq: f64 sums in two fixed orders, rounded to f32,
+// within one f32 rounding (2^-23 relative); a group's total: each member's sum within 2^-23,
+// their f32 sum in order (adamw.py's TOL).
+const ADAMW: &[Check] = &[
+    Check::new("param", Mode::Abs, EXACT),
+    Check::new("exp_avg", Mode::Abs, EXACT),
+    Check::new("exp_avg_sq", Mode::Abs, EXACT),
+    Check::new("sumsq", Mode::Elem, [1.0 / 8_388_608.0; 3]),
+    Check::new("sumsq_group", Mode::Elem, [8.0 / 8_388_608.0; 3]),
+];
+
+/// The step [`vectors`] took for a file (by its size), checked against the
+/// scalars the file holds. The grad scale is the file's (it rounds back to the same f32): the
+/// vectors computed it from the CPU kernel's global norm.
+fn adamw_step(t: &Tensors) -> Result<AdamWStep> {
+    let want = input(t, "scalars", &Device::Cpu)?.to_vec1::<f32>()?;
+    let e = t.get("grad").context("no tensor \"grad\"")?.elem_count();
+    let grad_scale = f64::from(want[0]);
+    let step = if e > 5 {
+        AdamWStep {
+            lr: 3e-4,
+            weight_decay: 0.1,
+            step: 7,
+            grad_scale,
+            ..Default::default()
+        }
+    } else {
+        AdamWStep {
+            weight_decay: 0.0,
+            grad_scale,
+            ..Default::default()
+        }
+    };
+    let got: Vec<f32> = scalars(&step)?
+        .iter()
+        .map(|s| match s {
+            Scalar::F32(v) => Ok(*v),
+            Scalar::I32(_) => anyhow::bail!("an i32 AdamW scalar"),
+        })
+        .collect::<Result<_>>()?;
+    ensure!(
+        got == want,
+        "adamw: step scalars {got:?}, the file's {want:?}"
+    );
+    Ok(step)
+}
+
+fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
+    if t.contains_key("sizes") {
+        return run_group(dev, t);
+    }
+    let step = adamw_step(t)?;
+    // fresh copies: the update is in place (and `to_device` to the CPU shares the storage)
+    let fresh = |name: &str| -> Result<Tensor> { Ok(input(t, name, dev)?.copy()?) };
+    let param = Var::from_tensor(&fresh("param_in")?)?;
+    let (m, v, g) = (
+        fresh("exp_avg_in")?,
+        fresh("exp_avg_sq_in")?,
+        fresh("grad")?,
+    );
+    adamw_update(&param, &g, &m, &v, &step)?;
+    let sumsq = sum_of_squares(&g)?.reshape(1)?;
+    Ok(vec![
+        ("param", param.as_tensor().clone()),
+        ("exp_avg", m),
+        ("exp_avg_sq", v),
+        ("sumsq", sumsq),
+    ])
+}
+
+/// A group file ([`group_vectors`]): its members split out of the
+/// concatenated tensors into their own allocations, stepped by `adamw_update_multi` and their
+/// gradients summed by `sum_of_squares_multi`; the outputs concatenated again.
+fn run_group(dev: &Device, t: &Tensors) -> Result<Outputs> {
+    let step = adamw_step(t)?;
+    let sizes = input(t, "sizes", &Device::Cpu)?.to_vec1::<i64>()?;
+    let decay = input(t, "decay", &Device::Cpu)?.to_vec1::<i64>()?;
+    let split = |name: &str| -> Result<Vec<Tensor>> {
+        let all = input(t, name, dev)?;
+        let mut at = 0;
+        sizes
+            .iter()
+            .map(|&n| {
+                let piece = all.narrow(0, at, n as usize)?.copy()?;
+                at += n as usize;
+                Ok(piece)
+            })
+            .collect()
+    };
+    let params = split("param_in")?
+        .iter()
+        .map(|p| Ok(Var::from_tensor(p)?))
+        .collect::<Result<Vec<_>>>()?;
+    let (m, v, g) = (
+        split("exp_avg_in")?,
+        split("exp_avg_sq_in")?,
+        split("grad")?,
+    );
+    let group: Vec<AdamWParam> = (0..sizes.len())
+        .map(|i| AdamWParam {
+            param: &params[i],
+            grad: &g[i],
+            exp_avg: &m[i],
+            exp_avg_sq: &v[i],
+            decay: decay[i] != 0,
+        })
+        .collect();
+    adamw_update_multi(&group, &step)?;
+    let grads: Vec<&Tensor> = g.iter().collect();
+    let sumsq = sum_of_squares_multi(&grads)?
+        .context("an empty group")?
+        .reshape(1)?;
+    let params: Vec<Tensor> = params.iter().map(|p| p.as_tensor().clone()).collect();
+    Ok(vec![
+        ("param", Tensor::cat(&params, 0)?),
+        ("exp_avg", Tensor::cat(&m, 0)?),
+        ("exp_avg_sq", Tensor::cat(&v, 0)?),
+        ("sumsq_group", sumsq),
+    ])
 }

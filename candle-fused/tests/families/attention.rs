@@ -15,17 +15,17 @@
 //! 128 head-size builds with and without dropout (D = 64, 96, 128) and the generic one
 //! (D = 40; f32 always).
 
+use super::{grad, input, write_each, Check, Family, Mode, Outputs, Tensors, ALL_DTYPES};
 use crate::common::{self, Lcg};
-use anyhow::Result;
+use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_fused::attention::{attention, AttentionConfig};
 use candle_fused::RngKey;
+use std::path::Path;
 
-const DTYPES: [(DType, &str); 3] = [
-    (DType::F32, "f32"),
-    (DType::BF16, "bf16"),
-    (DType::F16, "f16"),
-];
+/// Launches: attn_fwd; attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq.
+pub(crate) const FAMILY: Family =
+    Family::new("attention", ATTENTION, run, |_| Ok(4), write_vectors);
 
 /// One test case: sizes and options.
 struct Case {
@@ -238,16 +238,98 @@ fn vectors(c: &Case, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tensor)>
     ])
 }
 
-#[test]
-fn write_vectors() -> Result<()> {
-    let Some(dir) = crate::out_dir()? else {
-        return Ok(());
-    };
-    for (k, (dt, name)) in DTYPES.into_iter().enumerate() {
-        for (s, c) in CASES.iter().enumerate() {
-            let t = vectors(c, dt, 2000 + 10 * k as u64 + s as u64)?;
-            crate::write(&dir, &format!("attention.{name}.{}", c.name), t)?;
-        }
+fn write_vectors(dir: &Path) -> Result<()> {
+    write_each(
+        dir,
+        "attention",
+        2000,
+        &CASES,
+        |_| ALL_DTYPES,
+        |c| c.name.into(),
+        vectors,
+    )
+}
+
+// attention (triton/attention.py TOL, ERROR): o relative to its row's largest value, dq, dk,
+// dv to the tensor's (a key few queries see has a tiny dK row). f32 1e-5: both sides in f32
+// with IEEE products, different summation orders and exp implementations (measured under the
+// interpreter: 1e-6). bf16 2^-6, f16 2^-9: two units in the last place; the outputs are rounded
+// once on each side and the kernels round P and dS to the dtype for the tensor-core dots (the
+// CPU keeps them f32). `lse` stays inside the op: not compared here.
+const ATTENTION: &[Check] = &[
+    Check::new("o", Mode::Row, [1e-5, 1.0 / 64.0, 1.0 / 512.0]),
+    Check::new("dq", Mode::Tensor, [1e-5, 1.0 / 64.0, 1.0 / 512.0]),
+    Check::new("dk", Mode::Tensor, [1e-5, 1.0 / 64.0, 1.0 / 512.0]),
+    Check::new("dv", Mode::Tensor, [1e-5, 1.0 / 64.0, 1.0 / 512.0]),
+];
+
+/// The vector file's configuration (`flags`, `doc`, `dropout`, `rng`; the scale is the
+/// default, checked against `scale`): document ids only when some id is not 0 (all-zero ids
+/// stand for none, so both kernel paths of `DOC` run).
+pub(crate) fn attention_cfg(t: &Tensors, dev: &Device) -> Result<AttentionConfig> {
+    let cpu = &Device::Cpu;
+    let d = input(t, "q", cpu)?.dim(3)?;
+    let scale = input(t, "scale", cpu)?.to_vec1::<f32>()?[0];
+    ensure!(
+        scale == (1.0 / (d as f64).sqrt()) as f32,
+        "scale {scale} is not 1/sqrt({d})"
+    );
+    let flags = input(t, "flags", cpu)?.to_vec1::<u32>()?;
+    let mut cfg = AttentionConfig::causal().with_causal(flags[0] != 0);
+    if flags[1] > 0 {
+        cfg = cfg.with_window(flags[1] as usize);
     }
-    Ok(())
+    let doc = input(t, "doc", cpu)?;
+    if doc.max_all()?.to_scalar::<u32>()? > 0 {
+        cfg = cfg.with_doc_ids(doc.to_device(dev)?);
+    }
+    let p = input(t, "dropout", cpu)?.to_vec1::<f32>()?[0];
+    if p > 0.0 {
+        let w = input(t, "rng", cpu)?.to_vec1::<u32>()?;
+        let u64_of = |i: usize| u64::from(w[i]) | (u64::from(w[i + 1]) << 32);
+        let key = RngKey::new(u64_of(0), u64_of(2)).with_offset(u64_of(4));
+        cfg = cfg.with_dropout(p, key);
+    }
+    Ok(cfg)
+}
+
+/// `attention` on `(q, k, v)`: the output and the gradients of `sum(o * dout)`.
+pub(crate) fn attention_grads(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    dout: &Tensor,
+    cfg: &AttentionConfig,
+) -> Result<Outputs> {
+    let (q, k, v) = (
+        Var::from_tensor(q)?,
+        Var::from_tensor(k)?,
+        Var::from_tensor(v)?,
+    );
+    let o = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), cfg)?;
+    let g = (&o * dout)?.sum_all()?.backward()?;
+    Ok(vec![
+        ("o", o),
+        ("dq", grad(&g, &q)?),
+        ("dk", grad(&g, &k)?),
+        ("dv", grad(&g, &v)?),
+    ])
+}
+
+fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
+    let cfg = attention_cfg(t, dev)?;
+    let [q, k, v, dout] = ["q", "k", "v", "do"].map(|n| input(t, n, dev));
+    attention_grads(&q?, &k?, &v?, &dout?, &cfg)
+}
+
+/// `[B, H, T, D]` -> `[B, T, H * D]`.
+pub(crate) fn merge(x: &Tensor) -> Result<Tensor> {
+    let (b, h, n, d) = x.dims4()?;
+    Ok(x.transpose(1, 2)?.reshape((b, n, h * d))?)
+}
+
+/// `[B, T, H * D]` -> `[B, H, T, D]`.
+pub(crate) fn unmerge(x: &Tensor, h: usize) -> Result<Tensor> {
+    let (b, n, c) = x.dims3()?;
+    Ok(x.reshape((b, n, h, c / h))?.transpose(1, 2)?.contiguous()?)
 }
