@@ -326,7 +326,7 @@ fn attention_vectors_cover_every_build() -> Result<()> {
                 ensure!(
                     seen.contains(&(entry, dt)),
                     "no attention vector case runs {entry} in {dt:?}: add one to \
-                     tests/triton_vectors/attention.rs"
+                     tests/families/attention.rs"
                 );
             }
         }
