@@ -100,16 +100,12 @@ fn compare(dt: DType, tol: f64, rng: &mut Lcg) -> Result<()> {
 
 #[test]
 fn matches_composite_f64_f32() -> Result<()> {
-    let mut rng = Lcg(1);
-    compare(DType::F64, 1e-12, &mut rng)?;
-    compare(DType::F32, 1e-5, &mut rng)
+    compare_at(1, &[(DType::F64, 1e-12), (DType::F32, 1e-5)], compare)
 }
 
 #[test]
 fn half_precision_close_to_f32() -> Result<()> {
-    let mut rng = Lcg(2);
-    compare(DType::BF16, 2e-2, &mut rng)?;
-    compare(DType::F16, 4e-3, &mut rng)
+    compare_at(2, &[(DType::BF16, 2e-2), (DType::F16, 4e-3)], compare)
 }
 
 /// bf16 (the AVX512-BF16 GEMM where the CPU has it, the widening path elsewhere) against the

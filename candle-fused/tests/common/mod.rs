@@ -62,6 +62,20 @@ impl Lcg31 {
     }
 }
 
+/// `compare(dtype, tolerance, rng)` for each `(dtype, tolerance)` in turn, one generator seeded
+/// `seed` running through them all.
+pub fn compare_at(
+    seed: u64,
+    precisions: &[(DType, f64)],
+    mut compare: impl FnMut(DType, f64, &mut Lcg) -> Result<()>,
+) -> Result<()> {
+    let mut rng = Lcg(seed);
+    for &(dt, tol) in precisions {
+        compare(dt, tol, &mut rng)?;
+    }
+    Ok(())
+}
+
 /// A tensor of `dt` with values uniform in [-1, 1) times `scale`, plus `shift`.
 pub fn rand(shape: &[usize], dt: DType, rng: &mut Lcg, scale: f64, shift: f64) -> Result<Tensor> {
     let n: usize = shape.iter().product();

@@ -59,13 +59,7 @@ fn vectors(e: usize, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tensor)>
             ..Default::default()
         }
     };
-    let s: Vec<f32> = scalars(&step)?
-        .iter()
-        .map(|s| match s {
-            Scalar::F32(v) => *v,
-            Scalar::I32(_) => unreachable!("the AdamW scalars are f32"),
-        })
-        .collect();
+    let s = f32_scalars(&step)?;
     // the update is in place: keep the inputs
     let (p, m, v) = (param.copy()?, exp_avg.copy()?, exp_avg_sq.copy()?);
     let pv = Var::from_tensor(&p)?;
@@ -123,13 +117,7 @@ fn group_vectors(dt: DType, seed: u64) -> Result<Vec<(&'static str, Tensor)>> {
         })
         .collect();
     adamw_update_multi(&group, &step)?;
-    let s: Vec<f32> = scalars(&step)?
-        .iter()
-        .map(|s| match s {
-            Scalar::F32(v) => *v,
-            Scalar::I32(_) => unreachable!("the AdamW scalars are f32"),
-        })
-        .collect();
+    let s = f32_scalars(&step)?;
     let cat =
         |f: &dyn Fn(usize) -> Tensor| Tensor::cat(&(0..SIZES.len()).map(f).collect::<Vec<_>>(), 0);
     let sizes: Vec<i64> = SIZES.iter().map(|&e| e as i64).collect();
@@ -147,6 +135,17 @@ fn group_vectors(dt: DType, seed: u64) -> Result<Vec<(&'static str, Tensor)>> {
         ("exp_avg_sq", cat(&|i| out[i].2.clone())?),
         ("sumsq_group", sumsq),
     ])
+}
+
+/// The kernels' scalars for `step` (`cuda_kernels::adamw::scalars`: all f32).
+fn f32_scalars(step: &AdamWStep) -> Result<Vec<f32>> {
+    scalars(step)?
+        .iter()
+        .map(|s| match s {
+            Scalar::F32(v) => Ok(*v),
+            Scalar::I32(_) => anyhow::bail!("an i32 AdamW scalar"),
+        })
+        .collect()
 }
 
 fn write_vectors(dir: &Path) -> Result<()> {
@@ -208,13 +207,7 @@ fn adamw_step(t: &Tensors) -> Result<AdamWStep> {
             ..Default::default()
         }
     };
-    let got: Vec<f32> = scalars(&step)?
-        .iter()
-        .map(|s| match s {
-            Scalar::F32(v) => Ok(*v),
-            Scalar::I32(_) => anyhow::bail!("an i32 AdamW scalar"),
-        })
-        .collect::<Result<_>>()?;
+    let got = f32_scalars(&step)?;
     ensure!(
         got == want,
         "adamw: step scalars {got:?}, the file's {want:?}"
