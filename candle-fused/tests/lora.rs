@@ -146,15 +146,7 @@ fn compare(dt: DType, tol: f64, rng: &mut Lcg) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn matches_composite_f64_f32() -> Result<()> {
-    compare_at(1, &[(DType::F64, 1e-12), (DType::F32, 1e-5)], compare)
-}
-
-#[test]
-fn half_precision_close_to_f32() -> Result<()> {
-    compare_at(2, &[(DType::BF16, 2e-2), (DType::F16, 4e-3)], compare)
-}
+common::composite_precision_tests!(compare);
 
 /// Small integers, `scale` 0.5 and p = 0.5 (keep scale 2): every product and sum is exact in
 /// f64, so the fused op and the composite agree bit for bit in every output, which they can

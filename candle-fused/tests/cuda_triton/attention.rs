@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::families::attention::{attention_cfg, attention_grads, merge, unmerge};
-use crate::families::{grad, input};
+use crate::families::{backward_of, grad, input};
 use candle_core::Var;
 
 /// `attention_merged` and `attention_qkv` give the bits of `attention` on the same heads (they
@@ -48,7 +48,7 @@ fn layouts(dev: &Device, path: &Path) -> Result<()> {
             vv.as_tensor(),
             &cfg,
         )?;
-        let g = (&y * &merge(&dout)?)?.sum_all()?.backward()?;
+        let g = backward_of(&y, &merge(&dout)?)?;
         Ok(vec![
             ("o", unmerge(&y, h)?),
             ("dq", grad(&g, &qv)?),
@@ -72,7 +72,7 @@ fn layouts(dev: &Device, path: &Path) -> Result<()> {
     let qkv_out = counted("attention_qkv", &|| {
         let qkv = Var::from_tensor(&Tensor::cat(&[merge(&q)?, merge(&k)?, merge(&v)?], 2)?)?;
         let y = candle_fused::attention::attention_qkv(qkv.as_tensor(), h, &cfg)?;
-        let g = (&y * &merge(&dout)?)?.sum_all()?.backward()?;
+        let g = backward_of(&y, &merge(&dout)?)?;
         let dqkv = grad(&g, &qkv)?;
         let part = |i: usize| unmerge(&dqkv.narrow(2, i * h * d, h * d)?, h);
         Ok(vec![

@@ -15,10 +15,12 @@
 //! 128 head-size builds with and without dropout (D = 64, 96, 128) and the generic one
 //! (D = 40; f32 always).
 
-use super::{grad, input, write_each, Check, Family, Mode, Outputs, Tensors, ALL_DTYPES};
+use super::{
+    forward_backward, input, write_each, Check, Family, Mode, Outputs, Tensors, ALL_DTYPES,
+};
 use crate::common::{self, Lcg};
 use anyhow::{ensure, Result};
-use candle_core::{DType, Device, Tensor, Var, D};
+use candle_core::{DType, Device, Tensor, D};
 use candle_fused::attention::{attention, AttentionConfig};
 use candle_fused::RngKey;
 use std::path::Path;
@@ -54,80 +56,45 @@ fn packed(b: usize, p: usize) -> u32 {
     }
 }
 
+impl Case {
+    /// A causal case of `b` rows, `h` query heads over `kv` key heads, `t` positions and head size
+    /// `d`, without a window, documents or dropout.
+    const fn causal(name: &'static str, b: usize, h: usize, kv: usize, t: usize, d: usize) -> Self {
+        Case {
+            name,
+            b,
+            h,
+            kv,
+            t,
+            d,
+            causal: true,
+            window: None,
+            docs: None,
+            dropout: 0.0,
+        }
+    }
+}
+
 const CASES: [Case; 6] = [
+    Case::causal("causal_b2h6kv2_t37_d64", 2, 6, 2, 37, 64),
+    Case::causal("causal_b2h6kv2_t70_d64", 2, 6, 2, 70, 64),
     Case {
-        name: "causal_b2h6kv2_t37_d64",
-        b: 2,
-        h: 6,
-        kv: 2,
-        t: 37,
-        d: 64,
-        causal: true,
-        window: None,
-        docs: None,
-        dropout: 0.0,
-    },
-    Case {
-        name: "causal_b2h6kv2_t70_d64",
-        b: 2,
-        h: 6,
-        kv: 2,
-        t: 70,
-        d: 64,
-        causal: true,
-        window: None,
-        docs: None,
-        dropout: 0.0,
-    },
-    Case {
-        name: "window20_docs_drop20pc_b2h6kv2_t70_d64",
-        b: 2,
-        h: 6,
-        kv: 2,
-        t: 70,
-        d: 64,
-        causal: true,
         window: Some(20),
         docs: Some(packed),
         dropout: 0.2,
+        ..Case::causal("window20_docs_drop20pc_b2h6kv2_t70_d64", 2, 6, 2, 70, 64)
     },
     Case {
-        name: "full_drop10pc_b1h2kv1_t37_d128",
-        b: 1,
-        h: 2,
-        kv: 1,
-        t: 37,
-        d: 128,
         causal: false,
-        window: None,
-        docs: None,
         dropout: 0.1,
+        ..Case::causal("full_drop10pc_b1h2kv1_t37_d128", 1, 2, 1, 37, 128)
     },
     // the head-size builds' partial tile (D = 96 in the 128 build) without dropout
-    Case {
-        name: "causal_b1h2kv1_t37_d96",
-        b: 1,
-        h: 2,
-        kv: 1,
-        t: 37,
-        d: 96,
-        causal: true,
-        window: None,
-        docs: None,
-        dropout: 0.0,
-    },
+    Case::causal("causal_b1h2kv1_t37_d96", 1, 2, 1, 37, 96),
     // a head size no head-size build takes (not a multiple of 16): the generic build
     Case {
-        name: "causal_drop10pc_b1h2kv1_t21_d40",
-        b: 1,
-        h: 2,
-        kv: 1,
-        t: 21,
-        d: 40,
-        causal: true,
-        window: None,
-        docs: None,
         dropout: 0.1,
+        ..Case::causal("causal_drop10pc_b1h2kv1_t21_d40", 1, 2, 1, 21, 40)
     },
 ];
 
@@ -192,16 +159,8 @@ fn vectors(c: &Case, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tensor)>
         cfg = cfg.with_dropout(c.dropout, key);
     }
     let scale = 1.0 / (c.d as f64).sqrt();
-    let (qv, kv, vv) = (
-        Var::from_tensor(&q)?,
-        Var::from_tensor(&k)?,
-        Var::from_tensor(&v)?,
-    );
-    let o = attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), &cfg)?;
-    // d(sum(o * do))/do = do exactly, so the gradients are the backward of `do`.
-    let g = (&o * &dout)?.sum_all()?.backward()?;
-    let grad = |x: &Var| g.get(x.as_tensor()).expect("gradient").clone();
-    let (dq, dk, dv) = (grad(&qv), grad(&kv), grad(&vv));
+    let (o, [dq, dk, dv]) =
+        forward_backward([&q, &k, &v], &dout, |[q, k, v]| attention(q, k, v, &cfg))?;
     let lse = lse(c, &q, &k, scale, &visibility(c, &ids)?)?;
     let f = |x: f32| Tensor::new(&[x], &Device::Cpu);
     let u = |x: &[u32]| Tensor::new(x, &Device::Cpu);
@@ -301,19 +260,8 @@ pub(crate) fn attention_grads(
     dout: &Tensor,
     cfg: &AttentionConfig,
 ) -> Result<Outputs> {
-    let (q, k, v) = (
-        Var::from_tensor(q)?,
-        Var::from_tensor(k)?,
-        Var::from_tensor(v)?,
-    );
-    let o = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), cfg)?;
-    let g = (&o * dout)?.sum_all()?.backward()?;
-    Ok(vec![
-        ("o", o),
-        ("dq", grad(&g, &q)?),
-        ("dk", grad(&g, &k)?),
-        ("dv", grad(&g, &v)?),
-    ])
+    let (o, [dq, dk, dv]) = forward_backward([q, k, v], dout, |[q, k, v]| attention(q, k, v, cfg))?;
+    Ok(vec![("o", o), ("dq", dq), ("dk", dk), ("dv", dv)])
 }
 
 fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {

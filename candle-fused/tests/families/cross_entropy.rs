@@ -197,12 +197,7 @@ fn vectors(case: &Case, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tenso
     let lv = Var::from_tensor(&logits)?;
     let mask = case.masked.then_some(&weight);
     let loss = cross_entropy(lv.as_tensor(), &targets, mask, Some(IGNORE))?;
-    let dlogits = loss
-        .affine(G, 0.0)?
-        .backward()?
-        .get(lv.as_tensor())
-        .expect("dlogits")
-        .clone();
+    let dlogits = grad(&loss.affine(G, 0.0)?.backward()?, &lv)?;
     // The op's scale, rounded as it rounds it: count in f32, g / count in f64, then f32.
     let wsum: f64 = weight
         .to_vec1::<f32>()?
@@ -224,8 +219,8 @@ fn vectors(case: &Case, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tenso
         case.chunk,
     )?;
     let grads = lce.backward()?;
-    let dx = grads.get(xv.as_tensor()).expect("dx").clone();
-    let dw = grads.get(wv.as_tensor()).expect("dw").clone();
+    let dx = grad(&grads, &xv)?;
+    let dw = grad(&grads, &wv)?;
     let lce_count = th.iter().filter(|&&t| t != IGNORE).count().max(1);
     let lce_scale = Tensor::new(&[(1.0 / lce_count as f64) as f32], dev)?;
 

@@ -10,11 +10,13 @@
 //! and sites have high words, some with the top bit set (negative as i32). `x` has no zeros,
 //! so `mask` is also visible in `y`.
 
-use super::{grad, input, shape_label, write_each, Check, Family, Mode, Outputs, Tensors};
+use super::{
+    forward_backward, input, shape_label, write_each, Check, Family, Mode, Outputs, Tensors,
+};
 use super::{ALL_DTYPES, EXACT};
 use crate::common::{self, Lcg};
 use anyhow::{ensure, Result};
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use candle_fused::cuda_kernels::{dropout::scalars, Scalar};
 use candle_fused::dropout::{dropout, dropout_mask};
 use candle_fused::RngKey;
@@ -66,11 +68,7 @@ fn vectors(c: &Case, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tensor)>
         .collect();
     let x = Tensor::from_vec(v, c.shape, &Device::Cpu)?.to_dtype(dt)?;
     let dy = common::rand(c.shape, dt, &mut rng, 1.0, 0.0)?;
-    let xv = Var::from_tensor(&x)?;
-    let y = dropout(xv.as_tensor(), c.p, c.key)?;
-    // d(sum(y * dy))/dy = dy exactly, so dx is the backward of `dy`.
-    let g = (&y * &dy)?.sum_all()?.backward()?;
-    let dx = g.get(xv.as_tensor()).expect("dx").clone();
+    let (y, [dx]) = forward_backward([&x], &dy, |[x]| dropout(x, c.p, c.key))?;
     let mask = dropout_mask(c.shape, c.p, c.key, DType::F32, &Device::Cpu)?
         .ne(0f64)?
         .to_dtype(DType::U8)?;
@@ -120,8 +118,8 @@ const DROPOUT: &[Check] = &[
 ];
 
 fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
-    let x = Var::from_tensor(&input(t, "x", dev)?)?;
-    let dy = input(t, "dy", dev)?;
+    let [x, dy] = ["x", "dy"].map(|n| input(t, n, dev));
+    let x = x?;
     let key = input(t, "key", &Device::Cpu)?.to_vec1::<i32>()?;
     let word = |i: usize| u64::from(key[i] as u32) | u64::from(key[i + 1] as u32) << 32;
     let key = RngKey::new(word(0), word(2)).with_offset(word(4));
@@ -133,10 +131,9 @@ fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
         s[7] == Scalar::F32(scale),
         "dropout: scale {scale}, scalars {s:?}"
     );
-    let y = dropout(x.as_tensor(), p, key)?;
-    let g = (&y * &dy)?.sum_all()?.backward()?;
+    let (y, [dx]) = forward_backward([&x], &dy?, |[x]| dropout(x, p, key))?;
     let mask = dropout_mask(x.shape(), p, key, DType::F32, dev)?
         .ne(0f64)?
         .to_dtype(DType::U8)?;
-    Ok(vec![("y", y), ("dx", grad(&g, &x)?), ("mask", mask)])
+    Ok(vec![("y", y), ("dx", dx), ("mask", mask)])
 }

@@ -11,10 +11,12 @@
 //! trainer passes it (no read-back). The composite fallback (Candle's `index_add` into an f32
 //! zero table, one thread per column adding the ids in position order) gives the same bits.
 
-use super::{grad, input, write_each, Check, Family, Mode, Outputs, Tensors, ALL_DTYPES, EXACT};
+use super::{
+    forward_backward, input, write_each, Check, Family, Mode, Outputs, Tensors, ALL_DTYPES, EXACT,
+};
 use crate::common::{self, Lcg};
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use candle_fused::embedding::embedding;
 use std::path::Path;
 
@@ -42,11 +44,7 @@ fn vectors(
     let w = common::rand(&[v, c], dt, &mut rng, 1.0, 0.0)?;
     let dy = common::rand(&[n, c], dt, &mut rng, 1.0, 0.0)?;
     let t = Tensor::new(ids.as_slice(), &Device::Cpu)?;
-    let wv = Var::from_tensor(&w)?;
-    // d(sum(y * dy))/dy = dy exactly, so dW is the backward of `dy`.
-    let y = embedding(wv.as_tensor(), &t, Some(&ids))?;
-    let g = (&y * &dy)?.sum_all()?.backward()?;
-    let dw = g.get(wv.as_tensor()).expect("dW").clone();
+    let (_, [dw]) = forward_backward([&w], &dy, |[w]| embedding(w, &t, Some(&ids)))?;
     Ok(vec![("w", w), ("ids", t), ("dy", dy), ("dw", dw)])
 }
 
@@ -66,11 +64,9 @@ fn write_vectors(dir: &Path) -> Result<()> {
 const EMBEDDING: &[Check] = &[Check::new("dw", Mode::Row, EXACT)];
 
 fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
-    let w = Var::from_tensor(&input(t, "w", dev)?)?;
     let host = input(t, "ids", &Device::Cpu)?.to_vec1::<u32>()?;
-    let ids = input(t, "ids", dev)?;
-    let dy = input(t, "dy", dev)?;
-    let y = embedding(w.as_tensor(), &ids, Some(&host))?;
-    let g = (&y * &dy)?.sum_all()?.backward()?;
-    Ok(vec![("dw", grad(&g, &w)?)])
+    let [w, ids, dy] = ["w", "ids", "dy"].map(|n| input(t, n, dev));
+    let ids = ids?;
+    let (_, [dw]) = forward_backward([&w?], &dy?, |[w]| embedding(w, &ids, Some(&host)))?;
+    Ok(vec![("dw", dw)])
 }

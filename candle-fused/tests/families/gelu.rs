@@ -7,10 +7,12 @@
 //! (`max(16, cdiv(N, 256))`) against the Triton kernel's 16. `x` is uniform in [-4, 4) with the tails of tanh (|x| = 5.5, 10, 50) and both
 //! zeros at the start.
 
-use super::{grad, input, write_each, Check, Family, Mode, Outputs, Tensors, EXACT, ULP16};
+use super::{
+    forward_backward, input, write_each, Check, Family, Mode, Outputs, Tensors, EXACT, ULP16,
+};
 use crate::common::{self, Lcg};
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use candle_fused::gelu::{bias_gelu, gelu};
 use std::path::Path;
 
@@ -47,15 +49,8 @@ fn vectors(n: usize, c: usize, dt: DType, seed: u64) -> Result<Vec<(&'static str
     let x = Tensor::from_vec(v, (n, c), &Device::Cpu)?.to_dtype(dt)?;
     let b = common::rand(&[c], dt, &mut rng, 0.5, 0.0)?;
     let dy = common::rand(&[n, c], dt, &mut rng, 1.0, 0.0)?;
-    let (xv, bv) = (Var::from_tensor(&x)?, Var::from_tensor(&b)?);
-    // d(sum(y * dy))/dy = dy exactly, so the gradients are the backward of `dy`.
-    let y = bias_gelu(xv.as_tensor(), Some(bv.as_tensor()))?;
-    let g = (&y * &dy)?.sum_all()?.backward()?;
-    let dx = g.get(xv.as_tensor()).expect("dx").clone();
-    let db = g.get(bv.as_tensor()).expect("db").clone();
-    let y_nobias = gelu(xv.as_tensor())?;
-    let g = (&y_nobias * &dy)?.sum_all()?.backward()?;
-    let dx_nobias = g.get(xv.as_tensor()).expect("dx").clone();
+    let (y, [dx, db]) = forward_backward([&x, &b], &dy, |[x, b]| bias_gelu(x, Some(b)))?;
+    let (y_nobias, [dx_nobias]) = forward_backward([&x], &dy, |[x]| gelu(x))?;
     Ok(vec![
         ("x", x),
         ("b", b),
@@ -93,18 +88,15 @@ const GELU: &[Check] = &[
 ];
 
 fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
-    let x = Var::from_tensor(&input(t, "x", dev)?)?;
-    let b = Var::from_tensor(&input(t, "b", dev)?)?;
-    let dy = input(t, "dy", dev)?;
-    let y = bias_gelu(x.as_tensor(), Some(b.as_tensor()))?;
-    let g = (&y * &dy)?.sum_all()?.backward()?;
-    let y_nobias = gelu(x.as_tensor())?;
-    let g_nobias = (&y_nobias * &dy)?.sum_all()?.backward()?;
+    let [x, b, dy] = ["x", "b", "dy"].map(|n| input(t, n, dev));
+    let (x, dy) = (x?, dy?);
+    let (y, [dx, db]) = forward_backward([&x, &b?], &dy, |[x, b]| bias_gelu(x, Some(b)))?;
+    let (y_nobias, [dx_nobias]) = forward_backward([&x], &dy, |[x]| gelu(x))?;
     Ok(vec![
         ("y", y),
-        ("dx", grad(&g, &x)?),
-        ("db", grad(&g, &b)?),
+        ("dx", dx),
+        ("db", db),
         ("y_nobias", y_nobias),
-        ("dx_nobias", grad(&g_nobias, &x)?),
+        ("dx_nobias", dx_nobias),
     ])
 }

@@ -8,7 +8,9 @@
 //! through magnitudes 1, 1e3, 1e-3 and a row offset by 50 with spread 1 (within f16's normal
 //! range), so both statistics are exercised, the centred variance included.
 
-use super::{grad, input, write_each, Check, Family, Mode, Outputs, Tensors, ALL_DTYPES, ULP16};
+use super::{
+    backward_of, grad, input, write_each, Check, Family, Mode, Outputs, Tensors, ALL_DTYPES, ULP16,
+};
 use crate::common::{self, Lcg};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var, D};
@@ -69,9 +71,9 @@ fn vectors(
         EPS,
     )?;
     // d(sum(y * dy))/dy = dy exactly, so the gradients are the backward of `dy`.
-    let g = (&y * &dy)?.sum_all()?.backward()?;
-    let dx = g.get(xv.as_tensor()).expect("dx").clone();
-    let dw = g.get(wv.as_tensor()).expect("dw").clone();
+    let g = backward_of(&y, &dy)?;
+    let dx = grad(&g, &xv)?;
+    let dw = grad(&g, &wv)?;
     let xf = x.to_dtype(DType::F32)?;
     let mean = xf.mean_keepdim(D::Minus1)?;
     let var = xf.broadcast_sub(&mean)?.sqr()?.mean_keepdim(D::Minus1)?;
@@ -79,7 +81,7 @@ fn vectors(
     let eps = Tensor::new(&[EPS as f32], &Device::Cpu)?;
     let mut t = vec![("x", x), ("w", w), ("dy", dy), ("eps", eps)];
     if bias {
-        let db = g.get(bv.as_tensor()).expect("db").clone();
+        let db = grad(&g, &bv)?;
         t.extend([("b", b), ("db", db)]);
     }
     t.extend([
@@ -135,7 +137,7 @@ fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
         b.as_ref().map(Var::as_tensor),
         eps,
     )?;
-    let g = (&y * &dy)?.sum_all()?.backward()?;
+    let g = backward_of(&y, &dy)?;
     let mut out = vec![("y", y), ("dx", grad(&g, &x)?), ("dw", grad(&g, &w)?)];
     if let Some(b) = &b {
         out.push(("db", grad(&g, b)?));

@@ -18,7 +18,7 @@
 //! only part of this module.
 #![allow(dead_code)]
 
-use anyhow::{Context, Result};
+use anyhow::{anyhow, Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use std::collections::HashMap;
@@ -188,6 +188,32 @@ pub(crate) fn input(t: &Tensors, name: &str, dev: &Device) -> Result<Tensor> {
 /// The gradient of `v` in `g`.
 pub(crate) fn grad(g: &GradStore, v: &Var) -> Result<Tensor> {
     g.get(v.as_tensor()).cloned().context("no gradient")
+}
+
+/// The gradients of `sum(y * dy)`: as d(sum(y * dy))/dy = dy exactly, the backward of `dy`.
+pub(crate) fn backward_of(y: &Tensor, dy: &Tensor) -> Result<GradStore> {
+    Ok((y * dy)?.sum_all()?.backward()?)
+}
+
+/// `op` on `inputs` (each made a variable) and the gradient of `sum(y * dy)` with respect to
+/// each: the op's forward and, as d(sum(y * dy))/dy = dy exactly, its backward of `dy`.
+pub(crate) fn forward_backward<const N: usize>(
+    inputs: [&Tensor; N],
+    dy: &Tensor,
+    op: impl FnOnce([&Tensor; N]) -> candle_core::Result<Tensor>,
+) -> Result<(Tensor, [Tensor; N])> {
+    let vars = inputs
+        .iter()
+        .map(|t| Var::from_tensor(t))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let y = op(std::array::from_fn(|i| vars[i].as_tensor()))?;
+    let g = backward_of(&y, dy)?;
+    let grads = vars
+        .iter()
+        .map(|v| grad(&g, v))
+        .collect::<Result<Vec<_>>>()?;
+    let grads = grads.try_into().map_err(|_| anyhow!("{N} gradients"))?;
+    Ok((y, grads))
 }
 
 /// Writes, for every case and each of its dtypes, `vectors(case, dtype, seed)` to

@@ -6,10 +6,12 @@
 //! rows per backward program), and rows cycle through magnitudes 1, 1e3 and 1e-3 (within
 //! f16's normal range) so the f32 statistics are exercised.
 
-use super::{grad, input, write_each, Check, Family, Mode, Outputs, Tensors, ALL_DTYPES, ULP16};
+use super::{
+    forward_backward, input, write_each, Check, Family, Mode, Outputs, Tensors, ALL_DTYPES, ULP16,
+};
 use crate::common::{self, Lcg};
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor, Var, D};
+use candle_core::{DType, Device, Tensor, D};
 use candle_fused::norm::rms_norm;
 use std::path::Path;
 
@@ -31,12 +33,7 @@ fn vectors(n: usize, c: usize, dt: DType, seed: u64) -> Result<Vec<(&'static str
     let x = rows_with_magnitudes(n, c, dt, &mut rng)?;
     let w = common::rand(&[c], dt, &mut rng, 0.5, 1.0)?;
     let dy = common::rand(&[n, c], dt, &mut rng, 1.0, 0.0)?;
-    let (xv, wv) = (Var::from_tensor(&x)?, Var::from_tensor(&w)?);
-    let y = rms_norm(xv.as_tensor(), wv.as_tensor(), EPS)?;
-    // d(sum(y * dy))/dy = dy exactly, so the gradients are the backward of `dy`.
-    let g = (&y * &dy)?.sum_all()?.backward()?;
-    let dx = g.get(xv.as_tensor()).expect("dx").clone();
-    let dw = g.get(wv.as_tensor()).expect("dw").clone();
+    let (y, [dx, dw]) = forward_backward([&x, &w], &dy, |[x, w]| rms_norm(x, w, EPS))?;
     let xf = x.to_dtype(DType::F32)?;
     let rstd = (xf.sqr()?.mean_keepdim(D::Minus1)? + EPS)?
         .sqrt()?
@@ -79,12 +76,8 @@ const RMS_NORM: &[Check] = &[
 ];
 
 fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
-    let x = Var::from_tensor(&input(t, "x", dev)?)?;
-    let w = Var::from_tensor(&input(t, "w", dev)?)?;
-    let dy = input(t, "dy", dev)?;
+    let [x, w, dy] = ["x", "w", "dy"].map(|n| input(t, n, dev));
     let eps = f64::from(input(t, "eps", &Device::Cpu)?.to_vec1::<f32>()?[0]);
-    let y = rms_norm(x.as_tensor(), w.as_tensor(), eps)?;
-    // d(sum(y * dy))/dy = dy exactly: the gradients are the backward of `dy`
-    let g = (&y * &dy)?.sum_all()?.backward()?;
-    Ok(vec![("y", y), ("dx", grad(&g, &x)?), ("dw", grad(&g, &w)?)])
+    let (y, [dx, dw]) = forward_backward([&x?, &w?], &dy?, |[x, w]| rms_norm(x, w, eps))?;
+    Ok(vec![("y", y), ("dx", dx), ("dw", dw)])
 }

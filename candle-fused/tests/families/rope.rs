@@ -7,10 +7,12 @@
 //! kernel's blocks of 512 (the last one masked). Positions reach a few thousand and the
 //! frequencies are Llama's (`theta = 10000`), so the angles cover many turns.
 
-use super::{grad, input, write_each, Check, Family, Mode, Outputs, Tensors, ALL_DTYPES, EXACT};
+use super::{
+    forward_backward, input, write_each, Check, Family, Mode, Outputs, Tensors, ALL_DTYPES, EXACT,
+};
 use crate::common::Lcg;
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use candle_fused::rope::{rope, rope_tables};
 use std::path::Path;
 
@@ -52,11 +54,7 @@ fn vectors(
         Tensor::arange(3000u32, 3000 + t as u32, &dev)?
     };
     let (cos, sin) = rope_tables(&pos, &inv_freq)?;
-    let xv = Var::from_tensor(&x)?;
-    let y = rope(xv.as_tensor(), &cos, &sin)?;
-    // d(sum(y * dy))/dy = dy exactly, so dx is the backward of `dy`.
-    let g = (&y * &dy)?.sum_all()?.backward()?;
-    let dx = g.get(xv.as_tensor()).expect("dx").clone();
+    let (y, [dx]) = forward_backward([&x], &dy, |[x]| rope(x, &cos, &sin))?;
     Ok(vec![
         ("x", x),
         ("dy", dy),
@@ -93,11 +91,9 @@ const ROPE: &[Check] = &[
 ];
 
 fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
-    let x = Var::from_tensor(&input(t, "x", dev)?)?;
     // `[B, T, D/2]` (each batch row its own positions) or `[T, D/2]` (shared by the batch)
-    let (cos, sin) = (input(t, "cos", dev)?, input(t, "sin", dev)?);
-    let dy = input(t, "dy", dev)?;
-    let y = rope(x.as_tensor(), &cos, &sin)?;
-    let g = (&y * &dy)?.sum_all()?.backward()?;
-    Ok(vec![("y", y), ("dx", grad(&g, &x)?)])
+    let [x, cos, sin, dy] = ["x", "cos", "sin", "dy"].map(|n| input(t, n, dev));
+    let (cos, sin) = (cos?, sin?);
+    let (y, [dx]) = forward_backward([&x?], &dy?, |[x]| rope(x, &cos, &sin))?;
+    Ok(vec![("y", y), ("dx", dx)])
 }

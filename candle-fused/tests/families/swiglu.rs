@@ -4,11 +4,13 @@
 //! `gate` is uniform in [-8, 8) with the sigmoid's tails and the exponential's clamp
 //! (|g| = 30, 90, 104.5, 200) and both zeros at the start.
 
-use super::{grad, input, shape_label, write_each, Check, Family, Mode, Outputs, Tensors};
+use super::{
+    forward_backward, input, shape_label, write_each, Check, Family, Mode, Outputs, Tensors,
+};
 use super::{ALL_DTYPES, EXACT, ULP16};
 use crate::common::{self, Lcg};
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use candle_fused::swiglu::swiglu;
 use std::path::Path;
 
@@ -37,12 +39,7 @@ fn vectors(shape: &[usize], dt: DType, seed: u64) -> Result<Vec<(&'static str, T
     let gate = Tensor::from_vec(g, shape, &Device::Cpu)?.to_dtype(dt)?;
     let up = common::rand(shape, dt, &mut rng, 2.0, 0.0)?;
     let dy = common::rand(shape, dt, &mut rng, 1.0, 0.0)?;
-    let (gv, uv) = (Var::from_tensor(&gate)?, Var::from_tensor(&up)?);
-    let y = swiglu(gv.as_tensor(), uv.as_tensor())?;
-    // d(sum(y * dy))/dy = dy exactly, so the gradients are the backward of `dy`.
-    let grads = (&y * &dy)?.sum_all()?.backward()?;
-    let d_gate = grads.get(gv.as_tensor()).expect("d_gate").clone();
-    let d_up = grads.get(uv.as_tensor()).expect("d_up").clone();
+    let (y, [d_gate, d_up]) = forward_backward([&gate, &up], &dy, |[g, u]| swiglu(g, u))?;
     Ok(vec![
         ("gate", gate),
         ("up", up),
@@ -74,14 +71,7 @@ const SWIGLU: &[Check] = &[
 ];
 
 fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
-    let gate = Var::from_tensor(&input(t, "gate", dev)?)?;
-    let up = Var::from_tensor(&input(t, "up", dev)?)?;
-    let dy = input(t, "dy", dev)?;
-    let y = swiglu(gate.as_tensor(), up.as_tensor())?;
-    let g = (&y * &dy)?.sum_all()?.backward()?;
-    Ok(vec![
-        ("y", y),
-        ("d_gate", grad(&g, &gate)?),
-        ("d_up", grad(&g, &up)?),
-    ])
+    let [gate, up, dy] = ["gate", "up", "dy"].map(|n| input(t, n, dev));
+    let (y, [d_gate, d_up]) = forward_backward([&gate?, &up?], &dy?, |[g, u]| swiglu(g, u))?;
+    Ok(vec![("y", y), ("d_gate", d_gate), ("d_up", d_up)])
 }
