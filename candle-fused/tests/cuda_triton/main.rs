@@ -40,7 +40,7 @@
 //! the CPU's), the entry's `fallback` says so.
 
 use anyhow::{bail, ensure, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, WithDType};
 use candle_fused::cuda_kernels::{launch_count, set_triton};
 use families::{input, tol_index, Against, Family, Mode, Outputs, FAMILIES};
 use libtest_mimic::{Arguments, Trial};
@@ -76,6 +76,14 @@ mod common;
 mod families;
 mod runner;
 
+/// `t`'s elements on the host, converted to `T`.
+fn host<T: WithDType>(t: &Tensor) -> Result<Vec<T>> {
+    Ok(t.to_device(&Device::Cpu)?
+        .to_dtype(T::DTYPE)?
+        .flatten_all()?
+        .to_vec1()?)
+}
+
 /// The error of `got` against `want` as `mode` measures it.
 fn error(mode: Mode, got: &Tensor, want: &Tensor) -> Result<f64> {
     ensure!(
@@ -85,13 +93,7 @@ fn error(mode: Mode, got: &Tensor, want: &Tensor) -> Result<f64> {
         want.dims()
     );
     let c = want.dims().last().copied().unwrap_or(1).max(1);
-    let f = |t: &Tensor| -> Result<Vec<f64>> {
-        Ok(t.to_device(&Device::Cpu)?
-            .to_dtype(DType::F64)?
-            .flatten_all()?
-            .to_vec1()?)
-    };
-    let (g, w) = (f(got)?, f(want)?);
+    let (g, w) = (host::<f64>(got)?, host::<f64>(want)?);
     let tensor_max = w.iter().fold(0f64, |m, v| m.max(v.abs()));
     if let Mode::Exact = mode {
         // a NaN differs from everything, itself included
@@ -189,13 +191,7 @@ fn same_bits(a: &Outputs, b: &Outputs) -> Result<bool> {
             x.dims(),
             y.dims()
         );
-        let bits = |t: &Tensor| -> Result<Vec<f32>> {
-            Ok(t.to_device(&Device::Cpu)?
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1()?)
-        };
-        let (x, y) = (bits(x)?, bits(y)?);
+        let (x, y) = (host::<f32>(x)?, host::<f32>(y)?);
         if x.iter().zip(&y).any(|(p, q)| p.to_bits() != q.to_bits()) {
             return Ok(false);
         }
