@@ -41,19 +41,9 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_protocol  # noqa: E402
+from torch_llama_step import CASES  # noqa: E402
 
-CFG = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-5,
-    rope_parameters=dict(rope_type="default", rope_theta=100000.0),
-    max_position_embeddings=2048,
-)
+CFG = CASES["smollm2-135m"]["cfg"]
 BLOCK, BATCH = 256, 4
 R, ALPHA = 16, 32
 

@@ -34,16 +34,15 @@ Optional: needs scripts/python/setup.sh's venv (torch, transformers); never run 
 """
 import argparse
 import json
-import math
 import os
 import resource
 import statistics
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_protocol  # noqa: E402
+from torch_common import matmul_ceiling, peak_step_bytes  # noqa: E402
 
 CASES = {
     "smollm2-135m": dict(
@@ -90,36 +89,6 @@ def current_rss_mib():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def matmul_ceiling(torch):
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    best = math.inf
-    for i in range(11):
-        s = time.perf_counter()
-        a @ b
-        if i:
-            best = min(best, time.perf_counter() - s)
-    return 2 * 1024**3 / best
-
-
-def peak_step_bytes(step):
-    """Highest sum of live tensor bytes during `step()` (bench/torch_step.py's method)."""
-    import tempfile
-    import warnings
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
-        step()
-    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        path = os.path.join(d, "timeline.json")
-        prof.export_memory_timeline(path, device="cpu")
-        _, sizes = json.load(open(path))
-    return max(sum(s) for s in sizes)
 
 
 def op_shares(step):

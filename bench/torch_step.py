@@ -21,12 +21,10 @@ model and flags printed). `--json` prints one JSON line per config instead of th
 Optional: needs `pip install torch numpy`; never run in CI.
 """
 import argparse
-import math
 import os
 import json
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -34,6 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_protocol  # noqa: E402
+from torch_common import matmul_ceiling, peak_step_bytes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "data", "tinyshakespeare.txt")
@@ -97,17 +96,6 @@ def flops_per_token(model, n_layer, n_head, n_embd, block):
     return 6 * n + 12 * n_layer * n_head * (n_embd // n_head) * block
 
 
-def matmul_ceiling():
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    best = math.inf
-    for i in range(11):
-        s = time.perf_counter()
-        a @ b
-        if i:
-            best = min(best, time.perf_counter() - s)
-    return 2 * 1024**3 / best
-
-
 def load(kind):
     text = open(CORPUS, "rb").read()
     if kind == "byte":
@@ -115,27 +103,6 @@ def load(kind):
     chars = sorted(set(text.decode("utf-8")))
     stoi = {c: i for i, c in enumerate(chars)}
     return torch.tensor([stoi[c] for c in text.decode("utf-8")], dtype=torch.long), len(chars)
-
-
-def peak_step_bytes(step):
-    """Highest sum of live tensor bytes during `step()`, from the profiler's memory timeline
-    (every tensor the step touches: weights, gradients, optimiser state, activations)."""
-    import json
-    import tempfile
-    import warnings
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
-        step()
-    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        path = os.path.join(d, "timeline.json")
-        prof.export_memory_timeline(path, device="cpu")
-        _, sizes = json.load(open(path))
-    return max(sum(s) for s in sizes)
 
 
 def main():
@@ -149,7 +116,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    peak_flops = matmul_ceiling()
+    peak_flops = matmul_ceiling(torch)
     out = print if not args.json else (lambda *a, **k: None)
     out(f"CPU: {bench_protocol.cpu_line()}")
     out(

@@ -2,7 +2,7 @@
 //! tensors stay on the device. See [`NcclComm`].
 
 mod buf;
-mod connect;
+mod link;
 mod ops;
 mod setup;
 
@@ -22,7 +22,7 @@ use candle_core::{Device, Tensor};
 use crate::comm::Communicator;
 use crate::error::{CommError, Op, Result};
 use buf::{device_error, nccl_text};
-use connect::Link;
+use link::{Half, Link};
 use setup::{report, IdBlob, Notice, Watchdog, ABORT_CODE};
 
 /// Default time a rank waits for an NCCL operation (or for communicator setup) before it exits.
@@ -209,6 +209,74 @@ impl std::fmt::Debug for NcclComm {
 }
 
 impl NcclComm {
+    /// Creates the communicators (bounded by a watchdog: NCCL's setup calls block).
+    fn connect(
+        opts: &NcclBuilder,
+        device: Device,
+        rank: usize,
+        blob: &IdBlob,
+        notice: Option<Notice>,
+    ) -> Result<Self> {
+        let world = blob.world;
+        let cuda = device
+            .as_cuda_device()
+            .map_err(|e| init_error(e.to_string()))?
+            .clone();
+        let stream = cuda.cuda_stream();
+        let ctx = stream.context().clone();
+        let _watchdog = Watchdog::arm(
+            opts.timeout,
+            format!(
+                "rank {rank} of {world}: NCCL setup did not finish within {:?} (a rank is \
+                 missing, or read a stale rendezvous file); exiting",
+                opts.timeout
+            ),
+        );
+        let failed = |what: &str, e: String| init_error(format!("rank {rank}: {what}: {e}"));
+        ctx.bind_to_thread()
+            .map_err(|e| failed("binding the CUDA context", format!("{e:?}")))?;
+        let comm = Comm::from_rank(stream.clone(), rank, world, blob.world_id())
+            .map_err(|e| failed("ncclCommInitRank (world)", nccl_text(&e)))?;
+        // Ordered pairs in one global order: both members of the pair being set up are always
+        // there (they finished every earlier pair), so no rank waits on a rank that waits on it.
+        let mut halves: Vec<[Option<Half>; 2]> = (0..world).map(|_| [None, None]).collect();
+        for from in 0..world {
+            for to in 0..world {
+                if from == to || (rank != from && rank != to) {
+                    continue;
+                }
+                let Some(id) = blob.pair(from, to) else {
+                    continue;
+                };
+                let what = format!("point-to-point link {from} -> {to}");
+                let half = Half::connect(&cuda, rank == from, id).map_err(|e| failed(&what, e))?;
+                let (slot, peer) = if rank == from { (0, to) } else { (1, from) };
+                halves[peer][slot] = Some(half);
+            }
+        }
+        let links = halves
+            .into_iter()
+            .map(|h| match h {
+                [Some(send), Some(recv)] => Some(Link { send, recv }),
+                _ => None,
+            })
+            .collect();
+        Ok(Self {
+            rank,
+            size: world,
+            timeout: opts.timeout,
+            p2p: blob.p2p,
+            device,
+            cuda,
+            stream,
+            comm: RefCell::new(Some(comm)),
+            links: RefCell::new(links),
+            mailbox: RefCell::new(HashMap::new()),
+            in_flight: RefCell::new(Vec::new()),
+            notice,
+        })
+    }
+
     /// Options for a communicator on CUDA device `ordinal` (usually the node-local rank).
     pub fn builder(ordinal: usize) -> NcclBuilder {
         NcclBuilder {

@@ -25,6 +25,16 @@ fn tols(dt: DType) -> (f64, f64) {
     }
 }
 
+/// `[q, k, v]` of `[B, H, Tq, D]`, `[B, H, Tk, D]`, `[B, H, Tk, Dv]`, seeded `seed` to `seed + 2`
+/// (amplitudes 1.5, 1.5, 1).
+fn qkv_inputs(seed: u64, [b, h, tq, tk, d, dv]: [usize; 6], dt: DType) -> Result<[Tensor; 3]> {
+    Ok([
+        rand_seeded(seed, &[b, h, tq, d], 1.5, dt)?,
+        rand_seeded(seed + 1, &[b, h, tk, d], 1.5, dt)?,
+        rand_seeded(seed + 2, &[b, h, tk, dv], 1.0, dt)?,
+    ])
+}
+
 /// The option combinations: causal or not, x {none, mask, dropout 0.1, dropout 0.5 + mask}.
 fn configs(tq: usize, tk: usize, dt: DType, seed: u64) -> Result<Vec<(String, AttentionConfig)>> {
     let mut out = Vec::new();
@@ -99,10 +109,7 @@ fn general_matches_composite() -> Result<()> {
         let (tv, tg) = tols(dt);
         for (n, &(b, h, tq, tk, d, dv)) in shapes.iter().enumerate() {
             let s = 20 + 3 * n as u64;
-            let q = rand_seeded(s, &[b, h, tq, d], 1.5, dt)?;
-            let k = rand_seeded(s + 1, &[b, h, tk, d], 1.5, dt)?;
-            let v = rand_seeded(s + 2, &[b, h, tk, dv], 1.0, dt)?;
-            let ins = [q, k, v];
+            let ins = qkv_inputs(s, [b, h, tq, tk, d, dv], dt)?;
             for (name, cfg) in configs(tq, tk, dt, s)? {
                 if cfg.causal && tq > tk {
                     continue;
@@ -188,11 +195,7 @@ fn fallback_matches_kernel() -> Result<()> {
             );
         }
         let (tq, tk, dv) = (9, 40, 5);
-        let ins = [
-            rand_seeded(5, &[b, h, tq, d], 1.5, dt)?,
-            rand_seeded(6, &[b, h, tk, d], 1.5, dt)?,
-            rand_seeded(7, &[b, h, tk, dv], 1.0, dt)?,
-        ];
+        let ins = qkv_inputs(5, [b, h, tq, tk, d, dv], dt)?;
         for (name, cfg) in configs(tq, tk, dt, 9)? {
             let f = |x: &[Tensor]| attention(&x[0], &x[1], &x[2], &cfg);
             let (y, g) = grads(&f, &ins, 8)?;
@@ -257,11 +260,7 @@ fn rows_without_keys_give_zero() -> Result<()> {
     // to the rows that see keys.
     let (b, h, tq, tk, d) = (1, 2, 9, 4, 3);
     let dt = DType::F64;
-    let ins = [
-        rand_seeded(1, &[b, h, tq, d], 1.5, dt)?,
-        rand_seeded(2, &[b, h, tk, d], 1.5, dt)?,
-        rand_seeded(3, &[b, h, tk, d], 1.0, dt)?,
-    ];
+    let ins = qkv_inputs(1, [b, h, tq, tk, d, d], dt)?;
     let g = rand_seeded(4, &[b, h, tq, d], 1.0, dt)?;
     let cfg = AttentionConfig::causal();
     let f = |x: &[Tensor]| attention(&x[0], &x[1], &x[2], &cfg);
@@ -341,11 +340,7 @@ fn finite_differences(
 fn finite_differences_f64() -> Result<()> {
     let dt = DType::F64;
     let (b, h, tq, tk, d, dv) = (1, 2, 3, 5, 3, 2);
-    let ins = [
-        rand_seeded(31, &[b, h, tq, d], 1.5, dt)?,
-        rand_seeded(32, &[b, h, tk, d], 1.5, dt)?,
-        rand_seeded(33, &[b, h, tk, dv], 1.0, dt)?,
-    ];
+    let ins = qkv_inputs(31, [b, h, tq, tk, d, dv], dt)?;
     for (name, cfg) in configs(tq, tk, dt, 34)? {
         let f = |x: &[Tensor]| attention(&x[0], &x[1], &x[2], &cfg);
         finite_differences(&f, &ins).map_err(|e| e.context(name.clone()))?;
@@ -441,11 +436,7 @@ fn identical_for_any_thread_count() -> Result<()> {
         .with_mask(mask(52, t, t, DType::F32)?)
         .with_dropout(0.1, RngKey::new(53, 2));
     let (tq, tk, dv) = (40, 70, 24);
-    let ins = [
-        rand_seeded(54, &[1, 2, tq, 16], 1.5, DType::F32)?,
-        rand_seeded(55, &[1, 2, tk, 16], 1.5, DType::F32)?,
-        rand_seeded(56, &[1, 2, tk, dv], 1.0, DType::F32)?,
-    ];
+    let ins = qkv_inputs(54, [1, 2, tq, tk, 16, dv], DType::F32)?;
     let cfg2 = AttentionConfig::full().with_dropout(0.5, RngKey::new(57, 0));
     let run = |n: usize| -> Result<Vec<Tensor>> {
         rayon::ThreadPoolBuilder::new()

@@ -98,19 +98,7 @@ fn compare(dt: DType, tol: f64, rng: &mut Lcg) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn matches_composite_f64_f32() -> Result<()> {
-    let mut rng = Lcg(1);
-    compare(DType::F64, 1e-12, &mut rng)?;
-    compare(DType::F32, 1e-5, &mut rng)
-}
-
-#[test]
-fn half_precision_close_to_f32() -> Result<()> {
-    let mut rng = Lcg(2);
-    compare(DType::BF16, 2e-2, &mut rng)?;
-    compare(DType::F16, 4e-3, &mut rng)
-}
+common::composite_precision_tests!(compare);
 
 /// bf16 (the AVX512-BF16 GEMM where the CPU has it, the widening path elsewhere) against the
 /// same op in f32 on the same values, with an upstream gradient that bf16 holds exactly: both

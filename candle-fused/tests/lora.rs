@@ -146,19 +146,7 @@ fn compare(dt: DType, tol: f64, rng: &mut Lcg) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn matches_composite_f64_f32() -> Result<()> {
-    let mut rng = Lcg(1);
-    compare(DType::F64, 1e-12, &mut rng)?;
-    compare(DType::F32, 1e-5, &mut rng)
-}
-
-#[test]
-fn half_precision_close_to_f32() -> Result<()> {
-    let mut rng = Lcg(2);
-    compare(DType::BF16, 2e-2, &mut rng)?;
-    compare(DType::F16, 4e-3, &mut rng)
-}
+common::composite_precision_tests!(compare);
 
 /// Small integers, `scale` 0.5 and p = 0.5 (keep scale 2): every product and sum is exact in
 /// f64, so the fused op and the composite agree bit for bit in every output, which they can
@@ -422,6 +410,17 @@ fn rejects_bad_inputs() -> Result<()> {
         Ok(_) => panic!("accepted"),
         Err(e) => e.to_string(),
     };
+    let dropout = |p: f32| {
+        err(lora_linear(
+            &x,
+            &w,
+            None,
+            &a,
+            &b,
+            1.0,
+            Some((p, RngKey::new(0, 0))),
+        ))
+    };
     let cases: Vec<(String, &str)> = vec![
         (
             err(lora_linear(&x, &w, None, &z(&[4, 7], f32_)?, &b, 1.0, None)),
@@ -503,30 +502,8 @@ fn rejects_bad_inputs() -> Result<()> {
             )),
             "bias",
         ),
-        (
-            err(lora_linear(
-                &x,
-                &w,
-                None,
-                &a,
-                &b,
-                1.0,
-                Some((1.0, RngKey::new(0, 0))),
-            )),
-            "p must be",
-        ),
-        (
-            err(lora_linear(
-                &x,
-                &w,
-                None,
-                &a,
-                &b,
-                1.0,
-                Some((f32::NAN, RngKey::new(0, 0))),
-            )),
-            "p must be",
-        ),
+        (dropout(1.0), "p must be"),
+        (dropout(f32::NAN), "p must be"),
         (
             err(lora_linear_composite(
                 &x,

@@ -4,6 +4,7 @@ circles of files that use each other's items. Standard library only; run from th
 
     python3 scripts/measure/house.py              # the summary
     python3 scripts/measure/house.py --list       # every long file and function, every circle
+    python3 scripts/measure/house.py --json       # the counts as one JSON object (for table.sh)
 
 What counts (library code only: each crate's `src/`, without `#[cfg(test)]` modules and without
 files whose name ends in `tests.rs`; benches, examples and tests/ are not library code):
@@ -16,11 +17,19 @@ files whose name ends in `tests.rs`; benches, examples and tests/ are not librar
   module's `mod x;` line is not a use, and neither is a `pub use` (a re-export names, it does not
   use).
 
+- *trainer lines* are every line (`wc -l`) of the `.rs` files under the `src/` of the trainer's
+  crates (`--trainer`, default `trainer`; name each crate when the trainer is split), tests and
+  comments included;
+- a file *imports the run config* when its code (library or binary source, comments and strings
+  left out, `#[cfg(test)]` modules too) names `TrainConfig` (`--config`), whether through a `use`
+  or a path; the file that defines it does not count.
+
 Public items are counted from rustdoc's JSON by `public_items.sh` beside this script (it needs a
-nightly toolchain).
+nightly toolchain); `table.sh` prints the issue's whole table.
 """
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -309,15 +318,40 @@ def long_functions(code):
     return out
 
 
+def lines_under(src):
+    """Every line of the `.rs` files below `src`."""
+    total = 0
+    for dirpath, _, filenames in os.walk(src):
+        for f in filenames:
+            if f.endswith(".rs"):
+                with open(os.path.join(dirpath, f), encoding="utf-8") as fh:
+                    total += sum(1 for _ in fh)
+    return total
+
+
+def naming(crate, name):
+    """The files of `crate` whose code names `name`, less the one that defines it."""
+    word = re.compile(rf"\b{re.escape(name)}\b")
+    define = re.compile(rf"\b(?:struct|enum|type|trait)\s+{re.escape(name)}\b")
+    return [f for f, code in crate.code.items() if word.search(code) and not define.search(code)]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="list every long file, function and circle")
+    ap.add_argument("--json", action="store_true", help="print the counts as one JSON object")
+    ap.add_argument("--trainer", default="trainer", help="the trainer's crates, comma-separated")
+    ap.add_argument("--config", default="TrainConfig", help="the run config's type name")
     ap.add_argument("root", nargs="?", default=".")
     args = ap.parse_args()
     root = os.path.abspath(args.root)
-    long_files, long_fns, all_circles = [], [], []
+    trainer = set(args.trainer.split(","))
+    long_files, long_fns, all_circles, config_users, trainer_lines = [], [], [], [], 0
     for name, src in sorted(crates(root)):
         c = Crate(name, src)
+        if name in trainer:
+            trainer_lines += lines_under(src)
+        config_users += [os.path.relpath(f, root) for f in naming(c, args.config)]
         for f, code in c.code.items():
             with open(f, encoding="utf-8") as fh:
                 n = sum(1 for _ in fh)
@@ -335,10 +369,23 @@ def main():
                 for f in comp for g in comp if g in edges.get(f, {})
             ]
             all_circles.append(([os.path.relpath(f, root) for f in comp], ties))
+    if args.json:
+        print(json.dumps({
+            "long_files": len(long_files),
+            "long_functions": len(long_fns),
+            "circles": len(all_circles),
+            "trainer_lines": trainer_lines,
+            "config_users": len(config_users),
+        }))
+        return
     print(f"files over {LONG_FILE} lines: {len(long_files)}")
     print(f"library functions of {LONG_FN}+ lines: {len(long_fns)}")
     print(f"circles of files: {len(all_circles)}")
+    print(f"lines of the trainer's crates ({', '.join(sorted(trainer))}): {trainer_lines}")
+    print(f"files importing {args.config}: {len(config_users)}")
     if args.list:
+        for f in sorted(config_users):
+            print(f"  config {f}")
         for n, f in sorted(long_files, reverse=True):
             print(f"  file {n:5} {f}")
         for n, f in sorted(long_fns, reverse=True):

@@ -131,61 +131,46 @@ FAMILIES = {
     ),
 }
 
+
+def conversation(name, *turns, add_generation_prompt=False):
+    """A chat case: `turns` are (role, content) pairs."""
+    return dict(
+        name=name,
+        add_generation_prompt=add_generation_prompt,
+        messages=[{"role": role, "content": content} for role, content in turns],
+    )
+
+
 CONVERSATIONS = [
-    dict(
-        name="system_user_assistant",
-        add_generation_prompt=False,
-        messages=[
-            {"role": "system", "content": "You are a terse assistant."},
-            {"role": "user", "content": "Who wrote the tempest?"},
-            {"role": "assistant", "content": "Shakespeare wrote it."},
-        ],
+    conversation(
+        "system_user_assistant",
+        ("system", "You are a terse assistant."),
+        ("user", "Who wrote the tempest?"),
+        ("assistant", "Shakespeare wrote it."),
     ),
-    dict(
-        name="multi_turn",
-        add_generation_prompt=False,
-        messages=[
-            {"role": "system", "content": "Answer in one line."},
-            {"role": "user", "content": "First citizen, speak."},
-            {"role": "assistant", "content": "Before we proceed any further, hear me speak."},
-            {"role": "user", "content": "Speak, speak."},
-            {"role": "assistant", "content": "You are all resolved rather to die than to famish?"},
-        ],
+    conversation(
+        "multi_turn",
+        ("system", "Answer in one line."),
+        ("user", "First citizen, speak."),
+        ("assistant", "Before we proceed any further, hear me speak."),
+        ("user", "Speak, speak."),
+        ("assistant", "You are all resolved rather to die than to famish?"),
     ),
-    dict(
-        name="no_system",
-        add_generation_prompt=False,
-        messages=[
-            {"role": "user", "content": "What is the king?"},
-            {"role": "assistant", "content": "A thing of nothing."},
-        ],
+    conversation("no_system", ("user", "What is the king?"), ("assistant", "A thing of nothing.")),
+    conversation("unicode", ("user", "Ça va? naïve café — 日本語 🙂"), ("assistant", "Très bien: ß, Ω, ñ, 🙂🙂.")),
+    conversation(
+        "whitespace_newlines",
+        ("system", "  Keep the spacing.  "),
+        ("user", "  line one\nline two\n\n  indented\n"),
+        ("assistant", "\n  first\n\tsecond  \n"),
     ),
-    dict(
-        name="unicode",
-        add_generation_prompt=False,
-        messages=[
-            {"role": "user", "content": "Ça va? naïve café — 日本語 🙂"},
-            {"role": "assistant", "content": "Très bien: ß, Ω, ñ, 🙂🙂."},
-        ],
-    ),
-    dict(
-        name="whitespace_newlines",
-        add_generation_prompt=False,
-        messages=[
-            {"role": "system", "content": "  Keep the spacing.  "},
-            {"role": "user", "content": "  line one\nline two\n\n  indented\n"},
-            {"role": "assistant", "content": "\n  first\n\tsecond  \n"},
-        ],
-    ),
-    dict(
-        name="generation_prompt",
+    conversation(
+        "generation_prompt",
+        ("system", "You are a terse assistant."),
+        ("user", "Hello."),
+        ("assistant", "Hi."),
+        ("user", "And now?"),
         add_generation_prompt=True,
-        messages=[
-            {"role": "system", "content": "You are a terse assistant."},
-            {"role": "user", "content": "Hello."},
-            {"role": "assistant", "content": "Hi."},
-            {"role": "user", "content": "And now?"},
-        ],
     ),
 ]
 

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::AtomicBool;
 
-use common::{assert_same_losses, run_to_end, tiny_config};
+use common::{assert_same_losses, max_abs, max_abs_diff, run_to_end, tiny_config};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use trainer::data::{self, Split};
@@ -218,14 +218,7 @@ fn an_adapter_loads_over_an_explicit_base() {
     let e = candle_core::safetensors::load(path, &candle_core::Device::Cpu).unwrap();
     let ids = e["input_ids"].to_dtype(candle_core::DType::U32).unwrap();
     let logits = model.forward(&ids, &trainer::model::Ctx::eval()).unwrap();
-    let diff = (logits - &e["logits"])
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap();
-    let scale = e["logits"].abs().unwrap().max_all().unwrap();
-    let rel = diff.to_scalar::<f32>().unwrap() / scale.to_scalar::<f32>().unwrap();
+    let rel = max_abs_diff(&logits, &e["logits"]) / max_abs(&e["logits"]);
     assert!(
         rel < 1e-5,
         "logits differ from PEFT's by {rel:e} (relative)"
@@ -265,20 +258,9 @@ fn generation_runs_the_kernels_it_is_given() {
         };
         for k in [Kernels::Fused, Kernels::Reference] {
             let full = model.forward(&idx, &Ctx::eval().with_kernels(k)).unwrap();
-            let d = (cached(k) - &full)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap();
-            let m = full
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            assert!(d.to_scalar::<f32>().unwrap() / m < 1e-5, "{k:?}");
+            let d = max_abs_diff(&cached(k), &full);
+            let m = max_abs(&full);
+            assert!(d / m < 1e-5, "{k:?}");
         }
         let (fused, reference) = (cached(Kernels::Fused), cached(Kernels::Reference));
         assert_ne!(

@@ -34,15 +34,15 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use candle_peft::Adapter;
+use common::{load_dir, rel, with_adapter};
 use serde_json::Value;
 use trainer::config::TrainConfig;
 use trainer::data::sft::{
     preference_batch, read_preferences, PreferencePair, Preferences, SftEncoder,
 };
 use trainer::data::DataKind;
-use trainer::load::ModelDir;
 use trainer::model::{run_links, Ctx, Model, Params};
 use trainer::objective::{reference_log_probs, Dpo, DpoLoss, HeadOutput, DPO_METRICS};
 use trainer::train::executor::run_chain;
@@ -68,13 +68,6 @@ fn encoder() -> SftEncoder {
 
 fn close(got: f64, want: f64) -> bool {
     (got - want).abs() <= 1e-5 * want.abs() + 1e-7
-}
-
-/// max |a - b| / max |b|.
-fn rel(a: &Tensor, b: &Tensor) -> f32 {
-    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-    let m = b.abs().unwrap().max_all().unwrap();
-    d.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap().max(1e-30)
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -117,21 +110,10 @@ struct Setup {
 
 fn setup(tuning: &str) -> Setup {
     let dev = Device::Cpu;
-    let (config, params) = ModelDir::at(fixture("dpo/base"))
-        .unwrap()
-        .load(&dev)
-        .unwrap();
+    let (config, params) = load_dir(&fixture("dpo/base"));
     if tuning == "lora" {
         let adapter = Adapter::load(&fixture("dpo/adapter"), &dev).unwrap();
-        let (policy, trainable) = trainer::lora::adapt(
-            config.as_ref(),
-            &params,
-            &adapter.config,
-            Some(&adapter),
-            DType::F32,
-            0,
-        )
-        .unwrap();
+        let (policy, trainable) = with_adapter(config.as_ref(), &params, &adapter);
         return Setup {
             policy,
             trainable,
@@ -139,10 +121,7 @@ fn setup(tuning: &str) -> Setup {
         };
     }
     let reference = trainer::model::build(config.as_ref(), &params).unwrap();
-    let (config, merged) = ModelDir::at(fixture("dpo/merged"))
-        .unwrap()
-        .load(&dev)
-        .unwrap();
+    let (config, merged) = load_dir(&fixture("dpo/merged"));
     let policy = trainer::model::build(config.as_ref(), &merged).unwrap();
     Setup {
         policy,

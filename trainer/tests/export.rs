@@ -90,6 +90,17 @@ fn stored(dir: &Path) -> Vec<(String, String, Vec<usize>)> {
     h
 }
 
+/// Each of `names` holds the same bytes in directories `a` and `b`.
+fn assert_same_files(a: &Path, b: &Path, names: &[&str]) {
+    for f in names {
+        assert_eq!(
+            fs::read(a.join(f)).unwrap(),
+            fs::read(b.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+}
+
 fn export_to(src: &Path, out: &Path, options: ExportOptions) -> export::Exported {
     export::export_spec(src.to_str().unwrap(), out, &options).unwrap()
 }
@@ -325,13 +336,7 @@ fn gpt2_and_trainer_runs_export() {
         (Some("gpt2"), Some(32))
     );
     assert_eq!(cfg["torch_dtype"], "float32");
-    for f in ["tokenizer.json", "generation_config.json"] {
-        assert_eq!(
-            fs::read(out.join(f)).unwrap(),
-            fs::read(hf.join(f)).unwrap(),
-            "{f}"
-        );
-    }
+    assert_same_files(&out, &hf, &["tokenizer.json", "generation_config.json"]);
     let (_, want) = load(&hf).unwrap();
     let (_, back) = load(&out).unwrap();
     assert_eq!(flat(&back), flat(&want));
@@ -408,13 +413,7 @@ fn a_run_from_a_bf16_llama_exports_bf16_with_the_origins_files() {
         (cfg["model_type"].as_str(), cfg["torch_dtype"].as_str()),
         (Some("llama"), Some("bfloat16"))
     );
-    for f in ["tokenizer.json", "chat_template.jinja"] {
-        assert_eq!(
-            fs::read(out.join(f)).unwrap(),
-            fs::read(hf.join(f)).unwrap(),
-            "{f}"
-        );
-    }
+    assert_same_files(&out, &hf, &["tokenizer.json", "chat_template.jinja"]);
     let (_, back) = load(&out).unwrap();
     assert_eq!(flat(&back), rounded(&t.params, DType::BF16));
 }

@@ -183,6 +183,16 @@ fn differences(ours: &Path, expected: &Json, f32: &Path) -> Vec<String> {
     out
 }
 
+/// Fails listing `all` when there is any difference.
+fn assert_no_differences(all: &[String]) {
+    assert!(
+        all.is_empty(),
+        "{} differences:\n{}",
+        all.len(),
+        all.join("\n")
+    );
+}
+
 #[test]
 fn exports_equal_llama_cpp_converter() {
     let tmp = tempfile::tempdir().unwrap();
@@ -207,12 +217,7 @@ fn exports_equal_llama_cpp_converter() {
             }
         }
     }
-    assert!(
-        all.is_empty(),
-        "{} differences:\n{}",
-        all.len(),
-        all.join("\n")
-    );
+    assert_no_differences(&all);
 }
 
 #[test]
@@ -357,12 +362,7 @@ fn lora_adapters_equal_llama_cpp_lora_converter() {
             }
         }
     }
-    assert!(
-        all.is_empty(),
-        "{} differences:\n{}",
-        all.len(),
-        all.join("\n")
-    );
+    assert_no_differences(&all);
 }
 
 #[test]

@@ -18,6 +18,7 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor};
 use common::llama::{expected, fixture, Expected};
+use common::rel;
 use trainer::checkpoint;
 use trainer::model::llama::{LlamaConfig, RopeScaling};
 use trainer::model::{Builder, Ctx, Kernels, Model, ModelConfig, Params};
@@ -30,13 +31,6 @@ fn load(case: &str) -> (LlamaConfig, Params) {
     let llama = LlamaConfig::from_hf_json(&json, Path::new("config.json")).unwrap();
     assert_eq!(config.to_hf_json(), llama.to_hf_json());
     (llama, params)
-}
-
-/// The largest |a - b| over the largest |b| (a relative error at the tensor's scale).
-fn rel(a: &Tensor, b: &Tensor) -> f32 {
-    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-    let s = b.abs().unwrap().max_all().unwrap();
-    d.to_scalar::<f32>().unwrap() / s.to_scalar::<f32>().unwrap().max(1e-30)
 }
 
 /// How far `config`'s model over `params` is from the fixture: the loss's relative error, the

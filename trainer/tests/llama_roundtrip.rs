@@ -23,7 +23,7 @@ use std::sync::atomic::AtomicBool;
 
 use candle_core::{Device, Tensor};
 use common::llama::{expected, fixture};
-use common::Recorder;
+use common::{max_abs, max_abs_diff, Recorder};
 use serde_json::{json, Value};
 use trainer::config::TrainConfig;
 use trainer::data::DataKind;
@@ -141,9 +141,7 @@ fn trained_exports_load_in_transformers_with_the_same_loss_and_generation() {
         );
         for ((name, a), (_, b)) in got.iter().zip(&want) {
             assert_eq!(a.dtype(), b.dtype(), "{case}: {name}");
-            let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-            let s = b.abs().unwrap().max_all().unwrap();
-            let rel = d.to_scalar::<f32>().unwrap() / s.to_scalar::<f32>().unwrap();
+            let rel = max_abs_diff(a, b) / max_abs(b);
             assert!(
                 rel <= 1e-5,
                 "{case}: {name} differs from the golden export by {rel:e}"

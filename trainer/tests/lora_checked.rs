@@ -51,6 +51,18 @@ fn adapter(
     d
 }
 
+/// A copy of the fixture base in `dir` with one value changed (element 5 of `model.norm.weight`
+/// set to 0.5): another base under another path.
+fn another_base(dir: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::copy(fixture("base/config.json"), dir.join("config.json")).unwrap();
+    let mut t =
+        candle_core::safetensors::load(fixture("base/model.safetensors"), &Device::Cpu).unwrap();
+    poison(&mut t, "model.norm.weight", 0.5);
+    candle_core::safetensors::save(&t, dir.join("model.safetensors")).unwrap();
+    dir.to_path_buf()
+}
+
 /// `name`'s tensor with element 5 set to `v`.
 fn poison(t: &mut HashMap<String, Tensor>, name: &str, v: f32) {
     let x = &t[name];
@@ -316,13 +328,7 @@ fn the_base_identity_is_the_architecture_and_the_tensor_values() {
     let same = reformatted_base(tmp.path());
     assert_eq!(identity(&same), identity(&fixture("base")));
     // One value changed, or one architecture field: another base.
-    let other = tmp.path().join("other");
-    std::fs::create_dir_all(&other).unwrap();
-    std::fs::copy(fixture("base/config.json"), other.join("config.json")).unwrap();
-    let mut t =
-        candle_core::safetensors::load(fixture("base/model.safetensors"), &Device::Cpu).unwrap();
-    poison(&mut t, "model.norm.weight", 0.5);
-    candle_core::safetensors::save(&t, other.join("model.safetensors")).unwrap();
+    let other = another_base(&tmp.path().join("other"));
     let (a, b) = (identity(&fixture("base")), identity(&other));
     assert!(a.architecture == b.architecture && a.tensors != b.tensors);
     let text = std::fs::read_to_string(fixture("base/config.json")).unwrap();
@@ -372,13 +378,7 @@ fn an_adapter_records_its_base_and_is_refused_on_another() {
         .load_model(&Device::Cpu)
         .unwrap();
     // Over another base: refused by inference, export and training, naming both bases.
-    let other = dir.join("other_base");
-    std::fs::create_dir_all(&other).unwrap();
-    std::fs::copy(fixture("base/config.json"), other.join("config.json")).unwrap();
-    let mut t =
-        candle_core::safetensors::load(fixture("base/model.safetensors"), &Device::Cpu).unwrap();
-    poison(&mut t, "model.norm.weight", 0.5);
-    candle_core::safetensors::save(&t, other.join("model.safetensors")).unwrap();
+    let other = another_base(&dir.join("other_base"));
     let theirs = identity(&other);
     let on_other = over(&other, "on_other");
     let [merged, exported_err, _] = errors(dir, &on_other);

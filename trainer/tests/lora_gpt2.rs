@@ -18,7 +18,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_peft::{Adapter, LoraConfig};
-use common::llama::{expected_at, Expected};
+use common::llama::{check_against, expected_at, Expected};
+use common::{load_dir, rel, with_adapter};
 use trainer::load::ModelDir;
 use trainer::model::{Ctx, Kernels, Model, ModelConfig, Params};
 
@@ -29,32 +30,14 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn base() -> (Box<dyn ModelConfig>, Params) {
-    ModelDir::at(fixture("base"))
-        .unwrap()
-        .load(&Device::Cpu)
-        .unwrap()
-}
-
-/// max |a - b| / max |b|.
-fn rel(a: &Tensor, b: &Tensor) -> f32 {
-    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-    let m = b.abs().unwrap().max_all().unwrap();
-    d.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap().max(1e-30)
+    load_dir(&fixture("base"))
 }
 
 fn adapted() -> (Box<dyn Model>, Params, Adapter, Expected) {
     let (config, params) = base();
     let adapter = Adapter::load(&fixture("adapter"), &Device::Cpu).unwrap();
     assert!(adapter.config.fan_in_fan_out, "PEFT wrote fan_in_fan_out");
-    let (model, trainable) = trainer::lora::adapt(
-        config.as_ref(),
-        &params,
-        &adapter.config,
-        Some(&adapter),
-        DType::F32,
-        0,
-    )
-    .unwrap();
+    let (model, trainable) = with_adapter(config.as_ref(), &params, &adapter);
     (
         model,
         trainable,
@@ -67,37 +50,17 @@ fn adapted() -> (Box<dyn Model>, Params, Adapter, Expected) {
 fn gpt2_lora_gives_peft_loss_logits_and_gradients() {
     for kernels in [Kernels::Fused, Kernels::Reference] {
         let (model, trainable, _, e) = adapted();
-        let ctx = Ctx::eval().with_kernels(kernels);
-        let logits = model.forward(&e.idx, &ctx).unwrap();
-        let r = rel(&logits, &e.logits);
-        assert!(r < 1e-5, "{kernels:?}: logits differ from PEFT's by {r:e}");
+        let what = format!("{kernels:?}");
+        let logits = check_against(model.as_ref(), &trainable, &e, kernels, &what);
         assert!(
             rel(&logits, &e.extra["base_logits"]) > 1e-2,
             "the adapter changes the logits"
         );
-        let loss = model.loss(&e.idx, &e.targets, &ctx).unwrap();
-        let l = loss.mean.to_scalar::<f32>().unwrap();
-        assert!(
-            (l - e.loss).abs() < 1e-5,
-            "{kernels:?}: loss {l} vs {}",
-            e.loss
-        );
-        let grads = loss.mean.backward().unwrap();
-        let mut names: Vec<&String> = trainable.iter().map(|(n, _)| n).collect();
-        names.sort();
-        let mut want: Vec<&String> = e.grads.keys().collect();
-        want.sort();
-        assert_eq!(names, want, "the trainable tensors are PEFT's");
         assert_eq!(
-            names.len(),
+            trainable.len(),
             2 * 2 * 4,
             "c_attn, attn.c_proj, c_fc, mlp.c_proj x 2"
         );
-        for (name, var) in trainable.iter() {
-            let g = grads.get(var.as_tensor()).expect("a LoRA gradient");
-            let r = rel(g, &e.grads[name]);
-            assert!(r < 1e-4, "{kernels:?} {name}: gradient differs by {r:e}");
-        }
     }
 }
 
@@ -246,19 +209,8 @@ fn cli_lora_on_gpt2_trains_resumes_and_exports() {
     assert_eq!(exported.config, adapter.config);
     let o = run_cli(&["export", "--merge", &ck, "merged-out"], cwd);
     assert!(o.status.success(), "{}", output_text(&o));
-    let (config, params) = ModelDir::at(cwd.join("base/checkpoints/step-0000002"))
-        .unwrap()
-        .load(&Device::Cpu)
-        .unwrap();
-    let (adapted, _) = trainer::lora::adapt(
-        config.as_ref(),
-        &params,
-        &adapter.config,
-        Some(&adapter),
-        DType::F32,
-        0,
-    )
-    .unwrap();
+    let (config, params) = load_dir(&cwd.join("base/checkpoints/step-0000002"));
+    let (adapted, _) = with_adapter(config.as_ref(), &params, &adapter);
     let merged = ModelDir::at(cwd.join("merged-out"))
         .unwrap()
         .load_model(&Device::Cpu)

@@ -15,7 +15,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_peft::{Adapter, LoraConfig};
-use common::llama::{expected_at, Expected};
+use common::llama::{check_against, expected_at, Expected};
+use common::{load_dir, max_abs, max_abs_diff, rel, with_adapter};
 use trainer::load::ModelDir;
 use trainer::model::{Ctx, Kernels, Model, Params};
 
@@ -26,81 +27,20 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn base() -> (Box<dyn trainer::model::ModelConfig>, Params) {
-    ModelDir::at(fixture("base"))
-        .unwrap()
-        .load(&Device::Cpu)
-        .unwrap()
-}
-
-/// max |a - b| / max |b|.
-fn rel(a: &Tensor, b: &Tensor) -> f32 {
-    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-    let m = b.abs().unwrap().max_all().unwrap();
-    (d.to_scalar::<f32>().unwrap()) / m.to_scalar::<f32>().unwrap().max(1e-30)
-}
-
-fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    load_dir(&fixture("base"))
 }
 
 fn adapted(variant: &str) -> (Box<dyn Model>, Params, Adapter, Expected) {
     let (config, params) = base();
     let adapter = Adapter::load(&fixture(variant), &Device::Cpu).unwrap();
-    let (model, trainable) = trainer::lora::adapt(
-        config.as_ref(),
-        &params,
-        &adapter.config,
-        Some(&adapter),
-        DType::F32,
-        0,
-    )
-    .unwrap();
+    let (model, trainable) = with_adapter(config.as_ref(), &params, &adapter);
     let e = expected_at(&fixture(variant).join("expected.safetensors"));
     (model, trainable, adapter, e)
 }
 
 fn check_against_peft(variant: &str, kernels: Kernels) {
     let (model, trainable, _, e) = adapted(variant);
-    let ctx = Ctx::eval().with_kernels(kernels);
-    let logits = model.forward(&e.idx, &ctx).unwrap();
-    let r = rel(&logits, &e.logits);
-    assert!(
-        r < 1e-5,
-        "{variant}: logits differ from PEFT's by {r:e} (relative)"
-    );
-    let loss = model.loss(&e.idx, &e.targets, &ctx).unwrap();
-    let l = loss.mean.to_scalar::<f32>().unwrap();
-    assert!(
-        (l - e.loss).abs() < 1e-5,
-        "{variant}: loss {l} vs PEFT {}",
-        e.loss
-    );
-    let grads = loss.mean.backward().unwrap();
-    let mut names: Vec<&String> = trainable.iter().map(|(n, _)| n).collect();
-    names.sort();
-    let mut want: Vec<&String> = e.grads.keys().collect();
-    want.sort();
-    assert_eq!(
-        names, want,
-        "{variant}: trainable parameters are PEFT's tensors"
-    );
-    for (name, var) in trainable.iter() {
-        let g = grads
-            .get(var.as_tensor())
-            .expect("every adapter tensor has a gradient");
-        let r = rel(g, &e.grads[name]);
-        assert!(
-            r < 1e-4,
-            "{variant} {name}: gradient differs by {r:e} (relative)"
-        );
-    }
+    check_against(model.as_ref(), &trainable, &e, kernels, variant);
 }
 
 #[test]
@@ -124,7 +64,7 @@ fn the_adapter_moves_the_logits_away_from_the_base() {
         "the base alone is transformers' base"
     );
     let with = adapted.forward(&e.idx, &Ctx::eval()).unwrap();
-    assert!(max_abs(&with, base_logits) > 1.0);
+    assert!(max_abs_diff(&with, base_logits) > 1.0);
 }
 
 #[test]
@@ -142,7 +82,7 @@ fn merged_weights_give_peft_merged_model() {
     // The merged model is the adapted one, up to f32 rounding of W + s B A (8.8e-6 measured
     // by the fixture script on PEFT's side).
     let unmerged = adapted.forward(&e.idx, &Ctx::eval()).unwrap();
-    assert!(max_abs(&logits, &unmerged) < 2e-5);
+    assert!(max_abs_diff(&logits, &unmerged) < 2e-5);
     // PEFT's own merged directory loads as a plain model with the same logits.
     let theirs = ModelDir::at(fixture("merged"))
         .unwrap()
@@ -161,8 +101,8 @@ fn unmerge_gives_the_base_weight_back() {
     let w = params.tensor(&format!("{path}.weight")).unwrap();
     let back = lora.unmerge(&lora.merge(&w).unwrap()).unwrap();
     // Rounding of the f32 sum only: |W + d - d - W| <= ulp(|W| + |d|).
-    assert!(max_abs(&back, &w) < 1e-6);
-    assert!(max_abs(&lora.merge(&w).unwrap(), &w) > 1e-2);
+    assert!(max_abs_diff(&back, &w) < 1e-6);
+    assert!(max_abs_diff(&lora.merge(&w).unwrap(), &w) > 1e-2);
 }
 
 #[test]
@@ -178,7 +118,7 @@ fn our_initialisation_starts_as_the_base_model() {
     let e = expected_at(&fixture("adapter_plain").join("expected.safetensors"));
     let a = model.forward(&e.idx, &Ctx::eval()).unwrap();
     let b = plain.forward(&e.idx, &Ctx::eval()).unwrap();
-    assert_eq!(max_abs(&a, &b), 0.0, "B = 0: exactly the base model");
+    assert_eq!(max_abs_diff(&a, &b), 0.0, "B = 0: exactly the base model");
     let grads = model
         .loss(&e.idx, &e.targets, &Ctx::eval())
         .unwrap()
@@ -187,33 +127,20 @@ fn our_initialisation_starts_as_the_base_model() {
         .unwrap();
     for (name, var) in trainable.iter() {
         let g = grads.get(var.as_tensor()).unwrap();
-        let n = g
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let n = max_abs(g);
         if name.ends_with("lora_A.weight") {
             assert_eq!(n, 0.0, "{name}: with B = 0 A's gradient is zero");
             // Kaiming-uniform with a = sqrt(5): uniform in +-1/sqrt(in).
             let t = var.as_tensor();
             let bound = 1.0 / (t.dim(1).unwrap() as f32).sqrt();
-            let m = t
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let m = max_abs(t);
             assert!(
                 m <= bound && m > 0.9 * bound,
                 "{name}: max |A| {m} vs bound {bound}"
             );
         } else {
             assert!(n > 0.0, "{name}: B gets a gradient");
-            let z = var.as_tensor().abs().unwrap().max_all().unwrap();
-            assert_eq!(z.to_scalar::<f32>().unwrap(), 0.0, "{name} starts at zero");
+            assert_eq!(max_abs(var.as_tensor()), 0.0, "{name} starts at zero");
         }
     }
     // The base weights are frozen: no gradient reaches them.
@@ -372,7 +299,7 @@ fn our_adapter_and_merged_export_match_the_peft_verified_golden() {
         .unwrap()
         .forward(&e.idx, &Ctx::eval())
         .unwrap();
-    assert!(max_abs(&merged, &logits) < 2e-5);
+    assert!(max_abs_diff(&merged, &logits) < 2e-5);
     let ids = e.idx.to_dtype(DType::I64).unwrap();
     let out = std::collections::HashMap::from([
         ("input_ids".to_string(), ids),
@@ -396,7 +323,7 @@ fn our_adapter_and_merged_export_match_the_peft_verified_golden() {
         got.sort();
         assert_eq!(names, got, "{file}");
         for (n, t) in &want {
-            let d = max_abs(
+            let d = max_abs_diff(
                 &ours[n].to_dtype(DType::F32).unwrap(),
                 &t.to_dtype(DType::F32).unwrap(),
             );

@@ -5,48 +5,19 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-
 use candle_core::{DType, Device, Tensor};
-use common::{assert_same_steps, finish, run_to_end, tiny_config, weights};
+use common::{
+    assert_same_steps, finish, loaded_model_gap, lora_base, lora_config, run_to_end, weights,
+};
 use trainer::config::TrainConfig;
 use trainer::data::DataKind;
 use trainer::load::ModelDir;
-use trainer::model::Ctx;
 use trainer::train::Trainer;
-
-fn base_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora/base")
-}
-
-/// A LoRA run over `base` on a char corpus (65 ids; the base embeds 128).
-fn lora_config(tmp: &Path, base: &Path) -> TrainConfig {
-    let text = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/tinyshakespeare.txt"),
-    )
-    .unwrap();
-    let corpus = tmp.join("corpus.txt");
-    std::fs::write(&corpus, &text[..20_000]).unwrap();
-    TrainConfig {
-        init_from: Some(base.display().to_string()),
-        data: DataKind::Char,
-        data_path: Some(corpus),
-        lora_r: 4,
-        lora_alpha: 8.0,
-        lora_dropout: 0.1,
-        lr: 1e-2,
-        weight_decay: 0.0,
-        max_iters: 6,
-        lr_decay_iters: Some(6),
-        eval_interval: 3,
-        ..tiny_config(&tmp.join("run"))
-    }
-}
 
 #[test]
 fn only_adapters_train_and_resume_is_bit_exact() {
     let tmp = tempfile::tempdir().unwrap();
-    let cfg = lora_config(tmp.path(), &base_dir());
+    let cfg = lora_config(tmp.path(), &lora_base());
     let t = Trainer::new(cfg.clone()).unwrap();
     // all-linear on 2 layers: 7 projections, A and B each; the optimiser holds only those.
     assert_eq!(t.params.len(), 28);
@@ -80,7 +51,7 @@ fn only_adapters_train_and_resume_is_bit_exact() {
     let tmp2 = tempfile::tempdir().unwrap();
     let half = TrainConfig {
         max_iters: 3,
-        ..lora_config(tmp2.path(), &base_dir())
+        ..lora_config(tmp2.path(), &lora_base())
     };
     let mut t = Trainer::new(half).unwrap();
     let first = run_to_end(&mut t);
@@ -95,23 +66,9 @@ fn only_adapters_train_and_resume_is_bit_exact() {
 #[test]
 fn a_lora_checkpoint_loads_as_the_merged_model_over_its_base() {
     let tmp = tempfile::tempdir().unwrap();
-    let cfg = lora_config(tmp.path(), &base_dir());
+    let cfg = lora_config(tmp.path(), &lora_base());
     let t = common::train(cfg);
-    let x = Tensor::new(&[[1u32, 5, 9, 13, 17, 21, 25, 29]], &Device::Cpu).unwrap();
-    let want = t.model.forward(&x, &Ctx::eval()).unwrap();
-    let loaded = ModelDir::open(&tmp.path().join("run").display().to_string())
-        .unwrap()
-        .load_model(&Device::Cpu)
-        .unwrap();
-    let got = loaded.forward(&x, &Ctx::eval()).unwrap();
-    let d = (got - &want)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let d = loaded_model_gap(&t, &tmp.path().join("run"));
     // Merged vs unmerged: f32 rounding of W + s B A only.
     assert!(d < 1e-5, "{d}");
 }
@@ -122,7 +79,7 @@ fn resuming_over_a_changed_base_is_refused() {
     let base = tmp.path().join("base");
     std::fs::create_dir_all(&base).unwrap();
     for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(base_dir().join(f), base.join(f)).unwrap();
+        std::fs::copy(lora_base().join(f), base.join(f)).unwrap();
     }
     let cfg = TrainConfig {
         max_iters: 3,
@@ -157,12 +114,12 @@ fn resuming_over_a_changed_base_is_refused() {
 #[test]
 fn a_peft_adapter_continues_training_and_its_settings_are_recorded() {
     let tmp = tempfile::tempdir().unwrap();
-    let adapter = base_dir().join("../adapter_rslora");
+    let adapter = lora_base().join("../adapter_rslora");
     let cfg = TrainConfig {
         adapter: Some(adapter),
         lora_r: 0,
         max_iters: 2,
-        ..lora_config(tmp.path(), &base_dir())
+        ..lora_config(tmp.path(), &lora_base())
     };
     let t = common::train(cfg);
     assert_eq!(t.config.lora_r, 8);
@@ -182,7 +139,7 @@ fn lora_needs_a_base_and_takes_gpt2() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = TrainConfig {
         init_from: None,
-        ..lora_config(tmp.path(), &base_dir())
+        ..lora_config(tmp.path(), &lora_base())
     };
     let e = Trainer::new(cfg).err().unwrap().to_string();
     assert!(e.contains("--init-from"), "{e}");
@@ -193,7 +150,7 @@ fn lora_needs_a_base_and_takes_gpt2() {
         init_from: Some(gpt_dir.display().to_string()),
         data: DataKind::Addition,
         data_path: None,
-        ..lora_config(tmp.path(), &base_dir())
+        ..lora_config(tmp.path(), &lora_base())
     };
     let t = Trainer::new(cfg).unwrap();
     assert_eq!(t.params.len(), 2 * 4 * 2);
@@ -205,7 +162,7 @@ fn a_bf16_base_stays_bf16_and_gets_no_gradient() {
     let cfg = TrainConfig {
         dtype: trainer::config::Precision::Bf16,
         max_iters: 2,
-        ..lora_config(tmp.path(), &base_dir())
+        ..lora_config(tmp.path(), &lora_base())
     };
     let t = common::train(cfg);
     let links = t.model.links();
@@ -228,7 +185,7 @@ fn lora_runs_under_remat_and_pipeline_like_the_plain_step() {
         let tmp = tempfile::tempdir().unwrap();
         let mut cfg = TrainConfig {
             max_iters: 3,
-            ..lora_config(tmp.path(), &base_dir())
+            ..lora_config(tmp.path(), &lora_base())
         };
         set(&mut cfg);
         let (steps, w) = finish(Trainer::new(cfg).unwrap());

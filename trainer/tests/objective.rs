@@ -25,7 +25,7 @@ use std::time::Duration;
 use candle_comm::run_threads;
 use candle_core::{DType, Device, Tensor, Var, D};
 use common::llama::{expected, fixture};
-use common::{assert_same_steps, finish, tiny_config};
+use common::{assert_same_steps, finish, max_abs, max_abs_diff, tiny_config};
 use label_smoothing::LabelSmoothing;
 use trainer::checkpoint;
 use trainer::config::{Arch, TrainConfig};
@@ -141,18 +141,13 @@ fn chunked_token_log_probs_equal_the_whole_logits_log_softmax() {
         .unwrap()
         .mul(&keep.to_dtype(DType::F32).unwrap())
         .unwrap();
-    let max_diff = |a: &Tensor, b: &Tensor| -> f32 {
-        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-        d.to_scalar::<f32>().unwrap()
-    };
     // against transformers' logits: the model's forward within the tolerance of llama_hf.rs
-    assert!(max_diff(&results[0].0, &want) < 1e-4);
+    assert!(max_abs_diff(&results[0].0, &want) < 1e-4);
     // chunked against whole logits on the same hidden states: the same sums in f32
-    assert!(max_diff(&results[0].0, &results[1].0) < 1e-5);
-    let scale = results[1].1.abs().unwrap().max_all().unwrap();
-    let scale = scale.to_scalar::<f32>().unwrap();
+    assert!(max_abs_diff(&results[0].0, &results[1].0) < 1e-5);
+    let scale = max_abs(&results[1].1);
     assert!(scale > 0.0);
-    assert!(max_diff(&results[0].1, &results[1].1) <= 1e-5 * scale);
+    assert!(max_abs_diff(&results[0].1, &results[1].1) <= 1e-5 * scale);
 }
 
 /// GPT-2's tied head takes the chunked loss when the context asks for it (the default) and
@@ -201,15 +196,8 @@ fn gpt2_head_takes_the_chunked_loss() {
     let (a, b) = (&results[0], &results[1]);
     assert!((a.0 - b.0).abs() <= 1e-6 * b.0.abs(), "{} vs {}", a.0, b.0);
     for (x, y) in a.1.iter().zip(&b.1) {
-        let scale = y
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        let d = (x - y).unwrap().abs().unwrap().max_all().unwrap();
-        assert!(scale > 0.0 && d.to_scalar::<f32>().unwrap() <= 1e-5 * scale);
+        let scale = max_abs(y);
+        assert!(scale > 0.0 && max_abs_diff(x, y) <= 1e-5 * scale);
     }
 }
 

@@ -17,10 +17,11 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use candle_fused::nf4::Nf4Weight;
 use candle_peft::Adapter;
-use common::llama::expected_at;
+use common::llama::{check_against, expected_at};
+use common::{load_dir, rel};
 use trainer::load::ModelDir;
 use trainer::lora::{check_quantization_config, nf4_on_load, read_bnb_4bit, Nf4Settings};
-use trainer::model::{Ctx, Kernels};
+use trainer::model::{Ctx, Kernels, Model, ModelConfig, Params, Quant};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -28,11 +29,24 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// max |a - b| / max |b|.
-fn rel(a: &Tensor, b: &Tensor) -> f32 {
-    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-    let m = b.abs().unwrap().max_all().unwrap();
-    d.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap().max(1e-30)
+/// `config`'s model over `base`, its projections quantized by `quant`, with the PEFT `adapter`
+/// applied (f32, seed 0), and its trainable adapter tensors.
+fn with_adapter_4bit(
+    config: &dyn ModelConfig,
+    base: &Params,
+    quant: Quant<'_>,
+    adapter: &Adapter,
+) -> (Box<dyn Model>, Params) {
+    trainer::lora::adapt_quantized(
+        config,
+        base,
+        quant,
+        &adapter.config,
+        Some(adapter),
+        DType::F32,
+        0,
+    )
+    .unwrap()
 }
 
 fn bits(t: &Tensor) -> Vec<u32> {
@@ -59,10 +73,7 @@ const SETTINGS: [(&str, bool); 2] = [("dq", true), ("plain", false)];
 
 #[test]
 fn saved_4bit_model_reads_back_as_quantized_on_load() {
-    let (_, base) = ModelDir::at(fixture("lora/base"))
-        .unwrap()
-        .load(&Device::Cpu)
-        .unwrap();
+    let (_, base) = load_dir(&fixture("lora/base"));
     for (setting, double) in SETTINGS {
         let q = read_bnb_4bit(&fixture(&format!("qlora/base_{setting}")), &Device::Cpu).unwrap();
         // 7 projections x 2 layers in 4 bits; lm_head, embeddings and norms kept.
@@ -95,40 +106,15 @@ fn saved_4bit_model_reads_back_as_quantized_on_load() {
 #[test]
 fn step_matches_peft_over_bitsandbytes() {
     let adapter = Adapter::load(&fixture("lora/adapter_plain"), &Device::Cpu).unwrap();
-    let (config, base) = ModelDir::at(fixture("lora/base"))
-        .unwrap()
-        .load(&Device::Cpu)
-        .unwrap();
+    let (config, base) = load_dir(&fixture("lora/base"));
     for (setting, double) in SETTINGS {
         let q = read_bnb_4bit(&fixture(&format!("qlora/base_{setting}")), &Device::Cpu).unwrap();
         let quant = |p: &str, i: usize, o: usize| q.quant(p, i, o);
-        let (model, trainable) = trainer::lora::adapt_quantized(
-            q.config.as_ref(),
-            &q.params,
-            &quant,
-            &adapter.config,
-            Some(&adapter),
-            DType::F32,
-            0,
-        )
-        .unwrap();
+        let (model, trainable) = with_adapter_4bit(q.config.as_ref(), &q.params, &quant, &adapter);
         let e = expected_at(&fixture(&format!("qlora/expected_{setting}.safetensors")));
         for kernels in [Kernels::Fused, Kernels::Reference] {
             let what = format!("{setting} {kernels:?}");
-            let ctx = Ctx::eval().with_kernels(kernels);
-            let logits = model.forward(&e.idx, &ctx).unwrap();
-            let r = rel(&logits, &e.logits);
-            assert!(r < 1e-5, "{what}: logits differ from PEFT's by {r:e}");
-            let loss = model.loss(&e.idx, &e.targets, &ctx).unwrap();
-            let l = loss.mean.to_scalar::<f32>().unwrap();
-            assert!((l - e.loss).abs() < 1e-5, "{what}: loss {l} vs {}", e.loss);
-            let grads = loss.mean.backward().unwrap();
-            assert_eq!(trainable.len(), e.grads.len());
-            for (name, var) in trainable.iter() {
-                let g = grads.get(var.as_tensor()).expect("a gradient");
-                let r = rel(g, &e.grads[name]);
-                assert!(r < 1e-4, "{what} {name}: gradient differs by {r:e}");
-            }
+            check_against(model.as_ref(), &trainable, &e, kernels, &what);
         }
         // The f32 base quantized on load, layer by layer: the same model, the same loss bits.
         let settings = Nf4Settings {
@@ -136,16 +122,7 @@ fn step_matches_peft_over_bitsandbytes() {
             ..Nf4Settings::default()
         };
         let quant = nf4_on_load(&base, &settings);
-        let (on_load, _) = trainer::lora::adapt_quantized(
-            config.as_ref(),
-            &base,
-            &quant,
-            &adapter.config,
-            Some(&adapter),
-            DType::F32,
-            0,
-        )
-        .unwrap();
+        let (on_load, _) = with_adapter_4bit(config.as_ref(), &base, &quant, &adapter);
         let loss = |m: &dyn trainer::model::Model| {
             let l = m.loss(&e.idx, &e.targets, &Ctx::eval()).unwrap();
             l.mean.to_scalar::<f32>().unwrap().to_bits()
@@ -171,16 +148,7 @@ fn bf16_step_is_close_to_pefts() {
     let adapter = Adapter::load(&fixture("lora/adapter_plain"), &Device::Cpu).unwrap();
     let q = read_bnb_4bit(&fixture("qlora/base_dq"), &Device::Cpu).unwrap();
     let quant = |p: &str, i: usize, o: usize| q.quant(p, i, o);
-    let (model, trainable) = trainer::lora::adapt_quantized(
-        q.config.as_ref(),
-        &q.params,
-        &quant,
-        &adapter.config,
-        Some(&adapter),
-        DType::F32,
-        0,
-    )
-    .unwrap();
+    let (model, trainable) = with_adapter_4bit(q.config.as_ref(), &q.params, &quant, &adapter);
     let bf16 = model
         .map(&|t: &Tensor| match t.dtype() {
             DType::F32 => t.to_dtype(DType::BF16),
@@ -214,10 +182,7 @@ fn merge_is_pefts_merge_and_unload_on_a_4bit_base() {
     // (what `export --merge` of a QLoRA run writes), rounded to bf16: equal values, up to the
     // f32 sum of the update (r = 8 products, which could move a value across an NF4 midpoint;
     // none does here).
-    let (config, base) = ModelDir::at(fixture("lora/base"))
-        .unwrap()
-        .load(&Device::Cpu)
-        .unwrap();
+    let (config, base) = load_dir(&fixture("lora/base"));
     let adapter = Adapter::load(&fixture("lora/adapter_plain"), &Device::Cpu).unwrap();
     let settings = Nf4Settings {
         double: true,

@@ -7,43 +7,23 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use candle_core::{Device, Tensor};
-use common::{assert_same_steps, finish, run_to_end, tiny_config, weights};
+use candle_core::Device;
+use common::{
+    assert_same_steps, finish, loaded_model_gap, lora_base, lora_config, max_abs_diff, run_to_end,
+    weights,
+};
 use trainer::config::{BaseQuant, TrainConfig};
-use trainer::data::DataKind;
 use trainer::load::ModelDir;
-use trainer::model::Ctx;
 use trainer::train::Trainer;
 
-fn base_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora/base")
-}
-
-/// A QLoRA run over the tiny base on a char corpus (as `lora_train.rs`'s LoRA run).
+/// A QLoRA run over the tiny base on a char corpus (`lora_train.rs`'s LoRA run, the base in 4 bits).
 fn qlora_config(tmp: &Path, quant: BaseQuant) -> TrainConfig {
-    let text = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/tinyshakespeare.txt"),
-    )
-    .unwrap();
-    let corpus = tmp.join("corpus.txt");
-    std::fs::write(&corpus, &text[..20_000]).unwrap();
     TrainConfig {
-        init_from: Some(base_dir().display().to_string()),
-        data: DataKind::Char,
-        data_path: Some(corpus),
-        lora_r: 4,
-        lora_alpha: 8.0,
-        lora_dropout: 0.1,
         base_quant: quant,
         base_quant_double: true,
-        lr: 1e-2,
-        weight_decay: 0.0,
-        max_iters: 6,
-        lr_decay_iters: Some(6),
-        eval_interval: 3,
-        ..tiny_config(&tmp.join("run"))
+        ..lora_config(tmp, &lora_base())
     }
 }
 
@@ -98,21 +78,7 @@ fn a_qlora_checkpoint_loads_merged_into_the_dequantized_base() {
         ..qlora_config(tmp.path(), BaseQuant::Nf4)
     };
     let t = common::train(cfg);
-    let x = Tensor::new(&[[1u32, 5, 9, 13, 17, 21, 25, 29]], &Device::Cpu).unwrap();
-    let want = t.model.forward(&x, &Ctx::eval()).unwrap();
-    let loaded = ModelDir::open(&tmp.path().join("run").display().to_string())
-        .unwrap()
-        .load_model(&Device::Cpu)
-        .unwrap();
-    let got = loaded.forward(&x, &Ctx::eval()).unwrap();
-    let d = (got - &want)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let d = loaded_model_gap(&t, &tmp.path().join("run"));
     // (W_deq + s B A) x vs W_deq x + s B (A x): f32 rounding only (merged into the f32 base
     // instead, the logits move by the quantization error: by 3.1 here).
     assert!(d < 1e-5, "{d}");
@@ -139,7 +105,7 @@ fn export_merge_writes_pefts_merge_and_unload() {
     trainer::export::export(&run, &out, &options).unwrap();
     let written =
         candle_core::safetensors::load(out.join("model.safetensors"), &Device::Cpu).unwrap();
-    let (config, base) = ModelDir::at(base_dir())
+    let (config, base) = ModelDir::at(lora_base())
         .unwrap()
         .load(&Device::Cpu)
         .unwrap();
@@ -159,8 +125,7 @@ fn export_merge_writes_pefts_merge_and_unload() {
     assert_eq!(written.len(), want.len());
     for (name, v) in want.iter() {
         let (a, b) = (&written[name], v.as_tensor());
-        let same = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-        assert_eq!(same.to_scalar::<f32>().unwrap(), 0.0, "{name}");
+        assert_eq!(max_abs_diff(a, b), 0.0, "{name}");
     }
 }
 

@@ -88,6 +88,15 @@ fn record(record: Value) -> Record {
         .clone()
 }
 
+/// The record of case `c`'s prompt and its completion field `completion`, encoded.
+fn prompt_completion(enc: &SftEncoder, c: &Value, completion: &str) -> Example {
+    let rec = record(serde_json::json!({
+        "prompt": c["prompt"],
+        "completion": c[completion],
+    }));
+    enc.encode_record(&rec).unwrap()
+}
+
 fn counted_ids(ex: &Example) -> Vec<u32> {
     ex.tokens
         .iter()
@@ -254,19 +263,12 @@ fn prompt_completion_masks_equal_trl() {
     for style in STYLES {
         let enc = encoder(style);
         let c = sft_case(style, "prompt_completion");
-        let rec = record(serde_json::json!({
-            "prompt": c["prompt"],
-            "completion": c["completion"],
-        }));
-        let ex = enc.encode_record(&rec).unwrap();
+        let ex = prompt_completion(&enc, &c, "completion");
         assert_eq!(ex.tokens, ids(&c["input_ids"]), "{style}: input ids");
         assert_eq!(ex.counted, mask(&c["completion_mask"]), "{style}: mask");
         // A completion that already ends with the EOS does not get a second one.
-        let rec = record(serde_json::json!({
-            "prompt": c["prompt"],
-            "completion": c["completion_with_eos"],
-        }));
-        assert_eq!(enc.encode_record(&rec).unwrap(), ex, "{style}: EOS once");
+        let again = prompt_completion(&enc, &c, "completion_with_eos");
+        assert_eq!(again, ex, "{style}: EOS once");
     }
 }
 
@@ -275,11 +277,7 @@ fn conversational_prompt_completion_masks_equal_trl() {
     for style in STYLES {
         let enc = encoder(style);
         let c = sft_case(style, "prompt_completion_conversational");
-        let rec = record(serde_json::json!({
-            "prompt": c["prompt"],
-            "completion": c["completion"],
-        }));
-        let ex = enc.encode_record(&rec).unwrap();
+        let ex = prompt_completion(&enc, &c, "completion");
         assert_eq!(ex.tokens, ids(&c["input_ids"]), "{style}: input ids");
         assert_eq!(ex.counted, mask(&c["completion_mask"]), "{style}: mask");
         let prompt = enc.render(&messages(&c["prompt"]), true).unwrap();

@@ -16,7 +16,7 @@ use std::time::Duration;
 use candle_comm::run_threads;
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
-use common::{run_to_end, tiny_config};
+use common::{max_abs, max_abs_diff, run_to_end, tiny_config};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use trainer::config::{Arch, TrainConfig};
@@ -131,15 +131,7 @@ fn grads_rel(t: &Trainer, a: &GradStore, b: &GradStore) -> f32 {
     let mut worst = 0f32;
     for (_, v) in t.params.iter() {
         let (x, y) = (a.get(v.as_tensor()).unwrap(), b.get(v.as_tensor()).unwrap());
-        let d = (x - y).unwrap().abs().unwrap().max_all().unwrap();
-        let m = y
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        worst = worst.max(d.to_scalar::<f32>().unwrap() / m.max(1e-12));
+        worst = worst.max(max_abs_diff(x, y) / max_abs(y).max(1e-12));
     }
     worst
 }

@@ -39,7 +39,8 @@
 //!    from `t.storage_and_layout()` + [`cuda_of`], the gradients from `Output`s launched into
 //!    and turned into tensors with [`Output::into_tensor`] (`Tensor::from_storage`; no graph:
 //!    gradients are leaves), so the backward kernels need no second custom op.
-//! 4. A case in `tests/cuda_triton/` (a module per family: the committed vectors, the family's `TOL`).
+//! 4. The family in `tests/families/` (its cases and `TOL`; its line in `FAMILIES` there): the
+//!    committed vectors, run by `tests/cuda_triton/` on the GPU.
 //!
 //! A kernel that overwrites one of its inputs (`ce_fwd_bwd` turning a chunk's logits into
 //! their gradient, `src/linear_cross_entropy/cuda.rs`) gets the tensor's storage mutably from

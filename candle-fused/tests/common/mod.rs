@@ -62,6 +62,31 @@ impl Lcg31 {
     }
 }
 
+/// The two tests of a fused op against its composite at every precision, through the test
+/// file's `compare(dtype, tolerance, rng)`: `matches_composite_f64_f32` (f64 within 1e-12, then
+/// f32 within 1e-5, one generator seeded 1) and `half_precision_close_to_f32` (bf16 within
+/// 2e-2, then f16 within 4e-3, seeded 2).
+#[allow(unused_macros)] // used by some of the test crates that include this module
+macro_rules! composite_precision_tests {
+    ($compare:ident) => {
+        #[test]
+        fn matches_composite_f64_f32() -> anyhow::Result<()> {
+            let mut rng = $crate::common::Lcg(1);
+            $compare(candle_core::DType::F64, 1e-12, &mut rng)?;
+            $compare(candle_core::DType::F32, 1e-5, &mut rng)
+        }
+
+        #[test]
+        fn half_precision_close_to_f32() -> anyhow::Result<()> {
+            let mut rng = $crate::common::Lcg(2);
+            $compare(candle_core::DType::BF16, 2e-2, &mut rng)?;
+            $compare(candle_core::DType::F16, 4e-3, &mut rng)
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use composite_precision_tests;
+
 /// A tensor of `dt` with values uniform in [-1, 1) times `scale`, plus `shift`.
 pub fn rand(shape: &[usize], dt: DType, rng: &mut Lcg, scale: f64, shift: f64) -> Result<Tensor> {
     let n: usize = shape.iter().product();

@@ -32,22 +32,19 @@
 //! * Triton off (the composite fallback): no launch, and within twice the tolerance of the
 //!   Triton outputs (both are within the tolerance of the CPU kernel's vector).
 //!
-//! Adding a family: write its `run` (inputs from the vector file, moved to the device; the op
-//! forward and backward; outputs by the names the vector file uses) and add a [`Case`] (its
-//! `name` names its trials) to [`cases`]. A checked output that a vector file lacks
-//! (LayerNorm's `db` without a bias) must be missing from the run's outputs too, and is then
-//! not compared for that file. Where the
-//! composite fallback is held to another tolerance than the kernels (the families whose kernels
-//! are bit-identical to the CPU's), list it in the family module's `FALLBACK` (see
-//! [`fallback_tol`]).
+//! The families, their tolerances and how each runs come from the one registry of the Triton
+//! tests, `tests/families` ([`families::FAMILIES`]); adding a family is an entry there. A checked
+//! output that a vector file lacks (LayerNorm's `db` without a bias) must be missing from the
+//! run's outputs too, and is then not compared for that file. Where the composite fallback is
+//! held to another tolerance than the kernels (the families whose kernels are bit-identical to
+//! the CPU's), the entry's `fallback` says so.
 
-use anyhow::{bail, ensure, Context, Result};
-use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use anyhow::{bail, ensure, Result};
+use candle_core::{DType, Device, Tensor, WithDType};
 use candle_fused::cuda_kernels::{launch_count, set_triton};
+use families::{input, tol_index, Against, Family, Mode, Outputs, FAMILIES};
 use libtest_mimic::{Arguments, Trial};
 use runner::{check_each, file_label, vector_files, vectors_dir, VECTORS_ENV};
-use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -72,147 +69,19 @@ impl Drop for Exclusive {
     }
 }
 
-/// How an output's error is measured (`ERROR` in `triton/<family>.py`).
-#[derive(Clone, Copy, Debug)]
-#[allow(dead_code)] // the measures of the families still to come
-enum Mode {
-    /// The number of elements whose values differ (bit-exact results: tolerance 0).
-    Exact,
-    /// max |got - want| / max |want| of the same row (last dimension).
-    Row,
-    /// max |got - want| / max |want| of the whole tensor.
-    Tensor,
-    /// max |got - want| / |want|, elementwise.
-    Elem,
-    /// max |got - want|.
-    Abs,
-}
-
-/// One compared output: its name in the vector file, its error measure, its tolerance for f32,
-/// bf16 and f16.
-struct Check {
-    name: &'static str,
-    mode: Mode,
-    tol: [f64; 3],
-}
-
-type Outputs = Vec<(&'static str, Tensor)>;
-
-/// One kernel family (or, where one family's vectors check two ops, one op).
-struct Case {
-    /// The trials' name: `on_cuda::<name>`, `harness_on_the_cpu::<name>`.
-    name: &'static str,
-    /// The vector files' prefix.
-    family: &'static str,
-    checks: &'static [Check],
-    /// The op forward + backward on the device over a vector file's tensors.
-    run: fn(&Device, &HashMap<String, Tensor>) -> Result<Outputs>,
-    /// Triton kernels one `run` launches (forward and backward) on a vector file's tensors.
-    launches: fn(&HashMap<String, Tensor>) -> Result<u64>,
-    /// `harness_on_the_cpu`'s tolerance for the composite on the CPU, in multiples of the
-    /// family's, for f32, bf16, f16: 1 unless Candle's CPU ops round where its CUDA ops do not.
-    cpu_composite: [f64; 3],
-}
-
 mod attention;
-mod cross_entropy;
-mod elementwise;
-mod embedding;
-mod norm;
-mod rope;
+#[path = "../common/mod.rs"]
+mod common;
+#[path = "../families/mod.rs"]
+mod families;
 mod runner;
 
-fn cases() -> Vec<Case> {
-    let mut cases = vec![
-        Case {
-            name: "rms_norm",
-            family: "rms_norm",
-            checks: norm::RMS_NORM,
-            run: norm::rms_norm,
-            launches: |_| Ok(3),
-            cpu_composite: [1.0; 3],
-        },
-        Case {
-            name: "layer_norm",
-            family: "layer_norm",
-            checks: norm::LAYER_NORM,
-            run: norm::layer_norm,
-            // forward, dx (+ partial sums), the dw reduction and, with a bias, the db one
-            launches: |t| Ok(if t.contains_key("b") { 4 } else { 3 }),
-            cpu_composite: [1.0; 3],
-        },
-        Case {
-            name: "rope",
-            family: "rope",
-            checks: rope::ROPE,
-            run: rope::rope,
-            launches: |_| Ok(2),
-            cpu_composite: [1.0; 3],
-        },
-        Case {
-            name: "attention",
-            family: "attention",
-            checks: attention::ATTENTION,
-            run: attention::attention,
-            // attn_fwd; attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq
-            launches: |_| Ok(4),
-            cpu_composite: [1.0; 3],
-        },
-        Case {
-            name: "cross_entropy",
-            family: "cross_entropy",
-            checks: cross_entropy::CROSS_ENTROPY,
-            run: cross_entropy::cross_entropy,
-            launches: |_| Ok(2),
-            cpu_composite: [1.0; 3],
-        },
-        Case {
-            name: "linear_cross_entropy",
-            family: "cross_entropy",
-            checks: cross_entropy::LINEAR_CROSS_ENTROPY,
-            run: cross_entropy::linear_cross_entropy,
-            launches: cross_entropy::lce_chunks,
-            // Candle's f16 matmul on the CPU (the gemm crate) rounds its f32 partial sums to f16
-            // between blocks of the summed dimension (dx = G W sums V = 777 and 8311 classes);
-            // cuBLAS, on the path this stands for, rounds once
-            cpu_composite: [1.0, 1.0, 4.0],
-        },
-    ];
-    cases.extend(elementwise::cases());
-    cases.extend(embedding::cases());
-    cases
-}
-
-/// The tolerances `tol` of a check for the Triton kernels (`Kernels`) or for the composite
-/// fallback (`Fallback`: the family's `FALLBACK` entry, else the kernels' own).
-#[derive(Clone, Copy)]
-enum Against {
-    Kernels,
-    Fallback,
-}
-
-fn fallback_tol(family: &str, check: &Check) -> [f64; 3] {
-    elementwise::FALLBACK
-        .iter()
-        .find(|(f, n, _)| *f == family && *n == check.name)
-        .map_or(check.tol, |(_, _, tol)| *tol)
-}
-
-fn input(t: &HashMap<String, Tensor>, name: &str, dev: &Device) -> Result<Tensor> {
-    let v = t.get(name).with_context(|| format!("no tensor {name:?}"))?;
-    Ok(v.to_device(dev)?)
-}
-
-fn grad(g: &GradStore, v: &Var) -> Result<Tensor> {
-    g.get(v.as_tensor()).cloned().context("no gradient")
-}
-
-fn tol_index(dt: DType) -> usize {
-    match dt {
-        DType::BF16 => 1,
-        DType::F16 => 2,
-        _ => 0,
-    }
+/// `t`'s elements on the host, converted to `T`.
+fn host<T: WithDType>(t: &Tensor) -> Result<Vec<T>> {
+    Ok(t.to_device(&Device::Cpu)?
+        .to_dtype(T::DTYPE)?
+        .flatten_all()?
+        .to_vec1()?)
 }
 
 /// The error of `got` against `want` as `mode` measures it.
@@ -224,13 +93,7 @@ fn error(mode: Mode, got: &Tensor, want: &Tensor) -> Result<f64> {
         want.dims()
     );
     let c = want.dims().last().copied().unwrap_or(1).max(1);
-    let f = |t: &Tensor| -> Result<Vec<f64>> {
-        Ok(t.to_device(&Device::Cpu)?
-            .to_dtype(DType::F64)?
-            .flatten_all()?
-            .to_vec1()?)
-    };
-    let (g, w) = (f(got)?, f(want)?);
+    let (g, w) = (host::<f64>(got)?, host::<f64>(want)?);
     let tensor_max = w.iter().fold(0f64, |m, v| m.max(v.abs()));
     if let Mode::Exact = mode {
         // a NaN differs from everything, itself included
@@ -261,7 +124,7 @@ fn error(mode: Mode, got: &Tensor, want: &Tensor) -> Result<f64> {
 
 /// Every output of `case` within `scale` times its tolerance of `want`'s (by name).
 fn compare(
-    case: &Case,
+    case: &Family,
     dt: DType,
     got: &Outputs,
     want: &Outputs,
@@ -289,11 +152,7 @@ fn compare(
                 }
             ),
         };
-        let tol = match against {
-            Against::Kernels => check.tol,
-            Against::Fallback => fallback_tol(case.family, check),
-        };
-        let tol = scale * tol[tol_index(dt)];
+        let tol = scale * case.tol(check, against)[tol_index(dt)];
         let e = error(check.mode, &g, &w)?;
         eprintln!(
             "  {what} {}: {:?} error {e:.3e} (tolerance {tol:.3e})",
@@ -310,7 +169,7 @@ fn compare(
 }
 
 /// The checked outputs the vector file holds.
-fn references(case: &Case, t: &HashMap<String, Tensor>) -> Result<Outputs> {
+fn references(case: &Family, t: &families::Tensors) -> Result<Outputs> {
     case.checks
         .iter()
         .filter(|c| t.contains_key(c.name))
@@ -332,13 +191,7 @@ fn same_bits(a: &Outputs, b: &Outputs) -> Result<bool> {
             x.dims(),
             y.dims()
         );
-        let bits = |t: &Tensor| -> Result<Vec<f32>> {
-            Ok(t.to_device(&Device::Cpu)?
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1()?)
-        };
-        let (x, y) = (bits(x)?, bits(y)?);
+        let (x, y) = (host::<f32>(x)?, host::<f32>(y)?);
         if x.iter().zip(&y).any(|(p, q)| p.to_bits() != q.to_bits()) {
             return Ok(false);
         }
@@ -349,7 +202,7 @@ fn same_bits(a: &Outputs, b: &Outputs) -> Result<bool> {
 /// Triton on CUDA for one vector file of `case`: within the tolerance of the vector, the
 /// expected launches, bit-identical when run again; the composite fallback (Triton off)
 /// without launches and within twice the tolerance of the kernels.
-fn on_cuda_file(case: &Case, dev: &Device, path: &Path, dt: DType) -> Result<()> {
+fn on_cuda_file(case: &Family, dev: &Device, path: &Path, dt: DType) -> Result<()> {
     let label = file_label(path);
     eprintln!("{}", path.display());
     let t = candle_core::safetensors::load(path, &Device::Cpu)?;
@@ -392,7 +245,7 @@ fn on_cuda_file(case: &Case, dev: &Device, path: &Path, dt: DType) -> Result<()>
 
 /// The same case on the CPU for one vector file: the CPU kernel (which wrote the vector) and
 /// the composite fallback (the path CUDA takes with Triton off), each within the tolerance.
-fn cpu_file(case: &Case, path: &Path, dt: DType) -> Result<()> {
+fn cpu_file(case: &Family, path: &Path, dt: DType) -> Result<()> {
     let label = file_label(path);
     eprintln!("{}", path.display());
     let t = candle_core::safetensors::load(path, &Device::Cpu)?;
@@ -420,7 +273,7 @@ fn cpu_file(case: &Case, path: &Path, dt: DType) -> Result<()> {
 
 /// Every vector file of `case` through `file`, all of them whatever fails.
 fn each_file(
-    case: &Case,
+    case: &Family,
     dir: &Path,
     mut file: impl FnMut(&Path, DType) -> Result<()>,
 ) -> Result<()> {
@@ -430,7 +283,7 @@ fn each_file(
 
 /// What one trial checks, on CUDA and (its `harness_on_the_cpu` twin) on the CPU.
 enum Work {
-    Case(Case),
+    Case(&'static Family),
     /// [`attention::attention_layouts`].
     AttentionLayouts,
 }
@@ -479,8 +332,8 @@ fn main() {
         Path::new(env!("CARGO_MANIFEST_DIR")),
     )
     .map_err(|e| format!("{e:#}"));
-    let work: Vec<Arc<Work>> = cases()
-        .into_iter()
+    let work: Vec<Arc<Work>> = FAMILIES
+        .iter()
         .map(Work::Case)
         .chain([Work::AttentionLayouts])
         .map(Arc::new)

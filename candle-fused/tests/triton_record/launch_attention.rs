@@ -27,21 +27,14 @@ fn attention_launches() -> Result<()> {
     use Arg::{Null, Tensor as T, F32, I32};
     let (b, h, kv, n, d) = (2usize, 6usize, 2usize, 70usize, 64usize);
     let cfg = attn_cfg();
-    let cfg_args = [
-        F32(0.125),
-        I32(1),
-        I32(20),
-        F32(0.2),
-        F32(1.25),
-        I32(0x9abc_def0_u32 as i32),
-        I32(0x1234_5678),
-        I32(3),
-        I32(5),
-        I32(1_000_003),
-        I32(0),
-        Null,
-        Null,
-    ];
+    // the scalars in order, then the two scratch pointers
+    let cfg_args: Vec<Arg> = (cfg.iter())
+        .map(|s| match *s {
+            Scalar::F32(v) => F32(v),
+            Scalar::I32(v) => I32(v),
+        })
+        .chain([Null, Null])
+        .collect();
     let dims = [I32(6), I32(2), I32(70), I32(64)];
     for (dt, block) in [
         (DType::F32, BLOCK_F32),
@@ -326,7 +319,7 @@ fn attention_vectors_cover_every_build() -> Result<()> {
                 ensure!(
                     seen.contains(&(entry, dt)),
                     "no attention vector case runs {entry} in {dt:?}: add one to \
-                     tests/triton_vectors/attention.rs"
+                     tests/families/attention.rs"
                 );
             }
         }

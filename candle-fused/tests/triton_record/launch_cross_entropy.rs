@@ -5,9 +5,20 @@ use super::*;
 /// `ignore_index` (none: -1) and `scale` of the cross-entropy kernels.
 const CE_SCALARS: &[Scalar] = &[Scalar::I32(-1), Scalar::F32(0.25)];
 
+/// The `.entry` arguments of a cross-entropy kernel on `tensors` tensors: the tensors in order,
+/// R = 37, V = 50257, `ignore_index` -1, `scale` where the kernel takes one, the two scratch
+/// pointers.
+fn ce_args(tensors: usize, scale: Option<f32>) -> Vec<Arg> {
+    (0..tensors)
+        .map(Arg::Tensor)
+        .chain([Arg::I32(37), Arg::I32(50257), Arg::I32(-1)])
+        .chain(scale.map(Arg::F32))
+        .chain([Arg::Null, Arg::Null])
+        .collect()
+}
+
 #[test]
 fn check_launch_cross_entropy() -> Result<()> {
-    use Arg::{Null, Tensor as T, F32, I32};
     // a GPT-2 vocabulary: 13 blocks of BLOCK_V, the last partial; R odd
     let (r, v) = (37usize, 50257usize);
     assert_eq!(v.div_ceil(cross_entropy::BLOCK_V), 13);
@@ -25,21 +36,7 @@ fn check_launch_cross_entropy() -> Result<()> {
         let l = check_launch(fwd, &fwd_args, &CE_SCALARS[..1])?;
         assert_eq!((l.grid, l.block), ([37, 1, 1], [256, 1, 1]));
         assert_eq!(l.shared_bytes, [32; 2]);
-        assert_eq!(
-            l.args,
-            [
-                T(0),
-                T(1),
-                T(2),
-                T(3),
-                T(4),
-                I32(37),
-                I32(50257),
-                I32(-1),
-                Null,
-                Null
-            ]
-        );
+        assert_eq!(l.args, ce_args(5, None));
         // ce_fwd takes no scale
         let e = check_launch(fwd, &fwd_args, CE_SCALARS)
             .unwrap_err()
@@ -56,45 +53,14 @@ fn check_launch_cross_entropy() -> Result<()> {
         ];
         let l = check_launch(bwd, &bwd_args, CE_SCALARS)?;
         assert_eq!((l.grid, l.shared_bytes), ([37, 1, 1], [0; 2]));
-        assert_eq!(
-            l.args,
-            [
-                T(0),
-                T(1),
-                T(2),
-                T(3),
-                T(4),
-                I32(37),
-                I32(50257),
-                I32(-1),
-                F32(0.25),
-                Null,
-                Null
-            ]
-        );
+        assert_eq!(l.args, ce_args(5, Some(0.25)));
 
         let fb = find("ce_fwd_bwd", dt).unwrap();
         let mut fb_args = fwd_args.to_vec();
         fb_args.push(logits.clone()); // DLOGITS: the logits themselves, in place
         let l = check_launch(fb, &fb_args, CE_SCALARS)?;
         assert_eq!(l.grid, [37, 1, 1]);
-        assert_eq!(
-            l.args,
-            [
-                T(0),
-                T(1),
-                T(2),
-                T(3),
-                T(4),
-                T(5),
-                I32(37),
-                I32(50257),
-                I32(-1),
-                F32(0.25),
-                Null,
-                Null
-            ]
-        );
+        assert_eq!(l.args, ce_args(6, Some(0.25)));
         // the gradient has the logits' dtype, the statistics are f32
         let mut a = fb_args.clone();
         a[5] = t(&[r, v], DType::F32);

@@ -18,7 +18,9 @@
 //!   widths) is the cubins' (`cubin_info.rs`);
 //! * `check_launch` accepts a valid launch and rejects misaligned, strided, oversized and
 //!   wrongly typed arguments with a clear error (RMSNorm here; the elementwise families in
-//!   `triton_record/elementwise.rs`).
+//!   `triton_record/elementwise.rs`);
+//! * the registry of the Triton tests (`tests/families`) holds each output to the tolerance and
+//!   measure the interpreter was checked with, and has every family (`registry.rs`).
 
 use anyhow::{anyhow, ensure, Context, Result};
 use candle_core::DType;
@@ -286,8 +288,12 @@ pub(crate) fn t(dims: &[usize], dtype: DType) -> TensorArg {
 
 pub(crate) const EPS: &[Scalar] = &[Scalar::F32(1e-5)];
 
+#[path = "../common/mod.rs"]
+mod common;
 mod cubin_elf;
 mod cubin_info;
+#[path = "../families/mod.rs"]
+mod families;
 mod launch_attention;
 mod launch_cross_entropy;
 mod launch_elementwise;
@@ -295,4 +301,5 @@ mod launch_embedding;
 mod launch_layer_norm;
 mod launch_rms_norm;
 mod launch_rope;
+mod registry;
 mod tiles;

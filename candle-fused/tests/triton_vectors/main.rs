@@ -1,6 +1,7 @@
 //! Writes the test vectors for the Triton kernels (`candle-fused/triton/<family>.py`): inputs
 //! and this crate's CPU kernel outputs and gradients, as safetensors files named
-//! `<family>.<dtype>.<case>.safetensors`, one module per family.
+//! `<family>.<dtype>.<case>.safetensors`, one trial `<family>::write_vectors` per family of
+//! the registry (`tests/families`).
 //!
 //! A no-op unless `WRITE_TRITON_VECTORS=DIR` is set:
 //!
@@ -12,27 +13,18 @@
 //! (a relative DIR is taken from the workspace root). After regenerating, rerun
 //! `scripts/python/triton_interpret_check.py` (the record test checks the files' sha256).
 
-mod adamw;
-mod attention;
 #[path = "../common/mod.rs"]
 mod common;
-mod cross_entropy;
-mod dropout;
-mod embedding;
-mod gelu;
-mod layer_norm;
-mod rms_norm;
-mod rope;
-mod swiglu;
+#[path = "../families/mod.rs"]
+mod families;
 
 use anyhow::Result;
-use candle_core::Tensor;
-use std::collections::HashMap;
+use libtest_mimic::{Arguments, Trial};
 use std::path::PathBuf;
 
 /// The directory named by `WRITE_TRITON_VECTORS` (relative to the workspace root), created;
 /// `None` when unset.
-pub fn out_dir() -> Result<Option<PathBuf>> {
+fn out_dir() -> Result<Option<PathBuf>> {
     let Some(dir) = std::env::var_os("WRITE_TRITON_VECTORS") else {
         return Ok(None);
     };
@@ -47,14 +39,19 @@ pub fn out_dir() -> Result<Option<PathBuf>> {
     Ok(Some(dir))
 }
 
-/// Writes `tensors` to `<dir>/<family>.<dtype>.<case>.safetensors`.
-pub fn write(dir: &std::path::Path, stem: &str, tensors: Vec<(&str, Tensor)>) -> Result<()> {
-    let map: HashMap<String, Tensor> = tensors
-        .into_iter()
-        .map(|(k, t)| (k.to_string(), t))
+fn main() {
+    let args = Arguments::from_args();
+    let trials = families::FAMILIES
+        .iter()
+        .filter_map(|f| Some((f.name, f.write_vectors?)))
+        .map(|(name, write)| {
+            Trial::test(format!("{name}::write_vectors"), move || {
+                let Some(dir) = out_dir()? else {
+                    return Ok(());
+                };
+                write(&dir).map_err(|e| format!("{e:#}").into())
+            })
+        })
         .collect();
-    let path = dir.join(format!("{stem}.safetensors"));
-    candle_core::safetensors::save(&map, &path)?;
-    eprintln!("wrote {}", path.display());
-    Ok(())
+    libtest_mimic::run(&args, trials).exit()
 }

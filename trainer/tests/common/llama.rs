@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use trainer::model::{Rows, IGNORE};
+use trainer::model::{Ctx, Kernels, Model, Params, Rows, IGNORE};
+
+use super::rel;
 
 /// The directory of fixture `case`.
 pub fn fixture(case: &str) -> PathBuf {
@@ -25,6 +27,53 @@ pub struct Expected {
     pub grads: HashMap<String, Tensor>,
     /// Whatever else the file holds, by name.
     pub extra: HashMap<String, Tensor>,
+}
+
+/// Checks `model`, whose trainable tensors are `trainable`, against PEFT's results `e`
+/// with `kernels`: the logits within 1e-5 of theirs (relative to their largest), the loss within
+/// 1e-5, the trainable tensors theirs by name, each gradient within 1e-4 (relative). `what`
+/// names the case in failures. Returns the logits.
+pub fn check_against(
+    model: &dyn Model,
+    trainable: &Params,
+    e: &Expected,
+    kernels: Kernels,
+    what: &str,
+) -> Tensor {
+    let ctx = Ctx::eval().with_kernels(kernels);
+    let logits = model.forward(&e.idx, &ctx).unwrap();
+    let r = rel(&logits, &e.logits);
+    assert!(
+        r < 1e-5,
+        "{what}: logits differ from PEFT's by {r:e} (relative)"
+    );
+    let loss = model.loss(&e.idx, &e.targets, &ctx).unwrap();
+    let l = loss.mean.to_scalar::<f32>().unwrap();
+    assert!(
+        (l - e.loss).abs() < 1e-5,
+        "{what}: loss {l} vs PEFT {}",
+        e.loss
+    );
+    let grads = loss.mean.backward().unwrap();
+    let mut names: Vec<&String> = trainable.iter().map(|(n, _)| n).collect();
+    names.sort();
+    let mut want: Vec<&String> = e.grads.keys().collect();
+    want.sort();
+    assert_eq!(
+        names, want,
+        "{what}: trainable parameters are PEFT's tensors"
+    );
+    for (name, var) in trainable.iter() {
+        let g = grads
+            .get(var.as_tensor())
+            .expect("every adapter tensor has a gradient");
+        let r = rel(g, &e.grads[name]);
+        assert!(
+            r < 1e-4,
+            "{what} {name}: gradient differs by {r:e} (relative)"
+        );
+    }
+    logits
 }
 
 /// Case `case`'s batch (targets shifted as transformers shifts its labels) and results.

@@ -10,10 +10,14 @@ pub mod tiny;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 
-use candle_core::{Tensor, WithDType};
+use candle_core::{DType, Device, Tensor, WithDType};
+use candle_peft::Adapter;
 use tempfile::TempDir;
 use trainer::config::TrainConfig;
+use trainer::data::DataKind;
+use trainer::load::ModelDir;
 use trainer::metrics::StepStats;
+use trainer::model::{Ctx, Model, ModelConfig, Params};
 use trainer::train::{Event, Observer, Trainer};
 
 /// A config small enough for a test: 2 layers, 32 wide, 16 tokens, embedded addition data.
@@ -133,6 +137,95 @@ pub fn values<T: WithDType>(t: &Tensor) -> Vec<T> {
         .unwrap()
         .to_vec1::<T>()
         .unwrap()
+}
+
+/// The largest |element| of `t`, an f32 tensor.
+pub fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// The largest |a - b| over the elements of two f32 tensors of one shape.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    max_abs(&(a - b).unwrap())
+}
+
+/// The largest |a - b| over the largest |b| (a relative error at `b`'s scale; the scale is
+/// floored at 1e-30 so that `b = 0` gives a large error, not a NaN).
+pub fn rel(a: &Tensor, b: &Tensor) -> f32 {
+    max_abs_diff(a, b) / max_abs(b).max(1e-30)
+}
+
+/// The largest |logit| difference, on a fixed 8-token prompt, between `t`'s model and the model
+/// its run directory `run` loads for inference (a LoRA run's adapters merged into its base).
+pub fn loaded_model_gap(t: &Trainer, run: &Path) -> f32 {
+    let x = Tensor::new(&[[1u32, 5, 9, 13, 17, 21, 25, 29]], &Device::Cpu).unwrap();
+    let want = t.model.forward(&x, &Ctx::eval()).unwrap();
+    let loaded = ModelDir::open(&run.display().to_string())
+        .unwrap()
+        .load_model(&Device::Cpu)
+        .unwrap();
+    let got = loaded.forward(&x, &Ctx::eval()).unwrap();
+    max_abs_diff(&got, &want)
+}
+
+/// The tiny Llama base of the LoRA fixtures (`tests/fixtures/lora/base`).
+pub fn lora_base() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora/base")
+}
+
+/// A LoRA run over `base` on a char corpus (65 ids; the base embeds 128).
+pub fn lora_config(tmp: &Path, base: &Path) -> TrainConfig {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/tinyshakespeare.txt"),
+    )
+    .unwrap();
+    let corpus = tmp.join("corpus.txt");
+    std::fs::write(&corpus, &text[..20_000]).unwrap();
+    TrainConfig {
+        init_from: Some(base.display().to_string()),
+        data: DataKind::Char,
+        data_path: Some(corpus),
+        lora_r: 4,
+        lora_alpha: 8.0,
+        lora_dropout: 0.1,
+        lr: 1e-2,
+        weight_decay: 0.0,
+        max_iters: 6,
+        lr_decay_iters: Some(6),
+        eval_interval: 3,
+        ..tiny_config(&tmp.join("run"))
+    }
+}
+
+/// The model configuration and parameters of the HF directory or checkpoint `dir`, on the CPU.
+pub fn load_dir(dir: &Path) -> (Box<dyn ModelConfig>, Params) {
+    ModelDir::at(dir.to_path_buf())
+        .unwrap()
+        .load(&Device::Cpu)
+        .unwrap()
+}
+
+/// `config`'s model over `params` with the PEFT `adapter` applied (f32, seed 0), and its
+/// trainable adapter tensors.
+pub fn with_adapter(
+    config: &dyn ModelConfig,
+    params: &Params,
+    adapter: &Adapter,
+) -> (Box<dyn Model>, Params) {
+    trainer::lora::adapt(
+        config,
+        params,
+        &adapter.config,
+        Some(adapter),
+        DType::F32,
+        0,
+    )
+    .unwrap()
 }
 
 /// All parameters as (name, flattened f32 values).

@@ -1,19 +1,13 @@
-//! Creating the NCCL communicators of an [`NcclComm`], and the streams of its point-to-point
-//! links.
+//! The point-to-point links of an [`NcclComm`](super::NcclComm): per peer, two two-rank NCCL
+//! communicators, each on a CUDA stream of its own.
 
-use std::cell::RefCell;
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::cuda::cudarc::driver::{sys, CudaContext, CudaStream};
 use candle_core::cuda::cudarc::nccl::{Comm, Id};
 use candle_core::cuda::CudaDevice;
-use candle_core::Device;
 
 use super::buf::nccl_text;
-use super::setup::{IdBlob, Notice, Watchdog};
-use super::{init_error, NcclBuilder, NcclComm};
-use crate::error::Result;
 
 /// A CUDA stream created for one point-to-point communicator and destroyed with it.
 ///
@@ -71,81 +65,15 @@ pub(super) struct Link {
     pub(super) recv: Half,
 }
 
-impl NcclComm {
-    /// Creates the communicators (bounded by a watchdog: NCCL's setup calls block).
-    pub(super) fn connect(
-        opts: &NcclBuilder,
-        device: Device,
-        rank: usize,
-        blob: &IdBlob,
-        notice: Option<Notice>,
-    ) -> Result<Self> {
-        let world = blob.world;
-        let cuda = device
-            .as_cuda_device()
-            .map_err(|e| init_error(e.to_string()))?
-            .clone();
-        let stream = cuda.cuda_stream();
-        let ctx = stream.context().clone();
-        let _watchdog = Watchdog::arm(
-            opts.timeout,
-            format!(
-                "rank {rank} of {world}: NCCL setup did not finish within {:?} (a rank is \
-                 missing, or read a stale rendezvous file); exiting",
-                opts.timeout
-            ),
-        );
-        let failed = |what: &str, e: String| init_error(format!("rank {rank}: {what}: {e}"));
-        ctx.bind_to_thread()
-            .map_err(|e| failed("binding the CUDA context", format!("{e:?}")))?;
-        let comm = Comm::from_rank(stream.clone(), rank, world, blob.world_id())
-            .map_err(|e| failed("ncclCommInitRank (world)", nccl_text(&e)))?;
-        // Ordered pairs in one global order: both members of the pair being set up are always
-        // there (they finished every earlier pair), so no rank waits on a rank that waits on it.
-        let mut halves: Vec<[Option<Half>; 2]> = (0..world).map(|_| [None, None]).collect();
-        for from in 0..world {
-            for to in 0..world {
-                if from == to || (rank != from && rank != to) {
-                    continue;
-                }
-                let Some(id) = blob.pair(from, to) else {
-                    continue;
-                };
-                let what = format!("point-to-point link {from} -> {to}");
-                let half = Half::connect(&cuda, rank == from, id).map_err(|e| failed(&what, e))?;
-                let (slot, peer) = if rank == from { (0, to) } else { (1, from) };
-                halves[peer][slot] = Some(half);
-            }
-        }
-        let links = halves
-            .into_iter()
-            .map(|h| match h {
-                [Some(send), Some(recv)] => Some(Link { send, recv }),
-                _ => None,
-            })
-            .collect();
-        Ok(Self {
-            rank,
-            size: world,
-            timeout: opts.timeout,
-            p2p: blob.p2p,
-            device,
-            cuda,
-            stream,
-            comm: RefCell::new(Some(comm)),
-            links: RefCell::new(links),
-            mailbox: RefCell::new(HashMap::new()),
-            in_flight: RefCell::new(Vec::new()),
-            notice,
-        })
-    }
-}
-
 impl Half {
     /// Joins the two-rank communicator `id` as its sender (rank 0) or receiver (rank 1), on a
     /// new stream, and connects it with one tiny transfer: NCCL connects lazily, and a first
     /// send would otherwise wait on the host for the peer's first receive.
-    fn connect(cuda: &CudaDevice, sending: bool, id: Id) -> std::result::Result<Self, String> {
+    pub(super) fn connect(
+        cuda: &CudaDevice,
+        sending: bool,
+        id: Id,
+    ) -> std::result::Result<Self, String> {
         let main = cuda.cuda_stream();
         let (raw, stream) = RawStream::new(main.context())?;
         let comm = Comm::from_rank(stream.clone(), usize::from(!sending), 2, id)

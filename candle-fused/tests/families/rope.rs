@@ -7,21 +7,22 @@
 //! kernel's blocks of 512 (the last one masked). Positions reach a few thousand and the
 //! frequencies are Llama's (`theta = 10000`), so the angles cover many turns.
 
+use super::{
+    forward_backward, input, write_each, Check, Family, Mode, Outputs, Tensors, ALL_DTYPES, EXACT,
+};
 use crate::common::Lcg;
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use candle_fused::rope::{rope, rope_tables};
+use std::path::Path;
+
+pub(crate) const FAMILY: Family = Family::new("rope", ROPE, run, |_| Ok(2), write_vectors);
 
 /// `(B, T, H, D, tables per batch row)`.
 const CASES: [(usize, usize, usize, usize, bool); 3] = [
     (2, 7, 3, 10, true),
     (3, 5, 5, 6, false),
     (1, 3, 13, 160, true),
-];
-const DTYPES: [(DType, &str); 3] = [
-    (DType::F32, "f32"),
-    (DType::BF16, "bf16"),
-    (DType::F16, "f16"),
 ];
 
 fn uniform(shape: &[usize], dt: DType, rng: &mut Lcg) -> Result<Tensor> {
@@ -53,11 +54,7 @@ fn vectors(
         Tensor::arange(3000u32, 3000 + t as u32, &dev)?
     };
     let (cos, sin) = rope_tables(&pos, &inv_freq)?;
-    let xv = Var::from_tensor(&x)?;
-    let y = rope(xv.as_tensor(), &cos, &sin)?;
-    // d(sum(y * dy))/dy = dy exactly, so dx is the backward of `dy`.
-    let g = (&y * &dy)?.sum_all()?.backward()?;
-    let dx = g.get(xv.as_tensor()).expect("dx").clone();
+    let (y, [dx]) = forward_backward([&x], &dy, |[x]| rope(x, &cos, &sin))?;
     Ok(vec![
         ("x", x),
         ("dy", dy),
@@ -68,18 +65,35 @@ fn vectors(
     ])
 }
 
-#[test]
-fn write_vectors() -> Result<()> {
-    let Some(dir) = crate::out_dir()? else {
-        return Ok(());
+fn write_vectors(dir: &Path) -> Result<()> {
+    let label = |&(b, t, h, d, per_batch): &(usize, usize, usize, usize, bool)| {
+        let tables = if per_batch { "batch" } else { "shared" };
+        format!("{b}x{t}x{h}x{d}-{tables}")
     };
-    for (k, (dt, name)) in DTYPES.into_iter().enumerate() {
-        for (s, case) in CASES.into_iter().enumerate() {
-            let t = vectors(case, dt, 3000 + 10 * k as u64 + s as u64)?;
-            let (b, tt, h, d, per_batch) = case;
-            let tables = if per_batch { "batch" } else { "shared" };
-            crate::write(&dir, &format!("rope.{name}.{b}x{tt}x{h}x{d}-{tables}"), t)?;
-        }
-    }
-    Ok(())
+    write_each(
+        dir,
+        "rope",
+        3000,
+        &CASES,
+        |_| ALL_DTYPES,
+        label,
+        |&case, dt, seed| vectors(case, dt, seed),
+    )
+}
+
+// rope (triton/rope.py TOL, ERROR): exact, every dtype: each output is one rounding of
+// `a * c -/+ b * s` computed in f32 with the same operations in the same order on both sides
+// (two products, one add or subtract, no FMA: the cubins are compiled without contraction).
+// The composite fallback on CUDA (separate mul, neg, add kernels) computes the same roundings.
+const ROPE: &[Check] = &[
+    Check::new("y", Mode::Exact, EXACT),
+    Check::new("dx", Mode::Exact, EXACT),
+];
+
+fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
+    // `[B, T, D/2]` (each batch row its own positions) or `[T, D/2]` (shared by the batch)
+    let [x, cos, sin, dy] = ["x", "cos", "sin", "dy"].map(|n| input(t, n, dev));
+    let (cos, sin) = (cos?, sin?);
+    let (y, [dx]) = forward_backward([&x?], &dy?, |[x]| rope(x, &cos, &sin))?;
+    Ok(vec![("y", y), ("dx", dx)])
 }

@@ -10,12 +10,20 @@
 //! and sites have high words, some with the top bit set (negative as i32). `x` has no zeros,
 //! so `mask` is also visible in `y`.
 
+use super::{
+    forward_backward, input, shape_label, write_each, Check, Family, Mode, Outputs, Tensors,
+};
+use super::{ALL_DTYPES, EXACT};
 use crate::common::{self, Lcg};
-use anyhow::Result;
-use candle_core::{DType, Device, Tensor, Var};
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor};
 use candle_fused::cuda_kernels::{dropout::scalars, Scalar};
 use candle_fused::dropout::{dropout, dropout_mask};
 use candle_fused::RngKey;
+use std::path::Path;
+
+/// Launches: forward, backward, `dropout_mask`.
+pub(crate) const FAMILY: Family = Family::new("dropout", DROPOUT, run, |_| Ok(3), write_vectors);
 
 struct Case {
     shape: &'static [usize],
@@ -24,21 +32,19 @@ struct Case {
     dtypes: &'static [DType],
 }
 
-const ALL: &[DType] = &[DType::F32, DType::BF16, DType::F16];
-
 fn cases() -> [Case; 3] {
     [
         Case {
             shape: &[37, 129],
             p: 0.3,
             key: RngKey::new(0xDEAD_BEEF_1234_5678, 0x1_0000_0003).with_offset((5 << 32) + 7),
-            dtypes: ALL,
+            dtypes: ALL_DTYPES,
         },
         Case {
             shape: &[3001],
             p: 0.5,
             key: RngKey::new(42, 7),
-            dtypes: ALL,
+            dtypes: ALL_DTYPES,
         },
         Case {
             shape: &[7, 143],
@@ -62,11 +68,7 @@ fn vectors(c: &Case, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tensor)>
         .collect();
     let x = Tensor::from_vec(v, c.shape, &Device::Cpu)?.to_dtype(dt)?;
     let dy = common::rand(c.shape, dt, &mut rng, 1.0, 0.0)?;
-    let xv = Var::from_tensor(&x)?;
-    let y = dropout(xv.as_tensor(), c.p, c.key)?;
-    // d(sum(y * dy))/dy = dy exactly, so dx is the backward of `dy`.
-    let g = (&y * &dy)?.sum_all()?.backward()?;
-    let dx = g.get(xv.as_tensor()).expect("dx").clone();
+    let (y, [dx]) = forward_backward([&x], &dy, |[x]| dropout(x, c.p, c.key))?;
     let mask = dropout_mask(c.shape, c.p, c.key, DType::F32, &Device::Cpu)?
         .ne(0f64)?
         .to_dtype(DType::U8)?;
@@ -102,18 +104,36 @@ fn vectors(c: &Case, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tensor)>
     ])
 }
 
-#[test]
-fn write_vectors() -> Result<()> {
-    let Some(dir) = crate::out_dir()? else {
-        return Ok(());
-    };
-    for (s, c) in cases().iter().enumerate() {
-        for (k, &dt) in c.dtypes.iter().enumerate() {
-            let t = vectors(c, dt, 4000 + 10 * k as u64 + s as u64)?;
-            let name = candle_fused::cuda_kernels::dtype_suffix(dt);
-            let case = c.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>();
-            crate::write(&dir, &format!("dropout.{name}.{}", case.join("x")), t)?;
-        }
-    }
-    Ok(())
+fn write_vectors(dir: &Path) -> Result<()> {
+    let label = |c: &Case| shape_label(c.shape);
+    write_each(dir, "dropout", 4000, &cases(), |c| c.dtypes, label, vectors)
+}
+
+// dropout (triton/dropout.py): y, dx and the mask bit-identical (integer Philox words, one f32
+// multiply rounded once); the composite multiplies by the same mask: also exact.
+const DROPOUT: &[Check] = &[
+    Check::new("y", Mode::Abs, EXACT),
+    Check::new("dx", Mode::Abs, EXACT),
+    Check::new("mask", Mode::Abs, EXACT),
+];
+
+fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
+    let [x, dy] = ["x", "dy"].map(|n| input(t, n, dev));
+    let x = x?;
+    let key = input(t, "key", &Device::Cpu)?.to_vec1::<i32>()?;
+    let word = |i: usize| u64::from(key[i] as u32) | u64::from(key[i + 1] as u32) << 32;
+    let key = RngKey::new(word(0), word(2)).with_offset(word(4));
+    let p = input(t, "p", &Device::Cpu)?.to_vec1::<f32>()?[0];
+    let scale = input(t, "scale", &Device::Cpu)?.to_vec1::<f32>()?[0];
+    // the key and scale read back are the ones the vectors were written with
+    let s = scalars(p, key, x.dtype())?;
+    ensure!(
+        s[7] == Scalar::F32(scale),
+        "dropout: scale {scale}, scalars {s:?}"
+    );
+    let (y, [dx]) = forward_backward([&x], &dy?, |[x]| dropout(x, p, key))?;
+    let mask = dropout_mask(x.shape(), p, key, DType::F32, dev)?
+        .ne(0f64)?
+        .to_dtype(DType::U8)?;
+    Ok(vec![("y", y), ("dx", dx), ("mask", mask)])
 }

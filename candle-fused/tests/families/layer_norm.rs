@@ -8,19 +8,27 @@
 //! through magnitudes 1, 1e3, 1e-3 and a row offset by 50 with spread 1 (within f16's normal
 //! range), so both statistics are exercised, the centred variance included.
 
+use super::{
+    backward_of, grad, input, write_each, Check, Family, Mode, Outputs, Tensors, ALL_DTYPES, ULP16,
+};
 use crate::common::{self, Lcg};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_fused::norm::layer_norm;
+use std::path::Path;
+
+/// Launches: forward, dx (+ partial sums), the dw reduction and, with a bias, the db one.
+pub(crate) const FAMILY: Family = Family::new(
+    "layer_norm",
+    LAYER_NORM,
+    run,
+    |t| Ok(if t.contains_key("b") { 4 } else { 3 }),
+    write_vectors,
+);
 
 const EPS: f64 = 1e-5;
 /// `(N, C, with bias)`.
 const CASES: [(usize, usize, bool); 3] = [(37, 129, true), (70, 257, false), (3, 1500, true)];
-const DTYPES: [(DType, &str); 3] = [
-    (DType::F32, "f32"),
-    (DType::BF16, "bf16"),
-    (DType::F16, "f16"),
-];
 
 /// `[N, C]` uniform in [-1, 1), row `r` scaled by 1, 1e3 or 1e-3 or shifted by 50 (`r % 4`),
 /// in `dt`.
@@ -63,9 +71,9 @@ fn vectors(
         EPS,
     )?;
     // d(sum(y * dy))/dy = dy exactly, so the gradients are the backward of `dy`.
-    let g = (&y * &dy)?.sum_all()?.backward()?;
-    let dx = g.get(xv.as_tensor()).expect("dx").clone();
-    let dw = g.get(wv.as_tensor()).expect("dw").clone();
+    let g = backward_of(&y, &dy)?;
+    let dx = grad(&g, &xv)?;
+    let dw = grad(&g, &wv)?;
     let xf = x.to_dtype(DType::F32)?;
     let mean = xf.mean_keepdim(D::Minus1)?;
     let var = xf.broadcast_sub(&mean)?.sqr()?.mean_keepdim(D::Minus1)?;
@@ -73,7 +81,7 @@ fn vectors(
     let eps = Tensor::new(&[EPS as f32], &Device::Cpu)?;
     let mut t = vec![("x", x), ("w", w), ("dy", dy), ("eps", eps)];
     if bias {
-        let db = g.get(bv.as_tensor()).expect("db").clone();
+        let db = grad(&g, &bv)?;
         t.extend([("b", b), ("db", db)]);
     }
     t.extend([
@@ -86,17 +94,53 @@ fn vectors(
     Ok(t)
 }
 
-#[test]
-fn write_vectors() -> Result<()> {
-    let Some(dir) = crate::out_dir()? else {
-        return Ok(());
+fn write_vectors(dir: &Path) -> Result<()> {
+    let label = |&(n, c, bias): &(usize, usize, bool)| {
+        format!("{n}x{c}-{}", if bias { "bias" } else { "nobias" })
     };
-    for (k, (dt, name)) in DTYPES.into_iter().enumerate() {
-        for (s, (n, c, bias)) in CASES.into_iter().enumerate() {
-            let t = vectors(n, c, bias, dt, 2000 + 10 * k as u64 + s as u64)?;
-            let case = if bias { "bias" } else { "nobias" };
-            crate::write(&dir, &format!("layer_norm.{name}.{n}x{c}-{case}"), t)?;
-        }
+    write_each(
+        dir,
+        "layer_norm",
+        2000,
+        &CASES,
+        |_| ALL_DTYPES,
+        label,
+        |&(n, c, bias), dt, seed| vectors(n, c, bias, dt, seed),
+    )
+}
+
+// layer_norm (triton/layer_norm.py TOL, ERROR): f32 y, dx, dw, db 2e-5 (f32 sums in different
+// orders: a few ulp times log C; dx with the cancellation g - mean(g) - xhat mean(g xhat); y
+// in the row offset by 50, where the means' last-ulp difference is amplified by |mean| / std
+// ~ 87 in x - mean); bf16 / f16: one unit in the last place, 2^-7 / 2^-10, relative to the
+// row's (dw, db: the tensor's) largest value. (`mean`, `rstd` stay inside the op.)
+const LAYER_NORM: &[Check] = &[
+    Check::new("y", Mode::Row, [2e-5, ULP16[0], ULP16[1]]),
+    Check::new("dx", Mode::Row, [2e-5, ULP16[0], ULP16[1]]),
+    Check::new("dw", Mode::Tensor, [2e-5, ULP16[0], ULP16[1]]),
+    Check::new("db", Mode::Tensor, [2e-5, ULP16[0], ULP16[1]]),
+];
+
+fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
+    let x = Var::from_tensor(&input(t, "x", dev)?)?;
+    let w = Var::from_tensor(&input(t, "w", dev)?)?;
+    let b = if t.contains_key("b") {
+        Some(Var::from_tensor(&input(t, "b", dev)?)?)
+    } else {
+        None
+    };
+    let dy = input(t, "dy", dev)?;
+    let eps = f64::from(input(t, "eps", &Device::Cpu)?.to_vec1::<f32>()?[0]);
+    let y = layer_norm(
+        x.as_tensor(),
+        w.as_tensor(),
+        b.as_ref().map(Var::as_tensor),
+        eps,
+    )?;
+    let g = backward_of(&y, &dy)?;
+    let mut out = vec![("y", y), ("dx", grad(&g, &x)?), ("dw", grad(&g, &w)?)];
+    if let Some(b) = &b {
+        out.push(("db", grad(&g, b)?));
     }
-    Ok(())
+    Ok(out)
 }

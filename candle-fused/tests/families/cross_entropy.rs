@@ -24,21 +24,44 @@
 //! must be subtracted), nearly flat logits around -5, and ignored rows (one of them NaN: it must
 //! not be read); a mask with fractional weights and a zero on a counted row in the first case.
 
+use super::{grad, input, write_each, Check, Family, Mode, Outputs, Tensors, ALL_DTYPES, ULP16};
 use crate::common::Lcg;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::cross_entropy::cross_entropy;
 use candle_fused::linear_cross_entropy::linear_cross_entropy_chunked;
+use std::path::Path;
+
+/// `cross_entropy` on the vectors' logits; it writes the family's vectors.
+pub(crate) const FAMILY: Family = Family::new(
+    "cross_entropy",
+    CROSS_ENTROPY,
+    run,
+    |_| Ok(2),
+    write_vectors,
+);
+
+/// `linear_cross_entropy_chunked` on the same vectors' `x` and `w`.
+pub(crate) const LINEAR_FAMILY: Family = Family {
+    name: "linear_cross_entropy",
+    // Candle's f16 matmul on the CPU (the gemm crate) rounds its f32 partial sums to f16
+    // between blocks of the summed dimension (dx = G W sums V = 777 and 8311 classes);
+    // cuBLAS, on the path this stands for, rounds once
+    cpu_composite: [1.0, 1.0, 4.0],
+    write_vectors: None,
+    ..Family::new(
+        "cross_entropy",
+        LINEAR_CROSS_ENTROPY,
+        run_linear,
+        lce_chunks,
+        write_vectors,
+    )
+};
 
 /// HF's -100 as a u32.
 const IGNORE: u32 = (-100i32) as u32;
 /// The upstream gradient of `cross_entropy`'s loss.
 const G: f64 = 0.75;
-const DTYPES: [(DType, &str); 3] = [
-    (DType::F32, "f32"),
-    (DType::BF16, "bf16"),
-    (DType::F16, "f16"),
-];
 
 /// One case: sizes, rows per chunk, whether `cross_entropy` gets a mask, and fixed targets.
 struct Case {
@@ -174,12 +197,7 @@ fn vectors(case: &Case, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tenso
     let lv = Var::from_tensor(&logits)?;
     let mask = case.masked.then_some(&weight);
     let loss = cross_entropy(lv.as_tensor(), &targets, mask, Some(IGNORE))?;
-    let dlogits = loss
-        .affine(G, 0.0)?
-        .backward()?
-        .get(lv.as_tensor())
-        .expect("dlogits")
-        .clone();
+    let dlogits = grad(&loss.affine(G, 0.0)?.backward()?, &lv)?;
     // The op's scale, rounded as it rounds it: count in f32, g / count in f64, then f32.
     let wsum: f64 = weight
         .to_vec1::<f32>()?
@@ -201,8 +219,8 @@ fn vectors(case: &Case, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tenso
         case.chunk,
     )?;
     let grads = lce.backward()?;
-    let dx = grads.get(xv.as_tensor()).expect("dx").clone();
-    let dw = grads.get(wv.as_tensor()).expect("dw").clone();
+    let dx = grad(&grads, &xv)?;
+    let dw = grad(&grads, &wv)?;
     let lce_count = th.iter().filter(|&&t| t != IGNORE).count().max(1);
     let lce_scale = Tensor::new(&[(1.0 / lce_count as f64) as f32], dev)?;
 
@@ -226,17 +244,77 @@ fn vectors(case: &Case, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tenso
     ])
 }
 
-#[test]
-fn write_vectors() -> Result<()> {
-    let Some(dir) = crate::out_dir()? else {
-        return Ok(());
-    };
-    for (k, (dt, name)) in DTYPES.into_iter().enumerate() {
-        for (s, case) in CASES.iter().enumerate() {
-            let t = vectors(case, dt, 2300 + 10 * k as u64 + s as u64)?;
-            let (n, c, v) = (case.n, case.c, case.v);
-            crate::write(&dir, &format!("cross_entropy.{name}.{n}x{c}x{v}"), t)?;
-        }
-    }
-    Ok(())
+fn write_vectors(dir: &Path) -> Result<()> {
+    let label = |c: &Case| format!("{}x{}x{}", c.n, c.c, c.v);
+    write_each(
+        dir,
+        "cross_entropy",
+        2300,
+        &CASES,
+        |_| ALL_DTYPES,
+        label,
+        vectors,
+    )
+}
+
+// cross_entropy (triton/cross_entropy.py TOL, ERROR), the op `cross_entropy` on the vectors'
+// logits: the loss is f32 for every dtype, its sums in other orders than the CPU's (the
+// kernel's online max / sum over blocks of 4096 classes), 2e-6 elementwise; dlogits: f32 1e-6
+// of the tensor's largest (exp of an lse a few ulp apart, plus ex2.approx's 3e-7 on the GPU),
+// 16-bit one unit in the last place (2^-7, 2^-10) as both sides round nearly the same f32 once.
+// Relative to the tensor's largest, not the row's: a row whose target takes nearly all the
+// probability has entries of only coef (1 - p_t), whose error coef 2^-24 is the rounding of p_t.
+const CROSS_ENTROPY: &[Check] = &[
+    Check::new("loss", Mode::Elem, [2e-6; 3]),
+    Check::new("dlogits", Mode::Tensor, [1e-6, ULP16[0], ULP16[1]]),
+];
+
+fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
+    let logits = Var::from_tensor(&input(t, "logits", dev)?)?;
+    let targets = input(t, "targets", dev)?;
+    let ignore = input(t, "ignore_index", &Device::Cpu)?.to_vec1::<u32>()?[0];
+    // the vectors give `weight` = ones where the op got no mask: that case runs without one
+    let weight = input(t, "weight", &Device::Cpu)?;
+    let masked = weight.to_vec1::<f32>()?.iter().any(|&w| w != 1.0);
+    let mask = masked.then(|| weight.to_device(dev)).transpose()?;
+    let loss = cross_entropy(logits.as_tensor(), &targets, mask.as_ref(), Some(ignore))?;
+    let g = loss.affine(G, 0.0)?.backward()?;
+    Ok(vec![("loss", loss), ("dlogits", grad(&g, &logits)?)])
+}
+
+// linear_cross_entropy (the same TOL, ERROR): the chunk loop end to end, `chunk` rows at a time
+// as the vectors' CPU op ran it, cuBLAS for the GEMMs: the loss as above; dx = dl W and
+// dW = Σ dlᵀ x sum in other orders than the CPU's GEMMs, with cancellation (Σ_j |dl_ij| <= 2
+// coef): f32 5e-5 of the largest; 16-bit one rounding of the result plus gradients that may
+// differ by a unit, 2^-6 (bf16) and 2^-9 (f16).
+const LINEAR_CROSS_ENTROPY: &[Check] = &[
+    Check::new("lce_loss", Mode::Elem, [2e-6; 3]),
+    Check::new("dx", Mode::Tensor, [5e-5, 1.0 / 64.0, 1.0 / 512.0]),
+    Check::new("dw", Mode::Tensor, [5e-5, 1.0 / 64.0, 1.0 / 512.0]),
+];
+
+fn run_linear(dev: &Device, t: &Tensors) -> Result<Outputs> {
+    let x = Var::from_tensor(&input(t, "x", dev)?)?;
+    let w = Var::from_tensor(&input(t, "w", dev)?)?;
+    let targets = input(t, "targets", dev)?;
+    let ignore = input(t, "ignore_index", &Device::Cpu)?.to_vec1::<u32>()?[0];
+    let chunk = input(t, "chunk", &Device::Cpu)?.to_vec1::<u32>()?[0] as usize;
+    let loss =
+        linear_cross_entropy_chunked(x.as_tensor(), w.as_tensor(), &targets, Some(ignore), chunk)?;
+    let g = loss.backward()?;
+    Ok(vec![
+        ("lce_loss", loss),
+        ("dx", grad(&g, &x)?),
+        ("dw", grad(&g, &w)?),
+    ])
+}
+
+/// One `ce_fwd_bwd` per chunk of counted rows (the backward launches nothing: the gradients
+/// come from the forward).
+fn lce_chunks(t: &Tensors) -> Result<u64> {
+    let ignore = input(t, "ignore_index", &Device::Cpu)?.to_vec1::<u32>()?[0];
+    let chunk = input(t, "chunk", &Device::Cpu)?.to_vec1::<u32>()?[0] as usize;
+    let targets = input(t, "targets", &Device::Cpu)?.to_vec1::<u32>()?;
+    let counted = targets.iter().filter(|&&x| x != ignore).count();
+    Ok(counted.div_ceil(chunk.max(1)) as u64)
 }

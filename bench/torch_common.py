@@ -1,0 +1,39 @@
+"""What the PyTorch reference benches share: the f32 matmul ceiling and the peak of live tensor
+bytes during one step. Torch is passed in or imported where used, so that a bench can measure its
+memory before torch loads.
+"""
+import json
+import math
+import os
+import time
+
+def matmul_ceiling(torch):
+    """FLOP/s of the best of ten f32 1024^3 matmuls (after one warm-up): the machine's ceiling."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    best = math.inf
+    for i in range(11):
+        s = time.perf_counter()
+        a @ b
+        if i:
+            best = min(best, time.perf_counter() - s)
+    return 2 * 1024**3 / best
+
+
+def peak_step_bytes(step):
+    """Highest sum of live tensor bytes during `step()`, from the profiler's memory timeline
+    (every tensor the step touches: weights, gradients, optimiser state, activations)."""
+    import tempfile
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = os.path.join(d, "timeline.json")
+        prof.export_memory_timeline(path, device="cpu")
+        _, sizes = json.load(open(path))
+    return max(sum(s) for s in sizes)
