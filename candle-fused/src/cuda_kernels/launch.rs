@@ -393,22 +393,14 @@ unsafe fn queue(
     spec: &KernelSpec,
 ) -> Result<()> {
     // The argument values live here until the launch is queued (cudarc keeps pointers to them).
-    let ints: Vec<i32> = launch
-        .args
-        .iter()
-        .filter_map(|a| match a {
-            Arg::I32(v) => Some(*v),
-            _ => None,
-        })
-        .collect();
-    let floats: Vec<f32> = launch
-        .args
-        .iter()
-        .filter_map(|a| match a {
-            Arg::F32(v) => Some(*v),
-            _ => None,
-        })
-        .collect();
+    let (mut ints, mut floats) = (Vec::<i32>::new(), Vec::<f32>::new());
+    for a in &launch.args {
+        match a {
+            Arg::I32(v) => ints.push(*v),
+            Arg::F32(v) => floats.push(*v),
+            Arg::Tensor(_) | Arg::Null => {}
+        }
+    }
     let null = 0u64;
     let mut builder = stream.launch_builder(func);
     let (mut ni, mut nf) = (0, 0);
