@@ -89,13 +89,13 @@ pub fn check_fits(need: u64, what: &str, advice: &str) -> crate::Result<()> {
 }
 
 /// Applies a run's GPU settings to the whole process (Candle and candle-fused read them at
-/// each launch), before its first op: TF32 for f32 matmuls on CUDA (`config.tf32`, on by
-/// default as in nanoGPT) and candle-fused's Triton kernels (`config.triton_kernels`: the
-/// flag, else the environment, else candle-fused's default). Neither changes anything computed on the CPU (without the `cuda` feature
-/// Candle's setter is a no-op).
-pub fn apply_gpu_settings(config: &crate::config::TrainConfig) {
-    candle_core::cuda::set_gemm_reduced_precision_f32(config.tf32);
-    set_triton_kernels(config.triton_kernels);
+/// each launch), before its first op: TF32 for f32 matmuls on CUDA (`tf32`, the run's
+/// `tf32`, on by default as in nanoGPT) and candle-fused's Triton kernels (`triton_kernels`,
+/// the run's flag: given, else the environment, else candle-fused's default). Neither changes
+/// anything computed on the CPU (without the `cuda` feature Candle's setter is a no-op).
+pub fn apply_gpu_settings(tf32: bool, triton_kernels: Option<bool>) {
+    candle_core::cuda::set_gemm_reduced_precision_f32(tf32);
+    set_triton_kernels(triton_kernels);
 }
 
 /// Switches candle-fused's Triton kernels on or off for the process as the run's flag says;

@@ -23,6 +23,7 @@
 pub mod finite;
 pub mod manifest;
 pub use crate::io;
+pub(crate) mod layout;
 mod state;
 
 use std::collections::HashMap;
@@ -31,6 +32,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
+pub use layout::{Source, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE};
 pub use state::{RngState, SavedFiles, TrainerState};
 
 use crate::config::TrainConfig;
@@ -38,15 +40,6 @@ use crate::data::DataSource;
 use crate::model::{ModelConfig, Params};
 use crate::optim::{Optimizer, OptimizerState};
 use crate::{Error, Result};
-
-/// File names inside a checkpoint directory.
-pub const MODEL_FILE: &str = "model.safetensors";
-/// Hugging Face config file name.
-pub const CONFIG_FILE: &str = "config.json";
-/// Optimiser state file name.
-pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
-/// Trainer state file name.
-pub const STATE_FILE: &str = "trainer_state.json";
 
 /// The directory holding a run's checkpoints.
 pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
@@ -275,17 +268,6 @@ pub fn load_model(dir: &Path, device: &Device) -> Result<(Box<dyn ModelConfig>, 
     let params =
         crate::load::WeightFiles::locate(dir)?.read(config.as_ref(), device, Source::Pretrained)?;
     Ok((config, params))
-}
-
-/// Where weights come from, which decides what loading accepts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Source {
-    /// A trainer checkpoint: every tensor is a parameter, in f32, as the trainer writes them.
-    Checkpoint,
-    /// A pretrained model from elsewhere (a Hugging Face directory): other float dtypes are
-    /// cast to f32 (reported), and the architecture's known extras (buffers, a tied copy of
-    /// the embedding) are accepted (reported).
-    Pretrained,
 }
 
 /// Loads the safetensors file at `path` and checks it against `config` (see [`Source`] and

@@ -265,10 +265,7 @@ pub fn export(source: &ModelDir, out: &Path, options: &ExportOptions) -> Result<
     // A QLoRA run: its adapters merged into the dequantized 4-bit base by the loader, then
     // each projection quantized again and dequantized, as PEFT's `merge_and_unload` leaves a
     // 4-bit base (its weights, dequantized, are what is written).
-    let quant = source
-        .run
-        .as_ref()
-        .and_then(|r| crate::lora::Nf4Settings::of_run(&r.config));
+    let quant = source.run.as_ref().and_then(|r| r.config.nf4_settings());
     if let Some(q) = quant.filter(|_| options.merge) {
         loaded.params = crate::lora::dequantized_base(loaded.config.as_ref(), &loaded.params, &q)?;
     }

@@ -6,6 +6,7 @@
 //! Adding an optimiser: one module implementing [`Optimizer`], one line in [`build`].
 
 mod adamw;
+mod registry;
 
 use std::collections::HashMap;
 
@@ -15,9 +16,9 @@ use candle_core::{Tensor, Var};
 use candle_fused::adamw::{sum_of_squares_composite, sum_of_squares_multi};
 
 pub use adamw::{AdamW, AdamWConfig};
+pub use registry::build;
 
-use crate::config::TrainConfig;
-use crate::model::{Kernels, Params};
+use crate::model::Kernels;
 use crate::Result;
 
 /// An optimiser over named parameters whose state is named tensors, so that a run can be
@@ -123,14 +124,6 @@ impl OptimizerState {
             step_count: optimizer.step_count(),
         }
     }
-}
-
-/// The optimiser a run's config asks for, over `params` (the registry: AdamW, with the
-/// config's hyper-parameters and kernels, is the only one today).
-pub fn build(config: &TrainConfig, params: &Params) -> Result<Box<dyn Optimizer>> {
-    Ok(Box::new(
-        AdamW::new(params, config.adamw_config())?.with_kernels(config.kernels),
-    ))
 }
 
 /// What `candle_amp::Amp::step` drives for the trainer: an [`Optimizer`] stepped at `lr`,

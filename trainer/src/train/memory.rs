@@ -75,7 +75,7 @@ pub fn estimate_step_bytes(
 /// cannot be built is refused when the run builds it, and counts nothing here: this is a
 /// lower bound).
 pub fn trained_bytes_per_param(config: &TrainConfig) -> u64 {
-    let state = crate::optim::build(config, &crate::model::Params::default())
+    let state = crate::optim::build(config.adamw_config(), config.kernels, &Default::default())
         .map_or(0, |o| o.state_bytes_per_param() as u64);
     4 + 4 + state
 }
