@@ -35,7 +35,6 @@ use candle_core::{Device, Tensor};
 pub use layout::{Source, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE};
 pub use state::{RngState, SavedFiles, TrainerState};
 
-use crate::config::TrainConfig;
 use crate::data::DataSource;
 use crate::model::{ModelConfig, Params};
 use crate::optim::{Optimizer, OptimizerState};
@@ -104,7 +103,10 @@ pub enum ModelFiles<'a> {
     /// LoRA adapters (and modules to save) over a frozen base recorded in the state:
     /// PEFT's `adapter_config.json` + `adapter_model.safetensors`, which records the base too
     /// ([`crate::lora::BASE_METADATA_KEY`]).
-    Lora(&'a candle_peft::LoraConfig, &'a crate::lora::BaseIdentity),
+    Lora(
+        &'a candle_peft::LoraConfig,
+        &'a crate::lora::base::BaseIdentity,
+    ),
 }
 
 impl ModelFiles<'_> {
@@ -373,16 +375,17 @@ pub fn prune(run_dir: &Path, keep_last: usize, keep: &[&str]) -> Result<()> {
     Ok(())
 }
 
-/// Checks that a checkpoint's `config.json` (`model`) agrees with its run config (`config`,
-/// from its `trainer_state.json`): the shape the run trains, room for its context, and (given
+/// Checks that a checkpoint's `config.json` (`model`) agrees with its run (`run`, its
+/// `trainer_state.json`, whose run config it checks): the shape the run trains, room for its context, and (given
 /// the run's `data`) an embedding for every token id of the data. Every command that loads a
 /// trainer checkpoint (resume, eval, sample, inspect) checks this before reading weights.
 pub fn check_model_matches(
     model: &dyn ModelConfig,
-    config: &TrainConfig,
+    run: &TrainerState,
     data: Option<&dyn DataSource>,
     dir: &Path,
 ) -> Result<()> {
+    let config = &run.config;
     let mut wrong = Vec::new();
     let shape = model.shape();
     for (name, in_model, in_run) in [

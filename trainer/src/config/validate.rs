@@ -20,13 +20,7 @@ impl TrainConfig {
                 self.data
             ));
         }
-        self.check_numbers()?;
-        if self.out_dir.as_os_str().is_empty() {
-            return bad("out_dir must name a directory (it is empty)".into());
-        }
-        crate::io::check_dir_path(&self.out_dir)
-            .map_err(|e| Error::Config(format!("out_dir: {e}")))?;
-        self.check_optimiser()?;
+        self.check_training()?;
         if self.eval_interval == 0 || self.eval_iters == 0 {
             return bad("eval_interval and eval_iters must be at least 1".into());
         }
@@ -81,8 +75,10 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// Finite floats, and batches and accumulation within their bounds.
-    fn check_numbers(&self) -> Result<()> {
+    /// How the run trains: finite floats, batches and accumulation within their bounds, an
+    /// output directory, the learning rates, AdamW's betas and decay, clipping and the peak
+    /// FLOP/s.
+    fn check_training(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
         let floats = [
             ("lr", self.lr),
@@ -107,12 +103,11 @@ impl TrainConfig {
                 self.grad_accum
             ));
         }
-        Ok(())
-    }
-
-    /// The learning rates, AdamW's betas and decay, clipping and the peak FLOP/s.
-    fn check_optimiser(&self) -> Result<()> {
-        let bad = |m: String| Err(Error::Config(m));
+        if self.out_dir.as_os_str().is_empty() {
+            return bad("out_dir must name a directory (it is empty)".into());
+        }
+        crate::io::check_dir_path(&self.out_dir)
+            .map_err(|e| Error::Config(format!("out_dir: {e}")))?;
         if !(self.lr > 0.0 && self.lr.is_finite()) {
             return bad(format!("lr must be positive, got {}", self.lr));
         }

@@ -311,7 +311,7 @@ impl ModelDir {
         let config = self.config()?;
         refuse_quantized(&self.dir.join(CONFIG_FILE))?;
         if let Some(run) = &self.run {
-            checkpoint::check_model_matches(config.as_ref(), &run.config, None, &self.dir)?;
+            checkpoint::check_model_matches(config.as_ref(), run, None, &self.dir)?;
         }
         let weights = self.weights.open(config.as_ref(), self.source())?;
         weights.check_copies(&Device::Cpu, |of| weights.tensor(of, &Device::Cpu))?;
@@ -435,7 +435,7 @@ impl ModelDir {
             }
         }
         let data = checks.data.map(|d| d.source);
-        checkpoint::check_model_matches(stored, &run.config, data, &self.dir)
+        checkpoint::check_model_matches(stored, run, data, &self.dir)
     }
 
     /// Memory (module docs, step 4): a training step of the run, given one, else the f32

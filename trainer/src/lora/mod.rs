@@ -25,7 +25,7 @@ use crate::model::{
 };
 use crate::{Error, Result};
 
-mod base;
+pub(crate) mod base;
 mod quant;
 
 pub use crate::load::resolve::resolve_adapter_base;

@@ -154,14 +154,7 @@ impl TrainerBuilder {
     /// alpha, dropout, targets, rsLoRA, modules to save; its base is
     /// [`TrainerBuilder::init_from`]'s).
     pub fn lora(self, lora: LoraConfig) -> Self {
-        self.configure(|c| {
-            c.lora_r = lora.r;
-            c.lora_alpha = lora.lora_alpha;
-            c.lora_dropout = lora.lora_dropout;
-            c.lora_targets = lora.target_modules;
-            c.rslora = lora.use_rslora;
-            c.modules_to_save = crate::config::ModuleList(lora.modules_to_save);
-        })
+        self.configure(|c| adopt_lora(c, lora))
     }
 
     /// The optimiser, built over the run's parameters (the adapters' in a LoRA run) once they
@@ -268,11 +261,16 @@ fn adopt_adapter_config(config: &mut TrainConfig) -> Result<()> {
     };
     let c = LoraConfig::load(&dir.join(candle_peft::format::ADAPTER_CONFIG_FILE))
         .map_err(|e| Error::Config(e.to_string()))?;
-    config.lora_r = c.r;
-    config.lora_alpha = c.lora_alpha;
-    config.lora_dropout = c.lora_dropout;
-    config.lora_targets = c.target_modules;
-    config.rslora = c.use_rslora;
-    config.modules_to_save = crate::config::ModuleList(c.modules_to_save);
+    adopt_lora(config, c);
     Ok(())
+}
+
+/// Writes the LoRA settings of `lora` into the run's `lora_*` fields.
+fn adopt_lora(config: &mut TrainConfig, lora: LoraConfig) {
+    config.lora_r = lora.r;
+    config.lora_alpha = lora.lora_alpha;
+    config.lora_dropout = lora.lora_dropout;
+    config.lora_targets = lora.target_modules;
+    config.rslora = lora.use_rslora;
+    config.modules_to_save = crate::config::ModuleList(lora.modules_to_save);
 }

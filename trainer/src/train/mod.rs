@@ -294,7 +294,7 @@ impl Trainer {
             schedule: config.lr_schedule(),
             vars: params.vars(),
             executor,
-            amp: build_amp(&config, &params)?,
+            amp: build_amp(&params, config.dtype, config.loss_scale, config.grad_clip)?,
             dtype,
             config,
             device,
