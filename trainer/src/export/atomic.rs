@@ -42,7 +42,7 @@ pub(super) fn check_destination(source: &ModelDir, out: &Path, force: bool) -> R
 }
 
 /// A fresh temporary directory beside `out`, and `out`'s file name.
-fn temporary_beside(out: &Path) -> Result<(PathBuf, String)> {
+pub(super) fn temporary_beside(out: &Path) -> Result<(PathBuf, String)> {
     let name = out
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -102,7 +102,7 @@ pub(super) fn write_dir<T>(
 
 /// Removes a temporary directory when dropped, unless disarmed: an error, an early return or
 /// a panic between its creation and its rename into place leaves nothing behind.
-struct RemoveOnDrop(Option<PathBuf>);
+pub(super) struct RemoveOnDrop(pub(super) Option<PathBuf>);
 
 impl RemoveOnDrop {
     fn disarm(mut self) {

@@ -12,7 +12,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::fs;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};

@@ -40,7 +40,11 @@ pub fn build_model(
                     .into(),
             ));
         }
-        let tokens = pretrained::data_special_tokens(config, SpecialTokens::default())?;
+        let tokens = pretrained::data_special_tokens(
+            config.data,
+            config.tokenizer_path.as_deref(),
+            SpecialTokens::default(),
+        )?;
         let fresh = config
             .model_config(data.vocab_size())?
             .with_run_settings(config.dropout, tokens);
@@ -53,7 +57,11 @@ pub fn build_model(
     // the manifest.
     let source = pretrained::ModelDir::open(from)?;
     let settings = |loaded: &dyn model::ModelConfig| -> Result<Box<dyn model::ModelConfig>> {
-        let tokens = pretrained::data_special_tokens(config, loaded.special_tokens())?;
+        let tokens = pretrained::data_special_tokens(
+            config.data,
+            config.tokenizer_path.as_deref(),
+            loaded.special_tokens(),
+        )?;
         Ok(loaded.with_run_settings(config.dropout, tokens))
     };
     let checks = load::Checks {

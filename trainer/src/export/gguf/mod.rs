@@ -230,8 +230,8 @@ fn write_file(
     infos: &[TensorInfo],
     mut tensor: impl FnMut(usize) -> Result<Tensor>,
 ) -> Result<u64> {
-    let (dir, _) = super::temporary_beside(out)?;
-    let _cleanup = super::RemoveOnDrop(Some(dir.clone()));
+    let (dir, _) = super::atomic::temporary_beside(out)?;
+    let _cleanup = super::atomic::RemoveOnDrop(Some(dir.clone()));
     let tmp = dir.join("model.gguf");
     let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let io_err = |e: std::io::Error| Error::io(&tmp, e);
