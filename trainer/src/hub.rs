@@ -13,7 +13,7 @@ use crate::checkpoint::{CONFIG_FILE, MODEL_FILE};
 use crate::{Error, Result};
 
 /// The hub cache as transformers finds it ([`cache_dir`]).
-pub fn default_cache() -> hf_hub::Cache {
+pub(crate) fn default_cache() -> hf_hub::Cache {
     hf_hub::Cache::new(cache_dir())
 }
 

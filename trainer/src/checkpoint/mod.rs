@@ -288,7 +288,11 @@ pub fn load_params(
 /// under a manifest made to match, is refused naming both files and the steps. A checkpoint
 /// written before the record still has the optimiser's update count checked: never above
 /// the trainer's step.
-pub fn check_files_match(dir: &Path, state: &TrainerState, weights_file: &str) -> Result<()> {
+pub(crate) fn check_files_match(
+    dir: &Path,
+    state: &TrainerState,
+    weights_file: &str,
+) -> Result<()> {
     let state_file = dir.join(STATE_FILE);
     let opt_path = dir.join(OPTIMIZER_FILE);
     let meta = io::read_safetensors_metadata(&opt_path)?;
@@ -329,7 +333,11 @@ pub fn check_files_match(dir: &Path, state: &TrainerState, weights_file: &str) -
 }
 
 /// Loads the optimiser state of checkpoint `dir` into `optimizer`.
-pub fn load_optimizer(dir: &Path, optimizer: &mut dyn Optimizer, device: &Device) -> Result<()> {
+pub(crate) fn load_optimizer(
+    dir: &Path,
+    optimizer: &mut dyn Optimizer,
+    device: &Device,
+) -> Result<()> {
     let path = dir.join(OPTIMIZER_FILE);
     let loaded = io::load_safetensors(&path, device)?;
     finite::check_tensors(
@@ -354,7 +362,7 @@ pub fn load_optimizer(dir: &Path, optimizer: &mut dyn Optimizer, device: &Device
 /// Deletes old checkpoints, keeping the newest `keep_last` and those named in `keep` (the best
 /// one and the one just written, which after resuming from an older checkpoint may not be the
 /// newest by name).
-pub fn prune(run_dir: &Path, keep_last: usize, keep: &[&str]) -> Result<()> {
+pub(crate) fn prune(run_dir: &Path, keep_last: usize, keep: &[&str]) -> Result<()> {
     let ckpts = checkpoints_dir(run_dir);
     let mut names: Vec<String> = fs::read_dir(&ckpts)
         .map_err(|e| Error::io(&ckpts, e))?
@@ -379,7 +387,7 @@ pub fn prune(run_dir: &Path, keep_last: usize, keep: &[&str]) -> Result<()> {
 /// `trainer_state.json`, whose run config it checks): the shape the run trains, room for its context, and (given
 /// the run's `data`) an embedding for every token id of the data. Every command that loads a
 /// trainer checkpoint (resume, eval, sample, inspect) checks this before reading weights.
-pub fn check_model_matches(
+pub(crate) fn check_model_matches(
     model: &dyn ModelConfig,
     run: &TrainerState,
     data: Option<&dyn DataSource>,

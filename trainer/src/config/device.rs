@@ -7,7 +7,7 @@ use crate::Result;
 
 impl TrainConfig {
     /// Whether any of the run's devices is a CUDA GPU (`device`, `pipeline_devices`).
-    pub fn uses_cuda(&self) -> bool {
+    pub(crate) fn uses_cuda(&self) -> bool {
         let cuda = |d: &DeviceSpec| matches!(d, DeviceSpec::Cuda(_));
         cuda(&self.device) || self.pipeline_devices.0.iter().any(cuda)
     }
@@ -41,7 +41,7 @@ impl TrainConfig {
     /// Opens the run's device; a run on one stream (no pipeline, and a world of one as the
     /// environment announces it) has it prepared for that (on CUDA: the memory pool keeps
     /// freed memory, no events per allocation).
-    pub fn open_device(&self) -> Result<Device> {
+    pub(crate) fn open_device(&self) -> Result<Device> {
         let device = self.device.open()?;
         let one_rank = crate::train::parallel::world_size_from_env() == 1;
         if one_rank && matches!(self.parallelism(), Parallelism::None) {

@@ -32,12 +32,12 @@ use crate::{Error, Result};
 
 /// The most tokens `sample_tokens` may ask for at each evaluation (the sample is generated
 /// one token at a time, and its tokens kept).
-pub const MAX_SAMPLE_TOKENS: usize = 1 << 16;
+pub(crate) const MAX_SAMPLE_TOKENS: usize = 1 << 16;
 
 /// The most micro-batches one optimiser step may accumulate (`grad_accum`). A step's time
 /// grows with it and its log line comes at its end: 65,536 micro-batches of 4,096 tokens are
 /// 268M tokens a step, beyond any recipe, while a mistyped 10^12 would never log a step.
-pub const MAX_GRAD_ACCUM: usize = 1 << 16;
+pub(crate) const MAX_GRAD_ACCUM: usize = 1 << 16;
 
 macro_rules! train_config {
     ($(

@@ -9,7 +9,7 @@ use crate::schedule::LrSchedule;
 
 impl TrainConfig {
     /// The optimiser's hyper-parameters.
-    pub fn adamw_config(&self) -> AdamWConfig {
+    pub(crate) fn adamw_config(&self) -> AdamWConfig {
         AdamWConfig {
             lr: self.lr,
             beta1: self.beta1,
@@ -20,7 +20,7 @@ impl TrainConfig {
     }
 
     /// The learning-rate schedule.
-    pub fn lr_schedule(&self) -> LrSchedule {
+    pub(crate) fn lr_schedule(&self) -> LrSchedule {
         LrSchedule {
             lr: self.lr,
             min_lr: self.min_lr,

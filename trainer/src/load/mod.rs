@@ -17,7 +17,7 @@
 //! 1. `config.json`, of any known architecture ([`crate::model::config_from_hf_json_file`]);
 //! 2. for a trainer checkpoint given data, the data's fingerprint against the run's
 //!    ([`crate::data::check_fingerprint`]), then `config.json` against the run's recorded
-//!    state ([`checkpoint::check_model_matches`]);
+//!    state (`checkpoint::check_model_matches`);
 //! 3. the data's and the tokenizer's vocabularies against the model's embedding;
 //! 4. memory: a training step of the run (given one), else the f32 weights, must fit, before
 //!    anything of the model's size is allocated;
@@ -107,7 +107,7 @@ pub struct Vocabulary<'a> {
 #[derive(Clone, Copy, Default)]
 pub struct Checks<'a> {
     /// The run the model is loaded for: one training step of it must fit in memory
-    /// ([`crate::train::memory::check_run_fits`]). `None`: inference, the f32 weights must fit.
+    /// (`train::memory::check_run_fits`). `None`: inference, the f32 weights must fit.
     pub train: Option<&'a TrainConfig>,
     /// The data the model is loaded for.
     pub data: Option<DataCheck<'a>>,

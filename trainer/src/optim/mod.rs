@@ -154,7 +154,7 @@ impl ScaledUpdate for Driven<'_> {
 /// The global L2 norm of the gradients of `vars` (missing gradients count as zero) with one
 /// host sync, using `kernels` (the fused one reads each gradient once): `candle_fused`'s
 /// `global_norm`, its read counted ([`crate::transfer`]).
-pub fn global_grad_norm(
+pub(crate) fn global_grad_norm(
     grads: &GradStore,
     vars: &[Var],
     kernels: Kernels,
@@ -169,7 +169,7 @@ pub fn global_grad_norm(
 /// nothing back (`None` when no variable has a gradient): `candle_fused`'s `global_norm`
 /// before its read, the per-tensor sums added in the order of `vars` (one multi-tensor call,
 /// [`sum_of_squares_multi`], or the composite of each with `Kernels::Reference`).
-pub fn grad_sum_of_squares(
+pub(crate) fn grad_sum_of_squares(
     grads: &GradStore,
     vars: &[Var],
     kernels: Kernels,
