@@ -8,12 +8,12 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
+use crate::checkpoint::layout::INDEX_FILE;
 use crate::checkpoint::{CONFIG_FILE, MODEL_FILE};
-use crate::load::INDEX_FILE;
 use crate::{Error, Result};
 
 /// The hub cache as transformers finds it ([`cache_dir`]).
-pub fn default_cache() -> hf_hub::Cache {
+pub(crate) fn default_cache() -> hf_hub::Cache {
     hf_hub::Cache::new(cache_dir())
 }
 

@@ -1,6 +1,6 @@
 //! Process-wide settings for a fast CPU step, applied once at start-up by [`init`], a run's
 //! GPU settings ([`apply_gpu_settings`]), and the memory the process may use
-//! ([`available_memory`]).
+//! (`available_memory`).
 //!
 //! Both were found with `perf` on the step bench (`cargo bench -p trainer --bench step`), 2
 //! cores, GPT 4/4/256:
@@ -59,7 +59,7 @@ pub fn init_streaming() {
 /// Not the cgroup's limit minus its usage (sysinfo's `free_memory`): that usage counts the page
 /// cache, which the kernel reclaims on demand, so a machine whose cache had filled its RAM
 /// (after copying a build directory, say) refused runs that fit many times over.
-pub fn available_memory() -> Option<u64> {
+pub(crate) fn available_memory() -> Option<u64> {
     use sysinfo::{MemoryRefreshKind, RefreshKind, System};
     let sys = System::new_with_specifics(
         RefreshKind::nothing().with_memory(MemoryRefreshKind::nothing().with_ram()),
@@ -73,7 +73,7 @@ pub fn available_memory() -> Option<u64> {
 
 /// Errors, naming `what` needs the memory and what to change, when `need` bytes exceed
 /// [`available_memory`] (nothing is checked when it cannot be told).
-pub fn check_fits(need: u64, what: &str, advice: &str) -> crate::Result<()> {
+pub(crate) fn check_fits(need: u64, what: &str, advice: &str) -> crate::Result<()> {
     match available_memory() {
         Some(available) if need > available => {
             let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
@@ -89,13 +89,13 @@ pub fn check_fits(need: u64, what: &str, advice: &str) -> crate::Result<()> {
 }
 
 /// Applies a run's GPU settings to the whole process (Candle and candle-fused read them at
-/// each launch), before its first op: TF32 for f32 matmuls on CUDA (`config.tf32`, on by
-/// default as in nanoGPT) and candle-fused's Triton kernels (`config.triton_kernels`: the
-/// flag, else the environment, else candle-fused's default). Neither changes anything computed on the CPU (without the `cuda` feature
-/// Candle's setter is a no-op).
-pub fn apply_gpu_settings(config: &crate::config::TrainConfig) {
-    candle_core::cuda::set_gemm_reduced_precision_f32(config.tf32);
-    set_triton_kernels(config.triton_kernels);
+/// each launch), before its first op: TF32 for f32 matmuls on CUDA (`tf32`, the run's
+/// `tf32`, on by default as in nanoGPT) and candle-fused's Triton kernels (`triton_kernels`,
+/// the run's flag: given, else the environment, else candle-fused's default). Neither changes
+/// anything computed on the CPU (without the `cuda` feature Candle's setter is a no-op).
+pub fn apply_gpu_settings(tf32: bool, triton_kernels: Option<bool>) {
+    candle_core::cuda::set_gemm_reduced_precision_f32(tf32);
+    set_triton_kernels(triton_kernels);
 }
 
 /// Switches candle-fused's Triton kernels on or off for the process as the run's flag says;

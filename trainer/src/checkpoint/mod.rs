@@ -23,6 +23,7 @@
 pub mod finite;
 pub mod manifest;
 pub use crate::io;
+pub(crate) mod layout;
 mod state;
 
 use std::collections::HashMap;
@@ -31,22 +32,13 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
+pub use layout::{Source, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE};
 pub use state::{RngState, SavedFiles, TrainerState};
 
-use crate::config::TrainConfig;
 use crate::data::DataSource;
 use crate::model::{ModelConfig, Params};
 use crate::optim::{Optimizer, OptimizerState};
 use crate::{Error, Result};
-
-/// File names inside a checkpoint directory.
-pub const MODEL_FILE: &str = "model.safetensors";
-/// Hugging Face config file name.
-pub const CONFIG_FILE: &str = "config.json";
-/// Optimiser state file name.
-pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
-/// Trainer state file name.
-pub const STATE_FILE: &str = "trainer_state.json";
 
 /// The directory holding a run's checkpoints.
 pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
@@ -111,7 +103,10 @@ pub enum ModelFiles<'a> {
     /// LoRA adapters (and modules to save) over a frozen base recorded in the state:
     /// PEFT's `adapter_config.json` + `adapter_model.safetensors`, which records the base too
     /// ([`crate::lora::BASE_METADATA_KEY`]).
-    Lora(&'a candle_peft::LoraConfig, &'a crate::lora::BaseIdentity),
+    Lora(
+        &'a candle_peft::LoraConfig,
+        &'a crate::lora::base::BaseIdentity,
+    ),
 }
 
 impl ModelFiles<'_> {
@@ -277,17 +272,6 @@ pub fn load_model(dir: &Path, device: &Device) -> Result<(Box<dyn ModelConfig>, 
     Ok((config, params))
 }
 
-/// Where weights come from, which decides what loading accepts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Source {
-    /// A trainer checkpoint: every tensor is a parameter, in f32, as the trainer writes them.
-    Checkpoint,
-    /// A pretrained model from elsewhere (a Hugging Face directory): other float dtypes are
-    /// cast to f32 (reported), and the architecture's known extras (buffers, a tied copy of
-    /// the embedding) are accepted (reported).
-    Pretrained,
-}
-
 /// Loads the safetensors file at `path` and checks it against `config` (see [`Source`] and
 /// [`crate::load::WeightFiles::read`]).
 pub fn load_params(
@@ -304,7 +288,11 @@ pub fn load_params(
 /// under a manifest made to match, is refused naming both files and the steps. A checkpoint
 /// written before the record still has the optimiser's update count checked: never above
 /// the trainer's step.
-pub fn check_files_match(dir: &Path, state: &TrainerState, weights_file: &str) -> Result<()> {
+pub(crate) fn check_files_match(
+    dir: &Path,
+    state: &TrainerState,
+    weights_file: &str,
+) -> Result<()> {
     let state_file = dir.join(STATE_FILE);
     let opt_path = dir.join(OPTIMIZER_FILE);
     let meta = io::read_safetensors_metadata(&opt_path)?;
@@ -345,7 +333,11 @@ pub fn check_files_match(dir: &Path, state: &TrainerState, weights_file: &str) -
 }
 
 /// Loads the optimiser state of checkpoint `dir` into `optimizer`.
-pub fn load_optimizer(dir: &Path, optimizer: &mut dyn Optimizer, device: &Device) -> Result<()> {
+pub(crate) fn load_optimizer(
+    dir: &Path,
+    optimizer: &mut dyn Optimizer,
+    device: &Device,
+) -> Result<()> {
     let path = dir.join(OPTIMIZER_FILE);
     let loaded = io::load_safetensors(&path, device)?;
     finite::check_tensors(
@@ -370,7 +362,7 @@ pub fn load_optimizer(dir: &Path, optimizer: &mut dyn Optimizer, device: &Device
 /// Deletes old checkpoints, keeping the newest `keep_last` and those named in `keep` (the best
 /// one and the one just written, which after resuming from an older checkpoint may not be the
 /// newest by name).
-pub fn prune(run_dir: &Path, keep_last: usize, keep: &[&str]) -> Result<()> {
+pub(crate) fn prune(run_dir: &Path, keep_last: usize, keep: &[&str]) -> Result<()> {
     let ckpts = checkpoints_dir(run_dir);
     let mut names: Vec<String> = fs::read_dir(&ckpts)
         .map_err(|e| Error::io(&ckpts, e))?
@@ -391,16 +383,17 @@ pub fn prune(run_dir: &Path, keep_last: usize, keep: &[&str]) -> Result<()> {
     Ok(())
 }
 
-/// Checks that a checkpoint's `config.json` (`model`) agrees with its run config (`config`,
-/// from its `trainer_state.json`): the shape the run trains, room for its context, and (given
+/// Checks that a checkpoint's `config.json` (`model`) agrees with its run (`run`, its
+/// `trainer_state.json`, whose run config it checks): the shape the run trains, room for its context, and (given
 /// the run's `data`) an embedding for every token id of the data. Every command that loads a
 /// trainer checkpoint (resume, eval, sample, inspect) checks this before reading weights.
-pub fn check_model_matches(
+pub(crate) fn check_model_matches(
     model: &dyn ModelConfig,
-    config: &TrainConfig,
+    run: &TrainerState,
     data: Option<&dyn DataSource>,
     dir: &Path,
 ) -> Result<()> {
+    let config = &run.config;
     let mut wrong = Vec::new();
     let shape = model.shape();
     for (name, in_model, in_run) in [

@@ -50,7 +50,7 @@ pub(super) fn print_banner(trainer: &Trainer) {
                 false => format!(", saving {}", config.modules_to_save.join(",")),
             },
             base.model,
-            match trainer::lora::Nf4Settings::of_run(cfg) {
+            match cfg.nf4_settings() {
                 Some(q) => format!(
                     "nf4{} (lm_head {})",
                     if q.double { ", double-quantized" } else { "" },

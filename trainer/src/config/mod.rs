@@ -5,12 +5,15 @@
 //! in `trainer train --help` with its documentation. Values written as text (`--dtype bf16`,
 //! `--remat every:2`) are typed (`types`): parsed once, when the config is read.
 
+pub mod decimal;
+mod device;
 mod paths;
+mod sections;
 mod types;
+mod validate;
 
 use std::path::{Path, PathBuf};
 
-use candle_core::Device;
 use candle_remat::Policy;
 use serde::{Deserialize, Serialize};
 
@@ -25,18 +28,16 @@ use crate::data::{ChatTaskKind, DataKind, DataOrder, DataSource, DataSpec};
 use crate::model::gpt2::GptConfig;
 use crate::model::llama::{Family, LlamaConfig};
 use crate::model::{Kernels, ModelConfig};
-use crate::optim::AdamWConfig;
-use crate::schedule::LrSchedule;
 use crate::{Error, Result};
 
 /// The most tokens `sample_tokens` may ask for at each evaluation (the sample is generated
 /// one token at a time, and its tokens kept).
-pub const MAX_SAMPLE_TOKENS: usize = 1 << 16;
+pub(crate) const MAX_SAMPLE_TOKENS: usize = 1 << 16;
 
 /// The most micro-batches one optimiser step may accumulate (`grad_accum`). A step's time
 /// grows with it and its log line comes at its end: 65,536 micro-batches of 4,096 tokens are
 /// 268M tokens a step, beyond any recipe, while a mistyped 10^12 would never log a step.
-pub const MAX_GRAD_ACCUM: usize = 1 << 16;
+pub(crate) const MAX_GRAD_ACCUM: usize = 1 << 16;
 
 macro_rules! train_config {
     ($(
@@ -160,59 +161,6 @@ pub struct ChangedField {
     pub old: String,
     /// The second config's value, as JSON.
     pub new: String,
-}
-
-/// f32 values written as the shortest decimal that reads back to them (`0.1`, not the
-/// `0.10000000149011612` of widening to f64, which TOML writers do).
-pub mod decimal {
-    use serde::ser::SerializeStruct;
-    use serde::Serialize;
-
-    /// `x` as the f64 of its shortest round-trip decimal (Rust's `Display` of f32 is that
-    /// decimal): `0.1f32` gives `0.1f64`, which reads back as `0.1f32`.
-    ///
-    /// ```
-    /// assert_eq!(trainer::config::decimal::f32_as_f64(0.1), 0.1f64);
-    /// assert_eq!(trainer::config::decimal::f32_as_f64(0.1) as f32, 0.1f32);
-    /// ```
-    pub fn f32_as_f64(x: f32) -> f64 {
-        x.to_string().parse().unwrap_or(f64::from(x))
-    }
-
-    /// A config field on its way to a serializer (picks [`PutF32`] for `f32`, [`PutAny`]
-    /// otherwise, by method resolution: the f32 impl is on the value, the generic one on a
-    /// reference, which is tried later).
-    pub struct Field<'a, T>(pub &'a T);
-
-    /// Writes an `f32` field as [`f32_as_f64`].
-    pub trait PutF32 {
-        /// Serializes the field as `key`.
-        fn put<S: SerializeStruct>(&self, s: &mut S, key: &'static str) -> Result<(), S::Error>;
-    }
-
-    impl PutF32 for Field<'_, f32> {
-        fn put<S: SerializeStruct>(&self, s: &mut S, key: &'static str) -> Result<(), S::Error> {
-            s.serialize_field(key, &f32_as_f64(*self.0))
-        }
-    }
-
-    impl PutF32 for Field<'_, Option<f32>> {
-        fn put<S: SerializeStruct>(&self, s: &mut S, key: &'static str) -> Result<(), S::Error> {
-            s.serialize_field(key, &self.0.map(f32_as_f64))
-        }
-    }
-
-    /// Writes any other field as it serializes.
-    pub trait PutAny {
-        /// Serializes the field as `key`.
-        fn put<S: SerializeStruct>(&self, s: &mut S, key: &'static str) -> Result<(), S::Error>;
-    }
-
-    impl<T: Serialize> PutAny for &Field<'_, T> {
-        fn put<S: SerializeStruct>(&self, s: &mut S, key: &'static str) -> Result<(), S::Error> {
-            s.serialize_field(key, self.0)
-        }
-    }
 }
 
 mod erased_json {
@@ -553,22 +501,6 @@ impl TrainConfig {
         }
     }
 
-    /// Tokenizer and SFT data without a `tokenizer_path` take the `tokenizer.json` of the
-    /// `init_from` model, when it has one (recorded in the config, so the run's data stays
-    /// the same on resume).
-    pub fn tokenizer_from_init(&mut self) -> Result<()> {
-        if !self.data.uses_tokenizer() || self.tokenizer_path.is_some() {
-            return Ok(());
-        }
-        if let Some(spec) = &self.init_from {
-            let path = crate::pretrained::resolve(spec)?.join("tokenizer.json");
-            if path.is_file() {
-                self.tokenizer_path = Some(path);
-            }
-        }
-        Ok(())
-    }
-
     /// The data this run trains on.
     pub fn data_spec(&self) -> DataSpec {
         DataSpec {
@@ -638,211 +570,5 @@ impl TrainConfig {
             Family::Qwen2 | Family::Mistral => {}
         }
         Ok(Box::new(cfg))
-    }
-
-    /// Whether any of the run's devices is a CUDA GPU (`device`, `pipeline_devices`).
-    pub fn uses_cuda(&self) -> bool {
-        let cuda = |d: &DeviceSpec| matches!(d, DeviceSpec::Cuda(_));
-        cuda(&self.device) || self.pipeline_devices.0.iter().any(cuda)
-    }
-
-    /// The run's CUDA settings as the banner shows them (`None` without a CUDA device, where
-    /// they have no effect), with what decided the Triton switch.
-    pub fn cuda_summary(&self) -> Option<String> {
-        let on = |b: bool| if b { "on" } else { "off" };
-        self.uses_cuda().then(|| {
-            let (triton, by) = self.triton_choice();
-            format!(
-                "cuda: tf32 {} (f32 matmuls), triton kernels {} ({by})",
-                on(self.tf32),
-                on(triton)
-            )
-        })
-    }
-
-    /// Whether the run takes candle-fused's Triton kernels on CUDA, and what decided it: the
-    /// flag (`triton_kernels`), else the environment (`CANDLE_FUSED_TRITON`), else candle-fused's
-    /// default.
-    pub fn triton_choice(&self) -> (bool, &'static str) {
-        use candle_fused::cuda_kernels::{triton_from_env, TRITON_DEFAULT, TRITON_ENV};
-        match (self.triton_kernels, triton_from_env()) {
-            (Some(on), _) => (on, "--triton-kernels"),
-            (None, Some(on)) => (on, TRITON_ENV),
-            (None, None) => (TRITON_DEFAULT, "default"),
-        }
-    }
-
-    /// Opens the run's device; a run on one stream (no pipeline, and a world of one as the
-    /// environment announces it) has it prepared for that (on CUDA: the memory pool keeps
-    /// freed memory, no events per allocation).
-    pub fn open_device(&self) -> Result<Device> {
-        let device = self.device.open()?;
-        let one_rank = crate::train::parallel::world_size_from_env() == 1;
-        if one_rank && matches!(self.parallelism(), Parallelism::None) {
-            types::single_stream(&device)?;
-        }
-        Ok(device)
-    }
-
-    /// How a step is spread over stages.
-    pub fn parallelism(&self) -> Parallelism {
-        if self.pipeline_stages <= 1 {
-            return Parallelism::None;
-        }
-        Parallelism::Pipeline {
-            stages: self.pipeline_stages,
-            microbatches: self.microbatches,
-            schedule: self.schedule,
-            devices: self.pipeline_devices.clone(),
-            threads: self.pipeline_threads,
-        }
-    }
-
-    /// The optimiser's hyper-parameters.
-    pub fn adamw_config(&self) -> AdamWConfig {
-        AdamWConfig {
-            lr: self.lr,
-            beta1: self.beta1,
-            beta2: self.beta2,
-            eps: 1e-8,
-            weight_decay: self.weight_decay,
-        }
-    }
-
-    /// The learning-rate schedule.
-    pub fn lr_schedule(&self) -> LrSchedule {
-        LrSchedule {
-            lr: self.lr,
-            min_lr: self.min_lr,
-            warmup_iters: self.warmup_iters,
-            decay_iters: self.lr_decay_iters.unwrap_or(self.max_iters),
-        }
-    }
-
-    /// Checks every value that can be checked without the data or a checkpoint.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(Error::Config(m));
-        // Sizes that something is built or run per unit of, bounded before anything is.
-        if self.n_layer > crate::model::MAX_LAYERS {
-            return bad(format!(
-                "n_layer is {}: more than the {} layers this trainer builds",
-                self.n_layer,
-                crate::model::MAX_LAYERS
-            ));
-        }
-        if self.sample_tokens > MAX_SAMPLE_TOKENS {
-            return bad(format!(
-                "sample_tokens is {}: at most {MAX_SAMPLE_TOKENS} tokens are sampled at an \
-                 evaluation",
-                self.sample_tokens
-            ));
-        }
-        if self.model_json.is_none() {
-            self.model_config(1)?.validate()?;
-        }
-        crate::objective::build(self)?;
-        if self.arch == Arch::Gpt2 && !self.tie_embeddings {
-            return bad(
-                "tie_embeddings = false needs a Llama-family arch (GPT-2's head always reads \
-                 the token embedding)"
-                    .into(),
-            );
-        }
-        if self.data.uses_path() && self.data_path.is_none() {
-            return bad(format!("data `{}` needs --data-path", self.data));
-        }
-        if self.data.uses_tokenizer() && self.tokenizer_path.is_none() {
-            return bad(format!(
-                "data `{}` needs --tokenizer-path (or --init-from a model with a \
-                 tokenizer.json)",
-                self.data
-            ));
-        }
-        let floats = [
-            ("lr", self.lr),
-            ("min_lr", self.min_lr),
-            ("weight_decay", self.weight_decay),
-            ("beta1", self.beta1),
-            ("beta2", self.beta2),
-            ("grad_clip", f64::from(self.grad_clip)),
-            ("dropout", f64::from(self.dropout)),
-            ("val_fraction", f64::from(self.val_fraction)),
-            ("peak_flops", self.peak_flops),
-        ];
-        if let Some((name, v)) = floats.iter().find(|(_, v)| !v.is_finite()) {
-            return bad(format!("{name} must be a finite number, got {v}"));
-        }
-        if self.batch_size == 0 || self.grad_accum == 0 {
-            return bad("batch_size and grad_accum must be at least 1".into());
-        }
-        if self.grad_accum > MAX_GRAD_ACCUM {
-            return bad(format!(
-                "grad_accum is {}: at most {MAX_GRAD_ACCUM} micro-batches make one step",
-                self.grad_accum
-            ));
-        }
-        if self.out_dir.as_os_str().is_empty() {
-            return bad("out_dir must name a directory (it is empty)".into());
-        }
-        crate::io::check_dir_path(&self.out_dir)
-            .map_err(|e| Error::Config(format!("out_dir: {e}")))?;
-        if !(self.lr > 0.0 && self.lr.is_finite()) {
-            return bad(format!("lr must be positive, got {}", self.lr));
-        }
-        if !(self.min_lr >= 0.0 && self.min_lr <= self.lr) {
-            return bad(format!(
-                "min_lr ({}) must be in [0, lr = {}] (the cosine schedule decays lr to min_lr; \
-                 with a small --lr give --min-lr too, e.g. lr / 10)",
-                self.min_lr, self.lr
-            ));
-        }
-        if !(0.0..1.0).contains(&self.beta1) || !(0.0..1.0).contains(&self.beta2) {
-            return bad("beta1 and beta2 must be in [0, 1)".into());
-        }
-        if self.weight_decay < 0.0 || self.grad_clip < 0.0 {
-            return bad("weight_decay and grad_clip must be >= 0".into());
-        }
-        if !(self.peak_flops >= 0.0 && self.peak_flops.is_finite()) {
-            return bad(format!(
-                "peak_flops must be a finite number >= 0, got {}",
-                self.peak_flops
-            ));
-        }
-        if self.eval_interval == 0 || self.eval_iters == 0 {
-            return bad("eval_interval and eval_iters must be at least 1".into());
-        }
-        if !(self.val_fraction > 0.0 && self.val_fraction < 1.0) {
-            return bad(format!(
-                "val_fraction must be in (0, 1), got {}",
-                self.val_fraction
-            ));
-        }
-        if self.zero > 1 {
-            return bad(format!("zero must be 0 or 1 (ZeRO-1), got {}", self.zero));
-        }
-        if self.pipeline_stages == 0 || self.microbatches == 0 {
-            return bad("pipeline_stages and microbatches must be at least 1".into());
-        }
-        if self.pipeline_stages > 1 {
-            self.schedule
-                .build(self.pipeline_stages, self.microbatches)?;
-            let devices = self.pipeline_devices.0.len();
-            if devices != 0 && devices != self.pipeline_stages {
-                return bad(format!(
-                    "pipeline_devices names {devices} device(s) for {} pipeline stages",
-                    self.pipeline_stages
-                ));
-            }
-            if self.batch_size < self.microbatches {
-                return bad(format!(
-                    "batch_size ({}) must be at least microbatches ({})",
-                    self.batch_size, self.microbatches
-                ));
-            }
-        }
-        if self.data == DataKind::Addition && !(1..=9).contains(&self.digits) {
-            return bad(format!("digits must be in 1..=9, got {}", self.digits));
-        }
-        Ok(())
     }
 }

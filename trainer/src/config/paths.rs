@@ -11,7 +11,7 @@ impl TrainConfig {
     /// local directory rather than a hub id), so that the saved config (`run.toml`,
     /// `trainer_state.json`) still finds them when the run is resumed or loaded from another
     /// working directory.
-    pub fn absolute_paths(&mut self) -> Result<()> {
+    pub(crate) fn absolute_paths(&mut self) -> Result<()> {
         let absolute = |p: &Path| -> Result<PathBuf> {
             std::fs::canonicalize(p)
                 .or_else(|_| std::path::absolute(p))

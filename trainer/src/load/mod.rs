@@ -17,7 +17,7 @@
 //! 1. `config.json`, of any known architecture ([`crate::model::config_from_hf_json_file`]);
 //! 2. for a trainer checkpoint given data, the data's fingerprint against the run's
 //!    ([`crate::data::check_fingerprint`]), then `config.json` against the run's recorded
-//!    state ([`checkpoint::check_model_matches`]);
+//!    state (`checkpoint::check_model_matches`);
 //! 3. the data's and the tokenizer's vocabularies against the model's embedding;
 //! 4. memory: a training step of the run (given one), else the f32 weights, must fit, before
 //!    anything of the model's size is allocated;
@@ -26,6 +26,7 @@
 //! 7. a trainer checkpoint's `manifest.json` ([`checkpoint::manifest::verify`]), last, so that a
 //!    corrupt file is named for what is wrong with it before the manifest says it changed.
 
+pub(crate) mod resolve;
 mod weights;
 
 use std::path::{Path, PathBuf};
@@ -33,79 +34,20 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 use serde_json::Value;
 
-pub use weights::{ShardIndex, Streamed, TensorHeader, WeightFiles, INDEX_FILE};
+pub use crate::checkpoint::layout::INDEX_FILE;
+pub use resolve::{resolve, resolve_in};
+pub use weights::{ShardIndex, Streamed, TensorHeader, WeightFiles};
 
 use crate::checkpoint::{self, Source, TrainerState, CONFIG_FILE, STATE_FILE};
 use crate::config::TrainConfig;
 use crate::data::DataSource;
 use crate::model::{Model, ModelConfig, Params};
 use crate::pretrained::{TokenizerFile, TOKENIZER_FILE};
-use crate::{hub, Error, Result};
+use crate::{Error, Result};
 use candle_peft::format::ADAPTER_CONFIG_FILE;
 
 /// `transformers`' generation settings file (`eos_token_id` may be a list there).
 pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
-
-/// The model directory `spec` names, looking hub ids up in the default cache
-/// ([`hub::cache_dir`]).
-pub fn resolve(spec: &str) -> Result<PathBuf> {
-    resolve_in(spec, &hub::default_cache())
-}
-
-/// The model directory `spec` names: a directory holding `config.json` and weights, the
-/// latest checkpoint of a run directory, or the snapshot of a model id in `cache`.
-///
-/// ```
-/// let cache = hf_hub::Cache::new(std::env::temp_dir().join("no-such-hf-cache"));
-/// let err = trainer::load::resolve_in("no-org/no-model", &cache).unwrap_err();
-/// assert!(err.to_string().contains("no-org/no-model"));
-/// ```
-pub fn resolve_in(spec: &str, cache: &hf_hub::Cache) -> Result<PathBuf> {
-    let path = Path::new(spec);
-    if path.is_dir() {
-        let adapter = path.join(ADAPTER_CONFIG_FILE).is_file();
-        if adapter || path.join(CONFIG_FILE).is_file() && WeightFiles::present_in(path) {
-            return Ok(path.to_path_buf());
-        }
-        return checkpoint::resolve(path).map_err(|e| {
-            Error::checkpoint(
-                path,
-                format!(
-                    "not a model directory (config.json + model.safetensors or {INDEX_FILE}), \
-                     nor a trainer checkpoint or run directory ({e})"
-                ),
-            )
-        });
-    }
-    if path.exists() {
-        return Err(Error::checkpoint(
-            path,
-            "is a file; expected a model directory (config.json + model.safetensors), a trainer \
-             checkpoint or run directory, or a Hugging Face model id",
-        ));
-    }
-    if !looks_like_hub_id(spec) {
-        return Err(Error::checkpoint(path, "no such directory"));
-    }
-    hub::snapshot_dir(cache, spec).map_err(|e| {
-        Error::checkpoint(
-            path,
-            format!("no such directory, and not found as a Hugging Face model id: {e}"),
-        )
-    })
-}
-
-/// `name` or `org/name`: what a hub model id can be (a path like `./x`, `/x` or `a/b/c` cannot).
-pub(crate) fn looks_like_hub_id(spec: &str) -> bool {
-    let parts: Vec<&str> = spec.split('/').collect();
-    parts.len() <= 2
-        && parts.iter().all(|p| {
-            !p.is_empty()
-                && !p.starts_with('.')
-                && p.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-        })
-}
 
 /// A resolved model directory: where its weights are and, for a trainer checkpoint, the run
 /// it belongs to; for adapters (a LoRA run's checkpoint, a PEFT adapter directory), the base
@@ -165,7 +107,7 @@ pub struct Vocabulary<'a> {
 #[derive(Clone, Copy, Default)]
 pub struct Checks<'a> {
     /// The run the model is loaded for: one training step of it must fit in memory
-    /// ([`crate::train::memory::check_run_fits`]). `None`: inference, the f32 weights must fit.
+    /// (`train::memory::check_run_fits`). `None`: inference, the f32 weights must fit.
     pub train: Option<&'a TrainConfig>,
     /// The data the model is loaded for.
     pub data: Option<DataCheck<'a>>,
@@ -218,7 +160,7 @@ impl ModelDir {
     /// The model in directory `dir` (already resolved). Adapters (`adapter_config.json`)
     /// are read over their base: a LoRA run's `init_from`, else the adapter's
     /// `base_model_name_or_path` (found as PEFT finds it: see
-    /// [`crate::lora::resolve_adapter_base`]).
+    /// [`resolve::resolve_adapter_base`]).
     pub fn at(dir: PathBuf) -> Result<Self> {
         Self::at_over(dir, None)
     }
@@ -263,7 +205,7 @@ impl ModelDir {
                         "has no base_model_name_or_path: give the base model with --init-from",
                     )
                 })?;
-                let found = crate::lora::resolve_adapter_base(&dir, &spec)?;
+                let found = resolve::resolve_adapter_base(&dir, &spec)?;
                 (spec, found)
             }
         };
@@ -369,7 +311,7 @@ impl ModelDir {
         let config = self.config()?;
         refuse_quantized(&self.dir.join(CONFIG_FILE))?;
         if let Some(run) = &self.run {
-            checkpoint::check_model_matches(config.as_ref(), &run.config, None, &self.dir)?;
+            checkpoint::check_model_matches(config.as_ref(), run, None, &self.dir)?;
         }
         let weights = self.weights.open(config.as_ref(), self.source())?;
         weights.check_copies(&Device::Cpu, |of| weights.tensor(of, &Device::Cpu))?;
@@ -438,10 +380,7 @@ impl ModelDir {
                 false => {
                     // A QLoRA run's adapters were trained over the 4-bit base: merged into
                     // its dequantized weights.
-                    let quant = self
-                        .run
-                        .as_ref()
-                        .and_then(|r| crate::lora::Nf4Settings::of_run(&r.config));
+                    let quant = self.run.as_ref().and_then(|r| r.config.nf4_settings());
                     if let Some(q) = quant {
                         params = crate::lora::dequantized_base(config.as_ref(), &params, &q)?;
                     }
@@ -496,7 +435,7 @@ impl ModelDir {
             }
         }
         let data = checks.data.map(|d| d.source);
-        checkpoint::check_model_matches(stored, &run.config, data, &self.dir)
+        checkpoint::check_model_matches(stored, run, data, &self.dir)
     }
 
     /// Memory (module docs, step 4): a training step of the run, given one, else the f32
@@ -597,16 +536,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn hub_ids_and_paths() {
-        for id in ["gpt2", "openai-community/gpt2", "org/name-v1.5_x"] {
-            assert!(looks_like_hub_id(id), "{id}");
-        }
-        for p in ["./run", "/abs/run", "runs/a/b", "../x", "", "a//b", "a b"] {
-            assert!(!looks_like_hub_id(p), "{p}");
-        }
-    }
-
-    #[test]
     fn token_id_lists() {
         let ids = |s: &str| token_ids(&serde_json::from_str(s).unwrap());
         assert_eq!(ids("7"), Some(vec![7]));
@@ -616,27 +545,5 @@ mod tests {
         );
         assert_eq!(ids("[1, \"x\"]"), None);
         assert_eq!(ids("-1"), None);
-    }
-
-    #[test]
-    fn missing_things_are_named() {
-        let tmp = tempfile::tempdir().unwrap();
-        let cache = hf_hub::Cache::new(tmp.path().join("hub"));
-        let e = resolve_in("./nowhere", &cache).unwrap_err().to_string();
-        assert!(
-            e.contains("nowhere") && e.contains("no such directory"),
-            "{e}"
-        );
-        let e = resolve_in("org/none", &cache).unwrap_err().to_string();
-        assert!(e.contains("org/none") && e.contains("Hugging Face"), "{e}");
-        let file = tmp.path().join("model.safetensors");
-        std::fs::write(&file, b"x").unwrap();
-        let spec = file.display().to_string();
-        let e = resolve_in(&spec, &cache).unwrap_err().to_string();
-        assert!(e.contains("is a file"), "{e}");
-        let empty = tmp.path().join("empty");
-        std::fs::create_dir_all(&empty).unwrap();
-        let e = resolve_in(&empty.display().to_string(), &cache).unwrap_err();
-        assert!(e.to_string().contains("not a model directory"), "{e}");
     }
 }

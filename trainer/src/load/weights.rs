@@ -16,12 +16,10 @@ use candle_core::{DType, Device, Tensor, Var};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
+use crate::checkpoint::layout::INDEX_FILE;
 use crate::checkpoint::{finite, Source, MODEL_FILE};
 use crate::model::{CheckpointTensor, ModelConfig, Params};
 use crate::{Error, Result};
-
-/// The index of a sharded model (`transformers`' `SAFE_WEIGHTS_INDEX_NAME`).
-pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// Where a model directory keeps its weights.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -20,26 +20,20 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::checkpoint::finite;
-use crate::config::TrainConfig;
 use crate::model::{
     Builder, Ctx, Kernels, Layout, LinearAdapter, Model, ModelConfig, Params, Quant, WeightMap,
 };
 use crate::{Error, Result};
 
-mod base;
+pub(crate) mod base;
 mod quant;
 
-pub use base::{
-    check_adapter_base, resolve_adapter_base, BaseIdentity, RecordedBase, BASE_METADATA_KEY,
-};
+pub use crate::load::resolve::resolve_adapter_base;
+pub use base::{check_adapter_base, BaseIdentity, RecordedBase, BASE_METADATA_KEY};
 pub use quant::{
     check_quantization_config, dequantized_base, nf4_on_load, read_bnb_4bit, Nf4Settings,
-    QuantizedBase,
+    QuantizedBase, OUTPUT_HEAD,
 };
-
-/// The module path of the output head, which `all-linear` leaves out (PEFT: the output
-/// embeddings).
-pub const OUTPUT_HEAD: &str = "lm_head";
 
 /// A LoRA adapter running one linear layer of the model, with its dropout site.
 #[derive(Debug)]
@@ -212,36 +206,6 @@ impl Tuning {
         Ok(model.map(&|t: &Tensor| Ok(swap.get(&t.id()).unwrap_or(t).clone()))?)
     }
 
-    /// The model a checkpoint `dir` of a run with `config` resumes, as the loader `loaded` it
-    /// (the base checked against the one the run recorded, `recorded_base`): the whole model
-    /// when it holds no adapters; else its adapters over the base (on which the run goes on
-    /// recording the base as found now: an old run's file digests become the semantic
-    /// identity), their config as the checkpoint's `adapter_config.json` says.
-    pub fn resume(
-        loaded: &crate::load::Loaded,
-        recorded_base: bool,
-        config: &TrainConfig,
-        dir: &Path,
-    ) -> Result<(Box<dyn Model>, Params, Tuning)> {
-        match (&loaded.adapter, &loaded.base, recorded_base) {
-            (None, ..) => Ok((loaded.build()?, loaded.params.clone(), Tuning::Full)),
-            (Some(a), Some(base), true) => Tuning::lora_over(
-                loaded.config.as_ref(),
-                &loaded.params,
-                &a.config,
-                Some(a),
-                base.clone(),
-                config.base_dtype.unwrap_or(config.dtype).dtype(),
-                Nf4Settings::of_run(config).as_ref(),
-                config.seed,
-            ),
-            (Some(_), ..) => Err(Error::checkpoint(
-                dir,
-                "holds adapters but trainer_state.json records no base model",
-            )),
-        }
-    }
-
     /// The base as a run's `trainer_state.json` records it, for a LoRA run.
     pub fn recorded_base(&self) -> Option<RecordedBase> {
         self.base().cloned().map(RecordedBase::Semantic)
@@ -263,34 +227,6 @@ impl Tuning {
             }
         }
     }
-}
-
-/// Writes a PEFT adapter's settings into the run's config (the adapter's config replaces the
-/// `lora_*` settings, so that the run records what it trains), when `adapter` is set.
-pub fn adopt_adapter_config(config: &mut TrainConfig) -> Result<()> {
-    let Some(dir) = &config.adapter else {
-        return Ok(());
-    };
-    let c = LoraConfig::load(&dir.join(format::ADAPTER_CONFIG_FILE)).map_err(peft_err)?;
-    config.lora_r = c.r;
-    config.lora_alpha = c.lora_alpha;
-    config.lora_dropout = c.lora_dropout;
-    config.lora_targets = c.target_modules;
-    config.rslora = c.use_rslora;
-    config.modules_to_save = crate::config::ModuleList(c.modules_to_save);
-    Ok(())
-}
-
-/// The LoRA config of a run (`lora_r > 0`), or `None` for full fine-tuning.
-pub fn run_lora_config(config: &TrainConfig) -> Option<LoraConfig> {
-    (config.lora_r > 0).then(|| {
-        LoraConfig::new(config.lora_r, config.lora_alpha)
-            .with_targets(config.lora_targets.clone())
-            .with_rslora(config.rslora)
-            .with_dropout(config.lora_dropout)
-            .with_modules_to_save(config.modules_to_save.0.clone())
-            .with_base(config.init_from.clone())
-    })
 }
 
 fn peft_err(e: candle_peft::PeftError) -> Error {

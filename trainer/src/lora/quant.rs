@@ -14,6 +14,10 @@ use crate::load::WeightFiles;
 use crate::model::{config_from_hf_json_file, ModelConfig, Params};
 use crate::{Error, Result};
 
+/// The module path of the output head, which `all-linear` leaves out (PEFT: the output
+/// embeddings).
+pub const OUTPUT_HEAD: &str = "lm_head";
+
 /// How a base's linear layers are quantized on load (`--base-quant nf4`): transformers'
 /// `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", ..)`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -30,21 +34,12 @@ impl Default for Nf4Settings {
     fn default() -> Self {
         Nf4Settings {
             double: false,
-            skip: vec![crate::lora::OUTPUT_HEAD.to_string()],
+            skip: vec![OUTPUT_HEAD.to_string()],
         }
     }
 }
 
 impl Nf4Settings {
-    /// The settings of a run's `--base-quant nf4` (`--base-quant-double`,
-    /// `--base-quant-skip`), if it asks for a 4-bit base.
-    pub fn of_run(config: &crate::config::TrainConfig) -> Option<Self> {
-        (config.base_quant == crate::config::BaseQuant::Nf4).then(|| Nf4Settings {
-            double: config.base_quant_double,
-            skip: config.base_quant_skip.0.clone(),
-        })
-    }
-
     /// Whether the layer at `path` stays in full precision.
     pub fn skips(&self, path: &str) -> bool {
         let dotted = format!(".{path}.");

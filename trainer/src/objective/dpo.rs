@@ -8,7 +8,6 @@ use std::sync::Mutex;
 use candle_core::{DType, Tensor, D};
 
 use super::{HeadOutput, Objective};
-use crate::config::TrainConfig;
 use crate::data::Batch;
 use crate::model::{run_links, Ctx, Model, IGNORE};
 use crate::{Error, Result};
@@ -170,15 +169,6 @@ impl Dpo {
             label_smoothing,
             seen: Mutex::default(),
         })
-    }
-
-    /// The DPO objective of a run's `dpo_loss`, `dpo_beta` and `dpo_label_smoothing`.
-    pub fn from_config(config: &TrainConfig) -> Result<Self> {
-        Dpo::new(
-            config.dpo_loss.parse()?,
-            config.dpo_beta,
-            config.dpo_label_smoothing,
-        )
     }
 
     /// The loss kind.

@@ -23,6 +23,7 @@
 
 mod cross_entropy;
 mod dpo;
+mod registry;
 
 use std::fmt;
 
@@ -30,8 +31,8 @@ use candle_core::Tensor;
 
 pub use cross_entropy::CrossEntropy;
 pub use dpo::{reference_log_probs, Dpo, DpoLoss, DpoTerms, DPO_METRICS};
+pub use registry::{build, ObjectiveConfig};
 
-use crate::config::TrainConfig;
 use crate::data::Batch;
 use crate::model::{Ctx, Link};
 use crate::{Error, Result};
@@ -132,9 +133,6 @@ pub(crate) fn units_of(objective: &dyn Objective, batch: &Batch) -> Result<Vec<f
     Ok(units)
 }
 
-/// How [`build`]'s table makes an objective.
-type Make = fn(&TrainConfig) -> Result<Box<dyn Objective>>;
-
 /// Errors unless `rows` (a batch or microbatch of `what`) holds whole groups of `objective`'s
 /// [`Objective::rows_per_group`].
 pub(crate) fn check_groups(objective: &dyn Objective, rows: usize, what: &str) -> Result<()> {
@@ -146,35 +144,6 @@ pub(crate) fn check_groups(objective: &dyn Objective, rows: usize, what: &str) -
         )));
     }
     Ok(())
-}
-
-/// The objective the config's `objective` names, with its options: `cross-entropy`
-/// (next-token cross-entropy, [`CrossEntropy`]) or `dpo` ([`Dpo`], its `dpo_*` options).
-///
-/// ```
-/// use trainer::config::TrainConfig;
-/// let mut config = TrainConfig::default();
-/// assert_eq!(trainer::objective::build(&config)?.name(), "cross-entropy");
-/// config.objective = "dpo".into();
-/// assert_eq!(trainer::objective::build(&config)?.rows_per_group(), 2);
-/// config.objective = "ppo".into();
-/// assert!(trainer::objective::build(&config).is_err());
-/// # Ok::<(), trainer::Error>(())
-/// ```
-pub fn build(config: &TrainConfig) -> Result<Box<dyn Objective>> {
-    // The registry: one line per objective.
-    let known: &[(&str, Make)] = &[
-        ("cross-entropy", |_| Ok(Box::new(CrossEntropy))),
-        ("dpo", |c| Ok(Box::new(Dpo::from_config(c)?))),
-    ];
-    let name = config.objective.as_str();
-    match known.iter().find(|(n, _)| *n == name) {
-        Some((_, make)) => make(config),
-        None => Err(Error::Config(format!(
-            "objective `{name}` is not known (known: {})",
-            known.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
-        ))),
-    }
 }
 
 /// What the model's head gives an objective for a batch: its hidden states, the batch's

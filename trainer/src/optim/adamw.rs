@@ -302,7 +302,7 @@ impl candle_nn::Optimizer for AdamW {
 }
 
 /// What `candle_amp::Amp::step` drives when a program steps an `AdamW` itself: the norm is
-/// [`global_grad_norm`] with this optimiser's kernels (one fused reduction); the update is
+/// `optim::global_grad_norm` with this optimiser's kernels (one fused reduction); the update is
 /// [`AdamW::apply_scaled`]. (The trainer drives any [`Optimizer`] the same way.)
 impl ScaledUpdate for AdamW {
     type Error = candle_core::Error;

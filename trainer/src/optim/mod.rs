@@ -6,6 +6,7 @@
 //! Adding an optimiser: one module implementing [`Optimizer`], one line in [`build`].
 
 mod adamw;
+mod registry;
 
 use std::collections::HashMap;
 
@@ -15,9 +16,9 @@ use candle_core::{Tensor, Var};
 use candle_fused::adamw::{sum_of_squares_composite, sum_of_squares_multi};
 
 pub use adamw::{AdamW, AdamWConfig};
+pub use registry::build;
 
-use crate::config::TrainConfig;
-use crate::model::{Kernels, Params};
+use crate::model::Kernels;
 use crate::Result;
 
 /// An optimiser over named parameters whose state is named tensors, so that a run can be
@@ -125,14 +126,6 @@ impl OptimizerState {
     }
 }
 
-/// The optimiser a run's config asks for, over `params` (the registry: AdamW, with the
-/// config's hyper-parameters and kernels, is the only one today).
-pub fn build(config: &TrainConfig, params: &Params) -> Result<Box<dyn Optimizer>> {
-    Ok(Box::new(
-        AdamW::new(params, config.adamw_config())?.with_kernels(config.kernels),
-    ))
-}
-
 /// What `candle_amp::Amp::step` drives for the trainer: an [`Optimizer`] stepped at `lr`,
 /// with the gradient norm the step already read (`norm`, taken by the first
 /// [`ScaledUpdate::grad_norm`]; [`global_grad_norm`] over `kernels` after that).
@@ -161,7 +154,7 @@ impl ScaledUpdate for Driven<'_> {
 /// The global L2 norm of the gradients of `vars` (missing gradients count as zero) with one
 /// host sync, using `kernels` (the fused one reads each gradient once): `candle_fused`'s
 /// `global_norm`, its read counted ([`crate::transfer`]).
-pub fn global_grad_norm(
+pub(crate) fn global_grad_norm(
     grads: &GradStore,
     vars: &[Var],
     kernels: Kernels,
@@ -176,7 +169,7 @@ pub fn global_grad_norm(
 /// nothing back (`None` when no variable has a gradient): `candle_fused`'s `global_norm`
 /// before its read, the per-tensor sums added in the order of `vars` (one multi-tensor call,
 /// [`sum_of_squares_multi`], or the composite of each with `Kernels::Reference`).
-pub fn grad_sum_of_squares(
+pub(crate) fn grad_sum_of_squares(
     grads: &GradStore,
     vars: &[Var],
     kernels: Kernels,

@@ -19,14 +19,20 @@ pub use tokenizer::{
 
 pub use crate::load::{resolve, resolve_in, ModelDir};
 
-use crate::config::TrainConfig;
+use std::path::Path;
+
+use crate::data::DataKind;
 use crate::Result;
 
-/// The special tokens of the vocabulary `config` trains on: those of its `tokenizer.json` for
-/// `tokenizer` data (each falling back to `fallback`, the pretrained model's), none for the
-/// character, byte and addition vocabularies.
-pub fn data_special_tokens(config: &TrainConfig, fallback: SpecialTokens) -> Result<SpecialTokens> {
-    match (&config.tokenizer_path, config.data) {
+/// The special tokens of the vocabulary a run trains on (its `data` and `tokenizer_path`):
+/// those of its `tokenizer.json` for `tokenizer` data (each falling back to `fallback`, the
+/// pretrained model's), none for the character, byte and addition vocabularies.
+pub fn data_special_tokens(
+    data: DataKind,
+    tokenizer: Option<&Path>,
+    fallback: SpecialTokens,
+) -> Result<SpecialTokens> {
+    match (tokenizer, data) {
         (Some(path), kind) if kind.uses_tokenizer() => {
             let own = TokenizerFile::open(path)?.special_tokens();
             Ok(SpecialTokens {

@@ -14,7 +14,7 @@ use crate::lora::Tuning;
 use crate::model::{Model, Params};
 use crate::objective::Objective;
 use crate::optim::Optimizer;
-use crate::Result;
+use crate::{Error, Result};
 
 /// Builds an optimiser over a run's parameters (see [`TrainerBuilder::optimizer`]).
 pub type OptimizerFn = Box<dyn FnOnce(&TrainConfig, &Params) -> Result<Box<dyn Optimizer>>>;
@@ -154,14 +154,7 @@ impl TrainerBuilder {
     /// alpha, dropout, targets, rsLoRA, modules to save; its base is
     /// [`TrainerBuilder::init_from`]'s).
     pub fn lora(self, lora: LoraConfig) -> Self {
-        self.configure(|c| {
-            c.lora_r = lora.r;
-            c.lora_alpha = lora.lora_alpha;
-            c.lora_dropout = lora.lora_dropout;
-            c.lora_targets = lora.target_modules;
-            c.rslora = lora.use_rslora;
-            c.modules_to_save = crate::config::ModuleList(lora.modules_to_save);
-        })
+        self.configure(|c| adopt_lora(c, lora))
     }
 
     /// The optimiser, built over the run's parameters (the adapters' in a LoRA run) once they
@@ -206,8 +199,8 @@ impl TrainerBuilder {
         }
         config.absolute_paths()?;
         if self.model.is_none() {
-            config.tokenizer_from_init()?;
-            crate::lora::adopt_adapter_config(&mut config)?;
+            tokenizer_from_init(&mut config)?;
+            adopt_adapter_config(&mut config)?;
         }
         config.validate()?;
         let device = config.open_device()?;
@@ -227,7 +220,7 @@ impl TrainerBuilder {
             }
             None => init::build_model(&config, data.as_ref(), &device)?,
         };
-        let optimizer = self.optimizer.unwrap_or(Box::new(crate::optim::build));
+        let optimizer = self.optimizer.unwrap_or(Box::new(run_optimizer));
         let mut trainer = Trainer::start(config, device, data, model, params, tuning, optimizer)?;
         trainer.writes = writes;
         trainer.evaluates = evaluates;
@@ -236,4 +229,48 @@ impl TrainerBuilder {
         }
         Ok(trainer.overwrite(self.overwrite))
     }
+}
+
+/// The optimiser a run's config asks for, over `params` ([`crate::optim::build`] with the
+/// config's hyper-parameters and kernels): what a trainer takes unless given another.
+pub(crate) fn run_optimizer(config: &TrainConfig, params: &Params) -> Result<Box<dyn Optimizer>> {
+    crate::optim::build(config.adamw_config(), config.kernels, params)
+}
+
+/// Tokenizer and SFT data without a `tokenizer_path` take the `tokenizer.json` of the
+/// `init_from` model, when it has one (recorded in the config, so the run's data stays
+/// the same on resume).
+fn tokenizer_from_init(config: &mut TrainConfig) -> Result<()> {
+    if !config.data.uses_tokenizer() || config.tokenizer_path.is_some() {
+        return Ok(());
+    }
+    if let Some(spec) = &config.init_from {
+        let path = crate::pretrained::resolve(spec)?.join("tokenizer.json");
+        if path.is_file() {
+            config.tokenizer_path = Some(path);
+        }
+    }
+    Ok(())
+}
+
+/// Writes a PEFT adapter's settings into the run's config (the adapter's config replaces the
+/// `lora_*` settings, so that the run records what it trains), when `adapter` is set.
+fn adopt_adapter_config(config: &mut TrainConfig) -> Result<()> {
+    let Some(dir) = &config.adapter else {
+        return Ok(());
+    };
+    let c = LoraConfig::load(&dir.join(candle_peft::format::ADAPTER_CONFIG_FILE))
+        .map_err(|e| Error::Config(e.to_string()))?;
+    adopt_lora(config, c);
+    Ok(())
+}
+
+/// Writes the LoRA settings of `lora` into the run's `lora_*` fields.
+fn adopt_lora(config: &mut TrainConfig, lora: LoraConfig) {
+    config.lora_r = lora.r;
+    config.lora_alpha = lora.lora_alpha;
+    config.lora_dropout = lora.lora_dropout;
+    config.lora_targets = lora.target_modules;
+    config.rslora = lora.use_rslora;
+    config.modules_to_save = crate::config::ModuleList(lora.modules_to_save);
 }

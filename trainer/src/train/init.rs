@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use candle_core::Device;
+use candle_peft::LoraConfig;
 
 use super::memory;
 use crate::config::{OnResume, TrainConfig};
@@ -30,7 +31,7 @@ pub fn build_model(
     data: &dyn DataSource,
     device: &Device,
 ) -> Result<(Box<dyn Model>, Params, Tuning)> {
-    let lora = lora::run_lora_config(config);
+    let lora = run_lora_config(config);
     let Some(from) = &config.init_from else {
         if lora.is_some() {
             return Err(Error::Config(
@@ -39,7 +40,11 @@ pub fn build_model(
                     .into(),
             ));
         }
-        let tokens = pretrained::data_special_tokens(config, SpecialTokens::default())?;
+        let tokens = pretrained::data_special_tokens(
+            config.data,
+            config.tokenizer_path.as_deref(),
+            SpecialTokens::default(),
+        )?;
         let fresh = config
             .model_config(data.vocab_size())?
             .with_run_settings(config.dropout, tokens);
@@ -52,7 +57,11 @@ pub fn build_model(
     // the manifest.
     let source = pretrained::ModelDir::open(from)?;
     let settings = |loaded: &dyn model::ModelConfig| -> Result<Box<dyn model::ModelConfig>> {
-        let tokens = pretrained::data_special_tokens(config, loaded.special_tokens())?;
+        let tokens = pretrained::data_special_tokens(
+            config.data,
+            config.tokenizer_path.as_deref(),
+            loaded.special_tokens(),
+        )?;
         Ok(loaded.with_run_settings(config.dropout, tokens))
     };
     let checks = load::Checks {
@@ -65,7 +74,7 @@ pub fn build_model(
         settings: Some(&settings),
         unmerged: false,
     };
-    let quant = lora::Nf4Settings::of_run(config);
+    let quant = config.nf4_settings();
     if quant.is_some() && lora.is_none() {
         return Err(Error::Config(
             "--base-quant nf4 holds the frozen base of a LoRA run in 4 bits: give --lora-r (or \
@@ -129,4 +138,46 @@ pub fn check_resume_compatible(saved: &TrainConfig, new: &TrainConfig, dir: &Pat
         refused.join(", "),
         dir.display()
     )))
+}
+
+/// The model a checkpoint `dir` of a run with `config` resumes, as the loader `loaded` it
+/// (the base checked against the one the run recorded, `recorded_base`): the whole model
+/// when it holds no adapters; else its adapters over the base (on which the run goes on
+/// recording the base as found now: an old run's file digests become the semantic
+/// identity), their config as the checkpoint's `adapter_config.json` says.
+pub(crate) fn resume_model(
+    loaded: &load::Loaded,
+    recorded_base: bool,
+    config: &TrainConfig,
+    dir: &Path,
+) -> Result<(Box<dyn Model>, Params, Tuning)> {
+    match (&loaded.adapter, &loaded.base, recorded_base) {
+        (None, ..) => Ok((loaded.build()?, loaded.params.clone(), Tuning::Full)),
+        (Some(a), Some(base), true) => Tuning::lora_over(
+            loaded.config.as_ref(),
+            &loaded.params,
+            &a.config,
+            Some(a),
+            base.clone(),
+            config.base_dtype.unwrap_or(config.dtype).dtype(),
+            config.nf4_settings().as_ref(),
+            config.seed,
+        ),
+        (Some(_), ..) => Err(Error::checkpoint(
+            dir,
+            "holds adapters but trainer_state.json records no base model",
+        )),
+    }
+}
+
+/// The LoRA config of a run (`lora_r > 0`), or `None` for full fine-tuning.
+fn run_lora_config(config: &TrainConfig) -> Option<LoraConfig> {
+    (config.lora_r > 0).then(|| {
+        LoraConfig::new(config.lora_r, config.lora_alpha)
+            .with_targets(config.lora_targets.clone())
+            .with_rslora(config.rslora)
+            .with_dropout(config.lora_dropout)
+            .with_modules_to_save(config.modules_to_save.0.clone())
+            .with_base(config.init_from.clone())
+    })
 }

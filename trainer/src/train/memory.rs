@@ -75,7 +75,7 @@ pub fn estimate_step_bytes(
 /// cannot be built is refused when the run builds it, and counts nothing here: this is a
 /// lower bound).
 pub fn trained_bytes_per_param(config: &TrainConfig) -> u64 {
-    let state = crate::optim::build(config, &crate::model::Params::default())
+    let state = crate::optim::build(config.adamw_config(), config.kernels, &Default::default())
         .map_or(0, |o| o.state_bytes_per_param() as u64);
     4 + 4 + state
 }
@@ -118,7 +118,7 @@ fn adapter_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) ->
 /// batch, block, adapters) in O(1) time and memory: each layer's overhead and norms, the
 /// token embedding, the logits and their gradient, the adapters. Checked before anything
 /// proportional to a size is built (the parameter list, the cost table, the remat plan).
-pub fn floor_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) -> u64 {
+pub(crate) fn floor_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) -> u64 {
     // A frozen LoRA base holds its f32 weights; full training adds gradients and the
     // optimiser's state.
     let per_param: u64 = if config.lora_r > 0 {
@@ -137,7 +137,7 @@ pub fn floor_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) 
 
 /// What a model's f32 weights need at the least, in O(1) (see [`floor_bytes`]): checked
 /// before its parameter list is built, by the commands that only read a model.
-pub fn weights_floor(model: &dyn ModelConfig) -> u64 {
+pub(crate) fn weights_floor(model: &dyn ModelConfig) -> u64 {
     sized_floor(model, 4)
 }
 
@@ -161,7 +161,7 @@ fn sized_floor(model: &dyn ModelConfig, per_param: u64) -> u64 {
 /// allocated, on every path that builds one for training (fresh, `--init-from`, resume). Only
 /// checked on the CPU (a GPU reports its own out-of-memory errors; the CPU allocator aborts the
 /// process).
-pub fn check_run_fits(
+pub(crate) fn check_run_fits(
     config: &TrainConfig,
     model: &dyn ModelConfig,
     device: &Device,

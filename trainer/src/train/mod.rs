@@ -43,7 +43,7 @@ use crate::lora::Tuning;
 use crate::metrics::EvalStats;
 use crate::model::{Model, Params};
 use crate::objective::Objective;
-use crate::optim::{self, Optimizer};
+use crate::optim::Optimizer;
 use crate::run_dir::{self, Claim, RunDir};
 use crate::schedule::LrSchedule;
 use crate::{load, Error, Result};
@@ -63,7 +63,7 @@ pub struct Trainer {
     pub model: Box<dyn Model>,
     /// Its parameters.
     pub params: Params,
-    /// The optimiser ([`optim::build`] makes the config's; a program may put in its own before
+    /// The optimiser ([`crate::optim::build`] makes the config's; a program may put in its own before
     /// [`Trainer::with_comm`] and training, and resume with it by [`Trainer::resume_with`]).
     pub optimizer: Box<dyn Optimizer>,
     /// The loss ([`crate::objective::build`] makes the config's `objective`; a program may
@@ -168,7 +168,7 @@ impl Trainer {
     /// directory forks the run there (which must not hold a run). Fields that define the model
     /// or the data cannot change, and an attempt is an error.
     pub fn resume(path: &Path, adjust: impl FnOnce(&mut TrainConfig)) -> Result<Self> {
-        Self::resume_with(path, adjust, optim::build)
+        Self::resume_with(path, adjust, builder::run_optimizer)
     }
 
     /// [`Trainer::resume`] with the optimiser `optimizer` builds (given the run's config and
@@ -203,7 +203,7 @@ impl Trainer {
                 // on recording its identity as found now (an old run's file digests become
                 // the semantic identity).
                 let (model, params, tuning) =
-                    Tuning::resume(l, state.base.is_some(), &config, &dir)?;
+                    init::resume_model(l, state.base.is_some(), &config, &dir)?;
                 let mut o = optimizer(&config, &params)?;
                 checkpoint::load_optimizer(&dir, o.as_mut(), &device)?;
                 Ok((model, params, tuning, o))
@@ -270,7 +270,7 @@ impl Trainer {
         tuning: Tuning,
     ) -> Result<Self> {
         // Before the first matmul (the peak-FLOP/s measurement below runs in TF32 too).
-        crate::runtime::apply_gpu_settings(&config);
+        crate::runtime::apply_gpu_settings(config.tf32, config.triton_kernels);
         let dtype = config.dtype.dtype();
         params.check_ownership(&model.links())?;
         let executor = Executor::build(&config, model.as_ref(), &params, &device)?;
@@ -294,7 +294,7 @@ impl Trainer {
             schedule: config.lr_schedule(),
             vars: params.vars(),
             executor,
-            amp: build_amp(&config, &params)?,
+            amp: build_amp(&params, config.dtype, config.loss_scale, config.grad_clip)?,
             dtype,
             config,
             device,

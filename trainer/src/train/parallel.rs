@@ -115,7 +115,7 @@ impl DataParallel {
 
     /// Each of `metrics` averaged over the ranks (every rank logs the same names, from the
     /// same objective, over as many rows a step), in f32.
-    pub fn mean_metrics(&self, metrics: Vec<(String, f64)>) -> Result<Vec<(String, f64)>> {
+    pub(crate) fn mean_metrics(&self, metrics: Vec<(String, f64)>) -> Result<Vec<(String, f64)>> {
         if self.world_size() == 1 || metrics.is_empty() {
             return Ok(metrics);
         }
@@ -142,7 +142,7 @@ impl DataParallel {
 
     /// Errors if the replicas' weights differ (one 64-bit hash per rank, compared by one small
     /// all-gather).
-    pub fn ensure_in_sync(&self, vars: &[Var]) -> Result<()> {
+    pub(crate) fn ensure_in_sync(&self, vars: &[Var]) -> Result<()> {
         if self.world_size() > 1 {
             candle_comm::ensure_in_sync(self.comm.as_ref(), vars)?;
         }
@@ -150,7 +150,7 @@ impl DataParallel {
     }
 
     /// Makes every rank's `vars` equal to rank 0's.
-    pub fn broadcast_from_main(&self, vars: &[Var]) -> Result<()> {
+    pub(crate) fn broadcast_from_main(&self, vars: &[Var]) -> Result<()> {
         if self.world_size() > 1 {
             candle_comm::broadcast_vars(self.comm.as_ref(), vars, 0)?;
         }
@@ -168,7 +168,7 @@ impl DataParallel {
 
 /// Ranks announced by the environment of an MPI launcher: Open MPI's `OMPI_COMM_WORLD_SIZE`,
 /// MPICH/Hydra's `PMI_SIZE`, or Slurm/PMIx's `PMIX_SIZE`... (1 when started without one).
-pub fn world_size_from_env() -> usize {
+pub(crate) fn world_size_from_env() -> usize {
     [
         "OMPI_COMM_WORLD_SIZE",
         "PMI_SIZE",

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use rand_chacha::ChaCha8Rng;
 
 use super::{Executor, MicroLoss, Trainer};
-use crate::config::{Precision, TrainConfig};
+use crate::config::{LossScale, Precision};
 use crate::data::{Batch, DataSource, Split};
 use crate::lora::Tuning;
 use crate::metrics::StepStats;
@@ -381,17 +381,23 @@ impl StepLoss {
     }
 }
 
-/// The loss scaler over the model's f32 parameters (the masters), for every precision: a no-op
-/// scaler in f32 (and bf16 by default), dynamic scaling for f16 by default, as `loss_scale`
-/// says. Clipping at `grad_clip` is part of its step.
+/// The loss scaler over the model's f32 parameters (the masters), computing in `dtype`, for
+/// every precision: a no-op scaler in f32 (and bf16 by default), dynamic scaling for f16 by
+/// default, as `loss_scale` says. Clipping at `grad_clip` (a run's settings of these names;
+/// 0: none) is part of its step.
 ///
 /// The model casts each master weight at use (`WeightMode::Cast`), so the optimiser's state
 /// stays in f32 and gradients arrive in f32 through `to_dtype`'s backward.
-pub fn build_amp(config: &TrainConfig, params: &Params) -> Result<Amp> {
+pub fn build_amp(
+    params: &Params,
+    dtype: Precision,
+    loss_scale: LossScale,
+    grad_clip: f32,
+) -> Result<Amp> {
     let named = params.iter().map(|(n, v)| (n.clone(), v.clone()));
-    let weights = MasterWeights::new(named, config.dtype.dtype(), WeightMode::Cast)?;
-    let clip = (config.grad_clip > 0.0).then_some(config.grad_clip as f64);
-    let amp = Amp::new(weights, config.loss_scale.scaler(config.dtype))?.with_clip_norm(clip)?;
+    let weights = MasterWeights::new(named, dtype.dtype(), WeightMode::Cast)?;
+    let clip = (grad_clip > 0.0).then_some(grad_clip as f64);
+    let amp = Amp::new(weights, loss_scale.scaler(dtype))?.with_clip_norm(clip)?;
     Ok(amp)
 }
 

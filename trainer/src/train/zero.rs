@@ -84,12 +84,12 @@ impl Shards {
     }
 
     /// Whether parameters are sharded (more than one rank).
-    pub fn is_sharded(&self) -> bool {
+    pub(crate) fn is_sharded(&self) -> bool {
         self.world > 1
     }
 
     /// The rank that updates parameter `name`.
-    pub fn owner(&self, name: &str) -> usize {
+    pub(crate) fn owner(&self, name: &str) -> usize {
         self.params
             .iter()
             .find(|(n, _, _)| n == name)
@@ -98,7 +98,7 @@ impl Shards {
 
     /// After each rank updated its parameters: every rank receives every other rank's updated
     /// parameters (one broadcast per rank).
-    pub fn share_updated_weights(&self, comm: &dyn Communicator) -> Result<()> {
+    pub(crate) fn share_updated_weights(&self, comm: &dyn Communicator) -> Result<()> {
         if !self.is_sharded() {
             return Ok(());
         }
@@ -120,7 +120,7 @@ impl Shards {
 
     /// The whole optimiser state, gathered from the ranks' shards (a collective: every rank
     /// calls it), in the order of the unsharded optimiser's: what a checkpoint saves.
-    pub fn gather_optimizer(
+    pub(crate) fn gather_optimizer(
         &self,
         comm: &dyn Communicator,
         shard: &dyn Optimizer,

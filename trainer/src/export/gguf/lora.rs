@@ -15,7 +15,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 
 use super::writer::{GgmlType, TensorInfo, Value};
-use super::{arch_of, kv_heads, permute_qk, tensor_name, usize_of};
+use super::{exported_arch, kv_heads, permute_qk, tensor_name, usize_of};
 use super::{GgufExported, GgufOptions, GgufType};
 use crate::load::{Checks, ModelDir};
 use crate::{Error, Result};
@@ -54,14 +54,7 @@ pub fn export_gguf_lora(
         .adapter
         .ok_or_else(|| Error::Config(format!("{}: no adapters loaded", dir.display())))?;
     let hf = loaded.config.to_hf_json();
-    let class = hf["architectures"][0].as_str().unwrap_or("?").to_string();
-    let arch = arch_of(&class).ok_or_else(|| {
-        Error::Config(format!(
-            "{}: architecture {class} cannot be exported to GGUF (Llama, Mistral, Qwen2 and \
-             Qwen3 can)",
-            source.dir.display()
-        ))
-    })?;
+    let arch = exported_arch(&hf, &source.dir)?;
     if !adapter.saved.is_empty() {
         let names: Vec<&str> = adapter.saved.keys().map(String::as_str).collect();
         return Err(Error::Config(format!(

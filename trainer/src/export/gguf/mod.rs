@@ -124,6 +124,19 @@ struct Arch {
     head_dims: bool,
 }
 
+/// The GGUF architecture of the model whose `config.json` is `hf` (from `dir`), or an error
+/// naming the class that cannot be exported.
+fn exported_arch(hf: &Json, dir: &Path) -> Result<Arch> {
+    let class = hf["architectures"][0].as_str().unwrap_or("?").to_string();
+    arch_of(&class).ok_or_else(|| {
+        Error::Config(format!(
+            "{}: architecture {class} cannot be exported to GGUF (Llama, Mistral, Qwen2 and \
+             Qwen3 can)",
+            dir.display()
+        ))
+    })
+}
+
 fn arch_of(hf_class: &str) -> Option<Arch> {
     let (name, permute_qk, vocab_and_rope_dims, head_dims) = match hf_class {
         "LlamaForCausalLM" | "MistralForCausalLM" => ("llama", true, true, true),
@@ -156,14 +169,7 @@ pub fn export_gguf(source: &ModelDir, out: &Path, options: &GgufOptions) -> Resu
         }
     };
     let hf = config.to_hf_json();
-    let class = hf["architectures"][0].as_str().unwrap_or("?").to_string();
-    let arch = arch_of(&class).ok_or_else(|| {
-        Error::Config(format!(
-            "{}: architecture {class} cannot be exported to GGUF (Llama, Mistral, Qwen2 and \
-             Qwen3 can)",
-            source.dir.display()
-        ))
-    })?;
+    let arch = exported_arch(&hf, &source.dir)?;
     let (rope_keys, rope_freqs) = rope::scaling(arch.name, &hf, &source.dir)?;
     let ty = match options.ty {
         Some(t) => t,
@@ -230,8 +236,8 @@ fn write_file(
     infos: &[TensorInfo],
     mut tensor: impl FnMut(usize) -> Result<Tensor>,
 ) -> Result<u64> {
-    let (dir, _) = super::temporary_beside(out)?;
-    let _cleanup = super::RemoveOnDrop(Some(dir.clone()));
+    let (dir, _) = super::atomic::temporary_beside(out)?;
+    let _cleanup = super::atomic::RemoveOnDrop(Some(dir.clone()));
     let tmp = dir.join("model.gguf");
     let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let io_err = |e: std::io::Error| Error::io(&tmp, e);
