@@ -22,7 +22,8 @@ files whose name ends in `tests.rs`; benches, examples and tests/ are not librar
   comments included;
 - a file *imports the run config* when its code (library or binary source, comments and strings
   left out, `#[cfg(test)]` modules too) names `TrainConfig` (`--config`), whether through a `use`
-  or a path; the file that defines it does not count.
+  or a path; the module that defines it does not count (its file, and the files of its folder
+  when it is a `mod.rs`).
 
 Public items are counted from rustdoc's JSON by `public_items.sh` beside this script (it needs a
 nightly toolchain); `table.sh` prints the issue's whole table.
@@ -172,7 +173,8 @@ class Crate:
     def _uses(self, code):
         """(path segments, is_pub) of every `use` tree leaf in `code`."""
         for m in re.finditer(r"(?m)^\s*(pub(?:\([^)]*\))?\s+)?use\s+([^;]+);", code):
-            for path in expand(re.sub(r"\s+", "", m.group(2))):
+            tree = re.sub(r"\s+", "", re.sub(r"\s+as\s+", "@AS@", m.group(2))).replace("@AS@", " as ")
+            for path in expand(tree):
                 yield path, bool(m.group(1)) and m.group(1).strip() == "pub"
 
     def _reexports(self, path, code):
@@ -249,7 +251,6 @@ class Crate:
 
 def expand(tree):
     """The leaves of a `use` tree, `a::{b, c::{d, e as f}}` -> [[a, b], [a, c, d], [a, c, e as f]]."""
-    tree = tree.replace("as", " as ") if " as " not in tree and "as" in tree else tree
     i = tree.find("{")
     if i < 0:
         return [[s for s in tree.split("::") if s]]
@@ -330,10 +331,15 @@ def lines_under(src):
 
 
 def naming(crate, name):
-    """The files of `crate` whose code names `name`, less the one that defines it."""
+    """The files of `crate` whose code names `name`, less the module that defines it (the defining
+    file, and when that is a folder's `mod.rs`, the files of that folder: a definition split over
+    a module's files is still one definition)."""
     word = re.compile(rf"\b{re.escape(name)}\b")
     define = re.compile(rf"\b(?:struct|enum|type|trait)\s+{re.escape(name)}\b")
-    return [f for f, code in crate.code.items() if word.search(code) and not define.search(code)]
+    homes = [f for f, code in crate.code.items() if define.search(code)]
+    folders = [os.path.dirname(f) + os.sep for f in homes if os.path.basename(f) == "mod.rs"]
+    return [f for f, code in crate.code.items()
+            if word.search(code) and f not in homes and not any(f.startswith(d) for d in folders)]
 
 
 def main():
