@@ -40,6 +40,11 @@ impl TokenizerFile {
         self.tokenizer
     }
 
+    /// The loaded `tokenizers` tokenizer, borrowed.
+    pub(crate) fn tokenizer(&self) -> &tokenizers::Tokenizer {
+        &self.tokenizer
+    }
+
     /// The file this tokenizer was read from.
     pub fn path(&self) -> &Path {
         &self.path

@@ -269,7 +269,7 @@ impl SftEncoder {
         let prompt_len = common(&c).min(common(&r));
         if prompt_len == 0 {
             return Err(Error::data(
-                &self.path,
+                self.path(),
                 "the prompt tokenises to no tokens shared with its completions",
             ));
         }

@@ -12,6 +12,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::preference::{preference_batch, read_preferences, LinePreference, PreferencePair};
 use super::SftEncoder;
+use crate::data::shards::format::tokenizer_vocab_hash;
 use crate::data::{check_shape, decimal_f64, Batch, DataSource, DataSpec, Fingerprint, Split};
 use crate::error::{Error, Result};
 
@@ -104,13 +105,7 @@ impl PreferenceSource {
                 stream.extend_from_slice(side);
             }
         }
-        let vocab_hash = crate::hash::hash_bytes(
-            encoder
-                .tokenizer()
-                .to_string(false)
-                .unwrap_or_default()
-                .as_bytes(),
-        );
+        let vocab_hash = tokenizer_vocab_hash(encoder.tokenizer());
         let fingerprint = Fingerprint::of_tokens(&stream, train.len(), vocab_hash);
         let name = path.file_name().map_or_else(
             || path.display().to_string(),
@@ -276,10 +271,7 @@ impl DataSource for PreferenceSource {
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.encoder
-            .tokenizer()
-            .decode(ids, false)
-            .map_err(|e| Error::Tokenizer(format!("{}: {e}", self.encoder.path().display())))
+        self.encoder.file.decode(ids)
     }
 
     fn check_block_size(&self, block_size: usize) -> Result<()> {

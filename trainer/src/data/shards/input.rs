@@ -1,75 +1,15 @@
-//! `prepare`'s inputs: expanding files, directories and globs; reading them as a sequence of
-//! *units* (byte units cut by a rule that depends only on the bytes, so the token stream never
+//! `prepare`'s inputs read as a sequence of *units* (byte units cut by a rule that depends only on the bytes, so the token stream never
 //! depends on timing or thread count; or runs of Parquet rows). [`super::encode`] turns a unit
 //! into document pieces.
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use super::prepare::{Container, InputFormat, PrepareOptions};
+use super::options::{Container, InputFormat, PrepareOptions};
 use crate::data::lines::too_long;
 use crate::data::parquet::{is_parquet, Columns, ParquetRow, ParquetRows};
 use crate::error::{Error, Result};
-
-/// Files named by `inputs`, in order: a file as it is, a directory's regular files (recursive,
-/// hidden ones skipped, sorted by path), a glob's matches (sorted).
-pub(crate) fn expand_inputs(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
-    let mut out = Vec::new();
-    for input in inputs {
-        let text = input.to_string_lossy();
-        if input.is_dir() {
-            let mut found = Vec::new();
-            walk(input, &mut found)?;
-            found.sort();
-            if found.is_empty() {
-                return Err(Error::data(input, "directory holds no files"));
-            }
-            out.extend(found);
-        } else if !input.exists() && text.contains(['*', '?', '[']) {
-            let paths = glob::glob(&text)
-                .map_err(|e| Error::data(input, format!("not a valid glob: {e}")))?;
-            let mut found = Vec::new();
-            for p in paths {
-                let p = p.map_err(|e| {
-                    let path = e.path().to_path_buf();
-                    Error::io(path, e.into())
-                })?;
-                if p.is_file() {
-                    found.push(p);
-                }
-            }
-            found.sort();
-            if found.is_empty() {
-                return Err(Error::data(input, "the glob matches no file"));
-            }
-            out.extend(found);
-        } else {
-            let meta = std::fs::metadata(input).map_err(|e| Error::io(input, e))?;
-            if !meta.is_file() {
-                return Err(Error::data(input, "not a regular file"));
-            }
-            out.push(input.clone());
-        }
-    }
-    Ok(out)
-}
-
-fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
-    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-        let entry = entry.map_err(|e| Error::io(dir, e))?;
-        let path = entry.path();
-        if entry.file_name().to_string_lossy().starts_with('.') {
-            continue;
-        }
-        if path.is_dir() {
-            walk(&path, out)?;
-        } else if path.is_file() {
-            out.push(path);
-        }
-    }
-    Ok(())
-}
 
 /// Where a unit starts, and the stream counters there: enough to restart `prepare` at it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

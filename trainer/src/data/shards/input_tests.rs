@@ -1,3 +1,5 @@
+use std::path::Path;
+
 use super::*;
 
 fn units(path: &Path, text: bool, chunk: usize) -> Vec<(u64, u64, Vec<u8>, bool)> {
