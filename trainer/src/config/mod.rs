@@ -748,16 +748,8 @@ impl TrainConfig {
                     .into(),
             );
         }
-        if self.data.uses_path() && self.data_path.is_none() {
-            return bad(format!("data `{}` needs --data-path", self.data));
-        }
-        if self.data.uses_tokenizer() && self.tokenizer_path.is_none() {
-            return bad(format!(
-                "data `{}` needs --tokenizer-path (or --init-from a model with a \
-                 tokenizer.json)",
-                self.data
-            ));
-        }
+        // The data settings, as `data` checks them.
+        self.data_spec().validate()?;
         let floats = [
             ("lr", self.lr),
             ("min_lr", self.min_lr),
@@ -766,7 +758,6 @@ impl TrainConfig {
             ("beta2", self.beta2),
             ("grad_clip", f64::from(self.grad_clip)),
             ("dropout", f64::from(self.dropout)),
-            ("val_fraction", f64::from(self.val_fraction)),
             ("peak_flops", self.peak_flops),
         ];
         if let Some((name, v)) = floats.iter().find(|(_, v)| !v.is_finite()) {
@@ -811,12 +802,6 @@ impl TrainConfig {
         if self.eval_interval == 0 || self.eval_iters == 0 {
             return bad("eval_interval and eval_iters must be at least 1".into());
         }
-        if !(self.val_fraction > 0.0 && self.val_fraction < 1.0) {
-            return bad(format!(
-                "val_fraction must be in (0, 1), got {}",
-                self.val_fraction
-            ));
-        }
         if self.zero > 1 {
             return bad(format!("zero must be 0 or 1 (ZeRO-1), got {}", self.zero));
         }
@@ -839,9 +824,6 @@ impl TrainConfig {
                     self.batch_size, self.microbatches
                 ));
             }
-        }
-        if self.data == DataKind::Addition && !(1..=9).contains(&self.digits) {
-            return bad(format!("digits must be in 1..=9, got {}", self.digits));
         }
         Ok(())
     }

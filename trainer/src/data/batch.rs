@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, TensorId};
 
+use super::Split;
 use crate::error::{Error, Result};
 use crate::model::{HostTokens, Rows, IGNORE};
 
@@ -239,29 +240,42 @@ impl Batch {
     }
 }
 
-/// Builds a [`Batch`] from `batch_size` rows of `block_size + 1` tokens laid end to end.
-///
-/// `target_mask`, if given, has one weight per target, `batch_size * block_size` values.
-pub(crate) fn rows_to_batch(
-    rows: &[u32],
-    target_mask: Option<Vec<f32>>,
-    batch_size: usize,
-    block_size: usize,
-    device: &Device,
-) -> Result<Batch> {
-    let w = block_size + 1;
-    debug_assert_eq!(rows.len(), batch_size * w);
-    let mut x = Vec::with_capacity(batch_size * block_size);
-    let mut y = Vec::with_capacity(batch_size * block_size);
-    for row in rows.chunks_exact(w) {
-        x.extend_from_slice(&row[..block_size]);
-        y.extend_from_slice(&row[1..]);
+/// What [`DataSource::batch`](super::DataSource::batch) is asked for: `batch_size` windows
+/// of `block_size` inputs from `split`, uploaded to `device` (both sizes checked positive
+/// before a source's [`draw`](super::DataSource::draw) sees them).
+#[derive(Clone, Copy, Debug)]
+pub struct BatchRequest<'a> {
+    /// The split the windows come from.
+    pub split: Split,
+    /// Rows of the batch.
+    pub batch_size: usize,
+    /// Inputs (and targets) a row.
+    pub block_size: usize,
+    /// Where the batch goes.
+    pub device: &'a Device,
+}
+
+impl BatchRequest<'_> {
+    /// The batch of `batch_size` rows of `block_size + 1` tokens laid end to end in `rows`,
+    /// the host copies of its targets and ids kept (see [`Batch::from_host`]).
+    ///
+    /// `target_mask`, if given, has one weight per target, `batch_size * block_size` values.
+    pub(crate) fn from_rows(&self, rows: &[u32], target_mask: Option<Vec<f32>>) -> Result<Batch> {
+        let (batch_size, block_size, device) = (self.batch_size, self.block_size, self.device);
+        let w = block_size + 1;
+        debug_assert_eq!(rows.len(), batch_size * w);
+        let mut x = Vec::with_capacity(batch_size * block_size);
+        let mut y = Vec::with_capacity(batch_size * block_size);
+        for row in rows.chunks_exact(w) {
+            x.extend_from_slice(&row[..block_size]);
+            y.extend_from_slice(&row[1..]);
+        }
+        let batch = Batch::from_host(x, y, (batch_size, block_size), device)?;
+        Ok(match target_mask {
+            Some(m) => batch.with_host_mask(m, device)?,
+            None => batch,
+        })
     }
-    let batch = Batch::from_host(x, y, (batch_size, block_size), device)?;
-    Ok(match target_mask {
-        Some(m) => batch.with_host_mask(m, device)?,
-        None => batch,
-    })
 }
 
 #[cfg(test)]
@@ -269,9 +283,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rows_to_batch_shifts_by_one() {
+    fn rows_shift_by_one() {
         let rows: Vec<u32> = (0..2 * 5).collect();
-        let b = rows_to_batch(&rows, None, 2, 4, &Device::Cpu).unwrap();
+        let want = BatchRequest {
+            split: Split::Train,
+            batch_size: 2,
+            block_size: 4,
+            device: &Device::Cpu,
+        };
+        let b = want.from_rows(&rows, None).unwrap();
         assert_eq!(
             b.x.to_vec2::<u32>().unwrap(),
             vec![vec![0, 1, 2, 3], vec![5, 6, 7, 8]]

@@ -57,8 +57,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 
 pub use addition::Addition;
-pub(crate) use batch::rows_to_batch;
-pub use batch::{Batch, HostTargets, MaskCounts};
+pub use batch::{Batch, BatchRequest, HostTargets, MaskCounts};
 pub use cache::default_cache_dir;
 pub use chat_task::{ChatTask, ChatTaskKind};
 pub use iter::IntoBatch;
@@ -95,7 +94,10 @@ pub trait DataSource: Send + Sync {
     ///
     /// Fails with a clear error if `batch_size` or `block_size` is zero, or if a text split is
     /// shorter than `block_size + 1` tokens. The batch and the state `rng` is left in depend
-    /// only on the arguments and the state `rng` was in.
+    /// only on the arguments and the state `rng` was in. Checks the sizes and [`draw`]s the
+    /// batch; a source implements `draw` (or overrides this whole).
+    ///
+    /// [`draw`]: DataSource::draw
     fn batch(
         &self,
         split: Split,
@@ -103,7 +105,26 @@ pub trait DataSource: Send + Sync {
         block_size: usize,
         rng: &mut ChaCha8Rng,
         device: &Device,
-    ) -> Result<Batch>;
+    ) -> Result<Batch> {
+        check_shape(batch_size, block_size)?;
+        let want = BatchRequest {
+            split,
+            batch_size,
+            block_size,
+            device,
+        };
+        self.draw(&want, rng)
+    }
+
+    /// Draws the batch `want` asks for (its sizes already checked by [`DataSource::batch`]),
+    /// using only `rng` for randomness: what a source implements. The default, for a source
+    /// that overrides `batch` instead, is an error.
+    fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
+        let _ = (want, rng);
+        Err(Error::Config(
+            "this data source implements neither DataSource::draw nor DataSource::batch".into(),
+        ))
+    }
 
     /// Encodes text into token ids (errors on text the vocabulary cannot represent).
     fn encode(&self, text: &str) -> Result<Vec<u32>>;

@@ -3,7 +3,6 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use candle_core::Device;
 use rand_chacha::ChaCha8Rng;
 
 use super::cache::{self, CacheKey, Entry};
@@ -11,7 +10,7 @@ use super::shards::format::{self, TokenizerInfo};
 use super::shards::view::ShardView;
 use super::shards::{ShardOptions, ShardSource};
 use super::vocab::Vocab;
-use super::{decimal_f64, Batch, DataKind, DataSource, DataSpec, Fingerprint, Split};
+use super::{decimal_f64, Batch, BatchRequest, DataKind, DataSource, DataSpec, Fingerprint, Split};
 use crate::error::{Error, Result};
 
 /// Text is handed to the tokenizer in pieces of about this many bytes (cut before a line that
@@ -422,17 +421,9 @@ impl DataSource for TextSource {
         self.description.clone()
     }
 
-    fn batch(
-        &self,
-        split: Split,
-        batch_size: usize,
-        block_size: usize,
-        rng: &mut ChaCha8Rng,
-        device: &Device,
-    ) -> Result<Batch> {
-        super::check_shape(batch_size, block_size)?;
-        self.check_block_size(block_size)?;
-        self.inner.batch(split, batch_size, block_size, rng, device)
+    fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
+        self.check_block_size(want.block_size)?;
+        self.inner.draw(want, rng)
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>> {

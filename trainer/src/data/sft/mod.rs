@@ -31,13 +31,14 @@ mod template;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle_core::Device;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::shards::format::tokenizer_vocab_hash;
-use super::{check_shape, decimal_f64, Batch, DataSource, DataSpec, Fingerprint, Split};
+use super::{
+    check_shape, decimal_f64, Batch, BatchRequest, DataSource, DataSpec, Fingerprint, Split,
+};
 use crate::error::{Error, Result};
 use crate::model::{HostTokens, Rows};
 
@@ -373,15 +374,8 @@ impl DataSource for SftSource {
         self.description.clone()
     }
 
-    fn batch(
-        &self,
-        split: Split,
-        batch_size: usize,
-        block_size: usize,
-        rng: &mut ChaCha8Rng,
-        device: &Device,
-    ) -> Result<Batch> {
-        check_shape(batch_size, block_size)?;
+    fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
+        let (split, batch_size, block_size) = (want.split, want.batch_size, want.block_size);
         self.warn_truncation(block_size);
         let pool = self.indices(split);
         let mut draw = || &self.examples[pool[rng.random_range(0..pool.len())]];
@@ -421,14 +415,14 @@ impl DataSource for SftSource {
             layout::padded(&drawn, block_size, pad)
         };
         let shape = (batch_size, block_size);
-        let u32s = |v: Vec<u32>| crate::transfer::upload(v, shape, device);
+        let u32s = |v: Vec<u32>| crate::transfer::upload(v, shape, want.device);
         let rows = Rows {
             positions: l.positions.map(u32s).transpose()?,
             doc_ids: l.doc_ids.map(u32s).transpose()?,
             tokens: Some(HostTokens::new(l.x.clone(), block_size)),
         };
         let mut batch =
-            Batch::from_host(l.x, l.y, shape, device)?.with_host_mask(l.mask, device)?;
+            Batch::from_host(l.x, l.y, shape, want.device)?.with_host_mask(l.mask, want.device)?;
         batch.rows = rows;
         Ok(batch)
     }

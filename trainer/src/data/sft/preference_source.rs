@@ -13,7 +13,9 @@ use rand_chacha::ChaCha8Rng;
 use super::preference::{preference_batch, read_preferences, LinePreference, PreferencePair};
 use super::SftEncoder;
 use crate::data::shards::format::tokenizer_vocab_hash;
-use crate::data::{check_shape, decimal_f64, Batch, DataSource, DataSpec, Fingerprint, Split};
+use crate::data::{
+    check_shape, decimal_f64, Batch, BatchRequest, DataSource, DataSpec, Fingerprint, Split,
+};
 use crate::error::{Error, Result};
 
 /// Preference pairs from a JSONL file (see [`super::read_preferences`]), split into train and
@@ -227,15 +229,8 @@ impl DataSource for PreferenceSource {
         self.description.clone()
     }
 
-    fn batch(
-        &self,
-        split: Split,
-        batch_size: usize,
-        block_size: usize,
-        rng: &mut ChaCha8Rng,
-        device: &Device,
-    ) -> Result<Batch> {
-        check_shape(batch_size, block_size)?;
+    fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
+        let (split, batch_size, block_size) = (want.split, want.batch_size, want.block_size);
         let mut pool = self.pool(split, block_size);
         if pool.is_empty() {
             // every pair of the split dropped at this length (a short sampling prompt, a
@@ -253,11 +248,11 @@ impl DataSource for PreferenceSource {
             .map(|&i| self.pairs[i].cut(block_size + 1))
             .collect();
         let refs: Vec<&PreferencePair> = cut.iter().collect();
-        let mut batch = preference_batch(&refs, block_size, self.encoder.pad_id(), device)?;
+        let mut batch = preference_batch(&refs, block_size, self.encoder.pad_id(), want.device)?;
         if let Some(table) = self.reference.get() {
             let values: Vec<f32> = picked.iter().flat_map(|&i| table[i]).collect();
             let rows = values.len();
-            batch.reference = Some(crate::transfer::upload(values, rows, device)?);
+            batch.reference = Some(crate::transfer::upload(values, rows, want.device)?);
         }
         Ok(if batch_size % 2 == 1 {
             batch.narrow(0, batch_size)?

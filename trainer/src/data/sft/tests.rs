@@ -1,6 +1,6 @@
 use std::collections::HashSet;
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
 use super::encoder::counted_from_spans;
 use super::layout::{best_fit_decreasing, Layout};

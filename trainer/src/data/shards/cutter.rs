@@ -6,10 +6,11 @@
 use std::path::Path;
 
 use super::encode::Piece;
-use super::format::{Expect, ShardEntry, ShardWriter};
-use super::input::{start, Position};
+use super::format::{Expect, ShardEntry};
 use super::options::PrepareOptions;
 use super::progress::{load_partial, Progress, SplitState};
+use super::unit::{start, Position};
+use super::write::ShardWriter;
 use crate::error::Result;
 use crate::hash::splitmix64;
 

@@ -5,8 +5,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use super::format::{byte_vocab_hash, char_vocab_hash, tokenizer_vocab_hash, TokenizerInfo};
-use super::input::{start, unit_reader, Unit};
+use super::input::unit_reader;
 use super::options::{InputFormat, PrepareOptions, VocabSpec};
+use super::unit::{start, Unit};
 use crate::data::parquet::RowRecord;
 use crate::data::sft::{parse_line, Record, SftEncoder};
 use crate::error::{Error, Result};

@@ -1,4 +1,20 @@
 use super::*;
+use crate::data::shards::write::shard_writer;
+
+/// Writes a whole shard at once, atomically, and returns its header.
+fn write_shard(
+    path: &Path,
+    width: u32,
+    vocab: u64,
+    tokens: &[u32],
+    doc_starts: Option<&[u64]>,
+    counted: Option<&[bool]>,
+) -> Result<ShardHeader> {
+    let w = shard_writer(path, width, vocab, tokens, doc_starts, counted)?;
+    let (header, bytes) = w.to_bytes(path)?;
+    crate::io::write_atomic(path, &bytes)?;
+    Ok(header)
+}
 use crate::hash::Hasher64;
 
 fn tmp() -> tempfile::TempDir {

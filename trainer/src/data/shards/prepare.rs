@@ -30,12 +30,13 @@ use super::format::{
     width_for_vocab, Expect, InputEntry, Manifest, ShardEntry, TokenizerInfo, MANIFEST_FILE,
     MANIFEST_FORMAT,
 };
-use super::input::{parquet_files, start, unit_reader, Position, Unit};
+use super::input::{parquet_files, unit_reader};
 use super::options::{InputFormat, PrepareOptions, PrepareProgress, PrepareSummary};
 use super::plan;
 use super::progress::{
     clear, remove_partials, remove_temporaries, save_progress, verify_all, Progress,
 };
+use super::unit::{start, Position, Unit};
 use crate::data::parquet::is_parquet;
 use crate::error::{Error, Result};
 
