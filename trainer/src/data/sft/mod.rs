@@ -327,8 +327,9 @@ fn encode_records<'r>(
     Ok((examples, lines, formats))
 }
 
-/// The train and validation indices of `n >= 2` examples: `spec.val_fraction` of them (at
-/// least one, at most `n - 1`) chosen by `spec.seed` for validation; each list sorted.
+/// The train and validation indices of `n >= 2` examples (or preference pairs):
+/// `spec.val_fraction` of them (at least one, at most `n - 1`) chosen by `spec.seed` for
+/// validation; each list sorted.
 fn split_examples(n: usize, spec: &DataSpec) -> (Vec<usize>, Vec<usize>) {
     let n_val = ((n as f64) * decimal_f64(spec.val_fraction)).round() as usize;
     let n_val = n_val.clamp(1, n - 1);

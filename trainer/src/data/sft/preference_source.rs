@@ -6,16 +6,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use candle_core::Device;
-use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 use super::preference::{preference_batch, read_preferences, LinePreference, PreferencePair};
-use super::SftEncoder;
+use super::{split_examples, SftEncoder};
 use crate::data::shards::format::tokenizer_vocab_hash;
-use crate::data::{
-    check_shape, decimal_f64, Batch, BatchRequest, DataSource, DataSpec, Fingerprint, Split,
-};
+use crate::data::{check_shape, Batch, BatchRequest, DataSource, DataSpec, Fingerprint, Split};
 use crate::error::{Error, Result};
 
 /// Preference pairs from a JSONL file (see [`super::read_preferences`]), split into train and
@@ -84,14 +81,7 @@ impl PreferenceSource {
                 format!("{n} preference record(s); a train and a validation split need at least 2"),
             ));
         }
-        let n_val =
-            (((n as f64) * decimal_f64(spec.val_fraction)).round() as usize).clamp(1, n - 1);
-        let mut order: Vec<usize> = (0..n).collect();
-        order.shuffle(&mut ChaCha8Rng::seed_from_u64(spec.seed));
-        let mut val = order[..n_val].to_vec();
-        let mut train = order[n_val..].to_vec();
-        val.sort_unstable();
-        train.sort_unstable();
+        let (train, val) = split_examples(n, spec);
         let max_id = pairs
             .iter()
             .flat_map(|p| p.chosen.iter().chain(&p.rejected))

@@ -56,16 +56,7 @@ pub fn prepare(
     let dir = opts.out_dir.as_path();
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     remove_temporaries(dir)?;
-    // An earlier run: finished (manifest) or interrupted (progress).
-    let progress_path = dir.join(PROGRESS_FILE);
-    let finished = match dir.join(MANIFEST_FILE).is_file() {
-        true => Some(Manifest::read(dir)?),
-        false => None,
-    };
-    let interrupted: Option<Progress> = match progress_path.is_file() {
-        true => Some(crate::io::read_json(&progress_path)?),
-        false => None,
-    };
+    let (finished, interrupted) = earlier_in(dir)?;
     let earlier_inputs = match (&finished, &interrupted) {
         (Some(m), _) => &m.inputs[..],
         (None, Some(p)) => &p.inputs[..],
@@ -98,15 +89,7 @@ pub fn prepare(
         expect,
     };
     let resume = match earlier_run(dir, opts.overwrite, finished, interrupted, &now)? {
-        Earlier::UpToDate(manifest) => {
-            return Ok(PrepareSummary {
-                manifest: *manifest,
-                resumed_shards: 0,
-                up_to_date: true,
-                bytes_read: 0,
-                tokens_made: 0,
-            })
-        }
+        Earlier::UpToDate(manifest) => return Ok(up_to_date(*manifest)),
         Earlier::Resume(p) => p.map(|p| *p),
     };
 
@@ -123,17 +106,8 @@ pub fn prepare(
     };
     let at = resume.as_ref().map_or_else(start, |p| p.resume.clone());
     let resumed_shards = resume.as_ref().map_or(0, |p| p.train.len() + p.val.len());
+    let mut state = progress_at(&inputs, &at, resumed_shards);
     let mut cut = Cutter::new(dir, opts, shape, resume, &expect)?;
-    let mut state = PrepareProgress {
-        bytes_done: inputs[..at.file.min(inputs.len())]
-            .iter()
-            .map(|i| i.bytes)
-            .sum::<u64>()
-            + at.offset,
-        bytes_total: inputs.iter().map(|i| i.bytes).sum(),
-        tokens: 0,
-        shards: resumed_shards,
-    };
     let bytes_before = state.bytes_done;
     let job = Job {
         opts,
@@ -141,13 +115,6 @@ pub fn prepare(
         encoder: &encoder,
     };
     job.encode_units(at, &mut cut, &base, &mut state, progress)?;
-    let [train, val] = cut.close()?;
-    if train.is_empty() {
-        return Err(Error::data(
-            &opts.inputs[0],
-            "the inputs gave no training tokens (empty files, or every document held out)",
-        ));
-    }
     let manifest = Manifest {
         format: MANIFEST_FORMAT,
         tokenizer,
@@ -156,14 +123,12 @@ pub fn prepare(
         width: shape.width,
         docs: true,
         mask: shape.mask,
-        train,
-        val,
+        train: Vec::new(),
+        val: Vec::new(),
         inputs,
         settings,
     };
-    manifest.write(dir)?;
-    let _ = std::fs::remove_file(&progress_path);
-    remove_partials(dir, &[])?;
+    let manifest = close(cut, manifest, opts)?;
     state.shards = manifest.train.len() + manifest.val.len();
     progress(&state);
     Ok(PrepareSummary {
@@ -173,6 +138,65 @@ pub fn prepare(
         bytes_read: state.bytes_done - bytes_before,
         tokens_made: state.tokens,
     })
+}
+
+/// What `prepare` did in a directory already prepared as asked: nothing.
+fn up_to_date(manifest: Manifest) -> PrepareSummary {
+    PrepareSummary {
+        manifest,
+        resumed_shards: 0,
+        up_to_date: true,
+        bytes_read: 0,
+        tokens_made: 0,
+    }
+}
+
+/// The manifest (finished) or progress file (interrupted) of an earlier run in `dir`.
+fn earlier_in(dir: &Path) -> Result<(Option<Manifest>, Option<Progress>)> {
+    let progress_path = dir.join(PROGRESS_FILE);
+    let finished = match dir.join(MANIFEST_FILE).is_file() {
+        true => Some(Manifest::read(dir)?),
+        false => None,
+    };
+    let interrupted: Option<Progress> = match progress_path.is_file() {
+        true => Some(crate::io::read_json(&progress_path)?),
+        false => None,
+    };
+    Ok((finished, interrupted))
+}
+
+/// Progress at `at`, before which `shards` shards were finished: the bytes of the inputs
+/// before it counted as done.
+fn progress_at(inputs: &[InputEntry], at: &Position, shards: usize) -> PrepareProgress {
+    PrepareProgress {
+        bytes_done: inputs[..at.file.min(inputs.len())]
+            .iter()
+            .map(|i| i.bytes)
+            .sum::<u64>()
+            + at.offset,
+        bytes_total: inputs.iter().map(|i| i.bytes).sum(),
+        tokens: 0,
+        shards,
+    }
+}
+
+/// Finishes the last shard of each split into `manifest` (refused when no training token
+/// came), writes it (last), and removes the progress file and the partial shards.
+fn close(cut: Cutter<'_>, mut manifest: Manifest, opts: &PrepareOptions) -> Result<Manifest> {
+    let dir = opts.out_dir.as_path();
+    let [train, val] = cut.close()?;
+    if train.is_empty() {
+        return Err(Error::data(
+            &opts.inputs[0],
+            "the inputs gave no training tokens (empty files, or every document held out)",
+        ));
+    }
+    manifest.train = train;
+    manifest.val = val;
+    manifest.write(dir)?;
+    let _ = std::fs::remove_file(dir.join(PROGRESS_FILE));
+    remove_partials(dir, &[])?;
+    Ok(manifest)
 }
 
 /// Errors on options no run could use.
