@@ -30,11 +30,11 @@ pub enum DataKind {
     #[serde(rename = "chat-task")]
     ChatTask,
     /// A directory of token shards `trainer prepare` wrote, or nanoGPT's `train.bin` /
-    /// `val.bin`, memory-mapped (see [`ShardSource`]).
+    /// `val.bin`, memory-mapped (see [`ShardSource`](super::ShardSource)).
     Shards,
     /// Preference records (JSONL `prompt` / `chosen` / `rejected`) with a Hugging Face
     /// tokenizer and its chat template, served as pairs for `objective = dpo`
-    /// ([`sft::PreferenceSource`]).
+    /// ([`sft::PreferenceSource`](super::sft::PreferenceSource)).
     Preference,
 }
 
@@ -87,7 +87,8 @@ pub struct DataSpec {
     /// Fraction held out for validation, strictly between 0 and 1: the last part of a text
     /// corpus, or the fraction of (unordered) operand pairs held out for `addition`.
     pub val_fraction: f32,
-    /// Where tokenised corpora are cached; `None` means [`default_cache_dir`].
+    /// Where tokenised corpora are cached; `None` means
+    /// [`default_cache_dir`](super::default_cache_dir).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_dir: Option<PathBuf>,
     /// `addition`: number of digits of each operand (1 to 9).

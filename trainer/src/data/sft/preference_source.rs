@@ -104,8 +104,9 @@ impl PreferenceSource {
             |n| n.to_string_lossy().into(),
         );
         let description = format!(
-            "{name}: {n} preference pairs, {} train / {n_val} val",
-            train.len()
+            "{name}: {n} preference pairs, {} train / {} val",
+            train.len(),
+            val.len()
         );
         Ok(PreferenceSource {
             path: path.to_path_buf(),
