@@ -70,10 +70,7 @@ pub fn prepare(
         vocab: u64::from_str_radix(&tokenizer.hash, 16).unwrap_or_default(),
         mask: opts.format == InputFormat::Sft,
     };
-    let eos_id = match &encoder {
-        Encoder::Tokenizer { eos, .. } => *eos,
-        _ => None,
-    };
+    let eos_id = encoder.eos();
     let mut settings = settings_of(opts, eos_id, &files, &parquet);
     let plan = plan::plan(&settings, &inputs, &tokenizer)?;
     let expect = Expect {
