@@ -286,7 +286,7 @@ impl DataSource for Addition {
                     .map(|&m| if m { 1.0f32 } else { 0.0 }),
             );
         }
-        want.from_rows(&rows, Some(mask))
+        want.batch_of(&rows, Some(mask))
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>> {

@@ -260,7 +260,7 @@ impl BatchRequest<'_> {
     /// the host copies of its targets and ids kept (see [`Batch::from_host`]).
     ///
     /// `target_mask`, if given, has one weight per target, `batch_size * block_size` values.
-    pub(crate) fn from_rows(&self, rows: &[u32], target_mask: Option<Vec<f32>>) -> Result<Batch> {
+    pub(crate) fn batch_of(&self, rows: &[u32], target_mask: Option<Vec<f32>>) -> Result<Batch> {
         let (batch_size, block_size, device) = (self.batch_size, self.block_size, self.device);
         let w = block_size + 1;
         debug_assert_eq!(rows.len(), batch_size * w);
@@ -291,7 +291,7 @@ mod tests {
             block_size: 4,
             device: &Device::Cpu,
         };
-        let b = want.from_rows(&rows, None).unwrap();
+        let b = want.batch_of(&rows, None).unwrap();
         assert_eq!(
             b.x.to_vec2::<u32>().unwrap(),
             vec![vec![0, 1, 2, 3], vec![5, 6, 7, 8]]

@@ -408,7 +408,7 @@ impl DataSource for ShardSource {
             ),
             false => None,
         };
-        let mut batch = want.from_rows(&rows, mask)?;
+        let mut batch = want.batch_of(&rows, mask)?;
         if self.options.doc_mask {
             let (mut positions, mut doc_ids) = (Vec::new(), Vec::new());
             for &(s, t) in &windows {
