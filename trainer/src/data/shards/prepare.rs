@@ -9,7 +9,7 @@
 //!   [`PrepareOptions::shard_tokens`] tokens, and a document goes to validation iff
 //!   `splitmix64(index ^ VAL_SEED) < val_fraction * 2^64`. The thread count changes nothing.
 //! - **Parquet** files (by extension, or [`PrepareOptions::container`]) are read a row group
-//!   at a time, each row a record with the format's columns (see [`Container`]);
+//!   at a time, each row a record with the format's columns (see [`Container`](super::Container));
 //!   units end at row group ends, and a resume point is a row.
 //! - **Resumable**: shards are written to a temporary name and renamed; after each unit in
 //!   which a shard was finished, the unfinished shard of each split is saved as a
