@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use trainer::data::shards::{
-    prepare as run, verify_dir, Container, InputFormat, PrepareOptions, VocabSpec,
+    prepare as run, verify_dir, Container, InputFormat, PrepareOptions, PrepareSummary, VocabSpec,
 };
 
 /// What the inputs' records are.
@@ -129,6 +129,17 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
         return verify(dir);
     }
     let out_dir = args.out_dir.clone().context("--out-dir is required")?;
+    let quiet = args.quiet;
+    let opts = options(args, &out_dir)?;
+    let start = Instant::now();
+    let summary = run_with_progress(&opts, quiet, start)
+        .with_context(|| format!("cannot prepare {}", out_dir.display()))?;
+    report(&summary, &out_dir, start.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// The library's options from the command line's.
+fn options(args: PrepareArgs, out_dir: &Path) -> Result<PrepareOptions> {
     let vocab = match (&args.tokenizer, args.vocab.as_deref()) {
         (Some(t), _) => VocabSpec::Tokenizer(t.clone()),
         (None, Some("char")) => VocabSpec::Char,
@@ -150,9 +161,9 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
         // Decided by the files the inputs name (a directory of .jsonl files is JSONL).
         (None, Container::Auto) => InputFormat::detect(&args.inputs)?,
     };
-    let opts = PrepareOptions {
+    Ok(PrepareOptions {
         inputs: args.inputs,
-        out_dir: out_dir.clone(),
+        out_dir: out_dir.to_path_buf(),
         format,
         container,
         field: args.field,
@@ -164,8 +175,13 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
         overwrite: args.overwrite,
         chunk_bytes: args.chunk_bytes,
         max_line_bytes: args.max_line_bytes,
-    };
-    let bar = if args.quiet {
+    })
+}
+
+/// Runs `prepare` with a progress bar (hidden when `quiet`), or off a terminal a plain line
+/// every 30 s with the ETA.
+fn run_with_progress(opts: &PrepareOptions, quiet: bool, start: Instant) -> Result<PrepareSummary> {
+    let bar = if quiet {
         ProgressBar::hidden()
     } else {
         ProgressBar::new(0)
@@ -176,10 +192,8 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
         )
         .context("progress bar template")?,
     );
-    let start = Instant::now();
-    // Off a terminal the bar is hidden: a plain line every 30 s instead, with the ETA.
     let last_line = std::sync::Mutex::new(start);
-    let summary = run(&opts, &|p| {
+    let summary = run(opts, &|p| {
         bar.set_length(p.bytes_total);
         bar.set_position(p.bytes_done);
         let secs = start.elapsed().as_secs_f64().max(1e-9);
@@ -203,10 +217,13 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
             }
         }
         bar.set_message(rate);
-    })
-    .with_context(|| format!("cannot prepare {}", out_dir.display()))?;
+    })?;
     bar.finish_and_clear();
-    let secs = start.elapsed().as_secs_f64();
+    Ok(summary)
+}
+
+/// What `prepare` made, and how fast.
+fn report(summary: &PrepareSummary, out_dir: &Path, secs: f64) {
     let m = &summary.manifest;
     if summary.up_to_date {
         outln!("up to date  {} (nothing to do)", out_dir.display());
@@ -241,5 +258,4 @@ pub(super) fn prepare(args: PrepareArgs) -> Result<()> {
         summary.tokens_made as f64 / secs / 1e6,
         summary.tokens_made
     );
-    Ok(())
 }

@@ -1,7 +1,6 @@
 //! Checks of a run config's values that need neither the data nor a checkpoint.
 
 use super::{Arch, TrainConfig, MAX_GRAD_ACCUM, MAX_SAMPLE_TOKENS};
-use crate::data::DataKind;
 use crate::{Error, Result};
 
 impl TrainConfig {
@@ -10,30 +9,13 @@ impl TrainConfig {
         let bad = |m: String| Err(Error::Config(m));
         self.check_sizes()?;
         self.check_model()?;
-        if self.data.uses_path() && self.data_path.is_none() {
-            return bad(format!("data `{}` needs --data-path", self.data));
-        }
-        if self.data.uses_tokenizer() && self.tokenizer_path.is_none() {
-            return bad(format!(
-                "data `{}` needs --tokenizer-path (or --init-from a model with a \
-                 tokenizer.json)",
-                self.data
-            ));
-        }
+        // The data settings, as `data` checks them.
+        self.data_spec().validate()?;
         self.check_training()?;
         if self.eval_interval == 0 || self.eval_iters == 0 {
             return bad("eval_interval and eval_iters must be at least 1".into());
         }
-        if !(self.val_fraction > 0.0 && self.val_fraction < 1.0) {
-            return bad(format!(
-                "val_fraction must be in (0, 1), got {}",
-                self.val_fraction
-            ));
-        }
         self.check_parallelism()?;
-        if self.data == DataKind::Addition && !(1..=9).contains(&self.digits) {
-            return bad(format!("digits must be in 1..=9, got {}", self.digits));
-        }
         Ok(())
     }
 
@@ -88,7 +70,6 @@ impl TrainConfig {
             ("beta2", self.beta2),
             ("grad_clip", f64::from(self.grad_clip)),
             ("dropout", f64::from(self.dropout)),
-            ("val_fraction", f64::from(self.val_fraction)),
             ("peak_flops", self.peak_flops),
         ];
         if let Some((name, v)) = floats.iter().find(|(_, v)| !v.is_finite()) {

@@ -1,10 +1,9 @@
 //! The embedded default task: multi-digit addition with reversed answers.
 
-use candle_core::Device;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::{check_shape, decimal_f64, rows_to_batch, Batch, DataSource, Fingerprint, Split, Task};
+use super::{decimal_f64, Batch, BatchRequest, DataSource, Fingerprint, Split, Task};
 use crate::error::{Error, Result};
 use crate::hash::{hash_bytes, splitmix64, Hasher64};
 
@@ -263,17 +262,10 @@ impl DataSource for Addition {
         )
     }
 
-    fn batch(
-        &self,
-        split: Split,
-        batch_size: usize,
-        block_size: usize,
-        rng: &mut ChaCha8Rng,
-        device: &Device,
-    ) -> Result<Batch> {
+    fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
+        let (split, batch_size, block_size) = (want.split, want.batch_size, want.block_size);
         // Any block size works here (a short one just cuts problems, e.g. to make a prompt);
         // `check_block_size` is what rejects one too short to train on.
-        check_shape(batch_size, block_size)?;
         let w = block_size + 1;
         let mut rows = Vec::with_capacity(batch_size * w);
         let mut mask = Vec::with_capacity(batch_size * block_size);
@@ -294,7 +286,7 @@ impl DataSource for Addition {
                     .map(|&m| if m { 1.0f32 } else { 0.0 }),
             );
         }
-        rows_to_batch(&rows, Some(mask), batch_size, block_size, device)
+        want.batch_of(&rows, Some(mask))
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>> {
@@ -359,6 +351,8 @@ impl Task for Addition {
 
 #[cfg(test)]
 mod tests {
+    use candle_core::Device;
+
     use super::*;
 
     fn rng(seed: u64) -> ChaCha8Rng {

@@ -22,13 +22,12 @@
 use std::collections::HashSet;
 use std::path::Path;
 
-use candle_core::Device;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use super::sft::{LineRecord, Message, Record, Role, SftEncoder, SftSource};
-use super::{Batch, DataSource, DataSpec, Fingerprint, Split, Task};
+use super::{Batch, BatchRequest, DataSource, DataSpec, Fingerprint, Split, Task};
 use crate::error::{Error, Result};
 use crate::pretrained::{word_level, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
 
@@ -363,15 +362,8 @@ impl DataSource for ChatTask {
         self.description.clone()
     }
 
-    fn batch(
-        &self,
-        split: Split,
-        batch_size: usize,
-        block_size: usize,
-        rng: &mut ChaCha8Rng,
-        device: &Device,
-    ) -> Result<Batch> {
-        self.sft.batch(split, batch_size, block_size, rng, device)
+    fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
+        self.sft.draw(want, rng)
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>> {

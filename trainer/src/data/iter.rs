@@ -19,7 +19,7 @@ use candle_core::{Device, Tensor};
 use rand::RngCore;
 use rand_chacha::ChaCha8Rng;
 
-use super::{Batch, DataSource, Fingerprint, Split};
+use super::{Batch, BatchRequest, DataSource, Fingerprint, Split};
 use crate::{Error, Result};
 
 /// Something a program's batch iterator yields: a [`Batch`], or the input and target token ids
@@ -123,15 +123,8 @@ impl DataSource for BatchIter {
         )
     }
 
-    fn batch(
-        &self,
-        split: Split,
-        batch_size: usize,
-        block_size: usize,
-        rng: &mut ChaCha8Rng,
-        device: &Device,
-    ) -> Result<Batch> {
-        super::check_shape(batch_size, block_size)?;
+    fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
+        let (split, batch_size, block_size) = (want.split, want.batch_size, want.block_size);
         if split == Split::Val {
             return Err(Error::Config(
                 "a batch iterator has no validation split: a run fed by one does not evaluate"
@@ -162,7 +155,7 @@ impl DataSource for BatchIter {
                      step: give it max_iters x grad_accum batches, or train fewer steps"
                 )));
             };
-            let b = item(batch_size, block_size, device)
+            let b = item(batch_size, block_size, want.device)
                 .map_err(|e| Error::Config(format!("batch {taken} of the batch iterator: {e}")))?;
             if s.kept.len() == self.keep {
                 s.kept.pop_front();

@@ -56,3 +56,30 @@ pub(crate) fn read_line(
     }
     Ok(true)
 }
+
+/// Calls `each` with the number (1-based) and the text of every line of the JSONL file `path`,
+/// without its line end, each refused past [`MAX_LINE_BYTES`] as [`read_line`] does; a line
+/// that is not UTF-8 is an error naming `file:line` and the column of its first invalid byte.
+pub(crate) fn for_each_line(
+    path: &Path,
+    mut each: impl FnMut(usize, &str) -> Result<()>,
+) -> Result<()> {
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut reader = std::io::BufReader::new(file);
+    let mut buf = Vec::new();
+    let mut n = 0;
+    while read_line(&mut reader, &mut buf, MAX_LINE_BYTES, path, n as u64 + 1)? {
+        n += 1;
+        let line = std::str::from_utf8(&buf).map_err(|e| {
+            Error::data(
+                format!("{}:{n}", path.display()),
+                format!(
+                    "not valid UTF-8 (first invalid byte at column {})",
+                    e.valid_up_to() + 1
+                ),
+            )
+        })?;
+        each(n, line)?;
+    }
+    Ok(())
+}

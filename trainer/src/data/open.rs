@@ -2,13 +2,46 @@
 
 use std::path::Path;
 
-use super::{DataSource, DataSpec, Fingerprint};
+use super::{sft, Addition, ChatTask, DataKind, SftSource, TextSource};
+use super::{DataSource, DataSpec, Fingerprint, ShardOptions, ShardSource};
 use crate::{Error, Result};
+
+/// Builds the data source described by `spec`.
+///
+/// Text sources read (or load from the cache) and tokenise the whole file here; errors name the
+/// file and the problem (missing, empty, invalid UTF-8 for `char`/`tokenizer`, bad
+/// `tokenizer.json`...). The block size is not known yet: call
+/// [`DataSource::check_block_size`] once it is.
+pub fn open(spec: &DataSpec) -> Result<Box<dyn DataSource>> {
+    spec.validate()?;
+    match spec.kind {
+        DataKind::Addition => Ok(Box::new(Addition::new(
+            spec.digits,
+            spec.val_fraction,
+            spec.seed,
+        )?)),
+        DataKind::Char | DataKind::Byte | DataKind::Tokenizer => {
+            Ok(Box::new(TextSource::open(spec)?))
+        }
+        DataKind::Sft => Ok(Box::new(SftSource::open(spec)?)),
+        DataKind::Preference => Ok(Box::new(sft::PreferenceSource::open(spec)?)),
+        DataKind::ChatTask => Ok(Box::new(ChatTask::open(spec)?)),
+        DataKind::Shards => {
+            let dir = spec.path.as_deref().unwrap_or(std::path::Path::new(""));
+            let options = ShardOptions {
+                order: spec.order,
+                doc_mask: spec.doc_mask,
+                tokenizer: spec.tokenizer.clone(),
+            };
+            Ok(Box::new(ShardSource::open(dir, options)?))
+        }
+    }
+}
 
 /// Opens a run's data (`TrainConfig::data_spec`) and checks it can serve windows of
 /// `block_size + 1` tokens.
 pub fn open_for_run(spec: &DataSpec, block_size: usize) -> Result<Box<dyn DataSource>> {
-    let source = super::open(spec)?;
+    let source = open(spec)?;
     source.check_block_size(block_size)?;
     Ok(source)
 }

@@ -3,7 +3,6 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use candle_core::Device;
 use rand_chacha::ChaCha8Rng;
 
 use super::cache::{self, CacheKey, Entry};
@@ -11,7 +10,7 @@ use super::shards::format::{self, TokenizerInfo};
 use super::shards::view::ShardView;
 use super::shards::{ShardOptions, ShardSource};
 use super::vocab::Vocab;
-use super::{decimal_f64, Batch, DataKind, DataSource, DataSpec, Fingerprint, Split};
+use super::{decimal_f64, Batch, BatchRequest, DataKind, DataSource, DataSpec, Fingerprint, Split};
 use crate::error::{Error, Result};
 
 /// Text is handed to the tokenizer in pieces of about this many bytes (cut before a line that
@@ -260,100 +259,107 @@ fn open_cached(spec: &DataSpec, path: &Path) -> Result<Tokenised> {
         None => ("char", 0, None),
     };
     let key = CacheKey::new(path, kind, tok_hash, spec.val_fraction)?;
-    let (train, val, vocab, vocab_size, fingerprint, note) = match cache::load(&cache_dir, &key) {
-        Some(hit) => {
-            let vocab = match vocab {
-                Some(v) => v,
-                None => {
-                    let chars = hit.manifest.tokenizer.chars.as_deref().unwrap_or_default();
-                    Vocab::chars(chars.chars().collect())
-                }
-            };
-            let size = hit.manifest.vocab_size as usize;
-            (
-                hit.train,
-                hit.val,
-                vocab,
-                size,
-                hit.fingerprint,
-                "cache hit".to_string(),
-            )
-        }
+    let mut found = match cache::load(&cache_dir, &key) {
+        Some(hit) => from_cache(hit, vocab),
         None => {
             let (tokens, vocab) = tokenise(path, vocab, tok_path.as_deref())?;
-            let n_train = split_point(tokens.len(), spec.val_fraction);
-            let vocab_size = match &vocab {
-                Vocab::Tokenizer { tokenizer, .. } => vocab_size_of(tokenizer, &tokens),
-                v => v.size(),
-            };
-            let hash = vocab.hash();
-            let fingerprint = Fingerprint::of_tokens(&tokens, n_train, hash);
-            let tokenizer = TokenizerInfo {
-                kind: kind.to_string(),
-                path: tok_path.clone(),
-                hash: format!("{hash:016x}"),
-                chars: match &vocab {
-                    Vocab::Char { chars, .. } => Some(chars.iter().collect()),
-                    _ => None,
-                },
-            };
-            let entry = Entry {
-                tokens: &tokens,
-                n_train,
-                tokenizer,
-                vocab_size: vocab_size as u64,
-                fingerprint: fingerprint.clone(),
-            };
-            let stored = cache::store(&cache_dir, &key, &entry).and_then(|dir| {
-                tracing::debug!("wrote token cache {}", dir.display());
-                cache::load(&cache_dir, &key)
-                    .ok_or_else(|| Error::data(&dir, "token cache unreadable after writing"))
-            });
-            match stored {
-                Ok(hit) => (
-                    hit.train,
-                    hit.val,
-                    vocab,
-                    vocab_size,
-                    fingerprint,
-                    "tokenised, cached".into(),
-                ),
-                Err(e) => {
-                    tracing::warn!("could not write the token cache: {e}");
-                    let width = format::width_for_vocab(vocab_size) as usize;
-                    let train = ShardView::in_memory(path, &tokens[..n_train], width);
-                    let val = ShardView::in_memory(path, &tokens[n_train..], width);
-                    (
-                        train,
-                        val,
-                        vocab,
-                        vocab_size,
-                        fingerprint,
-                        "tokenised, cache not written".into(),
-                    )
-                }
-            }
+            let slot = (cache_dir.as_path(), &key);
+            let tokenizer = (kind, tok_path.as_deref());
+            store_tokens(path, tokens, vocab, tokenizer, spec.val_fraction, slot)
         }
     };
-    let what = match &vocab {
+    found.what = match &found.vocab {
         Vocab::Char { chars, .. } => format!("chars, char vocab {}", chars.len()),
         _ => {
             let tp = tok_path.as_deref().unwrap_or(path);
             let file = tp
                 .file_name()
                 .map_or_else(|| tp.display().to_string(), |n| n.to_string_lossy().into());
-            format!("bytes, tokenizer {file} vocab {vocab_size}")
+            format!("bytes, tokenizer {file} vocab {}", found.vocab_size)
         }
     };
-    Ok(Tokenised {
+    Ok(found)
+}
+
+/// A cache hit, with the tokenizer's vocabulary when there is one (else the characters the
+/// cache recorded).
+fn from_cache(hit: cache::Hit, vocab: Option<Vocab>) -> Tokenised {
+    let vocab = match vocab {
+        Some(v) => v,
+        None => {
+            let chars = hit.manifest.tokenizer.chars.as_deref().unwrap_or_default();
+            Vocab::chars(chars.chars().collect())
+        }
+    };
+    Tokenised {
+        train: hit.train,
+        val: hit.val,
+        vocab,
+        vocab_size: hit.manifest.vocab_size as usize,
+        fingerprint: hit.fingerprint,
+        what: String::new(),
+        note: "cache hit".into(),
+    }
+}
+
+/// The freshly tokenised `tokens` of `path` (`kind` `char` or `tokenizer`, from the file
+/// `tok_path`), split, stored as the cache entry `slot` (the cache directory and the key) and
+/// mapped from it; served from memory, with a warning, when the entry cannot be written.
+fn store_tokens(
+    path: &Path,
+    tokens: Vec<u32>,
+    vocab: Vocab,
+    (kind, tok_path): (&str, Option<&Path>),
+    val_fraction: f32,
+    (cache_dir, key): (&Path, &CacheKey),
+) -> Tokenised {
+    let n_train = split_point(tokens.len(), val_fraction);
+    let vocab_size = match &vocab {
+        Vocab::Tokenizer(file) => vocab_size_of(file.tokenizer(), &tokens),
+        v => v.size(),
+    };
+    let hash = vocab.hash();
+    let fingerprint = Fingerprint::of_tokens(&tokens, n_train, hash);
+    let tokenizer = TokenizerInfo {
+        kind: kind.to_string(),
+        path: tok_path.map(Path::to_path_buf),
+        hash: format!("{hash:016x}"),
+        chars: match &vocab {
+            Vocab::Char { chars, .. } => Some(chars.iter().collect()),
+            _ => None,
+        },
+    };
+    let entry = Entry {
+        tokens: &tokens,
+        n_train,
+        tokenizer,
+        vocab_size: vocab_size as u64,
+        fingerprint: fingerprint.clone(),
+    };
+    let stored = cache::store(cache_dir, key, &entry).and_then(|dir| {
+        tracing::debug!("wrote token cache {}", dir.display());
+        cache::load(cache_dir, key)
+            .ok_or_else(|| Error::data(&dir, "token cache unreadable after writing"))
+    });
+    let (train, val, note) = match stored {
+        Ok(hit) => (hit.train, hit.val, "tokenised, cached"),
+        Err(e) => {
+            tracing::warn!("could not write the token cache: {e}");
+            let width = format::width_for_vocab(vocab_size) as usize;
+            let train = ShardView::in_memory(path, &tokens[..n_train], width);
+            let val = ShardView::in_memory(path, &tokens[n_train..], width);
+            (train, val, "tokenised, cache not written")
+        }
+    };
+    Tokenised {
         train,
         val,
         vocab,
         vocab_size,
         fingerprint,
-        what,
-        note,
-    })
+        what: String::new(),
+        note: note.into(),
+    }
 }
 
 /// Tokenises the text file `path` with `vocab` (a char vocabulary is built from the file when
@@ -377,13 +383,13 @@ fn tokenise(
             Ok((tokens, vocab))
         }
         Some(vocab) => {
-            let Vocab::Tokenizer { tokenizer, .. } = &vocab else {
+            let Vocab::Tokenizer(file) = &vocab else {
                 return Err(Error::Config("expected a tokenizer vocabulary".into()));
             };
             let tok_name = tok_path.unwrap_or(path).display().to_string();
             let mut tokens = Vec::new();
             for chunk in tokenizer_chunks(&text) {
-                let enc = tokenizer.encode(chunk, false).map_err(|e| {
+                let enc = file.tokenizer().encode(chunk, false).map_err(|e| {
                     Error::Tokenizer(format!("{tok_name} failed on {}: {e}", path.display()))
                 })?;
                 tokens.extend_from_slice(enc.get_ids());
@@ -415,17 +421,9 @@ impl DataSource for TextSource {
         self.description.clone()
     }
 
-    fn batch(
-        &self,
-        split: Split,
-        batch_size: usize,
-        block_size: usize,
-        rng: &mut ChaCha8Rng,
-        device: &Device,
-    ) -> Result<Batch> {
-        super::check_shape(batch_size, block_size)?;
-        self.check_block_size(block_size)?;
-        self.inner.batch(split, batch_size, block_size, rng, device)
+    fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
+        self.check_block_size(want.block_size)?;
+        self.inner.draw(want, rng)
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>> {

@@ -1,5 +1,7 @@
 //! Tests of the text sources (kept apart from `text.rs` to keep both files short).
 
+use candle_core::Device;
+
 use super::*;
 use crate::data::open;
 use rand::SeedableRng;

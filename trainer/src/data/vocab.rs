@@ -1,9 +1,10 @@
 //! How token ids become text and back: the vocabularies of text corpora and prepared shards.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::error::{Error, Result};
+use crate::pretrained::TokenizerFile;
 
 /// A vocabulary: encodes text, decodes ids, and names its identity hash.
 pub(crate) enum Vocab {
@@ -14,11 +15,8 @@ pub(crate) enum Vocab {
     },
     /// One token per byte.
     Byte,
-    /// A Hugging Face tokenizer loaded from `path`.
-    Tokenizer {
-        tokenizer: Box<tokenizers::Tokenizer>,
-        path: PathBuf,
-    },
+    /// A Hugging Face `tokenizer.json`.
+    Tokenizer(Box<TokenizerFile>),
     /// Bare ids without a known vocabulary (a nanoGPT `.bin` without `--tokenizer-path`):
     /// decoding shows the ids, encoding is refused.
     Ids,
@@ -37,17 +35,7 @@ impl Vocab {
 
     /// Loads a Hugging Face `tokenizer.json`, naming it on error.
     pub(crate) fn tokenizer(path: &Path) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-        let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
-            Error::Tokenizer(format!(
-                "{}: not a valid tokenizer.json: {e}",
-                path.display()
-            ))
-        })?;
-        Ok(Vocab::Tokenizer {
-            tokenizer: Box::new(tokenizer),
-            path: path.to_path_buf(),
-        })
+        Ok(Vocab::Tokenizer(Box::new(TokenizerFile::open(path)?)))
     }
 
     /// The vocabulary's identity (the hashes `prepare` stamps in shard headers).
@@ -56,7 +44,7 @@ impl Vocab {
         match self {
             Vocab::Char { chars, .. } => format::char_vocab_hash(chars),
             Vocab::Byte => format::byte_vocab_hash(),
-            Vocab::Tokenizer { tokenizer, .. } => format::tokenizer_vocab_hash(tokenizer),
+            Vocab::Tokenizer(file) => format::tokenizer_vocab_hash(file.tokenizer()),
             Vocab::Ids => crate::hash::hash_bytes(b"bare token ids"),
         }
     }
@@ -66,7 +54,7 @@ impl Vocab {
         match self {
             Vocab::Char { chars, .. } => chars.len(),
             Vocab::Byte => 256,
-            Vocab::Tokenizer { tokenizer, .. } => tokenizer.get_vocab_size(true),
+            Vocab::Tokenizer(file) => file.vocab_size(),
             Vocab::Ids => 0,
         }
     }
@@ -91,10 +79,7 @@ impl Vocab {
                 })
                 .collect(),
             Vocab::Byte => Ok(text.bytes().map(u32::from).collect()),
-            Vocab::Tokenizer { tokenizer, path } => tokenizer
-                .encode(text, false)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display()))),
+            Vocab::Tokenizer(file) => file.encode(text),
             Vocab::Ids => Err(Error::data(
                 data,
                 "has no vocabulary to encode text with; give --tokenizer-path",
@@ -116,9 +101,7 @@ impl Vocab {
                 let bytes: Vec<u8> = ids.iter().map(|&i| i as u8).collect();
                 Ok(String::from_utf8_lossy(&bytes).into_owned())
             }
-            Vocab::Tokenizer { tokenizer, path } => tokenizer
-                .decode(ids, false)
-                .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display()))),
+            Vocab::Tokenizer(file) => file.decode(ids),
             Vocab::Ids => Ok(ids
                 .iter()
                 .map(|i| format!("<{i}>"))

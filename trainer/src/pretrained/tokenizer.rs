@@ -40,6 +40,11 @@ impl TokenizerFile {
         self.tokenizer
     }
 
+    /// The loaded `tokenizers` tokenizer, borrowed.
+    pub(crate) fn tokenizer(&self) -> &tokenizers::Tokenizer {
+        &self.tokenizer
+    }
+
     /// The file this tokenizer was read from.
     pub fn path(&self) -> &Path {
         &self.path
@@ -59,11 +64,11 @@ impl TokenizerFile {
         self.tokenizer.get_vocab_size(true)
     }
 
-    /// Encodes `text` (without the post-processor's special tokens).
+    /// Encodes `text` (without the post-processor's special tokens; ids only, no offsets).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self
             .tokenizer
-            .encode(text, false)
+            .encode_fast(text, false)
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", self.path.display())))?;
         Ok(enc.get_ids().to_vec())
     }

@@ -32,12 +32,12 @@ impl SftEncoder {
         )?;
         let Some(at) = text.rfind(MARK) else {
             return Err(Error::data(
-                &self.path,
+                self.path(),
                 "the chat template does not write the assistant's message as given",
             ));
         };
         let (ids, _) = self.tokenize(&text[at + MARK.len()..], false)?;
-        let special = self.tokenizer.get_added_tokens_decoder();
+        let special = self.tokenizer().get_added_tokens_decoder();
         Ok(ids
             .first()
             .copied()

@@ -20,6 +20,7 @@
 //! example in each row, right-padded; see [`DataSpec::packing`].
 
 mod chat_prompt;
+mod encoder;
 mod jinja;
 mod layout;
 mod preference;
@@ -27,20 +28,21 @@ mod preference_source;
 pub(crate) mod records;
 mod template;
 
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle_core::Device;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::{check_shape, decimal_f64, Batch, DataSource, DataSpec, Fingerprint, Split};
+use super::shards::format::tokenizer_vocab_hash;
+use super::{
+    check_shape, decimal_f64, Batch, BatchRequest, DataSource, DataSpec, Fingerprint, Split,
+};
 use crate::error::{Error, Result};
 use crate::model::{HostTokens, Rows};
-use crate::pretrained::{TokenizerFile, TOKENIZER_CONFIG_FILE};
 
+pub use encoder::{Example, SftEncoder};
 pub use preference::{
     parse_preference, preference_batch, read_preferences, LinePreference, Preference,
     PreferencePair, Preferences, Turns,
@@ -59,214 +61,6 @@ pub fn read_records(path: &Path) -> Result<Vec<LineRecord>> {
         true => records::no_records(crate::data::parquet::read_records(path)?, path),
         false => records::read_jsonl_records(path),
     }
-}
-
-/// One tokenised training example.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Example {
-    /// Token ids.
-    pub tokens: Vec<u32>,
-    /// Whether each token counts as a target: the inputs are `tokens[..n-1]`, the targets
-    /// `tokens[1..]`, and target `j` counts iff `counted[j + 1]` (`counted[0]` is never used).
-    pub counted: Vec<bool>,
-}
-
-impl Example {
-    /// Number of targets that count in the loss.
-    pub fn counted_targets(&self) -> usize {
-        self.counted.iter().skip(1).filter(|&&c| c).count()
-    }
-}
-
-/// Turns records into [`Example`]s: a tokenizer, the chat template beside it (if any) and its
-/// end-of-text token.
-pub struct SftEncoder {
-    tokenizer: tokenizers::Tokenizer,
-    path: PathBuf,
-    template: Option<ChatTemplate>,
-    eos: Option<String>,
-    pad: Option<u32>,
-}
-
-impl SftEncoder {
-    /// Loads `tokenizer_json` and the chat template and special tokens beside it
-    /// (`chat_template.jinja`, `tokenizer_config.json`; see [`ChatTemplate::from_model_dir`]).
-    /// A directory without a chat template is fine for `text` and string prompt/completion
-    /// records; conversations then fail with an error saying so.
-    pub fn open(tokenizer_json: &Path) -> Result<Self> {
-        let file = TokenizerFile::open(tokenizer_json)?;
-        let eos_id = file.special_tokens().eos;
-        let tokenizer = file.into_inner();
-        let dir = tokenizer_json.parent().unwrap_or(Path::new("."));
-        let config_path = dir.join(TOKENIZER_CONFIG_FILE);
-        let config: serde_json::Value = match std::fs::read_to_string(&config_path) {
-            Ok(t) => serde_json::from_str(&t)
-                .map_err(|e| Error::data(&config_path, format!("not valid JSON: {e}")))?,
-            Err(_) => serde_json::Value::Null,
-        };
-        let has_template =
-            dir.join(CHAT_TEMPLATE_FILE).is_file() || config.get("chat_template").is_some();
-        let template = if has_template {
-            Some(ChatTemplate::from_model_dir(dir)?)
-        } else {
-            None
-        };
-        let eos = eos_id.and_then(|id| tokenizer.id_to_token(id));
-        let pad = config
-            .get("pad_token")
-            .and_then(|t| t.as_str().or_else(|| t.get("content")?.as_str()))
-            .and_then(|t| tokenizer.token_to_id(t))
-            .or(eos_id);
-        Ok(SftEncoder {
-            tokenizer,
-            path: tokenizer_json.to_path_buf(),
-            template,
-            eos,
-            pad,
-        })
-    }
-
-    /// An encoder from parts: `eos` is the text appended to `text` records and string
-    /// completions, `pad` the id padding rows (`None`: 0).
-    pub fn new(
-        tokenizer: tokenizers::Tokenizer,
-        path: PathBuf,
-        template: Option<ChatTemplate>,
-        eos: Option<String>,
-        pad: Option<u32>,
-    ) -> Self {
-        SftEncoder {
-            tokenizer,
-            path,
-            template,
-            eos,
-            pad,
-        }
-    }
-
-    /// The tokenizer file.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// The chat template, if the tokenizer's directory has one.
-    pub fn template(&self) -> Option<&ChatTemplate> {
-        self.template.as_ref()
-    }
-
-    /// The tokenizer.
-    pub fn tokenizer(&self) -> &tokenizers::Tokenizer {
-        &self.tokenizer
-    }
-
-    /// The id that pads rows (the tokenizer config's `pad_token`, else EOS, else 0).
-    pub fn pad_id(&self) -> u32 {
-        self.pad.unwrap_or(0)
-    }
-
-    fn chat(&self) -> Result<&ChatTemplate> {
-        self.template.as_ref().ok_or_else(|| {
-            Error::data(
-                &self.path,
-                format!(
-                    "conversations need a chat template, but there is no {CHAT_TEMPLATE_FILE} \
-                     and no `chat_template` in {TOKENIZER_CONFIG_FILE} beside this tokenizer"
-                ),
-            )
-        })
-    }
-
-    /// Renders `messages` with the chat template, as `apply_chat_template(messages,
-    /// add_generation_prompt=..., tokenize=False)`.
-    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
-        self.chat()?.render(messages, add_generation_prompt)
-    }
-
-    /// The token ids of a conversation and which of them are assistant tokens (the loss mask
-    /// `apply_chat_template(..., return_assistant_tokens_mask=True)` gives for templates with
-    /// generation markers).
-    pub fn encode_messages(&self, messages: &[Message]) -> Result<Example> {
-        let rendered = self.chat()?.render_spans(messages)?;
-        let (tokens, offsets) = self.tokenize(&rendered.text, false)?;
-        let counted = counted_from_spans(&offsets, &rendered.spans);
-        Ok(Example { tokens, counted })
-    }
-
-    /// Tokenises one record (see the module docs for what counts).
-    pub fn encode_record(&self, record: &Record) -> Result<Example> {
-        match record {
-            Record::Messages(m) => self.encode_messages(m),
-            Record::Text(text) => {
-                let (tokens, _) = self.tokenize(&self.with_eos(text), true)?;
-                let counted = vec![true; tokens.len()];
-                Ok(Example { tokens, counted })
-            }
-            Record::PromptCompletion { prompt, completion } => {
-                let (p, _) = self.tokenize(prompt, true)?;
-                let full = format!("{prompt}{}", self.with_eos(completion));
-                let (tokens, _) = self.tokenize(&full, true)?;
-                Ok(completion_example(&p, tokens))
-            }
-            Record::ChatPromptCompletion { prompt, completion } => {
-                let chat = self.chat()?;
-                let p_text = chat.render(prompt, true)?;
-                let all: Vec<Message> = prompt.iter().chain(completion).cloned().collect();
-                let full = chat.render(&all, false)?;
-                let (p, _) = self.tokenize(&p_text, false)?;
-                let (tokens, _) = self.tokenize(&full, false)?;
-                Ok(completion_example(&p, tokens))
-            }
-        }
-    }
-
-    /// `text` with the EOS text appended unless it already ends with it.
-    fn with_eos(&self, text: &str) -> String {
-        match &self.eos {
-            Some(eos) if !text.ends_with(eos.as_str()) => format!("{text}{eos}"),
-            _ => text.to_string(),
-        }
-    }
-
-    /// Token ids and byte offsets of `text`.
-    fn tokenize(&self, text: &str, special: bool) -> Result<(Vec<u32>, Vec<Offsets>)> {
-        let enc = self
-            .tokenizer
-            .encode(text, special)
-            .map_err(|e| Error::Tokenizer(format!("{}: {e}", self.path.display())))?;
-        Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
-    }
-}
-
-/// A token's byte range in the text it was encoded from.
-type Offsets = (usize, usize);
-
-/// `tokens` with the tokens after their common prefix with `prompt` counted.
-fn completion_example(prompt: &[u32], tokens: Vec<u32>) -> Example {
-    let common = prompt
-        .iter()
-        .zip(&tokens)
-        .take_while(|(a, b)| a == b)
-        .count();
-    let counted = (0..tokens.len()).map(|i| i >= common).collect();
-    Example { tokens, counted }
-}
-
-/// Which tokens (by byte offsets) fall in `spans`: as transformers' assistant mask, every token
-/// from the one holding a span's first byte to the one holding its last (a token that overlaps
-/// a span counts; an empty-offset token counts when it sits inside one).
-pub(crate) fn counted_from_spans(offsets: &[(usize, usize)], spans: &[Range<usize>]) -> Vec<bool> {
-    offsets
-        .iter()
-        .map(|&(s, e)| {
-            spans.iter().any(|sp| {
-                if e > s {
-                    s < sp.end && e > sp.start
-                } else {
-                    sp.start <= s && s < sp.end
-                }
-            })
-        })
-        .collect()
 }
 
 /// Supervised fine-tuning examples from a JSONL file, split into train and validation
@@ -313,37 +107,8 @@ impl SftSource {
         records: &[LineRecord],
         spec: &DataSpec,
     ) -> Result<Self> {
-        let mut examples = Vec::with_capacity(records.len());
-        let mut lines = Vec::with_capacity(records.len());
-        let mut skipped = 0usize;
-        let mut formats: Vec<&str> = Vec::new();
-        for r in records {
-            let mut ex = encoder.encode_record(&r.record).map_err(|e| {
-                let msg = match e {
-                    Error::Data { path, msg } => format!("{}: {msg}", path.display()),
-                    e => e.to_string(),
-                };
-                Error::data(format!("{}:{}", path.display(), r.line), msg)
-            })?;
-            if !spec.completion_only {
-                ex.counted.iter_mut().for_each(|c| *c = true);
-            }
-            if ex.tokens.len() < 2 || ex.counted_targets() == 0 {
-                skipped += 1;
-                continue;
-            }
-            if !formats.contains(&r.record.format()) {
-                formats.push(r.record.format());
-            }
-            examples.push(ex);
-            lines.push(r.line);
-        }
-        if skipped > 0 {
-            tracing::warn!(
-                "{}: {skipped} record(s) skipped (fewer than 2 tokens or no target in the loss)",
-                path.display()
-            );
-        }
+        let (examples, lines, formats) =
+            encode_records(path, &encoder, records, spec.completion_only)?;
         let n = examples.len();
         if n < 2 {
             return Err(Error::data(
@@ -351,21 +116,13 @@ impl SftSource {
                 format!("{n} usable example(s); a train and a validation split need at least 2"),
             ));
         }
-        let n_val = ((n as f64) * decimal_f64(spec.val_fraction)).round() as usize;
-        let n_val = n_val.clamp(1, n - 1);
-        let mut order: Vec<usize> = (0..n).collect();
-        order.shuffle(&mut ChaCha8Rng::seed_from_u64(spec.seed));
-        let mut val = order[..n_val].to_vec();
-        let mut train = order[n_val..].to_vec();
-        val.sort_unstable();
-        train.sort_unstable();
-
+        let (train, val) = split_examples(n, spec);
         let max_id = examples
             .iter()
             .flat_map(|e| e.tokens.iter())
             .max()
             .map_or(0, |&m| m as usize + 1);
-        let vocab_size = encoder.tokenizer.get_vocab_size(true).max(max_id);
+        let vocab_size = encoder.tokenizer().get_vocab_size(true).max(max_id);
         let tokens: usize = examples.iter().map(|e| e.tokens.len()).sum();
         let counted: usize = examples.iter().map(Example::counted_targets).sum();
         let name = path.file_name().map_or_else(
@@ -378,9 +135,10 @@ impl SftSource {
         };
         let description = format!(
             "{name}: {n} examples ({}), {tokens} tokens, {counted} counted targets, {} train / \
-             {n_val} val examples, {template}, {}{}",
+             {} val examples, {template}, {}{}",
             formats.join(", "),
             train.len(),
+            val.len(),
             if spec.packing { "packed" } else { "padded" },
             if spec.completion_only {
                 ""
@@ -388,25 +146,7 @@ impl SftSource {
                 ", every token trained on"
             }
         );
-        let mut is_val = vec![false; n];
-        for &i in &val {
-            is_val[i] = true;
-        }
-        let mut stream = Vec::with_capacity(2 * tokens + 2 * n);
-        for (ex, v) in examples.iter().zip(&is_val) {
-            stream.push(ex.tokens.len() as u32);
-            stream.push(u32::from(*v));
-            stream.extend_from_slice(&ex.tokens);
-            stream.extend(ex.counted.iter().map(|&c| u32::from(c)));
-        }
-        let vocab_hash = crate::hash::hash_bytes(
-            encoder
-                .tokenizer
-                .to_string(false)
-                .unwrap_or_default()
-                .as_bytes(),
-        );
-        let fingerprint = Fingerprint::of_tokens(&stream, train.len(), vocab_hash);
+        let fingerprint = fingerprint_of(&examples, &val, train.len(), &encoder);
         Ok(SftSource {
             path: path.to_path_buf(),
             encoder,
@@ -544,6 +284,88 @@ impl SftSource {
     }
 }
 
+/// `records` tokenised with `encoder` (every token counted unless `completion_only`), those
+/// with fewer than 2 tokens or no counted target left out with a warning; with the line each
+/// example was read from and the record formats met, in order.
+fn encode_records<'r>(
+    path: &Path,
+    encoder: &SftEncoder,
+    records: &'r [LineRecord],
+    completion_only: bool,
+) -> Result<(Vec<Example>, Vec<usize>, Vec<&'r str>)> {
+    let mut examples = Vec::with_capacity(records.len());
+    let mut lines = Vec::with_capacity(records.len());
+    let mut skipped = 0usize;
+    let mut formats: Vec<&str> = Vec::new();
+    for r in records {
+        let mut ex = encoder.encode_record(&r.record).map_err(|e| {
+            let msg = match e {
+                Error::Data { path, msg } => format!("{}: {msg}", path.display()),
+                e => e.to_string(),
+            };
+            Error::data(format!("{}:{}", path.display(), r.line), msg)
+        })?;
+        if !completion_only {
+            ex.counted.iter_mut().for_each(|c| *c = true);
+        }
+        if ex.tokens.len() < 2 || ex.counted_targets() == 0 {
+            skipped += 1;
+            continue;
+        }
+        if !formats.contains(&r.record.format()) {
+            formats.push(r.record.format());
+        }
+        examples.push(ex);
+        lines.push(r.line);
+    }
+    if skipped > 0 {
+        tracing::warn!(
+            "{}: {skipped} record(s) skipped (fewer than 2 tokens or no target in the loss)",
+            path.display()
+        );
+    }
+    Ok((examples, lines, formats))
+}
+
+/// The train and validation indices of `n >= 2` examples (or preference pairs):
+/// `spec.val_fraction` of them (at least one, at most `n - 1`) chosen by `spec.seed` for
+/// validation; each list sorted.
+fn split_examples(n: usize, spec: &DataSpec) -> (Vec<usize>, Vec<usize>) {
+    let n_val = ((n as f64) * decimal_f64(spec.val_fraction)).round() as usize;
+    let n_val = n_val.clamp(1, n - 1);
+    let mut order: Vec<usize> = (0..n).collect();
+    order.shuffle(&mut ChaCha8Rng::seed_from_u64(spec.seed));
+    let mut val = order[..n_val].to_vec();
+    let mut train = order[n_val..].to_vec();
+    val.sort_unstable();
+    train.sort_unstable();
+    (train, val)
+}
+
+/// The fingerprint of `examples` (each one's length, split, tokens and counted flags) under
+/// the encoder's tokenizer.
+fn fingerprint_of(
+    examples: &[Example],
+    val: &[usize],
+    n_train: usize,
+    encoder: &SftEncoder,
+) -> Fingerprint {
+    let mut is_val = vec![false; examples.len()];
+    for &i in val {
+        is_val[i] = true;
+    }
+    let tokens: usize = examples.iter().map(|e| e.tokens.len()).sum();
+    let mut stream = Vec::with_capacity(2 * tokens + 2 * examples.len());
+    for (ex, v) in examples.iter().zip(&is_val) {
+        stream.push(ex.tokens.len() as u32);
+        stream.push(u32::from(*v));
+        stream.extend_from_slice(&ex.tokens);
+        stream.extend(ex.counted.iter().map(|&c| u32::from(c)));
+    }
+    let vocab_hash = tokenizer_vocab_hash(encoder.tokenizer());
+    Fingerprint::of_tokens(&stream, n_train, vocab_hash)
+}
+
 impl DataSource for SftSource {
     fn vocab_size(&self) -> usize {
         self.vocab_size
@@ -553,15 +375,8 @@ impl DataSource for SftSource {
         self.description.clone()
     }
 
-    fn batch(
-        &self,
-        split: Split,
-        batch_size: usize,
-        block_size: usize,
-        rng: &mut ChaCha8Rng,
-        device: &Device,
-    ) -> Result<Batch> {
-        check_shape(batch_size, block_size)?;
+    fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
+        let (split, batch_size, block_size) = (want.split, want.batch_size, want.block_size);
         self.warn_truncation(block_size);
         let pool = self.indices(split);
         let mut draw = || &self.examples[pool[rng.random_range(0..pool.len())]];
@@ -601,14 +416,14 @@ impl DataSource for SftSource {
             layout::padded(&drawn, block_size, pad)
         };
         let shape = (batch_size, block_size);
-        let u32s = |v: Vec<u32>| crate::transfer::upload(v, shape, device);
+        let u32s = |v: Vec<u32>| crate::transfer::upload(v, shape, want.device);
         let rows = Rows {
             positions: l.positions.map(u32s).transpose()?,
             doc_ids: l.doc_ids.map(u32s).transpose()?,
             tokens: Some(HostTokens::new(l.x.clone(), block_size)),
         };
         let mut batch =
-            Batch::from_host(l.x, l.y, shape, device)?.with_host_mask(l.mask, device)?;
+            Batch::from_host(l.x, l.y, shape, want.device)?.with_host_mask(l.mask, want.device)?;
         batch.rows = rows;
         Ok(batch)
     }
@@ -627,10 +442,7 @@ impl DataSource for SftSource {
                 ),
             ));
         }
-        self.encoder
-            .tokenizer
-            .decode(ids, false)
-            .map_err(|e| Error::Tokenizer(format!("{}: {e}", self.encoder.path.display())))
+        self.encoder.file.decode(ids)
     }
 
     fn check_block_size(&self, block_size: usize) -> Result<()> {

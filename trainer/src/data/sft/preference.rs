@@ -20,7 +20,7 @@ use minijinja::value::{Value, ValueKind};
 
 use super::records::messages;
 use super::{layout, Example, Message, SftEncoder};
-use crate::data::lines::{read_line, MAX_LINE_BYTES};
+use crate::data::lines::for_each_line;
 use crate::data::Batch;
 use crate::error::{Error, Result};
 
@@ -56,21 +56,16 @@ pub struct LinePreference {
 /// Reads a JSONL file of preference records, one a line (see [`parse_preference`]; blank
 /// lines skipped); errors name `file:line`.
 pub fn read_preferences(path: &Path) -> Result<Vec<LinePreference>> {
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let mut reader = std::io::BufReader::new(file);
-    let mut buf = Vec::new();
     let mut out = Vec::new();
-    let mut n = 0;
-    while read_line(&mut reader, &mut buf, MAX_LINE_BYTES, path, n as u64 + 1)? {
-        n += 1;
-        let at = || format!("{}:{n}", path.display());
-        let line = std::str::from_utf8(&buf).map_err(|_| Error::data(at(), "not valid UTF-8"))?;
+    for_each_line(path, |n, line| {
         if line.trim().is_empty() {
-            continue;
+            return Ok(());
         }
-        let record = parse_preference(line).map_err(|msg| Error::data(at(), msg))?;
+        let at = format!("{}:{n}", path.display());
+        let record = parse_preference(line).map_err(|msg| Error::data(at, msg))?;
         out.push(LinePreference { line: n, record });
-    }
+        Ok(())
+    })?;
     if out.is_empty() {
         return Err(Error::data(
             path,
@@ -269,7 +264,7 @@ impl SftEncoder {
         let prompt_len = common(&c).min(common(&r));
         if prompt_len == 0 {
             return Err(Error::data(
-                &self.path,
+                self.path(),
                 "the prompt tokenises to no tokens shared with its completions",
             ));
         }

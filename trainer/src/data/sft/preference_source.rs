@@ -6,13 +6,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use candle_core::Device;
-use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 use super::preference::{preference_batch, read_preferences, LinePreference, PreferencePair};
-use super::SftEncoder;
-use crate::data::{check_shape, decimal_f64, Batch, DataSource, DataSpec, Fingerprint, Split};
+use super::{split_examples, SftEncoder};
+use crate::data::shards::format::tokenizer_vocab_hash;
+use crate::data::{check_shape, Batch, BatchRequest, DataSource, DataSpec, Fingerprint, Split};
 use crate::error::{Error, Result};
 
 /// Preference pairs from a JSONL file (see [`super::read_preferences`]), split into train and
@@ -81,14 +81,7 @@ impl PreferenceSource {
                 format!("{n} preference record(s); a train and a validation split need at least 2"),
             ));
         }
-        let n_val =
-            (((n as f64) * decimal_f64(spec.val_fraction)).round() as usize).clamp(1, n - 1);
-        let mut order: Vec<usize> = (0..n).collect();
-        order.shuffle(&mut ChaCha8Rng::seed_from_u64(spec.seed));
-        let mut val = order[..n_val].to_vec();
-        let mut train = order[n_val..].to_vec();
-        val.sort_unstable();
-        train.sort_unstable();
+        let (train, val) = split_examples(n, spec);
         let max_id = pairs
             .iter()
             .flat_map(|p| p.chosen.iter().chain(&p.rejected))
@@ -104,21 +97,16 @@ impl PreferenceSource {
                 stream.extend_from_slice(side);
             }
         }
-        let vocab_hash = crate::hash::hash_bytes(
-            encoder
-                .tokenizer()
-                .to_string(false)
-                .unwrap_or_default()
-                .as_bytes(),
-        );
+        let vocab_hash = tokenizer_vocab_hash(encoder.tokenizer());
         let fingerprint = Fingerprint::of_tokens(&stream, train.len(), vocab_hash);
         let name = path.file_name().map_or_else(
             || path.display().to_string(),
             |n| n.to_string_lossy().into(),
         );
         let description = format!(
-            "{name}: {n} preference pairs, {} train / {n_val} val",
-            train.len()
+            "{name}: {n} preference pairs, {} train / {} val",
+            train.len(),
+            val.len()
         );
         Ok(PreferenceSource {
             path: path.to_path_buf(),
@@ -232,15 +220,8 @@ impl DataSource for PreferenceSource {
         self.description.clone()
     }
 
-    fn batch(
-        &self,
-        split: Split,
-        batch_size: usize,
-        block_size: usize,
-        rng: &mut ChaCha8Rng,
-        device: &Device,
-    ) -> Result<Batch> {
-        check_shape(batch_size, block_size)?;
+    fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
+        let (split, batch_size, block_size) = (want.split, want.batch_size, want.block_size);
         let mut pool = self.pool(split, block_size);
         if pool.is_empty() {
             // every pair of the split dropped at this length (a short sampling prompt, a
@@ -258,11 +239,11 @@ impl DataSource for PreferenceSource {
             .map(|&i| self.pairs[i].cut(block_size + 1))
             .collect();
         let refs: Vec<&PreferencePair> = cut.iter().collect();
-        let mut batch = preference_batch(&refs, block_size, self.encoder.pad_id(), device)?;
+        let mut batch = preference_batch(&refs, block_size, self.encoder.pad_id(), want.device)?;
         if let Some(table) = self.reference.get() {
             let values: Vec<f32> = picked.iter().flat_map(|&i| table[i]).collect();
             let rows = values.len();
-            batch.reference = Some(crate::transfer::upload(values, rows, device)?);
+            batch.reference = Some(crate::transfer::upload(values, rows, want.device)?);
         }
         Ok(if batch_size % 2 == 1 {
             batch.narrow(0, batch_size)?
@@ -276,10 +257,7 @@ impl DataSource for PreferenceSource {
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.encoder
-            .tokenizer()
-            .decode(ids, false)
-            .map_err(|e| Error::Tokenizer(format!("{}: {e}", self.encoder.path().display())))
+        self.encoder.file.decode(ids)
     }
 
     fn check_block_size(&self, block_size: usize) -> Result<()> {

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use minijinja::value::{Value, ValueKind};
 
-use crate::data::lines::{read_line, too_long, MAX_LINE_BYTES};
+use crate::data::lines::{for_each_line, too_long, MAX_LINE_BYTES};
 use crate::error::{Error, Result};
 
 /// The role of a chat message (the roles TRL's datasets and the common templates use).
@@ -167,24 +167,11 @@ pub struct LineRecord {
 /// [`MAX_LINE_BYTES`](crate::data::lines::MAX_LINE_BYTES) is refused naming `file:line` before
 /// it is read whole.
 pub(crate) fn read_jsonl_records(path: &Path) -> Result<Vec<LineRecord>> {
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let mut reader = std::io::BufReader::new(file);
-    let mut buf = Vec::new();
     let mut out = Vec::new();
-    let mut n = 0;
-    while read_line(&mut reader, &mut buf, MAX_LINE_BYTES, path, n as u64 + 1)? {
-        n += 1;
-        let line = std::str::from_utf8(&buf).map_err(|e| {
-            Error::data(
-                format!("{}:{n}", path.display()),
-                format!(
-                    "not valid UTF-8 (first invalid byte at column {})",
-                    e.valid_up_to() + 1
-                ),
-            )
-        })?;
+    for_each_line(path, |n, line| {
         out.extend(parse_line_at(line, n, path)?);
-    }
+        Ok(())
+    })?;
     no_records(out, path)
 }
 

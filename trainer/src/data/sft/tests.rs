@@ -1,11 +1,12 @@
 use std::collections::HashSet;
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
+use super::encoder::counted_from_spans;
 use super::layout::{best_fit_decreasing, Layout};
 use super::*;
 use crate::data::DataKind;
-use crate::pretrained::{word_level, TOKENIZER_FILE};
+use crate::pretrained::{word_level, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
 
 const WORDS: &[&str] = &[
     "<unk>",

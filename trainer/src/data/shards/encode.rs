@@ -1,14 +1,15 @@
 //! Turning a unit of `prepare`'s input ([`super::input`]) into document pieces: the
 //! vocabulary's encoder, the texts or SFT records of a unit, and their tokens.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use super::format::{byte_vocab_hash, char_vocab_hash, tokenizer_vocab_hash, TokenizerInfo};
-use super::input::{start, unit_reader, Unit};
-use super::prepare::{InputFormat, PrepareOptions, VocabSpec};
+use super::input::unit_reader;
+use super::options::{InputFormat, PrepareOptions, VocabSpec};
+use super::unit::{start, Unit};
 use crate::data::parquet::RowRecord;
 use crate::data::sft::{parse_line, Record, SftEncoder};
+use crate::data::vocab::Vocab;
 use crate::error::{Error, Result};
 use crate::pretrained::TokenizerFile;
 
@@ -23,15 +24,9 @@ pub(crate) struct Piece {
 
 /// How text becomes tokens.
 pub(crate) enum Encoder {
-    /// A Hugging Face tokenizer; `eos` appended after each document.
-    Tokenizer {
-        tokenizer: Box<tokenizers::Tokenizer>,
-        eos: Option<u32>,
-    },
-    /// A character vocabulary.
-    Char(HashMap<char, u32>),
-    /// One token a byte.
-    Byte,
+    /// A vocabulary (a tokenizer's, the inputs' characters, or bytes); `eos` appended after
+    /// each document.
+    Vocab { vocab: Vocab, eos: Option<u32> },
     /// SFT records rendered and masked by [`SftEncoder`].
     Sft(Box<SftEncoder>),
 }
@@ -127,27 +122,16 @@ impl Encoder {
     /// The tokens of `text`, read at `here` (what errors name).
     fn encode(&self, text: &str, here: &Path) -> Result<Vec<u32>> {
         match self {
-            Encoder::Tokenizer { tokenizer, .. } => tokenizer
-                .encode_fast(text, false)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| Error::Tokenizer(format!("{}: {e}", here.display()))),
-            Encoder::Char(index) => text
-                .chars()
-                .map(|c| {
-                    index.get(&c).copied().ok_or_else(|| {
-                        Error::data(here, format!("character {c:?} not in vocabulary"))
-                    })
-                })
-                .collect(),
-            Encoder::Byte => Ok(text.bytes().map(u32::from).collect()),
+            Encoder::Vocab { vocab, .. } => vocab.encode(text, here),
             Encoder::Sft(_) => unreachable!("SFT records are encoded by encode_unit"),
         }
     }
 
-    fn eos(&self) -> Option<u32> {
+    /// The token appended after each document, if any.
+    pub(crate) fn eos(&self) -> Option<u32> {
         match self {
-            Encoder::Tokenizer { eos, .. } => *eos,
-            _ => None,
+            Encoder::Vocab { eos, .. } => *eos,
+            Encoder::Sft(_) => None,
         }
     }
 
@@ -185,7 +169,13 @@ impl Encoder {
         }
         // A Parquet row is a document whatever the format.
         let records = format != InputFormat::Text || unit.rows.is_some();
-        let bytes_vocab = matches!(self, Encoder::Byte) && !records;
+        let bytes_vocab = matches!(
+            self,
+            Encoder::Vocab {
+                vocab: Vocab::Byte,
+                ..
+            }
+        ) && !records;
         let mut out = Vec::new();
         if bytes_vocab {
             out.push(Piece {
@@ -234,9 +224,8 @@ pub(crate) fn build_encoder(
         (VocabSpec::Tokenizer(path), _) => {
             let file = TokenizerFile::open(path)?;
             let default_eos = file.special_tokens().eos;
-            let tokenizer = file.into_inner();
             let eos = match &opts.eos_token {
-                Some(t) => Some(tokenizer.token_to_id(t).ok_or_else(|| {
+                Some(t) => Some(file.tokenizer().token_to_id(t).ok_or_else(|| {
                     Error::Tokenizer(format!("{}: no token {t:?} (--eos-token)", path.display()))
                 })?),
                 None => default_eos,
@@ -248,34 +237,37 @@ pub(crate) fn build_encoder(
                     path.display()
                 )));
             };
-            let hash = tokenizer_vocab_hash(&tokenizer);
-            let size = tokenizer.get_vocab_size(true) as u64;
+            let hash = tokenizer_vocab_hash(file.tokenizer());
+            let size = file.vocab_size() as u64;
             let info = tok_info("tokenizer", Some(path.clone()), hash, None);
-            let enc = Encoder::Tokenizer {
-                tokenizer: Box::new(tokenizer),
+            let enc = Encoder::Vocab {
+                vocab: Vocab::Tokenizer(Box::new(file)),
                 eos: Some(eos),
             };
             Ok((enc, info, size))
         }
         (VocabSpec::Byte, _) => Ok((
-            Encoder::Byte,
+            Encoder::Vocab {
+                vocab: Vocab::Byte,
+                eos: None,
+            },
             tok_info("byte", None, byte_vocab_hash(), None),
             256,
         )),
         (VocabSpec::Char, _) => {
             let chars = scan_chars(opts, files)?;
-            let index = chars
-                .iter()
-                .enumerate()
-                .map(|(i, &c)| (c, i as u32))
-                .collect();
             let info = tok_info(
                 "char",
                 None,
                 char_vocab_hash(&chars),
                 Some(chars.iter().collect()),
             );
-            Ok((Encoder::Char(index), info, chars.len() as u64))
+            let size = chars.len() as u64;
+            let enc = Encoder::Vocab {
+                vocab: Vocab::chars(chars),
+                eos: None,
+            };
+            Ok((enc, info, size))
         }
     }
 }

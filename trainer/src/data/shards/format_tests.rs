@@ -1,4 +1,12 @@
 use super::*;
+use crate::data::shards::write::{shard_writer, ShardWriter};
+
+/// Writes the shard `w` to `path` atomically and returns its header.
+fn finish(path: &Path, w: Result<ShardWriter>) -> Result<ShardHeader> {
+    let (header, bytes) = w?.to_bytes(path)?;
+    crate::io::write_atomic(path, &bytes)?;
+    Ok(header)
+}
 use crate::hash::Hasher64;
 
 fn tmp() -> tempfile::TempDir {
@@ -13,7 +21,11 @@ fn round_trip_both_widths_with_docs_and_mask() {
         let counted: Vec<bool> = (0..37).map(|i| i % 3 != 0).collect();
         let starts = [0u64, 5, 20];
         let p = dir.path().join(format!("w{width}.tok"));
-        let h = write_shard(&p, width, 42, &tokens, Some(&starts), Some(&counted)).unwrap();
+        let h = finish(
+            &p,
+            shard_writer(&p, width, 42, &tokens, Some(&starts), Some(&counted)),
+        )
+        .unwrap();
         assert_eq!(h.width, width);
         assert_eq!((h.n_tokens, h.n_docs), (37, 3));
         let s = open_shard(
@@ -41,7 +53,7 @@ fn round_trip_both_widths_with_docs_and_mask() {
 fn without_streams_every_token_counts() {
     let dir = tmp();
     let p = dir.path().join("plain.tok");
-    let h = write_shard(&p, 2, 1, &[1, 2, 3], None, None).unwrap();
+    let h = finish(&p, shard_writer(&p, 2, 1, &[1, 2, 3], None, None)).unwrap();
     assert!(!h.has_docs() && !h.has_mask());
     let s = open_shard(&p, &Expect::default()).unwrap();
     assert!(s.counted(2));
@@ -54,7 +66,7 @@ fn corrupt_truncated_and_mismatched_shards_are_refused_naming_the_file() {
     let dir = tmp();
     let p = dir.path().join("train-00000.tok");
     let tokens: Vec<u32> = (0..100).collect();
-    write_shard(&p, 2, 7, &tokens, Some(&[0, 50]), None).unwrap();
+    finish(&p, shard_writer(&p, 2, 7, &tokens, Some(&[0, 50]), None)).unwrap();
     let good = std::fs::read(&p).unwrap();
     let check = |bytes: &[u8], expect: Expect, want: &str| {
         std::fs::write(&p, bytes).unwrap();
@@ -101,7 +113,7 @@ fn corrupt_truncated_and_mismatched_shards_are_refused_naming_the_file() {
 fn wide_tokens_in_a_narrow_shard_are_refused() {
     let dir = tmp();
     let p = dir.path().join("x.tok");
-    let err = write_shard(&p, 2, 0, &[70_000], None, None)
+    let err = finish(&p, shard_writer(&p, 2, 0, &[70_000], None, None))
         .unwrap_err()
         .to_string();
     assert!(err.contains("x.tok") && err.contains("70000"), "{err}");

@@ -1,114 +1,17 @@
-//! `prepare`'s inputs: expanding files, directories and globs; reading them as a sequence of
-//! *units* (byte units cut by a rule that depends only on the bytes, so the token stream never
-//! depends on timing or thread count; or runs of Parquet rows). [`super::encode`] turns a unit
-//! into document pieces.
+//! `prepare`'s input files read in order, each with the [`FileReader`] of its storage
+//! format, as one sequence of units (see [`super::unit`]).
 
-use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use super::prepare::{Container, InputFormat, PrepareOptions};
-use crate::data::lines::too_long;
-use crate::data::parquet::{is_parquet, Columns, ParquetRow, ParquetRows};
+use super::options::{Container, InputFormat, PrepareOptions};
+use super::read_bytes::ByteUnits;
+use super::read_parquet::ParquetUnits;
+use super::unit::{FileReader, Position, Unit};
+use crate::data::parquet::{is_parquet, Columns};
 use crate::error::{Error, Result};
 
-/// Files named by `inputs`, in order: a file as it is, a directory's regular files (recursive,
-/// hidden ones skipped, sorted by path), a glob's matches (sorted).
-pub(crate) fn expand_inputs(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
-    let mut out = Vec::new();
-    for input in inputs {
-        let text = input.to_string_lossy();
-        if input.is_dir() {
-            let mut found = Vec::new();
-            walk(input, &mut found)?;
-            found.sort();
-            if found.is_empty() {
-                return Err(Error::data(input, "directory holds no files"));
-            }
-            out.extend(found);
-        } else if !input.exists() && text.contains(['*', '?', '[']) {
-            let paths = glob::glob(&text)
-                .map_err(|e| Error::data(input, format!("not a valid glob: {e}")))?;
-            let mut found = Vec::new();
-            for p in paths {
-                let p = p.map_err(|e| {
-                    let path = e.path().to_path_buf();
-                    Error::io(path, e.into())
-                })?;
-                if p.is_file() {
-                    found.push(p);
-                }
-            }
-            found.sort();
-            if found.is_empty() {
-                return Err(Error::data(input, "the glob matches no file"));
-            }
-            out.extend(found);
-        } else {
-            let meta = std::fs::metadata(input).map_err(|e| Error::io(input, e))?;
-            if !meta.is_file() {
-                return Err(Error::data(input, "not a regular file"));
-            }
-            out.push(input.clone());
-        }
-    }
-    Ok(out)
-}
-
-fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
-    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-        let entry = entry.map_err(|e| Error::io(dir, e))?;
-        let path = entry.path();
-        if entry.file_name().to_string_lossy().starts_with('.') {
-            continue;
-        }
-        if path.is_dir() {
-            walk(&path, out)?;
-        } else if path.is_file() {
-            out.push(path);
-        }
-    }
-    Ok(())
-}
-
-/// Where a unit starts, and the stream counters there: enough to restart `prepare` at it.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub(crate) struct Position {
-    /// Index of the file in the expanded input list.
-    pub file: usize,
-    /// Byte offset in that file (Parquet: where the data of the row's row group starts).
-    pub offset: u64,
-    /// 1-based line number at that offset (Parquet: 1 + the row's index in the file).
-    pub line: u64,
-    /// Documents started before this point.
-    pub doc: u64,
-    /// Tokens emitted to the train and val streams before this point.
-    pub pos: [u64; 2],
-}
-
-/// A run of whole lines of one file, or of rows of one row group of a Parquet file.
-pub(crate) struct Unit {
-    pub at: Position,
-    /// The position after the unit (file, offset, line; the counters are the caller's).
-    pub next: Position,
-    /// Bytes of input the unit stands for (progress).
-    pub size: u64,
-    /// The lines (empty for Parquet rows).
-    pub bytes: Vec<u8>,
-    /// Parquet: the rows.
-    pub rows: Option<Vec<ParquetRow>>,
-    /// Whether the unit ends its file.
-    pub eof: bool,
-}
-
-/// A text unit is cut at any newline when none followed by a non-space byte comes within
-/// this many chunks.
-const MAX_UNIT_CHUNKS: usize = 8;
-
-/// Reads the input files as units of about `chunk` bytes: cut after the first newline at or
-/// beyond `chunk` bytes (for text, the first newline followed by a non-space byte, so that no
-/// pre-tokenizer token spans a cut, unless none comes within [`MAX_UNIT_CHUNKS`] chunks: then
-/// any newline). A file without newlines is one unit. The cuts depend on the bytes alone.
+/// Reads the input files, in order, as units (see [`super::unit`]): each file with the
+/// reader of its format, from a resumable position.
 pub(crate) struct UnitReader<'a> {
     files: &'a [PathBuf],
     text: bool,
@@ -116,13 +19,11 @@ pub(crate) struct UnitReader<'a> {
     max_line: usize,
     chunk: usize,
     at: Position,
-    file: Option<File>,
-    buf: Vec<u8>,
-    eof: bool,
-    /// Which files are read as Parquet, the columns read from them, and the open one.
+    /// The reader of the file `at.file`, once opened.
+    current: Option<Box<dyn FileReader>>,
+    /// Which files are read as Parquet, and the columns read from them.
     parquet: Vec<bool>,
     columns: Columns,
-    rows: Option<ParquetRows>,
 }
 
 impl<'a> UnitReader<'a> {
@@ -142,12 +43,9 @@ impl<'a> UnitReader<'a> {
             max_line,
             chunk: chunk.max(1),
             at,
-            file: None,
-            buf: Vec::new(),
-            eof: false,
+            current: None,
             parquet: Vec::new(),
             columns: Columns::Sft,
-            rows: None,
         }
     }
 
@@ -162,150 +60,32 @@ impl<'a> UnitReader<'a> {
         }
     }
 
+    /// The reader of the file `self.at.file`, at `self.at`.
+    fn open_file(&self) -> Result<Box<dyn FileReader>> {
+        let path = &self.files[self.at.file];
+        Ok(match self.parquet.get(self.at.file) == Some(&true) {
+            true => Box::new(ParquetUnits::open(
+                path,
+                &self.at,
+                &self.columns,
+                self.chunk,
+            )?),
+            false => Box::new(ByteUnits::open(
+                path,
+                &self.at,
+                self.text,
+                self.chunk,
+                self.max_line,
+            )?),
+        })
+    }
+
     /// Moves to the start of the next file.
     fn next_file(&mut self) {
-        self.file = None;
-        self.rows = None;
+        self.current = None;
         self.at.file += 1;
         self.at.offset = 0;
         self.at.line = 1;
-    }
-
-    /// The next unit of rows of the Parquet file `self.at.file`, `None` after its last row.
-    fn next_rows(&mut self) -> Result<Option<Unit>> {
-        if self.rows.is_none() {
-            let path = &self.files[self.at.file];
-            let first = self.at.line.saturating_sub(1);
-            self.rows = Some(ParquetRows::open(path, &self.columns, first)?);
-        }
-        let reader = self.rows.as_mut().expect("opened");
-        let Some(first) = reader.next_at() else {
-            return Ok(None);
-        };
-        let mut rows = Vec::new();
-        let mut text = 0;
-        while text < self.chunk && reader.next_at().is_some_and(|a| a.group == first.group) {
-            let Some(row) = reader.next_row()? else {
-                break;
-            };
-            text += row.size.max(1);
-            rows.push(row);
-        }
-        let at = Position {
-            offset: reader.group_start(first.group),
-            line: first.file_row + 1,
-            ..self.at.clone()
-        };
-        let (next, eof) = match reader.next_at() {
-            Some(a) => {
-                let next = Position {
-                    offset: reader.group_start(a.group),
-                    line: a.file_row + 1,
-                    ..self.at.clone()
-                };
-                (next, false)
-            }
-            None => {
-                let end = reader.group_start(usize::MAX);
-                let next = Position {
-                    offset: end,
-                    ..at.clone()
-                };
-                (next, true)
-            }
-        };
-        let size = next.offset - at.offset;
-        self.at = next;
-        if eof {
-            self.next_file();
-        }
-        Ok(Some(Unit {
-            at,
-            next: self.at.clone(),
-            size,
-            bytes: Vec::new(),
-            rows: Some(rows),
-            eof,
-        }))
-    }
-
-    fn fill(&mut self, want: usize) -> Result<()> {
-        let path = &self.files[self.at.file];
-        let f = self.file.as_mut().expect("file opened");
-        while self.buf.len() < want && !self.eof {
-            let old = self.buf.len();
-            let step = (want - old).max(1 << 16);
-            self.buf.resize(old + step, 0);
-            let n = f
-                .read(&mut self.buf[old..])
-                .map_err(|e| Error::io(path, e))?;
-            self.buf.truncate(old + n);
-            if n == 0 {
-                self.eof = true;
-            }
-        }
-        Ok(())
-    }
-
-    /// The end (one past a newline) of the first cut at or after `from` and before `end`,
-    /// reading more as needed; `None` if there is none before `end` or the end of the file.
-    /// `strict`: only a newline followed by a non-space byte.
-    fn find(&mut self, mut from: usize, end: Option<usize>, strict: bool) -> Result<Option<usize>> {
-        loop {
-            let stop = end.map_or(self.buf.len(), |e| e.min(self.buf.len()));
-            // A strict cut needs the byte after the newline.
-            let last = if strict && !self.eof {
-                stop.saturating_sub(1)
-            } else {
-                stop
-            };
-            for i in from..last {
-                let next_ok = !strict
-                    || self
-                        .buf
-                        .get(i + 1)
-                        .is_some_and(|n| !n.is_ascii_whitespace());
-                if self.buf[i] == b'\n' && next_ok {
-                    return Ok(Some(i + 1));
-                }
-            }
-            if self.eof || end.is_some_and(|e| last >= e) {
-                return Ok(None);
-            }
-            from = from.max(last);
-            let want = (self.buf.len() * 2).max(from + 2);
-            self.fill(want)?;
-        }
-    }
-
-    /// The end of the line holding byte `from` of a JSON-lines file, reading at most about
-    /// twice [`UnitReader::max_line`] bytes past its start; `None` for a last line without
-    /// `\n`; an error naming `file:line` for a line longer than the limit.
-    fn find_line_end(&mut self, from: usize) -> Result<Option<usize>> {
-        let head = &self.buf[..from.min(self.buf.len())];
-        let start = head.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
-        let bound = start + self.max_line + 1;
-        match self.find(from, Some(bound), false)? {
-            Some(c) => Ok(Some(c)),
-            None if self.eof && self.buf.len() <= bound => Ok(None),
-            None => {
-                let line =
-                    self.at.line + self.buf[..start].iter().filter(|&&b| b == b'\n').count() as u64;
-                Err(too_long(&self.files[self.at.file], line, self.max_line))
-            }
-        }
-    }
-
-    /// Checks that no line of the next `len` buffered bytes is longer than the limit.
-    fn check_lines(&self, len: usize) -> Result<()> {
-        for (i, line) in self.buf[..len].split(|&b| b == b'\n').enumerate() {
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
-            if line.len() > self.max_line {
-                let path = &self.files[self.at.file];
-                return Err(too_long(path, self.at.line + i as u64, self.max_line));
-            }
-        }
-        Ok(())
     }
 
     /// The next unit, `None` after the last file. Empty files give no unit.
@@ -314,59 +94,19 @@ impl<'a> UnitReader<'a> {
             if self.at.file >= self.files.len() {
                 return Ok(None);
             }
-            if self.parquet.get(self.at.file) == Some(&true) {
-                match self.next_rows()? {
-                    Some(unit) => return Ok(Some(unit)),
-                    None => {
-                        self.next_file();
-                        continue;
-                    }
-                }
+            if self.current.is_none() {
+                self.current = Some(self.open_file()?);
             }
-            if self.file.is_none() {
-                let path = &self.files[self.at.file];
-                let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
-                f.seek(SeekFrom::Start(self.at.offset))
-                    .map_err(|e| Error::io(path, e))?;
-                self.file = Some(f);
-                self.buf.clear();
-                self.eof = false;
-            }
-            self.fill(self.chunk + 1)?;
-            if self.buf.is_empty() {
+            let reader = self.current.as_mut().expect("opened above");
+            let Some(mut unit) = reader.next_unit(&mut self.at)? else {
                 self.next_file();
                 continue;
-            }
-            let from = self.chunk - 1;
-            let found = if self.text {
-                match self.find(from, Some(MAX_UNIT_CHUNKS * self.chunk), true)? {
-                    Some(c) => Some(c),
-                    None => self.find(from, None, false)?,
-                }
-            } else {
-                self.find_line_end(from)?
             };
-            let cut = found.unwrap_or(self.buf.len());
-            if !self.text {
-                self.check_lines(cut)?;
-            }
-            let bytes: Vec<u8> = self.buf.drain(..cut).collect();
-            self.fill(1)?;
-            let eof = self.buf.is_empty() && self.eof;
-            let at = self.at.clone();
-            self.at.offset += cut as u64;
-            self.at.line += bytes.iter().filter(|&&b| b == b'\n').count() as u64;
-            if eof {
+            if unit.eof {
                 self.next_file();
+                unit.next = self.at.clone();
             }
-            return Ok(Some(Unit {
-                at,
-                next: self.at.clone(),
-                size: cut as u64,
-                bytes,
-                rows: None,
-                eof,
-            }));
+            return Ok(Some(unit));
         }
     }
 }
@@ -400,14 +140,6 @@ pub(crate) fn unit_reader<'a>(
     };
     let reader = UnitReader::new(files, text, opts.chunk_bytes, opts.max_line_bytes, at);
     Ok(reader.with_parquet(parquet_files(opts, files)?, columns))
-}
-
-/// The position of the first byte of the first file.
-pub(crate) fn start() -> Position {
-    Position {
-        line: 1,
-        ..Position::default()
-    }
 }
 
 #[cfg(test)]

@@ -1,4 +1,7 @@
+use std::path::Path;
+
 use super::*;
+use crate::data::shards::unit::start;
 
 fn units(path: &Path, text: bool, chunk: usize) -> Vec<(u64, u64, Vec<u8>, bool)> {
     let files = [path.to_path_buf()];

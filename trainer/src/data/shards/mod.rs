@@ -13,24 +13,31 @@
 //! - [`write_prepared`]: a whole prepared directory from token streams in memory (the text
 //!   sources' token cache).
 
+mod cutter;
 mod encode;
+mod files;
 pub mod format;
 mod input;
 mod manifest;
+mod options;
 pub mod order;
 mod plan;
 pub mod prepare;
 mod progress;
+mod read_bytes;
+mod read_parquet;
 mod source;
+mod unit;
 mod verify;
 pub(crate) mod view;
 mod write;
 
 pub use format::{Manifest, ShardEntry, ShardHeader};
-pub use order::DataOrder;
-pub use prepare::{
-    prepare, Container, InputFormat, PrepareOptions, PrepareProgress, PrepareSummary, VocabSpec,
+pub use options::{
+    Container, InputFormat, PrepareOptions, PrepareProgress, PrepareSummary, VocabSpec,
 };
+pub use order::DataOrder;
+pub use prepare::prepare;
 pub(crate) use source::human;
 pub use source::{ShardOptions, ShardSource};
 pub use verify::{verify_dir, ShardVerdict};

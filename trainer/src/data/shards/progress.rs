@@ -6,10 +6,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::format::{
-    self, Expect, InputEntry, ShardEntry, ShardWriter, TokenizerInfo, MANIFEST_FILE,
-};
-use super::input::Position;
+use super::format::{self, Expect, InputEntry, ShardEntry, TokenizerInfo, MANIFEST_FILE};
+use super::unit::Position;
+use super::write::{shard_writer, ShardWriter};
 use crate::error::{Error, Result};
 
 /// The file recording an unfinished `prepare`.
@@ -82,7 +81,7 @@ pub(super) fn load_partial(path: &Path, expect: &Expect) -> Result<ShardWriter> 
     let counted: Option<Vec<bool>> = h
         .has_mask()
         .then(|| (0..shard.len()).map(|t| shard.counted(t)).collect());
-    format::shard_writer(
+    shard_writer(
         path,
         h.width,
         h.vocab,

@@ -2,14 +2,13 @@
 
 use std::path::{Path, PathBuf};
 
-use candle_core::Device;
 use rand_chacha::ChaCha8Rng;
 
 use super::format::{Manifest, MANIFEST_FILE};
 use super::order::{self, DataOrder, Window};
 use super::view::{scan_raw, BodySums, ShardView};
 use crate::data::vocab::Vocab;
-use crate::data::{check_shape, rows_to_batch, Batch, DataSource, Fingerprint, Split};
+use crate::data::{Batch, BatchRequest, DataSource, Fingerprint, Split};
 use crate::error::{Error, Result};
 use crate::model::Rows;
 
@@ -390,15 +389,8 @@ impl DataSource for ShardSource {
         self.description.clone()
     }
 
-    fn batch(
-        &self,
-        split: Split,
-        batch_size: usize,
-        block_size: usize,
-        rng: &mut ChaCha8Rng,
-        device: &Device,
-    ) -> Result<Batch> {
-        check_shape(batch_size, block_size)?;
+    fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
+        let (split, batch_size, block_size) = (want.split, want.batch_size, want.block_size);
         let windows = self.windows(split, batch_size, block_size, rng)?;
         let shards = self.shards(split);
         let w = block_size + 1;
@@ -416,7 +408,7 @@ impl DataSource for ShardSource {
             ),
             false => None,
         };
-        let mut batch = rows_to_batch(&rows, mask, batch_size, block_size, device)?;
+        let mut batch = want.batch_of(&rows, mask)?;
         if self.options.doc_mask {
             let (mut positions, mut doc_ids) = (Vec::new(), Vec::new());
             for &(s, t) in &windows {
@@ -426,8 +418,8 @@ impl DataSource for ShardSource {
             }
             let shape = (batch_size, block_size);
             batch.rows = Rows {
-                positions: Some(crate::transfer::upload(positions, shape, device)?),
-                doc_ids: Some(crate::transfer::upload(doc_ids, shape, device)?),
+                positions: Some(crate::transfer::upload(positions, shape, want.device)?),
+                doc_ids: Some(crate::transfer::upload(doc_ids, shape, want.device)?),
                 tokens: batch.rows.tokens.take(),
             };
         }

@@ -2,6 +2,8 @@ use std::collections::HashSet;
 
 use rand::{Rng, SeedableRng};
 
+use candle_core::Device;
+
 use super::*;
 use crate::data::shards::format::{byte_vocab_hash, TokenizerInfo};
 use crate::data::shards::{write_prepared, ShardData};
