@@ -24,9 +24,9 @@ use std::path::Path;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde::{Deserialize, Serialize};
 
 use super::sft::{LineRecord, Message, Record, Role, SftEncoder, SftSource};
+pub use super::spec::{ChatTaskKind, DEFAULT_EXAMPLES};
 use super::{Batch, BatchRequest, DataSource, DataSpec, Fingerprint, Split, Task};
 use crate::error::{Error, Result};
 use crate::pretrained::{word_level, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
@@ -85,26 +85,6 @@ pub const CHAT_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' 
     message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}{{ \
     message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt \
     %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
-
-/// Which generated chat task.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum ChatTaskKind {
-    /// The base's pretraining mix: copy a string; the letter after / before one letter.
-    #[serde(rename = "basics")]
-    Basics,
-    /// The fine-tuning task: the letter after each letter of a string.
-    #[default]
-    #[serde(rename = "after-each")]
-    AfterEach,
-}
-
-named_enum!(ChatTaskKind, "chat_task must be basics or after-each", {
-    Basics => "basics",
-    AfterEach => "after-each",
-});
-
-/// Default number of generated examples (both splits).
-pub const DEFAULT_EXAMPLES: usize = 20_000;
 
 /// The letter after `c` (`z` wraps to `a`).
 fn next(c: u8) -> u8 {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::{chat_task, Addition, ChatTaskKind, DataOrder};
+use super::{Addition, DataOrder};
 use crate::error::{Error, Result};
 
 /// Kind of data source; serialised in lowercase (`"addition"`, `"char"`, `"byte"`,
@@ -65,6 +65,26 @@ named_enum!(DataKind, "data must be addition, char, byte, tokenizer, sft, chat-t
     Shards => "shards",
     Preference => "preference",
 });
+
+/// Which generated chat task.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ChatTaskKind {
+    /// The base's pretraining mix: copy a string; the letter after / before one letter.
+    #[serde(rename = "basics")]
+    Basics,
+    /// The fine-tuning task: the letter after each letter of a string.
+    #[default]
+    #[serde(rename = "after-each")]
+    AfterEach,
+}
+
+named_enum!(ChatTaskKind, "chat_task must be basics or after-each", {
+    Basics => "basics",
+    AfterEach => "after-each",
+});
+
+/// Default number of generated examples (both splits).
+pub const DEFAULT_EXAMPLES: usize = 20_000;
 
 /// Configuration of the data source (the `[data]` section of a run config).
 ///
@@ -126,7 +146,7 @@ impl Default for DataSpec {
             packing: true,
             completion_only: true,
             chat_task: ChatTaskKind::default(),
-            chat_examples: chat_task::DEFAULT_EXAMPLES,
+            chat_examples: DEFAULT_EXAMPLES,
             order: DataOrder::Random,
             doc_mask: false,
         }
