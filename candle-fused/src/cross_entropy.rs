@@ -54,9 +54,8 @@ pub fn cross_entropy<'a>(
 ) -> Result<Tensor> {
     let targets = targets.into();
     let (_, v) = check("cross_entropy", logits, &targets, mask, ignore_index)?;
-    let targets = targets.tensor();
     let acc = acc_dtype(logits.dtype());
-    let targets = targets.flatten_all()?.contiguous()?;
+    let targets = targets.tensor().flatten_all()?.contiguous()?;
     let mask = match mask {
         Some(m) => Some(m.detach().flatten_all()?.to_dtype(acc)?.contiguous()?),
         None => None,
@@ -104,18 +103,11 @@ pub fn cross_entropy_composite<'a>(
     mask: Option<&Tensor>,
     ignore_index: Option<u32>,
 ) -> Result<Tensor> {
-    let targets = targets.into();
-    let (n, v) = check(
-        "cross_entropy_composite",
-        logits,
-        &targets,
-        mask,
-        ignore_index,
-    )?;
-    let targets = targets.tensor();
+    let (targets, op) = (targets.into(), "cross_entropy_composite");
+    let (n, v) = check(op, logits, &targets, mask, ignore_index)?;
     let acc = acc_dtype(logits.dtype());
     let lf = logits.to_dtype(acc)?.reshape((n, v))?;
-    let t = targets.flatten_all()?;
+    let t = targets.tensor().flatten_all()?;
     let (t, w) = weights(&t, mask, ignore_index, acc)?;
     let ls = candle_nn::ops::log_softmax(&lf, D::Minus1)?;
     let nll = ls.gather(&t.unsqueeze(1)?, 1)?.squeeze(1)?.neg()?;

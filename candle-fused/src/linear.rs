@@ -17,7 +17,7 @@
 pub(crate) mod gemm;
 
 use crate::cpu::{self, Elem, Real};
-use crate::op::{self, check_like, cpu_of, Grads, In, Kernel};
+use crate::op::{self, cpu_of, Grads, In, Kernel};
 use crate::pool;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, Layout, Result, Shape, Tensor};
@@ -129,9 +129,24 @@ pub(crate) fn check(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(usize
                 b.dims()
             );
         }
-        check_like("candle-fused linear", ("bias", b), ("input", x))?;
+        if b.dtype() != x.dtype() {
+            bail!(
+                "candle-fused linear: bias dtype {:?} differs from input {:?}",
+                b.dtype(),
+                x.dtype()
+            );
+        }
     }
-    check_like("candle-fused linear", ("weight", w), ("input", x))?;
+    if w.dtype() != x.dtype() {
+        bail!(
+            "candle-fused linear: weight dtype {:?} differs from input {:?}",
+            w.dtype(),
+            x.dtype()
+        );
+    }
+    if !w.device().same_device(x.device()) {
+        bail!("candle-fused linear: weight and input are on different devices");
+    }
     Ok((n_in, n_out))
 }
 

@@ -83,7 +83,7 @@ use crate::cross_entropy::{check_targets, cross_entropy_composite};
 use crate::cuda_kernels::triton_for;
 use crate::host::Targets;
 use crate::linear::strided;
-use crate::op::{self, acc_dtype, check_like, cpu_of, Grads, In, Kernel};
+use crate::op::{self, acc_dtype, cpu_of, Grads, In, Kernel};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, InplaceOp1, Layout, Result, Shape, Tensor};
 use kernel::Pass;
@@ -146,9 +146,10 @@ pub fn linear_cross_entropy<'a>(
         "linear_cross_entropy",
         x,
         w,
-        &targets.into(),
+        targets,
         ignore_index,
         None,
+        false,
     )
 }
 
@@ -177,15 +178,8 @@ pub fn linear_cross_entropy_chunked<'a>(
     ignore_index: Option<u32>,
     chunk_rows: usize,
 ) -> Result<Tensor> {
-    let targets = &targets.into();
-    run(
-        "linear_cross_entropy_chunked",
-        x,
-        w,
-        targets,
-        ignore_index,
-        Some(chunk_rows),
-    )
+    let op = "linear_cross_entropy_chunked";
+    run(op, x, w, targets, ignore_index, Some(chunk_rows), false)
 }
 
 /// The reference: [`cross_entropy_composite`]`(x.matmul(wᵀ), targets, None, ignore_index)`
@@ -237,7 +231,13 @@ fn check(op: &str, x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<(usize, u
     if !x.dtype().is_float() {
         bail!("{op}: x must be a float tensor, got {:?}", x.dtype())
     }
-    check_like(op, ("w", w), ("x", x))?;
+    if w.dtype() != x.dtype() {
+        bail!(
+            "{op}: w dtype {:?} differs from x dtype {:?}",
+            w.dtype(),
+            x.dtype()
+        )
+    }
     let (lead, c) = match x.dims().split_last() {
         Some((&c, lead)) if c > 0 => (lead, c),
         _ => bail!(
@@ -262,21 +262,30 @@ fn check(op: &str, x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<(usize, u
             targets.shape()
         )
     }
-    if !targets.device().same_device(x.device()) {
-        bail!("{op}: targets and x are on different devices")
+    for (name, t) in [("w", w), ("targets", targets)] {
+        if !t.device().same_device(x.device()) {
+            bail!("{op}: {name} and x are on different devices")
+        }
     }
     Ok((lead.iter().product(), c, v))
 }
 
-fn run(
+/// The public forms' op: the loss of each row of `targets`' shape (`per_token`), else their
+/// mean over the counted rows.
+fn run<'a>(
     name: &str,
     x: &Tensor,
     w: &Tensor,
-    targets: &Targets<'_>,
+    targets: impl Into<Targets<'a>>,
     ignore: Option<u32>,
     chunk: Option<usize>,
+    per_token: bool,
 ) -> Result<Tensor> {
-    let (op, x) = LceOp::new(name, x, w, targets, ignore, chunk, true)?;
+    let targets = targets.into();
+    let (op, x) = LceOp::new(name, x, w, &targets, ignore, chunk, !per_token)?;
+    if per_token {
+        return per_token::run(op, x, w, targets.tensor().shape().clone());
+    }
     let (n, c) = (op.n, op.c);
     if cpu::has_kernel(&x) {
         return op::apply(op, &[&x, w], None, None);

@@ -53,7 +53,7 @@ use crate::cpu::{self, Elem, Real};
 use crate::dropout;
 use crate::linear::gemm::{gemm_new, gemm_raw, narrow, operand, widen, Operand};
 use crate::linear::{self, strided, Strided};
-use crate::op::{self, check_like, cpu_of, Grads, In, Kernel, Saved};
+use crate::op::{self, cpu_of, Grads, In, Kernel, Saved};
 use crate::philox::RngKey;
 use crate::pool;
 use candle_core::backend::BackendStorage;
@@ -181,6 +181,11 @@ fn check(
 ) -> Result<Dims> {
     let (n_in, n_out) = linear::check(x, w, bias)?;
     let r = check_adapter("lora_linear", x, a, b, n_in, n_out)?;
+    if let Some(bias) = bias {
+        if !bias.device().same_device(x.device()) {
+            bail!("candle-fused lora_linear: bias and input are on different devices");
+        }
+    }
     if let Some((p, _)) = dropout {
         dropout::check_p(p)?;
     }
@@ -208,9 +213,17 @@ pub(crate) fn check_adapter(
             b.dims()
         );
     }
-    let op = format!("candle-fused {op}");
     for (name, t) in [("a (lora_A)", a), ("b (lora_B)", b)] {
-        check_like(&op, (name, t), ("input", x))?;
+        if t.dtype() != x.dtype() {
+            bail!(
+                "candle-fused {op}: {name} dtype {:?} differs from input {:?}",
+                t.dtype(),
+                x.dtype()
+            );
+        }
+        if !t.device().same_device(x.device()) {
+            bail!("candle-fused {op}: {name} and input are on different devices");
+        }
     }
     Ok(r)
 }

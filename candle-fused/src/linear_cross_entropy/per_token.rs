@@ -68,15 +68,8 @@ pub fn linear_cross_entropy_per_token<'a>(
     targets: impl Into<Targets<'a>>,
     ignore_index: Option<u32>,
 ) -> Result<Tensor> {
-    let targets = &targets.into();
-    run(
-        "linear_cross_entropy_per_token",
-        x,
-        w,
-        targets,
-        ignore_index,
-        None,
-    )
+    let op = "linear_cross_entropy_per_token";
+    super::run(op, x, w, targets, ignore_index, None, true)
 }
 
 /// [`linear_cross_entropy_per_token`] with `chunk_rows` (at least 1) counted rows per chunk
@@ -101,8 +94,8 @@ pub fn linear_cross_entropy_per_token_chunked<'a>(
     ignore_index: Option<u32>,
     chunk_rows: usize,
 ) -> Result<Tensor> {
-    let (targets, op) = (&targets.into(), "linear_cross_entropy_per_token_chunked");
-    run(op, x, w, targets, ignore_index, Some(chunk_rows))
+    let op = "linear_cross_entropy_per_token_chunked";
+    super::run(op, x, w, targets, ignore_index, Some(chunk_rows), true)
 }
 
 /// The reference of [`linear_cross_entropy_per_token`] from plain differentiable Candle ops:
@@ -149,19 +142,13 @@ pub fn linear_cross_entropy_per_token_composite<'a>(
     nll.reshape(targets.shape())
 }
 
-fn run(
-    name: &str,
-    x: &Tensor,
-    w: &Tensor,
-    targets: &Targets<'_>,
-    ignore: Option<u32>,
-    chunk: Option<usize>,
-) -> Result<Tensor> {
-    let (base, x) = LceOp::new(name, x, w, targets, ignore, chunk, false)?;
+/// The per-token op for `base` (built without the mean) over `x` (contiguous) and `w`: the
+/// losses in `out_shape` (the targets').
+pub(super) fn run(base: LceOp, x: Tensor, w: &Tensor, out_shape: Shape) -> Result<Tensor> {
     let (n, c) = (base.n, base.c);
     let op = TokensOp {
         base,
-        out_shape: targets.tensor().shape().clone(),
+        out_shape,
         lse: Mutex::new(None),
     };
     if cpu::has_kernel(&x) {
