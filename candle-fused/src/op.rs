@@ -264,12 +264,9 @@ pub(crate) fn check_like(
     (name, t): (&str, &Tensor),
     (x_name, x): (&str, &Tensor),
 ) -> Result<()> {
-    if t.dtype() != x.dtype() {
-        bail!(
-            "{op}: {name} has dtype {:?}, {x_name} has {:?}",
-            t.dtype(),
-            x.dtype()
-        )
+    let (dt, dx) = (t.dtype(), x.dtype());
+    if dt != dx {
+        bail!("{op}: {name} has dtype {dt:?}, {x_name} has {dx:?}")
     }
     if !t.device().same_device(x.device()) {
         bail!("{op}: {name} and {x_name} are on different devices")
