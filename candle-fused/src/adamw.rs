@@ -513,18 +513,23 @@ pub fn global_norm_composite(grads: &[&Tensor]) -> Result<f32> {
 
 /// `sqrt` of the sum of `sumsq(g)` over `grads`, added on the device, read back once.
 fn norm_of_sums(grads: &[&Tensor], sumsq: fn(&Tensor) -> Result<Tensor>) -> Result<f32> {
-    let mut total: Option<Tensor> = None;
-    for g in grads {
-        let s = sumsq(g)?;
-        total = Some(match total {
-            None => s,
-            Some(t) => (t + s)?,
-        });
-    }
-    match total {
+    match sum_in_order(grads, sumsq)? {
         None => Ok(0.0),
         Some(t) => Ok(crate::host::read_scalar::<f32>(&t)?.sqrt()),
     }
+}
+
+/// The sum of `sumsq(t)` over `ts`, added on the device in order (`None` for no tensor).
+fn sum_in_order(ts: &[&Tensor], sumsq: fn(&Tensor) -> Result<Tensor>) -> Result<Option<Tensor>> {
+    let mut total: Option<Tensor> = None;
+    for t in ts {
+        let s = sumsq(t)?;
+        total = Some(match total {
+            None => s,
+            Some(acc) => (acc + s)?,
+        });
+    }
+    Ok(total)
 }
 
 /// The gradient-clipping coefficient of PyTorch's `clip_grad_norm_`:

@@ -24,7 +24,7 @@ use crate::cpu::{self, Elem, Real};
 use crate::cuda_kernels::{triton_for, triton_input};
 use crate::gelu::FastMath;
 use crate::host::Targets;
-use crate::op::{self, Grads, In, Kernel, Saved};
+use crate::op::{self, acc_dtype, Grads, In, Kernel, Saved};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Result, Shape, Storage, Tensor, D};
 
@@ -53,11 +53,9 @@ pub fn cross_entropy<'a>(
     ignore_index: Option<u32>,
 ) -> Result<Tensor> {
     let targets = targets.into();
-    let (_, v) = check("cross_entropy", logits, targets.tensor(), mask)?;
-    check_targets("cross_entropy", &targets, v, ignore_index)?;
-    let targets = targets.tensor();
+    let (_, v) = check("cross_entropy", logits, &targets, mask, ignore_index)?;
     let acc = acc_dtype(logits.dtype());
-    let targets = targets.flatten_all()?.contiguous()?;
+    let targets = targets.tensor().flatten_all()?.contiguous()?;
     let mask = match mask {
         Some(m) => Some(m.detach().flatten_all()?.to_dtype(acc)?.contiguous()?),
         None => None,
@@ -105,13 +103,11 @@ pub fn cross_entropy_composite<'a>(
     mask: Option<&Tensor>,
     ignore_index: Option<u32>,
 ) -> Result<Tensor> {
-    let targets = targets.into();
-    let (n, v) = check("cross_entropy_composite", logits, targets.tensor(), mask)?;
-    check_targets("cross_entropy_composite", &targets, v, ignore_index)?;
-    let targets = targets.tensor();
+    let (targets, op) = (targets.into(), "cross_entropy_composite");
+    let (n, v) = check(op, logits, &targets, mask, ignore_index)?;
     let acc = acc_dtype(logits.dtype());
     let lf = logits.to_dtype(acc)?.reshape((n, v))?;
-    let t = targets.flatten_all()?;
+    let t = targets.tensor().flatten_all()?;
     let (t, w) = weights(&t, mask, ignore_index, acc)?;
     let ls = candle_nn::ops::log_softmax(&lf, D::Minus1)?;
     let nll = ls.gather(&t.unsqueeze(1)?, 1)?.squeeze(1)?.neg()?;
@@ -119,21 +115,16 @@ pub fn cross_entropy_composite<'a>(
     (nll * w)?.sum_all()?.div(&count)
 }
 
-fn acc_dtype(dt: DType) -> DType {
-    if dt == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
-/// `(N, V)` after checking shapes, dtypes and devices.
+/// `(N, V)` after checking shapes, dtypes and devices, then the targets' range on the host: the
+/// caller's host copy, or one counted read of the targets ([`Targets`]).
 fn check(
     op: &str,
     logits: &Tensor,
-    targets: &Tensor,
+    targets: &Targets<'_>,
     mask: Option<&Tensor>,
+    ignore: Option<u32>,
 ) -> Result<(usize, usize)> {
+    let (given, targets) = (targets, targets.tensor());
     if !logits.dtype().is_float() {
         bail!(
             "{op}: logits must be a float tensor, got {:?}",
@@ -167,14 +158,18 @@ fn check(
             bail!("{op}: {name} and logits are on different devices")
         }
     }
+    check_targets(op, &given.host(op)?, v, ignore)?;
     Ok((lead.iter().product(), v))
 }
 
-/// Errors on a target `>= v` that is not `ignore`, checked on the host: the caller's host
-/// copy, or one counted read of the targets ([`Targets`]).
-fn check_targets(op: &str, targets: &Targets<'_>, v: usize, ignore: Option<u32>) -> Result<()> {
-    let host = targets.host(op)?;
-    match host
+/// Errors on a target `>= v` that is not `ignore`.
+pub(crate) fn check_targets(
+    op: &str,
+    targets: &[u32],
+    v: usize,
+    ignore: Option<u32>,
+) -> Result<()> {
+    match targets
         .iter()
         .enumerate()
         .find(|&(_, &t)| Some(t) != ignore && t as usize >= v)

@@ -20,9 +20,9 @@ mod cuda;
 
 use crate::cpu::{self, Elem, Real};
 use crate::cuda_kernels::{triton_flat, triton_input};
-use crate::op::{self, Grads, In, Kernel};
+use crate::op::{self, acc_dtype, check_like, Grads, In, Kernel};
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, DType, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, Result, Shape, Tensor};
 
 /// `sqrt(2 / pi)`.
 const K0: f64 = 0.797_884_560_802_865_4;
@@ -221,14 +221,6 @@ pub fn gelu_composite(x: &Tensor) -> Result<Tensor> {
     bias_gelu_composite(x, None)
 }
 
-fn acc_dtype(dt: DType) -> DType {
-    if dt == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 /// Checks the arguments; returns the row length of the kernel (the bias length, or a fixed
 /// chunk of the flattened tensor without a bias).
 fn check(op: &str, x: &Tensor, b: Option<&Tensor>) -> Result<usize> {
@@ -248,12 +240,7 @@ fn check(op: &str, x: &Tensor, b: Option<&Tensor>) -> Result<usize> {
             b.shape()
         )
     }
-    if b.dtype() != x.dtype() {
-        bail!("{op}: b has dtype {:?}, x has {:?}", b.dtype(), x.dtype())
-    }
-    if !b.device().same_device(x.device()) {
-        bail!("{op}: b and x are on different devices")
-    }
+    check_like(op, ("b", b), ("x", x))?;
     Ok(c)
 }
 

@@ -129,25 +129,22 @@ pub(crate) fn check(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(usize
                 b.dims()
             );
         }
-        if b.dtype() != x.dtype() {
-            bail!(
-                "candle-fused linear: bias dtype {:?} differs from input {:?}",
-                b.dtype(),
-                x.dtype()
-            );
-        }
+        check_input_dtype("linear", "bias", b, x)?;
     }
-    if w.dtype() != x.dtype() {
-        bail!(
-            "candle-fused linear: weight dtype {:?} differs from input {:?}",
-            w.dtype(),
-            x.dtype()
-        );
-    }
+    check_input_dtype("linear", "weight", w, x)?;
     if !w.device().same_device(x.device()) {
         bail!("candle-fused linear: weight and input are on different devices");
     }
     Ok((n_in, n_out))
+}
+
+/// Errors unless `t` (called `name`, an operand of `op`) has the dtype of the input `x`.
+pub(crate) fn check_input_dtype(op: &str, name: &str, t: &Tensor, x: &Tensor) -> Result<()> {
+    let (dt, dx) = (t.dtype(), x.dtype());
+    if dt != dx {
+        bail!("candle-fused {op}: {name} dtype {dt:?} differs from input {dx:?}");
+    }
+    Ok(())
 }
 
 /// The shape of the output for an input of layout `lx`: its last dim becomes `n_out`.

@@ -75,14 +75,15 @@ pub use per_token::{
     linear_cross_entropy_per_token_composite,
 };
 
+use std::borrow::Cow;
 use std::sync::Mutex;
 
 use crate::cpu::{self, Elem};
-use crate::cross_entropy::cross_entropy_composite;
+use crate::cross_entropy::{check_targets, cross_entropy_composite};
 use crate::cuda_kernels::triton_for;
 use crate::host::Targets;
 use crate::linear::strided;
-use crate::op::{self, cpu_of, Grads, In, Kernel};
+use crate::op::{self, acc_dtype, cpu_of, Grads, In, Kernel};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, InplaceOp1, Layout, Result, Shape, Tensor};
 use kernel::Pass;
@@ -141,8 +142,15 @@ pub fn linear_cross_entropy<'a>(
     targets: impl Into<Targets<'a>>,
     ignore_index: Option<u32>,
 ) -> Result<Tensor> {
-    let targets = targets.into();
-    run("linear_cross_entropy", x, w, &targets, ignore_index, None)
+    run(
+        "linear_cross_entropy",
+        x,
+        w,
+        targets,
+        ignore_index,
+        None,
+        false,
+    )
 }
 
 /// [`linear_cross_entropy`] with `chunk_rows` (at least 1) counted rows per chunk instead of
@@ -170,12 +178,8 @@ pub fn linear_cross_entropy_chunked<'a>(
     ignore_index: Option<u32>,
     chunk_rows: usize,
 ) -> Result<Tensor> {
-    let targets = targets.into();
     let op = "linear_cross_entropy_chunked";
-    if chunk_rows == 0 {
-        bail!("{op}: chunk_rows must be at least 1")
-    }
-    run(op, x, w, &targets, ignore_index, Some(chunk_rows))
+    run(op, x, w, targets, ignore_index, Some(chunk_rows), false)
 }
 
 /// The reference: [`cross_entropy_composite`]`(x.matmul(wᵀ), targets, None, ignore_index)`
@@ -200,22 +204,26 @@ pub fn linear_cross_entropy_composite<'a>(
 ) -> Result<Tensor> {
     let targets = targets.into();
     let op = "linear_cross_entropy_composite";
-    let (_, c, v) = check(op, x, w, targets.tensor())?;
-    let host = targets.host(op)?;
-    check_targets(op, &host, v, ignore_index)?;
+    let (logits, host) = composite_logits(op, x, w, &targets, ignore_index)?;
     let targets = Targets::new(targets.tensor()).with_host(&host);
-    let logits = x.reshape(((), c))?.matmul(&w.t()?)?;
     let mut dims = targets.tensor().dims().to_vec();
-    dims.push(v);
+    dims.push(logits.dim(1)?);
     cross_entropy_composite(&logits.reshape(dims)?, targets, None, ignore_index)
 }
 
-pub(crate) fn acc_dtype(dt: DType) -> DType {
-    if dt == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
+/// The checks of the composite forms, then the whole `[N, V]` logits `x wᵀ` (input dtype) and
+/// the targets' host copy.
+fn composite_logits<'a>(
+    op: &str,
+    x: &Tensor,
+    w: &Tensor,
+    targets: &Targets<'a>,
+    ignore_index: Option<u32>,
+) -> Result<(Tensor, Cow<'a, [u32]>)> {
+    let (_, c, v) = check(op, x, w, targets.tensor())?;
+    let host = targets.host(op)?;
+    check_targets(op, &host, v, ignore_index)?;
+    Ok((x.reshape(((), c))?.matmul(&w.t()?)?, host))
 }
 
 /// `(N, C, V)` after checking dtypes, shapes and devices.
@@ -262,33 +270,22 @@ fn check(op: &str, x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<(usize, u
     Ok((lead.iter().product(), c, v))
 }
 
-/// Errors on a target `>= v` that is not `ignore`.
-fn check_targets(op: &str, targets: &[u32], v: usize, ignore: Option<u32>) -> Result<()> {
-    let bad = targets
-        .iter()
-        .enumerate()
-        .find(|&(_, &t)| Some(t) != ignore && t as usize >= v);
-    if let Some((i, t)) = bad {
-        bail!(
-            "{op}: target {t} (row {i}) is out of range for {v} classes{}",
-            match ignore {
-                Some(ig) => format!(" and is not ignore_index {ig}"),
-                None => String::new(),
-            }
-        )
-    }
-    Ok(())
-}
-
-fn run(
+/// The public forms' op: the loss of each row of `targets`' shape (`per_token`), else their
+/// mean over the counted rows.
+fn run<'a>(
     name: &str,
     x: &Tensor,
     w: &Tensor,
-    targets: &Targets<'_>,
+    targets: impl Into<Targets<'a>>,
     ignore: Option<u32>,
     chunk: Option<usize>,
+    per_token: bool,
 ) -> Result<Tensor> {
-    let (op, x) = LceOp::new(name, x, w, targets, ignore, chunk, true)?;
+    let targets = targets.into();
+    let (op, x) = LceOp::new(name, x, w, &targets, ignore, chunk, !per_token)?;
+    if per_token {
+        return per_token::run(op, x, w, targets.tensor().shape().clone());
+    }
     let (n, c) = (op.n, op.c);
     if cpu::has_kernel(&x) {
         return op::apply(op, &[&x, w], None, None);
@@ -318,6 +315,9 @@ impl LceOp {
         chunk: Option<usize>,
         mean: bool,
     ) -> Result<(Self, Tensor)> {
+        if chunk == Some(0) {
+            bail!("{name}: chunk_rows must be at least 1")
+        }
         let (n, c, v) = check(name, x, w, targets.tensor())?;
         let targets = targets.host(name)?.into_owned();
         check_targets(name, &targets, v, ignore)?;

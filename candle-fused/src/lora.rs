@@ -214,13 +214,7 @@ pub(crate) fn check_adapter(
         );
     }
     for (name, t) in [("a (lora_A)", a), ("b (lora_B)", b)] {
-        if t.dtype() != x.dtype() {
-            bail!(
-                "candle-fused {op}: {name} dtype {:?} differs from input {:?}",
-                t.dtype(),
-                x.dtype()
-            );
-        }
+        linear::check_input_dtype(op, name, t, x)?;
         if !t.device().same_device(x.device()) {
             bail!("candle-fused {op}: {name} and input are on different devices");
         }

@@ -27,9 +27,9 @@ mod kernel;
 
 use crate::cpu::{self, Elem};
 use crate::cuda_kernels::{self, triton_for, triton_input};
-use crate::op::{self, cpu_of, Grads, In, Kernel, Saved};
+use crate::op::{self, acc_dtype, check_like, cpu_of, Grads, In, Kernel, Saved};
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, DType, Result, Shape, Tensor, D};
+use candle_core::{bail, CpuStorage, Result, Shape, Tensor, D};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Kind {
@@ -115,14 +115,6 @@ pub fn rms_norm_composite(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(composite(x, w, None, eps, Kind::Rms)?.0)
 }
 
-fn acc_dtype(dt: DType) -> DType {
-    if dt == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 fn check(op: &str, x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<()> {
     if !x.dtype().is_float() {
         bail!("{op}: x must be a float tensor, got {:?}", x.dtype())
@@ -142,16 +134,7 @@ fn check(op: &str, x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Resu
                 t.shape()
             )
         }
-        if t.dtype() != x.dtype() {
-            bail!(
-                "{op}: {name} has dtype {:?}, x has {:?}",
-                t.dtype(),
-                x.dtype()
-            )
-        }
-        if !t.device().same_device(x.device()) {
-            bail!("{op}: {name} and x are on different devices")
-        }
+        check_like(op, (name, t), ("x", x))?;
     }
     if !(eps.is_finite() && eps >= 0.0) {
         bail!("{op}: eps must be finite and >= 0, got {eps}")

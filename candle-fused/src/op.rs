@@ -19,8 +19,8 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    bail, CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, Layout, MetalStorage, Result,
-    Shape, Storage, Tensor,
+    bail, CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, MetalStorage,
+    Result, Shape, Storage, Tensor,
 };
 use std::sync::Mutex;
 
@@ -254,5 +254,32 @@ pub(crate) fn cpu_of(s: &Storage) -> Result<&CpuStorage> {
     match s {
         Storage::Cpu(c) => Ok(c),
         _ => bail!("candle-fused: expected a CPU tensor"),
+    }
+}
+
+/// Errors unless `t` (called `name`) has the dtype and the device of `x` (called `x_name`), the
+/// messages starting with `op`.
+pub(crate) fn check_like(
+    op: &str,
+    (name, t): (&str, &Tensor),
+    (x_name, x): (&str, &Tensor),
+) -> Result<()> {
+    let (dt, dx) = (t.dtype(), x.dtype());
+    if dt != dx {
+        bail!("{op}: {name} has dtype {dt:?}, {x_name} has {dx:?}")
+    }
+    if !t.device().same_device(x.device()) {
+        bail!("{op}: {name} and {x_name} are on different devices")
+    }
+    Ok(())
+}
+
+/// The dtype the kernels and composite forms sum in for compute dtype `dt`: f64 for f64, else
+/// f32 (16-bit inputs widen).
+pub(crate) fn acc_dtype(dt: DType) -> DType {
+    if dt == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
     }
 }

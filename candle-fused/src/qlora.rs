@@ -31,7 +31,7 @@ use candle_core::{bail, DType, Result, Tensor};
 
 use crate::dropout;
 use crate::nf4::Nf4Weight;
-use crate::op::{self, Grads, In, Kernel};
+use crate::op::{self, acc_dtype, Grads, In, Kernel};
 use crate::philox::RngKey;
 
 /// The most weight values dequantized at a time (one tile of rows, 1 MiB in f32).
@@ -158,14 +158,6 @@ fn check(x: &Tensor, w: &Nf4Weight, bias: Option<&Tensor>) -> Result<(usize, usi
         }
     }
     Ok((n_in, n_out))
-}
-
-/// The type sums run in for compute dtype `d`.
-fn acc_dtype(d: DType) -> DType {
-    match d {
-        DType::F64 => DType::F64,
-        _ => DType::F32,
-    }
 }
 
 /// The op on `x`; holds the frozen 4-bit weight.

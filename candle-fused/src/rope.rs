@@ -48,7 +48,7 @@ mod kernel;
 
 use crate::cpu::{self, Elem};
 use crate::cuda_kernels::{triton_for, triton_input};
-use crate::op::{self, Grads, In, Kernel};
+use crate::op::{self, acc_dtype, Grads, In, Kernel};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 use kernel::{Geom, XView};
@@ -196,14 +196,6 @@ pub fn rope_tables(positions: &Tensor, inv_freq: &Tensor) -> Result<(Tensor, Ten
         .unsqueeze(D::Minus1)?;
     let freqs = p.broadcast_mul(&inv_freq.detach())?;
     Ok((freqs.cos()?, freqs.sin()?))
-}
-
-fn acc_dtype(dt: DType) -> DType {
-    if dt == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
 }
 
 /// Checks the arguments; returns the sizes (the tables' batch stride in elements, 0 when

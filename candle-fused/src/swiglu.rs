@@ -33,10 +33,10 @@ mod cuda;
 use crate::cpu::{self, Elem, Real};
 use crate::cuda_kernels::{triton_flat, triton_input};
 use crate::gelu::FastMath;
-use crate::op::{self, Grads, In, Kernel};
+use crate::op::{self, acc_dtype, check_like, Grads, In, Kernel};
 use crate::pool::Shared;
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{bail, CpuStorage, Layout, Result, Shape, Tensor, D};
 
 /// SwiGLU: `silu(gate) * up` elementwise (`silu(g) = g / (1 + e^-g)`), `gate` and `up` of one
 /// shape, dtype and device, any strides (e.g. the two halves of one packed `[.., 2I]`
@@ -96,14 +96,6 @@ pub fn swiglu_composite(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     composite(gate, up)
 }
 
-fn acc_dtype(dt: DType) -> DType {
-    if dt == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 fn check(op: &str, gate: &Tensor, up: &Tensor) -> Result<()> {
     if !gate.dtype().is_float() {
         bail!("{op}: gate must be a float tensor, got {:?}", gate.dtype())
@@ -115,17 +107,7 @@ fn check(op: &str, gate: &Tensor, up: &Tensor) -> Result<()> {
             up.shape()
         )
     }
-    if gate.dtype() != up.dtype() {
-        bail!(
-            "{op}: gate has dtype {:?}, up has {:?}",
-            gate.dtype(),
-            up.dtype()
-        )
-    }
-    if !gate.device().same_device(up.device()) {
-        bail!("{op}: gate and up are on different devices")
-    }
-    Ok(())
+    check_like(op, ("gate", gate), ("up", up))
 }
 
 /// `silu(gate) * up` from plain ops, in f32 for 16-bit inputs.

@@ -154,13 +154,5 @@ pub fn sum_of_squares_multi(ts: &[&Tensor]) -> Result<Option<Tensor>> {
     {
         return Ok(Some(super::cuda::sum_of_squares_multi(ts)?));
     }
-    let mut total: Option<Tensor> = None;
-    for t in ts {
-        let s = sum_of_squares(t)?;
-        total = Some(match total {
-            None => s,
-            Some(acc) => (acc + s)?,
-        });
-    }
-    Ok(total)
+    super::sum_in_order(ts, sum_of_squares)
 }

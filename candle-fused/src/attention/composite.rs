@@ -1,7 +1,8 @@
 //! The composite (plain Candle ops) reference and the fallback path of [`super`].
 
-use super::config::{acc_dtype, check_bhtd, check_qkv, resolve, Resolved};
+use super::config::{check_bhtd, check_qkv, resolve, Resolved};
 use super::AttentionConfig;
+use crate::op::acc_dtype;
 use candle_core::{DType, Device, Result, Tensor, D};
 
 /// `[Tq, Tk]` additive causal mask (0 / -inf) of `dtype`: query `i` (absolute position

@@ -1,5 +1,6 @@
 //! The options of [`super`] ([`AttentionConfig`]) and their checks against the inputs' shapes.
 
+use crate::op::acc_dtype;
 use crate::RngKey;
 use candle_core::{bail, DType, Result, Tensor};
 use std::collections::HashMap;
@@ -211,14 +212,6 @@ pub(super) struct Resolved {
     pub window: Option<usize>,
     pub doc_ids: Option<Tensor>,
     pub host_docs: Option<Arc<HostDocs>>,
-}
-
-pub(super) fn acc_dtype(dt: DType) -> DType {
-    if dt == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
 }
 
 /// Checks `cfg` against a call of op `name` with batch `b`, head dim `d`, `tq` queries and

@@ -194,10 +194,9 @@ fn bwd(
     let tensors = vec![read(o), read(dout), Buf::write(&mut delta)];
     launch_first(&builds.delta, dt, tensors, &[])?;
     let cfg = scalars(g, r);
-    let (dk, dv) = if need_kv {
-        let mut dk = Output::new(dev, (g.b, g.kvh, g.tk, g.d), dt)?;
-        let mut dv = Output::new(dev, (g.b, g.kvh, g.tk, g.d), dt)?;
-        let tensors = vec![
+    // what both kernels read, in their argument order (their outputs follow)
+    let reads = || -> Result<Vec<_>> {
+        Ok(vec![
             read(q),
             read(k),
             read(v),
@@ -205,9 +204,13 @@ fn bwd(
             read(dout),
             read(lse),
             Buf::read_output(&delta),
-            Buf::write(&mut dk),
-            Buf::write(&mut dv),
-        ];
+        ])
+    };
+    let (dk, dv) = if need_kv {
+        let mut dk = Output::new(dev, (g.b, g.kvh, g.tk, g.d), dt)?;
+        let mut dv = Output::new(dev, (g.b, g.kvh, g.tk, g.d), dt)?;
+        let mut tensors = reads()?;
+        tensors.extend([Buf::write(&mut dk), Buf::write(&mut dv)]);
         launch_first(&builds.dkdv, dt, tensors, &cfg)?;
         (Some(dk.into_tensor()), Some(dv.into_tensor()))
     } else {
@@ -215,16 +218,8 @@ fn bwd(
     };
     let dq = if need_q {
         let mut dq = Output::new(dev, (g.b, g.h, g.tq, g.d), dt)?;
-        let tensors = vec![
-            read(q),
-            read(k),
-            read(v),
-            read_doc()?,
-            read(dout),
-            read(lse),
-            Buf::read_output(&delta),
-            Buf::write(&mut dq),
-        ];
+        let mut tensors = reads()?;
+        tensors.push(Buf::write(&mut dq));
         launch_first(&builds.dq, dt, tensors, &cfg)?;
         Some(dq.into_tensor())
     } else {

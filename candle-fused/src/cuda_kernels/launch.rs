@@ -119,6 +119,17 @@ impl Output {
         Ok(out)
     }
 
+    /// The ordered sum of the rows of this `[P, C]` buffer of partial sums (f32) into a fresh
+    /// `[C]` tensor of `dtype`, by the reduction kernel `entry` (no atomics: the same bits on
+    /// every run).
+    pub(crate) fn reduce_rows(&self, entry: &str, dtype: DType) -> Result<Tensor> {
+        let (_, c) = self.shape.dims2()?;
+        let mut out = Self::new(self.storage.device(), c, dtype)?;
+        let tensors = vec![Buf::read_output(self), Buf::write(&mut out)];
+        launch(entry, dtype, tensors, &[])?;
+        Ok(out.into_tensor())
+    }
+
     /// As a tensor outside any graph (a saved statistic, a gradient).
     pub(crate) fn into_tensor(self) -> Tensor {
         Tensor::from_storage(

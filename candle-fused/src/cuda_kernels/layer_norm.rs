@@ -9,19 +9,16 @@
 
 use super::{KernelSpec, Rule};
 
-/// The largest row a program holds (`BLOCK_C` of the forward and `dx` kernels).
-pub const BLOCK_C: usize = 4096;
-/// Rows per program of the `dx` kernels (`ROWS_PER_PROGRAM`): `DW_PARTIAL` and `DB_PARTIAL`
-/// have `cdiv(N, ROWS_PER_PROGRAM)` rows.
-pub const ROWS_PER_PROGRAM: usize = 32;
+/// The row tiling is RMSNorm's (`triton/layer_norm.py` and `triton/rms_norm.py` use the same
+/// block sizes; the launch audit checks each against its own source): the largest row a
+/// program holds (`BLOCK_C` of the forward and `dx` kernels) and the rows per program of the
+/// `dx` kernels (`ROWS_PER_PROGRAM`: `DW_PARTIAL` and `DB_PARTIAL` have
+/// `cdiv(N, ROWS_PER_PROGRAM)` rows).
+pub use super::rms_norm::{BLOCK_C, ROWS_PER_PROGRAM};
+use super::rms_norm::{DX_RULES, ROW_TILE};
+
 /// Columns per program of `layer_norm_bwd_reduce` (its `BLOCK_C`).
 pub const REDUCE_BLOCK_C: usize = 256;
-
-const ROW_TILE: &[Rule] = &[Rule::AtMost("C", BLOCK_C)];
-const DX_RULES: &[Rule] = &[
-    Rule::AtMost("C", BLOCK_C),
-    Rule::Cdiv("P", &["N"], ROWS_PER_PROGRAM),
-];
 
 /// The [`Rule`]s of each entry; the rest of its launch table is generated from its
 /// metadata (`kernels/*.json`) by `build.rs`.

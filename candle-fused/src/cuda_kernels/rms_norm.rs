@@ -11,8 +11,10 @@ pub const ROWS_PER_PROGRAM: usize = 32;
 /// Columns per program of `rms_norm_bwd_dw` (its `BLOCK_C`).
 pub const DW_BLOCK_C: usize = 256;
 
-const ROW_TILE: &[Rule] = &[Rule::AtMost("C", BLOCK_C)];
-const DX_RULES: &[Rule] = &[
+/// The rules of the one-row-per-program kernels (also LayerNorm's).
+pub(super) const ROW_TILE: &[Rule] = &[Rule::AtMost("C", BLOCK_C)];
+/// The rules of the `dx` kernels that also write partial sums (also LayerNorm's).
+pub(super) const DX_RULES: &[Rule] = &[
     Rule::AtMost("C", BLOCK_C),
     Rule::Cdiv("P", &["N"], ROWS_PER_PROGRAM),
 ];

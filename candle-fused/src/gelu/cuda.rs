@@ -83,13 +83,8 @@ pub(super) fn bwd(
         Buf::write(&mut db_partial),
     ];
     launch("bias_gelu_bwd_dx", dt, tensors, &[])?;
-    let db = if need_b {
-        let mut db = Output::new(dev, c, dt)?;
-        let tensors = vec![Buf::read_output(&db_partial), Buf::write(&mut db)];
-        launch("bias_gelu_bwd_db", dt, tensors, &[])?;
-        Some(db.into_tensor())
-    } else {
-        None
-    };
+    let db = need_b
+        .then(|| db_partial.reduce_rows("bias_gelu_bwd_db", dt))
+        .transpose()?;
     Ok([need_x.then(|| dx.into_tensor()), db, None])
 }

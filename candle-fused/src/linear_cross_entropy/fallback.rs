@@ -4,8 +4,8 @@
 
 use candle_core::{Result, Tensor};
 
-use super::acc_dtype;
 use super::kernel::Pass;
+use crate::op::acc_dtype;
 
 /// What a pass on a device gives back: the counted rows' losses stay on the device.
 pub(super) struct DeviceOut {

@@ -23,11 +23,11 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor, D};
 
 use super::fallback::RowGrad;
-use super::{acc_dtype, check, check_targets, kernel, LceOp};
+use super::{composite_logits, kernel, LceOp};
 use crate::cpu;
 use crate::host::Targets;
 use crate::linear::strided;
-use crate::op::{self, cpu_of, Grads, In, Kernel};
+use crate::op::{self, acc_dtype, cpu_of, Grads, In, Kernel};
 
 /// The loss of each row of `x Wᵀ` against `targets` (shapes and layout as
 /// [`linear_cross_entropy`](super::linear_cross_entropy)): a tensor of the targets' shape in
@@ -68,15 +68,8 @@ pub fn linear_cross_entropy_per_token<'a>(
     targets: impl Into<Targets<'a>>,
     ignore_index: Option<u32>,
 ) -> Result<Tensor> {
-    let targets = targets.into();
-    run(
-        "linear_cross_entropy_per_token",
-        x,
-        w,
-        &targets,
-        ignore_index,
-        None,
-    )
+    let op = "linear_cross_entropy_per_token";
+    super::run(op, x, w, targets, ignore_index, None, true)
 }
 
 /// [`linear_cross_entropy_per_token`] with `chunk_rows` (at least 1) counted rows per chunk
@@ -101,12 +94,8 @@ pub fn linear_cross_entropy_per_token_chunked<'a>(
     ignore_index: Option<u32>,
     chunk_rows: usize,
 ) -> Result<Tensor> {
-    let targets = targets.into();
     let op = "linear_cross_entropy_per_token_chunked";
-    if chunk_rows == 0 {
-        candle_core::bail!("{op}: chunk_rows must be at least 1")
-    }
-    run(op, x, w, &targets, ignore_index, Some(chunk_rows))
+    super::run(op, x, w, targets, ignore_index, Some(chunk_rows), true)
 }
 
 /// The reference of [`linear_cross_entropy_per_token`] from plain differentiable Candle ops:
@@ -131,11 +120,11 @@ pub fn linear_cross_entropy_per_token_composite<'a>(
 ) -> Result<Tensor> {
     let targets = targets.into();
     let op = "linear_cross_entropy_per_token_composite";
-    let (_, c, v) = check(op, x, w, targets.tensor())?;
-    check_targets(op, &targets.host(op)?, v, ignore_index)?;
-    let targets = targets.tensor();
     let acc = acc_dtype(x.dtype());
-    let logits = x.reshape(((), c))?.matmul(&w.t()?)?.to_dtype(acc)?;
+    let logits = composite_logits(op, x, w, &targets, ignore_index)?
+        .0
+        .to_dtype(acc)?;
+    let targets = targets.tensor();
     let t = targets.flatten_all()?;
     let (t, keep) = match ignore_index {
         Some(ig) => {
@@ -153,19 +142,13 @@ pub fn linear_cross_entropy_per_token_composite<'a>(
     nll.reshape(targets.shape())
 }
 
-fn run(
-    name: &str,
-    x: &Tensor,
-    w: &Tensor,
-    targets: &Targets<'_>,
-    ignore: Option<u32>,
-    chunk: Option<usize>,
-) -> Result<Tensor> {
-    let (base, x) = LceOp::new(name, x, w, targets, ignore, chunk, false)?;
+/// The per-token op for `base` (built without the mean) over `x` (contiguous) and `w`: the
+/// losses in `out_shape` (the targets').
+pub(super) fn run(base: LceOp, x: Tensor, w: &Tensor, out_shape: Shape) -> Result<Tensor> {
     let (n, c) = (base.n, base.c);
     let op = TokensOp {
         base,
-        out_shape: targets.tensor().shape().clone(),
+        out_shape,
         lse: Mutex::new(None),
     };
     if cpu::has_kernel(&x) {

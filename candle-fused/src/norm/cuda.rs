@@ -68,14 +68,9 @@ pub(super) fn rms_bwd(
         ];
         launch("rms_norm_bwd_dx", dt, tensors, &[])?;
     }
-    let dw = if need_w {
-        let mut dw = Output::new(dev, c, dt)?;
-        let tensors = vec![Buf::read_output(&dw_partial), Buf::write(&mut dw)];
-        launch("rms_norm_bwd_dw", dt, tensors, &[])?;
-        Some(dw.into_tensor())
-    } else {
-        None
-    };
+    let dw = need_w
+        .then(|| dw_partial.reduce_rows("rms_norm_bwd_dw", dt))
+        .transpose()?;
     Ok([need_x.then(|| dx.into_tensor()), dw, None])
 }
 
@@ -163,16 +158,12 @@ pub(super) fn layer_bwd(
         };
         launch(entry, dt, tensors, &[])?;
     }
-    // `[C]` in x's dtype: the ordered sum of a `[P, C]` partial buffer
-    let reduce = |partial: &Output| -> Result<Tensor> {
-        let mut out = Output::new(dev, c, dt)?;
-        let tensors = vec![Buf::read_output(partial), Buf::write(&mut out)];
-        launch("layer_norm_bwd_reduce", dt, tensors, &[])?;
-        Ok(out.into_tensor())
-    };
-    let dw = need_w.then(|| reduce(&dw_partial)).transpose()?;
+    let reduce = "layer_norm_bwd_reduce";
+    let dw = need_w
+        .then(|| dw_partial.reduce_rows(reduce, dt))
+        .transpose()?;
     let db = match &db_partial {
-        Some(partial) if need_b => Some(reduce(partial)?),
+        Some(partial) if need_b => Some(partial.reduce_rows(reduce, dt)?),
         _ => None,
     };
     Ok([need_x.then(|| dx.into_tensor()), dw, db])
