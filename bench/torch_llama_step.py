@@ -42,7 +42,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_protocol  # noqa: E402
-from torch_common import matmul_ceiling, peak_step_bytes  # noqa: E402
+from torch_common import adamw, matmul_ceiling, peak_step_bytes  # noqa: E402
 
 CASES = {
     "smollm2-135m": dict(
@@ -122,13 +122,7 @@ def run_case(name, args):
     model = LlamaForCausalLM(cfg).to(torch.float32)
     model.train()
     block, batch = case["block"], case["batch"]
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-3,
-        betas=(0.9, 0.95),
-    )
+    opt = adamw(torch, model, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(1)
     vocab = cfg.vocab_size
 
