@@ -39,6 +39,30 @@ use crate::host::{
 /// Default time a rank waits for an MPI operation before aborting the job.
 pub const DEFAULT_MPI_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// A collective over all ranks from the host slice `$buf` into a new buffer of `$n` elements of
+/// its type: `$start` (with `$sc` the request scope, `$v` the slice, `$r` the new buffer) starts
+/// the request, which `$comm` completes (or aborts the job); gives the [`HostBuf`].
+macro_rules! all_ranks_into {
+    ($comm:expr, $what:expr, $buf:expr, $n:expr, |$sc:ident, $v:ident, $r:ident| $start:expr) => {
+        match $buf {
+            HostSlice::F32($v) => {
+                HostBuf::F32(all_ranks_into!(@run $comm, $what, 0f32, $n, |$sc, $r| $start))
+            }
+            HostSlice::F64($v) => {
+                HostBuf::F64(all_ranks_into!(@run $comm, $what, 0f64, $n, |$sc, $r| $start))
+            }
+        }
+    };
+    (@run $comm:expr, $what:expr, $zero:expr, $n:expr, |$sc:ident, $r:ident| $start:expr) => {{
+        let mut $r = vec![$zero; $n];
+        mpi::request::scope(|$sc| {
+            let req = $start;
+            $comm.complete(req, $what, "all ranks");
+        });
+        $r
+    }};
+}
+
 /// Exit code passed to `MPI_Abort`.
 const ABORT_CODE: i32 = 3;
 
@@ -269,24 +293,9 @@ impl MpiComm {
     /// All-reduce of host elements into a new buffer (divided by the world size for Mean).
     fn reduce_host(&self, buf: HostSlice<'_>, op: ReduceOp, what: Op) -> HostBuf {
         let sys = system_op(op);
-        let mut out = match buf {
-            HostSlice::F32(v) => {
-                let mut r = vec![0f32; v.len()];
-                mpi::request::scope(|sc| {
-                    let req = self.comm.immediate_all_reduce_into(sc, v, &mut r[..], sys);
-                    self.complete(req, what, "all ranks");
-                });
-                HostBuf::F32(r)
-            }
-            HostSlice::F64(v) => {
-                let mut r = vec![0f64; v.len()];
-                mpi::request::scope(|sc| {
-                    let req = self.comm.immediate_all_reduce_into(sc, v, &mut r[..], sys);
-                    self.complete(req, what, "all ranks");
-                });
-                HostBuf::F64(r)
-            }
-        };
+        let mut out = all_ranks_into!(self, what, buf, v.len(), |sc, v, r| {
+            self.comm.immediate_all_reduce_into(sc, v, &mut r[..], sys)
+        });
         out.finish(op, self.size);
         out
     }
@@ -355,27 +364,11 @@ impl MpiComm {
         let rows = scatter_rows(self.rank, self.size, tensor)?;
         let block = tensor.elem_count() / self.size;
         let sys = system_op(op);
-        let mut out = with_host(tensor, self.rank, what, |buf| match buf {
-            HostSlice::F32(v) => {
-                let mut r = vec![0f32; block];
-                mpi::request::scope(|sc| {
-                    let req = self
-                        .comm
-                        .immediate_reduce_scatter_block_into(sc, v, &mut r[..], sys);
-                    self.complete(req, what, "all ranks");
-                });
-                HostBuf::F32(r)
-            }
-            HostSlice::F64(v) => {
-                let mut r = vec![0f64; block];
-                mpi::request::scope(|sc| {
-                    let req = self
-                        .comm
-                        .immediate_reduce_scatter_block_into(sc, v, &mut r[..], sys);
-                    self.complete(req, what, "all ranks");
-                });
-                HostBuf::F64(r)
-            }
+        let mut out = with_host(tensor, self.rank, what, |buf| {
+            all_ranks_into!(self, what, buf, block, |sc, v, r| {
+                self.comm
+                    .immediate_reduce_scatter_block_into(sc, v, &mut r[..], sys)
+            })
         })?;
         out.finish(op, self.size);
         let mut dims = tensor.dims().to_vec();
@@ -386,23 +379,10 @@ impl MpiComm {
     fn raw_all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
         let what = Op::AllGather;
         let n = tensor.elem_count() * self.size;
-        let out = with_host(tensor, self.rank, what, |buf| match buf {
-            HostSlice::F32(v) => {
-                let mut r = vec![0f32; n];
-                mpi::request::scope(|sc| {
-                    let req = self.comm.immediate_all_gather_into(sc, v, &mut r[..]);
-                    self.complete(req, what, "all ranks");
-                });
-                HostBuf::F32(r)
-            }
-            HostSlice::F64(v) => {
-                let mut r = vec![0f64; n];
-                mpi::request::scope(|sc| {
-                    let req = self.comm.immediate_all_gather_into(sc, v, &mut r[..]);
-                    self.complete(req, what, "all ranks");
-                });
-                HostBuf::F64(r)
-            }
+        let out = with_host(tensor, self.rank, what, |buf| {
+            all_ranks_into!(self, what, buf, n, |sc, v, r| {
+                self.comm.immediate_all_gather_into(sc, v, &mut r[..])
+            })
         })?;
         let dims = gathered_shape(tensor.dims(), self.size);
         unstage(out, dims, tensor.dtype(), tensor.device(), self.rank, what)
