@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use mpi::collective::SystemOperation;
+use mpi::datatype::Equivalence;
 use mpi::request::{Request, Scope, StaticScope};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Root, Source};
@@ -99,10 +100,13 @@ pub struct MpiComm {
 /// eager limit. Completed sends are reaped at every later call, and all of them before MPI is
 /// finalised; one that stays pending past the timeout aborts the job like any other wait.
 enum InFlight {
-    Header(Request<'static, [u64], StaticScope>, *mut [u64], Instant),
-    F32(Request<'static, [f32], StaticScope>, *mut [f32], Instant),
-    F64(Request<'static, [f64], StaticScope>, *mut [f64], Instant),
+    Header(PendingSend<u64>, *mut [u64], Instant),
+    F32(PendingSend<f32>, *mut [f32], Instant),
+    F64(PendingSend<f64>, *mut [f64], Instant),
 }
+
+/// The request of a send that reads a buffer made by [`leak`].
+type PendingSend<T> = Request<'static, [T], StaticScope>;
 
 impl InFlight {
     /// `None` once the send is complete (its buffer freed), else the send itself.
@@ -140,6 +144,19 @@ fn leak<T: Copy>(data: &[T]) -> (&'static [T], *mut [T]) {
     // SAFETY: `ptr` comes from `Box::into_raw` and is freed only by `reclaim`, after MPI has
     // completed the one request that reads it.
     (unsafe { &*ptr }, ptr)
+}
+
+/// Starts sending a copy of `data` (made by [`leak`]) to `to` without waiting: the [`InFlight`]
+/// of variant `kind` that owns the request and the copy.
+fn send_copy<T: Equivalence + Copy, D: Destination>(
+    to: &D,
+    data: &[T],
+    tag: i32,
+    now: Instant,
+    kind: fn(PendingSend<T>, *mut [T], Instant) -> InFlight,
+) -> InFlight {
+    let (d, dp) = leak(data);
+    kind(to.immediate_send_with_tag(StaticScope, d, tag), dp, now)
 }
 
 /// Frees a buffer made by [`leak`].
@@ -437,29 +454,12 @@ impl MpiComm {
         crate::host::wire_dtype(tensor.dtype(), self.rank, what)?;
         self.reap(false);
         let now = Instant::now();
-        let (h, hp) = leak(&header[..]);
-        let req = process.immediate_send_with_tag(StaticScope, h, tag);
-        self.in_flight
-            .borrow_mut()
-            .push(InFlight::Header(req, hp, now));
+        let sent = send_copy(&process, &header[..], tag, now, InFlight::Header);
+        self.in_flight.borrow_mut().push(sent);
         with_host(tensor, self.rank, what, |buf| {
             let sent = match buf {
-                HostSlice::F32(v) => {
-                    let (d, dp) = leak(v);
-                    InFlight::F32(
-                        process.immediate_send_with_tag(StaticScope, d, tag),
-                        dp,
-                        now,
-                    )
-                }
-                HostSlice::F64(v) => {
-                    let (d, dp) = leak(v);
-                    InFlight::F64(
-                        process.immediate_send_with_tag(StaticScope, d, tag),
-                        dp,
-                        now,
-                    )
-                }
+                HostSlice::F32(v) => send_copy(&process, v, tag, now, InFlight::F32),
+                HostSlice::F64(v) => send_copy(&process, v, tag, now, InFlight::F64),
             };
             self.in_flight.borrow_mut().push(sent);
         })
