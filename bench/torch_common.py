@@ -1,5 +1,5 @@
-"""What the PyTorch reference benches share: the f32 matmul ceiling and the peak of live tensor
-bytes during one step. Torch is passed in or imported where used, so that a bench can measure its
+"""What the PyTorch reference benches share: the f32 matmul ceiling, the optimiser and the peak of
+live tensor bytes during one step. Torch is passed in or imported where used, so that a bench can measure its
 memory before torch loads.
 """
 import json
@@ -17,6 +17,18 @@ def matmul_ceiling(torch):
         if i:
             best = min(best, time.perf_counter() - s)
     return 2 * 1024**3 / best
+
+
+def adamw(torch, model, betas):
+    """AdamW at lr 1e-3 with weight decay 0.1 on the matrices (parameters of 2+ dimensions) and
+    none on the rest (biases, norm scales)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-3,
+        betas=betas,
+    )
 
 
 def peak_step_bytes(step):

@@ -42,40 +42,30 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_protocol  # noqa: E402
-from torch_common import matmul_ceiling, peak_step_bytes  # noqa: E402
+from torch_common import adamw, matmul_ceiling, peak_step_bytes  # noqa: E402
+
+
+def llama_case(rope_theta, block, batch, **cfg):
+    """A case: the LlamaConfig arguments `cfg` plus what both models share (RMSNorm eps 1e-5,
+    default RoPE of base `rope_theta`, 2048 positions), and the step's block and batch."""
+    shared = dict(
+        rms_norm_eps=1e-5,
+        rope_parameters=dict(rope_type="default", rope_theta=rope_theta),
+        max_position_embeddings=2048,
+    )
+    return dict(cfg={**cfg, **shared}, block=block, batch=batch)
+
 
 CASES = {
-    "smollm2-135m": dict(
-        cfg=dict(
-            vocab_size=49152,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_hidden_layers=30,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            tie_word_embeddings=True,
-            rms_norm_eps=1e-5,
-            rope_parameters=dict(rope_type="default", rope_theta=100000.0),
-            max_position_embeddings=2048,
-        ),
-        block=256,
-        batch=4,
+    "smollm2-135m": llama_case(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+        rope_theta=100000.0, block=256, batch=4,
     ),
-    "llama-small": dict(
-        cfg=dict(
-            vocab_size=8192,
-            hidden_size=256,
-            intermediate_size=704,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-            rms_norm_eps=1e-5,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-            max_position_embeddings=2048,
-        ),
-        block=256,
-        batch=8,
+    "llama-small": llama_case(
+        vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
+        rope_theta=10000.0, block=256, batch=8,
     ),
 }
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::addbmm"}
@@ -122,13 +112,7 @@ def run_case(name, args):
     model = LlamaForCausalLM(cfg).to(torch.float32)
     model.train()
     block, batch = case["block"], case["batch"]
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-3,
-        betas=(0.9, 0.95),
-    )
+    opt = adamw(torch, model, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(1)
     vocab = cfg.vocab_size
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_protocol  # noqa: E402
-from torch_common import matmul_ceiling, peak_step_bytes  # noqa: E402
+from torch_common import adamw, matmul_ceiling, peak_step_bytes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "data", "tinyshakespeare.txt")
@@ -131,13 +131,7 @@ def main():
             continue
         data, vocab = load(kind)
         model = GPT(n_layer, n_head, n_embd, block, vocab)
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=1e-3,
-            betas=(0.9, 0.99),
-        )
+        opt = adamw(torch, model, betas=(0.9, 0.99))
         gen = torch.Generator().manual_seed(1)
 
         def step():

@@ -69,6 +69,20 @@ impl Default for ScalerConfig {
     }
 }
 
+/// Builder setters: `name(arg: Type) => field;` is `pub fn name(mut self, arg: Type) -> Self`
+/// setting `field`, with the doc comment written above it.
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident($arg:ident: $ty:ty) => $field:ident;)*) => {
+        $(
+            $(#[$doc])*
+            pub fn $name(mut self, $arg: $ty) -> Self {
+                self.$field = $arg;
+                self
+            }
+        )*
+    };
+}
+
 impl ScalerConfig {
     /// Dynamic scaling with PyTorch `GradScaler` defaults: init `2^16`, growth x2 every 2000
     /// clean steps, backoff x0.5; no hysteresis, scale bounded to `[1, 2^24]`.
@@ -104,58 +118,25 @@ impl ScalerConfig {
         Self::static_scale(1.0)
     }
 
-    /// Sets the initial scale.
-    pub fn init_scale(mut self, scale: f64) -> Self {
-        self.init_scale = scale;
-        self
-    }
-
-    /// Sets the growth factor (must be >= 1).
-    pub fn growth_factor(mut self, factor: f64) -> Self {
-        self.growth_factor = factor;
-        self
-    }
-
-    /// Sets the backoff factor (must be in `(0, 1)`).
-    pub fn backoff_factor(mut self, factor: f64) -> Self {
-        self.backoff_factor = factor;
-        self
-    }
-
-    /// Sets the number of clean steps between growths (must be >= 1).
-    pub fn growth_interval(mut self, steps: u64) -> Self {
-        self.growth_interval = steps;
-        self
-    }
-
-    /// Sets the hysteresis: how many overflows are needed before the scale backs off.
-    pub fn hysteresis(mut self, overflows: u32) -> Self {
-        self.hysteresis = overflows;
-        self
-    }
-
-    /// Sets whether each clean step (rather than each growth) refills the hysteresis.
-    pub fn consecutive_hysteresis(mut self, on: bool) -> Self {
-        self.consecutive_hysteresis = on;
-        self
-    }
-
-    /// Sets the minimum scale.
-    pub fn min_scale(mut self, scale: f64) -> Self {
-        self.min_scale = scale;
-        self
-    }
-
-    /// Sets the maximum scale.
-    pub fn max_scale(mut self, scale: f64) -> Self {
-        self.max_scale = scale;
-        self
-    }
-
-    /// Sets the collapse policy.
-    pub fn collapse_policy(mut self, policy: CollapsePolicy) -> Self {
-        self.collapse = policy;
-        self
+    setters! {
+        /// Sets the initial scale.
+        init_scale(scale: f64) => init_scale;
+        /// Sets the growth factor (must be >= 1).
+        growth_factor(factor: f64) => growth_factor;
+        /// Sets the backoff factor (must be in `(0, 1)`).
+        backoff_factor(factor: f64) => backoff_factor;
+        /// Sets the number of clean steps between growths (must be >= 1).
+        growth_interval(steps: u64) => growth_interval;
+        /// Sets the hysteresis: how many overflows are needed before the scale backs off.
+        hysteresis(overflows: u32) => hysteresis;
+        /// Sets whether each clean step (rather than each growth) refills the hysteresis.
+        consecutive_hysteresis(on: bool) => consecutive_hysteresis;
+        /// Sets the minimum scale.
+        min_scale(scale: f64) => min_scale;
+        /// Sets the maximum scale.
+        max_scale(scale: f64) => max_scale;
+        /// Sets the collapse policy.
+        collapse_policy(policy: CollapsePolicy) => collapse;
     }
 
     /// Checks that the values are usable.

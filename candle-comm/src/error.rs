@@ -172,18 +172,7 @@ pub enum CommError {
 impl CommError {
     /// The rank that observed the error, when known.
     pub fn rank(&self) -> Option<usize> {
-        match self {
-            CommError::Candle { rank, .. }
-            | CommError::UnsupportedDtype { rank, .. }
-            | CommError::InvalidArgument { rank, .. }
-            | CommError::Mismatch { rank, .. }
-            | CommError::PeerFailed { rank, .. }
-            | CommError::Timeout { rank, .. }
-            | CommError::WeightDrift { rank, .. }
-            | CommError::Unsupported { rank, .. } => Some(*rank),
-            CommError::InGroup { source, .. } => source.rank(),
-            CommError::Init { .. } => None,
-        }
+        self.rank_and_op().0
     }
 
     /// The rank of the world (the communicator that was split) that observed the error: for an
@@ -225,17 +214,23 @@ impl CommError {
 
     /// The operation during which the error happened.
     pub fn op(&self) -> Op {
+        self.rank_and_op().1
+    }
+
+    /// [`rank`](CommError::rank) and [`op`](CommError::op): those of the error itself, or of
+    /// [`CommError::InGroup`]'s `source`.
+    fn rank_and_op(&self) -> (Option<usize>, Op) {
         match self {
-            CommError::Candle { op, .. }
-            | CommError::UnsupportedDtype { op, .. }
-            | CommError::InvalidArgument { op, .. }
-            | CommError::Mismatch { op, .. }
-            | CommError::PeerFailed { op, .. }
-            | CommError::Timeout { op, .. }
-            | CommError::WeightDrift { op, .. }
-            | CommError::Unsupported { op, .. }
-            | CommError::Init { op, .. } => *op,
-            CommError::InGroup { source, .. } => source.op(),
+            CommError::Candle { rank, op, .. }
+            | CommError::UnsupportedDtype { rank, op, .. }
+            | CommError::InvalidArgument { rank, op, .. }
+            | CommError::Mismatch { rank, op, .. }
+            | CommError::PeerFailed { rank, op, .. }
+            | CommError::Timeout { rank, op, .. }
+            | CommError::WeightDrift { rank, op, .. }
+            | CommError::Unsupported { rank, op, .. } => (Some(*rank), *op),
+            CommError::Init { op, .. } => (None, *op),
+            CommError::InGroup { source, .. } => source.rank_and_op(),
         }
     }
 }

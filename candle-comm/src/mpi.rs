@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use mpi::collective::SystemOperation;
+use mpi::datatype::Equivalence;
 use mpi::request::{Request, Scope, StaticScope};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Root, Source};
@@ -38,6 +39,30 @@ use crate::host::{
 
 /// Default time a rank waits for an MPI operation before aborting the job.
 pub const DEFAULT_MPI_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A collective over all ranks from the host slice `$buf` into a new buffer of `$n` elements of
+/// its type: `$start` (with `$sc` the request scope, `$v` the slice, `$r` the new buffer) starts
+/// the request, which `$comm` completes (or aborts the job); gives the [`HostBuf`].
+macro_rules! all_ranks_into {
+    ($comm:expr, $what:expr, $buf:expr, $n:expr, |$sc:ident, $v:ident, $r:ident| $start:expr) => {
+        match $buf {
+            HostSlice::F32($v) => {
+                HostBuf::F32(all_ranks_into!(@run $comm, $what, 0f32, $n, |$sc, $r| $start))
+            }
+            HostSlice::F64($v) => {
+                HostBuf::F64(all_ranks_into!(@run $comm, $what, 0f64, $n, |$sc, $r| $start))
+            }
+        }
+    };
+    (@run $comm:expr, $what:expr, $zero:expr, $n:expr, |$sc:ident, $r:ident| $start:expr) => {{
+        let mut $r = vec![$zero; $n];
+        mpi::request::scope(|$sc| {
+            let req = $start;
+            $comm.complete(req, $what, "all ranks");
+        });
+        $r
+    }};
+}
 
 /// Exit code passed to `MPI_Abort`.
 const ABORT_CODE: i32 = 3;
@@ -75,10 +100,13 @@ pub struct MpiComm {
 /// eager limit. Completed sends are reaped at every later call, and all of them before MPI is
 /// finalised; one that stays pending past the timeout aborts the job like any other wait.
 enum InFlight {
-    Header(Request<'static, [u64], StaticScope>, *mut [u64], Instant),
-    F32(Request<'static, [f32], StaticScope>, *mut [f32], Instant),
-    F64(Request<'static, [f64], StaticScope>, *mut [f64], Instant),
+    Header(PendingSend<u64>, *mut [u64], Instant),
+    F32(PendingSend<f32>, *mut [f32], Instant),
+    F64(PendingSend<f64>, *mut [f64], Instant),
 }
+
+/// The request of a send that reads a buffer made by [`leak`].
+type PendingSend<T> = Request<'static, [T], StaticScope>;
 
 impl InFlight {
     /// `None` once the send is complete (its buffer freed), else the send itself.
@@ -116,6 +144,19 @@ fn leak<T: Copy>(data: &[T]) -> (&'static [T], *mut [T]) {
     // SAFETY: `ptr` comes from `Box::into_raw` and is freed only by `reclaim`, after MPI has
     // completed the one request that reads it.
     (unsafe { &*ptr }, ptr)
+}
+
+/// Starts sending a copy of `data` (made by [`leak`]) to `to` without waiting: the [`InFlight`]
+/// of variant `kind` that owns the request and the copy.
+fn send_copy<T: Equivalence + Copy, D: Destination>(
+    to: &D,
+    data: &[T],
+    tag: i32,
+    now: Instant,
+    kind: fn(PendingSend<T>, *mut [T], Instant) -> InFlight,
+) -> InFlight {
+    let (d, dp) = leak(data);
+    kind(to.immediate_send_with_tag(StaticScope, d, tag), dp, now)
 }
 
 /// Frees a buffer made by [`leak`].
@@ -269,24 +310,9 @@ impl MpiComm {
     /// All-reduce of host elements into a new buffer (divided by the world size for Mean).
     fn reduce_host(&self, buf: HostSlice<'_>, op: ReduceOp, what: Op) -> HostBuf {
         let sys = system_op(op);
-        let mut out = match buf {
-            HostSlice::F32(v) => {
-                let mut r = vec![0f32; v.len()];
-                mpi::request::scope(|sc| {
-                    let req = self.comm.immediate_all_reduce_into(sc, v, &mut r[..], sys);
-                    self.complete(req, what, "all ranks");
-                });
-                HostBuf::F32(r)
-            }
-            HostSlice::F64(v) => {
-                let mut r = vec![0f64; v.len()];
-                mpi::request::scope(|sc| {
-                    let req = self.comm.immediate_all_reduce_into(sc, v, &mut r[..], sys);
-                    self.complete(req, what, "all ranks");
-                });
-                HostBuf::F64(r)
-            }
-        };
+        let mut out = all_ranks_into!(self, what, buf, v.len(), |sc, v, r| {
+            self.comm.immediate_all_reduce_into(sc, v, &mut r[..], sys)
+        });
         out.finish(op, self.size);
         out
     }
@@ -355,27 +381,11 @@ impl MpiComm {
         let rows = scatter_rows(self.rank, self.size, tensor)?;
         let block = tensor.elem_count() / self.size;
         let sys = system_op(op);
-        let mut out = with_host(tensor, self.rank, what, |buf| match buf {
-            HostSlice::F32(v) => {
-                let mut r = vec![0f32; block];
-                mpi::request::scope(|sc| {
-                    let req = self
-                        .comm
-                        .immediate_reduce_scatter_block_into(sc, v, &mut r[..], sys);
-                    self.complete(req, what, "all ranks");
-                });
-                HostBuf::F32(r)
-            }
-            HostSlice::F64(v) => {
-                let mut r = vec![0f64; block];
-                mpi::request::scope(|sc| {
-                    let req = self
-                        .comm
-                        .immediate_reduce_scatter_block_into(sc, v, &mut r[..], sys);
-                    self.complete(req, what, "all ranks");
-                });
-                HostBuf::F64(r)
-            }
+        let mut out = with_host(tensor, self.rank, what, |buf| {
+            all_ranks_into!(self, what, buf, block, |sc, v, r| {
+                self.comm
+                    .immediate_reduce_scatter_block_into(sc, v, &mut r[..], sys)
+            })
         })?;
         out.finish(op, self.size);
         let mut dims = tensor.dims().to_vec();
@@ -386,23 +396,10 @@ impl MpiComm {
     fn raw_all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
         let what = Op::AllGather;
         let n = tensor.elem_count() * self.size;
-        let out = with_host(tensor, self.rank, what, |buf| match buf {
-            HostSlice::F32(v) => {
-                let mut r = vec![0f32; n];
-                mpi::request::scope(|sc| {
-                    let req = self.comm.immediate_all_gather_into(sc, v, &mut r[..]);
-                    self.complete(req, what, "all ranks");
-                });
-                HostBuf::F32(r)
-            }
-            HostSlice::F64(v) => {
-                let mut r = vec![0f64; n];
-                mpi::request::scope(|sc| {
-                    let req = self.comm.immediate_all_gather_into(sc, v, &mut r[..]);
-                    self.complete(req, what, "all ranks");
-                });
-                HostBuf::F64(r)
-            }
+        let out = with_host(tensor, self.rank, what, |buf| {
+            all_ranks_into!(self, what, buf, n, |sc, v, r| {
+                self.comm.immediate_all_gather_into(sc, v, &mut r[..])
+            })
         })?;
         let dims = gathered_shape(tensor.dims(), self.size);
         unstage(out, dims, tensor.dtype(), tensor.device(), self.rank, what)
@@ -457,29 +454,12 @@ impl MpiComm {
         crate::host::wire_dtype(tensor.dtype(), self.rank, what)?;
         self.reap(false);
         let now = Instant::now();
-        let (h, hp) = leak(&header[..]);
-        let req = process.immediate_send_with_tag(StaticScope, h, tag);
-        self.in_flight
-            .borrow_mut()
-            .push(InFlight::Header(req, hp, now));
+        let sent = send_copy(&process, &header[..], tag, now, InFlight::Header);
+        self.in_flight.borrow_mut().push(sent);
         with_host(tensor, self.rank, what, |buf| {
             let sent = match buf {
-                HostSlice::F32(v) => {
-                    let (d, dp) = leak(v);
-                    InFlight::F32(
-                        process.immediate_send_with_tag(StaticScope, d, tag),
-                        dp,
-                        now,
-                    )
-                }
-                HostSlice::F64(v) => {
-                    let (d, dp) = leak(v);
-                    InFlight::F64(
-                        process.immediate_send_with_tag(StaticScope, d, tag),
-                        dp,
-                        now,
-                    )
-                }
+                HostSlice::F32(v) => send_copy(&process, v, tag, now, InFlight::F32),
+                HostSlice::F64(v) => send_copy(&process, v, tag, now, InFlight::F64),
             };
             self.in_flight.borrow_mut().push(sent);
         })

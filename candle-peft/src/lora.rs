@@ -16,8 +16,11 @@ type LoraOp = fn(
     &Tensor,
     &Tensor,
     f64,
-    Option<(f32, RngKey)>,
+    Dropout,
 ) -> candle_core::Result<Tensor>;
+
+/// The dropout on the adapter input the fused ops take: rate and key, `None` for none.
+type Dropout = Option<(f32, RngKey)>;
 use crate::LoraConfig;
 
 /// A LoRA adapter: `A [r, in]`, `B [out, r]`, the scaling `s` and the dropout on its input.
@@ -176,11 +179,7 @@ impl Lora {
         key: Option<RngKey>,
         composite: bool,
     ) -> candle_core::Result<Tensor> {
-        let dtype = x.dtype();
-        let (a, b) = (self.a.to_dtype(dtype)?, self.b.to_dtype(dtype)?);
-        let dropout = key
-            .filter(|_| self.dropout > 0.0)
-            .map(|k| (self.dropout, k));
+        let (a, b, dropout) = self.operands(x, key)?;
         let op = match composite {
             true => candle_fused::qlora::qlora_linear_composite,
             false => candle_fused::qlora::qlora_linear,
@@ -197,12 +196,22 @@ impl Lora {
         bias: Option<&Tensor>,
         key: Option<RngKey>,
     ) -> candle_core::Result<Tensor> {
+        let (a, b, dropout) = self.operands(x, key)?;
+        op(x, w, bias, &a, &b, self.scale, dropout)
+    }
+
+    /// `A` and `B` cast to `x`'s dtype, and the dropout (rate and key) when keyed and non-zero.
+    fn operands(
+        &self,
+        x: &Tensor,
+        key: Option<RngKey>,
+    ) -> candle_core::Result<(Tensor, Tensor, Dropout)> {
         let dtype = x.dtype();
         let (a, b) = (self.a.to_dtype(dtype)?, self.b.to_dtype(dtype)?);
         let dropout = key
             .filter(|_| self.dropout > 0.0)
             .map(|k| (self.dropout, k));
-        op(x, w, bias, &a, &b, self.scale, dropout)
+        Ok((a, b, dropout))
     }
 
     /// `s · B A`, `[out, in]` (`[in, out]` under `fan_in_fan_out`): what merging adds to the

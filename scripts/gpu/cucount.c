@@ -311,15 +311,6 @@ static int by_time(const void *a, const void *b) {
   return (x < y) - (x > y);
 }
 
-static void json_string(FILE *o, const char *s) {
-  fputc('"', o);
-  for (; *s; s++) {
-    if (*s == '"' || *s == '\\') fputc('\\', o);
-    if ((unsigned char)*s >= 0x20) fputc(*s, o);
-  }
-  fputc('"', o);
-}
-
 __attribute__((destructor)) static void report(void) {
   const char *path = getenv("CUCOUNT_OUT");
   FILE *o = path ? fopen(path, "w") : stderr;

@@ -88,6 +88,16 @@ __attribute__((unused)) static const int FUNC_CAT[] = {
 #undef FCAT
 };
 
+// `s` as a JSON string: quotes and backslashes escaped, control characters left out.
+__attribute__((unused)) static void json_string(FILE *o, const char *s) {
+  fputc('"', o);
+  for (; *s; s++) {
+    if (*s == '"' || *s == '\\') fputc('\\', o);
+    if ((unsigned char)*s >= 0x20) fputc(*s, o);
+  }
+  fputc('"', o);
+}
+
 // The JSON members `"counts": {category: n, ...}, "calls": {function: n, ...}` (functions never
 // called are left out) of a report: both cucount.c and the stand-in write them this way.
 __attribute__((unused)) static void cucount_write_counts(FILE *o, const unsigned long long *calls) {

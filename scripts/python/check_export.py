@@ -33,6 +33,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_llama_fixtures import generate_greedy  # noqa: E402
+
 NEW_TOKENS = 20
 DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
                "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -154,16 +157,7 @@ def main():
     with torch.no_grad():
         loss = model(**batch).loss.item()
         prompt = gen["prompt"]
-        model.generation_config.eos_token_id = None
-        model.generation_config.pad_token_id = 0
-        greedy = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-        )
+        greedy = generate_greedy(model, prompt, NEW_TOKENS)
     fixture_loss = exp["loss"].item()
     fixture_greedy = gen["greedy"][0, prompt.shape[1] :].tolist()
     continuation = greedy[0, prompt.shape[1] :].tolist()

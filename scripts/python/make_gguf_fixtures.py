@@ -94,6 +94,24 @@ def converter():
     return llama
 
 
+def run_script(llama, script, args):
+    """Runs llama.cpp's `script` (a converter) with the command-line `args`, in this process."""
+    argv = sys.argv
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(os.path.join(llama, script), run_name="__main__")
+    finally:
+        sys.argv = argv
+
+
+def write_expected(name, d, expected):
+    """Writes `expected` to `d`/expected.json (indent 1, UTF-8 as is, final newline)."""
+    with open(os.path.join(d, "expected.json"), "w") as f:
+        json.dump(expected, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+    print(name, "->", d)
+
+
 def llama_cpp_commit(llama):
     path = os.path.join(llama, "COMMIT")
     return open(path).read().strip() if os.path.isfile(path) else "unknown"
@@ -268,22 +286,14 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             for t in TYPES:
                 path = os.path.join(tmp, f"{t}.gguf")
-                argv = sys.argv
-                sys.argv = ["convert_hf_to_gguf.py", d, "--outtype", t, "--outfile", path]
-                try:
-                    runpy.run_path(os.path.join(llama, "convert_hf_to_gguf.py"), run_name="__main__")
-                finally:
-                    sys.argv = argv
+                run_script(llama, "convert_hf_to_gguf.py", [d, "--outtype", t, "--outfile", path])
                 expected["types"][t] = describe(path, gguf)
             q4 = os.path.join(tmp, "q4_k_m.gguf")
             quantize_q4_k_m(os.path.join(tmp, "f32.gguf"), q4)
             expected["types"]["q4_k_m"] = describe(q4, gguf)
             for name, e in errors(q4, os.path.join(tmp, "f32.gguf"), gguf).items():
                 expected["types"]["q4_k_m"]["tensors"][name]["rms_error"] = e
-        with open(os.path.join(d, "expected.json"), "w") as f:
-            json.dump(expected, f, indent=1, ensure_ascii=False)
-            f.write("\n")
-        print(name, "->", d)
+        write_expected(name, d, expected)
 
 
 if __name__ == "__main__":

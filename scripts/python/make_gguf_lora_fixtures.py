@@ -21,7 +21,6 @@ trainer writes. `cargo test` never runs this script.
 import json
 import math
 import os
-import runpy
 import shutil
 import sys
 import tempfile
@@ -77,23 +76,14 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             for t in TYPES:
                 path = os.path.join(tmp, f"{t}.gguf")
-                argv = sys.argv
-                sys.argv = ["convert_lora_to_gguf.py", d, "--base", model_dir, "--outtype", t,
-                            "--outfile", path]
-                try:
-                    runpy.run_path(os.path.join(llama, "convert_lora_to_gguf.py"),
-                                   run_name="__main__")
-                finally:
-                    sys.argv = argv
+                base.run_script(llama, "convert_lora_to_gguf.py",
+                                [d, "--base", model_dir, "--outtype", t, "--outfile", path])
                 described = base.describe(path, gguf)
                 if rslora:
                     alpha = described["keys"]["adapter.lora.alpha"]
                     alpha["value"] = float(__import__("numpy").float32(16 * math.sqrt(8)))
                 expected["types"][t] = described
-        with open(os.path.join(d, "expected.json"), "w") as f:
-            json.dump(expected, f, indent=1, ensure_ascii=False)
-            f.write("\n")
-        print(name, "->", d)
+        base.write_expected(name, d, expected)
 
 
 if __name__ == "__main__":

@@ -245,6 +245,22 @@ def check_llama3_bands(cfg):
     assert set(bands) == {"low", "middle", "high"}, bands
 
 
+def generate_greedy(model, prompt, n):
+    """`prompt` and `n` tokens after it by transformers' `generate`, eos disabled so that they are
+    plain argmax steps."""
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        return model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+        )
+
+
 def greedy_reference(model, prompt, n):
     """Argmax continuation recomputing the full sequence each step (no KV cache, no logits
     processors): what generate() must match."""
@@ -400,17 +416,7 @@ def make_case(case, out_dir):
     # greedy generation: eos disabled so the 20 tokens are plain argmax steps
     g = torch.Generator().manual_seed(3000 + seed)
     prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=g)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        greedy = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-        )
+    greedy = generate_greedy(model, prompt, NEW_TOKENS)
     ref = greedy_reference(model, prompt, NEW_TOKENS)
     assert greedy.shape == (1, PROMPT_LEN + NEW_TOKENS), greedy.shape
     assert torch.equal(greedy, ref), (greedy, ref)

@@ -56,6 +56,34 @@ def load_4bit(double, compute=torch.float32):
     ).eval()
 
 
+def peft_step(model, batch):
+    """PEFT's adapter_plain loaded trainable over `model`, one forward and backward on `batch`:
+    the output, the expected tensors (input_ids, labels, logits, loss, grad.<adapter tensor>, every
+    gradient non-zero) and the number of gradients."""
+    p = PeftModel.from_pretrained(model, os.path.join(LORA, "adapter_plain"), is_trainable=True)
+    # Training mode, as a training step runs: in eval mode, on a CPU with AVX512-BF16,
+    # bitsandbytes' Linear4bit runs an input that needs no gradient through a bf16 inference
+    # kernel (input and absmax cast to bf16) instead of dequantize_4bit + an f32 linear.
+    # (Dropout is 0 everywhere: training mode changes nothing else.)
+    p.train()
+    p.zero_grad(set_to_none=True)
+    out = p(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False)
+    out.loss.backward()
+    expected = {
+        "input_ids": batch["input_ids"].to(torch.int64).contiguous(),
+        "labels": batch["labels"].to(torch.int64).contiguous(),
+        "logits": out.logits.detach().float().contiguous(),
+        "loss": out.loss.detach().float().reshape(()).contiguous(),
+    }
+    n = 0
+    for name, q in p.named_parameters():
+        if q.requires_grad:
+            assert q.grad is not None and q.grad.abs().sum() > 0, name
+            expected[f"grad.{disk_name(name)}"] = q.grad.detach().float().contiguous()
+            n += 1
+    return out, expected, n
+
+
 def main():
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(1)
@@ -100,27 +128,7 @@ def main():
         text = open(os.path.join(d, "config.json")).read()
         assert "/tmp" not in text and ROOT not in text, "absolute path in config.json"
 
-        p = PeftModel.from_pretrained(model, os.path.join(LORA, "adapter_plain"), is_trainable=True)
-        # Training mode, as a training step runs: in eval mode, on a CPU with AVX512-BF16,
-        # bitsandbytes' Linear4bit runs an input that needs no gradient through a bf16 inference
-        # kernel (input and absmax cast to bf16) instead of dequantize_4bit + an f32 linear.
-        # (Dropout is 0 everywhere: training mode changes nothing else.)
-        p.train()
-        p.zero_grad(set_to_none=True)
-        out = p(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False)
-        out.loss.backward()
-        expected = {
-            "input_ids": batch["input_ids"].to(torch.int64).contiguous(),
-            "labels": batch["labels"].to(torch.int64).contiguous(),
-            "logits": out.logits.detach().float().contiguous(),
-            "loss": out.loss.detach().float().reshape(()).contiguous(),
-        }
-        n = 0
-        for name, q in p.named_parameters():
-            if q.requires_grad:
-                assert q.grad is not None and q.grad.abs().sum() > 0, name
-                expected[f"grad.{disk_name(name)}"] = q.grad.detach().float().contiguous()
-                n += 1
+        out, expected, n = peft_step(model, batch)
         assert n == 28, n
         save_file(dict(sorted(expected.items())), os.path.join(OUT, f"expected_{setting}.safetensors"), metadata=meta)
         print(f"{setting}: loss {out.loss.item():.6f}, {n} gradients")
@@ -141,20 +149,7 @@ def main():
         lines.append(f"- `{setting}`: loss {out.loss.item():.6f}, {n} gradients.")
     # bf16 compute (bnb_4bit_compute_dtype=bfloat16, the model otherwise f32): the 4-bit
     # layers' input cast to bf16, the dequantized weight cast to bf16, their output back to f32.
-    p = PeftModel.from_pretrained(load_4bit(True, torch.bfloat16), os.path.join(LORA, "adapter_plain"), is_trainable=True)
-    p.train()
-    p.zero_grad(set_to_none=True)
-    out = p(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False)
-    out.loss.backward()
-    expected = {
-        "input_ids": batch["input_ids"].to(torch.int64).contiguous(),
-        "labels": batch["labels"].to(torch.int64).contiguous(),
-        "logits": out.logits.detach().float().contiguous(),
-        "loss": out.loss.detach().float().reshape(()).contiguous(),
-    }
-    for name, q in p.named_parameters():
-        if q.requires_grad:
-            expected[f"grad.{disk_name(name)}"] = q.grad.detach().float().contiguous()
+    out, expected, _ = peft_step(load_4bit(True, torch.bfloat16), batch)
     save_file(dict(sorted(expected.items())), os.path.join(OUT, "expected_dq_bf16.safetensors"), metadata=meta)
     print(f"dq, bf16 compute: loss {out.loss.item():.6f}")
     lines.append(

@@ -35,7 +35,7 @@ use candle_core::{DType, Device};
 use clap::Parser;
 use serde_json::{json, Value};
 use support::protocol::{self, share_cell};
-use support::{f, last_json, root};
+use support::{f, last_json, root, stdout_of};
 use trainer::config::TrainConfig;
 use trainer::data::DataKind;
 use trainer::model::Kernels;
@@ -241,14 +241,7 @@ fn run_child(mode: &str, extra: &[String]) -> anyhow::Result<Vec<f64>> {
         .args(extra)
         .output()
         .context("spawning a bench child")?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        bail!(
-            "bench child failed: {}\n{}",
-            stdout,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    let stdout = stdout_of(&out, "bench child")?;
     let line = stdout
         .lines()
         .find_map(|l| l.strip_prefix("RESULT "))

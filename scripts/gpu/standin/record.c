@@ -83,14 +83,6 @@ void record_read_locked(int computed, size_t n) {
 }
 
 // ---------------------------------------------------------------- the report
-static void json_string(FILE *o, const char *s) {
-  fputc('"', o);
-  for (; *s; s++) {
-    if (*s == '"' || *s == '\\') fputc('\\', o);
-    if ((unsigned char)*s >= 0x20) fputc(*s, o);
-  }
-  fputc('"', o);
-}
 static void write_group(FILE *o, const char *g) {
   fputc('{', o);
   for (int i = 0, first = 1; i < n_named; i++)

@@ -24,8 +24,9 @@ pub fn status_kib(key: &str) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-/// The last JSON object line `out` printed (`what` names the program in errors).
-pub fn last_json(out: std::process::Output, what: &str) -> anyhow::Result<Value> {
+/// What a program that exited successfully printed; its output and errors in the error otherwise
+/// (`what` names the program).
+pub fn stdout_of(out: &std::process::Output, what: &str) -> anyhow::Result<String> {
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         bail!(
@@ -34,6 +35,12 @@ pub fn last_json(out: std::process::Output, what: &str) -> anyhow::Result<Value>
             String::from_utf8_lossy(&out.stderr)
         );
     }
+    Ok(text.into_owned())
+}
+
+/// The last JSON object line `out` printed (`what` names the program in errors).
+pub fn last_json(out: std::process::Output, what: &str) -> anyhow::Result<Value> {
+    let text = stdout_of(&out, what)?;
     let line = text
         .lines()
         .rfind(|l| l.starts_with('{'))
