@@ -15,6 +15,25 @@
 //! reproducible on every device and a recomputed block or a pipeline microbatch sees the same
 //! masks as the plain forward pass.
 
+/// [`LinkOps::params`] and [`LinkOps::map`] of a link that reads only its own weights: its
+/// [`layers::Weights`] walk (inside an `impl LinkOps for ...`).
+macro_rules! own_weights {
+    () => {
+        fn params(&self) -> Vec<candle_core::Tensor> {
+            crate::model::layers::Weights::weights(self)
+        }
+
+        fn map(
+            &self,
+            f: crate::model::WeightMap,
+        ) -> candle_core::Result<std::sync::Arc<dyn crate::model::LinkOps>> {
+            Ok(std::sync::Arc::new(crate::model::layers::Weights::map(
+                self, f,
+            )?))
+        }
+    };
+}
+
 mod adapter;
 mod arch;
 mod builder;
@@ -22,17 +41,17 @@ mod chain;
 mod ctx;
 pub mod gpt2;
 mod kernels;
-mod layers;
+pub mod layers;
 mod linear;
 pub mod llama;
 mod params;
+mod registry;
 
 use candle_core::Tensor;
 
 pub use adapter::{Layout, LinearAdapter};
 pub use arch::{
-    architecture, build, config_from_hf_json_file, init, register, Architecture, CheckpointTensor,
-    KvCache, Model, ModelConfig, Shape, SpecialTokens, BUILTIN, MAX_LAYERS,
+    Architecture, CheckpointTensor, Dims, KvCache, Model, ModelConfig, Shape, SpecialTokens,
 };
 pub use builder::{Builder, Quant, Source, Wrap};
 pub use chain::{chain, count_targets, run_links, Link, LinkOps, Loss, Role, WeightMap, IGNORE};
@@ -41,6 +60,9 @@ pub use kernels::Kernels;
 pub use layers::{dropout, stat_dtype, LayerNorm};
 pub use linear::Linear;
 pub use params::Params;
+pub use registry::{
+    architecture, build, config_from_hf_json_file, init, register, Arch, BUILTIN, MAX_LAYERS,
+};
 
 /// Mean cross-entropy of `logits [B, T, V]` against `targets [B, T]` (u32), computed in at
 /// least f32, with the fused kernel (see [`Kernels::cross_entropy`] for the choice).
