@@ -219,7 +219,11 @@ mod tests {
             let cfg = a.architecture().fresh(&run, 0.0, 10000.0).unwrap();
             let d = cfg.dims();
             assert_eq!(cfg.architecture(), a.architecture().name());
-            assert_eq!((d.layers, d.hidden, d.heads, d.kv_heads), (2, 48, 4, 4), "{a}");
+            assert_eq!(
+                (d.layers, d.hidden, d.heads, d.kv_heads),
+                (2, 48, 4, 4),
+                "{a}"
+            );
             assert_eq!((d.head_dim, d.vocab, d.positions), (12, 40, 16), "{a}");
             // GPT-2's MLP is 4 C; the Llama family's default is 8 C / 3 rounded up to 64.
             let mlp = if *a == Arch::Gpt2 { 192 } else { 128 };

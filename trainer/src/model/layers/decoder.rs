@@ -4,14 +4,7 @@
 use candle_core::Tensor;
 
 use super::super::{chain, Ctx, KvCache, Link, LinkOps, Model, ModelConfig, WeightMap};
-use super::{Head, Weights};
-
-/// What a link does over a key/value cache (evaluation): the embedding of tokens after the
-/// cached ones, a block reading and extending the cache.
-pub(crate) trait Cached {
-    /// The link over new tokens `x`, `cache.len` tokens already in `cache`.
-    fn cached(&self, x: &Tensor, cache: &mut KvCache, ctx: &Ctx) -> candle_core::Result<Tensor>;
-}
+use super::{Cached, Head, Weights};
 
 /// A decoder-only language model: a config `C`, an embedding `E`, blocks `B` and a [`Head`]
 /// (the architectures name it: [`crate::model::gpt2::Gpt`], [`crate::model::llama::Llama`]).

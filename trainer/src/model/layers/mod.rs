@@ -19,12 +19,11 @@ use std::cell::RefCell;
 
 use candle_core::{DType, Tensor};
 
-use super::{Builder, Ctx, WeightMap};
+use super::{Builder, Ctx, KvCache, WeightMap};
 use crate::Result;
 
 pub use attention::{Attention, BlockOptions};
 pub use block::{Block, GatedMlp};
-pub(crate) use decoder::Cached;
 pub use decoder::Decoder;
 pub use head::{Embed, Head, LmHead, Norm};
 pub use rms_norm::RmsNorm;
@@ -49,6 +48,13 @@ pub(crate) trait Weights: Sized {
         let _ = Weights::map(self, &visit);
         seen.into_inner()
     }
+}
+
+/// What a link does over a key/value cache (evaluation): the embedding of tokens after the
+/// cached ones, a block reading and extending the cache.
+pub(crate) trait Cached {
+    /// The link over new tokens `x`, `cache.len` tokens already in `cache`.
+    fn cached(&self, x: &Tensor, cache: &mut KvCache, ctx: &Ctx) -> candle_core::Result<Tensor>;
 }
 
 /// Layer normalisation over the last dimension, with `candle-fused`'s kernel (or, with
