@@ -1,5 +1,9 @@
 //! Models: the one interface the trainer knows ([`ModelConfig`], [`Model`], the chain of
-//! [`Link`]s) and the architectures behind it ([`gpt2`]).
+//! [`Link`]s), the shared layers architectures are built from ([`layers`]) and the
+//! architectures behind it ([`gpt2`], [`llama`]), one line each in the registry ([`Arch`]).
+//!
+//! Adding an architecture: its module (config, `config.json` form, structure over the shared
+//! layers, an [`Architecture`]), its `pub mod` line here and its line in the registry.
 //!
 //! A model is a chain `embed -> blocks -> head` of links, each owning its parameters (a tie,
 //! such as GPT-2's head reading the token embedding, is declared). The plain forward,
