@@ -65,7 +65,7 @@ pub use layers::{dropout, stat_dtype, LayerNorm};
 pub use linear::Linear;
 pub use params::Params;
 pub use registry::{
-    architecture, build, config_from_hf_json_file, init, register, Arch, BUILTIN, MAX_LAYERS,
+    architecture, build, config_from_hf_json_file, init, register, Arch, MAX_LAYERS,
 };
 
 /// Mean cross-entropy of `logits [B, T, V]` against `targets [B, T]` (u32), computed in at

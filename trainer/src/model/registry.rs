@@ -38,7 +38,7 @@ macro_rules! registry {
         }
 
         /// The architectures the trainer knows: one line each.
-        pub const BUILTIN: &[&dyn Architecture] = &[$(&$arch),+];
+        pub(crate) const BUILTIN: &[&dyn Architecture] = &[$(&$arch),+];
     };
 }
 

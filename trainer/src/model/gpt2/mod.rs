@@ -15,7 +15,8 @@ use serde_json::Value;
 
 pub use config::{GptConfig, GPT2_ENDOFTEXT};
 
-use super::layers::{Cached, Decoder, Head, LmHead, Norm, Weights};
+use super::layers::head::{Head, LmHead, Norm};
+use super::layers::{Cached, Decoder, Weights};
 use super::{
     run_links, Architecture, Builder, Ctx, Dims, KvCache, LayerNorm, Layout, Linear, LinkOps,
     Model, ModelConfig, Params, WeightMap,
@@ -23,10 +24,10 @@ use super::{
 use crate::Result;
 
 /// LayerNorm epsilon of GPT-2.
-pub const LN_EPS: f64 = 1e-5;
+pub(crate) const LN_EPS: f64 = 1e-5;
 
 /// The GPT-2 architecture (`model_type` `gpt2`).
-pub struct Gpt2;
+pub(crate) struct Gpt2;
 
 impl Architecture for Gpt2 {
     fn name(&self) -> &'static str {

@@ -4,9 +4,10 @@
 use candle_core::Tensor;
 
 use super::super::{chain, Ctx, KvCache, Link, LinkOps, Model, ModelConfig, WeightMap};
-use super::{Cached, Head, Weights};
+use super::head::Head;
+use super::{Cached, Weights};
 
-/// A decoder-only language model: a config `C`, an embedding `E`, blocks `B` and a [`Head`]
+/// A decoder-only language model: a config `C`, an embedding `E`, blocks `B` and a head
 /// (the architectures name it: [`crate::model::gpt2::Gpt`], [`crate::model::llama::Llama`]).
 #[derive(Clone, Debug)]
 pub struct Decoder<C, E, B> {

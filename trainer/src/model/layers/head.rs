@@ -58,7 +58,7 @@ impl Cached for Embed {
 
 /// The norm before the head: GPT-2's LayerNorm or the Llama family's RMSNorm.
 #[derive(Clone, Debug)]
-pub enum Norm {
+pub(crate) enum Norm {
     /// LayerNorm (`transformer.ln_f`).
     Layer(LayerNorm),
     /// RMSNorm (`model.norm`).
@@ -67,7 +67,7 @@ pub enum Norm {
 
 impl Norm {
     /// Normalises `x` in its own dtype.
-    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         match self {
             Norm::Layer(n) => n.forward_ctx(x, ctx),
             Norm::Rms(n) => n.forward(x, ctx),
@@ -86,7 +86,7 @@ impl Weights for Norm {
 
 /// The head's projection: its own `lm_head`, or the token embedding (tied).
 #[derive(Clone, Debug)]
-pub enum LmHead {
+pub(crate) enum LmHead {
     /// `lm_head` `[V, C]`, owned by the head.
     Own(Linear),
     /// The token embedding `[V, C]`, owned by the embedding link.
@@ -95,14 +95,14 @@ pub enum LmHead {
 
 /// The final norm and the projection to the vocabulary: the last link of a chain.
 #[derive(Clone, Debug)]
-pub struct Head {
+pub(crate) struct Head {
     norm: Norm,
     lm_head: LmHead,
 }
 
 impl Head {
     /// The head `lm_head(norm(x))`.
-    pub fn new(norm: Norm, lm_head: LmHead) -> Self {
+    pub(crate) fn new(norm: Norm, lm_head: LmHead) -> Self {
         Head { norm, lm_head }
     }
 

@@ -11,7 +11,7 @@
 mod attention;
 mod block;
 mod decoder;
-mod head;
+pub(crate) mod head;
 mod rms_norm;
 mod rope;
 
@@ -25,7 +25,7 @@ use crate::Result;
 pub use attention::{Attention, BlockOptions};
 pub use block::{Block, GatedMlp};
 pub use decoder::Decoder;
-pub use head::{Embed, Head, LmHead, Norm};
+pub use head::Embed;
 pub use rms_norm::RmsNorm;
 pub use rope::RopeScaling;
 

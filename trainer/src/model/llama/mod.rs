@@ -22,21 +22,22 @@ use serde_json::Value;
 pub use super::layers::RopeScaling;
 pub use config::{Family, LlamaConfig};
 
-use super::layers::{Block, Decoder, Embed, Head, LmHead, Norm, RmsNorm};
+use super::layers::head::{Head, LmHead, Norm};
+use super::layers::{Block, Decoder, Embed, RmsNorm};
 use super::{Architecture, Builder, Dims, Layout, Linear, ModelConfig};
 use crate::Result;
 
 /// A member of the family as an [`Architecture`] (recognised by its `model_type`).
-pub struct LlamaArch(pub Family);
+pub(crate) struct LlamaArch(pub(crate) Family);
 
 /// `llama`.
-pub static LLAMA: LlamaArch = LlamaArch(Family::Llama);
+pub(crate) static LLAMA: LlamaArch = LlamaArch(Family::Llama);
 /// `mistral`.
-pub static MISTRAL: LlamaArch = LlamaArch(Family::Mistral);
+pub(crate) static MISTRAL: LlamaArch = LlamaArch(Family::Mistral);
 /// `qwen2`.
-pub static QWEN2: LlamaArch = LlamaArch(Family::Qwen2);
+pub(crate) static QWEN2: LlamaArch = LlamaArch(Family::Qwen2);
 /// `qwen3`.
-pub static QWEN3: LlamaArch = LlamaArch(Family::Qwen3);
+pub(crate) static QWEN3: LlamaArch = LlamaArch(Family::Qwen3);
 
 impl Architecture for LlamaArch {
     fn name(&self) -> &'static str {
