@@ -26,8 +26,7 @@ pub use types::{
 
 use crate::data::{ChatTaskKind, DataKind, DataOrder, DataSource, DataSpec};
 use crate::model::gpt2::GptConfig;
-use crate::model::llama::{Family, LlamaConfig};
-use crate::model::{Kernels, ModelConfig};
+use crate::model::{Dims, Kernels, ModelConfig};
 use crate::{Error, Result};
 
 /// The most tokens `sample_tokens` may ask for at each evaluation (the sample is generated
@@ -489,15 +488,23 @@ impl TrainConfig {
 
     /// The model shape, with `vocab_size` from the data.
     pub fn gpt_config(&self, vocab_size: usize) -> GptConfig {
-        GptConfig {
-            n_layer: self.n_layer,
-            n_head: self.n_head,
-            n_embd: self.n_embd,
-            block_size: self.block_size,
-            vocab_size,
-            dropout: self.dropout,
+        GptConfig::fresh(&self.model_dims(vocab_size), self.dropout)
+    }
+
+    /// The run's model dimensions as it sets them (`n_kv_head` and `mlp_hidden` 0: the
+    /// architecture's default), with `vocab_size` from the data.
+    fn model_dims(&self, vocab_size: usize) -> Dims {
+        Dims {
+            layers: self.n_layer,
+            hidden: self.n_embd,
+            heads: self.n_head,
+            kv_heads: self.n_kv_head,
+            head_dim: 0,
+            mlp: self.mlp_hidden,
+            vocab: vocab_size,
+            positions: self.block_size,
+            tied: self.tie_embeddings,
             bias: self.bias,
-            ..GptConfig::default()
         }
     }
 
@@ -534,41 +541,9 @@ impl TrainConfig {
         if let Some(path) = &self.model_json {
             return crate::model::config_from_hf_json_file(path);
         }
-        let family = match self.arch {
-            Arch::Gpt2 => return Ok(Box::new(self.gpt_config(vocab_size))),
-            Arch::Llama => Family::Llama,
-            Arch::Mistral => Family::Mistral,
-            Arch::Qwen2 => Family::Qwen2,
-            Arch::Qwen3 => Family::Qwen3,
-        };
-        let kv = match self.n_kv_head {
-            0 => self.n_head,
-            n => n,
-        };
-        let mlp = match self.mlp_hidden {
-            0 => (8 * self.n_embd / 3).div_ceil(64) * 64,
-            n => n,
-        };
-        let mut cfg = LlamaConfig::new(
-            family,
-            vocab_size,
-            self.n_layer,
-            self.n_embd,
-            self.n_head,
-            kv,
-            mlp,
-        );
-        cfg.max_position_embeddings = self.block_size;
-        cfg.rope_theta = self.rope_theta;
-        cfg.tie_word_embeddings = self.tie_embeddings;
-        cfg.attention_dropout = self.dropout;
-        match family {
-            Family::Llama => {
-                (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias) = (self.bias, self.bias, self.bias)
-            }
-            Family::Qwen3 => (cfg.qkv_bias, cfg.o_bias) = (self.bias, self.bias),
-            Family::Qwen2 | Family::Mistral => {}
-        }
-        Ok(Box::new(cfg))
+        let dims = self.model_dims(vocab_size);
+        self.arch
+            .architecture()
+            .fresh(&dims, self.dropout, self.rope_theta)
     }
 }

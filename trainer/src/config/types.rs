@@ -376,29 +376,9 @@ mod tests {
     }
 }
 
-/// The architecture of a fresh model (`arch`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Arch {
-    /// GPT-2 (learned positions, LayerNorm, GELU MLP, tied head).
-    #[default]
-    Gpt2,
-    /// `LlamaForCausalLM`.
-    Llama,
-    /// `MistralForCausalLM`.
-    Mistral,
-    /// `Qwen2ForCausalLM`.
-    Qwen2,
-    /// `Qwen3ForCausalLM`.
-    Qwen3,
-}
+/// The architecture of a fresh model (`arch`): made from the model registry.
+pub use crate::model::Arch;
 
-named_enum!(Arch, "arch must be gpt2, llama, mistral, qwen2 or qwen3", {
-    Gpt2 => "gpt2",
-    Llama => "llama",
-    Mistral => "mistral",
-    Qwen2 => "qwen2",
-    Qwen3 => "qwen3",
-});
 serde_as_text!(Arch);
 
 /// Module names, comma-separated (`lm_head,embed_tokens`); empty by default.

@@ -4,20 +4,19 @@
 //!
 //! The executors, the step, checkpoints, evaluation, sampling and the CLI know a model only
 //! through these traits. Adding an architecture means writing its module (structure, config,
-//! initialisation) and adding it to [`BUILTIN`]; a program (or a test) can also
-//! [`register`] one of its own.
+//! initialisation) and one line of the registry ([`super::Arch`]); a program (or a test) can
+//! also [`register`](super::register) one of its own. This module imports no architecture.
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
-use std::sync::RwLock;
 
 use candle_core::{DType, Device, Tensor};
 use candle_remat::ChainCosts;
 use rand_chacha::ChaCha8Rng;
 use serde_json::Value;
 
-use super::{Builder, Ctx, Kernels, Link, Loss, Params, WeightMap};
+use super::{Builder, Ctx, Kernels, Link, Loss, WeightMap};
 use crate::{Error, Result};
 
 /// A model's configuration: its shape, everything the trainer must know before building it
@@ -32,16 +31,53 @@ pub trait ModelConfig: Send + Sync + fmt::Debug {
     /// Checks that the values describe a model that can be built.
     fn validate(&self) -> Result<()>;
 
+    /// The model's dimensions. Implement this (the three accessors below follow from it), or,
+    /// as configs written before it did, the three accessors (this then follows from them,
+    /// with one key/value head per head and the MLP width unknown, 0).
+    fn dims(&self) -> Dims {
+        let s = self.shape();
+        Dims {
+            layers: s.n_layer,
+            hidden: s.n_embd,
+            heads: s.n_head,
+            kv_heads: s.n_head,
+            head_dim: s.n_embd / s.n_head.max(1),
+            vocab: self.vocab_size(),
+            positions: self.max_positions(),
+            bias: s.bias,
+            ..Dims::default()
+        }
+    }
+
     /// Number of token ids the model embeds.
-    fn vocab_size(&self) -> usize;
+    fn vocab_size(&self) -> usize {
+        self.dims().vocab
+    }
 
     /// The longest sequence the model can take (learned positions, or the context it was
     /// trained for).
-    fn max_positions(&self) -> usize;
+    fn max_positions(&self) -> usize {
+        self.dims().positions
+    }
 
     /// The shape a run records (layers, heads, width, biases), so that a resumed run and its
     /// checkpoint can be checked against each other.
-    fn shape(&self) -> Shape;
+    fn shape(&self) -> Shape {
+        let Dims {
+            layers,
+            heads,
+            hidden,
+            bias,
+            ..
+        } = self.dims();
+        let (n_layer, n_head, n_embd) = (layers, heads, hidden);
+        Shape {
+            n_layer,
+            n_head,
+            n_embd,
+            bias,
+        }
+    }
 
     /// Beginning- and end-of-text token ids of the model's vocabulary, if it has them.
     fn special_tokens(&self) -> SpecialTokens;
@@ -58,8 +94,12 @@ pub trait ModelConfig: Send + Sync + fmt::Debug {
     /// when random. Called in sorted name order.
     fn init(&self, name: &str, shape: &[usize], rng: &mut ChaCha8Rng) -> Result<Vec<f32>>;
 
-    /// Number of scalar parameters (tied ones counted once).
-    fn num_params(&self) -> usize;
+    /// Number of scalar parameters (tied ones counted once). The default counts
+    /// [`ModelConfig::shapes`].
+    fn num_params(&self) -> usize {
+        let sizes = self.shapes().into_values();
+        sizes.map(|s| s.into_iter().product::<usize>()).sum()
+    }
 
     /// FLOPs of one forward + backward pass over one token at context `seq_len` (for MFU).
     fn flops_per_token(&self, seq_len: usize) -> f64;
@@ -115,6 +155,33 @@ pub enum CheckpointTensor {
     Buffer,
     /// A copy of the tied parameter of this name (e.g. `lm_head.weight`): must equal it.
     TiedCopy(String),
+}
+
+/// A model's dimensions: one plain struct for every architecture. A built config reports them
+/// ([`ModelConfig::dims`]); a run's settings shape a fresh model by them
+/// ([`Architecture::fresh`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Dims {
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Width of the residual stream.
+    pub hidden: usize,
+    /// Attention (query) heads per block.
+    pub heads: usize,
+    /// Key/value heads per block (`heads` without grouped-query attention).
+    pub kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// Width of the MLP's hidden layer.
+    pub mlp: usize,
+    /// Token ids embedded.
+    pub vocab: usize,
+    /// The longest sequence (learned positions, or the context it was trained for).
+    pub positions: usize,
+    /// Whether the head reads the token embedding.
+    pub tied: bool,
+    /// Whether the projections (GPT-2: and norms) have biases.
+    pub bias: bool,
 }
 
 /// The dimensions a run's config records of its model (`n_layer`, `n_head`, `n_embd`,
@@ -231,118 +298,15 @@ pub trait Architecture: Sync {
 
     /// Reads its `config.json` (already parsed; `path` is for error messages).
     fn config_from_hf_json(&self, json: &Value, path: &Path) -> Result<Box<dyn ModelConfig>>;
-}
 
-/// The architectures the trainer knows: one line each.
-pub const BUILTIN: &[&dyn Architecture] = &[
-    &super::gpt2::Gpt2,
-    &super::llama::LLAMA,
-    &super::llama::MISTRAL,
-    &super::llama::QWEN2,
-    &super::llama::QWEN3,
-];
-
-static REGISTERED: RwLock<Vec<&'static dyn Architecture>> = RwLock::new(Vec::new());
-
-/// Makes an architecture of the caller's known to every loading path (checkpoints, resume,
-/// `--init-from`, eval, sample), after the built-in ones. Registering a name twice keeps the
-/// first.
-pub fn register(arch: &'static dyn Architecture) {
-    let mut r = REGISTERED.write().unwrap_or_else(|e| e.into_inner());
-    if !r.iter().any(|a| a.name() == arch.name()) {
-        r.push(arch);
+    /// A fresh model's config shaped by a run's settings: `dims` as the run gives them (a 0
+    /// `kv_heads`, `head_dim` or `mlp` takes the architecture's default), its dropout and
+    /// RoPE base. The default: this architecture is only loaded, never made fresh.
+    fn fresh(&self, dims: &Dims, dropout: f32, rope_theta: f64) -> Result<Box<dyn ModelConfig>> {
+        let _ = (dims, dropout, rope_theta);
+        Err(Error::Config(format!(
+            "architecture `{}` is loaded from a config.json, not made fresh",
+            self.name()
+        )))
     }
-}
-
-/// The architecture called `name` (built in or registered).
-pub fn architecture(name: &str) -> Option<&'static dyn Architecture> {
-    let registered = REGISTERED.read().unwrap_or_else(|e| e.into_inner());
-    BUILTIN
-        .iter()
-        .chain(registered.iter())
-        .find(|a| a.name() == name)
-        .copied()
-}
-
-/// Reads a Hugging Face `config.json` of any known architecture (by its `model_type`; a
-/// GPT-2 config without one is read as `gpt2`, as `transformers` does for old checkpoints).
-pub fn config_from_hf_json_file(path: &Path) -> Result<Box<dyn ModelConfig>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| Error::checkpoint(path, format!("not valid JSON: {e}")))?;
-    let all = || {
-        let registered = REGISTERED.read().unwrap_or_else(|e| e.into_inner());
-        BUILTIN
-            .iter()
-            .copied()
-            .chain(registered.iter().copied())
-            .collect::<Vec<_>>()
-    };
-    // `model_type` names the architecture; without one, `architectures[0]` (the class); a
-    // config with neither is an old GPT-2 one, as transformers reads it.
-    let class = json
-        .get("architectures")
-        .and_then(|a| a.get(0))
-        .and_then(|x| x.as_str());
-    let arch = match json.get("model_type").and_then(|x| x.as_str()) {
-        Some(name) => architecture(name).ok_or(("model_type", name)),
-        None => match class {
-            Some(class) => all()
-                .into_iter()
-                .find(|a| a.class() == class)
-                .ok_or(("architectures", class)),
-            None => architecture("gpt2").ok_or(("model_type", "gpt2")),
-        },
-    };
-    let arch = arch.map_err(|(key, name)| {
-        let known: Vec<&str> = all().iter().map(|a| a.name()).collect();
-        Error::checkpoint(
-            path,
-            format!(
-                "`{key}` is `{name}`, which this trainer does not know (known model types: {})",
-                known.join(", ")
-            ),
-        )
-    })?;
-    // Per-layer structures (a layer's attention window, its parameters' names) are built
-    // while reading: their number is bounded before (the memory check comes later).
-    for key in ["num_hidden_layers", "n_layer"] {
-        if let Some(n) = json.get(key).and_then(|v| v.as_u64()) {
-            if n > MAX_LAYERS as u64 {
-                return Err(Error::checkpoint(
-                    path,
-                    format!(
-                        "`{key}` is {n}: more than the {MAX_LAYERS} layers this trainer builds"
-                    ),
-                ));
-            }
-        }
-    }
-    arch.config_from_hf_json(&json, path)
-}
-
-/// The most transformer blocks a model may have (`n_layer`, `num_hidden_layers`): checked
-/// before anything with one entry per layer is built, so that a mistyped count is an error,
-/// not an allocation of its size. Far beyond any model a memory can hold.
-pub const MAX_LAYERS: usize = 1 << 20;
-
-/// Builds `config`'s model over `params` (which must have exactly its names and shapes).
-pub fn build(config: &dyn ModelConfig, params: &Params) -> Result<Box<dyn Model>> {
-    config.validate()?;
-    params.check(config)?;
-    config.build(&Builder::root(&|name, _| params.tensor(name)))
-}
-
-/// A freshly initialised model of `config` and its parameters: [`ModelConfig::init`] over
-/// the parameters in sorted name order, from a ChaCha RNG seeded with `seed` (the same seed
-/// gives the same weights on every device).
-pub fn init(
-    config: &dyn ModelConfig,
-    seed: u64,
-    device: &Device,
-) -> Result<(Box<dyn Model>, Params)> {
-    config.validate()?;
-    let params = Params::init(config, seed, device)?;
-    let model = build(config, &params)?;
-    Ok((model, params))
 }

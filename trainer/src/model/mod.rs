@@ -1,5 +1,9 @@
 //! Models: the one interface the trainer knows ([`ModelConfig`], [`Model`], the chain of
-//! [`Link`]s) and the architectures behind it ([`gpt2`]).
+//! [`Link`]s), the shared layers architectures are built from ([`layers`]) and the
+//! architectures behind it ([`gpt2`], [`llama`]), one line each in the registry ([`Arch`]).
+//!
+//! Adding an architecture: its module (config, `config.json` form, structure over the shared
+//! layers, an [`Architecture`]), its `pub mod` line here and its line in the registry.
 //!
 //! A model is a chain `embed -> blocks -> head` of links, each owning its parameters (a tie,
 //! such as GPT-2's head reading the token embedding, is declared). The plain forward,
@@ -15,6 +19,25 @@
 //! reproducible on every device and a recomputed block or a pipeline microbatch sees the same
 //! masks as the plain forward pass.
 
+/// [`LinkOps::params`] and [`LinkOps::map`] of a link that reads only its own weights: its
+/// [`layers::Weights`] walk (inside an `impl LinkOps for ...`).
+macro_rules! own_weights {
+    () => {
+        fn params(&self) -> Vec<candle_core::Tensor> {
+            crate::model::layers::Weights::weights(self)
+        }
+
+        fn map(
+            &self,
+            f: crate::model::WeightMap,
+        ) -> candle_core::Result<std::sync::Arc<dyn crate::model::LinkOps>> {
+            Ok(std::sync::Arc::new(crate::model::layers::Weights::map(
+                self, f,
+            )?))
+        }
+    };
+}
+
 mod adapter;
 mod arch;
 mod builder;
@@ -22,17 +45,17 @@ mod chain;
 mod ctx;
 pub mod gpt2;
 mod kernels;
-mod layers;
+pub mod layers;
 mod linear;
 pub mod llama;
 mod params;
+mod registry;
 
 use candle_core::Tensor;
 
 pub use adapter::{Layout, LinearAdapter};
 pub use arch::{
-    architecture, build, config_from_hf_json_file, init, register, Architecture, CheckpointTensor,
-    KvCache, Model, ModelConfig, Shape, SpecialTokens, BUILTIN, MAX_LAYERS,
+    Architecture, CheckpointTensor, Dims, KvCache, Model, ModelConfig, Shape, SpecialTokens,
 };
 pub use builder::{Builder, Quant, Source, Wrap};
 pub use chain::{chain, count_targets, run_links, Link, LinkOps, Loss, Role, WeightMap, IGNORE};
@@ -41,6 +64,9 @@ pub use kernels::Kernels;
 pub use layers::{dropout, stat_dtype, LayerNorm};
 pub use linear::Linear;
 pub use params::Params;
+pub use registry::{
+    architecture, build, config_from_hf_json_file, init, register, Arch, MAX_LAYERS,
+};
 
 /// Mean cross-entropy of `logits [B, T, V]` against `targets [B, T]` (u32), computed in at
 /// least f32, with the fused kernel (see [`Kernels::cross_entropy`] for the choice).

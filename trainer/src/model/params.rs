@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use candle_core::{DType, Device, Tensor, TensorId, Var};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
 
 use super::{Link, ModelConfig};
 use crate::{Error, Result};
@@ -195,4 +196,25 @@ impl Params {
             ),
         ))
     }
+}
+
+/// transformers' initial value of the parameter `name` of `shape`: 0 for a bias, 1 for a norm
+/// scale (`scale`), else drawn from `N(0, std)` by `rng`.
+pub(crate) fn init_values(
+    name: &str,
+    shape: &[usize],
+    scale: bool,
+    std: f32,
+    rng: &mut ChaCha8Rng,
+) -> Result<Vec<f32>> {
+    let n: usize = shape.iter().product();
+    if name.ends_with(".bias") {
+        return Ok(vec![0.0; n]);
+    }
+    if scale {
+        return Ok(vec![1.0; n]);
+    }
+    let normal =
+        Normal::new(0.0f32, std).map_err(|e| Error::Config(format!("init std {std}: {e}")))?;
+    Ok((0..n).map(|_| normal.sample(rng)).collect())
 }

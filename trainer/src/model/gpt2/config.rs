@@ -4,13 +4,13 @@
 
 use std::path::Path;
 
+use super::super::params::init_values;
 use candle_core::DType;
 use candle_remat::{BlockCost, ChainCosts};
 use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, Normal};
 use serde::{Deserialize, Serialize};
 
-use super::super::{Builder, CheckpointTensor, Kernels, Model, ModelConfig, Shape, SpecialTokens};
+use super::super::{Builder, CheckpointTensor, Dims, Kernels, Model, ModelConfig, SpecialTokens};
 use super::{Gpt, LN_EPS};
 use crate::{Error, Result};
 
@@ -86,6 +86,24 @@ impl GptConfig {
             bias: true,
             bos_token_id: Some(GPT2_ENDOFTEXT),
             eos_token_id: Some(GPT2_ENDOFTEXT),
+        }
+    }
+
+    /// A fresh config shaped by a run's settings (see [`Architecture::fresh`]): layers,
+    /// heads, width, positions, vocabulary and biases from `dims` (GPT-2's MLP is always
+    /// `4 C` and its head always tied), and `dropout`.
+    ///
+    /// [`Architecture::fresh`]: crate::model::Architecture::fresh
+    pub(crate) fn fresh(dims: &Dims, dropout: f32) -> Self {
+        GptConfig {
+            n_layer: dims.layers,
+            n_head: dims.heads,
+            n_embd: dims.hidden,
+            block_size: dims.positions,
+            vocab_size: dims.vocab,
+            dropout,
+            bias: dims.bias,
+            ..GptConfig::default()
         }
     }
 
@@ -256,19 +274,17 @@ impl ModelConfig for GptConfig {
         GptConfig::validate(self)
     }
 
-    fn vocab_size(&self) -> usize {
-        self.vocab_size
-    }
-
-    fn max_positions(&self) -> usize {
-        self.block_size
-    }
-
-    fn shape(&self) -> Shape {
-        Shape {
-            n_layer: self.n_layer,
-            n_head: self.n_head,
-            n_embd: self.n_embd,
+    fn dims(&self) -> Dims {
+        Dims {
+            layers: self.n_layer,
+            hidden: self.n_embd,
+            heads: self.n_head,
+            kv_heads: self.n_head,
+            head_dim: self.n_embd / self.n_head.max(1),
+            mlp: 4 * self.n_embd,
+            vocab: self.vocab_size,
+            positions: self.block_size,
+            tied: true,
             bias: self.bias,
         }
     }
@@ -296,21 +312,12 @@ impl ModelConfig for GptConfig {
     /// GPT-2 initialisation: weights ~ N(0, 0.02), residual projections (`c_proj`) scaled by
     /// `1/sqrt(2 n_layer)`, biases 0, LayerNorm scales 1.
     fn init(&self, name: &str, shape: &[usize], rng: &mut ChaCha8Rng) -> Result<Vec<f32>> {
-        let n: usize = shape.iter().product();
-        if name.ends_with(".bias") {
-            return Ok(vec![0.0; n]);
-        }
-        if name.contains(".ln_") {
-            return Ok(vec![1.0; n]);
-        }
         let std = if name.ends_with("c_proj.weight") {
             0.02 / (2.0 * self.n_layer as f64).sqrt()
         } else {
             0.02
         };
-        let normal = Normal::new(0.0f32, std as f32)
-            .map_err(|e| Error::Config(format!("init std {std}: {e}")))?;
-        Ok((0..n).map(|_| normal.sample(rng)).collect())
+        init_values(name, shape, name.contains(".ln_"), std as f32, rng)
     }
 
     fn num_params(&self) -> usize {

@@ -8,7 +8,6 @@
 mod config;
 
 use std::path::Path;
-use std::sync::Arc;
 
 use candle_core::{Tensor, D};
 use candle_fused::attention::{attention, AttentionConfig};
@@ -16,17 +15,19 @@ use serde_json::Value;
 
 pub use config::{GptConfig, GPT2_ENDOFTEXT};
 
+use super::layers::head::{Head, LmHead, Norm};
+use super::layers::{Cached, Decoder, Weights};
 use super::{
-    run_links, stat_dtype, Architecture, Builder, Ctx, KvCache, LayerNorm, Layout, Linear, Link,
-    LinkOps, Loss, Model, ModelConfig, Params, WeightMap, IGNORE,
+    run_links, Architecture, Builder, Ctx, Dims, KvCache, LayerNorm, Layout, Linear, LinkOps,
+    Model, ModelConfig, Params, WeightMap,
 };
 use crate::Result;
 
 /// LayerNorm epsilon of GPT-2.
-pub const LN_EPS: f64 = 1e-5;
+pub(crate) const LN_EPS: f64 = 1e-5;
 
 /// The GPT-2 architecture (`model_type` `gpt2`).
-pub struct Gpt2;
+pub(crate) struct Gpt2;
 
 impl Architecture for Gpt2 {
     fn name(&self) -> &'static str {
@@ -39,6 +40,10 @@ impl Architecture for Gpt2 {
 
     fn config_from_hf_json(&self, json: &Value, path: &Path) -> Result<Box<dyn ModelConfig>> {
         Ok(Box::new(GptConfig::from_hf_json(json, path)?))
+    }
+
+    fn fresh(&self, dims: &Dims, dropout: f32, _rope_theta: f64) -> Result<Box<dyn ModelConfig>> {
+        Ok(Box::new(GptConfig::fresh(dims, dropout)))
     }
 }
 
@@ -59,15 +64,6 @@ impl Embed {
             wte: b.pp("wte").get(&[cfg.vocab_size, cfg.n_embd], "weight")?,
             wpe: b.pp("wpe").get(&[cfg.block_size, cfg.n_embd], "weight")?,
             dropout: cfg.dropout,
-        })
-    }
-
-    /// The same embedding with its tables mapped by `f`.
-    fn mapped(&self, f: WeightMap) -> candle_core::Result<Self> {
-        Ok(Embed {
-            wte: f(&self.wte)?,
-            wpe: f(&self.wpe)?,
-            dropout: self.dropout,
         })
     }
 
@@ -107,18 +103,29 @@ impl Embed {
     }
 }
 
+impl Cached for Embed {
+    /// The tokens at the positions after the cached ones.
+    fn cached(&self, idx: &Tensor, cache: &mut KvCache, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        self.embed(idx, None, cache.len, ctx)
+    }
+}
+
+impl Weights for Embed {
+    fn map(&self, f: WeightMap) -> candle_core::Result<Self> {
+        Ok(Embed {
+            wte: f(&self.wte)?,
+            wpe: f(&self.wpe)?,
+            dropout: self.dropout,
+        })
+    }
+}
+
 impl LinkOps for Embed {
     fn forward(&self, idx: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         self.embed(idx, ctx.rows.positions.as_ref(), 0, ctx)
     }
 
-    fn params(&self) -> Vec<Tensor> {
-        vec![self.wte.clone(), self.wpe.clone()]
-    }
-
-    fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinkOps>> {
-        Ok(Arc::new(self.mapped(f)?))
-    }
+    own_weights!();
 }
 
 /// Causal multi-head self-attention (`attn.c_attn`, `attn.c_proj`).
@@ -237,9 +244,20 @@ impl Block {
             index: i,
         })
     }
+}
 
-    /// The same block with its weights mapped by `f`.
-    fn mapped(&self, f: WeightMap) -> candle_core::Result<Self> {
+impl Cached for Block {
+    fn cached(&self, x: &Tensor, cache: &mut KvCache, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        let a = self
+            .attn
+            .forward_cached(&self.ln_1.forward_ctx(x, ctx)?, cache, self.index)?;
+        let x = (x + a)?;
+        &x + self.mlp.forward(&self.ln_2.forward_ctx(&x, ctx)?, ctx)?
+    }
+}
+
+impl Weights for Block {
+    fn map(&self, f: WeightMap) -> candle_core::Result<Self> {
         Ok(Block {
             ln_1: self.ln_1.map(f)?,
             attn: CausalSelfAttention {
@@ -256,15 +274,6 @@ impl Block {
             index: self.index,
         })
     }
-
-    fn forward_cached(&self, x: &Tensor, cache: &mut KvCache) -> candle_core::Result<Tensor> {
-        let ctx = Ctx::eval().with_kernels(cache.kernels);
-        let a = self
-            .attn
-            .forward_cached(&self.ln_1.forward_ctx(x, &ctx)?, cache, self.index)?;
-        let x = (x + a)?;
-        &x + self.mlp.forward(&self.ln_2.forward_ctx(&x, &ctx)?, &ctx)?
-    }
 }
 
 impl LinkOps for Block {
@@ -273,108 +282,7 @@ impl LinkOps for Block {
         &x + self.mlp.forward(&self.ln_2.forward_ctx(&x, ctx)?, ctx)?
     }
 
-    fn params(&self) -> Vec<Tensor> {
-        let mut w: Vec<Tensor> = self.ln_1.weights().cloned().collect();
-        w.extend(self.attn.c_attn.weights());
-        w.extend(self.attn.c_proj.weights());
-        w.extend(self.ln_2.weights().cloned());
-        w.extend(self.mlp.c_fc.weights());
-        w.extend(self.mlp.c_proj.weights());
-        w
-    }
-
-    fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinkOps>> {
-        Ok(Arc::new(self.mapped(f)?))
-    }
-}
-
-/// Final LayerNorm and the language-model head, tied to the token embedding.
-#[derive(Clone, Debug)]
-pub struct Head {
-    /// `transformer.ln_f`.
-    pub ln_f: LayerNorm,
-    /// The token embedding `[vocab_size, n_embd]` (tied: `lm_head.weight == wte`), owned by
-    /// the embedding link.
-    pub wte: Tensor,
-}
-
-impl Head {
-    /// `b.ln_f` over the tied embedding `wte` (`b` is the `transformer` path).
-    pub fn build(b: &Builder, cfg: &GptConfig, wte: Tensor) -> Result<Self> {
-        Ok(Head {
-            ln_f: LayerNorm::build(&b.pp("ln_f"), cfg.n_embd, cfg.bias, LN_EPS)?,
-            wte,
-        })
-    }
-
-    /// `ln_f(x)` flat (`[B T, C]`) and the tied weight in the compute dtype: the chunked
-    /// loss's inputs.
-    fn chunk_inputs(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<(Tensor, Tensor)> {
-        let h = self.ln_f.forward_ctx(x, ctx)?;
-        let c = h.dim(D::Minus1)?;
-        Ok((h.reshape(((), c))?, self.wte.to_dtype(ctx.dtype)?))
-    }
-
-    /// The same head with its weights mapped by `f`.
-    fn mapped(&self, f: WeightMap) -> candle_core::Result<Self> {
-        Ok(Head {
-            ln_f: self.ln_f.map(f)?,
-            wte: f(&self.wte)?,
-        })
-    }
-}
-
-impl LinkOps for Head {
-    /// `[B, T, C] -> logits [B, T, vocab_size]` in f32 (f64 when computing in f64).
-    fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        let x = self.ln_f.forward_ctx(x, ctx)?;
-        let w = self.wte.to_dtype(ctx.dtype)?;
-        let logits = ctx.kernels.linear(&x, &w.t()?, None)?;
-        logits.to_dtype(stat_dtype(logits.dtype()))
-    }
-
-    /// The cross-entropy of the tied projection chunk by chunk (no `[B, T, vocab_size]`
-    /// logits) unless the context asks for whole logits ([`Ctx::chunked_loss`]).
-    fn loss(&self, x: &Tensor, targets: &Tensor, ctx: &Ctx) -> candle_core::Result<Loss> {
-        let mean = if ctx.chunked_loss {
-            let (h, w) = self.chunk_inputs(x, ctx)?;
-            let t = targets.flatten_all()?;
-            let t = ctx.targets(targets, &t);
-            ctx.kernels.linear_cross_entropy(&h, &w, t, IGNORE)?
-        } else {
-            let logits = self.forward(x, ctx)?;
-            ctx.kernels
-                .cross_entropy_ignoring(&logits, ctx.targets(targets, targets), IGNORE)?
-        };
-        Ok(Loss {
-            mean,
-            targets: targets.clone(),
-        })
-    }
-
-    /// Each target's cross-entropy chunk by chunk when [`LinkOps::loss`] chunks.
-    fn token_losses(&self, x: &Tensor, targets: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        if !ctx.chunked_loss {
-            return super::chain::token_losses_of_logits(&self.forward(x, ctx)?, targets);
-        }
-        let (h, w) = self.chunk_inputs(x, ctx)?;
-        let t = targets.flatten_all()?;
-        ctx.kernels
-            .linear_cross_entropy_per_token(&h, &w, ctx.targets(targets, &t), IGNORE)?
-            .reshape(targets.shape())
-    }
-
-    fn params(&self) -> Vec<Tensor> {
-        self.ln_f.weights().cloned().collect()
-    }
-
-    fn tied(&self) -> Vec<Tensor> {
-        vec![self.wte.clone()]
-    }
-
-    fn map(&self, f: WeightMap) -> candle_core::Result<Arc<dyn LinkOps>> {
-        Ok(Arc::new(self.mapped(f)?))
-    }
+    own_weights!();
 }
 
 /// A GPT-2 language model.
@@ -398,17 +306,7 @@ impl LinkOps for Head {
 /// params.check_ownership(&links)?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-#[derive(Clone, Debug)]
-pub struct Gpt {
-    /// The model's hyper-parameters.
-    pub config: GptConfig,
-    /// Embeddings (first link of the chain).
-    pub embed: Embed,
-    /// Transformer blocks (`transformer.h.{i}`).
-    pub blocks: Vec<Block>,
-    /// Final LayerNorm and tied head (last link of the chain).
-    pub head: Head,
-}
+pub type Gpt = Decoder<GptConfig, Embed, Block>;
 
 impl Gpt {
     /// Builds the model's structure, taking every tensor from `b` by its Hugging Face name
@@ -419,8 +317,9 @@ impl Gpt {
         let blocks = (0..config.n_layer)
             .map(|i| Block::build(&t.pp("h").pp(i), config, i))
             .collect::<Result<Vec<_>>>()?;
-        let head = Head::build(&t, config, embed.wte.clone())?;
-        Ok(Gpt {
+        let ln_f = LayerNorm::build(&t.pp("ln_f"), config.n_embd, config.bias, LN_EPS)?;
+        let head = Head::new(Norm::Layer(ln_f), LmHead::Tied(embed.wte.clone()));
+        Ok(Decoder {
             config: config.clone(),
             embed,
             blocks,
@@ -444,21 +343,9 @@ impl Gpt {
         run_links(&self.links(), idx, ctx)
     }
 
-    /// The same model with every weight mapped by `f` (see [`Model::map`]). Each link maps
-    /// its own reads: the tied embedding is mapped once for the embedding and once for the
-    /// head, so the two gradient contributions reach the f32 weight as two terms, in the same
-    /// order in a plain backward and in a remat tape's separate passes.
+    /// The same model with every weight mapped by `f` (see [`Model::map`]).
     pub fn map_weights(&self, f: WeightMap) -> candle_core::Result<Self> {
-        Ok(Gpt {
-            config: self.config.clone(),
-            embed: self.embed.mapped(f)?,
-            blocks: self
-                .blocks
-                .iter()
-                .map(|b| b.mapped(f))
-                .collect::<candle_core::Result<Vec<_>>>()?,
-            head: self.head.mapped(f)?,
-        })
+        Weights::map(self, f)
     }
 
     /// The model with every weight cast to `dtype`, differentiably (see [`Gpt::map_weights`]).
@@ -471,31 +358,6 @@ impl Gpt {
         config.validate()?;
         params.check(config)?;
         Self::build(config, &Builder::root(&|name, _| params.tensor(name)))
-    }
-}
-
-impl Model for Gpt {
-    fn config(&self) -> &dyn ModelConfig {
-        &self.config
-    }
-
-    fn links(&self) -> Vec<Link> {
-        super::chain(&self.embed, &self.blocks, &self.head)
-    }
-
-    fn map(&self, f: WeightMap) -> candle_core::Result<Box<dyn Model>> {
-        Ok(Box::new(self.map_weights(f)?))
-    }
-
-    fn forward_cached(&self, idx: &Tensor, cache: &mut KvCache) -> candle_core::Result<Tensor> {
-        let ctx = Ctx::eval().with_kernels(cache.kernels);
-        let t = idx.dim(1)?;
-        let mut x = self.embed.embed(idx, None, cache.len, &ctx)?;
-        for b in &self.blocks {
-            x = b.forward_cached(&x, cache)?;
-        }
-        cache.len += t;
-        self.head.forward(&x, &ctx)
     }
 }
 

@@ -7,12 +7,12 @@
 use candle_core::DType;
 use candle_remat::{BlockCost, ChainCosts};
 use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, Normal};
 use serde_json::Value;
 
-use super::super::{Builder, CheckpointTensor, Kernels, Model, ModelConfig, Shape, SpecialTokens};
-use super::rope::RopeScaling;
-use super::Llama;
+use super::super::layers::BlockOptions;
+use super::super::params::init_values;
+use super::super::{Builder, CheckpointTensor, Dims, Kernels, Model, ModelConfig, SpecialTokens};
+use super::{Llama, RopeScaling};
 use crate::{Error, Result};
 
 /// Which member of the family a config describes (its `model_type`).
@@ -50,6 +50,17 @@ impl Family {
             Family::Mistral => "MistralForCausalLM",
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+
+    /// Which projections have biases, `(q/k/v, o, mlp)`, given `attention_bias` and `mlp_bias`
+    /// (`mlp_bias` is Llama's alone): Qwen2 has q/k/v biases always, Mistral none.
+    pub(crate) fn biases(self, attention_bias: bool, mlp_bias: bool) -> (bool, bool, bool) {
+        match self {
+            Family::Llama => (attention_bias, attention_bias, mlp_bias),
+            Family::Qwen3 => (attention_bias, attention_bias, false),
+            Family::Qwen2 => (true, false, false),
+            Family::Mistral => (false, false, false),
         }
     }
 
@@ -160,6 +171,47 @@ impl LlamaConfig {
         }
     }
 
+    /// A fresh config of `family` shaped by a run's settings (see [`Architecture::fresh`]):
+    /// `dims.kv_heads` 0 means one per head, `dims.mlp` 0 the SwiGLU width `8 C / 3` rounded
+    /// up to a multiple of 64, `dims.head_dim` 0 `C / heads`; `dims.bias` sets the biases the
+    /// member has options for.
+    ///
+    /// [`Architecture::fresh`]: crate::model::Architecture::fresh
+    pub(crate) fn fresh(family: Family, dims: &Dims, dropout: f32, rope_theta: f64) -> Self {
+        let kv = match dims.kv_heads {
+            0 => dims.heads,
+            n => n,
+        };
+        let mlp = match dims.mlp {
+            0 => (8 * dims.hidden / 3).div_ceil(64) * 64,
+            n => n,
+        };
+        let (l, c, h) = (dims.layers, dims.hidden, dims.heads);
+        let mut cfg = LlamaConfig::new(family, dims.vocab, l, c, h, kv, mlp);
+        if dims.head_dim != 0 {
+            cfg.head_dim = dims.head_dim;
+        }
+        cfg.max_position_embeddings = dims.positions;
+        cfg.rope_theta = rope_theta;
+        cfg.tie_word_embeddings = dims.tied;
+        cfg.attention_dropout = dropout;
+        (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias) = family.biases(dims.bias, dims.bias);
+        cfg
+    }
+
+    /// The shared layers' options for block `i` (its attention window is the layer's).
+    pub(crate) fn block_options(&self, i: usize) -> BlockOptions {
+        BlockOptions {
+            dims: self.dims(),
+            biases: (self.qkv_bias, self.o_bias, self.mlp_bias),
+            qk_norm: self.qk_norm,
+            window: self.layer_windows[i],
+            norm_eps: self.rms_norm_eps,
+            inv_freq: self.rope_scaling.inv_freq(self.rope_theta, self.head_dim),
+            dropout: self.attention_dropout,
+        }
+    }
+
     /// Query heads per key/value head.
     pub fn n_rep(&self) -> usize {
         self.num_attention_heads / self.num_key_value_heads.max(1)
@@ -245,19 +297,18 @@ impl ModelConfig for LlamaConfig {
         LlamaConfig::validate(self)
     }
 
-    fn vocab_size(&self) -> usize {
-        self.vocab_size
-    }
-
-    fn max_positions(&self) -> usize {
-        self.max_position_embeddings
-    }
-
-    fn shape(&self) -> Shape {
-        Shape {
-            n_layer: self.num_hidden_layers,
-            n_head: self.num_attention_heads,
-            n_embd: self.hidden_size,
+    /// The run records `bias` as the q/k/v projections' biases.
+    fn dims(&self) -> Dims {
+        Dims {
+            layers: self.num_hidden_layers,
+            hidden: self.hidden_size,
+            heads: self.num_attention_heads,
+            kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+            mlp: self.intermediate_size,
+            vocab: self.vocab_size,
+            positions: self.max_position_embeddings,
+            tied: self.tie_word_embeddings,
             bias: self.qkv_bias,
         }
     }
@@ -290,24 +341,8 @@ impl ModelConfig for LlamaConfig {
     /// transformers' initialisation: weights and embeddings ~ N(0, initializer_range),
     /// biases 0, norm scales 1.
     fn init(&self, name: &str, shape: &[usize], rng: &mut ChaCha8Rng) -> Result<Vec<f32>> {
-        let n: usize = shape.iter().product();
-        if name.ends_with(".bias") {
-            return Ok(vec![0.0; n]);
-        }
-        if name.ends_with("norm.weight") {
-            return Ok(vec![1.0; n]);
-        }
-        let std = self.initializer_range as f32;
-        let normal =
-            Normal::new(0.0f32, std).map_err(|e| Error::Config(format!("init std {std}: {e}")))?;
-        Ok((0..n).map(|_| normal.sample(rng)).collect())
-    }
-
-    fn num_params(&self) -> usize {
-        self.shapes()
-            .values()
-            .map(|s| s.iter().product::<usize>())
-            .sum()
+        let scale = name.ends_with("norm.weight");
+        init_values(name, shape, scale, self.initializer_range as f32, rng)
     }
 
     /// `6 N + 12 L H D T`: `N` the parameters that multiply (the embedding lookup excluded
@@ -328,7 +363,7 @@ impl ModelConfig for LlamaConfig {
         6.0 * n + 12.0 * l * h * d * ctx
     }
 
-    /// Counted from the ops of a [`Block`](super::Block): the tensors its backward keeps. Fused kernels:
+    /// Counted from the ops of a [`Block`](crate::model::layers::Block): the tensors its backward keeps. Fused kernels:
     /// about 6 `[B, T, C]` (the input, two norms' outputs, the residual, the attention and
     /// MLP outputs), the projections q, k, v and their rotated copies, the attention output,
     /// 3 `[B, T, I]` (gate, up, their SwiGLU) and the attention's `[B, H, T]` log-sum-exp.

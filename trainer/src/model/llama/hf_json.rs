@@ -9,96 +9,125 @@ use serde_json::{json, Map, Value};
 use super::{Family, LlamaConfig, RopeScaling};
 use crate::{Error, Result};
 
+/// The keys of one `config.json`, read with errors naming the file and the key.
+struct Keys<'a> {
+    v: &'a Value,
+    path: &'a Path,
+}
+
+impl Keys<'_> {
+    fn err(&self, key: &str, msg: String) -> Error {
+        Error::checkpoint(self.path, format!("`{key}`: {msg}"))
+    }
+
+    /// `key` read by `read` (`default` when absent or null); a value it cannot read is an
+    /// error saying it must be `what`.
+    fn typed<T>(
+        &self,
+        key: &str,
+        default: T,
+        read: impl Fn(&Value) -> Option<T>,
+        what: &str,
+    ) -> Result<T> {
+        match self.v.get(key) {
+            None | Some(Value::Null) => Ok(default),
+            Some(x) => read(x).ok_or_else(|| self.err(key, format!("must be {what}, got {x}"))),
+        }
+    }
+
+    fn usize_of(&self, key: &str) -> Result<Option<usize>> {
+        let read = |x: &Value| x.as_u64().map(|x| Some(x as usize));
+        self.typed(key, None, read, "a non-negative integer")
+    }
+
+    fn need(&self, key: &str) -> Result<usize> {
+        self.usize_of(key)?
+            .ok_or_else(|| self.err(key, "missing".into()))
+    }
+
+    fn f64_of(&self, key: &str, default: f64) -> Result<f64> {
+        self.typed(key, default, Value::as_f64, "a number")
+    }
+
+    fn bool_of(&self, key: &str, default: bool) -> Result<bool> {
+        self.typed(key, default, Value::as_bool, "true or false")
+    }
+
+    /// Token ids: one, a list (instruction-tuned Llama 3's `eos_token_id`) or none.
+    fn tokens(&self, key: &str) -> Result<Vec<u32>> {
+        let one = |x: &Value| {
+            x.as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .ok_or_else(|| self.err(key, format!("must be a token id, got {x}")))
+        };
+        match self.v.get(key) {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::Array(a)) => a.iter().map(one).collect(),
+            Some(x) => Ok(vec![one(x)?]),
+        }
+    }
+
+    /// The member of the family named by `model_type` (or `architectures[0]`).
+    fn family(&self) -> Result<Family> {
+        let name = self
+            .v
+            .get("model_type")
+            .and_then(Value::as_str)
+            .or_else(|| {
+                self.v
+                    .get("architectures")
+                    .and_then(|a| a.get(0))
+                    .and_then(Value::as_str)
+            })
+            .unwrap_or("");
+        Family::from_name(name).ok_or_else(|| {
+            self.err(
+                "model_type",
+                format!("`{name}` is not a Llama-family model"),
+            )
+        })
+    }
+
+    /// Errors for the options the trainer does not implement: another activation, a partial
+    /// rotary factor, tensor-parallel slices.
+    fn check_supported(&self) -> Result<()> {
+        for key in ["hidden_act", "hidden_activation"] {
+            if let Some(act) = self.v.get(key).and_then(Value::as_str) {
+                if act != "silu" && act != "swish" {
+                    return Err(self.err(key, format!("`{act}` is not supported (silu only)")));
+                }
+            }
+        }
+        if self.f64_of("partial_rotary_factor", 1.0)? != 1.0 {
+            return Err(self.err("partial_rotary_factor", "only 1.0 is supported".into()));
+        }
+        if self.bool_of("pretraining_tp_slices", false)? {
+            return Err(self.err("pretraining_tp_slices", "not supported".into()));
+        }
+        Ok(())
+    }
+}
+
 impl LlamaConfig {
     /// Reads a Hugging Face `config.json` of the family (`path` names it in errors): the 4.x
     /// and 5.x layouts alike. Unsupported options (another activation, a RoPE scaling other
     /// than `linear` / `llama3`, a partial rotary factor) are errors naming the key.
     pub fn from_hf_json(v: &Value, path: &Path) -> Result<Self> {
-        let err = |key: &str, msg: String| Error::checkpoint(path, format!("`{key}`: {msg}"));
-        let name = v
-            .get("model_type")
-            .and_then(Value::as_str)
-            .or_else(|| {
-                v.get("architectures")
-                    .and_then(|a| a.get(0))
-                    .and_then(Value::as_str)
-            })
-            .unwrap_or("");
-        let family = Family::from_name(name).ok_or_else(|| {
-            err(
-                "model_type",
-                format!("`{name}` is not a Llama-family model"),
-            )
-        })?;
-        let usize_of = |key: &str| -> Result<Option<usize>> {
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(None),
-                Some(x) => x
-                    .as_u64()
-                    .map(|x| Some(x as usize))
-                    .ok_or_else(|| err(key, format!("must be a non-negative integer, got {x}"))),
-            }
-        };
-        let need = |key: &str| -> Result<usize> {
-            usize_of(key)?.ok_or_else(|| err(key, "missing".into()))
-        };
-        let f64_of = |key: &str, default: f64| -> Result<f64> {
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(default),
-                Some(x) => x
-                    .as_f64()
-                    .ok_or_else(|| err(key, format!("must be a number, got {x}"))),
-            }
-        };
-        let bool_of = |key: &str, default: bool| -> Result<bool> {
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(default),
-                Some(x) => x
-                    .as_bool()
-                    .ok_or_else(|| err(key, format!("must be true or false, got {x}"))),
-            }
-        };
-        for key in ["hidden_act", "hidden_activation"] {
-            if let Some(act) = v.get(key).and_then(Value::as_str) {
-                if act != "silu" && act != "swish" {
-                    return Err(err(key, format!("`{act}` is not supported (silu only)")));
-                }
-            }
-        }
-        if f64_of("partial_rotary_factor", 1.0)? != 1.0 {
-            return Err(err("partial_rotary_factor", "only 1.0 is supported".into()));
-        }
-        if bool_of("pretraining_tp_slices", false)? {
-            return Err(err("pretraining_tp_slices", "not supported".into()));
-        }
-        let hidden_size = need("hidden_size")?;
-        let heads = need("num_attention_heads")?;
-        let layers = need("num_hidden_layers")?;
+        let k = Keys { v, path };
+        let family = k.family()?;
+        k.check_supported()?;
+        let hidden_size = k.need("hidden_size")?;
+        let heads = k.need("num_attention_heads")?;
+        let layers = k.need("num_hidden_layers")?;
         let default_head_dim = match family {
             Family::Qwen3 => 128,
             _ => hidden_size / heads.max(1),
         };
         let (rope_theta, rope_scaling) = RopeScaling::from_hf_json(v, path)?;
-        let attention_bias = bool_of("attention_bias", false)?;
-        let (qkv_bias, o_bias) = match family {
-            Family::Llama | Family::Qwen3 => (attention_bias, attention_bias),
-            Family::Qwen2 => (true, false),
-            Family::Mistral => (false, false),
-        };
-        let mlp_bias = family == Family::Llama && bool_of("mlp_bias", false)?;
-        let layer_windows = Self::windows_from_hf_json(v, family, layers, path)?;
-        let token = |key: &str| -> Result<Vec<u32>> {
-            let one = |x: &Value| {
-                x.as_u64()
-                    .and_then(|x| u32::try_from(x).ok())
-                    .ok_or_else(|| err(key, format!("must be a token id, got {x}")))
-            };
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(Vec::new()),
-                Some(Value::Array(a)) => a.iter().map(one).collect(),
-                Some(x) => Ok(vec![one(x)?]),
-            }
-        };
+        let attention_bias = k.bool_of("attention_bias", false)?;
+        let mlp_bias = family == Family::Llama && k.bool_of("mlp_bias", false)?;
+        let (qkv_bias, o_bias, mlp_bias) = family.biases(attention_bias, mlp_bias);
+        let layer_windows = Self::windows_from_hf_json(&k, family, layers)?;
         let dtype = v
             .get("dtype")
             .or_else(|| v.get("torch_dtype"))
@@ -106,27 +135,27 @@ impl LlamaConfig {
             .map(str::to_string);
         let cfg = LlamaConfig {
             family,
-            vocab_size: need("vocab_size")?,
+            vocab_size: k.need("vocab_size")?,
             hidden_size,
-            intermediate_size: need("intermediate_size")?,
+            intermediate_size: k.need("intermediate_size")?,
             num_hidden_layers: layers,
             num_attention_heads: heads,
-            num_key_value_heads: usize_of("num_key_value_heads")?.unwrap_or(heads),
-            head_dim: usize_of("head_dim")?.unwrap_or(default_head_dim),
-            max_position_embeddings: usize_of("max_position_embeddings")?.unwrap_or(2048),
-            rms_norm_eps: f64_of("rms_norm_eps", 1e-6)?,
+            num_key_value_heads: k.usize_of("num_key_value_heads")?.unwrap_or(heads),
+            head_dim: k.usize_of("head_dim")?.unwrap_or(default_head_dim),
+            max_position_embeddings: k.usize_of("max_position_embeddings")?.unwrap_or(2048),
+            rms_norm_eps: k.f64_of("rms_norm_eps", 1e-6)?,
             rope_theta,
             rope_scaling,
             qkv_bias,
             o_bias,
             mlp_bias,
             qk_norm: family == Family::Qwen3,
-            tie_word_embeddings: bool_of("tie_word_embeddings", false)?,
+            tie_word_embeddings: k.bool_of("tie_word_embeddings", false)?,
             layer_windows,
-            attention_dropout: f64_of("attention_dropout", 0.0)? as f32,
-            initializer_range: f64_of("initializer_range", 0.02)?,
-            bos_token_id: token("bos_token_id")?.first().copied(),
-            eos_token_ids: token("eos_token_id")?,
+            attention_dropout: k.f64_of("attention_dropout", 0.0)? as f32,
+            initializer_range: k.f64_of("initializer_range", 0.02)?,
+            bos_token_id: k.tokens("bos_token_id")?.first().copied(),
+            eos_token_ids: k.tokens("eos_token_id")?,
             torch_dtype: dtype,
         };
         cfg.validate()
@@ -137,22 +166,10 @@ impl LlamaConfig {
     /// Per-layer sliding windows: `layer_types` when given (transformers 5.x), else Mistral's
     /// `sliding_window` on every layer, or Qwen's on layers `>= max_window_layers` when
     /// `use_sliding_window`.
-    fn windows_from_hf_json(
-        v: &Value,
-        family: Family,
-        layers: usize,
-        path: &Path,
-    ) -> Result<Vec<Option<usize>>> {
-        let err = |key: &str, msg: String| Error::checkpoint(path, format!("`{key}`: {msg}"));
-        let window = match v.get("sliding_window") {
-            None | Some(Value::Null) => None,
-            Some(x) => Some(x.as_u64().map(|w| w as usize).ok_or_else(|| {
-                err(
-                    "sliding_window",
-                    format!("must be an integer or null, got {x}"),
-                )
-            })?),
-        };
+    fn windows_from_hf_json(k: &Keys, family: Family, layers: usize) -> Result<Vec<Option<usize>>> {
+        let (v, err) = (k.v, |key: &str, msg: String| k.err(key, msg));
+        let read = |x: &Value| x.as_u64().map(|w| Some(w as usize));
+        let window = k.typed("sliding_window", None, read, "an integer or null")?;
         let window = match family {
             Family::Llama => None,
             Family::Mistral => window,

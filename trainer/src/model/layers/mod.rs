@@ -1,10 +1,61 @@
-//! Differentiable building blocks: LayerNorm, seeded dropout and the statistics dtype.
+//! The shared layers architectures are built from: LayerNorm and RMSNorm, rotary
+//! grouped-query attention with its options, the gated (SwiGLU) MLP, the pre-norm decoder
+//! block, the token embedding and the head (a norm, then the projection to the vocabulary,
+//! with a chunked loss), plus seeded dropout and the statistics dtype.
+//!
+//! An architecture module holds only what differs: its config, its `config.json` form and
+//! how it puts these layers together (the Llama family is configuration of them alone).
+//! Each layer's weights are walked once, by [`Weights::map`]; the list of a layer's weights
+//! is what that walk visits.
+
+mod attention;
+mod block;
+mod decoder;
+pub(crate) mod head;
+mod rms_norm;
+mod rope;
+
+use std::cell::RefCell;
 
 use candle_core::{DType, Tensor};
 
-use super::Builder;
-use super::Ctx;
+use super::{Builder, Ctx, KvCache, WeightMap};
 use crate::Result;
+
+pub use attention::{Attention, BlockOptions};
+pub use block::{Block, GatedMlp};
+pub use decoder::Decoder;
+pub use head::Embed;
+pub use rms_norm::RmsNorm;
+pub use rope::RopeScaling;
+
+/// A module's weights, walked once: [`Weights::map`] rebuilds the module over mapped weights
+/// (in the order its structure declares them) and [`Weights::weights`] lists what that walk
+/// visits, so the two never disagree.
+pub(crate) trait Weights: Sized {
+    /// The same module with every weight mapped by `f` (cast, copied to a device).
+    fn map(&self, f: WeightMap) -> candle_core::Result<Self>;
+
+    /// Every weight the module reads, in the order [`Weights::map`] visits them.
+    fn weights(&self) -> Vec<Tensor> {
+        let seen = RefCell::new(Vec::new());
+        let visit = |t: &Tensor| {
+            seen.borrow_mut().push(t.clone());
+            Ok(t.clone())
+        };
+        // The identity map cannot fail on a built module; a walk that did would list fewer
+        // weights, which the ownership check reports.
+        let _ = Weights::map(self, &visit);
+        seen.into_inner()
+    }
+}
+
+/// What a link does over a key/value cache (evaluation): the embedding of tokens after the
+/// cached ones, a block reading and extending the cache.
+pub(crate) trait Cached {
+    /// The link over new tokens `x`, `cache.len` tokens already in `cache`.
+    fn cached(&self, x: &Tensor, cache: &mut KvCache, ctx: &Ctx) -> candle_core::Result<Tensor>;
+}
 
 /// Layer normalisation over the last dimension, with `candle-fused`'s kernel (or, with
 /// `--kernels reference`, written from primitive ops; Candle's own fused `layer_norm` has no
