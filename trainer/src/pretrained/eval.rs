@@ -112,11 +112,17 @@ impl EvalRequest {
 /// its kernels and its task problems.
 #[derive(Clone, Debug)]
 pub struct EvalSettings {
+    /// Batches averaged per loss.
     pub(crate) eval_iters: usize,
+    /// Rows of a batch.
     pub(crate) batch_size: usize,
+    /// Tokens of a row.
     pub(crate) block_size: usize,
+    /// Fused or reference kernels.
     pub(crate) kernels: Kernels,
+    /// Seeds the batches' generator (xor a constant).
     pub(crate) seed: u64,
+    /// Held-out task problems scored; 0 for none.
     pub(crate) eval_problems: usize,
 }
 

@@ -1,5 +1,7 @@
 //! [`Trainer::builder`]: a run from its parts (data, model, optimiser, tuning, run directory
 //! and hyper-parameters), each optional; what is not given comes from the [`TrainConfig`].
+//! The model a run's config asks for is built here too: fresh or pretrained (`build_model`),
+//! or resumed from a checkpoint (`resume_model`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -14,9 +14,13 @@ use crate::Result;
 /// executes, what it trains (adapters) and the optimiser that keeps state.
 #[derive(Clone, Debug)]
 pub struct MemorySettings {
+    /// How a step executes: its sizes, precision, remat and pipeline.
     pub(crate) run: ExecutorSettings,
+    /// The adapters' rank; 0 for full training.
     pub(crate) lora_r: usize,
+    /// The layers the adapters wrap.
     pub(crate) lora_targets: TargetModules,
+    /// The optimiser, for its state per parameter.
     pub(crate) optimizer: AdamWConfig,
 }
 

@@ -143,13 +143,21 @@ fn stage_recompute(
 /// the executor, which builds its pipeline from it.
 #[derive(Clone, Debug)]
 pub struct ExecutorSettings {
+    /// The compute dtype (`dtype`).
     pub(crate) dtype: DType,
+    /// The activation-checkpointing policy (`remat`).
     pub(crate) remat: Policy,
+    /// Rows of a micro-batch.
     pub(crate) batch_size: usize,
+    /// Tokens of a row.
     pub(crate) block_size: usize,
+    /// Fused or reference kernels.
     pub(crate) kernels: Kernels,
+    /// Whether the loss runs over chunks of the vocabulary.
     pub(crate) chunked_loss: bool,
+    /// Pipeline stages, microbatches, schedule and devices, if any.
     pub(crate) parallelism: Parallelism,
+    /// The run's device (a stage on it reuses it).
     pub(crate) device: DeviceSpec,
 }
 
