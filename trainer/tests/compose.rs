@@ -303,7 +303,7 @@ fn pipeline_gradients_match_plain_backward() {
             ..tiny_config(&tmp.path().join(format!("{name}-{kernels}")))
         };
         let t = Trainer::new(cfg.clone()).unwrap();
-        let pipe = PipelineRun::build(&cfg, t.model.as_ref(), &t.params, &dev, dtype)
+        let pipe = PipelineRun::build(&(&cfg).into(), t.model.as_ref(), &t.params, &dev, dtype)
             .unwrap()
             .unwrap();
         let (b, tt, vocab) = (5, cfg.block_size, t.model.config().vocab_size());

@@ -7,7 +7,9 @@
 
 pub mod decimal;
 mod device;
+mod eval;
 mod paths;
+pub(crate) mod resume;
 mod sections;
 mod types;
 mod validate;

@@ -1,11 +1,15 @@
 //! The sections of the run config that other parts take as their own settings: the
-//! optimiser's, the learning-rate schedule's, the objective's and the 4-bit base's.
+//! optimiser's, the learning-rate schedule's, the objective's, the 4-bit base's, the
+//! executor's, the memory estimate's and the evaluation's.
 
 use super::{BaseQuant, TrainConfig};
 use crate::lora::Nf4Settings;
 use crate::objective::ObjectiveConfig;
 use crate::optim::AdamWConfig;
+use crate::pretrained::EvalSettings;
 use crate::schedule::LrSchedule;
+use crate::train::memory::MemorySettings;
+use crate::train::pipeline::ExecutorSettings;
 
 impl TrainConfig {
     /// The optimiser's hyper-parameters.
@@ -47,6 +51,49 @@ impl From<&TrainConfig> for ObjectiveConfig {
             dpo_loss: config.dpo_loss.clone(),
             dpo_beta: config.dpo_beta,
             dpo_label_smoothing: config.dpo_label_smoothing,
+        }
+    }
+}
+
+impl From<&TrainConfig> for ExecutorSettings {
+    /// The run's precision, remat policy, batch and block sizes, kernels and parallelism.
+    fn from(config: &TrainConfig) -> Self {
+        ExecutorSettings {
+            dtype: config.dtype.dtype(),
+            remat: config.remat,
+            batch_size: config.batch_size,
+            block_size: config.block_size,
+            kernels: config.kernels,
+            chunked_loss: config.chunked_loss,
+            parallelism: config.parallelism(),
+            device: config.device,
+        }
+    }
+}
+
+impl From<&TrainConfig> for MemorySettings {
+    /// The executor's settings, the run's adapters and its optimiser.
+    fn from(config: &TrainConfig) -> Self {
+        MemorySettings {
+            run: config.into(),
+            lora_r: config.lora_r,
+            lora_targets: config.lora_targets.clone(),
+            optimizer: config.adamw_config(),
+        }
+    }
+}
+
+impl From<&TrainConfig> for EvalSettings {
+    /// The run's evaluation batches (`eval_iters` of `batch_size` x `block_size`, seeded by
+    /// `seed`), kernels and task problems.
+    fn from(config: &TrainConfig) -> Self {
+        EvalSettings {
+            eval_iters: config.eval_iters,
+            batch_size: config.batch_size,
+            block_size: config.block_size,
+            kernels: config.kernels,
+            seed: config.seed,
+            eval_problems: config.eval_problems,
         }
     }
 }

@@ -447,7 +447,7 @@ impl ModelDir {
         device: &Device,
     ) -> Result<()> {
         match checks.train {
-            Some(run) => crate::train::memory::check_run_fits(run, config, device),
+            Some(run) => crate::train::memory::check_run_fits(&run.into(), config, device),
             None if device.is_cpu() => {
                 // The f32 weights, refused before they are read (activations come on top).
                 let what = format!(

@@ -8,22 +8,14 @@ use candle_core::Device;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use super::{ModelDir, TOKENIZER_FILE};
+use super::ModelDir;
 use crate::config::DeviceSpec;
-use crate::config::TrainConfig;
 use crate::data::{DataKind, DataSource, Split, Task};
 use crate::load::{Checks, DataCheck, FingerprintCheck};
 use crate::metrics::EvalStats;
-use crate::model::{Ctx, Model, ModelConfig};
+use crate::model::{Ctx, Kernels, Model};
 use crate::sample::greedy_batch;
-use crate::{Error, Result};
-
-/// Context length of a bare model's evaluation batches, unless the model has fewer positions.
-pub const BARE_BLOCK_SIZE: usize = 256;
-/// Sequences per batch when evaluating a bare model.
-pub const BARE_BATCH_SIZE: usize = 8;
-/// Batches averaged per loss when evaluating a bare model.
-pub const BARE_EVAL_ITERS: usize = 10;
+use crate::Result;
 
 #[cfg(feature = "cli")]
 const HEADING: &str =
@@ -78,80 +70,8 @@ pub struct EvalRequest {
 
 impl EvalRequest {
     /// Whether any data flag was given.
-    fn has_data(&self) -> bool {
+    pub(crate) fn has_data(&self) -> bool {
         self.data.is_some() || self.data_path.is_some() || self.tokenizer_path.is_some()
-    }
-
-    /// The evaluation settings for `model` (whose config is `model_config`), as a run config:
-    /// the run's (or a bare model's defaults) with the given flags applied.
-    pub fn config(&self, model: &ModelDir, model_config: &dyn ModelConfig) -> Result<TrainConfig> {
-        let n_positions = model_config.max_positions();
-        let mut cfg = match model.run_config() {
-            Some(run) => run.clone(),
-            None => {
-                if !self.has_data() {
-                    return Err(Error::Config(format!(
-                        "{} is a bare model (no trainer_state.json), so there is no run config \
-                         to take the evaluation data from: give a text file with --data-path \
-                         FILE (tokenised with the model's tokenizer.json; see --data and \
-                         --tokenizer-path)",
-                        model.dir.display()
-                    )));
-                }
-                TrainConfig {
-                    data: DataKind::Tokenizer,
-                    block_size: n_positions.min(BARE_BLOCK_SIZE),
-                    batch_size: BARE_BATCH_SIZE,
-                    eval_iters: BARE_EVAL_ITERS,
-                    ..TrainConfig::default()
-                }
-            }
-        };
-        let set = |field: &mut Option<PathBuf>, value: &Option<PathBuf>| {
-            if value.is_some() {
-                field.clone_from(value);
-            }
-        };
-        if let Some(d) = &self.data {
-            cfg.data = *d;
-        }
-        set(&mut cfg.data_path, &self.data_path);
-        set(&mut cfg.tokenizer_path, &self.tokenizer_path);
-        set(&mut cfg.cache_dir, &self.cache_dir);
-        cfg.val_fraction = self.val_fraction.unwrap_or(cfg.val_fraction);
-        cfg.block_size = self.block_size.unwrap_or(cfg.block_size);
-        cfg.batch_size = self.batch_size.unwrap_or(cfg.batch_size);
-        cfg.eval_iters = self.eval_iters.unwrap_or(cfg.eval_iters);
-        cfg.eval_problems = self.eval_problems.unwrap_or(cfg.eval_problems);
-        if let Some(d) = &self.device {
-            cfg.device = *d;
-        }
-        if cfg.data.uses_tokenizer() && cfg.tokenizer_path.is_none() {
-            let own = model.dir.join(TOKENIZER_FILE);
-            if !own.is_file() {
-                return Err(Error::Config(format!(
-                    "`{}` data needs --tokenizer-path: there is no {}",
-                    cfg.data,
-                    own.display()
-                )));
-            }
-            cfg.tokenizer_path = Some(own);
-        }
-        if cfg.data.uses_path() && cfg.data_path.is_none() {
-            return Err(Error::Config(format!(
-                "`{}` data needs --data-path FILE",
-                cfg.data
-            )));
-        }
-        if cfg.block_size > n_positions {
-            return Err(Error::Config(format!(
-                "block_size {} exceeds the {n_positions} positions of the model in {}",
-                cfg.block_size,
-                model.dir.display()
-            )));
-        }
-        cfg.validate()?;
-        Ok(cfg)
     }
 
     /// Loads `model`, opens the evaluation data and measures the losses (and the task score).
@@ -177,8 +97,33 @@ impl EvalRequest {
         };
         let loaded = model.load_with(&checks, &device)?.build()?;
         let step = model.run.as_ref().map_or(0, |s| s.step);
-        evaluate(loaded.as_ref(), data.as_ref(), &cfg, step, &device)
+        evaluate(
+            loaded.as_ref(),
+            data.as_ref(),
+            &(&cfg).into(),
+            step,
+            &device,
+        )
     }
+}
+
+/// What an evaluation reads of the run config (`From<&TrainConfig>`): its batches
+/// (`eval_iters` of `batch_size` x `block_size`, drawn by a generator seeded from `seed`),
+/// its kernels and its task problems.
+#[derive(Clone, Debug)]
+pub struct EvalSettings {
+    /// Batches averaged per loss.
+    pub(crate) eval_iters: usize,
+    /// Rows of a batch.
+    pub(crate) batch_size: usize,
+    /// Tokens of a row.
+    pub(crate) block_size: usize,
+    /// Fused or reference kernels.
+    pub(crate) kernels: Kernels,
+    /// Seeds the batches' generator (xor a constant).
+    pub(crate) seed: u64,
+    /// Held-out task problems scored; 0 for none.
+    pub(crate) eval_problems: usize,
 }
 
 /// Mean loss of `model` over `config.eval_iters` batches of `split` (`config.batch_size` rows
@@ -187,7 +132,7 @@ pub fn mean_loss(
     model: &dyn Model,
     data: &dyn DataSource,
     split: Split,
-    config: &TrainConfig,
+    config: &EvalSettings,
     rng: &mut ChaCha8Rng,
     device: &Device,
 ) -> Result<f32> {
@@ -201,7 +146,7 @@ pub(crate) fn mean_loss_until(
     model: &dyn Model,
     data: &dyn DataSource,
     split: Split,
-    config: &TrainConfig,
+    config: &EvalSettings,
     rng: &mut ChaCha8Rng,
     device: &Device,
     stop: &AtomicBool,
@@ -227,7 +172,7 @@ pub(crate) fn mean_loss_until(
 pub fn evaluate(
     model: &dyn Model,
     data: &dyn DataSource,
-    config: &TrainConfig,
+    config: &EvalSettings,
     step: usize,
     device: &Device,
 ) -> Result<EvalStats> {

@@ -11,7 +11,7 @@
 mod eval;
 mod tokenizer;
 
-pub use eval::{evaluate, mean_loss, task_score, EvalRequest};
+pub use eval::{evaluate, mean_loss, task_score, EvalRequest, EvalSettings};
 pub(crate) use eval::{mean_loss_until, task_score_until};
 pub use tokenizer::{
     word_level, SpecialTokens, TokenizerFile, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,

@@ -1,20 +1,24 @@
 //! [`Trainer::builder`]: a run from its parts (data, model, optimiser, tuning, run directory
 //! and hyper-parameters), each optional; what is not given comes from the [`TrainConfig`].
+//! The model a run's config asks for is built here too: fresh or pretrained (`build_model`),
+//! or resumed from a checkpoint (`resume_model`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use candle_core::Device;
 use candle_peft::LoraConfig;
 
-use super::{init, memory, Trainer};
+use super::{memory, Trainer};
 use crate::config::{Precision, TrainConfig};
 use crate::data::iter::BatchIter;
 use crate::data::{DataSource, IntoBatch};
-use crate::lora::Tuning;
-use crate::model::{Model, Params};
+use crate::lora::{self, Tuning};
+use crate::model::{self, Model, Params};
 use crate::objective::Objective;
 use crate::optim::Optimizer;
-use crate::{Error, Result};
+use crate::pretrained::{self, SpecialTokens};
+use crate::{load, Error, Result};
 
 /// Builds an optimiser over a run's parameters (see [`TrainerBuilder::optimizer`]).
 pub type OptimizerFn = Box<dyn FnOnce(&TrainConfig, &Params) -> Result<Box<dyn Optimizer>>>;
@@ -215,10 +219,10 @@ impl TrainerBuilder {
         let (model, params, tuning) = match self.model {
             Some((model, params)) => {
                 // The caller allocated the model already; `init` checks before it does.
-                memory::check_run_fits(&config, model.config(), &device)?;
+                memory::check_run_fits(&(&config).into(), model.config(), &device)?;
                 (model, params, Tuning::Full)
             }
-            None => init::build_model(&config, data.as_ref(), &device)?,
+            None => build_model(&config, data.as_ref(), &device)?,
         };
         let optimizer = self.optimizer.unwrap_or(Box::new(run_optimizer));
         let mut trainer = Trainer::start(config, device, data, model, params, tuning, optimizer)?;
@@ -273,4 +277,148 @@ fn adopt_lora(config: &mut TrainConfig, lora: LoraConfig) {
     config.lora_targets = lora.target_modules;
     config.rslora = lora.use_rslora;
     config.modules_to_save = crate::config::ModuleList(lora.modules_to_save);
+}
+
+/// Fresh weights, or the pretrained ones named by `init_from` (see
+/// [`crate::pretrained::resolve`]: a model directory, a trainer checkpoint or run directory, or
+/// a hub model id).
+///
+/// A pretrained model keeps all its positions (`wpe` rows, `n_positions`): the run's
+/// `block_size` is only the length of its training batches and may be shorter (the trainer
+/// checks it fits, and that the model embeds the data's vocabulary, for every model). The
+/// special token ids are those of the run's vocabulary ([`pretrained::data_special_tokens`]).
+///
+/// A LoRA run (`lora_r > 0`) freezes that model and trains adapters on it, fresh (PEFT's
+/// initialisation) or from the PEFT adapter `adapter`: the parameters returned are the
+/// adapters' (and the modules to save).
+pub fn build_model(
+    config: &TrainConfig,
+    data: &dyn DataSource,
+    device: &Device,
+) -> Result<(Box<dyn Model>, Params, Tuning)> {
+    let lora = run_lora_config(config);
+    let Some(from) = &config.init_from else {
+        if lora.is_some() {
+            return Err(Error::Config(
+                "LoRA (lora_r > 0 or --adapter) trains adapters on a pretrained model: give it \
+                 with --init-from"
+                    .into(),
+            ));
+        }
+        let tokens = pretrained::data_special_tokens(
+            config.data,
+            config.tokenizer_path.as_deref(),
+            SpecialTokens::default(),
+        )?;
+        let fresh = config
+            .model_config(data.vocab_size())?
+            .with_run_settings(config.dropout, tokens);
+        memory::check_run_fits(&config.into(), fresh.as_ref(), device)?;
+        let (model, params) = model::init(fresh.as_ref(), config.seed, device)?;
+        return Ok((model, params, Tuning::Full));
+    };
+    // The one loading path (`crate::load`): the source's own run check when it is a trainer
+    // checkpoint, the data's vocabulary, this run's memory before allocating, the weights,
+    // the manifest.
+    let source = pretrained::ModelDir::open(from)?;
+    let settings = |loaded: &dyn model::ModelConfig| -> Result<Box<dyn model::ModelConfig>> {
+        let tokens = pretrained::data_special_tokens(
+            config.data,
+            config.tokenizer_path.as_deref(),
+            loaded.special_tokens(),
+        )?;
+        Ok(loaded.with_run_settings(config.dropout, tokens))
+    };
+    let checks = load::Checks {
+        train: Some(config),
+        data: Some(load::DataCheck {
+            source: data,
+            fingerprint: load::FingerprintCheck::Skip,
+        }),
+        vocab: None,
+        settings: Some(&settings),
+        unmerged: false,
+    };
+    let quant = config.nf4_settings();
+    if quant.is_some() && lora.is_none() {
+        return Err(Error::Config(
+            "--base-quant nf4 holds the frozen base of a LoRA run in 4 bits: give --lora-r (or \
+             --adapter)"
+                .into(),
+        ));
+    }
+    let Some(lora) = lora else {
+        let loaded = source.load_with(&checks, device)?;
+        let model = loaded.build()?;
+        return Ok((model, loaded.params, Tuning::Full));
+    };
+    if source.adapter.is_some() {
+        return Err(Error::Config(format!(
+            "--init-from {from} holds adapters: LoRA needs a plain base model (merge them first \
+             with `trainer export --merge`, or resume that run)"
+        )));
+    }
+    let loaded = source.load_with(&checks, device)?;
+    let base = lora::BaseIdentity::of(from, loaded.config.as_ref(), &loaded.params)?;
+    let adapter = match &config.adapter {
+        Some(dir) => {
+            let a = lora::read_adapter(dir, device)?;
+            lora::check_adapter_base(&a, &base, config.other_base)?;
+            Some(a)
+        }
+        None => None,
+    };
+    let base_dtype = config.base_dtype.unwrap_or(config.dtype).dtype();
+    Tuning::lora_over(
+        loaded.config.as_ref(),
+        &loaded.params,
+        &lora,
+        adapter.as_ref(),
+        base,
+        base_dtype,
+        quant.as_ref(),
+        config.seed,
+    )
+}
+
+/// The model a checkpoint `dir` of a run with `config` resumes, as the loader `loaded` it
+/// (the base checked against the one the run recorded, `recorded_base`): the whole model
+/// when it holds no adapters; else its adapters over the base (on which the run goes on
+/// recording the base as found now: an old run's file digests become the semantic
+/// identity), their config as the checkpoint's `adapter_config.json` says.
+pub(crate) fn resume_model(
+    loaded: &load::Loaded,
+    recorded_base: bool,
+    config: &TrainConfig,
+    dir: &Path,
+) -> Result<(Box<dyn Model>, Params, Tuning)> {
+    match (&loaded.adapter, &loaded.base, recorded_base) {
+        (None, ..) => Ok((loaded.build()?, loaded.params.clone(), Tuning::Full)),
+        (Some(a), Some(base), true) => Tuning::lora_over(
+            loaded.config.as_ref(),
+            &loaded.params,
+            &a.config,
+            Some(a),
+            base.clone(),
+            config.base_dtype.unwrap_or(config.dtype).dtype(),
+            config.nf4_settings().as_ref(),
+            config.seed,
+        ),
+        (Some(_), ..) => Err(Error::checkpoint(
+            dir,
+            "holds adapters but trainer_state.json records no base model",
+        )),
+    }
+}
+
+/// The LoRA config of a run (`lora_r > 0`), or `None` for full fine-tuning.
+fn run_lora_config(config: &TrainConfig) -> Option<LoraConfig> {
+    (config.lora_r > 0).then(|| {
+        LoraConfig::new(config.lora_r, config.lora_alpha)
+            .with_targets(config.lora_targets.clone())
+            .with_rslora(config.rslora)
+            .with_dropout(config.lora_dropout)
+            .with_modules_to_save(config.modules_to_save.0.clone())
+            .with_base(config.init_from.clone())
+    })
 }

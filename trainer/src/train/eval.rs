@@ -28,7 +28,7 @@ pub(super) fn estimate_loss_until(
         trainer.model.as_ref(),
         trainer.data.as_ref(),
         split,
-        &trainer.config,
+        &(&trainer.config).into(),
         rng,
         &trainer.device,
         stop,

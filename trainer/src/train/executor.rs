@@ -12,8 +12,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use candle_remat::{Plan, Policy, Tape};
 
-use super::pipeline::PipelineRun;
-use crate::config::TrainConfig;
+use super::pipeline::{ExecutorSettings, PipelineRun};
 use crate::data::Batch;
 use crate::model::{Ctx, Link, Loss, Model, ModelConfig, Params};
 use crate::objective::{HeadOutput, Objective};
@@ -30,14 +29,14 @@ pub enum Executor {
 }
 
 impl Executor {
-    /// The executor the config asks for (computing in `config.dtype`).
+    /// The executor the settings ask for (computing in `config.dtype`).
     pub fn build(
-        config: &TrainConfig,
+        config: &ExecutorSettings,
         model: &dyn Model,
         params: &Params,
         dev: &Device,
     ) -> Result<Self> {
-        let dtype = config.dtype.dtype();
+        let dtype = config.dtype;
         if let Some(pipe) = PipelineRun::build(config, model, params, dev, dtype)? {
             return Ok(Executor::Pipeline(Box::new(pipe)));
         }
@@ -184,7 +183,7 @@ pub fn run_chain<'a>(
 /// Costs are counted at the run's context (`config.block_size`), which may be shorter than
 /// the model's positions when fine-tuning a pretrained model.
 pub fn remat_plan(
-    config: &TrainConfig,
+    config: &ExecutorSettings,
     model: &dyn ModelConfig,
     dtype: DType,
 ) -> Result<Option<Plan>> {

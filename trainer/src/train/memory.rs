@@ -4,9 +4,25 @@
 use candle_core::{DType, Device};
 use candle_remat::{Plan, Policy};
 
-use crate::config::{Parallelism, TrainConfig};
+use super::pipeline::ExecutorSettings;
+use crate::config::{Parallelism, TargetModules};
 use crate::model::ModelConfig;
+use crate::optim::AdamWConfig;
 use crate::Result;
+
+/// What the memory estimate reads of the run config (`From<&TrainConfig>`): how a step
+/// executes, what it trains (adapters) and the optimiser that keeps state.
+#[derive(Clone, Debug)]
+pub struct MemorySettings {
+    /// How a step executes: its sizes, precision, remat and pipeline.
+    pub(crate) run: ExecutorSettings,
+    /// The adapters' rank; 0 for full training.
+    pub(crate) lora_r: usize,
+    /// The layers the adapters wrap.
+    pub(crate) lora_targets: TargetModules,
+    /// The optimiser, for its state per parameter.
+    pub(crate) optimizer: AdamWConfig,
+}
 
 /// Estimated peak bytes of one training step: f32 weights, gradients and the optimiser's state
 /// ([`trained_bytes_per_param`])
@@ -19,7 +35,7 @@ use crate::Result;
 /// A lower bound more than a prediction: it is used to refuse runs that cannot fit (e.g. a
 /// `block_size` of 100000) before they allocate, not to size runs that can.
 pub fn estimate_step_bytes(
-    config: &TrainConfig,
+    config: &MemorySettings,
     model: &dyn ModelConfig,
     dtype: DType,
     plan: Option<&Plan>,
@@ -31,17 +47,17 @@ pub fn estimate_step_bytes(
         n_params * dtype.size_in_bytes() as u64
     };
     let all_blocks = |rows: usize| {
-        let costs = model.chain_costs(rows, config.block_size, dtype, config.kernels);
+        let costs = model.chain_costs(rows, config.run.block_size, dtype, config.run.kernels);
         costs
             .blocks
             .iter()
             .map(|b| b.act_bytes)
             .fold(costs.input_bytes, u64::saturating_add)
     };
-    let activations = match (plan, config.parallelism()) {
+    let activations = match (plan, config.run.parallelism.clone()) {
         (Some(p), _) => p.predicted_peak_bytes,
         // Stages recompute their blocks: at least nothing (a lower bound).
-        (None, Parallelism::Pipeline { .. }) if config.remat != Policy::None => 0,
+        (None, Parallelism::Pipeline { .. }) if config.run.remat != Policy::None => 0,
         // Every block holds up to min(microbatches, stages) microbatches at once (1F1B's
         // first worker; GPipe holds more).
         (
@@ -51,11 +67,11 @@ pub fn estimate_step_bytes(
                 microbatches,
                 ..
             },
-        ) => all_blocks(config.batch_size.div_ceil(microbatches))
+        ) => all_blocks(config.run.batch_size.div_ceil(microbatches))
             .saturating_mul(microbatches.min(stages) as u64),
-        (None, Parallelism::None) => all_blocks(config.batch_size),
+        (None, Parallelism::None) => all_blocks(config.run.batch_size),
     };
-    let tokens = (config.batch_size as u64).saturating_mul(config.block_size as u64);
+    let tokens = (config.run.batch_size as u64).saturating_mul(config.run.block_size as u64);
     let logits = tokens
         .saturating_mul(model.vocab_size() as u64)
         .saturating_mul(4 * 2);
@@ -74,9 +90,13 @@ pub fn estimate_step_bytes(
 /// config's optimiser ([`crate::optim::build`], asked over no parameters; an optimiser that
 /// cannot be built is refused when the run builds it, and counts nothing here: this is a
 /// lower bound).
-pub fn trained_bytes_per_param(config: &TrainConfig) -> u64 {
-    let state = crate::optim::build(config.adamw_config(), config.kernels, &Default::default())
-        .map_or(0, |o| o.state_bytes_per_param() as u64);
+pub fn trained_bytes_per_param(config: &MemorySettings) -> u64 {
+    let state = crate::optim::build(
+        config.optimizer.clone(),
+        config.run.kernels,
+        &Default::default(),
+    )
+    .map_or(0, |o| o.state_bytes_per_param() as u64);
     4 + 4 + state
 }
 
@@ -88,15 +108,15 @@ const LAYER_OVERHEAD: u64 = 4 << 10;
 /// A LoRA run's adapters (`lora_r` per targeted linear layer, taken as `n_embd` in and out):
 /// their f32 weights, gradients and optimiser state, and the activations of one micro-batch
 /// they add (see `trainer/tests/lora_memory.rs` for how close this comes to a measured run).
-fn adapter_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) -> u64 {
+fn adapter_bytes(config: &MemorySettings, model: &dyn ModelConfig, dtype: DType) -> u64 {
     if config.lora_r == 0 {
         return 0;
     }
     let shape = model.shape();
     let targets = match &config.lora_targets {
-        crate::config::TargetModules::Names(names) => names.len().clamp(1, 7),
-        crate::config::TargetModules::Regex(_) => 1,
-        crate::config::TargetModules::AllLinear => 7, // q, k, v, o, gate, up, down
+        TargetModules::Names(names) => names.len().clamp(1, 7),
+        TargetModules::Regex(_) => 1,
+        TargetModules::AllLinear => 7, // q, k, v, o, gate, up, down
     } as u64;
     let per_layer = (config.lora_r as u64).saturating_mul(targets);
     let params = per_layer
@@ -104,7 +124,7 @@ fn adapter_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) ->
         .saturating_mul(shape.n_layer as u64);
     // Each adapted layer keeps, per token, `A x` (lora_r wide) and its `B A x` and scaled
     // copy (out wide) for the backward, besides the base layer's own output.
-    let tokens = (config.batch_size as u64).saturating_mul(config.block_size as u64);
+    let tokens = (config.run.batch_size as u64).saturating_mul(config.run.block_size as u64);
     let acts = (targets * shape.n_layer as u64)
         .saturating_mul(tokens)
         .saturating_mul((config.lora_r as u64).saturating_add(2 * shape.n_embd as u64))
@@ -118,7 +138,7 @@ fn adapter_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) ->
 /// batch, block, adapters) in O(1) time and memory: each layer's overhead and norms, the
 /// token embedding, the logits and their gradient, the adapters. Checked before anything
 /// proportional to a size is built (the parameter list, the cost table, the remat plan).
-pub(crate) fn floor_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: DType) -> u64 {
+pub(crate) fn floor_bytes(config: &MemorySettings, model: &dyn ModelConfig, dtype: DType) -> u64 {
     // A frozen LoRA base holds its f32 weights; full training adds gradients and the
     // optimiser's state.
     let per_param: u64 = if config.lora_r > 0 {
@@ -126,7 +146,7 @@ pub(crate) fn floor_bytes(config: &TrainConfig, model: &dyn ModelConfig, dtype: 
     } else {
         trained_bytes_per_param(config)
     };
-    let tokens = (config.batch_size as u64).saturating_mul(config.block_size as u64);
+    let tokens = (config.run.batch_size as u64).saturating_mul(config.run.block_size as u64);
     let logits = tokens
         .saturating_mul(model.vocab_size() as u64)
         .saturating_mul(8);
@@ -162,26 +182,26 @@ fn sized_floor(model: &dyn ModelConfig, per_param: u64) -> u64 {
 /// checked on the CPU (a GPU reports its own out-of-memory errors; the CPU allocator aborts the
 /// process).
 pub(crate) fn check_run_fits(
-    config: &TrainConfig,
+    config: &MemorySettings,
     model: &dyn ModelConfig,
     device: &Device,
 ) -> Result<()> {
     if !device.is_cpu() {
         return Ok(());
     }
-    let dtype = config.dtype.dtype();
+    let dtype = config.run.dtype;
     let what = format!(
         "this run ({}, batch_size {} x block_size {}) per step",
         model.describe(),
-        config.batch_size,
-        config.block_size
+        config.run.batch_size,
+        config.run.block_size
     );
     let advice = "lower batch_size, block_size or lora_r, or use --remat";
     // The sizes first, in O(1): what comes next builds tables of one entry per layer.
     crate::runtime::check_fits(floor_bytes(config, model, dtype), &what, advice)?;
-    let plan = match config.parallelism() {
+    let plan = match config.run.parallelism {
         Parallelism::Pipeline { .. } => None, // stages plan their own blocks
-        Parallelism::None => super::executor::remat_plan(config, model, dtype)?,
+        Parallelism::None => super::executor::remat_plan(&config.run, model, dtype)?,
     };
     let need = estimate_step_bytes(config, model, dtype, plan.as_ref())
         .max(floor_bytes(config, model, dtype));
@@ -191,6 +211,7 @@ pub(crate) fn check_run_fits(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::TrainConfig;
 
     #[test]
     fn pipeline_stages_hold_fewer_activations() {
@@ -201,7 +222,7 @@ mod tests {
             ..TrainConfig::default()
         };
         let gpt = config.gpt_config(64);
-        let est = |c: &TrainConfig| estimate_step_bytes(c, &gpt, DType::F32, None);
+        let est = |c: &TrainConfig| estimate_step_bytes(&c.into(), &gpt, DType::F32, None);
         let plain = est(&config);
         let piped = TrainConfig {
             pipeline_stages: 2,

@@ -7,7 +7,6 @@
 mod builder;
 mod eval;
 pub mod executor;
-mod init;
 pub mod memory;
 pub mod parallel;
 pub mod pipeline;
@@ -203,7 +202,7 @@ impl Trainer {
                 // on recording its identity as found now (an old run's file digests become
                 // the semantic identity).
                 let (model, params, tuning) =
-                    init::resume_model(l, state.base.is_some(), &config, &dir)?;
+                    builder::resume_model(l, state.base.is_some(), &config, &dir)?;
                 let mut o = optimizer(&config, &params)?;
                 checkpoint::load_optimizer(&dir, o.as_mut(), &device)?;
                 Ok((model, params, tuning, o))
@@ -273,7 +272,7 @@ impl Trainer {
         crate::runtime::apply_gpu_settings(config.tf32, config.triton_kernels);
         let dtype = config.dtype.dtype();
         params.check_ownership(&model.links())?;
-        let executor = Executor::build(&config, model.as_ref(), &params, &device)?;
+        let executor = Executor::build(&(&config).into(), model.as_ref(), &params, &device)?;
         let ceiling = if config.peak_flops > 0.0 {
             crate::mfu::Ceiling::new(config.peak_flops, true)
         } else {
@@ -544,7 +543,7 @@ fn resumed_config(
     config.absolute_paths()?;
     let mut saved = state.config.clone();
     saved.absolute_paths()?;
-    init::check_resume_compatible(&saved, &config, dir)?;
+    crate::config::resume::check_resume_compatible(&saved, &config, dir)?;
     config.validate()?;
     Ok((config, claim))
 }

@@ -30,9 +30,9 @@ use candle_pipeline::{
 };
 use candle_remat::Policy;
 
-use crate::config::{DeviceSpec, Parallelism, TrainConfig};
+use crate::config::{DeviceSpec, Parallelism};
 use crate::data::Batch;
-use crate::model::{Ctx, Link, Model, Params, Role, Rows};
+use crate::model::{Ctx, Kernels, Link, Model, Params, Role, Rows};
 use crate::objective::{CrossEntropy, HeadOutput, Objective};
 use crate::{Error, Result};
 
@@ -138,12 +138,35 @@ fn stage_recompute(
         .collect())
 }
 
+/// What the executor ([`super::Executor`]) and its pipeline read of the run config
+/// (`From<&TrainConfig>`): how a step computes and how it is spread. Defined here, below
+/// the executor, which builds its pipeline from it.
+#[derive(Clone, Debug)]
+pub struct ExecutorSettings {
+    /// The compute dtype (`dtype`).
+    pub(crate) dtype: DType,
+    /// The activation-checkpointing policy (`remat`).
+    pub(crate) remat: Policy,
+    /// Rows of a micro-batch.
+    pub(crate) batch_size: usize,
+    /// Tokens of a row.
+    pub(crate) block_size: usize,
+    /// Fused or reference kernels.
+    pub(crate) kernels: Kernels,
+    /// Whether the loss runs over chunks of the vocabulary.
+    pub(crate) chunked_loss: bool,
+    /// Pipeline stages, microbatches, schedule and devices, if any.
+    pub(crate) parallelism: Parallelism,
+    /// The run's device (a stage on it reuses it).
+    pub(crate) device: DeviceSpec,
+}
+
 /// The devices of the pipeline's `stages` workers: `specs`, else the run's `device` for all
 /// of them. The run's own device is reused, not opened again (a second `Device::new_cuda(0)`
 /// is a different device to Candle, and its stage would copy weights at every use).
 fn stage_devices(
     specs: &[DeviceSpec],
-    config: &TrainConfig,
+    config: &ExecutorSettings,
     device: &Device,
     stages: usize,
 ) -> Result<Vec<Device>> {
@@ -182,7 +205,7 @@ fn stage_ranges(links: &[Link], virtual_stages: usize) -> Result<Vec<std::ops::R
 impl PipelineRun {
     /// Builds the pipeline when `pipeline_stages > 1`.
     pub fn build(
-        config: &TrainConfig,
+        config: &ExecutorSettings,
         model: &dyn Model,
         params: &Params,
         device: &Device,
@@ -194,7 +217,7 @@ impl PipelineRun {
             schedule: kind,
             devices,
             threads,
-        } = config.parallelism()
+        } = config.parallelism.clone()
         else {
             return Ok(None);
         };
