@@ -5,7 +5,7 @@
 //!
 //! An architecture module holds only what differs: its config, its `config.json` form and
 //! how it puts these layers together (the Llama family is configuration of them alone).
-//! Each layer's weights are walked once, by [`Weights::map`]; the list of a layer's weights
+//! Each layer's weights are walked once, by its `Weights::map`; the list of a layer's weights
 //! is what that walk visits.
 
 mod attention;
