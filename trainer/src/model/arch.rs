@@ -31,23 +31,9 @@ pub trait ModelConfig: Send + Sync + fmt::Debug {
     /// Checks that the values describe a model that can be built.
     fn validate(&self) -> Result<()>;
 
-    /// The model's dimensions. Implement this (the three accessors below follow from it), or,
-    /// as configs written before it did, the three accessors (this then follows from them,
-    /// with one key/value head per head and the MLP width unknown, 0).
-    fn dims(&self) -> Dims {
-        let s = self.shape();
-        Dims {
-            layers: s.n_layer,
-            hidden: s.n_embd,
-            heads: s.n_head,
-            kv_heads: s.n_head,
-            head_dim: s.n_embd / s.n_head.max(1),
-            vocab: self.vocab_size(),
-            positions: self.max_positions(),
-            bias: s.bias,
-            ..Dims::default()
-        }
-    }
+    /// The model's dimensions: the one place a config states them (the accessors below
+    /// follow from it).
+    fn dims(&self) -> Dims;
 
     /// Number of token ids the model embeds.
     fn vocab_size(&self) -> usize {

@@ -15,8 +15,8 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use serde_json::Value;
 use trainer::model::{
-    self, Architecture, Builder, Ctx, Kernels, KvCache, Layout, Linear, Link, LinkOps, Model,
-    ModelConfig, Role, Shape, SpecialTokens, WeightMap,
+    self, Architecture, Builder, Ctx, Dims, Kernels, KvCache, Layout, Linear, Link, LinkOps, Model,
+    ModelConfig, Role, SpecialTokens, WeightMap,
 };
 use trainer::Result;
 
@@ -241,18 +241,17 @@ impl ModelConfig for TinyConfig {
     fn validate(&self) -> Result<()> {
         Ok(())
     }
-    fn vocab_size(&self) -> usize {
-        self.vocab_size
-    }
-    fn max_positions(&self) -> usize {
-        self.n_positions
-    }
-    fn shape(&self) -> Shape {
-        Shape {
-            n_layer: BLOCKS,
-            n_head: HEADS,
-            n_embd: self.n_embd,
+    fn dims(&self) -> Dims {
+        Dims {
+            layers: BLOCKS,
+            hidden: self.n_embd,
+            heads: HEADS,
+            kv_heads: HEADS,
+            head_dim: self.n_embd / HEADS,
+            vocab: self.vocab_size,
+            positions: self.n_positions,
             bias: true,
+            ..Dims::default()
         }
     }
     fn special_tokens(&self) -> SpecialTokens {
