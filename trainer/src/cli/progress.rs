@@ -235,8 +235,20 @@ impl Observer for Progress {
                     (Some(s), Some(n)) => format!(" | {n} {:.1}%", 100.0 * s),
                     _ => String::new(),
                 };
+                let get = |k: &str| e.objective.get(k).copied();
+                let mut held_out: String = e
+                    .objective
+                    .iter()
+                    .filter(|(k, _)| k.ends_with("_loss"))
+                    .map(|(k, v)| format!(" | val {} {v:.4}", k.trim_end_matches("_loss")))
+                    .collect();
+                if let (Some(acc), Some(margin)) =
+                    (get("rewards/accuracies"), get("rewards/margins"))
+                {
+                    held_out += &format!(" | accuracy {:.1}% margin {margin:.4}", 100.0 * acc);
+                }
                 self.line(&format!(
-                    "eval step {:>6} | train {:.4} | val {:.4}{score}",
+                    "eval step {:>6} | train {:.4} | val {:.4}{held_out}{score}",
                     e.step, e.train_loss, e.val_loss
                 ));
             }

@@ -477,6 +477,9 @@ impl Trainer {
         let Some(val_loss) = eval::estimate_loss_until(self, Split::Val, &mut rng, stop)? else {
             return Ok(None);
         };
+        let Some(objective) = eval::objective_until(self, stop)? else {
+            return Ok(None);
+        };
         let (score, score_name) = match self.data.task() {
             Some(task) if cfg.eval_problems > 0 => {
                 let Some(score) = task_score_until(
@@ -499,6 +502,7 @@ impl Trainer {
             val_loss,
             score,
             score_name,
+            objective,
         }))
     }
 }

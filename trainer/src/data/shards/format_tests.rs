@@ -152,6 +152,7 @@ fn manifest_round_trip_and_fingerprint() {
         width: 2,
         docs: true,
         mask: false,
+        pairs: false,
         train: vec![entry("train-00000.tok", "00000000000000aa")],
         val: vec![],
         inputs: vec![],

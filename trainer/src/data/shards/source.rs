@@ -92,6 +92,14 @@ impl ShardSource {
 
     fn open_prepared(dir: &Path, options: ShardOptions) -> Result<Self> {
         let manifest = Manifest::read(dir)?;
+        if manifest.pairs {
+            return Err(Error::data(
+                dir,
+                "holds preference pairs (prepared with --format preference), not windows of \
+                 tokens: open it with trainer::data::open (--data shards), which serves its \
+                 pairs",
+            ));
+        }
         let expect = manifest.expect();
         let open_split = |split: Split| -> Result<Vec<ShardView>> {
             manifest
