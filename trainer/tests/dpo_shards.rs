@@ -17,6 +17,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
+use common::dpo::{fixture, lora_dpo_config, write_pairs};
 use trainer::config::TrainConfig;
 use trainer::data::sft::{read_preferences, Preferences, SftEncoder};
 use trainer::data::shards::{prepare, InputFormat, PrepareOptions, PrepareSummary, VocabSpec};
@@ -24,32 +25,8 @@ use trainer::data::{DataKind, DataSpec, Split};
 use trainer::metrics::{EvalStats, Record};
 use trainer::train::Trainer;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
 fn tokenizer() -> PathBuf {
     fixture("chat/llama3/tokenizer.json")
-}
-
-/// Every fixture record, one file: 10 records, the string one whose prompt fills 65 tokens
-/// on line 2.
-fn write_pairs(dir: &Path) -> PathBuf {
-    std::fs::create_dir_all(dir).unwrap();
-    let path = dir.join("pairs.jsonl");
-    let text: String = [
-        "strings",
-        "conversational",
-        "implicit_strings",
-        "implicit_conversational",
-    ]
-    .iter()
-    .map(|n| std::fs::read_to_string(fixture(&format!("dpo/{n}.jsonl"))).unwrap())
-    .collect();
-    std::fs::write(&path, text).unwrap();
-    path
 }
 
 fn prepare_pairs(
@@ -73,28 +50,14 @@ fn prepare_pairs(
     prepare(&opts, &|_| {})
 }
 
-/// A LoRA DPO run over the fixture's base (as `dpo.rs`'s), on `data` at `path`.
+/// `dpo.rs`'s LoRA DPO run, 4 steps, evaluated every 2.
 fn run_config(out: &Path, data: DataKind, path: &Path) -> TrainConfig {
     TrainConfig {
-        init_from: Some(fixture("dpo/base").display().to_string()),
-        data,
-        data_path: Some(path.to_path_buf()),
-        tokenizer_path: Some(tokenizer()),
-        objective: "dpo".into(),
-        lora_r: 4,
-        lora_alpha: 8.0,
-        lora_dropout: 0.0,
-        lr: 2e-2,
-        weight_decay: 0.0,
-        warmup_iters: 0,
-        batch_size: 4,
-        block_size: 64,
         max_iters: 4,
         lr_decay_iters: Some(4),
         eval_interval: 2,
         eval_iters: 2,
-        sample_tokens: 0,
-        ..common::tiny_config(&out.join("run"))
+        ..lora_dpo_config(out, data, path)
     }
 }
 
@@ -205,26 +168,20 @@ fn prepare_drops_counts_and_keeps_the_pairs_and_the_split() {
 #[test]
 fn prepare_names_bad_preference_records_by_file_and_line() {
     let tmp = tempfile::tempdir().unwrap();
-    let cases = [
-        (
-            "{\"prompt\": \"a\", \"chosen\": \"b\", \"rejected\": \"c\"}\n\n{\"prompt\": \"a\", \"chosen\": \"b\"}\n",
-            ":3",
-            "no `rejected`",
-        ),
-        (
-            "{\"prompt\": \"a\", \"chosen\": \"b\", \"rejected\": \"c\"}\n{\"chosen\": \"yes\", \"rejected\": \"no\"}\n",
-            ":2",
-            "implicit prompt",
-        ),
+    let good = r#"{"prompt": "a", "chosen": "b", "rejected": "c"}"#;
+    let bad = [
+        (r#"{"prompt": "a", "chosen": "b"}"#, "no `rejected`"),
+        (r#"{"chosen": "yes", "rejected": "no"}"#, "implicit prompt"),
     ];
-    for (i, (text, line, what)) in cases.iter().enumerate() {
+    for (i, (record, what)) in bad.iter().enumerate() {
         let path = tmp.path().join(format!("p{i}.jsonl"));
-        std::fs::write(&path, text).unwrap();
+        // the bad record on line 3, after a blank line
+        std::fs::write(&path, format!("{good}\n\n{record}\n")).unwrap();
         let out = tmp.path().join(format!("out{i}"));
         let err = prepare_pairs(&path, &out, 0.0, None)
             .unwrap_err()
             .to_string();
-        let at = format!("{}{line}", path.display());
+        let at = format!("{}:3", path.display());
         assert!(err.contains(&at) && err.contains(what), "{err}");
     }
 }
