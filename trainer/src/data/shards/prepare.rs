@@ -186,7 +186,18 @@ fn progress_at(inputs: &[InputEntry], at: &Position, shards: usize) -> PreparePr
 /// came), writes it (last), and removes the progress file and the partial shards.
 fn close(cut: Cutter<'_>, mut manifest: Manifest, opts: &PrepareOptions) -> Result<Manifest> {
     let dir = opts.out_dir.as_path();
+    let dropped = cut.dropped;
     let [train, val] = cut.close()?;
+    if train.is_empty() && dropped > 0 {
+        return Err(Error::data(
+            &opts.inputs[0],
+            format!(
+                "no training pair: {dropped} preference records dropped, their prompt alone \
+                 filling --max-length {} tokens, the others (if any) held out",
+                opts.max_length.unwrap_or_default()
+            ),
+        ));
+    }
     if train.is_empty() {
         return Err(Error::data(
             &opts.inputs[0],
