@@ -29,13 +29,10 @@ fn tokenizer() -> PathBuf {
     fixture("chat/llama3/tokenizer.json")
 }
 
-fn prepare_pairs(
-    input: &Path,
-    out: &Path,
-    val: f64,
-    max_length: Option<usize>,
-) -> trainer::Result<PrepareSummary> {
-    let opts = PrepareOptions {
+/// `prepare --format preference` of `input` into `out`: shards of 150 tokens (pairs continue
+/// from one into the next), units of 300 bytes, 2 threads.
+fn pair_options(input: &Path, out: &Path, val: f64, max_length: Option<usize>) -> PrepareOptions {
+    PrepareOptions {
         inputs: vec![input.to_path_buf()],
         out_dir: out.to_path_buf(),
         format: InputFormat::Preference,
@@ -46,8 +43,16 @@ fn prepare_pairs(
         threads: 2,
         max_length,
         ..PrepareOptions::default()
-    };
-    prepare(&opts, &|_| {})
+    }
+}
+
+fn prepare_pairs(
+    input: &Path,
+    out: &Path,
+    val: f64,
+    max_length: Option<usize>,
+) -> trainer::Result<PrepareSummary> {
+    prepare(&pair_options(input, out, val, max_length), &|_| {})
 }
 
 /// `dpo.rs`'s LoRA DPO run, 4 steps, evaluated every 2.
@@ -236,4 +241,28 @@ fn dpo_evaluations_report_held_out_margin_and_accuracy() {
     assert!(last["dpo_loss"] < 0.6, "{last:?}");
     // the eval losses stay the cross-entropy over the completions
     assert!(e[0].val_loss > 1.0, "{:?}", e[0]);
+}
+
+#[test]
+fn a_preference_prepare_killed_mid_way_and_rerun_writes_the_same_shards() {
+    let tmp = tempfile::tempdir().unwrap();
+    let one = std::fs::read_to_string(write_pairs(tmp.path())).unwrap();
+    let jsonl = tmp.path().join("thrice.jsonl");
+    std::fs::write(&jsonl, one.repeat(3)).unwrap();
+    let clean = tmp.path().join("clean");
+    let want = prepare_pairs(&jsonl, &clean, 0.3, None).unwrap().manifest;
+    let out = tmp.path().join("killed");
+    // A panic in the progress callback stands for a kill once 3 shards are done: the
+    // unfinished shards (their pair tables) are saved beside them and reloaded.
+    let killed = std::panic::catch_unwind(|| {
+        let opts = pair_options(&jsonl, &out, 0.3, None);
+        prepare(&opts, &|p| assert!(p.shards < 3, "killed"))
+    });
+    assert!(killed.is_err());
+    let s = prepare_pairs(&jsonl, &out, 0.3, None).unwrap();
+    assert!(s.resumed_shards >= 3, "{}", s.resumed_shards);
+    // the same shards: names, sizes and checksums of every MiB and of the whole body
+    let got = &s.manifest;
+    assert!(!got.val.is_empty() && got.train.len() > 3);
+    assert_eq!((&got.train, &got.val), (&want.train, &want.val));
 }
