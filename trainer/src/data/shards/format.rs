@@ -132,6 +132,14 @@ pub fn byte_vocab_hash() -> u64 {
 /// One preference pair of a shard's pair table: the document starting at the matching
 /// document start holds `chosen_len` tokens of prompt + chosen completion, then `rejected_len`
 /// tokens of prompt + rejected completion, both starting with the `prompt_len` prompt tokens.
+///
+/// ```
+/// use trainer::data::shards::format::{PairEntry, PAIR_ENTRY_LEN};
+/// let e = PairEntry { prompt_len: 3, chosen_len: 5, rejected_len: 6, line: 7 };
+/// let bytes = e.to_bytes();
+/// assert_eq!((bytes.len(), e.len()), (PAIR_ENTRY_LEN, 11));
+/// assert_eq!(PairEntry::from_bytes(&bytes), e);
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PairEntry {
     /// Tokens of the prompt at the start of both sequences.
