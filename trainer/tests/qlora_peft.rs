@@ -77,14 +77,14 @@ fn saved_4bit_model_reads_back_as_quantized_on_load() {
     for (setting, double) in SETTINGS {
         let q = read_bnb_4bit(&fixture(&format!("qlora/base_{setting}")), &Device::Cpu).unwrap();
         // 7 projections x 2 layers in 4 bits; lm_head, embeddings and norms kept.
-        assert_eq!(q.weights.len(), 14, "{setting}");
-        assert!(!q.weights.contains_key("lm_head"));
+        assert_eq!(q.layers.weights.len(), 14, "{setting}");
+        assert!(!q.layers.weights.contains_key("lm_head"));
         let settings = Nf4Settings {
             double,
             ..Nf4Settings::default()
         };
         let quantize = nf4_on_load(&base, &settings);
-        for (path, saved) in &q.weights {
+        for (path, saved) in &q.layers.weights {
             let ours: Nf4Weight = quantize(path.as_str(), 0, 0).unwrap().unwrap();
             let (a, b) = (
                 ours.to_tensors("w").unwrap(),

@@ -50,13 +50,14 @@ pub(super) fn print_banner(trainer: &Trainer) {
                 false => format!(", saving {}", config.modules_to_save.join(",")),
             },
             base.model,
-            match cfg.nf4_settings() {
-                Some(q) => format!(
+            match (&base.quantization, cfg.nf4_settings()) {
+                (Some(saved), _) => format!("{saved}, as saved"),
+                (None, Some(q)) => format!(
                     "nf4{} (lm_head {})",
                     if q.double { ", double-quantized" } else { "" },
                     cfg.base_dtype.unwrap_or(cfg.dtype)
                 ),
-                None => cfg.base_dtype.unwrap_or(cfg.dtype).to_string(),
+                (None, None) => cfg.base_dtype.unwrap_or(cfg.dtype).to_string(),
             },
             trainer.params.num_elements() as f64 / 1e6,
             100.0 * trainer.params.num_elements() as f64 / total,

@@ -26,10 +26,13 @@ use crate::model::{
 use crate::{Error, Result};
 
 pub(crate) mod base;
+mod layers;
 mod quant;
 
 pub use crate::load::resolve::resolve_adapter_base;
 pub use base::{check_adapter_base, BaseIdentity, RecordedBase, BASE_METADATA_KEY};
+pub(crate) use layers::quantize_streamed;
+pub use layers::Nf4Layers;
 pub use quant::{
     check_quantization_config, dequantized_base, nf4_on_load, read_bnb_4bit, Nf4Settings,
     QuantizedBase, OUTPUT_HEAD,
@@ -160,8 +163,9 @@ impl Tuning {
         Self::lora_over(config, params, lora, from, base, base_dtype, None, seed)
     }
 
-    /// [`Tuning::lora`] with the base's linear layers quantized on load as `quant` says
-    /// (QLoRA, [`nf4_on_load`]), when given.
+    /// [`Tuning::lora`] with the base's linear layers held in 4 bits as `quant` holds them
+    /// (QLoRA: a saved 4-bit model's, or quantized on load), when given; `params` holds the
+    /// other tensors.
     #[allow(clippy::too_many_arguments)]
     pub fn lora_over(
         config: &dyn ModelConfig,
@@ -170,11 +174,11 @@ impl Tuning {
         from: Option<&Adapter>,
         base: BaseIdentity,
         base_dtype: DType,
-        quant: Option<&Nf4Settings>,
+        quant: Option<&Nf4Layers>,
         seed: u64,
     ) -> Result<(Box<dyn Model>, Params, Tuning)> {
-        let on_load = quant.map(|q| nf4_on_load(params, q));
-        let quant = on_load.as_ref().map(|q| q as Quant<'_>);
+        let layers = quant.map(|q| move |p: &str, i: usize, o: usize| q.quant(p, i, o));
+        let quant = layers.as_ref().map(|q| q as Quant<'_>);
         let (model, injected, saved) = inject(config, params, quant, lora, from, base_dtype, seed)?;
         let tuning = Tuning::Lora {
             config: Box::new(injected.config),
@@ -437,7 +441,28 @@ fn inject(
 /// used by a module its `target_modules` select, every selected module adapted, the model's
 /// shapes, a finite update), without keeping the adapted model.
 pub fn fit(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Result<()> {
-    adapt(config, base, &adapter.config, Some(adapter), DType::F32, 0).map(drop)
+    fit_over(config, base, None, adapter)
+}
+
+/// [`fit`] over a base whose linear layers `quant` holds in 4 bits, when given.
+pub(crate) fn fit_over(
+    config: &dyn ModelConfig,
+    base: &Params,
+    quant: Option<&Nf4Layers>,
+    adapter: &Adapter,
+) -> Result<()> {
+    let layers = quant.map(|q| move |p: &str, i: usize, o: usize| q.quant(p, i, o));
+    let quant = layers.as_ref().map(|q| q as Quant<'_>);
+    inject(
+        config,
+        base,
+        quant,
+        &adapter.config,
+        Some(adapter),
+        DType::F32,
+        0,
+    )
+    .map(drop)
 }
 
 /// The base parameters of the model `config` with `adapter` merged in (`W + s B A` for every

@@ -10,6 +10,7 @@ use candle_fused::nf4::{Nf4Weight, QUANT_STATE_SUFFIX};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::Nf4Layers;
 use crate::load::WeightFiles;
 use crate::model::{config_from_hf_json_file, ModelConfig, Params};
 use crate::{Error, Result};
@@ -99,21 +100,21 @@ pub fn dequantized_base(
 }
 
 /// A model saved by transformers in 4 bits: its config, the tensors kept in full precision
-/// (as f32 parameters) and the 4-bit weights by module path (`model.layers.0.mlp.up_proj`).
+/// (as f32 parameters) and the 4-bit layers.
 pub struct QuantizedBase {
     /// The model's config.
     pub config: Box<dyn ModelConfig>,
     /// The full-precision tensors (embeddings, norms, skipped layers), as f32.
     pub params: Params,
-    /// The 4-bit weights, by module path.
-    pub weights: BTreeMap<String, Nf4Weight>,
+    /// The 4-bit layers, as saved.
+    pub layers: Nf4Layers,
 }
 
 impl QuantizedBase {
     /// The 4-bit weight of the layer at `path`, for
-    /// [`adapt_quantized`](crate::lora::adapt_quantized).
-    pub fn quant(&self, path: &str, _fan_in: usize, _fan_out: usize) -> Result<Option<Nf4Weight>> {
-        Ok(self.weights.get(path).cloned())
+    /// [`adapt_quantized`](crate::lora::adapt_quantized) (see [`Nf4Layers::quant`]).
+    pub fn quant(&self, path: &str, fan_in: usize, fan_out: usize) -> Result<Option<Nf4Weight>> {
+        self.layers.quant(path, fan_in, fan_out)
     }
 }
 
@@ -233,6 +234,10 @@ pub fn read_bnb_4bit(dir: &Path, device: &Device) -> Result<QuantizedBase> {
     Ok(QuantizedBase {
         config,
         params: Params::from_tensors(plain)?,
-        weights,
+        layers: Nf4Layers {
+            weights,
+            file: files.path().to_path_buf(),
+            saved: true,
+        },
     })
 }

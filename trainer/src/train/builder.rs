@@ -329,6 +329,19 @@ pub fn build_model(
         )?;
         Ok(loaded.with_run_settings(config.dropout, tokens))
     };
+    let quant = config.nf4_settings();
+    if quant.is_some() && lora.is_none() {
+        return Err(Error::Config(
+            "--base-quant nf4 holds the frozen base of a LoRA run in 4 bits: give --lora-r (or \
+             --adapter)"
+                .into(),
+        ));
+    }
+    let four_bit = match (&lora, &quant) {
+        (None, _) => load::FourBit::Refuse,
+        (Some(_), None) => load::FourBit::Keep,
+        (Some(_), Some(q)) => load::FourBit::Quantize(q),
+    };
     let checks = load::Checks {
         train: Some(config),
         data: Some(load::DataCheck {
@@ -338,15 +351,8 @@ pub fn build_model(
         vocab: None,
         settings: Some(&settings),
         unmerged: false,
+        four_bit,
     };
-    let quant = config.nf4_settings();
-    if quant.is_some() && lora.is_none() {
-        return Err(Error::Config(
-            "--base-quant nf4 holds the frozen base of a LoRA run in 4 bits: give --lora-r (or \
-             --adapter)"
-                .into(),
-        ));
-    }
     let Some(lora) = lora else {
         let loaded = source.load_with(&checks, device)?;
         let model = loaded.build()?;
@@ -359,7 +365,13 @@ pub fn build_model(
         )));
     }
     let loaded = source.load_with(&checks, device)?;
-    let base = lora::BaseIdentity::of(from, loaded.config.as_ref(), &loaded.params)?;
+    let base = match loaded.base.clone() {
+        Some(id) => lora::BaseIdentity {
+            model: from.clone(),
+            ..id
+        },
+        None => lora::BaseIdentity::of(from, loaded.config.as_ref(), &loaded.params)?,
+    };
     let adapter = match &config.adapter {
         Some(dir) => {
             let a = lora::read_adapter(dir, device)?;
@@ -376,7 +388,7 @@ pub fn build_model(
         adapter.as_ref(),
         base,
         base_dtype,
-        quant.as_ref(),
+        loaded.quantized.as_ref(),
         config.seed,
     )
 }
@@ -401,7 +413,7 @@ pub(crate) fn resume_model(
             Some(a),
             base.clone(),
             config.base_dtype.unwrap_or(config.dtype).dtype(),
-            config.nf4_settings().as_ref(),
+            loaded.quantized.as_ref(),
             config.seed,
         ),
         (Some(_), ..) => Err(Error::checkpoint(

@@ -1,0 +1,159 @@
+//! A base's linear layers held in 4 bits ([`Nf4Layers`]): read as a saved bitsandbytes model
+//! holds them, or quantized one tensor at a time as a full-precision model is read
+//! ([`quantize_streamed`]), so that its full-precision weights are never whole in memory.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_fused::nf4::{Absmax, Nf4Weight, QUANT_STATE_SUFFIX};
+
+use super::Nf4Settings;
+use crate::load::Streamed;
+use crate::model::{Builder, ModelConfig, Params};
+use crate::{Error, Result};
+
+/// The linear layers of a base held in 4 bits (NF4), by module path
+/// (`model.layers.0.mlp.up_proj`), and where they come from.
+#[derive(Clone, Debug)]
+pub struct Nf4Layers {
+    /// The 4-bit weights, by module path.
+    pub weights: BTreeMap<String, Nf4Weight>,
+    /// The file they were read from (for errors).
+    pub file: PathBuf,
+    /// Read as a saved 4-bit model holds them (`true`), or quantized on load.
+    pub saved: bool,
+}
+
+impl Nf4Layers {
+    /// The 4-bit weight of the linear layer `fan_in -> fan_out` at `path`, if it is one (a
+    /// [`Quant`](crate::model::Quant) for [`adapt_quantized`](crate::lora::adapt_quantized)).
+    /// A weight whose quant state gives another shape than the layer's `[fan_out, fan_in]` is
+    /// refused, naming its file and its quant state tensor.
+    pub fn quant(&self, path: &str, fan_in: usize, fan_out: usize) -> Result<Option<Nf4Weight>> {
+        let Some(w) = self.weights.get(path) else {
+            return Ok(None);
+        };
+        if w.shape() != [fan_out, fan_in] {
+            return Err(Error::checkpoint(
+                &self.file,
+                format!(
+                    "`{path}.weight.{QUANT_STATE_SUFFIX}` gives the shape {:?}, but the model's \
+                     layer `{path}` is {fan_in} -> {fan_out} (a weight [{fan_out}, {fan_in}])",
+                    w.shape()
+                ),
+            ));
+        }
+        Ok(Some(w.clone()))
+    }
+
+    /// Whether the absmaxes are quantized again (`bnb_4bit_use_double_quant`).
+    pub fn double(&self) -> bool {
+        self.weights
+            .values()
+            .any(|w| matches!(w.absmax(), Absmax::Nested(_)))
+    }
+
+    /// The bytes the 4-bit weights hold (codes, absmaxes and nested state).
+    pub fn storage_bytes(&self) -> usize {
+        self.weights.values().map(Nf4Weight::storage_bytes).sum()
+    }
+
+    /// How the layers are quantized, for the base identity and messages
+    /// (`bitsandbytes nf4, blocksize 64, double quantization`).
+    pub fn describe(&self) -> String {
+        let blocksize = self.weights.values().next().map_or(0, |w| w.blocksize());
+        let double = match self.double() {
+            true => ", double quantization",
+            false => "",
+        };
+        format!("bitsandbytes nf4, blocksize {blocksize}{double}")
+    }
+
+    /// The tensors transformers saves for the layers (`…weight`, `…weight.absmax`, ..), by
+    /// name: what identifies a saved 4-bit base.
+    pub(crate) fn saved_tensors(&self) -> Result<BTreeMap<String, Tensor>> {
+        let mut out = BTreeMap::new();
+        for (path, w) in &self.weights {
+            out.extend(w.to_tensors(&format!("{path}.weight"))?);
+        }
+        Ok(out)
+    }
+
+    /// `params` with each 4-bit layer's weight dequantized to f32 as `…weight`: the weights a
+    /// LoRA run over this base computes with, for merging adapters into them.
+    pub fn dequantized_into(&self, params: &Params) -> Result<Params> {
+        let mut tensors: Vec<(String, Tensor)> = params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        for (path, w) in &self.weights {
+            tensors.push((format!("{path}.weight"), w.dequantize(DType::F32)?));
+        }
+        Params::from_tensors(tensors)
+    }
+
+    /// `params` (merged f32 weights) with each 4-bit layer's weight quantized again (double
+    /// when these are) and dequantized to f32: what PEFT's `merge_and_unload` leaves of a
+    /// 4-bit base, dequantized.
+    pub fn requantized(&self, params: &Params) -> Result<Params> {
+        let double = self.double();
+        let tensors: Result<Vec<(String, Tensor)>> = params
+            .iter()
+            .map(|(n, v)| {
+                let t = v.as_tensor();
+                let layer = n
+                    .strip_suffix(".weight")
+                    .filter(|p| self.weights.contains_key(*p));
+                Ok(match layer {
+                    Some(_) => (
+                        n.clone(),
+                        Nf4Weight::quantize(t, double)?.dequantize(DType::F32)?,
+                    ),
+                    None => (n.clone(), t.clone()),
+                })
+            })
+            .collect();
+        Params::from_tensors(tensors?)
+    }
+}
+
+/// Reads the model `config` from `weights` with its linear layers quantized to NF4 as
+/// `settings` says (those it skips kept), layer by layer: each weight is read from the mapped
+/// file, quantized and dropped before the next is read (the codes are
+/// [`Nf4Weight::quantize`]'s, the same as quantizing the whole model read first). Returns the
+/// other parameters (f32) and the 4-bit layers.
+pub(crate) fn quantize_streamed(
+    config: &dyn ModelConfig,
+    weights: &Streamed,
+    settings: &Nf4Settings,
+    device: &Device,
+    file: PathBuf,
+) -> Result<(Params, Nf4Layers)> {
+    let quantized = RefCell::new(BTreeMap::new());
+    let plain = RefCell::new(Vec::new());
+    let quant = |path: &str, _: usize, _: usize| -> Result<Option<Nf4Weight>> {
+        if settings.skips(path) {
+            return Ok(None);
+        }
+        let w = weights.tensor(&format!("{path}.weight"), device)?;
+        let q = Nf4Weight::quantize(&w, settings.double)?;
+        quantized.borrow_mut().insert(path.to_string(), q.clone());
+        Ok(Some(q))
+    };
+    let source = |name: &str, _: &[usize]| -> Result<Tensor> {
+        let v = Var::from_tensor(&weights.tensor(name, device)?)?;
+        plain.borrow_mut().push((name.to_string(), v.clone()));
+        Ok(v.as_tensor().clone())
+    };
+    config.build(&Builder::root(&source).with_quant(&quant))?;
+    let params = Params::from_vars(plain.into_inner());
+    weights.check_copies(device, |of| weights.tensor(of, device))?;
+    let layers = Nf4Layers {
+        weights: quantized.into_inner(),
+        file,
+        saved: false,
+    };
+    Ok((params, layers))
+}
