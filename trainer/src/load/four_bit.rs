@@ -98,9 +98,12 @@ impl ModelDir {
             let file = self.weights.path().to_path_buf();
             let (params, layers) =
                 crate::lora::quantize_streamed(config, &weights, settings, device, file)?;
-            let tensors = weights
-                .names()
-                .map(|n| Ok((n.clone(), weights.tensor(n, device)?)));
+            // Each tensor once more, in name order: those kept from `params`, the quantized
+            // ones read again one at a time.
+            let tensors = weights.names().map(|n| match params.get(n) {
+                Some(v) => Ok((n.clone(), v.as_tensor().clone())),
+                None => Ok((n.clone(), weights.tensor(n, device)?)),
+            });
             let identity = BaseIdentity::of_tensors(&name, config, tensors, None)?;
             return Ok(Base {
                 params,
