@@ -237,7 +237,7 @@ fn a_saved_4bit_model_trains_as_the_same_base_quantized_on_load() {
     let base = t.tuning().base().unwrap().clone();
     assert_eq!(
         base.quantization.as_deref(),
-        Some("bitsandbytes nf4, blocksize 64, double quantization")
+        Some("bitsandbytes nf4, blocksize 64, double quantization, compute f32")
     );
     let (steps, end) = finish(t);
     let tmp2 = tempfile::tempdir().unwrap();
@@ -397,4 +397,34 @@ fn the_cli_trains_samples_evaluates_and_exports_over_a_saved_4bit_model() {
         requantized += usize::from(max_abs_diff(&got, &before) > 0.0);
     }
     assert_eq!(requantized, 14, "every projection merged");
+}
+
+#[test]
+fn the_compute_dtype_is_the_saved_models_unless_given_and_fixed_by_the_run() {
+    // base_dq records bnb_4bit_compute_dtype float32: the default is f32, bf16 products
+    // differ, and a resume cannot change it.
+    let steps = |compute: Option<&str>| {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfg = TrainConfig {
+            init_from: Some(saved_4bit().display().to_string()),
+            max_iters: 2,
+            base_compute_dtype: compute.map(|c| c.parse().unwrap()),
+            ..lora_config(tmp.path(), &lora_base())
+        };
+        let mut t = Trainer::new(cfg).unwrap();
+        (run_to_end(&mut t), tmp)
+    };
+    let (default, tmp) = steps(None);
+    let (f32, _) = steps(Some("f32"));
+    let (bf16, _) = steps(Some("bf16"));
+    assert_same_steps(&default, &f32, "the saved compute dtype");
+    let d = (bf16[0].loss - f32[0].loss).abs();
+    assert!(d > 0.0 && d < 1e-2, "bf16 vs f32 products: {d}");
+    let e = Trainer::resume(&tmp.path().join("run"), |c| {
+        c.base_compute_dtype = Some("bf16".parse().unwrap())
+    })
+    .err()
+    .expect("refused")
+    .to_string();
+    assert!(e.contains("base_compute_dtype"), "{e}");
 }

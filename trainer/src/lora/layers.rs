@@ -24,6 +24,10 @@ pub struct Nf4Layers {
     pub file: PathBuf,
     /// Read as a saved 4-bit model holds them (`true`), or quantized on load.
     pub saved: bool,
+    /// The dtype they are dequantized into and compute in (bitsandbytes'
+    /// `bnb_4bit_compute_dtype`: a saved model's, until a run sets its own); `None`: the
+    /// model's compute dtype.
+    pub compute_dtype: Option<DType>,
 }
 
 impl Nf4Layers {
@@ -68,7 +72,11 @@ impl Nf4Layers {
             true => ", double quantization",
             false => "",
         };
-        format!("bitsandbytes nf4, blocksize {blocksize}{double}")
+        let compute = match self.compute_dtype {
+            Some(d) => format!(", compute {}", format!("{d:?}").to_lowercase()),
+            None => String::new(),
+        };
+        format!("bitsandbytes nf4, blocksize {blocksize}{double}{compute}")
     }
 
     /// The tensors transformers saves for the layers (`…weight`, `…weight.absmax`, ..), by
@@ -154,6 +162,7 @@ pub(crate) fn quantize_streamed(
         weights: quantized.into_inner(),
         file,
         saved: false,
+        compute_dtype: None,
     };
     Ok((params, layers))
 }

@@ -79,11 +79,29 @@ impl LinearAdapter for LoraLayer {
         x: &Tensor,
         w: &Nf4Weight,
         b: Option<&Tensor>,
+        compute: DType,
         ctx: &Ctx,
     ) -> candle_core::Result<Tensor> {
         let key = self.key(x, ctx)?;
         let composite = matches!(ctx.kernels, Kernels::Reference);
-        self.lora.forward_nf4(x, w, b, key, composite)
+        if compute == x.dtype() {
+            return self.lora.forward_nf4(x, w, b, key, composite);
+        }
+        // PEFT over bitsandbytes' `Linear4bit` with another compute dtype: the 4-bit product
+        // in `compute` (input and bias cast to it, the output back), the adapter in `x`'s.
+        let xc = x.to_dtype(compute)?;
+        let base = match composite {
+            false => candle_fused::qlora::nf4_linear(&xc, w, b)?,
+            true => ctx.kernels.linear(&xc, &w.dequantize(compute)?.t()?, b)?,
+        };
+        let u = match key.filter(|_| self.lora.dropout() > 0.0) {
+            Some(k) => candle_fused::dropout::dropout(x, self.lora.dropout(), k)?,
+            None => x.clone(),
+        };
+        let dtype = x.dtype();
+        let h = u.broadcast_matmul(&self.lora.a().to_dtype(dtype)?.t()?)?;
+        let delta = h.broadcast_matmul(&self.lora.b().to_dtype(dtype)?.t()?)?;
+        base.to_dtype(dtype)? + delta.affine(self.lora.scale(), 0.0)?
     }
 
     fn params(&self) -> Vec<Tensor> {
@@ -178,7 +196,8 @@ impl Tuning {
         seed: u64,
     ) -> Result<(Box<dyn Model>, Params, Tuning)> {
         let layers = quant.map(|q| move |p: &str, i: usize, o: usize| q.quant(p, i, o));
-        let quant = layers.as_ref().map(|q| q as Quant<'_>);
+        let compute = quant.and_then(|q| q.compute_dtype);
+        let quant = layers.as_ref().map(|q| (q as Quant<'_>, compute));
         let (model, injected, saved) = inject(config, params, quant, lora, from, base_dtype, seed)?;
         let tuning = Tuning::Lora {
             config: Box::new(injected.config),
@@ -358,17 +377,19 @@ pub fn adapt_quantized(
     base_dtype: DType,
     seed: u64,
 ) -> Result<(Box<dyn Model>, Params)> {
-    let (model, injected, _) = inject(config, base, Some(quant), lora, from, base_dtype, seed)?;
+    let quant = Some((quant, None));
+    let (model, injected, _) = inject(config, base, quant, lora, from, base_dtype, seed)?;
     Ok((model, Params::from_vars(injected.trainable)))
 }
 
 /// The injection behind [`adapt`]: the model built through a [`LoraInjector`] (which decides
 /// and creates the adapters), each adapter loaded from `from` checked against the weight it
-/// adapts ([`check_delta`]), and the frozen originals of the modules to save.
+/// adapts ([`check_delta`]), and the frozen originals of the modules to save. `quant`: the
+/// 4-bit layers, and the dtype they compute in if not the context's.
 fn inject(
     config: &dyn ModelConfig,
     base: &Params,
-    quant: Option<Quant<'_>>,
+    quant: Option<(Quant<'_>, Option<DType>)>,
     lora: &LoraConfig,
     from: Option<&Adapter>,
     base_dtype: DType,
@@ -429,7 +450,7 @@ fn inject(
     };
     let builder = Builder::root(&source).with_wrap(&wrap);
     let builder = match quant {
-        Some(q) => builder.with_quant(q),
+        Some((q, compute)) => builder.with_quant(q).with_quant_compute(compute),
         None => builder,
     };
     let model = config.build(&builder)?;
@@ -452,7 +473,7 @@ pub(crate) fn fit_over(
     adapter: &Adapter,
 ) -> Result<()> {
     let layers = quant.map(|q| move |p: &str, i: usize, o: usize| q.quant(p, i, o));
-    let quant = layers.as_ref().map(|q| q as Quant<'_>);
+    let quant = layers.as_ref().map(|q| (q as Quant<'_>, None));
     inject(
         config,
         base,

@@ -160,6 +160,34 @@ pub fn check_quantization_config(path: &Path, json: &Value) -> Result<Option<boo
     Ok(Some(flag("bnb_4bit_use_double_quant")))
 }
 
+/// The `bnb_4bit_compute_dtype` of a 4-bit model's `config.json` (at `path`): `None` when
+/// absent or null (bitsandbytes then computes in the input's dtype).
+fn compute_dtype(path: &Path, json: &Value) -> Result<Option<DType>> {
+    let key = "bnb_4bit_compute_dtype";
+    let name = match json["quantization_config"].get(key) {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::String(s)) => s.trim_start_matches("torch."),
+        Some(v) => {
+            return Err(Error::checkpoint(
+                path,
+                format!("quantization_config.{key}: expected a dtype name, got {v}"),
+            ))
+        }
+    };
+    match name {
+        "float32" => Ok(Some(DType::F32)),
+        "bfloat16" => Ok(Some(DType::BF16)),
+        "float16" => Ok(Some(DType::F16)),
+        other => Err(Error::checkpoint(
+            path,
+            format!(
+                "quantization_config.{key} `{other}`: the 4-bit layers compute in float32, \
+                 bfloat16 or float16"
+            ),
+        )),
+    }
+}
+
 /// Reads the transformers 4-bit model in `dir` onto `device`: `config.json` (its
 /// `quantization_config` checked by [`check_quantization_config`]) and the weights, each
 /// `…weight` with a `…weight.quant_state.bitsandbytes__nf4` read as an [`Nf4Weight`] as saved
@@ -238,6 +266,7 @@ pub fn read_bnb_4bit(dir: &Path, device: &Device) -> Result<QuantizedBase> {
             weights,
             file: files.path().to_path_buf(),
             saved: true,
+            compute_dtype: compute_dtype(&config_path, &json)?,
         },
     })
 }

@@ -388,7 +388,7 @@ pub fn build_model(
         adapter.as_ref(),
         base,
         base_dtype,
-        loaded.quantized.as_ref(),
+        computing(config, loaded.quantized.as_ref()).as_ref(),
         config.seed,
     )
 }
@@ -413,7 +413,7 @@ pub(crate) fn resume_model(
             Some(a),
             base.clone(),
             config.base_dtype.unwrap_or(config.dtype).dtype(),
-            loaded.quantized.as_ref(),
+            computing(config, loaded.quantized.as_ref()).as_ref(),
             config.seed,
         ),
         (Some(_), ..) => Err(Error::checkpoint(
@@ -421,6 +421,20 @@ pub(crate) fn resume_model(
             "holds adapters but trainer_state.json records no base model",
         )),
     }
+}
+
+/// A run's 4-bit layers computing in its `--base-compute-dtype` (default: a saved model's
+/// `bnb_4bit_compute_dtype`, else `--base-dtype`).
+fn computing(config: &TrainConfig, layers: Option<&lora::Nf4Layers>) -> Option<lora::Nf4Layers> {
+    let base_dtype = config.base_dtype.unwrap_or(config.dtype).dtype();
+    layers.map(|l| lora::Nf4Layers {
+        compute_dtype: Some(
+            (config.base_compute_dtype.map(|p| p.dtype()))
+                .or(l.compute_dtype)
+                .unwrap_or(base_dtype),
+        ),
+        ..l.clone()
+    })
 }
 
 /// The LoRA config of a run (`lora_r > 0`), or `None` for full fine-tuning.
