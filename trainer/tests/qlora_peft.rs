@@ -331,3 +331,44 @@ fn other_quantizations_are_refused_by_name() {
         assert!(e.contains(name) && e.contains("config.json"), "{e}");
     }
 }
+
+#[test]
+fn a_quant_state_that_does_not_fit_its_layer_is_named() {
+    // up_proj of layer 0 is [128, 64]; its quant state saying [64, 128] (as many values, so
+    // the tensors' lengths still agree) is refused naming the file and the quant state.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixture("qlora/base_dq");
+    std::fs::copy(dir.join("config.json"), tmp.path().join("config.json")).unwrap();
+    let mut tensors =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let name = "model.layers.0.mlp.up_proj.weight.quant_state.bitsandbytes__nf4";
+    let json = String::from_utf8(tensors[name].to_vec1::<u8>().unwrap()).unwrap();
+    assert!(json.contains("\"shape\": [128, 64]"), "{json}");
+    let bytes = json.replace("[128, 64]", "[64, 128]").into_bytes();
+    let n = bytes.len();
+    tensors.insert(
+        name.into(),
+        Tensor::from_vec(bytes, n, &Device::Cpu).unwrap(),
+    );
+    let file = tmp.path().join("model.safetensors");
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    let q = read_bnb_4bit(tmp.path(), &Device::Cpu).unwrap();
+    let adapter = Adapter::load(&fixture("lora/adapter_plain"), &Device::Cpu).unwrap();
+    let quant = |p: &str, i: usize, o: usize| q.quant(p, i, o);
+    let e = trainer::lora::adapt_quantized(
+        q.config.as_ref(),
+        &q.params,
+        &quant,
+        &adapter.config,
+        Some(&adapter),
+        DType::F32,
+        0,
+    )
+    .err()
+    .expect("refused")
+    .to_string();
+    assert!(
+        e.contains(name) && e.contains("model.safetensors") && e.contains("[64, 128]"),
+        "{e}"
+    );
+}

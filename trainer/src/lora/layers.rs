@@ -1,17 +1,14 @@
 //! A base's linear layers held in 4 bits ([`Nf4Layers`]): read as a saved bitsandbytes model
 //! holds them, or quantized one tensor at a time as a full-precision model is read
-//! ([`quantize_streamed`]), so that its full-precision weights are never whole in memory.
+//! (`quantize_streamed`), so that its full-precision weights are never whole in memory.
 
-use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor};
 use candle_fused::nf4::{Absmax, Nf4Weight, QUANT_STATE_SUFFIX};
 
-use super::Nf4Settings;
-use crate::load::Streamed;
-use crate::model::{Builder, ModelConfig, Params};
+use crate::model::Params;
 use crate::{Error, Result};
 
 /// The linear layers of a base held in 4 bits (NF4), by module path
@@ -125,44 +122,4 @@ impl Nf4Layers {
             .collect();
         Params::from_tensors(tensors?)
     }
-}
-
-/// Reads the model `config` from `weights` with its linear layers quantized to NF4 as
-/// `settings` says (those it skips kept), layer by layer: each weight is read from the mapped
-/// file, quantized and dropped before the next is read (the codes are
-/// [`Nf4Weight::quantize`]'s, the same as quantizing the whole model read first). Returns the
-/// other parameters (f32) and the 4-bit layers.
-pub(crate) fn quantize_streamed(
-    config: &dyn ModelConfig,
-    weights: &Streamed,
-    settings: &Nf4Settings,
-    device: &Device,
-    file: PathBuf,
-) -> Result<(Params, Nf4Layers)> {
-    let quantized = RefCell::new(BTreeMap::new());
-    let plain = RefCell::new(Vec::new());
-    let quant = |path: &str, _: usize, _: usize| -> Result<Option<Nf4Weight>> {
-        if settings.skips(path) {
-            return Ok(None);
-        }
-        let w = weights.tensor(&format!("{path}.weight"), device)?;
-        let q = Nf4Weight::quantize(&w, settings.double)?;
-        quantized.borrow_mut().insert(path.to_string(), q.clone());
-        Ok(Some(q))
-    };
-    let source = |name: &str, _: &[usize]| -> Result<Tensor> {
-        let v = Var::from_tensor(&weights.tensor(name, device)?)?;
-        plain.borrow_mut().push((name.to_string(), v.clone()));
-        Ok(v.as_tensor().clone())
-    };
-    config.build(&Builder::root(&source).with_quant(&quant))?;
-    let params = Params::from_vars(plain.into_inner());
-    weights.check_copies(device, |of| weights.tensor(of, device))?;
-    let layers = Nf4Layers {
-        weights: quantized.into_inner(),
-        file,
-        saved: false,
-        compute_dtype: None,
-    };
-    Ok((params, layers))
 }

@@ -31,8 +31,8 @@ mod quant;
 
 pub use crate::load::resolve::resolve_adapter_base;
 pub use base::{check_adapter_base, BaseIdentity, RecordedBase, BASE_METADATA_KEY};
-pub(crate) use layers::quantize_streamed;
 pub use layers::Nf4Layers;
+pub(crate) use quant::quantize_streamed;
 pub use quant::{
     check_quantization_config, dequantized_base, nf4_on_load, read_bnb_4bit, Nf4Settings,
     QuantizedBase, OUTPUT_HEAD,

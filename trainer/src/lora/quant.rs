@@ -2,17 +2,18 @@
 //! quantized on load ([`nf4_on_load`]) or read as transformers saved them
 //! ([`read_bnb_4bit`]), and run by [`candle_fused::qlora`] a tile at a time.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::nf4::{Nf4Weight, QUANT_STATE_SUFFIX};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::Nf4Layers;
-use crate::load::WeightFiles;
-use crate::model::{config_from_hf_json_file, ModelConfig, Params};
+use crate::load::{Streamed, WeightFiles};
+use crate::model::{config_from_hf_json_file, Builder, ModelConfig, Params};
 use crate::{Error, Result};
 
 /// The module path of the output head, which `all-linear` leaves out (PEFT: the output
@@ -269,4 +270,44 @@ pub fn read_bnb_4bit(dir: &Path, device: &Device) -> Result<QuantizedBase> {
             compute_dtype: compute_dtype(&config_path, &json)?,
         },
     })
+}
+
+/// Reads the model `config` from `weights` with its linear layers quantized to NF4 as
+/// `settings` says (those it skips kept), layer by layer: each weight is read from the mapped
+/// file, quantized and dropped before the next is read (the codes are
+/// [`Nf4Weight::quantize`]'s, the same as quantizing the whole model read first). Returns the
+/// other parameters (f32) and the 4-bit layers.
+pub(crate) fn quantize_streamed(
+    config: &dyn ModelConfig,
+    weights: &Streamed,
+    settings: &Nf4Settings,
+    device: &Device,
+    file: PathBuf,
+) -> Result<(Params, Nf4Layers)> {
+    let quantized = RefCell::new(BTreeMap::new());
+    let plain = RefCell::new(Vec::new());
+    let quant = |path: &str, _: usize, _: usize| -> Result<Option<Nf4Weight>> {
+        if settings.skips(path) {
+            return Ok(None);
+        }
+        let w = weights.tensor(&format!("{path}.weight"), device)?;
+        let q = Nf4Weight::quantize(&w, settings.double)?;
+        quantized.borrow_mut().insert(path.to_string(), q.clone());
+        Ok(Some(q))
+    };
+    let source = |name: &str, _: &[usize]| -> Result<Tensor> {
+        let v = Var::from_tensor(&weights.tensor(name, device)?)?;
+        plain.borrow_mut().push((name.to_string(), v.clone()));
+        Ok(v.as_tensor().clone())
+    };
+    config.build(&Builder::root(&source).with_quant(&quant))?;
+    let params = Params::from_vars(plain.into_inner());
+    weights.check_copies(device, |of| weights.tensor(of, device))?;
+    let layers = Nf4Layers {
+        weights: quantized.into_inner(),
+        file,
+        saved: false,
+        compute_dtype: None,
+    };
+    Ok((params, layers))
 }

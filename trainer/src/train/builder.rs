@@ -330,18 +330,7 @@ pub fn build_model(
         Ok(loaded.with_run_settings(config.dropout, tokens))
     };
     let quant = config.nf4_settings();
-    if quant.is_some() && lora.is_none() {
-        return Err(Error::Config(
-            "--base-quant nf4 holds the frozen base of a LoRA run in 4 bits: give --lora-r (or \
-             --adapter)"
-                .into(),
-        ));
-    }
-    let four_bit = match (&lora, &quant) {
-        (None, _) => load::FourBit::Refuse,
-        (Some(_), None) => load::FourBit::Keep,
-        (Some(_), Some(q)) => load::FourBit::Quantize(q),
-    };
+    let four_bit = four_bit(lora.is_some(), quant.as_ref())?;
     let checks = load::Checks {
         train: Some(config),
         data: Some(load::DataCheck {
@@ -420,6 +409,21 @@ pub(crate) fn resume_model(
             dir,
             "holds adapters but trainer_state.json records no base model",
         )),
+    }
+}
+
+/// What a run (LoRA or not, quantizing its base on load as `quant` says or not) takes of a
+/// base held in 4 bits.
+fn four_bit(lora: bool, quant: Option<&lora::Nf4Settings>) -> Result<load::FourBit<'_>> {
+    match (lora, quant) {
+        (false, Some(_)) => Err(Error::Config(
+            "--base-quant nf4 holds the frozen base of a LoRA run in 4 bits: give --lora-r (or \
+             --adapter)"
+                .into(),
+        )),
+        (false, None) => Ok(load::FourBit::Refuse),
+        (true, None) => Ok(load::FourBit::Keep),
+        (true, Some(q)) => Ok(load::FourBit::Quantize(q)),
     }
 }
 
