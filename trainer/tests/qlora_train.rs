@@ -307,14 +307,13 @@ fn a_resume_over_a_changed_4bit_base_is_refused_naming_the_quantization() {
         .err()
         .expect("another base is refused")
         .to_string();
-    assert!(
-        e.contains("differ in tensor values and quantization") && e.contains("double"),
-        "{e}"
-    );
+    let what = "differ in tensor values and quantization";
+    assert!(e.contains(what) && e.contains("double"), "{e}");
 }
 
 #[test]
 fn the_cli_trains_samples_evaluates_and_exports_over_a_saved_4bit_model() {
+    let base = saved_4bit().display().to_string();
     let tmp = tempfile::tempdir().unwrap();
     let cwd = tmp.path();
     let text = std::fs::read_to_string(
@@ -322,29 +321,12 @@ fn the_cli_trains_samples_evaluates_and_exports_over_a_saved_4bit_model() {
     )
     .unwrap();
     std::fs::write(cwd.join("corpus.txt"), &text[..20_000]).unwrap();
-    let base = saved_4bit().display().to_string();
     let train = |lora: &[&str]| {
-        let mut args = vec![
-            "train",
-            "--init-from",
-            &base,
-            "--data",
-            "char",
-            "--data-path",
-            "corpus.txt",
-            "--block-size",
-            "16",
-            "--batch-size",
-            "4",
-            "--max-iters",
-            "2",
-            "--eval-interval",
-            "2",
-            "--eval-iters",
-            "1",
-            "--out-dir",
-            "run",
-        ];
+        let flags = format!(
+            "train --init-from {base} --data char --data-path corpus.txt --block-size 16 \
+             --batch-size 4 --max-iters 2 --eval-interval 2 --eval-iters 1 --out-dir run"
+        );
+        let mut args: Vec<&str> = flags.split_whitespace().collect();
         args.extend(lora);
         common::run_cli(&args, cwd)
     };

@@ -474,16 +474,8 @@ pub(crate) fn fit_over(
 ) -> Result<()> {
     let layers = quant.map(|q| move |p: &str, i: usize, o: usize| q.quant(p, i, o));
     let quant = layers.as_ref().map(|q| (q as Quant<'_>, None));
-    inject(
-        config,
-        base,
-        quant,
-        &adapter.config,
-        Some(adapter),
-        DType::F32,
-        0,
-    )
-    .map(drop)
+    let lora = &adapter.config;
+    inject(config, base, quant, lora, Some(adapter), DType::F32, 0).map(drop)
 }
 
 /// The base parameters of the model `config` with `adapter` merged in (`W + s B A` for every
