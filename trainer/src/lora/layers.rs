@@ -19,8 +19,6 @@ pub struct Nf4Layers {
     pub weights: BTreeMap<String, Nf4Weight>,
     /// The file they were read from (for errors).
     pub file: PathBuf,
-    /// Read as a saved 4-bit model holds them (`true`), or quantized on load.
-    pub saved: bool,
     /// The dtype they are dequantized into and compute in (bitsandbytes'
     /// `bnb_4bit_compute_dtype`: a saved model's, until a run sets its own); `None`: the
     /// model's compute dtype.
@@ -54,11 +52,6 @@ impl Nf4Layers {
         self.weights
             .values()
             .any(|w| matches!(w.absmax(), Absmax::Nested(_)))
-    }
-
-    /// The bytes the 4-bit weights hold (codes, absmaxes and nested state).
-    pub fn storage_bytes(&self) -> usize {
-        self.weights.values().map(Nf4Weight::storage_bytes).sum()
     }
 
     /// How the layers are quantized, for the base identity and messages

@@ -266,7 +266,6 @@ pub fn read_bnb_4bit(dir: &Path, device: &Device) -> Result<QuantizedBase> {
         layers: Nf4Layers {
             weights,
             file: files.path().to_path_buf(),
-            saved: true,
             compute_dtype: compute_dtype(&config_path, &json)?,
         },
     })
@@ -306,7 +305,6 @@ pub(crate) fn quantize_streamed(
     let layers = Nf4Layers {
         weights: quantized.into_inner(),
         file,
-        saved: false,
         compute_dtype: None,
     };
     Ok((params, layers))
