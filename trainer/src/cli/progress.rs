@@ -7,8 +7,25 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use trainer::config::Parallelism;
+use trainer::config::{Parallelism, Precision};
 use trainer::train::{Event, Observer, Summary, Trainer};
+
+/// How a LoRA run holds its frozen base's weights (quantized on load as `nf4` says, the rest
+/// in `dtype`), for the banner.
+fn base_weights(
+    base: &trainer::lora::BaseIdentity,
+    nf4: Option<trainer::lora::Nf4Settings>,
+    dtype: Precision,
+) -> String {
+    match (&base.quantization, nf4) {
+        (Some(saved), _) => format!("{saved}, as saved"),
+        (None, Some(q)) => format!(
+            "nf4{} (lm_head {dtype})",
+            if q.double { ", double-quantized" } else { "" },
+        ),
+        (None, None) => dtype.to_string(),
+    }
+}
 
 pub(super) fn print_banner(trainer: &Trainer) {
     let cfg = &trainer.config;
@@ -50,14 +67,11 @@ pub(super) fn print_banner(trainer: &Trainer) {
                 false => format!(", saving {}", config.modules_to_save.join(",")),
             },
             base.model,
-            match cfg.nf4_settings() {
-                Some(q) => format!(
-                    "nf4{} (lm_head {})",
-                    if q.double { ", double-quantized" } else { "" },
-                    cfg.base_dtype.unwrap_or(cfg.dtype)
-                ),
-                None => cfg.base_dtype.unwrap_or(cfg.dtype).to_string(),
-            },
+            base_weights(
+                base,
+                cfg.nf4_settings(),
+                cfg.base_dtype.unwrap_or(cfg.dtype)
+            ),
             trainer.params.num_elements() as f64 / 1e6,
             100.0 * trainer.params.num_elements() as f64 / total,
             total / 1e6,

@@ -185,6 +185,7 @@ impl Trainer {
         let data = config.open_data()?;
         // The one loading path (`crate::load`): the data and config.json against the run,
         // memory, the weights, then the optimiser state, then the manifest.
+        let quant = config.nf4_settings();
         let checks = load::Checks {
             train: Some(&config),
             data: Some(load::DataCheck {
@@ -192,6 +193,9 @@ impl Trainer {
                 fingerprint: load::FingerprintCheck::Corpus,
             }),
             unmerged: true,
+            four_bit: quant
+                .as_ref()
+                .map_or(load::FourBit::Refuse, load::FourBit::Quantize),
             ..load::Checks::default()
         };
         // A LoRA run's checkpoint holds its adapters; the frozen base is its `init_from`,
