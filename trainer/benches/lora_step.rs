@@ -36,23 +36,39 @@
 //! just before the first step, as the PEFT script does), and "step memory": the whole-life peak
 //! minus the RSS before the model was built (PEFT's side: its RSS after importing torch,
 //! transformers and peft).
+//!
+//! QLoRA (`--qlora`; issue #39): our `--base-quant nf4` step (the projections in bitsandbytes'
+//! NF4, lm_head and embeddings in bf16, bf16 compute, the same adapters) against our bf16 LoRA
+//! step at the same shape and against PEFT over transformers + bitsandbytes 0.50.2
+//! (`bench/peft_qlora_step.py`, `--bnb-python`), the three sides in A B C A B C rounds, at
+//! SmolLM2-135M's shape or Llama-3.2-1B's (`--shape llama-1b`: 16 x 2048, 32 / 8 heads, MLP
+//! 8192, vocab 128256, tied). Besides the figures above, each side reports its load time (base
+//! read and quantized), its base weight bytes (ours: the 4-bit projections' storage, packed
+//! codes and scales, and the rest in bf16, measured on the quantized weights by a child of
+//! its own) and the peak of its anonymous RSS (`RssAnon`, sampled every 2 ms by a thread:
+//! `VmHWM` also counts the mapped safetensors file's pages, which the kernel can drop).
+//!
+//! ```text
+//! cargo bench -p trainer --bench lora_step -- --qlora --steps 3 --warmup 2 --threads 2
+//! cargo bench -p trainer --bench lora_step -- --qlora --shape llama-1b --steps 2 --warmup 1 --threads 2
+//! ```
 #![allow(clippy::disallowed_macros)] // prints as it likes (see clippy.toml)
 
 mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Instant;
 
 use anyhow::{bail, Context};
-use candle_core::{DType, Device};
 use clap::Parser;
 use serde_json::{json, Value};
+use support::bases::{base_bytes, base_dir, Shape};
+use support::memory::AnonPeak;
 use support::protocol::{self, share_cell};
-use support::{f, last_json, root, status_kib};
-use trainer::config::{Precision, TrainConfig};
+use support::{f, last_json, loadavg, reset_hwm, root, status_kib};
+use trainer::config::{BaseQuant, Precision, TrainConfig};
 use trainer::data::DataKind;
-use trainer::model::llama::{Family, LlamaConfig};
-use trainer::model::Params;
 use trainer::train::Trainer;
 
 const BLOCK: usize = 256;
@@ -69,20 +85,36 @@ struct Args {
     /// Threads for every side (0: the machine's cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
-    /// Run only the cases whose name contains this (`lora`, `full`, `peft`).
+    /// Run only the cases whose name contains this (`lora`, `full`, `peft`; with --qlora
+    /// `qlora`, `lora`, `peft`).
     #[arg(long)]
     only: Option<String>,
     /// The Python with torch, transformers and peft (relative to the workspace root, or
     /// absolute).
     #[arg(long, default_value = ".venv-py/bin/python")]
     python: PathBuf,
+    /// The Python with bitsandbytes 0.50.2 besides them (`scripts/python/setup_bnb.sh`), for
+    /// --qlora's PEFT side.
+    #[arg(long, default_value = ".venv-bnb/bin/python")]
+    bnb_python: PathBuf,
     /// Skip the PEFT side.
     #[arg(long)]
     no_peft: bool,
-    /// A B A B rounds of ours (LoRA) and PEFT.
+    /// A B A B rounds of ours (LoRA) and PEFT (with --qlora: A B C, ours QLoRA, PEFT +
+    /// bitsandbytes, our bf16 LoRA).
     #[arg(long, default_value_t = 2)]
     rounds: usize,
-    /// Where the base model is written (default: Cargo's target tmp dir).
+    /// The model's shape.
+    #[arg(long, value_enum, default_value = "smollm2-135m")]
+    shape: Shape,
+    /// Compare QLoRA steps (ours `--base-quant nf4` against our bf16 LoRA and PEFT +
+    /// bitsandbytes) instead of LoRA against full fine-tuning.
+    #[arg(long)]
+    qlora: bool,
+    /// With --qlora: double quantization on both sides (`bnb_4bit_use_double_quant`).
+    #[arg(long)]
+    double_quant: bool,
+    /// Where the base model is written (default: Cargo's target tmp dir, one per shape).
     #[arg(long)]
     base_dir: Option<PathBuf>,
     /// Internal: run one of our cases in this process.
@@ -93,50 +125,22 @@ struct Args {
     bench: bool,
 }
 
-/// SmolLM2-135M's shape.
-fn smol() -> LlamaConfig {
-    LlamaConfig {
-        tie_word_embeddings: true,
-        rope_theta: 100000.0,
-        ..LlamaConfig::new(Family::Llama, 49152, 30, 576, 9, 3, 1536)
-    }
-}
-
-/// Resets `VmHWM` to the current RSS (Linux >= 4.0); false where the kernel refuses.
-fn reset_hwm() -> bool {
-    std::fs::write("/proc/self/clear_refs", "5").is_ok()
-}
-
-/// The base model directory: written once (random init, seed 0, stored in bf16), reused after.
-fn base_dir(args: &Args) -> anyhow::Result<PathBuf> {
-    let dir = match &args.base_dir {
-        Some(d) => d.clone(),
-        None => PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("lora_step_base_smollm2-135m"),
-    };
-    if dir.join("config.json").exists() && dir.join("model.safetensors").exists() {
-        return Ok(dir);
-    }
-    eprintln!("writing the base model to {}", dir.display());
-    std::fs::create_dir_all(&dir)?;
-    let cfg = smol();
-    let params = Params::init(&cfg, 0, &Device::Cpu)?.to_dtype(DType::BF16)?;
-    trainer::checkpoint::save_model(&dir, &cfg, &params)?;
-    Ok(dir)
-}
-
 fn run_ours(case: &str, base: &Path, args: &Args) -> anyhow::Result<Value> {
-    let lora = match case {
-        "lora" => true,
-        "full" => false,
+    let (lora, quant) = match case {
+        "lora" => (true, BaseQuant::None),
+        "qlora" => (true, BaseQuant::Nf4),
+        "full" => (false, BaseQuant::None),
+        "bytes" => return base_bytes(args.shape, base, args.double_quant),
         _ => bail!("unknown case {case}"),
     };
+    let anon = AnonPeak::start();
     let tmp = tempfile::tempdir()?;
     let rss_base = status_kib("VmRSS:") / 1024.0;
     let config = TrainConfig {
         out_dir: tmp.path().join("run"),
         cache_dir: Some(tmp.path().join("cache")),
         init_from: Some(base.display().to_string()),
-        // Byte-level tinyshakespeare: ids < 256, all inside the 49152-row embedding (as
+        // Byte-level tinyshakespeare: ids < 256, inside every shape's embedding (as
         // llama_step feeds its 49152-vocab case).
         data: DataKind::Byte,
         data_path: Some(root().join("data/tinyshakespeare.txt")),
@@ -158,14 +162,20 @@ fn run_ours(case: &str, base: &Path, args: &Args) -> anyhow::Result<Value> {
         lora_alpha: 32.0,
         lora_dropout: 0.0,
         base_dtype: lora.then_some(Precision::Bf16),
+        base_quant: quant,
+        base_quant_double: args.double_quant,
         peak_flops: 1e12,
         ..TrainConfig::default()
     };
+    let load = Instant::now();
     let mut t = Trainer::new(config)?;
+    let load_s = load.elapsed().as_secs_f64();
     let trainable = t.params.num_elements();
     let rss_before_steps = status_kib("VmRSS:") / 1024.0;
     let peak_before_steps = status_kib("VmHWM:") / 1024.0;
+    let anon_load = anon.peak_mib();
     let hwm_reset = reset_hwm();
+    anon.reset();
     let mut losses = Vec::new();
     for _ in 0..args.warmup {
         losses.push(t.train_step()?.loss);
@@ -174,6 +184,7 @@ fn run_ours(case: &str, base: &Path, args: &Args) -> anyhow::Result<Value> {
         .map(|_| protocol::timed(|| t.train_step().map(|s| losses.push(s.loss))))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let hwm_steps = status_kib("VmHWM:") / 1024.0;
+    let anon_steps = anon.peak_mib();
     let peak = match hwm_reset {
         true => hwm_steps.max(peak_before_steps),
         false => hwm_steps,
@@ -186,6 +197,8 @@ fn run_ours(case: &str, base: &Path, args: &Args) -> anyhow::Result<Value> {
         "peak_rss_mib": peak, "rss_base_mib": rss_base,
         "rss_before_steps_mib": rss_before_steps,
         "peak_rss_steps_mib": if hwm_reset { json!(hwm_steps) } else { Value::Null },
+        "anon_peak_mib": anon_load.max(anon_steps), "anon_peak_steps_mib": anon_steps,
+        "load_s": load_s,
         "loss_first_last": [losses.first(), losses.last()],
     });
     if let (Some(r), Value::Object(p)) = (r.as_object_mut(), protocol::summary(&timed)) {
@@ -200,22 +213,40 @@ fn child(args: &Args, case: &str, base: &Path) -> anyhow::Result<Value> {
     cmd.args(["--child", case])
         .arg("--base-dir")
         .arg(base)
+        .args(["--shape", args.shape.name()])
         .args(["--steps", &args.steps.to_string()])
         .args(["--warmup", &args.warmup.to_string()]);
+    if args.double_quant {
+        cmd.arg("--double-quant");
+    }
     if args.threads > 0 {
         cmd.env("RAYON_NUM_THREADS", args.threads.to_string());
     }
-    last_json(cmd.output()?, "our step")
+    let r = last_json(cmd.output()?, "our step")?;
+    eprintln!("{case}  {r}");
+    Ok(r)
 }
 
-fn peft(args: &Args) -> anyhow::Result<Value> {
-    let mut cmd = Command::new(root().join(&args.python));
-    cmd.arg(root().join("bench/peft_lora_step.py"))
-        .args(["--dtype", "bf16"])
+fn peft(args: &Args, base: &Path) -> anyhow::Result<Value> {
+    let (python, script) = match args.qlora {
+        true => (&args.bnb_python, "bench/peft_qlora_step.py"),
+        false => (&args.python, "bench/peft_lora_step.py"),
+    };
+    let mut cmd = Command::new(root().join(python));
+    cmd.arg(root().join(script))
         .args(["--steps", &args.steps.to_string()])
         .args(["--warmup", &args.warmup.to_string()])
         .args(["--threads", &args.threads.to_string()]);
-    last_json(cmd.output()?, "bench/peft_lora_step.py")
+    match args.qlora {
+        true => cmd.arg("--base").arg(base),
+        false => cmd.args(["--dtype", "bf16"]),
+    };
+    if args.double_quant {
+        cmd.arg("--double-quant");
+    }
+    let r = last_json(cmd.output()?, script)?;
+    eprintln!("peft  {r}");
+    Ok(r)
 }
 
 fn main() -> anyhow::Result<()> {
@@ -233,19 +264,28 @@ fn main() -> anyhow::Result<()> {
         n => n,
     };
     let args = Args { threads, ..args };
-    let base = base_dir(&args)?;
+    if !args.qlora && !matches!(args.shape, Shape::Smollm2) {
+        bail!("--shape llama-1b is for --qlora (our full fine-tuning would not fit)");
+    }
+    let base = base_dir(args.shape, args.base_dir.as_deref())?;
+    match args.qlora {
+        true => qlora(&args, &base),
+        false => lora(&args, &base),
+    }
+}
+
+/// LoRA against PEFT and against our full fine-tuning.
+fn lora(args: &Args, base: &Path) -> anyhow::Result<()> {
     let load_before = loadavg();
     let wanted = |name: &str| args.only.as_deref().is_none_or(|o| name.contains(o));
     // A B A B: ours (LoRA), PEFT, ours, PEFT...; then our full fine-tuning once.
     let (mut lora, mut peft_runs) = (Vec::new(), Vec::new());
     for _ in 0..args.rounds.max(1) {
         if wanted("lora") {
-            lora.push(child(&args, "lora", &base)?);
-            eprintln!("lora  {}", lora[lora.len() - 1]);
+            lora.push(child(args, "lora", base)?);
         }
         if !args.no_peft && wanted("peft") {
-            peft_runs.push(peft(&args)?);
-            eprintln!("peft  {}", peft_runs[peft_runs.len() - 1]);
+            peft_runs.push(peft(args, base)?);
         }
     }
     let mut rows: Vec<(&str, Value)> = Vec::new();
@@ -253,9 +293,7 @@ fn main() -> anyhow::Result<()> {
         rows.push(("ours: LoRA", protocol::pool(&lora)));
     }
     if wanted("full") {
-        let r = child(&args, "full", &base)?;
-        eprintln!("full  {r}");
-        rows.push(("ours: full fine-tuning", r));
+        rows.push(("ours: full fine-tuning", child(args, "full", base)?));
     }
     if !peft_runs.is_empty() {
         rows.push(("PEFT + transformers: LoRA", protocol::pool(&peft_runs)));
@@ -269,11 +307,12 @@ fn main() -> anyhow::Result<()> {
     let peft_row = find("peft");
     let full_row = find("full");
     println!(
-        "\nCPU: {}\nSmolLM2-135M shape, bf16, batch {BATCH} x block {BLOCK}; {threads} threads, \
+        "\nCPU: {}\nSmolLM2-135M shape, bf16, batch {BATCH} x block {BLOCK}; {} threads, \
          {} timed steps after {} warm-up per round, {} A B A B rounds (ours: LoRA, PEFT); peak \
          RSS over the whole process (in the steps alone); step memory: peak minus the RSS before \
          the model was built\n",
         protocol::this_cpu(),
+        args.threads,
         args.steps,
         args.warmup,
         args.rounds.max(1),
@@ -288,40 +327,148 @@ fn main() -> anyhow::Result<()> {
             f(v, "rss_base_mib"),
         );
         let ps = f(v, "peak_rss_steps_mib");
-        let vs = |other: &Option<Value>, k: &str, x: f64| match other {
-            Some(o) => format!("**{:.2}x**", x / f(o, k)),
-            None => "-".into(),
-        };
         println!(
             "| {name} | {:.2} M | {:.0} ms | {} | {p:.0} MiB ({ps:.0} MiB) | {:.0} MiB | {} | {} | {} |",
             f(v, "trainable_params") / 1e6,
             s * 1e3,
-            vs(&peft_row, "step_median_s", s),
+            ratio(&peft_row, "step_median_s", s),
             p - b,
-            vs(&peft_row, "peak_rss_mib", p),
-            vs(&full_row, "peak_rss_mib", p),
+            ratio(&peft_row, "peak_rss_mib", p),
+            ratio(&full_row, "peak_rss_mib", p),
             share_cell(v),
         );
     }
     if let (Some(lora), Some(full), Some(peft)) = (find("lora"), full_row, peft_row) {
         let peak = |v: &Value| f(v, "peak_rss_mib");
-        let check = |ok: bool| if ok { "met" } else { "NOT met" };
         let (vs_full, vs_peft) = (peak(&lora) / peak(&full), peak(&lora) / peak(&peft));
         let time = f(&lora, "step_median_s") / f(&peft, "step_median_s");
         println!(
             "\nTargets: LoRA peak <= 0.5x our full FT's: {vs_full:.2}x, {}; LoRA peak <= PEFT's: \
              {vs_peft:.2}x, {}; LoRA step <= 1.0x PEFT's (goal 0.8x): {time:.2}x, {}",
-            check(vs_full <= 0.5),
-            check(vs_peft <= 1.0),
-            check(time <= 1.0),
+            met(vs_full <= 0.5),
+            met(vs_peft <= 1.0),
+            met(time <= 1.0),
         );
     }
     Ok(())
 }
 
-/// `/proc/loadavg`'s three load averages.
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into())
+/// `x` over `other`'s field `k`, as a table cell (`-` without `other`).
+fn ratio(other: &Option<Value>, k: &str, x: f64) -> String {
+    match other {
+        Some(o) => format!("**{:.2}x**", x / f(o, k)),
+        None => "-".into(),
+    }
+}
+
+fn met(ok: bool) -> &'static str {
+    if ok {
+        "met"
+    } else {
+        "NOT met"
+    }
+}
+
+/// QLoRA: ours over a 4-bit base against our bf16 LoRA and PEFT + bitsandbytes.
+fn qlora(args: &Args, base: &Path) -> anyhow::Result<()> {
+    let load_before = loadavg();
+    let wanted = |name: &str| args.only.as_deref().is_none_or(|o| name.contains(o));
+    let bytes = child(args, "bytes", base)?;
+    // A B C A B C: ours (QLoRA), PEFT + bitsandbytes, ours (bf16 LoRA).
+    let (mut q, mut p, mut l) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..args.rounds.max(1) {
+        if wanted("qlora") {
+            q.push(child(args, "qlora", base)?);
+        }
+        if !args.no_peft && wanted("peft") {
+            p.push(peft(args, base)?);
+        }
+        if args.only.as_deref().is_none_or(|o| o == "lora") {
+            l.push(child(args, "lora", base)?);
+        }
+    }
+    let load_after = loadavg();
+    let rows: Vec<(&str, Value)> = [
+        ("ours: QLoRA (nf4)", q),
+        ("PEFT + bitsandbytes: QLoRA (nf4)", p),
+        ("ours: LoRA, bf16 base", l),
+    ]
+    .into_iter()
+    .filter(|(_, v)| !v.is_empty())
+    .map(|(n, v)| (n, protocol::pool(&v)))
+    .collect();
+    let find = |prefix: &str| {
+        rows.iter()
+            .find(|(n, _)| n.starts_with(prefix))
+            .map(|(_, v)| v.clone())
+    };
+    let (ours_q, peft_q, ours_l) = (find("ours: QLoRA"), find("PEFT"), find("ours: LoRA"));
+    println!(
+        "\nCPU: {}\n{} shape, bf16 compute, LoRA r 16 all-linear, batch {BATCH} x block {BLOCK}; \
+         {} threads, {} timed steps after {} warm-up per round, {} A B C rounds (ours QLoRA, \
+         PEFT + bitsandbytes, our bf16 LoRA); double quantization {}; anonymous RSS peak \
+         sampled every {} ms (whole process, and in the steps alone); VmHWM counts the mapped \
+         base file too\n",
+        protocol::this_cpu(),
+        args.shape.name(),
+        args.threads,
+        args.steps,
+        args.warmup,
+        args.rounds.max(1),
+        args.double_quant,
+        support::memory::PERIOD.as_millis(),
+    );
+    println!("load average (1, 5, 15 min): {load_before} before, {load_after} after\n");
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    let (pb, pq) = (f(&bytes, "proj_bf16_bytes"), f(&bytes, "proj_nf4_bytes"));
+    let (wb, wq) = (
+        f(&bytes, "whole_bf16_bytes"),
+        f(&bytes, "whole_qlora_bytes"),
+    );
+    println!(
+        "Base weight bytes ({} projections quantized): projections {:.3} GiB in NF4 against \
+         {:.3} GiB in bf16 (**{:.3}x**); whole base {:.3} GiB against {:.3} GiB ({:.3}x)\n",
+        bytes["quantized_layers"],
+        gib(pq),
+        gib(pb),
+        pq / pb,
+        gib(wq),
+        gib(wb),
+        wq / wb,
+    );
+    println!("| case | trainable | load | step (median) | / our LoRA | / PEFT | anon RSS peak (in the steps) | / our LoRA | / PEFT | VmHWM | other CPU (max per step) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for (name, v) in &rows {
+        let (s, a) = (f(v, "step_median_s"), f(v, "anon_peak_mib"));
+        println!(
+            "| {name} | {:.2} M | {:.1} s | {:.0} ms | {} | {} | {a:.0} MiB ({:.0} MiB) | {} | {} | {:.0} MiB | {} |",
+            f(v, "trainable_params") / 1e6,
+            f(v, "load_s"),
+            s * 1e3,
+            ratio(&ours_l, "step_median_s", s),
+            ratio(&peft_q, "step_median_s", s),
+            f(v, "anon_peak_steps_mib"),
+            ratio(&ours_l, "anon_peak_mib", a),
+            ratio(&peft_q, "anon_peak_mib", a),
+            f(v, "peak_rss_mib"),
+            share_cell(v),
+        );
+    }
+    if let (Some(q), Some(l)) = (ours_q, ours_l) {
+        let anon = |k: &str| f(&q, k) / f(&l, k);
+        let (rss, steps) = (anon("anon_peak_mib"), anon("anon_peak_steps_mib"));
+        let time = f(&q, "step_median_s") / f(&l, "step_median_s");
+        println!(
+            "\nTargets: projections' bytes <= 0.3x bf16's: {:.3}x, {}; QLoRA anon RSS peak <= \
+             0.6x our bf16 LoRA's: {rss:.2}x over the whole process (load included), {}; \
+             {steps:.2}x in the steps alone, {}; QLoRA step <= 1.3x our bf16 LoRA's: \
+             {time:.2}x, {}",
+            pq / pb,
+            met(pq / pb <= 0.3),
+            met(rss <= 0.6),
+            met(steps <= 0.6),
+            met(time <= 1.3),
+        );
+    }
+    Ok(())
 }

@@ -2,6 +2,8 @@
 //! JSON line a child (or a Python anchor) prints last.
 #![allow(dead_code)]
 
+pub mod bases;
+pub mod memory;
 pub mod protocol;
 
 use std::path::PathBuf;
@@ -51,4 +53,16 @@ pub fn last_json(out: std::process::Output, what: &str) -> anyhow::Result<Value>
 /// Field `k` of `v` as a number (NaN where absent).
 pub fn f(v: &Value, k: &str) -> f64 {
     v[k].as_f64().unwrap_or(f64::NAN)
+}
+
+/// Resets `VmHWM` to the current RSS (Linux >= 4.0); false where the kernel refuses.
+pub fn reset_hwm() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// `/proc/loadavg`'s three load averages.
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
 }
