@@ -141,3 +141,4 @@ fn our_qlora_adapter_matches_the_peft_verified_golden() {
         .fold(0f32, f32::max);
     assert!(moved > 1e-3, "lora_B max {moved}");
 }
+
