@@ -37,7 +37,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_protocol  # noqa: E402
-from peft_lora_step import ALPHA, BATCH, BLOCK, R, reset_hwm, status_mib  # noqa: E402
+from peft_lora_step import ALPHA, BATCH, BLOCK, R, make_step, reset_hwm, status_mib  # noqa: E402
 
 PERIOD_S = 0.002
 
@@ -138,14 +138,7 @@ def main():
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
 
-    def step():
-        x = torch.randint(vocab, (BATCH, BLOCK), generator=gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=x, labels=x, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+    step = make_step(torch, model, opt, vocab, gen)
 
     rss_before_steps_mib = status_mib("VmRSS")
     anon_load = anon.read()

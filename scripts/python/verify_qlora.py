@@ -27,7 +27,6 @@ training step runs; that path's distance from ours is printed last, as a figure 
 checked. Exit status 0 if all pass, 1 otherwise; the last line printed is a JSON summary.
 """
 import argparse
-import json
 import os
 import sys
 import warnings
@@ -42,6 +41,9 @@ from peft import PeftModel  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import BitsAndBytesConfig, LlamaForCausalLM  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from verify_lora import Checks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(ROOT, "trainer", "tests", "fixtures")
@@ -92,16 +94,8 @@ def main():
         "peft": peft.__version__,
         "bitsandbytes": bnb.__version__,
         "torch": torch.__version__,
-        "checks": {},
     }
-    ok = True
-
-    def check(name, passed, **info):
-        nonlocal ok
-        ok &= bool(passed)
-        summary["checks"][name] = dict(passed=bool(passed), **info)
-        extra = ", ".join(f"{k} {v:.3e}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
-        print(f"{'ok  ' if passed else 'FAIL'} {name}: {extra}", flush=True)
+    check = Checks(summary)
 
     def layers_4bit(model, training):
         layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
@@ -143,9 +137,7 @@ def main():
                 packed = model(input_ids=ids, use_cache=False).logits.float()
             summary["info"] = {"cpu_inference_path_max_abs_logit_diff": (packed - ours_logits).abs().max().item()}
             print(f"info bitsandbytes' CPU inference path (eval mode): max abs logit diff {summary['info']['cpu_inference_path_max_abs_logit_diff']:.3e}")
-    summary["ok"] = ok
-    print(json.dumps(summary))
-    sys.exit(0 if ok else 1)
+    check.finish()
 
 
 if __name__ == "__main__":

@@ -30,35 +30,24 @@ mod support;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
 use serde_json::{json, Value};
 use support::bases::{base_dir, Shape};
 use support::protocol::{self, share_cell};
-use support::{f, last_json, loadavg, reset_hwm, root, status_kib};
-use trainer::config::{Precision, TrainConfig};
+use support::run::{lora_config, run_steps, StepArgs};
+use support::{f, last_json, loadavg, root};
+use trainer::config::TrainConfig;
 use trainer::data::DataKind;
-use trainer::train::Trainer;
 
 const BLOCK: usize = 256;
 const PAIRS: usize = 4;
 
 #[derive(Parser, Debug)]
 struct Args {
-    /// Timed steps per case.
-    #[arg(long, default_value_t = 3)]
-    steps: usize,
-    /// Warm-up steps per case.
-    #[arg(long, default_value_t = 2)]
-    warmup: usize,
-    /// Threads for every side (0: the machine's cores).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
-    /// A B A B rounds of ours and TRL.
-    #[arg(long, default_value_t = 2)]
-    rounds: usize,
+    #[command(flatten)]
+    run: StepArgs,
     /// The Python with torch, transformers, peft and trl.
     #[arg(long, default_value = ".venv-py/bin/python")]
     python: PathBuf,
@@ -116,9 +105,6 @@ fn pairs_file(args: &Args) -> anyhow::Result<PathBuf> {
 fn run_ours(args: &Args, base: &Path, pairs: &Path) -> anyhow::Result<Value> {
     let tmp = tempfile::tempdir()?;
     let config = TrainConfig {
-        out_dir: tmp.path().join("run"),
-        cache_dir: Some(tmp.path().join("cache")),
-        init_from: Some(base.display().to_string()),
         data: DataKind::Preference,
         data_path: Some(pairs.to_path_buf()),
         tokenizer_path: Some(tokenizer_dir().join("tokenizer.json")),
@@ -126,58 +112,15 @@ fn run_ours(args: &Args, base: &Path, pairs: &Path) -> anyhow::Result<Value> {
         dpo_beta: 0.1,
         block_size: BLOCK,
         batch_size: 2 * PAIRS,
-        max_iters: 1_000_000,
-        eval_interval: 1_000_000,
-        eval_problems: 0,
-        lr: 1e-4,
-        min_lr: 1e-4,
-        warmup_iters: 0,
-        beta1: 0.9,
-        beta2: 0.999,
-        weight_decay: 0.01,
-        grad_clip: 0.0,
-        dtype: Precision::Bf16,
-        lora_r: 16,
-        lora_alpha: 32.0,
-        lora_dropout: 0.0,
-        base_dtype: Some(Precision::Bf16),
-        peak_flops: 1e12,
-        ..TrainConfig::default()
+        ..lora_config(tmp.path(), base)
     };
-    let load = Instant::now();
-    let mut t = Trainer::new(config)?;
-    let load_s = load.elapsed().as_secs_f64();
-    let hwm_before_steps = status_kib("VmHWM:") / 1024.0;
-    let hwm_reset = reset_hwm();
-    let mut losses = Vec::new();
-    for _ in 0..args.warmup {
-        losses.push(t.train_step()?.loss);
-    }
-    let timed = (0..args.steps)
-        .map(|_| protocol::timed(|| t.train_step().map(|s| losses.push(s.loss))))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let hwm = status_kib("VmHWM:") / 1024.0;
-    let mut r = json!({
-        "case": "ours",
-        "step_median_s": protocol::median(&timed.iter().map(|t| t.secs).collect::<Vec<_>>()),
-        "trainable_params": t.params.num_elements(),
-        "load_s": load_s,
-        "peak_rss_mib": hwm.max(hwm_before_steps),
-        "peak_rss_steps_mib": if hwm_reset { json!(hwm) } else { Value::Null },
-        "loss_first_last": [losses.first(), losses.last()],
-    });
-    if let (Some(r), Value::Object(p)) = (r.as_object_mut(), protocol::summary(&timed)) {
-        r.extend(p);
-    }
+    let mut r = run_steps(config, &args.run)?;
+    r["case"] = json!("ours");
+    r["tokens_per_s"] = json!((2 * PAIRS * BLOCK) as f64 / f(&r, "step_median_s"));
     Ok(r)
 }
 
 fn side(args: &Args, base: &Path, pairs: &Path, trl: bool) -> anyhow::Result<Value> {
-    let counts = [
-        ("--steps", args.steps.to_string()),
-        ("--warmup", args.warmup.to_string()),
-        ("--threads", args.threads.to_string()),
-    ];
     let mut cmd = match trl {
         true => {
             let mut c = Command::new(root().join(&args.python));
@@ -196,12 +139,7 @@ fn side(args: &Args, base: &Path, pairs: &Path, trl: bool) -> anyhow::Result<Val
         .arg(base)
         .arg("--pairs-file")
         .arg(pairs);
-    for (k, v) in counts {
-        cmd.args([k, &v]);
-    }
-    if args.threads > 0 {
-        cmd.env("RAYON_NUM_THREADS", args.threads.to_string());
-    }
+    args.run.pass_to(&mut cmd, trl);
     let what = if trl {
         "bench/trl_dpo_step.py"
     } else {
@@ -224,16 +162,15 @@ fn main() -> anyhow::Result<()> {
         println!("{}", run_ours(&args, &base, &pairs)?);
         return Ok(());
     }
-    let threads = match args.threads {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
+    let args = Args {
+        run: args.run.resolved(),
+        ..args
     };
-    let args = Args { threads, ..args };
     let base = base_dir(Shape::Smollm2, args.base_dir.as_deref())?;
     let pairs = pairs_file(&args)?;
     let load_before = loadavg();
     let (mut ours, mut trl) = (Vec::new(), Vec::new());
-    for _ in 0..args.rounds.max(1) {
+    for _ in 0..args.run.rounds {
         ours.push(side(&args, &base, &pairs, false)?);
         if !args.no_trl {
             trl.push(side(&args, &base, &pairs, true)?);
@@ -242,12 +179,9 @@ fn main() -> anyhow::Result<()> {
     let load_after = loadavg();
     println!(
         "\nCPU: {}\nSmolLM2-135M shape, DPO (sigmoid, beta 0.1), LoRA r 16 all-linear, bf16; \
-         {PAIRS} pairs x {BLOCK} tokens; {threads} threads, {} timed steps after {} warm-up per \
-         round, {} A B A B rounds (ours, TRL)\n",
+         {PAIRS} pairs x {BLOCK} tokens; {}\n",
         protocol::this_cpu(),
-        args.steps,
-        args.warmup,
-        args.rounds.max(1),
+        args.run.describe("ours, TRL"),
     );
     println!("load average (1, 5, 15 min): {load_before} before, {load_after} after\n");
     let trl_row = (!trl.is_empty()).then(|| protocol::pool(&trl));

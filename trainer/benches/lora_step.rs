@@ -58,33 +58,24 @@ mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Parser;
 use serde_json::{json, Value};
 use support::bases::{base_bytes, base_dir, Shape};
-use support::memory::AnonPeak;
 use support::protocol::{self, share_cell};
-use support::{f, last_json, loadavg, reset_hwm, root, status_kib};
+use support::run::{lora_config, run_steps, StepArgs};
+use support::{f, last_json, loadavg, root};
 use trainer::config::{BaseQuant, Precision, TrainConfig};
 use trainer::data::DataKind;
-use trainer::train::Trainer;
 
 const BLOCK: usize = 256;
 const BATCH: usize = 4;
 
 #[derive(Parser, Debug)]
 struct Args {
-    /// Timed steps per case.
-    #[arg(long, default_value_t = 3)]
-    steps: usize,
-    /// Warm-up steps per case (PEFT needs 2 to settle).
-    #[arg(long, default_value_t = 2)]
-    warmup: usize,
-    /// Threads for every side (0: the machine's cores).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
+    #[command(flatten)]
+    run: StepArgs,
     /// Run only the cases whose name contains this (`lora`, `full`, `peft`; with --qlora
     /// `qlora`, `lora`, `peft`).
     #[arg(long)]
@@ -100,10 +91,6 @@ struct Args {
     /// Skip the PEFT side.
     #[arg(long)]
     no_peft: bool,
-    /// A B A B rounds of ours (LoRA) and PEFT (with --qlora: A B C, ours QLoRA, PEFT +
-    /// bitsandbytes, our bf16 LoRA).
-    #[arg(long, default_value_t = 2)]
-    rounds: usize,
     /// The model's shape.
     #[arg(long, value_enum, default_value = "smollm2-135m")]
     shape: Shape,
@@ -133,77 +120,23 @@ fn run_ours(case: &str, base: &Path, args: &Args) -> anyhow::Result<Value> {
         "bytes" => return base_bytes(args.shape, base, args.double_quant),
         _ => bail!("unknown case {case}"),
     };
-    let anon = AnonPeak::start();
     let tmp = tempfile::tempdir()?;
-    let rss_base = status_kib("VmRSS:") / 1024.0;
     let config = TrainConfig {
-        out_dir: tmp.path().join("run"),
-        cache_dir: Some(tmp.path().join("cache")),
-        init_from: Some(base.display().to_string()),
         // Byte-level tinyshakespeare: ids < 256, inside every shape's embedding (as
         // llama_step feeds its 49152-vocab case).
         data: DataKind::Byte,
         data_path: Some(root().join("data/tinyshakespeare.txt")),
         block_size: BLOCK,
         batch_size: BATCH,
-        max_iters: 1_000_000,
-        eval_interval: 1_000_000,
-        eval_problems: 0,
-        // PEFT's anchor: torch AdamW(lr=1e-4), default betas / eps / weight decay, no clip.
-        lr: 1e-4,
-        min_lr: 1e-4,
-        warmup_iters: 0,
-        beta1: 0.9,
-        beta2: 0.999,
-        weight_decay: 0.01,
-        grad_clip: 0.0,
-        dtype: Precision::Bf16,
         lora_r: if lora { 16 } else { 0 },
-        lora_alpha: 32.0,
-        lora_dropout: 0.0,
         base_dtype: lora.then_some(Precision::Bf16),
         base_quant: quant,
         base_quant_double: args.double_quant,
-        peak_flops: 1e12,
-        ..TrainConfig::default()
+        ..lora_config(tmp.path(), base)
     };
-    let load = Instant::now();
-    let mut t = Trainer::new(config)?;
-    let load_s = load.elapsed().as_secs_f64();
-    let trainable = t.params.num_elements();
-    let rss_before_steps = status_kib("VmRSS:") / 1024.0;
-    let peak_before_steps = status_kib("VmHWM:") / 1024.0;
-    let anon_load = anon.peak_mib();
-    let hwm_reset = reset_hwm();
-    anon.reset();
-    let mut losses = Vec::new();
-    for _ in 0..args.warmup {
-        losses.push(t.train_step()?.loss);
-    }
-    let timed = (0..args.steps)
-        .map(|_| protocol::timed(|| t.train_step().map(|s| losses.push(s.loss))))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let hwm_steps = status_kib("VmHWM:") / 1024.0;
-    let anon_steps = anon.peak_mib();
-    let peak = match hwm_reset {
-        true => hwm_steps.max(peak_before_steps),
-        false => hwm_steps,
-    };
-    let median = protocol::median(&timed.iter().map(|t| t.secs).collect::<Vec<_>>());
-    let mut r = json!({
-        "case": case, "step_median_s": median,
-        "tokens_per_s": (BATCH * BLOCK) as f64 / median,
-        "trainable_params": trainable,
-        "peak_rss_mib": peak, "rss_base_mib": rss_base,
-        "rss_before_steps_mib": rss_before_steps,
-        "peak_rss_steps_mib": if hwm_reset { json!(hwm_steps) } else { Value::Null },
-        "anon_peak_mib": anon_load.max(anon_steps), "anon_peak_steps_mib": anon_steps,
-        "load_s": load_s,
-        "loss_first_last": [losses.first(), losses.last()],
-    });
-    if let (Some(r), Value::Object(p)) = (r.as_object_mut(), protocol::summary(&timed)) {
-        r.extend(p);
-    }
+    let mut r = run_steps(config, &args.run)?;
+    r["case"] = json!(case);
+    r["tokens_per_s"] = json!((BATCH * BLOCK) as f64 / f(&r, "step_median_s"));
     Ok(r)
 }
 
@@ -213,14 +146,10 @@ fn child(args: &Args, case: &str, base: &Path) -> anyhow::Result<Value> {
     cmd.args(["--child", case])
         .arg("--base-dir")
         .arg(base)
-        .args(["--shape", args.shape.name()])
-        .args(["--steps", &args.steps.to_string()])
-        .args(["--warmup", &args.warmup.to_string()]);
+        .args(["--shape", args.shape.name()]);
+    args.run.pass_to(&mut cmd, false);
     if args.double_quant {
         cmd.arg("--double-quant");
-    }
-    if args.threads > 0 {
-        cmd.env("RAYON_NUM_THREADS", args.threads.to_string());
     }
     let r = last_json(cmd.output()?, "our step")?;
     eprintln!("{case}  {r}");
@@ -233,10 +162,8 @@ fn peft(args: &Args, base: &Path) -> anyhow::Result<Value> {
         false => (&args.python, "bench/peft_lora_step.py"),
     };
     let mut cmd = Command::new(root().join(python));
-    cmd.arg(root().join(script))
-        .args(["--steps", &args.steps.to_string()])
-        .args(["--warmup", &args.warmup.to_string()])
-        .args(["--threads", &args.threads.to_string()]);
+    cmd.arg(root().join(script));
+    args.run.pass_to(&mut cmd, true);
     match args.qlora {
         true => cmd.arg("--base").arg(base),
         false => cmd.args(["--dtype", "bf16"]),
@@ -259,11 +186,10 @@ fn main() -> anyhow::Result<()> {
         println!("{r}");
         return Ok(());
     }
-    let threads = match args.threads {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
+    let args = Args {
+        run: args.run.resolved(),
+        ..args
     };
-    let args = Args { threads, ..args };
     if !args.qlora && !matches!(args.shape, Shape::Smollm2) {
         bail!("--shape llama-1b is for --qlora (our full fine-tuning would not fit)");
     }
@@ -280,7 +206,7 @@ fn lora(args: &Args, base: &Path) -> anyhow::Result<()> {
     let wanted = |name: &str| args.only.as_deref().is_none_or(|o| name.contains(o));
     // A B A B: ours (LoRA), PEFT, ours, PEFT...; then our full fine-tuning once.
     let (mut lora, mut peft_runs) = (Vec::new(), Vec::new());
-    for _ in 0..args.rounds.max(1) {
+    for _ in 0..args.run.rounds {
         if wanted("lora") {
             lora.push(child(args, "lora", base)?);
         }
@@ -307,15 +233,11 @@ fn lora(args: &Args, base: &Path) -> anyhow::Result<()> {
     let peft_row = find("peft");
     let full_row = find("full");
     println!(
-        "\nCPU: {}\nSmolLM2-135M shape, bf16, batch {BATCH} x block {BLOCK}; {} threads, \
-         {} timed steps after {} warm-up per round, {} A B A B rounds (ours: LoRA, PEFT); peak \
-         RSS over the whole process (in the steps alone); step memory: peak minus the RSS before \
-         the model was built\n",
+        "\nCPU: {}\nSmolLM2-135M shape, bf16, batch {BATCH} x block {BLOCK}; {}; peak RSS over \
+         the whole process (in the steps alone); step memory: peak minus the RSS before the model \
+         was built\n",
         protocol::this_cpu(),
-        args.threads,
-        args.steps,
-        args.warmup,
-        args.rounds.max(1),
+        args.run.describe("ours: LoRA, PEFT"),
     );
     println!("load average (1, 5, 15 min): {load_before} before, {load_after} after\n");
     println!("| case | trainable | step (median) | / PEFT | peak RSS (in the steps) | step memory | peak / PEFT | peak / our full FT | other CPU (max per step) |");
@@ -376,7 +298,7 @@ fn qlora(args: &Args, base: &Path) -> anyhow::Result<()> {
     let bytes = child(args, "bytes", base)?;
     // A B C A B C: ours (QLoRA), PEFT + bitsandbytes, ours (bf16 LoRA).
     let (mut q, mut p, mut l) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..args.rounds.max(1) {
+    for _ in 0..args.run.rounds {
         if wanted("qlora") {
             q.push(child(args, "qlora", base)?);
         }
@@ -405,16 +327,12 @@ fn qlora(args: &Args, base: &Path) -> anyhow::Result<()> {
     let (ours_q, peft_q, ours_l) = (find("ours: QLoRA"), find("PEFT"), find("ours: LoRA"));
     println!(
         "\nCPU: {}\n{} shape, bf16 compute, LoRA r 16 all-linear, batch {BATCH} x block {BLOCK}; \
-         {} threads, {} timed steps after {} warm-up per round, {} A B C rounds (ours QLoRA, \
-         PEFT + bitsandbytes, our bf16 LoRA); double quantization {}; anonymous RSS peak \
-         sampled every {} ms (whole process, and in the steps alone); VmHWM counts the mapped \
-         base file too\n",
+         {}; double quantization {}; anonymous RSS peak sampled every {} ms (whole process, and \
+         in the steps alone); VmHWM counts the mapped base file too\n",
         protocol::this_cpu(),
         args.shape.name(),
-        args.threads,
-        args.steps,
-        args.warmup,
-        args.rounds.max(1),
+        args.run
+            .describe("ours QLoRA, PEFT + bitsandbytes, our bf16 LoRA"),
         args.double_quant,
         support::memory::PERIOD.as_millis(),
     );

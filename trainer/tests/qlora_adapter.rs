@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use common::llama::expected_at;
-use common::{load_dir, lora_base, lora_config, max_abs_diff};
+use common::{load_dir, lora_base, lora_config, max_abs};
 use trainer::config::{BaseQuant, TrainConfig};
 use trainer::load::ModelDir;
 use trainer::lora::{nf4_on_load, read_adapter, Nf4Settings};
@@ -100,45 +100,21 @@ fn adapter_config(dir: &Path) -> serde_json::Value {
 #[test]
 fn our_qlora_adapter_matches_the_peft_verified_golden() {
     let golden = fixture("ours");
-    let update = std::env::var_os("UPDATE_GOLDEN").is_some();
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = match update {
-        true => golden.clone(),
-        false => tmp.path().to_path_buf(),
-    };
+    let (_tmp, dir, update) = common::golden_target(&golden);
     std::fs::create_dir_all(&dir).unwrap();
     write_ours(&dir);
     if update {
         return;
     }
-    for file in ["adapter/adapter_model.safetensors", "expected.safetensors"] {
-        let (ours, want) = (load(&dir, file), load(&golden, file));
-        let mut names: Vec<_> = want.keys().collect();
-        names.sort();
-        let mut got: Vec<_> = ours.keys().collect();
-        got.sort();
-        assert_eq!(names, got, "{file}");
-        for (n, t) in &want {
-            let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-            let d = max_abs_diff(&f32(&ours[n]), &f32(t));
-            assert!(d <= 1e-6, "{file} {n}: {d} from the verified golden");
-        }
-    }
+    let files = ["adapter/adapter_model.safetensors", "expected.safetensors"];
+    common::assert_golden_tensors(&dir, &golden, &files);
     assert_eq!(adapter_config(&dir), adapter_config(&golden));
     // The adapter moved off zero (B starts at 0), so PEFT's check compares a real update.
     let b = load(&dir, "adapter/adapter_model.safetensors");
     let moved = b
         .iter()
         .filter(|(n, _)| n.contains("lora_B"))
-        .map(|(_, t)| {
-            t.abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        })
+        .map(|(_, t)| max_abs(t))
         .fold(0f32, f32::max);
     assert!(moved > 1e-3, "lora_B max {moved}");
 }
-

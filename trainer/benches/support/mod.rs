@@ -5,6 +5,7 @@
 pub mod bases;
 pub mod memory;
 pub mod protocol;
+pub mod run;
 
 use std::path::PathBuf;
 
