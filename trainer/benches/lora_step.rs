@@ -62,7 +62,7 @@ use std::process::Command;
 use anyhow::{bail, Context};
 use clap::Parser;
 use serde_json::{json, Value};
-use support::bases::{base_bytes, base_dir, Shape};
+use support::bases::{base_bytes, base_path, has_base, write_base, Shape};
 use support::protocol::{self, share_cell};
 use support::run::{lora_config, run_steps, StepArgs};
 use support::{f, last_json, loadavg, root};
@@ -118,6 +118,7 @@ fn run_ours(case: &str, base: &Path, args: &Args) -> anyhow::Result<Value> {
         "qlora" => (true, BaseQuant::Nf4),
         "full" => (false, BaseQuant::None),
         "bytes" => return base_bytes(args.shape, base, args.double_quant),
+        "base" => return write_base(args.shape, base).map(|()| json!({ "case": "base" })),
         _ => bail!("unknown case {case}"),
     };
     let tmp = tempfile::tempdir()?;
@@ -193,7 +194,11 @@ fn main() -> anyhow::Result<()> {
     if !args.qlora && !matches!(args.shape, Shape::Smollm2) {
         bail!("--shape llama-1b is for --qlora (our full fine-tuning would not fit)");
     }
-    let base = base_dir(args.shape, args.base_dir.as_deref())?;
+    // Written by a child of its own, so that this process never holds the model.
+    let base = base_path(args.shape, args.base_dir.as_deref());
+    if !has_base(&base) {
+        child(&args, "base", &base)?;
+    }
     match args.qlora {
         true => qlora(&args, &base),
         false => lora(&args, &base),

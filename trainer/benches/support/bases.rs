@@ -52,20 +52,35 @@ impl Shape {
     }
 }
 
-/// The base model directory: written once (random init, seed 0, stored in bf16), reused after.
-/// Each tensor is drawn in f32 and stored in bf16 before the next is drawn (the values of
-/// `Params::init` then `to_dtype`), so no f32 copy of the model is ever whole.
-pub fn base_dir(shape: Shape, dir: Option<&Path>) -> anyhow::Result<PathBuf> {
-    let dir = match dir {
+/// Where the base model of `shape` is: `dir`, or by default under Cargo's target tmp dir.
+pub fn base_path(shape: Shape, dir: Option<&Path>) -> PathBuf {
+    match dir {
         Some(d) => d.to_path_buf(),
         None => PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
             .join(format!("lora_step_base_{}", shape.name())),
-    };
-    if dir.join("config.json").exists() && dir.join("model.safetensors").exists() {
-        return Ok(dir);
     }
+}
+
+/// Whether `dir` holds a written base model.
+pub fn has_base(dir: &Path) -> bool {
+    dir.join("config.json").exists() && dir.join("model.safetensors").exists()
+}
+
+/// The base model directory ([`base_path`]), written by this process if it is not there yet.
+pub fn base_dir(shape: Shape, dir: Option<&Path>) -> anyhow::Result<PathBuf> {
+    let dir = base_path(shape, dir);
+    if !has_base(&dir) {
+        write_base(shape, &dir)?;
+    }
+    Ok(dir)
+}
+
+/// Writes the base model of `shape` to `dir` (random init, seed 0, stored in bf16). Each
+/// tensor is drawn in f32 and stored in bf16 before the next is drawn (the values of
+/// `Params::init` then `to_dtype`), so no f32 copy of the model is ever whole.
+pub fn write_base(shape: Shape, dir: &Path) -> anyhow::Result<()> {
     eprintln!("writing the base model to {}", dir.display());
-    std::fs::create_dir_all(&dir)?;
+    std::fs::create_dir_all(dir)?;
     let cfg = shape.config();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
     let mut tensors = Vec::new();
@@ -74,8 +89,8 @@ pub fn base_dir(shape: Shape, dir: Option<&Path>) -> anyhow::Result<PathBuf> {
         let t = Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(DType::BF16)?;
         tensors.push((name, t));
     }
-    trainer::checkpoint::save_model(&dir, &cfg, &Params::from_tensors(tensors)?)?;
-    Ok(dir)
+    trainer::checkpoint::save_model(dir, &cfg, &Params::from_tensors(tensors)?)?;
+    Ok(())
 }
 
 /// The `bytes` child: the base's weight bytes in bf16 and as our QLoRA run holds them (every
