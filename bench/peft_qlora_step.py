@@ -72,12 +72,16 @@ class AnonPeak:
 def weight_bytes(model):
     """(4-bit projections' bytes, every other parameter's and buffer's bytes) of a model
     transformers loaded with bitsandbytes: a Params4bit counts its packed codes and its quant
-    state's tensors (absmax, and nested absmax and map with double quantization)."""
+    state's tensors (absmax, the 16-value code, and nested absmax and map with double
+    quantization); a tied tensor counts once."""
     import bitsandbytes as bnb
 
-    quant, rest = 0, 0
+    quant, rest, seen = 0, 0, set()
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if id(p) in seen:  # tied: the embedding is also lm_head's weight
+                continue
+            seen.add(id(p))
             if isinstance(module, bnb.nn.Linear4bit) and name == "weight":
                 qs = p.quant_state
                 quant += p.numel() * p.element_size()

@@ -76,8 +76,8 @@ const BATCH: usize = 4;
 struct Args {
     #[command(flatten)]
     run: StepArgs,
-    /// Run only the cases whose name contains this (`lora`, `full`, `peft`; with --qlora
-    /// `qlora`, `lora`, `peft`).
+    /// Run only the cases whose name contains this (`lora`, `full`, `peft`); with --qlora only
+    /// the case of this name (`qlora`, `peft` or `lora`).
     #[arg(long)]
     only: Option<String>,
     /// The Python with torch, transformers and peft (relative to the workspace root, or
@@ -299,7 +299,8 @@ fn met(ok: bool) -> &'static str {
 /// QLoRA: ours over a 4-bit base against our bf16 LoRA and PEFT + bitsandbytes.
 fn qlora(args: &Args, base: &Path) -> anyhow::Result<()> {
     let load_before = loadavg();
-    let wanted = |name: &str| args.only.as_deref().is_none_or(|o| name.contains(o));
+    // Whole names: `lora` is in `qlora`.
+    let wanted = |name: &str| args.only.as_deref().is_none_or(|o| o == name);
     let bytes = child(args, "bytes", base)?;
     // A B C A B C: ours (QLoRA), PEFT + bitsandbytes, ours (bf16 LoRA).
     let (mut q, mut p, mut l) = (Vec::new(), Vec::new(), Vec::new());
@@ -310,7 +311,7 @@ fn qlora(args: &Args, base: &Path) -> anyhow::Result<()> {
         if !args.no_peft && wanted("peft") {
             p.push(peft(args, base)?);
         }
-        if args.only.as_deref().is_none_or(|o| o == "lora") {
+        if wanted("lora") {
             l.push(child(args, "lora", base)?);
         }
     }
