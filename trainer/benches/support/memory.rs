@@ -9,7 +9,15 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::status_kib;
+/// A `/proc/self/status` field in KiB (`VmHWM:`, `VmRSS:`); NaN where absent.
+pub fn status_kib(key: &str) -> f64 {
+    let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    text.lines()
+        .find(|l| l.starts_with(key))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
 
 /// How often [`AnonPeak`] reads `RssAnon`.
 pub const PERIOD: Duration = Duration::from_millis(2);

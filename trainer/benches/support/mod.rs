@@ -7,6 +7,8 @@ pub mod memory;
 pub mod protocol;
 pub mod run;
 
+pub use memory::status_kib;
+
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
@@ -15,16 +17,6 @@ use serde_json::Value;
 /// The workspace root (where `bench/`, `data/` and `.venv-py` are).
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// A `/proc/self/status` field in KiB (`VmHWM:`, `VmRSS:`); NaN where absent.
-pub fn status_kib(key: &str) -> f64 {
-    let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    text.lines()
-        .find(|l| l.starts_with(key))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(f64::NAN)
 }
 
 /// What a program that exited successfully printed; its output and errors in the error otherwise
