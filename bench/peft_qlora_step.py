@@ -154,7 +154,8 @@ def main():
     anon_steps = anon.read()
     anon.close()
     times = [t for t, _, _ in timed]
-    med = statistics.median(times)
+    # --steps 0: the load and the warm-up steps' memory only (no times: null, as the Rust side).
+    med = statistics.median(times) if times else None
     r = {
         "bench": "peft_qlora_step",
         "case": model.config.num_hidden_layers,
@@ -170,8 +171,8 @@ def main():
         "warmup": args.warmup,
         "load_s": load_s,
         "step_median_s": med,
-        "step_mean_s": statistics.mean(times),
-        "tokens_per_s": BATCH * BLOCK / med,
+        "step_mean_s": statistics.mean(times) if times else None,
+        "tokens_per_s": BATCH * BLOCK / med if times else None,
         "proj_nf4_bytes": quant_bytes,
         "whole_qlora_bytes": quant_bytes + rest_bytes,
         "peak_rss_mib": max(status_mib("VmHWM"), hwm_before_steps),
@@ -180,7 +181,7 @@ def main():
         "peak_rss_steps_mib": status_mib("VmHWM") if hwm_reset else None,
         "anon_peak_mib": max(anon_load, anon_steps),
         "anon_peak_steps_mib": anon_steps,
-        "loss_first_last": [losses[0], losses[-1]],
+        "loss_first_last": [losses[0], losses[-1]] if losses else None,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "peft": peft.__version__,
@@ -196,7 +197,7 @@ def main():
     )
     print(
         f"| PEFT + bitsandbytes QLoRA | {n4} Linear4bit | {n_trainable / 1e6:.2f} M trainable | load {load_s:.1f} s "
-        f"| {med * 1e3:.0f} ms | anon peak {r['anon_peak_mib']:.0f} MiB ({anon_steps:.0f} MiB in the steps) "
+        f"| {med * 1e3 if times else float('nan'):.0f} ms | anon peak {r['anon_peak_mib']:.0f} MiB ({anon_steps:.0f} MiB in the steps) "
         f"| {bench_protocol.share_cell(r)} |"
     )
 
