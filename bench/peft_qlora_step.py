@@ -22,7 +22,7 @@ and timed steps alone; `VmHWM` also counts the file pages of the mapped safetens
 the base's weight bytes as loaded (every parameter and buffer, the 4-bit projections as their
 packed codes plus their quant state's absmax and nested tensors).
 
-    /work/venv-bnb/bin/python bench/peft_qlora_step.py --base DIR --threads 2 --steps 3 --warmup 1
+    .venv-bnb/bin/python bench/peft_qlora_step.py --base DIR --threads 2 --steps 3 --warmup 1
 
 Prints one JSON line (starts with `{`), then a one-line table. Optional, never run in CI.
 """

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Verify a QLoRA adapter written by the trainer with PEFT over transformers + bitsandbytes.
 
-    /work/venv-bnb/bin/python scripts/python/verify_qlora.py [DIR] [--atol 1e-5] [--loss-atol 1e-5]
+    .venv-bnb/bin/python scripts/python/verify_qlora.py [DIR] [--atol 1e-5] [--loss-atol 1e-5]
+
+(`.venv-bnb`: scripts/python/setup_bnb.sh, bitsandbytes 0.50.2 over the pinned torch, transformers, PEFT.)
 
 DIR (default trainer/tests/fixtures/qlora/ours, written by the Rust test
 `our_qlora_adapter_matches_the_peft_verified_golden` in trainer/tests/qlora_adapter.rs) holds
