@@ -67,6 +67,23 @@ def reset_hwm():
         return False
 
 
+def make_step(torch, model, opt, vocab, gen, autocast=True):
+    """The training step: a batch of uniform random tokens (labels = input_ids), the forward
+    under `torch.autocast` to bf16 (unless `autocast` is false), backward, `opt.step()`,
+    zero_grad(set_to_none=True); returns the loss."""
+
+    def step():
+        x = torch.randint(vocab, (BATCH, BLOCK), generator=gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up steps")
@@ -106,14 +123,7 @@ def main():
     gen = torch.Generator().manual_seed(1)
     vocab = cfg.vocab_size
 
-    def step():
-        x = torch.randint(vocab, (BATCH, BLOCK), generator=gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.no_autocast):
-            loss = model(input_ids=x, labels=x, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+    step = make_step(torch, model, opt, vocab, gen, autocast=not args.no_autocast)
 
     rss_before_steps_mib = status_mib("VmRSS")
     maxrss_before_steps_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -42,6 +42,27 @@ from safetensors.torch import load_file  # noqa: E402
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
+class Checks:
+    """Named checks, each printed as it is made (`ok` or `FAIL`, then its figures) and kept in
+    `summary["checks"]`; `finish()` prints the summary as the last line and exits 0 if all
+    passed, 1 otherwise."""
+
+    def __init__(self, summary):
+        self.summary, self.ok = summary, True
+        summary["checks"] = {}
+
+    def __call__(self, name, passed, **info):
+        self.ok &= bool(passed)
+        self.summary["checks"][name] = dict(passed=bool(passed), **info)
+        extra = ", ".join(f"{k} {v:.3e}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
+        print(f"{'ok  ' if passed else 'FAIL'} {name}: {extra}", flush=True)
+
+    def finish(self):
+        self.summary["ok"] = self.ok
+        print(json.dumps(self.summary))
+        sys.exit(0 if self.ok else 1)
+
+
 def model_class(d):
     with open(os.path.join(d, "config.json")) as f:
         archs = json.load(f).get("architectures") or ["LlamaForCausalLM"]
@@ -82,15 +103,8 @@ def main():
     expected = load_file(os.path.join(d, "expected.safetensors"))
     input_ids = expected["input_ids"].to(torch.int64)
     ours = expected["logits"].float()
-    summary = {"transformers": transformers.__version__, "peft": peft.__version__, "checks": {}}
-    ok = True
-
-    def check(name, passed, **info):
-        nonlocal ok
-        ok &= bool(passed)
-        summary["checks"][name] = dict(passed=bool(passed), **info)
-        extra = ", ".join(f"{k} {v:.3e}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
-        print(f"{'ok  ' if passed else 'FAIL'} {name}: {extra}", flush=True)
+    summary = {"transformers": transformers.__version__, "peft": peft.__version__}
+    check = Checks(summary)
 
     # 1-2: base + adapter through PEFT
     base, bad = load_hf(os.path.join(d, "base"), dtype, args.attn)
@@ -142,9 +156,7 @@ def main():
             atol=args.merged_atol,
             merged_vs_peft=vs_peft,
         )
-    summary["ok"] = ok
-    print(json.dumps(summary))
-    sys.exit(0 if ok else 1)
+    check.finish()
 
 
 if __name__ == "__main__":

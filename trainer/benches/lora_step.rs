@@ -36,6 +36,22 @@
 //! just before the first step, as the PEFT script does), and "step memory": the whole-life peak
 //! minus the RSS before the model was built (PEFT's side: its RSS after importing torch,
 //! transformers and peft).
+//!
+//! QLoRA (`--qlora`; issue #39): our `--base-quant nf4` step (the projections in bitsandbytes'
+//! NF4, lm_head and embeddings in bf16, bf16 compute, the same adapters) against our bf16 LoRA
+//! step at the same shape and against PEFT over transformers + bitsandbytes 0.50.2
+//! (`bench/peft_qlora_step.py`, `--bnb-python`), the three sides in A B C A B C rounds, at
+//! SmolLM2-135M's shape or Llama-3.2-1B's (`--shape llama-1b`: 16 x 2048, 32 / 8 heads, MLP
+//! 8192, vocab 128256, tied). Besides the figures above, each side reports its load time (base
+//! read and quantized), its base weight bytes (ours: the 4-bit projections' storage, packed
+//! codes and scales, and the rest in bf16, measured on the quantized weights by a child of
+//! its own) and the peak of its anonymous RSS (`RssAnon`, sampled every 2 ms by a thread:
+//! `VmHWM` also counts the mapped safetensors file's pages, which the kernel can drop).
+//!
+//! ```text
+//! cargo bench -p trainer --bench lora_step -- --qlora --steps 3 --warmup 2 --threads 2
+//! cargo bench -p trainer --bench lora_step -- --qlora --shape llama-1b --steps 2 --warmup 1 --threads 2
+//! ```
 #![allow(clippy::disallowed_macros)] // prints as it likes (see clippy.toml)
 
 mod support;
@@ -44,45 +60,48 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context};
-use candle_core::{DType, Device};
 use clap::Parser;
 use serde_json::{json, Value};
+use support::bases::{base_bytes, base_path, has_base, write_base, Shape};
 use support::protocol::{self, share_cell};
-use support::{f, last_json, root, status_kib};
-use trainer::config::{Precision, TrainConfig};
+use support::run::{lora_config, run_steps, StepArgs};
+use support::{f, last_json, loadavg, root};
+use trainer::config::{BaseQuant, Precision, TrainConfig};
 use trainer::data::DataKind;
-use trainer::model::llama::{Family, LlamaConfig};
-use trainer::model::Params;
-use trainer::train::Trainer;
 
 const BLOCK: usize = 256;
 const BATCH: usize = 4;
 
 #[derive(Parser, Debug)]
 struct Args {
-    /// Timed steps per case.
-    #[arg(long, default_value_t = 3)]
-    steps: usize,
-    /// Warm-up steps per case (PEFT needs 2 to settle).
-    #[arg(long, default_value_t = 2)]
-    warmup: usize,
-    /// Threads for every side (0: the machine's cores).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
-    /// Run only the cases whose name contains this (`lora`, `full`, `peft`).
+    #[command(flatten)]
+    run: StepArgs,
+    /// Run only the cases whose name contains this (`lora`, `full`, `peft`); with --qlora only
+    /// the case of this name (`qlora`, `peft` or `lora`).
     #[arg(long)]
     only: Option<String>,
     /// The Python with torch, transformers and peft (relative to the workspace root, or
     /// absolute).
     #[arg(long, default_value = ".venv-py/bin/python")]
     python: PathBuf,
+    /// The Python with bitsandbytes 0.50.2 besides them (`scripts/python/setup_bnb.sh`), for
+    /// --qlora's PEFT side.
+    #[arg(long, default_value = ".venv-bnb/bin/python")]
+    bnb_python: PathBuf,
     /// Skip the PEFT side.
     #[arg(long)]
     no_peft: bool,
-    /// A B A B rounds of ours (LoRA) and PEFT.
-    #[arg(long, default_value_t = 2)]
-    rounds: usize,
-    /// Where the base model is written (default: Cargo's target tmp dir).
+    /// The model's shape.
+    #[arg(long, value_enum, default_value = "smollm2-135m")]
+    shape: Shape,
+    /// Compare QLoRA steps (ours `--base-quant nf4` against our bf16 LoRA and PEFT +
+    /// bitsandbytes) instead of LoRA against full fine-tuning.
+    #[arg(long)]
+    qlora: bool,
+    /// With --qlora: double quantization on both sides (`bnb_4bit_use_double_quant`).
+    #[arg(long)]
+    double_quant: bool,
+    /// Where the base model is written (default: Cargo's target tmp dir, one per shape).
     #[arg(long)]
     base_dir: Option<PathBuf>,
     /// Internal: run one of our cases in this process.
@@ -93,104 +112,32 @@ struct Args {
     bench: bool,
 }
 
-/// SmolLM2-135M's shape.
-fn smol() -> LlamaConfig {
-    LlamaConfig {
-        tie_word_embeddings: true,
-        rope_theta: 100000.0,
-        ..LlamaConfig::new(Family::Llama, 49152, 30, 576, 9, 3, 1536)
-    }
-}
-
-/// Resets `VmHWM` to the current RSS (Linux >= 4.0); false where the kernel refuses.
-fn reset_hwm() -> bool {
-    std::fs::write("/proc/self/clear_refs", "5").is_ok()
-}
-
-/// The base model directory: written once (random init, seed 0, stored in bf16), reused after.
-fn base_dir(args: &Args) -> anyhow::Result<PathBuf> {
-    let dir = match &args.base_dir {
-        Some(d) => d.clone(),
-        None => PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("lora_step_base_smollm2-135m"),
-    };
-    if dir.join("config.json").exists() && dir.join("model.safetensors").exists() {
-        return Ok(dir);
-    }
-    eprintln!("writing the base model to {}", dir.display());
-    std::fs::create_dir_all(&dir)?;
-    let cfg = smol();
-    let params = Params::init(&cfg, 0, &Device::Cpu)?.to_dtype(DType::BF16)?;
-    trainer::checkpoint::save_model(&dir, &cfg, &params)?;
-    Ok(dir)
-}
-
 fn run_ours(case: &str, base: &Path, args: &Args) -> anyhow::Result<Value> {
-    let lora = match case {
-        "lora" => true,
-        "full" => false,
+    let (lora, quant) = match case {
+        "lora" => (true, BaseQuant::None),
+        "qlora" => (true, BaseQuant::Nf4),
+        "full" => (false, BaseQuant::None),
+        "bytes" => return base_bytes(args.shape, base, args.double_quant),
+        "base" => return write_base(args.shape, base).map(|()| json!({ "case": "base" })),
         _ => bail!("unknown case {case}"),
     };
     let tmp = tempfile::tempdir()?;
-    let rss_base = status_kib("VmRSS:") / 1024.0;
     let config = TrainConfig {
-        out_dir: tmp.path().join("run"),
-        cache_dir: Some(tmp.path().join("cache")),
-        init_from: Some(base.display().to_string()),
-        // Byte-level tinyshakespeare: ids < 256, all inside the 49152-row embedding (as
+        // Byte-level tinyshakespeare: ids < 256, inside every shape's embedding (as
         // llama_step feeds its 49152-vocab case).
         data: DataKind::Byte,
         data_path: Some(root().join("data/tinyshakespeare.txt")),
         block_size: BLOCK,
         batch_size: BATCH,
-        max_iters: 1_000_000,
-        eval_interval: 1_000_000,
-        eval_problems: 0,
-        // PEFT's anchor: torch AdamW(lr=1e-4), default betas / eps / weight decay, no clip.
-        lr: 1e-4,
-        min_lr: 1e-4,
-        warmup_iters: 0,
-        beta1: 0.9,
-        beta2: 0.999,
-        weight_decay: 0.01,
-        grad_clip: 0.0,
-        dtype: Precision::Bf16,
         lora_r: if lora { 16 } else { 0 },
-        lora_alpha: 32.0,
-        lora_dropout: 0.0,
         base_dtype: lora.then_some(Precision::Bf16),
-        peak_flops: 1e12,
-        ..TrainConfig::default()
+        base_quant: quant,
+        base_quant_double: args.double_quant,
+        ..lora_config(tmp.path(), base)
     };
-    let mut t = Trainer::new(config)?;
-    let trainable = t.params.num_elements();
-    let rss_before_steps = status_kib("VmRSS:") / 1024.0;
-    let peak_before_steps = status_kib("VmHWM:") / 1024.0;
-    let hwm_reset = reset_hwm();
-    let mut losses = Vec::new();
-    for _ in 0..args.warmup {
-        losses.push(t.train_step()?.loss);
-    }
-    let timed = (0..args.steps)
-        .map(|_| protocol::timed(|| t.train_step().map(|s| losses.push(s.loss))))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let hwm_steps = status_kib("VmHWM:") / 1024.0;
-    let peak = match hwm_reset {
-        true => hwm_steps.max(peak_before_steps),
-        false => hwm_steps,
-    };
-    let median = protocol::median(&timed.iter().map(|t| t.secs).collect::<Vec<_>>());
-    let mut r = json!({
-        "case": case, "step_median_s": median,
-        "tokens_per_s": (BATCH * BLOCK) as f64 / median,
-        "trainable_params": trainable,
-        "peak_rss_mib": peak, "rss_base_mib": rss_base,
-        "rss_before_steps_mib": rss_before_steps,
-        "peak_rss_steps_mib": if hwm_reset { json!(hwm_steps) } else { Value::Null },
-        "loss_first_last": [losses.first(), losses.last()],
-    });
-    if let (Some(r), Value::Object(p)) = (r.as_object_mut(), protocol::summary(&timed)) {
-        r.extend(p);
-    }
+    let mut r = run_steps(config, &args.run)?;
+    r["case"] = json!(case);
+    r["tokens_per_s"] = json!((BATCH * BLOCK) as f64 / f(&r, "step_median_s"));
     Ok(r)
 }
 
@@ -200,22 +147,34 @@ fn child(args: &Args, case: &str, base: &Path) -> anyhow::Result<Value> {
     cmd.args(["--child", case])
         .arg("--base-dir")
         .arg(base)
-        .args(["--steps", &args.steps.to_string()])
-        .args(["--warmup", &args.warmup.to_string()]);
-    if args.threads > 0 {
-        cmd.env("RAYON_NUM_THREADS", args.threads.to_string());
+        .args(["--shape", args.shape.name()]);
+    args.run.pass_to(&mut cmd, false);
+    if args.double_quant {
+        cmd.arg("--double-quant");
     }
-    last_json(cmd.output()?, "our step")
+    let r = last_json(cmd.output()?, "our step")?;
+    eprintln!("{case}  {r}");
+    Ok(r)
 }
 
-fn peft(args: &Args) -> anyhow::Result<Value> {
-    let mut cmd = Command::new(root().join(&args.python));
-    cmd.arg(root().join("bench/peft_lora_step.py"))
-        .args(["--dtype", "bf16"])
-        .args(["--steps", &args.steps.to_string()])
-        .args(["--warmup", &args.warmup.to_string()])
-        .args(["--threads", &args.threads.to_string()]);
-    last_json(cmd.output()?, "bench/peft_lora_step.py")
+fn peft(args: &Args, base: &Path) -> anyhow::Result<Value> {
+    let (python, script) = match args.qlora {
+        true => (&args.bnb_python, "bench/peft_qlora_step.py"),
+        false => (&args.python, "bench/peft_lora_step.py"),
+    };
+    let mut cmd = Command::new(root().join(python));
+    cmd.arg(root().join(script));
+    args.run.pass_to(&mut cmd, true);
+    match args.qlora {
+        true => cmd.arg("--base").arg(base),
+        false => cmd.args(["--dtype", "bf16"]),
+    };
+    if args.double_quant {
+        cmd.arg("--double-quant");
+    }
+    let r = last_json(cmd.output()?, script)?;
+    eprintln!("peft  {r}");
+    Ok(r)
 }
 
 fn main() -> anyhow::Result<()> {
@@ -228,24 +187,36 @@ fn main() -> anyhow::Result<()> {
         println!("{r}");
         return Ok(());
     }
-    let threads = match args.threads {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
+    let args = Args {
+        run: args.run.resolved(),
+        ..args
     };
-    let args = Args { threads, ..args };
-    let base = base_dir(&args)?;
+    if !args.qlora && !matches!(args.shape, Shape::Smollm2) {
+        bail!("--shape llama-1b is for --qlora (our full fine-tuning would not fit)");
+    }
+    // Written by a child of its own, so that this process never holds the model.
+    let base = base_path(args.shape, args.base_dir.as_deref());
+    if !has_base(&base) {
+        child(&args, "base", &base)?;
+    }
+    match args.qlora {
+        true => qlora(&args, &base),
+        false => lora(&args, &base),
+    }
+}
+
+/// LoRA against PEFT and against our full fine-tuning.
+fn lora(args: &Args, base: &Path) -> anyhow::Result<()> {
     let load_before = loadavg();
     let wanted = |name: &str| args.only.as_deref().is_none_or(|o| name.contains(o));
     // A B A B: ours (LoRA), PEFT, ours, PEFT...; then our full fine-tuning once.
     let (mut lora, mut peft_runs) = (Vec::new(), Vec::new());
-    for _ in 0..args.rounds.max(1) {
+    for _ in 0..args.run.rounds {
         if wanted("lora") {
-            lora.push(child(&args, "lora", &base)?);
-            eprintln!("lora  {}", lora[lora.len() - 1]);
+            lora.push(child(args, "lora", base)?);
         }
         if !args.no_peft && wanted("peft") {
-            peft_runs.push(peft(&args)?);
-            eprintln!("peft  {}", peft_runs[peft_runs.len() - 1]);
+            peft_runs.push(peft(args, base)?);
         }
     }
     let mut rows: Vec<(&str, Value)> = Vec::new();
@@ -253,9 +224,7 @@ fn main() -> anyhow::Result<()> {
         rows.push(("ours: LoRA", protocol::pool(&lora)));
     }
     if wanted("full") {
-        let r = child(&args, "full", &base)?;
-        eprintln!("full  {r}");
-        rows.push(("ours: full fine-tuning", r));
+        rows.push(("ours: full fine-tuning", child(args, "full", base)?));
     }
     if !peft_runs.is_empty() {
         rows.push(("PEFT + transformers: LoRA", protocol::pool(&peft_runs)));
@@ -269,14 +238,11 @@ fn main() -> anyhow::Result<()> {
     let peft_row = find("peft");
     let full_row = find("full");
     println!(
-        "\nCPU: {}\nSmolLM2-135M shape, bf16, batch {BATCH} x block {BLOCK}; {threads} threads, \
-         {} timed steps after {} warm-up per round, {} A B A B rounds (ours: LoRA, PEFT); peak \
-         RSS over the whole process (in the steps alone); step memory: peak minus the RSS before \
-         the model was built\n",
+        "\nCPU: {}\nSmolLM2-135M shape, bf16, batch {BATCH} x block {BLOCK}; {}; peak RSS over \
+         the whole process (in the steps alone); step memory: peak minus the RSS before the model \
+         was built\n",
         protocol::this_cpu(),
-        args.steps,
-        args.warmup,
-        args.rounds.max(1),
+        args.run.describe("ours: LoRA, PEFT"),
     );
     println!("load average (1, 5, 15 min): {load_before} before, {load_after} after\n");
     println!("| case | trainable | step (median) | / PEFT | peak RSS (in the steps) | step memory | peak / PEFT | peak / our full FT | other CPU (max per step) |");
@@ -288,40 +254,145 @@ fn main() -> anyhow::Result<()> {
             f(v, "rss_base_mib"),
         );
         let ps = f(v, "peak_rss_steps_mib");
-        let vs = |other: &Option<Value>, k: &str, x: f64| match other {
-            Some(o) => format!("**{:.2}x**", x / f(o, k)),
-            None => "-".into(),
-        };
         println!(
             "| {name} | {:.2} M | {:.0} ms | {} | {p:.0} MiB ({ps:.0} MiB) | {:.0} MiB | {} | {} | {} |",
             f(v, "trainable_params") / 1e6,
             s * 1e3,
-            vs(&peft_row, "step_median_s", s),
+            ratio(&peft_row, "step_median_s", s),
             p - b,
-            vs(&peft_row, "peak_rss_mib", p),
-            vs(&full_row, "peak_rss_mib", p),
+            ratio(&peft_row, "peak_rss_mib", p),
+            ratio(&full_row, "peak_rss_mib", p),
             share_cell(v),
         );
     }
     if let (Some(lora), Some(full), Some(peft)) = (find("lora"), full_row, peft_row) {
         let peak = |v: &Value| f(v, "peak_rss_mib");
-        let check = |ok: bool| if ok { "met" } else { "NOT met" };
         let (vs_full, vs_peft) = (peak(&lora) / peak(&full), peak(&lora) / peak(&peft));
         let time = f(&lora, "step_median_s") / f(&peft, "step_median_s");
         println!(
             "\nTargets: LoRA peak <= 0.5x our full FT's: {vs_full:.2}x, {}; LoRA peak <= PEFT's: \
              {vs_peft:.2}x, {}; LoRA step <= 1.0x PEFT's (goal 0.8x): {time:.2}x, {}",
-            check(vs_full <= 0.5),
-            check(vs_peft <= 1.0),
-            check(time <= 1.0),
+            met(vs_full <= 0.5),
+            met(vs_peft <= 1.0),
+            met(time <= 1.0),
         );
     }
     Ok(())
 }
 
-/// `/proc/loadavg`'s three load averages.
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into())
+/// `x` over `other`'s field `k`, as a table cell (`-` without `other`).
+fn ratio(other: &Option<Value>, k: &str, x: f64) -> String {
+    match other {
+        Some(o) => format!("**{:.2}x**", x / f(o, k)),
+        None => "-".into(),
+    }
+}
+
+fn met(ok: bool) -> &'static str {
+    if ok {
+        "met"
+    } else {
+        "NOT met"
+    }
+}
+
+/// QLoRA: ours over a 4-bit base against our bf16 LoRA and PEFT + bitsandbytes.
+fn qlora(args: &Args, base: &Path) -> anyhow::Result<()> {
+    let load_before = loadavg();
+    // Whole names: `lora` is in `qlora`.
+    let wanted = |name: &str| args.only.as_deref().is_none_or(|o| o == name);
+    let bytes = child(args, "bytes", base)?;
+    // A B C A B C: ours (QLoRA), PEFT + bitsandbytes, ours (bf16 LoRA).
+    let (mut q, mut p, mut l) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..args.run.rounds {
+        if wanted("qlora") {
+            q.push(child(args, "qlora", base)?);
+        }
+        if !args.no_peft && wanted("peft") {
+            p.push(peft(args, base)?);
+        }
+        if wanted("lora") {
+            l.push(child(args, "lora", base)?);
+        }
+    }
+    let load_after = loadavg();
+    let rows: Vec<(&str, Value)> = [
+        ("ours: QLoRA (nf4)", q),
+        ("PEFT + bitsandbytes: QLoRA (nf4)", p),
+        ("ours: LoRA, bf16 base", l),
+    ]
+    .into_iter()
+    .filter(|(_, v)| !v.is_empty())
+    .map(|(n, v)| (n, protocol::pool(&v)))
+    .collect();
+    let find = |prefix: &str| {
+        rows.iter()
+            .find(|(n, _)| n.starts_with(prefix))
+            .map(|(_, v)| v.clone())
+    };
+    let (ours_q, peft_q, ours_l) = (find("ours: QLoRA"), find("PEFT"), find("ours: LoRA"));
+    println!(
+        "\nCPU: {}\n{} shape, bf16 compute, LoRA r 16 all-linear, batch {BATCH} x block {BLOCK}; \
+         {}; double quantization {}; anonymous RSS peak sampled every {} ms (whole process, and \
+         in the steps alone); VmHWM counts the mapped base file too\n",
+        protocol::this_cpu(),
+        args.shape.name(),
+        args.run
+            .describe("ours QLoRA, PEFT + bitsandbytes, our bf16 LoRA"),
+        args.double_quant,
+        support::memory::PERIOD.as_millis(),
+    );
+    println!("load average (1, 5, 15 min): {load_before} before, {load_after} after\n");
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    let (pb, pq) = (f(&bytes, "proj_bf16_bytes"), f(&bytes, "proj_nf4_bytes"));
+    let (wb, wq) = (
+        f(&bytes, "whole_bf16_bytes"),
+        f(&bytes, "whole_qlora_bytes"),
+    );
+    println!(
+        "Base weight bytes ({} projections quantized): projections {:.3} GiB in NF4 against \
+         {:.3} GiB in bf16 (**{:.3}x**); whole base {:.3} GiB against {:.3} GiB ({:.3}x)\n",
+        bytes["quantized_layers"],
+        gib(pq),
+        gib(pb),
+        pq / pb,
+        gib(wq),
+        gib(wb),
+        wq / wb,
+    );
+    println!("| case | trainable | load | step (median) | / our LoRA | / PEFT | anon RSS peak (in the steps) | / our LoRA | / PEFT | VmHWM | other CPU (max per step) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for (name, v) in &rows {
+        let (s, a) = (f(v, "step_median_s"), f(v, "anon_peak_mib"));
+        println!(
+            "| {name} | {:.2} M | {:.1} s | {:.0} ms | {} | {} | {a:.0} MiB ({:.0} MiB) | {} | {} | {:.0} MiB | {} |",
+            f(v, "trainable_params") / 1e6,
+            f(v, "load_s"),
+            s * 1e3,
+            ratio(&ours_l, "step_median_s", s),
+            ratio(&peft_q, "step_median_s", s),
+            f(v, "anon_peak_steps_mib"),
+            ratio(&ours_l, "anon_peak_mib", a),
+            ratio(&peft_q, "anon_peak_mib", a),
+            f(v, "peak_rss_mib"),
+            share_cell(v),
+        );
+    }
+    if let (Some(q), Some(l)) = (ours_q, ours_l) {
+        let anon = |k: &str| f(&q, k) / f(&l, k);
+        let (rss, steps) = (anon("anon_peak_mib"), anon("anon_peak_steps_mib"));
+        let time = f(&q, "step_median_s") / f(&l, "step_median_s");
+        println!(
+            "\nTargets: projections' bytes <= 0.3x bf16's: {:.3}x, {}; QLoRA anon RSS peak <= \
+             0.6x our bf16 LoRA's: {rss:.2}x over the whole process (load included), {}; \
+             {steps:.2}x in the steps alone, {}; QLoRA step <= 1.3x our bf16 LoRA's: \
+             {time:.2}x, {}",
+            pq / pb,
+            met(pq / pb <= 0.3),
+            met(rss <= 0.6),
+            met(steps <= 0.6),
+            met(time <= 1.3),
+        );
+    }
+    Ok(())
 }

@@ -241,12 +241,7 @@ fn peft_files_with_problems_are_named() {
 #[test]
 fn our_adapter_and_merged_export_match_the_peft_verified_golden() {
     let golden = fixture("ours");
-    let update = std::env::var_os("UPDATE_GOLDEN").is_some();
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = match update {
-        true => golden.clone(),
-        false => tmp.path().to_path_buf(),
-    };
+    let (_tmp, dir, update) = common::golden_target(&golden);
     if update && dir.exists() {
         for sub in ["adapter", "merged"] {
             let _ = std::fs::remove_dir_all(dir.join(sub));
@@ -310,26 +305,12 @@ fn our_adapter_and_merged_export_match_the_peft_verified_golden() {
     if update {
         return;
     }
-    for file in [
+    let files = [
         "adapter/adapter_model.safetensors",
         "merged/model.safetensors",
         "expected.safetensors",
-    ] {
-        let ours = candle_core::safetensors::load(dir.join(file), &Device::Cpu).unwrap();
-        let want = candle_core::safetensors::load(golden.join(file), &Device::Cpu).unwrap();
-        let mut names: Vec<_> = want.keys().collect();
-        names.sort();
-        let mut got: Vec<_> = ours.keys().collect();
-        got.sort();
-        assert_eq!(names, got, "{file}");
-        for (n, t) in &want {
-            let d = max_abs_diff(
-                &ours[n].to_dtype(DType::F32).unwrap(),
-                &t.to_dtype(DType::F32).unwrap(),
-            );
-            assert!(d <= 1e-6, "{file} {n}: {d} from the verified golden");
-        }
-    }
+    ];
+    common::assert_golden_tensors(&dir, &golden, &files);
     let cfg = |d: &Path| {
         let v: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(d.join("adapter/adapter_config.json")).unwrap(),

@@ -2,7 +2,12 @@
 //! JSON line a child (or a Python anchor) prints last.
 #![allow(dead_code)]
 
+pub mod bases;
+pub mod memory;
 pub mod protocol;
+pub mod run;
+
+pub use memory::status_kib;
 
 use std::path::PathBuf;
 
@@ -12,16 +17,6 @@ use serde_json::Value;
 /// The workspace root (where `bench/`, `data/` and `.venv-py` are).
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// A `/proc/self/status` field in KiB (`VmHWM:`, `VmRSS:`); NaN where absent.
-pub fn status_kib(key: &str) -> f64 {
-    let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    text.lines()
-        .find(|l| l.starts_with(key))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(f64::NAN)
 }
 
 /// What a program that exited successfully printed; its output and errors in the error otherwise
@@ -51,4 +46,16 @@ pub fn last_json(out: std::process::Output, what: &str) -> anyhow::Result<Value>
 /// Field `k` of `v` as a number (NaN where absent).
 pub fn f(v: &Value, k: &str) -> f64 {
     v[k].as_f64().unwrap_or(f64::NAN)
+}
+
+/// Resets `VmHWM` to the current RSS (Linux >= 4.0); false where the kernel refuses.
+pub fn reset_hwm() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// `/proc/loadavg`'s three load averages.
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
 }

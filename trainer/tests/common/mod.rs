@@ -311,3 +311,34 @@ pub fn output_text(o: &std::process::Output) -> String {
         String::from_utf8_lossy(&o.stderr)
     )
 }
+
+/// Where a golden-file test writes: under `UPDATE_GOLDEN=1` the committed `golden` directory
+/// itself (and `true`), else a fresh temporary directory (kept while the `TempDir` lives).
+pub fn golden_target(golden: &Path) -> (TempDir, PathBuf, bool) {
+    let update = std::env::var_os("UPDATE_GOLDEN").is_some();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = match update {
+        true => golden.to_path_buf(),
+        false => tmp.path().to_path_buf(),
+    };
+    (tmp, dir, update)
+}
+
+/// Asserts that each safetensors file of `files` in `dir` holds the tensors of the same file in
+/// `golden`: the same names, each within 1e-6 max abs (compared in f32).
+pub fn assert_golden_tensors(dir: &Path, golden: &Path, files: &[&str]) {
+    for file in files {
+        let ours = candle_core::safetensors::load(dir.join(file), &Device::Cpu).unwrap();
+        let want = candle_core::safetensors::load(golden.join(file), &Device::Cpu).unwrap();
+        let mut names: Vec<_> = want.keys().collect();
+        names.sort();
+        let mut got: Vec<_> = ours.keys().collect();
+        got.sort();
+        assert_eq!(names, got, "{file}");
+        for (n, t) in &want {
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let d = max_abs_diff(&f32(&ours[n]), &f32(t));
+            assert!(d <= 1e-6, "{file} {n}: {d} from the verified golden");
+        }
+    }
+}
