@@ -53,9 +53,11 @@ use crate::cpu::{self, Elem, Real};
 use crate::dropout;
 use crate::linear::gemm::{gemm_new, gemm_raw, narrow, operand, widen, Operand};
 use crate::linear::{self, strided, Strided};
+use crate::nf4::Nf4Weight;
 use crate::op::{self, cpu_of, Grads, In, Kernel, Saved};
 use crate::philox::RngKey;
 use crate::pool;
+use crate::qlora;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, Result, Shape, Tensor};
 
@@ -103,17 +105,19 @@ pub fn lora_linear(
     let dims = check(x, w, bias, a, b, dropout)?;
     let x = x.contiguous()?;
     let drop = dropout.filter(|&(p, _)| p > 0.0);
-    let kernel = cpu::has_kernel(&x) && x.elem_count() > 0 && dims.n_out > 0;
+    if has_kernel(&x, dims) {
+        return apply_kernel(&x, Base::Dense(w.detach()), bias, (a, b), scale, drop, dims);
+    }
     let op = LoraOp {
         dims,
         scale,
         drop,
-        kernel,
-        w: w.detach(),
+        kernel: false,
+        base: Base::Dense(w.detach()),
         bias: bias.map(|t| t.detach().contiguous()).transpose()?,
         h: Saved::default(),
     };
-    if !kernel {
+    {
         let (y, h) = composite(
             &x.detach(),
             &w.detach(),
@@ -124,9 +128,37 @@ pub fn lora_linear(
             drop,
         )?;
         op.h.set(h);
-        return op::apply(op, &[&x, a, b], None, Some(y));
+        op::apply(op, &[&x, a, b], None, Some(y))
     }
-    op::apply(op, &[&x, a, b], None, None)
+}
+
+/// Whether the CPU kernel takes a call: `x` (contiguous) on the CPU in a kernel dtype, with
+/// something to compute.
+pub(crate) fn has_kernel(x: &Tensor, dims: Dims) -> bool {
+    cpu::has_kernel(x) && x.elem_count() > 0 && dims.n_out > 0
+}
+
+/// The op over `base` run by the CPU kernel ([`has_kernel`] holds for the contiguous `x`):
+/// the base product and the adapter in one output buffer, `h` saved.
+pub(crate) fn apply_kernel(
+    x: &Tensor,
+    base: Base,
+    bias: Option<&Tensor>,
+    (a, b): (&Tensor, &Tensor),
+    scale: f64,
+    drop: Option<(f32, RngKey)>,
+    dims: Dims,
+) -> Result<Tensor> {
+    let op = LoraOp {
+        dims,
+        scale,
+        drop,
+        kernel: true,
+        base,
+        bias: bias.map(|t| t.detach().contiguous()).transpose()?,
+        h: Saved::default(),
+    };
+    op::apply(op, &[x, a, b], None, None)
 }
 
 /// The composite reference of [`lora_linear`], from plain differentiable Candle ops:
@@ -165,10 +197,90 @@ pub fn lora_linear_composite(
 
 /// The op's sizes: `in`, `out` and the rank `r`.
 #[derive(Clone, Copy)]
-struct Dims {
-    n_in: usize,
-    n_out: usize,
-    r: usize,
+pub(crate) struct Dims {
+    pub(crate) n_in: usize,
+    pub(crate) n_out: usize,
+    pub(crate) r: usize,
+}
+
+/// The frozen base weight of the op: a dense `[in, out]` view (read through its strides) or a
+/// 4-bit `[out, in]` weight dequantized a tile at a time ([`crate::qlora`]).
+pub(crate) enum Base {
+    Dense(Tensor),
+    Nf4(Nf4Weight),
+}
+
+/// [`Base`] on the host, as the kernels read it.
+pub(crate) enum BaseRef<'a, T> {
+    Dense((&'a [T], Strided)),
+    Nf4(&'a Nf4Weight),
+}
+
+impl Base {
+    /// The dense weight, if dense (its storage is held while a kernel reads it).
+    fn dense(&self) -> Option<&Tensor> {
+        match self {
+            Base::Dense(w) => Some(w),
+            Base::Nf4(_) => None,
+        }
+    }
+
+    /// The base as the kernels of `T` read it, the dense storage from [`Base::dense`]'s
+    /// `storage_and_layout`.
+    fn host<'a, T: Elem, G: std::ops::Deref<Target = candle_core::Storage>>(
+        &'a self,
+        guard: &'a Option<(G, &candle_core::Layout)>,
+    ) -> Result<BaseRef<'a, T>> {
+        Ok(match (self, guard) {
+            (Base::Dense(_), Some((s, l))) => BaseRef::Dense(strided::<T>(cpu_of(s)?, l)?),
+            (Base::Nf4(w), _) => BaseRef::Nf4(w),
+            (Base::Dense(_), None) => bail!("candle-fused lora_linear: dense weight not held"),
+        })
+    }
+
+    /// `g W_baseᵀ` for `g [N, out]` from plain ops, in `g`'s dtype (the fallback's backward).
+    fn dx_composite(&self, g: &Tensor) -> Result<Tensor> {
+        match self {
+            Base::Dense(w) => g.matmul(&w.t()?),
+            Base::Nf4(w) => qlora::dx_composite(w, g),
+        }
+    }
+}
+
+impl<T: Elem> BaseRef<'_, T> {
+    /// `x W (+ bias)` in the accumulation type, `x [N, in]`.
+    fn fwd_acc(&self, x: &[T], bias: Option<&[T]>, dims: Dims) -> Result<Vec<T::Acc>> {
+        match *self {
+            BaseRef::Dense(w) => Ok(linear::fwd_acc(x, w, bias, dims.n_in, dims.n_out)),
+            BaseRef::Nf4(w) => qlora::fwd_acc_host(x, w, bias),
+        }
+    }
+
+    /// `dx += g Wᵀ`, `g [N, out]` (row-major), `dx [N, in]` in the accumulation type.
+    fn add_dx(&self, dx: &mut [T::Acc], g: &Operand<'_, T::Acc>, dims: Dims) -> Result<()> {
+        let Dims { n_in, n_out, .. } = dims;
+        match *self {
+            BaseRef::Dense((w, sw)) => {
+                let rows = dx.len() / n_in;
+                let wa = operand(w);
+                // SAFETY: `dx` holds rows x n_in initialised elements, exclusively borrowed.
+                unsafe {
+                    gemm_raw(
+                        rows,
+                        n_in,
+                        n_out,
+                        dx.as_mut_ptr(),
+                        true,
+                        (g, rows_of(n_out)),
+                        (&wa, tr(sw)),
+                        pool::parts(),
+                    )
+                };
+                Ok(())
+            }
+            BaseRef::Nf4(w) => qlora::add_dx_host::<T>(dx, g, w),
+        }
+    }
 }
 
 fn check(
@@ -253,7 +365,7 @@ struct LoraOp {
     drop: Option<(f32, RngKey)>,
     /// Whether the forward ran the CPU kernel (else the composite, and the backward follows).
     kernel: bool,
-    w: Tensor,
+    base: Base,
     bias: Option<Tensor>,
     /// `h = dropout(x) aᵀ`, `[N, r]`: in the accumulation type (f32 for 16-bit inputs) from
     /// the kernel, in the input dtype from the fallback.
@@ -269,19 +381,19 @@ impl Kernel for LoraOp {
         let ((sx, lx), (sa, la), (sb, lb)) = (ins[0], ins[1], ins[2]);
         let Dims { n_in, n_out, r } = self.dims;
         let shape = linear::out_shape(lx, n_out);
-        let (sw, lw) = self.w.storage_and_layout();
+        let guard = self.base.dense().map(Tensor::storage_and_layout);
         let bias = self.bias.as_ref().map(Tensor::storage_and_layout);
         cpu::dispatch!(sx.dtype(), T => {
             let xs = cpu::contiguous::<T>(sx, lx)?;
-            let w = strided::<T>(cpu_of(&sw)?, lw)?;
             let bs = match &bias {
                 Some((s, l)) => Some(cpu::contiguous::<T>(cpu_of(s)?, l)?),
                 None => None,
             };
+            let y = self.base.host::<T, _>(&guard)?.fwd_acc(xs, bs, self.dims)?;
             let a = strided::<T>(sa, la)?;
             let b = strided::<T>(sb, lb)?;
             let rows = xs.len() / n_in;
-            let (y, h) = fwd_kernel(xs, w, bs, a, b, self.scale, self.drop, self.dims);
+            let (y, h) = fwd_kernel(xs, y, a, b, self.scale, self.drop, self.dims);
             self.h.set(Tensor::from_vec(h, (rows, r), &candle_core::Device::Cpu)?);
             Ok((T::storage(y), shape))
         })
@@ -298,7 +410,7 @@ impl Kernel for LoraOp {
         let dy = dy.to_dtype(x.dtype())?.contiguous()?;
         let h = h.contiguous()?;
         let Dims { n_in, n_out, r } = self.dims;
-        let (sw, lw) = self.w.storage_and_layout();
+        let guard = self.base.dense().map(Tensor::storage_and_layout);
         let (sa, la) = a.storage_and_layout();
         let (sb, lb) = b.storage_and_layout();
         cpu::dispatch!(x.dtype(), T => {
@@ -306,12 +418,12 @@ impl Kernel for LoraOp {
                 cpu::with_slice::<T, _>(&dy, |dys| {
                     cpu::with_slice::<<T as Elem>::Acc, _>(&h, |hs| {
                         let ops = Operands {
-                            w: strided::<T>(cpu_of(&sw)?, lw)?,
+                            w: self.base.host::<T, _>(&guard)?,
                             a: strided::<T>(cpu_of(&sa)?, la)?,
                             b: strided::<T>(cpu_of(&sb)?, lb)?,
                         };
                         let [dx, da, db] =
-                            bwd_kernel(xs, hs, dys, ops, self.scale, self.drop, self.dims, need);
+                            bwd_kernel(xs, hs, dys, ops, self.scale, self.drop, self.dims, need)?;
                         Ok([
                             dx.map(|v| cpu::tensor(v, x.shape())).transpose()?,
                             da.map(|v| cpu::tensor(v, (r, n_in))).transpose()?,
@@ -336,7 +448,7 @@ impl LoraOp {
         need: [bool; 3],
     ) -> Result<Grads> {
         let Dims { n_in, n_out, .. } = self.dims;
-        let (a, b, w) = (a.detach(), b.detach(), &self.w);
+        let (a, b) = (a.detach(), b.detach());
         let g = dy.detach().to_dtype(x.dtype())?.reshape(((), n_out))?;
         let t = if need[0] || need[1] {
             Some(g.matmul(&b)?.affine(self.scale, 0.0)?)
@@ -351,7 +463,7 @@ impl LoraOp {
                 Some((p, key)) => dropout::dropout_composite(&adapter, p, key)?,
                 None => adapter,
             };
-            grads[0] = Some((g.matmul(&w.t()?)? + adapter)?.reshape(x.shape())?);
+            grads[0] = Some((self.base.dx_composite(&g)? + adapter)?.reshape(x.shape())?);
         }
         if let (true, Some(t)) = (need[1], &t) {
             let x2 = x.detach().reshape(((), n_in))?;
@@ -387,13 +499,12 @@ fn scale_in_place<A: Real>(v: &mut [A], s: f64) {
     }
 }
 
-/// The forward: `(y, h)`, `y [N, out]` rounded once from the accumulation type and `h [N, r]`
-/// in the accumulation type (saved for the backward).
-#[allow(clippy::too_many_arguments)]
+/// The forward over the base product `y = x W (+ bias)` (in the accumulation type): `(y, h)`,
+/// `y [N, out]` rounded once from the accumulation type and `h [N, r]` in the accumulation
+/// type (saved for the backward).
 fn fwd_kernel<T: Elem>(
     x: &[T],
-    w: (&[T], Strided),
-    bias: Option<&[T]>,
+    mut y: Vec<T::Acc>,
     (a, sa): (&[T], Strided),
     (b, sb): (&[T], Strided),
     scale: f64,
@@ -402,8 +513,6 @@ fn fwd_kernel<T: Elem>(
 ) -> (Vec<T>, Vec<T::Acc>) {
     let rows = x.len() / n_in;
     let threads = pool::parts();
-    // y = x W (+ bias) in the accumulation type.
-    let mut y = linear::fwd_acc(x, w, bias, n_in, n_out);
     // h = u aᵀ, u = dropout(x) (rounded to T, as the dropout op rounds it).
     // (The masked copy of x lives only for this GEMM.)
     let h = {
@@ -435,9 +544,9 @@ fn fwd_kernel<T: Elem>(
     (narrow(y), h)
 }
 
-/// The strided frozen weight and adapter matrices of the backward.
+/// The frozen base and the strided adapter matrices of the backward.
 struct Operands<'a, T> {
-    w: (&'a [T], Strided),
+    w: BaseRef<'a, T>,
     a: (&'a [T], Strided),
     b: (&'a [T], Strided),
 }
@@ -449,15 +558,16 @@ fn bwd_kernel<T: Elem>(
     h: &[T::Acc],
     dy: &[T],
     Operands {
-        w: (w, sw),
+        w,
         a: (a, sa),
         b: (b, sb),
     }: Operands<'_, T>,
     scale: f64,
     dp: Option<(f32, RngKey)>,
-    Dims { n_in, n_out, r }: Dims,
+    dims: Dims,
     need: [bool; 3],
-) -> [Option<Vec<T>>; 3] {
+) -> Result<[Option<Vec<T>>; 3]> {
+    let Dims { n_in, n_out, r } = dims;
     let rows = dy.len() / n_out;
     let threads = pool::parts();
     let g = operand(dy);
@@ -476,20 +586,7 @@ fn bwd_kernel<T: Elem>(
             if let Some((p, key)) = dp {
                 dropout::apply_mask_acc::<T>(&mut dx, p, key);
             }
-            let wa = operand(w);
-            // SAFETY: `dx` holds rows x n_in initialised elements, exclusively borrowed.
-            unsafe {
-                gemm_raw(
-                    rows,
-                    n_in,
-                    n_out,
-                    dx.as_mut_ptr(),
-                    true,
-                    (&g, rows_of(n_out)),
-                    (&wa, tr(sw)),
-                    threads,
-                )
-            };
+            w.add_dx(&mut dx, &g, dims)?;
             Some(narrow(dx))
         }
         _ => None,
@@ -522,5 +619,5 @@ fn bwd_kernel<T: Elem>(
         scale_in_place(&mut db, scale);
         narrow(db)
     });
-    [dx, da, db]
+    Ok([dx, da, db])
 }

@@ -60,6 +60,16 @@ pub(crate) enum Operand<'a, A: Clone> {
     Acc(Cow<'a, [A]>),
 }
 
+impl<A: Clone> Operand<'_, A> {
+    /// The operand from element `off` on, borrowed (a column block of a row-major matrix).
+    pub(crate) fn from_offset(&self, off: usize) -> Operand<'_, A> {
+        match self {
+            Operand::Bf16(s) => Operand::Bf16(&s[off..]),
+            Operand::Acc(s) => Operand::Acc(Cow::Borrowed(&s[off..])),
+        }
+    }
+}
+
 /// `s` as a GEMM operand: bf16 stays bf16 when the CPU runs the bf16 kernel, anything else
 /// goes through [`widen`].
 pub(crate) fn operand<T: Elem>(s: &[T]) -> Operand<'_, T::Acc> {
