@@ -53,13 +53,15 @@ use crate::cpu::{self, Elem, Real};
 use crate::dropout;
 use crate::linear::gemm::{gemm_new, gemm_raw, narrow, operand, widen, Operand};
 use crate::linear::{self, strided, Strided};
-use crate::nf4::Nf4Weight;
 use crate::op::{self, cpu_of, Grads, In, Kernel, Saved};
 use crate::philox::RngKey;
 use crate::pool;
-use crate::qlora;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, Result, Shape, Tensor};
+
+mod base;
+pub(crate) use base::Base;
+use base::BaseRef;
 
 /// LoRA linear: `x [.., in] · w [in, out] + bias [out] + scale · (dropout(x) · aᵀ) · bᵀ`,
 /// `[.., out]`, with `a [r, in]` and `b [out, r]` in PEFT's layout (`lora_A.weight`,
@@ -201,86 +203,6 @@ pub(crate) struct Dims {
     pub(crate) n_in: usize,
     pub(crate) n_out: usize,
     pub(crate) r: usize,
-}
-
-/// The frozen base weight of the op: a dense `[in, out]` view (read through its strides) or a
-/// 4-bit `[out, in]` weight dequantized a tile at a time ([`crate::qlora`]).
-pub(crate) enum Base {
-    Dense(Tensor),
-    Nf4(Nf4Weight),
-}
-
-/// [`Base`] on the host, as the kernels read it.
-pub(crate) enum BaseRef<'a, T> {
-    Dense((&'a [T], Strided)),
-    Nf4(&'a Nf4Weight),
-}
-
-impl Base {
-    /// The dense weight, if dense (its storage is held while a kernel reads it).
-    fn dense(&self) -> Option<&Tensor> {
-        match self {
-            Base::Dense(w) => Some(w),
-            Base::Nf4(_) => None,
-        }
-    }
-
-    /// The base as the kernels of `T` read it, the dense storage from [`Base::dense`]'s
-    /// `storage_and_layout`.
-    fn host<'a, T: Elem, G: std::ops::Deref<Target = candle_core::Storage>>(
-        &'a self,
-        guard: &'a Option<(G, &candle_core::Layout)>,
-    ) -> Result<BaseRef<'a, T>> {
-        Ok(match (self, guard) {
-            (Base::Dense(_), Some((s, l))) => BaseRef::Dense(strided::<T>(cpu_of(s)?, l)?),
-            (Base::Nf4(w), _) => BaseRef::Nf4(w),
-            (Base::Dense(_), None) => bail!("candle-fused lora_linear: dense weight not held"),
-        })
-    }
-
-    /// `g W_baseᵀ` for `g [N, out]` from plain ops, in `g`'s dtype (the fallback's backward).
-    fn dx_composite(&self, g: &Tensor) -> Result<Tensor> {
-        match self {
-            Base::Dense(w) => g.matmul(&w.t()?),
-            Base::Nf4(w) => qlora::dx_composite(w, g),
-        }
-    }
-}
-
-impl<T: Elem> BaseRef<'_, T> {
-    /// `x W (+ bias)` in the accumulation type, `x [N, in]`.
-    fn fwd_acc(&self, x: &[T], bias: Option<&[T]>, dims: Dims) -> Result<Vec<T::Acc>> {
-        match *self {
-            BaseRef::Dense(w) => Ok(linear::fwd_acc(x, w, bias, dims.n_in, dims.n_out)),
-            BaseRef::Nf4(w) => qlora::fwd_acc_host(x, w, bias),
-        }
-    }
-
-    /// `dx += g Wᵀ`, `g [N, out]` (row-major), `dx [N, in]` in the accumulation type.
-    fn add_dx(&self, dx: &mut [T::Acc], g: &Operand<'_, T::Acc>, dims: Dims) -> Result<()> {
-        let Dims { n_in, n_out, .. } = dims;
-        match *self {
-            BaseRef::Dense((w, sw)) => {
-                let rows = dx.len() / n_in;
-                let wa = operand(w);
-                // SAFETY: `dx` holds rows x n_in initialised elements, exclusively borrowed.
-                unsafe {
-                    gemm_raw(
-                        rows,
-                        n_in,
-                        n_out,
-                        dx.as_mut_ptr(),
-                        true,
-                        (g, rows_of(n_out)),
-                        (&wa, tr(sw)),
-                        pool::parts(),
-                    )
-                };
-                Ok(())
-            }
-            BaseRef::Nf4(w) => qlora::add_dx_host::<T>(dx, g, w),
-        }
-    }
 }
 
 fn check(

@@ -23,9 +23,16 @@
 //! # The adapter
 //!
 //! [`qlora_linear`] adds the adapter path of PEFT's `Linear4bit`,
-//! `scale · B(A(dropout(x)))`, from differentiable ops: the same dropout mask as
+//! `scale · B(A(dropout(x)))`, with the same dropout mask as
 //! [`lora_linear`](crate::lora::lora_linear) (the fused [`dropout`](crate::dropout::dropout)
-//! with the same key), gradients to `x`, `A` and `B`.
+//! with the same key), gradients to `x`, `A` and `B`. On the CPU it is
+//! [`lora_linear`](crate::lora::lora_linear)'s op with the 4-bit base in place of the dense
+//! one, so it holds what that op holds: the output in one buffer (the bias rows, each tile's
+//! product `x W_tileᵀ` added into its columns, the adapter added, rounded once), `h = u Aᵀ`
+//! (`[N, r]`) saved for the backward, `dx` summed in one buffer (the adapter's part, then each
+//! tile's `dy[:, tile] W_tile`); the products are our GEMMs (bf16 tiles on the bf16 kernel
+//! where the CPU has AVX512-BF16, as there). On other devices it is composed from
+//! differentiable ops over [`nf4_linear`].
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, DType, Result, Tensor};
@@ -192,7 +199,11 @@ fn out_in(w: &Nf4Weight) -> (usize, usize) {
 
 /// Calls `f(first row, tile [rows, in] in dtype)` for each tile of `w`'s rows in order
 /// (at most [`TILE_ELEMS`] values, at least one row).
-fn tiles(w: &Nf4Weight, dtype: DType, mut f: impl FnMut(usize, Tensor) -> Result<()>) -> Result<()> {
+fn tiles(
+    w: &Nf4Weight,
+    dtype: DType,
+    mut f: impl FnMut(usize, Tensor) -> Result<()>,
+) -> Result<()> {
     let (n_out, n_in) = out_in(w);
     let absmax = w.absmax_f32()?;
     let step = (TILE_ELEMS / n_in.max(1)).clamp(1, n_out.max(1));
@@ -206,7 +217,9 @@ fn tiles(w: &Nf4Weight, dtype: DType, mut f: impl FnMut(usize, Tensor) -> Result
 
 /// [`tiles`] on the host: each tile's values in `T`.
 fn host_tiles<T: Elem>(w: &Nf4Weight, mut f: impl FnMut(usize, &[T]) -> Result<()>) -> Result<()> {
-    tiles(w, T::DTYPE, |r0, tile| cpu::with_slice::<T, _>(&tile, |s| f(r0, s)))
+    tiles(w, T::DTYPE, |r0, tile| {
+        cpu::with_slice::<T, _>(&tile, |s| f(r0, s))
+    })
 }
 
 /// `x Wᵀ (+ bias)` for `x [N, in]` on the host, in the accumulation type: one output buffer
@@ -220,7 +233,12 @@ pub(crate) fn fwd_acc_host<T: Elem>(
     let (n_out, n_in) = out_in(w);
     let rows = x.len().checked_div(n_in).unwrap_or(0);
     let mut y: Vec<T::Acc> = match bias {
-        Some(b) => widen(b).iter().copied().cycle().take(rows * n_out).collect(),
+        Some(b) => widen(b)
+            .iter()
+            .copied()
+            .cycle()
+            .take(rows * n_out)
+            .collect(),
         None => vec![<T::Acc as Real>::ZERO; rows * n_out],
     };
     let xa = operand(x);
@@ -327,7 +345,9 @@ impl Nf4LinearOp {
         dtype: DType,
         mut f: impl FnMut(usize, Tensor) -> Result<()>,
     ) -> Result<()> {
-        tiles(&self.w, dtype, |r0, tile| f(r0, tile.to_dtype(acc_dtype(dtype))?))
+        tiles(&self.w, dtype, |r0, tile| {
+            f(r0, tile.to_dtype(acc_dtype(dtype))?)
+        })
     }
 
     /// `x Wᵀ + bias` on detached tensors.

@@ -157,6 +157,42 @@ fn bf16_and_f64() -> Result<()> {
     Ok(())
 }
 
+/// On the CPU `qlora_linear` is `lora_linear`'s op over the dequantized weight: the same bits
+/// (y and every gradient) where the tiles' boundaries meet the GEMM's 512-long sums (in 512,
+/// so tiles of 512 rows; out 1024: two tiles), f32 and bf16, with bias and dropout.
+#[test]
+fn cpu_kernel_is_lora_over_the_dequantized_weight() -> Result<()> {
+    let mut rng = Lcg(21);
+    let (n_in, n_out, r) = (512, 1024, 4);
+    assert_eq!(TILE_ELEMS / n_in, 512);
+    let w = Nf4Weight::quantize(&rand(&[n_out, n_in], DType::F32, &mut rng, 0.1, 0.0)?, true)?;
+    for dt in [DType::F32, DType::BF16] {
+        let t = |rng: &mut Lcg, d: &[usize], s: f64| -> Result<Tensor> {
+            Ok(rand(d, DType::F32, rng, s, 0.0)?.to_dtype(dt)?)
+        };
+        let ins = [
+            t(&mut rng, &[2, 3, n_in], 1.0)?,
+            t(&mut rng, &[r, n_in], 0.2)?,
+            t(&mut rng, &[n_out, r], 0.2)?,
+        ];
+        let bias = t(&mut rng, &[n_out], 1.0)?;
+        let up = t(&mut rng, &[2, 3, n_out], 1.0)?;
+        let drop = Some((0.25, RngKey::new(4, 2)));
+        let (y, g) = run(false, &w, Some(&bias), &ins, &up, drop)?;
+        let wd = w.dequantize(dt)?;
+        let f = |t: &[Tensor]| {
+            let wt = wd.t()?;
+            candle_fused::lora::lora_linear(&t[0], &wt, Some(&bias), &t[1], &t[2], 1.5, drop)
+        };
+        let (yl, gl) = value_and_grads(&f, &ins, &up)?;
+        compare::assert_bits_eq(&y, &yl, &format!("{dt:?} y"));
+        for (k, name) in ["dx", "da", "db"].iter().enumerate() {
+            compare::assert_bits_eq(&g[k], &gl[k], &format!("{dt:?} {name}"));
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn errors_name_the_problem() -> Result<()> {
     let dev = Device::Cpu;
