@@ -60,8 +60,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, Result, Shape, Tensor};
 
 mod base;
-pub(crate) use base::Base;
-use base::BaseRef;
+use base::{rows_of, tr, BaseRef};
+pub(crate) use base::{Base, Dims};
 
 /// LoRA linear: `x [.., in] · w [in, out] + bias [out] + scale · (dropout(x) · aᵀ) · bᵀ`,
 /// `[.., out]`, with `a [r, in]` and `b [out, r]` in PEFT's layout (`lora_A.weight`,
@@ -195,14 +195,6 @@ pub fn lora_linear_composite(
     check(x, w, bias, a, b, dropout)?;
     let drop = dropout.filter(|&(p, _)| p > 0.0);
     Ok(composite(x, w, bias, a, b, scale, drop)?.0)
-}
-
-/// The op's sizes: `in`, `out` and the rank `r`.
-#[derive(Clone, Copy)]
-pub(crate) struct Dims {
-    pub(crate) n_in: usize,
-    pub(crate) n_out: usize,
-    pub(crate) r: usize,
 }
 
 fn check(
@@ -401,16 +393,6 @@ impl LoraOp {
         }
         Ok(grads)
     }
-}
-
-/// `m`'s transpose as a GEMM operand's strides.
-fn tr(m: Strided) -> Strided {
-    Strided { rs: m.cs, cs: m.rs }
-}
-
-/// A row-major `[_, n]` operand.
-fn rows_of(n: usize) -> Strided {
-    Strided { rs: n, cs: 1 }
 }
 
 /// `v` times `s`, in place.

@@ -1,14 +1,31 @@
 //! The frozen base of [`super`]'s op: a dense weight or a 4-bit one.
 
-use super::{rows_of, tr, Dims};
 use crate::cpu::Elem;
 use crate::linear::gemm::{gemm_raw, operand, Operand};
 use crate::linear::{self, strided, Strided};
 use crate::nf4::Nf4Weight;
 use crate::op::cpu_of;
 use crate::pool;
-use crate::qlora;
+use crate::qlora::tiled::{add_dx_host, dx_composite, fwd_acc_host};
 use candle_core::{bail, Result, Tensor};
+
+/// The op's sizes: `in`, `out` and the rank `r`.
+#[derive(Clone, Copy)]
+pub(crate) struct Dims {
+    pub(crate) n_in: usize,
+    pub(crate) n_out: usize,
+    pub(crate) r: usize,
+}
+
+/// `m`'s transpose as a GEMM operand's strides.
+pub(super) fn tr(m: Strided) -> Strided {
+    Strided { rs: m.cs, cs: m.rs }
+}
+
+/// A row-major `[_, n]` operand.
+pub(super) fn rows_of(n: usize) -> Strided {
+    Strided { rs: n, cs: 1 }
+}
 
 /// The frozen base weight of the op: a dense `[in, out]` view (read through its strides) or a
 /// 4-bit `[out, in]` weight dequantized a tile at a time ([`crate::qlora`]).
@@ -49,7 +66,7 @@ impl Base {
     pub(super) fn dx_composite(&self, g: &Tensor) -> Result<Tensor> {
         match self {
             Base::Dense(w) => g.matmul(&w.t()?),
-            Base::Nf4(w) => qlora::dx_composite(w, g),
+            Base::Nf4(w) => dx_composite(w, g),
         }
     }
 }
@@ -59,7 +76,7 @@ impl<T: Elem> BaseRef<'_, T> {
     pub(super) fn fwd_acc(&self, x: &[T], bias: Option<&[T]>, dims: Dims) -> Result<Vec<T::Acc>> {
         match *self {
             BaseRef::Dense(w) => Ok(linear::fwd_acc(x, w, bias, dims.n_in, dims.n_out)),
-            BaseRef::Nf4(w) => qlora::fwd_acc_host(x, w, bias),
+            BaseRef::Nf4(w) => fwd_acc_host(x, w, bias),
         }
     }
 
@@ -90,7 +107,7 @@ impl<T: Elem> BaseRef<'_, T> {
                 };
                 Ok(())
             }
-            BaseRef::Nf4(w) => qlora::add_dx_host::<T>(dx, g, w),
+            BaseRef::Nf4(w) => add_dx_host::<T>(dx, g, w),
         }
     }
 }
