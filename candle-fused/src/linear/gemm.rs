@@ -62,7 +62,7 @@ pub(crate) enum Operand<'a, A: Clone> {
 
 impl<A: Clone> Operand<'_, A> {
     /// The operand from element `off` on, borrowed (a column block of a row-major matrix).
-    pub(crate) fn from_offset(&self, off: usize) -> Operand<'_, A> {
+    pub(crate) fn skip(&self, off: usize) -> Operand<'_, A> {
         match self {
             Operand::Bf16(s) => Operand::Bf16(&s[off..]),
             Operand::Acc(s) => Operand::Acc(Cow::Borrowed(&s[off..])),

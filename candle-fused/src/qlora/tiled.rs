@@ -113,7 +113,7 @@ pub(crate) fn add_dx_host<T: Elem>(
     let threads = pool::parts();
     host_tiles::<T>(w, |r0, tile| {
         let nt = tile.len() / n_in;
-        let (gt, ta) = (g.from_offset(r0), operand(tile));
+        let (gt, ta) = (g.skip(r0), operand(tile));
         // SAFETY: `dx` holds rows x n_in initialised elements, exclusively borrowed.
         unsafe {
             gemm_raw(
