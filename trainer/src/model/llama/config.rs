@@ -9,7 +9,7 @@ use candle_remat::{BlockCost, ChainCosts};
 use rand_chacha::ChaCha8Rng;
 use serde_json::Value;
 
-use super::super::layers::BlockOptions;
+use super::super::layers::{BlockOptions, GateAct};
 use super::super::params::init_values;
 use super::super::{Builder, CheckpointTensor, Dims, Kernels, Model, ModelConfig, SpecialTokens};
 use super::{Llama, RopeScaling};
@@ -209,6 +209,10 @@ impl LlamaConfig {
             norm_eps: self.rms_norm_eps,
             inv_freq: self.rope_scaling.inv_freq(self.rope_theta, self.head_dim),
             dropout: self.attention_dropout,
+            norm_unit_offset: false,
+            sandwich_norms: false,
+            act: GateAct::Silu,
+            attn_scale: None,
         }
     }
 

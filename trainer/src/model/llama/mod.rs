@@ -13,7 +13,7 @@
 //! (biases, q/k norms, sliding windows), which this module reads and writes.
 
 mod config;
-mod hf_json;
+pub(crate) mod hf_json;
 
 use std::path::Path;
 
