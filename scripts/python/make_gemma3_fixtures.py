@@ -24,6 +24,11 @@ Cases:
   `final_logit_softcapping` 3. The script checks transformers reads it to the intended
   `rope_parameters` and layer types.
 
+- `lora`: a PEFT LoRA adapter over the `gemma3` model (r 4, alpha 8, every projection of the
+  Llama family's names targeted, `init_lora_weights=False` then lora_A ~ N(0, 0.1^2), lora_B ~
+  N(0, 0.05^2) so every gradient depends on it), saved with PEFT's `save_pretrained`, and PEFT's
+  loss, logits and every adapter gradient (by on-disk name) on the `gemma3` batch.
+
 `cargo test` never runs this: the outputs are committed.
 """
 import argparse
@@ -33,8 +38,10 @@ import shutil
 import sys
 import tempfile
 
+import peft
 import torch
 import transformers
+from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma3ForCausalLM
 
@@ -209,6 +216,56 @@ def make_case(case, out_dir):
     return loss
 
 
+LORA_TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+def make_lora(out_dir):
+    """PEFT LoRA over the `gemma3` case's model (read back from its directory)."""
+    base = load_dir(os.path.join(out_dir, "gemma3"))
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+                     init_lora_weights=False, task_type="CAUSAL_LM")
+    model = get_peft_model(base, cfg)
+    gen = torch.Generator().manual_seed(4000)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in sorted(params):
+            if ".lora_A." in name or ".lora_B." in name:
+                std = 0.1 if ".lora_A." in name else 0.05
+                params[name].copy_(std * torch.randn(params[name].shape, generator=gen))
+    model.eval()
+    batch = make_batch(SEEDS["gemma3"])
+    out = forward(model, batch)
+    out.loss.backward()
+    expected = {
+        "input_ids": batch["input_ids"].to(torch.int64).contiguous(),
+        "labels": batch["labels"].to(torch.int64).contiguous(),
+        "loss": out.loss.detach().to(torch.float32).reshape(()).contiguous(),
+        "logits": out.logits.detach().to(torch.float32).contiguous(),
+    }
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, n
+            disk = n.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+            expected[f"grad.{disk}"] = p.grad.detach().to(torch.float32).contiguous()
+    d = os.path.join(out_dir, "lora")
+    if os.path.exists(d):
+        shutil.rmtree(d)
+    model.save_pretrained(d)
+    acfg = json.load(open(os.path.join(d, "adapter_config.json")))
+    acfg["target_modules"] = sorted(acfg["target_modules"])
+    acfg["base_model_name_or_path"] = "../gemma3"
+    with open(os.path.join(d, "adapter_config.json"), "w") as f:
+        json.dump(acfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+    for f in os.listdir(d):
+        if f not in ("adapter_config.json", "adapter_model.safetensors"):
+            os.remove(os.path.join(d, f))
+    meta = {"made_by": f"scripts/python/make_gemma3_fixtures.py case=lora peft={peft.__version__} "
+            f"transformers={transformers.__version__}"}
+    save_file(expected, os.path.join(d, "expected.safetensors"), metadata=meta)
+    print(f"== lora: loss {out.loss.item():.6f}, {len(expected) - 4} adapter gradients")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir", nargs="?", default=DEFAULT_OUT)
@@ -219,6 +276,10 @@ def main():
     os.makedirs(args.out_dir, exist_ok=True)
     for case in CASES:
         make_case(case, args.out_dir)
+    make_lora(args.out_dir)
+    for root, _, files in os.walk(args.out_dir):
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o644)
 
 
 if __name__ == "__main__":

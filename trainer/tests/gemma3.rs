@@ -142,7 +142,7 @@ fn each_feature_moves_the_loss() {
         (
             "gemma3",
             "scores scaled by head_dim^-0.5",
-            Box::new(|c: &mut Gemma3Config| c.query_pre_attn_scalar = c.head_dim as f64),
+            Box::new(|c: &mut Gemma3Config| c.query_pre_attn_scalar = c.head_dim),
             Box::new(same),
         ),
         (
@@ -221,7 +221,7 @@ fn both_config_layouts_read_as_transformers_reads_them() {
         assert_eq!((c.rope_theta, c.rope_local_base_freq), (1000.0, 20.0));
         assert_eq!(
             (c.sliding_window, c.query_pre_attn_scalar, c.head_dim),
-            (4, 24.0, 16)
+            (4, 24, 16)
         );
         assert_eq!(c.local_rope_scaling, RopeScaling::None);
         // written as transformers 5.x writes it, read back the same
@@ -341,4 +341,21 @@ fn export_loads_back_equal() {
             "{case}"
         );
     }
+}
+
+#[test]
+fn a_peft_lora_adapter_gives_peft_loss_logits_and_gradients() {
+    use candle_peft::Adapter;
+    let (config, params) = common::load_dir(&fixture("gemma3"));
+    let adapter = Adapter::load(&fixture("lora"), &Device::Cpu).unwrap();
+    let (model, trainable) = common::with_adapter(config.as_ref(), &params, &adapter);
+    let e = expected_at(&fixture("lora").join("expected.safetensors"));
+    for kernels in [Kernels::Fused, Kernels::Reference] {
+        common::llama::check_against(model.as_ref(), &trainable, &e, kernels, "gemma3 lora");
+    }
+    // The adapter matters: the base alone is far from PEFT's logits.
+    let base = trainer::model::build(config.as_ref(), &params).unwrap();
+    let logits = base.forward(&e.idx, &Ctx::eval()).unwrap();
+    let r = rel(&logits, &e.logits);
+    assert!(r > 1e-3, "the adapter moves the logits by only {r:e}");
 }

@@ -54,7 +54,7 @@ pub struct Gemma3Config {
     /// The MLP gate's activation (`hidden_activation`: `gelu_pytorch_tanh`).
     pub hidden_activation: GateAct,
     /// Attention scores are scaled by `query_pre_attn_scalar^-0.5`.
-    pub query_pre_attn_scalar: f64,
+    pub query_pre_attn_scalar: usize,
     /// Window of the sliding layers.
     pub sliding_window: usize,
     /// Each layer's attention.
@@ -115,7 +115,7 @@ impl Gemma3Config {
             max_position_embeddings: 32768,
             rms_norm_eps: 1e-6,
             hidden_activation: GateAct::GeluTanh,
-            query_pre_attn_scalar: head_dim as f64,
+            query_pre_attn_scalar: head_dim,
             sliding_window: 512,
             layer_types: Self::pattern(num_hidden_layers, 6),
             rope_theta: 1e6,
@@ -162,7 +162,7 @@ impl Gemma3Config {
         let mut cfg = Gemma3Config::new(dims.vocab, dims.layers, dims.hidden, dims.heads, kv, mlp);
         if dims.head_dim != 0 {
             cfg.head_dim = dims.head_dim;
-            cfg.query_pre_attn_scalar = dims.head_dim as f64;
+            cfg.query_pre_attn_scalar = dims.head_dim;
         }
         cfg.max_position_embeddings = dims.positions;
         cfg.rope_theta = rope_theta;
@@ -194,7 +194,7 @@ impl Gemma3Config {
             norm_unit_offset: true,
             sandwich_norms: true,
             act: self.hidden_activation,
-            attn_scale: Some(self.query_pre_attn_scalar.powf(-0.5)),
+            attn_scale: Some((self.query_pre_attn_scalar as f64).powf(-0.5)),
         }
     }
 
@@ -211,6 +211,7 @@ impl Gemma3Config {
             ("head_dim", self.head_dim),
             ("max_position_embeddings", self.max_position_embeddings),
             ("sliding_window", self.sliding_window),
+            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
         ] {
             if v == 0 {
                 return bad(format!("{name} must be at least 1"));
@@ -241,7 +242,6 @@ impl Gemma3Config {
         let positive = [
             ("rope_theta", self.rope_theta),
             ("rope_local_base_freq", self.rope_local_base_freq),
-            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
         ];
         for (name, v) in positive {
             if !(v > 0.0) {

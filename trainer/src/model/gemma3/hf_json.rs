@@ -155,7 +155,7 @@ impl Gemma3Config {
             max_position_embeddings: k.usize_of("max_position_embeddings")?.unwrap_or(131_072),
             rms_norm_eps: k.f64_of("rms_norm_eps", 1e-6)?,
             hidden_activation,
-            query_pre_attn_scalar: k.f64_of("query_pre_attn_scalar", 256.0)?,
+            query_pre_attn_scalar: k.usize_of("query_pre_attn_scalar")?.unwrap_or(256),
             sliding_window: sliding_window.unwrap_or(4096),
             layer_types,
             rope_theta,
