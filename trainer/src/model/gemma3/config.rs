@@ -3,11 +3,11 @@
 //! `hf_json.rs`.
 
 use candle_core::DType;
-use candle_remat::{BlockCost, ChainCosts};
+use candle_remat::ChainCosts;
 use rand_chacha::ChaCha8Rng;
 use serde_json::Value;
 
-use super::super::layers::{BlockOptions, GateAct, RopeScaling};
+use super::super::layers::{hf_decoder, BlockOptions, GateAct, RopeScaling};
 use super::super::params::init_values;
 use super::super::{Builder, CheckpointTensor, Dims, Kernels, Model, ModelConfig, SpecialTokens};
 use super::Gemma3;
@@ -201,37 +201,8 @@ impl Gemma3Config {
     /// Checks that the values describe a model that can be built.
     pub fn validate(&self) -> Result<()> {
         let bad = |msg: String| Err(Error::Config(msg));
-        for (name, v) in [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("head_dim", self.head_dim),
-            ("max_position_embeddings", self.max_position_embeddings),
-            ("sliding_window", self.sliding_window),
-            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
-        ] {
-            if v == 0 {
-                return bad(format!("{name} must be at least 1"));
-            }
-        }
-        if !self
-            .num_attention_heads
-            .is_multiple_of(self.num_key_value_heads)
-        {
-            return bad(format!(
-                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
-                self.num_attention_heads, self.num_key_value_heads
-            ));
-        }
-        if !self.head_dim.is_multiple_of(2) {
-            return bad(format!(
-                "head_dim ({}) must be even for rotary embeddings",
-                self.head_dim
-            ));
-        }
+        let tokens = self.bos_token_id.iter().chain(&self.eos_token_ids);
+        hf_decoder::check_dims(&ModelConfig::dims(self), tokens.chain(&self.pad_token_id))?;
         if self.layer_types.len() != self.num_hidden_layers {
             return bad(format!(
                 "{} layer types for {} layers",
@@ -239,22 +210,22 @@ impl Gemma3Config {
                 self.num_hidden_layers
             ));
         }
-        let positive = [
-            ("rope_theta", self.rope_theta),
-            ("rope_local_base_freq", self.rope_local_base_freq),
+        let sizes = [
+            ("sliding_window", self.sliding_window),
+            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
         ];
-        for (name, v) in positive {
-            if !(v > 0.0) {
-                return bad(format!("{name} ({v}) must be > 0"));
-            }
+        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+            return bad(format!("{name} must be at least 1"));
         }
-        let caps = [
+        let positive = [
+            ("rope_theta", Some(self.rope_theta)),
+            ("rope_local_base_freq", Some(self.rope_local_base_freq)),
             ("attn_logit_softcapping", self.attn_logit_softcapping),
             ("final_logit_softcapping", self.final_logit_softcapping),
         ];
-        for (name, cap) in caps {
-            if cap.is_some_and(|c| !(c > 0.0)) {
-                return bad(format!("{name} ({cap:?}) must be > 0"));
+        for (name, v) in positive {
+            if v.is_some_and(|v| !(v > 0.0)) {
+                return bad(format!("{name} ({v:?}) must be > 0"));
             }
         }
         if !(self.rms_norm_eps >= 0.0 && (0.0..1.0).contains(&self.attention_dropout)) {
@@ -264,17 +235,7 @@ impl Gemma3Config {
             ));
         }
         self.rope_scaling.validate()?;
-        self.local_rope_scaling.validate()?;
-        let ids = self.bos_token_id.iter().chain(&self.eos_token_ids);
-        for id in ids.chain(&self.pad_token_id) {
-            if *id as usize >= self.vocab_size {
-                return bad(format!(
-                    "special token id {id} is outside the vocabulary of {} ids",
-                    self.vocab_size
-                ));
-            }
-        }
-        Ok(())
+        self.local_rope_scaling.validate()
     }
 }
 
@@ -307,22 +268,14 @@ impl ModelConfig for Gemma3Config {
     }
 
     fn special_tokens(&self) -> SpecialTokens {
-        SpecialTokens {
-            bos: self.bos_token_id,
-            eos: self.eos_token_ids.first().copied(),
-        }
+        hf_decoder::special_tokens(self.bos_token_id, &self.eos_token_ids)
     }
 
     fn with_run_settings(&self, dropout: f32, tokens: SpecialTokens) -> Box<dyn ModelConfig> {
-        let eos_token_ids = match tokens.eos {
-            Some(e) if self.eos_token_ids.contains(&e) => self.eos_token_ids.clone(),
-            Some(e) => vec![e],
-            None => Vec::new(),
-        };
         Box::new(Gemma3Config {
             attention_dropout: dropout,
             bos_token_id: tokens.bos,
-            eos_token_ids,
+            eos_token_ids: hf_decoder::run_eos_ids(&self.eos_token_ids, tokens),
             ..self.clone()
         })
     }
@@ -350,62 +303,24 @@ impl ModelConfig for Gemma3Config {
     /// `6 N + 12 L H D T` as for the Llama family, the context of a sliding layer being its
     /// window.
     fn flops_per_token(&self, seq_len: usize) -> f64 {
-        let mut n = self.num_params() as f64;
-        if !self.tie_word_embeddings {
-            n -= (self.vocab_size * self.hidden_size) as f64;
-        }
-        let (h, d) = (self.num_attention_heads as f64, self.head_dim as f64);
-        let ctx: f64 = self
-            .layer_types
-            .iter()
-            .map(|t| match t {
-                LayerType::Sliding => self.sliding_window.min(seq_len) as f64,
-                LayerType::Full => seq_len as f64,
-            })
-            .sum();
-        6.0 * n + 12.0 * h * d * ctx
+        let context = |t: &LayerType| match t {
+            LayerType::Sliding => self.sliding_window.min(seq_len),
+            LayerType::Full => seq_len,
+        };
+        let contexts: Vec<usize> = self.layer_types.iter().map(context).collect();
+        hf_decoder::flops_per_token(self.num_params(), &self.dims(), &contexts)
     }
 
-    /// The Llama family's count plus the two extra norms' outputs (2 `[B, T, C]`) and the
-    /// GeGLU's composite `[B, T, I]` intermediate.
+    /// The Llama family's count with Gemma's two extra norms' outputs (8 `[B, T, C]`) and the
+    /// GeGLU's composite intermediate (4 `[B, T, I]`).
     fn chain_costs(&self, batch: usize, seq: usize, dtype: DType, kernels: Kernels) -> ChainCosts {
-        let (b, t) = (batch as u64, seq as u64);
-        let (c, i) = (self.hidden_size as u64, self.intermediate_size as u64);
-        let (h, kv, d) = (
-            self.num_attention_heads as u64,
-            self.num_key_value_heads as u64,
-            self.head_dim as u64,
-        );
-        let size = dtype.size_in_bytes() as u64;
-        let btc = b * t * c * size;
-        let qkv = b * t * (h + 2 * kv) * d * size;
-        let fused = 8 * btc + 2 * qkv + b * t * h * d * size + 4 * b * t * i * size + b * h * t * 4;
-        let act = match kernels {
-            Kernels::Fused => fused,
-            Kernels::Reference => fused + qkv + 4 * b * h * t * t * 4,
-        };
-        let flops =
-            2 * b * t * (c * (h + 2 * kv) * d + h * d * c + 3 * c * i) + 4 * b * t * t * h * d;
-        ChainCosts::uniform(
-            self.num_hidden_layers,
-            BlockCost {
-                act_bytes: act,
-                out_bytes: btc,
-                fwd_ns: flops / 1000 + 1,
-            },
-        )
+        hf_decoder::chain_costs(&self.dims(), (batch, seq), (8, 4), dtype, kernels)
     }
 
     /// A tied checkpoint has no `lm_head.weight` (one equal to the embedding is accepted as a
     /// copy); rotary buffers are skipped.
     fn checkpoint_tensor(&self, name: &str) -> CheckpointTensor {
-        if name.contains("rotary_emb.") || name.ends_with("embed_scale") {
-            return CheckpointTensor::Buffer;
-        }
-        if self.tie_word_embeddings && name == "lm_head.weight" {
-            return CheckpointTensor::TiedCopy("model.embed_tokens.weight".into());
-        }
-        CheckpointTensor::Param(name.to_string())
+        hf_decoder::checkpoint_tensor(name, self.tie_word_embeddings)
     }
 
     fn to_hf_json(&self) -> Value {

@@ -30,7 +30,7 @@ pub use config::{Gemma3Config, LayerType};
 
 use super::layers::head::{Head, LmHead, Norm};
 use super::layers::{Block, Decoder, Embed, RmsNorm};
-use super::{Architecture, Builder, Dims, Layout, Linear, ModelConfig};
+use super::{Architecture, Builder, Dims, ModelConfig};
 use crate::Result;
 
 /// `config.json`'s `model_type`.
@@ -81,13 +81,8 @@ impl Gemma3 {
         let (v, c) = (config.vocab_size, config.hidden_size);
         let m = b.pp("model");
         let embed = Embed::build(&m.pp("embed_tokens"), v, c)?.with_scale(Some((c as f64).sqrt()));
-        let blocks = (0..config.num_hidden_layers)
-            .map(|i| Block::build(&m.pp("layers").pp(i), &config.block_options(i), i))
-            .collect::<Result<Vec<_>>>()?;
-        let lm_head = match config.tie_word_embeddings {
-            true => LmHead::Tied(embed.weight().clone()),
-            false => LmHead::Own(Linear::build(&b.pp("lm_head"), c, v, false, Layout::OutIn)?),
-        };
+        let blocks = Block::stack(&m, config.num_hidden_layers, |i| config.block_options(i))?;
+        let lm_head = LmHead::build(b, &embed, config.tie_word_embeddings)?;
         let norm = RmsNorm::build(&m.pp("norm"), c, config.rms_norm_eps)?.with_unit_offset(true);
         let head = Head::new(Norm::Rms(norm), lm_head).with_softcap(config.final_logit_softcapping);
         Ok(Decoder {

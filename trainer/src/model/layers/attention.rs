@@ -7,8 +7,18 @@ use candle_core::Tensor;
 
 use super::super::{Builder, Ctx, Dims, KvCache, Layout, Linear, WeightMap};
 use super::rope::RopeConsts;
-use super::{GateAct, RmsNorm, Weights};
+use super::{RmsNorm, Weights};
 use crate::Result;
+
+/// The activation of a [`GatedMlp`](super::GatedMlp)'s gate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GateAct {
+    /// SiLU (SwiGLU: the Llama family's `silu`).
+    #[default]
+    Silu,
+    /// Tanh-approximated GELU (GeGLU: Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
 
 /// The shape and options of one decoder block ([`super::Block`]): its attention and its
 /// gated MLP. An architecture's config says how its `config.json` sets them.

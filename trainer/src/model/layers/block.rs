@@ -11,18 +11,8 @@
 use candle_core::Tensor;
 
 use super::super::{Builder, Ctx, KvCache, Layout, Linear, LinkOps, WeightMap};
-use super::{Attention, BlockOptions, Cached, RmsNorm, Weights};
+use super::{Attention, BlockOptions, Cached, GateAct, RmsNorm, Weights};
 use crate::Result;
-
-/// The activation of a [`GatedMlp`]'s gate.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum GateAct {
-    /// SiLU (SwiGLU: the Llama family's `silu`).
-    #[default]
-    Silu,
-    /// Tanh-approximated GELU (GeGLU: Gemma's `gelu_pytorch_tanh`).
-    GeluTanh,
-}
 
 /// The gated feed-forward network (`mlp`): `down_proj(act(gate_proj(x)) * up_proj(x))`, SwiGLU
 /// or GeGLU.
@@ -114,6 +104,18 @@ impl Block {
             mlp: GatedMlp::build(&b.pp("mlp"), o)?,
             index,
         })
+    }
+
+    /// The `n` blocks `b.layers.{i}`, block `i` with `options(i)`.
+    pub(crate) fn stack(
+        b: &Builder,
+        n: usize,
+        options: impl Fn(usize) -> BlockOptions,
+    ) -> Result<Vec<Self>> {
+        let layers = b.pp("layers");
+        (0..n)
+            .map(|i| Block::build(&layers.pp(i), &options(i), i))
+            .collect()
     }
 
     /// `x + a`, `a` the attention's output (normalised first with sandwich norms).

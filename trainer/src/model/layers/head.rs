@@ -7,7 +7,7 @@ use std::sync::Arc;
 use candle_core::Tensor;
 
 use super::super::chain::token_losses_of_logits;
-use super::super::{Builder, Ctx, KvCache, Linear, LinkOps, Loss, WeightMap, IGNORE};
+use super::super::{Builder, Ctx, KvCache, Layout, Linear, LinkOps, Loss, WeightMap, IGNORE};
 use super::{stat_dtype, Cached, LayerNorm, RmsNorm, Weights};
 use crate::Result;
 
@@ -105,6 +105,18 @@ pub(crate) enum LmHead {
     Own(Linear),
     /// The token embedding `[V, C]`, owned by the embedding link.
     Tied(Tensor),
+}
+
+impl LmHead {
+    /// `b.lm_head` `[V, C]` (no bias), or the embedding when `tied`.
+    pub(crate) fn build(b: &Builder, embed: &Embed, tied: bool) -> Result<Self> {
+        if tied {
+            return Ok(LmHead::Tied(embed.weight().clone()));
+        }
+        let (v, c) = embed.weight().dims2()?;
+        let l = Linear::build(&b.pp("lm_head"), c, v, false, Layout::OutIn)?;
+        Ok(LmHead::Own(l))
+    }
 }
 
 /// The final norm and the projection to the vocabulary: the last link of a chain.

@@ -12,6 +12,7 @@ mod attention;
 mod block;
 mod decoder;
 pub(crate) mod head;
+pub(crate) mod hf_decoder;
 mod rms_norm;
 mod rope;
 
@@ -22,8 +23,8 @@ use candle_core::{DType, Tensor};
 use super::{Builder, Ctx, KvCache, WeightMap};
 use crate::Result;
 
-pub use attention::{Attention, BlockOptions};
-pub use block::{Block, GateAct, GatedMlp};
+pub use attention::{Attention, BlockOptions, GateAct};
+pub use block::{Block, GatedMlp};
 pub use decoder::Decoder;
 pub use head::Embed;
 pub use rms_norm::RmsNorm;
