@@ -43,10 +43,10 @@ import torch
 import transformers
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, Gemma3ForCausalLM
+from transformers import AutoConfig, Gemma3ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_llama_fixtures import generate_greedy, greedy_reference  # noqa: E402
+from make_llama_fixtures import generate_greedy, greedy_reference, load_dir  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(ROOT, "trainer", "tests", "fixtures", "gemma3")
@@ -123,15 +123,6 @@ def randomise(model, gen):
             p.copy_((0.3 if name.endswith("norm.weight") else 0.2) * noise)
 
 
-def load_dir(path):
-    model, info = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
-    )
-    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    assert not bad, (path, bad)
-    return model.eval()
-
-
 def make_batch(seed):
     g = torch.Generator().manual_seed(2000 + seed)
     input_ids = torch.randint(1, VOCAB, (B, T), generator=g)
@@ -143,6 +134,27 @@ def make_batch(seed):
 
 def forward(model, batch):
     return model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False)
+
+
+def outputs(batch, out):
+    """The batch and a forward's loss and logits, as the fixtures store them."""
+    return {
+        "input_ids": batch["input_ids"].to(torch.int64),
+        "labels": batch["labels"].to(torch.int64),
+        "loss": out.loss.detach().to(torch.float32).reshape(()),
+        "logits": out.logits.detach().to(torch.float32),
+    }
+
+
+def write(d, name, tensors, case):
+    """`tensors` as `d/name`, made_by naming the case and the versions (one metadata key: several
+    would be written in hash order)."""
+    made_by = (
+        f"scripts/python/make_gemma3_fixtures.py case={case} peft={peft.__version__} "
+        f"transformers={transformers.__version__} torch={torch.__version__.split('+')[0]}"
+    )
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    save_file(tensors, os.path.join(d, name), metadata={"made_by": made_by})
 
 
 def make_case(case, out_dir):
@@ -169,12 +181,7 @@ def make_case(case, out_dir):
     out = forward(model, batch)
     out.loss.backward()
     loss = out.loss.item()
-    expected = {
-        "input_ids": batch["input_ids"].to(torch.int64).contiguous(),
-        "labels": batch["labels"].to(torch.int64).contiguous(),
-        "loss": out.loss.detach().to(torch.float32).reshape(()).contiguous(),
-        "logits": out.logits.detach().to(torch.float32).contiguous(),
-    }
+    expected = outputs(batch, out)
     names = []
     for n, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, n
@@ -196,16 +203,8 @@ def make_case(case, out_dir):
     with open(os.path.join(d, "config.saved.json"), "w") as f:
         json.dump(saved, f, indent=2, sort_keys=True)
         f.write("\n")
-    meta = {
-        "made_by": f"scripts/python/make_gemma3_fixtures.py case={case} "
-        f"transformers={transformers.__version__} torch={torch.__version__.split('+')[0]}"
-    }
-    save_file(expected, os.path.join(d, "expected.safetensors"), metadata=meta)
-    save_file(
-        {"prompt": prompt.to(torch.int64).contiguous(), "greedy": greedy.to(torch.int64).contiguous()},
-        os.path.join(d, "generate.safetensors"),
-        metadata=meta,
-    )
+    write(d, "expected.safetensors", expected, case)
+    write(d, "generate.safetensors", {"prompt": prompt.long(), "greedy": greedy.long()}, case)
     weights = load_file(os.path.join(d, "model.safetensors"))
     assert ("lm_head.weight" in weights) == (not cfg.tie_word_embeddings)
     assert set(weights) == set(names), set(weights) ^ set(names)
@@ -236,12 +235,7 @@ def make_lora(out_dir):
     batch = make_batch(SEEDS["gemma3"])
     out = forward(model, batch)
     out.loss.backward()
-    expected = {
-        "input_ids": batch["input_ids"].to(torch.int64).contiguous(),
-        "labels": batch["labels"].to(torch.int64).contiguous(),
-        "loss": out.loss.detach().to(torch.float32).reshape(()).contiguous(),
-        "logits": out.logits.detach().to(torch.float32).contiguous(),
-    }
+    expected = outputs(batch, out)
     for n, p in model.named_parameters():
         if p.requires_grad:
             assert p.grad is not None and p.grad.abs().sum() > 0, n
@@ -260,9 +254,7 @@ def make_lora(out_dir):
     for f in os.listdir(d):
         if f not in ("adapter_config.json", "adapter_model.safetensors"):
             os.remove(os.path.join(d, f))
-    meta = {"made_by": f"scripts/python/make_gemma3_fixtures.py case=lora peft={peft.__version__} "
-            f"transformers={transformers.__version__}"}
-    save_file(expected, os.path.join(d, "expected.safetensors"), metadata=meta)
+    write(d, "expected.safetensors", expected, "lora")
     print(f"== lora: loss {out.loss.item():.6f}, {len(expected) - 4} adapter gradients")
 
 

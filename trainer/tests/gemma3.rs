@@ -16,7 +16,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use common::llama::{expected_at, Expected};
+use common::llama::{config_error, expected_at, greedy_against, Expected};
 use common::rel;
 use trainer::checkpoint;
 use trainer::model::gemma3::{Gemma3Config, LayerType};
@@ -190,23 +190,12 @@ fn each_feature_moves_the_loss() {
 #[test]
 fn greedy_generation_with_the_kv_cache_equals_transformers() {
     for case in CASES {
-        let t = candle_core::safetensors::load(
-            fixture(case).join("generate.safetensors"),
-            &Device::Cpu,
-        )
-        .unwrap();
-        let prompt: Vec<i64> = t["prompt"].squeeze(0).unwrap().to_vec1().unwrap();
-        let want: Vec<i64> = t["greedy"].squeeze(0).unwrap().to_vec1().unwrap();
         let (config, params) = load(case);
         let model = trainer::model::build(&config, &params).unwrap();
-        let prompt: Vec<u32> = prompt.iter().map(|&x| x as u32).collect();
-        let new = want.len() - prompt.len();
-        // 25 tokens through layers with a window of 4: the sliding layers' caches are cut.
-        assert!(want.len() > 2 * config.sliding_window + 1);
-        let got = trainer::sample::greedy_batch(model.as_ref(), &[prompt], new, &Device::Cpu)
-            .unwrap()
-            .remove(0);
-        let want: Vec<u32> = want[want.len() - new..].iter().map(|&x| x as u32).collect();
+        let (got, want) =
+            greedy_against(model.as_ref(), &fixture(case).join("generate.safetensors"));
+        // 5 + 20 tokens through layers with a window of 4: the sliding layers' caches are cut.
+        assert!(got.len() + 5 > 2 * config.sliding_window + 1);
         assert_eq!(got, want, "{case}");
     }
 }
@@ -293,17 +282,8 @@ fn unsupported_options_are_refused_by_key() {
         ),
     ];
     for (edit, want) in cases {
-        let mut v = base.clone();
-        edit(&mut v);
-        let path = tmp.path().join("config.json");
-        std::fs::write(&path, v.to_string()).unwrap();
-        let e = trainer::model::config_from_hf_json_file(&path)
-            .expect_err(want)
-            .to_string();
-        assert!(
-            e.contains(want) && e.contains(&path.display().to_string()),
-            "{want}: {e}"
-        );
+        let e = config_error(&base, edit.as_ref(), tmp.path());
+        assert!(e.contains(want), "{want}: {e}");
     }
 }
 

@@ -253,22 +253,35 @@ impl ModelConfig for Gemma3Config {
     }
 
     fn dims(&self) -> Dims {
+        let (layers, hidden, mlp) = (
+            self.num_hidden_layers,
+            self.hidden_size,
+            self.intermediate_size,
+        );
+        let (heads, kv_heads) = (self.num_attention_heads, self.num_key_value_heads);
+        let (vocab, positions) = (self.vocab_size, self.max_position_embeddings);
+        let (tied, bias) = (self.tie_word_embeddings, self.attention_bias);
+        let head_dim = self.head_dim;
         Dims {
-            layers: self.num_hidden_layers,
-            hidden: self.hidden_size,
-            heads: self.num_attention_heads,
-            kv_heads: self.num_key_value_heads,
-            head_dim: self.head_dim,
-            mlp: self.intermediate_size,
-            vocab: self.vocab_size,
-            positions: self.max_position_embeddings,
-            tied: self.tie_word_embeddings,
-            bias: self.attention_bias,
+            layers,
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            mlp,
+            vocab,
+            positions,
+            tied,
+            bias,
         }
     }
 
     fn special_tokens(&self) -> SpecialTokens {
         hf_decoder::special_tokens(self.bos_token_id, &self.eos_token_ids)
+    }
+
+    fn build(&self, b: &Builder) -> Result<Box<dyn Model>> {
+        Ok(Box::new(Gemma3::build(self, b)?))
     }
 
     fn with_run_settings(&self, dropout: f32, tokens: SpecialTokens) -> Box<dyn ModelConfig> {
@@ -278,10 +291,6 @@ impl ModelConfig for Gemma3Config {
             eos_token_ids: hf_decoder::run_eos_ids(&self.eos_token_ids, tokens),
             ..self.clone()
         })
-    }
-
-    fn build(&self, b: &Builder) -> Result<Box<dyn Model>> {
-        Ok(Box::new(Gemma3::build(self, b)?))
     }
 
     /// transformers' initialisation: weights ~ N(0, initializer_range), biases 0, norm
