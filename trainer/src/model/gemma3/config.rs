@@ -309,6 +309,15 @@ impl ModelConfig for Gemma3Config {
         Ok(v)
     }
 
+    /// As for the Llama family: `lm_head.weight` a copy of the embedding when tied.
+    fn checkpoint_tensor(&self, name: &str) -> CheckpointTensor {
+        hf_decoder::checkpoint_tensor(name, self.tie_word_embeddings)
+    }
+
+    fn to_hf_json(&self) -> Value {
+        Gemma3Config::to_hf_json(self)
+    }
+
     /// `6 N + 12 L H D T` as for the Llama family, the context of a sliding layer being its
     /// window.
     fn flops_per_token(&self, seq_len: usize) -> f64 {
@@ -324,16 +333,6 @@ impl ModelConfig for Gemma3Config {
     /// GeGLU's composite intermediate (4 `[B, T, I]`).
     fn chain_costs(&self, batch: usize, seq: usize, dtype: DType, kernels: Kernels) -> ChainCosts {
         hf_decoder::chain_costs(&self.dims(), (batch, seq), (8, 4), dtype, kernels)
-    }
-
-    /// A tied checkpoint has no `lm_head.weight` (one equal to the embedding is accepted as a
-    /// copy); rotary buffers are skipped.
-    fn checkpoint_tensor(&self, name: &str) -> CheckpointTensor {
-        hf_decoder::checkpoint_tensor(name, self.tie_word_embeddings)
-    }
-
-    fn to_hf_json(&self) -> Value {
-        Gemma3Config::to_hf_json(self)
     }
 
     fn describe(&self) -> String {
