@@ -224,7 +224,7 @@ impl Gemma3Config {
             ("final_logit_softcapping", self.final_logit_softcapping),
         ];
         for (name, v) in positive {
-            if v.is_some_and(|v| !(v > 0.0)) {
+            if v.is_some_and(|v| v.is_nan() || v <= 0.0) {
                 return bad(format!("{name} ({v:?}) must be > 0"));
             }
         }
