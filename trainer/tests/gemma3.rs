@@ -339,3 +339,59 @@ fn a_peft_lora_adapter_gives_peft_loss_logits_and_gradients() {
     let r = rel(&logits, &e.logits);
     assert!(r > 1e-3, "the adapter moves the logits by only {r:e}");
 }
+
+#[test]
+fn a_lora_dpo_run_over_gemma_starts_at_log_2_and_learns() {
+    use trainer::config::TrainConfig;
+    use trainer::data::DataKind;
+    use trainer::train::Trainer;
+    let tmp = tempfile::tempdir().unwrap();
+    // The `gemma3` fixture's shape over the DPO fixtures' tokenizer (320 ids + 5 added).
+    let mut gemma = read_config(&fixture("gemma3").join("config.json"));
+    gemma.vocab_size = 325;
+    let (_, params) = trainer::model::init(&gemma, 5, &Device::Cpu).unwrap();
+    let base = tmp.path().join("base");
+    checkpoint::save_model(&base, &gemma, &params).unwrap();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut text = String::new();
+    for name in ["strings", "conversational", "implicit_strings"] {
+        let path = fixtures.join(format!("dpo/{name}.jsonl"));
+        text.push_str(&std::fs::read_to_string(path).unwrap());
+    }
+    let data = tmp.path().join("pairs.jsonl");
+    std::fs::write(&data, text).unwrap();
+    let cfg = TrainConfig {
+        init_from: Some(base.display().to_string()),
+        data: DataKind::Preference,
+        data_path: Some(data),
+        tokenizer_path: Some(fixtures.join("chat/llama3/tokenizer.json")),
+        objective: "dpo".into(),
+        lora_r: 4,
+        lora_alpha: 8.0,
+        lora_dropout: 0.0,
+        lr: 2e-2,
+        weight_decay: 0.0,
+        warmup_iters: 0,
+        batch_size: 4,
+        block_size: 64,
+        max_iters: 8,
+        lr_decay_iters: Some(8),
+        eval_interval: 8,
+        sample_tokens: 0,
+        ..common::tiny_config(&tmp.path().join("run"))
+    };
+    let (steps, _) = common::finish(Trainer::new(cfg).unwrap());
+    // a fresh adapter (B = 0) is the reference: every log-ratio 0, the sigmoid loss log 2
+    let first = steps[0].loss;
+    assert!(
+        (first - std::f32::consts::LN_2).abs() < 1e-7,
+        "first loss {first}"
+    );
+    let losses: Vec<f32> = steps.iter().map(|s| s.loss).collect();
+    eprintln!("losses {losses:?}");
+    let margin = steps.last().unwrap().objective["rewards/margins"];
+    assert!(
+        margin > 0.0 && losses[losses.len() - 1] < first,
+        "{losses:?}, margin {margin}"
+    );
+}
