@@ -150,15 +150,7 @@ impl Gemma3Config {
     /// means `8 C / 3` rounded up to 64, `dims.kv_heads` 0 one per head, `dims.head_dim` 0
     /// `C / heads`; the run's RoPE base is the full layers'.
     pub(crate) fn fresh(dims: &Dims, dropout: f32, rope_theta: f64) -> Self {
-        let kv = if dims.kv_heads == 0 {
-            dims.heads
-        } else {
-            dims.kv_heads
-        };
-        let mlp = match dims.mlp {
-            0 => (8 * dims.hidden / 3).div_ceil(64) * 64,
-            n => n,
-        };
+        let (kv, mlp) = hf_decoder::fresh_widths(dims);
         let mut cfg = Gemma3Config::new(dims.vocab, dims.layers, dims.hidden, dims.heads, kv, mlp);
         if dims.head_dim != 0 {
             cfg.head_dim = dims.head_dim;

@@ -50,6 +50,20 @@ pub(crate) fn check_dims<'a>(d: &Dims, tokens: impl IntoIterator<Item = &'a u32>
     Ok(())
 }
 
+/// A fresh model's key/value heads and MLP width from a run's `dims`: 0 key/value heads means
+/// one per head, an MLP width of 0 the SwiGLU default `8 C / 3` rounded up to a multiple of 64.
+pub(crate) fn fresh_widths(dims: &Dims) -> (usize, usize) {
+    let kv = match dims.kv_heads {
+        0 => dims.heads,
+        n => n,
+    };
+    let mlp = match dims.mlp {
+        0 => (8 * dims.hidden / 3).div_ceil(64) * 64,
+        n => n,
+    };
+    (kv, mlp)
+}
+
 /// The end-of-text ids after a run's settings: the config's list when it holds the run's
 /// `eos`, else that one id (none without one).
 pub(crate) fn run_eos_ids(ids: &[u32], tokens: SpecialTokens) -> Vec<u32> {

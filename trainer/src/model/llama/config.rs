@@ -178,14 +178,7 @@ impl LlamaConfig {
     ///
     /// [`Architecture::fresh`]: crate::model::Architecture::fresh
     pub(crate) fn fresh(family: Family, dims: &Dims, dropout: f32, rope_theta: f64) -> Self {
-        let kv = match dims.kv_heads {
-            0 => dims.heads,
-            n => n,
-        };
-        let mlp = match dims.mlp {
-            0 => (8 * dims.hidden / 3).div_ceil(64) * 64,
-            n => n,
-        };
+        let (kv, mlp) = hf_decoder::fresh_widths(dims);
         let (l, c, h) = (dims.layers, dims.hidden, dims.heads);
         let mut cfg = LlamaConfig::new(family, dims.vocab, l, c, h, kv, mlp);
         if dims.head_dim != 0 {
