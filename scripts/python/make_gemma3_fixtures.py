@@ -29,6 +29,10 @@ Cases:
   N(0, 0.05^2) so every gradient depends on it), saved with PEFT's `save_pretrained`, and PEFT's
   loss, logits and every adapter gradient (by on-disk name) on the `gemma3` batch.
 
+- `shape_270m`: a `config.json` shaped as Gemma 3 270M (hidden 640, 18 layers, 4 heads / 1
+  kv head of 256, window 512, vocab 262144, the 4.x layout with `rope_local_base_freq`) and
+  `parameters.json`, transformers' parameter count of it (built on the meta device: no weights).
+
 `cargo test` never runs this: the outputs are committed.
 """
 import argparse
@@ -258,6 +262,53 @@ def make_lora(out_dir):
     print(f"== lora: loss {out.loss.item():.6f}, {len(expected) - 4} adapter gradients")
 
 
+SHAPE_270M = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 640,
+    "initializer_range": 0.02,
+    "intermediate_size": 2048,
+    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+    "max_position_embeddings": 32768,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 18,
+    "num_key_value_heads": 1,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000.0,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": 512,
+    "torch_dtype": "bfloat16",
+    "use_bidirectional_attention": False,
+    "vocab_size": 262144,
+}
+
+
+def make_shape_270m(out_dir):
+    d = os.path.join(out_dir, "shape_270m")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(SHAPE_270M, f, indent=2, sort_keys=True)
+        f.write("\n")
+    with torch.device("meta"):
+        model = Gemma3ForCausalLM(AutoConfig.from_pretrained(d))
+    n = sum(p.numel() for p in model.parameters())
+    with open(os.path.join(d, "parameters.json"), "w") as f:
+        json.dump({"parameters": n, "transformers": transformers.__version__}, f, indent=2)
+        f.write("\n")
+    print(f"== shape_270m: {n} parameters")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir", nargs="?", default=DEFAULT_OUT)
@@ -269,6 +320,7 @@ def main():
     for case in CASES:
         make_case(case, args.out_dir)
     make_lora(args.out_dir)
+    make_shape_270m(args.out_dir)
     for root, _, files in os.walk(args.out_dir):
         for f in files:
             os.chmod(os.path.join(root, f), 0o644)

@@ -395,3 +395,31 @@ fn a_lora_dpo_run_over_gemma_starts_at_log_2_and_learns() {
         "{losses:?}, margin {margin}"
     );
 }
+
+#[test]
+fn a_gemma_3_270m_config_has_transformers_parameter_count() {
+    let dir = fixture("shape_270m");
+    let config = trainer::model::config_from_hf_json_file(&dir.join("config.json")).unwrap();
+    let want: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("parameters.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        config.num_params() as u64,
+        want["parameters"].as_u64().unwrap()
+    );
+    let gemma = read_config(&dir.join("config.json"));
+    let full = gemma.layer_types.iter().filter(|t| **t == LayerType::Full);
+    assert_eq!(
+        (full.count(), gemma.head_dim, gemma.sliding_window),
+        (3, 256, 512)
+    );
+    assert_eq!((gemma.rope_theta, gemma.rope_local_base_freq), (1e6, 1e4));
+    // a 2048-token context: the 15 sliding layers attend over 512 tokens only
+    let (at_512, at_2048) = (config.flops_per_token(512), config.flops_per_token(2048));
+    let attn = |ctx: f64| 12.0 * 4.0 * 256.0 * ctx;
+    let want = attn(3.0 * 2048.0 + 15.0 * 512.0) - attn(18.0 * 512.0);
+    assert!(
+        ((at_2048 - at_512) - want).abs() < 1.0,
+        "{at_512} {at_2048}"
+    );
+}
