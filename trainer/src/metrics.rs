@@ -65,6 +65,12 @@ pub struct EvalStats {
     pub score: Option<f32>,
     /// Name of the score.
     pub score_name: Option<String>,
+    /// An objective other than cross-entropy, on `eval_iters` validation batches: its mean
+    /// loss (`<objective>_loss`, e.g. `dpo_loss`) and its own metrics over their rows (DPO:
+    /// TRL's `rewards/accuracies`, `rewards/margins`, ... of the held-out pairs). The losses
+    /// above stay the cross-entropy over the counted targets (a preference pair's completions).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub objective: BTreeMap<String, f64>,
 }
 
 /// One line of `metrics.jsonl`, tagged by `"kind"`.
@@ -93,7 +99,8 @@ impl Record {
 /// objective's own metrics as `train/<name>` (DPO: `train/rewards/chosen`, ...); an
 /// evaluation as `eval/loss` (the validation loss), `eval/train_loss` and, with a task,
 /// `eval/<score name>` with what TensorFlow refuses in a tag as `_` (e.g.
-/// `eval/addition_accuracy`). The step is the optimizer step.
+/// `eval/addition_accuracy`), and the objective's held-out values as `eval/<name>` (DPO:
+/// `eval/dpo_loss`, `eval/rewards/accuracies`, ...). The step is the optimizer step.
 pub fn scalars_of(record: &Record, wall_time: f64) -> Vec<Scalar> {
     let at = |tag: &str, value: f32| Scalar {
         tag: tag.to_string(),
@@ -134,6 +141,11 @@ pub fn scalars_of(record: &Record, wall_time: f64) -> Vec<Scalar> {
                     .collect();
                 out.push(at(&format!("eval/{name}"), score));
             }
+            out.extend(
+                e.objective
+                    .iter()
+                    .map(|(name, v)| at(&format!("eval/{name}"), *v as f32)),
+            );
             out
         }
     }

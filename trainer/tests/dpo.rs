@@ -357,38 +357,8 @@ fn bad_preference_records_are_named_by_file_and_line() {
 /// A LoRA DPO run over the fixture's base on every record of the fixtures (the string one
 /// whose prompt fills block_size + 1 = 65 tokens is dropped).
 fn run_config(tmp: &Path) -> TrainConfig {
-    std::fs::create_dir_all(tmp).unwrap();
-    let data = tmp.join("pairs.jsonl");
-    let mut text = String::new();
-    for name in [
-        "strings",
-        "conversational",
-        "implicit_strings",
-        "implicit_conversational",
-    ] {
-        text.push_str(&std::fs::read_to_string(fixture(&format!("dpo/{name}.jsonl"))).unwrap());
-    }
-    std::fs::write(&data, text).unwrap();
-    TrainConfig {
-        init_from: Some(fixture("dpo/base").display().to_string()),
-        data: DataKind::Preference,
-        data_path: Some(data),
-        tokenizer_path: Some(fixture("chat/llama3/tokenizer.json")),
-        objective: "dpo".into(),
-        lora_r: 4,
-        lora_alpha: 8.0,
-        lora_dropout: 0.0,
-        lr: 2e-2,
-        weight_decay: 0.0,
-        warmup_iters: 0,
-        batch_size: 4,
-        block_size: 64,
-        max_iters: 6,
-        lr_decay_iters: Some(6),
-        eval_interval: 6,
-        sample_tokens: 0,
-        ..common::tiny_config(&tmp.join("run"))
-    }
+    let data = common::dpo::write_pairs(tmp);
+    common::dpo::lora_dpo_config(tmp, DataKind::Preference, &data)
 }
 
 #[test]

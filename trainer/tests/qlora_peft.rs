@@ -77,14 +77,14 @@ fn saved_4bit_model_reads_back_as_quantized_on_load() {
     for (setting, double) in SETTINGS {
         let q = read_bnb_4bit(&fixture(&format!("qlora/base_{setting}")), &Device::Cpu).unwrap();
         // 7 projections x 2 layers in 4 bits; lm_head, embeddings and norms kept.
-        assert_eq!(q.weights.len(), 14, "{setting}");
-        assert!(!q.weights.contains_key("lm_head"));
+        assert_eq!(q.layers.weights.len(), 14, "{setting}");
+        assert!(!q.layers.weights.contains_key("lm_head"));
         let settings = Nf4Settings {
             double,
             ..Nf4Settings::default()
         };
         let quantize = nf4_on_load(&base, &settings);
-        for (path, saved) in &q.weights {
+        for (path, saved) in &q.layers.weights {
             let ours: Nf4Weight = quantize(path.as_str(), 0, 0).unwrap().unwrap();
             let (a, b) = (
                 ours.to_tensors("w").unwrap(),
@@ -173,6 +173,57 @@ fn bf16_step_is_close_to_pefts() {
     }
     assert!(dl < 1e-2, "loss {l} vs PEFT's {}", e.loss);
     assert!(worst < 1.5e-1, "a gradient differs by {worst:e}");
+}
+
+#[test]
+fn bf16_compute_dtype_is_pefts_linear4bit() {
+    // `--base-compute-dtype bf16` over the f32 model: as bitsandbytes' `Linear4bit` with
+    // bnb_4bit_compute_dtype bfloat16, only the 4-bit products run in bf16 (input, bias and
+    // dequantized weight rounded to it, f32 sums, the output rounded once and widened back);
+    // the adapters and the rest of the model compute in f32, as PEFT's. Both sides round the
+    // same bf16 operands; their products differ only by the order of the f32 sums, which can
+    // move an output across a bf16 rounding boundary (3.9e-3 of it). Measured: loss 7e-8
+    // relative (0 with the reference kernels), gradients 2.3e-3 of their largest magnitude
+    // (vs 2.6e-4 and 8.8e-2 with the whole model in bf16, bf16_step_is_close_to_pefts).
+    // Bounds: loss 1e-5, gradients 1e-2; computing the 4-bit products in f32 instead is off
+    // by 1.4e-3 in the loss and 5.6e-2 in a gradient.
+    let adapter = Adapter::load(&fixture("lora/adapter_plain"), &Device::Cpu).unwrap();
+    let mut q = read_bnb_4bit(&fixture("qlora/base_dq"), &Device::Cpu).unwrap();
+    assert_eq!(q.layers.compute_dtype, Some(DType::F32), "as saved");
+    q.layers.compute_dtype = Some(DType::BF16);
+    let config = q.config.as_ref();
+    let base = trainer::lora::BaseIdentity::of("base_dq", config, &q.params).unwrap();
+    let (model, trainable, _) = trainer::lora::Tuning::lora_over(
+        config,
+        &q.params,
+        &adapter.config,
+        Some(&adapter),
+        base,
+        DType::F32,
+        Some(&q.layers),
+        0,
+    )
+    .unwrap();
+    let e = expected_at(&fixture("qlora/expected_dq_bf16.safetensors"));
+    for kernels in [Kernels::Fused, Kernels::Reference] {
+        let ctx = Ctx::eval().with_kernels(kernels);
+        let loss = model.loss(&e.idx, &e.targets, &ctx).unwrap();
+        assert_eq!(loss.mean.dtype(), DType::F32);
+        let l = loss.mean.to_scalar::<f32>().unwrap();
+        let dl = ((l - e.loss) / e.loss).abs();
+        let grads = loss.mean.backward().unwrap();
+        let mut worst = 0f32;
+        for (name, var) in trainable.iter() {
+            let g = grads.get(var.as_tensor()).expect("a gradient");
+            worst = worst.max(rel(g, &e.grads[name]));
+        }
+        assert!(
+            dl < 1e-5,
+            "{kernels:?}: loss {l} vs PEFT's {} ({dl:e})",
+            e.loss
+        );
+        assert!(worst < 1e-2, "{kernels:?}: a gradient differs by {worst:e}");
+    }
 }
 
 #[test]
@@ -279,4 +330,45 @@ fn other_quantizations_are_refused_by_name() {
             .to_string();
         assert!(e.contains(name) && e.contains("config.json"), "{e}");
     }
+}
+
+#[test]
+fn a_quant_state_that_does_not_fit_its_layer_is_named() {
+    // up_proj of layer 0 is [128, 64]; its quant state saying [64, 128] (as many values, so
+    // the tensors' lengths still agree) is refused naming the file and the quant state.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixture("qlora/base_dq");
+    std::fs::copy(dir.join("config.json"), tmp.path().join("config.json")).unwrap();
+    let mut tensors =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let name = "model.layers.0.mlp.up_proj.weight.quant_state.bitsandbytes__nf4";
+    let json = String::from_utf8(tensors[name].to_vec1::<u8>().unwrap()).unwrap();
+    assert!(json.contains("\"shape\": [128, 64]"), "{json}");
+    let bytes = json.replace("[128, 64]", "[64, 128]").into_bytes();
+    let n = bytes.len();
+    tensors.insert(
+        name.into(),
+        Tensor::from_vec(bytes, n, &Device::Cpu).unwrap(),
+    );
+    let file = tmp.path().join("model.safetensors");
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    let q = read_bnb_4bit(tmp.path(), &Device::Cpu).unwrap();
+    let adapter = Adapter::load(&fixture("lora/adapter_plain"), &Device::Cpu).unwrap();
+    let quant = |p: &str, i: usize, o: usize| q.quant(p, i, o);
+    let e = match trainer::lora::adapt_quantized(
+        q.config.as_ref(),
+        &q.params,
+        &quant,
+        &adapter.config,
+        Some(&adapter),
+        DType::F32,
+        0,
+    ) {
+        Ok(_) => panic!("a quant state of another shape is refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains(name) && e.contains("model.safetensors") && e.contains("[64, 128]"),
+        "{e}"
+    );
 }

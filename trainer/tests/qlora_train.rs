@@ -216,3 +216,197 @@ fn a_4bit_base_needs_lora() {
         "{e}"
     );
 }
+
+/// The tiny Llama of `qlora_config` as transformers + bitsandbytes saved it in 4 bits, with
+/// double quantization (`tests/fixtures/qlora/base_dq`, made by `make_qlora_fixtures.py`).
+fn saved_4bit() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qlora/base_dq")
+}
+
+#[test]
+fn a_saved_4bit_model_trains_as_the_same_base_quantized_on_load() {
+    // bitsandbytes quantized `lora/base` into `base_dq` as we quantize it on load (bit for bit,
+    // qlora_peft.rs): a run over the saved model is the on-load run, step for step.
+    let tmp = tempfile::tempdir().unwrap();
+    let saved = TrainConfig {
+        init_from: Some(saved_4bit().display().to_string()),
+        ..lora_config(tmp.path(), &lora_base())
+    };
+    let t = Trainer::new(saved.clone()).unwrap();
+    assert_eq!(t.params.len(), 28, "the adapters only");
+    let base = t.tuning().base().unwrap().clone();
+    assert_eq!(
+        base.quantization.as_deref(),
+        Some("bitsandbytes nf4, blocksize 64, double quantization, compute f32")
+    );
+    let (steps, end) = finish(t);
+    let tmp2 = tempfile::tempdir().unwrap();
+    let on_load = Trainer::new(qlora_config(tmp2.path(), BaseQuant::Nf4)).unwrap();
+    let (want, _) = finish(on_load);
+    assert_same_steps(&want, &steps, "saved 4-bit vs quantized on load");
+    // Resume is bit-exact: half the run, then its checkpoint at step 3.
+    let tmp3 = tempfile::tempdir().unwrap();
+    let half = TrainConfig {
+        max_iters: 3,
+        out_dir: tmp3.path().join("run"),
+        ..saved.clone()
+    };
+    let mut t = Trainer::new(half).unwrap();
+    let first = run_to_end(&mut t);
+    drop(t);
+    let mut t = Trainer::resume(&tmp3.path().join("run"), |c| c.max_iters = 6).unwrap();
+    let second = run_to_end(&mut t);
+    let resumed: Vec<_> = first.into_iter().chain(second).collect();
+    assert_same_steps(&steps, &resumed, "saved 4-bit resume");
+    assert_eq!(end, weights(&t), "the same adapters after resuming");
+    // `sample` and `eval` load the adapters merged into the dequantized saved weights.
+    let d = loaded_model_gap(&t, &tmp3.path().join("run"));
+    assert!(d < 1e-5, "{d}");
+    // Full fine-tuning over 4-bit codes, or quantizing them again, is refused by name.
+    for (change, what) in [
+        (
+            &(|c: &mut TrainConfig| c.lora_r = 0) as &dyn Fn(&mut TrainConfig),
+            "--lora-r",
+        ),
+        (
+            &|c: &mut TrainConfig| c.base_quant = BaseQuant::Nf4,
+            "--base-quant",
+        ),
+    ] {
+        let mut cfg = TrainConfig {
+            out_dir: tmp.path().join("refused"),
+            ..saved.clone()
+        };
+        change(&mut cfg);
+        let e = Trainer::new(cfg).err().expect("refused").to_string();
+        assert!(e.contains(what) && e.contains("base_dq"), "{e}");
+    }
+}
+
+#[test]
+fn a_resume_over_a_changed_4bit_base_is_refused_naming_the_quantization() {
+    // The run recorded the saved base's identity, its quantization included: the same
+    // weights saved without double quantization are another base.
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base");
+    std::fs::create_dir(&base).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(saved_4bit().join(f), base.join(f)).unwrap();
+    }
+    let cfg = TrainConfig {
+        init_from: Some(base.display().to_string()),
+        max_iters: 2,
+        ..lora_config(tmp.path(), &lora_base())
+    };
+    common::train(cfg);
+    let plain = saved_4bit().with_file_name("base_plain");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(plain.join(f), base.join(f)).unwrap();
+    }
+    let e = Trainer::resume(&tmp.path().join("run"), |c| c.max_iters = 4)
+        .err()
+        .expect("another base is refused")
+        .to_string();
+    let what = "differ in tensor values and quantization";
+    assert!(e.contains(what) && e.contains("double"), "{e}");
+}
+
+#[test]
+fn the_cli_trains_samples_evaluates_and_exports_over_a_saved_4bit_model() {
+    let base = saved_4bit().display().to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/tinyshakespeare.txt"),
+    )
+    .unwrap();
+    std::fs::write(cwd.join("corpus.txt"), &text[..20_000]).unwrap();
+    let train = |lora: &[&str]| {
+        let flags = format!(
+            "train --init-from {base} --data char --data-path corpus.txt --block-size 16 \
+             --batch-size 4 --max-iters 2 --eval-interval 2 --eval-iters 1 --out-dir run"
+        );
+        let mut args: Vec<&str> = flags.split_whitespace().collect();
+        args.extend(lora);
+        common::run_cli(&args, cwd)
+    };
+    let run = |args: &[&str]| {
+        let o = common::run_cli(args, cwd);
+        assert!(o.status.success(), "{args:?}: {}", common::output_text(&o));
+        common::output_text(&o)
+    };
+    let full = train(&[]);
+    assert_eq!(full.status.code(), Some(1));
+    let e = common::output_text(&full);
+    assert!(e.contains("4-bit") && e.contains("--lora-r"), "{e}");
+    let o = train(&["--lora-r", "4", "--lora-alpha", "8"]);
+    let out = common::output_text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("bitsandbytes nf4"), "{out}");
+    run(&[
+        "sample",
+        "run",
+        "--prompt",
+        "ROMEO",
+        "--max-new-tokens",
+        "4",
+    ]);
+    let eval = run(&["eval", "run"]);
+    assert!(eval.contains("loss"), "{eval}");
+    run(&["export", "run", "adapter"]);
+    assert!(cwd.join("adapter/adapter_model.safetensors").is_file());
+    run(&["export", "run", "merged", "--merge", "--dtype", "bf16"]);
+    // The merged export: the adapters merged into the dequantized base, each projection
+    // quantized again (double) and dequantized, as PEFT's merge_and_unload leaves it.
+    let written =
+        candle_core::safetensors::load(cwd.join("merged/model.safetensors"), &Device::Cpu).unwrap();
+    let q = trainer::lora::read_bnb_4bit(&saved_4bit(), &Device::Cpu).unwrap();
+    let adapter =
+        trainer::lora::read_adapter(&cwd.join("run/checkpoints/step-0000002"), &Device::Cpu)
+            .unwrap();
+    let deq = q.layers.dequantized_into(&q.params).unwrap();
+    let merged = trainer::lora::merge(q.config.as_ref(), &deq, &adapter).unwrap();
+    let want = q.layers.requantized(&merged).unwrap();
+    let mut requantized = 0;
+    let bf16 = |t: &candle_core::Tensor| {
+        use candle_core::DType::{BF16, F32};
+        t.to_dtype(BF16).unwrap().to_dtype(F32).unwrap()
+    };
+    for (name, v) in want.iter() {
+        let got = bf16(&written[name]);
+        assert_eq!(max_abs_diff(&got, &bf16(v.as_tensor())), 0.0, "{name}");
+        let before = bf16(&deq.tensor(name).unwrap());
+        requantized += usize::from(max_abs_diff(&got, &before) > 0.0);
+    }
+    assert_eq!(requantized, 14, "every projection merged");
+}
+
+#[test]
+fn the_compute_dtype_is_the_saved_models_unless_given_and_fixed_by_the_run() {
+    // base_dq records bnb_4bit_compute_dtype float32: the default is f32, bf16 products
+    // differ, and a resume cannot change it.
+    let steps = |compute: Option<&str>| {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfg = TrainConfig {
+            init_from: Some(saved_4bit().display().to_string()),
+            max_iters: 2,
+            base_compute_dtype: compute.map(|c| c.parse().unwrap()),
+            ..lora_config(tmp.path(), &lora_base())
+        };
+        let mut t = Trainer::new(cfg).unwrap();
+        (run_to_end(&mut t), tmp)
+    };
+    let (default, tmp) = steps(None);
+    let (f32, _) = steps(Some("f32"));
+    let (bf16, _) = steps(Some("bf16"));
+    assert_same_steps(&default, &f32, "the saved compute dtype");
+    let d = (bf16[0].loss - f32[0].loss).abs();
+    assert!(d > 0.0 && d < 1e-2, "bf16 vs f32 products: {d}");
+    let e = Trainer::resume(&tmp.path().join("run"), |c| {
+        c.base_compute_dtype = Some("bf16".parse().unwrap())
+    })
+    .err()
+    .expect("refused")
+    .to_string();
+    assert!(e.contains("base_compute_dtype"), "{e}");
+}

@@ -168,7 +168,7 @@ fn readme_commands_run_as_written() {
     let commands = readme_commands(&readme);
     let tmp = tempfile::tempdir().unwrap();
     let cwd = tmp.path();
-    for dir in ["configs", "data"] {
+    for dir in ["configs", "data", "trainer"] {
         std::os::unix::fs::symlink(repo().join(dir), cwd.join(dir)).unwrap();
     }
     write_data(cwd);

@@ -93,6 +93,7 @@ const FIXED: &[&str] = &[
     "base_quant",
     "base_quant_double",
     "base_quant_skip",
+    "base_compute_dtype",
     "adapter",
     "other_base",
 ];

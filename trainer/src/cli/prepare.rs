@@ -22,6 +22,10 @@ pub(super) enum FormatArg {
     /// masked; the shards carry the loss mask. Parquet: the columns of those names, messages
     /// a list of {role, content} structs.
     Sft,
+    /// Preference records (prompt/chosen/rejected, strings or messages, or chosen/rejected
+    /// with an implicit prompt), one JSON object a line, tokenised as `--data preference`
+    /// does: each pair a document of the shards' pair layout, read by `--data shards`.
+    Preference,
 }
 
 /// How the input files are stored.
@@ -86,6 +90,11 @@ pub(super) struct PrepareArgs {
     /// before it is read whole (parsing a line takes a few hundred times its size).
     #[arg(long, default_value_t = trainer::data::lines::MAX_LINE_BYTES)]
     max_line_bytes: usize,
+    /// Preference: cut each sequence to this many tokens keeping its start (TRL's max_length;
+    /// a run's block size + 1) and drop the records whose prompt alone fills them, counted
+    /// [default: whole pairs; training cuts them to its block].
+    #[arg(long)]
+    max_length: Option<usize>,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -156,6 +165,7 @@ fn options(args: PrepareArgs, out_dir: &Path) -> Result<PrepareOptions> {
         (Some(FormatArg::Text), _) => InputFormat::Text,
         (Some(FormatArg::Jsonl), _) => InputFormat::Jsonl,
         (Some(FormatArg::Sft), _) => InputFormat::Sft,
+        (Some(FormatArg::Preference), _) => InputFormat::Preference,
         (None, Container::Parquet | Container::Jsonl) => InputFormat::Jsonl,
         (None, Container::Text) => InputFormat::Text,
         // Decided by the files the inputs name (a directory of .jsonl files is JSONL).
@@ -175,6 +185,7 @@ fn options(args: PrepareArgs, out_dir: &Path) -> Result<PrepareOptions> {
         overwrite: args.overwrite,
         chunk_bytes: args.chunk_bytes,
         max_line_bytes: args.max_line_bytes,
+        max_length: args.max_length,
     })
 }
 
@@ -246,6 +257,23 @@ fn report(summary: &PrepareSummary, out_dir: &Path, secs: f64) {
         m.tokens(trainer::data::Split::Val),
         m.val.len()
     );
+    if m.pairs {
+        let pairs = |split| -> u64 { m.shards(split).iter().map(|s| s.docs).sum() };
+        let (train, val) = (
+            pairs(trainer::data::Split::Train),
+            pairs(trainer::data::Split::Val),
+        );
+        outln!("pairs       {train} train / {val} val preference pairs");
+        if summary.dropped > 0 {
+            outln!(
+                "dropped     {} of {} preference records: their prompt alone fills \
+                 --max-length {} tokens",
+                summary.dropped,
+                summary.dropped + train + val,
+                m.settings["max_length"]
+            );
+        }
+    }
     if summary.resumed_shards > 0 {
         outln!(
             "resumed     {} finished shards kept",

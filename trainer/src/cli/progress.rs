@@ -7,8 +7,25 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use trainer::config::Parallelism;
+use trainer::config::{Parallelism, Precision};
 use trainer::train::{Event, Observer, Summary, Trainer};
+
+/// How a LoRA run holds its frozen base's weights (quantized on load as `nf4` says, the rest
+/// in `dtype`), for the banner.
+fn base_weights(
+    base: &trainer::lora::BaseIdentity,
+    nf4: Option<trainer::lora::Nf4Settings>,
+    dtype: Precision,
+) -> String {
+    match (&base.quantization, nf4) {
+        (Some(saved), _) => format!("{saved}, as saved"),
+        (None, Some(q)) => format!(
+            "nf4{} (lm_head {dtype})",
+            if q.double { ", double-quantized" } else { "" },
+        ),
+        (None, None) => dtype.to_string(),
+    }
+}
 
 pub(super) fn print_banner(trainer: &Trainer) {
     let cfg = &trainer.config;
@@ -50,14 +67,11 @@ pub(super) fn print_banner(trainer: &Trainer) {
                 false => format!(", saving {}", config.modules_to_save.join(",")),
             },
             base.model,
-            match cfg.nf4_settings() {
-                Some(q) => format!(
-                    "nf4{} (lm_head {})",
-                    if q.double { ", double-quantized" } else { "" },
-                    cfg.base_dtype.unwrap_or(cfg.dtype)
-                ),
-                None => cfg.base_dtype.unwrap_or(cfg.dtype).to_string(),
-            },
+            base_weights(
+                base,
+                cfg.nf4_settings(),
+                cfg.base_dtype.unwrap_or(cfg.dtype)
+            ),
             trainer.params.num_elements() as f64 / 1e6,
             100.0 * trainer.params.num_elements() as f64 / total,
             total / 1e6,
@@ -235,8 +249,20 @@ impl Observer for Progress {
                     (Some(s), Some(n)) => format!(" | {n} {:.1}%", 100.0 * s),
                     _ => String::new(),
                 };
+                let get = |k: &str| e.objective.get(k).copied();
+                let mut held_out: String = e
+                    .objective
+                    .iter()
+                    .filter(|(k, _)| k.ends_with("_loss"))
+                    .map(|(k, v)| format!(" | val {} {v:.4}", k.trim_end_matches("_loss")))
+                    .collect();
+                if let (Some(acc), Some(margin)) =
+                    (get("rewards/accuracies"), get("rewards/margins"))
+                {
+                    held_out += &format!(" | accuracy {:.1}% margin {margin:.4}", 100.0 * acc);
+                }
                 self.line(&format!(
-                    "eval step {:>6} | train {:.4} | val {:.4}{score}",
+                    "eval step {:>6} | train {:.4} | val {:.4}{held_out}{score}",
                     e.step, e.train_loss, e.val_loss
                 ));
             }

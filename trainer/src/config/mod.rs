@@ -456,6 +456,11 @@ train_config! {
     /// as whole components (lm_head, mlp.down_proj); empty quantizes every linear layer.
     #[resume(fixed)]
     base_quant_skip: ModuleList = ModuleList(vec![crate::lora::OUTPUT_HEAD.to_string()]),
+    /// With a 4-bit base: the dtype its weights are dequantized into and its projections
+    /// compute in (bitsandbytes' bnb_4bit_compute_dtype; the adapters compute in --dtype).
+    /// Default: a saved 4-bit model's bnb_4bit_compute_dtype, else --base-dtype.
+    #[resume(fixed)]
+    base_compute_dtype: Option<Precision> = None,
     /// Start the LoRA adapters from a PEFT adapter directory (adapter_config.json +
     /// adapter_model.safetensors; its config replaces the lora_* settings).
     #[resume(fixed)]

@@ -79,6 +79,7 @@ impl From<&TrainConfig> for MemorySettings {
             lora_r: config.lora_r,
             lora_targets: config.lora_targets.clone(),
             optimizer: config.adamw_config(),
+            nf4: config.nf4_settings(),
         }
     }
 }

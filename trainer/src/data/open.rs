@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use super::shards::format::{Manifest, MANIFEST_FILE};
 use super::{sft, Addition, ChatTask, DataKind, SftSource, TextSource};
 use super::{DataSource, DataSpec, Fingerprint, ShardOptions, ShardSource};
 use crate::{Error, Result};
@@ -28,6 +29,9 @@ pub fn open(spec: &DataSpec) -> Result<Box<dyn DataSource>> {
         DataKind::ChatTask => Ok(Box::new(ChatTask::open(spec)?)),
         DataKind::Shards => {
             let dir = spec.path.as_deref().unwrap_or(std::path::Path::new(""));
+            if dir.join(MANIFEST_FILE).is_file() && Manifest::read(dir)?.pairs {
+                return Ok(Box::new(sft::PreferenceSource::open_shards(spec)?));
+            }
             let options = ShardOptions {
                 order: spec.order,
                 doc_mask: spec.doc_mask,

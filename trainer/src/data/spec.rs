@@ -30,7 +30,9 @@ pub enum DataKind {
     #[serde(rename = "chat-task")]
     ChatTask,
     /// A directory of token shards `trainer prepare` wrote, or nanoGPT's `train.bin` /
-    /// `val.bin`, memory-mapped (see [`ShardSource`](super::ShardSource)).
+    /// `val.bin`, memory-mapped (see [`ShardSource`](super::ShardSource)); one prepared with
+    /// `--format preference` serves its pairs as `preference` data does
+    /// ([`PreferenceSource::open_shards`](super::sft::PreferenceSource::open_shards)).
     Shards,
     /// Preference records (JSONL `prompt` / `chosen` / `rejected`) with a Hugging Face
     /// tokenizer and its chat template, served as pairs for `objective = dpo`

@@ -267,7 +267,9 @@ pub fn export(source: &ModelDir, out: &Path, options: &ExportOptions) -> Result<
     // each projection quantized again and dequantized, as PEFT's `merge_and_unload` leaves a
     // 4-bit base (its weights, dequantized, are what is written).
     let quant = source.run.as_ref().and_then(|r| r.config.nf4_settings());
-    if let Some(q) = quant.filter(|_| options.merge) {
+    if let Some(layers) = loaded.quantized.as_ref().filter(|_| options.merge) {
+        loaded.params = layers.requantized(&loaded.params)?;
+    } else if let Some(q) = quant.filter(|_| options.merge) {
         loaded.params = crate::lora::dequantized_base(loaded.config.as_ref(), &loaded.params, &q)?;
     }
     let origins = origins(source);

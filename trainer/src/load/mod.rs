@@ -26,6 +26,7 @@
 //! 7. a trainer checkpoint's `manifest.json` ([`checkpoint::manifest::verify`]), last, so that a
 //!    corrupt file is named for what is wrong with it before the manifest says it changed.
 
+mod four_bit;
 pub(crate) mod resolve;
 mod weights;
 
@@ -35,6 +36,7 @@ use candle_core::Device;
 use serde_json::Value;
 
 pub use crate::checkpoint::layout::INDEX_FILE;
+pub use four_bit::FourBit;
 pub use resolve::{resolve, resolve_in};
 pub use weights::{ShardIndex, Streamed, TensorHeader, WeightFiles};
 
@@ -119,6 +121,9 @@ pub struct Checks<'a> {
     /// Adapters are kept apart ([`Loaded::adapter`], the base's weights in
     /// [`Loaded::params`]) instead of merged into the weights: resuming a LoRA run.
     pub unmerged: bool,
+    /// What a base held in 4 bits is to the command (QLoRA; default: refused without
+    /// adapters).
+    pub four_bit: FourBit<'a>,
 }
 
 /// A function from the config `config.json` holds to the one a model is built with.
@@ -134,8 +139,13 @@ pub struct Loaded {
     pub params: Params,
     /// The adapters, when loaded [`Checks::unmerged`].
     pub adapter: Option<candle_peft::Adapter>,
-    /// The identity of the base the adapters were loaded over (`None` without adapters).
+    /// The identity of the base the adapters were loaded over, or of a LoRA run's base
+    /// ([`Checks::four_bit`] other than [`FourBit::Refuse`]); `None` otherwise.
     pub base: Option<crate::lora::BaseIdentity>,
+    /// The base's linear layers held in 4 bits (a model saved so, or quantized on load), by
+    /// module path; [`Loaded::params`] holds the other tensors, unless adapters were merged
+    /// (then it holds them all, dequantized and merged).
+    pub quantized: Option<crate::lora::Nf4Layers>,
 }
 
 impl Loaded {
@@ -309,7 +319,7 @@ impl ModelDir {
             )));
         }
         let config = self.config()?;
-        refuse_quantized(&self.dir.join(CONFIG_FILE))?;
+        self.check_four_bit(&Checks::default())?;
         if let Some(run) = &self.run {
             checkpoint::check_model_matches(config.as_ref(), run, None, &self.dir)?;
         }
@@ -336,7 +346,7 @@ impl ModelDir {
         read: impl FnOnce(&Loaded) -> Result<T>,
     ) -> Result<(Loaded, T)> {
         let stored = self.config()?;
-        refuse_quantized(&self.dir.join(CONFIG_FILE))?;
+        let saved_4bit = self.check_four_bit(checks)?;
         let data = checks.data.map(|d| d.source);
         if let Some(run) = &self.run {
             self.check_run(run, checks, stored.as_ref())?;
@@ -362,38 +372,40 @@ impl ModelDir {
                 v.advice
             )));
         }
-        self.check_memory(checks, config.as_ref(), device)?;
-        let mut params = self.weights.read(config.as_ref(), device, self.source())?;
-        let (mut adapter, mut base) = (None, None);
-        if let Some(dir) = &self.adapter {
-            let now = crate::lora::BaseIdentity::of(&self.base_name(), config.as_ref(), &params)?;
+        self.check_memory(checks, config.as_ref(), device, saved_4bit)?;
+        let weights = self.read_base(checks, config.as_ref(), device, saved_4bit.is_some())?;
+        let (mut params, quantized, base) = (weights.params, weights.quantized, weights.identity);
+        let mut adapter = None;
+        if let (Some(dir), Some(now)) = (&self.adapter, &base) {
             if let Some(recorded) = self.run.as_ref().and_then(|r| r.base.as_ref()) {
-                recorded.check(&now, &self.dir, &self.weights.files(), dir)?;
+                recorded.check(now, &self.dir, &self.weights.files(), dir)?;
             }
             let a = crate::lora::read_adapter(dir, device)?;
-            crate::lora::check_adapter_base(&a, &now, self.other_base)?;
+            crate::lora::check_adapter_base(&a, now, self.other_base)?;
             match checks.unmerged {
                 true => {
-                    crate::lora::fit(config.as_ref(), &params, &a)?;
+                    crate::lora::fit_over(config.as_ref(), &params, quantized.as_ref(), &a)?;
                     adapter = Some(a);
                 }
                 false => {
                     // A QLoRA run's adapters were trained over the 4-bit base: merged into
                     // its dequantized weights.
                     let quant = self.run.as_ref().and_then(|r| r.config.nf4_settings());
-                    if let Some(q) = quant {
+                    if let Some(layers) = &quantized {
+                        params = layers.dequantized_into(&params)?;
+                    } else if let Some(q) = quant {
                         params = crate::lora::dequantized_base(config.as_ref(), &params, &q)?;
                     }
                     params = crate::lora::merge(config.as_ref(), &params, &a)?
                 }
             }
-            base = Some(now);
         }
         let loaded = Loaded {
             config,
             params,
             adapter,
             base,
+            quantized,
         };
         let more = read(&loaded)?;
         if let Some(run) = &self.run {
@@ -438,16 +450,27 @@ impl ModelDir {
         checkpoint::check_model_matches(stored, run, data, &self.dir)
     }
 
-    /// Memory (module docs, step 4): a training step of the run, given one, else the f32
-    /// weights on the CPU, must fit before anything of the model's size is allocated.
+    /// Memory (module docs, step 4): a training step of the run, given one (over a base saved
+    /// in 4 bits, `Some(double quantization)`, as such), else the f32 weights on the CPU, must
+    /// fit before anything of the model's size is allocated.
     fn check_memory(
         &self,
         checks: &Checks,
         config: &dyn ModelConfig,
         device: &Device,
+        saved_4bit: Option<bool>,
     ) -> Result<()> {
         match checks.train {
-            Some(run) => crate::train::memory::check_run_fits(&run.into(), config, device),
+            Some(run) => {
+                let mut settings = crate::train::memory::MemorySettings::from(run);
+                if let Some(double) = saved_4bit {
+                    settings.nf4 = Some(crate::lora::Nf4Settings {
+                        double,
+                        ..Default::default()
+                    });
+                }
+                crate::train::memory::check_run_fits(&settings, config, device)
+            }
             None if device.is_cpu() => {
                 // The f32 weights, refused before they are read (activations come on top).
                 let what = format!(
@@ -510,24 +533,6 @@ fn token_ids(v: &Value) -> Option<Vec<u32>> {
     match v {
         Value::Array(a) => a.iter().map(one).collect(),
         x => one(x).map(|x| vec![x]),
-    }
-}
-
-/// Refuses a quantized checkpoint (`quantization_config` in its `config.json` at `path`) as a
-/// plain model: a bitsandbytes 4-bit NF4 one is read by [`crate::lora::read_bnb_4bit`], not
-/// here; any other kind (GPTQ, AWQ, 8-bit, fp4) is refused by name.
-fn refuse_quantized(path: &Path) -> Result<()> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| Error::checkpoint(path, format!("not valid JSON: {e}")))?;
-    match crate::lora::check_quantization_config(path, &json)? {
-        None => Ok(()),
-        Some(_) => Err(Error::checkpoint(
-            path,
-            "is a bitsandbytes 4-bit (NF4) model: it is not read as a plain model (its \
-             projections are packed 4-bit codes); give the full-precision model, with \
-             --base-quant nf4 to train LoRA over it in 4 bits",
-        )),
     }
 }
 

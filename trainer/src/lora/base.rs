@@ -4,11 +4,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use candle_core::DType;
+use candle_core::{DType, Tensor};
 use candle_peft::format;
 use candle_peft::Adapter;
 use serde::{Deserialize, Serialize};
 
+use super::Nf4Layers;
 use crate::model::{ModelConfig, Params};
 use crate::{Error, Result};
 
@@ -40,11 +41,47 @@ pub struct BaseIdentity {
     pub architecture: String,
     /// Digest of the tensors: each name, shape and f32 value, in name order.
     pub tensors: String,
+    /// How a base saved in 4 bits is quantized ([`Nf4Layers::describe`]); its tensors are then
+    /// the saved ones (codes, absmaxes, ..). `None` for a full-precision base (quantized on
+    /// load or not: the run's `--base-quant` settings are fixed by the run).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<String>,
 }
 
 impl BaseIdentity {
     /// The identity of the model `config` with parameters `params`, named `model`.
     pub fn of(model: &str, config: &dyn ModelConfig, params: &Params) -> Result<Self> {
+        let tensors = params
+            .iter()
+            .map(|(n, v)| Ok((n.clone(), v.as_tensor().clone())));
+        Self::of_tensors(model, config, tensors, None)
+    }
+
+    /// The identity of a base saved in 4 bits: `params` (its full-precision tensors) and its
+    /// 4-bit `layers` as saved, with how they are quantized.
+    pub fn of_4bit(
+        model: &str,
+        config: &dyn ModelConfig,
+        params: &Params,
+        layers: &Nf4Layers,
+    ) -> Result<Self> {
+        let saved = layers.saved_tensors()?;
+        let tensors = params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .chain(saved)
+            .map(Ok);
+        Self::of_tensors(model, config, tensors, Some(layers.describe()))
+    }
+
+    /// The identity of the model `config` whose tensors `tensors` yields in name order (read
+    /// one at a time: a base streamed from its files is never whole in memory).
+    pub(crate) fn of_tensors(
+        model: &str,
+        config: &dyn ModelConfig,
+        tensors: impl Iterator<Item = Result<(String, Tensor)>>,
+        quantization: Option<String>,
+    ) -> Result<Self> {
         let plain = config.with_run_settings(0.0, crate::model::SpecialTokens::default());
         let mut json = plain.to_hf_json();
         if let Some(m) = json.as_object_mut() {
@@ -58,7 +95,8 @@ impl BaseIdentity {
         h.update(json.as_bytes());
         let architecture = format!("{:016x}", h.finish());
         let mut h = crate::hash::Hasher64::new();
-        for (name, v) in params.iter() {
+        for named in tensors {
+            let (name, v) = named?;
             h.update(&(name.len() as u64).to_le_bytes());
             h.update(name.as_bytes());
             let dims: Vec<u8> = v
@@ -67,11 +105,7 @@ impl BaseIdentity {
                 .flat_map(|d| (*d as u64).to_le_bytes())
                 .collect();
             h.update(&dims);
-            let values = v
-                .as_tensor()
-                .flatten_all()?
-                .to_dtype(DType::F32)?
-                .to_vec1::<f32>()?;
+            let values = v.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
             for chunk in values.chunks(1 << 20) {
                 let bytes: Vec<u8> = chunk.iter().flat_map(|x| x.to_le_bytes()).collect();
                 h.update(&bytes);
@@ -81,6 +115,7 @@ impl BaseIdentity {
             model: model.to_string(),
             architecture,
             tensors: format!("{:016x}", h.finish()),
+            quantization,
         })
     }
 
@@ -94,13 +129,20 @@ impl BaseIdentity {
         if self.tensors != other.tensors {
             diff.push("tensor values");
         }
+        if self.quantization != other.quantization {
+            diff.push("quantization");
+        }
         diff
     }
 
     /// `architecture/tensors`, for messages.
     fn digests(&self) -> String {
+        let quantization = match &self.quantization {
+            Some(q) => format!(", {q}"),
+            None => String::new(),
+        };
         format!(
-            "architecture {}, tensors {}",
+            "architecture {}, tensors {}{quantization}",
             self.architecture, self.tensors
         )
     }

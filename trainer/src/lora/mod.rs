@@ -26,10 +26,13 @@ use crate::model::{
 use crate::{Error, Result};
 
 pub(crate) mod base;
+mod layers;
 mod quant;
 
 pub use crate::load::resolve::resolve_adapter_base;
 pub use base::{check_adapter_base, BaseIdentity, RecordedBase, BASE_METADATA_KEY};
+pub use layers::Nf4Layers;
+pub(crate) use quant::quantize_streamed;
 pub use quant::{
     check_quantization_config, dequantized_base, nf4_on_load, read_bnb_4bit, Nf4Settings,
     QuantizedBase, OUTPUT_HEAD,
@@ -76,11 +79,29 @@ impl LinearAdapter for LoraLayer {
         x: &Tensor,
         w: &Nf4Weight,
         b: Option<&Tensor>,
+        compute: DType,
         ctx: &Ctx,
     ) -> candle_core::Result<Tensor> {
         let key = self.key(x, ctx)?;
         let composite = matches!(ctx.kernels, Kernels::Reference);
-        self.lora.forward_nf4(x, w, b, key, composite)
+        if compute == x.dtype() {
+            return self.lora.forward_nf4(x, w, b, key, composite);
+        }
+        // PEFT over bitsandbytes' `Linear4bit` with another compute dtype: the 4-bit product
+        // in `compute` (input and bias cast to it, the output back), the adapter in `x`'s.
+        let xc = x.to_dtype(compute)?;
+        let base = match composite {
+            false => candle_fused::qlora::nf4_linear(&xc, w, b)?,
+            true => ctx.kernels.linear(&xc, &w.dequantize(compute)?.t()?, b)?,
+        };
+        let u = match key.filter(|_| self.lora.dropout() > 0.0) {
+            Some(k) => candle_fused::dropout::dropout(x, self.lora.dropout(), k)?,
+            None => x.clone(),
+        };
+        let dtype = x.dtype();
+        let h = u.broadcast_matmul(&self.lora.a().to_dtype(dtype)?.t()?)?;
+        let delta = h.broadcast_matmul(&self.lora.b().to_dtype(dtype)?.t()?)?;
+        base.to_dtype(dtype)? + delta.affine(self.lora.scale(), 0.0)?
     }
 
     fn params(&self) -> Vec<Tensor> {
@@ -160,8 +181,9 @@ impl Tuning {
         Self::lora_over(config, params, lora, from, base, base_dtype, None, seed)
     }
 
-    /// [`Tuning::lora`] with the base's linear layers quantized on load as `quant` says
-    /// (QLoRA, [`nf4_on_load`]), when given.
+    /// [`Tuning::lora`] with the base's linear layers held in 4 bits as `quant` holds them
+    /// (QLoRA: a saved 4-bit model's, or quantized on load), when given; `params` holds the
+    /// other tensors.
     #[allow(clippy::too_many_arguments)]
     pub fn lora_over(
         config: &dyn ModelConfig,
@@ -170,11 +192,12 @@ impl Tuning {
         from: Option<&Adapter>,
         base: BaseIdentity,
         base_dtype: DType,
-        quant: Option<&Nf4Settings>,
+        quant: Option<&Nf4Layers>,
         seed: u64,
     ) -> Result<(Box<dyn Model>, Params, Tuning)> {
-        let on_load = quant.map(|q| nf4_on_load(params, q));
-        let quant = on_load.as_ref().map(|q| q as Quant<'_>);
+        let layers = quant.map(|q| move |p: &str, i: usize, o: usize| q.quant(p, i, o));
+        let compute = quant.and_then(|q| q.compute_dtype);
+        let quant = layers.as_ref().map(|q| (q as Quant<'_>, compute));
         let (model, injected, saved) = inject(config, params, quant, lora, from, base_dtype, seed)?;
         let tuning = Tuning::Lora {
             config: Box::new(injected.config),
@@ -354,17 +377,19 @@ pub fn adapt_quantized(
     base_dtype: DType,
     seed: u64,
 ) -> Result<(Box<dyn Model>, Params)> {
-    let (model, injected, _) = inject(config, base, Some(quant), lora, from, base_dtype, seed)?;
+    let quant = Some((quant, None));
+    let (model, injected, _) = inject(config, base, quant, lora, from, base_dtype, seed)?;
     Ok((model, Params::from_vars(injected.trainable)))
 }
 
 /// The injection behind [`adapt`]: the model built through a [`LoraInjector`] (which decides
 /// and creates the adapters), each adapter loaded from `from` checked against the weight it
-/// adapts ([`check_delta`]), and the frozen originals of the modules to save.
+/// adapts ([`check_delta`]), and the frozen originals of the modules to save. `quant`: the
+/// 4-bit layers, and the dtype they compute in if not the context's.
 fn inject(
     config: &dyn ModelConfig,
     base: &Params,
-    quant: Option<Quant<'_>>,
+    quant: Option<(Quant<'_>, Option<DType>)>,
     lora: &LoraConfig,
     from: Option<&Adapter>,
     base_dtype: DType,
@@ -425,7 +450,7 @@ fn inject(
     };
     let builder = Builder::root(&source).with_wrap(&wrap);
     let builder = match quant {
-        Some(q) => builder.with_quant(q),
+        Some((q, compute)) => builder.with_quant(q).with_quant_compute(compute),
         None => builder,
     };
     let model = config.build(&builder)?;
@@ -437,7 +462,20 @@ fn inject(
 /// used by a module its `target_modules` select, every selected module adapted, the model's
 /// shapes, a finite update), without keeping the adapted model.
 pub fn fit(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Result<()> {
-    adapt(config, base, &adapter.config, Some(adapter), DType::F32, 0).map(drop)
+    fit_over(config, base, None, adapter)
+}
+
+/// [`fit`] over a base whose linear layers `quant` holds in 4 bits, when given.
+pub(crate) fn fit_over(
+    config: &dyn ModelConfig,
+    base: &Params,
+    quant: Option<&Nf4Layers>,
+    adapter: &Adapter,
+) -> Result<()> {
+    let layers = quant.map(|q| move |p: &str, i: usize, o: usize| q.quant(p, i, o));
+    let quant = layers.as_ref().map(|q| (q as Quant<'_>, None));
+    let lora = &adapter.config;
+    inject(config, base, quant, lora, Some(adapter), DType::F32, 0).map(drop)
 }
 
 /// The base parameters of the model `config` with `adapter` merged in (`W + s B A` for every

@@ -2,16 +2,18 @@
 //! quantized on load ([`nf4_on_load`]) or read as transformers saved them
 //! ([`read_bnb_4bit`]), and run by [`candle_fused::qlora`] a tile at a time.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::nf4::{Nf4Weight, QUANT_STATE_SUFFIX};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::load::WeightFiles;
-use crate::model::{config_from_hf_json_file, ModelConfig, Params};
+use super::Nf4Layers;
+use crate::load::{Streamed, WeightFiles};
+use crate::model::{config_from_hf_json_file, Builder, ModelConfig, Params};
 use crate::{Error, Result};
 
 /// The module path of the output head, which `all-linear` leaves out (PEFT: the output
@@ -99,21 +101,21 @@ pub fn dequantized_base(
 }
 
 /// A model saved by transformers in 4 bits: its config, the tensors kept in full precision
-/// (as f32 parameters) and the 4-bit weights by module path (`model.layers.0.mlp.up_proj`).
+/// (as f32 parameters) and the 4-bit layers.
 pub struct QuantizedBase {
     /// The model's config.
     pub config: Box<dyn ModelConfig>,
     /// The full-precision tensors (embeddings, norms, skipped layers), as f32.
     pub params: Params,
-    /// The 4-bit weights, by module path.
-    pub weights: BTreeMap<String, Nf4Weight>,
+    /// The 4-bit layers, as saved.
+    pub layers: Nf4Layers,
 }
 
 impl QuantizedBase {
     /// The 4-bit weight of the layer at `path`, for
-    /// [`adapt_quantized`](crate::lora::adapt_quantized).
-    pub fn quant(&self, path: &str, _fan_in: usize, _fan_out: usize) -> Result<Option<Nf4Weight>> {
-        Ok(self.weights.get(path).cloned())
+    /// [`adapt_quantized`](crate::lora::adapt_quantized) (see [`Nf4Layers::quant`]).
+    pub fn quant(&self, path: &str, fan_in: usize, fan_out: usize) -> Result<Option<Nf4Weight>> {
+        self.layers.quant(path, fan_in, fan_out)
     }
 }
 
@@ -157,6 +159,34 @@ pub fn check_quantization_config(path: &Path, json: &Value) -> Result<Option<boo
         Some(t) => return refuse(format!("bnb_4bit_quant_storage `{t}`")),
     }
     Ok(Some(flag("bnb_4bit_use_double_quant")))
+}
+
+/// The `bnb_4bit_compute_dtype` of a 4-bit model's `config.json` (at `path`): `None` when
+/// absent or null (bitsandbytes then computes in the input's dtype).
+fn compute_dtype(path: &Path, json: &Value) -> Result<Option<DType>> {
+    let key = "bnb_4bit_compute_dtype";
+    let name = match json["quantization_config"].get(key) {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::String(s)) => s.trim_start_matches("torch."),
+        Some(v) => {
+            return Err(Error::checkpoint(
+                path,
+                format!("quantization_config.{key}: expected a dtype name, got {v}"),
+            ))
+        }
+    };
+    match name {
+        "float32" => Ok(Some(DType::F32)),
+        "bfloat16" => Ok(Some(DType::BF16)),
+        "float16" => Ok(Some(DType::F16)),
+        other => Err(Error::checkpoint(
+            path,
+            format!(
+                "quantization_config.{key} `{other}`: the 4-bit layers compute in float32, \
+                 bfloat16 or float16"
+            ),
+        )),
+    }
 }
 
 /// Reads the transformers 4-bit model in `dir` onto `device`: `config.json` (its
@@ -233,6 +263,49 @@ pub fn read_bnb_4bit(dir: &Path, device: &Device) -> Result<QuantizedBase> {
     Ok(QuantizedBase {
         config,
         params: Params::from_tensors(plain)?,
-        weights,
+        layers: Nf4Layers {
+            weights,
+            file: files.path().to_path_buf(),
+            compute_dtype: compute_dtype(&config_path, &json)?,
+        },
     })
+}
+
+/// Reads the model `config` from `weights` with its linear layers quantized to NF4 as
+/// `settings` says (those it skips kept), layer by layer: each weight is read from the mapped
+/// file, quantized and dropped before the next is read (the codes are
+/// [`Nf4Weight::quantize`]'s, the same as quantizing the whole model read first). Returns the
+/// other parameters (f32) and the 4-bit layers.
+pub(crate) fn quantize_streamed(
+    config: &dyn ModelConfig,
+    weights: &Streamed,
+    settings: &Nf4Settings,
+    device: &Device,
+    file: PathBuf,
+) -> Result<(Params, Nf4Layers)> {
+    let quantized = RefCell::new(BTreeMap::new());
+    let plain = RefCell::new(Vec::new());
+    let quant = |path: &str, _: usize, _: usize| -> Result<Option<Nf4Weight>> {
+        if settings.skips(path) {
+            return Ok(None);
+        }
+        let w = weights.tensor(&format!("{path}.weight"), device)?;
+        let q = Nf4Weight::quantize(&w, settings.double)?;
+        quantized.borrow_mut().insert(path.to_string(), q.clone());
+        Ok(Some(q))
+    };
+    let source = |name: &str, _: &[usize]| -> Result<Tensor> {
+        let v = Var::from_tensor(&weights.tensor(name, device)?)?;
+        plain.borrow_mut().push((name.to_string(), v.clone()));
+        Ok(v.as_tensor().clone())
+    };
+    config.build(&Builder::root(&source).with_quant(&quant))?;
+    let params = Params::from_vars(plain.into_inner());
+    weights.check_copies(device, |of| weights.tensor(of, device))?;
+    let layers = Nf4Layers {
+        weights: quantized.into_inner(),
+        file,
+        compute_dtype: None,
+    };
+    Ok((params, layers))
 }

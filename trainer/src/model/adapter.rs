@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use candle_fused::nf4::Nf4Weight;
 
 use super::{Ctx, WeightMap};
@@ -27,17 +27,22 @@ pub trait LinearAdapter: Send + Sync + std::fmt::Debug {
     ) -> candle_core::Result<Tensor>;
 
     /// The adapted layer's output over a frozen 4-bit weight `w [out, in]` (QLoRA) and its
-    /// bias, in `ctx.dtype`. By default the whole weight dequantized to `ctx.dtype` and
-    /// [`LinearAdapter::forward`]; an adapter that can, dequantizes a tile at a time.
+    /// bias (in `compute`, the dtype the 4-bit product computes in: bitsandbytes'
+    /// `bnb_4bit_compute_dtype`), in `x`'s dtype. By default the whole weight dequantized to
+    /// `compute` and [`LinearAdapter::forward`] in `compute`; an adapter that can,
+    /// dequantizes a tile at a time.
     fn forward_nf4(
         &self,
         x: &Tensor,
         w: &Nf4Weight,
         b: Option<&Tensor>,
+        compute: DType,
         ctx: &Ctx,
     ) -> candle_core::Result<Tensor> {
-        let dense = w.dequantize(ctx.dtype)?;
-        self.forward(x, &dense.t()?, b, ctx)
+        let dense = w.dequantize(compute)?;
+        let ctx = ctx.clone().with_dtype(compute);
+        self.forward(&x.to_dtype(compute)?, &dense.t()?, b, &ctx)?
+            .to_dtype(x.dtype())
     }
 
     /// The adapter's own parameters.

@@ -7,7 +7,7 @@
 use std::fmt::Display;
 use std::sync::Arc;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use candle_fused::nf4::Nf4Weight;
 
 use super::{Layout, LinearAdapter};
@@ -33,6 +33,7 @@ pub struct Builder<'a> {
     source: Source<'a>,
     wrap: Option<Wrap<'a>>,
     quant: Option<Quant<'a>>,
+    quant_compute: Option<DType>,
 }
 
 impl<'a> Builder<'a> {
@@ -43,6 +44,7 @@ impl<'a> Builder<'a> {
             source,
             wrap: None,
             quant: None,
+            quant_compute: None,
         }
     }
 
@@ -54,6 +56,20 @@ impl<'a> Builder<'a> {
             quant: Some(quant),
             ..self
         }
+    }
+
+    /// The same builder, its 4-bit layers dequantizing into `dtype` and computing in it
+    /// (bitsandbytes' `bnb_4bit_compute_dtype`) instead of the context's dtype.
+    pub fn with_quant_compute(self, dtype: Option<DType>) -> Self {
+        Builder {
+            quant_compute: dtype,
+            ..self
+        }
+    }
+
+    /// The dtype the 4-bit layers compute in, if not the context's.
+    pub fn quant_compute(&self) -> Option<DType> {
+        self.quant_compute
     }
 
     /// The 4-bit weight of the linear layer `fan_in -> fan_out` at this path, if any.
@@ -96,6 +112,7 @@ impl<'a> Builder<'a> {
             source: self.source,
             wrap: self.wrap,
             quant: self.quant,
+            quant_compute: self.quant_compute,
         }
     }
 

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use candle_fused::nf4::Nf4Weight;
 
 use super::{Builder, Ctx, Layout, LinearAdapter, WeightMap};
@@ -35,6 +35,8 @@ pub struct Linear {
     adapter: Option<Arc<dyn LinearAdapter>>,
     /// The frozen 4-bit weight `[out, in]`, in place of `weight` (QLoRA).
     quant: Option<Nf4Weight>,
+    /// The dtype a 4-bit weight computes in, if not the context's.
+    compute: Option<DType>,
 }
 
 impl Linear {
@@ -75,6 +77,7 @@ impl Linear {
             layout,
             adapter: b.wrap(fan_in, fan_out, layout)?,
             quant,
+            compute: b.quant_compute(),
         })
     }
 
@@ -108,6 +111,7 @@ impl Linear {
             layout: self.layout,
             adapter: self.adapter.as_ref().map(|d| d.map(f)).transpose()?,
             quant,
+            compute: self.compute,
         })
     }
 
@@ -133,14 +137,18 @@ impl Linear {
     /// `ctx.adapters` is off).
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         if let Some(q) = &self.quant {
+            // bitsandbytes' `Linear4bit`: the input and bias cast to the compute dtype, the
+            // output back to the input's.
+            let compute = self.compute.unwrap_or(ctx.dtype);
             let b = self
                 .bias
                 .as_ref()
-                .map(|b| b.to_dtype(ctx.dtype))
+                .map(|b| b.to_dtype(compute))
                 .transpose()?;
             return match self.running(ctx) {
-                None => candle_fused::qlora::nf4_linear(x, q, b.as_ref()),
-                Some(a) => a.forward_nf4(x, q, b.as_ref(), ctx),
+                None => candle_fused::qlora::nf4_linear(&x.to_dtype(compute)?, q, b.as_ref())?
+                    .to_dtype(x.dtype()),
+                Some(a) => a.forward_nf4(x, q, b.as_ref(), compute, ctx),
             };
         }
         let (w, b) = self.cast(ctx)?;

@@ -192,6 +192,7 @@ pub fn evaluate(
         val_loss,
         score,
         score_name,
+        objective: Default::default(),
     })
 }
 

@@ -329,6 +329,8 @@ pub fn build_model(
         )?;
         Ok(loaded.with_run_settings(config.dropout, tokens))
     };
+    let quant = config.nf4_settings();
+    let four_bit = four_bit(lora.is_some(), quant.as_ref())?;
     let checks = load::Checks {
         train: Some(config),
         data: Some(load::DataCheck {
@@ -338,15 +340,8 @@ pub fn build_model(
         vocab: None,
         settings: Some(&settings),
         unmerged: false,
+        four_bit,
     };
-    let quant = config.nf4_settings();
-    if quant.is_some() && lora.is_none() {
-        return Err(Error::Config(
-            "--base-quant nf4 holds the frozen base of a LoRA run in 4 bits: give --lora-r (or \
-             --adapter)"
-                .into(),
-        ));
-    }
     let Some(lora) = lora else {
         let loaded = source.load_with(&checks, device)?;
         let model = loaded.build()?;
@@ -359,7 +354,13 @@ pub fn build_model(
         )));
     }
     let loaded = source.load_with(&checks, device)?;
-    let base = lora::BaseIdentity::of(from, loaded.config.as_ref(), &loaded.params)?;
+    let base = match loaded.base.clone() {
+        Some(id) => lora::BaseIdentity {
+            model: from.clone(),
+            ..id
+        },
+        None => lora::BaseIdentity::of(from, loaded.config.as_ref(), &loaded.params)?,
+    };
     let adapter = match &config.adapter {
         Some(dir) => {
             let a = lora::read_adapter(dir, device)?;
@@ -376,7 +377,7 @@ pub fn build_model(
         adapter.as_ref(),
         base,
         base_dtype,
-        quant.as_ref(),
+        computing(config, loaded.quantized.as_ref()).as_ref(),
         config.seed,
     )
 }
@@ -401,7 +402,7 @@ pub(crate) fn resume_model(
             Some(a),
             base.clone(),
             config.base_dtype.unwrap_or(config.dtype).dtype(),
-            config.nf4_settings().as_ref(),
+            computing(config, loaded.quantized.as_ref()).as_ref(),
             config.seed,
         ),
         (Some(_), ..) => Err(Error::checkpoint(
@@ -409,6 +410,35 @@ pub(crate) fn resume_model(
             "holds adapters but trainer_state.json records no base model",
         )),
     }
+}
+
+/// What a run (LoRA or not, quantizing its base on load as `quant` says or not) takes of a
+/// base held in 4 bits.
+fn four_bit(lora: bool, quant: Option<&lora::Nf4Settings>) -> Result<load::FourBit<'_>> {
+    match (lora, quant) {
+        (false, Some(_)) => Err(Error::Config(
+            "--base-quant nf4 holds the frozen base of a LoRA run in 4 bits: give --lora-r (or \
+             --adapter)"
+                .into(),
+        )),
+        (false, None) => Ok(load::FourBit::Refuse),
+        (true, None) => Ok(load::FourBit::Keep),
+        (true, Some(q)) => Ok(load::FourBit::Quantize(q)),
+    }
+}
+
+/// A run's 4-bit layers computing in its `--base-compute-dtype` (default: a saved model's
+/// `bnb_4bit_compute_dtype`, else `--base-dtype`).
+fn computing(config: &TrainConfig, layers: Option<&lora::Nf4Layers>) -> Option<lora::Nf4Layers> {
+    let base_dtype = config.base_dtype.unwrap_or(config.dtype).dtype();
+    layers.map(|l| lora::Nf4Layers {
+        compute_dtype: Some(
+            (config.base_compute_dtype.map(|p| p.dtype()))
+                .or(l.compute_dtype)
+                .unwrap_or(base_dtype),
+        ),
+        ..l.clone()
+    })
 }
 
 /// The LoRA config of a run (`lora_r > 0`), or `None` for full fine-tuning.

@@ -1,12 +1,16 @@
 //! What a training step needs in memory, estimated from the configuration alone (before
 //! anything is allocated), and the refusal of runs that cannot fit.
 
-use candle_core::{DType, Device};
+use std::cell::RefCell;
+
+use candle_core::{DType, Device, Tensor};
+use candle_fused::nf4::{Nf4Weight, BLOCK, NESTED_BLOCK};
 use candle_remat::{Plan, Policy};
 
 use super::pipeline::ExecutorSettings;
 use crate::config::{Parallelism, TargetModules};
-use crate::model::ModelConfig;
+use crate::lora::Nf4Settings;
+use crate::model::{Builder, ModelConfig};
 use crate::optim::AdamWConfig;
 use crate::Result;
 
@@ -22,6 +26,8 @@ pub struct MemorySettings {
     pub(crate) lora_targets: TargetModules,
     /// The optimiser, for its state per parameter.
     pub(crate) optimizer: AdamWConfig,
+    /// A LoRA run's base held in 4 bits: which linear layers, with double quantization or not.
+    pub(crate) nf4: Option<Nf4Settings>,
 }
 
 /// Estimated peak bytes of one training step: f32 weights, gradients and the optimiser's state
@@ -75,15 +81,67 @@ pub fn estimate_step_bytes(
     let logits = tokens
         .saturating_mul(model.vocab_size() as u64)
         .saturating_mul(4 * 2);
-    // A LoRA run's base is frozen: read in f32 (then cast), with no gradient and no
-    // optimiser state (the adapters' are small).
+    // A LoRA run's base is frozen: read in f32 (then cast), or held in 4 bits, with no
+    // gradient and no optimiser state (the adapters' are small).
     let weights = match config.lora_r > 0 {
-        true => (n_params * 4).saturating_add(adapter_bytes(config, model, dtype)),
+        true => {
+            frozen_base_bytes(config, model).saturating_add(adapter_bytes(config, model, dtype))
+        }
         false => n_params
             .saturating_mul(trained_bytes_per_param(config))
             .saturating_add(cast_copy),
     };
     weights.saturating_add(activations).saturating_add(logits)
+}
+
+/// Bytes of a LoRA run's frozen base: 4 (f32) per parameter, except in the linear layers a
+/// 4-bit base holds (`config.nf4`), which hold their codes and absmaxes ([`nf4_bytes`]).
+pub(crate) fn frozen_base_bytes(config: &MemorySettings, model: &dyn ModelConfig) -> u64 {
+    let n_params = model.num_params() as u64;
+    let Some(nf4) = &config.nf4 else {
+        return n_params.saturating_mul(4);
+    };
+    let quantized: Vec<u64> = linear_layers(model)
+        .into_iter()
+        .filter(|(path, _)| !nf4.skips(path))
+        .map(|(_, n)| n)
+        .collect();
+    let plain = n_params.saturating_sub(quantized.iter().sum());
+    quantized
+        .iter()
+        .map(|&n| nf4_bytes(n, nf4.double))
+        .fold(plain.saturating_mul(4), u64::saturating_add)
+}
+
+/// Bytes of a weight of `n` values in NF4 as bitsandbytes stores it: two codes a byte, an f32
+/// absmax per block of 64, or with double quantization a u8 code per block, an f32 absmax per
+/// 256 of them and the 256-entry f32 map.
+pub(crate) fn nf4_bytes(n: u64, double: bool) -> u64 {
+    let blocks = n.div_ceil(BLOCK as u64);
+    let absmax = match double {
+        false => blocks * 4,
+        true => blocks + blocks.div_ceil(NESTED_BLOCK as u64) * 4 + 256 * 4,
+    };
+    n.div_ceil(2) + absmax
+}
+
+/// Every linear layer of `model` with its number of weight values, by module path: found by
+/// building it over stand-ins that allocate nothing.
+fn linear_layers(model: &dyn ModelConfig) -> Vec<(String, u64)> {
+    let found = RefCell::new(Vec::new());
+    let record = |path: &str, fan_in: usize, fan_out: usize| -> Result<Option<Nf4Weight>> {
+        found
+            .borrow_mut()
+            .push((path.to_string(), (fan_in * fan_out) as u64));
+        Ok(None)
+    };
+    let stand_in = |_: &str, shape: &[usize]| -> Result<Tensor> {
+        Ok(Tensor::zeros((), DType::F32, &Device::Cpu)?.broadcast_as(shape)?)
+    };
+    match model.build(&Builder::root(&stand_in).with_quant(&record)) {
+        Ok(_) => found.into_inner(),
+        Err(_) => Vec::new(), // a lower bound: counted as f32
+    }
 }
 
 /// Bytes a trained parameter element holds: its f32 weight and gradient, and the state of the
@@ -239,5 +297,57 @@ mod tests {
         assert!(r < p && p < plain, "{r} {p} {plain}");
         let acts = |x: u64| x - r;
         assert_eq!(acts(p) * 4, acts(plain));
+    }
+
+    #[test]
+    fn a_4bit_base_counts_its_codes_and_absmaxes() {
+        // A fresh Llama of 2 layers, 64 wide, vocabulary 128 (its head tied to the embedding):
+        // 7 projections a layer in 4 bits, the embedding and norms in f32.
+        let config = TrainConfig {
+            arch: "llama".parse().unwrap(),
+            n_layer: 2,
+            n_embd: 64,
+            n_head: 4,
+            lora_r: 4,
+            ..TrainConfig::default()
+        };
+        let llama = config.model_config(128).unwrap();
+        let layers = linear_layers(llama.as_ref());
+        let projections: u64 = layers
+            .iter()
+            .filter(|(p, _)| p != crate::lora::OUTPUT_HEAD)
+            .map(|(_, n)| n)
+            .sum();
+        assert_eq!(layers.len(), 2 * 7, "{layers:?}");
+        let n = llama.num_params() as u64;
+        let base = |nf4: Option<Nf4Settings>| {
+            let settings = MemorySettings {
+                nf4,
+                ..MemorySettings::from(&config)
+            };
+            frozen_base_bytes(&settings, llama.as_ref())
+        };
+        assert_eq!(base(None), 4 * n);
+        // Plain: half a byte a value and an f32 per 64 values (4.5 bits a value).
+        let q = |double| {
+            Some(Nf4Settings {
+                double,
+                ..Nf4Settings::default()
+            })
+        };
+        let each = |f: &dyn Fn(u64) -> u64| -> u64 {
+            layers
+                .iter()
+                .filter(|(p, _)| p != crate::lora::OUTPUT_HEAD)
+                .map(|(_, n)| f(*n))
+                .sum()
+        };
+        let plain = 4 * (n - projections) + each(&|v| v / 2 + v / 64 * 4);
+        assert_eq!(base(q(false)), plain);
+        // Double: a byte per block, an f32 per 256 blocks and the 1 KiB map, per weight.
+        let double =
+            4 * (n - projections) + each(&|v| v / 2 + v / 64 + (v / 64).div_ceil(256) * 4 + 1024);
+        assert_eq!(base(q(true)), double);
+        assert!(base(q(false)) < base(None) / 2);
     }
 }

@@ -185,6 +185,7 @@ impl Trainer {
         let data = config.open_data()?;
         // The one loading path (`crate::load`): the data and config.json against the run,
         // memory, the weights, then the optimiser state, then the manifest.
+        let quant = config.nf4_settings();
         let checks = load::Checks {
             train: Some(&config),
             data: Some(load::DataCheck {
@@ -192,6 +193,9 @@ impl Trainer {
                 fingerprint: load::FingerprintCheck::Corpus,
             }),
             unmerged: true,
+            four_bit: quant
+                .as_ref()
+                .map_or(load::FourBit::Refuse, load::FourBit::Quantize),
             ..load::Checks::default()
         };
         // A LoRA run's checkpoint holds its adapters; the frozen base is its `init_from`,
@@ -477,6 +481,9 @@ impl Trainer {
         let Some(val_loss) = eval::estimate_loss_until(self, Split::Val, &mut rng, stop)? else {
             return Ok(None);
         };
+        let Some(objective) = eval::objective_until(self, stop)? else {
+            return Ok(None);
+        };
         let (score, score_name) = match self.data.task() {
             Some(task) if cfg.eval_problems > 0 => {
                 let Some(score) = task_score_until(
@@ -499,6 +506,7 @@ impl Trainer {
             val_loss,
             score,
             score_name,
+            objective,
         }))
     }
 }

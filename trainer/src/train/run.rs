@@ -147,6 +147,8 @@ impl Trainer {
         if !self.evaluates {
             return Ok(None);
         }
+        // DPO's reference values computed before training serve the first evaluation too.
+        self.prepare_reference()?;
         let Some(eval) = self.evaluate_until(stop)? else {
             return Ok(None);
         };

@@ -178,21 +178,7 @@ impl Trainer {
                 .with_kernels(cfg.kernels)
                 .with_chunked_loss(cfg.chunked_loss)
                 .with_rows(batch.rows.clone());
-            let ctx = match self.objective.needs_reference() {
-                true => {
-                    // dropout off in the model and its reference (TRL's default)
-                    let ctx = Ctx {
-                        train: false,
-                        ..ctx
-                    };
-                    let reference = match &batch.reference {
-                        Some(computed_before) => computed_before.clone(),
-                        None => self.reference_log_probs(&batch, &ctx)?,
-                    };
-                    ctx.with_reference(Some(reference))
-                }
-                false => ctx,
-            };
+            let ctx = self.with_reference(&batch, ctx)?;
             let weight = shard_weight * share;
             let (loss, g) = self.executor.forward_backward_deferred(
                 model,
@@ -205,6 +191,25 @@ impl Trainer {
             accumulate(grads, g, &self.vars)?;
         }
         Ok(Some(step_loss))
+    }
+
+    /// `ctx` for `batch` under an objective that
+    /// [needs a reference](crate::objective::Objective::needs_reference): dropout off in the
+    /// model and its reference (TRL's default), the reference's values of the batch's rows
+    /// (computed before training, else by the reference now). `ctx` itself otherwise.
+    pub(super) fn with_reference(&self, batch: &Batch, ctx: Ctx) -> Result<Ctx> {
+        if !self.objective.needs_reference() {
+            return Ok(ctx);
+        }
+        let ctx = Ctx {
+            train: false,
+            ..ctx
+        };
+        let reference = match &batch.reference {
+            Some(computed_before) => computed_before.clone(),
+            None => self.reference_log_probs(batch, &ctx)?,
+        };
+        Ok(ctx.with_reference(Some(reference)))
     }
 
     /// The reference model's summed log-probability of each row's counted targets, for an

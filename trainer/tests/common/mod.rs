@@ -1,6 +1,7 @@
 //! Shared helpers for the trainer's integration tests.
 #![allow(dead_code)]
 
+pub mod dpo;
 pub mod hf;
 pub mod llama;
 #[cfg(unix)]

@@ -11,7 +11,8 @@ use rand_chacha::ChaCha8Rng;
 
 use super::preference::{preference_batch, read_preferences, LinePreference, PreferencePair};
 use super::{split_examples, SftEncoder};
-use crate::data::shards::format::tokenizer_vocab_hash;
+use crate::data::shards::format::{tokenizer_vocab_hash, Manifest, MANIFEST_FILE};
+use crate::data::shards::pairs::read_pairs;
 use crate::data::{check_shape, Batch, BatchRequest, DataSource, DataSpec, Fingerprint, Split};
 use crate::error::{Error, Result};
 
@@ -74,6 +75,62 @@ impl PreferenceSource {
             pairs.push(pair);
             lines.push(r.line);
         }
+        let what = "preference pairs";
+        Self::from_pairs(path, encoder, (pairs, lines), None, spec, what)
+    }
+
+    /// The pairs of a directory `trainer prepare --format preference` wrote (`spec.path`;
+    /// `data = shards`), read whole, tokenised with `spec.tokenizer` or the manifest's
+    /// tokenizer (the same vocabulary). Its train and validation shards are the split; a
+    /// directory prepared without validation pairs (`--val-fraction 0`) is split as `data =
+    /// preference` splits a file (`spec.val_fraction`, `spec.seed`), so that it trains as
+    /// that file does.
+    pub fn open_shards(spec: &DataSpec) -> Result<Self> {
+        let dir = spec.path.clone().unwrap_or_default();
+        let manifest = Manifest::read(&dir)?;
+        let at = dir.join(MANIFEST_FILE);
+        let Some(tok) = spec.tokenizer.clone().or(manifest.tokenizer.path.clone()) else {
+            return Err(Error::data(
+                &at,
+                "names no tokenizer.json; give --tokenizer-path",
+            ));
+        };
+        let encoder = SftEncoder::open(&tok)?;
+        let hash = format!("{:016x}", tokenizer_vocab_hash(encoder.tokenizer()));
+        if hash != manifest.tokenizer.hash {
+            return Err(Error::data(
+                &dir,
+                format!(
+                    "was prepared with another vocabulary (hash {}) than {} (hash {hash}); \
+                     prepare it again or give its tokenizer",
+                    manifest.tokenizer.hash,
+                    tok.display()
+                ),
+            ));
+        }
+        let train = read_pairs(&dir, &manifest, Split::Train)?;
+        let val = read_pairs(&dir, &manifest, Split::Val)?;
+        let (n_train, n) = (train.len(), train.len() + val.len());
+        let split = (!val.is_empty()).then(|| ((0..n_train).collect(), (n_train..n).collect()));
+        let (lines, pairs) = train.into_iter().chain(val).unzip();
+        let what = match split {
+            Some(_) => "preference pairs (prepared shards, their split)",
+            None => "preference pairs (prepared shards)",
+        };
+        Self::from_pairs(&dir, encoder, (pairs, lines), split, spec, what)
+    }
+
+    /// The source over tokenised `pairs` and the lines they were read from (of `path`, named
+    /// in errors and logs), split as `split` says (train and validation indices, ascending)
+    /// or else by `spec`; `what` describes them.
+    fn from_pairs(
+        path: &Path,
+        encoder: SftEncoder,
+        (pairs, lines): (Vec<PreferencePair>, Vec<usize>),
+        split: Option<(Vec<usize>, Vec<usize>)>,
+        spec: &DataSpec,
+        what: &str,
+    ) -> Result<Self> {
         let n = pairs.len();
         if n < 2 {
             return Err(Error::data(
@@ -81,7 +138,7 @@ impl PreferenceSource {
                 format!("{n} preference record(s); a train and a validation split need at least 2"),
             ));
         }
-        let (train, val) = split_examples(n, spec);
+        let (train, val) = split.unwrap_or_else(|| split_examples(n, spec));
         let max_id = pairs
             .iter()
             .flat_map(|p| p.chosen.iter().chain(&p.rejected))
@@ -104,7 +161,7 @@ impl PreferenceSource {
             |n| n.to_string_lossy().into(),
         );
         let description = format!(
-            "{name}: {n} preference pairs, {} train / {} val",
+            "{name}: {n} {what}, {} train / {} val",
             train.len(),
             val.len()
         );

@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use super::encode::Piece;
-use super::format::{Expect, ShardEntry};
+use super::format::{Expect, PairEntry, ShardEntry};
 use super::options::PrepareOptions;
 use super::progress::{load_partial, Progress, SplitState};
 use super::unit::{start, Position};
@@ -20,18 +20,23 @@ pub(super) const VAL_SEED: u64 = 0x5eed_da7a;
 const SPLITS: [&str; 2] = ["train", "val"];
 
 /// What every shard of one `prepare` holds: the token width, the vocabulary's hash, whether a
-/// loss mask goes with the tokens.
+/// loss mask goes with the tokens, whether a pair table does.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct ShardShape {
     pub width: u32,
     pub vocab: u64,
     pub mask: bool,
+    pub pairs: bool,
 }
 
 impl ShardShape {
     /// An empty shard of this shape (with document starts).
     pub(super) fn writer(self) -> ShardWriter {
-        ShardWriter::new(self.width, self.vocab, true, self.mask)
+        let w = ShardWriter::new(self.width, self.vocab, true, self.mask);
+        match self.pairs {
+            true => w.with_pairs(&[]),
+            false => w,
+        }
     }
 }
 
@@ -57,6 +62,8 @@ pub(super) struct Cutter<'a> {
     val_below: u64,
     /// Whether a shard was finished since this was last taken.
     pub finished_now: bool,
+    /// Preference records dropped (their prompt fills the maximum length) so far.
+    pub dropped: u64,
 }
 
 impl Stream {
@@ -106,6 +113,7 @@ impl<'a> Cutter<'a> {
             in_val: false,
             val_below,
             finished_now: false,
+            dropped: 0,
         };
         // A resumed unit in the middle of a text file continues the document before it.
         cut.in_val = at.doc > 0 && cut.is_val(at.doc - 1);
@@ -134,23 +142,30 @@ impl<'a> Cutter<'a> {
     pub(super) fn feed(&mut self, pieces: Vec<Piece>) -> Result<u64> {
         let mut made = 0;
         for p in pieces {
+            if p.dropped {
+                self.dropped += 1;
+                continue;
+            }
             if p.starts {
                 self.in_val = self.is_val(self.doc);
                 self.doc += 1;
             }
             made += p.tokens.len() as u64;
             let s = usize::from(self.in_val);
-            self.push(s, &p.tokens, p.counted.as_deref(), p.starts)?;
+            let start = p.starts.then_some(p.pair);
+            self.push(s, &p.tokens, p.counted.as_deref(), start)?;
         }
         Ok(made)
     }
 
+    /// Pushes `tokens` to split `s`; `start` when they start a document (`Some(pair)` for a
+    /// preference pair's).
     fn push(
         &mut self,
         s: usize,
         tokens: &[u32],
         counted: Option<&[bool]>,
-        mut starts: bool,
+        mut start: Option<Option<PairEntry>>,
     ) -> Result<()> {
         let n = tokens.len();
         let mut i = 0;
@@ -160,13 +175,14 @@ impl<'a> Cutter<'a> {
                 let k = ((st.skip_until - st.pos) as usize).min(n - i);
                 i += k;
                 st.pos += k as u64;
-                starts = false;
+                start = None;
                 continue;
             }
             let k = ((self.shard_tokens - st.writer.len()) as usize).min(n - i);
-            if starts {
-                st.writer.start_doc();
-                starts = false;
+            match start.take() {
+                Some(Some(pair)) => st.writer.start_pair(&pair),
+                Some(None) => st.writer.start_doc(),
+                None => {}
             }
             st.writer
                 .push(&tokens[i..i + k], counted.map(|c| &c[i..i + k]));

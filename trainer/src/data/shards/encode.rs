@@ -3,23 +3,32 @@
 
 use std::path::{Path, PathBuf};
 
-use super::format::{byte_vocab_hash, char_vocab_hash, tokenizer_vocab_hash, TokenizerInfo};
+use super::format::{
+    byte_vocab_hash, char_vocab_hash, tokenizer_vocab_hash, PairEntry, TokenizerInfo,
+};
 use super::input::unit_reader;
 use super::options::{InputFormat, PrepareOptions, VocabSpec};
 use super::unit::{start, Unit};
 use crate::data::parquet::RowRecord;
-use crate::data::sft::{parse_line, Record, SftEncoder};
+use crate::data::sft::{parse_line, parse_preference, Record, SftEncoder};
 use crate::data::vocab::Vocab;
 use crate::error::{Error, Result};
 use crate::pretrained::TokenizerFile;
 
 /// Part of a document: a whole record, or a unit of a text file (whose document is the file).
+#[derive(Default)]
 pub(crate) struct Piece {
     /// Whether a document starts with this piece.
     pub starts: bool,
     pub tokens: Vec<u32>,
     /// Loss-mask flags (SFT), one a token.
     pub counted: Option<Vec<bool>>,
+    /// The preference pair the document is (preference records; `tokens` its chosen then
+    /// rejected sequence).
+    pub pair: Option<PairEntry>,
+    /// A preference record dropped because its prompt alone fills the maximum length (no
+    /// tokens).
+    pub dropped: bool,
 }
 
 /// How text becomes tokens.
@@ -29,6 +38,12 @@ pub(crate) enum Encoder {
     Vocab { vocab: Vocab, eos: Option<u32> },
     /// SFT records rendered and masked by [`SftEncoder`].
     Sft(Box<SftEncoder>),
+    /// Preference records tokenised by [`SftEncoder::encode_preference`], each pair cut to
+    /// `max_length` tokens a sequence (and dropped when its prompt fills them).
+    Preference {
+        encoder: Box<SftEncoder>,
+        max_length: Option<usize>,
+    },
 }
 
 /// The `path:line` of a unit's `i`-th line.
@@ -69,7 +84,7 @@ pub(crate) fn texts(
     let text = utf8(&unit.bytes, path, unit)?;
     match format {
         InputFormat::Text => Ok(vec![(at(path, unit.at.line), text.to_string())]),
-        InputFormat::Sft => Ok(Vec::new()),
+        InputFormat::Sft | InputFormat::Preference => Ok(Vec::new()),
         InputFormat::Jsonl => {
             let mut out = Vec::new();
             for (i, line) in text.lines().enumerate() {
@@ -115,6 +130,50 @@ fn sft_piece(enc: &SftEncoder, record: &Record, here: &Path) -> Result<Piece> {
         starts: true,
         tokens: ex.tokens,
         counted: Some(ex.counted),
+        ..Piece::default()
+    })
+}
+
+/// The piece of the preference record on line `line` (`text`) of `path`: its pair's chosen
+/// then rejected sequence, cut to `max_length`; a dropped piece when its prompt fills that.
+fn preference_piece(
+    enc: &SftEncoder,
+    text: &str,
+    max_length: Option<usize>,
+    path: &Path,
+    line: u64,
+) -> Result<Piece> {
+    let here = at(path, line);
+    let record = parse_preference(text).map_err(|msg| Error::data(&here, msg))?;
+    let pair = enc.encode_preference(&record).map_err(|e| match e {
+        Error::Data { path: p, msg } => Error::data(&here, format!("{}: {msg}", p.display())),
+        other => other,
+    })?;
+    let pair = match max_length {
+        Some(max) => match pair.truncated(max) {
+            Some(p) => p,
+            None => {
+                return Ok(Piece {
+                    dropped: true,
+                    ..Piece::default()
+                })
+            }
+        },
+        None => pair,
+    };
+    let entry = PairEntry {
+        prompt_len: pair.prompt_len as u64,
+        chosen_len: pair.chosen.len() as u64,
+        rejected_len: pair.rejected.len() as u64,
+        line,
+    };
+    let mut tokens = pair.chosen;
+    tokens.extend(pair.rejected);
+    Ok(Piece {
+        starts: true,
+        tokens,
+        pair: Some(entry),
+        ..Piece::default()
     })
 }
 
@@ -123,7 +182,9 @@ impl Encoder {
     fn encode(&self, text: &str, here: &Path) -> Result<Vec<u32>> {
         match self {
             Encoder::Vocab { vocab, .. } => vocab.encode(text, here),
-            Encoder::Sft(_) => unreachable!("SFT records are encoded by encode_unit"),
+            Encoder::Sft(_) | Encoder::Preference { .. } => {
+                unreachable!("SFT and preference records are encoded by encode_unit")
+            }
         }
     }
 
@@ -131,7 +192,7 @@ impl Encoder {
     pub(crate) fn eos(&self) -> Option<u32> {
         match self {
             Encoder::Vocab { eos, .. } => *eos,
-            Encoder::Sft(_) => None,
+            Encoder::Sft(_) | Encoder::Preference { .. } => None,
         }
     }
 
@@ -152,6 +213,21 @@ impl Encoder {
                 out.push(sft_piece(enc, record, &row.at.name(path))?);
             }
             return Ok(out);
+        }
+        if let Encoder::Preference {
+            encoder,
+            max_length,
+        } = self
+        {
+            let text = utf8(&unit.bytes, path, unit)?;
+            let lines = text.lines().enumerate();
+            return lines
+                .filter(|(_, line)| !line.trim().is_empty())
+                .map(|(i, line)| {
+                    let n = unit.at.line + i as u64;
+                    preference_piece(encoder, line, *max_length, path, n)
+                })
+                .collect();
         }
         if let Encoder::Sft(enc) = self {
             let text = utf8(&unit.bytes, path, unit)?;
@@ -181,7 +257,7 @@ impl Encoder {
             out.push(Piece {
                 starts: unit.at.offset == 0,
                 tokens: unit.bytes.iter().map(|&b| u32::from(b)).collect(),
-                counted: None,
+                ..Piece::default()
             });
         } else {
             for (here, text) in texts(unit, path, format, field)? {
@@ -189,7 +265,7 @@ impl Encoder {
                 out.push(Piece {
                     starts: records || unit.at.offset == 0,
                     tokens,
-                    counted: None,
+                    ..Piece::default()
                 });
             }
         }
@@ -211,16 +287,24 @@ pub(crate) fn build_encoder(
     files: &[PathBuf],
 ) -> Result<(Encoder, TokenizerInfo, u64)> {
     match (&opts.vocab, opts.format) {
-        (VocabSpec::Tokenizer(path), InputFormat::Sft) => {
-            let enc = SftEncoder::open(path)?;
+        (VocabSpec::Tokenizer(path), InputFormat::Sft | InputFormat::Preference) => {
+            let enc = Box::new(SftEncoder::open(path)?);
             let hash = tokenizer_vocab_hash(enc.tokenizer());
             let size = enc.tokenizer().get_vocab_size(true) as u64;
             let info = tok_info("tokenizer", Some(path.clone()), hash, None);
-            Ok((Encoder::Sft(Box::new(enc)), info, size))
+            let encoder = match opts.format {
+                InputFormat::Sft => Encoder::Sft(enc),
+                _ => Encoder::Preference {
+                    encoder: enc,
+                    max_length: opts.max_length,
+                },
+            };
+            Ok((encoder, info, size))
         }
-        (_, InputFormat::Sft) => Err(Error::Config(
-            "--format sft needs a tokenizer.json (--tokenizer) with its chat template".into(),
-        )),
+        (_, InputFormat::Sft | InputFormat::Preference) => Err(Error::Config(format!(
+            "--format {} needs a tokenizer.json (--tokenizer) with its chat template",
+            opts.format
+        ))),
         (VocabSpec::Tokenizer(path), _) => {
             let file = TokenizerFile::open(path)?;
             let default_eos = file.special_tokens().eos;

@@ -9,7 +9,7 @@
 //! | 12 | 4 | token width in bytes: 2 (`u16`) or 4 (`u32`), see [`width_for_vocab`] |
 //! | 16 | 8 | `n_tokens` |
 //! | 24 | 8 | `n_docs`: documents *starting* in this shard (0 without a document stream) |
-//! | 32 | 4 | flags: bit 0 ([`FLAG_DOCS`]) document-start stream, bit 1 ([`FLAG_MASK`]) loss mask |
+//! | 32 | 4 | flags: bit 0 ([`FLAG_DOCS`]) document-start stream, bit 1 ([`FLAG_MASK`]) loss mask, bit 2 ([`FLAG_PAIRS`]) pair table |
 //! | 36 | 4 | reserved, 0 |
 //! | 40 | 8 | checksum: [`checksum`] of every byte after the header |
 //! | 48 | 8 | vocabulary hash ([`tokenizer_vocab_hash`], [`char_vocab_hash`], [`byte_vocab_hash`]) |
@@ -24,6 +24,19 @@
 //! [`Example::counted`](crate::data::sft::Example::counted) laid end to end; bit 0 of a shard
 //! concerns the prediction of its first token from the previous shard's last one (a reader that
 //! does not cross shards ignores it). Unused bits of the last byte are 0.
+//!
+//! # Pair layout (`trainer prepare --format preference`)
+//!
+//! With [`FLAG_PAIRS`] (always with [`FLAG_DOCS`]) each document is one preference pair: its
+//! prompt + chosen sequence, then its prompt + rejected sequence, tokenised as `data =
+//! preference` tokenises them ([`PreferencePair`](crate::data::sft::PreferencePair)); no EOS
+//! is appended between documents. After the mask stream the body holds `n_docs` [`PairEntry`]s
+//! of [`PAIR_ENTRY_LEN`] bytes, one per document starting in the shard, in order: four
+//! little-endian `u64`s, the prompt's length (the tokens at the start of both sequences that
+//! do not count), the chosen sequence's length, the rejected sequence's length (the document's
+//! length is their sum: the chosen sequence ends and the rejected one starts at its start +
+//! the chosen length), and the 1-based line of the input file the record was read from (what
+//! `dpo_reference.json` keys the pair's reference values by).
 //!
 //! Documents are separated by the tokenizer's EOS id, appended after each document (it belongs
 //! to the document it ends). A document may continue from one shard into the next; only the
@@ -55,6 +68,11 @@ pub const HEADER_LEN: usize = 64;
 pub const FLAG_DOCS: u32 = 1;
 /// Header flag: the body holds the loss-mask stream.
 pub const FLAG_MASK: u32 = 2;
+/// Header flag: the body holds the pair table (one [`PairEntry`] a document; see the module
+/// docs' pair layout).
+pub const FLAG_PAIRS: u32 = 4;
+/// Bytes of one [`PairEntry`] in a shard's pair table.
+pub const PAIR_ENTRY_LEN: usize = 32;
 /// The manifest's file name in a prepared directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The manifest format this code writes and reads.
@@ -111,6 +129,68 @@ pub fn byte_vocab_hash() -> u64 {
     hash_bytes(b"byte vocabulary")
 }
 
+/// One preference pair of a shard's pair table: the document starting at the matching
+/// document start holds `chosen_len` tokens of prompt + chosen completion, then `rejected_len`
+/// tokens of prompt + rejected completion, both starting with the `prompt_len` prompt tokens.
+///
+/// ```
+/// use trainer::data::shards::format::{PairEntry, PAIR_ENTRY_LEN};
+/// let e = PairEntry { prompt_len: 3, chosen_len: 5, rejected_len: 6, line: 7 };
+/// let bytes = e.to_bytes();
+/// assert_eq!((bytes.len(), e.len()), (PAIR_ENTRY_LEN, 11));
+/// assert_eq!(PairEntry::from_bytes(&bytes), e);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PairEntry {
+    /// Tokens of the prompt at the start of both sequences.
+    pub prompt_len: u64,
+    /// Tokens of the prompt + chosen sequence.
+    pub chosen_len: u64,
+    /// Tokens of the prompt + rejected sequence.
+    pub rejected_len: u64,
+    /// The 1-based line of the input file the record was read from.
+    pub line: u64,
+}
+
+impl PairEntry {
+    /// The entry's [`PAIR_ENTRY_LEN`] bytes.
+    pub fn to_bytes(&self) -> [u8; PAIR_ENTRY_LEN] {
+        let mut b = [0u8; PAIR_ENTRY_LEN];
+        let fields = [
+            self.prompt_len,
+            self.chosen_len,
+            self.rejected_len,
+            self.line,
+        ];
+        for (i, v) in fields.iter().enumerate() {
+            b[8 * i..8 * i + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        b
+    }
+
+    /// The entry of `bytes` ([`PAIR_ENTRY_LEN`] of them).
+    pub fn from_bytes(bytes: &[u8]) -> PairEntry {
+        let at =
+            |i: usize| u64::from_le_bytes(bytes[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+        PairEntry {
+            prompt_len: at(0),
+            chosen_len: at(1),
+            rejected_len: at(2),
+            line: at(3),
+        }
+    }
+
+    /// Tokens of the document (both sequences).
+    pub fn len(&self) -> u64 {
+        self.chosen_len + self.rejected_len
+    }
+
+    /// Whether the document holds no token.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// The fixed-size header of a shard.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShardHeader {
@@ -120,7 +200,7 @@ pub struct ShardHeader {
     pub n_tokens: u64,
     /// Number of documents starting in this shard (0 without a document stream).
     pub n_docs: u64,
-    /// [`FLAG_DOCS`] | [`FLAG_MASK`].
+    /// [`FLAG_DOCS`] | [`FLAG_MASK`] | [`FLAG_PAIRS`].
     pub flags: u32,
     /// [`checksum`] of the body.
     pub checksum: u64,
@@ -149,11 +229,26 @@ impl ShardHeader {
         self.docs_offset() + if self.has_docs() { 8 * self.n_docs } else { 0 }
     }
 
-    /// The length the whole file must have.
-    pub fn file_len(&self) -> u64 {
+    /// Whether the body holds the pair table.
+    pub fn has_pairs(&self) -> bool {
+        self.flags & FLAG_PAIRS != 0
+    }
+
+    /// Byte offset of the pair table (just after the loss mask).
+    pub fn pairs_offset(&self) -> u64 {
         self.mask_offset()
             + if self.has_mask() {
                 self.n_tokens.div_ceil(8)
+            } else {
+                0
+            }
+    }
+
+    /// The length the whole file must have.
+    pub fn file_len(&self) -> u64 {
+        self.pairs_offset()
+            + if self.has_pairs() {
+                PAIR_ENTRY_LEN as u64 * self.n_docs
             } else {
                 0
             }
@@ -210,10 +305,14 @@ impl ShardHeader {
         if h.width != 2 && h.width != 4 {
             return Err(bad(format!("token width {} (expected 2 or 4)", h.width)));
         }
-        if h.flags & !(FLAG_DOCS | FLAG_MASK) != 0 || u32_at(36) != 0 || u64_at(56) != 0 {
+        let known = FLAG_DOCS | FLAG_MASK | FLAG_PAIRS;
+        if h.flags & !known != 0 || u32_at(36) != 0 || u64_at(56) != 0 {
             return Err(bad(
                 "unknown flags or non-zero reserved header fields".into()
             ));
+        }
+        if h.has_pairs() && !h.has_docs() {
+            return Err(bad("a pair table without a document stream".into()));
         }
         if (!h.has_docs() && h.n_docs != 0) || h.n_docs > h.n_tokens {
             return Err(bad(format!(
@@ -376,6 +475,36 @@ impl Shard {
             }
             prev = Some(d);
         }
+        self.verify_pairs()
+    }
+
+    /// Checks the pair table against the document starts: each pair's prompt inside both
+    /// sequences, and each document as long as the distance to the next start (the last one
+    /// at least reaching the shard's end).
+    fn verify_pairs(&self) -> Result<()> {
+        let starts: Vec<u64> = self.doc_starts().collect();
+        for (i, (p, &s)) in self.pairs().zip(&starts).enumerate() {
+            let end = starts.get(i + 1).copied();
+            let fits = match end {
+                Some(e) => s + p.len() == e,
+                None => s + p.len() >= self.header.n_tokens,
+            };
+            if p.prompt_len > p.chosen_len.min(p.rejected_len) || !fits {
+                return Err(Error::data(
+                    &self.path,
+                    format!(
+                        "corrupt pair table: pair {i} (line {}) at token {s} has prompt {}, \
+                         chosen {} and rejected {} tokens, which its document (up to {}) \
+                         does not hold",
+                        p.line,
+                        p.prompt_len,
+                        p.chosen_len,
+                        p.rejected_len,
+                        end.map_or("the shard's end".into(), |e| format!("token {e}"))
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -430,9 +559,21 @@ impl Shard {
 
     /// The raw mask bytes (bit `t % 8` of byte `t / 8` for token `t`); `None` without a mask.
     pub fn mask_bytes(&self) -> Option<&[u8]> {
+        let end = self.header.pairs_offset() as usize;
         self.header
             .has_mask()
-            .then(|| &self.map[self.header.mask_offset() as usize..])
+            .then(|| &self.map[self.header.mask_offset() as usize..end])
+    }
+
+    /// The pair table (one entry a document starting here, in order); empty without one.
+    pub fn pairs(&self) -> impl Iterator<Item = PairEntry> + '_ {
+        let table = match self.header.has_pairs() {
+            true => &self.map[self.header.pairs_offset() as usize..],
+            false => &[][..],
+        };
+        table
+            .chunks_exact(PAIR_ENTRY_LEN)
+            .map(PairEntry::from_bytes)
     }
 
     /// Whether token `t` counts as a target (`true` for every token without a mask stream).

@@ -110,6 +110,47 @@ fn corrupt_truncated_and_mismatched_shards_are_refused_naming_the_file() {
 }
 
 #[test]
+fn pair_tables_round_trip_and_one_that_does_not_fit_its_documents_is_refused() {
+    let dir = tmp();
+    let pair = |prompt, chosen, rejected, line| PairEntry {
+        prompt_len: prompt,
+        chosen_len: chosen,
+        rejected_len: rejected,
+        line,
+    };
+    // two pairs, the second continuing into the next shard (5 + 4 + 3 = 12 > 9)
+    let entries = [pair(2, 3, 2, 1), pair(1, 3, 3, 7)];
+    let write = |name: &str, entries: &[PairEntry]| {
+        let p = dir.path().join(name);
+        let mut w = ShardWriter::new(2, 9, true, false).with_pairs(&[]);
+        w.start_pair(&entries[0]);
+        w.push(&[1, 2, 3, 4, 5], None);
+        w.start_pair(&entries[1]);
+        w.push(&[6, 7, 8, 9], None);
+        finish(&p, Ok(w)).unwrap();
+        p
+    };
+    let p = write("pairs.tok", &entries);
+    let s = open_shard(&p, &Expect::default()).unwrap();
+    assert!(s.header().has_pairs() && s.header().has_docs());
+    s.verify().unwrap();
+    assert_eq!(s.pairs().collect::<Vec<_>>(), entries);
+    assert_eq!(s.doc_starts().collect::<Vec<_>>(), [0, 5]);
+    assert_eq!(std::fs::metadata(&p).unwrap().len(), s.header().file_len());
+    // the first pair says 6 tokens where its document holds 5
+    let p = write("bad.tok", &[pair(2, 4, 2, 1), entries[1]]);
+    let e = open_shard(&p, &Expect::default())
+        .unwrap()
+        .verify()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("bad.tok") && e.contains("corrupt pair table") && e.contains("line 1"),
+        "{e}"
+    );
+}
+
+#[test]
 fn wide_tokens_in_a_narrow_shard_are_refused() {
     let dir = tmp();
     let p = dir.path().join("x.tok");
@@ -152,6 +193,7 @@ fn manifest_round_trip_and_fingerprint() {
         width: 2,
         docs: true,
         mask: false,
+        pairs: false,
         train: vec![entry("train-00000.tok", "00000000000000aa")],
         val: vec![],
         inputs: vec![],

@@ -116,9 +116,22 @@ impl<'a> UnitReader<'a> {
 pub(crate) fn parquet_files(opts: &PrepareOptions, files: &[PathBuf]) -> Result<Vec<bool>> {
     let all = |p: bool| Ok(vec![p; files.len()]);
     match (opts.container, opts.format) {
+        (Container::Auto | Container::Parquet, InputFormat::Preference) => {
+            match files
+                .iter()
+                .find(|p| opts.container == Container::Parquet || is_parquet(p))
+            {
+                Some(p) => Err(Error::data(
+                    p,
+                    "is read as Parquet; --format preference reads JSON lines, one record a \
+                     line (as data = preference does)",
+                )),
+                None => all(false),
+            }
+        }
         (Container::Auto, _) => Ok(files.iter().map(|p| is_parquet(p)).collect()),
         (Container::Parquet, _) => all(true),
-        (Container::Jsonl, InputFormat::Jsonl | InputFormat::Sft)
+        (Container::Jsonl, InputFormat::Jsonl | InputFormat::Sft | InputFormat::Preference)
         | (Container::Text, InputFormat::Text) => all(false),
         (container, format) => Err(Error::Config(format!(
             "--input-format {container} cannot hold --format {format} records (text files \
@@ -135,7 +148,8 @@ pub(crate) fn unit_reader<'a>(
 ) -> Result<UnitReader<'a>> {
     let text = opts.format == InputFormat::Text;
     let columns = match opts.format {
-        InputFormat::Sft => Columns::Sft,
+        // (preference records are never Parquet rows: `parquet_files` refuses them)
+        InputFormat::Sft | InputFormat::Preference => Columns::Sft,
         InputFormat::Text | InputFormat::Jsonl => Columns::Text(opts.field.clone()),
     };
     let reader = UnitReader::new(files, text, opts.chunk_bytes, opts.max_line_bytes, at);

@@ -76,6 +76,10 @@ pub struct Manifest {
     pub docs: bool,
     /// Whether the shards carry the loss-mask stream.
     pub mask: bool,
+    /// Whether the shards carry the pair table: each document is a preference pair
+    /// (`trainer prepare --format preference`; see [`super::format`]'s pair layout).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pairs: bool,
     /// Training shards, in order.
     pub train: Vec<ShardEntry>,
     /// Validation shards, in order.

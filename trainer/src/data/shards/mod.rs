@@ -9,6 +9,8 @@
 //! - [`ShardSource`]: the [`DataSource`](crate::data::DataSource) over a prepared directory
 //!   (or nanoGPT's `train.bin` / `val.bin`), memory-mapped, in random or epoch order
 //!   ([`DataOrder`], see [`order`]).
+//! - `pairs`: the preference pairs of a directory prepared with `--format preference`
+//!   (the pair layout), read whole for [`PreferenceSource`](crate::data::sft::PreferenceSource).
 //! - [`verify_dir`]: `trainer prepare --verify DIR`, every shard read back and checked.
 //! - [`write_prepared`]: a whole prepared directory from token streams in memory (the text
 //!   sources' token cache).
@@ -21,6 +23,7 @@ mod input;
 mod manifest;
 mod options;
 pub mod order;
+pub(crate) mod pairs;
 mod plan;
 pub mod prepare;
 mod progress;

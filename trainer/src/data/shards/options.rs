@@ -21,6 +21,11 @@ pub enum InputFormat {
     /// template and masked as [`SftEncoder`](crate::data::sft::SftEncoder) does; shards carry the loss mask. No EOS is
     /// appended (the encoder ends examples itself).
     Sft,
+    /// Preference records (`prompt` / `chosen` / `rejected`, or the implicit-prompt form),
+    /// one JSON object a line, tokenised as `data = preference` tokenises them; each becomes
+    /// a document of the shards' pair layout (see [`super::format`]). No EOS is appended
+    /// (string completions get theirs from the encoder).
+    Preference,
 }
 
 impl InputFormat {
@@ -42,10 +47,11 @@ impl InputFormat {
     }
 }
 
-named_enum!(InputFormat, "--format must be text, jsonl or sft", {
+named_enum!(InputFormat, "--format must be text, jsonl, sft or preference", {
     Text => "text",
     Jsonl => "jsonl",
     Sft => "sft",
+    Preference => "preference",
 });
 
 /// How input files are stored (`trainer prepare --input-format`); what their records are is
@@ -126,6 +132,10 @@ pub struct PrepareOptions {
     /// JSONL and SFT: the longest line, in bytes (a longer one is refused naming `file:line`
     /// before it is read whole; see [`crate::data::lines`]).
     pub max_line_bytes: usize,
+    /// Preference: each sequence cut to this many tokens keeping its start (TRL's
+    /// `max_length`, `keep_start`), and records whose prompt alone fills it dropped (counted
+    /// in [`PrepareSummary::dropped`]). `None`: whole pairs (training cuts them to its block).
+    pub max_length: Option<usize>,
 }
 
 impl Default for PrepareOptions {
@@ -144,6 +154,7 @@ impl Default for PrepareOptions {
             chunk_bytes: 1 << 20,
             overwrite: false,
             max_line_bytes: crate::data::lines::MAX_LINE_BYTES,
+            max_length: None,
         }
     }
 }
@@ -174,4 +185,7 @@ pub struct PrepareSummary {
     pub bytes_read: u64,
     /// Tokens made by this call.
     pub tokens_made: u64,
+    /// Preference records this call dropped because their prompt alone fills
+    /// [`PrepareOptions::max_length`].
+    pub dropped: u64,
 }

@@ -69,6 +69,7 @@ pub fn prepare(
         width: width_for_vocab(vocab_size as usize),
         vocab: u64::from_str_radix(&tokenizer.hash, 16).unwrap_or_default(),
         mask: opts.format == InputFormat::Sft,
+        pairs: opts.format == InputFormat::Preference,
     };
     let eos_id = encoder.eos();
     let mut settings = settings_of(opts, eos_id, &files, &parquet);
@@ -112,6 +113,7 @@ pub fn prepare(
         encoder: &encoder,
     };
     job.encode_units(at, &mut cut, &base, &mut state, progress)?;
+    let dropped = cut.dropped;
     let manifest = Manifest {
         format: MANIFEST_FORMAT,
         tokenizer,
@@ -120,6 +122,7 @@ pub fn prepare(
         width: shape.width,
         docs: true,
         mask: shape.mask,
+        pairs: shape.pairs,
         train: Vec::new(),
         val: Vec::new(),
         inputs,
@@ -134,6 +137,7 @@ pub fn prepare(
         up_to_date: false,
         bytes_read: state.bytes_done - bytes_before,
         tokens_made: state.tokens,
+        dropped,
     })
 }
 
@@ -145,6 +149,7 @@ fn up_to_date(manifest: Manifest) -> PrepareSummary {
         up_to_date: true,
         bytes_read: 0,
         tokens_made: 0,
+        dropped: 0,
     }
 }
 
@@ -181,7 +186,18 @@ fn progress_at(inputs: &[InputEntry], at: &Position, shards: usize) -> PreparePr
 /// came), writes it (last), and removes the progress file and the partial shards.
 fn close(cut: Cutter<'_>, mut manifest: Manifest, opts: &PrepareOptions) -> Result<Manifest> {
     let dir = opts.out_dir.as_path();
+    let dropped = cut.dropped;
     let [train, val] = cut.close()?;
+    if train.is_empty() && dropped > 0 {
+        return Err(Error::data(
+            &opts.inputs[0],
+            format!(
+                "no training pair: {dropped} preference records dropped, their prompt alone \
+                 filling --max-length {} tokens, the others (if any) held out",
+                opts.max_length.unwrap_or_default()
+            ),
+        ));
+    }
     if train.is_empty() {
         return Err(Error::data(
             &opts.inputs[0],
@@ -210,7 +226,13 @@ fn check_options(opts: &PrepareOptions) -> Result<()> {
     if opts.inputs.is_empty() {
         return Err(Error::Config("prepare needs at least one input".into()));
     }
-    Ok(())
+    match (opts.max_length, opts.format) {
+        (Some(0), _) => Err(Error::Config("--max-length must be positive".into())),
+        (Some(_), f) if f != InputFormat::Preference => Err(Error::Config(format!(
+            "--max-length cuts preference pairs (--format preference), not --format {f}"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// The settings that make the output what it is, as the manifest records them (the plan is
@@ -231,6 +253,9 @@ fn settings_of(
         "chunk_bytes": opts.chunk_bytes,
         "eos_id": eos_id,
     });
+    if let Some(max) = opts.max_length {
+        settings["max_length"] = max.into();
+    }
     // Recorded only when it is not what the file names say (earlier plans stay the same).
     let by_name: Vec<bool> = files.iter().map(|p| is_parquet(p)).collect();
     if parquet != by_name {

@@ -81,14 +81,18 @@ pub(super) fn load_partial(path: &Path, expect: &Expect) -> Result<ShardWriter> 
     let counted: Option<Vec<bool>> = h
         .has_mask()
         .then(|| (0..shard.len()).map(|t| shard.counted(t)).collect());
-    shard_writer(
+    let writer = shard_writer(
         path,
         h.width,
         h.vocab,
         &shard.tokens(),
         h.has_docs().then_some(&starts[..]),
         counted.as_deref(),
-    )
+    )?;
+    Ok(match h.has_pairs() {
+        true => writer.with_pairs(&shard.pairs().collect::<Vec<_>>()),
+        false => writer,
+    })
 }
 
 /// Removes the `partial-*.tok` files not in `keep`.

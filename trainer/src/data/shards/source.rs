@@ -61,6 +61,19 @@ pub(crate) fn human(n: usize) -> String {
     }
 }
 
+/// Errors when `manifest` (of `dir`) lists preference pairs, which a [`ShardSource`] does not
+/// serve.
+fn refuse_pairs(manifest: &Manifest, dir: &Path) -> Result<()> {
+    if !manifest.pairs {
+        return Ok(());
+    }
+    Err(Error::data(
+        dir,
+        "holds preference pairs (prepared with --format preference), not windows of tokens: \
+         open it with trainer::data::open (--data shards), which serves its pairs",
+    ))
+}
+
 impl ShardSource {
     /// Opens `dir`: a prepared directory (its `manifest.json`), else nanoGPT's raw
     /// `train.bin` and `val.bin`. Every shard is mapped and its header checked against the
@@ -92,6 +105,7 @@ impl ShardSource {
 
     fn open_prepared(dir: &Path, options: ShardOptions) -> Result<Self> {
         let manifest = Manifest::read(dir)?;
+        refuse_pairs(&manifest, dir)?;
         let expect = manifest.expect();
         let open_split = |split: Split| -> Result<Vec<ShardView>> {
             manifest

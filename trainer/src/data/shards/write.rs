@@ -5,8 +5,8 @@
 use std::path::Path;
 
 use super::format::{
-    checksum, chunk_sums, width_for_vocab, Manifest, ShardEntry, ShardHeader, TokenizerInfo,
-    FLAG_DOCS, FLAG_MASK, HEADER_LEN, MANIFEST_FORMAT,
+    checksum, chunk_sums, width_for_vocab, Manifest, PairEntry, ShardEntry, ShardHeader,
+    TokenizerInfo, FLAG_DOCS, FLAG_MASK, FLAG_PAIRS, HEADER_LEN, MANIFEST_FORMAT,
 };
 use crate::error::{Error, Result};
 
@@ -21,6 +21,8 @@ pub(crate) struct ShardWriter {
     n_tokens: u64,
     docs: Vec<u64>,
     mask: Vec<u8>,
+    /// The pair table's bytes (with [`FLAG_PAIRS`]).
+    pairs: Vec<u8>,
     max_token: u32,
 }
 
@@ -37,7 +39,25 @@ impl ShardWriter {
             n_tokens: 0,
             docs: Vec::new(),
             mask: Vec::new(),
+            pairs: Vec::new(),
             max_token: 0,
+        }
+    }
+
+    /// The same writer with a pair table ([`FLAG_PAIRS`]; it needs the document stream),
+    /// holding `entries` (those of the documents already pushed, in order).
+    pub fn with_pairs(mut self, entries: &[PairEntry]) -> Self {
+        self.flags |= FLAG_PAIRS | FLAG_DOCS;
+        self.pairs = entries.iter().flat_map(PairEntry::to_bytes).collect();
+        self
+    }
+
+    /// Marks the next pushed token as the start of a document that is the preference pair
+    /// `entry` (its tokens pushed next); the entry is recorded only with a pair table.
+    pub fn start_pair(&mut self, entry: &PairEntry) {
+        self.start_doc();
+        if self.flags & FLAG_PAIRS != 0 {
+            self.pairs.extend_from_slice(&entry.to_bytes());
         }
     }
 
@@ -109,6 +129,9 @@ impl ShardWriter {
         }
         if self.flags & FLAG_MASK != 0 {
             body.extend_from_slice(&self.mask);
+        }
+        if self.flags & FLAG_PAIRS != 0 {
+            body.extend_from_slice(&self.pairs);
         }
         let header = ShardHeader {
             width: self.width,
@@ -223,6 +246,7 @@ pub fn write_prepared(
         width,
         docs: all().all(|s| s.doc_starts.is_some()) && all().next().is_some(),
         mask: all().all(|s| s.counted.is_some()) && all().next().is_some(),
+        pairs: false,
         train: write("train", train)?,
         val: write("val", val)?,
         inputs: Vec::new(),
