@@ -352,33 +352,13 @@ fn a_lora_dpo_run_over_gemma_starts_at_log_2_and_learns() {
     let (_, params) = trainer::model::init(&gemma, 5, &Device::Cpu).unwrap();
     let base = tmp.path().join("base");
     checkpoint::save_model(&base, &gemma, &params).unwrap();
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let mut text = String::new();
-    for name in ["strings", "conversational", "implicit_strings"] {
-        let path = fixtures.join(format!("dpo/{name}.jsonl"));
-        text.push_str(&std::fs::read_to_string(path).unwrap());
-    }
-    let data = tmp.path().join("pairs.jsonl");
-    std::fs::write(&data, text).unwrap();
+    let pairs = common::dpo::write_pairs(tmp.path());
     let cfg = TrainConfig {
         init_from: Some(base.display().to_string()),
-        data: DataKind::Preference,
-        data_path: Some(data),
-        tokenizer_path: Some(fixtures.join("chat/llama3/tokenizer.json")),
-        block_size: 64,
-        batch_size: 4,
-        objective: "dpo".into(),
-        lr: 2e-2,
-        lora_r: 4,
-        weight_decay: 0.0,
-        lora_alpha: 8.0,
-        warmup_iters: 0,
-        lora_dropout: 0.0,
         max_iters: 8,
         lr_decay_iters: Some(8),
         eval_interval: 8,
-        sample_tokens: 0,
-        ..common::tiny_config(&tmp.path().join("run"))
+        ..common::dpo::lora_dpo_config(tmp.path(), DataKind::Preference, &pairs)
     };
     let (steps, _) = common::finish(Trainer::new(cfg).unwrap());
     // a fresh adapter (B = 0) is the reference: every log-ratio 0, the sigmoid loss log 2
@@ -388,7 +368,6 @@ fn a_lora_dpo_run_over_gemma_starts_at_log_2_and_learns() {
         "first loss {first}"
     );
     let losses: Vec<f32> = steps.iter().map(|s| s.loss).collect();
-    eprintln!("losses {losses:?}");
     let margin = steps.last().unwrap().objective["rewards/margins"];
     assert!(
         margin > 0.0 && losses[losses.len() - 1] < first,
