@@ -46,6 +46,7 @@ pub(crate) const FAMILIES: &[Family] = &[
     dropout::FAMILY,
     swiglu::FAMILY,
     gelu::FAMILY,
+    gelu::GEGLU_FAMILY,
     adamw::FAMILY,
     embedding::FAMILY,
 ];

@@ -116,6 +116,8 @@ fn public_block_sizes_are_the_compiled_constexprs() -> Result<()> {
         ("ce_fwd_bwd", None, "BLOCK_V", cross_entropy::BLOCK_V),
         ("swiglu_fwd", None, "BLOCK", swiglu::BLOCK),
         ("gelu_fwd", None, "BLOCK", gelu::BLOCK),
+        ("geglu_fwd", None, "BLOCK", gelu::BLOCK),
+        ("geglu_bwd", None, "BLOCK", gelu::BLOCK),
         ("bias_gelu_fwd", None, "BLOCK_R", gelu::FWD_BLOCK_R),
         ("bias_gelu_fwd", None, "BLOCK_C", gelu::BLOCK_C),
         (
