@@ -157,6 +157,9 @@ pub const UNPROVEN: &[&str] = &[
     // GeGLU (Gemma's MLP activation)
     "geglu_fwd",
     "geglu_bwd",
+    // QLoRA's NF4 dequantization
+    "nf4_dequant",
+    "nf4_dequant_nested",
     // attention's head-size builds
     "attn_bwd_delta_d64",
     "attn_bwd_delta_d128",

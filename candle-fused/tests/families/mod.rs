@@ -31,6 +31,7 @@ pub(crate) mod dropout;
 pub(crate) mod embedding;
 pub(crate) mod gelu;
 pub(crate) mod layer_norm;
+pub(crate) mod nf4;
 pub(crate) mod rms_norm;
 pub(crate) mod rope;
 pub(crate) mod swiglu;
@@ -49,6 +50,7 @@ pub(crate) const FAMILIES: &[Family] = &[
     gelu::GEGLU_FAMILY,
     adamw::FAMILY,
     embedding::FAMILY,
+    nf4::FAMILY,
 ];
 
 /// A vector file's tensors, by name.
