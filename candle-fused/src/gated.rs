@@ -44,21 +44,27 @@ pub(crate) enum Gate {
     GeluTanh,
 }
 
-impl Gate {
-    /// The public op's name, in errors.
-    fn name(self) -> &'static str {
-        match self {
-            Gate::Silu => "swiglu",
-            Gate::GeluTanh => "geglu",
-        }
-    }
+/// The names of a gated op: the public op's (in errors), the Candle op's, and the Triton
+/// kernels' entries (forward, backward).
+struct Names {
+    op: &'static str,
+    custom: &'static str,
+    fwd: &'static str,
+    bwd: &'static str,
+}
 
-    /// The Triton kernels' entries (forward, backward), and whether they may run.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    fn entries(self) -> (&'static str, &'static str) {
+impl Gate {
+    /// Its op's [`Names`].
+    fn names(self) -> Names {
+        let n = |op, custom, fwd, bwd| Names {
+            op,
+            custom,
+            fwd,
+            bwd,
+        };
         match self {
-            Gate::Silu => ("swiglu_fwd", "swiglu_bwd"),
-            Gate::GeluTanh => ("geglu_fwd", "geglu_bwd"),
+            Gate::Silu => n("swiglu", "candle-fused-swiglu", "swiglu_fwd", "swiglu_bwd"),
+            Gate::GeluTanh => n("geglu", "candle-fused-geglu", "geglu_fwd", "geglu_bwd"),
         }
     }
 
@@ -125,11 +131,11 @@ impl Activation for GeluTanh {
 
 /// `act(gate) * up`: the public ops' body (see [`crate::swiglu::swiglu`]).
 pub(crate) fn gated(act: Gate, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    check(act.name(), gate, up)?;
-    let (fwd, bwd) = act.entries();
+    let names = act.names();
+    check(names.op, gate, up)?;
     if triton_flat(gate.device(), gate.dtype(), gate.elem_count())
-        && crate::cuda_kernels::may_launch(fwd)
-        && crate::cuda_kernels::may_launch(bwd)
+        && crate::cuda_kernels::may_launch(names.fwd)
+        && crate::cuda_kernels::may_launch(names.bwd)
     {
         // the Triton kernels (CUDA, on by default): nothing computed beforehand
         let (gate, up) = (triton_input(gate)?, triton_input(up)?);
@@ -156,15 +162,13 @@ pub(crate) fn gated_composite(act: Gate, op: &str, gate: &Tensor, up: &Tensor) -
 }
 
 fn check(op: &str, gate: &Tensor, up: &Tensor) -> Result<()> {
-    if !gate.dtype().is_float() {
-        bail!("{op}: gate must be a float tensor, got {:?}", gate.dtype())
+    let (dt, dims) = (gate.dtype(), gate.dims());
+    if !dt.is_float() {
+        bail!("{op}: gate must be a float tensor, got {dt:?}")
     }
-    if gate.dims() != up.dims() {
-        bail!(
-            "{op}: gate and up must have the same shape, got {:?} and {:?}",
-            gate.shape(),
-            up.shape()
-        )
+    if dims != up.dims() {
+        let other = up.dims();
+        bail!("{op}: gate and up must have the same shape, got {dims:?} and {other:?}")
     }
     check_like(op, ("gate", gate), ("up", up))
 }
@@ -301,10 +305,7 @@ struct GatedOp {
 
 impl Kernel for GatedOp {
     fn name(&self) -> &'static str {
-        match self.act {
-            Gate::Silu => "candle-fused-swiglu",
-            Gate::GeluTanh => "candle-fused-geglu",
-        }
+        self.act.names().custom
     }
 
     fn cpu_fwd(&self, ins: &[In<'_>]) -> Result<(CpuStorage, Shape)> {
@@ -327,7 +328,7 @@ impl Kernel for GatedOp {
         &self,
         ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::fwd(self.act.entries().0, ins[0], ins[1])
+        cuda::fwd(self.act.names().fwd, ins[0], ins[1])
     }
 
     fn bwd(&self, ins: &[&Tensor], _y: &Tensor, dy: &Tensor) -> Result<Grads> {
@@ -335,7 +336,7 @@ impl Kernel for GatedOp {
         let need = [gate.track_op(), up.track_op()];
         if self.triton {
             #[cfg(feature = "cuda")]
-            return cuda::bwd(self.act.entries().1, gate, up, dy, need);
+            return cuda::bwd(self.act.names().bwd, gate, up, dy, need);
             #[cfg(not(feature = "cuda"))]
             bail!("{}: Triton kernels need the `cuda` feature", self.name());
         }

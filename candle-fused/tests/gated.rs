@@ -26,43 +26,46 @@ use candle_fused::swiglu::{swiglu, swiglu_composite};
 use common::*;
 
 type Pair = fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>;
+/// An op on a list of inputs.
+type Fused<'a> = dyn Fn(&[Tensor]) -> candle_core::Result<Tensor> + 'a;
 
-/// One gated op: its name, the fused op, its composite, its tolerances by dtype.
+/// One gated op: its name, the fused op, its composite, its tolerances by dtype (f32's also
+/// for the tails).
 struct Op {
     name: &'static str,
     fused: Pair,
     reference: Pair,
     dtypes: [(DType, f64); 4],
-    /// The f32 tolerance of the tails.
-    tails: f64,
+}
+
+impl Op {
+    /// The dtypes' tolerances with `f32` for f32 (the others are the same for both ops).
+    const fn new(name: &'static str, fused: Pair, reference: Pair, f32: f64) -> Self {
+        let dtypes = [
+            (DType::F64, 1e-12),
+            (DType::F32, f32),
+            (DType::BF16, 8e-3),
+            (DType::F16, 1e-3),
+        ];
+        Op {
+            name,
+            fused,
+            reference,
+            dtypes,
+        }
+    }
 }
 
 const OPS: [Op; 2] = [
-    Op {
-        name: "swiglu",
-        fused: swiglu,
-        reference: swiglu_composite,
-        dtypes: [
-            (DType::F64, 1e-12),
-            (DType::F32, 1e-6),
-            (DType::BF16, 8e-3),
-            (DType::F16, 1e-3),
-        ],
-        tails: 1e-6,
-    },
-    Op {
-        name: "geglu",
-        fused: geglu,
-        reference: geglu_composite,
-        dtypes: [
-            (DType::F64, 1e-12),
-            (DType::F32, 1e-5),
-            (DType::BF16, 8e-3),
-            (DType::F16, 1e-3),
-        ],
-        tails: 1e-5,
-    },
+    Op::new("swiglu", swiglu, swiglu_composite, 1e-6),
+    Op::new("geglu", geglu, geglu_composite, 1e-5),
 ];
+
+/// Every op with each dtype and its tolerance.
+fn cases() -> impl Iterator<Item = (&'static Op, DType, f64)> {
+    OPS.iter()
+        .flat_map(|op| op.dtypes.map(|(dt, tol)| (op, dt, tol)))
+}
 
 impl Op {
     fn fused(&self, t: &[Tensor]) -> candle_core::Result<Tensor> {
@@ -95,22 +98,28 @@ const SHAPES: [&[usize]; 8] = [
     &[2, 4097],
 ];
 
-/// Asserts `f` and `g` give the same value and gradients within `tol` for `ins`.
+/// Asserts `f` and `g` give the same value and gradients (dtype, shape, values within `tol`)
+/// for `ins`.
 fn assert_matches(
-    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
-    g: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+    fns: [&Fused<'_>; 2],
     ins: &[Tensor],
     probe: &Tensor,
     tol: f64,
     what: &str,
 ) -> Result<()> {
-    let (y, gr) = value_and_grads(f, ins, probe)?;
-    let (yr, grr) = value_and_grads(g, ins, probe)?;
-    assert_eq!(y.dtype(), yr.dtype(), "{what}");
-    assert_close(&y, &yr, tol, &format!("{what} y"))?;
-    for (k, (a, b)) in gr.iter().zip(&grr).enumerate() {
-        assert_eq!((a.dtype(), a.dims()), (b.dtype(), ins[k].dims()), "{what}");
-        assert_close(a, b, tol, &format!("{what} grad {k}"))?;
+    let mut runs = Vec::new();
+    for h in fns {
+        let (y, grads) = value_and_grads(h, ins, probe)?;
+        runs.push([vec![y], grads].concat());
+    }
+    for (k, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
+        let name = match k {
+            0 => "y".to_string(),
+            _ => format!("grad {}", k - 1),
+        };
+        let want = if k == 0 { b.dims() } else { ins[k - 1].dims() };
+        assert_eq!((a.dtype(), a.dims()), (b.dtype(), want), "{what} {name}");
+        assert_close(a, b, tol, &format!("{what} {name}"))?;
     }
     Ok(())
 }
@@ -118,16 +127,14 @@ fn assert_matches(
 #[test]
 fn matches_composite() -> Result<()> {
     let mut rng = Lcg(1);
-    for op in &OPS {
-        for (dt, tol) in op.dtypes {
-            for shape in SHAPES {
-                let ins = inputs(shape, dt, &mut rng)?;
-                let probe = rand(shape, dt, &mut rng, 1.0, 0.0)?;
-                let what = format!("{} {dt:?} {shape:?}", op.name);
-                let (f, r) = (|t: &[Tensor]| op.fused(t), |t: &[Tensor]| op.reference(t));
-                assert_matches(&f, &r, &ins, &probe, tol, &what)?;
-                assert!(op.fused(&ins)?.is_contiguous());
-            }
+    for (op, dt, tol) in cases() {
+        for shape in SHAPES {
+            let ins = inputs(shape, dt, &mut rng)?;
+            let probe = rand(shape, dt, &mut rng, 1.0, 0.0)?;
+            let what = format!("{} {dt:?} {shape:?}", op.name);
+            let (f, r) = (|t: &[Tensor]| op.fused(t), |t: &[Tensor]| op.reference(t));
+            assert_matches([&f, &r], &ins, &probe, tol, &what)?;
+            assert!(op.fused(&ins)?.is_contiguous());
         }
     }
     Ok(())
@@ -178,9 +185,10 @@ fn tails_of_the_activation() -> Result<()> {
     for op in &OPS {
         let (f, r) = (|t: &[Tensor]| op.fused(t), |t: &[Tensor]| op.reference(t));
         let what = format!("{} tails", op.name);
-        assert_matches(&f, &r, &ins, &probe, op.tails, &format!("{what} f32"))?;
+        let tol = op.dtypes[1].1;
+        assert_matches([&f, &r], &ins, &probe, tol, &format!("{what} f32"))?;
         let probe64 = probe.to_dtype(DType::F64)?;
-        assert_matches(&f, &r, &ins64, &probe64, 1e-12, &format!("{what} f64"))?;
+        assert_matches([&f, &r], &ins64, &probe64, 1e-12, &format!("{what} f64"))?;
     }
     Ok(())
 }
@@ -206,11 +214,9 @@ fn geglu_is_gelu_times_up() -> Result<()> {
 #[test]
 fn strided_inputs() -> Result<()> {
     let mut rng = Lcg(3);
-    for op in &OPS {
-        for (dt, tol) in op.dtypes {
-            for (n, i) in [(1usize, 1usize), (7, 33), (2 * 3, 1536)] {
-                strided_case(op, dt, tol, n, i, &mut rng)?;
-            }
+    for (op, dt, tol) in cases() {
+        for (n, i) in [(1usize, 1usize), (7, 33), (2 * 3, 1536)] {
+            strided_case(op, dt, tol, n, i, &mut rng)?;
         }
     }
     Ok(())
@@ -231,14 +237,14 @@ fn strided_case(op: &Op, dt: DType, tol: f64, n: usize, i: usize, rng: &mut Lcg)
     let f = |t: &[Tensor]| op.fused(&halves(t)?);
     let r = |t: &[Tensor]| op.reference(&halves(t)?);
     let what = format!("{} {dt:?} packed [{n}, 2 x {i}]", op.name);
-    assert_matches(&f, &r, std::slice::from_ref(&h), &probe, tol, &what)?;
+    assert_matches([&f, &r], std::slice::from_ref(&h), &probe, tol, &what)?;
     // up contiguous, gate transposed (its last stride is not 1), 3-D with a strided middle dim.
     let gt = rand(&[i, n], dt, rng, 6.0, 0.0)?;
     let u = rand(&[n, i], dt, rng, 2.0, 0.0)?;
     let f = |t: &[Tensor]| op.fused(&[t[0].t()?, t[1].clone()]);
     let r = |t: &[Tensor]| op.reference(&[t[0].t()?, t[1].clone()]);
     let what = format!("{} {dt:?} transposed gate [{n}, {i}]", op.name);
-    assert_matches(&f, &r, &[gt, u], &probe, tol, &what)?;
+    assert_matches([&f, &r], &[gt, u], &probe, tol, &what)?;
     let big = rand(&[2, 5, n, i], dt, rng, 6.0, 0.0)?;
     let pick = |t: &Tensor| t.narrow(1, 1, 3);
     let p3 = rand(&[2, 3, n, i], dt, rng, 1.0, 0.0)?;
@@ -246,20 +252,18 @@ fn strided_case(op: &Op, dt: DType, tol: f64, n: usize, i: usize, rng: &mut Lcg)
     let r = |t: &[Tensor]| op.reference(&[pick(&t[0])?, pick(&t[1])?]);
     let ins = [big.clone(), big.affine(0.5, 0.1)?];
     let what = format!("{} {dt:?} narrowed dim 1", op.name);
-    assert_matches(&f, &r, &ins, &p3, tol, &what)
+    assert_matches([&f, &r], &ins, &p3, tol, &what)
 }
 
 #[test]
 fn fallback_matches_kernel() -> Result<()> {
     let mut rng = Lcg(4);
-    for op in &OPS {
-        for (dt, tol) in op.dtypes {
-            for shape in [&[1usize][..], &[3, 7], &[2, 3, 33]] {
-                let ins = inputs(shape, dt, &mut rng)?;
-                let probe = rand(shape, dt, &mut rng, 1.0, 0.0)?;
-                let what = format!("{} fallback {dt:?} {shape:?}", op.name);
-                assert_fallback_matches(&|t| op.fused(t), &ins, &probe, tol, &what)?;
-            }
+    for (op, dt, tol) in cases() {
+        for shape in [&[1usize][..], &[3, 7], &[2, 3, 33]] {
+            let ins = inputs(shape, dt, &mut rng)?;
+            let probe = rand(shape, dt, &mut rng, 1.0, 0.0)?;
+            let what = format!("{} fallback {dt:?} {shape:?}", op.name);
+            assert_fallback_matches(&|t| op.fused(t), &ins, &probe, tol, &what)?;
         }
     }
     Ok(())

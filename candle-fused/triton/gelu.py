@@ -175,9 +175,9 @@ def geglu_fwd(GATE, UP, Y, E, BLOCK: tl.constexpr):
     """Program `p`: elements `[p * BLOCK, (p + 1) * BLOCK)` of `Y = gelu(GATE) * UP`."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < E
-    g = tl.load(GATE + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(UP + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + offs, (gelu_val(g) * u).to(Y.dtype.element_ty), mask=mask)
+    y = gelu_val(tl.load(GATE + offs, mask=mask, other=0.0).to(tl.float32))
+    y *= tl.load(UP + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -99,19 +99,22 @@ def nf4_dequant_nested(PACKED, CODES, NABSMAX, NMAP, OUT, OFFSET, START, E, BS, 
 BLOCK = 1024
 NUM_WARPS = 4
 
+
+def _aot(fn, params):
+    """An entry compiled with the fixed configuration: one program per `BLOCK` values."""
+    return dict(fn=fn, num_warps=NUM_WARPS, grid=f"(cdiv(E, {BLOCK}), 1, 1)",
+                constexprs={"BLOCK": BLOCK}, params=params)
+
+
+# (name, type, role): the roles' `[dims]` name the tensors' sizes
+_RANGE = [("START", "i32", "first value"), ("E", "i32", "values"), ("BS", "i32", "block size")]
 AOT = [
-    dict(fn=nf4_dequant, num_warps=NUM_WARPS, grid=f"(cdiv(E, {BLOCK}), 1, 1)",
-         constexprs={"BLOCK": BLOCK},
-         params=[("PACKED", "*u8", "in [B]"), ("ABSMAX", "*fp32", "in [A] f32"),
-                 ("OUT", "*{io}", "out [E]"), ("START", "i32", "first value"),
-                 ("E", "i32", "values"), ("BS", "i32", "block size")]),
-    dict(fn=nf4_dequant_nested, num_warps=NUM_WARPS, grid=f"(cdiv(E, {BLOCK}), 1, 1)",
-         constexprs={"BLOCK": BLOCK},
-         params=[("PACKED", "*u8", "in [B]"), ("CODES", "*u8", "in [A]"),
-                 ("NABSMAX", "*fp32", "in [C] f32"), ("NMAP", "*fp32", "in [M] f32"),
-                 ("OUT", "*{io}", "out [E]"), ("OFFSET", "fp32", "nested offset"),
-                 ("START", "i32", "first value"), ("E", "i32", "values"),
-                 ("BS", "i32", "block size"), ("NBS", "i32", "nested block size")]),
+    _aot(nf4_dequant, [("PACKED", "*u8", "in [B]"), ("ABSMAX", "*fp32", "in [A] f32"),
+                       ("OUT", "*{io}", "out [E]"), *_RANGE]),
+    _aot(nf4_dequant_nested, [("PACKED", "*u8", "in [B]"), ("CODES", "*u8", "in [A]"),
+                              ("NABSMAX", "*fp32", "in [C] f32"), ("NMAP", "*fp32", "in [M] f32"),
+                              ("OUT", "*{io}", "out [E]"), ("OFFSET", "fp32", "nested offset"),
+                              *_RANGE, ("NBS", "i32", "nested block size")]),
 ]
 
 # Interpreter check: the dequantized values bit-identical to the CPU's ("exact": no element

@@ -25,46 +25,29 @@ pub(super) fn dequantize(
     };
     let int = |v: usize| i32::try_from(v).map(I32).map_err(candle_core::Error::wrap);
     let mut out = Output::new(dev, end - start, dtype)?;
-    // contiguous and aligned (a copy only where a part is not)
-    let packed = triton_input(&w.packed)?;
-    let (sp, lp) = packed.storage_and_layout();
-    match &w.absmax {
+    let (entry, inputs, scalars) = match &w.absmax {
         Absmax::Plain(_) => {
-            let absmax = triton_input(absmax)?;
-            let (sa, la) = absmax.storage_and_layout();
-            let tensors = vec![
-                Buf::read(cuda_of(&sp)?, lp),
-                Buf::read(cuda_of(&sa)?, la),
-                Buf::write(&mut out),
-            ];
-            launch(
-                "nf4_dequant",
-                dtype,
-                tensors,
-                &[int(start)?, int(w.blocksize)?],
-            )?;
+            let scalars = vec![int(start)?, int(w.blocksize)?];
+            ("nf4_dequant", vec![&w.packed, absmax], scalars)
         }
         Absmax::Nested(q) => {
-            let [codes, nested, map] = [&q.codes, &q.absmax, &q.map].map(triton_input);
-            let (codes, nested, map) = (codes?, nested?, map?);
-            let (sc, lc) = codes.storage_and_layout();
-            let (sn, ln) = nested.storage_and_layout();
-            let (sm, lm) = map.storage_and_layout();
-            let tensors = vec![
-                Buf::read(cuda_of(&sp)?, lp),
-                Buf::read(cuda_of(&sc)?, lc),
-                Buf::read(cuda_of(&sn)?, ln),
-                Buf::read(cuda_of(&sm)?, lm),
-                Buf::write(&mut out),
-            ];
-            let scalars = [
-                F32(q.offset),
-                int(start)?,
-                int(w.blocksize)?,
-                int(q.blocksize)?,
-            ];
-            launch("nf4_dequant_nested", dtype, tensors, &scalars)?;
+            let (offset, nbs) = (F32(q.offset), int(q.blocksize)?);
+            let scalars = vec![offset, int(start)?, int(w.blocksize)?, nbs];
+            let inputs = vec![&w.packed, &q.codes, &q.absmax, &q.map];
+            ("nf4_dequant_nested", inputs, scalars)
         }
-    }
+    };
+    // contiguous and aligned (a copy only where a part is not)
+    let inputs = inputs
+        .into_iter()
+        .map(triton_input)
+        .collect::<Result<Vec<_>>>()?;
+    let guards: Vec<_> = inputs.iter().map(Tensor::storage_and_layout).collect();
+    let mut tensors = guards
+        .iter()
+        .map(|(s, l)| Ok(Buf::read(cuda_of(s)?, l)))
+        .collect::<Result<Vec<_>>>()?;
+    tensors.push(Buf::write(&mut out));
+    launch(entry, dtype, tensors, &scalars)?;
     Ok(out.into_tensor())
 }

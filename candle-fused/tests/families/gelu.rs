@@ -118,13 +118,8 @@ const GEGLU: &[Check] = &[
 ];
 
 fn run_geglu(dev: &Device, t: &Tensors) -> Result<Outputs> {
-    let [gate, up, dy] = ["x", "up", "dy"].map(|n| input(t, n, dev));
-    let (y, [d_gate, d_up]) = forward_backward([&gate?, &up?], &dy?, |[g, u]| geglu(g, u))?;
-    Ok(vec![
-        ("geglu_y", y),
-        ("geglu_d_gate", d_gate),
-        ("geglu_d_up", d_up),
-    ])
+    let names = ["geglu_y", "geglu_d_gate", "geglu_d_up"];
+    super::swiglu::run_gated(dev, t, "x", names, geglu)
 }
 
 fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
