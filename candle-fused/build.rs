@@ -216,6 +216,7 @@ fn params(list: &Value, io: &str) -> Result<String, Error> {
                 "fp64" => "F64",
                 "i32" => "I32",
                 "u32" => "U32",
+                "u8" => "U8",
                 "i64" => "I64",
                 e => return Err(format!("parameter {name}: pointer type *{e}").into()),
             };

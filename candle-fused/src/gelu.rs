@@ -129,14 +129,16 @@ impl FastMath for f64 {
     }
 }
 
+/// `gelu(z)`, the kernels' operation order.
 #[inline(always)]
-fn gelu_val<A: FastMath>(z: A) -> A {
+pub(crate) fn gelu_val<A: FastMath>(z: A) -> A {
     let u = A::c(K0) * (z + A::c(K1) * z * z * z);
     A::c(0.5) * z * (A::ONE + u.tanh_fast())
 }
 
+/// `gelu'(z)`, the kernels' operation order.
 #[inline(always)]
-fn gelu_grad<A: FastMath>(z: A) -> A {
+pub(crate) fn gelu_grad<A: FastMath>(z: A) -> A {
     let z2 = z * z;
     let t = (A::c(K0) * (z + A::c(K1) * z2 * z)).tanh_fast();
     let half = A::c(0.5);
@@ -346,15 +348,7 @@ fn composite_bwd(
         Some(b) => z.broadcast_add(&b.detach().to_dtype(acc)?)?,
         None => z,
     };
-    let z2 = z.sqr()?;
-    let t = ((&z2 * &z)?.affine(K1, 0.0)? + &z)?
-        .affine(K0, 0.0)?
-        .tanh()?;
-    // 0.5 (1 + t) + 0.5 z (1 - t^2) K0 (1 + 3 K1 z^2)
-    let left = t.affine(0.5, 0.5)?;
-    let right = ((t.sqr()?.affine(-1.0, 1.0)? * &z)? * z2.affine(3.0 * K1, 1.0)?)?;
-    let grad = (left + right.affine(0.5 * K0, 0.0)?)?;
-    let dz = (dy.detach().to_dtype(acc)? * grad)?;
+    let dz = (dy.detach().to_dtype(acc)? * gelu_grad_composite(&z)?)?;
     let db = match b {
         Some(b) if need_b => {
             let c = b.elem_count();
@@ -364,6 +358,16 @@ fn composite_bwd(
     };
     let dx = if need_x { Some(dz.to_dtype(dt)?) } else { None };
     Ok((dx, db))
+}
+
+/// `gelu'(z)` from plain ops (`z` detached, any float dtype).
+pub(crate) fn gelu_grad_composite(z: &Tensor) -> Result<Tensor> {
+    let z2 = z.sqr()?;
+    let t = ((&z2 * z)?.affine(K1, 0.0)? + z)?.affine(K0, 0.0)?.tanh()?;
+    // 0.5 (1 + t) + 0.5 z (1 - t^2) K0 (1 + 3 K1 z^2)
+    let left = t.affine(0.5, 0.5)?;
+    let right = ((t.sqr()?.affine(-1.0, 1.0)? * z)? * z2.affine(3.0 * K1, 1.0)?)?;
+    left + right.affine(0.5 * K0, 0.0)?
 }
 
 pub(crate) fn fwd_kernel<T: Elem>(x: &[T], b: Option<&[T]>, c: usize) -> Vec<T>

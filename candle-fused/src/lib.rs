@@ -7,6 +7,7 @@
 //!   grouped-query heads, sliding windows and per-token document ids;
 //! * [`norm`]: LayerNorm (optional bias) and RMSNorm, saving mean / rstd;
 //! * [`gelu`]: bias add + tanh GELU (GPT-2's) in one op;
+//! * [`geglu`]: `gelu_tanh(gate) * up` (Gemma's MLP activation) in one op;
 //! * [`linear`]: `x W + b` in one op (one GEMM forward, two and a column sum backward; bf16
 //!   GEMMs on AVX512-BF16 where the CPU has it);
 //! * [`linear_gelu`]: `gelu(x W + b)` in one op (the MLP's up-projection, no graph node for
@@ -44,7 +45,7 @@
 //! [`qlora::qlora_linear_composite`] (the whole 4-bit weight dequantized), [`norm::layer_norm_composite`],
 //! [`norm::rms_norm_composite`], [`gelu::bias_gelu_composite`], [`gelu::gelu_composite`],
 //! [`attention::attention_composite`], [`attention::attention_qkv_composite`],
-//! [`rope::rope_composite`], [`swiglu::swiglu_composite`],
+//! [`rope::rope_composite`], [`swiglu::swiglu_composite`], [`geglu::geglu_composite`],
 //! [`cross_entropy::cross_entropy_composite`],
 //! [`linear_cross_entropy::linear_cross_entropy_composite`], [`embedding::embedding_composite`] (Candle's `index_select`),
 //! [`dropout::dropout_composite`] (the
@@ -66,6 +67,8 @@ pub mod cross_entropy;
 pub mod cuda_kernels;
 pub mod dropout;
 pub mod embedding;
+mod gated;
+pub mod geglu;
 pub mod gelu;
 mod gemm_bf16;
 pub mod host;

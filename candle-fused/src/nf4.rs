@@ -30,6 +30,8 @@ use std::collections::BTreeMap;
 use candle_core::{bail, DType, Device, Result, Tensor};
 use rayon::prelude::*;
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod nested;
 mod state;
 
@@ -338,7 +340,8 @@ impl Nf4Weight {
     /// absmax` in f32, rounded to the quant state's dtype, then to `dtype` (as bitsandbytes'
     /// `dequantize_4bit(..).to(dtype)`; one rounding when the quant state is f32 or `dtype`).
     /// `absmax` is [`Nf4Weight::absmax_f32`]'s. A 1-D tensor on the weight's device: computed
-    /// on the host for a CPU weight, else (and under
+    /// on the host for a CPU weight; on CUDA by the Triton kernel when the kernels are on (a
+    /// nested weight's kernel reads its nested parts: the same f32 absmaxes); else (and under
     /// [`with_composite_fallback`](crate::with_composite_fallback)) by Candle ops on the device.
     pub fn dequantize_range(
         &self,
@@ -352,11 +355,34 @@ impl Nf4Weight {
             bail!("nf4: range {start}..{end} out of the weight's {n} values");
         }
         let host = self.device().is_cpu() && !crate::cpu::fallback_forced();
+        #[cfg(feature = "cuda")]
+        if let Some(out) = self.triton_dtype(dtype).filter(|_| !host && start < end) {
+            return cuda::dequantize(self, absmax, start, end, out)?.to_dtype(dtype);
+        }
         let vals = match host {
             true => self.dequantize_range_cpu(absmax, start, end)?,
             false => self.dequantize_range_composite(absmax, start, end)?,
         };
         vals.to_dtype(self.dtype)?.to_dtype(dtype)
+    }
+
+    /// The dtype the Triton kernel writes for `dtype` (the quant state's, whose rounding comes
+    /// first; `dtype` itself for an f32 state), when the kernels take this weight.
+    #[cfg(feature = "cuda")]
+    fn triton_dtype(&self, dtype: DType) -> Option<DType> {
+        let out = if self.dtype == DType::F32 {
+            dtype
+        } else {
+            self.dtype
+        };
+        let entry = match self.absmax {
+            Absmax::Plain(_) => "nf4_dequant",
+            Absmax::Nested(_) => "nf4_dequant_nested",
+        };
+        // the kernel's indices are i32, up to `n + BLOCK`
+        let top = self.elem_count() + crate::cuda_kernels::nf4::BLOCK;
+        let on = crate::cuda_kernels::triton_flat(self.device(), out, top);
+        (on && crate::cuda_kernels::may_launch(entry)).then_some(out)
     }
 
     /// [`Nf4Weight::dequantize_range`] in f32 on the host.

@@ -17,8 +17,9 @@
 //!
 //! bf16 and f16 compute in f32 (the dequantized tile, rounded to the dtype, is widened exactly)
 //! and round `y` and `dx` once; f32 and f64 compute in their own type. On the CPU a tile is
-//! dequantized on the host; on other devices by Candle ops on the device (the same f32
-//! products, so the same bits).
+//! dequantized on the host; on CUDA by the Triton kernel `nf4_dequant` (or
+//! `nf4_dequant_nested`) when the kernels are on, otherwise by Candle ops on the device (the
+//! same f32 products either way, so the same bits).
 //!
 //! # The adapter
 //!

@@ -1,10 +1,13 @@
-"""Bias add + tanh GELU (GPT-2's) in Triton: forward and backward, with and without a bias.
+"""Bias add + tanh GELU (GPT-2's) in Triton: forward and backward, with and without a bias,
+and GeGLU, the gated form `gelu(gate) * up` (Gemma's MLP).
 
     gelu(z)  = 0.5 z (1 + tanh(u)),   u = K0 (z + K1 z^3),   K0 = sqrt(2/pi), K1 = 0.044715
     gelu'(z) = 0.5 (1 + t) + 0.5 z (1 - t^2) K0 (1 + 3 K1 z^2),   t = tanh(u)
     z = x + b (b broadcast over rows) or z = x;   dx = dy gelu'(z);   db = sum over rows of dx
+    GeGLU:   y = gelu(g) u;   d_gate = dy u gelu'(g);   d_up = dy gelu(g)
 
-The same formulas, in the same operation order, as the CPU kernel (candle-fused/src/gelu.rs).
+The same formulas, in the same operation order, as the CPU kernels (candle-fused/src/gelu.rs,
+and src/gated.rs for GeGLU).
 The CPU's f32 kernel does not call libm: its `tanh_f32` is a branch-free approximation (Cephes'
 odd polynomial for |x| < 0.625, else `1 - 2 / (e^{2|x|} + 1)` with the crate's `exp_f32`, a
 Cody-Waite reduction and a degree-7 polynomial; <= 1.32 ulp from the true tanh). Matching it
@@ -21,7 +24,9 @@ the `P` partial rows in order, then rounds once. The CPU kernel does the same wi
 beyond, the f32 sums are grouped differently (see TOL).
 
 Layout contract (`candle_fused::cuda_kernels::gelu`): x, dy, y, dx contiguous, `[N, C]` with a
-bias `[C]`, flattened to `[E]` without; every pointer 16-byte aligned; sizes any value.
+bias `[C]`, flattened to `[E]` without; GeGLU's gate, up, dy, y, d_gate, d_up contiguous and
+flattened to `[E]` (a packed `[.., 2I]` projection's halves are copied first); every pointer
+16-byte aligned; sizes any value.
 """
 import triton
 import triton.language as tl
@@ -165,6 +170,29 @@ def bias_gelu_bwd_db(DB_PARTIAL, DB, P, C, BLOCK_C: tl.constexpr):
     tl.store(DB + cols, acc.to(DB.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def geglu_fwd(GATE, UP, Y, E, BLOCK: tl.constexpr):
+    """Program `p`: elements `[p * BLOCK, (p + 1) * BLOCK)` of `Y = gelu(GATE) * UP`."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < E
+    y = gelu_val(tl.load(GATE + offs, mask=mask, other=0.0).to(tl.float32))
+    y *= tl.load(UP + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def geglu_bwd(GATE, UP, DY, DGATE, DUP, E, BLOCK: tl.constexpr):
+    """Program `p`: elements `[p * BLOCK, (p + 1) * BLOCK)` of `DGATE = DY UP gelu'(GATE)` and
+    `DUP = DY gelu(GATE)`, both recomputed from `GATE` (the forward saves nothing)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < E
+    g = tl.load(GATE + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(UP + offs, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DGATE + offs, (d * u * gelu_grad(g)).to(DGATE.dtype.element_ty), mask=mask)
+    tl.store(DUP + offs, (d * gelu_val(g)).to(DUP.dtype.element_ty), mask=mask)
+
+
 # The fixed configuration compiled ahead of time; the Rust launch table is
 # candle-fused/src/cuda_kernels/gelu.rs.
 BLOCK = 1024
@@ -197,9 +225,19 @@ AOT = [
          constexprs={"BLOCK_C": DB_BLOCK_C},
          params=[("DB_PARTIAL", "*fp32", "in [P, C] f32"), ("DB", "*{io}", "out [C]"),
                  ("P", "i32", "partial rows"), ("C", "i32", "columns")]),
+    dict(fn=geglu_fwd, num_warps=4, grid=f"(cdiv(E, {BLOCK}), 1, 1)",
+         constexprs={"BLOCK": BLOCK},
+         params=[("GATE", "*{io}", "in [E]"), ("UP", "*{io}", "in [E]"),
+                 ("Y", "*{io}", "out [E]"), ("E", "i32", "elements")]),
+    dict(fn=geglu_bwd, num_warps=4, grid=f"(cdiv(E, {BLOCK}), 1, 1)",
+         constexprs={"BLOCK": BLOCK},
+         params=[("GATE", "*{io}", "in [E]"), ("UP", "*{io}", "in [E]"),
+                 ("DY", "*{io}", "in [E]"), ("DGATE", "*{io}", "out [E]"),
+                 ("DUP", "*{io}", "out [E]"), ("E", "i32", "elements")]),
 ]
 
-# Interpreter check. y, dx (with a bias) and y_nobias, dx_nobias (the same x without one):
+# Interpreter check. y, dx (with a bias), y_nobias, dx_nobias (the same x without one) and
+# GeGLU's geglu_y, geglu_d_gate, geglu_d_up (x as the gate, with its own `up`):
 # bit-identical ("exact": no element differs), every dtype, for the reason above (the driver
 # rounds the bf16 outputs the kernels store in f32 to nearest even, as `cvt.rn.bf16.f32` does).
 # db: max |triton - rust| / max |rust| ("tensor"). For N <= 4096 rows both sides add the same
@@ -211,17 +249,15 @@ AOT = [
 # The reference gradients went through Candle's backprop, which adds each op's gradient to a
 # zero tensor (`0 + (-0) = +0`); `interpret` does the same to the kernels' gradients (only the
 # sign of a zero can change).
-ERROR = {"y": "exact", "dx": "exact", "db": "tensor", "y_nobias": "exact", "dx_nobias": "exact"}
-TOL = {
-    "f32": {"y": 0, "dx": 0, "db": 1e-5, "y_nobias": 0, "dx_nobias": 0},
-    "bf16": {"y": 0, "dx": 0, "db": 2.0**-7, "y_nobias": 0, "dx_nobias": 0},
-    "f16": {"y": 0, "dx": 0, "db": 2.0**-10, "y_nobias": 0, "dx_nobias": 0},
-}
+EXACT = ("y", "dx", "y_nobias", "dx_nobias", "geglu_y", "geglu_d_gate", "geglu_d_up")
+ERROR = {**{k: "exact" for k in EXACT}, "db": "tensor"}
+TOL = {dt: {**{k: 0 for k in EXACT}, "db": db}
+       for dt, db in (("f32", 1e-5), ("bf16", 2.0**-7), ("f16", 2.0**-10))}
 
 
 def interpret(t, out_dtype):
-    """The five kernels on the vectors `t` under the interpreter: with the bias `b` on `x`
-    `[N, C]`, and without it on `x` flattened."""
+    """The seven kernels on the vectors `t` under the interpreter: with the bias `b` on `x`
+    `[N, C]`, without it on `x` flattened, and GeGLU with `x` as the gate and `up`."""
     import numpy
     import torch
     x, b, dy = t["x"], t["b"], t["dy"]
@@ -243,6 +279,22 @@ def interpret(t, out_dtype):
         bias_gelu_bwd_db[(triton.cdiv(c, DB_BLOCK_C),)](db_partial, db, p, c, BLOCK_C=DB_BLOCK_C)
         gelu_fwd[(triton.cdiv(e, BLOCK),)](x.reshape(-1), y_nb, e, BLOCK=BLOCK)
         gelu_bwd[(triton.cdiv(e, BLOCK),)](x.reshape(-1), dy.reshape(-1), dx_nb, e, BLOCK=BLOCK)
+        geglu = run_geglu(x, t["up"], dy, out_dtype)
     # the gradients as Candle's backprop accumulates them: 0 + g (only -0 changes, to +0)
     return {"y": y, "dx": dx + 0.0, "db": db + 0.0,
-            "y_nobias": y_nb.reshape(x.shape), "dx_nobias": (dx_nb + 0.0).reshape(x.shape)}
+            "y_nobias": y_nb.reshape(x.shape), "dx_nobias": (dx_nb + 0.0).reshape(x.shape),
+            **geglu}
+
+
+def run_geglu(gate, up, dy, out_dtype):
+    """GeGLU's kernels on the flattened tensors: `geglu_y`, `geglu_d_gate`, `geglu_d_up`."""
+    import torch
+    e = gate.numel()
+    y, dg, du = (torch.empty(e, dtype=out_dtype) for _ in range(3))
+    grid = (triton.cdiv(e, BLOCK),)
+    g, u, d = (v.reshape(-1) for v in (gate, up, dy))
+    geglu_fwd[grid](g, u, y, e, BLOCK=BLOCK)
+    geglu_bwd[grid](g, u, d, dg, du, e, BLOCK=BLOCK)
+    # the gradients as Candle's backprop accumulates them: 0 + g (only -0 changes, to +0)
+    return {"geglu_y": y.reshape(gate.shape), "geglu_d_gate": (dg + 0.0).reshape(gate.shape),
+            "geglu_d_up": (du + 0.0).reshape(gate.shape)}

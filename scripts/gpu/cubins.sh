@@ -24,7 +24,8 @@ if [[ ! -x $PTXAS ]]; then
   CUDA_ROOT_DIR=$CUDA_ROOT_DIR bash "$ROOT/scripts/gpu/build.sh" root
 fi
 # triton_compile.py checks the release again, for every arch, on the ptxas Triton will run
-if ! "$PTXAS" --version | grep -q 'release 13\.0,'; then
+# (grep reads all of it: `grep -q` would stop at the match and, under pipefail, ptxas's SIGPIPE would fail the check)
+if ! "$PTXAS" --version | grep 'release 13\.0,' >/dev/null; then
   echo "cubins.sh: $PTXAS is not CUDA 13.0's ptxas:" >&2
   "$PTXAS" --version >&2
   exit 1

@@ -17,7 +17,7 @@ mod common;
 use std::path::Path;
 
 use candle_core::{Device, Tensor};
-use common::llama::{expected, fixture, Expected};
+use common::llama::{config_error, expected, fixture, greedy_against, Expected};
 use common::rel;
 use trainer::checkpoint;
 use trainer::model::llama::{LlamaConfig, RopeScaling};
@@ -194,18 +194,10 @@ fn greedy_generation_with_the_kv_cache_equals_transformers() {
         "qwen3",
         "mistral_sliding",
     ] {
-        let path = fixture(case).join("generate.safetensors");
-        let t = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
-        let prompt: Vec<i64> = t["prompt"].squeeze(0).unwrap().to_vec1().unwrap();
-        let want: Vec<i64> = t["greedy"].squeeze(0).unwrap().to_vec1().unwrap();
         let (config, params) = load(case);
         let model = trainer::model::build(&config, &params).unwrap();
-        let prompt: Vec<u32> = prompt.iter().map(|&x| x as u32).collect();
-        let new = want.len() - prompt.len();
-        let got = trainer::sample::greedy_batch(model.as_ref(), &[prompt], new, &Device::Cpu)
-            .unwrap()
-            .remove(0);
-        let want: Vec<u32> = want[want.len() - new..].iter().map(|&x| x as u32).collect();
+        let (got, want) =
+            greedy_against(model.as_ref(), &fixture(case).join("generate.safetensors"));
         assert_eq!(got, want, "{case}");
     }
 }
@@ -270,15 +262,8 @@ fn bad_configs_name_the_file_and_the_key() {
         ),
     ];
     for (what, edit, want) in cases {
-        let mut v = base.clone();
-        edit(&mut v);
-        let path = tmp.path().join("config.json");
-        std::fs::write(&path, v.to_string()).unwrap();
-        let e = trainer::model::config_from_hf_json_file(&path)
-            .expect_err(what)
-            .to_string();
+        let e = config_error(&base, edit.as_ref(), tmp.path());
         assert!(e.contains(want), "{what}: {e}");
-        assert!(e.contains(&path.display().to_string()), "{what}: {e}");
     }
 }
 

@@ -192,6 +192,7 @@ impl Bound {
                 Elem::F64 => DType::F64,
                 Elem::I32 => DType::I32,
                 Elem::U32 => DType::U32,
+                Elem::U8 => DType::U8,
                 Elem::I64 => DType::I64,
             };
             if t.dtype != want {

@@ -1,8 +1,10 @@
 //! Tanh GELU (`triton/gelu.py`), GPT-2's, with and without a bias: the elementwise forward and
 //! backward over the flattened tensor (`[E]`), the bias forward over `[N, C]`, the bias
 //! backward `dx` with `db` partial sums over fixed blocks of 16 rows, and the ordered `db`
-//! reduction. `y` and `dx` are bit-identical to the CPU kernel (`crate::gelu`), whose
-//! `exp_f32` / `tanh_f32` the kernels reproduce; so is `db` up to 4096 rows.
+//! reduction; GeGLU (`gelu(gate) * up`, `crate::geglu`) forward and backward over the flattened
+//! tensors. `y` and `dx` (and GeGLU's outputs) are bit-identical to the CPU kernels
+//! (`crate::gelu`, `crate::gated`), whose `exp_f32` / `tanh_f32` the kernels reproduce; so is
+//! `db` up to 4096 rows.
 
 use super::{KernelSpec, Rule};
 
@@ -28,8 +30,10 @@ pub(crate) const RULES: &[(&str, &[Rule])] = &[
     ("bias_gelu_fwd", &[]),
     ("bias_gelu_bwd_dx", DX_RULES),
     ("bias_gelu_bwd_db", &[]),
+    ("geglu_fwd", &[]),
+    ("geglu_bwd", &[]),
 ];
 
 /// GELU without a bias (forward, backward) and with one (forward, backward `dx` + `db`
-/// partial sums, ordered `db` reduction), for f32, bf16 and f16.
+/// partial sums, ordered `db` reduction), and GeGLU (forward, backward), for f32, bf16 and f16.
 pub(crate) const KERNELS: &[KernelSpec] = super::compiled::GELU;

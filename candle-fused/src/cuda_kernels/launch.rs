@@ -279,6 +279,7 @@ pub(crate) fn pointer<'b>(
         (Access::Read(s), DType::F16) => read::<f16>(s, stream)?,
         (Access::Read(s), DType::I32) => read::<i32>(s, stream)?,
         (Access::Read(s), DType::U32) => read::<u32>(s, stream)?,
+        (Access::Read(s), DType::U8) => read::<u8>(s, stream)?,
         (Access::Read(s), DType::F64) => read::<f64>(s, stream)?,
         (Access::Read(s), DType::I64) => read::<i64>(s, stream)?,
         (Access::Write(s), DType::F32) => write::<f32>(s, stream)?,

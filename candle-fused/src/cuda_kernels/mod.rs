@@ -68,6 +68,7 @@ pub mod gelu;
 #[cfg(feature = "cuda")]
 pub(crate) mod launch;
 pub mod layer_norm;
+pub mod nf4;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;
@@ -110,6 +111,7 @@ pub const FAMILIES: &[(&str, &[KernelSpec])] = &[
     ("dropout", dropout::KERNELS),
     ("adamw", adamw::KERNELS),
     ("embedding", embedding::KERNELS),
+    ("nf4", nf4::KERNELS),
 ];
 
 /// Every compiled kernel, family by family.

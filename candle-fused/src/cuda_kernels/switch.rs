@@ -154,6 +154,12 @@ pub const UNPROVEN: &[&str] = &[
     "sumsq_total_multi",
     // the token embedding's backward
     "embedding_bwd",
+    // GeGLU (Gemma's MLP activation)
+    "geglu_fwd",
+    "geglu_bwd",
+    // QLoRA's NF4 dequantization
+    "nf4_dequant",
+    "nf4_dequant_nested",
     // attention's head-size builds
     "attn_bwd_delta_d64",
     "attn_bwd_delta_d128",

@@ -19,6 +19,8 @@ pub enum Elem {
     I32,
     /// Always u32 (class targets, as the CPU ops take them).
     U32,
+    /// Always u8 (packed 4-bit codes, 8-bit absmax codes).
+    U8,
     /// Always i64 (tables of device addresses and sizes: the multi-tensor kernels).
     I64,
 }
@@ -45,7 +47,7 @@ impl Param {
         }
     }
 
-    /// The Triton signature type (`*bf16`, `*fp32`, `*i32`, `*u32`, `i32`, `fp32`) for a kernel of
+    /// The Triton signature type (`*bf16`, `*fp32`, `*i32`, `*u32`, `*u8`, `i32`, `fp32`) for a kernel of
     /// `dtype`.
     pub fn triton_type(&self, dtype: DType) -> String {
         match self {
@@ -54,6 +56,7 @@ impl Param {
             Param::Tensor(_, _, Elem::F64) => "*fp64".into(),
             Param::Tensor(_, _, Elem::I32) => "*i32".into(),
             Param::Tensor(_, _, Elem::U32) => "*u32".into(),
+            Param::Tensor(_, _, Elem::U8) => "*u8".into(),
             Param::Tensor(_, _, Elem::I64) => "*i64".into(),
             Param::Dim(..) | Param::Int(_) => "i32".into(),
             Param::Float(_) => "fp32".into(),

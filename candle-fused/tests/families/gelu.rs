@@ -1,7 +1,8 @@
 //! Bias + tanh GELU (`triton/gelu.py`): each file `gelu.<dtype>.<N>x<C>.safetensors` holds
 //! `x [N, C]`, `b [C]`, `dy [N, C]` (inputs, in the dtype) and the CPU kernel's outputs with the
 //! bias, `y`, `dx [N, C]` and `db [C]`, and without it on the same `x`, `y_nobias`,
-//! `dx_nobias [N, C]` (the dtype). Sizes are not multiples of the Triton blocks (C = 129, 300
+//! `dx_nobias [N, C]` (the dtype), and GeGLU's on `x` as the gate with `up [N, C]`: `geglu_y`,
+//! `geglu_d_gate`, `geglu_d_up` (the [`GEGLU_FAMILY`] entry checks those). Sizes are not multiples of the Triton blocks (C = 129, 300
 //! against 256 columns; N = 37 against 16-row programs; N x C against 1024 elements); the
 //! 4097-row case (f32) is past 4096 rows, where the CPU's `db` blocks grow to 17 rows
 //! (`max(16, cdiv(N, 256))`) against the Triton kernel's 16. `x` is uniform in [-4, 4) with the tails of tanh (|x| = 5.5, 10, 50) and both
@@ -13,6 +14,7 @@ use super::{
 use crate::common::{self, Lcg};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
+use candle_fused::geglu::geglu;
 use candle_fused::gelu::{bias_gelu, gelu};
 use std::path::Path;
 
@@ -35,6 +37,20 @@ pub(crate) const FAMILY: Family = Family {
     ..Family::new("gelu", GELU, run, |_| Ok(5), write_vectors)
 };
 
+/// GeGLU (`geglu_fwd`, `geglu_bwd`) on the gelu vectors: `x` as the gate, with `up`.
+pub(crate) const GEGLU_FAMILY: Family = Family {
+    name: "geglu",
+    // The composite's `tanh` as for GELU (above): f32 1e-4 of the row's largest value (the
+    // 4097 x 2 rows), bf16 / f16 one 16-bit ulp.
+    fallback: &[
+        ("geglu_y", [1e-4, ULP16[0], ULP16[1]]),
+        ("geglu_d_gate", [1e-4, ULP16[0], ULP16[1]]),
+        ("geglu_d_up", [1e-4, ULP16[0], ULP16[1]]),
+    ],
+    write_vectors: None,
+    ..Family::new("gelu", GEGLU, run_geglu, |_| Ok(2), write_vectors)
+};
+
 const CASES: [(usize, usize, &[DType]); 3] = [
     (37, 129, &[DType::F32, DType::BF16, DType::F16]),
     (5, 300, &[DType::F32, DType::BF16, DType::F16]),
@@ -51,7 +67,14 @@ fn vectors(n: usize, c: usize, dt: DType, seed: u64) -> Result<Vec<(&'static str
     let dy = common::rand(&[n, c], dt, &mut rng, 1.0, 0.0)?;
     let (y, [dx, db]) = forward_backward([&x, &b], &dy, |[x, b]| bias_gelu(x, Some(b)))?;
     let (y_nobias, [dx_nobias]) = forward_backward([&x], &dy, |[x]| gelu(x))?;
+    let up = common::rand(&[n, c], dt, &mut rng, 2.0, 0.0)?;
+    let (geglu_y, [geglu_d_gate, geglu_d_up]) =
+        forward_backward([&x, &up], &dy, |[g, u]| geglu(g, u))?;
     Ok(vec![
+        ("up", up),
+        ("geglu_y", geglu_y),
+        ("geglu_d_gate", geglu_d_gate),
+        ("geglu_d_up", geglu_d_up),
         ("x", x),
         ("b", b),
         ("dy", dy),
@@ -86,6 +109,18 @@ const GELU: &[Check] = &[
     Check::new("y_nobias", Mode::Row, EXACT),
     Check::new("dx_nobias", Mode::Row, EXACT),
 ];
+
+// geglu (`geglu_*` of triton/gelu.py): every output bit-identical, every dtype.
+const GEGLU: &[Check] = &[
+    Check::new("geglu_y", Mode::Row, EXACT),
+    Check::new("geglu_d_gate", Mode::Row, EXACT),
+    Check::new("geglu_d_up", Mode::Row, EXACT),
+];
+
+fn run_geglu(dev: &Device, t: &Tensors) -> Result<Outputs> {
+    let names = ["geglu_y", "geglu_d_gate", "geglu_d_up"];
+    super::swiglu::run_gated(dev, t, "x", names, geglu)
+}
 
 fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
     let [x, b, dy] = ["x", "b", "dy"].map(|n| input(t, n, dev));

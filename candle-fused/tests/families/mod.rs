@@ -31,6 +31,7 @@ pub(crate) mod dropout;
 pub(crate) mod embedding;
 pub(crate) mod gelu;
 pub(crate) mod layer_norm;
+pub(crate) mod nf4;
 pub(crate) mod rms_norm;
 pub(crate) mod rope;
 pub(crate) mod swiglu;
@@ -46,8 +47,10 @@ pub(crate) const FAMILIES: &[Family] = &[
     dropout::FAMILY,
     swiglu::FAMILY,
     gelu::FAMILY,
+    gelu::GEGLU_FAMILY,
     adamw::FAMILY,
     embedding::FAMILY,
+    nf4::FAMILY,
 ];
 
 /// A vector file's tensors, by name.

@@ -71,7 +71,19 @@ const SWIGLU: &[Check] = &[
 ];
 
 fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
-    let [gate, up, dy] = ["gate", "up", "dy"].map(|n| input(t, n, dev));
-    let (y, [d_gate, d_up]) = forward_backward([&gate?, &up?], &dy?, |[g, u]| swiglu(g, u))?;
-    Ok(vec![("y", y), ("d_gate", d_gate), ("d_up", d_up)])
+    run_gated(dev, t, "gate", ["y", "d_gate", "d_up"], swiglu)
+}
+
+/// A gated op (`swiglu`, `geglu`) forward and backward on the file's `<gate>`, `up` and `dy`:
+/// its outputs under `names` (`y`, `d_gate`, `d_up`).
+pub(crate) fn run_gated(
+    dev: &Device,
+    t: &Tensors,
+    gate: &str,
+    names: [&'static str; 3],
+    op: fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+) -> Result<Outputs> {
+    let [g, u, dy] = [gate, "up", "dy"].map(|n| input(t, n, dev));
+    let (y, [dg, du]) = forward_backward([&g?, &u?], &dy?, |[g, u]| op(g, u))?;
+    Ok(names.into_iter().zip([y, dg, du]).collect())
 }

@@ -1,4 +1,4 @@
-//! `check_launch` cases of the elementwise families (SwiGLU, GELU, dropout, AdamW): grid,
+//! `check_launch` cases of the elementwise families (SwiGLU, GeGLU, GELU, dropout, AdamW): grid,
 //! block and the full argument list of valid launches, and the errors of invalid ones.
 
 use super::t;
@@ -7,15 +7,23 @@ use candle_core::DType;
 use candle_fused::cuda_kernels::{check_launch, find, Arg, Scalar};
 
 #[test]
-fn swiglu_launches() -> Result<()> {
+fn gated_launches() -> Result<()> {
+    // SwiGLU's and GeGLU's entries: one contract
+    for (f, b) in [("swiglu_fwd", "swiglu_bwd"), ("geglu_fwd", "geglu_bwd")] {
+        gated_launch(f, b)?;
+    }
+    Ok(())
+}
+
+fn gated_launch(fwd_entry: &str, bwd_entry: &str) -> Result<()> {
     use Arg::{Null, Tensor as T, I32};
     let e = 37 * 129;
     for dt in [DType::F32, DType::BF16, DType::F16] {
-        let fwd = find("swiglu_fwd", dt).unwrap();
+        let fwd = find(fwd_entry, dt).unwrap();
         let l = check_launch(fwd, &[t(&[e], dt), t(&[e], dt), t(&[e], dt)], &[])?;
         assert_eq!((l.grid, l.block), ([5, 1, 1], [128, 1, 1]));
         assert_eq!(l.args, [T(0), T(1), T(2), I32(e as i32), Null, Null]);
-        let bwd = find("swiglu_bwd", dt).unwrap();
+        let bwd = find(bwd_entry, dt).unwrap();
         let l = check_launch(
             bwd,
             &[
@@ -33,7 +41,7 @@ fn swiglu_launches() -> Result<()> {
             [T(0), T(1), T(2), T(3), T(4), I32(e as i32), Null, Null]
         );
     }
-    let fwd = find("swiglu_fwd", DType::BF16).unwrap();
+    let fwd = find(fwd_entry, DType::BF16).unwrap();
     // gate and up of different lengths
     let err = check_launch(
         fwd,

@@ -299,6 +299,7 @@ mod launch_cross_entropy;
 mod launch_elementwise;
 mod launch_embedding;
 mod launch_layer_norm;
+mod launch_nf4;
 mod launch_rms_norm;
 mod launch_rope;
 mod registry;

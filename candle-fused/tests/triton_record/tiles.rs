@@ -12,8 +12,8 @@
 use anyhow::{anyhow, ensure, Result};
 use candle_core::DType;
 use candle_fused::cuda_kernels::{
-    adamw, attention, cross_entropy, dropout, embedding, find, gelu, kernels, layer_norm, rms_norm,
-    rope, swiglu, KernelSpec, Rule,
+    adamw, attention, cross_entropy, dropout, embedding, find, gelu, kernels, layer_norm, nf4,
+    rms_norm, rope, swiglu, KernelSpec, Rule,
 };
 
 /// Every `AtMost(d, n)` rule of `spec` is its compiled tile: the constexpr `BLOCK_<d>` is `n`.
@@ -116,6 +116,8 @@ fn public_block_sizes_are_the_compiled_constexprs() -> Result<()> {
         ("ce_fwd_bwd", None, "BLOCK_V", cross_entropy::BLOCK_V),
         ("swiglu_fwd", None, "BLOCK", swiglu::BLOCK),
         ("gelu_fwd", None, "BLOCK", gelu::BLOCK),
+        ("geglu_fwd", None, "BLOCK", gelu::BLOCK),
+        ("geglu_bwd", None, "BLOCK", gelu::BLOCK),
         ("bias_gelu_fwd", None, "BLOCK_R", gelu::FWD_BLOCK_R),
         ("bias_gelu_fwd", None, "BLOCK_C", gelu::BLOCK_C),
         (
@@ -131,6 +133,8 @@ fn public_block_sizes_are_the_compiled_constexprs() -> Result<()> {
         ("adamw_update_multi", None, "BLOCK", adamw::BLOCK),
         ("sumsq_partial_multi", None, "BLOCK", adamw::SUMSQ_BLOCK),
         ("embedding_bwd", None, "BLOCK_C", embedding::BLOCK_C),
+        ("nf4_dequant", None, "BLOCK", nf4::BLOCK),
+        ("nf4_dequant_nested", None, "BLOCK", nf4::BLOCK),
     ];
     for &(entry, dtype, key, value) in all {
         let specs: Vec<_> = kernels()

@@ -249,8 +249,8 @@ train_config! {
     /// the training context only, the model keeps all its positions.
     #[resume(fixed)]
     init_from: Option<String> = None,
-    /// Architecture of a fresh model (without init_from): gpt2, llama, mistral, qwen2 or
-    /// qwen3, shaped by the fields below.
+    /// Architecture of a fresh model (without init_from): gpt2, llama, mistral, qwen2, qwen3
+    /// or gemma3_text, shaped by the fields below.
     #[resume(fixed)]
     arch: Arch = Arch::Gpt2,
     /// A Hugging Face config.json to build a fresh model from instead (any known

@@ -230,6 +230,33 @@ impl KvCache {
         }
         self.layers[i].append(&k.contiguous()?, &v.contiguous()?)
     }
+
+    /// [`KvCache::append`] for a layer attending within `window` tokens: returns the entries
+    /// the new queries see (the last `window - 1 + T_new`) and keeps only those the next
+    /// token can see, moved to the front of the layer's buffer once `window` more have come
+    /// (so the cache holds at most about twice the window, whatever the length).
+    pub fn append_window(
+        &mut self,
+        i: usize,
+        k: &Tensor,
+        v: &Tensor,
+        window: usize,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let (ka, va) = self.append(i, k, v)?;
+        let (n, keep) = (ka.dim(2)?, window.saturating_sub(1));
+        let seen = (keep + k.dim(2)?).min(n);
+        let out = (ka.narrow(2, n - seen, seen)?, va.narrow(2, n - seen, seen)?);
+        if n > keep + window {
+            let tail_k = ka.narrow(2, n - keep, keep)?.contiguous()?;
+            let tail_v = va.narrow(2, n - keep, keep)?.contiguous()?;
+            let layer = &mut self.layers[i];
+            layer.reset();
+            if keep > 0 {
+                layer.append(&tail_k, &tail_v)?;
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// A built model: its configuration, its chain and an incremental forward.

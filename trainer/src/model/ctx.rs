@@ -291,8 +291,8 @@ impl Kernels {
 
     /// Causal grouped-query attention of `q [B, H, T, D]` over `k`, `v` `[B, KV, Tk, D]`
     /// (queries at the end of the keys), within `window` tokens and, given `doc_ids [B, Tk]`,
-    /// within each token's document; dropout `p` on the probabilities at dropout site `site`.
-    /// Returns `[B, T, H * D]` (heads merged).
+    /// within each token's document, scores scaled by `scale` (`None`: `1 / sqrt(D)`); dropout
+    /// `p` on the probabilities at dropout site `site`. Returns `[B, T, H * D]` (heads merged).
     #[allow(clippy::too_many_arguments)]
     pub fn gqa_attention(
         self,
@@ -300,6 +300,7 @@ impl Kernels {
         k: &Tensor,
         v: &Tensor,
         window: Option<usize>,
+        scale: Option<f64>,
         doc_ids: Option<&Tensor>,
         p: f32,
         ctx: &Ctx,
@@ -310,6 +311,9 @@ impl Kernels {
         let mut cfg = AttentionConfig::causal();
         if let Some(w) = window {
             cfg = cfg.with_window(w);
+        }
+        if let Some(s) = scale {
+            cfg = cfg.with_scale(s);
         }
         if let Some(ids) = doc_ids {
             cfg = cfg.with_doc_ids(ids.clone());

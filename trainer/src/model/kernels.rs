@@ -11,7 +11,7 @@
 use candle_core::{DType, Tensor};
 use candle_fused::host::Targets;
 use candle_fused::linear_cross_entropy as lce;
-use candle_fused::{cross_entropy, embedding, linear, linear_gelu, norm, rope, swiglu};
+use candle_fused::{cross_entropy, embedding, geglu, linear, linear_gelu, norm, rope, swiglu};
 use serde::{Deserialize, Serialize};
 
 /// The implementation of the model's ops.
@@ -139,6 +139,14 @@ impl Kernels {
         match self {
             Kernels::Fused => swiglu::swiglu(gate, up),
             Kernels::Reference => swiglu::swiglu_composite(gate, up),
+        }
+    }
+
+    /// `gelu_tanh(gate) * up` (GeGLU, Gemma's MLP).
+    pub fn geglu(self, gate: &Tensor, up: &Tensor) -> R {
+        match self {
+            Kernels::Fused => geglu::geglu(gate, up),
+            Kernels::Reference => geglu::geglu_composite(gate, up),
         }
     }
 

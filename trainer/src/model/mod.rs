@@ -1,6 +1,7 @@
 //! Models: the one interface the trainer knows ([`ModelConfig`], [`Model`], the chain of
 //! [`Link`]s), the shared layers architectures are built from ([`layers`]) and the
-//! architectures behind it ([`gpt2`], [`llama`]), one line each in the registry ([`Arch`]).
+//! architectures behind it ([`gpt2`], [`llama`], [`gemma3`]), one line each in the registry
+//! ([`Arch`]).
 //!
 //! Adding an architecture: its module (config, `config.json` form, structure over the shared
 //! layers, an [`Architecture`]), its `pub mod` line here and its line in the registry.
@@ -43,6 +44,7 @@ mod arch;
 mod builder;
 mod chain;
 mod ctx;
+pub mod gemma3;
 pub mod gpt2;
 mod kernels;
 pub mod layers;

@@ -12,7 +12,7 @@ use std::sync::RwLock;
 
 use candle_core::Device;
 
-use super::{gpt2, llama, Architecture, Builder, Model, ModelConfig, Params};
+use super::{gemma3, gpt2, llama, Architecture, Builder, Model, ModelConfig, Params};
 use crate::{Error, Result};
 
 /// The built-in architectures: `Variant => its Architecture`, one line each; [`Arch`] and
@@ -54,6 +54,8 @@ registry! {
     Qwen2 => llama::QWEN2,
     /// `Qwen3ForCausalLM`.
     Qwen3 => llama::QWEN3,
+    /// `Gemma3ForCausalLM` (text).
+    Gemma3 => gemma3::Gemma3Arch,
 }
 
 impl std::fmt::Display for Arch {
@@ -200,7 +202,7 @@ mod tests {
         assert_eq!(Arch::default(), Arch::Gpt2);
         assert_eq!(
             "gpt3".parse::<Arch>().unwrap_err(),
-            "arch must be gpt2, llama, mistral, qwen2 or qwen3, not `gpt3`"
+            "arch must be gpt2, llama, mistral, qwen2, qwen3 or gemma3_text, not `gpt3`"
         );
     }
 

@@ -149,3 +149,37 @@ pub fn expected_at(path: &Path) -> Expected {
         extra,
     }
 }
+
+/// `model`'s greedy continuation of the prompt in the `generate.safetensors` at `path` (KV
+/// cache, CPU), and transformers' continuation recorded there.
+pub fn greedy_against(model: &dyn Model, path: &Path) -> (Vec<u32>, Vec<u32>) {
+    let t = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
+    let ids = |name: &str| -> Vec<u32> {
+        let v: Vec<i64> = t[name].squeeze(0).unwrap().to_vec1().unwrap();
+        v.iter().map(|&x| x as u32).collect()
+    };
+    let (prompt, want) = (ids("prompt"), ids("greedy"));
+    let new = want.len() - prompt.len();
+    let got = trainer::sample::greedy_batch(model, &[prompt], new, &Device::Cpu)
+        .unwrap()
+        .remove(0);
+    (got, want[want.len() - new..].to_vec())
+}
+
+/// The error of reading `base` changed by `edit` as a `config.json` in `dir` (through the
+/// registry, as every loading path reads one), checked to name the file.
+pub fn config_error(
+    base: &serde_json::Value,
+    edit: &dyn Fn(&mut serde_json::Value),
+    dir: &Path,
+) -> String {
+    let mut v = base.clone();
+    edit(&mut v);
+    let path = dir.join("config.json");
+    std::fs::write(&path, v.to_string()).unwrap();
+    let e = trainer::model::config_from_hf_json_file(&path)
+        .expect_err("a bad config.json")
+        .to_string();
+    assert!(e.contains(&path.display().to_string()), "{e}");
+    e
+}

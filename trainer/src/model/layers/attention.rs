@@ -10,6 +10,16 @@ use super::rope::RopeConsts;
 use super::{RmsNorm, Weights};
 use crate::Result;
 
+/// The activation of a [`GatedMlp`](super::GatedMlp)'s gate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GateAct {
+    /// SiLU (SwiGLU: the Llama family's `silu`).
+    #[default]
+    Silu,
+    /// Tanh-approximated GELU (GeGLU: Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
 /// The shape and options of one decoder block ([`super::Block`]): its attention and its
 /// gated MLP. An architecture's config says how its `config.json` sets them.
 #[derive(Clone, Debug, PartialEq)]
@@ -29,6 +39,16 @@ pub struct BlockOptions {
     pub inv_freq: Vec<f32>,
     /// Dropout on the attention probabilities.
     pub dropout: f32,
+    /// Every RMSNorm of the block scales by `1 + w` in f32 (Gemma's).
+    pub norm_unit_offset: bool,
+    /// Gemma 2/3's four norms: the attention's and the MLP's outputs are normalised too
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`) and the MLP's input by
+    /// `pre_feedforward_layernorm` (`post_attention_layernorm` is then no longer the MLP's).
+    pub sandwich_norms: bool,
+    /// The gated MLP's activation.
+    pub act: GateAct,
+    /// Score scale (`None`: `1 / sqrt(D)`; Gemma: `query_pre_attn_scalar^-0.5`).
+    pub attn_scale: Option<f64>,
 }
 
 /// Grouped-query self-attention with rotary embeddings (`self_attn`): causal, optionally
@@ -45,6 +65,7 @@ pub struct Attention {
     n_kv: usize,
     head_dim: usize,
     window: Option<usize>,
+    scale: Option<f64>,
     /// `inv_freq` and positions, copied to the device once (shared by the layer's copies).
     rope: Arc<RopeConsts>,
     dropout: f32,
@@ -62,8 +83,10 @@ impl Attention {
         let (qkv_bias, o_bias, _) = o.biases;
         let qk_norm = match o.qk_norm {
             true => Some((
-                RmsNorm::build(&b.pp("q_norm"), d, o.norm_eps)?,
-                RmsNorm::build(&b.pp("k_norm"), d, o.norm_eps)?,
+                RmsNorm::build(&b.pp("q_norm"), d, o.norm_eps)?
+                    .with_unit_offset(o.norm_unit_offset),
+                RmsNorm::build(&b.pp("k_norm"), d, o.norm_eps)?
+                    .with_unit_offset(o.norm_unit_offset),
             )),
             false => None,
         };
@@ -77,6 +100,7 @@ impl Attention {
             n_kv: kv,
             head_dim: d,
             window: o.window,
+            scale: o.attn_scale,
             rope: Arc::new(RopeConsts::new(o.inv_freq.clone())),
             dropout: o.dropout,
             site,
@@ -119,17 +143,25 @@ impl Attention {
         };
         let (q, k, v) = self.qkv(x, &pos, ctx)?;
         let p = if ctx.train { self.dropout } else { 0.0 };
-        let y = ctx.kernels.gqa_attention(
-            &q,
-            &k,
-            &v,
-            self.window,
-            ctx.rows.doc_ids.as_ref(),
-            p,
-            ctx,
-            self.site,
-        )?;
+        let y = self.attend(&q, &k, &v, ctx.rows.doc_ids.as_ref(), p, ctx)?;
         self.o_proj.forward(&y, ctx)
+    }
+
+    /// The attention of rotated `q` over `k`, `v`, heads merged: flash-style for any head
+    /// size (on CUDA the Triton kernels take `D <= 128`; larger heads, such as Gemma's 256,
+    /// run `candle_fused::attention`'s composite fallback there).
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        doc_ids: Option<&Tensor>,
+        p: f32,
+        ctx: &Ctx,
+    ) -> candle_core::Result<Tensor> {
+        let (window, scale) = (self.window, self.scale);
+        ctx.kernels
+            .gqa_attention(q, k, v, window, scale, doc_ids, p, ctx, self.site)
     }
 
     /// Attention of new tokens over the cached ones (block `i`'s entries) and themselves
@@ -144,10 +176,11 @@ impl Attention {
         let (b, t, _) = x.dims3()?;
         let pos = self.rope.positions(b, t, cache.len, x.device())?;
         let (q, k, v) = self.qkv(x, &pos, ctx)?;
-        let (k, v) = cache.append(i, &k, &v)?;
-        let y = ctx
-            .kernels
-            .gqa_attention(&q, &k, &v, self.window, None, 0.0, ctx, self.site)?;
+        let (k, v) = match self.window {
+            Some(w) => cache.append_window(i, &k, &v, w)?,
+            None => cache.append(i, &k, &v)?,
+        };
+        let y = self.attend(&q, &k, &v, None, 0.0, ctx)?;
         self.o_proj.forward(&y, ctx)
     }
 }

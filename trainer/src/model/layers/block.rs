@@ -4,19 +4,24 @@
 //! h = x + attention(rms(x))
 //! y = h + down_proj(silu(gate_proj(rms(h))) * up_proj(rms(h)))
 //! ```
+//!
+//! or, with [`BlockOptions::sandwich_norms`] (Gemma 2/3), the attention's and the MLP's
+//! outputs normalised as well: `h = x + rms(attention(rms(x)))`, `y = h + rms(mlp(rms(h)))`.
 
 use candle_core::Tensor;
 
 use super::super::{Builder, Ctx, KvCache, Layout, Linear, LinkOps, WeightMap};
-use super::{Attention, BlockOptions, Cached, RmsNorm, Weights};
+use super::{Attention, BlockOptions, Cached, GateAct, RmsNorm, Weights};
 use crate::Result;
 
-/// The SwiGLU feed-forward network (`mlp`): `down_proj(silu(gate_proj(x)) * up_proj(x))`.
+/// The gated feed-forward network (`mlp`): `down_proj(act(gate_proj(x)) * up_proj(x))`, SwiGLU
+/// or GeGLU.
 #[derive(Clone, Debug)]
 pub struct GatedMlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
+    act: GateAct,
 }
 
 impl GatedMlp {
@@ -30,6 +35,7 @@ impl GatedMlp {
             gate_proj: lin("gate_proj", c, m)?,
             up_proj: lin("up_proj", c, m)?,
             down_proj: lin("down_proj", m, c)?,
+            act: o.act,
         })
     }
 
@@ -37,7 +43,11 @@ impl GatedMlp {
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         let g = self.gate_proj.forward(x, ctx)?;
         let u = self.up_proj.forward(x, ctx)?;
-        self.down_proj.forward(&ctx.kernels.swiglu(&g, &u)?, ctx)
+        let a = match self.act {
+            GateAct::Silu => ctx.kernels.swiglu(&g, &u)?,
+            GateAct::GeluTanh => ctx.kernels.geglu(&g, &u)?,
+        };
+        self.down_proj.forward(&a, ctx)
     }
 }
 
@@ -47,6 +57,7 @@ impl Weights for GatedMlp {
             gate_proj: self.gate_proj.map(f)?,
             up_proj: self.up_proj.map(f)?,
             down_proj: self.down_proj.map(f)?,
+            act: self.act,
         })
     }
 }
@@ -58,6 +69,8 @@ pub struct Block {
     input_layernorm: RmsNorm,
     self_attn: Attention,
     post_attention_layernorm: RmsNorm,
+    /// Gemma's `pre_feedforward_layernorm` and `post_feedforward_layernorm`.
+    feedforward_norms: Option<(RmsNorm, RmsNorm)>,
     mlp: GatedMlp,
     index: usize,
 }
@@ -67,19 +80,61 @@ impl Block {
     /// `1 + index` (site 0 is the embedding's).
     pub fn build(b: &Builder, o: &BlockOptions, index: usize) -> Result<Self> {
         let (c, eps) = (o.dims.hidden, o.norm_eps);
+        let norm = |name: &str| {
+            Ok::<_, crate::Error>(
+                RmsNorm::build(&b.pp(name), c, eps)?.with_unit_offset(o.norm_unit_offset),
+            )
+        };
+        // transformers' order: input, self_attn, post_attention, pre/post feed-forward, mlp.
+        let input_layernorm = norm("input_layernorm")?;
+        let self_attn = Attention::build(&b.pp("self_attn"), o, 1 + index as u64)?;
+        let post_attention_layernorm = norm("post_attention_layernorm")?;
+        let feedforward_norms = match o.sandwich_norms {
+            true => Some((
+                norm("pre_feedforward_layernorm")?,
+                norm("post_feedforward_layernorm")?,
+            )),
+            false => None,
+        };
         Ok(Block {
-            input_layernorm: RmsNorm::build(&b.pp("input_layernorm"), c, eps)?,
-            self_attn: Attention::build(&b.pp("self_attn"), o, 1 + index as u64)?,
-            post_attention_layernorm: RmsNorm::build(&b.pp("post_attention_layernorm"), c, eps)?,
+            input_layernorm,
+            self_attn,
+            post_attention_layernorm,
+            feedforward_norms,
             mlp: GatedMlp::build(&b.pp("mlp"), o)?,
             index,
         })
     }
 
+    /// The `n` blocks `b.layers.{i}`, block `i` with `options(i)`.
+    pub(crate) fn stack(
+        b: &Builder,
+        n: usize,
+        options: impl Fn(usize) -> BlockOptions,
+    ) -> Result<Vec<Self>> {
+        let layers = b.pp("layers");
+        (0..n)
+            .map(|i| Block::build(&layers.pp(i), &options(i), i))
+            .collect()
+    }
+
+    /// `x + a`, `a` the attention's output (normalised first with sandwich norms).
+    fn attn_residual(&self, x: &Tensor, a: Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        match self.feedforward_norms {
+            Some(_) => x + self.post_attention_layernorm.forward(&a, ctx)?,
+            None => x + a,
+        }
+    }
+
     fn mlp_residual(&self, h: Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        let y = self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&h, ctx)?, ctx)?;
+        let y = match &self.feedforward_norms {
+            Some((pre, post)) => {
+                post.forward(&self.mlp.forward(&pre.forward(&h, ctx)?, ctx)?, ctx)?
+            }
+            None => self
+                .mlp
+                .forward(&self.post_attention_layernorm.forward(&h, ctx)?, ctx)?,
+        };
         h + y
     }
 }
@@ -93,7 +148,7 @@ impl Cached for Block {
             self.index,
             ctx,
         )?;
-        self.mlp_residual((x + a)?, ctx)
+        self.mlp_residual(self.attn_residual(x, a, ctx)?, ctx)
     }
 }
 
@@ -103,6 +158,10 @@ impl Weights for Block {
             input_layernorm: Weights::map(&self.input_layernorm, f)?,
             self_attn: Weights::map(&self.self_attn, f)?,
             post_attention_layernorm: Weights::map(&self.post_attention_layernorm, f)?,
+            feedforward_norms: match &self.feedforward_norms {
+                Some((pre, post)) => Some((Weights::map(pre, f)?, Weights::map(post, f)?)),
+                None => None,
+            },
             mlp: Weights::map(&self.mlp, f)?,
             index: self.index,
         })
@@ -114,7 +173,7 @@ impl LinkOps for Block {
         let a = self
             .self_attn
             .forward(&self.input_layernorm.forward(x, ctx)?, ctx)?;
-        self.mlp_residual((x + a)?, ctx)
+        self.mlp_residual(self.attn_residual(x, a, ctx)?, ctx)
     }
 
     own_weights!();

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use candle_core::Tensor;
 
 use super::super::chain::token_losses_of_logits;
-use super::super::{Builder, Ctx, KvCache, Linear, LinkOps, Loss, WeightMap, IGNORE};
+use super::super::{Builder, Ctx, KvCache, Layout, Linear, LinkOps, Loss, WeightMap, IGNORE};
 use super::{stat_dtype, Cached, LayerNorm, RmsNorm, Weights};
 use crate::Result;
 
@@ -15,6 +15,7 @@ use crate::Result;
 #[derive(Clone, Debug)]
 pub struct Embed {
     weight: Tensor,
+    scale: Option<f64>,
 }
 
 impl Embed {
@@ -22,7 +23,15 @@ impl Embed {
     pub fn build(b: &Builder, vocab: usize, hidden: usize) -> Result<Self> {
         Ok(Embed {
             weight: b.get(&[vocab, hidden], "weight")?,
+            scale: None,
         })
+    }
+
+    /// The same embedding with its rows multiplied by `scale` (Gemma's `sqrt(hidden)`), the
+    /// factor rounded to the compute dtype first, as transformers'
+    /// `Gemma3TextScaledWordEmbedding` does (`sqrt(3072)` is 55.5 in bf16).
+    pub fn with_scale(self, scale: Option<f64>) -> Self {
+        Embed { scale, ..self }
     }
 
     /// The table `[vocab, hidden]` (a tied head reads it too).
@@ -35,6 +44,7 @@ impl Weights for Embed {
     fn map(&self, f: WeightMap) -> candle_core::Result<Self> {
         Ok(Embed {
             weight: f(&self.weight)?,
+            scale: self.scale,
         })
     }
 }
@@ -43,7 +53,11 @@ impl LinkOps for Embed {
     fn forward(&self, idx: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         idx.dims2()?;
         let w = self.weight.to_dtype(ctx.dtype)?;
-        ctx.kernels.embedding(&w, idx, ctx.rows.host_tokens(idx))
+        let x = ctx.kernels.embedding(&w, idx, ctx.rows.host_tokens(idx))?;
+        match self.scale {
+            Some(s) => x.broadcast_mul(&Tensor::new(s as f32, x.device())?.to_dtype(x.dtype())?),
+            None => Ok(x),
+        }
     }
 
     own_weights!();
@@ -93,22 +107,49 @@ pub(crate) enum LmHead {
     Tied(Tensor),
 }
 
+impl LmHead {
+    /// `b.lm_head` `[V, C]` (no bias), or the embedding when `tied`.
+    pub(crate) fn build(b: &Builder, embed: &Embed, tied: bool) -> Result<Self> {
+        if tied {
+            return Ok(LmHead::Tied(embed.weight().clone()));
+        }
+        let (v, c) = embed.weight().dims2()?;
+        let l = Linear::build(&b.pp("lm_head"), c, v, false, Layout::OutIn)?;
+        Ok(LmHead::Own(l))
+    }
+}
+
 /// The final norm and the projection to the vocabulary: the last link of a chain.
 #[derive(Clone, Debug)]
 pub(crate) struct Head {
     norm: Norm,
     lm_head: LmHead,
+    softcap: Option<f64>,
 }
 
 impl Head {
     /// The head `lm_head(norm(x))`.
     pub(crate) fn new(norm: Norm, lm_head: LmHead) -> Self {
-        Head { norm, lm_head }
+        Head {
+            norm,
+            lm_head,
+            softcap: None,
+        }
     }
 
-    /// The projection's weight when the loss is chunked: no adapter on the projection and
-    /// the context does not ask for whole logits.
+    /// The same head with its logits soft-capped, `c tanh(logits / c)` in f32 (Gemma's
+    /// `final_logit_softcapping`). The loss then takes the whole logits: the chunked
+    /// cross-entropy has no soft-cap (Gemma 3's released configs set none).
+    pub(crate) fn with_softcap(self, softcap: Option<f64>) -> Self {
+        Head { softcap, ..self }
+    }
+
+    /// The projection's weight when the loss is chunked: no adapter on the projection, no
+    /// soft-cap, and the context does not ask for whole logits.
     fn chunked_weight(&self, ctx: &Ctx) -> Option<Tensor> {
+        if self.softcap.is_some() {
+            return None;
+        }
         match &self.lm_head {
             LmHead::Own(l)
                 if l.adapter().is_none() && l.quantized().is_none() && ctx.chunked_loss =>
@@ -145,6 +186,7 @@ impl Weights for Head {
                 LmHead::Own(l) => LmHead::Own(l.map(f)?),
                 LmHead::Tied(w) => LmHead::Tied(f(w)?),
             },
+            softcap: self.softcap,
         })
     }
 }
@@ -157,7 +199,11 @@ impl LinkOps for Head {
             LmHead::Own(l) => l.forward(&h, ctx)?,
             LmHead::Tied(w) => ctx.kernels.linear(&h, &w.to_dtype(ctx.dtype)?.t()?, None)?,
         };
-        logits.to_dtype(stat_dtype(logits.dtype()))
+        let logits = logits.to_dtype(stat_dtype(logits.dtype()))?;
+        match self.softcap {
+            Some(c) => (logits / c)?.tanh()? * c,
+            None => Ok(logits),
+        }
     }
 
     /// The cross-entropy of the projection chunk by chunk (no `[B, T, V]` logits), unless

@@ -1,6 +1,6 @@
-//! The shared layers architectures are built from: LayerNorm and RMSNorm, rotary
-//! grouped-query attention with its options, the gated (SwiGLU) MLP, the pre-norm decoder
-//! block, the token embedding and the head (a norm, then the projection to the vocabulary,
+//! The shared layers architectures are built from: LayerNorm and RMSNorm (`w` or Gemma's
+//! `1 + w`), rotary grouped-query attention with its options (window, score scale),
+//! the gated (SwiGLU or GeGLU) MLP, the pre-norm decoder block (Gemma's four norms an option), the token embedding and the head (a norm, then the projection to the vocabulary,
 //! with a chunked loss), plus seeded dropout and the statistics dtype.
 //!
 //! An architecture module holds only what differs: its config, its `config.json` form and
@@ -12,6 +12,7 @@ mod attention;
 mod block;
 mod decoder;
 pub(crate) mod head;
+pub(crate) mod hf_decoder;
 mod rms_norm;
 mod rope;
 
@@ -22,7 +23,7 @@ use candle_core::{DType, Tensor};
 use super::{Builder, Ctx, KvCache, WeightMap};
 use crate::Result;
 
-pub use attention::{Attention, BlockOptions};
+pub use attention::{Attention, BlockOptions, GateAct};
 pub use block::{Block, GatedMlp};
 pub use decoder::Decoder;
 pub use head::Embed;

@@ -5,11 +5,11 @@
 //! `config.json` form is in `hf_json.rs`.
 
 use candle_core::DType;
-use candle_remat::{BlockCost, ChainCosts};
+use candle_remat::ChainCosts;
 use rand_chacha::ChaCha8Rng;
 use serde_json::Value;
 
-use super::super::layers::BlockOptions;
+use super::super::layers::{hf_decoder, BlockOptions, GateAct};
 use super::super::params::init_values;
 use super::super::{Builder, CheckpointTensor, Dims, Kernels, Model, ModelConfig, SpecialTokens};
 use super::{Llama, RopeScaling};
@@ -178,14 +178,7 @@ impl LlamaConfig {
     ///
     /// [`Architecture::fresh`]: crate::model::Architecture::fresh
     pub(crate) fn fresh(family: Family, dims: &Dims, dropout: f32, rope_theta: f64) -> Self {
-        let kv = match dims.kv_heads {
-            0 => dims.heads,
-            n => n,
-        };
-        let mlp = match dims.mlp {
-            0 => (8 * dims.hidden / 3).div_ceil(64) * 64,
-            n => n,
-        };
+        let (kv, mlp) = hf_decoder::fresh_widths(dims);
         let (l, c, h) = (dims.layers, dims.hidden, dims.heads);
         let mut cfg = LlamaConfig::new(family, dims.vocab, l, c, h, kv, mlp);
         if dims.head_dim != 0 {
@@ -209,6 +202,10 @@ impl LlamaConfig {
             norm_eps: self.rms_norm_eps,
             inv_freq: self.rope_scaling.inv_freq(self.rope_theta, self.head_dim),
             dropout: self.attention_dropout,
+            norm_unit_offset: false,
+            sandwich_norms: false,
+            act: GateAct::Silu,
+            attn_scale: None,
         }
     }
 
@@ -220,35 +217,8 @@ impl LlamaConfig {
     /// Checks that the values describe a model that can be built.
     pub fn validate(&self) -> Result<()> {
         let bad = |msg: String| Err(Error::Config(msg));
-        for (name, v) in [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("head_dim", self.head_dim),
-            ("max_position_embeddings", self.max_position_embeddings),
-        ] {
-            if v == 0 {
-                return bad(format!("{name} must be at least 1"));
-            }
-        }
-        if !self
-            .num_attention_heads
-            .is_multiple_of(self.num_key_value_heads)
-        {
-            return bad(format!(
-                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
-                self.num_attention_heads, self.num_key_value_heads
-            ));
-        }
-        if !self.head_dim.is_multiple_of(2) {
-            return bad(format!(
-                "head_dim ({}) must be even for rotary embeddings",
-                self.head_dim
-            ));
-        }
+        let tokens = self.bos_token_id.iter().chain(&self.eos_token_ids);
+        hf_decoder::check_dims(&ModelConfig::dims(self), tokens)?;
         if self.layer_windows.len() != self.num_hidden_layers {
             return bad(format!(
                 "{} layer windows for {} layers",
@@ -271,16 +241,7 @@ impl LlamaConfig {
                 self.attention_dropout
             ));
         }
-        self.rope_scaling.validate()?;
-        for id in self.bos_token_id.iter().chain(&self.eos_token_ids) {
-            if *id as usize >= self.vocab_size {
-                return bad(format!(
-                    "special token id {id} is outside the vocabulary of {} ids",
-                    self.vocab_size
-                ));
-            }
-        }
-        Ok(())
+        self.rope_scaling.validate()
     }
 }
 
@@ -314,22 +275,14 @@ impl ModelConfig for LlamaConfig {
     }
 
     fn special_tokens(&self) -> SpecialTokens {
-        SpecialTokens {
-            bos: self.bos_token_id,
-            eos: self.eos_token_ids.first().copied(),
-        }
+        hf_decoder::special_tokens(self.bos_token_id, &self.eos_token_ids)
     }
 
     fn with_run_settings(&self, dropout: f32, tokens: SpecialTokens) -> Box<dyn ModelConfig> {
-        let eos_token_ids = match tokens.eos {
-            Some(e) if self.eos_token_ids.contains(&e) => self.eos_token_ids.clone(),
-            Some(e) => vec![e],
-            None => Vec::new(),
-        };
         Box::new(LlamaConfig {
             attention_dropout: dropout,
             bos_token_id: tokens.bos,
-            eos_token_ids,
+            eos_token_ids: hf_decoder::run_eos_ids(&self.eos_token_ids, tokens),
             ..self.clone()
         })
     }
@@ -349,18 +302,9 @@ impl ModelConfig for LlamaConfig {
     /// unless it is also the head), plus the attention's `Q Kᵀ` and `P V` over a context of
     /// `T` (PaLM appendix B).
     fn flops_per_token(&self, seq_len: usize) -> f64 {
-        let mut n = self.num_params() as f64;
-        if !self.tie_word_embeddings {
-            n -= (self.vocab_size * self.hidden_size) as f64;
-        }
-        let (l, h, d) = (
-            self.num_hidden_layers as f64,
-            self.num_attention_heads as f64,
-            self.head_dim as f64,
-        );
-        let window = |w: Option<usize>| w.map_or(seq_len, |w| w.min(seq_len)) as f64;
-        let ctx = self.layer_windows.iter().map(|&w| window(w)).sum::<f64>() / l.max(1.0);
-        6.0 * n + 12.0 * l * h * d * ctx
+        let window = |w: &Option<usize>| w.map_or(seq_len, |w| w.min(seq_len));
+        let contexts: Vec<usize> = self.layer_windows.iter().map(window).collect();
+        hf_decoder::flops_per_token(self.num_params(), &self.dims(), &contexts)
     }
 
     /// Counted from the ops of a [`Block`](crate::model::layers::Block): the tensors its backward keeps. Fused kernels:
@@ -369,43 +313,13 @@ impl ModelConfig for LlamaConfig {
     /// 3 `[B, T, I]` (gate, up, their SwiGLU) and the attention's `[B, H, T]` log-sum-exp.
     /// Reference kernels add the `[B, H, T, T]` scores, mask and probabilities in f32.
     fn chain_costs(&self, batch: usize, seq: usize, dtype: DType, kernels: Kernels) -> ChainCosts {
-        let (b, t) = (batch as u64, seq as u64);
-        let (c, i) = (self.hidden_size as u64, self.intermediate_size as u64);
-        let (h, kv, d) = (
-            self.num_attention_heads as u64,
-            self.num_key_value_heads as u64,
-            self.head_dim as u64,
-        );
-        let size = dtype.size_in_bytes() as u64;
-        let btc = b * t * c * size;
-        let qkv = b * t * (h + 2 * kv) * d * size;
-        let fused = 6 * btc + 2 * qkv + b * t * h * d * size + 3 * b * t * i * size + b * h * t * 4;
-        let act = match kernels {
-            Kernels::Fused => fused,
-            Kernels::Reference => fused + qkv + 4 * b * h * t * t * 4,
-        };
-        let flops =
-            2 * b * t * (c * (h + 2 * kv) * d + h * d * c + 3 * c * i) + 4 * b * t * t * h * d;
-        ChainCosts::uniform(
-            self.num_hidden_layers,
-            BlockCost {
-                act_bytes: act,
-                out_bytes: btc,
-                fwd_ns: flops / 1000 + 1,
-            },
-        )
+        hf_decoder::chain_costs(&self.dims(), (batch, seq), (6, 3), dtype, kernels)
     }
 
     /// A tied checkpoint has no `lm_head.weight` (one equal to the embedding is accepted as a
     /// copy); rotary `inv_freq` buffers are skipped.
     fn checkpoint_tensor(&self, name: &str) -> CheckpointTensor {
-        if name.ends_with("rotary_emb.inv_freq") {
-            return CheckpointTensor::Buffer;
-        }
-        if self.tie_word_embeddings && name == "lm_head.weight" {
-            return CheckpointTensor::TiedCopy("model.embed_tokens.weight".into());
-        }
-        CheckpointTensor::Param(name.to_string())
+        hf_decoder::checkpoint_tensor(name, self.tie_word_embeddings)
     }
 
     fn to_hf_json(&self) -> Value {

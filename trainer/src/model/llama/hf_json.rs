@@ -9,20 +9,21 @@ use serde_json::{json, Map, Value};
 use super::{Family, LlamaConfig, RopeScaling};
 use crate::{Error, Result};
 
-/// The keys of one `config.json`, read with errors naming the file and the key.
-struct Keys<'a> {
-    v: &'a Value,
-    path: &'a Path,
+/// The keys of one `config.json`, read with errors naming the file and the key (shared with
+/// the other architectures that read transformers' configs).
+pub(crate) struct Keys<'a> {
+    pub(crate) v: &'a Value,
+    pub(crate) path: &'a Path,
 }
 
 impl Keys<'_> {
-    fn err(&self, key: &str, msg: String) -> Error {
+    pub(crate) fn err(&self, key: &str, msg: String) -> Error {
         Error::checkpoint(self.path, format!("`{key}`: {msg}"))
     }
 
     /// `key` read by `read` (`default` when absent or null); a value it cannot read is an
     /// error saying it must be `what`.
-    fn typed<T>(
+    pub(crate) fn typed<T>(
         &self,
         key: &str,
         default: T,
@@ -35,26 +36,26 @@ impl Keys<'_> {
         }
     }
 
-    fn usize_of(&self, key: &str) -> Result<Option<usize>> {
+    pub(crate) fn usize_of(&self, key: &str) -> Result<Option<usize>> {
         let read = |x: &Value| x.as_u64().map(|x| Some(x as usize));
         self.typed(key, None, read, "a non-negative integer")
     }
 
-    fn need(&self, key: &str) -> Result<usize> {
+    pub(crate) fn need(&self, key: &str) -> Result<usize> {
         self.usize_of(key)?
             .ok_or_else(|| self.err(key, "missing".into()))
     }
 
-    fn f64_of(&self, key: &str, default: f64) -> Result<f64> {
+    pub(crate) fn f64_of(&self, key: &str, default: f64) -> Result<f64> {
         self.typed(key, default, Value::as_f64, "a number")
     }
 
-    fn bool_of(&self, key: &str, default: bool) -> Result<bool> {
+    pub(crate) fn bool_of(&self, key: &str, default: bool) -> Result<bool> {
         self.typed(key, default, Value::as_bool, "true or false")
     }
 
     /// Token ids: one, a list (instruction-tuned Llama 3's `eos_token_id`) or none.
-    fn tokens(&self, key: &str) -> Result<Vec<u32>> {
+    pub(crate) fn tokens(&self, key: &str) -> Result<Vec<u32>> {
         let one = |x: &Value| {
             x.as_u64()
                 .and_then(|x| u32::try_from(x).ok())

@@ -13,7 +13,7 @@
 //! (biases, q/k norms, sliding windows), which this module reads and writes.
 
 mod config;
-mod hf_json;
+pub(crate) mod hf_json;
 
 use std::path::Path;
 
@@ -24,7 +24,7 @@ pub use config::{Family, LlamaConfig};
 
 use super::layers::head::{Head, LmHead, Norm};
 use super::layers::{Block, Decoder, Embed, RmsNorm};
-use super::{Architecture, Builder, Dims, Layout, Linear, ModelConfig};
+use super::{Architecture, Builder, Dims, ModelConfig};
 use crate::Result;
 
 /// A member of the family as an [`Architecture`] (recognised by its `model_type`).
@@ -82,13 +82,8 @@ impl Llama {
         let (v, c) = (config.vocab_size, config.hidden_size);
         let m = b.pp("model");
         let embed = Embed::build(&m.pp("embed_tokens"), v, c)?;
-        let blocks = (0..config.num_hidden_layers)
-            .map(|i| Block::build(&m.pp("layers").pp(i), &config.block_options(i), i))
-            .collect::<Result<Vec<_>>>()?;
-        let lm_head = match config.tie_word_embeddings {
-            true => LmHead::Tied(embed.weight().clone()),
-            false => LmHead::Own(Linear::build(&b.pp("lm_head"), c, v, false, Layout::OutIn)?),
-        };
+        let blocks = Block::stack(&m, config.num_hidden_layers, |i| config.block_options(i))?;
+        let lm_head = LmHead::build(b, &embed, config.tie_word_embeddings)?;
         let norm = RmsNorm::build(&m.pp("norm"), c, config.rms_norm_eps)?;
         Ok(Decoder {
             config: config.clone(),
