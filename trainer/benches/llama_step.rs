@@ -100,8 +100,10 @@ struct Args {
     bench: bool,
 }
 
-/// `(name, config, block, batch)`.
-fn cases() -> anyhow::Result<Vec<(&'static str, Box<dyn ModelConfig>, usize, usize)>> {
+/// A case: `(name, config, block, batch)`.
+type Case = (&'static str, Box<dyn ModelConfig>, usize, usize);
+
+fn cases() -> anyhow::Result<Vec<Case>> {
     let smol = LlamaConfig {
         tie_word_embeddings: true,
         rope_theta: 100000.0,
