@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch anchor for the trainer's LoRA training step: Hugging Face transformers'
-LlamaForCausalLM at SmolLM2-135M's shape with a PEFT LoRA adapter, on CPU.
+LlamaForCausalLM at SmolLM2-135M's shape (or Gemma3ForCausalLM at Gemma 3 270M's, `--case
+gemma3-270m`: bench/torch_llama_step.py's case of that name) with a PEFT LoRA adapter, on CPU.
 
 The model: SmolLM2-135M's shape (30 layers, hidden 576, 9 heads / 3 KV heads, intermediate 1536,
 vocab 49152, tied embeddings, RMSNorm eps 1e-5, rope theta 100000), transformers' random init,
@@ -23,11 +24,13 @@ Prints one JSON line (starts with `{`): the median and mean step time after warm
 tokens/s, parameter counts (base, trainable), the process's peak RSS (getrusage maxrss), the RSS
 before the first step and the RSS high-water mark over the warm-up and timed steps alone (VmHWM
 after resetting it through /proc/self/clear_refs just before the first step; null where the
-kernel does not allow the reset), the bench protocol's fields (bench/bench_protocol.py: other
+kernel does not allow the reset), the peak of the anonymous RSS (`RssAnon` sampled every 2 ms by a
+thread, over the whole process and over the steps alone), the bench protocol's fields (bench/bench_protocol.py: other
 processes' CPU share and steal per timed step, a step over 2% re-run up to 5 times, the CPU model
 and flags), then a one-line table.
 
     .venv-py/bin/python bench/peft_lora_step.py --threads 2 --steps 3 --warmup 1
+    .venv-py/bin/python bench/peft_lora_step.py --case gemma3-270m --threads 2 --steps 2 --warmup 1
 
 Optional: needs scripts/python/setup.sh's venv (torch, transformers, peft); never run in CI.
 """
@@ -41,20 +44,11 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_protocol  # noqa: E402
-from torch_llama_step import CASES  # noqa: E402
+from torch_common import AnonPeak, status_mib  # noqa: E402
+from torch_llama_step import build_model  # noqa: E402
 
-CFG = CASES["smollm2-135m"]["cfg"]
 BLOCK, BATCH = 256, 4
 R, ALPHA = 16, 32
-
-
-def status_mib(key):
-    """VmRSS / VmHWM of this process from /proc/self/status, in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    return None
 
 
 def reset_hwm():
@@ -92,13 +86,16 @@ def main():
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     ap.add_argument("--no-autocast", action="store_true", help="no torch.autocast around the forward")
+    ap.add_argument(
+        "--case", default="smollm2-135m", choices=["smollm2-135m", "gemma3-270m"], help="the model's shape"
+    )
     args = ap.parse_args()
+    anon = AnonPeak()
 
     import peft
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -106,9 +103,8 @@ def main():
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rss_base_mib = status_mib("VmRSS")
-    cfg = LlamaConfig(**CFG, use_cache=False)
-    cfg._attn_implementation = args.attn
-    model = LlamaForCausalLM(cfg)
+    model = build_model(args.case, args.attn)
+    cfg = model.config
     model = model.to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     base_params = sum(p.numel() for p in model.parameters())
     model = get_peft_model(
@@ -127,15 +123,19 @@ def main():
 
     rss_before_steps_mib = status_mib("VmRSS")
     maxrss_before_steps_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    anon_load = anon.read()
     hwm_reset = reset_hwm()
+    anon.reset()
     losses = [step() for _ in range(args.warmup)]
     timed = [bench_protocol.timed(lambda: losses.append(step())) for _ in range(args.steps)]
     times = [t for t, _, _ in timed]
     peak_rss_steps_mib = status_mib("VmHWM") if hwm_reset else None
+    anon_steps = anon.read()
+    anon.close()
     med, mean = statistics.median(times), statistics.mean(times)
     r = {
         "bench": "peft_lora_step",
-        "case": "smollm2-135m",
+        "case": args.case,
         "dtype": args.dtype,
         "attn": args.attn,
         "autocast": not args.no_autocast,
@@ -159,6 +159,8 @@ def main():
         "rss_before_steps_mib": rss_before_steps_mib,
         "maxrss_before_steps_mib": maxrss_before_steps_mib,
         "peak_rss_steps_mib": peak_rss_steps_mib,
+        "anon_peak_mib": max(anon_load, anon_steps),
+        "anon_peak_steps_mib": anon_steps,
         "loss_first_last": [losses[0], losses[-1]],
         "torch": torch.__version__,
         "transformers": transformers.__version__,

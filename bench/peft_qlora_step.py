@@ -31,42 +31,14 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_protocol  # noqa: E402
 from peft_lora_step import ALPHA, BATCH, BLOCK, R, make_step, reset_hwm, status_mib  # noqa: E402
+from torch_common import AnonPeak  # noqa: E402
 
-PERIOD_S = 0.002
-
-
-class AnonPeak:
-    """A thread reading RssAnon every PERIOD_S and keeping the highest value (MiB) seen since it
-    started or since `reset()` (trainer/benches/support/memory.rs on our side)."""
-
-    def __init__(self):
-        self.peak = status_mib("RssAnon") or 0.0
-        self.stop = False
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
-
-    def run(self):
-        while not self.stop:
-            self.peak = max(self.peak, status_mib("RssAnon") or 0.0)
-            time.sleep(PERIOD_S)
-
-    def read(self):
-        self.peak = max(self.peak, status_mib("RssAnon") or 0.0)
-        return self.peak
-
-    def reset(self):
-        self.peak = status_mib("RssAnon") or 0.0
-
-    def close(self):
-        self.stop = True
-        self.thread.join()
 
 
 def weight_bytes(model):

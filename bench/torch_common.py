@@ -5,6 +5,7 @@ memory before torch loads.
 import json
 import math
 import os
+import threading
 import time
 
 def matmul_ceiling(torch):
@@ -49,3 +50,42 @@ def peak_step_bytes(step):
         prof.export_memory_timeline(path, device="cpu")
         _, sizes = json.load(open(path))
     return max(sum(s) for s in sizes)
+
+
+def status_mib(key):
+    """VmRSS / VmHWM of this process from /proc/self/status, in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
+PERIOD_S = 0.002
+
+
+class AnonPeak:
+    """A thread reading RssAnon every PERIOD_S and keeping the highest value (MiB) seen since it
+    started or since `reset()` (trainer/benches/support/memory.rs on our side)."""
+
+    def __init__(self):
+        self.peak = status_mib("RssAnon") or 0.0
+        self.stop = False
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while not self.stop:
+            self.peak = max(self.peak, status_mib("RssAnon") or 0.0)
+            time.sleep(PERIOD_S)
+
+    def read(self):
+        self.peak = max(self.peak, status_mib("RssAnon") or 0.0)
+        return self.peak
+
+    def reset(self):
+        self.peak = status_mib("RssAnon") or 0.0
+
+    def close(self):
+        self.stop = True
+        self.thread.join()

@@ -28,7 +28,11 @@ One JSON line per case (starts with `{`) and a table.
 Cases: `smollm2-135m` (SmolLM2-135M's shape: 30 layers, hidden 576, 9 heads / 3 KV heads,
 intermediate 1536, vocab 49152, tied, RMSNorm eps 1e-5, rope theta 100000; block 256, batch 4)
 and `llama-small` (8 layers, hidden 256, 8 heads / 2 KV heads, intermediate 704, vocab 8192,
-untied; block 256, batch 8). Weights are transformers' random init, f32.
+untied; block 256, batch 8), and `gemma3-270m` (Gemma3ForCausalLM at Gemma 3 270M's shape: the
+committed trainer/tests/fixtures/gemma3/shape_270m/config.json, 18 layers, hidden 640, 4 heads / 1
+KV head of 256, intermediate 2048, vocab 262144, tied, 5 sliding layers (window 512) to 1 full;
+block 256, batch 4). Weights are transformers' random init, f32. Memory also as the peak of the
+anonymous RSS (`RssAnon` sampled every 2 ms by a thread, torch_common.AnonPeak).
 
 Optional: needs scripts/python/setup.sh's venv (torch, transformers); never run in CI.
 """
@@ -42,7 +46,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_protocol  # noqa: E402
-from torch_common import adamw, matmul_ceiling, peak_step_bytes  # noqa: E402
+from torch_common import AnonPeak, adamw, matmul_ceiling, peak_step_bytes  # noqa: E402
 
 
 def llama_case(rope_theta, block, batch, **cfg):
@@ -67,9 +71,35 @@ CASES = {
         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
         rope_theta=10000.0, block=256, batch=8,
     ),
+    # Gemma 3 270M's shape: the config.json of scripts/python/make_gemma3_fixtures.py's
+    # `shape_270m` (Gemma3ForCausalLM, 268,098,176 parameters), which the Rust side reads too.
+    "gemma3-270m": dict(
+        config_dir=os.path.join(
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            "trainer", "tests", "fixtures", "gemma3", "shape_270m",
+        ),
+        block=256,
+        batch=4,
+    ),
 }
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::addbmm"}
 WARMUP = 3
+
+
+def build_model(name, attn):
+    """Case `name`'s model in f32, transformers' random init (torch's seed is the caller's),
+    with attention `attn` (`sdpa` or `eager`)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    case = CASES[name]
+    if "config_dir" in case:
+        cfg = AutoConfig.from_pretrained(case["config_dir"], use_cache=False)
+        cfg._attn_implementation = attn
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    cfg = LlamaConfig(**case["cfg"], use_cache=False)
+    cfg._attn_implementation = attn
+    return LlamaForCausalLM(cfg).to(torch.float32)
 
 
 def current_rss_mib():
@@ -98,18 +128,17 @@ def op_shares(step):
 def run_case(name, args):
     import torch
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     transformers.logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     peak_flops = matmul_ceiling(torch)
+    anon = AnonPeak()
     rss_base_mib = current_rss_mib()
     case = CASES[name]
-    cfg = LlamaConfig(**case["cfg"], use_cache=False)
-    cfg._attn_implementation = args.attn
-    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model = build_model(name, args.attn)
+    cfg = model.config
     model.train()
     block, batch = case["block"], case["batch"]
     opt = adamw(torch, model, betas=(0.9, 0.95))
@@ -131,6 +160,8 @@ def run_case(name, args):
     times = [t for t, _, _ in timed]
     # the peak over the warm-up and timed steps, before the profiler runs any more steps
     peak_rss_steps_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    anon_peak_mib = anon.read()
+    anon.close()
     med, mean = statistics.median(times), statistics.mean(times)
     tokens = batch * block
     # matmul parameters: every Linear weight, lm_head included (tied or not); not the embedding lookup
@@ -166,6 +197,7 @@ def run_case(name, args):
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rss_base_mib": rss_base_mib,
         "peak_rss_steps_mib": peak_rss_steps_mib,
+        "anon_peak_mib": anon_peak_mib,
         "peak_tensors_mib": peak_tensors / 2**20 if isinstance(peak_tensors, int) else peak_tensors,
         "loss_first_last": [losses[0], losses[-1]],
         "torch": torch.__version__,

@@ -18,15 +18,24 @@
 //!
 //! Cases: `smollm2-135m` (SmolLM2-135M's shape: 30 layers, 576 wide, 9 heads / 3 KV heads,
 //! MLP 1536, vocab 49152, tied; block 256, batch 4) and `llama-small` (8 layers, 256 wide,
-//! 8 heads / 2 KV heads, MLP 704, vocab 8192, untied; block 256, batch 8), as in
-//! `bench/torch_llama_step.py`, which runs the PyTorch side (each case in its own process).
+//! 8 heads / 2 KV heads, MLP 704, vocab 8192, untied; block 256, batch 8) and `gemma3-270m`
+//! (issue #37: Gemma 3 270M's shape, `Gemma3ForCausalLM` with 18 layers, 640 wide, 4 heads /
+//! 1 KV head of 256, MLP 2048, vocab 262144, tied, 5 sliding layers to 1 full; block 256, batch
+//! 4; the `config.json` of `scripts/python/make_gemma3_fixtures.py`'s `shape_270m`, which both
+//! sides read; figures only), as in `bench/torch_llama_step.py`, which runs the PyTorch side
+//! (each case in its own process).
+//!
+//! ```text
+//! cargo bench -p trainer --bench llama_step -- --only gemma3-270m --dtype bf16 --steps 2 --threads 2
+//! ```
 //!
 //! Each of our cases runs in a child process of this binary (so its peak RSS is its own), with
 //! the `trainer` binary's process settings (`trainer::runtime::init`):
 //! `--warmup` steps, then `--steps` timed steps of `Trainer::train_step` (median reported).
 //! Memory: the process's peak RSS (`VmHWM`) over those steps, and that peak minus the RSS before
 //! the model was built ("step memory": weights, gradients, AdamW state, activations; PyTorch's
-//! side subtracts its RSS after `import torch` the same way). f32 cases also run with the whole
+//! side subtracts its RSS after `import torch` the same way), and the peak of the anonymous RSS
+//! (`RssAnon` sampled every 2 ms by a thread, from before the model is built). f32 cases also run with the whole
 //! `[B, T, vocab]` logits (`chunked_loss = false`) to show what the chunked loss saves.
 //!
 //! Matmul share: PyTorch's column is its profiler's self CPU time of `mm`/`addmm`/`bmm`/
@@ -42,11 +51,14 @@ use clap::Parser;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::process::Command;
+use support::bases::Shape;
+use support::memory::AnonPeak;
 use support::protocol::{self, share_cell};
 use support::{f, last_json, root, status_kib};
 use trainer::config::TrainConfig;
 use trainer::data::DataKind;
 use trainer::model::llama::{Family, LlamaConfig};
+use trainer::model::ModelConfig;
 use trainer::train::Trainer;
 
 #[derive(Parser, Debug)]
@@ -88,22 +100,25 @@ struct Args {
     bench: bool,
 }
 
-/// `(name, config, block, batch)`.
-fn cases() -> Vec<(&'static str, LlamaConfig, usize, usize)> {
+/// A case: `(name, config, block, batch)`.
+type Case = (&'static str, Box<dyn ModelConfig>, usize, usize);
+
+fn cases() -> anyhow::Result<Vec<Case>> {
     let smol = LlamaConfig {
         tie_word_embeddings: true,
         rope_theta: 100000.0,
         ..LlamaConfig::new(Family::Llama, 49152, 30, 576, 9, 3, 1536)
     };
     let small = LlamaConfig::new(Family::Llama, 8192, 8, 256, 8, 2, 704);
-    vec![
-        ("smollm2-135m", smol, 256, 4),
-        ("llama-small", small, 256, 8),
-    ]
+    Ok(vec![
+        ("smollm2-135m", Box::new(smol), 256, 4),
+        ("llama-small", Box::new(small), 256, 8),
+        ("gemma3-270m", Shape::Gemma3_270m.config()?, 256, 4),
+    ])
 }
 
 fn run_ours(name: &str, dtype: &str, args: &Args) -> anyhow::Result<Value> {
-    let (_, cfg, block, batch) = cases()
+    let (_, cfg, block, batch) = cases()?
         .into_iter()
         .find(|c| c.0 == name)
         .context("unknown case")?;
@@ -112,6 +127,7 @@ fn run_ours(name: &str, dtype: &str, args: &Args) -> anyhow::Result<Value> {
     let mut hf = cfg.to_hf_json();
     hf["max_position_embeddings"] = json!(2048);
     std::fs::write(&json_path, hf.to_string())?;
+    let anon = AnonPeak::start();
     let rss_base = status_kib("VmRSS:") / 1024.0;
     let config = TrainConfig {
         out_dir: tmp.path().join("run"),
@@ -145,7 +161,7 @@ fn run_ours(name: &str, dtype: &str, args: &Args) -> anyhow::Result<Value> {
     let mut r = json!({
         "case": name, "dtype": dtype, "whole_logits": args.whole_logits,
         "step_median_s": median, "tokens_per_s": (batch * block) as f64 / median,
-        "peak_rss_steps_mib": peak, "rss_base_mib": rss_base,
+        "peak_rss_steps_mib": peak, "rss_base_mib": rss_base, "anon_peak_mib": anon.peak_mib(),
     });
     merge(&mut r, protocol::summary(&timed));
     Ok(r)
@@ -210,7 +226,7 @@ fn main() -> anyhow::Result<()> {
     };
     let args = Args { threads, ..args };
     let mut rows = Vec::new();
-    for (name, ..) in cases() {
+    for (name, ..) in cases()? {
         if args.only.as_deref().is_some_and(|o| !name.contains(o)) {
             continue;
         }
@@ -243,14 +259,16 @@ fn main() -> anyhow::Result<()> {
     println!(
         "\nCPU: {}\n{threads} threads, {} timed steps after {} warm-up per round, {} A B A B \
          rounds (ours, then transformers with SDPA attention; bf16 under torch.autocast); \
-         memory: peak RSS over the steps (step memory: minus the RSS before the model was built)\n",
+         memory: peak RSS over the steps (step memory: minus the RSS before the model was built); \
+         anonymous RSS peak sampled every {} ms\n",
         protocol::this_cpu(),
         args.steps,
         args.warmup,
         args.rounds.max(1),
+        support::memory::PERIOD.as_millis(),
     );
-    println!("| case | dtype | ours: step | torch: step | ours / torch | ours: peak RSS (step memory) | torch: peak RSS (step memory) | ours / torch (step memory) | torch: matmul share | ours with whole logits: peak RSS (step memory) | torch eager: step | other CPU, ours (max per step) | other CPU, torch |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| case | dtype | ours: step | torch: step | ours / torch | ours: peak RSS (step memory) | torch: peak RSS (step memory) | ours / torch (step memory) | torch: matmul share | ours with whole logits: peak RSS (step memory) | torch eager: step | anon RSS peak: ours, torch | other CPU, ours (max per step) | other CPU, torch |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for (name, dtype, o, w, t, e) in rows {
         let mem = |v: &Value| {
             let (p, b) = (f(v, "peak_rss_steps_mib"), f(v, "rss_base_mib"));
@@ -277,8 +295,10 @@ fn main() -> anyhow::Result<()> {
             None => "-".into(),
         };
         let tcell = t.as_ref().map_or("-".into(), share_cell);
+        let ta = t.as_ref().map_or(f64::NAN, |t| f(t, "anon_peak_mib"));
+        let anon = format!("{:.0} MiB, {ta:.0} MiB", f(&o, "anon_peak_mib"));
         println!(
-            "| {name} | {dtype} | {os:.2} s | {ts:.2} s | **{:.2}x** | {op:.0} MiB ({om:.0} MiB) | {tp:.0} MiB ({tm:.0} MiB) | **{:.2}x** ({:.2}x) | {:.0}% | {whole} | {eager} | {} | {tcell} |",
+            "| {name} | {dtype} | {os:.2} s | {ts:.2} s | **{:.2}x** | {op:.0} MiB ({om:.0} MiB) | {tp:.0} MiB ({tm:.0} MiB) | **{:.2}x** ({:.2}x) | {:.0}% | {whole} | {eager} | {anon} | {} | {tcell} |",
             os / ts,
             op / tp,
             om / tm,

@@ -37,6 +37,18 @@
 //! minus the RSS before the model was built (PEFT's side: its RSS after importing torch,
 //! transformers and peft).
 //!
+//! Gemma 3 (`--shape gemma3-270m`; issue #37): the same three cases at Gemma 3 270M's shape
+//! (`Gemma3ForCausalLM`: 18 layers, 640 wide, 4 heads / 1 KV head of 256, MLP 2048, vocab
+//! 262144, tied; the `config.json` of `scripts/python/make_gemma3_fixtures.py`'s `shape_270m`),
+//! PEFT's side building the same shape (`bench/peft_lora_step.py --case gemma3-270m`); LoRA
+//! targets its 126 projections. Figures only: no targets are printed for it. Our loss over the
+//! 262144-row head is the chunked cross-entropy; transformers' takes the whole `[B, T, vocab]`
+//! logits (1 GiB in f32 at B 4 x T 256).
+//!
+//! ```text
+//! cargo bench -p trainer --bench lora_step -- --shape gemma3-270m --steps 2 --warmup 1 --threads 2
+//! ```
+//!
 //! QLoRA (`--qlora`; issue #39): our `--base-quant nf4` step (the projections in bitsandbytes'
 //! NF4, lm_head and embeddings in bf16, bf16 compute, the same adapters) against our bf16 LoRA
 //! step at the same shape and against PEFT over transformers + bitsandbytes 0.50.2
@@ -167,7 +179,9 @@ fn peft(args: &Args, base: &Path) -> anyhow::Result<Value> {
     args.run.pass_to(&mut cmd, true);
     match args.qlora {
         true => cmd.arg("--base").arg(base),
-        false => cmd.args(["--dtype", "bf16"]),
+        false => cmd
+            .args(["--dtype", "bf16"])
+            .args(["--case", args.shape.name()]),
     };
     if args.double_quant {
         cmd.arg("--double-quant");
@@ -191,8 +205,14 @@ fn main() -> anyhow::Result<()> {
         run: args.run.resolved(),
         ..args
     };
-    if !args.qlora && !matches!(args.shape, Shape::Smollm2) {
-        bail!("--shape llama-1b is for --qlora (our full fine-tuning would not fit)");
+    match (args.qlora, args.shape) {
+        (false, Shape::Llama1b) => {
+            bail!("--shape llama-1b is for --qlora (our full fine-tuning would not fit)")
+        }
+        (true, Shape::Gemma3_270m) => {
+            bail!("--shape gemma3-270m is for the LoRA step (PEFT's QLoRA side loads Llama)")
+        }
+        _ => {}
     }
     // Written by a child of its own, so that this process never holds the model.
     let base = base_path(args.shape, args.base_dir.as_deref());
@@ -238,32 +258,40 @@ fn lora(args: &Args, base: &Path) -> anyhow::Result<()> {
     let peft_row = find("peft");
     let full_row = find("full");
     println!(
-        "\nCPU: {}\nSmolLM2-135M shape, bf16, batch {BATCH} x block {BLOCK}; {}; peak RSS over \
+        "\nCPU: {}\n{} shape, bf16, batch {BATCH} x block {BLOCK}; {}; peak RSS over \
          the whole process (in the steps alone); step memory: peak minus the RSS before the model \
-         was built\n",
+         was built; anonymous RSS peak sampled every {} ms (whole process, in the steps alone)\n",
         protocol::this_cpu(),
+        args.shape.name(),
         args.run.describe("ours: LoRA, PEFT"),
+        support::memory::PERIOD.as_millis(),
     );
     println!("load average (1, 5, 15 min): {load_before} before, {load_after} after\n");
-    println!("| case | trainable | step (median) | / PEFT | peak RSS (in the steps) | step memory | peak / PEFT | peak / our full FT | other CPU (max per step) |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| case | trainable | step (median) | / PEFT | peak RSS (in the steps) | step memory | peak / PEFT | peak / our full FT | anon RSS peak (in the steps) | anon / PEFT | other CPU (max per step) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for (name, v) in &rows {
         let (s, p, b) = (
             f(v, "step_median_s"),
             f(v, "peak_rss_mib"),
             f(v, "rss_base_mib"),
         );
-        let ps = f(v, "peak_rss_steps_mib");
+        let (ps, a) = (f(v, "peak_rss_steps_mib"), f(v, "anon_peak_mib"));
         println!(
-            "| {name} | {:.2} M | {:.0} ms | {} | {p:.0} MiB ({ps:.0} MiB) | {:.0} MiB | {} | {} | {} |",
+            "| {name} | {:.2} M | {:.0} ms | {} | {p:.0} MiB ({ps:.0} MiB) | {:.0} MiB | {} | {} | {a:.0} MiB ({:.0} MiB) | {} | {} |",
             f(v, "trainable_params") / 1e6,
             s * 1e3,
             ratio(&peft_row, "step_median_s", s),
             p - b,
             ratio(&peft_row, "peak_rss_mib", p),
             ratio(&full_row, "peak_rss_mib", p),
+            f(v, "anon_peak_steps_mib"),
+            ratio(&peft_row, "anon_peak_mib", a),
             share_cell(v),
         );
+    }
+    // The targets are set at SmolLM2-135M's shape; other shapes give figures only.
+    if !matches!(args.shape, Shape::Smollm2) {
+        return Ok(());
     }
     if let (Some(lora), Some(full), Some(peft)) = (find("lora"), full_row, peft_row) {
         let peak = |v: &Value| f(v, "peak_rss_mib");

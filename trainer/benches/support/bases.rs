@@ -11,7 +11,9 @@ use rand_chacha::rand_core::SeedableRng;
 use serde_json::{json, Value};
 use trainer::lora::Nf4Settings;
 use trainer::model::llama::{Family, LlamaConfig};
-use trainer::model::{Builder, ModelConfig, Params};
+use trainer::model::{config_from_hf_json_file, Builder, ModelConfig, Params};
+
+use super::root;
 
 /// The model shapes the bench runs.
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -23,6 +25,18 @@ pub enum Shape {
     /// theta 500000; its `llama3` RoPE scaling left out, which changes no cost).
     #[value(name = "llama-1b")]
     Llama1b,
+    /// Gemma 3 270M (`Gemma3ForCausalLM`): 18 layers, 640 wide, 4 heads / 1 KV head of 256,
+    /// MLP 2048, vocab 262144, tied, every 6th layer full and the rest sliding (window 512):
+    /// the `config.json` of `scripts/python/make_gemma3_fixtures.py`'s `shape_270m`, which
+    /// `bench/torch_llama_step.py` reads too.
+    #[value(name = "gemma3-270m")]
+    Gemma3_270m,
+}
+
+/// The `config.json` of Gemma 3 270M's shape (transformers' parameter count of it:
+/// 268,098,176, in `parameters.json` beside it).
+pub fn gemma3_270m_json() -> PathBuf {
+    root().join("trainer/tests/fixtures/gemma3/shape_270m/config.json")
 }
 
 impl Shape {
@@ -30,10 +44,11 @@ impl Shape {
         match self {
             Shape::Smollm2 => "smollm2-135m",
             Shape::Llama1b => "llama-1b",
+            Shape::Gemma3_270m => "gemma3-270m",
         }
     }
 
-    pub fn config(self) -> LlamaConfig {
+    pub fn config(self) -> anyhow::Result<Box<dyn ModelConfig>> {
         let (base, rope_theta) = match self {
             Shape::Smollm2 => (
                 LlamaConfig::new(Family::Llama, 49152, 30, 576, 9, 3, 1536),
@@ -43,12 +58,13 @@ impl Shape {
                 LlamaConfig::new(Family::Llama, 128256, 16, 2048, 32, 8, 8192),
                 500000.0,
             ),
+            Shape::Gemma3_270m => return Ok(config_from_hf_json_file(&gemma3_270m_json())?),
         };
-        LlamaConfig {
+        Ok(Box::new(LlamaConfig {
             tie_word_embeddings: true,
             rope_theta,
             ..base
-        }
+        }))
     }
 }
 
@@ -81,7 +97,7 @@ pub fn base_dir(shape: Shape, dir: Option<&Path>) -> anyhow::Result<PathBuf> {
 pub fn write_base(shape: Shape, dir: &Path) -> anyhow::Result<()> {
     eprintln!("writing the base model to {}", dir.display());
     std::fs::create_dir_all(dir)?;
-    let cfg = shape.config();
+    let cfg = shape.config()?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
     let mut tensors = Vec::new();
     for (name, shape) in cfg.shapes() {
@@ -89,7 +105,7 @@ pub fn write_base(shape: Shape, dir: &Path) -> anyhow::Result<()> {
         let t = Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(DType::BF16)?;
         tensors.push((name, t));
     }
-    trainer::checkpoint::save_model(dir, &cfg, &Params::from_tensors(tensors)?)?;
+    trainer::checkpoint::save_model(dir, cfg.as_ref(), &Params::from_tensors(tensors)?)?;
     Ok(())
 }
 
@@ -123,7 +139,7 @@ pub fn base_bytes(shape: Shape, base: &Path, double: bool) -> anyhow::Result<Val
     };
     drop(
         shape
-            .config()
+            .config()?
             .build(&Builder::root(&source).with_quant(&quant))?,
     );
     let quantized = quantized.into_inner();
