@@ -55,7 +55,9 @@ impl LinkOps for Embed {
         let w = self.weight.to_dtype(ctx.dtype)?;
         let x = ctx.kernels.embedding(&w, idx, ctx.rows.host_tokens(idx))?;
         match self.scale {
-            Some(s) => x.broadcast_mul(&Tensor::new(s as f32, x.device())?.to_dtype(x.dtype())?),
+            // `x * s` with `s` rounded to f32 and then to x's dtype, as transformers' normalizer
+            // tensor; no host-to-device copy (`affine`'s scale travels as a kernel argument).
+            Some(s) => x.affine(f64::from(s as f32), 0.0),
             None => Ok(x),
         }
     }
