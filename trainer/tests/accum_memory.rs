@@ -23,16 +23,15 @@ fn peak_rss_kib(pid: u32) -> u64 {
 #[test]
 fn a_step_holds_one_micro_batch_whatever_grad_accum() {
     let tmp = tempfile::tempdir().unwrap();
-    let args = [
-        "train",
-        "--out-dir",
-        "run",
+    let batches = [
         "--grad-accum",
         "65536",
         "--batch-size",
         "64",
         "--block-size",
         "16",
+    ];
+    let model = [
         "--n-layer",
         "1",
         "--n-head",
@@ -41,9 +40,14 @@ fn a_step_holds_one_micro_batch_whatever_grad_accum() {
         "16",
         "--digits",
         "2",
-        "--peak-flops",
-        "1e12",
     ];
+    let args = [
+        ["train", "--out-dir", "run"].as_slice(),
+        &batches,
+        &model,
+        &["--peak-flops", "1e12"],
+    ]
+    .concat();
     let mut child = Command::new(env!("CARGO_BIN_EXE_trainer"))
         .args(args)
         .current_dir(tmp.path())

@@ -236,15 +236,10 @@ fn generation_runs_the_kernels_it_is_given() {
     use trainer::model::{Ctx, Kernels, KvCache};
     let gpt = trainer::model::gpt2::GptConfig {
         n_layer: 1,
-        n_head: 2,
-        n_embd: 16,
-        block_size: 8,
-        vocab_size: 10,
-        ..Default::default()
+        ..common::hf::tiny_gpt(8, 10)
     };
     let (gpt, _) = trainer::model::init(&gpt, 0, &Device::Cpu).unwrap();
-    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora/base");
-    let llama = trainer::load::ModelDir::at(base).unwrap();
+    let llama = trainer::load::ModelDir::at(common::fixtures("lora/base")).unwrap();
     let llama = llama.load_model(&Device::Cpu).unwrap();
     let idx = Tensor::new(&[[1u32, 2, 3, 4, 5]], &Device::Cpu).unwrap();
     for model in [gpt, llama] {

@@ -39,10 +39,7 @@ fn an_explicit_run_directory_is_never_overwritten_silently() {
     let refused = trainer(&args, tmp.path());
     let out = text(&refused);
     assert!(!refused.status.success(), "{out}");
-    assert!(
-        out.contains("--resume mine") && out.contains("--overwrite"),
-        "{out}"
-    );
+    common::assert_mentions(&out, &["--resume mine", "--overwrite"]);
     args.push("--overwrite");
     let replaced = trainer(&args, tmp.path());
     assert!(replaced.status.success(), "{}", text(&replaced));

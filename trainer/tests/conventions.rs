@@ -142,11 +142,13 @@ fn a_relative_adapter_base_is_read_as_peft_reads_it() {
     let o = run_with(&["inspect", "../adapters/a"], &elsewhere, &[]);
     let text = output_text(&o);
     assert_eq!(o.status.code(), Some(1), "{text}");
-    assert!(
-        text.contains("base_model_name_or_path `models/base`")
-            && text.contains("--init-from")
-            && text.contains("adapter_config.json"),
-        "{text}"
+    common::assert_mentions(
+        &text,
+        &[
+            "base_model_name_or_path `models/base`",
+            "--init-from",
+            "adapter_config.json",
+        ],
     );
     let o = run_with(
         &["inspect", "../adapters/a", "--init-from", "../models/base"],
@@ -198,10 +200,7 @@ fn sampling_past_learned_positions_says_the_context_is_cropped() {
         String::from_utf8_lossy(&o.stderr).into_owned()
     };
     let past = sample("80");
-    assert!(
-        past.contains("64 learned positions") && past.contains("nanoGPT's crop"),
-        "{past}"
-    );
+    common::assert_mentions(&past, &["64 learned positions", "nanoGPT's crop"]);
     let within = sample("8");
     assert!(!within.contains("positions"), "{within}");
 }

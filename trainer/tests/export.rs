@@ -105,6 +105,27 @@ fn export_to(src: &Path, out: &Path, options: ExportOptions) -> export::Exported
     export::export_spec(src.to_str().unwrap(), out, &options).unwrap()
 }
 
+/// A run in `run` fine-tuned from the model in `hf` on `corpus` (8-token blocks) with the
+/// tokenizer `tok`, for `iters` steps.
+fn fine_tune(
+    hf: &Path,
+    corpus: PathBuf,
+    tok: PathBuf,
+    iters: usize,
+    run: &Path,
+) -> trainer::train::Trainer {
+    common::train(TrainConfig {
+        init_from: Some(hf.display().to_string()),
+        data: "tokenizer".parse().unwrap(),
+        data_path: Some(corpus),
+        tokenizer_path: Some(tok),
+        block_size: 8,
+        max_iters: iters,
+        eval_interval: iters,
+        ..common::tiny_config(run)
+    })
+}
+
 #[test]
 fn f32_export_round_trips_bit_exactly() {
     let tmp = tempfile::tempdir().unwrap();
@@ -281,10 +302,7 @@ fn broken_shards_are_named() {
     fewer["weight_map"].as_object_mut().unwrap().remove(name);
     fs::write(&index_path, fewer.to_string()).unwrap();
     let e = load_err(&out);
-    assert!(
-        e.contains(&shard) && e.contains(name.as_str()) && e.contains("not in the index"),
-        "{e}"
-    );
+    common::assert_mentions(&e, &[&shard, name.as_str(), "not in the index"]);
     fs::write(&index_path, index.to_string()).unwrap();
 
     // A tensor of the wrong shape: the file, the tensor and both shapes.
@@ -298,12 +316,14 @@ fn broken_shards_are_named() {
     let e = load_err(&out);
     let want = shape.unwrap();
     let n: usize = want.iter().product();
-    assert!(
-        e.contains(&shard)
-            && e.contains(name.as_str())
-            && e.contains(&format!("{want:?}"))
-            && e.contains(&format!("[{}]", n + 2)),
-        "{e}"
+    common::assert_mentions(
+        &e,
+        &[
+            &shard,
+            name.as_str(),
+            &format!("{want:?}"),
+            &format!("[{}]", n + 2),
+        ],
     );
     restore();
 
@@ -313,10 +333,7 @@ fn broken_shards_are_named() {
         slot.1 = slot.1.to_dtype(DType::I64).unwrap();
     });
     let e = load_err(&out);
-    assert!(
-        e.contains(&shard) && e.contains(name.as_str()) && e.contains("I64"),
-        "{e}"
-    );
+    common::assert_mentions(&e, &[&shard, name.as_str(), "I64"]);
     restore();
     load(&out).unwrap();
 }
@@ -347,16 +364,7 @@ fn gpt2_and_trainer_runs_export() {
     let corpus = common::hf::corpus(&data);
     let tok = common::hf::tokenizer(&data);
     let run = tmp.path().join("run");
-    let t = common::train(TrainConfig {
-        init_from: Some(hf.display().to_string()),
-        data: "tokenizer".parse().unwrap(),
-        data_path: Some(corpus),
-        tokenizer_path: Some(tok.clone()),
-        block_size: 8,
-        max_iters: 2,
-        eval_interval: 2,
-        ..common::tiny_config(&run)
-    });
+    let t = fine_tune(&hf, corpus, tok.clone(), 2, &run);
     let out = tmp.path().join("run-export");
     let done = export_to(&run, &out, ExportOptions::default());
     assert_eq!(done.dtype, WeightDtype::F32, "{}", done.dtype_from);
@@ -395,16 +403,7 @@ fn a_run_from_a_bf16_llama_exports_bf16_with_the_origins_files() {
     fs::write(hf.join("chat_template.jinja"), "{{ messages }}").unwrap();
     let corpus = common::hf::corpus(&tmp.path().join("data"));
     let run = tmp.path().join("run");
-    let t = common::train(TrainConfig {
-        init_from: Some(hf.display().to_string()),
-        data: "tokenizer".parse().unwrap(),
-        data_path: Some(corpus),
-        tokenizer_path: Some(hf.join("tokenizer.json")),
-        block_size: 8,
-        max_iters: 1,
-        eval_interval: 1,
-        ..common::tiny_config(&run)
-    });
+    let t = fine_tune(&hf, corpus, hf.join("tokenizer.json"), 1, &run);
     let out = tmp.path().join("out");
     let done = export_to(&run, &out, ExportOptions::default());
     assert_eq!(done.dtype, WeightDtype::Bf16, "{}", done.dtype_from);
@@ -546,10 +545,7 @@ fn sampling_stops_at_any_listed_end_token() {
     )
     .unwrap();
     let e = md.eos_token_ids(&cfg).unwrap_err().to_string();
-    assert!(
-        e.contains("generation_config.json") && e.contains("eos_token_id"),
-        "{e}"
-    );
+    common::assert_mentions(&e, &["generation_config.json", "eos_token_id"]);
 }
 
 /// Mode bits of every file under `dir`, by path.
@@ -650,13 +646,7 @@ fn a_cast_that_overflows_is_refused_and_writes_nothing() {
     let o = run_cli(&["export", "src", "out", "--dtype", "f16"], dir);
     let text = output_text(&o);
     assert!(!o.status.success(), "{text}");
-    assert!(
-        text.contains(big)
-            && text.contains("1e5")
-            && text.contains("65504")
-            && text.contains("bf16"),
-        "{text}"
-    );
+    common::assert_mentions(&text, &[big, "1e5", "65504", "bf16"]);
     assert!(!dir.join("out").exists());
     let leftovers: Vec<_> = fs::read_dir(dir)
         .unwrap()

@@ -250,10 +250,7 @@ fn both_config_layouts_read_as_transformers_reads_them() {
 #[test]
 fn unsupported_options_are_refused_by_key() {
     let tmp = tempfile::tempdir().unwrap();
-    let base: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture("gemma3").join("config.json")).unwrap(),
-    )
-    .unwrap();
+    let base = common::read_json(&fixture("gemma3").join("config.json"));
     type Edit = Box<dyn Fn(&mut serde_json::Value)>;
     let cases: Vec<(Edit, &str)> = vec![
         (

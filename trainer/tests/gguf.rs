@@ -4,6 +4,8 @@
 //! back by Candle's GGUF reader (a parser that is not ours) and must hold the same keys with
 //! the same types and values, and the same tensors byte for byte.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
@@ -25,9 +27,17 @@ const MODELS: [&str; 6] = [
 ];
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/gguf")
-        .join(name)
+    common::fixtures("gguf").join(name)
+}
+
+/// Export options of type `ty` (the stored dtype's if `None`), with the tokenizer or not.
+fn gguf_options(ty: Option<GgufType>, tokenizer: bool) -> GgufOptions {
+    GgufOptions {
+        ty,
+        tokenizer,
+        force: false,
+        other_base: false,
+    }
 }
 
 fn types() -> [(&'static str, GgufType); 5] {
@@ -199,17 +209,11 @@ fn exports_equal_llama_cpp_converter() {
     let mut all = Vec::new();
     for model in MODELS {
         let dir = fixture(model);
-        let expected: Json =
-            serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
+        let expected = common::read_json(&dir.join("expected.json"));
         let source = ModelDir::open(dir.to_str().unwrap()).unwrap();
         for (name, ty) in types() {
             let out = tmp.path().join(format!("{model}.{name}.gguf"));
-            let options = GgufOptions {
-                ty: Some(ty),
-                tokenizer: true,
-                force: false,
-                other_base: false,
-            };
+            let options = gguf_options(Some(ty), true);
             export_gguf(&source, &out, &options).unwrap();
             let f32 = tmp.path().join(format!("{model}.f32.gguf"));
             for d in differences(&out, &expected["types"][name], &f32) {
@@ -225,12 +229,7 @@ fn default_type_follows_the_stored_dtype_as_the_converter_auto() {
     let tmp = tempfile::tempdir().unwrap();
     for (model, want) in [("llama", GgufType::F16), ("qwen2", GgufType::Bf16)] {
         let source = ModelDir::open(fixture(model).to_str().unwrap()).unwrap();
-        let options = GgufOptions {
-            ty: None,
-            tokenizer: true,
-            force: false,
-            other_base: false,
-        };
+        let options = gguf_options(None, true);
         let done =
             export_gguf(&source, &tmp.path().join(format!("{model}.gguf")), &options).unwrap();
         assert_eq!(done.ty, want, "{model}");
@@ -242,31 +241,19 @@ fn a_word_level_tokenizer_is_refused_by_name_and_nothing_is_left() {
     // The embedded chat base's tokenizer is WordLevel, which GGUF cannot express.
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
-    std::fs::create_dir(&model).unwrap();
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(fixture("llama").join(f), model.join(f)).unwrap();
-    }
-    let mut tok: Json =
-        serde_json::from_slice(&std::fs::read(fixture("llama").join("tokenizer.json")).unwrap())
-            .unwrap();
+    common::copy_model(&fixture("llama"), &model);
+    let mut tok = common::read_json(&fixture("llama").join("tokenizer.json"));
     tok["model"]["type"] = "WordLevel".into();
     std::fs::write(model.join("tokenizer.json"), tok.to_string()).unwrap();
     let source = ModelDir::open(model.to_str().unwrap()).unwrap();
     let out = tmp.path().join("out.gguf");
-    let mut options = GgufOptions {
-        ty: Some(GgufType::F16),
-        tokenizer: true,
-        force: false,
-        other_base: false,
-    };
+    let mut options = gguf_options(Some(GgufType::F16), true);
     let err = export_gguf(&source, &out, &options)
         .unwrap_err()
         .to_string();
-    assert!(
-        err.contains("tokenizer.json")
-            && err.contains("WordLevel")
-            && err.contains("--gguf-no-tokenizer"),
-        "{err}"
+    common::assert_mentions(
+        &err,
+        &["tokenizer.json", "WordLevel", "--gguf-no-tokenizer"],
     );
     let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
     assert_eq!(left.len(), 1, "only the model directory remains");
@@ -292,12 +279,7 @@ fn adapters_are_merged_as_the_merged_export_is() {
         ..ExportOptions::default()
     };
     export(&adapter, &merged, &options).unwrap();
-    let gguf = GgufOptions {
-        ty: Some(GgufType::F32),
-        tokenizer: false,
-        force: false,
-        other_base: false,
-    };
+    let gguf = gguf_options(Some(GgufType::F32), false);
     let (a, b) = (tmp.path().join("a.gguf"), tmp.path().join("b.gguf"));
     export_gguf(&adapter, &a, &gguf).unwrap();
     export_gguf(&ModelDir::at(merged.clone()).unwrap(), &b, &gguf).unwrap();
@@ -345,17 +327,11 @@ fn lora_adapters_equal_llama_cpp_lora_converter() {
     let mut all = Vec::new();
     for (name, base) in LORA_FIXTURES {
         let dir = fixture(name);
-        let expected: Json =
-            serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
+        let expected = common::read_json(&dir.join("expected.json"));
         let source = ModelDir::adapter_over(dir.clone(), fixture(base).to_str().unwrap()).unwrap();
         for (ty_name, ty) in &types()[..4] {
             let out = tmp.path().join(format!("{name}.{ty_name}.gguf"));
-            let options = GgufOptions {
-                ty: Some(*ty),
-                tokenizer: false,
-                force: false,
-                other_base: false,
-            };
+            let options = gguf_options(Some(*ty), false);
             export_gguf_lora(&source, &out, &options).unwrap();
             for d in differences(&out, &expected["types"][ty_name], &out) {
                 all.push(format!("{name} {ty_name}: {d}"));
@@ -369,21 +345,13 @@ fn lora_adapters_equal_llama_cpp_lora_converter() {
 fn what_a_gguf_lora_cannot_hold_is_refused_by_name() {
     let tmp = tempfile::tempdir().unwrap();
     let lora = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora");
-    let options = GgufOptions {
-        ty: None,
-        tokenizer: false,
-        force: false,
-        other_base: false,
-    };
+    let options = gguf_options(None, false);
     let out = tmp.path().join("a.gguf");
     // A whole model has no adapters.
     let err = export_gguf_lora(&ModelDir::at(lora.join("base")).unwrap(), &out, &options)
         .unwrap_err()
         .to_string();
-    assert!(
-        err.contains("no adapters") && err.contains("--gguf-lora"),
-        "{err}"
-    );
+    common::assert_mentions(&err, &["no adapters", "--gguf-lora"]);
     // q4_k_m is a model type.
     let q4 = GgufOptions {
         ty: Some(GgufType::Q4KM),

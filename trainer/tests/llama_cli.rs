@@ -13,12 +13,46 @@ use common::{hf, output_text, run_cli};
 
 /// The `llama` fixture (vocabulary 301) with a word-level tokenizer.json (10 ids) beside it.
 fn model_dir(dir: &Path) -> String {
-    fs::create_dir_all(dir).unwrap();
-    for f in ["config.json", "model.safetensors"] {
-        fs::copy(fixture("llama").join(f), dir.join(f)).unwrap();
-    }
+    common::copy_model(&fixture("llama"), dir);
     hf::tokenizer(dir);
     dir.to_str().unwrap().to_string()
+}
+
+/// `trainer train` from `model` on `corpus` (8-token blocks, batches of 4) for `iters` steps,
+/// evaluating every `eval`; the caller adds the rest.
+fn train_args<'a>(model: &'a str, corpus: &'a Path, iters: &'a str, eval: &'a str) -> Vec<&'a str> {
+    let corpus = corpus.to_str().unwrap();
+    let run = [
+        "train",
+        "--init-from",
+        model,
+        "--data",
+        "tokenizer",
+        "--data-path",
+        corpus,
+    ];
+    let sizes = ["--block-size", "8", "--batch-size", "4"];
+    [
+        &run[..],
+        &sizes,
+        &["--max-iters", iters, "--eval-interval", eval],
+    ]
+    .concat()
+}
+
+/// Runs the CLI in `cwd`, asserts it exited with status 1 and returns its output.
+fn refused(args: &[&str], cwd: &Path) -> String {
+    let o = run_cli(args, cwd);
+    let text = output_text(&o);
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    text
+}
+
+/// Runs the CLI in `cwd`, asserts it succeeded and returns its output.
+fn ok(args: &[&str], cwd: &Path) -> String {
+    let o = run_cli(args, cwd);
+    assert!(o.status.success(), "{args:?}: {}", output_text(&o));
+    output_text(&o)
 }
 
 #[test]
@@ -27,38 +61,13 @@ fn continue_training_sample_and_export_a_llama() {
     let cwd = tmp.path();
     let model = model_dir(&cwd.join("model"));
     let corpus = hf::corpus(cwd);
-    let run = |args: &[&str]| {
-        let o = run_cli(args, cwd);
-        assert!(o.status.success(), "{args:?}: {}", output_text(&o));
-        output_text(&o)
-    };
-    let out = run(&[
-        "train",
-        "--init-from",
-        &model,
-        "--data",
-        "tokenizer",
-        "--data-path",
-        corpus.to_str().unwrap(),
-        "--block-size",
-        "8",
-        "--batch-size",
-        "4",
-        "--max-iters",
-        "6",
-        "--eval-interval",
-        "3",
-        "--lr",
-        "3e-3",
-        "--out-dir",
-        "runs/notes",
-    ]);
+    let run = |args: &[&str]| ok(args, cwd);
+    let mut args = train_args(&model, &corpus, "6", "3");
+    args.extend(["--lr", "3e-3", "--out-dir", "runs/notes"]);
+    let out = run(&args);
     assert!(out.contains("llama"), "{out}");
     let state = fs::read_to_string(cwd.join("runs/notes/run.toml")).unwrap();
-    assert!(
-        state.contains("tokenizer.json") && state.contains("arch = \"llama\""),
-        "{state}"
-    );
+    common::assert_mentions(&state, &["tokenizer.json", "arch = \"llama\""]);
     let sample = run(&[
         "sample",
         "runs/notes",
@@ -79,9 +88,8 @@ fn continue_training_sample_and_export_a_llama() {
     assert!(cwd.join("exported/tokenizer.json").is_file());
     let inspect = run(&["inspect", "exported"]);
     assert!(inspect.contains("BF16"), "{inspect}");
-    let bad = run_cli(&["sample", "runs/notes", "--top-p", "0"], cwd);
-    assert_eq!(bad.status.code(), Some(1), "{}", output_text(&bad));
-    assert!(output_text(&bad).contains("--top-p"));
+    let bad = refused(&["sample", "runs/notes", "--top-p", "0"], cwd);
+    assert!(bad.contains("--top-p"), "{bad}");
 }
 
 #[test]
@@ -95,40 +103,20 @@ fn a_tokenizer_larger_than_the_vocabulary_is_refused() {
     let tok = trainer::pretrained::word_level(&refs, &[]).unwrap();
     tok.save(cwd.join("big.json"), false).unwrap();
     fs::write(cwd.join("text.txt"), words.join(" ")).unwrap();
-    let o = run_cli(
-        &[
-            "train",
-            "--init-from",
-            &model,
-            "--data",
-            "tokenizer",
-            "--data-path",
-            "text.txt",
-            "--tokenizer-path",
-            "big.json",
-            "--block-size",
-            "8",
-            "--out-dir",
-            "runs/x",
-        ],
-        cwd,
-    );
-    let text = output_text(&o);
-    assert_eq!(o.status.code(), Some(1), "{text}");
+    let run = ["train", "--init-from", &model, "--data", "tokenizer"];
+    let data = ["--data-path", "text.txt", "--tokenizer-path", "big.json"];
+    let rest = ["--block-size", "8", "--out-dir", "runs/x"];
+    let text = refused(&[&run[..], &data, &rest].concat(), cwd);
     assert!(text.contains("301") && text.contains("400"), "{text}");
-    let o = run_cli(
-        &[
-            "sample",
-            &model,
-            "--tokenizer-path",
-            "big.json",
-            "--prompt",
-            "w1",
-        ],
-        cwd,
-    );
-    let text = output_text(&o);
-    assert_eq!(o.status.code(), Some(1), "{text}");
+    let sample = [
+        "sample",
+        &model,
+        "--tokenizer-path",
+        "big.json",
+        "--prompt",
+        "w1",
+    ];
+    let text = refused(&sample, cwd);
     assert!(text.contains("big.json"), "{text}");
 }
 
@@ -139,50 +127,26 @@ fn lora_train_sample_and_export_adapters_or_merged() {
     let model = model_dir(&cwd.join("model"));
     let corpus = hf::corpus(cwd);
     let train = |targets: &str, out: &str| {
-        run_cli(
-            &[
-                "train",
-                "--init-from",
-                &model,
-                "--data",
-                "tokenizer",
-                "--data-path",
-                corpus.to_str().unwrap(),
-                "--block-size",
-                "8",
-                "--batch-size",
-                "4",
-                "--max-iters",
-                "4",
-                "--eval-interval",
-                "2",
-                "--lora-r",
-                "4",
-                "--lora-alpha",
-                "8",
-                "--lora-targets",
-                targets,
-                "--out-dir",
-                out,
-            ],
-            cwd,
-        )
+        let mut args = train_args(&model, &corpus, "4", "2");
+        args.extend([
+            "--lora-r",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--lora-targets",
+            targets,
+        ]);
+        args.extend(["--out-dir", out]);
+        run_cli(&args, cwd)
     };
     let o = train("q_proj,v_proj", "runs/lora");
     let out = output_text(&o);
     assert!(o.status.success(), "{out}");
-    assert!(
-        out.contains("LoRA: r 4, alpha 8") && out.contains("targets q_proj,v_proj"),
-        "{out}"
-    );
+    common::assert_mentions(&out, &["LoRA: r 4, alpha 8", "targets q_proj,v_proj"]);
     let ckpt = cwd.join("runs/lora/checkpoints/step-0000004");
     assert!(ckpt.join("adapter_model.safetensors").is_file());
     assert!(!ckpt.join("model.safetensors").exists());
-    let run = |args: &[&str]| {
-        let o = run_cli(args, cwd);
-        assert!(o.status.success(), "{args:?}: {}", output_text(&o));
-        output_text(&o)
-    };
+    let run = |args: &[&str]| ok(args, cwd);
     let sample = run(&[
         "sample",
         "runs/lora",
@@ -222,13 +186,8 @@ fn lora_train_sample_and_export_adapters_or_merged() {
         "--max-new-tokens",
         "2",
     ]);
-    let o = run_cli(&["export", "merged", "again", "--merge"], cwd);
-    assert_eq!(o.status.code(), Some(1));
-    assert!(
-        output_text(&o).contains("holds no adapters"),
-        "{}",
-        output_text(&o)
-    );
+    let text = refused(&["export", "merged", "again", "--merge"], cwd);
+    assert!(text.contains("holds no adapters"), "{text}");
     // A target that matches nothing is named, with the layers the model has.
     let o = train("c_attn", "runs/none");
     let text = output_text(&o);

@@ -208,10 +208,7 @@ type Edit = Box<dyn Fn(&mut serde_json::Value)>;
 #[test]
 fn bad_configs_name_the_file_and_the_key() {
     let tmp = tempfile::tempdir().unwrap();
-    let base: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture("llama3_rope").join("config.legacy.json")).unwrap(),
-    )
-    .unwrap();
+    let base = common::read_json(&fixture("llama3_rope").join("config.legacy.json"));
     let cases: Vec<(&str, Edit, &str)> = vec![
         (
             "unknown model_type",
@@ -270,9 +267,7 @@ fn bad_configs_name_the_file_and_the_key() {
 #[test]
 fn a_tensor_of_the_wrong_shape_or_a_missing_one_is_named() {
     let tmp = tempfile::tempdir().unwrap();
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(fixture("llama").join(f), tmp.path().join(f)).unwrap();
-    }
+    common::copy_model(&fixture("llama"), tmp.path());
     let mut v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(tmp.path().join("config.json")).unwrap())
             .unwrap();
@@ -281,9 +276,9 @@ fn a_tensor_of_the_wrong_shape_or_a_missing_one_is_named() {
     let e = checkpoint::load_model(tmp.path(), &Device::Cpu)
         .expect_err("wrong shape")
         .to_string();
-    assert!(
-        e.contains("model.layers.0.mlp.down_proj.weight") && e.contains("model.safetensors"),
-        "{e}"
+    common::assert_mentions(
+        &e,
+        &["model.layers.0.mlp.down_proj.weight", "model.safetensors"],
     );
     v["intermediate_size"] = 48.into();
     v["num_hidden_layers"] = 3.into();

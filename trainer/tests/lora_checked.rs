@@ -235,12 +235,14 @@ fn target_modules_are_honoured_by_every_command() {
         |c| c["target_modules"] = serde_json::json!(["q_proj"]),
     );
     for e in errors(dir, &narrow) {
-        assert!(
-            e.contains("narrow")
-                && e.contains("12 module(s)")
-                && e.contains("model.layers.0.mlp.down_proj")
-                && e.contains("`q_proj`"),
-            "{e}"
+        common::assert_mentions(
+            &e,
+            &[
+                "narrow",
+                "12 module(s)",
+                "model.layers.0.mlp.down_proj",
+                "`q_proj`",
+            ],
         );
     }
     // The config selects q_proj and v_proj, the file has none for layer 1's.
@@ -258,14 +260,14 @@ fn target_modules_are_honoured_by_every_command() {
         |_| {},
     );
     for e in errors(dir, &missing) {
-        assert!(
-            e.contains("missing")
-                && e.contains("2 module(s)")
-                && e.contains(
-                    "`model.layers.1.self_attn.q_proj`, `model.layers.1.self_attn.v_proj`"
-                )
-                && e.contains("no lora_A/lora_B"),
-            "{e}"
+        common::assert_mentions(
+            &e,
+            &[
+                "missing",
+                "2 module(s)",
+                "`model.layers.1.self_attn.q_proj`, `model.layers.1.self_attn.v_proj`",
+                "no lora_A/lora_B",
+            ],
         );
     }
 }
@@ -383,12 +385,14 @@ fn an_adapter_records_its_base_and_is_refused_on_another() {
     let on_other = over(&other, "on_other");
     let [merged, exported_err, _] = errors(dir, &on_other);
     for e in [merged, exported_err] {
-        assert!(
-            e.contains("on_other/adapter_model.safetensors")
-                && e.contains(&recorded.tensors)
-                && e.contains(&theirs.tensors)
-                && e.contains("--other-base"),
-            "{e}"
+        common::assert_mentions(
+            &e,
+            &[
+                "on_other/adapter_model.safetensors",
+                &recorded.tensors,
+                &theirs.tensors,
+                "--other-base",
+            ],
         );
     }
     let run = |other_base: bool| {
@@ -401,10 +405,7 @@ fn an_adapter_records_its_base_and_is_refused_on_another() {
     std::fs::create_dir_all(dir.join("run-false")).unwrap();
     std::fs::create_dir_all(dir.join("run-true")).unwrap();
     let e = run(false).err().expect("refused").to_string();
-    assert!(
-        e.contains(&recorded.tensors) && e.contains(&theirs.tensors),
-        "{e}"
-    );
+    common::assert_mentions(&e, &[&recorded.tensors, &theirs.tensors]);
     // The override: used, with a warning.
     run(true).unwrap();
     ModelDir::at(over(&other, "on_other_2"))
@@ -434,10 +435,7 @@ fn an_adapter_records_its_base_and_is_refused_on_another() {
 fn old_file_digest_identities_are_still_checked() {
     let tmp = tempfile::tempdir().unwrap();
     let base = tmp.path().join("base");
-    std::fs::create_dir_all(&base).unwrap();
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(fixture("base").join(f), base.join(f)).unwrap();
-    }
+    common::copy_model(&fixture("base"), &base);
     let digest = |f: &str| trainer::checkpoint::manifest::digest(&base.join(f)).unwrap();
     let old = serde_json::json!({
         "model": "the-base",

@@ -6,9 +6,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{
-    assert_same_steps, finish, loaded_model_gap, lora_base, lora_config, run_to_end, weights,
-};
+use common::{assert_same_steps, finish, lora_base, lora_config, weights};
 use trainer::config::TrainConfig;
 use trainer::data::DataKind;
 use trainer::load::ModelDir;
@@ -53,12 +51,7 @@ fn only_adapters_train_and_resume_is_bit_exact() {
         max_iters: 3,
         ..lora_config(tmp2.path(), &lora_base())
     };
-    let mut t = Trainer::new(half).unwrap();
-    let first = run_to_end(&mut t);
-    drop(t);
-    let mut t = Trainer::resume(&tmp2.path().join("run"), |c| c.max_iters = 6).unwrap();
-    let second = run_to_end(&mut t);
-    let resumed: Vec<_> = first.into_iter().chain(second).collect();
+    let (resumed, t) = common::split_run(half, 6);
     assert_same_steps(&steps, &resumed, "LoRA resume");
     assert_eq!(end, weights(&t), "the same adapters after resuming");
 }
@@ -66,9 +59,7 @@ fn only_adapters_train_and_resume_is_bit_exact() {
 #[test]
 fn a_lora_checkpoint_loads_as_the_merged_model_over_its_base() {
     let tmp = tempfile::tempdir().unwrap();
-    let cfg = lora_config(tmp.path(), &lora_base());
-    let t = common::train(cfg);
-    let d = loaded_model_gap(&t, &tmp.path().join("run"));
+    let d = common::trained_model_gap(lora_config(tmp.path(), &lora_base()));
     // Merged vs unmerged: f32 rounding of W + s B A only.
     assert!(d < 1e-5, "{d}");
 }
@@ -77,10 +68,7 @@ fn a_lora_checkpoint_loads_as_the_merged_model_over_its_base() {
 fn resuming_over_a_changed_base_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let base = tmp.path().join("base");
-    std::fs::create_dir_all(&base).unwrap();
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(lora_base().join(f), base.join(f)).unwrap();
-    }
+    common::copy_model(&lora_base(), &base);
     let cfg = TrainConfig {
         max_iters: 3,
         ..lora_config(tmp.path(), &base)
@@ -97,10 +85,7 @@ fn resuming_over_a_changed_base_is_refused() {
         .err()
         .expect("must refuse")
         .to_string();
-    assert!(
-        e.contains("made on the base") && e.contains("differ in tensor values"),
-        "{e}"
-    );
+    common::assert_mentions(&e, &["made on the base", "differ in tensor values"]);
     // Loading it for inference is refused alike.
     let e = ModelDir::open(&run.display().to_string())
         .unwrap()

@@ -204,21 +204,23 @@ fn sample_refuses_a_tokenizer_that_is_not_the_runs() {
     let mut shuffled: Vec<&str> = hf::WORDS.to_vec();
     shuffled.swap(0, 1);
     let shrunk = &hf::WORDS[..hf::WORDS.len() - 1];
+    let sample = |tok: &Path| {
+        let (run, tok) = (run.to_str().unwrap(), tok.to_str().unwrap());
+        let args = [
+            "sample",
+            run,
+            "--tokenizer-path",
+            tok,
+            "--max-new-tokens",
+            "3",
+        ];
+        run_cli(&args, tmp.path())
+    };
     for (name, words) in [("shuffled", &shuffled[..]), ("shrunk", shrunk)] {
         let t = trainer::pretrained::word_level(words, &["<|endoftext|>"]).unwrap();
         let path = tmp.path().join(format!("{name}.json"));
         t.save(&path, false).unwrap();
-        let o = run_cli(
-            &[
-                "sample",
-                run.to_str().unwrap(),
-                "--tokenizer-path",
-                path.to_str().unwrap(),
-                "--max-new-tokens",
-                "3",
-            ],
-            tmp.path(),
-        );
+        let o = sample(&path);
         let text = output_text(&o);
         assert!(!o.status.success(), "{name} tokenizer accepted:\n{text}");
         assert!(
@@ -226,17 +228,7 @@ fn sample_refuses_a_tokenizer_that_is_not_the_runs() {
             "{name}: {text}"
         );
     }
-    let o = run_cli(
-        &[
-            "sample",
-            run.to_str().unwrap(),
-            "--tokenizer-path",
-            tok.to_str().unwrap(),
-            "--max-new-tokens",
-            "3",
-        ],
-        tmp.path(),
-    );
+    let o = sample(&tok);
     assert!(o.status.success(), "{}", output_text(&o));
 }
 

@@ -159,11 +159,7 @@ fn chunked_token_log_probs_equal_the_whole_logits_log_softmax() {
 fn gpt2_head_takes_the_chunked_loss() {
     let cfg = trainer::model::gpt2::GptConfig {
         n_layer: 1,
-        n_head: 2,
-        n_embd: 16,
-        block_size: 8,
-        vocab_size: 37,
-        ..Default::default()
+        ..common::hf::tiny_gpt(8, 37)
     };
     let (model, params) = trainer::model::init(&cfg, 3, &Device::Cpu).unwrap();
     let links = model.links();
@@ -302,10 +298,7 @@ fn rows_kept_together_are_never_split() {
         t.train_step().map(|s| s.loss).map_err(|e| e.to_string())
     };
     let e = step("odd", |c| c.batch_size = 3).unwrap_err();
-    assert!(
-        e.contains("`pairs` keeps 2 rows together") && e.contains("batch_size"),
-        "{e}"
-    );
+    common::assert_mentions(&e, &["`pairs` keeps 2 rows together", "batch_size"]);
     let e = step("pipe-1", |c| {
         c.pipeline_stages = 2;
         c.microbatches = 4;
@@ -334,10 +327,7 @@ fn an_unknown_objective_is_refused_naming_the_known_ones() {
         ..tiny_config(tmp.path())
     };
     let e = Trainer::new(cfg).err().unwrap().to_string();
-    assert!(
-        e.contains("`ppo`") && e.contains("cross-entropy, dpo"),
-        "{e}"
-    );
+    common::assert_mentions(&e, &["`ppo`", "cross-entropy, dpo"]);
     assert_eq!(
         trainer::objective::build(&TrainConfig::default())
             .unwrap()

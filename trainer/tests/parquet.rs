@@ -5,9 +5,10 @@
 //! by scripts/python/make_parquet_fixtures.py (pyarrow, several row groups each).
 #![allow(clippy::disallowed_macros)] // prints as it likes (see clippy.toml)
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use trainer::data::shards::prepare::PROGRESS_FILE;
 use trainer::data::shards::{prepare, Container, InputFormat, Manifest, PrepareOptions, VocabSpec};
@@ -123,18 +124,8 @@ fn a_run_killed_mid_file_and_rerun_gives_the_shards_of_one_run() {
             out_dir: out.clone(),
             ..o.clone()
         };
-        // A panic in the progress callback stands for a kill: nothing is cleaned up.
-        let (done, total) = (AtomicU64::new(0), AtomicU64::new(0));
-        let crashed = std::panic::catch_unwind(|| {
-            prepare(&o, &|p| {
-                if p.shards >= crash_after {
-                    done.store(p.bytes_done, Ordering::Relaxed);
-                    total.store(p.bytes_total, Ordering::Relaxed);
-                    panic!("killed");
-                }
-            })
-        });
-        assert!(crashed.is_err());
+        // Killed after `crash_after` shards: nothing is cleaned up.
+        let (done, total) = common::shards::prepare_killed(&o, crash_after);
         let progress: serde_json::Value =
             serde_json::from_slice(&std::fs::read(out.join(PROGRESS_FILE)).unwrap()).unwrap();
         // `line` is 1 + the row of the file; the row groups hold 6 rows.
@@ -143,7 +134,6 @@ fn a_run_killed_mid_file_and_rerun_gives_the_shards_of_one_run() {
         inside_a_group |= !row.is_multiple_of(6);
         let s = prepare(&o, &|_| {}).unwrap();
         assert!(s.resumed_shards >= crash_after, "{}", s.resumed_shards);
-        let (done, total) = (done.into_inner(), total.into_inner());
         assert_eq!(s.bytes_read, total - done, "crash after {crash_after}");
         assert_eq!(shards(&out), shards(&clean), "crash after {crash_after}");
         assert_eq!(
@@ -170,15 +160,9 @@ fn errors_name_the_file_the_column_and_the_row() {
         ..opts(&fixture(name), &out, InputFormat::Jsonl, VocabSpec::Byte)
     };
     let e = error(&byte("text.parquet", "txt"));
-    assert!(
-        e.contains("text.parquet") && e.contains("no column `txt`") && e.contains("id, text, body"),
-        "{e}"
-    );
+    common::assert_mentions(&e, &["text.parquet", "no column `txt`", "id, text, body"]);
     let e = error(&byte("wrong_type.parquet", "text"));
-    assert!(
-        e.contains("wrong_type.parquet") && e.contains("`text` is INT64"),
-        "{e}"
-    );
+    common::assert_mentions(&e, &["wrong_type.parquet", "`text` is INT64"]);
     let e = error(&byte("null.parquet", "text"));
     assert!(
         e.contains("null.parquet (row group 1, row 2; row 6 of the file")
@@ -209,10 +193,7 @@ fn errors_name_the_file_the_column_and_the_row() {
     );
     // A codec this build does not read.
     let e = error(&byte("zstd.parquet", "text"));
-    assert!(
-        e.contains("zstd.parquet") && e.contains("zstd") && e.contains("snappy-compressed"),
-        "{e}"
-    );
+    common::assert_mentions(&e, &["zstd.parquet", "zstd", "snappy-compressed"]);
     // A file that is not Parquet, read as Parquet.
     let o = PrepareOptions {
         container: Container::Parquet,
@@ -249,10 +230,7 @@ fn the_cli_reads_parquet_by_extension_or_by_input_format() {
         .output()
         .unwrap();
     let help = String::from_utf8_lossy(&help.stdout);
-    assert!(
-        help.contains("--input-format") && help.contains("Parquet"),
-        "{help}"
-    );
+    common::assert_mentions(&help, &["--input-format", "Parquet"]);
 }
 
 #[test]

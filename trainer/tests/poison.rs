@@ -223,8 +223,5 @@ fn a_config_json_that_disagrees_with_its_run_is_refused_by_eval_and_inspect() {
     let out = run_cli(&["inspect", ckpt.to_str().unwrap()], tmp.path());
     let text = common::output_text(&out);
     assert!(!out.status.success(), "{text}");
-    assert!(
-        text.contains("config.json") && text.contains("disagrees"),
-        "{text}"
-    );
+    common::assert_mentions(&text, &["config.json", "disagrees"]);
 }

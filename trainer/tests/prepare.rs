@@ -2,10 +2,11 @@
 //! thread counts, resumption after a kill, the validation split, refusals.
 #![allow(clippy::disallowed_macros)] // prints as it likes (see clippy.toml)
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use trainer::data::sft::{parse_records, SftEncoder};
@@ -68,6 +69,18 @@ fn opts(inputs: Vec<PathBuf>, out: &Path, tok: &Path) -> PrepareOptions {
     }
 }
 
+/// A tokenizer and `a.jsonl` of `records` records in `tmp`, and options that prepare them
+/// into `tmp/out` holding `val_fraction` of the documents out.
+fn jsonl_opts(tmp: &Path, records: usize, out: &str, val_fraction: f64) -> PrepareOptions {
+    let tok = tokenizer(tmp);
+    let data = tmp.join("a.jsonl");
+    jsonl(&data, records);
+    PrepareOptions {
+        val_fraction,
+        ..opts(vec![data], &tmp.join(out), &tok)
+    }
+}
+
 /// Every file of a prepared directory, by name, with its bytes.
 fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let mut v: Vec<_> = std::fs::read_dir(dir)
@@ -105,14 +118,8 @@ fn docs(dir: &Path, m: &Manifest, split: Split) -> Vec<Vec<u32>> {
 #[test]
 fn jsonl_documents_end_with_eos_and_val_is_disjoint_by_documents() {
     let tmp = tempfile::tempdir().unwrap();
-    let tok = tokenizer(tmp.path());
-    let data = tmp.path().join("a.jsonl");
-    jsonl(&data, 2000);
-    let out = tmp.path().join("out");
-    let o = PrepareOptions {
-        val_fraction: 0.1,
-        ..opts(vec![data], &out, &tok)
-    };
+    let o = jsonl_opts(tmp.path(), 2000, "out", 0.1);
+    let out = o.out_dir.clone();
     let s = prepare(&o, &|_| {}).unwrap();
     let m = &s.manifest;
     assert_eq!(
@@ -123,6 +130,7 @@ fn jsonl_documents_end_with_eos_and_val_is_disjoint_by_documents() {
     assert!(m.train[..m.train.len() - 1]
         .iter()
         .all(|e| e.tokens == 1000));
+    let tok = tmp.path().join("tokenizer.json");
     let enc = trainer::pretrained::TokenizerFile::open(&tok).unwrap();
     let expected: Vec<Vec<u32>> = (0..2000)
         .map(|i| {
@@ -179,14 +187,8 @@ fn one_thread_and_two_give_the_same_bytes() {
 #[test]
 fn a_crash_mid_way_and_a_rerun_give_the_same_shards() {
     let tmp = tempfile::tempdir().unwrap();
-    let tok = tokenizer(tmp.path());
-    let data = tmp.path().join("a.jsonl");
-    jsonl(&data, 3000);
-    let clean = tmp.path().join("clean");
-    let o = PrepareOptions {
-        val_fraction: 0.15,
-        ..opts(vec![data.clone()], &clean, &tok)
-    };
+    let o = jsonl_opts(tmp.path(), 3000, "clean", 0.15);
+    let clean = o.out_dir.clone();
     prepare(&o, &|_| {}).unwrap();
     for crash_after in [1, 4, 9] {
         let out = tmp.path().join(format!("crash{crash_after}"));
@@ -195,25 +197,14 @@ fn a_crash_mid_way_and_a_rerun_give_the_same_shards() {
             threads: 2,
             ..o.clone()
         };
-        // A panic in the progress callback stands for a kill: nothing is cleaned up.
-        let (done, total) = (AtomicU64::new(0), AtomicU64::new(0));
-        let crashed = std::panic::catch_unwind(|| {
-            prepare(&o, &|p| {
-                if p.shards >= crash_after {
-                    done.store(p.bytes_done, Ordering::Relaxed);
-                    total.store(p.bytes_total, Ordering::Relaxed);
-                    panic!("killed");
-                }
-            })
-        });
-        assert!(crashed.is_err());
+        // Killed after `crash_after` shards: nothing is cleaned up.
+        let (done, total) = common::shards::prepare_killed(&o, crash_after);
         assert!(!out.join(format::MANIFEST_FILE).exists());
         // A half-written shard from the kill is redone.
         std::fs::write(out.join(".train-00099.tok.tmp-1-0"), b"half").unwrap();
         let s = prepare(&o, &|_| {}).unwrap();
         assert!(s.resumed_shards >= crash_after, "{}", s.resumed_shards);
         // With a validation split too, the rerun starts where the kill stopped it.
-        let (done, total) = (done.into_inner(), total.into_inner());
         assert!(done > 0 && done < total, "{done} of {total}");
         assert_eq!(s.bytes_read, total - done, "crash after {crash_after}");
         assert_eq!(files(&out), files(&clean), "crash after {crash_after}");
@@ -297,10 +288,7 @@ fn a_missing_field_names_file_and_line() {
     let err = prepare(&opts(vec![data], &tmp.path().join("o"), &tok), &|_| {})
         .unwrap_err()
         .to_string();
-    assert!(
-        err.contains("bad.jsonl:3") && err.contains("`text`"),
-        "{err}"
-    );
+    common::assert_mentions(&err, &["bad.jsonl:3", "`text`"]);
 }
 
 #[test]
@@ -344,11 +332,8 @@ fn text_files_directories_and_globs_char_and_byte() {
 #[test]
 fn tampered_shards_are_refused_naming_the_file_and_redone_by_prepare() {
     let tmp = tempfile::tempdir().unwrap();
-    let tok = tokenizer(tmp.path());
-    let data = tmp.path().join("a.jsonl");
-    jsonl(&data, 500);
-    let out = tmp.path().join("out");
-    let o = opts(vec![data], &out, &tok);
+    let o = jsonl_opts(tmp.path(), 500, "out", 0.0);
+    let out = o.out_dir.clone();
     let m = prepare(&o, &|_| {}).unwrap().manifest;
     let good = files(&out);
     let p = out.join(&m.train[1].file);
@@ -356,16 +341,10 @@ fn tampered_shards_are_refused_naming_the_file_and_redone_by_prepare() {
     bytes[100] ^= 1;
     std::fs::write(&p, &bytes).unwrap();
     let err = format::verify(&p, &m.expect()).unwrap_err().to_string();
-    assert!(
-        err.contains("train-00001.tok") && err.contains("checksum"),
-        "{err}"
-    );
+    common::assert_mentions(&err, &["train-00001.tok", "checksum"]);
     std::fs::write(&p, &bytes[..bytes.len() - 1]).unwrap();
     let err = format::verify(&p, &m.expect()).unwrap_err().to_string();
-    assert!(
-        err.contains("train-00001.tok") && err.contains("truncated"),
-        "{err}"
-    );
+    common::assert_mentions(&err, &["train-00001.tok", "truncated"]);
     let other = Expect {
         vocab: Some(m.vocab_hash().unwrap() ^ 1),
         width: None,
@@ -373,10 +352,7 @@ fn tampered_shards_are_refused_naming_the_file_and_redone_by_prepare() {
     let err = format::verify(&out.join(&m.train[0].file), &other)
         .unwrap_err()
         .to_string();
-    assert!(
-        err.contains("train-00000.tok") && err.contains("vocabulary"),
-        "{err}"
-    );
+    common::assert_mentions(&err, &["train-00000.tok", "vocabulary"]);
     // Rerunning prepare notices and rebuilds.
     let s = prepare(&o, &|_| {}).unwrap();
     assert!(!s.up_to_date);
@@ -466,14 +442,8 @@ fn the_format_is_detected_from_the_files_a_directory_holds() {
 #[test]
 fn verify_reads_every_shard_back_and_names_each_bad_one() {
     let tmp = tempfile::tempdir().unwrap();
-    let tok = tokenizer(tmp.path());
-    let data = tmp.path().join("a.jsonl");
-    jsonl(&data, 800);
-    let out = tmp.path().join("out");
-    let o = PrepareOptions {
-        val_fraction: 0.2,
-        ..opts(vec![data], &out, &tok)
-    };
+    let o = jsonl_opts(tmp.path(), 800, "out", 0.2);
+    let out = o.out_dir.clone();
     let m = prepare(&o, &|_| {}).unwrap().manifest;
     assert!(m.train.len() >= 2 && !m.val.is_empty());
     let verify = || {
@@ -515,10 +485,7 @@ fn verify_reads_every_shard_back_and_names_each_bad_one() {
         text.contains("BAD         train-00001.tok: corrupt"),
         "{text}"
     );
-    assert!(
-        text.contains("BAD         val-00000.tok:") && text.contains("the manifest lists"),
-        "{text}"
-    );
+    common::assert_mentions(&text, &["BAD         val-00000.tok:", "the manifest lists"]);
     assert!(text.contains("2 of"), "{text}");
     assert!(text.contains("ok          train-00000.tok"), "{text}");
 }
@@ -533,14 +500,8 @@ fn touch(path: &Path) {
 #[test]
 fn a_touch_changes_nothing_and_a_refusal_says_what_changed() {
     let tmp = tempfile::tempdir().unwrap();
-    let tok = tokenizer(tmp.path());
-    let data = tmp.path().join("a.jsonl");
-    jsonl(&data, 500);
-    let out = tmp.path().join("out");
-    let o = PrepareOptions {
-        val_fraction: 0.1,
-        ..opts(vec![data.clone()], &out, &tok)
-    };
+    let o = jsonl_opts(tmp.path(), 500, "out", 0.1);
+    let (out, data) = (o.out_dir.clone(), o.inputs[0].clone());
     prepare(&o, &|_| {}).unwrap();
     let good = files(&out);
     // Same bytes, new time: up to date, nothing redone.
@@ -558,8 +519,7 @@ fn a_touch_changes_nothing_and_a_refusal_says_what_changed() {
         out_dir: again.clone(),
         ..o.clone()
     };
-    let crashed = std::panic::catch_unwind(|| prepare(&o2, &|p| assert!(p.shards < 2, "killed")));
-    assert!(crashed.is_err());
+    common::shards::prepare_killed(&o2, 2);
     touch(&data);
     let s = prepare(&o2, &|_| {}).unwrap();
     assert!(s.resumed_shards >= 2, "{}", s.resumed_shards);

@@ -209,10 +209,7 @@ fn eval_of_a_checkpoint_is_the_runs_own_evaluation() {
 
     // The same weights without the trainer state: a bare model, which needs its data given.
     let bare = tmp.path().join("bare");
-    std::fs::create_dir_all(&bare).unwrap();
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(ckpt.join(f), bare.join(f)).unwrap();
-    }
+    common::copy_model(&ckpt, &bare);
     let model = ModelDir::open(&bare.display().to_string()).unwrap();
     assert!(model.run.is_none());
     let e = EvalRequest::default().evaluate(&model).unwrap_err();

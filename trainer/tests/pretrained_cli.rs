@@ -171,10 +171,7 @@ fn inspect_fails_on_weights_that_do_not_match_the_config() {
     cfg["n_layer"] = 3.into();
     std::fs::write(hf.join("config.json"), cfg.to_string()).unwrap();
     let err = fails(trainer(&["inspect", "hf"], dir));
-    assert!(
-        err.contains("config.json") && err.contains("missing `transformer.h.2."),
-        "{err}"
-    );
+    common::assert_mentions(&err, &["config.json", "missing `transformer.h.2."]);
     // n_positions 8 against 16 rows of wpe.
     cfg["n_layer"] = 2.into();
     cfg["n_positions"] = 8.into();
@@ -220,10 +217,7 @@ fn sample_checks_the_tokenizer_against_the_model() {
     words.extend(["zebra", "yak"]);
     let big = save("big.json", &words);
     let err = fails(run(args(&big)));
-    assert!(
-        err.contains("big.json") && err.contains("12 token ids") && err.contains("only 10"),
-        "{err}"
-    );
+    common::assert_mentions(&err, &["big.json", "12 token ids", "only 10"]);
     // Fewer ids (the first 4 words): by default every id of the model is drawn (as
     // transformers), those the tokenizer lacks shown as <id:N>; with --tokenizer-ids-only the
     // model's other ids are never drawn, so every sample decodes (hot sampling over the top 10

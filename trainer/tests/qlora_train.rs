@@ -54,12 +54,7 @@ fn a_4bit_base_trains_its_adapters_and_resumes_bit_exact() {
         max_iters: 3,
         ..qlora_config(tmp2.path(), BaseQuant::Nf4)
     };
-    let mut t = Trainer::new(half).unwrap();
-    let first = run_to_end(&mut t);
-    drop(t);
-    let mut t = Trainer::resume(&tmp2.path().join("run"), |c| c.max_iters = 6).unwrap();
-    let second = run_to_end(&mut t);
-    let resumed: Vec<_> = first.into_iter().chain(second).collect();
+    let (resumed, t) = common::split_run(half, 6);
     assert_same_steps(&steps, &resumed, "QLoRA resume");
     assert_eq!(end, weights(&t), "the same adapters after resuming");
     // The 4-bit settings are the run's.
@@ -77,8 +72,7 @@ fn a_qlora_checkpoint_loads_merged_into_the_dequantized_base() {
         max_iters: 3,
         ..qlora_config(tmp.path(), BaseQuant::Nf4)
     };
-    let t = common::train(cfg);
-    let d = loaded_model_gap(&t, &tmp.path().join("run"));
+    let d = common::trained_model_gap(cfg);
     // (W_deq + s B A) x vs W_deq x + s B (A x): f32 rounding only (merged into the f32 base
     // instead, the logits move by the quantization error: by 3.1 here).
     assert!(d < 1e-5, "{d}");
@@ -114,14 +108,7 @@ fn export_merge_writes_pefts_merge_and_unload() {
         &Device::Cpu,
     )
     .unwrap();
-    let settings = trainer::lora::Nf4Settings {
-        double: true,
-        ..Default::default()
-    };
-    let config = config.as_ref();
-    let deq = trainer::lora::dequantized_base(config, &base, &settings).unwrap();
-    let merged = trainer::lora::merge(config, &deq, &adapter).unwrap();
-    let want = trainer::lora::dequantized_base(config, &merged, &settings).unwrap();
+    let (_, want) = common::merged_4bit(config.as_ref(), &base, &adapter);
     assert_eq!(written.len(), want.len());
     for (name, v) in want.iter() {
         let (a, b) = (&written[name], v.as_tensor());
@@ -211,10 +198,7 @@ fn a_4bit_base_needs_lora() {
         ..qlora_config(tmp.path(), BaseQuant::Nf4)
     };
     let e = Trainer::new(cfg).err().expect("refused").to_string();
-    assert!(
-        e.contains("--base-quant nf4") && e.contains("--lora-r"),
-        "{e}"
-    );
+    common::assert_mentions(&e, &["--base-quant nf4", "--lora-r"]);
 }
 
 /// The tiny Llama of `qlora_config` as transformers + bitsandbytes saved it in 4 bits, with
@@ -251,12 +235,7 @@ fn a_saved_4bit_model_trains_as_the_same_base_quantized_on_load() {
         out_dir: tmp3.path().join("run"),
         ..saved.clone()
     };
-    let mut t = Trainer::new(half).unwrap();
-    let first = run_to_end(&mut t);
-    drop(t);
-    let mut t = Trainer::resume(&tmp3.path().join("run"), |c| c.max_iters = 6).unwrap();
-    let second = run_to_end(&mut t);
-    let resumed: Vec<_> = first.into_iter().chain(second).collect();
+    let (resumed, t) = common::split_run(half, 6);
     assert_same_steps(&steps, &resumed, "saved 4-bit resume");
     assert_eq!(end, weights(&t), "the same adapters after resuming");
     // `sample` and `eval` load the adapters merged into the dequantized saved weights.
@@ -289,10 +268,7 @@ fn a_resume_over_a_changed_4bit_base_is_refused_naming_the_quantization() {
     // weights saved without double quantization are another base.
     let tmp = tempfile::tempdir().unwrap();
     let base = tmp.path().join("base");
-    std::fs::create_dir(&base).unwrap();
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(saved_4bit().join(f), base.join(f)).unwrap();
-    }
+    common::copy_model(&saved_4bit(), &base);
     let cfg = TrainConfig {
         init_from: Some(base.display().to_string()),
         max_iters: 2,
@@ -300,9 +276,7 @@ fn a_resume_over_a_changed_4bit_base_is_refused_naming_the_quantization() {
     };
     common::train(cfg);
     let plain = saved_4bit().with_file_name("base_plain");
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(plain.join(f), base.join(f)).unwrap();
-    }
+    common::copy_model(&plain, &base);
     let e = Trainer::resume(&tmp.path().join("run"), |c| c.max_iters = 4)
         .err()
         .expect("another base is refused")

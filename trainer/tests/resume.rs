@@ -29,16 +29,11 @@ fn resume_is_bit_exact() {
 
     // N = 4 steps, then a new process-like start from the checkpoint.
     let split_dir = tmp.path().join("split");
-    let mut first = Trainer::new(trainer::config::TrainConfig {
+    let half = trainer::config::TrainConfig {
         max_iters: 4,
         ..config(&split_dir)
-    })
-    .unwrap();
-    let mut split_steps = run_to_end(&mut first);
-    drop(first);
-    let mut second = Trainer::resume(&split_dir, |c| c.max_iters = 8).unwrap();
-    assert_eq!(second.step(), 4);
-    split_steps.extend(run_to_end(&mut second));
+    };
+    let (split_steps, second) = common::split_run(half, 8);
 
     assert_same_steps(&full_steps, &split_steps, "resumed");
     assert_eq!(weights(&full), weights(&second), "final weights differ");

@@ -111,23 +111,14 @@ fn every_checkpoint_write_error_names_its_file() {
     })
     .unwrap();
     t.train_step().unwrap();
-    let e = checkpoint::save(
-        &dir,
-        checkpoint::ModelFiles::Full(t.model.config()),
-        &t.params,
-        &trainer::optim::OptimizerState::of(t.optimizer.as_ref()),
-        &t.state(),
-        &[("scaler.safetensors", &|_: &Path| {
-            Err(trainer::Error::Config(
-                "No space left on device (os error 28)".into(),
-            ))
-        })],
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(
-        e.contains("step-0000001/scaler.safetensors") && e.contains("No space left"),
-        "{e}"
-    );
+    let full = |_: &Path| -> trainer::Result<()> {
+        Err(trainer::Error::Config(
+            "No space left on device (os error 28)".into(),
+        ))
+    };
+    let e = common::save_with(&t, &dir, &[("scaler.safetensors", &full)])
+        .unwrap_err()
+        .to_string();
+    common::assert_mentions(&e, &["step-0000001/scaler.safetensors", "No space left"]);
     assert!(!dir.join("checkpoints/step-0000001").exists());
 }

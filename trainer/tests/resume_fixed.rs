@@ -201,10 +201,7 @@ fn fixed_fields_changed_on_resume_are_refused_naming_them() {
         c.rope_theta = 500.0;
         c.n_kv_head = 1;
     });
-    assert!(
-        e.contains("rope_theta (10000.0 -> 500.0)") && e.contains("n_kv_head (0 -> 1)"),
-        "{e}"
-    );
+    common::assert_mentions(&e, &["rope_theta (10000.0 -> 500.0)", "n_kv_head (0 -> 1)"]);
 }
 
 #[test]
@@ -269,10 +266,7 @@ fn cli_resume_with_a_changed_model_field_exits_nonzero_and_writes_nothing() {
 /// The tiny Llama base of the LoRA tests, copied to `dir`.
 fn copy_base(dir: &Path) -> PathBuf {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora/base");
-    std::fs::create_dir_all(dir).unwrap();
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(src.join(f), dir.join(f)).unwrap();
-    }
+    common::copy_model(&src, dir);
     dir.to_path_buf()
 }
 

@@ -109,12 +109,9 @@ fn a_killed_checkpoint_write_keeps_latest_and_resume_and_is_cleaned_up() {
     // before the checkpoint is renamed into place.
     t.train_step().unwrap();
     let died = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        checkpoint::save(
+        common::save_with(
+            &t,
             &dir,
-            checkpoint::ModelFiles::Full(t.model.config()),
-            &t.params,
-            &trainer::optim::OptimizerState::of(t.optimizer.as_ref()),
-            &t.state(),
             &[("killed", &|path: &Path| {
                 let tmp = path.parent().unwrap();
                 assert!(tmp.join(checkpoint::MODEL_FILE).is_file());

@@ -9,6 +9,8 @@
 //! differ from the training templates' masks, is checked in
 //! [`prefix_spans_against_the_training_templates`].
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -24,9 +26,7 @@ const STYLES: [&str; 6] = [
 ];
 
 fn dir(style: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/chat")
-        .join(style)
+    common::fixtures("chat").join(style)
 }
 
 fn cases(style: &str) -> Value {
@@ -258,14 +258,20 @@ fn text_records_get_eos_once_as_trl() {
     }
 }
 
+/// Case `c`'s `completion` record encoded, checked against TRL's input ids and mask.
+fn prompt_completion_as_trl(enc: &SftEncoder, c: &Value, style: &str) -> Example {
+    let ex = prompt_completion(enc, c, "completion");
+    assert_eq!(ex.tokens, ids(&c["input_ids"]), "{style}: input ids");
+    assert_eq!(ex.counted, mask(&c["completion_mask"]), "{style}: mask");
+    ex
+}
+
 #[test]
 fn prompt_completion_masks_equal_trl() {
     for style in STYLES {
         let enc = encoder(style);
         let c = sft_case(style, "prompt_completion");
-        let ex = prompt_completion(&enc, &c, "completion");
-        assert_eq!(ex.tokens, ids(&c["input_ids"]), "{style}: input ids");
-        assert_eq!(ex.counted, mask(&c["completion_mask"]), "{style}: mask");
+        let ex = prompt_completion_as_trl(&enc, &c, style);
         // A completion that already ends with the EOS does not get a second one.
         let again = prompt_completion(&enc, &c, "completion_with_eos");
         assert_eq!(again, ex, "{style}: EOS once");
@@ -277,9 +283,7 @@ fn conversational_prompt_completion_masks_equal_trl() {
     for style in STYLES {
         let enc = encoder(style);
         let c = sft_case(style, "prompt_completion_conversational");
-        let ex = prompt_completion(&enc, &c, "completion");
-        assert_eq!(ex.tokens, ids(&c["input_ids"]), "{style}: input ids");
-        assert_eq!(ex.counted, mask(&c["completion_mask"]), "{style}: mask");
+        prompt_completion_as_trl(&enc, &c, style);
         let prompt = enc.render(&messages(&c["prompt"]), true).unwrap();
         let p = enc.tokenizer().encode(prompt.as_str(), false).unwrap();
         assert_eq!(p.get_ids(), ids(&c["prompt_ids"]), "{style}: prompt ids");

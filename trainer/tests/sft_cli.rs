@@ -77,9 +77,10 @@ fn chats(style: &str) -> String {
     lines.join("\n") + "\n"
 }
 
-/// `trainer train --init-from model --data sft --data-path data` with `extra` flags, in `cwd`.
-fn train(cwd: &Path, model: &str, data: &str, extra: &[&str]) -> std::process::Output {
-    let mut args = vec![
+/// `trainer train --init-from model --data sft --data-path data` in blocks of `block` tokens,
+/// batches of 2, for `iters` steps (evaluated once, at the end).
+fn sft_args<'a>(model: &'a str, data: &'a str, block: &'a str, iters: &'a str) -> Vec<&'a str> {
+    let run = [
         "train",
         "--init-from",
         model,
@@ -87,21 +88,30 @@ fn train(cwd: &Path, model: &str, data: &str, extra: &[&str]) -> std::process::O
         "sft",
         "--data-path",
         data,
+    ];
+    let sizes = [
         "--block-size",
-        "64",
+        block,
         "--batch-size",
         "2",
         "--max-iters",
-        "3",
+        iters,
+    ];
+    let eval = [
         "--eval-interval",
-        "3",
+        iters,
         "--eval-iters",
         "1",
         "--warmup-iters",
         "1",
-        "--out-dir",
-        "runs/sft",
     ];
+    [&run[..], &sizes, &eval].concat()
+}
+
+/// `trainer train --init-from model --data sft --data-path data` with `extra` flags, in `cwd`.
+fn train(cwd: &Path, model: &str, data: &str, extra: &[&str]) -> std::process::Output {
+    let mut args = sft_args(model, data, "64", "3");
+    args.extend_from_slice(&["--out-dir", "runs/sft"]);
     args.extend_from_slice(extra);
     run_cli(&args, cwd)
 }
@@ -126,31 +136,17 @@ fn bad_records_are_named_by_line() {
     let ok = r#"{"text": "First Citizen"}"#;
 
     let text = refused(cwd, &model, &format!("{ok}\n{ok}\n{{not json\n"));
-    assert!(
-        text.contains("chats.jsonl:3") && text.contains("not JSON"),
-        "{text}"
-    );
+    common::assert_mentions(&text, &["chats.jsonl:3", "not JSON"]);
 
     let narrator =
         r#"{"messages": [{"role": "user", "content": "a"}, {"role": "narrator", "content": "b"}]}"#;
     let text = refused(cwd, &model, &format!("{ok}\n{narrator}\n"));
-    assert!(
-        text.contains("chats.jsonl:2")
-            && text.contains("\"narrator\"")
-            && text.contains("message 1"),
-        "{text}"
-    );
+    common::assert_mentions(&text, &["chats.jsonl:2", "\"narrator\"", "message 1"]);
 
     let text = refused(cwd, &model, "");
-    assert!(
-        text.contains("chats.jsonl") && text.contains("empty"),
-        "{text}"
-    );
+    common::assert_mentions(&text, &["chats.jsonl", "empty"]);
     let text = refused(cwd, &model, "\n  \n");
-    assert!(
-        text.contains("chats.jsonl") && text.contains("no records"),
-        "{text}"
-    );
+    common::assert_mentions(&text, &["chats.jsonl", "no records"]);
 }
 
 #[test]
@@ -168,11 +164,9 @@ fn template_failures_name_the_template_and_the_record() {
     );
     let sys = r#"{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}"#;
     let text = refused(cwd, &model, &format!("{sys}\n{sys}\n{USER_ASSISTANT}\n"));
-    assert!(
-        text.contains("chats.jsonl:3")
-            && text.contains("tokenizer_config.json")
-            && text.contains("no system"),
-        "{text}"
+    common::assert_mentions(
+        &text,
+        &["chats.jsonl:3", "tokenizer_config.json", "no system"],
     );
 
     // An error only rendering finds (an unknown filter), likewise.
@@ -185,12 +179,7 @@ fn template_failures_name_the_template_and_the_record() {
         &model,
         &format!("{USER_ASSISTANT}\n{USER_ASSISTANT}\n"),
     );
-    assert!(
-        text.contains("chats.jsonl:1")
-            && text.contains("tokenizer_config.json")
-            && text.contains("shout"),
-        "{text}"
-    );
+    common::assert_mentions(&text, &["chats.jsonl:1", "tokenizer_config.json", "shout"]);
 
     // A template that rewrites earlier turns once a later one exists: the prefix rendered up
     // to the assistant message is not a prefix of the whole; the message is named.
@@ -204,11 +193,9 @@ fn template_failures_name_the_template_and_the_record() {
         &model,
         &format!("{USER_ASSISTANT}\n{USER_ASSISTANT}\n"),
     );
-    assert!(
-        text.contains("chats.jsonl:1")
-            && text.contains("assistant message 1")
-            && text.contains("not a prefix"),
-        "{text}"
+    common::assert_mentions(
+        &text,
+        &["chats.jsonl:1", "assistant message 1", "not a prefix"],
     );
 
     // A syntax error in chat_template.jinja (which takes priority over the config's): named
@@ -223,10 +210,7 @@ fn template_failures_name_the_template_and_the_record() {
         &model,
         &format!("{USER_ASSISTANT}\n{USER_ASSISTANT}\n"),
     );
-    assert!(
-        text.contains("chat_template.jinja") && text.contains("does not compile"),
-        "{text}"
-    );
+    common::assert_mentions(&text, &["chat_template.jinja", "does not compile"]);
 }
 
 /// The banner's data line for `data` as the library describes it: examples, tokens and
@@ -300,29 +284,8 @@ fn a_tiny_llama_trains_on_padded_chats() {
 fn train_block(cwd: &Path, model: &str, data: &str, block: &str) -> std::process::Output {
     fs::write(cwd.join("long.jsonl"), data).unwrap();
     let _ = fs::remove_dir_all(cwd.join("runs"));
-    let args = [
-        "train",
-        "--init-from",
-        model,
-        "--data",
-        "sft",
-        "--data-path",
-        "long.jsonl",
-        "--block-size",
-        block,
-        "--batch-size",
-        "2",
-        "--max-iters",
-        "2",
-        "--eval-interval",
-        "2",
-        "--eval-iters",
-        "1",
-        "--warmup-iters",
-        "1",
-        "--out-dir",
-        "runs/long",
-    ];
+    let mut args = sft_args(model, "long.jsonl", block, "2");
+    args.extend_from_slice(&["--out-dir", "runs/long"]);
     run_cli(&args, cwd)
 }
 
@@ -339,13 +302,15 @@ fn records_whose_targets_are_all_cut_off_by_the_block_are_refused_or_reported() 
     let o = train_block(cwd, &model, &format!("{long}\n{long}\n{long}\n"), "8");
     let text = output_text(&o);
     assert_eq!(o.status.code(), Some(1), "{text}");
-    assert!(
-        text.contains("long.jsonl")
-            && text.contains("3 of 3 records keep no target")
-            && text.contains("block_size + 1 = 9")
-            && text.contains("line 1, 2, 3")
-            && text.contains("--block-size"),
-        "{text}"
+    common::assert_mentions(
+        &text,
+        &[
+            "long.jsonl",
+            "3 of 3 records keep no target",
+            "block_size + 1 = 9",
+            "line 1, 2, 3",
+            "--block-size",
+        ],
     );
 
     // Some keep theirs: the others are reported by line, and training goes on.
@@ -353,10 +318,7 @@ fn records_whose_targets_are_all_cut_off_by_the_block_are_refused_or_reported() 
     let o = train_block(cwd, &model, &data, "8");
     let text = output_text(&o);
     assert!(o.status.success(), "{text}");
-    assert!(
-        text.contains("2 of 6 records keep no target") && text.contains("line 2, 5"),
-        "{text}"
-    );
+    common::assert_mentions(&text, &["2 of 6 records keep no target", "line 2, 5"]);
 
     // A block that holds them all says nothing.
     let o = train_block(cwd, &model, &data, "512");

@@ -106,6 +106,14 @@ fn trainer_with_live_adapters(cfg: TrainConfig) -> Trainer {
     t
 }
 
+/// A training batch of 2 rows of 160 tokens drawn with seed `seed`.
+fn train_batch(t: &Trainer, seed: u64) -> Batch {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    t.data
+        .batch(Split::Train, 2, 160, &mut rng, &Device::Cpu)
+        .unwrap()
+}
+
 /// The sum of the counted targets' losses of `batch` and its gradients.
 fn loss_sum(t: &Trainer, batch: &Batch) -> (f64, usize, GradStore) {
     let ctx = Ctx::eval().with_rows(batch.rows.clone());
@@ -153,11 +161,7 @@ fn a_packed_row_equals_its_examples_one_by_one_and_padded() {
     let tmp = tempfile::tempdir().unwrap();
     let (base, data) = setup(tmp.path());
     let t = trainer_with_live_adapters(sft_config(tmp.path(), &base, &data, true));
-    let mut rng = ChaCha8Rng::seed_from_u64(11);
-    let batch = t
-        .data
-        .batch(Split::Train, 2, 160, &mut rng, &Device::Cpu)
-        .unwrap();
+    let batch = train_batch(&t, 11);
     let (packed, count, packed_grads) = loss_sum(&t, &batch);
     let (x, y, docs) = (
         vec2(&batch.x),
@@ -241,11 +245,7 @@ fn masked_targets_count_for_nothing_and_counted_ones_do() {
     let (base, data) = setup(tmp.path());
     for packing in [true, false] {
         let t = trainer_with_live_adapters(sft_config(tmp.path(), &base, &data, packing));
-        let mut rng = ChaCha8Rng::seed_from_u64(5);
-        let batch = t
-            .data
-            .batch(Split::Train, 2, 160, &mut rng, &Device::Cpu)
-            .unwrap();
+        let batch = train_batch(&t, 5);
         let (sum, _, grads) = loss_sum(&t, &batch);
         let mask: Vec<Vec<f32>> = batch.mask.as_ref().unwrap().to_vec2().unwrap();
         let y = vec2(&batch.y);

@@ -18,31 +18,31 @@ fn spawn(dir: &Path) -> Child {
 
 /// [`spawn`], each evaluation `eval_iters` batches long.
 fn spawn_eval_iters(dir: &Path, eval_iters: &str) -> Child {
+    let model = [
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--batch-size",
+        "8",
+    ];
+    let eval = ["--eval-problems", "8", "--eval-iters", eval_iters];
     spawn_with(
         dir,
         &[
-            "train",
-            "--out-dir",
-            "run",
-            "--max-iters",
-            "1000000",
-            "--eval-interval",
-            "1000000",
-            "--n-layer",
-            "1",
-            "--n-embd",
-            "32",
-            "--n-head",
-            "2",
-            "--batch-size",
-            "8",
-            "--eval-problems",
-            "8",
-            "--eval-iters",
-            eval_iters,
-        ],
+            ENDLESS.as_slice(),
+            &["--eval-interval", "1000000"],
+            &model,
+            &eval,
+        ]
+        .concat(),
     )
 }
+
+/// `trainer train` into `run` for far more steps than a test lasts.
+const ENDLESS: [&str; 5] = ["train", "--out-dir", "run", "--max-iters", "1000000"];
 
 /// The trainer with `args` in `dir`, its output in `out.txt` and `err.txt`.
 fn spawn_with(dir: &Path, args: &[&str]) -> Child {
@@ -89,7 +89,13 @@ fn exit_within(child: &mut Child, secs: u64, doing: &str) {
     }
 }
 
-/// Waits until the run has logged `n` steps (so the signal lands mid-training).
+/// [`spawn`], waiting until the run has logged `n` steps (so a signal lands mid-training).
+fn spawn_past(dir: &Path, n: usize) -> Child {
+    let mut child = spawn(dir);
+    wait_for_steps(&dir.join("run/metrics.jsonl"), n, &mut child, String::new);
+    child
+}
+
 /// Waits for the child to exit (at most 120 s) and returns its status and output.
 fn finish(child: Child, dir: &Path) -> (std::process::ExitStatus, String) {
     let start = Instant::now();
@@ -110,23 +116,14 @@ fn finish(child: Child, dir: &Path) -> (std::process::ExitStatus, String) {
 fn sigterm_and_sigint_checkpoint_and_resume() {
     for sig in [libc::SIGTERM, libc::SIGINT] {
         let tmp = tempfile::tempdir().unwrap();
-        let mut child = spawn(tmp.path());
-        wait_for_steps(
-            &tmp.path().join("run/metrics.jsonl"),
-            3,
-            &mut child,
-            String::new,
-        );
+        let child = spawn_past(tmp.path(), 3);
         signal(&child, sig);
         let (status, out) = finish(child, tmp.path());
         // Interrupted after saving: 75 (EX_TEMPFAIL), not 0 (finished) nor 1 (failed).
         assert_eq!(status.code(), Some(75), "signal {sig}: {status}\n{out}");
         assert!(out.contains("== interrupted =="), "{out}");
         // The last evaluation (step 0) is not passed off as the interrupted step's.
-        assert!(
-            out.contains("val loss") && out.contains("(evaluated at step 0)"),
-            "{out}"
-        );
+        common::assert_mentions(&out, &["val loss", "(evaluated at step 0)"]);
         let run = tmp.path().join("run");
         let t = Trainer::resume(&run, |_| {}).unwrap();
         assert!(
@@ -142,13 +139,7 @@ fn sigterm_and_sigint_checkpoint_and_resume() {
 #[test]
 fn a_second_signal_exits_at_once() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut child = spawn(tmp.path());
-    wait_for_steps(
-        &tmp.path().join("run/metrics.jsonl"),
-        2,
-        &mut child,
-        String::new,
-    );
+    let child = spawn_past(tmp.path(), 2);
     // Two different signals: two of the same kind may merge into one before delivery.
     signal(&child, libc::SIGTERM);
     signal(&child, libc::SIGINT);
@@ -165,30 +156,10 @@ fn a_signal_cuts_a_sample_short() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     // A model wide enough that 65536 tokens take minutes (about 2 ms a token here).
-    let mut child = spawn_with(
-        dir,
-        &[
-            "train",
-            "--out-dir",
-            "run",
-            "--max-iters",
-            "1000000",
-            "--n-layer",
-            "4",
-            "--n-embd",
-            "256",
-            "--n-head",
-            "4",
-            "--eval-iters",
-            "1",
-            "--eval-problems",
-            "8",
-            "--peak-flops",
-            "1e12",
-            "--sample-tokens",
-            "65536",
-        ],
-    );
+    let model = ["--n-layer", "4", "--n-embd", "256", "--n-head", "4"];
+    let eval = ["--eval-iters", "1", "--eval-problems", "8"];
+    let sample = ["--peak-flops", "1e12", "--sample-tokens", "65536"];
+    let mut child = spawn_with(dir, &[ENDLESS.as_slice(), &model, &eval, &sample].concat());
     wait_for_start(&mut child, dir);
     // The one-batch evaluation takes milliseconds; the sample, minutes.
     std::thread::sleep(Duration::from_millis(1500));

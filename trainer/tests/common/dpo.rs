@@ -7,9 +7,7 @@ use trainer::data::DataKind;
 
 /// A fixture file of `trainer/tests/fixtures`.
 pub fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    super::fixtures(name)
 }
 
 /// Every DPO fixture record in one file `dir/pairs.jsonl` (10 records: strings,

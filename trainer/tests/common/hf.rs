@@ -101,6 +101,5 @@ pub fn hub_cache(hf_home: &Path, id: &str, src: &Path) -> PathBuf {
 
 /// The `config.json` of checkpoint or model directory `dir`.
 pub fn config_json(dir: &Path) -> serde_json::Value {
-    let text = fs::read_to_string(dir.join("config.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
+    super::read_json(&dir.join("config.json"))
 }

@@ -12,9 +12,7 @@ use super::rel;
 
 /// The directory of fixture `case`.
 pub fn fixture(case: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/llama")
-        .join(case)
+    super::fixtures("llama").join(case)
 }
 
 /// A case's batch and what transformers computed of it.

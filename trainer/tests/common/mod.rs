@@ -1,12 +1,17 @@
 //! Shared helpers for the trainer's integration tests.
 #![allow(dead_code)]
 
+pub mod check;
 pub mod dpo;
 pub mod hf;
 pub mod llama;
 #[cfg(unix)]
 pub mod process;
+pub mod shards;
 pub mod tiny;
+
+#[allow(unused_imports)] // each test binary uses some
+pub use check::{assert_mentions, copy_model, fixtures, read_json};
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -86,6 +91,23 @@ pub fn train(cfg: TrainConfig) -> Trainer {
     let mut t = Trainer::new(cfg).unwrap();
     run_to_end(&mut t);
     t
+}
+
+/// `half` run to its `max_iters`, then resumed from its checkpoint and run on to `max_iters`:
+/// the steps of both parts in order, and the resumed trainer.
+pub fn split_run(half: TrainConfig, max_iters: usize) -> (Vec<StepStats>, Trainer) {
+    let (dir, at) = (half.out_dir.clone(), half.max_iters);
+    let mut first = Trainer::new(half).unwrap();
+    let mut steps = run_to_end(&mut first);
+    drop(first);
+    let mut second = Trainer::resume(&dir, |c| c.max_iters = max_iters).unwrap();
+    assert_eq!(
+        second.step(),
+        at,
+        "resumed at the step the first part ended"
+    );
+    steps.extend(run_to_end(&mut second));
+    (steps, second)
 }
 
 /// A finished run of [`tiny_config`] changed by `set`, in `run/` of a fresh temporary
@@ -172,6 +194,43 @@ pub fn loaded_model_gap(t: &Trainer, run: &Path) -> f32 {
         .unwrap();
     let got = loaded.forward(&x, &Ctx::eval()).unwrap();
     max_abs_diff(&got, &want)
+}
+
+/// `adapter` merged into `base` as PEFT's `merge_and_unload` does on a 4-bit base (NF4 with
+/// double quantization): dequantized, `s B A` added, quantized again. The dequantized base
+/// and the merged weights dequantized.
+pub fn merged_4bit(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> (Params, Params) {
+    let settings = trainer::lora::Nf4Settings {
+        double: true,
+        ..Default::default()
+    };
+    let deq = trainer::lora::dequantized_base(config, base, &settings).unwrap();
+    let merged = trainer::lora::merge(config, &deq, adapter).unwrap();
+    let merged = trainer::lora::dequantized_base(config, &merged, &settings).unwrap();
+    (deq, merged)
+}
+
+/// `t`'s full checkpoint saved into run `dir` with the `extra` files (a writer that fails or
+/// panics stands in for a full disk or a kill).
+pub fn save_with(
+    t: &Trainer,
+    dir: &Path,
+    extra: &[(&str, &trainer::checkpoint::WriteFile)],
+) -> trainer::Result<PathBuf> {
+    trainer::checkpoint::save(
+        dir,
+        trainer::checkpoint::ModelFiles::Full(t.model.config()),
+        &t.params,
+        &trainer::optim::OptimizerState::of(t.optimizer.as_ref()),
+        &t.state(),
+        extra,
+    )
+}
+
+/// Trains `cfg` to its end; [`loaded_model_gap`] of its run directory.
+pub fn trained_model_gap(cfg: TrainConfig) -> f32 {
+    let run = cfg.out_dir.clone();
+    loaded_model_gap(&train(cfg), &run)
 }
 
 /// The tiny Llama base of the LoRA fixtures (`tests/fixtures/lora/base`).
