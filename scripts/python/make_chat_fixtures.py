@@ -26,6 +26,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from trl.data_utils import _tokenize, common_prefix_length
 
+from fixture_common import save_readme
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(ROOT, "trainer", "tests", "fixtures", "chat")
 CORPUS = os.path.join(ROOT, "data", "tinyshakespeare.txt")
@@ -439,8 +441,7 @@ def write_readme(out, docs):
         "passed as template variables.",
         "",
     ]
-    with open(os.path.join(out, "README.md"), "w") as f:
-        f.write("\n".join(lines))
+    save_readme(out, lines)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, Gemma3ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fixture_common import gradients  # noqa: E402
 from make_llama_fixtures import generate_greedy, greedy_reference, load_dir  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -186,11 +187,9 @@ def make_case(case, out_dir):
     out.loss.backward()
     loss = out.loss.item()
     expected = outputs(batch, out)
-    names = []
-    for n, p in model.named_parameters():
-        assert p.grad is not None and p.grad.abs().sum() > 0, n
-        expected[f"grad.{n}"] = p.grad.detach().to(torch.float32).contiguous()
-        names.append(n)
+    grads = gradients(model)
+    expected.update({f"grad.{n}": g for n, g in grads.items()})
+    names = list(grads)
     model.zero_grad(set_to_none=True)
 
     g = torch.Generator().manual_seed(3000 + seed)
@@ -240,11 +239,10 @@ def make_lora(out_dir):
     out = forward(model, batch)
     out.loss.backward()
     expected = outputs(batch, out)
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            assert p.grad is not None and p.grad.abs().sum() > 0, n
-            disk = n.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
-            expected[f"grad.{disk}"] = p.grad.detach().to(torch.float32).contiguous()
+    grads = gradients(
+        model, lambda n: n.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+    )
+    expected.update({f"grad.{n}": g for n, g in grads.items()})
     d = os.path.join(out_dir, "lora")
     if os.path.exists(d):
         shutil.rmtree(d)

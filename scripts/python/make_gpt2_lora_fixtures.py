@@ -26,6 +26,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from fixture_common import gradients
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(ROOT, "trainer", "tests", "fixtures", "lora_gpt2")
 
@@ -155,11 +157,7 @@ def main():
     model.zero_grad(set_to_none=True)
     o = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False)
     o.loss.backward()
-    grads = {}
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            assert p.grad is not None and p.grad.abs().sum() > 0, n
-            grads["grad." + disk_name(n)] = p.grad.detach().clone()
+    grads = gradients(model, lambda n: "grad." + disk_name(n))
     # f64 check of the reference's own rounding (not stored)
     m64 = copy.deepcopy(model).double()
     m64.zero_grad(set_to_none=True)

@@ -35,6 +35,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from fixture_common import gradients, save_readme
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(ROOT, "trainer", "tests", "fixtures", "llama")
 
@@ -405,12 +407,9 @@ def make_case(case, out_dir):
     }
     if "position_ids" in batch:
         expected["position_ids"] = batch["position_ids"].to(torch.int64).contiguous()
-    names = []
-    for n, p in model.named_parameters():
-        assert p.grad is not None, n
-        assert p.grad.abs().sum() > 0, f"zero gradient for {n}"
-        expected[f"grad.{n}"] = p.grad.detach().to(torch.float32).contiguous()
-        names.append(n)
+    grads = gradients(model)
+    expected.update({f"grad.{n}": g for n, g in grads.items()})
+    names = list(grads)
     model.zero_grad(set_to_none=True)
 
     # greedy generation: eos disabled so the 20 tokens are plain argmax steps
@@ -561,8 +560,7 @@ def write_readme(out_dir, results):
         "- Deterministic: fixed seeds, `torch.set_num_threads(1)`.",
         "",
     ]
-    with open(os.path.join(out_dir, "README.md"), "w") as f:
-        f.write("\n".join(lines))
+    save_readme(out_dir, lines)
 
 
 def main():

@@ -27,6 +27,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from fixture_common import gradients, save_readme
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(ROOT, "trainer", "tests", "fixtures", "lora")
 
@@ -160,12 +162,7 @@ def loss_and_grads(model, batch):
     model.zero_grad(set_to_none=True)
     out = forward(model, batch)
     out.loss.backward()
-    grads = {}
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            assert p.grad is not None, n
-            assert p.grad.abs().sum() > 0, f"zero gradient for {n}"
-            grads[disk_name(n)] = p.grad.detach().clone()
+    grads = gradients(model, disk_name)
     model.zero_grad(set_to_none=True)
     return out, grads
 
@@ -421,8 +418,7 @@ def write_readme(out, base_loss, results):
         "Size: about 1.3 MB in all, most of it `base/` and `merged/` (364 KB each at the fixed shape).",
         "",
     ]
-    with open(os.path.join(out, "README.md"), "w") as f:
-        f.write("\n".join(lines))
+    save_readme(out, lines)
 
 
 if __name__ == "__main__":
