@@ -22,3 +22,12 @@ def save_readme(out_dir, lines):
     """`lines` joined by newlines as `out_dir/README.md`."""
     with open(os.path.join(out_dir, "README.md"), "w") as f:
         f.write("\n".join(lines))
+
+
+def add_gradients(expected, model):
+    """Every gradient of `model` into `expected` as `grad.<name>` (see `gradients`), then
+    cleared; the parameter names, in order."""
+    grads = gradients(model)
+    expected.update({f"grad.{n}": g for n, g in grads.items()})
+    model.zero_grad(set_to_none=True)
+    return list(grads)

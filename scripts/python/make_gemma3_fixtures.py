@@ -50,7 +50,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, Gemma3ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fixture_common import gradients  # noqa: E402
+from fixture_common import add_gradients, gradients  # noqa: E402
 from make_llama_fixtures import generate_greedy, greedy_reference, load_dir  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -187,10 +187,7 @@ def make_case(case, out_dir):
     out.loss.backward()
     loss = out.loss.item()
     expected = outputs(batch, out)
-    grads = gradients(model)
-    expected.update({f"grad.{n}": g for n, g in grads.items()})
-    names = list(grads)
-    model.zero_grad(set_to_none=True)
+    names = add_gradients(expected, model)
 
     g = torch.Generator().manual_seed(3000 + seed)
     prompt = torch.randint(1, VOCAB, (1, PROMPT_LEN), generator=g)

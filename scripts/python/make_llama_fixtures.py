@@ -35,7 +35,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from fixture_common import gradients, save_readme
+from fixture_common import add_gradients, save_readme
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(ROOT, "trainer", "tests", "fixtures", "llama")
@@ -407,10 +407,7 @@ def make_case(case, out_dir):
     }
     if "position_ids" in batch:
         expected["position_ids"] = batch["position_ids"].to(torch.int64).contiguous()
-    grads = gradients(model)
-    expected.update({f"grad.{n}": g for n, g in grads.items()})
-    names = list(grads)
-    model.zero_grad(set_to_none=True)
+    names = add_gradients(expected, model)
 
     # greedy generation: eos disabled so the 20 tokens are plain argmax steps
     g = torch.Generator().manual_seed(3000 + seed)

@@ -4,6 +4,8 @@
 //! inputs and targets drawn up front) must keep its peak resident memory small while it runs.
 #![cfg(target_os = "linux")]
 
+mod common;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -23,31 +25,10 @@ fn peak_rss_kib(pid: u32) -> u64 {
 #[test]
 fn a_step_holds_one_micro_batch_whatever_grad_accum() {
     let tmp = tempfile::tempdir().unwrap();
-    let batches = [
-        "--grad-accum",
-        "65536",
-        "--batch-size",
-        "64",
-        "--block-size",
-        "16",
-    ];
-    let model = [
-        "--n-layer",
-        "1",
-        "--n-head",
-        "2",
-        "--n-embd",
-        "16",
-        "--digits",
-        "2",
-    ];
-    let args = [
-        ["train", "--out-dir", "run"].as_slice(),
-        &batches,
-        &model,
-        &["--peak-flops", "1e12"],
-    ]
-    .concat();
+    let args = common::words(
+        "train --out-dir run --grad-accum 65536 --batch-size 64 --block-size 16 \
+         --n-layer 1 --n-head 2 --n-embd 16 --digits 2 --peak-flops 1e12",
+    );
     let mut child = Command::new(env!("CARGO_BIN_EXE_trainer"))
         .args(args)
         .current_dir(tmp.path())

@@ -28,8 +28,7 @@ fn trained_run() -> (TempDir, PathBuf, PathBuf) {
 
 #[test]
 fn missing_data_file_is_named() {
-    let tmp = tempfile::tempdir().unwrap();
-    let missing = tmp.path().join("nope.txt");
+    let (tmp, missing) = common::temp_join("nope.txt");
     let e = err_of(Trainer::new(TrainConfig {
         data: "char".parse().unwrap(),
         data_path: Some(missing.clone()),
@@ -40,8 +39,7 @@ fn missing_data_file_is_named() {
 
 #[test]
 fn empty_and_too_short_corpora_are_rejected() {
-    let tmp = tempfile::tempdir().unwrap();
-    let empty = tmp.path().join("empty.txt");
+    let (tmp, empty) = common::temp_join("empty.txt");
     fs::write(&empty, "").unwrap();
     let e = err_of(Trainer::new(TrainConfig {
         data: "char".parse().unwrap(),

@@ -33,8 +33,7 @@ fn lora_example_equals_the_cli_run_bit_for_bit() {
 
     // The same run through the CLI: the char vocabulary of the same text, random windows of
     // its train split drawn by the run seed's generator, LoRA r 4 alpha 8 on every linear.
-    let tmp = tempfile::tempdir().unwrap();
-    let corpus = tmp.path().join("corpus.txt");
+    let (tmp, corpus) = common::temp_join("corpus.txt");
     std::fs::write(&corpus, text).unwrap();
     let run = tmp.path().join("run");
     let out = Command::new(env!("CARGO_BIN_EXE_trainer"))
@@ -101,8 +100,7 @@ fn a_batch_iterator_under_accumulation_equals_the_source_it_replays() {
 
 #[test]
 fn a_run_without_a_run_directory_writes_nothing() {
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("run");
+    let (tmp, out) = common::temp_join("run");
     let mut t = Trainer::builder()
         .config(tiny_config(&out))
         .max_iters(4)
@@ -201,8 +199,7 @@ fn the_hf_label_shift_gives_transformers_loss() {
 #[test]
 fn an_adapter_loads_over_an_explicit_base() {
     let lora = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora");
-    let tmp = tempfile::tempdir().unwrap();
-    let copy = tmp.path().join("adapter");
+    let (_tmp, copy) = common::temp_join("adapter");
     std::fs::create_dir(&copy).unwrap();
     for f in ["adapter_config.json", "adapter_model.safetensors"] {
         std::fs::copy(lora.join("adapter_plain").join(f), copy.join(f)).unwrap();

@@ -2,17 +2,13 @@
 
 mod common;
 
-use common::{output_text as text, run_cli as trainer, TINY_ARGS};
+use common::{output_text as text, run_cli as trainer};
 
 #[test]
 fn train_inspect_eval_sample_resume() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let mut args = vec!["train", "--out-dir", "run", "--max-iters", "3"];
-    args.extend_from_slice(TINY_ARGS);
-    let o = trainer(&args, dir);
-    assert!(o.status.success(), "{}", text(&o));
-    let out = text(&o);
+    let out = common::tiny_cli_run(dir);
     assert!(out.contains("addition accuracy"), "{out}");
     assert!(out.contains("== done =="), "{out}");
     assert!(dir

@@ -76,8 +76,7 @@ fn f16_overflow_skips_the_step_and_backs_off() {
     // skipped steps halve the scale until they fit (measured: 3 skips, then 2^17 fits). The
     // config cannot set the initial scale: the scaler state goes into a step-0 checkpoint, and
     // the run resumes from it.
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("f16-overflow");
+    let (_tmp, dir) = common::temp_join("f16-overflow");
     let mut t = Trainer::new(TrainConfig {
         dtype: "f16".parse().unwrap(),
         loss_scale: "dynamic".parse().unwrap(),

@@ -101,8 +101,7 @@ fn two_ranks_train_like_one_rank_with_twice_the_batch() {
 
 #[test]
 fn resume_is_exact_and_needs_the_same_world_size() {
-    let tmp = tempfile::tempdir().unwrap();
-    let stopped = tmp.path().join("stopped");
+    let (tmp, stopped) = common::temp_join("stopped");
     let whole = train_two_ranks(config(&tmp.path().join("straight"), 4));
     train_two_ranks(TrainConfig {
         max_iters: 3, // lr_decay_iters stays tiny_config's, as in the straight run
@@ -122,8 +121,7 @@ fn resume_is_exact_and_needs_the_same_world_size() {
 
 #[test]
 fn a_failing_rank_stops_the_other_with_its_name() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
+    let (_tmp, dir) = common::temp_join("run");
     let outcomes = two_ranks(move |comm| {
         let mut t = joined(Trainer::new(config(&dir, 4)), comm);
         if t.data_parallel().rank() == 1 {
@@ -141,8 +139,7 @@ fn a_failing_rank_stops_the_other_with_its_name() {
 
 #[test]
 fn zero1_shards_the_optimiser_and_trains_like_plain_data_parallel() {
-    let tmp = tempfile::tempdir().unwrap();
-    let zero_dir = tmp.path().join("zero");
+    let (tmp, zero_dir) = common::temp_join("zero");
     let plain = train_two_ranks(config(&tmp.path().join("plain"), 4));
     let sharded = two_ranks(|comm| {
         let zero = TrainConfig {

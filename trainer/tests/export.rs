@@ -396,8 +396,7 @@ fn gpt2_and_trainer_runs_export() {
 
 #[test]
 fn a_run_from_a_bf16_llama_exports_bf16_with_the_origins_files() {
-    let tmp = tempfile::tempdir().unwrap();
-    let hf = tmp.path().join("hf");
+    let (tmp, hf) = common::temp_join("hf");
     hf_dir(&hf, &tiny_llama(true), 6, WeightDtype::Bf16);
     common::hf::tokenizer(&hf);
     fs::write(hf.join("chat_template.jinja"), "{{ messages }}").unwrap();
@@ -474,8 +473,7 @@ fn the_cli_exports_and_refuses_to_overwrite() {
 
 #[test]
 fn sampling_stops_at_any_listed_end_token() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("model");
+    let (tmp, dir) = common::temp_join("model");
     let cfg = tiny_llama(false);
     let params = hf_dir(&dir, &cfg, 8, WeightDtype::F32);
     let words: Vec<String> = (0..64).map(|i| format!("w{i}")).collect();

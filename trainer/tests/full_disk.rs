@@ -47,8 +47,7 @@ fn free_bytes(path: &Path) -> u64 {
 
 #[test]
 fn a_checkpoint_onto_a_full_disk_fails_cleanly() {
-    let tmp = tempfile::tempdir().unwrap();
-    let disk = tmp.path().join("disk");
+    let (_tmp, disk) = common::temp_join("disk");
     fs::create_dir(&disk).unwrap();
     let _mounted = match mount_tmpfs(&disk, "1m") {
         Ok(m) => m,

@@ -239,8 +239,7 @@ fn default_type_follows_the_stored_dtype_as_the_converter_auto() {
 #[test]
 fn a_word_level_tokenizer_is_refused_by_name_and_nothing_is_left() {
     // The embedded chat base's tokenizer is WordLevel, which GGUF cannot express.
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("model");
+    let (tmp, model) = common::temp_join("model");
     common::copy_model(&fixture("llama"), &model);
     let mut tok = common::read_json(&fixture("llama").join("tokenizer.json"));
     tok["model"]["type"] = "WordLevel".into();

@@ -90,8 +90,7 @@ fn saved_tiny(dir: &Path, seed: u64) -> (Gpt, Params) {
 
 #[test]
 fn loads_transformers_style_files_and_matches_outputs() {
-    let tmp = tempfile::tempdir().unwrap();
-    let ours = tmp.path().join("ours");
+    let (tmp, ours) = common::temp_join("ours");
     let (model, _) = saved_tiny(&ours, 3);
     let hf = tmp.path().join("hf");
     write_transformers_style(&ours, &hf);
@@ -118,8 +117,7 @@ fn loads_transformers_style_files_and_matches_outputs() {
 
 #[test]
 fn finds_models_in_a_local_hub_cache() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("model");
+    let (tmp, model) = common::temp_join("model");
     let (_, params) = saved_tiny(&model, 4);
     let snap = common::hf::hub_cache(tmp.path(), "test-org/tiny-gpt2", &model);
 
@@ -136,8 +134,7 @@ fn finds_models_in_a_local_hub_cache() {
 
 #[test]
 fn special_token_ids_are_read_and_written_as_transformers_does() {
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join("config.json");
+    let (_tmp, path) = common::temp_join("config.json");
     let read = |json: serde_json::Value| {
         fs::write(&path, json.to_string()).unwrap();
         GptConfig::from_hf_json_file(&path).unwrap()

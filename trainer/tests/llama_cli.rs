@@ -22,30 +22,17 @@ fn model_dir(dir: &Path) -> String {
 /// evaluating every `eval`; the caller adds the rest.
 fn train_args<'a>(model: &'a str, corpus: &'a Path, iters: &'a str, eval: &'a str) -> Vec<&'a str> {
     let corpus = corpus.to_str().unwrap();
-    let run = [
-        "train",
-        "--init-from",
-        model,
-        "--data",
-        "tokenizer",
-        "--data-path",
-        corpus,
-    ];
-    let sizes = ["--block-size", "8", "--batch-size", "4"];
-    [
-        &run[..],
-        &sizes,
-        &["--max-iters", iters, "--eval-interval", eval],
-    ]
-    .concat()
+    let mut args = vec!["train", "--init-from", model, "--data-path", corpus];
+    args.extend(["--max-iters", iters, "--eval-interval", eval]);
+    args.extend(common::words(
+        "--data tokenizer --block-size 8 --batch-size 4",
+    ));
+    args
 }
 
 /// Runs the CLI in `cwd`, asserts it exited with status 1 and returns its output.
 fn refused(args: &[&str], cwd: &Path) -> String {
-    let o = run_cli(args, cwd);
-    let text = output_text(&o);
-    assert_eq!(o.status.code(), Some(1), "{text}");
-    text
+    common::refusal_text(&run_cli(args, cwd))
 }
 
 /// Runs the CLI in `cwd`, asserts it succeeded and returns its output.
@@ -190,7 +177,6 @@ fn lora_train_sample_and_export_adapters_or_merged() {
     assert!(text.contains("holds no adapters"), "{text}");
     // A target that matches nothing is named, with the layers the model has.
     let o = train("c_attn", "runs/none");
-    let text = output_text(&o);
-    assert_eq!(o.status.code(), Some(1), "{text}");
+    let text = common::refusal_text(&o);
     assert!(text.contains("c_attn") && text.contains("q_proj"), "{text}");
 }

@@ -433,8 +433,7 @@ fn an_adapter_records_its_base_and_is_refused_on_another() {
 /// they are still read, and checked as then.
 #[test]
 fn old_file_digest_identities_are_still_checked() {
-    let tmp = tempfile::tempdir().unwrap();
-    let base = tmp.path().join("base");
+    let (tmp, base) = common::temp_join("base");
     common::copy_model(&fixture("base"), &base);
     let digest = |f: &str| trainer::checkpoint::manifest::digest(&base.join(f)).unwrap();
     let old = serde_json::json!({

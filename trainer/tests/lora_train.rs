@@ -66,8 +66,7 @@ fn a_lora_checkpoint_loads_as_the_merged_model_over_its_base() {
 
 #[test]
 fn resuming_over_a_changed_base_is_refused() {
-    let tmp = tempfile::tempdir().unwrap();
-    let base = tmp.path().join("base");
+    let (tmp, base) = common::temp_join("base");
     common::copy_model(&lora_base(), &base);
     let cfg = TrainConfig {
         max_iters: 3,

@@ -92,8 +92,7 @@ fn mfu_never_exceeds_one_against_a_low_ceiling() {
 /// below what a step reaches the MFU stays at most 100%.
 #[test]
 fn lora_run_off_a_terminal_reports_honestly() {
-    let tmp = tempfile::tempdir().unwrap();
-    let run = tmp.path().join("run");
+    let (tmp, run) = common::temp_join("run");
     let (config, base) = (
         repo().join("configs/lora_chat.toml"),
         repo().join("data/chat-base"),
@@ -333,8 +332,7 @@ fn sample_chat_applies_the_models_template() {
 /// `prepare` reports the end-of-text id as a number (`eos 39`), not `eos Some(39)`.
 #[test]
 fn prepare_reports_eos_as_a_number() {
-    let tmp = tempfile::tempdir().unwrap();
-    let corpus = tmp.path().join("corpus.txt");
+    let (tmp, corpus) = common::temp_join("corpus.txt");
     std::fs::write(&corpus, "Write the letter after c\n".repeat(50)).unwrap();
     let tok = repo().join("data/chat-base/tokenizer.json");
     let out = tmp.path().join("shards");
@@ -358,8 +356,7 @@ fn prepare_reports_eos_as_a_number() {
 /// the decoded sample, also when characters span several tokens (bytes of `é`, `✓`).
 #[test]
 fn sample_streams_exactly_the_decoded_sample() {
-    let tmp = tempfile::tempdir().unwrap();
-    let corpus = tmp.path().join("corpus.txt");
+    let (tmp, corpus) = common::temp_join("corpus.txt");
     std::fs::write(&corpus, "éè✓".repeat(300)).unwrap();
     let (_t, run, t) = common::tiny_run(|c| {
         c.data = DataKind::Byte;

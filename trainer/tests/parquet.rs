@@ -153,8 +153,7 @@ fn error(o: &PrepareOptions) -> String {
 
 #[test]
 fn errors_name_the_file_the_column_and_the_row() {
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("out");
+    let (_tmp, out) = common::temp_join("out");
     let byte = |name: &str, field: &str| PrepareOptions {
         field: field.into(),
         ..opts(&fixture(name), &out, InputFormat::Jsonl, VocabSpec::Byte)
@@ -205,8 +204,7 @@ fn errors_name_the_file_the_column_and_the_row() {
 
 #[test]
 fn the_cli_reads_parquet_by_extension_or_by_input_format() {
-    let tmp = tempfile::tempdir().unwrap();
-    let renamed = tmp.path().join("rows.data");
+    let (tmp, renamed) = common::temp_join("rows.data");
     std::fs::copy(fixture("text.parquet"), &renamed).unwrap();
     let run = |input: &Path, out: &str, extra: &[&str]| {
         let o = Command::new(env!("CARGO_BIN_EXE_trainer"))

@@ -163,8 +163,7 @@ fn corpus(extra: &str) -> String {
 
 #[test]
 fn changed_data_or_vocabulary_is_caught_by_the_fingerprint() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("corpus.txt");
+    let (tmp, data) = common::temp_join("corpus.txt");
     fs::write(&data, corpus("")).unwrap();
     let dir = tmp.path().join("run");
     train(TrainConfig {

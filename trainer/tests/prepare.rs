@@ -293,8 +293,7 @@ fn a_missing_field_names_file_and_line() {
 
 #[test]
 fn text_files_directories_and_globs_char_and_byte() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("texts");
+    let (tmp, dir) = common::temp_join("texts");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("b.txt"), "hello\nworld\n").unwrap();
     std::fs::write(dir.join("a.txt"), "abc\n").unwrap();
@@ -419,8 +418,7 @@ fn sft_shards_carry_the_encoders_masks() {
 
 #[test]
 fn the_format_is_detected_from_the_files_a_directory_holds() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("corpus");
+    let (tmp, dir) = common::temp_join("corpus");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("a.jsonl"), "{\"text\": \"x\"}\n").unwrap();
     std::fs::write(dir.join("b.json"), "{\"text\": \"y\"}\n").unwrap();

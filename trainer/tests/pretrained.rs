@@ -154,8 +154,7 @@ fn shorter_context_trains_with_remat_and_pipeline() {
 
 #[test]
 fn config_json_names_the_vocabularys_special_tokens() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
+    let (tmp, data) = common::temp_join("data");
     let corpus = common::hf::corpus(&data);
     let tok = common::hf::tokenizer(&data);
     // A fresh model over the tiny tokenizer: `<|endoftext|>` is id 9, not GPT-2's 50256.

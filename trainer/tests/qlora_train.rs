@@ -266,8 +266,7 @@ fn a_saved_4bit_model_trains_as_the_same_base_quantized_on_load() {
 fn a_resume_over_a_changed_4bit_base_is_refused_naming_the_quantization() {
     // The run recorded the saved base's identity, its quantization included: the same
     // weights saved without double quantization are another base.
-    let tmp = tempfile::tempdir().unwrap();
-    let base = tmp.path().join("base");
+    let (tmp, base) = common::temp_join("base");
     common::copy_model(&saved_4bit(), &base);
     let cfg = TrainConfig {
         init_from: Some(base.display().to_string()),

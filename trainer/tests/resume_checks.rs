@@ -39,8 +39,7 @@ fn copy_dir(from: &Path, to: &Path) {
 /// refused naming the file, the state file and the steps. (Before, it resumed.)
 #[test]
 fn a_file_of_another_step_is_refused_even_with_a_matching_manifest() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
+    let (tmp, dir) = common::temp_join("run");
     run(&dir, 4);
     let ckpts = dir.join("checkpoints");
     for file in [checkpoint::MODEL_FILE, checkpoint::OPTIMIZER_FILE] {
@@ -68,8 +67,7 @@ fn a_file_of_another_step_is_refused_even_with_a_matching_manifest() {
 /// float parsing changed the last bits of some of them.)
 #[test]
 fn metrics_read_back_on_resume_keep_every_bit() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
+    let (_tmp, dir) = common::temp_join("run");
     // Ten steps: about 50 floats, of which serde_json's default parsing reads about one in
     // ten a bit off (measured on such a file: 22 of 255).
     let mut lrs = run(&dir, 10);
@@ -103,8 +101,7 @@ fn metrics_read_back_on_resume_keep_every_bit() {
 /// writer that does not say where) is reported naming the file in the checkpoint.
 #[test]
 fn every_checkpoint_write_error_names_its_file() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
+    let (_tmp, dir) = common::temp_join("run");
     let mut t = Trainer::new(TrainConfig {
         max_iters: 1,
         ..tiny_config(&dir)

@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use candle_core::Device;
-use common::{output_text, run_cli, run_to_end, snapshot, tiny_config, tiny_run, TINY_ARGS};
+use common::{output_text, run_cli, run_to_end, snapshot, tiny_config, tiny_run};
 use trainer::config::{OnResume, TrainConfig};
 use trainer::data::DataKind;
 use trainer::train::Trainer;
@@ -239,10 +239,7 @@ fn may_change_fields_apply_on_resume() {
 fn cli_resume_with_a_changed_model_field_exits_nonzero_and_writes_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let cwd = tmp.path();
-    let mut args = vec!["train", "--out-dir", "run", "--max-iters", "3"];
-    args.extend_from_slice(TINY_ARGS);
-    let o = run_cli(&args, cwd);
-    assert!(o.status.success(), "{}", output_text(&o));
+    common::tiny_cli_run(cwd);
     let run = cwd.join("run");
     let before = state_of(&run);
     let o = run_cli(

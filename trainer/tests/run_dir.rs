@@ -95,8 +95,7 @@ fn a_fresh_run_refuses_an_existing_run_directory() {
 
 #[test]
 fn a_killed_checkpoint_write_keeps_latest_and_resume_and_is_cleaned_up() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
+    let (tmp, dir) = common::temp_join("run");
     let cfg = TrainConfig {
         max_iters: 4,
         ..tiny_config(&dir)

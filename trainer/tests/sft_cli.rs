@@ -80,32 +80,13 @@ fn chats(style: &str) -> String {
 /// `trainer train --init-from model --data sft --data-path data` in blocks of `block` tokens,
 /// batches of 2, for `iters` steps (evaluated once, at the end).
 fn sft_args<'a>(model: &'a str, data: &'a str, block: &'a str, iters: &'a str) -> Vec<&'a str> {
-    let run = [
-        "train",
-        "--init-from",
-        model,
-        "--data",
-        "sft",
-        "--data-path",
-        data,
-    ];
-    let sizes = [
-        "--block-size",
-        block,
-        "--batch-size",
-        "2",
-        "--max-iters",
-        iters,
-    ];
-    let eval = [
-        "--eval-interval",
-        iters,
-        "--eval-iters",
-        "1",
-        "--warmup-iters",
-        "1",
-    ];
-    [&run[..], &sizes, &eval].concat()
+    let mut args = vec!["train", "--init-from", model, "--data-path", data];
+    args.extend(["--block-size", block, "--max-iters", iters]);
+    args.extend(["--eval-interval", iters]);
+    args.extend(common::words(
+        "--data sft --batch-size 2 --eval-iters 1 --warmup-iters 1",
+    ));
+    args
 }
 
 /// `trainer train --init-from model --data sft --data-path data` with `extra` flags, in `cwd`.
@@ -119,10 +100,7 @@ fn train(cwd: &Path, model: &str, data: &str, extra: &[&str]) -> std::process::O
 /// Runs `train` on `data` (written to `chats.jsonl`), expecting exit status 1; the output.
 fn refused(cwd: &Path, model: &str, data: &str) -> String {
     fs::write(cwd.join("chats.jsonl"), data).unwrap();
-    let o = train(cwd, model, "chats.jsonl", &[]);
-    let text = output_text(&o);
-    assert_eq!(o.status.code(), Some(1), "{text}");
-    text
+    common::refusal_text(&train(cwd, model, "chats.jsonl", &[]))
 }
 
 const USER_ASSISTANT: &str =
@@ -300,8 +278,7 @@ fn records_whose_targets_are_all_cut_off_by_the_block_are_refused_or_reported() 
 
     // Every record's answer lies beyond the block: no target is left to train on.
     let o = train_block(cwd, &model, &format!("{long}\n{long}\n{long}\n"), "8");
-    let text = output_text(&o);
-    assert_eq!(o.status.code(), Some(1), "{text}");
+    let text = common::refusal_text(&o);
     common::assert_mentions(
         &text,
         &[

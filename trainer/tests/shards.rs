@@ -59,8 +59,7 @@ fn config(run: &Path, data: &Path) -> TrainConfig {
 
 #[test]
 fn resume_on_shards_is_bit_exact_across_epochs() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
+    let (tmp, data) = common::temp_join("data");
     prepare(&data, b'x');
     // Train shards of 1100 + 700 + 500 tokens = 64 + 41 + 29 = 134 windows of 17; a step
     // reads 2 x 12 = 24, so the run turns over into its second epoch at step 6, after the
@@ -85,8 +84,7 @@ fn resume_on_shards_is_bit_exact_across_epochs() {
 
 #[test]
 fn a_changed_shard_directory_is_refused_at_resume_naming_it() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
+    let (tmp, data) = common::temp_join("data");
     prepare(&data, b'x');
     let run = tmp.path().join("run");
     let mut t = Trainer::new(TrainConfig {
@@ -111,8 +109,7 @@ fn a_changed_shard_directory_is_refused_at_resume_naming_it() {
 
 #[test]
 fn two_ranks_in_epoch_order_train_like_one_rank_with_twice_the_batch() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
+    let (tmp, data) = common::temp_join("data");
     prepare(&data, b'x');
     let cfg = |run: &Path, batch_size| TrainConfig {
         batch_size,
@@ -172,8 +169,7 @@ fn flip(path: &Path, offset: usize) {
 
 #[test]
 fn a_flipped_byte_in_a_shard_body_is_refused_naming_the_shard_and_window() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
+    let (tmp, data) = common::temp_join("data");
     // 600k tokens of 2 bytes: a body of two 1 MiB checksum chunks.
     prepare_one(&data, 600_000);
     let shard = data.join("train-00000.tok");
@@ -204,8 +200,7 @@ fn a_flipped_byte_in_a_shard_body_is_refused_naming_the_shard_and_window() {
 
 #[test]
 fn shards_of_a_manifest_without_chunk_checksums_are_verified_whole() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
+    let (_tmp, data) = common::temp_join("data");
     prepare_one(&data, 3000);
     // A manifest as an older trainer wrote it: no chunk_sums.
     let path = data.join("manifest.json");
@@ -227,8 +222,7 @@ fn shards_of_a_manifest_without_chunk_checksums_are_verified_whole() {
 
 #[test]
 fn shards_without_a_validation_split_say_so_instead_of_asking_for_a_smaller_block() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
+    let (tmp, data) = common::temp_join("data");
     let tokens: Vec<u32> = (0..3000).map(|i| i % 200).collect();
     let info = TokenizerInfo {
         kind: "byte".into(),

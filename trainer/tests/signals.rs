@@ -18,31 +18,13 @@ fn spawn(dir: &Path) -> Child {
 
 /// [`spawn`], each evaluation `eval_iters` batches long.
 fn spawn_eval_iters(dir: &Path, eval_iters: &str) -> Child {
-    let model = [
-        "--n-layer",
-        "1",
-        "--n-embd",
-        "32",
-        "--n-head",
-        "2",
-        "--batch-size",
-        "8",
-    ];
-    let eval = ["--eval-problems", "8", "--eval-iters", eval_iters];
-    spawn_with(
-        dir,
-        &[
-            ENDLESS.as_slice(),
-            &["--eval-interval", "1000000"],
-            &model,
-            &eval,
-        ]
-        .concat(),
-    )
+    let mut args = common::words(
+        "train --out-dir run --max-iters 1000000 --eval-interval 1000000 --n-layer 1 \
+         --n-embd 32 --n-head 2 --batch-size 8 --eval-problems 8 --eval-iters",
+    );
+    args.push(eval_iters);
+    spawn_with(dir, &args)
 }
-
-/// `trainer train` into `run` for far more steps than a test lasts.
-const ENDLESS: [&str; 5] = ["train", "--out-dir", "run", "--max-iters", "1000000"];
 
 /// The trainer with `args` in `dir`, its output in `out.txt` and `err.txt`.
 fn spawn_with(dir: &Path, args: &[&str]) -> Child {
@@ -156,10 +138,11 @@ fn a_signal_cuts_a_sample_short() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     // A model wide enough that 65536 tokens take minutes (about 2 ms a token here).
-    let model = ["--n-layer", "4", "--n-embd", "256", "--n-head", "4"];
-    let eval = ["--eval-iters", "1", "--eval-problems", "8"];
-    let sample = ["--peak-flops", "1e12", "--sample-tokens", "65536"];
-    let mut child = spawn_with(dir, &[ENDLESS.as_slice(), &model, &eval, &sample].concat());
+    let args = common::words(
+        "train --out-dir run --max-iters 1000000 --n-layer 4 --n-embd 256 --n-head 4 \
+         --eval-iters 1 --eval-problems 8 --peak-flops 1e12 --sample-tokens 65536",
+    );
+    let mut child = spawn_with(dir, &args);
     wait_for_start(&mut child, dir);
     // The one-batch evaluation takes milliseconds; the sample, minutes.
     std::thread::sleep(Duration::from_millis(1500));

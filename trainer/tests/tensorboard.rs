@@ -64,8 +64,7 @@ fn reads_what_summary_writer_wrote() {
 #[test]
 fn writes_the_bytes_summary_writer_wrote() {
     let (start, want) = expected();
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join("events.out.tfevents.ours");
+    let (_tmp, path) = common::temp_join("events.out.tfevents.ours");
     let mut w =
         EventWriter::create(&path, start, "tensorboard.summary.writer.event_file_writer").unwrap();
     for s in &want {
@@ -80,8 +79,7 @@ fn writes_the_bytes_summary_writer_wrote() {
 
 #[test]
 fn a_damaged_file_is_named_with_the_offset() {
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join("events.out.tfevents.bad");
+    let (_tmp, path) = common::temp_join("events.out.tfevents.bad");
     let mut bytes = std::fs::read(fixture("summary_writer.tfevents")).unwrap();
     bytes[100] ^= 0x40;
     std::fs::write(&path, &bytes).unwrap();
@@ -144,8 +142,7 @@ fn assert_events_match_metrics(dir: &Path) -> Vec<i64> {
 /// curves hold steps 1..=6 once each: the events past the checkpoint are gone.
 #[test]
 fn a_resumed_run_logs_each_step_once() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
+    let (_tmp, dir) = common::temp_join("run");
     drop(train(tiny_config(&dir)));
     assert_eq!(
         assert_events_match_metrics(&dir),

@@ -34,3 +34,16 @@ pub fn read_json(path: &Path) -> serde_json::Value {
     let text = std::fs::read_to_string(path).unwrap();
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
+
+/// The words of a fixed command line (split at white space, no quoting: for flags and values
+/// without spaces; paths go in as words of their own).
+pub fn words(line: &str) -> Vec<&str> {
+    line.split_whitespace().collect()
+}
+
+/// A fresh temporary directory (removed when dropped) and `name` inside it.
+pub fn temp_join(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join(name);
+    (tmp, path)
+}

@@ -11,7 +11,7 @@ pub mod shards;
 pub mod tiny;
 
 #[allow(unused_imports)] // each test binary uses some
-pub use check::{assert_mentions, copy_model, fixtures, read_json};
+pub use check::{assert_mentions, copy_model, fixtures, read_json, temp_join, words};
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -347,6 +347,23 @@ pub const TINY_ARGS: &[&str] = &[
     "--warmup-iters",
     "1",
 ];
+
+/// `trainer train --out-dir run --max-iters 3` with [`TINY_ARGS`] in `cwd`; its output, which
+/// must be a success.
+pub fn tiny_cli_run(cwd: &Path) -> String {
+    let mut args = vec!["train", "--out-dir", "run", "--max-iters", "3"];
+    args.extend_from_slice(TINY_ARGS);
+    let o = run_cli(&args, cwd);
+    assert!(o.status.success(), "{}", output_text(&o));
+    output_text(&o)
+}
+
+/// The output of a run that must have been refused (exit status 1).
+pub fn refusal_text(o: &std::process::Output) -> String {
+    let text = output_text(o);
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    text
+}
 
 /// Runs the `trainer` binary with `args` in `cwd`, its Hugging Face hub cache (`HF_HOME`) in
 /// `cwd/home/hf` and its data cache in `cwd/home/cache`, so that it reads and writes no user
