@@ -416,20 +416,22 @@ fn a_run_from_a_bf16_llama_exports_bf16_with_the_origins_files() {
     assert_eq!(flat(&back), rounded(&t.params, DType::BF16));
 }
 
+/// Asserts that `dir` holds no hidden (`.`) files: no temporary left by an export.
+fn assert_no_hidden_files(dir: &Path) {
+    let leftovers: Vec<_> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
 #[test]
 fn the_cli_exports_and_refuses_to_overwrite() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     hf_dir(&dir.join("src"), &tiny_llama(false), 7, WeightDtype::F32);
-    let args = [
-        "export",
-        "src",
-        "out",
-        "--dtype",
-        "bf16",
-        "--max-shard-size",
-        "20KB",
-    ];
+    let args = common::words("export src out --dtype bf16 --max-shard-size 20KB");
     let o = run_cli(&args, dir);
     assert!(o.status.success(), "{}", output_text(&o));
     assert!(output_text(&o).contains("bf16"), "{}", output_text(&o));
@@ -450,12 +452,7 @@ fn the_cli_exports_and_refuses_to_overwrite() {
     let o = run_cli(&forced, dir);
     assert!(o.status.success(), "{}", output_text(&o));
     assert_eq!(json(&dir.join("out/config.json"))["torch_dtype"], "float32");
-    let leftovers: Vec<_> = fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with('.'))
-        .collect();
-    assert!(leftovers.is_empty(), "{leftovers:?}");
+    assert_no_hidden_files(dir);
     // Never over its own source.
     let o = run_cli(&["export", "out", "out", "--force"], dir);
     assert!(
@@ -646,12 +643,7 @@ fn a_cast_that_overflows_is_refused_and_writes_nothing() {
     assert!(!o.status.success(), "{text}");
     common::assert_mentions(&text, &[big, "1e5", "65504", "bf16"]);
     assert!(!dir.join("out").exists());
-    let leftovers: Vec<_> = fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with('.'))
-        .collect();
-    assert!(leftovers.is_empty(), "{leftovers:?}");
+    assert_no_hidden_files(dir);
     // Within the range of bf16, exported.
     let o = run_cli(&["export", "src", "out", "--dtype", "bf16"], dir);
     assert!(o.status.success(), "{}", output_text(&o));

@@ -22,14 +22,7 @@ fn defaults_flags_and_toml() {
         "{out}"
     );
 
-    let args = [
-        "train",
-        "--print-config",
-        "--tf32",
-        "false",
-        "--triton-kernels",
-        "true",
-    ];
+    let args = common::words("train --print-config --tf32 false --triton-kernels true");
     let o = trainer(&args, dir);
     assert!(o.status.success(), "{}", text(&o));
     let out = text(&o);

@@ -130,6 +130,20 @@ fn a_second_signal_exits_at_once() {
     assert!(out.contains("second signal"), "{out}");
 }
 
+/// `child`, once started, is sent SIGTERM `after` a while and must exit within `secs` (it
+/// was `doing` that), interrupted (status 75) with its checkpoint at step 0; its output.
+fn cut_short(mut child: Child, dir: &Path, after: Duration, secs: u64, doing: &str) -> String {
+    wait_for_start(&mut child, dir);
+    std::thread::sleep(after);
+    signal(&child, libc::SIGTERM);
+    exit_within(&mut child, secs, doing);
+    let (status, out) = finish(child, dir);
+    assert_eq!(status.code(), Some(75), "{out}");
+    let t = Trainer::resume(&dir.join("run"), |_| {}).unwrap();
+    assert_eq!(t.step(), 0);
+    out
+}
+
 /// A signal while the first evaluation's text sample is generated does not wait for its end:
 /// sampling checks the stop flag between tokens. (Before: the 65536 tokens of the largest
 /// sample allowed, on end after the signal.)
@@ -142,16 +156,9 @@ fn a_signal_cuts_a_sample_short() {
         "train --out-dir run --max-iters 1000000 --n-layer 4 --n-embd 256 --n-head 4 \
          --eval-iters 1 --eval-problems 8 --peak-flops 1e12 --sample-tokens 65536",
     );
-    let mut child = spawn_with(dir, &args);
-    wait_for_start(&mut child, dir);
     // The one-batch evaluation takes milliseconds; the sample, minutes.
-    std::thread::sleep(Duration::from_millis(1500));
-    signal(&child, libc::SIGTERM);
-    exit_within(&mut child, 5, "sampling");
-    let (status, out) = finish(child, dir);
-    assert_eq!(status.code(), Some(75), "{out}");
-    let t = Trainer::resume(&dir.join("run"), |_| {}).unwrap();
-    assert_eq!(t.step(), 0);
+    let child = spawn_with(dir, &args);
+    cut_short(child, dir, Duration::from_millis(1500), 5, "sampling");
 }
 
 /// A signal during an evaluation does not wait for its end: evaluation checks the stop flag
@@ -161,16 +168,9 @@ fn a_signal_cuts_a_sample_short() {
 fn a_signal_cuts_an_evaluation_short() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let mut child = spawn_eval_iters(dir, "100000000");
-    wait_for_start(&mut child, dir);
-    std::thread::sleep(Duration::from_millis(300));
-    signal(&child, libc::SIGTERM);
-    exit_within(&mut child, 30, "evaluating");
-    let (status, out) = finish(child, dir);
-    assert_eq!(status.code(), Some(75), "{out}");
+    let child = spawn_eval_iters(dir, "100000000");
+    let out = cut_short(child, dir, Duration::from_millis(300), 30, "evaluating");
     assert!(out.contains("== interrupted =="), "{out}");
-    let t = Trainer::resume(&dir.join("run"), |_| {}).unwrap();
-    assert_eq!(t.step(), 0);
 }
 
 /// A signal in the middle of a step of many micro-batches abandons it between two of them,
