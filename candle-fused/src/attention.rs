@@ -70,7 +70,7 @@ pub use config::AttentionConfig;
 use config::{check_bhtd, check_qkv, resolve, Resolved};
 
 use crate::cpu::{self, Elem};
-use crate::cuda_kernels::{self, triton_for, triton_input};
+use crate::cuda_kernels::{self, triton_for};
 use crate::gelu::FastMath;
 use crate::op::{self, Grads, In, Kernel, Saved};
 use candle_core::backend::BackendStorage;
@@ -209,6 +209,21 @@ fn triton_fits(x: &Tensor, g: &Geom, r: &Resolved) -> bool {
         && g.b * g.tk <= i32::MAX as usize
 }
 
+/// `t` as the kernels read it: unchanged when its last stride is 1, its strides fit an i32
+/// and it starts 16-byte aligned (any view of a fresh buffer whose rows are multiples of 8
+/// bytes), else a contiguous copy.
+fn rows_input(t: &Tensor) -> Result<Tensor> {
+    let l = t.layout();
+    let unit = l.dims().last().is_none_or(|&d| d <= 1) || l.stride().last() == Some(&1);
+    let fits = l.stride().iter().all(|&s| s <= i32::MAX as usize);
+    let aligned = (l.start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
+    if unit && fits && aligned {
+        Ok(t.clone())
+    } else {
+        t.force_contiguous()
+    }
+}
+
 /// Runs a Triton backward (`cuda.rs`); without the `cuda` feature no op takes that path.
 macro_rules! triton_bwd {
     ($name:expr, $call:expr) => {{
@@ -342,7 +357,7 @@ impl Kernel for BhtdOp {
         if self.triton {
             triton_bwd!(
                 self.name(),
-                cuda::bhtd_bwd(&self.g, &self.r, [q, k, v], (res, grad), &lse, self.merged)
+                cuda::bhtd_bwd(&self.g, &self.r, [q, k, v], (res, grad), &lse)
             );
         }
         if bwd_kernel(&[q, k, v, res, grad]) {
@@ -412,7 +427,7 @@ pub fn attention_qkv(qkv: &Tensor, n_head: usize, cfg: &AttentionConfig) -> Resu
     if triton_fits(qkv, &op.g, &op.r) {
         // CUDA: the Triton kernels, nothing computed beforehand
         op.triton = true;
-        return op::apply(op, &[&triton_input(qkv)?], None, None);
+        return op::apply(op, &[&rows_input(qkv)?], None, None);
     }
     if cpu::has_kernel(qkv) {
         return op::apply(op, &[&qkv.contiguous()?], None, None);
@@ -509,7 +524,8 @@ fn bhtd(
     if triton_fits(q, &op.g, &op.r) {
         // CUDA: the Triton kernels, nothing computed beforehand
         op.triton = true;
-        let (q, k, v) = (triton_input(q)?, triton_input(k)?, triton_input(v)?);
+        // read as they come (strided views included): no copy unless a row is not unit-stride
+        let (q, k, v) = (rows_input(q)?, rows_input(k)?, rows_input(v)?);
         return op::apply(op, &[&q, &k, &v], None, None);
     }
     if cpu::has_kernel(q) && cpu::has_kernel(k) && cpu::has_kernel(v) {
