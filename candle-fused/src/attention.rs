@@ -197,7 +197,8 @@ where
 /// device and dtype ([`triton_for`]), and the kernels' contract: self-attention (`Tq == Tk`:
 /// they take one `T`), `Dv == D <= BLOCK_D` (one tile per head), no additive mask (not
 /// implemented there; the trainer sets none), `B * H` programs within CUDA's grid height, and
-/// `B * T` in i32 (the kernels index the document ids in i32).
+/// `B * T` in i32 (the kernels index the document ids in i32), and the kernels allowed to run
+/// (not held back as unproven: [`cuda_kernels::UNPROVEN`]).
 fn triton_fits(x: &Tensor, g: &Geom, r: &Resolved) -> bool {
     const GRID_Y: usize = 65535;
     triton_for(x)
@@ -207,6 +208,8 @@ fn triton_fits(x: &Tensor, g: &Geom, r: &Resolved) -> bool {
         && r.mask.is_none()
         && g.b * g.h <= GRID_Y
         && g.b * g.tk <= i32::MAX as usize
+        // the generic build, the last of every list, may run (`cuda_kernels::UNPROVEN`)
+        && cuda_kernels::may_launch("attn_fwd")
 }
 
 /// `t` as the kernels read it: unchanged when its last stride is 1, its strides fit an i32
