@@ -63,6 +63,7 @@ mod config;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod kernel;
+mod layout;
 
 pub use composite::{attention_composite, attention_merged_composite, attention_qkv_composite};
 use composite::{fallback_backward, fallback_forward, merge_heads, split_heads};
@@ -130,8 +131,9 @@ where
     Ok(T::storage(out))
 }
 
-/// Runs the backward kernel. `ins` are the input tensors (one for qkv, three otherwise); the
-/// gradients come back in one buffer per input, in the inputs' (contiguous) layouts.
+/// Runs the backward kernel. `ins` are the input tensors (one for qkv, three otherwise, each
+/// read in place: [`layout::in_place`]); the gradients come back in one buffer per input, laid
+/// out as the input is ([`layout::grad_as`]).
 fn kernel_bwd<T>(
     g: &Geom,
     r: &Resolved,
@@ -149,7 +151,10 @@ where
     let guards: Vec<_> = ins.iter().map(|t| t.storage_and_layout()).collect();
     let sl: Vec<&[T]> = guards
         .iter()
-        .map(|(s, l)| slice::<T>(s, l))
+        .map(|(s, l)| match &**s {
+            Storage::Cpu(c) => layout::span(T::slice(c)?, l),
+            _ => bail!("candle-fused: expected a CPU tensor"),
+        })
         .collect::<Result<_>>()?;
     let (og, ol) = o.storage_and_layout();
     let (dg, dl) = dout.storage_and_layout();
@@ -328,9 +333,9 @@ impl Kernel for BhtdOp {
         let ((sq, lq), (sk, lk), (sv, lv)) = (ins[0], ins[1], ins[2]);
         let g = &self.g;
         let out = cpu::dispatch!(sq.dtype(), T => {
-            let q = cpu::contiguous::<T>(sq, lq)?;
-            let k = cpu::contiguous::<T>(sk, lk)?;
-            let v = cpu::contiguous::<T>(sv, lv)?;
+            let q = layout::span(T::slice(sq)?, lq)?;
+            let k = layout::span(T::slice(sk)?, lk)?;
+            let v = layout::span(T::slice(sv)?, lv)?;
             kernel_fwd::<T>(g, &self.r, (q, k, v), &self.saved)?
         });
         let shape = if self.merged {
@@ -364,15 +369,15 @@ impl Kernel for BhtdOp {
             );
         }
         if bwd_kernel(&[q, k, v, res, grad]) {
-            let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+            // the tensors the forward read in place (see `bhtd`)
             let (dq, dk, dv) = cpu::dispatch!(q.dtype(), T => {
-                let ins = [&q, &k, &v];
+                let ins = [q, k, v];
                 let mut gs = kernel_bwd::<T>(&self.g, &self.r, &ins, res, grad, &lse)?.into_iter();
                 let mut next = |t: &Tensor| match gs.next() {
-                    Some(gr) => cpu::tensor(gr, t.shape()),
+                    Some(gr) => layout::grad_as(t, gr),
                     None => bail!("candle-fused: missing attention gradient"),
                 };
-                (next(&q)?, next(&k)?, next(&v)?)
+                (next(q)?, next(k)?, next(v)?)
             });
             return Ok([Some(dq), Some(dk), Some(dv)]);
         }
@@ -532,7 +537,20 @@ fn bhtd(
         return op::apply(op, &[&q, &k, &v], None, None);
     }
     if cpu::has_kernel(q) && cpu::has_kernel(k) && cpu::has_kernel(v) {
-        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        // read in place when a permutation of a dense buffer (Llama's transposed v), else copied
+        let prep = |x: &Tensor| {
+            if layout::in_place(x.layout()) {
+                Ok(x.clone())
+            } else {
+                x.contiguous()
+            }
+        };
+        let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
+        (op.g.q, op.g.k, op.g.v) = (
+            layout::view(q.layout()),
+            layout::view(k.layout()),
+            layout::view(v.layout()),
+        );
         return op::apply(op, &[&q, &k, &v], None, None);
     }
     let (out, lse) = fallback_forward(q, k, v, &op.r)?;

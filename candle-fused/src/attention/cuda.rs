@@ -25,6 +25,7 @@
 
 use super::config::Resolved;
 use super::kernel::{Geom, View};
+use super::layout::{order, permuted};
 use crate::cuda_kernels::attention::builds;
 use crate::cuda_kernels::launch::{cuda_of, launch_first, Buf, CudaIn, Output};
 use crate::cuda_kernels::{triton_input, Scalar};
@@ -264,32 +265,14 @@ pub(super) fn qkv_bwd(
     Ok([Some(dqkv), None, None])
 }
 
-/// A fresh gradient for the `[B, heads, T, D]` tensor `x`, laid out as `x` is when `x` is a
-/// transposed view (Llama's v: `[B, T, KV, D]` seen as `[B, KV, T, D]`: the buffer is
-/// `[B, T, KV, D]`), with D innermost: the buffer, the view the kernels write and the
-/// permutation back to `x`'s dimensions.
+/// A fresh gradient for the `[B, heads, T, D]` tensor `x`, its dimensions in `x`'s order
+/// (Llama's v: `[B, T, KV, D]` seen as `[B, KV, T, D]`, so the buffer is `[B, T, KV, D]`), D
+/// innermost: the buffer, the view the kernels write and the permutation back to `x`'s dims.
 fn grad_like(x: &Tensor, dev: &CudaDevice) -> Result<(Output, Layout, [usize; 4])> {
-    let (dims, strides) = (x.dims(), x.stride());
-    let mut order = [0, 1, 2, 3];
-    // outermost (largest stride) first; a dimension of size 1 can sit anywhere: first
-    order.sort_by_key(|&i| {
-        let s = if dims[i] > 1 { strides[i] } else { usize::MAX };
-        (std::cmp::Reverse(s), i)
-    });
-    if order[3] != 3 {
-        // D must stay innermost (unit stride): then the contiguous order
-        order = [0, 1, 2, 3];
-    }
-    let shape: Vec<usize> = order.iter().map(|&i| dims[i]).collect();
-    let dense = Layout::contiguous(shape.as_slice());
-    let mut st = [0; 4];
-    let mut inverse = [0; 4];
-    for (j, &i) in order.iter().enumerate() {
-        st[i] = dense.stride()[j];
-        inverse[i] = j;
-    }
+    let dims = x.dims();
+    let (shape, strides, back) = permuted(dims, order(dims, x.stride()));
     let out = Output::new(dev, shape, x.dtype())?;
-    Ok((out, Layout::new(Shape::from(dims), st.to_vec(), 0), inverse))
+    Ok((out, Layout::new(Shape::from(dims), strides, 0), back))
 }
 
 /// The gradients of [`super::attention`] (`merge`: [`super::attention_merged`], whose output
