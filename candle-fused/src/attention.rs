@@ -48,9 +48,11 @@
 //! **CUDA**: with the Triton kernels switched on (`cuda_kernels::set_triton`), the op runs them
 //! (`attention/cuda.rs`) when the call fits them (`triton_fits`: self-attention `Tq == Tk`,
 //! `D == Dv <= 128`, no additive mask); otherwise, and with them off, the fallback below.
-//! The kernels take `[B, H, T, D]` tensors: [`attention_qkv`] and [`attention_merged`] copy
-//! their heads into that layout and back around them (one memory-bound copy per tensor moved;
-//! the list is in `attention/cuda.rs`).
+//! The kernels take each `[B, H, T, D]` tensor with its own strides: [`attention_qkv`] reads
+//! q, k, v in place from the packed projection and writes dq, dk, dv into one packed gradient,
+//! [`attention_merged`] writes `[B, T, H * D]` rows, and a transposed `[B, T, KV, D]` input is
+//! read as it is (no copy around the kernels; `attention/cuda.rs`). The CPU kernel reads the
+//! same layouts in place (`attention/layout.rs`).
 //!
 //! On devices without a kernel (or inside [`crate::with_composite_fallback`]) the op computes the
 //! same output and log-sum-exp with composite Candle ops on detached inputs and its backward

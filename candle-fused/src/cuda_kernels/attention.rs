@@ -65,26 +65,23 @@ const D64_DQ: &[Rule] = sized!(64, "q", "k", "v", "do", "dq");
 const D128_FWD: &[Rule] = sized!(128, "q", "k", "v", "o");
 const D128_DKDV: &[Rule] = sized!(128, "q", "k", "v", "do", "dk", "dv");
 const D128_DQ: &[Rule] = sized!(128, "q", "k", "v", "do", "dq");
-const D64_DELTA_RULES: &[Rule] = &[
-    Rule::AtMost("D", 64),
-    Rule::MultipleOf("D", 16),
-    Rule::MultipleOf("sob", 16),
-    Rule::MultipleOf("soh", 16),
-    Rule::MultipleOf("sot", 16),
-    Rule::MultipleOf("sdob", 16),
-    Rule::MultipleOf("sdoh", 16),
-    Rule::MultipleOf("sdot", 16),
-];
-const D128_DELTA_RULES: &[Rule] = &[
-    Rule::AtMost("D", 128),
-    Rule::MultipleOf("D", 16),
-    Rule::MultipleOf("sob", 16),
-    Rule::MultipleOf("soh", 16),
-    Rule::MultipleOf("sot", 16),
-    Rule::MultipleOf("sdob", 16),
-    Rule::MultipleOf("sdoh", 16),
-    Rule::MultipleOf("sdot", 16),
-];
+/// The delta kernel's rules at head size `$d`: O's and dO's strides multiples of 16.
+macro_rules! delta {
+    ($d:literal) => {
+        &[
+            Rule::AtMost("D", $d),
+            Rule::MultipleOf("D", 16),
+            Rule::MultipleOf("sob", 16),
+            Rule::MultipleOf("soh", 16),
+            Rule::MultipleOf("sot", 16),
+            Rule::MultipleOf("sdob", 16),
+            Rule::MultipleOf("sdoh", 16),
+            Rule::MultipleOf("sdot", 16),
+        ]
+    };
+}
+const D64_DELTA_RULES: &[Rule] = delta!(64);
+const D128_DELTA_RULES: &[Rule] = delta!(128);
 
 const GENERIC: [&str; 3] = ["attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"];
 const D64: [&str; 3] = ["attn_fwd_d64", "attn_bwd_dkdv_d64", "attn_bwd_dq_d64"];
