@@ -55,7 +55,10 @@ pub(super) fn span<'a, T>(all: &'a [T], l: &Layout) -> Result<&'a [T]> {
         .zip(l.stride())
         .map(|(&d, &s)| d.saturating_sub(1) * s)
         .sum();
-    let (a, n) = (l.start_offset(), usize::from(l.shape().elem_count() > 0) + last);
+    let (a, n) = (
+        l.start_offset(),
+        usize::from(l.shape().elem_count() > 0) + last,
+    );
     match all.get(a..a + n) {
         Some(s) => Ok(s),
         None => candle_core::bail!("candle-fused: attention input outside its storage"),

@@ -67,7 +67,10 @@ fn layouts(dev: &Device, path: &Path) -> Result<()> {
     let llama = counted("attention_merged, transposed k and v", &|| {
         let tr = |x: &Tensor| Var::from_tensor(&x.transpose(1, 2)?.contiguous()?);
         let (qv, kt, vt) = (Var::from_tensor(&q)?, tr(&k)?, tr(&v)?);
-        let (kv_, vv) = (kt.as_tensor().transpose(1, 2)?, vt.as_tensor().transpose(1, 2)?);
+        let (kv_, vv) = (
+            kt.as_tensor().transpose(1, 2)?,
+            vt.as_tensor().transpose(1, 2)?,
+        );
         ensure!(kvh == 1 || !vv.is_contiguous(), "v is not a strided view");
         let y = candle_fused::attention::attention_merged(qv.as_tensor(), &kv_, &vv, &cfg)?;
         let g = backward_of(&y, &merge(&dout)?)?;
