@@ -227,6 +227,11 @@ fn params(list: &Value, io: &str) -> Result<String, Error> {
     let mut out = String::new();
     for p in &list[..n] {
         let (name, ty) = (field(p, "name")?, field(p, "type")?);
+        // `stride of Q along T`: a tensor parameter's stride
+        let stride = field(p, "role")?
+            .strip_prefix("stride of ")
+            .and_then(|r| r.split_once(" along "))
+            .map(|(t, d)| (t.to_string(), d.to_string()));
         let is_dim = tensors
             .iter()
             .any(|(_, dims, _)| dims.contains(&format!("{name:?}")));
@@ -240,6 +245,10 @@ fn params(list: &Value, io: &str) -> Result<String, Error> {
                     "Param::Tensor({name:?}, &[{}], Elem::{elem})",
                     dims.join(", ")
                 )
+            }
+            "i32" if stride.is_some() => {
+                let (t, d) = stride.ok_or("unreachable")?;
+                format!("Param::Stride({name:?}, {t:?}, {d:?})")
             }
             "i32" if is_dim => format!("Param::Dim({name:?}, {name:?})"),
             "i32" => format!("Param::Int({name:?})"),

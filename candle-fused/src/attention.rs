@@ -48,9 +48,11 @@
 //! **CUDA**: with the Triton kernels switched on (`cuda_kernels::set_triton`), the op runs them
 //! (`attention/cuda.rs`) when the call fits them (`triton_fits`: self-attention `Tq == Tk`,
 //! `D == Dv <= 128`, no additive mask); otherwise, and with them off, the fallback below.
-//! The kernels take `[B, H, T, D]` tensors: [`attention_qkv`] and [`attention_merged`] copy
-//! their heads into that layout and back around them (one memory-bound copy per tensor moved;
-//! the list is in `attention/cuda.rs`).
+//! The kernels take each `[B, H, T, D]` tensor with its own strides: [`attention_qkv`] reads
+//! q, k, v in place from the packed projection and writes dq, dk, dv into one packed gradient,
+//! [`attention_merged`] writes `[B, T, H * D]` rows, and a transposed `[B, T, KV, D]` input is
+//! read as it is (no copy around the kernels; `attention/cuda.rs`). The CPU kernel reads the
+//! same layouts in place (`attention/layout.rs`).
 //!
 //! On devices without a kernel (or inside [`crate::with_composite_fallback`]) the op computes the
 //! same output and log-sum-exp with composite Candle ops on detached inputs and its backward
@@ -63,6 +65,7 @@ mod config;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod kernel;
+mod layout;
 
 pub use composite::{attention_composite, attention_merged_composite, attention_qkv_composite};
 use composite::{fallback_backward, fallback_forward, merge_heads, split_heads};
@@ -70,7 +73,7 @@ pub use config::AttentionConfig;
 use config::{check_bhtd, check_qkv, resolve, Resolved};
 
 use crate::cpu::{self, Elem};
-use crate::cuda_kernels::{self, triton_for, triton_input};
+use crate::cuda_kernels::{self, triton_for};
 use crate::gelu::FastMath;
 use crate::op::{self, Grads, In, Kernel, Saved};
 use candle_core::backend::BackendStorage;
@@ -130,8 +133,9 @@ where
     Ok(T::storage(out))
 }
 
-/// Runs the backward kernel. `ins` are the input tensors (one for qkv, three otherwise); the
-/// gradients come back in one buffer per input, in the inputs' (contiguous) layouts.
+/// Runs the backward kernel. `ins` are the input tensors (one for qkv, three otherwise, each
+/// read in place: [`layout::in_place`]); the gradients come back in one buffer per input, laid
+/// out as the input is ([`layout::grad_as`]).
 fn kernel_bwd<T>(
     g: &Geom,
     r: &Resolved,
@@ -149,7 +153,10 @@ where
     let guards: Vec<_> = ins.iter().map(|t| t.storage_and_layout()).collect();
     let sl: Vec<&[T]> = guards
         .iter()
-        .map(|(s, l)| slice::<T>(s, l))
+        .map(|(s, l)| match &**s {
+            Storage::Cpu(c) => layout::span(T::slice(c)?, l),
+            _ => bail!("candle-fused: expected a CPU tensor"),
+        })
         .collect::<Result<_>>()?;
     let (og, ol) = o.storage_and_layout();
     let (dg, dl) = dout.storage_and_layout();
@@ -197,7 +204,8 @@ where
 /// device and dtype ([`triton_for`]), and the kernels' contract: self-attention (`Tq == Tk`:
 /// they take one `T`), `Dv == D <= BLOCK_D` (one tile per head), no additive mask (not
 /// implemented there; the trainer sets none), `B * H` programs within CUDA's grid height, and
-/// `B * T` in i32 (the kernels index the document ids in i32).
+/// `B * T` in i32 (the kernels index the document ids in i32), and the kernels allowed to run
+/// (not held back as unproven: [`cuda_kernels::UNPROVEN`]).
 fn triton_fits(x: &Tensor, g: &Geom, r: &Resolved) -> bool {
     const GRID_Y: usize = 65535;
     triton_for(x)
@@ -207,6 +215,23 @@ fn triton_fits(x: &Tensor, g: &Geom, r: &Resolved) -> bool {
         && r.mask.is_none()
         && g.b * g.h <= GRID_Y
         && g.b * g.tk <= i32::MAX as usize
+        // the generic build, the last of every list, may run (`cuda_kernels::UNPROVEN`)
+        && cuda_kernels::may_launch("attn_fwd")
+}
+
+/// `t` as the kernels read it: unchanged when its last stride is 1, its strides fit an i32
+/// and it starts 16-byte aligned (any view of a fresh buffer whose rows are multiples of 8
+/// bytes), else a contiguous copy.
+fn rows_input(t: &Tensor) -> Result<Tensor> {
+    let l = t.layout();
+    let unit = l.dims().last().is_none_or(|&d| d <= 1) || l.stride().last() == Some(&1);
+    let fits = l.stride().iter().all(|&s| s <= i32::MAX as usize);
+    let aligned = (l.start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
+    if unit && fits && aligned {
+        Ok(t.clone())
+    } else {
+        t.force_contiguous()
+    }
 }
 
 /// Runs a Triton backward (`cuda.rs`); without the `cuda` feature no op takes that path.
@@ -310,9 +335,9 @@ impl Kernel for BhtdOp {
         let ((sq, lq), (sk, lk), (sv, lv)) = (ins[0], ins[1], ins[2]);
         let g = &self.g;
         let out = cpu::dispatch!(sq.dtype(), T => {
-            let q = cpu::contiguous::<T>(sq, lq)?;
-            let k = cpu::contiguous::<T>(sk, lk)?;
-            let v = cpu::contiguous::<T>(sv, lv)?;
+            let q = layout::span(T::slice(sq)?, lq)?;
+            let k = layout::span(T::slice(sk)?, lk)?;
+            let v = layout::span(T::slice(sv)?, lv)?;
             kernel_fwd::<T>(g, &self.r, (q, k, v), &self.saved)?
         });
         let shape = if self.merged {
@@ -342,19 +367,19 @@ impl Kernel for BhtdOp {
         if self.triton {
             triton_bwd!(
                 self.name(),
-                cuda::bhtd_bwd(&self.g, &self.r, [q, k, v], (res, grad), &lse, self.merged)
+                cuda::bhtd_bwd(&self.g, &self.r, [q, k, v], (res, grad), &lse)
             );
         }
         if bwd_kernel(&[q, k, v, res, grad]) {
-            let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+            // the tensors the forward read in place (see `bhtd`)
             let (dq, dk, dv) = cpu::dispatch!(q.dtype(), T => {
-                let ins = [&q, &k, &v];
+                let ins = [q, k, v];
                 let mut gs = kernel_bwd::<T>(&self.g, &self.r, &ins, res, grad, &lse)?.into_iter();
                 let mut next = |t: &Tensor| match gs.next() {
-                    Some(gr) => cpu::tensor(gr, t.shape()),
+                    Some(gr) => layout::grad_as(t, gr),
                     None => bail!("candle-fused: missing attention gradient"),
                 };
-                (next(&q)?, next(&k)?, next(&v)?)
+                (next(q)?, next(k)?, next(v)?)
             });
             return Ok([Some(dq), Some(dk), Some(dv)]);
         }
@@ -412,7 +437,7 @@ pub fn attention_qkv(qkv: &Tensor, n_head: usize, cfg: &AttentionConfig) -> Resu
     if triton_fits(qkv, &op.g, &op.r) {
         // CUDA: the Triton kernels, nothing computed beforehand
         op.triton = true;
-        return op::apply(op, &[&triton_input(qkv)?], None, None);
+        return op::apply(op, &[&rows_input(qkv)?], None, None);
     }
     if cpu::has_kernel(qkv) {
         return op::apply(op, &[&qkv.contiguous()?], None, None);
@@ -509,11 +534,25 @@ fn bhtd(
     if triton_fits(q, &op.g, &op.r) {
         // CUDA: the Triton kernels, nothing computed beforehand
         op.triton = true;
-        let (q, k, v) = (triton_input(q)?, triton_input(k)?, triton_input(v)?);
+        // read as they come (strided views included): no copy unless a row is not unit-stride
+        let (q, k, v) = (rows_input(q)?, rows_input(k)?, rows_input(v)?);
         return op::apply(op, &[&q, &k, &v], None, None);
     }
     if cpu::has_kernel(q) && cpu::has_kernel(k) && cpu::has_kernel(v) {
-        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        // read in place when a permutation of a dense buffer (Llama's transposed v), else copied
+        let prep = |x: &Tensor| {
+            if layout::in_place(x.layout()) {
+                Ok(x.clone())
+            } else {
+                x.contiguous()
+            }
+        };
+        let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
+        (op.g.q, op.g.k, op.g.v) = (
+            layout::view(q.layout()),
+            layout::view(k.layout()),
+            layout::view(v.layout()),
+        );
         return op::apply(op, &[&q, &k, &v], None, None);
     }
     let (out, lse) = fallback_forward(q, k, v, &op.r)?;

@@ -7,28 +7,25 @@
 //! builds`: head size 64 or 128 with dropout compiled in or out, then the generic one); the
 //! first whose table rules accept the launch runs.
 //!
-//! The kernels take contiguous `[B, H, T, D]` (q, o, dO, dq) and `[B, KV, T, D]` (k, v, dk, dv)
-//! tensors. [`super::attention`] passes its inputs as they are (made contiguous and 16-byte
-//! aligned by `triton_input` when needed). The other two entry points pay copies around the
-//! kernels (each one Candle copy kernel, memory-bound, small next to the attention itself):
+//! The kernels take every `[B, heads, T, D]` tensor with its own strides (D's is 1), so no copy
+//! is made around them:
 //!
-//! * [`super::attention_qkv`]: forward, q, k, v gathered out of `[B, T, 3C]` (one read and one
-//!   write of the projection) and the output scattered to `[B, T, C]` (one of the output);
-//!   backward, q, k, v gathered again (not kept from the forward: the graph holds no extra
-//!   `B x T x 3C` buffer between forward and backward), o and dO to `[B, H, T, D]`, and `dqkv`
-//!   assembled from dq, dk, dv (two copies each: heads merged, then concatenated).
-//! * [`super::attention_merged`]: forward, the output scattered to `[B, T, H * D]`; backward, o
-//!   and dO gathered back to `[B, H, T, D]`.
+//! * [`super::attention_qkv`]: q, k, v are read in place from GPT-2's `[B, T, 3C]` projection
+//!   (row stride 3C, head stride D, at columns 0, C, 2C), the output is written as `[B, T, C]`
+//!   rows, and dq, dk, dv are written straight into one packed `[B, T, 3C]` gradient;
+//! * [`super::attention`] / [`super::attention_merged`]: q, k, v are read as they come (Llama's
+//!   rotated q, k are contiguous `[B, H, T, D]`, its v the `[B, T, KV, D]` projection seen as
+//!   `[B, KV, T, D]` by a transpose); the merged output and its gradient are `[B, T, H * D]`
+//!   rows; each gradient is written in its input's order of dimensions (dv into a `[B, T, KV,
+//!   D]` buffer returned as the same transposed view, so the transpose's and the reshape's
+//!   backward are views too).
 //!
-//! Copy launches per layer, counted from this code path: `attention_qkv` 4 in the forward and
-//! 11 in the backward (q, k, v, o, dO made contiguous; dq, dk, dv merged; the cat, one copy per
-//! part), 15 in all; `attention_merged` 1 + 2. Passing the row strides to the kernels (3C for
-//! q, k, v in the packed projection, C for o) and writing dq, dk, dv into the packed gradient
-//! would remove every one of them; not done yet.
+//! An input is copied only when the kernels cannot read it (a last stride other than 1, a
+//! start that is not 16-byte aligned: [`super::rows_input`]).
 
-use super::composite::{merge_heads, split_heads};
 use super::config::Resolved;
 use super::kernel::{Geom, View};
+use super::layout::{order, permuted};
 use crate::cuda_kernels::attention::builds;
 use crate::cuda_kernels::launch::{cuda_of, launch_first, Buf, CudaIn, Output};
 use crate::cuda_kernels::{triton_input, Scalar};
@@ -70,24 +67,36 @@ fn doc(r: &Resolved, g: &Geom, dev: &CudaDevice) -> Result<Tensor> {
     }
 }
 
-/// `[B, heads, T, D]` of a contiguous storage: `(shape, layout)` of the heads that `v`
-/// describes, from `base` (the storage's start offset).
-fn heads_layout(g: &Geom, heads: usize, v: View, base: usize) -> (Shape, Layout) {
+/// `[B, heads, T, D]` of the rows `v` describes in a storage that starts at `base` (the
+/// tensor's own start offset).
+fn heads_layout(g: &Geom, heads: usize, v: View, base: usize) -> Layout {
     let shape = Shape::from((g.b, heads, g.tq, g.d));
-    let l = Layout::new(shape.clone(), vec![v.sb, v.sh, v.st, 1], base + v.off);
-    (shape, l)
+    Layout::new(shape, vec![v.sb, v.sh, v.st, 1], base + v.off)
 }
 
-/// `attn_fwd` on contiguous q, k, v: the output `[B, H, T, D]`; the log-sum-exp into `saved`.
+/// The output of the forward: `[B, T, H * D]` rows (`merged`) or `[B, H, T, D]`, and the
+/// `[B, H, T, D]` view of it the kernels write (`g.o`).
+fn out_buffer(g: &Geom, merged: bool, dev: &CudaDevice, dt: DType) -> Result<(Output, Layout)> {
+    let o = if merged {
+        Output::new(dev, (g.b, g.tq, g.h * g.d), dt)?
+    } else {
+        Output::new(dev, (g.b, g.h, g.tq, g.d), dt)?
+    };
+    Ok((o, heads_layout(g, g.h, g.o, 0)))
+}
+
+/// `attn_fwd` on q, k, v (views): the output (see [`out_buffer`]); the log-sum-exp into `saved`.
+#[allow(clippy::too_many_arguments)]
 fn fwd(
     g: &Geom,
     r: &Resolved,
     [q, k, v]: [Buf<'_>; 3],
     dev: &CudaDevice,
     dt: DType,
+    merged: bool,
     saved: &Saved,
-) -> Result<Output> {
-    let mut o = Output::new(dev, (g.b, g.h, g.tq, g.d), dt)?;
+) -> Result<(CudaStorage, Shape)> {
+    let (mut o, lo) = out_buffer(g, merged, dev, dt)?;
     let mut lse = Output::new(dev, (g.b, g.h, g.tq), DType::F32)?;
     let doc = doc(r, g, dev)?;
     {
@@ -97,45 +106,28 @@ fn fwd(
             k,
             v,
             Buf::read(cuda_of(&gd)?, ld).bits_as(DType::I32)?,
-            Buf::write(&mut o),
+            Buf::write_as(&mut o, lo),
             Buf::write(&mut lse),
         ];
         launch_first(&builds(r.dropout > 0.0).fwd, dt, tensors, &scalars(g, r))?;
     }
     saved.set(lse.into_tensor());
-    Ok(o)
+    Ok(o.into_parts())
 }
 
-/// `[B, H, T, D]` -> `[B, T, H * D]` (the merged rows the output projection reads).
-fn merged(g: &Geom, o: Output) -> Result<(CudaStorage, Shape)> {
-    let (s, _) = o.into_parts();
-    let (b, h, t, d) = (g.b, g.h, g.tq, g.d);
-    let l = Layout::new(Shape::from((b, t, h, d)), vec![h * t * d, d, t * d, 1], 0);
-    Ok(Output::copy_of(&s, &l, (b, t, h * d))?.into_parts())
-}
-
-/// The forward of [`super::attention_qkv`] on the contiguous `[B, T, 3C]` projection.
+/// The forward of [`super::attention_qkv`] on the `[B, T, 3C]` projection, read in place.
 pub(super) fn qkv_fwd(
     (s, l): CudaIn<'_>,
     g: &Geom,
     r: &Resolved,
     saved: &Saved,
 ) -> Result<(CudaStorage, Shape)> {
-    let gather = |v: View| {
-        let (shape, layout) = heads_layout(g, g.h, v, l.start_offset());
-        Output::copy_of(s, &layout, shape)
-    };
-    let (q, k, v) = (gather(g.q)?, gather(g.k)?, gather(g.v)?);
-    let ins = [
-        Buf::read_output(&q),
-        Buf::read_output(&k),
-        Buf::read_output(&v),
-    ];
-    let o = fwd(g, r, ins, s.device(), s.dtype(), saved)?;
-    merged(g, o)
+    let read = |v: View| Buf::read(s, &heads_layout(g, g.h, v, l.start_offset()));
+    let ins = [read(g.q), read(g.k), read(g.v)];
+    fwd(g, r, ins, s.device(), s.dtype(), true, saved)
 }
 
-/// The forward of [`super::attention`] / [`super::attention_merged`] on contiguous q, k, v.
+/// The forward of [`super::attention`] / [`super::attention_merged`] on q, k, v as they come.
 pub(super) fn bhtd_fwd(
     [(sq, lq), (sk, lk), (sv, lv)]: [CudaIn<'_>; 3],
     g: &Geom,
@@ -144,96 +136,101 @@ pub(super) fn bhtd_fwd(
     saved: &Saved,
 ) -> Result<(CudaStorage, Shape)> {
     let ins = [Buf::read(sq, lq), Buf::read(sk, lk), Buf::read(sv, lv)];
-    let o = fwd(g, r, ins, sq.device(), sq.dtype(), saved)?;
-    if merge {
-        merged(g, o)
-    } else {
-        Ok(o.into_parts())
-    }
+    fwd(g, r, ins, sq.device(), sq.dtype(), merge, saved)
 }
 
-/// The backward kernels on `[B, H, T, D]` q, o, dO and `[B, KV, T, D]` k, v: `[dq, dk, dv]`,
-/// `dq` when `need_q`, `dk` and `dv` when `need_kv`.
+/// Where the backward writes its gradients: `grads` (one buffer, or one per input) and, per
+/// gradient, the index of its buffer and its `[B, heads, T, D]` view there.
+struct Targets {
+    grads: Vec<Output>,
+    views: [(usize, Layout); 3],
+}
+
+/// The backward kernels. `ins`: the storages of q, k, v (one for a packed projection) and the
+/// `[B, heads, T, D]` views of q, k, v in them; `o`, `dout`: the output and its gradient as
+/// `[B, H, T, D]` views; `need`: which of dq and dk, dv to compute (the others are not
+/// launched; their part of `t.grads` is left unwritten).
 #[allow(clippy::too_many_arguments)]
 fn bwd(
     g: &Geom,
     r: &Resolved,
-    [q, k, v]: [&Tensor; 3],
-    o: &Tensor,
-    dout: &Tensor,
+    ins: (&[&CudaStorage], [(usize, Layout); 3]),
+    (so, lo): (&CudaStorage, Layout),
+    (sd, ld): (&CudaStorage, Layout),
     lse: &Tensor,
-    need_q: bool,
-    need_kv: bool,
-) -> Result<Grads> {
-    if !(need_q || need_kv) {
-        return Ok([None, None, None]);
-    }
-    let dt = q.dtype();
-    let Device::Cuda(dev) = q.device() else {
-        bail!("attention: the Triton backward needs CUDA tensors")
-    };
-    let ts = [q, k, v, o, &dout.to_dtype(dt)?, lse]
-        .into_iter()
-        .map(triton_input)
-        .collect::<Result<Vec<_>>>()?;
-    let doc = doc(r, g, dev)?;
-    let guards: Vec<_> = ts
-        .iter()
-        .chain([&doc])
-        .map(|t| t.storage_and_layout())
-        .collect();
-    let st = guards
-        .iter()
-        .map(|(s, _)| cuda_of(s))
-        .collect::<Result<Vec<_>>>()?;
-    let read = |i: usize| Buf::read(st[i], guards[i].1);
-    let (q, k, v, o, dout, lse) = (0, 1, 2, 3, 4, 5);
-    let read_doc = || read(6).bits_as(DType::I32);
+    [need_q, need_kv]: [bool; 2],
+    t: &mut Targets,
+) -> Result<()> {
+    let dt = so.dtype();
+    let dev = so.device();
+    let (lse, doc) = (triton_input(lse)?, doc(r, g, dev)?);
+    let ((gl, ll), (gd, ldoc)) = (lse.storage_and_layout(), doc.storage_and_layout());
+    let (sl, sdoc) = (cuda_of(&gl)?, cuda_of(&gd)?);
     let builds = builds(r.dropout > 0.0);
     let mut delta = Output::new(dev, (g.b, g.h, g.tq), DType::F32)?;
-    let tensors = vec![read(o), read(dout), Buf::write(&mut delta)];
+    let tensors = vec![
+        Buf::read(so, &lo),
+        Buf::read(sd, &ld),
+        Buf::write(&mut delta),
+    ];
     launch_first(&builds.delta, dt, tensors, &[])?;
     let cfg = scalars(g, r);
+    let (stores, views) = ins;
     // what both kernels read, in their argument order (their outputs follow)
     let reads = || -> Result<Vec<_>> {
+        let read = |i: usize| Buf::read(stores[views[i].0], &views[i].1);
         Ok(vec![
-            read(q),
-            read(k),
-            read(v),
-            read_doc()?,
-            read(dout),
-            read(lse),
+            read(0),
+            read(1),
+            read(2),
+            Buf::read(sdoc, ldoc).bits_as(DType::I32)?,
+            Buf::read(sd, &ld),
+            Buf::read(sl, ll),
             Buf::read_output(&delta),
         ])
     };
-    let (dk, dv) = if need_kv {
-        let mut dk = Output::new(dev, (g.b, g.kvh, g.tk, g.d), dt)?;
-        let mut dv = Output::new(dev, (g.b, g.kvh, g.tk, g.d), dt)?;
+    let [(iq, lq), (ik, lk), (iv, lv)] = t.views.clone();
+    if need_kv {
         let mut tensors = reads()?;
-        tensors.extend([Buf::write(&mut dk), Buf::write(&mut dv)]);
+        if ik == iv {
+            tensors.push(Buf::write_as(&mut t.grads[ik], lk));
+            tensors.push(Buf::alias(tensors.len() - 1, lv));
+        } else {
+            let (a, b) = two_mut(&mut t.grads, ik, iv)?;
+            tensors.extend([Buf::write_as(a, lk), Buf::write_as(b, lv)]);
+        }
         launch_first(&builds.dkdv, dt, tensors, &cfg)?;
-        (Some(dk.into_tensor()), Some(dv.into_tensor()))
-    } else {
-        (None, None)
-    };
-    let dq = if need_q {
-        let mut dq = Output::new(dev, (g.b, g.h, g.tq, g.d), dt)?;
+    }
+    if need_q {
         let mut tensors = reads()?;
-        tensors.push(Buf::write(&mut dq));
+        tensors.push(Buf::write_as(&mut t.grads[iq], lq));
         launch_first(&builds.dq, dt, tensors, &cfg)?;
-        Some(dq.into_tensor())
-    } else {
-        None
-    };
-    Ok([dq, dk, dv])
+    }
+    Ok(())
 }
 
-/// `[B, T, H * D]` (a merged output or its gradient) -> `[B, H, T, D]`.
-fn split(g: &Geom, t: &Tensor) -> Result<Tensor> {
-    t.reshape((g.b, g.tq, g.h, g.d))?.transpose(1, 2)
+/// Two distinct elements of `v`, mutably.
+fn two_mut<T>(v: &mut [T], i: usize, j: usize) -> Result<(&mut T, &mut T)> {
+    if i == j || i.max(j) >= v.len() {
+        bail!(
+            "attention: gradient buffers {i} and {j} are not two of {}",
+            v.len()
+        )
+    }
+    let (lo, hi) = v.split_at_mut(i.max(j));
+    let (a, b) = (&mut lo[i.min(j)], &mut hi[0]);
+    Ok(if i < j { (a, b) } else { (b, a) })
 }
 
-/// The gradients of [`super::attention_qkv`]: `[dqkv, None, None]`.
+/// `o` (the op's own output) and `dout` (in the io dtype), contiguous, for their `[B, H, T, D]`
+/// views through `g.o`.
+fn out_views(o: &Tensor, dout: &Tensor) -> Result<[Tensor; 2]> {
+    let dout = dout.to_dtype(o.dtype())?;
+    Ok([o.contiguous()?, super::rows_input(&dout.contiguous()?)?])
+}
+
+/// The gradients of [`super::attention_qkv`]: `[dqkv, None, None]`, dq, dk, dv written into
+/// one packed `[B, T, 3C]` buffer.
 pub(super) fn qkv_bwd(
     g: &Geom,
     r: &Resolved,
@@ -242,31 +239,96 @@ pub(super) fn qkv_bwd(
     dout: &Tensor,
     lse: &Tensor,
 ) -> Result<Grads> {
-    let (q, k, v) = split_heads(&qkv.detach(), g.h)?;
-    let (o, dout) = (split(g, o)?, split(g, dout)?);
-    let [Some(dq), Some(dk), Some(dv)] = bwd(g, r, [&q, &k, &v], &o, &dout, lse, true, true)?
-    else {
-        bail!("attention_qkv: missing gradients")
+    let Device::Cuda(dev) = qkv.device() else {
+        bail!("attention_qkv: the Triton backward needs CUDA tensors")
     };
-    let parts = [merge_heads(&dq)?, merge_heads(&dk)?, merge_heads(&dv)?];
-    Ok([Some(Tensor::cat(&parts, 2)?), None, None])
+    let [o, dout] = out_views(o, dout)?;
+    let (gx, lx) = qkv.storage_and_layout();
+    let ((go, lo), (gd, ld)) = (o.storage_and_layout(), dout.storage_and_layout());
+    let at = |v: View, base: usize| heads_layout(g, g.h, v, base);
+    let views = |base: usize| [(0, at(g.q, base)), (0, at(g.k, base)), (0, at(g.v, base))];
+    let mut t = Targets {
+        grads: vec![Output::new(dev, qkv.dims(), qkv.dtype())?],
+        views: views(0),
+    };
+    bwd(
+        g,
+        r,
+        (&[cuda_of(&gx)?], views(lx.start_offset())),
+        (cuda_of(&go)?, at(g.o, lo.start_offset())),
+        (cuda_of(&gd)?, at(g.o, ld.start_offset())),
+        lse,
+        [true, true],
+        &mut t,
+    )?;
+    let dqkv = t.grads.remove(0).into_tensor();
+    Ok([Some(dqkv), None, None])
+}
+
+/// A fresh gradient for the `[B, heads, T, D]` tensor `x`, its dimensions in `x`'s order
+/// (Llama's v: `[B, T, KV, D]` seen as `[B, KV, T, D]`, so the buffer is `[B, T, KV, D]`), D
+/// innermost: the buffer, the view the kernels write and the permutation back to `x`'s dims.
+fn grad_like(x: &Tensor, dev: &CudaDevice) -> Result<(Output, Layout, [usize; 4])> {
+    let dims = x.dims();
+    let (shape, strides, back) = permuted(dims, order(dims, x.stride()));
+    let out = Output::new(dev, shape, x.dtype())?;
+    Ok((out, Layout::new(Shape::from(dims), strides, 0), back))
 }
 
 /// The gradients of [`super::attention`] (`merge`: [`super::attention_merged`], whose output
-/// and its gradient are `[B, T, H * D]`): `[dq, dk, dv]` (`None` where not needed).
+/// and its gradient are `[B, T, H * D]`): `[dq, dk, dv]` (`None` where not needed), each in
+/// its input's order of dimensions ([`grad_like`]).
 pub(super) fn bhtd_bwd(
     g: &Geom,
     r: &Resolved,
     [q, k, v]: [&Tensor; 3],
     (o, dout): (&Tensor, &Tensor),
     lse: &Tensor,
-    merge: bool,
 ) -> Result<Grads> {
-    let (o, dout) = if merge {
-        (split(g, o)?, split(g, dout)?)
-    } else {
-        (o.clone(), dout.clone())
+    let (need_q, need_kv) = (q.track_op(), k.track_op() || v.track_op());
+    if !(need_q || need_kv) {
+        return Ok([None, None, None]);
+    }
+    let Device::Cuda(dev) = q.device() else {
+        bail!("attention: the Triton backward needs CUDA tensors")
     };
-    let need_kv = k.track_op() || v.track_op();
-    bwd(g, r, [q, k, v], &o, &dout, lse, q.track_op(), need_kv)
+    let [o, dout] = out_views(o, dout)?;
+    let guards = [q, k, v].map(|x| x.storage_and_layout());
+    let stores = guards
+        .iter()
+        .map(|(s, _)| cuda_of(s))
+        .collect::<Result<Vec<_>>>()?;
+    let ((go, lo), (gd, ld)) = (o.storage_and_layout(), dout.storage_and_layout());
+    let (mut grads, mut views, mut perms) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, x) in [q, k, v].into_iter().enumerate() {
+        let (out, l, p) = grad_like(x, dev)?;
+        grads.push(out);
+        views.push((i, l));
+        perms.push(p);
+    }
+    let views: [(usize, Layout); 3] = [views[0].clone(), views[1].clone(), views[2].clone()];
+    let mut t = Targets { grads, views };
+    let ins = [0, 1, 2].map(|i| (i, guards[i].1.clone()));
+    bwd(
+        g,
+        r,
+        (&stores, ins),
+        (cuda_of(&go)?, heads_layout(g, g.h, g.o, lo.start_offset())),
+        (cuda_of(&gd)?, heads_layout(g, g.h, g.o, ld.start_offset())),
+        lse,
+        [need_q, need_kv],
+        &mut t,
+    )?;
+    let mut out = t
+        .grads
+        .into_iter()
+        .zip(perms)
+        .map(|(b, p)| b.into_tensor().permute(p));
+    let mut next = |want: bool| -> Result<Option<Tensor>> {
+        match out.next() {
+            Some(x) if want => Ok(Some(x?)),
+            _ => Ok(None),
+        }
+    };
+    Ok([next(need_q)?, next(need_kv)?, next(need_kv)?])
 }

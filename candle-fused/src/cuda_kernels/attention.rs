@@ -3,12 +3,17 @@
 //! query heads of its group in order: no atomics) and `dQ`.
 //!
 //! Layouts: `Q`, `O`, `dO`, `dQ` `[B, H, T, D]`; `K`, `V`, `dK`, `dV` `[B, KV, T, D]` (grouped
-//! query heads: `KV` divides `H`, K and V are not repeated); `DOC` `[B, T]` i32 document ids
-//! (zeros when there are none); `LSE`, `DELTA` `[B, H, T]` f32. `D <= 128`.
+//! query heads: `KV` divides `H`, K and V are not repeated), each with its own strides along
+//! B, heads and T (`Param::Stride`: `sqb`, `sqh`, `sqt`, ...; D has stride 1), so the
+//! launcher passes GPT-2's packed `[B, T, 3C]` projection, a transposed `[B, T, KV, D]` view
+//! or merged `[B, T, H * D]` rows in place and the gradients are written into such layouts;
+//! `DOC` `[B, T]` i32 document ids (zeros when there are none); `LSE`, `DELTA` `[B, H, T]`
+//! f32, contiguous. `D <= 128`.
 //!
 //! Builds ([`builds`], tried in order by [`super::check_variants`]): for bf16 and f16, head-size
-//! builds whose tile is exactly 64 or 128 columns, compiled with `D` a multiple of 16 (their
-//! rule [`Rule::MultipleOf`]: rows then load as 16-byte vectors, no register spills) and with
+//! builds whose tile is exactly 64 or 128 columns, compiled with `D` and every stride a
+//! multiple of 16 (their rules [`Rule::MultipleOf`]: rows then load as 16-byte vectors, no
+//! register spills) and with
 //! dropout compiled in (`attn_fwd_d64`) or out (`attn_fwd_d64_nodrop`); then the generic
 //! build (`attn_fwd`: any `D <= 128` in a 128-column tile, 2-byte loads, dropout decided at
 //! run time), the only one for f32. Head size 256 (Gemma 3) has no build: a D = 256 bf16
@@ -37,20 +42,46 @@ pub const DELTA_BLOCK_M: usize = 64;
 const TILED: &[Rule] = &[Rule::AtMost("D", BLOCK_D), Rule::Divides("KV", "H")];
 
 // The head-size builds (bf16 and f16; `triton/attention.py`'s `_variants` and `VARIANT_TILES`):
-// a tile of exactly 64 or 128 columns, D declared a multiple of 16 (its rows load as 16-byte
-// vectors), dropout compiled in or out, tiles and warps chosen for no register spills.
-const D64_RULES: &[Rule] = &[
-    Rule::AtMost("D", 64),
-    Rule::MultipleOf("D", 16),
-    Rule::Divides("KV", "H"),
-];
-const D128_RULES: &[Rule] = &[
-    Rule::AtMost("D", 128),
-    Rule::MultipleOf("D", 16),
-    Rule::Divides("KV", "H"),
-];
-const D64_DELTA_RULES: &[Rule] = &[Rule::AtMost("D", 64), Rule::MultipleOf("D", 16)];
-const D128_DELTA_RULES: &[Rule] = &[Rule::AtMost("D", 128), Rule::MultipleOf("D", 16)];
+// a tile of exactly 64 or 128 columns, D and every row stride declared a multiple of 16 (its
+// rows load as 16-byte vectors), dropout compiled in or out, tiles and warps chosen for no
+// register spills.
+macro_rules! sized {
+    ($d:literal, $($tensor:literal),*) => {
+        &[
+            Rule::AtMost("D", $d),
+            Rule::MultipleOf("D", 16),
+            Rule::Divides("KV", "H"),
+            $(
+                Rule::MultipleOf(concat!("s", $tensor, "b"), 16),
+                Rule::MultipleOf(concat!("s", $tensor, "h"), 16),
+                Rule::MultipleOf(concat!("s", $tensor, "t"), 16),
+            )*
+        ]
+    };
+}
+const D64_FWD: &[Rule] = sized!(64, "q", "k", "v", "o");
+const D64_DKDV: &[Rule] = sized!(64, "q", "k", "v", "do", "dk", "dv");
+const D64_DQ: &[Rule] = sized!(64, "q", "k", "v", "do", "dq");
+const D128_FWD: &[Rule] = sized!(128, "q", "k", "v", "o");
+const D128_DKDV: &[Rule] = sized!(128, "q", "k", "v", "do", "dk", "dv");
+const D128_DQ: &[Rule] = sized!(128, "q", "k", "v", "do", "dq");
+/// The delta kernel's rules at head size `$d`: O's and dO's strides multiples of 16.
+macro_rules! delta {
+    ($d:literal) => {
+        &[
+            Rule::AtMost("D", $d),
+            Rule::MultipleOf("D", 16),
+            Rule::MultipleOf("sob", 16),
+            Rule::MultipleOf("soh", 16),
+            Rule::MultipleOf("sot", 16),
+            Rule::MultipleOf("sdob", 16),
+            Rule::MultipleOf("sdoh", 16),
+            Rule::MultipleOf("sdot", 16),
+        ]
+    };
+}
+const D64_DELTA_RULES: &[Rule] = delta!(64);
+const D128_DELTA_RULES: &[Rule] = delta!(128);
 
 const GENERIC: [&str; 3] = ["attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"];
 const D64: [&str; 3] = ["attn_fwd_d64", "attn_bwd_dkdv_d64", "attn_bwd_dq_d64"];
@@ -75,18 +106,18 @@ pub(crate) const RULES: &[(&str, &[Rule])] = &[
     ("attn_bwd_dq", TILED),
     ("attn_bwd_delta_d64", D64_DELTA_RULES),
     ("attn_bwd_delta_d128", D128_DELTA_RULES),
-    ("attn_fwd_d64", D64_RULES),
-    ("attn_bwd_dkdv_d64", D64_RULES),
-    ("attn_bwd_dq_d64", D64_RULES),
-    ("attn_fwd_d64_nodrop", D64_RULES),
-    ("attn_bwd_dkdv_d64_nodrop", D64_RULES),
-    ("attn_bwd_dq_d64_nodrop", D64_RULES),
-    ("attn_fwd_d128", D128_RULES),
-    ("attn_bwd_dkdv_d128", D128_RULES),
-    ("attn_bwd_dq_d128", D128_RULES),
-    ("attn_fwd_d128_nodrop", D128_RULES),
-    ("attn_bwd_dkdv_d128_nodrop", D128_RULES),
-    ("attn_bwd_dq_d128_nodrop", D128_RULES),
+    ("attn_fwd_d64", D64_FWD),
+    ("attn_bwd_dkdv_d64", D64_DKDV),
+    ("attn_bwd_dq_d64", D64_DQ),
+    ("attn_fwd_d64_nodrop", D64_FWD),
+    ("attn_bwd_dkdv_d64_nodrop", D64_DKDV),
+    ("attn_bwd_dq_d64_nodrop", D64_DQ),
+    ("attn_fwd_d128", D128_FWD),
+    ("attn_bwd_dkdv_d128", D128_DKDV),
+    ("attn_bwd_dq_d128", D128_DQ),
+    ("attn_fwd_d128_nodrop", D128_FWD),
+    ("attn_bwd_dkdv_d128_nodrop", D128_DKDV),
+    ("attn_bwd_dq_d128_nodrop", D128_DQ),
 ];
 
 /// Attention forward, backward delta, dK/dV and dQ: the generic build for f32, bf16 and f16,

@@ -168,7 +168,7 @@ impl Bound {
     /// Checks each tensor against its `Param::Tensor` (dtype, rank, contiguity, alignment) and
     /// binds the dimensions it names (the same name, the same size).
     fn tensors(&mut self, spec: &KernelSpec, tensors: &[TensorArg]) -> Result<()> {
-        let name = &self.name;
+        let name = &self.name.clone();
         let tparams: Vec<_> = spec
             .params
             .iter()
@@ -215,9 +215,53 @@ impl Bound {
                     Some(_) => {}
                 }
             }
-            check_layout(name, pname, t)?;
+            let strides: Vec<_> = spec
+                .params
+                .iter()
+                .filter_map(|p| match *p {
+                    Param::Stride(s, tensor, dim) if tensor == *pname => Some((s, dim)),
+                    _ => None,
+                })
+                .collect();
+            if strides.is_empty() {
+                check_layout(name, pname, t)?;
+            } else {
+                self.strides(pname, dims, t, &strides)?;
+            }
         }
         Ok(())
+    }
+
+    /// Binds the strides a strided tensor argument passes (`(parameter, dimension)` each), after
+    /// checking its layout: the last stride 1, every other stride named by a parameter, the
+    /// start aligned.
+    fn strides(
+        &mut self,
+        pname: &str,
+        dims: &[&str],
+        t: &TensorArg,
+        strides: &[(&'static str, &str)],
+    ) -> Result<()> {
+        let name = &self.name;
+        let last = dims.len() - 1;
+        if t.dims[last] > 1 && t.strides[last] != 1 {
+            bail!(
+                "{name}: {pname} must have unit stride along {} (dims {:?}, strides {:?})",
+                dims[last],
+                t.dims,
+                t.strides
+            )
+        }
+        for (i, dim) in dims.iter().enumerate().take(last) {
+            let Some(&(sname, _)) = strides.iter().find(|(_, d)| d == dim) else {
+                bail!("{name}: {pname} has no stride parameter along {dim}")
+            };
+            // a dimension of size 1 is never stepped along: its stride is 0 to the kernel
+            let stride = if t.dims[i] > 1 { t.strides[i] } else { 0 };
+            self.i32_of(sname, stride)?;
+            self.dims.push((sname, stride));
+        }
+        check_aligned(name, pname, t)
     }
 
     /// Binds an Int parameter the grid names (`NB`, the blocks of a multi-tensor launch) to the
@@ -352,6 +396,7 @@ impl Bound {
                     Arg::Tensor(next_tensor - 1)
                 }
                 Param::Dim(pname, d) => Arg::I32(self.i32_of(pname, self.get(d)?)?),
+                Param::Stride(pname, ..) => Arg::I32(self.i32_of(pname, self.get(pname)?)?),
                 Param::Int(pname) => match scalars.next() {
                     Some(Scalar::I32(v)) => Arg::I32(*v),
                     other => bail!("{name}: {pname} needs a Scalar::I32, got {other:?}"),
@@ -386,6 +431,12 @@ fn check_layout(name: &str, pname: &str, t: &TensorArg) -> Result<()> {
             t.strides
         )
     }
+    check_aligned(name, pname, t)
+}
+
+/// Checks that tensor argument `pname` of kernel `name` starts on a [`POINTER_ALIGNMENT`]
+/// boundary.
+fn check_aligned(name: &str, pname: &str, t: &TensorArg) -> Result<()> {
     if !t.offset_bytes.is_multiple_of(POINTER_ALIGNMENT) {
         bail!(
             "{name}: {pname} starts at byte offset {} (mod 16 = {}); the kernel was compiled \

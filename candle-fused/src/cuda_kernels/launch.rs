@@ -103,22 +103,6 @@ impl Output {
         (self.storage, self.shape)
     }
 
-    /// A contiguous copy, of shape `shape`, of the elements of `src` that the strided layout `l`
-    /// walks in row-major order (e.g. the heads of a fused projection as `[B, H, T, D]`): one
-    /// Candle copy kernel.
-    pub(crate) fn copy_of(src: &CudaStorage, l: &Layout, shape: impl Into<Shape>) -> Result<Self> {
-        let shape = shape.into();
-        if shape.elem_count() != l.shape().elem_count() {
-            bail!(
-                "candle-fused: cannot copy {:?} elements into {shape:?}",
-                l.dims()
-            )
-        }
-        let mut out = Self::new(src.device(), shape, src.dtype())?;
-        src.copy_strided_src(&mut out.storage, 0, l)?;
-        Ok(out)
-    }
-
     /// The ordered sum of the rows of this `[P, C]` buffer of partial sums (f32) into a fresh
     /// `[C]` tensor of `dtype`, by the reduction kernel `entry` (no atomics: the same bits on
     /// every run).
@@ -146,6 +130,9 @@ enum Access<'a> {
     Write(&'a mut CudaStorage),
     /// The memory of the earlier tensor argument with this index, again.
     Same(usize),
+    /// The storage of the earlier tensor argument with this index, through the own layout (its
+    /// offset from the storage's start): another part of one output.
+    Alias(usize),
 }
 
 /// One tensor argument of a launch: a storage read or written, and the layout the kernel sees.
@@ -185,6 +172,27 @@ impl<'a> Buf<'a> {
         }
     }
 
+    /// An output buffer written through the strided view `l` of its elements (e.g. the heads
+    /// of a packed `[B, T, 3C]` gradient as `[B, H, T, D]`).
+    pub(crate) fn write_as(o: &'a mut Output, l: Layout) -> Self {
+        Self {
+            access: Access::Write(&mut o.storage),
+            layout: l,
+            bits_as: None,
+        }
+    }
+
+    /// The storage of the tensor argument `index` (an earlier [`Buf::write_as`]) seen through
+    /// `l`, whose start offset counts from the storage's start: a second part of one output
+    /// (dK and dV in one packed gradient).
+    pub(crate) fn alias(index: usize, l: Layout) -> Self {
+        Self {
+            access: Access::Alias(index),
+            layout: l,
+            bits_as: None,
+        }
+    }
+
     /// A storage the kernel reads and overwrites in place (logits turned into their gradient;
     /// the optimizer state an in-place op hands over as `&mut`), as `l` describes it; pass it
     /// again with [`Buf::same_as`] where the kernel takes the output as a separate parameter.
@@ -210,7 +218,7 @@ impl<'a> Buf<'a> {
     /// for a `[B, T, C]` tensor).
     pub(crate) fn view(mut self, dims: &[usize]) -> Result<Self> {
         let shape = Shape::from(dims);
-        if matches!(self.access, Access::Same(_))
+        if matches!(self.access, Access::Same(_) | Access::Alias(_))
             || !self.layout.is_contiguous()
             || shape.elem_count() != self.layout.shape().elem_count()
         {
@@ -246,7 +254,7 @@ impl<'a> Buf<'a> {
         match &self.access {
             Access::Read(s) => Some(s),
             Access::Write(s) => Some(s),
-            Access::Same(_) => None,
+            Access::Same(_) | Access::Alias(_) => None,
         }
     }
 }
@@ -326,7 +334,29 @@ pub(crate) fn launch_first(
     let mut ptrs = Vec::with_capacity(tensors.len());
     let mut guards = Vec::with_capacity(tensors.len());
     let mut checked = Vec::with_capacity(tensors.len());
+    // each argument's storage start (its pointer less its layout's offset)
+    let mut bases = Vec::with_capacity(tensors.len());
     for (i, buf) in tensors.iter_mut().enumerate() {
+        if let Access::Alias(j) = buf.access {
+            let (Some(&base), Some(dtype)) =
+                (bases.get(j), checked.get(j).map(|a: &TensorArg| a.dtype))
+            else {
+                bail!(
+                    "{}: tensor argument {i} aliases {j}, which is not an earlier one",
+                    spec.name()
+                )
+            };
+            let ptr = base + (buf.layout.start_offset() * dtype.size_in_bytes()) as u64;
+            checked.push(TensorArg {
+                dims: buf.layout.dims().to_vec(),
+                strides: buf.layout.stride().to_vec(),
+                dtype,
+                offset_bytes: ptr as usize,
+            });
+            ptrs.push(ptr);
+            bases.push(base);
+            continue;
+        }
         if let Access::Same(j) = buf.access {
             // the same memory: the earlier argument's pointer and its recorded access
             let (Some(&ptr), Some(arg)) = (ptrs.get(j), checked.get(j).cloned()) else {
@@ -337,13 +367,17 @@ pub(crate) fn launch_first(
             };
             ptrs.push(ptr);
             checked.push(arg);
+            bases.push(bases[j]);
             continue;
         }
         let (dims, strides) = (buf.layout.dims().to_vec(), buf.layout.stride().to_vec());
         let Some(dtype) = buf.dtype() else {
             bail!("{}: tensor argument {i} has no storage", spec.name())
         };
+        let start =
+            buf.layout.start_offset() * buf.storage().map_or(0, |s| s.dtype().size_in_bytes());
         let (ptr, guard) = pointer(buf, &stream)?;
+        bases.push(ptr - start as u64);
         checked.push(TensorArg {
             dims,
             strides,

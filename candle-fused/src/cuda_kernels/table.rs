@@ -28,9 +28,14 @@ pub enum Elem {
 /// One parameter of a kernel's `.entry`, in order.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Param {
-    /// A pointer to a contiguous tensor: its name, its dimensions (named; the same name binds
-    /// the same size across parameters) and element type.
+    /// A pointer to a tensor: its name, its dimensions (named; the same name binds the same
+    /// size across parameters) and element type. Contiguous, unless a [`Param::Stride`] names
+    /// it: then any strides with the last one 1, passed to the kernel.
     Tensor(&'static str, &'static [&'static str], Elem),
+    /// An i32 holding a stride (in elements) of a tensor parameter: `(parameter, tensor,
+    /// dimension)`, e.g. `("sqt", "Q", "T")`. The launcher binds it as a dimension of the
+    /// parameter's name, so a [`Rule`] can constrain it (`MultipleOf("sqt", 16)`).
+    Stride(&'static str, &'static str, &'static str),
     /// An i32 holding the bound size of the named dimension: `(parameter, dimension)`.
     Dim(&'static str, &'static str),
     /// An i32 supplied by the caller (a [`Scalar::I32`](super::Scalar::I32), in order).
@@ -43,7 +48,11 @@ impl Param {
     /// The parameter's name in the Triton source.
     pub fn name(&self) -> &'static str {
         match *self {
-            Param::Tensor(n, ..) | Param::Dim(n, _) | Param::Int(n) | Param::Float(n) => n,
+            Param::Tensor(n, ..)
+            | Param::Dim(n, _)
+            | Param::Stride(n, ..)
+            | Param::Int(n)
+            | Param::Float(n) => n,
         }
     }
 
@@ -58,7 +67,7 @@ impl Param {
             Param::Tensor(_, _, Elem::U32) => "*u32".into(),
             Param::Tensor(_, _, Elem::U8) => "*u8".into(),
             Param::Tensor(_, _, Elem::I64) => "*i64".into(),
-            Param::Dim(..) | Param::Int(_) => "i32".into(),
+            Param::Dim(..) | Param::Stride(..) | Param::Int(_) => "i32".into(),
             Param::Float(_) => "fp32".into(),
         }
     }

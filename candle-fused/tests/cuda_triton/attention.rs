@@ -62,6 +62,32 @@ fn layouts(dev: &Device, path: &Path) -> Result<()> {
         path.display()
     );
 
+    // Llama's layout: k and v as their `[B, T, KV, D]` projections seen through a transpose,
+    // read in place (no copy on either side), their gradients in that layout
+    let llama = counted("attention_merged, transposed k and v", &|| {
+        let tr = |x: &Tensor| Var::from_tensor(&x.transpose(1, 2)?.contiguous()?);
+        let (qv, kt, vt) = (Var::from_tensor(&q)?, tr(&k)?, tr(&v)?);
+        let (kv_, vv) = (
+            kt.as_tensor().transpose(1, 2)?,
+            vt.as_tensor().transpose(1, 2)?,
+        );
+        ensure!(kvh == 1 || !vv.is_contiguous(), "v is not a strided view");
+        let y = candle_fused::attention::attention_merged(qv.as_tensor(), &kv_, &vv, &cfg)?;
+        let g = backward_of(&y, &merge(&dout)?)?;
+        let back = |x: &Var| -> Result<Tensor> { Ok(grad(&g, x)?.transpose(1, 2)?.contiguous()?) };
+        Ok(vec![
+            ("o", unmerge(&y, h)?),
+            ("dq", grad(&g, &qv)?),
+            ("dk", back(&kt)?),
+            ("dv", back(&vt)?),
+        ])
+    })?;
+    ensure!(
+        same_bits(&bhtd, &llama)?,
+        "{}: attention_merged on transposed k, v differs from attention",
+        path.display()
+    );
+
     let rep = |x: &Tensor| -> Result<Tensor> {
         Ok(x.unsqueeze(2)?
             .expand((b, kvh, h / kvh, n, d))?

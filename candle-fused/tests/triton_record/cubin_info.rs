@@ -185,7 +185,7 @@ fn expected_params(spec: &KernelSpec) -> Vec<KParam> {
         .iter()
         .map(|p| match p {
             Param::Tensor(..) => 8,
-            Param::Dim(..) | Param::Int(_) | Param::Float(_) => 4,
+            Param::Dim(..) | Param::Stride(..) | Param::Int(_) | Param::Float(_) => 4,
         })
         .chain([8; SCRATCH_PARAMS]);
     let mut offset = 0u32;

@@ -36,6 +36,11 @@ fn attention_launches() -> Result<()> {
         .chain([Null, Null])
         .collect();
     let dims = [I32(6), I32(2), I32(70), I32(64)];
+    // the (B, heads, T) strides of contiguous [B, H, T, D] and [B, KV, T, D] tensors
+    let (sh, skv) = (
+        [I32(6 * 70 * 64), I32(70 * 64), I32(64)],
+        [I32(2 * 70 * 64), I32(70 * 64), I32(64)],
+    );
     for (dt, block) in [
         (DType::F32, BLOCK_F32),
         (DType::BF16, BLOCK_16),
@@ -59,6 +64,7 @@ fn attention_launches() -> Result<()> {
         let want: Vec<Arg> = (0..6)
             .map(T)
             .chain(dims)
+            .chain([sh, skv, skv, sh].concat())
             .chain(cfg_args.iter().copied())
             .collect();
         assert_eq!(l.args, want);
@@ -67,7 +73,13 @@ fn attention_launches() -> Result<()> {
         let delta = find("attn_bwd_delta", dt).unwrap();
         let l = check_launch(delta, &[qo.clone(), qo.clone(), stat.clone()], &[])?;
         assert_eq!((l.grid, l.block), ([2, 12, 1], [128, 1, 1]));
-        assert_eq!(l.args, [T(0), T(1), T(2), I32(70), I32(64), Null, Null]);
+        let want = [
+            &[T(0), T(1), T(2), I32(6), I32(70), I32(64)][..],
+            &sh,
+            &sh,
+            &[Null, Null],
+        ];
+        assert_eq!(l.args, want.concat());
 
         let dkdv = find("attn_bwd_dkdv", dt).unwrap();
         let bwd_in = [
@@ -83,8 +95,9 @@ fn attention_launches() -> Result<()> {
         args.extend([kvt.clone(), kvt.clone()]);
         let l = check_launch(dkdv, &args, &cfg)?;
         assert_eq!((l.grid, l.block), ([programs, 4, 1], [256, 1, 1]));
-        assert_eq!(l.args.len(), 9 + 4 + 11 + 2);
+        assert_eq!(l.args.len(), 9 + 4 + 18 + 11 + 2);
         assert_eq!(&l.args[9..13], &dims);
+        assert_eq!(l.args[13..31], [sh, skv, skv, sh, skv, skv].concat());
 
         let dq = find("attn_bwd_dq", dt).unwrap();
         let mut args = bwd_in.to_vec();
@@ -92,6 +105,7 @@ fn attention_launches() -> Result<()> {
         let l = check_launch(dq, &args, &cfg)?;
         assert_eq!((l.grid, l.block), ([programs, 12, 1], [256, 1, 1]));
         assert_eq!(l.args[8..12], dims);
+        assert_eq!(l.args[12..27], [sh, skv, skv, sh, sh].concat());
     }
     // what the kernels do not cover, or a wrong layout
     let dt = DType::BF16;
@@ -324,5 +338,80 @@ fn attention_vectors_cover_every_build() -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// `[B, heads, T, D]` views of `[B, T, W]` rows whose heads start at column `col` (GPT-2's
+/// packed projection, merged outputs), `offset` elements into an aligned buffer.
+fn rows(b: usize, heads: usize, n: usize, d: usize, w: usize, col: usize, dt: DType) -> TensorArg {
+    TensorArg {
+        dims: vec![b, heads, n, d],
+        strides: vec![n * w, d, w, 1],
+        dtype: dt,
+        offset_bytes: col * dt.size_in_bytes(),
+    }
+}
+
+/// The kernels read q, k, v in place from a packed `[B, T, 3C]` projection and write the
+/// output as `[B, T, C]` rows: the strides reach the kernel as its `s*` arguments, the
+/// head-size builds take them when every stride is a multiple of 16, the generic build
+/// otherwise; a non-unit last stride or a misaligned start is refused with its name.
+#[test]
+fn attention_reads_and_writes_rows_in_place() -> Result<()> {
+    use candle_fused::cuda_kernels::attention::builds;
+    use candle_fused::cuda_kernels::check_variants;
+    use Arg::{Tensor as T, I32};
+    let (b, h, n, d, dt) = (2usize, 12usize, 70usize, 64usize, DType::BF16);
+    let c = h * d;
+    let fwd = |w: usize, cols: [usize; 3]| {
+        vec![
+            rows(b, h, n, d, w, cols[0], dt),
+            rows(b, h, n, d, w, cols[1], dt),
+            rows(b, h, n, d, w, cols[2], dt),
+            t(&[b, n], DType::I32),
+            rows(b, h, n, d, c, 0, dt),
+            t(&[b, h, n], DType::F32),
+        ]
+    };
+    let cfg = attn_cfg();
+    let (spec, l) = check_variants(&builds(true).fwd, dt, &fwd(3 * c, [0, c, 2 * c]), &cfg)?;
+    assert_eq!(spec.entry, "attn_fwd_d64");
+    let packed = [I32((n * 3 * c) as i32), I32(d as i32), I32(3 * c as i32)];
+    let merged = [I32((n * c) as i32), I32(d as i32), I32(c as i32)];
+    let want = [
+        &(0..6).map(T).collect::<Vec<_>>()[..],
+        &[I32(12), I32(12), I32(70), I32(64)],
+    ];
+    assert_eq!(l.args[..10], want.concat());
+    assert_eq!(l.args[10..22], [packed, packed, packed, merged].concat());
+    // a row stride that is not a multiple of 16: the generic build, strides passed as they are
+    let (spec, l) = check_variants(&builds(true).fwd, dt, &fwd(3 * c + 8, [0, c, 2 * c]), &cfg)?;
+    assert_eq!(spec.entry, "attn_fwd");
+    assert_eq!(l.args[12], I32(3 * c as i32 + 8));
+    // q, k, v must have unit stride along D
+    let spec = find("attn_fwd", dt).unwrap();
+    let mut args = fwd(3 * c, [0, c, 2 * c]);
+    args[1].strides[3] = 2;
+    let e = check_launch(spec, &args, &cfg).unwrap_err().to_string();
+    assert!(e.contains("K must have unit stride along D"), "{e}");
+    // a head starting 8 bytes into the buffer is not 16-byte aligned
+    let e = check_launch(spec, &fwd(3 * c, [0, c + 4, 2 * c]), &cfg)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("K starts at byte offset"), "{e}");
+    // the packed gradient: dK and dV written as views of one [B, T, 3C] buffer
+    let dkdv = find("attn_bwd_dkdv_d64", dt).unwrap();
+    let mut args = fwd(3 * c, [0, c, 2 * c])[..4].to_vec();
+    args.extend([rows(b, h, n, d, c, 0, dt), t(&[b, h, n], DType::F32)]);
+    args.push(t(&[b, h, n], DType::F32));
+    args.extend([
+        rows(b, h, n, d, 3 * c, c, dt),
+        rows(b, h, n, d, 3 * c, 2 * c, dt),
+    ]);
+    let l = check_launch(dkdv, &args, &cfg)?;
+    assert_eq!(
+        l.args[13..31],
+        [packed, packed, packed, merged, packed, packed].concat()
+    );
     Ok(())
 }

@@ -206,6 +206,8 @@ fn metadata_matches_the_launcher_table() -> Result<()> {
             let dim_of = |name: &str| {
                 spec.params.iter().find_map(|p| match *p {
                     Param::Dim(n, d) if n == name => Some(d),
+                    // a stride is bound under its parameter's name
+                    Param::Stride(n, ..) if n == name => Some(n),
                     _ => None,
                 })
             };
@@ -250,7 +252,7 @@ fn metadata_matches_the_launcher_table() -> Result<()> {
                 let decl = m.as_str().unwrap_or("");
                 let want = match p {
                     Param::Tensor(..) => ".u64 .ptr",
-                    Param::Dim(..) | Param::Int(_) => ".u32",
+                    Param::Dim(..) | Param::Stride(..) | Param::Int(_) => ".u32",
                     Param::Float(_) => ".f32",
                 };
                 ensure!(decl.starts_with(want), ctx(&format!(".entry param {decl}")));
