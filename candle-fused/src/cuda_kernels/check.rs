@@ -24,15 +24,6 @@ const SHARED_WITHOUT_OPT_IN: u64 = 48 * 1024;
 /// * `Ok(None)`: the total fits in 48 KiB, no opt-in;
 /// * `Ok(Some(dynamic_bytes))`: above 48 KiB, opt in to that much dynamic shared memory;
 /// * an error: the total is over the device's opt-in limit (the launch would be refused).
-///
-/// ```
-/// use candle_fused::cuda_kernels::shared_memory_opt_in as rule;
-/// const H100: u32 = 227 * 1024;
-/// assert_eq!(rule(1024, 48 * 1024, H100)?, Some(48 * 1024)); // 49 KiB in all
-/// assert_eq!(rule(0, 48 * 1024, H100)?, None);
-/// assert!(rule(1024, H100, H100).is_err());
-/// # Ok::<(), candle_core::Error>(())
-/// ```
 #[doc(hidden)]
 pub fn shared_memory_opt_in(
     static_bytes: u32,
@@ -402,27 +393,6 @@ fn check_layout(name: &str, pname: &str, t: &TensorArg) -> Result<()> {
 /// `dtype` whose launch [`check_launch`] accepts, with that launch; when none does, an error
 /// with each candidate's reason. Entries not compiled for `dtype` are skipped (f32 has fewer
 /// builds). This is how a launcher picks a variant: by the table's rules, not by hand.
-///
-/// ```
-/// use candle_core::DType;
-/// use candle_fused::cuda_kernels::{check_variants, Scalar, TensorArg};
-/// let delta = ["attn_bwd_delta_d64", "attn_bwd_delta_d128", "attn_bwd_delta"];
-/// let pick = |d: usize, dt: DType| {
-///     let (qo, stat) = ([2, 6, 70, d], [2, 6, 70]);
-///     let args = [
-///         TensorArg::contiguous(&qo, dt, 0),
-///         TensorArg::contiguous(&qo, dt, 0),
-///         TensorArg::contiguous(&stat, DType::F32, 0),
-///     ];
-///     check_variants(&delta, dt, &args, &[]).map(|(spec, _)| spec.entry)
-/// };
-/// assert_eq!(pick(64, DType::BF16)?, "attn_bwd_delta_d64");
-/// assert_eq!(pick(96, DType::BF16)?, "attn_bwd_delta_d128");
-/// assert_eq!(pick(72, DType::BF16)?, "attn_bwd_delta"); // not a multiple of 16
-/// assert_eq!(pick(64, DType::F32)?, "attn_bwd_delta"); // no f32 head-size builds
-/// assert!(pick(256, DType::BF16).is_err()); // over every tile
-/// # Ok::<(), candle_core::Error>(())
-/// ```
 pub fn check_variants(
     entries: &[&str],
     dtype: DType,

@@ -23,7 +23,7 @@ fn attn_cfg() -> Vec<Scalar> {
 
 #[test]
 fn attention_launches() -> Result<()> {
-    use candle_fused::cuda_kernels::attention::{BLOCK_16, BLOCK_F32};
+    use crate::cuda_kernels::attention::{BLOCK_16, BLOCK_F32};
     use Arg::{Null, Tensor as T, F32, I32};
     let (b, h, kv, n, d) = (2usize, 6usize, 2usize, 70usize, 64usize);
     let cfg = attn_cfg();
@@ -178,8 +178,8 @@ fn bwd_args(d: usize, dt: DType, dkdv: bool) -> Vec<TensorArg> {
 
 #[test]
 fn attention_builds_are_chosen_by_the_rules() -> Result<()> {
-    use candle_fused::cuda_kernels::attention::builds;
-    use candle_fused::cuda_kernels::check_variants;
+    use crate::cuda_kernels::attention::builds;
+    use crate::cuda_kernels::check_variants;
     let cfg = attn_cfg();
     let entry = |e: &[&str], args: &[TensorArg], dt, s: &[Scalar]| {
         check_variants(e, dt, args, s).map(|(spec, _)| spec.entry)
@@ -251,7 +251,7 @@ fn attention_builds_are_chosen_by_the_rules() -> Result<()> {
 /// and the builds without dropout are compiled without it.
 #[test]
 fn attention_dropout_builds_match_their_constexpr() -> Result<()> {
-    use candle_fused::cuda_kernels::attention::builds;
+    use crate::cuda_kernels::attention::builds;
     let dir = crate_dir().join("kernels");
     for dropout in [false, true] {
         let b = builds(dropout);
@@ -285,8 +285,8 @@ fn attention_dropout_builds_match_their_constexpr() -> Result<()> {
 /// interpreter check (and a GPU session's `cuda_triton`) covers each of them.
 #[test]
 fn attention_vectors_cover_every_build() -> Result<()> {
-    use candle_fused::cuda_kernels::attention::builds;
-    use candle_fused::cuda_kernels::check_variants;
+    use crate::cuda_kernels::attention::builds;
+    use crate::cuda_kernels::check_variants;
     let dir = crate_dir().join("triton/vectors");
     let mut seen = Vec::new();
     for e in std::fs::read_dir(&dir)? {

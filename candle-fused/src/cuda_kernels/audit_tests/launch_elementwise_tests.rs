@@ -2,9 +2,9 @@
 //! block and the full argument list of valid launches, and the errors of invalid ones.
 
 use super::t;
+use crate::cuda_kernels::{check_launch, find, Arg, Scalar};
 use anyhow::Result;
 use candle_core::DType;
-use candle_fused::cuda_kernels::{check_launch, find, Arg, Scalar};
 
 #[test]
 fn gated_launches() -> Result<()> {
@@ -75,7 +75,7 @@ fn gated_launch(fwd_entry: &str, bwd_entry: &str) -> Result<()> {
 
 #[test]
 fn gelu_launches() -> Result<()> {
-    use candle_fused::cuda_kernels::gelu::ROWS_PER_PROGRAM;
+    use crate::cuda_kernels::gelu::ROWS_PER_PROGRAM;
     use Arg::{Null, Tensor as T, I32};
     let (n, c) = (37usize, 300usize);
     let e = n * c;
@@ -150,8 +150,8 @@ fn gelu_launches() -> Result<()> {
 
 #[test]
 fn dropout_launches() -> Result<()> {
-    use candle_fused::cuda_kernels::dropout::{scalars, words};
-    use candle_fused::RngKey;
+    use crate::cuda_kernels::dropout::{scalars, words};
+    use crate::RngKey;
     use Arg::{Null, Tensor as T, F32, I32};
     let e = 4773;
     let key = RngKey::new(0xDEAD_BEEF_1234_5678, 0x1_0000_0003).with_offset((5 << 32) + 7);
@@ -214,8 +214,8 @@ fn dropout_launches() -> Result<()> {
 
 #[test]
 fn adamw_launches() -> Result<()> {
-    use candle_fused::adamw::AdamWStep;
-    use candle_fused::cuda_kernels::adamw::{scalars, SUMSQ_BLOCK};
+    use crate::adamw::AdamWStep;
+    use crate::cuda_kernels::adamw::{scalars, SUMSQ_BLOCK};
     use Arg::{Null, Tensor as T, F32, I32};
     let e = 3001usize;
     let step = AdamWStep {
@@ -282,8 +282,8 @@ fn adamw_launches() -> Result<()> {
 
 #[test]
 fn adamw_multi_launches() -> Result<()> {
-    use candle_fused::adamw::AdamWStep;
-    use candle_fused::cuda_kernels::adamw::scalars;
+    use crate::adamw::AdamWStep;
+    use crate::cuda_kernels::adamw::scalars;
     use Arg::{Null, Tensor as T, F32, I32};
     let s = scalars(&AdamWStep {
         step: 3,

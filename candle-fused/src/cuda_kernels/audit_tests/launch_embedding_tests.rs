@@ -2,9 +2,9 @@
 //! block), block and the full argument list, and the errors of invalid launches.
 
 use super::t;
+use crate::cuda_kernels::{check_launch, find, Arg};
 use anyhow::Result;
 use candle_core::DType;
-use candle_fused::cuda_kernels::{check_launch, find, Arg};
 
 #[test]
 fn embedding_launches() -> Result<()> {

@@ -9,12 +9,12 @@
 //! * the families' public block sizes, which the launchers use to size partial buffers, are
 //!   the constexprs of the kernels they describe.
 
-use anyhow::{anyhow, ensure, Result};
-use candle_core::DType;
-use candle_fused::cuda_kernels::{
+use crate::cuda_kernels::{
     adamw, attention, cross_entropy, dropout, embedding, find, gelu, kernels, layer_norm, nf4,
     rms_norm, rope, swiglu, KernelSpec, Rule,
 };
+use anyhow::{anyhow, ensure, Result};
+use candle_core::DType;
 
 /// Every `AtMost(d, n)` rule of `spec` is its compiled tile: the constexpr `BLOCK_<d>` is `n`.
 pub(crate) fn tile_rules_hold(spec: &KernelSpec) -> Result<()> {

@@ -3,9 +3,9 @@
 //! errors of invalid launches.
 
 use super::t;
+use crate::cuda_kernels::{check_launch, find, Arg, Scalar};
 use anyhow::Result;
 use candle_core::DType;
-use candle_fused::cuda_kernels::{check_launch, find, Arg, Scalar};
 
 #[test]
 fn nf4_launches() -> Result<()> {
