@@ -24,7 +24,8 @@
 
 use crate::cuda_kernels::{
     check_launch, cross_entropy, describe_grid, dtype_suffix, find, kernels, layer_norm, rms_norm,
-    Arg, Param, Rule, Scalar, TensorArg, ARCHS, FAMILIES, POINTER_ALIGNMENT, SCRATCH_PARAMS,
+    Arg, KernelSpec, Param, Rule, Scalar, TensorArg, ARCHS, FAMILIES, POINTER_ALIGNMENT,
+    SCRATCH_PARAMS,
 };
 use anyhow::{anyhow, ensure, Context, Result};
 use candle_core::DType;
@@ -299,6 +300,28 @@ pub(crate) fn t(dims: &[usize], dtype: DType) -> TensorArg {
 }
 
 pub(crate) const EPS: &[Scalar] = &[Scalar::F32(1e-5)];
+
+/// The `.entry` arguments of a launch: tensors `0..tensors` in order, then `rest`, then the
+/// two scratch pointers.
+pub(crate) fn args_of(tensors: usize, rest: &[Arg]) -> Vec<Arg> {
+    (0..tensors)
+        .map(Arg::Tensor)
+        .chain(rest.iter().copied())
+        .chain([Arg::Null, Arg::Null])
+        .collect()
+}
+
+/// Asserts that `check_launch` refuses the launch with an error that says `what`.
+pub(crate) fn refuses(spec: &KernelSpec, tensors: &[TensorArg], scalars: &[Scalar], what: &str) {
+    match check_launch(spec, tensors, scalars) {
+        Ok(l) => panic!(
+            "{}: accepted a launch to refuse ({what}): {:?}",
+            spec.name(),
+            l.args
+        ),
+        Err(e) => assert!(e.to_string().contains(what), "{}: {e}", spec.name()),
+    }
+}
 
 mod cubin_elf_tests;
 mod cubin_info_tests;

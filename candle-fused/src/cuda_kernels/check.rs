@@ -1,10 +1,9 @@
 //! The launch contract checked on the host: [`check_launch`] turns a kernel's table entry
 //! ([`KernelSpec`]) and the caller's tensors and scalars into the grid, block, shared memory and
-//! argument list (or an error naming what does not fit), [`check_variants`] picks the first of
+//! argument list (or an error naming what does not fit), `check_variants` (in `mod.rs`) picks the first of
 //! several builds that takes a launch, and [`shared_memory_opt_in`] is the launcher's
-//! shared-memory rule. Pure functions: tested on the CPU (`tests/triton_record/`).
+//! shared-memory rule. Pure functions: tested on the CPU (`audit_tests`).
 
-use super::find;
 use super::table::{
     Elem, Extent, KernelSpec, Param, Rule, MAX_GRID_YZ, POINTER_ALIGNMENT, SCRATCH_PARAMS,
 };
@@ -387,30 +386,6 @@ fn check_layout(name: &str, pname: &str, t: &TensorArg) -> Result<()> {
         )
     }
     Ok(())
-}
-
-/// The first of `entries` (the builds of one kernel, most specialised first) compiled for
-/// `dtype` whose launch [`check_launch`] accepts, with that launch; when none does, an error
-/// with each candidate's reason. Entries not compiled for `dtype` are skipped (f32 has fewer
-/// builds). This is how a launcher picks a variant: by the table's rules, not by hand.
-pub fn check_variants(
-    entries: &[&str],
-    dtype: DType,
-    tensors: &[TensorArg],
-    scalars: &[Scalar],
-) -> Result<(&'static KernelSpec, Launch)> {
-    let mut refused = Vec::new();
-    for spec in entries.iter().filter_map(|e| find(e, dtype)) {
-        match check_launch(spec, tensors, scalars) {
-            Ok(launch) => return Ok((spec, launch)),
-            Err(e) => refused.push(e.to_string()),
-        }
-    }
-    match refused.as_slice() {
-        [] => bail!("no Triton kernel among {entries:?} for {dtype:?}"),
-        [one] => bail!("{one}"),
-        all => bail!("no build takes this launch: {}", all.join("; ")),
-    }
 }
 
 #[cfg(test)]

@@ -34,9 +34,10 @@
 //! kernel's own parameters, then two scratch pointers (global, profile) that these kernels do
 //! not use: `Arg::Null`.
 
-// The launch contracts are read by the CUDA launchers; built without the `cuda` feature, only
-// the audit tests read them.
-#![cfg_attr(not(feature = "cuda"), allow(dead_code, unused_imports))]
+// The launch contracts are read by the CUDA launchers (`cuda` feature) and by the audit tests,
+// some block sizes and table accessors by the audit alone: only a build with both sees every
+// reader, so only that one reports dead code here.
+#![cfg_attr(not(all(feature = "cuda", test)), allow(dead_code))]
 
 pub(crate) mod adamw;
 pub(crate) mod attention;
@@ -73,15 +74,15 @@ pub use switch::{
 };
 pub(crate) use switch::{triton_flat, triton_for, triton_input};
 
-pub(crate) use check::{
-    check_launch, check_variants, shared_memory_opt_in, Arg, Launch, Scalar, TensorArg,
-};
+// read by the launchers (`cuda` feature) and the audit tests: see the `allow(dead_code)` above
+#[cfg_attr(not(all(feature = "cuda", test)), allow(unused_imports))]
+pub(crate) use check::{check_launch, shared_memory_opt_in, Arg, Launch, Scalar, TensorArg};
+#[cfg_attr(not(all(feature = "cuda", test)), allow(unused_imports))]
 pub(crate) use table::{
-    describe_grid, dtype_suffix, Elem, Extent, KernelSpec, Param, Rule, ARCHS, POINTER_ALIGNMENT,
-    SCRATCH_PARAMS,
+    describe_grid, dtype_suffix, KernelSpec, Param, Rule, ARCHS, POINTER_ALIGNMENT, SCRATCH_PARAMS,
 };
 
-use candle_core::DType;
+use candle_core::{bail, DType, Result};
 
 /// The launch tables of every kernel family (one Triton source file each).
 pub(crate) const FAMILIES: &[(&str, &[KernelSpec])] = &[
@@ -106,4 +107,28 @@ pub(crate) fn kernels() -> impl Iterator<Item = &'static KernelSpec> {
 /// The kernel `entry` for `dtype`, if compiled.
 pub(crate) fn find(entry: &str, dtype: DType) -> Option<&'static KernelSpec> {
     kernels().find(|k| k.entry == entry && k.dtype == dtype)
+}
+
+/// The first of `entries` (the builds of one kernel, most specialised first) compiled for
+/// `dtype` whose launch [`check_launch`] accepts, with that launch; when none does, an error
+/// with each candidate's reason. Entries not compiled for `dtype` are skipped (f32 has fewer
+/// builds). This is how a launcher picks a variant: by the table's rules, not by hand.
+pub(crate) fn check_variants(
+    entries: &[&str],
+    dtype: DType,
+    tensors: &[TensorArg],
+    scalars: &[Scalar],
+) -> Result<(&'static KernelSpec, Launch)> {
+    let mut refused = Vec::new();
+    for spec in entries.iter().filter_map(|e| find(e, dtype)) {
+        match check_launch(spec, tensors, scalars) {
+            Ok(launch) => return Ok((spec, launch)),
+            Err(e) => refused.push(e.to_string()),
+        }
+    }
+    match refused.as_slice() {
+        [] => bail!("no Triton kernel among {entries:?} for {dtype:?}"),
+        [one] => bail!("{one}"),
+        all => bail!("no build takes this launch: {}", all.join("; ")),
+    }
 }

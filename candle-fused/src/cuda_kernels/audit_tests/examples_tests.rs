@@ -116,17 +116,12 @@ fn variants_pick_the_head_size_build() -> Result<()> {
 
 #[test]
 fn adamw_scalars() -> Result<()> {
-    let s = adamw::scalars(&AdamWStep {
-        step: 1,
-        ..Default::default()
-    })?;
+    let mut step = AdamWStep::default(); // PyTorch's defaults, step 1
+    let s = adamw::scalars(&step)?;
     assert_eq!(s[0], Scalar::F32(1.0)); // grad scale
     assert_eq!(s[6], Scalar::F32((1e-3 / (1.0 - 0.9f64)) as f32)); // lr / bc1
-    assert!(adamw::scalars(&AdamWStep {
-        step: 0,
-        ..Default::default()
-    })
-    .is_err());
+    step.step = 0; // 1-based
+    assert!(adamw::scalars(&step).is_err());
     Ok(())
 }
 

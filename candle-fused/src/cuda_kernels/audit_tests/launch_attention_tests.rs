@@ -46,14 +46,7 @@ fn attention_launches() -> Result<()> {
         let programs = n.div_ceil(block) as u32;
 
         let fwd = find("attn_fwd", dt).unwrap();
-        let args = [
-            qo.clone(),
-            kvt.clone(),
-            kvt.clone(),
-            doc.clone(),
-            qo.clone(),
-            stat.clone(),
-        ];
+        let args = [&qo, &kvt, &kvt, &doc, &qo, &stat].map(Clone::clone);
         let l = check_launch(fwd, &args, &cfg)?;
         assert_eq!((l.grid, l.block), ([programs, 12, 1], [128, 1, 1]));
         let want: Vec<Arg> = (0..6)
@@ -70,15 +63,7 @@ fn attention_launches() -> Result<()> {
         assert_eq!(l.args, [T(0), T(1), T(2), I32(70), I32(64), Null, Null]);
 
         let dkdv = find("attn_bwd_dkdv", dt).unwrap();
-        let bwd_in = [
-            qo.clone(),
-            kvt.clone(),
-            kvt.clone(),
-            doc.clone(),
-            qo.clone(),
-            stat.clone(),
-            stat.clone(),
-        ];
+        let bwd_in = [&qo, &kvt, &kvt, &doc, &qo, &stat, &stat].map(Clone::clone);
         let mut args = bwd_in.to_vec();
         args.extend([kvt.clone(), kvt.clone()]);
         let l = check_launch(dkdv, &args, &cfg)?;
@@ -107,34 +92,38 @@ fn attention_launches() -> Result<()> {
         ]
     };
     check_launch(fwd, &args(6, 2, n, 128, DType::I32), &cfg)?;
-    let e = check_launch(fwd, &args(6, 2, n, 129, DType::I32), &cfg)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("D = 129 exceeds 128"), "{e}");
-    let e = check_launch(fwd, &args(6, 4, n, d, DType::I32), &cfg)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("KV = 4 must divide H = 6"), "{e}");
-    let e = check_launch(fwd, &args(6, 2, n + 1, d, DType::I32), &cfg)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("K has T = 71, an earlier argument 70"), "{e}");
-    let e = check_launch(fwd, &args(6, 2, n, d, DType::U32), &cfg)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("DOC must be I32"), "{e}");
-    let e = check_launch(fwd, &args(6, 2, n, d, DType::I32), &cfg[..10])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("off_hi needs a Scalar::I32"), "{e}");
+    refuses(
+        fwd,
+        &args(6, 2, n, 129, DType::I32),
+        &cfg,
+        "D = 129 exceeds 128",
+    );
+    refuses(
+        fwd,
+        &args(6, 4, n, d, DType::I32),
+        &cfg,
+        "KV = 4 must divide H = 6",
+    );
+    refuses(
+        fwd,
+        &args(6, 2, n + 1, d, DType::I32),
+        &cfg,
+        "K has T = 71, an earlier argument 70",
+    );
+    refuses(fwd, &args(6, 2, n, d, DType::U32), &cfg, "DOC must be I32");
+    refuses(
+        fwd,
+        &args(6, 2, n, d, DType::I32),
+        &cfg[..10],
+        "off_hi needs a Scalar::I32",
+    );
     // B*H programs along y: at most CUDA's 65535 (B = 2, H = 32770: 65540)
     check_launch(fwd, &args(32766, 2, n, d, DType::I32), &cfg)?;
-    let e = check_launch(fwd, &args(32770, 2, n, d, DType::I32), &cfg)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("grid B*H = 65540 exceeds CUDA's 65535 along y"),
-        "{e}"
+    refuses(
+        fwd,
+        &args(32770, 2, n, d, DType::I32),
+        &cfg,
+        "grid B*H = 65540 exceeds CUDA's 65535 along y",
     );
     Ok(())
 }
