@@ -74,60 +74,40 @@ fn every_tile_rule_is_its_compiled_tile() -> Result<()> {
 
 #[test]
 fn public_block_sizes_are_the_compiled_constexprs() -> Result<()> {
-    // (constexpr, [(entry, the family's public constant)]), for every dtype of the entry
-    let any_dtype: &[(&str, &[(&str, usize)])] = &[
-        ("BLOCK_D", &[("attn_fwd", attention::BLOCK_D)]),
-        ("BLOCK_M", &[("attn_bwd_delta", attention::DELTA_BLOCK_M)]),
-        (
-            "BLOCK_C",
-            &[
-                ("rms_norm_fwd", rms_norm::BLOCK_C),
-                ("rms_norm_bwd_dw", rms_norm::DW_BLOCK_C),
-                ("layer_norm_fwd", layer_norm::BLOCK_C),
-                ("layer_norm_bwd_reduce", layer_norm::REDUCE_BLOCK_C),
-                ("bias_gelu_fwd", gelu::BLOCK_C),
-                ("bias_gelu_bwd_db", gelu::DB_BLOCK_C),
-                ("embedding_bwd", embedding::BLOCK_C),
-            ],
-        ),
-        (
-            "ROWS_PER_PROGRAM",
-            &[
-                ("rms_norm_bwd_dx", rms_norm::ROWS_PER_PROGRAM),
-                ("layer_norm_bwd_dx", layer_norm::ROWS_PER_PROGRAM),
-                ("bias_gelu_bwd_dx", gelu::ROWS_PER_PROGRAM),
-            ],
-        ),
-        ("BLOCK_V", &[("ce_fwd_bwd", cross_entropy::BLOCK_V)]),
-        ("BLOCK_R", &[("bias_gelu_fwd", gelu::FWD_BLOCK_R)]),
-        (
-            "BLOCK",
-            &[
-                ("rope_fwd", rope::BLOCK),
-                ("swiglu_fwd", swiglu::BLOCK),
-                ("gelu_fwd", gelu::BLOCK),
-                ("geglu_fwd", gelu::BLOCK),
-                ("geglu_bwd", gelu::BLOCK),
-                ("dropout", dropout::BLOCK),
-                ("adamw_update", adamw::BLOCK),
-                ("sumsq_partial", adamw::SUMSQ_BLOCK),
-                ("adamw_update_multi", adamw::BLOCK),
-                ("sumsq_partial_multi", adamw::SUMSQ_BLOCK),
-                ("nf4_dequant", nf4::BLOCK),
-                ("nf4_dequant_nested", nf4::BLOCK),
-            ],
-        ),
+    // (entry, only this dtype, constexpr, the family's public constant): one row a line
+    #[rustfmt::skip]
+    let all: &[(&str, Option<DType>, &str, usize)] = &[
+        ("attn_fwd", None, "BLOCK_D", attention::BLOCK_D),
+        ("attn_fwd", Some(DType::F32), "BLOCK_M", attention::BLOCK_F32),
+        ("attn_fwd", Some(DType::BF16), "BLOCK_M", attention::BLOCK_16),
+        ("attn_fwd", Some(DType::F16), "BLOCK_N", attention::BLOCK_16),
+        ("attn_bwd_delta", None, "BLOCK_M", attention::DELTA_BLOCK_M),
+        ("rms_norm_fwd", None, "BLOCK_C", rms_norm::BLOCK_C),
+        ("rms_norm_bwd_dx", None, "ROWS_PER_PROGRAM", rms_norm::ROWS_PER_PROGRAM),
+        ("rms_norm_bwd_dw", None, "BLOCK_C", rms_norm::DW_BLOCK_C),
+        ("layer_norm_fwd", None, "BLOCK_C", layer_norm::BLOCK_C),
+        ("layer_norm_bwd_dx", None, "ROWS_PER_PROGRAM", layer_norm::ROWS_PER_PROGRAM),
+        ("layer_norm_bwd_reduce", None, "BLOCK_C", layer_norm::REDUCE_BLOCK_C),
+        ("rope_fwd", None, "BLOCK", rope::BLOCK),
+        ("ce_fwd_bwd", None, "BLOCK_V", cross_entropy::BLOCK_V),
+        ("swiglu_fwd", None, "BLOCK", swiglu::BLOCK),
+        ("gelu_fwd", None, "BLOCK", gelu::BLOCK),
+        ("geglu_fwd", None, "BLOCK", gelu::BLOCK),
+        ("geglu_bwd", None, "BLOCK", gelu::BLOCK),
+        ("bias_gelu_fwd", None, "BLOCK_R", gelu::FWD_BLOCK_R),
+        ("bias_gelu_fwd", None, "BLOCK_C", gelu::BLOCK_C),
+        ("bias_gelu_bwd_dx", None, "ROWS_PER_PROGRAM", gelu::ROWS_PER_PROGRAM),
+        ("bias_gelu_bwd_db", None, "BLOCK_C", gelu::DB_BLOCK_C),
+        ("dropout", None, "BLOCK", dropout::BLOCK),
+        ("adamw_update", None, "BLOCK", adamw::BLOCK),
+        ("sumsq_partial", None, "BLOCK", adamw::SUMSQ_BLOCK),
+        ("adamw_update_multi", None, "BLOCK", adamw::BLOCK),
+        ("sumsq_partial_multi", None, "BLOCK", adamw::SUMSQ_BLOCK),
+        ("embedding_bwd", None, "BLOCK_C", embedding::BLOCK_C),
+        ("nf4_dequant", None, "BLOCK", nf4::BLOCK),
+        ("nf4_dequant_nested", None, "BLOCK", nf4::BLOCK),
     ];
-    // attention's row tile: one per dtype
-    let per_dtype = [
-        (DType::F32, "BLOCK_M", attention::BLOCK_F32),
-        (DType::BF16, "BLOCK_M", attention::BLOCK_16),
-        (DType::F16, "BLOCK_N", attention::BLOCK_16),
-    ];
-    let all = (any_dtype.iter())
-        .flat_map(|&(key, rows)| rows.iter().map(move |&(entry, v)| (entry, None, key, v)))
-        .chain(per_dtype.map(|(dt, key, v)| ("attn_fwd", Some(dt), key, v)));
-    for (entry, dtype, key, value) in all {
+    for &(entry, dtype, key, value) in all {
         let specs: Vec<_> = kernels()
             .filter(|k| k.entry == entry && dtype.is_none_or(|d| d == k.dtype))
             .collect();
