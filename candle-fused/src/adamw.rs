@@ -127,6 +127,7 @@ impl AdamWStep {
     /// The f32 constants the in-place kernel applies to every element, rounded as here (for a
     /// device kernel, `cuda_kernels::adamw::scalars`): grad scale, b1, 1 - b1, b2, 1 - b2,
     /// `1 - lr wd`, `lr / bc1`, `1 / bc2`, eps.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the CUDA launcher
     pub(crate) fn kernel_scalars(&self) -> Result<[f32; 9]> {
         let c = self.coeffs(&self.check()?);
         Ok([

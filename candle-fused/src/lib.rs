@@ -30,10 +30,10 @@
 //!   back to the host;
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
 //! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync;
-//! * [`cuda_kernels`]: the launch contracts of the ahead-of-time compiled Triton kernels
-//!   (`kernels/*.cubin`), the check run before every launch, and (`cuda` feature) their
-//!   launcher, on by default on compute capability 8.x and 9.0 (off with
-//!   [`cuda_kernels::set_triton`]`(false)` / `CANDLE_FUSED_TRITON=0`).
+//! * [`cuda_kernels`]: the switch of the ahead-of-time compiled Triton kernels
+//!   (`kernels/*.cubin`, launched with the `cuda` feature after a launch check), on by default
+//!   on compute capability 8.x and 9.0 (off with [`cuda_kernels::set_triton`]`(false)` /
+//!   `CANDLE_FUSED_TRITON=0`), and the list of those not yet proven on a GPU.
 //!
 //! # Each op and its reference
 //!

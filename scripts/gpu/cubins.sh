@@ -40,7 +40,7 @@ export TRITON_PTXAS_PATH=$PTXAS TRITON_PTXAS_BLACKWELL_PATH=$PTXAS
 cd "$ROOT"
 "$VENV/bin/python" scripts/python/triton_compile.py "$@"
 # then the SASS record of every cubin (registers, spills, load widths, sha256), which
-# `cargo test` (tests/triton_record/cubin_info.rs) holds to the cubins
+# `cargo test` (src/cuda_kernels/audit_tests/cubin_info_tests.rs) holds to the cubins
 if [[ " $* " == *" --check "* ]]; then
   exec "$VENV/bin/python" scripts/python/cubin_record.py --check
 fi

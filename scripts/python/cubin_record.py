@@ -8,7 +8,7 @@ committed record differs from a fresh one.)
 
 For every `candle-fused/kernels/<entry>.<dtype>.sm<NN>.cubin` it writes, into
 `candle-fused/triton/records/sass.json`: the cubin's sha256 (so `cargo test`, which cannot run
-cuobjdump, fails when a cubin changed after its record: `tests/triton_record/cubin_info.rs`),
+cuobjdump, fails when a cubin changed after its record: `src/cuda_kernels/audit_tests/cubin_info_tests.rs`),
 then from `cuobjdump -res-usage` the registers, stack frame, local and static shared bytes,
 and from `cuobjdump -sass` the instruction counts that say how the kernel moves data:
 

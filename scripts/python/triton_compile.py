@@ -68,7 +68,7 @@ TRITON_DIR = ROOT / "candle-fused" / "triton"
 OUT = ROOT / "candle-fused" / "kernels"
 ARCHS = [80, 90]
 # The ptxas every cubin is built with (`release 13.0` in `ptxas --version` and in the cubin's
-# tkinfo note); candle-fused/tests/triton_record checks the cubins against the same pin.
+# tkinfo note); candle-fused's launch audit (src/cuda_kernels/audit_tests) checks the cubins against the same pin.
 PTXAS_RELEASE = "13.0"
 PTXAS_RECIPE = ("scripts/gpu/cubins.sh (it sets TRITON_PTXAS_PATH to the ptxas of the "
                 "nvidia-cuda-nvcc==13.0.88 wheel)")

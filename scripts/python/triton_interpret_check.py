@@ -32,7 +32,7 @@ differs from its reference's is rounded that way.
 Writes `candle-fused/triton/records/<family>.json`: the sha256 of the kernel source and of
 every vector file, the command, the versions, the tolerances and the max errors, and per
 tensor [elements differing, max ulp] against the Rust bits. `cargo test`
-(tests/triton_record.rs) fails when a source or a vector file no longer matches its record,
+(candle-fused/src/cuda_kernels/audit_tests.rs) fails when a source or a vector file no longer matches its record,
 so a changed kernel has to be checked here again. Exits non-zero (and writes no record for
 the failing family) if any error exceeds its tolerance.
 """

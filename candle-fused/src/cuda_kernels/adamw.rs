@@ -40,16 +40,6 @@ pub(crate) const KERNELS: &[KernelSpec] = super::compiled::ADAMW;
 /// 1 - b2, `1 - lr wd`, `lr / bc1`, `1 / bc2`, eps): each rounded from f64 exactly as the
 /// CPU kernel rounds it, so the update is bit-identical. Errors on the hyper-parameters the
 /// CPU step rejects (step 0, betas outside `[0, 1)`, negative lr / eps / weight decay).
-///
-/// ```
-/// use candle_fused::adamw::AdamWStep;
-/// use candle_fused::cuda_kernels::{adamw::scalars, Scalar};
-/// let s = scalars(&AdamWStep { step: 1, ..Default::default() })?;
-/// assert_eq!(s[0], Scalar::F32(1.0)); // grad scale
-/// assert_eq!(s[6], Scalar::F32((1e-3 / (1.0 - 0.9f64)) as f32)); // lr / bc1
-/// assert!(scalars(&AdamWStep { step: 0, ..Default::default() }).is_err());
-/// # Ok::<(), candle_core::Error>(())
-/// ```
 pub fn scalars(step: &AdamWStep) -> Result<[Scalar; 9]> {
     Ok(step.kernel_scalars()?.map(Scalar::F32))
 }

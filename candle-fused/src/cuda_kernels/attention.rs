@@ -141,12 +141,6 @@ pub struct Builds {
 
 /// The builds to try for a launch with dropout (`p > 0`) or without; the head-size builds
 /// without dropout compile it out (the generic build decides at run time).
-///
-/// ```
-/// use candle_fused::cuda_kernels::attention::builds;
-/// assert_eq!(builds(false).fwd, ["attn_fwd_d64_nodrop", "attn_fwd_d128_nodrop", "attn_fwd"]);
-/// assert_eq!(builds(true).dq, ["attn_bwd_dq_d64", "attn_bwd_dq_d128", "attn_bwd_dq"]);
-/// ```
 pub fn builds(dropout: bool) -> Builds {
     let (d64, d128) = if dropout {
         (D64, D128)

@@ -1,10 +1,9 @@
 //! The launch contract checked on the host: [`check_launch`] turns a kernel's table entry
 //! ([`KernelSpec`]) and the caller's tensors and scalars into the grid, block, shared memory and
-//! argument list (or an error naming what does not fit), [`check_variants`] picks the first of
+//! argument list (or an error naming what does not fit), `check_variants` (in `mod.rs`) picks the first of
 //! several builds that takes a launch, and [`shared_memory_opt_in`] is the launcher's
-//! shared-memory rule. Pure functions: tested on the CPU (`tests/triton_record/`).
+//! shared-memory rule. Pure functions: tested on the CPU (`audit_tests`).
 
-use super::find;
 use super::table::{
     Elem, Extent, KernelSpec, Param, Rule, MAX_GRID_YZ, POINTER_ALIGNMENT, SCRATCH_PARAMS,
 };
@@ -24,15 +23,6 @@ const SHARED_WITHOUT_OPT_IN: u64 = 48 * 1024;
 /// * `Ok(None)`: the total fits in 48 KiB, no opt-in;
 /// * `Ok(Some(dynamic_bytes))`: above 48 KiB, opt in to that much dynamic shared memory;
 /// * an error: the total is over the device's opt-in limit (the launch would be refused).
-///
-/// ```
-/// use candle_fused::cuda_kernels::shared_memory_opt_in as rule;
-/// const H100: u32 = 227 * 1024;
-/// assert_eq!(rule(1024, 48 * 1024, H100)?, Some(48 * 1024)); // 49 KiB in all
-/// assert_eq!(rule(0, 48 * 1024, H100)?, None);
-/// assert!(rule(1024, H100, H100).is_err());
-/// # Ok::<(), candle_core::Error>(())
-/// ```
 #[doc(hidden)]
 pub fn shared_memory_opt_in(
     static_bytes: u32,
@@ -447,51 +437,6 @@ fn check_aligned(name: &str, pname: &str, t: &TensorArg) -> Result<()> {
         )
     }
     Ok(())
-}
-
-/// The first of `entries` (the builds of one kernel, most specialised first) compiled for
-/// `dtype` whose launch [`check_launch`] accepts, with that launch; when none does, an error
-/// with each candidate's reason. Entries not compiled for `dtype` are skipped (f32 has fewer
-/// builds). This is how a launcher picks a variant: by the table's rules, not by hand.
-///
-/// ```
-/// use candle_core::DType;
-/// use candle_fused::cuda_kernels::{check_variants, Scalar, TensorArg};
-/// let delta = ["attn_bwd_delta_d64", "attn_bwd_delta_d128", "attn_bwd_delta"];
-/// let pick = |d: usize, dt: DType| {
-///     let (qo, stat) = ([2, 6, 70, d], [2, 6, 70]);
-///     let args = [
-///         TensorArg::contiguous(&qo, dt, 0),
-///         TensorArg::contiguous(&qo, dt, 0),
-///         TensorArg::contiguous(&stat, DType::F32, 0),
-///     ];
-///     check_variants(&delta, dt, &args, &[]).map(|(spec, _)| spec.entry)
-/// };
-/// assert_eq!(pick(64, DType::BF16)?, "attn_bwd_delta_d64");
-/// assert_eq!(pick(96, DType::BF16)?, "attn_bwd_delta_d128");
-/// assert_eq!(pick(72, DType::BF16)?, "attn_bwd_delta"); // not a multiple of 16
-/// assert_eq!(pick(64, DType::F32)?, "attn_bwd_delta"); // no f32 head-size builds
-/// assert!(pick(256, DType::BF16).is_err()); // over every tile
-/// # Ok::<(), candle_core::Error>(())
-/// ```
-pub fn check_variants(
-    entries: &[&str],
-    dtype: DType,
-    tensors: &[TensorArg],
-    scalars: &[Scalar],
-) -> Result<(&'static KernelSpec, Launch)> {
-    let mut refused = Vec::new();
-    for spec in entries.iter().filter_map(|e| find(e, dtype)) {
-        match check_launch(spec, tensors, scalars) {
-            Ok(launch) => return Ok((spec, launch)),
-            Err(e) => refused.push(e.to_string()),
-        }
-    }
-    match refused.as_slice() {
-        [] => bail!("no Triton kernel among {entries:?} for {dtype:?}"),
-        [one] => bail!("{one}"),
-        all => bail!("no build takes this launch: {}", all.join("; ")),
-    }
 }
 
 #[cfg(test)]

@@ -76,28 +76,6 @@
 //! `lse` saved; the backward `ce_bwd` into a fresh `[N, V]` with `scale = 1` and WEIGHT =
 //! `w (g / count)` formed on the device (f32; 0 where `w` is 0): the CPU's coefficient
 //! `f32(g / count) w` without reading `g` or the count back to the host.
-//!
-//! ```
-//! use candle_core::DType;
-//! use candle_fused::cuda_kernels::{check_launch, find, Arg, Scalar, TensorArg};
-//! let (r, v) = (288usize, 49152usize); // SmolLM2's default chunk and vocabulary
-//! let spec = find("ce_fwd_bwd", DType::BF16).unwrap();
-//! let t = |dims: &[usize], dt| TensorArg::contiguous(dims, dt, 0);
-//! let logits = t(&[r, v], DType::BF16);
-//! let args = [
-//!     logits.clone(),
-//!     t(&[r], DType::U32),
-//!     t(&[r], DType::F32),
-//!     t(&[r], DType::F32),
-//!     t(&[r], DType::F32),
-//!     logits, // in place
-//! ];
-//! let launch = check_launch(spec, &args, &[Scalar::I32(-1), Scalar::F32(1.0 / 288.0)])?;
-//! assert_eq!((launch.grid, launch.block), ([288, 1, 1], [256, 1, 1]));
-//! use Arg::{F32, I32};
-//! assert_eq!(launch.args[6..10], [I32(288), I32(49152), I32(-1), F32(1.0 / 288.0)]);
-//! # Ok::<(), candle_core::Error>(())
-//! ```
 
 use super::KernelSpec;
 

@@ -29,17 +29,6 @@ pub fn words(v: u64) -> [i32; 2] {
 /// the seed, site and offset of `key` as i32 words (see [`words`]), `p`, and the keep scale
 /// `1 / (1 - p)` rounded to `dtype` as the CPU kernel rounds it (held in an f32). Errors unless
 /// `p` is in `[0, 1)` (as [`crate::dropout::dropout`]; at `p == 0` the op skips the kernel).
-///
-/// ```
-/// use candle_core::DType;
-/// use candle_fused::cuda_kernels::{dropout::scalars, Scalar};
-/// use candle_fused::RngKey;
-/// let key = RngKey::new(0x1_0000_0002, 3).with_offset(u64::MAX);
-/// let s = scalars(0.5, key, DType::BF16)?;
-/// assert_eq!(s[..6], [2i32, 1, 3, 0, -1, -1].map(Scalar::I32));
-/// assert_eq!(s[6..], [Scalar::F32(0.5), Scalar::F32(2.0)]);
-/// # Ok::<(), candle_core::Error>(())
-/// ```
 pub fn scalars(p: f32, key: RngKey, dtype: DType) -> Result<[Scalar; 8]> {
     check_p(p)?;
     let scale = match dtype {

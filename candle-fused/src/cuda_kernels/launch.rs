@@ -470,7 +470,7 @@ unsafe fn queue(
         shared_mem_bytes: shared_bytes,
     };
     // SAFETY: the arguments are exactly the `.entry`'s parameters in order and types (the
-    // table is checked against the compiled metadata by `tests/triton_record.rs`), every
+    // table is checked against the compiled metadata by the unit tests of `audit_tests.rs`), every
     // tensor passed `check_launch` (shape, dtype, contiguity, alignment) and lives until the
     // launch is queued (the caller's contract); the caller's guards, dropped after this
     // returns, record the accesses.

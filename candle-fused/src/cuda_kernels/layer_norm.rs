@@ -14,6 +14,7 @@ use super::{KernelSpec, Rule};
 /// program holds (`BLOCK_C` of the forward and `dx` kernels) and the rows per program of the
 /// `dx` kernels (`ROWS_PER_PROGRAM`: `DW_PARTIAL` and `DB_PARTIAL` have
 /// `cdiv(N, ROWS_PER_PROGRAM)` rows).
+#[cfg_attr(not(all(feature = "cuda", test)), allow(unused_imports))] // as in `mod.rs`
 pub use super::rms_norm::{BLOCK_C, ROWS_PER_PROGRAM};
 use super::rms_norm::{DX_RULES, ROW_TILE};
 

@@ -1,17 +1,20 @@
-//! Launch contracts of the ahead-of-time compiled Triton kernels (`candle-fused/kernels/`),
-//! independent of any feature: what a CUDA launcher (cudarc, in an op's `cuda_fwd`) must pass,
-//! and [`check_launch`], the pure function it calls to get the grid, block, shared memory and
-//! the exact argument list, so everything but the launch itself is tested on the CPU.
+//! The ahead-of-time compiled Triton kernels (`candle-fused/kernels/`) on CUDA: the switch
+//! that turns them on or off ([`set_triton`], [`choose_triton`], [`TRITON_ENV`]), the kernels
+//! kept off until a GPU run proved them ([`UNPROVEN`], [`UNPROVEN_ENV`]) and a launch counter
+//! ([`launch_count`]). Everything else here is crate-private: the launch contracts, independent
+//! of any feature (what a CUDA launcher, cudarc in an op's `cuda_fwd`, must pass, and
+//! `check_launch`, the pure function it calls to get the grid, block, shared memory and the
+//! exact argument list, so everything but the launch itself is tested on the CPU).
 //!
 //! The kernels are written in `candle-fused/triton/<family>.py`, compiled on a CPU-only
 //! machine by `scripts/python/triton_compile.py` into `<entry>.<dtype>.sm<NN>.cubin` (sm_80,
 //! sm_90; with CUDA 13.0's ptxas: `scripts/gpu/cubins.sh`) with a `.json` of metadata, and
 //! checked under Triton's interpreter against this crate's CPU kernels by
-//! `scripts/python/triton_interpret_check.py`. The launch tables ([`KernelSpec`]s) are generated
-//! from that metadata by the crate's `build.rs`; only each entry's [`Rule`]s are written by hand
-//! (each family's `RULES`). `tests/triton_record.rs` keeps the tables, the metadata, the cubins
-//! (their `.nv.info` parameter layout, block, registers and stack frame) and the recorded checks
-//! in agreement.
+//! `scripts/python/triton_interpret_check.py`. The launch tables (`KernelSpec`s) are generated
+//! from that metadata by the crate's `build.rs`; only each entry's `Rule`s are written by hand
+//! (each family's `RULES`). The unit tests of `audit_tests.rs` keep the tables, the metadata,
+//! the cubins (their `.nv.info` parameter layout, block, registers and stack frame) and the
+//! recorded checks in agreement.
 //!
 //! **Running them** (`cuda` feature): the cubins are embedded in the library and launched on
 //! Candle's stream inside the ops' `cuda_fwd` and `bwd` (`launch.rs`, whose module doc is the
@@ -29,49 +32,31 @@
 //! The compiled specialisation: every pointer is 16-byte aligned (`tt.divisibility = 16`),
 //! tensors are contiguous, integer arguments are unspecialised i32. Each `.entry` takes the
 //! kernel's own parameters, then two scratch pointers (global, profile) that these kernels do
-//! not use: [`Arg::Null`].
-//!
-//! ```
-//! use candle_core::DType;
-//! use candle_fused::cuda_kernels::{check_launch, find, Arg, Scalar, TensorArg};
-//! let spec = find("rms_norm_fwd", DType::BF16).unwrap();
-//! let (n, c) = (8usize, 768usize);
-//! let x = TensorArg::contiguous(&[n, c], DType::BF16, 0);
-//! let w = TensorArg::contiguous(&[c], DType::BF16, 0);
-//! let y = TensorArg::contiguous(&[n, c], DType::BF16, 0);
-//! let rstd = TensorArg::contiguous(&[n], DType::F32, 0);
-//! let launch = check_launch(spec, &[x, w, y, rstd], &[Scalar::F32(1e-5)])?;
-//! assert_eq!((launch.grid, launch.block), ([8, 1, 1], [256, 1, 1]));
-//! use Arg::*;
-//! assert_eq!(
-//!     launch.args,
-//!     [Tensor(0), Tensor(1), Tensor(2), Tensor(3), I32(8), I32(768), F32(1e-5), Null, Null]
-//! );
-//! // a tensor starting 2 bytes into its buffer breaks the 16-byte alignment
-//! let x = TensorArg::contiguous(&[n, c], DType::BF16, 2);
-//! let w = TensorArg::contiguous(&[c], DType::BF16, 0);
-//! let y = TensorArg::contiguous(&[n, c], DType::BF16, 0);
-//! let rstd = TensorArg::contiguous(&[n], DType::F32, 0);
-//! assert!(check_launch(spec, &[x, w, y, rstd], &[Scalar::F32(1e-5)]).is_err());
-//! # Ok::<(), candle_core::Error>(())
-//! ```
+//! not use: `Arg::Null`.
 
-pub mod adamw;
-pub mod attention;
+// The launch contracts are read by the CUDA launchers (`cuda` feature) and by the audit tests,
+// some block sizes and table accessors by the audit alone: only a build with both sees every
+// reader, so only that one reports dead code here.
+#![cfg_attr(not(all(feature = "cuda", test)), allow(dead_code))]
+
+pub(crate) mod adamw;
+pub(crate) mod attention;
+#[cfg(test)]
+mod audit_tests;
 mod check;
-pub mod cross_entropy;
+pub(crate) mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub(crate) mod cubins;
-pub mod dropout;
-pub mod embedding;
-pub mod gelu;
+pub(crate) mod dropout;
+pub(crate) mod embedding;
+pub(crate) mod gelu;
 #[cfg(feature = "cuda")]
 pub(crate) mod launch;
-pub mod layer_norm;
-pub mod nf4;
-pub mod rms_norm;
-pub mod rope;
-pub mod swiglu;
+pub(crate) mod layer_norm;
+pub(crate) mod nf4;
+pub(crate) mod rms_norm;
+pub(crate) mod rope;
+pub(crate) mod swiglu;
 mod switch;
 pub(crate) mod table;
 
@@ -89,18 +74,18 @@ pub use switch::{
 };
 pub(crate) use switch::{triton_flat, triton_for, triton_input};
 
-pub use check::{
-    check_launch, check_variants, shared_memory_opt_in, Arg, Launch, Scalar, TensorArg,
-};
-pub use table::{
-    describe_grid, dtype_suffix, Elem, Extent, KernelSpec, Param, Rule, ARCHS, POINTER_ALIGNMENT,
-    SCRATCH_PARAMS,
+// read by the launchers (`cuda` feature) and the audit tests: see the `allow(dead_code)` above
+#[cfg_attr(not(all(feature = "cuda", test)), allow(unused_imports))]
+pub(crate) use check::{check_launch, shared_memory_opt_in, Arg, Launch, Scalar, TensorArg};
+#[cfg_attr(not(all(feature = "cuda", test)), allow(unused_imports))]
+pub(crate) use table::{
+    describe_grid, dtype_suffix, KernelSpec, Param, Rule, ARCHS, POINTER_ALIGNMENT, SCRATCH_PARAMS,
 };
 
-use candle_core::DType;
+use candle_core::{bail, DType, Result};
 
 /// The launch tables of every kernel family (one Triton source file each).
-pub const FAMILIES: &[(&str, &[KernelSpec])] = &[
+pub(crate) const FAMILIES: &[(&str, &[KernelSpec])] = &[
     ("rms_norm", rms_norm::KERNELS),
     ("attention", attention::KERNELS),
     ("layer_norm", layer_norm::KERNELS),
@@ -115,11 +100,35 @@ pub const FAMILIES: &[(&str, &[KernelSpec])] = &[
 ];
 
 /// Every compiled kernel, family by family.
-pub fn kernels() -> impl Iterator<Item = &'static KernelSpec> {
+pub(crate) fn kernels() -> impl Iterator<Item = &'static KernelSpec> {
     FAMILIES.iter().flat_map(|(_, k)| k.iter())
 }
 
 /// The kernel `entry` for `dtype`, if compiled.
-pub fn find(entry: &str, dtype: DType) -> Option<&'static KernelSpec> {
+pub(crate) fn find(entry: &str, dtype: DType) -> Option<&'static KernelSpec> {
     kernels().find(|k| k.entry == entry && k.dtype == dtype)
+}
+
+/// The first of `entries` (the builds of one kernel, most specialised first) compiled for
+/// `dtype` whose launch [`check_launch`] accepts, with that launch; when none does, an error
+/// with each candidate's reason. Entries not compiled for `dtype` are skipped (f32 has fewer
+/// builds). This is how a launcher picks a variant: by the table's rules, not by hand.
+pub(crate) fn check_variants(
+    entries: &[&str],
+    dtype: DType,
+    tensors: &[TensorArg],
+    scalars: &[Scalar],
+) -> Result<(&'static KernelSpec, Launch)> {
+    let mut refused = Vec::new();
+    for spec in entries.iter().filter_map(|e| find(e, dtype)) {
+        match check_launch(spec, tensors, scalars) {
+            Ok(launch) => return Ok((spec, launch)),
+            Err(e) => refused.push(e.to_string()),
+        }
+    }
+    match refused.as_slice() {
+        [] => bail!("no Triton kernel among {entries:?} for {dtype:?}"),
+        [one] => bail!("{one}"),
+        all => bail!("no build takes this launch: {}", all.join("; ")),
+    }
 }

@@ -103,14 +103,6 @@ pub struct Extent {
 }
 
 impl Extent {
-    /// A grid dimension of 1.
-    pub const ONE: Extent = Extent { dims: &[], div: 1 };
-
-    /// One program per element of the product of `dims`.
-    pub const fn of(dims: &'static [&'static str]) -> Self {
-        Extent { dims, div: 1 }
-    }
-
     /// One program per `div` elements of the product of `dims`, rounded up.
     pub const fn cdiv(dims: &'static [&'static str], div: usize) -> Self {
         Extent { dims, div }
@@ -150,6 +142,7 @@ pub enum Rule {
     /// `a` divides `b` (e.g. key/value heads divide query heads).
     Divides(&'static str, &'static str),
     /// `dim` is a power of two between the bounds (e.g. a head dimension a tile covers exactly).
+    #[allow(dead_code)] // checked by `check_launch`; no table declares it today
     PowerOfTwo(&'static str, usize, usize),
     /// `dim` is a multiple of the factor: the kernel was compiled with the dimension declared
     /// divisible by it (`divisible_by_16` in its metadata), e.g. a head size whose rows then
@@ -208,14 +201,6 @@ impl KernelSpec {
             .iter()
             .find(|(n, _)| *n == name)
             .map(|&(_, v)| v)
-    }
-
-    /// `AtMost(dim, max)`'s bound for `dim`, if any.
-    pub fn limit(&self, dim: &str) -> Option<usize> {
-        self.rules.iter().find_map(|r| match *r {
-            Rule::AtMost(d, max) if d == dim => Some(max),
-            _ => None,
-        })
     }
 }
 

@@ -1,6 +1,6 @@
 //! AdamW (`triton/adamw.py`): each file `adamw.<dtype>.<E>.safetensors` (dtype: the
 //! gradient's) holds the inputs `param_in`, `exp_avg_in`, `exp_avg_sq_in` (f32) and `grad`,
-//! `scalars [9]` (f32, from `cuda_kernels::adamw::scalars`), and the CPU's results: `param`,
+//! `scalars [9]` (f32: the kernel's, see [`f32_scalars`]), and the CPU's results: `param`,
 //! `exp_avg`, `exp_avg_sq` after `adamw_update` (f32) and `sumsq [1]` (f32,
 //! `sum_of_squares(grad)`).
 //!
@@ -23,7 +23,7 @@ use candle_fused::adamw::{
     adamw_update, adamw_update_multi, clip_coefficient, global_norm, sum_of_squares,
     sum_of_squares_multi, AdamWParam, AdamWStep,
 };
-use candle_fused::cuda_kernels::{adamw::scalars, may_launch, Scalar};
+use candle_fused::cuda_kernels::may_launch;
 use std::path::Path;
 
 /// Launches: the update, sum-of-squares partials and total; a group file (`sizes`): the same
@@ -137,15 +137,18 @@ fn group_vectors(dt: DType, seed: u64) -> Result<Vec<(&'static str, Tensor)>> {
     ])
 }
 
-/// The kernels' scalars for `step` (`cuda_kernels::adamw::scalars`: all f32).
+/// The kernel's nine f32 scalars for `step`, each PyTorch's AdamW constant computed in f64 and
+/// rounded once: grad scale, b1, 1 - b1, b2, 1 - b2, `1 - lr wd`, `lr / bc1`, `1 / bc2`, eps
+/// (the crate's own, which its launches pass, are held to the committed files by its unit test
+/// `adamw_scalars_are_the_vector_files`).
 fn f32_scalars(step: &AdamWStep) -> Result<Vec<f32>> {
-    scalars(step)?
-        .iter()
-        .map(|s| match s {
-            Scalar::F32(v) => Ok(*v),
-            Scalar::I32(_) => anyhow::bail!("an i32 AdamW scalar"),
-        })
-        .collect()
+    let (b1, b2, t) = (step.beta1, step.beta2, step.step as f64);
+    ensure!(step.step > 0, "adamw: step is 1-based");
+    let (bc1, bc2) = (1.0 - b1.powf(t), 1.0 - b2.powf(t));
+    let decay = 1.0 - step.lr * step.weight_decay;
+    let all = [step.grad_scale, b1, 1.0 - b1, b2, 1.0 - b2, decay];
+    let tail = [step.lr / bc1, 1.0 / bc2, step.eps];
+    Ok(all.iter().chain(&tail).map(|&v| v as f32).collect())
 }
 
 fn write_vectors(dir: &Path) -> Result<()> {

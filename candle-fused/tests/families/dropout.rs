@@ -1,5 +1,5 @@
 //! Dropout (`triton/dropout.py`): each file `dropout.<dtype>.<shape>.safetensors` holds `x`,
-//! `dy` (inputs, in the dtype), the kernel's scalars from `cuda_kernels::dropout::scalars`:
+//! `dy` (inputs, in the dtype), the kernel's scalars (see [`kernel_scalars`]):
 //! `key [6]` (i32: seed, site, offset as low/high words), `p`, `scale` (f32), and the CPU's
 //! `words` (u32: the Philox word of every element, from `RngKey::block`), `mask` (u8: 1 kept, 0
 //! dropped, from `dropout_mask`), `y = dropout(x)` and `dx` (its backward of `dy`).
@@ -17,7 +17,6 @@ use super::{ALL_DTYPES, EXACT};
 use crate::common::{self, Lcg};
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_fused::cuda_kernels::{dropout::scalars, Scalar};
 use candle_fused::dropout::{dropout, dropout_mask};
 use candle_fused::RngKey;
 use std::path::Path;
@@ -79,17 +78,7 @@ fn vectors(c: &Case, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tensor)>
         })
         .collect();
     let words = Tensor::from_vec(words, c.shape, &Device::Cpu)?;
-    let s = scalars(c.p, c.key, dt)?;
-    let key: Vec<i32> = s[..6]
-        .iter()
-        .map(|s| match s {
-            Scalar::I32(v) => *v,
-            Scalar::F32(_) => unreachable!("the key words are i32"),
-        })
-        .collect();
-    let [Scalar::F32(p), Scalar::F32(scale)] = [s[6], s[7]] else {
-        unreachable!("p and scale are f32")
-    };
+    let (key, p, scale) = kernel_scalars(c.p, c.key, dt)?;
     let dev = &Device::Cpu;
     Ok(vec![
         ("x", x),
@@ -102,6 +91,25 @@ fn vectors(c: &Case, dt: DType, seed: u64) -> Result<Vec<(&'static str, Tensor)>
         ("y", y),
         ("dx", dx),
     ])
+}
+
+/// The kernel's scalars: the key's seed, site and offset as (low, high) i32 words of their
+/// bits, `p`, and the keep scale `1 / (1 - p)` computed in f64 and rounded to `dtype` through
+/// f32, as the CPU kernel rounds it (the crate's own, which its launches pass, are held to the
+/// committed files by its unit test `dropout_scalars_are_the_vector_files`).
+fn kernel_scalars(p: f32, key: RngKey, dtype: DType) -> Result<([i32; 6], f32, f32)> {
+    let words = |v: u64| [v as u32 as i32, (v >> 32) as u32 as i32];
+    let [a, b] = words(key.seed);
+    let [c, d] = words(key.site);
+    let [e, f] = words(key.offset);
+    let scale = (1.0 / (1.0 - f64::from(p))) as f32;
+    let scale = match dtype {
+        DType::F32 => scale,
+        DType::BF16 => half::bf16::from_f32(scale).to_f32(),
+        DType::F16 => half::f16::from_f32(scale).to_f32(),
+        other => anyhow::bail!("dropout: no kernel for {other:?}"),
+    };
+    Ok(([a, b, c, d, e, f], p, scale))
 }
 
 fn write_vectors(dir: &Path) -> Result<()> {
@@ -126,11 +134,8 @@ fn run(dev: &Device, t: &Tensors) -> Result<Outputs> {
     let p = input(t, "p", &Device::Cpu)?.to_vec1::<f32>()?[0];
     let scale = input(t, "scale", &Device::Cpu)?.to_vec1::<f32>()?[0];
     // the key and scale read back are the ones the vectors were written with
-    let s = scalars(p, key, x.dtype())?;
-    ensure!(
-        s[7] == Scalar::F32(scale),
-        "dropout: scale {scale}, scalars {s:?}"
-    );
+    let (_, _, want) = kernel_scalars(p, key, x.dtype())?;
+    ensure!(want == scale, "dropout: scale {scale}, the key's {want}");
     let (y, [dx]) = forward_backward([&x], &dy?, |[x]| dropout(x, p, key))?;
     let mask = dropout_mask(x.shape(), p, key, DType::F32, dev)?
         .ne(0f64)?

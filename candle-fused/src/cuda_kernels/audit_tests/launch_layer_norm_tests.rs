@@ -12,22 +12,19 @@ fn check_launch_layer_norm_with_and_without_bias() -> Result<()> {
         let (x, w, stat) = (t(&[n, c], dt), t(&[c], dt), t(&[n], DType::F32));
         let part = t(&[p, c], DType::F32);
         let fwd = find("layer_norm_fwd", dt).unwrap();
-        let args = [
-            x.clone(),
-            w.clone(),
-            w.clone(),
-            x.clone(),
-            stat.clone(),
-            stat.clone(),
-        ];
+        let args = [&x, &w, &w, &x, &stat, &stat].map(Clone::clone);
         let l = check_launch(fwd, &args, EPS)?;
         assert_eq!((l.grid, l.block), ([70, 1, 1], [256, 1, 1]));
         let mut want = (0..6).map(T).collect::<Vec<_>>();
         want.extend([I32(70), I32(300), F32(1e-5), Null, Null]);
         assert_eq!(l.args, want);
         // the bias variant needs the bias: five tensors are the no-bias entry's arguments
-        let e = check_launch(fwd, &args[1..], EPS).unwrap_err().to_string();
-        assert!(e.contains("expected 6 tensor arguments (X, W, B, Y"), "{e}");
+        refuses(
+            fwd,
+            &args[1..],
+            EPS,
+            "expected 6 tensor arguments (X, W, B, Y",
+        );
         let nb = find("layer_norm_fwd_no_bias", dt).unwrap();
         let l = check_launch(
             nb,
@@ -37,16 +34,7 @@ fn check_launch_layer_norm_with_and_without_bias() -> Result<()> {
         assert_eq!(l.args[..6], [T(0), T(1), T(2), T(3), T(4), I32(70)]);
 
         let dx = find("layer_norm_bwd_dx", dt).unwrap();
-        let args = [
-            x.clone(),
-            w.clone(),
-            x.clone(),
-            stat.clone(),
-            stat.clone(),
-            x.clone(),
-            part.clone(),
-            part.clone(),
-        ];
+        let args = [&x, &w, &x, &stat, &stat, &x, &part, &part].map(Clone::clone);
         let l = check_launch(dx, &args, &[])?;
         assert_eq!((l.grid, l.block), ([3, 1, 1], [256, 1, 1]));
         let mut want = (0..8).map(T).collect::<Vec<_>>();
@@ -54,13 +42,11 @@ fn check_launch_layer_norm_with_and_without_bias() -> Result<()> {
         assert_eq!(l.args, want);
         let mut wrong = args.clone();
         wrong[7] = t(&[p - 1, c], DType::F32);
-        let e = check_launch(dx, &wrong, &[]).unwrap_err().to_string();
-        assert!(e.contains("DB_PARTIAL has P = 2"), "{e}");
+        refuses(dx, &wrong, &[], "DB_PARTIAL has P = 2");
         let nb = find("layer_norm_bwd_dx_no_bias", dt).unwrap();
         let l = check_launch(nb, &args[..7], &[])?;
         assert_eq!(l.grid, [3, 1, 1]);
-        let e = check_launch(nb, &args, &[]).unwrap_err().to_string();
-        assert!(e.contains("expected 7 tensor arguments"), "{e}");
+        refuses(nb, &args, &[], "expected 7 tensor arguments");
 
         // the reduction: 300 columns are two programs of 256
         let red = find("layer_norm_bwd_reduce", dt).unwrap();
@@ -75,8 +61,7 @@ fn check_launch_layer_norm_with_and_without_bias() -> Result<()> {
     let (x, w, stat) = (t(&[n, c], dt), t(&[c], dt), t(&[n], DType::F32));
     let mut a = [x.clone(), w.clone(), x.clone(), stat.clone(), stat.clone()];
     a[3] = t(&[n], dt);
-    let e = check_launch(fwd, &a, EPS).unwrap_err().to_string();
-    assert!(e.contains("MEAN must be F32"), "{e}");
+    refuses(fwd, &a, EPS, "MEAN must be F32");
     let big = layer_norm::BLOCK_C + 1;
     let a = [
         t(&[2, big], dt),
@@ -85,7 +70,6 @@ fn check_launch_layer_norm_with_and_without_bias() -> Result<()> {
         t(&[2], DType::F32),
         t(&[2], DType::F32),
     ];
-    let e = check_launch(fwd, &a, EPS).unwrap_err().to_string();
-    assert!(e.contains("C = 4097 exceeds 4096"), "{e}");
+    refuses(fwd, &a, EPS, "C = 4097 exceeds 4096");
     Ok(())
 }

@@ -69,27 +69,35 @@ fn check_launch_rope_layouts_and_tables() -> Result<()> {
     // an odd head dim has no halves
     let x = t(&[b, tt, h, 9], dt);
     let y = t(&[b, h, tt, 9], dt);
-    let e = check_launch(fwd, &[x, tab(b, 4), tab(b, 4), y], &[])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("D must be 2 * HALF = 8, got 9"), "{e}");
+    refuses(
+        fwd,
+        &[x, tab(b, 4), tab(b, 4), y],
+        &[],
+        "D must be 2 * HALF = 8, got 9",
+    );
     // tables of another batch size, or not f32
     let (x, y) = (t(&[b, tt, h, d], dt), t(&[b, h, tt, d], dt));
-    let e = check_launch(fwd, &[x.clone(), tab(3, 5), tab(3, 5), y.clone()], &[])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("TB = 3 must divide B = 2"), "{e}");
+    refuses(
+        fwd,
+        &[x.clone(), tab(3, 5), tab(3, 5), y.clone()],
+        &[],
+        "TB = 3 must divide B = 2",
+    );
     let bf = t(&[b, tt, 5], dt);
-    let e = check_launch(fwd, &[x.clone(), bf.clone(), bf, y.clone()], &[])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("COS must be F32"), "{e}");
+    refuses(
+        fwd,
+        &[x.clone(), bf.clone(), bf, y.clone()],
+        &[],
+        "COS must be F32",
+    );
     // a strided x (a head slice of a packed qkv) must be made contiguous first
     let mut xs = x.clone();
     xs.strides = vec![tt * 3 * h * d, 3 * h * d, d, 1];
-    let e = check_launch(fwd, &[xs, tab(b, 5), tab(b, 5), y], &[])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("X must be contiguous"), "{e}");
+    refuses(
+        fwd,
+        &[xs, tab(b, 5), tab(b, 5), y],
+        &[],
+        "X must be contiguous",
+    );
     Ok(())
 }

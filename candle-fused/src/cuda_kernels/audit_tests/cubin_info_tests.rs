@@ -26,8 +26,8 @@
 //! Static shared memory and its opt-in rule: `cubin_elf.rs`.
 
 use super::{crate_dir, json, sha256};
+use crate::cuda_kernels::{kernels, KernelSpec, Param, ARCHS, SCRATCH_PARAMS};
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use candle_fused::cuda_kernels::{kernels, KernelSpec, Param, ARCHS, SCRATCH_PARAMS};
 use object::read::elf::ElfFile64;
 use object::{LittleEndian, Object, ObjectSection, ObjectSymbol};
 use serde_json::Value;

@@ -9,12 +9,9 @@ const CE_SCALARS: &[Scalar] = &[Scalar::I32(-1), Scalar::F32(0.25)];
 /// R = 37, V = 50257, `ignore_index` -1, `scale` where the kernel takes one, the two scratch
 /// pointers.
 fn ce_args(tensors: usize, scale: Option<f32>) -> Vec<Arg> {
-    (0..tensors)
-        .map(Arg::Tensor)
-        .chain([Arg::I32(37), Arg::I32(50257), Arg::I32(-1)])
-        .chain(scale.map(Arg::F32))
-        .chain([Arg::Null, Arg::Null])
-        .collect()
+    let mut rest = vec![Arg::I32(37), Arg::I32(50257), Arg::I32(-1)];
+    rest.extend(scale.map(Arg::F32));
+    args_of(tensors, &rest)
 }
 
 #[test]
@@ -26,31 +23,17 @@ fn check_launch_cross_entropy() -> Result<()> {
     for dt in [DType::F32, DType::BF16, DType::F16] {
         let logits = t(&[r, v], dt);
         let fwd = find("ce_fwd", dt).unwrap();
-        let fwd_args = [
-            logits.clone(),
-            row(DType::U32),
-            row(DType::F32),
-            row(DType::F32),
-            row(DType::F32),
-        ];
+        let (targets, f32_row) = (row(DType::U32), row(DType::F32));
+        let fwd_args = [&logits, &targets, &f32_row, &f32_row, &f32_row].map(Clone::clone);
         let l = check_launch(fwd, &fwd_args, &CE_SCALARS[..1])?;
         assert_eq!((l.grid, l.block), ([37, 1, 1], [256, 1, 1]));
         assert_eq!(l.shared_bytes, [32; 2]);
         assert_eq!(l.args, ce_args(5, None));
         // ce_fwd takes no scale
-        let e = check_launch(fwd, &fwd_args, CE_SCALARS)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("left over"), "{e}");
+        refuses(fwd, &fwd_args, CE_SCALARS, "left over");
 
         let bwd = find("ce_bwd", dt).unwrap();
-        let bwd_args = [
-            logits.clone(),
-            row(DType::U32),
-            row(DType::F32),
-            row(DType::F32),
-            logits.clone(),
-        ];
+        let bwd_args = [&logits, &targets, &f32_row, &f32_row, &logits].map(Clone::clone);
         let l = check_launch(bwd, &bwd_args, CE_SCALARS)?;
         assert_eq!((l.grid, l.shared_bytes), ([37, 1, 1], [0; 2]));
         assert_eq!(l.args, ce_args(5, Some(0.25)));
@@ -65,14 +48,12 @@ fn check_launch_cross_entropy() -> Result<()> {
         let mut a = fb_args.clone();
         a[5] = t(&[r, v], DType::F32);
         if dt != DType::F32 {
-            let e = check_launch(fb, &a, CE_SCALARS).unwrap_err().to_string();
-            assert!(e.contains("DLOGITS must be"), "{e}");
+            refuses(fb, &a, CE_SCALARS, "DLOGITS must be");
         }
         let mut a = fb_args.clone();
         a[4] = row(dt);
         if dt != DType::F32 {
-            let e = check_launch(fb, &a, CE_SCALARS).unwrap_err().to_string();
-            assert!(e.contains("LSE must be F32"), "{e}");
+            refuses(fb, &a, CE_SCALARS, "LSE must be F32");
         }
     }
     let dt = DType::BF16;
@@ -89,40 +70,34 @@ fn check_launch_cross_entropy() -> Result<()> {
     // targets are u32, as the CPU ops take them
     let mut a = ok.clone();
     a[1] = row(DType::I32);
-    let e = check_launch(fb, &a, CE_SCALARS).unwrap_err().to_string();
-    assert!(e.contains("TARGETS must be U32"), "{e}");
+    refuses(fb, &a, CE_SCALARS, "TARGETS must be U32");
     // a chunk's targets sliced out of a longer buffer at row 3: 12 bytes, not 16-byte aligned
     let mut a = ok.clone();
     a[1].offset_bytes = 12;
-    let e = check_launch(fb, &a, CE_SCALARS).unwrap_err().to_string();
-    assert!(e.contains("TARGETS starts at byte offset 12"), "{e}");
+    refuses(fb, &a, CE_SCALARS, "TARGETS starts at byte offset 12");
     // at row 4 of a u32 buffer it is aligned
     a[1].offset_bytes = 16;
     check_launch(fb, &a, CE_SCALARS)?;
     // rows and classes must agree
     let mut a = ok.clone();
     a[5] = t(&[r, v - 1], dt);
-    let e = check_launch(fb, &a, CE_SCALARS).unwrap_err().to_string();
-    assert!(e.contains("DLOGITS has V = 50256"), "{e}");
+    refuses(fb, &a, CE_SCALARS, "DLOGITS has V = 50256");
     let mut a = ok.clone();
     a[2] = row(DType::F32);
     a[2].dims = vec![r + 1];
-    let e = check_launch(fb, &a, CE_SCALARS).unwrap_err().to_string();
-    assert!(e.contains("WEIGHT has R = 38"), "{e}");
+    refuses(fb, &a, CE_SCALARS, "WEIGHT has R = 38");
     // a strided view of the logits (a column slice of a wider matrix)
     let mut a = ok.clone();
     a[0].strides = vec![v + 7, 1];
-    let e = check_launch(fb, &a, CE_SCALARS).unwrap_err().to_string();
-    assert!(e.contains("LOGITS must be contiguous"), "{e}");
+    refuses(fb, &a, CE_SCALARS, "LOGITS must be contiguous");
     // scalars in order: ignore_index (i32), then scale (f32)
-    let e = check_launch(fb, &ok, &[Scalar::F32(0.25), Scalar::I32(-1)])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("ignore_index needs a Scalar::I32"), "{e}");
-    let e = check_launch(fb, &ok, &CE_SCALARS[..1])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("scale needs a Scalar::F32"), "{e}");
+    refuses(
+        fb,
+        &ok,
+        &[Scalar::F32(0.25), Scalar::I32(-1)],
+        "ignore_index needs a Scalar::I32",
+    );
+    refuses(fb, &ok, &CE_SCALARS[..1], "scale needs a Scalar::F32");
     // no counted row in a chunk: no launch
     let empty = [
         t(&[0, v], dt),
@@ -132,10 +107,7 @@ fn check_launch_cross_entropy() -> Result<()> {
         t(&[0], DType::F32),
         t(&[0, v], dt),
     ];
-    let e = check_launch(fb, &empty, CE_SCALARS)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("empty grid"), "{e}");
+    refuses(fb, &empty, CE_SCALARS, "empty grid");
     // any vocabulary (no tile limit), and R x V past i32 (the kernels' offsets are 64-bit)
     let (r, v) = (65536usize, 50257usize);
     let big = [

@@ -9,12 +9,12 @@
 //! * the families' public block sizes, which the launchers use to size partial buffers, are
 //!   the constexprs of the kernels they describe.
 
-use anyhow::{anyhow, ensure, Result};
-use candle_core::DType;
-use candle_fused::cuda_kernels::{
+use crate::cuda_kernels::{
     adamw, attention, cross_entropy, dropout, embedding, find, gelu, kernels, layer_norm, nf4,
     rms_norm, rope, swiglu, KernelSpec, Rule,
 };
+use anyhow::{anyhow, ensure, Result};
+use candle_core::DType;
 
 /// Every `AtMost(d, n)` rule of `spec` is its compiled tile: the constexpr `BLOCK_<d>` is `n`.
 pub(crate) fn tile_rules_hold(spec: &KernelSpec) -> Result<()> {
@@ -74,44 +74,20 @@ fn every_tile_rule_is_its_compiled_tile() -> Result<()> {
 
 #[test]
 fn public_block_sizes_are_the_compiled_constexprs() -> Result<()> {
-    // (entry, only this dtype, constexpr, the family's public constant)
+    // (entry, only this dtype, constexpr, the family's public constant): one row a line
+    #[rustfmt::skip]
     let all: &[(&str, Option<DType>, &str, usize)] = &[
         ("attn_fwd", None, "BLOCK_D", attention::BLOCK_D),
-        (
-            "attn_fwd",
-            Some(DType::F32),
-            "BLOCK_M",
-            attention::BLOCK_F32,
-        ),
-        (
-            "attn_fwd",
-            Some(DType::BF16),
-            "BLOCK_M",
-            attention::BLOCK_16,
-        ),
+        ("attn_fwd", Some(DType::F32), "BLOCK_M", attention::BLOCK_F32),
+        ("attn_fwd", Some(DType::BF16), "BLOCK_M", attention::BLOCK_16),
         ("attn_fwd", Some(DType::F16), "BLOCK_N", attention::BLOCK_16),
         ("attn_bwd_delta", None, "BLOCK_M", attention::DELTA_BLOCK_M),
         ("rms_norm_fwd", None, "BLOCK_C", rms_norm::BLOCK_C),
-        (
-            "rms_norm_bwd_dx",
-            None,
-            "ROWS_PER_PROGRAM",
-            rms_norm::ROWS_PER_PROGRAM,
-        ),
+        ("rms_norm_bwd_dx", None, "ROWS_PER_PROGRAM", rms_norm::ROWS_PER_PROGRAM),
         ("rms_norm_bwd_dw", None, "BLOCK_C", rms_norm::DW_BLOCK_C),
         ("layer_norm_fwd", None, "BLOCK_C", layer_norm::BLOCK_C),
-        (
-            "layer_norm_bwd_dx",
-            None,
-            "ROWS_PER_PROGRAM",
-            layer_norm::ROWS_PER_PROGRAM,
-        ),
-        (
-            "layer_norm_bwd_reduce",
-            None,
-            "BLOCK_C",
-            layer_norm::REDUCE_BLOCK_C,
-        ),
+        ("layer_norm_bwd_dx", None, "ROWS_PER_PROGRAM", layer_norm::ROWS_PER_PROGRAM),
+        ("layer_norm_bwd_reduce", None, "BLOCK_C", layer_norm::REDUCE_BLOCK_C),
         ("rope_fwd", None, "BLOCK", rope::BLOCK),
         ("ce_fwd_bwd", None, "BLOCK_V", cross_entropy::BLOCK_V),
         ("swiglu_fwd", None, "BLOCK", swiglu::BLOCK),
@@ -120,12 +96,7 @@ fn public_block_sizes_are_the_compiled_constexprs() -> Result<()> {
         ("geglu_bwd", None, "BLOCK", gelu::BLOCK),
         ("bias_gelu_fwd", None, "BLOCK_R", gelu::FWD_BLOCK_R),
         ("bias_gelu_fwd", None, "BLOCK_C", gelu::BLOCK_C),
-        (
-            "bias_gelu_bwd_dx",
-            None,
-            "ROWS_PER_PROGRAM",
-            gelu::ROWS_PER_PROGRAM,
-        ),
+        ("bias_gelu_bwd_dx", None, "ROWS_PER_PROGRAM", gelu::ROWS_PER_PROGRAM),
         ("bias_gelu_bwd_db", None, "BLOCK_C", gelu::DB_BLOCK_C),
         ("dropout", None, "BLOCK", dropout::BLOCK),
         ("adamw_update", None, "BLOCK", adamw::BLOCK),

@@ -23,7 +23,7 @@ fn attn_cfg() -> Vec<Scalar> {
 
 #[test]
 fn attention_launches() -> Result<()> {
-    use candle_fused::cuda_kernels::attention::{BLOCK_16, BLOCK_F32};
+    use crate::cuda_kernels::attention::{BLOCK_16, BLOCK_F32};
     use Arg::{Null, Tensor as T, F32, I32};
     let (b, h, kv, n, d) = (2usize, 6usize, 2usize, 70usize, 64usize);
     let cfg = attn_cfg();
@@ -51,14 +51,7 @@ fn attention_launches() -> Result<()> {
         let programs = n.div_ceil(block) as u32;
 
         let fwd = find("attn_fwd", dt).unwrap();
-        let args = [
-            qo.clone(),
-            kvt.clone(),
-            kvt.clone(),
-            doc.clone(),
-            qo.clone(),
-            stat.clone(),
-        ];
+        let args = [&qo, &kvt, &kvt, &doc, &qo, &stat].map(Clone::clone);
         let l = check_launch(fwd, &args, &cfg)?;
         assert_eq!((l.grid, l.block), ([programs, 12, 1], [128, 1, 1]));
         let want: Vec<Arg> = (0..6)
@@ -82,15 +75,7 @@ fn attention_launches() -> Result<()> {
         assert_eq!(l.args, want.concat());
 
         let dkdv = find("attn_bwd_dkdv", dt).unwrap();
-        let bwd_in = [
-            qo.clone(),
-            kvt.clone(),
-            kvt.clone(),
-            doc.clone(),
-            qo.clone(),
-            stat.clone(),
-            stat.clone(),
-        ];
+        let bwd_in = [&qo, &kvt, &kvt, &doc, &qo, &stat, &stat].map(Clone::clone);
         let mut args = bwd_in.to_vec();
         args.extend([kvt.clone(), kvt.clone()]);
         let l = check_launch(dkdv, &args, &cfg)?;
@@ -121,34 +106,38 @@ fn attention_launches() -> Result<()> {
         ]
     };
     check_launch(fwd, &args(6, 2, n, 128, DType::I32), &cfg)?;
-    let e = check_launch(fwd, &args(6, 2, n, 129, DType::I32), &cfg)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("D = 129 exceeds 128"), "{e}");
-    let e = check_launch(fwd, &args(6, 4, n, d, DType::I32), &cfg)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("KV = 4 must divide H = 6"), "{e}");
-    let e = check_launch(fwd, &args(6, 2, n + 1, d, DType::I32), &cfg)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("K has T = 71, an earlier argument 70"), "{e}");
-    let e = check_launch(fwd, &args(6, 2, n, d, DType::U32), &cfg)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("DOC must be I32"), "{e}");
-    let e = check_launch(fwd, &args(6, 2, n, d, DType::I32), &cfg[..10])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("off_hi needs a Scalar::I32"), "{e}");
+    refuses(
+        fwd,
+        &args(6, 2, n, 129, DType::I32),
+        &cfg,
+        "D = 129 exceeds 128",
+    );
+    refuses(
+        fwd,
+        &args(6, 4, n, d, DType::I32),
+        &cfg,
+        "KV = 4 must divide H = 6",
+    );
+    refuses(
+        fwd,
+        &args(6, 2, n + 1, d, DType::I32),
+        &cfg,
+        "K has T = 71, an earlier argument 70",
+    );
+    refuses(fwd, &args(6, 2, n, d, DType::U32), &cfg, "DOC must be I32");
+    refuses(
+        fwd,
+        &args(6, 2, n, d, DType::I32),
+        &cfg[..10],
+        "off_hi needs a Scalar::I32",
+    );
     // B*H programs along y: at most CUDA's 65535 (B = 2, H = 32770: 65540)
     check_launch(fwd, &args(32766, 2, n, d, DType::I32), &cfg)?;
-    let e = check_launch(fwd, &args(32770, 2, n, d, DType::I32), &cfg)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("grid B*H = 65540 exceeds CUDA's 65535 along y"),
-        "{e}"
+    refuses(
+        fwd,
+        &args(32770, 2, n, d, DType::I32),
+        &cfg,
+        "grid B*H = 65540 exceeds CUDA's 65535 along y",
     );
     Ok(())
 }
@@ -192,8 +181,8 @@ fn bwd_args(d: usize, dt: DType, dkdv: bool) -> Vec<TensorArg> {
 
 #[test]
 fn attention_builds_are_chosen_by_the_rules() -> Result<()> {
-    use candle_fused::cuda_kernels::attention::builds;
-    use candle_fused::cuda_kernels::check_variants;
+    use crate::cuda_kernels::attention::builds;
+    use crate::cuda_kernels::check_variants;
     let cfg = attn_cfg();
     let entry = |e: &[&str], args: &[TensorArg], dt, s: &[Scalar]| {
         check_variants(e, dt, args, s).map(|(spec, _)| spec.entry)
@@ -265,7 +254,7 @@ fn attention_builds_are_chosen_by_the_rules() -> Result<()> {
 /// and the builds without dropout are compiled without it.
 #[test]
 fn attention_dropout_builds_match_their_constexpr() -> Result<()> {
-    use candle_fused::cuda_kernels::attention::builds;
+    use crate::cuda_kernels::attention::builds;
     let dir = crate_dir().join("kernels");
     for dropout in [false, true] {
         let b = builds(dropout);
@@ -299,8 +288,8 @@ fn attention_dropout_builds_match_their_constexpr() -> Result<()> {
 /// interpreter check (and a GPU session's `cuda_triton`) covers each of them.
 #[test]
 fn attention_vectors_cover_every_build() -> Result<()> {
-    use candle_fused::cuda_kernels::attention::builds;
-    use candle_fused::cuda_kernels::check_variants;
+    use crate::cuda_kernels::attention::builds;
+    use crate::cuda_kernels::check_variants;
     let dir = crate_dir().join("triton/vectors");
     let mut seen = Vec::new();
     for e in std::fs::read_dir(&dir)? {
@@ -358,8 +347,8 @@ fn rows(b: usize, heads: usize, n: usize, d: usize, w: usize, col: usize, dt: DT
 /// otherwise; a non-unit last stride or a misaligned start is refused with its name.
 #[test]
 fn attention_reads_and_writes_rows_in_place() -> Result<()> {
-    use candle_fused::cuda_kernels::attention::builds;
-    use candle_fused::cuda_kernels::check_variants;
+    use crate::cuda_kernels::attention::builds;
+    use crate::cuda_kernels::check_variants;
     use Arg::{Tensor as T, I32};
     let (b, h, n, d, dt) = (2usize, 12usize, 70usize, 64usize, DType::BF16);
     let c = h * d;

@@ -1,10 +1,10 @@
 //! `check_launch` cases of the elementwise families (SwiGLU, GeGLU, GELU, dropout, AdamW): grid,
 //! block and the full argument list of valid launches, and the errors of invalid ones.
 
-use super::t;
+use super::{refuses, t};
+use crate::cuda_kernels::{check_launch, find, Arg, Scalar};
 use anyhow::Result;
 use candle_core::DType;
-use candle_fused::cuda_kernels::{check_launch, find, Arg, Scalar};
 
 #[test]
 fn gated_launches() -> Result<()> {
@@ -43,7 +43,7 @@ fn gated_launch(fwd_entry: &str, bwd_entry: &str) -> Result<()> {
     }
     let fwd = find(fwd_entry, DType::BF16).unwrap();
     // gate and up of different lengths
-    let err = check_launch(
+    refuses(
         fwd,
         &[
             t(&[e], DType::BF16),
@@ -51,10 +51,8 @@ fn gated_launch(fwd_entry: &str, bwd_entry: &str) -> Result<()> {
             t(&[e], DType::BF16),
         ],
         &[],
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(err.contains("UP has E = 4774"), "{err}");
+        "UP has E = 4774",
+    );
     // the packed [gate | up] halves are not contiguous: copy them first
     let mut half = t(&[37, 129], DType::BF16);
     half.strides = vec![258, 1];
@@ -63,10 +61,12 @@ fn gated_launch(fwd_entry: &str, bwd_entry: &str) -> Result<()> {
     // the second half of a packed buffer of odd width is misaligned (129 bf16 = 258 bytes)
     let mut up = t(&[e], DType::BF16);
     up.offset_bytes = 258;
-    let err = check_launch(fwd, &[t(&[e], DType::BF16), up, t(&[e], DType::BF16)], &[])
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("16-byte aligned"), "{err}");
+    refuses(
+        fwd,
+        &[t(&[e], DType::BF16), up, t(&[e], DType::BF16)],
+        &[],
+        "16-byte aligned",
+    );
     // an empty tensor: skip the launch
     let z = t(&[0], DType::BF16);
     assert!(check_launch(fwd, &[z.clone(), z.clone(), z], &[]).is_err());
@@ -75,7 +75,7 @@ fn gated_launch(fwd_entry: &str, bwd_entry: &str) -> Result<()> {
 
 #[test]
 fn gelu_launches() -> Result<()> {
-    use candle_fused::cuda_kernels::gelu::ROWS_PER_PROGRAM;
+    use crate::cuda_kernels::gelu::ROWS_PER_PROGRAM;
     use Arg::{Null, Tensor as T, I32};
     let (n, c) = (37usize, 300usize);
     let e = n * c;
@@ -117,12 +117,10 @@ fn gelu_launches() -> Result<()> {
         let mut wrong = args.clone();
         wrong[4] = t(&[p, c], dt);
         if dt != DType::F32 {
-            let err = check_launch(dx, &wrong, &[]).unwrap_err().to_string();
-            assert!(err.contains("DB_PARTIAL must be F32"), "{err}");
+            refuses(dx, &wrong, &[], "DB_PARTIAL must be F32");
         }
         wrong[4] = t(&[p + 1, c], DType::F32);
-        let err = check_launch(dx, &wrong, &[]).unwrap_err().to_string();
-        assert!(err.contains("cdiv(N, 16)"), "{err}");
+        refuses(dx, &wrong, &[], "cdiv(N, 16)");
 
         let db = find("bias_gelu_bwd_db", dt).unwrap();
         let l = check_launch(db, &[t(&[p, c], DType::F32), t(&[c], dt)], &[])?;
@@ -132,26 +130,26 @@ fn gelu_launches() -> Result<()> {
     // a bias of another length than the rows
     let dt = DType::BF16;
     let fwd = find("bias_gelu_fwd", dt).unwrap();
-    let err = check_launch(fwd, &[t(&[n, c], dt), t(&[c + 1], dt), t(&[n, c], dt)], &[])
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("B has C = 301"), "{err}");
+    refuses(
+        fwd,
+        &[t(&[n, c], dt), t(&[c + 1], dt), t(&[n, c], dt)],
+        &[],
+        "B has C = 301",
+    );
     // no scalars are taken
-    let err = check_launch(
+    refuses(
         fwd,
         &[t(&[n, c], dt), t(&[c], dt), t(&[n, c], dt)],
         &[Scalar::F32(1.0)],
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(err.contains("left over"), "{err}");
+        "left over",
+    );
     Ok(())
 }
 
 #[test]
 fn dropout_launches() -> Result<()> {
-    use candle_fused::cuda_kernels::dropout::{scalars, words};
-    use candle_fused::RngKey;
+    use crate::cuda_kernels::dropout::{scalars, words};
+    use crate::RngKey;
     use Arg::{Null, Tensor as T, F32, I32};
     let e = 4773;
     let key = RngKey::new(0xDEAD_BEEF_1234_5678, 0x1_0000_0003).with_offset((5 << 32) + 7);
@@ -196,26 +194,26 @@ fn dropout_launches() -> Result<()> {
     let spec = find("dropout", DType::F32).unwrap();
     let mut s = scalars(0.3, key, DType::F32)?.to_vec();
     s.rotate_right(2);
-    let err = check_launch(spec, &[t(&[e], DType::F32), t(&[e], DType::F32)], &s)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("seed_lo needs a Scalar::I32"), "{err}");
+    refuses(
+        spec,
+        &[t(&[e], DType::F32), t(&[e], DType::F32)],
+        &s,
+        "seed_lo needs a Scalar::I32",
+    );
     // x and y of different lengths
-    let err = check_launch(
+    refuses(
         spec,
         &[t(&[e], DType::F32), t(&[e - 1], DType::F32)],
         &scalars(0.3, key, DType::F32)?,
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(err.contains("Y has E = 4772"), "{err}");
+        "Y has E = 4772",
+    );
     Ok(())
 }
 
 #[test]
 fn adamw_launches() -> Result<()> {
-    use candle_fused::adamw::AdamWStep;
-    use candle_fused::cuda_kernels::adamw::{scalars, SUMSQ_BLOCK};
+    use crate::adamw::AdamWStep;
+    use crate::cuda_kernels::adamw::{scalars, SUMSQ_BLOCK};
     use Arg::{Null, Tensor as T, F32, I32};
     let e = 3001usize;
     let step = AdamWStep {
@@ -244,26 +242,23 @@ fn adamw_launches() -> Result<()> {
         if dt != f {
             let mut wrong = args.clone();
             wrong[2] = t(&[e], dt);
-            let err = check_launch(up, &wrong, &s).unwrap_err().to_string();
-            assert!(err.contains("EXP_AVG must be F32"), "{err}");
+            refuses(up, &wrong, &s, "EXP_AVG must be F32");
         }
         // eight scalars instead of nine
-        let err = check_launch(up, &args, &s[..8]).unwrap_err().to_string();
-        assert!(err.contains("eps needs a Scalar::F32"), "{err}");
+        refuses(up, &args, &s[..8], "eps needs a Scalar::F32");
 
         let p = e.div_ceil(SUMSQ_BLOCK);
         let part = find("sumsq_partial", dt).unwrap();
         let l = check_launch(part, &[t(&[e], dt), t(&[p], DType::F64)], &[])?;
         assert_eq!(l.grid, [3, 1, 1]);
         assert_eq!(l.args, [T(0), T(1), I32(3001), Null, Null]);
-        let err = check_launch(part, &[t(&[e], dt), t(&[p], f)], &[])
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("PARTIAL must be F64"), "{err}");
-        let err = check_launch(part, &[t(&[e], dt), t(&[p + 1], DType::F64)], &[])
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("cdiv(E, 1024)"), "{err}");
+        refuses(part, &[t(&[e], dt), t(&[p], f)], &[], "PARTIAL must be F64");
+        refuses(
+            part,
+            &[t(&[e], dt), t(&[p + 1], DType::F64)],
+            &[],
+            "cdiv(E, 1024)",
+        );
     }
     let total = find("sumsq_total", f).unwrap();
     let l = check_launch(total, &[t(&[3], DType::F64), t(&[1], f)], &[])?;
@@ -282,8 +277,8 @@ fn adamw_launches() -> Result<()> {
 
 #[test]
 fn adamw_multi_launches() -> Result<()> {
-    use candle_fused::adamw::AdamWStep;
-    use candle_fused::cuda_kernels::adamw::scalars;
+    use crate::adamw::AdamWStep;
+    use crate::cuda_kernels::adamw::scalars;
     use Arg::{Null, Tensor as T, F32, I32};
     let s = scalars(&AdamWStep {
         step: 3,
@@ -304,10 +299,12 @@ fn adamw_multi_launches() -> Result<()> {
         assert!(matches!(l.args[4], F32(_)));
         assert_eq!(l.args[13..], [Null, Null]);
         // a table of 4 columns, an i32 table, a negative block count: refused
-        let err = check_launch(up, &[t(&[3, 4], i64_), t(&[3001], dt)], &scalars_nb)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("W must be 8"), "{err}");
+        refuses(
+            up,
+            &[t(&[3, 4], i64_), t(&[3001], dt)],
+            &scalars_nb,
+            "W must be 8",
+        );
         assert!(check_launch(up, &[t(&[3, 8], DType::I32), t(&[3001], dt)], &scalars_nb).is_err());
         scalars_nb[0] = Scalar::I32(-1);
         assert!(check_launch(up, &[t(&[3, 8], i64_), t(&[3001], dt)], &scalars_nb).is_err());

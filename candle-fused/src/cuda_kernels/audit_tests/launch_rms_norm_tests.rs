@@ -19,21 +19,8 @@ fn check_launch_accepts_the_contract_and_rejects_the_rest() -> Result<()> {
         )?;
         assert_eq!(l.grid, [37, 1, 1]);
         assert_eq!(l.block, [256, 1, 1]);
-        use Arg::{Null, Tensor as T, F32, I32};
-        assert_eq!(
-            l.args,
-            [
-                T(0),
-                T(1),
-                T(2),
-                T(3),
-                I32(37),
-                I32(129),
-                F32(1e-5),
-                Null,
-                Null
-            ]
-        );
+        use Arg::{F32, I32};
+        assert_eq!(l.args, args_of(4, &[I32(37), I32(129), F32(1e-5)]));
         assert_eq!(
             (l.dim("N"), l.dim("C"), l.dim("P")),
             (Some(37), Some(129), None)
@@ -42,49 +29,31 @@ fn check_launch_accepts_the_contract_and_rejects_the_rest() -> Result<()> {
 
         let p = n.div_ceil(rms_norm::ROWS_PER_PROGRAM);
         let dx = find("rms_norm_bwd_dx", dt).unwrap();
-        let args = [
+        let (x, w, rstd, part) = (
             t(&[n, c], dt),
             t(&[c], dt),
-            t(&[n, c], dt),
             t(&[n], DType::F32),
-            t(&[n, c], dt),
             t(&[p, c], DType::F32),
-        ];
+        );
+        let args = [&x, &w, &x, &rstd, &x, &part].map(Clone::clone);
         let l = check_launch(dx, &args, &[])?;
         assert_eq!(l.grid, [2, 1, 1]);
-        assert_eq!(
-            l.args,
-            [
-                T(0),
-                T(1),
-                T(2),
-                T(3),
-                T(4),
-                T(5),
-                I32(37),
-                I32(129),
-                Null,
-                Null
-            ]
-        );
+        assert_eq!(l.args, args_of(6, &[I32(37), I32(129)]));
         let mut wrong_p = args.clone();
         wrong_p[5] = t(&[p + 1, c], DType::F32);
-        let e = check_launch(dx, &wrong_p, &[]).unwrap_err().to_string();
-        assert!(e.contains("cdiv(N, 32)"), "{e}");
+        refuses(dx, &wrong_p, &[], "cdiv(N, 32)");
 
         let dw = find("rms_norm_bwd_dw", dt).unwrap();
-        let l = check_launch(dw, &[t(&[p, c], DType::F32), t(&[c], dt)], &[])?;
-        assert_eq!((l.grid, l.block), ([1, 1, 1], [64, 1, 1]));
-        assert_eq!(l.args, [T(0), T(1), I32(2), I32(129), Null, Null]);
+        let l = check_launch(dw, &[part, w], &[])?;
+        assert_eq!(
+            (l.grid, l.block, l.args),
+            ([1, 1, 1], [64, 1, 1], args_of(2, &[I32(2), I32(129)]))
+        );
     }
     let dt = DType::BF16;
     let fwd = find("rms_norm_fwd", dt).unwrap();
-    let ok = [
-        t(&[n, c], dt),
-        t(&[c], dt),
-        t(&[n, c], dt),
-        t(&[n], DType::F32),
-    ];
+    let (x, w, rstd) = (t(&[n, c], dt), t(&[c], dt), t(&[n], DType::F32));
+    let ok = [&x, &w, &x, &rstd].map(Clone::clone);
     // misaligned: a view starting one row into a buffer (129 bf16 = 258 bytes)
     let mut a = ok.clone();
     a[0].offset_bytes = c * 2;
@@ -99,18 +68,15 @@ fn check_launch_accepts_the_contract_and_rejects_the_rest() -> Result<()> {
     // strided rows
     let mut a = ok.clone();
     a[2].strides = vec![2 * c, 1];
-    let e = check_launch(fwd, &a, EPS).unwrap_err().to_string();
-    assert!(e.contains("Y must be contiguous"), "{e}");
+    refuses(fwd, &a, EPS, "Y must be contiguous");
     // wrong dtypes
     let mut a = ok.clone();
     a[3] = t(&[n], DType::BF16);
-    let e = check_launch(fwd, &a, EPS).unwrap_err().to_string();
-    assert!(e.contains("RSTD must be F32"), "{e}");
+    refuses(fwd, &a, EPS, "RSTD must be F32");
     // mismatched shapes
     let mut a = ok.clone();
     a[1] = t(&[c + 1], dt);
-    let e = check_launch(fwd, &a, EPS).unwrap_err().to_string();
-    assert!(e.contains("W has C = 130"), "{e}");
+    refuses(fwd, &a, EPS, "W has C = 130");
     // rows longer than one tile
     let big = 4097;
     let a = [
@@ -119,19 +85,11 @@ fn check_launch_accepts_the_contract_and_rejects_the_rest() -> Result<()> {
         t(&[2, big], dt),
         t(&[2], DType::F32),
     ];
-    let e = check_launch(fwd, &a, EPS).unwrap_err().to_string();
-    assert!(e.contains("C = 4097 exceeds 4096"), "{e}");
+    refuses(fwd, &a, EPS, "C = 4097 exceeds 4096");
     // scalars: missing, of the wrong kind, or too many
-    let e = check_launch(fwd, &ok, &[]).unwrap_err().to_string();
-    assert!(e.contains("eps needs a Scalar::F32"), "{e}");
-    let e = check_launch(fwd, &ok, &[Scalar::I32(1)])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("eps needs a Scalar::F32"), "{e}");
-    let e = check_launch(fwd, &ok, &[EPS[0], EPS[0]])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("left over"), "{e}");
+    refuses(fwd, &ok, &[], "eps needs a Scalar::F32");
+    refuses(fwd, &ok, &[Scalar::I32(1)], "eps needs a Scalar::F32");
+    refuses(fwd, &ok, &[EPS[0], EPS[0]], "left over");
     // wrong number of arguments, empty grid
     assert!(check_launch(fwd, &ok[..3], EPS).is_err());
     let a = [

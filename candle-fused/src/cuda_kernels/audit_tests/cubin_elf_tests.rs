@@ -10,8 +10,8 @@
 //!   the same note.
 
 use super::{crate_dir, json, str_of, u64_of};
+use crate::cuda_kernels::{kernels, shared_memory_opt_in, ARCHS};
 use anyhow::{anyhow, ensure, Context, Result};
-use candle_fused::cuda_kernels::{kernels, shared_memory_opt_in, ARCHS};
 use object::read::elf::{ElfFile64, SectionHeader};
 use object::{LittleEndian, Object, ObjectSection};
 use serde_json::Value;
