@@ -299,7 +299,14 @@ fn quantization_is_deterministic() -> Result<()> {
 fn host_ranges_match_candle_ops() -> Result<()> {
     let (rows, cols) = (301, 257);
     let n = rows * cols;
-    let ranges = [(0, n), (1, n - 1), (63, 65), (65, 66), (3, 3), (129, 40_001)];
+    let ranges = [
+        (0, n),
+        (1, n - 1),
+        (63, 65),
+        (65, 66),
+        (3, 3),
+        (129, 40_001),
+    ];
     let w = Tensor::randn(0f32, 0.05, (rows, cols), &Device::Cpu)?;
     for (state, double) in [(DType::F32, true), (DType::BF16, false), (DType::F16, true)] {
         let q = Nf4Weight::quantize(&w.to_dtype(state)?, double)?;

@@ -40,8 +40,11 @@ fn run(
 fn qlora_matches_the_dense_reference() -> Result<()> {
     let mut rng = Lcg(5);
     // (leading dims, in, out, r): the last has 2 tiles of rows (1024 x 4100 > TILE_ELEMS).
-    let shapes: [(&[usize], usize, usize, usize); 3] =
-        [(&[3], 64, 5, 2), (&[2, 7], 96, 33, 4), (&[2], 1024, 4100, 3)];
+    let shapes: [(&[usize], usize, usize, usize); 3] = [
+        (&[3], 64, 5, 2),
+        (&[2, 7], 96, 33, 4),
+        (&[2], 1024, 4100, 3),
+    ];
     const _: () = assert!(1024 * 4100 > TILE_ELEMS);
     for (lead, n_in, n_out, r) in shapes {
         for double in [false, true] {
