@@ -30,8 +30,11 @@ use std::collections::BTreeMap;
 use candle_core::{bail, DType, Device, Result, Tensor};
 use rayon::prelude::*;
 
+use crate::cpu::Real;
+
 #[cfg(feature = "cuda")]
 mod cuda;
+mod host;
 mod nested;
 mod state;
 
@@ -359,11 +362,17 @@ impl Nf4Weight {
         if let Some(out) = self.triton_dtype(dtype).filter(|_| !host && start < end) {
             return cuda::dequantize(self, absmax, start, end, out)?.to_dtype(dtype);
         }
-        let vals = match host {
-            true => self.dequantize_range_cpu(absmax, start, end)?,
-            false => self.dequantize_range_composite(absmax, start, end)?,
-        };
-        vals.to_dtype(self.dtype)?.to_dtype(dtype)
+        if host {
+            let am = absmax.to_vec1::<f32>()?;
+            return crate::cpu::dispatch!(dtype, T => {
+                let mut out = vec![<T as crate::cpu::Elem>::from_acc(Real::ZERO); end - start];
+                self.dequantize_into(&am, start, &mut out)?;
+                Tensor::from_vec(out, end - start, &Device::Cpu)
+            });
+        }
+        self.dequantize_range_composite(absmax, start, end)?
+            .to_dtype(self.dtype)?
+            .to_dtype(dtype)
     }
 
     /// The dtype the Triton kernel writes for `dtype` (the quant state's, whose rounding comes
@@ -383,26 +392,6 @@ impl Nf4Weight {
         let top = self.elem_count() + crate::cuda_kernels::nf4::BLOCK;
         let on = crate::cuda_kernels::triton_flat(self.device(), out, top);
         (on && crate::cuda_kernels::may_launch(entry)).then_some(out)
-    }
-
-    /// [`Nf4Weight::dequantize_range`] in f32 on the host.
-    fn dequantize_range_cpu(&self, absmax: &Tensor, start: usize, end: usize) -> Result<Tensor> {
-        let b0 = start / 2;
-        let bytes = self
-            .packed
-            .narrow(0, b0, blocks(end, 2) - b0)?
-            .to_vec1::<u8>()?;
-        let (a0, a1) = (start / self.blocksize, blocks(end, self.blocksize));
-        let am = absmax.narrow(0, a0, a1 - a0)?.to_vec1::<f32>()?;
-        let bs = self.blocksize;
-        let out: Vec<f32> = (start..end)
-            .map(|i| {
-                let byte = bytes[i / 2 - b0];
-                let code = if i % 2 == 0 { byte >> 4 } else { byte & 0x0f };
-                NF4_VALUES[code as usize] * am[i / bs - a0]
-            })
-            .collect();
-        Tensor::from_vec(out, end - start, &Device::Cpu)
     }
 
     /// [`Nf4Weight::dequantize_range`] in f32 from Candle ops (any device).

@@ -17,7 +17,11 @@
 //!
 //! bf16 and f16 compute in f32 (the dequantized tile, rounded to the dtype, is widened exactly)
 //! and round `y` and `dx` once; f32 and f64 compute in their own type. On the CPU a tile is
-//! dequantized on the host; on CUDA by the Triton kernel `nf4_dequant` (or
+//! dequantized on the host straight into the compute dtype, split over the threads our GEMM
+//! runs on (Candle's pool, [`crate::pool`]), into one buffer reused for every tile; a tile holds
+//! as many rows as [`TILE_ELEMS`] allows in whole multiples of 512 (the GEMM's sums over `k`),
+//! so `dx` sums over the tiles in the chunks one GEMM over the whole weight would use. On CUDA
+//! a tile is dequantized by the Triton kernel `nf4_dequant` (or
 //! `nf4_dequant_nested`) when the kernels are on, otherwise by Candle ops on the device (the
 //! same f32 products either way, so the same bits).
 //!
@@ -28,8 +32,8 @@
 //! [`lora_linear`](crate::lora::lora_linear) (the fused [`dropout`](crate::dropout::dropout)
 //! with the same key), gradients to `x`, `A` and `B`. On the CPU it is
 //! [`lora_linear`](crate::lora::lora_linear)'s op with the 4-bit base in place of the dense
-//! one, so it holds what that op holds: the output in one buffer (the bias rows, each tile's
-//! product `x W_tileᵀ` added into its columns, the adapter added, rounded once), `h = u Aᵀ`
+//! one, so it holds what that op holds: the output in one buffer (each tile's columns the bias
+//! plus `x W_tileᵀ`, as the dense op sums them, the adapter added, rounded once), `h = u Aᵀ`
 //! (`[N, r]`) saved for the backward, `dx` summed in one buffer (the adapter's part, then each
 //! tile's `dy[:, tile] W_tile`); the products are our GEMMs (bf16 tiles on the bf16 kernel
 //! where the CPU has AVX512-BF16, as there). On other devices it is composed from

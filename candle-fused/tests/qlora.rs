@@ -39,10 +39,13 @@ fn run(
 #[test]
 fn qlora_matches_the_dense_reference() -> Result<()> {
     let mut rng = Lcg(5);
-    // (leading dims, in, out, r): the last has 2 tiles of rows (64 x 4100 > TILE_ELEMS).
-    let shapes: [(&[usize], usize, usize, usize); 3] =
-        [(&[3], 64, 5, 2), (&[2, 7], 96, 33, 4), (&[2], 64, 4100, 3)];
-    const _: () = assert!(64 * 4100 > TILE_ELEMS);
+    // (leading dims, in, out, r): the last has 2 tiles of rows (1024 x 4100 > TILE_ELEMS).
+    let shapes: [(&[usize], usize, usize, usize); 3] = [
+        (&[3], 64, 5, 2),
+        (&[2, 7], 96, 33, 4),
+        (&[2], 1024, 4100, 3),
+    ];
+    const _: () = assert!(1024 * 4100 > TILE_ELEMS);
     for (lead, n_in, n_out, r) in shapes {
         for double in [false, true] {
             for bias in [false, true] {
@@ -159,12 +162,13 @@ fn bf16_and_f64() -> Result<()> {
 
 /// On the CPU `qlora_linear` is `lora_linear`'s op over the dequantized weight: the same bits
 /// (y and every gradient) where the tiles' boundaries meet the GEMM's 512-long sums (in 512,
-/// so tiles of 512 rows; out 1024: two tiles), f32 and bf16, with bias and dropout.
+/// so tiles of 8192 rows; out 8704, which one GEMM sums in 512-long chunks: two tiles), f32 and
+/// bf16, with bias and dropout.
 #[test]
 fn cpu_kernel_is_lora_over_the_dequantized_weight() -> Result<()> {
     let mut rng = Lcg(21);
-    let (n_in, n_out, r) = (512, 1024, 4);
-    assert_eq!(TILE_ELEMS / n_in, 512);
+    let (n_in, n_out, r) = (512, 8704, 4);
+    assert_eq!(TILE_ELEMS / n_in, 8192);
     let w = Nf4Weight::quantize(&rand(&[n_out, n_in], DType::F32, &mut rng, 0.1, 0.0)?, true)?;
     for dt in [DType::F32, DType::BF16] {
         let t = |rng: &mut Lcg, d: &[usize], s: f64| -> Result<Tensor> {

@@ -259,7 +259,7 @@ unsafe fn gemm_block<A: Real>(
 }
 
 /// The longest `k` one `gemm` call sums (see [`gemm_raw`]).
-const KC: usize = 512;
+pub(crate) const KC: usize = 512;
 
 /// A new `m x n` matrix `lhs · rhs`, written once by the GEMM (no zero-fill first).
 pub(crate) fn gemm_new<A: Real>(

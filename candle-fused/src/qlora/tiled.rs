@@ -3,15 +3,17 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use crate::cpu::{self, Elem, Real};
-use crate::linear::gemm::{gemm_raw, operand, widen, Operand};
+use crate::cpu::{Elem, Real};
+use crate::linear::gemm::{gemm_raw, operand, widen, Operand, KC};
 use crate::linear::Strided;
 use crate::nf4::Nf4Weight;
 use crate::op::acc_dtype;
 use crate::pool;
 
-/// The most weight values dequantized at a time (one tile of rows, 1 MiB in f32).
-pub const TILE_ELEMS: usize = 1 << 18;
+/// The most weight values dequantized at a time: one tile of rows, 8 MiB in bf16 (16 MiB in
+/// f32). Large enough that a tile is a large GEMM (at Llama-3.2-1B's shape a 2048-wide
+/// projection's tile is 2048 rows), small beside the 4-bit weights of a model.
+pub const TILE_ELEMS: usize = 1 << 22;
 
 /// `(out, in)` of a weight checked 2-D.
 fn out_in(w: &Nf4Weight) -> (usize, usize) {
@@ -19,6 +21,15 @@ fn out_in(w: &Nf4Weight) -> (usize, usize) {
         [o, i] => (*o, *i),
         _ => (0, 0),
     }
+}
+
+/// Rows a tile of a `[n_out, n_in]` weight holds: as many as [`TILE_ELEMS`] allows (at least
+/// one), whole multiples of the GEMM's [`KC`]-long sums where that many fit, so `dx`'s sum over
+/// the tiles runs in the same chunks as one GEMM over the whole weight.
+fn tile_rows(n_out: usize, n_in: usize) -> usize {
+    let fit = (TILE_ELEMS / n_in.max(1)).max(1);
+    let rows = if fit >= KC { fit / KC * KC } else { fit };
+    rows.min(n_out.max(1))
 }
 
 /// Calls `f(first row, tile [rows, in] in dtype)` for each tile of `w`'s rows in order
@@ -30,7 +41,7 @@ pub(crate) fn tiles(
 ) -> Result<()> {
     let (n_out, n_in) = out_in(w);
     let absmax = w.absmax_f32()?;
-    let step = (TILE_ELEMS / n_in.max(1)).clamp(1, n_out.max(1));
+    let step = tile_rows(n_out, n_in);
     for r0 in (0..n_out).step_by(step) {
         let r1 = (r0 + step).min(n_out);
         let tile = w.dequantize_range(&absmax, r0 * n_in, r1 * n_in, dtype)?;
@@ -39,16 +50,26 @@ pub(crate) fn tiles(
     Ok(())
 }
 
-/// [`tiles`] on the host: each tile's values in `T`.
+/// [`tiles`] on the host: each tile dequantized in `T` into one buffer reused for every tile.
 fn host_tiles<T: Elem>(w: &Nf4Weight, mut f: impl FnMut(usize, &[T]) -> Result<()>) -> Result<()> {
-    tiles(w, T::DTYPE, |r0, tile| {
-        cpu::with_slice::<T, _>(&tile, |s| f(r0, s))
-    })
+    let (n_out, n_in) = out_in(w);
+    let absmax = w.absmax_f32()?.to_vec1::<f32>()?;
+    let step = tile_rows(n_out, n_in);
+    let mut buf = vec![T::from_acc(<T::Acc as Real>::ZERO); step.min(n_out) * n_in];
+    for r0 in (0..n_out).step_by(step) {
+        let r1 = (r0 + step).min(n_out);
+        let tile = &mut buf[..(r1 - r0) * n_in];
+        w.dequantize_into(&absmax, r0 * n_in, tile)?;
+        f(r0, tile)?;
+    }
+    Ok(())
 }
 
-/// `x Wᵀ (+ bias)` for `x [N, in]` on the host, in the accumulation type: one output buffer
-/// (the bias rows, or zeros), each tile's product (our GEMM over the dequantized tile, `[N,
-/// rows]` in one reused buffer) added into its columns.
+/// `x Wᵀ (+ bias)` for `x [N, in]` on the host, in the accumulation type, as the dense
+/// [`fwd_acc`](crate::linear::fwd_acc) computes it column for column: each tile's columns
+/// start from the bias rows (or are written from nothing) and our GEMM over the dequantized
+/// tile accumulates into them, in one reused `[N, rows]` buffer copied into the output (or
+/// straight in the output when one tile holds every row).
 pub(crate) fn fwd_acc_host<T: Elem>(
     x: &[T],
     w: &Nf4Weight,
@@ -56,45 +77,52 @@ pub(crate) fn fwd_acc_host<T: Elem>(
 ) -> Result<Vec<T::Acc>> {
     let (n_out, n_in) = out_in(w);
     let rows = x.len().checked_div(n_in).unwrap_or(0);
-    let mut y: Vec<T::Acc> = match bias {
-        Some(b) => widen(b)
-            .iter()
-            .copied()
-            .cycle()
-            .take(rows * n_out)
-            .collect(),
-        None => vec![<T::Acc as Real>::ZERO; rows * n_out],
-    };
+    let bias = bias.map(widen);
     let xa = operand(x);
     let threads = pool::parts();
-    let mut part: Vec<T::Acc> = Vec::new();
-    host_tiles::<T>(w, |r0, tile| {
+    // `part` [rows, nt] = (bias columns r0.. or nothing) + x W_tileᵀ
+    let product = |part: &mut Vec<T::Acc>, r0: usize, tile: &[T]| {
         let nt = tile.len() / n_in;
-        let ta = operand(tile);
         part.clear();
+        if let Some(b) = &bias {
+            for _ in 0..rows {
+                part.extend_from_slice(&b[r0..r0 + nt]);
+            }
+        }
         part.reserve(rows * nt);
-        // SAFETY: `part` has capacity rows x nt, written in full by the GEMM (acc = false)
-        // before its length is set.
+        let ta = operand(tile);
+        // SAFETY: `part` has capacity rows x nt, initialised when the GEMM accumulates (a
+        // bias) and else written in full by it (acc = false) before its length is set.
         unsafe {
             gemm_raw(
                 rows,
                 nt,
                 n_in,
                 part.as_mut_ptr(),
-                false,
+                bias.is_some(),
                 (&xa, Strided { rs: n_in, cs: 1 }),
                 (&ta, Strided { rs: 1, cs: n_in }),
                 threads,
             );
             part.set_len(rows * nt);
         }
+    };
+    let mut y: Vec<T::Acc> = Vec::new();
+    let mut part: Vec<T::Acc> = Vec::new();
+    host_tiles::<T>(w, |r0, tile| {
+        if tile.len() == n_out * n_in {
+            product(&mut y, r0, tile);
+            return Ok(());
+        }
+        product(&mut part, r0, tile);
+        y.resize(rows * n_out, <T::Acc as Real>::ZERO);
+        let nt = tile.len() / n_in;
         for (yr, pr) in y.chunks_exact_mut(n_out).zip(part.chunks_exact(nt)) {
-            for (o, p) in yr[r0..r0 + nt].iter_mut().zip(pr) {
-                *o += *p;
-            }
+            yr[r0..r0 + nt].copy_from_slice(pr);
         }
         Ok(())
     })?;
+    y.resize(rows * n_out, <T::Acc as Real>::ZERO);
     Ok(y)
 }
 
