@@ -51,12 +51,39 @@ fn two_ops(i: &[Tensor], w_t: bool) -> candle_core::Result<Tensor> {
     &i[2] + linear(&i[0], &weight(&i[1], w_t)?, i.get(3))?
 }
 
-const SHAPES: [(&[usize], usize, usize); 4] = [
+/// The output's dims for a shape `(lead, n_in, n_out)`.
+fn out_dims((lead, _, n_out): Shape) -> Vec<usize> {
+    [lead, &[n_out]].concat()
+}
+
+type Shape = (&'static [usize], usize, usize);
+
+const SHAPES: [Shape; 4] = [
     (&[1], 1, 1),
     (&[3, 5], 7, 33),
     (&[2, 65], 64, 130),
     (&[127], 33, 1),
 ];
+
+/// A value and its inputs' gradients ([`value_and_grads`]).
+type Run = (Tensor, Vec<Tensor>);
+
+/// Every tensor of run `a` against run `b` by `check` (same bits, or close), named `what`.
+fn check_runs(
+    a: &Run,
+    b: &Run,
+    what: &str,
+    check: impl Fn(&Tensor, &Tensor, &str) -> Result<()>,
+) -> Result<()> {
+    let (ta, tb) = (
+        std::iter::once(&a.0).chain(&a.1),
+        std::iter::once(&b.0).chain(&b.1),
+    );
+    for (k, (x, y)) in ta.zip(tb).enumerate() {
+        check(x, y, &format!("{what}: y and grads, #{k}"))?;
+    }
+    Ok(())
+}
 
 #[test]
 fn same_bits_as_linear_then_add() -> Result<()> {
@@ -66,29 +93,16 @@ fn same_bits_as_linear_then_add() -> Result<()> {
             for (w_t, bias) in [(false, false), (true, false), (true, true)] {
                 let ins = inputs(dt, shape, bias, &mut rng)?;
                 let what = format!("{dt:?} {shape:?} w_t={w_t} bias={bias}");
-                let probe = rand(
-                    &[shape.0, &[shape.2]].concat(),
-                    DType::F64,
-                    &mut rng,
-                    1.0,
-                    0.0,
-                )?;
+                let probe = rand(&out_dims(shape), DType::F64, &mut rng, 1.0, 0.0)?;
                 let f = move |i: &[Tensor]| fused(i, w_t);
-                let (y, g) = value_and_grads(&f, &ins, &probe)?;
-                let (y2, g2) = value_and_grads(&|i: &[Tensor]| two_ops(i, w_t), &ins, &probe)?;
-                same_bits(&y, &y2, &format!("{what}: y"))?;
-                for (k, (a, b)) in g.iter().zip(&g2).enumerate() {
-                    same_bits(a, b, &format!("{what}: grad {k}"))?;
-                }
+                let g = move |i: &[Tensor]| two_ops(i, w_t);
+                let run = |op: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>| {
+                    value_and_grads(op, &ins, &probe)
+                };
+                check_runs(&run(&f)?, &run(&g)?, &what, same_bits)?;
                 // the fallback path: the two ops, whose own bits `linear`'s tests check
-                let (yf, gf) = with_fallback(|| value_and_grads(&f, &ins, &probe))?;
-                let (yf2, gf2) = with_fallback(|| {
-                    value_and_grads(&|i: &[Tensor]| two_ops(i, w_t), &ins, &probe)
-                })?;
-                same_bits(&yf, &yf2, &format!("{what}: fallback y"))?;
-                for (k, (a, b)) in gf.iter().zip(&gf2).enumerate() {
-                    same_bits(a, b, &format!("{what}: fallback grad {k}"))?;
-                }
+                let (fb, gb) = with_fallback(|| (run(&f), run(&g)));
+                check_runs(&fb?, &gb?, &format!("{what}, fallback"), same_bits)?;
             }
         }
     }
@@ -129,7 +143,7 @@ fn compare(dt: DType, tol: f64, rng: &mut Lcg) -> Result<()> {
     for shape in SHAPES {
         for bias in [false, true] {
             let ins = inputs(dt, shape, bias, rng)?;
-            let probe = rand(&[shape.0, &[shape.2]].concat(), DType::F64, rng, 1.0, 0.0)?;
+            let probe = rand(&out_dims(shape), DType::F64, rng, 1.0, 0.0)?;
             let composite = |i: &[Tensor]| linear_add_composite(&i[0], &i[1], i.get(3), &i[2]);
             let (y, g) = value_and_grads(&|i: &[Tensor]| fused(i, false), &ins, &probe)?;
             let (yc, gc) = if half {
@@ -142,10 +156,9 @@ fn compare(dt: DType, tol: f64, rng: &mut Lcg) -> Result<()> {
                 value_and_grads(&composite, &ins, &probe)?
             };
             let what = format!("{dt:?} {shape:?} bias={bias}");
-            assert_close(&y, &yc, tol, &format!("{what}: y"))?;
-            for (k, (a, b)) in g.iter().zip(&gc).enumerate() {
-                assert_close(a, b, tol, &format!("{what}: grad {k}"))?;
-            }
+            check_runs(&(y, g), &(yc, gc), &what, |a, b, w| {
+                assert_close(a, b, tol, w)
+            })?;
         }
     }
     Ok(())
