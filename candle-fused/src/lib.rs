@@ -73,6 +73,7 @@ pub mod gelu;
 mod gemm_bf16;
 pub mod host;
 pub mod linear;
+pub mod linear_add;
 pub mod linear_cross_entropy;
 pub mod linear_gelu;
 pub mod lora;

@@ -157,9 +157,9 @@ pub(crate) fn out_shape(lx: &Layout, n_out: usize) -> Shape {
 }
 
 /// The op: `(x, w)` or `(x, w, b)`.
-struct LinearOp {
-    n_in: usize,
-    n_out: usize,
+pub(crate) struct LinearOp {
+    pub(crate) n_in: usize,
+    pub(crate) n_out: usize,
 }
 
 impl Kernel for LinearOp {

@@ -11,7 +11,9 @@
 use candle_core::{DType, Tensor};
 use candle_fused::host::Targets;
 use candle_fused::linear_cross_entropy as lce;
-use candle_fused::{cross_entropy, embedding, geglu, linear, linear_gelu, norm, rope, swiglu};
+use candle_fused::{
+    cross_entropy, embedding, geglu, linear, linear_add, linear_gelu, norm, rope, swiglu,
+};
 use serde::{Deserialize, Serialize};
 
 /// The implementation of the model's ops.
@@ -57,6 +59,15 @@ impl Kernels {
         match self {
             Kernels::Fused => linear::linear(x, w, b),
             Kernels::Reference => linear::linear_composite(x, w, b),
+        }
+    }
+
+    /// `r + (x W + b)`: a projection and the residual add after it, one op where there is no
+    /// bias (`candle_fused::linear_add`; the same bits as the two).
+    pub fn linear_add(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>, r: &Tensor) -> R {
+        match self {
+            Kernels::Fused => linear_add::linear_add(x, w, b, r),
+            Kernels::Reference => linear_add::linear_add_composite(x, w, b, r),
         }
     }
 

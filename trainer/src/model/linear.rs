@@ -158,6 +158,17 @@ impl Linear {
         }
     }
 
+    /// `r + forward(x)`, `r` of the output's shape: a block's residual add, fused into the
+    /// projection where the layer runs plain (no adapter running, not 4-bit; see
+    /// `candle_fused::linear_add`). The same bits either way.
+    pub fn forward_add(&self, x: &Tensor, r: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        if self.running(ctx).is_some() || self.quant.is_some() {
+            return r + self.forward(x, ctx)?;
+        }
+        let (w, b) = self.cast(ctx)?;
+        ctx.kernels.linear_add(x, &w, b.as_ref(), r)
+    }
+
     /// The adapter that runs the layer in `ctx`: none when unwrapped or adapters are off.
     fn running(&self, ctx: &Ctx) -> Option<&Arc<dyn LinearAdapter>> {
         self.adapter.as_ref().filter(|_| ctx.adapters)

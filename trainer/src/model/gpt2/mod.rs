@@ -143,15 +143,24 @@ pub struct CausalSelfAttention {
 impl CausalSelfAttention {
     /// `[B, T, C] -> [B, T, C]`.
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        let y = self.c_proj.forward(&self.heads(x, ctx)?, ctx)?;
+        ctx.kernels.dropout(&y, self.dropout, ctx, self.site + 1)
+    }
+
+    /// `r + forward(x)` ([`project_add`]).
+    fn forward_add(&self, x: &Tensor, r: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        let drop = (self.dropout, self.site + 1);
+        project_add(&self.c_proj, &self.heads(x, ctx)?, r, drop, ctx)
+    }
+
+    /// The attention's heads, merged: `c_proj`'s input.
+    fn heads(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         if ctx.rows.doc_ids.is_some() {
             candle_core::bail!("GPT-2's attention does not take per-token document ids yet");
         }
         let qkv = self.c_attn.forward(x, ctx)?;
-        let y = ctx
-            .kernels
-            .causal_attention(&qkv, self.n_head, self.dropout, ctx, self.site)?;
-        let y = self.c_proj.forward(&y, ctx)?;
-        ctx.kernels.dropout(&y, self.dropout, ctx, self.site + 1)
+        ctx.kernels
+            .causal_attention(&qkv, self.n_head, self.dropout, ctx, self.site)
     }
 
     /// Attention of new tokens over the cached ones and themselves (evaluation, f32).
@@ -200,6 +209,28 @@ impl Mlp {
         let y = self.c_proj.forward(&h, ctx)?;
         ctx.kernels.dropout(&y, self.dropout, ctx, self.site)
     }
+
+    /// `r + forward(x)` ([`project_add`]).
+    fn forward_add(&self, x: &Tensor, r: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        let h = self.c_fc.forward_gelu(x, ctx)?;
+        project_add(&self.c_proj, &h, r, (self.dropout, self.site), ctx)
+    }
+}
+
+/// `r + dropout(proj(y))` (dropout `p` at `site`): the add fused into the projection where no
+/// dropout runs between them (evaluation, `p = 0`; [`Linear::forward_add`], which fuses only a
+/// projection without bias: nanoGPT's `bias = false`, not Hugging Face's GPT-2).
+fn project_add(
+    proj: &Linear,
+    y: &Tensor,
+    r: &Tensor,
+    (p, site): (f32, u64),
+    ctx: &Ctx,
+) -> candle_core::Result<Tensor> {
+    if ctx.train && p != 0.0 {
+        return r + ctx.kernels.dropout(&proj.forward(y, ctx)?, p, ctx, site)?;
+    }
+    proj.forward_add(y, r, ctx)
 }
 
 /// A pre-LayerNorm transformer block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
@@ -278,8 +309,11 @@ impl Weights for Block {
 
 impl LinkOps for Block {
     fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        let x = (x + self.attn.forward(&self.ln_1.forward_ctx(x, ctx)?, ctx)?)?;
-        &x + self.mlp.forward(&self.ln_2.forward_ctx(&x, ctx)?, ctx)?
+        let x = self
+            .attn
+            .forward_add(&self.ln_1.forward_ctx(x, ctx)?, x, ctx)?;
+        self.mlp
+            .forward_add(&self.ln_2.forward_ctx(&x, ctx)?, &x, ctx)
     }
 
     own_weights!();

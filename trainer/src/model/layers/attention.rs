@@ -136,6 +136,21 @@ impl Attention {
 
     /// `[B, T, C] -> [B, T, C]` at the rows' positions (`0..T` unless the context gives them).
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        self.o_proj.forward(&self.heads(x, ctx)?, ctx)
+    }
+
+    /// `r + forward(x)`, the add fused into `o_proj` ([`Linear::forward_add`]).
+    pub(crate) fn forward_add(
+        &self,
+        x: &Tensor,
+        r: &Tensor,
+        ctx: &Ctx,
+    ) -> candle_core::Result<Tensor> {
+        self.o_proj.forward_add(&self.heads(x, ctx)?, r, ctx)
+    }
+
+    /// The attention's heads, merged: `o_proj`'s input.
+    fn heads(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let pos = match &ctx.rows.positions {
             Some(p) => p.clone(),
@@ -143,8 +158,7 @@ impl Attention {
         };
         let (q, k, v) = self.qkv(x, &pos, ctx)?;
         let p = if ctx.train { self.dropout } else { 0.0 };
-        let y = self.attend(&q, &k, &v, ctx.rows.doc_ids.as_ref(), p, ctx)?;
-        self.o_proj.forward(&y, ctx)
+        self.attend(&q, &k, &v, ctx.rows.doc_ids.as_ref(), p, ctx)
     }
 
     /// The attention of rotated `q` over `k`, `v`, heads merged: flash-style for any head

@@ -7,6 +7,9 @@
 //!
 //! or, with [`BlockOptions::sandwich_norms`] (Gemma 2/3), the attention's and the MLP's
 //! outputs normalised as well: `h = x + rms(attention(rms(x)))`, `y = h + rms(mlp(rms(h)))`.
+//!
+//! Without sandwich norms each residual add runs inside the projection before it (`o_proj`,
+//! `down_proj`: [`Linear::forward_add`]), one graph node fewer per add, the same bits.
 
 use candle_core::Tensor;
 
@@ -41,13 +44,22 @@ impl GatedMlp {
 
     /// `[.., C] -> [.., C]`.
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        self.down_proj.forward(&self.gated(x, ctx)?, ctx)
+    }
+
+    /// `r + forward(x)`, the add fused into `down_proj` ([`Linear::forward_add`]).
+    fn forward_add(&self, x: &Tensor, r: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+        self.down_proj.forward_add(&self.gated(x, ctx)?, r, ctx)
+    }
+
+    /// `act(gate_proj(x)) * up_proj(x)`: `down_proj`'s input.
+    fn gated(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         let g = self.gate_proj.forward(x, ctx)?;
         let u = self.up_proj.forward(x, ctx)?;
-        let a = match self.act {
-            GateAct::Silu => ctx.kernels.swiglu(&g, &u)?,
-            GateAct::GeluTanh => ctx.kernels.geglu(&g, &u)?,
-        };
-        self.down_proj.forward(&a, ctx)
+        match self.act {
+            GateAct::Silu => ctx.kernels.swiglu(&g, &u),
+            GateAct::GeluTanh => ctx.kernels.geglu(&g, &u),
+        }
     }
 }
 
@@ -126,16 +138,18 @@ impl Block {
         }
     }
 
+    /// `h + mlp(rms(h))`, the add fused into `down_proj`; with sandwich norms (the MLP's
+    /// output normalised before the add) two ops.
     fn mlp_residual(&self, h: Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        let y = match &self.feedforward_norms {
+        match &self.feedforward_norms {
             Some((pre, post)) => {
-                post.forward(&self.mlp.forward(&pre.forward(&h, ctx)?, ctx)?, ctx)?
+                &h + post.forward(&self.mlp.forward(&pre.forward(&h, ctx)?, ctx)?, ctx)?
             }
-            None => self
-                .mlp
-                .forward(&self.post_attention_layernorm.forward(&h, ctx)?, ctx)?,
-        };
-        h + y
+            None => {
+                let n = self.post_attention_layernorm.forward(&h, ctx)?;
+                self.mlp.forward_add(&n, &h, ctx)
+            }
+        }
     }
 }
 
@@ -170,10 +184,13 @@ impl Weights for Block {
 
 impl LinkOps for Block {
     fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
-        let a = self
-            .self_attn
-            .forward(&self.input_layernorm.forward(x, ctx)?, ctx)?;
-        self.mlp_residual(self.attn_residual(x, a, ctx)?, ctx)
+        let n = self.input_layernorm.forward(x, ctx)?;
+        let h = match self.feedforward_norms {
+            Some(_) => self.attn_residual(x, self.self_attn.forward(&n, ctx)?, ctx)?,
+            // `x + attention(..)` fused into `o_proj`
+            None => self.self_attn.forward_add(&n, x, ctx)?,
+        };
+        self.mlp_residual(h, ctx)
     }
 
     own_weights!();
