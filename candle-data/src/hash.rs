@@ -17,6 +17,12 @@ pub struct Hasher64 {
     len: u64,
 }
 
+impl Default for Hasher64 {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Hasher64 {
     /// A hasher with nothing fed yet.
     pub fn new() -> Self {
