@@ -158,5 +158,21 @@ impl From<candle_comm::CommError> for Error {
     }
 }
 
+/// The data crate's errors keep their message: each kind becomes the trainer's kind of the
+/// same name.
+impl From<candle_data::Error> for Error {
+    fn from(e: candle_data::Error) -> Self {
+        use candle_data::Error as D;
+        match e {
+            D::Candle(e) => Error::Candle(e),
+            D::Io { path, error } => Error::Io { path, error },
+            D::Config(msg) => Error::Config(msg),
+            D::Data { path, msg } => Error::Data { path, msg },
+            D::Checkpoint { path, msg } => Error::Checkpoint { path, msg },
+            D::Tokenizer(msg) => Error::Tokenizer(msg),
+        }
+    }
+}
+
 /// Result with the trainer's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;

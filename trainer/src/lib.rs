@@ -18,17 +18,11 @@
 
 #![warn(missing_docs)]
 
-#[macro_use]
-mod names;
-
 pub mod checkpoint;
 pub mod config;
-pub mod data;
 pub mod error;
 pub mod export;
-mod hash;
 pub mod hub;
-pub mod io;
 pub mod load;
 pub mod lora;
 pub mod metrics;
@@ -44,9 +38,14 @@ pub mod sample;
 pub mod schedule;
 pub mod tensorboard;
 pub mod train;
-pub mod transfer;
 
 pub use error::{Error, Result};
+
+// The data crate, where the data sources, the shared file writers and the host-device transfer
+// points live (`trainer::data`, `trainer::io`, `trainer::transfer`, as before the split).
+pub use candle_data as data;
+use candle_data::hash;
+pub use candle_data::{io, transfer};
 
 // The README's code blocks compile as doctests (`cargo test --doc -p trainer`).
 #[cfg(doctest)]

@@ -77,5 +77,5 @@ pub fn loss_curve(path: &Path, title: &str, records: &[Record]) -> Result<()> {
             .map_err(|e| err(&e))?;
         root.present().map_err(|e| err(&e))?;
     }
-    crate::checkpoint::io::write_atomic(path, svg.as_bytes())
+    Ok(crate::checkpoint::io::write_atomic(path, svg.as_bytes())?)
 }

@@ -51,7 +51,7 @@ fn prepare_pairs(
     out: &Path,
     val: f64,
     max_length: Option<usize>,
-) -> trainer::Result<PrepareSummary> {
+) -> trainer::data::Result<PrepareSummary> {
     prepare(&pair_options(input, out, val, max_length), &|_| {})
 }
 

@@ -446,7 +446,7 @@ fn an_adapter_wraps_any_projection_by_its_module_path() {
 /// whichever batch it comes).
 struct Ragged(Box<dyn DataSource>);
 
-type R<T> = trainer::Result<T>;
+type R<T> = trainer::data::Result<T>;
 
 impl DataSource for Ragged {
     fn vocab_size(&self) -> usize {
@@ -465,10 +465,10 @@ impl DataSource for Ragged {
         let mask = Tensor::from_vec(mask, (b, t), d)?;
         Ok(Batch::new(batch.x, batch.y).with_mask(Some(mask)))
     }
-    fn encode(&self, text: &str) -> trainer::Result<Vec<u32>> {
+    fn encode(&self, text: &str) -> R<Vec<u32>> {
         self.0.encode(text)
     }
-    fn decode(&self, ids: &[u32]) -> trainer::Result<String> {
+    fn decode(&self, ids: &[u32]) -> R<String> {
         self.0.decode(ids)
     }
     fn fingerprint(&self) -> Fingerprint {

@@ -189,7 +189,8 @@ pub fn save(
         let meta = HashMap::from([("step".to_string(), opt_step.to_string())]);
         named(
             &file(OPTIMIZER_FILE),
-            io::save_safetensors(&tmp.join(OPTIMIZER_FILE), opt_tensors, Some(meta)),
+            io::save_safetensors(&tmp.join(OPTIMIZER_FILE), opt_tensors, Some(meta))
+                .map_err(Error::from),
         )?;
         let state = TrainerState {
             files: Some(SavedFiles {
@@ -200,7 +201,7 @@ pub fn save(
         };
         named(
             &file(STATE_FILE),
-            io::write_json(&tmp.join(STATE_FILE), &state),
+            io::write_json(&tmp.join(STATE_FILE), &state).map_err(Error::from),
         )?;
         for (name, write) in extra {
             named(&file(name), write(&tmp.join(name)))?;
@@ -252,7 +253,7 @@ pub fn save_model(dir: &Path, config: &dyn ModelConfig, params: &Params) -> Resu
     io::save_safetensors(&dir.join(MODEL_FILE), &tensors, Some(meta))?;
     let json = serde_json::to_string_pretty(&config.to_hf_json())
         .map_err(|e| Error::checkpoint(dir, e.to_string()))?;
-    io::write_atomic(&dir.join(CONFIG_FILE), json.as_bytes())
+    Ok(io::write_atomic(&dir.join(CONFIG_FILE), json.as_bytes())?)
 }
 
 /// Loads a model directory (`config.json` and `model.safetensors` or the shards of

@@ -144,10 +144,10 @@ impl Codec {
     }
 
     fn encode(&self, text: &str) -> trainer::Result<Vec<u32>> {
-        match self {
-            Codec::Data(d) => d.encode(text),
-            Codec::Tokenizer(t) => t.encode(text),
-        }
+        Ok(match self {
+            Codec::Data(d) => d.encode(text)?,
+            Codec::Tokenizer(t) => t.encode(text)?,
+        })
     }
 
     fn vocab_size(&self) -> usize {

@@ -536,7 +536,10 @@ impl TrainConfig {
 
     /// Opens the run's data ([`TrainConfig::data_spec`]), checked to serve its blocks.
     pub fn open_data(&self) -> Result<Box<dyn DataSource>> {
-        crate::data::open_for_run(&self.data_spec(), self.block_size)
+        Ok(crate::data::open_for_run(
+            &self.data_spec(),
+            self.block_size,
+        )?)
     }
 
     /// The configuration of a fresh model for this run, with `vocab_size` from the data:

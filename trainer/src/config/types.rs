@@ -7,6 +7,7 @@ use std::str::FromStr;
 
 use candle_amp::ScalerConfig;
 use candle_core::{DType, Device};
+use candle_data::named_enum;
 use candle_pipeline::Schedule;
 
 use crate::{Error, Result};

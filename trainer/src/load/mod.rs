@@ -42,9 +42,9 @@ pub use weights::{ShardIndex, Streamed, TensorHeader, WeightFiles};
 
 use crate::checkpoint::{self, Source, TrainerState, CONFIG_FILE, STATE_FILE};
 use crate::config::TrainConfig;
+use crate::data::tokenizer::{TokenizerFile, TOKENIZER_FILE};
 use crate::data::DataSource;
 use crate::model::{Model, ModelConfig, Params};
-use crate::pretrained::{TokenizerFile, TOKENIZER_FILE};
 use crate::{Error, Result};
 use candle_peft::format::ADAPTER_CONFIG_FILE;
 
@@ -523,7 +523,7 @@ impl ModelDir {
                 "no tokenizer.json next to the model: give one with --tokenizer-path",
             ));
         }
-        TokenizerFile::open(&path)
+        Ok(TokenizerFile::open(&path)?)
     }
 }
 

@@ -123,14 +123,7 @@ pub trait ModelConfig: Send + Sync + fmt::Debug {
     }
 }
 
-/// The beginning- and end-of-text token ids of a vocabulary (`None`: it has no such token).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SpecialTokens {
-    /// `bos_token_id`.
-    pub bos: Option<u32>,
-    /// `eos_token_id`.
-    pub eos: Option<u32>,
-}
+pub use candle_data::tokenizer::SpecialTokens;
 
 /// What a tensor of a Hugging Face checkpoint is to the model.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -13,9 +13,7 @@ use candle_core::{DType, Tensor};
 
 use super::Ctx;
 
-/// Target id of a position that does not count in the loss (PyTorch's `ignore_index`; the
-/// loss mask of a batch is folded into its targets as this id).
-pub const IGNORE: u32 = u32::MAX;
+pub use candle_data::IGNORE;
 
 /// A weight map: cast to a dtype, copy to a device (differentiably).
 pub type WeightMap<'a> = &'a dyn Fn(&Tensor) -> candle_core::Result<Tensor>;

@@ -9,6 +9,7 @@
 //! their keys from the forward context and are defined beside it, in `ctx.rs`.
 
 use candle_core::{DType, Tensor};
+use candle_data::named_enum;
 use candle_fused::host::Targets;
 use candle_fused::linear_cross_entropy as lce;
 use candle_fused::{

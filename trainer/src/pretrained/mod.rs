@@ -9,13 +9,12 @@
 //! given by flags or by the run's config.
 
 mod eval;
-mod tokenizer;
 
-pub use eval::{evaluate, mean_loss, task_score, EvalRequest, EvalSettings};
-pub(crate) use eval::{mean_loss_until, task_score_until};
-pub use tokenizer::{
+pub use candle_data::tokenizer::{
     word_level, SpecialTokens, TokenizerFile, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
 };
+pub use eval::{evaluate, mean_loss, task_score, EvalRequest, EvalSettings};
+pub(crate) use eval::{mean_loss_until, task_score_until};
 
 pub use crate::load::{resolve, resolve_in, ModelDir};
 

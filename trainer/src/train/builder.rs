@@ -11,7 +11,7 @@ use candle_peft::LoraConfig;
 
 use super::{memory, Trainer};
 use crate::config::{Precision, TrainConfig};
-use crate::data::iter::BatchIter;
+use crate::data::BatchIter;
 use crate::data::{DataSource, IntoBatch};
 use crate::lora::{self, Tuning};
 use crate::model::{self, Model, Params};

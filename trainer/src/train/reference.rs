@@ -115,6 +115,6 @@ impl Trainer {
             }
             file.pairs.iter().map(|p| [p.chosen, p.rejected]).collect()
         };
-        source.set_reference(values)
+        Ok(source.set_reference(values)?)
     }
 }
