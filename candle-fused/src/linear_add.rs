@@ -8,7 +8,7 @@
 //! the same pass over the output, and the backward hands the upstream gradient to the two GEMMs
 //! (`dx = dy Wᵀ`, `dW = xᵀ dy`) and, unchanged, to `r` (`dr = dy`).
 //!
-//! The arithmetic is that of the two ops, step for step: [`linear`]'s GEMM, its rounding of
+//! The arithmetic is that of the two ops, step for step: [`linear()`]'s GEMM, its rounding of
 //! `x W` to the storage type, then the add in the storage type (16-bit values widened to f32,
 //! added, rounded once, as Candle's add does). So values and gradients are bit-identical to
 //! `(linear(x, w, None)? + r)?` on every dtype and thread count (checked by the tests).
@@ -17,7 +17,7 @@
 //! `r` are four inputs, and a Candle graph node takes at most three), under
 //! [`with_composite_fallback`](crate::with_composite_fallback), on devices with no kernel
 //! (Metal), and for empty inputs. On CUDA the forward is Candle's cuBLAS GEMM (as
-//! [`linear`]'s) followed by Candle's add kernel on the storages, so only the backward's memset
+//! [`linear()`]'s) followed by Candle's add kernel on the storages, so only the backward's memset
 //! and add go.
 
 use crate::cpu::{self, Elem};
@@ -29,9 +29,9 @@ use candle_core::{bail, CpuStorage, Result, Shape, Tensor};
 /// `r + x [.., in] · w [in, out] + b [out]` (`b` optional), `[.., out]`, `r` of the output's
 /// shape: the residual add of a pre-norm block after its projection.
 ///
-/// Without a bias, one op (see the [module docs](self)); with one, [`linear`] then the add.
+/// Without a bias, one op (see the [module docs](self)); with one, [`linear()`] then the add.
 /// Either way the result and gradients have the bits of `(linear(x, w, b)? + r)?`. `w` may be
-/// any 2-D view, as for [`linear`].
+/// any 2-D view, as for [`linear()`].
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};

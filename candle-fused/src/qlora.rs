@@ -18,7 +18,7 @@
 //! bf16 and f16 compute in f32 (the dequantized tile, rounded to the dtype, is widened exactly)
 //! and round `y` and `dx` once; f32 and f64 compute in their own type. On the CPU a tile is
 //! dequantized on the host straight into the compute dtype, split over the threads our GEMM
-//! runs on (Candle's pool, [`crate::pool`]), into one buffer reused for every tile; a tile holds
+//! runs on (Candle's pool, `crate::pool`), into one buffer reused for every tile; a tile holds
 //! as many rows as [`TILE_ELEMS`] allows in whole multiples of 512 (the GEMM's sums over `k`),
 //! so `dx` sums over the tiles in the chunks one GEMM over the whole weight would use. On CUDA
 //! a tile is dequantized by the Triton kernel `nf4_dequant` (or
