@@ -47,7 +47,6 @@ Environment: scripts/python/triton_setup.sh (pinned triton).
 """
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import struct
@@ -62,9 +61,8 @@ import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler.compiler import ASTSource  # noqa: E402
+from triton_families import ROOT, families, sha256  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-TRITON_DIR = ROOT / "candle-fused" / "triton"
 OUT = ROOT / "candle-fused" / "kernels"
 ARCHS = [80, 90]
 # The ptxas every cubin is built with (`release 13.0` in `ptxas --version` and in the cubin's
@@ -73,17 +71,6 @@ PTXAS_RELEASE = "13.0"
 PTXAS_RECIPE = ("scripts/gpu/cubins.sh (it sets TRITON_PTXAS_PATH to the ptxas of the "
                 "nvidia-cuda-nvcc==13.0.88 wheel)")
 DTYPES = {"f32": "fp32", "bf16": "bf16", "f16": "fp16"}
-
-
-def load_module(path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def sha256(path):
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def pinned_ptxas():
@@ -166,18 +153,6 @@ class NamedSource(ASTSource):
 
     def hash(self):
         return hashlib.sha256(f"{super().hash()}-{self.fn.repr(None)}".encode()).hexdigest()
-
-
-def families(names=None):
-    """{family: module} of candle-fused/triton/*.py (or of `names`)."""
-    paths = sorted(p for p in TRITON_DIR.glob("*.py") if not p.name.startswith("_"))
-    if names:
-        missing = set(names) - {p.stem for p in paths}
-        if missing:
-            sys.exit(f"no such family: {sorted(missing)}")
-        paths = [p for p in paths if p.stem in names]
-    sys.path.insert(0, str(TRITON_DIR))
-    return {p.stem: (p, load_module(p)) for p in paths}
 
 
 def compile_all(out_dir, names=None):

@@ -36,8 +36,6 @@ tensor [elements differing, max ulp] against the Rust bits. `cargo test`
 so a changed kernel has to be checked here again. Exits non-zero (and writes no record for
 the failing family) if any error exceeds its tolerance.
 """
-import hashlib
-import importlib.util
 import json
 import os
 import platform
@@ -51,27 +49,15 @@ import safetensors  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+from triton_families import ROOT, TRITON_DIR, families, sha256  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-TRITON_DIR = ROOT / "candle-fused" / "triton"
 VECTORS = TRITON_DIR / "vectors"
 RECORDS = TRITON_DIR / "records"
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
-def sha256(path):
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def rel(path):
     return str(Path(path).relative_to(ROOT))
-
-
-def load_module(path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def error(mode, got, ref, t):
@@ -160,17 +146,9 @@ def check_family(family, path, m):
 
 
 def main():
-    names = sys.argv[1:]
-    paths = sorted(p for p in TRITON_DIR.glob("*.py") if not p.name.startswith("_"))
-    if names:
-        missing = set(names) - {p.stem for p in paths}
-        if missing:
-            sys.exit(f"no such family: {sorted(missing)}")
-        paths = [p for p in paths if p.stem in names]
-    sys.path.insert(0, str(TRITON_DIR))
     failed = []
-    for p in paths:
-        failed += check_family(p.stem, p, load_module(p))
+    for family, (path, m) in families(sys.argv[1:]).items():
+        failed += check_family(family, path, m)
     if failed:
         sys.exit("triton_interpret_check.py: FAILED\n  " + "\n  ".join(failed))
 
