@@ -19,10 +19,8 @@
 # PYTHON selects the interpreter (default python3; the pins are for CPython 3.11).
 #
 # Nothing here is needed by `cargo test`: the fixtures it produces are committed.
-set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/venv_common.sh"
 
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="$(cd "$HERE/../.." && pwd)"
 VENV="${1:-$ROOT/.venv-py}"
 PYTHON="${PYTHON:-python3}"
 
@@ -35,17 +33,9 @@ fi
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+pip_pinned "$VENV" -r "$HERE/requirements.txt"
 
-# --no-deps: take exactly the pinned set (see requirements.txt); --only-binary: never
-# build from source.
-"${PIP[@]}" install --no-deps --only-binary=:all: -r "$HERE/requirements.txt"
-
-if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
-    echo "setup.sh: torch does not import without the CUDA wheels: building CPU-only stubs"
-    "$VENV/bin/python" "$HERE/cuda_stubs.py" \
-        "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch"
-fi
+torch_or_stubs "$VENV"
 
 "$VENV/bin/python" - <<'EOF'
 import importlib

@@ -11,10 +11,8 @@
 # The `kernels` package is NOT installed: it tries a download at import.
 #
 # Nothing here is needed by `cargo test`: the fixtures it produces are committed.
-set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/venv_common.sh"
 
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="$(cd "$HERE/../.." && pwd)"
 BASE="${1:-$ROOT/.venv-py}"
 VENV="${2:-$ROOT/.venv-bnb}"
 
@@ -27,12 +25,9 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$BASE/bin/python" -m venv --system-site-packages "$VENV"
     # A venv over a venv sees the base interpreter's site-packages, not the base venv's:
     # add the base venv's through a .pth file.
-    BASE_SITE="$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    NEW_SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    echo "$BASE_SITE" > "$NEW_SITE/base_venv.pth"
+    purelib "$BASE/bin/python" > "$(purelib "$VENV/bin/python")/base_venv.pth"
 fi
-"$VENV/bin/python" -m pip --disable-pip-version-check install --no-deps --only-binary=:all: \
-    bitsandbytes==0.50.2
+pip_pinned "$VENV" bitsandbytes==0.50.2
 
 "$VENV/bin/python" - <<'PY'
 import bitsandbytes as bnb

@@ -20,30 +20,23 @@
 #
 # Nothing here is needed by `cargo test`: the cubins, their metadata, the test vectors and
 # the interpreter record are committed.
-set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/venv_common.sh"
 
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="$(cd "$HERE/../.." && pwd)"
 VENV="${1:-$ROOT/.venv-triton}"
 PYTHON="${PYTHON:-python3}"
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 
 # Pins (resolved 2026-11-26, CPython 3.11 manylinux x86_64). torch's pure-Python
 # dependencies are those of requirements.txt.
-"${PIP[@]}" install --no-deps --only-binary=:all: \
+pip_pinned "$VENV" \
     triton==3.9.0 torch==2.15.0 numpy==2.4.6 safetensors==0.8.0 \
     filelock==4.3.1 fsspec==2026.9.0 jinja2==3.1.6 markupsafe==3.0.4 mpmath==1.3.0 \
     networkx==3.6.1 setuptools==84.2.1 sympy==1.14.0 typing-extensions==4.16.0
 
-if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
-    echo "triton_setup.sh: torch does not import without the CUDA wheels: building CPU-only stubs"
-    "$VENV/bin/python" "$HERE/cuda_stubs.py" \
-        "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch"
-fi
+torch_or_stubs "$VENV"
 
 "$VENV/bin/python" - <<'PY'
 import torch, triton, numpy, safetensors
