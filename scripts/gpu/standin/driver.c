@@ -225,9 +225,8 @@ CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
   return CUDA_SUCCESS;
 }
 CUresult cuDeviceTotalMem(size_t *bytes, CUdevice d) { (void)d; *bytes = STANDIN_TOTAL_MEM; return CUDA_SUCCESS; }
-CUresult cuDeviceGetAttribute(int *v, CUdevice_attribute a, CUdevice d) {
-  (void)d;
-  switch (a) {
+int standin_attribute(int attr, int *v) {
+  switch ((CUdevice_attribute)attr) {
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *v = 9; break;
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *v = 0; break;
     case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = STANDIN_SMS; break;
@@ -252,8 +251,14 @@ CUresult cuDeviceGetAttribute(int *v, CUdevice_attribute a, CUdevice d) {
     case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS: case CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH: *v = 1; break;
     case CU_DEVICE_ATTRIBUTE_INTEGRATED: case CU_DEVICE_ATTRIBUTE_TCC_DRIVER: *v = 0; break;
     case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: case CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: case CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: *v = 0; break;
-    default: return (CUresult)standin_unimplemented("cuDeviceGetAttribute(unlisted attribute)", CUDA_ERROR_INVALID_VALUE);
+    default: return 1;
   }
+  return 0;
+}
+CUresult cuDeviceGetAttribute(int *v, CUdevice_attribute a, CUdevice d) {
+  (void)d;
+  if (standin_attribute(a, v))
+    return (CUresult)standin_unimplemented("cuDeviceGetAttribute(unlisted attribute)", CUDA_ERROR_INVALID_VALUE);
   return CUDA_SUCCESS;
 }
 static int ctx_handle;

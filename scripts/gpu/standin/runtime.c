@@ -1,6 +1,7 @@
 // The stand-in for the CUDA runtime (libcudart.so.13): what nvcc-compiled host code of the
 // trainer's dependencies calls (fat binary registration at load, `<<<>>>` launches, cudaMalloc,
 // device queries). Memory and counts go to the driver stand-in (standin.h).
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <stdlib.h>
 #include <string.h>
@@ -108,21 +109,15 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int *n, const
 cudaError_t cudaGetDeviceCount(int *n) { *n = 1; return cudaSuccess; }
 cudaError_t cudaGetDevice(int *d) { *d = 0; return cudaSuccess; }
 cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+// The runtime's attribute numbers are the driver's (cudaDevAttrX == CU_DEVICE_ATTRIBUTE_X).
+_Static_assert((int)cudaDevAttrMaxSharedMemoryPerBlockOptin == (int)CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+               "runtime and driver attribute numbers differ");
+_Static_assert((int)cudaDevAttrL2CacheSize == (int)CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE,
+               "runtime and driver attribute numbers differ");
 cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int d) {
   (void)d;
-  switch (a) {
-    case cudaDevAttrComputeCapabilityMajor: *v = 9; break;
-    case cudaDevAttrComputeCapabilityMinor: *v = 0; break;
-    case cudaDevAttrMultiProcessorCount: *v = STANDIN_SMS; break;
-    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = STANDIN_SHARED_OPTIN; break;
-    case cudaDevAttrMaxSharedMemoryPerBlock: *v = STANDIN_SHARED_DEFAULT; break;
-    case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *v = 228 * 1024; break;
-    case cudaDevAttrMaxThreadsPerBlock: *v = 1024; break;
-    case cudaDevAttrMaxThreadsPerMultiProcessor: *v = 2048; break;
-    case cudaDevAttrWarpSize: *v = 32; break;
-    case cudaDevAttrL2CacheSize: *v = 50 * 1024 * 1024; break;
-    default: return standin_unimplemented("cudaDeviceGetAttribute(unlisted attribute)", cudaErrorInvalidValue);
-  }
+  if (standin_attribute(a, v))
+    return standin_unimplemented("cudaDeviceGetAttribute(unlisted attribute)", cudaErrorInvalidValue);
   return cudaSuccess;
 }
 cudaError_t cudaMalloc(void **p, size_t n) {

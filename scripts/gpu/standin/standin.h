@@ -24,6 +24,9 @@ void standin_host_sync(void);
 // Device memory for the runtime's cudaMalloc / cudaMallocAsync (pool: 1 = the stream-ordered pool).
 int standin_alloc(unsigned long long *p, size_t n, int pool);
 int standin_free(unsigned long long p, int pool);
+// The stand-in device's value of a device attribute (a CU_DEVICE_ATTRIBUTE_*, which the
+// runtime's cudaDevAttr* equal) into *v: 0, or 1 for one it does not list.
+int standin_attribute(int attr, int *v);
 // Called by every generated stub of a referenced but unimplemented function: counted, reported.
 int standin_unimplemented(const char *name, int error);
 
