@@ -57,6 +57,16 @@ class Checks:
         extra = ", ".join(f"{k} {v:.3e}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
         print(f"{'ok  ' if passed else 'FAIL'} {name}: {extra}", flush=True)
 
+    def logits(self, name, got, want, atol, beside, **info):
+        """Check `name`: `got` has `want`'s shape and lies within `atol` of it (max abs diff);
+        `beside` maps a figure's name to logits whose distance from `got` is reported too."""
+        if got.shape != want.shape:
+            self(name, False, shape=list(got.shape), ours=list(want.shape))
+            return
+        diff = (got - want).abs().max().item()
+        far = {k: (got - t).abs().max().item() for k, t in beside.items()}
+        self(name, diff <= atol, **info, max_abs_diff=diff, atol=atol, **far)
+
     def finish(self):
         self.summary["ok"] = self.ok
         print(json.dumps(self.summary))
@@ -130,12 +140,7 @@ def main():
         changed=changed[:5],
     )
     peft_logits = logits_of(model, input_ids)
-    if peft_logits.shape != ours.shape:
-        check("adapter logits", False, shape=list(peft_logits.shape), ours=list(ours.shape))
-    else:
-        diff = (peft_logits - ours).abs().max().item()
-        moved = (peft_logits - base_logits).abs().max().item()
-        check("adapter logits", diff <= args.atol, max_abs_diff=diff, atol=args.atol, adapter_vs_base=moved)
+    check.logits("adapter logits", peft_logits, ours, args.atol, {"adapter_vs_base": base_logits})
 
     # 3: merged export
     merged, bad = load_hf(os.path.join(d, "merged"), dtype, args.attn)
@@ -143,19 +148,9 @@ def main():
     ref_name = "merged_logits" if "merged_logits" in expected else "logits"
     ref = expected[ref_name].float()
     merged_logits = logits_of(merged, input_ids)
-    if merged_logits.shape != ref.shape:
-        check("merged logits", False, shape=list(merged_logits.shape), ours=list(ref.shape))
-    else:
-        diff = (merged_logits - ref).abs().max().item()
-        vs_peft = (merged_logits - peft_logits).abs().max().item()
-        check(
-            "merged logits",
-            diff <= args.merged_atol,
-            against=ref_name,
-            max_abs_diff=diff,
-            atol=args.merged_atol,
-            merged_vs_peft=vs_peft,
-        )
+    check.logits(
+        "merged logits", merged_logits, ref, args.merged_atol, {"merged_vs_peft": peft_logits}, against=ref_name
+    )
     check.finish()
 
 
