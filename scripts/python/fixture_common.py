@@ -1,8 +1,40 @@
-"""What the fixture scripts (make_*_fixtures.py) share: the gradient dump and the README."""
+"""What the fixture scripts (make_*_fixtures.py) share: the deterministic setup, saving a
+model's files, the gradient dump and the README."""
 
 import os
+import shutil
+import tempfile
 
 import torch
+import transformers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# What a PEFT adapter's `save_pretrained` writes that the fixtures keep.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def deterministic():
+    """Offline, one thread, deterministic algorithms and quiet transformers: the same bytes on
+    every run."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def save_files(model, d, files=("config.json", "model.safetensors")):
+    """`model.save_pretrained` (safetensors) into a temporary folder, of which only `files` are
+    copied into `d` (made here; it must not exist yet): no README, generation config or
+    tokenizer. A saved config.json must name no absolute path."""
+    os.makedirs(d)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for f in files:
+            shutil.copy(os.path.join(tmp, f), d)
+    if "config.json" in files:
+        text = open(os.path.join(d, "config.json")).read()
+        assert "/tmp" not in text and ROOT not in text, "absolute path in config.json"
 
 
 def gradients(model, key=lambda name: name):

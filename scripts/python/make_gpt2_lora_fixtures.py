@@ -17,7 +17,6 @@ import copy
 import json
 import os
 import shutil
-import tempfile
 
 import peft
 import torch
@@ -26,7 +25,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from fixture_common import gradients
+from fixture_common import ADAPTER_FILES, deterministic, gradients, save_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(ROOT, "trainer", "tests", "fixtures", "lora_gpt2")
@@ -86,14 +85,6 @@ def disk_name(name):
     return name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
 
 
-def save_hf(model, d):
-    os.makedirs(d)
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        for f in ("config.json", "model.safetensors"):
-            shutil.copy(os.path.join(tmp, f), d)
-
-
 def meta(what):
     return {
         "made_by": f"scripts/python/make_gpt2_lora_fixtures.py {what} "
@@ -106,16 +97,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir", nargs="?", default=DEFAULT_OUT)
     out = ap.parse_args().out_dir
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    transformers.logging.set_verbosity_error()
+    deterministic()
     if os.path.exists(out):
         shutil.rmtree(out)
     os.makedirs(out)
 
     base = make_base()
-    save_hf(base, os.path.join(out, "base"))
+    save_files(base, os.path.join(out, "base"))
     batch = make_batch()
     with torch.no_grad():
         base_logits = base(input_ids=batch["input_ids"], use_cache=False).logits
@@ -140,11 +128,7 @@ def main():
     model.eval()
 
     adapter_dir = os.path.join(out, "adapter")
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
-        os.makedirs(adapter_dir)
-        for f in ("adapter_config.json", "adapter_model.safetensors"):
-            shutil.copy(os.path.join(tmp, f), adapter_dir)
+    save_files(model, adapter_dir, ADAPTER_FILES)
     path = os.path.join(adapter_dir, "adapter_config.json")
     c = json.load(open(path))
     assert c["fan_in_fan_out"] is True
@@ -175,7 +159,7 @@ def main():
         reload = PeftModel.from_pretrained(copy.deepcopy(base), adapter_dir).eval()
         again = reload(input_ids=batch["input_ids"], use_cache=False).logits
         assert torch.equal(again, o.logits.detach()), "the saved adapter reloads"
-    save_hf(merged, os.path.join(out, "merged"))
+    save_files(merged, os.path.join(out, "merged"))
 
     expected = dict(
         input_ids=batch["input_ids"],

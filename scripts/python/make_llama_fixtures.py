@@ -35,7 +35,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from fixture_common import add_gradients, save_readme
+from fixture_common import add_gradients, deterministic, save_files, save_readme
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(ROOT, "trainer", "tests", "fixtures", "llama")
@@ -421,12 +421,7 @@ def make_case(case, out_dir):
     d = os.path.join(out_dir, case)
     if os.path.exists(d):
         shutil.rmtree(d)
-    with tempfile.TemporaryDirectory() as tmp:
-        # restore the config's own generation ids before saving (the saved config is the model's)
-        model.save_pretrained(tmp, safe_serialization=True)
-        os.makedirs(d)
-        shutil.copy(os.path.join(tmp, "config.json"), d)
-        shutil.copy(os.path.join(tmp, "model.safetensors"), d)
+    save_files(model, d)
     # one key: safetensors writes metadata keys in hash order, so several would make the bytes
     # differ between otherwise identical runs
     meta = {
@@ -565,10 +560,7 @@ def main():
     ap.add_argument("out_dir", nargs="?", default=DEFAULT_OUT)
     ap.add_argument("--only", help="comma-separated cases (the README is then not rewritten)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    deterministic()
     cases = args.only.split(",") if args.only else list(CASES)
     os.makedirs(args.out_dir, exist_ok=True)
     results = {c: make_case(c, args.out_dir) for c in cases}

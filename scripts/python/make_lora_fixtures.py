@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 
 import peft
 import torch
@@ -27,7 +26,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fixture_common import gradients, save_readme
+from fixture_common import ADAPTER_FILES, deterministic, gradients, save_files, save_readme
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(ROOT, "trainer", "tests", "fixtures", "lora")
@@ -199,17 +198,6 @@ def sanitize_adapter_config(path):
     return cfg
 
 
-def save_hf(model, d):
-    """save_pretrained into a temp dir, keep config.json + model.safetensors."""
-    os.makedirs(d)
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        for f in ("config.json", "model.safetensors"):
-            shutil.copy(os.path.join(tmp, f), d)
-    text = open(os.path.join(d, "config.json")).read()
-    assert "/tmp" not in text and ROOT not in text, "absolute path in config.json"
-
-
 def load_base(d):
     model, info = LlamaForCausalLM.from_pretrained(
         d, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
@@ -231,11 +219,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir", nargs="?", default=DEFAULT_OUT)
     args = ap.parse_args()
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    deterministic()
     out = args.out_dir
     if os.path.exists(out):
         for sub in ["base", "merged", *VARIANTS]:
@@ -249,7 +233,7 @@ def main():
         base_out = forward(base, batch)
     base_logits = base_out.logits.detach().clone()
     print(f"base: loss {base_out.loss.item():.6f}, |logits| max {base_logits.abs().max():.3f}")
-    save_hf(base, os.path.join(out, "base"))
+    save_files(base, os.path.join(out, "base"))
     base_dir = os.path.join(out, "base")
     reloaded = load_base(base_dir)
     with torch.no_grad():
@@ -273,11 +257,7 @@ def main():
         assert grad_rel < 1e-4, grad_rel
 
         d = os.path.join(out, variant)
-        os.makedirs(d)
-        with tempfile.TemporaryDirectory() as tmp:
-            model.save_pretrained(tmp, safe_serialization=True)
-            for f in ("adapter_config.json", "adapter_model.safetensors"):
-                shutil.copy(os.path.join(tmp, f), d)
+        save_files(model, d, ADAPTER_FILES)
         cfg = sanitize_adapter_config(os.path.join(d, "adapter_config.json"))
         assert cfg["use_rslora"] == rslora and cfg["r"] == R and cfg["lora_alpha"] == ALPHA
         saved = load_file(os.path.join(d, "adapter_model.safetensors"))
@@ -311,7 +291,7 @@ def main():
             print(f"  merged: max |merged logits - adapter logits| {md:.2e}")
             assert md < 1e-4, md
             merged.config._name_or_path = ""
-            save_hf(merged, os.path.join(out, "merged"))
+            save_files(merged, os.path.join(out, "merged"))
             m2 = load_base(os.path.join(out, "merged"))
             with torch.no_grad():
                 torch.testing.assert_close(m2(input_ids=batch["input_ids"], use_cache=False).logits, merged_logits, rtol=0, atol=0)
