@@ -23,6 +23,15 @@ def deterministic():
     transformers.utils.logging.disable_progress_bar()
 
 
+def load_model(path, cls=transformers.AutoModelForCausalLM):
+    """`cls.from_pretrained(path)` in f32 with eager attention, in eval mode; asserts that every
+    weight matched (no missing, unexpected or mismatched key)."""
+    model, info = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    assert not bad, (path, bad)
+    return model.eval()
+
+
 def save_files(model, d, files=("config.json", "model.safetensors")):
     """`model.save_pretrained` (safetensors) into a temporary folder, of which only `files` are
     copied into `d` (made here; it must not exist yet): no README, generation config or

@@ -50,8 +50,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, Gemma3ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fixture_common import add_gradients, gradients  # noqa: E402
-from make_llama_fixtures import generate_greedy, greedy_reference, load_dir  # noqa: E402
+from fixture_common import add_gradients, gradients, load_model  # noqa: E402
+from make_llama_fixtures import generate_greedy, greedy_reference  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(ROOT, "trainer", "tests", "fixtures", "gemma3")
@@ -208,7 +208,7 @@ def make_case(case, out_dir):
     weights = load_file(os.path.join(d, "model.safetensors"))
     assert ("lm_head.weight" in weights) == (not cfg.tie_word_embeddings)
     assert set(weights) == set(names), set(weights) ^ set(names)
-    reloaded = load_dir(d)
+    reloaded = load_model(d)
     with torch.no_grad():
         assert forward(reloaded, batch).loss.item() == loss
     print(f"  loss {loss:.6f}; greedy {greedy[0, PROMPT_LEN:].tolist()}")
@@ -220,7 +220,7 @@ LORA_TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj
 
 def make_lora(out_dir):
     """PEFT LoRA over the `gemma3` case's model (read back from its directory)."""
-    base = load_dir(os.path.join(out_dir, "gemma3"))
+    base = load_model(os.path.join(out_dir, "gemma3"))
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
                      init_lora_weights=False, task_type="CAUSAL_LM")
     model = get_peft_model(base, cfg)

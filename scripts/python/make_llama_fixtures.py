@@ -24,7 +24,6 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -35,7 +34,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from fixture_common import add_gradients, deterministic, save_files, save_readme
+from fixture_common import add_gradients, deterministic, load_model, save_files, save_readme
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(ROOT, "trainer", "tests", "fixtures", "llama")
@@ -366,15 +365,6 @@ def legacy_config(cfg_json):
     return d
 
 
-def load_dir(path):
-    model, info = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
-    )
-    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    assert not bad, (path, bad)
-    return model.eval()
-
-
 def make_case(case, out_dir):
     cls, cfg_fn, seed, kind, _ = CASES[case]
     cfg = cfg_fn()
@@ -443,7 +433,7 @@ def make_case(case, out_dir):
     else:
         assert "lm_head.weight" in weights
     assert set(weights) == set(names), set(weights) ^ set(names)
-    reloaded = load_dir(d)
+    reloaded = load_model(d)
     assert abs(loss_of(reloaded, batch) - loss) < 1e-6
     if case == "llama3_rope":
         cfg_json = json.load(open(os.path.join(d, "config.json")))
@@ -459,7 +449,7 @@ def make_case(case, out_dir):
                 lcfg.rope_parameters,
                 cfg_json["rope_parameters"],
             )
-            lm = load_dir(tmp)
+            lm = load_model(tmp)
             ll = loss_of(lm, batch)
             with torch.no_grad():
                 torch.testing.assert_close(forward(lm, batch).logits, out.logits.detach(), rtol=0, atol=0)

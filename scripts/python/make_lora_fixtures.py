@@ -26,7 +26,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fixture_common import ADAPTER_FILES, deterministic, gradients, save_files, save_readme
+from fixture_common import ADAPTER_FILES, deterministic, gradients, load_model, save_files, save_readme
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(ROOT, "trainer", "tests", "fixtures", "lora")
@@ -199,12 +199,7 @@ def sanitize_adapter_config(path):
 
 
 def load_base(d):
-    model, info = LlamaForCausalLM.from_pretrained(
-        d, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
-    )
-    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    assert not bad, (d, bad)
-    return model.eval()
+    return load_model(d, LlamaForCausalLM)
 
 
 def meta(what):
