@@ -23,17 +23,35 @@ fn random_chain(rng: &mut ChaCha8Rng, n: usize) -> ChainCosts {
     }
 }
 
+/// Runs `f` on `trials` random chains of 1 to `max_blocks` blocks drawn from `rng(seed)`, with
+/// the trial's number, the chain's cheapest feasible peak and its peak without recompute, and the
+/// generator for further draws; returns the generator.
+fn for_random_chains(
+    seed: u64,
+    trials: usize,
+    max_blocks: usize,
+    mut f: impl FnMut(usize, &ChainCosts, (u64, u64), &mut ChaCha8Rng),
+) -> ChaCha8Rng {
+    let mut rng = rng(seed);
+    for trial in 0..trials {
+        let n = rng.random_range(1..=max_blocks);
+        let c = random_chain(&mut rng, n);
+        let lo = min_peak_bytes(&c);
+        let hi = Policy::None.plan(&c).unwrap().predicted_peak_bytes;
+        f(trial, &c, (lo, hi), &mut rng);
+    }
+    rng
+}
+
 #[test]
 fn budget_plan_meets_budget_and_beats_fixed_policies() {
-    let mut rng = rng(0);
-    for trial in 0..300 {
-        let n = rng.random_range(1..=16);
-        let c = random_chain(&mut rng, n);
+    for_random_chains(0, 300, 16, |trial, c, (lo, hi), rng| {
+        let n = c.blocks.len();
         let mut fixed = vec![Policy::SqrtN, Policy::None];
         fixed.extend((1..=n).map(Policy::EveryK));
         for p in fixed {
-            let fp = p.plan(&c).unwrap();
-            let bp = Policy::Budget(fp.predicted_peak_bytes).plan(&c).unwrap();
+            let fp = p.plan(c).unwrap();
+            let bp = Policy::Budget(fp.predicted_peak_bytes).plan(c).unwrap();
             assert!(
                 bp.predicted_peak_bytes <= fp.predicted_peak_bytes,
                 "trial {trial}: {bp}"
@@ -47,21 +65,19 @@ fn budget_plan_meets_budget_and_beats_fixed_policies() {
             );
         }
         // random feasible budgets are met
-        let lo = min_peak_bytes(&c);
-        let hi = Policy::None.plan(&c).unwrap().predicted_peak_bytes;
         for _ in 0..5 {
             let b = rng.random_range(lo..=hi);
-            let plan = Policy::Budget(b).plan(&c).unwrap();
+            let plan = Policy::Budget(b).plan(c).unwrap();
             assert!(plan.predicted_peak_bytes <= b);
             assert_eq!(plan.len(), n);
             assert_eq!(
-                predict(&c, &plan.segments),
+                predict(c, &plan.segments),
                 (plan.predicted_peak_bytes, plan.recompute_ns)
             );
         }
         // the whole budget -> no recompute at all
-        assert_eq!(Policy::Budget(hi).plan(&c).unwrap().recompute_ns, 0);
-    }
+        assert_eq!(Policy::Budget(hi).plan(c).unwrap().recompute_ns, 0);
+    });
 }
 
 /// All plans of the space for n blocks: partitions into segments x stored/checkpointed.
@@ -93,38 +109,29 @@ fn all_plans(n: usize) -> Vec<Vec<PlanSegment>> {
 
 #[test]
 fn budget_plan_is_optimal_by_brute_force() {
-    let mut rng = rng(1);
-    for _ in 0..60 {
-        let n = rng.random_range(1..=7);
-        let c = random_chain(&mut rng, n);
-        let plans = all_plans(n);
-        let lo = min_peak_bytes(&c);
-        let brute_min_peak = plans.iter().map(|p| predict(&c, p).0).min().unwrap();
+    for_random_chains(1, 60, 7, |_, c, (lo, hi), rng| {
+        let plans = all_plans(c.blocks.len());
+        let brute_min_peak = plans.iter().map(|p| predict(c, p).0).min().unwrap();
         assert_eq!(lo, brute_min_peak);
-        let hi = Policy::None.plan(&c).unwrap().predicted_peak_bytes;
         for _ in 0..8 {
             let b = rng.random_range(lo..=hi);
             let best = plans
                 .iter()
-                .map(|p| predict(&c, p))
+                .map(|p| predict(c, p))
                 .filter(|(pk, _)| *pk <= b)
                 .map(|(_, r)| r)
                 .min()
                 .unwrap();
-            assert_eq!(Policy::Budget(b).plan(&c).unwrap().recompute_ns, best);
+            assert_eq!(Policy::Budget(b).plan(c).unwrap().recompute_ns, best);
         }
-    }
+    });
 }
 
 #[test]
 fn impossible_budget_is_a_clear_error() {
-    let mut rng = rng(2);
-    for _ in 0..50 {
-        let n = rng.random_range(1..=12);
-        let c = random_chain(&mut rng, n);
-        let lo = min_peak_bytes(&c);
-        assert!(Policy::Budget(lo).plan(&c).is_ok());
-        match Policy::Budget(lo - 1).plan(&c) {
+    let mut rng = for_random_chains(2, 50, 12, |_, c, (lo, _), _| {
+        assert!(Policy::Budget(lo).plan(c).is_ok());
+        match Policy::Budget(lo - 1).plan(c) {
             Err(RematError::ImpossibleBudget { budget, min_bytes }) => {
                 assert_eq!((budget, min_bytes), (lo - 1, lo));
                 let msg = RematError::ImpossibleBudget { budget, min_bytes }.to_string();
@@ -135,7 +142,7 @@ fn impossible_budget_is_a_clear_error() {
             }
             other => panic!("expected ImpossibleBudget, got {other:?}"),
         }
-    }
+    });
     assert!(matches!(
         Policy::EveryK(0).plan(&random_chain(&mut rng, 3)),
         Err(RematError::InvalidPlan(_))
