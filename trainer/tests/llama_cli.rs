@@ -11,11 +11,15 @@ use std::path::Path;
 use common::llama::fixture;
 use common::{hf, output_text, run_cli};
 
-/// The `llama` fixture (vocabulary 301) with a word-level tokenizer.json (10 ids) beside it.
-fn model_dir(dir: &Path) -> String {
-    common::copy_model(&fixture("llama"), dir);
-    hf::tokenizer(dir);
-    dir.to_str().unwrap().to_string()
+/// A fresh temporary directory (the CLI's working directory) and, in its `model/`, the `llama`
+/// fixture (vocabulary 301) with a word-level tokenizer.json (10 ids) beside it.
+fn model_dir() -> (tempfile::TempDir, String) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    common::copy_model(&fixture("llama"), &dir);
+    hf::tokenizer(&dir);
+    let model = dir.to_str().unwrap().to_string();
+    (tmp, model)
 }
 
 /// `trainer train` from `model` on `corpus` (8-token blocks, batches of 4) for `iters` steps,
@@ -44,9 +48,8 @@ fn ok(args: &[&str], cwd: &Path) -> String {
 
 #[test]
 fn continue_training_sample_and_export_a_llama() {
-    let tmp = tempfile::tempdir().unwrap();
+    let (tmp, model) = model_dir();
     let cwd = tmp.path();
-    let model = model_dir(&cwd.join("model"));
     let corpus = hf::corpus(cwd);
     let run = |args: &[&str]| ok(args, cwd);
     let mut args = train_args(&model, &corpus, "6", "3");
@@ -81,9 +84,8 @@ fn continue_training_sample_and_export_a_llama() {
 
 #[test]
 fn a_tokenizer_larger_than_the_vocabulary_is_refused() {
-    let tmp = tempfile::tempdir().unwrap();
+    let (tmp, model) = model_dir();
     let cwd = tmp.path();
-    let model = model_dir(&cwd.join("model"));
     // 400 words: more ids than the model's 301 embeddings.
     let words: Vec<String> = (0..400).map(|i| format!("w{i}")).collect();
     let refs: Vec<&str> = words.iter().map(String::as_str).collect();
@@ -109,9 +111,8 @@ fn a_tokenizer_larger_than_the_vocabulary_is_refused() {
 
 #[test]
 fn lora_train_sample_and_export_adapters_or_merged() {
-    let tmp = tempfile::tempdir().unwrap();
+    let (tmp, model) = model_dir();
     let cwd = tmp.path();
-    let model = model_dir(&cwd.join("model"));
     let corpus = hf::corpus(cwd);
     let train = |targets: &str, out: &str| {
         let mut args = train_args(&model, &corpus, "4", "2");

@@ -293,10 +293,8 @@ fn a_missing_field_names_file_and_line() {
 
 #[test]
 fn text_files_directories_and_globs_char_and_byte() {
-    let (tmp, dir) = common::temp_join("texts");
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("b.txt"), "hello\nworld\n").unwrap();
-    std::fs::write(dir.join("a.txt"), "abc\n").unwrap();
+    let (tmp, dir) =
+        common::temp_files("texts", &[("b.txt", "hello\nworld\n"), ("a.txt", "abc\n")]);
     for (input, vocab) in [
         (dir.clone(), VocabSpec::Char),
         (dir.join("*.txt"), VocabSpec::Byte),
@@ -418,10 +416,11 @@ fn sft_shards_carry_the_encoders_masks() {
 
 #[test]
 fn the_format_is_detected_from_the_files_a_directory_holds() {
-    let (tmp, dir) = common::temp_join("corpus");
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("a.jsonl"), "{\"text\": \"x\"}\n").unwrap();
-    std::fs::write(dir.join("b.json"), "{\"text\": \"y\"}\n").unwrap();
+    let files = [
+        ("a.jsonl", "{\"text\": \"x\"}\n"),
+        ("b.json", "{\"text\": \"y\"}\n"),
+    ];
+    let (tmp, dir) = common::temp_files("corpus", &files);
     assert_eq!(
         InputFormat::detect(std::slice::from_ref(&dir)).unwrap(),
         InputFormat::Jsonl

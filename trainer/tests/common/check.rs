@@ -47,3 +47,14 @@ pub fn temp_join(name: &str) -> (tempfile::TempDir, PathBuf) {
     let path = tmp.path().join(name);
     (tmp, path)
 }
+
+/// A fresh temporary directory (removed when dropped) and the folder `name` inside it, made
+/// and holding `files` (file name, contents).
+pub fn temp_files(name: &str, files: &[(&str, &str)]) -> (tempfile::TempDir, PathBuf) {
+    let (tmp, dir) = temp_join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    for (file, text) in files {
+        std::fs::write(dir.join(file), text).unwrap();
+    }
+    (tmp, dir)
+}

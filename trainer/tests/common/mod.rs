@@ -11,7 +11,7 @@ pub mod shards;
 pub mod tiny;
 
 #[allow(unused_imports)] // each test binary uses some
-pub use check::{assert_mentions, copy_model, fixtures, read_json, temp_join, words};
+pub use check::{assert_mentions, copy_model, fixtures, read_json, temp_files, temp_join, words};
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
