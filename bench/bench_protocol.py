@@ -9,22 +9,15 @@ its matrix flags, printed with the figures.
 
     python3 -m unittest bench/test_bench_protocol.py
 """
+import os
 import time
 
 MAX_SHARE = 0.02
 MAX_RERUNS = 5
-FLAGS = [
-    "avx2",
-    "fma",
-    "avx512f",
-    "avx512_vnni",
-    "avx_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-]
+# The /proc/cpuinfo flags the GEMM kernels care about, in the order printed (shared with
+# trainer/benches/support/protocol.rs).
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_flags.txt")) as _f:
+    FLAGS = _f.read().split()
 
 
 def cpu_line(cpuinfo=None):

@@ -19,19 +19,9 @@ pub const MAX_SHARE: f64 = 0.02;
 /// The most times one step is run again.
 pub const MAX_RERUNS: usize = 5;
 
-/// The `/proc/cpuinfo` flags the GEMM kernels care about, in the order printed.
-const FLAGS: &[&str] = &[
-    "avx2",
-    "fma",
-    "avx512f",
-    "avx512_vnni",
-    "avx_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-];
+/// The `/proc/cpuinfo` flags the GEMM kernels care about, in the order printed, one a line
+/// (shared with `bench/bench_protocol.py`).
+const FLAGS: &str = include_str!("../../../bench/cpu_flags.txt");
 
 /// The CPU model, logical CPUs and matrix flags from a `/proc/cpuinfo` text, e.g.
 /// `AMD EPYC 9654 | 2 CPUs | avx2 fma avx512f ... | absent: amx_tile amx_bf16`.
@@ -50,7 +40,7 @@ pub fn cpu_line(cpuinfo: &str) -> String {
         .count();
     let flags = field("flags").unwrap_or_default();
     let has = |f: &&str| flags.split_whitespace().any(|x| x == *f);
-    let (on, off): (Vec<&str>, Vec<&str>) = FLAGS.iter().copied().partition(has);
+    let (on, off): (Vec<&str>, Vec<&str>) = FLAGS.split_whitespace().partition(has);
     format!(
         "{model} | {cpus} CPUs | {} | absent: {}",
         on.join(" "),
