@@ -203,23 +203,46 @@ fn assert_no_differences(all: &[String]) {
     );
 }
 
+/// Every difference, labelled `<fixture> <type>`, between what `export(type, out)` writes for
+/// each of `types` (to `<fixture>.<type>.gguf` in `tmp`) and the converter's files described
+/// in the fixture's `expected.json`; `f32(out)` is the export the quantized types' values are
+/// compared against.
+fn export_differences(
+    tmp: &Path,
+    fixture_name: &str,
+    types: &[(&str, GgufType)],
+    export: impl Fn(GgufType, &Path),
+    f32: impl Fn(&Path) -> PathBuf,
+) -> Vec<String> {
+    let expected = common::read_json(&fixture(fixture_name).join("expected.json"));
+    let mut all = Vec::new();
+    for (name, ty) in types {
+        let out = tmp.join(format!("{fixture_name}.{name}.gguf"));
+        export(*ty, &out);
+        for d in differences(&out, &expected["types"][name], &f32(&out)) {
+            all.push(format!("{fixture_name} {name}: {d}"));
+        }
+    }
+    all
+}
+
 #[test]
 fn exports_equal_llama_cpp_converter() {
     let tmp = tempfile::tempdir().unwrap();
     let mut all = Vec::new();
     for model in MODELS {
-        let dir = fixture(model);
-        let expected = common::read_json(&dir.join("expected.json"));
-        let source = ModelDir::open(dir.to_str().unwrap()).unwrap();
-        for (name, ty) in types() {
-            let out = tmp.path().join(format!("{model}.{name}.gguf"));
-            let options = gguf_options(Some(ty), true);
-            export_gguf(&source, &out, &options).unwrap();
-            let f32 = tmp.path().join(format!("{model}.f32.gguf"));
-            for d in differences(&out, &expected["types"][name], &f32) {
-                all.push(format!("{model} {name}: {d}"));
-            }
-        }
+        let source = ModelDir::open(fixture(model).to_str().unwrap()).unwrap();
+        let export = |ty, out: &Path| {
+            export_gguf(&source, out, &gguf_options(Some(ty), true)).unwrap();
+        };
+        let f32 = tmp.path().join(format!("{model}.f32.gguf"));
+        all.extend(export_differences(
+            tmp.path(),
+            model,
+            &types(),
+            export,
+            |_| f32.clone(),
+        ));
     }
     assert_no_differences(&all);
 }
@@ -325,17 +348,19 @@ fn lora_adapters_equal_llama_cpp_lora_converter() {
     let tmp = tempfile::tempdir().unwrap();
     let mut all = Vec::new();
     for (name, base) in LORA_FIXTURES {
-        let dir = fixture(name);
-        let expected = common::read_json(&dir.join("expected.json"));
-        let source = ModelDir::adapter_over(dir.clone(), fixture(base).to_str().unwrap()).unwrap();
-        for (ty_name, ty) in &types()[..4] {
-            let out = tmp.path().join(format!("{name}.{ty_name}.gguf"));
-            let options = gguf_options(Some(*ty), false);
-            export_gguf_lora(&source, &out, &options).unwrap();
-            for d in differences(&out, &expected["types"][ty_name], &out) {
-                all.push(format!("{name} {ty_name}: {d}"));
-            }
-        }
+        let source =
+            ModelDir::adapter_over(fixture(name), fixture(base).to_str().unwrap()).unwrap();
+        let export = |ty, out: &Path| {
+            export_gguf_lora(&source, out, &gguf_options(Some(ty), false)).unwrap();
+        };
+        let types = &types()[..4];
+        all.extend(export_differences(
+            tmp.path(),
+            name,
+            types,
+            export,
+            Path::to_path_buf,
+        ));
     }
     assert_no_differences(&all);
 }
