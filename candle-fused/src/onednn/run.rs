@@ -1,0 +1,205 @@
+//! The banded oneDNN GEMM of [`super::gemm`]: one single-threaded oneDNN call per band of the
+//! output, the bands spread over Candle's pool.
+
+use std::any::TypeId;
+use std::os::raw::c_char;
+
+use super::{ffi, Data, Mat};
+use crate::pool::{self, Shared};
+
+/// The width of a band (rows or columns of the output, along its longer side). Fixed, so the
+/// bands and therefore the bits do not depend on the thread count; a multiple of every
+/// micro-kernel's tile, and long enough that oneDNN's packing of the other operand, repeated
+/// per band, stays a small share of the products (1 / (2 x 128) of a band's work).
+const BAND: usize = 128;
+
+/// How oneDNN reads a `rows x cols` operand: `'N'` (row-major, leading dimension the row
+/// stride) or `'T'` (column-major), or `None` for other strides. A dimension of 1 takes any
+/// stride on its side.
+fn trans(rows: usize, cols: usize, rs: usize, cs: usize) -> Option<(c_char, usize)> {
+    if (cols == 1 || cs == 1) && (rows == 1 || rs >= cols) {
+        Some((b'N' as c_char, if rows == 1 { cols } else { rs }.max(1)))
+    } else if (rows == 1 || rs == 1) && (cols == 1 || cs >= rows) {
+        Some((b'T' as c_char, if cols == 1 { rows } else { cs }.max(1)))
+    } else {
+        None
+    }
+}
+
+/// Whether the last element of a `rows x cols` operand lies inside `len`.
+fn inside(rows: usize, cols: usize, m: &Mat<'_, impl Sized>, len: usize) -> bool {
+    (rows - 1) * m.rs + (cols - 1) * m.cs < len
+}
+
+/// The operands as oneDNN takes them: both bf16 or both f32 (`A` is f32), with their layouts.
+enum Pair<'a> {
+    Bf16(&'a [half::bf16], &'a [half::bf16]),
+    F32(&'a [f32], &'a [f32]),
+}
+
+/// See [`super::gemm`]; the feature is on and oneDNN chosen.
+///
+/// # Safety
+/// As [`super::gemm`].
+pub(super) unsafe fn gemm<A: 'static>(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut A,
+    acc: bool,
+    lhs: Mat<'_, A>,
+    rhs: Mat<'_, A>,
+    threads: usize,
+) -> Option<()> {
+    if TypeId::of::<A>() != TypeId::of::<f32>() || m == 0 || n == 0 || k == 0 {
+        return None;
+    }
+    let pair = match (&lhs.data, &rhs.data) {
+        (Data::Bf16(l), Data::Bf16(r)) => Pair::Bf16(l, r),
+        (Data::Acc(l), Data::Acc(r)) => {
+            // SAFETY: `A` is f32 (checked above): same length, alignment and bits.
+            let f =
+                |s: &[A]| unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<f32>(), s.len()) };
+            Pair::F32(f(l), f(r))
+        }
+        _ => return None,
+    };
+    let (ll, rl) = match pair {
+        Pair::Bf16(l, r) => (l.len(), r.len()),
+        Pair::F32(l, r) => (l.len(), r.len()),
+    };
+    let ta = trans(m, k, lhs.rs, lhs.cs)?;
+    let tb = trans(k, n, rhs.rs, rhs.cs)?;
+    if !inside(m, k, &lhs, ll) || !inside(k, n, &rhs, rl) {
+        return None;
+    }
+    let along_rows = m >= n;
+    let bands = if along_rows { m } else { n }.div_ceil(BAND);
+    let dst = Shared(dst.cast::<f32>());
+    let band = |i: usize| {
+        let lo = i * BAND;
+        let (rows, cols) = if along_rows {
+            ((lo, (lo + BAND).min(m)), (0, n))
+        } else {
+            ((0, m), (lo, (lo + BAND).min(n)))
+        };
+        let call = Call {
+            shape: (rows.1 - rows.0, cols.1 - cols.0, k),
+            ta,
+            tb,
+            a: rows.0 * lhs.rs,
+            b: cols.0 * rhs.cs,
+            c: dst.at(rows.0 * n + cols.0),
+            ldc: n,
+            beta: if acc { 1.0 } else { 0.0 },
+        };
+        // SAFETY: the band lies inside dst (m x n, row stride n, valid per the caller) and
+        // bands are disjoint; its operand rows / columns lie inside the operands (checked).
+        unsafe { call.run(&pair) };
+    };
+    if threads < 2 {
+        (0..bands).for_each(band);
+    } else {
+        pool::for_each(bands, band);
+    }
+    Some(())
+}
+
+/// One oneDNN call: a band of the output.
+struct Call {
+    /// (rows, columns, k) of the band.
+    shape: (usize, usize, usize),
+    ta: (c_char, usize),
+    tb: (c_char, usize),
+    /// Offsets of the band's first row of `op(A)` and first column of `op(B)`.
+    a: usize,
+    b: usize,
+    c: *mut f32,
+    ldc: usize,
+    beta: f32,
+}
+
+impl Call {
+    /// Runs the call on the calling thread alone (its OpenMP team size set to 1 meanwhile).
+    ///
+    /// # Safety
+    /// `c` is valid for the band's writes (and reads when `beta != 0`); the operands from
+    /// offsets `a` / `b` cover the band's rows / columns through their leading dimensions.
+    unsafe fn run(&self, pair: &Pair<'_>) {
+        let (m, n, k) = self.shape;
+        let d = |v: usize| v as i64;
+        // SAFETY: OpenMP's per-thread setting; restored below.
+        let team = unsafe { ffi::omp_get_max_threads() };
+        unsafe { ffi::omp_set_num_threads(1) };
+        // SAFETY: the operands and `c` per this function's contract; oneDNN reads `op(A)` /
+        // `op(B)` through (trans, ld) exactly as `trans` derived them from the strides.
+        let status = unsafe {
+            match pair {
+                Pair::F32(l, r) => ffi::dnnl_sgemm(
+                    self.ta.0,
+                    self.tb.0,
+                    d(m),
+                    d(n),
+                    d(k),
+                    1.0,
+                    l.as_ptr().add(self.a),
+                    d(self.ta.1),
+                    r.as_ptr().add(self.b),
+                    d(self.tb.1),
+                    self.beta,
+                    self.c,
+                    d(self.ldc),
+                ),
+                Pair::Bf16(l, r) => ffi::dnnl_gemm_bf16bf16f32(
+                    self.ta.0,
+                    self.tb.0,
+                    d(m),
+                    d(n),
+                    d(k),
+                    1.0,
+                    l.as_ptr().add(self.a).cast::<u16>(),
+                    d(self.ta.1),
+                    r.as_ptr().add(self.b).cast::<u16>(),
+                    d(self.tb.1),
+                    self.beta,
+                    self.c,
+                    d(self.ldc),
+                ),
+            }
+        };
+        // SAFETY: as above.
+        unsafe { ffi::omp_set_num_threads(team) };
+        // The arguments were checked (shapes, leading dimensions, bounds): a failure here is
+        // oneDNN's (e.g. out of memory for its packing buffers), with the band half-written.
+        assert!(
+            status == 0,
+            "candle-fused onednn: oneDNN GEMM failed with status {status}"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `dst = lhs · rhs` (acc false) only writes `dst` (NaN there stays out of the result), and
+    /// `dst += lhs · rhs` (acc true) adds to it; 2 x 3 x 2 small integers: exact.
+    #[test]
+    fn overwrites_or_accumulates() {
+        fn mat(d: &[f32], rs: usize) -> Mat<'_, f32> {
+            Mat {
+                data: Data::Acc(d),
+                rs,
+                cs: 1,
+            }
+        }
+        let a = [1f32, 2., 3., 4., 5., 6.]; // 2 x 3
+        let b = [1f32, 0., 0., 1., 1., 1.]; // 3 x 2
+        let (a, b) = (&a[..], &b[..]);
+        let mut dst = [f32::NAN; 4];
+        // SAFETY: dst holds 2 x 2 elements, exclusively borrowed.
+        let ran = unsafe { gemm((2, 2, 3), dst.as_mut_ptr(), false, mat(a, 3), mat(b, 2), 1) };
+        assert_eq!((ran, dst), (Some(()), [4., 5., 10., 11.]));
+        // SAFETY: as above.
+        unsafe { gemm((2, 2, 3), dst.as_mut_ptr(), true, mat(a, 3), mat(b, 2), 2) };
+        assert_eq!(dst, [8., 10., 20., 22.]);
+    }
+}
