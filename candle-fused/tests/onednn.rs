@@ -22,7 +22,7 @@ fn on(test: &str) -> bool {
         return false;
     }
     assert!(
-        candle_fused::onednn::active(),
+        candle_fused::onednn::active(DType::F32) && candle_fused::onednn::active(DType::BF16),
         "CANDLE_FUSED_ONEDNN=1 must force oneDNN"
     );
     true

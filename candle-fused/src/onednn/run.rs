@@ -37,70 +37,113 @@ enum Pair<'a> {
     F32(&'a [f32], &'a [f32]),
 }
 
-/// See [`super::gemm`]; the feature is on and oneDNN chosen.
+/// See [`super::gemm`]; the feature is on.
 ///
 /// # Safety
 /// As [`super::gemm`].
 pub(super) unsafe fn gemm<A: 'static>(
-    (m, n, k): (usize, usize, usize),
+    mnk: (usize, usize, usize),
     dst: *mut A,
     acc: bool,
     lhs: Mat<'_, A>,
     rhs: Mat<'_, A>,
     threads: usize,
 ) -> Option<()> {
-    if TypeId::of::<A>() != TypeId::of::<f32>() || m == 0 || n == 0 || k == 0 {
+    let job = Job::new(mnk, &lhs, &rhs)?;
+    if !super::active(job.dtype()) {
         return None;
     }
-    let pair = match (&lhs.data, &rhs.data) {
-        (Data::Bf16(l), Data::Bf16(r)) => Pair::Bf16(l, r),
-        (Data::Acc(l), Data::Acc(r)) => {
-            // SAFETY: `A` is f32 (checked above): same length, alignment and bits.
-            let f =
-                |s: &[A]| unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<f32>(), s.len()) };
-            Pair::F32(f(l), f(r))
-        }
-        _ => return None,
-    };
-    let (ll, rl) = match pair {
-        Pair::Bf16(l, r) => (l.len(), r.len()),
-        Pair::F32(l, r) => (l.len(), r.len()),
-    };
-    let ta = trans(m, k, lhs.rs, lhs.cs)?;
-    let tb = trans(k, n, rhs.rs, rhs.cs)?;
-    if !inside(m, k, &lhs, ll) || !inside(k, n, &rhs, rl) {
-        return None;
-    }
-    let along_rows = m >= n;
-    let bands = if along_rows { m } else { n }.div_ceil(BAND);
-    let dst = Shared(dst.cast::<f32>());
-    let band = |i: usize| {
-        let lo = i * BAND;
-        let (rows, cols) = if along_rows {
-            ((lo, (lo + BAND).min(m)), (0, n))
-        } else {
-            ((0, m), (lo, (lo + BAND).min(n)))
-        };
-        let call = Call {
-            shape: (rows.1 - rows.0, cols.1 - cols.0, k),
-            ta,
-            tb,
-            a: rows.0 * lhs.rs,
-            b: cols.0 * rhs.cs,
-            c: dst.at(rows.0 * n + cols.0),
-            ldc: n,
-            beta: if acc { 1.0 } else { 0.0 },
-        };
-        // SAFETY: the band lies inside dst (m x n, row stride n, valid per the caller) and
-        // bands are disjoint; its operand rows / columns lie inside the operands (checked).
-        unsafe { call.run(&pair) };
-    };
-    if threads < 2 {
-        (0..bands).for_each(band);
-    } else {
-        pool::for_each(bands, band);
-    }
+    // SAFETY: `A` is f32 (`Job::new` checked); `dst` per this function's contract.
+    unsafe { job.run(dst.cast::<f32>(), acc, threads) };
     Some(())
+}
+
+/// A product oneDNN can run: both operands f32 or both bf16, each row-major or transposed,
+/// inside its slice.
+struct Job<'a> {
+    mnk: (usize, usize, usize),
+    pair: Pair<'a>,
+    /// (trans, leading dimension) and (row stride, column stride) of each operand.
+    a: ((c_char, usize), (usize, usize)),
+    b: ((c_char, usize), (usize, usize)),
+}
+
+impl<'a> Job<'a> {
+    fn new<A: 'static>(
+        (m, n, k): (usize, usize, usize),
+        lhs: &Mat<'a, A>,
+        rhs: &Mat<'a, A>,
+    ) -> Option<Self> {
+        if TypeId::of::<A>() != TypeId::of::<f32>() || m == 0 || n == 0 || k == 0 {
+            return None;
+        }
+        let (pair, ll, rl) = match (&lhs.data, &rhs.data) {
+            (Data::Bf16(l), Data::Bf16(r)) => (Pair::Bf16(l, r), l.len(), r.len()),
+            (Data::Acc(l), Data::Acc(r)) => {
+                // SAFETY: `A` is f32 (checked above): same length, alignment and bits.
+                let f = |s: &'a [A]| unsafe {
+                    std::slice::from_raw_parts(s.as_ptr().cast::<f32>(), s.len())
+                };
+                (Pair::F32(f(l), f(r)), l.len(), r.len())
+            }
+            _ => return None,
+        };
+        if !inside(m, k, lhs, ll) || !inside(k, n, rhs, rl) {
+            return None;
+        }
+        Some(Job {
+            mnk: (m, n, k),
+            pair,
+            a: (trans(m, k, lhs.rs, lhs.cs)?, (lhs.rs, lhs.cs)),
+            b: (trans(k, n, rhs.rs, rhs.cs)?, (rhs.rs, rhs.cs)),
+        })
+    }
+
+    fn dtype(&self) -> candle_core::DType {
+        match self.pair {
+            Pair::Bf16(..) => candle_core::DType::BF16,
+            Pair::F32(..) => candle_core::DType::F32,
+        }
+    }
+
+    /// `dst (+)= lhs · rhs`, band by band (on Candle's pool when `threads > 1`).
+    ///
+    /// # Safety
+    /// `dst` is valid for writes of `m * n` elements (initialised when `acc`), and nothing else
+    /// accesses them during the call.
+    unsafe fn run(&self, dst: *mut f32, acc: bool, threads: usize) {
+        let (m, n, k) = self.mnk;
+        let along_rows = m >= n;
+        let bands = if along_rows { m } else { n }.div_ceil(BAND);
+        let dst = Shared(dst);
+        let band = |i: usize| {
+            let lo = i * BAND;
+            let (rows, cols) = if along_rows {
+                ((lo, (lo + BAND).min(m)), (0, n))
+            } else {
+                ((0, m), (lo, (lo + BAND).min(n)))
+            };
+            let call = Call {
+                shape: (rows.1 - rows.0, cols.1 - cols.0, k),
+                ta: self.a.0,
+                tb: self.b.0,
+                a: rows.0 * self.a.1 .0,
+                b: cols.0 * self.b.1 .1,
+                c: dst.at(rows.0 * n + cols.0),
+                ldc: n,
+                beta: if acc { 1.0 } else { 0.0 },
+            };
+            // SAFETY: the band lies inside dst (m x n, row stride n, valid per the caller) and
+            // bands are disjoint; its operand rows / columns lie inside the operands (checked
+            // by `Job::new`).
+            unsafe { call.run(&self.pair) };
+        };
+        if threads < 2 {
+            (0..bands).for_each(band);
+        } else {
+            pool::for_each(bands, band);
+        }
+    }
 }
 
 /// One oneDNN call: a band of the output.
@@ -196,10 +239,12 @@ mod tests {
         let (a, b) = (&a[..], &b[..]);
         let mut dst = [f32::NAN; 4];
         // SAFETY: dst holds 2 x 2 elements, exclusively borrowed.
-        let ran = unsafe { gemm((2, 2, 3), dst.as_mut_ptr(), false, mat(a, 3), mat(b, 2), 1) };
-        assert_eq!((ran, dst), (Some(()), [4., 5., 10., 11.]));
+        let (a, b) = (mat(a, 3), mat(b, 2));
+        let job = Job::new((2, 2, 3), &a, &b).expect("f32, row-major");
+        unsafe { job.run(dst.as_mut_ptr(), false, 1) };
+        assert_eq!(dst, [4., 5., 10., 11.]);
         // SAFETY: as above.
-        unsafe { gemm((2, 2, 3), dst.as_mut_ptr(), true, mat(a, 3), mat(b, 2), 2) };
+        unsafe { job.run(dst.as_mut_ptr(), true, 2) };
         assert_eq!(dst, [8., 10., 20., 22.]);
     }
 }
