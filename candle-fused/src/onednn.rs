@@ -141,7 +141,7 @@ pub(crate) struct Mat<'a, A> {
 /// when `acc`, and nothing else accesses them during the call.
 #[cfg_attr(not(feature = "onednn"), allow(unused_variables))]
 pub(crate) unsafe fn gemm<A: 'static>(
-    (m, n, k): (usize, usize, usize),
+    mnk: (usize, usize, usize),
     dst: *mut A,
     acc: bool,
     lhs: Mat<'_, A>,
@@ -150,8 +150,13 @@ pub(crate) unsafe fn gemm<A: 'static>(
 ) -> Option<()> {
     #[cfg(feature = "onednn")]
     {
-        // SAFETY: per this function's contract.
-        unsafe { run::gemm((m, n, k), dst, acc, lhs, rhs, threads) }
+        let job = run::Job::new(mnk, &lhs, &rhs)?;
+        if !active(job.dtype()) {
+            return None;
+        }
+        // SAFETY: `A` is f32 (`Job::new` checked); `dst` per this function's contract.
+        unsafe { job.run(dst.cast::<f32>(), acc, threads) };
+        Some(())
     }
     #[cfg(not(feature = "onednn"))]
     None

@@ -13,19 +13,20 @@ use candle_core::{DType, Tensor};
 use candle_fused::linear::{linear, matmul};
 use common::*;
 
-/// Forces oneDNN (before any GEMM of this process) and says whether the tests can run.
-fn on(test: &str) -> bool {
+/// Forces oneDNN (before any GEMM of this process); a generator seeded with `seed` when the
+/// tests can run, `None` (and a printed notice) without the feature.
+fn on(test: &str, seed: u64) -> Option<Lcg> {
     static FORCE: std::sync::Once = std::sync::Once::new();
     FORCE.call_once(|| std::env::set_var("CANDLE_FUSED_ONEDNN", "1"));
     if !cfg!(feature = "onednn") {
         println!("{test}: skipped (candle-fused built without the `onednn` feature)");
-        return false;
+        return None;
     }
     assert!(
         candle_fused::onednn::active(DType::F32) && candle_fused::onednn::active(DType::BF16),
         "CANDLE_FUSED_ONEDNN=1 must force oneDNN"
     );
-    true
+    Some(Lcg(seed))
 }
 
 /// `a [m, k]` or its transpose stored `[k, m]` and read through `.t()`; `pad` extra columns
@@ -56,10 +57,9 @@ fn check(y: &Tensor, a: &Tensor, b: &Tensor, what: &str) -> Result<()> {
 
 #[test]
 fn matches_the_f64_product_on_every_layout() -> Result<()> {
-    if !on("matches_the_f64_product_on_every_layout") {
+    let Some(mut rng) = on("matches_the_f64_product_on_every_layout", 36) else {
         return Ok(());
-    }
-    let mut rng = Lcg(36);
+    };
     // odd sizes; 300 rows and 385 columns: several 128-wide bands along either side
     for (m, k, n) in [
         (1, 1, 1),
@@ -84,10 +84,9 @@ fn matches_the_f64_product_on_every_layout() -> Result<()> {
 
 #[test]
 fn same_bits_on_one_two_and_three_threads() -> Result<()> {
-    if !on("same_bits_on_one_two_and_three_threads") {
+    let Some(mut rng) = on("same_bits_on_one_two_and_three_threads", 37) else {
         return Ok(());
-    }
-    let mut rng = Lcg(37);
+    };
     let f = |t: &[Tensor]| linear(&t[0], &t[1].t()?, Some(&t[2]));
     // `linear` with a bias (the GEMM accumulates into the bias rows) and its backward (dx, and
     // dW as a transposed product): bands along rows and along columns

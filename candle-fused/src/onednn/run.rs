@@ -37,30 +37,9 @@ enum Pair<'a> {
     F32(&'a [f32], &'a [f32]),
 }
 
-/// See [`super::gemm`]; the feature is on.
-///
-/// # Safety
-/// As [`super::gemm`].
-pub(super) unsafe fn gemm<A: 'static>(
-    mnk: (usize, usize, usize),
-    dst: *mut A,
-    acc: bool,
-    lhs: Mat<'_, A>,
-    rhs: Mat<'_, A>,
-    threads: usize,
-) -> Option<()> {
-    let job = Job::new(mnk, &lhs, &rhs)?;
-    if !super::active(job.dtype()) {
-        return None;
-    }
-    // SAFETY: `A` is f32 (`Job::new` checked); `dst` per this function's contract.
-    unsafe { job.run(dst.cast::<f32>(), acc, threads) };
-    Some(())
-}
-
 /// A product oneDNN can run: both operands f32 or both bf16, each row-major or transposed,
 /// inside its slice.
-struct Job<'a> {
+pub(super) struct Job<'a> {
     mnk: (usize, usize, usize),
     pair: Pair<'a>,
     /// (trans, leading dimension) and (row stride, column stride) of each operand.
@@ -69,7 +48,7 @@ struct Job<'a> {
 }
 
 impl<'a> Job<'a> {
-    fn new<A: 'static>(
+    pub(super) fn new<A: 'static>(
         (m, n, k): (usize, usize, usize),
         lhs: &Mat<'a, A>,
         rhs: &Mat<'a, A>,
@@ -99,7 +78,7 @@ impl<'a> Job<'a> {
         })
     }
 
-    fn dtype(&self) -> candle_core::DType {
+    pub(super) fn dtype(&self) -> candle_core::DType {
         match self.pair {
             Pair::Bf16(..) => candle_core::DType::BF16,
             Pair::F32(..) => candle_core::DType::F32,
@@ -111,7 +90,7 @@ impl<'a> Job<'a> {
     /// # Safety
     /// `dst` is valid for writes of `m * n` elements (initialised when `acc`), and nothing else
     /// accesses them during the call.
-    unsafe fn run(&self, dst: *mut f32, acc: bool, threads: usize) {
+    pub(super) unsafe fn run(&self, dst: *mut f32, acc: bool, threads: usize) {
         let (m, n, k) = self.mnk;
         let along_rows = m >= n;
         let bands = if along_rows { m } else { n }.div_ceil(BAND);
@@ -167,45 +146,14 @@ impl Call {
     /// `c` is valid for the band's writes (and reads when `beta != 0`); the operands from
     /// offsets `a` / `b` cover the band's rows / columns through their leading dimensions.
     unsafe fn run(&self, pair: &Pair<'_>) {
-        let (m, n, k) = self.shape;
-        let d = |v: usize| v as i64;
         // SAFETY: OpenMP's per-thread setting; restored below.
         let team = unsafe { ffi::omp_get_max_threads() };
         unsafe { ffi::omp_set_num_threads(1) };
-        // SAFETY: the operands and `c` per this function's contract; oneDNN reads `op(A)` /
-        // `op(B)` through (trans, ld) exactly as `trans` derived them from the strides.
+        // SAFETY: per this function's contract.
         let status = unsafe {
             match pair {
-                Pair::F32(l, r) => ffi::dnnl_sgemm(
-                    self.ta.0,
-                    self.tb.0,
-                    d(m),
-                    d(n),
-                    d(k),
-                    1.0,
-                    l.as_ptr().add(self.a),
-                    d(self.ta.1),
-                    r.as_ptr().add(self.b),
-                    d(self.tb.1),
-                    self.beta,
-                    self.c,
-                    d(self.ldc),
-                ),
-                Pair::Bf16(l, r) => ffi::dnnl_gemm_bf16bf16f32(
-                    self.ta.0,
-                    self.tb.0,
-                    d(m),
-                    d(n),
-                    d(k),
-                    1.0,
-                    l.as_ptr().add(self.a).cast::<u16>(),
-                    d(self.ta.1),
-                    r.as_ptr().add(self.b).cast::<u16>(),
-                    d(self.tb.1),
-                    self.beta,
-                    self.c,
-                    d(self.ldc),
-                ),
+                Pair::F32(l, r) => self.call(ffi::dnnl_sgemm, l, r),
+                Pair::Bf16(l, r) => self.call(ffi::dnnl_gemm_bf16bf16f32, l, r),
             }
         };
         // SAFETY: as above.
@@ -216,6 +164,36 @@ impl Call {
             status == 0,
             "candle-fused onednn: oneDNN GEMM failed with status {status}"
         );
+    }
+
+    /// `f` (one of oneDNN's GEMMs) on this band of `l · r`.
+    ///
+    /// # Safety
+    /// As [`Call::run`].
+    unsafe fn call<T>(&self, f: ffi::Gemm<T>, l: &[T], r: &[T]) -> ffi::Status {
+        let (m, n, k) = self.shape;
+        let d = |v: usize| v as i64;
+        let (ta, tb) = (self.ta, self.tb);
+        // SAFETY: the operands and `c` per `Call::run`'s contract; oneDNN reads `op(A)` /
+        // `op(B)` through (trans, ld) exactly as `trans` derived them from the strides.
+        unsafe {
+            let (a, b) = (l.as_ptr().add(self.a), r.as_ptr().add(self.b));
+            f(
+                ta.0,
+                tb.0,
+                d(m),
+                d(n),
+                d(k),
+                1.0,
+                a,
+                d(ta.1),
+                b,
+                d(tb.1),
+                self.beta,
+                self.c,
+                d(self.ldc),
+            )
+        }
     }
 }
 
