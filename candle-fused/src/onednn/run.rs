@@ -31,7 +31,7 @@ fn inside(rows: usize, cols: usize, m: &Mat<'_, impl Sized>, len: usize) -> bool
     (rows - 1) * m.rs + (cols - 1) * m.cs < len
 }
 
-/// The operands as oneDNN takes them: both bf16 or both f32 (`A` is f32), with their layouts.
+/// The operands' data as oneDNN takes it: both bf16, or both f32 (`A` is f32).
 enum Pair<'a> {
     Bf16(&'a [half::bf16], &'a [half::bf16]),
     F32(&'a [f32], &'a [f32]),
