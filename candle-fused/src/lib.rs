@@ -79,6 +79,7 @@ pub mod linear_gelu;
 pub mod lora;
 pub mod nf4;
 pub mod norm;
+pub mod onednn;
 mod op;
 pub mod philox;
 mod pool;

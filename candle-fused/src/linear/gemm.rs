@@ -7,6 +7,7 @@ use std::borrow::Cow;
 
 use crate::cpu::{Elem, Real};
 use crate::gemm_bf16;
+use crate::onednn;
 use crate::pool::{self, Shared};
 use candle_core::{bail, CpuStorage, Layout, Result};
 
@@ -68,6 +69,19 @@ impl<A: Clone> Operand<'_, A> {
             Operand::Acc(s) => Operand::Acc(Cow::Borrowed(&s[off..])),
         }
     }
+
+    /// The operand as [`onednn::gemm`] takes it.
+    fn onednn(&self, s: Strided) -> onednn::Mat<'_, A> {
+        let data = match self {
+            Operand::Bf16(b) => onednn::Data::Bf16(b),
+            Operand::Acc(a) => onednn::Data::Acc(a),
+        };
+        onednn::Mat {
+            data,
+            rs: s.rs,
+            cs: s.cs,
+        }
+    }
 }
 
 /// `s` as a GEMM operand: bf16 stays bf16 when the CPU runs the bf16 kernel, anything else
@@ -115,6 +129,12 @@ pub(crate) unsafe fn gemm_raw<A: Real>(
     rhs: (&Operand<'_, A>, Strided),
     threads: usize,
 ) {
+    // oneDNN where it is chosen (`onednn::active`); SAFETY: `dst` per this function's
+    // contract, which is `onednn::gemm`'s.
+    let (l, r) = (lhs.0.onednn(lhs.1), rhs.0.onednn(rhs.1));
+    if unsafe { onednn::gemm((m, n, k), dst, acc, l, r, threads) }.is_some() {
+        return;
+    }
     let (lhs, rhs) = match (lhs, rhs) {
         ((Operand::Acc(l), ls), (Operand::Acc(r), rs)) => ((&l[..], ls), (&r[..], rs)),
         ((Operand::Bf16(l), ls), (Operand::Bf16(r), rs)) => {
