@@ -234,16 +234,6 @@ fn rows_input(t: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// Runs a Triton backward (`cuda.rs`); without the `cuda` feature no op takes that path.
-macro_rules! triton_bwd {
-    ($name:expr, $call:expr) => {{
-        #[cfg(feature = "cuda")]
-        return $call;
-        #[cfg(not(feature = "cuda"))]
-        bail!("{}: Triton kernels need the `cuda` feature", $name);
-    }};
-}
-
 /// Whether `bwd` can run the kernel on these tensors.
 fn bwd_kernel(ts: &[&Tensor]) -> bool {
     ts.iter().all(|t| cpu::has_kernel(t))
@@ -288,9 +278,11 @@ impl Kernel for QkvOp {
         let qkv = ins[0];
         let lse = self.saved.get()?;
         let g = &self.g;
-        if self.triton {
-            triton_bwd!(self.name(), cuda::qkv_bwd(g, &self.r, qkv, res, grad, &lse));
-        }
+        op::triton_path!(
+            self.triton,
+            self.name(),
+            cuda::qkv_bwd(g, &self.r, qkv, res, grad, &lse)
+        );
         if bwd_kernel(&[qkv, res, grad]) {
             let qkv = qkv.contiguous()?;
             let dqkv = cpu::dispatch!(qkv.dtype(), T => {
@@ -364,12 +356,11 @@ impl Kernel for BhtdOp {
     fn bwd(&self, ins: &[&Tensor], res: &Tensor, grad: &Tensor) -> Result<Grads> {
         let (q, k, v) = (ins[0], ins[1], ins[2]);
         let lse = self.saved.get()?;
-        if self.triton {
-            triton_bwd!(
-                self.name(),
-                cuda::bhtd_bwd(&self.g, &self.r, [q, k, v], (res, grad), &lse)
-            );
-        }
+        op::triton_path!(
+            self.triton,
+            self.name(),
+            cuda::bhtd_bwd(&self.g, &self.r, [q, k, v], (res, grad), &lse)
+        );
         if bwd_kernel(&[q, k, v, res, grad]) {
             // the tensors the forward read in place (see `bhtd`)
             let (dq, dk, dv) = cpu::dispatch!(q.dtype(), T => {

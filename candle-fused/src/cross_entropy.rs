@@ -405,12 +405,11 @@ impl Kernel for CeOp {
     fn bwd(&self, ins: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Grads> {
         let logits = ins[0];
         let lse = self.lse.get()?;
-        if self.triton {
-            #[cfg(feature = "cuda")]
-            return Ok([Some(cuda::bwd(self, logits, &lse, g)?), None, None]);
-            #[cfg(not(feature = "cuda"))]
-            bail!("{}: Triton kernels need the `cuda` feature", self.name());
-        }
+        op::triton_path!(
+            self.triton,
+            self.name(),
+            Ok([Some(cuda::bwd(self, logits, &lse, g)?), None, None])
+        );
         if !(cpu::has_kernel(logits) && g.device().is_cpu() && lse.device().is_cpu()) {
             return Ok([Some(self.composite_bwd(logits, g)?), None, None]);
         }

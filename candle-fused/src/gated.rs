@@ -334,12 +334,11 @@ impl Kernel for GatedOp {
     fn bwd(&self, ins: &[&Tensor], _y: &Tensor, dy: &Tensor) -> Result<Grads> {
         let (gate, up) = (ins[0], ins[1]);
         let need = [gate.track_op(), up.track_op()];
-        if self.triton {
-            #[cfg(feature = "cuda")]
-            return cuda::bwd(self.act.names().bwd, gate, up, dy, need);
-            #[cfg(not(feature = "cuda"))]
-            bail!("{}: Triton kernels need the `cuda` feature", self.name());
-        }
+        op::triton_path!(
+            self.triton,
+            self.name(),
+            cuda::bwd(self.act.names().bwd, gate, up, dy, need)
+        );
         if !(cpu::has_kernel(gate) && dy.device().is_cpu()) {
             let (dg, du) = composite_bwd(self.act, gate, up, dy)?;
             return Ok([need[0].then_some(dg), need[1].then_some(du), None]);

@@ -301,12 +301,11 @@ impl Kernel for GeluOp {
         let (x, b) = (ins[0], ins.get(1).copied());
         let need_x = x.track_op();
         let need_b = b.is_some_and(Tensor::track_op);
-        if self.triton {
-            #[cfg(feature = "cuda")]
-            return cuda::bwd(x, b, dy, [need_x, need_b]);
-            #[cfg(not(feature = "cuda"))]
-            bail!("{}: Triton kernels need the `cuda` feature", self.name());
-        }
+        op::triton_path!(
+            self.triton,
+            self.name(),
+            cuda::bwd(x, b, dy, [need_x, need_b])
+        );
         if !(cpu::has_kernel(x) && dy.device().is_cpu()) {
             let (dx, db) = composite_bwd(x, b, dy, need_x, need_b)?;
             return Ok([dx, db, None]);

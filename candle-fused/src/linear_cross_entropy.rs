@@ -428,12 +428,7 @@ impl LceOp {
         p: &Pass<'_>,
         rg: Option<&fallback::RowGrad>,
     ) -> Result<fallback::DeviceOut> {
-        if self.triton {
-            #[cfg(feature = "cuda")]
-            return cuda::run(x2, w, p, rg);
-            #[cfg(not(feature = "cuda"))]
-            bail!("{}: Triton kernels need the `cuda` feature", self.name());
-        }
+        op::triton_path!(self.triton, self.name(), cuda::run(x2, w, p, rg));
         fallback::run(x2, w, p, rg)
     }
 

@@ -326,15 +326,14 @@ impl Kernel for NormOp {
             Kind::Layer => Some(self.mean.get()?),
             Kind::Rms => None,
         };
-        if self.triton {
-            #[cfg(feature = "cuda")]
-            return match &mean {
+        op::triton_path!(
+            self.triton,
+            self.name(),
+            match &mean {
                 Some(m) => cuda::layer_bwd(x, w, b.is_some(), dy, [m, &rstd], need),
                 None => cuda::rms_bwd(x, w, dy, &rstd, need),
-            };
-            #[cfg(not(feature = "cuda"))]
-            bail!("{}: Triton kernels need the `cuda` feature", self.name());
-        }
+            }
+        );
         let c = x.dims().last().copied().unwrap_or(1);
         if !(cpu::has_kernel(x) && dy.device().is_cpu() && rstd.device().is_cpu()) {
             return self.composite_bwd(x, w, b.is_some(), dy, mean, rstd, need);

@@ -55,6 +55,21 @@ pub(crate) trait Kernel: Send + Sync + 'static {
     fn bwd(&self, ins: &[&Tensor], y: &Tensor, dy: &Tensor) -> Result<Grads>;
 }
 
+/// In an op's code: when `$on` (the op took its Triton path), returns `$call` (the Triton
+/// kernels' launch, the op's `cuda.rs`) from the enclosing function; without the `cuda` feature
+/// no op takes that path, and this errors naming the op (`$name`).
+macro_rules! triton_path {
+    ($on:expr, $name:expr, $call:expr) => {
+        if $on {
+            #[cfg(feature = "cuda")]
+            return $call;
+            #[cfg(not(feature = "cuda"))]
+            candle_core::bail!("{}: Triton kernels need the `cuda` feature", $name);
+        }
+    };
+}
+pub(crate) use triton_path;
+
 /// A [`Kernel`] as a Candle custom op, with the fallback's precomputed output if any.
 pub(crate) struct Fused<K> {
     kernel: K,

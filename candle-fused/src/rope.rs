@@ -349,17 +349,16 @@ impl Kernel for RopeOp {
     fn bwd(&self, ins: &[&Tensor], _y: &Tensor, dy: &Tensor) -> Result<Grads> {
         let x = ins[0];
         let g = &self.g;
-        if self.triton {
-            // the tables are constants and x the op's only input: its gradient is all there is
-            #[cfg(feature = "cuda")]
-            return Ok([
+        // the tables are constants and x the op's only input: its gradient is all there is
+        op::triton_path!(
+            self.triton,
+            self.name(),
+            Ok([
                 Some(cuda::bwd(dy, g, &self.cos, &self.sin, x.dtype())?),
                 None,
                 None,
-            ]);
-            #[cfg(not(feature = "cuda"))]
-            bail!("{}: Triton kernels need the `cuda` feature", self.name());
-        }
+            ])
+        );
         if !(cpu::has_kernel(x) && dy.device().is_cpu()) {
             return Ok([
                 Some(composite_bwd(dy, &self.cos, &self.sin, x.dtype())?),
