@@ -264,10 +264,7 @@ impl Kernel for QkvOp {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        ins: &[cuda_kernels::launch::CudaIn<'_>],
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[op::CudaIn<'_>]) -> op::CudaOut {
         match ins {
             &[x] if self.triton => cuda::qkv_fwd(x, &self.g, &self.r, &self.saved),
             _ => bail!("{}: no CUDA kernel for this call", self.name()),
@@ -341,10 +338,7 @@ impl Kernel for BhtdOp {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        ins: &[cuda_kernels::launch::CudaIn<'_>],
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[op::CudaIn<'_>]) -> op::CudaOut {
         match ins {
             &[q, k, v] if self.triton => {
                 cuda::bhtd_fwd([q, k, v], &self.g, &self.r, self.merged, &self.saved)

@@ -286,10 +286,7 @@ impl Kernel for GeluOp {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[op::CudaIn<'_>]) -> op::CudaOut {
         match *ins {
             [x] => cuda::fwd(x),
             [x, b] => cuda::bias_fwd(x, b),

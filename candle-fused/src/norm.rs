@@ -305,10 +305,7 @@ impl Kernel for NormOp {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[op::CudaIn<'_>]) -> op::CudaOut {
         let stats = [&self.mean, &self.rstd];
         match (self.kind, ins) {
             (Kind::Rms, &[x, w]) => cuda::rms_fwd(x, w, self.eps, &self.rstd),

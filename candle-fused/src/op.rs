@@ -25,7 +25,11 @@ use candle_core::{
 use std::sync::Mutex;
 
 #[cfg(feature = "cuda")]
-use crate::cuda_kernels::launch::CudaIn;
+pub(crate) use crate::cuda_kernels::launch::CudaIn;
+
+/// What an op's CUDA forward returns: the output's storage and shape.
+#[cfg(feature = "cuda")]
+pub(crate) type CudaOut = Result<(CudaStorage, Shape)>;
 
 /// The gradients of an op's inputs, in input order (`None` past the op's arity, or where an
 /// input needs none).
@@ -46,7 +50,7 @@ pub(crate) trait Kernel: Send + Sync + 'static {
     /// called when the op was applied with nothing precomputed on a CUDA device, which an op
     /// does only where its kernel applies (`cuda_kernels::triton_for` and its own limits).
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, ins: &[CudaIn<'_>]) -> Result<(CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[CudaIn<'_>]) -> CudaOut {
         let _ = ins;
         bail!("{}: no CUDA kernel", self.name())
     }
@@ -85,7 +89,7 @@ impl<K: Kernel> Fused<K> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&self, ins: &[CudaIn<'_>]) -> Result<(CudaStorage, Shape)> {
+    fn cuda(&self, ins: &[CudaIn<'_>]) -> CudaOut {
         match &self.pre {
             Some(p) => p.cuda(),
             None => self.kernel.cuda_fwd(ins),
