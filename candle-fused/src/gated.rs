@@ -162,10 +162,8 @@ pub(crate) fn gated_composite(act: Gate, op: &str, gate: &Tensor, up: &Tensor) -
 }
 
 fn check(op: &str, gate: &Tensor, up: &Tensor) -> Result<()> {
-    let (dt, dims) = (gate.dtype(), gate.dims());
-    if !dt.is_float() {
-        bail!("{op}: gate must be a float tensor, got {dt:?}")
-    }
+    op::check_float(op, "gate", gate)?;
+    let dims = gate.dims();
     if dims != up.dims() {
         let other = up.dims();
         bail!("{op}: gate and up must have the same shape, got {dims:?} and {other:?}")

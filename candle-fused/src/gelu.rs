@@ -226,9 +226,7 @@ pub fn gelu_composite(x: &Tensor) -> Result<Tensor> {
 /// Checks the arguments; returns the row length of the kernel (the bias length, or a fixed
 /// chunk of the flattened tensor without a bias).
 fn check(op: &str, x: &Tensor, b: Option<&Tensor>) -> Result<usize> {
-    if !x.dtype().is_float() {
-        bail!("{op}: x must be a float tensor, got {:?}", x.dtype())
-    }
+    op::check_float(op, "x", x)?;
     let Some(b) = b else {
         return Ok(CHUNK);
     };

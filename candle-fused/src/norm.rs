@@ -116,9 +116,7 @@ pub fn rms_norm_composite(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 }
 
 fn check(op: &str, x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<()> {
-    if !x.dtype().is_float() {
-        bail!("{op}: x must be a float tensor, got {:?}", x.dtype())
-    }
+    op::check_float(op, "x", x)?;
     let c = match x.dims().last() {
         Some(&c) if c > 0 => c,
         _ => bail!(

@@ -293,6 +293,30 @@ pub(crate) fn check_like(
     Ok(())
 }
 
+/// Errors unless `t` (called `name`) has a float dtype, the message starting with `op`.
+pub(crate) fn check_float(op: &str, name: &str, t: &Tensor) -> Result<()> {
+    match t.dtype() {
+        dt if dt.is_float() => Ok(()),
+        dt => bail!("{op}: {name} must be a float tensor, got {dt:?}"),
+    }
+}
+
+/// The leading dims and the last dim `n` of `t` (called `name`, `[.., n]` with `n > 0`, the
+/// last dim called `dim` in the message, which starts with `op`).
+pub(crate) fn split_last<'a>(
+    op: &str,
+    (name, dim): (&str, &str),
+    t: &'a Tensor,
+) -> Result<(&'a [usize], usize)> {
+    match t.dims().split_last() {
+        Some((&n, lead)) if n > 0 => Ok((lead, n)),
+        _ => bail!(
+            "{op}: {name} must be [.., {dim}] with {dim} > 0, got shape {:?}",
+            t.shape()
+        ),
+    }
+}
+
 /// The dtype the kernels and composite forms sum in for compute dtype `dt`: f64 for f64, else
 /// f32 (16-bit inputs widen).
 pub(crate) fn acc_dtype(dt: DType) -> DType {

@@ -29,6 +29,8 @@ use crate::gelu::FastMath;
 use crate::RngKey;
 use tile::{gemm, load, run_tasks, Mat};
 
+pub(crate) use crate::cpu::View;
+
 /// Query rows per tile. Small, so that a causal strip of rows stops at its last row's keys (at
 /// T = 128 the strips read 10/16 of the score matrix, one 128-row tile all of it); the GEMMs
 /// of a 32-row strip still run at the full width of `gemm`'s 16 x 6 micro-kernel. Chosen with
@@ -37,43 +39,6 @@ use tile::{gemm, load, run_tasks, Mat};
 pub(crate) const QB: usize = 32;
 /// Keys per tile (the online softmax runs over key tiles).
 pub(crate) const KB: usize = 256;
-
-/// Where row `t` of head `(b, h)` of a tensor starts: `off + b * sb + h * sh + t * st`; the
-/// feature dimension has stride 1.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct View {
-    pub off: usize,
-    pub sb: usize,
-    pub sh: usize,
-    pub st: usize,
-}
-
-impl View {
-    /// The view of a contiguous `[B, H, T, D]` tensor.
-    pub fn bhtd(h: usize, t: usize, d: usize) -> Self {
-        View {
-            off: 0,
-            sb: h * t * d,
-            sh: t * d,
-            st: d,
-        }
-    }
-
-    /// Head-interleaved `[B, T, W]` rows whose head `h` sits at columns `off + h * d ..`.
-    pub fn interleaved(off: usize, t: usize, w: usize, d: usize) -> Self {
-        View {
-            off,
-            sb: t * w,
-            sh: d,
-            st: w,
-        }
-    }
-
-    #[inline(always)]
-    fn row(&self, b: usize, h: usize, t: usize) -> usize {
-        self.off + b * self.sb + h * self.sh + t * self.st
-    }
-}
 
 /// Sizes and layouts of one attention call.
 #[derive(Clone, Copy, Debug)]
