@@ -115,6 +115,21 @@ impl Geom {
         (lo.min(hi), hi)
     }
 
+    /// The key tiles `(j0, nk)` (at most [`KB`] keys from `j0`), in order, that the query rows
+    /// `i0 .. i0 + nq` of batch `b` read: keys no row of the block sees are never read.
+    fn key_tiles<A>(
+        &self,
+        p: &Params<A>,
+        b: usize,
+        i0: usize,
+        nq: usize,
+    ) -> impl Iterator<Item = (usize, usize)> {
+        let (kbeg, kend) = self.block_keys(p, b, i0, nq);
+        (kbeg..kend)
+            .step_by(KB)
+            .map(move |j0| (j0, KB.min(kend - j0)))
+    }
+
     /// Flat index of the dropout element `(bh, i, j)` in the `[B, H, Tq, Tk]` probabilities.
     #[inline(always)]
     fn drop_index(&self, bh: usize, i: usize, j: usize) -> u64 {
@@ -366,11 +381,7 @@ unsafe fn fwd_head<T: Elem>(
         acc.fill(zero);
         sc.m[..nq].fill(neg_inf);
         sc.l[..nq].fill(zero);
-        // Keys no row of the block sees are never read.
-        let (kbeg, kend) = g.block_keys(p, b, i0, nq);
-        let mut j0 = kbeg;
-        while j0 < kend {
-            let nk = KB.min(kend - j0);
+        for (j0, nk) in g.key_tiles(p, b, i0, nq) {
             let s = &mut sc.s[..nq * nk];
             tile_scores(g, p, &sc.q, &sc.k, s, i0, nq, j0, nk);
             for r in 0..nq {
@@ -415,7 +426,6 @@ unsafe fn fwd_head<T: Elem>(
                 Mat::rows(&sc.v[j0 * dv..], dv),
                 T::Acc::ONE,
             );
-            j0 += nk;
         }
         for r in 0..nq {
             let i = i0 + r;
