@@ -115,6 +115,14 @@ struct Case {
 fn cases(s: &Shapes, dev: &Device) -> Result<Vec<Case>> {
     let (n, c) = (s.b * s.t, s.c);
     let randn = |shape: &[usize], std: f64| Var::randn(0f32, std as f32, shape, dev);
+    // The MLP's up-projection `c -> 4c`: x, W and b.
+    let up_proj = || -> Result<Vec<Var>> {
+        Ok(vec![
+            randn(&[n, c], 1.0)?,
+            randn(&[c, 4 * c], 0.02)?,
+            randn(&[4 * c], 0.02)?,
+        ])
+    };
     let h = s.h;
     let targets = Tensor::rand(0f32, s.v as f32, n, dev)?
         .floor()?
@@ -143,21 +151,13 @@ fn cases(s: &Shapes, dev: &Device) -> Result<Vec<Case>> {
         },
         Case {
             name: "linear c -> 4c",
-            inputs: vec![
-                randn(&[n, c], 1.0)?,
-                randn(&[c, 4 * c], 0.02)?,
-                randn(&[4 * c], 0.02)?,
-            ],
+            inputs: up_proj()?,
             fused: Box::new(|x| linear::linear(&x[0], &x[1], Some(&x[2]))),
             composite: Box::new(|x| linear::linear_composite(&x[0], &x[1], Some(&x[2]))),
         },
         Case {
             name: "linear_gelu c -> 4c",
-            inputs: vec![
-                randn(&[n, c], 1.0)?,
-                randn(&[c, 4 * c], 0.02)?,
-                randn(&[4 * c], 0.02)?,
-            ],
+            inputs: up_proj()?,
             fused: Box::new(|x| linear_gelu::linear_gelu(&x[0], &x[1], Some(&x[2]))),
             composite: Box::new(|x| {
                 gelu::bias_gelu_composite(

@@ -234,16 +234,6 @@ fn rows_input(t: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// Runs a Triton backward (`cuda.rs`); without the `cuda` feature no op takes that path.
-macro_rules! triton_bwd {
-    ($name:expr, $call:expr) => {{
-        #[cfg(feature = "cuda")]
-        return $call;
-        #[cfg(not(feature = "cuda"))]
-        bail!("{}: Triton kernels need the `cuda` feature", $name);
-    }};
-}
-
 /// Whether `bwd` can run the kernel on these tensors.
 fn bwd_kernel(ts: &[&Tensor]) -> bool {
     ts.iter().all(|t| cpu::has_kernel(t))
@@ -274,10 +264,7 @@ impl Kernel for QkvOp {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        ins: &[cuda_kernels::launch::CudaIn<'_>],
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[op::CudaIn<'_>]) -> op::CudaOut {
         match ins {
             &[x] if self.triton => cuda::qkv_fwd(x, &self.g, &self.r, &self.saved),
             _ => bail!("{}: no CUDA kernel for this call", self.name()),
@@ -288,9 +275,11 @@ impl Kernel for QkvOp {
         let qkv = ins[0];
         let lse = self.saved.get()?;
         let g = &self.g;
-        if self.triton {
-            triton_bwd!(self.name(), cuda::qkv_bwd(g, &self.r, qkv, res, grad, &lse));
-        }
+        op::triton_path!(
+            self.triton,
+            self.name(),
+            cuda::qkv_bwd(g, &self.r, qkv, res, grad, &lse)
+        );
         if bwd_kernel(&[qkv, res, grad]) {
             let qkv = qkv.contiguous()?;
             let dqkv = cpu::dispatch!(qkv.dtype(), T => {
@@ -349,10 +338,7 @@ impl Kernel for BhtdOp {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        ins: &[cuda_kernels::launch::CudaIn<'_>],
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[op::CudaIn<'_>]) -> op::CudaOut {
         match ins {
             &[q, k, v] if self.triton => {
                 cuda::bhtd_fwd([q, k, v], &self.g, &self.r, self.merged, &self.saved)
@@ -364,12 +350,11 @@ impl Kernel for BhtdOp {
     fn bwd(&self, ins: &[&Tensor], res: &Tensor, grad: &Tensor) -> Result<Grads> {
         let (q, k, v) = (ins[0], ins[1], ins[2]);
         let lse = self.saved.get()?;
-        if self.triton {
-            triton_bwd!(
-                self.name(),
-                cuda::bhtd_bwd(&self.g, &self.r, [q, k, v], (res, grad), &lse)
-            );
-        }
+        op::triton_path!(
+            self.triton,
+            self.name(),
+            cuda::bhtd_bwd(&self.g, &self.r, [q, k, v], (res, grad), &lse)
+        );
         if bwd_kernel(&[q, k, v, res, grad]) {
             // the tensors the forward read in place (see `bhtd`)
             let (dq, dk, dv) = cpu::dispatch!(q.dtype(), T => {

@@ -372,6 +372,43 @@ macro_rules! dispatch {
 }
 pub(crate) use dispatch;
 
+/// Where row `t` of head `(b, h)` of a tensor starts: `off + b * sb + h * sh + t * st`; the
+/// feature dimension has stride 1.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct View {
+    pub off: usize,
+    pub sb: usize,
+    pub sh: usize,
+    pub st: usize,
+}
+
+impl View {
+    /// The view of a contiguous `[B, H, T, D]` tensor.
+    pub(crate) fn bhtd(h: usize, t: usize, d: usize) -> Self {
+        View {
+            off: 0,
+            sb: h * t * d,
+            sh: t * d,
+            st: d,
+        }
+    }
+
+    /// Head-interleaved `[B, T, W]` rows whose head `h` sits at columns `off + h * d ..`.
+    pub(crate) fn interleaved(off: usize, t: usize, w: usize, d: usize) -> Self {
+        View {
+            off,
+            sb: t * w,
+            sh: d,
+            st: w,
+        }
+    }
+
+    #[inline(always)]
+    pub(crate) fn row(&self, b: usize, h: usize, t: usize) -> usize {
+        self.off + b * self.sb + h * self.sh + t * self.st
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

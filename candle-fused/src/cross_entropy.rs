@@ -125,26 +125,13 @@ fn check(
     ignore: Option<u32>,
 ) -> Result<(usize, usize)> {
     let (given, targets) = (targets, targets.tensor());
-    if !logits.dtype().is_float() {
-        bail!(
-            "{op}: logits must be a float tensor, got {:?}",
-            logits.dtype()
-        )
-    }
-    let (lead, v) = match logits.dims().split_last() {
-        Some((&v, lead)) if v > 0 => (lead, v),
-        _ => bail!(
-            "{op}: logits must have rank >= 1 and a non-empty last dim, got shape {:?}",
-            logits.shape()
-        ),
-    };
+    op::check_float(op, "logits", logits)?;
+    let (lead, v) = op::split_last(op, ("logits", "V"), logits)?;
     if targets.dtype() != DType::U32 {
         bail!("{op}: targets must be u32, got {:?}", targets.dtype())
     }
     if let Some(m) = mask {
-        if !m.dtype().is_float() {
-            bail!("{op}: mask must be a float tensor, got {:?}", m.dtype())
-        }
+        op::check_float(op, "mask", m)?;
     }
     for (name, t) in [("targets", Some(targets)), ("mask", mask)] {
         let Some(t) = t else { continue };
@@ -395,22 +382,18 @@ impl Kernel for CeOp {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[op::CudaIn<'_>]) -> op::CudaOut {
         cuda::fwd(self, ins[0])
     }
 
     fn bwd(&self, ins: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Grads> {
         let logits = ins[0];
         let lse = self.lse.get()?;
-        if self.triton {
-            #[cfg(feature = "cuda")]
-            return Ok([Some(cuda::bwd(self, logits, &lse, g)?), None, None]);
-            #[cfg(not(feature = "cuda"))]
-            bail!("{}: Triton kernels need the `cuda` feature", self.name());
-        }
+        op::triton_path!(
+            self.triton,
+            self.name(),
+            Ok([Some(cuda::bwd(self, logits, &lse, g)?), None, None])
+        );
         if !(cpu::has_kernel(logits) && g.device().is_cpu() && lse.device().is_cpu()) {
             return Ok([Some(self.composite_bwd(logits, g)?), None, None]);
         }

@@ -236,21 +236,17 @@ impl Kernel for Dropout {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[op::CudaIn<'_>]) -> op::CudaOut {
         cuda::fwd(ins[0], self.p, self.key)
     }
 
     fn bwd(&self, _ins: &[&Tensor], _y: &Tensor, grad: &Tensor) -> Result<Grads> {
         // d(x * m)/dx = m: the gradient is the upstream gradient times the regenerated mask.
-        if self.triton {
-            #[cfg(feature = "cuda")]
-            return Ok([Some(cuda::masked(grad, self.p, self.key)?), None, None]);
-            #[cfg(not(feature = "cuda"))]
-            candle_core::bail!("{}: Triton kernels need the `cuda` feature", self.name());
-        }
+        op::triton_path!(
+            self.triton,
+            self.name(),
+            Ok([Some(cuda::masked(grad, self.p, self.key)?), None, None])
+        );
         let g = if cpu::has_kernel(grad) {
             let g = grad.contiguous()?;
             cpu::dispatch!(g.dtype(), T => cpu::with_slice::<T, _>(&g, |s| {

@@ -134,12 +134,7 @@ fn check(op: &str, w: &Tensor, ids: &Tensor) -> Result<(usize, usize)> {
         &[v, c] => (v, c),
         d => bail!("{op}: the table must be [V, C], got {d:?}"),
     };
-    if !w.dtype().is_float() {
-        bail!(
-            "{op}: the table must be a float tensor, got {:?}",
-            w.dtype()
-        )
-    }
+    op::check_float(op, "the table", w)?;
     if ids.dtype() != DType::U32 {
         bail!("{op}: ids must be u32, got {:?}", ids.dtype())
     }

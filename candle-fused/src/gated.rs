@@ -162,10 +162,8 @@ pub(crate) fn gated_composite(act: Gate, op: &str, gate: &Tensor, up: &Tensor) -
 }
 
 fn check(op: &str, gate: &Tensor, up: &Tensor) -> Result<()> {
-    let (dt, dims) = (gate.dtype(), gate.dims());
-    if !dt.is_float() {
-        bail!("{op}: gate must be a float tensor, got {dt:?}")
-    }
+    op::check_float(op, "gate", gate)?;
+    let dims = gate.dims();
     if dims != up.dims() {
         let other = up.dims();
         bail!("{op}: gate and up must have the same shape, got {dims:?} and {other:?}")
@@ -324,22 +322,18 @@ impl Kernel for GatedOp {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[op::CudaIn<'_>]) -> op::CudaOut {
         cuda::fwd(self.act.names().fwd, ins[0], ins[1])
     }
 
     fn bwd(&self, ins: &[&Tensor], _y: &Tensor, dy: &Tensor) -> Result<Grads> {
         let (gate, up) = (ins[0], ins[1]);
         let need = [gate.track_op(), up.track_op()];
-        if self.triton {
-            #[cfg(feature = "cuda")]
-            return cuda::bwd(self.act.names().bwd, gate, up, dy, need);
-            #[cfg(not(feature = "cuda"))]
-            bail!("{}: Triton kernels need the `cuda` feature", self.name());
-        }
+        op::triton_path!(
+            self.triton,
+            self.name(),
+            cuda::bwd(self.act.names().bwd, gate, up, dy, need)
+        );
         if !(cpu::has_kernel(gate) && dy.device().is_cpu()) {
             let (dg, du) = composite_bwd(self.act, gate, up, dy)?;
             return Ok([need[0].then_some(dg), need[1].then_some(du), None]);

@@ -226,9 +226,7 @@ pub fn gelu_composite(x: &Tensor) -> Result<Tensor> {
 /// Checks the arguments; returns the row length of the kernel (the bias length, or a fixed
 /// chunk of the flattened tensor without a bias).
 fn check(op: &str, x: &Tensor, b: Option<&Tensor>) -> Result<usize> {
-    if !x.dtype().is_float() {
-        bail!("{op}: x must be a float tensor, got {:?}", x.dtype())
-    }
+    op::check_float(op, "x", x)?;
     let Some(b) = b else {
         return Ok(CHUNK);
     };
@@ -286,10 +284,7 @@ impl Kernel for GeluOp {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[op::CudaIn<'_>]) -> op::CudaOut {
         match *ins {
             [x] => cuda::fwd(x),
             [x, b] => cuda::bias_fwd(x, b),
@@ -301,12 +296,11 @@ impl Kernel for GeluOp {
         let (x, b) = (ins[0], ins.get(1).copied());
         let need_x = x.track_op();
         let need_b = b.is_some_and(Tensor::track_op);
-        if self.triton {
-            #[cfg(feature = "cuda")]
-            return cuda::bwd(x, b, dy, [need_x, need_b]);
-            #[cfg(not(feature = "cuda"))]
-            bail!("{}: Triton kernels need the `cuda` feature", self.name());
-        }
+        op::triton_path!(
+            self.triton,
+            self.name(),
+            cuda::bwd(x, b, dy, [need_x, need_b])
+        );
         if !(cpu::has_kernel(x) && dy.device().is_cpu()) {
             let (dx, db) = composite_bwd(x, b, dy, need_x, need_b)?;
             return Ok([dx, db, None]);

@@ -182,10 +182,7 @@ impl Kernel for LinearOp {
     /// No bias, `x` contiguous ([`linear`] applies it so): Candle's cuBLAS GEMM over `x` as
     /// `[rows, n_in]` and `w` through its strides.
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[op::CudaIn<'_>]) -> op::CudaOut {
         let ((sx, lx), (sw, lw)) = (ins[0], ins[1]);
         let rows = lx.shape().elem_count() / self.n_in;
         let lx2 = Layout::contiguous_with_offset((rows, self.n_in), lx.start_offset());

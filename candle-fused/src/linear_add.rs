@@ -129,10 +129,7 @@ impl Kernel for LinearAddOp {
 
     /// `x W` by [`LinearOp`]'s cuBLAS GEMM, then Candle's add kernel with `r`.
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[op::CudaIn<'_>]) -> op::CudaOut {
         let (y, shape) = self.0.cuda_fwd(&ins[..2])?;
         let (sr, lr) = ins[2];
         let ly = candle_core::Layout::contiguous(shape.clone());

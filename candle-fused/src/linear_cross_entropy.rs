@@ -228,9 +228,7 @@ fn composite_logits<'a>(
 
 /// `(N, C, V)` after checking dtypes, shapes and devices.
 fn check(op: &str, x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<(usize, usize, usize)> {
-    if !x.dtype().is_float() {
-        bail!("{op}: x must be a float tensor, got {:?}", x.dtype())
-    }
+    op::check_float(op, "x", x)?;
     if w.dtype() != x.dtype() {
         bail!(
             "{op}: w dtype {:?} differs from x dtype {:?}",
@@ -238,13 +236,7 @@ fn check(op: &str, x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<(usize, u
             x.dtype()
         )
     }
-    let (lead, c) = match x.dims().split_last() {
-        Some((&c, lead)) if c > 0 => (lead, c),
-        _ => bail!(
-            "{op}: x must be [.., C] with C > 0, got shape {:?}",
-            x.shape()
-        ),
-    };
+    let (lead, c) = op::split_last(op, ("x", "C"), x)?;
     let v = match w.dims() {
         &[v, wc] if v > 0 && wc == c => v,
         _ => bail!(
@@ -428,12 +420,7 @@ impl LceOp {
         p: &Pass<'_>,
         rg: Option<&fallback::RowGrad>,
     ) -> Result<fallback::DeviceOut> {
-        if self.triton {
-            #[cfg(feature = "cuda")]
-            return cuda::run(x2, w, p, rg);
-            #[cfg(not(feature = "cuda"))]
-            bail!("{}: Triton kernels need the `cuda` feature", self.name());
-        }
+        op::triton_path!(self.triton, self.name(), cuda::run(x2, w, p, rg));
         fallback::run(x2, w, p, rg)
     }
 

@@ -116,9 +116,7 @@ pub fn rms_norm_composite(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 }
 
 fn check(op: &str, x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<()> {
-    if !x.dtype().is_float() {
-        bail!("{op}: x must be a float tensor, got {:?}", x.dtype())
-    }
+    op::check_float(op, "x", x)?;
     let c = match x.dims().last() {
         Some(&c) if c > 0 => c,
         _ => bail!(
@@ -305,10 +303,7 @@ impl Kernel for NormOp {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[op::CudaIn<'_>]) -> op::CudaOut {
         let stats = [&self.mean, &self.rstd];
         match (self.kind, ins) {
             (Kind::Rms, &[x, w]) => cuda::rms_fwd(x, w, self.eps, &self.rstd),
@@ -326,15 +321,14 @@ impl Kernel for NormOp {
             Kind::Layer => Some(self.mean.get()?),
             Kind::Rms => None,
         };
-        if self.triton {
-            #[cfg(feature = "cuda")]
-            return match &mean {
+        op::triton_path!(
+            self.triton,
+            self.name(),
+            match &mean {
                 Some(m) => cuda::layer_bwd(x, w, b.is_some(), dy, [m, &rstd], need),
                 None => cuda::rms_bwd(x, w, dy, &rstd, need),
-            };
-            #[cfg(not(feature = "cuda"))]
-            bail!("{}: Triton kernels need the `cuda` feature", self.name());
-        }
+            }
+        );
         let c = x.dims().last().copied().unwrap_or(1);
         if !(cpu::has_kernel(x) && dy.device().is_cpu() && rstd.device().is_cpu()) {
             return self.composite_bwd(x, w, b.is_some(), dy, mean, rstd, need);

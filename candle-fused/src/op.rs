@@ -25,7 +25,11 @@ use candle_core::{
 use std::sync::Mutex;
 
 #[cfg(feature = "cuda")]
-use crate::cuda_kernels::launch::CudaIn;
+pub(crate) use crate::cuda_kernels::launch::CudaIn;
+
+/// What an op's CUDA forward returns: the output's storage and shape.
+#[cfg(feature = "cuda")]
+pub(crate) type CudaOut = Result<(CudaStorage, Shape)>;
 
 /// The gradients of an op's inputs, in input order (`None` past the op's arity, or where an
 /// input needs none).
@@ -46,7 +50,7 @@ pub(crate) trait Kernel: Send + Sync + 'static {
     /// called when the op was applied with nothing precomputed on a CUDA device, which an op
     /// does only where its kernel applies (`cuda_kernels::triton_for` and its own limits).
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, ins: &[CudaIn<'_>]) -> Result<(CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[CudaIn<'_>]) -> CudaOut {
         let _ = ins;
         bail!("{}: no CUDA kernel", self.name())
     }
@@ -54,6 +58,21 @@ pub(crate) trait Kernel: Send + Sync + 'static {
     /// The inputs' gradients for the upstream gradient `dy` of the output `y`.
     fn bwd(&self, ins: &[&Tensor], y: &Tensor, dy: &Tensor) -> Result<Grads>;
 }
+
+/// In an op's code: when `$on` (the op took its Triton path), returns `$call` (the Triton
+/// kernels' launch, the op's `cuda.rs`) from the enclosing function; without the `cuda` feature
+/// no op takes that path, and this errors naming the op (`$name`).
+macro_rules! triton_path {
+    ($on:expr, $name:expr, $call:expr) => {
+        if $on {
+            #[cfg(feature = "cuda")]
+            return $call;
+            #[cfg(not(feature = "cuda"))]
+            candle_core::bail!("{}: Triton kernels need the `cuda` feature", $name);
+        }
+    };
+}
+pub(crate) use triton_path;
 
 /// A [`Kernel`] as a Candle custom op, with the fallback's precomputed output if any.
 pub(crate) struct Fused<K> {
@@ -70,7 +89,7 @@ impl<K: Kernel> Fused<K> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&self, ins: &[CudaIn<'_>]) -> Result<(CudaStorage, Shape)> {
+    fn cuda(&self, ins: &[CudaIn<'_>]) -> CudaOut {
         match &self.pre {
             Some(p) => p.cuda(),
             None => self.kernel.cuda_fwd(ins),
@@ -272,6 +291,30 @@ pub(crate) fn check_like(
         bail!("{op}: {name} and {x_name} are on different devices")
     }
     Ok(())
+}
+
+/// Errors unless `t` (called `name`) has a float dtype, the message starting with `op`.
+pub(crate) fn check_float(op: &str, name: &str, t: &Tensor) -> Result<()> {
+    match t.dtype() {
+        dt if dt.is_float() => Ok(()),
+        dt => bail!("{op}: {name} must be a float tensor, got {dt:?}"),
+    }
+}
+
+/// The leading dims and the last dim `n` of `t` (called `name`, `[.., n]` with `n > 0`, the
+/// last dim called `dim` in the message, which starts with `op`).
+pub(crate) fn split_last<'a>(
+    op: &str,
+    (name, dim): (&str, &str),
+    t: &'a Tensor,
+) -> Result<(&'a [usize], usize)> {
+    match t.dims().split_last() {
+        Some((&n, lead)) if n > 0 => Ok((lead, n)),
+        _ => bail!(
+            "{op}: {name} must be [.., {dim}] with {dim} > 0, got shape {:?}",
+            t.shape()
+        ),
+    }
 }
 
 /// The dtype the kernels and composite forms sum in for compute dtype `dt`: f64 for f64, else

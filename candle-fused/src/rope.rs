@@ -51,7 +51,7 @@ use crate::cuda_kernels::{triton_for, triton_input};
 use crate::op::{self, acc_dtype, Grads, In, Kernel};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor, D};
-use kernel::{Geom, XView};
+use kernel::Geom;
 
 /// Rotary embedding of `x` `[B, T, H, D]` (any strides) by the tables `cos`, `sin`
 /// (`[B, T, D/2]`, each row's own positions, f32 from [`rope_tables`]; or `[T, D/2]` /
@@ -201,9 +201,7 @@ pub fn rope_tables(positions: &Tensor, inv_freq: &Tensor) -> Result<(Tensor, Ten
 /// Checks the arguments; returns the sizes (the tables' batch stride in elements, 0 when
 /// shared by the batch).
 fn check(op: &str, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Geom> {
-    if !x.dtype().is_float() {
-        bail!("{op}: x must be a float tensor, got {:?}", x.dtype())
-    }
+    op::check_float(op, "x", x)?;
     let &[b, t, h, dd] = x.dims() else {
         bail!("{op}: x must be [B, T, H, D], got shape {:?}", x.shape())
     };
@@ -232,12 +230,7 @@ fn check(op: &str, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Geom> {
         ),
     };
     for (name, tab) in [("cos", cos), ("sin", sin)] {
-        if !tab.dtype().is_float() {
-            bail!(
-                "{op}: {name} must be a float tensor (f32), got {:?}",
-                tab.dtype()
-            )
-        }
+        op::check_float(op, name, tab)?;
         if !tab.device().same_device(x.device()) {
             bail!("{op}: {name} and x are on different devices")
         }
@@ -296,9 +289,9 @@ fn composite_bwd(dy: &Tensor, cos: &Tensor, sin: &Tensor, dt: DType) -> Result<T
 }
 
 /// Row starts of the kernel's input `x` `[B, T, H, D]` from its layout.
-fn x_view(l: &Layout) -> Result<XView> {
+fn x_view(l: &Layout) -> Result<cpu::View> {
     match l.stride() {
-        &[sb, st, sh, 1] => Ok(XView {
+        &[sb, st, sh, 1] => Ok(cpu::View {
             off: l.start_offset(),
             sb,
             st,
@@ -339,27 +332,23 @@ impl Kernel for RopeOp {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        ins: &[crate::cuda_kernels::launch::CudaIn<'_>],
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, ins: &[op::CudaIn<'_>]) -> op::CudaOut {
         cuda::fwd(ins[0], &self.g, &self.cos, &self.sin)
     }
 
     fn bwd(&self, ins: &[&Tensor], _y: &Tensor, dy: &Tensor) -> Result<Grads> {
         let x = ins[0];
         let g = &self.g;
-        if self.triton {
-            // the tables are constants and x the op's only input: its gradient is all there is
-            #[cfg(feature = "cuda")]
-            return Ok([
+        // the tables are constants and x the op's only input: its gradient is all there is
+        op::triton_path!(
+            self.triton,
+            self.name(),
+            Ok([
                 Some(cuda::bwd(dy, g, &self.cos, &self.sin, x.dtype())?),
                 None,
                 None,
-            ]);
-            #[cfg(not(feature = "cuda"))]
-            bail!("{}: Triton kernels need the `cuda` feature", self.name());
-        }
+            ])
+        );
         if !(cpu::has_kernel(x) && dy.device().is_cpu()) {
             return Ok([
                 Some(composite_bwd(dy, &self.cos, &self.sin, x.dtype())?),

@@ -271,16 +271,7 @@ fn rows_without_keys_give_zero() -> Result<()> {
     let (yr, gr) = value_and_grads(&f_rows, &ins, &g.narrow(2, skip, tk)?)?;
     assert!(values(&y.narrow(2, 0, skip)?).iter().all(|&x| x == 0.0));
     compare::assert_close(&y.narrow(2, skip, tk)?, &yr, 1e-12, "causal Tq > Tk rows");
-    compare::assert_close(&yf, &y, 1e-12, "causal Tq > Tk fallback");
-    for i in 0..3 {
-        compare::assert_close(&gk[i], &gr[i], 1e-12, &format!("causal Tq > Tk grad {i}"));
-        compare::assert_close(
-            &gf[i],
-            &gk[i],
-            1e-12,
-            &format!("causal Tq > Tk fallback grad {i}"),
-        );
-    }
+    kernel_fallback_reference(&y, &yf, [&gk, &gf, &gr], "causal Tq > Tk");
     // The composite itself gives NaN on those rows.
     let yc = attention_composite(&ins[0], &ins[1], &ins[2], &cfg)?;
     assert!(nans(&yc.narrow(2, 0, skip)?).iter().all(|&n| n));
@@ -312,17 +303,18 @@ fn rows_without_keys_give_zero() -> Result<()> {
     let (yr, gr) = value_and_grads(&f_rows, &ins, &drop_row(&g, 2)?)?;
     assert!(values(&y.narrow(2, r, 1)?).iter().all(|&x| x == 0.0));
     compare::assert_close(&drop_row(&y, 2)?, &yr, 1e-12, "masked row");
-    compare::assert_close(&yf, &y, 1e-12, "masked row fallback");
-    for i in 0..3 {
-        compare::assert_close(&gk[i], &gr[i], 1e-12, &format!("masked row grad {i}"));
-        compare::assert_close(
-            &gf[i],
-            &gk[i],
-            1e-12,
-            &format!("masked row fallback grad {i}"),
-        );
-    }
+    kernel_fallback_reference(&y, &yf, [&gk, &gf, &gr], "masked row");
     Ok(())
+}
+
+/// The fallback's value `yf` and gradients against the kernel's (`y`), and the kernel's
+/// gradients against the reference's (`[kernel, fallback, reference]`), all within 1e-12.
+fn kernel_fallback_reference(y: &Tensor, yf: &Tensor, [gk, gf, gr]: [&[Tensor]; 3], what: &str) {
+    compare::assert_close(yf, y, 1e-12, &format!("{what} fallback"));
+    for i in 0..3 {
+        compare::assert_close(&gk[i], &gr[i], 1e-12, &format!("{what} grad {i}"));
+        compare::assert_close(&gf[i], &gk[i], 1e-12, &format!("{what} fallback grad {i}"));
+    }
 }
 
 /// Central differences of `sum(f(x) * g)` against the op's gradient, for every element of

@@ -7,7 +7,9 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fused::dropout::{dropout, dropout_composite, dropout_mask};
 use candle_fused::RngKey;
-use common::{f32s, fallback_if, randn, same_bits, values, Lcg31, PAR_MIN_WORK};
+use common::{
+    assert_same_on_thread_counts, f32s, fallback_if, randn, same_bits, values, Lcg31, PAR_MIN_WORK,
+};
 
 /// The bits of every element, widened to f64 (exact for every float dtype, keeps -0 and
 /// NaN distinct from 0).
@@ -99,22 +101,12 @@ fn identical_for_any_thread_count() -> Result<()> {
     let mut rng = Lcg31(4);
     let x = Var::from_tensor(&randn(&[n], DType::F32, &mut rng, 1.0)?)?;
     let key = RngKey::new(0x1234, 9);
-    let mut results = Vec::new();
-    for threads in [1, 2, 3] {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()?;
-        let (y, m, g) = pool.install(|| -> Result<_> {
-            let y = dropout(&x, 0.4, key)?;
-            let m = dropout_mask(n, 0.4, key, DType::F32, &Device::Cpu)?;
-            let g = y.sum_all()?.backward()?.get(&x).expect("grad").clone();
-            Ok((bits(&y)?, bits(&m)?, bits(&g)?))
-        })?;
-        results.push((y, m, g));
-    }
-    assert!(results[0] == results[1], "1 vs 2 threads");
-    assert!(results[0] == results[2], "1 vs 3 threads");
-    Ok(())
+    assert_same_on_thread_counts("dropout", || {
+        let y = dropout(&x, 0.4, key)?;
+        let m = dropout_mask(n, 0.4, key, DType::F32, &Device::Cpu)?;
+        let g = y.sum_all()?.backward()?.get(&x).expect("grad").clone();
+        Ok((bits(&y)?, bits(&m)?, bits(&g)?))
+    })
 }
 
 #[test]

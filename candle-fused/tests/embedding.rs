@@ -112,14 +112,10 @@ fn same_bits_on_thread_counts() -> Result<()> {
     let host = ids(5000, v - 100, 4);
     let t = Tensor::new(host.as_slice(), &Device::Cpu)?;
     let w = rand_seeded(11, &[v, c], 1.0, DType::BF16)?;
-    let mut runs = Vec::new();
-    for n in [1, 2, 3] {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(n).build()?;
-        let (y, dw) = pool.install(|| run(&w, 12, |w| embedding(w, &t, Some(&host))))?;
-        runs.push((bits(&y), bits(&dw)));
-    }
-    assert!(runs[0] == runs[1] && runs[1] == runs[2]);
-    Ok(())
+    assert_same_on_thread_counts("embedding", || {
+        let (y, dw) = run(&w, 12, |w| embedding(w, &t, Some(&host)))?;
+        Ok((bits(&y), bits(&dw)))
+    })
 }
 
 /// A table read by the embedding and by a head (`x wᵀ`): its gradient is the sum of both.

@@ -123,15 +123,8 @@ fn matches_composite_f64_and_f32() -> Result<()> {
             for shape in SHAPES {
                 let ins = inputs(shape, bias, dt, &mut rng)?;
                 let probe = rand(shape, dt, &mut rng, 1.0, 0.0)?;
-                let (y, g) = value_and_grads(&fused, &ins, &probe)?;
-                let (yr, gr) = value_and_grads(&reference, &ins, &probe)?;
                 let what = format!("bias {bias} {dt:?} {shape:?}");
-                assert_eq!(y.dtype(), dt);
-                assert_close(&y, &yr, tol, &format!("{what} y"))?;
-                for (k, (a, b)) in g.iter().zip(&gr).enumerate() {
-                    assert_eq!(a.dtype(), dt);
-                    assert_close(a, b, tol, &format!("{what} grad {k}"))?;
-                }
+                assert_matches_reference(&fused, &reference, &ins, &probe, (tol, tol), &what)?;
             }
         }
     }
@@ -170,19 +163,8 @@ fn half_precision_close_to_f32_composite() -> Result<()> {
             for shape in [&[3usize, 7][..], &[33, 65]] {
                 let ins = inputs(shape, bias, dt, &mut rng)?;
                 let probe = rand(shape, dt, &mut rng, 1.0, 0.0)?;
-                let (y, g) = value_and_grads(&fused, &ins, &probe)?;
-                let ins32: Vec<Tensor> = ins
-                    .iter()
-                    .map(|t| t.to_dtype(DType::F32))
-                    .collect::<candle_core::Result<_>>()?;
-                let (yr, gr) = value_and_grads(&reference, &ins32, &probe.to_dtype(DType::F32)?)?;
                 let what = format!("bias {bias} {dt:?} {shape:?}");
-                assert_eq!(y.dtype(), dt);
-                assert_close(&y, &yr.to_dtype(dt)?, tol, &format!("{what} y"))?;
-                for (k, (a, b)) in g.iter().zip(&gr).enumerate() {
-                    assert_eq!(a.dtype(), dt);
-                    assert_close(a, &b.to_dtype(dt)?, tol, &format!("{what} grad {k}"))?;
-                }
+                assert_matches_reference(&fused, &reference, &ins, &probe, (tol, tol), &what)?;
             }
         }
     }

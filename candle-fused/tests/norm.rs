@@ -76,15 +76,9 @@ fn matches_composite_f64_and_f32() -> Result<()> {
             for shape in SHAPES {
                 let ins = inputs(case, shape, dt, &mut rng)?;
                 let probe = rand(shape, dt, &mut rng, 1.0, 0.0)?;
-                let (y, g) = value_and_grads(&fused(case), &ins, &probe)?;
-                let (yr, gr) = value_and_grads(&reference(case), &ins, &probe)?;
                 let what = format!("{case:?} {dt:?} {shape:?}");
-                assert_eq!(y.dtype(), dt);
-                assert_close(&y, &yr, vtol, &format!("{what} y"))?;
-                for (k, (a, b)) in g.iter().zip(&gr).enumerate() {
-                    assert_eq!(a.dtype(), dt);
-                    assert_close(a, b, gtol, &format!("{what} grad {k}"))?;
-                }
+                let (f, r) = (fused(case), reference(case));
+                assert_matches_reference(&f, &r, &ins, &probe, (vtol, gtol), &what)?;
             }
         }
     }
@@ -115,20 +109,9 @@ fn half_precision_close_to_f32_composite() -> Result<()> {
             for shape in [&[3usize, 7][..], &[33, 65]] {
                 let ins = inputs(case, shape, dt, &mut rng)?;
                 let probe = rand(shape, dt, &mut rng, 1.0, 0.0)?;
-                let (y, g) = value_and_grads(&fused(case), &ins, &probe)?;
-                let ins32: Vec<Tensor> = ins
-                    .iter()
-                    .map(|t| t.to_dtype(DType::F32))
-                    .collect::<candle_core::Result<_>>()?;
-                let probe32 = probe.to_dtype(DType::F32)?;
-                let (yr, gr) = value_and_grads(&reference(case), &ins32, &probe32)?;
                 let what = format!("{case:?} {dt:?} {shape:?}");
-                assert_eq!(y.dtype(), dt);
-                assert_close(&y, &yr.to_dtype(dt)?, tol, &format!("{what} y"))?;
-                for (k, (a, b)) in g.iter().zip(&gr).enumerate() {
-                    assert_eq!(a.dtype(), dt);
-                    assert_close(a, &b.to_dtype(dt)?, 2.0 * tol, &format!("{what} grad {k}"))?;
-                }
+                let (f, r) = (fused(case), reference(case));
+                assert_matches_reference(&f, &r, &ins, &probe, (tol, 2.0 * tol), &what)?;
             }
         }
     }

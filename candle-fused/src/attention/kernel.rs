@@ -29,6 +29,8 @@ use crate::gelu::FastMath;
 use crate::RngKey;
 use tile::{gemm, load, run_tasks, Mat};
 
+pub(crate) use crate::cpu::View;
+
 /// Query rows per tile. Small, so that a causal strip of rows stops at its last row's keys (at
 /// T = 128 the strips read 10/16 of the score matrix, one 128-row tile all of it); the GEMMs
 /// of a 32-row strip still run at the full width of `gemm`'s 16 x 6 micro-kernel. Chosen with
@@ -37,43 +39,6 @@ use tile::{gemm, load, run_tasks, Mat};
 pub(crate) const QB: usize = 32;
 /// Keys per tile (the online softmax runs over key tiles).
 pub(crate) const KB: usize = 256;
-
-/// Where row `t` of head `(b, h)` of a tensor starts: `off + b * sb + h * sh + t * st`; the
-/// feature dimension has stride 1.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct View {
-    pub off: usize,
-    pub sb: usize,
-    pub sh: usize,
-    pub st: usize,
-}
-
-impl View {
-    /// The view of a contiguous `[B, H, T, D]` tensor.
-    pub fn bhtd(h: usize, t: usize, d: usize) -> Self {
-        View {
-            off: 0,
-            sb: h * t * d,
-            sh: t * d,
-            st: d,
-        }
-    }
-
-    /// Head-interleaved `[B, T, W]` rows whose head `h` sits at columns `off + h * d ..`.
-    pub fn interleaved(off: usize, t: usize, w: usize, d: usize) -> Self {
-        View {
-            off,
-            sb: t * w,
-            sh: d,
-            st: w,
-        }
-    }
-
-    #[inline(always)]
-    fn row(&self, b: usize, h: usize, t: usize) -> usize {
-        self.off + b * self.sb + h * self.sh + t * self.st
-    }
-}
 
 /// Sizes and layouts of one attention call.
 #[derive(Clone, Copy, Debug)]
@@ -148,6 +113,21 @@ impl Geom {
             }
         }
         (lo.min(hi), hi)
+    }
+
+    /// The key tiles `(j0, nk)` (at most [`KB`] keys from `j0`), in order, that the query rows
+    /// `i0 .. i0 + nq` of batch `b` read: keys no row of the block sees are never read.
+    fn key_tiles<A>(
+        &self,
+        p: &Params<A>,
+        b: usize,
+        i0: usize,
+        nq: usize,
+    ) -> impl Iterator<Item = (usize, usize)> {
+        let (kbeg, kend) = self.block_keys(p, b, i0, nq);
+        (kbeg..kend)
+            .step_by(KB)
+            .map(move |j0| (j0, KB.min(kend - j0)))
     }
 
     /// Flat index of the dropout element `(bh, i, j)` in the `[B, H, Tq, Tk]` probabilities.
@@ -401,11 +381,7 @@ unsafe fn fwd_head<T: Elem>(
         acc.fill(zero);
         sc.m[..nq].fill(neg_inf);
         sc.l[..nq].fill(zero);
-        // Keys no row of the block sees are never read.
-        let (kbeg, kend) = g.block_keys(p, b, i0, nq);
-        let mut j0 = kbeg;
-        while j0 < kend {
-            let nk = KB.min(kend - j0);
+        for (j0, nk) in g.key_tiles(p, b, i0, nq) {
             let s = &mut sc.s[..nq * nk];
             tile_scores(g, p, &sc.q, &sc.k, s, i0, nq, j0, nk);
             for r in 0..nq {
@@ -450,7 +426,6 @@ unsafe fn fwd_head<T: Elem>(
                 Mat::rows(&sc.v[j0 * dv..], dv),
                 T::Acc::ONE,
             );
-            j0 += nk;
         }
         for r in 0..nq {
             let i = i0 + r;

@@ -23,7 +23,7 @@
 //! 2. `impl Kernel for MyOp`: the forward on CUDA, in `src/<family>/cuda.rs` (`cfg(feature = "cuda")`):
 //!    ```ignore
 //!    #[cfg(feature = "cuda")]
-//!    fn cuda_fwd(&self, ins: &[CudaIn<'_>]) -> Result<(CudaStorage, Shape)> {
+//!    fn cuda_fwd(&self, ins: &[op::CudaIn<'_>]) -> op::CudaOut {
 //!        let ((sx, lx), (sw, lw)) = (ins[0], ins[1]);
 //!        let mut y = Output::new(sx.device(), lx.shape().clone(), sx.dtype())?;
 //!        let mut stat = Output::new(sx.device(), n, DType::F32)?;
@@ -35,7 +35,7 @@
 //!        Ok(y.into_parts())
 //!    }
 //!    ```
-//! 3. Its `bwd`: `if self.triton { return cuda::bwd(..) }`, where the tensors' storages come
+//! 3. Its `bwd`: `op::triton_path!(self.triton, self.name(), cuda::bwd(..))`, where the tensors' storages come
 //!    from `t.storage_and_layout()` + [`cuda_of`], the gradients from `Output`s launched into
 //!    and turned into tensors with [`Output::into_tensor`] (`Tensor::from_storage`; no graph:
 //!    gradients are leaves), so the backward kernels need no second custom op.

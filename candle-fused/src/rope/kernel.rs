@@ -4,24 +4,7 @@
 //! by `-angle` (the transpose of a rotation); each output row is written by one piece, with
 //! no reduction, so the result does not depend on the thread count.
 
-use crate::cpu::{self, Elem};
-
-/// Where row `(b, t, h)` of `x` starts: `off + b * sb + t * st + h * sh` (the feature dim has
-/// stride 1).
-#[derive(Clone, Copy, Debug)]
-pub(super) struct XView {
-    pub off: usize,
-    pub sb: usize,
-    pub st: usize,
-    pub sh: usize,
-}
-
-impl XView {
-    #[inline(always)]
-    fn row(&self, b: usize, t: usize, h: usize) -> usize {
-        self.off + b * self.sb + t * self.st + h * self.sh
-    }
-}
+use crate::cpu::{self, Elem, View};
 
 /// Sizes of one call: `x` is `[B, T, H, 2 * half]`; the tables hold `half` values per row,
 /// row `(b, t)` at `b * table_sb + t * half` (`table_sb` is 0 for tables shared by the batch).
@@ -67,7 +50,7 @@ fn rotate<T: Elem, const INV: bool>(src: &[T], c: &[T::Acc], s: &[T::Acc], out: 
 /// `y [B, H, T, D]` (contiguous) from `x` read through `xv`; `cos`, `sin`: the tables.
 pub(super) fn forward<T: Elem>(
     g: &Geom,
-    xv: &XView,
+    xv: &View,
     x: &[T],
     cos: &[T::Acc],
     sin: &[T::Acc],
@@ -78,7 +61,7 @@ pub(super) fn forward<T: Elem>(
     cpu::for_rows(&mut y, dd, 2 * dd, |r, yr| {
         let (t, bh) = (r % g.t, r / g.t);
         let (h, b) = (bh % g.h, bh / g.h);
-        let xo = xv.row(b, t, h);
+        let xo = xv.row(b, h, t);
         let to = g.table_row(b, t);
         rotate::<T, false>(&x[xo..xo + dd], &cos[to..to + d], &sin[to..to + d], yr);
     });

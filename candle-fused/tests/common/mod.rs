@@ -207,6 +207,56 @@ pub fn assert_fallback_matches(
     Ok(())
 }
 
+/// `f` against `reference` on `inputs`, values and gradients ([`value_and_grads`] with
+/// `probe`): `f`'s keep the inputs' dtype; the reference runs in f32 for 16-bit inputs (its
+/// results cast back), in the inputs' dtype otherwise; values within `vtol`, gradients within
+/// `gtol` ([`assert_close`]).
+pub fn assert_matches_reference(
+    f: TensorFn<'_>,
+    reference: TensorFn<'_>,
+    inputs: &[Tensor],
+    probe: &Tensor,
+    (vtol, gtol): (f64, f64),
+    what: &str,
+) -> Result<()> {
+    let dt = probe.dtype();
+    let (y, g) = value_and_grads(f, inputs, probe)?;
+    let (yr, gr) = if matches!(dt, DType::BF16 | DType::F16) {
+        let wide = inputs
+            .iter()
+            .map(|t| t.to_dtype(DType::F32))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        value_and_grads(reference, &wide, &probe.to_dtype(DType::F32)?)?
+    } else {
+        value_and_grads(reference, inputs, probe)?
+    };
+    assert_eq!(y.dtype(), dt, "{what} y");
+    assert_close(&y, &yr.to_dtype(dt)?, vtol, &format!("{what} y"))?;
+    for (k, (a, b)) in g.iter().zip(&gr).enumerate() {
+        assert_eq!(a.dtype(), dt, "{what} grad {k}");
+        assert_close(a, &b.to_dtype(dt)?, gtol, &format!("{what} grad {k}"))?;
+    }
+    Ok(())
+}
+
+/// Asserts that `f` returns the same result run in a pool of 1, 2 and 3 threads (compare bits,
+/// e.g. with [`bits`], so that NaNs compare equal).
+pub fn assert_same_on_thread_counts<R: PartialEq + Send>(
+    what: &str,
+    f: impl Fn() -> Result<R> + Sync,
+) -> Result<()> {
+    let mut runs = Vec::new();
+    for n in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(n).build()?;
+        runs.push(pool.install(&f)?);
+    }
+    assert!(
+        runs[0] == runs[1] && runs[1] == runs[2],
+        "{what}: results depend on the thread count"
+    );
+    Ok(())
+}
+
 /// Asserts that `f`'s value and gradients ([`value_and_grads`] with `probe`) have the same bits
 /// on 1, 2 and 3 threads.
 pub fn assert_same_bits_on_thread_counts(
@@ -215,20 +265,10 @@ pub fn assert_same_bits_on_thread_counts(
     probe: &Tensor,
     what: &str,
 ) -> Result<()> {
-    let mut runs = Vec::new();
-    for n in [1, 2, 3] {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(n).build()?;
-        let r = pool.install(|| -> Result<Vec<Vec<u64>>> {
-            let (y, g) = value_and_grads(f, inputs, probe)?;
-            Ok(std::iter::once(&y).chain(&g).map(bits).collect())
-        })?;
-        runs.push(r);
-    }
-    assert!(
-        runs[0] == runs[1] && runs[1] == runs[2],
-        "{what}: results depend on the thread count"
-    );
-    Ok(())
+    assert_same_on_thread_counts(what, || -> Result<Vec<Vec<u64>>> {
+        let (y, g) = value_and_grads(f, inputs, probe)?;
+        Ok(std::iter::once(&y).chain(&g).map(bits).collect())
+    })
 }
 
 /// [`grad::check_fd`] (h = 1e-5, tolerance 1e-6 of the largest gradient magnitude, at least 1)

@@ -11,7 +11,7 @@
 //! `B * KV` tasks to spread over the threads.
 
 use super::tile::{gemm, load, run_tasks, Mat, Ptr};
-use super::{live_row, mask_docs, tile_scores, Geom, Params, Scratch, KB, QB};
+use super::{live_row, mask_docs, tile_scores, Geom, Params, Scratch, QB};
 use crate::cpu::{dot, Elem, Real};
 use crate::gelu::FastMath;
 
@@ -120,10 +120,7 @@ unsafe fn bwd_head<T: Elem>(
     let mut i0 = 0;
     while i0 < tq {
         let nq = QB.min(tq - i0);
-        let (kbeg, kend) = g.block_keys(p, b, i0, nq);
-        let mut j0 = kbeg;
-        while j0 < kend {
-            let nk = KB.min(kend - j0);
+        for (j0, nk) in g.key_tiles(p, b, i0, nq) {
             let s = &mut sc.s[..nq * nk];
             tile_scores(g, p, &sc.q, &sc.k, s, i0, nq, j0, nk);
             let spans = tile_probs(g, p, s, lse, b, (i0, nq), j0);
@@ -180,7 +177,6 @@ unsafe fn bwd_head<T: Elem>(
                 Mat::rows(&sc.q[i0 * d..], d),
                 one,
             );
-            j0 += nk;
         }
         i0 += nq;
     }
