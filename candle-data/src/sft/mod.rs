@@ -23,7 +23,7 @@ mod chat_prompt;
 mod encoder;
 mod jinja;
 mod layout;
-mod preference;
+pub(crate) mod preference;
 mod preference_source;
 pub(crate) mod records;
 mod template;
@@ -43,7 +43,6 @@ use crate::error::{Error, Result};
 use crate::{HostTokens, Rows};
 
 pub use encoder::{Example, SftEncoder};
-pub(crate) use preference::parse_preference;
 pub use preference::{
     preference_batch, read_preferences, LinePreference, Preference, PreferencePair, Preferences,
     Turns,
@@ -51,7 +50,6 @@ pub use preference::{
 pub use preference_source::PreferenceSource;
 pub(crate) use records::{at_line, parse_line};
 pub use records::{parse_messages, parse_records, LineRecord, Message, Record, Role};
-pub(crate) use template::CHAT_TEMPLATE_FILE;
 pub use template::{ChatTemplate, Rendered};
 
 /// Reads a file of records (see the module docs): JSONL a line at a time (a line longer than
