@@ -84,7 +84,8 @@ pub fn check_format(
 mod tests {
     use super::*;
 
-    /// The digest is the hash of exact 8 MiB pieces, whatever the file's size.
+    /// The digest is the hash of exact 8 MiB pieces, whatever the file's size (a piece of
+    /// another length padded mid-file would change every checkpoint's digests).
     #[test]
     fn digest_is_hash_of_whole_pieces() {
         let dir = tempfile::tempdir().unwrap();
