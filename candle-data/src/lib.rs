@@ -85,6 +85,7 @@ pub use rows::{HostTokens, Rows, IGNORE};
 pub use sft::SftSource;
 pub use shards::{DataOrder, ShardOptions, ShardSource};
 pub use spec::{DataKind, DataSpec};
+pub use text::TextSource;
 
 /// Which part of the data a batch is drawn from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -3,9 +3,8 @@
 use std::path::Path;
 
 use super::shards::format::{Manifest, MANIFEST_FILE};
-use super::{sft, Addition, ChatTask, DataKind, SftSource};
+use super::{sft, Addition, ChatTask, DataKind, SftSource, TextSource};
 use super::{DataSource, DataSpec, Fingerprint, ShardOptions, ShardSource};
-use crate::text::TextSource;
 use crate::{Error, Result};
 
 /// Builds the data source described by `spec`.

@@ -30,7 +30,7 @@ const TOKENIZER_CHUNK_BYTES: usize = 1 << 20;
 ///
 /// Built by [`super::open`] for [`DataKind::Char`], [`DataKind::Byte`] and
 /// [`DataKind::Tokenizer`].
-pub(crate) struct TextSource {
+pub struct TextSource {
     path: PathBuf,
     inner: ShardSource,
     n_tokens: usize,
@@ -169,8 +169,7 @@ impl TextSource {
     }
 
     /// The token ids of `split` (read from the mapped shard).
-    #[cfg(test)]
-    pub(crate) fn tokens(&self, split: Split) -> Result<Vec<u32>> {
+    pub fn tokens(&self, split: Split) -> Result<Vec<u32>> {
         self.inner.read(split, 0, 0, self.inner.len(split))
     }
 }
