@@ -33,7 +33,7 @@ const TOKENIZATION_VERSION: u32 = 2;
 /// `$HOME/.cache/candle-train`, else `.cache/candle-train` under the current directory.
 ///
 /// Never next to the data file, which may be read-only.
-pub fn default_cache_dir() -> PathBuf {
+pub(crate) fn default_cache_dir() -> PathBuf {
     let non_empty = |v: &str| std::env::var_os(v).filter(|s| !s.is_empty());
     if let Some(xdg) = non_empty("XDG_CACHE_HOME") {
         PathBuf::from(xdg).join("candle-train")
@@ -230,8 +230,8 @@ mod tests {
 
     #[test]
     fn key_tracks_content_changes_tokenizer_and_split() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("c.txt");
+        let file = tempfile::NamedTempFile::new().unwrap();
+        let p = file.path().to_path_buf();
         fs::write(&p, b"hello").unwrap();
         let k1 = CacheKey::new(&p, "char", 0, 0.1).unwrap();
         assert_eq!(k1, CacheKey::new(&p, "char", 0, 0.1).unwrap());
@@ -243,7 +243,7 @@ mod tests {
         );
         fs::write(&p, b"hello world").unwrap();
         assert_ne!(k1, CacheKey::new(&p, "char", 0, 0.1).unwrap());
-        assert!(CacheKey::new(&dir.path().join("missing"), "char", 0, 0.1).is_err());
+        assert!(CacheKey::new(&p.with_extension("missing"), "char", 0, 0.1).is_err());
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //!   string (`Write the letter after each letter : c a d b` → `d b e c`). The base knows every
 //!   word of the question and both skills it combines, but has never seen them combined.
 //!
-//! Strings are [`LETTERS`] letters long, so every question of a task has the same number of
+//! Strings are `LETTERS` (4) letters long, so every question of a task has the same number of
 //! tokens, and so has every answer. The strings of a task are distinct, so the train /
 //! held-out split of the examples (by [`DataSpec::seed`], as `sft` data) never puts the same
 //! question on both sides.
@@ -32,10 +32,10 @@ use crate::error::{Error, Result};
 use crate::tokenizer::{word_level, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
 
 /// Letters in each string of the copy and after-each questions.
-pub const LETTERS: usize = 4;
+pub(crate) const LETTERS: usize = 4;
 
 /// The vocabulary's words (id `i` is `WORDS[i]`, `<unk>` first); the special tokens follow.
-pub const WORDS: [&str; 37] = [
+pub(crate) const WORDS: [&str; 37] = [
     "<unk>",
     "system",
     "user",
@@ -76,11 +76,11 @@ pub const WORDS: [&str; 37] = [
 ];
 
 /// The special tokens: padding, then ChatML's turn markers.
-pub const SPECIAL: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+pub(crate) const SPECIAL: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 
 /// ChatML, with `{% generation %}` around the assistant's turn and its `<|im_end|>` (what the
 /// loss covers).
-pub const CHAT_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + \
+pub(crate) const CHAT_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + \
     message['role'] + '\\n' }}{% if message['role'] == 'assistant' %}{% generation %}{{ \
     message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}{{ \
     message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt \
@@ -179,7 +179,7 @@ fn generate(kind: ChatTaskKind, n: usize, seed: u64) -> Vec<(Family, Vec<Message
 
 /// Writes the chat tasks' tokenizer into `dir` (created if needed): a word-level
 /// `tokenizer.json` over [`WORDS`] and [`SPECIAL`], and a `tokenizer_config.json` with the
-/// ChatML [`CHAT_TEMPLATE`], `<|im_end|>` as EOS and `<|endoftext|>` as padding.
+/// ChatML with `{% generation %}` marks, `<|im_end|>` as EOS and `<|endoftext|>` as padding.
 pub fn write_tokenizer(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let tok = word_level(&WORDS, &SPECIAL)?;
@@ -334,24 +334,10 @@ impl ChatTask {
 }
 
 impl DataSource for ChatTask {
-    fn vocab_size(&self) -> usize {
-        self.sft.vocab_size()
-    }
-
-    fn describe(&self) -> String {
-        self.description.clone()
-    }
+    source_methods!(wraps sft);
 
     fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
         self.sft.draw(want, rng)
-    }
-
-    fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        self.sft.encode(text)
-    }
-
-    fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.sft.decode(ids)
     }
 
     fn check_block_size(&self, block_size: usize) -> Result<()> {

@@ -2,7 +2,7 @@
 //! identity of a checkpoint's files.
 
 /// SplitMix64 finaliser: a fast, well-mixed 64-bit hash of one word.
-pub fn splitmix64(x: u64) -> u64 {
+pub(crate) fn splitmix64(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -57,7 +57,7 @@ impl Hasher64 {
 }
 
 /// Hash of a byte string with [`Hasher64`].
-pub fn hash_bytes(bytes: &[u8]) -> u64 {
+pub(crate) fn hash_bytes(bytes: &[u8]) -> u64 {
     let mut h = Hasher64::new();
     h.update(bytes);
     h.finish()

@@ -26,7 +26,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// The one place the trainer creates the files it writes: every file is created by
 /// `File::create_new`, so it gets the mode every other file gets (`0666` less the umask,
 /// usually `0644`), never a temporary-file crate's `0600`.
-pub fn write_atomic_with(
+pub(crate) fn write_atomic_with(
     path: &Path,
     write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
 ) -> Result<()> {

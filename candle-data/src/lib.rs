@@ -23,7 +23,7 @@
 //! Text sources split the token stream into the first `1 - val_fraction` (train) and the last
 //! `val_fraction` (validation) and sample windows of `block_size + 1` tokens. They are a
 //! special case of [`ShardSource`]: char and tokenizer encodings are cached on disk as a
-//! prepared shard directory (see [`default_cache_dir`]), so a second run starts without
+//! prepared shard directory (under [`DataSpec::cache_dir`]), so a second run starts without
 //! re-tokenising, and every text or shard source reads its tokens memory-mapped.
 //!
 //! ```
@@ -47,11 +47,14 @@
 
 #[macro_use]
 mod names;
+#[macro_use]
+mod source_methods;
 
 mod addition;
 mod batch;
 mod cache;
 pub mod chat_task;
+pub mod digest;
 mod error;
 pub mod hash;
 pub mod io;
@@ -74,7 +77,6 @@ use serde::{Deserialize, Serialize};
 
 pub use addition::Addition;
 pub use batch::{Batch, BatchRequest, HostTargets, MaskCounts};
-pub use cache::default_cache_dir;
 pub use chat_task::{ChatTask, ChatTaskKind};
 pub use error::{Error, Result};
 pub use iter::{BatchIter, IntoBatch};

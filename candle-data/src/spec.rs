@@ -109,8 +109,8 @@ pub struct DataSpec {
     /// Fraction held out for validation, strictly between 0 and 1: the last part of a text
     /// corpus, or the fraction of (unordered) operand pairs held out for `addition`.
     pub val_fraction: f32,
-    /// Where tokenised corpora are cached; `None` means
-    /// [`default_cache_dir`](super::default_cache_dir).
+    /// Where tokenised corpora are cached; `None` means `$XDG_CACHE_HOME/candle-train`, else
+    /// `$HOME/.cache/candle-train`, else `.cache/candle-train`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_dir: Option<PathBuf>,
     /// `addition`: number of digits of each operand (1 to 9).

@@ -34,7 +34,6 @@ pub struct TextSource {
     path: PathBuf,
     inner: ShardSource,
     n_tokens: usize,
-    n_train: usize,
     val_fraction: f32,
     description: String,
     fingerprint: Fingerprint,
@@ -163,7 +162,6 @@ impl TextSource {
             path,
             inner,
             n_tokens: n,
-            n_train,
             val_fraction: spec.val_fraction,
             description,
             fingerprint: t.fingerprint,
@@ -172,21 +170,7 @@ impl TextSource {
 
     /// The token ids of `split` (read from the mapped shard).
     pub fn tokens(&self, split: Split) -> Result<Vec<u32>> {
-        let n = match split {
-            Split::Train => self.n_train,
-            Split::Val => self.n_tokens - self.n_train,
-        };
-        self.inner.read(split, 0, 0, n)
-    }
-
-    /// The data file this source was read from.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// The shard source the batches come from.
-    pub fn shards(&self) -> &ShardSource {
-        &self.inner
+        self.inner.read(split, 0, 0, self.inner.len(split))
     }
 }
 
@@ -413,25 +397,11 @@ impl DataSource for TextSource {
         self.fingerprint.clone()
     }
 
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-
-    fn describe(&self) -> String {
-        self.description.clone()
-    }
+    source_methods!(wraps inner);
 
     fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
         self.check_block_size(want.block_size)?;
         self.inner.draw(want, rng)
-    }
-
-    fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        self.inner.encode(text)
-    }
-
-    fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids)
     }
 
     fn check_block_size(&self, block_size: usize) -> Result<()> {

@@ -5,7 +5,8 @@
 use std::ops::Range;
 use std::path::Path;
 
-use super::{ChatTemplate, Message, Record, CHAT_TEMPLATE_FILE};
+use super::template::CHAT_TEMPLATE_FILE;
+use super::{ChatTemplate, Message, Record};
 use crate::error::{Error, Result};
 use crate::tokenizer::{TokenizerFile, TOKENIZER_CONFIG_FILE};
 

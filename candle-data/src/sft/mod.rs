@@ -23,7 +23,7 @@ mod chat_prompt;
 mod encoder;
 mod jinja;
 mod layout;
-mod preference;
+pub(crate) mod preference;
 mod preference_source;
 pub(crate) mod records;
 mod template;
@@ -44,13 +44,13 @@ use crate::{HostTokens, Rows};
 
 pub use encoder::{Example, SftEncoder};
 pub use preference::{
-    parse_preference, preference_batch, read_preferences, LinePreference, Preference,
-    PreferencePair, Preferences, Turns,
+    preference_batch, read_preferences, LinePreference, Preference, PreferencePair, Preferences,
+    Turns,
 };
 pub use preference_source::PreferenceSource;
-pub(crate) use records::parse_line;
+pub(crate) use records::{at_line, parse_line};
 pub use records::{parse_messages, parse_records, LineRecord, Message, Record, Role};
-pub use template::{ChatTemplate, Rendered, CHAT_TEMPLATE_FILE};
+pub use template::{ChatTemplate, Rendered};
 
 /// Reads a file of records (see the module docs): JSONL a line at a time (a line longer than
 /// [`MAX_LINE_BYTES`](crate::lines::MAX_LINE_BYTES) is refused naming `file:line` before
@@ -82,21 +82,29 @@ pub struct SftSource {
     warned_truncation: AtomicBool,
 }
 
+/// The source `from` makes of the records `read` reads from `spec.path`, encoded with
+/// `spec.tokenizer` (and the chat template beside it), once `spec` is validated.
+pub(crate) fn open_records<R, S>(
+    spec: &DataSpec,
+    read: fn(&Path) -> Result<Vec<R>>,
+    from: fn(&Path, SftEncoder, &[R], &DataSpec) -> Result<S>,
+) -> Result<S> {
+    spec.validate()?;
+    let (Some(path), Some(tok)) = (&spec.path, &spec.tokenizer) else {
+        return Err(Error::Config(format!(
+            "data = {} needs --data-path and --tokenizer-path",
+            spec.kind
+        )));
+    };
+    from(path, SftEncoder::open(tok)?, &read(path)?, spec)
+}
+
 impl SftSource {
     /// Reads and tokenises `spec.path` with `spec.tokenizer` (and the chat template beside
     /// it), and splits the examples (`val_fraction` of them, at least one, chosen by
     /// `spec.seed`, go to validation).
     pub fn open(spec: &DataSpec) -> Result<Self> {
-        spec.validate()?;
-        let path = spec.path.clone().ok_or_else(|| {
-            Error::Config("data = sft needs --data-path (a JSONL or Parquet file)".into())
-        })?;
-        let tok = spec.tokenizer.clone().ok_or_else(|| {
-            Error::Config("data = sft needs --tokenizer-path (tokenizer_path)".into())
-        })?;
-        let encoder = SftEncoder::open(&tok)?;
-        let records = read_records(&path)?;
-        Self::from_records(&path, encoder, &records, spec)
+        open_records(spec, read_records, Self::from_records)
     }
 
     /// Tokenises `records` (read from `path`) with `encoder`; the split, packing and loss
@@ -298,13 +306,9 @@ fn encode_records<'r>(
     let mut skipped = 0usize;
     let mut formats: Vec<&str> = Vec::new();
     for r in records {
-        let mut ex = encoder.encode_record(&r.record).map_err(|e| {
-            let msg = match e {
-                Error::Data { path, msg } => format!("{}: {msg}", path.display()),
-                e => e.to_string(),
-            };
-            Error::data(format!("{}:{}", path.display(), r.line), msg)
-        })?;
+        let mut ex = encoder
+            .encode_record(&r.record)
+            .map_err(at_line(path, r.line))?;
         if !completion_only {
             ex.counted.iter_mut().for_each(|c| *c = true);
         }
@@ -367,13 +371,7 @@ fn fingerprint_of(
 }
 
 impl DataSource for SftSource {
-    fn vocab_size(&self) -> usize {
-        self.vocab_size
-    }
-
-    fn describe(&self) -> String {
-        self.description.clone()
-    }
+    source_methods!(fields);
 
     fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
         let (split, batch_size, block_size) = (want.split, want.batch_size, want.block_size);

@@ -18,7 +18,7 @@ use std::path::Path;
 use candle_core::Device;
 use minijinja::value::{Value, ValueKind};
 
-use super::records::messages;
+use super::records::{at_line, messages};
 use super::{layout, Example, Message, SftEncoder};
 use crate::error::{Error, Result};
 use crate::lines::for_each_line;
@@ -53,7 +53,7 @@ pub struct LinePreference {
     pub record: Preference,
 }
 
-/// Reads a JSONL file of preference records, one a line (see [`parse_preference`]; blank
+/// Reads a JSONL file of preference records, one a line (see `parse_preference`; blank
 /// lines skipped); errors name `file:line`.
 pub fn read_preferences(path: &Path) -> Result<Vec<LinePreference>> {
     let mut out = Vec::new();
@@ -92,7 +92,7 @@ pub fn read_preferences(path: &Path) -> Result<Vec<LinePreference>> {
 /// assert!(parse_preference(r#"{"prompt": "a", "chosen": "b"}"#).is_err());
 /// # Ok::<(), String>(())
 /// ```
-pub fn parse_preference(line: &str) -> std::result::Result<Preference, String> {
+pub(crate) fn parse_preference(line: &str) -> std::result::Result<Preference, String> {
     let value: Value = serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
     if value.kind() != ValueKind::Map {
         return Err(format!("expected a JSON object, found {}", value.kind()));
@@ -303,13 +303,9 @@ impl Preferences {
             dropped: 0,
         };
         for rec in records {
-            let pair = encoder.encode_preference(&rec.record).map_err(|e| {
-                let msg = match e {
-                    Error::Data { path, msg } => format!("{}: {msg}", path.display()),
-                    e => e.to_string(),
-                };
-                Error::data(format!("{}:{}", path.display(), rec.line), msg)
-            })?;
+            let pair = encoder
+                .encode_preference(&rec.record)
+                .map_err(at_line(path, rec.line))?;
             match pair.truncated(max_length) {
                 Some(p) => {
                     out.pairs.push(p);

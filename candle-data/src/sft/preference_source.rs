@@ -10,7 +10,8 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 use super::preference::{preference_batch, read_preferences, LinePreference, PreferencePair};
-use super::{split_examples, SftEncoder};
+use super::records::at_line;
+use super::{open_records, split_examples, SftEncoder};
 use crate::error::{Error, Result};
 use crate::shards::format::{tokenizer_vocab_hash, Manifest, MANIFEST_FILE};
 use crate::shards::pairs::read_pairs;
@@ -44,15 +45,7 @@ impl PreferenceSource {
     /// Reads and tokenises `spec.path` with `spec.tokenizer` (and the chat template beside
     /// it); `val_fraction` of the pairs (at least one) go to validation, chosen by `spec.seed`.
     pub fn open(spec: &DataSpec) -> Result<Self> {
-        spec.validate()?;
-        let (Some(path), Some(tok)) = (spec.path.clone(), spec.tokenizer.clone()) else {
-            return Err(Error::Config(
-                "data = preference needs --data-path (a JSONL file) and --tokenizer-path".into(),
-            ));
-        };
-        let encoder = SftEncoder::open(&tok)?;
-        let records = read_preferences(&path)?;
-        Self::from_records(&path, encoder, &records, spec)
+        open_records(spec, read_preferences, Self::from_records)
     }
 
     /// Tokenises `records` (read from `path`) with `encoder`; the split comes from `spec`.
@@ -65,13 +58,9 @@ impl PreferenceSource {
         let mut pairs = Vec::with_capacity(records.len());
         let mut lines = Vec::with_capacity(records.len());
         for r in records {
-            let pair = encoder.encode_preference(&r.record).map_err(|e| {
-                let msg = match e {
-                    Error::Data { path, msg } => format!("{}: {msg}", path.display()),
-                    e => e.to_string(),
-                };
-                Error::data(format!("{}:{}", path.display(), r.line), msg)
-            })?;
+            let pair = encoder
+                .encode_preference(&r.record)
+                .map_err(at_line(path, r.line))?;
             pairs.push(pair);
             lines.push(r.line);
         }
@@ -269,13 +258,7 @@ impl PreferenceSource {
 }
 
 impl DataSource for PreferenceSource {
-    fn vocab_size(&self) -> usize {
-        self.vocab_size
-    }
-
-    fn describe(&self) -> String {
-        self.description.clone()
-    }
+    source_methods!(fields);
 
     fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
         let (split, batch_size, block_size) = (want.split, want.batch_size, want.block_size);

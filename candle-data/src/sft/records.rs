@@ -163,6 +163,18 @@ pub struct LineRecord {
     pub record: Record,
 }
 
+/// What becomes of an error encoding the record on `line` of `path`: an error naming
+/// `path:line`, its message keeping the file an inner error named (a template, say).
+pub(crate) fn at_line(path: &Path, line: usize) -> impl FnOnce(Error) -> Error + '_ {
+    move |e| {
+        let msg = match e {
+            Error::Data { path, msg } => format!("{}: {msg}", path.display()),
+            e => e.to_string(),
+        };
+        Error::data(format!("{}:{}", path.display(), line), msg)
+    }
+}
+
 /// Reads a JSONL file of records (see the module docs), a line at a time: a line longer than
 /// [`MAX_LINE_BYTES`](crate::lines::MAX_LINE_BYTES) is refused naming `file:line` before
 /// it is read whole.

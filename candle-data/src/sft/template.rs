@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::tokenizer::TOKENIZER_CONFIG_FILE;
 
 /// The file transformers 5 writes a model's chat template to.
-pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
+pub(crate) const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 
 /// Marks the start of a `{% generation %}` block in the rendered text (a private-use code
 /// point, removed before tokenising).

@@ -8,30 +8,14 @@ use super::*;
 use crate::tokenizer::{word_level, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
 use crate::DataKind;
 
-const WORDS: &[&str] = &[
-    "<unk>",
-    "system",
-    "user",
-    "assistant",
-    "be",
-    "nice",
-    "hi",
-    "hello",
-    "how",
-    "are",
-    "you",
-    "fine",
-    "plain",
-    "text",
-    "a",
-    "b",
-    "c",
-    "d",
-    "e",
-    "f",
-    "g",
-    "h",
-];
+/// The vocabulary's words, space-separated (id `i` is word `i`, `<unk>` first); the special
+/// tokens follow.
+const WORDS: &str =
+    "<unk> system user assistant be nice hi hello how are you fine plain text a b c d e f g h";
+
+fn words() -> Vec<&'static str> {
+    WORDS.split(' ').collect()
+}
 const SPECIAL: &[&str] = &["<|im_start|>", "<|im_end|>", "<|endoftext|>"];
 
 const CHATML: &str = "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
@@ -39,7 +23,7 @@ const CHATML: &str = "{%- for message in messages %}{{- '<|im_start|>' + message
 /// A model directory with a word-level tokenizer, a ChatML template and `<|im_end|>` as EOS.
 fn model_dir(template: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    word_level(WORDS, SPECIAL)
+    word_level(&words(), SPECIAL)
         .unwrap()
         .save(dir.path().join(TOKENIZER_FILE), false)
         .unwrap();
@@ -61,7 +45,7 @@ fn encoder(dir: &tempfile::TempDir) -> SftEncoder {
 }
 
 fn id(w: &str) -> u32 {
-    WORDS.iter().chain(SPECIAL).position(|x| *x == w).unwrap() as u32
+    words().iter().chain(SPECIAL).position(|x| *x == w).unwrap() as u32
 }
 
 fn ids(s: &str) -> Vec<u32> {
@@ -76,7 +60,7 @@ fn record(json: &str) -> Record {
 
 /// The counted tokens of `ex`, as words.
 fn counted_words(ex: &Example) -> Vec<&'static str> {
-    let all: Vec<&str> = WORDS.iter().chain(SPECIAL).copied().collect();
+    let all: Vec<&str> = words().into_iter().chain(SPECIAL.iter().copied()).collect();
     ex.tokens
         .iter()
         .zip(&ex.counted)
@@ -423,7 +407,7 @@ fn train_on_everything_counts_every_target_and_changes_the_fingerprint() {
         only.fingerprint(),
         source(&dir, &lines(8), |_| {}).unwrap().fingerprint()
     );
-    assert_eq!(only.vocab_size(), WORDS.len() + SPECIAL.len());
+    assert_eq!(only.vocab_size(), words().len() + SPECIAL.len());
     assert_eq!(only.encode("a b").unwrap(), ids("a b"));
     assert_eq!(only.decode(&ids("a b")).unwrap(), "a b");
 }

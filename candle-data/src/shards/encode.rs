@@ -11,7 +11,8 @@ use super::options::{InputFormat, PrepareOptions, VocabSpec};
 use super::unit::{start, Unit};
 use crate::error::{Error, Result};
 use crate::parquet::RowRecord;
-use crate::sft::{parse_line, parse_preference, Record, SftEncoder};
+use crate::sft::preference::parse_preference;
+use crate::sft::{parse_line, Record, SftEncoder};
 use crate::tokenizer::TokenizerFile;
 use crate::vocab::Vocab;
 

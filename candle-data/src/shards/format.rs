@@ -6,19 +6,19 @@
 //! |-------:|-----:|-------|
 //! | 0  | 8 | magic `b"CTTOKEN1"` |
 //! | 8  | 4 | format version ([`VERSION`], 1) |
-//! | 12 | 4 | token width in bytes: 2 (`u16`) or 4 (`u32`), see [`width_for_vocab`] |
+//! | 12 | 4 | token width in bytes: 2 (`u16`) or 4 (`u32`), see `width_for_vocab` |
 //! | 16 | 8 | `n_tokens` |
 //! | 24 | 8 | `n_docs`: documents *starting* in this shard (0 without a document stream) |
-//! | 32 | 4 | flags: bit 0 ([`FLAG_DOCS`]) document-start stream, bit 1 ([`FLAG_MASK`]) loss mask, bit 2 ([`FLAG_PAIRS`]) pair table |
+//! | 32 | 4 | flags: bit 0 (`FLAG_DOCS`) document-start stream, bit 1 (`FLAG_MASK`) loss mask, bit 2 (`FLAG_PAIRS`) pair table |
 //! | 36 | 4 | reserved, 0 |
 //! | 40 | 8 | checksum: [`checksum`] of every byte after the header |
-//! | 48 | 8 | vocabulary hash ([`tokenizer_vocab_hash`], [`char_vocab_hash`], [`byte_vocab_hash`]) |
+//! | 48 | 8 | vocabulary hash (`tokenizer_vocab_hash`, `char_vocab_hash`, [`byte_vocab_hash`]) |
 //! | 56 | 8 | reserved, 0 |
 //! | 64 | … | body |
 //!
-//! Body: the tokens (`n_tokens * width` bytes); then, with [`FLAG_DOCS`], `n_docs` `u64`
+//! Body: the tokens (`n_tokens * width` bytes); then, with `FLAG_DOCS`, `n_docs` `u64`
 //! token offsets (strictly ascending, each `< n_tokens`) where documents start; then, with
-//! [`FLAG_MASK`], `ceil(n_tokens / 8)` bytes of loss mask, LSB first: bit `t` (byte `t / 8`, bit
+//! `FLAG_MASK`, `ceil(n_tokens / 8)` bytes of loss mask, LSB first: bit `t` (byte `t / 8`, bit
 //! `t % 8`) says whether token `t` counts *as a target*, i.e. whether predicting token `t` from
 //! the tokens before it counts in the loss. This is exactly
 //! [`Example::counted`](crate::sft::Example::counted) laid end to end; bit 0 of a shard
@@ -27,11 +27,11 @@
 //!
 //! # Pair layout (`trainer prepare --format preference`)
 //!
-//! With [`FLAG_PAIRS`] (always with [`FLAG_DOCS`]) each document is one preference pair: its
+//! With `FLAG_PAIRS` (always with `FLAG_DOCS`) each document is one preference pair: its
 //! prompt + chosen sequence, then its prompt + rejected sequence, tokenised as `data =
 //! preference` tokenises them ([`PreferencePair`](crate::sft::PreferencePair)); no EOS
 //! is appended between documents. After the mask stream the body holds `n_docs` [`PairEntry`]s
-//! of [`PAIR_ENTRY_LEN`] bytes, one per document starting in the shard, in order: four
+//! of `PAIR_ENTRY_LEN` bytes, one per document starting in the shard, in order: four
 //! little-endian `u64`s, the prompt's length (the tokens at the start of both sequences that
 //! do not count), the chosen sequence's length, the rejected sequence's length (the document's
 //! length is their sum: the chosen sequence ends and the rejected one starts at its start +
@@ -65,27 +65,27 @@ pub const VERSION: u32 = 1;
 /// Bytes of the header before the body.
 pub const HEADER_LEN: usize = 64;
 /// Header flag: the body holds the document-start stream.
-pub const FLAG_DOCS: u32 = 1;
+pub(crate) const FLAG_DOCS: u32 = 1;
 /// Header flag: the body holds the loss-mask stream.
-pub const FLAG_MASK: u32 = 2;
+pub(crate) const FLAG_MASK: u32 = 2;
 /// Header flag: the body holds the pair table (one [`PairEntry`] a document; see the module
 /// docs' pair layout).
-pub const FLAG_PAIRS: u32 = 4;
+pub(crate) const FLAG_PAIRS: u32 = 4;
 /// Bytes of one [`PairEntry`] in a shard's pair table.
-pub const PAIR_ENTRY_LEN: usize = 32;
+pub(crate) const PAIR_ENTRY_LEN: usize = 32;
 /// The manifest's file name in a prepared directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The manifest format this code writes and reads.
-pub const MANIFEST_FORMAT: u32 = 1;
+pub(crate) const MANIFEST_FORMAT: u32 = 1;
 /// Body bytes covered by one checksum of [`ShardEntry::chunk_sums`]: a window read during
 /// training verifies only the chunks it touches (once each), so opening a corpus reads none
 /// of it and a flipped byte is still never trained on. 1 MiB: about 0.1 ms of CRC-32 per
 /// chunk, 8 hex digits a MiB in the manifest.
-pub const CHECK_CHUNK: u64 = 1 << 20;
+pub(crate) const CHECK_CHUNK: u64 = 1 << 20;
 
 /// The token width (bytes per token) for a vocabulary of `vocab_size` ids: 2 when every id
 /// fits in a `u16` (`vocab_size <= 65536`), else 4.
-pub fn width_for_vocab(vocab_size: usize) -> u32 {
+pub(crate) fn width_for_vocab(vocab_size: usize) -> u32 {
     if vocab_size <= 1 << 16 {
         2
     } else {
@@ -101,9 +101,9 @@ pub fn checksum(body: &[u8]) -> u64 {
     hash_bytes(body)
 }
 
-/// The CRC-32 of every [`CHECK_CHUNK`]-byte chunk of `body` (the last may be shorter), as
+/// The CRC-32 of every `CHECK_CHUNK`-byte chunk of `body` (the last may be shorter), as
 /// [`ShardEntry::chunk_sums`] records them: 8 hex digits each, concatenated.
-pub fn chunk_sums(body: &[u8]) -> String {
+pub(crate) fn chunk_sums(body: &[u8]) -> String {
     body.chunks(CHECK_CHUNK as usize)
         .map(|c| format!("{:08x}", crc32fast::hash(c)))
         .collect()
@@ -111,20 +111,19 @@ pub fn chunk_sums(body: &[u8]) -> String {
 
 /// Vocabulary hash of a Hugging Face tokenizer: the hash of its canonical JSON
 /// (`Tokenizer::to_string(false)`: model, vocab, merges, added tokens), independent of the
-/// file's formatting. The same value as a [`TextSource`](crate::TextSource)'s
-/// fingerprint vocabulary.
-pub fn tokenizer_vocab_hash(tokenizer: &tokenizers::Tokenizer) -> u64 {
+/// file's formatting. The same value as a tokenizer-encoded text source's fingerprint
+/// vocabulary.
+pub(crate) fn tokenizer_vocab_hash(tokenizer: &tokenizers::Tokenizer) -> u64 {
     hash_bytes(tokenizer.to_string(false).unwrap_or_default().as_bytes())
 }
 
-/// Vocabulary hash of a character vocabulary (`chars` sorted ascending, id = position), as a
-/// [`TextSource`](crate::TextSource) computes it.
-pub fn char_vocab_hash(chars: &[char]) -> u64 {
+/// Vocabulary hash of a character vocabulary (`chars` sorted ascending, id = position), as
+/// a text source computes it.
+pub(crate) fn char_vocab_hash(chars: &[char]) -> u64 {
     hash_bytes(chars.iter().collect::<String>().as_bytes())
 }
 
-/// Vocabulary hash of the byte vocabulary (256 ids), as a
-/// [`TextSource`](crate::TextSource) computes it.
+/// Vocabulary hash of the byte vocabulary (256 ids), as a text source computes it.
 pub fn byte_vocab_hash() -> u64 {
     hash_bytes(b"byte vocabulary")
 }
@@ -153,7 +152,7 @@ pub struct PairEntry {
 }
 
 impl PairEntry {
-    /// The entry's [`PAIR_ENTRY_LEN`] bytes.
+    /// The entry's `PAIR_ENTRY_LEN` bytes.
     pub fn to_bytes(&self) -> [u8; PAIR_ENTRY_LEN] {
         let mut b = [0u8; PAIR_ENTRY_LEN];
         let fields = [
@@ -168,7 +167,7 @@ impl PairEntry {
         b
     }
 
-    /// The entry of `bytes` ([`PAIR_ENTRY_LEN`] of them).
+    /// The entry of `bytes` (`PAIR_ENTRY_LEN` of them).
     pub fn from_bytes(bytes: &[u8]) -> PairEntry {
         let at =
             |i: usize| u64::from_le_bytes(bytes[8 * i..8 * i + 8].try_into().expect("8 bytes"));
@@ -200,7 +199,7 @@ pub struct ShardHeader {
     pub n_tokens: u64,
     /// Number of documents starting in this shard (0 without a document stream).
     pub n_docs: u64,
-    /// [`FLAG_DOCS`] | [`FLAG_MASK`] | [`FLAG_PAIRS`].
+    /// `FLAG_DOCS` | `FLAG_MASK` | `FLAG_PAIRS`.
     pub flags: u32,
     /// [`checksum`] of the body.
     pub checksum: u64,

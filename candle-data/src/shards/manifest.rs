@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::format::{Expect, MANIFEST_FILE, MANIFEST_FORMAT};
+use crate::digest::check_format;
 use crate::error::{Error, Result};
 use crate::hash::Hasher64;
 use crate::Split;
@@ -35,8 +36,8 @@ pub struct ShardEntry {
     pub docs: u64,
     /// The shard header's checksum, as 16 hex digits.
     pub checksum: String,
-    /// CRC-32 of each [`CHECK_CHUNK`](super::format::CHECK_CHUNK)-byte chunk of the body, 8
-    /// hex digits each, concatenated (see [`chunk_sums`](super::format::chunk_sums)). Empty
+    /// CRC-32 of each `CHECK_CHUNK`-byte chunk of the body, 8
+    /// hex digits each, concatenated (see `chunk_sums`). Empty
     /// in manifests of older trainers: their shards are verified whole, by the header's
     /// checksum, when first read.
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -61,7 +62,7 @@ pub struct InputEntry {
 /// `manifest.json`: what a prepared directory holds. Written last, atomically.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
-    /// [`MANIFEST_FORMAT`].
+    /// `MANIFEST_FORMAT`.
     pub format: u32,
     /// The vocabulary.
     pub tokenizer: TokenizerInfo,
@@ -97,15 +98,9 @@ impl Manifest {
         let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
         let m: Manifest = serde_json::from_str(&text)
             .map_err(|e| Error::data(&path, format!("not a valid manifest: {e}")))?;
-        if m.format != MANIFEST_FORMAT {
-            return Err(Error::data(
-                &path,
-                format!(
-                    "manifest format {}; this trainer reads {MANIFEST_FORMAT}",
-                    m.format
-                ),
-            ));
-        }
+        check_format("manifest", m.format, MANIFEST_FORMAT, |msg| {
+            Error::data(&path, msg)
+        })?;
         Ok(m)
     }
 

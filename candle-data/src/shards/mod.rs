@@ -8,7 +8,7 @@
 //!   resumable.
 //! - [`ShardSource`]: the [`DataSource`](crate::DataSource) over a prepared directory
 //!   (or nanoGPT's `train.bin` / `val.bin`), memory-mapped, in random or epoch order
-//!   ([`DataOrder`], see [`order`]).
+//!   ([`DataOrder`]).
 //! - `pairs`: the preference pairs of a directory prepared with `--format preference`
 //!   (the pair layout), read whole for [`PreferenceSource`](crate::sft::PreferenceSource).
 //! - [`verify_dir`]: `trainer prepare --verify DIR`, every shard read back and checked.
@@ -22,7 +22,7 @@ pub mod format;
 mod input;
 mod manifest;
 mod options;
-pub mod order;
+pub(crate) mod order;
 pub(crate) mod pairs;
 mod plan;
 pub mod prepare;

@@ -96,6 +96,36 @@ impl Permutation {
 /// Where one window lies: shard index and first token.
 pub type Window = (usize, usize);
 
+/// Cumulative counts of places (window starts, whole windows) over shards, by shard.
+struct Ends(Vec<u64>);
+
+impl Ends {
+    /// The counts of `places(len)` places in each shard of `lens`; `None` if there are none.
+    fn new(lens: &[usize], places: impl Fn(usize) -> usize) -> Option<Self> {
+        let mut total = 0u64;
+        let ends: Vec<u64> = lens
+            .iter()
+            .map(|&n| {
+                total += places(n) as u64;
+                total
+            })
+            .collect();
+        (total > 0).then_some(Ends(ends))
+    }
+
+    /// Places in all shards.
+    fn total(&self) -> u64 {
+        self.0.last().copied().unwrap_or(0)
+    }
+
+    /// The shard holding place `r` of all, and the place in it.
+    fn locate(&self, r: u64) -> (usize, u64) {
+        let shard = self.0.partition_point(|&e| e <= r);
+        let before = if shard == 0 { 0 } else { self.0[shard - 1] };
+        (shard, r - before)
+    }
+}
+
 /// `count` random windows of `w` tokens over shards of `lens` tokens (each start uniform over
 /// every valid start of every shard). `None` if no shard holds a window.
 pub(crate) fn random_windows(
@@ -105,21 +135,12 @@ pub(crate) fn random_windows(
     rng: &mut ChaCha8Rng,
 ) -> Option<Vec<Window>> {
     // Cumulative number of valid starts, by shard.
-    let mut ends = Vec::with_capacity(lens.len());
-    let mut total = 0u64;
-    for &n in lens {
-        total += (n + 1).saturating_sub(w) as u64;
-        ends.push(total);
-    }
-    if total == 0 {
-        return None;
-    }
+    let ends = Ends::new(lens, |n| (n + 1).saturating_sub(w))?;
+    let total = ends.total();
     let windows = (0..count)
         .map(|_| {
-            let r = rng.random_range(0..=total - 1);
-            let shard = ends.partition_point(|&e| e <= r);
-            let before = if shard == 0 { 0 } else { ends[shard - 1] };
-            (shard, (r - before) as usize)
+            let (shard, start) = ends.locate(rng.random_range(0..=total - 1));
+            (shard, start as usize)
         })
         .collect();
     Some(windows)
@@ -135,15 +156,8 @@ pub(crate) fn epoch_windows(
     split_key: u64,
     rng: &mut ChaCha8Rng,
 ) -> Option<Vec<Window>> {
-    let mut ends = Vec::with_capacity(lens.len());
-    let mut total = 0u64;
-    for &n in lens {
-        total += (n / w) as u64;
-        ends.push(total);
-    }
-    if total == 0 {
-        return None;
-    }
+    let ends = Ends::new(lens, |n| n / w)?;
+    let total = ends.total();
     let first = cursor(rng);
     let key = run_key(rng, split_key);
     let mut perm: Option<(u128, Permutation)> = None;
@@ -159,10 +173,8 @@ pub(crate) fn epoch_windows(
                     &perm.insert((epoch, p)).1
                 }
             };
-            let j = p.apply(i);
-            let shard = ends.partition_point(|&e| e <= j);
-            let before = if shard == 0 { 0 } else { ends[shard - 1] };
-            (shard, (j - before) as usize * w)
+            let (shard, k) = ends.locate(p.apply(i));
+            (shard, k as usize * w)
         })
         .collect();
     rng.set_word_pos((first + count as u128) * WORDS_PER_WINDOW);
@@ -173,12 +185,6 @@ pub(crate) fn epoch_windows(
 /// that drew other words is rounded up to the next whole window).
 pub fn cursor(rng: &ChaCha8Rng) -> u128 {
     rng.get_word_pos().div_ceil(WORDS_PER_WINDOW)
-}
-
-/// The epoch and the position in it of cursor `g` over `windows_per_epoch` windows.
-pub fn epoch_and_position(g: u128, windows_per_epoch: u64) -> (u128, u64) {
-    let m = u128::from(windows_per_epoch.max(1));
-    (g / m, (g % m) as u64)
 }
 
 /// The permutations' key: the generator's seed and stream (fixed for a run; the word position

@@ -6,28 +6,13 @@
 //! size or modification time differ from the earlier run's record, so a rerun reads nothing
 //! for unchanged inputs, and a `touch` (same bytes, new time) changes nothing.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
 
 use super::format::{InputEntry, TokenizerInfo};
+use crate::digest::file_crc32 as digest;
 use crate::error::{Error, Result};
 use crate::hash::hash_bytes;
-
-/// The CRC-32 of the bytes of `path`, read in 1 MiB pieces, as 8 hex digits.
-fn digest(path: &Path) -> Result<String> {
-    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let mut h = crc32fast::Hasher::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = file.read(&mut buf).map_err(|e| Error::io(path, e))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(format!("{:08x}", h.finalize()))
-}
 
 /// The record of each of `files`: size, modification time and content digest, the digest
 /// taken from `earlier` when the path, size and time are the same there.

@@ -395,13 +395,7 @@ impl ShardSource {
 }
 
 impl DataSource for ShardSource {
-    fn vocab_size(&self) -> usize {
-        self.vocab_size
-    }
-
-    fn describe(&self) -> String {
-        self.description.clone()
-    }
+    source_methods!(fields);
 
     fn draw(&self, want: &BatchRequest<'_>, rng: &mut ChaCha8Rng) -> Result<Batch> {
         let (split, batch_size, block_size) = (want.split, want.batch_size, want.block_size);

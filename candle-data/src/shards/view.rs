@@ -99,11 +99,8 @@ pub(crate) struct ShardView {
 
 impl std::fmt::Debug for ShardView {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShardView")
-            .field("path", &self.path)
-            .field("width", &self.width)
-            .field("n_tokens", &self.n_tokens)
-            .finish()
+        let (path, n, width) = (self.path.display(), self.n_tokens, self.width);
+        write!(f, "ShardView({path}: {n} tokens of {width} bytes)")
     }
 }
 

@@ -6,14 +6,13 @@
 //! manifest records.
 
 use std::collections::BTreeMap;
-use std::fs::{self, File};
-use std::io::Read;
+use std::fs;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::hash::Hasher64;
 use crate::{io, Error, Result};
+use candle_data::digest::check_format;
 
 /// The manifest's file name.
 pub const MANIFEST_FILE: &str = "manifest.json";
@@ -33,33 +32,9 @@ pub struct Manifest {
     pub files: BTreeMap<String, String>,
 }
 
-/// The digest of a file's bytes (a stable 64-bit hash, read in 8 MiB chunks).
-pub fn digest(path: &Path) -> Result<String> {
-    let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
-    let mut h = Hasher64::new();
-    let mut buf = vec![0u8; 8 << 20];
-    loop {
-        let n = read_full(&mut f, &mut buf).map_err(|e| Error::io(path, e))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(format!("{:016x}", h.finish()))
-}
-
-/// Reads until `buf` is full or the file ends (so chunk boundaries do not depend on how the
-/// OS splits reads).
-fn read_full(f: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        match f.read(&mut buf[n..])? {
-            0 => break,
-            k => n += k,
-        }
-    }
-    Ok(n)
-}
+/// The digest of a file's bytes (a stable 64-bit hash, read in 8 MiB chunks), shared with the
+/// data crate's manifests.
+pub use candle_data::digest::file_digest as digest;
 
 /// The checkpoint's files but the manifest, sorted.
 fn files_of(dir: &Path) -> Result<Vec<String>> {
@@ -103,15 +78,9 @@ pub fn verify(dir: &Path, step: usize) -> Result<()> {
         ));
     }
     let m: Manifest = io::read_json(&path)?;
-    if m.format != FORMAT {
-        return Err(Error::checkpoint(
-            &path,
-            format!(
-                "checkpoint format {} (this trainer reads format {FORMAT})",
-                m.format
-            ),
-        ));
-    }
+    check_format("checkpoint", m.format, FORMAT, |msg| {
+        candle_data::Error::checkpoint(&path, msg)
+    })?;
     let named = dir
         .file_name()
         .and_then(|n| n.to_str())
