@@ -1,0 +1,201 @@
+//! The tile loop and the micro-kernels: an `MR x NR` block of C (`NR = 16 NV`) from A's pairs
+//! ([`APairs`]) and one packed B panel.
+
+use super::pack::{APairs, APanels};
+use super::{Kernel, KC};
+
+/// The largest `MR * NR` of the tile shapes (`super::gemm` picks them): the edge scratch.
+pub(super) const EDGE: usize = 384;
+
+/// Computes rows `r0..r1` x columns `c0..c1` of C (`c`: its element `(r0, c0)`, `ldc`: the
+/// row stride, `acc`: add to C) from
+/// A's panels and B's packed `NR`-column panels, one `KC` slice of `k` at a time (so every
+/// element is the same sum, in the same order, whatever the tile shape or the task).
+///
+/// # Safety
+/// `c` is valid for reads and writes of that tile (and initialised when `acc`), which no other
+/// thread accesses; `r0` and `c0` are multiples of `MR` and `NR`; `ap` and `bp` are the panels
+/// of the matrices (`kp` pairs each) covering those rows and columns; for
+/// [`Kernel::Avx512Bf16`] the CPU has the features.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn tile<const MR: usize, const NV: usize>(
+    kernel: Kernel,
+    ap: &APanels<'_>,
+    bp: &[u32],
+    kp: usize,
+    (r0, r1): (usize, usize),
+    (c0, c1): (usize, usize),
+    (ldc, acc): (usize, bool),
+    c: *mut f32,
+) {
+    let nr = 16 * NV;
+    let mut edge = [0f32; EDGE];
+    for k0 in (0..kp).step_by(KC) {
+        let kl = KC.min(kp - k0);
+        let load = acc || k0 > 0;
+        for j in (c0..c1).step_by(nr) {
+            let b = &bp[((j / nr) * kp + k0) * nr..][..kl * nr];
+            let cols = nr.min(c1 - j);
+            for i in (r0..r1).step_by(MR) {
+                let a = ap.panel::<MR>(i, k0, kp);
+                let rows = MR.min(r1 - i);
+                // SAFETY: (i, j) is inside the tile, valid per the contract.
+                let cij = unsafe { c.add((i - r0) * ldc + j - c0) };
+                if rows == MR && cols == nr {
+                    // SAFETY: a full MR x NR block of C at row stride ldc, inside the tile;
+                    // the panels cover kl pairs of its rows and columns.
+                    unsafe { micro::<MR, NV>(kernel, kl, a, b, cij, ldc, load) };
+                    continue;
+                }
+                // An edge tile: through a full-size scratch tile, only the valid part of C
+                // read and written.
+                let edge = &mut edge[..MR * nr];
+                for r in 0..rows {
+                    for q in 0..cols {
+                        // SAFETY: (i + r, j + q) is inside the tile.
+                        edge[r * nr + q] = if load {
+                            unsafe { *cij.add(r * ldc + q) }
+                        } else {
+                            0.0
+                        };
+                    }
+                }
+                // SAFETY: `edge` is a full MR x NR tile at row stride NR; the panels are
+                // padded to full panels (packed) or full (read in place).
+                unsafe { micro::<MR, NV>(kernel, kl, a, b, edge.as_mut_ptr(), nr, true) };
+                for r in 0..rows {
+                    for q in 0..cols {
+                        // SAFETY: as above.
+                        unsafe { *cij.add(r * ldc + q) = edge[r * nr + q] };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `C[MR x NR] (row stride ldc) = (load ? C : 0) + Σ_p pairs`, `kl` pairs of A's panel `a`
+/// and of the B panel `b` (`kl * NR` lanes).
+///
+/// # Safety
+/// `c` is valid for reads (when `load`) and writes of `MR` rows of `NR` f32 at stride `ldc`;
+/// `a` covers `MR` rows of `kl` pairs; for [`Kernel::Avx512Bf16`] the CPU has the features.
+#[inline(always)]
+unsafe fn micro<const MR: usize, const NV: usize>(
+    kernel: Kernel,
+    kl: usize,
+    a: APairs,
+    b: &[u32],
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+) {
+    debug_assert!(b.len() >= kl * 16 * NV);
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: panel lengths checked by the slicing in `tile`; A, C and the CPU per the
+        // contract.
+        Kernel::Avx512Bf16 => unsafe { avx512::micro::<MR, NV>(kl, a, b.as_ptr(), c, ldc, load) },
+        #[cfg(not(target_arch = "x86_64"))]
+        Kernel::Avx512Bf16 => unreachable!("checked by `gemm`"),
+        // SAFETY: A and C per the contract.
+        Kernel::Portable => unsafe { micro_portable::<MR, NV>(kl, a, b, c, ldc, load) },
+    }
+}
+
+/// The widened bf16 of a lane's low (`hi == false`) or high half.
+#[inline(always)]
+fn half_f32(lane: u32, hi: bool) -> f32 {
+    f32::from_bits(if hi { lane & 0xFFFF_0000 } else { lane << 16 })
+}
+
+/// The scalar micro-kernel: what `vdpbf16ps` computes per lane (the high pair's product added
+/// first, then the low one's, as Intel's pseudo-code does), without its subnormal flushing.
+///
+/// # Safety
+/// As [`micro`].
+unsafe fn micro_portable<const MR: usize, const NV: usize>(
+    kl: usize,
+    a: APairs,
+    b: &[u32],
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+) {
+    let nr = 16 * NV;
+    for r in 0..MR {
+        for q in 0..nr {
+            // SAFETY: (r, q) inside the MR x NR block (contract).
+            let cp = unsafe { c.add(r * ldc + q) };
+            let mut s = if load { unsafe { *cp } } else { 0.0 };
+            for p in 0..kl {
+                // SAFETY: r < MR, p < kl: inside A's panel (contract).
+                let (x, y) = (unsafe { a.get(r, p) }, b[p * nr + q]);
+                s += half_f32(x, true) * half_f32(y, true);
+                s += half_f32(x, false) * half_f32(y, false);
+            }
+            // SAFETY: as above.
+            unsafe { *cp = s };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::APairs;
+    use std::arch::x86_64::*;
+
+    /// Reinterprets 16 lanes of 32 bits as 32 bf16 (the same 512 bits).
+    #[inline(always)]
+    fn bh(v: __m512i) -> __m512bh {
+        // SAFETY: both are plain 512-bit vectors with no invalid bit patterns.
+        unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+    }
+
+    /// The AVX512-BF16 micro-kernel: the `MR x 16 NV` tile in `MR * NV` (at most 24)
+    /// accumulators; per pair `NV` loads of B and one broadcast of A per row.
+    ///
+    /// # Safety
+    /// `a` covers `MR` rows of `kl` pairs, `b` is valid for reads of `kl * 16 NV` lanes; `c`
+    /// as in [`super::micro`]; the CPU has AVX512F and AVX512-BF16.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn micro<const MR: usize, const NV: usize>(
+        kl: usize,
+        a: APairs,
+        b: *const u32,
+        c: *mut f32,
+        ldc: usize,
+        load: bool,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+        if load {
+            for (r, row) in acc.iter_mut().enumerate() {
+                for (v, x) in row.iter_mut().enumerate() {
+                    // SAFETY: inside the C block (contract).
+                    *x = unsafe { _mm512_loadu_ps(c.add(r * ldc + v * 16)) };
+                }
+            }
+        }
+        for p in 0..kl {
+            let mut bv = [bh(_mm512_setzero_si512()); NV];
+            for (v, x) in bv.iter_mut().enumerate() {
+                // SAFETY: p < kl: lanes p * NR .. p * NR + NR of `b` (contract).
+                let at = unsafe { b.add((p * NV + v) * 16) } as *const __m512i;
+                *x = bh(unsafe { _mm512_loadu_si512(at) });
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                // SAFETY: p < kl, r < MR: inside A's panel (contract).
+                let av = bh(_mm512_set1_epi32(unsafe { a.get(r, p) } as i32));
+                for (x, bv) in row.iter_mut().zip(&bv) {
+                    *x = _mm512_dpbf16_ps(*x, av, *bv);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (v, x) in row.iter().enumerate() {
+                // SAFETY: inside the C block (contract).
+                unsafe { _mm512_storeu_ps(c.add(r * ldc + v * 16), *x) };
+            }
+        }
+    }
+}
