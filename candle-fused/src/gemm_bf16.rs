@@ -280,7 +280,7 @@ unsafe fn run<const MR: usize, const NV: usize>(x: Args<'_>) {
                     // this task's alone.
                     let dst =
                         unsafe { std::slice::from_raw_parts_mut(c.add((r0 + r) * n + c0), w) };
-                    half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, row);
+                    kernel::round_bf16(kernel, row, dst);
                 }
             }
         }

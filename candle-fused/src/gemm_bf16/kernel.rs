@@ -3,6 +3,7 @@
 
 use super::pack::{APairs, APanels};
 use super::{Kernel, KC};
+use half::bf16;
 
 /// The largest `MR * NR` of the tile shapes (`super::gemm` picks them): the edge scratch.
 pub(super) const EDGE: usize = 384;
@@ -140,9 +141,27 @@ unsafe fn micro_portable<const MR: usize, const NV: usize>(
     }
 }
 
+/// `dst = src` rounded to bf16 exactly as `half::bf16::from_f32` rounds (to nearest, ties to
+/// even; a NaN stays a NaN with its top payload bits and the quiet bit set), 16 values per
+/// step on [`Kernel::Avx512Bf16`] (`half` converts bf16 one value at a time).
+pub(super) fn round_bf16(kernel: Kernel, src: &[f32], dst: &mut [bf16]) {
+    assert_eq!(
+        src.len(),
+        dst.len(),
+        "candle-fused gemm_bf16: rounding lengths"
+    );
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: equal lengths (asserted); the kernel runs only where the CPU has AVX512F
+        // (`super::gemm` checked).
+        Kernel::Avx512Bf16 => unsafe { avx512::round_bf16(src, dst) },
+        _ => half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src),
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::APairs;
+    use super::{bf16, APairs};
     use std::arch::x86_64::*;
 
     /// Reinterprets 16 lanes of 32 bits as 32 bf16 (the same 512 bits).
@@ -197,5 +216,39 @@ mod avx512 {
                 unsafe { _mm512_storeu_ps(c.add(r * ldc + v * 16), *x) };
             }
         }
+    }
+
+    /// [`super::round_bf16`] 16 values at a time, the rest one by one through `half`.
+    ///
+    /// # Safety
+    /// `src` and `dst` have the same length; the CPU has AVX512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn round_bf16(src: &[f32], dst: &mut [bf16]) {
+        let body = src.len() - src.len() % 16;
+        let (abs, inf, round, sticky) = (
+            _mm512_set1_epi32(0x7FFF_FFFF),
+            _mm512_set1_epi32(0x7F80_0000),
+            _mm512_set1_epi32(0x8000),
+            _mm512_set1_epi32(0x1_7FFF),
+        );
+        for i in (0..body).step_by(16) {
+            // SAFETY: i + 16 <= len of both slices.
+            let x = unsafe { _mm512_loadu_si512(src.as_ptr().add(i) as *const __m512i) };
+            let hi = _mm512_srli_epi32::<16>(x);
+            // NaN: |x| above infinity's bits; rounds up: the round bit and any of the bits
+            // below it or the lowest kept one (ties to even).
+            let nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(x, abs), inf);
+            let up = _mm512_test_epi32_mask(x, round) & _mm512_test_epi32_mask(x, sticky);
+            let r = _mm512_mask_add_epi32(hi, up, hi, _mm512_set1_epi32(1));
+            let r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
+            // SAFETY: as above; 16 bf16 are 32 bytes.
+            unsafe {
+                _mm256_storeu_si256(
+                    dst.as_mut_ptr().add(i) as *mut __m256i,
+                    _mm512_cvtepi32_epi16(r),
+                )
+            };
+        }
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut dst[body..], &src[body..]);
     }
 }

@@ -382,3 +382,39 @@ fn identical_for_any_tile_shape_and_packing() {
         }
     }
 }
+
+#[test]
+fn rounding_to_bf16_matches_half() {
+    // Every 65521st bit pattern (all exponents, signs and low bits) and the edges: zeros,
+    // infinities, NaNs (signalling, quiet, payloads that would carry), ties both ways,
+    // the largest finite value (rounds to infinity), subnormals. 65 540 values: 4 past a
+    // multiple of 16, so the one-by-one tail runs too.
+    let mut bits: Vec<u32> = (0..=u32::MAX).step_by(65_521).collect();
+    bits.extend([
+        0,
+        0x8000_0000,
+        0x7F80_0000,
+        0xFF80_0000,
+        0x7F80_0001,
+        0x7FC0_0000,
+        0xFFFF_FFFF,
+        0x7FFF_8000,
+        0x3F80_8000,
+        0x3F81_8000,
+        0x3F80_8001,
+        0x7F7F_FFFF,
+        0x0000_0001,
+        0x0000_8000,
+        0x0001_8000,
+        0x807F_FFFF,
+    ]);
+    let src: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+    let want: Vec<u16> = src.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    for kernel in kernels() {
+        let mut dst = vec![bf16::ZERO; src.len()];
+        super::kernel::round_bf16(kernel, &src, &mut dst);
+        for (i, (d, w)) in dst.iter().zip(&want).enumerate() {
+            assert_eq!(d.to_bits(), *w, "{kernel:?}: {:#010x}", bits[i]);
+        }
+    }
+}
