@@ -251,8 +251,8 @@ unsafe fn run<const MR: usize, const NV: usize>(x: Args<'_>) {
     let nr = 16 * NV;
     let nc = (NC / nr).max(1) * nr;
     let kp = k.div_ceil(2);
-    let ap = APanels::new::<MR>(x.a, m, k, x.par);
-    let bp = pack::pack_b(x.b, k, n, nr, x.par);
+    let ap = APanels::new::<MR>(x.kernel, x.a, (m, k), x.par);
+    let bp = pack::pack_b(x.kernel, x.b, (k, n), nr, x.par);
     let (out, kernel) = (x.out, x.kernel);
     let (tm, tn) = (m.div_ceil(MC), n.div_ceil(nc));
     let task = |t: usize| {

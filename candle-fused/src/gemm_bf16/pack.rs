@@ -1,7 +1,7 @@
 //! The operands as the micro-kernels read them: B packed in `NR`-column panels, A packed in
 //! `MR`-row panels or, when its rows already hold the pairs, read in place ([`APanels`]).
 
-use super::Mat;
+use super::{Kernel, Mat};
 use half::bf16;
 
 /// Elements from which the packing runs in parallel ([`crate::cpu::PAR_MIN_WORK`]).
@@ -62,9 +62,15 @@ pub(super) enum APanels<'a> {
 
 impl<'a> APanels<'a> {
     /// Packs or borrows `a [m, k]` for `MR`-row panels.
-    pub(super) fn new<const MR: usize>(a: Mat<'a>, m: usize, k: usize, par: bool) -> Self {
+    pub(super) fn new<const MR: usize>(
+        kernel: Kernel,
+        a: Mat<'a>,
+        (m, k): (usize, usize),
+        par: bool,
+    ) -> Self {
         if a.cs != 1 || k % 2 != 0 {
-            return APanels::Packed(pack_lines(MR, a.data, m, a.rs, a.cs, k, par));
+            let lines = Lines::new(a.data, a.rs, a.cs, kernel);
+            return APanels::Packed(pack_lines(MR, lines, m, k, par));
         }
         let full = m - m % MR;
         let rest = &a.data[(full * a.rs).min(a.data.len())..];
@@ -72,7 +78,7 @@ impl<'a> APanels<'a> {
             data: a.data,
             rs: a.rs,
             full,
-            tail: pack_lines(MR, rest, m - full, a.rs, 1, k, false),
+            tail: pack_lines(MR, Lines::new(rest, a.rs, 1, kernel), m - full, k, false),
         }
     }
 
@@ -95,30 +101,23 @@ impl<'a> APanels<'a> {
 
 /// Packs `b [k, n]` into `nr`-column panels of `kp = ceil(k/2)` pairs (layout in the module
 /// doc).
-pub(super) fn pack_b(b: Mat<'_>, k: usize, n: usize, nr: usize, par: bool) -> Vec<u32> {
-    pack_lines(nr, b.data, n, b.cs, b.rs, k, par)
-}
-
-/// Packs `n` lines of `k` elements (line `i` starts at `i * step`, its elements `ks` apart)
-/// into `w`-line panels of `kp = ceil(k/2)` pairs: A's rows (`w = MR`) or B's columns (`NR`).
-fn pack_lines(
-    w: usize,
-    data: &[bf16],
-    n: usize,
-    step: usize,
-    ks: usize,
-    k: usize,
+pub(super) fn pack_b(
+    kernel: Kernel,
+    b: Mat<'_>,
+    (k, n): (usize, usize),
+    nr: usize,
     par: bool,
 ) -> Vec<u32> {
+    pack_lines(nr, Lines::new(b.data, b.cs, b.rs, kernel), n, k, par)
+}
+
+/// Packs `n` of `lines`, `k` elements each, into `w`-line panels of `kp = ceil(k/2)` pairs:
+/// A's rows (`w = MR`) or B's columns (`NR`).
+fn pack_lines(w: usize, lines: Lines<'_>, n: usize, k: usize, par: bool) -> Vec<u32> {
     let kp = k.div_ceil(2);
     pack(n.div_ceil(w) * kp * w, kp * w, par, |p, panel| {
-        let lines = Lines {
-            data,
-            first: p * w * step,
-            step,
-            ks,
-        };
-        lines.pack(panel, w, w.min(n - p * w), k);
+        let first = p * w * lines.step;
+        Lines { first, ..lines }.pack(panel, w, w.min(n - p * w), k);
     })
 }
 
@@ -126,16 +125,35 @@ fn pack_lines(
 /// writes stay in L1 while every line adds its lane.
 const STRIPE: usize = 16;
 
-/// The lines (rows of A, columns of B) of one panel, each `k` long: element `kk` of line `i`
-/// is `data[first + i * step + kk * ks]`.
+/// The lines (rows of A, columns of B) of a matrix, each `k` long: element `kk` of line `i`
+/// is `data[first + i * step + kk * ks]` (`first`: a panel's first line).
+#[derive(Clone, Copy)]
 struct Lines<'a> {
     data: &'a [bf16],
     first: usize,
     step: usize,
     ks: usize,
+    /// Pairs that are neighbours in each line gathered 16 lines at a time (AVX-512).
+    gather: bool,
 }
 
-impl Lines<'_> {
+impl<'a> Lines<'a> {
+    /// Line `i` at `i * step`, its elements `ks` apart; the gathering copy for the AVX-512
+    /// kernel only (so each kernel's tests cover its own packing).
+    fn new(data: &'a [bf16], step: usize, ks: usize, kernel: Kernel) -> Self {
+        let gather = cfg!(target_arch = "x86_64")
+            && kernel == Kernel::Avx512Bf16
+            && ks == 1
+            && step.checked_mul(16).is_some_and(|s| s <= i32::MAX as usize);
+        Lines {
+            data,
+            first: 0,
+            step,
+            ks,
+            gather,
+        }
+    }
+
     /// Writes the pairs of `count` lines into a zeroed panel `width` lanes wide (lane
     /// `p * width + i`: the pair `p` of line `i`). Two layouts are read with unit strides: a
     /// pair that is two neighbours of one line (`ks == 1`: row-major A, a `w.t()` weight as B;
@@ -143,6 +161,21 @@ impl Lines<'_> {
     /// two rows (`step == 1`: `xᵀ` as A, row-major B).
     fn pack(&self, panel: &mut [u32], width: usize, count: usize, k: usize) {
         let bits = |i: usize| self.data[i].to_bits() as u32;
+        #[cfg(target_arch = "x86_64")]
+        if self.gather && count > 0 {
+            let last = self.first + (count - 1) * self.step + k - 1;
+            assert!(last < self.data.len() && count <= width && panel.len() >= (k / 2) * width);
+            // SAFETY: every line's k elements are in `data` (asserted for the last line, the
+            // highest); the panel holds k / 2 pairs of `width >= count` lanes (asserted); the
+            // CPU has AVX-512 (`gather` is set for the AVX-512 kernel only).
+            unsafe { avx512::gather_pairs(*self, panel, width, count, k / 2) };
+            if k % 2 == 1 {
+                for i in 0..count {
+                    panel[(k / 2) * width + i] = bits(self.first + i * self.step + k - 1);
+                }
+            }
+            return;
+        }
         if self.ks == 1 {
             for p0 in (0..k / 2).step_by(STRIPE) {
                 let pairs = STRIPE.min(k / 2 - p0);
@@ -205,4 +238,45 @@ fn pack(len: usize, panel: usize, par: bool, fill: impl Fn(usize, &mut [u32]) + 
             .for_each(|(i, p)| fill(i, p));
     }
     buf
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::Lines;
+    use std::arch::x86_64::*;
+
+    /// The first `pairs` pairs of `count` lines (unit element stride) into `panel` (lane
+    /// `p * width + i`), 16 lines per gather: each gather reads one pair (4 bytes) of 16
+    /// lines, one masked store writes them; no scattered scalar stores.
+    ///
+    /// # Safety
+    /// Every line's first `2 * pairs` elements are in `lines.data`, `16 * step` fits an
+    /// `i32`, `panel` holds `pairs * width` lanes with `count <= width`; the CPU has AVX512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn gather_pairs(
+        lines: Lines<'_>,
+        panel: &mut [u32],
+        width: usize,
+        count: usize,
+        pairs: usize,
+    ) {
+        let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let offs = _mm512_mullo_epi32(iota, _mm512_set1_epi32(lines.step as i32));
+        for i0 in (0..count).step_by(16) {
+            let mask = ((1u32 << (count - i0).min(16)) - 1) as __mmask16;
+            // SAFETY: line i0's first element (contract).
+            let base = unsafe { lines.data.as_ptr().add(lines.first + i0 * lines.step) };
+            for p in 0..pairs {
+                // SAFETY: elements 2p and 2p + 1 of the masked lines (offsets in bf16 units,
+                // scale 2 bytes) are in `data`; lanes p * width + i0.. (masked) of `panel`.
+                unsafe {
+                    let at = base.add(2 * p) as *const _;
+                    let zero = _mm512_setzero_si512();
+                    let v = _mm512_mask_i32gather_epi32::<2>(zero, mask, offs, at);
+                    let to = panel.as_mut_ptr().add(p * width + i0) as *mut _;
+                    _mm512_mask_storeu_epi32(to, mask, v);
+                }
+            }
+        }
+    }
 }
