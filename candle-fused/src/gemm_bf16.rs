@@ -258,21 +258,33 @@ unsafe fn run<const MR: usize, const NV: usize>(x: Args<'_>) {
     let task = |t: usize| {
         let (r0, c0) = ((t / tn) * MC, (t % tn) * nc);
         let (r1, c1) = ((r0 + MC).min(m), (c0 + nc).min(n));
-        let tile = |c: *mut f32, ldc: usize, acc: bool| {
-            // SAFETY: `c` is the task's block of C (rows r0..r1, columns c0..c1, row stride
-            // ldc), which no other task touches; the panels cover every (row, pair) and
-            // (pair, column) indexed (packing sizes).
-            unsafe {
-                kernel::tile::<MR, NV>(kernel, &ap, &bp, kp, (r0, r1), (c0, c1), (ldc, acc), c)
-            };
+        let tile = |dst: kernel::Dst, ldc: usize| {
+            // SAFETY: `dst` is the task's block of C (rows r0..r1, columns c0..c1, row
+            // stride ldc), which no other task touches; the panels cover every (row, pair)
+            // and (pair, column) indexed (packing sizes); bf16 only with kp <= KC.
+            unsafe { kernel::tile::<MR, NV>(kernel, &ap, &bp, kp, (r0, r1), (c0, c1), ldc, dst) };
         };
         match out.get() {
             // SAFETY: (r0, c0) is inside C (valid per the caller).
-            Out::F32 { c, acc } => tile(unsafe { c.add(r0 * n + c0) }, n, acc),
+            Out::F32 { c, acc } => tile(
+                kernel::Dst::F32 {
+                    c: unsafe { c.add(r0 * n + c0) },
+                    acc,
+                },
+                n,
+            ),
+            // One slice of k: each tile rounded from the registers.
+            Out::Bf16(c) if kp <= KC => tile(kernel::Dst::Bf16(unsafe { c.add(r0 * n + c0) }), n),
             Out::Bf16(c) => {
                 let w = c1 - c0;
                 let mut sums = Vec::with_capacity((r1 - r0) * w);
-                tile(sums.as_mut_ptr(), w, false);
+                tile(
+                    kernel::Dst::F32 {
+                        c: sums.as_mut_ptr(),
+                        acc: false,
+                    },
+                    w,
+                );
                 // SAFETY: `tile` wrote every element of the block (acc = false).
                 unsafe { sums.set_len((r1 - r0) * w) };
                 for (r, row) in sums.chunks_exact(w).enumerate() {

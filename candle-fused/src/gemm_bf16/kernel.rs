@@ -8,16 +8,23 @@ use half::bf16;
 /// The largest `MR * NR` of the tile shapes (`super::gemm` picks them): the edge scratch.
 pub(super) const EDGE: usize = 384;
 
-/// Computes rows `r0..r1` x columns `c0..c1` of C (`c`: its element `(r0, c0)`, `ldc`: the
-/// row stride, `acc`: add to C) from
-/// A's panels and B's packed `NR`-column panels, one `KC` slice of `k` at a time (so every
-/// element is the same sum, in the same order, whatever the tile shape or the task).
+/// Where a tile's sums go: f32 (added to C when `acc`), or rounded to bf16 as they are done
+/// (only when `k` is one [`KC`] slice: no partial sums to keep).
+#[derive(Clone, Copy)]
+pub(super) enum Dst {
+    F32 { c: *mut f32, acc: bool },
+    Bf16(*mut bf16),
+}
+
+/// Computes rows `r0..r1` x columns `c0..c1` of C (`dst`: its element `(r0, c0)`, row stride
+/// `ldc`) from A's panels and B's packed `NR`-column panels, one `KC` slice of `k` at a time
+/// (so every element is the same sum, in the same order, whatever the tile shape or task).
 ///
 /// # Safety
-/// `c` is valid for reads and writes of that tile (and initialised when `acc`), which no other
-/// thread accesses; `r0` and `c0` are multiples of `MR` and `NR`; `ap` and `bp` are the panels
-/// of the matrices (`kp` pairs each) covering those rows and columns; for
-/// [`Kernel::Avx512Bf16`] the CPU has the features.
+/// `dst` is valid for writes of that tile (and reads, initialised, when it accumulates), which
+/// no other thread accesses; `r0` and `c0` are multiples of `MR` and `NR`; `ap` and `bp` are
+/// the panels of the matrices (`kp` pairs each) covering those rows and columns; a bf16 `dst`
+/// only with `kp <= KC`; for [`Kernel::Avx512Bf16`] the CPU has the features.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn tile<const MR: usize, const NV: usize>(
     kernel: Kernel,
@@ -26,48 +33,60 @@ pub(super) unsafe fn tile<const MR: usize, const NV: usize>(
     kp: usize,
     (r0, r1): (usize, usize),
     (c0, c1): (usize, usize),
-    (ldc, acc): (usize, bool),
-    c: *mut f32,
+    ldc: usize,
+    dst: Dst,
 ) {
+    assert!(matches!(dst, Dst::F32 { .. }) || kp <= KC);
     let nr = 16 * NV;
     let mut edge = [0f32; EDGE];
     for k0 in (0..kp).step_by(KC) {
         let kl = KC.min(kp - k0);
-        let load = acc || k0 > 0;
         for j in (c0..c1).step_by(nr) {
             let b = &bp[((j / nr) * kp + k0) * nr..][..kl * nr];
             let cols = nr.min(c1 - j);
             for i in (r0..r1).step_by(MR) {
                 let a = ap.panel::<MR>(i, k0, kp);
                 let rows = MR.min(r1 - i);
+                let at = (i - r0) * ldc + j - c0;
                 // SAFETY: (i, j) is inside the tile, valid per the contract.
-                let cij = unsafe { c.add((i - r0) * ldc + j - c0) };
+                let store = match dst {
+                    Dst::F32 { c, acc } => Store::F32 {
+                        c: unsafe { c.add(at) },
+                        load: acc || k0 > 0,
+                    },
+                    Dst::Bf16(c) => Store::Bf16(unsafe { c.add(at) }),
+                };
                 if rows == MR && cols == nr {
                     // SAFETY: a full MR x NR block of C at row stride ldc, inside the tile;
                     // the panels cover kl pairs of its rows and columns.
-                    unsafe { micro::<MR, NV>(kernel, kl, a, b, cij, ldc, load) };
+                    unsafe { micro::<MR, NV>(kernel, kl, a, b, (store, ldc)) };
                     continue;
                 }
-                // An edge tile: through a full-size scratch tile, only the valid part of C
-                // read and written.
+                // An edge tile: through a full-size f32 scratch tile, only the valid part of C
+                // read and written. SAFETY: (i + r, j + q) below is inside the tile; `edge`
+                // is a full MR x NR tile at row stride NR; the panels are padded to full
+                // panels (packed) or full (read in place).
                 let edge = &mut edge[..MR * nr];
                 for r in 0..rows {
                     for q in 0..cols {
-                        // SAFETY: (i + r, j + q) is inside the tile.
-                        edge[r * nr + q] = if load {
-                            unsafe { *cij.add(r * ldc + q) }
-                        } else {
-                            0.0
+                        edge[r * nr + q] = match store {
+                            Store::F32 { c, load: true } => unsafe { *c.add(r * ldc + q) },
+                            _ => 0.0,
                         };
                     }
                 }
-                // SAFETY: `edge` is a full MR x NR tile at row stride NR; the panels are
-                // padded to full panels (packed) or full (read in place).
-                unsafe { micro::<MR, NV>(kernel, kl, a, b, edge.as_mut_ptr(), nr, true) };
+                let scratch = Store::F32 {
+                    c: edge.as_mut_ptr(),
+                    load: true,
+                };
+                unsafe { micro::<MR, NV>(kernel, kl, a, b, (scratch, nr)) };
                 for r in 0..rows {
                     for q in 0..cols {
-                        // SAFETY: as above.
-                        unsafe { *cij.add(r * ldc + q) = edge[r * nr + q] };
+                        let v = edge[r * nr + q];
+                        match store {
+                            Store::F32 { c, .. } => unsafe { *c.add(r * ldc + q) = v },
+                            Store::Bf16(c) => unsafe { *c.add(r * ldc + q) = bf16::from_f32(v) },
+                        }
                     }
                 }
             }
@@ -75,11 +94,20 @@ pub(super) unsafe fn tile<const MR: usize, const NV: usize>(
     }
 }
 
-/// `C[MR x NR] (row stride ldc) = (load ? C : 0) + Σ_p pairs`, `kl` pairs of A's panel `a`
-/// and of the B panel `b` (`kl * NR` lanes).
+/// Where one micro-kernel call's `MR x NR` sums go: f32 (added to what is there when `load`)
+/// or rounded to bf16 (as `half::bf16::from_f32`).
+#[derive(Clone, Copy)]
+enum Store {
+    F32 { c: *mut f32, load: bool },
+    Bf16(*mut bf16),
+}
+
+/// `C[MR x NR] (row stride ldc) = (load ? C : 0) + Σ_p pairs` ([`Store`]), `kl` pairs of A's
+/// panel `a` and of the B panel `b` (`kl * NR` lanes).
 ///
 /// # Safety
-/// `c` is valid for reads (when `load`) and writes of `MR` rows of `NR` f32 at stride `ldc`;
+/// The store's `c` is valid for reads (when `load`) and writes of `MR` rows of `NR` at stride
+/// `ldc`;
 /// `a` covers `MR` rows of `kl` pairs; for [`Kernel::Avx512Bf16`] the CPU has the features.
 #[inline(always)]
 unsafe fn micro<const MR: usize, const NV: usize>(
@@ -87,20 +115,18 @@ unsafe fn micro<const MR: usize, const NV: usize>(
     kl: usize,
     a: APairs,
     b: &[u32],
-    c: *mut f32,
-    ldc: usize,
-    load: bool,
+    c: (Store, usize),
 ) {
     debug_assert!(b.len() >= kl * 16 * NV);
     match kernel {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: panel lengths checked by the slicing in `tile`; A, C and the CPU per the
         // contract.
-        Kernel::Avx512Bf16 => unsafe { avx512::micro::<MR, NV>(kl, a, b.as_ptr(), c, ldc, load) },
+        Kernel::Avx512Bf16 => unsafe { avx512::micro::<MR, NV>(kl, a, b.as_ptr(), c) },
         #[cfg(not(target_arch = "x86_64"))]
         Kernel::Avx512Bf16 => unreachable!("checked by `gemm`"),
         // SAFETY: A and C per the contract.
-        Kernel::Portable => unsafe { micro_portable::<MR, NV>(kl, a, b, c, ldc, load) },
+        Kernel::Portable => unsafe { micro_portable::<MR, NV>(kl, a, b, c) },
     }
 }
 
@@ -119,16 +145,16 @@ unsafe fn micro_portable<const MR: usize, const NV: usize>(
     kl: usize,
     a: APairs,
     b: &[u32],
-    c: *mut f32,
-    ldc: usize,
-    load: bool,
+    (store, ldc): (Store, usize),
 ) {
     let nr = 16 * NV;
     for r in 0..MR {
         for q in 0..nr {
             // SAFETY: (r, q) inside the MR x NR block (contract).
-            let cp = unsafe { c.add(r * ldc + q) };
-            let mut s = if load { unsafe { *cp } } else { 0.0 };
+            let mut s = match store {
+                Store::F32 { c, load: true } => unsafe { *c.add(r * ldc + q) },
+                _ => 0.0,
+            };
             for p in 0..kl {
                 // SAFETY: r < MR, p < kl: inside A's panel (contract).
                 let (x, y) = (unsafe { a.get(r, p) }, b[p * nr + q]);
@@ -136,7 +162,10 @@ unsafe fn micro_portable<const MR: usize, const NV: usize>(
                 s += half_f32(x, false) * half_f32(y, false);
             }
             // SAFETY: as above.
-            unsafe { *cp = s };
+            match store {
+                Store::F32 { c, .. } => unsafe { *c.add(r * ldc + q) = s },
+                Store::Bf16(c) => unsafe { *c.add(r * ldc + q) = bf16::from_f32(s) },
+            }
         }
     }
 }
@@ -161,7 +190,7 @@ pub(super) fn round_bf16(kernel: Kernel, src: &[f32], dst: &mut [bf16]) {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{bf16, APairs};
+    use super::{bf16, APairs, Store};
     use std::arch::x86_64::*;
 
     /// Reinterprets 16 lanes of 32 bits as 32 bf16 (the same 512 bits).
@@ -182,12 +211,10 @@ mod avx512 {
         kl: usize,
         a: APairs,
         b: *const u32,
-        c: *mut f32,
-        ldc: usize,
-        load: bool,
+        (store, ldc): (Store, usize),
     ) {
         let mut acc = [[_mm512_setzero_ps(); NV]; MR];
-        if load {
+        if let Store::F32 { c, load: true } = store {
             for (r, row) in acc.iter_mut().enumerate() {
                 for (v, x) in row.iter_mut().enumerate() {
                     // SAFETY: inside the C block (contract).
@@ -213,9 +240,33 @@ mod avx512 {
         for (r, row) in acc.iter().enumerate() {
             for (v, x) in row.iter().enumerate() {
                 // SAFETY: inside the C block (contract).
-                unsafe { _mm512_storeu_ps(c.add(r * ldc + v * 16), *x) };
+                match store {
+                    Store::F32 { c, .. } => unsafe {
+                        _mm512_storeu_ps(c.add(r * ldc + v * 16), *x)
+                    },
+                    Store::Bf16(c) => unsafe {
+                        let to = c.add(r * ldc + v * 16) as *mut __m256i;
+                        _mm256_storeu_si256(to, round16(_mm512_castps_si512(*x)));
+                    },
+                }
             }
         }
+    }
+
+    /// 16 f32 (as bits) rounded to bf16 as `half::bf16::from_f32` rounds.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn round16(x: __m512i) -> __m256i {
+        let hi = _mm512_srli_epi32::<16>(x);
+        // NaN: |x| above infinity's bits; rounds up: the round bit and any of the bits below
+        // it or the lowest kept one (ties to even).
+        let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFF_FFFF));
+        let nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7F80_0000));
+        let up = _mm512_test_epi32_mask(x, _mm512_set1_epi32(0x8000))
+            & _mm512_test_epi32_mask(x, _mm512_set1_epi32(0x1_7FFF));
+        let r = _mm512_mask_add_epi32(hi, up, hi, _mm512_set1_epi32(1));
+        let r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
+        _mm512_cvtepi32_epi16(r)
     }
 
     /// [`super::round_bf16`] 16 values at a time, the rest one by one through `half`.
@@ -225,29 +276,12 @@ mod avx512 {
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn round_bf16(src: &[f32], dst: &mut [bf16]) {
         let body = src.len() - src.len() % 16;
-        let (abs, inf, round, sticky) = (
-            _mm512_set1_epi32(0x7FFF_FFFF),
-            _mm512_set1_epi32(0x7F80_0000),
-            _mm512_set1_epi32(0x8000),
-            _mm512_set1_epi32(0x1_7FFF),
-        );
         for i in (0..body).step_by(16) {
-            // SAFETY: i + 16 <= len of both slices.
-            let x = unsafe { _mm512_loadu_si512(src.as_ptr().add(i) as *const __m512i) };
-            let hi = _mm512_srli_epi32::<16>(x);
-            // NaN: |x| above infinity's bits; rounds up: the round bit and any of the bits
-            // below it or the lowest kept one (ties to even).
-            let nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(x, abs), inf);
-            let up = _mm512_test_epi32_mask(x, round) & _mm512_test_epi32_mask(x, sticky);
-            let r = _mm512_mask_add_epi32(hi, up, hi, _mm512_set1_epi32(1));
-            let r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
-            // SAFETY: as above; 16 bf16 are 32 bytes.
+            // SAFETY: i + 16 <= len of both slices; 16 bf16 are 32 bytes.
             unsafe {
-                _mm256_storeu_si256(
-                    dst.as_mut_ptr().add(i) as *mut __m256i,
-                    _mm512_cvtepi32_epi16(r),
-                )
-            };
+                let x = _mm512_loadu_si512(src.as_ptr().add(i) as *const __m512i);
+                _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, round16(x));
+            }
         }
         half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut dst[body..], &src[body..]);
     }
