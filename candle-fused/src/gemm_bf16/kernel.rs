@@ -237,36 +237,65 @@ mod avx512 {
                 }
             }
         }
+        // SAFETY (both loops): inside the C block (contract).
+        match store {
+            Store::F32 { c, .. } => {
+                for (r, row) in acc.iter().enumerate() {
+                    for (v, x) in row.iter().enumerate() {
+                        unsafe { _mm512_storeu_ps(c.add(r * ldc + v * 16), *x) };
+                    }
+                }
+            }
+            // SAFETY: as above; the CPU has AVX512F (contract).
+            Store::Bf16(c) => unsafe { store_bf16::<MR, NV>(acc, c, ldc) },
+        }
+    }
+
+    /// The tile's sums rounded to bf16 and stored. Not inlined: its constants would take
+    /// registers from the micro-kernel's accumulators (spilling them in the main loop).
+    ///
+    /// # Safety
+    /// `c` is valid for writes of `MR` rows of `16 NV` bf16 at stride `ldc`; the CPU has
+    /// AVX512F.
+    #[inline(never)]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store_bf16<const MR: usize, const NV: usize>(
+        acc: [[__m512; NV]; MR],
+        c: *mut bf16,
+        ldc: usize,
+    ) {
         for (r, row) in acc.iter().enumerate() {
             for (v, x) in row.iter().enumerate() {
-                // SAFETY: inside the C block (contract).
-                match store {
-                    Store::F32 { c, .. } => unsafe {
-                        _mm512_storeu_ps(c.add(r * ldc + v * 16), *x)
-                    },
-                    Store::Bf16(c) => unsafe {
-                        let to = c.add(r * ldc + v * 16) as *mut __m256i;
-                        _mm256_storeu_si256(to, round16(_mm512_castps_si512(*x)));
-                    },
+                // SAFETY: inside the C block; AVX512F (contract).
+                unsafe {
+                    let to = c.add(r * ldc + v * 16) as *mut __m256i;
+                    _mm256_storeu_si256(to, round16(_mm512_castps_si512(*x)));
                 }
             }
         }
     }
 
-    /// 16 f32 (as bits) rounded to bf16 as `half::bf16::from_f32` rounds.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn round16(x: __m512i) -> __m256i {
-        let hi = _mm512_srli_epi32::<16>(x);
-        // NaN: |x| above infinity's bits; rounds up: the round bit and any of the bits below
-        // it or the lowest kept one (ties to even).
-        let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFF_FFFF));
-        let nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7F80_0000));
-        let up = _mm512_test_epi32_mask(x, _mm512_set1_epi32(0x8000))
-            & _mm512_test_epi32_mask(x, _mm512_set1_epi32(0x1_7FFF));
-        let r = _mm512_mask_add_epi32(hi, up, hi, _mm512_set1_epi32(1));
-        let r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
-        _mm512_cvtepi32_epi16(r)
+    /// 16 f32 (as bits) rounded to bf16 as `half::bf16::from_f32` rounds. Always inlined
+    /// (into the AVX-512 functions below): a call would spill the micro-kernel's 24
+    /// accumulators.
+    ///
+    /// # Safety
+    /// The CPU has AVX512F.
+    #[inline(always)]
+    unsafe fn round16(x: __m512i) -> __m256i {
+        // SAFETY: AVX512F (contract).
+        unsafe {
+            let hi = _mm512_srli_epi32::<16>(x);
+            // NaN: |x| above infinity's bits; rounds up: the round bit and any of the bits below
+            // it or the lowest kept one (ties to even).
+            let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFF_FFFF));
+            let nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7F80_0000));
+            let up = _mm512_test_epi32_mask(x, _mm512_set1_epi32(0x8000))
+                & _mm512_test_epi32_mask(x, _mm512_set1_epi32(0x1_7FFF));
+            let r = _mm512_mask_add_epi32(hi, up, hi, _mm512_set1_epi32(1));
+            let r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
+            _mm512_cvtepi32_epi16(r)
+        }
     }
 
     /// [`super::round_bf16`] 16 values at a time, the rest one by one through `half`.
