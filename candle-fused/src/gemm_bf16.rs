@@ -16,12 +16,20 @@
 //! * B in panels of [`NR`] columns: for each `k`-pair `p`, the `NR` pairs
 //!   `(B[2p, j], B[2p+1, j])` (columns past `n`: 0).
 //!
-//! The micro-kernel keeps an `MR x NR` tile of C in 24 zmm registers; per `k`-pair it loads
-//! `NR / 16` vectors of B, broadcasts each row's A pair and issues `MR * NR / 16` `vdpbf16ps`.
-//! Cache blocking: the tile loop runs over slices of 256 `k`, and within one slice over B
-//! panels, then A panels, so one B panel slice (256 `k` x 64 columns of bf16, 32 KiB) is reused
-//! from L1 / L2 by every A panel of the task, whose A block (48 rows x 256 `k`) stays in L2. Work is split over tiles of C (rows x columns), never over
-//! `k`: every element is the same sum, in the same order, on any number of threads.
+//! The micro-kernel keeps an `MR x NR` tile of C in at most 24 zmm registers; per `k`-pair it
+//! loads `NR / 16` vectors of B, broadcasts each row's A pair and issues `MR * NR / 16`
+//! `vdpbf16ps`. The tile's width follows `n` (6 x 64, 8 x 48, 12 x 32, 12 x 16: a rank-16
+//! product is one vector wide, not four with three of zeros). A row-major A with `k` even
+//! already holds its pairs (two neighbours of a row are one `u32`), so it is read in place
+//! instead of packed: packing A costs as much as the product when B is narrow.
+//! Cache blocking: the tile loop runs over equal slices of at most 320 `k`, and within one
+//! slice over B panels, then A panels, so one B panel slice (at most 320 `k` x 64 columns of
+//! bf16, 40 KiB) is reused from L1 / L2 by every A panel of the task, whose A block (48 rows)
+//! stays in L2. Work is split over tiles of C (rows x columns), never over
+//! `k`: every element is the same sum, in the same order, on any number of threads, with any
+//! tile shape and any slicing of `k` (a tile's f32 sums are stored and loaded back between
+//! slices, exactly). A bf16 result is rounded as each task's block is done (from the registers
+//! when `k` is one slice), never through a whole f32 matrix.
 //!
 //! Operands are read through row and column strides ([`Mat`]), so transposed and sliced views
 //! (`Wᵀ` of a `[out, in]` weight, `xᵀ` for a weight gradient) cost nothing but the packing.
@@ -38,9 +46,10 @@ mod pack;
 use half::bf16;
 use pack::APanels;
 
-/// `k`-pairs per cache block (256 values of `k`): every tile shape sums `k` in these slices,
-/// so the shape never changes a result's bits.
-const KC: usize = 128;
+/// The most `k`-pairs per cache block (320 values of `k`); a product's `k` is cut into
+/// equal slices of at most this many ([`slice_len`]). Between slices a tile's f32 sums are
+/// stored and loaded back, exactly, so the slicing never changes a result's bits.
+const KC: usize = 160;
 /// Rows of C per task (a multiple of every tile shape's `MR`).
 const MC: usize = 48;
 /// About the columns of C per task (rounded down to whole `NR` panels).
@@ -251,6 +260,7 @@ unsafe fn run<const MR: usize, const NV: usize>(x: Args<'_>) {
     let nr = 16 * NV;
     let nc = (NC / nr).max(1) * nr;
     let kp = k.div_ceil(2);
+    let kc = slice_len(kp);
     let ap = APanels::new::<MR>(x.kernel, x.a, (m, k), x.par);
     let bp = pack::pack_b(x.kernel, x.b, (k, n), nr, x.par);
     let (out, kernel) = (x.out, x.kernel);
@@ -261,8 +271,10 @@ unsafe fn run<const MR: usize, const NV: usize>(x: Args<'_>) {
         let tile = |dst: kernel::Dst, ldc: usize| {
             // SAFETY: `dst` is the task's block of C (rows r0..r1, columns c0..c1, row
             // stride ldc), which no other task touches; the panels cover every (row, pair)
-            // and (pair, column) indexed (packing sizes); bf16 only with kp <= KC.
-            unsafe { kernel::tile::<MR, NV>(kernel, &ap, &bp, kp, (r0, r1), (c0, c1), ldc, dst) };
+            // and (pair, column) indexed (packing sizes); bf16 only with kp <= kc.
+            unsafe {
+                kernel::tile::<MR, NV>(kernel, &ap, &bp, (kp, kc), (r0, r1), (c0, c1), ldc, dst)
+            };
         };
         match out.get() {
             // SAFETY: (r0, c0) is inside C (valid per the caller).
@@ -274,7 +286,7 @@ unsafe fn run<const MR: usize, const NV: usize>(x: Args<'_>) {
                 n,
             ),
             // One slice of k: each tile rounded from the registers.
-            Out::Bf16(c) if kp <= KC => tile(kernel::Dst::Bf16(unsafe { c.add(r0 * n + c0) }), n),
+            Out::Bf16(c) if kp <= kc => tile(kernel::Dst::Bf16(unsafe { c.add(r0 * n + c0) }), n),
             Out::Bf16(c) => {
                 let w = c1 - c0;
                 let mut sums = Vec::with_capacity((r1 - r0) * w);
@@ -302,6 +314,11 @@ unsafe fn run<const MR: usize, const NV: usize>(x: Args<'_>) {
     } else {
         (0..tm * tn).for_each(task);
     }
+}
+
+/// Pairs per slice of `kp` pairs: equal slices of at most [`KC`] (no short last slice).
+fn slice_len(kp: usize) -> usize {
+    kp.div_ceil(kp.div_ceil(KC))
 }
 
 /// The output, shared by tasks that write disjoint blocks.

@@ -2,14 +2,14 @@
 //! ([`APairs`]) and one packed B panel.
 
 use super::pack::{APairs, APanels};
-use super::{Kernel, KC};
+use super::Kernel;
 use half::bf16;
 
 /// The largest `MR * NR` of the tile shapes (`super::gemm` picks them): the edge scratch.
 pub(super) const EDGE: usize = 384;
 
 /// Where a tile's sums go: f32 (added to C when `acc`), or rounded to bf16 as they are done
-/// (only when `k` is one [`KC`] slice: no partial sums to keep).
+/// (only when `k` is one slice: no partial sums to keep).
 #[derive(Clone, Copy)]
 pub(super) enum Dst {
     F32 { c: *mut f32, acc: bool },
@@ -17,30 +17,30 @@ pub(super) enum Dst {
 }
 
 /// Computes rows `r0..r1` x columns `c0..c1` of C (`dst`: its element `(r0, c0)`, row stride
-/// `ldc`) from A's panels and B's packed `NR`-column panels, one `KC` slice of `k` at a time
+/// `ldc`) from A's panels and B's packed `NR`-column panels, one slice of `kc` pairs at a time
 /// (so every element is the same sum, in the same order, whatever the tile shape or task).
 ///
 /// # Safety
 /// `dst` is valid for writes of that tile (and reads, initialised, when it accumulates), which
 /// no other thread accesses; `r0` and `c0` are multiples of `MR` and `NR`; `ap` and `bp` are
 /// the panels of the matrices (`kp` pairs each) covering those rows and columns; a bf16 `dst`
-/// only with `kp <= KC`; for [`Kernel::Avx512Bf16`] the CPU has the features.
+/// only with `kp <= kc`; for [`Kernel::Avx512Bf16`] the CPU has the features.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn tile<const MR: usize, const NV: usize>(
     kernel: Kernel,
     ap: &APanels<'_>,
     bp: &[u32],
-    kp: usize,
+    (kp, kc): (usize, usize),
     (r0, r1): (usize, usize),
     (c0, c1): (usize, usize),
     ldc: usize,
     dst: Dst,
 ) {
-    assert!(matches!(dst, Dst::F32 { .. }) || kp <= KC);
+    assert!(kc > 0 && (matches!(dst, Dst::F32 { .. }) || kp <= kc));
     let nr = 16 * NV;
     let mut edge = [0f32; EDGE];
-    for k0 in (0..kp).step_by(KC) {
-        let kl = KC.min(kp - k0);
+    for k0 in (0..kp).step_by(kc) {
+        let kl = kc.min(kp - k0);
         for j in (c0..c1).step_by(nr) {
             let b = &bp[((j / nr) * kp + k0) * nr..][..kl * nr];
             let cols = nr.min(c1 - j);

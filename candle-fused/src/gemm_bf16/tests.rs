@@ -234,8 +234,8 @@ fn check(kernel: Kernel, (m, n, k): (usize, usize, usize), exact: bool, rng: &mu
 }
 
 /// Shapes around the tiles (6 x 64, and 8 x 48, 12 x 32, 12 x 16 for narrow outputs), task
-/// (48 x 256) and cache-block (256 k) sizes: 1s, odd everything, `k` odd and one past the
-/// block, `k` even (row-major A read in place) with a partial last panel of rows; the last
+/// (48 x 256) and cache-block (at most 320 k, in equal slices) sizes: 1s, odd everything, `k`
+/// odd and one past the block, `k` even (row-major A read in place) with a partial last panel of rows; the last
 /// crosses the parallel threshold.
 const SHAPES: &[(usize, usize, usize)] = &[
     (1, 1, 1),
@@ -248,6 +248,7 @@ const SHAPES: &[(usize, usize, usize)] = &[
     (49, 257, 4),
     (12, 128, 257),
     (20, 70, 513),
+    (9, 20, 321),
     (25, 16, 258),
     (16, 30, 64),
     (13, 40, 8),
