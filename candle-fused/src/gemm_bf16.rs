@@ -44,7 +44,9 @@ mod kernel;
 mod pack;
 
 use half::bf16;
+pub(crate) use kernel::{available, Kernel};
 use pack::APanels;
+pub(crate) use pack::Mat;
 
 /// The most `k`-pairs per cache block (320 values of `k`); a product's `k` is cut into
 /// equal slices of at most this many ([`slice_len`]). Between slices a tile's f32 sums are
@@ -57,48 +59,6 @@ const NC: usize = 256;
 /// Multiply-adds (`m * n * k`) from which the work is spread over the pool's threads (the
 /// threshold `linear` uses for the f32 GEMM).
 const PAR_MIN_MACS: usize = 1 << 18;
-
-/// A read-only bf16 matrix view: element `(r, c)` is `data[r * rs + c * cs]`.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Mat<'a> {
-    /// The elements, from the view's first one.
-    pub data: &'a [bf16],
-    /// Row stride (elements).
-    pub rs: usize,
-    /// Column stride (elements).
-    pub cs: usize,
-}
-
-impl Mat<'_> {
-    /// Whether a `rows x cols` view fits in `data`.
-    fn covers(&self, rows: usize, cols: usize) -> bool {
-        rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
-    }
-}
-
-/// Which micro-kernel runs the tiles.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kernel {
-    /// `vdpbf16ps` on zmm registers (needs [`available`]).
-    Avx512Bf16,
-    /// Scalar f32 pair sums over the same packed panels: slow, for testing the packing and the
-    /// tiling on any CPU.
-    Portable,
-}
-
-/// Whether this CPU runs [`Kernel::Avx512Bf16`] (AVX512F and AVX512-BF16, detected at run
-/// time once and cached by the standard library).
-pub(crate) fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
 
 /// Where [`gemm`] writes `C [m, n]` (row-major, row stride `n`).
 #[derive(Clone, Copy)]
@@ -261,8 +221,9 @@ unsafe fn run<const MR: usize, const NV: usize>(x: Args<'_>) {
     let nc = (NC / nr).max(1) * nr;
     let kp = k.div_ceil(2);
     let kc = slice_len(kp);
-    let ap = APanels::new::<MR>(x.kernel, x.a, (m, k), x.par);
-    let bp = pack::pack_b(x.kernel, x.b, (k, n), nr, x.par);
+    let gather = x.kernel == Kernel::Avx512Bf16;
+    let ap = APanels::new::<MR>(gather, x.a, (m, k), x.par);
+    let bp = pack::pack_b(gather, x.b, (k, n), nr, x.par);
     let (out, kernel) = (x.out, x.kernel);
     let (tm, tn) = (m.div_ceil(MC), n.div_ceil(nc));
     let task = |t: usize| {

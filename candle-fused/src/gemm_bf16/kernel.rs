@@ -2,11 +2,34 @@
 //! ([`APairs`]) and one packed B panel.
 
 use super::pack::{APairs, APanels};
-use super::Kernel;
 use half::bf16;
 
 /// The largest `MR * NR` of the tile shapes (`super::gemm` picks them): the edge scratch.
 pub(super) const EDGE: usize = 384;
+
+/// Which micro-kernel runs the tiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kernel {
+    /// `vdpbf16ps` on zmm registers (needs [`available`]).
+    Avx512Bf16,
+    /// Scalar f32 pair sums over the same packed panels: slow, for testing the packing and the
+    /// tiling on any CPU.
+    Portable,
+}
+
+/// Whether this CPU runs [`Kernel::Avx512Bf16`] (AVX512F and AVX512-BF16, detected at run
+/// time once and cached by the standard library).
+pub(crate) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
 
 /// Where a tile's sums go: f32 (added to C when `acc`), or rounded to bf16 as they are done
 /// (only when `k` is one slice: no partial sums to keep).
@@ -190,7 +213,9 @@ pub(super) fn round_bf16(kernel: Kernel, src: &[f32], dst: &mut [bf16]) {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{bf16, APairs, Store};
+    use crate::gemm_bf16::kernel::Store;
+    use crate::gemm_bf16::pack::APairs;
+    use half::bf16;
     use std::arch::x86_64::*;
 
     /// Reinterprets 16 lanes of 32 bits as 32 bf16 (the same 512 bits).

@@ -1,8 +1,25 @@
 //! The operands as the micro-kernels read them: B packed in `NR`-column panels, A packed in
 //! `MR`-row panels or, when its rows already hold the pairs, read in place ([`APanels`]).
 
-use super::{Kernel, Mat};
 use half::bf16;
+
+/// A read-only bf16 matrix view: element `(r, c)` is `data[r * rs + c * cs]`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Mat<'a> {
+    /// The elements, from the view's first one.
+    pub data: &'a [bf16],
+    /// Row stride (elements).
+    pub rs: usize,
+    /// Column stride (elements).
+    pub cs: usize,
+}
+
+impl Mat<'_> {
+    /// Whether a `rows x cols` view fits in `data`.
+    pub(super) fn covers(&self, rows: usize, cols: usize) -> bool {
+        rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
+    }
+}
 
 /// Elements from which the packing runs in parallel ([`crate::cpu::PAR_MIN_WORK`]).
 const PAR_MIN_PACK: usize = crate::cpu::PAR_MIN_WORK;
@@ -63,13 +80,13 @@ pub(super) enum APanels<'a> {
 impl<'a> APanels<'a> {
     /// Packs or borrows `a [m, k]` for `MR`-row panels.
     pub(super) fn new<const MR: usize>(
-        kernel: Kernel,
+        gather: bool,
         a: Mat<'a>,
         (m, k): (usize, usize),
         par: bool,
     ) -> Self {
         if a.cs != 1 || k % 2 != 0 {
-            let lines = Lines::new(a.data, a.rs, a.cs, kernel);
+            let lines = Lines::new(a.data, a.rs, a.cs, gather);
             return APanels::Packed(pack_lines(MR, lines, m, k, par));
         }
         let full = m - m % MR;
@@ -78,7 +95,7 @@ impl<'a> APanels<'a> {
             data: a.data,
             rs: a.rs,
             full,
-            tail: pack_lines(MR, Lines::new(rest, a.rs, 1, kernel), m - full, k, false),
+            tail: pack_lines(MR, Lines::new(rest, a.rs, 1, gather), m - full, k, false),
         }
     }
 
@@ -102,13 +119,13 @@ impl<'a> APanels<'a> {
 /// Packs `b [k, n]` into `nr`-column panels of `kp = ceil(k/2)` pairs (layout in the module
 /// doc).
 pub(super) fn pack_b(
-    kernel: Kernel,
+    gather: bool,
     b: Mat<'_>,
     (k, n): (usize, usize),
     nr: usize,
     par: bool,
 ) -> Vec<u32> {
-    pack_lines(nr, Lines::new(b.data, b.cs, b.rs, kernel), n, k, par)
+    pack_lines(nr, Lines::new(b.data, b.cs, b.rs, gather), n, k, par)
 }
 
 /// Packs `n` of `lines`, `k` elements each, into `w`-line panels of `kp = ceil(k/2)` pairs:
@@ -138,11 +155,11 @@ struct Lines<'a> {
 }
 
 impl<'a> Lines<'a> {
-    /// Line `i` at `i * step`, its elements `ks` apart; the gathering copy for the AVX-512
-    /// kernel only (so each kernel's tests cover its own packing).
-    fn new(data: &'a [bf16], step: usize, ks: usize, kernel: Kernel) -> Self {
+    /// Line `i` at `i * step`, its elements `ks` apart; `gather`: the AVX-512 copy may run
+    /// (for the AVX-512 kernel only, so each kernel's tests cover its own packing).
+    fn new(data: &'a [bf16], step: usize, ks: usize, gather: bool) -> Self {
         let gather = cfg!(target_arch = "x86_64")
-            && kernel == Kernel::Avx512Bf16
+            && gather
             && ks == 1
             && step.checked_mul(16).is_some_and(|s| s <= i32::MAX as usize);
         Lines {
@@ -168,7 +185,16 @@ impl<'a> Lines<'a> {
             // SAFETY: every line's k elements are in `data` (asserted for the last line, the
             // highest); the panel holds k / 2 pairs of `width >= count` lanes (asserted); the
             // CPU has AVX-512 (`gather` is set for the AVX-512 kernel only).
-            unsafe { avx512::gather_pairs(*self, panel, width, count, k / 2) };
+            unsafe {
+                avx512::gather_pairs(
+                    self.data,
+                    (self.first, self.step),
+                    panel,
+                    width,
+                    count,
+                    k / 2,
+                )
+            };
             if k % 2 == 1 {
                 for i in 0..count {
                     panel[(k / 2) * width + i] = bits(self.first + i * self.step + k - 1);
@@ -242,7 +268,7 @@ fn pack(len: usize, panel: usize, par: bool, fill: impl Fn(usize, &mut [u32]) + 
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::Lines;
+    use half::bf16;
     use std::arch::x86_64::*;
 
     /// The first `pairs` pairs of `count` lines (unit element stride) into `panel` (lane
@@ -250,22 +276,23 @@ mod avx512 {
     /// lines, one masked store writes them; no scattered scalar stores.
     ///
     /// # Safety
-    /// Every line's first `2 * pairs` elements are in `lines.data`, `16 * step` fits an
+    /// Every line's first `2 * pairs` elements (line `i` at `first + i * step`) are in `data`, `16 * step` fits an
     /// `i32`, `panel` holds `pairs * width` lanes with `count <= width`; the CPU has AVX512F.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn gather_pairs(
-        lines: Lines<'_>,
+        data: &[bf16],
+        (first, step): (usize, usize),
         panel: &mut [u32],
         width: usize,
         count: usize,
         pairs: usize,
     ) {
         let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        let offs = _mm512_mullo_epi32(iota, _mm512_set1_epi32(lines.step as i32));
+        let offs = _mm512_mullo_epi32(iota, _mm512_set1_epi32(step as i32));
         for i0 in (0..count).step_by(16) {
             let mask = ((1u32 << (count - i0).min(16)) - 1) as __mmask16;
             // SAFETY: line i0's first element (contract).
-            let base = unsafe { lines.data.as_ptr().add(lines.first + i0 * lines.step) };
+            let base = unsafe { data.as_ptr().add(first + i0 * step) };
             for p in 0..pairs {
                 // SAFETY: elements 2p and 2p + 1 of the masked lines (offsets in bf16 units,
                 // scale 2 bytes) are in `data`; lanes p * width + i0.. (masked) of `panel`.
