@@ -77,48 +77,47 @@ pub(crate) enum Out {
 #[cfg(test)]
 pub(crate) fn matmul(
     kernel: Kernel,
-    (m, n, k): (usize, usize, usize),
+    mnk: (usize, usize, usize),
     a: Mat<'_>,
     b: Mat<'_>,
     parallel: bool,
 ) -> Vec<f32> {
-    let mut out = Vec::with_capacity(m * n);
-    let c = Out::F32 {
-        c: out.as_mut_ptr(),
-        acc: false,
-    };
-    // SAFETY: the buffer has capacity m x n, is written in full by `gemm` (acc = false: never
-    // read) and only then given its length.
-    unsafe {
-        gemm(kernel, (m, n, k), c, a, b, parallel);
-        out.set_len(m * n);
-    }
-    out
+    new_matrix(
+        mnk,
+        |c| Out::F32 { c, acc: false },
+        |out| {
+            // SAFETY: `out` per `new_matrix`.
+            unsafe { gemm(kernel, mnk, out, a, b, parallel) }
+        },
+    )
 }
 
-/// `a · b` as a new row-major `m x n` bf16 matrix ([`Out::Bf16`]).
+/// `a · b` as a new row-major bf16 matrix ([`Out::Bf16`]), on the pool's threads.
 #[cfg(test)]
 pub(crate) fn matmul_bf16(
     kernel: Kernel,
-    (m, n, k): (usize, usize, usize),
-    a: Mat<'_>,
-    b: Mat<'_>,
-    parallel: bool,
+    mnk: (usize, usize, usize),
+    ab: [Mat<'_>; 2],
 ) -> Vec<bf16> {
-    let mut out = Vec::with_capacity(m * n);
-    // SAFETY: as in `matmul`: written in full, then given its length.
-    unsafe {
-        gemm(
-            kernel,
-            (m, n, k),
-            Out::Bf16(out.as_mut_ptr()),
-            a,
-            b,
-            parallel,
-        );
-        out.set_len(m * n);
-    }
-    out
+    new_matrix(mnk, Out::Bf16, |out| {
+        // SAFETY: `out` per `new_matrix`.
+        unsafe { gemm(kernel, mnk, out, ab[0], ab[1], true) }
+    })
+}
+
+/// A new `m x n` matrix written in full by `run` through the [`Out`] that `out` makes of its
+/// buffer (valid for writes of `m * n` elements, never read).
+#[cfg(test)]
+fn new_matrix<T>(
+    (m, n, _): (usize, usize, usize),
+    out: impl FnOnce(*mut T) -> Out,
+    run: impl FnOnce(Out),
+) -> Vec<T> {
+    let mut v = Vec::with_capacity(m * n);
+    run(out(v.as_mut_ptr()));
+    // SAFETY: `run` wrote all m x n elements (its contract).
+    unsafe { v.set_len(m * n) };
+    v
 }
 
 /// `c (m x n, row-major) += a · b`. Panics like [`matmul`] and if `c` is not `m * n` long.

@@ -186,7 +186,7 @@ fn check(kernel: Kernel, (m, n, k): (usize, usize, usize), exact: bool, rng: &mu
                     // A bf16 result is the f32 one rounded once, bit for bit.
                     let rounded: Vec<u16> =
                         c.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
-                    let direct = gemm_bf16::matmul_bf16(kernel, (m, n, k), a.mat(), b.mat(), true);
+                    let direct = gemm_bf16::matmul_bf16(kernel, (m, n, k), [a.mat(), b.mat()]);
                     let direct: Vec<u16> = direct.iter().map(|v| v.to_bits()).collect();
                     assert!(
                         rounded == direct,
