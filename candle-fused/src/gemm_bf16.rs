@@ -214,7 +214,7 @@ struct Args<'a> {
 /// # Safety
 /// As [`gemm`], with `m`, `n`, `k` non-zero and the views covering their operands.
 unsafe fn run<const MR: usize, const NV: usize>(x: Args<'_>) {
-    const { assert!(MC % MR == 0 && MR * 16 * NV <= kernel::EDGE && MR * NV <= 24) };
+    const { assert!(MC.is_multiple_of(MR) && MR * 16 * NV <= kernel::EDGE && MR * NV <= 24) };
     let (m, n, k) = x.mnk;
     let nr = 16 * NV;
     let nc = (NC / nr).max(1) * nr;
