@@ -21,7 +21,7 @@ use crate::op::{self, cpu_of, Grads, In, Kernel};
 use crate::pool;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, Layout, Result, Shape, Tensor};
-use gemm::{gemm_new, gemm_raw, narrow, operand, widen};
+use gemm::{gemm_new, gemm_new_t, gemm_raw, narrow, operand, widen};
 pub(crate) use gemm::{strided, Strided};
 
 /// `x [.., in] · w [in, out] + b [out]` (b optional), `[.., out]`.
@@ -106,8 +106,8 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         let (da, ta) = strided::<T>(cpu_of(&sa)?, la)?;
         let (db, tb) = strided::<T>(cpu_of(&sb)?, lb)?;
         let (oa, ob) = (operand(da), operand(db));
-        let y = gemm_new(m, n, k, (&oa, ta), (&ob, tb), pool::parts());
-        cpu::tensor(narrow::<T>(y), (m, n))
+        let y = gemm_new_t::<T>(m, n, k, (&oa, ta), (&ob, tb), pool::parts());
+        cpu::tensor(y, (m, n))
     })
 }
 
@@ -338,7 +338,7 @@ pub(crate) fn bwd_kernel<T: Elem>(
                 rs: ws.cs,
                 cs: ws.rs,
             };
-            narrow(gemm_new(rows, n_in, n_out, (&g, gs), (&wa, wt), t_dx))
+            gemm_new_t(rows, n_in, n_out, (&g, gs), (&wa, wt), t_dx)
         })
     };
     let dwb_job = || {
@@ -346,7 +346,7 @@ pub(crate) fn bwd_kernel<T: Elem>(
             let xa = operand(x);
             // dW = xᵀ dy: (i, o) = Σ_r x[r, i] dy[r, o].
             let xt = Strided { rs: 1, cs: n_in };
-            narrow(gemm_new(n_in, n_out, rows, (&xa, xt), (&g, gs), t_dw))
+            gemm_new_t(n_in, n_out, rows, (&xa, xt), (&g, gs), t_dw)
         });
         (dw, need[2].then(|| narrow(column_sums(dy, rows, n_out))))
     };

@@ -62,6 +62,11 @@ struct Args {
     /// Skip the PyTorch side.
     #[arg(long)]
     no_torch: bool,
+    /// Ours only: repeat each product for about this many GFLOP, three times over, and print
+    /// the user-mode CPU time per product (a measure that holds on a loaded machine; see
+    /// `cpu_time`).
+    #[arg(long)]
+    cpu_gflop: Option<f64>,
     /// Passed by `cargo bench`.
     #[arg(long, hide = true)]
     bench: bool,
@@ -198,6 +203,9 @@ fn main() -> anyhow::Result<()> {
         .filter(|p| args.only.as_deref().is_none_or(|o| p.name.contains(o)))
         .collect();
     anyhow::ensure!(!ps.is_empty(), "no product matches --only");
+    if let Some(gflop) = args.cpu_gflop {
+        return cpu_time(&ps, &dtypes, gflop);
+    }
     println!("CPU: {}", protocol::this_cpu());
     println!(
         "{} threads | {} timed steps of at least {} ms per product and round, {} A B A B rounds \
@@ -252,6 +260,47 @@ fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// For loaded machines (and ones without `perf`'s cycle counters): each of `ps` in each dtype
+/// repeated for about `gflop` GFLOP, three times, printing the user-mode CPU time per product
+/// of each repeat in microseconds (a `|`-separated row). Other processes take wall-clock
+/// time, not this process's CPU time, so runs made under load compare (single-threaded, with
+/// `RAYON_NUM_THREADS=1`: a spinning pool thread counts too).
+fn cpu_time(ps: &[&Product], dtypes: &[&str], gflop: f64) -> anyhow::Result<()> {
+    for dtype in dtypes {
+        let dt = match *dtype {
+            "f32" => DType::F32,
+            "bf16" => DType::BF16,
+            d => anyhow::bail!("--dtype {d}: expected f32, bf16 or all"),
+        };
+        for p in ps {
+            let (a, b) = operands(p, dt)?;
+            let count = ((gflop * 1e9 / (2 * p.m * p.k * p.n) as f64).ceil() as usize).max(2);
+            candle_fused::linear::matmul(&a, &b)?;
+            let mut row = format!("{}|{dtype}|{} x {} x {}", p.name, p.m, p.k, p.n);
+            for _ in 0..3 {
+                let t0 = user_cpu_us();
+                for _ in 0..count {
+                    candle_fused::linear::matmul(&a, &b)?;
+                }
+                row += &format!("|{:.1}", (user_cpu_us() - t0) / count as f64);
+            }
+            println!("{row}");
+        }
+    }
+    Ok(())
+}
+
+/// This process's user-mode CPU time so far, in microseconds.
+fn user_cpu_us() -> f64 {
+    // SAFETY: `getrusage` only writes the zeroed struct it is given.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+        ru
+    };
+    ru.ru_utime.tv_sec as f64 * 1e6 + ru.ru_utime.tv_usec as f64
 }
 
 /// The median GFLOP/s over every timed step of every round of one side (NaN when none).

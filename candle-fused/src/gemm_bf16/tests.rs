@@ -1,7 +1,8 @@
 //! `gemm_bf16` against an f64 reference and the widened f32 GEMM (the `gemm` crate, what
 //! `linear` runs without AVX512-BF16) of the same bf16 inputs: odd `m`, `n`, `k`, `k` odd and
 //! across the cache block, transposed and padded (strided) operands, overwrite and accumulate,
-//! below and above the parallel threshold, and the same bits on any thread count.
+//! below and above the parallel threshold, a bf16 result (the f32 one rounded once, bit for
+//! bit), and the same bits on any thread count, tile shape and way of reading A.
 //!
 //! Every micro-kernel this CPU runs is tested: [`Kernel::Portable`] always (the packing and the
 //! tiling on any machine), [`Kernel::Avx512Bf16`] where detected (the tests say when not).
@@ -180,7 +181,19 @@ fn check(kernel: Kernel, (m, n, k): (usize, usize, usize), exact: bool, rng: &mu
                     gemm_bf16::matmul_acc(kernel, (m, n, k), &mut c, a.mat(), b.mat(), true);
                     c
                 }
-                None => gemm_bf16::matmul(kernel, (m, n, k), a.mat(), b.mat(), true),
+                None => {
+                    let c = gemm_bf16::matmul(kernel, (m, n, k), a.mat(), b.mat(), true);
+                    // A bf16 result is the f32 one rounded once, bit for bit.
+                    let rounded: Vec<u16> =
+                        c.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+                    let direct = gemm_bf16::matmul_bf16(kernel, (m, n, k), [a.mat(), b.mat()]);
+                    let direct: Vec<u16> = direct.iter().map(|v| v.to_bits()).collect();
+                    assert!(
+                        rounded == direct,
+                        "{kernel:?} {m}x{n}x{k} {sa:?} {sb:?}: bf16 out"
+                    );
+                    c
+                }
             };
             let f32g = gemm_f32(m, n, k, &a, &b, c0.as_deref());
             let what = format!("{kernel:?} {m}x{n}x{k} a {sa:?} b {sb:?} acc {acc}");
@@ -220,8 +233,10 @@ fn check(kernel: Kernel, (m, n, k): (usize, usize, usize), exact: bool, rng: &mu
     }
 }
 
-/// Shapes around the tile (6 x 64), task (48 x 256) and cache-block (256 k) sizes: 1s, odd
-/// everything, `k` odd and one past the block; the last crosses the parallel threshold.
+/// Shapes around the tiles (6 x 64, and 8 x 48, 12 x 32, 12 x 16 for narrow outputs), task
+/// (48 x 256) and cache-block (at most 320 k, in equal slices) sizes: 1s, odd everything, `k`
+/// odd and one past the block, `k` even (row-major A read in place) with a partial last panel of rows; the last
+/// crosses the parallel threshold.
 const SHAPES: &[(usize, usize, usize)] = &[
     (1, 1, 1),
     (1, 1, 2),
@@ -233,6 +248,11 @@ const SHAPES: &[(usize, usize, usize)] = &[
     (49, 257, 4),
     (12, 128, 257),
     (20, 70, 513),
+    (9, 20, 321),
+    (25, 16, 258),
+    (16, 30, 64),
+    (13, 40, 8),
+    (30, 47, 6),
     (97, 300, 33),
 ];
 
@@ -282,27 +302,120 @@ fn rejects_short_operand() {
     gemm_bf16::matmul(Kernel::Portable, (5, 4, 4), a.mat(), a.mat(), false);
 }
 
+/// The bits of `a · b` (`m x n x k`).
+fn bits(kernel: Kernel, (m, n, k): (usize, usize, usize), a: Mat<'_>, b: Mat<'_>) -> Vec<u32> {
+    gemm_bf16::matmul(kernel, (m, n, k), a, b, true)
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
 #[test]
 fn identical_for_any_thread_count() {
-    // 300 x 200 x 301: 18M multiply-adds, far above the parallel threshold; several tasks.
+    // Far above the parallel threshold, several tasks: A packed (column-major, odd k) with the
+    // wide tile, and A read in place (row-major, even k) with the narrow tile of a rank-16
+    // output.
     let mut rng = Lcg(3);
-    let (m, n, k) = (300, 200, 301);
-    let a = Operand::new(m, k, Store::Cols, || rng.next());
+    for ((m, n, k), sa) in [
+        ((300, 200, 301), Store::Cols),
+        ((300, 16, 600), Store::Rows),
+    ] {
+        let a = Operand::new(m, k, sa, || rng.next());
+        let b = Operand::new(k, n, Store::Rows, || rng.next());
+        for kernel in kernels() {
+            let outs: Vec<Vec<u32>> = [1, 2, 3]
+                .iter()
+                .map(|&t| {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(t)
+                        .build()
+                        .expect("pool");
+                    pool.install(|| bits(kernel, (m, n, k), a.mat(), b.mat()))
+                })
+                .collect();
+            assert!(
+                outs[0] == outs[1] && outs[0] == outs[2],
+                "{kernel:?} {m}x{n}x{k}"
+            );
+        }
+    }
+}
+
+#[test]
+fn identical_for_any_tile_shape_and_packing() {
+    // Every tile shape and both ways of reading A sum each element in the same order, so a
+    // column block computed alone (a narrower tile) and A packed (a strided copy of it) or
+    // read in place give the same bits as the whole product.
+    let mut rng = Lcg(4);
+    let (m, n, k) = (37, 100, 520);
+    let a = Operand::new(m, k, Store::Rows, || rng.next());
+    let sparse = Operand::new(m, k, Store::Sparse, || 0.0);
+    let a_packed = Operand {
+        buf: (0..sparse.buf.len())
+            .map(|i| match i % 2 {
+                0 => a.buf[i / 2],
+                _ => bf16::from_f32(f32::NAN),
+            })
+            .collect(),
+        ..sparse
+    };
     let b = Operand::new(k, n, Store::Rows, || rng.next());
     for kernel in kernels() {
-        let outs: Vec<Vec<u32>> = [1, 2, 3]
-            .iter()
-            .map(|&t| {
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(t)
-                    .build()
-                    .expect("pool");
-                pool.install(|| gemm_bf16::matmul(kernel, (m, n, k), a.mat(), b.mat(), true))
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect()
-            })
-            .collect();
-        assert!(outs[0] == outs[1] && outs[0] == outs[2], "{kernel:?}");
+        let whole = bits(kernel, (m, n, k), a.mat(), b.mat());
+        assert_eq!(
+            whole,
+            bits(kernel, (m, n, k), a_packed.mat(), b.mat()),
+            "{kernel:?}"
+        );
+        for w in [16, 30, 48] {
+            let cols = Mat {
+                data: &b.buf[n - w..],
+                ..b.mat()
+            };
+            let part = bits(kernel, (m, w, k), a.mat(), cols);
+            for i in 0..m {
+                assert_eq!(
+                    part[i * w..][..w],
+                    whole[i * n + n - w..][..w],
+                    "{kernel:?} row {i} of the last {w} columns"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn rounding_to_bf16_matches_half() {
+    // Every 65521st bit pattern (all exponents, signs and low bits) and the edges: zeros,
+    // infinities, NaNs (signalling, quiet, payloads that would carry), ties both ways,
+    // the largest finite value (rounds to infinity), subnormals. 65 540 values: 4 past a
+    // multiple of 16, so the one-by-one tail runs too.
+    let mut bits: Vec<u32> = (0..=u32::MAX).step_by(65_521).collect();
+    bits.extend([
+        0,
+        0x8000_0000,
+        0x7F80_0000,
+        0xFF80_0000,
+        0x7F80_0001,
+        0x7FC0_0000,
+        0xFFFF_FFFF,
+        0x7FFF_8000,
+        0x3F80_8000,
+        0x3F81_8000,
+        0x3F80_8001,
+        0x7F7F_FFFF,
+        0x0000_0001,
+        0x0000_8000,
+        0x0001_8000,
+        0x807F_FFFF,
+    ]);
+    let src: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+    let want: Vec<u16> = src.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    for kernel in kernels() {
+        let mut dst = vec![bf16::ZERO; src.len()];
+        super::kernel::round_bf16(kernel, &src, &mut dst);
+        for (i, (d, w)) in dst.iter().zip(&want).enumerate() {
+            assert_eq!(d.to_bits(), *w, "{kernel:?}: {:#010x}", bits[i]);
+        }
     }
 }

@@ -209,10 +209,9 @@ unsafe fn gemm_bf16_raw<A: Real>(
         std::any::TypeId::of::<A>() == std::any::TypeId::of::<f32>(),
         "candle-fused linear: bf16 accumulates in f32"
     );
-    let mat = |data, s: Strided| gemm_bf16::Mat {
-        data,
-        rs: s.rs,
-        cs: s.cs,
+    let out = gemm_bf16::Out::F32 {
+        c: dst as *mut f32,
+        acc,
     };
     // SAFETY: `A` is f32 (asserted); `dst` per this function's contract, which is
     // `gemm_bf16::gemm`'s; the kernel is available (`operand` checked).
@@ -220,13 +219,21 @@ unsafe fn gemm_bf16_raw<A: Real>(
         gemm_bf16::gemm(
             gemm_bf16::Kernel::Avx512Bf16,
             (m, n, k),
-            dst as *mut f32,
-            acc,
-            mat(l, ls),
-            mat(r, rs),
+            out,
+            bf16_mat(l, ls),
+            bf16_mat(r, rs),
             threads > 1,
         )
     };
+}
+
+/// A bf16 operand as [`gemm_bf16`] reads it.
+fn bf16_mat(data: &[half::bf16], s: Strided) -> gemm_bf16::Mat<'_> {
+    gemm_bf16::Mat {
+        data,
+        rs: s.rs,
+        cs: s.cs,
+    }
 }
 
 /// One block of `dst` (rows `r0..r1`, columns `c0..c1`; `n` columns in all) on the calling
@@ -295,6 +302,42 @@ pub(crate) fn gemm_new<A: Real>(
     // only then given its length.
     unsafe {
         gemm_raw(m, n, k, out.as_mut_ptr(), false, lhs, rhs, threads);
+        out.set_len(m * n);
+    }
+    out
+}
+
+/// A new `m x n` matrix `lhs · rhs` rounded to `T` (what `narrow(gemm_new(..))` gives). Two
+/// bf16 operands with a bf16 result round each task's block as it is done ([`gemm_bf16::Out::Bf16`]):
+/// no f32 matrix written and read back, the same bits.
+pub(crate) fn gemm_new_t<T: Elem>(
+    m: usize,
+    n: usize,
+    k: usize,
+    lhs: (&Operand<'_, T::Acc>, Strided),
+    rhs: (&Operand<'_, T::Acc>, Strided),
+    threads: usize,
+) -> Vec<T> {
+    let ((Operand::Bf16(l), ls), (Operand::Bf16(r), rs)) = (lhs, rhs) else {
+        return narrow(gemm_new(m, n, k, lhs, rhs, threads));
+    };
+    if std::any::TypeId::of::<T>() != std::any::TypeId::of::<half::bf16>() {
+        return narrow(gemm_new(m, n, k, lhs, rhs, threads));
+    }
+    let mut out = Vec::<T>::with_capacity(m * n);
+    let c = gemm_bf16::Out::Bf16(out.as_mut_ptr() as *mut half::bf16);
+    // SAFETY: `T` is bf16 (checked above); the buffer has capacity m x n, is written in full
+    // by `gemm` (no accumulation) and only then given its length; the kernel is available
+    // (`operand` made bf16 operands).
+    unsafe {
+        gemm_bf16::gemm(
+            gemm_bf16::Kernel::Avx512Bf16,
+            (m, n, k),
+            c,
+            bf16_mat(l, ls),
+            bf16_mat(r, rs),
+            threads > 1,
+        );
         out.set_len(m * n);
     }
     out
