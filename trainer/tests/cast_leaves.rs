@@ -44,7 +44,12 @@ fn run(dir: &std::path::Path, tied: bool, remat: &str) -> Run {
         let saved = candle_core::safetensors::load(checkpoint.join(file), &Device::Cpu).unwrap();
         for (name, tensor) in saved {
             let values = tensor.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-            let bits = values.to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect();
+            let bits = values
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
             tensors.insert(format!("{file} {name}"), bits);
         }
     }

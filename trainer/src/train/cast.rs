@@ -8,7 +8,9 @@
 //! without the zero fill and the add, and a step's gradients held in bf16 (half the bytes)
 //! until the activations are freed. `0 + g` and `g` differ only in the sign of a zero
 //! gradient, which nothing downstream can see (the gradient norm squares it; AdamW adds it to
-//! a moment that is never `-0`, as `beta1 * m` is `-0` only when `m` is).
+//! a moment that is never `-0`, as `beta1 * m` is `-0` only when `m` is). Both casts, of the
+//! weights and of their gradients, run on all threads (`candle_fused::cast`; Candle's
+//! `to_dtype` runs on one), with `to_dtype`'s bits.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -42,7 +44,7 @@ impl CastModel {
             if w.dtype() == dtype || !w.is_variable() {
                 return w.to_dtype(dtype);
             }
-            let leaf = Var::from_tensor(&w.to_dtype(dtype)?)?;
+            let leaf = candle_fused::cast::cast_var(w, dtype)?;
             let t = leaf.as_tensor().clone();
             cast.borrow_mut().push((w.clone(), leaf));
             Ok(t)
@@ -66,7 +68,7 @@ impl CastModel {
             let Some(g) = grads.remove(leaf.as_tensor()) else {
                 continue;
             };
-            let g = g.to_dtype(master.dtype())?;
+            let g = candle_fused::cast::cast(&g, master.dtype())?;
             let g = match grads.remove(master) {
                 Some(prev) => (prev + g)?,
                 None => g,

@@ -116,8 +116,7 @@ impl Trainer {
         self.prepare_reference()?;
         let mut grads = GradStore::default();
         self.objective.take_metrics()?; // a stopped step's, dropped
-        let Some(step_loss) =
-            self.micro_batches(cast.as_ref(), total, scale, stop, &mut grads)?
+        let Some(step_loss) = self.micro_batches(cast.as_ref(), total, scale, stop, &mut grads)?
         else {
             return Ok(None);
         };
