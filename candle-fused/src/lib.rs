@@ -30,6 +30,8 @@
 //!   back to the host;
 //! * [`dropout`]: dropout from the counter-based [`philox`] generator;
 //! * [`adamw`]: fused in-place AdamW and the global gradient norm with one host sync;
+//! * [`cast`]: f32 to and from bf16/f16 on the CPU threads, without a graph (mixed precision's
+//!   master-weight and gradient casts);
 //! * [`cuda_kernels`]: the switch of the ahead-of-time compiled Triton kernels
 //!   (`kernels/*.cubin`, launched with the `cuda` feature after a launch check), on by default
 //!   on compute capability 8.x and 9.0 (off with [`cuda_kernels::set_triton`]`(false)` /
@@ -62,6 +64,7 @@
 
 pub mod adamw;
 pub mod attention;
+pub mod cast;
 mod cpu;
 pub mod cross_entropy;
 pub mod cuda_kernels;

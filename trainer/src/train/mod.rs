@@ -5,6 +5,7 @@
 //! ([`executor`]: plain, remat or [`pipeline`]).
 
 mod builder;
+mod cast;
 mod eval;
 pub mod executor;
 pub mod memory;

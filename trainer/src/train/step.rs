@@ -11,12 +11,13 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use rand_chacha::ChaCha8Rng;
 
+use super::cast::CastModel;
 use super::{Executor, MicroLoss, Trainer};
 use crate::config::{LossScale, Precision};
 use crate::data::{Batch, DataSource, Split};
 use crate::lora::Tuning;
 use crate::metrics::StepStats;
-use crate::model::{Ctx, Model, Params};
+use crate::model::{Ctx, Params};
 use crate::objective::{check_groups, units_of, Objective};
 use crate::optim::{accumulate, global_grad_norm, grad_sum_of_squares};
 use crate::{transfer, Error, Result};
@@ -82,7 +83,8 @@ impl Trainer {
         // micro-batch); free in f32. Pipeline stages hold the master weights and cast at use.
         let cast = match self.executor {
             Executor::Pipeline(_) => None,
-            _ => Some(self.model.to_dtype(self.dtype)?),
+            Executor::Plain => Some(CastModel::new(self.model.as_ref(), self.dtype, true)?),
+            Executor::Remat(_) => Some(CastModel::new(self.model.as_ref(), self.dtype, false)?),
         };
         let cfg = &self.config;
         // a rank's rows of every global batch are whole groups of the objective's rows
@@ -114,8 +116,7 @@ impl Trainer {
         self.prepare_reference()?;
         let mut grads = GradStore::default();
         self.objective.take_metrics()?; // a stopped step's, dropped
-        let Some(step_loss) =
-            self.micro_batches(cast.as_deref(), total, scale, stop, &mut grads)?
+        let Some(step_loss) = self.micro_batches(cast.as_ref(), total, scale, stop, &mut grads)?
         else {
             return Ok(None);
         };
@@ -139,16 +140,16 @@ impl Trainer {
     /// the step's `total` units (see [`units_total`]) times the loss `scale`: their gradients
     /// summed into `grads`, their weighted losses returned; `None` when `stop` was set
     /// between two of them. `cast` is the model in the compute dtype (`None`: the master
-    /// weights, a pipeline's).
+    /// weights, a pipeline's), whose leaves' gradients go onto the masters.
     fn micro_batches(
         &mut self,
-        cast: Option<&dyn Model>,
+        cast: Option<&CastModel>,
         total: Option<f64>,
         scale: f64,
         stop: &AtomicBool,
         grads: &mut GradStore,
     ) -> Result<Option<StepLoss>> {
-        let model = cast.unwrap_or(self.model.as_ref());
+        let model = cast.map_or(self.model.as_ref(), CastModel::model);
         let cfg = &self.config;
         let accum = cfg.grad_accum;
         let world = self.dp.world_size();
@@ -180,13 +181,16 @@ impl Trainer {
                 .with_rows(batch.rows.clone());
             let ctx = self.with_reference(&batch, ctx)?;
             let weight = shard_weight * share;
-            let (loss, g) = self.executor.forward_backward_deferred(
+            let (loss, mut g) = self.executor.forward_backward_deferred(
                 model,
                 &batch,
                 &ctx,
                 weight * scale,
                 &self.objective,
             )?;
+            if let Some(cast) = cast {
+                cast.to_masters(&mut g)?;
+            }
             step_loss.add(loss, weight)?;
             accumulate(grads, g, &self.vars)?;
         }
