@@ -19,7 +19,7 @@ use candle_peft::{Adapter, Inject, Injected, LinearLayer, Lora, LoraConfig, Lora
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::checkpoint::finite;
+use crate::load::finite;
 use crate::model::{
     Builder, Ctx, Kernels, Layout, LinearAdapter, Model, ModelConfig, Params, Quant, WeightMap,
 };
@@ -148,15 +148,6 @@ pub enum Tuning {
 pub struct SavedModules(Vec<(Tensor, Tensor)>);
 
 impl Tuning {
-    /// What a checkpoint of the run writes for the model `config` (the adapter config
-    /// records the base as PEFT does, `base_model_name_or_path`).
-    pub fn files<'a>(&'a self, config: &'a dyn ModelConfig) -> crate::checkpoint::ModelFiles<'a> {
-        match self {
-            Tuning::Full => crate::checkpoint::ModelFiles::Full(config),
-            Tuning::Lora { config, base, .. } => crate::checkpoint::ModelFiles::Lora(config, base),
-        }
-    }
-
     /// The base model's identity, for a LoRA run.
     pub fn base(&self) -> Option<&BaseIdentity> {
         match self {

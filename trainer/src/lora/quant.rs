@@ -196,7 +196,7 @@ fn compute_dtype(path: &Path, json: &Value) -> Result<Option<DType>> {
 /// parameter. Errors name the file and the tensor: a weight quantized as fp4, a quant state
 /// that does not fit its weight.
 pub fn read_bnb_4bit(dir: &Path, device: &Device) -> Result<QuantizedBase> {
-    let config_path = dir.join(crate::checkpoint::CONFIG_FILE);
+    let config_path = dir.join(crate::load::CONFIG_FILE);
     let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
     let json: Value = serde_json::from_str(&text)
         .map_err(|e| Error::checkpoint(&config_path, format!("not valid JSON: {e}")))?;

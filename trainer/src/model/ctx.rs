@@ -49,8 +49,8 @@ pub struct Ctx {
     pub adapters: bool,
     /// A reference model's values for the input's rows (`[B]`, the compute's float dtype), set
     /// before the forward for an objective that compares the policy with a reference: the
-    /// summed completion log-probabilities a preference objective reads
-    /// ([`crate::objective::Dpo`]). `None` for every other objective.
+    /// summed completion log-probabilities a preference objective reads (the trainer's
+    /// `Dpo`). `None` for every other objective.
     pub reference: Option<Tensor>,
     /// The host copy of the targets tensor the head is given (flat, row-major, as the batch
     /// was built; see [`Ctx::with_host_targets`]): the cross-entropy ops then read nothing
