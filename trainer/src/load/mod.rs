@@ -158,7 +158,7 @@ pub struct Loaded {
 impl Loaded {
     /// The model built over the parameters.
     pub fn build(&self) -> Result<Box<dyn Model>> {
-        crate::model::build(self.config.as_ref(), &self.params)
+        Ok(crate::model::build(self.config.as_ref(), &self.params)?)
     }
 }
 
@@ -294,7 +294,9 @@ impl ModelDir {
 
     /// Its `config.json`, of any known architecture.
     pub fn config(&self) -> Result<Box<dyn ModelConfig>> {
-        crate::model::config_from_hf_json_file(&self.dir.join(CONFIG_FILE))
+        Ok(crate::model::config_from_hf_json_file(
+            &self.dir.join(CONFIG_FILE),
+        )?)
     }
 
     /// The model's config and weights on `device`, for inference (no other checks).

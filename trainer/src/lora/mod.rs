@@ -24,6 +24,7 @@ use crate::model::{
     Builder, Ctx, Kernels, Layout, LinearAdapter, Model, ModelConfig, Params, Quant, WeightMap,
 };
 use crate::{Error, Result};
+use candle_models::Result as ModelResult;
 
 pub(crate) mod base;
 mod layers;
@@ -398,13 +399,14 @@ fn inject(
         None => "the LoRA config".to_string(),
     };
     let saved = std::cell::RefCell::new(Vec::new());
-    let source = |name: &str, shape: &[usize]| -> Result<Tensor> {
+    let source = |name: &str, shape: &[usize]| -> ModelResult<Tensor> {
         let t = base.tensor(name)?;
         if t.dims() != shape {
             return Err(Error::Config(format!(
                 "{what}: base weight `{name}` is {:?}, the model needs {shape:?}",
                 t.dims()
-            )));
+            ))
+            .into());
         }
         let frozen = t.detach().to_dtype(base_dtype)?;
         match injector.parameter(name, &t).map_err(peft_err)? {
@@ -419,7 +421,7 @@ fn inject(
                 fan_in: usize,
                 fan_out: usize,
                 layout: Layout|
-     -> Result<Option<Arc<dyn LinearAdapter>>> {
+     -> ModelResult<Option<Arc<dyn LinearAdapter>>> {
         let layer = LinearLayer {
             path,
             fan_in,
@@ -525,5 +527,5 @@ pub fn merge(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Resu
         }
         tensors.insert(name.clone(), t.to_dtype(old.dtype())?);
     }
-    Params::from_tensors(tensors)
+    Ok(Params::from_tensors(tensors)?)
 }

@@ -130,13 +130,14 @@ pub(crate) fn nf4_bytes(n: u64, double: bool) -> u64 {
 /// building it over stand-ins that allocate nothing.
 fn linear_layers(model: &dyn ModelConfig) -> Vec<(String, u64)> {
     let found = RefCell::new(Vec::new());
-    let record = |path: &str, fan_in: usize, fan_out: usize| -> Result<Option<Nf4Weight>> {
-        found
-            .borrow_mut()
-            .push((path.to_string(), (fan_in * fan_out) as u64));
-        Ok(None)
-    };
-    let stand_in = |_: &str, shape: &[usize]| -> Result<Tensor> {
+    let record =
+        |path: &str, fan_in: usize, fan_out: usize| -> candle_models::Result<Option<Nf4Weight>> {
+            found
+                .borrow_mut()
+                .push((path.to_string(), (fan_in * fan_out) as u64));
+            Ok(None)
+        };
+    let stand_in = |_: &str, shape: &[usize]| -> candle_models::Result<Tensor> {
         Ok(Tensor::zeros((), DType::F32, &Device::Cpu)?.broadcast_as(shape)?)
     };
     match model.build(&Builder::root(&stand_in).with_quant(&record)) {
