@@ -16,7 +16,7 @@
 set -euo pipefail
 crates=("$@")
 if [ ${#crates[@]} -eq 0 ]; then
-  crates=(candle-remat candle-amp candle-pipeline candle-fused candle-peft candle-comm candle-pipeline-comm test-support candle-data trainer)
+  crates=(candle-remat candle-amp candle-pipeline candle-fused candle-peft candle-comm candle-pipeline-comm test-support candle-data candle-models trainer)
 fi
 target=${PUBLIC_ITEMS_TARGET:-target/public-items}
 modules=${PUBLIC_ITEMS_MODULES-candle_fused::cuda_kernels}

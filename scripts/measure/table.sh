@@ -14,12 +14,12 @@
 # - public items of the trainer's crates (summed) and of candle-fused's `cuda_kernels` module:
 #   public_items.sh beside this script (rustdoc JSON, needs `cargo +nightly`; the first run
 #   builds the dependencies' metadata in target/public-items, a few minutes).
-# The trainer's crates are TRAINER_CRATES (space-separated, default `candle-data trainer`).
+# The trainer's crates are TRAINER_CRATES (space-separated, default `candle-data candle-models trainer`).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 quick=0
 [ "${1-}" = "--quick" ] && quick=1
-trainer_crates=${TRAINER_CRATES:-candle-data trainer}
+trainer_crates=${TRAINER_CRATES:-candle-data candle-models trainer}
 
 pairs() {
   # The number of pairs `duplicates` reports for runs of $1+ lines ("no duplicates" = 0).

@@ -174,5 +174,23 @@ impl From<candle_data::Error> for Error {
     }
 }
 
+/// The trainer's errors where the models crate calls back into the trainer (a LoRA layer's
+/// weights, a 4-bit base's): the shared kinds keep their kind; the trainer's own keep their
+/// message (and come back to the trainer as it).
+impl From<Error> for candle_data::Error {
+    fn from(e: Error) -> Self {
+        use candle_data::Error as D;
+        match e {
+            Error::Candle(e) => D::Candle(e),
+            Error::Io { path, error } => D::Io { path, error },
+            Error::Config(msg) => D::Config(msg),
+            Error::Data { path, msg } => D::Data { path, msg },
+            Error::Checkpoint { path, msg } => D::Checkpoint { path, msg },
+            Error::Tokenizer(msg) => D::Tokenizer(msg),
+            other => D::Candle(candle_core::Error::Msg(other.to_string())),
+        }
+    }
+}
+
 /// Result with the trainer's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;

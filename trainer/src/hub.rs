@@ -8,8 +8,7 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use crate::checkpoint::layout::INDEX_FILE;
-use crate::checkpoint::{CONFIG_FILE, MODEL_FILE};
+use crate::load::{CONFIG_FILE, INDEX_FILE, MODEL_FILE};
 use crate::{Error, Result};
 
 /// The hub cache as transformers finds it ([`cache_dir`]).

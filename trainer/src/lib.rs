@@ -27,7 +27,6 @@ pub mod load;
 pub mod lora;
 pub mod metrics;
 pub mod mfu;
-pub mod model;
 pub mod objective;
 pub mod optim;
 pub mod plot;
@@ -46,6 +45,10 @@ pub use error::{Error, Result};
 pub use candle_data as data;
 use candle_data::hash;
 pub use candle_data::{io, transfer};
+
+// The models crate: the trainable models with Hugging Face names (`trainer::model`, as before
+// the split).
+pub use candle_models::model;
 
 // The README's code blocks compile as doctests (`cargo test --doc -p trainer`).
 #[cfg(doctest)]

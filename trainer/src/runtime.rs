@@ -1,6 +1,6 @@
 //! Process-wide settings for a fast CPU step, applied once at start-up by [`init`], a run's
-//! GPU settings ([`apply_gpu_settings`]), and the memory the process may use
-//! (`available_memory`).
+//! GPU settings ([`apply_gpu_settings`]); the memory the process may use is
+//! `load::fits`'.
 //!
 //! Both were found with `perf` on the step bench (`cargo bench -p trainer --bench step`), 2
 //! cores, GPT 4/4/256:
@@ -50,41 +50,6 @@ pub fn init_streaming() {
         libc::mallopt(libc::M_ARENA_MAX, 1);
         libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 4 << 20);
-    }
-}
-
-/// The memory this process may still allocate (available RAM, or the cgroup's limit minus its
-/// anonymous memory in a container, whichever is smaller), or `None` when it cannot be told.
-///
-/// Not the cgroup's limit minus its usage (sysinfo's `free_memory`): that usage counts the page
-/// cache, which the kernel reclaims on demand, so a machine whose cache had filled its RAM
-/// (after copying a build directory, say) refused runs that fit many times over.
-pub(crate) fn available_memory() -> Option<u64> {
-    use sysinfo::{MemoryRefreshKind, RefreshKind, System};
-    let sys = System::new_with_specifics(
-        RefreshKind::nothing().with_memory(MemoryRefreshKind::nothing().with_ram()),
-    );
-    let mut available = sys.available_memory();
-    if let Some(cg) = sys.cgroup_limits() {
-        available = available.min(cg.total_memory.saturating_sub(cg.rss));
-    }
-    (available > 0).then_some(available)
-}
-
-/// Errors, naming `what` needs the memory and what to change, when `need` bytes exceed
-/// [`available_memory`] (nothing is checked when it cannot be told).
-pub(crate) fn check_fits(need: u64, what: &str, advice: &str) -> crate::Result<()> {
-    match available_memory() {
-        Some(available) if need > available => {
-            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-            Err(crate::Error::Config(format!(
-                "{what} needs at least an estimated {:.1} GiB but only {:.1} GiB of memory is \
-                 available: {advice}",
-                gib(need),
-                gib(available)
-            )))
-        }
-        _ => Ok(()),
     }
 }
 

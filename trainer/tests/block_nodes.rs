@@ -24,7 +24,7 @@ fn var(shape: &[usize]) -> candle_core::Result<Tensor> {
 }
 
 /// Every tensor a fresh `Var`.
-fn vars(_: &str, shape: &[usize]) -> trainer::Result<Tensor> {
+fn vars(_: &str, shape: &[usize]) -> trainer::data::Result<Tensor> {
     Ok(var(shape)?)
 }
 

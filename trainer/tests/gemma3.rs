@@ -54,7 +54,7 @@ fn run(
     kernels: Kernels,
     ex: &Expected,
 ) -> (Tensor, Tensor) {
-    let source = |name: &str, _: &[usize]| -> trainer::Result<Tensor> {
+    let source = |name: &str, _: &[usize]| -> trainer::data::Result<Tensor> {
         Ok(map(name, params.tensor(name)?))
     };
     let model: Box<dyn Model> = config.build(&Builder::root(&source)).unwrap();

@@ -393,7 +393,7 @@ fn an_adapter_wraps_any_projection_by_its_module_path() {
                 _: usize,
                 _: usize,
                 _: Layout|
-     -> trainer::Result<Option<Arc<dyn LinearAdapter>>> {
+     -> trainer::data::Result<Option<Arc<dyn LinearAdapter>>> {
         seen.lock().unwrap().push(path.to_string());
         Ok((path == "transformer.h.1.attn.c_attn").then(|| {
             Arc::new(LowRank(a.as_tensor().clone(), b.as_tensor().clone()))

@@ -44,7 +44,7 @@ fn errors(
 ) -> (f32, f32, (f32, String)) {
     // The builder asks only for what `config` has (a disabled feature's tensors are left
     // out; an untied head gets a copy of the embedding).
-    let source = |name: &str, _: &[usize]| -> trainer::Result<Tensor> {
+    let source = |name: &str, _: &[usize]| -> trainer::data::Result<Tensor> {
         match params.tensor(name) {
             Ok(t) => Ok(t),
             Err(_) if name == "lm_head.weight" => Ok(candle_core::Var::from_tensor(

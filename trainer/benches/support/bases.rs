@@ -120,22 +120,22 @@ pub fn base_bytes(shape: Shape, base: &Path, double: bool) -> anyhow::Result<Val
     };
     let bf16 = |t: &Tensor| t.elem_count() * 2;
     let quantized = std::cell::RefCell::new(BTreeMap::new());
-    let quant = |path: &str, _: usize, _: usize| -> trainer::Result<Option<Nf4Weight>> {
+    let quant = |path: &str, _: usize, _: usize| -> trainer::data::Result<Option<Nf4Weight>> {
         if settings.skips(path) {
             return Ok(None);
         }
         let name = format!("{path}.weight");
         let w = tensors.get(&name).context(name.clone());
-        let w = w.map_err(|e| trainer::Error::Config(e.to_string()))?;
+        let w = w.map_err(|e| trainer::data::Error::Config(e.to_string()))?;
         let q = Nf4Weight::quantize(w, settings.double)?;
         quantized.borrow_mut().insert(name, q.storage_bytes());
         Ok(Some(q))
     };
-    let source = |name: &str, _: &[usize]| -> trainer::Result<Tensor> {
+    let source = |name: &str, _: &[usize]| -> trainer::data::Result<Tensor> {
         tensors
             .get(name)
             .cloned()
-            .ok_or_else(|| trainer::Error::Config(format!("no tensor {name}")))
+            .ok_or_else(|| trainer::data::Error::Config(format!("no tensor {name}")))
     };
     drop(
         shape

@@ -20,10 +20,8 @@
 //! then renamed into place; `latest` is replaced atomically afterwards. A killed run therefore
 //! leaves the previous checkpoint intact, and a half-written one is never picked up.
 
-pub mod finite;
 pub mod manifest;
 pub use crate::io;
-pub(crate) mod layout;
 mod state;
 
 use std::collections::HashMap;
@@ -32,68 +30,18 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
-pub use layout::{Source, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE};
+pub use crate::load::layout::{
+    checkpoints_dir, Source, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE,
+};
+pub use crate::load::resolve_checkpoint as resolve;
 pub use state::{RngState, SavedFiles, TrainerState};
 
 use crate::data::DataSource;
+use crate::load::finite;
+use crate::lora::Tuning;
 use crate::model::{ModelConfig, Params};
 use crate::optim::{Optimizer, OptimizerState};
 use crate::{Error, Result};
-
-/// The directory holding a run's checkpoints.
-pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
-    run_dir.join("checkpoints")
-}
-
-/// Finds the checkpoint directory meant by `path`: a checkpoint directory itself (it has a
-/// `trainer_state.json`, a `model.safetensors` or a `model.safetensors.index.json`), or a run
-/// directory (its latest checkpoint).
-pub fn resolve(path: &Path) -> Result<PathBuf> {
-    if !path.exists() {
-        return Err(Error::checkpoint(path, "no such file or directory"));
-    }
-    if path.join(STATE_FILE).is_file() || crate::load::WeightFiles::present_in(path) {
-        return Ok(path.to_path_buf());
-    }
-    let ckpts = checkpoints_dir(path);
-    let latest = ckpts.join("latest");
-    if latest.is_dir() {
-        // `latest` as a symlink to the checkpoint directory (a common convention).
-        if latest.join(STATE_FILE).is_file() {
-            return fs::canonicalize(&latest).map_err(|e| Error::io(&latest, e));
-        }
-        return Err(Error::checkpoint(
-            &latest,
-            "links to a directory that is not a complete checkpoint (no trainer_state.json)",
-        ));
-    }
-    if latest.is_symlink() && !latest.exists() {
-        let target = fs::read_link(&latest).map_err(|e| Error::io(&latest, e))?;
-        return Err(Error::checkpoint(
-            &latest,
-            format!("is a dangling symlink (to {})", target.display()),
-        ));
-    }
-    if latest.is_file() {
-        let name = fs::read_to_string(&latest).map_err(|e| Error::io(&latest, e))?;
-        let dir = ckpts.join(name.trim());
-        if dir.join(STATE_FILE).is_file() {
-            return Ok(dir);
-        }
-        return Err(Error::checkpoint(
-            &latest,
-            format!(
-                "points to `{}`, which is not a complete checkpoint",
-                name.trim()
-            ),
-        ));
-    }
-    Err(Error::checkpoint(
-        path,
-        "neither a checkpoint directory (no trainer_state.json / model.safetensors) nor a run \
-         directory with checkpoints/latest",
-    ))
-}
 
 /// What a checkpoint's weights are.
 #[derive(Clone, Copy, Debug)]
@@ -109,7 +57,16 @@ pub enum ModelFiles<'a> {
     ),
 }
 
-impl ModelFiles<'_> {
+impl<'a> ModelFiles<'a> {
+    /// What a checkpoint of a run tuned as `tuning` writes for the model `config` (the
+    /// adapter config records the base as PEFT does, `base_model_name_or_path`).
+    pub fn of(tuning: &'a Tuning, config: &'a dyn ModelConfig) -> Self {
+        match tuning {
+            Tuning::Full => ModelFiles::Full(config),
+            Tuning::Lora { config, base, .. } => ModelFiles::Lora(config, base),
+        }
+    }
+
     /// The weights file.
     pub fn weights_file(&self) -> &'static str {
         match self {

@@ -129,7 +129,7 @@ impl Codec {
         if let Some(path) = tokenizer {
             return Ok(Codec::Tokenizer(Box::new(TokenizerFile::open(path)?)));
         }
-        if let Some(run) = model.run_config() {
+        if let Some(run) = model.run.as_ref().map(|s| &s.config) {
             // Its fingerprint is checked against the run's when the model is loaded.
             let data = run.open_data().with_context(|| {
                 format!(
@@ -351,7 +351,7 @@ fn prompt_text(args: &SampleArgs, model: &ModelDir, stop: &mut Vec<u32>) -> Resu
 /// The tokenizer and chat template `sample --chat` renders the prompt with: beside
 /// `--tokenizer-path`, else the run's tokenizer, else the model's `tokenizer.json`.
 fn chat_encoder(model: &ModelDir, tokenizer: Option<&Path>) -> Result<SftEncoder> {
-    let path = match (tokenizer, model.run_config()) {
+    let path = match (tokenizer, model.run.as_ref().map(|s| &s.config)) {
         (Some(t), _) => t.to_path_buf(),
         (None, Some(run)) if run.tokenizer_path.is_some() => {
             run.tokenizer_path.clone().unwrap_or_default()

@@ -21,7 +21,7 @@ impl EvalRequest {
     /// the run's (or a bare model's defaults) with the given flags applied.
     pub fn config(&self, model: &ModelDir, model_config: &dyn ModelConfig) -> Result<TrainConfig> {
         let n_positions = model_config.max_positions();
-        let mut cfg = match model.run_config() {
+        let mut cfg = match model.run.as_ref().map(|s| &s.config) {
             Some(run) => run.clone(),
             None => {
                 if !self.has_data() {

@@ -549,11 +549,12 @@ impl TrainConfig {
     /// positions.
     pub fn model_config(&self, vocab_size: usize) -> Result<Box<dyn ModelConfig>> {
         if let Some(path) = &self.model_json {
-            return crate::model::config_from_hf_json_file(path);
+            return Ok(crate::model::config_from_hf_json_file(path)?);
         }
         let dims = self.model_dims(vocab_size);
-        self.arch
+        Ok(self
+            .arch
             .architecture()
-            .fresh(&dims, self.dropout, self.rope_theta)
+            .fresh(&dims, self.dropout, self.rope_theta)?)
     }
 }

@@ -380,8 +380,6 @@ mod tests {
 /// The architecture of a fresh model (`arch`): made from the model registry.
 pub use crate::model::Arch;
 
-serde_as_text!(Arch);
-
 /// Module names, comma-separated (`lm_head,embed_tokens`); empty by default.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ModuleList(pub Vec<String>);

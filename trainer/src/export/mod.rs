@@ -17,8 +17,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
-use crate::checkpoint::{CONFIG_FILE, MODEL_FILE};
-use crate::load::{Checks, ModelDir, INDEX_FILE};
+use crate::load::{Checks, ModelDir, CONFIG_FILE, INDEX_FILE, MODEL_FILE};
 use crate::pretrained::TOKENIZER_FILE;
 use crate::{io, Error, Result};
 use atomic::{check_destination, write_dir};
@@ -467,7 +466,7 @@ fn origins(source: &ModelDir) -> Vec<ModelDir> {
     let mut chain = vec![source.clone()];
     while chain.len() < MAX_ORIGINS {
         let last = &chain[chain.len() - 1];
-        let Some(from) = last.run_config().and_then(|c| c.init_from.clone()) else {
+        let Some(from) = last.run.as_ref().and_then(|s| s.config.init_from.clone()) else {
             break;
         };
         match ModelDir::open(&from) {
@@ -496,7 +495,7 @@ fn stored_dtype(origins: &[ModelDir]) -> Result<(WeightDtype, String)> {
         .and_then(Value::as_str);
     let from_config = named.and_then(WeightDtype::from_torch_name);
     let said = |what: &str| format!("{what} of {}", config.display());
-    if let Some(run) = last.run_config() {
+    if let Some(run) = last.run.as_ref().map(|s| &s.config) {
         // A trainer checkpoint stores f32 master weights: a run from scratch exports f32; one
         // whose pretrained origin is gone keeps the torch_dtype its config.json carried over.
         return Ok(match (&run.init_from, from_config) {
@@ -540,7 +539,7 @@ fn files_to_copy(origins: &[ModelDir]) -> Vec<(String, PathBuf)> {
             files.insert(name.to_string(), p);
         }
     }
-    if let Some(run) = origins[0].run_config() {
+    if let Some(run) = origins[0].run.as_ref().map(|s| &s.config) {
         if let (true, Some(tok)) = (run.data.uses_tokenizer(), &run.tokenizer_path) {
             if tok.is_file() {
                 files.insert(TOKENIZER_FILE.to_string(), tok.clone());

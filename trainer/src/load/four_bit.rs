@@ -5,8 +5,7 @@ use std::path::Path;
 
 use candle_core::Device;
 
-use super::{Checks, ModelDir};
-use crate::checkpoint::CONFIG_FILE;
+use super::{Checks, ModelDir, CONFIG_FILE};
 use crate::lora::{BaseIdentity, Nf4Layers, Nf4Settings};
 use crate::model::{ModelConfig, Params};
 use crate::{Error, Result};

@@ -8,7 +8,7 @@
 //! - a directory with `config.json` and weights (`model.safetensors`, or the shards named by
 //!   `model.safetensors.index.json`): a Hugging Face model directory, or a trainer checkpoint
 //!   directory (it also holds `trainer_state.json` and `manifest.json`),
-//! - a trainer run directory (its latest checkpoint, see [`checkpoint::resolve`]),
+//! - a trainer run directory (its latest checkpoint, see [`resolve_checkpoint`]),
 //! - a model id such as `openai-community/gpt2`, found in the local hub cache ([`crate::hub`];
 //!   nothing is downloaded).
 //!
@@ -26,7 +26,10 @@
 //! 7. a trainer checkpoint's `manifest.json` ([`checkpoint::manifest::verify`]), last, so that a
 //!    corrupt file is named for what is wrong with it before the manifest says it changed.
 
+pub mod finite;
+pub(crate) mod fits;
 mod four_bit;
+pub mod layout;
 pub(crate) mod resolve;
 mod weights;
 
@@ -35,13 +38,12 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 use serde_json::Value;
 
-pub use crate::checkpoint::layout::INDEX_FILE;
 pub use four_bit::FourBit;
-pub use resolve::{resolve, resolve_in};
+pub use layout::{Source, CONFIG_FILE, INDEX_FILE, MODEL_FILE, STATE_FILE};
+pub use resolve::{resolve, resolve_checkpoint, resolve_in};
 pub use weights::{ShardIndex, Streamed, TensorHeader, WeightFiles};
 
-use crate::checkpoint::{self, Source, TrainerState, CONFIG_FILE, STATE_FILE};
-use crate::config::TrainConfig;
+use crate::checkpoint::{self, TrainerState};
 use crate::data::tokenizer::{TokenizerFile, TOKENIZER_FILE};
 use crate::data::DataSource;
 use crate::model::{Model, ModelConfig, Params};
@@ -108,9 +110,9 @@ pub struct Vocabulary<'a> {
 /// What a command checks besides the weights (each `None`: not checked).
 #[derive(Clone, Copy, Default)]
 pub struct Checks<'a> {
-    /// The run the model is loaded for: one training step of it must fit in memory
-    /// (`train::memory::check_run_fits`). `None`: inference, the f32 weights must fit.
-    pub train: Option<&'a TrainConfig>,
+    /// The run the model is loaded for: one training step of it must fit in memory (the
+    /// trainer's estimate of its step). `None`: inference, the f32 weights must fit.
+    pub train: Option<&'a TrainFits<'a>>,
     /// The data the model is loaded for.
     pub data: Option<DataCheck<'a>>,
     /// A tokenizer whose ids the model must embed.
@@ -125,6 +127,11 @@ pub struct Checks<'a> {
     /// adapters).
     pub four_bit: FourBit<'a>,
 }
+
+/// Refuses a training step of the model `config` on `device` that cannot fit in memory;
+/// `saved_4bit` is `Some(double quantization)` for a base saved in 4 bits (see
+/// [`Checks::train`]).
+pub type TrainFits<'a> = dyn Fn(&dyn ModelConfig, &Device, Option<bool>) -> Result<()> + 'a;
 
 /// A function from the config `config.json` holds to the one a model is built with.
 pub type Settings<'a> = dyn Fn(&dyn ModelConfig) -> Result<Box<dyn ModelConfig>> + 'a;
@@ -151,7 +158,7 @@ pub struct Loaded {
 impl Loaded {
     /// The model built over the parameters.
     pub fn build(&self) -> Result<Box<dyn Model>> {
-        crate::model::build(self.config.as_ref(), &self.params)
+        Ok(crate::model::build(self.config.as_ref(), &self.params)?)
     }
 }
 
@@ -276,11 +283,6 @@ impl ModelDir {
         self.adapter.as_deref().unwrap_or(&self.dir)
     }
 
-    /// The run config of a trainer checkpoint.
-    pub fn run_config(&self) -> Option<&TrainConfig> {
-        self.run.as_ref().map(|s| &s.config)
-    }
-
     /// What the weights are, which decides what loading them accepts (a LoRA run's base is
     /// a pretrained model).
     pub fn source(&self) -> Source {
@@ -292,7 +294,9 @@ impl ModelDir {
 
     /// Its `config.json`, of any known architecture.
     pub fn config(&self) -> Result<Box<dyn ModelConfig>> {
-        crate::model::config_from_hf_json_file(&self.dir.join(CONFIG_FILE))
+        Ok(crate::model::config_from_hf_json_file(
+            &self.dir.join(CONFIG_FILE),
+        )?)
     }
 
     /// The model's config and weights on `device`, for inference (no other checks).
@@ -461,16 +465,7 @@ impl ModelDir {
         saved_4bit: Option<bool>,
     ) -> Result<()> {
         match checks.train {
-            Some(run) => {
-                let mut settings = crate::train::memory::MemorySettings::from(run);
-                if let Some(double) = saved_4bit {
-                    settings.nf4 = Some(crate::lora::Nf4Settings {
-                        double,
-                        ..Default::default()
-                    });
-                }
-                crate::train::memory::check_run_fits(&settings, config, device)
-            }
+            Some(fits) => fits(config, device, saved_4bit),
             None if device.is_cpu() => {
                 // The f32 weights, refused before they are read (activations come on top).
                 let what = format!(
@@ -479,10 +474,10 @@ impl ModelDir {
                     config.describe()
                 );
                 // The sizes first, in O(1): counting the parameters lists them.
-                let floor = crate::train::memory::weights_floor(config);
-                crate::runtime::check_fits(floor, &what, "use a machine with more memory")?;
+                let floor = fits::weights_floor(config);
+                fits::check_fits(floor, &what, "use a machine with more memory")?;
                 let need = 4 * config.num_params() as u64;
-                crate::runtime::check_fits(need, &what, "use a machine with more memory")
+                fits::check_fits(need, &what, "use a machine with more memory")
             }
             None => Ok(()),
         }

@@ -1,13 +1,13 @@
 //! What a model name given to a command means: a model directory, a trainer checkpoint or run
 //! directory, or a model id in the local hub cache; and the base model an adapter names.
 
+use std::fs;
 use std::path::{Path, PathBuf};
 
 use candle_peft::format::{self, ADAPTER_CONFIG_FILE};
 
+use super::layout::{checkpoints_dir, CONFIG_FILE, INDEX_FILE, STATE_FILE};
 use super::WeightFiles;
-use crate::checkpoint::layout::INDEX_FILE;
-use crate::checkpoint::{self, CONFIG_FILE};
 use crate::{hub, Error, Result};
 
 /// The model directory `spec` names, looking hub ids up in the default cache
@@ -31,7 +31,7 @@ pub fn resolve_in(spec: &str, cache: &hf_hub::Cache) -> Result<PathBuf> {
         if adapter || path.join(CONFIG_FILE).is_file() && WeightFiles::present_in(path) {
             return Ok(path.to_path_buf());
         }
-        return checkpoint::resolve(path).map_err(|e| {
+        return resolve_checkpoint(path).map_err(|e| {
             Error::checkpoint(
                 path,
                 format!(
@@ -120,6 +120,56 @@ pub fn resolve_adapter_base(adapter_dir: &Path, spec: &str) -> Result<PathBuf> {
              Face cache {}{hub_error}: give the base model with --init-from MODEL",
             crate::hub::cache_dir().display()
         ),
+    ))
+}
+
+/// Finds the checkpoint directory meant by `path`: a checkpoint directory itself (it has a
+/// `trainer_state.json`, a `model.safetensors` or a `model.safetensors.index.json`), or a run
+/// directory (its latest checkpoint).
+pub fn resolve_checkpoint(path: &Path) -> Result<PathBuf> {
+    if !path.exists() {
+        return Err(Error::checkpoint(path, "no such file or directory"));
+    }
+    if path.join(STATE_FILE).is_file() || WeightFiles::present_in(path) {
+        return Ok(path.to_path_buf());
+    }
+    let ckpts = checkpoints_dir(path);
+    let latest = ckpts.join("latest");
+    if latest.is_dir() {
+        // `latest` as a symlink to the checkpoint directory (a common convention).
+        if latest.join(STATE_FILE).is_file() {
+            return fs::canonicalize(&latest).map_err(|e| Error::io(&latest, e));
+        }
+        return Err(Error::checkpoint(
+            &latest,
+            "links to a directory that is not a complete checkpoint (no trainer_state.json)",
+        ));
+    }
+    if latest.is_symlink() && !latest.exists() {
+        let target = fs::read_link(&latest).map_err(|e| Error::io(&latest, e))?;
+        return Err(Error::checkpoint(
+            &latest,
+            format!("is a dangling symlink (to {})", target.display()),
+        ));
+    }
+    if latest.is_file() {
+        let name = fs::read_to_string(&latest).map_err(|e| Error::io(&latest, e))?;
+        let dir = ckpts.join(name.trim());
+        if dir.join(STATE_FILE).is_file() {
+            return Ok(dir);
+        }
+        return Err(Error::checkpoint(
+            &latest,
+            format!(
+                "points to `{}`, which is not a complete checkpoint",
+                name.trim()
+            ),
+        ));
+    }
+    Err(Error::checkpoint(
+        path,
+        "neither a checkpoint directory (no trainer_state.json / model.safetensors) nor a run \
+         directory with checkpoints/latest",
     ))
 }
 

@@ -16,8 +16,8 @@ use candle_core::{DType, Device, Tensor, Var};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
-use crate::checkpoint::layout::INDEX_FILE;
-use crate::checkpoint::{finite, Source, MODEL_FILE};
+use super::finite;
+use super::{Source, INDEX_FILE, MODEL_FILE};
 use crate::model::{CheckpointTensor, ModelConfig, Params};
 use crate::{Error, Result};
 
@@ -135,7 +135,7 @@ impl WeightFiles {
             ));
         }
         let params = Params::from_vars(vars);
-        weights.check_copies(device, |of| params.tensor(of))?;
+        weights.check_copies(device, |of| Ok(params.tensor(of)?))?;
         params.check(config).map_err(|e| {
             Error::checkpoint(
                 self.path(),

@@ -229,8 +229,8 @@ impl RecordedBase {
         };
         let digest = crate::checkpoint::manifest::digest;
         let mut diff = Vec::new();
-        if *config != digest(&dir.join(crate::checkpoint::CONFIG_FILE))? {
-            diff.push(crate::checkpoint::CONFIG_FILE.to_string());
+        if *config != digest(&dir.join(crate::load::CONFIG_FILE))? {
+            diff.push(crate::load::CONFIG_FILE.to_string());
         }
         let mut found = BTreeMap::new();
         for f in weight_files {

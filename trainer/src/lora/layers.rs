@@ -9,7 +9,7 @@ use candle_core::{DType, Tensor};
 use candle_fused::nf4::{Absmax, Nf4Weight, QUANT_STATE_SUFFIX};
 
 use crate::model::Params;
-use crate::{Error, Result};
+use crate::Result;
 
 /// The linear layers of a base held in 4 bits (NF4), by module path
 /// (`model.layers.0.mlp.up_proj`), and where they come from.
@@ -30,12 +30,17 @@ impl Nf4Layers {
     /// [`Quant`](crate::model::Quant) for [`adapt_quantized`](crate::lora::adapt_quantized)).
     /// A weight whose quant state gives another shape than the layer's `[fan_out, fan_in]` is
     /// refused, naming its file and its quant state tensor.
-    pub fn quant(&self, path: &str, fan_in: usize, fan_out: usize) -> Result<Option<Nf4Weight>> {
+    pub fn quant(
+        &self,
+        path: &str,
+        fan_in: usize,
+        fan_out: usize,
+    ) -> candle_models::Result<Option<Nf4Weight>> {
         let Some(w) = self.weights.get(path) else {
             return Ok(None);
         };
         if w.shape() != [fan_out, fan_in] {
-            return Err(Error::checkpoint(
+            return Err(candle_models::Error::checkpoint(
                 &self.file,
                 format!(
                     "`{path}.weight.{QUANT_STATE_SUFFIX}` gives the shape {:?}, but the model's \
@@ -89,7 +94,7 @@ impl Nf4Layers {
         for (path, w) in &self.weights {
             tensors.push((format!("{path}.weight"), w.dequantize(DType::F32)?));
         }
-        Params::from_tensors(tensors)
+        Ok(Params::from_tensors(tensors)?)
     }
 
     /// `params` (merged f32 weights) with each 4-bit layer's weight quantized again (double
@@ -113,6 +118,6 @@ impl Nf4Layers {
                 })
             })
             .collect();
-        Params::from_tensors(tensors?)
+        Ok(Params::from_tensors(tensors?)?)
     }
 }

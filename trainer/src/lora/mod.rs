@@ -19,11 +19,12 @@ use candle_peft::{Adapter, Inject, Injected, LinearLayer, Lora, LoraConfig, Lora
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::checkpoint::finite;
+use crate::load::finite;
 use crate::model::{
     Builder, Ctx, Kernels, Layout, LinearAdapter, Model, ModelConfig, Params, Quant, WeightMap,
 };
 use crate::{Error, Result};
+use candle_models::Result as ModelResult;
 
 pub(crate) mod base;
 mod layers;
@@ -148,15 +149,6 @@ pub enum Tuning {
 pub struct SavedModules(Vec<(Tensor, Tensor)>);
 
 impl Tuning {
-    /// What a checkpoint of the run writes for the model `config` (the adapter config
-    /// records the base as PEFT does, `base_model_name_or_path`).
-    pub fn files<'a>(&'a self, config: &'a dyn ModelConfig) -> crate::checkpoint::ModelFiles<'a> {
-        match self {
-            Tuning::Full => crate::checkpoint::ModelFiles::Full(config),
-            Tuning::Lora { config, base, .. } => crate::checkpoint::ModelFiles::Lora(config, base),
-        }
-    }
-
     /// The base model's identity, for a LoRA run.
     pub fn base(&self) -> Option<&BaseIdentity> {
         match self {
@@ -407,13 +399,14 @@ fn inject(
         None => "the LoRA config".to_string(),
     };
     let saved = std::cell::RefCell::new(Vec::new());
-    let source = |name: &str, shape: &[usize]| -> Result<Tensor> {
+    let source = |name: &str, shape: &[usize]| -> ModelResult<Tensor> {
         let t = base.tensor(name)?;
         if t.dims() != shape {
             return Err(Error::Config(format!(
                 "{what}: base weight `{name}` is {:?}, the model needs {shape:?}",
                 t.dims()
-            )));
+            ))
+            .into());
         }
         let frozen = t.detach().to_dtype(base_dtype)?;
         match injector.parameter(name, &t).map_err(peft_err)? {
@@ -428,7 +421,7 @@ fn inject(
                 fan_in: usize,
                 fan_out: usize,
                 layout: Layout|
-     -> Result<Option<Arc<dyn LinearAdapter>>> {
+     -> ModelResult<Option<Arc<dyn LinearAdapter>>> {
         let layer = LinearLayer {
             path,
             fan_in,
@@ -534,5 +527,5 @@ pub fn merge(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Resu
         }
         tensors.insert(name.clone(), t.to_dtype(old.dtype())?);
     }
-    Params::from_tensors(tensors)
+    Ok(Params::from_tensors(tensors)?)
 }

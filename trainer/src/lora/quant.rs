@@ -15,6 +15,7 @@ use super::Nf4Layers;
 use crate::load::{Streamed, WeightFiles};
 use crate::model::{config_from_hf_json_file, Builder, ModelConfig, Params};
 use crate::{Error, Result};
+use candle_models::Result as ModelResult;
 
 /// The module path of the output head, which `all-linear` leaves out (PEFT: the output
 /// embeddings).
@@ -56,7 +57,7 @@ impl Nf4Settings {
 pub fn nf4_on_load<'a>(
     base: &'a Params,
     settings: &'a Nf4Settings,
-) -> impl Fn(&str, usize, usize) -> Result<Option<Nf4Weight>> + 'a {
+) -> impl Fn(&str, usize, usize) -> ModelResult<Option<Nf4Weight>> + 'a {
     move |path: &str, _, _| {
         if settings.skips(path) {
             return Ok(None);
@@ -77,7 +78,7 @@ pub fn dequantized_base(
 ) -> Result<Params> {
     let quantize = nf4_on_load(base, settings);
     let round_trips = std::cell::RefCell::new(BTreeMap::new());
-    let quant = |path: &str, fan_in: usize, fan_out: usize| -> Result<Option<Nf4Weight>> {
+    let quant = |path: &str, fan_in: usize, fan_out: usize| -> ModelResult<Option<Nf4Weight>> {
         let q = quantize(path, fan_in, fan_out)?;
         if let Some(q) = &q {
             let w = q.dequantize(DType::F32)?;
@@ -97,7 +98,7 @@ pub fn dequantized_base(
             (n.clone(), t)
         })
         .collect();
-    Params::from_tensors(tensors)
+    Ok(Params::from_tensors(tensors)?)
 }
 
 /// A model saved by transformers in 4 bits: its config, the tensors kept in full precision
@@ -114,7 +115,12 @@ pub struct QuantizedBase {
 impl QuantizedBase {
     /// The 4-bit weight of the layer at `path`, for
     /// [`adapt_quantized`](crate::lora::adapt_quantized) (see [`Nf4Layers::quant`]).
-    pub fn quant(&self, path: &str, fan_in: usize, fan_out: usize) -> Result<Option<Nf4Weight>> {
+    pub fn quant(
+        &self,
+        path: &str,
+        fan_in: usize,
+        fan_out: usize,
+    ) -> ModelResult<Option<Nf4Weight>> {
         self.layers.quant(path, fan_in, fan_out)
     }
 }
@@ -196,7 +202,7 @@ fn compute_dtype(path: &Path, json: &Value) -> Result<Option<DType>> {
 /// parameter. Errors name the file and the tensor: a weight quantized as fp4, a quant state
 /// that does not fit its weight.
 pub fn read_bnb_4bit(dir: &Path, device: &Device) -> Result<QuantizedBase> {
-    let config_path = dir.join(crate::checkpoint::CONFIG_FILE);
+    let config_path = dir.join(crate::load::CONFIG_FILE);
     let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
     let json: Value = serde_json::from_str(&text)
         .map_err(|e| Error::checkpoint(&config_path, format!("not valid JSON: {e}")))?;
@@ -285,7 +291,7 @@ pub(crate) fn quantize_streamed(
 ) -> Result<(Params, Nf4Layers)> {
     let quantized = RefCell::new(BTreeMap::new());
     let plain = RefCell::new(Vec::new());
-    let quant = |path: &str, _: usize, _: usize| -> Result<Option<Nf4Weight>> {
+    let quant = |path: &str, _: usize, _: usize| -> ModelResult<Option<Nf4Weight>> {
         if settings.skips(path) {
             return Ok(None);
         }
@@ -294,7 +300,7 @@ pub(crate) fn quantize_streamed(
         quantized.borrow_mut().insert(path.to_string(), q.clone());
         Ok(Some(q))
     };
-    let source = |name: &str, _: &[usize]| -> Result<Tensor> {
+    let source = |name: &str, _: &[usize]| -> ModelResult<Tensor> {
         let v = Var::from_tensor(&weights.tensor(name, device)?)?;
         plain.borrow_mut().push((name.to_string(), v.clone()));
         Ok(v.as_tensor().clone())

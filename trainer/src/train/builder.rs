@@ -14,7 +14,7 @@ use crate::config::{Precision, TrainConfig};
 use crate::data::BatchIter;
 use crate::data::{DataSource, IntoBatch};
 use crate::lora::{self, Tuning};
-use crate::model::{self, Model, Params};
+use crate::model::{self, Model, ModelConfig, Params};
 use crate::objective::Objective;
 use crate::optim::Optimizer;
 use crate::pretrained::{self, SpecialTokens};
@@ -331,8 +331,12 @@ pub fn build_model(
     };
     let quant = config.nf4_settings();
     let four_bit = four_bit(lora.is_some(), quant.as_ref())?;
+    let step = memory::MemorySettings::from(config);
+    let fits = |m: &dyn ModelConfig, d: &Device, q: Option<bool>| {
+        memory::check_loaded_fits(&step, m, d, q)
+    };
     let checks = load::Checks {
-        train: Some(config),
+        train: Some(&fits),
         data: Some(load::DataCheck {
             source: data,
             fingerprint: load::FingerprintCheck::Skip,

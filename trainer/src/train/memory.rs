@@ -9,6 +9,7 @@ use candle_remat::{Plan, Policy};
 
 use super::pipeline::ExecutorSettings;
 use crate::config::{Parallelism, TargetModules};
+use crate::load::fits::sized_floor;
 use crate::lora::Nf4Settings;
 use crate::model::{Builder, ModelConfig};
 use crate::optim::AdamWConfig;
@@ -129,13 +130,14 @@ pub(crate) fn nf4_bytes(n: u64, double: bool) -> u64 {
 /// building it over stand-ins that allocate nothing.
 fn linear_layers(model: &dyn ModelConfig) -> Vec<(String, u64)> {
     let found = RefCell::new(Vec::new());
-    let record = |path: &str, fan_in: usize, fan_out: usize| -> Result<Option<Nf4Weight>> {
-        found
-            .borrow_mut()
-            .push((path.to_string(), (fan_in * fan_out) as u64));
-        Ok(None)
-    };
-    let stand_in = |_: &str, shape: &[usize]| -> Result<Tensor> {
+    let record =
+        |path: &str, fan_in: usize, fan_out: usize| -> candle_models::Result<Option<Nf4Weight>> {
+            found
+                .borrow_mut()
+                .push((path.to_string(), (fan_in * fan_out) as u64));
+            Ok(None)
+        };
+    let stand_in = |_: &str, shape: &[usize]| -> candle_models::Result<Tensor> {
         Ok(Tensor::zeros((), DType::F32, &Device::Cpu)?.broadcast_as(shape)?)
     };
     match model.build(&Builder::root(&stand_in).with_quant(&record)) {
@@ -157,11 +159,6 @@ pub fn trained_bytes_per_param(config: &MemorySettings) -> u64 {
     .map_or(0, |o| o.state_bytes_per_param() as u64);
     4 + 4 + state
 }
-
-/// Bytes every layer costs the host besides its tensors' data (its parameters' names, shapes,
-/// variables and storage headers, its entries in plans and cost tables): counted so that the
-/// layer count alone is bounded by memory.
-const LAYER_OVERHEAD: u64 = 4 << 10;
 
 /// A LoRA run's adapters (`lora_r` per targeted linear layer, taken as `n_embd` in and out):
 /// their f32 weights, gradients and optimiser state, and the activations of one micro-batch
@@ -213,27 +210,6 @@ pub(crate) fn floor_bytes(config: &MemorySettings, model: &dyn ModelConfig, dtyp
         .saturating_add(adapter_bytes(config, model, dtype))
 }
 
-/// What a model's f32 weights need at the least, in O(1) (see [`floor_bytes`]): checked
-/// before its parameter list is built, by the commands that only read a model.
-pub(crate) fn weights_floor(model: &dyn ModelConfig) -> u64 {
-    sized_floor(model, 4)
-}
-
-/// Each layer's overhead and norms, and the token embedding, at `per_param` bytes a
-/// parameter.
-fn sized_floor(model: &dyn ModelConfig, per_param: u64) -> u64 {
-    let shape = model.shape();
-    let (layers, width) = (shape.n_layer as u64, shape.n_embd as u64);
-    let layer = width
-        .saturating_mul(2 * per_param)
-        .saturating_add(LAYER_OVERHEAD);
-    layers.saturating_mul(layer).saturating_add(
-        (model.vocab_size() as u64)
-            .saturating_mul(width)
-            .saturating_mul(per_param),
-    )
-}
-
 /// Refuses a run whose step cannot fit in the memory available to this process (RAM, or the
 /// cgroup's limit in a container), from the configurations alone: called before the model is
 /// allocated, on every path that builds one for training (fresh, `--init-from`, resume). Only
@@ -256,14 +232,32 @@ pub(crate) fn check_run_fits(
     );
     let advice = "lower batch_size, block_size or lora_r, or use --remat";
     // The sizes first, in O(1): what comes next builds tables of one entry per layer.
-    crate::runtime::check_fits(floor_bytes(config, model, dtype), &what, advice)?;
+    crate::load::fits::check_fits(floor_bytes(config, model, dtype), &what, advice)?;
     let plan = match config.run.parallelism {
         Parallelism::Pipeline { .. } => None, // stages plan their own blocks
         Parallelism::None => super::executor::remat_plan(&config.run, model, dtype)?,
     };
     let need = estimate_step_bytes(config, model, dtype, plan.as_ref())
         .max(floor_bytes(config, model, dtype));
-    crate::runtime::check_fits(need, &what, advice)
+    crate::load::fits::check_fits(need, &what, advice)
+}
+
+/// [`check_run_fits`] for a model being loaded for the run (`load::Checks::train`): over a
+/// base saved in 4 bits (`saved_4bit`: `Some(double quantization)`), the step holds it so.
+pub(crate) fn check_loaded_fits(
+    config: &MemorySettings,
+    model: &dyn ModelConfig,
+    device: &Device,
+    saved_4bit: Option<bool>,
+) -> Result<()> {
+    let mut settings = config.clone();
+    if let Some(double) = saved_4bit {
+        settings.nf4 = Some(Nf4Settings {
+            double,
+            ..Default::default()
+        });
+    }
+    check_run_fits(&settings, model, device)
 }
 
 #[cfg(test)]

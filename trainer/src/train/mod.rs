@@ -41,7 +41,7 @@ use crate::config::{Precision, TrainConfig};
 use crate::data::{DataSource, Split};
 use crate::lora::Tuning;
 use crate::metrics::EvalStats;
-use crate::model::{Model, Params};
+use crate::model::{Model, ModelConfig, Params};
 use crate::objective::Objective;
 use crate::optim::Optimizer;
 use crate::run_dir::{self, Claim, RunDir};
@@ -187,8 +187,12 @@ impl Trainer {
         // The one loading path (`crate::load`): the data and config.json against the run,
         // memory, the weights, then the optimiser state, then the manifest.
         let quant = config.nf4_settings();
+        let step = memory::MemorySettings::from(&config);
+        let fits = |m: &dyn ModelConfig, d: &Device, q: Option<bool>| {
+            memory::check_loaded_fits(&step, m, d, q)
+        };
         let checks = load::Checks {
-            train: Some(&config),
+            train: Some(&fits),
             data: Some(load::DataCheck {
                 source: data.as_ref(),
                 fingerprint: load::FingerprintCheck::Corpus,
@@ -214,7 +218,7 @@ impl Trainer {
             })?;
         // The manifest holds (checked last by the loader); the files must also be the ones
         // trainer_state.json was saved with.
-        let weights = tuning.files(model.config()).weights_file();
+        let weights = checkpoint::ModelFiles::of(&tuning, model.config()).weights_file();
         checkpoint::check_files_match(&dir, &state, weights)?;
         let rng = state.rng.restore()?;
         let mut t = Self::assemble(config, device, data, model, params, optimizer, rng, tuning)?;

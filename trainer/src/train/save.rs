@@ -64,7 +64,7 @@ impl Trainer {
         let optimizer = gathered.unwrap_or_else(|| OptimizerState::of(self.optimizer.as_ref()));
         let dir = checkpoint::save(
             &self.config.out_dir,
-            self.tuning.files(self.model.config()),
+            checkpoint::ModelFiles::of(&self.tuning, self.model.config()),
             &self.params,
             &optimizer,
             &self.state(),

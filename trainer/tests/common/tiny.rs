@@ -18,7 +18,8 @@ use trainer::model::{
     self, Architecture, Builder, Ctx, Dims, Kernels, KvCache, Layout, Linear, Link, LinkOps, Model,
     ModelConfig, Role, SpecialTokens, WeightMap,
 };
-use trainer::Result;
+// The models crate's errors are candle-data's.
+use trainer::data::Result;
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct TinyConfig {

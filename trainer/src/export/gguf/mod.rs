@@ -279,7 +279,7 @@ enum Weights {
 impl Weights {
     fn tensor(&self, name: &str) -> Result<Tensor> {
         match self {
-            Weights::Loaded(p) => p.tensor(name),
+            Weights::Loaded(p) => Ok(p.tensor(name)?),
             Weights::Streamed(s) => s.tensor(name, &Device::Cpu),
         }
     }

@@ -377,7 +377,7 @@ impl SpecialVocab {
                 }
             }
         }
-        let model_config = dir.join(crate::checkpoint::CONFIG_FILE);
+        let model_config = dir.join(crate::load::CONFIG_FILE);
         if model_config.is_file() {
             let c = read_json(&model_config)?;
             for typ in SPECIAL {

@@ -30,7 +30,7 @@ macro_rules! registry {
             pub(crate) const ALL: &[Arch] = &[$(Arch::$variant),+];
 
             /// Its [`Architecture`].
-            pub(crate) fn architecture(self) -> &'static dyn Architecture {
+            pub fn architecture(self) -> &'static dyn Architecture {
                 match self {
                     $(Arch::$variant => &$arch,)+
                 }
@@ -61,6 +61,20 @@ registry! {
 impl std::fmt::Display for Arch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.architecture().name())
+    }
+}
+
+/// Written and read as its `model_type` (as its flag reads it).
+impl serde::Serialize for Arch {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Arch {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
     }
 }
 

@@ -63,8 +63,8 @@ impl Architecture for Gemma3Arch {
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use trainer::model::gemma3::Gemma3Config;
-/// use trainer::model::{self, Ctx};
+/// use candle_models::model::gemma3::Gemma3Config;
+/// use candle_models::model::{self, Ctx};
 /// let cfg = Gemma3Config::new(50, 2, 16, 4, 2, 24);
 /// let (model, params) = model::init(&cfg, 42, &Device::Cpu)?;
 /// let idx = Tensor::new(&[[1u32, 2, 3], [4, 5, 6]], &Device::Cpu)?;

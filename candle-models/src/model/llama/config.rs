@@ -75,7 +75,7 @@ impl Family {
 /// The shape and options of a Llama-family model, named as in its `config.json`.
 ///
 /// ```
-/// use trainer::model::llama::{Family, LlamaConfig};
+/// use candle_models::model::llama::{Family, LlamaConfig};
 /// let cfg = LlamaConfig::new(Family::Llama, 300, 2, 32, 4, 2, 48);
 /// cfg.validate().unwrap();
 /// assert_eq!(cfg.head_dim, 8);

@@ -45,12 +45,12 @@ pub struct Ctx {
     pub chunked_loss: bool,
     /// Whether the adapters run (LoRA layers add their update); `false` computes each adapted
     /// linear layer as its base alone (PEFT's `disable_adapter`; see
-    /// [`crate::lora::Tuning::without_adapters`] for the modules to save).
+    /// the trainer's `Tuning::without_adapters` for the modules to save).
     pub adapters: bool,
     /// A reference model's values for the input's rows (`[B]`, the compute's float dtype), set
     /// before the forward for an objective that compares the policy with a reference: the
-    /// summed completion log-probabilities a preference objective reads
-    /// ([`crate::objective::Dpo`]). `None` for every other objective.
+    /// summed completion log-probabilities a preference objective reads (the trainer's
+    /// `Dpo`). `None` for every other objective.
     pub reference: Option<Tensor>,
     /// The host copy of the targets tensor the head is given (flat, row-major, as the batch
     /// was built; see [`Ctx::with_host_targets`]): the cross-entropy ops then read nothing
@@ -124,7 +124,7 @@ impl Ctx {
     ///
     /// ```
     /// use candle_core::{Device, Tensor};
-    /// use trainer::model::Ctx;
+    /// use candle_models::model::Ctx;
     /// let targets = Tensor::new(&[[1u32, 2], [3, 4]], &Device::Cpu)?;
     /// let ctx = Ctx::eval().with_host_targets(&targets, vec![1, 2, 3, 4].into());
     /// let flat = targets.flatten_all()?;
@@ -150,7 +150,7 @@ impl Ctx {
     /// its base layer alone (PEFT's `disable_adapter`).
     ///
     /// ```
-    /// use trainer::model::Ctx;
+    /// use candle_models::model::Ctx;
     /// assert!(Ctx::eval().adapters && !Ctx::eval().without_adapters().adapters);
     /// ```
     pub fn without_adapters(self) -> Self {

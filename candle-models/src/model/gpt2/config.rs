@@ -24,7 +24,7 @@ pub const GPT2_ENDOFTEXT: u32 = 50256;
 /// under Hugging Face's GPT-2 names (`n_positions`, `n_ctx`, `resid_pdrop`, ...).
 ///
 /// ```
-/// use trainer::model::gpt2::GptConfig;
+/// use candle_models::model::gpt2::GptConfig;
 /// let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, vocab_size: 50, ..GptConfig::default() };
 /// cfg.validate().unwrap();
 /// assert!(GptConfig { n_head: 3, ..cfg }.validate().is_err()); // 32 is not divisible by 3
@@ -94,7 +94,7 @@ impl GptConfig {
     /// `4 C` and its head always tied), and `dropout`.
     ///
     /// [`Architecture::fresh`]: crate::model::Architecture::fresh
-    pub(crate) fn fresh(dims: &Dims, dropout: f32) -> Self {
+    pub fn fresh(dims: &Dims, dropout: f32) -> Self {
         GptConfig {
             n_layer: dims.layers,
             n_head: dims.heads,

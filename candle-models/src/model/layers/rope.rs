@@ -152,7 +152,7 @@ impl RopeScaling {
     /// exponent in f32 from an integer `arange`, the power and scaling in f32).
     ///
     /// ```
-    /// use trainer::model::llama::RopeScaling;
+    /// use candle_models::model::llama::RopeScaling;
     /// let f = RopeScaling::None.inv_freq(10000.0, 4);
     /// assert_eq!(f[0], 1.0);
     /// assert!((f[1] - 0.01).abs() < 1e-9);
@@ -230,7 +230,7 @@ impl RopeConsts {
             return Ok(t.clone());
         }
         let n = self.inv_freq.len();
-        let t = crate::transfer::upload(self.inv_freq.clone(), n, device)?;
+        let t = candle_data::transfer::upload(self.inv_freq.clone(), n, device)?;
         c.inv_freq = Some(t.clone());
         Ok(t)
     }
@@ -246,7 +246,7 @@ impl RopeConsts {
     ) -> candle_core::Result<Tensor> {
         let upload = || {
             let row: Vec<u32> = (offset as u32..(offset + t) as u32).collect();
-            crate::transfer::upload(row, t, device)
+            candle_data::transfer::upload(row, t, device)
         };
         let row = if offset == 0 {
             let mut c = self.on_device.lock().unwrap_or_else(|e| e.into_inner());

@@ -15,7 +15,7 @@ use crate::Result;
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use trainer::model::{Builder, Ctx, Layout, Linear};
+/// use candle_models::model::{Builder, Ctx, Layout, Linear};
 /// let w = Tensor::new(&[[1f32, 2.0], [3.0, 4.0], [5.0, 6.0]], &Device::Cpu)?; // [in 3, out 2]
 /// let lin = Linear::build(&Builder::root(&|_, _| Ok(w.clone())).pp("proj"), 3, 2, false, Layout::InOut)?;
 /// assert_eq!(lin.path(), "proj");

@@ -25,7 +25,7 @@ pub enum LayerType {
 /// The shape and options of a `Gemma3ForCausalLM` (text), named as in its `config.json`.
 ///
 /// ```
-/// use trainer::model::gemma3::Gemma3Config;
+/// use candle_models::model::gemma3::Gemma3Config;
 /// let cfg = Gemma3Config::new(300, 3, 32, 4, 2, 48);
 /// cfg.validate().unwrap();
 /// assert_eq!(cfg.head_dim, 8);

@@ -323,14 +323,14 @@ impl LinkOps for Block {
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use trainer::model::gpt2::GptConfig;
-/// use trainer::model::{self, Ctx};
+/// use candle_models::model::gpt2::GptConfig;
+/// use candle_models::model::{self, Ctx};
 /// let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab_size: 11, dropout: 0.1, ..GptConfig::default() };
 /// let (model, params) = model::init(&cfg, 42, &Device::Cpu)?;
 /// let idx = Tensor::new(&[[1u32, 2, 3], [4, 5, 6]], &Device::Cpu)?;
 /// let logits = model.forward(&idx, &Ctx::train(7))?;
 /// assert_eq!(logits.dims(), &[2, 3, 11]);
-/// let loss = trainer::model::cross_entropy(&logits, &idx, None)?;
+/// let loss = candle_models::model::cross_entropy(&logits, &idx, None)?;
 /// let grads = loss.backward()?;
 /// assert!(params.iter().all(|(_, v)| grads.get(v).is_some()));
 /// // The chain: embedding, 2 blocks, head; each link owns its parameters, the head ties wte.

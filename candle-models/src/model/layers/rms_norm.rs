@@ -11,7 +11,7 @@ use crate::Result;
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use trainer::model::{layers::RmsNorm, Builder, Ctx};
+/// use candle_models::model::{layers::RmsNorm, Builder, Ctx};
 /// let ones = |_: &str, s: &[usize]| Ok(Tensor::ones(s, candle_core::DType::F32, &Device::Cpu)?);
 /// let norm = RmsNorm::build(&Builder::root(&ones).pp("norm"), 2, 0.0)?;
 /// let y = norm.forward(&Tensor::new(&[[3f32, 4.0]], &Device::Cpu)?, &Ctx::eval())?;
@@ -43,7 +43,7 @@ impl RmsNorm {
     ///
     /// ```
     /// use candle_core::{Device, Tensor};
-    /// use trainer::model::{layers::RmsNorm, Builder, Ctx};
+    /// use candle_models::model::{layers::RmsNorm, Builder, Ctx};
     /// let zeros = |_: &str, s: &[usize]| Ok(Tensor::zeros(s, candle_core::DType::F32, &Device::Cpu)?);
     /// let norm = RmsNorm::build(&Builder::root(&zeros).pp("norm"), 2, 0.0)?.with_unit_offset(true);
     /// let y = norm.forward(&Tensor::new(&[[3f32, 4.0]], &Device::Cpu)?, &Ctx::eval())?;

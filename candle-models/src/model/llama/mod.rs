@@ -63,8 +63,8 @@ impl Architecture for LlamaArch {
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use trainer::model::llama::{Family, LlamaConfig};
-/// use trainer::model::{self, Ctx};
+/// use candle_models::model::llama::{Family, LlamaConfig};
+/// use candle_models::model::{self, Ctx};
 /// let cfg = LlamaConfig::new(Family::Llama, 50, 2, 16, 4, 2, 24);
 /// let (model, params) = model::init(&cfg, 42, &Device::Cpu)?;
 /// let idx = Tensor::new(&[[1u32, 2, 3], [4, 5, 6]], &Device::Cpu)?;
