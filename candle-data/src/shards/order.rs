@@ -46,7 +46,7 @@ named_enum!(DataOrder, "data_order must be random or epoch", {
 });
 
 /// Generator words one epoch-order window advances the cursor by (one `u64`).
-pub const WORDS_PER_WINDOW: u128 = 2;
+pub(crate) const WORDS_PER_WINDOW: u128 = 2;
 
 /// A keyed bijection of `0..n` (a balanced Feistel network with cycle walking).
 #[derive(Clone, Debug)]

@@ -18,7 +18,7 @@ use candle_data::digest::check_format;
 pub const MANIFEST_FILE: &str = "manifest.json";
 
 /// The checkpoint format this trainer writes and reads.
-pub const FORMAT: u32 = 1;
+pub(crate) const FORMAT: u32 = 1;
 
 /// What `manifest.json` holds.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -21,7 +21,7 @@ pub fn f32_as_f64(x: f32) -> f64 {
 pub struct Field<'a, T>(pub &'a T);
 
 /// Writes an `f32` field as [`f32_as_f64`].
-pub trait PutF32 {
+pub(crate) trait PutF32 {
     /// Serializes the field as `key`.
     fn put<S: SerializeStruct>(&self, s: &mut S, key: &'static str) -> Result<(), S::Error>;
 }
@@ -39,7 +39,7 @@ impl PutF32 for Field<'_, Option<f32>> {
 }
 
 /// Writes any other field as it serializes.
-pub trait PutAny {
+pub(crate) trait PutAny {
     /// Serializes the field as `key`.
     fn put<S: SerializeStruct>(&self, s: &mut S, key: &'static str) -> Result<(), S::Error>;
 }

@@ -291,7 +291,7 @@ fn adopt_lora(config: &mut TrainConfig, lora: LoraConfig) {
 /// A LoRA run (`lora_r > 0`) freezes that model and trains adapters on it, fresh (PEFT's
 /// initialisation) or from the PEFT adapter `adapter`: the parameters returned are the
 /// adapters' (and the modules to save).
-pub fn build_model(
+pub(crate) fn build_model(
     config: &TrainConfig,
     data: &dyn DataSource,
     device: &Device,

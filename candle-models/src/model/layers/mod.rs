@@ -122,7 +122,7 @@ impl LayerNorm {
 
 /// The dtype for numerically sensitive computations (softmax, normalisation statistics, the
 /// loss): f32 for half-precision inputs, the input's own dtype otherwise (f32 or f64).
-pub fn stat_dtype(dtype: DType) -> DType {
+pub(crate) fn stat_dtype(dtype: DType) -> DType {
     match dtype {
         DType::F16 | DType::BF16 => DType::F32,
         d => d,
