@@ -5,7 +5,7 @@
 //!   `metrics.jsonl` or `checkpoints/`) unless told to overwrite it; [`RunDir::claim`] refuses
 //!   with a message naming `--resume` and `--overwrite`.
 //! - A resumed run continues in the run directory that holds the checkpoint it resumed from
-//!   ([`run_dir_of`]), never in the `out_dir` recorded in the checkpoint (which may be another
+//!   (`run_dir_of`), never in the `out_dir` recorded in the checkpoint (which may be another
 //!   copy of the run, or relative to another working directory).
 //! - One process at a time: a claimed directory is locked (`.lock`, an advisory OS file lock
 //!   released when the process exits, even when killed).

@@ -297,7 +297,7 @@ pub fn read(path: &Path) -> Result<EventFile> {
     }
 }
 
-/// The event log of a run directory: one file of [`RUN_FILE_SUFFIX`], rewritten when the run
+/// The event log of a run directory: one file of `RUN_FILE_SUFFIX`, rewritten when the run
 /// starts or resumes.
 pub(crate) struct RunEvents {
     writer: EventWriter,

@@ -24,7 +24,7 @@ pub(crate) const FORMAT: u32 = 1;
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
-    /// Checkpoint format version ([`FORMAT`]).
+    /// Checkpoint format version (`FORMAT`).
     pub format: u32,
     /// The optimiser step the checkpoint was saved after.
     pub step: usize,

@@ -15,7 +15,7 @@ pub fn f32_as_f64(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(f64::from(x))
 }
 
-/// A config field on its way to a serializer (picks [`PutF32`] for `f32`, [`PutAny`]
+/// A config field on its way to a serializer (picks `PutF32` for `f32`, `PutAny`
 /// otherwise, by method resolution: the f32 impl is on the value, the generic one on a
 /// reference, which is tried later).
 pub struct Field<'a, T>(pub &'a T);

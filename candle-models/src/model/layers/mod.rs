@@ -60,7 +60,7 @@ pub(crate) trait Cached {
 
 /// Layer normalisation over the last dimension, with `candle-fused`'s kernel (or, with
 /// `--kernels reference`, written from primitive ops; Candle's own fused `layer_norm` has no
-/// backward). Statistics are computed in at least f32 (see [`stat_dtype`]); the output has the
+/// backward). Statistics are computed in at least f32 (see `stat_dtype`); the output has the
 /// input's dtype.
 #[derive(Clone, Debug)]
 pub struct LayerNorm {
