@@ -178,7 +178,7 @@ fn generate(kind: ChatTaskKind, n: usize, seed: u64) -> Vec<(Family, Vec<Message
 }
 
 /// Writes the chat tasks' tokenizer into `dir` (created if needed): a word-level
-/// `tokenizer.json` over [`WORDS`] and [`SPECIAL`], and a `tokenizer_config.json` with the
+/// `tokenizer.json` over `WORDS` and `SPECIAL`, and a `tokenizer_config.json` with the
 /// ChatML with `{% generation %}` marks, `<|im_end|>` as EOS and `<|endoftext|>` as padding.
 pub fn write_tokenizer(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
