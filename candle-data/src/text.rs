@@ -23,7 +23,7 @@ const TOKENIZER_CHUNK_BYTES: usize = 1 << 20;
 ///
 /// A special case of [`ShardSource`]: the tokens are read through the same memory-mapped
 /// shard reader. Char and tokenizer encodings are tokenised once into a prepared shard
-/// directory in [`DataSpec::cache_dir`] (one shard a split, see `default_cache_dir`)
+/// directory in [`DataSpec::cache_dir`] (one shard a split, see `cache::default_cache_dir`)
 /// and mapped from there; a byte corpus is its own token list, mapped as it is (a 1-byte-wide
 /// shard a split). A cache that cannot be written only produces a warning (the tokens are then
 /// served from memory).

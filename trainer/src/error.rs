@@ -11,34 +11,14 @@ pub enum Error {
     /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
-    /// Reading or writing a file failed. The OS error is part of the message and is not
-    /// repeated as a separate cause (so `{:#}` prints it once).
-    #[error("{}: {error}", path.display())]
-    Io {
-        /// The file or directory concerned.
-        path: PathBuf,
-        /// The underlying error.
-        error: std::io::Error,
-    },
     /// A configuration value is impossible or inconsistent.
     #[error("invalid config: {0}")]
     Config(String),
-    /// A data file or data source is unusable (empty, too short, unreadable...).
-    #[error("data {path}: {msg}")]
-    Data {
-        /// The data file (or a description of the source).
-        path: PathBuf,
-        /// What is wrong with it.
-        msg: String,
-    },
-    /// A checkpoint file is missing, corrupt or does not match the model.
-    #[error("checkpoint {path}: {msg}")]
-    Checkpoint {
-        /// The checkpoint file or directory.
-        path: PathBuf,
-        /// What is wrong with it.
-        msg: String,
-    },
+    /// An error of the kinds shared with the data crate: a file that could not be read or
+    /// written, an unusable data file, a missing or corrupt checkpoint file, a tokenizer. Its
+    /// message is the data crate's, unchanged.
+    #[error(transparent)]
+    Data(#[from] candle_data::Error),
     /// A fresh run was pointed at a directory that already holds a run.
     #[error(
         "{} already holds a run (run.toml, metrics.jsonl or checkpoints/): continue it with \
@@ -91,9 +71,6 @@ pub enum Error {
     /// Mixed precision failed (`candle-amp`), e.g. the loss scale collapsed.
     #[error(transparent)]
     Amp(#[from] candle_amp::AmpError),
-    /// A tokenizer could not be loaded or failed to encode/decode.
-    #[error("tokenizer: {0}")]
-    Tokenizer(String),
     /// Training produced non-finite gradients where skipping the step could not help (no
     /// dynamic loss scale to back off: f32, bf16, a static scale).
     #[error(
@@ -121,28 +98,19 @@ pub enum Error {
 }
 
 impl Error {
-    /// Builds an [`Error::Io`] for `path`.
+    /// Builds the data crate's [`candle_data::Error::Io`] for `path`.
     pub fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
-        Error::Io {
-            path: path.into(),
-            error,
-        }
+        Error::Data(candle_data::Error::io(path, error))
     }
 
-    /// Builds an [`Error::Data`] for `path`.
+    /// Builds the data crate's [`candle_data::Error::Data`] for `path`.
     pub fn data(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
-        Error::Data {
-            path: path.into(),
-            msg: msg.into(),
-        }
+        Error::Data(candle_data::Error::data(path, msg))
     }
 
-    /// Builds an [`Error::Checkpoint`] for `path`.
+    /// Builds the data crate's [`candle_data::Error::Checkpoint`] for `path`.
     pub fn checkpoint(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
-        Error::Checkpoint {
-            path: path.into(),
-            msg: msg.into(),
-        }
+        Error::Data(candle_data::Error::checkpoint(path, msg))
     }
 }
 
@@ -158,22 +126,6 @@ impl From<candle_comm::CommError> for Error {
     }
 }
 
-/// The data crate's errors keep their message: each kind becomes the trainer's kind of the
-/// same name.
-impl From<candle_data::Error> for Error {
-    fn from(e: candle_data::Error) -> Self {
-        use candle_data::Error as D;
-        match e {
-            D::Candle(e) => Error::Candle(e),
-            D::Io { path, error } => Error::Io { path, error },
-            D::Config(msg) => Error::Config(msg),
-            D::Data { path, msg } => Error::Data { path, msg },
-            D::Checkpoint { path, msg } => Error::Checkpoint { path, msg },
-            D::Tokenizer(msg) => Error::Tokenizer(msg),
-        }
-    }
-}
-
 /// The trainer's errors where the models crate calls back into the trainer (a LoRA layer's
 /// weights, a 4-bit base's): the shared kinds keep their kind; the trainer's own keep their
 /// message (and come back to the trainer as it).
@@ -181,12 +133,9 @@ impl From<Error> for candle_data::Error {
     fn from(e: Error) -> Self {
         use candle_data::Error as D;
         match e {
+            Error::Data(e) => e,
             Error::Candle(e) => D::Candle(e),
-            Error::Io { path, error } => D::Io { path, error },
             Error::Config(msg) => D::Config(msg),
-            Error::Data { path, msg } => D::Data { path, msg },
-            Error::Checkpoint { path, msg } => D::Checkpoint { path, msg },
-            Error::Tokenizer(msg) => D::Tokenizer(msg),
             other => D::Candle(candle_core::Error::Msg(other.to_string())),
         }
     }

@@ -5,7 +5,7 @@
 //!   `metrics.jsonl` or `checkpoints/`) unless told to overwrite it; [`RunDir::claim`] refuses
 //!   with a message naming `--resume` and `--overwrite`.
 //! - A resumed run continues in the run directory that holds the checkpoint it resumed from
-//!   ([`run_dir_of`]), never in the `out_dir` recorded in the checkpoint (which may be another
+//!   (`run_dir_of`), never in the `out_dir` recorded in the checkpoint (which may be another
 //!   copy of the run, or relative to another working directory).
 //! - One process at a time: a claimed directory is locked (`.lock`, an advisory OS file lock
 //!   released when the process exits, even when killed).
@@ -26,16 +26,16 @@ const RUN_MARKERS: [&str; 3] = ["run.toml", "metrics.jsonl", "checkpoints"];
 const RUN_FILES: [&str; 4] = ["run.toml", "metrics.jsonl", "loss.svg", "checkpoints"];
 
 /// The lock file of a run directory.
-pub const LOCK_FILE: &str = ".lock";
+pub(crate) const LOCK_FILE: &str = ".lock";
 
 /// Whether `dir` holds (part of) a run: a `run.toml`, `metrics.jsonl` or `checkpoints/`.
-pub fn is_run_dir(dir: &Path) -> bool {
+pub(crate) fn is_run_dir(dir: &Path) -> bool {
     RUN_MARKERS.iter().any(|m| dir.join(m).exists())
 }
 
 /// The run directory a checkpoint directory belongs to (`RUN/checkpoints/step-N` gives `RUN`),
 /// or `None` for a checkpoint that is not inside a run's `checkpoints/`.
-pub fn run_dir_of(checkpoint_dir: &Path) -> Option<PathBuf> {
+pub(crate) fn run_dir_of(checkpoint_dir: &Path) -> Option<PathBuf> {
     let real = fs::canonicalize(checkpoint_dir).ok()?;
     let parent = real.parent()?;
     if parent.file_name()? != "checkpoints" {
@@ -139,7 +139,7 @@ impl RunDir {
 /// directories (incomplete checkpoints, never pointed to by `latest`), and `.old-*` ones (a
 /// complete checkpoint moved aside while the same step was re-saved), which are put back if
 /// their step is missing and deleted otherwise. Only called with the run directory locked.
-pub fn clean_partial_checkpoints(ckpts: &Path) -> Result<()> {
+pub(crate) fn clean_partial_checkpoints(ckpts: &Path) -> Result<()> {
     let Ok(entries) = fs::read_dir(ckpts) else {
         return Ok(()); // no checkpoints yet
     };
@@ -166,7 +166,7 @@ pub fn clean_partial_checkpoints(ckpts: &Path) -> Result<()> {
 /// Removes the temporary files of atomic writes ([`crate::io::write_atomic`]: `.NAME.tmp-*`)
 /// that a process killed mid-write left in `dir` (metrics, the run config, the loss curve,
 /// `latest`). Only called with the run directory locked, so no writer is alive.
-pub fn clean_partial_writes(dir: &Path) -> Result<()> {
+pub(crate) fn clean_partial_writes(dir: &Path) -> Result<()> {
     let Ok(entries) = fs::read_dir(dir) else {
         return Ok(());
     };

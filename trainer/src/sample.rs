@@ -174,7 +174,7 @@ pub fn has_learned_positions(config: &dyn crate::model::ModelConfig) -> bool {
 
 /// [`generate`], given up between tokens once `flag` is set (Ctrl-C, SIGTERM): `None`, so
 /// that a signal during a long sample does not wait for its end.
-pub fn generate_while(
+pub(crate) fn generate_while(
     model: &dyn Model,
     prompt: &[u32],
     max_new_tokens: usize,

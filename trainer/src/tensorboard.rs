@@ -20,11 +20,11 @@ use prost::Message;
 use crate::{Error, Result};
 
 /// The file version of the header event TensorBoard writes and expects.
-pub const FILE_VERSION: &str = "brain.Event:2";
+pub(crate) const FILE_VERSION: &str = "brain.Event:2";
 
 /// The suffix of the event files a run writes (TensorBoard's `filename_suffix`): the files a
 /// resumed run rewrites, leaving any other event file in the directory alone.
-pub const RUN_FILE_SUFFIX: &str = ".trainer";
+pub(crate) const RUN_FILE_SUFFIX: &str = ".trainer";
 
 /// What the header of the run's event files names as their writer.
 const WRITER: &str = "candle-train trainer";
@@ -297,7 +297,7 @@ pub fn read(path: &Path) -> Result<EventFile> {
     }
 }
 
-/// The event log of a run directory: one file of [`RUN_FILE_SUFFIX`], rewritten when the run
+/// The event log of a run directory: one file of `RUN_FILE_SUFFIX`, rewritten when the run
 /// starts or resumes.
 pub(crate) struct RunEvents {
     writer: EventWriter,

@@ -184,6 +184,33 @@ impl JsonStyle {
         out.push('"');
     }
 
+    /// Writes `items` between `brackets` (`{}` / `[]` when empty), each by `each`, one a line
+    /// when indenting.
+    fn container(
+        &self,
+        items: &[Value],
+        (open, close): (char, char),
+        depth: usize,
+        out: &mut String,
+        mut each: impl FnMut(&Value, &mut String) -> std::result::Result<(), minijinja::Error>,
+    ) -> std::result::Result<(), minijinja::Error> {
+        out.push(open);
+        if items.is_empty() {
+            out.push(close);
+            return Ok(());
+        }
+        for (i, item) in items.iter().enumerate() {
+            if i > 0 {
+                out.push_str(&self.item);
+            }
+            self.newline(depth + 1, out);
+            each(item, out)?;
+        }
+        self.newline(depth, out);
+        out.push(close);
+        Ok(())
+    }
+
     fn write(
         &self,
         v: &Value,
@@ -212,42 +239,20 @@ impl JsonStyle {
                 if self.sort_keys {
                     keys.sort_by_key(|k| k.to_string());
                 }
-                if keys.is_empty() {
-                    out.push_str("{}");
-                    return Ok(());
-                }
-                out.push('{');
-                for (i, k) in keys.iter().enumerate() {
-                    if i > 0 {
-                        out.push_str(&self.item);
-                    }
-                    self.newline(depth + 1, out);
+                self.container(&keys, ('{', '}'), depth, out, |k, out| {
                     match k.as_str() {
                         Some(s) => self.string(s, out),
                         None => self.string(&k.to_string(), out),
                     }
                     out.push_str(&self.key);
-                    self.write(&v.get_item(k)?, depth + 1, out)?;
-                }
-                self.newline(depth, out);
-                out.push('}');
+                    self.write(&v.get_item(k)?, depth + 1, out)
+                })?;
             }
             ValueKind::Seq | ValueKind::Iterable => {
                 let items: Vec<Value> = v.try_iter()?.collect();
-                if items.is_empty() {
-                    out.push_str("[]");
-                    return Ok(());
-                }
-                out.push('[');
-                for (i, item) in items.iter().enumerate() {
-                    if i > 0 {
-                        out.push_str(&self.item);
-                    }
-                    self.newline(depth + 1, out);
-                    self.write(item, depth + 1, out)?;
-                }
-                self.newline(depth, out);
-                out.push(']');
+                self.container(&items, ('[', ']'), depth, out, |item, out| {
+                    self.write(item, depth + 1, out)
+                })?;
             }
             _ => self.string(&v.to_string(), out),
         }

@@ -83,15 +83,6 @@ pub fn read_preferences(path: &Path) -> Result<Vec<LinePreference>> {
 /// - implicit prompt: `{"chosen", "rejected"}` only: the prompt is their longest common prefix
 ///   (of characters, less a trailing space, for strings; of whole messages for
 ///   conversations), as TRL's `extract_prompt` splits them; an empty one is an error.
-///
-/// ```
-/// use candle_data::sft::{parse_preference, Turns};
-/// let p = parse_preference(r#"{"chosen": "Q: hi? A: yes.", "rejected": "Q: hi? A: no."}"#)?;
-/// assert!(matches!(p.prompt, Turns::Text(ref t) if t == "Q: hi? A:"));
-/// assert!(matches!(p.chosen, Turns::Text(ref t) if t == " yes."));
-/// assert!(parse_preference(r#"{"prompt": "a", "chosen": "b"}"#).is_err());
-/// # Ok::<(), String>(())
-/// ```
 pub(crate) fn parse_preference(line: &str) -> std::result::Result<Preference, String> {
     let value: Value = serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
     if value.kind() != ValueKind::Map {
@@ -352,6 +343,15 @@ pub fn preference_batch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_implicit_prompt_is_the_common_prefix() {
+        let p = parse_preference(r#"{"chosen": "Q: hi? A: yes.", "rejected": "Q: hi? A: no."}"#)
+            .unwrap();
+        assert!(matches!(p.prompt, Turns::Text(ref t) if t == "Q: hi? A:"));
+        assert!(matches!(p.chosen, Turns::Text(ref t) if t == " yes."));
+        assert!(parse_preference(r#"{"prompt": "a", "chosen": "b"}"#).is_err());
+    }
 
     fn texts(p: &Preference) -> [String; 3] {
         let t = |t: &Turns| match t {

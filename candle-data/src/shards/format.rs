@@ -133,10 +133,10 @@ pub fn byte_vocab_hash() -> u64 {
 /// tokens of prompt + rejected completion, both starting with the `prompt_len` prompt tokens.
 ///
 /// ```
-/// use candle_data::shards::format::{PairEntry, PAIR_ENTRY_LEN};
+/// use candle_data::shards::format::PairEntry;
 /// let e = PairEntry { prompt_len: 3, chosen_len: 5, rejected_len: 6, line: 7 };
 /// let bytes = e.to_bytes();
-/// assert_eq!((bytes.len(), e.len()), (PAIR_ENTRY_LEN, 11));
+/// assert_eq!((bytes.len(), e.len()), (32, 11)); // four little-endian u64
 /// assert_eq!(PairEntry::from_bytes(&bytes), e);
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -10,7 +10,7 @@
 //!   windows, numbers them across shards, and visits them in a permutation that is a pure
 //!   function of (the generator's seed and stream, the epoch, the split). The **cursor** (how
 //!   many windows the run has read) is the generator's word position: window `g` of the run
-//!   is read when the generator stands at word [`WORDS_PER_WINDOW`]` · g`, and drawing `k`
+//!   is read when the generator stands at word `WORDS_PER_WINDOW`` · g`, and drawing `k`
 //!   windows moves it forward by `k` windows' words. Saving the generator (which every
 //!   checkpoint does) therefore saves the epoch and the position in it, bit-exactly, with no
 //!   new checkpoint field; and a separately seeded generator (an evaluation's) reads its own
@@ -46,7 +46,7 @@ named_enum!(DataOrder, "data_order must be random or epoch", {
 });
 
 /// Generator words one epoch-order window advances the cursor by (one `u64`).
-pub const WORDS_PER_WINDOW: u128 = 2;
+pub(crate) const WORDS_PER_WINDOW: u128 = 2;
 
 /// A keyed bijection of `0..n` (a balanced Feistel network with cycle walking).
 #[derive(Clone, Debug)]

@@ -33,7 +33,7 @@ pub struct ShardOptions {
 /// ([`DataOrder`]) is random windows weighted by shard size, or one pass per epoch over
 /// non-overlapping windows in a seeded order; either way the batch is a pure function of the
 /// generator passed to [`DataSource::batch`], whose position is also the epoch-order cursor
-/// (see the `order` module), so a checkpoint's generator state resumes the data stream exactly.
+/// (see the `shards::order` module), so a checkpoint's generator state resumes the data stream exactly.
 ///
 /// With a loss-mask stream (SFT shards) the batch carries [`Batch::mask`] (target `j` of a row
 /// counts when its token's mask bit is set); with [`ShardOptions::doc_mask`] it carries the

@@ -115,7 +115,7 @@ pub(crate) fn token_losses_of_logits(
 }
 
 /// The number of targets that count (are not [`IGNORE`]): one read back from the device.
-pub fn count_targets(targets: &Tensor) -> candle_core::Result<usize> {
+pub(crate) fn count_targets(targets: &Tensor) -> candle_core::Result<usize> {
     let n: f32 = candle_data::transfer::read_scalar(&counted(targets)?)?;
     Ok(n as usize)
 }

@@ -39,6 +39,14 @@ named_enum!(Kernels, "kernels must be fused or reference", {
 type R = candle_core::Result<Tensor>;
 
 impl Kernels {
+    /// Runs `fused` or `reference`, by the choice.
+    fn pick<T>(self, fused: impl FnOnce() -> T, reference: impl FnOnce() -> T) -> T {
+        match self {
+            Kernels::Fused => fused(),
+            Kernels::Reference => reference(),
+        }
+    }
+
     /// The rows of the table `w [V, C]` at the token ids `idx` (u32, any shape):
     /// `[idx.dims.., C]`. Fused: `candle_fused::embedding`, whose backward sums each row of
     /// `dW` in f32 in ascending position, ordered from `host_ids` (the same ids on the host;
@@ -57,46 +65,44 @@ impl Kernels {
 
     /// GPT-2's Conv1D: `x W + b` with `W: [in, out]`.
     pub fn linear(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> R {
-        match self {
-            Kernels::Fused => linear::linear(x, w, b),
-            Kernels::Reference => linear::linear_composite(x, w, b),
-        }
+        self.pick(
+            || linear::linear(x, w, b),
+            || linear::linear_composite(x, w, b),
+        )
     }
 
     /// `r + (x W + b)`: a projection and the residual add after it, one op where there is no
     /// bias (`candle_fused::linear_add`; the same bits as the two).
     pub fn linear_add(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>, r: &Tensor) -> R {
-        match self {
-            Kernels::Fused => linear_add::linear_add(x, w, b, r),
-            Kernels::Reference => linear_add::linear_add_composite(x, w, b, r),
-        }
+        self.pick(
+            || linear_add::linear_add(x, w, b, r),
+            || linear_add::linear_add_composite(x, w, b, r),
+        )
     }
 
     /// `gelu(x W + b)` (tanh GELU): the MLP's first layer, bias and activation in one kernel.
     pub fn linear_gelu(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> R {
-        match self {
-            Kernels::Fused => linear_gelu::linear_gelu(x, w, b),
-            Kernels::Reference => linear_gelu::linear_gelu_composite(x, w, b),
-        }
+        self.pick(
+            || linear_gelu::linear_gelu(x, w, b),
+            || linear_gelu::linear_gelu_composite(x, w, b),
+        )
     }
 
     /// LayerNorm over the last dimension; statistics in at least f32.
     pub fn layer_norm(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> R {
-        match self {
-            Kernels::Fused => norm::layer_norm(x, w, b, eps),
-            Kernels::Reference => norm::layer_norm_composite(x, w, b, eps),
-        }
+        self.pick(
+            || norm::layer_norm(x, w, b, eps),
+            || norm::layer_norm_composite(x, w, b, eps),
+        )
     }
 
     /// Mean cross-entropy of `logits [.., V]` against `targets` (u32), over the positions where
     /// `mask` is 1 (all positions without a mask); computed in at least f32.
     pub fn cross_entropy(self, logits: &Tensor, targets: &Tensor, mask: Option<&Tensor>) -> R {
-        match self {
-            Kernels::Fused => cross_entropy::cross_entropy(logits, targets, mask, None),
-            Kernels::Reference => {
-                cross_entropy::cross_entropy_composite(logits, targets, mask, None)
-            }
-        }
+        self.pick(
+            || cross_entropy::cross_entropy(logits, targets, mask, None),
+            || cross_entropy::cross_entropy_composite(logits, targets, mask, None),
+        )
     }
 
     /// [`Kernels::cross_entropy`] over the targets that are not `ignore` (the loss mask folded
@@ -108,12 +114,10 @@ impl Kernels {
         ignore: u32,
     ) -> R {
         let targets = targets.into();
-        match self {
-            Kernels::Fused => cross_entropy::cross_entropy(logits, targets, None, Some(ignore)),
-            Kernels::Reference => {
-                cross_entropy::cross_entropy_composite(logits, targets, None, Some(ignore))
-            }
-        }
+        self.pick(
+            || cross_entropy::cross_entropy(logits, targets, None, Some(ignore)),
+            || cross_entropy::cross_entropy_composite(logits, targets, None, Some(ignore)),
+        )
     }
 }
 
@@ -121,10 +125,10 @@ impl Kernels {
 impl Kernels {
     /// RMSNorm over the last dimension; statistics in at least f32.
     pub fn rms_norm(self, x: &Tensor, w: &Tensor, eps: f64) -> R {
-        match self {
-            Kernels::Fused => norm::rms_norm(x, w, eps),
-            Kernels::Reference => norm::rms_norm_composite(x, w, eps),
-        }
+        self.pick(
+            || norm::rms_norm(x, w, eps),
+            || norm::rms_norm_composite(x, w, eps),
+        )
     }
 
     /// RoPE tables `cos`, `sin` `[B, T, D/2]` (f32) of `positions [B, T]` (u32) and
@@ -140,26 +144,26 @@ impl Kernels {
     /// RoPE in transformers' split-halves convention of `x [B, T, H, D]`, returned as
     /// `[B, H, T, D]` (ready for attention).
     pub fn rope(self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> R {
-        match self {
-            Kernels::Fused => rope::rope(x, cos, sin),
-            Kernels::Reference => rope::rope_composite(x, cos, sin),
-        }
+        self.pick(
+            || rope::rope(x, cos, sin),
+            || rope::rope_composite(x, cos, sin),
+        )
     }
 
     /// `silu(gate) * up`.
     pub fn swiglu(self, gate: &Tensor, up: &Tensor) -> R {
-        match self {
-            Kernels::Fused => swiglu::swiglu(gate, up),
-            Kernels::Reference => swiglu::swiglu_composite(gate, up),
-        }
+        self.pick(
+            || swiglu::swiglu(gate, up),
+            || swiglu::swiglu_composite(gate, up),
+        )
     }
 
     /// `gelu_tanh(gate) * up` (GeGLU, Gemma's MLP).
     pub fn geglu(self, gate: &Tensor, up: &Tensor) -> R {
-        match self {
-            Kernels::Fused => geglu::geglu(gate, up),
-            Kernels::Reference => geglu::geglu_composite(gate, up),
-        }
+        self.pick(
+            || geglu::geglu(gate, up),
+            || geglu::geglu_composite(gate, up),
+        )
     }
 
     /// Mean cross-entropy of the logits `x [N, C] wᵀ` (`w [V, C]`) against `targets [N]`,
@@ -173,10 +177,10 @@ impl Kernels {
         ignore: u32,
     ) -> R {
         let targets = targets.into();
-        match self {
-            Kernels::Fused => lce::linear_cross_entropy(x, w, targets, Some(ignore)),
-            Kernels::Reference => lce::linear_cross_entropy_composite(x, w, targets, Some(ignore)),
-        }
+        self.pick(
+            || lce::linear_cross_entropy(x, w, targets, Some(ignore)),
+            || lce::linear_cross_entropy_composite(x, w, targets, Some(ignore)),
+        )
     }
 
     /// [`Kernels::linear_cross_entropy`] before the mean: the loss of each target (`[N]`, 0
@@ -189,11 +193,9 @@ impl Kernels {
         ignore: u32,
     ) -> R {
         let targets = targets.into();
-        match self {
-            Kernels::Fused => lce::linear_cross_entropy_per_token(x, w, targets, Some(ignore)),
-            Kernels::Reference => {
-                lce::linear_cross_entropy_per_token_composite(x, w, targets, Some(ignore))
-            }
-        }
+        self.pick(
+            || lce::linear_cross_entropy_per_token(x, w, targets, Some(ignore)),
+            || lce::linear_cross_entropy_per_token_composite(x, w, targets, Some(ignore)),
+        )
     }
 }

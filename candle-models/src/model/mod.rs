@@ -60,10 +60,10 @@ pub use arch::{
     Architecture, CheckpointTensor, Dims, KvCache, Model, ModelConfig, Shape, SpecialTokens,
 };
 pub use builder::{Builder, Quant, Source, Wrap};
-pub use chain::{chain, count_targets, run_links, Link, LinkOps, Loss, Role, WeightMap, IGNORE};
+pub use chain::{chain, run_links, Link, LinkOps, Loss, Role, WeightMap, IGNORE};
 pub use ctx::{Ctx, HostTargets, HostTokens, Rows};
 pub use kernels::Kernels;
-pub use layers::{dropout, stat_dtype, LayerNorm};
+pub use layers::{dropout, LayerNorm};
 pub use linear::Linear;
 pub use params::Params;
 pub use registry::{

@@ -18,13 +18,13 @@ use candle_data::digest::check_format;
 pub const MANIFEST_FILE: &str = "manifest.json";
 
 /// The checkpoint format this trainer writes and reads.
-pub const FORMAT: u32 = 1;
+pub(crate) const FORMAT: u32 = 1;
 
 /// What `manifest.json` holds.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
-    /// Checkpoint format version ([`FORMAT`]).
+    /// Checkpoint format version (`FORMAT`).
     pub format: u32,
     /// The optimiser step the checkpoint was saved after.
     pub step: usize,

@@ -310,7 +310,7 @@ pub(crate) fn load_optimizer(
         .ok_or_else(|| Error::checkpoint(&path, "metadata has no valid `step`"))?;
     optimizer.load_state(&loaded.tensors, step).map_err(|e| {
         let msg = match e {
-            Error::Checkpoint { msg, .. } => msg,
+            Error::Data(candle_data::Error::Checkpoint { msg, .. }) => msg,
             e => e.to_string(),
         };
         Error::checkpoint(&path, format!("{} state: {msg}", optimizer.name()))

@@ -15,13 +15,13 @@ pub fn f32_as_f64(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(f64::from(x))
 }
 
-/// A config field on its way to a serializer (picks [`PutF32`] for `f32`, [`PutAny`]
+/// A config field on its way to a serializer (picks `PutF32` for `f32`, `PutAny`
 /// otherwise, by method resolution: the f32 impl is on the value, the generic one on a
 /// reference, which is tried later).
 pub struct Field<'a, T>(pub &'a T);
 
 /// Writes an `f32` field as [`f32_as_f64`].
-pub trait PutF32 {
+pub(crate) trait PutF32 {
     /// Serializes the field as `key`.
     fn put<S: SerializeStruct>(&self, s: &mut S, key: &'static str) -> Result<(), S::Error>;
 }
@@ -39,7 +39,7 @@ impl PutF32 for Field<'_, Option<f32>> {
 }
 
 /// Writes any other field as it serializes.
-pub trait PutAny {
+pub(crate) trait PutAny {
     /// Serializes the field as `key`.
     fn put<S: SerializeStruct>(&self, s: &mut S, key: &'static str) -> Result<(), S::Error>;
 }

@@ -26,7 +26,7 @@ use crate::Result;
 /// The special tokens of the vocabulary a run trains on (its `data` and `tokenizer_path`):
 /// those of its `tokenizer.json` for `tokenizer` data (each falling back to `fallback`, the
 /// pretrained model's), none for the character, byte and addition vocabularies.
-pub fn data_special_tokens(
+pub(crate) fn data_special_tokens(
     data: DataKind,
     tokenizer: Option<&Path>,
     fallback: SpecialTokens,

@@ -286,12 +286,12 @@ fn adopt_lora(config: &mut TrainConfig, lora: LoraConfig) {
 /// A pretrained model keeps all its positions (`wpe` rows, `n_positions`): the run's
 /// `block_size` is only the length of its training batches and may be shorter (the trainer
 /// checks it fits, and that the model embeds the data's vocabulary, for every model). The
-/// special token ids are those of the run's vocabulary ([`pretrained::data_special_tokens`]).
+/// special token ids are those of the run's vocabulary (`pretrained::data_special_tokens`).
 ///
 /// A LoRA run (`lora_r > 0`) freezes that model and trains adapters on it, fresh (PEFT's
 /// initialisation) or from the PEFT adapter `adapter`: the parameters returned are the
 /// adapters' (and the modules to save).
-pub fn build_model(
+pub(crate) fn build_model(
     config: &TrainConfig,
     data: &dyn DataSource,
     device: &Device,

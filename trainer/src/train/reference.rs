@@ -14,9 +14,9 @@ use crate::model::Ctx;
 use crate::{Error, Result};
 
 /// The file in the run directory that holds the reference values.
-pub const REFERENCE_FILE: &str = "dpo_reference.json";
+pub(crate) const REFERENCE_FILE: &str = "dpo_reference.json";
 
-/// What [`REFERENCE_FILE`] holds: the data and length the values were computed for, and the
+/// What `REFERENCE_FILE` holds: the data and length the values were computed for, and the
 /// values of each pair.
 #[derive(Debug, Serialize, Deserialize)]
 struct ReferenceFile {

@@ -16,7 +16,7 @@ use crate::{Error, Result};
 
 /// GPT-2's `<|endoftext|>`, its `bos_token_id` and `eos_token_id` (and `transformers`' default
 /// for both when a GPT-2 `config.json` omits them).
-pub const GPT2_ENDOFTEXT: u32 = 50256;
+pub(crate) const GPT2_ENDOFTEXT: u32 = 50256;
 
 /// The shape of a GPT-2 style model.
 ///

@@ -13,7 +13,7 @@ use candle_core::{Tensor, D};
 use candle_fused::attention::{attention, AttentionConfig};
 use serde_json::Value;
 
-pub use config::{GptConfig, GPT2_ENDOFTEXT};
+pub use config::GptConfig;
 
 use super::layers::head::{Head, LmHead, Norm};
 use super::layers::{Cached, Decoder, Weights};

@@ -60,7 +60,7 @@ pub(crate) trait Cached {
 
 /// Layer normalisation over the last dimension, with `candle-fused`'s kernel (or, with
 /// `--kernels reference`, written from primitive ops; Candle's own fused `layer_norm` has no
-/// backward). Statistics are computed in at least f32 (see [`stat_dtype`]); the output has the
+/// backward). Statistics are computed in at least f32 (see `stat_dtype`); the output has the
 /// input's dtype.
 #[derive(Clone, Debug)]
 pub struct LayerNorm {
@@ -122,7 +122,7 @@ impl LayerNorm {
 
 /// The dtype for numerically sensitive computations (softmax, normalisation statistics, the
 /// loss): f32 for half-precision inputs, the input's own dtype otherwise (f32 or f64).
-pub fn stat_dtype(dtype: DType) -> DType {
+pub(crate) fn stat_dtype(dtype: DType) -> DType {
     match dtype {
         DType::F16 | DType::BF16 => DType::F32,
         d => d,
