@@ -36,7 +36,6 @@ pub use crate::load::layout::{
 pub use crate::load::resolve_checkpoint as resolve;
 pub use state::{RngState, SavedFiles, TrainerState};
 
-use crate::data::DataSource;
 use crate::load::finite;
 use crate::lora::Tuning;
 use crate::model::{ModelConfig, Params};
@@ -339,55 +338,4 @@ pub(crate) fn prune(run_dir: &Path, keep_last: usize, keep: &[&str]) -> Result<(
         fs::remove_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
     }
     Ok(())
-}
-
-/// Checks that a checkpoint's `config.json` (`model`) agrees with its run (`run`, its
-/// `trainer_state.json`, whose run config it checks): the shape the run trains, room for its context, and (given
-/// the run's `data`) an embedding for every token id of the data. Every command that loads a
-/// trainer checkpoint (resume, eval, sample, inspect) checks this before reading weights.
-pub(crate) fn check_model_matches(
-    model: &dyn ModelConfig,
-    run: &TrainerState,
-    data: Option<&dyn DataSource>,
-    dir: &Path,
-) -> Result<()> {
-    let config = &run.config;
-    let mut wrong = Vec::new();
-    let shape = model.shape();
-    for (name, in_model, in_run) in [
-        ("n_layer", shape.n_layer, config.n_layer),
-        ("n_head", shape.n_head, config.n_head),
-        ("n_embd", shape.n_embd, config.n_embd),
-    ] {
-        if in_model != in_run {
-            wrong.push(format!("{name} {in_model} (trainer_state.json: {in_run})"));
-        }
-    }
-    if shape.bias != config.bias {
-        wrong.push(format!(
-            "bias {} (trainer_state.json: {})",
-            shape.bias, config.bias
-        ));
-    }
-    if model.max_positions() < config.block_size {
-        wrong.push(format!(
-            "n_positions {} < the run's block_size {}",
-            model.max_positions(),
-            config.block_size
-        ));
-    }
-    if let Some(data) = data.filter(|d| model.vocab_size() < d.vocab_size()) {
-        wrong.push(format!(
-            "vocab_size {} < the data's {} token ids",
-            model.vocab_size(),
-            data.vocab_size()
-        ));
-    }
-    if wrong.is_empty() {
-        return Ok(());
-    }
-    Err(Error::checkpoint(
-        dir.join(CONFIG_FILE),
-        format!("disagrees with the run it belongs to: {}", wrong.join(", ")),
-    ))
 }

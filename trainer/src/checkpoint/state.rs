@@ -6,6 +6,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::TrainConfig;
 use crate::data::Fingerprint;
+use crate::io;
+use crate::load::{ModelDir, STATE_FILE};
 use crate::{Error, Result};
 
 /// The exact position of a ChaCha8 generator (seed, stream, word position), so that sampling
@@ -94,6 +96,20 @@ pub struct SavedFiles {
 
 fn one() -> usize {
     1
+}
+
+impl TrainerState {
+    /// The whole state of the trainer checkpoint `model` is (its `trainer_state.json`, beside
+    /// its weights or its adapters), or `None` for a model that is not one (the loader reads
+    /// only its [`crate::load::RunState`]).
+    pub fn of(model: &ModelDir) -> Result<Option<Self>> {
+        if model.run.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(io::read_json(
+            &model.checkpoint_dir().join(STATE_FILE),
+        )?))
+    }
 }
 
 #[cfg(test)]

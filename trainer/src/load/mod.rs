@@ -17,7 +17,7 @@
 //! 1. `config.json`, of any known architecture ([`crate::model::config_from_hf_json_file`]);
 //! 2. for a trainer checkpoint given data, the data's fingerprint against the run's
 //!    ([`crate::data::check_fingerprint`]), then `config.json` against the run's recorded
-//!    state (`checkpoint::check_model_matches`);
+//!    state ([`RunState::check_model`]);
 //! 3. the data's and the tokenizer's vocabularies against the model's embedding;
 //! 4. memory: a training step of the run (given one), else the f32 weights, must fit, before
 //!    anything of the model's size is allocated;
@@ -31,6 +31,7 @@ pub(crate) mod fits;
 mod four_bit;
 pub mod layout;
 pub(crate) mod resolve;
+mod run;
 mod weights;
 
 use std::path::{Path, PathBuf};
@@ -41,9 +42,10 @@ use serde_json::Value;
 pub use four_bit::FourBit;
 pub use layout::{Source, CONFIG_FILE, INDEX_FILE, MODEL_FILE, STATE_FILE};
 pub use resolve::{resolve, resolve_checkpoint, resolve_in};
+pub use run::{RunConfig, RunState};
 pub use weights::{ShardIndex, Streamed, TensorHeader, WeightFiles};
 
-use crate::checkpoint::{self, TrainerState};
+use crate::checkpoint;
 use crate::data::tokenizer::{TokenizerFile, TOKENIZER_FILE};
 use crate::data::DataSource;
 use crate::model::{Model, ModelConfig, Params};
@@ -60,8 +62,9 @@ pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
 pub struct ModelDir {
     /// The directory holding `config.json` and the weights (the base model's, for adapters).
     pub dir: PathBuf,
-    /// The trainer state of a trainer checkpoint (`None` for a bare Hugging Face model).
-    pub run: Option<TrainerState>,
+    /// What loading reads of a trainer checkpoint's `trainer_state.json` (`None` for a bare
+    /// Hugging Face model).
+    pub run: Option<RunState>,
     /// The weight files: `model.safetensors` or the shards of its index.
     pub weights: WeightFiles,
     /// The directory of the adapters applied over the weights (`adapter_config.json` +
@@ -186,7 +189,7 @@ impl ModelDir {
     /// [`ModelDir::open_over`]); a `base` for a directory without adapters is an error.
     pub fn at_over(dir: PathBuf, base: Option<&str>) -> Result<Self> {
         let state = dir.join(STATE_FILE);
-        let run: Option<TrainerState> = match state.is_file() {
+        let run: Option<RunState> = match state.is_file() {
             true => Some(crate::io::read_json(&state)?),
             false => None,
         };
@@ -325,7 +328,7 @@ impl ModelDir {
         let config = self.config()?;
         self.check_four_bit(&Checks::default())?;
         if let Some(run) = &self.run {
-            checkpoint::check_model_matches(config.as_ref(), run, None, &self.dir)?;
+            run.check_model(config.as_ref(), None, &self.dir)?;
         }
         let weights = self.weights.open(config.as_ref(), self.source())?;
         weights.check_copies(&Device::Cpu, |of| weights.tensor(of, &Device::Cpu))?;
@@ -422,12 +425,7 @@ impl ModelDir {
     /// A trainer checkpoint's checks (module docs, step 2): the data's fingerprint and the
     /// tokenizer's vocabulary against the run's, then `stored` against the run's recorded
     /// model.
-    fn check_run(
-        &self,
-        run: &TrainerState,
-        checks: &Checks,
-        stored: &dyn ModelConfig,
-    ) -> Result<()> {
+    fn check_run(&self, run: &RunState, checks: &Checks, stored: &dyn ModelConfig) -> Result<()> {
         if let Some(d) = checks.data {
             let tokens = match d.fingerprint {
                 FingerprintCheck::Skip => None,
@@ -451,7 +449,7 @@ impl ModelDir {
             }
         }
         let data = checks.data.map(|d| d.source);
-        checkpoint::check_model_matches(stored, run, data, &self.dir)
+        run.check_model(stored, data, &self.dir)
     }
 
     /// Memory (module docs, step 4): a training step of the run, given one (over a base saved

@@ -227,7 +227,7 @@ impl RecordedBase {
                 weights,
             } => (model, config, weights),
         };
-        let digest = crate::checkpoint::manifest::digest;
+        let digest = candle_data::digest::file_digest;
         let mut diff = Vec::new();
         if *config != digest(&dir.join(crate::load::CONFIG_FILE))? {
             diff.push(crate::load::CONFIG_FILE.to_string());
