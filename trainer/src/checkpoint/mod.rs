@@ -20,7 +20,6 @@
 //! then renamed into place; `latest` is replaced atomically afterwards. A killed run therefore
 //! leaves the previous checkpoint intact, and a half-written one is never picked up.
 
-pub mod manifest;
 pub use crate::io;
 mod state;
 
@@ -33,6 +32,7 @@ use candle_core::{Device, Tensor};
 pub use crate::load::layout::{
     checkpoints_dir, Source, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE,
 };
+pub use crate::load::manifest;
 pub use crate::load::resolve_checkpoint as resolve;
 pub use state::{RngState, SavedFiles, TrainerState};
 
@@ -50,10 +50,7 @@ pub enum ModelFiles<'a> {
     /// LoRA adapters (and modules to save) over a frozen base recorded in the state:
     /// PEFT's `adapter_config.json` + `adapter_model.safetensors`, which records the base too
     /// ([`crate::lora::BASE_METADATA_KEY`]).
-    Lora(
-        &'a candle_peft::LoraConfig,
-        &'a crate::lora::base::BaseIdentity,
-    ),
+    Lora(&'a candle_peft::LoraConfig, &'a crate::lora::BaseIdentity),
 }
 
 impl<'a> ModelFiles<'a> {
@@ -112,7 +109,7 @@ pub fn save(
     // A diverged run must not replace the last good checkpoint with garbage.
     let (opt_tensors, opt_step) = (&optimizer.tensors, optimizer.step_count);
     let target = ckpts.join(&name);
-    let refuse = |e: Error| {
+    let refuse = |e: candle_models::Error| {
         Error::checkpoint(
             &target,
             format!("not saved, the previous checkpoint stays `latest`: {e}"),
@@ -164,7 +161,7 @@ pub fn save(
         }
         named(
             &file(manifest::MANIFEST_FILE),
-            manifest::write(&tmp, state.step),
+            manifest::write(&tmp, state.step).map_err(Error::from),
         )?;
         io::sync_dir(&tmp).map_err(|e| Error::io(&tmp, e))
     })();
@@ -172,7 +169,7 @@ pub fn save(
         // A failed write (a full disk, say) leaves nothing behind: the error names the file
         // being written.
         let _ = fs::remove_dir_all(&tmp);
-        return Err(refuse(e));
+        return Err(refuse(e.into()));
     }
     if final_dir.exists() {
         // Re-saving the same step (e.g. after a resume): move the old one aside first, so
@@ -237,7 +234,7 @@ pub fn load_params(
     device: &Device,
     source: Source,
 ) -> Result<Params> {
-    crate::load::WeightFiles::Single(path.to_path_buf()).read(config, device, source)
+    Ok(crate::load::WeightFiles::Single(path.to_path_buf()).read(config, device, source)?)
 }
 
 /// Checks that the weights and optimiser files of checkpoint `dir` are the ones saved with

@@ -76,7 +76,7 @@ pub struct TrainerState {
     /// The frozen base model of a LoRA run (its checkpoints hold the adapters only), by
     /// identity: resuming or loading the adapters over another base is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub base: Option<crate::lora::base::RecordedBase>,
+    pub base: Option<crate::lora::RecordedBase>,
     /// The files saved with this state, for `checkpoint::check_files_match`: set by
     /// [`crate::checkpoint::save`] (absent in checkpoints written before).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -91,10 +91,10 @@ impl BaseIdentity {
         }
         let json = serde_json::to_string(&json)
             .map_err(|e| Error::Config(format!("{model}: config: {e}")))?;
-        let mut h = crate::hash::Hasher64::new();
+        let mut h = candle_data::hash::Hasher64::new();
         h.update(json.as_bytes());
         let architecture = format!("{:016x}", h.finish());
-        let mut h = crate::hash::Hasher64::new();
+        let mut h = candle_data::hash::Hasher64::new();
         for named in tensors {
             let (name, v) = named?;
             h.update(&(name.len() as u64).to_le_bytes());

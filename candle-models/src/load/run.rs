@@ -8,10 +8,10 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use super::CONFIG_FILE;
-use crate::data::{DataKind, DataSource, Fingerprint};
 use crate::lora::{Nf4Settings, RecordedBase};
 use crate::model::ModelConfig;
 use crate::{Error, Result};
+use candle_data::{DataKind, DataSource, Fingerprint};
 
 /// The part of a trainer checkpoint's `trainer_state.json` that loading checks the model
 /// against (the fields of the trainer's own state of the same names).

@@ -35,12 +35,12 @@ impl Nf4Layers {
         path: &str,
         fan_in: usize,
         fan_out: usize,
-    ) -> candle_models::Result<Option<Nf4Weight>> {
+    ) -> crate::Result<Option<Nf4Weight>> {
         let Some(w) = self.weights.get(path) else {
             return Ok(None);
         };
         if w.shape() != [fan_out, fan_in] {
-            return Err(candle_models::Error::checkpoint(
+            return Err(crate::Error::checkpoint(
                 &self.file,
                 format!(
                     "`{path}.weight.{QUANT_STATE_SUFFIX}` gives the shape {:?}, but the model's \

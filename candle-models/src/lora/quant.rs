@@ -14,8 +14,8 @@ use serde_json::Value;
 use super::Nf4Layers;
 use crate::load::{Streamed, WeightFiles};
 use crate::model::{config_from_hf_json_file, Builder, ModelConfig, Params};
+use crate::Result as ModelResult;
 use crate::{Error, Result};
-use candle_models::Result as ModelResult;
 
 /// The module path of the output head, which `all-linear` leaves out (PEFT: the output
 /// embeddings).

@@ -11,8 +11,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{io, Error, Result};
+use crate::{Error, Result};
 use candle_data::digest::check_format;
+use candle_data::io;
 
 /// The manifest's file name.
 pub const MANIFEST_FILE: &str = "manifest.json";
