@@ -458,7 +458,7 @@ fn write_weights(
 /// loaders check), streamed tensor by tensor, atomically and fsynced.
 fn write_safetensors(path: &Path, tensors: Vec<(String, Tensor)>) -> Result<()> {
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    Ok(io::save_safetensors(path, &tensors, Some(meta))?)
+    io::save_safetensors(path, &tensors, Some(meta))
 }
 
 /// `source` and the models it was started from: a trainer run's `init_from`, followed while it

@@ -63,7 +63,7 @@ pub fn write(dir: &Path, step: usize) -> Result<()> {
         step,
         files,
     };
-    Ok(io::write_json(&dir.join(MANIFEST_FILE), &manifest)?)
+    io::write_json(&dir.join(MANIFEST_FILE), &manifest)
 }
 
 /// Checks that the checkpoint in `dir` is the unit its manifest describes, saved after `step`

@@ -162,7 +162,7 @@ pub struct Loaded {
 impl Loaded {
     /// The model built over the parameters.
     pub fn build(&self) -> Result<Box<dyn Model>> {
-        Ok(crate::model::build(self.config.as_ref(), &self.params)?)
+        crate::model::build(self.config.as_ref(), &self.params)
     }
 }
 
@@ -298,9 +298,7 @@ impl ModelDir {
 
     /// Its `config.json`, of any known architecture.
     pub fn config(&self) -> Result<Box<dyn ModelConfig>> {
-        Ok(crate::model::config_from_hf_json_file(
-            &self.dir.join(CONFIG_FILE),
-        )?)
+        crate::model::config_from_hf_json_file(&self.dir.join(CONFIG_FILE))
     }
 
     /// The model's config and weights on `device`, for inference (no other checks).
@@ -517,7 +515,7 @@ impl ModelDir {
                 "no tokenizer.json next to the model: give one with --tokenizer-path",
             ));
         }
-        Ok(TokenizerFile::open(&path)?)
+        TokenizerFile::open(&path)
     }
 }
 

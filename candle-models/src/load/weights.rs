@@ -135,7 +135,7 @@ impl WeightFiles {
             ));
         }
         let params = Params::from_vars(vars);
-        weights.check_copies(device, |of| Ok(params.tensor(of)?))?;
+        weights.check_copies(device, |of| params.tensor(of))?;
         params.check(config).map_err(|e| {
             Error::checkpoint(
                 self.path(),

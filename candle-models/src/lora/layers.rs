@@ -94,7 +94,7 @@ impl Nf4Layers {
         for (path, w) in &self.weights {
             tensors.push((format!("{path}.weight"), w.dequantize(DType::F32)?));
         }
-        Ok(Params::from_tensors(tensors)?)
+        Params::from_tensors(tensors)
     }
 
     /// `params` (merged f32 weights) with each 4-bit layer's weight quantized again (double
@@ -118,6 +118,6 @@ impl Nf4Layers {
                 })
             })
             .collect();
-        Ok(Params::from_tensors(tensors?)?)
+        Params::from_tensors(tensors?)
     }
 }

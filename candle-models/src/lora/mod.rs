@@ -405,8 +405,7 @@ fn inject(
             return Err(Error::Config(format!(
                 "{what}: base weight `{name}` is {:?}, the model needs {shape:?}",
                 t.dims()
-            ))
-            .into());
+            )));
         }
         let frozen = t.detach().to_dtype(base_dtype)?;
         match injector.parameter(name, &t).map_err(peft_err)? {
@@ -527,5 +526,5 @@ pub fn merge(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Resu
         }
         tensors.insert(name.clone(), t.to_dtype(old.dtype())?);
     }
-    Ok(Params::from_tensors(tensors)?)
+    Params::from_tensors(tensors)
 }

@@ -98,7 +98,7 @@ pub fn dequantized_base(
             (n.clone(), t)
         })
         .collect();
-    Ok(Params::from_tensors(tensors)?)
+    Params::from_tensors(tensors)
 }
 
 /// A model saved by transformers in 4 bits: its config, the tensors kept in full precision
