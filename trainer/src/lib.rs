@@ -21,10 +21,6 @@
 pub mod checkpoint;
 pub mod config;
 pub mod error;
-pub mod export;
-pub mod hub;
-pub mod load;
-pub mod lora;
 pub mod metrics;
 pub mod mfu;
 pub mod objective;
@@ -43,12 +39,11 @@ pub use error::{Error, Result};
 // The data crate, where the data sources, the shared file writers and the host-device transfer
 // points live (`trainer::data`, `trainer::io`, `trainer::transfer`, as before the split).
 pub use candle_data as data;
-use candle_data::hash;
 pub use candle_data::{io, transfer};
 
 // The models crate: the trainable models with Hugging Face names (`trainer::model`, as before
 // the split).
-pub use candle_models::model;
+pub use candle_models::{export, hub, load, lora, model};
 
 // The README's code blocks compile as doctests (`cargo test --doc -p trainer`).
 #[cfg(doctest)]

@@ -2,7 +2,8 @@
 //! steps, and of two runs at the same step) is refused on resume, except the mixes that are,
 //! byte for byte, one intact checkpoint in its own step's directory. All 2^6 mixes of each
 //! pair's six files are tried. Also: a different dtype or an extra tensor in a checkpoint's
-//! files is refused even when the manifest is sealed again.
+//! files is refused even when the manifest is sealed again; and what the loader reads of
+//! `trainer_state.json` is what the trainer wrote.
 
 mod common;
 
@@ -182,4 +183,58 @@ fn every_command_refuses_a_mixed_checkpoint() {
     let out = common::run_cli(&["inspect", mixed.to_str().unwrap()], tmp.path());
     assert!(!out.status.success());
     named(common::output_text(&out));
+}
+
+/// What the loader reads of `trainer_state.json` ([`trainer::load::RunState`]) is what the
+/// trainer wrote: the step, the shape, the origin, the tokenizer and the 4-bit settings.
+#[test]
+fn the_loaders_view_reads_what_the_state_records() {
+    use rand::SeedableRng;
+    use trainer::checkpoint::{RngState, TrainerState};
+    use trainer::config::{BaseQuant, ModuleList};
+    let quants = [
+        (BaseQuant::None, vec![]),
+        (
+            BaseQuant::Nf4,
+            vec!["lm_head".into(), "mlp.down_proj".into()],
+        ),
+    ];
+    for (quant, skip) in quants {
+        let config = TrainConfig {
+            n_layer: 5,
+            n_head: 3,
+            n_embd: 48,
+            bias: false,
+            block_size: 17,
+            init_from: Some("base/model".into()),
+            tokenizer_path: Some("tok/tokenizer.json".into()),
+            base_quant: quant,
+            base_quant_double: true,
+            base_quant_skip: ModuleList(skip),
+            ..TrainConfig::default()
+        };
+        let state = TrainerState {
+            step: 12,
+            rng: RngState::capture(&rand_chacha::ChaCha8Rng::seed_from_u64(1)),
+            tokens_seen: 0,
+            best_val_loss: None,
+            best_checkpoint: None,
+            elapsed_secs: 0.0,
+            config: config.clone(),
+            data: None,
+            world_size: 1,
+            base: None,
+            files: None,
+        };
+        let json = serde_json::to_string(&state).unwrap();
+        let view: trainer::load::RunState = serde_json::from_str(&json).unwrap();
+        let c = &view.config;
+        assert_eq!(view.step, 12);
+        let shape = (c.n_layer, c.n_head, c.n_embd, c.bias, c.block_size);
+        assert_eq!(shape, (5, 3, 48, false, 17));
+        assert_eq!(c.init_from, config.init_from);
+        assert_eq!(c.tokenizer_path, config.tokenizer_path);
+        assert_eq!(c.data, config.data);
+        assert_eq!(c.nf4_settings(), config.nf4_settings());
+    }
 }

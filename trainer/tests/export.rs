@@ -47,7 +47,7 @@ fn hf_dir(dir: &Path, cfg: &LlamaConfig, seed: u64, dtype: WeightDtype) -> Param
 }
 
 fn load(dir: &Path) -> trainer::Result<(Box<dyn ModelConfig>, Params)> {
-    ModelDir::open(dir.to_str().unwrap())?.load(&Device::Cpu)
+    Ok(ModelDir::open(dir.to_str().unwrap())?.load(&Device::Cpu)?)
 }
 
 fn load_err(dir: &Path) -> String {

@@ -20,7 +20,6 @@
 //! then renamed into place; `latest` is replaced atomically afterwards. A killed run therefore
 //! leaves the previous checkpoint intact, and a half-written one is never picked up.
 
-pub mod manifest;
 pub use crate::io;
 mod state;
 
@@ -33,10 +32,10 @@ use candle_core::{Device, Tensor};
 pub use crate::load::layout::{
     checkpoints_dir, Source, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE,
 };
+pub use crate::load::manifest;
 pub use crate::load::resolve_checkpoint as resolve;
 pub use state::{RngState, SavedFiles, TrainerState};
 
-use crate::data::DataSource;
 use crate::load::finite;
 use crate::lora::Tuning;
 use crate::model::{ModelConfig, Params};
@@ -51,10 +50,7 @@ pub enum ModelFiles<'a> {
     /// LoRA adapters (and modules to save) over a frozen base recorded in the state:
     /// PEFT's `adapter_config.json` + `adapter_model.safetensors`, which records the base too
     /// ([`crate::lora::BASE_METADATA_KEY`]).
-    Lora(
-        &'a candle_peft::LoraConfig,
-        &'a crate::lora::base::BaseIdentity,
-    ),
+    Lora(&'a candle_peft::LoraConfig, &'a crate::lora::BaseIdentity),
 }
 
 impl<'a> ModelFiles<'a> {
@@ -113,7 +109,7 @@ pub fn save(
     // A diverged run must not replace the last good checkpoint with garbage.
     let (opt_tensors, opt_step) = (&optimizer.tensors, optimizer.step_count);
     let target = ckpts.join(&name);
-    let refuse = |e: Error| {
+    let refuse = |e: candle_models::Error| {
         Error::checkpoint(
             &target,
             format!("not saved, the previous checkpoint stays `latest`: {e}"),
@@ -165,7 +161,7 @@ pub fn save(
         }
         named(
             &file(manifest::MANIFEST_FILE),
-            manifest::write(&tmp, state.step),
+            manifest::write(&tmp, state.step).map_err(Error::from),
         )?;
         io::sync_dir(&tmp).map_err(|e| Error::io(&tmp, e))
     })();
@@ -173,7 +169,7 @@ pub fn save(
         // A failed write (a full disk, say) leaves nothing behind: the error names the file
         // being written.
         let _ = fs::remove_dir_all(&tmp);
-        return Err(refuse(e));
+        return Err(refuse(e.into()));
     }
     if final_dir.exists() {
         // Re-saving the same step (e.g. after a resume): move the old one aside first, so
@@ -238,7 +234,7 @@ pub fn load_params(
     device: &Device,
     source: Source,
 ) -> Result<Params> {
-    crate::load::WeightFiles::Single(path.to_path_buf()).read(config, device, source)
+    Ok(crate::load::WeightFiles::Single(path.to_path_buf()).read(config, device, source)?)
 }
 
 /// Checks that the weights and optimiser files of checkpoint `dir` are the ones saved with
@@ -339,55 +335,4 @@ pub(crate) fn prune(run_dir: &Path, keep_last: usize, keep: &[&str]) -> Result<(
         fs::remove_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
     }
     Ok(())
-}
-
-/// Checks that a checkpoint's `config.json` (`model`) agrees with its run (`run`, its
-/// `trainer_state.json`, whose run config it checks): the shape the run trains, room for its context, and (given
-/// the run's `data`) an embedding for every token id of the data. Every command that loads a
-/// trainer checkpoint (resume, eval, sample, inspect) checks this before reading weights.
-pub(crate) fn check_model_matches(
-    model: &dyn ModelConfig,
-    run: &TrainerState,
-    data: Option<&dyn DataSource>,
-    dir: &Path,
-) -> Result<()> {
-    let config = &run.config;
-    let mut wrong = Vec::new();
-    let shape = model.shape();
-    for (name, in_model, in_run) in [
-        ("n_layer", shape.n_layer, config.n_layer),
-        ("n_head", shape.n_head, config.n_head),
-        ("n_embd", shape.n_embd, config.n_embd),
-    ] {
-        if in_model != in_run {
-            wrong.push(format!("{name} {in_model} (trainer_state.json: {in_run})"));
-        }
-    }
-    if shape.bias != config.bias {
-        wrong.push(format!(
-            "bias {} (trainer_state.json: {})",
-            shape.bias, config.bias
-        ));
-    }
-    if model.max_positions() < config.block_size {
-        wrong.push(format!(
-            "n_positions {} < the run's block_size {}",
-            model.max_positions(),
-            config.block_size
-        ));
-    }
-    if let Some(data) = data.filter(|d| model.vocab_size() < d.vocab_size()) {
-        wrong.push(format!(
-            "vocab_size {} < the data's {} token ids",
-            model.vocab_size(),
-            data.vocab_size()
-        ));
-    }
-    if wrong.is_empty() {
-        return Ok(());
-    }
-    Err(Error::checkpoint(
-        dir.join(CONFIG_FILE),
-        format!("disagrees with the run it belongs to: {}", wrong.join(", ")),
-    ))
 }

@@ -6,6 +6,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::TrainConfig;
 use crate::data::Fingerprint;
+use crate::io;
+use crate::load::{ModelDir, STATE_FILE};
 use crate::{Error, Result};
 
 /// The exact position of a ChaCha8 generator (seed, stream, word position), so that sampling
@@ -74,7 +76,7 @@ pub struct TrainerState {
     /// The frozen base model of a LoRA run (its checkpoints hold the adapters only), by
     /// identity: resuming or loading the adapters over another base is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub base: Option<crate::lora::base::RecordedBase>,
+    pub base: Option<crate::lora::RecordedBase>,
     /// The files saved with this state, for `checkpoint::check_files_match`: set by
     /// [`crate::checkpoint::save`] (absent in checkpoints written before).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -94,6 +96,20 @@ pub struct SavedFiles {
 
 fn one() -> usize {
     1
+}
+
+impl TrainerState {
+    /// The whole state of the trainer checkpoint `model` is (its `trainer_state.json`, beside
+    /// its weights or its adapters), or `None` for a model that is not one (the loader reads
+    /// only its [`crate::load::RunState`]).
+    pub fn of(model: &ModelDir) -> Result<Option<Self>> {
+        if model.run.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(io::read_json(
+            &model.checkpoint_dir().join(STATE_FILE),
+        )?))
+    }
 }
 
 #[cfg(test)]

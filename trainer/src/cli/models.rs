@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use clap::Args;
 use rand::SeedableRng;
-use trainer::checkpoint;
+use trainer::checkpoint::{self, TrainerState};
 use trainer::data::sft::SftEncoder;
 use trainer::load::{
     Checks, DataCheck, FingerprintCheck, Loaded, ModelDir, Vocabulary, WeightFiles,
@@ -129,7 +129,7 @@ impl Codec {
         if let Some(path) = tokenizer {
             return Ok(Codec::Tokenizer(Box::new(TokenizerFile::open(path)?)));
         }
-        if let Some(run) = model.run.as_ref().map(|s| &s.config) {
+        if let Some(run) = TrainerState::of(model)?.map(|s| s.config) {
             // Its fingerprint is checked against the run's when the model is loaded.
             let data = run.open_data().with_context(|| {
                 format!(
@@ -488,7 +488,7 @@ fn inspect_dir(model: &ModelDir) -> Result<()> {
             }
         }
     }
-    if let Some(state) = &model.run {
+    if let Some(state) = TrainerState::of(model)? {
         outln!("step        {}", state.step);
         outln!("tokens      {}", state.tokens_seen);
         if let Some(b) = state.best_val_loss {

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use super::TrainConfig;
+use crate::checkpoint::TrainerState;
 use crate::data::DataKind;
 use crate::model::ModelConfig;
 use crate::pretrained::{EvalRequest, ModelDir, TOKENIZER_FILE};
@@ -21,8 +22,8 @@ impl EvalRequest {
     /// the run's (or a bare model's defaults) with the given flags applied.
     pub fn config(&self, model: &ModelDir, model_config: &dyn ModelConfig) -> Result<TrainConfig> {
         let n_positions = model_config.max_positions();
-        let mut cfg = match model.run.as_ref().map(|s| &s.config) {
-            Some(run) => run.clone(),
+        let mut cfg = match TrainerState::of(model)?.map(|s| s.config) {
+            Some(run) => run,
             None => {
                 if !self.has_data() {
                     return Err(Error::Config(format!(

@@ -321,19 +321,20 @@ pub(crate) fn build_model(
     // checkpoint, the data's vocabulary, this run's memory before allocating, the weights,
     // the manifest.
     let source = pretrained::ModelDir::open(from)?;
-    let settings = |loaded: &dyn model::ModelConfig| -> Result<Box<dyn model::ModelConfig>> {
-        let tokens = pretrained::data_special_tokens(
-            config.data,
-            config.tokenizer_path.as_deref(),
-            loaded.special_tokens(),
-        )?;
-        Ok(loaded.with_run_settings(config.dropout, tokens))
-    };
+    let settings =
+        |loaded: &dyn model::ModelConfig| -> candle_models::Result<Box<dyn model::ModelConfig>> {
+            let tokens = pretrained::data_special_tokens(
+                config.data,
+                config.tokenizer_path.as_deref(),
+                loaded.special_tokens(),
+            )?;
+            Ok(loaded.with_run_settings(config.dropout, tokens))
+        };
     let quant = config.nf4_settings();
     let four_bit = four_bit(lora.is_some(), quant.as_ref())?;
     let step = memory::MemorySettings::from(config);
     let fits = |m: &dyn ModelConfig, d: &Device, q: Option<bool>| {
-        memory::check_loaded_fits(&step, m, d, q)
+        memory::check_loaded_fits(&step, m, d, q).map_err(Into::into)
     };
     let checks = load::Checks {
         train: Some(&fits),
@@ -384,6 +385,7 @@ pub(crate) fn build_model(
         computing(config, loaded.quantized.as_ref()).as_ref(),
         config.seed,
     )
+    .map_err(Error::from)
 }
 
 /// The model a checkpoint `dir` of a run with `config` resumes, as the loader `loaded` it
@@ -408,7 +410,8 @@ pub(crate) fn resume_model(
             config.base_dtype.unwrap_or(config.dtype).dtype(),
             computing(config, loaded.quantized.as_ref()).as_ref(),
             config.seed,
-        ),
+        )
+        .map_err(Error::from),
         (Some(_), ..) => Err(Error::checkpoint(
             dir,
             "holds adapters but trainer_state.json records no base model",

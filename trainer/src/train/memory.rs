@@ -239,7 +239,7 @@ pub(crate) fn check_run_fits(
     };
     let need = estimate_step_bytes(config, model, dtype, plan.as_ref())
         .max(floor_bytes(config, model, dtype));
-    crate::load::fits::check_fits(need, &what, advice)
+    Ok(crate::load::fits::check_fits(need, &what, advice)?)
 }
 
 /// [`check_run_fits`] for a model being loaded for the run (`load::Checks::train`): over a

@@ -189,7 +189,7 @@ impl Trainer {
         let quant = config.nf4_settings();
         let step = memory::MemorySettings::from(&config);
         let fits = |m: &dyn ModelConfig, d: &Device, q: Option<bool>| {
-            memory::check_loaded_fits(&step, m, d, q)
+            memory::check_loaded_fits(&step, m, d, q).map_err(Into::into)
         };
         let checks = load::Checks {
             train: Some(&fits),
@@ -214,7 +214,7 @@ impl Trainer {
                     builder::resume_model(l, state.base.is_some(), &config, &dir)?;
                 let mut o = optimizer(&config, &params)?;
                 checkpoint::load_optimizer(&dir, o.as_mut(), &device)?;
-                Ok((model, params, tuning, o))
+                Ok::<_, Error>((model, params, tuning, o))
             })?;
         // The manifest holds (checked last by the loader); the files must also be the ones
         // trainer_state.json was saved with.

@@ -35,12 +35,12 @@ impl Nf4Layers {
         path: &str,
         fan_in: usize,
         fan_out: usize,
-    ) -> candle_models::Result<Option<Nf4Weight>> {
+    ) -> crate::Result<Option<Nf4Weight>> {
         let Some(w) = self.weights.get(path) else {
             return Ok(None);
         };
         if w.shape() != [fan_out, fan_in] {
-            return Err(candle_models::Error::checkpoint(
+            return Err(crate::Error::checkpoint(
                 &self.file,
                 format!(
                     "`{path}.weight.{QUANT_STATE_SUFFIX}` gives the shape {:?}, but the model's \
@@ -94,7 +94,7 @@ impl Nf4Layers {
         for (path, w) in &self.weights {
             tensors.push((format!("{path}.weight"), w.dequantize(DType::F32)?));
         }
-        Ok(Params::from_tensors(tensors)?)
+        Params::from_tensors(tensors)
     }
 
     /// `params` (merged f32 weights) with each 4-bit layer's weight quantized again (double
@@ -118,6 +118,6 @@ impl Nf4Layers {
                 })
             })
             .collect();
-        Ok(Params::from_tensors(tensors?)?)
+        Params::from_tensors(tensors?)
     }
 }

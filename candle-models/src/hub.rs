@@ -33,9 +33,9 @@ pub fn cache_dir() -> PathBuf {
 /// let env = |vars: &'static [(&'static str, &'static str)]| {
 ///     move |name: &str| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| v.into())
 /// };
-/// let dir = trainer::hub::cache_dir_in(env(&[("HOME", "/h"), ("HF_HOME", "~/hf")]));
+/// let dir = candle_models::hub::cache_dir_in(env(&[("HOME", "/h"), ("HF_HOME", "~/hf")]));
 /// assert_eq!(dir, PathBuf::from("/h/hf/hub"));
-/// let dir = trainer::hub::cache_dir_in(env(&[("HF_HOME", "/a"), ("HF_HUB_CACHE", "/b")]));
+/// let dir = candle_models::hub::cache_dir_in(env(&[("HF_HOME", "/a"), ("HF_HUB_CACHE", "/b")]));
 /// assert_eq!(dir, PathBuf::from("/b"));
 /// ```
 pub fn cache_dir_in(var: impl Fn(&str) -> Option<OsString>) -> PathBuf {
@@ -69,7 +69,7 @@ pub fn cache_dir_in(var: impl Fn(&str) -> Option<OsString>) -> PathBuf {
 ///
 /// ```
 /// let cache = hf_hub::Cache::new(std::env::temp_dir().join("no-such-hf-cache"));
-/// let err = trainer::hub::snapshot_dir(&cache, "openai-community/gpt2").unwrap_err();
+/// let err = candle_models::hub::snapshot_dir(&cache, "openai-community/gpt2").unwrap_err();
 /// assert!(err.to_string().contains("not in the local Hugging Face cache"));
 /// ```
 pub fn snapshot_dir(cache: &hf_hub::Cache, id: &str) -> Result<PathBuf> {

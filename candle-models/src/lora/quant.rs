@@ -14,8 +14,8 @@ use serde_json::Value;
 use super::Nf4Layers;
 use crate::load::{Streamed, WeightFiles};
 use crate::model::{config_from_hf_json_file, Builder, ModelConfig, Params};
+use crate::Result as ModelResult;
 use crate::{Error, Result};
-use candle_models::Result as ModelResult;
 
 /// The module path of the output head, which `all-linear` leaves out (PEFT: the output
 /// embeddings).
@@ -98,7 +98,7 @@ pub fn dequantized_base(
             (n.clone(), t)
         })
         .collect();
-    Ok(Params::from_tensors(tensors)?)
+    Params::from_tensors(tensors)
 }
 
 /// A model saved by transformers in 4 bits: its config, the tensors kept in full precision

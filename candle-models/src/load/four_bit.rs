@@ -38,7 +38,7 @@ pub(super) struct Base {
 /// `Some(double)` when the `config.json` at `path` describes a bitsandbytes 4-bit NF4 model;
 /// any other quantization is refused by name.
 fn saved_4bit(path: &Path) -> Result<Option<bool>> {
-    let json: serde_json::Value = crate::io::read_json(path)?;
+    let json: serde_json::Value = candle_data::io::read_json(path)?;
     crate::lora::check_quantization_config(path, &json)
 }
 

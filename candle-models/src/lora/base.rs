@@ -91,10 +91,10 @@ impl BaseIdentity {
         }
         let json = serde_json::to_string(&json)
             .map_err(|e| Error::Config(format!("{model}: config: {e}")))?;
-        let mut h = crate::hash::Hasher64::new();
+        let mut h = candle_data::hash::Hasher64::new();
         h.update(json.as_bytes());
         let architecture = format!("{:016x}", h.finish());
-        let mut h = crate::hash::Hasher64::new();
+        let mut h = candle_data::hash::Hasher64::new();
         for named in tensors {
             let (name, v) = named?;
             h.update(&(name.len() as u64).to_le_bytes());
@@ -227,7 +227,7 @@ impl RecordedBase {
                 weights,
             } => (model, config, weights),
         };
-        let digest = crate::checkpoint::manifest::digest;
+        let digest = candle_data::digest::file_digest;
         let mut diff = Vec::new();
         if *config != digest(&dir.join(crate::load::CONFIG_FILE))? {
             diff.push(crate::load::CONFIG_FILE.to_string());

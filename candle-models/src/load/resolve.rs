@@ -21,7 +21,7 @@ pub fn resolve(spec: &str) -> Result<PathBuf> {
 ///
 /// ```
 /// let cache = hf_hub::Cache::new(std::env::temp_dir().join("no-such-hf-cache"));
-/// let err = trainer::load::resolve_in("no-org/no-model", &cache).unwrap_err();
+/// let err = candle_models::load::resolve_in("no-org/no-model", &cache).unwrap_err();
 /// assert!(err.to_string().contains("no-org/no-model"));
 /// ```
 pub fn resolve_in(spec: &str, cache: &hf_hub::Cache) -> Result<PathBuf> {
@@ -81,7 +81,7 @@ fn looks_like_hub_id(spec: &str) -> bool {
 ///
 /// ```
 /// let dir = tempfile::tempdir()?;
-/// let e = trainer::lora::resolve_adapter_base(dir.path(), "../no-such-base").unwrap_err();
+/// let e = candle_models::lora::resolve_adapter_base(dir.path(), "../no-such-base").unwrap_err();
 /// assert!(e.to_string().contains("base_model_name_or_path `../no-such-base`"));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```

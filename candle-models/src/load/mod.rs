@@ -16,21 +16,23 @@
 //!
 //! 1. `config.json`, of any known architecture ([`crate::model::config_from_hf_json_file`]);
 //! 2. for a trainer checkpoint given data, the data's fingerprint against the run's
-//!    ([`crate::data::check_fingerprint`]), then `config.json` against the run's recorded
-//!    state (`checkpoint::check_model_matches`);
+//!    ([`candle_data::check_fingerprint`]), then `config.json` against the run's recorded
+//!    state ([`RunState::check_model`]);
 //! 3. the data's and the tokenizer's vocabularies against the model's embedding;
 //! 4. memory: a training step of the run (given one), else the f32 weights, must fit, before
 //!    anything of the model's size is allocated;
 //! 5. the weights, single or sharded, memory-mapped and checked ([`WeightFiles::read`]);
 //! 6. what the caller reads besides (resume: the optimiser state);
-//! 7. a trainer checkpoint's `manifest.json` ([`checkpoint::manifest::verify`]), last, so that a
+//! 7. a trainer checkpoint's `manifest.json` ([`manifest::verify`]), last, so that a
 //!    corrupt file is named for what is wrong with it before the manifest says it changed.
 
 pub mod finite;
-pub(crate) mod fits;
+pub mod fits;
 mod four_bit;
 pub mod layout;
+pub mod manifest;
 pub(crate) mod resolve;
+mod run;
 mod weights;
 
 use std::path::{Path, PathBuf};
@@ -41,14 +43,15 @@ use serde_json::Value;
 pub use four_bit::FourBit;
 pub use layout::{Source, CONFIG_FILE, INDEX_FILE, MODEL_FILE, STATE_FILE};
 pub use resolve::{resolve, resolve_checkpoint, resolve_in};
+pub use run::{RunConfig, RunState};
 pub use weights::{ShardIndex, Streamed, TensorHeader, WeightFiles};
 
-use crate::checkpoint::{self, TrainerState};
-use crate::data::tokenizer::{TokenizerFile, TOKENIZER_FILE};
-use crate::data::DataSource;
 use crate::model::{Model, ModelConfig, Params};
 use crate::{Error, Result};
+use candle_data::tokenizer::{TokenizerFile, TOKENIZER_FILE};
+use candle_data::DataSource;
 use candle_peft::format::ADAPTER_CONFIG_FILE;
+use manifest::verify as verify_manifest;
 
 /// `transformers`' generation settings file (`eos_token_id` may be a list there).
 pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
@@ -60,8 +63,9 @@ pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
 pub struct ModelDir {
     /// The directory holding `config.json` and the weights (the base model's, for adapters).
     pub dir: PathBuf,
-    /// The trainer state of a trainer checkpoint (`None` for a bare Hugging Face model).
-    pub run: Option<TrainerState>,
+    /// What loading reads of a trainer checkpoint's `trainer_state.json` (`None` for a bare
+    /// Hugging Face model).
+    pub run: Option<RunState>,
     /// The weight files: `model.safetensors` or the shards of its index.
     pub weights: WeightFiles,
     /// The directory of the adapters applied over the weights (`adapter_config.json` +
@@ -100,7 +104,7 @@ pub struct Vocabulary<'a> {
     pub name: &'a str,
     /// Its number of token ids.
     pub ids: usize,
-    /// Its vocabulary fingerprint ([`crate::data::Fingerprint::vocab`]): a trainer run that
+    /// Its vocabulary fingerprint ([`candle_data::Fingerprint::vocab`]): a trainer run that
     /// recorded another one is refused (its ids would decode to other text).
     pub fingerprint: Option<&'a str>,
     /// What to do instead, for the error.
@@ -158,7 +162,7 @@ pub struct Loaded {
 impl Loaded {
     /// The model built over the parameters.
     pub fn build(&self) -> Result<Box<dyn Model>> {
-        Ok(crate::model::build(self.config.as_ref(), &self.params)?)
+        crate::model::build(self.config.as_ref(), &self.params)
     }
 }
 
@@ -186,8 +190,8 @@ impl ModelDir {
     /// [`ModelDir::open_over`]); a `base` for a directory without adapters is an error.
     pub fn at_over(dir: PathBuf, base: Option<&str>) -> Result<Self> {
         let state = dir.join(STATE_FILE);
-        let run: Option<TrainerState> = match state.is_file() {
-            true => Some(crate::io::read_json(&state)?),
+        let run: Option<RunState> = match state.is_file() {
+            true => Some(candle_data::io::read_json(&state)?),
             false => None,
         };
         if !dir.join(ADAPTER_CONFIG_FILE).is_file() {
@@ -252,12 +256,12 @@ impl ModelDir {
     /// [`ModelDir::with_other_base`]).
     ///
     /// ```
-    /// use trainer::load::ModelDir;
+    /// use candle_models::load::ModelDir;
     ///
-    /// let dir = ModelDir::adapter_over("tests/fixtures/lora/adapter_plain", "tests/fixtures/lora/base")?;
+    /// let dir = ModelDir::adapter_over("../trainer/tests/fixtures/lora/adapter_plain", "../trainer/tests/fixtures/lora/base")?;
     /// let model = dir.load_model(&candle_core::Device::Cpu)?; // the base with the adapters merged
     /// assert_eq!(model.config().architecture(), "llama");
-    /// # Ok::<(), trainer::Error>(())
+    /// # Ok::<(), candle_models::Error>(())
     /// ```
     pub fn adapter_over(adapter: impl Into<PathBuf>, base: &str) -> Result<Self> {
         Self::at_over(adapter.into(), Some(base))
@@ -294,9 +298,7 @@ impl ModelDir {
 
     /// Its `config.json`, of any known architecture.
     pub fn config(&self) -> Result<Box<dyn ModelConfig>> {
-        Ok(crate::model::config_from_hf_json_file(
-            &self.dir.join(CONFIG_FILE),
-        )?)
+        crate::model::config_from_hf_json_file(&self.dir.join(CONFIG_FILE))
     }
 
     /// The model's config and weights on `device`, for inference (no other checks).
@@ -325,30 +327,30 @@ impl ModelDir {
         let config = self.config()?;
         self.check_four_bit(&Checks::default())?;
         if let Some(run) = &self.run {
-            checkpoint::check_model_matches(config.as_ref(), run, None, &self.dir)?;
+            run.check_model(config.as_ref(), None, &self.dir)?;
         }
         let weights = self.weights.open(config.as_ref(), self.source())?;
         weights.check_copies(&Device::Cpu, |of| weights.tensor(of, &Device::Cpu))?;
         if let Some(run) = &self.run {
-            checkpoint::manifest::verify(self.checkpoint_dir(), run.step)?;
+            verify_manifest(self.checkpoint_dir(), run.step)?;
         }
         Ok((config, weights))
     }
 
     /// Loads the model on `device` after `checks` (see the module's order).
     pub fn load_with(&self, checks: &Checks, device: &Device) -> Result<Loaded> {
-        Ok(self.load_then(checks, device, |_| Ok(()))?.0)
+        Ok(self.load_then(checks, device, |_| Ok::<_, Error>(()))?.0)
     }
 
     /// The loader: checks, weights, then `read` (what the caller reads of the checkpoint
     /// besides, e.g. the optimiser state), then a trainer checkpoint's manifest. See the
     /// module documentation for the order.
-    pub fn load_then<T>(
+    pub fn load_then<T, E: From<Error>>(
         &self,
         checks: &Checks,
         device: &Device,
-        read: impl FnOnce(&Loaded) -> Result<T>,
-    ) -> Result<(Loaded, T)> {
+        read: impl FnOnce(&Loaded) -> std::result::Result<T, E>,
+    ) -> std::result::Result<(Loaded, T), E> {
         let stored = self.config()?;
         let saved_4bit = self.check_four_bit(checks)?;
         let data = checks.data.map(|d| d.source);
@@ -361,20 +363,20 @@ impl ModelDir {
         };
         let embedded = config.vocab_size();
         if let Some(d) = data.filter(|d| d.vocab_size() > embedded) {
-            return Err(Error::Config(format!(
+            return Err(E::from(Error::Config(format!(
                 "the data has {} token ids but the model in {} embeds only {embedded}",
                 d.vocab_size(),
                 self.dir.display()
-            )));
+            ))));
         }
         if let Some(v) = checks.vocab.filter(|v| v.ids > embedded) {
-            return Err(Error::Config(format!(
+            return Err(E::from(Error::Config(format!(
                 "{} has {} token ids but the model in {} embeds only {embedded}{}",
                 v.name,
                 v.ids,
                 self.dir.display(),
                 v.advice
-            )));
+            ))));
         }
         self.check_memory(checks, config.as_ref(), device, saved_4bit)?;
         let weights = self.read_base(checks, config.as_ref(), device, saved_4bit.is_some())?;
@@ -413,8 +415,8 @@ impl ModelDir {
         };
         let more = read(&loaded)?;
         if let Some(run) = &self.run {
-            // A trainer checkpoint is one unit (see `checkpoint::manifest`).
-            checkpoint::manifest::verify(self.checkpoint_dir(), run.step)?;
+            // A trainer checkpoint is one unit (see [`manifest`]).
+            verify_manifest(self.checkpoint_dir(), run.step)?;
         }
         Ok((loaded, more))
     }
@@ -422,12 +424,7 @@ impl ModelDir {
     /// A trainer checkpoint's checks (module docs, step 2): the data's fingerprint and the
     /// tokenizer's vocabulary against the run's, then `stored` against the run's recorded
     /// model.
-    fn check_run(
-        &self,
-        run: &TrainerState,
-        checks: &Checks,
-        stored: &dyn ModelConfig,
-    ) -> Result<()> {
+    fn check_run(&self, run: &RunState, checks: &Checks, stored: &dyn ModelConfig) -> Result<()> {
         if let Some(d) = checks.data {
             let tokens = match d.fingerprint {
                 FingerprintCheck::Skip => None,
@@ -435,7 +432,7 @@ impl ModelDir {
                 FingerprintCheck::Corpus => Some(true),
             };
             if let Some(tokens) = tokens {
-                crate::data::check_fingerprint(run.data.as_ref(), d.source, &self.dir, tokens)?;
+                candle_data::check_fingerprint(run.data.as_ref(), d.source, &self.dir, tokens)?;
             }
         }
         if let (Some(v), Some(saved)) = (checks.vocab, run.data.as_ref()) {
@@ -451,7 +448,7 @@ impl ModelDir {
             }
         }
         let data = checks.data.map(|d| d.source);
-        checkpoint::check_model_matches(stored, run, data, &self.dir)
+        run.check_model(stored, data, &self.dir)
     }
 
     /// Memory (module docs, step 4): a training step of the run, given one (over a base saved
@@ -492,7 +489,7 @@ impl ModelDir {
             if !path.is_file() {
                 continue;
             }
-            let json: Value = crate::io::read_json(&path)?;
+            let json: Value = candle_data::io::read_json(&path)?;
             let v = match json.get("eos_token_id") {
                 None | Some(Value::Null) => continue,
                 Some(v) => v,
@@ -518,7 +515,7 @@ impl ModelDir {
                 "no tokenizer.json next to the model: give one with --tokenizer-path",
             ));
         }
-        Ok(TokenizerFile::open(&path)?)
+        TokenizerFile::open(&path)
     }
 }
 

@@ -5,7 +5,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use crate::load::ModelDir;
-use crate::{io, Error, Result};
+use crate::{Error, Result};
+use candle_data::io;
 
 /// Refuses an output that is a file, holds files (unless `force`), or holds the source.
 pub(super) fn check_destination(source: &ModelDir, out: &Path, force: bool) -> Result<()> {

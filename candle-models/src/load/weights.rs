@@ -135,7 +135,7 @@ impl WeightFiles {
             ));
         }
         let params = Params::from_vars(vars);
-        weights.check_copies(device, |of| Ok(params.tensor(of)?))?;
+        weights.check_copies(device, |of| params.tensor(of))?;
         params.check(config).map_err(|e| {
             Error::checkpoint(
                 self.path(),
@@ -203,7 +203,7 @@ impl WeightFiles {
 impl ShardIndex {
     /// Reads `model.safetensors.index.json` at `path`.
     pub fn read(path: &Path) -> Result<Self> {
-        let json: Value = crate::io::read_json(path)?;
+        let json: Value = candle_data::io::read_json(path)?;
         let err = |msg: String| Error::checkpoint(path, msg);
         let Some(map) = json.get("weight_map").and_then(Value::as_object) else {
             return Err(err("has no `weight_map` object".into()));

@@ -18,9 +18,10 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
 use crate::load::{Checks, ModelDir, CONFIG_FILE, INDEX_FILE, MODEL_FILE};
-use crate::pretrained::TOKENIZER_FILE;
-use crate::{io, Error, Result};
+use crate::{Error, Result};
 use atomic::{check_destination, write_dir};
+use candle_data::io;
+use candle_data::tokenizer::TOKENIZER_FILE;
 
 mod atomic;
 pub mod gguf;
@@ -43,7 +44,7 @@ const MAX_ORIGINS: usize = 8;
 
 /// The dtype exported weights are stored in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum WeightDtype {
     /// 32-bit float (`float32`).
     F32,
@@ -152,7 +153,7 @@ pub struct Exported {
 /// `1.5GB` (powers of 1000), `2GiB`, `512MiB` (powers of 1024) or plain bytes.
 ///
 /// ```
-/// use trainer::export::parse_size;
+/// use candle_models::export::parse_size;
 /// assert_eq!(parse_size("5GB").unwrap(), 5_000_000_000);
 /// assert_eq!(parse_size("2KiB").unwrap(), 2048);
 /// assert_eq!(parse_size("1000").unwrap(), 1000);
@@ -198,7 +199,7 @@ pub fn parse_size(text: &str) -> Result<u64> {
 ///
 /// ```
 /// let t = |n: &str, b: u64| (n.to_string(), b);
-/// let shards = trainer::export::plan_shards(&[t("a", 4), t("b", 4), t("c", 30), t("d", 4)], 10);
+/// let shards = candle_models::export::plan_shards(&[t("a", 4), t("b", 4), t("c", 30), t("d", 4)], 10);
 /// assert_eq!(shards, vec![vec!["c".to_string()], vec!["a".into(), "b".into()], vec!["d".into()]]);
 /// ```
 pub fn plan_shards(tensors: &[(String, u64)], max_shard_size: u64) -> Vec<Vec<String>> {
@@ -457,7 +458,7 @@ fn write_weights(
 /// loaders check), streamed tensor by tensor, atomically and fsynced.
 fn write_safetensors(path: &Path, tensors: Vec<(String, Tensor)>) -> Result<()> {
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    Ok(io::save_safetensors(path, &tensors, Some(meta))?)
+    io::save_safetensors(path, &tensors, Some(meta))
 }
 
 /// `source` and the models it was started from: a trainer run's `init_from`, followed while it

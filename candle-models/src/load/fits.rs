@@ -28,7 +28,7 @@ pub(crate) fn available_memory() -> Option<u64> {
 }
 
 /// Errors, naming `what` needs the memory and what to change, when `need` bytes exceed
-/// [`available_memory`] (nothing is checked when it cannot be told).
+/// `available_memory` (nothing is checked when it cannot be told).
 pub fn check_fits(need: u64, what: &str, advice: &str) -> Result<()> {
     match available_memory() {
         Some(available) if need > available => {

@@ -23,8 +23,8 @@ use crate::load::finite;
 use crate::model::{
     Builder, Ctx, Kernels, Layout, LinearAdapter, Model, ModelConfig, Params, Quant, WeightMap,
 };
+use crate::Result as ModelResult;
 use crate::{Error, Result};
-use candle_models::Result as ModelResult;
 
 pub(crate) mod base;
 mod layers;
@@ -121,7 +121,7 @@ impl LinearAdapter for LoraLayer {
 /// The dropout site of the adapter at `path`: a hash of the path, with the top bit set so it
 /// never meets the model's own sites (small integers).
 fn site_of(path: &str) -> u64 {
-    let mut h = crate::hash::Hasher64::new();
+    let mut h = candle_data::hash::Hasher64::new();
     h.update(path.as_bytes());
     h.finish() | (1 << 63)
 }
@@ -206,8 +206,8 @@ impl Tuning {
     /// evaluation or a reference model can take it at every step.
     ///
     /// ```no_run
-    /// # fn f(t: &trainer::lora::Tuning, m: &dyn trainer::model::Model, idx: &candle_core::Tensor) -> trainer::Result<()> {
-    /// use trainer::model::Ctx;
+    /// # fn f(t: &candle_models::lora::Tuning, m: &dyn candle_models::model::Model, idx: &candle_core::Tensor) -> candle_models::Result<()> {
+    /// use candle_models::model::Ctx;
     /// let base_logits = t.without_adapters(m)?.forward(idx, &Ctx::eval().without_adapters())?;
     /// # Ok(()) }
     /// ```
@@ -405,8 +405,7 @@ fn inject(
             return Err(Error::Config(format!(
                 "{what}: base weight `{name}` is {:?}, the model needs {shape:?}",
                 t.dims()
-            ))
-            .into());
+            )));
         }
         let frozen = t.detach().to_dtype(base_dtype)?;
         match injector.parameter(name, &t).map_err(peft_err)? {
@@ -527,5 +526,5 @@ pub fn merge(config: &dyn ModelConfig, base: &Params, adapter: &Adapter) -> Resu
         }
         tensors.insert(name.clone(), t.to_dtype(old.dtype())?);
     }
-    Ok(Params::from_tensors(tensors)?)
+    Params::from_tensors(tensors)
 }

@@ -39,7 +39,7 @@ use crate::{Error, Result};
 
 /// The tensor types of an exported GGUF file (llama.cpp's `--outtype` names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum GgufType {
     /// Every tensor in f32 (`ALL_F32`).
     F32,
@@ -48,12 +48,12 @@ pub enum GgufType {
     /// Matrices in bf16, vectors in f32 (`MOSTLY_BF16`).
     Bf16,
     /// Matrices in q8_0 (8 bits and an f16 scale per 32), vectors in f32 (`MOSTLY_Q8_0`).
-    #[cfg_attr(feature = "cli", value(name = "q8_0"))]
+    #[cfg_attr(feature = "clap", value(name = "q8_0"))]
     Q8_0,
     /// llama.cpp's q4_k_m mixture (`MOSTLY_Q4_K_M`, what `llama-quantize ... Q4_K_M` writes):
     /// q4_k matrices, q6_k for the output head and for the value and down projections of
     /// some layers, vectors in f32.
-    #[cfg_attr(feature = "cli", value(name = "q4_k_m"))]
+    #[cfg_attr(feature = "clap", value(name = "q4_k_m"))]
     Q4KM,
 }
 
@@ -542,7 +542,7 @@ fn tokenizer_dir(source: &ModelDir) -> Option<PathBuf> {
         .into_iter()
         .map(|o| o.dir)
         .chain(source.adapter.clone())
-        .find(|d| d.join(crate::pretrained::TOKENIZER_FILE).is_file())
+        .find(|d| d.join(candle_data::tokenizer::TOKENIZER_FILE).is_file())
 }
 
 #[cfg(test)]

@@ -44,7 +44,7 @@ const SPLIT_PATTERNS: [(&str, &str); 2] = [
 /// `tokenizer_config.json`, `chat_template.jinja`, `config.json`) for a model of
 /// `vocab_size` embeddings.
 pub fn metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, Value)>> {
-    let path = dir.join(crate::pretrained::TOKENIZER_FILE);
+    let path = dir.join(candle_data::tokenizer::TOKENIZER_FILE);
     let tokenizer = read_json(&path)?;
     let model = &tokenizer["model"];
     let kind = model["type"].as_str().unwrap_or("?");

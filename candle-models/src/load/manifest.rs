@@ -11,8 +11,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{io, Error, Result};
+use crate::{Error, Result};
 use candle_data::digest::check_format;
+use candle_data::io;
 
 /// The manifest's file name.
 pub const MANIFEST_FILE: &str = "manifest.json";
@@ -62,7 +63,7 @@ pub fn write(dir: &Path, step: usize) -> Result<()> {
         step,
         files,
     };
-    Ok(io::write_json(&dir.join(MANIFEST_FILE), &manifest)?)
+    io::write_json(&dir.join(MANIFEST_FILE), &manifest)
 }
 
 /// Checks that the checkpoint in `dir` is the unit its manifest describes, saved after `step`
