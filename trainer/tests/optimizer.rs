@@ -222,16 +222,32 @@ fn the_memory_estimate_counts_the_state_the_optimizer_holds() {
 fn sgd_matches_torch_optim_sgd() {
     use trainer::optim::{Sgd, SgdConfig};
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/optim/sgd.json");
-    let fx: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let fx: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let f32s = |v: &serde_json::Value| -> Vec<f32> {
-        v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect()
     };
     let shape = |n: &str| -> Vec<usize> {
-        fx["shapes"][n].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect()
+        fx["shapes"][n]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap() as usize)
+            .collect()
     };
-    let tensor = |v: &serde_json::Value, n: &str| Tensor::from_vec(f32s(v), shape(n), &Device::Cpu).unwrap();
+    let tensor =
+        |v: &serde_json::Value, n: &str| Tensor::from_vec(f32s(v), shape(n), &Device::Cpu).unwrap();
     let names = ["b", "w"];
-    let lrs: Vec<f64> = fx["lrs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    let lrs: Vec<f64> = fx["lrs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
     let mut worst = 0f32;
     let mut close = |got: &[f32], want: &[f32], what: &str| {
         assert_eq!(got.len(), want.len(), "{what}");
@@ -249,7 +265,10 @@ fn sgd_matches_torch_optim_sgd() {
             weight_decay: case["weight_decay"].as_f64().unwrap(),
             nesterov: case["nesterov"].as_bool().unwrap(),
         };
-        let vars: Vec<Var> = names.iter().map(|n| Var::from_tensor(&tensor(&fx["init"][n], n)).unwrap()).collect();
+        let vars: Vec<Var> = names
+            .iter()
+            .map(|n| Var::from_tensor(&tensor(&fx["init"][n], n)).unwrap())
+            .collect();
         let params = Params::from_vars(names.iter().map(|n| n.to_string()).zip(vars.clone()));
         let mut sgd = Sgd::new(&params, config.clone()).unwrap();
         for (step, lr) in lrs.iter().enumerate() {
@@ -261,7 +280,12 @@ fn sgd_matches_torch_optim_sgd() {
             }
             sgd.step(&loss.backward().unwrap(), 1.0, *lr).unwrap();
             for (n, v) in names.iter().zip(&vars) {
-                let got = v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let got = v
+                    .as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
                 let want = f32s(&case["params_after"][step][n]);
                 close(&got, &want, &format!("{config:?} step {} {n}", step + 1));
             }
@@ -274,7 +298,11 @@ fn sgd_matches_torch_optim_sgd() {
                 (true, None) => {}
                 (false, Some(t)) => {
                     let got = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                    close(&got, &f32s(want), &format!("{config:?} {n}.momentum_buffer"));
+                    close(
+                        &got,
+                        &f32s(want),
+                        &format!("{config:?} {n}.momentum_buffer"),
+                    );
                 }
                 _ => panic!("{config:?} {n}: buffer {got:?}, torch {want}"),
             }
@@ -301,23 +329,44 @@ fn a_run_names_its_optimizer_and_the_optimizer_checks_its_options() {
         eval_problems: 0,
         ..TrainConfig::from_toml_file(&dir.join("sgd.toml")).unwrap()
     };
-    assert_eq!(cfg.optimizer_options.to_string(), "momentum=0.9,nesterov=true");
+    assert_eq!(
+        cfg.optimizer_options.to_string(),
+        "momentum=0.9,nesterov=true"
+    );
     let back: TrainConfig = toml::from_str(&cfg.to_toml()).unwrap();
     assert_eq!(back, cfg, "{}", cfg.to_toml());
     let json: TrainConfig = serde_json::from_str(&serde_json::to_string(&cfg).unwrap()).unwrap();
     assert_eq!(json, cfg);
-    let t = Trainer::new(TrainConfig { out_dir: dir.join("run"), ..cfg.clone() }).unwrap();
+    let t = Trainer::new(TrainConfig {
+        out_dir: dir.join("run"),
+        ..cfg.clone()
+    })
+    .unwrap();
     assert_eq!(t.optimizer.name(), "sgd");
-    assert!(t.optimizer.state().iter().all(|(n, _)| n.ends_with(".momentum_buffer")));
+    assert!(t
+        .optimizer
+        .state()
+        .iter()
+        .all(|(n, _)| n.ends_with(".momentum_buffer")));
 
     // The command line, and what --print-config writes.
-    let args = ["train", "--print-config", "--optimizer", "sgd", "--optimizer-options", "momentum=0.5,dampening=0.1"];
+    let args = [
+        "train",
+        "--print-config",
+        "--optimizer",
+        "sgd",
+        "--optimizer-options",
+        "momentum=0.5,dampening=0.1",
+    ];
     let o = common::run_cli(&args, dir);
     let out = common::output_text(&o);
     assert!(o.status.success(), "{out}");
     let printed: TrainConfig = toml::from_str(&String::from_utf8_lossy(&o.stdout)).unwrap();
     assert_eq!(printed.optimizer, "sgd");
-    assert_eq!(printed.optimizer_options.to_string(), "dampening=0.1,momentum=0.5");
+    assert_eq!(
+        printed.optimizer_options.to_string(),
+        "dampening=0.1,momentum=0.5"
+    );
 
     // Refusals name the key and what is known.
     let refused = |set: &dyn Fn(&mut TrainConfig), words: &[&str]| {
@@ -327,11 +376,26 @@ fn a_run_names_its_optimizer_and_the_optimizer_checks_its_options() {
         common::assert_mentions(&e, words);
     };
     let opts = |s: &str| s.parse::<trainer::config::Options>().unwrap();
-    refused(&|c| c.optimizer = "lion".into(), &["optimizer `lion`", "adamw, sgd"]);
-    refused(&|c| c.optimizer_options = opts("momentun=0.9"), &["optimizer_options.momentun", "momentum, dampening"]);
-    refused(&|c| c.optimizer_options = opts("momentum=fast"), &["optimizer_options.momentum", "number"]);
-    refused(&|c| c.optimizer_options = opts("momentum=-1"), &["optimizer_options.momentum", ">= 0"]);
-    refused(&|c| c.optimizer_options = opts("nesterov=true"), &["optimizer_options.nesterov", "momentum > 0"]);
+    refused(
+        &|c| c.optimizer = "lion".into(),
+        &["optimizer `lion`", "adamw, sgd"],
+    );
+    refused(
+        &|c| c.optimizer_options = opts("momentun=0.9"),
+        &["optimizer_options.momentun", "momentum, dampening"],
+    );
+    refused(
+        &|c| c.optimizer_options = opts("momentum=fast"),
+        &["optimizer_options.momentum", "number"],
+    );
+    refused(
+        &|c| c.optimizer_options = opts("momentum=-1"),
+        &["optimizer_options.momentum", ">= 0"],
+    );
+    refused(
+        &|c| c.optimizer_options = opts("nesterov=true"),
+        &["optimizer_options.nesterov", "momentum > 0"],
+    );
     refused(
         &|c| {
             c.optimizer = "adamw".into();

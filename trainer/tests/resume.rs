@@ -148,7 +148,9 @@ fn sgd_run_stopped_and_resumed_is_bit_exact() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = |dir: &std::path::Path| trainer::config::TrainConfig {
         optimizer: "sgd".into(),
-        optimizer_options: "momentum=0.9,dampening=0.1,weight_decay=0.01".parse().unwrap(),
+        optimizer_options: "momentum=0.9,dampening=0.1,weight_decay=0.01"
+            .parse()
+            .unwrap(),
         lr: 0.05,
         min_lr: 0.005,
         ..config(dir)

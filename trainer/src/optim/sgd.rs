@@ -217,7 +217,9 @@ impl Optimizer for Sgd {
     /// `{param}.momentum_buffer` of every parameter kept (none without momentum).
     fn state(&self) -> Vec<(String, Tensor)> {
         (self.slots.iter())
-            .filter_map(|s| (s.buf.as_ref()).map(|b| (format!("{}.{}", s.name, Self::BUFFER), b.clone())))
+            .filter_map(|s| {
+                (s.buf.as_ref()).map(|b| (format!("{}.{}", s.name, Self::BUFFER), b.clone()))
+            })
             .collect()
     }
 
@@ -229,7 +231,9 @@ impl Optimizer for Sgd {
             .map(|s| format!("{}.{}", s.name, Self::BUFFER))
             .collect();
         if let Some(extra) = tensors.keys().filter(|k| !expected.contains(k)).min() {
-            return bad(format!("unexpected `{extra}` (no parameter of the model has it)"));
+            return bad(format!(
+                "unexpected `{extra}` (no parameter of the model has it)"
+            ));
         }
         for s in self.slots.iter_mut().filter(|s| s.buf.is_some()) {
             let key = format!("{}.{}", s.name, Self::BUFFER);
@@ -237,7 +241,10 @@ impl Optimizer for Sgd {
                 return bad(format!("missing `{key}`"));
             };
             if t.dtype() != DType::F32 {
-                return bad(format!("`{key}` is {:?}; the trainer writes f32", t.dtype()));
+                return bad(format!(
+                    "`{key}` is {:?}; the trainer writes f32",
+                    t.dtype()
+                ));
             }
             if t.dims() != s.var.dims() {
                 let (got, want) = (t.dims(), s.var.dims());
