@@ -172,7 +172,7 @@ impl OptionReader<'_> {
         let Some(key) = given
             .into_iter()
             .flat_map(|t| t.keys())
-            .find(|k| !self.asked.iter().any(|a| *a == k.as_str()))
+            .find(|k| !self.asked.contains(&k.as_str()))
         else {
             return Ok(());
         };
