@@ -209,3 +209,195 @@ fn the_memory_estimate_counts_the_state_the_optimizer_holds() {
     let estimated = trainer::train::memory::trained_bytes_per_param(&(&cfg).into());
     assert_eq!(estimated, 8 + per_param as u64);
 }
+
+/// `optimizer = "sgd"` against `torch.optim.SGD` (scripts/python/make_optim_fixtures.py: four
+/// steps at changing learning rates, with and without momentum, dampening, Nesterov and weight
+/// decay): every parameter after every step, and the final `momentum_buffer`s.
+///
+/// Tolerance: 2 ulp of the larger of the value and 1 (2^-22 ≈ 2.4e-7 absolute near 1). The
+/// operations are PyTorch's, in its order and in f32, but PyTorch's CPU `add(x, alpha = a)`
+/// may fuse the multiply and the add (one rounding) where Candle's `affine` then `add` rounds
+/// twice: each step can differ by an ulp, and four steps carry it.
+#[test]
+fn sgd_matches_torch_optim_sgd() {
+    use trainer::optim::{Sgd, SgdConfig};
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/optim/sgd.json");
+    let fx: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let f32s = |v: &serde_json::Value| -> Vec<f32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect()
+    };
+    let shape = |n: &str| -> Vec<usize> {
+        fx["shapes"][n]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap() as usize)
+            .collect()
+    };
+    let tensor =
+        |v: &serde_json::Value, n: &str| Tensor::from_vec(f32s(v), shape(n), &Device::Cpu).unwrap();
+    let names = ["b", "w"];
+    let lrs: Vec<f64> = fx["lrs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    let close = |got: &[f32], want: &[f32], what: &str| {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (g, w) in got.iter().zip(want) {
+            let tol = 2.0 * f32::EPSILON * w.abs().max(1.0);
+            assert!((g - w).abs() <= tol, "{what}: {g} vs torch {w}");
+        }
+    };
+    for case in fx["cases"].as_array().unwrap() {
+        let config = SgdConfig {
+            lr: lrs[0],
+            momentum: case["momentum"].as_f64().unwrap(),
+            dampening: case["dampening"].as_f64().unwrap(),
+            weight_decay: case["weight_decay"].as_f64().unwrap(),
+            nesterov: case["nesterov"].as_bool().unwrap(),
+        };
+        let vars: Vec<Var> = names
+            .iter()
+            .map(|n| Var::from_tensor(&tensor(&fx["init"][n], n)).unwrap())
+            .collect();
+        let params = Params::from_vars(names.iter().map(|n| n.to_string()).zip(vars.clone()));
+        let mut sgd = Sgd::new(&params, config.clone()).unwrap();
+        for (step, lr) in lrs.iter().enumerate() {
+            // sum(p * G) has the gradient G, exactly.
+            let mut loss = Tensor::new(0f32, &Device::Cpu).unwrap();
+            for (n, v) in names.iter().zip(&vars) {
+                let g = tensor(&fx["grads"][step][n], n);
+                loss = (loss + (v.as_tensor() * g).unwrap().sum_all().unwrap()).unwrap();
+            }
+            sgd.step(&loss.backward().unwrap(), 1.0, *lr).unwrap();
+            for (n, v) in names.iter().zip(&vars) {
+                let got = v
+                    .as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
+                let want = f32s(&case["params_after"][step][n]);
+                close(&got, &want, &format!("{config:?} step {} {n}", step + 1));
+            }
+        }
+        let state: HashMap<String, Tensor> = sgd.state().into_iter().collect();
+        for n in names {
+            let want = &case["momentum_buffer"][n];
+            let got = state.get(&format!("{n}.momentum_buffer"));
+            match (want.is_null(), got) {
+                (true, None) => {}
+                (false, Some(t)) => {
+                    let got = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    close(
+                        &got,
+                        &f32s(want),
+                        &format!("{config:?} {n}.momentum_buffer"),
+                    );
+                }
+                _ => panic!("{config:?} {n}: buffer {got:?}, torch {want}"),
+            }
+        }
+    }
+}
+
+/// The run names its optimiser (`optimizer`, default `adamw`) and the optimiser reads its own
+/// options (`optimizer_options`): from TOML and the command line, written back by
+/// `--print-config`, and refused naming the key and what is known.
+#[test]
+fn a_run_names_its_optimizer_and_the_optimizer_checks_its_options() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    // A config without the key (every config before it) is AdamW's.
+    std::fs::write(dir.join("old.toml"), "lr = 0.01\nbeta1 = 0.8\n").unwrap();
+    let old = TrainConfig::from_toml_file(&dir.join("old.toml")).unwrap();
+    assert_eq!(old.optimizer, "adamw");
+    assert!(old.optimizer_options.is_empty());
+    let toml = "optimizer = \"sgd\"\n[optimizer_options]\nmomentum = 0.9\nnesterov = true\n";
+    std::fs::write(dir.join("sgd.toml"), toml).unwrap();
+    let cfg = TrainConfig {
+        eval_problems: 0,
+        ..TrainConfig::from_toml_file(&dir.join("sgd.toml")).unwrap()
+    };
+    assert_eq!(
+        cfg.optimizer_options.to_string(),
+        "momentum=0.9,nesterov=true"
+    );
+    let back: TrainConfig = toml::from_str(&cfg.to_toml()).unwrap();
+    assert_eq!(back, cfg, "{}", cfg.to_toml());
+    let json: TrainConfig = serde_json::from_str(&serde_json::to_string(&cfg).unwrap()).unwrap();
+    assert_eq!(json, cfg);
+    let t = Trainer::new(TrainConfig {
+        out_dir: dir.join("run"),
+        ..cfg.clone()
+    })
+    .unwrap();
+    assert_eq!(t.optimizer.name(), "sgd");
+    assert!(t
+        .optimizer
+        .state()
+        .iter()
+        .all(|(n, _)| n.ends_with(".momentum_buffer")));
+
+    // The command line, and what --print-config writes.
+    let args = [
+        "train",
+        "--print-config",
+        "--optimizer",
+        "sgd",
+        "--optimizer-options",
+        "momentum=0.5,dampening=0.1",
+    ];
+    let o = common::run_cli(&args, dir);
+    let out = common::output_text(&o);
+    assert!(o.status.success(), "{out}");
+    let printed: TrainConfig = toml::from_str(&String::from_utf8_lossy(&o.stdout)).unwrap();
+    assert_eq!(printed.optimizer, "sgd");
+    assert_eq!(
+        printed.optimizer_options.to_string(),
+        "dampening=0.1,momentum=0.5"
+    );
+
+    // Refusals name the key and what is known.
+    let refused = |set: &dyn Fn(&mut TrainConfig), words: &[&str]| {
+        let mut c = cfg.clone();
+        set(&mut c);
+        let e = c.validate().unwrap_err().to_string();
+        common::assert_mentions(&e, words);
+    };
+    let opts = |s: &str| s.parse::<trainer::config::Options>().unwrap();
+    refused(
+        &|c| c.optimizer = "lion".into(),
+        &["optimizer `lion`", "adamw, sgd"],
+    );
+    refused(
+        &|c| c.optimizer_options = opts("momentun=0.9"),
+        &["optimizer_options.momentun", "momentum, dampening"],
+    );
+    refused(
+        &|c| c.optimizer_options = opts("momentum=fast"),
+        &["optimizer_options.momentum", "number"],
+    );
+    refused(
+        &|c| c.optimizer_options = opts("momentum=-1"),
+        &["optimizer_options.momentum", ">= 0"],
+    );
+    refused(
+        &|c| c.optimizer_options = opts("nesterov=true"),
+        &["optimizer_options.nesterov", "momentum > 0"],
+    );
+    refused(
+        &|c| {
+            c.optimizer = "adamw".into();
+            c.optimizer_options = opts("momentum=0.9");
+        },
+        &["optimizer_options.momentum", "`adamw`", "beta1"],
+    );
+}

@@ -141,6 +141,26 @@ fn pipeline_run_stopped_and_resumed_is_bit_exact() {
     assert_stop_and_resume_is_exact(tmp.path(), "pipeline", cfg, 3);
 }
 
+#[test]
+fn sgd_run_stopped_and_resumed_is_bit_exact() {
+    // `optimizer = "sgd"` with momentum, dampening and weight decay: its momentum buffers are
+    // checkpointed and restored (a fresh buffer would change every step after the stop).
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = |dir: &std::path::Path| trainer::config::TrainConfig {
+        optimizer: "sgd".into(),
+        optimizer_options: "momentum=0.9,dampening=0.1,weight_decay=0.01"
+            .parse()
+            .unwrap(),
+        lr: 0.05,
+        min_lr: 0.005,
+        ..config(dir)
+    };
+    let t = Trainer::new(cfg(&tmp.path().join("probe"))).unwrap();
+    assert_eq!(t.optimizer.name(), "sgd");
+    drop(t);
+    assert_stop_and_resume_is_exact(tmp.path(), "sgd", cfg, 3);
+}
+
 /// A finished 8-step run that evaluates every `eval_interval` steps and keeps the last 2
 /// checkpoints (and the best): its temporary directory and run directory.
 fn keeping_two(eval_interval: usize) -> (tempfile::TempDir, std::path::PathBuf) {

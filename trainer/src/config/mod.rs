@@ -8,6 +8,7 @@
 pub mod decimal;
 mod device;
 mod eval;
+mod options;
 mod paths;
 pub(crate) mod resume;
 mod sections;
@@ -20,6 +21,7 @@ use candle_remat::Policy;
 use serde::{Deserialize, Serialize};
 
 pub use candle_peft::TargetModules;
+pub use options::{OptionReader, Options, RunKeys};
 pub(crate) use types::tracks_streams;
 pub use types::{
     Arch, BaseQuant, DeviceList, DeviceSpec, LossScale, ModuleList, Parallelism, Precision,
@@ -138,15 +140,16 @@ macro_rules! train_config {
 #[allow(non_camel_case_types)]
 pub enum OnResume {
     /// The resumed run applies a new value: how long it trains (`max_iters`), the learning-rate
-    /// schedule and AdamW's hyper-parameters (rebuilt from the config; the moments come from
-    /// the checkpoint), gradient clipping, how a step is executed (device, precision and loss
+    /// schedule and the optimiser's hyper-parameters (rebuilt from the config; its state comes
+    /// from the checkpoint), gradient clipping, how a step is executed (device, precision and loss
     /// scaling, remat, pipeline, ZeRO, kernels, TF32 / Triton, chunked loss, the LoRA base's
     /// dtype), how it evaluates, samples, keeps checkpoints and reports, and where it writes
     /// (`out_dir`: another directory forks the run) and caches data.
     may_change,
     /// Fixed by the run: what it trains (the model's architecture and shape, its
-    /// initialisation, the LoRA settings), on what data and in what batches (data, its order
-    /// and split, seed, batch size, accumulation). A resumed run given another value is
+    /// initialisation, the LoRA settings), how (the optimiser, whose state the checkpoint
+    /// holds, and the objective with its options), on what data and in what batches (data, its
+    /// order and split, seed, batch size, accumulation). A resumed run given another value is
     /// refused before anything is loaded or written, naming each field with both values.
     fixed,
 }
@@ -300,9 +303,14 @@ train_config! {
     grad_accum: usize = 1,
     /// The training loss: `cross-entropy` (next-token cross-entropy, the token mean over the
     /// counted targets) or `dpo` (direct preference optimisation over `data = preference`
-    /// pairs, TRL's `DPOTrainer`). A program can plug in its own (`Trainer::objective`).
+    /// pairs, TRL's `DPOTrainer`; its options are the `dpo_*` keys). A program can plug in its
+    /// own (`Trainer::objective`).
     #[resume(fixed)]
     objective: String = "cross-entropy".into(),
+    /// Options of the objective that reads them (a table: `[objective_options]`; on the
+    /// command line `key=value,...`); the built-in ones take none.
+    #[resume(fixed)]
+    objective_options: Options = Options::default(),
     /// `objective = dpo`: the loss, `sigmoid`, `ipo` or `robust` (TRL's `loss_type`).
     #[resume(fixed)]
     dpo_loss: String = "sigmoid".into(),
@@ -318,6 +326,15 @@ train_config! {
     /// fine-tuning gets its reference without holding a second model.
     #[resume(fixed)]
     dpo_precompute_ref: bool = false,
+    /// The optimiser: `adamw` (decoupled weight decay; its options are `lr`, `beta1`,
+    /// `beta2` and `weight_decay`) or `sgd` (PyTorch's `SGD`: `lr` and its
+    /// `optimizer_options` `momentum`, `dampening`, `nesterov` and `weight_decay`).
+    #[resume(fixed)]
+    optimizer: String = "adamw".into(),
+    /// Options of the optimiser that reads them (a table: `[optimizer_options]`; on the
+    /// command line `key=value,...`, e.g. `momentum=0.9,nesterov=true`).
+    #[resume(may_change)]
+    optimizer_options: Options = Options::default(),
     /// Optimiser steps in the run.
     #[resume(may_change)]
     max_iters: usize = 600,
@@ -333,13 +350,13 @@ train_config! {
     /// Step at which the cosine decay reaches min_lr (default: max_iters).
     #[resume(may_change)]
     lr_decay_iters: Option<usize> = None,
-    /// AdamW decoupled weight decay (2-D weights only).
+    /// `optimizer = adamw`: decoupled weight decay (2-D weights only).
     #[resume(may_change)]
     weight_decay: f64 = 0.1,
-    /// AdamW beta1.
+    /// `optimizer = adamw`: beta1.
     #[resume(may_change)]
     beta1: f64 = 0.9,
-    /// AdamW beta2.
+    /// `optimizer = adamw`: beta2.
     #[resume(may_change)]
     beta2: f64 = 0.99,
     /// Activation checkpointing of the blocks: none, all, every:K, sqrt or budget:BYTES

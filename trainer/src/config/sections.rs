@@ -1,28 +1,16 @@
 //! The sections of the run config that other parts take as their own settings: the
-//! optimiser's, the learning-rate schedule's, the objective's, the 4-bit base's, the
-//! executor's, the memory estimate's and the evaluation's.
+//! learning-rate schedule's, the 4-bit base's, the executor's, the memory estimate's and the
+//! evaluation's. (The optimiser and the objective read their own options: `optim::build`,
+//! `objective::build`.)
 
 use super::{BaseQuant, TrainConfig};
 use crate::lora::Nf4Settings;
-use crate::objective::ObjectiveConfig;
-use crate::optim::AdamWConfig;
 use crate::pretrained::EvalSettings;
 use crate::schedule::LrSchedule;
 use crate::train::memory::MemorySettings;
 use crate::train::pipeline::ExecutorSettings;
 
 impl TrainConfig {
-    /// The optimiser's hyper-parameters.
-    pub(crate) fn adamw_config(&self) -> AdamWConfig {
-        AdamWConfig {
-            lr: self.lr,
-            beta1: self.beta1,
-            beta2: self.beta2,
-            eps: 1e-8,
-            weight_decay: self.weight_decay,
-        }
-    }
-
     /// The learning-rate schedule.
     pub(crate) fn lr_schedule(&self) -> LrSchedule {
         LrSchedule {
@@ -40,18 +28,6 @@ impl TrainConfig {
             double: self.base_quant_double,
             skip: self.base_quant_skip.0.clone(),
         })
-    }
-}
-
-impl From<&TrainConfig> for ObjectiveConfig {
-    /// The run's `objective` and its `dpo_*` options.
-    fn from(config: &TrainConfig) -> Self {
-        ObjectiveConfig {
-            name: config.objective.clone(),
-            dpo_loss: config.dpo_loss.clone(),
-            dpo_beta: config.dpo_beta,
-            dpo_label_smoothing: config.dpo_label_smoothing,
-        }
     }
 }
 
@@ -78,7 +54,7 @@ impl From<&TrainConfig> for MemorySettings {
             run: config.into(),
             lora_r: config.lora_r,
             lora_targets: config.lora_targets.clone(),
-            optimizer: config.adamw_config(),
+            optimizer_state_bytes: crate::optim::state_bytes_per_param(config),
             nf4: config.nf4_settings(),
         }
     }

@@ -58,16 +58,13 @@ impl TrainConfig {
     }
 
     /// How the run trains: finite floats, batches and accumulation within their bounds, an
-    /// output directory, the learning rates, AdamW's betas and decay, clipping and the peak
-    /// FLOP/s.
+    /// output directory, the learning rates, the optimiser and its options, clipping and the
+    /// peak FLOP/s.
     fn check_training(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
         let floats = [
             ("lr", self.lr),
             ("min_lr", self.min_lr),
-            ("weight_decay", self.weight_decay),
-            ("beta1", self.beta1),
-            ("beta2", self.beta2),
             ("grad_clip", f64::from(self.grad_clip)),
             ("dropout", f64::from(self.dropout)),
             ("peak_flops", self.peak_flops),
@@ -99,12 +96,11 @@ impl TrainConfig {
                 self.min_lr, self.lr
             ));
         }
-        if !(0.0..1.0).contains(&self.beta1) || !(0.0..1.0).contains(&self.beta2) {
-            return bad("beta1 and beta2 must be in [0, 1)".into());
+        if self.grad_clip < 0.0 {
+            return bad("grad_clip must be >= 0".into());
         }
-        if self.weight_decay < 0.0 || self.grad_clip < 0.0 {
-            return bad("weight_decay and grad_clip must be >= 0".into());
-        }
+        // The optimiser checks its own options (over no parameters).
+        crate::optim::build(self, &crate::model::Params::default())?;
         if !(self.peak_flops >= 0.0 && self.peak_flops.is_finite()) {
             return bad(format!(
                 "peak_flops must be a finite number >= 0, got {}",

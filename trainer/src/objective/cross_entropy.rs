@@ -3,6 +3,7 @@
 use candle_core::Tensor;
 
 use super::{HeadOutput, Objective};
+use crate::config::RunKeys;
 use crate::data::Batch;
 
 /// Next-token cross-entropy, the mean over the counted targets (those the loss mask keeps):
@@ -23,6 +24,15 @@ use crate::data::Batch;
 /// ```
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CrossEntropy;
+
+impl CrossEntropy {
+    /// The run's cross-entropy ([`super::build`]'s `cross-entropy`): it takes no
+    /// `objective_options`.
+    pub(crate) fn from_keys(run: &RunKeys) -> crate::Result<Box<dyn Objective>> {
+        run.part("objective_options", "cross-entropy").finish()?;
+        Ok(Box::new(CrossEntropy))
+    }
+}
 
 impl Objective for CrossEntropy {
     fn name(&self) -> &str {

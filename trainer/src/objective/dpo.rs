@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use candle_core::{DType, Tensor, D};
 
 use super::{HeadOutput, Objective};
+use crate::config::RunKeys;
 use crate::data::Batch;
 use crate::model::{run_links, Ctx, Model, IGNORE};
 use crate::{Error, Result};
@@ -169,6 +170,16 @@ impl Dpo {
             label_smoothing,
             seen: Mutex::default(),
         })
+    }
+
+    /// The run's DPO ([`super::build`]'s `dpo`): its keys `dpo_loss`, `dpo_beta` and
+    /// `dpo_label_smoothing`, checked as [`Dpo::new`] does; it takes no `objective_options`.
+    pub(crate) fn from_keys(run: &RunKeys) -> Result<Box<dyn Objective>> {
+        let mut keys = run.part("objective_options", "dpo");
+        let loss: String = keys.key("dpo_loss")?;
+        let (beta, smoothing) = (keys.key("dpo_beta")?, keys.key("dpo_label_smoothing")?);
+        keys.finish()?;
+        Ok(Box::new(Dpo::new(loss.parse()?, beta, smoothing)?))
     }
 
     /// The loss kind.

@@ -17,8 +17,10 @@
 //! reads the reference's values of its rows from the context ([`Ctx::reference`]), and one
 //! with metrics of its own hands them to the trainer's log ([`Objective::take_metrics`]).
 //!
-//! Adding an objective: one module implementing [`Objective`], one line in [`build`]'s
-//! table. A program can also plug its own into a trainer (`Trainer::objective`) without
+//! Adding an objective: one module implementing [`Objective`] with a constructor from the
+//! run's keys that reads and checks its options (`objective_options`, through
+//! [`OptionReader`](crate::config::OptionReader)), its `mod` line here, and one line in
+//! [`build`]'s table. A program can also plug its own into a trainer (`Trainer::objective`) without
 //! registering it.
 
 mod cross_entropy;
@@ -31,7 +33,7 @@ use candle_core::Tensor;
 
 pub use cross_entropy::CrossEntropy;
 pub use dpo::{reference_log_probs, Dpo, DpoLoss, DpoTerms, DPO_METRICS};
-pub use registry::{build, ObjectiveConfig};
+pub use registry::build;
 
 use crate::data::Batch;
 use crate::model::{Ctx, Link};

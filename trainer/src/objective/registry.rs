@@ -1,29 +1,17 @@
 //! The objectives a run can name: one line each in [`build`]'s table.
 
 use super::{CrossEntropy, Dpo, Objective};
+use crate::config::RunKeys;
 use crate::{Error, Result};
 
-/// What a run says of its objective: the registered name and the options of the one it names
-/// (a [`TrainConfig`](crate::config::TrainConfig) converts, from its `objective` and `dpo_*`
-/// fields).
-#[derive(Clone, Debug, PartialEq)]
-pub struct ObjectiveConfig {
-    /// The registered name (`cross-entropy`, `dpo`).
-    pub name: String,
-    /// `dpo`: the loss kind (`sigmoid`, `ipo`, `robust`).
-    pub dpo_loss: String,
-    /// `dpo`: β.
-    pub dpo_beta: f64,
-    /// `dpo`, `robust`: the assumed share of flipped labels.
-    pub dpo_label_smoothing: f64,
-}
+/// How [`build`]'s table makes an objective: from the run's keys (the module reads and checks
+/// the options it takes).
+type Make = fn(&RunKeys) -> Result<Box<dyn Objective>>;
 
-/// How [`build`]'s table makes an objective.
-type Make = fn(&ObjectiveConfig) -> Result<Box<dyn Objective>>;
-
-/// The objective `config` names, with its options: `cross-entropy` (next-token cross-entropy,
-/// [`CrossEntropy`]) or `dpo` ([`Dpo`], its `dpo_*` options). A run's config converts (its
-/// `objective` and `dpo_*` fields).
+/// The objective the run's config (a [`TrainConfig`](crate::config::TrainConfig), or its
+/// [`RunKeys`]) names (`objective`), with its options: `cross-entropy` (next-token
+/// cross-entropy, [`CrossEntropy`]) or `dpo` ([`Dpo`], its `dpo_*` keys). An unknown name, or
+/// options the objective does not take or refuses, is an error naming the key.
 ///
 /// ```
 /// use trainer::config::TrainConfig;
@@ -35,19 +23,16 @@ type Make = fn(&ObjectiveConfig) -> Result<Box<dyn Objective>>;
 /// assert!(trainer::objective::build(&config).is_err());
 /// # Ok::<(), trainer::Error>(())
 /// ```
-pub fn build(config: impl Into<ObjectiveConfig>) -> Result<Box<dyn Objective>> {
-    let config = config.into();
+pub fn build(config: impl Into<RunKeys>) -> Result<Box<dyn Objective>> {
     // The registry: one line per objective.
     let known: &[(&str, Make)] = &[
-        ("cross-entropy", |_| Ok(Box::new(CrossEntropy))),
-        ("dpo", |c| {
-            let dpo = Dpo::new(c.dpo_loss.parse()?, c.dpo_beta, c.dpo_label_smoothing)?;
-            Ok(Box::new(dpo))
-        }),
+        ("cross-entropy", CrossEntropy::from_keys),
+        ("dpo", Dpo::from_keys),
     ];
-    let name = config.name.as_str();
+    let run = config.into();
+    let name: String = run.get("objective")?;
     match known.iter().find(|(n, _)| *n == name) {
-        Some((_, make)) => make(&config),
+        Some((_, make)) => make(&run),
         None => Err(Error::Config(format!(
             "objective `{name}` is not known (known: {})",
             known.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")

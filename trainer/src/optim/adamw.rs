@@ -17,6 +17,7 @@ use candle_fused::adamw::{adamw_composite, adamw_update_multi, AdamWParam, AdamW
 use serde::{Deserialize, Serialize};
 
 use super::{global_grad_norm, Optimizer};
+use crate::config::RunKeys;
 use crate::model::{Kernels, Params};
 use crate::{Error, Result};
 
@@ -105,6 +106,38 @@ impl AdamW {
             step: 0,
             kernels: Kernels::Fused,
         })
+    }
+
+    /// The run's AdamW ([`super::build`]'s `adamw`): its keys `lr`, `beta1`, `beta2` and
+    /// `weight_decay` (finite, betas in [0, 1), decay >= 0), updating on its `kernels`; it
+    /// takes no `optimizer_options`.
+    pub(crate) fn from_keys(run: &RunKeys, params: &Params) -> Result<Box<dyn Optimizer>> {
+        let mut keys = run.part("optimizer_options", "adamw");
+        let adamw = AdamWConfig {
+            lr: keys.key("lr")?,
+            beta1: keys.key("beta1")?,
+            beta2: keys.key("beta2")?,
+            eps: 1e-8,
+            weight_decay: keys.key("weight_decay")?,
+        };
+        let kernels: Kernels = keys.key("kernels")?;
+        keys.finish()?;
+        let bad = |m: String| Err(Error::Config(m));
+        let floats = [
+            ("weight_decay", adamw.weight_decay),
+            ("beta1", adamw.beta1),
+            ("beta2", adamw.beta2),
+        ];
+        if let Some((name, v)) = floats.iter().find(|(_, v)| !v.is_finite()) {
+            return bad(format!("{name} must be a finite number, got {v}"));
+        }
+        if !(0.0..1.0).contains(&adamw.beta1) || !(0.0..1.0).contains(&adamw.beta2) {
+            return bad("beta1 and beta2 must be in [0, 1)".into());
+        }
+        if adamw.weight_decay < 0.0 {
+            return bad("weight_decay must be >= 0".into());
+        }
+        Ok(Box::new(AdamW::new(params, adamw)?.with_kernels(kernels)))
     }
 
     /// The same optimiser updating with other kernels: `Fused` (default) updates every

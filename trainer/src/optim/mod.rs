@@ -1,12 +1,16 @@
 //! The optimiser as a part: the [`Optimizer`] trait the trainer, ZeRO-1, checkpoints and the
-//! memory estimate drive, [`AdamW`] its first implementation, [`build`] the registry that
-//! makes one from the config; and, for every optimiser, the global gradient norm and gradient
-//! accumulation over Candle's [`GradStore`].
+//! memory estimate drive, [`AdamW`] (the default) and [`Sgd`] its implementations, [`build`]
+//! the registry that makes the one a run's config names (`optimizer`); and, for every
+//! optimiser, the global gradient norm and gradient accumulation over Candle's [`GradStore`].
 //!
-//! Adding an optimiser: one module implementing [`Optimizer`], one line in [`build`].
+//! Adding an optimiser: one module implementing [`Optimizer`] with a constructor from the run's
+//! config that reads and checks its options (`optimizer_options`, through
+//! [`OptionReader`](crate::config::OptionReader)), its `mod` line here, and one line in
+//! [`build`]'s table.
 
 mod adamw;
 mod registry;
+mod sgd;
 
 use std::collections::HashMap;
 
@@ -16,7 +20,8 @@ use candle_core::{Tensor, Var};
 use candle_fused::adamw::{sum_of_squares_composite, sum_of_squares_multi};
 
 pub use adamw::{AdamW, AdamWConfig};
-pub use registry::build;
+pub use registry::{build, state_bytes_per_param};
+pub use sgd::{Sgd, SgdConfig};
 
 use crate::model::Kernels;
 use crate::Result;

@@ -35,7 +35,7 @@ enum Data {
 /// ([`TrainerBuilder::model`], or [`TrainerBuilder::init_from`] a pretrained one; default: the
 /// config's, fresh or `init_from`), the tuning ([`TrainerBuilder::lora`]; default: every
 /// weight trains), the optimiser ([`TrainerBuilder::optimizer`]; default:
-/// [`crate::optim::build`], the config's AdamW), the objective ([`TrainerBuilder::objective`];
+/// [`crate::optim::build`], the config's `optimizer`), the objective ([`TrainerBuilder::objective`];
 /// default: [`crate::objective::build`], the config's next-token cross-entropy), the hyper-parameters (a [`TrainConfig`] or the
 /// setters) and the run directory ([`TrainerBuilder::run_dir`]; default: none, and then the run
 /// writes nothing: no `run.toml`, metrics, loss curve or checkpoints).
@@ -235,10 +235,10 @@ impl TrainerBuilder {
     }
 }
 
-/// The optimiser a run's config asks for, over `params` ([`crate::optim::build`] with the
-/// config's hyper-parameters and kernels): what a trainer takes unless given another.
+/// The optimiser a run's config names, over `params` ([`crate::optim::build`]: the config's
+/// `optimizer` with its options): what a trainer takes unless given another.
 pub(crate) fn run_optimizer(config: &TrainConfig, params: &Params) -> Result<Box<dyn Optimizer>> {
-    crate::optim::build(config.adamw_config(), config.kernels, params)
+    crate::optim::build(config, params)
 }
 
 /// Tokenizer and SFT data without a `tokenizer_path` take the `tokenizer.json` of the

@@ -12,7 +12,6 @@ use crate::config::{Parallelism, TargetModules};
 use crate::load::fits::sized_floor;
 use crate::lora::Nf4Settings;
 use crate::model::{Builder, ModelConfig};
-use crate::optim::AdamWConfig;
 use crate::Result;
 
 /// What the memory estimate reads of the run config (`From<&TrainConfig>`): how a step
@@ -25,8 +24,9 @@ pub struct MemorySettings {
     pub(crate) lora_r: usize,
     /// The layers the adapters wrap.
     pub(crate) lora_targets: TargetModules,
-    /// The optimiser, for its state per parameter.
-    pub(crate) optimizer: AdamWConfig,
+    /// Bytes of state the run's optimiser holds per parameter element
+    /// ([`crate::optim::state_bytes_per_param`]).
+    pub(crate) optimizer_state_bytes: usize,
     /// A LoRA run's base held in 4 bits: which linear layers, with double quantization or not.
     pub(crate) nf4: Option<Nf4Settings>,
 }
@@ -147,17 +147,9 @@ fn linear_layers(model: &dyn ModelConfig) -> Vec<(String, u64)> {
 }
 
 /// Bytes a trained parameter element holds: its f32 weight and gradient, and the state of the
-/// config's optimiser ([`crate::optim::build`], asked over no parameters; an optimiser that
-/// cannot be built is refused when the run builds it, and counts nothing here: this is a
-/// lower bound).
+/// config's optimiser ([`crate::optim::state_bytes_per_param`]).
 pub fn trained_bytes_per_param(config: &MemorySettings) -> u64 {
-    let state = crate::optim::build(
-        config.optimizer.clone(),
-        config.run.kernels,
-        &Default::default(),
-    )
-    .map_or(0, |o| o.state_bytes_per_param() as u64);
-    4 + 4 + state
+    4 + 4 + config.optimizer_state_bytes as u64
 }
 
 /// A LoRA run's adapters (`lora_r` per targeted linear layer, taken as `n_embd` in and out):
