@@ -26,3 +26,30 @@ macro_rules! named_enum {
         }
     };
 }
+
+/// Serde through `Display` / `FromStr`: the type is written as its text and read back by
+/// parsing it (a parse error is the deserializer's error), so a config field reads and writes
+/// as the same text as its flag. The caller needs `serde` among its dependencies.
+/// Exported for the workspace's config types, not part of the API.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! serde_as_text {
+    ($t:ty) => {
+        impl serde::Serialize for $t {
+            fn serialize<S: serde::Serializer>(
+                &self,
+                s: S,
+            ) -> std::result::Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+        impl<'de> serde::Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(
+                d: D,
+            ) -> std::result::Result<Self, D::Error> {
+                let text = <String as serde::Deserialize>::deserialize(d)?;
+                text.parse().map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}

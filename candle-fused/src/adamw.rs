@@ -42,7 +42,7 @@ mod cuda;
 mod kernel;
 mod multi;
 
-pub use multi::{adamw_update_multi, sum_of_squares_multi};
+pub use multi::{adamw_update_multi, sum_of_squares_multi, sum_of_squares_multi_composite};
 
 use crate::cpu;
 use crate::cuda_kernels::{self, triton_flat};

@@ -99,6 +99,17 @@ pub trait Transport {
     }
 }
 
+/// The channels of `n` in-process workers (`std::sync::mpsc`, unbounded): for each worker, in
+/// order, its index, the senders to every worker (itself included, by index) and its own
+/// receiver. [`InProcess::endpoints`] is made of it; a transport of one's own can be too.
+pub fn channel_mesh<T>(n: usize) -> impl Iterator<Item = (usize, Vec<Sender<T>>, Receiver<T>)> {
+    let (senders, receivers): (Vec<_>, Vec<_>) = (0..n).map(|_| channel()).unzip();
+    receivers
+        .into_iter()
+        .enumerate()
+        .map(move |(rank, inbox)| (rank, senders.clone(), inbox))
+}
+
 /// In-process transport over `std::sync::mpsc` channels (unbounded, so sends never block).
 #[derive(Debug)]
 pub struct InProcess {
@@ -110,15 +121,8 @@ pub struct InProcess {
 impl InProcess {
     /// Connected endpoints for `n` workers; endpoint `w` belongs to worker `w`.
     pub fn endpoints(n: usize) -> Vec<InProcess> {
-        let (senders, receivers): (Vec<_>, Vec<_>) = (0..n).map(|_| channel()).unzip();
-        receivers
-            .into_iter()
-            .enumerate()
-            .map(|(rank, inbox)| InProcess {
-                rank,
-                peers: senders.clone(),
-                inbox,
-            })
+        channel_mesh(n)
+            .map(|(rank, peers, inbox)| InProcess { rank, peers, inbox })
             .collect()
     }
 

@@ -5,9 +5,10 @@
 
 mod common;
 
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{Receiver, Sender};
 
 use candle_core::{Device, Tensor};
+use candle_pipeline::transport::channel_mesh;
 use candle_pipeline::{
     split_by_params, Action, Envelope, Expected, Handoffs, InProcess, LossReduction, Message,
     Microbatches, Pipeline, Schedule, Transport,
@@ -97,13 +98,10 @@ struct Rebuilding {
 }
 
 fn rebuilding(n: usize) -> Vec<Rebuilding> {
-    let (senders, receivers): (Vec<_>, Vec<_>) = (0..n).map(|_| channel()).unzip();
-    receivers
-        .into_iter()
-        .enumerate()
-        .map(|(rank, inbox)| Rebuilding {
+    channel_mesh(n)
+        .map(|(rank, peers, inbox)| Rebuilding {
             rank,
-            peers: senders.clone(),
+            peers,
             inbox,
             held: Default::default(),
         })

@@ -111,6 +111,15 @@ type Off = (
     Box<dyn Fn(&str, Tensor) -> Tensor>,
 );
 
+/// A feature switched off by the config alone (`edit`), over the same weights.
+fn by_config(
+    case: &'static str,
+    what: &'static str,
+    edit: impl Fn(&mut Gemma3Config) + 'static,
+) -> Off {
+    (case, what, Box::new(edit), Box::new(same))
+}
+
 #[test]
 fn each_feature_moves_the_loss() {
     let keep = |_: &mut Gemma3Config| {};
@@ -139,42 +148,22 @@ fn each_feature_moves_the_loss() {
                 }
             }),
         ),
-        (
-            "gemma3",
-            "scores scaled by head_dim^-0.5",
-            Box::new(|c: &mut Gemma3Config| c.query_pre_attn_scalar = c.head_dim),
-            Box::new(same),
-        ),
-        (
-            "gemma3",
-            "no sliding window",
-            Box::new(|c: &mut Gemma3Config| c.sliding_window = 1000),
-            Box::new(same),
-        ),
-        (
-            "gemma3",
-            "the global RoPE base on sliding layers",
-            Box::new(|c: &mut Gemma3Config| c.rope_local_base_freq = c.rope_theta),
-            Box::new(same),
-        ),
-        (
-            "gemma3_legacy",
-            "no RoPE scaling on full layers",
-            Box::new(|c: &mut Gemma3Config| c.rope_scaling = RopeScaling::None),
-            Box::new(same),
-        ),
-        (
-            "gemma3",
-            "SwiGLU for GeGLU",
-            Box::new(|c: &mut Gemma3Config| c.hidden_activation = GateAct::Silu),
-            Box::new(same),
-        ),
-        (
-            "gemma3_legacy",
-            "no final soft-cap",
-            Box::new(|c: &mut Gemma3Config| c.final_logit_softcapping = None),
-            Box::new(same),
-        ),
+        by_config("gemma3", "scores scaled by head_dim^-0.5", |c| {
+            c.query_pre_attn_scalar = c.head_dim
+        }),
+        by_config("gemma3", "no sliding window", |c| c.sliding_window = 1000),
+        by_config("gemma3", "the global RoPE base on sliding layers", |c| {
+            c.rope_local_base_freq = c.rope_theta
+        }),
+        by_config("gemma3_legacy", "no RoPE scaling on full layers", |c| {
+            c.rope_scaling = RopeScaling::None
+        }),
+        by_config("gemma3", "SwiGLU for GeGLU", |c| {
+            c.hidden_activation = GateAct::Silu
+        }),
+        by_config("gemma3_legacy", "no final soft-cap", |c| {
+            c.final_logit_softcapping = None
+        }),
     ];
     for (case, what, edit, map) in offs {
         let (mut config, params) = load(case);

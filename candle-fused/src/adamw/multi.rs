@@ -14,7 +14,10 @@
 //! per-tensor kernels would take (f32 state on 16-byte boundaries, a gradient dtype they
 //! cover); other members, and every other device, are stepped and summed tensor by tensor.
 
-use super::{adamw_update, check_args, storage_addr, sum_of_squares, AdamWParam, AdamWStep};
+use super::{
+    adamw_update, check_args, storage_addr, sum_of_squares, sum_of_squares_composite, AdamWParam,
+    AdamWStep,
+};
 use candle_core::{Result, Tensor};
 
 /// Checks every member as [`adamw_update`] does, and that no two members' tensors overlap in
@@ -155,4 +158,11 @@ pub fn sum_of_squares_multi(ts: &[&Tensor]) -> Result<Option<Tensor>> {
         return Ok(Some(super::cuda::sum_of_squares_multi(ts)?));
     }
     super::sum_in_order(ts, sum_of_squares)
+}
+
+/// [`sum_of_squares_multi`] from composite ops: the [`sum_of_squares_composite`] of each
+/// tensor, added in the group's order (`None` for an empty group); the reference it is
+/// checked against.
+pub fn sum_of_squares_multi_composite(ts: &[&Tensor]) -> Result<Option<Tensor>> {
+    super::sum_in_order(ts, sum_of_squares_composite)
 }

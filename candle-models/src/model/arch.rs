@@ -21,12 +21,9 @@ use crate::{Error, Result};
 
 /// A model's configuration: its shape, everything the trainer must know before building it
 /// (parameter names and shapes, memory, FLOPs) and its Hugging Face `config.json` form.
-pub trait ModelConfig: Send + Sync + fmt::Debug {
+pub trait ModelConfig: Send + Sync + fmt::Debug + CloneConfig {
     /// The architecture's name, as [`Architecture::name`] (`"gpt2"`).
     fn architecture(&self) -> &'static str;
-
-    /// A copy behind a new box.
-    fn clone_box(&self) -> Box<dyn ModelConfig>;
 
     /// Checks that the values describe a model that can be built.
     fn validate(&self) -> Result<()>;
@@ -177,9 +174,23 @@ pub struct Shape {
     pub bias: bool,
 }
 
+/// A copy of a [`ModelConfig`] behind a new box (what `Box<dyn ModelConfig>`'s `Clone`
+/// calls): implemented here for every config that is `Clone`, so an architecture's config
+/// only derives `Clone`.
+pub trait CloneConfig {
+    /// A copy behind a new box.
+    fn clone_box(&self) -> Box<dyn ModelConfig>;
+}
+
+impl<T: ModelConfig + Clone + 'static> CloneConfig for T {
+    fn clone_box(&self) -> Box<dyn ModelConfig> {
+        Box::new(self.clone())
+    }
+}
+
 impl Clone for Box<dyn ModelConfig> {
     fn clone(&self) -> Self {
-        self.clone_box()
+        (**self).clone_box()
     }
 }
 

@@ -166,36 +166,27 @@ impl Kernels {
         )
     }
 
-    /// Mean cross-entropy of the logits `x [N, C] wᵀ` (`w [V, C]`) against `targets [N]`,
-    /// ignoring `ignore`: fused, a chunk of rows at a time without the `[N, V]` logits (the
-    /// gradients computed on the way); reference, the whole logits and the composite loss.
+    /// Cross-entropy of the logits `x [N, C] wᵀ` (`w [V, C]`) against `targets [N]`, ignoring
+    /// `ignore`: the mean over the counted targets, or with `per_token` the loss of each target
+    /// (`[N]`, 0 where it is `ignore`), differentiable for any upstream gradient. Fused, a chunk
+    /// of rows at a time without the `[N, V]` logits (the gradients computed on the way);
+    /// reference, the whole logits and the composite loss.
     pub fn linear_cross_entropy<'a>(
         self,
         x: &Tensor,
         w: &Tensor,
         targets: impl Into<Targets<'a>>,
         ignore: u32,
+        per_token: bool,
     ) -> R {
-        let targets = targets.into();
-        self.pick(
-            || lce::linear_cross_entropy(x, w, targets, Some(ignore)),
-            || lce::linear_cross_entropy_composite(x, w, targets, Some(ignore)),
-        )
-    }
-
-    /// [`Kernels::linear_cross_entropy`] before the mean: the loss of each target (`[N]`, 0
-    /// where it is `ignore`), differentiable for any upstream gradient.
-    pub fn linear_cross_entropy_per_token<'a>(
-        self,
-        x: &Tensor,
-        w: &Tensor,
-        targets: impl Into<Targets<'a>>,
-        ignore: u32,
-    ) -> R {
-        let targets = targets.into();
-        self.pick(
-            || lce::linear_cross_entropy_per_token(x, w, targets, Some(ignore)),
-            || lce::linear_cross_entropy_per_token_composite(x, w, targets, Some(ignore)),
-        )
+        let (t, ignore) = (targets.into(), Some(ignore));
+        match (self, per_token) {
+            (Kernels::Fused, false) => lce::linear_cross_entropy(x, w, t, ignore),
+            (Kernels::Reference, false) => lce::linear_cross_entropy_composite(x, w, t, ignore),
+            (Kernels::Fused, true) => lce::linear_cross_entropy_per_token(x, w, t, ignore),
+            (Kernels::Reference, true) => {
+                lce::linear_cross_entropy_per_token_composite(x, w, t, ignore)
+            }
+        }
     }
 }

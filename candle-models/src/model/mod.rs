@@ -57,7 +57,8 @@ use candle_core::Tensor;
 
 pub use adapter::{Layout, LinearAdapter};
 pub use arch::{
-    Architecture, CheckpointTensor, Dims, KvCache, Model, ModelConfig, Shape, SpecialTokens,
+    Architecture, CheckpointTensor, CloneConfig, Dims, KvCache, Model, ModelConfig, Shape,
+    SpecialTokens,
 };
 pub use builder::{Builder, Quant, Source, Wrap};
 pub use chain::{chain, run_links, Link, LinkOps, Loss, Role, WeightMap, IGNORE};

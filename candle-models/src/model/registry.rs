@@ -64,19 +64,8 @@ impl std::fmt::Display for Arch {
     }
 }
 
-/// Written and read as its `model_type` (as its flag reads it).
-impl serde::Serialize for Arch {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for Arch {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let text = String::deserialize(d)?;
-        text.parse().map_err(serde::de::Error::custom)
-    }
-}
+// Written and read as its `model_type` (as its flag reads it).
+candle_data::serde_as_text!(Arch);
 
 impl FromStr for Arch {
     type Err = String;

@@ -7,32 +7,10 @@ use std::str::FromStr;
 
 use candle_amp::ScalerConfig;
 use candle_core::{DType, Device};
-use candle_data::named_enum;
+use candle_data::{named_enum, serde_as_text};
 use candle_pipeline::Schedule;
 
 use crate::{Error, Result};
-
-/// Serde through `Display` / `FromStr`, so a field reads and writes as the same text as its flag.
-macro_rules! serde_as_text {
-    ($t:ty) => {
-        impl serde::Serialize for $t {
-            fn serialize<S: serde::Serializer>(
-                &self,
-                s: S,
-            ) -> std::result::Result<S::Ok, S::Error> {
-                s.collect_str(self)
-            }
-        }
-        impl<'de> serde::Deserialize<'de> for $t {
-            fn deserialize<D: serde::Deserializer<'de>>(
-                d: D,
-            ) -> std::result::Result<Self, D::Error> {
-                let text = String::deserialize(d)?;
-                text.parse().map_err(serde::de::Error::custom)
-            }
-        }
-    };
-}
 
 /// The compute dtype: `f32`, or `bf16` / `f16` with f32 master weights and optimiser state.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -403,15 +381,4 @@ impl fmt::Display for ModuleList {
     }
 }
 
-impl serde::Serialize for ModuleList {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for ModuleList {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
+serde_as_text!(ModuleList);

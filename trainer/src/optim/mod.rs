@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use candle_amp::ScaledUpdate;
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
-use candle_fused::adamw::{sum_of_squares_composite, sum_of_squares_multi};
+use candle_fused::adamw::{sum_of_squares_multi, sum_of_squares_multi_composite};
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use registry::{build, state_bytes_per_param};
@@ -173,7 +173,7 @@ pub(crate) fn global_grad_norm(
 /// The sum of the squares of the gradients of `vars` as an f32 scalar on their device, read
 /// nothing back (`None` when no variable has a gradient): `candle_fused`'s `global_norm`
 /// before its read, the per-tensor sums added in the order of `vars` (one multi-tensor call,
-/// [`sum_of_squares_multi`], or the composite of each with `Kernels::Reference`).
+/// [`sum_of_squares_multi`], or [`sum_of_squares_multi_composite`] with `Kernels::Reference`).
 pub(crate) fn grad_sum_of_squares(
     grads: &GradStore,
     vars: &[Var],
@@ -182,17 +182,7 @@ pub(crate) fn grad_sum_of_squares(
     let present: Vec<&Tensor> = vars.iter().filter_map(|v| grads.get(v)).collect();
     match kernels {
         Kernels::Fused => sum_of_squares_multi(&present),
-        Kernels::Reference => {
-            let mut total: Option<Tensor> = None;
-            for g in present {
-                let s = sum_of_squares_composite(g)?;
-                total = Some(match total {
-                    None => s,
-                    Some(t) => (t + s)?,
-                });
-            }
-            Ok(total)
-        }
+        Kernels::Reference => sum_of_squares_multi_composite(&present),
     }
 }
 

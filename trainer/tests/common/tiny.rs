@@ -236,9 +236,6 @@ impl ModelConfig for TinyConfig {
     fn architecture(&self) -> &'static str {
         "tiny-test"
     }
-    fn clone_box(&self) -> Box<dyn ModelConfig> {
-        Box::new(self.clone())
-    }
     fn validate(&self) -> Result<()> {
         Ok(())
     }

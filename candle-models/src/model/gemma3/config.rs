@@ -236,10 +236,6 @@ impl ModelConfig for Gemma3Config {
         super::MODEL_TYPE
     }
 
-    fn clone_box(&self) -> Box<dyn ModelConfig> {
-        Box::new(self.clone())
-    }
-
     fn validate(&self) -> Result<()> {
         Gemma3Config::validate(self)
     }

@@ -266,10 +266,6 @@ impl ModelConfig for GptConfig {
         "gpt2"
     }
 
-    fn clone_box(&self) -> Box<dyn ModelConfig> {
-        Box::new(self.clone())
-    }
-
     fn validate(&self) -> Result<()> {
         GptConfig::validate(self)
     }

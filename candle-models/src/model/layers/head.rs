@@ -216,7 +216,7 @@ impl LinkOps for Head {
             Some(w) => {
                 let (h, w, t) = self.chunk_inputs(x, &w, targets, ctx)?;
                 let t = ctx.targets(targets, &t);
-                ctx.kernels.linear_cross_entropy(&h, &w, t, IGNORE)?
+                ctx.kernels.linear_cross_entropy(&h, &w, t, IGNORE, false)?
             }
             None => {
                 let logits = self.forward(x, ctx)?;
@@ -240,7 +240,7 @@ impl LinkOps for Head {
         };
         let (h, w, t) = self.chunk_inputs(x, &w, targets, ctx)?;
         ctx.kernels
-            .linear_cross_entropy_per_token(&h, &w, ctx.targets(targets, &t), IGNORE)?
+            .linear_cross_entropy(&h, &w, ctx.targets(targets, &t), IGNORE, true)?
             .reshape(targets.shape())
     }
 

@@ -250,10 +250,6 @@ impl ModelConfig for LlamaConfig {
         self.family.model_type()
     }
 
-    fn clone_box(&self) -> Box<dyn ModelConfig> {
-        Box::new(self.clone())
-    }
-
     fn validate(&self) -> Result<()> {
         LlamaConfig::validate(self)
     }
