@@ -31,7 +31,7 @@ pub const DEFAULT_MAX_SHARD_SIZE: u64 = 5_000_000_000;
 
 /// Files copied from the model's origin when it has them: its tokenizer, the tokenizer's
 /// settings, the generation settings and the chat template.
-pub const COPIED_FILES: [&str; 5] = [
+pub(crate) const COPIED_FILES: [&str; 5] = [
     TOKENIZER_FILE,
     "tokenizer_config.json",
     "special_tokens_map.json",
