@@ -2,7 +2,7 @@
 //! each other.
 //!
 //! - A fresh run never writes into an existing run directory (one with `run.toml`,
-//!   `metrics.jsonl` or `checkpoints/`) unless told to overwrite it; [`RunDir::claim`] refuses
+//!   `metrics.jsonl` or `checkpoints/`) unless told to overwrite it; `RunDir::claim` refuses
 //!   with a message naming `--resume` and `--overwrite`.
 //! - A resumed run continues in the run directory that holds the checkpoint it resumed from
 //!   (`run_dir_of`), never in the `out_dir` recorded in the checkpoint (which may be another

@@ -239,7 +239,7 @@ pub fn export_spec(source: &str, out: &Path, options: &ExportOptions) -> Result<
 /// weights in that dtype (the source's stored dtype unless `options.dtype` says otherwise;
 /// tied heads written once, as `transformers` saves them), sharded above
 /// `options.max_shard_size`, and the tokenizer and generation files of the model's origin
-/// ([`COPIED_FILES`]; a run trained on `tokenizer` data exports its `tokenizer_path`).
+/// (`COPIED_FILES`; a run trained on `tokenizer` data exports its `tokenizer_path`).
 ///
 /// `out` must not exist or be empty, unless `options.force` (it is then replaced whole); it
 /// may not hold the source. Everything is written into a temporary directory beside `out`,

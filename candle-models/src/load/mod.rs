@@ -23,7 +23,7 @@
 //!    anything of the model's size is allocated;
 //! 5. the weights, single or sharded, memory-mapped and checked ([`WeightFiles::read`]);
 //! 6. what the caller reads besides (resume: the optimiser state);
-//! 7. a trainer checkpoint's `manifest.json` ([`manifest::verify`]), last, so that a
+//! 7. a trainer checkpoint's `manifest.json` (`manifest::verify`), last, so that a
 //!    corrupt file is named for what is wrong with it before the manifest says it changed.
 
 pub(crate) mod finite;
@@ -185,7 +185,7 @@ impl ModelDir {
     /// The model in directory `dir` (already resolved). Adapters (`adapter_config.json`)
     /// are read over their base: a LoRA run's `init_from`, else the adapter's
     /// `base_model_name_or_path` (found as PEFT finds it: see
-    /// [`resolve::resolve_adapter_base`]).
+    /// `resolve::resolve_adapter_base`).
     pub fn at(dir: PathBuf) -> Result<Self> {
         Self::at_over(dir, None)
     }

@@ -61,7 +61,7 @@ impl Executor {
     /// objective's mean over the batch's units), the count of its counted targets and the
     /// gradients of `loss * weight` (the weight includes the loss scale). Reads the loss and
     /// the count back from the device; the training step uses
-    /// [`Executor::forward_backward_deferred`], which reads neither.
+    /// `Executor::forward_backward_deferred`, which reads neither.
     ///
     /// `model` is the step's model in the compute dtype (the pipeline keeps its own stages,
     /// built from the master weights, which it casts at use). `ctx.rows` must be the batch's.

@@ -10,7 +10,7 @@ use super::rope::RopeConsts;
 use super::{RmsNorm, Weights};
 use crate::Result;
 
-/// The activation of a [`GatedMlp`](super::GatedMlp)'s gate.
+/// The activation of a `GatedMlp`'s gate.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum GateAct {
     /// SiLU (SwiGLU: the Llama family's `silu`).
