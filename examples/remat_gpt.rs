@@ -19,7 +19,7 @@ use candle_train::trainer::model::ModelConfig;
 use candle_train::trainer::model::{cross_entropy, Ctx, Kernels, Model};
 use candle_train::trainer::objective::CrossEntropy;
 use candle_train::trainer::optim::{AdamW, AdamWConfig};
-use candle_train::trainer::train::executor::run_chain;
+use candle_train::trainer::train::run_chain;
 
 const B: usize = 4;
 const STEPS: u64 = 20;

@@ -17,7 +17,7 @@ use candle_train::trainer::model::ModelConfig;
 use candle_train::trainer::model::{cross_entropy, Ctx, Kernels, Model, Params};
 use candle_train::trainer::objective::CrossEntropy;
 use candle_train::trainer::optim::{AdamW, AdamWConfig};
-use candle_train::trainer::train::executor::run_chain;
+use candle_train::trainer::train::run_chain;
 
 fn config(n_layer: usize, n_embd: usize) -> GptConfig {
     GptConfig {

@@ -20,7 +20,7 @@
 
 pub mod checkpoint;
 pub mod config;
-pub mod error;
+mod error;
 pub mod metrics;
 pub mod mfu;
 pub mod objective;
@@ -30,7 +30,7 @@ pub mod pretrained;
 pub mod run_dir;
 pub mod runtime;
 pub mod sample;
-pub mod schedule;
+pub(crate) mod schedule;
 pub mod tensorboard;
 pub mod train;
 

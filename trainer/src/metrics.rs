@@ -153,7 +153,7 @@ pub fn scalars_of(record: &Record, wall_time: f64) -> Vec<Scalar> {
 
 /// Appends records to `metrics.jsonl` (and as TensorBoard scalars to an event file beside it)
 /// and keeps them for the loss curve.
-pub struct MetricsLog {
+pub(crate) struct MetricsLog {
     path: PathBuf,
     /// `None` for a log kept in memory only (data-parallel ranks other than 0).
     file: Option<File>,
@@ -227,11 +227,6 @@ impl MetricsLog {
         }
         self.records.push(record);
         Ok(())
-    }
-
-    /// The file being written.
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 }
 

@@ -2,7 +2,7 @@
 //! each other.
 //!
 //! - A fresh run never writes into an existing run directory (one with `run.toml`,
-//!   `metrics.jsonl` or `checkpoints/`) unless told to overwrite it; [`RunDir::claim`] refuses
+//!   `metrics.jsonl` or `checkpoints/`) unless told to overwrite it; `RunDir::claim` refuses
 //!   with a message naming `--resume` and `--overwrite`.
 //! - A resumed run continues in the run directory that holds the checkpoint it resumed from
 //!   (`run_dir_of`), never in the `out_dir` recorded in the checkpoint (which may be another
@@ -69,7 +69,7 @@ pub fn fresh_name_besides(base: &Path, taken: &[PathBuf]) -> PathBuf {
 
 /// How a run may use its directory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Claim {
+pub(crate) enum Claim {
     /// A new run: the directory must not hold a run.
     Fresh,
     /// A new run that replaces the run in the directory (its checkpoints, metrics and curve
@@ -81,8 +81,7 @@ pub enum Claim {
 
 /// A run directory claimed by this process: locked, and cleaned of a killed writer's leftovers.
 #[derive(Debug)]
-pub struct RunDir {
-    path: PathBuf,
+pub(crate) struct RunDir {
     _lock: File,
 }
 
@@ -123,15 +122,7 @@ impl RunDir {
         clean_partial_checkpoints(&ckpts)?;
         clean_partial_writes(path)?;
         clean_partial_writes(&ckpts)?;
-        Ok(RunDir {
-            path: path.to_path_buf(),
-            _lock: lock,
-        })
-    }
-
-    /// The directory.
-    pub fn path(&self) -> &Path {
-        &self.path
+        Ok(RunDir { _lock: lock })
     }
 }
 

@@ -11,7 +11,7 @@ use trainer::config::TrainConfig;
 use trainer::data::Batch;
 use trainer::metrics::StepStats;
 use trainer::model::Ctx;
-use trainer::train::pipeline::PipelineRun;
+use trainer::train::PipelineRun;
 use trainer::train::Trainer;
 
 fn run(cfg: TrainConfig) -> Run {

@@ -45,7 +45,7 @@ use trainer::data::sft::{
 use trainer::data::DataKind;
 use trainer::model::{run_links, Ctx, Model, Params};
 use trainer::objective::{reference_log_probs, Dpo, DpoLoss, HeadOutput, DPO_METRICS};
-use trainer::train::executor::run_chain;
+use trainer::train::run_chain;
 use trainer::train::Trainer;
 
 use std::time::Duration;

@@ -88,14 +88,8 @@ fn the_lora_bf16_estimate_is_within_a_quarter_of_the_measured_memory() {
             ..TrainConfig::default()
         };
         let dtype = cfg.dtype.dtype();
-        let plan =
-            trainer::train::executor::remat_plan(&(&cfg).into(), model.as_ref(), dtype).unwrap();
-        trainer::train::memory::estimate_step_bytes(
-            &(&cfg).into(),
-            model.as_ref(),
-            dtype,
-            plan.as_ref(),
-        )
+        let plan = trainer::train::remat_plan(&(&cfg).into(), model.as_ref(), dtype).unwrap();
+        trainer::train::estimate_step_bytes(&(&cfg).into(), model.as_ref(), dtype, plan.as_ref())
     };
     let grown = (measured(64, &base, tmp.path()) - measured(1, &base, tmp.path())) as f64;
     let estimated = (estimate(64) - estimate(1)) as f64;

@@ -31,7 +31,7 @@ use trainer::checkpoint;
 use trainer::config::{Arch, TrainConfig};
 use trainer::model::{Ctx, Kernels, Link, LinkOps, Model, Role, WeightMap, IGNORE};
 use trainer::objective::{CrossEntropy, HeadOutput, Objective};
-use trainer::train::executor::run_chain;
+use trainer::train::run_chain;
 use trainer::train::Trainer;
 
 /// torch's label-smoothed losses of the `llama` fixture: `(epsilon, loss)`.

@@ -206,7 +206,7 @@ fn the_memory_estimate_counts_the_state_the_optimizer_holds() {
         t.optimizer.name()
     );
     // Weight and gradient in f32, and that state.
-    let estimated = trainer::train::memory::trained_bytes_per_param(&(&cfg).into());
+    let estimated = trainer::train::trained_bytes_per_param(&(&cfg).into());
     assert_eq!(estimated, 8 + per_param as u64);
 }
 

@@ -31,7 +31,7 @@ pub const DEFAULT_MAX_SHARD_SIZE: u64 = 5_000_000_000;
 
 /// Files copied from the model's origin when it has them: its tokenizer, the tokenizer's
 /// settings, the generation settings and the chat template.
-pub const COPIED_FILES: [&str; 5] = [
+pub(crate) const COPIED_FILES: [&str; 5] = [
     TOKENIZER_FILE,
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -239,7 +239,7 @@ pub fn export_spec(source: &str, out: &Path, options: &ExportOptions) -> Result<
 /// weights in that dtype (the source's stored dtype unless `options.dtype` says otherwise;
 /// tied heads written once, as `transformers` saves them), sharded above
 /// `options.max_shard_size`, and the tokenizer and generation files of the model's origin
-/// ([`COPIED_FILES`]; a run trained on `tokenizer` data exports its `tokenizer_path`).
+/// (`COPIED_FILES`; a run trained on `tokenizer` data exports its `tokenizer_path`).
 ///
 /// `out` must not exist or be empty, unless `options.force` (it is then replaced whole); it
 /// may not hold the source. Everything is written into a temporary directory beside `out`,

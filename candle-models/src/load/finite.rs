@@ -9,7 +9,7 @@ use crate::{Error, Result};
 
 /// The first non-finite element of `t`: its flat index and value, or `None` if every element is
 /// finite. Integer tensors are finite by definition.
-pub fn first_non_finite(t: &Tensor) -> Result<Option<(usize, f64)>> {
+pub(crate) fn first_non_finite(t: &Tensor) -> Result<Option<(usize, f64)>> {
     if !t.dtype().is_float() {
         return Ok(None);
     }
@@ -71,7 +71,7 @@ pub fn check_tensors<'a>(
 
 /// Errors, naming `file` and the tensor, unless `t` has a floating-point dtype (a `u8` or `i64`
 /// tensor where weights are expected is a corrupt or foreign file, not something to convert).
-pub fn check_float(file: &Path, name: &str, t: &Tensor) -> Result<()> {
+pub(crate) fn check_float(file: &Path, name: &str, t: &Tensor) -> Result<()> {
     if t.dtype().is_float() {
         return Ok(());
     }

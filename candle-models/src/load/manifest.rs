@@ -69,7 +69,7 @@ pub fn write(dir: &Path, step: usize) -> Result<()> {
 /// Checks that the checkpoint in `dir` is the unit its manifest describes, saved after `step`
 /// (the step its `trainer_state.json` records): every listed file present with its digest, no
 /// other file, the step the directory's name and the state say.
-pub fn verify(dir: &Path, step: usize) -> Result<()> {
+pub(crate) fn verify(dir: &Path, step: usize) -> Result<()> {
     let path = dir.join(MANIFEST_FILE);
     if !path.is_file() {
         return Err(Error::checkpoint(

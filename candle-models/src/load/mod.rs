@@ -23,13 +23,13 @@
 //!    anything of the model's size is allocated;
 //! 5. the weights, single or sharded, memory-mapped and checked ([`WeightFiles::read`]);
 //! 6. what the caller reads besides (resume: the optimiser state);
-//! 7. a trainer checkpoint's `manifest.json` ([`manifest::verify`]), last, so that a
+//! 7. a trainer checkpoint's `manifest.json` (`manifest::verify`), last, so that a
 //!    corrupt file is named for what is wrong with it before the manifest says it changed.
 
-pub mod finite;
-pub mod fits;
+pub(crate) mod finite;
+pub(crate) mod fits;
 mod four_bit;
-pub mod layout;
+pub(crate) mod layout;
 pub mod manifest;
 pub(crate) mod resolve;
 mod run;
@@ -40,8 +40,12 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 use serde_json::Value;
 
+pub use finite::check_tensors;
+pub use fits::{check_fits, sized_floor};
 pub use four_bit::FourBit;
-pub use layout::{Source, CONFIG_FILE, INDEX_FILE, MODEL_FILE, STATE_FILE};
+pub use layout::{
+    checkpoints_dir, Source, CONFIG_FILE, INDEX_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE,
+};
 pub use resolve::{resolve, resolve_checkpoint, resolve_in};
 pub use run::{RunConfig, RunState};
 pub use weights::{ShardIndex, Streamed, TensorHeader, WeightFiles};
@@ -54,7 +58,7 @@ use candle_peft::format::ADAPTER_CONFIG_FILE;
 use manifest::verify as verify_manifest;
 
 /// `transformers`' generation settings file (`eos_token_id` may be a list there).
-pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+pub(crate) const GENERATION_CONFIG_FILE: &str = "generation_config.json";
 
 /// A resolved model directory: where its weights are and, for a trainer checkpoint, the run
 /// it belongs to; for adapters (a LoRA run's checkpoint, a PEFT adapter directory), the base
@@ -135,10 +139,10 @@ pub struct Checks<'a> {
 /// Refuses a training step of the model `config` on `device` that cannot fit in memory;
 /// `saved_4bit` is `Some(double quantization)` for a base saved in 4 bits (see
 /// [`Checks::train`]).
-pub type TrainFits<'a> = dyn Fn(&dyn ModelConfig, &Device, Option<bool>) -> Result<()> + 'a;
+pub(crate) type TrainFits<'a> = dyn Fn(&dyn ModelConfig, &Device, Option<bool>) -> Result<()> + 'a;
 
 /// A function from the config `config.json` holds to the one a model is built with.
-pub type Settings<'a> = dyn Fn(&dyn ModelConfig) -> Result<Box<dyn ModelConfig>> + 'a;
+pub(crate) type Settings<'a> = dyn Fn(&dyn ModelConfig) -> Result<Box<dyn ModelConfig>> + 'a;
 
 /// A loaded model: its config and f32 parameters.
 #[derive(Debug)]
@@ -181,7 +185,7 @@ impl ModelDir {
     /// The model in directory `dir` (already resolved). Adapters (`adapter_config.json`)
     /// are read over their base: a LoRA run's `init_from`, else the adapter's
     /// `base_model_name_or_path` (found as PEFT finds it: see
-    /// [`resolve::resolve_adapter_base`]).
+    /// `resolve::resolve_adapter_base`).
     pub fn at(dir: PathBuf) -> Result<Self> {
         Self::at_over(dir, None)
     }

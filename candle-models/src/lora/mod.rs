@@ -30,7 +30,6 @@ pub(crate) mod base;
 mod layers;
 mod quant;
 
-pub use crate::load::resolve::resolve_adapter_base;
 pub use base::{check_adapter_base, BaseIdentity, RecordedBase, BASE_METADATA_KEY};
 pub use layers::Nf4Layers;
 pub(crate) use quant::quantize_streamed;
@@ -273,7 +272,7 @@ pub fn read_adapter(dir: &Path, device: &Device) -> Result<Adapter> {
 /// Fine-tuning moves weights by a fraction of their scale; an update ten thousand times
 /// larger is a corrupt value (a flipped exponent bit: `1e38` in `lora_A`) or a diverged run,
 /// and the model it makes computes garbage without overflowing (the next RMSNorm rescales it).
-pub const MAX_UPDATE_RATIO: f64 = 1e4;
+pub(crate) const MAX_UPDATE_RATIO: f64 = 1e4;
 
 /// Errors, naming the adapter's file and the module, unless `s · B A` of `lora` is finite in
 /// f32 (the dtype merging and the trainer compute it in) and at most [`MAX_UPDATE_RATIO`]

@@ -14,11 +14,11 @@ use super::{Layout, LinearAdapter};
 use crate::Result;
 
 /// Where a module's tensors come from: `(full name, shape) -> tensor`.
-pub type Source<'a> = &'a dyn Fn(&str, &[usize]) -> Result<Tensor>;
+pub(crate) type Source<'a> = &'a dyn Fn(&str, &[usize]) -> Result<Tensor>;
 
 /// What runs the linear layer at a module path, `in` -> `out` features with its weight stored
 /// as the [`Layout`] says, if anything (see [`Builder::with_wrap`]).
-pub type Wrap<'a> =
+pub(crate) type Wrap<'a> =
     &'a dyn Fn(&str, usize, usize, Layout) -> Result<Option<Arc<dyn LinearAdapter>>>;
 
 /// The frozen 4-bit weight of the linear layer at a module path, `in` -> `out` features, if

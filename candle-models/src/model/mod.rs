@@ -60,11 +60,11 @@ pub use arch::{
     Architecture, CheckpointTensor, CloneConfig, Dims, KvCache, Model, ModelConfig, Shape,
     SpecialTokens,
 };
-pub use builder::{Builder, Quant, Source, Wrap};
+pub use builder::{Builder, Quant};
 pub use chain::{chain, run_links, Link, LinkOps, Loss, Role, WeightMap, IGNORE};
 pub use ctx::{Ctx, HostTargets, HostTokens, Rows};
 pub use kernels::Kernels;
-pub use layers::{dropout, LayerNorm};
+pub(crate) use layers::LayerNorm;
 pub use linear::Linear;
 pub use params::Params;
 pub use registry::{

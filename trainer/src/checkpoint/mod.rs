@@ -29,14 +29,13 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
-pub use crate::load::layout::{
-    checkpoints_dir, Source, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE,
-};
 pub use crate::load::manifest;
 pub use crate::load::resolve_checkpoint as resolve;
+pub use crate::load::{
+    checkpoints_dir, Source, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE,
+};
 pub use state::{RngState, SavedFiles, TrainerState};
 
-use crate::load::finite;
 use crate::lora::Tuning;
 use crate::model::{ModelConfig, Params};
 use crate::optim::{Optimizer, OptimizerState};
@@ -115,13 +114,13 @@ pub fn save(
             format!("not saved, the previous checkpoint stays `latest`: {e}"),
         )
     };
-    finite::check_tensors(
+    crate::load::check_tensors(
         &target.join(files.weights_file()),
         "weight",
         params.iter().map(|(n, v)| (n.as_str(), v.as_tensor())),
     )
     .map_err(refuse)?;
-    finite::check_tensors(
+    crate::load::check_tensors(
         &target.join(OPTIMIZER_FILE),
         "optimiser",
         opt_tensors.iter().map(|(n, t)| (n.as_str(), t)),
@@ -226,17 +225,6 @@ pub fn load_model(dir: &Path, device: &Device) -> Result<(Box<dyn ModelConfig>, 
     Ok((config, params))
 }
 
-/// Loads the safetensors file at `path` and checks it against `config` (see [`Source`] and
-/// [`crate::load::WeightFiles::read`]).
-pub fn load_params(
-    path: &Path,
-    config: &dyn ModelConfig,
-    device: &Device,
-    source: Source,
-) -> Result<Params> {
-    Ok(crate::load::WeightFiles::Single(path.to_path_buf()).read(config, device, source)?)
-}
-
 /// Checks that the weights and optimiser files of checkpoint `dir` are the ones saved with
 /// its trainer `state` (what [`SavedFiles`] records): a file of another checkpoint, copied in
 /// under a manifest made to match, is refused naming both files and the steps. A checkpoint
@@ -294,7 +282,7 @@ pub(crate) fn load_optimizer(
 ) -> Result<()> {
     let path = dir.join(OPTIMIZER_FILE);
     let loaded = io::load_safetensors(&path, device)?;
-    finite::check_tensors(
+    crate::load::check_tensors(
         &path,
         "optimiser",
         loaded.tensors.iter().map(|(n, t)| (n.as_str(), t)),

@@ -196,7 +196,7 @@ fn claim(trainer: &mut Trainer, fresh_base: Option<&std::path::Path>) -> trainer
 
 fn train(args: TrainArgs) -> Result<Outcome> {
     // `mpirun -np N trainer train ...`: this process is one data-parallel rank.
-    let comm = trainer::train::parallel::communicator_from_env()?;
+    let comm = trainer::train::communicator_from_env()?;
     let mut fresh_base = None;
     let main = comm.rank() == 0;
     let trainer = if let Some(dir) = &args.resume {

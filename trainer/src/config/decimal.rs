@@ -6,19 +6,14 @@ use serde::Serialize;
 
 /// `x` as the f64 of its shortest round-trip decimal (Rust's `Display` of f32 is that
 /// decimal): `0.1f32` gives `0.1f64`, which reads back as `0.1f32`.
-///
-/// ```
-/// assert_eq!(trainer::config::decimal::f32_as_f64(0.1), 0.1f64);
-/// assert_eq!(trainer::config::decimal::f32_as_f64(0.1) as f32, 0.1f32);
-/// ```
-pub fn f32_as_f64(x: f32) -> f64 {
+pub(crate) fn f32_as_f64(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(f64::from(x))
 }
 
 /// A config field on its way to a serializer (picks `PutF32` for `f32`, `PutAny`
 /// otherwise, by method resolution: the f32 impl is on the value, the generic one on a
 /// reference, which is tried later).
-pub struct Field<'a, T>(pub &'a T);
+pub(crate) struct Field<'a, T>(pub &'a T);
 
 /// Writes an `f32` field as [`f32_as_f64`].
 pub(crate) trait PutF32 {
@@ -47,5 +42,16 @@ pub(crate) trait PutAny {
 impl<T: Serialize> PutAny for &Field<'_, T> {
     fn put<S: SerializeStruct>(&self, s: &mut S, key: &'static str) -> Result<(), S::Error> {
         s.serialize_field(key, self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::f32_as_f64;
+
+    #[test]
+    fn f32_reads_as_its_shortest_decimal() {
+        assert_eq!(f32_as_f64(0.1), 0.1f64);
+        assert_eq!(f32_as_f64(0.1) as f32, 0.1f32);
     }
 }

@@ -5,7 +5,7 @@
 //! in `trainer train --help` with its documentation. Values written as text (`--dtype bf16`,
 //! `--remat every:2`) are typed (`types`): parsed once, when the config is read.
 
-pub mod decimal;
+pub(crate) mod decimal;
 mod device;
 mod eval;
 mod options;
@@ -84,7 +84,7 @@ macro_rules! train_config {
 
             /// The fields whose values differ between `self` and `other`: name, class, and
             /// both values (as JSON, the config file's spelling of strings and numbers).
-            pub fn changed_fields(&self, other: &TrainConfig) -> Vec<ChangedField> {
+            pub(crate) fn changed_fields(&self, other: &TrainConfig) -> Vec<ChangedField> {
                 let mut v = Vec::new();
                 $(
                     if self.$name != other.$name {
@@ -156,7 +156,7 @@ pub enum OnResume {
 
 /// A field that differs between two configs ([`TrainConfig::changed_fields`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ChangedField {
+pub(crate) struct ChangedField {
     /// The field's name (its `--kebab-case` flag is this with `-` for `_`).
     pub name: &'static str,
     /// Whether a resumed run may change it.

@@ -111,7 +111,7 @@ impl EvalRequest {
 /// (`eval_iters` of `batch_size` x `block_size`, drawn by a generator seeded from `seed`),
 /// its kernels and its task problems.
 #[derive(Clone, Debug)]
-pub struct EvalSettings {
+pub(crate) struct EvalSettings {
     /// Batches averaged per loss.
     pub(crate) eval_iters: usize,
     /// Rows of a batch.
@@ -128,7 +128,7 @@ pub struct EvalSettings {
 
 /// Mean loss of `model` over `config.eval_iters` batches of `split` (`config.batch_size` rows
 /// of `config.block_size` tokens) drawn from `rng`, without dropout.
-pub fn mean_loss(
+pub(crate) fn mean_loss(
     model: &dyn Model,
     data: &dyn DataSource,
     split: Split,
@@ -169,7 +169,7 @@ pub(crate) fn mean_loss_until(
 /// Train and val loss (and the task score, if the data has a task) of `model`, from the same
 /// batches a run with `config` evaluates on (a generator seeded by the run seed), reported as
 /// step `step`.
-pub fn evaluate(
+pub(crate) fn evaluate(
     model: &dyn Model,
     data: &dyn DataSource,
     config: &EvalSettings,
@@ -197,7 +197,7 @@ pub fn evaluate(
 }
 
 /// Exact-match score of greedy decoding on `n` held-out problems of `task`, in [0, 1].
-pub fn task_score(
+pub(crate) fn task_score(
     model: &dyn Model,
     task: &dyn Task,
     n: usize,

@@ -13,7 +13,8 @@ mod eval;
 pub use candle_data::tokenizer::{
     word_level, SpecialTokens, TokenizerFile, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
 };
-pub use eval::{evaluate, mean_loss, task_score, EvalRequest, EvalSettings};
+pub use eval::EvalRequest;
+pub(crate) use eval::EvalSettings;
 pub(crate) use eval::{mean_loss_until, task_score_until};
 
 pub use crate::load::{resolve, resolve_in, ModelDir};

@@ -21,7 +21,7 @@ use crate::pretrained::{self, SpecialTokens};
 use crate::{load, Error, Result};
 
 /// Builds an optimiser over a run's parameters (see [`TrainerBuilder::optimizer`]).
-pub type OptimizerFn = Box<dyn FnOnce(&TrainConfig, &Params) -> Result<Box<dyn Optimizer>>>;
+pub(crate) type OptimizerFn = Box<dyn FnOnce(&TrainConfig, &Params) -> Result<Box<dyn Optimizer>>>;
 
 enum Data {
     Source(Box<dyn DataSource>),

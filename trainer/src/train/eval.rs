@@ -16,13 +16,8 @@ use crate::sample::{generate_while, SamplingConfig};
 use crate::{Error, Result};
 
 /// Mean loss of the trainer's model over `eval_iters` batches of `split` drawn from `rng`
-/// (see [`crate::pretrained::mean_loss`], which `trainer eval` shares).
-pub fn estimate_loss(trainer: &Trainer, split: Split, rng: &mut ChaCha8Rng) -> Result<f32> {
-    let never = AtomicBool::new(false);
-    Ok(estimate_loss_until(trainer, split, rng, &never)?.unwrap_or(f32::NAN))
-}
-
-/// [`estimate_loss`], given up between batches once `stop` is set: `None`.
+/// (see `crate::pretrained::mean_loss`, which `trainer eval` shares), given up between
+/// batches once `stop` is set: `None`.
 pub(super) fn estimate_loss_until(
     trainer: &Trainer,
     split: Split,

@@ -61,7 +61,7 @@ impl Executor {
     /// objective's mean over the batch's units), the count of its counted targets and the
     /// gradients of `loss * weight` (the weight includes the loss scale). Reads the loss and
     /// the count back from the device; the training step uses
-    /// [`Executor::forward_backward_deferred`], which reads neither.
+    /// `Executor::forward_backward_deferred`, which reads neither.
     ///
     /// `model` is the step's model in the compute dtype (the pipeline keeps its own stages,
     /// built from the master weights, which it casts at use). `ctx.rows` must be the batch's.
@@ -84,7 +84,7 @@ impl Executor {
     /// [`Executor::forward_backward`] without reading anything back from the device (plain
     /// and remat: the loss stays a device scalar, detached from the graph, for the step to
     /// read once with the gradient norm). A pipeline reads its microbatches' losses itself.
-    pub fn forward_backward_deferred(
+    pub(crate) fn forward_backward_deferred(
         &self,
         model: &dyn Model,
         batch: &Batch,
@@ -138,7 +138,7 @@ impl Executor {
 
 /// A micro-batch's mean loss, as [`Executor::forward_backward_deferred`] returns it.
 #[derive(Clone, Debug)]
-pub enum MicroLoss {
+pub(crate) enum MicroLoss {
     /// A scalar on the device, not read yet (plain and remat).
     Device(Tensor),
     /// Already read back (a pipeline).

@@ -9,7 +9,7 @@ use candle_remat::{Plan, Policy};
 
 use super::pipeline::ExecutorSettings;
 use crate::config::{Parallelism, TargetModules};
-use crate::load::fits::sized_floor;
+use crate::load::sized_floor;
 use crate::lora::Nf4Settings;
 use crate::model::{Builder, ModelConfig};
 use crate::Result;
@@ -224,14 +224,14 @@ pub(crate) fn check_run_fits(
     );
     let advice = "lower batch_size, block_size or lora_r, or use --remat";
     // The sizes first, in O(1): what comes next builds tables of one entry per layer.
-    crate::load::fits::check_fits(floor_bytes(config, model, dtype), &what, advice)?;
+    crate::load::check_fits(floor_bytes(config, model, dtype), &what, advice)?;
     let plan = match config.run.parallelism {
         Parallelism::Pipeline { .. } => None, // stages plan their own blocks
         Parallelism::None => super::executor::remat_plan(&config.run, model, dtype)?,
     };
     let need = estimate_step_bytes(config, model, dtype, plan.as_ref())
         .max(floor_bytes(config, model, dtype));
-    Ok(crate::load::fits::check_fits(need, &what, advice)?)
+    Ok(crate::load::check_fits(need, &what, advice)?)
 }
 
 /// [`check_run_fits`] for a model being loaded for the run (`load::Checks::train`): over a

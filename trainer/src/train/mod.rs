@@ -2,20 +2,20 @@
 //! [`Trainer::new`] and [`Trainer::with_model`] call; [`Trainer::resume`], here), the loop with evaluation and checkpoints (`run.rs`), one
 //! step (`step.rs`: micro-batches, accumulation, the data-parallel reduction, the scaler's
 //! step with clipping and the optimiser), and how a micro-batch's forward and backward run
-//! ([`executor`]: plain, remat or [`pipeline`]).
+//! (`executor.rs`: plain, remat or a [`PipelineRun`]).
 
 mod builder;
 mod cast;
 mod eval;
-pub mod executor;
-pub mod memory;
-pub mod parallel;
-pub mod pipeline;
+pub(crate) mod executor;
+pub(crate) mod memory;
+pub(crate) mod parallel;
+pub(crate) mod pipeline;
 mod reference;
 mod run;
 mod save;
 mod step;
-pub mod zero;
+pub(crate) mod zero;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -27,14 +27,17 @@ use candle_remat::Plan;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-pub use builder::{OptimizerFn, TrainerBuilder};
-pub use eval::estimate_loss;
+pub(crate) use builder::OptimizerFn;
+pub use builder::TrainerBuilder;
 
 use crate::pretrained::task_score_until;
-pub use executor::{Executor, MicroLoss};
-pub use parallel::DataParallel;
+pub(crate) use executor::MicroLoss;
+pub use executor::{remat_plan, run_chain, Executor};
+pub use memory::{estimate_step_bytes, trained_bytes_per_param, MemorySettings};
+pub use parallel::{communicator_from_env, DataParallel};
+pub use pipeline::{ExecutorSettings, PipelineRun};
 pub use run::{Event, Observer, Summary};
-pub use step::build_amp;
+pub(crate) use step::build_amp;
 
 use crate::checkpoint::{self, TrainerState};
 use crate::config::{Precision, TrainConfig};
@@ -340,7 +343,7 @@ impl Trainer {
     }
 
     /// Makes this trainer rank `comm.rank()` of `comm.world_size()` data-parallel replicas
-    /// (see [`parallel`]): every rank must build its trainer from the same config (or resume
+    /// (see [`DataParallel`]): every rank must build its trainer from the same config (or resume
     /// the same checkpoint) and call this. Rank 0's weights are broadcast to the others; rank 0
     /// alone writes the run directory. A resumed run must keep its world size.
     pub fn with_comm(mut self, comm: Box<dyn Communicator>) -> Result<Self> {

@@ -397,7 +397,7 @@ impl StepLoss {
 ///
 /// The model casts each master weight at use (`WeightMode::Cast`), so the optimiser's state
 /// stays in f32 and gradients arrive in f32 through `to_dtype`'s backward.
-pub fn build_amp(
+pub(crate) fn build_amp(
     params: &Params,
     dtype: Precision,
     loss_scale: LossScale,

@@ -31,8 +31,7 @@ use candle_core::{Device, Tensor};
 use serde_json::Value as Json;
 
 pub use lora::export_gguf_lora;
-pub use writer::GgmlType;
-use writer::{TensorInfo, Value};
+use writer::{GgmlType, TensorInfo, Value};
 
 use crate::load::{Checks, ModelDir};
 use crate::{Error, Result};

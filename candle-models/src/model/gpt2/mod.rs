@@ -130,7 +130,7 @@ impl LinkOps for Embed {
 
 /// Causal multi-head self-attention (`attn.c_attn`, `attn.c_proj`).
 #[derive(Clone, Debug)]
-pub struct CausalSelfAttention {
+pub(crate) struct CausalSelfAttention {
     /// Fused q, k, v projection, Conv1D `[n_embd, 3 n_embd]`.
     pub c_attn: Linear,
     /// Output projection, Conv1D `[n_embd, n_embd]`.
@@ -141,8 +141,9 @@ pub struct CausalSelfAttention {
 }
 
 impl CausalSelfAttention {
-    /// `[B, T, C] -> [B, T, C]`.
-    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
+    /// `[B, T, C] -> [B, T, C]` (the unit tests' reference for the block's fused residual).
+    #[cfg(test)]
+    pub(crate) fn forward(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         let y = self.c_proj.forward(&self.heads(x, ctx)?, ctx)?;
         ctx.kernels.dropout(&y, self.dropout, ctx, self.site + 1)
     }
@@ -193,7 +194,7 @@ impl CausalSelfAttention {
 
 /// The 4x feed-forward network with GELU (tanh approximation), `mlp.c_fc`, `mlp.c_proj`.
 #[derive(Clone, Debug)]
-pub struct Mlp {
+pub(crate) struct Mlp {
     /// Conv1D `[n_embd, 4 n_embd]`.
     pub c_fc: Linear,
     /// Conv1D `[4 n_embd, n_embd]`.
@@ -237,13 +238,13 @@ fn project_add(
 #[derive(Clone, Debug)]
 pub struct Block {
     /// LayerNorm before attention.
-    pub ln_1: LayerNorm,
+    pub(crate) ln_1: LayerNorm,
     /// Causal self-attention.
-    pub attn: CausalSelfAttention,
+    pub(crate) attn: CausalSelfAttention,
     /// LayerNorm before the MLP.
-    pub ln_2: LayerNorm,
+    pub(crate) ln_2: LayerNorm,
     /// Feed-forward network.
-    pub mlp: Mlp,
+    pub(crate) mlp: Mlp,
     index: usize,
 }
 

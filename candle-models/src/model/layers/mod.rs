@@ -10,6 +10,8 @@
 
 mod attention;
 mod block;
+#[cfg(test)]
+mod block_nodes;
 mod decoder;
 pub(crate) mod head;
 pub(crate) mod hf_decoder;
@@ -23,11 +25,12 @@ use candle_core::{DType, Tensor};
 use super::{Builder, Ctx, KvCache, WeightMap};
 use crate::Result;
 
-pub use attention::{Attention, BlockOptions, GateAct};
-pub use block::{Block, GatedMlp};
+pub use attention::GateAct;
+pub(crate) use attention::{Attention, BlockOptions};
+pub use block::Block;
 pub use decoder::Decoder;
 pub use head::Embed;
-pub use rms_norm::RmsNorm;
+pub(crate) use rms_norm::RmsNorm;
 pub use rope::RopeScaling;
 
 /// A module's weights, walked once: [`Weights::map`] rebuilds the module over mapped weights
@@ -63,7 +66,7 @@ pub(crate) trait Cached {
 /// backward). Statistics are computed in at least f32 (see `stat_dtype`); the output has the
 /// input's dtype.
 #[derive(Clone, Debug)]
-pub struct LayerNorm {
+pub(crate) struct LayerNorm {
     /// Scale `[C]`.
     pub weight: Tensor,
     /// Shift `[C]`, if any.
@@ -98,16 +101,6 @@ impl LayerNorm {
         ))
     }
 
-    /// The scale and the shift, if any.
-    pub fn weights(&self) -> impl Iterator<Item = &Tensor> {
-        std::iter::once(&self.weight).chain(&self.bias)
-    }
-
-    /// The epsilon added to the variance.
-    pub fn eps(&self) -> f64 {
-        self.eps
-    }
-
     /// Normalises `x` and applies the affine transform, computing in `ctx.dtype`.
     pub fn forward_ctx(&self, x: &Tensor, ctx: &Ctx) -> candle_core::Result<Tensor> {
         let w = self.weight.to_dtype(x.dtype())?;
@@ -127,14 +120,4 @@ pub(crate) fn stat_dtype(dtype: DType) -> DType {
         DType::F16 | DType::BF16 => DType::F32,
         d => d,
     }
-}
-
-/// Inverted dropout at dropout site `site`, with the kernels of `ctx` (the same Philox mask
-/// on both: drawn in the kernel, or on the host for the reference).
-///
-/// The same `(ctx.seed, site, ctx.row)` and shape always give the same mask, on every device
-/// (`ctx.row` places `x`'s rows in the whole batch). Returns `x` unchanged when not training or
-/// when `p == 0`.
-pub fn dropout(x: &Tensor, p: f32, ctx: &Ctx, site: u64) -> candle_core::Result<Tensor> {
-    ctx.kernels.dropout(x, p, ctx, site)
 }

@@ -8,9 +8,11 @@
 //! projection), so the count holds whatever the attention or the MLP records inside.
 
 use candle_core::{Device, Tensor, Var};
-use trainer::model::gpt2::{Block as GptBlock, GptConfig};
-use trainer::model::layers::{Attention, Block, BlockOptions, GateAct, GatedMlp, RmsNorm};
-use trainer::model::{Builder, Ctx, Dims, LinkOps};
+
+use super::super::gpt2::{Block as GptBlock, GptConfig};
+use super::super::{Builder, Ctx, Dims, LinkOps};
+use super::block::GatedMlp;
+use super::{Attention, Block, BlockOptions, GateAct, RmsNorm};
 
 /// The nodes of `y`'s graph that are not leaves.
 fn nodes(y: &Tensor) -> usize {
@@ -24,7 +26,7 @@ fn var(shape: &[usize]) -> candle_core::Result<Tensor> {
 }
 
 /// Every tensor a fresh `Var`.
-fn vars(_: &str, shape: &[usize]) -> trainer::data::Result<Tensor> {
+fn vars(_: &str, shape: &[usize]) -> crate::Result<Tensor> {
     Ok(var(shape)?)
 }
 
@@ -52,7 +54,7 @@ fn llama_options(biases: bool, sandwich_norms: bool) -> BlockOptions {
 }
 
 /// (the block's nodes, its two halves' nodes) for a Llama-family block.
-fn llama_counts(biases: bool, sandwich_norms: bool) -> trainer::Result<(usize, usize)> {
+fn llama_counts(biases: bool, sandwich_norms: bool) -> crate::Result<(usize, usize)> {
     let (o, b, ctx) = (
         llama_options(biases, sandwich_norms),
         Builder::root(&vars),
@@ -79,7 +81,7 @@ fn llama_counts(biases: bool, sandwich_norms: bool) -> trainer::Result<(usize, u
 }
 
 #[test]
-fn llama_block_fuses_both_residual_adds() -> trainer::Result<()> {
+fn llama_block_fuses_both_residual_adds() -> crate::Result<()> {
     let (whole, halves) = llama_counts(false, false)?;
     assert_eq!(whole, halves, "Llama block: {whole} nodes, halves {halves}");
     // o_proj and down_proj with biases, Gemma's sandwich norms: the adds stay
@@ -91,7 +93,7 @@ fn llama_block_fuses_both_residual_adds() -> trainer::Result<()> {
 }
 
 /// (the block's nodes, its two halves' nodes) for a GPT-2 block.
-fn gpt2_counts(bias: bool, dropout: f32) -> trainer::Result<(usize, usize)> {
+fn gpt2_counts(bias: bool, dropout: f32) -> crate::Result<(usize, usize)> {
     let cfg = GptConfig {
         n_layer: 1,
         n_head: 2,
@@ -117,7 +119,7 @@ fn gpt2_counts(bias: bool, dropout: f32) -> trainer::Result<(usize, usize)> {
 }
 
 #[test]
-fn gpt2_block_fuses_where_no_bias_and_no_dropout() -> trainer::Result<()> {
+fn gpt2_block_fuses_where_no_bias_and_no_dropout() -> crate::Result<()> {
     let (whole, halves) = gpt2_counts(false, 0.0)?;
     assert_eq!(whole, halves, "GPT-2 block without biases");
     for (bias, dropout) in [(true, 0.0), (false, 0.1)] {
