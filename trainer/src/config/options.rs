@@ -17,7 +17,9 @@ use super::TrainConfig;
 
 use crate::{Error, Result};
 
-/// Options by name, for the part a run names (see the [module docs](self)); empty by default.
+/// Options by name, for the part a run names (its optimiser, its objective): a TOML table
+/// (`[optimizer_options]`, then `momentum = 0.9`) or `--optimizer-options momentum=0.9,nesterov=true`;
+/// empty by default.
 ///
 /// ```
 /// use trainer::config::Options;

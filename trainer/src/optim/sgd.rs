@@ -76,8 +76,9 @@ struct Slot {
     buf: Option<Tensor>,
 }
 
-/// SGD with momentum over named f32 parameters (PyTorch's update, see the
-/// [module docs](self)).
+/// SGD with momentum over named f32 parameters, as PyTorch's `torch.optim.SGD` (`lr`,
+/// `momentum`, `dampening`, `nesterov`, coupled `weight_decay`); a run names it
+/// `optimizer = "sgd"` and gives its options in `optimizer_options`.
 ///
 /// Its state is `{param}.momentum_buffer` for every parameter when `momentum > 0` (none
 /// otherwise). PyTorch starts a parameter's buffer at its first gradient (`buf = grad`); here
