@@ -78,13 +78,6 @@ fn looks_like_hub_id(spec: &str) -> bool {
 /// directory, not to the adapter's), else as a hub model id (here: in the local cache). Adapters
 /// whose relative base only exists beside them (PEFT would not find it) are read over it too,
 /// with a warning. Otherwise the error names the key, the working directory and `--init-from`.
-///
-/// ```
-/// let dir = tempfile::tempdir()?;
-/// let e = candle_models::lora::resolve_adapter_base(dir.path(), "../no-such-base").unwrap_err();
-/// assert!(e.to_string().contains("base_model_name_or_path `../no-such-base`"));
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
 pub fn resolve_adapter_base(adapter_dir: &Path, spec: &str) -> Result<PathBuf> {
     let config = adapter_dir.join(format::ADAPTER_CONFIG_FILE);
     let as_given = Path::new(spec);
@@ -185,6 +178,17 @@ mod tests {
         for p in ["./run", "/abs/run", "runs/a/b", "../x", "", "a//b", "a b"] {
             assert!(!looks_like_hub_id(p), "{p}");
         }
+    }
+
+    #[test]
+    fn a_missing_adapter_base_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = resolve_adapter_base(dir.path(), "../no-such-base").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("base_model_name_or_path `../no-such-base`"),
+            "{e}"
+        );
     }
 
     #[test]

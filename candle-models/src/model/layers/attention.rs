@@ -10,7 +10,7 @@ use super::rope::RopeConsts;
 use super::{RmsNorm, Weights};
 use crate::Result;
 
-/// The activation of a `GatedMlp`'s gate.
+/// The activation of a [`GatedMlp`](super::GatedMlp)'s gate.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum GateAct {
     /// SiLU (SwiGLU: the Llama family's `silu`).
@@ -23,7 +23,7 @@ pub enum GateAct {
 /// The shape and options of one decoder block ([`super::Block`]): its attention and its
 /// gated MLP. An architecture's config says how its `config.json` sets them.
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) struct BlockOptions {
+pub struct BlockOptions {
     /// The model's dimensions: width `C`, query heads `H`, key/value heads `KV` (each serves
     /// `H / KV` consecutive query heads), head width `D`, MLP width `I`.
     pub dims: Dims,
@@ -55,7 +55,7 @@ pub(crate) struct BlockOptions {
 /// within a sliding window and within each token's document (packed rows); key/value heads
 /// are never repeated in memory.
 #[derive(Clone, Debug)]
-pub(crate) struct Attention {
+pub struct Attention {
     q_proj: Linear,
     k_proj: Linear,
     v_proj: Linear,

@@ -20,7 +20,7 @@ use crate::Result;
 /// The gated feed-forward network (`mlp`): `down_proj(act(gate_proj(x)) * up_proj(x))`, SwiGLU
 /// or GeGLU.
 #[derive(Clone, Debug)]
-pub(crate) struct GatedMlp {
+pub struct GatedMlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
@@ -90,7 +90,7 @@ pub struct Block {
 impl Block {
     /// Block `index` of a model (`b` is its path); its attention's dropout site is
     /// `1 + index` (site 0 is the embedding's).
-    pub(crate) fn build(b: &Builder, o: &BlockOptions, index: usize) -> Result<Self> {
+    pub fn build(b: &Builder, o: &BlockOptions, index: usize) -> Result<Self> {
         let (c, eps) = (o.dims.hidden, o.norm_eps);
         let norm = |name: &str| {
             Ok::<_, crate::Error>(

@@ -25,12 +25,11 @@ use candle_core::{DType, Tensor};
 use super::{Builder, Ctx, KvCache, WeightMap};
 use crate::Result;
 
-pub use attention::GateAct;
-pub(crate) use attention::{Attention, BlockOptions};
-pub use block::Block;
+pub use attention::{Attention, BlockOptions, GateAct};
+pub use block::{Block, GatedMlp};
 pub use decoder::Decoder;
 pub use head::Embed;
-pub(crate) use rms_norm::RmsNorm;
+pub use rms_norm::RmsNorm;
 pub use rope::RopeScaling;
 
 /// A module's weights, walked once: [`Weights::map`] rebuilds the module over mapped weights
@@ -66,7 +65,7 @@ pub(crate) trait Cached {
 /// backward). Statistics are computed in at least f32 (see `stat_dtype`); the output has the
 /// input's dtype.
 #[derive(Clone, Debug)]
-pub(crate) struct LayerNorm {
+pub struct LayerNorm {
     /// Scale `[C]`.
     pub weight: Tensor,
     /// Shift `[C]`, if any.

@@ -20,7 +20,7 @@ use crate::Result;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Debug)]
-pub(crate) struct RmsNorm {
+pub struct RmsNorm {
     /// Scale `[C]`.
     pub weight: Tensor,
     eps: f64,
