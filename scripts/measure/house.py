@@ -14,8 +14,8 @@ files whose name ends in `tests.rs`; benches, examples and tests/ are not librar
 - a file *uses* another when it names an item the other defines (`use crate::a::B`, `super::B`,
   `crate::a::b::f(..)` in code), re-exports followed to the defining file; a *circle* is a
   strongly connected set of two or more files under that relation (Tarjan's algorithm). A
-  module's `mod x;` line is not a use, and neither is a `pub use` (a re-export names, it does not
-  use).
+  module's `mod x;` line is not a use, and neither is a `pub use` or `pub(crate) use` (a
+  re-export names, it does not use).
 
 - *trainer lines* are every line (`wc -l`) of the `.rs` files under the `src/` of the trainer's
   crates (`--trainer`, default `trainer`; name each crate when the trainer is split), tests and
@@ -175,7 +175,7 @@ class Crate:
         for m in re.finditer(r"(?m)^\s*(pub(?:\([^)]*\))?\s+)?use\s+([^;]+);", code):
             tree = re.sub(r"\s+", "", re.sub(r"\s+as\s+", "@AS@", m.group(2))).replace("@AS@", " as ")
             for path in expand(tree):
-                yield path, bool(m.group(1)) and m.group(1).strip() == "pub"
+                yield path, bool(m.group(1))
 
     def _reexports(self, path, code):
         out = {}
